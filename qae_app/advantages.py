@@ -1,0 +1,162 @@
+"""Advantage estimators: one signature, registered by name.
+
+Every estimator is a pure, no-grad function
+
+    estimator(rewards: Tensor [B, G], cfg: EstimatorConfig) -> Advantages(advantages [B, G], baseline [B], regime [B])
+
+where B is the number of prompts (groups) and G the number of sampled responses per prompt. `regime` holds integer
+codes into `REGIMES`. The trainer calls `compute_advantages(name, rewards, cfg)` and never special-cases one.
+
+QAE (arXiv 2509.22611) replaces GRPO's group mean with the group's K-quantile. With binary rewards and c successes
+out of G, the paper's (lower, inverted-CDF) quantile is the m-th smallest reward with m = ceil(K * G):
+
+- hard prompt, G - c >= m (success rate p <= 1 - K): baseline 0, successes get a positive advantage, failures 0;
+- easy prompt, G - c <  m (p > 1 - K):               baseline 1, failures get a negative advantage, successes 0;
+
+then, as in GRPO, the advantage is divided by the group's (unbiased) reward std + eps. `m` is computed exactly from
+the decimal value of K (0.3 * 10 is 3.0000000000000004 in floats, ceil of which would be 4), so the regime is decided on
+integer counts. `quantile="linear"` reproduces the official code, which used `torch.quantile` (linear interpolation at
+position K * (G - 1)); it differs from the paper when K * (G - 1) is not an integer, e.g. G=8, K=0.4, 5 correct:
+paper baseline 1, linear baseline 0.8.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, NamedTuple
+
+import torch
+
+from qae_app.errors import QAEUserError
+
+# Regime codes, in this order (the store keeps the names).
+REGIMES = ("hard", "easy", "all_correct", "all_wrong", "mixed")
+HARD, EASY, ALL_CORRECT, ALL_WRONG, MIXED = range(len(REGIMES))
+
+QUANTILE_METHODS = ("paper", "linear")
+SCALE_METHODS = ("std", "none")
+
+
+@dataclass(frozen=True)
+class EstimatorConfig:
+    k: float = 0.4  # QAE quantile level K, in (0, 1)
+    quantile: str = "paper"  # "paper" (lower, inverted-CDF) or "linear" (torch.quantile, as the official code)
+    scale: str = "std"  # "std": divide by the group's unbiased reward std + eps (GRPO's normalization); "none"
+    eps: float = 1e-6
+
+
+class Advantages(NamedTuple):
+    advantages: torch.Tensor  # [B, G] float32
+    baseline: torch.Tensor  # [B] float32
+    regime: torch.Tensor  # [B] int64, index into REGIMES
+
+
+Estimator = Callable[[torch.Tensor, EstimatorConfig], Advantages]
+ESTIMATORS: dict[str, Estimator] = {}
+ESTIMATOR_HELP: dict[str, str] = {}
+
+
+def register_estimator(name: str, help: str):
+    def decorator(fn: Estimator) -> Estimator:
+        ESTIMATORS[name] = fn
+        ESTIMATOR_HELP[name] = help
+        return fn
+
+    return decorator
+
+
+def get_estimator(name: str) -> Estimator:
+    if name not in ESTIMATORS:
+        raise QAEUserError(f"estimator: unknown value '{name}'. Choose one of: {', '.join(ESTIMATORS)}.")
+    return ESTIMATORS[name]
+
+
+@torch.no_grad()
+def compute_advantages(name: str, rewards: torch.Tensor, cfg: EstimatorConfig | None = None) -> Advantages:
+    if rewards.ndim != 2 or rewards.shape[1] < 2:
+        raise ValueError(f"rewards must have shape [B, G] with G >= 2, got {tuple(rewards.shape)}")
+    return get_estimator(name)(rewards.float(), cfg or EstimatorConfig())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers shared by the estimators
+
+
+def _is_binary(rewards: torch.Tensor) -> torch.Tensor:
+    """[B] bool: every reward of the group is exactly 0 or 1."""
+    return ((rewards == 0) | (rewards == 1)).all(dim=1)
+
+
+def _uniform_regime(rewards: torch.Tensor) -> torch.Tensor:
+    """[B] regime for estimators without hard/easy: all_correct / all_wrong for uniform binary groups, else mixed."""
+    regime = torch.full((rewards.shape[0],), MIXED, dtype=torch.long)
+    binary = _is_binary(rewards)
+    regime[binary & (rewards == 1).all(dim=1)] = ALL_CORRECT
+    regime[binary & (rewards == 0).all(dim=1)] = ALL_WRONG
+    return regime
+
+
+def _scale(centered: torch.Tensor, rewards: torch.Tensor, cfg: EstimatorConfig) -> torch.Tensor:
+    if cfg.scale == "none":
+        return centered
+    std = rewards.std(dim=1, keepdim=True)  # [B, 1], unbiased (G - 1), as GRPO
+    return centered / (std + cfg.eps)
+
+
+def quantile_rank(k: float, group_size: int) -> int:
+    """m = ceil(K * G), computed exactly on K's decimal value: the paper quantile is the m-th smallest reward."""
+    m = math.ceil(Fraction(repr(float(k))) * group_size)
+    return min(max(m, 1), group_size)
+
+
+def validate_estimator_config(cfg: EstimatorConfig) -> None:
+    if not 0.0 < cfg.k < 1.0:
+        raise QAEUserError(f"k: {cfg.k} is outside (0, 1). QAE's K is a quantile level; the paper uses 0.4.")
+    if cfg.quantile not in QUANTILE_METHODS:
+        raise QAEUserError(f"quantile: unknown value '{cfg.quantile}'. Choose one of: {', '.join(QUANTILE_METHODS)}.")
+    if cfg.scale not in SCALE_METHODS:
+        raise QAEUserError(f"scale: unknown value '{cfg.scale}'. Choose one of: {', '.join(SCALE_METHODS)}.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# estimators
+
+
+@register_estimator("qae", "group K-quantile baseline (paper rule by default), std-normalized; gates ~80% to zero")
+def qae_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> Advantages:
+    validate_estimator_config(cfg)
+    B, G = rewards.shape
+    if cfg.quantile == "paper":
+        m = quantile_rank(cfg.k, G)
+        baseline = rewards.sort(dim=1).values[:, m - 1]  # [B], the m-th smallest reward
+    else:
+        baseline = torch.quantile(rewards, cfg.k, dim=1, interpolation="linear")  # [B]
+    advantages = _scale(rewards - baseline[:, None], rewards, cfg)  # [B, G]
+
+    regime = _uniform_regime(rewards)
+    binary_mixed = _is_binary(rewards) & (regime == MIXED)
+    regime[binary_mixed & (baseline == 0)] = HARD
+    regime[binary_mixed & (baseline == 1)] = EASY
+    return Advantages(advantages, baseline, regime)
+
+
+@register_estimator("grpo", "group mean baseline, std-normalized (DeepSeekMath GRPO, DAPO)")
+def grpo_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> Advantages:
+    baseline = rewards.mean(dim=1)  # [B]
+    advantages = _scale(rewards - baseline[:, None], rewards, EstimatorConfig(scale="std", eps=cfg.eps))
+    return Advantages(advantages, baseline, _uniform_regime(rewards))
+
+
+@register_estimator("dr_grpo", "group mean baseline, no std normalization (Dr. GRPO)")
+def dr_grpo_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> Advantages:
+    baseline = rewards.mean(dim=1)  # [B]
+    return Advantages(rewards - baseline[:, None], baseline, _uniform_regime(rewards))
+
+
+@register_estimator("rloo", "leave-one-out mean of the other G-1 rewards (RLOO); baseline column shows the group mean")
+def rloo_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> Advantages:
+    B, G = rewards.shape
+    leave_one_out = (rewards.sum(dim=1, keepdim=True) - rewards) / (G - 1)  # [B, G]
+    return Advantages(rewards - leave_one_out, rewards.mean(dim=1), _uniform_regime(rewards))

@@ -1,0 +1,161 @@
+"""Estimators: hand-computed QAE cases, and a per-group reference loop against the vectorized code."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from qae_app.advantages import (
+    ESTIMATORS,
+    REGIMES,
+    EstimatorConfig,
+    compute_advantages,
+    quantile_rank,
+)
+from qae_app.errors import QAEUserError
+
+
+def group(n_correct: int, size: int) -> torch.Tensor:
+    return torch.tensor([[1.0] * n_correct + [0.0] * (size - n_correct)])
+
+
+def qae(rewards, **kw):
+    return compute_advantages("qae", rewards, EstimatorConfig(**kw))
+
+
+def test_hard_prompt_only_successes_get_advantage():
+    # G=16, K=0.4, 3 correct: p = 3/16 <= 0.6 -> baseline 0; std (unbiased) = sqrt(0.1625) = 0.40311
+    adv, baseline, regime = qae(group(3, 16), k=0.4)
+    assert baseline.item() == 0.0
+    assert REGIMES[regime.item()] == "hard"
+    assert adv[0, :3].tolist() == pytest.approx([2.4807] * 3, abs=1e-4)
+    assert adv[0, 3:].tolist() == [0.0] * 13
+
+
+def test_easy_prompt_only_failures_get_advantage():
+    # 10 of 16 correct: p = 0.625 > 0.6 -> baseline 1; std = 0.5 exactly
+    adv, baseline, regime = qae(group(10, 16), k=0.4)
+    assert baseline.item() == 1.0
+    assert REGIMES[regime.item()] == "easy"
+    assert adv[0, :10].tolist() == [0.0] * 10
+    assert adv[0, 10:].tolist() == pytest.approx([-2.0] * 6, abs=1e-4)
+
+
+@pytest.mark.parametrize("n_correct, name", [(16, "all_correct"), (0, "all_wrong")])
+def test_uniform_groups_have_no_signal(n_correct, name):
+    adv, _, regime = qae(group(n_correct, 16), k=0.4)
+    assert adv.abs().sum().item() == 0.0
+    assert REGIMES[regime.item()] == name
+
+
+def test_paper_and_linear_quantiles_differ_when_position_is_fractional():
+    # G=8, K=0.4, 5 correct. Paper: m = ceil(3.2) = 4 > 3 failures -> baseline 1.
+    adv, baseline, regime = qae(group(5, 8), k=0.4)
+    assert baseline.item() == 1.0 and REGIMES[regime.item()] == "easy"
+    assert adv[0, :5].tolist() == [0.0] * 5
+    assert adv[0, 5:].tolist() == pytest.approx([-1.932] * 3, abs=1e-3)
+    # Linear (torch.quantile): position 0.4 * 7 = 2.8 between a 0 and a 1 -> baseline 0.8
+    adv, baseline, regime = qae(group(5, 8), k=0.4, quantile="linear")
+    assert baseline.item() == pytest.approx(0.8)
+    assert REGIMES[regime.item()] == "mixed"
+    assert adv[0, :5].tolist() == pytest.approx([0.3864] * 5, abs=1e-4)
+    assert adv[0, 5:].tolist() == pytest.approx([-1.5457] * 3, abs=1e-4)
+
+
+def test_quantile_rank_is_exact_on_decimal_k():
+    # 0.3 * 10 == 3.0000000000000004 in floats; a float ceil would give 4.
+    assert quantile_rank(0.3, 10) == 3
+    assert quantile_rank(0.4, 16) == 7
+    assert quantile_rank(0.4, 8) == 4
+    assert quantile_rank(0.5, 2) == 1
+
+
+def test_regime_boundary_is_p_equal_one_minus_k():
+    # K=0.5, G=10: 5 correct is p = 0.5 <= 1-K -> hard; 6 correct -> easy.
+    assert REGIMES[qae(group(5, 10), k=0.5).regime.item()] == "hard"
+    assert REGIMES[qae(group(6, 10), k=0.5).regime.item()] == "easy"
+    # K=0.3, G=10: hard while p <= 0.7 (7 correct), easy at 8.
+    assert REGIMES[qae(group(7, 10), k=0.3).regime.item()] == "hard"
+    assert REGIMES[qae(group(8, 10), k=0.3).regime.item()] == "easy"
+
+
+def reference_advantages(name: str, rewards: list[float], cfg: EstimatorConfig):
+    """Slow, obvious per-group version of each estimator."""
+    G = len(rewards)
+    mean = sum(rewards) / G
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (G - 1))
+    binary = all(r in (0.0, 1.0) for r in rewards)
+    if name == "qae":
+        ordered = sorted(rewards)
+        if cfg.quantile == "paper":
+            baseline = ordered[quantile_rank(cfg.k, G) - 1]
+        else:
+            pos = cfg.k * (G - 1)
+            lo = math.floor(pos)
+            hi = min(lo + 1, G - 1)
+            baseline = ordered[lo] + (pos - lo) * (ordered[hi] - ordered[lo])
+        adv = [(r - baseline) / (std + cfg.eps) if cfg.scale == "std" else r - baseline for r in rewards]
+    elif name == "grpo":
+        baseline = mean
+        adv = [(r - mean) / (std + cfg.eps) for r in rewards]
+    elif name == "dr_grpo":
+        baseline = mean
+        adv = [r - mean for r in rewards]
+    elif name == "rloo":
+        baseline = mean
+        adv = [r - (sum(rewards) - r) / (G - 1) for r in rewards]
+    if binary and all(r == 1 for r in rewards):
+        regime = "all_correct"
+    elif binary and all(r == 0 for r in rewards):
+        regime = "all_wrong"
+    elif binary and name == "qae" and baseline == 0:
+        regime = "hard"
+    elif binary and name == "qae" and baseline == 1:
+        regime = "easy"
+    else:
+        regime = "mixed"
+    return adv, baseline, regime
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+@pytest.mark.parametrize("quantile", ["paper", "linear"])
+def test_vectorized_equals_reference_loop(name, quantile):
+    rng = random.Random(0)
+    for G in (2, 3, 5, 8, 16, 17):
+        for k in (0.1, 0.25, 0.3, 0.4, 0.5, 0.7, 0.9):
+            cfg = EstimatorConfig(k=k, quantile=quantile)
+            groups = []
+            for _ in range(40):  # binary groups of every success rate, plus some graded rewards
+                p = rng.random()
+                groups.append([float(rng.random() < p) for _ in range(G)])
+            groups += [[round(rng.random(), 2) for _ in range(G)] for _ in range(5)]
+            out = compute_advantages(name, torch.tensor(groups), cfg)
+            assert out.advantages.shape == (len(groups), G)
+            assert out.baseline.shape == out.regime.shape == (len(groups),)
+            for i, rewards in enumerate(groups):
+                adv, baseline, regime = reference_advantages(name, rewards, cfg)
+                assert out.advantages[i].tolist() == pytest.approx(adv, abs=1e-4), (name, G, k, rewards)
+                assert out.baseline[i].item() == pytest.approx(baseline, abs=1e-6)
+                assert REGIMES[out.regime[i].item()] == regime
+
+
+def test_qae_gates_most_responses_at_typical_success_rates():
+    # Binary groups with success rates spread over [0, 1]: QAE zeroes far more advantages than GRPO.
+    torch.manual_seed(0)
+    p = torch.rand(2000, 1)
+    rewards = (torch.rand(2000, 16) < p).float()
+    qae_zero = (compute_advantages("qae", rewards).advantages == 0).float().mean().item()
+    grpo_zero = (compute_advantages("grpo", rewards).advantages == 0).float().mean().item()
+    assert qae_zero > 0.6 and grpo_zero < 0.2
+
+
+@pytest.mark.parametrize("k", [0.0, 1.0, -0.1, 1.5])
+def test_k_outside_unit_interval_is_a_user_error(k):
+    with pytest.raises(QAEUserError, match="k: .* outside"):
+        qae(group(3, 8), k=k)
+
+
+def test_unknown_estimator_lists_the_valid_ones():
+    with pytest.raises(QAEUserError, match="qae, grpo, dr_grpo, rloo"):
+        compute_advantages("ppo", group(3, 8))

@@ -1,0 +1,252 @@
+"""Rewards: answer extraction, the exact_int check, and math-verify in a pool with a hard deadline per item.
+
+Every pool here runs real math-verify in real worker processes. Pools that must prove math-verify itself gets it right
+use `shortcuts=False`, so no answer is settled by string comparison before math-verify sees it.
+"""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from qae_app.datasets import load_math_file
+from qae_app.errors import QAEUserError
+from qae_app.rewards import (
+    REWARD_FUNCTIONS,
+    MathVerifierPool,
+    exact_int_reward,
+    extract_answer,
+    get_reward_function,
+    math_reward,
+)
+
+MATH_DATA = Path(os.environ.get("QAE_MATH_DATA") or Path(__file__).resolve().parents[2] / "shared/data/math")
+needs_data = pytest.mark.skipif(not MATH_DATA.is_dir(), reason=f"math data folder {MATH_DATA} not found")
+
+# MATH-500 gold answers that do not verify against themselves when written as `\boxed{<gold>}`: none with
+# math-verify 0.9.0 (checked on all 500). Add "unique_id": "reason" here if a math-verify upgrade breaks some.
+MATH500_KNOWN_FAILURES: dict[str, str] = {}
+
+# math-verify hangs on this (sympy tries to evaluate the power tower); it never returns, so it really times out.
+NEVER_RETURNS = "\\boxed{9^{9^{9^{9}}}}"
+
+
+def as_model_would_write(gold: str) -> str:
+    return f"Working through it step by step, we find the value. So the answer is \\boxed{{{gold}}}."
+
+
+@pytest.fixture(scope="module")
+def strict_pool():
+    """math-verify decides every item: no string shortcuts, no length bound."""
+    with MathVerifierPool(timeout_s=3.0, num_workers=2, shortcuts=False, max_answer_chars=None) as pool:
+        yield pool
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# extract_answer
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("so the answer is \\boxed{42}.", "42"),
+    ("first \\boxed{1}, then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # the last box
+    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),  # balanced braces inside
+    ("\\boxed{\\boxed{7}}", "7"),
+    ("$\\fbox{12}$", "12"),
+    ("hence \\boxed 5 is it", "5"),
+    ("\\boxed {3}", "3"),
+    ("\\boxed{8} and then an unterminated \\boxed{9", "8"),  # the last *complete* box
+    ("The answer is $\\frac{3}{4}$.", "\\frac{3}{4}"),
+    ("blah\nAnswer: 17\n", "17"),
+    ("the answer is 1, no wait\nthe final answer is 2.", "2"),
+    ("step\n#### 1,000", "1,000"),
+    ("no final answer here", None),
+    ("\\boxed{}", None),
+    ("\\boxedx{3}", None),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("hostile", [
+    "x" * 100_000 + "\\boxed{1}",
+    "{" * 5000 + "\\boxed{" + "{" * 5000 + "1" + "}" * 4000,
+    "\\boxed{" * 20_000,  # thousands of unterminated boxes: each must not rescan the rest
+    "answer is " * 20_000,
+    "\\boxed{" + "9" * 10_000 + "}",
+    "}" * 50_000 + "{" * 50_000,
+])
+def test_extract_answer_is_fast_on_hostile_text(hostile):
+    start = time.perf_counter()
+    extract_answer(hostile)
+    assert time.perf_counter() - start < 0.5
+
+
+def test_extract_answer_time_grows_linearly():
+    def seconds(n: int) -> float:
+        text = "\\boxed{" * n + "{" * n
+        start = time.perf_counter()
+        extract_answer(text)
+        return time.perf_counter() - start
+
+    small, large = min(seconds(5_000) for _ in range(3)), min(seconds(50_000) for _ in range(3))
+    assert large < 30 * small + 0.05  # 10x the input; quadratic would be ~100x
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# exact_int and the registry
+
+
+def test_exact_int_reward():
+    responses = ["7", " 7\n", "07", "7.0", "-7", "seven", "", "7 "]
+    assert exact_int_reward(responses, ["7"] * len(responses)) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert exact_int_reward(["-3"], ["-3"]) == [1.0]
+    with pytest.raises(ValueError, match="2 responses but 1 answers"):
+        exact_int_reward(["1", "2"], ["1"])
+
+
+def test_registry_names_and_unknown_name():
+    assert {"exact_int", "math"} <= set(REWARD_FUNCTIONS)
+    assert get_reward_function("exact_int") is exact_int_reward
+    with pytest.raises(QAEUserError, match=r"unknown reward function 'mth'.*exact_int, math"):
+        get_reward_function("mth")
+
+
+def test_math_reward_uses_the_shared_pool():
+    scores = math_reward(["\\boxed{\\dfrac{2}{4}}", "answer: 3", "nothing"], ["\\frac{1}{2}", "4", "1"])
+    assert scores == [1.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# math-verify: what verifies and what does not
+
+
+def test_equivalent_forms_verify_and_wrong_answers_do_not(strict_pool):
+    cases = [  # (response, gold, expected)
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{\\dfrac{1}{2}}", "\\frac12", 1.0),
+        ("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", 1.0),
+        ("The answer is 27.", "27", 1.0),
+        ("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}", 0.0),
+        ("\\boxed{28}", "27", 0.0),
+        ("\\boxed{26}", "27", 0.0),
+        ("\\boxed{-27}", "27", 0.0),
+        ("\\boxed{\\sqrt{3}}", "\\sqrt{2}", 0.0),
+        ("I don't know.", "27", 0.0),  # no final answer: wrong, not "could not verify"
+    ]
+    assert strict_pool.score([c[0] for c in cases], [c[1] for c in cases]) == [c[2] for c in cases]
+
+
+@needs_data
+@pytest.mark.parametrize("name", ["gsm8k_test.jsonl", "aime24.jsonl", "aime25.jsonl", "amc23.jsonl"])
+def test_gold_answers_verify_and_off_by_one_does_not(strict_pool, name):
+    problems = load_math_file(MATH_DATA / name)
+    golds = [p.answer for p in problems]
+    scores = strict_pool.score([as_model_would_write(g) for g in golds], golds)
+    assert [p.prompt_id for p, s in zip(problems, scores) if s != 1.0] == []
+    integers = [g for g in golds if g.lstrip("-").isdigit()]
+    assert len(integers) >= 0.95 * len(golds)
+    wrong = strict_pool.score([as_model_would_write(str(int(g) + 1)) for g in integers], integers)
+    assert wrong == [0.0] * len(integers)
+
+
+@needs_data
+def test_math500_gold_answers_verify(strict_pool):
+    problems = load_math_file(MATH_DATA / "math500.jsonl")
+    scores = strict_pool.score([as_model_would_write(p.answer) for p in problems], [p.answer for p in problems])
+    failures = {p.prompt_id for p, s in zip(problems, scores) if s != 1.0}
+    assert failures <= set(MATH500_KNOWN_FAILURES), sorted(failures - set(MATH500_KNOWN_FAILURES))
+    assert len(failures) <= 0.01 * len(problems)
+    # the next problem's gold is (almost always) a wrong answer; only math-equivalent pairs such as "5" / "x=5" pass
+    shifted = [problems[(i + 1) % len(problems)].answer for i in range(len(problems))]
+    pairs = [(a.answer, b) for a, b in zip(problems, shifted) if a.answer.strip() != b.strip()]
+    accepted = strict_pool.score([as_model_would_write(b) for _, b in pairs], [a for a, _ in pairs])
+    assert sum(s == 1.0 for s in accepted) <= 0.01 * len(pairs)
+
+
+@needs_data
+def test_dapo_gold_answers_verify_sample(strict_pool):
+    problems = load_math_file(MATH_DATA / "dapo17k.parquet")[::60]  # 299 of 17,917
+    scores = strict_pool.score([as_model_would_write(p.answer) for p in problems], [p.answer for p in problems])
+    assert [p.prompt_id for p, s in zip(problems, scores) if s != 1.0] == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The deadline: hostile answers, timeouts, crashes
+
+TIMEOUT_S = 2.0
+
+
+@pytest.fixture()
+def deadline_pool():
+    with MathVerifierPool(timeout_s=TIMEOUT_S, num_workers=2, shortcuts=False, max_answer_chars=None) as pool:
+        assert pool.score(["\\boxed{1}"], ["1"]) == [1.0]  # workers started: startup is not part of what we time
+        yield pool
+
+
+@pytest.mark.parametrize("response, gold", [
+    (NEVER_RETURNS, "1"),
+    ("So the answer is \\boxed{" + "1+" * 50_000 + "1}", "1"),  # 100k characters inside the box
+    ("x" * 100_000, "1"),
+    ("\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}", "2"),
+    ("\\boxed{" * 3 + "1", "1"),
+    ("\\boxed{" + "7" * 10_000 + "}", "7"),
+    ("\\boxed{" + "7" * 10_000 + "}", "7" * 9_999 + "8"),
+])
+def test_hostile_answers_are_scored_in_bounded_time(deadline_pool, response, gold):
+    start = time.monotonic()
+    [score] = deadline_pool.score([response], [gold])
+    assert time.monotonic() - start < TIMEOUT_S * 3
+    assert score in (0.0, None)
+    assert deadline_pool.score(["\\boxed{\\frac{6}{8}}"], ["\\frac{3}{4}"]) == [1.0]  # the pool goes on
+
+
+def test_timeout_kills_and_replaces_the_worker(deadline_pool):
+    pids_before = set(deadline_pool.worker_pids())
+    started_before = deadline_pool.workers_started
+    start = time.monotonic()
+    scores = deadline_pool.score([NEVER_RETURNS, "\\boxed{2}", "\\boxed{3}"], ["1", "2", "3"])
+    elapsed = time.monotonic() - start
+    assert scores == [None, 1.0, 1.0]  # the stuck item is "could not verify"; the others were scored meanwhile
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S * 3
+    assert deadline_pool.timeouts == 1
+    assert deadline_pool.workers_started == started_before + 1
+    assert len(set(deadline_pool.worker_pids()) - pids_before) == 1  # one worker replaced, one kept
+    assert deadline_pool.score(["\\boxed{5}"] * 4, ["5"] * 4) == [1.0] * 4
+
+
+def test_stuck_items_time_out_concurrently(deadline_pool):
+    start = time.monotonic()
+    scores = deadline_pool.score([NEVER_RETURNS, NEVER_RETURNS, "\\boxed{4}"], ["1", "1", "4"])
+    elapsed = time.monotonic() - start
+    assert scores == [None, None, 1.0]
+    assert elapsed < TIMEOUT_S * 1.9  # both workers were busy at once, not one after the other
+    assert deadline_pool.timeouts == 2
+
+
+def test_crashed_worker_scores_none_and_is_replaced():
+    with MathVerifierPool(timeout_s=60.0, num_workers=1, shortcuts=False) as pool:
+        assert pool.score(["\\boxed{1}"], ["1"]) == [1.0]
+        [pid] = pool.worker_pids()
+        killer = threading.Timer(0.5, os.kill, args=(pid, signal.SIGKILL))  # dies while stuck on NEVER_RETURNS
+        killer.start()
+        start = time.monotonic()
+        scores = pool.score([NEVER_RETURNS, "\\boxed{2}"], ["1", "2"])
+        killer.join()
+        assert scores == [None, 1.0]
+        assert time.monotonic() - start < 30  # noticed the death, did not wait for the 60 s deadline
+        assert (pool.crashes, pool.timeouts) == (1, 0)
+        assert pool.worker_pids() != [pid]
+
+
+def test_default_shortcuts_skip_the_workers():
+    with MathVerifierPool() as pool:
+        scores = pool.score(
+            ["\\boxed{042}", "\\boxed{43}", "\\boxed{" + "9" * 5000 + "}", "nothing", "\\boxed{\\frac{1}{2}}"],
+            ["42", "42", "1", "1", "\\frac{1}{2}"],
+        )
+        assert scores == [1.0, 0.0, 0.0, 0.0, 1.0]
+        assert pool.workers_started == 0  # all settled without math-verify
