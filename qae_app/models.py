@@ -123,8 +123,17 @@ def build_tiny_model(seed: int = 0):
     return model, CharTokenizer()
 
 
+def quiet_transformers() -> None:
+    """No per-load progress bars or 'shared tensor' notices in our output: the CLI shows its own progress."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def load_policy(spec: str, dtype: str = "float32", use_chat_template: bool = True):
     """(model, codec) for `builtin:tiny`, `builtin:tiny-scratch`, a local folder or a Hugging Face id."""
+    quiet_transformers()
     if spec == BUILTIN_SCRATCH:
         return build_tiny_model()
     if spec == BUILTIN_MODEL:

@@ -391,3 +391,28 @@ def get_reward_function(name: str) -> RewardFunction:
     if name not in REWARD_FUNCTIONS:
         raise QAEUserError(f"reward: unknown reward function '{name}'. Choose one of: {', '.join(REWARD_FUNCTIONS)}.")
     return REWARD_FUNCTIONS[name]
+
+
+class Scorer:
+    """The reward function of a task, with its own verifier pool when it needs one; use as a context manager.
+
+    `Scorer("math", timeout_s=3)` owns a `MathVerifierPool` with that per-item deadline; other rewards run inline.
+    """
+
+    def __init__(self, name: str, timeout_s: float = 3.0):
+        self.name = name
+        self.pool = MathVerifierPool(timeout_s=timeout_s) if name == "math" else None
+        self.fn = self.pool.score if self.pool is not None else get_reward_function(name)
+
+    def __call__(self, responses: list[str], answers: list[str]) -> list[float | None]:
+        return self.fn(responses, answers)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+    def __enter__(self) -> "Scorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

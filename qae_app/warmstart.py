@@ -22,7 +22,7 @@ from qae_app.tasks import arith_task
 class WarmstartConfig:
     steps: int = 525  # optimizer steps: ~30% sampled held-out accuracy, measured; more steps leave RL little to do
     batch_size: int = 64  # problems per step
-    lr: float = 3e-3
+    lr: float = 1e-3
     seed: int = 0
     threads: int = 2  # fixed so the result does not depend on the machine's core count
 

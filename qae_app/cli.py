@@ -1,0 +1,334 @@
+"""`qae`: train with QAE, evaluate, and inspect runs. Each command parses options and calls the library.
+
+Options of `qae train` are generated from `config.TrainConfig`, so the dataclass is the one place that names them,
+sets their defaults and writes their help.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from qae_app.errors import QAEUserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
+                  help="RL from verifiable rewards with Quantile Advantage Estimation (QAE).")
+console = Console()
+err_console = Console(stderr=True)
+
+RunsDir = Annotated[Path, typer.Option("--runs-dir", help="Folder holding one sub-folder per run.")]
+DEFAULT_RUNS_DIR = Path("runs")
+
+
+def fail(err: QAEUserError) -> None:
+    err_console.print(f"[bold red]error:[/] {escape(str(err))}")
+    raise typer.Exit(code=2)
+
+
+def escape(text: str) -> str:
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae train
+
+
+def _train_option_parameters() -> list[inspect.Parameter]:
+    """One typer option per TrainConfig field, all defaulting to None (= not given, keep config/TOML value)."""
+    from qae_app.config import TrainConfig
+
+    params = []
+    defaults = TrainConfig()
+    python_types = {"int": int, "float": float, "str": str}
+    for f in dataclasses.fields(TrainConfig):
+        base = str(f.type).split(" |")[0]
+        default = getattr(defaults, f.name)
+        help_text = f.metadata["help"]
+        if f.metadata.get("choices"):
+            help_text += f" [{'|'.join(f.metadata['choices'])}]"
+        if default is not None:
+            help_text += f" [dim](default: {default})[/]"
+        option = typer.Option(f"--{f.name.replace('_', '-')}", help=help_text, show_default=False,
+                              rich_help_panel=f.metadata["group"].capitalize())
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation=Annotated[Optional[python_types[base]], option]))
+    return params
+
+
+def train(
+    config: Annotated[Optional[Path], typer.Option("--config", help="TOML file with any of the options below; "
+                                                   "command-line options override it.")] = None,
+    resume: Annotated[Optional[str], typer.Option("--resume", help="Continue the run with this id from its last "
+                                                  "checkpoint.")] = None,
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+    cpu: Annotated[bool, typer.Option("--cpu/--no-cpu", help="Force CPU even when a GPU is present.")] = False,
+    **options: Any,
+) -> None:
+    """Train a policy with QAE (or a mean-baseline estimator) and log every rollout to DuckDB."""
+    from qae_app.config import build_config
+    from qae_app.trainer import Trainer
+
+    try:
+        cfg = build_config(config, **options)
+        trainer = Trainer(cfg, runs_dir, resume=resume, console=console, cpu=True if cpu else None)
+    except QAEUserError as err:
+        fail(err)
+    run_training(trainer)
+
+
+train.__signature__ = inspect.Signature(
+    [p for p in inspect.signature(train).parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    + _train_option_parameters()
+)
+app.command(help=train.__doc__)(train)
+
+
+def run_training(trainer) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    cfg = trainer.cfg
+    main = trainer.is_main
+    if main:
+        console.print(f"[bold]qae train[/] run [cyan]{trainer.run_id}[/]: {cfg.estimator} "
+                      f"(K={cfg.k}, {cfg.quantile}) on {cfg.data} with {cfg.model}, {cfg.steps} steps of "
+                      f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples")
+    progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=20),
+                        TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
+                        console=console, disable=not main, transient=False)
+    heldout = {"value": None}
+    task_id = progress.add_task("train", total=cfg.steps, completed=trainer.state.step, stats="")
+
+    def on_step(step: int, m: dict) -> None:
+        if m.get("heldout_accuracy") is not None:
+            heldout["value"] = m["heldout_accuracy"]
+        if step == 0:
+            progress.update(task_id, stats=f"held-out acc {_fmt(heldout['value'])}")
+            return
+        stats = (f"reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} H {m['entropy']:.3f} "
+                 f"zero-adv {m['frac_zero_adv']:.2f} hard/easy/none {m['frac_hard']:.2f}/{m['frac_easy']:.2f}/"
+                 f"{m['frac_all_correct'] + m['frac_all_wrong']:.2f} held-out {_fmt(heldout['value'])}")
+        progress.update(task_id, completed=step, stats=stats)
+        if main and not console.is_terminal and (step % 25 == 0 or step == cfg.steps):
+            console.print(f"step {step}/{cfg.steps} {stats}", highlight=False)
+
+    try:
+        with progress:
+            result = trainer.fit(on_step=on_step)
+    except KeyboardInterrupt:
+        if main:
+            console.print(f"\n[yellow]interrupted[/] at step {trainer.state.step}: checkpoint saved. "
+                          f"Continue with: qae train --resume {trainer.run_id} --runs-dir {trainer.runs_dir}")
+        raise typer.Exit(code=130)
+    except QAEUserError as err:
+        fail(err)
+    if main:
+        console.print(f"[green]done[/]: {result.steps_done} steps, status {result.status}. "
+                      f"Held-out accuracy {_fmt(heldout['value'])}.")
+        console.print(f"Stored in [cyan]{result.run_dir / 'qae.duckdb'}[/]. Inspect it with:\n"
+                      f"  qae show {result.run_id} --runs-dir {trainer.runs_dir}\n"
+                      f"  qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}\n"
+                      f"  qae dashboard --runs-dir {trainer.runs_dir}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae warmstart
+
+
+@app.command()
+def warmstart(
+    out: Annotated[Path, typer.Option(help="Folder for the checkpoint.")] = Path("qae_app/assets/tiny"),
+    steps: Annotated[Optional[int], typer.Option(help="Supervised steps (default: the shipped recipe's).")] = None,
+    seed: Annotated[int, typer.Option(help="Initialisation and data seed.")] = 0,
+) -> None:
+    """Rebuild the built-in tiny model's starting checkpoint (supervised, deterministic, ~20 s on 2 cores)."""
+    from rich.progress import Progress
+
+    from qae_app.warmstart import WarmstartConfig, warmstart as run_warmstart
+
+    cfg = WarmstartConfig(seed=seed)
+    if steps is not None:
+        cfg.steps = steps
+    with Progress(console=console) as progress:
+        task = progress.add_task("warm start", total=cfg.steps)
+        run_warmstart(out, cfg, on_step=lambda step, loss, *_: progress.update(task, completed=step + 1,
+                                                                                description=f"loss {loss:.3f}"))
+    console.print(f"saved to [cyan]{out}[/]")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inspecting runs
+
+
+@app.command("runs")
+def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+    """List runs: status, estimator, K, steps and the latest reward, accuracy and entropy."""
+    from qae_app.store import read_runs
+
+    frame = read_runs(runs_dir)
+    if frame.empty:
+        console.print(f"no runs in {runs_dir}. Start one with `qae train`.")
+        return
+    table = Table(title=f"runs in {runs_dir}")
+    for column in ("run", "status", "estimator", "K", "model", "task", "steps", "reward", "acc", "held-out",
+                   "entropy"):
+        table.add_column(column)
+    colors = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow"}
+    for row in frame.to_dict("records"):
+        table.add_row(row["run_id"], f"[{colors.get(row['status'], 'white')}]{row['status']}[/]", row["estimator"],
+                      _fmt(row["k"], 2), row["model"], row["task"], str(row["steps"]), _fmt(row["reward_mean"]),
+                      _fmt(row["accuracy"]), _fmt(row.get("heldout_accuracy")), _fmt(row["entropy"]))
+    console.print(table)
+
+
+@app.command()
+def show(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
+         runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+         every: Annotated[int, typer.Option(help="Show every N-th step.")] = 0) -> None:
+    """Summarize a run: config, status, per-step metrics, evaluations and warnings."""
+    from qae_app.store import read_evals, read_run, read_steps, read_warnings, resolve_run
+
+    try:
+        path = resolve_run(runs_dir, run)
+        info = read_run(path)
+    except QAEUserError as err:
+        fail(err)
+    console.print(f"[bold]{info['run_id']}[/] [{info['status']}] estimator {info['estimator']} K={_fmt(info['k'], 2)}"
+                  f" model {info['model']} task {info['task']} seed {info['seed']}, {info['steps']} steps")
+    if info.get("error"):
+        console.print(f"[red]error:[/] {escape(str(info['error']))}")
+    steps = read_steps(path)
+    if not steps.empty:
+        stride = every or max(1, len(steps) // 15)
+        shown = steps.iloc[::stride]
+        if shown.iloc[-1]["step"] != steps.iloc[-1]["step"]:
+            shown = steps.iloc[list(range(0, len(steps), stride)) + [len(steps) - 1]]
+        columns = ["step", "reward_mean", "accuracy", "heldout_accuracy", "entropy", "frac_zero_adv", "frac_hard",
+                   "frac_easy", "cov_logp_adv", "kl", "clip_frac", "response_len", "step_s"]
+        table = Table(title="steps")
+        for c in columns:
+            table.add_column(c, justify="right")
+        for row in shown.to_dict("records"):
+            table.add_row(*[str(int(row[c])) if c == "step" else _fmt(row[c]) for c in columns])
+        console.print(table)
+    evals = read_evals(path)
+    if not evals.empty:
+        table = Table(title="evaluations (subset 'all')")
+        for c in ("step", "benchmark", "metric", "k", "value", "n_problems"):
+            table.add_column(c, justify="right")
+        for row in evals[evals["subset"] == "all"].to_dict("records"):
+            table.add_row(str(row["step"]), row["benchmark"], row["metric"], str(row["k"]), _fmt(row["value"]),
+                          str(row["n_problems"]))
+        console.print(table)
+    warnings = read_warnings(path)
+    for row in warnings.to_dict("records"):
+        console.print(f"[yellow]step {row['step']} {row['kind']}:[/] {escape(row['message'])}")
+
+
+@app.command()
+def rollouts(
+    run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
+    step: Annotated[Optional[int], typer.Option(help="Step to show (default: the latest).")] = None,
+    gated: Annotated[bool, typer.Option("--gated", help="Only responses gated out (advantage 0).")] = False,
+    kept: Annotated[bool, typer.Option("--kept", help="Only responses that carried gradient.")] = False,
+    regime: Annotated[Optional[str], typer.Option(help="Only groups in this regime.")] = None,
+    search: Annotated[Optional[str], typer.Option(help="Only responses or prompts containing this text.")] = None,
+    limit: Annotated[int, typer.Option(help="At most this many rows.")] = 64,
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+) -> None:
+    """Show one step's responses: reward, advantage, whether gated, and the group's baseline and regime."""
+    from qae_app.advantages import REGIMES
+    from qae_app.store import read_last_step, read_rollouts, resolve_run
+
+    try:
+        if gated and kept:
+            raise QAEUserError("--gated and --kept exclude each other. Pass one of them, or neither for both.")
+        if regime is not None and regime not in REGIMES:
+            raise QAEUserError(f"regime: unknown value '{regime}'. Choose one of: {', '.join(REGIMES)}.")
+        path = resolve_run(runs_dir, run)
+        last = read_last_step(path)
+        if last is None:
+            raise QAEUserError(f"run: '{run}' has no steps yet.")
+        step = last if step is None else step
+        if not 1 <= step <= last:
+            raise QAEUserError(f"step: {step} is not a step of '{run}'. Use 1..{last}.")
+    except QAEUserError as err:
+        fail(err)
+    frame = read_rollouts(path, step, gated=True if gated else False if kept else None, regime=regime,
+                          search=search)
+    table = Table(title=f"{run} step {step}: {len(frame)} responses"
+                        + (f" (showing {limit})" if len(frame) > limit else ""))
+    for column in ("group", "prompt", "answer", "correct/G", "baseline", "regime", "#", "response", "reward",
+                   "advantage", "gated"):
+        table.add_column(column)
+    for row in frame.head(limit).to_dict("records"):
+        response = row["response"] if len(row["response"]) <= 60 else row["response"][:57] + "..."
+        table.add_row(str(row["group_idx"]), escape(row["prompt"][-40:]), escape(row["answer"]),
+                      f"{row['n_correct']}/{row['group_size']}", _fmt(row["baseline"], 2), row["regime"],
+                      str(row["sample_idx"]), escape(response), _fmt(row["reward"], 1),
+                      _fmt(row["advantage"], 4), "[dim]gated[/]" if row["gated"] else "[bold]kept[/]")
+    console.print(table)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae dashboard
+
+DASHBOARD_APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
+
+
+@app.command()
+def dashboard(
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+    port: Annotated[int, typer.Option(help="Port to serve on.")] = 8501,
+    host: Annotated[str, typer.Option(help="Address to bind. The default keeps it on this machine; 0.0.0.0 "
+                                      "exposes every run to your network.")] = "127.0.0.1",
+) -> None:
+    """Start the Streamlit dashboard (live curves, rollouts browser) on 127.0.0.1; Ctrl-C stops it."""
+    import os
+    import subprocess
+
+    if not DASHBOARD_APP.exists():
+        fail(QAEUserError(f"dashboard: {DASHBOARD_APP} is missing. Install qae from a clone with `pip install -e .`."))
+    command = [sys.executable, "-m", "streamlit", "run", str(DASHBOARD_APP), "--server.address", host,
+               "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
+               "--server.fileWatcherType", "none"]
+    env = dict(os.environ, QAE_RUNS_DIR=str(Path(runs_dir).resolve()))
+    console.print(f"qae dashboard for [cyan]{Path(runs_dir).resolve()}[/] at [bold]http://{host}:{port}[/] "
+                  "(Ctrl-C to stop)")
+    process = subprocess.Popen(command, env=env)
+    try:
+        process.wait()
+    except KeyboardInterrupt:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        console.print("dashboard stopped")
+
+
+def main() -> None:  # pragma: no cover - `python -m qae_app.cli`
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

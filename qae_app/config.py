@@ -1,0 +1,204 @@
+"""Training configuration: one dataclass whose field help strings are the CLI help and the README's option list.
+
+Precedence: defaults < `--config run.toml` < command-line options. Every value is checked in `validate()`; a bad one
+raises `QAEUserError` naming the option, the value and the fix, before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qae_app.advantages import ESTIMATORS, QUANTILE_METHODS, SCALE_METHODS, EstimatorConfig
+from qae_app.errors import QAEUserError
+from qae_app.losses import LOSS_AGGREGATIONS
+from qae_app.models import BUILTIN_MODEL
+from qae_app.rollout import ENGINES
+
+
+def opt(default: Any, help: str, group: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "group": group, "choices": choices})
+
+
+AUTO_K_RULE = "K=0.3 if the first step's success rate < 0.2, 0.4 if < 0.5, else 0.5"
+
+
+@dataclass
+class TrainConfig:
+    # --- run
+    run_name: str | None = opt(None, "Run id (folder under --runs-dir); default: <time>-<estimator>.", "run")
+    seed: int = opt(0, "Seed for sampling, data order and initialisation.", "run")
+    steps: int = opt(300, "RL steps (one rollout batch and its optimizer updates each).", "run")
+    checkpoint_every: int = opt(50, "Save a resumable checkpoint every N steps (and at the end). 0: only at the end.",
+                                "run")
+    keep_checkpoints: int = opt(2, "Keep only the newest N checkpoints.", "run")
+    # --- model and data
+    model: str = opt(BUILTIN_MODEL, "Policy: builtin:tiny, a local folder or a Hugging Face id.", "model")
+    dtype: str = opt("float32", "Weights dtype for training.", "model", ("float32", "bfloat16"))
+    data: str = opt("arith", "Task: 'arith' (built-in) or a JSONL/Parquet math file (GSM8K, MATH-500, AIME, AMC, "
+                    "DAPO-17k formats).", "model")
+    heldout_fraction: float = opt(0.0, "For a data file: fraction held out for --eval-every evaluation.", "model")
+    # --- rollout
+    engine: str = opt("hf", "Rollout engine: hf (transformers generate) or vllm (GPU).", "rollout", ENGINES)
+    group_size: int = opt(16, "Responses sampled per prompt (G).", "rollout")
+    prompts_per_step: int = opt(8, "Prompts per RL step (B); a step has B * G responses.", "rollout")
+    temperature: float = opt(1.0, "Sampling temperature.", "rollout")
+    max_new_tokens: int = opt(8, "Longest response in tokens (use ~1024+ for math data).", "rollout")
+    # --- advantage estimator
+    estimator: str = opt("qae", "Advantage estimator.", "estimator", tuple(ESTIMATORS))
+    k: str = opt("0.4", f"QAE quantile level K in (0, 1), or 'auto' ({AUTO_K_RULE}).", "estimator")
+    quantile: str = opt("paper", "QAE quantile: paper (lower, inverted-CDF) or linear (torch.quantile, as the "
+                        "official code).", "estimator", QUANTILE_METHODS)
+    scale: str = opt("std", "Divide advantages by the group reward std (std) or not (none).", "estimator",
+                     SCALE_METHODS)
+    # --- loss and optimizer
+    lr: float = opt(5e-5, "Learning rate (AdamW); 5e-5 suits the built-in tiny model, ~1e-6 a 7B model.", "optim")
+    weight_decay: float = opt(0.0, "AdamW weight decay.", "optim")
+    max_grad_norm: float = opt(1.0, "Clip the gradient norm to this value.", "optim")
+    warmup_steps: int = opt(0, "Linear learning-rate warmup, in RL steps.", "optim")
+    num_mini_batches: int = opt(4, "Optimizer updates per rollout batch (the batch is split into this many).",
+                                "optim")
+    ppo_epochs: int = opt(1, "Passes over each rollout batch.", "optim")
+    clip_low: float = opt(0.2, "Ratio clip below: 1 - clip_low.", "optim")
+    clip_high: float = opt(0.28, "Ratio clip above: 1 + clip_high (clip-higher).", "optim")
+    loss_agg: str = opt("token", "Loss aggregation.", "optim", tuple(LOSS_AGGREGATIONS))
+    kl_beta: float = opt(0.0, "Weight of the k3 KL to a frozen reference (0: no reference model is loaded).",
+                         "optim")
+    # --- monitoring and evaluation
+    entropy_low: float = opt(0.5, "Warn when mean token entropy falls below this (collapse): raise K.", "monitor")
+    entropy_high: float = opt(3.0, "Warn when mean token entropy rises above this (explosion): lower K.",
+                              "monitor")
+    eval_every: int = opt(25, "Evaluate every N steps (0: never). Built-in task: sampled held-out accuracy.",
+                          "monitor")
+    eval_bench: str | None = opt(None, "Benchmark for --eval-every: a built-in name or a math file (default: the "
+                                 "task's held-out split).", "monitor")
+    eval_k: int = opt(1, "Samples per problem in --eval-every evaluations.", "monitor")
+    eval_limit: int | None = opt(None, "Evaluate on the first N problems only.", "monitor")
+    verify_timeout_s: float = opt(3.0, "Seconds the math verifier may spend on one response.", "monitor")
+
+    # ------------------------------------------------------------------------------------------------------------
+    def estimator_config(self, k: float | None = None) -> EstimatorConfig:
+        return EstimatorConfig(k=k if k is not None else (0.4 if self.k == "auto" else float(self.k)),
+                               quantile=self.quantile, scale=self.scale)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "TrainConfig":
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise QAEUserError(f"{_flag(f.name)}: unknown value '{value}'. Choose one of: {', '.join(choices)}.")
+        if self.k != "auto":
+            try:
+                k = float(self.k)
+            except ValueError:
+                raise QAEUserError(f"k: '{self.k}' is not a number. Use a value in (0, 1) such as 0.4, or 'auto'.")
+            if not 0.0 < k < 1.0:
+                raise QAEUserError(f"k: {self.k} is outside (0, 1). QAE's K is a quantile level; the paper uses 0.4 "
+                                   "(lower K pushes entropy up, higher K pushes it down).")
+        if self.group_size < 2:
+            raise QAEUserError(f"group-size: {self.group_size} is too small. Group baselines need at least 2 "
+                               "responses per prompt; QAE is usually run with 8-16.")
+        _positive("steps", self.steps)
+        _positive("prompts-per-step", self.prompts_per_step)
+        _positive("max-new-tokens", self.max_new_tokens)
+        _positive("num-mini-batches", self.num_mini_batches)
+        _positive("ppo-epochs", self.ppo_epochs)
+        _positive("eval-k", self.eval_k)
+        for name in ("checkpoint_every", "eval_every", "warmup_steps", "kl_beta", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise QAEUserError(f"{_flag(name)}: {getattr(self, name)} is negative. Use 0 or more.")
+        if self.keep_checkpoints < 1:
+            raise QAEUserError(f"keep-checkpoints: {self.keep_checkpoints}. Keep at least 1 so the run can resume.")
+        if not self.temperature > 0:
+            raise QAEUserError(f"temperature: {self.temperature}. Sampling needs a temperature > 0 (1.0 is usual).")
+        if not self.lr > 0:
+            raise QAEUserError(f"lr: {self.lr}. The learning rate must be > 0 (e.g. 1e-6 for 7B models).")
+        if not self.max_grad_norm > 0:
+            raise QAEUserError(f"max-grad-norm: {self.max_grad_norm}. Use a value > 0, e.g. 1.0.")
+        if not 0 <= self.clip_low < 1 or not self.clip_high >= 0:
+            raise QAEUserError(f"clip-low / clip-high: {self.clip_low} / {self.clip_high}. Use 0 <= clip-low < 1 "
+                               "and clip-high >= 0 (defaults 0.2 / 0.28).")
+        if not 0 <= self.heldout_fraction < 1:
+            raise QAEUserError(f"heldout-fraction: {self.heldout_fraction}. Use a fraction in [0, 1).")
+        if not self.entropy_low < self.entropy_high:
+            raise QAEUserError(f"entropy-low / entropy-high: {self.entropy_low} / {self.entropy_high}. "
+                               "The low bound must be below the high bound.")
+        if self.verify_timeout_s <= 0:
+            raise QAEUserError(f"verify-timeout-s: {self.verify_timeout_s}. Use a positive number of seconds.")
+        if self.eval_limit is not None and self.eval_limit < 1:
+            raise QAEUserError(f"eval-limit: {self.eval_limit}. Use a positive number of problems.")
+        if self.run_name is not None:
+            from qae_app.store import validate_run_name
+
+            validate_run_name(self.run_name)
+        return self
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise QAEUserError(f"{name}: {value}. Use a positive integer.")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """Check a TOML value against the field's type; ints are accepted for floats, numbers for k."""
+    f = FIELDS[name]
+    annotation = str(f.type)
+    if value is None:
+        return None
+    if name == "k" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    expected = {"int": int, "float": (int, float), "str": str}
+    base = annotation.split(" |")[0]
+    python_type = expected.get(base)
+    ok = isinstance(value, python_type) and not isinstance(value, bool) if python_type else True
+    if not ok:
+        raise QAEUserError(f"{source}: '{name}' = {value!r} is a {type(value).__name__}, expected {base}. "
+                           f"{f.metadata['help']}")
+    return float(value) if base == "float" else value
+
+
+def load_toml(path: Path) -> dict:
+    """Read a run.toml: flat `key = value` pairs, optionally inside [sections] (section names are ignored)."""
+    path = Path(path)
+    if not path.exists():
+        raise QAEUserError(f"config: file {path} does not exist. Pass an existing TOML file to --config.")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise QAEUserError(f"config: {path} is not valid TOML ({err}). Fix the line it names.") from err
+    flat: dict = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    values = {}
+    for key, value in flat.items():
+        name = key.replace("-", "_")
+        if name not in FIELDS:
+            close = difflib.get_close_matches(name, FIELDS, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else f" Known keys: {', '.join(FIELDS)}."
+            raise QAEUserError(f"config: unknown key '{key}' in {path}.{hint}")
+        values[name] = _coerce(name, value, f"config {path}")
+    return values
+
+
+def build_config(toml_path: Path | None = None, **overrides: Any) -> TrainConfig:
+    """Defaults, then the TOML file, then the non-None overrides (command-line options); validated."""
+    values = load_toml(toml_path) if toml_path else {}
+    values.update({key: value for key, value in overrides.items() if value is not None})
+    return TrainConfig(**values).validate()

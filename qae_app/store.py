@@ -1,0 +1,365 @@
+"""The run store: one DuckDB file per run, `runs/<run_id>/qae.duckdb`.
+
+Only this module touches the database. The trainer is the only writer: `RunWriter` opens the file, writes one step
+in one transaction (so readers see whole steps only, and a kill mid-write loses only that uncommitted step) and closes
+it again, so readers can get in between steps. A reader holding the file makes the writer retry; if the file stays
+busy the rows stay buffered and go out with the next step, never dropped. Readers (`read_*`) open the file read-only,
+query with bound parameters, and close at once.
+
+`STEP_METRICS` is the single definition of every per-step metric: the `steps` table columns, the README table and the
+dashboard labels all come from it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator
+
+import duckdb
+import pandas as pd
+
+from qae_app.errors import QAEUserError
+
+DB_FILE = "qae.duckdb"
+RUN_STATUSES = ("running", "finished", "failed", "interrupted")
+
+# name -> definition. Every name is a column of `steps`; NaN is stored as NULL (e.g. no response had a negative
+# advantage, so entropy_neg is undefined).
+STEP_METRICS: dict[str, str] = {
+    "reward_mean": "mean reward of the step's responses (unverifiable responses count as 0)",
+    "accuracy": "fraction of the step's responses with reward 1",
+    "heldout_accuracy": "sampled (temperature as training) accuracy on the held-out split; NULL on steps without eval",
+    "entropy": "mean per-token entropy (nats) of the policy over the sampled response tokens, before the update",
+    "entropy_pos": "mean token entropy of responses with advantage > 0",
+    "entropy_neg": "mean token entropy of responses with advantage < 0",
+    "frac_zero_adv": "fraction of responses whose advantage is exactly 0 (gated out: no policy gradient)",
+    "frac_hard": "fraction of groups in the hard regime (QAE baseline 0: only successes are pushed up)",
+    "frac_easy": "fraction of groups in the easy regime (QAE baseline 1: only failures are pushed down)",
+    "frac_all_correct": "fraction of groups where every response is correct (no signal)",
+    "frac_all_wrong": "fraction of groups where every response is wrong (no signal)",
+    "frac_mixed": "fraction of groups with a fractional baseline (mean-baseline estimators, linear quantile)",
+    "frac_unverified": "fraction of responses the verifier could not score in time (reward None, counted as 0)",
+    "cov_logp_adv": "covariance over response tokens of token log-prob and advantage; entropy falls when it is > 0",
+    "adv_abs_mean": "mean |advantage| over responses",
+    "k": "the QAE quantile level K used this step (NULL for mean-baseline estimators)",
+    "loss": "policy loss (plus KL term) averaged over the step's optimizer updates",
+    "pg_loss": "policy-gradient part of the loss",
+    "kl": "mean k3 estimate of KL(policy || reference) over response tokens; 0 when kl_beta = 0",
+    "grad_norm": "gradient norm before clipping, averaged over the step's optimizer updates",
+    "clip_frac": "fraction of tokens whose ratio was clipped (low + high)",
+    "clip_frac_low": "fraction of tokens with negative advantage and ratio < 1 - clip_low (clipped)",
+    "clip_frac_high": "fraction of tokens with positive advantage and ratio > 1 + clip_high (clipped)",
+    "lr": "learning rate used for this step's updates",
+    "response_len": "mean response length in tokens",
+    "truncated_frac": "fraction of responses that hit max_new_tokens before eos",
+    "n_updates": "optimizer updates (mini-batches with at least one non-gated response) this step",
+    "rollout_s": "seconds sampling responses",
+    "reward_s": "seconds scoring responses",
+    "update_s": "seconds in forward/backward/optimizer (including the log-prob pass)",
+    "step_s": "wall seconds of the whole step",
+}
+
+SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS runs (
+        run_id VARCHAR PRIMARY KEY, name VARCHAR, created_at TIMESTAMP, updated_at TIMESTAMP, status VARCHAR,
+        config VARCHAR, estimator VARCHAR, k DOUBLE, model VARCHAR, task VARCHAR, seed INTEGER, error VARCHAR)""",
+    "CREATE TABLE IF NOT EXISTS steps (run_id VARCHAR, step INTEGER, "
+    + ", ".join(f"{name} DOUBLE" for name in STEP_METRICS)
+    + ")",
+    """CREATE TABLE IF NOT EXISTS groups (
+        run_id VARCHAR, step INTEGER, group_idx INTEGER, prompt_id VARCHAR, prompt VARCHAR, answer VARCHAR,
+        n_correct INTEGER, group_size INTEGER, baseline DOUBLE, regime VARCHAR)""",
+    """CREATE TABLE IF NOT EXISTS rollouts (
+        run_id VARCHAR, step INTEGER, group_idx INTEGER, sample_idx INTEGER, prompt_id VARCHAR, response VARCHAR,
+        reward DOUBLE, verified BOOLEAN, advantage DOUBLE, gated BOOLEAN, regime VARCHAR, n_tokens INTEGER,
+        truncated BOOLEAN, entropy DOUBLE, logprob DOUBLE)""",
+    """CREATE TABLE IF NOT EXISTS evals (
+        run_id VARCHAR, step INTEGER, benchmark VARCHAR, subset VARCHAR, metric VARCHAR, k INTEGER, value DOUBLE,
+        n_problems INTEGER)""",
+    """CREATE TABLE IF NOT EXISTS eval_samples (
+        run_id VARCHAR, step INTEGER, benchmark VARCHAR, problem_id VARCHAR, sample_idx INTEGER, response VARCHAR,
+        extracted VARCHAR, correct BOOLEAN, verified BOOLEAN, n_tokens INTEGER)""",
+    """CREATE TABLE IF NOT EXISTS warnings (
+        run_id VARCHAR, step INTEGER, kind VARCHAR, message VARCHAR)""",
+]
+STEP_TABLES = ("steps", "groups", "rollouts", "evals", "eval_samples", "warnings")  # rows keyed by step
+
+_LOCK_ERROR = re.compile(r"lock|being used by another process|Conflicting lock", re.IGNORECASE)
+RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def validate_run_name(name: str) -> str:
+    if not RUN_NAME_PATTERN.match(name) or ".." in name:
+        raise QAEUserError(
+            f"run-name: '{name}' is not a plain name. Use letters, digits, '.', '_' and '-' (at most 100, no "
+            "'..', no '/'); the run is stored under --runs-dir."
+        )
+    return name
+
+
+def db_path(runs_dir: Path, run_id: str) -> Path:
+    return Path(runs_dir) / validate_run_name(run_id) / DB_FILE
+
+
+def _is_lock_error(err: Exception) -> bool:
+    return isinstance(err, (duckdb.IOException, duckdb.ConnectionException)) and bool(_LOCK_ERROR.search(str(err)))
+
+
+def _connect(path: Path, read_only: bool, timeout_s: float) -> duckdb.DuckDBPyConnection:
+    """Open, retrying while another process holds the file's lock."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        try:
+            return duckdb.connect(str(path), read_only=read_only)
+        except Exception as err:  # noqa: BLE001 - duckdb raises several types for a held lock
+            if not _is_lock_error(err) or time.monotonic() >= deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# writer
+
+
+@dataclass
+class StepRows:
+    step: int
+    tables: dict[str, list[dict]]  # table name -> rows (without run_id)
+
+
+class RunWriter:
+    """The single writer of one run's database file."""
+
+    def __init__(self, path: Path, run_id: str, lock_timeout_s: float = 2.0):
+        self.path = Path(path)
+        self.run_id = run_id
+        self.lock_timeout_s = lock_timeout_s
+        self.pending: list[StepRows] = []  # buffered while a reader holds the file
+        self.flush_retries = 0  # times a flush found the file busy and kept rows for later
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._open(timeout_s=30) as con:
+            for statement in SCHEMA:
+                con.execute(statement)
+
+    @contextmanager
+    def _open(self, timeout_s: float | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
+        con = _connect(self.path, read_only=False, timeout_s=self.lock_timeout_s if timeout_s is None else timeout_s)
+        try:
+            yield con
+        finally:
+            con.close()
+
+    # run-level rows ------------------------------------------------------------------------------------------
+    def create_run(self, name: str, config: dict, estimator: str, k: float | None, model: str, task: str,
+                   seed: int) -> None:
+        with self._open(timeout_s=30) as con:
+            con.execute(
+                "INSERT INTO runs VALUES (?, ?, ?, ?, 'running', ?, ?, ?, ?, ?, ?, NULL)",
+                [self.run_id, name, _now(), _now(), json.dumps(config), estimator, k, model, task, seed],
+            )
+
+    def update_run(self, timeout_s: float = 30, **fields) -> None:
+        """Set run-level fields (status, error, k, config); waits up to `timeout_s` for readers."""
+        allowed = {"status", "error", "k", "config"}
+        unknown = set(fields) - allowed
+        if unknown:
+            raise ValueError(f"cannot update runs columns {unknown}")
+        if "status" in fields and fields["status"] not in RUN_STATUSES:
+            raise ValueError(f"status must be one of {RUN_STATUSES}")
+        if "config" in fields:
+            fields["config"] = json.dumps(fields["config"])
+        assignments = ", ".join(f"{name} = ?" for name in fields)  # names from the allow-list above, values bound
+        with self._open(timeout_s=timeout_s) as con:
+            con.execute(f"UPDATE runs SET {assignments}, updated_at = ? WHERE run_id = ?",
+                        [*fields.values(), _now(), self.run_id])
+
+    # step rows -----------------------------------------------------------------------------------------------
+    def add_step(self, step: int, **tables: list[dict]) -> None:
+        """Buffer one step's rows (steps=[...], groups=[...], rollouts=[...], ...)."""
+        unknown = set(tables) - set(STEP_TABLES)
+        if unknown:
+            raise ValueError(f"unknown step tables {unknown}")
+        self.pending.append(StepRows(step, tables))
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Write every buffered step, one transaction each. False if the file stayed busy (rows kept)."""
+        if not self.pending:
+            return True
+        try:
+            con_cm = self._open(timeout_s)
+            con = con_cm.__enter__()
+        except Exception as err:  # noqa: BLE001
+            if _is_lock_error(err):
+                self.flush_retries += 1
+                return False
+            raise
+        try:
+            while self.pending:
+                self._write_step(con, self.pending[0])
+                self.pending.pop(0)
+        finally:
+            con_cm.__exit__(None, None, None)
+        return True
+
+    def _write_step(self, con: duckdb.DuckDBPyConnection, rows: StepRows) -> None:
+        con.execute("BEGIN TRANSACTION")
+        try:
+            for table, records in rows.tables.items():
+                # a step written again (replayed after a resume) replaces the old rows of that step
+                con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step = ?", [self.run_id, rows.step])
+                if not records:
+                    continue
+                frame = pd.DataFrame.from_records(records)
+                frame.insert(0, "run_id", self.run_id)
+                frame["step"] = rows.step
+                con.register("_batch", frame)
+                con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _batch")
+                con.unregister("_batch")
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows of steps after `step` (they were written after the checkpoint a resume starts from)."""
+        with self._open(timeout_s=30) as con:
+            con.execute("BEGIN TRANSACTION")
+            for table in STEP_TABLES:
+                con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step > ?", [self.run_id, step])
+            con.execute("COMMIT")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# readers
+
+
+@contextmanager
+def open_reader(path: Path, timeout_s: float = 3.0) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A read-only connection, retried briefly while the trainer writes, closed on exit."""
+    path = Path(path)
+    if not path.exists():
+        raise QAEUserError(f"run: no database at {path}. List runs with `qae runs`.")
+    con = _connect(path, read_only=True, timeout_s=timeout_s)
+    try:
+        yield con
+    finally:
+        con.close()
+
+
+def query(path: Path, sql: str, params: list | None = None, timeout_s: float = 3.0) -> pd.DataFrame:
+    with open_reader(path, timeout_s) as con:
+        return con.execute(sql, params or []).df()
+
+
+def run_dirs(runs_dir: Path) -> list[Path]:
+    runs_dir = Path(runs_dir)
+    if not runs_dir.exists():
+        return []
+    return sorted(p.parent for p in runs_dir.glob(f"*/{DB_FILE}"))
+
+
+def resolve_run(runs_dir: Path, run: str) -> Path:
+    """Database path of a run given by id; a clear error listing existing runs otherwise."""
+    path = db_path(runs_dir, run)
+    if not path.exists():
+        existing = ", ".join(p.name for p in run_dirs(runs_dir)[-10:]) or "none"
+        raise QAEUserError(f"run: no run '{run}' in {runs_dir} (existing: {existing}). See `qae runs`.")
+    return path
+
+
+SQL_RUN_SUMMARY = """
+    SELECT r.run_id, r.name, r.status, r.estimator, r.k, r.model, r.task, r.seed, r.created_at, r.updated_at,
+           r.error, r.config,
+           (SELECT count(*) FROM steps s WHERE s.run_id = r.run_id) AS steps,
+           (SELECT max(step) FROM steps s WHERE s.run_id = r.run_id) AS last_step,
+           (SELECT reward_mean FROM steps s WHERE s.run_id = r.run_id ORDER BY step DESC LIMIT 1) AS reward_mean,
+           (SELECT accuracy FROM steps s WHERE s.run_id = r.run_id ORDER BY step DESC LIMIT 1) AS accuracy,
+           (SELECT entropy FROM steps s WHERE s.run_id = r.run_id ORDER BY step DESC LIMIT 1) AS entropy,
+           (SELECT heldout_accuracy FROM steps s WHERE s.run_id = r.run_id AND heldout_accuracy IS NOT NULL
+              ORDER BY step DESC LIMIT 1) AS heldout_accuracy
+    FROM runs r
+"""
+
+
+def read_runs(runs_dir: Path) -> pd.DataFrame:
+    """One row per run in `runs_dir` (newest first); runs whose file is busy for too long are skipped."""
+    frames = []
+    for run_dir in run_dirs(runs_dir):
+        try:
+            frames.append(query(run_dir / DB_FILE, SQL_RUN_SUMMARY))
+        except duckdb.Error:
+            continue
+    if not frames:
+        return pd.DataFrame(columns=["run_id", "name", "status", "estimator", "k", "model", "task", "steps"])
+    return pd.concat(frames, ignore_index=True).sort_values("created_at", ascending=False, ignore_index=True)
+
+
+def read_run(path: Path) -> dict:
+    frame = query(path, SQL_RUN_SUMMARY)
+    if frame.empty:
+        raise QAEUserError(f"run: {path} has no run row; the run never started writing.")
+    return frame.iloc[0].to_dict()
+
+
+def read_steps(path: Path) -> pd.DataFrame:
+    return query(path, "SELECT * FROM steps ORDER BY step")
+
+
+def read_groups(path: Path, step: int) -> pd.DataFrame:
+    return query(path, "SELECT * FROM groups WHERE step = ? ORDER BY group_idx", [step])
+
+
+SQL_ROLLOUTS = """
+    SELECT r.step, r.group_idx, r.sample_idx, r.prompt_id, g.prompt, g.answer, g.n_correct, g.group_size,
+           g.baseline, r.regime, r.response, r.reward, r.verified, r.advantage, r.gated, r.n_tokens, r.truncated,
+           r.entropy, r.logprob
+    FROM rollouts r JOIN groups g USING (run_id, step, group_idx)
+    WHERE r.step = ?
+      AND (? IS NULL OR r.gated = ?)
+      AND (? IS NULL OR r.regime = ?)
+      AND (? IS NULL OR r.reward = ?)
+      AND (? IS NULL OR contains(lower(r.response), lower(?)) OR contains(lower(g.prompt), lower(?)))
+    ORDER BY r.group_idx, r.sample_idx
+"""
+
+
+def read_rollouts(path: Path, step: int, gated: bool | None = None, regime: str | None = None,
+                  reward: float | None = None, search: str | None = None) -> pd.DataFrame:
+    """Rollouts of one step joined with their group, filtered; `search` is a plain substring (bound, no SQL)."""
+    search = search or None
+    return query(path, SQL_ROLLOUTS, [step, gated, gated, regime, regime, reward, reward, search, search, search])
+
+
+def read_prompt_history(path: Path, prompt_id: str) -> pd.DataFrame:
+    return query(
+        path,
+        "SELECT step, n_correct, group_size, n_correct / group_size AS success_rate, baseline, regime "
+        "FROM groups WHERE prompt_id = ? ORDER BY step",
+        [prompt_id],
+    )
+
+
+def read_evals(path: Path) -> pd.DataFrame:
+    return query(path, "SELECT * FROM evals ORDER BY benchmark, subset, metric, k, step")
+
+
+def read_warnings(path: Path) -> pd.DataFrame:
+    return query(path, "SELECT * FROM warnings ORDER BY step")
+
+
+def read_last_step(path: Path) -> int | None:
+    frame = query(path, "SELECT max(step) AS last FROM steps")
+    value = frame["last"].iloc[0]
+    return None if pd.isna(value) else int(value)

@@ -1,0 +1,33 @@
+"""Shared fixtures: a real tiny training run (real model, real DuckDB file) reused by the store, CLI and dashboard
+tests, and the location of the real math data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+MATH_DATA = Path(os.environ.get("QAE_MATH_DATA", Path(__file__).resolve().parents[2] / "shared/data/math"))
+
+TINY_RUN_OPTIONS = dict(steps=6, prompts_per_step=4, group_size=8, eval_every=3, checkpoint_every=3, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> tuple[Path, str]:
+    """(runs_dir, run_id) of a finished 6-step QAE run on the built-in task."""
+    from qae_app.config import build_config
+    from qae_app.trainer import Trainer
+
+    runs_dir = tmp_path_factory.mktemp("runs")
+    cfg = build_config(run_name="tiny", **TINY_RUN_OPTIONS)
+    result = Trainer(cfg, runs_dir, cpu=True).fit()
+    assert result.status == "finished"
+    return runs_dir, "tiny"
+
+
+@pytest.fixture(scope="session")
+def math_data() -> Path:
+    if not MATH_DATA.is_dir():
+        pytest.skip(f"real math data not found at {MATH_DATA} (set QAE_MATH_DATA)")
+    return MATH_DATA

@@ -1,0 +1,158 @@
+"""End to end with tiny settings: the stored rows mean what they say, resume replays nothing twice, bad input fails
+cleanly. Real model, real DuckDB file, real checkpoints."""
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
+from qae_app.cli import app
+from qae_app.config import build_config
+from qae_app.store import STEP_METRICS, db_path, query, read_run, read_steps
+from qae_app.trainer import Trainer, prompts_for_step, step_metrics
+from tests.conftest import TINY_RUN_OPTIONS
+
+runner = CliRunner()
+
+
+def test_every_step_is_stored_with_every_metric(tiny_run):
+    runs_dir, run_id = tiny_run
+    path = db_path(runs_dir, run_id)
+    steps = read_steps(path)
+    assert steps["step"].tolist() == list(range(1, TINY_RUN_OPTIONS["steps"] + 1))
+    assert set(STEP_METRICS) <= set(steps.columns)
+    for name in ("reward_mean", "accuracy", "entropy", "frac_zero_adv", "loss", "response_len", "step_s"):
+        assert steps[name].notna().all(), name
+    # held-out accuracy on eval steps only
+    assert steps.loc[steps["step"].isin([3, 6]), "heldout_accuracy"].notna().all()
+    assert steps.loc[~steps["step"].isin([3, 6]), "heldout_accuracy"].isna().all()
+    n = TINY_RUN_OPTIONS["prompts_per_step"] * TINY_RUN_OPTIONS["group_size"]
+    counts = query(path, "SELECT step, count(*) AS n FROM rollouts GROUP BY step ORDER BY step")
+    assert counts["n"].tolist() == [n] * TINY_RUN_OPTIONS["steps"]
+    assert read_run(path)["status"] == "finished"
+
+
+def test_stored_advantages_are_what_the_estimator_gives_for_the_stored_rewards(tiny_run):
+    runs_dir, run_id = tiny_run
+    path = db_path(runs_dir, run_id)
+    rollouts = query(path, "SELECT * FROM rollouts ORDER BY step, group_idx, sample_idx")
+    groups = query(path, "SELECT * FROM groups ORDER BY step, group_idx")
+    assert (rollouts["gated"] == (rollouts["advantage"] == 0)).all()
+    G = TINY_RUN_OPTIONS["group_size"]
+    rewards = torch.tensor(rollouts["reward"].to_numpy(), dtype=torch.float32).view(-1, G)
+    expected = compute_advantages("qae", rewards, EstimatorConfig(k=0.4))
+    assert torch.allclose(torch.tensor(rollouts["advantage"].to_numpy(), dtype=torch.float32).view(-1, G),
+                          expected.advantages, atol=1e-6)
+    assert groups["regime"].tolist() == [REGIMES[r] for r in expected.regime.tolist()]
+    assert groups["baseline"].tolist() == expected.baseline.tolist()
+    assert (groups["n_correct"].to_numpy() == (rewards == 1).sum(1).numpy()).all()
+
+
+def test_step_metrics_recompute_from_stored_rows(tiny_run):
+    runs_dir, run_id = tiny_run
+    path = db_path(runs_dir, run_id)
+    steps = read_steps(path).set_index("step")
+    for step in (1, 4):
+        groups = query(path, "SELECT * FROM groups WHERE step = ?", [step]).to_dict("records")
+        rollouts = query(path, "SELECT * FROM rollouts WHERE step = ?", [step]).to_dict("records")
+        for name, value in step_metrics(groups, rollouts).items():
+            stored = steps.loc[step, name]
+            assert (pd.isna(stored) and pd.isna(value)) or stored == pytest.approx(value, abs=1e-9), name
+
+
+def test_prompts_for_step_is_a_pure_function_of_the_step():
+    from qae_app.tasks import arith_task
+
+    task = arith_task()
+    first = [prompts_for_step(task, 0, s, 8) for s in range(1, 300)]
+    again = [prompts_for_step(task, 0, s, 8) for s in range(1, 300)]
+    assert first == again
+    epoch = [i for s in range(1, 134) for i in prompts_for_step(task, 0, s, 8)][: len(task.train)]
+    assert sorted(epoch) == list(range(len(task.train)))  # one epoch visits every training prompt once
+
+
+def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path):
+    """Stop after 4 of 6 steps (checkpoint at 2, rows 3-4 written after it), resume: steps 1..6 stored once each,
+    and every per-step metric equals the uninterrupted run's."""
+    opts = dict(TINY_RUN_OPTIONS, eval_every=0, checkpoint_every=2, steps=6)
+    Trainer(build_config(run_name="full", **opts), tmp_path, cpu=True).fit()
+
+    partial = Trainer(build_config(run_name="cut", **dict(opts, steps=4, checkpoint_every=2)), tmp_path, cpu=True)
+    partial.fit()
+    # simulate a crash after step 3's rows but before its checkpoint: drop checkpoint 4, keep rows of 3 and 4
+    import shutil
+
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step-4")
+    resumed = Trainer(build_config(**dict(opts, steps=6)), tmp_path, resume="cut", cpu=True)
+    assert resumed.state.step == 2
+    resumed.fit()
+    full = read_steps(db_path(tmp_path, "full")).set_index("step")
+    cut = read_steps(db_path(tmp_path, "cut")).set_index("step")
+    assert cut.index.tolist() == [1, 2, 3, 4, 5, 6]
+    timing = {"rollout_s", "reward_s", "update_s", "step_s"}
+    for name in set(STEP_METRICS) - timing:
+        pd.testing.assert_series_equal(full[name], cut[name], check_names=False, rtol=1e-5, atol=1e-6)
+    rows = query(db_path(tmp_path, "cut"), "SELECT step, count(*) AS n FROM rollouts GROUP BY step ORDER BY step")
+    assert rows["n"].tolist() == [32] * 6
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_mean_baseline_estimators_run_the_same_loop(tmp_path, estimator):
+    result = runner.invoke(app, ["train", "--estimator", estimator, "--steps", "2", "--prompts-per-step", "2",
+                                 "--group-size", "4", "--eval-every", "0", "--run-name", estimator,
+                                 "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    path = db_path(tmp_path, estimator)
+    assert read_run(path)["estimator"] == estimator
+    groups = query(path, "SELECT regime FROM groups")
+    assert set(groups["regime"]) <= {"mixed", "all_correct", "all_wrong"}
+
+
+def test_config_file_and_command_line_precedence(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('steps = 2\ngroup_size = 4\nprompts_per_step = 2\neval_every = 0\n[estimator]\nk = 0.3\n')
+    result = runner.invoke(app, ["train", "--config", str(toml), "--steps", "1", "--run-name", "cfg",
+                                 "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    config = json.loads(read_run(db_path(tmp_path, "cfg"))["config"])
+    assert config["steps"] == 1 and config["group_size"] == 4 and config["k"] == "0.3"
+    assert read_steps(db_path(tmp_path, "cfg"))["k"].tolist() == [0.3]
+
+
+BAD_INPUT = [
+    (["--k", "1.5"], "k: 1.5 is outside (0, 1)"),
+    (["--k", "abc"], "k: 'abc' is not a number"),
+    (["--group-size", "1"], "group-size: 1 is too small"),
+    (["--estimator", "ppo"], "estimator: unknown value 'ppo'. Choose one of: qae, grpo, dr_grpo, rloo"),
+    (["--quantile", "median"], "quantile: unknown value 'median'"),
+    (["--data", "nope.jsonl"], "data: 'nope.jsonl' is neither a built-in task"),
+    (["--model", "/nonexistent/model"], "model: cannot load '/nonexistent/model'"),
+    (["--run-name", "../x"], "run-name: '../x' is not a plain name"),
+    (["--config", "missing.toml"], "config: file missing.toml does not exist"),
+    (["--resume", "ghost"], "resume: no run 'ghost'"),
+    (["--temperature", "0"], "temperature: 0.0"),
+    (["--steps", "0"], "steps: 0. Use a positive integer"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT, ids=[a[0] for a, _ in BAD_INPUT])
+def test_bad_input_is_one_clear_message_and_exit_code_2(tmp_path, args, message):
+    result = runner.invoke(app, ["train", "--runs-dir", str(tmp_path), *args])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output
+    assert not list(tmp_path.glob("*/qae.duckdb"))  # nothing left marked running
+
+
+def test_malformed_toml_key_suggests_the_nearest(tmp_path):
+    toml = tmp_path / "bad.toml"
+    toml.write_text("grup_size = 8\n")
+    result = runner.invoke(app, ["train", "--config", str(toml), "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "Did you mean 'group_size'?" in " ".join(result.output.split())
+    toml.write_text('group_size = "eight"\n')
+    result = runner.invoke(app, ["train", "--config", str(toml), "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "expected int" in " ".join(result.output.split())
