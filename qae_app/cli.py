@@ -290,6 +290,54 @@ def rollouts(
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# qae eval
+
+
+@app.command("eval")
+def eval_command(
+    model: Annotated[str, typer.Option(help="builtin:tiny, a run id (its latest checkpoint), a local folder or a "
+                                       "Hugging Face id.")] = "builtin:tiny",
+    bench: Annotated[str, typer.Option(help="'arith' (the built-in held-out split) or a JSONL/Parquet math file "
+                                       "(GSM8K, MATH-500, AIME, AMC, DAPO formats).")] = "arith",
+    k: Annotated[int, typer.Option("--k", help="Samples per problem.")] = 4,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 0.7,
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="Longest response (default: 8 for arith, 1024 "
+                                                          "for math).")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="Only the first N problems.")] = None,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    checkpoint: Annotated[Optional[int], typer.Option(help="With a run id: evaluate checkpoint step-N.")] = None,
+    engine: Annotated[str, typer.Option(help="Rollout engine: hf or vllm (GPU).")] = "hf",
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    verify_timeout_s: Annotated[float, typer.Option(help="Seconds the verifier may spend on one response.")] = 3.0,
+    run_name: Annotated[Optional[str], typer.Option(help="Id of the standalone eval run (for a model that is not "
+                                                    "a training run).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as JSON (no table).")] = False,
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+) -> None:
+    """Evaluate a model: avg@k, pass@k (unbiased) and maj@k on a benchmark; every sample is stored in DuckDB."""
+    from qae_app.evaluate import run_eval_command
+
+    try:
+        result, target_run, path = run_eval_command(
+            model=model, bench=bench, k=k, temperature=temperature, max_new_tokens=max_new_tokens, limit=limit,
+            seed=seed, checkpoint=checkpoint, engine=engine, dtype=dtype, verify_timeout_s=verify_timeout_s,
+            run_name=run_name, runs_dir=runs_dir, console=None if as_json else console)
+    except QAEUserError as err:
+        fail(err)
+    if as_json:
+        print(json.dumps({"run_id": target_run, "database": str(path), "benchmark": result.benchmark,
+                          "k": result.k, "metrics": result.metrics}, indent=2))
+        return
+    table = Table(title=f"{result.benchmark}: {model}, k={result.k}")
+    for column in ("subset", "metric", "k", "value", "problems"):
+        table.add_column(column, justify="right")
+    for row in result.metrics:
+        table.add_row(row["subset"], row["metric"], str(row["k"]), f"{row['value']:.4f}", str(row["n_problems"]))
+    console.print(table)
+    console.print(f"samples and metrics stored in [cyan]{path}[/] (run {target_run})")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # qae dashboard
 
 DASHBOARD_APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"

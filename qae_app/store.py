@@ -89,6 +89,7 @@ SCHEMA = [
         run_id VARCHAR, step INTEGER, kind VARCHAR, message VARCHAR)""",
 ]
 STEP_TABLES = ("steps", "groups", "rollouts", "evals", "eval_samples", "warnings")  # rows keyed by step
+EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step and benchmark
 
 _LOCK_ERROR = re.compile(r"lock|being used by another process|Conflicting lock", re.IGNORECASE)
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -217,8 +218,14 @@ class RunWriter:
         con.execute("BEGIN TRANSACTION")
         try:
             for table, records in rows.tables.items():
-                # a step written again (replayed after a resume) replaces the old rows of that step
-                con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step = ?", [self.run_id, rows.step])
+                # a step written again (replayed after a resume) replaces the old rows of that step; evaluations
+                # replace only their own benchmark's rows (`qae eval` may add others at the same step)
+                if table in EVAL_TABLES:
+                    for benchmark in sorted({r["benchmark"] for r in records}):
+                        con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step = ? AND benchmark = ?",
+                                    [self.run_id, rows.step, benchmark])
+                else:
+                    con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step = ?", [self.run_id, rows.step])
                 if not records:
                     continue
                 frame = pd.DataFrame.from_records(records)
@@ -363,3 +370,73 @@ def read_last_step(path: Path) -> int | None:
     frame = query(path, "SELECT max(step) AS last FROM steps")
     value = frame["last"].iloc[0]
     return None if pd.isna(value) else int(value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dashboard readers
+#
+# Each opens the run's file once, read-only, and closes it before returning, so a dashboard that refreshes every few
+# seconds costs the trainer at most one short wait per refresh.
+
+
+@dataclass
+class RunView:
+    """What the curves and evals pages show for one run, read in one connection."""
+
+    run: dict  # one row of SQL_RUN_SUMMARY
+    steps: pd.DataFrame  # the steps table, by step
+    warnings: pd.DataFrame  # step, kind, message
+    evals: pd.DataFrame  # step, benchmark, subset, metric, k, value, n_problems
+
+
+def read_run_view(path: Path) -> RunView:
+    with open_reader(path) as con:
+        run = con.execute(SQL_RUN_SUMMARY).df()
+        if run.empty:
+            raise QAEUserError(f"run: {path} has no run row; the run never started writing.")
+        return RunView(
+            run=run.iloc[0].to_dict(),
+            steps=con.execute("SELECT * FROM steps ORDER BY step").df(),
+            warnings=con.execute("SELECT step, kind, message FROM warnings ORDER BY step").df(),
+            evals=con.execute("SELECT step, benchmark, subset, metric, k, value, n_problems FROM evals "
+                              "ORDER BY benchmark, subset, metric, k, step").df(),
+        )
+
+
+def read_rollout_steps(path: Path) -> list[int]:
+    """Steps that have groups (and so rollouts), ascending."""
+    frame = query(path, "SELECT DISTINCT step FROM groups ORDER BY step")
+    return [int(step) for step in frame["step"]]
+
+
+SQL_PROMPTS = """
+    SELECT prompt_id, any_value(prompt) AS prompt, any_value(answer) AS answer, count(*) AS times_sampled,
+           min(step) AS first_step, max(step) AS last_step,
+           arg_min(n_correct / group_size, step) AS first_success, arg_max(n_correct / group_size, step) AS last_success,
+           arg_min(regime, step) AS first_regime, arg_max(regime, step) AS last_regime,
+           avg(n_correct / group_size) AS mean_success
+    FROM groups
+    GROUP BY prompt_id
+    ORDER BY times_sampled DESC, last_step DESC, prompt_id
+"""
+
+
+def read_prompts(path: Path) -> pd.DataFrame:
+    """One row per prompt sampled in the run: how often, when, and its success rate and regime first and last."""
+    return query(path, SQL_PROMPTS)
+
+
+def read_prompt_histories(path: Path, prompt_ids: list[str]) -> pd.DataFrame:
+    """step, prompt_id, success_rate, regime for each sampling of the given prompts."""
+    return query(
+        path,
+        "SELECT step, prompt_id, n_correct, group_size, n_correct / group_size AS success_rate, baseline, regime "
+        "FROM groups WHERE list_contains(?, prompt_id) ORDER BY prompt_id, step",
+        [list(prompt_ids)],
+    )
+
+
+def read_regime_counts(path: Path) -> pd.DataFrame:
+    """step, regime, n_groups: the regime mix of every step."""
+    return query(path, "SELECT step, regime, count(*) AS n_groups FROM groups GROUP BY step, regime "
+                       "ORDER BY step, regime")

@@ -1,0 +1,79 @@
+"""`qae eval` as a user runs it: stored samples, metrics recomputed from them, runs and checkpoints, real math files."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from qae_app.cli import app
+from qae_app.metrics import pass_at_k
+from qae_app.store import db_path, query, read_run
+
+runner = CliRunner()
+
+
+def _eval(tmp_path, *args):
+    result = runner.invoke(app, ["eval", "--runs-dir", str(tmp_path), "--json", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_builtin_model_on_the_heldout_split(tmp_path):
+    out = _eval(tmp_path, "--limit", "12", "--k", "4", "--run-name", "ev")
+    metrics = {(m["metric"], m["k"]): m["value"] for m in out["metrics"] if m["subset"] == "all"}
+    assert set(metrics) == {("avg@k", 4), ("pass@k", 1), ("pass@k", 2), ("pass@k", 4), ("maj@k", 4)}
+    path = db_path(tmp_path, "ev")
+    samples = query(path, "SELECT * FROM eval_samples ORDER BY problem_id, sample_idx")
+    assert len(samples) == 12 * 4
+    assert sorted(samples.groupby("problem_id")["sample_idx"].apply(list).iloc[0]) == [0, 1, 2, 3]
+    # the stored metrics are what the stored samples give
+    per_problem = samples.groupby("problem_id")["correct"].agg(["sum", "count"])
+    assert metrics[("avg@k", 4)] == pytest.approx(samples["correct"].mean())
+    for k in (1, 2, 4):
+        expected = sum(pass_at_k(n, c, k) for c, n in per_problem.itertuples(index=False)) / len(per_problem)
+        assert metrics[("pass@k", k)] == pytest.approx(expected)
+    assert metrics[("pass@k", 1)] == pytest.approx(metrics[("avg@k", 4)])
+    assert query(path, "SELECT count(*) AS n FROM evals")["n"].item() == 5
+    assert read_run(path)["status"] == "finished"
+
+
+def test_a_run_checkpoint_stores_results_in_the_run_at_its_step(tiny_run):
+    runs_dir, run_id = tiny_run
+    out = _eval(runs_dir, "--model", run_id, "--limit", "8", "--k", "2")
+    assert out["run_id"] == run_id
+    rows = query(db_path(runs_dir, run_id), "SELECT DISTINCT step FROM eval_samples WHERE benchmark = ?",
+                 ["arith-heldout"])
+    assert 6 in rows["step"].tolist()  # the run's last checkpoint is step-6
+
+
+def test_unknown_checkpoint_and_bad_k_are_clear_errors(tiny_run, tmp_path):
+    runs_dir, run_id = tiny_run
+    result = runner.invoke(app, ["eval", "--model", run_id, "--checkpoint", "99", "--runs-dir", str(runs_dir)])
+    assert result.exit_code == 2 and "has no checkpoint 99" in " ".join(result.output.split())
+    result = runner.invoke(app, ["eval", "--k", "0", "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "k: 0" in result.output
+    result = runner.invoke(app, ["eval", "--bench", "missing.jsonl", "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "missing.jsonl" in result.output
+
+
+def test_real_math_file_is_scored_with_math_verify(tmp_path, math_data):
+    out = _eval(tmp_path, "--bench", str(math_data / "math500.jsonl"), "--limit", "3", "--k", "2",
+                "--max-new-tokens", "4", "--run-name", "m500")
+    assert out["benchmark"] == "math500"
+    subsets = {m["subset"] for m in out["metrics"]}
+    assert "all" in subsets and any(s.startswith("subject=") for s in subsets)
+    assert any(s.startswith("level=") for s in subsets)
+    samples = query(db_path(tmp_path, "m500"), "SELECT * FROM eval_samples")
+    assert len(samples) == 6 and samples["verified"].all()
+
+
+def test_train_with_eval_bench_logs_results_with_the_step(tmp_path, math_data):
+    result = runner.invoke(app, ["train", "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
+                                 "--eval-every", "2", "--eval-bench", str(math_data / "amc23.jsonl"),
+                                 "--eval-k", "2", "--eval-limit", "3", "--run-name", "tb",
+                                 "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    evals = query(db_path(tmp_path, "tb"), "SELECT * FROM evals WHERE subset = 'all' ORDER BY step")
+    assert set(evals["step"]) == {0, 2}
+    assert set(evals["benchmark"]) == {"amc23"}
+    assert evals[evals["metric"] == "pass@k"]["k"].max() == 2
