@@ -64,7 +64,7 @@ def _train_option_parameters() -> list[inspect.Parameter]:
         default = getattr(defaults, f.name)
         help_text = f.metadata["help"]
         if f.metadata.get("choices"):
-            help_text += f" [{'|'.join(f.metadata['choices'])}]"
+            help_text += " " + escape(f"[{'|'.join(f.metadata['choices'])}]")
         if default is not None:
             help_text += f" [dim](default: {default})[/]"
         option = typer.Option(f"--{f.name.replace('_', '-')}", help=help_text, show_default=False,
@@ -96,7 +96,8 @@ def train(
 
 
 train.__signature__ = inspect.Signature(
-    [p for p in inspect.signature(train).parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    [p for p in inspect.signature(train, eval_str=True).parameters.values()
+     if p.kind != inspect.Parameter.VAR_KEYWORD]
     + _train_option_parameters()
 )
 app.command(help=train.__doc__)(train)

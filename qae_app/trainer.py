@@ -305,6 +305,7 @@ class Trainer:
         old_logp, entropy = self._logprobs_in_chunks(self.model, batch)  # (N, T-1) each, no grad
         ref_logp = self._logprobs_in_chunks(self.ref_model, batch)[0] if self.ref_model is not None else None
         update_stats = self._update(step, batch, old_logp, ref_logp, seq_adv)
+        self.engine.sync_weights(acc.unwrap_model(self.model))  # vLLM holds its own copy; hf shares the model
         update_s = time.perf_counter() - t0
 
         # ---- rows for the store (gathered on the main process)
@@ -336,7 +337,7 @@ class Trainer:
 
             group_rows = gather_object(group_rows)
             rollout_rows = gather_object(rollout_rows)
-            update_stats = {key: acc.reduce(torch.tensor(v, device=acc.device), "mean").item()
+            update_stats = {key: acc.reduce(torch.tensor(float(v), device=acc.device), "mean").item()
                             for key, v in update_stats.items()}
         metrics = step_metrics(group_rows, rollout_rows)
         metrics.update(update_stats)

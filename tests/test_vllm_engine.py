@@ -1,0 +1,74 @@
+"""The vLLM engine's glue. vLLM needs a CUDA GPU, which this machine and CI lack, so a stand-in `vllm` module
+(MOCK: fake LLM / SamplingParams recording their calls) checks what the engine asks of vLLM and how it turns
+vLLM's outputs into Samples. The real engine is exercised on a GPU machine (README, "Scaling to GPUs")."""
+
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qae_app.errors import QAEUserError
+from qae_app.models import CharTokenizer
+
+
+class FakeLLM:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.loaded = []
+        model = SimpleNamespace(load_weights=lambda weights: self.loaded.extend(name for name, _ in weights))
+        worker = SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker))
+        self.prefix_resets = 0
+
+    def generate(self, prompts, params, use_tqdm):
+        self.last = (prompts, params)
+        outs = []
+        for p in prompts:
+            completions = [SimpleNamespace(token_ids=[5, 6, 2], finish_reason="stop"),
+                           SimpleNamespace(token_ids=[7, 7, 7], finish_reason="length")][: params.n]
+            outs.append(SimpleNamespace(outputs=completions))
+        return outs
+
+    def reset_prefix_cache(self):
+        self.prefix_resets += 1
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    module = types.ModuleType("vllm")
+    module.LLM = FakeLLM
+    module.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    return module
+
+
+def test_generate_maps_outputs_to_samples(fake_vllm):
+    from qae_app.vllm_engine import VLLMEngine
+
+    codec = CharTokenizer()
+    engine = VLLMEngine("some/model", codec)
+    samples = engine.generate(["1+1=", "2*3="], n=2, temperature=0.9, max_new_tokens=3, seed=11)
+    prompts, params = engine.llm.last
+    assert prompts == [{"prompt_token_ids": codec.encode("1+1=")}, {"prompt_token_ids": codec.encode("2*3=")}]
+    assert (params.n, params.temperature, params.max_tokens, params.seed) == (2, 0.9, 3, 11)
+    assert [s.prompt_index for s in samples] == [0, 0, 1, 1]
+    assert [s.truncated for s in samples] == [False, True, False, True]
+    assert samples[0].text == codec.decode([5, 6, 2])
+
+
+def test_sync_weights_loads_every_parameter_and_resets_the_prefix_cache(fake_vllm):
+    from qae_app.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine("some/model", CharTokenizer())
+    model = torch.nn.Linear(2, 2)
+    engine.sync_weights(model)
+    assert engine.llm.loaded == ["weight", "bias"] and engine.llm.prefix_resets == 1
+
+
+def test_builtin_model_is_refused_with_a_hint(fake_vllm):
+    from qae_app.vllm_engine import VLLMEngine
+
+    with pytest.raises(QAEUserError, match="--engine hf"):
+        VLLMEngine("builtin:tiny", CharTokenizer())
