@@ -1,0 +1,46 @@
+"""Evaluations: avg@k / pass@k / maj@k over training steps, per benchmark and subset, for the picked runs."""
+
+import pandas as pd
+import streamlit as st
+
+import board
+import charts
+
+EMPTY = ("No evaluations recorded for the picked runs. Train with `--eval-every N` to evaluate on the held-out split "
+         "(or `--eval-bench NAME`) every N steps; the results appear here.")
+
+
+def body(run_ids: list[str]) -> None:
+    views = {run_id: view for run_id in run_ids if (view := board.run_view(run_id)) is not None}
+    evals = {run_id: view.evals for run_id, view in views.items() if not view.evals.empty}
+    if not evals:
+        st.info(EMPTY)
+        return
+    everything = pd.concat([frame.assign(run=run_id) for run_id, frame in evals.items()], ignore_index=True)
+    colors = board.run_colors(list(views))
+    benchmarks = sorted(everything["benchmark"].unique())
+    cols = st.columns(2)
+    benchmark = cols[0].selectbox("Benchmark", benchmarks, key="benchmark", bind="query-params")
+    subsets = sorted(everything.loc[everything["benchmark"] == benchmark, "subset"].unique(),
+                     key=lambda s: (s != "all", s))
+    subset = cols[1].selectbox("Subset", subsets, key="subset", bind="query-params",
+                               help="'all', or one subject / level of the benchmark")
+    part = everything[(everything["benchmark"] == benchmark) & (everything["subset"] == subset)]
+    frames = {run_id: part[part["run"] == run_id] for run_id in evals}
+    st.plotly_chart(charts.evals(frames, colors, f"{benchmark} · {subset}"), key="evals_chart")
+    latest = part.sort_values("step").groupby(["run", "metric", "k"], as_index=False).last()
+    st.caption("latest value of each metric")
+    st.dataframe(latest[["run", "step", "metric", "k", "value", "n_problems"]], hide_index=True, key="evals_latest",
+                 column_config={"value": st.column_config.NumberColumn(format="%.3f")})
+    with st.expander("every evaluation row"):
+        st.dataframe(everything[["run", "step", "benchmark", "subset", "metric", "k", "value", "n_problems"]],
+                     hide_index=True, key="evals_all")
+
+
+st.header("Evaluations")
+st.caption("avg@k: mean accuracy of k samples · pass@k: some sample correct · maj@k: the most common answer correct")
+run_ids = board.shown_runs()
+if not run_ids:
+    st.info("Pick one or more runs in the sidebar.")
+    st.stop()
+board.live(lambda: body(run_ids), run_ids, board.runs())

@@ -1,0 +1,83 @@
+"""Prompt history: how one prompt's success rate and regime move over the steps it was sampled, and the regime mix
+of every step."""
+
+import pandas as pd
+import streamlit as st
+
+import board
+import charts
+
+HEATMAP_PROMPTS = 30
+PROMPT_COLUMNS = {
+    "prompt_id": st.column_config.TextColumn("prompt id"),
+    "prompt": st.column_config.TextColumn("prompt", width="large"),
+    "answer": st.column_config.TextColumn("answer"),
+    "times_sampled": st.column_config.NumberColumn("sampled", help="steps at which the prompt was in the batch"),
+    "first_step": st.column_config.NumberColumn("first step"),
+    "last_step": st.column_config.NumberColumn("last step"),
+    "first_success": st.column_config.ProgressColumn("first success", min_value=0.0, max_value=1.0, format="%.2f"),
+    "last_success": st.column_config.ProgressColumn("last success", min_value=0.0, max_value=1.0, format="%.2f"),
+    "first_regime": st.column_config.TextColumn("first regime"),
+    "last_regime": st.column_config.TextColumn("last regime"),
+}
+
+
+def pick_prompt(prompts: pd.DataFrame) -> str:
+    """Prompt picker bound to `?prompt=`; default: the most-sampled prompt (ties: the most recent)."""
+    ids = [str(p) for p in prompts["prompt_id"]]
+    if st.session_state.get("prompt") not in ids and ("prompt" in st.session_state or "prompt" not in st.query_params):
+        st.session_state["prompt"] = ids[0]
+    return st.selectbox("Prompt", ids, key="prompt", bind="query-params",
+                        help="Sorted by how often the prompt was sampled. Type to search prompt ids.")
+
+
+def body(run_id: str) -> None:
+    prompts = board.prompts(run_id)
+    if prompts is None:
+        return
+    if prompts.empty:
+        st.info("No groups written yet: prompts appear here when the trainer finishes its first step.")
+        return
+    view = board.run_view(run_id)
+    k = view.run.get("k") if view is not None else None
+    moved = prompts[(prompts["times_sampled"] > 1) & (prompts["first_regime"] != prompts["last_regime"])]
+    st.caption(f"{len(prompts)} prompts sampled · {int((prompts['times_sampled'] > 1).sum())} more than once · "
+               f"{len(moved)} changed regime between their first and last sampling")
+    prompt_id = pick_prompt(prompts)
+    row = prompts.set_index("prompt_id").loc[prompt_id]
+    left, right = st.columns([3, 1])
+    with left:
+        st.caption("prompt")
+        st.code(row["prompt"], language=None, wrap_lines=True)
+    with right:
+        st.caption("answer")
+        st.code(row["answer"], language=None, wrap_lines=True)
+    history = board.prompt_histories(run_id, [prompt_id])
+    if history is not None:
+        cols = st.columns([2, 1])
+        with cols[0]:
+            st.plotly_chart(charts.prompt_history(history, k), key="prompt_history")
+        with cols[1]:
+            st.dataframe(history[["step", "n_correct", "group_size", "baseline", "regime"]], hide_index=True,
+                         key="prompt_history_table")
+    with st.expander("All prompts", expanded=False):
+        st.dataframe(prompts[list(PROMPT_COLUMNS)], hide_index=True, column_config=PROMPT_COLUMNS, key="prompts")
+    repeated = prompts[prompts["times_sampled"] > 1]
+    if repeated.empty:
+        st.caption("No prompt has been sampled twice yet, so there is no history to compare across steps: prompts "
+                   "come back once the run has gone through the training set.")
+    else:
+        top = [str(p) for p in repeated["prompt_id"].head(HEATMAP_PROMPTS)]
+        histories = board.prompt_histories(run_id, top)
+        if histories is not None:
+            st.plotly_chart(charts.prompt_heatmap(histories, top), key="prompt_heatmap")
+    counts = board.regime_counts(run_id)
+    if counts is not None:
+        st.plotly_chart(charts.regime_mix(counts), key="regime_mix")
+
+
+st.header("Prompt history")
+run = board.pick_one_run()
+if run is None:
+    st.stop()
+board.live(lambda: body(run), [run], board.runs())

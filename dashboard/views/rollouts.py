@@ -1,0 +1,140 @@
+"""Rollouts: the groups of one step (prompt, answer, success count, baseline, regime) and their responses.
+
+Model text is data, never markup: prompts and responses are shown with st.code / st.text and in dataframe cells.
+"""
+
+import math
+from functools import partial
+
+import pandas as pd
+import streamlit as st
+
+import board
+from qae_app.advantages import REGIMES
+
+GROUPS_PER_PAGE = 10
+ROW_PX, MAX_TABLE_PX = 35, 600  # a group's table shows up to ~16 responses without scrolling
+GATED_CHOICES = {"all": None, "gated": True, "kept": False}
+REGIME_BADGE = {"hard": "red", "easy": "green", "all_correct": "blue", "all_wrong": "gray", "mixed": "violet"}
+RESPONSE_COLUMNS = {
+    "sample_idx": st.column_config.NumberColumn("sample", width="small"),
+    "status": st.column_config.TextColumn("gated", width="small",
+                                          help="gated: advantage exactly 0, no policy gradient from this response"),
+    "reward": st.column_config.NumberColumn("reward", format="%.2f", width="small"),
+    "advantage": st.column_config.NumberColumn("advantage", format="%+.3f", width="small"),
+    "response": st.column_config.TextColumn("response (click a row to open it)", width="large"),
+    "n_tokens": st.column_config.NumberColumn("tokens", width="small"),
+    "truncated": st.column_config.CheckboxColumn("truncated", width="small"),
+    "entropy": st.column_config.NumberColumn("entropy", format="%.3f", width="small"),
+}
+
+
+def step_slider(steps: list[int]) -> int:
+    """Step picker bound to `?step=`; it follows the newest step while the user is on the newest step."""
+    latest, seen = steps[-1], st.session_state.get("_latest_step")
+    if "step" not in st.session_state and "step" not in st.query_params:
+        st.session_state["step"] = latest
+    elif "step" in st.session_state and (st.session_state["step"] not in steps or st.session_state["step"] == seen):
+        st.session_state["step"] = latest
+    st.session_state["_latest_step"] = latest
+    if len(steps) == 1:
+        st.session_state["step"] = latest
+        st.caption(f"step {latest} (the only step with rollouts so far)")
+        return latest
+    return st.select_slider("Step", steps, key="step", bind="query-params",
+                            help="Stays on the newest step while you are on it; pick an older one to stay there.")
+
+
+def styled(responses: pd.DataFrame):
+    """Responses of one group with the gated ones greyed out."""
+    frame = responses.assign(status=responses["gated"].map({True: "⊘ gated", False: "✓ kept"}))
+    frame = frame[list(RESPONSE_COLUMNS)].reset_index(drop=True)
+    grey = "color: #8a8a8a; background-color: #f2f2f2"
+    return frame.style.apply(lambda row: [grey if row["status"] == "⊘ gated" else ""] * len(row), axis=1)
+
+
+def open_row(table_key: str, select_key: str, samples: list[int]) -> None:
+    """Clicking a row of a group's table opens that response (sets the group's 'open' select box)."""
+    rows = st.session_state[table_key]["selection"]["rows"]
+    st.session_state[select_key] = samples[rows[0]] if rows else None
+
+
+def group(step: int, rows: pd.DataFrame) -> None:
+    first = rows.iloc[0]
+    g, regime = int(first["group_idx"]), str(first["regime"])
+    with st.container(border=True):
+        badge = f":{REGIME_BADGE[regime]}-badge[{regime}]" if regime in REGIME_BADGE else ""
+        n_gated = int(rows["gated"].sum())
+        st.markdown(f"**Group {g}** {badge} · **{int(first['n_correct'])}/{int(first['group_size'])}** correct · "
+                    f"baseline **{first['baseline']:.3g}** · {n_gated} of {len(rows)} shown gated")
+        left, right = st.columns([3, 1])
+        with left:
+            st.caption("prompt")
+            st.code(first["prompt"], language=None, wrap_lines=True)
+        with right:
+            st.caption("answer")
+            st.code(first["answer"], language=None, wrap_lines=True)
+        samples = [int(s) for s in rows["sample_idx"]]
+        table_key, select_key = f"table_{step}_{g}", f"open_{step}_{g}"
+        st.dataframe(styled(rows), hide_index=True, column_config=RESPONSE_COLUMNS, key=table_key,
+                     height=min(ROW_PX * (len(rows) + 1) + 3, MAX_TABLE_PX),
+                     on_select=partial(open_row, table_key, select_key, samples), selection_mode="single-row")
+        by_sample = rows.set_index("sample_idx")
+        chosen = st.selectbox("Open a response in full", [None, *samples], key=select_key,
+                              format_func=lambda s: "—" if s is None else (
+                                  f"sample {s} · reward {by_sample.at[s, 'reward']:.2f} · "
+                                  f"advantage {by_sample.at[s, 'advantage']:+.3f}"
+                                  + (" · gated" if by_sample.at[s, 'gated'] else "")))
+        if chosen is not None:
+            row = by_sample.loc[chosen]
+            st.code(row["response"], language=None, wrap_lines=True)
+            st.caption(f"{int(row['n_tokens'])} tokens" + (" · truncated at max_new_tokens" if row["truncated"]
+                                                             else "") + f" · entropy {row['entropy']:.3f}")
+
+
+def body(run_id: str) -> None:
+    steps = board.rollout_steps(run_id)
+    if not steps:
+        st.info("No rollouts written yet: the first step's groups appear here when the trainer finishes it.")
+        return
+    step = step_slider(steps)
+    everything = board.rollouts(run_id, step)
+    if everything is None:
+        return
+    filters = st.columns([1, 1, 1, 2])
+    regime = filters[0].selectbox("Regime", ["any", *REGIMES], key="regime", bind="query-params")
+    gated = filters[1].segmented_control("Responses", list(GATED_CHOICES), key="gated", default="all",
+                                         bind="query-params", required=True)
+    rewards = sorted(everything["reward"].dropna().unique().tolist())
+    reward = filters[2].selectbox("Reward", ["any", *rewards], key="reward",
+                                  format_func=lambda r: r if r == "any" else f"{r:g}")
+    search = filters[3].text_input("Search prompts and responses", key="search", bind="query-params",
+                                   placeholder="plain text, case-insensitive")
+    shown = board.rollouts(run_id, step, gated=GATED_CHOICES[gated], regime=None if regime == "any" else regime,
+                           reward=None if reward == "any" else float(reward), search=search)
+    if shown is None:
+        return
+    n_groups = everything["group_idx"].nunique()
+    summary = st.columns(4)
+    summary[0].metric("responses shown", f"{len(shown)} / {len(everything)}")
+    summary[1].metric("gated (advantage 0)", f"{int(everything['gated'].sum())} / {len(everything)}",
+                      help="over the whole step, before filters")
+    summary[2].metric("groups shown", f"{shown['group_idx'].nunique()} / {n_groups}")
+    summary[3].metric("accuracy", f"{everything['reward'].eq(1).mean():.3f}")
+    if shown.empty:
+        st.info("No response of this step matches the filters.")
+        return
+    group_ids = list(dict.fromkeys(shown["group_idx"]))
+    pages = math.ceil(len(group_ids) / GROUPS_PER_PAGE)
+    page = 1
+    if pages > 1:
+        page = st.number_input(f"Page (of {pages}, {GROUPS_PER_PAGE} groups each)", 1, pages, 1, key="page")
+    for g in group_ids[(page - 1) * GROUPS_PER_PAGE: page * GROUPS_PER_PAGE]:
+        group(step, shown[shown["group_idx"] == g])
+
+
+st.header("Rollouts")
+run = board.pick_one_run()
+if run is None:
+    st.stop()
+board.live(lambda: body(run), [run], board.runs())
