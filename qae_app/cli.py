@@ -137,8 +137,8 @@ def run_training(trainer) -> None:
             result = trainer.fit(on_step=on_step)
     except KeyboardInterrupt:
         if main:
-            console.print(f"\n[yellow]interrupted[/] at step {trainer.state.step}: checkpoint saved. "
-                          f"Continue with: qae train --resume {trainer.run_id} --runs-dir {trainer.runs_dir}")
+            console.print(f"\n[yellow]interrupted[/] after step {trainer.state.step}. Continue from the newest "
+                          f"checkpoint with: qae train --resume {trainer.run_id} --runs-dir {trainer.runs_dir}")
         raise typer.Exit(code=130)
     except QAEUserError as err:
         fail(err)
@@ -184,6 +184,7 @@ def warmstart(
 def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
     """List runs: status, estimator, K, steps and the latest reward, accuracy and entropy."""
     from qae_app.store import read_runs
+    from qae_app.trainer import trainer_alive
 
     frame = read_runs(runs_dir)
     if frame.empty:
@@ -195,7 +196,10 @@ def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
         table.add_column(column)
     colors = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow"}
     for row in frame.to_dict("records"):
-        table.add_row(row["run_id"], f"[{colors.get(row['status'], 'white')}]{row['status']}[/]", row["estimator"],
+        status = row["status"]
+        if status == "running" and not trainer_alive(Path(runs_dir) / row["run_id"]):
+            status = "stopped"  # killed without a chance to record it (kill -9, power loss): resume it
+        table.add_row(row["run_id"], f"[{colors.get(status, 'red')}]{status}[/]", row["estimator"],
                       _fmt(row["k"], 2), row["model"], row["task"], str(row["steps"]), _fmt(row["reward_mean"]),
                       _fmt(row["accuracy"]), _fmt(row.get("heldout_accuracy")), _fmt(row["entropy"]))
     console.print(table)
@@ -359,7 +363,7 @@ def dashboard(
         fail(QAEUserError(f"dashboard: {DASHBOARD_APP} is missing. Install qae from a clone with `pip install -e .`."))
     command = [sys.executable, "-m", "streamlit", "run", str(DASHBOARD_APP), "--server.address", host,
                "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
-               "--server.fileWatcherType", "none"]
+               "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal"]
     env = dict(os.environ, QAE_RUNS_DIR=str(Path(runs_dir).resolve()))
     console.print(f"qae dashboard for [cyan]{Path(runs_dir).resolve()}[/] at [bold]http://{host}:{port}[/] "
                   "(Ctrl-C to stop)")

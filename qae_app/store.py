@@ -25,6 +25,7 @@ import duckdb
 import pandas as pd
 
 from qae_app.errors import QAEUserError
+from qae_app.faults import fault_point
 
 DB_FILE = "qae.duckdb"
 RUN_STATUSES = ("running", "finished", "failed", "interrupted")
@@ -234,6 +235,7 @@ class RunWriter:
                 con.register("_batch", frame)
                 con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _batch")
                 con.unregister("_batch")
+                fault_point("db_commit", rows.step)  # crash tests: a kill here loses only this uncommitted step
             con.execute("COMMIT")
         except BaseException:
             con.execute("ROLLBACK")

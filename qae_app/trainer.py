@@ -26,6 +26,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import time
@@ -39,6 +40,7 @@ from qae_app.advantages import REGIMES, compute_advantages
 from qae_app.config import TrainConfig
 from qae_app.errors import QAEUserError
 from qae_app.evaluate import evaluate
+from qae_app.faults import fault_point
 from qae_app.losses import policy_loss, token_logprobs_and_entropy
 from qae_app.models import load_policy
 from qae_app.rewards import Scorer
@@ -47,6 +49,8 @@ from qae_app.store import DB_FILE, RunWriter, read_last_step
 from qae_app.tasks import Task, load_task
 
 CHECKPOINTS_DIR = "checkpoints"
+RUN_LOCK = "trainer.pid"  # pid of the process training this run; absent when none is
+CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 CONFIG_FILE = "config.json"
 # config fields a resume may change (everything else must match the stored run)
@@ -108,8 +112,20 @@ def _epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = [p for p in (run_dir / CHECKPOINTS_DIR).glob("step-*") if p.is_dir() and (p / TRAINER_STATE).exists()]
+    """Newest complete checkpoint (a `step-N.tmp` folder left by a kill mid-save is ignored)."""
+    ckpts = [p for p in (Path(run_dir) / CHECKPOINTS_DIR).glob("step-*")
+             if CHECKPOINT_NAME.match(p.name) and (p / TRAINER_STATE).exists()]
     return max(ckpts, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def trainer_alive(run_dir: Path) -> bool:
+    """Whether a process is training this run now (its pid file names a live process)."""
+    try:
+        pid = int((Path(run_dir) / RUN_LOCK).read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -193,6 +209,9 @@ class Trainer:
             existing = ", ".join(sorted(p.parent.name for p in self.runs_dir.glob(f"*/{CONFIG_FILE}"))[-10:])
             raise QAEUserError(f"resume: no run '{run}' in {self.runs_dir} (existing: {existing or 'none'}). "
                                "See `qae runs`.")
+        if trainer_alive(run_dir):
+            raise QAEUserError(f"resume: run '{run}' is being trained right now by process "
+                               f"{(run_dir / RUN_LOCK).read_text()}. Stop it first (Ctrl-C), then resume.")
         stored = TrainConfig(**json.loads((run_dir / CONFIG_FILE).read_text()))
         defaults = TrainConfig()
         for name, value in overrides.to_dict().items():
@@ -230,10 +249,11 @@ class Trainer:
             unwrapped.save_pretrained(tmp / "model", safe_serialization=True)
             self.codec.save(tmp / "model")
             self.state.save(tmp / TRAINER_STATE)
+            fault_point("checkpoint_rename", self.state.step)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            ckpts = sorted((p for p in final.parent.glob("step-*") if not p.name.endswith(".tmp")),
+            ckpts = sorted((p for p in final.parent.glob("step-*") if CHECKPOINT_NAME.match(p.name)),
                            key=lambda p: int(p.name.split("-")[1]))
             for old in ckpts[: -self.cfg.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -472,22 +492,21 @@ class Trainer:
     # the loop
 
     def fit(self, on_step=None) -> RunResult:
+        """Train until cfg.steps. Ctrl-C (or SIGTERM) stops at the end of the current step with a checkpoint, so a
+        resumed run is exactly the uninterrupted one; a second Ctrl-C stops at once (rows kept, no new checkpoint)."""
         cfg = self.cfg
         status, error = "running", None
         metrics: dict = {}
-        interrupted = False
-
-        def on_sigterm(signum, frame):
-            raise KeyboardInterrupt
-
-        previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm) if self.is_main else None
+        self._stop_requested = False
+        previous_handlers = self._install_stop_handlers()
+        self._hold_run_lock()
         try:
             if self.state.step == 0 and cfg.eval_every:
                 acc0 = self.evaluate_heldout(0)
                 if on_step is not None:
                     on_step(0, {"heldout_accuracy": acc0})
                 self._flush()
-            while self.state.step < cfg.steps:
+            while self.state.step < cfg.steps and not self._should_stop():
                 step = self.state.step + 1
                 metrics = self.train_step(step)
                 metrics["heldout_accuracy"] = None
@@ -500,34 +519,78 @@ class Trainer:
                     self.writer.add_step(step, steps=[metrics], groups=groups, rollouts=rollouts,
                                          warnings=self.warnings)
                     self.warnings = []
+                fault_point("after_step_rows", step)
                 self._flush()
                 if on_step is not None:
                     on_step(step, metrics)
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
                     self._flush(force=True)
                     self.save_checkpoint()
-            status = "finished"
-        except KeyboardInterrupt:
-            interrupted = True
+            if self.state.step < cfg.steps:  # stopped by a signal at a step boundary
+                status = "interrupted"
+                self._flush(force=True)
+                if latest_checkpoint(self.run_dir) is None or \
+                        int(latest_checkpoint(self.run_dir).name.split("-")[1]) != self.state.step:
+                    self.save_checkpoint()
+            else:
+                status = "finished"
+        except KeyboardInterrupt:  # second Ctrl-C: stop now; the newest checkpoint stays the resume point
             status = "interrupted"
-            self._flush(force=True)
-            self.save_checkpoint()
         except Exception as err:
             status, error = "failed", f"{type(err).__name__}: {err}"
             raise
         finally:
-            if previous_sigterm is not None:
-                signal.signal(signal.SIGTERM, previous_sigterm)
+            self._restore_handlers(previous_handlers)
             self.scorer.close()
             if self.writer is not None:
                 try:
                     self._flush(force=True)
                 finally:
                     self.writer.update_run(status=status, error=error)
+            self._release_run_lock()
         result = RunResult(self.run_id, self.run_dir, self.state.step, status, metrics)
-        if interrupted:
+        if status == "interrupted":
             raise KeyboardInterrupt(result)
         return result
+
+    # -------------------------------------------------------------------------------------------------------------
+    # stopping and the run lock
+
+    def _install_stop_handlers(self) -> dict:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def request_stop(signum, frame):
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            self._stop_requested = True
+            if self.console is not None and self.is_main:
+                self.console.print("[yellow]stopping after this step (checkpoint, then exit); "
+                                   "Ctrl-C again to stop at once[/]")
+
+        return {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    @staticmethod
+    def _restore_handlers(previous: dict) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    def _should_stop(self) -> bool:
+        """All processes agree to stop at the same step boundary (a signal may reach them at different times)."""
+        flag = torch.tensor(float(self._stop_requested), device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.reduce(flag, reduction="sum")
+        return flag.item() > 0
+
+    def _hold_run_lock(self) -> None:
+        if self.is_main:
+            (self.run_dir / RUN_LOCK).write_text(str(os.getpid()))
+
+    def _release_run_lock(self) -> None:
+        if self.is_main:
+            (self.run_dir / RUN_LOCK).unlink(missing_ok=True)
 
     def _flush(self, force: bool = False) -> None:
         if self.writer is None:

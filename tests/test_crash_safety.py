@@ -1,0 +1,205 @@
+"""Nothing lost, nothing hung: real `qae train` processes killed with SIGKILL at chosen points (fault injection,
+`qae_app/faults.py`) and at an arbitrary moment, stopped with Ctrl-C, crashed, and read by a polling reader."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import pandas as pd
+import pytest
+
+from qae_app.config import build_config
+from qae_app.store import STEP_METRICS, db_path, query, read_run, read_steps
+from qae_app.trainer import RUN_LOCK, Trainer, latest_checkpoint
+
+OPTS = dict(steps=6, prompts_per_step=4, group_size=8, eval_every=0, checkpoint_every=2, seed=1)
+PER_STEP = OPTS["prompts_per_step"] * OPTS["group_size"]
+TIMING = {"rollout_s", "reward_s", "update_s", "step_s"}
+QAE = str(Path(sys.executable).parent / "qae")
+WIDE = dict(os.environ, COLUMNS="250")  # rich tables wide enough not to abbreviate cells
+
+
+def cli_args(**opts) -> list[str]:
+    return [f"--{k.replace('_', '-')}={v}" for k, v in opts.items()]
+
+
+def start_train(runs_dir: Path, name: str, env_extra: dict | None = None, **opts) -> subprocess.Popen:
+    env = dict(WIDE, **(env_extra or {}))
+    return subprocess.Popen([QAE, "train", "--run-name", name, "--runs-dir", str(runs_dir), *cli_args(**opts)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def assert_same_steps(reference: Path, run: Path, n_steps: int) -> None:
+    ref = read_steps(reference).set_index("step")
+    got = read_steps(run).set_index("step")
+    assert got.index.tolist() == list(range(1, n_steps + 1))  # every step exactly once
+    for name in set(STEP_METRICS) - TIMING:
+        pd.testing.assert_series_equal(ref[name], got[name], check_names=False, rtol=1e-5, atol=1e-6, obj=name)
+    counts = query(run, "SELECT step, count(*) AS n FROM rollouts GROUP BY step ORDER BY step")
+    assert counts["n"].tolist() == [PER_STEP] * n_steps
+    groups = query(run, "SELECT step, count(*) AS n FROM groups GROUP BY step ORDER BY step")
+    assert groups["n"].tolist() == [OPTS["prompts_per_step"]] * n_steps
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    runs_dir = tmp_path_factory.mktemp("reference")
+    Trainer(build_config(run_name="ref", **OPTS), runs_dir, cpu=True).fit()
+    return db_path(runs_dir, "ref")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["db_commit@5", "after_step_rows@3", "checkpoint_rename@4", "db_commit@1"])
+def test_kill_9_at_a_chosen_point_then_resume_equals_the_uninterrupted_run(tmp_path, reference, fault):
+    proc = start_train(tmp_path, "cut", {"QAE_FAULT": fault}, **OPTS)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == -signal.SIGKILL, out
+    assert read_run(db_path(tmp_path, "cut"))["status"] == "running"  # it had no chance to say otherwise
+    point, step = fault.split("@")
+    stored = read_steps(db_path(tmp_path, "cut"))["step"].tolist()
+    if point == "checkpoint_rename":  # rows of a step are committed before its checkpoint is saved
+        assert stored == list(range(1, int(step) + 1))
+    else:  # the step being written when killed was rolled back whole
+        assert stored == list(range(1, int(step)))
+    ckpt = latest_checkpoint(tmp_path / "cut")
+    if fault == "checkpoint_rename@4":
+        assert ckpt.name == "step-2" and (tmp_path / "cut" / "checkpoints" / "step-4.tmp").exists()
+
+    listed = subprocess.run([QAE, "runs", "--runs-dir", str(tmp_path)], capture_output=True, text=True, env=WIDE)
+    assert "stopped" in listed.stdout  # a dead trainer is not shown as running
+
+    resumed = subprocess.run([QAE, "train", "--resume", "cut", "--runs-dir", str(tmp_path)],
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert_same_steps(reference, db_path(tmp_path, "cut"), OPTS["steps"])
+    assert read_run(db_path(tmp_path, "cut"))["status"] == "finished"
+    assert not (tmp_path / "cut" / RUN_LOCK).exists()
+
+
+@pytest.mark.slow
+def test_kill_9_at_an_arbitrary_moment_then_resume(tmp_path, tmp_path_factory):
+    opts = dict(OPTS, steps=30, checkpoint_every=4)
+    ref_dir = tmp_path_factory.mktemp("ref30")
+    Trainer(build_config(run_name="ref30", **opts), ref_dir, cpu=True).fit()
+    proc = start_train(tmp_path, "cut", **opts)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # wait until it is mid-run, then kill without warning
+        try:
+            done = query(db_path(tmp_path, "cut"), "SELECT count(*) AS n FROM steps")["n"].item()
+        except Exception:  # noqa: BLE001 - not created yet, or the trainer holds the lock
+            done = 0
+        if done >= 7:
+            break
+        time.sleep(0.05)
+    time.sleep(0.137)  # an arbitrary point inside a later step
+    proc.kill()
+    proc.wait()
+    resumed = subprocess.run([QAE, "train", "--resume", "cut", "--runs-dir", str(tmp_path)],
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    ref = read_steps(db_path(ref_dir, "ref30")).set_index("step")
+    got = read_steps(db_path(tmp_path, "cut")).set_index("step")
+    assert got.index.tolist() == list(range(1, 31))
+    for name in set(STEP_METRICS) - TIMING:
+        pd.testing.assert_series_equal(ref[name], got[name], check_names=False, rtol=1e-5, atol=1e-6, obj=name)
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_marks_interrupted_and_resumes(tmp_path, reference):
+    proc = start_train(tmp_path, "cc", **dict(OPTS, steps=400, checkpoint_every=100))
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if query(db_path(tmp_path, "cc"), "SELECT count(*) AS n FROM steps")["n"].item() >= 3:
+                break
+        except Exception:  # noqa: BLE001
+            pass
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "qae train --resume cc" in out
+    path = db_path(tmp_path, "cc")
+    info = read_run(path)
+    last = int(info["last_step"])
+    assert info["status"] == "interrupted" and last >= 3
+    assert latest_checkpoint(tmp_path / "cc").name == f"step-{last}"  # checkpoint at the stop, not 100 steps back
+    assert not (tmp_path / "cc" / RUN_LOCK).exists()
+    listed = subprocess.run([QAE, "runs", "--runs-dir", str(tmp_path)], capture_output=True, text=True, env=WIDE)
+    assert "interrupted" in listed.stdout
+    # the resumed run equals the uninterrupted reference wherever they overlap (same seed, same options but steps)
+    subprocess.run([QAE, "train", "--resume", "cc", "--steps", str(OPTS["steps"] if last < 6 else last + 1),
+                    "--runs-dir", str(tmp_path)], check=True, capture_output=True, timeout=600)
+    got = read_steps(path).set_index("step")
+    assert got.index.tolist() == list(range(1, len(got) + 1))
+    if last < 6:
+        assert_same_steps(reference, path, OPTS["steps"])
+
+
+def test_a_crash_marks_the_run_failed_with_the_error(tmp_path):
+    proc = start_train(tmp_path, "boom", {"QAE_FAULT": "raise:after_step_rows@2"}, **OPTS)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 1, out
+    info = read_run(db_path(tmp_path, "boom"))
+    assert info["status"] == "failed" and "injected fault at after_step_rows, step 2" in info["error"]
+    assert read_steps(db_path(tmp_path, "boom"))["step"].tolist() == [1, 2]  # finished steps are kept
+    listed = subprocess.run([QAE, "runs", "--runs-dir", str(tmp_path)], capture_output=True, text=True, env=WIDE)
+    assert "failed" in listed.stdout
+
+
+def test_resume_refuses_a_conflicting_config_and_a_live_trainer(tmp_path):
+    Trainer(build_config(run_name="r", **dict(OPTS, steps=2)), tmp_path, cpu=True).fit()
+    result = subprocess.run([QAE, "train", "--resume", "r", "--group-size", "4", "--runs-dir", str(tmp_path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "--group-size 4 conflicts with run 'r', which was started with 8" in " ".join(result.stderr.split())
+    (tmp_path / "r" / RUN_LOCK).write_text(str(os.getpid()))  # this test process stands in for a live trainer
+    result = subprocess.run([QAE, "train", "--resume", "r", "--runs-dir", str(tmp_path)], capture_output=True,
+                            text=True)
+    assert result.returncode == 2 and "is being trained right now" in " ".join(result.stderr.split())
+
+
+@pytest.mark.slow
+def test_a_reader_polling_every_100ms_never_hurts_the_writer(tmp_path):
+    """As the dashboard does: open read-only, query, close, every 100 ms, for the whole run."""
+    opts = dict(OPTS, steps=40, checkpoint_every=20)
+    proc = start_train(tmp_path, "live", **opts)
+    path = db_path(tmp_path, "live")
+    reads = partial_steps = reader_busy = 0
+    while proc.poll() is None:
+        time.sleep(0.1)
+        if not path.exists():
+            continue
+        try:
+            con = duckdb.connect(str(path), read_only=True)
+        except duckdb.Error:
+            reader_busy += 1  # the trainer held the file for its write: try again next tick
+            continue
+        try:
+            steps = con.execute("SELECT step FROM steps").fetchall()
+            per_step = dict(con.execute("SELECT step, count(*) FROM rollouts GROUP BY step").fetchall())
+            groups = dict(con.execute("SELECT step, count(*) FROM groups GROUP BY step").fetchall())
+        except duckdb.Error:
+            # the file is created before its tables: only possible in the first instant
+            continue
+        finally:
+            con.close()
+        reads += 1
+        for (step,) in steps:  # every step a reader sees is whole
+            if per_step.get(step) != PER_STEP or groups.get(step) != opts["prompts_per_step"]:
+                partial_steps += 1
+        if set(per_step) - {s for (s,) in steps}:
+            partial_steps += 1
+    out = proc.stdout.read()
+    assert proc.returncode == 0, out
+    assert reads > 20 and partial_steps == 0
+    final = read_steps(path)
+    assert final["step"].tolist() == list(range(1, 41))  # zero lost rows
+    assert query(path, "SELECT count(*) AS n FROM rollouts")["n"].item() == 40 * PER_STEP
+    assert read_run(path)["status"] == "finished"
