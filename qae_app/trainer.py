@@ -163,6 +163,7 @@ class Trainer:
         self.task = load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
         if len(self.task.train) == 0:
             raise QAEUserError(f"data: '{cfg.data}' has no training problems. Lower --heldout-fraction.")
+        self.eval_task = load_task(cfg.eval_bench) if cfg.eval_bench else None  # bad paths fail before any write
         model, self.codec = load_policy(cfg.model, cfg.dtype)
         self.ref_model = None
         if cfg.kl_beta > 0:
@@ -457,8 +458,8 @@ class Trainer:
     def evaluate_heldout(self, step: int) -> float | None:
         """Sampled accuracy on the held-out split (or --eval-bench); logs every metric to `evals`."""
         cfg, acc = self.cfg, self.accelerator
-        if cfg.eval_bench:
-            bench = load_task(cfg.eval_bench)
+        if self.eval_task is not None:
+            bench = self.eval_task
             problems = bench.heldout or bench.train
             name, scorer_name, task = bench.name, bench.reward, bench
         else:

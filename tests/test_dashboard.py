@@ -350,6 +350,25 @@ def wait_healthy(port: int, process: subprocess.Popen, timeout_s: float = 60) ->
     raise TimeoutError(f"dashboard not healthy on port {port} after {timeout_s} s")
 
 
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses of sockets listening on `port`, from /proc/net/tcp and tcp6 (state 0A = LISTEN)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:
+                continue
+            if len(address) == 8:  # IPv4, little-endian
+                found.add(socket.inet_ntop(socket.AF_INET, bytes.fromhex(address)[::-1]))
+            else:
+                words = bytes.fromhex(address)
+                found.add(socket.inet_ntop(socket.AF_INET6, b"".join(words[i:i + 4][::-1] for i in range(0, 16, 4))))
+    return found
+
+
 def test_qae_dashboard_stops_cleanly_on_ctrl_c(runs_dir):
     port = free_port()
     qae = Path(sys.executable).parent / "qae"
@@ -358,6 +377,7 @@ def test_qae_dashboard_stops_cleanly_on_ctrl_c(runs_dir):
                                start_new_session=True)
     try:
         wait_healthy(port, process)
+        assert listening_addresses(port) == {"127.0.0.1"}  # nobody else on the network can reach the runs
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal signals the whole foreground group
         output, _ = process.communicate(timeout=20)
     finally:

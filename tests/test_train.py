@@ -156,3 +156,32 @@ def test_malformed_toml_key_suggests_the_nearest(tmp_path):
     toml.write_text('group_size = "eight"\n')
     result = runner.invoke(app, ["train", "--config", str(toml), "--runs-dir", str(tmp_path)])
     assert result.exit_code == 2 and "expected int" in " ".join(result.output.split())
+
+
+def _bad_files(tmp_path):
+    (tmp_path / "broken.jsonl").write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?", "answer": \n')
+    (tmp_path / "noanswer.jsonl").write_text('{"problem": "1+1?", "solution": "it is 2"}\n')
+    (tmp_path / "types.toml").write_text("steps = 2.5\n")
+    (tmp_path / "k.toml").write_text("k = true\n")
+    return tmp_path
+
+
+BAD_FILES = [
+    (["--data", "{d}/broken.jsonl"], "broken.jsonl' line 2 is not valid JSON"),
+    (["--data", "{d}/noanswer.jsonl"], "noanswer.jsonl"),
+    (["--config", "{d}/types.toml"], "'steps' = 2.5 is a float, expected int"),
+    (["--config", "{d}/k.toml"], "'k' = True is a bool"),
+    (["--steps", "abc"], "Invalid value for '--steps'"),
+    (["--lr", "fast"], "Invalid value for '--lr'"),
+    (["--eval-bench", "{d}/missing.jsonl", "--steps", "1"], "missing.jsonl"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_FILES, ids=[a[1] if len(a) > 1 else a[0] for a, _ in BAD_FILES])
+def test_bad_files_and_types_are_one_clear_message(tmp_path, args, message):
+    d = _bad_files(tmp_path)
+    args = [a.format(d=d) for a in args]
+    result = runner.invoke(app, ["train", "--runs-dir", str(tmp_path / "runs"), *args])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()), result.output
+    assert not list((tmp_path / "runs").glob("*/qae.duckdb"))  # refused before anything was written
