@@ -115,7 +115,7 @@ def run_training(trainer) -> None:
                       f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples")
     progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=20),
                         TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
-                        console=console, disable=not main, transient=False)
+                        console=console, disable=not main or not console.is_terminal, transient=False)
     heldout = {"value": None}
     task_id = progress.add_task("train", total=cfg.steps, completed=trainer.state.step, stats="")
 

@@ -125,10 +125,14 @@ def build_tiny_model(seed: int = 0):
 
 def quiet_transformers() -> None:
     """No per-load progress bars or 'shared tensor' notices in our output: the CLI shows its own progress."""
+    import logging
+
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    # accelerate notes on every checkpoint that the tied lm_head is stored once; that is expected, not news
+    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
 
 
 def load_policy(spec: str, dtype: str = "float32", use_chat_template: bool = True):

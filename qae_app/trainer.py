@@ -181,6 +181,7 @@ class Trainer:
         self.state = TrainerState(k=None if cfg.k == "auto" else float(cfg.k))
         self.writer: RunWriter | None = None
         self.warnings: list[dict] = []
+        self.skip_gated = True  # leave zero-advantage sequences out of the update (exact: same gradient)
 
         # ---------------------------------------------------------------------------------------------------------
         # database and resume
@@ -391,7 +392,8 @@ class Trainer:
         n = seq_adv.shape[0]
         mask = batch["response_mask"]
         generator = torch.Generator().manual_seed(_step_seed(cfg.seed, step, acc.process_index) + 1)
-        needs_all = self.ref_model is not None  # the KL term has gradient on gated sequences too
+        # the KL term has gradient on gated sequences too; skip_gated=False is kept for benchmarks and tests
+        needs_all = self.ref_model is not None or not self.skip_gated
         totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "grad_norm": 0.0}
         clipped_low = clipped_high = tokens = 0
         n_updates = 0

@@ -185,3 +185,58 @@ def test_bad_files_and_types_are_one_clear_message(tmp_path, args, message):
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split()), result.output
     assert not list((tmp_path / "runs").glob("*/qae.duckdb"))  # refused before anything was written
+
+
+def test_skipping_gated_sequences_in_the_trainer_gives_the_same_update(tmp_path):
+    """One real RL step with and without the skip, from the same weights and rollouts: the same parameters after."""
+    params = {}
+    for skip in (True, False):
+        cfg = build_config(run_name=f"skip-{skip}", steps=1, eval_every=0, checkpoint_every=0, seed=3)
+        trainer = Trainer(cfg, tmp_path, cpu=True)
+        trainer.skip_gated = skip
+        metrics = trainer.train_step(1)
+        assert 0 < metrics["frac_zero_adv"] < 1 and metrics["n_updates"] >= 1
+        params[skip] = [p.detach().clone() for p in trainer.model.parameters()]
+        trainer.scorer.close()
+    moved = builtin_params = None
+    from qae_app.models import load_policy
+
+    builtin_params = [p.detach() for p in load_policy("builtin:tiny")[0].parameters()]
+    moved = sum((a - b).abs().sum().item() for a, b in zip(params[True], builtin_params))
+    assert moved > 0  # the update did something
+    for a, b in zip(params[True], params[False]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_k_auto_and_entropy_warnings_are_recorded(tmp_path):
+    # entropy_low above any entropy the tiny model has: one warning at the crossing, not one per step
+    cfg = build_config(run_name="auto", k="auto", steps=4, prompts_per_step=4, group_size=8, eval_every=0,
+                       entropy_low=2.9, entropy_high=3.0)
+    Trainer(cfg, tmp_path, cpu=True).fit()
+    path = db_path(tmp_path, "auto")
+    warnings = query(path, "SELECT * FROM warnings ORDER BY step")
+    assert warnings["kind"].tolist() == ["auto_k", "entropy_low"]
+    assert "raise --k" in warnings["message"].iloc[1]
+    k = read_run(path)["k"]
+    assert k in (0.3, 0.4, 0.5) and f"K = {k}" in warnings["message"].iloc[0]
+    assert read_steps(path)["k"].tolist() == [k] * 4
+
+
+def test_warmstart_is_deterministic(tmp_path):
+    from safetensors.torch import load_file
+
+    for name in ("a", "b"):
+        result = runner.invoke(app, ["warmstart", "--steps", "3", "--out", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+    a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_kl_to_a_frozen_reference_grows_once_the_policy_moves(tmp_path):
+    cfg = build_config(run_name="kl", kl_beta=0.1, steps=3, prompts_per_step=4, group_size=8, eval_every=0,
+                       num_mini_batches=1)
+    trainer = Trainer(cfg, tmp_path, cpu=True)
+    assert trainer.ref_model is not None and not any(p.requires_grad for p in trainer.ref_model.parameters())
+    trainer.fit()
+    kl = read_steps(db_path(tmp_path, "kl"))["kl"].tolist()
+    assert kl[0] < 1e-6 < kl[2]  # step 1's single update starts at the reference; later steps have moved away
