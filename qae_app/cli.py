@@ -237,12 +237,17 @@ def show(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
         console.print(table)
     evals = read_evals(path)
     if not evals.empty:
-        table = Table(title="evaluations (subset 'all')")
-        for c in ("step", "benchmark", "metric", "k", "value", "n_problems"):
+        evals = evals[evals["subset"] == "all"].assign(
+            name=lambda f: f["metric"].str.replace("@k", "@", regex=False) + f["k"].astype(str))
+        keys = ["benchmark", "source", "step", "n_problems"]
+        wide = evals.pivot_table(index=keys, columns="name", values="value", sort=False).reset_index()
+        names = [c for c in wide.columns if c not in keys]
+        table = Table(title="evaluations (subset 'all'; per subject/level in the dashboard)")
+        for c in ("benchmark", "by", "step", "problems", *names):
             table.add_column(c, justify="right")
-        for row in evals[evals["subset"] == "all"].to_dict("records"):
-            table.add_row(str(row["step"]), row["benchmark"], row["metric"], str(row["k"]), _fmt(row["value"]),
-                          str(row["n_problems"]))
+        for row in wide.to_dict("records"):
+            table.add_row(row["benchmark"], row["source"], str(row["step"]), str(row["n_problems"]),
+                          *[_fmt(row[n]) for n in names])
         console.print(table)
     warnings = read_warnings(path)
     for row in warnings.to_dict("records"):

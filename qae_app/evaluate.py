@@ -148,7 +148,6 @@ def run_eval_command(model: str, bench: str, k: int, temperature: float, max_new
                      limit: int | None, seed: int, checkpoint: int | None, engine: str, dtype: str,
                      verify_timeout_s: float, run_name: str | None, runs_dir, console=None):
     """Everything `qae eval` does; returns (EvalResult, run_id the results were stored under, database path)."""
-    import json
     from datetime import datetime
     from pathlib import Path
 
@@ -195,10 +194,9 @@ def run_eval_command(model: str, bench: str, k: int, temperature: float, max_new
         options = {"model": model, "bench": bench, "k": k, "temperature": temperature, "max_new_tokens":
                    max_new_tokens, "limit": limit, "seed": seed, "engine": engine, "dtype": dtype}
         writer.create_run(run_id, options, "eval", None, model, bench, seed)
-    writer.add_step(target.step, evals=result.metrics,
-                    eval_samples=[{**s, "benchmark": name} for s in result.samples])
+    writer.add_step(target.step, evals=[{**m, "source": "eval"} for m in result.metrics],
+                    eval_samples=[{**s, "benchmark": name, "source": "eval"} for s in result.samples])
     writer.flush(timeout_s=60)
     if target.run_id is None:
         writer.update_run(status="finished")
-    del json
     return result, run_id, path

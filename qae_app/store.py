@@ -82,15 +82,16 @@ SCHEMA = [
         truncated BOOLEAN, entropy DOUBLE, logprob DOUBLE)""",
     """CREATE TABLE IF NOT EXISTS evals (
         run_id VARCHAR, step INTEGER, benchmark VARCHAR, subset VARCHAR, metric VARCHAR, k INTEGER, value DOUBLE,
-        n_problems INTEGER)""",
+        n_problems INTEGER, source VARCHAR)""",
     """CREATE TABLE IF NOT EXISTS eval_samples (
         run_id VARCHAR, step INTEGER, benchmark VARCHAR, problem_id VARCHAR, sample_idx INTEGER, response VARCHAR,
-        extracted VARCHAR, correct BOOLEAN, verified BOOLEAN, n_tokens INTEGER)""",
+        extracted VARCHAR, correct BOOLEAN, verified BOOLEAN, n_tokens INTEGER, source VARCHAR)""",
     """CREATE TABLE IF NOT EXISTS warnings (
         run_id VARCHAR, step INTEGER, kind VARCHAR, message VARCHAR)""",
 ]
 STEP_TABLES = ("steps", "groups", "rollouts", "evals", "eval_samples", "warnings")  # rows keyed by step
-EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step and benchmark
+EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step, benchmark and source
+EVAL_SOURCES = ("train", "eval")  # evaluated during training (--eval-every) or by `qae eval`
 
 _LOCK_ERROR = re.compile(r"lock|being used by another process|Conflicting lock", re.IGNORECASE)
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -220,11 +221,12 @@ class RunWriter:
         try:
             for table, records in rows.tables.items():
                 # a step written again (replayed after a resume) replaces the old rows of that step; evaluations
-                # replace only their own benchmark's rows (`qae eval` may add others at the same step)
+                # replace only their own benchmark's rows from the same source (`qae eval` of a checkpoint
+                # must not erase the evaluation the trainer logged at that step)
                 if table in EVAL_TABLES:
-                    for benchmark in sorted({r["benchmark"] for r in records}):
-                        con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step = ? AND benchmark = ?",
-                                    [self.run_id, rows.step, benchmark])
+                    for benchmark, source in sorted({(r["benchmark"], r["source"]) for r in records}):
+                        con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step = ? AND benchmark = ? "
+                                    "AND source = ?", [self.run_id, rows.step, benchmark, source])
                 else:
                     con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step = ?", [self.run_id, rows.step])
                 if not records:
@@ -400,7 +402,7 @@ def read_run_view(path: Path) -> RunView:
             run=run.iloc[0].to_dict(),
             steps=con.execute("SELECT * FROM steps ORDER BY step").df(),
             warnings=con.execute("SELECT step, kind, message FROM warnings ORDER BY step").df(),
-            evals=con.execute("SELECT step, benchmark, subset, metric, k, value, n_problems FROM evals "
+            evals=con.execute("SELECT step, benchmark, subset, metric, k, value, n_problems, source FROM evals "
                               "ORDER BY benchmark, subset, metric, k, step").df(),
         )
 

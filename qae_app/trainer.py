@@ -488,7 +488,8 @@ class Trainer:
         else:
             metrics = result.metrics
         if self.writer is not None:
-            self.writer.add_step(step, evals=metrics, eval_samples=[{**s, "benchmark": name} for s in samples])
+            self.writer.add_step(step, evals=[{**m, "source": "train"} for m in metrics],
+                                 eval_samples=[{**s, "benchmark": name, "source": "train"} for s in samples])
         return next(m["value"] for m in metrics if m["metric"] == "avg@k" and m["subset"] == "all")
 
     # -------------------------------------------------------------------------------------------------------------

@@ -66,7 +66,8 @@ def _crafted_rows(step: int) -> dict[str, list[dict]]:
     if step == 2:
         tables["warnings"] = [dict(kind="entropy_low", message="entropy (smoothed) 0.48 fell below 0.5")]
     if step in (1, 3):
-        tables["evals"] = [dict(benchmark="mini", subset=subset, metric=metric, k=4, value=value, n_problems=10)
+        tables["evals"] = [dict(benchmark="mini", subset=subset, metric=metric, k=4, value=value, n_problems=10,
+                                   source="eval")
                            for subset, value in [("all", 0.1 * step), ("level=1", 0.2 * step)]
                            for metric in ("avg@k", "pass@k", "maj@k")]
     return tables

@@ -37,16 +37,22 @@ def test_builtin_model_on_the_heldout_split(tmp_path):
     assert read_run(path)["status"] == "finished"
 
 
-def test_a_run_checkpoint_stores_results_in_the_run_at_its_step(tiny_run):
-    runs_dir, run_id = tiny_run
+def test_a_run_checkpoint_stores_results_in_the_run_at_its_step(tiny_run, tmp_path):
+    import shutil
+
+    shared_runs_dir, run_id = tiny_run
+    runs_dir = tmp_path / "runs"  # a copy: other tests read the shared run as training left it
+    shutil.copytree(shared_runs_dir / run_id, runs_dir / run_id)
     out = _eval(runs_dir, "--model", run_id, "--limit", "8", "--k", "2")
     assert out["run_id"] == run_id
-    rows = query(db_path(runs_dir, run_id), "SELECT DISTINCT step FROM eval_samples WHERE benchmark = ?",
+    rows = query(db_path(runs_dir, run_id), "SELECT DISTINCT step, source FROM eval_samples WHERE benchmark = ?",
                  ["arith-heldout"])
-    assert 6 in rows["step"].tolist()  # the run's last checkpoint is step-6
+    pairs = set(zip(rows["step"], rows["source"]))
+    assert (6, "eval") in pairs  # the run's last checkpoint is step-6
+    assert (6, "train") in pairs  # and the trainer's own evaluation at step 6 is still there
 
 
-def test_unknown_checkpoint_and_bad_k_are_clear_errors(tiny_run, tmp_path):
+def test_unknown_checkpoint_and_bad_k_are_clear_errors(tiny_run, tmp_path):  # reads tiny_run, writes nothing
     runs_dir, run_id = tiny_run
     result = runner.invoke(app, ["eval", "--model", run_id, "--checkpoint", "99", "--runs-dir", str(runs_dir)])
     assert result.exit_code == 2 and "has no checkpoint 99" in " ".join(result.output.split())

@@ -17,6 +17,9 @@ def body(run_ids: list[str]) -> None:
         st.info(EMPTY)
         return
     everything = pd.concat([frame.assign(run=run_id) for run_id, frame in evals.items()], ignore_index=True)
+    # `qae eval` of a checkpoint is listed apart from the trainer's own --eval-every results (other k, limit)
+    everything["benchmark"] = everything["benchmark"].where(everything["source"] != "eval",
+                                                            everything["benchmark"] + " (qae eval)")
     colors = board.run_colors(list(views))
     benchmarks = sorted(everything["benchmark"].unique())
     cols = st.columns(2)
