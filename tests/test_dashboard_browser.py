@@ -105,13 +105,12 @@ def test_browse_a_finished_run(tiny_run, dashboard, page, tmp_path):
     # pick the run in the sidebar (the newest run is preselected: clear it first)
     picker = page.get_by_test_id("stSidebar").get_by_test_id("stMultiSelect")
     picker.get_by_role("button", name=re.compile("Clear all", re.I)).click()
-    wait_idle(page)
-    assert page.get_by_text("Pick one or more runs in the sidebar").is_visible()
+    expect(page.get_by_text("Pick one or more runs in the sidebar")).to_be_visible(timeout=60_000)
     picker.click()
     page.get_by_role("option", name=run_id).click()
     page.keyboard.press("Escape")
     page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 9", timeout=60_000)
-    assert page.get_by_text(f"{run_id} · finished · step 6 / 6").is_visible()
+    expect(page.get_by_text(f"{run_id} · finished · step 6 / 6")).to_be_visible(timeout=30_000)
     assert f"run={run_id}" in page.url
     screenshot(page, tmp_path, "dashboard-curves.png")
 
