@@ -148,7 +148,7 @@ def run_training(trainer) -> None:
         console.print(f"Stored in [cyan]{result.run_dir / 'qae.duckdb'}[/]. Inspect it with:\n"
                       f"  qae show {result.run_id} --runs-dir {trainer.runs_dir}\n"
                       f"  qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}\n"
-                      f"  qae dashboard --runs-dir {trainer.runs_dir}")
+                      f"  qae dashboard --runs-dir {trainer.runs_dir}", highlight=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -265,7 +265,7 @@ class Trainer:
     # -------------------------------------------------------------------------------------------------------------
     # one step
 
-    def _forward_logprobs(self, model, input_ids, attention_mask, response_mask):
+    def _forward_logprobs(self, model, input_ids, attention_mask):
         """Token log-probs and entropies (N, T-1) of each sequence's next tokens, under `model`."""
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (N, T-1, vocab)
         return token_logprobs_and_entropy(logits, input_ids[:, 1:], self.cfg.temperature)
@@ -379,8 +379,7 @@ class Trainer:
         n = batch["input_ids"].shape[0]
         for start in range(0, n, chunk):
             sl = slice(start, start + chunk)
-            logp, ent = self._forward_logprobs(model, batch["input_ids"][sl], batch["attention_mask"][sl],
-                                               batch["response_mask"][sl])
+            logp, ent = self._forward_logprobs(model, batch["input_ids"][sl], batch["attention_mask"][sl])
             outs_logp.append(logp)
             outs_ent.append(ent)
         model.train(model_was_training)
@@ -408,8 +407,7 @@ class Trainer:
                     if acc.num_processes == 1:
                         continue  # every advantage is 0: the gradient is exactly 0, skip the optimizer step
                     keep = mb[:1]  # other processes all-reduce gradients: take part with a zero-advantage sequence
-                logp, _ = self._forward_logprobs(self.model, batch["input_ids"][keep],
-                                                 batch["attention_mask"][keep], mask[keep])
+                logp, _ = self._forward_logprobs(self.model, batch["input_ids"][keep], batch["attention_mask"][keep])
                 out = policy_loss(logp, old_logp[keep], seq_adv[keep], mask[keep], cfg.clip_low, cfg.clip_high,
                                   cfg.loss_agg, normalizer,
                                   ref_logp[keep] if ref_logp is not None else None, cfg.kl_beta)
@@ -533,8 +531,8 @@ class Trainer:
             if self.state.step < cfg.steps:  # stopped by a signal at a step boundary
                 status = "interrupted"
                 self._flush(force=True)
-                if latest_checkpoint(self.run_dir) is None or \
-                        int(latest_checkpoint(self.run_dir).name.split("-")[1]) != self.state.step:
+                newest = latest_checkpoint(self.run_dir)
+                if newest is None or newest.name != f"step-{self.state.step}":
                     self.save_checkpoint()
             else:
                 status = "finished"
