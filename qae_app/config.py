@@ -63,6 +63,8 @@ class TrainConfig:
     num_mini_batches: int = opt(4, "Optimizer updates per rollout batch (the batch is split into this many).",
                                 "optim")
     ppo_epochs: int = opt(1, "Passes over each rollout batch.", "optim")
+    micro_batch_size: int = opt(64, "Sequences per forward/backward (gradients accumulate over a mini-batch); "
+                                "lower it when long responses run out of memory.", "optim")
     clip_low: float = opt(0.2, "Ratio clip below: 1 - clip_low.", "optim")
     clip_high: float = opt(0.28, "Ratio clip above: 1 + clip_high (clip-higher).", "optim")
     loss_agg: str = opt("token", "Loss aggregation.", "optim", tuple(LOSS_AGGREGATIONS))
@@ -110,6 +112,7 @@ class TrainConfig:
         _positive("max-new-tokens", self.max_new_tokens)
         _positive("num-mini-batches", self.num_mini_batches)
         _positive("ppo-epochs", self.ppo_epochs)
+        _positive("micro-batch-size", self.micro_batch_size)
         _positive("eval-k", self.eval_k)
         for name in ("checkpoint_every", "eval_every", "warmup_steps", "kl_beta", "weight_decay"):
             if getattr(self, name) < 0:

@@ -21,6 +21,7 @@ of the prompts, the main process gathers every row and is the only one to write 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -324,8 +325,9 @@ class Trainer:
         # ---- update
         t0 = time.perf_counter()
         batch = self._pack(samples)
-        old_logp, entropy = self._logprobs_in_chunks(self.model, batch)  # (N, T-1) each, no grad
-        ref_logp = self._logprobs_in_chunks(self.ref_model, batch)[0] if self.ref_model is not None else None
+        old_logp, entropy = self._logprobs_in_chunks(self.model, batch, cfg.micro_batch_size)  # (N, T-1), no grad
+        ref_logp = (self._logprobs_in_chunks(self.ref_model, batch, cfg.micro_batch_size)[0]
+                    if self.ref_model is not None else None)
         update_stats = self._update(step, batch, old_logp, ref_logp, seq_adv)
         self.engine.sync_weights(acc.unwrap_model(self.model))  # vLLM holds its own copy; hf shares the model
         update_s = time.perf_counter() - t0
@@ -372,7 +374,7 @@ class Trainer:
         return metrics
 
     @torch.no_grad()
-    def _logprobs_in_chunks(self, model, batch, chunk: int = 64):
+    def _logprobs_in_chunks(self, model, batch, chunk: int):
         model_was_training = model.training
         model.eval()
         outs_logp, outs_ent = [], []
@@ -407,21 +409,28 @@ class Trainer:
                     if acc.num_processes == 1:
                         continue  # every advantage is 0: the gradient is exactly 0, skip the optimizer step
                     keep = mb[:1]  # other processes all-reduce gradients: take part with a zero-advantage sequence
-                logp, _ = self._forward_logprobs(self.model, batch["input_ids"][keep], batch["attention_mask"][keep])
-                out = policy_loss(logp, old_logp[keep], seq_adv[keep], mask[keep], cfg.clip_low, cfg.clip_high,
-                                  cfg.loss_agg, normalizer,
-                                  ref_logp[keep] if ref_logp is not None else None, cfg.kl_beta)
                 self.optimizer.zero_grad(set_to_none=True)
-                acc.backward(out.loss)
+                # micro-batches accumulate gradients: each loss uses the mini-batch's normalizer, so their sum is
+                # the mini-batch loss exactly; only the last backward all-reduces under DDP
+                micro_batches = keep.split(cfg.micro_batch_size)
+                for i, micro in enumerate(micro_batches):
+                    last = i == len(micro_batches) - 1
+                    with contextlib.nullcontext() if last else acc.no_sync(self.model):
+                        logp, _ = self._forward_logprobs(self.model, batch["input_ids"][micro],
+                                                         batch["attention_mask"][micro])
+                        out = policy_loss(logp, old_logp[micro], seq_adv[micro], mask[micro], cfg.clip_low,
+                                          cfg.clip_high, cfg.loss_agg, normalizer,
+                                          ref_logp[micro] if ref_logp is not None else None, cfg.kl_beta)
+                        acc.backward(out.loss)
+                    totals["loss"] += out.loss.item()
+                    totals["pg_loss"] += out.pg_loss.item()
+                    totals["kl"] += out.kl.item()
+                    clipped_low += out.clip_low_count.item()
+                    clipped_high += out.clip_high_count.item()
                 grad_norm = acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
                 self.optimizer.step()
                 n_updates += 1
-                totals["loss"] += out.loss.item()
-                totals["pg_loss"] += out.pg_loss.item()
-                totals["kl"] += out.kl.item()
                 totals["grad_norm"] += float(grad_norm)
-                clipped_low += out.clip_low_count.item()
-                clipped_high += out.clip_high_count.item()
                 tokens += normalizer["tokens"]
         stats = {key: value / max(n_updates, 1) for key, value in totals.items()}
         stats.update(clip_frac_low=clipped_low / max(tokens, 1), clip_frac_high=clipped_high / max(tokens, 1),

@@ -17,7 +17,8 @@ def test_two_process_accelerate_launch(tmp_path):
     command = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "qae_app.cli", "train",
                "--steps", "3", "--prompts-per-step", "4", "--group-size", "8", "--eval-every", "3",
-               "--eval-limit", "20", "--checkpoint-every", "2", "--run-name", "ddp", "--runs-dir", str(tmp_path)]
+               "--eval-limit", "20", "--checkpoint-every", "2", "--micro-batch-size", "2",  # exercises no_sync
+               "--run-name", "ddp", "--runs-dir", str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     path = db_path(tmp_path, "ddp")

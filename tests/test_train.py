@@ -240,3 +240,20 @@ def test_kl_to_a_frozen_reference_grows_once_the_policy_moves(tmp_path):
     trainer.fit()
     kl = read_steps(db_path(tmp_path, "kl"))["kl"].tolist()
     assert kl[0] < 1e-6 < kl[2]  # step 1's single update starts at the reference; later steps have moved away
+
+
+def test_micro_batches_accumulate_to_the_same_update(tmp_path):
+    """Gradient accumulation over micro-batches of 2 sequences equals one forward/backward per mini-batch."""
+    params = {}
+    for size in (64, 2):
+        cfg = build_config(run_name=f"micro-{size}", steps=1, eval_every=0, checkpoint_every=0, seed=3,
+                           micro_batch_size=size)
+        trainer = Trainer(cfg, tmp_path, cpu=True)
+        metrics = trainer.train_step(1)
+        params[size] = ([p.detach().clone() for p in trainer.model.parameters()], metrics)
+        trainer.scorer.close()
+    (big, m_big), (small, m_small) = params[64], params[2]
+    assert m_small["loss"] == pytest.approx(m_big["loss"], abs=1e-6)
+    assert m_small["entropy"] == pytest.approx(m_big["entropy"], abs=1e-6)
+    for a, b in zip(big, small):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
