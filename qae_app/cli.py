@@ -16,6 +16,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from qae_app.errors import QAEUserError
@@ -32,12 +33,6 @@ DEFAULT_RUNS_DIR = Path("runs")
 def fail(err: QAEUserError) -> None:
     err_console.print(f"[bold red]error:[/] {escape(str(err))}")
     raise typer.Exit(code=2)
-
-
-def escape(text: str) -> str:
-    from rich.markup import escape as rich_escape
-
-    return rich_escape(text)
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
