@@ -89,6 +89,11 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS warnings (
         run_id VARCHAR, step INTEGER, kind VARCHAR, message VARCHAR)""",
 ]
+# Columns added after a table's first version: the writer adds them to older files it opens (resume, `qae eval`).
+MIGRATIONS = [
+    "ALTER TABLE evals ADD COLUMN IF NOT EXISTS source VARCHAR DEFAULT 'train'",
+    "ALTER TABLE eval_samples ADD COLUMN IF NOT EXISTS source VARCHAR DEFAULT 'train'",
+]
 STEP_TABLES = ("steps", "groups", "rollouts", "evals", "eval_samples", "warnings")  # rows keyed by step
 EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step, benchmark and source
 EVAL_SOURCES = ("train", "eval")  # evaluated during training (--eval-every) or by `qae eval`
@@ -153,7 +158,7 @@ class RunWriter:
         self.flush_retries = 0  # times a flush found the file busy and kept rows for later
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._open(timeout_s=30) as con:
-            for statement in SCHEMA:
+            for statement in SCHEMA + MIGRATIONS:
                 con.execute(statement)
 
     @contextmanager

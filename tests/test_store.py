@@ -106,3 +106,16 @@ def test_run_names_that_are_paths_are_refused(name):
 def test_unknown_run_lists_existing(writer, tmp_path):
     with pytest.raises(QAEUserError, match="existing: r1"):
         resolve_run(tmp_path, "nope")
+
+
+def test_writer_migrates_a_file_from_before_the_source_column(tmp_path):
+    path = tmp_path / "old" / "qae.duckdb"
+    path.parent.mkdir()
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE evals (run_id VARCHAR, step INTEGER, benchmark VARCHAR, subset VARCHAR, "
+                "metric VARCHAR, k INTEGER, value DOUBLE, n_problems INTEGER)")
+    con.execute("INSERT INTO evals VALUES ('old', 3, 'arith-heldout', 'all', 'avg@k', 1, 0.5, 264)")
+    con.close()
+    RunWriter(path, "old")
+    rows = query(path, "SELECT step, value, source FROM evals").to_dict("records")
+    assert rows == [{"step": 3, "value": 0.5, "source": "train"}]  # kept, and attributed to the trainer
