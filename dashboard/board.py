@@ -199,3 +199,14 @@ def run_config(run: dict) -> dict:
         return json.loads(run.get("config") or "{}")
     except (TypeError, ValueError):
         return {}
+
+
+def show_prompt_and_answer(prompt: str, answer: str) -> None:
+    """Prompt and gold answer side by side, as literal text (model-facing text never goes through markdown)."""
+    left, right = st.columns([3, 1])
+    with left:
+        st.caption("prompt")
+        st.code(prompt, language=None, wrap_lines=True)
+    with right:
+        st.caption("answer")
+        st.code(answer, language=None, wrap_lines=True)

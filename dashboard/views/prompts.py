@@ -45,13 +45,7 @@ def body(run_id: str) -> None:
                f"{len(moved)} changed regime between their first and last sampling")
     prompt_id = pick_prompt(prompts)
     row = prompts.set_index("prompt_id").loc[prompt_id]
-    left, right = st.columns([3, 1])
-    with left:
-        st.caption("prompt")
-        st.code(row["prompt"], language=None, wrap_lines=True)
-    with right:
-        st.caption("answer")
-        st.code(row["answer"], language=None, wrap_lines=True)
+    board.show_prompt_and_answer(row["prompt"], row["answer"])
     history = board.prompt_histories(run_id, [prompt_id])
     if history is not None:
         cols = st.columns([2, 1])

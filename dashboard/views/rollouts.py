@@ -67,13 +67,7 @@ def group(step: int, rows: pd.DataFrame) -> None:
         n_gated = int(rows["gated"].sum())
         st.markdown(f"**Group {g}** {badge} · **{int(first['n_correct'])}/{int(first['group_size'])}** correct · "
                     f"baseline **{first['baseline']:.3g}** · {n_gated} of {len(rows)} shown gated")
-        left, right = st.columns([3, 1])
-        with left:
-            st.caption("prompt")
-            st.code(first["prompt"], language=None, wrap_lines=True)
-        with right:
-            st.caption("answer")
-            st.code(first["answer"], language=None, wrap_lines=True)
+        board.show_prompt_and_answer(first["prompt"], first["answer"])
         samples = [int(s) for s in rows["sample_idx"]]
         table_key, select_key = f"table_{step}_{g}", f"open_{step}_{g}"
         st.dataframe(styled(rows), hide_index=True, column_config=RESPONSE_COLUMNS, key=table_key,
