@@ -193,8 +193,8 @@ class Trainer:
             self.writer = RunWriter(self.run_dir / DB_FILE, self.run_id)
             if resume is None:
                 (self.run_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2))
-                self.writer.create_run(self.run_id, cfg.to_dict(), cfg.estimator, self.state.k, cfg.model, cfg.data,
-                                       cfg.seed)
+                k = self.state.k if cfg.estimator == "qae" else None  # K means nothing to a mean baseline
+                self.writer.create_run(self.run_id, cfg.to_dict(), cfg.estimator, k, cfg.model, cfg.data, cfg.seed)
             else:
                 # rows written after the checkpoint are replayed by this run: drop them so each step is stored once
                 self.writer.truncate_after(self.state.step)
@@ -310,7 +310,7 @@ class Trainer:
         reward_s = time.perf_counter() - t0
         rewards = torch.tensor([0.0 if r is None else r for r in raw]).view(len(problems), cfg.group_size)  # (B, G)
 
-        if self.state.k is None:  # --k auto: choose K once, from the first step's success rate
+        if self.state.k is None and cfg.estimator == "qae":  # --k auto: choose K once, from the first step
             success = acc.reduce(rewards.mean().to(acc.device), reduction="mean").item()
             self.state.k = auto_k(success)
             self.warnings.append({"kind": "auto_k", "message": f"--k auto: first-step success rate {success:.3f} "

@@ -107,6 +107,7 @@ def test_mean_baseline_estimators_run_the_same_loop(tmp_path, estimator):
     assert result.exit_code == 0, result.output
     path = db_path(tmp_path, estimator)
     assert read_run(path)["estimator"] == estimator
+    assert pd.isna(read_run(path)["k"])  # K is QAE's; a mean-baseline run records none
     groups = query(path, "SELECT regime FROM groups")
     assert set(groups["regime"]) <= {"mixed", "all_correct", "all_wrong"}
 
