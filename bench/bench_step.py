@@ -27,7 +27,7 @@ def update_times(skip: bool, steps: int, runs_dir: str) -> tuple[list[float], li
     trainer.skip_gated = skip
     times, losses, zero = [], [], []
     for step in range(1, steps + 1):
-        metrics = trainer.train_step(step)
+        metrics = trainer.train_step(step).metrics
         times.append(metrics["update_s"])
         losses.append(metrics["loss"])
         zero.append(metrics["frac_zero_adv"])

@@ -40,7 +40,7 @@ import torch
 from qae_app.advantages import REGIMES, compute_advantages
 from qae_app.config import TrainConfig
 from qae_app.errors import QAEUserError
-from qae_app.evaluate import evaluate
+from qae_app.evaluate import evaluate, load_benchmark
 from qae_app.faults import fault_point
 from qae_app.losses import policy_loss, token_logprobs_and_entropy
 from qae_app.models import load_policy
@@ -71,7 +71,7 @@ class TrainerState:
     k: float | None = None  # K in use (set at step 1 when --k auto)
     entropy_zone: str = "ok"  # "low" / "ok" / "high" for the smoothed entropy: warn once per crossing of the band
     entropy_ema: float | None = None  # exponential moving average of step entropy (alpha ENTROPY_EMA_ALPHA)
-    data_position: int = 0  # prompts consumed so far (derived from step; kept to check on resume)
+    data_position: int = 0  # prompts consumed so far; a resume checks it against step * prompts_per_step
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.__dict__))
@@ -79,6 +79,13 @@ class TrainerState:
     @classmethod
     def load(cls, path: Path) -> "TrainerState":
         return cls(**json.loads(path.read_text()))
+
+
+@dataclass
+class StepOutput:
+    metrics: dict  # one `steps` row (STEP_METRICS names)
+    groups: list[dict]  # B `groups` rows, gathered from every process
+    rollouts: list[dict]  # B * G `rollouts` rows
 
 
 @dataclass
@@ -164,7 +171,11 @@ class Trainer:
         self.task = load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
         if len(self.task.train) == 0:
             raise QAEUserError(f"data: '{cfg.data}' has no training problems. Lower --heldout-fraction.")
-        self.eval_task = load_task(cfg.eval_bench) if cfg.eval_bench else None  # bad paths fail before any write
+        # what --eval-every evaluates: the task's held-out split, or --eval-bench named as `qae eval` names it;
+        # loaded now so a bad path fails before anything is written
+        self.eval_name, self.eval_problems, self.eval_task = (
+            load_benchmark(cfg.eval_bench) if cfg.eval_bench
+            else (f"{self.task.name}-heldout", self.task.heldout, self.task))
         model, self.codec = load_policy(cfg.model, cfg.dtype)
         self.ref_model = None
         if cfg.kl_beta > 0:
@@ -179,6 +190,9 @@ class Trainer:
         self.engine = make_engine(cfg.engine, self.accelerator.unwrap_model(self.model), self.codec,
                                   model_path=cfg.model)
         self.scorer = Scorer(self.task.reward, cfg.verify_timeout_s)
+        # one scorer for the whole run (a math verifier pool takes seconds to start): the training one if it fits
+        self.eval_scorer = (self.scorer if self.eval_task.reward == self.task.reward
+                            else Scorer(self.eval_task.reward, cfg.verify_timeout_s))
         self.state = TrainerState(k=None if cfg.k == "auto" else float(cfg.k))
         self.writer: RunWriter | None = None
         self.warnings: list[dict] = []
@@ -235,6 +249,11 @@ class Trainer:
             return  # killed before the first checkpoint: start over from step 0, same run
         self.accelerator.load_state(str(ckpt))
         self.state = TrainerState.load(ckpt / TRAINER_STATE)
+        expected = self.state.step * self.cfg.prompts_per_step
+        if self.state.data_position != expected:
+            raise QAEUserError(f"resume: checkpoint {ckpt} is at prompt {self.state.data_position} of the data, but "
+                               f"{self.state.step} steps of {self.cfg.prompts_per_step} prompts end at {expected}. "
+                               "The checkpoint does not belong to this run's config; start a new run.")
         self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
 
     def save_checkpoint(self) -> Path:
@@ -289,7 +308,7 @@ class Trainer:
         return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
                 "response_mask": response_mask.to(device)}
 
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int) -> StepOutput:
         cfg, acc = self.cfg, self.accelerator
         t_step = time.perf_counter()
         per_process = cfg.prompts_per_step // acc.num_processes
@@ -370,8 +389,7 @@ class Trainer:
         self.scheduler.step()
         self._check_entropy(metrics["entropy"])
         metrics["step_s"] = time.perf_counter() - t_step
-        self._pending_rows = (group_rows, rollout_rows)
-        return metrics
+        return StepOutput(metrics, group_rows, rollout_rows)
 
     @torch.no_grad()
     def _logprobs_in_chunks(self, model, batch, chunk: int):
@@ -467,23 +485,13 @@ class Trainer:
     def evaluate_heldout(self, step: int) -> float | None:
         """Sampled accuracy on the held-out split (or --eval-bench); logs every metric to `evals`."""
         cfg, acc = self.cfg, self.accelerator
-        if self.eval_task is not None:
-            bench = self.eval_task
-            problems = bench.heldout or bench.train
-            name, scorer_name, task = bench.name, bench.reward, bench
-        else:
-            problems = self.task.heldout
-            name, scorer_name, task = f"{self.task.name}-heldout", self.task.reward, self.task
-        if cfg.eval_limit:
-            problems = problems[: cfg.eval_limit]
+        name, task = self.eval_name, self.eval_task
+        problems = self.eval_problems[: cfg.eval_limit] if cfg.eval_limit else self.eval_problems
         if not problems:
             return None
         share = problems[acc.process_index :: acc.num_processes]
-        scorer = self.scorer if scorer_name == self.task.reward else Scorer(scorer_name, cfg.verify_timeout_s)
-        result = evaluate(self.engine, name, share, [task.prompt(p) for p in share], scorer, cfg.eval_k,
+        result = evaluate(self.engine, name, share, [task.prompt(p) for p in share], self.eval_scorer, cfg.eval_k,
                           cfg.temperature, cfg.max_new_tokens, seed=_step_seed(cfg.seed, step, acc.process_index) + 7)
-        if scorer is not self.scorer:
-            scorer.close()
         samples = result.samples
         if acc.num_processes > 1:
             from accelerate.utils import gather_object
@@ -519,15 +527,15 @@ class Trainer:
                 self._flush()
             while self.state.step < cfg.steps and not self._should_stop():
                 step = self.state.step + 1
-                metrics = self.train_step(step)
+                out = self.train_step(step)
+                metrics = out.metrics
                 metrics["heldout_accuracy"] = None
                 if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                     metrics["heldout_accuracy"] = self.evaluate_heldout(step)
                 self.state.step = step
                 self.state.data_position = step * cfg.prompts_per_step
                 if self.writer is not None:
-                    groups, rollouts = self._pending_rows
-                    self.writer.add_step(step, steps=[metrics], groups=groups, rollouts=rollouts,
+                    self.writer.add_step(step, steps=[metrics], groups=out.groups, rollouts=out.rollouts,
                                          warnings=self.warnings)
                     self.warnings = []
                 fault_point("after_step_rows", step)
@@ -553,6 +561,8 @@ class Trainer:
         finally:
             self._restore_handlers(previous_handlers)
             self.scorer.close()
+            if self.eval_scorer is not self.scorer:
+                self.eval_scorer.close()
             if self.writer is not None:
                 try:
                     self._flush(force=True)

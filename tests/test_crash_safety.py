@@ -203,3 +203,13 @@ def test_a_reader_polling_every_100ms_never_hurts_the_writer(tmp_path):
     assert final["step"].tolist() == list(range(1, 41))  # zero lost rows
     assert query(path, "SELECT count(*) AS n FROM rollouts")["n"].item() == 40 * PER_STEP
     assert read_run(path)["status"] == "finished"
+
+
+def test_resume_checks_the_checkpoint_data_position(tmp_path):
+    Trainer(build_config(run_name="dp", **dict(OPTS, steps=2)), tmp_path, cpu=True).fit()
+    state = tmp_path / "dp" / "checkpoints" / "step-2" / "trainer_state.json"
+    state.write_text(state.read_text().replace('"data_position": 8', '"data_position": 5'))
+    result = subprocess.run([QAE, "train", "--resume", "dp", "--runs-dir", str(tmp_path)], capture_output=True,
+                            text=True, env=WIDE)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "is at prompt 5 of the data, but 2 steps of 4 prompts end at 8" in " ".join(result.stderr.split())

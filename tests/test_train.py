@@ -195,7 +195,7 @@ def test_skipping_gated_sequences_in_the_trainer_gives_the_same_update(tmp_path)
         cfg = build_config(run_name=f"skip-{skip}", steps=1, eval_every=0, checkpoint_every=0, seed=3)
         trainer = Trainer(cfg, tmp_path, cpu=True)
         trainer.skip_gated = skip
-        metrics = trainer.train_step(1)
+        metrics = trainer.train_step(1).metrics
         assert 0 < metrics["frac_zero_adv"] < 1 and metrics["n_updates"] >= 1
         params[skip] = [p.detach().clone() for p in trainer.model.parameters()]
         trainer.scorer.close()
@@ -250,7 +250,7 @@ def test_micro_batches_accumulate_to_the_same_update(tmp_path):
         cfg = build_config(run_name=f"micro-{size}", steps=1, eval_every=0, checkpoint_every=0, seed=3,
                            micro_batch_size=size)
         trainer = Trainer(cfg, tmp_path, cpu=True)
-        metrics = trainer.train_step(1)
+        metrics = trainer.train_step(1).metrics
         params[size] = ([p.detach().clone() for p in trainer.model.parameters()], metrics)
         trainer.scorer.close()
     (big, m_big), (small, m_small) = params[64], params[2]
