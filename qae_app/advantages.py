@@ -29,21 +29,20 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from qae_app import names
 from qae_app.errors import QAEUserError
 
-# Regime codes, in this order (the store keeps the names).
-REGIMES = ("hard", "easy", "all_correct", "all_wrong", "mixed")
-HARD, EASY, ALL_CORRECT, ALL_WRONG, MIXED = range(len(REGIMES))
-
-QUANTILE_METHODS = ("paper", "linear")
-SCALE_METHODS = ("std", "none")
+# Regime codes: indices into names.REGIMES (the store keeps the names).
+REGIMES = tuple(names.REGIMES)
+HARD, EASY, ALL_CORRECT, ALL_WRONG, MIXED = (REGIMES.index(r) for r in ("hard", "easy", "all_correct", "all_wrong",
+                                                                       "mixed"))
 
 
 @dataclass(frozen=True)
 class EstimatorConfig:
     k: float = 0.4  # QAE quantile level K, in (0, 1)
     quantile: str = "paper"  # "paper" (lower, inverted-CDF) or "linear" (torch.quantile, as the official code)
-    scale: str = "std"  # "std": divide by the group's unbiased reward std + eps (GRPO's normalization); "none"
+    scale: str | None = None  # "std" / "none" (names.SCALE_METHODS); None: the estimator's own default
     eps: float = 1e-6
 
 
@@ -54,14 +53,15 @@ class Advantages(NamedTuple):
 
 
 Estimator = Callable[[torch.Tensor, EstimatorConfig], Advantages]
-ESTIMATORS: dict[str, Estimator] = {}
-ESTIMATOR_HELP: dict[str, str] = {}
+ESTIMATORS: dict[str, Estimator] = {}  # names and descriptions: names.ESTIMATORS
 
 
-def register_estimator(name: str, help: str):
+def register_estimator(name: str):
+    if name not in names.ESTIMATORS:
+        raise ValueError(f"estimator '{name}' has no entry in qae_app.names.ESTIMATORS: add its description there")
+
     def decorator(fn: Estimator) -> Estimator:
         ESTIMATORS[name] = fn
-        ESTIMATOR_HELP[name] = help
         return fn
 
     return decorator
@@ -98,8 +98,8 @@ def _uniform_regime(rewards: torch.Tensor) -> torch.Tensor:
     return regime
 
 
-def _scale(centered: torch.Tensor, rewards: torch.Tensor, cfg: EstimatorConfig) -> torch.Tensor:
-    if cfg.scale == "none":
+def _scale(centered: torch.Tensor, rewards: torch.Tensor, cfg: EstimatorConfig, estimator: str) -> torch.Tensor:
+    if (cfg.scale or names.ESTIMATOR_DEFAULT_SCALE[estimator]) == "none":
         return centered
     std = rewards.std(dim=1, keepdim=True)  # [B, 1], unbiased (G - 1), as GRPO
     return centered / (std + cfg.eps)
@@ -114,17 +114,18 @@ def quantile_rank(k: float, group_size: int) -> int:
 def validate_estimator_config(cfg: EstimatorConfig) -> None:
     if not 0.0 < cfg.k < 1.0:
         raise QAEUserError(f"k: {cfg.k} is outside (0, 1). QAE's K is a quantile level; the paper uses 0.4.")
-    if cfg.quantile not in QUANTILE_METHODS:
-        raise QAEUserError(f"quantile: unknown value '{cfg.quantile}'. Choose one of: {', '.join(QUANTILE_METHODS)}.")
-    if cfg.scale not in SCALE_METHODS:
-        raise QAEUserError(f"scale: unknown value '{cfg.scale}'. Choose one of: {', '.join(SCALE_METHODS)}.")
+    if cfg.quantile not in names.QUANTILE_METHODS:
+        raise QAEUserError(f"quantile: unknown value '{cfg.quantile}'. Choose one of: "
+                           f"{', '.join(names.QUANTILE_METHODS)}.")
+    if cfg.scale is not None and cfg.scale not in names.SCALE_METHODS:
+        raise QAEUserError(f"scale: unknown value '{cfg.scale}'. Choose one of: {', '.join(names.SCALE_METHODS)}.")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # estimators
 
 
-@register_estimator("qae", "group K-quantile baseline (paper rule by default), std-normalized; gates ~80% to zero")
+@register_estimator("qae")
 def qae_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> Advantages:
     validate_estimator_config(cfg)
     B, G = rewards.shape
@@ -133,7 +134,7 @@ def qae_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> Advantages:
         baseline = rewards.sort(dim=1).values[:, m - 1]  # [B], the m-th smallest reward
     else:
         baseline = torch.quantile(rewards, cfg.k, dim=1, interpolation="linear")  # [B]
-    advantages = _scale(rewards - baseline[:, None], rewards, cfg)  # [B, G]
+    advantages = _scale(rewards - baseline[:, None], rewards, cfg, "qae")  # [B, G]
 
     regime = _uniform_regime(rewards)
     binary_mixed = _is_binary(rewards) & (regime == MIXED)
@@ -142,21 +143,25 @@ def qae_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> Advantages:
     return Advantages(advantages, baseline, regime)
 
 
-@register_estimator("grpo", "group mean baseline, std-normalized (DeepSeekMath GRPO, DAPO)")
+@register_estimator("grpo")
 def grpo_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> Advantages:
+    validate_estimator_config(cfg)
     baseline = rewards.mean(dim=1)  # [B]
-    advantages = _scale(rewards - baseline[:, None], rewards, EstimatorConfig(scale="std", eps=cfg.eps))
+    advantages = _scale(rewards - baseline[:, None], rewards, cfg, "grpo")
     return Advantages(advantages, baseline, _uniform_regime(rewards))
 
 
-@register_estimator("dr_grpo", "group mean baseline, no std normalization (Dr. GRPO)")
+@register_estimator("dr_grpo")
 def dr_grpo_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> Advantages:
+    """GRPO's mean baseline without the std division, whatever cfg.scale says: that is what defines Dr. GRPO."""
     baseline = rewards.mean(dim=1)  # [B]
     return Advantages(rewards - baseline[:, None], baseline, _uniform_regime(rewards))
 
 
-@register_estimator("rloo", "leave-one-out mean of the other G-1 rewards (RLOO); baseline column shows the group mean")
+@register_estimator("rloo")
 def rloo_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> Advantages:
+    validate_estimator_config(cfg)
     B, G = rewards.shape
     leave_one_out = (rewards.sum(dim=1, keepdim=True) - rewards) / (G - 1)  # [B, G]
-    return Advantages(rewards - leave_one_out, rewards.mean(dim=1), _uniform_regime(rewards))
+    advantages = _scale(rewards - leave_one_out, rewards, cfg, "rloo")
+    return Advantages(advantages, rewards.mean(dim=1), _uniform_regime(rewards))

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from qae_app.config import EvalConfig, TrainConfig
 from qae_app.errors import QAEUserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
@@ -44,58 +45,69 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# qae train
+# options generated from the config dataclasses (config.TrainConfig, config.EvalConfig)
+
+_PYTHON_TYPES = {"int": int, "float": float, "str": str}
 
 
-def _train_option_parameters() -> list[inspect.Parameter]:
-    """One typer option per TrainConfig field, all defaulting to None (= not given, keep config/TOML value)."""
-    from qae_app.config import TrainConfig
-
+def _option_parameters(config_class) -> list[inspect.Parameter]:
+    """One typer option per dataclass field, all defaulting to None (= not given: keep the TOML value or default)."""
     params = []
-    defaults = TrainConfig()
-    python_types = {"int": int, "float": float, "str": str}
-    for f in dataclasses.fields(TrainConfig):
+    defaults = config_class()
+    for f in dataclasses.fields(config_class):
         base = str(f.type).split(" |")[0]
         default = getattr(defaults, f.name)
         help_text = f.metadata["help"]
-        if f.metadata.get("choices"):
-            help_text += " " + escape(f"[{'|'.join(f.metadata['choices'])}]")
+        choices = f.metadata.get("choices")
+        if isinstance(choices, dict):  # a names.* registry: say what each choice means
+            help_text += " " + escape("; ".join(f"{name}: {text}" for name, text in choices.items()))
+        elif choices:
+            help_text += " " + escape(f"[{'|'.join(choices)}]")
         if default is not None:
             help_text += f" [dim](default: {default})[/]"
         option = typer.Option(f"--{f.name.replace('_', '-')}", help=help_text, show_default=False,
                               rich_help_panel=f.metadata["group"].capitalize())
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                        annotation=Annotated[Optional[python_types[base]], option]))
+                                        annotation=Annotated[Optional[_PYTHON_TYPES[base]], option]))
     return params
+
+
+def _with_config_options(command, config_class):
+    """Give `command` (which takes **options) one option per field of `config_class`, and register it."""
+    command.__signature__ = inspect.Signature(
+        [p for p in inspect.signature(command, eval_str=True).parameters.values()
+         if p.kind != inspect.Parameter.VAR_KEYWORD]
+        + _option_parameters(config_class))
+    return command
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae train
 
 
 def train(
     config: Annotated[Optional[Path], typer.Option("--config", help="TOML file with any of the options below; "
                                                    "command-line options override it.")] = None,
-    resume: Annotated[Optional[str], typer.Option("--resume", help="Continue the run with this id from its last "
-                                                  "checkpoint.")] = None,
+    resume: Annotated[Optional[str], typer.Option("--resume", help="Continue the run with this id from its newest "
+                                                  "valid checkpoint (options marked resumable may change).")] = None,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
     cpu: Annotated[bool, typer.Option("--cpu/--no-cpu", help="Force CPU even when a GPU is present.")] = False,
     **options: Any,
 ) -> None:
     """Train a policy with QAE (or a mean-baseline estimator) and log every rollout to DuckDB."""
-    from qae_app.config import build_config
+    from qae_app.config import build_config, resume_config
     from qae_app.trainer import Trainer
 
     try:
-        cfg = build_config(config, **options)
-        trainer = Trainer(cfg, runs_dir, resume=resume, console=console, cpu=True if cpu else None)
+        cfg = (resume_config(runs_dir, resume, config, **options) if resume is not None
+               else build_config(config, **options))
+        trainer = Trainer(cfg, runs_dir, resume=resume is not None, console=console, cpu=True if cpu else None)
     except QAEUserError as err:
         fail(err)
     run_training(trainer)
 
 
-train.__signature__ = inspect.Signature(
-    [p for p in inspect.signature(train, eval_str=True).parameters.values()
-     if p.kind != inspect.Parameter.VAR_KEYWORD]
-    + _train_option_parameters()
-)
-app.command(help=train.__doc__)(train)
+app.command(help=train.__doc__)(_with_config_options(train, TrainConfig))
 
 
 def run_training(trainer) -> None:
@@ -130,13 +142,14 @@ def run_training(trainer) -> None:
     try:
         with progress:
             result = trainer.fit(on_step=on_step)
-    except KeyboardInterrupt:
-        if main:
-            console.print(f"\n[yellow]interrupted[/] after step {trainer.state.step}. Continue from the newest "
-                          f"checkpoint with: qae train --resume {trainer.run_id} --runs-dir {trainer.runs_dir}")
-        raise typer.Exit(code=130)
     except QAEUserError as err:
         fail(err)
+    if result.status == "interrupted":
+        if main:
+            console.print(f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue from the newest "
+                          f"checkpoint with: qae train --resume {result.run_id} --runs-dir {trainer.runs_dir}",
+                          highlight=False)
+        raise typer.Exit(code=130)
     if main:
         console.print(f"[green]done[/]: {result.steps_done} steps, status {result.status}. "
                       f"Held-out accuracy {_fmt(heldout['value'])}.")
@@ -152,15 +165,18 @@ def run_training(trainer) -> None:
 
 @app.command()
 def warmstart(
-    out: Annotated[Path, typer.Option(help="Folder for the checkpoint.")] = Path("qae_app/assets/tiny"),
+    out: Annotated[Optional[Path], typer.Option(help="Folder for the checkpoint (default: the built-in model's "
+                                                "folder inside the installed package, which `qae train` loads).")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Supervised steps (default: the shipped recipe's).")] = None,
     seed: Annotated[int, typer.Option(help="Initialisation and data seed.")] = 0,
 ) -> None:
     """Rebuild the built-in tiny model's starting checkpoint (supervised, deterministic, ~20 s on 2 cores)."""
     from rich.progress import Progress
 
+    from qae_app.models import BUILTIN_CHECKPOINT
     from qae_app.warmstart import WarmstartConfig, warmstart as run_warmstart
 
+    out = out or BUILTIN_CHECKPOINT
     cfg = WarmstartConfig(seed=seed)
     if steps is not None:
         cfg.steps = steps
@@ -179,7 +195,6 @@ def warmstart(
 def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
     """List runs: status, estimator, K, steps and the latest reward, accuracy and entropy."""
     from qae_app.store import read_runs
-    from qae_app.trainer import trainer_alive
 
     frame = read_runs(runs_dir)
     if frame.empty:
@@ -191,9 +206,7 @@ def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
         table.add_column(column)
     colors = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow"}
     for row in frame.to_dict("records"):
-        status = row["status"]
-        if status == "running" and not trainer_alive(Path(runs_dir) / row["run_id"]):
-            status = "stopped"  # killed without a chance to record it (kill -9, power loss): resume it
+        status = row["status"]  # `stopped`: killed without a chance to record it (kill -9, power loss); resume it
         table.add_row(row["run_id"], f"[{colors.get(status, 'red')}]{status}[/]", row["estimator"],
                       _fmt(row["k"], 2), row["model"], row["task"], str(row["steps"]), _fmt(row["reward_mean"]),
                       _fmt(row["accuracy"]), _fmt(row.get("heldout_accuracy")), _fmt(row["entropy"]))
@@ -212,8 +225,13 @@ def show(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
         info = read_run(path)
     except QAEUserError as err:
         fail(err)
-    console.print(f"[bold]{info['run_id']}[/] [{info['status']}] estimator {info['estimator']} K={_fmt(info['k'], 2)}"
-                  f" model {info['model']} task {info['task']} seed {info['seed']}, {info['steps']} steps")
+    console.print(f"[bold]{escape(info['run_id'])}[/] {escape('[' + info['status'] + ']')} estimator "
+                  f"{info['estimator']} K={_fmt(info['k'], 2)} model {escape(str(info['model']))} task "
+                  f"{escape(str(info['task']))} seed {info['seed']}, {info['steps']} steps", highlight=False)
+    config = json.loads(info.get("config") or "{}")
+    if config:
+        console.print("config: " + escape(", ".join(f"{key}={value}" for key, value in config.items())),
+                      highlight=False)
     if info.get("error"):
         console.print(f"[red]error:[/] {escape(str(info['error']))}")
     steps = read_steps(path)
@@ -261,7 +279,7 @@ def rollouts(
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
 ) -> None:
     """Show one step's responses: reward, advantage, whether gated, and the group's baseline and regime."""
-    from qae_app.advantages import REGIMES
+    from qae_app.names import REGIMES
     from qae_app.store import read_last_step, read_rollouts, resolve_run
 
     try:
@@ -298,42 +316,25 @@ def rollouts(
 # qae eval
 
 
-@app.command("eval")
 def eval_command(
-    model: Annotated[str, typer.Option(help="builtin:tiny, a run id (its latest checkpoint), a local folder or a "
-                                       "Hugging Face id.")] = "builtin:tiny",
-    bench: Annotated[str, typer.Option(help="'arith' (the built-in held-out split) or a JSONL/Parquet math file "
-                                       "(GSM8K, MATH-500, AIME, AMC, DAPO formats).")] = "arith",
-    k: Annotated[int, typer.Option("--k", help="Samples per problem.")] = 4,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 0.7,
-    max_new_tokens: Annotated[Optional[int], typer.Option(help="Longest response (default: 8 for arith, 1024 "
-                                                          "for math).")] = None,
-    limit: Annotated[Optional[int], typer.Option(help="Only the first N problems.")] = None,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
-    checkpoint: Annotated[Optional[int], typer.Option(help="With a run id: evaluate checkpoint step-N.")] = None,
-    engine: Annotated[str, typer.Option(help="Rollout engine: hf or vllm (GPU).")] = "hf",
-    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
-    verify_timeout_s: Annotated[float, typer.Option(help="Seconds the verifier may spend on one response.")] = 3.0,
-    run_name: Annotated[Optional[str], typer.Option(help="Id of the standalone eval run (for a model that is not "
-                                                    "a training run).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as JSON (no table).")] = False,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+    **options: Any,
 ) -> None:
     """Evaluate a model: avg@k, pass@k (unbiased) and maj@k on a benchmark; every sample is stored in DuckDB."""
+    from qae_app.config import build_eval_config
     from qae_app.evaluate import run_eval_command
 
     try:
-        result, target_run, path = run_eval_command(
-            model=model, bench=bench, k=k, temperature=temperature, max_new_tokens=max_new_tokens, limit=limit,
-            seed=seed, checkpoint=checkpoint, engine=engine, dtype=dtype, verify_timeout_s=verify_timeout_s,
-            run_name=run_name, runs_dir=runs_dir, console=None if as_json else console)
+        cfg = build_eval_config(**options)
+        result, target_run, path = run_eval_command(cfg, runs_dir, console=None if as_json else console)
     except QAEUserError as err:
         fail(err)
     if as_json:
         print(json.dumps({"run_id": target_run, "database": str(path), "benchmark": result.benchmark,
-                          "k": result.k, "metrics": result.metrics}, indent=2))
+                          "samples": result.k, "options": cfg.to_dict(), "metrics": result.metrics}, indent=2))
         return
-    table = Table(title=f"{result.benchmark}: {model}, k={result.k}")
+    table = Table(title=f"{result.benchmark}: {cfg.model}, k={result.k}")
     for column in ("subset", "metric", "k", "value", "problems"):
         table.add_column(column, justify="right")
     for row in result.metrics:
@@ -342,10 +343,17 @@ def eval_command(
     console.print(f"samples and metrics stored in [cyan]{path}[/] (run {target_run})")
 
 
+app.command("eval", help=eval_command.__doc__)(_with_config_options(eval_command, EvalConfig))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # qae dashboard
 
-DASHBOARD_APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
+def dashboard_app() -> Path:
+    """The Streamlit entry point, installed with the package as qae_app.dashboard (the repo's dashboard/ folder)."""
+    from importlib.resources import files
+
+    return Path(str(files("qae_app.dashboard") / "app.py"))
 
 
 @app.command()
@@ -355,21 +363,28 @@ def dashboard(
     host: Annotated[str, typer.Option(help="Address to bind. The default keeps it on this machine; 0.0.0.0 "
                                       "exposes every run to your network.")] = "127.0.0.1",
 ) -> None:
-    """Start the Streamlit dashboard (live curves, rollouts browser) on 127.0.0.1; Ctrl-C stops it."""
+    """Start the Streamlit dashboard (live curves, rollouts browser) on 127.0.0.1; Ctrl-C or SIGTERM stops it."""
     import os
+    import signal
     import subprocess
 
-    if not DASHBOARD_APP.exists():
-        fail(QAEUserError(f"dashboard: {DASHBOARD_APP} is missing. Install qae from a clone with `pip install -e .`."))
-    command = [sys.executable, "-m", "streamlit", "run", str(DASHBOARD_APP), "--server.address", host,
+    if not 0 < port < 65536:
+        fail(QAEUserError(f"port: {port} is not a TCP port. Use 1-65535 (default 8501)."))
+    app_path = dashboard_app()
+    command = [sys.executable, "-m", "streamlit", "run", str(app_path), "--server.address", host,
                "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
                "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal"]
     env = dict(os.environ, QAE_RUNS_DIR=str(Path(runs_dir).resolve()))
     console.print(f"qae dashboard for [cyan]{Path(runs_dir).resolve()}[/] at [bold]http://{host}:{port}[/] "
                   "(Ctrl-C to stop)")
     process = subprocess.Popen(command, env=env)
+
+    def stop(signum, frame):  # SIGTERM (systemd, kill) stops the server too, as Ctrl-C does
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
-        process.wait()
+        code = process.wait()
     except KeyboardInterrupt:
         process.terminate()
         try:
@@ -377,6 +392,12 @@ def dashboard(
         except subprocess.TimeoutExpired:
             process.kill()
         console.print("dashboard stopped")
+        return
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if code != 0:  # e.g. the port is taken: Streamlit said why above
+        err_console.print(f"[bold red]error:[/] the dashboard server exited with code {code}.")
+        raise typer.Exit(code=1)
 
 
 def main() -> None:  # pragma: no cover - `python -m qae_app.cli`

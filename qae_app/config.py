@@ -1,101 +1,112 @@
-"""Training configuration: one dataclass whose field help strings are the CLI help and the README's option list.
+"""Configuration of `qae train` and `qae eval`: one frozen dataclass each, whose field help strings are the CLI help.
 
-Precedence: defaults < `--config run.toml` < command-line options. Every value is checked in `validate()`; a bad one
+Precedence: defaults < `--config run.toml` < command-line options. `given_options` keeps only what the user actually
+gave (TOML or command line), which is what a resume may change. Every value is checked in `validate()`; a bad one
 raises `QAEUserError` naming the option, the value and the fix, before anything is written.
+
+Torch-free (the CLI builds its options from these classes at start-up): the choices come from `qae_app.names`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qae_app.advantages import ESTIMATORS, QUANTILE_METHODS, SCALE_METHODS, EstimatorConfig
+from qae_app import names
 from qae_app.errors import QAEUserError
-from qae_app.losses import LOSS_AGGREGATIONS
-from qae_app.models import BUILTIN_MODEL
-from qae_app.rollout import ENGINES
+from qae_app.rundir import CONFIG_FILE, list_run_dirs, run_dir, validate_run_name
 
 
-def opt(default: Any, help: str, group: str, choices: tuple | None = None):
-    return field(default=default, metadata={"help": help, "group": group, "choices": choices})
+def opt(default: Any, help: str, group: str, choices: dict[str, str] | tuple | None = None,
+        resumable: bool = False):
+    """A config field. `choices`: the allowed values (a names.* registry shows its descriptions in --help).
+    `resumable`: `qae train --resume` may change it (everything else must match the stored run)."""
+    return field(default=default, metadata={"help": help, "group": group, "choices": choices,
+                                            "resumable": resumable})
 
 
-AUTO_K_RULE = "K=0.3 if the first step's success rate < 0.2, 0.4 if < 0.5, else 0.5"
-
-
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     # --- run
     run_name: str | None = opt(None, "Run id (folder under --runs-dir); default: <time>-<estimator>.", "run")
     seed: int = opt(0, "Seed for sampling, data order and initialisation.", "run")
-    steps: int = opt(300, "RL steps (one rollout batch and its optimizer updates each).", "run")
+    steps: int = opt(300, "RL steps (one rollout batch and its optimizer updates each).", "run", resumable=True)
     checkpoint_every: int = opt(50, "Save a resumable checkpoint every N steps (and at the end). 0: only at the end.",
-                                "run")
-    keep_checkpoints: int = opt(2, "Keep only the newest N checkpoints.", "run")
+                                "run", resumable=True)
+    keep_checkpoints: int = opt(2, "Keep only the newest N checkpoints.", "run", resumable=True)
     # --- model and data
-    model: str = opt(BUILTIN_MODEL, "Policy: builtin:tiny, a local folder or a Hugging Face id.", "model")
-    dtype: str = opt("float32", "Weights dtype for training.", "model", ("float32", "bfloat16"))
+    model: str = opt(names.BUILTIN_MODEL, "Policy: builtin:tiny, a local folder or a Hugging Face id.", "model")
+    dtype: str = opt("float32", "Weights dtype for training.", "model", names.DTYPES)
     data: str = opt("arith", "Task: 'arith' (built-in) or a JSONL/Parquet math file (GSM8K, MATH-500, AIME, AMC, "
                     "DAPO-17k formats).", "model")
     heldout_fraction: float = opt(0.0, "For a data file: fraction held out for --eval-every evaluation.", "model")
     # --- rollout
-    engine: str = opt("hf", "Rollout engine: hf (transformers generate) or vllm (GPU).", "rollout", ENGINES)
+    engine: str = opt("hf", "Rollout engine.", "rollout", names.ENGINES)
     group_size: int = opt(16, "Responses sampled per prompt (G).", "rollout")
     prompts_per_step: int = opt(8, "Prompts per RL step (B); a step has B * G responses.", "rollout")
     temperature: float = opt(1.0, "Sampling temperature.", "rollout")
     max_new_tokens: int = opt(8, "Longest response in tokens (use ~1024+ for math data).", "rollout")
     # --- advantage estimator
-    estimator: str = opt("qae", "Advantage estimator.", "estimator", tuple(ESTIMATORS))
-    k: str = opt("0.4", f"QAE quantile level K in (0, 1), or 'auto' ({AUTO_K_RULE}).", "estimator")
-    quantile: str = opt("paper", "QAE quantile: paper (lower, inverted-CDF) or linear (torch.quantile, as the "
-                        "official code).", "estimator", QUANTILE_METHODS)
-    scale: str = opt("std", "Divide advantages by the group reward std (std) or not (none).", "estimator",
-                     SCALE_METHODS)
+    estimator: str = opt("qae", "Advantage estimator.", "estimator", names.ESTIMATORS)
+    k: str = opt(str(names.DEFAULT_K), f"QAE quantile level K in (0, 1), or 'auto' ({names.AUTO_K_RULE}).",
+                 "estimator")
+    quantile: str = opt("paper", "QAE quantile.", "estimator", names.QUANTILE_METHODS)
+    scale: str | None = opt(None, "Advantage scaling; default: the estimator's own (std for qae and grpo, none for "
+                            "dr_grpo and rloo).", "estimator", names.SCALE_METHODS)
     # --- loss and optimizer
     lr: float = opt(5e-5, "Learning rate (AdamW); 5e-5 suits the built-in tiny model, ~1e-6 a 7B model.", "optim")
     weight_decay: float = opt(0.0, "AdamW weight decay.", "optim")
     max_grad_norm: float = opt(1.0, "Clip the gradient norm to this value.", "optim")
     warmup_steps: int = opt(0, "Linear learning-rate warmup, in RL steps.", "optim")
-    num_mini_batches: int = opt(4, "Optimizer updates per rollout batch (the batch is split into this many).",
-                                "optim")
+    num_mini_batches: int = opt(4, "Optimizer updates per rollout batch (the batch is split into this many "
+                                "mini-batches of equal size, +-1).", "optim")
     ppo_epochs: int = opt(1, "Passes over each rollout batch.", "optim")
     micro_batch_size: int = opt(64, "Sequences per forward/backward (gradients accumulate over a mini-batch); "
-                                "lower it when long responses run out of memory.", "optim")
+                                "lower it when long responses run out of memory.", "optim", resumable=True)
     clip_low: float = opt(0.2, "Ratio clip below: 1 - clip_low.", "optim")
     clip_high: float = opt(0.28, "Ratio clip above: 1 + clip_high (clip-higher).", "optim")
-    loss_agg: str = opt("token", "Loss aggregation.", "optim", tuple(LOSS_AGGREGATIONS))
+    loss_agg: str = opt("token", "Loss aggregation.", "optim", names.LOSS_AGGREGATIONS)
     kl_beta: float = opt(0.0, "Weight of the k3 KL to a frozen reference (0: no reference model is loaded).",
                          "optim")
     # --- monitoring and evaluation
-    entropy_low: float = opt(0.5, "Warn when mean token entropy falls below this (collapse): raise K.", "monitor")
-    entropy_high: float = opt(3.0, "Warn when mean token entropy rises above this (explosion): lower K.",
-                              "monitor")
+    entropy_low: float = opt(names.ENTROPY_LOW, "Warn when mean token entropy falls below this (collapse): raise K.",
+                             "monitor", resumable=True)
+    entropy_high: float = opt(names.ENTROPY_HIGH, "Warn when mean token entropy rises above this (explosion): "
+                              "lower K.", "monitor", resumable=True)
     eval_every: int = opt(25, "Evaluate every N steps (0: never). Built-in task: sampled held-out accuracy.",
-                          "monitor")
+                          "monitor", resumable=True)
     eval_bench: str | None = opt(None, "Benchmark for --eval-every: a built-in name or a math file (default: the "
                                  "task's held-out split).", "monitor")
     eval_k: int = opt(1, "Samples per problem in --eval-every evaluations.", "monitor")
-    eval_limit: int | None = opt(None, "Evaluate on the first N problems only.", "monitor")
-    verify_timeout_s: float = opt(3.0, "Seconds the math verifier may spend on one response.", "monitor")
+    eval_limit: int | None = opt(None, "Evaluate on the first N problems only.", "monitor", resumable=True)
+    verify_timeout_s: float = opt(3.0, "Seconds the math verifier may spend on one response.", "monitor",
+                                  resumable=True)
 
     # ------------------------------------------------------------------------------------------------------------
-    def estimator_config(self, k: float | None = None) -> EstimatorConfig:
-        return EstimatorConfig(k=k if k is not None else (0.4 if self.k == "auto" else float(self.k)),
-                               quantile=self.quantile, scale=self.scale)
+    def estimator_config(self, k: float | None = None):
+        """The advantages.EstimatorConfig of this run (`k`: the level chosen by --k auto, once known)."""
+        from qae_app.advantages import EstimatorConfig  # torch: only when training
+
+        return EstimatorConfig(k=k if k is not None else (names.DEFAULT_K if self.k == "auto" else float(self.k)),
+                               quantile=self.quantile, scale=self.advantage_scale)
+
+    @property
+    def advantage_scale(self) -> str:
+        return self.scale or names.ESTIMATOR_DEFAULT_SCALE[self.estimator]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def validate(self) -> "TrainConfig":
-        for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            value = getattr(self, f.name)
-            if choices and value not in choices:
-                raise QAEUserError(f"{_flag(f.name)}: unknown value '{value}'. Choose one of: {', '.join(choices)}.")
+        _check_choices(self)
+        if self.estimator == "dr_grpo" and self.scale == "std":
+            raise QAEUserError("scale: dr_grpo is GRPO without the std normalization, so --scale std contradicts it. "
+                               "Use --estimator grpo for the std-normalized mean baseline.")
         if self.k != "auto":
             try:
                 k = float(self.k)
@@ -111,6 +122,10 @@ class TrainConfig:
         _positive("prompts-per-step", self.prompts_per_step)
         _positive("max-new-tokens", self.max_new_tokens)
         _positive("num-mini-batches", self.num_mini_batches)
+        if self.num_mini_batches > self.prompts_per_step * self.group_size:
+            raise QAEUserError(f"num-mini-batches: {self.num_mini_batches} is more than the "
+                               f"{self.prompts_per_step * self.group_size} responses of a step (prompts-per-step x "
+                               "group-size). Use at most that many; each mini-batch is one optimizer update.")
         _positive("ppo-epochs", self.ppo_epochs)
         _positive("micro-batch-size", self.micro_batch_size)
         _positive("eval-k", self.eval_k)
@@ -138,10 +153,16 @@ class TrainConfig:
         if self.eval_limit is not None and self.eval_limit < 1:
             raise QAEUserError(f"eval-limit: {self.eval_limit}. Use a positive number of problems.")
         if self.run_name is not None:
-            from qae_app.store import validate_run_name
-
             validate_run_name(self.run_name)
         return self
+
+
+def _check_choices(cfg) -> None:
+    for f in dataclasses.fields(cfg):
+        choices = f.metadata.get("choices")
+        value = getattr(cfg, f.name)
+        if choices and value is not None and value not in choices:
+            raise QAEUserError(f"{_flag(f.name)}: unknown value '{value}'. Choose one of: {', '.join(choices)}.")
 
 
 def _flag(name: str) -> str:
@@ -200,8 +221,92 @@ def load_toml(path: Path) -> dict:
     return values
 
 
-def build_config(toml_path: Path | None = None, **overrides: Any) -> TrainConfig:
-    """Defaults, then the TOML file, then the non-None overrides (command-line options); validated."""
+def given_options(toml_path: Path | None = None, **cli_options: Any) -> dict[str, Any]:
+    """The options the user gave: the TOML file's, then the command line's non-None values (not the defaults)."""
     values = load_toml(toml_path) if toml_path else {}
-    values.update({key: value for key, value in overrides.items() if value is not None})
-    return TrainConfig(**values).validate()
+    values.update({key: value for key, value in cli_options.items() if value is not None})
+    return values
+
+
+def build_config(toml_path: Path | None = None, **cli_options: Any) -> TrainConfig:
+    """Defaults, then the TOML file, then the command-line options; validated."""
+    return TrainConfig(**given_options(toml_path, **cli_options)).validate()
+
+
+RESUMABLE = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["resumable"])
+
+
+def stored_config(folder: Path) -> TrainConfig:
+    """The config a run was started with (its config.json)."""
+    stored = json.loads((Path(folder) / CONFIG_FILE).read_text())
+    return TrainConfig(**{key: value for key, value in stored.items() if key in FIELDS})
+
+
+def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli_options: Any) -> TrainConfig:
+    """The stored config of `run`, with the resumable options the user gave now; any other option the user gave
+    must equal the stored value (a resumed run keeps its config)."""
+    folder = run_dir(runs_dir, run)
+    if not (folder / CONFIG_FILE).exists():
+        existing = ", ".join(p.name for p in list_run_dirs(runs_dir)[-10:])
+        raise QAEUserError(f"resume: no run '{run}' in {runs_dir} (existing: {existing or 'none'}). "
+                           "See `qae runs`.")
+    stored = stored_config(folder)
+    changes = {}
+    for name, value in given_options(toml_path, **cli_options).items():
+        if name == "run_name" or value == getattr(stored, name):
+            continue
+        if name not in RESUMABLE:
+            raise QAEUserError(
+                f"resume: --{_flag(name)} {value} conflicts with run '{run}', which was started with "
+                f"{getattr(stored, name)}. A resumed run keeps its config; start a new run to change it (resume "
+                f"may change: {', '.join(_flag(n) for n in RESUMABLE)}).")
+        changes[name] = value
+    return dataclasses.replace(stored, run_name=run, **changes).validate()
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """`qae eval`: a model, a benchmark, samples per problem. The results go into the run the model came from (a run
+    id) or into a standalone eval run."""
+
+    model: str = opt(names.BUILTIN_MODEL, "builtin:tiny, a run id (its newest checkpoint), a local folder or a "
+                     "Hugging Face id.", "model")
+    checkpoint: int | None = opt(None, "With a run id: evaluate checkpoint step-N instead of the newest.", "model")
+    dtype: str = opt("float32", "Weights dtype.", "model", names.DTYPES)
+    bench: str = opt("arith", "'arith' (the built-in held-out split) or a JSONL/Parquet math file (GSM8K, MATH-500, "
+                     "AIME, AMC, DAPO formats).", "benchmark")
+    limit: int | None = opt(None, "Only the first N problems.", "benchmark")
+    samples: int = opt(4, "Samples per problem (k of avg@k, pass@k, maj@k; the paper's avg@32 uses 32).", "sampling")
+    temperature: float = opt(0.7, "Sampling temperature.", "sampling")
+    max_new_tokens: int | None = opt(None, "Longest response in tokens (default: 8 for arith, 1024 for math).",
+                                     "sampling")
+    seed: int = opt(0, "Sampling seed.", "sampling")
+    engine: str = opt("hf", "Rollout engine.", "sampling", names.ENGINES)
+    verify_timeout_s: float = opt(3.0, "Seconds the math verifier may spend on one response.", "benchmark")
+    run_name: str | None = opt(None, "Id of the standalone eval run (for a model that is not a training run).",
+                               "output")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "EvalConfig":
+        _check_choices(self)
+        _positive("samples", self.samples)
+        if not self.temperature > 0:
+            raise QAEUserError(f"temperature: {self.temperature}. Sampling needs a temperature > 0 (0.7 is usual "
+                               "for evaluation).")
+        if self.limit is not None:
+            _positive("limit", self.limit)
+        if self.max_new_tokens is not None:
+            _positive("max-new-tokens", self.max_new_tokens)
+        if self.checkpoint is not None and self.checkpoint < 0:
+            raise QAEUserError(f"checkpoint: {self.checkpoint}. Use the step of one of the run's checkpoints.")
+        if not self.verify_timeout_s > 0:
+            raise QAEUserError(f"verify-timeout-s: {self.verify_timeout_s}. Use a positive number of seconds.")
+        if self.run_name is not None:
+            validate_run_name(self.run_name)
+        return self
+
+
+def build_eval_config(**cli_options: Any) -> EvalConfig:
+    return EvalConfig(**{key: value for key, value in cli_options.items() if value is not None}).validate()

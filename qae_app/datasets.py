@@ -20,10 +20,19 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from qae_app.errors import QAEUserError
-from qae_app.tasks import Problem
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt_id: str  # stable id, unique within the task (used to follow one prompt across steps)
+    question: str  # the problem as given, before any prompt template
+    answer: str  # gold final answer, as a string ("19", "\\frac{1}{2}")
+    meta: dict = field(default_factory=dict, hash=False, compare=False)  # subject, level, source...
+
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")

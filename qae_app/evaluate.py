@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from qae_app.metrics import avg_at_k, maj_at_k, pass_at_k, pass_k_values
 from qae_app.rewards import Scorer, extract_answer
 from qae_app.rollout import RolloutEngine
-from qae_app.tasks import Problem
+from qae_app.datasets import Problem
 
 
 @dataclass
@@ -24,13 +24,6 @@ class EvalResult:
     k: int
     samples: list[dict]  # one per (problem, sample): problem_id, sample_idx, response, extracted, correct, ...
     metrics: list[dict]  # benchmark, subset, metric, k, value, n_problems
-
-    def value(self, metric: str, k: int | None = None, subset: str = "all") -> float:
-        k = self.k if k is None else k
-        for row in self.metrics:
-            if row["metric"] == metric and row["k"] == k and row["subset"] == subset:
-                return row["value"]
-        raise KeyError((metric, k, subset))
 
 
 def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: list[str], scorer: Scorer, k: int,
@@ -110,90 +103,57 @@ class EvalTarget:
 
 
 def resolve_model(spec: str, runs_dir, checkpoint: int | None = None) -> EvalTarget:
-    """A run id (its latest or --checkpoint N), builtin:tiny, a local folder or a Hugging Face id."""
-    from pathlib import Path
-
-    from qae_app.errors import QAEUserError
-    from qae_app.trainer import CHECKPOINTS_DIR, latest_checkpoint
-
-    run_dir = Path(runs_dir) / spec
-    if "/" not in spec and (run_dir / CHECKPOINTS_DIR).is_dir():
+    """A run id (its newest or --checkpoint N), builtin:tiny, a local folder or a Hugging Face id."""
+    folder = Path(runs_dir) / spec
+    if RUN_NAME_PATTERN.match(spec) and (folder / CHECKPOINTS_DIR).is_dir():
+        found = list_checkpoints(folder)
         if checkpoint is None:
-            ckpt = latest_checkpoint(run_dir)
-            if ckpt is None:
+            if not found:
                 raise QAEUserError(f"model: run '{spec}' has no checkpoint yet. Wait for --checkpoint-every steps.")
+            ckpt = found[-1]
         else:
-            ckpt = run_dir / CHECKPOINTS_DIR / f"step-{checkpoint}"
-            if not (ckpt / "model").is_dir():
-                have = sorted(p.name for p in (run_dir / CHECKPOINTS_DIR).glob("step-*"))
-                raise QAEUserError(f"checkpoint: run '{spec}' has no checkpoint {checkpoint} (has: "
-                                   f"{', '.join(have) or 'none'}).")
-        return EvalTarget(str(ckpt / "model"), spec, int(ckpt.name.split("-")[1]))
+            ckpt = next((c for c in found if checkpoint_step(c) == checkpoint), None)
+            if ckpt is None:
+                have = ", ".join(c.name for c in found) or "none"
+                raise QAEUserError(f"checkpoint: run '{spec}' has no checkpoint {checkpoint} (has: {have}).")
+        return EvalTarget(str(ckpt / "model"), spec, checkpoint_step(ckpt))
     if checkpoint is not None:
         raise QAEUserError(f"checkpoint: --checkpoint needs --model to be a run id in {runs_dir}; '{spec}' is not.")
     return EvalTarget(spec, None, 0)
 
 
-def load_benchmark(bench: str):
-    """(name, problems, task) for `arith` (the built-in held-out split) or a math file (all of it)."""
-    from qae_app.tasks import load_task
-
-    task = load_task(bench)
-    problems = task.heldout if task.heldout else task.train
-    name = f"{task.name}-heldout" if task.heldout else task.name
-    return name, problems, task
-
-
-def run_eval_command(model: str, bench: str, k: int, temperature: float, max_new_tokens: int | None,
-                     limit: int | None, seed: int, checkpoint: int | None, engine: str, dtype: str,
-                     verify_timeout_s: float, run_name: str | None, runs_dir, console=None):
+def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResult, str, Path]:
     """Everything `qae eval` does; returns (EvalResult, run_id the results were stored under, database path)."""
-    from datetime import datetime
-    from pathlib import Path
-
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from qae_app.errors import QAEUserError
     from qae_app.models import load_policy
     from qae_app.rollout import make_engine
-    from qae_app.store import DB_FILE, RunWriter, validate_run_name
 
-    if k < 1:
-        raise QAEUserError(f"k: {k}. Sample at least 1 response per problem (the paper uses 32 for avg@32).")
-    if not temperature > 0:
-        raise QAEUserError(f"temperature: {temperature}. Sampling needs a temperature > 0 (0.7 is usual for eval).")
-    if limit is not None and limit < 1:
-        raise QAEUserError(f"limit: {limit}. Use a positive number of problems.")
-    if dtype not in ("float32", "bfloat16"):
-        raise QAEUserError(f"dtype: unknown value '{dtype}'. Choose one of: float32, bfloat16.")
-    target = resolve_model(model, runs_dir, checkpoint)
-    name, problems, task = load_benchmark(bench)
-    problems = problems[:limit] if limit else problems
-    max_new_tokens = max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task.reward]
-    if max_new_tokens < 1:
-        raise QAEUserError(f"max-new-tokens: {max_new_tokens}. Use a positive number of tokens.")
+    target = resolve_model(cfg.model, runs_dir, cfg.checkpoint)
+    name, problems, task = load_benchmark(cfg.bench)
+    problems = problems[: cfg.limit] if cfg.limit else problems
+    max_new_tokens = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task.reward]
     if target.run_id is None:
-        run_id = validate_run_name(run_name or f"eval-{datetime.now():%Y%m%d-%H%M%S}")
-        if (Path(runs_dir) / run_id / DB_FILE).exists():
+        run_id = validate_run_name(cfg.run_name or f"eval-{datetime.now():%Y%m%d-%H%M%S}")
+        if db_path(runs_dir, run_id).exists():
             raise QAEUserError(f"run-name: '{run_id}' already exists in {runs_dir}. Pick another --run-name.")
     else:
         run_id = target.run_id
 
-    policy, codec = load_policy(target.model_path, dtype)
-    rollout_engine = make_engine(engine, policy, codec, model_path=target.model_path)
+    policy, codec = load_policy(target.model_path, cfg.dtype)
+    rollout_engine = make_engine(cfg.engine, policy, codec, model_path=target.model_path)
     progress = Progress(TextColumn(f"[bold]eval {name}"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
                         console=console, disable=console is None)
-    with Scorer(task.reward, verify_timeout_s) as scorer, progress:
+    with Scorer(task.reward, cfg.verify_timeout_s) as scorer, progress:
         bar = progress.add_task("eval", total=len(problems))
-        result = evaluate(rollout_engine, name, problems, [task.prompt(p) for p in problems], scorer, k,
-                          temperature, max_new_tokens, seed, on_batch=lambda n: progress.advance(bar, n))
+        result = evaluate(rollout_engine, name, problems, [task.prompt(p) for p in problems], scorer, cfg.samples,
+                          cfg.temperature, max_new_tokens, cfg.seed, on_batch=lambda n: progress.advance(bar, n))
 
-    path = Path(runs_dir) / run_id / DB_FILE
+    path = db_path(runs_dir, run_id)
     writer = RunWriter(path, run_id)
     if target.run_id is None:
-        options = {"model": model, "bench": bench, "k": k, "temperature": temperature, "max_new_tokens":
-                   max_new_tokens, "limit": limit, "seed": seed, "engine": engine, "dtype": dtype}
-        writer.create_run(run_id, options, "eval", None, model, bench, seed)
+        options = dict(cfg.to_dict(), max_new_tokens=max_new_tokens)
+        writer.create_run(run_id, options, "eval", None, cfg.model, cfg.bench, cfg.seed)
     writer.add_step(target.step, evals=[{**m, "source": "eval"} for m in result.metrics],
                     eval_samples=[{**s, "benchmark": name, "source": "eval"} for s in result.samples])
     writer.flush(timeout_s=60)

@@ -12,14 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from qae_app.errors import QAEUserError
-
-# name -> how per-token losses become one number. `normalizer` is passed in so that a mini-batch with its gated
-# sequences removed produces exactly the gradient of the full mini-batch (see `aggregate`).
-LOSS_AGGREGATIONS = {
-    "token": "sum over all response tokens / number of response tokens in the mini-batch (DAPO token-level)",
-    "seq_mean_token_mean": "mean over tokens of each sequence, then over sequences (GRPO)",
-    "seq_mean_token_sum_norm": "sum over tokens of each sequence / max_new_tokens, mean over sequences (Dr. GRPO)",
-}
+from qae_app.names import LOSS_AGGREGATIONS  # how per-token losses become one number, by name
 
 
 @dataclass
@@ -29,15 +22,15 @@ class LossOutput:
     kl: torch.Tensor  # scalar, mean k3 KL over tokens (0 without a reference)
     clip_low_count: torch.Tensor  # tokens clipped from below (A < 0, ratio < 1 - clip_low)
     clip_high_count: torch.Tensor  # tokens clipped from above (A > 0, ratio > 1 + clip_high)
-    token_count: torch.Tensor
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
     """Log-prob of each target token and the entropy of each position's distribution, both (N, T).
 
-    logits (N, T, vocab) are divided by the sampling temperature, so both describe the distribution sampled from.
+    logits (N, T, vocab) are divided by the sampling temperature, so both describe the distribution sampled from;
+    computed in float32 at least (bf16/fp16 logits are upcast; float64 stays float64).
     """
-    logits = logits.float() / temperature
+    logits = (logits if logits.dtype == torch.float64 else logits.float()) / temperature
     logp_all = F.log_softmax(logits, dim=-1)  # (N, T, vocab)
     token_logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (N, T)
     entropy = -(logp_all.exp() * logp_all).sum(-1)  # (N, T)
@@ -94,4 +87,4 @@ def policy_loss(
         on = mask.bool()
         clip_low_count = ((ratio < 1.0 - clip_low) & (adv < 0) & on).sum()
         clip_high_count = ((ratio > 1.0 + clip_high) & (adv > 0) & on).sum()
-    return LossOutput(loss, pg_loss.detach(), kl.detach(), clip_low_count, clip_high_count, on.sum())
+    return LossOutput(loss, pg_loss.detach(), kl.detach(), clip_low_count, clip_high_count)

@@ -17,9 +17,7 @@ from typing import Protocol
 import torch
 
 from qae_app.errors import QAEUserError
-
-BUILTIN_MODEL = "builtin:tiny"  # the shipped warm-started checkpoint
-BUILTIN_SCRATCH = "builtin:tiny-scratch"  # the same architecture, randomly initialised
+from qae_app.names import BUILTIN_MODEL, BUILTIN_SCRATCH
 ASSETS_DIR = Path(__file__).parent / "assets"
 BUILTIN_CHECKPOINT = ASSETS_DIR / "tiny"
 CHAR_TOKENIZER_FILE = "qae_char_tokenizer.json"

@@ -14,8 +14,7 @@ import torch
 
 from qae_app.errors import QAEUserError
 from qae_app.models import TextCodec
-
-ENGINES = ("hf", "vllm")
+from qae_app.names import ENGINES
 
 
 @dataclass

@@ -26,9 +26,9 @@ import pandas as pd
 
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
+from qae_app.rundir import DB_FILE, STORED_STATUSES, db_path, effective_status, list_run_dirs, validate_run_name
 
-DB_FILE = "qae.duckdb"
-RUN_STATUSES = ("running", "finished", "failed", "interrupted")
+# (DB_FILE, db_path and validate_run_name belong to the run folder, qae_app/rundir.py; readers get them here too)
 
 # name -> definition. Every name is a column of `steps`; NaN is stored as NULL (e.g. no response had a negative
 # advantage, so entropy_neg is undefined).
@@ -40,6 +40,8 @@ STEP_METRICS: dict[str, str] = {
     "entropy_pos": "mean token entropy of responses with advantage > 0",
     "entropy_neg": "mean token entropy of responses with advantage < 0",
     "frac_zero_adv": "fraction of responses whose advantage is exactly 0 (gated out: no policy gradient)",
+    "frac_zero_adv_informative": "frac_zero_adv over the responses of informative groups only (neither all correct "
+                                 "nor all wrong): the paper's ~80% (Fig. 5c); NULL when no group is informative",
     "frac_hard": "fraction of groups in the hard regime (QAE baseline 0: only successes are pushed up)",
     "frac_easy": "fraction of groups in the easy regime (QAE baseline 1: only failures are pushed down)",
     "frac_all_correct": "fraction of groups where every response is correct (no signal)",
@@ -59,60 +61,72 @@ STEP_METRICS: dict[str, str] = {
     "lr": "learning rate used for this step's updates",
     "response_len": "mean response length in tokens",
     "truncated_frac": "fraction of responses that hit max_new_tokens before eos",
-    "n_updates": "optimizer updates (mini-batches with at least one non-gated response) this step",
+    "n_updates": "optimizer updates this step (num_mini_batches x ppo_epochs, including mini-batches whose "
+                 "advantages are all 0: AdamW still moves the weights on them, as a dense update would)",
     "rollout_s": "seconds sampling responses",
     "reward_s": "seconds scoring responses",
     "update_s": "seconds in forward/backward/optimizer (including the log-prob pass)",
     "step_s": "wall seconds of the whole step",
 }
 
-SCHEMA = [
-    """CREATE TABLE IF NOT EXISTS runs (
-        run_id VARCHAR PRIMARY KEY, name VARCHAR, created_at TIMESTAMP, updated_at TIMESTAMP, status VARCHAR,
-        config VARCHAR, estimator VARCHAR, k DOUBLE, model VARCHAR, task VARCHAR, seed INTEGER, error VARCHAR)""",
-    "CREATE TABLE IF NOT EXISTS steps (run_id VARCHAR, step INTEGER, "
-    + ", ".join(f"{name} DOUBLE" for name in STEP_METRICS)
-    + ")",
-    """CREATE TABLE IF NOT EXISTS groups (
-        run_id VARCHAR, step INTEGER, group_idx INTEGER, prompt_id VARCHAR, prompt VARCHAR, answer VARCHAR,
-        n_correct INTEGER, group_size INTEGER, baseline DOUBLE, regime VARCHAR)""",
-    """CREATE TABLE IF NOT EXISTS rollouts (
-        run_id VARCHAR, step INTEGER, group_idx INTEGER, sample_idx INTEGER, prompt_id VARCHAR, response VARCHAR,
-        reward DOUBLE, verified BOOLEAN, advantage DOUBLE, gated BOOLEAN, regime VARCHAR, n_tokens INTEGER,
-        truncated BOOLEAN, entropy DOUBLE, logprob DOUBLE)""",
-    """CREATE TABLE IF NOT EXISTS evals (
-        run_id VARCHAR, step INTEGER, benchmark VARCHAR, subset VARCHAR, metric VARCHAR, k INTEGER, value DOUBLE,
-        n_problems INTEGER, source VARCHAR)""",
-    """CREATE TABLE IF NOT EXISTS eval_samples (
-        run_id VARCHAR, step INTEGER, benchmark VARCHAR, problem_id VARCHAR, sample_idx INTEGER, response VARCHAR,
-        extracted VARCHAR, correct BOOLEAN, verified BOOLEAN, n_tokens INTEGER, source VARCHAR)""",
-    """CREATE TABLE IF NOT EXISTS warnings (
-        run_id VARCHAR, step INTEGER, kind VARCHAR, message VARCHAR)""",
-]
-# Columns added after a table's first version: the writer adds them to older files it opens (resume, `qae eval`).
-MIGRATIONS = [
-    "ALTER TABLE evals ADD COLUMN IF NOT EXISTS source VARCHAR DEFAULT 'train'",
-    "ALTER TABLE eval_samples ADD COLUMN IF NOT EXISTS source VARCHAR DEFAULT 'train'",
-]
+# The tables: name -> {column: SQL type}, `run_id` first in every table. The DDL, the migration of older files and the
+# check of the rows the trainer produces (`RunWriter.add_step`) all come from here.
+TABLES: dict[str, dict[str, str]] = {
+    "runs": {
+        "run_id": "VARCHAR PRIMARY KEY", "name": "VARCHAR", "created_at": "TIMESTAMP", "updated_at": "TIMESTAMP",
+        "status": "VARCHAR", "config": "VARCHAR", "estimator": "VARCHAR", "k": "DOUBLE", "model": "VARCHAR",
+        "task": "VARCHAR", "seed": "BIGINT", "error": "VARCHAR",
+    },
+    "steps": {"run_id": "VARCHAR", "step": "INTEGER", **{name: "DOUBLE" for name in STEP_METRICS}},
+    "groups": {
+        "run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "prompt_id": "VARCHAR", "prompt": "VARCHAR",
+        "answer": "VARCHAR", "n_correct": "INTEGER", "group_size": "INTEGER", "baseline": "DOUBLE",
+        "regime": "VARCHAR",
+    },
+    "rollouts": {
+        "run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "sample_idx": "INTEGER",
+        "prompt_id": "VARCHAR", "response": "VARCHAR", "reward": "DOUBLE", "verified": "BOOLEAN",
+        "advantage": "DOUBLE", "gated": "BOOLEAN", "regime": "VARCHAR", "n_tokens": "INTEGER",
+        "truncated": "BOOLEAN", "entropy": "DOUBLE", "logprob": "DOUBLE",
+    },
+    "evals": {
+        "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "subset": "VARCHAR", "metric": "VARCHAR",
+        "k": "INTEGER", "value": "DOUBLE", "n_problems": "INTEGER", "source": "VARCHAR",
+    },
+    "eval_samples": {
+        "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "problem_id": "VARCHAR",
+        "sample_idx": "INTEGER", "response": "VARCHAR", "extracted": "VARCHAR", "correct": "BOOLEAN",
+        "verified": "BOOLEAN", "n_tokens": "INTEGER", "source": "VARCHAR",
+    },
+    "warnings": {"run_id": "VARCHAR", "step": "INTEGER", "kind": "VARCHAR", "message": "VARCHAR"},
+}
+# What a column added after its table's first version holds in rows written before it existed.
+LEGACY_DEFAULTS = {("evals", "source"): "'train'", ("eval_samples", "source"): "'train'"}
 STEP_TABLES = ("steps", "groups", "rollouts", "evals", "eval_samples", "warnings")  # rows keyed by step
 EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step, benchmark and source
-EVAL_SOURCES = ("train", "eval")  # evaluated during training (--eval-every) or by `qae eval`
+
+
+def row_columns(table: str) -> tuple[str, ...]:
+    """The columns a row of a step table carries when handed to the writer (the writer adds run_id and step)."""
+    return tuple(name for name in TABLES[table] if name not in ("run_id", "step"))
+
+
+def _schema_statements() -> list[str]:
+    statements = []
+    for table, columns in TABLES.items():
+        statements.append(f"CREATE TABLE IF NOT EXISTS {table} ("
+                          + ", ".join(f"{name} {sql_type}" for name, sql_type in columns.items()) + ")")
+        # files written by an older version lack the newer columns: add them (a no-op on current files)
+        for name, sql_type in columns.items():
+            if "PRIMARY KEY" in sql_type:
+                continue
+            default = LEGACY_DEFAULTS.get((table, name))
+            statements.append(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {name} {sql_type}"
+                              + (f" DEFAULT {default}" if default else ""))
+    return statements
+
 
 _LOCK_ERROR = re.compile(r"lock|being used by another process|Conflicting lock", re.IGNORECASE)
-RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-
-
-def validate_run_name(name: str) -> str:
-    if not RUN_NAME_PATTERN.match(name) or ".." in name:
-        raise QAEUserError(
-            f"run-name: '{name}' is not a plain name. Use letters, digits, '.', '_' and '-' (at most 100, no "
-            "'..', no '/'); the run is stored under --runs-dir."
-        )
-    return name
-
-
-def db_path(runs_dir: Path, run_id: str) -> Path:
-    return Path(runs_dir) / validate_run_name(run_id) / DB_FILE
 
 
 def _is_lock_error(err: Exception) -> bool:
@@ -158,8 +172,15 @@ class RunWriter:
         self.flush_retries = 0  # times a flush found the file busy and kept rows for later
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._open(timeout_s=30) as con:
-            for statement in SCHEMA + MIGRATIONS:
+            for statement in _schema_statements():
                 con.execute(statement)
+            # a copied or renamed run folder is the run named by the folder: its rows take that id
+            stored = con.execute("SELECT run_id FROM runs").fetchall()
+            if stored and stored[0][0] != run_id:
+                con.execute("BEGIN TRANSACTION")
+                for table in TABLES:
+                    con.execute(f"UPDATE {table} SET run_id = ?", [run_id])
+                con.execute("COMMIT")
 
     @contextmanager
     def _open(self, timeout_s: float | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -184,8 +205,8 @@ class RunWriter:
         unknown = set(fields) - allowed
         if unknown:
             raise ValueError(f"cannot update runs columns {unknown}")
-        if "status" in fields and fields["status"] not in RUN_STATUSES:
-            raise ValueError(f"status must be one of {RUN_STATUSES}")
+        if "status" in fields and fields["status"] not in STORED_STATUSES:
+            raise ValueError(f"status must be one of {STORED_STATUSES}")
         if "config" in fields:
             fields["config"] = json.dumps(fields["config"])
         assignments = ", ".join(f"{name} = ?" for name in fields)  # names from the allow-list above, values bound
@@ -199,6 +220,10 @@ class RunWriter:
         unknown = set(tables) - set(STEP_TABLES)
         if unknown:
             raise ValueError(f"unknown step tables {unknown}")
+        for table, records in tables.items():
+            if records and set(records[0]) != set(row_columns(table)):
+                raise ValueError(f"{table} rows have columns {sorted(records[0])}, the table has "
+                                 f"{sorted(row_columns(table))}")
         self.pending.append(StepRows(step, tables))
 
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -279,18 +304,11 @@ def query(path: Path, sql: str, params: list | None = None, timeout_s: float = 3
         return con.execute(sql, params or []).df()
 
 
-def run_dirs(runs_dir: Path) -> list[Path]:
-    runs_dir = Path(runs_dir)
-    if not runs_dir.exists():
-        return []
-    return sorted(p.parent for p in runs_dir.glob(f"*/{DB_FILE}"))
-
-
 def resolve_run(runs_dir: Path, run: str) -> Path:
     """Database path of a run given by id; a clear error listing existing runs otherwise."""
     path = db_path(runs_dir, run)
     if not path.exists():
-        existing = ", ".join(p.name for p in run_dirs(runs_dir)[-10:]) or "none"
+        existing = ", ".join(p.name for p in list_run_dirs(runs_dir)[-10:]) or "none"
         raise QAEUserError(f"run: no run '{run}' in {runs_dir} (existing: {existing}). See `qae runs`.")
     return path
 
@@ -309,12 +327,22 @@ SQL_RUN_SUMMARY = """
 """
 
 
+def _as_seen_from_folder(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
+    """A run is named by its folder (a copied or renamed folder is that run) and shown with its effective status
+    (`stopped` when stored as running but no trainer holds it); what the file says stays in stored_*."""
+    folder = Path(path).parent
+    frame = frame.assign(stored_run_id=frame["run_id"], stored_status=frame["status"])
+    frame["run_id"] = folder.name
+    frame["status"] = [effective_status(status, folder) for status in frame["stored_status"]]
+    return frame
+
+
 def read_runs(runs_dir: Path) -> pd.DataFrame:
     """One row per run in `runs_dir` (newest first); runs whose file is busy for too long are skipped."""
     frames = []
-    for run_dir in run_dirs(runs_dir):
+    for run_dir in list_run_dirs(runs_dir):
         try:
-            frames.append(query(run_dir / DB_FILE, SQL_RUN_SUMMARY))
+            frames.append(_as_seen_from_folder(query(run_dir / DB_FILE, SQL_RUN_SUMMARY), run_dir / DB_FILE))
         except duckdb.Error:
             continue
     if not frames:
@@ -326,7 +354,7 @@ def read_run(path: Path) -> dict:
     frame = query(path, SQL_RUN_SUMMARY)
     if frame.empty:
         raise QAEUserError(f"run: {path} has no run row; the run never started writing.")
-    return frame.iloc[0].to_dict()
+    return _as_seen_from_folder(frame, path).iloc[0].to_dict()
 
 
 def read_steps(path: Path) -> pd.DataFrame:
@@ -356,15 +384,6 @@ def read_rollouts(path: Path, step: int, gated: bool | None = None, regime: str 
     """Rollouts of one step joined with their group, filtered; `search` is a plain substring (bound, no SQL)."""
     search = search or None
     return query(path, SQL_ROLLOUTS, [step, gated, gated, regime, regime, reward, reward, search, search, search])
-
-
-def read_prompt_history(path: Path, prompt_id: str) -> pd.DataFrame:
-    return query(
-        path,
-        "SELECT step, n_correct, group_size, n_correct / group_size AS success_rate, baseline, regime "
-        "FROM groups WHERE prompt_id = ? ORDER BY step",
-        [prompt_id],
-    )
 
 
 def read_evals(path: Path) -> pd.DataFrame:
@@ -404,7 +423,7 @@ def read_run_view(path: Path) -> RunView:
         if run.empty:
             raise QAEUserError(f"run: {path} has no run row; the run never started writing.")
         return RunView(
-            run=run.iloc[0].to_dict(),
+            run=_as_seen_from_folder(run, path).iloc[0].to_dict(),
             steps=con.execute("SELECT * FROM steps ORDER BY step").df(),
             warnings=con.execute("SELECT step, kind, message FROM warnings ORDER BY step").df(),
             evals=con.execute("SELECT step, benchmark, subset, metric, k, value, n_problems, source FROM evals "

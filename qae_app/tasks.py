@@ -13,18 +13,11 @@ A task is a list of `Problem`s plus the name of the reward function that scores 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from qae_app.datasets import Problem, load_math_file
 from qae_app.errors import QAEUserError
-
-
-@dataclass(frozen=True)
-class Problem:
-    prompt_id: str  # stable id, unique within the task (used to follow one prompt across steps)
-    question: str  # the problem as given, before any prompt template
-    answer: str  # gold final answer, as a string ("19", "\\frac{1}{2}")
-    meta: dict = field(default_factory=dict, hash=False, compare=False)  # subject, level, source...
 
 
 @dataclass(frozen=True)
@@ -91,8 +84,6 @@ def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0) -
             f"data: '{name_or_path}' is neither a built-in task ({', '.join(BUILTIN_TASKS)}) nor an existing file. "
             "Pass a JSONL or Parquet file in the GSM8K, MATH-500, AIME, AMC or DAPO-17k format."
         )
-    from qae_app.datasets import load_math_file
-
     problems = load_math_file(path)
     order = list(range(len(problems)))
     random.Random(seed).shuffle(order)
@@ -100,3 +91,12 @@ def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0) -
     heldout = [problems[i] for i in sorted(order[:n_heldout])]
     train = [problems[i] for i in sorted(order[n_heldout:])]
     return Task(name=path.stem, train=train, heldout=heldout, reward="math", prompt_template=MATH_PROMPT_TEMPLATE)
+
+
+def load_benchmark(bench: str) -> tuple[str, list[Problem], Task]:
+    """(name, problems, task) of what `qae eval --bench` and `qae train --eval-bench` evaluate: a built-in task's
+    held-out split (named `<task>-heldout`) or a whole math file (named by its stem)."""
+    task = load_task(bench)
+    problems = task.heldout if task.heldout else task.train
+    name = f"{task.name}-heldout" if task.heldout else task.name
+    return name, problems, task

@@ -2,18 +2,21 @@
 
 How this differs from GRPO: the only change is the baseline (`advantages.py`). With QAE about 80% of responses get
 advantage exactly 0 ("gated"); their policy gradient is exactly 0, so when nothing else needs them (no KL term) they
-are left out of the update's forward/backward, with the loss normalizer of the full mini-batch so the gradient is
-unchanged.
+are left out of the update's forward/backward, with the loss normalizer of the full mini-batch, so the update is the
+one the dense computation gives (a mini-batch whose advantages are all 0 still steps the optimizer, as the dense one
+does: AdamW's moments move the weights on a zero gradient too).
 
 One step, for B prompts x G samples:
     rollout   -> engine samples G responses per prompt                   (rollout_s)
     reward    -> verifier scores each response: 1, 0 or None             (reward_s)
     advantage -> estimator(rewards [B, G]) -> advantages, baseline, regime
     update    -> log-probs/entropy of the sampling policy (no grad), then num_mini_batches optimizer steps (update_s)
-    log       -> one transaction into runs/<run_id>/qae.duckdb
+    log       -> `fit` writes the step's rows in one transaction into runs/<run_id>/qae.duckdb
 
 Runs on one CPU process as is, and under `accelerate launch` (DDP, FSDP, DeepSpeed): each process samples its share
-of the prompts, the main process gathers every row and is the only one to write the database.
+of the prompts; mini-batches are drawn over the whole step's responses, so every loss normalizer counts the tokens of
+all processes and the update equals the one-process update on the same samples; the main process gathers every row
+and is the only one to write the run folder's database.
 
     qae train                                   # built-in tiny model and arithmetic task, QAE K=0.4
     accelerate launch -m qae_app.cli train ...  # several processes
@@ -23,13 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import math
 import os
 import random
-import re
 import shutil
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -37,32 +41,24 @@ from pathlib import Path
 
 import torch
 
+from qae_app import names
 from qae_app.advantages import REGIMES, compute_advantages
 from qae_app.config import TrainConfig
 from qae_app.errors import QAEUserError
-from qae_app.evaluate import evaluate, load_benchmark
+from qae_app.evaluate import evaluate, summarize
 from qae_app.faults import fault_point
 from qae_app.losses import policy_loss, token_logprobs_and_entropy
 from qae_app.models import load_policy
 from qae_app.rewards import Scorer
 from qae_app.rollout import make_engine
-from qae_app.store import DB_FILE, RunWriter, read_last_step
-from qae_app.tasks import Task, load_task
+from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
+from qae_app.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, DB_FILE, TRAINER_STATE, RunLock, checkpoint_problem,
+                            checkpoint_step, list_checkpoints, run_dir, trainer_alive, write_manifest)
+from qae_app.store import RunWriter, read_run
+from qae_app.tasks import Task, load_benchmark, load_task
 
-CHECKPOINTS_DIR = "checkpoints"
-RUN_LOCK = "trainer.pid"  # pid of the process training this run; absent when none is
-CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
-TRAINER_STATE = "trainer_state.json"
-CONFIG_FILE = "config.json"
-# config fields a resume may change (everything else must match the stored run)
 ENTROPY_EMA_ALPHA = 0.1  # smoothing of the entropy that the band warnings watch (about the last 10 steps)
-RESUMABLE_OVERRIDES = {"steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_limit",
-                       "verify_timeout_s", "run_name"}
-
-
-def auto_k(success_rate: float) -> float:
-    """--k auto: harder tasks get a lower K (a wider hard regime), see config.AUTO_K_RULE."""
-    return 0.3 if success_rate < 0.2 else 0.4 if success_rate < 0.5 else 0.5
+CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from readers until it is renamed into place
 
 
 @dataclass
@@ -72,6 +68,7 @@ class TrainerState:
     entropy_zone: str = "ok"  # "low" / "ok" / "high" for the smoothed entropy: warn once per crossing of the band
     entropy_ema: float | None = None  # exponential moving average of step entropy (alpha ENTROPY_EMA_ALPHA)
     data_position: int = 0  # prompts consumed so far; a resume checks it against step * prompts_per_step
+    data_fingerprint: str | None = None  # sha256 of the data file (None for a built-in task); a resume checks it
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.__dict__))
@@ -83,9 +80,20 @@ class TrainerState:
 
 @dataclass
 class StepOutput:
-    metrics: dict  # one `steps` row (STEP_METRICS names)
+    """Everything one RL step produced; `fit` alone writes it."""
+
+    metrics: dict  # one `steps` row (STEP_METRICS names; heldout_accuracy filled in by fit)
     groups: list[dict]  # B `groups` rows, gathered from every process
     rollouts: list[dict]  # B * G `rollouts` rows
+    warnings: list[dict] = field(default_factory=list)  # `warnings` rows: kind, message
+    chosen_k: float | None = None  # the K that --k auto picked at this step, if it did
+
+
+@dataclass
+class HeldoutEval:
+    accuracy: float  # avg@k on the whole benchmark
+    evals: list[dict]  # `evals` rows
+    samples: list[dict]  # `eval_samples` rows
 
 
 @dataclass
@@ -93,8 +101,7 @@ class RunResult:
     run_id: str
     run_dir: Path
     steps_done: int
-    status: str
-    last_metrics: dict = field(default_factory=dict)
+    status: str  # finished, interrupted (Ctrl-C / SIGTERM; resumable)
 
 
 def _step_seed(seed: int, step: int, process: int) -> int:
@@ -119,208 +126,122 @@ def _epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
     return tuple(order)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """Newest complete checkpoint (a `step-N.tmp` folder left by a kill mid-save is ignored)."""
-    ckpts = [p for p in (Path(run_dir) / CHECKPOINTS_DIR).glob("step-*")
-             if CHECKPOINT_NAME.match(p.name) and (p / TRAINER_STATE).exists()]
-    return max(ckpts, key=lambda p: int(p.name.split("-")[1]), default=None)
-
-
-def trainer_alive(run_dir: Path) -> bool:
-    """Whether a process is training this run now (its pid file names a live process)."""
-    try:
-        pid = int((Path(run_dir) / RUN_LOCK).read_text())
-        os.kill(pid, 0)
-    except (OSError, ValueError):
-        return False
-    return True
+def file_fingerprint(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------------------
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, runs_dir: Path, resume: str | None = None, console=None,
-                 cpu: bool | None = None):
-        from accelerate import Accelerator
-        from accelerate.utils import set_seed
+    """`Trainer(cfg, runs_dir).fit()` trains a new run; `Trainer(resume_config(...), runs_dir, resume=True)` continues
+    one from its newest valid checkpoint. Setup takes the run's lock first, so nothing slow runs for a run that another
+    process is training, and a new run's folder appears (atomically, by a rename) only once it can train."""
 
+    def __init__(self, cfg: TrainConfig, runs_dir: Path, resume: bool = False, console=None,
+                 cpu: bool | None = None):
+        self.cfg = cfg
         self.console = console
         self.runs_dir = Path(runs_dir)
-        # ---------------------------------------------------------------------------------------------------------
-        # run folder and config
-        if resume is not None:
-            cfg, self.run_id = self._resume_config(resume, cfg)
-        else:
-            self.run_id = cfg.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-{cfg.estimator}"
-        self.cfg = cfg
-        self.run_dir = self.runs_dir / self.run_id
-        if resume is None and (self.run_dir / DB_FILE).exists():
-            raise QAEUserError(f"run-name: a run '{self.run_id}' already exists in {self.runs_dir}. "
-                               f"Continue it with --resume {self.run_id}, or pick another --run-name.")
+        self.resuming = resume
+        self.skip_gated = True  # leave zero-advantage sequences out of the update (same update; tests turn it off)
+        self.writer: RunWriter | None = None  # main process only
+        self._lock: RunLock | None = None  # main process only: held from setup until fit ends
+        self._staging: Path | None = None
+        self._stop_requested = self._finishing = False
+        self._setup_processes(cpu)
+        self._claim_run_folder()
+        try:
+            self._load_data()
+            self._load_models()
+            if resume:
+                self._restore_checkpoint()
+            self._open_store()
+        except BaseException:
+            self._abandon_setup()
+            raise
 
-        self.accelerator = Accelerator(cpu=cpu if cpu is not None else not torch.cuda.is_available())
-        self.is_main = self.accelerator.is_main_process
-        if self.accelerator.num_processes > 1 and cfg.prompts_per_step % self.accelerator.num_processes:
-            raise QAEUserError(f"prompts-per-step: {cfg.prompts_per_step} does not split over "
-                               f"{self.accelerator.num_processes} processes. Use a multiple of the process count.")
-        set_seed(cfg.seed)
+    # -------------------------------------------------------------------------------------------------------------
+    # the loop
 
-        # ---------------------------------------------------------------------------------------------------------
-        # task, policy, reference, optimizer
-        self.task = load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
-        if len(self.task.train) == 0:
-            raise QAEUserError(f"data: '{cfg.data}' has no training problems. Lower --heldout-fraction.")
-        # what --eval-every evaluates: the task's held-out split, or --eval-bench named as `qae eval` names it;
-        # loaded now so a bad path fails before anything is written
-        self.eval_name, self.eval_problems, self.eval_task = (
-            load_benchmark(cfg.eval_bench) if cfg.eval_bench
-            else (f"{self.task.name}-heldout", self.task.heldout, self.task))
-        model, self.codec = load_policy(cfg.model, cfg.dtype)
-        self.ref_model = None
-        if cfg.kl_beta > 0:
-            self.ref_model, _ = load_policy(cfg.model, cfg.dtype)
-            self.ref_model.requires_grad_(False).eval()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        warmup = max(cfg.warmup_steps, 0)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1)
-        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
-        if self.ref_model is not None:
-            self.ref_model.to(self.accelerator.device)
-        self.engine = make_engine(cfg.engine, self.accelerator.unwrap_model(self.model), self.codec,
-                                  model_path=cfg.model)
-        self.scorer = Scorer(self.task.reward, cfg.verify_timeout_s)
-        # one scorer for the whole run (a math verifier pool takes seconds to start): the training one if it fits
-        self.eval_scorer = (self.scorer if self.eval_task.reward == self.task.reward
-                            else Scorer(self.eval_task.reward, cfg.verify_timeout_s))
-        self.state = TrainerState(k=None if cfg.k == "auto" else float(cfg.k))
-        self.writer: RunWriter | None = None
-        self.warnings: list[dict] = []
-        self.skip_gated = True  # leave zero-advantage sequences out of the update (exact: same gradient)
-
-        # ---------------------------------------------------------------------------------------------------------
-        # database and resume
-        if resume is not None:
-            self._load_checkpoint()
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.writer = RunWriter(self.run_dir / DB_FILE, self.run_id)
-            if resume is None:
-                (self.run_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2))
-                k = self.state.k if cfg.estimator == "qae" else None  # K means nothing to a mean baseline
-                self.writer.create_run(self.run_id, cfg.to_dict(), cfg.estimator, k, cfg.model, cfg.data, cfg.seed)
+    def fit(self, on_step=None) -> RunResult:
+        """Train until cfg.steps. Ctrl-C (or SIGTERM) stops at the end of the current step with a checkpoint, so a
+        resumed run is exactly the uninterrupted one, and returns status `interrupted`; a second Ctrl-C stops at once
+        (rows kept, the newest checkpoint stays the resume point)."""
+        cfg = self.cfg
+        status, error = "running", None
+        previous_handlers = self._install_stop_handlers()
+        try:
+            if self.state.step == 0 and cfg.eval_every:
+                heldout = self.evaluate_heldout(0)
+                self._store_step(0, None, heldout)
+                self._flush()
+                if on_step is not None:
+                    on_step(0, {"heldout_accuracy": heldout.accuracy if heldout else None})
+            while self.state.step < cfg.steps and not self._should_stop():
+                step = self.state.step + 1
+                out = self.train_step(step)
+                heldout = (self.evaluate_heldout(step)
+                           if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps) else None)
+                out.metrics["heldout_accuracy"] = heldout.accuracy if heldout else None
+                self.state.step = step
+                self.state.data_position = step * cfg.prompts_per_step
+                self._store_step(step, out, heldout)
+                fault_point("after_step_rows", step)
+                self._flush()
+                if on_step is not None:
+                    on_step(step, out.metrics)
+                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
+                    self._flush(force=True)
+                    self.save_checkpoint()
+            if self.state.step < cfg.steps:  # stopped by a signal at a step boundary
+                status = "interrupted"
+                self._flush(force=True)
+                newest = list_checkpoints(self.run_dir)
+                if not newest or checkpoint_step(newest[-1]) != self.state.step:
+                    self.save_checkpoint()
             else:
-                # rows written after the checkpoint are replayed by this run: drop them so each step is stored once
-                self.writer.truncate_after(self.state.step)
-                (self.run_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2))
-                self.writer.update_run(status="running", error=None, config=cfg.to_dict())
-
-    # -------------------------------------------------------------------------------------------------------------
-    # resume
-
-    def _resume_config(self, run: str, overrides: TrainConfig) -> tuple[TrainConfig, str]:
-        from qae_app.store import validate_run_name
-
-        run_dir = self.runs_dir / validate_run_name(run)
-        if not (run_dir / CONFIG_FILE).exists():
-            existing = ", ".join(sorted(p.parent.name for p in self.runs_dir.glob(f"*/{CONFIG_FILE}"))[-10:])
-            raise QAEUserError(f"resume: no run '{run}' in {self.runs_dir} (existing: {existing or 'none'}). "
-                               "See `qae runs`.")
-        if trainer_alive(run_dir):
-            raise QAEUserError(f"resume: run '{run}' is being trained right now by process "
-                               f"{(run_dir / RUN_LOCK).read_text()}. Stop it first (Ctrl-C), then resume.")
-        stored = TrainConfig(**json.loads((run_dir / CONFIG_FILE).read_text()))
-        defaults = TrainConfig()
-        for name, value in overrides.to_dict().items():
-            # only options the user set differently from the defaults count as requested changes
-            if value != getattr(defaults, name) and value != getattr(stored, name):
-                if name not in RESUMABLE_OVERRIDES:
-                    raise QAEUserError(
-                        f"resume: --{name.replace('_', '-')} {value} conflicts with run '{run}', which was started "
-                        f"with {getattr(stored, name)}. A resumed run keeps its config; start a new run to change "
-                        f"it (resume may change: {', '.join(sorted(RESUMABLE_OVERRIDES - {'run_name'}))}).")
-                setattr(stored, name, value)
-        stored.run_name = run
-        return stored.validate(), run
-
-    def _load_checkpoint(self) -> None:
-        ckpt = latest_checkpoint(self.run_dir)
-        if ckpt is None:
-            return  # killed before the first checkpoint: start over from step 0, same run
-        self.accelerator.load_state(str(ckpt))
-        self.state = TrainerState.load(ckpt / TRAINER_STATE)
-        expected = self.state.step * self.cfg.prompts_per_step
-        if self.state.data_position != expected:
-            raise QAEUserError(f"resume: checkpoint {ckpt} is at prompt {self.state.data_position} of the data, but "
-                               f"{self.state.step} steps of {self.cfg.prompts_per_step} prompts end at {expected}. "
-                               "The checkpoint does not belong to this run's config; start a new run.")
-        self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
-
-    def save_checkpoint(self) -> Path:
-        """checkpoints/step-N: accelerate state (model, optimizer, scheduler, RNG), an HF model folder for `qae
-        eval`, and the trainer state. Written to a temporary folder and renamed, so a kill never leaves half of one."""
-        self.accelerator.wait_for_everyone()
-        final = self.run_dir / CHECKPOINTS_DIR / f"step-{self.state.step}"
-        tmp = final.with_name(final.name + ".tmp")
-        if self.is_main and tmp.exists():
-            shutil.rmtree(tmp)
-        self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(str(tmp))
-        if self.is_main:
-            unwrapped = self.accelerator.unwrap_model(self.model)
-            unwrapped.save_pretrained(tmp / "model", safe_serialization=True)
-            self.codec.save(tmp / "model")
-            self.state.save(tmp / TRAINER_STATE)
-            fault_point("checkpoint_rename", self.state.step)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            ckpts = sorted((p for p in final.parent.glob("step-*") if CHECKPOINT_NAME.match(p.name)),
-                           key=lambda p: int(p.name.split("-")[1]))
-            for old in ckpts[: -self.cfg.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-        self.accelerator.wait_for_everyone()
-        return final
-
-    # -------------------------------------------------------------------------------------------------------------
-    # one step
-
-    def _forward_logprobs(self, model, input_ids, attention_mask):
-        """Token log-probs and entropies (N, T-1) of each sequence's next tokens, under `model`."""
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (N, T-1, vocab)
-        return token_logprobs_and_entropy(logits, input_ids[:, 1:], self.cfg.temperature)
-
-    def _pack(self, samples) -> dict:
-        """Right-padded (prompt + response) tensors; response_mask marks the positions predicting response tokens."""
-        pad = self.codec.pad_id
-        width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        n = len(samples)
-        input_ids = torch.full((n, width), pad, dtype=torch.long)
-        attention_mask = torch.zeros((n, width), dtype=torch.long)
-        response_mask = torch.zeros((n, width - 1), dtype=torch.float32)
-        for i, s in enumerate(samples):
-            ids = s.prompt_ids + s.response_ids
-            input_ids[i, : len(ids)] = torch.tensor(ids)
-            attention_mask[i, : len(ids)] = 1
-            # logits at position t predict token t + 1: response tokens are predicted from len(prompt) - 1 on
-            response_mask[i, len(s.prompt_ids) - 1 : len(ids) - 1] = 1.0
-        device = self.accelerator.device
-        return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
-                "response_mask": response_mask.to(device)}
+                status = "finished"
+        except KeyboardInterrupt:  # second Ctrl-C: stop now; the newest checkpoint stays the resume point
+            status = "interrupted"
+        except Exception as err:
+            status, error = "failed", f"{type(err).__name__}: {err}"
+            raise
+        finally:
+            # late signals are ignored from here on: the final status must be written, whatever arrives
+            self._finishing = True
+            try:
+                self._close_scorers()
+                if self.writer is not None:
+                    try:
+                        self._flush(force=True)
+                    finally:
+                        self.writer.update_run(status=status, error=error)
+            finally:
+                if self._lock is not None:
+                    self._lock.release()
+                self._restore_handlers(previous_handlers)
+        return RunResult(self.run_id, self.run_dir, self.state.step, status)
 
     def train_step(self, step: int) -> StepOutput:
+        """One RL step on this process's share of the step's prompts. Updates the model, optimizer, scheduler and
+        trainer state; writes nothing (the rows, metrics and warnings come back in the StepOutput)."""
         cfg, acc = self.cfg, self.accelerator
         t_step = time.perf_counter()
         per_process = cfg.prompts_per_step // acc.num_processes
         indices = prompts_for_step(self.task, cfg.seed, step, cfg.prompts_per_step)
         mine = indices[acc.process_index * per_process : (acc.process_index + 1) * per_process]
         problems = [self.task.train[i] for i in mine]
-        seed = _step_seed(cfg.seed, step, acc.process_index)
+        prompts = [self.task.prompt(p) for p in problems]
 
         # ---- rollout
         t0 = time.perf_counter()
-        samples = self.engine.generate([self.task.prompt(p) for p in problems], cfg.group_size, cfg.temperature,
-                                       cfg.max_new_tokens, seed)  # B * G, sample j of prompt i at i * G + j
+        samples = self.engine.generate(prompts, cfg.group_size, cfg.temperature, cfg.max_new_tokens,
+                                       _step_seed(cfg.seed, step, acc.process_index))  # sample j of prompt i: i*G+j
         rollout_s = time.perf_counter() - t0
 
         # ---- reward
@@ -329,13 +250,12 @@ class Trainer:
         reward_s = time.perf_counter() - t0
         rewards = torch.tensor([0.0 if r is None else r for r in raw]).view(len(problems), cfg.group_size)  # (B, G)
 
+        warnings, chosen_k = [], None
         if self.state.k is None and cfg.estimator == "qae":  # --k auto: choose K once, from the first step
             success = acc.reduce(rewards.mean().to(acc.device), reduction="mean").item()
-            self.state.k = auto_k(success)
-            self.warnings.append({"kind": "auto_k", "message": f"--k auto: first-step success rate {success:.3f} "
-                                                               f"-> K = {self.state.k}"})
-            if self.writer is not None:
-                self.writer.update_run(k=self.state.k)
+            self.state.k = chosen_k = names.auto_k(success)
+            warnings.append({"kind": "auto_k", "message": f"--k auto: first-step success rate {success:.3f} "
+                                                          f"-> K = {chosen_k}"})
 
         # ---- advantages
         adv = compute_advantages(cfg.estimator, rewards, cfg.estimator_config(self.state.k))
@@ -351,45 +271,62 @@ class Trainer:
         self.engine.sync_weights(acc.unwrap_model(self.model))  # vLLM holds its own copy; hf shares the model
         update_s = time.perf_counter() - t0
 
-        # ---- rows for the store (gathered on the main process)
+        # ---- rows (gathered on the main process) and metrics
         mask = batch["response_mask"]
-        n_tokens = mask.sum(-1)
-        seq_entropy = ((entropy * mask).sum(-1) / n_tokens.clamp(min=1)).cpu()
-        seq_logprob = (old_logp * mask).sum(-1).cpu()
-        group_rows, rollout_rows = [], []
-        offset = acc.process_index * per_process
-        for b, problem in enumerate(problems):
-            regime = REGIMES[adv.regime[b].item()]
-            group_rows.append({
-                "group_idx": offset + b, "prompt_id": problem.prompt_id, "prompt": self.task.prompt(problem),
-                "answer": problem.answer, "n_correct": int((rewards[b] == 1).sum().item()),
-                "group_size": cfg.group_size, "baseline": adv.baseline[b].item(), "regime": regime,
-            })
-            for g in range(cfg.group_size):
-                i = b * cfg.group_size + g
-                a = adv.advantages[b, g].item()
-                rollout_rows.append({
-                    "group_idx": offset + b, "sample_idx": g, "prompt_id": problem.prompt_id,
-                    "response": samples[i].text, "reward": rewards[b, g].item(), "verified": raw[i] is not None,
-                    "advantage": a, "gated": a == 0.0, "regime": regime, "n_tokens": int(n_tokens[i].item()),
-                    "truncated": samples[i].truncated, "entropy": seq_entropy[i].item(),
-                    "logprob": seq_logprob[i].item(),
-                })
+        n_tokens = mask.sum(-1)  # (N,)
+        seq_entropy = ((entropy * mask).sum(-1) / n_tokens.clamp(min=1)).view(len(problems), -1).tolist()  # [B][G]
+        seq_logprob = (old_logp * mask).sum(-1).view(len(problems), -1).tolist()  # [B][G]
+        n_tokens = n_tokens.long().view(len(problems), -1).tolist()
+        first_group = acc.process_index * per_process
+        G = cfg.group_size
+        results = [GroupResult(
+            group_idx=first_group + b, prompt_id=problem.prompt_id, prompt=prompts[b], answer=problem.answer,
+            baseline=adv.baseline[b].item(), regime=REGIMES[adv.regime[b].item()],
+            responses=[s.text for s in samples[b * G:(b + 1) * G]], rewards=rewards[b].tolist(),
+            verified=[r is not None for r in raw[b * G:(b + 1) * G]], advantages=adv.advantages[b].tolist(),
+            n_tokens=n_tokens[b], truncated=[s.truncated for s in samples[b * G:(b + 1) * G]],
+            entropies=seq_entropy[b], logprobs=seq_logprob[b],
+        ) for b, problem in enumerate(problems)]
         if acc.num_processes > 1:
             from accelerate.utils import gather_object
 
-            group_rows = gather_object(group_rows)
-            rollout_rows = gather_object(rollout_rows)
-            update_stats = {key: acc.reduce(torch.tensor(float(v), device=acc.device), "mean").item()
-                            for key, v in update_stats.items()}
-        metrics = step_metrics(group_rows, rollout_rows)
+            results = gather_object(results)
+        groups, rollouts = group_rows(results), rollout_rows(results)
+        metrics = step_metrics(groups, rollouts)
         metrics.update(update_stats)
         metrics.update(k=self.state.k if cfg.estimator == "qae" else None, rollout_s=rollout_s, reward_s=reward_s,
                        update_s=update_s, lr=self.scheduler.get_last_lr()[0])
-        self.scheduler.step()
-        self._check_entropy(metrics["entropy"])
+        self.scheduler.step()  # once per RL step, on every process (the scheduler is not prepared: see _load_models)
+        warnings += self._check_entropy(metrics["entropy"])
         metrics["step_s"] = time.perf_counter() - t_step
-        return StepOutput(metrics, group_rows, rollout_rows)
+        return StepOutput(metrics, groups, rollouts, warnings, chosen_k)
+
+    def _pack(self, samples) -> dict:
+        """Right-padded (prompt + response) tensors; response_mask marks the positions predicting response tokens."""
+        pad = self.codec.pad_id
+        width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        n = len(samples)
+        input_ids = torch.full((n, width), pad, dtype=torch.long)
+        attention_mask = torch.zeros((n, width), dtype=torch.long)
+        response_mask = torch.zeros((n, width - 1), dtype=self._float_dtype())
+        for i, s in enumerate(samples):
+            ids = s.prompt_ids + s.response_ids
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            attention_mask[i, : len(ids)] = 1
+            # logits at position t predict token t + 1: response tokens are predicted from len(prompt) - 1 on
+            response_mask[i, len(s.prompt_ids) - 1 : len(ids) - 1] = 1.0
+        device = self.accelerator.device
+        return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
+                "response_mask": response_mask.to(device)}
+
+    def _float_dtype(self) -> torch.dtype:
+        """float64 for a float64 model (exactness tests), else float32 (the loss is computed in float32 at least)."""
+        return torch.float64 if next(self.model.parameters()).dtype == torch.float64 else torch.float32
+
+    def _forward_logprobs(self, model, input_ids, attention_mask):
+        """Token log-probs and entropies (N, T-1) of each sequence's next tokens, under `model`."""
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (N, T-1, vocab)
+        return token_logprobs_and_entropy(logits, input_ids[:, 1:], self.cfg.temperature)
 
     @torch.no_grad()
     def _logprobs_in_chunks(self, model, batch, chunk: int):
@@ -406,84 +343,122 @@ class Trainer:
         return torch.cat(outs_logp), torch.cat(outs_ent)
 
     def _update(self, step: int, batch, old_logp, ref_logp, seq_adv) -> dict:
-        """num_mini_batches x ppo_epochs optimizer steps over this rollout batch."""
+        """num_mini_batches x ppo_epochs optimizer steps over this step's responses.
+
+        Mini-batches are drawn over the responses of every process (the same seeded permutation on each), and each
+        process takes its members of each: the loss normalizer (tokens or sequences of the whole mini-batch) is summed
+        over processes, and each process's loss is multiplied by the process count because DDP averages gradients.
+        So the update equals the one-process update on the same responses.
+        """
         cfg, acc = self.cfg, self.accelerator
-        n = seq_adv.shape[0]
-        mask = batch["response_mask"]
-        generator = torch.Generator().manual_seed(_step_seed(cfg.seed, step, acc.process_index) + 1)
-        # the KL term has gradient on gated sequences too; skip_gated=False is kept for benchmarks and tests
+        n_local = seq_adv.shape[0]
+        first = acc.process_index * n_local  # global index of this process's first response
+        tokens_per_seq = batch["response_mask"].sum(-1)  # (n_local,)
+        generator = torch.Generator().manual_seed(_step_seed(cfg.seed, step, 0) + 1)  # the same on every process
+        # the KL term has gradient on gated sequences too; skip_gated=False is the dense reference
         needs_all = self.ref_model is not None or not self.skip_gated
-        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "grad_norm": 0.0}
-        clipped_low = clipped_high = tokens = 0
+        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "grad_norm": 0.0, "clipped_low": 0.0, "clipped_high": 0.0}
+        tokens = 0.0
         n_updates = 0
         self.model.train()
         for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(n, generator=generator)
-            for mb in order.chunk(cfg.num_mini_batches):
-                mb = mb.to(seq_adv.device)
-                normalizer = {"tokens": mask[mb].sum().item(), "sequences": len(mb), "max_len": cfg.max_new_tokens}
-                keep = mb if needs_all else mb[seq_adv[mb] != 0]
-                if len(keep) == 0:
-                    if acc.num_processes == 1:
-                        continue  # every advantage is 0: the gradient is exactly 0, skip the optimizer step
-                    keep = mb[:1]  # other processes all-reduce gradients: take part with a zero-advantage sequence
+            mini_batches = torch.randperm(n_local * acc.num_processes, generator=generator).tensor_split(
+                cfg.num_mini_batches)
+            mine = [(mb[(mb >= first) & (mb < first + n_local)] - first).to(seq_adv.device) for mb in mini_batches]
+            # per mini-batch, over all processes: response tokens (the normalizer) and responses with advantage != 0
+            counts = torch.tensor([[tokens_per_seq[ix].sum().item(), (seq_adv[ix] != 0).sum().item()] for ix in mine],
+                                  dtype=torch.float64, device=acc.device)  # (num_mini_batches, 2)
+            if acc.num_processes > 1:
+                counts = acc.reduce(counts, reduction="sum")
+            for mb, ix, (mb_tokens, mb_active) in zip(mini_batches, mine, counts.tolist()):
+                normalizer = {"tokens": mb_tokens, "sequences": len(mb), "max_len": cfg.max_new_tokens}
                 self.optimizer.zero_grad(set_to_none=True)
-                # micro-batches accumulate gradients: each loss uses the mini-batch's normalizer, so their sum is
-                # the mini-batch loss exactly; only the last backward all-reduces under DDP
-                micro_batches = keep.split(cfg.micro_batch_size)
-                for i, micro in enumerate(micro_batches):
-                    last = i == len(micro_batches) - 1
-                    with contextlib.nullcontext() if last else acc.no_sync(self.model):
-                        logp, _ = self._forward_logprobs(self.model, batch["input_ids"][micro],
-                                                         batch["attention_mask"][micro])
-                        out = policy_loss(logp, old_logp[micro], seq_adv[micro], mask[micro], cfg.clip_low,
-                                          cfg.clip_high, cfg.loss_agg, normalizer,
-                                          ref_logp[micro] if ref_logp is not None else None, cfg.kl_beta)
-                        acc.backward(out.loss)
-                    totals["loss"] += out.loss.item()
-                    totals["pg_loss"] += out.pg_loss.item()
-                    totals["kl"] += out.kl.item()
-                    clipped_low += out.clip_low_count.item()
-                    clipped_high += out.clip_high_count.item()
+                if mb_active == 0 and not needs_all:
+                    # every advantage is 0 on every process: the gradient is exactly 0 without computing it
+                    for p in self.model.parameters():
+                        p.grad = torch.zeros_like(p)
+                else:
+                    stats = self._accumulate_gradients(batch, ix if needs_all else ix[seq_adv[ix] != 0], old_logp,
+                                                       ref_logp, seq_adv, normalizer, fallback=ix)
+                    for key, value in stats.items():
+                        totals[key] += value
                 grad_norm = acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-                self.optimizer.step()
+                self.optimizer.step()  # also on a zero gradient, as the dense update does
                 n_updates += 1
                 totals["grad_norm"] += float(grad_norm)
-                tokens += normalizer["tokens"]
-        stats = {key: value / max(n_updates, 1) for key, value in totals.items()}
-        stats.update(clip_frac_low=clipped_low / max(tokens, 1), clip_frac_high=clipped_high / max(tokens, 1),
-                     clip_frac=(clipped_low + clipped_high) / max(tokens, 1), n_updates=n_updates)
+                tokens += mb_tokens
+        if acc.num_processes > 1:  # each process holds its share of the sums; grad_norm is the same everywhere
+            shares = ("loss", "pg_loss", "kl", "clipped_low", "clipped_high")
+            summed = acc.reduce(torch.tensor([totals[k] for k in shares], dtype=torch.float64, device=acc.device),
+                                reduction="sum").tolist()
+            totals.update(zip(shares, summed))
+        stats = {key: totals[key] / max(n_updates, 1) for key in ("loss", "pg_loss", "kl", "grad_norm")}
+        stats.update(clip_frac_low=totals["clipped_low"] / max(tokens, 1),
+                     clip_frac_high=totals["clipped_high"] / max(tokens, 1),
+                     clip_frac=(totals["clipped_low"] + totals["clipped_high"]) / max(tokens, 1), n_updates=n_updates)
         return stats
 
-    def _check_entropy(self, entropy: float) -> None:
-        """Warn when the smoothed entropy leaves [entropy_low, entropy_high]: once per crossing, not every noisy step."""
+    def _accumulate_gradients(self, batch, keep, old_logp, ref_logp, seq_adv, normalizer, fallback) -> dict:
+        """Backward of this process's share (`keep`) of one mini-batch's loss, in micro-batches.
+
+        Each micro-batch's loss uses the mini-batch's normalizer, so their sum is the mini-batch loss exactly; only
+        the last backward all-reduces under DDP. A process with nothing to contribute still runs one forward/backward,
+        weighted 0, because the others wait for its gradients.
+        """
+        cfg, acc = self.cfg, self.accelerator
+        weight = float(acc.num_processes)  # DDP averages gradients over processes: undo it
+        if len(keep) == 0:
+            keep, weight = (fallback[:1] if len(fallback) else torch.zeros(1, dtype=torch.long,
+                                                                         device=seq_adv.device)), 0.0
+        mask = batch["response_mask"]
+        stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipped_low": 0.0, "clipped_high": 0.0}
+        micro_batches = keep.split(cfg.micro_batch_size)
+        for i, micro in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else acc.no_sync(self.model):
+                logp, _ = self._forward_logprobs(self.model, batch["input_ids"][micro],
+                                                 batch["attention_mask"][micro])
+                out = policy_loss(logp, old_logp[micro], seq_adv[micro], mask[micro], cfg.clip_low, cfg.clip_high,
+                                  cfg.loss_agg, normalizer, ref_logp[micro] if ref_logp is not None else None,
+                                  cfg.kl_beta)
+                acc.backward(out.loss * weight if weight != 1.0 else out.loss)
+            if weight:
+                stats["loss"] += out.loss.item()
+                stats["pg_loss"] += out.pg_loss.item()
+                stats["kl"] += out.kl.item()
+                stats["clipped_low"] += out.clip_low_count.item()
+                stats["clipped_high"] += out.clip_high_count.item()
+        return stats
+
+    def _check_entropy(self, entropy: float) -> list[dict]:
+        """A warning when the smoothed entropy leaves [entropy_low, entropy_high]: once per crossing, not every noisy
+        step."""
         cfg = self.cfg
         if math.isnan(entropy):
-            return
+            return []
         ema = entropy if self.state.entropy_ema is None else (
             ENTROPY_EMA_ALPHA * entropy + (1 - ENTROPY_EMA_ALPHA) * self.state.entropy_ema)
         self.state.entropy_ema = ema
-        entropy = ema
-        zone = "low" if entropy < cfg.entropy_low else "high" if entropy > cfg.entropy_high else "ok"
-        if zone != self.state.entropy_zone and zone != "ok":
-            if zone == "low":
-                message = (f"entropy (smoothed) {entropy:.3f} fell below {cfg.entropy_low} (collapse risk): raise --k (e.g. "
-                           f"{min((self.state.k or 0.4) + 0.1, 0.9):.1f}) so more prompts are 'easy' and failures "
-                           "are pushed down, which raises entropy.")
-            else:
-                message = (f"entropy (smoothed) {entropy:.3f} rose above {cfg.entropy_high} (explosion risk): lower --k (e.g. "
-                           f"{max((self.state.k or 0.4) - 0.1, 0.1):.1f}) so more prompts are 'hard' and only "
-                           "successes are reinforced, which lowers entropy.")
-            self.warnings.append({"kind": f"entropy_{zone}", "message": message})
-            if self.console is not None and self.is_main:
-                self.console.print(f"[yellow]warning:[/] {message}")
+        zone = "low" if ema < cfg.entropy_low else "high" if ema > cfg.entropy_high else "ok"
+        crossed = zone != self.state.entropy_zone and zone != "ok"
         self.state.entropy_zone = zone
+        if not crossed:
+            return []
+        k = self.state.k or names.DEFAULT_K
+        if zone == "low":
+            message = (f"entropy (smoothed) {ema:.3f} fell below {cfg.entropy_low} (collapse risk): raise --k (e.g. "
+                       f"{min(k + 0.1, 0.9):.1f}) so more prompts are 'easy' and failures are pushed down, which "
+                       "raises entropy.")
+        else:
+            message = (f"entropy (smoothed) {ema:.3f} rose above {cfg.entropy_high} (explosion risk): lower --k "
+                       f"(e.g. {max(k - 0.1, 0.1):.1f}) so more prompts are 'hard' and only successes are "
+                       "reinforced, which lowers entropy.")
+        if self.console is not None and self.is_main:
+            self.console.print(f"[yellow]warning:[/] {message}")
+        return [{"kind": f"entropy_{zone}", "message": message}]
 
-    # -------------------------------------------------------------------------------------------------------------
-    # evaluation during training
-
-    def evaluate_heldout(self, step: int) -> float | None:
-        """Sampled accuracy on the held-out split (or --eval-bench); logs every metric to `evals`."""
+    def evaluate_heldout(self, step: int) -> HeldoutEval | None:
+        """Sampled accuracy on the held-out split (or --eval-bench), with every metric and sample (not written)."""
         cfg, acc = self.cfg, self.accelerator
         name, task = self.eval_name, self.eval_task
         problems = self.eval_problems[: cfg.eval_limit] if cfg.eval_limit else self.eval_problems
@@ -492,104 +467,267 @@ class Trainer:
         share = problems[acc.process_index :: acc.num_processes]
         result = evaluate(self.engine, name, share, [task.prompt(p) for p in share], self.eval_scorer, cfg.eval_k,
                           cfg.temperature, cfg.max_new_tokens, seed=_step_seed(cfg.seed, step, acc.process_index) + 7)
-        samples = result.samples
+        samples, metrics = result.samples, result.metrics
         if acc.num_processes > 1:
             from accelerate.utils import gather_object
 
-            from qae_app.evaluate import summarize
-
             samples = gather_object(samples)
             metrics = summarize(name, problems, samples, cfg.eval_k)
-        else:
-            metrics = result.metrics
-        if self.writer is not None:
-            self.writer.add_step(step, evals=[{**m, "source": "train"} for m in metrics],
-                                 eval_samples=[{**s, "benchmark": name, "source": "train"} for s in samples])
-        return next(m["value"] for m in metrics if m["metric"] == "avg@k" and m["subset"] == "all")
+        accuracy = next(m["value"] for m in metrics if m["metric"] == "avg@k" and m["subset"] == "all")
+        return HeldoutEval(accuracy, [{**m, "source": "train"} for m in metrics],
+                           [{**s, "benchmark": name, "source": "train"} for s in samples])
 
     # -------------------------------------------------------------------------------------------------------------
-    # the loop
+    # writing: only here, only on the main process
 
-    def fit(self, on_step=None) -> RunResult:
-        """Train until cfg.steps. Ctrl-C (or SIGTERM) stops at the end of the current step with a checkpoint, so a
-        resumed run is exactly the uninterrupted one; a second Ctrl-C stops at once (rows kept, no new checkpoint)."""
+    def _store_step(self, step: int, out: StepOutput | None, heldout: HeldoutEval | None) -> None:
+        if self.writer is None:
+            return
+        if out is not None and out.chosen_k is not None:
+            self.writer.update_run(k=out.chosen_k)
+        tables = {}
+        if out is not None:
+            tables.update(steps=[out.metrics], groups=out.groups, rollouts=out.rollouts, warnings=out.warnings)
+        if heldout is not None:
+            tables.update(evals=heldout.evals, eval_samples=heldout.samples)
+        self.writer.add_step(step, **tables)
+
+    def _flush(self, force: bool = False) -> None:
+        if self.writer is None:
+            return
+        if not self.writer.flush(timeout_s=60 if force else None) and force:
+            raise RuntimeError(f"could not write {self.writer.path}: another process kept it locked for 60 s")
+
+    # -------------------------------------------------------------------------------------------------------------
+    # setup phases, in the order __init__ runs them
+
+    def _setup_processes(self, cpu: bool | None) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import broadcast_object_list, set_seed
+
         cfg = self.cfg
-        status, error = "running", None
-        metrics: dict = {}
-        self._stop_requested = False
-        previous_handlers = self._install_stop_handlers()
-        self._hold_run_lock()
+        self.accelerator = Accelerator(cpu=cpu if cpu is not None else not torch.cuda.is_available())
+        self.is_main = self.accelerator.is_main_process
+        n = self.accelerator.num_processes
+        if n > 1 and cfg.prompts_per_step % n:
+            raise QAEUserError(f"prompts-per-step: {cfg.prompts_per_step} does not split over {n} processes. Use a "
+                               "multiple of the process count.")
+        # the run id, decided once by the main process (a default id from the clock could differ between processes)
+        run_id = [cfg.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-{cfg.estimator}"]
+        if n > 1:
+            broadcast_object_list(run_id)
+        self.run_id = run_id[0]
+        self.run_dir = run_dir(self.runs_dir, self.run_id)
+        set_seed(cfg.seed)
+
+    def _claim_run_folder(self) -> None:
+        """Take the run's lock before anything slow. A new run is built in a hidden staging folder that becomes
+        runs/<id> by one rename once its database holds the run's row (see _open_store)."""
+        if not self.is_main:
+            return
+        if self.resuming:
+            self._lock = RunLock(self.run_dir).acquire("resume")
+            return
+        if (self.run_dir / DB_FILE).exists() or (self.run_dir / CONFIG_FILE).exists():
+            raise QAEUserError(f"run-name: a run '{self.run_id}' already exists in {self.runs_dir}. Continue it "
+                               f"with --resume {self.run_id}, or pick another --run-name.")
         try:
-            if self.state.step == 0 and cfg.eval_every:
-                acc0 = self.evaluate_heldout(0)
-                if on_step is not None:
-                    on_step(0, {"heldout_accuracy": acc0})
-                self._flush()
-            while self.state.step < cfg.steps and not self._should_stop():
-                step = self.state.step + 1
-                out = self.train_step(step)
-                metrics = out.metrics
-                metrics["heldout_accuracy"] = None
-                if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                    metrics["heldout_accuracy"] = self.evaluate_heldout(step)
-                self.state.step = step
-                self.state.data_position = step * cfg.prompts_per_step
-                if self.writer is not None:
-                    self.writer.add_step(step, steps=[metrics], groups=out.groups, rollouts=out.rollouts,
-                                         warnings=self.warnings)
-                    self.warnings = []
-                fault_point("after_step_rows", step)
-                self._flush()
-                if on_step is not None:
-                    on_step(step, metrics)
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
-                    self._flush(force=True)
-                    self.save_checkpoint()
-            if self.state.step < cfg.steps:  # stopped by a signal at a step boundary
-                status = "interrupted"
-                self._flush(force=True)
-                newest = latest_checkpoint(self.run_dir)
-                if newest is None or newest.name != f"step-{self.state.step}":
-                    self.save_checkpoint()
-            else:
-                status = "finished"
-        except KeyboardInterrupt:  # second Ctrl-C: stop now; the newest checkpoint stays the resume point
-            status = "interrupted"
-        except Exception as err:
-            status, error = "failed", f"{type(err).__name__}: {err}"
-            raise
-        finally:
-            self._restore_handlers(previous_handlers)
-            self.scorer.close()
-            if self.eval_scorer is not self.scorer:
-                self.eval_scorer.close()
-            if self.writer is not None:
-                try:
-                    self._flush(force=True)
-                finally:
-                    self.writer.update_run(status=status, error=error)
-            self._release_run_lock()
-        result = RunResult(self.run_id, self.run_dir, self.state.step, status, metrics)
-        if status == "interrupted":
-            raise KeyboardInterrupt(result)
-        return result
+            self.runs_dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.runs_dir.glob(f"{CREATING_PREFIX}{self.run_id}-*"):  # left by a kill mid-creation
+                if not trainer_alive(stale):
+                    shutil.rmtree(stale, ignore_errors=True)
+            self._staging = self.runs_dir / f"{CREATING_PREFIX}{self.run_id}-{os.getpid()}"
+            self._staging.mkdir()
+        except OSError as err:
+            raise QAEUserError(f"runs-dir: cannot create a run in {self.runs_dir} ({err.strerror}). Pass a "
+                               "writable --runs-dir.") from err
+        self._lock = RunLock(self._staging).acquire("run-name")
+
+    def _load_data(self) -> None:
+        cfg = self.cfg
+        self.task = load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
+        if len(self.task.train) == 0:
+            raise QAEUserError(f"data: '{cfg.data}' has no training problems. Lower --heldout-fraction.")
+        self.data_fingerprint = file_fingerprint(Path(cfg.data)) if Path(cfg.data).is_file() else None
+        # what --eval-every evaluates: the task's held-out split, or --eval-bench named as `qae eval` names it;
+        # loaded now so a bad path fails before anything is written
+        self.eval_name, self.eval_problems, self.eval_task = (
+            load_benchmark(cfg.eval_bench) if cfg.eval_bench
+            else (f"{self.task.name}-heldout", self.task.heldout, self.task))
+
+    def _load_models(self) -> None:
+        cfg, acc = self.cfg, self.accelerator
+        model, self.codec = load_policy(cfg.model, cfg.dtype)
+        self.ref_model = None
+        if cfg.kl_beta > 0:
+            self.ref_model, _ = load_policy(cfg.model, cfg.dtype)
+            self.ref_model.requires_grad_(False).eval()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        warmup = cfg.warmup_steps
+        # stepped once per RL step on every process; not passed to accelerate.prepare, whose wrapper would step it
+        # once per process per call (a warmup num_processes times too fast); checkpointed as a custom object
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        self.model, self.optimizer = acc.prepare(model, optimizer)
+        acc.register_for_checkpointing(self.scheduler)
+        if self.ref_model is not None:
+            self.ref_model.to(acc.device)
+        self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model)
+        self.scorer = Scorer(self.task.reward, cfg.verify_timeout_s)
+        # one scorer for the whole run (a math verifier pool takes seconds to start): the training one if it fits
+        self.eval_scorer = (self.scorer if self.eval_task.reward == self.task.reward
+                            else Scorer(self.eval_task.reward, cfg.verify_timeout_s))
+        self.state = TrainerState(k=None if cfg.k == "auto" else float(cfg.k),
+                                  data_fingerprint=self.data_fingerprint)
+
+    def _restore_checkpoint(self) -> None:
+        """Load the newest checkpoint whose files match their checksums; say so when a newer one was skipped."""
+        from accelerate.utils import broadcast_object_list
+
+        chosen = [None]
+        if self.is_main:
+            for ckpt in reversed(list_checkpoints(self.run_dir)):
+                problem = checkpoint_problem(ckpt)
+                if problem is None:
+                    chosen = [str(ckpt)]
+                    break
+                self._say(f"[yellow]warning:[/] skipping checkpoint {ckpt.name}: {problem}")
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(chosen)
+        if chosen[0] is None:
+            if self.is_main and list_checkpoints(self.run_dir):
+                raise QAEUserError(f"resume: no checkpoint of run '{self.run_id}' checks out (see the warnings "
+                                   "above). Start a new run.")
+            return  # killed before the first checkpoint: start over from step 0, same run
+        ckpt = Path(chosen[0])
+        self.accelerator.load_state(str(ckpt))
+        self.state = TrainerState.load(ckpt / TRAINER_STATE)
+        self._say(f"resuming run {self.run_id} from checkpoint {ckpt.name}")
+        cfg = self.cfg
+        expected = self.state.step * cfg.prompts_per_step
+        if self.state.data_position != expected:
+            raise QAEUserError(f"resume: checkpoint {ckpt} is at prompt {self.state.data_position} of the data, but "
+                               f"{self.state.step} steps of {cfg.prompts_per_step} prompts end at {expected}. "
+                               "The checkpoint does not belong to this run's config; start a new run.")
+        if cfg.steps < self.state.step:
+            raise QAEUserError(f"steps: {cfg.steps} is below the {self.state.step} steps run '{self.run_id}' has "
+                               "already done. Pass --steps above that to train further.")
+        if self.state.data_fingerprint != self.data_fingerprint:
+            raise QAEUserError(f"data: {cfg.data} changed since run '{self.run_id}' was started (its sha256 differs "
+                               "from the one the checkpoint recorded). A resumed run must see the same prompts: "
+                               "restore the file, or start a new run on the new data.")
+        self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
+
+    def _open_store(self) -> None:
+        """The run's database and config.json (main process). A new run's staging folder is renamed into place
+        last, so every command sees either no run or one with its row."""
+        if not self.is_main:
+            return
+        cfg = self.cfg
+        config = cfg.to_dict()
+        if self.resuming:
+            db = self.run_dir / DB_FILE
+            has_row = db.exists() and self._has_run_row(db)
+            if not has_row and self.state.step > 0:
+                raise QAEUserError(
+                    f"resume: run '{self.run_id}' has a checkpoint at step {self.state.step} but "
+                    + ("no database" if not db.exists() else f"no run row in {db}")
+                    + f": the rows of steps 1-{self.state.step} are lost. Restore {DB_FILE} from a backup, or "
+                    "start a new run.")
+            self.writer = RunWriter(db, self.run_id)
+            if not has_row:  # killed while the run was being created (before any checkpoint): create it again
+                self.writer.create_run(self.run_id, config, cfg.estimator, self._stored_k(), cfg.model, cfg.data,
+                                       cfg.seed)
+            # rows written after the checkpoint are replayed by this run: drop them so each step is stored once
+            self.writer.truncate_after(self.state.step)
+            (self.run_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+            self.writer.update_run(status="running", error=None, config=config)
+            return
+        staging = self._staging
+        writer = RunWriter(staging / DB_FILE, self.run_id)
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        writer.create_run(self.run_id, config, cfg.estimator, self._stored_k(), cfg.model, cfg.data, cfg.seed)
+        try:
+            os.rename(staging, self.run_dir)
+        except OSError as err:  # another `qae train --run-name` of the same name got there first
+            raise QAEUserError(f"run-name: a run '{self.run_id}' already exists in {self.runs_dir} ({err.strerror})."
+                               f" Continue it with --resume {self.run_id}, or pick another --run-name.") from err
+        self._staging = None
+        self.writer = RunWriter(self.run_dir / DB_FILE, self.run_id)
+
+    def _stored_k(self) -> float | None:
+        return self.state.k if self.cfg.estimator == "qae" else None  # K means nothing to a mean baseline
+
+    @staticmethod
+    def _has_run_row(db: Path) -> bool:
+        try:
+            read_run(db)
+        except QAEUserError:
+            return False
+        return True
+
+    def _abandon_setup(self) -> None:
+        """Setup failed: release the lock and remove a new run's staging folder, so nothing is left behind."""
+        self._close_scorers()
+        if self._lock is not None:
+            self._lock.release()
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+
+    def _close_scorers(self) -> None:
+        for scorer in {id(s): s for s in (getattr(self, "scorer", None), getattr(self, "eval_scorer", None))
+                       if s is not None}.values():
+            scorer.close()
+
+    def _say(self, message: str) -> None:
+        if self.console is not None and self.is_main:
+            self.console.print(message)
 
     # -------------------------------------------------------------------------------------------------------------
-    # stopping and the run lock
+    # checkpoints
+
+    def save_checkpoint(self) -> Path:
+        """checkpoints/step-N: accelerate state (model, optimizer, scheduler, RNG of every process), an HF model
+        folder for `qae eval`, the trainer state, and a manifest of checksums. Written to a temporary folder and
+        renamed once every process has written its part, so a kill never leaves half of one."""
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        final = self.run_dir / CHECKPOINTS_DIR / f"step-{self.state.step}"
+        tmp = final.with_name(final.name + ".tmp")
+        if self.is_main and tmp.exists():
+            shutil.rmtree(tmp)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp))
+        acc.wait_for_everyone()  # every process's random_states_<i>.pkl is in tmp before it is renamed
+        if self.is_main:
+            unwrapped = acc.unwrap_model(self.model)
+            unwrapped.save_pretrained(tmp / "model", safe_serialization=True)
+            self.codec.save(tmp / "model")
+            self.state.save(tmp / TRAINER_STATE)
+            write_manifest(tmp)
+            fault_point("checkpoint_rename", self.state.step)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in list_checkpoints(self.run_dir)[: -self.cfg.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        acc.wait_for_everyone()
+        return final
+
+    # -------------------------------------------------------------------------------------------------------------
+    # stopping
 
     def _install_stop_handlers(self) -> dict:
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             return {}
 
         def request_stop(signum, frame):
+            if self._finishing:
+                return  # the run is writing its final status: nothing may interrupt that
             if self._stop_requested:
                 raise KeyboardInterrupt
             self._stop_requested = True
-            if self.console is not None and self.is_main:
-                self.console.print("[yellow]stopping after this step (checkpoint, then exit); "
-                                   "Ctrl-C again to stop at once[/]")
+            self._say("[yellow]stopping after this step (checkpoint, then exit); Ctrl-C again to stop at once[/]")
 
         return {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
 
@@ -604,54 +742,3 @@ class Trainer:
         if self.accelerator.num_processes > 1:
             flag = self.accelerator.reduce(flag, reduction="sum")
         return flag.item() > 0
-
-    def _hold_run_lock(self) -> None:
-        if self.is_main:
-            (self.run_dir / RUN_LOCK).write_text(str(os.getpid()))
-
-    def _release_run_lock(self) -> None:
-        if self.is_main:
-            (self.run_dir / RUN_LOCK).unlink(missing_ok=True)
-
-    def _flush(self, force: bool = False) -> None:
-        if self.writer is None:
-            return
-        if not self.writer.flush(timeout_s=60 if force else None) and force:
-            raise RuntimeError(f"could not write {self.writer.path}: another process kept it locked for 60 s")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# step metrics from the stored rows (so what the dashboard recomputes from rows equals what was logged)
-
-
-def step_metrics(group_rows: list[dict], rollout_rows: list[dict]) -> dict:
-    n = len(rollout_rows)
-    tokens = sum(r["n_tokens"] for r in rollout_rows)
-    adv = [r["advantage"] for r in rollout_rows]
-
-    def token_mean(rows):
-        count = sum(r["n_tokens"] for r in rows)
-        return sum(r["entropy"] * r["n_tokens"] for r in rows) / count if count else math.nan
-
-    # covariance over tokens of token log-prob and its sequence's advantage (logprob is the sequence's sum)
-    if tokens:
-        mean_logp = sum(r["logprob"] for r in rollout_rows) / tokens
-        mean_adv = sum(r["advantage"] * r["n_tokens"] for r in rollout_rows) / tokens
-        cov = sum(r["advantage"] * r["logprob"] for r in rollout_rows) / tokens - mean_logp * mean_adv
-    else:
-        cov = math.nan
-    regimes = [g["regime"] for g in group_rows]
-    return {
-        "reward_mean": sum(r["reward"] for r in rollout_rows) / n,
-        "accuracy": sum(r["reward"] == 1.0 for r in rollout_rows) / n,
-        "entropy": token_mean(rollout_rows),
-        "entropy_pos": token_mean([r for r in rollout_rows if r["advantage"] > 0]),
-        "entropy_neg": token_mean([r for r in rollout_rows if r["advantage"] < 0]),
-        "frac_zero_adv": sum(a == 0.0 for a in adv) / n,
-        **{f"frac_{name}": regimes.count(name) / len(regimes) for name in REGIMES},
-        "frac_unverified": sum(not r["verified"] for r in rollout_rows) / n,
-        "cov_logp_adv": cov,
-        "adv_abs_mean": sum(abs(a) for a in adv) / n,
-        "response_len": tokens / n,
-        "truncated_frac": sum(r["truncated"] for r in rollout_rows) / n,
-    }

@@ -14,6 +14,7 @@ from qae_app.advantages import (
     quantile_rank,
 )
 from qae_app.errors import QAEUserError
+from qae_app.names import ESTIMATOR_DEFAULT_SCALE
 
 
 def group(n_correct: int, size: int) -> torch.Tensor:
@@ -86,6 +87,7 @@ def reference_advantages(name: str, rewards: list[float], cfg: EstimatorConfig):
     mean = sum(rewards) / G
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (G - 1))
     binary = all(r in (0.0, 1.0) for r in rewards)
+    std_scaled = (cfg.scale or ESTIMATOR_DEFAULT_SCALE[name]) == "std"
     if name == "qae":
         ordered = sorted(rewards)
         if cfg.quantile == "paper":
@@ -95,16 +97,17 @@ def reference_advantages(name: str, rewards: list[float], cfg: EstimatorConfig):
             lo = math.floor(pos)
             hi = min(lo + 1, G - 1)
             baseline = ordered[lo] + (pos - lo) * (ordered[hi] - ordered[lo])
-        adv = [(r - baseline) / (std + cfg.eps) if cfg.scale == "std" else r - baseline for r in rewards]
+        adv = [(r - baseline) / (std + cfg.eps) if std_scaled else r - baseline for r in rewards]
     elif name == "grpo":
         baseline = mean
-        adv = [(r - mean) / (std + cfg.eps) for r in rewards]
+        adv = [(r - mean) / (std + cfg.eps) if std_scaled else r - mean for r in rewards]
     elif name == "dr_grpo":
         baseline = mean
         adv = [r - mean for r in rewards]
     elif name == "rloo":
         baseline = mean
         adv = [r - (sum(rewards) - r) / (G - 1) for r in rewards]
+        adv = [a / (std + cfg.eps) for a in adv] if std_scaled else adv
     if binary and all(r == 1 for r in rewards):
         regime = "all_correct"
     elif binary and all(r == 0 for r in rewards):
@@ -120,7 +123,8 @@ def reference_advantages(name: str, rewards: list[float], cfg: EstimatorConfig):
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
 @pytest.mark.parametrize("quantile", ["paper", "linear"])
-def test_vectorized_equals_reference_loop(name, quantile):
+@pytest.mark.parametrize("scale", [None, "std", "none"])
+def test_vectorized_equals_reference_loop(name, quantile, scale):
     rng = random.Random(0)
     for G in (2, 3, 5, 8, 16, 17):
         for k in (0.1, 0.25, 0.3, 0.4, 0.5, 0.7, 0.9):
@@ -159,3 +163,32 @@ def test_k_outside_unit_interval_is_a_user_error(k):
 def test_unknown_estimator_lists_the_valid_ones():
     with pytest.raises(QAEUserError, match="qae, grpo, dr_grpo, rloo"):
         compute_advantages("ppo", group(3, 8))
+
+
+def test_every_named_estimator_has_an_implementation():
+    from qae_app import names
+
+    assert set(ESTIMATORS) == set(names.ESTIMATORS) == set(ESTIMATOR_DEFAULT_SCALE)
+
+
+def test_scale_none_is_honoured_by_the_mean_baselines():
+    """`--scale none` used to be ignored by grpo (always divided by the std)."""
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]])  # mean 0.25, unbiased std 0.5
+    grpo_raw = compute_advantages("grpo", rewards, EstimatorConfig(scale="none")).advantages
+    assert grpo_raw.tolist() == [[0.75, -0.25, -0.25, -0.25]]
+    assert torch.equal(grpo_raw, compute_advantages("dr_grpo", rewards).advantages)
+    grpo_std = compute_advantages("grpo", rewards).advantages
+    assert grpo_std[0, 0].item() == pytest.approx(0.75 / (0.5 + 1e-6))
+    rloo_std = compute_advantages("rloo", rewards, EstimatorConfig(scale="std")).advantages
+    assert rloo_std[0, 0].item() == pytest.approx((1.0 - 0.0) / (0.5 + 1e-6))
+    assert compute_advantages("rloo", rewards).advantages[0, 0].item() == pytest.approx(1.0)  # its own default
+
+
+def test_train_config_passes_scale_to_the_estimator_and_refuses_dr_grpo_with_std():
+    from qae_app.config import build_config
+
+    assert build_config(estimator="grpo", scale="none").estimator_config().scale == "none"
+    assert build_config(estimator="grpo").estimator_config().scale == "std"
+    assert build_config(estimator="rloo").estimator_config().scale == "none"
+    with pytest.raises(QAEUserError, match="scale: dr_grpo is GRPO without the std"):
+        build_config(estimator="dr_grpo", scale="std")

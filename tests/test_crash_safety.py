@@ -16,7 +16,8 @@ import pytest
 
 from qae_app.config import build_config
 from qae_app.store import STEP_METRICS, db_path, query, read_run, read_steps
-from qae_app.trainer import RUN_LOCK, Trainer, latest_checkpoint
+from qae_app.rundir import RunLock, latest_checkpoint, trainer_alive, write_manifest
+from qae_app.trainer import Trainer
 
 OPTS = dict(steps=6, prompts_per_step=4, group_size=8, eval_every=0, checkpoint_every=2, seed=1)
 PER_STEP = OPTS["prompts_per_step"] * OPTS["group_size"]
@@ -79,7 +80,7 @@ def test_kill_9_at_a_chosen_point_then_resume_equals_the_uninterrupted_run(tmp_p
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert_same_steps(reference, db_path(tmp_path, "cut"), OPTS["steps"])
     assert read_run(db_path(tmp_path, "cut"))["status"] == "finished"
-    assert not (tmp_path / "cut" / RUN_LOCK).exists()
+    assert not trainer_alive(tmp_path / "cut")
 
 
 @pytest.mark.slow
@@ -130,7 +131,7 @@ def test_ctrl_c_checkpoints_marks_interrupted_and_resumes(tmp_path, reference):
     last = int(info["last_step"])
     assert info["status"] == "interrupted" and last >= 3
     assert latest_checkpoint(tmp_path / "cc").name == f"step-{last}"  # checkpoint at the stop, not 100 steps back
-    assert not (tmp_path / "cc" / RUN_LOCK).exists()
+    assert not trainer_alive(tmp_path / "cc")
     listed = subprocess.run([QAE, "runs", "--runs-dir", str(tmp_path)], capture_output=True, text=True, env=WIDE)
     assert "interrupted" in listed.stdout
     # the resumed run equals the uninterrupted reference wherever they overlap (same seed, same options but steps)
@@ -159,10 +160,14 @@ def test_resume_refuses_a_conflicting_config_and_a_live_trainer(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert "--group-size 4 conflicts with run 'r', which was started with 8" in " ".join(result.stderr.split())
-    (tmp_path / "r" / RUN_LOCK).write_text(str(os.getpid()))  # this test process stands in for a live trainer
-    result = subprocess.run([QAE, "train", "--resume", "r", "--runs-dir", str(tmp_path)], capture_output=True,
-                            text=True)
-    assert result.returncode == 2 and "is being trained right now" in " ".join(result.stderr.split())
+    lock = RunLock(tmp_path / "r").acquire("test")  # this test process stands in for a live trainer
+    try:
+        result = subprocess.run([QAE, "train", "--resume", "r", "--runs-dir", str(tmp_path)], capture_output=True,
+                                text=True)
+    finally:
+        lock.release()
+    message = " ".join(result.stderr.split())
+    assert result.returncode == 2 and f"is being trained right now by process {os.getpid()}" in message
 
 
 @pytest.mark.slow
@@ -209,6 +214,7 @@ def test_resume_checks_the_checkpoint_data_position(tmp_path):
     Trainer(build_config(run_name="dp", **dict(OPTS, steps=2)), tmp_path, cpu=True).fit()
     state = tmp_path / "dp" / "checkpoints" / "step-2" / "trainer_state.json"
     state.write_text(state.read_text().replace('"data_position": 8', '"data_position": 5'))
+    write_manifest(state.parent)  # an intact checkpoint that belongs to another config, not a corrupted one
     result = subprocess.run([QAE, "train", "--resume", "dp", "--runs-dir", str(tmp_path)], capture_output=True,
                             text=True, env=WIDE)
     assert result.returncode == 2, result.stdout + result.stderr

@@ -19,7 +19,7 @@ def _eval(tmp_path, *args):
 
 
 def test_builtin_model_on_the_heldout_split(tmp_path):
-    out = _eval(tmp_path, "--limit", "12", "--k", "4", "--run-name", "ev")
+    out = _eval(tmp_path, "--limit", "12", "--samples", "4", "--run-name", "ev")
     metrics = {(m["metric"], m["k"]): m["value"] for m in out["metrics"] if m["subset"] == "all"}
     assert set(metrics) == {("avg@k", 4), ("pass@k", 1), ("pass@k", 2), ("pass@k", 4), ("maj@k", 4)}
     path = db_path(tmp_path, "ev")
@@ -43,7 +43,7 @@ def test_a_run_checkpoint_stores_results_in_the_run_at_its_step(tiny_run, tmp_pa
     shared_runs_dir, run_id = tiny_run
     runs_dir = tmp_path / "runs"  # a copy: other tests read the shared run as training left it
     shutil.copytree(shared_runs_dir / run_id, runs_dir / run_id)
-    out = _eval(runs_dir, "--model", run_id, "--limit", "8", "--k", "2")
+    out = _eval(runs_dir, "--model", run_id, "--limit", "8", "--samples", "2")
     assert out["run_id"] == run_id
     rows = query(db_path(runs_dir, run_id), "SELECT DISTINCT step, source FROM eval_samples WHERE benchmark = ?",
                  ["arith-heldout"])
@@ -56,14 +56,14 @@ def test_unknown_checkpoint_and_bad_k_are_clear_errors(tiny_run, tmp_path):  # r
     runs_dir, run_id = tiny_run
     result = runner.invoke(app, ["eval", "--model", run_id, "--checkpoint", "99", "--runs-dir", str(runs_dir)])
     assert result.exit_code == 2 and "has no checkpoint 99" in " ".join(result.output.split())
-    result = runner.invoke(app, ["eval", "--k", "0", "--runs-dir", str(tmp_path)])
+    result = runner.invoke(app, ["eval", "--samples", "0", "--runs-dir", str(tmp_path)])
     assert result.exit_code == 2 and "k: 0" in result.output
     result = runner.invoke(app, ["eval", "--bench", "missing.jsonl", "--runs-dir", str(tmp_path)])
     assert result.exit_code == 2 and "missing.jsonl" in result.output
 
 
 def test_real_math_file_is_scored_with_math_verify(tmp_path, math_data):
-    out = _eval(tmp_path, "--bench", str(math_data / "math500.jsonl"), "--limit", "3", "--k", "2",
+    out = _eval(tmp_path, "--bench", str(math_data / "math500.jsonl"), "--limit", "3", "--samples", "2",
                 "--max-new-tokens", "4", "--run-name", "m500")
     assert out["benchmark"] == "math500"
     subsets = {m["subset"] for m in out["metrics"]}

@@ -60,7 +60,7 @@ def test_train_a_hf_model_on_gsm8k_with_math_verify_and_kl(tmp_path, hf_model_di
 
 def test_eval_a_hf_model_folder_on_a_math_file(tmp_path, hf_model_dir, math_data):
     result = runner.invoke(app, ["eval", "--model", str(hf_model_dir), "--bench", str(math_data / "aime25.jsonl"),
-                                 "--limit", "2", "--k", "2", "--max-new-tokens", "5", "--json", "--run-name", "e",
+                                 "--limit", "2", "--samples", "2", "--max-new-tokens", "5", "--json", "--run-name", "e",
                                  "--runs-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)

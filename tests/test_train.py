@@ -10,9 +10,10 @@ from typer.testing import CliRunner
 
 from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
 from qae_app.cli import app
-from qae_app.config import build_config
+from qae_app.config import build_config, resume_config
 from qae_app.store import STEP_METRICS, db_path, query, read_run, read_steps
-from qae_app.trainer import Trainer, prompts_for_step, step_metrics
+from qae_app.rows import step_metrics
+from qae_app.trainer import Trainer, prompts_for_step
 from tests.conftest import TINY_RUN_OPTIONS
 
 runner = CliRunner()
@@ -86,7 +87,7 @@ def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path):
     import shutil
 
     shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step-4")
-    resumed = Trainer(build_config(**dict(opts, steps=6)), tmp_path, resume="cut", cpu=True)
+    resumed = Trainer(resume_config(tmp_path, "cut", steps=6), tmp_path, resume=True, cpu=True)
     assert resumed.state.step == 2
     resumed.fit()
     full = read_steps(db_path(tmp_path, "full")).set_index("step")

@@ -1,0 +1,74 @@
+"""The names and defaults that the CLI, the config, the store, the dashboard and the README share, in one place.
+
+This module imports nothing heavy (no torch, no transformers), so `qae --help`, `qae runs` and the dashboard can use
+every list here without paying for the libraries that implement them. The implementations register against these
+names: `advantages.register_estimator("qae")` refuses a name that is not in `ESTIMATORS`, and a test checks that
+every name here has an implementation.
+"""
+
+from __future__ import annotations
+
+# --- advantage estimators (implemented in qae_app/advantages.py)
+ESTIMATORS: dict[str, str] = {
+    "qae": "group K-quantile baseline (paper rule by default), std-normalized; gates ~80% of responses to zero",
+    "grpo": "group mean baseline, std-normalized (DeepSeekMath GRPO, DAPO)",
+    "dr_grpo": "group mean baseline, no std normalization (Dr. GRPO)",
+    "rloo": "leave-one-out mean of the other G-1 rewards (RLOO); the baseline column shows the group mean",
+}
+MEAN_BASELINE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # K means nothing to these
+ESTIMATOR_DEFAULT_SCALE = {"qae": "std", "grpo": "std", "dr_grpo": "none", "rloo": "none"}  # --scale not given
+QUANTILE_METHODS: dict[str, str] = {
+    "paper": "lower (inverted-CDF) quantile, the m-th smallest reward with m = ceil(K * G), decided on integer counts",
+    "linear": "torch.quantile's linear interpolation at K * (G - 1), as the official code",
+}
+SCALE_METHODS: dict[str, str] = {
+    "std": "divide by the group's unbiased reward std + eps (GRPO's normalization)",
+    "none": "no division (Dr. GRPO)",
+}
+
+# QAE's quantile level: the paper's K, and what `--k auto` picks from the first step's success rate
+DEFAULT_K = 0.4
+AUTO_K_RULE = "K=0.3 if the first step's success rate < 0.2, 0.4 if < 0.5, else 0.5"
+
+
+def auto_k(success_rate: float) -> float:
+    """--k auto: harder tasks get a lower K (a wider hard regime); see AUTO_K_RULE."""
+    return 0.3 if success_rate < 0.2 else 0.4 if success_rate < 0.5 else 0.5
+
+
+# --- regimes of a group, in code order (advantages.py returns indices into this tuple; the store keeps the names)
+REGIMES: dict[str, str] = {
+    "hard": "QAE baseline 0: only the successes get an advantage (positive)",
+    "easy": "QAE baseline 1: only the failures get an advantage (negative)",
+    "all_correct": "every response correct: no signal",
+    "all_wrong": "every response wrong: no signal",
+    "mixed": "a fractional baseline (mean-baseline estimators, linear quantile)",
+}
+NO_SIGNAL_REGIMES = ("all_correct", "all_wrong")
+
+# --- policy loss aggregations (implemented in qae_app/losses.py)
+LOSS_AGGREGATIONS: dict[str, str] = {
+    "token": "sum over all response tokens / number of response tokens in the mini-batch (DAPO token-level)",
+    "seq_mean_token_mean": "mean over tokens of each sequence, then over sequences (GRPO)",
+    "seq_mean_token_sum_norm": "sum over tokens of each sequence / max_new_tokens, mean over sequences (Dr. GRPO)",
+}
+
+# --- rollout engines (qae_app/rollout.py, qae_app/vllm_engine.py)
+ENGINES: dict[str, str] = {
+    "hf": "transformers generate on the training model (anywhere)",
+    "vllm": "a colocated vLLM engine that receives the new weights after each step (CUDA)",
+}
+
+# --- models
+BUILTIN_MODEL = "builtin:tiny"  # the shipped warm-started checkpoint
+BUILTIN_SCRATCH = "builtin:tiny-scratch"  # the same architecture, randomly initialised
+DTYPES = ("float32", "bfloat16")
+
+# --- monitoring: the smoothed token entropy is watched against a band [low, high]
+ENTROPY_LOW = 0.5
+ENTROPY_HIGH = 3.0
+
+
+def describe(choices: dict[str, str]) -> str:
+    """'a: what a is; b: what b is' for help texts."""
+    return "; ".join(f"{name}: {text}" for name, text in choices.items())

@@ -1,0 +1,88 @@
+"""What one RL step stores, built from plain Python values: the `groups` and `rollouts` rows (columns: store.TABLES)
+and the step metrics computed from those rows (names: store.STEP_METRICS).
+
+Pure and torch-free, so the metrics the dashboard or a test recomputes from stored rows are, by construction, the ones
+that were logged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qae_app.names import NO_SIGNAL_REGIMES, REGIMES
+
+
+@dataclass
+class GroupResult:
+    """One prompt of a step and what happened to its G responses (everything a row needs, as plain values)."""
+
+    group_idx: int  # position of the prompt in the step (global over processes)
+    prompt_id: str
+    prompt: str
+    answer: str
+    baseline: float
+    regime: str  # a names.REGIMES key
+    responses: list[str]  # [G]
+    rewards: list[float]  # [G], None-scores already counted as 0
+    verified: list[bool]  # [G]
+    advantages: list[float]  # [G]
+    n_tokens: list[int]  # [G]
+    truncated: list[bool]  # [G]
+    entropies: list[float]  # [G], mean token entropy of each response
+    logprobs: list[float]  # [G], sum of token log-probs of each response
+
+
+def group_rows(groups: Sequence[GroupResult]) -> list[dict]:
+    return [{
+        "group_idx": g.group_idx, "prompt_id": g.prompt_id, "prompt": g.prompt, "answer": g.answer,
+        "n_correct": sum(r == 1.0 for r in g.rewards), "group_size": len(g.rewards), "baseline": g.baseline,
+        "regime": g.regime,
+    } for g in groups]
+
+
+def rollout_rows(groups: Sequence[GroupResult]) -> list[dict]:
+    return [{
+        "group_idx": g.group_idx, "sample_idx": i, "prompt_id": g.prompt_id, "response": g.responses[i],
+        "reward": g.rewards[i], "verified": g.verified[i], "advantage": g.advantages[i],
+        "gated": g.advantages[i] == 0.0, "regime": g.regime, "n_tokens": g.n_tokens[i],
+        "truncated": g.truncated[i], "entropy": g.entropies[i], "logprob": g.logprobs[i],
+    } for g in groups for i in range(len(g.rewards))]
+
+
+def step_metrics(group_rows: list[dict], rollout_rows: list[dict]) -> dict:
+    """The metrics of one step that follow from its rows (the rest come from the update and the clock)."""
+    n = len(rollout_rows)
+    tokens = sum(r["n_tokens"] for r in rollout_rows)
+    adv = [r["advantage"] for r in rollout_rows]
+
+    def token_mean(rows):
+        count = sum(r["n_tokens"] for r in rows)
+        return sum(r["entropy"] * r["n_tokens"] for r in rows) / count if count else math.nan
+
+    # covariance over tokens of token log-prob and its sequence's advantage (logprob is the sequence's sum)
+    if tokens:
+        mean_logp = sum(r["logprob"] for r in rollout_rows) / tokens
+        mean_adv = sum(r["advantage"] * r["n_tokens"] for r in rollout_rows) / tokens
+        cov = sum(r["advantage"] * r["logprob"] for r in rollout_rows) / tokens - mean_logp * mean_adv
+    else:
+        cov = math.nan
+    regimes = [g["regime"] for g in group_rows]
+    informative = [r for r in rollout_rows if r["regime"] not in NO_SIGNAL_REGIMES]
+    return {
+        "reward_mean": sum(r["reward"] for r in rollout_rows) / n,
+        "accuracy": sum(r["reward"] == 1.0 for r in rollout_rows) / n,
+        "entropy": token_mean(rollout_rows),
+        "entropy_pos": token_mean([r for r in rollout_rows if r["advantage"] > 0]),
+        "entropy_neg": token_mean([r for r in rollout_rows if r["advantage"] < 0]),
+        "frac_zero_adv": sum(a == 0.0 for a in adv) / n,
+        "frac_zero_adv_informative": (sum(r["advantage"] == 0.0 for r in informative) / len(informative)
+                                      if informative else math.nan),
+        **{f"frac_{name}": regimes.count(name) / len(regimes) for name in REGIMES},
+        "frac_unverified": sum(not r["verified"] for r in rollout_rows) / n,
+        "cov_logp_adv": cov,
+        "adv_abs_mean": sum(abs(a) for a in adv) / n,
+        "response_len": tokens / n,
+        "truncated_frac": sum(r["truncated"] for r in rollout_rows) / n,
+    }

@@ -1,0 +1,199 @@
+"""The run folder, `<runs-dir>/<run_id>/`: its layout, its checkpoints, whether a trainer is alive in it, and the
+status a reader should show. Torch-free, so the CLI's readers and the dashboard use it without loading a model.
+
+    <run_id>/
+      qae.duckdb             every row of the run (qae_app/store.py)
+      config.json            the run's TrainConfig
+      trainer.lock           held (flock) by the process training the run; it holds that process's pid
+      checkpoints/step-N/    accelerate state, an HF `model/` folder, trainer_state.json, manifest.json (checksums)
+
+The folder name is the run's id for every reader and writer: a copied or renamed run folder is that run.
+
+Liveness is an OS file lock, not a pid file: the kernel drops the lock when the trainer dies however it dies (kill -9,
+OOM, a container restart that reuses pids), so a dead trainer never looks alive and a live one never looks dead.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+from qae_app.errors import QAEUserError
+
+DB_FILE = "qae.duckdb"
+CONFIG_FILE = "config.json"
+LOCK_FILE = "trainer.lock"
+CHECKPOINTS_DIR = "checkpoints"
+TRAINER_STATE = "trainer_state.json"  # inside a checkpoint: what the trainer needs besides accelerate's state
+MANIFEST = "manifest.json"  # inside a checkpoint: sha256 of every other file, written last
+CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
+
+RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+STORED_STATUSES = ("running", "finished", "failed", "interrupted")  # what the trainer writes into `runs.status`
+STOPPED = "stopped"  # shown, never stored: `running` in the file, but no trainer holds the run's lock
+
+
+def validate_run_name(name: str) -> str:
+    if not isinstance(name, str) or not RUN_NAME_PATTERN.match(name) or ".." in name:
+        raise QAEUserError(
+            f"run-name: '{name}' is not a plain name. Use letters, digits, '.', '_' and '-' (at most 100, starting "
+            "with a letter or digit, no '..', no '/'); the run is stored under --runs-dir."
+        )
+    return name
+
+
+def run_dir(runs_dir: Path, run_id: str) -> Path:
+    return Path(runs_dir) / validate_run_name(run_id)
+
+
+def db_path(runs_dir: Path, run_id: str) -> Path:
+    return run_dir(runs_dir, run_id) / DB_FILE
+
+
+def list_run_dirs(runs_dir: Path) -> list[Path]:
+    """Every run folder (one holding a database) in `runs_dir`, by name. Folders being created are hidden."""
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        return []
+    return sorted(p.parent for p in runs_dir.glob(f"*/{DB_FILE}") if RUN_NAME_PATTERN.match(p.parent.name))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """N for a folder named `step-N`, else None (a `step-N.tmp` left by a kill mid-save is not a checkpoint)."""
+    match = CHECKPOINT_NAME.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def list_checkpoints(run_folder: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    folder = Path(run_folder) / CHECKPOINTS_DIR
+    found = [p for p in folder.glob("step-*") if checkpoint_step(p) is not None and (p / TRAINER_STATE).exists()]
+    return sorted(found, key=checkpoint_step)
+
+
+def latest_checkpoint(run_folder: Path) -> Path | None:
+    found = list_checkpoints(run_folder)
+    return found[-1] if found else None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Record the size and sha256 of every file in a checkpoint folder; written last, so its presence means the
+    checkpoint was complete when saved."""
+    folder = Path(folder)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (folder / MANIFEST).write_text(json.dumps(entries, indent=1))
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a checkpoint cannot be trusted (a missing, truncated or altered file), or None when it checks out."""
+    folder = Path(folder)
+    try:
+        entries = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing (the save did not finish)"
+    except (OSError, ValueError) as err:
+        return f"{MANIFEST} is unreadable ({err})"
+    for name, entry in entries.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != entry["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, {entry['bytes']} were saved"
+        if _sha256(path) != entry["sha256"]:
+            return f"{name} does not match its checksum (altered or corrupted on disk)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# liveness: the trainer holds an exclusive flock on trainer.lock for as long as it trains the run
+
+
+class RunLock:
+    """The exclusive lock a trainer holds on its run folder. `acquire()` raises QAEUserError if another live process
+    holds it. The lock file keeps the holder's pid for messages; the lock itself, not the pid, decides liveness."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self, what: str, attempts: int = 40) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # a reader checking liveness holds a shared lock for microseconds: retry briefly before calling it taken
+        for attempt in range(attempts):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as err:
+                if err.errno not in (errno.EAGAIN, errno.EACCES) or attempt == attempts - 1:
+                    os.close(fd)
+                    if err.errno in (errno.EAGAIN, errno.EACCES):
+                        holder = lock_holder_pid(self.path.parent)
+                        raise QAEUserError(
+                            f"{what}: run '{self.path.parent.name}' is being trained right now"
+                            + (f" by process {holder}" if holder else "")
+                            + ". Stop it first (Ctrl-C or kill -TERM), then resume it.") from None
+                    raise
+                time.sleep(0.05)
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+
+def lock_holder_pid(folder: Path) -> int | None:
+    try:
+        return int((Path(folder) / LOCK_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def trainer_alive(folder: Path) -> bool:
+    """Whether a live process holds the run's lock (is training it now)."""
+    try:
+        fd = os.open(Path(folder) / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # also releases the shared lock if we got it
+    return False
+
+
+def effective_status(stored: str | None, folder: Path) -> str:
+    """The status to show: `stopped` for a run stored as `running` whose trainer is gone (kill -9, power loss)."""
+    if stored == "running" and not trainer_alive(folder):
+        return STOPPED
+    return stored or STOPPED
