@@ -13,7 +13,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from qae_app.advantages import REGIMES
+from qae_app.names import REGIMES
 
 SMOOTHING_METHODS = ("none", "ema", "rolling")
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash")

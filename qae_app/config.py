@@ -74,10 +74,12 @@ class TrainConfig:
     kl_beta: float = opt(0.0, "Weight of the k3 KL to a frozen reference (0: no reference model is loaded).",
                          "optim")
     # --- monitoring and evaluation
-    entropy_low: float = opt(names.ENTROPY_LOW, "Warn when mean token entropy falls below this (collapse): raise K.",
-                             "monitor", resumable=True)
-    entropy_high: float = opt(names.ENTROPY_HIGH, "Warn when mean token entropy rises above this (explosion): "
-                              "lower K.", "monitor", resumable=True)
+    entropy_low: float | None = opt(None, "Warn when the smoothed token entropy falls below this many nats "
+                                    "(collapse): raise K. Default: the starting entropy / "
+                                    f"{names.ENTROPY_BAND_FACTOR:g}.", "monitor", resumable=True)
+    entropy_high: float | None = opt(None, "Warn when the smoothed token entropy rises above this many nats "
+                                     "(explosion): lower K. Default: the starting entropy x "
+                                     f"{names.ENTROPY_BAND_FACTOR:g}.", "monitor", resumable=True)
     eval_every: int = opt(25, "Evaluate every N steps (0: never). Built-in task: sampled held-out accuracy.",
                           "monitor", resumable=True)
     eval_bench: str | None = opt(None, "Benchmark for --eval-every: a built-in name or a math file (default: the "
@@ -88,13 +90,6 @@ class TrainConfig:
                                   resumable=True)
 
     # ------------------------------------------------------------------------------------------------------------
-    def estimator_config(self, k: float | None = None):
-        """The advantages.EstimatorConfig of this run (`k`: the level chosen by --k auto, once known)."""
-        from qae_app.advantages import EstimatorConfig  # torch: only when training
-
-        return EstimatorConfig(k=k if k is not None else (names.DEFAULT_K if self.k == "auto" else float(self.k)),
-                               quantile=self.quantile, scale=self.advantage_scale)
-
     @property
     def advantage_scale(self) -> str:
         return self.scale or names.ESTIMATOR_DEFAULT_SCALE[self.estimator]
@@ -145,7 +140,7 @@ class TrainConfig:
                                "and clip-high >= 0 (defaults 0.2 / 0.28).")
         if not 0 <= self.heldout_fraction < 1:
             raise QAEUserError(f"heldout-fraction: {self.heldout_fraction}. Use a fraction in [0, 1).")
-        if not self.entropy_low < self.entropy_high:
+        if self.entropy_low is not None and self.entropy_high is not None and not self.entropy_low < self.entropy_high:
             raise QAEUserError(f"entropy-low / entropy-high: {self.entropy_low} / {self.entropy_high}. "
                                "The low bound must be below the high bound.")
         if self.verify_timeout_s <= 0:

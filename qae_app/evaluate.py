@@ -11,11 +11,19 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
 
+from qae_app.config import EvalConfig
+from qae_app.datasets import Problem
+from qae_app.errors import QAEUserError
 from qae_app.metrics import avg_at_k, maj_at_k, pass_at_k, pass_k_values
 from qae_app.rewards import Scorer, extract_answer
 from qae_app.rollout import RolloutEngine
-from qae_app.datasets import Problem
+from qae_app.rundir import RUN_NAME_PATTERN, CHECKPOINTS_DIR, checkpoint_step, db_path, list_checkpoints, \
+    validate_run_name
+from qae_app.store import RunWriter
+from qae_app.tasks import load_benchmark
 
 
 @dataclass
@@ -156,7 +164,9 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
         writer.create_run(run_id, options, "eval", None, cfg.model, cfg.bench, cfg.seed)
     writer.add_step(target.step, evals=[{**m, "source": "eval"} for m in result.metrics],
                     eval_samples=[{**s, "benchmark": name, "source": "eval"} for s in result.samples])
-    writer.flush(timeout_s=60)
     if target.run_id is None:
         writer.update_run(status="finished")
+    if not writer.wait_until_written(timeout_s=60) and console is not None:
+        console.print(f"[yellow]{path} is {writer.holder}: the results are saved under {writer.pending_dir} and "
+                      "written by the run's next writer.[/]")
     return result, run_id, path

@@ -1,9 +1,11 @@
 """Fault injection for the crash-safety tests: `QAE_FAULT=<point>@<step>` kills this process with SIGKILL (as
-`kill -9` would) when execution reaches that point at that step, or `QAE_FAULT=raise:<point>@<step>` raises there.
+`kill -9` would) when execution reaches that point at that step, `QAE_FAULT=raise:<point>@<step>` raises there, and
+`QAE_FAULT=term:<point>@<step>` sends SIGTERM to this process's group (as systemd or Slurm do).
 
-Points: `db_commit` (inside a step's database transaction, before COMMIT), `after_step_rows` (rows buffered, before
-the database write), `checkpoint_rename` (checkpoint written to `step-N.tmp`, before the rename). Unset, this costs
-one dictionary lookup.
+Points: `db_commit` (inside a step's database transaction, before COMMIT), `after_step_rows` (rows built, before they
+go to the store), `checkpoint_rename` (checkpoint written to `step-N.tmp`, before the rename), `finishing` (the run is
+writing its final status; the step is the last one done), `scoring` (responses sent to the verifier). Unset, this
+costs one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -25,4 +27,7 @@ def fault_point(point: str, step: int) -> None:
         return
     if action == "raise":
         raise InjectedFault(f"injected fault at {point}, step {step}")
+    if action == "term":
+        os.killpg(os.getpgrp(), signal.SIGTERM)
+        return
     os.kill(os.getpid(), signal.SIGKILL)

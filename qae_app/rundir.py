@@ -6,6 +6,7 @@ status a reader should show. Torch-free, so the CLI's readers and the dashboard 
       config.json            the run's TrainConfig
       trainer.lock           held (flock) by the process training the run; it holds that process's pid
       checkpoints/step-N/    accelerate state, an HF `model/` folder, trainer_state.json, manifest.json (checksums)
+      pending/               rows waiting for the database while a reader holds it (store.RunWriter)
 
 The folder name is the run's id for every reader and writer: a copied or renamed run folder is that run.
 
@@ -30,6 +31,7 @@ DB_FILE = "qae.duckdb"
 CONFIG_FILE = "config.json"
 LOCK_FILE = "trainer.lock"
 CHECKPOINTS_DIR = "checkpoints"
+PENDING_DIR = "pending"  # writes the trainer could not make yet because a reader held the database
 TRAINER_STATE = "trainer_state.json"  # inside a checkpoint: what the trainer needs besides accelerate's state
 MANIFEST = "manifest.json"  # inside a checkpoint: sha256 of every other file, written last
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
@@ -197,3 +199,8 @@ def effective_status(stored: str | None, folder: Path) -> str:
     if stored == "running" and not trainer_alive(folder):
         return STOPPED
     return stored or STOPPED
+
+
+def pending_writes(folder: Path) -> int:
+    """Writes saved under pending/ because a reader held the database; the trainer writes them when it is free."""
+    return len(list((Path(folder) / PENDING_DIR).glob("*.pkl")))

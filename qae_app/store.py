@@ -13,6 +13,8 @@ dashboard labels all come from it.
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import re
 import time
 from contextlib import contextmanager
@@ -26,7 +28,8 @@ import pandas as pd
 
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
-from qae_app.rundir import DB_FILE, STORED_STATUSES, db_path, effective_status, list_run_dirs, validate_run_name
+from qae_app.rundir import (DB_FILE, PENDING_DIR, STORED_STATUSES, db_path, effective_status,  # noqa: F401
+                            list_run_dirs, pending_writes, validate_run_name)
 
 # (DB_FILE, db_path and validate_run_name belong to the run folder, qae_app/rundir.py; readers get them here too)
 
@@ -66,8 +69,13 @@ STEP_METRICS: dict[str, str] = {
     "rollout_s": "seconds sampling responses",
     "reward_s": "seconds scoring responses",
     "update_s": "seconds in forward/backward/optimizer (including the log-prob pass)",
-    "step_s": "wall seconds of the whole step",
+    "eval_s": "seconds of the held-out evaluation after this step (0 without one)",
+    "write_s": "seconds the loop spent handing this step's rows to the store (the store writes on its own thread "
+               "while the next step trains) and waiting for it",
+    "checkpoint_s": "seconds saving the checkpoint after this step (0 without one)",
+    "step_s": "wall seconds of the whole step: the above plus advantages and row building",
 }
+TIMING_METRICS = tuple(name for name in STEP_METRICS if name.endswith("_s"))  # seconds: differ run to run
 
 # The tables: name -> {column: SQL type}, `run_id` first in every table. The DDL, the migration of older files and the
 # check of the rows the trainer produces (`RunWriter.add_step`) all come from here.
@@ -76,6 +84,8 @@ TABLES: dict[str, dict[str, str]] = {
         "run_id": "VARCHAR PRIMARY KEY", "name": "VARCHAR", "created_at": "TIMESTAMP", "updated_at": "TIMESTAMP",
         "status": "VARCHAR", "config": "VARCHAR", "estimator": "VARCHAR", "k": "DOUBLE", "model": "VARCHAR",
         "task": "VARCHAR", "seed": "BIGINT", "error": "VARCHAR",
+        "setup_s": "DOUBLE",  # seconds from the trainer's start to its first step (loading, step-0 evaluation)
+        "wall_s": "DOUBLE",  # seconds the run has trained, summed over its sessions (resumes)
     },
     "steps": {"run_id": "VARCHAR", "step": "INTEGER", **{name: "DOUBLE" for name in STEP_METRICS}},
     "groups": {
@@ -129,6 +139,12 @@ def _schema_statements() -> list[str]:
 _LOCK_ERROR = re.compile(r"lock|being used by another process|Conflicting lock", re.IGNORECASE)
 
 
+def _holder(err: Exception) -> str:
+    """'held by PID 123' from DuckDB's lock error, when it says."""
+    match = re.search(r"PID (\d+)", str(err))
+    return f"held by process {match.group(1)}" if match else "held by another process"
+
+
 def _is_lock_error(err: Exception) -> bool:
     return isinstance(err, (duckdb.IOException, duckdb.ConnectionException)) and bool(_LOCK_ERROR.search(str(err)))
 
@@ -156,22 +172,45 @@ def _now() -> datetime:
 
 
 @dataclass
-class StepRows:
-    step: int
-    tables: dict[str, list[dict]]  # table name -> rows (without run_id)
+class PendingWrite:
+    """One write waiting for the file: a step's rows, a change to the run's row, or a truncation (on resume)."""
+
+    kind: str  # "step", "step_update", "run" or "truncate"
+    step: int | None = None
+    tables: dict[str, list[dict]] | None = None  # kind "step": table name -> rows (without run_id and step)
+    fields: dict | None = None  # kinds "run", "step_update": columns -> values
+    spilled: Path | None = None  # its file under pending/ once the database was found busy
 
 
 class RunWriter:
-    """The single writer of one run's database file."""
+    """The single writer of one run's database file.
 
-    def __init__(self, path: Path, run_id: str, lock_timeout_s: float = 2.0):
+    Writes are queued and go out in order when `flush()` finds the file free. A reader holding the file (even for
+    hours) never fails or stalls training: a flush tries only briefly, and if the file is busy the queued writes are
+    saved to `<run>/pending/` (one file each, written atomically) so a kill -9 loses nothing but the step in flight;
+    the next flush that finds the file free writes them and deletes their files, and a resumed trainer picks up any
+    that an earlier one left.
+    """
+
+    def __init__(self, path: Path, run_id: str, lock_timeout_s: float = 0.2, open_timeout_s: float = 60.0):
         self.path = Path(path)
         self.run_id = run_id
-        self.lock_timeout_s = lock_timeout_s
-        self.pending: list[StepRows] = []  # buffered while a reader holds the file
-        self.flush_retries = 0  # times a flush found the file busy and kept rows for later
+        self.lock_timeout_s = lock_timeout_s  # how long a flush waits for the file before spilling
+        self.pending_dir = self.path.parent / PENDING_DIR
+        self.busy_since: float | None = None  # when flushes started finding the file busy (None: it is free)
+        self.flush_retries = 0  # flushes that found the file busy
+        self.holder = ""  # who held the file at the last busy flush, as DuckDB says it
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._open(timeout_s=30) as con:
+        try:
+            con_cm = self._open(timeout_s=open_timeout_s)
+            con = con_cm.__enter__()
+        except Exception as err:  # noqa: BLE001
+            if _is_lock_error(err):
+                raise QAEUserError(f"store: {self.path} is held by another process for more than "
+                                   f"{open_timeout_s:.0f} s ({_holder(err)}). Close that connection and retry; "
+                                   "read live runs with `qae show` or the dashboard, which let go at once.") from err
+            raise
+        try:
             for statement in _schema_statements():
                 con.execute(statement)
             # a copied or renamed run folder is the run named by the folder: its rows take that id
@@ -181,6 +220,9 @@ class RunWriter:
                 for table in TABLES:
                     con.execute(f"UPDATE {table} SET run_id = ?", [run_id])
                 con.execute("COMMIT")
+        finally:
+            con_cm.__exit__(None, None, None)
+        self.pending: list[PendingWrite] = self._load_spilled()  # left by a trainer that never found the file free
 
     @contextmanager
     def _open(self, timeout_s: float | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -193,15 +235,18 @@ class RunWriter:
     # run-level rows ------------------------------------------------------------------------------------------
     def create_run(self, name: str, config: dict, estimator: str, k: float | None, model: str, task: str,
                    seed: int) -> None:
+        """The run's row, written at once (a new run's database is in a folder no reader can see yet)."""
         with self._open(timeout_s=30) as con:
             con.execute(
-                "INSERT INTO runs VALUES (?, ?, ?, ?, 'running', ?, ?, ?, ?, ?, ?, NULL)",
+                "INSERT INTO runs (run_id, name, created_at, updated_at, status, config, estimator, k, model, task, "
+                "seed) VALUES (?, ?, ?, ?, 'running', ?, ?, ?, ?, ?, ?)",
                 [self.run_id, name, _now(), _now(), json.dumps(config), estimator, k, model, task, seed],
             )
 
-    def update_run(self, timeout_s: float = 30, **fields) -> None:
-        """Set run-level fields (status, error, k, config); waits up to `timeout_s` for readers."""
-        allowed = {"status", "error", "k", "config"}
+    def update_run(self, **fields) -> bool:
+        """Queue a change of run-level fields (status, error, k, config, wall_s, setup_s) and flush; False if it had to
+        wait."""
+        allowed = {"status", "error", "k", "config", "wall_s", "setup_s"}
         unknown = set(fields) - allowed
         if unknown:
             raise ValueError(f"cannot update runs columns {unknown}")
@@ -209,25 +254,40 @@ class RunWriter:
             raise ValueError(f"status must be one of {STORED_STATUSES}")
         if "config" in fields:
             fields["config"] = json.dumps(fields["config"])
-        assignments = ", ".join(f"{name} = ?" for name in fields)  # names from the allow-list above, values bound
-        with self._open(timeout_s=timeout_s) as con:
-            con.execute(f"UPDATE runs SET {assignments}, updated_at = ? WHERE run_id = ?",
-                        [*fields.values(), _now(), self.run_id])
+        self.pending.append(PendingWrite("run", fields=dict(fields, updated_at=_now())))
+        return self.flush()
 
     # step rows -----------------------------------------------------------------------------------------------
     def add_step(self, step: int, **tables: list[dict]) -> None:
-        """Buffer one step's rows (steps=[...], groups=[...], rollouts=[...], ...)."""
+        """Queue one step's rows (steps=[...], groups=[...], rollouts=[...], ...); `flush()` writes them."""
         unknown = set(tables) - set(STEP_TABLES)
         if unknown:
             raise ValueError(f"unknown step tables {unknown}")
-        for table, records in tables.items():
-            if records and set(records[0]) != set(row_columns(table)):
-                raise ValueError(f"{table} rows have columns {sorted(records[0])}, the table has "
-                                 f"{sorted(row_columns(table))}")
-        self.pending.append(StepRows(step, tables))
+        for table, records in tables.items():  # a column the table lacks is a bug (a missing one is NULL)
+            if records and not set(records[0]) <= set(row_columns(table)):
+                raise ValueError(f"{table} rows have columns {sorted(set(records[0]) - set(row_columns(table)))} "
+                                 f"that the table lacks (it has {', '.join(row_columns(table))})")
+        self.pending.append(PendingWrite("step", step=step, tables=tables))
+
+    def update_step(self, step: int, **metrics: float) -> None:
+        """Queue values for a step's row that became known after it was queued (its write and checkpoint times)."""
+        unknown = set(metrics) - set(STEP_METRICS)
+        if unknown:
+            raise ValueError(f"unknown step metrics {unknown}")
+        self.pending.append(PendingWrite("step_update", step=step, fields=metrics))
+
+    def truncate_after(self, step: int) -> bool:
+        """Drop rows of steps after `step` (written after the checkpoint a resume starts from), queued ones too."""
+        for write in [w for w in self.pending if w.kind in ("step", "step_update") and w.step > step]:
+            self.pending.remove(write)
+            if write.spilled is not None:
+                write.spilled.unlink(missing_ok=True)
+        self.pending.append(PendingWrite("truncate", step=step))
+        return self.flush()
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Write every buffered step, one transaction each. False if the file stayed busy (rows kept)."""
+        """Write every queued write in order, one transaction each. False if the file stayed busy for `timeout_s`
+        (default: lock_timeout_s): then every queued write is safe on disk under pending/ until a later flush."""
         if not self.pending:
             return True
         try:
@@ -236,17 +296,80 @@ class RunWriter:
         except Exception as err:  # noqa: BLE001
             if _is_lock_error(err):
                 self.flush_retries += 1
+                self.busy_since = self.busy_since or time.monotonic()
+                self.holder = _holder(err)
+                self._spill()
                 return False
             raise
         try:
             while self.pending:
-                self._write_step(con, self.pending[0])
+                write = self.pending[0]
+                if write.kind == "step":
+                    self._write_step(con, write)
+                elif write.kind == "run":
+                    assignments = ", ".join(f"{name} = ?" for name in write.fields)  # allow-listed names
+                    con.execute(f"UPDATE runs SET {assignments} WHERE run_id = ?",
+                                [*write.fields.values(), self.run_id])
+                elif write.kind == "step_update":
+                    assignments = ", ".join(f"{name} = ?" for name in write.fields)  # STEP_METRICS names
+                    con.execute(f"UPDATE steps SET {assignments} WHERE run_id = ? AND step = ?",
+                                [*write.fields.values(), self.run_id, write.step])
+                else:
+                    con.execute("BEGIN TRANSACTION")
+                    for table in STEP_TABLES:
+                        con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step > ?", [self.run_id, write.step])
+                    con.execute("COMMIT")
                 self.pending.pop(0)
+                if write.spilled is not None:
+                    write.spilled.unlink(missing_ok=True)
         finally:
             con_cm.__exit__(None, None, None)
+        self.busy_since = None
         return True
 
-    def _write_step(self, con: duckdb.DuckDBPyConnection, rows: StepRows) -> None:
+    def wait_until_written(self, timeout_s: float | None = None, on_wait=None, every_s: float = 30.0) -> bool:
+        """Flush until every queued write is in the database (or `timeout_s` passes: False). `on_wait(seconds)` is
+        called every `every_s` seconds of waiting, so the caller can say what it waits for."""
+        start = last_said = time.monotonic()
+        while not self.flush(timeout_s=1.0):
+            now = time.monotonic()
+            if timeout_s is not None and now - start >= timeout_s:
+                return False
+            if on_wait is not None and now - last_said >= every_s:
+                on_wait(now - start)
+                last_said = now
+        return True
+
+    def _spill(self) -> None:
+        """Save every queued write that is not on disk yet: one pickle each, written to a temporary name, synced,
+        then renamed, so a file under pending/ is always whole."""
+        self.pending_dir.mkdir(exist_ok=True)
+        sequence = max((int(p.name.split("-")[0]) for p in self.pending_dir.glob("*.pkl")), default=0)
+        for write in self.pending:
+            if write.spilled is not None:
+                continue
+            sequence += 1
+            final = self.pending_dir / f"{sequence:08d}-{write.kind}.pkl"
+            tmp = final.with_suffix(".tmp")
+            with open(tmp, "wb") as f:
+                pickle.dump(write, f, protocol=pickle.HIGHEST_PROTOCOL)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            write.spilled = final
+
+    def _load_spilled(self) -> list[PendingWrite]:
+        writes = []
+        for path in sorted(self.pending_dir.glob("*.pkl")):
+            with open(path, "rb") as f:
+                write = pickle.load(f)
+            write.spilled = path
+            writes.append(write)
+        for tmp in self.pending_dir.glob("*.tmp"):  # a spill killed before its rename: the write was not queued yet
+            tmp.unlink()
+        return writes
+
+    def _write_step(self, con: duckdb.DuckDBPyConnection, rows: PendingWrite) -> None:
         con.execute("BEGIN TRANSACTION")
         try:
             for table, records in rows.tables.items():
@@ -272,14 +395,6 @@ class RunWriter:
         except BaseException:
             con.execute("ROLLBACK")
             raise
-
-    def truncate_after(self, step: int) -> None:
-        """Drop rows of steps after `step` (they were written after the checkpoint a resume starts from)."""
-        with self._open(timeout_s=30) as con:
-            con.execute("BEGIN TRANSACTION")
-            for table in STEP_TABLES:
-                con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step > ?", [self.run_id, step])
-            con.execute("COMMIT")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -314,8 +429,7 @@ def resolve_run(runs_dir: Path, run: str) -> Path:
 
 
 SQL_RUN_SUMMARY = """
-    SELECT r.run_id, r.name, r.status, r.estimator, r.k, r.model, r.task, r.seed, r.created_at, r.updated_at,
-           r.error, r.config,
+    SELECT r.*,  -- every column the file has (a file from an older version lacks the newer ones)
            (SELECT count(*) FROM steps s WHERE s.run_id = r.run_id) AS steps,
            (SELECT max(step) FROM steps s WHERE s.run_id = r.run_id) AS last_step,
            (SELECT reward_mean FROM steps s WHERE s.run_id = r.run_id ORDER BY step DESC LIMIT 1) AS reward_mean,
@@ -331,7 +445,8 @@ def _as_seen_from_folder(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
     """A run is named by its folder (a copied or renamed folder is that run) and shown with its effective status
     (`stopped` when stored as running but no trainer holds it); what the file says stays in stored_*."""
     folder = Path(path).parent
-    frame = frame.assign(stored_run_id=frame["run_id"], stored_status=frame["status"])
+    frame = frame.assign(stored_run_id=frame["run_id"], stored_status=frame["status"],
+                         pending_writes=pending_writes(folder))
     frame["run_id"] = folder.name
     frame["status"] = [effective_status(status, folder) for status in frame["stored_status"]]
     return frame

@@ -35,6 +35,7 @@ import shutil
 import signal
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -42,7 +43,7 @@ from pathlib import Path
 import torch
 
 from qae_app import names
-from qae_app.advantages import REGIMES, compute_advantages
+from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
 from qae_app.config import TrainConfig
 from qae_app.errors import QAEUserError
 from qae_app.evaluate import evaluate, summarize
@@ -67,6 +68,7 @@ class TrainerState:
     k: float | None = None  # K in use (set at step 1 when --k auto)
     entropy_zone: str = "ok"  # "low" / "ok" / "high" for the smoothed entropy: warn once per crossing of the band
     entropy_ema: float | None = None  # exponential moving average of step entropy (alpha ENTROPY_EMA_ALPHA)
+    entropy_start: float | None = None  # step 1's entropy: the default band is relative to it
     data_position: int = 0  # prompts consumed so far; a resume checks it against step * prompts_per_step
     data_fingerprint: str | None = None  # sha256 of the data file (None for a built-in task); a resume checks it
 
@@ -126,6 +128,11 @@ def _epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
     return tuple(order)
 
 
+def _number(value) -> float:
+    """A float from a stored value that may be NULL (NaN / None): 0.0 then."""
+    return 0.0 if value is None or value != value else float(value)
+
+
 def file_fingerprint(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -144,6 +151,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, runs_dir: Path, resume: bool = False, console=None,
                  cpu: bool | None = None):
+        self._t_start = time.perf_counter()
         self.cfg = cfg
         self.console = console
         self.runs_dir = Path(runs_dir)
@@ -152,7 +160,11 @@ class Trainer:
         self.writer: RunWriter | None = None  # main process only
         self._lock: RunLock | None = None  # main process only: held from setup until fit ends
         self._staging: Path | None = None
-        self._stop_requested = self._finishing = False
+        self._stop_requested = self._finishing = self._waiting_for_store = False
+        self._write_thread: ThreadPoolExecutor | None = None  # main process: writes the store while steps train
+        self._write_job: Future | None = None
+        self._setup_s: float | None = None
+        self._wall_s_before = self._setup_s_before = 0.0  # time spent by earlier sessions of a resumed run
         self._setup_processes(cpu)
         self._claim_run_folder()
         try:
@@ -171,38 +183,50 @@ class Trainer:
     def fit(self, on_step=None) -> RunResult:
         """Train until cfg.steps. Ctrl-C (or SIGTERM) stops at the end of the current step with a checkpoint, so a
         resumed run is exactly the uninterrupted one, and returns status `interrupted`; a second Ctrl-C stops at once
-        (rows kept, the newest checkpoint stays the resume point)."""
+        (rows kept, the newest checkpoint stays the resume point).
+
+        Every second of a step is in its row: rollout_s, reward_s and update_s (train_step), eval_s, write_s (building
+        rows and waiting for the store, which writes on its own thread while the next step trains) and
+        checkpoint_s; step_s is the whole iteration. The run's row gets setup_s and wall_s."""
         cfg = self.cfg
         status, error = "running", None
         previous_handlers = self._install_stop_handlers()
+        timings: tuple[int, dict] | None = None  # (step, write_s/checkpoint_s/step_s), known after its row is queued
         try:
             if self.state.step == 0 and cfg.eval_every:
                 heldout = self.evaluate_heldout(0)
-                self._store_step(0, None, heldout)
-                self._flush()
+                self._write_step(0, None, heldout)
                 if on_step is not None:
                     on_step(0, {"heldout_accuracy": heldout.accuracy if heldout else None})
+            self._setup_s = time.perf_counter() - self._t_start
             while self.state.step < cfg.steps and not self._should_stop():
+                t_iteration = time.perf_counter()
                 step = self.state.step + 1
                 out = self.train_step(step)
+                t0 = time.perf_counter()
                 heldout = (self.evaluate_heldout(step)
                            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps) else None)
-                out.metrics["heldout_accuracy"] = heldout.accuracy if heldout else None
+                out.metrics.update(heldout_accuracy=heldout.accuracy if heldout else None,
+                                   eval_s=time.perf_counter() - t0)
                 self.state.step = step
                 self.state.data_position = step * cfg.prompts_per_step
-                self._store_step(step, out, heldout)
                 fault_point("after_step_rows", step)
-                self._flush()
+                write_s = self._write_step(step, out, heldout, timings)
+                checkpoint_s = 0.0
+                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
+                    t0 = time.perf_counter()
+                    write_s += self._drain_writes()  # the rows up to here are stored (or safe under pending/)
+                    self.save_checkpoint()
+                    checkpoint_s = time.perf_counter() - t0
                 if on_step is not None:
                     on_step(step, out.metrics)
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
-                    self._flush(force=True)
-                    self.save_checkpoint()
+                timings = (step, {"write_s": write_s, "checkpoint_s": checkpoint_s,
+                                  "step_s": time.perf_counter() - t_iteration})
             if self.state.step < cfg.steps:  # stopped by a signal at a step boundary
                 status = "interrupted"
-                self._flush(force=True)
                 newest = list_checkpoints(self.run_dir)
                 if not newest or checkpoint_step(newest[-1]) != self.state.step:
+                    self._drain_writes()
                     self.save_checkpoint()
             else:
                 status = "finished"
@@ -215,12 +239,9 @@ class Trainer:
             # late signals are ignored from here on: the final status must be written, whatever arrives
             self._finishing = True
             try:
+                fault_point("finishing", self.state.step)
                 self._close_scorers()
-                if self.writer is not None:
-                    try:
-                        self._flush(force=True)
-                    finally:
-                        self.writer.update_run(status=status, error=error)
+                self._finish_store(status, error, timings)
             finally:
                 if self._lock is not None:
                     self._lock.release()
@@ -258,7 +279,8 @@ class Trainer:
                                                           f"-> K = {chosen_k}"})
 
         # ---- advantages
-        adv = compute_advantages(cfg.estimator, rewards, cfg.estimator_config(self.state.k))
+        estimator = EstimatorConfig(k=self.state.k or names.DEFAULT_K, quantile=cfg.quantile, scale=cfg.advantage_scale)
+        adv = compute_advantages(cfg.estimator, rewards, estimator)
         seq_adv = adv.advantages.reshape(-1).to(acc.device)  # (B * G,)
 
         # ---- update
@@ -352,7 +374,11 @@ class Trainer:
         """
         cfg, acc = self.cfg, self.accelerator
         n_local = seq_adv.shape[0]
-        first = acc.process_index * n_local  # global index of this process's first response
+        # processes may hold different numbers of responses: number them globally, process by process
+        counts_per_process = (acc.gather(torch.tensor([n_local], device=acc.device)).tolist()
+                              if acc.num_processes > 1 else [n_local])
+        first = sum(counts_per_process[: acc.process_index])  # global index of this process's first response
+        n_total = sum(counts_per_process)
         tokens_per_seq = batch["response_mask"].sum(-1)  # (n_local,)
         generator = torch.Generator().manual_seed(_step_seed(cfg.seed, step, 0) + 1)  # the same on every process
         # the KL term has gradient on gated sequences too; skip_gated=False is the dense reference
@@ -362,8 +388,7 @@ class Trainer:
         n_updates = 0
         self.model.train()
         for _ in range(cfg.ppo_epochs):
-            mini_batches = torch.randperm(n_local * acc.num_processes, generator=generator).tensor_split(
-                cfg.num_mini_batches)
+            mini_batches = torch.randperm(n_total, generator=generator).tensor_split(cfg.num_mini_batches)
             mine = [(mb[(mb >= first) & (mb < first + n_local)] - first).to(seq_adv.device) for mb in mini_batches]
             # per mini-batch, over all processes: response tokens (the normalizer) and responses with advantage != 0
             counts = torch.tensor([[tokens_per_seq[ix].sum().item(), (seq_adv[ix] != 0).sum().item()] for ix in mine],
@@ -431,30 +456,35 @@ class Trainer:
         return stats
 
     def _check_entropy(self, entropy: float) -> list[dict]:
-        """A warning when the smoothed entropy leaves [entropy_low, entropy_high]: once per crossing, not every noisy
-        step."""
-        cfg = self.cfg
+        """A warning when the smoothed entropy leaves the band: once per crossing, not every noisy step."""
         if math.isnan(entropy):
             return []
+        if self.state.entropy_start is None:
+            self.state.entropy_start = entropy
         ema = entropy if self.state.entropy_ema is None else (
             ENTROPY_EMA_ALPHA * entropy + (1 - ENTROPY_EMA_ALPHA) * self.state.entropy_ema)
         self.state.entropy_ema = ema
-        zone = "low" if ema < cfg.entropy_low else "high" if ema > cfg.entropy_high else "ok"
+        low, high = names.entropy_band(self.cfg.entropy_low, self.cfg.entropy_high, self.state.entropy_start)
+        zone = "low" if ema < low else "high" if ema > high else "ok"
         crossed = zone != self.state.entropy_zone and zone != "ok"
         self.state.entropy_zone = zone
         if not crossed:
             return []
         k = self.state.k or names.DEFAULT_K
+        start = self.state.entropy_start
         if zone == "low":
-            message = (f"entropy (smoothed) {ema:.3f} fell below {cfg.entropy_low} (collapse risk): raise --k (e.g. "
+            bound = f"{low:.3g}" + ("" if self.cfg.entropy_low is not None else
+                                    f" (the starting {start:.3g} / {names.ENTROPY_BAND_FACTOR:g})")
+            message = (f"entropy (smoothed) {ema:.3f} fell below {bound}: collapse risk. Raise --k (e.g. "
                        f"{min(k + 0.1, 0.9):.1f}) so more prompts are 'easy' and failures are pushed down, which "
                        "raises entropy.")
         else:
-            message = (f"entropy (smoothed) {ema:.3f} rose above {cfg.entropy_high} (explosion risk): lower --k "
-                       f"(e.g. {max(k - 0.1, 0.1):.1f}) so more prompts are 'hard' and only successes are "
-                       "reinforced, which lowers entropy.")
-        if self.console is not None and self.is_main:
-            self.console.print(f"[yellow]warning:[/] {message}")
+            bound = f"{high:.3g}" + ("" if self.cfg.entropy_high is not None else
+                                     f" (the starting {start:.3g} x {names.ENTROPY_BAND_FACTOR:g})")
+            message = (f"entropy (smoothed) {ema:.3f} rose above {bound}: explosion risk. Lower --k (e.g. "
+                       f"{max(k - 0.1, 0.1):.1f}) so more prompts are 'hard' and only successes are reinforced, "
+                       "which lowers entropy.")
+        self._say(f"[yellow]warning:[/] {message}")
         return [{"kind": f"entropy_{zone}", "message": message}]
 
     def evaluate_heldout(self, step: int) -> HeldoutEval | None:
@@ -478,25 +508,89 @@ class Trainer:
                            [{**s, "benchmark": name, "source": "train"} for s in samples])
 
     # -------------------------------------------------------------------------------------------------------------
-    # writing: only here, only on the main process
+    # writing: only here, only on the main process, on one writer thread so the next step trains meanwhile
 
-    def _store_step(self, step: int, out: StepOutput | None, heldout: HeldoutEval | None) -> None:
+    def _write_step(self, step: int, out: StepOutput | None, heldout: HeldoutEval | None,
+                    timings: tuple[int, dict] | None = None) -> float:
+        """Hand one step's rows to the writer thread (after the previous step's write is done, so at most one step
+        is in flight); `timings` completes an earlier step's row. Returns the seconds this thread spent."""
         if self.writer is None:
-            return
-        if out is not None and out.chosen_k is not None:
-            self.writer.update_run(k=out.chosen_k)
+            return 0.0
+        t0 = time.perf_counter()
         tables = {}
         if out is not None:
             tables.update(steps=[out.metrics], groups=out.groups, rollouts=out.rollouts, warnings=out.warnings)
         if heldout is not None:
             tables.update(evals=heldout.evals, eval_samples=heldout.samples)
-        self.writer.add_step(step, **tables)
+        chosen_k = out.chosen_k if out is not None else None
 
-    def _flush(self, force: bool = False) -> None:
+        def write(writer: RunWriter) -> None:
+            if timings is not None:
+                writer.update_step(timings[0], **timings[1])
+            if chosen_k is not None:
+                writer.update_run(k=chosen_k)
+            writer.add_step(step, **tables)
+            self._flush()
+
+        self._drain_writes()
+        self._write_job = self._write_thread.submit(write, self.writer)
+        return time.perf_counter() - t0
+
+    def _drain_writes(self) -> float:
+        """Wait for the writer thread's job (re-raising its error); returns the seconds waited."""
+        t0 = time.perf_counter()
+        job, self._write_job = self._write_job, None
+        if job is not None:
+            job.result()
+        return time.perf_counter() - t0
+
+    def _finish_store(self, status: str, error: str | None, timings: tuple[int, dict] | None) -> None:
+        """The last writes: the last step's timings, the final status and the run's time; waits for a reader that
+        still holds the file (Ctrl-C leaves them safe under pending/)."""
         if self.writer is None:
             return
-        if not self.writer.flush(timeout_s=60 if force else None) and force:
-            raise RuntimeError(f"could not write {self.writer.path}: another process kept it locked for 60 s")
+        try:
+            self._drain_writes()
+        finally:
+            self._write_thread.shutdown(wait=True)
+            if timings is not None:
+                self.writer.update_step(timings[0], **timings[1])
+            wall_s = self._wall_s_before + time.perf_counter() - self._t_start
+            self.writer.update_run(status=status, error=error, wall_s=wall_s,
+                                   setup_s=self._setup_s_before + (self._setup_s or 0.0))
+            self._wait_for_store()
+
+    def _flush(self) -> None:
+        """Write what is queued if the database is free; if a reader holds it, training goes on and the rows wait,
+        safe on disk under pending/ (store.RunWriter), and the log says so once per busy spell."""
+        was_busy = self.writer.busy_since is not None
+        if self.writer.flush():
+            if was_busy:
+                self._say("the database is free again: the waiting rows are written")
+        elif not was_busy:
+            self._say(f"[yellow]note:[/] {self.writer.path} is {self.writer.holder}; training goes on and the rows "
+                      f"wait, safe on disk, in {self.writer.pending_dir} until it is free. Read live runs with "
+                      "`qae show`, `qae rollouts` or the dashboard, which let go of the file at once.")
+
+    def _wait_for_store(self) -> None:
+        """At the end of the run every row must reach the database: wait for a reader that still holds it."""
+        if self.writer is None or self.writer.flush():
+            return
+
+        def say(waited: float) -> None:
+            self._say(f"waiting {waited:.0f} s for {self.writer.path} ({self.writer.holder}) to write the last rows;"
+                      f" they are safe in {self.writer.pending_dir}. Ctrl-C leaves them there: `qae train --resume "
+                      f"{self.run_id}` writes them later.")
+
+        say(0)
+        self._waiting_for_store = True
+        try:
+            self.writer.wait_until_written(on_wait=say)
+        except KeyboardInterrupt:
+            self._say(f"[yellow]stopped waiting:[/] the last rows stay in {self.writer.pending_dir}; "
+                      f"`qae train --resume {self.run_id}` writes them.")
+        finally:
+            self._waiting_for_store = False
 
     # -------------------------------------------------------------------------------------------------------------
     # setup phases, in the order __init__ runs them
@@ -627,21 +721,30 @@ class Trainer:
         config = cfg.to_dict()
         if self.resuming:
             db = self.run_dir / DB_FILE
-            has_row = db.exists() and self._has_run_row(db)
+            if not db.exists() and self.state.step > 0:
+                raise QAEUserError(
+                    f"resume: run '{self.run_id}' has a checkpoint at step {self.state.step} but no database: the "
+                    f"rows of steps 1-{self.state.step} are lost. Restore {DB_FILE} from a backup, or start a new "
+                    "run.")
+            self.writer = RunWriter(db, self.run_id)  # brings a file from an older version up to date
+            has_row = self._has_run_row(db)
             if not has_row and self.state.step > 0:
                 raise QAEUserError(
-                    f"resume: run '{self.run_id}' has a checkpoint at step {self.state.step} but "
-                    + ("no database" if not db.exists() else f"no run row in {db}")
-                    + f": the rows of steps 1-{self.state.step} are lost. Restore {DB_FILE} from a backup, or "
-                    "start a new run.")
-            self.writer = RunWriter(db, self.run_id)
+                    f"resume: run '{self.run_id}' has a checkpoint at step {self.state.step} but no run row in {db}: "
+                    f"the rows of steps 1-{self.state.step} are lost. Restore {DB_FILE} from a backup, or start a "
+                    "new run.")
             if not has_row:  # killed while the run was being created (before any checkpoint): create it again
                 self.writer.create_run(self.run_id, config, cfg.estimator, self._stored_k(), cfg.model, cfg.data,
                                        cfg.seed)
+            else:
+                earlier = read_run(db)
+                self._wall_s_before = _number(earlier.get("wall_s"))
+                self._setup_s_before = _number(earlier.get("setup_s"))
             # rows written after the checkpoint are replayed by this run: drop them so each step is stored once
             self.writer.truncate_after(self.state.step)
             (self.run_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
             self.writer.update_run(status="running", error=None, config=config)
+            self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qae-store")
             return
         staging = self._staging
         writer = RunWriter(staging / DB_FILE, self.run_id)
@@ -654,6 +757,7 @@ class Trainer:
                                f" Continue it with --resume {self.run_id}, or pick another --run-name.") from err
         self._staging = None
         self.writer = RunWriter(self.run_dir / DB_FILE, self.run_id)
+        self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qae-store")
 
     def _stored_k(self) -> float | None:
         return self.state.k if self.cfg.estimator == "qae" else None  # K means nothing to a mean baseline
@@ -722,6 +826,8 @@ class Trainer:
             return {}
 
         def request_stop(signum, frame):
+            if self._waiting_for_store:
+                raise KeyboardInterrupt  # give up waiting for a reader: the rows stay safe under pending/
             if self._finishing:
                 return  # the run is writing its final status: nothing may interrupt that
             if self._stop_requested:

@@ -1,32 +1,78 @@
-"""The same entry point under a real `accelerate launch` with 2 processes (gloo on CPU): each process samples half
-of the prompts, the main process gathers and writes every row once, and gradients are all-reduced."""
+"""Several processes are the real case: under a real `accelerate launch --num_processes 2` (gloo on CPU) the update,
+the learning-rate schedule, the stored rows and the checkpoints are those of one process."""
 
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import pandas as pd
 import pytest
+import torch
 
-from qae_app.store import db_path, query, read_run
+from qae_app.store import STEP_METRICS, TIMING_METRICS, db_path, query, read_run, read_steps
+
+ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
+SCRIPT = Path(__file__).parent / "scripts" / "same_samples.py"
+TIMING = set(TIMING_METRICS)
+
+
+def launch(n: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = [ACCELERATE, "launch", "--num_processes", str(n), "--num_machines", "1", "--mixed_precision", "no",
+               "--dynamo_backend", "no", *(["--multi_gpu"] if n > 1 else ["--cpu"]), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=900, env=dict(os.environ, **(env or {})))
+
+
+def train(n: int, runs_dir: Path, name: str, *options: str, env: dict | None = None):
+    return launch(n, "-m", "qae_app.cli", "train", "--run-name", name, "--runs-dir", str(runs_dir), *options,
+                  env=env)
 
 
 @pytest.mark.slow
-def test_two_process_accelerate_launch(tmp_path):
-    accelerate = shutil.which("accelerate", path=str(__import__("pathlib").Path(sys.executable).parent))
-    assert accelerate, "accelerate's launcher is installed with the package"
-    command = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "qae_app.cli", "train",
-               "--steps", "3", "--prompts-per-step", "4", "--group-size", "8", "--eval-every", "3",
-               "--eval-limit", "20", "--checkpoint-every", "2", "--micro-batch-size", "2",  # exercises no_sync
-               "--run-name", "ddp", "--runs-dir", str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    path = db_path(tmp_path, "ddp")
-    assert read_run(path)["status"] == "finished"
-    groups = query(path, "SELECT step, group_idx FROM groups ORDER BY step, group_idx")
-    assert groups.groupby("step")["group_idx"].apply(list).tolist() == [[0, 1, 2, 3]] * 3
-    rollouts = query(path, "SELECT step, count(*) AS n FROM rollouts GROUP BY step ORDER BY step")
-    assert rollouts["n"].tolist() == [32, 32, 32]
-    evals = query(path, "SELECT * FROM evals WHERE metric = 'avg@k' AND subset = 'all' ORDER BY step")
-    assert evals["step"].tolist() == [0, 3] and evals["n_problems"].tolist() == [20, 20]
-    assert (tmp_path / "ddp" / "checkpoints" / "step-3" / "model" / "config.json").exists()
+def test_two_processes_give_the_one_process_update_on_the_same_samples(tmp_path):
+    """Token-level loss normalized over both processes' tokens (not a mean of per-process means), mini-batches drawn
+    over all responses, the warmup stepped once per RL step (not once per process)."""
+    for n in (1, 2):
+        result = launch(n, str(SCRIPT), str(tmp_path), f"p{n}")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    one, two = (torch.load(tmp_path / f"p{n}.params.pt") for n in (1, 2))
+    assert one.keys() == two.keys()
+    for name in one:
+        torch.testing.assert_close(one[name], two[name], atol=1e-6, rtol=0, msg=name)
+    steps1, steps2 = (read_steps(db_path(tmp_path, f"p{n}")).set_index("step") for n in (1, 2))
+    assert steps2["lr"].tolist() == pytest.approx([1.25e-5, 2.5e-5, 3.75e-5])  # --warmup-steps 4, lr 5e-5
+    for name in set(STEP_METRICS) - TIMING:
+        pd.testing.assert_series_equal(steps1[name], steps2[name], check_names=False, rtol=1e-5, atol=1e-6,
+                                       obj=name)
+    rows = [query(db_path(tmp_path, f"p{n}"), "SELECT step, group_idx, sample_idx, response, reward, advantage "
+                  "FROM rollouts ORDER BY ALL") for n in (1, 2)]
+    pd.testing.assert_frame_equal(rows[0], rows[1])
+
+
+@pytest.mark.slow
+def test_two_process_run_checkpoints_whole_and_resumes_after_kill_9(tmp_path):
+    options = ["--steps", "4", "--prompts-per-step", "4", "--group-size", "8", "--checkpoint-every", "2",
+               "--eval-every", "4", "--eval-limit", "20", "--micro-batch-size", "2", "--seed", "2"]
+    reference = train(2, tmp_path, "ref", *options)
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    ref = db_path(tmp_path, "ref")
+    assert read_run(ref)["status"] == "finished"
+    groups = query(ref, "SELECT step, group_idx FROM groups ORDER BY step, group_idx")
+    assert groups.groupby("step")["group_idx"].apply(list).tolist() == [[0, 1, 2, 3]] * 4
+    evals = query(ref, "SELECT * FROM evals WHERE metric = 'avg@k' AND subset = 'all' ORDER BY step")
+    assert evals["step"].tolist() == [0, 4] and evals["n_problems"].tolist() == [20, 20]
+    for step in (2, 4):  # every process's RNG state is in the checkpoint, none left in a stray .tmp folder
+        checkpoint = tmp_path / "ref" / "checkpoints" / f"step-{step}"
+        assert (checkpoint / "random_states_0.pkl").exists() and (checkpoint / "random_states_1.pkl").exists()
+    assert not list((tmp_path / "ref" / "checkpoints").glob("*.tmp"))
+
+    killed = train(2, tmp_path, "cut", *options, env={"QAE_FAULT": "after_step_rows@3"})
+    assert killed.returncode != 0
+    assert read_steps(db_path(tmp_path, "cut"))["step"].tolist() == [1, 2]
+    resumed = launch(2, "-m", "qae_app.cli", "train", "--resume", "cut", "--runs-dir", str(tmp_path))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    want, got = (read_steps(db_path(tmp_path, name)).set_index("step") for name in ("ref", "cut"))
+    assert got.index.tolist() == [1, 2, 3, 4]
+    for name in set(STEP_METRICS) - TIMING:
+        pd.testing.assert_series_equal(want[name], got[name], check_names=False, rtol=1e-5, atol=1e-6, obj=name)

@@ -187,8 +187,8 @@ def test_scale_none_is_honoured_by_the_mean_baselines():
 def test_train_config_passes_scale_to_the_estimator_and_refuses_dr_grpo_with_std():
     from qae_app.config import build_config
 
-    assert build_config(estimator="grpo", scale="none").estimator_config().scale == "none"
-    assert build_config(estimator="grpo").estimator_config().scale == "std"
-    assert build_config(estimator="rloo").estimator_config().scale == "none"
+    assert build_config(estimator="grpo", scale="none").advantage_scale == "none"
+    assert build_config(estimator="grpo").advantage_scale == "std"
+    assert build_config(estimator="rloo").advantage_scale == "none"
     with pytest.raises(QAEUserError, match="scale: dr_grpo is GRPO without the std"):
         build_config(estimator="dr_grpo", scale="std")

@@ -15,13 +15,13 @@ import pandas as pd
 import pytest
 
 from qae_app.config import build_config
-from qae_app.store import STEP_METRICS, db_path, query, read_run, read_steps
+from qae_app.store import STEP_METRICS, TIMING_METRICS, db_path, query, read_run, read_steps
 from qae_app.rundir import RunLock, latest_checkpoint, trainer_alive, write_manifest
 from qae_app.trainer import Trainer
 
 OPTS = dict(steps=6, prompts_per_step=4, group_size=8, eval_every=0, checkpoint_every=2, seed=1)
 PER_STEP = OPTS["prompts_per_step"] * OPTS["group_size"]
-TIMING = {"rollout_s", "reward_s", "update_s", "step_s"}
+TIMING = set(TIMING_METRICS)
 QAE = str(Path(sys.executable).parent / "qae")
 WIDE = dict(os.environ, COLUMNS="250")  # rich tables wide enough not to abbreviate cells
 
@@ -33,7 +33,8 @@ def cli_args(**opts) -> list[str]:
 def start_train(runs_dir: Path, name: str, env_extra: dict | None = None, **opts) -> subprocess.Popen:
     env = dict(WIDE, **(env_extra or {}))
     return subprocess.Popen([QAE, "train", "--run-name", name, "--runs-dir", str(runs_dir), *cli_args(**opts)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)  # its own process group: a group SIGTERM spares pytest
 
 
 def assert_same_steps(reference: Path, run: Path, n_steps: int) -> None:
@@ -219,3 +220,47 @@ def test_resume_checks_the_checkpoint_data_position(tmp_path):
                             text=True, env=WIDE)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "is at prompt 5 of the data, but 2 steps of 4 prompts end at 8" in " ".join(result.stderr.split())
+
+
+@pytest.mark.slow
+def test_a_sigterm_while_the_run_writes_its_final_status_is_ignored(tmp_path):
+    """systemd or Slurm sending SIGTERM to the group just as the run ends: it used to exit -15 with status running."""
+    proc = start_train(tmp_path, "late", {"QAE_FAULT": f"term:finishing@{OPTS['steps']}"}, **OPTS)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert read_run(db_path(tmp_path, "late"))["status"] == "finished"
+    assert read_steps(db_path(tmp_path, "late"))["step"].tolist() == list(range(1, OPTS["steps"] + 1))
+
+
+@pytest.mark.slow
+def test_a_reader_holding_the_database_neither_fails_nor_blocks_the_run(tmp_path):
+    """A notebook's `duckdb.connect(path, read_only=True)` left open: training goes on, the rows wait safely on disk
+    under pending/, and are all written once the reader lets go."""
+    opts = dict(OPTS, steps=8, checkpoint_every=4)
+    proc = start_train(tmp_path, "held", **opts)
+    path = db_path(tmp_path, "held")
+    deadline = time.monotonic() + 300
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    con = None
+    while con is None and time.monotonic() < deadline:
+        try:
+            con = duckdb.connect(str(path), read_only=True)
+        except duckdb.Error:
+            time.sleep(0.05)  # the trainer is writing right now
+    try:
+        # while the reader holds the file, steps keep coming (and a checkpoint is taken) and wait under pending/
+        while len(list((tmp_path / "held" / "pending").glob("*-step.pkl"))) < 5 and proc.poll() is None:
+            time.sleep(0.2)
+        assert proc.poll() is None and latest_checkpoint(tmp_path / "held").name == "step-4"
+        listed = subprocess.run([QAE, "runs", "--runs-dir", str(tmp_path)], capture_output=True, text=True,
+                                env=WIDE)
+        assert listed.returncode == 0
+    finally:
+        con.close()
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert "training goes on and the rows wait" in " ".join(out.split())
+    assert read_steps(path)["step"].tolist() == list(range(1, 9))
+    assert query(path, "SELECT count(*) AS n FROM rollouts")["n"].item() == 8 * PER_STEP
+    assert read_run(path)["status"] == "finished" and not list((tmp_path / "held" / "pending").glob("*"))

@@ -57,7 +57,7 @@ def test_unknown_checkpoint_and_bad_k_are_clear_errors(tiny_run, tmp_path):  # r
     result = runner.invoke(app, ["eval", "--model", run_id, "--checkpoint", "99", "--runs-dir", str(runs_dir)])
     assert result.exit_code == 2 and "has no checkpoint 99" in " ".join(result.output.split())
     result = runner.invoke(app, ["eval", "--samples", "0", "--runs-dir", str(tmp_path)])
-    assert result.exit_code == 2 and "k: 0" in result.output
+    assert result.exit_code == 2 and "samples: 0" in result.output
     result = runner.invoke(app, ["eval", "--bench", "missing.jsonl", "--runs-dir", str(tmp_path)])
     assert result.exit_code == 2 and "missing.jsonl" in result.output
 

@@ -91,10 +91,37 @@ def test_writer_keeps_rows_while_a_reader_holds_the_file(writer):
     writer.add_step(1, **_rows(1))
     assert writer.flush() is False  # busy: nothing lost, still buffered
     assert len(writer.pending) == 1 and writer.flush_retries == 1
+    assert len(list(writer.pending_dir.glob("*.pkl"))) == 1  # and safe on disk, not only in memory
     writer.add_step(2, **_rows(2))
     assert writer.flush(timeout_s=30)  # waits for the reader to close
     reader.join()
     assert read_steps(writer.path)["step"].tolist() == [1, 2]
+    assert list(writer.pending_dir.glob("*")) == []
+
+
+def test_rows_spilled_while_a_reader_held_the_file_survive_a_kill(writer):
+    """A trainer killed while a reader held the file: the next writer of the run (a resume) writes what was saved,
+    in order: the rows, the run's status, and a truncation queued after them."""
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    reader = ctx.Process(target=_hold_read_lock, args=(str(writer.path), 2.0, ready))
+    reader.start()
+    assert ready.wait(60)
+    for step in (1, 2, 3):
+        writer.add_step(step, **_rows(step))
+        assert writer.flush() is False
+    writer.update_step(2, write_s=7.0)
+    assert writer.update_run(status="interrupted") is False
+    path = writer.path
+    del writer  # the process dies: only the files under pending/ remain
+    reader.join()
+    resumed = RunWriter(path, "r1")
+    assert [w.kind for w in resumed.pending] == ["step", "step", "step", "step_update", "run"]
+    assert resumed.truncate_after(2)  # a resume from the checkpoint at step 2 drops step 3 and writes the rest
+    steps = read_steps(path)
+    assert steps["step"].tolist() == [1, 2] and steps["write_s"].tolist() == [1.0, 7.0]
+    assert query(path, "SELECT status FROM runs")["status"].tolist() == ["interrupted"]
+    assert list(resumed.pending_dir.glob("*")) == []
 
 
 @pytest.mark.parametrize("name", ["../x", "a/b", "..", "", ".hidden", "x" * 101, "a b"])

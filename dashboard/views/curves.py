@@ -5,6 +5,7 @@ import streamlit as st
 
 import board
 import charts
+from qae_app import names
 from qae_app.store import STEP_METRICS
 
 OTHER_DEFAULT = ["loss", "grad_norm", "adv_abs_mean"]
@@ -25,8 +26,13 @@ def body(run_ids: list[str], smoothing: tuple[str, float], other: list[str]) -> 
         st.info("No step written yet: the first step appears here when the trainer finishes it.")
         return
     colors = board.run_colors(list(views))
-    bands = {run_id: (float(cfg.get("entropy_low", 0.5)), float(cfg.get("entropy_high", 3.0)))
-             for run_id, view in views.items() if (cfg := board.run_config(view.run))}
+    bands = {}  # the band each run's trainer watched: its options, or relative to its first step's entropy
+    for run_id, view in views.items():
+        cfg = board.run_config(view.run)
+        start = view.steps["entropy"].dropna().iloc[0] if view.steps["entropy"].notna().any() else None
+        band = names.entropy_band(cfg.get("entropy_low"), cfg.get("entropy_high"), start)
+        if band is not None:
+            bands[run_id] = band
     warnings = {run_id: view.warnings for run_id, view in views.items()}
 
     left, right = st.columns(2)

@@ -10,7 +10,7 @@ import pandas as pd
 import streamlit as st
 
 import board
-from qae_app.advantages import REGIMES
+from qae_app.names import REGIMES
 
 GROUPS_PER_PAGE = 10
 ROW_PX, MAX_TABLE_PX = 35, 600  # a group's table shows up to ~16 responses without scrolling

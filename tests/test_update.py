@@ -1,0 +1,75 @@
+"""The update step exactly as claimed: the gated skip changes nothing (bit for bit in float64, all-gated mini-batches
+included), the mini-batch count is the one asked for, and the new per-step metrics mean what they say."""
+
+import math
+
+import pytest
+import torch
+
+from qae_app.config import build_config
+from qae_app.errors import QAEUserError
+from qae_app.rows import step_metrics
+from qae_app.trainer import Trainer
+
+
+def _two_steps(tmp_path, skip: bool, **opts):
+    """Parameters, per-step metrics and how many mini-batches took a forward/backward, after 2 real RL steps of a
+    float64 copy of the built-in model."""
+    cfg = build_config(run_name=f"skip-{skip}", steps=2, eval_every=0, checkpoint_every=0, seed=3, **opts)
+    trainer = Trainer(cfg, tmp_path, cpu=True)
+    trainer.model.double()
+    trainer.skip_gated = skip
+    backward_passes = []
+    accumulate = trainer._accumulate_gradients
+    trainer._accumulate_gradients = lambda *a, **kw: (backward_passes.append(1), accumulate(*a, **kw))[1]
+    try:
+        metrics = [trainer.train_step(step).metrics for step in (1, 2)]
+    finally:
+        trainer._close_scorers()
+        trainer._lock.release()
+    return [p.detach().clone() for p in trainer.model.parameters()], metrics, len(backward_passes)
+
+
+def test_skipping_gated_sequences_gives_the_dense_update_bit_for_bit(tmp_path):
+    """16 mini-batches of 8 responses: with ~80% gated, several mini-batches have only zero advantages. The dense
+    update still steps AdamW on them (its moments move the weights), so the skip must too."""
+    skip_params, skip_metrics, skip_passes = _two_steps(tmp_path, True, num_mini_batches=16)
+    dense_params, dense_metrics, dense_passes = _two_steps(tmp_path, False, num_mini_batches=16)
+    assert dense_passes == 32 and skip_passes < dense_passes  # all-gated mini-batches happened and were skipped
+    assert all(torch.equal(a, b) for a, b in zip(skip_params, dense_params))
+    for skip, dense in zip(skip_metrics, dense_metrics):
+        assert skip["n_updates"] == dense["n_updates"] == 16
+        for name in ("loss", "pg_loss", "grad_norm", "clip_frac", "clip_frac_low", "clip_frac_high"):
+            assert skip[name] == dense[name], name
+
+
+def test_the_step_makes_exactly_the_mini_batches_asked_for(tmp_path):
+    """torch.chunk made 43 mini-batches of 128 responses when 48 were asked."""
+    cfg = build_config(run_name="mb", steps=1, eval_every=0, checkpoint_every=0, num_mini_batches=48)
+    trainer = Trainer(cfg, tmp_path, cpu=True)
+    try:
+        assert trainer.train_step(1).metrics["n_updates"] == 48
+    finally:
+        trainer._close_scorers()
+        trainer._lock.release()
+
+
+def test_more_mini_batches_than_responses_is_refused():
+    with pytest.raises(QAEUserError, match="num-mini-batches: 129 is more than the 128 responses"):
+        build_config(num_mini_batches=129)
+
+
+def test_zero_advantage_fraction_over_informative_groups():
+    """frac_zero_adv counts the no-signal groups too; the paper's ~80% is over informative groups only."""
+    def rollouts(regime, advantages):
+        return [{"regime": regime, "advantage": a, "reward": float(a > 0), "verified": True, "n_tokens": 2,
+                 "entropy": 0.5, "logprob": -1.0, "truncated": False} for a in advantages]
+
+    rows = (rollouts("all_correct", [0.0] * 4) + rollouts("hard", [1.5, 0.0, 0.0, 0.0])
+            + rollouts("easy", [0.0, 0.0, -1.5, 0.0]))
+    groups = [{"regime": r} for r in ("all_correct", "hard", "easy")]
+    metrics = step_metrics(groups, rows)
+    assert metrics["frac_zero_adv"] == 10 / 12
+    assert metrics["frac_zero_adv_informative"] == 6 / 8
+    assert math.isnan(step_metrics([{"regime": "all_wrong"}], rollouts("all_wrong", [0.0] * 4))[
+        "frac_zero_adv_informative"])
