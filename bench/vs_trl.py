@@ -20,11 +20,15 @@ DuckDB write of the step's rows is included; TRL: `TrainerCallback.on_step_end`,
 first --warmup steps of each run are dropped (first generate call, optimizer state creation, data loader start);
 medians are over the remaining steps of all repeats pooled, with the per-run medians' min/max beside them.
 
-What the numbers say (2 shared cores, noisy; see the report in the README's performance section):
-TRL with one update per generation takes the old log-probs from the training forward itself (`old_per_token_logps =
-per_token_logps.detach()`, ratio 1 by construction), while qae runs a separate no-grad forward over all B*G
-sequences before the update. That pass costs about as much as the gated training forward it precedes; see
-`--profile-qae` for the phase split of one qae step.
+Thread count: 1 by default, the same in every run. On oversubscribed cores (several jobs on 2 cores) torch with 2
+threads collapses (spin-waiting threads: a qae step went from ~1 s to ~20 s here), which would measure the machine,
+not the trainers; pass --threads 2 on a quiet machine.
+
+Where the difference comes from (bench/profile_step.py splits a qae step into phases): with one update per
+generation TRL takes the old log-probs from the training forward itself (`old_per_token_logps =
+per_token_logps.detach()`, ratio 1 by construction) and runs no separate pass, while qae runs a no-grad forward over
+all B*G sequences before its update; and qae's `fit` writes every step's rows to DuckDB (included in its step time
+here, printed separately as "store write").
 """
 
 from __future__ import annotations
@@ -85,13 +89,13 @@ class WorkCounter:
         self._last = now
 
 
-def run_qae(estimator: str, steps: int, seed: int, runs_dir: str) -> dict:
+def run_qae(estimator: str, steps: int, seed: int, lr: float, runs_dir: str) -> dict:
     from qae_app.config import build_config
     from qae_app.trainer import Trainer
 
     cfg = build_config(run_name=f"vs-trl-{estimator}", seed=seed, steps=steps, estimator=estimator,
                        prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP_SIZE, max_new_tokens=MAX_NEW_TOKENS,
-                       temperature=1.0, lr=LR, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, loss_agg="token",
+                       temperature=1.0, lr=lr, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, loss_agg="token",
                        kl_beta=0.0, num_mini_batches=1, ppo_epochs=1, eval_every=0, checkpoint_every=0)
     trainer = Trainer(cfg, runs_dir, cpu=True)
     counter = WorkCounter()
@@ -119,7 +123,7 @@ def run_qae(estimator: str, steps: int, seed: int, runs_dir: str) -> dict:
             "work": counter.per_step, "config": {"micro_batch_size": cfg.micro_batch_size}}
 
 
-def run_trl(steps: int, seed: int, workdir: str) -> dict:
+def run_trl(steps: int, seed: int, lr: float, workdir: str) -> dict:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -161,7 +165,7 @@ def run_trl(steps: int, seed: int, workdir: str) -> dict:
         gradient_checkpointing=False, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
         gradient_accumulation_steps=1, num_generations=GROUP_SIZE, max_completion_length=MAX_NEW_TOKENS,
         temperature=1.0, top_p=1.0, top_k=0, num_iterations=1, beta=0.0, loss_type="dapo", epsilon=CLIP_LOW,
-        epsilon_high=CLIP_HIGH, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        epsilon_high=CLIP_HIGH, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, optim="adamw_torch", logging_steps=1, save_strategy="no", eval_strategy="no",
         report_to="none", disable_tqdm=True, dataloader_pin_memory=False, log_completions=False,
     )
@@ -187,16 +191,16 @@ def run_trl(steps: int, seed: int, workdir: str) -> dict:
                                                  torch.get_num_threads()}}
 
 
-def child(system: str, steps: int, seed: int, threads: int) -> None:
+def child(system: str, steps: int, seed: int, lr: float, threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as workdir:
         os.environ["HF_HOME"] = os.path.join(workdir, "hf")  # any cache write stays in the temporary folder
         if system == "trl":
-            result = run_trl(steps, seed, workdir)
+            result = run_trl(steps, seed, lr, workdir)
         else:
-            result = run_qae("qae" if system == "qae" else "grpo", steps, seed, workdir)
+            result = run_qae("qae" if system == "qae" else "grpo", steps, seed, lr, workdir)
     result["config"]["torch_threads"] = torch.get_num_threads()
     print(RESULT_TAG + json.dumps(result), flush=True)
 
@@ -210,10 +214,10 @@ def step_times(result: dict) -> list[float]:
     return [b - a for a, b in zip(ends, ends[1:])]
 
 
-def launch(system: str, steps: int, seed: int, threads: int) -> dict:
+def launch(system: str, steps: int, seed: int, lr: float, threads: int) -> dict:
     env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     proc = subprocess.run([sys.executable, __file__, "--child", system, "--steps", str(steps), "--seed", str(seed),
-                           "--threads", str(threads)], capture_output=True, text=True, env=env)
+                           "--lr", repr(lr), "--threads", str(threads)], capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
@@ -237,26 +241,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="RL steps per run")
     parser.add_argument("--repeats", type=int, default=2, help="rounds; each round runs every system once")
     parser.add_argument("--warmup", type=int, default=3, help="first steps of each run left out of the medians")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads, all runs")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, the same in every run")
+    parser.add_argument("--lr", type=float, default=LR, help="learning rate of both (qae's default 5e-5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of round 0 (round r uses seed + r)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list out of {','.join(SYSTEMS)}")
     parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.steps, args.seed, args.threads)
+        child(args.child, args.steps, args.seed, args.lr, args.threads)
         return
     systems = [s for s in args.systems.split(",") if s]
     if "trl" not in systems or not set(systems) <= set(SYSTEMS) or args.steps <= args.warmup:
         raise SystemExit(f"--systems must include trl and name only {SYSTEMS}; --steps must exceed --warmup")
 
-    print(f"{PROMPTS_PER_STEP} prompts x {GROUP_SIZE} samples, <= {MAX_NEW_TOKENS} new tokens, lr {LR}, one "
+    print(f"{PROMPTS_PER_STEP} prompts x {GROUP_SIZE} samples, <= {MAX_NEW_TOKENS} new tokens, lr {args.lr}, one "
           f"update per step, token-level loss, no KL, CPU, {args.threads} torch threads; {args.repeats} rounds of "
           f"{args.steps} steps, first {args.warmup} steps of each run dropped (timings on a shared machine are noisy)")
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for round_index in range(args.repeats):
         order = systems[round_index % len(systems):] + systems[: round_index % len(systems)]
         for system in order:
-            result = launch(system, args.steps, args.seed + round_index, args.threads)
+            result = launch(system, args.steps, args.seed + round_index, args.lr, args.threads)
             times = step_times(result)[args.warmup :]
             work = result["work"][args.warmup :]
             phases = result["phases"][args.warmup :]
@@ -266,7 +271,9 @@ def main() -> None:
             tokens = statistics.mean(w["tokens"] for w in work)
             extra = ""
             if system != "trl":
-                extra = f", gated {statistics.mean(p['frac_gated'] for p in phases):.0%}"
+                outside = [t - p["train_step"] for t, p in zip(times, phases)]
+                extra = (f", gated {statistics.mean(p['frac_gated'] for p in phases):.0%}; store write and the rest "
+                         f"outside train_step {fmt_ms(statistics.median(outside))} ms")
             else:
                 extra = f", separate old-log-prob pass: {any(p['old_logprob_pass'] for p in phases)}"
             print(f"round {round_index} {system:8s} median step {fmt_ms(statistics.median(times))} ms "
@@ -285,6 +292,17 @@ def main() -> None:
         medians[system] = statistics.median(pooled)
         print(f"  {system:8s} median step {fmt_ms(medians[system])} ms (per-run medians {fmt_ms(min(per_run))}"
               f"-{fmt_ms(max(per_run))} ms, {len(pooled)} steps)")
+        if system != "trl":  # the same steps without the store write that fit adds after train_step
+            inner = [p["train_step"] for r in runs[system] for p in r["phases"][args.warmup :]]
+            print(f"  {'':8s} train_step alone (no store write) {fmt_ms(statistics.median(inner))} ms: "
+                  f"{statistics.median(inner) / medians['trl']:.2f}x TRL")
+    for system in systems:
+        if system == "trl":
+            continue
+        # each round's runs are next to each other in time: their ratio is the least exposed to slow load drift
+        paired = [statistics.median(a["kept_times"]) / statistics.median(b["kept_times"])
+                  for a, b in zip(runs[system], runs["trl"])]
+        print(f"  {system}/TRL per round (paired runs): {', '.join(f'{r:.2f}x' for r in paired)}")
     for system in systems:
         if system not in ("trl", "qae"):
             print(f"ratio {system}/TRL median step time: {medians[system] / medians['trl']:.2f}x")
