@@ -142,8 +142,9 @@ def main() -> None:
             phases = clock.take()
             m = out.metrics
             t0 = time.perf_counter()
-            trainer.writer.add_step(step, steps=[m], groups=out.groups, rollouts=out.rollouts)
-            trainer.writer.flush()
+            m["heldout_accuracy"] = None
+            trainer._store_step(step, out, None)  # what fit does after each step
+            trainer._flush()
             phases["store write"] = time.perf_counter() - t0
             phases["reward"] = m["reward_s"]
             phases["update_s"] = m["update_s"]
