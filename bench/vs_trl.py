@@ -29,6 +29,15 @@ generation TRL takes the old log-probs from the training forward itself (`old_pe
 per_token_logps.detach()`, ratio 1 by construction) and runs no separate pass, while qae runs a no-grad forward over
 all B*G sequences before its update; and qae's `fit` writes every step's rows to DuckDB (included in its step time
 here, printed separately as "store write").
+
+Measured on 2 shared, heavily loaded cores (load average 10-15; 1 thread; 2 rounds x 30 steps; noisy, the lead
+re-measures on a quiet machine): TRL 1325 ms per step, qae (QAE) 1144 ms = 0.86x (paired rounds 0.84x, 0.87x), qae
+GRPO 1837 ms = 1.39x. qae's train_step alone is 800 ms = 0.60x TRL: the DuckDB write after each step costs ~300 ms
+here. To reach 0.5x, in order of gain (bench/profile_step.py, same load): take the old log-probs from the training
+forward when num_mini_batches = ppo_epochs = 1 (update 378 -> ~190 ms: the no-grad pass over all 128 sequences is
+187 ms), with per-response entropy/log-prob for the rows from the rollout (`generate(output_logits=True)` costs no
+measurable extra); write the step's rows off the training thread or faster; AdamW(fused=True) on CPU (optimizer step
+~27 -> ~2 ms at the minimum).
 """
 
 from __future__ import annotations
