@@ -1,0 +1,221 @@
+"""Where one `qae train` step spends its time, and what the update would cost if it skipped more.
+
+    python bench/profile_step.py [--steps 16] [--num-mini-batches 4] [--threads 1]
+
+A real `Trainer` at the defaults (8 prompts x 16, 8 new tokens, QAE K=0.4) runs --steps steps, alternating the
+gated skip on and off (`skip_gated`, as bench/bench_step.py; both give the same gradient), so the dense update and
+the gated one are timed in the same process under the same noise. The trainer is not changed: its methods are
+wrapped on the instance to time each phase (rollout, reward, packing, the no-grad log-prob pass over all sequences,
+the training forwards, backwards, grad clip + optimizer step, row building, the store write that `fit` does).
+
+Then, on each step's real batch, the alternatives for the update are timed directly:
+- the no-grad log-prob pass over the non-gated sequences only (with no KL term the gated ones need no old log-prob);
+- the same pass under torch.inference_mode instead of no_grad, and trimmed to the longest kept sequence;
+- with --num-mini-batches 1 (and ppo_epochs 1) no separate pass at all: the old log-prob is the training forward's own
+  value, detached (ratio 1 by construction, as TRL does); the metrics that the pass also feeds (per-response entropy
+  and log-prob, for the rows, the entropy warnings and the dashboard) would then come from the rollout:
+  `generate(output_logits=True)` is timed against plain `generate` for that.
+Timings on a shared machine are noisy: medians with min/max. The first --warmup steps are dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+
+from qae_app.config import build_config
+from qae_app.trainer import Trainer
+
+
+class PhaseClock:
+    """Seconds per named phase within the current step."""
+
+    def __init__(self):
+        self.current: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name_of, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[name_of() if callable(name_of) else name_of] += time.perf_counter() - start
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out, self.current = dict(self.current), defaultdict(float)
+        return out
+
+
+def kept_subset(batch: dict, seq_adv: torch.Tensor, trim: bool) -> dict:
+    keep = (seq_adv != 0).nonzero().squeeze(-1)
+    sub = {key: value[keep] for key, value in batch.items()}
+    if trim:  # right padding: cut the columns that no kept sequence reaches
+        width = int(sub["attention_mask"].sum(-1).max().item())
+        sub = {"input_ids": sub["input_ids"][:, :width], "attention_mask": sub["attention_mask"][:, :width],
+               "response_mask": sub["response_mask"][:, : width - 1]}
+    return sub
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def generate_with_and_without_logits(trainer: Trainer, prompts: list[str], seed: int) -> tuple[float, float]:
+    """Plain generate vs generate that also returns each step's logits and turns them into entropy and log-prob."""
+    cfg, codec = trainer.cfg, trainer.codec
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    encoded = [codec.encode(p) for p in prompts for _ in range(cfg.group_size)]
+    width = max(len(ids) for ids in encoded)
+    input_ids = torch.tensor([[codec.pad_id] * (width - len(ids)) + ids for ids in encoded])
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=cfg.temperature,
+                  top_k=0, top_p=1.0, max_new_tokens=cfg.max_new_tokens, pad_token_id=codec.pad_id,
+                  eos_token_id=codec.eos_id)
+    model.eval()
+
+    @torch.no_grad()
+    def plain():
+        torch.manual_seed(seed)
+        model.generate(**kwargs)
+
+    @torch.no_grad()
+    def with_logits():
+        torch.manual_seed(seed)
+        out = model.generate(**kwargs, return_dict_in_generate=True, output_logits=True)
+        logits = torch.stack(out.logits, 1).float() / cfg.temperature  # (N, new, vocab)
+        logp_all = torch.log_softmax(logits, -1)
+        logp_all.gather(-1, out.sequences[:, width:, None])  # sampled tokens' log-probs
+        -(logp_all.exp() * logp_all).sum(-1)  # entropies
+
+    result = (timed(plain), timed(with_logits))
+    model.train()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=16, help="steps (half with the gated skip, half dense)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--num-mini-batches", type=int, default=4, help="the trainer's default is 4")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as runs_dir:
+        cfg = build_config(run_name="profile", steps=args.steps, eval_every=0, checkpoint_every=0,
+                           num_mini_batches=args.num_mini_batches)
+        trainer = Trainer(cfg, runs_dir, cpu=True)
+        clock = PhaseClock()
+        acc = trainer.accelerator
+        trainer.engine.generate = clock.wrap("rollout", trainer.engine.generate)
+        trainer._pack = clock.wrap("pack", trainer._pack)
+        trainer._logprobs_in_chunks = clock.wrap("logprob pass (no grad, all)", trainer._logprobs_in_chunks)
+        forward = trainer._forward_logprobs
+        trainer._forward_logprobs = clock.wrap(
+            lambda: "train forward" if torch.is_grad_enabled() else "(pass forwards)", forward)
+        acc.backward = clock.wrap("backward", acc.backward)
+        acc.clip_grad_norm_ = clock.wrap("clip + optimizer step", acc.clip_grad_norm_)
+        trainer.optimizer.step = clock.wrap("clip + optimizer step", trainer.optimizer.step)
+        captured = {}
+        update = trainer._update
+
+        def capturing_update(step, batch, old_logp, ref_logp, seq_adv):
+            captured.update(batch=batch, seq_adv=seq_adv)
+            return update(step, batch, old_logp, ref_logp, seq_adv)
+
+        trainer._update = clock.wrap("_update", capturing_update)
+
+        rows = {"skip": [], "dense": []}
+        whatif = defaultdict(list)
+        for step in range(1, args.steps + 1):
+            mode = "skip" if step % 2 else "dense"
+            trainer.skip_gated = mode == "skip"
+            out = trainer.train_step(step)
+            phases = clock.take()
+            m = out.metrics
+            t0 = time.perf_counter()
+            m["heldout_accuracy"] = None
+            trainer._store_step(step, out, None)  # what fit does after each step
+            trainer._flush()
+            phases["store write"] = time.perf_counter() - t0
+            phases["reward"] = m["reward_s"]
+            phases["update_s"] = m["update_s"]
+            phases["step_s"] = m["step_s"]
+            phases["other update (loss, sync)"] = (m["update_s"] - phases.get("pack", 0)
+                                                   - phases["logprob pass (no grad, all)"] - phases["train forward"]
+                                                   - phases["backward"] - phases["clip + optimizer step"])
+            phases["rows, advantages, metrics"] = (m["step_s"] - m["rollout_s"] - m["reward_s"] - m["update_s"])
+            phases["frac_gated"] = m["frac_zero_adv"]
+            phases["n_updates"] = m["n_updates"]
+            if step <= args.warmup:
+                continue
+            rows[mode].append(phases)
+            batch, seq_adv = captured["batch"], captured["seq_adv"]
+            chunk = cfg.micro_batch_size
+            kept = kept_subset(batch, seq_adv, trim=False)
+            kept_trim = kept_subset(batch, seq_adv, trim=True)
+            whatif["pass, all (again)"].append(timed(lambda: trainer._logprobs_in_chunks(trainer.model, batch, chunk)))
+            with torch.inference_mode():
+                whatif["pass, all, inference_mode"].append(
+                    timed(lambda: trainer._logprobs_in_chunks(trainer.model, batch, chunk)))
+            if len(kept["input_ids"]):
+                whatif["pass, kept only"].append(timed(lambda: trainer._logprobs_in_chunks(trainer.model, kept, chunk)))
+                with torch.inference_mode():
+                    whatif["pass, kept only, trimmed, inference_mode"].append(
+                        timed(lambda: trainer._logprobs_in_chunks(trainer.model, kept_trim, chunk)))
+            else:
+                whatif["pass, kept only"].append(0.0)
+                whatif["pass, kept only, trimmed, inference_mode"].append(0.0)
+            prompts = sorted({g["prompt"] for g in out.groups})
+            plain, with_logits = generate_with_and_without_logits(trainer, prompts, step)
+            whatif["generate, plain"].append(plain)
+            whatif["generate, + logits -> entropy, log-prob"].append(with_logits)
+            clock.take()  # what-if timings are not phases of the step
+
+    def med(values):
+        return statistics.median(values) * 1e3
+
+    print(f"{args.steps - args.warmup} steps after {args.warmup} warm-up, alternating skip/dense; "
+          f"num_mini_batches {args.num_mini_batches}, micro_batch_size {cfg.micro_batch_size}, torch threads "
+          f"{torch.get_num_threads()} (shared machine: noisy; medians, min-max in brackets)")
+    gated = statistics.mean(r["frac_gated"] for r in rows["skip"] + rows["dense"])
+    print(f"mean gated fraction {gated:.2f}; optimizer updates per step (skip) "
+          f"{sorted({r['n_updates'] for r in rows['skip']})}")
+    names = ["rollout", "reward", "pack", "logprob pass (no grad, all)", "train forward", "backward",
+             "clip + optimizer step", "other update (loss, sync)", "update_s", "rows, advantages, metrics", "step_s",
+             "store write"]
+    print(f"{'phase (ms)':32s} {'gated skip':>22s} {'dense':>22s}")
+    for name in names:
+        cells = []
+        for mode in ("skip", "dense"):
+            values = [r.get(name, 0.0) for r in rows[mode]]
+            cells.append(f"{med(values):7.1f} [{min(values) * 1e3:5.1f}-{max(values) * 1e3:6.1f}]")
+        print(f"  {name:30s} {cells[0]:>22s} {cells[1]:>22s}")
+    print("what-if, on the same batches (ms):")
+    for name, values in whatif.items():
+        print(f"  {name:42s} {med(values):7.1f} [{min(values) * 1e3:5.1f}-{max(values) * 1e3:6.1f}]")
+
+    update_skip = statistics.median(r["update_s"] for r in rows["skip"])
+    update_dense = statistics.median(r["update_s"] for r in rows["dense"])
+    pass_all = statistics.median(r["logprob pass (no grad, all)"] for r in rows["skip"])
+    pass_kept = statistics.median(whatif["pass, kept only, trimmed, inference_mode"])
+    print(f"update, gated skip / dense (measured): {update_skip * 1e3:.1f} / {update_dense * 1e3:.1f} ms = "
+          f"{update_skip / update_dense:.2f}x")
+    print(f"  with the pass over kept sequences only (estimate: skip - pass(all) + pass(kept)): "
+          f"{(update_skip - pass_all + pass_kept) / update_dense:.2f}x")
+    if args.num_mini_batches == 1 and cfg.ppo_epochs == 1:
+        print(f"  with no separate pass (old log-prob = training forward, detached): "
+              f"{(update_skip - pass_all) / update_dense:.2f}x")
+    print(f"update ratio gated/dense: {update_skip / update_dense:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

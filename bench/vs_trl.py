@@ -1,0 +1,323 @@
+"""Benchmark: qae's trainer against TRL's GRPOTrainer, same model, task and work per step, step time side by side.
+
+    pip install -e '.[bench]'              # TRL and datasets: bench-only
+    python bench/vs_trl.py [--steps 30] [--repeats 2] [--threads N] [--warmup 3]
+
+Both train the built-in model (`builtin:tiny`, qae_app/assets/tiny) on the built-in `arith` task on CPU with: 8
+prompts x 16 samples per step, at most 8 new tokens, temperature 1, learning rate 5e-5 (AdamW, constant, no weight
+decay, grad-norm clip 1.0), clip 0.2 / 0.28, ONE optimizer update per step (qae: num_mini_batches=1, ppo_epochs=1;
+TRL: per_device_train_batch_size=128, gradient_accumulation_steps=1, num_iterations=1), token-level loss (qae
+loss_agg=token; TRL loss_type="dapo"), no KL (beta 0: neither loads a reference model), float32, no gradient
+checkpointing, the same torch thread count. TRL gets the character codec wrapped as a transformers tokenizer
+(bench/hf_char_tokenizer.py: same ids, <bos> prepended, no chat template) and the model object itself, with the HF
+hub, transformers and datasets set offline, so nothing is downloaded.
+
+Runs alternate in child processes of this one (round r runs the systems in an order rotated by r), so machine noise
+hits every system alike. Three systems: TRL, qae with QAE (the default estimator) and qae with GRPO's mean baseline.
+
+Step time is the wall time between consecutive step ends (qae: the `on_step` callback of `Trainer.fit`, so the
+DuckDB write of the step's rows is included; TRL: `TrainerCallback.on_step_end`, so its logging is included). The
+first --warmup steps of each run are dropped (first generate call, optimizer state creation, data loader start);
+medians are over the remaining steps of all repeats pooled, with the per-run medians' min/max beside them.
+
+Thread count: 1 by default, the same in every run. On oversubscribed cores (several jobs on 2 cores) torch with 2
+threads collapses (spin-waiting threads: a qae step went from ~1 s to ~20 s here), which would measure the machine,
+not the trainers; pass --threads 2 on a quiet machine.
+
+Where the difference comes from (bench/profile_step.py splits a qae step into phases): with one update per
+generation TRL takes the old log-probs from the training forward itself (`old_per_token_logps =
+per_token_logps.detach()`, ratio 1 by construction) and runs no separate pass, while qae runs a no-grad forward over
+all B*G sequences before its update; and qae's `fit` writes every step's rows to DuckDB (included in its step time
+here, printed separately as "store write").
+
+Measured on 2 shared, heavily loaded cores (load average 10-15; 1 thread; 2 rounds x 30 steps; noisy, the lead
+re-measures on a quiet machine): TRL 1325 ms per step, qae (QAE) 1144 ms = 0.86x (paired rounds 0.84x, 0.87x), qae
+GRPO 1837 ms = 1.39x. qae's train_step alone is 800 ms = 0.60x TRL: the DuckDB write after each step costs ~300 ms
+here. To reach 0.5x, in order of gain (bench/profile_step.py, same load): take the old log-probs from the training
+forward when num_mini_batches = ppo_epochs = 1 (update 378 -> ~190 ms: the no-grad pass over all 128 sequences is
+187 ms), with per-response entropy/log-prob for the rows from the rollout (`generate(output_logits=True)` costs no
+measurable extra); write the step's rows off the training thread or faster; AdamW(fused=True) on CPU (optimizer step
+~27 -> ~2 ms at the minimum).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# nothing in a run may reach the network: TRL, transformers and datasets all honour these
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "HF_HUB_DISABLE_TELEMETRY": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+os.environ.update(OFFLINE_ENV)
+
+BENCH_DIR = Path(__file__).resolve().parent
+SYSTEMS = ("trl", "qae", "qae-grpo")
+PROMPTS_PER_STEP = 8
+GROUP_SIZE = 16
+MAX_NEW_TOKENS = 8
+LR = 5e-5
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+RESULT_TAG = "VS_TRL_RESULT "
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# children: one training run each, printing one JSON result line
+
+
+class WorkCounter:
+    """Responses, response tokens and optimizer steps seen, read out per step as differences."""
+
+    def __init__(self):
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.responses = self.tokens = self.optimizer_steps = 0
+        self.rewards: list[float] = []  # mean reward of each scoring call (one per step for both systems)
+        self.per_step: list[dict] = []
+        self._last = (0, 0, 0)
+        # every torch optimizer's step() ends here, whoever wraps it (accelerate, transformers' Trainer)
+        register_optimizer_step_post_hook(self._on_optimizer_step)
+
+    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self.optimizer_steps += 1
+
+    def add_responses(self, n: int, tokens: int) -> None:
+        self.responses += n
+        self.tokens += tokens
+
+    def close_step(self) -> None:
+        now = (self.responses, self.tokens, self.optimizer_steps)
+        self.per_step.append({key: a - b for key, a, b in zip(("responses", "tokens", "optimizer_steps"), now,
+                                                                self._last)})
+        self._last = now
+
+
+def run_qae(estimator: str, steps: int, seed: int, lr: float, runs_dir: str) -> dict:
+    from qae_app.config import build_config
+    from qae_app.trainer import Trainer
+
+    cfg = build_config(run_name=f"vs-trl-{estimator}", seed=seed, steps=steps, estimator=estimator,
+                       prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP_SIZE, max_new_tokens=MAX_NEW_TOKENS,
+                       temperature=1.0, lr=lr, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, loss_agg="token",
+                       kl_beta=0.0, num_mini_batches=1, ppo_epochs=1, eval_every=0, checkpoint_every=0)
+    trainer = Trainer(cfg, runs_dir, cpu=True)
+    counter = WorkCounter()
+    generate = trainer.engine.generate
+
+    def counting_generate(*args, **kwargs):
+        samples = generate(*args, **kwargs)
+        counter.add_responses(len(samples), sum(len(s.response_ids) for s in samples))
+        return samples
+
+    trainer.engine.generate = counting_generate
+    step_ends: list[float] = []
+    rewards, phases = [], []
+
+    def on_step(step: int, metrics: dict) -> None:
+        step_ends.append(time.perf_counter())
+        counter.close_step()
+        rewards.append(metrics["reward_mean"])
+        phases.append({"generate_score": metrics["rollout_s"] + metrics["reward_s"], "update": metrics["update_s"],
+                       "train_step": metrics["step_s"], "frac_gated": metrics["frac_zero_adv"]})
+
+    start = time.perf_counter()
+    trainer.fit(on_step=on_step)
+    return {"step_ends": step_ends, "start": start, "rewards": rewards, "phases": phases,
+            "work": counter.per_step, "config": {"micro_batch_size": cfg.micro_batch_size}}
+
+
+def run_trl(steps: int, seed: int, lr: float, workdir: str) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, str(BENCH_DIR))
+    from hf_char_tokenizer import HFCharTokenizer
+
+    from qae_app.models import load_policy
+    from qae_app.rewards import exact_int_reward
+    from qae_app.tasks import load_task
+
+    task = load_task("arith")
+    model, codec = load_policy("builtin:tiny")
+    tokenizer = HFCharTokenizer(codec.chars, codec.vocab_size)
+    prompts = [task.prompt(p) for p in task.train]
+    mismatched = [p for p, ids in zip(prompts, tokenizer(text=prompts)["input_ids"]) if ids != codec.encode(p)]
+    if mismatched:
+        raise SystemExit(f"the HF wrapper encodes {len(mismatched)} prompts unlike the codec, e.g. {mismatched[0]!r}")
+    dataset = Dataset.from_list([{"prompt": task.prompt(p), "answer": p.answer} for p in task.train])
+    counter = WorkCounter()
+
+    def arith_reward(prompts, completions, completion_ids, answer, **kwargs):
+        counter.add_responses(len(completions), sum(len(ids) for ids in completion_ids))
+        rewards = exact_int_reward(completions, answer)
+        counter.rewards.append(sum(rewards) / len(rewards))
+        return rewards
+
+    step_ends: list[float] = []
+    phases: list[dict] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_ends.append(time.perf_counter())
+            counter.close_step()
+
+    config = GRPOConfig(
+        output_dir=workdir, seed=seed, max_steps=steps, use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
+        gradient_accumulation_steps=1, num_generations=GROUP_SIZE, max_completion_length=MAX_NEW_TOKENS,
+        temperature=1.0, top_p=1.0, top_k=0, num_iterations=1, beta=0.0, loss_type="dapo", epsilon=CLIP_LOW,
+        epsilon_high=CLIP_HIGH, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, optim="adamw_torch", logging_steps=1, save_strategy="no", eval_strategy="no",
+        report_to="none", disable_tqdm=True, dataloader_pin_memory=False, log_completions=False,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=arith_reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[StepClock()])
+    generate_and_score = trainer._generate_and_score_completions
+
+    def timed_generate_and_score(*args, **kwargs):  # rollout + reward + advantages (+ old log-probs if any)
+        t0 = time.perf_counter()
+        out = generate_and_score(*args, **kwargs)
+        phases.append({"generate_score": time.perf_counter() - t0,
+                       "old_logprob_pass": out.get("old_per_token_logps") is not None})
+        return out
+
+    trainer._generate_and_score_completions = timed_generate_and_score
+    start = time.perf_counter()
+    trainer.train()
+    for i, end in enumerate(step_ends):
+        begin = step_ends[i - 1] if i else start
+        phases[i]["update"] = end - begin - phases[i]["generate_score"]
+    return {"step_ends": step_ends, "start": start, "rewards": counter.rewards, "phases": phases,
+            "work": counter.per_step, "config": {"loss_type": config.loss_type, "torch_threads":
+                                                 torch.get_num_threads()}}
+
+
+def child(system: str, steps: int, seed: int, lr: float, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory() as workdir:
+        os.environ["HF_HOME"] = os.path.join(workdir, "hf")  # any cache write stays in the temporary folder
+        if system == "trl":
+            result = run_trl(steps, seed, lr, workdir)
+        else:
+            result = run_qae("qae" if system == "qae" else "grpo", steps, seed, lr, workdir)
+    result["config"]["torch_threads"] = torch.get_num_threads()
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# parent: alternate the children, then summarize
+
+
+def step_times(result: dict) -> list[float]:
+    ends = [result["start"]] + result["step_ends"]
+    return [b - a for a, b in zip(ends, ends[1:])]
+
+
+def launch(system: str, steps: int, seed: int, lr: float, threads: int) -> dict:
+    env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    proc = subprocess.run([sys.executable, __file__, "--child", system, "--steps", str(steps), "--seed", str(seed),
+                           "--lr", repr(lr), "--threads", str(threads)], capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        raise SystemExit(f"{system} run failed (exit {proc.returncode})")
+    return json.loads(lines[-1][len(RESULT_TAG):])
+
+
+def fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}"
+
+
+def reward_curve(rewards: list[float], points: int = 5) -> str:
+    """Mean reward over `points` consecutive windows of the run's steps."""
+    size = max(1, -(-len(rewards) // points))
+    windows = [rewards[i : i + size] for i in range(0, len(rewards), size)]
+    return " ".join(f"{statistics.mean(w):.2f}" for w in windows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30, help="RL steps per run")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds; each round runs every system once")
+    parser.add_argument("--warmup", type=int, default=3, help="first steps of each run left out of the medians")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, the same in every run")
+    parser.add_argument("--lr", type=float, default=LR, help="learning rate of both (qae's default 5e-5)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of round 0 (round r uses seed + r)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list out of {','.join(SYSTEMS)}")
+    parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.steps, args.seed, args.lr, args.threads)
+        return
+    systems = [s for s in args.systems.split(",") if s]
+    if "trl" not in systems or not set(systems) <= set(SYSTEMS) or args.steps <= args.warmup:
+        raise SystemExit(f"--systems must include trl and name only {SYSTEMS}; --steps must exceed --warmup")
+
+    print(f"{PROMPTS_PER_STEP} prompts x {GROUP_SIZE} samples, <= {MAX_NEW_TOKENS} new tokens, lr {args.lr}, one "
+          f"update per step, token-level loss, no KL, CPU, {args.threads} torch threads; {args.repeats} rounds of "
+          f"{args.steps} steps, first {args.warmup} steps of each run dropped (timings on a shared machine are noisy)")
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    for round_index in range(args.repeats):
+        order = systems[round_index % len(systems):] + systems[: round_index % len(systems)]
+        for system in order:
+            result = launch(system, args.steps, args.seed + round_index, args.lr, args.threads)
+            times = step_times(result)[args.warmup :]
+            work = result["work"][args.warmup :]
+            phases = result["phases"][args.warmup :]
+            result["kept_times"] = times
+            runs[system].append(result)
+            per_step = {key: sorted({w[key] for w in work}) for key in ("responses", "optimizer_steps")}
+            tokens = statistics.mean(w["tokens"] for w in work)
+            extra = ""
+            if system != "trl":
+                outside = [t - p["train_step"] for t, p in zip(times, phases)]
+                extra = (f", gated {statistics.mean(p['frac_gated'] for p in phases):.0%}; store write and the rest "
+                         f"outside train_step {fmt_ms(statistics.median(outside))} ms")
+            else:
+                extra = f", separate old-log-prob pass: {any(p['old_logprob_pass'] for p in phases)}"
+            print(f"round {round_index} {system:8s} median step {fmt_ms(statistics.median(times))} ms "
+                  f"(min {fmt_ms(min(times))}, max {fmt_ms(max(times))}); generate+score "
+                  f"{fmt_ms(statistics.median(p['generate_score'] for p in phases))} ms, update "
+                  f"{fmt_ms(statistics.median(p['update'] for p in phases))} ms{extra}")
+            print(f"    work per step: responses {per_step['responses']}, response tokens {tokens:.0f} on average, "
+                  f"optimizer steps {per_step['optimizer_steps']}; threads {result['config']['torch_threads']}")
+            print(f"    reward over the run (5 windows): {reward_curve(result['rewards'])}", flush=True)
+
+    medians = {}
+    print("summary (all rounds pooled, warm-up dropped):")
+    for system in systems:
+        pooled = [t for r in runs[system] for t in r["kept_times"]]
+        per_run = [statistics.median(r["kept_times"]) for r in runs[system]]
+        medians[system] = statistics.median(pooled)
+        print(f"  {system:8s} median step {fmt_ms(medians[system])} ms (per-run medians {fmt_ms(min(per_run))}"
+              f"-{fmt_ms(max(per_run))} ms, {len(pooled)} steps)")
+        if system != "trl":  # the same steps without the store write that fit adds after train_step
+            inner = [p["train_step"] for r in runs[system] for p in r["phases"][args.warmup :]]
+            print(f"  {'':8s} train_step alone (no store write) {fmt_ms(statistics.median(inner))} ms: "
+                  f"{statistics.median(inner) / medians['trl']:.2f}x TRL")
+    for system in systems:
+        if system == "trl":
+            continue
+        # each round's runs are next to each other in time: their ratio is the least exposed to slow load drift
+        paired = [statistics.median(a["kept_times"]) / statistics.median(b["kept_times"])
+                  for a, b in zip(runs[system], runs["trl"])]
+        print(f"  {system}/TRL per round (paired runs): {', '.join(f'{r:.2f}x' for r in paired)}")
+    for system in systems:
+        if system not in ("trl", "qae"):
+            print(f"ratio {system}/TRL median step time: {medians[system] / medians['trl']:.2f}x")
+    if "qae" in systems:
+        print(f"ratio qae/TRL median step time: {medians['qae'] / medians['trl']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
