@@ -24,7 +24,8 @@ class LossOutput:
     clip_high_count: torch.Tensor  # tokens clipped from above (A > 0, ratio > 1 + clip_high)
 
 
-def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                               with_entropy: bool = True):
     """Log-prob of each target token and the entropy of each position's distribution, both (N, T).
 
     logits (N, T, vocab) are divided by the sampling temperature, so both describe the distribution sampled from;
@@ -33,6 +34,8 @@ def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temp
     logits = (logits if logits.dtype == torch.float64 else logits.float()) / temperature
     logp_all = F.log_softmax(logits, dim=-1)  # (N, T, vocab)
     token_logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (N, T)
+    if not with_entropy:  # the training forward needs only the log-probs
+        return token_logp, None
     entropy = -(logp_all.exp() * logp_all).sum(-1)  # (N, T)
     return token_logp, entropy
 

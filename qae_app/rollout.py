@@ -24,6 +24,10 @@ class Sample:
     response_ids: list[int]  # includes the closing eos when the model stopped by itself
     text: str  # decoded response, special tokens removed
     truncated: bool  # hit max_new_tokens before eos
+    # the sampling distribution's log-prob of each response token and its entropy at each position, when the engine
+    # measured them while sampling (the trainer then skips a no-grad pass over the responses to report them)
+    token_logprobs: list[float] | None = None
+    token_entropies: list[float] | None = None
 
 
 class RolloutEngine(Protocol):

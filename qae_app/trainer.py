@@ -279,28 +279,35 @@ class Trainer:
                                                           f"-> K = {chosen_k}"})
 
         # ---- advantages
-        estimator = EstimatorConfig(k=self.state.k or names.DEFAULT_K, quantile=cfg.quantile, scale=cfg.advantage_scale)
+        G = cfg.group_size
+        estimator = EstimatorConfig(k=self.state.k or names.DEFAULT_K, quantile=cfg.quantile,
+                                    scale=cfg.advantage_scale)
         adv = compute_advantages(cfg.estimator, rewards, estimator)
         seq_adv = adv.advantages.reshape(-1).to(acc.device)  # (B * G,)
 
         # ---- update
         t0 = time.perf_counter()
         batch = self._pack(samples)
-        old_logp, entropy = self._logprobs_in_chunks(self.model, batch, cfg.micro_batch_size)  # (N, T-1), no grad
-        ref_logp = (self._logprobs_in_chunks(self.ref_model, batch, cfg.micro_batch_size)[0]
-                    if self.ref_model is not None else None)
-        update_stats = self._update(step, batch, old_logp, ref_logp, seq_adv)
+        # what each response's row reports of the sampling policy (mean token entropy, summed log-prob): from the
+        # engine when it measured them while sampling, else from a no-grad pass over every response
+        from_engine = all(s.token_logprobs is not None and s.token_entropies is not None for s in samples)
+        update_stats, old_logp, entropy = self._update(step, batch, seq_adv, full_pass=not from_engine)
         self.engine.sync_weights(acc.unwrap_model(self.model))  # vLLM holds its own copy; hf shares the model
         update_s = time.perf_counter() - t0
 
         # ---- rows (gathered on the main process) and metrics
         mask = batch["response_mask"]
-        n_tokens = mask.sum(-1)  # (N,)
-        seq_entropy = ((entropy * mask).sum(-1) / n_tokens.clamp(min=1)).view(len(problems), -1).tolist()  # [B][G]
-        seq_logprob = (old_logp * mask).sum(-1).view(len(problems), -1).tolist()  # [B][G]
-        n_tokens = n_tokens.long().view(len(problems), -1).tolist()
+        B = len(problems)
+        n_tokens = mask.sum(-1).long().view(B, -1).tolist()  # [B][G]
+        if from_engine:
+            seq_entropy = [[sum(s.token_entropies) / max(len(s.token_entropies), 1) for s in samples[b * G:(b + 1) * G]]
+                           for b in range(B)]
+            seq_logprob = [[sum(s.token_logprobs) for s in samples[b * G:(b + 1) * G]] for b in range(B)]
+        else:
+            per_seq = mask.sum(-1).clamp(min=1)
+            seq_entropy = ((entropy * mask).sum(-1) / per_seq).view(B, -1).tolist()  # [B][G]
+            seq_logprob = (old_logp * mask).sum(-1).view(B, -1).tolist()  # [B][G]
         first_group = acc.process_index * per_process
-        G = cfg.group_size
         results = [GroupResult(
             group_idx=first_group + b, prompt_id=problem.prompt_id, prompt=prompts[b], answer=problem.answer,
             baseline=adv.baseline[b].item(), regime=REGIMES[adv.regime[b].item()],
@@ -345,66 +352,98 @@ class Trainer:
         """float64 for a float64 model (exactness tests), else float32 (the loss is computed in float32 at least)."""
         return torch.float64 if next(self.model.parameters()).dtype == torch.float64 else torch.float32
 
-    def _forward_logprobs(self, model, input_ids, attention_mask):
-        """Token log-probs and entropies (N, T-1) of each sequence's next tokens, under `model`."""
+    def _forward_logprobs(self, model, input_ids, attention_mask, with_entropy: bool = True):
+        """Token log-probs and (if asked) entropies (N, T-1) of each sequence's next tokens, under `model`."""
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (N, T-1, vocab)
-        return token_logprobs_and_entropy(logits, input_ids[:, 1:], self.cfg.temperature)
+        return token_logprobs_and_entropy(logits, input_ids[:, 1:], self.cfg.temperature, with_entropy)
 
-    @torch.no_grad()
-    def _logprobs_in_chunks(self, model, batch, chunk: int):
+    def _logprobs_in_chunks(self, model, batch, rows: torch.Tensor, with_entropy: bool):
+        """No-grad token log-probs (and entropies) of the sequences `rows`, micro_batch_size at a time."""
         model_was_training = model.training
         model.eval()
         outs_logp, outs_ent = [], []
-        n = batch["input_ids"].shape[0]
-        for start in range(0, n, chunk):
-            sl = slice(start, start + chunk)
-            logp, ent = self._forward_logprobs(model, batch["input_ids"][sl], batch["attention_mask"][sl])
-            outs_logp.append(logp)
-            outs_ent.append(ent)
+        with torch.inference_mode():
+            for chunk in rows.split(self.cfg.micro_batch_size):
+                logp, ent = self._forward_logprobs(model, batch["input_ids"][chunk], batch["attention_mask"][chunk],
+                                                   with_entropy)
+                outs_logp.append(logp)
+                outs_ent.append(ent)
         model.train(model_was_training)
-        return torch.cat(outs_logp), torch.cat(outs_ent)
+        # clone: tensors made under inference_mode cannot take part in the autograd graph of the loss
+        return torch.cat(outs_logp).clone(), torch.cat(outs_ent).clone() if with_entropy else None
 
-    def _update(self, step: int, batch, old_logp, ref_logp, seq_adv) -> dict:
-        """num_mini_batches x ppo_epochs optimizer steps over this step's responses.
+    def _update(self, step: int, batch, seq_adv, full_pass: bool):
+        """num_mini_batches x ppo_epochs optimizer steps over this step's responses; returns (stats, old log-probs,
+        entropies), the last two (N, T-1) of the sampling policy when `full_pass` ran over every response, else None.
 
         Mini-batches are drawn over the responses of every process (the same seeded permutation on each), and each
         process takes its members of each: the loss normalizer (tokens or sequences of the whole mini-batch) is summed
         over processes, and each process's loss is multiplied by the process count because DDP averages gradients.
         So the update equals the one-process update on the same responses.
+
+        Old log-probs (the sampling policy's, for the ratio) are computed only where the loss needs them: not for
+        gated responses (their loss is 0 whatever the ratio) unless a KL term or the dense reference needs every
+        response, and not for the first mini-batch, whose training forward runs on the sampling weights: its own
+        log-probs, detached, are the old ones (ratio 1, as TRL does with one update per generation).
         """
         cfg, acc = self.cfg, self.accelerator
         n_local = seq_adv.shape[0]
+        device = seq_adv.device
         # processes may hold different numbers of responses: number them globally, process by process
         counts_per_process = (acc.gather(torch.tensor([n_local], device=acc.device)).tolist()
                               if acc.num_processes > 1 else [n_local])
         first = sum(counts_per_process[: acc.process_index])  # global index of this process's first response
         n_total = sum(counts_per_process)
-        tokens_per_seq = batch["response_mask"].sum(-1)  # (n_local,)
+        mask = batch["response_mask"]
+        tokens_per_seq = mask.sum(-1)  # (n_local,)
         generator = torch.Generator().manual_seed(_step_seed(cfg.seed, step, 0) + 1)  # the same on every process
+        epochs = []  # per epoch: (global mini-batches, this process's members of each as local indices)
+        for _ in range(cfg.ppo_epochs):
+            mini_batches = torch.randperm(n_total, generator=generator).tensor_split(cfg.num_mini_batches)
+            epochs.append((mini_batches, [(mb[(mb >= first) & (mb < first + n_local)] - first).to(device)
+                                          for mb in mini_batches]))
         # the KL term has gradient on gated sequences too; skip_gated=False is the dense reference
         needs_all = self.ref_model is not None or not self.skip_gated
+        forwarded = torch.ones(n_local, dtype=torch.bool, device=device) if needs_all else seq_adv != 0
+
+        # ---- old log-probs, before any optimizer step
+        entropy = None
+        if full_pass:
+            old_logp, entropy = self._logprobs_in_chunks(self.model, batch, torch.arange(n_local, device=device), True)
+            have_old = torch.ones(n_local, dtype=torch.bool, device=device)
+        else:
+            old_logp = torch.zeros_like(mask)
+            have_old = torch.zeros(n_local, dtype=torch.bool, device=device)
+            wanted = forwarded.clone()
+            wanted[epochs[0][1][0]] = False  # the first mini-batch takes its own
+            rows = wanted.nonzero().squeeze(-1)
+            if len(rows):
+                old_logp[rows] = self._logprobs_in_chunks(self.model, batch, rows, False)[0]
+                have_old[rows] = True
+        ref_logp = (self._logprobs_in_chunks(self.ref_model, batch, torch.arange(n_local, device=device), False)[0]
+                    if self.ref_model is not None else None)
+
+        # ---- the optimizer steps
         totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "grad_norm": 0.0, "clipped_low": 0.0, "clipped_high": 0.0}
         tokens = 0.0
         n_updates = 0
         self.model.train()
-        for _ in range(cfg.ppo_epochs):
-            mini_batches = torch.randperm(n_total, generator=generator).tensor_split(cfg.num_mini_batches)
-            mine = [(mb[(mb >= first) & (mb < first + n_local)] - first).to(seq_adv.device) for mb in mini_batches]
-            # per mini-batch, over all processes: response tokens (the normalizer) and responses with advantage != 0
-            counts = torch.tensor([[tokens_per_seq[ix].sum().item(), (seq_adv[ix] != 0).sum().item()] for ix in mine],
+        for mini_batches, mine in epochs:
+            # per mini-batch, over all processes: response tokens (the normalizer) and responses forwarded
+            counts = torch.tensor([[tokens_per_seq[ix].sum().item(), forwarded[ix].sum().item()] for ix in mine],
                                   dtype=torch.float64, device=acc.device)  # (num_mini_batches, 2)
             if acc.num_processes > 1:
                 counts = acc.reduce(counts, reduction="sum")
-            for mb, ix, (mb_tokens, mb_active) in zip(mini_batches, mine, counts.tolist()):
+            for mb, ix, (mb_tokens, mb_forwarded) in zip(mini_batches, mine, counts.tolist()):
                 normalizer = {"tokens": mb_tokens, "sequences": len(mb), "max_len": cfg.max_new_tokens}
                 self.optimizer.zero_grad(set_to_none=True)
-                if mb_active == 0 and not needs_all:
+                if mb_forwarded == 0:
                     # every advantage is 0 on every process: the gradient is exactly 0 without computing it
                     for p in self.model.parameters():
                         p.grad = torch.zeros_like(p)
                 else:
-                    stats = self._accumulate_gradients(batch, ix if needs_all else ix[seq_adv[ix] != 0], old_logp,
-                                                       ref_logp, seq_adv, normalizer, fallback=ix)
+                    stats = self._accumulate_gradients(batch, ix[forwarded[ix]], old_logp, have_old, ref_logp,
+                                                       seq_adv, normalizer, fallback=ix)
                     for key, value in stats.items():
                         totals[key] += value
                 grad_norm = acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
@@ -421,14 +460,16 @@ class Trainer:
         stats.update(clip_frac_low=totals["clipped_low"] / max(tokens, 1),
                      clip_frac_high=totals["clipped_high"] / max(tokens, 1),
                      clip_frac=(totals["clipped_low"] + totals["clipped_high"]) / max(tokens, 1), n_updates=n_updates)
-        return stats
+        return stats, (old_logp if full_pass else None), entropy
 
-    def _accumulate_gradients(self, batch, keep, old_logp, ref_logp, seq_adv, normalizer, fallback) -> dict:
+    def _accumulate_gradients(self, batch, keep, old_logp, have_old, ref_logp, seq_adv, normalizer,
+                              fallback) -> dict:
         """Backward of this process's share (`keep`) of one mini-batch's loss, in micro-batches.
 
         Each micro-batch's loss uses the mini-batch's normalizer, so their sum is the mini-batch loss exactly; only
         the last backward all-reduces under DDP. A process with nothing to contribute still runs one forward/backward,
-        weighted 0, because the others wait for its gradients.
+        weighted 0, because the others wait for its gradients. A response without an old log-prob yet (the first
+        mini-batch's) takes its own, detached, and keeps it for later epochs.
         """
         cfg, acc = self.cfg, self.accelerator
         weight = float(acc.num_processes)  # DDP averages gradients over processes: undo it
@@ -442,8 +483,12 @@ class Trainer:
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else acc.no_sync(self.model):
                 logp, _ = self._forward_logprobs(self.model, batch["input_ids"][micro],
-                                                 batch["attention_mask"][micro])
-                out = policy_loss(logp, old_logp[micro], seq_adv[micro], mask[micro], cfg.clip_low, cfg.clip_high,
+                                                 batch["attention_mask"][micro], with_entropy=False)
+                known = have_old[micro][:, None]  # (n, 1)
+                old = torch.where(known, old_logp[micro], logp.detach())
+                if weight and not known.all():
+                    old_logp[micro], have_old[micro] = old, True
+                out = policy_loss(logp, old, seq_adv[micro], mask[micro], cfg.clip_low, cfg.clip_high,
                                   cfg.loss_agg, normalizer, ref_logp[micro] if ref_logp is not None else None,
                                   cfg.kl_beta)
                 acc.backward(out.loss * weight if weight != 1.0 else out.loss)
@@ -656,7 +701,9 @@ class Trainer:
         if cfg.kl_beta > 0:
             self.ref_model, _ = load_policy(cfg.model, cfg.dtype)
             self.ref_model.requires_grad_(False).eval()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # the fused kernel (one pass over all parameters) is several times faster than the per-tensor loop on CPU too
+        fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
         warmup = cfg.warmup_steps
         # stepped once per RL step on every process; not passed to accelerate.prepare, whose wrapper would step it
         # once per process per call (a warmup num_processes times too fast); checkpointed as a custom object
