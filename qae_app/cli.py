@@ -47,7 +47,7 @@ def _fmt(value: Any, digits: int = 3) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # options generated from the config dataclasses (config.TrainConfig, config.EvalConfig)
 
-_PYTHON_TYPES = {"int": int, "float": float, "str": str}
+_PYTHON_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 def _option_parameters(config_class) -> list[inspect.Parameter]:
@@ -65,7 +65,10 @@ def _option_parameters(config_class) -> list[inspect.Parameter]:
             help_text += " " + escape(f"[{'|'.join(choices)}]")
         if default is not None:
             help_text += f" [dim](default: {default})[/]"
-        option = typer.Option(f"--{f.name.replace('_', '-')}", help=help_text, show_default=False,
+        flag = f"--{f.name.replace('_', '-')}"
+        if base == "bool":  # a switch: --x / --no-x (not given: keep the TOML value or default)
+            flag = f"{flag}/--no-{f.name.replace('_', '-')}"
+        option = typer.Option(flag, help=help_text, show_default=False,
                               rich_help_panel=f.metadata["group"].capitalize())
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
                                         annotation=Annotated[Optional[_PYTHON_TYPES[base]], option]))

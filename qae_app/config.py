@@ -88,6 +88,9 @@ class TrainConfig:
     eval_limit: int | None = opt(None, "Evaluate on the first N problems only.", "monitor", resumable=True)
     verify_timeout_s: float = opt(3.0, "Seconds the math verifier may spend on one response.", "monitor",
                                   resumable=True)
+    log_entropy_delta: bool = opt(False, "After each update, one no-grad pass over the step's own responses "
+                                  "measures how the update changed their token entropy, per regime (dH, dH_hard, "
+                                  "dH_easy): the mechanism of the paper's Prop. 4.2.", "monitor")
 
     # ------------------------------------------------------------------------------------------------------------
     @property
@@ -180,10 +183,11 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         return None
     if name == "k" and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    expected = {"int": int, "float": (int, float), "str": str}
+    expected = {"int": int, "float": (int, float), "str": str, "bool": bool}
     base = annotation.split(" |")[0]
     python_type = expected.get(base)
-    ok = isinstance(value, python_type) and not isinstance(value, bool) if python_type else True
+    ok = (isinstance(value, bool) if base == "bool" else
+          isinstance(value, python_type) and not isinstance(value, bool) if python_type else True)
     if not ok:
         raise QAEUserError(f"{source}: '{name}' = {value!r} is a {type(value).__name__}, expected {base}. "
                            f"{f.metadata['help']}")

@@ -51,6 +51,12 @@ STEP_METRICS: dict[str, str] = {
     "frac_all_wrong": "fraction of groups where every response is wrong (no signal)",
     "frac_mixed": "fraction of groups with a fractional baseline (mean-baseline estimators, linear quantile)",
     "frac_unverified": "fraction of responses the verifier could not score in time (reward None, counted as 0)",
+    "dH": "with --log-entropy-delta: how the step's update changed the mean token entropy of the step's own "
+          "responses (after minus before, nats); NULL without it",
+    "dH_hard": "dH over the responses of hard groups (success rate <= 1 - K; K = 0.4 for mean-baseline runs): "
+               "the paper's Prop. 4.2 predicts < 0 under QAE",
+    "dH_easy": "dH over the responses of easy groups (success rate > 1 - K, not all correct): Prop. 4.2 predicts > 0 "
+               "under QAE",
     "cov_logp_adv": "covariance over response tokens of token log-prob and advantage; entropy falls when it is > 0",
     "adv_abs_mean": "mean |advantage| over responses",
     "k": "the QAE quantile level K used this step (NULL for mean-baseline estimators)",

@@ -291,7 +291,10 @@ class Trainer:
         # what each response's row reports of the sampling policy (mean token entropy, summed log-prob): from the
         # engine when it measured them while sampling, else from a no-grad pass over every response
         from_engine = all(s.token_logprobs is not None and s.token_entropies is not None for s in samples)
-        update_stats, old_logp, entropy = self._update(step, batch, seq_adv, full_pass=not from_engine)
+        update_stats, old_logp, entropy = self._update(step, batch, seq_adv,
+                                                       full_pass=not from_engine or cfg.log_entropy_delta)
+        if cfg.log_entropy_delta:
+            update_stats.update(self._entropy_change(batch, entropy, rewards))
         self.engine.sync_weights(acc.unwrap_model(self.model))  # vLLM holds its own copy; hf shares the model
         update_s = time.perf_counter() - t0
 
@@ -461,6 +464,27 @@ class Trainer:
                      clip_frac_high=totals["clipped_high"] / max(tokens, 1),
                      clip_frac=(totals["clipped_low"] + totals["clipped_high"]) / max(tokens, 1), n_updates=n_updates)
         return stats, (old_logp if full_pass else None), entropy
+
+    def _entropy_change(self, batch, entropy_before, rewards) -> dict:
+        """dH, dH_hard, dH_easy: the token-weighted mean change of token entropy over the step's responses from
+        before the update (`entropy_before`, the same pass) to after it, over all groups and per QAE regime (the
+        regime QAE gives the group's success rate, K = 0.4 for mean-baseline runs, so runs compare)."""
+        cfg, acc = self.cfg, self.accelerator
+        n = batch["input_ids"].shape[0]
+        _, entropy_after = self._logprobs_in_chunks(self.model, batch, torch.arange(n, device=acc.device), True)
+        mask = batch["response_mask"]
+        change = ((entropy_after - entropy_before) * mask).sum(-1)  # (N,) summed over each response's tokens
+        tokens = mask.sum(-1)  # (N,)
+        k = self.state.k if cfg.estimator == "qae" else names.DEFAULT_K
+        regime = compute_advantages("qae", (rewards == 1.0).float(), EstimatorConfig(k=k)).regime  # (B,)
+        regime = regime.repeat_interleave(cfg.group_size).to(acc.device)  # (N,)
+        parts = {"dH": torch.ones_like(tokens, dtype=torch.bool), "dH_hard": regime == REGIMES.index("hard"),
+                 "dH_easy": regime == REGIMES.index("easy")}
+        sums = torch.tensor([[change[m].sum().item(), tokens[m].sum().item()] for m in parts.values()],
+                            dtype=torch.float64, device=acc.device)  # (3, 2): change, tokens
+        if acc.num_processes > 1:
+            sums = acc.reduce(sums, reduction="sum")
+        return {name: (c / t if t else math.nan) for name, (c, t) in zip(parts, sums.tolist())}
 
     def _accumulate_gradients(self, batch, keep, old_logp, have_old, ref_logp, seq_adv, normalizer,
                               fallback) -> dict:

@@ -73,3 +73,43 @@ def test_zero_advantage_fraction_over_informative_groups():
     assert metrics["frac_zero_adv_informative"] == 6 / 8
     assert math.isnan(step_metrics([{"regime": "all_wrong"}], rollouts("all_wrong", [0.0] * 4))[
         "frac_zero_adv_informative"])
+
+
+def test_entropy_change_per_regime_against_a_hand_computation(tmp_path):
+    """dH, dH_hard, dH_easy on a fixed batch of 2 prompts x 2 responses, against the entropies computed by hand from
+    the model's logits before and after a change of the weights."""
+    from qae_app.rollout import Sample
+
+    cfg = build_config(run_name="dh", steps=1, prompts_per_step=2, group_size=4, eval_every=0, k="0.4",
+                       log_entropy_delta=True)
+    trainer = Trainer(cfg, tmp_path, cpu=True)
+    try:
+        codec = trainer.codec
+        texts = [("3+4=", ["7", "8", "1", "12"]), ("2*9=", ["18", "18", "18", "81"])]
+        samples = [Sample(b, codec.encode(prompt), codec.encode(r)[1:] + [codec.eos_id], r, False)
+                   for b, (prompt, responses) in enumerate(texts) for r in responses]
+        batch = trainer._pack(samples)
+        rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+        n = len(samples)
+        rows = torch.arange(n)
+        _, before = trainer._logprobs_in_chunks(trainer.model, batch, rows, True)
+        with torch.no_grad():  # a visible change of the weights, as an update would make
+            for p in trainer.model.parameters():
+                p.mul_(1.05)
+        change = trainer._entropy_change(batch, before, rewards)
+
+        with torch.no_grad():  # the same by hand: softmax(logits / T) entropy at each response position
+            logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            probs = torch.softmax(logits[:, :-1].double() / cfg.temperature, dim=-1)
+            after = -(probs * probs.log()).sum(-1)
+        mask = batch["response_mask"].double()
+        per_seq = ((after - before.double()) * mask).sum(-1)
+        tokens = mask.sum(-1)
+        # group 0 (1 of 4 correct, p = 0.25 <= 1 - 0.4): hard; group 1 (3 of 4, p = 0.75 > 0.6): easy
+        assert change["dH"] == pytest.approx((per_seq.sum() / tokens.sum()).item(), rel=1e-5)
+        assert change["dH_hard"] == pytest.approx((per_seq[:4].sum() / tokens[:4].sum()).item(), rel=1e-5)
+        assert change["dH_easy"] == pytest.approx((per_seq[4:].sum() / tokens[4:].sum()).item(), rel=1e-5)
+        assert change["dH"] != 0.0 and change["dH_hard"] != change["dH_easy"]
+    finally:
+        trainer._close_scorers()
+        trainer._lock.release()
