@@ -392,41 +392,16 @@ class Trainer:
         cfg, acc = self.cfg, self.accelerator
         n_local = seq_adv.shape[0]
         device = seq_adv.device
-        # processes may hold different numbers of responses: number them globally, process by process
-        counts_per_process = (acc.gather(torch.tensor([n_local], device=acc.device)).tolist()
-                              if acc.num_processes > 1 else [n_local])
-        first = sum(counts_per_process[: acc.process_index])  # global index of this process's first response
-        n_total = sum(counts_per_process)
-        mask = batch["response_mask"]
-        tokens_per_seq = mask.sum(-1)  # (n_local,)
-        generator = torch.Generator().manual_seed(_step_seed(cfg.seed, step, 0) + 1)  # the same on every process
-        epochs = []  # per epoch: (global mini-batches, this process's members of each as local indices)
-        for _ in range(cfg.ppo_epochs):
-            mini_batches = torch.randperm(n_total, generator=generator).tensor_split(cfg.num_mini_batches)
-            epochs.append((mini_batches, [(mb[(mb >= first) & (mb < first + n_local)] - first).to(device)
-                                          for mb in mini_batches]))
+        tokens_per_seq = batch["response_mask"].sum(-1)  # (n_local,)
+        epochs = self._mini_batch_plan(step, n_local, device)
         # the KL term has gradient on gated sequences too; skip_gated=False is the dense reference
         needs_all = self.ref_model is not None or not self.skip_gated
         forwarded = torch.ones(n_local, dtype=torch.bool, device=device) if needs_all else seq_adv != 0
-
-        # ---- old log-probs, before any optimizer step
-        entropy = None
-        if full_pass:
-            old_logp, entropy = self._logprobs_in_chunks(self.model, batch, torch.arange(n_local, device=device), True)
-            have_old = torch.ones(n_local, dtype=torch.bool, device=device)
-        else:
-            old_logp = torch.zeros_like(mask)
-            have_old = torch.zeros(n_local, dtype=torch.bool, device=device)
-            wanted = forwarded.clone()
-            wanted[epochs[0][1][0]] = False  # the first mini-batch takes its own
-            rows = wanted.nonzero().squeeze(-1)
-            if len(rows):
-                old_logp[rows] = self._logprobs_in_chunks(self.model, batch, rows, False)[0]
-                have_old[rows] = True
+        old_logp, have_old, entropy = self._old_logprobs(batch, forwarded, first_mini_batch=epochs[0][1][0],
+                                                          full_pass=full_pass)
         ref_logp = (self._logprobs_in_chunks(self.ref_model, batch, torch.arange(n_local, device=device), False)[0]
                     if self.ref_model is not None else None)
 
-        # ---- the optimizer steps
         totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "grad_norm": 0.0, "clipped_low": 0.0, "clipped_high": 0.0}
         tokens = 0.0
         n_updates = 0
@@ -485,6 +460,41 @@ class Trainer:
         if acc.num_processes > 1:
             sums = acc.reduce(sums, reduction="sum")
         return {name: (c / t if t else math.nan) for name, (c, t) in zip(parts, sums.tolist())}
+
+    def _mini_batch_plan(self, step: int, n_local: int, device) -> list[tuple[tuple, list[torch.Tensor]]]:
+        """Per PPO epoch: the global mini-batches (a seeded permutation of every process's responses, the same on
+        each process, split into num_mini_batches) and this process's members of each, as local indices."""
+        cfg, acc = self.cfg, self.accelerator
+        # processes may hold different numbers of responses: number them globally, process by process
+        counts_per_process = (acc.gather(torch.tensor([n_local], device=acc.device)).tolist()
+                              if acc.num_processes > 1 else [n_local])
+        first = sum(counts_per_process[: acc.process_index])  # global index of this process's first response
+        generator = torch.Generator().manual_seed(_step_seed(cfg.seed, step, 0) + 1)  # the same on every process
+        epochs = []
+        for _ in range(cfg.ppo_epochs):
+            mini_batches = torch.randperm(sum(counts_per_process), generator=generator).tensor_split(
+                cfg.num_mini_batches)
+            epochs.append((mini_batches, [(mb[(mb >= first) & (mb < first + n_local)] - first).to(device)
+                                          for mb in mini_batches]))
+        return epochs
+
+    def _old_logprobs(self, batch, forwarded, first_mini_batch, full_pass: bool):
+        """(old_logp (N, T-1), have_old (N,), entropy (N, T-1) or None), before any optimizer step.
+
+        `full_pass`: every response (the entropies and log-probs the rows report come from it). Otherwise only the
+        responses the loss will forward (`forwarded`) outside the first mini-batch, which takes its own later."""
+        n = forwarded.shape[0]
+        device = forwarded.device
+        if full_pass:
+            old_logp, entropy = self._logprobs_in_chunks(self.model, batch, torch.arange(n, device=device), True)
+            return old_logp, torch.ones(n, dtype=torch.bool, device=device), entropy
+        old_logp = torch.zeros_like(batch["response_mask"])
+        have_old = forwarded.clone()
+        have_old[first_mini_batch] = False
+        rows = have_old.nonzero().squeeze(-1)
+        if len(rows):
+            old_logp[rows] = self._logprobs_in_chunks(self.model, batch, rows, False)[0]
+        return old_logp, have_old, None
 
     def _accumulate_gradients(self, batch, keep, old_logp, have_old, ref_logp, seq_adv, normalizer,
                               fallback) -> dict:
