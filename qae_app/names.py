@@ -46,6 +46,15 @@ REGIMES: dict[str, str] = {
 }
 NO_SIGNAL_REGIMES = ("all_correct", "all_wrong")
 
+# --- why a response was gated (its advantage is exactly 0), in the order the store tests them (first match wins)
+GATE_REASONS: dict[str, str] = {
+    "all_correct_group": "every response of its group is correct: no signal",
+    "all_wrong_group": "every response of its group is wrong: no signal",
+    "success_in_easy_group": "a success in an easy group: QAE's baseline is 1, so reward - baseline = 0",
+    "failure_in_hard_group": "a failure in a hard group: QAE's baseline is 0, so reward - baseline = 0",
+    "reward_at_baseline": "its reward equals a fractional baseline (mean-baseline estimators, linear quantile)",
+}
+
 # --- policy loss aggregations (implemented in qae_app/losses.py)
 LOSS_AGGREGATIONS: dict[str, str] = {
     "token": "sum over all response tokens / number of response tokens in the mini-batch (DAPO token-level)",

@@ -28,6 +28,7 @@ import pandas as pd
 
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
+from qae_app.names import GATE_REASONS
 from qae_app.rundir import (DB_FILE, PENDING_DIR, STORED_STATUSES, db_path, effective_status,  # noqa: F401
                             list_run_dirs, pending_writes, validate_run_name)
 
@@ -93,7 +94,10 @@ TABLES: dict[str, dict[str, str]] = {
         "setup_s": "DOUBLE",  # seconds from the trainer's start to its first step (loading, step-0 evaluation)
         "wall_s": "DOUBLE",  # seconds the run has trained, summed over its sessions (resumes)
     },
-    "steps": {"run_id": "VARCHAR", "step": "INTEGER", **{name: "DOUBLE" for name in STEP_METRICS}},
+    # logged_at: when the step's rows were handed to RunWriter (UTC), stamped by it: the dashboard's wall-time axis,
+    # heartbeat, rate and ETA
+    "steps": {"run_id": "VARCHAR", "step": "INTEGER", "logged_at": "TIMESTAMP",
+              **{name: "DOUBLE" for name in STEP_METRICS}},
     "groups": {
         "run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "prompt_id": "VARCHAR", "prompt": "VARCHAR",
         "answer": "VARCHAR", "n_correct": "INTEGER", "group_size": "INTEGER", "baseline": "DOUBLE",
@@ -122,9 +126,13 @@ STEP_TABLES = ("steps", "groups", "rollouts", "evals", "eval_samples", "warnings
 EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step, benchmark and source
 
 
+WRITER_COLUMNS = ("run_id", "step", "logged_at")  # filled in by RunWriter, not by the rows it is handed
+
+
 def row_columns(table: str) -> tuple[str, ...]:
-    """The columns a row of a step table carries when handed to the writer (the writer adds run_id and step)."""
-    return tuple(name for name in TABLES[table] if name not in ("run_id", "step"))
+    """The columns a row of a step table carries when handed to the writer (the writer adds run_id, step and
+    logged_at)."""
+    return tuple(name for name in TABLES[table] if name not in WRITER_COLUMNS)
 
 
 def _schema_statements() -> list[str]:
@@ -186,6 +194,7 @@ class PendingWrite:
     tables: dict[str, list[dict]] | None = None  # kind "step": table name -> rows (without run_id and step)
     fields: dict | None = None  # kinds "run", "step_update": columns -> values
     spilled: Path | None = None  # its file under pending/ once the database was found busy
+    logged_at: datetime | None = None  # kind "step": when it was queued (the steps row's logged_at)
 
 
 class RunWriter:
@@ -273,7 +282,7 @@ class RunWriter:
             if records and not set(records[0]) <= set(row_columns(table)):
                 raise ValueError(f"{table} rows have columns {sorted(set(records[0]) - set(row_columns(table)))} "
                                  f"that the table lacks (it has {', '.join(row_columns(table))})")
-        self.pending.append(PendingWrite("step", step=step, tables=tables))
+        self.pending.append(PendingWrite("step", step=step, tables=tables, logged_at=_now()))
 
     def update_step(self, step: int, **metrics: float) -> None:
         """Queue values for a step's row that became known after it was queued (its write and checkpoint times)."""
@@ -393,6 +402,8 @@ class RunWriter:
                 frame = pd.DataFrame.from_records(records)
                 frame.insert(0, "run_id", self.run_id)
                 frame["step"] = rows.step
+                if "logged_at" in TABLES[table]:
+                    frame["logged_at"] = getattr(rows, "logged_at", None) or _now()  # (spilled by an older version)
                 con.register("_batch", frame)
                 con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _batch")
                 con.unregister("_batch")
@@ -458,14 +469,21 @@ def _as_seen_from_folder(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
     return frame
 
 
+UNREADABLE = "unreadable"  # the status of a run whose database cannot be opened; `error` says why
+
+
 def read_runs(runs_dir: Path) -> pd.DataFrame:
-    """One row per run in `runs_dir` (newest first); runs whose file is busy for too long are skipped."""
+    """One row per run in `runs_dir` (newest first); runs whose file is busy for too long are skipped, a run whose
+    file cannot be read is listed with status `unreadable` and the reason in `error`."""
     frames = []
     for run_dir in list_run_dirs(runs_dir):
         try:
             frames.append(_as_seen_from_folder(query(run_dir / DB_FILE, SQL_RUN_SUMMARY), run_dir / DB_FILE))
-        except duckdb.Error:
-            continue
+        except duckdb.Error as err:
+            if _is_lock_error(err):
+                continue  # busy for longer than the reader waits: the next read lists it
+            frames.append(pd.DataFrame([{"run_id": run_dir.name, "status": UNREADABLE,
+                                         "error": f"{run_dir / DB_FILE} cannot be read: {err}"}]))
     if not frames:
         return pd.DataFrame(columns=["run_id", "name", "status", "estimator", "k", "model", "task", "steps"])
     return pd.concat(frames, ignore_index=True).sort_values("created_at", ascending=False, ignore_index=True)
@@ -486,10 +504,23 @@ def read_groups(path: Path, step: int) -> pd.DataFrame:
     return query(path, "SELECT * FROM groups WHERE step = ? ORDER BY group_idx", [step])
 
 
-SQL_ROLLOUTS = """
+# Why a gated rollout `r` got advantage 0: reason (names.GATE_REASONS) -> condition on the row, first match wins.
+GATE_REASON_RULES: dict[str, str] = {
+    "all_correct_group": "r.regime = 'all_correct'",
+    "all_wrong_group": "r.regime = 'all_wrong'",
+    "success_in_easy_group": "r.regime = 'easy' AND r.reward = 1",
+    "failure_in_hard_group": "r.regime = 'hard' AND r.reward = 0",
+    "reward_at_baseline": "TRUE",
+}
+assert list(GATE_REASON_RULES) == list(GATE_REASONS)
+SQL_GATE_REASON = ("CASE WHEN NOT r.gated THEN NULL "
+                   + " ".join(f"WHEN {condition} THEN '{reason}'" for reason, condition in GATE_REASON_RULES.items())
+                   + " END")
+
+SQL_ROLLOUTS = f"""
     SELECT r.step, r.group_idx, r.sample_idx, r.prompt_id, g.prompt, g.answer, g.n_correct, g.group_size,
-           g.baseline, r.regime, r.response, r.reward, r.verified, r.advantage, r.gated, r.n_tokens, r.truncated,
-           r.entropy, r.logprob
+           g.baseline, r.regime, r.response, r.reward, r.verified, r.advantage, r.gated,
+           {SQL_GATE_REASON} AS gate_reason, r.n_tokens, r.truncated, r.entropy, r.logprob
     FROM rollouts r JOIN groups g USING (run_id, step, group_idx)
     WHERE r.step = ?
       AND (? IS NULL OR r.gated = ?)
@@ -589,3 +620,125 @@ def read_regime_counts(path: Path) -> pd.DataFrame:
     """step, regime, n_groups: the regime mix of every step."""
     return query(path, "SELECT step, regime, count(*) AS n_groups FROM groups GROUP BY step, regime "
                        "ORDER BY step, regime")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# readers for the dashboard's live refresh, distributions, gating, evaluation samples and prompts across runs
+
+
+def file_version(path: Path) -> tuple:
+    """A fingerprint of a run's database (mtime and size of the file and its WAL) that changes with every commit.
+    Costs two stat calls and never opens the file, so a dashboard can poll it to learn whether anything changed."""
+    path = Path(path)
+    version = []
+    for file in (path, path.with_name(path.name + ".wal")):
+        try:
+            stat = file.stat()
+            version += [stat.st_mtime_ns, stat.st_size]
+        except OSError:
+            version += [None, None]
+    return tuple(version)
+
+
+def read_step_tokens(path: Path) -> pd.DataFrame:
+    """step, n_responses, n_tokens (generated tokens of the step's responses), by step."""
+    return query(path, "SELECT step, count(*) AS n_responses, sum(n_tokens)::BIGINT AS n_tokens FROM rollouts "
+                       "GROUP BY step ORDER BY step")
+
+
+def read_gate_breakdown(path: Path) -> pd.DataFrame:
+    """step, gate_reason, n: how many responses of each step were gated, and why (names.GATE_REASONS)."""
+    return query(path, f"SELECT step, {SQL_GATE_REASON} AS gate_reason, count(*) AS n FROM rollouts r "
+                       "WHERE r.gated GROUP BY ALL ORDER BY step, gate_reason")
+
+
+# rollouts columns whose distribution over a step's responses the dashboard shows: column -> label
+DISTRIBUTION_COLUMNS: dict[str, str] = {
+    "advantage": "advantage",
+    "reward": "reward",
+    "n_tokens": "response length (tokens)",
+    "entropy": "mean token entropy (nats)",
+}
+QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
+
+
+def read_quantiles(path: Path, column: str, quantiles: tuple[float, ...] = QUANTILES) -> pd.DataFrame:
+    """step, mean, q0.05, ..., q0.95 of one rollouts column over each step's responses (linear quantiles)."""
+    if column not in DISTRIBUTION_COLUMNS:
+        raise ValueError(f"column: {column!r} is not one of {list(DISTRIBUTION_COLUMNS)}")
+    frame = query(path, f"SELECT step, avg({column}) AS mean, quantile_cont({column}, ?) AS q FROM rollouts "
+                        f"WHERE {column} IS NOT NULL GROUP BY step ORDER BY step", [list(quantiles)])
+    values = pd.DataFrame(frame.pop("q").tolist(), columns=[f"q{q:g}" for q in quantiles], index=frame.index)
+    return pd.concat([frame, values], axis=1)
+
+
+def read_prompt_rollouts(path: Path, prompt_id: str) -> pd.DataFrame:
+    """Every response to one prompt, at every step it was sampled, with its group's outcome and why it was gated."""
+    return query(path, f"""
+        SELECT r.step, r.group_idx, r.sample_idx, g.n_correct, g.group_size, g.baseline, r.regime, r.response,
+               r.reward, r.advantage, r.gated, {SQL_GATE_REASON} AS gate_reason, r.n_tokens, r.truncated
+        FROM rollouts r JOIN groups g USING (run_id, step, group_idx)
+        WHERE r.prompt_id = ?
+        ORDER BY r.step, r.group_idx, r.sample_idx""", [prompt_id])
+
+
+def read_eval_checkpoints(path: Path) -> pd.DataFrame:
+    """benchmark, source, step, n_problems, n_samples, accuracy: every evaluation that stored its samples."""
+    return query(path, "SELECT benchmark, source, step, count(DISTINCT problem_id) AS n_problems, "
+                       "count(*) AS n_samples, avg(correct::INT) AS accuracy FROM eval_samples "
+                       "GROUP BY ALL ORDER BY benchmark, source, step")
+
+
+def read_eval_problem_grid(path: Path, benchmark: str, source: str) -> pd.DataFrame:
+    """problem_id, step, n_correct, n_samples: each problem's result at each evaluated step of one benchmark."""
+    return query(path, "SELECT problem_id, step, sum(correct::INT)::INTEGER AS n_correct, count(*) AS n_samples "
+                       "FROM eval_samples WHERE benchmark = ? AND source = ? GROUP BY ALL ORDER BY problem_id, step",
+                 [benchmark, source])
+
+
+def read_eval_samples(path: Path, benchmark: str, source: str, step: int, correct: bool | None = None,
+                      problem_id: str | None = None, search: str | None = None) -> pd.DataFrame:
+    """The evaluated responses of one benchmark at one step, filtered; `search` is a plain substring (bound)."""
+    search = search or None
+    return query(path, """
+        SELECT problem_id, sample_idx, response, extracted, correct, verified, n_tokens
+        FROM eval_samples
+        WHERE benchmark = ? AND source = ? AND step = ?
+          AND (? IS NULL OR correct = ?)
+          AND (? IS NULL OR problem_id = ?)
+          AND (? IS NULL OR contains(lower(response), lower(?)) OR contains(lower(extracted), lower(?)))
+        ORDER BY problem_id, sample_idx""",
+                 [benchmark, source, step, correct, correct, problem_id, problem_id, search, search, search])
+
+
+PACE_STEPS = 50  # a run's pace is the median spacing of its last this-many steps
+
+
+def run_pace(steps: pd.DataFrame, total_steps: int | None, now: datetime | None = None) -> dict:
+    """How a run is moving, from the times its steps were committed (`logged_at`, UTC): `age_s` of the last step,
+    `steps_per_min` (median spacing of the last PACE_STEPS steps, so a pause for an evaluation, a checkpoint or a
+    resume does not skew it) and `eta_s` to `total_steps` at that pace. Facts that cannot be known are None."""
+    now = now or _now()
+    times = steps["logged_at"].dropna() if "logged_at" in steps else pd.Series(dtype="datetime64[ns]")
+    if times.empty:
+        return dict(age_s=None, steps_per_min=None, eta_s=None)
+    age_s = max(0.0, (now - pd.Timestamp(times.iloc[-1]).to_pydatetime()).total_seconds())
+    gaps = pd.to_datetime(times.tail(PACE_STEPS)).diff().dt.total_seconds().dropna()
+    gaps = gaps[gaps > 0]
+    per_min = 60 / float(gaps.median()) if not gaps.empty else None
+    last = int(steps["step"].iloc[-1])
+    eta_s = (total_steps - last) * 60 / per_min if per_min and total_steps and total_steps > last else None
+    return dict(age_s=age_s, steps_per_min=per_min, eta_s=eta_s)
+
+
+def duration(seconds: float | None) -> str:
+    """'45 s', '12 min', '3.4 h', '2.1 d' (or '-' when unknown)."""
+    if seconds is None or pd.isna(seconds):
+        return "-"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
