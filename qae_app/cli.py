@@ -194,102 +194,82 @@ def warmstart(
 # inspecting runs
 
 
+def _view_console() -> Console:
+    """A console sized now (COLUMNS, or the terminal): the views lay themselves out for its width."""
+    return Console(highlight=False)
+
+
 @app.command("runs")
 def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
-    """List runs: status, estimator, K, steps and the latest reward, accuracy and entropy."""
+    """List runs: status, estimator, K, steps and the latest reward, accuracy and entropy (model and task when the
+    terminal is wide enough). A run is its folder; an unreadable database is listed with the reason."""
     from qae_app.store import read_runs
+    from qae_app.terminal import runs_view
 
+    out = _view_console()
     frame = read_runs(runs_dir)
     if frame.empty:
-        console.print(f"no runs in {runs_dir}. Start one with `qae train`.")
+        out.print(f"no runs in {escape(str(runs_dir))}. Start one with `qae train`.")
         return
-    table = Table(title=f"runs in {runs_dir}")
-    for column in ("run", "status", "estimator", "K", "model", "task", "steps", "reward", "acc", "held-out",
-                   "entropy"):
-        table.add_column(column)
-    colors = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow"}
-    for row in frame.to_dict("records"):
-        status = row["status"]  # `stopped`: killed without a chance to record it (kill -9, power loss); resume it
-        table.add_row(row["run_id"], f"[{colors.get(status, 'red')}]{status}[/]", row["estimator"],
-                      _fmt(row["k"], 2), row["model"], row["task"], str(row["steps"]), _fmt(row["reward_mean"]),
-                      _fmt(row["accuracy"]), _fmt(row.get("heldout_accuracy")), _fmt(row["entropy"]))
-    console.print(table)
+    out.print(runs_view(frame, str(runs_dir), out.width))
 
 
 @app.command()
-def show(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
+def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
          runs_dir: RunsDir = DEFAULT_RUNS_DIR,
-         every: Annotated[int, typer.Option(help="Show every N-th step.")] = 0) -> None:
-    """Summarize a run: config, status, per-step metrics, evaluations and warnings."""
-    from qae_app.store import read_evals, read_run, read_steps, read_warnings, resolve_run
+         every: Annotated[int, typer.Option(help="Show every N-th step (default: about 15 rows).")] = 0,
+         metrics: Annotated[Optional[str], typer.Option(
+             help="Comma-separated step metrics to show (default: the most important that fit the terminal).")] = None,
+         ) -> None:
+    """Summarize a run: status, config, pace while running, per-step metrics, evaluations and warnings."""
+    from qae_app.store import STEP_METRICS, read_evals, read_run, read_steps, read_warnings, resolve_run
+    from qae_app.terminal import show_view
 
     try:
+        chosen = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else None
+        unknown = [m for m in chosen or [] if m not in STEP_METRICS]
+        if unknown:
+            raise QAEUserError(f"metrics: {', '.join(unknown)} not a step metric. Choose from: "
+                               f"{', '.join(STEP_METRICS)}.")
+        if every < 0:
+            raise QAEUserError(f"every: {every} is negative. Use 0 (about 15 rows) or a positive stride.")
         path = resolve_run(runs_dir, run)
         info = read_run(path)
     except QAEUserError as err:
         fail(err)
-    console.print(f"[bold]{escape(info['run_id'])}[/] {escape('[' + info['status'] + ']')} estimator "
-                  f"{info['estimator']} K={_fmt(info['k'], 2)} model {escape(str(info['model']))} task "
-                  f"{escape(str(info['task']))} seed {info['seed']}, {info['steps']} steps", highlight=False)
-    config = json.loads(info.get("config") or "{}")
-    if config:
-        console.print("config: " + escape(", ".join(f"{key}={value}" for key, value in config.items())),
-                      highlight=False)
-    if info.get("error"):
-        console.print(f"[red]error:[/] {escape(str(info['error']))}")
-    steps = read_steps(path)
-    if not steps.empty:
-        stride = every or max(1, len(steps) // 15)
-        shown = steps.iloc[::stride]
-        if shown.iloc[-1]["step"] != steps.iloc[-1]["step"]:
-            shown = steps.iloc[list(range(0, len(steps), stride)) + [len(steps) - 1]]
-        columns = ["step", "reward_mean", "accuracy", "heldout_accuracy", "entropy", "frac_zero_adv", "frac_hard",
-                   "frac_easy", "cov_logp_adv", "kl", "clip_frac", "response_len", "step_s"]
-        table = Table(title="steps")
-        for c in columns:
-            table.add_column(c, justify="right")
-        for row in shown.to_dict("records"):
-            table.add_row(*[str(int(row[c])) if c == "step" else _fmt(row[c]) for c in columns])
-        console.print(table)
-    evals = read_evals(path)
-    if not evals.empty:
-        evals = evals[evals["subset"] == "all"].assign(
-            name=lambda f: f["metric"].str.replace("@k", "@", regex=False) + f["k"].astype(str))
-        keys = ["benchmark", "source", "step", "n_problems"]
-        wide = evals.pivot_table(index=keys, columns="name", values="value", sort=False).reset_index()
-        names = [c for c in wide.columns if c not in keys]
-        table = Table(title="evaluations (subset 'all'; per subject/level in the dashboard)")
-        for c in ("benchmark", "by", "step", "problems", *names):
-            table.add_column(c, justify="right")
-        for row in wide.to_dict("records"):
-            table.add_row(row["benchmark"], row["source"], str(row["step"]), str(row["n_problems"]),
-                          *[_fmt(row[n]) for n in names])
-        console.print(table)
-    warnings = read_warnings(path)
-    for row in warnings.to_dict("records"):
-        console.print(f"[yellow]step {row['step']} {row['kind']}:[/] {escape(row['message'])}")
+    out = _view_console()
+    out.print(show_view(info, read_steps(path), read_evals(path), read_warnings(path), out.width, chosen, every))
 
 
 @app.command()
 def rollouts(
-    run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
+    run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
     step: Annotated[Optional[int], typer.Option(help="Step to show (default: the latest).")] = None,
     gated: Annotated[bool, typer.Option("--gated", help="Only responses gated out (advantage 0).")] = False,
     kept: Annotated[bool, typer.Option("--kept", help="Only responses that carried gradient.")] = False,
     regime: Annotated[Optional[str], typer.Option(help="Only groups in this regime.")] = None,
+    why: Annotated[Optional[str], typer.Option(help="Only responses gated for this reason.")] = None,
     search: Annotated[Optional[str], typer.Option(help="Only responses or prompts containing this text.")] = None,
-    limit: Annotated[int, typer.Option(help="At most this many rows.")] = 64,
+    limit: Annotated[int, typer.Option(help="At most this many responses.")] = 64,
+    full: Annotated[bool, typer.Option("--full", help="Print prompts and responses whole (wrapped), not cut to "
+                                       "one line.")] = False,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
 ) -> None:
-    """Show one step's responses: reward, advantage, whether gated, and the group's baseline and regime."""
-    from qae_app.names import REGIMES
+    """Show one step's responses: reward, advantage, why each gated one was gated (with the step's breakdown by
+    reason), and each group's prompt, answer, baseline and regime."""
+    from qae_app.names import GATE_REASONS, REGIMES
     from qae_app.store import read_last_step, read_rollouts, resolve_run
+    from qae_app.terminal import rollouts_view
 
     try:
         if gated and kept:
             raise QAEUserError("--gated and --kept exclude each other. Pass one of them, or neither for both.")
         if regime is not None and regime not in REGIMES:
             raise QAEUserError(f"regime: unknown value '{regime}'. Choose one of: {', '.join(REGIMES)}.")
+        if why is not None and why not in GATE_REASONS:
+            raise QAEUserError(f"why: unknown reason '{why}'. Choose one of: {', '.join(GATE_REASONS)}.")
+        if limit < 1:
+            raise QAEUserError(f"limit: {limit} shows nothing. Use a positive number of responses.")
         path = resolve_run(runs_dir, run)
         last = read_last_step(path)
         if last is None:
@@ -299,20 +279,13 @@ def rollouts(
             raise QAEUserError(f"step: {step} is not a step of '{run}'. Use 1..{last}.")
     except QAEUserError as err:
         fail(err)
-    frame = read_rollouts(path, step, gated=True if gated else False if kept else None, regime=regime,
+    everything = read_rollouts(path, step)
+    frame = read_rollouts(path, step, gated=True if gated or why else False if kept else None, regime=regime,
                           search=search)
-    table = Table(title=f"{run} step {step}: {len(frame)} responses"
-                        + (f" (showing {limit})" if len(frame) > limit else ""))
-    for column in ("group", "prompt", "answer", "correct/G", "baseline", "regime", "#", "response", "reward",
-                   "advantage", "gated"):
-        table.add_column(column)
-    for row in frame.head(limit).to_dict("records"):
-        response = row["response"] if len(row["response"]) <= 60 else row["response"][:57] + "..."
-        table.add_row(str(row["group_idx"]), escape(row["prompt"][-40:]), escape(row["answer"]),
-                      f"{row['n_correct']}/{row['group_size']}", _fmt(row["baseline"], 2), row["regime"],
-                      str(row["sample_idx"]), escape(response), _fmt(row["reward"], 1),
-                      _fmt(row["advantage"], 4), "[dim]gated[/]" if row["gated"] else "[bold]kept[/]")
-    console.print(table)
+    if why is not None:
+        frame = frame[frame["gate_reason"] == why]
+    out = _view_console()
+    out.print(rollouts_view(run, step, frame, everything, out.width, limit, full))
 
 
 # ---------------------------------------------------------------------------------------------------------------

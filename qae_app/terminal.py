@@ -1,0 +1,383 @@
+"""What `qae runs`, `qae show` and `qae rollouts` print: rich renderables laid out for the console's width.
+
+Designed for 80 columns and better with more:
+- a number is never elided: numeric columns never wrap, and the columns that fit are chosen in order of importance;
+  the ones left out are named under the table (with how to see them);
+- a run id always shows the part that tells it apart: a prefix every listed id shares is written once, above the
+  table, and an id that is still too long wraps instead of being cut;
+- metric headers are the stored names (`heldout_accuracy`), broken at their underscores to stay narrow;
+- text from runs (prompts, responses, messages) is never read as rich markup, and is cut with '…' only where it is
+  prose, never where it is a number or an id.
+
+Torch-free: `qae runs` and `qae show` start in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+from rich import box
+from rich.columns import Columns
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from qae_app import store
+from qae_app.names import GATE_REASONS
+from qae_app.rundir import STOPPED
+
+GAP = 2  # characters between two columns (SIMPLE_HEAD box, collapsed padding)
+STATUS_STYLES = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow",
+                 store.UNREADABLE: "bold red", STOPPED: "magenta"}
+ID_SEPARATORS = "-_."
+MIN_ID_WIDTH = 24  # optional columns give way before a run id gets narrower than this (default ids: 19-23)
+# `qae show`: the steps columns in order of importance (all of STEP_METRICS, the first ones kept at 80 columns)
+SHOW_METRICS = ["reward_mean", "accuracy", "heldout_accuracy", "entropy", "frac_zero_adv", "frac_hard", "frac_easy",
+                "cov_logp_adv", "kl", "clip_frac", "response_len", "step_s"]
+
+
+def number(value: Any) -> str:
+    """A number in at most ~8 characters, never cut: '-' for missing, integers as they are, 3 decimals in [0.001,
+    100), 1 decimal above, scientific below."""
+    if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
+        return "-"
+    if isinstance(value, (bool,)):
+        return str(value)
+    if isinstance(value, (int,)) or (isinstance(value, float) and value.is_integer() and abs(value) < 1e6):
+        return str(int(value))
+    value = float(value)
+    if abs(value) >= 1e6:
+        return f"{value:.3g}"
+    if abs(value) >= 100:
+        return f"{value:.1f}"
+    if abs(value) >= 0.001:
+        return f"{value:.3f}"
+    return f"{value:.1e}"
+
+
+def metric_header(name: str) -> str:
+    """'heldout_accuracy' -> 'heldout_\\naccuracy': the stored name, in lines no wider than its longest part."""
+    return name.replace("_", "_\n")
+
+
+def status_text(status: str) -> Text:
+    return Text(str(status), style=STATUS_STYLES.get(str(status), "red"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fitting columns to the width
+
+
+@dataclass
+class Column:
+    header: str
+    cells: list  # str or Text, one per row
+    justify: str = "left"
+    priority: int = 0  # 0: always shown; higher: dropped first when the table is too wide
+    flexible: bool = False  # takes the room left (wraps or is cut instead of being dropped)
+    overflow: str = "fold"  # for a flexible column: 'fold' (wrap anywhere) or 'ellipsis' (prose)
+    min_width: int = MIN_ID_WIDTH  # for a flexible column: optional columns give way before it gets narrower
+    name: str = ""  # what the note about dropped columns calls it
+    style: str | None = None
+
+    def width(self) -> int:
+        header = max((len(line) for line in self.header.split("\n")), default=0)
+        return max([header, *(len(cell.plain if isinstance(cell, Text) else str(cell)) for cell in self.cells)])
+
+
+@dataclass
+class Fitted:
+    table: Table
+    dropped: list[str] = field(default_factory=list)
+
+
+def fit(columns: list[Column], width: int, title: str | None = None) -> Fitted:
+    """A table of the columns that fit in `width`: every priority-0 column, then the others by priority (lower
+    first) until one does not fit (the flexible column keeping at least its min_width, or its natural width if
+    smaller)."""
+    flexible = next((c for c in columns if c.flexible), None)
+
+    def total(chosen: list[Column]) -> int:
+        fixed = sum(c.width() for c in chosen if c is not flexible)
+        return fixed + GAP * (len(chosen) - 1)
+
+    def room_for_flexible(chosen: list[Column]) -> int:
+        return width - total(chosen) - (GAP if flexible is not None else 0)
+
+    chosen = [c for c in columns if c.priority == 0]
+    for candidate in sorted((c for c in columns if c.priority > 0), key=lambda c: c.priority):
+        trial = [c for c in columns if c in chosen or c is candidate]
+        if flexible is not None:
+            need = min(flexible.width(), flexible.min_width)
+            fits = room_for_flexible([c for c in trial if c is not flexible]) >= need
+        else:
+            fits = total(trial) <= width
+        if not fits:
+            break  # in order of importance: a less important column never takes the place of a more important one
+        chosen = trial
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True, title=title,
+                  title_justify="left", title_style="bold")
+    for column in chosen:
+        if column is flexible:
+            room = max(room_for_flexible([c for c in chosen if c is not flexible]), 1)
+            table.add_column(column.header, justify=column.justify, overflow=column.overflow,
+                             no_wrap=column.overflow == "ellipsis", max_width=room, style=column.style)
+        else:
+            table.add_column(column.header, justify=column.justify, no_wrap=True, min_width=column.width(),
+                             style=column.style)
+    for row in zip(*(c.cells for c in chosen)) if chosen and chosen[0].cells else []:
+        table.add_row(*[cell if isinstance(cell, Text) else Text(str(cell)) for cell in row])
+    return Fitted(table, [c.name or c.header.replace("\n", "") for c in columns if c not in chosen])
+
+
+def dropped_note(dropped: list[str], width: int, how: str) -> Text | None:
+    if not dropped:
+        return None
+    return Text(f"not shown at {width} columns: {', '.join(dropped)} ({how})", style="dim")
+
+
+def shared_prefix(ids: list[str]) -> str:
+    """The longest prefix all `ids` share that ends at a separator (-, _ or .) and leaves every id something."""
+    if len(ids) < 2:
+        return ""
+    prefix = ids[0]
+    for other in ids[1:]:
+        while not other.startswith(prefix):
+            prefix = prefix[:-1]
+    cut = max(prefix.rfind(sep) for sep in ID_SEPARATORS) + 1
+    prefix = prefix[:cut]
+    return prefix if all(len(i) > len(prefix) for i in ids) else ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae runs
+
+
+def runs_view(frame: pd.DataFrame, runs_dir: str, width: int) -> RenderableType:
+    """The runs table: run, status, estimator and K, progress and the latest metrics; model, task and creation time
+    when there is room. Under it: what `stopped` means and why a run is unreadable."""
+    rows = frame.to_dict("records")
+    ids = [str(row["run_id"]) for row in rows]
+    configs = [_config(row) for row in rows]
+    readable = [row.get("status") != store.UNREADABLE for row in rows]
+
+    def cell(row: dict, key: str, ok: bool) -> str:
+        return number(row.get(key)) if ok else ""
+
+    def build(prefix: str) -> Fitted:
+        shown_ids = [i[len(prefix):] for i in ids]
+        columns = [
+            Column("run", shown_ids, flexible=True, name="run"),
+            Column("status", [status_text(row["status"]) for row in rows]),
+            Column("estimator", [_estimator(row) if ok else "" for row, ok in zip(rows, readable)], priority=1),
+            Column("steps", [_progress(row, config) if ok else "" for row, config, ok in
+                             zip(rows, configs, readable)], justify="right"),
+            Column(metric_header("reward_mean"), [cell(r, "reward_mean", ok) for r, ok in zip(rows, readable)],
+                   justify="right", priority=2, name="reward_mean"),
+            Column(metric_header("accuracy"), [cell(r, "accuracy", ok) for r, ok in zip(rows, readable)],
+                   justify="right", priority=2, name="accuracy"),
+            Column(metric_header("heldout_accuracy"), [cell(r, "heldout_accuracy", ok) for r, ok in
+                                                       zip(rows, readable)],
+                   justify="right", priority=3, name="heldout_accuracy"),
+            Column(metric_header("entropy"), [cell(r, "entropy", ok) for r, ok in zip(rows, readable)],
+                   justify="right", priority=4, name="entropy"),
+            Column("model", [str(row.get("model") or "") if ok else "" for row, ok in zip(rows, readable)],
+                   priority=5),
+            Column("task", [str(row.get("task") or "") if ok else "" for row, ok in zip(rows, readable)],
+                   priority=6),
+            Column("created (UTC)", [_time(row.get("created_at")) for row in rows], priority=7, name="created"),
+        ]
+        return fit(columns, width)
+
+    fitted, prefix = build(""), ""
+    longest = max((len(i) for i in ids), default=0)
+    run_width = next(c.max_width for c in fitted.table.columns if c.header == "run")
+    if run_width is not None and run_width < longest:
+        prefix = shared_prefix(ids)
+        if prefix:
+            fitted = build(prefix)
+    parts: list[RenderableType] = [Text(f"{len(rows)} run(s) in {runs_dir}", style="bold")]
+    if prefix:
+        parts.append(Text(f"every run id below starts with {prefix}", style="dim"))
+    parts.append(fitted.table)
+    if note := dropped_note(fitted.dropped, width, "widen the terminal, or `qae show RUN`"):
+        parts.append(note)
+    if any(row["status"] == STOPPED for row in rows):
+        parts.append(Text("stopped: stored as running, but no trainer holds the run (killed by kill -9, OOM or a power "
+                          "loss). Continue it with `qae train --resume RUN`.", style="dim"))
+    for row in rows:
+        if row["status"] == store.UNREADABLE:
+            parts.append(Text.assemble(("unreadable: ", "bold red"), (f"{row['run_id']}: {row.get('error')}", "")))
+    return Group(*parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae show
+
+
+def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd.DataFrame, width: int,
+              metrics: list[str] | None = None, every: int = 0) -> RenderableType:
+    """A run: its id and status, what it trains, its pace while running, its config, every N-th step's metrics (the
+    most important ones that fit, or `metrics`), its evaluations and its warnings."""
+    config = _config(info)
+    parts: list[RenderableType] = [
+        Text.assemble((str(info["run_id"]), "bold"), "  ", status_text(info["status"])),
+        Text(f"{_estimator(info)} · model {info.get('model')} · task {info.get('task')} · seed {info.get('seed')} · "
+             f"{_progress(info, config)} steps"),
+    ]
+    stored = info.get("stored_run_id")
+    if stored and stored != info["run_id"]:
+        parts.append(Text(f"copied or renamed: the database names it {stored}", style="dim"))
+    if info["status"] == "running":
+        facts = store.run_pace(steps, config.get("steps"))
+        rate = facts["steps_per_min"]
+        parts.append(Text(f"last step {store.duration(facts['age_s'])} ago · "
+                          + (f"{rate:.3g} steps/min" if rate else "- steps/min")
+                          + f" · ETA {store.duration(facts['eta_s'])}"))
+    elif info["status"] == STOPPED:
+        parts.append(Text("stopped: no trainer holds this run (it was killed). Continue it with "
+                          f"`qae train --resume {info['run_id']}`.", style="magenta"))
+    if info.get("error"):
+        parts.append(Text.assemble(("error: ", "red"), str(info["error"])))
+    if config:
+        parts.append(Text("config", style="bold"))
+        parts.append(Columns([Text(f"{key} = {json.dumps(value)}") for key, value in config.items()],
+                             padding=(0, 3), column_first=True, equal=True))
+    if not steps.empty:
+        parts += _steps_table(steps, width, metrics, every)
+    if not evals.empty:
+        parts += _evals_table(evals, width)
+    for row in warnings.to_dict("records"):
+        parts.append(Text.assemble((f"step {row['step']} {row['kind']}: ", "yellow"), str(row["message"])))
+    return Group(*parts)
+
+
+def _steps_table(steps: pd.DataFrame, width: int, metrics: list[str] | None, every: int) -> list[RenderableType]:
+    stride = every or max(1, len(steps) // 15)
+    picked = list(range(0, len(steps), stride))
+    if picked[-1] != len(steps) - 1:
+        picked.append(len(steps) - 1)  # always the last step
+    shown = steps.iloc[picked]
+    names = metrics or SHOW_METRICS + [m for m in store.STEP_METRICS if m not in SHOW_METRICS]
+    columns = [Column("step", [str(int(s)) for s in shown["step"]], justify="right")]
+    for rank, name in enumerate(names, start=1):
+        if name not in shown:
+            continue
+        columns.append(Column(metric_header(name), [number(v) for v in shown[name]], justify="right",
+                              priority=0 if metrics else rank, name=name))
+    fitted = fit(columns, width)
+    title = f"steps (every {stride}, and the last)" if stride > 1 else "steps"
+    parts: list[RenderableType] = [Text(title, style="bold"), fitted.table]
+    if note := dropped_note(fitted.dropped, width, "widen the terminal or pick with --metrics"):
+        parts.append(note)
+    return parts
+
+
+def _evals_table(evals: pd.DataFrame, width: int) -> list[RenderableType]:
+    whole = evals[evals["subset"] == "all"]
+    if whole.empty:
+        return []
+    whole = whole.assign(name=whole["metric"].str.replace("@k", "@", regex=False) + whole["k"].astype(str))
+    keys = ["benchmark", "source", "step", "n_problems"]
+    wide = whole.pivot_table(index=keys, columns="name", values="value", sort=False).reset_index()
+    names = [c for c in wide.columns if c not in keys]
+    # avg@k and maj@k first, then pass@k from the largest k down
+    order = sorted(names, key=lambda n: (not n.startswith("avg@"), not n.startswith("maj@"),
+                                         -int(n.split("@")[1]) if n.split("@")[1].isdigit() else 0))
+    rows = wide.to_dict("records")
+    columns = [Column("benchmark", [str(r["benchmark"]) for r in rows], flexible=True, min_width=8),
+               Column("by", [str(r["source"]) for r in rows]),
+               Column("step", [str(r["step"]) for r in rows], justify="right"),
+               Column("problems", [str(r["n_problems"]) for r in rows], justify="right", priority=len(order) + 1)]
+    for rank, name in enumerate(order, start=1):
+        columns.append(Column(name, [number(r[name]) for r in rows], justify="right", priority=rank))
+    fitted = fit(columns, width)
+    parts: list[RenderableType] = [Text.assemble(("evaluations", "bold"), (" (subset all; per subject and level in the "
+                                                                          "dashboard)", "dim")), fitted.table]
+    if note := dropped_note(fitted.dropped, width, "widen the terminal, or see them in the dashboard"):
+        parts.append(note)
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae rollouts
+
+
+def rollouts_view(run: str, step: int, frame: pd.DataFrame, everything: pd.DataFrame, width: int, limit: int,
+                  full: bool = False) -> RenderableType:
+    """One step: why its gated responses were gated (the step's breakdown), then each group (prompt, answer, success
+    count, regime, baseline) with its responses (reward, advantage, why gated, the text)."""
+    n_gated = int(everything["gated"].sum())
+    parts: list[RenderableType] = [Text(f"{run} step {step}: {len(everything)} responses in "
+                                        f"{everything['group_idx'].nunique()} groups, {n_gated} gated "
+                                        f"(advantage 0)", style="bold")]
+    counts = everything.loc[everything["gated"], "gate_reason"].value_counts()
+    reasons = [reason for reason in GATE_REASONS if counts.get(reason, 0)]
+    if reasons:
+        breakdown = [Column("why gated", reasons),
+                     Column("responses", [str(int(counts[r])) for r in reasons], justify="right"),
+                     Column("share", [f"{counts[r] / len(everything):.1%}" for r in reasons], justify="right"),
+                     Column("meaning", [GATE_REASONS[r] for r in reasons], flexible=True, min_width=20)]
+        parts.append(fit(breakdown, width).table)
+    if len(frame) != len(everything):
+        parts.append(Text(f"{len(frame)} of {len(everything)} responses match the filters", style="dim"))
+    shown = frame.head(limit)
+    for g, rows in shown.groupby("group_idx", sort=False):
+        first = rows.iloc[0]
+        total = int((frame["group_idx"] == g).sum())
+        parts.append(Text(""))
+        parts.append(Text.assemble(
+            (f"group {g}", "bold"), f" · {int(first['n_correct'])}/{int(first['group_size'])} correct · ",
+            (str(first["regime"]), "bold"), f" · baseline {number(first['baseline'])} · answer ",
+            (str(first["answer"]), "green")))
+        prompt = Text("prompt: " + str(first["prompt"]).replace("\n", " ⏎ "))
+        if not full:
+            prompt.truncate(width, overflow="ellipsis")
+        parts.append(prompt)
+        responses = [str(r).replace("\n", " ⏎ ") for r in rows["response"]]
+        columns = [
+            Column("#", [str(s) for s in rows["sample_idx"]], justify="right"),
+            Column("reward", [number(v) for v in rows["reward"]], justify="right"),
+            Column("advantage", [f"{v:+.4f}" for v in rows["advantage"]], justify="right"),
+            Column("why gated", [Text(str(r), style="dim") if g else Text("kept", style="bold")
+                                 for r, g in zip(rows["gate_reason"], rows["gated"])]),
+            Column("response", responses, flexible=True, overflow="fold" if full else "ellipsis", min_width=16),
+        ]
+        parts.append(fit(columns, width).table)
+        if len(rows) < total:
+            parts.append(Text(f"… {total - len(rows)} more responses of this group (raise --limit)", style="dim"))
+    if len(frame) > limit:
+        parts.append(Text(f"showing {limit} of {len(frame)} responses (--limit)", style="dim"))
+    return Group(*parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _config(row: dict) -> dict:
+    try:
+        return json.loads(row.get("config") or "{}")
+    except (TypeError, ValueError):
+        return {}
+
+
+def _estimator(row: dict) -> str:
+    k = row.get("k")
+    return f"{row.get('estimator')}" + ("" if k is None or pd.isna(k) else f" K={k:g}")
+
+
+def _progress(row: dict, config: dict) -> str:
+    last = row.get("last_step")
+    last = 0 if last is None or pd.isna(last) else int(last)
+    return f"{last}/{config['steps']}" if config.get("steps") else str(last)
+
+
+def _time(value) -> str:
+    if value is None or pd.isna(value):
+        return ""
+    return pd.Timestamp(value).strftime("%Y-%m-%d %H:%M")

@@ -1,0 +1,198 @@
+"""`qae runs`, `qae show` and `qae rollouts` at 80 and 200 columns: snapshots of the whole output (runs written
+through the real store, no training), plus what must hold at any width: no line wider than the terminal, no number
+or id cut short, the status and the config printed, and the gating breakdown equal to the database's.
+
+Snapshots live in tests/snapshots/; after a deliberate change of the views, rewrite them with
+`QAE_UPDATE_SNAPSHOTS=1 python -m pytest tests/test_cli_views.py` and read the diff.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from qae_app import store
+from qae_app.cli import app
+from qae_app.terminal import number, shared_prefix
+from tests.synthetic import write_run
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+WIDTHS = (80, 200)
+LONG_A, LONG_B = "20261130-113105-qae", "20261130-114512-qae-k0.3"
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def runs_cwd(tmp_path_factory) -> Path:
+    """A folder holding `runs/`: two finished runs with default-style ids that share their date and a run whose
+    trainer died (stored running, nobody holds it)."""
+    cwd = tmp_path_factory.mktemp("cli")
+    runs = cwd / "runs"
+    write_run(runs, LONG_A, steps=30, prompts_per_step=4, group_size=8, n_prompts=20, eval_every=10, seed=1)
+    write_run(runs, LONG_B, steps=12, prompts_per_step=4, group_size=8, n_prompts=20, k=0.3, seed=2)
+    write_run(runs, "killed", steps=5, prompts_per_step=2, group_size=4, status=None, config={"steps": 50})
+    return cwd
+
+
+@pytest.fixture(scope="module")
+def broken_cwd(runs_cwd, tmp_path_factory) -> Path:
+    """The same runs and a file that is not a database (its reason names a path, so it is kept out of snapshots)."""
+    cwd = tmp_path_factory.mktemp("cli_broken")
+    shutil.copytree(runs_cwd / "runs", cwd / "runs")
+    (cwd / "runs" / "broken").mkdir()
+    (cwd / "runs" / "broken" / "qae.duckdb").write_bytes(b"not a duckdb file " * 300)
+    return cwd
+
+
+def invoke(cwd: Path, width: int, *args: str) -> str:
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        result = runner.invoke(app, [*args, "--runs-dir", "runs"], env={"COLUMNS": str(width)})
+    finally:
+        os.chdir(old)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def normalized(text: str) -> str:
+    """Times change from run to run: replace them (same width, so the layout is kept)."""
+    text = re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d", "YYYY-MM-DD HH:MM", text)
+    return "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
+
+
+def check_snapshot(name: str, text: str) -> None:
+    path = SNAPSHOTS / f"{name}.txt"
+    if os.environ.get("QAE_UPDATE_SNAPSHOTS"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"no snapshot {path}: run with QAE_UPDATE_SNAPSHOTS=1 to write it, then read it"
+    assert text == path.read_text(), f"{name} differs from {path} (QAE_UPDATE_SNAPSHOTS=1 rewrites it)"
+
+
+def check_fits(text: str, width: int) -> None:
+    too_wide = [line for line in text.splitlines() if len(line.rstrip()) > width]
+    assert not too_wide, f"lines wider than {width}: {too_wide}"
+
+
+COMMANDS = {
+    "runs": ("runs",),
+    "show": ("show", LONG_A),
+    "show-killed": ("show", "killed"),
+    "rollouts": ("rollouts", LONG_A, "--step", "30", "--limit", "12"),
+}
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("name", COMMANDS)
+def test_views_match_their_snapshots_and_fit(runs_cwd, name, width):
+    text = normalized(invoke(runs_cwd, width, *COMMANDS[name]))
+    check_fits(text, width)
+    check_snapshot(f"{name}-{width}", text)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_runs_shows_every_run_whole_its_status_and_why_one_is_unreadable(broken_cwd, width):
+    text = invoke(broken_cwd, width, "runs")
+    check_fits(text, width)
+    assert "…" not in text
+    frame = store.read_runs(broken_cwd / "runs")
+    for run_id in frame["run_id"]:
+        assert run_id in text
+    assert re.search(r"killed\s+stopped", text) and re.search(r"broken\s+unreadable", text)
+    assert "stopped: stored as running, but no trainer holds the run" in " ".join(text.split())
+    assert "unreadable: broken: runs/broken/qae.duckdb cannot be read" in " ".join(text.split())
+    finished = frame.set_index("run_id").loc[LONG_A]
+    assert number(finished["reward_mean"]) in text
+    assert (number(finished["heldout_accuracy"]) in text) == (width == 200)  # at 80: named as not shown
+    assert ("not shown at 80 columns: heldout_accuracy" in text) == (width == 80)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_show_prints_status_config_and_whole_numbers(runs_cwd, width):
+    text = invoke(runs_cwd, width, "show", LONG_A)
+    lines = text.splitlines()
+    assert lines[0].split() == [LONG_A, "finished"]  # the status is printed, not eaten as markup
+    flat = " ".join(text.split())
+    for key, value in [("steps", "30"), ("group_size", "8"), ("k", "0.4"), ("eval_every", "10")]:
+        assert f"{key} = {value}" in flat
+    assert "…" not in text
+    steps = store.read_steps(store.db_path(runs_cwd / "runs", LONG_A)).set_index("step")
+    rows = {int(line.split()[0]): line.split() for line in lines if re.match(r"^\s*\d+\s+\d", line)}
+    assert 30 in rows and 1 in rows
+    for step, cells in rows.items():
+        assert cells[1] == number(steps.loc[step, "reward_mean"])  # reward_mean is the first metric column
+    if width == 80:
+        assert "not shown at 80 columns:" in text and "--metrics" in text
+    narrow = invoke(runs_cwd, 80, "show", LONG_A, "--metrics", "kl,lr")
+    header = next(line for line in narrow.splitlines() if re.match(r"^\s*step\s", line))
+    assert header.split() == ["step", "kl", "lr"]
+
+
+def test_show_of_a_dead_run_says_how_to_continue_it(runs_cwd):
+    text = " ".join(invoke(runs_cwd, 80, "show", "killed").split())
+    assert text.startswith("killed stopped") and "qae train --resume killed" in text
+
+
+def test_show_refuses_an_unknown_metric(runs_cwd):
+    old = Path.cwd()
+    os.chdir(runs_cwd)
+    try:
+        result = runner.invoke(app, ["show", LONG_A, "--metrics", "reward", "--runs-dir", "runs"])
+    finally:
+        os.chdir(old)
+    assert result.exit_code == 2
+    assert "metrics: reward not a step metric" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_rollouts_break_down_why_responses_were_gated(runs_cwd, width):
+    text = invoke(runs_cwd, width, "rollouts", LONG_A, "--step", "30", "--limit", "200")
+    path = store.db_path(runs_cwd / "runs", LONG_A)
+    breakdown = store.read_gate_breakdown(path).query("step == 30")
+    for reason, n in zip(breakdown["gate_reason"], breakdown["n"]):
+        assert re.search(rf"^{reason}\s+{n}\s", text, re.MULTILINE), reason
+    rows = store.read_rollouts(path, 30)
+    table_rows = [line.split() for line in text.splitlines() if re.match(r"^\d+\s+[01]\s+[+-]\d", line)]
+    assert len(table_rows) == len(rows)
+    reasons = [cells[3] for cells in table_rows]
+    assert reasons == [r if g else "kept" for r, g in zip(rows["gate_reason"], rows["gated"])]
+    gated_only = invoke(runs_cwd, width, "rollouts", LONG_A, "--step", "30", "--why", "failure_in_hard_group")
+    kept = [line.split() for line in gated_only.splitlines() if re.match(r"^\d+\s+[01]\s+[+-]\d", line)]
+    assert len(kept) == int((rows["gate_reason"] == "failure_in_hard_group").sum()) and \
+        {cells[3] for cells in kept} == {"failure_in_hard_group"}
+
+
+def test_ids_that_share_a_prefix_show_the_part_that_differs(tmp_path):
+    from rich.console import Console
+
+    from qae_app.terminal import runs_view
+
+    ids = [f"20261130-1131{i:02d}-qae-k0.4-seed{i}-lr1e-6-b" for i in range(3)]  # 35 characters: too long
+    for run_id in ids:
+        write_run(tmp_path, run_id, steps=2, prompts_per_step=2, group_size=4)
+    console = Console(width=80, record=True)
+    console.print(runs_view(store.read_runs(tmp_path), "runs", 80))
+    text = console.export_text()
+    check_fits(text, 80)
+    assert "every run id below starts with 20261130-" in text
+    for run_id in ids:
+        assert re.search(rf"^{re.escape(run_id.removeprefix('20261130-'))}\s+finished", text, re.MULTILINE)
+    assert "…" not in text
+
+
+def test_shared_prefix_cuts_at_a_separator():
+    assert shared_prefix(["20261130-113105-qae", "20261130-114512-qae"]) == "20261130-"
+    assert shared_prefix(["run-a", "run-b", "other"]) == ""
+    assert shared_prefix(["same", "same"]) == ""  # nothing would be left of an id
+    assert shared_prefix(["alone"]) == ""
+
+
+def test_numbers_keep_their_digits():
+    assert [number(v) for v in (None, float("nan"), 3, 3.0, 0.12345, -0.0456, 123.456, 1.5e-05, 2.5e7)] == \
+        ["-", "-", "3", "3", "0.123", "-0.046", "123.5", "1.5e-05", "2.5e+07"]
