@@ -1,8 +1,8 @@
 """The qae dashboard: `qae dashboard --runs-dir DIR` (or `QAE_RUNS_DIR=DIR streamlit run dashboard/app.py`).
 
-This entry point draws the sidebar shared by every page (the runs to show, bound to `?run=...`, and the refresh
-interval) and hands over to the page picked in the navigation. Pages live in `views/` and stay thin: data comes from
-`board` (cached store readers), figures from `charts`.
+This entry point draws the sidebar shared by every page (the runs to show, bound to `?run=...`, the refresh interval
+and the watcher that redraws the page when its runs change) and hands over to the page picked in the navigation.
+Pages live in `views/` and stay thin: data comes from `board` (cached store readers), figures from `charts`.
 """
 
 import streamlit as st
@@ -11,20 +11,26 @@ import board
 
 st.set_page_config(page_title="qae", page_icon=":material/monitoring:", layout="wide")
 
+RUNS_PAGE = st.Page("views/runs.py", title="Runs", icon=":material/table_rows:", default=True)
 PAGES = [
-    st.Page("views/runs.py", title="Runs", icon=":material/table_rows:", default=True),
+    RUNS_PAGE,
     st.Page("views/curves.py", title="Training curves", icon=":material/show_chart:", url_path="curves"),
+    st.Page("views/distributions.py", title="Distributions", icon=":material/bar_chart:", url_path="distributions"),
     st.Page("views/rollouts.py", title="Rollouts", icon=":material/chat:", url_path="rollouts"),
     st.Page("views/prompts.py", title="Prompt history", icon=":material/history:", url_path="prompts"),
     st.Page("views/evals.py", title="Evaluations", icon=":material/fact_check:", url_path="evals"),
+    st.Page("views/eval_samples.py", title="Eval samples", icon=":material/quiz:", url_path="eval-samples"),
 ]
 
 page = st.navigation(PAGES)
 with st.sidebar:
     st.caption(f"runs in `{board.runs_dir()}`")
-    board.pick_runs(board.runs())
+    all_runs = board.runs()
+    shown = board.pick_runs(all_runs)
     st.selectbox("Refresh live runs every", list(board.REFRESH_CHOICES), key="refresh",
                  index=list(board.REFRESH_CHOICES).index(board.DEFAULT_REFRESH),
-                 help="Only the live parts of a page (curves, tables) are redrawn, and only while a shown run is "
-                      "running. Each refresh opens each run's database read-only for a few milliseconds.")
+                 help="How often to check for new steps and new runs (two file stats per run, no database "
+                      "opened). A page is redrawn only when something it shows changed.")
+    # the runs page lists every run; the other pages show the picked ones
+    board.watch(list(all_runs["run_id"]) if page.url_path == RUNS_PAGE.url_path else shown, all_runs)
 page.run()

@@ -1,8 +1,12 @@
-"""What every dashboard page shares: where the runs are, which runs are shown (kept in the URL), cached readers and
-the live-refresh fragment.
+"""What every dashboard page shares: where the runs are, which runs are shown (kept in the URL), cached readers, the
+watcher that redraws a page when its runs change, and the facts of a run (progress, pace, config).
+
+A run is its folder: every reader is given `<runs dir>/<folder>/qae.duckdb`, so a copied or renamed run folder is a
+run of its own on every page (the id stored inside the file is only shown, as `stored_run_id`).
 
 No I/O at import. Every read goes through a `qae_app.store` reader (read-only, opened and closed at once) wrapped in
-`st.cache_data` with a TTL shorter than the refresh interval, so a refresh costs the trainer one short wait per run.
+`st.cache_data` keyed by the run's file version (`store.file_version`: mtime and size, two stat calls): a page redrawn
+without a new commit reads nothing from the database, and a new commit is always read.
 """
 
 from __future__ import annotations
@@ -14,17 +18,20 @@ from typing import Callable
 
 import duckdb
 import pandas as pd
+import plotly
 import plotly.colors
+import plotly.graph_objects as go
 import streamlit as st
+import streamlit.components.v1 as components_v1
 
-from qae_app import store
+from qae_app import rundir, store
 from qae_app.errors import QAEUserError
 
 RUNS_DIR_ENV = "QAE_RUNS_DIR"  # set by `qae dashboard --runs-dir`
-CACHE_TTL_S = 2.0  # below the shortest refresh interval, so every refresh sees new steps
 REFRESH_CHOICES = {"off": None, "2 s": 2, "5 s": 5, "10 s": 10, "30 s": 30}
 DEFAULT_REFRESH = "5 s"
 RUN_COLORS = plotly.colors.qualitative.Plotly
+CACHE_ENTRIES = 64  # per reader: a few versions of each shown run
 
 
 def runs_dir() -> Path:
@@ -36,99 +43,121 @@ def run_path(run_id: str) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# cached readers (arguments are the cache key; the runs dir is part of it so tests with several dirs don't mix)
+# versions: what changes when a run changes, without opening a database
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def _runs(runs_dir_: str) -> pd.DataFrame:
+def runs_signature() -> tuple:
+    """(folder, trainer alive) of every run: changes when a run appears, disappears, starts or stops (kill -9
+    included: the trainer's lock goes with its process)."""
+    return tuple((folder.name, rundir.trainer_alive(folder)) for folder in rundir.list_run_dirs(runs_dir()))
+
+
+def run_version(run_id: str) -> tuple:
+    """Changes with every commit to the run's database and when its trainer starts or stops."""
+    path = run_path(run_id)
+    return (*store.file_version(path), rundir.trainer_alive(path.parent))
+
+
+def runs_version() -> tuple:
+    return tuple((name, alive, store.file_version(run_path(name))) for name, alive in runs_signature())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cached readers: the version argument is part of the cache key, so a new commit is a cache miss
+
+
+@st.cache_data(max_entries=CACHE_ENTRIES, show_spinner=False)
+def _runs(runs_dir_: str, version: tuple) -> pd.DataFrame:
     return store.read_runs(Path(runs_dir_))
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def _run_view(path: str) -> store.RunView:
+@st.cache_data(max_entries=CACHE_ENTRIES, show_spinner=False)
+def _run_view(path: str, version: tuple) -> store.RunView:
     return store.read_run_view(Path(path))
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def _rollout_steps(path: str) -> list[int]:
-    return store.read_rollout_steps(Path(path))
-
-
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def _rollouts(path: str, step: int, gated: bool | None, regime: str | None, reward: float | None,
-              search: str | None) -> pd.DataFrame:
-    return store.read_rollouts(Path(path), step, gated=gated, regime=regime, reward=reward, search=search)
-
-
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def _prompts(path: str) -> pd.DataFrame:
-    return store.read_prompts(Path(path))
-
-
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def _prompt_histories(path: str, prompt_ids: tuple[str, ...]) -> pd.DataFrame:
-    return store.read_prompt_histories(Path(path), list(prompt_ids))
-
-
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def _regime_counts(path: str) -> pd.DataFrame:
-    return store.read_regime_counts(Path(path))
+@st.cache_data(max_entries=CACHE_ENTRIES, show_spinner=False)
+def _read(reader: str, path: str, version: tuple, *args) -> pd.DataFrame | list:
+    """Any other store reader, by name: store.<reader>(path, *args)."""
+    return getattr(store, reader)(Path(path), *args)
 
 
 def _guarded(read: Callable, *args, what: str):
-    """`read(*args)`, or None with a note when the file stayed busy or went away (the next refresh retries)."""
+    """`read(*args)`, or None with a note when the file stayed busy or cannot be read (the next redraw retries)."""
     try:
         return read(*args)
     except duckdb.Error as err:
-        st.caption(f":material/hourglass_empty: {what}: the database is busy ({type(err).__name__}); retrying at the "
-                   "next refresh.")
+        if store._is_lock_error(err):
+            st.caption(f":material/hourglass_empty: {what}: the database is busy; retrying at the next refresh.")
+        else:
+            st.error(f"{what}: the database cannot be read: {err}")
     except QAEUserError as err:
         st.warning(str(err))
     return None
 
 
 def runs() -> pd.DataFrame:
-    """Every run in the runs dir, newest first (see `store.read_runs`)."""
-    frame = _guarded(_runs, str(runs_dir()), what="runs")
+    """Every run in the runs dir, newest first, with its effective status (see `store.read_runs`)."""
+    frame = _guarded(_runs, str(runs_dir()), runs_version(), what="runs")
     return frame if frame is not None else pd.DataFrame(columns=["run_id", "status", "steps"])
 
 
 def run_view(run_id: str) -> store.RunView | None:
-    return _guarded(_run_view, str(run_path(run_id)), what=run_id)
+    return _guarded(_run_view, str(run_path(run_id)), run_version(run_id), what=run_id)
+
+
+def read(reader: str, run_id: str, *args):
+    """store.<reader>(the run's database, *args), cached by the run's version; None (with a note) if unreadable."""
+    return _guarded(_read, reader, str(run_path(run_id)), run_version(run_id), *args, what=run_id)
 
 
 def rollout_steps(run_id: str) -> list[int]:
-    return _guarded(_rollout_steps, str(run_path(run_id)), what=run_id) or []
+    return read("read_rollout_steps", run_id) or []
 
 
 def rollouts(run_id: str, step: int, gated: bool | None = None, regime: str | None = None,
              reward: float | None = None, search: str | None = None) -> pd.DataFrame | None:
-    return _guarded(_rollouts, str(run_path(run_id)), step, gated, regime, reward, search or None, what=run_id)
-
-
-def prompts(run_id: str) -> pd.DataFrame | None:
-    return _guarded(_prompts, str(run_path(run_id)), what=run_id)
-
-
-def prompt_histories(run_id: str, prompt_ids: list[str]) -> pd.DataFrame | None:
-    return _guarded(_prompt_histories, str(run_path(run_id)), tuple(prompt_ids), what=run_id)
-
-
-def regime_counts(run_id: str) -> pd.DataFrame | None:
-    return _guarded(_regime_counts, str(run_path(run_id)), what=run_id)
+    return read("read_rollouts", run_id, step, gated, regime, reward, search or None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # which runs are shown: the sidebar picker, bound to `?run=...` so a view can be shared
 
 
+def default_runs(all_runs: pd.DataFrame) -> list[str]:
+    """The run shown on a first visit: the newest run being trained, else the newest run."""
+    readable = all_runs[all_runs["status"] != store.UNREADABLE]
+    live = readable[readable["status"] == "running"]
+    pool = live if not live.empty else readable
+    return [str(pool["run_id"].iloc[0])] if not pool.empty else []
+
+
+def _picked_by_user() -> None:
+    st.session_state["_run_chosen"] = True
+    st.session_state.pop("_missing_runs", None)
+
+
 def pick_runs(all_runs: pd.DataFrame) -> list[str]:
-    """The sidebar multiselect of runs. First visit without `?run=`: the newest run."""
+    """The sidebar multiselect of runs, bound to `?run=`. Until the user picks, the default (see `default_runs`) is
+    written into the URL, so a new run shows up on a page opened on an empty runs dir. Runs named in a link that are
+    not in the runs dir are reported, not dropped silently."""
     ids = [str(run_id) for run_id in all_runs["run_id"]]
-    if "run" not in st.session_state and "run" not in st.query_params and ids:
-        st.session_state["run"] = ids[:1]
+    requested = st.query_params.get_all("run")
+    missing = [run_id for run_id in requested if run_id not in ids]
+    if missing:
+        st.session_state["_missing_runs"] = missing
+    if not st.session_state.get("_run_chosen") and not [r for r in requested if r in ids]:
+        default = default_runs(all_runs)
+        if default and st.session_state.get("run") != default:
+            seed("run", default)
+    if st.session_state.get("_missing_runs"):
+        st.sidebar.warning("Not in " + f"`{runs_dir()}`: " + ", ".join(f"`{r}`" for r in
+                                                                       st.session_state["_missing_runs"])
+                           + ". The link names runs this folder does not have (renamed, moved or deleted); "
+                           "pick runs below.", icon=":material/link_off:")
     # no format_func: a bound widget reads the URL as formatted options, and run ids make plain URLs
     st.sidebar.multiselect("Runs", ids, key="run", bind="query-params", placeholder="pick runs",
+                           on_change=_picked_by_user,
                            help="Curves and evaluations overlay every picked run; rollouts and prompt history show "
                                 "one of them. The choice is in the URL: share it to share the view.")
     return shown_runs()
@@ -157,32 +186,53 @@ def run_colors(run_ids: list[str]) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# live refresh
+# live: the page is redrawn when what it shows changed, and only then
 
 
 def refresh_interval() -> float | None:
-    """Seconds between refreshes of the live parts of a page (sidebar choice), None when off."""
+    """Seconds between checks for changes (sidebar choice), None when off."""
     return REFRESH_CHOICES.get(st.session_state.get("refresh", DEFAULT_REFRESH))
 
 
-def live(body: Callable[[], None], run_ids: list[str], all_runs: pd.DataFrame) -> None:
-    """Draw `body()`, and while one of `run_ids` is running redraw it (only it) every few seconds.
+def _snapshot(watched: list[str]) -> tuple:
+    return runs_signature(), tuple(store.file_version(run_path(run_id)) for run_id in watched)
 
-    `body` runs in an `st.fragment(run_every=...)`; when the last live run stops, the whole page reruns once so the
-    timer goes away.
-    """
-    running = set(all_runs.loc[all_runs["status"] == "running", "run_id"]) & set(run_ids)
-    interval = refresh_interval() if running else None
 
-    def fragment() -> None:
-        if running:
-            now = runs()
-            still = set(now.loc[now["status"] == "running", "run_id"]) & running
-            if still != running:
-                st.rerun(scope="app")
-        body()
+def watch(watched: list[str], all_runs: pd.DataFrame) -> None:
+    """Check every refresh interval (two stat calls per run, no database opened) whether a run appeared, started or
+    stopped, or a watched run committed something; if so, redraw the page. Nothing else redraws it, so a page whose
+    runs are idle or finished stays still (plotly keeps zoom and hidden traces), and a new run appears on an open
+    page."""
+    interval = refresh_interval()
+    watched = [run_id for run_id in watched if run_id in set(all_runs["run_id"])]
+    drawn = _snapshot(watched)
+    live = sorted(set(all_runs.loc[all_runs["status"] == "running", "run_id"]) & set(watched))
+    if interval is None:
+        st.caption(":material/pause_circle: live updates off")
+    elif live:
+        st.caption(f":material/radio_button_checked: live: {', '.join(live)} training; the page redraws at each "
+                   f"new step (checked every {interval:g} s)")
+    else:
+        st.caption(f":material/radio_button_unchecked: no shown run is training: the page is not redrawn (new runs "
+                   f"are picked up within {interval:g} s)")
 
-    st.fragment(fragment, run_every=interval)()
+    def check() -> None:
+        if _snapshot(watched) != drawn:
+            st.rerun(scope="app")
+
+    st.fragment(check, run_every=interval)()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# facts of a run
+
+
+def run_config(run: dict) -> dict:
+    """The run's training config (the `config` JSON of its `runs` row); {} if unreadable."""
+    try:
+        return json.loads(run.get("config") or "{}")
+    except (TypeError, ValueError):
+        return {}
 
 
 def progress_line(view: store.RunView) -> str:
@@ -193,12 +243,93 @@ def progress_line(view: store.RunView) -> str:
     return f"{run['run_id']} · {run['status']} · step {last}" + (f" / {total}" if total else "")
 
 
-def run_config(run: dict) -> dict:
-    """The run's training config (the `config` JSON of its `runs` row); {} if unreadable."""
-    try:
-        return json.loads(run.get("config") or "{}")
-    except (TypeError, ValueError):
-        return {}
+def heartbeat(views: dict[str, store.RunView]) -> None:
+    """For each run being trained: its last step's age, steps per minute and ETA, redrawn every few seconds on its
+    own (only this line; the data is what the page was drawn with), so a trainer that hangs shows as an age that
+    keeps growing."""
+    live = {run_id: view for run_id, view in views.items() if view.run["status"] == "running"}
+    if not live:
+        return
+
+    def line() -> None:
+        parts = []
+        for run_id, view in live.items():
+            facts = store.run_pace(view.steps, run_config(view.run).get("steps"))
+            rate = facts["steps_per_min"]
+            parts.append(f"**{run_id}**: last step {store.duration(facts['age_s'])} ago · "
+                         + (f"{rate:.3g} steps/min" if rate else "— steps/min")
+                         + f" · ETA {store.duration(facts['eta_s'])}")
+        st.markdown(":material/favorite: " + "   ·   ".join(parts))
+
+    st.fragment(line, run_every=refresh_interval())()
+
+
+MARKDOWN_SPECIAL = "\\`*_{}[]()#+-.!|<>~$:"
+
+
+def literal(text: str) -> str:
+    """`text` escaped for st.markdown / st.error, so file paths and messages show as they are."""
+    return "".join("\\" + c if c in MARKDOWN_SPECIAL else c for c in str(text))
+
+
+def seed(key: str, value) -> None:
+    """Set a URL-bound widget's value from the code (a default, or a correction of a bad link) before the widget is
+    drawn: in the session for this run and in the URL, so the address bar always shows what the page shows."""
+    st.session_state[key] = value
+    st.query_params[key] = [str(v) for v in value] if isinstance(value, list) else str(value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# charts that keep their state
+#
+# st.plotly_chart gives a figure with new data a new element, so the browser draws a fresh plot and the user's zoom
+# and hidden legend entries are lost at every new step. `plot` draws through a small component keyed by the chart's
+# name instead: the same plot is updated in place with Plotly.react, which keeps UI state under a constant
+# `uirevision` (set by charts.LAYOUT). plotly.js is the copy that ships with the plotly Python package, served by
+# Streamlit from that package's folder; nothing is fetched from the network.
+
+PLOTLY_CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["select2d", "lasso2d"]}
+PLOTLY_JS = """
+export default function (component) {
+  const { data, parentElement } = component;
+  let plot = parentElement.querySelector("div.qae-plot");
+  if (!plot) {
+    plot = document.createElement("div");
+    plot.className = "qae-plot";
+    plot.style.width = "100%";
+    parentElement.appendChild(plot);
+  }
+  const figure = JSON.parse(data.figure);
+  window.qaePlotly = window.qaePlotly || new Promise((resolve, reject) => {
+    if (window.Plotly) { resolve(window.Plotly); return; }
+    const script = document.createElement("script");
+    script.src = data.library;
+    script.onload = () => resolve(window.Plotly);
+    script.onerror = () => reject(new Error("qae: could not load " + data.library));
+    document.head.appendChild(script);
+  });
+  window.qaePlotly.then((Plotly) => Plotly.react(plot, figure.data, figure.layout, JSON.parse(data.config)));
+  return () => { if (window.Plotly) { window.Plotly.purge(plot); } };
+}
+"""
+
+
+@st.cache_resource(show_spinner=False)
+def _plot_component():
+    return st.components.v2.component("qae_plot", js=PLOTLY_JS, isolate_styles=False)
+
+
+def _plotly_library_url() -> str:
+    """Where the browser loads plotly.js from: the plotly package's own copy, served as a (never drawn) component."""
+    library = components_v1.declare_component("plotly_js", path=str(Path(plotly.__file__).parent / "package_data"))
+    base = str(st.get_option("server.baseUrlPath") or "").strip("/")
+    return "/" + "/".join(part for part in (base, "component", library.name, "plotly.min.js") if part)
+
+
+def plot(fig: go.Figure, key: str) -> None:
+    """Draw `fig` as the chart named `key`; redrawn with new data, it keeps the user's zoom and hidden traces."""
+    _plot_component()(key=key, data={"figure": fig.to_json(remove_uids=False), "library": _plotly_library_url(),
+                                     "config": json.dumps(PLOTLY_CONFIG)})
 
 
 def show_prompt_and_answer(prompt: str, answer: str) -> None:

@@ -2,28 +2,39 @@
 
 Runs are told apart by color (the same on every chart); metrics of one run by dash. Text from the data set (prompt
 ids) is HTML-escaped before it reaches plotly, which would otherwise render tags such as <b> in labels.
+
+Live charts keep the user's zoom and hidden legend entries across redraws: every figure has a constant `uirevision`,
+every trace a stable `uid` (its name), and no axis range depends on the data (plotly keeps a user's zoom only while
+the figure's own range input is unchanged).
 """
 
 from __future__ import annotations
 
 import html
+import math
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from qae_app.names import REGIMES
+from qae_app.names import GATE_REASONS, REGIMES
 
 SMOOTHING_METHODS = ("none", "ema", "rolling")
+# x axes of the curves: column of the prepared steps frame -> axis title
+X_AXES = {"step": "step", "wall_time": "wall time (hours since the run started)", "tokens": "tokens generated"}
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash")
 REGIME_COLORS = {"hard": "#d62728", "easy": "#2ca02c", "all_correct": "#1f77b4", "all_wrong": "#7f7f7f",
                  "mixed": "#9467bd"}
+GATE_COLORS = {"all_correct_group": "#1f77b4", "all_wrong_group": "#7f7f7f", "success_in_easy_group": "#2ca02c",
+               "failure_in_hard_group": "#d62728", "reward_at_baseline": "#9467bd"}
 REGIME_METRICS = {f"frac_{regime}": regime for regime in REGIMES}  # steps column -> regime
 TIME_METRICS = ("rollout_s", "reward_s", "update_s")
 TIME_COLORS = {"rollout_s": "#1f77b4", "reward_s": "#ff7f0e", "update_s": "#2ca02c"}
+PANELS_PER_ROW = 3  # per-run panels (stacked areas) wrap after this many
 # legends go under the plot, where plotly makes room for however many rows they take
 LAYOUT = dict(margin=dict(l=10, r=10, t=50, b=10), height=400, hovermode="x unified", uirevision="keep",
+              template="plotly_white",
               legend=dict(orientation="h", yanchor="top", y=-0.28, xanchor="left", x=0, title=None))
 
 
@@ -44,18 +55,38 @@ def smooth(values: pd.Series, method: str = "none", amount: float = 0.0) -> pd.S
     raise ValueError(f"smoothing: unknown method {method!r}; use one of {SMOOTHING_METHODS}")
 
 
-def _layout(fig: go.Figure, title: str, y_title: str | None = None, **extra) -> go.Figure:
+def with_x_axes(steps: pd.DataFrame, created_at, tokens: pd.DataFrame | None) -> pd.DataFrame:
+    """The steps frame plus the other x axes: `wall_time` (hours from the run's creation to the step's commit) and
+    `tokens` (generated tokens up to and including the step)."""
+    frame = steps.copy()
+    if "logged_at" in frame and frame["logged_at"].notna().any() and created_at is not None and not pd.isna(created_at):
+        frame["wall_time"] = (pd.to_datetime(frame["logged_at"]) - pd.Timestamp(created_at)).dt.total_seconds() / 3600
+    else:
+        frame["wall_time"] = np.nan
+    if tokens is not None and not tokens.empty:
+        frame["tokens"] = frame["step"].map(tokens.set_index("step")["n_tokens"].cumsum()).astype(float)
+    else:
+        frame["tokens"] = np.nan
+    return frame
+
+
+def _layout(fig: go.Figure, title: str, y_title: str | None = None, x: str = "step", log_y: bool = False,
+            **extra) -> go.Figure:
     fig.update_layout(title=dict(text=title, x=0, y=0.98, yanchor="top", font=dict(size=15)), **{**LAYOUT, **extra})
-    fig.update_xaxes(title_text="step")
+    fig.update_xaxes(title_text=X_AXES.get(x, x), automargin=True)
+    fig.update_yaxes(automargin=True)
     if y_title:
         fig.update_yaxes(title_text=y_title)
+    if log_y:
+        fig.update_yaxes(type="log")
     return fig
 
 
 def lines(frames: dict[str, pd.DataFrame], metrics: list[str], colors: dict[str, str], title: str,
-          smoothing: tuple[str, float] = ("none", 0.0), y_title: str | None = None) -> go.Figure:
-    """One line per (run, metric) over steps: color = run, dash = metric; with smoothing, the raw values stay as a
-    faint line under the smoothed one."""
+          smoothing: tuple[str, float] = ("none", 0.0), y_title: str | None = None, x: str = "step",
+          log_y: bool = False) -> go.Figure:
+    """One line per (run, metric) over `x` (a column of each frame: a key of X_AXES): color = run, dash =
+    metric; with smoothing, the raw values stay as a faint line under the smoothed one."""
     fig = go.Figure()
     for run_id, steps in frames.items():
         for i, metric in enumerate(metrics):
@@ -64,94 +95,129 @@ def lines(frames: dict[str, pd.DataFrame], metrics: list[str], colors: dict[str,
             name = run_id if len(metrics) == 1 else f"{run_id} · {metric}"
             smoothed = smooth(steps[metric], *smoothing)
             if smoothing[0] != "none":
-                fig.add_trace(go.Scatter(x=steps["step"], y=steps[metric], mode="lines", name=f"{name} (raw)",
+                fig.add_trace(go.Scatter(x=steps[x], y=steps[metric], mode="lines", name=f"{name} (raw)",
+                                         uid=f"{name} (raw)",
                                          line=dict(color=colors[run_id], width=1, dash=DASHES[i % len(DASHES)]),
                                          opacity=0.25, showlegend=False, hoverinfo="skip", legendgroup=name))
-            fig.add_trace(go.Scatter(x=steps["step"], y=smoothed, mode="lines", name=name, legendgroup=name,
+            fig.add_trace(go.Scatter(x=steps[x], y=smoothed, mode="lines", name=name, legendgroup=name, uid=name,
                                      line=dict(color=colors[run_id], width=2, dash=DASHES[i % len(DASHES)]),
-                                     hovertemplate=f"{html.escape(name)}: %{{y:.4g}}<extra></extra>"))
-    return _layout(fig, title, y_title)
+                                     customdata=steps["step"],
+                                     hovertemplate=f"{html.escape(name)}: %{{y:.4g}} (step %{{customdata}})"
+                                                   "<extra></extra>"))
+    return _layout(fig, title, y_title, x, log_y)
 
 
-def entropy(frames: dict[str, pd.DataFrame], colors: dict[str, str], bands: dict[str, tuple[float, float]],
-            warnings: dict[str, pd.DataFrame], smoothing: tuple[str, float] = ("none", 0.0)) -> go.Figure:
-    """Token entropy per run, the warning band [entropy_low, entropy_high] of each run's config and the recorded
-    warnings as markers (hover for the message)."""
-    fig = lines(frames, ["entropy"], colors, "entropy", smoothing, y_title="nats / token")
-    for low, high in sorted(set(bands.values())):
-        fig.add_hline(y=low, line=dict(color="#d62728", dash="dot", width=1),
-                      annotation_text=f"entropy_low {low:g}", annotation_position="bottom right")
-        fig.add_hline(y=high, line=dict(color="#ff7f0e", dash="dot", width=1),
-                      annotation_text=f"entropy_high {high:g}", annotation_position="top right")
+def _number(value) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(number) else number
+
+
+def entropy(frames: dict[str, pd.DataFrame], colors: dict[str, str], bands: dict[str, tuple],
+            warnings: dict[str, pd.DataFrame], smoothing: tuple[str, float] = ("none", 0.0), x: str = "step",
+            log_y: bool = False) -> go.Figure:
+    """Token entropy per run, the warning band [entropy_low, entropy_high] of each run's config (when it is given in
+    nats) and the recorded warnings as markers (hover for the message)."""
+    fig = lines(frames, ["entropy"], colors, "entropy", smoothing, y_title="nats / token", x=x, log_y=log_y)
     ymax = max([float(s["entropy"].max()) for s in frames.values() if s["entropy"].notna().any()] or [1.0])
-    lows = [low for low, _ in bands.values()]
-    highs = [high for _, high in bands.values() if high <= 1.5 * ymax]  # a far-away upper line would squash the curve
-    fig.update_yaxes(range=[0, 1.15 * max([ymax, *lows, *highs])])
+    for low, high in sorted({(_number(low), _number(high)) for low, high in bands.values()}, key=str):
+        if low is not None:
+            fig.add_hline(y=low, line=dict(color="#d62728", dash="dot", width=1),
+                          annotation_text=f"entropy_low {low:g}", annotation_position="bottom right")
+        if high is not None and high <= 1.5 * ymax:
+            fig.add_hline(y=high, line=dict(color="#ff7f0e", dash="dot", width=1),
+                          annotation_text=f"entropy_high {high:g}", annotation_position="top right")
+        elif high is not None:  # a line far above would squash the curve (autorange includes lines): say it
+            fig.add_annotation(text=f"entropy_high {high:g} (above)", xref="paper", yref="paper", x=1, y=1,
+                               xanchor="right", yanchor="bottom", showarrow=False, font=dict(color="#ff7f0e"))
+    if not log_y:
+        fig.update_yaxes(rangemode="tozero")
     for run_id, frame in warnings.items():
         if frame.empty:
             continue
-        steps = frames[run_id].set_index("step")["entropy"]
-        ys = [steps.get(step, np.nan) for step in frame["step"]]
+        by_step = frames[run_id].set_index("step")
+        ys = [by_step["entropy"].get(step, np.nan) for step in frame["step"]]
+        xs = [by_step[x].get(step, np.nan) if x != "step" else step for step in frame["step"]]
+        name = f"{run_id} · warnings"
         fig.add_trace(go.Scatter(
-            x=frame["step"], y=ys, mode="markers", name=f"{run_id} · warnings ({len(frame)})",
+            x=xs, y=ys, mode="markers", name=f"{name} ({len(frame)})", uid=name,
             marker=dict(symbol="triangle-down", size=12, color=colors[run_id], line=dict(color="black", width=1)),
             text=[html.escape(f"{kind}: {message}") for kind, message in zip(frame["kind"], frame["message"])],
             hovertemplate="%{text}<extra></extra>"))
     return fig
 
 
-def accuracy(frames: dict[str, pd.DataFrame], colors: dict[str, str],
-             smoothing: tuple[str, float] = ("none", 0.0)) -> go.Figure:
-    """accuracy (solid) and reward_mean (dash) per run; heldout_accuracy as diamonds on the steps it was measured."""
-    fig = lines(frames, ["accuracy", "reward_mean"], colors, "accuracy and reward", smoothing)
-    for run_id, steps in frames.items():
-        held = steps.dropna(subset=["heldout_accuracy"]) if "heldout_accuracy" in steps else steps.iloc[:0]
+def accuracy(frames: dict[str, pd.DataFrame], colors: dict[str, str], heldout: dict[str, pd.DataFrame],
+             smoothing: tuple[str, float] = ("none", 0.0), x: str = "step", log_y: bool = False) -> go.Figure:
+    """accuracy (solid) and reward_mean (dash) per run; held-out accuracy (`heldout`: step, value per run, from the
+    evals table, so the step-0 evaluation before training is included) as diamonds."""
+    fig = lines(frames, ["accuracy", "reward_mean"], colors, "accuracy and reward", smoothing, x=x, log_y=log_y)
+    for run_id, held in heldout.items():
         if held.empty:
             continue
-        fig.add_trace(go.Scatter(x=held["step"], y=held["heldout_accuracy"], mode="lines+markers",
-                                 name=f"{run_id} · heldout_accuracy",
+        steps = frames[run_id]
+        xs = held["step"] if x == "step" else held["step"].map(
+            pd.concat([pd.Series({0: 0.0}), steps.set_index("step")[x]]))  # step 0 is the start of every axis
+        name = f"{run_id} · heldout_accuracy"
+        fig.add_trace(go.Scatter(x=xs, y=held["value"], mode="lines+markers", name=name, uid=name,
                                  line=dict(color=colors[run_id], width=1, dash="dot"),
+                                 customdata=held["step"],
+                                 hovertemplate=f"{html.escape(name)}: %{{y:.4g}} (step %{{customdata}})"
+                                               "<extra></extra>",
                                  marker=dict(symbol="diamond", size=10, color=colors[run_id],
                                              line=dict(color="black", width=1))))
-    fig.update_yaxes(range=[0, 1.05])
+    if not log_y:
+        fig.update_yaxes(range=[0, 1.05])
     return fig
 
 
 def stacked(frames: dict[str, pd.DataFrame], metrics: dict[str, str], metric_colors: dict[str, str], title: str,
             smoothing: tuple[str, float] = ("none", 0.0), y_title: str | None = None,
-            y_max: float | None = None) -> go.Figure:
-    """Stacked areas of `metrics` (column -> label) over steps, one panel per run (stacks can't be overlaid).
-    Smoothing is linear, so smoothed fractions still sum to 1."""
-    run_ids = list(frames)
-    fig = make_subplots(rows=1, cols=max(len(run_ids), 1), shared_yaxes=True, subplot_titles=run_ids or None,
-                        horizontal_spacing=0.03)
-    for col, run_id in enumerate(run_ids, start=1):
+            y_max: float | None = None, x: str = "step") -> go.Figure:
+    """Stacked areas of `metrics` (column -> label) over `x`, one panel per run (stacks can't be overlaid), at most
+    PANELS_PER_ROW panels a row. Smoothing is linear, so smoothed fractions still sum to 1."""
+    run_ids = list(frames) or [""]
+    cols = min(len(run_ids), PANELS_PER_ROW)
+    rows = math.ceil(len(run_ids) / cols)
+    titles = [html.escape(r if len(r) <= 36 else r[:17] + "…" + r[-18:]) for r in run_ids]
+    fig = make_subplots(rows=rows, cols=cols, shared_yaxes=True, subplot_titles=titles, horizontal_spacing=0.04,
+                        vertical_spacing=0.12 / rows + 0.06)
+    for i, run_id in enumerate(frames):
+        row, col = divmod(i, cols)
         steps = frames[run_id]
         for metric, label in metrics.items():
             if metric not in steps or steps[metric].isna().all():
                 continue
-            fig.add_trace(go.Scatter(x=steps["step"], y=smooth(steps[metric].fillna(0), *smoothing), mode="lines",
-                                     name=label,
-                                     stackgroup=f"run{col}", legendgroup=label, showlegend=col == 1,
+            fig.add_trace(go.Scatter(x=steps[x], y=smooth(steps[metric].fillna(0), *smoothing), mode="lines",
+                                     name=label, uid=f"{run_id} · {label}",
+                                     stackgroup=f"run{i}", legendgroup=label, showlegend=i == 0,
                                      line=dict(width=0.5, color=metric_colors[metric]),
-                                     hovertemplate=f"{run_id} · {label}: %{{y:.3g}}<extra></extra>"),
-                          row=1, col=col)
-    _layout(fig, title, legend=dict(orientation="v", x=1.01, y=1, yanchor="top", xanchor="left"))
-    fig.update_yaxes(title_text=y_title, row=1, col=1)
+                                     hovertemplate=f"{html.escape(run_id)} · {label}: %{{y:.3g}}<extra></extra>"),
+                          row=row + 1, col=col + 1)
+    _layout(fig, title, x=x, height=120 + 280 * rows,
+            legend=dict(orientation="v", yanchor="top", y=1, xanchor="left", x=1.02))
+    fig.update_annotations(font=dict(size=12))
+    fig.update_xaxes(title_text=None)
+    fig.update_xaxes(title_text=X_AXES.get(x, x), row=rows)
+    fig.update_yaxes(title_text=y_title, col=1)
     if y_max is not None:
         fig.update_yaxes(range=[0, y_max])
     return fig
 
 
-def regimes(frames: dict[str, pd.DataFrame], smoothing: tuple[str, float] = ("none", 0.0)) -> go.Figure:
+def regimes(frames: dict[str, pd.DataFrame], smoothing: tuple[str, float] = ("none", 0.0),
+            x: str = "step") -> go.Figure:
     colors = {metric: REGIME_COLORS[regime] for metric, regime in REGIME_METRICS.items()}
     return stacked(frames, REGIME_METRICS, colors, "regime fractions (of groups)", smoothing, "fraction of groups",
-                   y_max=1.0)
+                   y_max=1.0, x=x)
 
 
-def step_time(frames: dict[str, pd.DataFrame], smoothing: tuple[str, float] = ("none", 0.0)) -> go.Figure:
+def step_time(frames: dict[str, pd.DataFrame], smoothing: tuple[str, float] = ("none", 0.0),
+              x: str = "step") -> go.Figure:
     return stacked(frames, {metric: metric for metric in TIME_METRICS}, TIME_COLORS, "step time", smoothing,
-                   "seconds")
+                   "seconds", x=x)
 
 
 def evals(frames: dict[str, pd.DataFrame], colors: dict[str, str], title: str) -> go.Figure:
@@ -167,7 +233,7 @@ def evals(frames: dict[str, pd.DataFrame], colors: dict[str, str], title: str) -
                     continue
                 name = f"{run_id} · k={k}"
                 fig.add_trace(go.Scatter(x=part["step"], y=part["value"], mode="lines+markers", name=name,
-                                         legendgroup=name, showlegend=col == 1,
+                                         uid=f"{name} · {metric}", legendgroup=name, showlegend=col == 1,
                                          line=dict(color=colors[run_id], dash=DASHES[i % len(DASHES)]),
                                          customdata=part["n_problems"],
                                          hovertemplate=f"{metric.replace('k', str(k))} %{{y:.3f}} "
@@ -200,15 +266,18 @@ def prompt_history(history: pd.DataFrame, k: float | None) -> go.Figure:
 
 
 def prompt_heatmap(histories: pd.DataFrame, prompt_ids: list[str]) -> go.Figure:
-    """Success rate (color) of the given prompts (rows) at each step they were sampled (columns)."""
+    """Success rate (color) of the given prompts (rows) at each step they were sampled; one column per step of the
+    whole range, so a cell never stretches over steps where the prompt was not sampled (those stay blank)."""
     grid = histories.pivot_table(index="prompt_id", columns="step", values="success_rate", aggfunc="mean")
     grid = grid.reindex([p for p in prompt_ids if p in grid.index])
+    if len(grid.columns):
+        grid = grid.reindex(columns=range(int(grid.columns.min()), int(grid.columns.max()) + 1))
     labels = [html.escape(p if len(p) <= 40 else p[:39] + "…") for p in grid.index]
-    fig = go.Figure(go.Heatmap(z=grid.to_numpy(), x=grid.columns, y=labels, zmin=0, zmax=1, colorscale="RdYlGn",
-                               colorbar=dict(title="success"), hoverongaps=False,
+    fig = go.Figure(go.Heatmap(z=grid.to_numpy(), x=list(grid.columns), y=labels, zmin=0, zmax=1,
+                               colorscale="RdYlGn", colorbar=dict(title="success"), hoverongaps=False,
                                hovertemplate="step %{x}<br>%{y}<br>success %{z:.2f}<extra></extra>"))
-    _layout(fig, "success rate of the most-sampled prompts", height=max(300, 22 * len(labels) + 120),
-            hovermode="closest")
+    _layout(fig, "success rate of the most-sampled prompts (blank: not sampled at that step)",
+            height=max(300, 22 * len(labels) + 120), hovermode="closest")
     fig.update_yaxes(autorange="reversed", type="category")
     return fig
 
@@ -223,3 +292,84 @@ def regime_mix(counts: pd.DataFrame) -> go.Figure:
         fig.add_trace(go.Bar(x=part["step"], y=part["n_groups"], name=regime, marker_color=REGIME_COLORS[regime]))
     _layout(fig, "regime mix per step", "groups", barmode="stack", bargap=0.05)
     return fig
+
+
+def gate_breakdown(breakdown: pd.DataFrame, totals: pd.DataFrame, step: int | None = None) -> go.Figure:
+    """Fraction of each step's responses gated, split by why (stacked bars); the shown step is marked."""
+    fig = go.Figure()
+    n = breakdown.merge(totals[["step", "n_responses"]], on="step")
+    for reason in GATE_REASONS:
+        part = n[n["gate_reason"] == reason]
+        if part.empty:
+            continue
+        fig.add_trace(go.Bar(x=part["step"], y=part["n"] / part["n_responses"], name=reason.replace("_", " "),
+                             uid=reason, marker_color=GATE_COLORS[reason], customdata=part["n"],
+                             hovertemplate="%{y:.1%} (%{customdata} responses)<extra>" + reason + "</extra>"))
+    if step is not None:
+        fig.add_vline(x=step, line=dict(color="black", dash="dot", width=1))
+    _layout(fig, "why responses were gated, per step", "fraction of the step's responses", barmode="stack",
+            bargap=0.05)
+    fig.update_yaxes(range=[0, 1])
+    return fig
+
+
+def quantile_bands(frames: dict[str, pd.DataFrame], colors: dict[str, str], title: str, y_title: str,
+                   step: int | None = None, log_y: bool = False) -> go.Figure:
+    """Per run, over steps: the median (line), the 25-75% band (darker) and the 5-95% band (lighter) of a quantity
+    over each step's responses (frames from store.read_quantiles); the step shown in the histogram is marked."""
+    fig = go.Figure()
+    for run_id, q in frames.items():
+        color = colors[run_id]
+        for low, high, opacity in (("q0.05", "q0.95", 0.15), ("q0.25", "q0.75", 0.3)):
+            band = f"{run_id} · {float(low[1:]):.0%}-{float(high[1:]):.0%}".replace("%-", "-")
+            fig.add_trace(go.Scatter(x=q["step"], y=q[high], mode="lines", line=dict(width=0, color=color),
+                                     showlegend=False, hoverinfo="skip", legendgroup=band, uid=f"{band} high"))
+            fig.add_trace(go.Scatter(x=q["step"], y=q[low], mode="lines", line=dict(width=0, color=color),
+                                     fill="tonexty", fillcolor=_rgba(color, opacity), name=f"{band} quantiles",
+                                     legendgroup=band, uid=band, hoverinfo="skip"))
+        name = f"{run_id} · median"
+        fig.add_trace(go.Scatter(x=q["step"], y=q["q0.5"], mode="lines", name=name, uid=name,
+                                 line=dict(color=color, width=2),
+                                 customdata=np.stack([q["q0.05"], q["q0.25"], q["q0.75"], q["q0.95"], q["mean"]],
+                                                     axis=-1),
+                                 hovertemplate="median %{y:.4g} · 25-75%: %{customdata[1]:.4g} to "
+                                               "%{customdata[2]:.4g} · 5-95%: %{customdata[0]:.4g} to "
+                                               "%{customdata[3]:.4g} · mean %{customdata[4]:.4g}<extra>"
+                                               + html.escape(run_id) + "</extra>"))
+    if step is not None:
+        fig.add_vline(x=step, line=dict(color="black", dash="dot", width=1))
+    return _layout(fig, title, y_title, log_y=log_y)
+
+
+def histogram(values: dict[str, pd.Series], colors: dict[str, str], title: str, x_title: str) -> go.Figure:
+    """Histogram of a quantity over one step's responses, one overlaid histogram per run."""
+    fig = go.Figure()
+    for run_id, series in values.items():
+        fig.add_trace(go.Histogram(x=series.dropna(), name=run_id, uid=run_id, marker_color=colors[run_id],
+                                   opacity=0.6 if len(values) > 1 else 0.9,
+                                   hovertemplate="%{x}: %{y} responses<extra>" + html.escape(run_id) + "</extra>"))
+    _layout(fig, title, "responses", barmode="overlay", hovermode="closest")
+    fig.update_xaxes(title_text=x_title)
+    return fig
+
+
+def eval_problem_grid(grid: pd.DataFrame, title: str) -> go.Figure:
+    """Fraction of samples correct (color) of each problem (rows) at each evaluated step (columns)."""
+    table = grid.assign(rate=grid["n_correct"] / grid["n_samples"]).pivot_table(
+        index="problem_id", columns="step", values="rate", aggfunc="mean")
+    counts = grid.pivot_table(index="problem_id", columns="step", values="n_correct", aggfunc="sum")
+    labels = [html.escape(p if len(p) <= 40 else p[:39] + "…") for p in table.index]
+    fig = go.Figure(go.Heatmap(z=table.to_numpy(), x=[str(s) for s in table.columns], y=labels, zmin=0, zmax=1,
+                               colorscale="RdYlGn", colorbar=dict(title="correct"), hoverongaps=False,
+                               customdata=counts.reindex_like(table).to_numpy(),
+                               hovertemplate="step %{x}<br>%{y}<br>%{z:.0%} correct (%{customdata})"
+                                             "<extra></extra>"))
+    _layout(fig, title, height=max(300, min(14 * len(labels), 1400) + 140), hovermode="closest")
+    fig.update_xaxes(type="category", title_text="evaluated at step")
+    fig.update_yaxes(autorange="reversed", type="category", showticklabels=len(labels) <= 80)
+    return fig
+
+
+def _rgba(hex_color: str, alpha: float) -> str:
+    r, g, b = (int(hex_color.lstrip("#")[i:i + 2], 16) for i in (0, 2, 4))
+    return f"rgba({r},{g},{b},{alpha})"

@@ -20,6 +20,8 @@ import pandas as pd
 import pytest
 
 from qae_app import store
+from qae_app.rundir import RunLock, run_dir
+from tests.synthetic import write_run
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
 sys.path.insert(0, str(APP.parent))  # `charts` is imported by the app as a sibling module
@@ -56,12 +58,14 @@ def _crafted_rows(step: int) -> dict[str, list[dict]]:
                                  verified=True, advantage=advantage, gated=advantage == 0, regime=regime,
                                  n_tokens=len(response), truncated=False, entropy=0.4, logprob=-1.0))
     fractions = pd.Series([g["regime"] for g in groups]).value_counts(normalize=True)
-    metrics = dict(reward_mean=sum(r["reward"] for r in rollouts) / 8, accuracy=sum(r["reward"] for r in rollouts) / 8,
+    metrics = {name: None for name in store.STEP_METRICS}
+    metrics.update(reward_mean=sum(r["reward"] for r in rollouts) / 8, accuracy=sum(r["reward"] for r in rollouts) / 8,
                    entropy=0.9 - 0.2 * step, entropy_pos=0.8, entropy_neg=0.6,
                    frac_zero_adv=sum(r["gated"] for r in rollouts) / 8, cov_logp_adv=0.1 * step, response_len=1.5,
                    clip_frac_low=0.0, clip_frac_high=0.01, rollout_s=0.2, reward_s=0.01, update_s=0.3, step_s=0.51,
                    loss=0.1, grad_norm=1.0, adv_abs_mean=0.5,
                    **{f"frac_{regime}": float(fractions.get(regime, 0.0)) for regime in charts.REGIME_COLORS})
+    metrics.update(n_updates=1.0)
     tables = dict(steps=[metrics], groups=groups, rollouts=rollouts)
     if step == 2:
         tables["warnings"] = [dict(kind="entropy_low", message="entropy (smoothed) 0.48 fell below 0.5")]
@@ -70,6 +74,12 @@ def _crafted_rows(step: int) -> dict[str, list[dict]]:
                                    source="eval")
                            for subset, value in [("all", 0.1 * step), ("level=1", 0.2 * step)]
                            for metric in ("avg@k", "pass@k", "maj@k")]
+        # problem q1 is solved at step 3 only; q2's second sample is model text full of markup
+        tables["eval_samples"] = [
+            dict(benchmark="mini", problem_id=problem, sample_idx=s, source="eval", verified=True, n_tokens=3,
+                 response=EVIL_RESPONSE if (problem, s) == ("q2", 1) else f"answer {problem}-{s}",
+                 extracted="**7**" if (problem, s) == ("q2", 1) else str(s), correct=correct)
+            for problem, s, correct in [("q1", 0, step == 3), ("q1", 1, False), ("q2", 0, True), ("q2", 1, False)]]
     return tables
 
 
@@ -80,34 +90,58 @@ def runs_dir(tiny_run, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dash_runs")
     (out / tiny_id).mkdir()
     shutil.copy(store.db_path(tiny_dir, tiny_id), store.db_path(out, tiny_id))  # the database only, not checkpoints
-    writer = store.RunWriter(store.db_path(out, "crafted"), "crafted")
-    writer.create_run("crafted", {"steps": 3, "group_size": 4, "entropy_low": 0.5, "entropy_high": 3.0}, "qae", 0.5,
-                      "builtin:tiny", "arith", 0)
-    for step in (1, 2, 3):
-        writer.add_step(step, **_crafted_rows(step))
-    assert writer.flush()
-    writer.update_run(status="finished")
+    _write_crafted(out)
     empty = store.RunWriter(store.db_path(out, "empty"), "empty")
     empty.create_run("empty", {"steps": 10}, "grpo", None, "builtin:tiny", "arith", 0)
     return out
 
 
-@pytest.fixture
-def app(runs_dir, monkeypatch):
-    """Run the app on a page with query params: app(page, run=[...], step=...) -> AppTest after the run."""
+def _write_crafted(out: Path, run_id: str = "crafted") -> None:
+    writer = store.RunWriter(store.db_path(out, run_id), run_id)
+    writer.create_run(run_id, {"steps": 3, "group_size": 4, "entropy_low": 0.5, "entropy_high": 3.0}, "qae", 0.5,
+                      "builtin:tiny", "arith", 0)
+    for step in (1, 2, 3):
+        writer.add_step(step, **_crafted_rows(step))
+    assert writer.flush()
+    writer.update_run(status="finished")
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory) -> Path:
+    """Runs without training (quick): the crafted run, a copy of its folder, and a synthetic run of 12 groups a
+    step over 6 prompts (so prompts come back at irregular steps and the rollouts page has two pages of groups)."""
+    out = tmp_path_factory.mktemp("small_runs")
+    _write_crafted(out)
+    shutil.copytree(out / "crafted", out / "crafted-copy")
+    write_run(out, "syn", steps=8, prompts_per_step=12, group_size=4, n_prompts=18, eval_every=4, seed=3)
+    return out
+
+
+def make_app(runs_dir: Path, monkeypatch):
+    """app(page, run=[...], step=...) -> AppTest of the dashboard on `runs_dir` after the page's run."""
     monkeypatch.setenv("QAE_RUNS_DIR", str(runs_dir))
 
-    def run(page: str | None = None, **params):
+    def run(view: str | None = None, **params):
         at = streamlit_testing.AppTest.from_file(str(APP), default_timeout=60)
         for name, value in params.items():
             at.query_params[name] = value
         at.run()
-        if page is not None:
-            at.switch_page(f"views/{page}.py").run()
+        if view is not None:
+            at.switch_page(f"views/{view}.py").run()
         assert not at.exception, [e.value for e in at.exception]
         return at
 
     return run
+
+
+@pytest.fixture
+def app(runs_dir, monkeypatch):
+    return make_app(runs_dir, monkeypatch)
+
+
+@pytest.fixture
+def small_app(small_dir, monkeypatch):
+    return make_app(small_dir, monkeypatch)
 
 
 def _unpack(value):
@@ -125,8 +159,13 @@ def _unpack(value):
 
 
 def plotly_specs(at) -> dict[str, dict]:
-    """key -> the figure sent to the browser, as plain JSON."""
-    return {chart.key: _unpack(json.loads(chart.proto.spec)) for chart in at.get("plotly_chart")}
+    """key -> the figure sent to the browser (through board.plot's component), as plain JSON."""
+    specs = {}
+    for element in at.get("bidi_component"):
+        if element.proto.component_name == "qae_plot":
+            key = element.proto.id.split("-", 2)[-1]  # "$$ID-<hash>-<key>"
+            specs[key] = _unpack(json.loads(json.loads(element.proto.json)["figure"]))
+    return specs
 
 
 def texts(at) -> str:
@@ -137,6 +176,11 @@ def texts(at) -> str:
 
 def frames(at) -> list[pd.DataFrame]:
     return [df.value for df in at.dataframe]
+
+
+def response_tables(at) -> list[pd.DataFrame]:
+    """The tables of responses on the rollouts page (one per group shown)."""
+    return [frame for frame in frames(at) if "response" in frame.columns]
 
 
 def frame_with(at, *columns: str) -> pd.DataFrame:
@@ -174,10 +218,13 @@ def test_curves_page_plots_every_step_of_each_run(app, runs_dir):
     entropy = {trace["name"]: trace for trace in specs["entropy"]["data"]}
     assert list(entropy["tiny"]["x"]) == tiny_steps["step"].tolist()
     assert list(entropy["crafted"]["x"]) == [1, 2, 3]
-    # each run's warning band: the crafted run's from its config, the tiny run's relative to its first step's entropy
+    # each run's warning band: the crafted run's from its config, the tiny run's relative to its first step's
+    # entropy; an upper line far above the curves is named instead of squashing them
     start = tiny_steps["entropy"].iloc[0]
     assert sorted({shape["y0"] for shape in specs["entropy"]["layout"]["shapes"]}) == pytest.approx(
-        sorted({0.5, 3.0, start / 3, start * 3}))
+        sorted({0.5, start / 3}))
+    notes = [a["text"] for a in specs["entropy"]["layout"]["annotations"]]
+    assert "entropy_high 3 (above)" in notes and f"entropy_high {start * 3:g} (above)" in notes
     warning = entropy["crafted · warnings (1)"]
     assert list(warning["x"]) == [2] and "fell below 0.5" in warning["text"][0]
     names = {trace["name"] for trace in specs["accuracy"]["data"]}
@@ -205,7 +252,7 @@ def test_rollouts_page_shows_the_latest_step_with_gated_rows_marked(app, runs_di
     path = store.db_path(runs_dir, "tiny")
     latest = store.read_rollout_steps(path)[-1]
     expected = store.read_rollouts(path, latest)
-    tables = frames(at)
+    tables = response_tables(at)
     assert sum(len(t) for t in tables) == len(expected)
     shown = pd.concat(tables, ignore_index=True)
     assert (shown["status"] == "⊘ gated").sum() == expected["gated"].sum() > 0
@@ -222,7 +269,7 @@ def test_rollouts_page_shows_the_latest_step_with_gated_rows_marked(app, runs_di
     ({"gated": "gated"}, {"gated": True}),
     ({"gated": "kept"}, {"gated": False}),
     ({"regime": "easy"}, {"regime": "easy"}),
-    ({"reward": 1.0}, {"reward": 1.0}),
+    ({"reward": "1"}, {"reward": 1.0}),
     ({"search": "1"}, {"search": "1"}),
 ])
 def test_rollouts_filters_match_the_database(app, runs_dir, filters, reader_args):
@@ -231,7 +278,7 @@ def test_rollouts_filters_match_the_database(app, runs_dir, filters, reader_args
         at.session_state[key] = value
     at.run()
     expected = store.read_rollouts(store.db_path(runs_dir, "tiny"), 3, **reader_args)
-    shown = frames(at)
+    shown = response_tables(at)
     assert sum(len(t) for t in shown) == len(expected)
     total = len(store.read_rollouts(store.db_path(runs_dir, "tiny"), 3))
     assert at.metric[0].value == f"{len(expected)} / {total}"
@@ -240,7 +287,7 @@ def test_rollouts_filters_match_the_database(app, runs_dir, filters, reader_args
 def test_model_text_is_shown_literally(app):
     at = app("rollouts", run="crafted", step="3")
     assert EVIL_PROMPT in [c.value for c in at.code]
-    cells = pd.concat(frames(at))["response"].tolist()
+    cells = pd.concat(response_tables(at))["response"].tolist()
     assert EVIL_RESPONSE in cells
     assert not any("<script>" in m.value or "**2+2**" in m.value for m in at.markdown)
     at.selectbox(key="open_3_0").set_value(3).run()
@@ -251,7 +298,7 @@ def test_step_slider_follows_the_url_and_lists_steps_with_rollouts(app):
     at = app("rollouts", run="crafted", step="2")
     slider = at.select_slider(key="step")
     assert slider.value == 2 and list(slider.options) == ["1", "2", "3"]
-    assert len(pd.concat(frames(at))) == 8
+    assert len(pd.concat(response_tables(at))) == 8
 
 
 def test_prompt_history_follows_a_prompt_from_hard_to_easy(app):
@@ -295,6 +342,202 @@ def test_pages_of_a_run_without_steps_say_so(app):
     assert "No step written yet" in texts(app("curves", run="empty"))
     assert "No rollouts written yet" in texts(app("rollouts", run="empty"))
     assert "No groups written yet" in texts(app("prompts", run="empty"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run identity, liveness, links (quick: runs written without training)
+
+
+def test_a_copied_run_folder_is_a_run_of_its_own_on_every_page(small_app, small_dir):
+    at = small_app(run="crafted-copy")
+    table = frames(at)[0].set_index("run_id")
+    assert {"crafted", "crafted-copy"} <= set(table.index)
+    assert table.loc["crafted-copy", "stored_run_id"] == "crafted"  # "copied from"
+    assert pd.isna(table.loc["crafted", "stored_run_id"])
+    assert "crafted-copy · finished · step 3 / 3" in texts(small_app("curves", run="crafted-copy"))
+    rollouts = small_app("rollouts", run="crafted-copy", step="3")
+    assert sum(len(t) for t in response_tables(rollouts)) == 8
+    assert not rollouts.warning and "no database" not in texts(rollouts)
+    evals = small_app("eval_samples", run="crafted-copy")
+    assert "4 samples match" in texts(evals)
+
+
+@pytest.fixture
+def live_dir(tmp_path):
+    """`live`: stored running and held by a trainer (this process holds its lock); `dead`, newer: stored running,
+    nobody holds it (a trainer killed with kill -9); `done`: finished."""
+    write_run(tmp_path, "done", steps=3)
+    write_run(tmp_path, "live", steps=4, status=None, config={"steps": 100})
+    lock = RunLock(run_dir(tmp_path, "live")).acquire("test")
+    write_run(tmp_path, "dead", steps=3, status=None)
+    yield tmp_path
+    lock.release()
+
+
+def test_a_run_whose_trainer_died_is_stopped_and_not_live(live_dir, monkeypatch):
+    app = make_app(live_dir, monkeypatch)
+    at = app()
+    table = frames(at)[0].set_index("run_id")
+    assert table.loc["dead", "status"] == "stopped" and table.loc["live", "status"] == "running"
+    assert table.loc["live", "steps_per_min"] > 0 and table.loc["live", "last_step_age"].endswith(" ago")
+    assert pd.isna(table.loc["dead", "steps_per_min"])
+    # the first visit shows the run being trained, not the newest (dead) one, and says it is live
+    assert at.sidebar.multiselect(key="run").value == ["live"]
+    assert "live: live training" in texts(at)
+    curves = app("curves", run="dead")
+    assert "dead · stopped · step 3" in texts(curves)
+    assert "no shown run is training" in texts(curves)  # the page is not redrawn for it
+    assert not [m for m in curves.markdown if "last step" in m.value]  # no heartbeat for a dead run
+    live = app("curves", run="live")
+    assert any("**live**: last step" in m.value and "steps/min" in m.value for m in live.markdown)
+
+
+def test_an_unreadable_database_is_listed_with_the_reason(tmp_path, monkeypatch):
+    write_run(tmp_path, "good", steps=2)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "qae.duckdb").write_bytes(b"this is not a database" * 100)
+    at = make_app(tmp_path, monkeypatch)()
+    table = frames(at)[0].set_index("run_id")
+    assert table.loc["broken", "status"] == "unreadable"
+    assert "not a valid DuckDB database" in table.loc["broken", "error"]
+    assert any("broken" in e.value and "unreadable" in e.value for e in at.error)
+    assert at.sidebar.multiselect(key="run").value == ["good"]  # never the default pick
+    assert "broken" not in at.sidebar.multiselect(key="run").value
+
+
+def test_the_url_names_the_default_run_and_a_missing_run_is_reported(small_app):
+    at = small_app()
+    assert at.query_params["run"] in ("syn", ["syn"]) and at.sidebar.multiselect(key="run").value == ["syn"]
+    at = small_app(run=["ghost", "crafted"])
+    assert at.sidebar.multiselect(key="run").value == ["crafted"]
+    warning = " ".join(w.value for w in at.sidebar.warning)
+    assert "ghost" in warning and "does not have" in warning
+
+
+def test_config_of_a_run_and_the_difference_of_two(small_app):
+    at = small_app(run=["crafted", "syn"])
+    grid = frame_with(at, "option", "crafted", "syn")
+    # only the options that differ: both set `steps` (3 vs 8), only syn sets `lr`
+    assert grid.set_index("option").loc["steps"].tolist() == ["3", "8"]
+    assert grid.set_index("option").loc["lr"].tolist() == ["(not set)", "1e-05"]
+    assert "group_size" not in set(grid["option"]) or grid.set_index("option").loc["group_size", "crafted"] != \
+        grid.set_index("option").loc["group_size", "syn"]
+    at.toggle(key="config_diff_only").set_value(False).run()
+    everything = frame_with(at, "option", "crafted", "syn")
+    assert len(everything) > len(grid)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the pages' new views
+
+
+def test_curves_take_the_step_0_heldout_point_from_the_evals_and_other_x_axes(app, runs_dir):
+    at = app("curves", run="tiny", smooth="none")
+    heldout = next(t for t in plotly_specs(at)["accuracy"]["data"] if t["name"] == "tiny · heldout_accuracy")
+    evals = store.read_evals(store.db_path(runs_dir, "tiny")).query("metric == 'avg@k' and subset == 'all'")
+    assert heldout["x"][0] == 0 and list(heldout["x"]) == evals["step"].tolist()
+    assert heldout["y"] == pytest.approx(evals["value"].tolist())
+    at.session_state["x"] = "tokens"
+    at.session_state["log"] = True
+    at.run()
+    entropy = plotly_specs(at)["entropy"]
+    tokens = store.read_step_tokens(store.db_path(runs_dir, "tiny"))
+    line = next(t for t in entropy["data"] if t["name"] == "tiny")
+    assert line["x"] == pytest.approx(tokens["n_tokens"].cumsum().tolist())
+    assert entropy["layout"]["yaxis"]["type"] == "log"
+    assert entropy["layout"]["xaxis"]["title"]["text"] == "tokens generated"
+    at.session_state["x"] = "wall_time"
+    at.run()
+    line = next(t for t in plotly_specs(at)["entropy"]["data"] if t["name"] == "tiny")
+    assert line["x"] == sorted(line["x"]) and line["x"][0] > 0  # hours from creation to each step's commit
+
+
+def test_distributions_page_bands_and_histogram_by_hand(small_app):
+    at = small_app("distributions", run="crafted", step="1")
+    specs = plotly_specs(at)
+    # step 1 advantages: the hard group 1/4 gives [1, 0, 0, 0], the all-wrong group [0, 0, 0, 0]
+    median = next(t for t in specs["quantile_bands"]["data"] if t.get("name") == "crafted · median")
+    assert median["x"] == [1, 2, 3] and median["y"][0] == 0
+    low = next(t for t in specs["quantile_bands"]["data"] if t.get("name") == "crafted · 5-95% quantiles")
+    high = next(t for t in specs["quantile_bands"]["data"] if t.get("uid") == "crafted · 5-95% high")
+    assert low["y"][0] == 0 and high["y"][0] == pytest.approx(0.65)  # linear quantile at 0.95 * 7 = 6.65
+    histogram = specs["histogram"]["data"][0]
+    assert sorted(histogram["x"]) == [0, 0, 0, 0, 0, 0, 0, 1]
+    at.segmented_control(key="quantity").set_value("n_tokens").run()
+    histogram = plotly_specs(at)["histogram"]["data"][0]
+    assert sorted(histogram["x"]) == sorted(len(r["response"]) for r in _crafted_rows(1)["rollouts"])
+
+
+def test_rollouts_say_why_each_response_was_gated(small_app):
+    at = small_app("rollouts", run="crafted", step="3")
+    shown = pd.concat(response_tables(at), ignore_index=True)
+    # step 3: group 0 is easy (3/4: the 3 successes are gated), group 1 hard (2/4: the 2 failures are gated)
+    assert shown["gate_reason"].tolist() == ["success_in_easy_group"] * 3 + [""] + [""] * 2 + \
+        ["failure_in_hard_group"] * 2
+    breakdown = frame_with(at, "why gated", "responses")
+    assert dict(zip(breakdown["why gated"], breakdown["responses"])) == {"success_in_easy_group": 3,
+                                                                         "failure_in_hard_group": 2}
+    bars = {t["name"]: (list(t["x"]), t["customdata"]) for t in plotly_specs(at)["gate_breakdown"]["data"]}
+    assert bars["failure in hard group"][0] == [1, 2, 3]
+    at.session_state["why"] = "failure_in_hard_group"
+    at.run()
+    assert pd.concat(response_tables(at))["sample_idx"].tolist() == [2, 3]
+
+
+def test_rollouts_links_keep_filters_and_a_missing_step_says_so(small_app):
+    at = small_app("rollouts", run="crafted", step="99999", reward="1")
+    assert at.select_slider(key="step").value == 3
+    assert "Step 99999 from the link has no rollouts; showing step 3" in texts(at)
+    assert (pd.concat(response_tables(at))["reward"] == 1).all()
+    assert at.selectbox(key="reward").value == "1"
+    # 12 groups a step: two pages, and the page is in the link
+    at = small_app("rollouts", run="syn", step="8", page="2")
+    headers = [m.value for m in at.markdown if m.value.startswith("**Group")]
+    assert [h.split("**")[1] for h in headers] == ["Group 10", "Group 11"]
+
+
+def test_prompt_heatmap_leaves_unsampled_steps_blank(small_app, small_dir):
+    at = small_app("prompts", run="syn")
+    heat = plotly_specs(at)["prompt_heatmap"]["data"][0]
+    histories = store.read_groups(store.db_path(small_dir, "syn"), 1)  # any step: prompts come back irregularly
+    assert list(heat["x"]) == list(range(min(heat["x"]), max(heat["x"]) + 1))  # one column per step
+    z = np.array(heat["z"], dtype=float)
+    assert np.isnan(z).any()  # steps where a prompt was not sampled stay empty
+    groups = store.query(store.db_path(small_dir, "syn"), "SELECT prompt_id, step, n_correct / group_size AS rate "
+                                                           "FROM groups")
+    row = heat["y"].index(heat["y"][0])
+    sampled = groups[groups["prompt_id"] == heat["y"][0]].set_index("step")["rate"]
+    for step, value in zip(heat["x"], z[row]):
+        assert (np.isnan(value) and step not in sampled.index) or value == pytest.approx(sampled.get(step, np.nan))
+    assert not histories.empty
+
+
+def test_the_same_prompt_side_by_side_across_steps_and_runs(small_app):
+    at = small_app("prompts", run=["crafted", "crafted-copy"], prompt=MOVING_PROMPT)
+    tables = [frame for frame in frames(at) if list(frame.columns) == ["sample_idx", "reward", "advantage",
+                                                                      "gate_reason", "response"]]
+    assert len(tables) == 6  # 3 steps x 2 runs, newest step first in each run's column
+    headers = [c.value for c in at.caption if c.value.startswith("step ")]
+    assert headers == ["step 3 · 3/4 correct · easy · baseline 1 · 3 gated", "step 2 · 1/4 correct · hard · baseline "
+                       "0 · 3 gated", "step 1 · 1/4 correct · hard · baseline 0 · 3 gated"] * 2
+    assert tables[3]["response"].tolist()[3] == EVIL_RESPONSE  # literal, in a cell
+    assert tables[3]["gate_reason"].tolist()[:3] == ["success_in_easy_group"] * 3
+
+
+def test_eval_samples_page_shows_answers_and_problems_across_checkpoints(small_app):
+    at = small_app("eval_samples", run="crafted")
+    assert at.select_slider(key="step").value == 3  # the newest evaluation
+    samples = frame_with(at, "problem_id", "extracted", "correct")
+    assert samples["correct"].tolist() == [True, False, True, False]
+    assert EVIL_RESPONSE in samples["response"].tolist() and "**7**" in samples["extracted"].tolist()
+    assert not any("<script>" in m.value for m in at.markdown)
+    grid = plotly_specs(at)["eval_grid"]["data"][0]
+    assert grid["x"] == ["1", "3"] and grid["y"] == ["q1", "q2"]
+    assert np.array(grid["z"], dtype=float).tolist() == [[0.0, 0.5], [0.5, 0.5]]
+    at.segmented_control(key="correct").set_value("wrong").run()
+    assert frame_with(at, "problem_id", "extracted", "correct")["correct"].tolist() == [False, False]
+    at = small_app("eval_samples", run="crafted", step="1", problem="q1")
+    assert frame_with(at, "problem_id", "extracted", "correct")["correct"].tolist() == [False, False]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Training curves of the picked runs, overlaid, growing live while a run trains."""
+"""Training curves of the picked runs, overlaid, redrawn at each new step of a live run (zoom and hidden legend entries
+survive the redraw)."""
 
 import pandas as pd
 import streamlit as st
@@ -12,19 +13,38 @@ OTHER_DEFAULT = ["loss", "grad_norm", "adv_abs_mean"]
 
 
 def chart(fig, key: str, metrics: list[str]) -> None:
-    st.plotly_chart(fig, key=key, config={"displaylogo": False})
+    board.plot(fig, key)
     st.caption(" · ".join(f"**{metric}**: {STEP_METRICS[metric]}" for metric in metrics if metric in STEP_METRICS))
 
 
-def body(run_ids: list[str], smoothing: tuple[str, float], other: list[str]) -> None:
+def heldout_points(view) -> pd.DataFrame:
+    """step, value of the run's own held-out evaluations (avg@k over the whole set), step 0 included."""
+    evals = view.evals
+    part = evals[(evals["source"] == "train") & (evals["metric"] == "avg@k") & (evals["subset"] == "all")]
+    if part.empty:  # a run from before the evals table: the steps column
+        steps = view.steps.dropna(subset=["heldout_accuracy"])
+        return pd.DataFrame({"step": steps["step"], "value": steps["heldout_accuracy"]})
+    return part.groupby("step", as_index=False)["value"].mean()
+
+
+def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, other: list[str]) -> None:
     views = {run_id: view for run_id in run_ids if (view := board.run_view(run_id)) is not None}
     if not views:
         return
     st.text("   ".join(board.progress_line(view) for view in views.values()))
-    frames = {run_id: view.steps for run_id, view in views.items()}
-    if all(frame.empty for frame in frames.values()):
+    board.heartbeat(views)
+    if all(view.steps.empty for view in views.values()):
         st.info("No step written yet: the first step appears here when the trainer finishes it.")
         return
+    frames = {run_id: charts.with_x_axes(view.steps, view.run.get("created_at"),
+                                         board.read("read_step_tokens", run_id) if x == "tokens" else None)
+              for run_id, view in views.items()}
+    missing = [run_id for run_id, frame in frames.items() if not frame.empty and frame[x].isna().all()]
+    if missing:
+        st.caption(f"{', '.join(missing)}: no {x.replace('_', ' ')} recorded (a run written before step times "
+                   "were kept); plotted by step instead.")
+        for run_id in missing:
+            frames[run_id] = frames[run_id].assign(**{x: frames[run_id]["step"]})
     colors = board.run_colors(list(views))
     bands = {}  # the band each run's trainer watched: its options, or relative to its first step's entropy
     for run_id, view in views.items():
@@ -34,41 +54,45 @@ def body(run_ids: list[str], smoothing: tuple[str, float], other: list[str]) -> 
         if band is not None:
             bands[run_id] = band
     warnings = {run_id: view.warnings for run_id, view in views.items()}
+    heldout = {run_id: heldout_points(view) for run_id, view in views.items()}
+    axes = dict(x=x, log_y=log_y)
 
     left, right = st.columns(2)
     with left:
-        chart(charts.entropy(frames, colors, bands, warnings, smoothing), "entropy", ["entropy"])
+        chart(charts.entropy(frames, colors, bands, warnings, smoothing, **axes), "entropy", ["entropy"])
         recorded = pd.concat([w.assign(run=run_id) for run_id, w in warnings.items()], ignore_index=True)
         if not recorded.empty:
             with st.expander(f"{len(recorded)} recorded warning(s)"):
                 st.dataframe(recorded[["run", "step", "kind", "message"]], hide_index=True)
     with right:
-        chart(charts.accuracy(frames, colors, smoothing), "accuracy", ["accuracy", "reward_mean", "heldout_accuracy"])
+        chart(charts.accuracy(frames, colors, heldout, smoothing, **axes), "accuracy",
+              ["accuracy", "reward_mean", "heldout_accuracy"])
     left, right = st.columns(2)
     with left:
-        chart(charts.lines(frames, ["frac_zero_adv"], colors, "zero-advantage (gated) fraction", smoothing),
+        chart(charts.lines(frames, ["frac_zero_adv"], colors, "zero-advantage (gated) fraction", smoothing, **axes),
               "frac_zero_adv", ["frac_zero_adv"])
     with right:
-        chart(charts.regimes(frames, smoothing), "regimes", list(charts.REGIME_METRICS))
+        chart(charts.regimes(frames, smoothing, x), "regimes", list(charts.REGIME_METRICS))
     left, right = st.columns(2)
     with left:
-        chart(charts.lines(frames, ["cov_logp_adv"], colors, "covariance of log-prob and advantage", smoothing),
-              "cov_logp_adv", ["cov_logp_adv"])
+        chart(charts.lines(frames, ["cov_logp_adv"], colors, "covariance of log-prob and advantage", smoothing,
+                           **axes), "cov_logp_adv", ["cov_logp_adv"])
     with right:
         chart(charts.lines(frames, ["entropy_pos", "entropy_neg"], colors, "entropy of positive vs negative "
-                           "responses", smoothing, "nats / token"), "entropy_split", ["entropy_pos", "entropy_neg"])
+                           "responses", smoothing, "nats / token", **axes), "entropy_split",
+              ["entropy_pos", "entropy_neg"])
     left, right = st.columns(2)
     with left:
-        chart(charts.lines(frames, ["response_len"], colors, "response length", smoothing, "tokens"),
+        chart(charts.lines(frames, ["response_len"], colors, "response length", smoothing, "tokens", **axes),
               "response_len", ["response_len"])
     with right:
-        chart(charts.lines(frames, ["clip_frac_low", "clip_frac_high"], colors, "clip fractions", smoothing),
+        chart(charts.lines(frames, ["clip_frac_low", "clip_frac_high"], colors, "clip fractions", smoothing, **axes),
               "clip_frac", ["clip_frac_low", "clip_frac_high"])
-    chart(charts.step_time(frames, smoothing), "step_time", list(charts.TIME_METRICS))
+    chart(charts.step_time(frames, smoothing, x), "step_time", list(charts.TIME_METRICS))
     columns = st.columns(2)
     for i, metric in enumerate(other):
         with columns[i % 2]:
-            chart(charts.lines(frames, [metric], colors, metric, smoothing), f"other_{metric}", [metric])
+            chart(charts.lines(frames, [metric], colors, metric, smoothing, **axes), f"other_{metric}", [metric])
 
 
 st.header("Training curves")
@@ -76,18 +100,25 @@ run_ids = board.shown_runs()
 if not run_ids:
     st.info("Pick one or more runs in the sidebar.")
     st.stop()
-controls = st.columns([1.4, 2, 3])
-method = controls[0].segmented_control("Smoothing", charts.SMOOTHING_METHODS, key="smooth", default="ema",
-                                       bind="query-params", required=True,
-                                       help="ema: exponential moving average (the raw curve stays faint below); "
-                                            "rolling: mean over a window of steps.")
+# two rows of controls, so none is clipped on a 1024 px screen with the sidebar open
+top = st.columns([3, 2])
+method = top[0].segmented_control("Smoothing", charts.SMOOTHING_METHODS, key="smooth", default="ema",
+                                  bind="query-params", required=True,
+                                  help="ema: exponential moving average (the raw curve stays faint below); "
+                                       "rolling: mean over a window of steps.")
 if method == "ema":
-    amount = controls[1].slider("EMA weight on the past", 0.0, 0.99, 0.6, 0.01, key="ema", persist_state="session")
+    amount = top[1].slider("EMA weight on the past", 0.0, 0.99, 0.6, 0.01, key="ema", bind="query-params")
 elif method == "rolling":
-    amount = controls[1].slider("Window (steps)", 1, 100, 10, key="window", persist_state="session")
+    amount = top[1].slider("Window (steps)", 1, 100, 10, key="window", bind="query-params")
 else:
     amount = 0.0
-other = controls[2].multiselect("More metrics", [m for m in STEP_METRICS if m not in charts.TIME_METRICS],
-                                default=OTHER_DEFAULT, key="other", persist_state="session",
-                                format_func=lambda m: m, help="Any other column of the steps table.")
-board.live(lambda: body(run_ids, (method, amount), other), run_ids, board.runs())
+bottom = st.columns([3, 1, 4])
+x_axis = bottom[0].segmented_control("x axis", list(charts.X_AXES), key="x", default="step", bind="query-params",
+                                     required=True,
+                                     help="step; wall time: hours from the run's start to each step's commit "
+                                          "(pauses and resumes included); tokens: response tokens generated so far")
+log_y = bottom[1].toggle("log y", key="log", bind="query-params", help="Logarithmic y axes (zeros are not drawn).")
+other = bottom[2].multiselect("More metrics", [m for m in STEP_METRICS if m not in charts.TIME_METRICS],
+                              default=OTHER_DEFAULT, key="other", bind="query-params",
+                              help="Any other column of the steps table.")
+body(run_ids, (method, amount), x_axis, log_y, other)

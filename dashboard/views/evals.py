@@ -30,7 +30,7 @@ def body(run_ids: list[str]) -> None:
                                help="'all', or one subject / level of the benchmark")
     part = everything[(everything["benchmark"] == benchmark) & (everything["subset"] == subset)]
     frames = {run_id: part[part["run"] == run_id] for run_id in evals}
-    st.plotly_chart(charts.evals(frames, colors, f"{benchmark} · {subset}"), key="evals_chart")
+    board.plot(charts.evals(frames, colors, f"{benchmark} · {subset}"), "evals_chart")
     latest = part.sort_values("step").groupby(["run", "metric", "k"], as_index=False).last()
     st.caption("latest value of each metric")
     st.dataframe(latest[["run", "step", "metric", "k", "value", "n_problems"]], hide_index=True, key="evals_latest",
@@ -46,4 +46,4 @@ run_ids = board.shown_runs()
 if not run_ids:
     st.info("Pick one or more runs in the sidebar.")
     st.stop()
-board.live(lambda: body(run_ids), run_ids, board.runs())
+body(run_ids)

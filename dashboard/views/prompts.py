@@ -31,8 +31,43 @@ def pick_prompt(prompts: pd.DataFrame) -> str:
                         help="Sorted by how often the prompt was sampled. Type to search prompt ids.")
 
 
+SIDE_BY_SIDE_STEPS = 8  # samplings of the prompt shown per run (the most recent)
+SAMPLE_COLUMNS = {
+    "sample_idx": st.column_config.NumberColumn("sample", width="small"),
+    "reward": st.column_config.NumberColumn("reward", format="%.2f", width="small"),
+    "advantage": st.column_config.NumberColumn("advantage", format="%+.3f", width="small"),
+    "gate_reason": st.column_config.TextColumn("why gated", width="small"),
+    "response": st.column_config.TextColumn("response", width="large"),
+}
+
+
+def side_by_side(prompt_id: str, run_ids: list[str]) -> None:
+    """The prompt's responses at each step it was sampled, one column per picked run."""
+    found = {run_id: frame for run_id in run_ids
+             if (frame := board.read("read_prompt_rollouts", run_id, prompt_id)) is not None and not frame.empty}
+    st.subheader("Its responses, step by step" + (" and run by run" if len(run_ids) > 1 else ""))
+    absent = [run_id for run_id in run_ids if run_id not in found]
+    if absent:
+        st.caption(f"Never sampled in {', '.join(absent)}.")
+    if not found:
+        return
+    columns = st.columns(len(found))
+    for column, (run_id, frame) in zip(columns, found.items()):
+        with column:
+            steps = list(dict.fromkeys(frame["step"]))
+            st.markdown(f"**{run_id}** · sampled at {len(steps)} step(s)"
+                        + (f", the last {SIDE_BY_SIDE_STEPS} shown" if len(steps) > SIDE_BY_SIDE_STEPS else ""))
+            for step in steps[-SIDE_BY_SIDE_STEPS:][::-1]:
+                rows = frame[frame["step"] == step]
+                first = rows.iloc[0]
+                st.caption(f"step {step} · {int(first['n_correct'])}/{int(first['group_size'])} correct · "
+                           f"{first['regime']} · baseline {first['baseline']:.3g} · {int(rows['gated'].sum())} gated")
+                st.dataframe(rows[list(SAMPLE_COLUMNS)], hide_index=True, column_config=SAMPLE_COLUMNS,
+                             key=f"side_{run_id}_{step}_{int(first['group_idx'])}", placeholder="")
+
+
 def body(run_id: str) -> None:
-    prompts = board.prompts(run_id)
+    prompts = board.read("read_prompts", run_id)
     if prompts is None:
         return
     if prompts.empty:
@@ -46,14 +81,15 @@ def body(run_id: str) -> None:
     prompt_id = pick_prompt(prompts)
     row = prompts.set_index("prompt_id").loc[prompt_id]
     board.show_prompt_and_answer(row["prompt"], row["answer"])
-    history = board.prompt_histories(run_id, [prompt_id])
+    history = board.read("read_prompt_histories", run_id, [prompt_id])
     if history is not None:
         cols = st.columns([2, 1])
         with cols[0]:
-            st.plotly_chart(charts.prompt_history(history, k), key="prompt_history")
+            board.plot(charts.prompt_history(history, k), "prompt_history")
         with cols[1]:
             st.dataframe(history[["step", "n_correct", "group_size", "baseline", "regime"]], hide_index=True,
                          key="prompt_history_table")
+    side_by_side(prompt_id, board.shown_runs())
     with st.expander("All prompts", expanded=False):
         st.dataframe(prompts[list(PROMPT_COLUMNS)], hide_index=True, column_config=PROMPT_COLUMNS, key="prompts")
     repeated = prompts[prompts["times_sampled"] > 1]
@@ -62,16 +98,16 @@ def body(run_id: str) -> None:
                    "come back once the run has gone through the training set.")
     else:
         top = [str(p) for p in repeated["prompt_id"].head(HEATMAP_PROMPTS)]
-        histories = board.prompt_histories(run_id, top)
+        histories = board.read("read_prompt_histories", run_id, top)
         if histories is not None:
-            st.plotly_chart(charts.prompt_heatmap(histories, top), key="prompt_heatmap")
-    counts = board.regime_counts(run_id)
+            board.plot(charts.prompt_heatmap(histories, top), "prompt_heatmap")
+    counts = board.read("read_regime_counts", run_id)
     if counts is not None:
-        st.plotly_chart(charts.regime_mix(counts), key="regime_mix")
+        board.plot(charts.regime_mix(counts), "regime_mix")
 
 
 st.header("Prompt history")
 run = board.pick_one_run()
 if run is None:
     st.stop()
-board.live(lambda: body(run), [run], board.runs())
+body(run)

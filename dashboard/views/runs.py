@@ -1,21 +1,34 @@
-"""Runs: every run in the runs dir with its status, setup and latest metrics."""
+"""Runs: every run in the runs dir with its status, setup, latest metrics and pace; a run's config and the difference
+between two runs' configs."""
+
+import json
 
 import pandas as pd
 import streamlit as st
 
 import board
-from qae_app.store import STEP_METRICS
+from qae_app import store
+from qae_app.store import STEP_METRICS, UNREADABLE
 
 COLUMNS = {
     "shown": st.column_config.CheckboxColumn("shown", help="Picked in the sidebar: shown on the other pages."),
-    "run_id": st.column_config.TextColumn("run"),
-    "status": st.column_config.TextColumn("status", help="running, finished, failed or interrupted"),
+    "run_id": st.column_config.TextColumn("run", help="The run's folder: a copied or renamed folder is a run of its "
+                                                      "own."),
+    "status": st.column_config.TextColumn(
+        "status", help="running, finished, failed, interrupted; stopped: stored as running but no trainer holds the "
+                       "run (killed without a chance to say so: resume it); unreadable: the database cannot be "
+                       "opened (see error)"),
     "estimator": st.column_config.TextColumn("estimator"),
     "k": st.column_config.NumberColumn("K", format="%.2f", help="QAE quantile level (empty for mean baselines)"),
     "group_size": st.column_config.NumberColumn("G", help="responses per prompt"),
     "model": st.column_config.TextColumn("model"),
     "task": st.column_config.TextColumn("task"),
     "progress": st.column_config.TextColumn("steps", help="last step written / steps configured"),
+    "last_step_age": st.column_config.TextColumn("last step", help="how long ago the last step was committed "
+                                                                   "(running runs)"),
+    "steps_per_min": st.column_config.NumberColumn("steps/min", format="%.3g",
+                                                   help="median pace of the last 50 steps (running runs)"),
+    "eta": st.column_config.TextColumn("ETA", help="time left to the configured steps at that pace"),
     "reward_mean": st.column_config.NumberColumn("reward", format="%.3f", help=STEP_METRICS["reward_mean"]),
     "accuracy": st.column_config.NumberColumn("accuracy", format="%.3f", help=STEP_METRICS["accuracy"]),
     "entropy": st.column_config.NumberColumn("entropy", format="%.3f", help=STEP_METRICS["entropy"]),
@@ -23,34 +36,83 @@ COLUMNS = {
                                                       help=STEP_METRICS["heldout_accuracy"]),
     "created_at": st.column_config.DatetimeColumn("created (UTC)", format="YYYY-MM-DD HH:mm"),
     "updated_at": st.column_config.DatetimeColumn("updated (UTC)", format="YYYY-MM-DD HH:mm:ss"),
-    "error": st.column_config.TextColumn("error"),
+    "stored_run_id": st.column_config.TextColumn("copied from", help="The id stored in the database, when it differs "
+                                                                     "from the folder (a copied or renamed run)."),
+    "error": st.column_config.TextColumn("error", width="large"),
 }
 
 
 def table(all_runs: pd.DataFrame) -> pd.DataFrame:
     frame = all_runs.copy()
+    for column in COLUMNS:
+        if column not in frame:
+            frame[column] = None
     configs = [board.run_config(row) for row in frame.to_dict("records")]
     total = [config.get("steps") for config in configs]
     last = frame["last_step"].astype("Int64").astype("string").fillna("0")
     frame["progress"] = [f"{step} / {steps}" if steps else step for step, steps in zip(last, total)]
+    frame.loc[frame["status"] == UNREADABLE, "progress"] = None
     frame["group_size"] = [config.get("group_size") for config in configs]
     frame["shown"] = frame["run_id"].isin(board.shown_runs())
-    return frame[[column for column in COLUMNS if column in frame]]
+    frame["stored_run_id"] = frame["stored_run_id"].where(frame["stored_run_id"] != frame["run_id"])
+    for i, row in frame[frame["status"] == "running"].iterrows():
+        view = board.run_view(row["run_id"])
+        if view is None:
+            continue
+        facts = store.run_pace(view.steps, board.run_config(view.run).get("steps"))
+        frame.at[i, "last_step_age"] = store.duration(facts["age_s"]) + " ago" if facts["age_s"] is not None else None
+        frame.at[i, "steps_per_min"] = facts["steps_per_min"]
+        frame.at[i, "eta"] = store.duration(facts["eta_s"]) if facts["eta_s"] is not None else None
+    shown = [column for column in COLUMNS if column not in ("last_step_age", "steps_per_min", "eta", "stored_run_id")
+             or frame[column].notna().any()]
+    return frame[shown]
 
 
-def body() -> None:
-    all_runs = board.runs()
-    if all_runs.empty:
-        st.info(f"No runs in `{board.runs_dir()}` yet. Start one with `qae train --runs-dir {board.runs_dir()}`; "
-                "it appears here within seconds.")
+def config_section(all_runs: pd.DataFrame) -> None:
+    """One run's config, or (two runs picked) the options where they differ."""
+    readable = all_runs[all_runs["status"] != UNREADABLE]
+    ids = [str(r) for r in readable["run_id"]]
+    if not ids:
         return
-    st.dataframe(table(all_runs), hide_index=True, column_config=COLUMNS, key="runs_table")
-    counts = all_runs["status"].value_counts()
-    st.caption(" · ".join(f"{n} {status}" for status, n in counts.items()) + f" · refreshed every "
-               f"{board.refresh_interval() or '—'} s while a run is running")
+    st.subheader("Config")
+    shown = [r for r in board.shown_runs() if r in ids]
+    default = shown[:2] if shown else ids[:1]
+    picked = st.multiselect("Runs to compare (one: its config; two or more: the options that differ)", ids,
+                            default=default, key="config_runs", max_selections=4)
+    if not picked:
+        return
+    configs = {run_id: board.run_config(readable.set_index("run_id").loc[run_id].to_dict()) for run_id in picked}
+    keys = list(dict.fromkeys(key for config in configs.values() for key in config))
+
+    def cell(config: dict, key: str) -> str:
+        return json.dumps(config[key]) if key in config else "(not set)"
+
+    grid = pd.DataFrame({"option": keys, **{run_id: [cell(config, key) for key in keys]
+                                            for run_id, config in configs.items()}})
+    if len(picked) > 1:
+        differ = grid[picked].nunique(axis=1) > 1
+        only = st.toggle("only the options that differ", value=True, key="config_diff_only")
+        st.caption(f"{int(differ.sum())} of {len(keys)} options differ")
+        if only:
+            grid = grid[differ]
+    st.dataframe(grid, hide_index=True, key="config_table", placeholder="")
+
+
+def unreadable_notice(all_runs: pd.DataFrame) -> None:
+    for row in all_runs[all_runs["status"] == UNREADABLE].to_dict("records"):
+        st.error(f"**{row['run_id']}** is unreadable: {board.literal(row['error'])}. Other runs are unaffected; the run's "
+                 "checkpoints, if any, are still in its folder.", icon=":material/broken_image:")
 
 
 st.header("Runs")
 st.caption("Pick the runs to show (and compare) in the sidebar; the choice is kept in the URL, so you can share it.")
 runs_now = board.runs()
-board.live(body, list(runs_now["run_id"]), runs_now)
+if runs_now.empty:
+    st.info(f"No runs in `{board.runs_dir()}` yet. Start one with `qae train --runs-dir {board.runs_dir()}`; "
+            "it appears here within seconds.")
+    st.stop()
+unreadable_notice(runs_now)
+st.dataframe(table(runs_now), hide_index=True, column_config=COLUMNS, key="runs_table", placeholder="")
+counts = runs_now["status"].value_counts()
+st.caption(" · ".join(f"{n} {status}" for status, n in counts.items()))
+config_section(runs_now)

@@ -1,0 +1,56 @@
+"""Distributions: advantage, reward, response length and entropy over each step's responses, as quantile bands over
+the steps and as a histogram of one step, for the picked runs overlaid."""
+
+import streamlit as st
+
+import board
+import charts
+from qae_app.store import DISTRIBUTION_COLUMNS, QUANTILES
+
+
+def body(run_ids: list[str], column: str, log_y: bool) -> None:
+    label = DISTRIBUTION_COLUMNS[column]
+    quantiles = {run_id: q for run_id in run_ids
+                 if (q := board.read("read_quantiles", run_id, column)) is not None and not q.empty}
+    if not quantiles:
+        st.info("No rollouts written yet: distributions appear here when the trainer finishes its first step.")
+        return
+    colors = board.run_colors(run_ids)
+    steps = sorted({int(s) for q in quantiles.values() for s in q["step"]})
+    requested = st.query_params.get("step")
+    if requested not in {str(s) for s in steps} and (requested is not None or "step" not in st.session_state):
+        board.seed("step", steps[-1])  # first visit, or a step without rollouts: the newest
+    step = steps[0] if len(steps) == 1 else st.select_slider("Step of the histogram", steps, key="step",
+                                                             bind="query-params")
+    left, right = st.columns([3, 2])
+    with left:
+        bands = "-".join(f"{q:.0%}" for q in (QUANTILES[0], QUANTILES[-1]))
+        board.plot(charts.quantile_bands(quantiles, colors, f"{label} over each step's responses",
+                                              label, step, log_y), "quantile_bands")
+        st.caption(f"Line: median over the step's responses; dark band: 25-75%; light band: {bands}. Hover for the "
+                   "values and the mean.")
+    with right:
+        values = {}
+        for run_id in quantiles:
+            frame = board.rollouts(run_id, step)
+            if frame is not None and not frame.empty:
+                values[run_id] = frame[column]
+        if values:
+            board.plot(charts.histogram(values, colors, f"{label} at step {step}", label), "histogram")
+            st.caption(" · ".join(f"{run_id}: {len(v)} responses, mean {v.mean():.4g}, median {v.median():.4g}"
+                                  for run_id, v in values.items()))
+        else:
+            st.caption(f"No picked run has responses at step {step}.")
+
+
+st.header("Distributions")
+run_ids = board.shown_runs()
+if not run_ids:
+    st.info("Pick one or more runs in the sidebar.")
+    st.stop()
+controls = st.columns([4, 1])
+quantity = controls[0].segmented_control("Quantity", list(DISTRIBUTION_COLUMNS), key="quantity", default="advantage",
+                                         bind="query-params", required=True,
+                                         help="; ".join(f"{k}: {v}" for k, v in DISTRIBUTION_COLUMNS.items()))
+log_y = controls[1].toggle("log y", key="log", bind="query-params")
+body(run_ids, quantity, log_y)

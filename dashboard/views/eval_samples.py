@@ -1,0 +1,98 @@
+"""Eval samples: what the model answered in each evaluation (response, extracted answer, correct or not), and each
+problem's result across the evaluated checkpoints.
+
+Model text is data, never markup: responses and answers are shown in dataframe cells and with st.code.
+"""
+
+from functools import partial
+
+import pandas as pd
+import streamlit as st
+
+import board
+import charts
+
+CORRECT_CHOICES = {"all": None, "correct": True, "wrong": False}
+SOURCES = {"train": "during training", "eval": "qae eval"}
+SAMPLE_COLUMNS = {
+    "problem_id": st.column_config.TextColumn("problem"),
+    "sample_idx": st.column_config.NumberColumn("sample", width="small"),
+    "correct": st.column_config.CheckboxColumn("correct", width="small"),
+    "verified": st.column_config.CheckboxColumn("verified", width="small",
+                                                help="False: the verifier timed out (scored as wrong)"),
+    "extracted": st.column_config.TextColumn("extracted answer", width="medium"),
+    "response": st.column_config.TextColumn("response (click a row to open it)", width="large"),
+    "n_tokens": st.column_config.NumberColumn("tokens", width="small"),
+}
+
+
+def open_sample(samples: pd.DataFrame) -> None:
+    selection = st.session_state["eval_samples_table"]["selection"]
+    rows = list(selection.get("rows", [])) + [cell[0] for cell in selection.get("cells", [])]
+    st.session_state["_open_sample"] = samples.iloc[rows[0]].to_dict() if rows else None
+
+
+def body(run_id: str) -> None:
+    checkpoints = board.read("read_eval_checkpoints", run_id)
+    if checkpoints is None:
+        return
+    if checkpoints.empty:
+        st.info("No evaluation samples stored for this run. Train with `--eval-every N`, or run `qae eval --model "
+                f"{run_id}`; every sampled answer is stored and shown here.")
+        return
+    names = {f"{b} ({SOURCES.get(s, s)})": (b, s) for b, s in checkpoints[["benchmark", "source"]].drop_duplicates()
+             .itertuples(index=False)}
+    cols = st.columns([2, 3])
+    name = cols[0].selectbox("Benchmark", list(names), key="benchmark", bind="query-params")
+    benchmark, source = names[name]
+    part = checkpoints[(checkpoints["benchmark"] == benchmark) & (checkpoints["source"] == source)]
+    steps = [int(s) for s in part["step"]]
+    requested = st.query_params.get("step")
+    if requested not in {str(s) for s in steps} and (requested is not None or "step" not in st.session_state):
+        board.seed("step", steps[-1])  # first visit, or a step not evaluated: the newest evaluation
+    with cols[1]:
+        step = steps[0] if len(steps) == 1 else st.select_slider("Evaluated at step", steps, key="step",
+                                                                 bind="query-params")
+    row = part[part["step"] == step].iloc[0]
+    summary = st.columns(3)
+    summary[0].metric("accuracy (all samples)", f"{row['accuracy']:.3f}")
+    summary[1].metric("problems", int(row["n_problems"]))
+    summary[2].metric("samples", int(row["n_samples"]))
+
+    grid = board.read("read_eval_problem_grid", run_id, benchmark, source)
+    if grid is not None and not grid.empty:
+        at_step = grid[grid["step"] == step]
+        solved = int((at_step["n_correct"] > 0).sum())
+        st.caption(f"At step {step}: {solved} of {len(at_step)} problems solved by at least one sample, "
+                   f"{int((at_step['n_correct'] == at_step['n_samples']).sum())} by every sample.")
+        with st.expander("Each problem across the evaluated checkpoints", expanded=len(steps) > 1):
+            board.plot(charts.eval_problem_grid(grid, f"{benchmark}: fraction of samples correct"), "eval_grid")
+
+    filters = st.columns([1, 2, 2])
+    correct = filters[0].segmented_control("Samples", list(CORRECT_CHOICES), key="correct", default="all",
+                                           bind="query-params", required=True)
+    problems = sorted(grid.loc[grid["step"] == step, "problem_id"].unique()) if grid is not None else []
+    problem = filters[1].selectbox("Problem", ["any", *problems], key="problem", bind="query-params")
+    search = filters[2].text_input("Search responses and answers", key="eval_search", bind="query-params",
+                                   placeholder="plain text, case-insensitive")
+    samples = board.read("read_eval_samples", run_id, benchmark, source, step, CORRECT_CHOICES[correct],
+                         None if problem == "any" else problem, search or None)
+    if samples is None:
+        return
+    st.caption(f"{len(samples)} samples match")
+    st.dataframe(samples[list(SAMPLE_COLUMNS)], hide_index=True, column_config=SAMPLE_COLUMNS,
+                 key="eval_samples_table", on_select=partial(open_sample, samples),
+                 selection_mode=["single-row", "single-cell"], placeholder="")
+    opened = st.session_state.get("_open_sample")
+    if opened is not None:
+        st.caption(f"problem {opened['problem_id']} · sample {opened['sample_idx']} · "
+                   + ("correct" if opened["correct"] else "wrong") + " · extracted answer:")
+        st.code(str(opened["extracted"]), language=None, wrap_lines=True)
+        st.code(str(opened["response"]), language=None, wrap_lines=True)
+
+
+st.header("Eval samples")
+run = board.pick_one_run()
+if run is None:
+    st.stop()
+body(run)
