@@ -275,8 +275,10 @@ def literal(text: str) -> str:
 def seed(key: str, value) -> None:
     """Set a URL-bound widget's value from the code (a default, or a correction of a bad link) before the widget is
     drawn: in the session for this run and in the URL, so the address bar always shows what the page shows."""
+    bound = key in st.session_state  # the widget was drawn before: Streamlit writes its new value into the URL
     st.session_state[key] = value
-    st.query_params[key] = [str(v) for v in value] if isinstance(value, list) else str(value)
+    if not bound:
+        st.query_params[key] = [str(v) for v in value] if isinstance(value, list) else str(value)
 
 
 # ---------------------------------------------------------------------------------------------------------------

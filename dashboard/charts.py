@@ -31,7 +31,8 @@ GATE_COLORS = {"all_correct_group": "#1f77b4", "all_wrong_group": "#7f7f7f", "su
 REGIME_METRICS = {f"frac_{regime}": regime for regime in REGIMES}  # steps column -> regime
 TIME_METRICS = ("rollout_s", "reward_s", "update_s")
 TIME_COLORS = {"rollout_s": "#1f77b4", "reward_s": "#ff7f0e", "update_s": "#2ca02c"}
-PANELS_PER_ROW = 3  # per-run panels (stacked areas) wrap after this many
+PANELS_PER_ROW = 4  # per-run panels (stacked areas, drawn full width) wrap after this many
+MAX_LEGEND_ENTRIES = 6  # more (run, metric) lines than this: the legend lists runs and the title names the dashes
 # legends go under the plot, where plotly makes room for however many rows they take
 LAYOUT = dict(margin=dict(l=10, r=10, t=50, b=10), height=400, hovermode="x unified", uirevision="keep",
               template="plotly_white",
@@ -70,8 +71,26 @@ def with_x_axes(steps: pd.DataFrame, created_at, tokens: pd.DataFrame | None) ->
     return frame
 
 
+LEGEND_ROW_PX = 22  # a horizontal legend row under a half-width chart
+CHART_PX = 560  # the width of a chart in one of two columns on a wide screen
+
+
+def _legend_height(fig: go.Figure) -> int:
+    """Pixels the legend under the plot needs beyond its first two rows (entries of ~7 px per character)."""
+    names = [t.name or "" for t in fig.data if t.showlegend is not False]
+    if not names:
+        return 0
+    per_row = max(1, CHART_PX // (40 + 7 * max(len(name) for name in names)))
+    rows = -(-len(names) // per_row)
+    return LEGEND_ROW_PX * max(0, rows - 2)
+
+
 def _layout(fig: go.Figure, title: str, y_title: str | None = None, x: str = "step", log_y: bool = False,
             **extra) -> go.Figure:
+    """Title, axes and the shared layout; a chart with many legend entries grows instead of squashing its plot."""
+    extra.setdefault("height", LAYOUT["height"] + _legend_height(fig))
+    if "<br>" in title:  # a subtitle line
+        extra.setdefault("margin", {**LAYOUT["margin"], "t": 70})
     fig.update_layout(title=dict(text=title, x=0, y=0.98, yanchor="top", font=dict(size=15)), **{**LAYOUT, **extra})
     fig.update_xaxes(title_text=X_AXES.get(x, x), automargin=True)
     fig.update_yaxes(automargin=True)
@@ -88,22 +107,30 @@ def lines(frames: dict[str, pd.DataFrame], metrics: list[str], colors: dict[str,
     """One line per (run, metric) over `x` (a column of each frame: a key of X_AXES): color = run, dash =
     metric; with smoothing, the raw values stay as a faint line under the smoothed one."""
     fig = go.Figure()
+    # many runs x metrics: one legend entry per run (it shows and hides all of the run's lines), dashes in the title
+    per_run = len(metrics) > 1 and len(frames) * len(metrics) > MAX_LEGEND_ENTRIES
     for run_id, steps in frames.items():
+        shown_in_legend = False
         for i, metric in enumerate(metrics):
             if metric not in steps or steps[metric].isna().all():
                 continue
             name = run_id if len(metrics) == 1 else f"{run_id} · {metric}"
+            group = run_id if per_run else name
             smoothed = smooth(steps[metric], *smoothing)
             if smoothing[0] != "none":
                 fig.add_trace(go.Scatter(x=steps[x], y=steps[metric], mode="lines", name=f"{name} (raw)",
                                          uid=f"{name} (raw)",
                                          line=dict(color=colors[run_id], width=1, dash=DASHES[i % len(DASHES)]),
-                                         opacity=0.25, showlegend=False, hoverinfo="skip", legendgroup=name))
-            fig.add_trace(go.Scatter(x=steps[x], y=smoothed, mode="lines", name=name, legendgroup=name, uid=name,
+                                         opacity=0.25, showlegend=False, hoverinfo="skip", legendgroup=group))
+            fig.add_trace(go.Scatter(x=steps[x], y=smoothed, mode="lines", name=run_id if per_run else name,
+                                     legendgroup=group, uid=name, showlegend=not (per_run and shown_in_legend),
                                      line=dict(color=colors[run_id], width=2, dash=DASHES[i % len(DASHES)]),
                                      customdata=steps["step"],
                                      hovertemplate=f"{html.escape(name)}: %{{y:.4g}} (step %{{customdata}})"
                                                    "<extra></extra>"))
+            shown_in_legend = True
+    if per_run:
+        title += "<br><sup>" + " · ".join(f"{DASHES[i % len(DASHES)]}: {m}" for i, m in enumerate(metrics)) + "</sup>"
     return _layout(fig, title, y_title, x, log_y)
 
 
@@ -154,6 +181,9 @@ def accuracy(frames: dict[str, pd.DataFrame], colors: dict[str, str], heldout: d
     """accuracy (solid) and reward_mean (dash) per run; held-out accuracy (`heldout`: step, value per run, from the
     evals table, so the step-0 evaluation before training is included) as diamonds."""
     fig = lines(frames, ["accuracy", "reward_mean"], colors, "accuracy and reward", smoothing, x=x, log_y=log_y)
+    if len(frames) * 3 > MAX_LEGEND_ENTRIES:
+        fig.update_layout(title_text="accuracy and reward<br><sup>solid: accuracy · dash: reward_mean · ◆: held-out"
+                                     "</sup>")
     for run_id, held in heldout.items():
         if held.empty:
             continue
@@ -161,7 +191,9 @@ def accuracy(frames: dict[str, pd.DataFrame], colors: dict[str, str], heldout: d
         xs = held["step"] if x == "step" else held["step"].map(
             pd.concat([pd.Series({0: 0.0}), steps.set_index("step")[x]]))  # step 0 is the start of every axis
         name = f"{run_id} · heldout_accuracy"
+        per_run = len(frames) * 3 > MAX_LEGEND_ENTRIES  # the run's legend entry also shows and hides this
         fig.add_trace(go.Scatter(x=xs, y=held["value"], mode="lines+markers", name=name, uid=name,
+                                 legendgroup=run_id if per_run else name, showlegend=not per_run,
                                  line=dict(color=colors[run_id], width=1, dash="dot"),
                                  customdata=held["step"],
                                  hovertemplate=f"{html.escape(name)}: %{{y:.4g}} (step %{{customdata}})"
@@ -199,7 +231,7 @@ def stacked(frames: dict[str, pd.DataFrame], metrics: dict[str, str], metric_col
     _layout(fig, title, x=x, height=120 + 280 * rows,
             legend=dict(orientation="v", yanchor="top", y=1, xanchor="left", x=1.02))
     fig.update_annotations(font=dict(size=12))
-    fig.update_xaxes(title_text=None)
+    fig.update_xaxes(title_text=None, nticks=4)
     fig.update_xaxes(title_text=X_AXES.get(x, x), row=rows)
     fig.update_yaxes(title_text=y_title, col=1)
     if y_max is not None:

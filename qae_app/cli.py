@@ -266,6 +266,8 @@ def rollouts(
             raise QAEUserError("--gated and --kept exclude each other. Pass one of them, or neither for both.")
         if regime is not None and regime not in REGIMES:
             raise QAEUserError(f"regime: unknown value '{regime}'. Choose one of: {', '.join(REGIMES)}.")
+        if why is not None and kept:
+            raise QAEUserError("--why selects gated responses, --kept the others. Pass one of them.")
         if why is not None and why not in GATE_REASONS:
             raise QAEUserError(f"why: unknown reason '{why}'. Choose one of: {', '.join(GATE_REASONS)}.")
         if limit < 1:

@@ -259,7 +259,8 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
 def _steps_table(steps: pd.DataFrame, width: int, metrics: list[str] | None, every: int) -> list[RenderableType]:
     stride = every or max(1, len(steps) // 15)
     picked = list(range(0, len(steps), stride))
-    if picked[-1] != len(steps) - 1:
+    appended = picked[-1] != len(steps) - 1
+    if appended:
         picked.append(len(steps) - 1)  # always the last step
     shown = steps.iloc[picked]
     names = metrics or SHOW_METRICS + [m for m in store.STEP_METRICS if m not in SHOW_METRICS]
@@ -270,7 +271,7 @@ def _steps_table(steps: pd.DataFrame, width: int, metrics: list[str] | None, eve
         columns.append(Column(metric_header(name), [number(v) for v in shown[name]], justify="right",
                               priority=0 if metrics else rank, name=name))
     fitted = fit(columns, width)
-    title = f"steps (every {stride}, and the last)" if stride > 1 else "steps"
+    title = f"steps (every {stride}{', and the last' if appended else ''})" if stride > 1 else "steps"
     parts: list[RenderableType] = [Text(title, style="bold"), fitted.table]
     if note := dropped_note(fitted.dropped, width, "widen the terminal or pick with --metrics"):
         parts.append(note)

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from qae_app import store
 from qae_app.cli import app
+from qae_app.names import GATE_REASONS
 from qae_app.terminal import number, shared_prefix
 from tests.synthetic import write_run
 
@@ -196,3 +197,9 @@ def test_shared_prefix_cuts_at_a_separator():
 def test_numbers_keep_their_digits():
     assert [number(v) for v in (None, float("nan"), 3, 3.0, 0.12345, -0.0456, 123.456, 1.5e-05, 2.5e7)] == \
         ["-", "-", "3", "3", "0.123", "-0.046", "123.5", "1.5e-05", "2.5e+07"]
+
+
+def test_readme_defines_every_gate_reason():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.+?) \|$", readme, re.M))
+    assert {name: rows.get(name) for name in GATE_REASONS} == GATE_REASONS

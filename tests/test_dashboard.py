@@ -560,6 +560,59 @@ def test_dashboard_readers_on_the_crafted_run(runs_dir):
     assert sorted(history["prompt_id"].unique()) == [MOVING_PROMPT, "p-other-1"] and len(history) == 4
 
 
+def test_round_two_readers_by_hand(small_dir):
+    path = store.db_path(small_dir, "crafted")
+    # step 3: group 0 easy (successes 0-2 gated), group 1 hard (failures 2-3 gated); step 1: hard 1/4 + all wrong
+    breakdown = store.read_gate_breakdown(path)
+    assert breakdown.query("step == 3").set_index("gate_reason")["n"].to_dict() == {
+        "failure_in_hard_group": 2, "success_in_easy_group": 3}
+    assert breakdown.query("step == 1").set_index("gate_reason")["n"].to_dict() == {
+        "all_wrong_group": 4, "failure_in_hard_group": 3}
+    quantiles = store.read_quantiles(path, "advantage").set_index("step")
+    assert quantiles.loc[1, "mean"] == pytest.approx(1 / 8) and quantiles.loc[1, "q0.95"] == pytest.approx(0.65)
+    with pytest.raises(ValueError, match="not one of"):
+        store.read_quantiles(path, "response; DROP TABLE rollouts")
+    tokens = store.read_step_tokens(path)
+    assert tokens["n_responses"].tolist() == [8, 8, 8]
+    assert tokens["n_tokens"].tolist() == [sum(len(r["response"]) for r in _crafted_rows(s)["rollouts"])
+                                           for s in (1, 2, 3)]
+    moving = store.read_prompt_rollouts(path, MOVING_PROMPT)
+    assert moving["step"].tolist() == [1] * 4 + [2] * 4 + [3] * 4 and moving["regime"].tolist()[-1] == "easy"
+    checkpoints = store.read_eval_checkpoints(path)
+    assert checkpoints[["step", "n_problems", "n_samples"]].values.tolist() == [[1, 2, 4], [3, 2, 4]]
+    assert checkpoints["accuracy"].tolist() == [0.25, 0.5]
+    grid = store.read_eval_problem_grid(path, "mini", "eval")
+    assert grid[["problem_id", "step", "n_correct"]].values.tolist() == [["q1", 1, 0], ["q1", 3, 1], ["q2", 1, 1],
+                                                                         ["q2", 3, 1]]
+    assert store.read_eval_samples(path, "mini", "eval", 3, search="SCRIPT")["problem_id"].tolist() == ["q2"]
+    steps = store.read_steps(path)
+    assert steps["logged_at"].notna().all() and steps["logged_at"].is_monotonic_increasing
+
+
+def test_file_version_changes_with_each_commit_and_only_then(tmp_path):
+    writer = write_run(tmp_path, "r", steps=2, status=None)
+    path = store.db_path(tmp_path, "r")
+    before = store.file_version(path)
+    store.read_runs(tmp_path), store.read_steps(path)  # readers change nothing
+    assert store.file_version(path) == before
+    write_run(tmp_path, "r", steps=1, start_step=3, writer=writer, status=None)
+    assert store.file_version(path) != before
+
+
+def test_run_pace_from_step_times():
+    from datetime import datetime, timedelta
+
+    start = datetime(2026, 1, 1, 12, 0, 0)
+    # 10 steps 6 s apart, with a 600 s pause (an evaluation) before step 6: the median spacing ignores the pause
+    times = [start + timedelta(seconds=6 * i + (600 if i >= 5 else 0)) for i in range(10)]
+    steps = pd.DataFrame({"step": range(1, 11), "logged_at": times})
+    facts = store.run_pace(steps, 110, now=times[-1] + timedelta(seconds=30))
+    assert facts["age_s"] == 30 and facts["steps_per_min"] == pytest.approx(10)
+    assert facts["eta_s"] == pytest.approx(100 * 6)
+    assert store.run_pace(steps.assign(logged_at=pd.NaT), 110)["steps_per_min"] is None
+    assert store.duration(45) == "45 s" and store.duration(600) == "10 min" and store.duration(3 * 3600) == "3.0 h"
+
+
 def test_smoothing_by_hand():
     values = pd.Series([1.0, None, 3.0, 5.0])
     assert charts.smooth(values, "none").equals(values)
@@ -634,3 +687,84 @@ def test_qae_dashboard_stops_cleanly_on_ctrl_c(runs_dir):
     assert "dashboard stopped" in output and "Traceback" not in output
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2)
+
+
+def _start_dashboard(runs_dir: Path, port: int) -> subprocess.Popen:
+    qae = Path(sys.executable).parent / "qae"
+    return subprocess.Popen([str(qae), "dashboard", "--runs-dir", str(runs_dir), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _children(pid: int) -> list[int]:
+    """Pids of the direct children of `pid` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+def test_qae_dashboard_stops_the_server_on_sigterm(small_dir):
+    port = free_port()
+    process = _start_dashboard(small_dir, port)
+    try:
+        wait_healthy(port, process)
+        servers = _children(process.pid)
+        assert servers, "qae dashboard runs streamlit as a child process"
+        process.send_signal(signal.SIGTERM)  # to qae alone, as systemd or `kill PID` would
+        output, _ = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 0, output
+    assert "dashboard stopped" in output and "Traceback" not in output
+    assert not [pid for pid in servers if Path(f"/proc/{pid}").exists()
+                and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+    assert not listening_addresses(port)
+
+
+@pytest.mark.slow
+def test_qae_dashboard_fails_when_the_port_is_taken(small_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process = _start_dashboard(small_dir, port)
+        try:
+            output, _ = process.communicate(timeout=120)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    assert process.returncode == 1, output
+    assert f"Port {port} is not available" in output and "the dashboard server exited with code 1" in output
+
+
+@pytest.mark.slow
+def test_the_dashboard_and_terminal_views_do_not_import_torch(small_dir):
+    """Every page (AppTest) and `qae runs/show/rollouts` in a fresh interpreter: torch is never loaded."""
+    script = f"""
+import os, sys
+os.environ["QAE_RUNS_DIR"] = {str(small_dir)!r}
+from streamlit.testing.v1 import AppTest
+for page in ["runs", "curves", "distributions", "rollouts", "prompts", "evals", "eval_samples"]:
+    at = AppTest.from_file({str(APP)!r}, default_timeout=60)
+    at.query_params["run"] = ["crafted"]
+    at.run()
+    at.switch_page(f"views/{{page}}.py").run()
+    assert not at.exception, (page, [e.value for e in at.exception])
+from typer.testing import CliRunner
+from qae_app.cli import app
+for args in (["runs"], ["show", "crafted"], ["rollouts", "crafted"]):
+    assert CliRunner().invoke(app, [*args, "--runs-dir", {str(small_dir)!r}]).exit_code == 0, args
+print("torch loaded:", "torch" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "torch loaded: False" in result.stdout

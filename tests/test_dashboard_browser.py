@@ -170,3 +170,137 @@ def test_curves_grow_while_qae_train_writes(start, dashboard, page, tmp_path):
     run = store.read_run(path)
     assert run["status"] in ("interrupted", "finished"), run
     assert run["last_step"] >= seen[-1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# round two: run identity, liveness, chart state
+
+PLOT_STATE = """(index) => { const gd = document.querySelectorAll('.js-plotly-plot')[index];
+    return {range: gd.layout.xaxis.range, visible: gd.data.map(t => t.visible === 'legendonly' ? 'hidden' : 'shown'),
+            points: gd._fullData[0].x.length}; }"""
+COUNT_REDRAWS = """() => { window.qaeRedraws = 0;
+    document.querySelectorAll('.js-plotly-plot').forEach(gd => gd.on('plotly_afterplot', () => window.qaeRedraws++)); }"""
+
+
+def start_trainer(start, runs_dir: Path, tmp_path: Path, name: str) -> subprocess.Popen:
+    """A real `qae train` of the built-in model, long enough to outlive the test; returns once its run exists."""
+    trainer = start([str(QAE), "train", "--runs-dir", str(runs_dir), "--run-name", name, "--steps", "5000",
+                     "--prompts-per-step", "4", "--group-size", "8", "--eval-every", "0", "--checkpoint-every", "0"],
+                    stdout=open(tmp_path / f"train-{name}.log", "w"), stderr=subprocess.STDOUT, cwd=tmp_path)
+    return trainer
+
+
+def wait_for_steps(path: Path, trainer: subprocess.Popen, log: Path, n: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert trainer.poll() is None, log.read_text()[-3000:]
+        if path.exists():
+            try:
+                last = store.read_last_step(path)
+            except Exception:  # noqa: BLE001 - the trainer holds the file for a moment
+                last = None
+            if last is not None and last >= n:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{path} has not reached step {n}")
+
+
+def test_a_copied_run_folder_is_its_own_run_and_a_click_opens_a_response(dashboard, page, tmp_path):
+    from test_dashboard import EVIL_RESPONSE, _write_crafted
+
+    runs_dir = tmp_path / "runs"
+    _write_crafted(runs_dir)
+    shutil.copytree(runs_dir / "crafted", runs_dir / "crafted-copy")  # `cp -r runs/X runs/copy`
+    url = dashboard(runs_dir)
+    page.goto(f"{url}/?run=crafted-copy")
+    wait_idle(page)
+    table = page.get_by_test_id("stDataFrame").first
+    expect(table).to_contain_text("crafted-copy", timeout=60_000)
+    page.goto(f"{url}/curves?run=crafted-copy")
+    expect(page.get_by_text("crafted-copy · finished · step 3 / 3")).to_be_visible(timeout=60_000)
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 9", timeout=60_000)
+    assert "no database" not in page.inner_text("body")
+    screenshot(page, tmp_path, "dashboard-copied-run.png")
+    page.goto(f"{url}/rollouts?run=crafted-copy&step=3")
+    wait_idle(page)
+    expect(page.get_by_test_id("stMetricValue").nth(0)).to_have_text("8 / 8", timeout=60_000)
+    # click the response cell of sample 3 of group 0 (not the row's checkbox): the response opens in full
+    grid = page.get_by_test_id("stDataFrame").nth(1)
+    box = grid.bounding_box()
+    grid.scroll_into_view_if_needed()
+    box = grid.bounding_box()
+    header_px, row_px = 35, 35
+    page.mouse.click(box["x"] + box["width"] * 0.75, box["y"] + header_px + row_px * 3.5)
+    expect(page.get_by_test_id("stCode").filter(has_text="<script>alert('x')</script>")).to_be_visible(
+        timeout=30_000)
+    assert EVIL_RESPONSE.split(" ")[0] in page.inner_text("body")
+    screenshot(page, tmp_path, "dashboard-copied-rollouts.png")
+
+
+@pytest.mark.slow
+def test_a_new_run_appears_on_an_open_empty_page(start, dashboard, page, tmp_path):
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    url = dashboard(runs_dir)
+    page.goto(url)
+    expect(page.get_by_text("No runs in")).to_be_visible(timeout=60_000)
+    trainer = start_trainer(start, runs_dir, tmp_path, "fresh")
+    # no reload: the watcher sees the new run folder and redraws the page
+    expect(page.get_by_test_id("stDataFrame").first).to_contain_text("fresh", timeout=240_000)
+    picker = page.get_by_test_id("stSidebar").get_by_test_id("stMultiSelect")
+    expect(picker.get_by_text("fresh", exact=True)).to_be_visible(timeout=30_000)  # picked: nothing else was
+    expect(page.get_by_test_id("stSidebar").get_by_text("live: fresh training")).to_be_visible(timeout=30_000)
+    assert "run=fresh" in page.url  # the default pick is in the link
+    screenshot(page, tmp_path, "dashboard-new-run.png")
+    trainer.send_signal(signal.SIGTERM)
+    trainer.wait(timeout=120)
+
+
+@pytest.mark.slow
+def test_zoom_survives_new_steps_and_a_killed_run_stops_redrawing(start, dashboard, page, tmp_path):
+    runs_dir = tmp_path / "runs"
+    trainer = start_trainer(start, runs_dir, tmp_path, "live")
+    path = store.db_path(runs_dir, "live")
+    wait_for_steps(path, trainer, tmp_path / "train-live.log", 3)
+    url = dashboard(runs_dir)
+    page.goto(f"{url}/curves?run=live&smooth=none")
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 9", timeout=90_000)
+    expect(page.get_by_text(re.compile(r"live · running · step \d+ / 5000"))).to_be_visible(timeout=60_000)
+
+    # zoom the entropy chart with a mouse drag and hide a trace of the accuracy chart from its legend
+    entropy = page.locator(".js-plotly-plot").nth(0)
+    entropy.scroll_into_view_if_needed()
+    area = entropy.locator(".nsewdrag").first.bounding_box()
+    page.mouse.move(area["x"] + area["width"] * 0.3, area["y"] + area["height"] * 0.2)
+    page.mouse.down()
+    page.mouse.move(area["x"] + area["width"] * 0.6, area["y"] + area["height"] * 0.8, steps=8)
+    page.mouse.up()
+    page.locator(".js-plotly-plot").nth(1).locator(".legendtoggle").first.click()
+    # plotly waits out a possible double click before it hides the trace
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot')[1].data[0].visible === 'legendonly'",
+                           timeout=10_000)
+    zoomed, hidden = page.evaluate(PLOT_STATE, 0), page.evaluate(PLOT_STATE, 1)
+    assert zoomed["range"] is not None
+
+    # new steps arrive and are drawn into the same charts: the zoom and the hidden trace stay
+    page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot')[0]._fullData[0].x.length >= "
+                           f"{zoomed['points'] + 2}", timeout=120_000)
+    after, after_hidden = page.evaluate(PLOT_STATE, 0), page.evaluate(PLOT_STATE, 1)
+    assert after["points"] > zoomed["points"]
+    assert after["range"] == zoomed["range"]
+    assert after_hidden["visible"] == hidden["visible"]
+    screenshot(page, tmp_path, "dashboard-zoom-kept.png")
+
+    # kill -9: the run is shown as stopped without a reload, and the page stops redrawing
+    os.kill(trainer.pid, signal.SIGKILL)
+    trainer.wait(timeout=30)
+    expect(page.get_by_text(re.compile(r"live · stopped · step \d+ / 5000"))).to_be_visible(timeout=60_000)
+    expect(page.get_by_text("no shown run is training")).to_be_visible(timeout=30_000)
+    time.sleep(2)
+    page.evaluate(COUNT_REDRAWS)
+    shown = page.inner_text("body")
+    time.sleep(15)  # three refresh intervals
+    assert page.evaluate("window.qaeRedraws") == 0
+    assert page.inner_text("body") == shown
+    assert store.read_runs(runs_dir).set_index("run_id").loc["live", "status"] == "stopped"
+    screenshot(page, tmp_path, "dashboard-killed.png")

@@ -63,7 +63,7 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
         recorded = pd.concat([w.assign(run=run_id) for run_id, w in warnings.items()], ignore_index=True)
         if not recorded.empty:
             with st.expander(f"{len(recorded)} recorded warning(s)"):
-                st.dataframe(recorded[["run", "step", "kind", "message"]], hide_index=True)
+                st.dataframe(recorded[["run", "step", "kind", "message"]], hide_index=True, placeholder="")
     with right:
         chart(charts.accuracy(frames, colors, heldout, smoothing, **axes), "accuracy",
               ["accuracy", "reward_mean", "heldout_accuracy"])
@@ -72,20 +72,19 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
         chart(charts.lines(frames, ["frac_zero_adv"], colors, "zero-advantage (gated) fraction", smoothing, **axes),
               "frac_zero_adv", ["frac_zero_adv"])
     with right:
-        chart(charts.regimes(frames, smoothing, x), "regimes", list(charts.REGIME_METRICS))
-    left, right = st.columns(2)
-    with left:
         chart(charts.lines(frames, ["cov_logp_adv"], colors, "covariance of log-prob and advantage", smoothing,
                            **axes), "cov_logp_adv", ["cov_logp_adv"])
-    with right:
+    chart(charts.regimes(frames, smoothing, x), "regimes", list(charts.REGIME_METRICS))  # a panel per run: full width
+    left, right = st.columns(2)
+    with left:
         chart(charts.lines(frames, ["entropy_pos", "entropy_neg"], colors, "entropy of positive vs negative "
                            "responses", smoothing, "nats / token", **axes), "entropy_split",
               ["entropy_pos", "entropy_neg"])
-    left, right = st.columns(2)
-    with left:
+    with right:
         chart(charts.lines(frames, ["response_len"], colors, "response length", smoothing, "tokens", **axes),
               "response_len", ["response_len"])
-    with right:
+    left, right = st.columns(2)
+    with left:
         chart(charts.lines(frames, ["clip_frac_low", "clip_frac_high"], colors, "clip fractions", smoothing, **axes),
               "clip_frac", ["clip_frac_low", "clip_frac_high"])
     chart(charts.step_time(frames, smoothing, x), "step_time", list(charts.TIME_METRICS))
@@ -100,8 +99,8 @@ run_ids = board.shown_runs()
 if not run_ids:
     st.info("Pick one or more runs in the sidebar.")
     st.stop()
-# two rows of controls, so none is clipped on a 1024 px screen with the sidebar open
-top = st.columns([3, 2])
+# controls in rows of two, so none is clipped on a 1024 px screen with the sidebar open
+top = st.columns(2)
 method = top[0].segmented_control("Smoothing", charts.SMOOTHING_METHODS, key="smooth", default="ema",
                                   bind="query-params", required=True,
                                   help="ema: exponential moving average (the raw curve stays faint below); "
@@ -112,13 +111,13 @@ elif method == "rolling":
     amount = top[1].slider("Window (steps)", 1, 100, 10, key="window", bind="query-params")
 else:
     amount = 0.0
-bottom = st.columns([3, 1, 4])
+bottom = st.columns(2)
 x_axis = bottom[0].segmented_control("x axis", list(charts.X_AXES), key="x", default="step", bind="query-params",
                                      required=True,
                                      help="step; wall time: hours from the run's start to each step's commit "
                                           "(pauses and resumes included); tokens: response tokens generated so far")
 log_y = bottom[1].toggle("log y", key="log", bind="query-params", help="Logarithmic y axes (zeros are not drawn).")
-other = bottom[2].multiselect("More metrics", [m for m in STEP_METRICS if m not in charts.TIME_METRICS],
-                              default=OTHER_DEFAULT, key="other", bind="query-params",
-                              help="Any other column of the steps table.")
+other = st.multiselect("More metrics", [m for m in STEP_METRICS if m not in charts.TIME_METRICS],
+                       default=OTHER_DEFAULT, key="other", bind="query-params",
+                       help="Any other column of the steps table.")
 body(run_ids, (method, amount), x_axis, log_y, other)

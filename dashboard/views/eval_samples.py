@@ -26,10 +26,11 @@ SAMPLE_COLUMNS = {
 }
 
 
-def open_sample(samples: pd.DataFrame) -> None:
+def open_sample(samples: pd.DataFrame, where: tuple) -> None:
+    """Clicking a cell (or a row's checkbox) opens that sample below the table (for this benchmark and step)."""
     selection = st.session_state["eval_samples_table"]["selection"]
     rows = list(selection.get("rows", [])) + [cell[0] for cell in selection.get("cells", [])]
-    st.session_state["_open_sample"] = samples.iloc[rows[0]].to_dict() if rows else None
+    st.session_state["_open_sample"] = (where, samples.iloc[rows[0]].to_dict()) if rows else None
 
 
 def body(run_id: str) -> None:
@@ -68,7 +69,7 @@ def body(run_id: str) -> None:
         with st.expander("Each problem across the evaluated checkpoints", expanded=len(steps) > 1):
             board.plot(charts.eval_problem_grid(grid, f"{benchmark}: fraction of samples correct"), "eval_grid")
 
-    filters = st.columns([1, 2, 2])
+    filters = st.columns([1.4, 2, 2])
     correct = filters[0].segmented_control("Samples", list(CORRECT_CHOICES), key="correct", default="all",
                                            bind="query-params", required=True)
     problems = sorted(grid.loc[grid["step"] == step, "problem_id"].unique()) if grid is not None else []
@@ -81,10 +82,10 @@ def body(run_id: str) -> None:
         return
     st.caption(f"{len(samples)} samples match")
     st.dataframe(samples[list(SAMPLE_COLUMNS)], hide_index=True, column_config=SAMPLE_COLUMNS,
-                 key="eval_samples_table", on_select=partial(open_sample, samples),
+                 key="eval_samples_table", on_select=partial(open_sample, samples, (run_id, name, step)),
                  selection_mode=["single-row", "single-cell"], placeholder="")
-    opened = st.session_state.get("_open_sample")
-    if opened is not None:
+    where, opened = st.session_state.get("_open_sample") or (None, None)
+    if opened is not None and where == (run_id, name, step):
         st.caption(f"problem {opened['problem_id']} · sample {opened['sample_idx']} · "
                    + ("correct" if opened["correct"] else "wrong") + " · extracted answer:")
         st.code(str(opened["extracted"]), language=None, wrap_lines=True)

@@ -34,10 +34,10 @@ def body(run_ids: list[str]) -> None:
     latest = part.sort_values("step").groupby(["run", "metric", "k"], as_index=False).last()
     st.caption("latest value of each metric")
     st.dataframe(latest[["run", "step", "metric", "k", "value", "n_problems"]], hide_index=True, key="evals_latest",
-                 column_config={"value": st.column_config.NumberColumn(format="%.3f")})
+                 column_config={"value": st.column_config.NumberColumn(format="%.3f")}, placeholder="")
     with st.expander("every evaluation row"):
         st.dataframe(everything[["run", "step", "benchmark", "subset", "metric", "k", "value", "n_problems"]],
-                     hide_index=True, key="evals_all")
+                     hide_index=True, key="evals_all", placeholder="")
 
 
 st.header("Evaluations")

@@ -1,5 +1,9 @@
-"""Prompt history: how one prompt's success rate and regime move over the steps it was sampled, and the regime mix
-of every step."""
+"""Prompt history: how one prompt's success rate and regime move over the steps it was sampled, its responses at each
+of those steps side by side for every picked run, the most-sampled prompts as a heatmap and the regime mix of every
+step.
+
+Model text is data, never markup: prompts and responses are shown with st.code and in dataframe cells.
+"""
 
 import pandas as pd
 import streamlit as st
@@ -36,7 +40,7 @@ SAMPLE_COLUMNS = {
     "sample_idx": st.column_config.NumberColumn("sample", width="small"),
     "reward": st.column_config.NumberColumn("reward", format="%.2f", width="small"),
     "advantage": st.column_config.NumberColumn("advantage", format="%+.3f", width="small"),
-    "gate_reason": st.column_config.TextColumn("why gated", width="small"),
+    "gate_reason": st.column_config.TextColumn("why gated", width="medium"),
     "response": st.column_config.TextColumn("response", width="large"),
 }
 
@@ -88,10 +92,11 @@ def body(run_id: str) -> None:
             board.plot(charts.prompt_history(history, k), "prompt_history")
         with cols[1]:
             st.dataframe(history[["step", "n_correct", "group_size", "baseline", "regime"]], hide_index=True,
-                         key="prompt_history_table")
+                         key="prompt_history_table", placeholder="")
     side_by_side(prompt_id, board.shown_runs())
     with st.expander("All prompts", expanded=False):
-        st.dataframe(prompts[list(PROMPT_COLUMNS)], hide_index=True, column_config=PROMPT_COLUMNS, key="prompts")
+        st.dataframe(prompts[list(PROMPT_COLUMNS)], hide_index=True, column_config=PROMPT_COLUMNS, key="prompts",
+                     placeholder="")
     repeated = prompts[prompts["times_sampled"] > 1]
     if repeated.empty:
         st.caption("No prompt has been sampled twice yet, so there is no history to compare across steps: prompts "

@@ -15,7 +15,7 @@ import charts
 from qae_app.names import GATE_REASONS, REGIMES
 
 GROUPS_PER_PAGE = 10
-ROW_PX, MAX_TABLE_PX = 35, 600  # a group's table shows up to ~16 responses without scrolling
+ROW_PX, MAX_TABLE_PX = 35, 610  # a group's table shows up to ~16 responses without scrolling
 GATED_CHOICES = {"all": None, "gated": True, "kept": False}
 REGIME_BADGE = {"hard": "red", "easy": "green", "all_correct": "blue", "all_wrong": "gray", "mixed": "violet"}
 RESPONSE_COLUMNS = {
@@ -92,9 +92,9 @@ def group(step: int, rows: pd.DataFrame) -> None:
         samples = [int(s) for s in rows["sample_idx"]]
         table_key, select_key = f"table_{step}_{g}", f"open_{step}_{g}"
         st.dataframe(styled(rows), hide_index=True, column_config=RESPONSE_COLUMNS, key=table_key,
-                     height=min(ROW_PX * (len(rows) + 1) + 3, MAX_TABLE_PX),
+                     height=min(ROW_PX * (len(rows) + 1) + 8, MAX_TABLE_PX),
                      on_select=partial(open_row, table_key, select_key, samples),
-                     selection_mode=["single-row", "single-cell"])
+                     selection_mode=["single-row", "single-cell"], placeholder="")
         by_sample = rows.set_index("sample_idx")
         chosen = st.selectbox("Open a response in full", [None, *samples], key=select_key,
                               format_func=lambda s: "—" if s is None else (
@@ -116,9 +116,13 @@ def gate_summary(run_id: str, step: int, everything: pd.DataFrame) -> None:
     table = pd.DataFrame({"why gated": list(GATE_REASONS), "responses": [int(counts.get(r, 0)) for r in GATE_REASONS],
                           "meaning": list(GATE_REASONS.values())})
     table["share of the step"] = table["responses"] / max(len(everything), 1)
-    with st.expander(f"Why {len(gated)} of {len(everything)} responses of step {step} were gated", expanded=False):
+    st.markdown(f"**Why gated** at step {step}: " + (" · ".join(
+        f"{n} {reason.replace('_', ' ')}" for reason, n in zip(table["why gated"], table["responses"]) if n)
+        or "none gated"))
+    with st.expander("The breakdown, with what each reason means, and over every step", expanded=False):
         st.dataframe(table[table["responses"] > 0], hide_index=True, key="gate_table",
-                     column_config={"share of the step": st.column_config.NumberColumn(format="percent")})
+                     column_config={"share of the step": st.column_config.NumberColumn(format="percent")},
+                     placeholder="")
         breakdown = board.read("read_gate_breakdown", run_id)
         totals = board.read("read_step_tokens", run_id)
         if breakdown is not None and totals is not None:
@@ -138,7 +142,7 @@ def body(run_id: str) -> None:
     everything = board.rollouts(run_id, step)
     if everything is None:
         return
-    filters = st.columns([1, 1, 1, 1.3, 2])
+    filters = st.columns([1.1, 1.6, 0.8, 1.5])
     regime = filters[0].selectbox("Regime", ["any", *REGIMES], key="regime", bind="query-params")
     gated = filters[1].segmented_control("Responses", list(GATED_CHOICES), key="gated", default="all",
                                          bind="query-params", required=True)
@@ -146,8 +150,8 @@ def body(run_id: str) -> None:
     reward = filters[2].selectbox("Reward", ["any", *rewards], key="reward", bind="query-params")
     reason = filters[3].selectbox("Why gated", ["any", *GATE_REASONS], key="why", bind="query-params",
                                   help="; ".join(f"{k}: {v}" for k, v in GATE_REASONS.items()))
-    search = filters[4].text_input("Search prompts and responses", key="search", bind="query-params",
-                                   placeholder="plain text, case-insensitive")
+    search = st.text_input("Search prompts and responses", key="search", bind="query-params",
+                           placeholder="plain text, case-insensitive")
     shown = board.rollouts(run_id, step, gated=GATED_CHOICES[gated], regime=None if regime == "any" else regime,
                            reward=None if reward == "any" else float(reward), search=search)
     if shown is None:

@@ -14,6 +14,8 @@ COLUMNS = {
     "shown": st.column_config.CheckboxColumn("shown", help="Picked in the sidebar: shown on the other pages."),
     "run_id": st.column_config.TextColumn("run", help="The run's folder: a copied or renamed folder is a run of its "
                                                       "own."),
+    "stored_run_id": st.column_config.TextColumn("copied from", help="The id stored in the database, when it differs "
+                                                                     "from the folder (a copied or renamed run)."),
     "status": st.column_config.TextColumn(
         "status", help="running, finished, failed, interrupted; stopped: stored as running but no trainer holds the "
                        "run (killed without a chance to say so: resume it); unreadable: the database cannot be "
@@ -36,8 +38,6 @@ COLUMNS = {
                                                       help=STEP_METRICS["heldout_accuracy"]),
     "created_at": st.column_config.DatetimeColumn("created (UTC)", format="YYYY-MM-DD HH:mm"),
     "updated_at": st.column_config.DatetimeColumn("updated (UTC)", format="YYYY-MM-DD HH:mm:ss"),
-    "stored_run_id": st.column_config.TextColumn("copied from", help="The id stored in the database, when it differs "
-                                                                     "from the folder (a copied or renamed run)."),
     "error": st.column_config.TextColumn("error", width="large"),
 }
 

@@ -1,0 +1,91 @@
+"""How long each dashboard page takes to draw for a 1,000-step run with 128,000 rollouts, on 2 cores.
+
+The run is written synthetically through the real store (tests/synthetic.py: 16 prompts x 8 responses a step, an
+evaluation of 30 problems x 4 samples every 50 steps), then every page is run with Streamlit's AppTest, which
+executes the page's script as the server does (reads, figures, tables) without a browser:
+
+- cold: caches cleared first, as when a new step of a live run arrives (every reader's cache key changes);
+- warm: the same page again with the caches filled (a rerun after a widget change).
+
+    python bench/bench_dashboard.py [--keep DIR] [--repeats N]
+
+Goal: every page under 3 s cold. The last line names the worst page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PAGES = ["runs", "curves", "distributions", "rollouts", "prompts", "evals", "eval_samples"]
+GOAL_S = 3.0
+STEPS, PROMPTS, GROUP = 1000, 16, 8
+
+
+def build(runs_dir: Path) -> None:
+    from tests.synthetic import write_run
+
+    if (runs_dir / "big" / "qae.duckdb").exists():
+        print(f"reusing {runs_dir / 'big'}")
+        return
+    t0 = time.perf_counter()
+    write_run(runs_dir, "big", steps=STEPS, prompts_per_step=PROMPTS, group_size=GROUP, n_prompts=2000,
+              eval_every=50, eval_problems=30, eval_k=4, seed=0)
+    print(f"wrote {STEPS} steps x {PROMPTS * GROUP} rollouts in {time.perf_counter() - t0:.0f} s")
+
+
+def render(page: str, cold: bool) -> float:
+    """Seconds to run `page` (sidebar included) for the big run."""
+    import streamlit as st
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(str(ROOT / "dashboard" / "app.py"), default_timeout=300)
+    at.query_params["run"] = ["big"]
+    at.run()
+    if cold:
+        st.cache_data.clear()
+    t0 = time.perf_counter()
+    at.switch_page(f"views/{page}.py").run()
+    seconds = time.perf_counter() - t0
+    if at.exception:
+        raise RuntimeError(f"{page}: {[e.value for e in at.exception]}")
+    return seconds
+
+
+def main() -> None:
+    from streamlit.logger import set_log_level
+
+    set_log_level("error")  # AppTest outside a server warns about its missing runtime at every run
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keep", type=Path, help="Folder for the runs (kept, and reused when it holds the run).")
+    parser.add_argument("--repeats", type=int, default=3, help="Timed runs per page (the median is printed).")
+    args = parser.parse_args()
+    if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 2:
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
+    print(f"cores: {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()}")
+    runs_dir = args.keep or Path(tempfile.mkdtemp(prefix="qae-bench-dashboard-"))
+    build(runs_dir)
+    os.environ["QAE_RUNS_DIR"] = str(runs_dir)
+    render("runs", cold=True)  # imports and the first run of the app, not counted
+    results = {}
+    print(f"{'page':<15}{'cold s':>8}{'warm s':>8}")
+    for page in PAGES:
+        cold = statistics.median(render(page, cold=True) for _ in range(args.repeats))
+        warm = statistics.median(render(page, cold=False) for _ in range(args.repeats))
+        results[page] = cold
+        print(f"{page:<15}{cold:>8.2f}{warm:>8.2f}", flush=True)
+    worst = max(results, key=results.get)
+    verdict = "under" if results[worst] < GOAL_S else "OVER"
+    print(f"worst page: {worst} {results[worst]:.2f} s cold ({verdict} the {GOAL_S:g} s goal)")
+
+
+if __name__ == "__main__":
+    main()
