@@ -29,8 +29,9 @@ REGIME_COLORS = {"hard": "#d62728", "easy": "#2ca02c", "all_correct": "#1f77b4",
 GATE_COLORS = {"all_correct_group": "#1f77b4", "all_wrong_group": "#7f7f7f", "success_in_easy_group": "#2ca02c",
                "failure_in_hard_group": "#d62728", "reward_at_baseline": "#9467bd"}
 REGIME_METRICS = {f"frac_{regime}": regime for regime in REGIMES}  # steps column -> regime
-TIME_METRICS = ("rollout_s", "reward_s", "update_s")
-TIME_COLORS = {"rollout_s": "#1f77b4", "reward_s": "#ff7f0e", "update_s": "#2ca02c"}
+TIME_METRICS = ("rollout_s", "reward_s", "update_s", "eval_s", "write_s", "checkpoint_s")  # parts of step_s, stacked
+TIME_COLORS = {"rollout_s": "#1f77b4", "reward_s": "#ff7f0e", "update_s": "#2ca02c", "eval_s": "#9467bd",
+               "write_s": "#8c564b", "checkpoint_s": "#7f7f7f"}
 PANELS_PER_ROW = 4  # per-run panels (stacked areas, drawn full width) wrap after this many
 MAX_LEGEND_ENTRIES = 6  # more (run, metric) lines than this: the legend lists runs and the title names the dashes
 # legends go under the plot, where plotly makes room for however many rows they take

@@ -226,8 +226,8 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
     config = _config(info)
     parts: list[RenderableType] = [
         Text.assemble((str(info["run_id"]), "bold"), "  ", status_text(info["status"])),
-        Text(f"{_estimator(info)} · model {info.get('model')} · task {info.get('task')} · seed {info.get('seed')} · "
-             f"{_progress(info, config)} steps"),
+        Text(f"{_estimator(info)} · model {info.get('model')} · task {info.get('task')} · "
+             f"seed {info.get('seed')} · {_progress(info, config)} steps"),
     ]
     stored = info.get("stored_run_id")
     if stored and stored != info["run_id"]:
@@ -264,9 +264,11 @@ def _steps_table(steps: pd.DataFrame, width: int, metrics: list[str] | None, eve
         picked.append(len(steps) - 1)  # always the last step
     shown = steps.iloc[picked]
     names = metrics or SHOW_METRICS + [m for m in store.STEP_METRICS if m not in SHOW_METRICS]
+    # a metric this run never recorded (dH without --log-entropy-delta) takes no column unless asked for
+    empty = [] if metrics else [name for name in names if name in steps and steps[name].isna().all()]
     columns = [Column("step", [str(int(s)) for s in shown["step"]], justify="right")]
     for rank, name in enumerate(names, start=1):
-        if name not in shown:
+        if name not in shown or name in empty:
             continue
         columns.append(Column(metric_header(name), [number(v) for v in shown[name]], justify="right",
                               priority=0 if metrics else rank, name=name))
@@ -275,6 +277,8 @@ def _steps_table(steps: pd.DataFrame, width: int, metrics: list[str] | None, eve
     parts: list[RenderableType] = [Text(title, style="bold"), fitted.table]
     if note := dropped_note(fitted.dropped, width, "widen the terminal or pick with --metrics"):
         parts.append(note)
+    if empty:
+        parts.append(Text(f"no values in this run: {', '.join(empty)}", style="dim"))
     return parts
 
 

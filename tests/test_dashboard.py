@@ -518,8 +518,9 @@ def test_the_same_prompt_side_by_side_across_steps_and_runs(small_app):
                                                                       "gate_reason", "response"]]
     assert len(tables) == 6  # 3 steps x 2 runs, newest step first in each run's column
     headers = [c.value for c in at.caption if c.value.startswith("step ")]
-    assert headers == ["step 3 · 3/4 correct · easy · baseline 1 · 3 gated", "step 2 · 1/4 correct · hard · baseline "
-                       "0 · 3 gated", "step 1 · 1/4 correct · hard · baseline 0 · 3 gated"] * 2
+    assert headers == ["step 3 · 3/4 correct · easy · baseline 1 · 3 gated",
+                       "step 2 · 1/4 correct · hard · baseline 0 · 3 gated",
+                       "step 1 · 1/4 correct · hard · baseline 0 · 3 gated"] * 2
     assert tables[3]["response"].tolist()[3] == EVIL_RESPONSE  # literal, in a cell
     assert tables[3]["gate_reason"].tolist()[:3] == ["success_in_easy_group"] * 3
 

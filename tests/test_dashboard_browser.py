@@ -178,8 +178,8 @@ def test_curves_grow_while_qae_train_writes(start, dashboard, page, tmp_path):
 PLOT_STATE = """(index) => { const gd = document.querySelectorAll('.js-plotly-plot')[index];
     return {range: gd.layout.xaxis.range, visible: gd.data.map(t => t.visible === 'legendonly' ? 'hidden' : 'shown'),
             points: gd._fullData[0].x.length}; }"""
-COUNT_REDRAWS = """() => { window.qaeRedraws = 0;
-    document.querySelectorAll('.js-plotly-plot').forEach(gd => gd.on('plotly_afterplot', () => window.qaeRedraws++)); }"""
+COUNT_REDRAWS = """() => { window.qaeRedraws = 0; document.querySelectorAll('.js-plotly-plot').forEach(
+    gd => gd.on('plotly_afterplot', () => window.qaeRedraws++)); }"""
 
 
 def start_trainer(start, runs_dir: Path, tmp_path: Path, name: str) -> subprocess.Popen:

@@ -25,6 +25,7 @@ LAYERS = [
     {"advantages", "losses", "models", "rewards"},
     {"rollout", "vllm_engine", "evaluate", "warmstart"},
     {"trainer", "sweep"},
+    {"terminal"},  # what the reading commands print (torch-free, like everything the dashboard and `qae runs` use)
     {"cli"},
 ]
 ALLOWED_CYCLES = [{"rollout", "vllm_engine"}]  # rollout imports the vLLM engine lazily, only for --engine vllm

@@ -31,6 +31,9 @@ COLUMNS = {
     "steps_per_min": st.column_config.NumberColumn("steps/min", format="%.3g",
                                                    help="median pace of the last 50 steps (running runs)"),
     "eta": st.column_config.TextColumn("ETA", help="time left to the configured steps at that pace"),
+    "pending_writes": st.column_config.NumberColumn(
+        "pending writes", help="Writes the trainer saved under pending/ because a reader held the database; it "
+                               "writes them as soon as the file is free."),
     "reward_mean": st.column_config.NumberColumn("reward", format="%.3f", help=STEP_METRICS["reward_mean"]),
     "accuracy": st.column_config.NumberColumn("accuracy", format="%.3f", help=STEP_METRICS["accuracy"]),
     "entropy": st.column_config.NumberColumn("entropy", format="%.3f", help=STEP_METRICS["entropy"]),
@@ -63,8 +66,10 @@ def table(all_runs: pd.DataFrame) -> pd.DataFrame:
         frame.at[i, "last_step_age"] = store.duration(facts["age_s"]) + " ago" if facts["age_s"] is not None else None
         frame.at[i, "steps_per_min"] = facts["steps_per_min"]
         frame.at[i, "eta"] = store.duration(facts["eta_s"]) if facts["eta_s"] is not None else None
-    shown = [column for column in COLUMNS if column not in ("last_step_age", "steps_per_min", "eta", "stored_run_id")
-             or frame[column].notna().any()]
+    frame["pending_writes"] = frame["pending_writes"].where(frame["pending_writes"].fillna(0) > 0)
+    # shown when some run has one
+    optional = ("last_step_age", "steps_per_min", "eta", "stored_run_id", "pending_writes")
+    shown = [column for column in COLUMNS if column not in optional or frame[column].notna().any()]
     return frame[shown]
 
 
@@ -100,8 +105,8 @@ def config_section(all_runs: pd.DataFrame) -> None:
 
 def unreadable_notice(all_runs: pd.DataFrame) -> None:
     for row in all_runs[all_runs["status"] == UNREADABLE].to_dict("records"):
-        st.error(f"**{row['run_id']}** is unreadable: {board.literal(row['error'])}. Other runs are unaffected; the run's "
-                 "checkpoints, if any, are still in its folder.", icon=":material/broken_image:")
+        st.error(f"**{row['run_id']}** is unreadable: {board.literal(row['error'])}. Other runs are unaffected; the "
+                 "run's checkpoints, if any, are still in its folder.", icon=":material/broken_image:")
 
 
 st.header("Runs")
