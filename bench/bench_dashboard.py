@@ -15,6 +15,7 @@ Goal: every page under 3 s cold. The last line names the worst page.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import sys
@@ -61,9 +62,7 @@ def render(page: str, cold: bool) -> float:
 
 
 def main() -> None:
-    from streamlit.logger import set_log_level
-
-    set_log_level("error")  # AppTest outside a server warns about its missing runtime at every run
+    logging.disable(logging.WARNING)  # AppTest outside a server warns about its missing runtime at every run
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", type=Path, help="Folder for the runs (kept, and reused when it holds the run).")
     parser.add_argument("--repeats", type=int, default=3, help="Timed runs per page (the median is printed).")

@@ -16,6 +16,7 @@ import math
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from qae_app.names import GATE_REASONS, REGIMES
@@ -36,8 +37,13 @@ PANELS_PER_ROW = 4  # per-run panels (stacked areas, drawn full width) wrap afte
 MAX_LEGEND_ENTRIES = 6  # more (run, metric) lines than this: the legend lists runs and the title names the dashes
 # legends go under the plot, where plotly makes room for however many rows they take
 LAYOUT = dict(margin=dict(l=10, r=10, t=50, b=10), height=400, hovermode="x unified", uirevision="keep",
-              template="plotly_white",
+              paper_bgcolor="white", plot_bgcolor="white", font=dict(color="#2a3f5f"),
               legend=dict(orientation="h", yanchor="top", y=-0.28, xanchor="left", x=0, title=None))
+AXES = dict(showgrid=True, gridcolor="#e5ecf6", zeroline=False, linecolor="#c8d4e3", ticks="outside",
+            tickcolor="#c8d4e3", automargin=True)
+# Figures are styled by LAYOUT and AXES alone: plotly's default template is deep-copied into every figure built,
+# which was two thirds of the time to build the curves page of a 1,000-step run.
+pio.templates.default = "none"
 
 
 def smooth(values: pd.Series, method: str = "none", amount: float = 0.0) -> pd.Series:
@@ -93,8 +99,8 @@ def _layout(fig: go.Figure, title: str, y_title: str | None = None, x: str = "st
     if "<br>" in title:  # a subtitle line
         extra.setdefault("margin", {**LAYOUT["margin"], "t": 70})
     fig.update_layout(title=dict(text=title, x=0, y=0.98, yanchor="top", font=dict(size=15)), **{**LAYOUT, **extra})
-    fig.update_xaxes(title_text=X_AXES.get(x, x), automargin=True)
-    fig.update_yaxes(automargin=True)
+    fig.update_xaxes(title_text=X_AXES.get(x, x), **AXES)
+    fig.update_yaxes(**AXES)
     if y_title:
         fig.update_yaxes(title_text=y_title)
     if log_y:

@@ -99,6 +99,9 @@ def config_section(all_runs: pd.DataFrame) -> None:
         only = st.toggle("only the options that differ", value=True, key="config_diff_only")
         st.caption(f"{int(differ.sum())} of {len(keys)} options differ")
         if only:
+            if not differ.any():
+                st.info("These runs have the same config.")
+                return
             grid = grid[differ]
     st.dataframe(grid, hide_index=True, key="config_table", placeholder="")
 
