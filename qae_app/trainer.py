@@ -293,8 +293,8 @@ class Trainer:
         from_engine = all(s.token_logprobs is not None and s.token_entropies is not None for s in samples)
         update_stats, old_logp, entropy = self._update(step, batch, seq_adv,
                                                        full_pass=not from_engine or cfg.log_entropy_delta)
-        if cfg.log_entropy_delta:
-            update_stats.update(self._entropy_change(batch, entropy, rewards))
+        update_stats.update(self._entropy_change(batch, entropy, rewards) if cfg.log_entropy_delta
+                            else dict.fromkeys(("dH", "dH_hard", "dH_easy")))
         self.engine.sync_weights(acc.unwrap_model(self.model))  # vLLM holds its own copy; hf shares the model
         update_s = time.perf_counter() - t0
 
