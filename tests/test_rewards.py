@@ -18,6 +18,7 @@ import pytest
 from qae_app.datasets import load_math_file
 from qae_app.errors import QAEUserError
 from qae_app.rewards import (
+    FINAL_ANSWER_WINDOW,
     REWARD_FUNCTIONS,
     MathVerifierPool,
     ScoringInterrupted,
@@ -98,6 +99,18 @@ def test_extract_answer_time_grows_linearly():
 
     small, large = min(seconds(5_000) for _ in range(3)), min(seconds(50_000) for _ in range(3))
     assert large < 30 * small + 0.05  # 10x the input; quadratic would be ~100x
+
+
+
+def test_extract_answer_reads_only_the_tail_of_a_huge_response():
+    """Extraction runs in the trainer, outside any verifier deadline: only the last FINAL_ANSWER_WINDOW characters
+    are read, so a multi-megabyte response costs what its tail costs, and a box that far from the end is not final."""
+    tail = "so the answer is \\boxed{\\frac{1}{2}} and that is all."
+    junk = "\\boxed{7}{" * 250_000  # 2.5 MB of boxes and unmatched braces
+    assert len(junk) > 100 * FINAL_ANSWER_WINDOW
+    assert extract_answer(junk + tail) == extract_answer(tail) == "\\frac{1}{2}"
+    assert extract_answer("\\boxed{1}" + "x" * FINAL_ANSWER_WINDOW) is None
+    assert extract_answer("\\boxed{1}" + "x" * (FINAL_ANSWER_WINDOW - len("\\boxed{1}"))) == "1"
 
 
 # ---------------------------------------------------------------------------------------------------------------
