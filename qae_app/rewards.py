@@ -87,6 +87,7 @@ def _clean_final(value: str) -> str | None:
 # final. Bounding the scan keeps extraction (which runs in the trainer, outside any verifier deadline) at a few
 # milliseconds even on a multi-megabyte response.
 FINAL_ANSWER_WINDOW = 20_000
+MAX_ANSWER_CHARS = 1000  # an extracted answer longer than this scores 0 without math-verify (and a gold is refused)
 
 
 def extract_answer(text: str) -> str | None:
@@ -273,7 +274,7 @@ class MathVerifierPool:
     module with an `if __name__ == "__main__":` guard, not code piped to `python -`).
     """
 
-    def __init__(self, timeout_s: float = 3.0, num_workers: int = 2, max_answer_chars: int | None = 1000,
+    def __init__(self, timeout_s: float = 3.0, num_workers: int = 2, max_answer_chars: int | None = MAX_ANSWER_CHARS,
                  shortcuts: bool = True, memory_limit_mb: int | None = 4096, startup_timeout_s: float = 120.0,
                  batch_timeout_s: float | None = None, max_start_failures: int = 3):
         """
