@@ -197,23 +197,30 @@ def warmstart(
 @app.command("runs")
 def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
     """List runs: status, estimator, K, steps and the latest reward, accuracy and entropy."""
-    from qae_app.store import read_runs
+    from qae_app.store import READ_STATUSES, read_runs
 
     frame = read_runs(runs_dir)
     if frame.empty:
         console.print(f"no runs in {runs_dir}. Start one with `qae train`.")
         return
     table = Table(title=f"runs in {runs_dir}")
-    for column in ("run", "status", "estimator", "K", "model", "task", "steps", "reward", "acc", "held-out",
-                   "entropy"):
+    columns = ("run", "status", "estimator", "K", "model", "task", "steps", "reward", "acc", "held-out", "entropy")
+    for column in columns:
         table.add_column(column)
-    colors = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow"}
+    colors = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow", "busy": "yellow"}
+    unreadable = []
     for row in frame.to_dict("records"):
         status = row["status"]  # `stopped`: killed without a chance to record it (kill -9, power loss); resume it
+        if status in READ_STATUSES:  # its file could not be read: say so, with the reason below the table
+            table.add_row(row["run_id"], f"[{colors.get(status, 'red')}]{status}[/]", *["-"] * (len(columns) - 2))
+            unreadable.append(row)
+            continue
         table.add_row(row["run_id"], f"[{colors.get(status, 'red')}]{status}[/]", row["estimator"],
                       _fmt(row["k"], 2), row["model"], row["task"], str(row["steps"]), _fmt(row["reward_mean"]),
                       _fmt(row["accuracy"]), _fmt(row.get("heldout_accuracy")), _fmt(row["entropy"]))
     console.print(table)
+    for row in unreadable:
+        console.print(f"[red]{escape(row['run_id'])}[/] {row['status']}: {escape(str(row['error']))}")
 
 
 @app.command()
@@ -224,8 +231,11 @@ def show(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
     from qae_app.store import read_evals, read_run, read_steps, read_warnings, resolve_run
 
     try:
+        if every < 0:
+            raise QAEUserError(f"every: {every}. Use 0 (about 15 rows) or show every N-th step with a positive N.")
         path = resolve_run(runs_dir, run)
-        info = read_run(path)
+        info = read_run(path)  # everything is read before anything is printed: a damaged file gives one message
+        steps, evals, warnings = read_steps(path), read_evals(path), read_warnings(path)
     except QAEUserError as err:
         fail(err)
     console.print(f"[bold]{escape(info['run_id'])}[/] {escape('[' + info['status'] + ']')} estimator "
@@ -237,9 +247,8 @@ def show(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
                       highlight=False)
     if info.get("error"):
         console.print(f"[red]error:[/] {escape(str(info['error']))}")
-    steps = read_steps(path)
     if not steps.empty:
-        stride = every or max(1, len(steps) // 15)
+        stride = min(every, len(steps)) or max(1, len(steps) // 15)
         shown = steps.iloc[::stride]
         if shown.iloc[-1]["step"] != steps.iloc[-1]["step"]:
             shown = steps.iloc[list(range(0, len(steps), stride)) + [len(steps) - 1]]
@@ -251,7 +260,6 @@ def show(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
         for row in shown.to_dict("records"):
             table.add_row(*[str(int(row[c])) if c == "step" else _fmt(row[c]) for c in columns])
         console.print(table)
-    evals = read_evals(path)
     if not evals.empty:
         evals = evals[evals["subset"] == "all"].assign(
             name=lambda f: f["metric"].str.replace("@k", "@", regex=False) + f["k"].astype(str))
@@ -265,7 +273,6 @@ def show(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
             table.add_row(row["benchmark"], row["source"], str(row["step"]), str(row["n_problems"]),
                           *[_fmt(row[n]) for n in names])
         console.print(table)
-    warnings = read_warnings(path)
     for row in warnings.to_dict("records"):
         console.print(f"[yellow]step {row['step']} {row['kind']}:[/] {escape(row['message'])}")
 
@@ -290,6 +297,8 @@ def rollouts(
             raise QAEUserError("--gated and --kept exclude each other. Pass one of them, or neither for both.")
         if regime is not None and regime not in REGIMES:
             raise QAEUserError(f"regime: unknown value '{regime}'. Choose one of: {', '.join(REGIMES)}.")
+        if limit < 1:
+            raise QAEUserError(f"limit: {limit}. Use a positive number of rows to show.")
         path = resolve_run(runs_dir, run)
         last = read_last_step(path)
         if last is None:
@@ -297,10 +306,10 @@ def rollouts(
         step = last if step is None else step
         if not 1 <= step <= last:
             raise QAEUserError(f"step: {step} is not a step of '{run}'. Use 1..{last}.")
+        frame = read_rollouts(path, step, gated=True if gated else False if kept else None, regime=regime,
+                              search=search)
     except QAEUserError as err:
         fail(err)
-    frame = read_rollouts(path, step, gated=True if gated else False if kept else None, regime=regime,
-                          search=search)
     table = Table(title=f"{run} step {step}: {len(frame)} responses"
                         + (f" (showing {limit})" if len(frame) > limit else ""))
     for column in ("group", "prompt", "answer", "correct/G", "baseline", "regime", "#", "response", "reward",
