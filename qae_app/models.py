@@ -197,6 +197,6 @@ def check_prompt_lengths(model, codec: TextCodec, prompts: list[tuple[str, str]]
         prompt_id, n_tokens = max(too_long, key=lambda item: item[1])
         more = f" ({len(too_long):,} prompts are too long; this is the longest)" if len(too_long) > 1 else ""
         raise QAEUserError(f"{source}: prompt '{prompt_id}' is {n_tokens:,} tokens, and with --max-new-tokens "
-                           f"{max_new_tokens} it needs {n_tokens + max_new_tokens:,} positions, but the model's context "
-                           f"is {context:,}{more}. Remove or shorten those problems, lower --max-new-tokens, or use a "
-                           "model with a longer context.")
+                           f"{max_new_tokens} it needs {n_tokens + max_new_tokens:,} positions, but the model's "
+                           f"context is {context:,}{more}. Remove or shorten those problems, lower --max-new-tokens, "
+                           "or use a model with a longer context.")

@@ -35,11 +35,14 @@ import multiprocessing.util  # noqa: F401 - its exit handler must be registered 
 import os
 import re
 import signal
+import sys
 import threading
 import time
+import types
 import weakref
 from collections import deque
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.connection import wait
@@ -229,12 +232,27 @@ def default_batch_timeout_s(timeout_s: float, n_items: int, num_workers: int) ->
 def _worker_context() -> multiprocessing.context.BaseContext:
     """Where the platform has it, "forkserver": a server process imports and warms math-verify once
     (`qae_app.verifier_preload`) and every worker is forked from it, so replacing a killed worker takes milliseconds
-    instead of a fresh multi-second sympy import. Otherwise "spawn". Never plain fork: the parent holds torch threads."""
+    instead of a fresh multi-second sympy import. Otherwise "spawn". Never plain fork: the parent holds torch
+    threads."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["__main__", "qae_app.verifier_preload"])
+        context.set_forkserver_preload(["qae_app.verifier_preload"])
         return context
     return multiprocessing.get_context("spawn")
+
+
+@contextmanager
+def _program_main_hidden():
+    """While starting a worker (and the fork server), make `__main__` an empty module: workers need nothing from the
+    program's main script, and multiprocessing would otherwise re-run its top level in each new process (slow for a
+    heavy script; wrong when a framework has swapped `__main__`, as Streamlit's AppTest does). This also lets a pool run
+    from code piped to `python -`."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _describe_exit(code: int | None) -> str:
@@ -269,9 +287,8 @@ class MathVerifierPool:
     Use as a context manager (or call `close()`); workers start on the first `score()`. Not thread-safe across
     concurrent `score()` calls (a lock serializes them). Counters say what happened so far: `timeouts` (items killed
     at their deadline), `batch_cutoffs` (items left unscored at a call's bound), `crashes` (workers that died while
-    scoring), `start_failures` (workers that died while starting), `workers_started`, `items_scored`. Workers are
-    started like multiprocessing's "spawn", so the program's `__main__` must be importable (a script file or `-m`
-    module with an `if __name__ == "__main__":` guard, not code piped to `python -`).
+    scoring), `start_failures` (workers that died while starting), `workers_started`, `items_scored`. Workers never
+    import the program's `__main__`, so any script (or code piped to `python -`) can use a pool.
     """
 
     def __init__(self, timeout_s: float = 3.0, num_workers: int = 2, max_answer_chars: int | None = MAX_ANSWER_CHARS,
@@ -371,7 +388,8 @@ class MathVerifierPool:
         resource_tracker.ensure_running()
         previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_IGNORED_SIGNALS)
         try:
-            process.start()
+            with _program_main_hidden():
+                process.start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
         child_conn.close()
