@@ -17,7 +17,7 @@ those are turned back into the LaTeX command, and any other control character (P
 stored: it becomes U+FFFD. `meta` keeps `subject`, `level` and `source` where the file has them.
 
 A file that is not UTF-8 (binary, UTF-16), nests JSON deeper than Python's parser allows, or has a gold answer longer
-than the verifier reads (`rewards.MAX_ANSWER_CHARS`, so never scorable) is refused with one message naming it.
+than the verifier reads (`names.MAX_ANSWER_CHARS`, so never scorable) is refused with one message naming it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qae_app.errors import QAEUserError
-from qae_app.rewards import MAX_ANSWER_CHARS
+from qae_app.names import MAX_ANSWER_CHARS
 
 
 @dataclass(frozen=True)

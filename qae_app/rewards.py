@@ -49,6 +49,7 @@ from multiprocessing.connection import wait
 
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
+from qae_app.names import MAX_ANSWER_CHARS
 
 RewardFunction = Callable[[list[str], list[str]], list[float | None]]
 
@@ -90,7 +91,6 @@ def _clean_final(value: str) -> str | None:
 # final. Bounding the scan keeps extraction (which runs in the trainer, outside any verifier deadline) at a few
 # milliseconds even on a multi-megabyte response.
 FINAL_ANSWER_WINDOW = 20_000
-MAX_ANSWER_CHARS = 1000  # an extracted answer longer than this scores 0 without math-verify (and a gold is refused)
 
 
 def extract_answer(text: str) -> str | None:

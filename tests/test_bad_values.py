@@ -46,7 +46,7 @@ BAD_VALUES = [
     (["train", "--seed", "-1"], "seed: -1 is less than 0"),
     # typer refuses a non-integer before our checks; its message names the option but does not repeat the value
     (["train", "--num-mini-batches", "1e30"], "Invalid value for '--num-mini-batches': Input should be a valid"),
-    (["train", "--num-mini-batches", HUGE], f"num-mini-batches: {HUGE} is more than 2,147,483,647"),
+    (["train", "--num-mini-batches", HUGE], f"num-mini-batches: {HUGE} is more than the 128 responses of a step"),
     (["train", "--micro-batch-size", "1e30"], "Invalid value for '--micro-batch-size': Input should be a valid"),
     (["train", "--micro-batch-size", HUGE], f"micro-batch-size: {HUGE} is more than 2,147,483,647"),
     (["train", "--steps", HUGE], f"steps: {HUGE} is more than 2,147,483,647"),
@@ -80,7 +80,7 @@ BAD_VALUES = [
     (["train", "--config", "{d}/temperature_tiny.toml"], "temperature: 1e-300 is less than 0.01"),
     (["train", "--config", "{d}/timeout_nan.toml"], "verify-timeout-s: nan is not a finite number"),
     (["train", "--config", "{d}/timeout_inf.toml"], "verify-timeout-s: inf is not a finite number"),
-    (["train", "--config", "{d}/mini_batches_huge.toml"], f"num-mini-batches: {10 ** 18} is more than 2,147,483,647"),
+    (["train", "--config", "{d}/mini_batches_huge.toml"], f"num-mini-batches: {10 ** 18} is more than the 128"),
     (["train", "--config", "{d}/micro_float.toml"], "'micro_batch_size' = 1e+30 is a float, expected int"),
     (["train", "--config", "{d}/utf16.toml"], "utf16.toml is UTF-16 (or UTF-32) text; TOML must be UTF-8"),
     (["train", "--config", "{d}/binary.toml"], "binary.toml is not UTF-8 text (byte 0x80 at offset 128)"),
@@ -103,9 +103,10 @@ BAD_VALUES = [
     (["rollouts", "some-run", "--limit", "0"], "limit: 0. Use a positive number of rows"),
     # qae eval shares the training options' ranges
     (["eval", "--temperature", "1e-300"], "temperature: 1e-300 is less than 0.01"),
-    (["eval", "--verify-timeout-s", "nan"], "verify-timeout-s: nan is not a finite number"),
+    (["eval", "--verify-timeout-s", "nan"], "verify-timeout-s: nan. Use a positive number of seconds"),
+    (["eval", "--verify-timeout-s", "inf"], "verify-timeout-s: inf is not a finite number"),
     (["eval", "--seed", "-1"], "seed: -1 is less than 0"),
-    (["eval", "--k", HUGE], f"k: {HUGE} is more than 2,147,483,647"),
+    (["eval", "--samples", HUGE], f"samples: {HUGE} is more than 2,147,483,647"),
 ]
 
 
@@ -130,7 +131,8 @@ def test_a_lone_surrogate_in_a_data_file_is_stored_as_a_replacement_character(tm
     data = tmp_path / "surrogate.jsonl"
     data.write_text('{"problem": "What is 1+1? \\ud800", "answer": "2", "id": "p\\udfff"}\n')
     result = runner.invoke(app, ["train", "--data", str(data), "--steps", "1", "--prompts-per-step", "1",
-                                 "--group-size", "2", "--eval-every", "0", "--max-new-tokens", "4",
+                                 "--group-size", "2", "--num-mini-batches", "1", "--eval-every", "0",
+                                 "--max-new-tokens", "4",
                                  "--run-name", "s", "--runs-dir", str(tmp_path / "runs")])
     assert result.exit_code == 0, result.output
     groups = query(db_path(tmp_path / "runs", "s"), "SELECT prompt_id, prompt FROM groups")

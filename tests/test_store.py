@@ -176,8 +176,12 @@ for step in range(1, 10_000):  # 1 MB of incompressible responses a step, until 
     except Exception as err:
         error = f"{type(err).__name__}: {err}"
         break
-writer.update_run(status="failed", error=error)  # what the trainer records; it fits where the step did not
-print(json.dumps({"raised": error, "stored": read_run(path)["error"]}))
+try:  # what the trainer records at the end: the run's row changes after the failed step, which is retried first
+    writer.update_run(status="failed", error=error)
+    stored = read_run(path)["error"]
+except Exception as err:
+    stored = f"not stored: {type(err).__name__}: {err}"
+print(json.dumps({"raised": error, "stored": stored}))
 """
 
 
@@ -214,7 +218,7 @@ def test_a_full_disk_is_reported_as_itself(tmp_path, fill, cause):
     result = fill(tmp_path)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    for error in (report["raised"], report["stored"]):
+    for error in (report["raised"], report["stored"]):  # stored, or the reason it could not be: the real cause
         assert cause in error and "cannot rollback" not in error
 
 
@@ -240,6 +244,7 @@ def test_a_damaged_file_is_named_with_what_can_be_recovered(writer, tmp_path, ho
         writer.add_step(step, **rows)
     assert writer.flush()
     (tmp_path / "r1" / "checkpoints" / "step-20" / "model").mkdir(parents=True)
+    (tmp_path / "r1" / "checkpoints" / "step-20" / "trainer_state.json").write_text("{}")
     (tmp_path / "r1" / "config.json").write_text("{}")
     good = RunWriter(tmp_path / "r0" / "qae.duckdb", "r0")
     good.create_run("r0", {}, "qae", 0.4, "builtin:tiny", "arith", 0)
@@ -255,7 +260,7 @@ def test_a_damaged_file_is_named_with_what_can_be_recovered(writer, tmp_path, ho
         RunWriter(writer.path, "r1")
     runs = read_runs(tmp_path).set_index("run_id")
     assert runs.loc["r1", "status"] == "unreadable" and reason in runs.loc["r1", "error"]  # listed, not omitted
-    assert runs.loc["r0", "status"] == "running"
+    assert runs.loc["r0", "status"] == "stopped"  # the healthy run beside it reads as usual (no trainer holds it)
 
 
 def test_lone_surrogates_are_stored_as_replacement_characters(writer):
