@@ -126,7 +126,7 @@ def rollouts(run_id: str, step: int, gated: bool | None = None, regime: str | No
 
 def default_runs(all_runs: pd.DataFrame) -> list[str]:
     """The run shown on a first visit: the newest run being trained, else the newest run."""
-    readable = all_runs[all_runs["status"] != store.UNREADABLE]
+    readable = all_runs[~all_runs["status"].isin(store.READ_STATUSES)]
     live = readable[readable["status"] == "running"]
     pool = live if not live.empty else readable
     return [str(pool["run_id"].iloc[0])] if not pool.empty else []

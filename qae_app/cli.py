@@ -234,11 +234,12 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
         if every < 0:
             raise QAEUserError(f"every: {every} is negative. Use 0 (about 15 rows) or a positive stride.")
         path = resolve_run(runs_dir, run)
-        info = read_run(path)
+        info = read_run(path)  # everything is read before anything is printed: a damaged file gives one message
+        steps, evals, warnings = read_steps(path), read_evals(path), read_warnings(path)
     except QAEUserError as err:
         fail(err)
     out = _view_console()
-    out.print(show_view(info, read_steps(path), read_evals(path), read_warnings(path), out.width, chosen, every))
+    out.print(show_view(info, steps, evals, warnings, out.width, chosen, every))
 
 
 @app.command()
@@ -279,11 +280,11 @@ def rollouts(
         step = last if step is None else step
         if not 1 <= step <= last:
             raise QAEUserError(f"step: {step} is not a step of '{run}'. Use 1..{last}.")
+        everything = read_rollouts(path, step)  # read before anything is printed: a damaged file gives one message
+        frame = read_rollouts(path, step, gated=True if gated or why else False if kept else None, regime=regime,
+                              search=search)
     except QAEUserError as err:
         fail(err)
-    everything = read_rollouts(path, step)
-    frame = read_rollouts(path, step, gated=True if gated or why else False if kept else None, regime=regime,
-                          search=search)
     if why is not None:
         frame = frame[frame["gate_reason"] == why]
     out = _view_console()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,55 @@ def opt(default: Any, help: str, group: str, choices: dict[str, str] | tuple | N
     `resumable`: `qae train --resume` may change it (everything else must match the stored run)."""
     return field(default=default, metadata={"help": help, "group": group, "choices": choices,
                                             "resumable": resumable})
+
+
+INT32_MAX = 2**31 - 1  # steps and seeds are stored in 32-bit INTEGER columns; numpy seeds must be < 2**32
+
+# The sane range of every numeric option: (lowest, highest, whether the lowest itself is allowed, advice). Every
+# value, from the command line or TOML, must be finite and in its range; `validate()` also checks combinations.
+NUMERIC_RANGES: dict[str, tuple[float, float, bool, str]] = {
+    "seed": (0, INT32_MAX, True, "Use an integer from 0 to 2147483647"),
+    "steps": (1, INT32_MAX, True, "Use a positive integer"),
+    "checkpoint_every": (0, INT32_MAX, True, "Use 0 (only at the end) or a number of steps"),
+    "keep_checkpoints": (1, INT32_MAX, True, "Keep at least 1 so the run can resume"),
+    "heldout_fraction": (0.0, 1.0, True, "Use a fraction in [0, 1)"),
+    "group_size": (2, INT32_MAX, True, "Group baselines need at least 2 responses per prompt; QAE uses 8-16"),
+    "prompts_per_step": (1, INT32_MAX, True, "Use a positive integer"),
+    "temperature": (0.01, 10.0, True, "Use a temperature from 0.01 to 10 (1.0 is usual; below 0.01 sampling is "
+                                      "greedy in all but name and overflows)"),
+    "max_new_tokens": (1, INT32_MAX, True, "Use a positive number of tokens"),
+    "lr": (0.0, 1.0, False, "Use a learning rate in (0, 1], e.g. 5e-5 for the built-in model, 1e-6 for 7B models"),
+    "weight_decay": (0.0, 1.0, True, "Use a weight decay from 0 to 1 (0.01-0.1 is usual)"),
+    "max_grad_norm": (0.0, math.inf, False, "Use a finite value > 0, e.g. 1.0"),
+    "warmup_steps": (0, INT32_MAX, True, "Use 0 or more steps"),
+    "num_mini_batches": (1, INT32_MAX, True, "Use a positive integer"),
+    "ppo_epochs": (1, INT32_MAX, True, "Use a positive integer"),
+    "micro_batch_size": (1, INT32_MAX, True, "Use a positive integer"),
+    "clip_low": (0.0, 1.0, True, "Use 0 <= clip-low < 1 (default 0.2)"),
+    "clip_high": (0.0, 10.0, True, "Use a clip-high from 0 to 10 (default 0.28)"),
+    "kl_beta": (0.0, 10.0, True, "Use a KL weight from 0 (no reference model) to 10; 0.001-0.1 is usual"),
+    "entropy_low": (-math.inf, math.inf, True, "Use a finite number of nats, e.g. 0.5"),
+    "entropy_high": (-math.inf, math.inf, True, "Use a finite number of nats, e.g. 3.0"),
+    "eval_every": (0, INT32_MAX, True, "Use 0 (never) or a number of steps"),
+    "eval_k": (1, INT32_MAX, True, "Use a positive integer"),
+    "eval_limit": (1, INT32_MAX, True, "Use a positive number of problems"),
+    "verify_timeout_s": (0.0, 3600.0, False, "Use a number of seconds in (0, 3600], e.g. 3"),
+}
+
+
+def check_range(name: str, value: float, flag: str | None = None) -> None:
+    """QAEUserError unless `value` is finite and in NUMERIC_RANGES[name]; `flag` names the option in the message
+    where a command calls it differently (`qae eval --limit` is eval_limit's range)."""
+    low, high, low_allowed, advice = NUMERIC_RANGES[name]
+    if isinstance(value, float) and not math.isfinite(value):
+        problem = "is not a finite number"
+    elif value > high:
+        problem = f"is more than {high:,}, the most it may be"
+    elif value < low or (value == low and not low_allowed):
+        problem = f"is less than {low:,}, the least it may be" if low_allowed else f"must be more than {low:,}"
+    else:
+        return
+    raise QAEUserError(f"{flag or _flag(name)}: {value} {problem}. {advice}.")
 
 
 @dataclass(frozen=True)
@@ -102,6 +152,10 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         _check_choices(self)
+        for name in NUMERIC_RANGES:  # before any comparison below: nan compares False to everything
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                check_range(name, value)
         if self.estimator == "dr_grpo" and self.scale == "std":
             raise QAEUserError("scale: dr_grpo is GRPO without the std normalization, so --scale std contradicts it. "
                                "Use --estimator grpo for the std-normalized mean baseline.")
@@ -150,6 +204,9 @@ class TrainConfig:
             raise QAEUserError(f"verify-timeout-s: {self.verify_timeout_s}. Use a positive number of seconds.")
         if self.eval_limit is not None and self.eval_limit < 1:
             raise QAEUserError(f"eval-limit: {self.eval_limit}. Use a positive number of problems.")
+        for name in NUMERIC_RANGES:
+            if getattr(self, name) is not None:
+                check_range(name, getattr(self, name))
         if self.run_name is not None:
             validate_run_name(self.run_name)
         return self
@@ -191,7 +248,12 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     if not ok:
         raise QAEUserError(f"{source}: '{name}' = {value!r} is a {type(value).__name__}, expected {base}. "
                            f"{f.metadata['help']}")
-    return float(value) if base == "float" else value
+    if base == "float":
+        try:
+            return float(value)
+        except OverflowError:  # an integer too large for a float
+            raise QAEUserError(f"{source}: '{name}' = {value} is too large. {f.metadata['help']}") from None
+    return value
 
 
 def load_toml(path: Path) -> dict:
@@ -199,10 +261,27 @@ def load_toml(path: Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise QAEUserError(f"config: file {path} does not exist. Pass an existing TOML file to --config.")
+    if not path.is_file():
+        raise QAEUserError(f"config: {path} is a directory, not a file. Pass the TOML file itself to --config.")
     try:
-        raw = tomllib.loads(path.read_text())
+        data = path.read_bytes()
+    except OSError as err:
+        raise QAEUserError(f"config: cannot read {path} ({err.strerror}). Check its permissions.") from err
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise QAEUserError(f"config: {path} is UTF-16 (or UTF-32) text; TOML must be UTF-8. Save it as UTF-8, e.g. "
+                           f"`iconv -f UTF-16 -t UTF-8 {path} > run.toml`.")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise QAEUserError(f"config: {path} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
+                           "is it a binary file? Pass a TOML file of `key = value` lines.") from err
+    try:
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise QAEUserError(f"config: {path} is not valid TOML ({err}). Fix the line it names.") from err
+    except RecursionError as err:
+        raise QAEUserError(f"config: {path} nests arrays or tables too deeply to parse. Use flat `key = value` "
+                           "lines.") from err
     flat: dict = {}
     for key, value in raw.items():
         if isinstance(value, dict):
@@ -302,6 +381,12 @@ class EvalConfig:
             raise QAEUserError(f"checkpoint: {self.checkpoint}. Use the step of one of the run's checkpoints.")
         if not self.verify_timeout_s > 0:
             raise QAEUserError(f"verify-timeout-s: {self.verify_timeout_s}. Use a positive number of seconds.")
+        # the training options' ranges, under this command's option names
+        for name, value, flag in (("eval_k", self.samples, "samples"), ("temperature", self.temperature, None),
+                                  ("seed", self.seed, None), ("verify_timeout_s", self.verify_timeout_s, None),
+                                  ("eval_limit", self.limit, "limit"), ("max_new_tokens", self.max_new_tokens, None)):
+            if value is not None:
+                check_range(name, value, flag)
         if self.run_name is not None:
             validate_run_name(self.run_name)
         return self

@@ -13,17 +13,23 @@ One function, `load_math_file(path)`. The format is detected per row from the co
 Integer answers are written canonically ("025" -> "25"). Text is cleaned of stray control characters: DAPO-17k has
 escapes that were mangled by a JSON round trip ("\\frac" stored as form feed + "rac", "\\beta" as backspace + "eta");
 those are turned back into the LaTeX command, and any other control character (PDF ligature debris such as
-"fi\\x0cve") is dropped. `meta` keeps `subject`, `level` and `source` where the file has them.
+"fi\\x0cve") is dropped. A lone surrogate (a JSON `"\\ud800"` escape with no partner) is not text and cannot be
+stored: it becomes U+FFFD. `meta` keeps `subject`, `level` and `source` where the file has them.
+
+A file that is not UTF-8 (binary, UTF-16), nests JSON deeper than Python's parser allows, or has a gold answer longer
+than the verifier reads (`names.MAX_ANSWER_CHARS`, so never scorable) is refused with one message naming it.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from qae_app.errors import QAEUserError
+from qae_app.names import MAX_ANSWER_CHARS
 
 
 @dataclass(frozen=True)
@@ -51,11 +57,21 @@ _MANGLED_ESCAPES = {
     "\x0d": ("r", ("ight", "ho", "angle", "m", "ceil", "floor")),
 }
 _CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 (except \t, \n) and C1 controls
+_LONE_SURROGATE_RE = re.compile("[\ud800-\udfff]")  # json.loads pairs valid surrogates, so any left is alone
+_BYTE_ORDER_MARKS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16",
+                     b"\xfe\xff": "UTF-16"}  # longest first: the UTF-32 LE mark starts like UTF-16 LE's
 _INT_RE = re.compile(r"[+-]?\d+")
 
 
+def replace_lone_surrogates(text: str) -> str:
+    """U+FFFD for each lone surrogate: they come from JSON escapes like "\\ud800" and cannot be encoded (or stored)."""
+    return _LONE_SURROGATE_RE.sub("\ufffd", text)
+
+
 def clean_text(text: str) -> str:
-    """Undo mangled LaTeX escapes and drop other control characters (keeps tabs and newlines)."""
+    """Undo mangled LaTeX escapes, drop other control characters (keeps tabs and newlines), replace lone
+    surrogates."""
+    text = replace_lone_surrogates(text)
 
     def fix(match: re.Match) -> str:
         ch = match.group(0)
@@ -111,6 +127,43 @@ def _describe_columns(row: dict) -> str:
     return ", ".join(names) or "(none)"
 
 
+def _json_int(digits: str) -> int | str:
+    """An integer literal; kept as its digits when int() would refuse it (more than 4,300 digits)."""
+    limit = sys.get_int_max_str_digits()
+    return digits if limit and len(digits.lstrip("-")) > limit else int(digits)
+
+
+def _decode_text(path: Path) -> str:
+    """The file as text: UTF-8 (with or without a byte-order mark), else a QAEUserError that says what it is."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise QAEUserError(f"data: cannot read '{path}' ({e.strerror}). Check the path and its permissions.") from e
+    for mark, encoding in _BYTE_ORDER_MARKS.items():
+        if raw.startswith(mark):
+            raise QAEUserError(f"data: '{path}' is {encoding} text; JSONL must be UTF-8. Convert it, e.g. "
+                               f"`iconv -f {encoding} -t UTF-8 '{path}' > fixed.jsonl`.")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise QAEUserError(f"data: '{path}' is not UTF-8 text (byte 0x{raw[e.start]:02x} at line {line}, offset "
+                           f"{e.start}); is it a binary file? Pass a UTF-8 JSONL file (one JSON object per line) "
+                           "or a Parquet file.") from e
+
+
+def _parse_json(text: str, where: str) -> object:
+    """json.loads with huge integers kept as digits; a QAEUserError naming `where` for anything unparseable."""
+    try:
+        return json.loads(text, parse_int=_json_int)
+    except json.JSONDecodeError as e:
+        raise QAEUserError(f"data: {where} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): "
+                           f"{text[:80]!r}. Each line must be one JSON object.") from e
+    except RecursionError as e:
+        raise QAEUserError(f"data: {where} nests JSON arrays or objects too deeply to parse. A problem record is a "
+                           "flat object; fix or remove it.") from e
+
+
 def _read_rows(path: Path) -> tuple[list[tuple[int, dict]], str]:
     """(line or row number counted from 1, record) pairs, and the word for the unit ("line" or "row")."""
     suffix = path.suffix.lower()
@@ -127,30 +180,23 @@ def _read_rows(path: Path) -> tuple[list[tuple[int, dict]], str]:
             f"data: '{path}' has suffix '{path.suffix}'; expected one of "
             f"{', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)}. Rename the file or convert it to JSONL."
         )
-    text = path.read_text(encoding="utf-8-sig")
+    text = _decode_text(path)
     if suffix == ".json" and text.lstrip().startswith("["):  # a JSON array of records
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise QAEUserError(f"data: '{path}' is not valid JSON ({e.msg} at line {e.lineno}). Fix the file.") from e
+        records = _parse_json(text, f"'{path}'")
         return list(enumerate(records, start=1)), "record"
     rows = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            rows.append((number, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise QAEUserError(
-                f"data: '{path}' line {number} is not valid JSON ({e.msg} at column {e.colno}): {line[:80]!r}. "
-                "Each line must be one JSON object."
-            ) from e
+        rows.append((number, _parse_json(line, f"'{path}' line {number}")))
     return rows, "line"
 
 
 def load_math_file(path: Path) -> list[Problem]:
     """All problems in a JSONL or Parquet math file, in file order. Raises QAEUserError on anything unreadable."""
     path = Path(path)
+    if path.is_dir():
+        raise QAEUserError(f"data: '{path}' is a directory. Pass the path of a JSONL or Parquet math file in it.")
     if not path.is_file():
         raise QAEUserError(f"data: file '{path}' does not exist. Pass the path of a JSONL or Parquet math file.")
     rows, unit = _read_rows(path)
@@ -185,17 +231,24 @@ def load_math_file(path: Path) -> list[Problem]:
                 f"data: {where} has no answer (columns: {_describe_columns(row)}). "
                 f"Put the gold final answer in one of: {', '.join(ANSWER_COLUMNS)}."
             )
+        if len(answer) > MAX_ANSWER_CHARS:
+            raise QAEUserError(
+                f"data: {where} has a {len(answer):,}-character answer ({answer[:20]}...). The verifier scores "
+                f"answers of at most {MAX_ANSWER_CHARS:,} characters, so no response could match it; shorten it or "
+                "remove the row."
+            )
         raw_id = next((_get(row, c) for c in ID_COLUMNS if _get(row, c) is not None), None)
-        prompt_id = str(raw_id) if raw_id is not None else f"{path.stem}-{number}"
+        prompt_id = replace_lone_surrogates(str(raw_id)) if raw_id is not None else f"{path.stem}-{number}"
         if prompt_id in seen_ids:
             raise QAEUserError(
                 f"data: {where} repeats id '{prompt_id}' (first at {unit} {seen_ids[prompt_id]}). "
                 "Ids must be unique within a file; fix or remove the id column."
             )
         seen_ids[prompt_id] = number
-        meta = {key: row[key] for key in ("subject", "level") if row.get(key) is not None}
+        meta = {key: replace_lone_surrogates(row[key]) if isinstance(row[key], str) else row[key]
+                for key in ("subject", "level") if row.get(key) is not None}
         source = next((_get(row, c) for c in SOURCE_COLUMNS if _get(row, c) is not None), None)
         if source is not None:
-            meta["source"] = str(source)
+            meta["source"] = replace_lone_surrogates(str(source))
         problems.append(Problem(prompt_id=prompt_id, question=question, answer=answer, meta=meta))
     return problems

@@ -4,8 +4,9 @@
 
 Points: `db_commit` (inside a step's database transaction, before COMMIT), `after_step_rows` (rows built, before they
 go to the store), `checkpoint_rename` (checkpoint written to `step-N.tmp`, before the rename), `finishing` (the run is
-writing its final status; the step is the last one done), `scoring` (responses sent to the verifier). Unset, this
-costs one dictionary lookup.
+writing its final status; the step is the last one done), `scoring` (responses sent to the verifier), `verifier_start`
+(math-verify worker number N of its pool, before it reports ready). `<point>@*` matches every N. Unset, this costs
+one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def fault_point(point: str, step: int) -> None:
     if not spec:
         return
     action, _, target = spec.rpartition(":")
-    if target != f"{point}@{step}":
+    if target not in (f"{point}@{step}", f"{point}@*"):
         return
     if action == "raise":
         raise InjectedFault(f"injected fault at {point}, step {step}")

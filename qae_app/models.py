@@ -161,3 +161,42 @@ def load_policy(spec: str, dtype: str = "float32", use_chat_template: bool = Tru
             f"Pass a local folder with config.json and weights, a Hugging Face id, or {BUILTIN_MODEL}."
         ) from err
     return model, codec
+
+
+def model_context(model) -> int | None:
+    """Positions the model was built for (max_position_embeddings, or GPT-2's n_positions); None if it does not say."""
+    config = getattr(model, "config", None)
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def check_prompt_lengths(model, codec: TextCodec, prompts: list[tuple[str, str]], max_new_tokens: int,
+                         source: str) -> None:
+    """QAEUserError, before anything runs, if a prompt (as encoded, chat template included) plus `max_new_tokens`
+    does not fit the model's context: past it a model with learned positions crashes and a RoPE model degrades, and a
+    megabyte prompt exhausts memory mid-run. `prompts` are (prompt id, prompt text); `source` names them ("data").
+
+    Only prompts that might not fit are encoded: a token covers at least one UTF-8 byte, so a prompt whose bytes plus
+    the template's own tokens fit is known to fit.
+    """
+    context = model_context(model)
+    if context is None:
+        return
+    budget = context - max_new_tokens
+    if budget < 1:
+        raise QAEUserError(f"max-new-tokens: {max_new_tokens} leaves no room for a prompt in the model's context of "
+                           f"{context:,} positions. Use --max-new-tokens below {context}.")
+    template_tokens = len(codec.encode("")) + 1  # +1: a tokenizer may add a word-start token to the first word
+    too_long = []
+    for prompt_id, text in prompts:
+        if len(text.encode("utf-8", "surrogatepass")) + template_tokens <= budget:
+            continue
+        n_tokens = len(codec.encode(text))
+        if n_tokens > budget:
+            too_long.append((prompt_id, n_tokens))
+    if too_long:
+        prompt_id, n_tokens = max(too_long, key=lambda item: item[1])
+        more = f" ({len(too_long):,} prompts are too long; this is the longest)" if len(too_long) > 1 else ""
+        raise QAEUserError(f"{source}: prompt '{prompt_id}' is {n_tokens:,} tokens, and with --max-new-tokens "
+                           f"{max_new_tokens} it needs {n_tokens + max_new_tokens:,} positions, but the model's "
+                           f"context is {context:,}{more}. Remove or shorten those problems, lower --max-new-tokens, "
+                           "or use a model with a longer context.")

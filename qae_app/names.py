@@ -68,6 +68,10 @@ ENGINES: dict[str, str] = {
     "vllm": "a colocated vLLM engine that receives the new weights after each step (CUDA)",
 }
 
+# --- math verification: an extracted answer longer than this scores 0 without math-verify (rewards.py), so a data
+# file's gold answer longer than this could never be matched and is refused (datasets.py)
+MAX_ANSWER_CHARS = 1000
+
 # --- models
 BUILTIN_MODEL = "builtin:tiny"  # the shipped warm-started checkpoint
 BUILTIN_SCRATCH = "builtin:tiny-scratch"  # the same architecture, randomly initialised

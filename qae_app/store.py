@@ -29,10 +29,12 @@ import pandas as pd
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
 from qae_app.names import GATE_REASONS
-from qae_app.rundir import (DB_FILE, PENDING_DIR, STORED_STATUSES, db_path, effective_status,  # noqa: F401
-                            list_run_dirs, pending_writes, validate_run_name)
+from qae_app.rundir import (CONFIG_FILE, DB_FILE, PENDING_DIR, STORED_STATUSES, db_path,  # noqa: F401
+                            effective_status, list_checkpoints, list_run_dirs, pending_writes, validate_run_name)
 
 # (DB_FILE, db_path and validate_run_name belong to the run folder, qae_app/rundir.py; readers get them here too)
+UNREADABLE, BUSY = "unreadable", "busy"  # what `read_runs` says of a run whose file it cannot read (never stored):
+READ_STATUSES = (UNREADABLE, BUSY)  # damaged, or held by another process for too long; `error` says why
 
 # name -> definition. Every name is a column of `steps`; NaN is stored as NULL (e.g. no response had a negative
 # advantage, so entropy_neg is undefined).
@@ -181,6 +183,55 @@ def _now() -> datetime:
     return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
+_LONE_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def _storable(value):
+    """Strings with lone surrogates (a JSON "\\ud800" escape in a data file, a tokenizer's broken decode) cannot be
+    encoded as UTF-8, so DuckDB refuses them: each becomes U+FFFD. Anything else is returned as is."""
+    if isinstance(value, str) and _LONE_SURROGATE_RE.search(value):
+        return _LONE_SURROGATE_RE.sub("\ufffd", value)
+    return value
+
+
+def _rollback(con: duckdb.DuckDBPyConnection, err: BaseException) -> None:
+    """Roll back after `err`, which stays the error to report: DuckDB has often ended the transaction itself (an I/O
+    error such as a full disk aborts it), and "cannot rollback - no transaction is active" must not replace the
+    real cause."""
+    try:
+        con.execute("ROLLBACK")
+    except duckdb.Error as rollback_err:
+        err.add_note(f"(the rollback after it failed too: {rollback_err})")
+
+
+class RunFileError(QAEUserError):
+    """A run's database file cannot be opened or read: damaged, truncated or not a DuckDB file."""
+
+
+def unreadable_run_error(path: Path, err: Exception | str) -> RunFileError:
+    """The error for a run file DuckDB cannot open or read (damaged, truncated, not DuckDB): names the file, the
+    reason, and what in the run folder is still usable."""
+    path = Path(path)
+    reason = str(err).strip().splitlines()[0].rstrip(".!") if str(err).strip() else type(err).__name__
+    checkpoints = list_checkpoints(path.parent)
+    if checkpoints:
+        kept = (f"The model is safe in its checkpoints ({', '.join(p.name for p in checkpoints)}): evaluate the newest "
+                f"with `qae eval --model {checkpoints[-1] / 'model'}`.")
+    else:
+        kept = "The run has no checkpoint to recover a model from."
+    config = f" Its settings are in {CONFIG_FILE}." if (path.parent / CONFIG_FILE).exists() else ""
+    return RunFileError(f"run: cannot read {path}: {reason}. The steps logged in this file are lost unless you restore "
+                        f"it from a backup. {kept}{config} Move the file aside to silence this.")
+
+
+def _is_damage_error(err: BaseException) -> bool:
+    """DuckDB's errors for a file it cannot read (not a held lock, not a mistake in our SQL)."""
+    if not isinstance(err, duckdb.Error) or _is_lock_error(err):
+        return False
+    return type(err) is duckdb.Error or isinstance(err, (duckdb.IOException, duckdb.SerializationException,
+                                                         duckdb.InternalException, duckdb.FatalException))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # writer
 
@@ -235,13 +286,25 @@ class RunWriter:
                 for table in TABLES:
                     con.execute(f"UPDATE {table} SET run_id = ?", [run_id])
                 con.execute("COMMIT")
+            # a truncated file opens and takes writes; it fails only when a reader reaches the missing blocks
+            block_size, blocks = con.execute("SELECT block_size, total_blocks FROM pragma_database_size() "
+                                             "WHERE database_name = current_database()").fetchone()
+            if self.path.stat().st_size < block_size * blocks:
+                raise unreadable_run_error(self.path, f"it is {self.path.stat().st_size:,} bytes, shorter than the "
+                                                      f"{block_size * blocks:,} bytes of blocks its header lists")
         finally:
             con_cm.__exit__(None, None, None)
         self.pending: list[PendingWrite] = self._load_spilled()  # left by a trainer that never found the file free
 
     @contextmanager
     def _open(self, timeout_s: float | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
-        con = _connect(self.path, read_only=False, timeout_s=self.lock_timeout_s if timeout_s is None else timeout_s)
+        try:
+            con = _connect(self.path, read_only=False,
+                           timeout_s=self.lock_timeout_s if timeout_s is None else timeout_s)
+        except duckdb.Error as err:
+            if _is_damage_error(err) and self.path.exists() and self.path.stat().st_size > 0:
+                raise unreadable_run_error(self.path, err) from err
+            raise
         try:
             yield con
         finally:
@@ -255,7 +318,8 @@ class RunWriter:
             con.execute(
                 "INSERT INTO runs (run_id, name, created_at, updated_at, status, config, estimator, k, model, task, "
                 "seed) VALUES (?, ?, ?, ?, 'running', ?, ?, ?, ?, ?, ?)",
-                [self.run_id, name, _now(), _now(), json.dumps(config), estimator, k, model, task, seed],
+                [self.run_id, _storable(name), _now(), _now(), json.dumps(config), estimator, k, _storable(model),
+                 _storable(task), seed],
             )
 
     def update_run(self, **fields) -> bool:
@@ -269,6 +333,7 @@ class RunWriter:
             raise ValueError(f"status must be one of {STORED_STATUSES}")
         if "config" in fields:
             fields["config"] = json.dumps(fields["config"])
+        fields = {name: _storable(value) for name, value in fields.items()}  # an error message may quote bad text
         self.pending.append(PendingWrite("run", fields=dict(fields, updated_at=_now())))
         return self.flush()
 
@@ -331,9 +396,14 @@ class RunWriter:
                                 [*write.fields.values(), self.run_id, write.step])
                 else:
                     con.execute("BEGIN TRANSACTION")
-                    for table in STEP_TABLES:
-                        con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step > ?", [self.run_id, write.step])
-                    con.execute("COMMIT")
+                    try:
+                        for table in STEP_TABLES:
+                            con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step > ?",
+                                        [self.run_id, write.step])
+                        con.execute("COMMIT")
+                    except BaseException as err:
+                        _rollback(con, err)
+                        raise
                 self.pending.pop(0)
                 if write.spilled is not None:
                     write.spilled.unlink(missing_ok=True)
@@ -399,7 +469,8 @@ class RunWriter:
                     con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step = ?", [self.run_id, rows.step])
                 if not records:
                     continue
-                frame = pd.DataFrame.from_records(records)
+                frame = pd.DataFrame.from_records([{name: _storable(value) for name, value in record.items()}
+                                                   for record in records])
                 frame.insert(0, "run_id", self.run_id)
                 frame["step"] = rows.step
                 if "logged_at" in TABLES[table]:
@@ -409,8 +480,8 @@ class RunWriter:
                 con.unregister("_batch")
                 fault_point("db_commit", rows.step)  # crash tests: a kill here loses only this uncommitted step
             con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
+        except BaseException as err:
+            _rollback(con, err)
             raise
 
 
@@ -424,9 +495,18 @@ def open_reader(path: Path, timeout_s: float = 3.0) -> Iterator[duckdb.DuckDBPyC
     path = Path(path)
     if not path.exists():
         raise QAEUserError(f"run: no database at {path}. List runs with `qae runs`.")
-    con = _connect(path, read_only=True, timeout_s=timeout_s)
+    try:
+        con = _connect(path, read_only=True, timeout_s=timeout_s)
+    except duckdb.Error as err:
+        if _is_damage_error(err):
+            raise unreadable_run_error(path, err) from err
+        raise
     try:
         yield con
+    except duckdb.Error as err:  # a damaged block is found only when a query reads it
+        if _is_damage_error(err):
+            raise unreadable_run_error(path, err) from err
+        raise
     finally:
         con.close()
 
@@ -469,21 +549,22 @@ def _as_seen_from_folder(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
     return frame
 
 
-UNREADABLE = "unreadable"  # the status of a run whose database cannot be opened; `error` says why
 
 
 def read_runs(runs_dir: Path) -> pd.DataFrame:
-    """One row per run in `runs_dir` (newest first); runs whose file is busy for too long are skipped, a run whose
-    file cannot be read is listed with status `unreadable` and the reason in `error`."""
+    """One row per run in `runs_dir` (newest first). A run whose file cannot be read is listed too, with status
+    `unreadable` (damaged file) or `busy` (held by another process for too long) and the reason in `error`."""
     frames = []
     for run_dir in list_run_dirs(runs_dir):
         try:
             frames.append(_as_seen_from_folder(query(run_dir / DB_FILE, SQL_RUN_SUMMARY), run_dir / DB_FILE))
-        except duckdb.Error as err:
-            if _is_lock_error(err):
-                continue  # busy for longer than the reader waits: the next read lists it
-            frames.append(pd.DataFrame([{"run_id": run_dir.name, "status": UNREADABLE,
-                                         "error": f"{run_dir / DB_FILE} cannot be read: {err}"}]))
+        except (RunFileError, duckdb.Error) as err:
+            status = UNREADABLE if isinstance(err, RunFileError) else BUSY
+            reason = str(err) if status == UNREADABLE else (f"run: {run_dir / DB_FILE} is held by another process "
+                                                              f"({str(err).splitlines()[0]}); try again later.")
+            modified = datetime.fromtimestamp((run_dir / DB_FILE).stat().st_mtime, timezone.utc).replace(tzinfo=None)
+            frames.append(pd.DataFrame([{"run_id": run_dir.name, "name": run_dir.name, "status": status,
+                                         "error": reason, "created_at": modified, "steps": None}]))
     if not frames:
         return pd.DataFrame(columns=["run_id", "name", "status", "estimator", "k", "model", "task", "steps"])
     return pd.concat(frames, ignore_index=True).sort_values("created_at", ascending=False, ignore_index=True)

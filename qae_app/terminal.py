@@ -32,7 +32,7 @@ from qae_app.rundir import STOPPED
 
 GAP = 2  # characters between two columns (SIMPLE_HEAD box, collapsed padding)
 STATUS_STYLES = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow",
-                 store.UNREADABLE: "bold red", STOPPED: "magenta"}
+                 store.UNREADABLE: "bold red", store.BUSY: "yellow", STOPPED: "magenta"}
 ID_SEPARATORS = "-_."
 MIN_ID_WIDTH = 24  # optional columns give way before a run id gets narrower than this (default ids: 19-23)
 # `qae show`: the steps columns in order of importance (all of STEP_METRICS, the first ones kept at 80 columns)
@@ -163,7 +163,7 @@ def runs_view(frame: pd.DataFrame, runs_dir: str, width: int) -> RenderableType:
     rows = frame.to_dict("records")
     ids = [str(row["run_id"]) for row in rows]
     configs = [_config(row) for row in rows]
-    readable = [row.get("status") != store.UNREADABLE for row in rows]
+    readable = [row.get("status") not in store.READ_STATUSES for row in rows]
 
     def cell(row: dict, key: str, ok: bool) -> str:
         return number(row.get(key)) if ok else ""
@@ -210,7 +210,7 @@ def runs_view(frame: pd.DataFrame, runs_dir: str, width: int) -> RenderableType:
         parts.append(Text("stopped: stored as running, but no trainer holds the run (killed by kill -9, OOM or a power "
                           "loss). Continue it with `qae train --resume RUN`.", style="dim"))
     for row in rows:
-        if row["status"] == store.UNREADABLE:
+        if row["status"] in store.READ_STATUSES:
             parts.append(Text.assemble(("unreadable: ", "bold red"), (f"{row['run_id']}: {row.get('error')}", "")))
     return Group(*parts)
 

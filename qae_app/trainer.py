@@ -49,7 +49,7 @@ from qae_app.errors import QAEUserError
 from qae_app.evaluate import evaluate, summarize
 from qae_app.faults import fault_point
 from qae_app.losses import policy_loss, token_logprobs_and_entropy
-from qae_app.models import load_policy
+from qae_app.models import check_prompt_lengths, load_policy
 from qae_app.rewards import Scorer
 from qae_app.rollout import make_engine
 from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
@@ -731,6 +731,8 @@ class Trainer:
     def _load_models(self) -> None:
         cfg, acc = self.cfg, self.accelerator
         model, self.codec = load_policy(cfg.model, cfg.dtype)
+        check_prompt_lengths(model, self.codec, [(p.prompt_id, self.task.prompt(p)) for p in self.task.train
+                                                 + self.task.heldout], cfg.max_new_tokens, "data")
         self.ref_model = None
         if cfg.kl_beta > 0:
             self.ref_model, _ = load_policy(cfg.model, cfg.dtype)

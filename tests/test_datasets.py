@@ -142,3 +142,25 @@ def test_parquet_in_verl_format(tmp_path):
     pq.write_table(table, tmp_path / "toy.parquet")
     [p] = load_math_file(tmp_path / "toy.parquet")
     assert (p.prompt_id, p.question, p.answer, p.meta) == ("41", "x\\frac{1}{2}?", "7", {"source": "toy"})
+
+
+def test_lone_surrogates_become_replacement_characters(tmp_path):
+    """json.loads keeps a lone "\\ud800" escape as a code point no encoder (or database) accepts."""
+    (tmp_path / "s.jsonl").write_text('{"id": "a\\ud800", "problem": "x\\udfffy", "answer": "\\ud83d\\ude00 1", '
+                                      '"subject": "s\\ud800"}\n')
+    [problem] = load_math_file(tmp_path / "s.jsonl")
+    assert (problem.prompt_id, problem.question, problem.meta["subject"]) == ("a\ufffd", "x\ufffdy", "s\ufffd")
+    assert problem.answer == "\U0001F600 1"  # a valid surrogate pair is one character, kept
+    problem.question.encode("utf-8")  # storable
+
+
+def test_huge_integers_and_long_answers_are_refused_by_length(tmp_path):
+    """A 5,000-digit integer breaks int() (4,300-digit limit); it is read as digits and refused as too long to
+    verify, like the same answer written as a string."""
+    for name, answer in (("int", "7" * 5000), ("text", '"' + "7" * 5000 + '"')):
+        (tmp_path / f"{name}.jsonl").write_text('{"problem": "q", "answer": ' + answer + "}\n")
+        with pytest.raises(QAEUserError, match=r"line 1 has a 5,000-character answer .* at most 1,000 characters"):
+            load_math_file(tmp_path / f"{name}.jsonl")
+    (tmp_path / "ok.jsonl").write_text('{"problem": "q", "answer": ' + "7" * 900 + ', "id": ' + "9" * 4400 + "}\n")
+    [problem] = load_math_file(tmp_path / "ok.jsonl")
+    assert problem.answer == "7" * 900 and problem.prompt_id == "9" * 4400  # long ids are kept as their digits

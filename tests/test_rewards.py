@@ -4,8 +4,11 @@ Every pool here runs real math-verify in real worker processes. Pools that must 
 use `shortcuts=False`, so no answer is settled by string comparison before math-verify sees it.
 """
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,8 +18,10 @@ import pytest
 from qae_app.datasets import load_math_file
 from qae_app.errors import QAEUserError
 from qae_app.rewards import (
+    FINAL_ANSWER_WINDOW,
     REWARD_FUNCTIONS,
     MathVerifierPool,
+    ScoringInterrupted,
     exact_int_reward,
     extract_answer,
     get_reward_function,
@@ -32,6 +37,7 @@ MATH500_KNOWN_FAILURES: dict[str, str] = {}
 
 # math-verify hangs on this (sympy tries to evaluate the power tower); it never returns, so it really times out.
 NEVER_RETURNS = "\\boxed{9^{9^{9^{9}}}}"
+ANOTHER_TOWER = "\\boxed{8^{9^{9^{9}}}}"
 
 
 def as_model_would_write(gold: str) -> str:
@@ -93,6 +99,18 @@ def test_extract_answer_time_grows_linearly():
 
     small, large = min(seconds(5_000) for _ in range(3)), min(seconds(50_000) for _ in range(3))
     assert large < 30 * small + 0.05  # 10x the input; quadratic would be ~100x
+
+
+
+def test_extract_answer_reads_only_the_tail_of_a_huge_response():
+    """Extraction runs in the trainer, outside any verifier deadline: only the last FINAL_ANSWER_WINDOW characters
+    are read, so a multi-megabyte response costs what its tail costs, and a box that far from the end is not final."""
+    tail = "so the answer is \\boxed{\\frac{1}{2}} and that is all."
+    junk = "\\boxed{7}{" * 250_000  # 2.5 MB of boxes and unmatched braces
+    assert len(junk) > 100 * FINAL_ANSWER_WINDOW
+    assert extract_answer(junk + tail) == extract_answer(tail) == "\\frac{1}{2}"
+    assert extract_answer("\\boxed{1}" + "x" * FINAL_ANSWER_WINDOW) is None
+    assert extract_answer("\\boxed{1}" + "x" * (FINAL_ANSWER_WINDOW - len("\\boxed{1}"))) == "1"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -213,18 +231,26 @@ def test_timeout_kills_and_replaces_the_worker(deadline_pool):
     assert scores == [None, 1.0, 1.0]  # the stuck item is "could not verify"; the others were scored meanwhile
     assert TIMEOUT_S <= elapsed < TIMEOUT_S * 3
     assert deadline_pool.timeouts == 1
-    assert deadline_pool.workers_started == started_before + 1
-    assert len(set(deadline_pool.worker_pids()) - pids_before) == 1  # one worker replaced, one kept
+    assert deadline_pool.workers_started == started_before + 2  # killed after its quick try, then after its timeout
+    assert len(deadline_pool.worker_pids()) == 2 and set(deadline_pool.worker_pids()) != pids_before  # replaced
     assert deadline_pool.score(["\\boxed{5}"] * 4, ["5"] * 4) == [1.0] * 4
 
 
 def test_stuck_items_time_out_concurrently(deadline_pool):
     start = time.monotonic()
-    scores = deadline_pool.score([NEVER_RETURNS, NEVER_RETURNS, "\\boxed{4}"], ["1", "1", "4"])
+    scores = deadline_pool.score([NEVER_RETURNS, ANOTHER_TOWER, "\\boxed{4}"], ["1", "1", "4"])
     elapsed = time.monotonic() - start
     assert scores == [None, None, 1.0]
     assert elapsed < TIMEOUT_S * 1.9  # both workers were busy at once, not one after the other
     assert deadline_pool.timeouts == 2
+
+
+def test_identical_answers_are_verified_once(deadline_pool):
+    """A group whose samples all give the same hanging answer costs one timeout, not one per sample."""
+    scores = deadline_pool.score([NEVER_RETURNS] * 6 + ["\\boxed{\\frac{2}{4}}"] * 3, ["1"] * 6 + ["0.5"] * 3)
+    assert scores == [None] * 6 + [1.0] * 3
+    assert (deadline_pool.timeouts, deadline_pool.batch_cutoffs) == (1, 0)
+    assert deadline_pool.items_scored == 1 + 1  # the fixture's warm-up item and the one distinct fraction
 
 
 def test_crashed_worker_scores_none_and_is_replaced():
@@ -240,6 +266,120 @@ def test_crashed_worker_scores_none_and_is_replaced():
         assert time.monotonic() - start < 30  # noticed the death, did not wait for the 60 s deadline
         assert (pool.crashes, pool.timeouts) == (1, 0)
         assert pool.worker_pids() != [pid]
+
+
+
+def test_a_batch_of_hanging_answers_is_bounded_and_honest_answers_are_scored_first():
+    """Towers first in the batch: each gets a quick try, the honest answers are scored, then the towers' full tries
+    run until the batch bound cuts the rest off (None, counted)."""
+    towers = [f"\\boxed{{{base}^{{9^{{9^{{9}}}}}}}}" for base in range(2, 10)]  # 8 distinct answers that hang
+    honest = [f"\\boxed{{\\frac{{{k}}}{{{k + 1}}}}}" for k in range(1, 9)]
+    with MathVerifierPool(timeout_s=2.0, num_workers=2, shortcuts=False, batch_timeout_s=4.0) as pool:
+        scores = pool.score(towers + honest, ["1"] * 8 + [f"\\frac{{{2 * k}}}{{{2 * k + 2}}}" for k in range(1, 9)])
+        assert scores == [None] * 8 + [1.0] * 8
+        # 4 s hold at most two rounds of 2-second full tries on 2 workers: some towers were cut off, none was lost
+        assert pool.batch_cutoffs > 0 and pool.timeouts + pool.batch_cutoffs == 8
+        assert pool.score(["\\boxed{0.5}"], ["\\frac{1}{2}"]) == [1.0]  # the pool goes on
+
+
+def test_a_worker_that_dies_while_starting_is_replaced(monkeypatch):
+    monkeypatch.setenv("QAE_FAULT", "verifier_start@2")  # SIGKILL worker 2 (the first replacement) before it is ready
+    with MathVerifierPool(timeout_s=1.0, num_workers=1, shortcuts=False) as pool:
+        assert pool.score(["\\boxed{1}"], ["1"]) == [1.0]
+        # the tower's quick try kills worker 1; worker 2 dies starting; worker 3 takes over and the call goes on
+        assert pool.score([NEVER_RETURNS, "\\boxed{2}"], ["1", "2"]) == [None, 1.0]
+        assert (pool.start_failures, pool.crashes, pool.timeouts) == (1, 0, 1)
+
+
+def test_workers_that_keep_dying_while_starting_give_a_message_that_says_so(monkeypatch):
+    monkeypatch.setenv("QAE_FAULT", "verifier_start@*")
+    with MathVerifierPool(timeout_s=1.0, num_workers=2, shortcuts=False, max_start_failures=3) as pool:
+        with pytest.raises(RuntimeError, match=r"died while starting, 3 times in a row \(exit codes -9 \(killed by "
+                                               r"SIGKILL\), -9 \(killed by SIGKILL\), -9 \(killed by SIGKILL\)\); "
+                                               "something kills new processes"):
+            pool.score(["\\boxed{1}"], ["1"])
+        assert pool.start_failures == 3 and pool.worker_pids() == []
+        monkeypatch.delenv("QAE_FAULT")
+        assert pool.score(["\\boxed{1}"], ["1"]) == [1.0]  # the cause gone, the same pool works again
+
+
+def test_interrupt_and_close_during_a_call_raise_scoring_interrupted():
+    with MathVerifierPool(timeout_s=60.0, num_workers=1, shortcuts=False) as pool:
+        assert pool.score(["\\boxed{1}"], ["1"]) == [1.0]
+        for stop in (pool.interrupt, pool.close):  # close() from another thread interrupts the call first
+            stopper = threading.Timer(0.3, stop)  # the tower holds the call for 10 s (its quick try) at least
+            stopper.start()
+            with pytest.raises(ScoringInterrupted, match="interrupted by shutdown"):
+                pool.score([NEVER_RETURNS, "\\boxed{2}"], ["1", "2"])
+            stopper.join()
+            assert pool.worker_pids() == []  # the interrupted call's workers are gone: none can answer a later call
+            assert pool.score(["\\boxed{3}"], ["3"]) == [1.0]  # and a later call starts fresh ones
+
+
+SIGNAL_SCRIPT = r"""
+import json, signal, sys
+from qae_app.rewards import MathVerifierPool, ScoringInterrupted
+
+def main(mode, n):
+    seen = []
+    with MathVerifierPool(timeout_s=30.0, num_workers=2, shortcuts=False) as pool:
+        def on_signal(signum, frame):  # what the trainer does: note it; "interrupt" also abandons the scoring call
+            seen.append([signum, pool.items_scored])
+            if mode == "interrupt":
+                pool.interrupt()
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        pool.score(["\\boxed{1}"], ["1"])
+        started, scored = pool.workers_started, pool.items_scored
+        responses = [f"\\boxed{{\\frac{{{k}}}{{{k + 1}}}}}" for k in range(1, n + 1)]
+        golds = [f"\\frac{{{2 * k}}}{{{2 * k + 2}}}" for k in range(1, n + 1)]
+        print("scoring", flush=True)
+        try:
+            scores = pool.score(responses, golds)
+        except ScoringInterrupted as err:
+            scores = str(err)
+        print(json.dumps(dict(scores=scores, seen=seen, before=scored, crashes=pool.crashes,
+                              restarts=pool.workers_started - started)), flush=True)
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
+"""
+
+
+def _signal_the_group_mid_batch(tmp_path, signum, mode, n=400):
+    """Run SIGNAL_SCRIPT as its own process group (as a shell, systemd or Slurm starts a job), send `signum` to the
+    whole group once it is scoring, and return what it reported."""
+    script = tmp_path / "score_then_signal.py"
+    script.write_text(SIGNAL_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), mode, str(n)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group, with its workers in it
+    try:
+        assert proc.stdout.readline().strip() == "scoring"
+        os.killpg(proc.pid, signum)
+        report = json.loads(proc.stdout.readline())
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    [(seen_signal, scored_at_signal)] = report["seen"]
+    assert seen_signal == signum
+    assert report["before"] <= scored_at_signal < report["before"] + n  # it came while the batch was being scored
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_process_group_does_not_kill_the_workers(tmp_path, signum):
+    report = _signal_the_group_mid_batch(tmp_path, signum, "finish")
+    assert report["scores"] == [1.0] * 400  # every answer verified: none turned into "unverified" by the signal
+    assert (report["crashes"], report["restarts"]) == (0, 0)
+
+
+@pytest.mark.slow
+def test_a_scoring_call_abandoned_at_shutdown_raises_instead_of_returning_nones(tmp_path):
+    report = _signal_the_group_mid_batch(tmp_path, signal.SIGTERM, "interrupt")
+    assert "interrupted by shutdown" in report["scores"]
+    assert report["crashes"] == 0
 
 
 def test_default_shortcuts_skip_the_workers():

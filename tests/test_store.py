@@ -1,6 +1,12 @@
 """The DuckDB store: round trip, whole-step transactions, replacing replayed steps, and a reader holding the lock."""
 
+import json
 import multiprocessing
+import resource
+import shutil
+import signal
+import subprocess
+import sys
 import time
 
 import duckdb
@@ -9,9 +15,11 @@ import pytest
 from qae_app.errors import QAEUserError
 from qae_app.store import (
     STEP_METRICS,
+    RunFileError,
     RunWriter,
     query,
     read_rollouts,
+    read_run,
     read_runs,
     read_steps,
     resolve_run,
@@ -146,3 +154,122 @@ def test_writer_migrates_a_file_from_before_the_source_column(tmp_path):
     RunWriter(path, "old")
     rows = query(path, "SELECT step, value, source FROM evals").to_dict("records")
     assert rows == [{"step": 3, "value": 0.5, "source": "train"}]  # kept, and attributed to the trainer
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a full disk, a damaged file, text that cannot be encoded
+
+FILL_SCRIPT = r"""
+import json, random, sys
+from qae_app.store import RunWriter, STEP_METRICS, read_run
+
+path = sys.argv[1] + "/run/qae.duckdb"
+writer = RunWriter(path, "run")
+writer.create_run("run", {}, "qae", 0.4, "builtin:tiny", "arith", 0)
+error = None
+rng = random.Random(0)
+for step in range(1, 10_000):  # 1 MB of incompressible responses a step, until the disk is full
+    writer.add_step(step, steps=[{name: 0.0 for name in STEP_METRICS}], rollouts=[
+        {"group_idx": 0, "sample_idx": i, "response": rng.randbytes(8_000).hex()} for i in range(64)])
+    try:
+        writer.flush()
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}"
+        break
+try:  # what the trainer records at the end: the run's row changes after the failed step, which is retried first
+    writer.update_run(status="failed", error=error)
+    stored = read_run(path)["error"]
+except Exception as err:
+    stored = f"not stored: {type(err).__name__}: {err}"
+print(json.dumps({"raised": error, "stored": stored}))
+"""
+
+
+def _fill_on_tmpfs(tmp_path) -> subprocess.CompletedProcess:
+    """A real full disk: a 3 MB tmpfs mounted in a private user and mount namespace (no root needed)."""
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    (tmp_path / "fill.py").write_text(FILL_SCRIPT)
+    return subprocess.run(["unshare", "--map-root-user", "--mount", "sh", "-c",
+                           f'mount -t tmpfs -o size=3m tmpfs "{mount}" && exec "{sys.executable}" '
+                           f'"{tmp_path / "fill.py"}" "{mount}"'], capture_output=True, text=True, timeout=300)
+
+
+def _fill_under_a_file_size_limit(tmp_path) -> subprocess.CompletedProcess:
+    """Where namespaces are not allowed: RLIMIT_FSIZE makes writes past 3 MB fail (EFBIG) as a full disk would."""
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 20, 3 << 20))
+
+    (tmp_path / "fill.py").write_text(FILL_SCRIPT)
+    return subprocess.run([sys.executable, str(tmp_path / "fill.py"), str(tmp_path)], preexec_fn=limit,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fill, cause", [(_fill_on_tmpfs, "No space left on device"),
+                                         (_fill_under_a_file_size_limit, "File too large")], ids=["tmpfs", "rlimit"])
+def test_a_full_disk_is_reported_as_itself(tmp_path, fill, cause):
+    """A failed COMMIT has already ended DuckDB's transaction; the ROLLBACK after it used to fail with "cannot
+    rollback - no transaction is active", which replaced the real cause in the raised and the stored error."""
+    if fill is _fill_on_tmpfs and (shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "--map-root-user", "--mount", "true"], capture_output=True).returncode != 0):
+        pytest.skip("user namespaces are not available here; the rlimit case covers the same path")
+    result = fill(tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    for error in (report["raised"], report["stored"]):  # stored, or the reason it could not be: the real cause
+        assert cause in error and "cannot rollback" not in error
+
+
+def _damage(path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "header":
+        path.write_bytes(b"\xde\xad" * 2048 + data[4096:])
+    elif how == "flipped":  # one bit in the first data block: DuckDB's block checksum catches it on read
+        data[12288] ^= 0x01
+        path.write_bytes(data)
+
+
+@pytest.mark.parametrize("how, reason", [("truncated", "Could not read enough bytes"),
+                                         ("header", "not a valid DuckDB database file"),
+                                         ("flipped", "Corrupt database file")])
+def test_a_damaged_file_is_named_with_what_can_be_recovered(writer, tmp_path, how, reason):
+    for step in (1, 2):  # 1.6 MB of responses: a file of several 256 KiB blocks, so cutting it in half loses some
+        rows = _rows(step, 400)
+        for row in rows["rollouts"]:
+            row["response"] = f"{row['sample_idx']} " + "x" * 2000
+        writer.add_step(step, **rows)
+    assert writer.flush()
+    (tmp_path / "r1" / "checkpoints" / "step-20" / "model").mkdir(parents=True)
+    (tmp_path / "r1" / "checkpoints" / "step-20" / "trainer_state.json").write_text("{}")
+    (tmp_path / "r1" / "config.json").write_text("{}")
+    good = RunWriter(tmp_path / "r0" / "qae.duckdb", "r0")
+    good.create_run("r0", {}, "qae", 0.4, "builtin:tiny", "arith", 0)
+    _damage(writer.path, how)
+
+    for read in (read_run, read_steps, lambda path: read_rollouts(path, 1)):
+        with pytest.raises(RunFileError) as caught:
+            read(writer.path)
+        message = str(caught.value)
+        assert f"cannot read {writer.path}: " in message and reason in message
+        assert "checkpoints (step-20)" in message and str(tmp_path / "r1/checkpoints/step-20/model") in message
+    with pytest.raises(RunFileError, match=f"cannot read {writer.path}: "):  # so does a resume (the writer)
+        RunWriter(writer.path, "r1")
+    runs = read_runs(tmp_path).set_index("run_id")
+    assert runs.loc["r1", "status"] == "unreadable" and reason in runs.loc["r1", "error"]  # listed, not omitted
+    assert runs.loc["r0", "status"] == "stopped"  # the healthy run beside it reads as usual (no trainer holds it)
+
+
+def test_lone_surrogates_are_stored_as_replacement_characters(writer):
+    rows = _rows(1)
+    rows["groups"][0]["prompt"] = "x\ud800y"
+    rows["rollouts"][0]["response"] = "\udfff"
+    writer.add_step(1, **rows)
+    assert writer.flush()
+    writer.update_run(status="failed", error="bad \ud800 text")
+    assert query(writer.path, "SELECT prompt FROM groups")["prompt"].tolist() == ["x\ufffdy"]
+    assert read_rollouts(writer.path, 1)["response"].iloc[0] == "\ufffd"
+    assert read_run(writer.path)["error"] == "bad \ufffd text"

@@ -8,7 +8,7 @@ import streamlit as st
 
 import board
 from qae_app import store
-from qae_app.store import STEP_METRICS, UNREADABLE
+from qae_app.store import READ_STATUSES, STEP_METRICS
 
 COLUMNS = {
     "shown": st.column_config.CheckboxColumn("shown", help="Picked in the sidebar: shown on the other pages."),
@@ -54,7 +54,7 @@ def table(all_runs: pd.DataFrame) -> pd.DataFrame:
     total = [config.get("steps") for config in configs]
     last = frame["last_step"].astype("Int64").astype("string").fillna("0")
     frame["progress"] = [f"{step} / {steps}" if steps else step for step, steps in zip(last, total)]
-    frame.loc[frame["status"] == UNREADABLE, "progress"] = None
+    frame.loc[frame["status"].isin(READ_STATUSES), "progress"] = None
     frame["group_size"] = [config.get("group_size") for config in configs]
     frame["shown"] = frame["run_id"].isin(board.shown_runs())
     frame["stored_run_id"] = frame["stored_run_id"].where(frame["stored_run_id"] != frame["run_id"])
@@ -75,7 +75,7 @@ def table(all_runs: pd.DataFrame) -> pd.DataFrame:
 
 def config_section(all_runs: pd.DataFrame) -> None:
     """One run's config, or (two runs picked) the options where they differ."""
-    readable = all_runs[all_runs["status"] != UNREADABLE]
+    readable = all_runs[~all_runs["status"].isin(READ_STATUSES)]
     ids = [str(r) for r in readable["run_id"]]
     if not ids:
         return
@@ -107,7 +107,7 @@ def config_section(all_runs: pd.DataFrame) -> None:
 
 
 def unreadable_notice(all_runs: pd.DataFrame) -> None:
-    for row in all_runs[all_runs["status"] == UNREADABLE].to_dict("records"):
+    for row in all_runs[all_runs["status"].isin(READ_STATUSES)].to_dict("records"):
         st.error(f"**{row['run_id']}** is unreadable: {board.literal(row['error'])}. Other runs are unaffected; the "
                  "run's checkpoints, if any, are still in its folder.", icon=":material/broken_image:")
 

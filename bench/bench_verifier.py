@@ -1,0 +1,77 @@
+"""Benchmark: what bounds the math verifier's cost on hostile batches.
+
+    python bench/bench_verifier.py
+
+Prints, measured in this run (no thresholds):
+- answer extraction on a 2.5 MB response: reading only the tail (`FINAL_ANSWER_WINDOW`) against the whole text;
+- replacing a killed worker: forked from the warm fork server against a fresh "spawn" (a sympy import);
+- 16 distinct power towers + 16 honest answers on 2 workers with a 3 s timeout: the default batch bound against none.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+from qae_app import rewards
+from qae_app.rewards import MathVerifierPool, extract_answer
+
+
+def extraction_seconds(text: str, window: int) -> float:
+    saved, rewards.FINAL_ANSWER_WINDOW = rewards.FINAL_ANSWER_WINDOW, window
+    try:
+        start = time.perf_counter()
+        extract_answer(text)
+        return time.perf_counter() - start
+    finally:
+        rewards.FINAL_ANSWER_WINDOW = saved
+
+
+def replacement_seconds(context_name: str | None, rounds: int = 3) -> float:
+    """Median time from killing a ready worker to its replacement reporting ready."""
+    pool = MathVerifierPool(num_workers=1, shortcuts=False)
+    if context_name is not None:
+        pool._context = multiprocessing.get_context(context_name)
+    times = []
+    with pool:
+        pool.score(["\\boxed{1}"], ["1"])
+        for _ in range(rounds):
+            [worker] = pool._workers
+            start = time.perf_counter()
+            new = pool._replace(worker)
+            assert new.conn.recv()[0] == "ready"
+            new.ready = True
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def hostile_batch(batch_timeout_s: float | None) -> tuple[float, list, MathVerifierPool]:
+    towers = [f"\\boxed{{{base}^{{9^{{9^{{9}}}}}}}}" for base in range(2, 18)]
+    honest = [f"\\boxed{{\\frac{{{k}}}{{2}}}}" for k in range(1, 17)]
+    responses = [r for pair in zip(towers, honest) for r in pair]  # mixed, as a step's groups would be
+    golds = [g for k in range(1, 17) for g in ("1", str(k / 2))]
+    pool = MathVerifierPool(timeout_s=3.0, num_workers=2, shortcuts=False, batch_timeout_s=batch_timeout_s)
+    with pool:
+        pool.score(["\\boxed{1}"], ["1"])
+        start = time.perf_counter()
+        scores = pool.score(responses, golds)
+        return time.perf_counter() - start, scores, pool
+
+
+def main() -> None:
+    text = "\\boxed{7}{" * 250_000 + "so the answer is \\boxed{\\frac{1}{2}}."
+    tail, whole = extraction_seconds(text, rewards.FINAL_ANSWER_WINDOW), extraction_seconds(text, len(text))
+    print(f"extract_answer on {len(text) / 1e6:.1f} MB: tail {tail * 1000:.1f} ms, whole text {whole * 1000:.0f} ms "
+          f"({whole / tail:.0f}x)")
+    forked, spawned = replacement_seconds(None), replacement_seconds("spawn")
+    print(f"worker replacement: fork server {forked * 1000:.0f} ms, spawn {spawned * 1000:.0f} ms "
+          f"({spawned / forked:.0f}x)")
+    for label, bound in (("default bound", None), ("no bound", 1e9)):
+        seconds, scores, pool = hostile_batch(bound)
+        honest_scored = sum(score == 1.0 for score in scores[1::2])
+        print(f"16 towers + 16 honest, {label}: {seconds:.1f} s, honest scored {honest_scored}/16, towers timed out "
+              f"{pool.timeouts}, cut off {pool.batch_cutoffs}, workers started {pool.workers_started}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Every bad value of issue 10, from the command line, a TOML file or a data file: one message that names the option
+(or file) and the value, exit code 2, and nothing written in the runs folder. Run in-process with typer's CliRunner.
+
+The cases that are not refusals (a lone surrogate in a data file loads and trains; a damaged run file is listed as
+unreadable) have their own tests below the table; a full disk is tested in test_store.py.
+"""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from qae_app.cli import app
+from qae_app.store import RunWriter, db_path, query, read_run
+
+runner = CliRunner()
+HUGE = "1" + "0" * 30  # an integer no 32-bit column, seed or tensor size can hold
+
+
+def _files(d):
+    """The bad files the table refers to as {d}/name."""
+    toml = {"seed_big": "seed = 2147483648", "seed_negative": "seed = -1", "kl_nan": "kl_beta = nan",
+            "lr_inf": "lr = inf", "lr_huge_int": "lr = " + "9" * 400, "wd_inf": "weight_decay = inf",
+            "temperature_tiny": "temperature = 1e-300", "timeout_nan": "verify_timeout_s = nan",
+            "timeout_inf": "verify_timeout_s = inf", "mini_batches_huge": f"num_mini_batches = {10 ** 18}",
+            "micro_float": "micro_batch_size = 1e30", "deep": "a = " + "[" * 100_000 + "]" * 100_000}
+    for name, body in toml.items():
+        (d / f"{name}.toml").write_text(body + "\n")
+    (d / "utf16.toml").write_text("steps = 2\n", encoding="utf-16")
+    (d / "binary.toml").write_bytes(bytes(range(256)))
+    (d / "folder.toml").mkdir()
+    (d / "binary.jsonl").write_bytes(bytes(range(256)) * 4)
+    (d / "utf16.jsonl").write_text('{"problem": "1+1?", "answer": "2"}\n', encoding="utf-16")
+    (d / "deep.jsonl").write_text('{"problem": "x", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    (d / "bigint.jsonl").write_text('{"problem": "What is 7 repeated?", "answer": ' + "7" * 5000 + "}\n")
+    (d / "bigint_text.jsonl").write_text('{"problem": "What is 7 repeated?", "answer": "' + "7" * 5000 + '"}\n')
+    (d / "big_prompt.jsonl").write_text(json.dumps({"problem": "1" * 1_000_000, "answer": "2"}) + "\n")
+    (d / "folder.jsonl").mkdir()
+    return d
+
+
+# (command line, what the message must contain: the option or file, and the value)
+BAD_VALUES = [
+    # numbers on the command line: finite, and in a sane range
+    (["train", "--seed", "2147483648"], "seed: 2147483648 is more than 2,147,483,647"),
+    (["train", "--seed", "-1"], "seed: -1 is less than 0"),
+    # typer refuses a non-integer before our checks; its message names the option but does not repeat the value
+    (["train", "--num-mini-batches", "1e30"], "Invalid value for '--num-mini-batches': Input should be a valid"),
+    (["train", "--num-mini-batches", HUGE], f"num-mini-batches: {HUGE} is more than the 128 responses of a step"),
+    (["train", "--micro-batch-size", "1e30"], "Invalid value for '--micro-batch-size': Input should be a valid"),
+    (["train", "--micro-batch-size", HUGE], f"micro-batch-size: {HUGE} is more than 2,147,483,647"),
+    (["train", "--steps", HUGE], f"steps: {HUGE} is more than 2,147,483,647"),
+    (["train", "--clip-high", "1e308"], "clip-high: 1e+308 is more than 10.0"),
+    (["train", "--clip-low", "nan"], "clip-low: nan is not a finite number"),
+    (["train", "--kl-beta", "inf"], "kl-beta: inf is not a finite number"),
+    (["train", "--kl-beta", "nan"], "kl-beta: nan is not a finite number"),
+    (["train", "--kl-beta", "1e6"], "kl-beta: 1000000.0 is more than 10.0"),
+    (["train", "--lr", "inf"], "lr: inf is not a finite number"),
+    (["train", "--lr", "nan"], "lr: nan is not a finite number"),
+    (["train", "--lr", "10"], "lr: 10.0 is more than 1.0"),
+    (["train", "--weight-decay", "inf"], "weight-decay: inf is not a finite number"),
+    (["train", "--weight-decay", "nan"], "weight-decay: nan is not a finite number"),
+    (["train", "--max-grad-norm", "inf"], "max-grad-norm: inf is not a finite number"),
+    (["train", "--temperature", "1e-300"], "temperature: 1e-300 is less than 0.01"),
+    (["train", "--temperature", "inf"], "temperature: inf is not a finite number"),
+    (["train", "--verify-timeout-s", "nan"], "verify-timeout-s: nan is not a finite number"),
+    (["train", "--verify-timeout-s", "inf"], "verify-timeout-s: inf is not a finite number"),
+    (["train", "--verify-timeout-s", "1e9"], "verify-timeout-s: 1000000000.0 is more than 3,600.0"),
+    (["train", "--entropy-low", "nan"], "entropy-low: nan is not a finite number"),
+    (["train", "--heldout-fraction", "nan"], "heldout-fraction: nan is not a finite number"),
+    (["train", "--k", "nan"], "k: nan is outside (0, 1)"),
+    (["train", "--eval-limit", "0"], "eval-limit: 0"),
+    # the same from a TOML file, and TOML files that are not TOML
+    (["train", "--config", "{d}/seed_big.toml"], "seed: 2147483648 is more than 2,147,483,647"),
+    (["train", "--config", "{d}/seed_negative.toml"], "seed: -1 is less than 0"),
+    (["train", "--config", "{d}/kl_nan.toml"], "kl-beta: nan is not a finite number"),
+    (["train", "--config", "{d}/lr_inf.toml"], "lr: inf is not a finite number"),
+    (["train", "--config", "{d}/lr_huge_int.toml"], "'lr' = 999"),
+    (["train", "--config", "{d}/wd_inf.toml"], "weight-decay: inf is not a finite number"),
+    (["train", "--config", "{d}/temperature_tiny.toml"], "temperature: 1e-300 is less than 0.01"),
+    (["train", "--config", "{d}/timeout_nan.toml"], "verify-timeout-s: nan is not a finite number"),
+    (["train", "--config", "{d}/timeout_inf.toml"], "verify-timeout-s: inf is not a finite number"),
+    (["train", "--config", "{d}/mini_batches_huge.toml"], f"num-mini-batches: {10 ** 18} is more than the 128"),
+    (["train", "--config", "{d}/micro_float.toml"], "'micro_batch_size' = 1e+30 is a float, expected int"),
+    (["train", "--config", "{d}/utf16.toml"], "utf16.toml is UTF-16 (or UTF-32) text; TOML must be UTF-8"),
+    (["train", "--config", "{d}/binary.toml"], "binary.toml is not UTF-8 text (byte 0x80 at offset 128)"),
+    (["train", "--config", "{d}/folder.toml"], "folder.toml is a directory, not a file"),
+    (["train", "--config", "{d}/deep.toml"], "deep.toml nests arrays or tables too deeply to parse"),
+    # data files
+    (["train", "--data", "{d}/binary.jsonl"], "binary.jsonl' is not UTF-8 text (byte 0x80 at line 2, offset 128)"),
+    (["train", "--data", "{d}/utf16.jsonl"], "utf16.jsonl' is UTF-16 text; JSONL must be UTF-8"),
+    (["train", "--data", "{d}/deep.jsonl"], "deep.jsonl' line 1 nests JSON arrays or objects too deeply"),
+    (["train", "--data", "{d}/bigint.jsonl"], "bigint.jsonl' line 1 has a 5,000-character answer (7777"),
+    (["train", "--data", "{d}/bigint_text.jsonl"], "bigint_text.jsonl' line 1 has a 5,000-character answer (7777"),
+    (["train", "--data", "{d}/folder.jsonl"], "folder.jsonl' is a directory"),
+    (["train", "--data", "{d}/big_prompt.jsonl"], "data: prompt 'big_prompt-1' is 1,000,073 tokens, and with "
+                                                  "--max-new-tokens 8 it needs 1,000,081 positions, but the model's "
+                                                  "context is 128"),
+    # the inspecting commands
+    (["show", "some-run", "--every", "1e30"], "Invalid value for '--every': Input should be a valid integer"),
+    (["show", "some-run", "--every", "-1"], "every: -1. Use 0"),
+    (["rollouts", "some-run", "--limit", "-1"], "limit: -1. Use a positive number of rows"),
+    (["rollouts", "some-run", "--limit", "0"], "limit: 0. Use a positive number of rows"),
+    # qae eval shares the training options' ranges
+    (["eval", "--temperature", "1e-300"], "temperature: 1e-300 is less than 0.01"),
+    (["eval", "--verify-timeout-s", "nan"], "verify-timeout-s: nan. Use a positive number of seconds"),
+    (["eval", "--verify-timeout-s", "inf"], "verify-timeout-s: inf is not a finite number"),
+    (["eval", "--seed", "-1"], "seed: -1 is less than 0"),
+    (["eval", "--samples", HUGE], f"samples: {HUGE} is more than 2,147,483,647"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_VALUES, ids=[" ".join(a)[:60] for a, _ in BAD_VALUES])
+def test_a_bad_value_is_one_message_exit_2_and_nothing_written(tmp_path, args, message):
+    d = _files(tmp_path)
+    runs = tmp_path / "runs"
+    result = runner.invoke(app, [*[a.format(d=d) for a in args], "--runs-dir", str(runs)])
+    output = "".join(result.output.split())  # the console wraps long paths anywhere, so compare without spaces
+    assert result.exit_code == 2, result.output
+    assert "".join(message.format(d=d).split()) in output, result.output
+    assert "Traceback" not in output and not isinstance(result.exception, (ValueError, RuntimeError, OSError))
+    assert not runs.exists() or not any(runs.rglob("*"))  # refused before anything was written
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inputs that are not refusals
+
+
+@pytest.mark.slow
+def test_a_lone_surrogate_in_a_data_file_is_stored_as_a_replacement_character(tmp_path):
+    data = tmp_path / "surrogate.jsonl"
+    data.write_text('{"problem": "What is 1+1? \\ud800", "answer": "2", "id": "p\\udfff"}\n')
+    result = runner.invoke(app, ["train", "--data", str(data), "--steps", "1", "--prompts-per-step", "1",
+                                 "--group-size", "2", "--num-mini-batches", "1", "--eval-every", "0",
+                                 "--max-new-tokens", "4",
+                                 "--run-name", "s", "--runs-dir", str(tmp_path / "runs")])
+    assert result.exit_code == 0, result.output
+    groups = query(db_path(tmp_path / "runs", "s"), "SELECT prompt_id, prompt FROM groups")
+    assert groups["prompt_id"].tolist() == ["p\ufffd"]
+    assert groups["prompt"].iloc[0].startswith("What is 1+1? \ufffd")
+    assert read_run(db_path(tmp_path / "runs", "s"))["status"] == "finished"
+
+
+def test_a_damaged_run_file_is_named_by_every_command(tmp_path):
+    runs = tmp_path / "runs"
+    writer = RunWriter(db_path(runs, "broken"), "broken")
+    writer.create_run("broken", {}, "qae", 0.4, "builtin:tiny", "arith", 0)
+    path = db_path(runs, "broken")
+    path.write_bytes(b"\0" * 4096 + path.read_bytes()[4096:])  # the header gone
+    for args in (["show", "broken"], ["rollouts", "broken"]):
+        result = runner.invoke(app, [*args, "--runs-dir", str(runs)])
+        output = "".join(result.output.split())  # the console wraps the long path anywhere
+        assert result.exit_code == 2, result.output
+        assert f"cannotread{path}:IOError" in output and "notavalidDuckDBdatabasefile" in output
+        assert "Therunhasnocheckpointtorecoveramodelfrom" in output
+    result = runner.invoke(app, ["runs", "--runs-dir", str(runs)])
+    assert result.exit_code == 0, result.output
+    output = "".join(result.output.split())
+    assert f"brokenunreadable:run:cannotread{path}" in output  # listed, with the reason under the table
