@@ -286,12 +286,14 @@ class RunWriter:
                 for table in TABLES:
                     con.execute(f"UPDATE {table} SET run_id = ?", [run_id])
                 con.execute("COMMIT")
-            # a truncated file opens and takes writes; it fails only when a reader reaches the missing blocks
-            block_size, blocks = con.execute("SELECT block_size, total_blocks FROM pragma_database_size() "
+            # a truncated file opens and takes writes; it fails only when a reader reaches the missing blocks. DuckDB
+            # itself drops free blocks from the end of the file, so only the blocks in use must all be there
+            block_size, blocks = con.execute("SELECT block_size, used_blocks FROM pragma_database_size() "
                                              "WHERE database_name = current_database()").fetchone()
             if self.path.stat().st_size < block_size * blocks:
                 raise unreadable_run_error(self.path, f"it is {self.path.stat().st_size:,} bytes, shorter than the "
-                                                      f"{block_size * blocks:,} bytes of blocks its header lists")
+                                                      f"{block_size * blocks:,} bytes of the blocks its header says "
+                                                      "are in use")
         finally:
             con_cm.__exit__(None, None, None)
         self.pending: list[PendingWrite] = self._load_spilled()  # left by a trainer that never found the file free
@@ -322,7 +324,7 @@ class RunWriter:
                  _storable(task), seed],
             )
 
-    def update_run(self, **fields) -> bool:
+    def update_run(self, first: bool = False, **fields) -> bool:
         """Queue a change of run-level fields (status, error, k, config, wall_s, setup_s) and flush; False if it had to
         wait."""
         allowed = {"status", "error", "k", "config", "wall_s", "setup_s"}
@@ -334,7 +336,11 @@ class RunWriter:
         if "config" in fields:
             fields["config"] = json.dumps(fields["config"])
         fields = {name: _storable(value) for name, value in fields.items()}  # an error message may quote bad text
-        self.pending.append(PendingWrite("run", fields=dict(fields, updated_at=_now())))
+        write = PendingWrite("run", fields=dict(fields, updated_at=_now()))
+        if first:  # ahead of every queued write (a failed run's status, when the queued rows are what fails)
+            self.pending.insert(0, write)
+        else:
+            self.pending.append(write)
         return self.flush()
 
     # step rows -----------------------------------------------------------------------------------------------

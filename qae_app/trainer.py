@@ -210,7 +210,6 @@ class Trainer:
                                    eval_s=time.perf_counter() - t0)
                 self.state.step = step
                 self.state.data_position = step * cfg.prompts_per_step
-                fault_point("after_step_rows", step)
                 write_s = self._write_step(step, out, heldout, timings)
                 checkpoint_s = 0.0
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
@@ -267,6 +266,7 @@ class Trainer:
 
         # ---- reward
         t0 = time.perf_counter()
+        fault_point("scoring", step)
         raw = self.scorer([s.text for s in samples], [problems[s.prompt_index].answer for s in samples])
         reward_s = time.perf_counter() - t0
         rewards = torch.tensor([0.0 if r is None else r for r in raw]).view(len(problems), cfg.group_size)  # (B, G)
@@ -609,6 +609,7 @@ class Trainer:
             if chosen_k is not None:
                 writer.update_run(k=chosen_k)
             writer.add_step(step, **tables)
+            fault_point("after_step_rows", step)  # crash tests: rows queued, not yet written
             self._flush()
 
         self._drain_writes()
@@ -635,8 +636,10 @@ class Trainer:
             if timings is not None:
                 self.writer.update_step(timings[0], **timings[1])
             wall_s = self._wall_s_before + time.perf_counter() - self._t_start
+            # a failed run's status goes ahead of rows still queued: if the failure was writing them (a full disk),
+            # the small update of the run's row may still fit, and `qae runs` says why it failed
             self.writer.update_run(status=status, error=error, wall_s=wall_s,
-                                   setup_s=self._setup_s_before + (self._setup_s or 0.0))
+                                   setup_s=self._setup_s_before + (self._setup_s or 0.0), first=status == "failed")
             self._wait_for_store()
 
     def _flush(self) -> None:

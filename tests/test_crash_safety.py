@@ -264,3 +264,20 @@ def test_a_reader_holding_the_database_neither_fails_nor_blocks_the_run(tmp_path
     assert read_steps(path)["step"].tolist() == list(range(1, 9))
     assert query(path, "SELECT count(*) AS n FROM rollouts")["n"].item() == 8 * PER_STEP
     assert read_run(path)["status"] == "finished" and not list((tmp_path / "held" / "pending").glob("*"))
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_while_scoring_finishes_the_step_then_stops(tmp_path, reference):
+    """systemd / Slurm preemption: SIGTERM to the whole group as the step's responses are being scored. The step is
+    scored in full and stored, the run stops at that boundary with a checkpoint, and the resumed run equals the
+    uninterrupted one (the verifier workers ignore the signal: tests/test_rewards.py kills a batch's group)."""
+    proc = start_train(tmp_path, "term", {"QAE_FAULT": "term:scoring@3"}, **OPTS)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 130, out
+    assert read_run(db_path(tmp_path, "term"))["status"] == "interrupted"
+    assert read_steps(db_path(tmp_path, "term"))["step"].tolist() == [1, 2, 3]
+    assert latest_checkpoint(tmp_path / "term").name == "step-3"
+    resumed = subprocess.run([QAE, "train", "--resume", "term", "--runs-dir", str(tmp_path)], capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert_same_steps(reference, db_path(tmp_path, "term"), OPTS["steps"])

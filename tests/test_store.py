@@ -273,3 +273,18 @@ def test_lone_surrogates_are_stored_as_replacement_characters(writer):
     assert query(writer.path, "SELECT prompt FROM groups")["prompt"].tolist() == ["x\ufffdy"]
     assert read_rollouts(writer.path, 1)["response"].iloc[0] == "\ufffd"
     assert read_run(writer.path)["error"] == "bad \ufffd text"
+
+
+def test_a_file_whose_free_blocks_duckdb_dropped_is_not_damaged(writer):
+    """DuckDB cuts free blocks off the end of its file: a resume must not call such a file truncated."""
+    for step in (1, 2):
+        rows = _rows(step, 400)
+        for row in rows["rollouts"]:
+            row["response"] = "x" * 2000
+        writer.add_step(step, **rows)
+    assert writer.flush() and writer.truncate_after(0)
+    with duckdb.connect(str(writer.path), read_only=True) as con:
+        block_size, total, used = con.execute("SELECT block_size, total_blocks, used_blocks "
+                                              "FROM pragma_database_size()").fetchone()
+    assert writer.path.stat().st_size < block_size * total  # blocks listed but not in the file: they are free
+    RunWriter(writer.path, "r1").add_step(3, **_rows(3))  # opens as the healthy file it is
