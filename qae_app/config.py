@@ -356,6 +356,11 @@ class EvalConfig:
     limit: int | None = opt(None, "Only the first N problems.", "benchmark")
     samples: int = opt(4, "Samples per problem (k of avg@k, pass@k, maj@k; the paper's avg@32 uses 32).", "sampling")
     temperature: float = opt(0.7, "Sampling temperature.", "sampling")
+    top_p: float = opt(1.0, "Nucleus sampling: keep the most likely tokens up to this total probability (1: off, as "
+                       "in training).", "sampling")
+    top_k: int = opt(0, "Keep only the k most likely tokens (0: off, as in training).", "sampling")
+    min_p: float = opt(0.0, "Drop tokens below this fraction of the top token's probability (0: off, as in "
+                       "training).", "sampling")
     max_new_tokens: int | None = opt(None, "Longest response in tokens (default: 8 for arith, 1024 for math).",
                                      "sampling")
     seed: int = opt(0, "Sampling seed.", "sampling")
@@ -373,6 +378,9 @@ class EvalConfig:
         if not self.temperature > 0:
             raise QAEUserError(f"temperature: {self.temperature}. Sampling needs a temperature > 0 (0.7 is usual "
                                "for evaluation).")
+        from qae_app.rollout import SamplingOptions  # the engines' own check of top-p / top-k / min-p
+
+        SamplingOptions(self.top_p, self.top_k, self.min_p).validate()
         if self.limit is not None:
             _positive("limit", self.limit)
         if self.max_new_tokens is not None:

