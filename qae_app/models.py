@@ -275,8 +275,17 @@ def _convert_gguf(path: Path, out: Path) -> None:
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:  # older versions always de-quantize
         pass
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **_dtype_argument(torch.float32),
-                                                 **kwargs)
+    model, info = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, output_loading_info=True,
+                                                       **_dtype_argument(torch.float32), **kwargs)
+    missing = set(info.get("missing_keys") or ())
+    if missing == {"lm_head.weight"}:
+        # a tied-embedding model (SmolLM2, Llama-3.2-1B) stores no output tensor; older transformers leave lm_head
+        # random instead of tying it to the embeddings
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+    elif missing:
+        raise QAEUserError(f"model: {path} lacks weights for {', '.join(sorted(missing)[:5])} after conversion. "
+                           "Update transformers (pip install -U transformers) or convert it to a Hugging Face folder.")
     # the weights are plain float32 now; drop what remembers the GGUF origin, which save_pretrained refuses to write
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer = None

@@ -147,6 +147,20 @@ def test_real_tokenizer_uses_the_chat_template_and_stops_at_end_of_turn(smollm2)
     assert im_end in codec.stop_ids
 
 
+@pytest.mark.slow
+def test_the_converted_model_is_the_real_one(smollm2):
+    from qae_app.rollout import HFGenerateEngine, SamplingOptions
+
+    model, codec = load_policy(str(smollm2))
+    # tied embeddings: the GGUF file has no output tensor, and a random lm_head would still load without an error
+    assert torch.equal(model.get_output_embeddings().weight, model.get_input_embeddings().weight)
+    greedy = HFGenerateEngine(model, codec, sampling=SamplingOptions(top_k=1))
+    [answer] = greedy.generate(["What is the capital of France? Answer in one word."], n=1, temperature=1.0,
+                               max_new_tokens=16, seed=0)
+    print(f"SmolLM2 says: {answer.text!r}")
+    assert "Paris" in answer.text and not answer.truncated  # and it ends its turn by itself
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # qae eval and qae train on GSM8K
 
