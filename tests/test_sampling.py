@@ -136,11 +136,12 @@ def test_generation_stops_at_any_stop_id():
 
 
 def test_eval_top_k_is_applied_and_recorded(tmp_path):
-    result = runner.invoke(app, ["eval", "--limit", "6", "--k", "3", "--top-k", "1", "--temperature", "1.0",
+    result = runner.invoke(app, ["eval", "--limit", "6", "--samples", "3", "--top-k", "1", "--temperature", "1.0",
                                  "--run-name", "greedy", "--runs-dir", str(tmp_path), "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
-    assert out["sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 1, "min_p": 0.0}
+    assert {key: out["options"][key] for key in ("temperature", "top_p", "top_k", "min_p")} == \
+        {"temperature": 1.0, "top_p": 1.0, "top_k": 1, "min_p": 0.0}
     from qae_app.store import query
 
     samples = query(db_path(tmp_path, "greedy"), "SELECT problem_id, response FROM eval_samples")
