@@ -14,11 +14,12 @@ what the engines must do about it, and `ShardedPolicy` does it.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Iterator, Protocol
 
 import torch
 
+from qae_app.config import SamplingOptions
 from qae_app.errors import QAEUserError
 from qae_app.models import TextCodec
 from qae_app.names import ENGINES
@@ -35,28 +36,6 @@ class Sample:
     # measured them while sampling (the trainer then skips a no-grad pass over the responses to report them)
     token_logprobs: list[float] | None = None
     token_entropies: list[float] | None = None
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """Truncations of the sampling distribution, for `qae eval` only. The defaults switch each one off: training
-    always samples from softmax(logits / T)."""
-
-    top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p (1: off)
-    top_k: int = 0  # keep the k most likely tokens (0: off)
-    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (0: off)
-
-    def validate(self) -> "SamplingOptions":
-        if not 0 < self.top_p <= 1:
-            raise QAEUserError(f"top-p: {self.top_p}. Use a value in (0, 1]; 1 keeps the whole distribution.")
-        if self.top_k < 0:
-            raise QAEUserError(f"top-k: {self.top_k}. Use 0 (off) or a positive number of tokens.")
-        if not 0 <= self.min_p < 1:
-            raise QAEUserError(f"min-p: {self.min_p}. Use a value in [0, 1); 0 keeps the whole distribution.")
-        return self
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 PLAIN_SAMPLING = SamplingOptions()

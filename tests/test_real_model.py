@@ -206,7 +206,8 @@ def test_eval_smollm2_on_gsm8k(smollm2, math_data, tmp_path):
     out = qae_eval(tmp_path, smollm2, math_data / GSM8K_TEST, limit=8, samples=2, max_new_tokens=max_new_tokens,
                    run_name="smol")
     samples = query(db_path(tmp_path, "smol"), "SELECT * FROM eval_samples ORDER BY problem_id, sample_idx")
-    assert len(samples) == 16 and samples.groupby("problem_id")["sample_idx"].apply(sorted).map(tuple).eq((0, 1)).all()
+    assert len(samples) == 16
+    assert all(indices == [0, 1] for indices in samples.groupby("problem_id")["sample_idx"].apply(sorted))
     # the chat template made it answer as an assistant that ends its turn: most responses stop by themselves
     stopped = samples["n_tokens"] < max_new_tokens
     print(f"{stopped.sum()} of 16 responses ended at <|im_end|>; mean length {samples['n_tokens'].mean():.0f} tokens;"
