@@ -343,6 +343,28 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
 
 
 @dataclass(frozen=True)
+class SamplingOptions:
+    """Truncations of the sampling distribution, for `qae eval` only. The defaults switch each one off: training
+    always samples from softmax(logits / T), the distribution its loss assumes."""
+
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p (1: off)
+    top_k: int = 0  # keep the k most likely tokens (0: off)
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (0: off)
+
+    def validate(self) -> "SamplingOptions":
+        if not 0 < self.top_p <= 1:
+            raise QAEUserError(f"top-p: {self.top_p}. Use a value in (0, 1]; 1 keeps the whole distribution.")
+        if self.top_k < 0:
+            raise QAEUserError(f"top-k: {self.top_k}. Use 0 (off) or a positive number of tokens.")
+        if not 0 <= self.min_p < 1:
+            raise QAEUserError(f"min-p: {self.min_p}. Use a value in [0, 1); 0 keeps the whole distribution.")
+        return self
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     """`qae eval`: a model, a benchmark, samples per problem. The results go into the run the model came from (a run
     id) or into a standalone eval run."""
@@ -356,6 +378,11 @@ class EvalConfig:
     limit: int | None = opt(None, "Only the first N problems.", "benchmark")
     samples: int = opt(4, "Samples per problem (k of avg@k, pass@k, maj@k; the paper's avg@32 uses 32).", "sampling")
     temperature: float = opt(0.7, "Sampling temperature.", "sampling")
+    top_p: float = opt(1.0, "Nucleus sampling: keep the most likely tokens up to this total probability (1: off, as "
+                       "in training).", "sampling")
+    top_k: int = opt(0, "Keep only the k most likely tokens (0: off, as in training).", "sampling")
+    min_p: float = opt(0.0, "Drop tokens below this fraction of the top token's probability (0: off, as in "
+                       "training).", "sampling")
     max_new_tokens: int | None = opt(None, "Longest response in tokens (default: 8 for arith, 1024 for math).",
                                      "sampling")
     seed: int = opt(0, "Sampling seed.", "sampling")
@@ -373,6 +400,7 @@ class EvalConfig:
         if not self.temperature > 0:
             raise QAEUserError(f"temperature: {self.temperature}. Sampling needs a temperature > 0 (0.7 is usual "
                                "for evaluation).")
+        SamplingOptions(self.top_p, self.top_k, self.min_p).validate()
         if self.limit is not None:
             _positive("limit", self.limit)
         if self.max_new_tokens is not None:

@@ -135,7 +135,7 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from qae_app.models import load_policy
-    from qae_app.rollout import make_engine
+    from qae_app.rollout import SamplingOptions, make_engine
 
     target = resolve_model(cfg.model, runs_dir, cfg.checkpoint)
     name, problems, task = load_benchmark(cfg.bench)
@@ -149,7 +149,8 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
         run_id = target.run_id
 
     policy, codec = load_policy(target.model_path, cfg.dtype)
-    rollout_engine = make_engine(cfg.engine, policy, codec, model_path=target.model_path)
+    rollout_engine = make_engine(cfg.engine, policy, codec, model_path=target.model_path,
+                                 sampling=SamplingOptions(cfg.top_p, cfg.top_k, cfg.min_p))
     progress = Progress(TextColumn(f"[bold]eval {name}"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
                         console=console, disable=console is None)
     with Scorer(task.reward, cfg.verify_timeout_s) as scorer, progress:

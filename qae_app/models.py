@@ -6,11 +6,19 @@ built-in character tokenizer and a Hugging Face tokenizer are interchangeable.
 The built-in model is a ~0.8M-parameter Llama (4 layers, hidden 128, vocab 64) built locally with transformers:
 no download. `qae warmstart` trains it supervised on the arithmetic task's training split; the result ships in
 `qae_app/assets/tiny/` so `qae train` starts RL at once.
+
+A `.gguf` file (llama.cpp's format) is de-quantized to float32 once per machine and cached as a Hugging Face folder
+under $QAE_CACHE (default ~/.cache/qae), keyed by the file's sha256, so RL can start from a local GGUF model.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Protocol
 
@@ -26,6 +34,7 @@ CHAR_TOKENIZER_FILE = "qae_char_tokenizer.json"
 class TextCodec(Protocol):
     pad_id: int
     eos_id: int
+    stop_ids: list[int]  # a response ends at the first of these (eos and the model's end-of-turn tokens)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -46,6 +55,7 @@ class CharTokenizer:
         self.chars = chars
         self.vocab_size = vocab_size
         self.pad_id, self.bos_id, self.eos_id, self.unk_id = range(4)
+        self.stop_ids = [self.eos_id]
         self._to_id = {c: i + len(self.SPECIALS) for i, c in enumerate(chars)}
         self._to_char = {i: c for c, i in self._to_id.items()}
 
@@ -72,26 +82,62 @@ class CharTokenizer:
 
 
 class HFTokenizerCodec:
-    """A Hugging Face tokenizer behind the TextCodec interface; prompts use its chat template when it has one."""
+    """A Hugging Face tokenizer behind the TextCodec interface; prompts use its chat template when it has one.
 
-    def __init__(self, tokenizer, use_chat_template: bool = True):
+    `generation_stop_ids`: the model's generation_config eos_token_id (an id or a list, e.g. Qwen's <|im_end|> and
+    <|endoftext|>). Responses stop at any of them or at the tokenizer's eos.
+    """
+
+    def __init__(self, tokenizer, use_chat_template: bool = True, generation_stop_ids=None):
         self.tokenizer = tokenizer
         self.use_chat_template = use_chat_template and getattr(tokenizer, "chat_template", None) is not None
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.stop_ids = _unique_ids([self.eos_id, *_id_list(generation_stop_ids)])
 
     def encode(self, text: str) -> list[int]:
         if self.use_chat_template:
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            ))
-        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+            # the template writes every special token itself (BOS included where the model has one), so nothing is
+            # added on top; the return type differs across transformers versions (ids, or a dict-like encoding)
+            ids = plain_ids(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True))
+        else:
+            ids = plain_ids(self.tokenizer(text, add_special_tokens=True))
+        bos = self.tokenizer.bos_token_id
+        if bos is not None and ids[:2] == [bos, bos]:  # a template that writes BOS, on a tokenizer that adds one too
+            ids = ids[1:]
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def save(self, directory: Path) -> None:
         self.tokenizer.save_pretrained(directory)
+
+
+def plain_ids(encoded) -> list[int]:
+    """Token ids as a list of ints from whatever a tokenizer call returned: a list, a batch of one, a tensor, or a
+    dict-like encoding (transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True))."""
+    if hasattr(encoded, "keys") and "input_ids" in encoded.keys():
+        encoded = encoded["input_ids"]
+    if hasattr(encoded, "tolist"):  # torch / numpy
+        encoded = encoded.tolist()
+    encoded = list(encoded)
+    if len(encoded) == 1 and isinstance(encoded[0], (list, tuple)):  # a batch of one sequence
+        encoded = list(encoded[0])
+    if not all(isinstance(i, int) for i in encoded):
+        raise TypeError(f"expected token ids, got {type(encoded[0]).__name__} items: {encoded[:3]!r}")
+    return encoded
+
+
+def _id_list(ids) -> list[int]:
+    if ids is None:
+        return []
+    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
+
+
+def _unique_ids(ids) -> list[int]:
+    return list(dict.fromkeys(i for i in ids if i is not None))
 
 
 def tiny_llama_config(vocab_size: int = 64):
@@ -133,8 +179,140 @@ def quiet_transformers() -> None:
     logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
 
 
+def _is_dropout_name(name: str) -> bool:
+    return "dropout" in name or name.endswith("pdrop")  # GPT-2 style configs name them resid_pdrop, attn_pdrop, ...
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """No dropout anywhere in `model`, in train mode too (as TRL does for RL).
+
+    The old log-probs are computed without gradient and the update with it; with dropout the two passes would see
+    different networks and the first ratio would not be 1. Zeroes every dropout module, every float `*dropout*`
+    attribute of a module (Llama's attention reads `self.attention_dropout`, not an nn.Dropout) and the config's
+    dropout fields (so a saved checkpoint says what was trained).
+    """
+    from transformers import PretrainedConfig
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if _is_dropout_name(name) and isinstance(value, float):
+                setattr(module, name, 0.0)
+    configs = [getattr(model, "config", None)]
+    while configs:
+        config = configs.pop()
+        if not isinstance(config, PretrainedConfig):
+            continue
+        for name, value in list(vars(config).items()):
+            if _is_dropout_name(name) and isinstance(value, (int, float)) and not isinstance(value, bool):
+                setattr(config, name, 0.0)
+            elif isinstance(value, PretrainedConfig):  # a sub-config (text / vision model)
+                configs.append(value)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GGUF files: de-quantized once per machine into a cached Hugging Face folder
+
+GGUF_SUFFIX = ".gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("QAE_CACHE") or Path.home() / ".cache" / "qae")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def gguf_cache_folder(path: Path) -> Path:
+    """Where the de-quantized copy of this GGUF file lives (it may not exist yet)."""
+    return cache_root() / "gguf" / _sha256(path)
+
+
+def publish_folder(final: Path, build) -> Path:
+    """`build(tmp)` fills a fresh temporary folder beside `final`, which is then renamed to `final` in one step.
+
+    Concurrent first uses each build their own copy; the first rename wins and the others discard theirs, so a
+    reader sees either no folder or a complete one, never a half-written one (a kill leaves only a `.tmp-*` folder).
+    """
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # not lost to another process: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _dtype_argument(torch_dtype) -> dict:
+    """`dtype=` (transformers >= 4.56) or the older `torch_dtype=` (which 5.x still accepts, with a warning)."""
+    import transformers
+    from packaging.version import Version
+
+    return {"dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype": torch_dtype}
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {}
+    try:  # transformers >= 5 may keep GGUF weights packed (not trainable) when kernels are installed: ask for floats
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older versions always de-quantize
+        pass
+    model, info = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, output_loading_info=True,
+                                                       **_dtype_argument(torch.float32), **kwargs)
+    missing = set(info.get("missing_keys") or ())
+    if missing == {"lm_head.weight"}:
+        # a tied-embedding model (SmolLM2, Llama-3.2-1B) stores no output tensor; older transformers leave lm_head
+        # random instead of tying it to the embeddings
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+    elif missing:
+        raise QAEUserError(f"model: {path} lacks weights for {', '.join(sorted(missing)[:5])} after conversion. "
+                           "Update transformers (pip install -U transformers) or convert it to a Hugging Face folder.")
+    # the weights are plain float32 now; drop what remembers the GGUF origin, which save_pretrained refuses to write
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    model.is_quantized = False
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+
+
+def local_model_folder(spec: str) -> str:
+    """`spec` itself, or for a `.gguf` file the cached Hugging Face folder holding it de-quantized (converted now if
+    this machine has not converted it before)."""
+    if not spec.lower().endswith(GGUF_SUFFIX):
+        return spec
+    path = Path(spec).expanduser().resolve()
+    if not path.is_file():
+        raise QAEUserError(f"model: GGUF file '{spec}' does not exist. Pass the path of a local .gguf file.")
+    if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF files with it
+        raise QAEUserError("model: reading a .gguf file needs the `gguf` package. Install it with "
+                           "`pip install gguf` (it comes with `pip install -e .`).")
+    return str(publish_folder(gguf_cache_folder(path), lambda tmp: _convert_gguf(path, tmp)))
+
+
 def load_policy(spec: str, dtype: str = "float32", use_chat_template: bool = True):
-    """(model, codec) for `builtin:tiny`, `builtin:tiny-scratch`, a local folder or a Hugging Face id."""
+    """(model, codec) for `builtin:tiny`, `builtin:tiny-scratch`, a local folder, a `.gguf` file or a Hugging Face
+    id."""
     quiet_transformers()
     if spec == BUILTIN_SCRATCH:
         return build_tiny_model()
@@ -148,17 +326,20 @@ def load_policy(spec: str, dtype: str = "float32", use_chat_template: bool = Tru
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    path = Path(spec)
+    original = spec
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
+        spec = local_model_folder(spec)
+        path = Path(spec)
+        model = AutoModelForCausalLM.from_pretrained(spec, **_dtype_argument(torch_dtype))
         if (path / CHAR_TOKENIZER_FILE).exists():
             codec = CharTokenizer.load(path)
         else:
-            codec = HFTokenizerCodec(AutoTokenizer.from_pretrained(spec), use_chat_template)
+            codec = HFTokenizerCodec(AutoTokenizer.from_pretrained(spec), use_chat_template,
+                                     generation_stop_ids=getattr(model.generation_config, "eos_token_id", None))
     except (OSError, ValueError) as err:
         raise QAEUserError(
-            f"model: cannot load '{spec}' ({type(err).__name__}: {str(err).splitlines()[0][:300]}). "
-            f"Pass a local folder with config.json and weights, a Hugging Face id, or {BUILTIN_MODEL}."
+            f"model: cannot load '{original}' ({type(err).__name__}: {str(err).splitlines()[0][:300]}). "
+            f"Pass a local folder with config.json and weights, a .gguf file, a Hugging Face id, or {BUILTIN_MODEL}."
         ) from err
     return model, codec
 

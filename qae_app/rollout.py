@@ -2,16 +2,24 @@
 
 The trainer only sees `RolloutEngine.generate(...) -> list[Sample]` and `sync_weights(model)`, so a vLLM engine (GPU)
 and the transformers `generate` engine (anywhere) are interchangeable. Log-probs used by the loss are always
-recomputed by the trainer's own forward pass, never taken from the engine, so engines may differ numerically.
+recomputed by the trainer's own forward pass, never taken from the engine, so engines may differ numerically; the
+distribution they sample from may not: it is exactly softmax(logits / T), the one the loss assumes. Every sampling
+setting is given explicitly, so nothing comes from a checkpoint's own generation_config (instruct checkpoints ship
+repetition_penalty, top_k, top_p, ...). Only `qae eval` may truncate the distribution, on request (`SamplingOptions`).
+
+Under sharded training (FSDP, DeepSpeed ZeRO-3) every process holds a slice of each weight: `sharding_plan` decides
+what the engines must do about it, and `ShardedPolicy` does it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import torch
 
+from qae_app.config import SamplingOptions
 from qae_app.errors import QAEUserError
 from qae_app.models import TextCodec
 from qae_app.names import ENGINES
@@ -21,13 +29,16 @@ from qae_app.names import ENGINES
 class Sample:
     prompt_index: int  # index into the prompts passed to generate
     prompt_ids: list[int]
-    response_ids: list[int]  # includes the closing eos when the model stopped by itself
+    response_ids: list[int]  # includes the closing stop token when the model stopped by itself
     text: str  # decoded response, special tokens removed
-    truncated: bool  # hit max_new_tokens before eos
+    truncated: bool  # hit max_new_tokens before a stop token
     # the sampling distribution's log-prob of each response token and its entropy at each position, when the engine
     # measured them while sampling (the trainer then skips a no-grad pass over the responses to report them)
     token_logprobs: list[float] | None = None
     token_entropies: list[float] | None = None
+
+
+PLAIN_SAMPLING = SamplingOptions()
 
 
 class RolloutEngine(Protocol):
@@ -37,24 +48,175 @@ class RolloutEngine(Protocol):
     def sync_weights(self, model: torch.nn.Module) -> None: ...
 
 
-def _cut_at_eos(ids: list[int], eos_id: int, pad_id: int) -> tuple[list[int], bool]:
-    if eos_id in ids:
-        return ids[: ids.index(eos_id) + 1], False
-    while ids and ids[-1] == pad_id and pad_id != eos_id:
+def cut_at_stop(ids: list[int], stop_ids: list[int], pad_id: int) -> tuple[list[int], bool]:
+    """(response up to and including its first stop token, truncated). Without a stop token the response ran out of
+    tokens: trailing padding is dropped and it counts as truncated."""
+    stops = set(stop_ids)
+    for position, token in enumerate(ids):
+        if token in stops:
+            return ids[: position + 1], False
+    while ids and ids[-1] == pad_id:
         ids = ids[:-1]
     return ids, True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sharded policies (FSDP, DeepSpeed ZeRO-3)
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    sharding: str  # "none", "fsdp1", "fsdp2" or "zero3": how the policy's weights are split over processes
+    synced_generate: bool  # HF generate: every process runs forward until all are done (synced_gpus=True)
+    gather_full_weights: bool  # vLLM sync: gather each full weight from the shards before loading it
+
+
+UNSHARDED = ShardingPlan("none", synced_generate=False, gather_full_weights=False)
+
+
+def sharding_plan(distributed_type, zero_stage: int | None = None, fsdp_version: int | None = None,
+                  num_processes: int = 1) -> ShardingPlan:
+    """What the engines must do for accelerate's `distributed_type` (DistributedType or its name).
+
+    Sharded weights (FSDP, ZeRO-3) are gathered layer by layer inside forward, a collective call: a process that
+    stopped sampling must keep calling forward while another still samples, or both wait forever (TRL passes
+    synced_gpus=True there for the same reason). vLLM keeps a full copy of the weights, so a sync must gather them
+    first. Data parallel (DDP, multi-CPU), ZeRO-1/2 and one process keep full weights everywhere: nothing to do.
+    """
+    kind = str(getattr(distributed_type, "value", distributed_type)).upper()
+    if kind == "MEGATRON_LM":
+        raise QAEUserError("accelerate: Megatron-LM splits layers across processes, which the rollout engines do not "
+                           "support. Use DDP, FSDP or DeepSpeed in your `accelerate config`.")
+    if kind == "FSDP":
+        sharding = "fsdp2" if fsdp_version == 2 else "fsdp1"
+    elif kind == "DEEPSPEED" and (zero_stage or 0) >= 3:
+        sharding = "zero3"
+    else:
+        return UNSHARDED
+    return ShardingPlan(sharding, synced_generate=num_processes > 1, gather_full_weights=True)
+
+
+def plan_for(accelerator) -> ShardingPlan:
+    """sharding_plan for a live accelerate.Accelerator."""
+    state = accelerator.state
+    deepspeed = getattr(state, "deepspeed_plugin", None)
+    fsdp = getattr(state, "fsdp_plugin", None)
+    return sharding_plan(accelerator.distributed_type, getattr(deepspeed, "zero_stage", None),
+                         getattr(fsdp, "fsdp_version", None), accelerator.num_processes)
+
+
+class ShardedPolicy:
+    """The policy as accelerate prepared it, with what generation and weight sync need when it is sharded.
+
+    `wrapped` is the prepared model (FSDP / DeepSpeed wrapper); the engines generate with the unwrapped one.
+    These paths need several GPUs: bench/gpu_check.py runs them; here only the plan is tested.
+    """
+
+    def __init__(self, plan: ShardingPlan = UNSHARDED, wrapped: torch.nn.Module | None = None):
+        self.plan = plan
+        self.wrapped = wrapped
+
+    @classmethod
+    def of(cls, accelerator, wrapped: torch.nn.Module) -> "ShardedPolicy":
+        return cls(plan_for(accelerator), wrapped)
+
+    def generation_context(self):
+        """FSDP1 keeps the root module's own weights (embeddings, final norm, lm_head) sharded outside any nested
+        unit's forward: gather them for the whole generate call (TRL does the same)."""
+        if self.plan.sharding == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            return FSDP.summon_full_params(self.wrapped, recurse=False, writeback=False)
+        return contextlib.nullcontext()
+
+    def full_weights(self, unwrapped: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) for every weight, names as in the Hugging Face checkpoint; gathered one unit at a time
+        so no process holds more than one full unit beyond its shard (unless the caller keeps them all)."""
+        if self.plan.sharding == "none":
+            yield from unwrapped.state_dict().items()
+        elif self.plan.sharding == "fsdp2":  # parameters are DTensors: full_tensor() all-gathers one
+            for name, param in unwrapped.named_parameters():
+                yield name, param.full_tensor() if hasattr(param, "full_tensor") else param
+        elif self.plan.sharding == "zero3":
+            import deepspeed
+
+            for name, param in unwrapped.named_parameters():
+                with deepspeed.zero.GatheredParameters([param]):
+                    yield name, param.data.clone()  # the gathered storage is released when the block ends
+        else:  # fsdp1
+            yield from _fsdp1_full_weights(self.wrapped)
+
+
+def _fsdp1_full_weights(root):
+    """Each FSDP unit's own weights, gathered one unit at a time (the nested units first, as TRL does)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(root, recurse=False, writeback=False):
+        pass  # FSDP1 initialises lazily, taking the first unit gathered as its root: make that the real root
+    seen: set[str] = set()
+
+    def visit(module, prefix: str):
+        for child_name, child in module.named_children():
+            yield from visit(child, f"{prefix}.{child_name}" if prefix else child_name)
+        if isinstance(module, FSDP):
+            with FSDP.summon_full_params(module, recurse=False, writeback=False):
+                for name, param in module.named_parameters():
+                    full = f"{prefix}.{name}" if prefix else name
+                    full = full.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+                    if full not in seen:  # nested units' weights were yielded (gathered) by the units themselves
+                        seen.add(full)
+                        yield full, param.data.clone()  # the gathered storage is freed when the block ends
+
+    yield from visit(root, "")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the transformers engine
 
 
 class HFGenerateEngine:
     """transformers `generate` on the training model itself (no copy, so there are no weights to sync)."""
 
-    def __init__(self, model: torch.nn.Module, codec: TextCodec, batch_size: int = 256):
+    def __init__(self, model: torch.nn.Module, codec: TextCodec, batch_size: int = 256,
+                 sampling: SamplingOptions = PLAIN_SAMPLING, sharded: ShardedPolicy | None = None):
         self.model = model
         self.codec = codec
         self.batch_size = batch_size  # sequences per generate call
+        self.sampling = sampling.validate()
+        self.sharded = sharded or ShardedPolicy()
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model
+
+    def generation_config(self, temperature: float, max_new_tokens: int):
+        """Every setting that shapes the sampled distribution or the stopping, spelled out: exactly
+        softmax(logits / T) (truncated only by this engine's SamplingOptions), stopping at any of the codec's stop
+        ids after at most max_new_tokens."""
+        from transformers import GenerationConfig
+
+        s = self.sampling
+        return GenerationConfig(
+            do_sample=True, num_beams=1, num_return_sequences=1, temperature=temperature,
+            top_k=s.top_k, top_p=s.top_p, min_p=s.min_p if s.min_p > 0 else None, typical_p=1.0,
+            epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
+            no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0, min_new_tokens=0,
+            max_new_tokens=max_new_tokens, renormalize_logits=False, remove_invalid_values=False,
+            eos_token_id=list(self.codec.stop_ids), pad_token_id=self.codec.pad_id, use_cache=True,
+        )
+
+    def sample_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config, **extra):
+        """One `generate` call that sees only `config`: the model's own generation_config is set aside meanwhile,
+        because transformers fills every setting left unset (and, in some versions, every one left at its library
+        default) from it."""
+        model = self.model
+        saved = model.generation_config
+        model.generation_config = config
+        try:
+            with self.sharded.generation_context():
+                return model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                      synced_gpus=self.sharded.plan.synced_generate, **extra)
+        finally:
+            model.generation_config = saved
 
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int, temperature: float, max_new_tokens: int,
@@ -64,6 +226,7 @@ class HFGenerateEngine:
         model.eval()
         device = next(model.parameters()).device
         torch.manual_seed(seed)
+        config = self.generation_config(temperature, max_new_tokens)
         encoded = [self.codec.encode(p) for p in prompts]
         # every prompt repeated n times, in order: sample j of prompt i sits at i * n + j
         flat = [(i, ids) for i, ids in enumerate(encoded) for _ in range(n)]
@@ -75,30 +238,21 @@ class HFGenerateEngine:
             # the engine's bookkeeping together (bench/bench_generate.py)
             input_ids = torch.tensor([[self.codec.pad_id] * (width - len(ids)) + ids for _, ids in chunk])
             attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in chunk])
-            out = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                do_sample=True,
-                temperature=temperature,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=self.codec.pad_id,
-                eos_token_id=self.codec.eos_id,
-            )  # (chunk, width + new)
+            out = self.sample_batch(input_ids.to(device), attention_mask.to(device), config)  # (chunk, width + new)
             for (i, ids), generated in zip(chunk, out[:, width:].tolist()):
-                response, truncated = _cut_at_eos(generated, self.codec.eos_id, self.codec.pad_id)
+                response, truncated = cut_at_stop(generated, self.codec.stop_ids, self.codec.pad_id)
                 samples.append(Sample(i, ids, response, self.codec.decode(response), truncated))
         model.train(was_training)
         return samples
 
 
 def make_engine(name: str, model: torch.nn.Module, codec: TextCodec, model_path: str | None = None,
+                sampling: SamplingOptions = PLAIN_SAMPLING, sharded: ShardedPolicy | None = None,
                 **kwargs) -> RolloutEngine:
     if name == "hf":
-        return HFGenerateEngine(model, codec)
+        return HFGenerateEngine(model, codec, sampling=sampling, sharded=sharded)
     if name == "vllm":
         from qae_app.vllm_engine import VLLMEngine  # imported only here: vllm needs a GPU
 
-        return VLLMEngine(model_path=model_path, codec=codec, **kwargs)
+        return VLLMEngine(model_path=model_path, codec=codec, sampling=sampling, sharded=sharded, **kwargs)
     raise QAEUserError(f"engine: unknown value '{name}'. Choose one of: {', '.join(ENGINES)}.")

@@ -49,9 +49,9 @@ from qae_app.errors import QAEUserError
 from qae_app.evaluate import evaluate, summarize
 from qae_app.faults import fault_point
 from qae_app.losses import policy_loss, token_logprobs_and_entropy
-from qae_app.models import check_prompt_lengths, load_policy
+from qae_app.models import check_prompt_lengths, disable_dropout, load_policy
 from qae_app.rewards import Scorer
-from qae_app.rollout import make_engine
+from qae_app.rollout import ShardedPolicy, make_engine
 from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
 from qae_app.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, DB_FILE, TRAINER_STATE, RunLock, checkpoint_problem,
                             checkpoint_step, list_checkpoints, run_dir, trainer_alive, write_manifest)
@@ -734,6 +734,7 @@ class Trainer:
     def _load_models(self) -> None:
         cfg, acc = self.cfg, self.accelerator
         model, self.codec = load_policy(cfg.model, cfg.dtype)
+        disable_dropout(model)  # old log-probs (no grad) and the update must see the same network
         check_prompt_lengths(model, self.codec, [(p.prompt_id, self.task.prompt(p)) for p in self.task.train
                                                  + self.task.heldout], cfg.max_new_tokens, "data")
         self.ref_model = None
@@ -752,7 +753,8 @@ class Trainer:
         acc.register_for_checkpointing(self.scheduler)
         if self.ref_model is not None:
             self.ref_model.to(acc.device)
-        self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model)
+        self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
+                                  sharded=ShardedPolicy.of(acc, self.model))
         self.scorer = Scorer(self.task.reward, cfg.verify_timeout_s)
         # one scorer for the whole run (a math verifier pool takes seconds to start): the training one if it fits
         self.eval_scorer = (self.scorer if self.eval_task.reward == self.task.reward

@@ -3,7 +3,8 @@
 Install with `pip install -e '.[vllm]'` on a CUDA machine and pass `--engine vllm`. The engine keeps its own copy of
 the weights in vLLM's paged format; `sync_weights` loads the trainer's current parameters into it (the approach TRL's
 colocate mode uses), so sampling always follows the policy being trained. Log-probs for the loss are recomputed by
-the trainer, so vLLM's numerics never enter the gradient.
+the trainer, so vLLM's numerics never enter the gradient; the distribution it samples from is set explicitly (as for the
+HF engine): softmax(logits / T), no penalties, stopping at the codec's stop ids.
 """
 
 from __future__ import annotations
@@ -13,16 +14,20 @@ import os
 import torch
 
 from qae_app.errors import QAEUserError
-from qae_app.models import TextCodec
-from qae_app.rollout import Sample
+from qae_app.models import TextCodec, local_model_folder
+from qae_app.rollout import PLAIN_SAMPLING, Sample, SamplingOptions, ShardedPolicy, cut_at_stop
 
 
 class VLLMEngine:
     def __init__(self, model_path: str | None, codec: TextCodec, gpu_memory_utilization: float = 0.35,
-                 dtype: str = "bfloat16", max_model_len: int | None = None):
+                 dtype: str = "bfloat16", max_model_len: int | None = None,
+                 sampling: SamplingOptions = PLAIN_SAMPLING, sharded: ShardedPolicy | None = None):
         if model_path is None or model_path.startswith("builtin:"):
             raise QAEUserError("engine: vllm needs --model to be a Hugging Face id or folder (the built-in tiny model "
                                "has a character tokenizer vLLM cannot load). Use --engine hf for it.")
+        model_path = local_model_folder(model_path)  # a .gguf file: the de-quantized folder the trainer also loads
+        self.sampling = sampling.validate()
+        self.sharded = sharded or ShardedPolicy()
         # in-process engine, so the trainer can reach the model to load new weights
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -35,16 +40,26 @@ class VLLMEngine:
         self.llm = LLM(model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, enable_prefix_caching=True)
 
+    def sampling_params(self, n: int, temperature: float, max_new_tokens: int, seed: int):
+        """Every setting that shapes the distribution or the stopping, spelled out (vLLM would otherwise take some
+        from the checkpoint's generation_config)."""
+        s = self.sampling
+        return self._sampling_params(
+            n=n, temperature=temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1, min_p=s.min_p,
+            repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0,
+            max_tokens=max_new_tokens, seed=seed, stop_token_ids=list(self.codec.stop_ids), ignore_eos=False,
+        )
+
     def generate(self, prompts: list[str], n: int, temperature: float, max_new_tokens: int,
                  seed: int) -> list[Sample]:
-        params = self._sampling_params(n=n, temperature=temperature, top_p=1.0, max_tokens=max_new_tokens,
-                                       seed=seed)
+        params = self.sampling_params(n, temperature, max_new_tokens, seed)
         encoded = [self.codec.encode(p) for p in prompts]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
         samples = []
         for i, output in enumerate(outputs):  # vLLM keeps the order of the prompts
             for completion in output.outputs:
-                response = list(completion.token_ids)
+                # vLLM keeps the stop token in token_ids; cut as the HF engine does, so both give the same Sample
+                response, _ = cut_at_stop(list(completion.token_ids), self.codec.stop_ids, self.codec.pad_id)
                 truncated = completion.finish_reason == "length"
                 samples.append(Sample(i, encoded[i], response, self.codec.decode(response), truncated))
         return samples
@@ -57,6 +72,9 @@ class VLLMEngine:
 
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Load the trainer's parameters (names as in the HF checkpoint) into vLLM's model."""
-        self._vllm_model().load_weights(((name, p.detach()) for name, p in model.state_dict().items()))
+        """Load the trainer's parameters (names as in the HF checkpoint) into vLLM's model; sharded weights (FSDP,
+        ZeRO-3) are gathered to full tensors first, one unit at a time."""
+        weights = (self.sharded.full_weights(model) if self.sharded.plan.gather_full_weights
+                   else model.state_dict().items())
+        self._vllm_model().load_weights(((name, p.detach()) for name, p in weights))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights

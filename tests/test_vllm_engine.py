@@ -72,3 +72,41 @@ def test_builtin_model_is_refused_with_a_hint(fake_vllm):
 
     with pytest.raises(QAEUserError, match="--engine hf"):
         VLLMEngine("builtin:tiny", CharTokenizer())
+
+
+def test_sampling_params_are_plain_softmax_with_the_codecs_stop_ids(fake_vllm):
+    from qae_app.rollout import SamplingOptions
+    from qae_app.vllm_engine import VLLMEngine
+
+    codec = CharTokenizer()
+    codec.stop_ids = [codec.eos_id, 6]  # a second end-of-turn token, as instruct models have
+    engine = VLLMEngine("some/model", codec)
+    samples = engine.generate(["1+1="], n=2, temperature=0.9, max_new_tokens=3, seed=11)
+    params = engine.llm.last[1]
+    # nothing left for vLLM to fill from the checkpoint's generation_config
+    assert (params.top_p, params.top_k, params.min_p, params.repetition_penalty, params.presence_penalty,
+            params.frequency_penalty, params.min_tokens) == (1.0, -1, 0.0, 1.0, 0.0, 0.0, 0)
+    assert params.stop_token_ids == [codec.eos_id, 6] and params.ignore_eos is False
+    assert samples[0].response_ids == [5, 6] and not samples[0].truncated  # cut at the first stop id
+    eval_engine = VLLMEngine("some/model", codec, sampling=SamplingOptions(top_p=0.95, top_k=20, min_p=0.05))
+    eval_engine.generate(["1+1="], n=1, temperature=0.6, max_new_tokens=3, seed=0)
+    params = eval_engine.llm.last[1]
+    assert (params.top_p, params.top_k, params.min_p) == (0.95, 20, 0.05)
+
+
+def test_sync_gathers_full_weights_when_the_plan_says_so(fake_vllm):
+    from qae_app.rollout import ShardedPolicy, ShardingPlan
+    from qae_app.vllm_engine import VLLMEngine
+
+    gathered = []
+
+    class RecordingShardedPolicy(ShardedPolicy):  # the real gathering needs FSDP processes: tests/test_sharding.py
+        def full_weights(self, unwrapped):
+            gathered.append(unwrapped)
+            yield from [("weight", torch.zeros(2, 2))]
+
+    model = torch.nn.Linear(2, 2)
+    engine = VLLMEngine("some/model", CharTokenizer(),
+                        sharded=RecordingShardedPolicy(ShardingPlan("fsdp2", True, True)))
+    engine.sync_weights(model)
+    assert gathered == [model] and engine.llm.loaded == ["weight"]
