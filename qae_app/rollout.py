@@ -174,6 +174,36 @@ def _fsdp1_full_weights(root):
 # the transformers engine
 
 
+class SamplingStats:
+    """The temperature of plain sampling as a logits processor (generate then runs at temperature 1 with no other
+    processor, so what this returns is exactly what is sampled from, whatever order a transformers version puts
+    processors in), recording on the way the log-prob of each sampled token and the entropy at each position, per
+    row, without keeping any step's logits beyond the next one (a step's sampled token is known only at the next
+    call, or from the output after the last)."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self._previous: torch.Tensor | None = None  # (rows, vocab) log-probs of the last step
+        self.logprobs: list[torch.Tensor] = []  # per step: (rows,)
+        self.entropies: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._previous is not None:
+            self.logprobs.append(self._previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        scores = scores / self.temperature  # (rows, vocab), as transformers' TemperatureLogitsWarper does
+        logp = torch.log_softmax(scores.float(), dim=-1)
+        self.entropies.append(-(logp.exp() * logp).nan_to_num(0.0).sum(-1))  # 0 * -inf: a token never sampled
+        self._previous = logp
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor) -> tuple[list[list[float]], list[list[float]]]:
+        """(log-probs, entropies) per row and generated position, given the tokens of the last step."""
+        if self._previous is None:
+            return [], []
+        self.logprobs.append(self._previous.gather(-1, last_tokens[:, None]).squeeze(-1))
+        return torch.stack(self.logprobs, 1).tolist(), torch.stack(self.entropies, 1).tolist()
+
+
 class HFGenerateEngine:
     """transformers `generate` on the training model itself (no copy, so there are no weights to sync)."""
 
@@ -238,10 +268,24 @@ class HFGenerateEngine:
             # the engine's bookkeeping together (bench/bench_generate.py)
             input_ids = torch.tensor([[self.codec.pad_id] * (width - len(ids)) + ids for _, ids in chunk])
             attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in chunk])
-            out = self.sample_batch(input_ids.to(device), attention_mask.to(device), config)  # (chunk, width + new)
-            for (i, ids), generated in zip(chunk, out[:, width:].tolist()):
+            # from plain softmax(logits / T) sampling, the per-token stats the trainer reports come along for free
+            from transformers import LogitsProcessorList
+
+            stats = SamplingStats(temperature) if self.sampling == PLAIN_SAMPLING else None
+            if stats is not None:  # the processor applies the temperature itself
+                out = self.sample_batch(input_ids.to(device), attention_mask.to(device),
+                                        self.generation_config(1.0, max_new_tokens),
+                                        logits_processor=LogitsProcessorList([stats]))
+            else:
+                out = self.sample_batch(input_ids.to(device), attention_mask.to(device), config)
+            token_logprobs, token_entropies = (stats.finish(out[:, -1]) if stats is not None and out.shape[1] > width
+                                               else (None, None))
+            for row, ((i, ids), generated) in enumerate(zip(chunk, out[:, width:].tolist())):  # (chunk, new)
                 response, truncated = cut_at_stop(generated, self.codec.stop_ids, self.codec.pad_id)
-                samples.append(Sample(i, ids, response, self.codec.decode(response), truncated))
+                n = len(response)
+                samples.append(Sample(i, ids, response, self.codec.decode(response), truncated,
+                                      token_logprobs[row][:n] if token_logprobs is not None else None,
+                                      token_entropies[row][:n] if token_entropies is not None else None))
         model.train(was_training)
         return samples
 

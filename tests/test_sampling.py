@@ -75,6 +75,27 @@ def test_sampled_token_logprobs_equal_the_trainers_recomputed_ones(opinionated_c
     assert max_diff < 1e-5
 
 
+def test_the_engines_per_token_stats_are_the_trainers_recomputed_ones(opinionated_checkpoint):
+    """The log-prob and entropy the HF engine measures while sampling (so the trainer needs no pass over gated
+    responses to report them) equal what the trainer's forward gives for the same tokens."""
+    model, codec = load_policy(str(opinionated_checkpoint))
+    engine = HFGenerateEngine(model, codec)
+    temperature = 0.8
+    samples = engine.generate(["12+7=", "3*4=", "20-13="], 3, temperature, 16, seed=0)
+    compared = 0
+    for sample in samples:
+        assert len(sample.token_logprobs) == len(sample.token_entropies) == len(sample.response_ids) > 0
+        full = torch.tensor([sample.prompt_ids + sample.response_ids])
+        with torch.no_grad():
+            logits = model(input_ids=full).logits[:, :-1]
+        logp, entropy = token_logprobs_and_entropy(logits, full[:, 1:], temperature)
+        start = len(sample.prompt_ids) - 1  # positions that predict the response tokens
+        torch.testing.assert_close(torch.tensor(sample.token_logprobs), logp[0, start:], atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(sample.token_entropies), entropy[0, start:], atol=1e-5, rtol=0)
+        compared += len(sample.response_ids)
+    assert compared >= 20
+
+
 def test_the_checkpoints_generation_config_does_not_shape_the_rollouts(opinionated_checkpoint):
     # no_repeat_ngram_size=1 (from the checkpoint) would forbid any token twice in a response; min_new_tokens would
     # forbid stopping early; softmax sampling over a 64-token vocabulary repeats tokens within 24 draws

@@ -217,7 +217,7 @@ def test_k_auto_and_entropy_warnings_are_recorded(tmp_path):
     path = db_path(tmp_path, "auto")
     warnings = query(path, "SELECT * FROM warnings ORDER BY step")
     assert warnings["kind"].tolist() == ["auto_k", "entropy_low"]
-    assert "raise --k" in warnings["message"].iloc[1]
+    assert "Raise --k" in warnings["message"].iloc[1]
     k = read_run(path)["k"]
     assert k in (0.3, 0.4, 0.5) and f"K = {k}" in warnings["message"].iloc[0]
     assert read_steps(path)["k"].tolist() == [k] * 4
