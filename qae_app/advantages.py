@@ -40,7 +40,7 @@ HARD, EASY, ALL_CORRECT, ALL_WRONG, MIXED = (REGIMES.index(r) for r in ("hard", 
 
 @dataclass(frozen=True)
 class EstimatorConfig:
-    k: float = 0.4  # QAE quantile level K, in (0, 1)
+    k: float = names.DEFAULT_K  # QAE quantile level K, in (0, 1)
     quantile: str = "paper"  # "paper" (lower, inverted-CDF) or "linear" (torch.quantile, as the official code)
     scale: str | None = None  # "std" / "none" (names.SCALE_METHODS); None: the estimator's own default
     eps: float = 1e-6
@@ -113,7 +113,8 @@ def quantile_rank(k: float, group_size: int) -> int:
 
 def validate_estimator_config(cfg: EstimatorConfig) -> None:
     if not 0.0 < cfg.k < 1.0:
-        raise QAEUserError(f"k: {cfg.k} is outside (0, 1). QAE's K is a quantile level; the paper uses 0.4.")
+        raise QAEUserError(f"k: {cfg.k} is outside (0, 1). QAE's K is a quantile level; the paper uses "
+                           f"{names.DEFAULT_K}.")
     if cfg.quantile not in names.QUANTILE_METHODS:
         raise QAEUserError(f"quantile: unknown value '{cfg.quantile}'. Choose one of: "
                            f"{', '.join(names.QUANTILE_METHODS)}.")

@@ -163,9 +163,11 @@ class TrainConfig:
             try:
                 k = float(self.k)
             except ValueError:
-                raise QAEUserError(f"k: '{self.k}' is not a number. Use a value in (0, 1) such as 0.4, or 'auto'.")
+                raise QAEUserError(f"k: '{self.k}' is not a number. Use a value in (0, 1) such as "
+                                   f"{names.DEFAULT_K}, or 'auto'.")
             if not 0.0 < k < 1.0:
-                raise QAEUserError(f"k: {self.k} is outside (0, 1). QAE's K is a quantile level; the paper uses 0.4 "
+                raise QAEUserError(f"k: {self.k} is outside (0, 1). QAE's K is a quantile level; the paper uses "
+                                   f"{names.DEFAULT_K} "
                                    "(lower K pushes entropy up, higher K pushes it down).")
         if self.group_size < 2:
             raise QAEUserError(f"group-size: {self.group_size} is too small. Group baselines need at least 2 "

@@ -28,7 +28,7 @@ import pandas as pd
 
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
-from qae_app.names import GATE_REASONS
+from qae_app.names import DEFAULT_K, GATE_REASONS
 from qae_app.rundir import (CONFIG_FILE, DB_FILE, PENDING_DIR, STORED_STATUSES, db_path,  # noqa: F401
                             effective_status, list_checkpoints, list_run_dirs, pending_writes, validate_run_name)
 
@@ -56,8 +56,8 @@ STEP_METRICS: dict[str, str] = {
     "frac_unverified": "fraction of responses the verifier could not score in time (reward None, counted as 0)",
     "dH": "with --log-entropy-delta: how the step's update changed the mean token entropy of the step's own "
           "responses (after minus before, nats); NULL without it",
-    "dH_hard": "dH over the responses of hard groups (success rate <= 1 - K; K = 0.4 for mean-baseline runs): "
-               "the paper's Prop. 4.2 predicts < 0 under QAE",
+    "dH_hard": f"dH over the responses of hard groups (success rate <= 1 - K; K = {DEFAULT_K} for mean-baseline "
+               "runs): the paper's Prop. 4.2 predicts < 0 under QAE",
     "dH_easy": "dH over the responses of easy groups (success rate > 1 - K, not all correct): Prop. 4.2 predicts > 0 "
                "under QAE",
     "cov_logp_adv": "covariance over response tokens of token log-prob and advantage; entropy falls when it is > 0",
