@@ -2,10 +2,12 @@
 
 Every estimator is a pure, no-grad function
 
-    estimator(rewards: Tensor [B, G], cfg: EstimatorConfig) -> Advantages(advantages [B, G], baseline [B], regime [B])
+    estimator(rewards: Tensor [B, G], cfg: EstimatorConfig) -> (advantages [B, G], baseline [B])
 
-where B is the number of prompts (groups) and G the number of sampled responses per prompt. `regime` holds integer
-codes into `REGIMES`. The trainer calls `compute_advantages(name, rewards, cfg)` and never special-cases one.
+where B is the number of prompts (groups) and G the number of sampled responses per prompt. The trainer calls
+`compute_advantages(name, rewards, cfg, correct)`, which adds each group's regime (integer codes into `REGIMES`) by
+one rule for every estimator, `label_regimes` (names.REGIME_RULE): what the baseline does relative to the group's
+rewards, so 0/1, -1/1 and overlong-shaped rewards are all labelled the same way. It never special-cases an estimator.
 
 QAE (arXiv 2509.22611) replaces GRPO's group mean with the group's K-quantile. With binary rewards and c successes
 out of G, the paper's (lower, inverted-CDF) quantile is the m-th smallest reward with m = ceil(K * G):
@@ -17,7 +19,8 @@ then, as in GRPO, the advantage is divided by the group's (unbiased) reward std 
 the decimal value of K (0.3 * 10 is 3.0000000000000004 in floats, ceil of which would be 4), so the regime is decided on
 integer counts. `quantile="linear"` reproduces the official code, which used `torch.quantile` (linear interpolation at
 position K * (G - 1)); it differs from the paper when K * (G - 1) is not an integer, e.g. G=8, K=0.4, 5 correct:
-paper baseline 1, linear baseline 0.8.
+paper baseline 1, linear baseline 0.8. With more than two reward values (the overlong penalty) the quantile works on
+them as they are, as in the paper.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class Advantages(NamedTuple):
     regime: torch.Tensor  # [B] int64, index into REGIMES
 
 
-Estimator = Callable[[torch.Tensor, EstimatorConfig], Advantages]
+Estimator = Callable[[torch.Tensor, EstimatorConfig], tuple[torch.Tensor, torch.Tensor]]  # advantages, baseline
 ESTIMATORS: dict[str, Estimator] = {}  # names and descriptions: names.ESTIMATORS
 
 
@@ -74,28 +77,36 @@ def get_estimator(name: str) -> Estimator:
 
 
 @torch.no_grad()
-def compute_advantages(name: str, rewards: torch.Tensor, cfg: EstimatorConfig | None = None) -> Advantages:
+def compute_advantages(name: str, rewards: torch.Tensor, cfg: EstimatorConfig | None = None,
+                       correct: torch.Tensor | None = None) -> Advantages:
+    """`rewards` [B, G]; `correct` [B, G] bool, the verifier's verdicts (default: reward > 0, which is right for 0/1
+    and -1/1 rewards without the overlong penalty)."""
     if rewards.ndim != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must have shape [B, G] with G >= 2, got {tuple(rewards.shape)}")
-    return get_estimator(name)(rewards.float(), cfg or EstimatorConfig())
+    rewards = rewards.float()
+    advantages, baseline = get_estimator(name)(rewards, cfg or EstimatorConfig())
+    correct = rewards > 0 if correct is None else correct.bool()
+    return Advantages(advantages, baseline, label_regimes(rewards, baseline, correct))
+
+
+def label_regimes(rewards: torch.Tensor, baseline: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+    """[B] regime codes by names.REGIME_RULE: a group whose rewards differ is hard when its baseline is its lowest
+    reward, easy when it is its highest, else mixed; a group of equal rewards (no signal) is all_correct or all_wrong
+    by the verifier's verdicts, mixed when they disagree.
+
+    rewards [B, G] float, baseline [B] float, correct [B, G] bool."""
+    low, high = rewards.min(dim=1).values, rewards.max(dim=1).values  # [B]
+    regime = torch.full((rewards.shape[0],), MIXED, dtype=torch.long)
+    uniform = low == high
+    regime[~uniform & (baseline == low)] = HARD
+    regime[~uniform & (baseline == high)] = EASY
+    regime[uniform & correct.all(dim=1)] = ALL_CORRECT
+    regime[uniform & ~correct.any(dim=1)] = ALL_WRONG
+    return regime
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # helpers shared by the estimators
-
-
-def _is_binary(rewards: torch.Tensor) -> torch.Tensor:
-    """[B] bool: every reward of the group is exactly 0 or 1."""
-    return ((rewards == 0) | (rewards == 1)).all(dim=1)
-
-
-def _uniform_regime(rewards: torch.Tensor) -> torch.Tensor:
-    """[B] regime for estimators without hard/easy: all_correct / all_wrong for uniform binary groups, else mixed."""
-    regime = torch.full((rewards.shape[0],), MIXED, dtype=torch.long)
-    binary = _is_binary(rewards)
-    regime[binary & (rewards == 1).all(dim=1)] = ALL_CORRECT
-    regime[binary & (rewards == 0).all(dim=1)] = ALL_WRONG
-    return regime
 
 
 def _scale(centered: torch.Tensor, rewards: torch.Tensor, cfg: EstimatorConfig, estimator: str) -> torch.Tensor:
@@ -127,7 +138,7 @@ def validate_estimator_config(cfg: EstimatorConfig) -> None:
 
 
 @register_estimator("qae")
-def qae_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> Advantages:
+def qae_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> tuple[torch.Tensor, torch.Tensor]:
     validate_estimator_config(cfg)
     B, G = rewards.shape
     if cfg.quantile == "paper":
@@ -135,34 +146,26 @@ def qae_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> Advantages:
         baseline = rewards.sort(dim=1).values[:, m - 1]  # [B], the m-th smallest reward
     else:
         baseline = torch.quantile(rewards, cfg.k, dim=1, interpolation="linear")  # [B]
-    advantages = _scale(rewards - baseline[:, None], rewards, cfg, "qae")  # [B, G]
-
-    regime = _uniform_regime(rewards)
-    binary_mixed = _is_binary(rewards) & (regime == MIXED)
-    regime[binary_mixed & (baseline == 0)] = HARD
-    regime[binary_mixed & (baseline == 1)] = EASY
-    return Advantages(advantages, baseline, regime)
+    return _scale(rewards - baseline[:, None], rewards, cfg, "qae"), baseline  # [B, G], [B]
 
 
 @register_estimator("grpo")
-def grpo_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> Advantages:
+def grpo_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> tuple[torch.Tensor, torch.Tensor]:
     validate_estimator_config(cfg)
     baseline = rewards.mean(dim=1)  # [B]
-    advantages = _scale(rewards - baseline[:, None], rewards, cfg, "grpo")
-    return Advantages(advantages, baseline, _uniform_regime(rewards))
+    return _scale(rewards - baseline[:, None], rewards, cfg, "grpo"), baseline
 
 
 @register_estimator("dr_grpo")
-def dr_grpo_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> Advantages:
+def dr_grpo_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO's mean baseline without the std division, whatever cfg.scale says: that is what defines Dr. GRPO."""
     baseline = rewards.mean(dim=1)  # [B]
-    return Advantages(rewards - baseline[:, None], baseline, _uniform_regime(rewards))
+    return rewards - baseline[:, None], baseline
 
 
 @register_estimator("rloo")
-def rloo_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> Advantages:
+def rloo_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> tuple[torch.Tensor, torch.Tensor]:
     validate_estimator_config(cfg)
     B, G = rewards.shape
     leave_one_out = (rewards.sum(dim=1, keepdim=True) - rewards) / (G - 1)  # [B, G]
-    advantages = _scale(rewards - leave_one_out, rewards, cfg, "rloo")
-    return Advantages(advantages, rewards.mean(dim=1), _uniform_regime(rewards))
+    return _scale(rewards - leave_one_out, rewards, cfg, "rloo"), rewards.mean(dim=1)

@@ -138,6 +138,8 @@ def run_training(trainer) -> None:
         stats = (f"reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} H {m['entropy']:.3f} "
                  f"zero-adv {m['frac_zero_adv']:.2f} hard/easy/none {m['frac_hard']:.2f}/{m['frac_easy']:.2f}/"
                  f"{m['frac_all_correct'] + m['frac_all_wrong']:.2f} held-out {_fmt(heldout['value'])}")
+        if cfg.dynamic_sampling:
+            stats += f" gen-batches {m['gen_batches']:.0f} filtered {m['frac_filtered']:.2f}"
         progress.update(task_id, completed=step, stats=stats)
         if main and not console.is_terminal and (step % 25 == 0 or step == cfg.steps):
             console.print(f"step {step}/{cfg.steps} {stats}", highlight=False)
@@ -246,8 +248,10 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
 def rollouts(
     run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
     step: Annotated[Optional[int], typer.Option(help="Step to show (default: the latest).")] = None,
-    gated: Annotated[bool, typer.Option("--gated", help="Only responses gated out (advantage 0).")] = False,
+    gated: Annotated[bool, typer.Option("--gated", help="Only trained responses gated out (advantage 0).")] = False,
     kept: Annotated[bool, typer.Option("--kept", help="Only responses that carried gradient.")] = False,
+    filtered: Annotated[bool, typer.Option("--filtered", help="Only responses of groups that dynamic sampling left "
+                                           "out of the update.")] = False,
     regime: Annotated[Optional[str], typer.Option(help="Only groups in this regime.")] = None,
     why: Annotated[Optional[str], typer.Option(help="Only responses gated for this reason.")] = None,
     search: Annotated[Optional[str], typer.Option(help="Only responses or prompts containing this text.")] = None,
@@ -257,14 +261,16 @@ def rollouts(
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
 ) -> None:
     """Show one step's responses: reward, advantage, why each gated one was gated (with the step's breakdown by
-    reason), and each group's prompt, answer, baseline and regime."""
+    reason), which groups dynamic sampling filtered out of the update, and each group's prompt, answer, baseline and
+    regime."""
     from qae_app.names import GATE_REASONS, REGIMES
     from qae_app.store import read_last_step, read_rollouts, resolve_run
     from qae_app.terminal import rollouts_view
 
     try:
-        if gated and kept:
-            raise QAEUserError("--gated and --kept exclude each other. Pass one of them, or neither for both.")
+        if gated + kept + filtered > 1:
+            raise QAEUserError("--gated, --kept and --filtered exclude each other. Pass one of them, or none for "
+                               "every response.")
         if regime is not None and regime not in REGIMES:
             raise QAEUserError(f"regime: unknown value '{regime}'. Choose one of: {', '.join(REGIMES)}.")
         if why is not None and kept:
@@ -282,7 +288,7 @@ def rollouts(
             raise QAEUserError(f"step: {step} is not a step of '{run}'. Use 1..{last}.")
         everything = read_rollouts(path, step)  # read before anything is printed: a damaged file gives one message
         frame = read_rollouts(path, step, gated=True if gated or why else False if kept else None, regime=regime,
-                              search=search)
+                              search=search, filtered=True if filtered else False if gated or kept or why else None)
     except QAEUserError as err:
         fail(err)
     if why is not None:

@@ -46,6 +46,10 @@ NUMERIC_RANGES: dict[str, tuple[float, float, bool, str]] = {
     "temperature": (0.01, 10.0, True, "Use a temperature from 0.01 to 10 (1.0 is usual; below 0.01 sampling is "
                                       "greedy in all but name and overflows)"),
     "max_new_tokens": (1, INT32_MAX, True, "Use a positive number of tokens"),
+    "max_gen_batches": (0, INT32_MAX, True, "Use 0 (no cap) or a number of generation batches, e.g. 10"),
+    "overlong_buffer": (0, INT32_MAX, True, "Use 0 (no overlong shaping) or a number of tokens below max-new-tokens, "
+                                            "e.g. 4096"),
+    "overlong_penalty": (0.0, 100.0, True, "Use a penalty from 0 to 100, e.g. 1.0 (DAPO)"),
     "lr": (0.0, 1.0, False, "Use a learning rate in (0, 1], e.g. 5e-5 for the built-in model, 1e-6 for 7B models"),
     "weight_decay": (0.0, 1.0, True, "Use a weight decay from 0 to 1 (0.01-0.1 is usual)"),
     "max_grad_norm": (0.0, math.inf, False, "Use a finite value > 0, e.g. 1.0"),
@@ -101,6 +105,22 @@ class TrainConfig:
     prompts_per_step: int = opt(8, "Prompts per RL step (B); a step has B * G responses.", "rollout")
     temperature: float = opt(1.0, "Sampling temperature.", "rollout")
     max_new_tokens: int = opt(8, "Longest response in tokens (use ~1024+ for math data).", "rollout")
+    dynamic_sampling: bool = opt(False, "DAPO dynamic sampling: train only on groups with signal (see "
+                                 "--filter-metric), sampling further batches of --prompts-per-step prompts until the "
+                                 "step has --prompts-per-step such groups or --max-gen-batches batches were sampled. "
+                                 "The filtered groups are stored, marked filtered.", "rollout")
+    filter_metric: str = opt("reward", "Dynamic sampling: which groups have no signal.", "rollout",
+                             names.FILTER_METRICS)
+    max_gen_batches: int = opt(10, "Dynamic sampling: at most this many generation batches per step (verl's "
+                               "max_num_gen_batches); at the cap the step trains on the groups it found and logs a "
+                               "warning. 0: no cap.", "rollout")
+    # --- reward
+    reward_values: str = opt("0,1", "Rewards of a wrong and of a correct response.", "reward", names.REWARD_VALUES)
+    overlong_buffer: int = opt(0, "DAPO overlong reward shaping: a response longer than max-new-tokens minus this many "
+                               "tokens loses reward linearly, down to -overlong-penalty at max-new-tokens. 0: off.",
+                               "reward")
+    overlong_penalty: float = opt(1.0, "DAPO overlong reward shaping: the penalty at max-new-tokens (verl's "
+                                  "penalty_factor).", "reward")
     # --- advantage estimator
     estimator: str = opt("qae", "Advantage estimator.", "estimator", names.ESTIMATORS)
     k: str = opt(str(names.DEFAULT_K), f"QAE quantile level K in (0, 1), or 'auto' ({names.AUTO_K_RULE}).",
@@ -186,6 +206,10 @@ class TrainConfig:
         for name in ("checkpoint_every", "eval_every", "warmup_steps", "kl_beta", "weight_decay"):
             if getattr(self, name) < 0:
                 raise QAEUserError(f"{_flag(name)}: {getattr(self, name)} is negative. Use 0 or more.")
+        if self.overlong_buffer >= self.max_new_tokens > 0:
+            raise QAEUserError(f"overlong-buffer: {self.overlong_buffer} is not below max-new-tokens "
+                               f"{self.max_new_tokens}. The penalty starts at max-new-tokens minus the buffer: use a "
+                               "smaller buffer (DAPO: 4096 of 20480), or 0 for no overlong shaping.")
         if self.keep_checkpoints < 1:
             raise QAEUserError(f"keep-checkpoints: {self.keep_checkpoints}. Keep at least 1 so the run can resume.")
         if not self.temperature > 0:

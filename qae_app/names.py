@@ -36,13 +36,20 @@ def auto_k(success_rate: float) -> float:
     return 0.3 if success_rate < 0.2 else 0.4 if success_rate < 0.5 else 0.5
 
 
-# --- regimes of a group, in code order (advantages.py returns indices into this tuple; the store keeps the names)
+# --- regimes of a group, in code order (advantages.py returns indices into this tuple; the store keeps the names).
+# A group is labelled by what its baseline does, whatever the reward values (0/1, -1/1, or shaped by the overlong
+# penalty), with one rule for every estimator (advantages.label_regimes):
+REGIME_RULE = ("rewards not all equal: hard if the baseline is the group's lowest reward, easy if it is the highest, "
+               "mixed if it lies strictly between; rewards all equal (no signal): all_correct if every response is "
+               "correct, all_wrong if none is, mixed if some are (the overlong penalty evened them out)")
 REGIMES: dict[str, str] = {
-    "hard": "QAE baseline 0: only the successes get an advantage (positive)",
-    "easy": "QAE baseline 1: only the failures get an advantage (negative)",
-    "all_correct": "every response correct: no signal",
-    "all_wrong": "every response wrong: no signal",
-    "mixed": "a fractional baseline (mean-baseline estimators, linear quantile)",
+    "hard": "baseline = the group's lowest reward (QAE: 0, or -1 with -1/1 rewards): only responses above it get an "
+            "advantage (positive)",
+    "easy": "baseline = the group's highest reward (QAE: 1): only responses below it get an advantage (negative)",
+    "all_correct": "every response correct and every reward equal: no signal",
+    "all_wrong": "every response wrong and every reward equal: no signal",
+    "mixed": "the baseline lies strictly between the group's lowest and highest reward (mean-baseline estimators, "
+             "linear quantile, QAE on shaped rewards); rarely, equal rewards from partly correct responses",
 }
 NO_SIGNAL_REGIMES = ("all_correct", "all_wrong")
 
@@ -50,9 +57,33 @@ NO_SIGNAL_REGIMES = ("all_correct", "all_wrong")
 GATE_REASONS: dict[str, str] = {
     "all_correct_group": "every response of its group is correct: no signal",
     "all_wrong_group": "every response of its group is wrong: no signal",
-    "success_in_easy_group": "a success in an easy group: QAE's baseline is 1, so reward - baseline = 0",
-    "failure_in_hard_group": "a failure in a hard group: QAE's baseline is 0, so reward - baseline = 0",
-    "reward_at_baseline": "its reward equals a fractional baseline (mean-baseline estimators, linear quantile)",
+    "success_in_easy_group": "a success in an easy group: its reward is the group's highest, QAE's baseline (1), so "
+                             "reward - baseline = 0",
+    "failure_in_hard_group": "a failure in a hard group: its reward is the group's lowest, QAE's baseline (0, or -1 "
+                             "with -1/1 rewards), so reward - baseline = 0",
+    "reward_at_baseline": "its reward equals a baseline strictly between the group's lowest and highest reward "
+                          "(mean-baseline estimators, linear quantile, QAE on shaped rewards)",
+}
+
+# --- rewards: what the verifier's verdict scores, before the overlong penalty (qae_app/rewards.py shape_rewards)
+REWARD_VALUES: dict[str, str] = {
+    "0,1": "wrong (or unverifiable) 0, correct 1",
+    "-1,1": "wrong (or unverifiable) -1, correct 1 (DAPO)",
+}
+
+
+def reward_values(spec: str) -> tuple[float, float]:
+    """(wrong, correct) rewards of a REWARD_VALUES key: "-1,1" -> (-1.0, 1.0)."""
+    wrong, correct = (float(v) for v in spec.split(","))
+    return wrong, correct
+
+
+# --- dynamic sampling (DAPO): which groups carry no signal and are filtered out of the update
+FILTER_METRICS: dict[str, str] = {
+    "reward": "filter groups whose rewards (after the overlong penalty) are all equal: their advantages are all 0 "
+              "(verl filter_groups.metric=seq_reward / seq_final_reward)",
+    "correct": "filter groups whose responses are all correct or all wrong, even when the overlong penalty made "
+               "their rewards differ (verl filter_groups.metric=acc, the DAPO recipe's)",
 }
 
 # --- policy loss aggregations (implemented in qae_app/losses.py)

@@ -624,3 +624,29 @@ class Scorer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# From verdicts to rewards: the reward values (names.REWARD_VALUES) and DAPO's overlong penalty
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int, factor: float) -> float:
+    """DAPO's soft overlong punishment of a response of `length` tokens: 0 up to max_new_tokens - buffer tokens, then
+    falling linearly to -factor at max_new_tokens, `min(0, -(length - (max_new_tokens - buffer)) / buffer * factor)`.
+    buffer 0: no penalty."""
+    if buffer <= 0:
+        return 0.0
+    return min(0.0, -(length - (max_new_tokens - buffer)) / buffer * factor)
+
+
+def shape_rewards(scores: list[float | None], lengths: list[int], values: tuple[float, float], max_new_tokens: int,
+                  buffer: int = 0, factor: float = 1.0) -> tuple[list[float], list[bool]]:
+    """(rewards, correct) of responses from the verifier's scores (1.0, 0.0, or None: unverifiable, counted wrong)
+    and their lengths in tokens: `values` = (wrong, correct) reward, plus the overlong penalty."""
+    if len(scores) != len(lengths):
+        raise ValueError(f"{len(scores)} scores for {len(lengths)} lengths")
+    correct = [score == 1.0 for score in scores]
+    wrong_value, correct_value = values
+    rewards = [(correct_value if ok else wrong_value) + overlong_penalty(length, max_new_tokens, buffer, factor)
+               for ok, length in zip(correct, lengths)]
+    return rewards, correct

@@ -25,64 +25,74 @@ class GroupResult:
     baseline: float
     regime: str  # a names.REGIMES key
     responses: list[str]  # [G]
-    rewards: list[float]  # [G], None-scores already counted as 0
+    rewards: list[float]  # [G], shaped (reward values, overlong penalty); unverifiable responses count as wrong
+    correct: list[bool]  # [G], the verifier's verdicts
     verified: list[bool]  # [G]
-    advantages: list[float]  # [G]
+    advantages: list[float]  # [G], what the estimator gives (also for a filtered group, which is not trained)
     n_tokens: list[int]  # [G]
     truncated: list[bool]  # [G]
-    entropies: list[float]  # [G], mean token entropy of each response
-    logprobs: list[float]  # [G], sum of token log-probs of each response
+    entropies: list[float | None]  # [G], mean token entropy of each response; None when filtered (not computed)
+    logprobs: list[float | None]  # [G], sum of token log-probs of each response; None when filtered
+    filtered: bool = False  # left out of the update by dynamic sampling
 
 
 def group_rows(groups: Sequence[GroupResult]) -> list[dict]:
     return [{
         "group_idx": g.group_idx, "prompt_id": g.prompt_id, "prompt": g.prompt, "answer": g.answer,
-        "n_correct": sum(r == 1.0 for r in g.rewards), "group_size": len(g.rewards), "baseline": g.baseline,
-        "regime": g.regime,
+        "n_correct": sum(g.correct), "group_size": len(g.rewards), "baseline": g.baseline, "regime": g.regime,
+        "filtered": g.filtered,
     } for g in groups]
 
 
 def rollout_rows(groups: Sequence[GroupResult]) -> list[dict]:
     return [{
         "group_idx": g.group_idx, "sample_idx": i, "prompt_id": g.prompt_id, "response": g.responses[i],
-        "reward": g.rewards[i], "verified": g.verified[i], "advantage": g.advantages[i],
+        "reward": g.rewards[i], "correct": g.correct[i], "verified": g.verified[i], "advantage": g.advantages[i],
         "gated": g.advantages[i] == 0.0, "regime": g.regime, "n_tokens": g.n_tokens[i],
-        "truncated": g.truncated[i], "entropy": g.entropies[i], "logprob": g.logprobs[i],
+        "truncated": g.truncated[i], "entropy": g.entropies[i], "logprob": g.logprobs[i], "filtered": g.filtered,
     } for g in groups for i in range(len(g.rewards))]
 
 
 def step_metrics(group_rows: list[dict], rollout_rows: list[dict]) -> dict:
-    """The metrics of one step that follow from its rows (the rest come from the update and the clock)."""
+    """The metrics of one step that follow from its rows (the rest come from the update and the clock).
+
+    What was sampled (reward, accuracy, lengths, regimes, filtered) counts every row; what the update saw (entropy,
+    advantages, covariance) counts the rows that were not filtered out by dynamic sampling (store.STEP_METRICS)."""
     n = len(rollout_rows)
-    tokens = sum(r["n_tokens"] for r in rollout_rows)
-    adv = [r["advantage"] for r in rollout_rows]
+    trained = [r for r in rollout_rows if not r["filtered"]]
+    n_trained = len(trained)
+    tokens = sum(r["n_tokens"] for r in trained)
+    adv = [r["advantage"] for r in trained]
 
     def token_mean(rows):
         count = sum(r["n_tokens"] for r in rows)
         return sum(r["entropy"] * r["n_tokens"] for r in rows) / count if count else math.nan
 
+    def share(count: int, total: int) -> float:
+        return count / total if total else math.nan
+
     # covariance over tokens of token log-prob and its sequence's advantage (logprob is the sequence's sum)
     if tokens:
-        mean_logp = sum(r["logprob"] for r in rollout_rows) / tokens
-        mean_adv = sum(r["advantage"] * r["n_tokens"] for r in rollout_rows) / tokens
-        cov = sum(r["advantage"] * r["logprob"] for r in rollout_rows) / tokens - mean_logp * mean_adv
+        mean_logp = sum(r["logprob"] for r in trained) / tokens
+        mean_adv = sum(r["advantage"] * r["n_tokens"] for r in trained) / tokens
+        cov = sum(r["advantage"] * r["logprob"] for r in trained) / tokens - mean_logp * mean_adv
     else:
         cov = math.nan
     regimes = [g["regime"] for g in group_rows]
-    informative = [r for r in rollout_rows if r["regime"] not in NO_SIGNAL_REGIMES]
+    informative = [r for r in trained if r["regime"] not in NO_SIGNAL_REGIMES]
     return {
         "reward_mean": sum(r["reward"] for r in rollout_rows) / n,
-        "accuracy": sum(r["reward"] == 1.0 for r in rollout_rows) / n,
-        "entropy": token_mean(rollout_rows),
-        "entropy_pos": token_mean([r for r in rollout_rows if r["advantage"] > 0]),
-        "entropy_neg": token_mean([r for r in rollout_rows if r["advantage"] < 0]),
-        "frac_zero_adv": sum(a == 0.0 for a in adv) / n,
-        "frac_zero_adv_informative": (sum(r["advantage"] == 0.0 for r in informative) / len(informative)
-                                      if informative else math.nan),
+        "accuracy": sum(bool(r["correct"]) for r in rollout_rows) / n,
+        "entropy": token_mean(trained),
+        "entropy_pos": token_mean([r for r in trained if r["advantage"] > 0]),
+        "entropy_neg": token_mean([r for r in trained if r["advantage"] < 0]),
+        "frac_zero_adv": share(sum(a == 0.0 for a in adv), n_trained),
+        "frac_zero_adv_informative": share(sum(r["advantage"] == 0.0 for r in informative), len(informative)),
         **{f"frac_{name}": regimes.count(name) / len(regimes) for name in REGIMES},
         "frac_unverified": sum(not r["verified"] for r in rollout_rows) / n,
+        "frac_filtered": sum(bool(g["filtered"]) for g in group_rows) / len(group_rows),
         "cov_logp_adv": cov,
-        "adv_abs_mean": sum(abs(a) for a in adv) / n,
-        "response_len": tokens / n,
+        "adv_abs_mean": share(sum(abs(a) for a in adv), n_trained),
+        "response_len": sum(r["n_tokens"] for r in rollout_rows) / n,
         "truncated_frac": sum(r["truncated"] for r in rollout_rows) / n,
     }

@@ -37,31 +37,48 @@ UNREADABLE, BUSY = "unreadable", "busy"  # what `read_runs` says of a run whose 
 READ_STATUSES = (UNREADABLE, BUSY)  # damaged, or held by another process for too long; `error` says why
 
 # name -> definition. Every name is a column of `steps`; NaN is stored as NULL (e.g. no response had a negative
-# advantage, so entropy_neg is undefined).
+# advantage, so entropy_neg is undefined). With --dynamic-sampling a step samples more groups than it trains: metrics
+# of what was sampled count every group of the step, filtered ones included; metrics of the update count the trained
+# groups only (each definition says which). Without dynamic sampling every sampled group is trained.
 STEP_METRICS: dict[str, str] = {
-    "reward_mean": "mean reward of the step's responses (unverifiable responses count as 0)",
-    "accuracy": "fraction of the step's responses with reward 1",
+    "reward_mean": "mean reward of the responses sampled this step, filtered groups included (after the overlong "
+                   "penalty; unverifiable responses count as wrong)",
+    "accuracy": "fraction of the responses sampled this step that the verifier found correct, filtered groups "
+                "included",
     "heldout_accuracy": "sampled (temperature as training) accuracy on the held-out split; NULL on steps without eval",
-    "entropy": "mean per-token entropy (nats) of the policy over the sampled response tokens, before the update",
-    "entropy_pos": "mean token entropy of responses with advantage > 0",
-    "entropy_neg": "mean token entropy of responses with advantage < 0",
-    "frac_zero_adv": "fraction of responses whose advantage is exactly 0 (gated out: no policy gradient)",
-    "frac_zero_adv_informative": "frac_zero_adv over the responses of informative groups only (neither all correct "
-                                 "nor all wrong): the paper's ~80% (Fig. 5c); NULL when no group is informative",
-    "frac_hard": "fraction of groups in the hard regime (QAE baseline 0: only successes are pushed up)",
-    "frac_easy": "fraction of groups in the easy regime (QAE baseline 1: only failures are pushed down)",
-    "frac_all_correct": "fraction of groups where every response is correct (no signal)",
-    "frac_all_wrong": "fraction of groups where every response is wrong (no signal)",
-    "frac_mixed": "fraction of groups with a fractional baseline (mean-baseline estimators, linear quantile)",
-    "frac_unverified": "fraction of responses the verifier could not score in time (reward None, counted as 0)",
+    "entropy": "mean per-token entropy (nats) of the policy over the response tokens of the trained groups, before "
+               "the update",
+    "entropy_pos": "mean token entropy of trained responses with advantage > 0",
+    "entropy_neg": "mean token entropy of trained responses with advantage < 0",
+    "frac_zero_adv": "fraction of trained responses whose advantage is exactly 0 (gated out: no policy gradient)",
+    "frac_zero_adv_informative": "frac_zero_adv over the trained responses of informative groups only (neither all "
+                                 "correct nor all wrong): the paper's ~80% (Fig. 5c); NULL when no group is "
+                                 "informative",
+    "frac_hard": "fraction of the groups sampled this step (filtered included) in the hard regime (baseline = the "
+                 "group's lowest reward: only responses above it are pushed up)",
+    "frac_easy": "fraction of the groups sampled this step (filtered included) in the easy regime (baseline = the "
+                 "group's highest reward: only responses below it are pushed down)",
+    "frac_all_correct": "fraction of the groups sampled this step where every response is correct with equal "
+                        "rewards (no signal)",
+    "frac_all_wrong": "fraction of the groups sampled this step where every response is wrong with equal rewards "
+                      "(no signal)",
+    "frac_mixed": "fraction of the groups sampled this step whose baseline lies strictly between their lowest and "
+                  "highest reward (mean-baseline estimators, linear quantile, QAE on shaped rewards)",
+    "frac_unverified": "fraction of the responses sampled this step that the verifier could not score in time "
+                       "(counted wrong)",
+    "gen_batches": "generation batches of prompts_per_step prompts sampled this step (always 1 without "
+                   "--dynamic-sampling)",
+    "frac_filtered": "fraction of the groups sampled this step that dynamic sampling left out of the update (no "
+                     "signal, or informative beyond the first prompts_per_step); 0 without it",
     "dH": "with --log-entropy-delta: how the step's update changed the mean token entropy of the step's own "
-          "responses (after minus before, nats); NULL without it",
+          "trained responses (after minus before, nats); NULL without it",
     "dH_hard": f"dH over the responses of hard groups (success rate <= 1 - K; K = {DEFAULT_K} for mean-baseline "
                "runs): the paper's Prop. 4.2 predicts < 0 under QAE",
     "dH_easy": "dH over the responses of easy groups (success rate > 1 - K, not all correct): Prop. 4.2 predicts > 0 "
                "under QAE",
-    "cov_logp_adv": "covariance over response tokens of token log-prob and advantage; entropy falls when it is > 0",
-    "adv_abs_mean": "mean |advantage| over responses",
+    "cov_logp_adv": "covariance over trained response tokens of token log-prob and advantage; entropy falls when it "
+                    "is > 0",
+    "adv_abs_mean": "mean |advantage| over trained responses",
     "k": "the QAE quantile level K used this step (NULL for mean-baseline estimators)",
     "loss": "policy loss (plus KL term) averaged over the step's optimizer updates",
     "pg_loss": "policy-gradient part of the loss",
@@ -71,11 +88,12 @@ STEP_METRICS: dict[str, str] = {
     "clip_frac_low": "fraction of tokens with negative advantage and ratio < 1 - clip_low (clipped)",
     "clip_frac_high": "fraction of tokens with positive advantage and ratio > 1 + clip_high (clipped)",
     "lr": "learning rate used for this step's updates",
-    "response_len": "mean response length in tokens",
-    "truncated_frac": "fraction of responses that hit max_new_tokens before eos",
+    "response_len": "mean length in tokens of the responses sampled this step, filtered groups included",
+    "truncated_frac": "fraction of the responses sampled this step that hit max_new_tokens before eos",
     "n_updates": "optimizer updates this step (num_mini_batches x ppo_epochs, including mini-batches whose "
-                 "advantages are all 0: AdamW still moves the weights on them, as a dense update would)",
-    "rollout_s": "seconds sampling responses",
+                 "advantages are all 0: AdamW still moves the weights on them, as a dense update would; fewer when "
+                 "dynamic sampling's cap left fewer trained responses than mini-batches, 0 when it left none)",
+    "rollout_s": "seconds sampling responses (every generation batch)",
     "reward_s": "seconds scoring responses",
     "update_s": "seconds in forward/backward/optimizer (including the log-prob pass)",
     "eval_s": "seconds of the held-out evaluation after this step (0 without one)",
@@ -104,12 +122,15 @@ TABLES: dict[str, dict[str, str]] = {
         "run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "prompt_id": "VARCHAR", "prompt": "VARCHAR",
         "answer": "VARCHAR", "n_correct": "INTEGER", "group_size": "INTEGER", "baseline": "DOUBLE",
         "regime": "VARCHAR",
+        "filtered": "BOOLEAN",  # left out of the update by dynamic sampling
     },
     "rollouts": {
         "run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "sample_idx": "INTEGER",
         "prompt_id": "VARCHAR", "response": "VARCHAR", "reward": "DOUBLE", "verified": "BOOLEAN",
         "advantage": "DOUBLE", "gated": "BOOLEAN", "regime": "VARCHAR", "n_tokens": "INTEGER",
         "truncated": "BOOLEAN", "entropy": "DOUBLE", "logprob": "DOUBLE",
+        "correct": "BOOLEAN",  # the verifier's verdict (reward is shaped); NULL in rows from before the column
+        "filtered": "BOOLEAN",  # its group was left out of the update by dynamic sampling (entropy, logprob NULL)
     },
     "evals": {
         "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "subset": "VARCHAR", "metric": "VARCHAR",
@@ -123,7 +144,8 @@ TABLES: dict[str, dict[str, str]] = {
     "warnings": {"run_id": "VARCHAR", "step": "INTEGER", "kind": "VARCHAR", "message": "VARCHAR"},
 }
 # What a column added after its table's first version holds in rows written before it existed.
-LEGACY_DEFAULTS = {("evals", "source"): "'train'", ("eval_samples", "source"): "'train'"}
+LEGACY_DEFAULTS = {("evals", "source"): "'train'", ("eval_samples", "source"): "'train'",
+                   ("groups", "filtered"): "FALSE", ("rollouts", "filtered"): "FALSE"}
 STEP_TABLES = ("steps", "groups", "rollouts", "evals", "eval_samples", "warnings")  # rows keyed by step
 EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step, benchmark and source
 
@@ -595,8 +617,9 @@ def read_groups(path: Path, step: int) -> pd.DataFrame:
 GATE_REASON_RULES: dict[str, str] = {
     "all_correct_group": "r.regime = 'all_correct'",
     "all_wrong_group": "r.regime = 'all_wrong'",
-    "success_in_easy_group": "r.regime = 'easy' AND r.reward = 1",
-    "failure_in_hard_group": "r.regime = 'hard' AND r.reward = 0",
+    # by the verifier's verdict (-1/1 and shaped rewards); rows from before the `correct` column: reward 1 was correct
+    "success_in_easy_group": "r.regime = 'easy' AND coalesce(r.correct, r.reward = 1)",
+    "failure_in_hard_group": "r.regime = 'hard' AND NOT coalesce(r.correct, r.reward = 1)",
     "reward_at_baseline": "TRUE",
 }
 assert list(GATE_REASON_RULES) == list(GATE_REASONS)
@@ -606,11 +629,12 @@ SQL_GATE_REASON = ("CASE WHEN NOT r.gated THEN NULL "
 
 SQL_ROLLOUTS = f"""
     SELECT r.step, r.group_idx, r.sample_idx, r.prompt_id, g.prompt, g.answer, g.n_correct, g.group_size,
-           g.baseline, r.regime, r.response, r.reward, r.verified, r.advantage, r.gated,
+           g.baseline, r.regime, r.response, r.reward, r.correct, r.verified, r.advantage, r.gated, r.filtered,
            {SQL_GATE_REASON} AS gate_reason, r.n_tokens, r.truncated, r.entropy, r.logprob
     FROM rollouts r JOIN groups g USING (run_id, step, group_idx)
     WHERE r.step = ?
       AND (? IS NULL OR r.gated = ?)
+      AND (? IS NULL OR r.filtered = ?)
       AND (? IS NULL OR r.regime = ?)
       AND (? IS NULL OR r.reward = ?)
       AND (? IS NULL OR contains(lower(r.response), lower(?)) OR contains(lower(g.prompt), lower(?)))
@@ -619,10 +643,13 @@ SQL_ROLLOUTS = f"""
 
 
 def read_rollouts(path: Path, step: int, gated: bool | None = None, regime: str | None = None,
-                  reward: float | None = None, search: str | None = None) -> pd.DataFrame:
-    """Rollouts of one step joined with their group, filtered; `search` is a plain substring (bound, no SQL)."""
+                  reward: float | None = None, search: str | None = None,
+                  filtered: bool | None = None) -> pd.DataFrame:
+    """Rollouts of one step joined with their group, filtered; `search` is a plain substring (bound, no SQL);
+    `filtered`: only the groups dynamic sampling left out of the update (True) or only the trained ones (False)."""
     search = search or None
-    return query(path, SQL_ROLLOUTS, [step, gated, gated, regime, regime, reward, reward, search, search, search])
+    return query(path, SQL_ROLLOUTS, [step, gated, gated, filtered, filtered, regime, regime, reward, reward, search,
+                                      search, search])
 
 
 def read_evals(path: Path) -> pd.DataFrame:

@@ -317,9 +317,12 @@ def rollouts_view(run: str, step: int, frame: pd.DataFrame, everything: pd.DataF
     """One step: why its gated responses were gated (the step's breakdown), then each group (prompt, answer, success
     count, regime, baseline) with its responses (reward, advantage, why gated, the text)."""
     n_gated = int(everything["gated"].sum())
+    n_filtered = int(everything.loc[everything["filtered"].fillna(False).astype(bool), "group_idx"].nunique())
+    filtered = frame["filtered"].fillna(False).astype(bool)  # left out of the update by dynamic sampling
     parts: list[RenderableType] = [Text(f"{run} step {step}: {len(everything)} responses in "
                                         f"{everything['group_idx'].nunique()} groups, {n_gated} gated "
-                                        f"(advantage 0)", style="bold")]
+                                        f"(advantage 0)" + (f", {n_filtered} groups filtered out of the update by "
+                                                            "dynamic sampling" if n_filtered else ""), style="bold")]
     counts = everything.loc[everything["gated"], "gate_reason"].value_counts()
     reasons = [reason for reason in GATE_REASONS if counts.get(reason, 0)]
     if reasons:
@@ -348,8 +351,9 @@ def rollouts_view(run: str, step: int, frame: pd.DataFrame, everything: pd.DataF
             Column("#", [str(s) for s in rows["sample_idx"]], justify="right"),
             Column("reward", [number(v) for v in rows["reward"]], justify="right"),
             Column("advantage", [f"{v:+.4f}" for v in rows["advantage"]], justify="right"),
-            Column("why gated", [Text(str(r), style="dim") if g else Text("kept", style="bold")
-                                 for r, g in zip(rows["gate_reason"], rows["gated"])]),
+            Column("why gated", [Text("filtered", style="yellow") if f else Text(str(r), style="dim") if g
+                                 else Text("kept", style="bold") for r, g, f in
+                                 zip(rows["gate_reason"], rows["gated"], filtered[rows.index].tolist())]),
             Column("response", responses, flexible=True, overflow="fold" if full else "ellipsis", min_width=16),
         ]
         parts.append(fit(columns, width).table)

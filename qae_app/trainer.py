@@ -35,6 +35,7 @@ import shutil
 import signal
 import threading
 import time
+import warnings as python_warnings  # `warnings` names a step's warning rows
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -50,7 +51,7 @@ from qae_app.evaluate import evaluate, summarize
 from qae_app.faults import fault_point
 from qae_app.losses import policy_loss, token_logprobs_and_entropy
 from qae_app.models import check_prompt_lengths, disable_dropout, load_policy
-from qae_app.rewards import Scorer
+from qae_app.rewards import Scorer, shape_rewards
 from qae_app.rollout import ShardedPolicy, make_engine
 from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
 from qae_app.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, DB_FILE, TRAINER_STATE, RunLock, checkpoint_problem,
@@ -69,7 +70,7 @@ class TrainerState:
     entropy_zone: str = "ok"  # "low" / "ok" / "high" for the smoothed entropy: warn once per crossing of the band
     entropy_ema: float | None = None  # exponential moving average of step entropy (alpha ENTROPY_EMA_ALPHA)
     entropy_start: float | None = None  # step 1's entropy: the default band is relative to it
-    data_position: int = 0  # prompts consumed so far; a resume checks it against step * prompts_per_step
+    data_position: int = 0  # prompts of the data stream consumed so far (every generation batch); a resume checks it
     data_fingerprint: str | None = None  # sha256 of the data file (None for a built-in task); a resume checks it
 
     def save(self, path: Path) -> None:
@@ -92,6 +93,20 @@ class StepOutput:
 
 
 @dataclass
+class GenerationBatch:
+    """This process's share of one generation batch (prompts_per_step prompts) of a step, sampled and scored."""
+
+    index: int  # 0 for a step's first batch; more with dynamic sampling
+    first_group: int  # step-wide group_idx of this process's first group: index * prompts_per_step + its offset
+    problems: list  # [B] tasks.Problem
+    prompts: list[str]  # [B]
+    samples: list  # [B * G] rollout.Sample, sample j of prompt i at i * G + j
+    verified: list[bool]  # [B * G] the verifier gave a verdict
+    rewards: torch.Tensor  # (B, G) shaped: reward values plus the overlong penalty
+    correct: torch.Tensor  # (B, G) bool, the verifier's verdicts
+
+
+@dataclass
 class HeldoutEval:
     accuracy: float  # avg@k on the whole benchmark
     evals: list[dict]  # `evals` rows
@@ -106,19 +121,30 @@ class RunResult:
     status: str  # finished, interrupted (Ctrl-C / SIGTERM; resumable)
 
 
-def _step_seed(seed: int, step: int, process: int) -> int:
-    return (seed * 1_000_003 + step * 7_919 + process * 104_729) % (2**31 - 1)
+def _step_seed(seed: int, step: int, process: int, gen_batch: int = 0) -> int:
+    """The sampling seed of one process's share of a step's generation batch: a pure function of the four, so a
+    resumed run samples exactly what the uninterrupted run did (gen_batch 0 keeps the seed runs had before dynamic
+    sampling)."""
+    return (seed * 1_000_003 + step * 7_919 + process * 104_729 + gen_batch * 15_485_863) % (2**31 - 1)
 
 
-def prompts_for_step(task: Task, seed: int, step: int, per_step: int) -> list[int]:
-    """Indices into task.train for RL step `step` (1-based): an epoch-wise seeded shuffle, a pure function of step,
-    so a resumed run sees exactly the prompts the uninterrupted run would have."""
+def prompts_at(task: Task, seed: int, start: int, count: int) -> list[int]:
+    """Indices into task.train of the data stream's positions start .. start + count - 1: an epoch-wise seeded
+    shuffle, so a position always holds the same prompt and a resumed run, restarting at the checkpoint's
+    data_position, sees exactly the prompts the uninterrupted run would have."""
     n = len(task.train)
     indices = []
-    for position in range((step - 1) * per_step, step * per_step):
+    for position in range(start, start + count):
         epoch, offset = divmod(position, n)
         indices.append(_epoch_order(seed, epoch, n)[offset])
     return indices
+
+
+def prompts_for_step(task: Task, seed: int, step: int, per_step: int) -> list[int]:
+    """Indices into task.train for RL step `step` (1-based) of a run without dynamic sampling, which consumes
+    exactly `per_step` prompts a step (with it, a step takes one or more batches of `per_step` from
+    TrainerState.data_position on)."""
+    return prompts_at(task, seed, (step - 1) * per_step, per_step)
 
 
 @functools.lru_cache(maxsize=4)
@@ -126,6 +152,26 @@ def _epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
     order = list(range(n))
     random.Random(seed * 10_007 + epoch).shuffle(order)
     return tuple(order)
+
+
+def data_position_problem(position: int, steps: int, cfg: TrainConfig) -> str | None:
+    """Why `position` prompts consumed cannot follow `steps` steps of this config (None if it can): each step takes
+    one generation batch of prompts_per_step prompts, or with dynamic sampling 1 to max_gen_batches of them."""
+    P = cfg.prompts_per_step
+    if not cfg.dynamic_sampling:
+        return None if position == steps * P else f"{steps} steps of {P} prompts end at {steps * P}"
+    most = steps * P * cfg.max_gen_batches if cfg.max_gen_batches else None
+    if position % P == 0 and steps * P <= position and (most is None or position <= most):
+        return None
+    return (f"{steps} steps of 1 to {cfg.max_gen_batches or 'any number of'} generation batches of {P} prompts end "
+            f"at a multiple of {P} from {steps * P}" + (f" to {most}" if most is not None else " on"))
+
+
+def groups_with_signal(rewards: torch.Tensor, correct: torch.Tensor, metric: str) -> torch.Tensor:
+    """(B,) bool: the groups dynamic sampling keeps, by names.FILTER_METRICS. rewards (B, G), correct (B, G) bool."""
+    if metric == "correct":
+        return correct.any(dim=1) & ~correct.all(dim=1)
+    return rewards.amax(dim=1) != rewards.amin(dim=1)
 
 
 def _number(value) -> float:
@@ -208,8 +254,7 @@ class Trainer:
                            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps) else None)
                 out.metrics.update(heldout_accuracy=heldout.accuracy if heldout else None,
                                    eval_s=time.perf_counter() - t0)
-                self.state.step = step
-                self.state.data_position = step * cfg.prompts_per_step
+                self.state.step = step  # (train_step advanced state.data_position by the prompts it consumed)
                 write_s = self._write_step(step, out, heldout, timings)
                 checkpoint_s = 0.0
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
@@ -249,89 +294,160 @@ class Trainer:
 
     def train_step(self, step: int) -> StepOutput:
         """One RL step on this process's share of the step's prompts. Updates the model, optimizer, scheduler and
-        trainer state; writes nothing (the rows, metrics and warnings come back in the StepOutput)."""
+        trainer state (data_position included); writes nothing (the rows, metrics and warnings come back in the
+        StepOutput)."""
         cfg, acc = self.cfg, self.accelerator
         t_step = time.perf_counter()
-        per_process = cfg.prompts_per_step // acc.num_processes
-        indices = prompts_for_step(self.task, cfg.seed, step, cfg.prompts_per_step)
-        mine = indices[acc.process_index * per_process : (acc.process_index + 1) * per_process]
-        problems = [self.task.train[i] for i in mine]
-        prompts = [self.task.prompt(p) for p in problems]
+        G = cfg.group_size
 
-        # ---- rollout
-        t0 = time.perf_counter()
-        samples = self.engine.generate(prompts, cfg.group_size, cfg.temperature, cfg.max_new_tokens,
-                                       _step_seed(cfg.seed, step, acc.process_index))  # sample j of prompt i: i*G+j
-        rollout_s = time.perf_counter() - t0
-
-        # ---- reward
-        t0 = time.perf_counter()
-        fault_point("scoring", step)
-        raw = self.scorer([s.text for s in samples], [problems[s.prompt_index].answer for s in samples])
-        reward_s = time.perf_counter() - t0
-        rewards = torch.tensor([0.0 if r is None else r for r in raw]).view(len(problems), cfg.group_size)  # (B, G)
+        # ---- rollout and reward, in generation batches of prompts_per_step prompts (several: dynamic sampling)
+        batches, trained_global, rollout_s, reward_s = self._sample_generation_batches(step)
+        self.state.data_position += len(batches) * cfg.prompts_per_step
+        rewards = torch.cat([b.rewards for b in batches])  # (B, G): this process's groups of every batch, in order
+        correct = torch.cat([b.correct for b in batches])  # (B, G) bool
+        samples = [s for b in batches for s in b.samples]  # (B * G): sample j of group i at i * G + j
+        trained = [trained_global[b.first_group + i] for b in batches for i in range(len(b.problems))]  # (B,)
+        trained_samples = [s for i, keep in enumerate(trained) if keep for s in samples[i * G:(i + 1) * G]]
 
         warnings, chosen_k = [], None
         if self.state.k is None and cfg.estimator == "qae":  # --k auto: choose K once, from the first step
-            success = acc.reduce(rewards.mean().to(acc.device), reduction="mean").item()
+            success = acc.reduce(batches[0].correct.float().mean().to(acc.device), reduction="mean").item()
             self.state.k = chosen_k = names.auto_k(success)
             warnings.append({"kind": "auto_k", "message": f"--k auto: first-step success rate {success:.3f} "
                                                           f"-> K = {chosen_k}"})
+        n_trained = sum(trained_global)
+        if cfg.dynamic_sampling and n_trained < cfg.prompts_per_step:
+            message = (f"dynamic sampling found {n_trained} of the {cfg.prompts_per_step} groups with signal it "
+                       f"wanted in {len(batches)} generation batches (--max-gen-batches {cfg.max_gen_batches}); "
+                       f"this step trains on those {n_trained}. Raise --max-gen-batches, or check the data: the "
+                       "policy solves all or none of the responses to most prompts (frac_all_correct, "
+                       "frac_all_wrong).")
+            self._say(f"[yellow]warning:[/] step {step}: {message}")
+            warnings.append({"kind": "dynamic_sampling_cap", "message": message})
 
-        # ---- advantages
-        G = cfg.group_size
+        # ---- advantages of every group sampled (a filtered group's are stored but never trained)
         estimator = EstimatorConfig(k=self.state.k or names.DEFAULT_K, quantile=cfg.quantile,
                                     scale=cfg.advantage_scale)
-        adv = compute_advantages(cfg.estimator, rewards, estimator)
-        seq_adv = adv.advantages.reshape(-1).to(acc.device)  # (B * G,)
+        adv = compute_advantages(cfg.estimator, rewards, estimator, correct)
+        trained_mask = torch.tensor(trained, dtype=torch.bool)  # (B,)
+        seq_adv = adv.advantages[trained_mask].reshape(-1).to(acc.device)  # (N,) the trained responses
 
-        # ---- update
+        # ---- update, on the trained groups only: filtered ones enter neither the loss nor its normalizer
         t0 = time.perf_counter()
-        batch = self._pack(samples)
         # what each response's row reports of the sampling policy (mean token entropy, summed log-prob): from the
-        # engine when it measured them while sampling, else from a no-grad pass over every response
+        # engine when it measured them while sampling (for filtered responses too), else from a no-grad pass over the
+        # trained responses
         from_engine = all(s.token_logprobs is not None and s.token_entropies is not None for s in samples)
-        update_stats, old_logp, entropy = self._update(step, batch, seq_adv,
-                                                       full_pass=not from_engine or cfg.log_entropy_delta)
-        update_stats.update(self._entropy_change(batch, entropy, rewards) if cfg.log_entropy_delta
-                            else dict.fromkeys(("dH", "dH_hard", "dH_easy")))
-        self.engine.sync_weights(acc.unwrap_model(self.model))  # vLLM holds its own copy; hf shares the model
+        if n_trained:
+            # a process whose groups were all filtered packs one placeholder sequence: it still takes part in the
+            # collective forward/backward passes, weighted 0 (see _accumulate_gradients), and contributes nothing
+            batch = self._pack(trained_samples or samples[:1])
+            update_stats, old_logp, entropy = self._update(
+                step, batch, seq_adv if trained_samples else seq_adv.new_zeros(1),
+                full_pass=not from_engine or cfg.log_entropy_delta, n_local=len(trained_samples))
+            update_stats.update(self._entropy_change(batch, entropy, correct[trained_mask], len(trained_samples))
+                                if cfg.log_entropy_delta else dict.fromkeys(("dH", "dH_hard", "dH_easy")))
+            self.engine.sync_weights(acc.unwrap_model(self.model))  # vLLM holds its own copy; hf shares the model
+        else:  # dynamic sampling found no group with signal on any process: nothing to learn from
+            update_stats = {**dict.fromkeys(("loss", "pg_loss", "kl", "grad_norm", "clip_frac", "clip_frac_low",
+                                             "clip_frac_high"), math.nan), "n_updates": 0,
+                            **dict.fromkeys(("dH", "dH_hard", "dH_easy"))}
         update_s = time.perf_counter() - t0
 
         # ---- rows (gathered on the main process) and metrics
-        mask = batch["response_mask"]
-        B = len(problems)
-        n_tokens = mask.sum(-1).long().view(B, -1).tolist()  # [B][G]
-        if from_engine:
-            seq_entropy = [[sum(s.token_entropies) / max(len(s.token_entropies), 1) for s in samples[b * G:(b + 1) * G]]
-                           for b in range(B)]
-            seq_logprob = [[sum(s.token_logprobs) for s in samples[b * G:(b + 1) * G]] for b in range(B)]
-        else:
-            per_seq = mask.sum(-1).clamp(min=1)
-            seq_entropy = ((entropy * mask).sum(-1) / per_seq).view(B, -1).tolist()  # [B][G]
-            seq_logprob = (old_logp * mask).sum(-1).view(B, -1).tolist()  # [B][G]
-        first_group = acc.process_index * per_process
-        results = [GroupResult(
-            group_idx=first_group + b, prompt_id=problem.prompt_id, prompt=prompts[b], answer=problem.answer,
-            baseline=adv.baseline[b].item(), regime=REGIMES[adv.regime[b].item()],
-            responses=[s.text for s in samples[b * G:(b + 1) * G]], rewards=rewards[b].tolist(),
-            verified=[r is not None for r in raw[b * G:(b + 1) * G]], advantages=adv.advantages[b].tolist(),
-            n_tokens=n_tokens[b], truncated=[s.truncated for s in samples[b * G:(b + 1) * G]],
-            entropies=seq_entropy[b], logprobs=seq_logprob[b],
-        ) for b, problem in enumerate(problems)]
+        seq_entropy = seq_logprob = []  # per trained response, from the no-grad pass
+        if trained_samples and not from_engine:
+            n = len(trained_samples)
+            mask = batch["response_mask"][:n]
+            seq_entropy = ((entropy[:n] * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()  # (N,)
+            seq_logprob = (old_logp[:n] * mask).sum(-1).tolist()  # (N,)
+        results, local, done = [], 0, 0  # done: trained groups whose pass statistics are used
+        for b in batches:
+            for i, problem in enumerate(b.problems):
+                group = samples[local * G:(local + 1) * G]
+                if from_engine:
+                    entropies = [sum(s.token_entropies) / max(len(s.token_entropies), 1) for s in group]
+                    logprobs = [sum(s.token_logprobs) for s in group]
+                elif trained[local]:
+                    entropies, logprobs = seq_entropy[done * G:(done + 1) * G], seq_logprob[done * G:(done + 1) * G]
+                    done += 1
+                else:  # never went through the model: the no-grad pass is for what trains
+                    entropies = logprobs = [None] * G
+                results.append(GroupResult(
+                    group_idx=b.first_group + i, prompt_id=problem.prompt_id, prompt=b.prompts[i],
+                    answer=problem.answer, baseline=adv.baseline[local].item(),
+                    regime=REGIMES[adv.regime[local].item()], responses=[s.text for s in group],
+                    rewards=rewards[local].tolist(), correct=correct[local].tolist(),
+                    verified=b.verified[i * G:(i + 1) * G], advantages=adv.advantages[local].tolist(),
+                    n_tokens=[len(s.response_ids) for s in group], truncated=[s.truncated for s in group],
+                    entropies=entropies, logprobs=logprobs, filtered=not trained[local]))
+                local += 1
         if acc.num_processes > 1:
             from accelerate.utils import gather_object
 
             results = gather_object(results)
+        results.sort(key=lambda g: g.group_idx)
         groups, rollouts = group_rows(results), rollout_rows(results)
         metrics = step_metrics(groups, rollouts)
         metrics.update(update_stats)
-        metrics.update(k=self.state.k if cfg.estimator == "qae" else None, rollout_s=rollout_s, reward_s=reward_s,
-                       update_s=update_s, lr=self.scheduler.get_last_lr()[0])
-        self.scheduler.step()  # once per RL step, on every process (the scheduler is not prepared: see _load_models)
+        metrics.update(k=self.state.k if cfg.estimator == "qae" else None, gen_batches=len(batches),
+                       rollout_s=rollout_s, reward_s=reward_s, update_s=update_s, lr=self.scheduler.get_last_lr()[0])
+        with python_warnings.catch_warnings():  # a step that found nothing to train on is still a step of the schedule
+            python_warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
+            self.scheduler.step()  # once per RL step, on every process (the scheduler is not prepared: see _load_models)
         warnings += self._check_entropy(metrics["entropy"])
         metrics["step_s"] = time.perf_counter() - t_step
         return StepOutput(metrics, groups, rollouts, warnings, chosen_k)
+
+    def _sample_generation_batches(self, step: int) -> tuple[list[GenerationBatch], list[bool], float, float]:
+        """Sample and score batches of prompts_per_step prompts, taken in order from the data stream at
+        state.data_position: one batch, or with dynamic sampling as many as it takes to find prompts_per_step groups
+        with signal over all processes, at most max_gen_batches.
+
+        Returns this process's share of each batch; which groups train, one flag per group of every batch in
+        step-wide group_idx order (the same on every process): all of them without dynamic sampling, else the first
+        prompts_per_step with signal; and the seconds spent sampling and scoring."""
+        cfg, acc = self.cfg, self.accelerator
+        P, G = cfg.prompts_per_step, cfg.group_size
+        per_process = P // acc.num_processes
+        offset = acc.process_index * per_process  # this process's share of every batch: groups offset .. + per_process
+        values = names.reward_values(cfg.reward_values)
+        batches: list[GenerationBatch] = []
+        signal: list[bool] = []  # one flag per group of every batch so far, in group_idx order
+        rollout_s = reward_s = 0.0
+        while True:
+            index = len(batches)
+            stream = prompts_at(self.task, cfg.seed, self.state.data_position + index * P, P)
+            problems = [self.task.train[i] for i in stream[offset:offset + per_process]]
+            prompts = [self.task.prompt(p) for p in problems]
+            t0 = time.perf_counter()
+            samples = self.engine.generate(prompts, G, cfg.temperature, cfg.max_new_tokens,
+                                           _step_seed(cfg.seed, step, acc.process_index, index))
+            rollout_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            fault_point("scoring", step)
+            scores = self.scorer([s.text for s in samples], [problems[s.prompt_index].answer for s in samples])
+            reward_s += time.perf_counter() - t0
+            rewards, correct = shape_rewards(scores, [len(s.response_ids) for s in samples], values,
+                                             cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+            batch = GenerationBatch(
+                index=index, first_group=index * P + offset, problems=problems, prompts=prompts, samples=samples,
+                verified=[score is not None for score in scores],
+                rewards=torch.tensor(rewards, dtype=torch.float64).view(len(problems), G),
+                correct=torch.tensor(correct, dtype=torch.bool).view(len(problems), G))
+            batches.append(batch)
+            if not cfg.dynamic_sampling:
+                return batches, [True] * P, rollout_s, reward_s
+            mine = groups_with_signal(batch.rewards, batch.correct, cfg.filter_metric)  # (per_process,)
+            signal += (acc.gather(mine.long().to(acc.device)).bool().tolist() if acc.num_processes > 1
+                       else mine.tolist())
+            if sum(signal) >= P or (cfg.max_gen_batches and len(batches) >= cfg.max_gen_batches):
+                break
+        trained, count = [], 0
+        for has_signal in signal:
+            trained.append(has_signal and count < P)
+            count += has_signal
+        return batches, trained, rollout_s, reward_s
 
     def _pack(self, samples) -> dict:
         """Right-padded (prompt + response) tensors; response_mask marks the positions predicting response tokens."""
@@ -375,9 +491,11 @@ class Trainer:
         # clone: tensors made under inference_mode cannot take part in the autograd graph of the loss
         return torch.cat(outs_logp).clone(), torch.cat(outs_ent).clone() if with_entropy else None
 
-    def _update(self, step: int, batch, seq_adv, full_pass: bool):
+    def _update(self, step: int, batch, seq_adv, full_pass: bool, n_local: int | None = None):
         """num_mini_batches x ppo_epochs optimizer steps over this step's responses; returns (stats, old log-probs,
         entropies), the last two (N, T-1) of the sampling policy when `full_pass` ran over every response, else None.
+        The responses are the first `n_local` rows of the batch (default: all): a process with none (dynamic sampling
+        filtered all its groups) passes one placeholder row, used only for its weight-0 passes.
 
         Mini-batches are drawn over the responses of every process (the same seeded permutation on each), and each
         process takes its members of each: the loss normalizer (tokens or sequences of the whole mini-batch) is summed
@@ -390,16 +508,17 @@ class Trainer:
         log-probs, detached, are the old ones (ratio 1, as TRL does with one update per generation).
         """
         cfg, acc = self.cfg, self.accelerator
-        n_local = seq_adv.shape[0]
+        n_rows = seq_adv.shape[0]  # this process's responses, or one placeholder
+        n_local = n_rows if n_local is None else n_local
         device = seq_adv.device
         tokens_per_seq = batch["response_mask"].sum(-1)  # (n_local,)
         epochs = self._mini_batch_plan(step, n_local, device)
         # the KL term has gradient on gated sequences too; skip_gated=False is the dense reference
         needs_all = self.ref_model is not None or not self.skip_gated
-        forwarded = torch.ones(n_local, dtype=torch.bool, device=device) if needs_all else seq_adv != 0
+        forwarded = torch.ones(n_rows, dtype=torch.bool, device=device) if needs_all else seq_adv != 0
         old_logp, have_old, entropy = self._old_logprobs(batch, forwarded, first_mini_batch=epochs[0][1][0],
                                                           full_pass=full_pass)
-        ref_logp = (self._logprobs_in_chunks(self.ref_model, batch, torch.arange(n_local, device=device), False)[0]
+        ref_logp = (self._logprobs_in_chunks(self.ref_model, batch, torch.arange(n_rows, device=device), False)[0]
                     if self.ref_model is not None else None)
 
         totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "grad_norm": 0.0, "clipped_low": 0.0, "clipped_high": 0.0}
@@ -440,18 +559,21 @@ class Trainer:
                      clip_frac=(totals["clipped_low"] + totals["clipped_high"]) / max(tokens, 1), n_updates=n_updates)
         return stats, (old_logp if full_pass else None), entropy
 
-    def _entropy_change(self, batch, entropy_before, rewards) -> dict:
-        """dH, dH_hard, dH_easy: the token-weighted mean change of token entropy over the step's responses from
-        before the update (`entropy_before`, the same pass) to after it, over all groups and per QAE regime (the
-        regime QAE gives the group's success rate, K = 0.4 for mean-baseline runs, so runs compare)."""
+    def _entropy_change(self, batch, entropy_before, correct, n_local: int | None = None) -> dict:
+        """dH, dH_hard, dH_easy: the token-weighted mean change of token entropy over the step's trained responses
+        (the first `n_local` rows of the batch, default all; `correct` (B, G) their verdicts) from before the update
+        (`entropy_before`, the same pass) to after it, over all groups and per QAE regime (the regime QAE gives the
+        group's success rate, K = 0.4 for mean-baseline runs, so runs compare)."""
         cfg, acc = self.cfg, self.accelerator
         n = batch["input_ids"].shape[0]
+        n_local = n if n_local is None else n_local
         _, entropy_after = self._logprobs_in_chunks(self.model, batch, torch.arange(n, device=acc.device), True)
-        mask = batch["response_mask"]
-        change = ((entropy_after - entropy_before) * mask).sum(-1)  # (N,) summed over each response's tokens
+        mask = batch["response_mask"][:n_local]
+        change = ((entropy_after - entropy_before)[:n_local] * mask).sum(-1)  # (N,) summed over each response
         tokens = mask.sum(-1)  # (N,)
         k = self.state.k if cfg.estimator == "qae" else names.DEFAULT_K
-        regime = compute_advantages("qae", (rewards == 1.0).float(), EstimatorConfig(k=k)).regime  # (B,)
+        regime = (compute_advantages("qae", correct.float(), EstimatorConfig(k=k)).regime if n_local  # (B,)
+                  else torch.zeros(0, dtype=torch.long))
         regime = regime.repeat_interleave(cfg.group_size).to(acc.device)  # (N,)
         parts = {"dH": torch.ones_like(tokens, dtype=torch.bool), "dH_hard": regime == REGIMES.index("hard"),
                  "dH_easy": regime == REGIMES.index("easy")}
@@ -471,9 +593,11 @@ class Trainer:
         first = sum(counts_per_process[: acc.process_index])  # global index of this process's first response
         generator = torch.Generator().manual_seed(_step_seed(cfg.seed, step, 0) + 1)  # the same on every process
         epochs = []
+        n_total = sum(counts_per_process)
         for _ in range(cfg.ppo_epochs):
-            mini_batches = torch.randperm(sum(counts_per_process), generator=generator).tensor_split(
-                cfg.num_mini_batches)
+            # fewer responses than mini-batches happens only when dynamic sampling's cap left few groups
+            mini_batches = torch.randperm(n_total, generator=generator).tensor_split(min(cfg.num_mini_batches,
+                                                                                          n_total))
             epochs.append((mini_batches, [(mb[(mb >= first) & (mb < first + n_local)] - first).to(device)
                                           for mb in mini_batches]))
         return epochs
@@ -786,11 +910,10 @@ class Trainer:
         self.state = TrainerState.load(ckpt / TRAINER_STATE)
         self._say(f"resuming run {self.run_id} from checkpoint {ckpt.name}")
         cfg = self.cfg
-        expected = self.state.step * cfg.prompts_per_step
-        if self.state.data_position != expected:
+        problem = data_position_problem(self.state.data_position, self.state.step, cfg)
+        if problem:
             raise QAEUserError(f"resume: checkpoint {ckpt} is at prompt {self.state.data_position} of the data, but "
-                               f"{self.state.step} steps of {cfg.prompts_per_step} prompts end at {expected}. "
-                               "The checkpoint does not belong to this run's config; start a new run.")
+                               f"{problem}. The checkpoint does not belong to this run's config; start a new run.")
         if cfg.steps < self.state.step:
             raise QAEUserError(f"steps: {cfg.steps} is below the {self.state.step} steps run '{self.run_id}' has "
                                "already done. Pass --steps above that to train further.")

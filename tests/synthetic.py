@@ -62,7 +62,8 @@ def write_run(runs_dir: Path, run_id: str, steps: int = 20, prompts_per_step: in
             n_tokens = [rng.randint(2, 40) for _ in rewards]
             groups.append(GroupResult(
                 group_idx=g, prompt_id=f"p{prompt:04d}", prompt=f"{a}+{b}=", answer=str(a + b), baseline=baseline,
-                regime=regime, responses=responses, rewards=rewards, verified=[True] * group_size,
+                regime=regime, responses=responses, rewards=rewards, correct=[r == 1.0 for r in rewards],
+                verified=[True] * group_size,
                 advantages=advantages, n_tokens=n_tokens, truncated=[n == 40 for n in n_tokens],
                 entropies=[max(0.01, rng.gauss(0.9 - 0.5 * progress, 0.15)) for _ in rewards],
                 logprobs=[-rng.random() * n for n in n_tokens]))

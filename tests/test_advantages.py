@@ -86,7 +86,6 @@ def reference_advantages(name: str, rewards: list[float], cfg: EstimatorConfig):
     G = len(rewards)
     mean = sum(rewards) / G
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (G - 1))
-    binary = all(r in (0.0, 1.0) for r in rewards)
     std_scaled = (cfg.scale or ESTIMATOR_DEFAULT_SCALE[name]) == "std"
     if name == "qae":
         ordered = sorted(rewards)
@@ -108,17 +107,14 @@ def reference_advantages(name: str, rewards: list[float], cfg: EstimatorConfig):
         baseline = mean
         adv = [r - (sum(rewards) - r) / (G - 1) for r in rewards]
         adv = [a / (std + cfg.eps) for a in adv] if std_scaled else adv
-    if binary and all(r == 1 for r in rewards):
-        regime = "all_correct"
-    elif binary and all(r == 0 for r in rewards):
-        regime = "all_wrong"
-    elif binary and name == "qae" and baseline == 0:
-        regime = "hard"
-    elif binary and name == "qae" and baseline == 1:
-        regime = "easy"
-    else:
-        regime = "mixed"
-    return adv, baseline, regime
+    return adv, baseline, reference_regime(rewards, baseline, [r > 0 for r in rewards])
+
+
+def reference_regime(rewards: list[float], baseline: float, correct: list[bool]) -> str:
+    """names.REGIME_RULE, spelled out."""
+    if min(rewards) == max(rewards):
+        return "all_correct" if all(correct) else "all_wrong" if not any(correct) else "mixed"
+    return "hard" if baseline == min(rewards) else "easy" if baseline == max(rewards) else "mixed"
 
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
@@ -192,3 +188,76 @@ def test_train_config_passes_scale_to_the_estimator_and_refuses_dr_grpo_with_std
     assert build_config(estimator="rloo").advantage_scale == "none"
     with pytest.raises(QAEUserError, match="scale: dr_grpo is GRPO without the std"):
         build_config(estimator="dr_grpo", scale="std")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# -1/1 rewards (DAPO) and rewards shaped by the overlong penalty: regimes follow the baseline
+
+
+def signed(n_correct: int, size: int) -> torch.Tensor:
+    return torch.tensor([[1.0] * n_correct + [-1.0] * (size - n_correct)])
+
+
+def test_plus_minus_one_groups_get_hard_easy_and_no_signal_labels():
+    # G=4, K=0.4: m = ceil(1.6) = 2. One correct: sorted [-1, -1, -1, 1], baseline -1 = the lowest reward -> hard.
+    # std: mean -0.5, squared deviations 2.25 + 3 * 0.25 = 3, / (G - 1) = 1 -> std 1; advantage (1 - -1) / 1 = 2.
+    adv, baseline, regime = qae(signed(1, 4), k=0.4)
+    assert baseline.item() == -1.0 and REGIMES[regime.item()] == "hard"
+    assert adv[0].tolist() == pytest.approx([2.0, 0.0, 0.0, 0.0], abs=1e-5)
+    # three correct: sorted [-1, 1, 1, 1], baseline 1 = the highest reward -> easy; the failure gets (-1 - 1) / 1 = -2
+    adv, baseline, regime = qae(signed(3, 4), k=0.4)
+    assert baseline.item() == 1.0 and REGIMES[regime.item()] == "easy"
+    assert adv[0].tolist() == pytest.approx([0.0, 0.0, 0.0, -2.0], abs=1e-5)
+    for n_correct, name in ((4, "all_correct"), (0, "all_wrong")):
+        adv, _, regime = qae(signed(n_correct, 4), k=0.4)
+        assert REGIMES[regime.item()] == name and adv.abs().sum().item() == 0.0
+
+
+def test_plus_minus_one_advantages_by_hand():
+    """The std-normalized estimators give -1/1 groups the advantages of the 0/1 groups (an affine change of rewards
+    cancels); the unscaled ones double them. Mean-baseline groups are `mixed`, as with 0/1 rewards."""
+    rewards = signed(1, 4)  # [1, -1, -1, -1]: mean -0.5, std 1
+    grpo = compute_advantages("grpo", rewards)
+    assert grpo.advantages[0].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5)
+    assert REGIMES[grpo.regime.item()] == "mixed" and grpo.baseline.item() == -0.5
+    assert torch.allclose(grpo.advantages, compute_advantages("grpo", group(1, 4)).advantages, atol=1e-5)
+    assert compute_advantages("dr_grpo", rewards).advantages[0].tolist() == [1.5, -0.5, -0.5, -0.5]
+    assert compute_advantages("dr_grpo", group(1, 4)).advantages[0].tolist() == [0.75, -0.25, -0.25, -0.25]
+    # rloo: 1 - mean(-1, -1, -1) = 2; -1 - mean(1, -1, -1) = -2/3
+    assert compute_advantages("rloo", rewards).advantages[0].tolist() == pytest.approx([2, -2 / 3, -2 / 3, -2 / 3])
+    assert torch.allclose(qae(signed(1, 4)).advantages, qae(group(1, 4)).advantages, atol=1e-5)
+
+
+def test_shaped_rewards_quantile_and_regime_by_hand():
+    # correct at 1 and 0.75 (overlong penalty 0.25), wrong at -1 and -1.25: G=4, K=0.4, m=2 -> the 2nd smallest, -1:
+    # neither the lowest nor the highest reward -> mixed. std: mean -0.125, squares 2 * 1.125^2 + 2 * 0.875^2 =
+    # 4.0625, / 3 -> std = sqrt(1.3541667)
+    rewards = torch.tensor([[1.0, 0.75, -1.0, -1.25]])
+    correct = torch.tensor([[True, True, False, False]])
+    adv, baseline, regime = compute_advantages("qae", rewards, EstimatorConfig(k=0.4), correct)
+    std = math.sqrt(4.0625 / 3)
+    assert baseline.item() == -1.0 and REGIMES[regime.item()] == "mixed"
+    assert adv[0].tolist() == pytest.approx([2 / std, 1.75 / std, 0.0, -0.25 / std], abs=1e-5)
+    # every response correct, one penalized for length: baseline 1 (sorted [0.5, 1, 1, 1], m = 2) = the highest
+    # reward -> easy: only the long response is pushed down
+    adv, baseline, regime = compute_advantages("qae", torch.tensor([[1.0, 0.5, 1.0, 1.0]]), EstimatorConfig(k=0.4),
+                                               torch.tensor([[True] * 4]))
+    assert baseline.item() == 1.0 and REGIMES[regime.item()] == "easy"
+    assert adv[0, 1].item() < 0 and adv[0, [0, 2, 3]].tolist() == [0.0, 0.0, 0.0]
+    # equal rewards from a correct-but-long and a wrong response (penalty 2 at max length): no signal, mixed verdicts
+    _, _, regime = compute_advantages("qae", torch.tensor([[-1.0, -1.0]]), EstimatorConfig(k=0.4),
+                                      torch.tensor([[True, False]]))
+    assert REGIMES[regime.item()] == "mixed"
+
+
+def test_every_estimator_labels_regimes_by_the_same_rule():
+    from qae_app import names
+
+    rewards = torch.tensor([[1.0, 0.75, -1.0, -1.25], [1.0, 1.0, 1.0, 1.0], [-1.0, -1.0, -1.0, 1.0]])
+    correct = rewards > 0
+    for name in ESTIMATORS:
+        out = compute_advantages(name, rewards, EstimatorConfig(k=0.4), correct)
+        expected = [reference_regime(r.tolist(), b, c.tolist()) for r, b, c in
+                    zip(rewards, out.baseline.tolist(), correct)]
+        assert [REGIMES[i] for i in out.regime.tolist()] == expected, name
+    assert "lowest reward" in names.REGIME_RULE and "highest" in names.REGIME_RULE

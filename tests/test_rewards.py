@@ -390,3 +390,35 @@ def test_default_shortcuts_skip_the_workers():
         )
         assert scores == [1.0, 0.0, 0.0, 0.0, 1.0]
         assert pool.workers_started == 0  # all settled without math-verify
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DAPO's overlong reward shaping and the reward values, by hand
+
+
+def test_overlong_penalty_before_at_inside_and_past_the_buffer():
+    from qae_app.rewards import overlong_penalty
+
+    # max_new_tokens 20, buffer 4: the penalty starts after 16 tokens and reaches -F at 20
+    assert overlong_penalty(12, 20, 4, 1.0) == 0.0  # before the buffer
+    assert overlong_penalty(16, 20, 4, 1.0) == 0.0  # at its start: exactly max_new_tokens - buffer
+    assert overlong_penalty(17, 20, 4, 1.0) == -0.25  # inside: -(17 - 16) / 4 * 1
+    assert overlong_penalty(18, 20, 4, 0.5) == -0.25  # -(18 - 16) / 4 * 0.5
+    assert overlong_penalty(20, 20, 4, 1.0) == -1.0  # the whole buffer: -F
+    assert overlong_penalty(22, 20, 4, 1.0) == -1.5  # past it (the formula as written, not clamped)
+    assert overlong_penalty(20, 20, 0, 1.0) == 0.0  # buffer 0: shaping off
+    # the paper's numbers: 20480 tokens, buffer 4096 -> free up to 16384, -0.5 at 18432
+    assert overlong_penalty(16384, 20480, 4096, 1.0) == 0.0
+    assert overlong_penalty(18432, 20480, 4096, 1.0) == -0.5
+
+
+def test_shaped_rewards_add_the_penalty_to_the_reward_values_and_keep_the_verdict():
+    from qae_app.rewards import shape_rewards
+
+    scores = [1.0, 0.0, None, 1.0, 0.0]
+    lengths = [3, 3, 3, 7, 8]  # max_new_tokens 8, buffer 4: 7 tokens -> -0.75, 8 -> -1
+    rewards, correct = shape_rewards(scores, lengths, (-1.0, 1.0), 8, 4, 1.0)
+    assert rewards == [1.0, -1.0, -1.0, 0.25, -2.0]  # unverifiable (None) counts as wrong
+    assert correct == [True, False, False, True, False]
+    rewards, correct = shape_rewards(scores, lengths, (0.0, 1.0), 8, 0, 1.0)
+    assert rewards == [1.0, 0.0, 0.0, 1.0, 0.0] and correct == [True, False, False, True, False]

@@ -62,16 +62,17 @@ def test_more_mini_batches_than_responses_is_refused():
 def test_zero_advantage_fraction_over_informative_groups():
     """frac_zero_adv counts the no-signal groups too; the paper's ~80% is over informative groups only."""
     def rollouts(regime, advantages):
-        return [{"regime": regime, "advantage": a, "reward": float(a > 0), "verified": True, "n_tokens": 2,
-                 "entropy": 0.5, "logprob": -1.0, "truncated": False} for a in advantages]
+        return [{"regime": regime, "advantage": a, "reward": float(a > 0), "correct": a > 0, "verified": True,
+                 "n_tokens": 2, "entropy": 0.5, "logprob": -1.0, "truncated": False, "filtered": False}
+                for a in advantages]
 
     rows = (rollouts("all_correct", [0.0] * 4) + rollouts("hard", [1.5, 0.0, 0.0, 0.0])
             + rollouts("easy", [0.0, 0.0, -1.5, 0.0]))
-    groups = [{"regime": r} for r in ("all_correct", "hard", "easy")]
+    groups = [{"regime": r, "filtered": False} for r in ("all_correct", "hard", "easy")]
     metrics = step_metrics(groups, rows)
     assert metrics["frac_zero_adv"] == 10 / 12
     assert metrics["frac_zero_adv_informative"] == 6 / 8
-    assert math.isnan(step_metrics([{"regime": "all_wrong"}], rollouts("all_wrong", [0.0] * 4))[
+    assert math.isnan(step_metrics([{"regime": "all_wrong", "filtered": False}], rollouts("all_wrong", [0.0] * 4))[
         "frac_zero_adv_informative"])
 
 

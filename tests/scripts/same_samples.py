@@ -5,9 +5,14 @@ The rollout engine is the real HF engine, called once per prompt with a seed mad
 position in the step (the trainer's own engine seeds per process, so its samples differ between 1 and 2 processes).
 Writes the final parameters to <runs_dir>/<run_name>.params.pt from the main process.
 
-    accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME
+With `dynamic` (tests/test_dapo.py), the run uses dynamic sampling and the prompts in the second half of every
+generation batch get G identical responses: their groups have no signal, so under 2 processes the second one never
+has a group to train.
+
+    accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic]
 """
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -23,28 +28,35 @@ OPTIONS = dict(steps=3, prompts_per_step=4, group_size=8, num_mini_batches=4, mi
 class SeededPerPrompt:
     """The trainer's HF engine, sampling each prompt's group from its own seed: (step, global prompt index)."""
 
-    def __init__(self, engine, first_prompt: int):
+    def __init__(self, engine, first_prompt: int, uniform_from: int | None = None):
         self.engine, self.first_prompt, self.step = engine, first_prompt, 0
+        self.uniform_from = uniform_from  # prompts at this position of a batch and later get n identical responses
 
     def generate(self, prompts, n, temperature, max_new_tokens, seed):
         self.step += 1
         samples = []
         for i, prompt in enumerate(prompts):
-            for sample in self.engine.generate([prompt], n, temperature, max_new_tokens,
-                                               seed=1000 * self.step + self.first_prompt + i):
-                sample.prompt_index = i
-                samples.append(sample)
+            uniform = self.uniform_from is not None and self.first_prompt + i >= self.uniform_from
+            drawn = self.engine.generate([prompt], 1 if uniform else n, temperature, max_new_tokens,
+                                         seed=1000 * self.step + self.first_prompt + i)
+            for sample in (drawn * n if uniform else drawn):
+                samples.append(dataclasses.replace(sample, prompt_index=i))
         return samples
 
     def sync_weights(self, model):
         self.engine.sync_weights(model)
 
 
-def main(runs_dir: str, run_name: str) -> None:
-    trainer = Trainer(build_config(run_name=run_name, **OPTIONS), Path(runs_dir), cpu=True)
+DYNAMIC = dict(dynamic_sampling=True, max_gen_batches=6, reward_values="-1,1")
+
+
+def main(runs_dir: str, run_name: str, mode: str = "") -> None:
+    options = dict(OPTIONS, **(DYNAMIC if mode == "dynamic" else {}))
+    trainer = Trainer(build_config(run_name=run_name, **options), Path(runs_dir), cpu=True)
     acc = trainer.accelerator
-    trainer.engine = SeededPerPrompt(trainer.engine, acc.process_index * OPTIONS["prompts_per_step"]
-                                     // acc.num_processes)
+    per_step = options["prompts_per_step"]
+    trainer.engine = SeededPerPrompt(trainer.engine, acc.process_index * per_step // acc.num_processes,
+                                     uniform_from=per_step // 2 if mode == "dynamic" else None)
     trainer.fit()
     if acc.is_main_process:
         params = {name: p.detach().cpu() for name, p in acc.unwrap_model(trainer.model).named_parameters()}
@@ -52,4 +64,4 @@ def main(runs_dir: str, run_name: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])
