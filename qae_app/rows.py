@@ -31,8 +31,8 @@ class GroupResult:
     advantages: list[float]  # [G], what the estimator gives (also for a filtered group, which is not trained)
     n_tokens: list[int]  # [G]
     truncated: list[bool]  # [G]
-    entropies: list[float | None]  # [G], mean token entropy of each response; None when filtered (not computed)
-    logprobs: list[float | None]  # [G], sum of token log-probs of each response; None when filtered
+    entropies: list[float | None]  # [G], mean token entropy of each response; None if filtered and not measured
+    logprobs: list[float | None]  # [G], sum of token log-probs of each response; None if filtered and not measured
     filtered: bool = False  # left out of the update by dynamic sampling
 
 

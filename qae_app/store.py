@@ -130,7 +130,9 @@ TABLES: dict[str, dict[str, str]] = {
         "advantage": "DOUBLE", "gated": "BOOLEAN", "regime": "VARCHAR", "n_tokens": "INTEGER",
         "truncated": "BOOLEAN", "entropy": "DOUBLE", "logprob": "DOUBLE",
         "correct": "BOOLEAN",  # the verifier's verdict (reward is shaped); NULL in rows from before the column
-        "filtered": "BOOLEAN",  # its group was left out of the update by dynamic sampling (entropy, logprob NULL)
+        # its group was left out of the update by dynamic sampling (entropy, logprob: NULL unless the engine measured
+        # them while sampling, as the hf engine does; the trainer's own pass covers the trained responses only)
+        "filtered": "BOOLEAN",
     },
     "evals": {
         "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "subset": "VARCHAR", "metric": "VARCHAR",
