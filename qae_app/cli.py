@@ -205,15 +205,15 @@ def _view_console() -> Console:
 def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
     """List runs: status, estimator, K, steps and the latest reward, accuracy and entropy (model and task when the
     terminal is wide enough). A run is its folder; an unreadable database is listed with the reason."""
-    from qae_app.store import read_runs
+    from qae_app.store import run_summaries
     from qae_app.terminal import runs_view
 
     out = _view_console()
-    frame = read_runs(runs_dir)
-    if frame.empty:
+    rows = run_summaries(runs_dir)
+    if not rows:
         out.print(f"no runs in {escape(str(runs_dir))}. Start one with `qae train`.")
         return
-    out.print(runs_view(frame, str(runs_dir), out.width))
+    out.print(runs_view(rows, str(runs_dir), out.width))
 
 
 @app.command()

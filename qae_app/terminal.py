@@ -17,9 +17,8 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 from rich import box
 from rich.columns import Columns
 from rich.console import Group, RenderableType
@@ -29,6 +28,14 @@ from rich.text import Text
 from qae_app import store
 from qae_app.names import GATE_REASONS
 from qae_app.rundir import STOPPED
+
+if TYPE_CHECKING:  # `qae runs` draws from dicts and never imports pandas
+    import pandas as pd
+
+
+def missing(value: Any) -> bool:
+    """None, NaN, pandas' NA or NaT: a value that was never recorded."""
+    return value is None or value != value or type(value).__name__ in ("NAType", "NaTType")
 
 GAP = 2  # characters between two columns (SIMPLE_HEAD box, collapsed padding)
 STATUS_STYLES = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow",
@@ -43,7 +50,7 @@ SHOW_METRICS = ["reward_mean", "accuracy", "heldout_accuracy", "entropy", "frac_
 def number(value: Any) -> str:
     """A number in at most ~8 characters, never cut: '-' for missing, integers as they are, 3 decimals in [0.001,
     100), 1 decimal above, scientific below."""
-    if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
+    if missing(value):
         return "-"
     if isinstance(value, (bool,)):
         return str(value)
@@ -157,10 +164,9 @@ def shared_prefix(ids: list[str]) -> str:
 # qae runs
 
 
-def runs_view(frame: pd.DataFrame, runs_dir: str, width: int) -> RenderableType:
-    """The runs table: run, status, estimator and K, progress and the latest metrics; model, task and creation time
-    when there is room. Under it: what `stopped` means and why a run is unreadable."""
-    rows = frame.to_dict("records")
+def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
+    """The runs table (rows: store.run_summaries): run, status, estimator and K, progress and the latest metrics;
+    model, task and creation time when there is room. Under it: what `stopped` means and why a run is unreadable."""
     ids = [str(row["run_id"]) for row in rows]
     configs = [_config(row) for row in rows]
     readable = [row.get("status") not in store.READ_STATUSES for row in rows]
@@ -377,16 +383,16 @@ def _config(row: dict) -> dict:
 
 def _estimator(row: dict) -> str:
     k = row.get("k")
-    return f"{row.get('estimator')}" + ("" if k is None or pd.isna(k) else f" K={k:g}")
+    return f"{row.get('estimator')}" + ("" if missing(k) else f" K={k:g}")
 
 
 def _progress(row: dict, config: dict) -> str:
     last = row.get("last_step")
-    last = 0 if last is None or pd.isna(last) else int(last)
+    last = 0 if missing(last) else int(last)
     return f"{last}/{config['steps']}" if config.get("steps") else str(last)
 
 
 def _time(value) -> str:
-    if value is None or pd.isna(value):
+    if missing(value):
         return ""
-    return pd.Timestamp(value).strftime("%Y-%m-%d %H:%M")
+    return value.strftime("%Y-%m-%d %H:%M")  # a datetime, or a pandas Timestamp

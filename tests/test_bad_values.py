@@ -98,9 +98,9 @@ BAD_VALUES = [
                                                   "context is 128"),
     # the inspecting commands
     (["show", "some-run", "--every", "1e30"], "Invalid value for '--every': Input should be a valid integer"),
-    (["show", "some-run", "--every", "-1"], "every: -1. Use 0"),
-    (["rollouts", "some-run", "--limit", "-1"], "limit: -1. Use a positive number of rows"),
-    (["rollouts", "some-run", "--limit", "0"], "limit: 0. Use a positive number of rows"),
+    (["show", "some-run", "--every", "-1"], "every: -1 is negative. Use 0"),
+    (["rollouts", "some-run", "--limit", "-1"], "limit: -1 shows nothing. Use a positive number of responses"),
+    (["rollouts", "some-run", "--limit", "0"], "limit: 0 shows nothing. Use a positive number of responses"),
     # qae eval shares the training options' ranges
     (["eval", "--temperature", "1e-300"], "temperature: 1e-300 is less than 0.01"),
     (["eval", "--verify-timeout-s", "nan"], "verify-timeout-s: nan. Use a positive number of seconds"),
@@ -156,4 +156,4 @@ def test_a_damaged_run_file_is_named_by_every_command(tmp_path):
     result = runner.invoke(app, ["runs", "--runs-dir", str(runs)])
     assert result.exit_code == 0, result.output
     output = "".join(result.output.split())
-    assert f"brokenunreadable:run:cannotread{path}" in output  # listed, with the reason under the table
+    assert f"unreadable:broken:run:cannotread{path}" in output  # listed, with the reason under the table

@@ -107,7 +107,7 @@ def test_runs_shows_every_run_whole_its_status_and_why_one_is_unreadable(broken_
         assert run_id in text
     assert re.search(r"killed\s+stopped", text) and re.search(r"broken\s+unreadable", text)
     assert "stopped: stored as running, but no trainer holds the run" in " ".join(text.split())
-    assert "unreadable: broken: runs/broken/qae.duckdb cannot be read" in " ".join(text.split())
+    assert "unreadable: broken: run: cannot read runs/broken/qae.duckdb" in " ".join(text.split())
     finished = frame.set_index("run_id").loc[LONG_A]
     assert number(finished["reward_mean"]) in text
     assert (number(finished["heldout_accuracy"]) in text) == (width == 200)  # at 80: named as not shown
@@ -178,7 +178,7 @@ def test_ids_that_share_a_prefix_show_the_part_that_differs(tmp_path):
     for run_id in ids:
         write_run(tmp_path, run_id, steps=2, prompts_per_step=2, group_size=4)
     console = Console(width=80, record=True)
-    console.print(runs_view(store.read_runs(tmp_path), "runs", 80))
+    console.print(runs_view(store.run_summaries(tmp_path), "runs", 80))
     text = console.export_text()
     check_fits(text, 80)
     assert "every run id below starts with 20261130-" in text
