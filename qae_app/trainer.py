@@ -52,7 +52,7 @@ from qae_app.faults import fault_point
 from qae_app.losses import policy_loss, token_logprobs_and_entropy
 from qae_app.models import check_prompt_lengths, disable_dropout, load_policy
 from qae_app.rewards import Scorer, shape_rewards
-from qae_app.rollout import ShardedPolicy, make_engine
+from qae_app.rollout import ShardedPolicy, make_engine, plan_for
 from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
 from qae_app.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, DB_FILE, TRAINER_STATE, RunLock, checkpoint_problem,
                             checkpoint_step, list_checkpoints, run_dir, trainer_alive, write_manifest)
@@ -476,18 +476,32 @@ class Trainer:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (N, T-1, vocab)
         return token_logprobs_and_entropy(logits, input_ids[:, 1:], self.cfg.temperature, with_entropy)
 
+    def _lockstep_forwards(self, count: int) -> int:
+        """How many forward passes this process runs where it needs `count`. With sharded weights (FSDP, ZeRO-3) every
+        forward gathers the shards from all processes, so each must run as many as the busiest one (a process with
+        fewer responses runs the rest on a placeholder and drops the result); otherwise just `count`."""
+        if not self.lockstep:
+            return count
+        acc = self.accelerator
+        return int(acc.gather(torch.tensor([count], device=acc.device)).max())
+
     def _logprobs_in_chunks(self, model, batch, rows: torch.Tensor, with_entropy: bool):
         """No-grad token log-probs (and entropies) of the sequences `rows`, micro_batch_size at a time."""
         model_was_training = model.training
         model.eval()
         outs_logp, outs_ent = [], []
+        chunks = list(rows.split(self.cfg.micro_batch_size)) if len(rows) else []
         with torch.inference_mode():
-            for chunk in rows.split(self.cfg.micro_batch_size):
+            for i in range(self._lockstep_forwards(len(chunks))):
+                chunk = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long, device=rows.device)
                 logp, ent = self._forward_logprobs(model, batch["input_ids"][chunk], batch["attention_mask"][chunk],
                                                    with_entropy)
-                outs_logp.append(logp)
-                outs_ent.append(ent)
+                if i < len(chunks):  # (a lockstep pass beyond this process's chunks is discarded)
+                    outs_logp.append(logp)
+                    outs_ent.append(ent)
         model.train(model_was_training)
+        if not chunks:  # (a lockstep pass with no rows of its own)
+            return None, None
         # clone: tensors made under inference_mode cannot take part in the autograd graph of the loss
         return torch.cat(outs_logp).clone(), torch.cat(outs_ent).clone() if with_entropy else None
 
@@ -616,8 +630,10 @@ class Trainer:
         have_old = forwarded.clone()
         have_old[first_mini_batch] = False
         rows = have_old.nonzero().squeeze(-1)
-        if len(rows):
-            old_logp[rows] = self._logprobs_in_chunks(self.model, batch, rows, False)[0]
+        if len(rows) or self.lockstep:
+            logp = self._logprobs_in_chunks(self.model, batch, rows, False)[0]
+            if len(rows):
+                old_logp[rows] = logp
         return old_logp, have_old, None
 
     def _accumulate_gradients(self, batch, keep, old_logp, have_old, ref_logp, seq_adv, normalizer,
@@ -636,8 +652,10 @@ class Trainer:
                                                                          device=seq_adv.device)), 0.0
         mask = batch["response_mask"]
         stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipped_low": 0.0, "clipped_high": 0.0}
-        micro_batches = keep.split(cfg.micro_batch_size)
-        for i, micro in enumerate(micro_batches):
+        micro_batches = [(micro, weight) for micro in keep.split(cfg.micro_batch_size)]
+        # sharded weights: as many forwards as the busiest process, the extra ones weighted 0 (see _lockstep_forwards)
+        micro_batches += [(keep[:1], 0.0)] * (self._lockstep_forwards(len(micro_batches)) - len(micro_batches))
+        for i, (micro, weight) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else acc.no_sync(self.model):
                 logp, _ = self._forward_logprobs(self.model, batch["input_ids"][micro],
@@ -803,10 +821,15 @@ class Trainer:
 
     def _setup_processes(self, cpu: bool | None) -> None:
         from accelerate import Accelerator
-        from accelerate.utils import broadcast_object_list, set_seed
+        from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
 
         cfg = self.cfg
-        self.accelerator = Accelerator(cpu=cpu if cpu is not None else not torch.cuda.is_available())
+        # no buffer broadcast at each DDP forward: it is a collective, and processes run different numbers of
+        # forwards (gated responses skip theirs); the models' buffers (rotary tables) are constants anyway
+        self.accelerator = Accelerator(cpu=cpu if cpu is not None else not torch.cuda.is_available(),
+                                       kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+        # sharded weights (FSDP, ZeRO-3): every forward is a collective, so processes run them in lockstep
+        self.lockstep = self.accelerator.num_processes > 1 and plan_for(self.accelerator).sharding != "none"
         self.is_main = self.accelerator.is_main_process
         n = self.accelerator.num_processes
         if n > 1 and cfg.prompts_per_step % n:

@@ -9,7 +9,11 @@ With `dynamic` (tests/test_dapo.py), the run uses dynamic sampling and the promp
 generation batch get G identical responses: their groups have no signal, so under 2 processes the second one never
 has a group to train.
 
-    accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic]
+With `lockstep`, the trainer runs its forward passes as it does on sharded weights (FSDP, ZeRO-3, which accelerate
+cannot set up on CPU): every process as many as the busiest one. Each process then writes how many forwards its model
+ran to <runs_dir>/<run_name>.forwards.<rank>.
+
+    accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic][+lockstep]
 """
 
 import dataclasses
@@ -51,13 +55,36 @@ DYNAMIC = dict(dynamic_sampling=True, max_gen_batches=6, reward_values="-1,1")
 
 
 def main(runs_dir: str, run_name: str, mode: str = "") -> None:
-    options = dict(OPTIONS, **(DYNAMIC if mode == "dynamic" else {}))
+    modes = set(mode.split("+"))
+    options = dict(OPTIONS, **(DYNAMIC if "dynamic" in modes else {}))
     trainer = Trainer(build_config(run_name=run_name, **options), Path(runs_dir), cpu=True)
     acc = trainer.accelerator
     per_step = options["prompts_per_step"]
     trainer.engine = SeededPerPrompt(trainer.engine, acc.process_index * per_step // acc.num_processes,
-                                     uniform_from=per_step // 2 if mode == "dynamic" else None)
+                                     uniform_from=per_step // 2 if "dynamic" in modes else None)
+    forwards = [0]
+    if "lockstep" in modes:
+        trainer.lockstep = True
+
+        def count(module, args, kwargs):  # the training and no-grad passes (generate is not counted)
+            if not generating[0]:
+                forwards[0] += 1
+
+        generating = [False]
+        acc.unwrap_model(trainer.model).register_forward_pre_hook(count, with_kwargs=True)
+        generate = trainer.engine.generate
+
+        def generate_uncounted(*args, **kwargs):
+            generating[0] = True
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                generating[0] = False
+
+        trainer.engine.generate = generate_uncounted
     trainer.fit()
+    if "lockstep" in modes:
+        (Path(runs_dir) / f"{run_name}.forwards.{acc.process_index}").write_text(str(forwards[0]))
     if acc.is_main_process:
         params = {name: p.detach().cpu() for name, p in acc.unwrap_model(trainer.model).named_parameters()}
         torch.save(params, Path(runs_dir) / f"{run_name}.params.pt")
