@@ -170,25 +170,28 @@ def run_training(trainer) -> None:
 
 @app.command()
 def warmstart(
-    out: Annotated[Optional[Path], typer.Option(help="Folder for the checkpoint (default: the built-in model's "
-                                                "folder inside the installed package, which `qae train` loads).")] = None,
+    task: Annotated[str, typer.Option(help="Built-in task to warm-start on: arith (ships as builtin:tiny) or chain "
+                                      "(builtin:tiny-chain).")] = "arith",
+    out: Annotated[Optional[Path], typer.Option(help="Folder for the checkpoint (default: the task's shipped "
+                                                "checkpoint folder, which `qae train --data <task>` loads).")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Supervised steps (default: the shipped recipe's).")] = None,
     seed: Annotated[int, typer.Option(help="Initialisation and data seed.")] = 0,
 ) -> None:
-    """Rebuild the built-in tiny model's starting checkpoint (supervised, deterministic, ~20 s on 2 cores)."""
+    """Rebuild a built-in task's starting checkpoint (supervised, deterministic, under a minute on 2 cores)."""
     from rich.progress import Progress
 
-    from qae_app.models import BUILTIN_CHECKPOINT
-    from qae_app.warmstart import WarmstartConfig, warmstart as run_warmstart
+    from qae_app.tasks import builtin_task_name
+    from qae_app.warmstart import WarmstartConfig, default_out_dir, warmstart as run_warmstart
 
-    out = out or BUILTIN_CHECKPOINT
-    cfg = WarmstartConfig(seed=seed)
-    if steps is not None:
-        cfg.steps = steps
+    try:
+        cfg = WarmstartConfig(task=builtin_task_name(task) or task, steps=steps, seed=seed).resolved()
+    except QAEUserError as err:
+        fail(err)
+    out = out if out is not None else default_out_dir(cfg.task)
     with Progress(console=console) as progress:
-        task = progress.add_task("warm start", total=cfg.steps)
-        run_warmstart(out, cfg, on_step=lambda step, loss, *_: progress.update(task, completed=step + 1,
-                                                                                description=f"loss {loss:.3f}"))
+        bar = progress.add_task("warm start", total=cfg.steps)
+        run_warmstart(out, cfg, on_step=lambda step, loss, *_: progress.update(bar, completed=step + 1,
+                                                                               description=f"loss {loss:.3f}"))
     console.print(f"saved to [cyan]{out}[/]")
 
 

@@ -21,6 +21,10 @@ from typing import Any
 from qae_app import names
 from qae_app.errors import QAEUserError
 from qae_app.rundir import CONFIG_FILE, list_run_dirs, run_dir, validate_run_name
+from qae_app.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, task_defaults
+
+_BUILTIN_TASK_HELP = ", ".join(f"{BUILTIN_PREFIX}{name} (model {t.model}, {t.max_new_tokens} tokens)"
+                               for name, t in BUILTIN_TASKS.items())
 
 
 def opt(default: Any, help: str, group: str, choices: dict[str, str] | tuple | None = None,
@@ -94,17 +98,19 @@ class TrainConfig:
                                 "run", resumable=True)
     keep_checkpoints: int = opt(2, "Keep only the newest N checkpoints.", "run", resumable=True)
     # --- model and data
-    model: str = opt(names.BUILTIN_MODEL, "Policy: builtin:tiny, a local folder or a Hugging Face id.", "model")
+    model: str = opt(names.BUILTIN_MODEL, "Policy: a built-in model, a local folder or a Hugging Face id; a built-in "
+                     "task picks its own model unless this is given.", "model")
     dtype: str = opt("float32", "Weights dtype for training.", "model", names.DTYPES)
-    data: str = opt("arith", "Task: 'arith' (built-in) or a JSONL/Parquet math file (GSM8K, MATH-500, AIME, AMC, "
-                    "DAPO-17k formats).", "model")
+    data: str = opt("arith", f"Task: a built-in one, {_BUILTIN_TASK_HELP} ('arith' is builtin:arith), or a "
+                    "JSONL/Parquet math file (GSM8K, MATH-500, AIME, AMC, DAPO-17k formats).", "model")
     heldout_fraction: float = opt(0.0, "For a data file: fraction held out for --eval-every evaluation.", "model")
     # --- rollout
     engine: str = opt("hf", "Rollout engine.", "rollout", names.ENGINES)
     group_size: int = opt(16, "Responses sampled per prompt (G).", "rollout")
     prompts_per_step: int = opt(8, "Prompts per RL step (B); a step has B * G responses.", "rollout")
     temperature: float = opt(1.0, "Sampling temperature.", "rollout")
-    max_new_tokens: int = opt(8, "Longest response in tokens (use ~1024+ for math data).", "rollout")
+    max_new_tokens: int = opt(8, "Longest response in tokens; a built-in task picks its own unless this is given "
+                              "(use ~1024+ for math data).", "rollout")
     dynamic_sampling: bool = opt(False, "DAPO dynamic sampling: train only on groups with signal (see "
                                  "--filter-metric), sampling further batches of --prompts-per-step prompts until the "
                                  "step has --prompts-per-step such groups or --max-gen-batches batches were sampled. "
@@ -333,8 +339,14 @@ def given_options(toml_path: Path | None = None, **cli_options: Any) -> dict[str
 
 
 def build_config(toml_path: Path | None = None, **cli_options: Any) -> TrainConfig:
-    """Defaults, then the TOML file, then the command-line options; validated."""
-    return TrainConfig(**given_options(toml_path, **cli_options)).validate()
+    """Defaults, then the TOML file, then the command-line options; validated.
+
+    A built-in task's own model and response length (`tasks.BUILTIN_TASKS`) replace the defaults of --model and
+    --max-new-tokens, so `--data builtin:chain` alone is a working run; a value the user set anywhere wins."""
+    values = given_options(toml_path, **cli_options)
+    for name, value in task_defaults(values.get("data", FIELDS["data"].default)).items():
+        values.setdefault(name, value)
+    return TrainConfig(**values).validate()
 
 
 RESUMABLE = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["resumable"])
@@ -399,7 +411,7 @@ class EvalConfig:
                      "Hugging Face id.", "model")
     checkpoint: int | None = opt(None, "With a run id: evaluate checkpoint step-N instead of the newest.", "model")
     dtype: str = opt("float32", "Weights dtype.", "model", names.DTYPES)
-    bench: str = opt("arith", "'arith' (the built-in held-out split) or a JSONL/Parquet math file (GSM8K, MATH-500, "
+    bench: str = opt("arith", "A built-in task's held-out split (arith, builtin:chain) or a JSONL/Parquet math file (GSM8K, MATH-500, "
                      "AIME, AMC, DAPO formats).", "benchmark")
     limit: int | None = opt(None, "Only the first N problems.", "benchmark")
     samples: int = opt(4, "Samples per problem (k of avg@k, pass@k, maj@k; the paper's avg@32 uses 32).", "sampling")
@@ -447,4 +459,9 @@ class EvalConfig:
 
 
 def build_eval_config(**cli_options: Any) -> EvalConfig:
-    return EvalConfig(**{key: value for key, value in cli_options.items() if value is not None}).validate()
+    """The given options over the defaults; a built-in task's bench picks its model and response length unless given
+    (`qae eval --bench builtin:chain` evaluates the chain model)."""
+    values = {key: value for key, value in cli_options.items() if value is not None}
+    for name, value in task_defaults(values.get("bench", "arith")).items():
+        values.setdefault(name, value)
+    return EvalConfig(**values).validate()

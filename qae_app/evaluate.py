@@ -100,7 +100,7 @@ def evaluate(engine: RolloutEngine, benchmark: str, problems: list[Problem], pro
 # ---------------------------------------------------------------------------------------------------------------
 # `qae eval`: resolve what to evaluate, run it, store it
 
-DEFAULT_MAX_NEW_TOKENS = {"exact_int": 8, "math": 1024}
+DEFAULT_MAX_NEW_TOKENS = {"exact_int": 8, "chain_final": 48, "math": 1024}
 
 
 @dataclass

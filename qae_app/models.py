@@ -4,8 +4,8 @@ Everything the trainer and the rollout engines need from a tokenizer is the smal
 built-in character tokenizer and a Hugging Face tokenizer are interchangeable.
 
 The built-in model is a ~0.8M-parameter Llama (4 layers, hidden 128, vocab 64) built locally with transformers:
-no download. `qae warmstart` trains it supervised on the arithmetic task's training split; the result ships in
-`qae_app/assets/tiny/` so `qae train` starts RL at once.
+no download. `qae warmstart --task T` trains it supervised on a built-in task's training split; the results ship in
+`qae_app/assets/` (`builtin:tiny` for `arith`, `builtin:tiny-chain` for `chain`) so `qae train` starts RL at once.
 
 A `.gguf` file (llama.cpp's format) is de-quantized to float32 once per machine and cached as a Hugging Face folder
 under $QAE_CACHE (default ~/.cache/qae), keyed by the file's sha256, so RL can start from a local GGUF model.
@@ -27,7 +27,12 @@ import torch
 from qae_app.errors import QAEUserError
 from qae_app.names import BUILTIN_MODEL, BUILTIN_SCRATCH
 ASSETS_DIR = Path(__file__).parent / "assets"
-BUILTIN_CHECKPOINT = ASSETS_DIR / "tiny"
+# shipped warm-started checkpoints: model spec -> folder (each built by `qae warmstart --task <the task naming it>`)
+BUILTIN_CHECKPOINTS = {
+    BUILTIN_MODEL: ASSETS_DIR / "tiny",
+    "builtin:tiny-chain": ASSETS_DIR / "tiny-chain",
+}
+BUILTIN_CHECKPOINT = BUILTIN_CHECKPOINTS[BUILTIN_MODEL]
 CHAR_TOKENIZER_FILE = "qae_char_tokenizer.json"
 
 
@@ -311,18 +316,24 @@ def local_model_folder(spec: str) -> str:
 
 
 def load_policy(spec: str, dtype: str = "float32", use_chat_template: bool = True):
-    """(model, codec) for `builtin:tiny`, `builtin:tiny-scratch`, a local folder, a `.gguf` file or a Hugging Face
+    """(model, codec) for a `BUILTIN_CHECKPOINTS` name, `builtin:tiny-scratch`, a local folder, a `.gguf` file or a Hugging Face
     id."""
     quiet_transformers()
     if spec == BUILTIN_SCRATCH:
         return build_tiny_model()
-    if spec == BUILTIN_MODEL:
-        if not (BUILTIN_CHECKPOINT / "config.json").exists():
-            raise QAEUserError(
-                f"model: the built-in checkpoint is missing from {BUILTIN_CHECKPOINT}. "
-                "Rebuild it with `qae warmstart` (about 3 minutes on CPU)."
-            )
-        spec = str(BUILTIN_CHECKPOINT)
+    if spec in BUILTIN_CHECKPOINTS:
+        folder = BUILTIN_CHECKPOINTS[spec]
+        if not (folder / "config.json").exists():
+            from qae_app.tasks import BUILTIN_TASKS
+
+            task = next((name for name, t in BUILTIN_TASKS.items() if t.model == spec), "arith")
+            raise QAEUserError(f"model: the built-in checkpoint {spec} is missing from {folder}. "
+                               f"Rebuild it with `qae warmstart --task {task}` (about a minute on CPU).")
+        spec = str(folder)
+    elif spec.startswith("builtin:"):
+        known = ", ".join([*BUILTIN_CHECKPOINTS, BUILTIN_SCRATCH])
+        raise QAEUserError(f"model: unknown built-in model '{spec}'. Choose one of: {known}, or pass a local folder, "
+                           "a .gguf file or a Hugging Face id.")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -339,7 +350,7 @@ def load_policy(spec: str, dtype: str = "float32", use_chat_template: bool = Tru
     except (OSError, ValueError) as err:
         raise QAEUserError(
             f"model: cannot load '{original}' ({type(err).__name__}: {str(err).splitlines()[0][:300]}). "
-            f"Pass a local folder with config.json and weights, a .gguf file, a Hugging Face id, or {BUILTIN_MODEL}."
+            f"Pass a local folder with config.json and weights, a .gguf file, a Hugging Face id, or one of {', '.join(BUILTIN_CHECKPOINTS)}."
         ) from err
     return model, codec
 

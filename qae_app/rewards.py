@@ -4,10 +4,12 @@ Contract (open-r1 style): a reward function maps `(responses: list[str], answers
 one score per response. `None` means "could not verify" (the verifier timed out or crashed); the caller counts
 those and never treats them as a silent 0.
 
-| name        | scores                                                                                           |
-|-------------|--------------------------------------------------------------------------------------------------|
-| `exact_int` | built-in arithmetic task: 1.0 when the stripped response is exactly the gold integer, else 0.0   |
-| `math`      | math files: the last `\\boxed{...}` (or a final "answer is X" line) checked with math-verify     |
+| name          | scores                                                                                         |
+|---------------|------------------------------------------------------------------------------------------------|
+| `exact_int`   | built-in arithmetic task: 1.0 when the stripped response is exactly the gold integer, else 0.0 |
+| `chain_final` | built-in chain task: 1.0 when the integer after the last " so " is exactly the gold integer,   |
+|               | else 0.0; the scratchpad before it is not checked                                              |
+| `math`        | math files: the last `\\boxed{...}` (or a final "answer is X" line) checked with math-verify   |
 
 Math-verify can hang on hostile input (`\\boxed{9^{9^{9^{9}}}}` never returns) and its own timeout uses
 `signal.alarm`, which only works in the main thread. So `math` scoring runs in a `MathVerifierPool`: worker
@@ -133,6 +135,22 @@ def exact_int_reward(responses: list[str], answers: list[str]) -> list[float | N
     """1.0 when the response, stripped of whitespace, is exactly the gold integer string; else 0.0. Never None."""
     _check_lengths(responses, answers)
     return [1.0 if _INT_RE.fullmatch(r.strip()) and r.strip() == a.strip() else 0.0 for r, a in zip(responses, answers)]
+
+
+def chain_final_reward(responses: list[str], answers: list[str]) -> list[float | None]:
+    """Final answer only: 1.0 when the text after the last " so " (`tasks.CHAIN_ANSWER_MARKER`), stripped, is exactly
+    the gold integer string; else 0.0 (no marker, or not an integer after it). Never None.
+
+    The scratchpad before the marker is not read: `1+1=3 so 2` scores 1 for gold 2, as outcome rewards do."""
+    from qae_app.tasks import CHAIN_ANSWER_MARKER
+
+    _check_lengths(responses, answers)
+    scores: list[float | None] = []
+    for response, answer in zip(responses, answers):
+        _, marker, final = response.rpartition(CHAIN_ANSWER_MARKER)
+        final = final.strip()
+        scores.append(1.0 if marker and _INT_RE.fullmatch(final) and final == answer.strip() else 0.0)
+    return scores
 
 
 def _canonical_int(digits: str) -> str:
@@ -584,6 +602,7 @@ def math_reward(responses: list[str], answers: list[str]) -> list[float | None]:
 
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "exact_int": exact_int_reward,
+    "chain_final": chain_final_reward,
     "math": math_reward,
 }
 

@@ -6,13 +6,23 @@ A task is a list of `Problem`s plus the name of the reward function that scores 
 - `arith`: the built-in task. `a op b =` with operands 0..20 and op in `+ - *`; the model answers with the integer
   and stops. 1,323 problems, a fixed held-out split of 20% (chosen by a seeded shuffle, so it never changes).
   Scored by an exact integer check (fast, never hangs).
+- `chain`: the built-in task with long responses. Three or four operands 1..9 joined by `+ - *`, evaluated left to
+  right and written with the brackets that say so (`((7+5)*3)-4=`); the model writes each intermediate result and
+  then the final answer (`7+5=12,12*3=36,36-4=32 so 32`, 16-34 characters). 8,192 problems, a fixed held-out split
+  of 256. Scored on the final answer only (`chain_final`), so a wrong scratchpad that lands on the right number counts.
 - a math file (JSONL or Parquet in the GSM8K, MATH-500, AIME, AMC or DAPO-17k formats, see `datasets.py`), prompted to
   put the final answer in `\\boxed{}` and scored with math-verify.
+
+The built-in tasks are selectable as `arith` / `chain` or `builtin:arith` / `builtin:chain`; each names the model
+`qae train` starts from and the response length it needs (`BUILTIN_TASKS`), so `qae train --data builtin:chain` needs
+no other option.
 """
 
 from __future__ import annotations
 
+import functools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,17 +81,120 @@ def arith_task() -> Task:
     return Task(name="arith", train=train, heldout=heldout, reward="exact_int", prompt_template="{question}")
 
 
-BUILTIN_TASKS = {"arith": arith_task}
+# ---------------------------------------------------------------------------------------------------------------
+# The built-in chained-arithmetic task: long responses (a scratchpad), scored on the final answer only
+
+CHAIN_MAX_OPERAND = 9  # operands are 1..9
+CHAIN_OPERAND_COUNTS = (3, 4)  # drawn with equal probability
+CHAIN_N_PROBLEMS = 8192
+CHAIN_N_HELDOUT = 256
+CHAIN_SEED = 4321  # fixed forever: changing it changes every problem and the held-out split
+CHAIN_ANSWER_MARKER = " so "  # scratchpad, marker, final answer; only characters of the built-in vocabulary
+
+
+def chain_question(operands: list[int], ops: list[str]) -> str:
+    """`((7+5)*3)-4=`: brackets make left-to-right evaluation the ordinary reading."""
+    text = str(operands[0])
+    for i, (op, b) in enumerate(zip(ops, operands[1:])):
+        text = f"{text}{op}{b}"
+        if i < len(ops) - 1:
+            text = f"({text})"
+    return text + "="
+
+
+def chain_response(operands: list[int], ops: list[str]) -> tuple[str, int]:
+    """(`7+5=12,12*3=36,36-4=32 so 32`, 32): each intermediate result, then the final answer."""
+    value = operands[0]
+    steps = []
+    for op, b in zip(ops, operands[1:]):
+        result = _arith_value(value, op, b)
+        steps.append(f"{value}{op}{b}={result}")
+        value = result
+    return ",".join(steps) + CHAIN_ANSWER_MARKER + str(value), value
+
+
+def chain_problems() -> list[Problem]:
+    """8,192 distinct problems drawn by a fixed seed, in the order drawn. The gold scratchpad is in
+    `meta["gold_response"]` (what `qae warmstart` trains on); the reward looks only at the final answer."""
+    return list(_chain_problem_pool())
+
+
+@functools.cache
+def _chain_problem_pool() -> tuple[Problem, ...]:  # drawn once per process: ~0.1-0.5 s of pure-Python sampling
+    rng = random.Random(CHAIN_SEED)
+    problems: list[Problem] = []
+    seen: set[str] = set()
+    while len(problems) < CHAIN_N_PROBLEMS:
+        n = rng.choice(CHAIN_OPERAND_COUNTS)
+        operands = [rng.randint(1, CHAIN_MAX_OPERAND) for _ in range(n)]
+        ops = [rng.choice(ARITH_OPERATORS) for _ in range(n - 1)]
+        question = chain_question(operands, ops)
+        if question in seen:
+            continue
+        seen.add(question)
+        response, value = chain_response(operands, ops)
+        problems.append(Problem(prompt_id=question, question=question, answer=str(value),
+                                meta={"operands": n, "ops": "".join(ops), "gold_response": response}))
+    return tuple(problems)
+
+
+def chain_task() -> Task:
+    problems = chain_problems()
+    order = list(range(len(problems)))
+    random.Random(CHAIN_SEED).shuffle(order)
+    heldout = [problems[i] for i in sorted(order[:CHAIN_N_HELDOUT])]
+    train = [problems[i] for i in sorted(order[CHAIN_N_HELDOUT:])]
+    return Task(name="chain", train=train, heldout=heldout, reward="chain_final", prompt_template="{question}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Registry of built-in tasks
+
+
+@dataclass(frozen=True)
+class BuiltinTask:
+    build: Callable[[], Task]
+    model: str  # the warm-started policy `qae train --data <task>` starts from unless --model is given
+    max_new_tokens: int  # response length `qae train` / `qae eval` use unless --max-new-tokens is given
+    warmstart_steps: int  # supervised steps of the shipped checkpoint's recipe (`qae warmstart --task <task>`)
+
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_TASKS = {
+    # 525 steps: ~30% sampled held-out accuracy, measured; more steps leave RL little to do
+    "arith": BuiltinTask(arith_task, model="builtin:tiny", max_new_tokens=8, warmstart_steps=525),
+    # 330 steps: ~34% sampled held-out accuracy, measured (300: 20%, 400: 54%: it rises steeply here).
+    # The longest gold response is 34 characters + eos; 48 leaves room for a wrong, longer scratchpad.
+    "chain": BuiltinTask(chain_task, model="builtin:tiny-chain", max_new_tokens=48, warmstart_steps=330),
+}
+
+
+def builtin_task_name(data: str) -> str | None:
+    """'chain' for `chain` or `builtin:chain`; None for anything that is not a built-in task's name."""
+    name = data[len(BUILTIN_PREFIX):] if data.startswith(BUILTIN_PREFIX) else data
+    return name if name in BUILTIN_TASKS else None
+
+
+def task_defaults(data: str) -> dict:
+    """What a built-in task sets unless the user does: {"model": ..., "max_new_tokens": ...}; {} for a file."""
+    name = builtin_task_name(data)
+    if name is None:
+        return {}
+    return {"model": BUILTIN_TASKS[name].model, "max_new_tokens": BUILTIN_TASKS[name].max_new_tokens}
 
 
 def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0) -> Task:
     """A built-in task by name, or a math data file (all of it trains unless `heldout_fraction` > 0)."""
-    if name_or_path in BUILTIN_TASKS:
-        return BUILTIN_TASKS[name_or_path]()
+    builtin = builtin_task_name(name_or_path)
+    if builtin is not None:
+        return BUILTIN_TASKS[builtin].build()
     path = Path(name_or_path)
     if not path.exists():
+        names = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_TASKS)
+        if name_or_path.startswith(BUILTIN_PREFIX):
+            raise QAEUserError(f"data: '{name_or_path}' is not a built-in task. Choose one of: {names}.")
         raise QAEUserError(
-            f"data: '{name_or_path}' is neither a built-in task ({', '.join(BUILTIN_TASKS)}) nor an existing file. "
+            f"data: '{name_or_path}' is neither a built-in task ({names}) nor an existing file. "
             "Pass a JSONL or Parquet file in the GSM8K, MATH-500, AIME, AMC or DAPO-17k format."
         )
     problems = load_math_file(path)

@@ -15,7 +15,6 @@ Torch-free: `qae runs` and `qae show` start in a fraction of a second.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 

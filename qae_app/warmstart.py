@@ -1,38 +1,62 @@
-"""Supervised warm start of the built-in tiny model on the arithmetic task's training split.
+"""Supervised warm start of the built-in tiny model on a built-in task's training split.
 
 RL needs a policy that is sometimes right: from random weights every group is all-wrong and no estimator has signal.
-`qae warmstart` trains the tiny model with cross-entropy on the answers (never on held-out problems) for a fixed number
-of steps, deterministically for a given seed, and stops early on purpose: sampled held-out accuracy is about a third,
-leaving RL room to improve it. Its output is what ships in `qae_app/assets/tiny/`.
+`qae warmstart --task T` trains the tiny model with cross-entropy on the gold responses of T's training problems (never
+on held-out ones) for the task's fixed number of steps (`tasks.BUILTIN_TASKS[T].warmstart_steps`), deterministically
+for a given seed, and stops early on purpose: sampled held-out accuracy stays between about a fifth and a half,
+leaving RL room to improve it. The gold response is the answer for `arith` and the scratchpad plus answer for
+`chain` (`Problem.meta["gold_response"]`). Its output is what ships in `qae_app/assets/` under the task's model name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from qae_app.models import build_tiny_model
-from qae_app.tasks import arith_task
+from qae_app.errors import QAEUserError
+from qae_app.models import BUILTIN_CHECKPOINTS, build_tiny_model
+from qae_app.datasets import Problem
+from qae_app.tasks import BUILTIN_TASKS
 
 
 @dataclass
 class WarmstartConfig:
-    steps: int = 525  # optimizer steps: ~30% sampled held-out accuracy, measured; more steps leave RL little to do
+    task: str = "arith"  # a key of tasks.BUILTIN_TASKS
+    steps: int | None = None  # optimizer steps; None: the task's shipped recipe
     batch_size: int = 64  # problems per step
     lr: float = 1e-3
     seed: int = 0
     threads: int = 2  # fixed so the result does not depend on the machine's core count
 
+    def resolved(self) -> "WarmstartConfig":
+        """A copy with the recipe's steps filled in; checked."""
+        if self.task not in BUILTIN_TASKS:
+            raise QAEUserError(f"task: unknown built-in task '{self.task}'. Choose one of: {', '.join(BUILTIN_TASKS)}.")
+        steps = BUILTIN_TASKS[self.task].warmstart_steps if self.steps is None else self.steps
+        if steps < 1:
+            raise QAEUserError(f"steps: {steps}. Use a positive number of supervised steps.")
+        return dataclasses.replace(self, steps=steps)
+
+
+def default_out_dir(task: str) -> Path:
+    """Where the shipped checkpoint of `task` lives (what `qae train --data <task>` loads by default)."""
+    return BUILTIN_CHECKPOINTS[BUILTIN_TASKS[task].model]
+
+
+def gold_response(problem: Problem) -> str:
+    return problem.meta.get("gold_response", problem.answer)
+
 
 def _batch(tokenizer, problems):
-    """(input_ids, labels) with loss on the answer tokens only; right-padded."""
+    """(input_ids, labels) with loss on the response tokens only; right-padded."""
     rows = []
     for p in problems:
         prompt = tokenizer.encode(p.question)
-        target = tokenizer.encode_target(p.answer)
+        target = tokenizer.encode_target(gold_response(p))
         rows.append((prompt + target, [-100] * len(prompt) + target))
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
@@ -43,10 +67,13 @@ def _batch(tokenizer, problems):
     return input_ids, labels
 
 
-def warmstart(out_dir: Path, cfg: WarmstartConfig = WarmstartConfig(), on_step=None) -> Path:
+def warmstart(out_dir: Path, cfg: WarmstartConfig | None = None, on_step=None) -> Path:
+    """Train the tiny model on `cfg.task` and save it (weights, config, tokenizer) to `out_dir`.
+    `on_step(step, loss, model, tokenizer)` is called after each optimizer step."""
+    cfg = (cfg or WarmstartConfig()).resolved()
     torch.set_num_threads(cfg.threads)
     model, tokenizer = build_tiny_model(cfg.seed)
-    task = arith_task()
+    task = BUILTIN_TASKS[cfg.task].build()
     rng = random.Random(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50))

@@ -1,0 +1,245 @@
+"""Statistics for comparing runs across seeds: Student t against tables and closed forms, intervals, paired
+differences and per-run metrics against hand computations, grouping by config, and runs read back from DuckDB."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from qae_app.compare import (
+    RUN_METRICS,
+    RunRecord,
+    area_under_curve,
+    compare_to_baseline,
+    find_group,
+    group_key,
+    group_runs,
+    least_squares_slope,
+    mean_interval,
+    paired_difference,
+    regularized_incomplete_beta,
+    run_metrics,
+    sample_size_note,
+    student_t_cdf,
+    student_t_ppf,
+    student_t_two_sided_p,
+)
+from qae_app.config import TrainConfig
+from qae_app.errors import QAEUserError
+
+# ---------------------------------------------------------------------------------------------------------------
+# Student t
+
+
+@pytest.mark.parametrize("df, quantile", [(1, 12.7062047), (2, 4.3026527), (4, 2.7764451), (10, 2.2281389),
+                                          (30, 2.0422725)])
+def test_t_quantiles_match_the_table(df, quantile):
+    assert student_t_ppf(0.975, df) == pytest.approx(quantile, abs=1e-6)
+    assert student_t_ppf(0.025, df) == pytest.approx(-quantile, abs=1e-6)
+    assert student_t_two_sided_p(quantile, df) == pytest.approx(0.05, abs=1e-8)
+
+
+@pytest.mark.parametrize("t", [-7.5, -1.0, -0.3, 0.0, 0.5, 2.0, 40.0])
+def test_t_cdf_matches_closed_forms(t):
+    # df = 1 is the Cauchy distribution; df = 2 has F(t) = 1/2 + t / (2 sqrt(2 + t^2))
+    assert student_t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-12)
+    assert student_t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(2 + t * t)), abs=1e-12)
+
+
+def test_two_sided_p_values_by_hand():
+    assert student_t_two_sided_p(1.0, 1) == pytest.approx(0.5, abs=1e-12)  # 1 - 2 atan(1) / pi
+    assert student_t_two_sided_p(2.0, 2) == pytest.approx(1 - 2 / math.sqrt(6), abs=1e-12)  # 0.1835034
+    assert student_t_two_sided_p(-2.0, 2) == student_t_two_sided_p(2.0, 2)
+    assert student_t_two_sided_p(0.0, 5) == pytest.approx(1.0)
+    assert student_t_two_sided_p(math.inf, 5) == 0.0
+    # large df approaches the normal: P(|Z| >= 1.959964) = 0.05
+    assert student_t_two_sided_p(1.959964, 1e7) == pytest.approx(0.05, abs=1e-6)
+
+
+def test_incomplete_beta_closed_forms():
+    for x in (0.0, 0.01, 0.3, 0.5, 0.77, 0.999, 1.0):
+        assert regularized_incomplete_beta(1, 1, x) == pytest.approx(x, abs=1e-13)
+        assert regularized_incomplete_beta(3, 1, x) == pytest.approx(x**3, abs=1e-13)
+        assert regularized_incomplete_beta(1, 4, x) == pytest.approx(1 - (1 - x) ** 4, abs=1e-13)
+    with pytest.raises(ValueError):
+        regularized_incomplete_beta(1, 1, 1.5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Intervals and paired differences
+
+
+def test_mean_interval_by_hand():
+    e = mean_interval([1.0, 2.0, 3.0])  # mean 2, sd 1, half-width t_{0.975,2} / sqrt(3)
+    half = 4.3026527 / math.sqrt(3)
+    assert (e.mean, e.sd, e.n) == (2.0, 1.0, 3)
+    assert e.low == pytest.approx(2 - half, abs=1e-6) and e.high == pytest.approx(2 + half, abs=1e-6)
+    assert "wide" in e.note
+    one = mean_interval([0.4, math.nan])  # a run without the metric is left out, and n says so
+    assert (one.mean, one.low, one.high, one.n) == (0.4, None, None, 1) and "no interval" in one.note
+    assert mean_interval([]).mean is None
+    assert mean_interval([0.1, 0.2, 0.3, 0.4, 0.5]).note is None  # 5 seeds: no warning
+
+
+def test_sample_size_notes():
+    assert "no interval" in sample_size_note(1)
+    assert "wide" in sample_size_note(2) and "12.71" in sample_size_note(2)
+    assert "wide" in sample_size_note(4)
+    assert sample_size_note(5) is None
+
+
+def test_paired_difference_by_hand():
+    # differences 0.1, 0.2, 0.1 (seed 3 only in one group, so it is not paired): mean 2/15, sd 1/sqrt(300),
+    # t = mean / (sd / sqrt 3) = 4 exactly; df = 2 gives p = 1 - 4 / sqrt(18)
+    group = {0: 0.6, 1: 0.7, 2: 0.8, 3: 0.9}
+    baseline = {0: 0.5, 1: 0.5, 2: 0.7}
+    d = paired_difference(group, baseline)
+    assert d.seeds == [0, 1, 2] and d.n == 3
+    assert d.mean == pytest.approx(2 / 15, abs=1e-12)
+    assert d.sd == pytest.approx(1 / math.sqrt(300), abs=1e-12)
+    assert d.p_value == pytest.approx(1 - 4 / math.sqrt(18), abs=1e-9)  # 0.0571910
+    half = 4.3026527 * (1 / math.sqrt(300)) / math.sqrt(3)
+    assert d.low == pytest.approx(2 / 15 - half, abs=1e-6) and d.high == pytest.approx(2 / 15 + half, abs=1e-6)
+    assert d.low < 0 < d.high  # p > 0.05 and the interval covers 0: the same verdict
+
+
+def test_paired_difference_edge_cases():
+    same_shift = paired_difference({0: 0.5, 1: 0.6}, {0: 0.4, 1: 0.5})
+    assert same_shift.mean == pytest.approx(0.1) and same_shift.p_value in (0.0, 1.0)
+    equal = paired_difference({0: 0.5, 1: 0.6}, {0: 0.5, 1: 0.6})
+    assert equal.mean == 0 and equal.p_value == 1.0
+    single = paired_difference({0: 0.5, 1: 0.6}, {1: 0.4})
+    assert single.n == 1 and single.p_value is None and single.low is None and "no interval" in single.note
+    none = paired_difference({0: 0.5}, {1: 0.4})
+    assert none.n == 0 and none.mean is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-run metrics
+
+
+def _steps(n=10, heldout=None, entropy=None, zero_adv=None, step_s=None):
+    frame = pd.DataFrame({"step": range(1, n + 1)})
+    frame["heldout_accuracy"] = [(heldout or {}).get(s, math.nan) for s in frame["step"]]
+    frame["entropy"] = entropy if entropy is not None else [1.0] * n
+    frame["frac_zero_adv"] = zero_adv if zero_adv is not None else [0.8] * n
+    frame["step_s"] = step_s if step_s is not None else [1.0] * n
+    return frame
+
+
+def test_run_metrics_by_hand():
+    steps = _steps(heldout={5: 0.5, 10: 0.4}, entropy=[2 - 0.1 * s for s in range(1, 11)],
+                   zero_adv=[0.8] * 8 + [0.9, 0.9], step_s=list(range(1, 11)))
+    steps = pd.concat([pd.DataFrame({"step": [0], "heldout_accuracy": [0.1]}), steps], ignore_index=True)
+    m = run_metrics(steps)
+    assert set(m) == set(RUN_METRICS)
+    assert m["final_heldout"] == 0.4 and m["best_heldout"] == 0.5
+    # trapezoids 0-5 and 5-10: (5 * 0.3 + 5 * 0.45) / 10
+    assert m["auc_heldout"] == pytest.approx(0.375)
+    # last 20% of the 10 entropy rows: steps 9 and 10 (1.1 and 1.0)
+    assert m["entropy_last"] == pytest.approx(1.05) and m["entropy_slope"] == pytest.approx(-0.1)
+    assert m["zero_adv"] == pytest.approx(0.82) and m["zero_adv_last"] == pytest.approx(0.9)
+    assert m["step_s"] == pytest.approx(5.5)
+
+
+def test_run_metrics_without_evaluations_are_nan():
+    m = run_metrics(_steps())
+    assert math.isnan(m["final_heldout"]) and math.isnan(m["auc_heldout"])
+    assert m["entropy_slope"] == pytest.approx(0.0)
+
+
+def test_curve_helpers():
+    assert area_under_curve([3], [0.7]) == 0.7
+    assert area_under_curve([0, 10, 30], [0.0, 1.0, 1.0]) == pytest.approx((5 + 20) / 30)
+    assert least_squares_slope([0, 1, 2, 3], [1, 3, 5, 7]) == pytest.approx(2.0)
+    assert math.isnan(least_squares_slope([1], [1]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Groups
+
+
+def _config(**changes):
+    return {**TrainConfig().to_dict(), **changes}
+
+
+def test_group_key_ignores_the_seed_and_bookkeeping_and_k_for_mean_baselines():
+    base = group_key(_config())
+    assert group_key(_config(seed=3, run_name="x", checkpoint_every=5, eval_every=10)) == base
+    assert group_key(_config(k="0.3")) != base
+    assert group_key(_config(lr=1e-4)) != base
+    assert group_key(_config(estimator="grpo", k="0.3")) == group_key(_config(estimator="grpo", k="0.5"))
+
+
+def _record(run_id, seed, final, **config):
+    return RunRecord(run_id, _config(seed=seed, run_name=run_id, **config), seed,
+                     _steps(heldout={5: final - 0.1, 10: final}))
+
+
+def test_groups_labels_and_paired_comparison_by_hand():
+    runs = [_record(f"qae-{s}", s, f, estimator="qae") for s, f in [(0, 0.6), (1, 0.7), (2, 0.8)]]
+    runs += [_record(f"grpo-{s}", s, f, estimator="grpo", k="0.3") for s, f in [(0, 0.5), (1, 0.5), (2, 0.7)]]
+    groups = group_runs(runs)
+    assert [g.label for g in groups] == ["estimator=qae", "estimator=grpo"]
+    qae, grpo = groups
+    assert qae.seeds == [0, 1, 2] and [r.run_id for r in grpo.runs] == ["grpo-0", "grpo-1", "grpo-2"]
+    assert qae.metrics["final_heldout"].mean == pytest.approx(0.7)
+    assert qae.metrics["final_heldout"].sd == pytest.approx(0.1)
+    assert find_group(groups, "grpo") is grpo and find_group(groups, "estimator=qae") is qae
+    diffs = compare_to_baseline(groups, grpo)
+    assert list(diffs) == ["estimator=qae"]
+    d = diffs["estimator=qae"]["final_heldout"]
+    assert d.mean == pytest.approx(2 / 15) and d.p_value == pytest.approx(1 - 4 / math.sqrt(18), abs=1e-9)
+    assert qae.to_dict()["n"] == 3 and "wide" in qae.to_dict()["note"]
+
+
+def test_labels_name_k_only_for_qae_groups():
+    groups = group_runs([_record("a", 0, 0.5, k="0.3"), _record("b", 0, 0.5, k="0.5"),
+                         _record("c", 0, 0.5, estimator="grpo", k="0.3"), _record("d", 0, 0.5, estimator="grpo")])
+    assert [g.label for g in groups] == ["estimator=qae, k=0.3", "estimator=qae, k=0.5", "estimator=grpo"]
+    assert [len(g.runs) for g in groups] == [1, 1, 2]
+    with pytest.raises(QAEUserError, match="matches several groups"):
+        find_group(groups, "qae")
+
+
+def test_find_group_names_the_choices():
+    groups = group_runs([_record("a", 0, 0.5, k="0.3"), _record("b", 0, 0.5, k="0.5")])
+    assert [g.label for g in groups] == ["k=0.3", "k=0.5"]
+    with pytest.raises(QAEUserError, match="matches no group.*k=0.3; k=0.5"):
+        find_group(groups, "grpo")
+
+
+def test_duplicate_seeds_are_counted_and_said():
+    groups = group_runs([_record("a", 0, 0.5), _record("b", 0, 0.7)])
+    assert len(groups) == 1 and groups[0].label == "all"
+    assert groups[0].metrics["final_heldout"].n == 2
+    assert "seed 0 appears more than once" in groups[0].note()
+    assert groups[0].per_run["final_heldout"] == {0: 0.5}
+
+
+def test_runs_read_back_from_duckdb(tmp_path):
+    """Stored runs with known values give the hand-computed interval: the store's frames are what compare reads."""
+    import json
+
+    from qae_app.store import STEP_METRICS, RunWriter, read_run, read_steps
+
+    finals = {0: 0.6, 1: 0.7, 2: 0.8}
+    records = []
+    for seed, final in finals.items():
+        run_id = f"qae-{seed}"
+        writer = RunWriter(tmp_path / run_id / "qae.duckdb", run_id)
+        config = _config(seed=seed, run_name=run_id)
+        writer.create_run(run_id, config, "qae", 0.4, "builtin:tiny", "arith", seed)
+        for step in (1, 2):
+            row = {name: 0.5 for name in STEP_METRICS}
+            row["heldout_accuracy"] = final if step == 2 else None
+            writer.add_step(step, steps=[row])
+        assert writer.flush()
+        info = read_run(writer.path)
+        records.append(RunRecord(run_id, json.loads(info["config"]), int(info["seed"]), read_steps(writer.path)))
+    [group] = group_runs(records)
+    e = group.metrics["final_heldout"]
+    half = 4.3026527 * 0.1 / math.sqrt(3)
+    assert e.mean == pytest.approx(0.7) and e.low == pytest.approx(0.7 - half, abs=1e-6)
+    assert group.metrics["auc_heldout"].mean == pytest.approx(0.7)  # one evaluated step: its value
+    assert group.metrics["entropy_slope"].mean == pytest.approx(0.0)
