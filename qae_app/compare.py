@@ -20,12 +20,16 @@ Numerical Recipes 6.4) because scipy is not a dependency; tests hold them to tab
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import pandas as pd
 
 from qae_app.errors import QAEUserError
+from qae_app.rundir import list_run_dirs
+from qae_app.store import db_path, query, read_run, read_steps
 
 # ---------------------------------------------------------------------------------------------------------------
 # Which config keys make two runs "the same setup"
@@ -299,6 +303,7 @@ class RunRecord:
     config: dict  # the run's TrainConfig as stored (runs.config)
     seed: int
     steps: pd.DataFrame  # the run's steps table: step, heldout_accuracy, entropy, frac_zero_adv, step_s, ...
+    status: str = "finished"  # as `qae runs` shows it: a group with unfinished runs says so
 
 
 @dataclass
@@ -322,7 +327,8 @@ class RunGroup:
 
     def to_dict(self) -> dict:
         return {"label": self.label, "config": self.config, "n": len(self.runs), "seeds": self.seeds,
-                "runs": [r.run_id for r in self.runs], "note": self.note(),
+                "runs": [r.run_id for r in self.runs], "statuses": {r.run_id: r.status for r in self.runs},
+                "note": self.note(),
                 "metrics": {name: asdict(e) for name, e in self.metrics.items()}}
 
 
@@ -378,3 +384,77 @@ def compare_to_baseline(groups: list[RunGroup], baseline: RunGroup) -> dict[str,
         group.label: {name: paired_difference(group.per_run[name], baseline.per_run[name]) for name in RUN_METRICS}
         for group in groups if group is not baseline
     }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Runs from the runs dir, and the whole comparison
+
+
+def in_sweep(config: dict, sweep: str) -> bool:
+    """Whether a run's config marks it as a point of the sweep with this id or name."""
+    return sweep in (config.get("sweep_id"), config.get("sweep_name"))
+
+
+def load_run(runs_dir: Path, run_id: str) -> RunRecord:
+    """A stored run as a RunRecord: its config, seed and steps, with the step-0 held-out evaluation (from `evals`)
+    added as a step-0 row so curves start where training did."""
+    path = db_path(runs_dir, run_id)
+    if not path.exists():
+        existing = ", ".join(p.name for p in list_run_dirs(runs_dir)[-10:])
+        raise QAEUserError(f"run: no run '{run_id}' in {runs_dir} (recent: {existing or 'none'}). See `qae runs`.")
+    row = read_run(path)
+    config = json.loads(row["config"] or "{}")
+    steps = read_steps(path)
+    start = query(path, "SELECT value FROM evals WHERE step = 0 AND metric = 'avg@k' AND subset = 'all' "
+                        "AND source = 'train' LIMIT 1")
+    if len(start) and (steps.empty or 0 not in set(steps["step"])):
+        steps = pd.concat([pd.DataFrame({"step": [0], "heldout_accuracy": [float(start["value"].iloc[0])]}), steps],
+                          ignore_index=True)
+    return RunRecord(run_id=run_id, config=config, seed=int(config.get("seed", row.get("seed") or 0)), steps=steps,
+                     status=row["status"])
+
+
+def load_runs(runs_dir: Path, run_ids: list[str] | None = None, sweep: str | None = None) -> list[RunRecord]:
+    """The runs named, or every run of a sweep (by id or name), in the order given / by name."""
+    if bool(run_ids) == bool(sweep):
+        raise QAEUserError("compare: pass run ids or --sweep ID (one of them), e.g. `qae compare --sweep study`.")
+    if sweep:
+        run_ids = []
+        for folder in list_run_dirs(runs_dir):
+            config_file = folder / "config.json"
+            try:
+                config = json.loads(config_file.read_text())
+            except (OSError, ValueError):
+                continue
+            if in_sweep(config, sweep):
+                run_ids.append(folder.name)
+        if not run_ids:
+            raise QAEUserError(f"sweep: no run in {runs_dir} belongs to sweep '{sweep}'. `qae runs` lists the runs; "
+                               "a sweep's runs carry its id and name.")
+    return [load_run(runs_dir, run_id) for run_id in run_ids]
+
+
+@dataclass
+class Comparison:
+    groups: list[RunGroup]
+    baseline: RunGroup | None = None
+    differences: dict[str, dict[str, PairedDifference]] = field(default_factory=dict)  # label -> metric -> diff
+
+    def to_dict(self) -> dict:
+        """Everything `qae compare --json` prints: per group its runs, n, note and metric estimates; against the
+        baseline, per group and metric the paired difference."""
+        return {
+            "metrics": RUN_METRICS,
+            "groups": [group.to_dict() for group in self.groups],
+            "baseline": self.baseline.label if self.baseline else None,
+            "differences": {label: {name: asdict(d) for name, d in diffs.items()}
+                            for label, diffs in self.differences.items()},
+        }
+
+
+def compare_runs(runs: list[RunRecord], baseline: str | None = None) -> Comparison:
+    groups = group_runs(runs)
+    if baseline is None:
+        return Comparison(groups)
+    base = find_group(groups, baseline)
+    return Comparison(groups, base, compare_to_baseline(groups, base))

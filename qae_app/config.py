@@ -97,6 +97,9 @@ class TrainConfig:
     checkpoint_every: int = opt(50, "Save a resumable checkpoint every N steps (and at the end). 0: only at the end.",
                                 "run", resumable=True)
     keep_checkpoints: int = opt(2, "Keep only the newest N checkpoints.", "run", resumable=True)
+    sweep_id: str | None = opt(None, "Set by `qae sweep`: the sweep this run is a point of (`qae runs --sweep`, "
+                               "`qae compare --sweep`).", "run")
+    sweep_name: str | None = opt(None, "Set by `qae sweep`: the sweep's name.", "run")
     # --- model and data
     model: str = opt(names.BUILTIN_MODEL, "Policy: a built-in model, a local folder or a Hugging Face id; a built-in "
                      "task picks its own model unless this is given.", "model")
