@@ -205,7 +205,9 @@ def _view_console() -> Console:
 
 
 @app.command("runs")
-def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+              sweep: Annotated[Optional[str], typer.Option(help="Only the runs of this sweep (its id or name).")] = None,
+              ) -> None:
     """List runs: status, estimator, K, steps and the latest reward, accuracy and entropy (model and task when the
     terminal is wide enough). A run is its folder; an unreadable database is listed with the reason."""
     from qae_app.store import run_summaries
@@ -213,6 +215,13 @@ def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
 
     out = _view_console()
     rows = run_summaries(runs_dir)
+    if sweep is not None:
+        from qae_app.compare import in_sweep
+
+        rows = [row for row in rows if in_sweep(json.loads(row.get("config") or "{}"), sweep)]
+        if not rows:
+            out.print(f"no run of sweep '{escape(sweep)}' in {escape(str(runs_dir))}. Start it with `qae sweep`.")
+            return
     if not rows:
         out.print(f"no runs in {escape(str(runs_dir))}. Start one with `qae train`.")
         return
@@ -298,6 +307,122 @@ def rollouts(
         frame = frame[frame["gate_reason"] == why]
     out = _view_console()
     out.print(rollouts_view(run, step, frame, everything, out.width, limit, full))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae compare and qae sweep
+
+
+@app.command()
+def compare(
+    runs: Annotated[Optional[list[str]], typer.Argument(help="Run ids to compare (or --sweep).")] = None,
+    sweep: Annotated[Optional[str], typer.Option(help="Compare every run of this sweep (its id or name).")] = None,
+    baseline: Annotated[Optional[str], typer.Option(help="A group to compare the others with, paired by seed: its "
+                                                    "label or a value only it has (e.g. grpo).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON (no tables).")] = False,
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+) -> None:
+    """Compare runs across seeds: runs with the same config but the seed form a group; per group, the mean over
+    seeds of final, best and area-under-curve held-out accuracy, late entropy and its slope, the zero-advantage
+    fractions and seconds per step, each with a 95% t-interval; with --baseline, each group's paired difference from
+    it (interval and p-value)."""
+    from qae_app.compare import compare_runs, load_runs
+    from qae_app.terminal import compare_view
+
+    try:
+        comparison = compare_runs(load_runs(runs_dir, runs, sweep), baseline)
+    except QAEUserError as err:
+        fail(err)
+    if as_json:
+        print(json.dumps(_finite(comparison.to_dict()), indent=2, default=str))
+        return
+    out = _view_console()
+    out.print(compare_view(comparison, out.width))
+
+
+def _finite(value):
+    """NaN and infinities as null: JSON has no NaN."""
+    if isinstance(value, dict):
+        return {key: _finite(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def sweep_command(
+    seeds: Annotated[int, typer.Option(help="Seeds per point, from --seed on (3 or more give intervals).")] = 1,
+    name: Annotated[Optional[str], typer.Option(help="The sweep's name (prefix of its run ids); default: "
+                                                "sweep-<hash of the grid and options>.")] = None,
+    parallel: Annotated[int, typer.Option(help="Runs at a time, each with its share of the cores.")] = 1,
+    config: Annotated[Optional[Path], typer.Option("--config", help="TOML file with train options for every "
+                                                   "point; command-line options override it.")] = None,
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+    cpu: Annotated[bool, typer.Option("--cpu/--no-cpu", help="Force CPU even when a GPU is present.")] = False,
+    **options: Any,
+) -> None:
+    """Run a grid of training runs: --estimator and --k take comma-separated lists (qae,grpo; 0.3,0.4,0.5), and
+    each point runs --seeds seeds (a mean baseline ignores K: it is not repeated per K). Every point is an ordinary
+    run tagged with the sweep (`qae runs --sweep`, `qae compare --sweep`). Re-running the same command resumes:
+    finished runs are kept, an interrupted one resumes, the rest start."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from qae_app.config import given_options
+    from qae_app.sweep import failure_tail, plan_sweep, run_sweep
+
+    try:
+        given = given_options(config, **options)
+        estimators, ks = str(given.pop("estimator", "qae")), given.pop("k", None)
+        plan = plan_sweep(runs_dir, estimators, None if ks is None else str(ks), seeds, given, name)
+    except QAEUserError as err:
+        fail(err)
+    console.print(f"[bold]qae sweep[/] [cyan]{plan.name}[/] (id {plan.sweep_id}): {len(plan.points)} runs, "
+                  f"{parallel} at a time, in {escape(str(runs_dir))}", highlight=False)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                        TextColumn("{task.fields[state]}"), console=console, disable=not console.is_terminal)
+    bars = {p.run_name: progress.add_task(p.run_name, total=p.steps, state="") for p in plan.points}
+    seen: dict[str, str] = {}
+
+    def on_update(states: dict, steps: dict) -> None:
+        for run_name, state in states.items():
+            progress.update(bars[run_name], completed=steps.get(run_name) or 0, state=state)
+            if not console.is_terminal and seen.get(run_name) != state:  # logs and CI: one line per change
+                console.print(f"{run_name}: {state}", highlight=False)
+            seen[run_name] = state
+
+    try:
+        with progress:
+            states = run_sweep(plan, runs_dir, parallel, cpu, on_update)
+    except QAEUserError as err:
+        fail(err)
+    counts = {state: sum(1 for s in states.values() if s == state) for state in sorted(set(states.values()))}
+    console.print("sweep " + ", ".join(f"{n} {state}" for state, n in counts.items()) + ". Compare them with: "
+                  f"qae compare --sweep {plan.name} --runs-dir {runs_dir}", highlight=False)
+    for run_name, state in states.items():
+        if state == "failed":
+            log = plan.folder / f"{run_name}.log"
+            console.print(f"[red]failed[/]: {run_name} (log {escape(str(log))}):\n{escape(failure_tail(log))}")
+        elif state == "busy":
+            console.print(f"[yellow]skipped[/]: {run_name} is being trained by another process.")
+    if "interrupted" in states.values():
+        console.print("[yellow]interrupted[/]: re-run the same command to resume the sweep.")
+        raise typer.Exit(code=130)
+    if "failed" in states.values() or "busy" in states.values():
+        raise typer.Exit(code=1)
+
+
+def _sweep_options(command):
+    """The train options, less those a sweep sets itself for each point (the run id and the sweep tags)."""
+    own = {"run_name", "sweep_id", "sweep_name"}
+    command.__signature__ = inspect.Signature(
+        [p for p in inspect.signature(command, eval_str=True).parameters.values()
+         if p.kind != inspect.Parameter.VAR_KEYWORD]
+        + [p for p in _option_parameters(TrainConfig) if p.name not in own])
+    return command
+
+
+app.command("sweep", help=sweep_command.__doc__)(_sweep_options(sweep_command))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -395,3 +395,77 @@ def _time(value) -> str:
     if missing(value):
         return ""
     return value.strftime("%Y-%m-%d %H:%M")  # a datetime, or a pandas Timestamp
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae compare
+
+
+def _estimate(e) -> Text:
+    """'0.612' over '[0.581, 0.643]' (the 95% interval), or '-' without a value."""
+    if e is None or e.mean is None:
+        return Text("-")
+    text = Text(number(e.mean))
+    if e.low is not None:
+        text.append(f"\n[{number(e.low)}, {number(e.high)}]", style="dim")
+    return text
+
+
+def _difference(d) -> Text:
+    if d is None or d.mean is None:
+        return Text("-")
+    text = Text(("+" if d.mean > 0 else "") + number(d.mean))
+    if d.low is not None:
+        text.append(f"\n[{number(d.low)}, {number(d.high)}]", style="dim")
+    if d.p_value is not None:
+        text.append(f"\np={d.p_value:.3g}", style="bold" if d.p_value < 0.05 else "dim")
+    return text
+
+
+def compare_view(comparison, width: int) -> RenderableType:
+    """`qae compare`: one column per group (runs with the same config but the seed), one row per run metric, each
+    cell the mean over seeds and its 95% t-interval; with a baseline, a second table of the paired differences (group
+    minus baseline, seeds matched) with interval and p-value. Notes say when n is too small to mean much."""
+    from qae_app.compare import RUN_METRICS
+
+    groups = comparison.groups
+    parts: list[RenderableType] = [Text(
+        f"{sum(len(g.runs) for g in groups)} run(s) in {len(groups)} group(s) (same config but the seed); "
+        "mean over seeds, 95% t-interval below it", style="bold")]
+    for index, group in enumerate(groups, 1):
+        seeds = ", ".join(map(str, group.seeds))
+        parts.append(Text.assemble((f"G{index} ", "bold"), (group.label, "cyan"),
+                                   f": n={len(group.runs)} (seeds {seeds})"))
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    table.add_column("metric", no_wrap=True)
+    for index, _ in enumerate(groups, 1):
+        table.add_column(f"G{index}", justify="right", no_wrap=True)
+    for name in RUN_METRICS:
+        table.add_row(name, *[_estimate(group.metrics.get(name)) for group in groups])
+    parts.append(table)
+    if comparison.baseline is not None:
+        others = [(i, g) for i, g in enumerate(groups, 1) if g is not comparison.baseline]
+        base_index = groups.index(comparison.baseline) + 1
+        parts.append(Text(f"minus the baseline G{base_index} ({comparison.baseline.label}), paired by seed: mean, "
+                          "95% t-interval, paired t-test p", style="bold"))
+        diff = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+        diff.add_column("metric", no_wrap=True)
+        for index, _ in others:
+            diff.add_column(f"G{index} - G{base_index}", justify="right", no_wrap=True)
+        for name in RUN_METRICS:
+            diff.add_row(name, *[_difference(comparison.differences[g.label].get(name)) for _, g in others])
+        parts.append(diff)
+        for index, group in others:
+            paired = comparison.differences[group.label][next(iter(RUN_METRICS))]
+            if len(paired.seeds) < len(group.runs) or len(paired.seeds) < len(comparison.baseline.runs):
+                parts.append(Text(f"G{index}: {len(paired.seeds)} seed(s) shared with the baseline are paired "
+                                  f"({', '.join(map(str, paired.seeds)) or 'none'}); the others are left out",
+                                  style="yellow"))
+    for index, group in enumerate(groups, 1):
+        if note := group.note():
+            parts.append(Text(f"G{index}: {note}", style="yellow"))
+        unfinished = [f"{run.run_id} ({run.status})" for run in group.runs if run.status != "finished"]
+        if unfinished:
+            parts.append(Text(f"G{index}: not finished, numbers so far: {', '.join(unfinished)}", style="yellow"))
+    parts.append(Text("; ".join(f"{name}: {text}" for name, text in RUN_METRICS.items()), style="dim"))
+    return Group(*parts)

@@ -1,0 +1,251 @@
+"""`qae sweep`: a grid of ordinary training runs (estimators x K x seeds), run one after another or N at a time.
+
+Every point is a plain `qae train` run in the runs dir, started as its own process (so `--parallel 2` trains two at
+once, each with its share of the cores), its config tagged with the sweep's id and name (`qae runs --sweep`,
+`qae compare --sweep`). A mean-baseline estimator ignores K, so it gets one point per seed, not one per K.
+
+The sweep's id is a hash of the options its points share, and its runs are named from the sweep's name and the point
+(`study-qae-k0.4-s1`). So re-running the same command after a kill resumes the sweep: a finished run is kept, an
+interrupted (or killed) one resumes from its newest checkpoint, the rest start; and the same command with more seeds
+or Ks extends it. A run of that name that belongs to another sweep (other options under the same --name) is refused
+rather than mixed in.
+
+Each point's options are written to runs/.sweeps/<name>/<run>.toml (what `qae train --config` reads) with its log
+beside it; the dot keeps the folder out of `qae runs`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qae_app import names
+from qae_app.config import build_config
+from qae_app.errors import QAEUserError
+from qae_app.rundir import CONFIG_FILE, db_path, run_dir, trainer_alive, validate_run_name
+
+SWEEPS_DIR = ".sweeps"  # under the runs dir: each sweep's point files and logs
+POLL_S = 2.0  # how often the sweep looks at its running processes and their step counts
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    run_name: str
+    options: dict  # every option the user gave plus this point's estimator, K, seed and the sweep tags
+
+    @property
+    def steps(self) -> int:
+        return build_config(**self.options).steps
+
+
+@dataclass
+class Sweep:
+    sweep_id: str
+    name: str
+    points: list[SweepPoint]
+    folder: Path  # runs/.sweeps/<name>
+
+
+def parse_list(flag: str, text: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise QAEUserError(f"{flag}: '{text}' names nothing. Give a comma-separated list, e.g. qae,grpo.")
+    if len(set(items)) != len(items):
+        raise QAEUserError(f"{flag}: '{text}' repeats a value. Give each once.")
+    return items
+
+
+def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, options: dict,
+               name: str | None = None) -> Sweep:
+    """The sweep's points, validated before anything runs: `estimators` 'qae,grpo', `ks` '0.3,0.4' (QAE only;
+    default: the options' K or names.DEFAULT_K), `seeds` how many seeds from the options' seed on, `options` the train
+    options the user gave (TOML and command line, not the defaults)."""
+    estimator_list = parse_list("estimator", estimators)
+    for estimator in estimator_list:
+        if estimator not in names.ESTIMATORS:
+            raise QAEUserError(f"estimator: unknown '{estimator}'. Choose from: {', '.join(names.ESTIMATORS)}.")
+    if ks is not None and "qae" not in estimator_list:
+        raise QAEUserError(f"k: {ks} is QAE's quantile level, and the sweep has no qae run. Drop --k or add qae "
+                           "to --estimator.")
+    k_list = parse_list("k", ks) if ks is not None else [str(options.get("k", names.DEFAULT_K))]
+    if seeds < 1:
+        raise QAEUserError(f"seeds: {seeds}. Use 1 or more seeds (3 or more to get a confidence interval).")
+    for key in ("run_name", "sweep_id", "sweep_name", "estimator", "k"):
+        options.pop(key, None)
+    first_seed = int(options.pop("seed", 0))
+    # the id hashes the options every point shares, not the grid: the same command with more seeds or Ks extends the
+    # sweep (its finished points kept), and a point's run name says where in the grid it is
+    sweep_id = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    name = validate_run_name(name or f"sweep-{sweep_id[:6]}")
+    points = []
+    for estimator in estimator_list:
+        for k in k_list if estimator == "qae" else [None]:  # a mean baseline ignores K: one point per seed
+            for seed in range(first_seed, first_seed + seeds):
+                run_name = validate_run_name(f"{name}-{estimator}{f'-k{k}' if k is not None else ''}-s{seed}")
+                point = dict(options, estimator=estimator, seed=seed, run_name=run_name, sweep_id=sweep_id,
+                             sweep_name=name, **({"k": k} if k is not None else {}))
+                try:
+                    build_config(**point)  # every bad value is refused here, before any run starts
+                except QAEUserError as err:
+                    raise QAEUserError(f"{err} (in sweep point {run_name})") from None
+                points.append(SweepPoint(run_name, point))
+    for point in points:  # the same name under other options is another sweep: never mix the two
+        stored = run_dir(runs_dir, point.run_name) / CONFIG_FILE
+        if stored.exists():
+            other = json.loads(stored.read_text()).get("sweep_id")
+            if other != sweep_id:
+                raise QAEUserError(
+                    f"name: run '{point.run_name}' already exists in {runs_dir} and belongs to "
+                    f"{'sweep ' + other if other else 'no sweep'}, not to this one (other options). "
+                    "Pass another --name, or the same options as that sweep to resume it.")
+    return Sweep(sweep_id, name, points, Path(runs_dir) / SWEEPS_DIR / name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# running the points
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
+
+
+def write_point_file(path: Path, options: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{key} = {_toml_value(value)}\n" for key, value in sorted(options.items())))
+    return path
+
+
+def point_state(runs_dir: Path, point: SweepPoint) -> str:
+    """'new' (no run yet), 'done' (finished all its steps), 'busy' (another process trains it) or 'resume'."""
+    folder = run_dir(runs_dir, point.run_name)
+    if not db_path(runs_dir, point.run_name).exists():
+        return "new"
+    if trainer_alive(folder):
+        return "busy"
+    from qae_app.store import read_last_step, read_run
+
+    try:
+        status, last = read_run(db_path(runs_dir, point.run_name))["status"], read_last_step(
+            db_path(runs_dir, point.run_name))
+    except QAEUserError:
+        return "resume"
+    return "done" if status == "finished" and (last or 0) >= point.steps else "resume"
+
+
+@dataclass
+class PointRun:
+    point: SweepPoint
+    action: str  # "start" or "resume"
+    process: subprocess.Popen
+    log: Path
+    started: float = field(default_factory=time.monotonic)
+
+
+def _command(sweep: Sweep, point: SweepPoint, action: str, runs_dir: Path, cpu: bool) -> list[str]:
+    base = [sys.executable, "-m", "qae_app.cli", "train", "--runs-dir", str(runs_dir), *(["--cpu"] if cpu else [])]
+    if action == "resume":  # the stored config is the run's; only the step count may grow
+        return [*base, "--resume", point.run_name, "--steps", str(point.steps)]
+    return [*base, "--config", str(write_point_file(sweep.folder / f"{point.run_name}.toml", point.options))]
+
+
+def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False, on_update=None) -> dict:
+    """Run every point not yet done, `parallel` at a time. `on_update(states, steps)` is called every POLL_S seconds
+    with each point's state ('done', 'kept', 'queued', 'running', 'failed', 'busy', 'interrupted') and its stored
+    step count. Returns {run_name: final state}. Ctrl-C / SIGTERM stop the running points the trainer's way
+    (checkpoint, status interrupted) and return with them 'interrupted'."""
+    if parallel < 1:
+        raise QAEUserError(f"parallel: {parallel}. Use 1 or more runs at a time (at most the number of cores).")
+    states, steps = {}, {}
+    queue = []
+    for point in sweep.points:
+        state = point_state(runs_dir, point)
+        states[point.run_name] = {"done": "kept", "busy": "busy"}.get(state, "queued")
+        if state in ("new", "resume"):
+            queue.append((point, "start" if state == "new" else "resume"))
+    threads = max(1, (os.cpu_count() or 1) // parallel)  # each run its share of the cores, not all of them each
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), COLUMNS="120")
+    active: list[PointRun] = []
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while (queue and not stopping) or active:
+            while queue and len(active) < parallel and not stopping:
+                point, action = queue.pop(0)
+                log = sweep.folder / f"{point.run_name}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                with log.open("a") as out:
+                    out.write(f"\n# qae sweep {sweep.name}: {action} {point.run_name}\n")
+                    out.flush()
+                    process = subprocess.Popen(_command(sweep, point, action, runs_dir, cpu), stdout=out,
+                                               stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                               preexec_fn=_stop_with_parent)
+                active.append(PointRun(point, action, process, log))
+                states[point.run_name] = "running"
+            if stopping:
+                for run in active:
+                    if run.process.poll() is None:
+                        run.process.send_signal(signal.SIGTERM)  # the trainer checkpoints and says interrupted
+            for run in list(active):
+                code = run.process.poll()
+                if code is None:
+                    continue
+                active.remove(run)
+                states[run.point.run_name] = ("done" if code == 0 and point_state(runs_dir, run.point) == "done"
+                                              else "interrupted" if stopping or code == 130 else "failed")
+            for point in sweep.points:
+                if states[point.run_name] in ("running", "done", "kept", "interrupted", "failed"):
+                    steps[point.run_name] = _stored_steps(runs_dir, point.run_name, steps.get(point.run_name))
+            if on_update:
+                on_update(states, steps)
+            if active:
+                time.sleep(POLL_S)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return states
+
+
+def _stop_with_parent() -> None:
+    """In the child: have the kernel send it SIGTERM when the sweep dies, even by kill -9, so a killed sweep leaves
+    no orphan trainer behind (the trainer checkpoints and stops as interrupted; re-running the sweep resumes it).
+    Linux only; elsewhere a child outlives a killed sweep."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _stored_steps(runs_dir: Path, run_name: str, before: int | None) -> int | None:
+    """The run's stored step count, or the last one seen when its file is busy this instant."""
+    path = db_path(runs_dir, run_name)
+    if not path.exists():
+        return before
+    from qae_app.store import read_last_step
+
+    try:
+        return read_last_step(path) or 0
+    except Exception:  # noqa: BLE001 - a file being written may be unreadable for a moment; the next poll reads it
+        return before
+
+
+def failure_tail(log: Path, lines: int = 15) -> str:
+    if not log.exists():
+        return ""
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])

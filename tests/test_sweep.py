@@ -1,0 +1,215 @@
+"""`qae sweep`, `qae runs --sweep` and `qae compare`: the grid, its tags, resuming a killed sweep, runs side by side,
+and the comparison printed from stored runs with known values (hand-computed intervals and paired differences)."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from qae_app.cli import app
+from qae_app.config import TrainConfig
+from qae_app.errors import QAEUserError
+from qae_app.store import STEP_METRICS, RunWriter, db_path, query, read_run, read_steps
+from qae_app.sweep import plan_sweep
+
+runner = CliRunner()
+QAE = [sys.executable, "-m", "qae_app.cli"]
+TINY = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0", "--checkpoint-every",
+        "1"]
+
+
+def test_the_grid_repeats_k_for_qae_only_and_tags_every_point(tmp_path):
+    sweep = plan_sweep(tmp_path, "qae,grpo", "0.3,0.4,0.5", 3, {"steps": 5, "seed": 7}, name="study")
+    names = [p.run_name for p in sweep.points]
+    assert len(names) == 3 * 3 + 3  # qae: 3 K x 3 seeds; grpo: 3 seeds, no K
+    assert names[:3] == ["study-qae-k0.3-s7", "study-qae-k0.3-s8", "study-qae-k0.3-s9"]
+    assert names[-3:] == ["study-grpo-s7", "study-grpo-s8", "study-grpo-s9"]
+    for point in sweep.points:
+        assert point.options["sweep_id"] == sweep.sweep_id and point.options["sweep_name"] == "study"
+        assert point.options["steps"] == 5 and point.options["run_name"] == point.run_name
+        assert ("k" in point.options) == (point.options["estimator"] == "qae")
+    # the id hashes the shared options, not the grid: more seeds extend the same sweep
+    assert plan_sweep(tmp_path, "qae", None, 5, {"steps": 5, "seed": 7}, name="study").sweep_id == sweep.sweep_id
+    assert plan_sweep(tmp_path, "qae", None, 1, {"steps": 6}, name="study").sweep_id != sweep.sweep_id
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--estimator", "grpo", "--k", "0.3"], "k: 0.3 is QAE's quantile level, and the sweep has no qae run"),
+    (["--estimator", "qae,ppo"], "estimator: unknown 'ppo'"),
+    (["--estimator", "qae,qae"], "estimator: 'qae,qae' repeats a value"),
+    (["--seeds", "0"], "seeds: 0. Use 1 or more seeds"),
+    (["--lr", "-1"], "lr: -1.0"),
+    (["--k", "0.3,1.5"], "(in sweep point"),
+    (["--parallel", "0"], "parallel: 0"),
+])
+def test_a_bad_sweep_is_refused_before_any_run_starts(tmp_path, args, message):
+    result = runner.invoke(app, ["sweep", *args, "--runs-dir", str(tmp_path / "runs")])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+    assert not list((tmp_path / "runs").glob("*/qae.duckdb"))
+
+
+def test_a_sweep_runs_its_points_lists_them_and_keeps_them_when_run_again(tmp_path):
+    runs = tmp_path / "runs"
+    command = [*QAE, "sweep", "--estimator", "qae,grpo", "--name", "s", "--runs-dir", str(runs), *TINY]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "sweep 2 done" in first.stdout
+    ids = ["s-grpo-s0", "s-qae-k0.4-s0"]
+    for run_id in ids:
+        info = read_run(db_path(runs, run_id))
+        config = json.loads(info["config"])
+        assert info["status"] == "finished" and read_steps(db_path(runs, run_id))["step"].tolist() == [1, 2]
+        assert config["sweep_name"] == "s" and config["estimator"] == run_id.split("-")[1]
+    created = {run_id: read_run(db_path(runs, run_id))["created_at"] for run_id in ids}
+
+    listed = runner.invoke(app, ["runs", "--sweep", "s", "--runs-dir", str(runs)], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0 and all(run_id in listed.output for run_id in ids)
+    assert "no run of sweep 'other'" in runner.invoke(app, ["runs", "--sweep", "other", "--runs-dir",
+                                                            str(runs)]).output
+
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "sweep 2 kept" in again.stdout, again.stdout + again.stderr
+    assert {run_id: read_run(db_path(runs, run_id))["created_at"] for run_id in ids} == created
+    other = subprocess.run([*command[:-len(TINY)], "--steps", "3"], capture_output=True, text=True, timeout=600)
+    assert other.returncode == 2 and "belongs to sweep" in " ".join(other.stderr.split())
+
+
+def _pids_of(pattern: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split()]
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_resumes_keeping_finished_runs_and_losing_none(tmp_path):
+    runs = tmp_path / "runs"
+    options = ["--steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0",
+               "--checkpoint-every", "1"]
+    command = [*QAE, "sweep", "--estimator", "qae", "--seeds", "3", "--name", "k", "--runs-dir", str(runs),
+               *options]
+    sweep = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    first, second = db_path(runs, "k-qae-k0.4-s0"), db_path(runs, "k-qae-k0.4-s1")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # wait for: first run finished, second run past its first checkpoint
+        time.sleep(0.5)
+        try:
+            if (first.exists() and read_run(first)["status"] == "finished" and second.exists()
+                    and len(query(second, "SELECT step FROM steps")) >= 2):
+                break
+        except Exception:  # noqa: BLE001 - a file being written may be unreadable for a moment
+            continue
+    else:
+        sweep.kill()
+        pytest.fail("the sweep did not reach its second run in time")
+    sweep.kill()  # kill -9: the sweep has no chance to stop its child; the kernel sends the child SIGTERM
+    sweep.wait()
+    deadline = time.monotonic() + 120
+    while _pids_of("k-qae-k0.4-s1") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _pids_of("k-qae-k0.4-s1"), "the trainer outlived its killed sweep"
+    created = read_run(first)["created_at"]
+    assert read_run(second)["status"] in ("interrupted", "stopped", "finished")
+    assert not db_path(runs, "k-qae-k0.4-s2").exists()
+
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert read_run(first)["created_at"] == created  # kept, not trained again
+    for seed in range(3):
+        path = db_path(runs, f"k-qae-k0.4-s{seed}")
+        assert read_run(path)["status"] == "finished"
+        assert read_steps(path)["step"].tolist() == [1, 2, 3, 4]  # every step once: none lost, none duplicated
+
+
+@pytest.mark.slow
+def test_parallel_2_trains_two_runs_at_once(tmp_path):
+    runs = tmp_path / "runs"
+    result = subprocess.run([*QAE, "sweep", "--estimator", "qae", "--seeds", "2", "--parallel", "2", "--name", "p",
+                             "--runs-dir", str(runs), *TINY, "--steps", "4"], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    spans = []
+    for seed in (0, 1):
+        logged = read_steps(db_path(runs, f"p-qae-k0.4-s{seed}"))["logged_at"]
+        spans.append((logged.min(), logged.max()))
+    (a0, a1), (b0, b1) = spans
+    assert a0 < b1 and b0 < a1  # their steps interleave in time
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae compare on stored runs with known values
+
+
+def _store_run(runs: Path, run_id: str, seed: int, estimator: str, heldout: dict[int, float], entropy: float,
+               sweep: str = "cmp") -> None:
+    writer = RunWriter(runs / run_id / "qae.duckdb", run_id)
+    config = {**TrainConfig().to_dict(), "seed": seed, "run_name": run_id, "estimator": estimator,
+              "sweep_id": "id-" + sweep, "sweep_name": sweep}
+    writer.create_run(run_id, config, estimator, 0.4, "builtin:tiny", "arith", seed)
+    for step in (1, 2, 3, 4):
+        row = {name: 0.5 for name in STEP_METRICS}
+        row.update(heldout_accuracy=heldout.get(step), entropy=entropy, frac_zero_adv=0.8, step_s=1.0)
+        writer.add_step(step, steps=[row])
+    assert writer.flush()
+    assert writer.update_run(status="finished")
+    (runs / run_id / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture
+def known_runs(tmp_path) -> Path:
+    runs = tmp_path / "runs"
+    for seed, (q, g) in enumerate([(0.6, 0.5), (0.7, 0.5), (0.8, 0.7)]):
+        _store_run(runs, f"cmp-qae-s{seed}", seed, "qae", {2: q - 0.2, 4: q}, entropy=1.0 + seed)
+        _store_run(runs, f"cmp-grpo-s{seed}", seed, "grpo", {2: g - 0.2, 4: g}, entropy=2.0)
+    _store_run(runs, "elsewhere", 0, "qae", {4: 0.1}, entropy=1.0, sweep="other")
+    return runs
+
+
+def test_compare_json_gives_the_hand_computed_intervals_and_paired_differences(known_runs):
+    result = runner.invoke(app, ["compare", "--sweep", "cmp", "--baseline", "grpo", "--json", "--runs-dir",
+                                 str(known_runs)])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    groups = {g["label"]: g for g in out["groups"]}
+    assert set(groups) == {"estimator=qae", "estimator=grpo"}  # "elsewhere" is another sweep
+    qae = groups["estimator=qae"]
+    assert qae["n"] == 3 and qae["seeds"] == [0, 1, 2] and "wide" in qae["note"]
+    final = qae["metrics"]["final_heldout"]
+    half = 4.302652729911275 * 0.1 / math.sqrt(3)  # t(0.975, 2) * sd / sqrt(n)
+    assert final["mean"] == pytest.approx(0.7) and final["low"] == pytest.approx(0.7 - half)
+    assert qae["metrics"]["entropy_last"]["mean"] == pytest.approx(2.0)  # seeds at 1, 2, 3 nats
+    assert qae["metrics"]["auc_heldout"]["mean"] == pytest.approx(0.6)  # (q - 0.2 + q) / 2 over steps 2..4
+    assert out["baseline"] == "estimator=grpo"
+    diff = out["differences"]["estimator=qae"]["final_heldout"]
+    # paired differences 0.1, 0.2, 0.1: mean 2/15, sd 1/sqrt(300), t = (2/15) / (sd / sqrt 3) = 4
+    assert diff["mean"] == pytest.approx(2 / 15) and diff["seeds"] == [0, 1, 2]
+    assert diff["p_value"] == pytest.approx(1 - 4 / math.sqrt(18), abs=1e-9)  # two-sided t(2) tail at t = 4
+
+
+def test_compare_prints_groups_intervals_baseline_and_small_n_notes(known_runs):
+    result = runner.invoke(app, ["compare", "cmp-qae-s0", "cmp-qae-s1", "cmp-grpo-s0", "--baseline", "grpo",
+                                 "--runs-dir", str(known_runs)], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert "G1 estimator=qae: n=2 (seeds 0, 1)" in text and "G2 estimator=grpo: n=1 (seeds 0)" in text
+    assert "minus the baseline G2 (estimator=grpo), paired by seed" in text
+    assert "G1: 1 seed(s) shared with the baseline are paired (0)" in text
+    assert "G2: n=1: one seed, no interval" in " ".join(text.split())
+    assert max(len(line) for line in text.splitlines()) <= 80
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compare"], "compare: pass run ids or --sweep ID"),
+    (["compare", "--sweep", "nope"], "sweep: no run in"),
+    (["compare", "missing-run"], "run: no run 'missing-run'"),
+    (["compare", "--sweep", "cmp", "--baseline", "ppo"], "baseline: 'ppo' matches no group"),
+])
+def test_compare_refuses_clearly(known_runs, args, message):
+    result = runner.invoke(app, [*args, "--runs-dir", str(known_runs)])
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
