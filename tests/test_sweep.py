@@ -3,8 +3,6 @@ and the comparison printed from stored runs with known values (hand-computed int
 
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +13,6 @@ from typer.testing import CliRunner
 
 from qae_app.cli import app
 from qae_app.config import TrainConfig
-from qae_app.errors import QAEUserError
 from qae_app.store import STEP_METRICS, RunWriter, db_path, query, read_run, read_steps
 from qae_app.sweep import plan_sweep
 
