@@ -32,6 +32,8 @@ def test_the_grid_repeats_k_for_qae_only_and_tags_every_point(tmp_path):
         assert point.options["sweep_id"] == sweep.sweep_id and point.options["sweep_name"] == "study"
         assert point.options["steps"] == 5 and point.options["run_name"] == point.run_name
         assert ("k" in point.options) == (point.options["estimator"] == "qae")
+        assert point.options["log_entropy_delta"] is True  # on in sweeps unless turned off
+    assert not plan_sweep(tmp_path, "qae", None, 1, {"log_entropy_delta": False}).points[0].options["log_entropy_delta"]
     # the id hashes the shared options, not the grid: more seeds extend the same sweep
     assert plan_sweep(tmp_path, "qae", None, 5, {"steps": 5, "seed": 7}, name="study").sweep_id == sweep.sweep_id
     assert plan_sweep(tmp_path, "qae", None, 1, {"steps": 6}, name="study").sweep_id != sweep.sweep_id
