@@ -63,7 +63,7 @@ def _crafted_rows(step: int) -> dict[str, list[dict]]:
                    entropy=0.9 - 0.2 * step, entropy_pos=0.8, entropy_neg=0.6,
                    frac_zero_adv=sum(r["gated"] for r in rollouts) / 8, cov_logp_adv=0.1 * step, response_len=1.5,
                    clip_frac_low=0.0, clip_frac_high=0.01, rollout_s=0.2, reward_s=0.01, update_s=0.3, step_s=0.51,
-                   loss=0.1, grad_norm=1.0, adv_abs_mean=0.5,
+                   loss=0.1, grad_norm=1.0, adv_abs_mean=0.5, dH=0.01 * step, dH_easy=0.02, dH_hard=-0.03,
                    **{f"frac_{regime}": float(fractions.get(regime, 0.0)) for regime in charts.REGIME_COLORS})
     metrics.update(n_updates=1.0)
     tables = dict(steps=[metrics], groups=groups, rollouts=rollouts)
@@ -233,6 +233,10 @@ def test_curves_page_plots_every_step_of_each_run(app, runs_dir):
     assert {"hard", "easy", "all_correct", "all_wrong"} <= regimes
     assert "tiny · finished · step 6 / 6" in texts(at) and "crafted · finished · step 3 / 3" in texts(at)
     assert "mean per-token entropy" in texts(at)  # the definition from STEP_METRICS
+    delta = {trace["name"]: trace for trace in specs["entropy_delta"]["data"]}  # the crafted run measured dH
+    assert list(delta["crafted · dH_easy"]["y"]) == pytest.approx([0.02] * 3)
+    assert list(delta["crafted · dH_hard"]["y"]) == pytest.approx([-0.03] * 3)
+    assert "Entropy change per regime" in texts(app("curves", run="tiny"))  # the tiny run did not: said so
 
 
 def test_curves_smoothing_control_changes_the_lines(app):

@@ -87,6 +87,14 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
     with left:
         chart(charts.lines(frames, ["clip_frac_low", "clip_frac_high"], colors, "clip fractions", smoothing, **axes),
               "clip_frac", ["clip_frac_low", "clip_frac_high"])
+    with right:
+        if any("dH" in frame and frame["dH"].notna().any() for frame in frames.values()):
+            chart(charts.lines(frames, ["dH_easy", "dH_hard", "dH"], colors, "entropy change of the update, per regime "
+                               "(QAE: Prop. 4.2 predicts dH_easy > 0 > dH_hard)", smoothing, "nats / token", **axes),
+                  "entropy_delta", ["dH_easy", "dH_hard", "dH"])
+        else:
+            st.caption("Entropy change per regime (dH_easy, dH_hard): not measured in these runs. Train with "
+                       "--log-entropy-delta (on in `qae sweep`).")
     chart(charts.step_time(frames, smoothing, x), "step_time", list(charts.TIME_METRICS))
     columns = st.columns(2)
     for i, metric in enumerate(other):
