@@ -355,33 +355,13 @@ class Trainer:
         update_s = time.perf_counter() - t0
 
         # ---- rows (gathered on the main process) and metrics
-        seq_entropy = seq_logprob = []  # per trained response, from the no-grad pass
+        pass_stats = None  # per trained response: mean token entropy and summed log-prob, from the no-grad pass
         if trained_samples and not from_engine:
             n = len(trained_samples)
             mask = batch["response_mask"][:n]
-            seq_entropy = ((entropy[:n] * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()  # (N,)
-            seq_logprob = (old_logp[:n] * mask).sum(-1).tolist()  # (N,)
-        results, local, done = [], 0, 0  # done: trained groups whose pass statistics are used
-        for b in batches:
-            for i, problem in enumerate(b.problems):
-                group = samples[local * G:(local + 1) * G]
-                if from_engine:
-                    entropies = [sum(s.token_entropies) / max(len(s.token_entropies), 1) for s in group]
-                    logprobs = [sum(s.token_logprobs) for s in group]
-                elif trained[local]:
-                    entropies, logprobs = seq_entropy[done * G:(done + 1) * G], seq_logprob[done * G:(done + 1) * G]
-                    done += 1
-                else:  # never went through the model: the no-grad pass is for what trains
-                    entropies = logprobs = [None] * G
-                results.append(GroupResult(
-                    group_idx=b.first_group + i, prompt_id=problem.prompt_id, prompt=b.prompts[i],
-                    answer=problem.answer, baseline=adv.baseline[local].item(),
-                    regime=REGIMES[adv.regime[local].item()], responses=[s.text for s in group],
-                    rewards=rewards[local].tolist(), correct=correct[local].tolist(),
-                    verified=b.verified[i * G:(i + 1) * G], advantages=adv.advantages[local].tolist(),
-                    n_tokens=[len(s.response_ids) for s in group], truncated=[s.truncated for s in group],
-                    entropies=entropies, logprobs=logprobs, filtered=not trained[local]))
-                local += 1
+            pass_stats = (((entropy[:n] * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist(),  # (N,)
+                          (old_logp[:n] * mask).sum(-1).tolist())  # (N,)
+        results = self._group_results(batches, trained, adv, rewards, correct, from_engine, pass_stats)
         if acc.num_processes > 1:
             from accelerate.utils import gather_object
 
@@ -398,6 +378,36 @@ class Trainer:
         warnings += self._check_entropy(metrics["entropy"])
         metrics["step_s"] = time.perf_counter() - t_step
         return StepOutput(metrics, groups, rollouts, warnings, chosen_k)
+
+    def _group_results(self, batches, trained, adv, rewards, correct, from_engine: bool,
+                       pass_stats) -> list[GroupResult]:
+        """This process's groups of every generation batch, in order. A response's mean token entropy and summed
+        log-prob come from the engine when it measured them while sampling (`from_engine`), else from the no-grad pass
+        over the trained responses (`pass_stats`: two lists, one value per trained response, in order); a filtered
+        group the engine did not measure never went through the model, and gets None."""
+        G = self.cfg.group_size
+        results, local, done = [], 0, 0  # local: group index over all batches; done: trained groups seen
+        for b in batches:
+            for i, problem in enumerate(b.problems):
+                group = b.samples[i * G:(i + 1) * G]
+                if from_engine:
+                    entropies = [sum(s.token_entropies) / max(len(s.token_entropies), 1) for s in group]
+                    logprobs = [sum(s.token_logprobs) for s in group]
+                elif trained[local]:
+                    entropies, logprobs = (stats[done * G:(done + 1) * G] for stats in pass_stats)
+                    done += 1
+                else:
+                    entropies = logprobs = [None] * G
+                results.append(GroupResult(
+                    group_idx=b.first_group + i, prompt_id=problem.prompt_id, prompt=b.prompts[i],
+                    answer=problem.answer, baseline=adv.baseline[local].item(),
+                    regime=REGIMES[adv.regime[local].item()], responses=[s.text for s in group],
+                    rewards=rewards[local].tolist(), correct=correct[local].tolist(),
+                    verified=b.verified[i * G:(i + 1) * G], advantages=adv.advantages[local].tolist(),
+                    n_tokens=[len(s.response_ids) for s in group], truncated=[s.truncated for s in group],
+                    entropies=entropies, logprobs=logprobs, filtered=not trained[local]))
+                local += 1
+        return results
 
     def _sample_generation_batches(self, step: int) -> tuple[list[GenerationBatch], list[bool], float, float]:
         """Sample and score batches of prompts_per_step prompts, taken in order from the data stream at
