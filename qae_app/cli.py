@@ -354,7 +354,7 @@ def _finite(value):
 def sweep_command(
     seeds: Annotated[int, typer.Option(help="Seeds per point, from --seed on (3 or more give intervals).")] = 1,
     name: Annotated[Optional[str], typer.Option(help="The sweep's name (prefix of its run ids); default: "
-                                                "sweep-<hash of the grid and options>.")] = None,
+                                                "sweep-<hash of the shared options>.")] = None,
     parallel: Annotated[int, typer.Option(help="Runs at a time, each with its share of the cores.")] = 1,
     config: Annotated[Optional[Path], typer.Option("--config", help="TOML file with train options for every "
                                                    "point; command-line options override it.")] = None,
