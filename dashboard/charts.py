@@ -444,8 +444,8 @@ def across_seeds(curves: list[pd.DataFrame], band: str = "t-interval") -> pd.Dat
 
 def seed_bands(groups: dict[str, pd.DataFrame], colors: dict[str, str], title: str, y_title: str | None = None,
                band: str = "t-interval") -> go.Figure:
-    """Per group (frames from `across_seeds`): the mean over seeds as a line and the band as a filled area in the
-    group's color; hover gives the band and how many seeds have the step."""
+    """Per group (frames from `across_seeds`): the mean over seeds as a line and the band (named in the title) as a
+    filled area in the group's color; hover gives the band and how many seeds have the step."""
     fig = go.Figure()
     for label, curve in groups.items():
         if curve.empty:
@@ -464,5 +464,4 @@ def seed_bands(groups: dict[str, pd.DataFrame], colors: dict[str, str], title: s
             customdata=np.stack([curve["n"], curve["low"], curve["high"]], axis=-1),
             hovertemplate=f"{name}: %{{y:.4g}} [%{{customdata[1]:.4g}}, %{{customdata[2]:.4g}}] "
                           "(%{customdata[0]} seeds, step %{x})<extra></extra>"))
-    title += f"<br><sup>mean over seeds; band: {SEED_BANDS[band]}</sup>"
-    return _layout(fig, title, y_title)
+    return _layout(fig, f"{title} · band: {band}", y_title)

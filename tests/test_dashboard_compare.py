@@ -161,12 +161,15 @@ def test_baseline_adds_the_paired_difference_and_p_value(compare_app):
 
 
 def test_a_link_with_the_sweep_id_and_a_short_baseline(compare_app):
-    # the sweep's id where the picker shows its name, and a baseline given as a value only one group has, as
-    # `qae compare --sweep ID --baseline grpo` takes them
+    # a sweep's id where the picker lists names, and a baseline given as a value only one group has: resolved as
+    # `qae compare --sweep ID --baseline grpo` resolves them, and kept in the URL as the link gave them
     at = compare_app("compare", sweep=SWEEP_ID, baseline="grpo")
-    assert at.selectbox(key="sweep").value == SWEEP_NAME
-    assert at.selectbox(key="baseline").value == "estimator=grpo"
+    assert at.selectbox(key="sweep").value == SWEEP_ID and at.selectbox(key="baseline").value == "grpo"
+    assert f"sweep id {SWEEP_ID}: 6 run(s)" in texts(at)
+    assert frame_with(at, "group", "n")["n"].tolist() == [3, 3]
     assert frame_with(at, "group", "paired seeds")["group"].tolist() == ["estimator=qae"]
+    assert "Minus the baseline estimator=grpo" in texts(at)
+    assert (at.query_params["sweep"], at.query_params["baseline"]) in [(SWEEP_ID, "grpo"), ([SWEEP_ID], ["grpo"])]
     assert not at.warning
 
 
@@ -174,13 +177,13 @@ def test_a_link_names_the_runs(compare_app):
     # the a,b,c form: two groups of two seeds and one
     at = compare_app("compare", runs="study-qae-s0,study-qae-s1,study-grpo-s2")
     assert at.selectbox(key="sweep").value is None
-    assert at.multiselect(key="runs").value == ["study-qae-s0", "study-qae-s1", "study-grpo-s2"]
     table = frame_with(at, "group", "n").set_index("group")
     assert table["n"].to_dict() == {"estimator=qae": 2, "estimator=grpo": 1}
     assert table.loc["estimator=grpo", "final_heldout"] == "0.700"  # one seed: its value, no interval
     assert "n=1: one seed, no interval" in table.loc["estimator=grpo", "note"]
     # repeated parameters, as the page writes them; groups of other setups are labelled by what differs
     at = compare_app("compare", runs=["study-qae-s2", "solo"])
+    assert at.multiselect(key="runs").value == ["study-qae-s2", "solo"]
     assert frame_with(at, "group", "n")["group"].tolist() == ["lr=5e-05", "lr=0.0001"]
 
 
@@ -226,12 +229,16 @@ def test_one_run_without_heldout_evaluations(compare_app):
     assert not [box for box in at.selectbox if box.key == "baseline"]  # one group: nothing to be a baseline for
 
 
-def test_a_link_to_a_missing_sweep_or_run_says_so(compare_app):
+def test_a_link_to_a_missing_sweep_run_or_baseline_says_so(compare_app):
     at = compare_app("compare", sweep="ghost")
-    assert any("ghost" in w.value and "does not have" in w.value for w in at.warning)
-    at = compare_app("compare", runs="study-qae-s0,gone")
-    assert any("gone" in w.value for w in at.warning)
-    assert at.multiselect(key="runs").value == ["study-qae-s0"]
+    assert any("no run belongs to sweep `ghost`" in w.value for w in at.warning)
+    assert "Pick a sweep, or runs to compare." in texts(at)
+    at = compare_app("compare", runs="study-qae-s0,gone", baseline="ppo")
+    assert any("run `gone`" in w.value for w in at.warning)
+    assert frame_with(at, "group", "n")["runs"].tolist() == ["study-qae-s0"]
+    at = compare_app("compare", sweep=SWEEP_NAME, baseline="ppo")
+    assert any("baseline: 'ppo' matches no group" in w.value for w in at.warning)
+    assert not [f for f in at.dataframe if "paired seeds" in f.value.columns]
 
 
 def test_nothing_picked_and_no_runs(compare_app, tmp_path, monkeypatch):

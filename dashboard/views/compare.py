@@ -26,73 +26,68 @@ NO_HELDOUT = ("No held-out evaluation in these runs, so the held-out metrics are
 
 # ---------------------------------------------------------------------------------------------------------------
 # which runs: a sweep (`?sweep=`) or runs picked (`?runs=`)
+#
+# The pickers take a value typed in or given in a link that is not one of their options (a sweep's id where the list
+# shows names, `grpo` for the group `estimator=grpo`, `a,b` for two runs) and resolve it as `qae compare` does: the
+# URL keeps exactly what the link said, and a value that names nothing is reported, not dropped silently.
 
 
 def run_configs(readable: pd.DataFrame) -> dict[str, dict]:
     return {str(row["run_id"]): board.run_config(row) for row in readable.to_dict("records")}
 
 
-def sweeps(configs: dict[str, dict]) -> dict[str, list[str]]:
-    """The sweeps among these runs (run id -> config, newest first): the name a user types (its id when two sweeps
-    share a name) -> its runs, as `qae compare --sweep NAME` selects them (`compare.in_sweep` on each config)."""
+def sweeps(configs: dict[str, dict]) -> list[str]:
+    """The sweeps among these runs (run id -> config, newest first), each by the name a user types (its id when two
+    sweeps share a name)."""
     names: dict[str, str] = {}  # sweep id -> name, in the order first seen (newest run first)
     for config in configs.values():
         if config.get("sweep_id"):
             names.setdefault(str(config["sweep_id"]), str(config.get("sweep_name") or config["sweep_id"]))
     shared = {name for name in names.values() if list(names.values()).count(name) > 1}
-    options = [sweep_id if name in shared else name for sweep_id, name in names.items()]
-    return {option: sorted(run_id for run_id, config in configs.items() if compare.in_sweep(config, option))
-            for option in options}
+    return [sweep_id if name in shared else name for sweep_id, name in names.items()]
 
 
 def _chosen_by_user() -> None:
     st.session_state["_compare_chosen"] = True
-    st.session_state.pop("_compare_missing", None)
+
+
+def not_found(what: str) -> None:
+    st.warning(f"Not in `{board.runs_dir()}`: {what}. The link names what this folder does not have (renamed, moved "
+               "or deleted); pick above.", icon=":material/link_off:")
 
 
 def pick_compared(readable: pd.DataFrame) -> list[str]:
     """The sweep picker (`?sweep=NAME` or its id) and, without a sweep, the runs picker (`?runs=a&runs=b`, or
-    `?runs=a,b`). A first visit shows the newest sweep, else the runs picked in the sidebar. Names in a link that
-    this runs dir lacks are reported, not dropped silently."""
+    `?runs=a,b`). A first visit shows the newest sweep, else the runs picked in the sidebar."""
     configs = run_configs(readable)
     found = sweeps(configs)
-    ids = list(configs)
-    requested_sweep = st.query_params.get("sweep")
-    if requested_sweep and requested_sweep not in found:
-        # a link with the sweep's id, where the picker shows its name
-        by_id = [option for option, runs in found.items() if compare.in_sweep(configs[runs[0]], requested_sweep)]
-        if by_id and "sweep" not in st.session_state:
-            board.seed("sweep", by_id[0])
-        elif not by_id:
-            st.session_state["_compare_missing"] = f"sweep `{requested_sweep}`"
-    requested_runs = [run_id for value in st.query_params.get_all("runs") for run_id in value.split(",") if run_id]
-    if requested_runs != st.query_params.get_all("runs") and "runs" not in st.session_state:
-        board.seed("runs", [run_id for run_id in requested_runs if run_id in ids])  # the a,b,c form of a link
-    missing = [run_id for run_id in requested_runs if run_id not in ids]
-    if missing:
-        st.session_state["_compare_missing"] = ", ".join(f"`{run_id}`" for run_id in missing)
     if not (st.session_state.get("_compare_chosen") or "sweep" in st.query_params or "runs" in st.query_params):
         if found and st.session_state.get("sweep") is None:
-            board.seed("sweep", next(iter(found)))
+            board.seed("sweep", found[0])
         elif not found and not st.session_state.get("runs"):
-            board.seed("runs", [run_id for run_id in board.shown_runs() if run_id in ids])
-    if st.session_state.get("_compare_missing"):
-        st.warning(f"Not in `{board.runs_dir()}`: {st.session_state['_compare_missing']}. The link names what this "
-                   "folder does not have (renamed, moved or deleted); pick below.", icon=":material/link_off:")
-
+            board.seed("runs", [run_id for run_id in board.shown_runs() if run_id in configs])
     left, right = st.columns(2)
-    sweep = left.selectbox("Sweep", list(found), index=None, key="sweep", bind="query-params",
+    sweep = left.selectbox("Sweep", found, index=None, key="sweep", bind="query-params", accept_new_options=True,
                            placeholder="none: compare the runs picked" if found else "no sweep in this runs dir",
                            on_change=_chosen_by_user,
-                           help="Runs started by `qae sweep` carry its id and name in their config. Clear it to "
-                                "compare any runs.")
+                           help="Runs started by `qae sweep` carry its id and name in their config: pick its name "
+                                "or type its id. Clear it to compare any runs.")
     if sweep is not None:
-        right.caption(f"{len(found[sweep])} run(s): " + ", ".join(found[sweep]))
-        return found[sweep]
-    return right.multiselect("Runs to compare", ids, key="runs", bind="query-params", placeholder="pick runs",
-                             on_change=_chosen_by_user,
-                             help="Runs with the same config but the seed form a group; pick two or more seeds of a "
-                                  "setup for an interval.")
+        members = [run_id for run_id, config in sorted(configs.items()) if compare.in_sweep(config, sweep)]
+        if not members:
+            not_found(f"no run belongs to sweep `{sweep}`")
+        else:
+            ids = sorted({str(configs[run_id]["sweep_id"]) for run_id in members})
+            right.caption(f"sweep id {', '.join(ids)}: {len(members)} run(s): " + ", ".join(members))
+        return members
+    picked = right.multiselect("Runs to compare", list(configs), key="runs", bind="query-params",
+                               accept_new_options=True, placeholder="pick runs", on_change=_chosen_by_user,
+                               help="Runs with the same config but the seed form a group; pick two or more seeds of "
+                                    "a setup for an interval.")
+    run_ids = list(dict.fromkeys(run_id for value in picked for run_id in value.split(",") if run_id))
+    if missing := [run_id for run_id in run_ids if run_id not in configs]:
+        not_found(", ".join(f"run `{run_id}`" for run_id in missing))
+    return [run_id for run_id in run_ids if run_id in configs]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -158,22 +153,23 @@ DIFFERENCE_COLUMNS = {
 }
 
 
-def pick_baseline(groups: list[compare.RunGroup]) -> str | None:
-    """The baseline selector (`?baseline=LABEL`, or a value only one group has, such as `grpo`, as in
-    `qae compare --baseline grpo`)."""
-    labels = [group.label for group in groups]
-    requested = st.query_params.get("baseline")
-    if requested and requested not in labels and "baseline" not in st.session_state:
-        try:
-            board.seed("baseline", compare.find_group(groups, requested).label)
-        except QAEUserError as err:
-            st.warning(str(err), icon=":material/link_off:")
+def pick_baseline(groups: list[compare.RunGroup]) -> compare.RunGroup | None:
+    """The baseline selector (`?baseline=LABEL`, or a value only one group has, such as `grpo`, resolved as
+    `qae compare --baseline grpo` resolves it)."""
     if len(groups) < 2:
         return None
-    return st.selectbox("Baseline", labels, index=None, key="baseline", bind="query-params",
-                        placeholder="none: no differences",
+    name = st.selectbox("Baseline", [group.label for group in groups], index=None, key="baseline",
+                        bind="query-params", accept_new_options=True, placeholder="none: no differences",
                         help="Adds each group's difference from this one, paired by seed (the same seed gives both "
-                             "runs the same prompt order), with its 95% interval and the paired t-test p-value.")
+                             "runs the same prompt order), with its 95% interval and the paired t-test p-value. "
+                             "Pick a group, or type a value only it has (grpo).")
+    if name is None:
+        return None
+    try:
+        return compare.find_group(groups, name)
+    except QAEUserError as err:
+        st.warning(str(err), icon=":material/link_off:")
+        return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -209,7 +205,7 @@ def body(run_ids: list[str]) -> None:
         return
     groups = compare.compare_runs(records).groups
     baseline = pick_baseline(groups)
-    comparison = compare.compare_runs(records, baseline)
+    comparison = compare.compare_runs(records, baseline.label if baseline else None)
     st.caption(f"{len(records)} run(s) in {len(groups)} group(s) (same config but the seed); each metric is the "
                "mean over the group's seeds with its 95% Student-t interval in brackets, as `qae compare` prints it")
     st.dataframe(groups_table(comparison), hide_index=True, column_config=TABLE_COLUMNS, key="compare_table",
