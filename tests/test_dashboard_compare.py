@@ -221,7 +221,7 @@ def test_one_run_without_heldout_evaluations(compare_app):
     table = frame_with(at, "group", "n")
     assert table["group"].tolist() == ["all"] and table["final_heldout"].tolist() == ["-"]
     assert table["entropy_last"].tolist() == ["0.650"]  # the last 20% of 4 steps is 2 steps: 0.7 and 0.6
-    assert "n=1: one seed, no interval; run more seeds" in texts(at)
+    assert "one seed, no interval; run more seeds" in texts(at)
     assert any("No held-out evaluation in these runs" in info.value for info in at.info)
     specs = plotly_specs(at)
     assert "compare_heldout_accuracy" not in specs and "compare_entropy" in specs

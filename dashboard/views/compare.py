@@ -212,18 +212,19 @@ def body(run_ids: list[str]) -> None:
                  placeholder="")
     for group in comparison.groups:
         if note := group_notes(group):
-            st.caption(f":material/info: **{group.label}**: {note}")
+            st.caption(f":material/info: **{board.literal(group.label)}**: {board.literal(note)}")
     if all(group.metrics["final_heldout"].mean is None for group in groups):
         st.info(NO_HELDOUT)
     if comparison.baseline is not None:
-        st.markdown(f"**Minus the baseline {comparison.baseline.label}**, paired by seed: mean difference [95% "
+        st.markdown(f"**Minus the baseline {board.literal(comparison.baseline.label)}**, paired by seed: mean difference [95% "
                     "interval] and the two-sided paired t-test p")
         st.dataframe(differences_table(comparison), hide_index=True, key="compare_differences",
                      column_config=DIFFERENCE_COLUMNS, placeholder="")
         for label, differences in comparison.differences.items():
             paired = differences[next(iter(compare.RUN_METRICS))]
             if paired.note:
-                st.caption(f":material/info: **{label}** - baseline: {paired.note}")
+                st.caption(f":material/info: **{board.literal(label)}** minus the baseline: "
+                           f"{board.literal(paired.note)}")
     with st.expander("metric definitions"):
         st.markdown("\n".join(f"- **{name}**: {text}" for name, text in compare.RUN_METRICS.items()))
     if all(record.steps.empty for record in records):
