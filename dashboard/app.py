@@ -12,6 +12,7 @@ import board
 st.set_page_config(page_title="qae", page_icon=":material/monitoring:", layout="wide")
 
 RUNS_PAGE = st.Page("views/runs.py", title="Runs", icon=":material/table_rows:", default=True)
+COMPARE_PAGE = st.Page("views/compare.py", title="Compare", icon=":material/compare_arrows:", url_path="compare")
 PAGES = [
     RUNS_PAGE,
     st.Page("views/curves.py", title="Training curves", icon=":material/show_chart:", url_path="curves"),
@@ -20,7 +21,10 @@ PAGES = [
     st.Page("views/prompts.py", title="Prompt history", icon=":material/history:", url_path="prompts"),
     st.Page("views/evals.py", title="Evaluations", icon=":material/fact_check:", url_path="evals"),
     st.Page("views/eval_samples.py", title="Eval samples", icon=":material/quiz:", url_path="eval-samples"),
+    COMPARE_PAGE,
 ]
+# pages about runs beyond the ones picked in the sidebar (every run; a sweep's runs) watch every run
+WATCH_ALL = (RUNS_PAGE.url_path, COMPARE_PAGE.url_path)
 
 page = st.navigation(PAGES)
 with st.sidebar:
@@ -31,6 +35,6 @@ with st.sidebar:
                  index=list(board.REFRESH_CHOICES).index(board.DEFAULT_REFRESH),
                  help="How often to check for new steps and new runs (two file stats per run, no database "
                       "opened). A page is redrawn only when something it shows changed.")
-    # the runs page lists every run; the other pages show the picked ones
-    board.watch(list(all_runs["run_id"]) if page.url_path == RUNS_PAGE.url_path else shown, all_runs)
+    # the runs page lists every run, the compare page a sweep's runs; the other pages show the picked ones
+    board.watch(list(all_runs["run_id"]) if page.url_path in WATCH_ALL else shown, all_runs)
 page.run()

@@ -24,7 +24,7 @@ import plotly.graph_objects as go
 import streamlit as st
 import streamlit.components.v1 as components_v1
 
-from qae_app import rundir, store
+from qae_app import compare, rundir, store
 from qae_app.errors import QAEUserError
 
 RUNS_DIR_ENV = "QAE_RUNS_DIR"  # set by `qae dashboard --runs-dir`
@@ -32,6 +32,7 @@ REFRESH_CHOICES = {"off": None, "2 s": 2, "5 s": 5, "10 s": 10, "30 s": 30}
 DEFAULT_REFRESH = "5 s"
 RUN_COLORS = plotly.colors.qualitative.Plotly
 CACHE_ENTRIES = 64  # per reader: a few versions of each shown run
+RECORD_CACHE_ENTRIES = 256  # the Compare page reads every run of a sweep: a few versions of each of many runs
 
 
 def runs_dir() -> Path:
@@ -76,6 +77,11 @@ def _run_view(path: str, version: tuple) -> store.RunView:
     return store.read_run_view(Path(path))
 
 
+@st.cache_data(max_entries=RECORD_CACHE_ENTRIES, show_spinner=False)
+def _run_record(runs_dir_: str, run_id: str, version: tuple) -> compare.RunRecord:
+    return compare.load_run(Path(runs_dir_), run_id)
+
+
 @st.cache_data(max_entries=CACHE_ENTRIES, show_spinner=False)
 def _read(reader: str, path: str, version: tuple, *args) -> pd.DataFrame | list:
     """Any other store reader, by name: store.<reader>(path, *args)."""
@@ -104,6 +110,11 @@ def runs() -> pd.DataFrame:
 
 def run_view(run_id: str) -> store.RunView | None:
     return _guarded(_run_view, str(run_path(run_id)), run_version(run_id), what=run_id)
+
+
+def run_record(run_id: str) -> compare.RunRecord | None:
+    """The run as `qae compare` reads it (config, seed, steps with the step-0 held-out point); None if unreadable."""
+    return _guarded(_run_record, str(runs_dir()), run_id, run_version(run_id), what=run_id)
 
 
 def read(reader: str, run_id: str, *args):

@@ -19,9 +19,13 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
+from qae_app.compare import CONFIDENCE, student_t_ppf
 from qae_app.names import GATE_REASONS, REGIMES
 
 SMOOTHING_METHODS = ("none", "ema", "rolling")
+# the band around a group's mean curve (Compare page): the mean's 95% Student-t interval, or the seeds' range
+SEED_BANDS = {"t-interval": "95% Student-t interval of the mean over seeds",
+              "min-max": "lowest to highest seed"}
 # x axes of the curves: column of the prepared steps frame -> axis title
 X_AXES = {"step": "step", "wall_time": "wall time (hours since the run started)", "tokens": "tokens generated"}
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash")
@@ -412,3 +416,52 @@ def eval_problem_grid(grid: pd.DataFrame, title: str) -> go.Figure:
 def _rgba(hex_color: str, alpha: float) -> str:
     r, g, b = (int(hex_color.lstrip("#")[i:i + 2], 16) for i in (0, 2, 4))
     return f"rgba({r},{g},{b},{alpha})"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# across seeds (Compare page)
+
+
+def across_seeds(curves: list[pd.DataFrame], band: str = "t-interval") -> pd.DataFrame:
+    """One group's curve: per step, over the runs (frames of step, value) that have a value at that step, `n`, the
+    `mean` and the band [`low`, `high`]: the mean's 95% Student-t interval (the interval `qae compare` gives a
+    metric: compare.mean_interval of those values) or the lowest and highest value. No band (NaN) where fewer than
+    two runs have the step: one seed says nothing about the spread."""
+    if band not in SEED_BANDS:
+        raise ValueError(f"band: unknown {band!r}; use one of {', '.join(SEED_BANDS)}")
+    parts = [curve[["step", "value"]].dropna() for curve in curves]
+    values = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame({"step": [], "value": []})
+    out = values.groupby("step")["value"].agg(n="count", mean="mean", sd="std", low="min", high="max").reset_index()
+    if band == "t-interval":
+        # the t quantile depends on n alone: one bisection per distinct n, not one per step
+        quantile = {n: student_t_ppf(0.5 + CONFIDENCE / 2, n - 1) for n in set(out["n"]) if n >= 2}
+        half = out["n"].map(quantile) * out["sd"] / np.sqrt(out["n"])
+        out["low"], out["high"] = out["mean"] - half, out["mean"] + half
+    few = out["n"] < 2
+    out.loc[few, ["low", "high"]] = np.nan
+    return out[["step", "n", "mean", "low", "high"]].astype({"step": int, "n": int})
+
+
+def seed_bands(groups: dict[str, pd.DataFrame], colors: dict[str, str], title: str, y_title: str | None = None,
+               band: str = "t-interval") -> go.Figure:
+    """Per group (frames from `across_seeds`): the mean over seeds as a line and the band (named in the title) as a
+    filled area in the group's color; hover gives the band and how many seeds have the step."""
+    fig = go.Figure()
+    for label, curve in groups.items():
+        if curve.empty:
+            continue
+        color, name = colors[label], html.escape(label)
+        banded = curve.dropna(subset=["low", "high"])
+        if not banded.empty:  # the band's outline: along the upper edge, then back along the lower one
+            fig.add_trace(go.Scatter(x=pd.concat([banded["step"], banded["step"][::-1]]),
+                                     y=pd.concat([banded["high"], banded["low"][::-1]]), fill="toself",
+                                     fillcolor=_rgba(color, 0.2), line=dict(width=0), mode="lines",
+                                     name=f"{name} · band", uid=f"{label} · band", legendgroup=label,
+                                     showlegend=False, hoverinfo="skip"))
+        fig.add_trace(go.Scatter(
+            x=curve["step"], y=curve["mean"], mode="lines+markers" if len(curve) <= 30 else "lines", name=name,
+            uid=label, legendgroup=label, line=dict(color=color, width=2), marker=dict(size=6, color=color),
+            customdata=np.stack([curve["n"], curve["low"], curve["high"]], axis=-1),
+            hovertemplate=f"{name}: %{{y:.4g}} [%{{customdata[1]:.4g}}, %{{customdata[2]:.4g}}] "
+                          "(%{customdata[0]} seeds, step %{x})<extra></extra>"))
+    return _layout(fig, f"{title} · band: {band}", y_title)

@@ -758,7 +758,7 @@ def test_the_dashboard_and_terminal_views_do_not_import_torch(small_dir):
 import os, sys
 os.environ["QAE_RUNS_DIR"] = {str(small_dir)!r}
 from streamlit.testing.v1 import AppTest
-for page in ["runs", "curves", "distributions", "rollouts", "prompts", "evals", "eval_samples"]:
+for page in ["runs", "curves", "distributions", "rollouts", "prompts", "evals", "eval_samples", "compare"]:
     at = AppTest.from_file({str(APP)!r}, default_timeout=60)
     at.query_params["run"] = ["crafted"]
     at.run()

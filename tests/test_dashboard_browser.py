@@ -304,3 +304,32 @@ def test_zoom_survives_new_steps_and_a_killed_run_stops_redrawing(start, dashboa
     assert page.inner_text("body") == shown
     assert store.read_runs(runs_dir).set_index("run_id").loc["live", "status"] == "stopped"
     screenshot(page, tmp_path, "dashboard-killed.png")
+
+
+@pytest.mark.slow
+def test_the_compare_page_of_a_sweep(dashboard, page, tmp_path):
+    """A sweep of 2 estimators x 3 seeds: the table with its intervals, the three charts of mean curves with bands,
+    and a baseline picked on the page: the paired differences appear and the choice goes into the URL."""
+    from test_dashboard_compare import SWEEP_NAME, write_compare_runs
+
+    url = dashboard(write_compare_runs(tmp_path / "runs"))
+    page.goto(f"{url}/compare?sweep={SWEEP_NAME}")
+    wait_idle(page)
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 3", timeout=60_000)
+    table = page.get_by_test_id("stDataFrame").first
+    expect(table).to_contain_text("estimator=qae", timeout=60_000)
+    expect(table).to_contain_text("0.700 [0.452, 0.948]")  # final_heldout of the qae seeds (0.6, 0.7, 0.8)
+    titles = page.evaluate("[...document.querySelectorAll('.js-plotly-plot')].map(gd => gd.layout.title.text)")
+    assert sorted(title.split(" · ")[0] for title in titles) == ["entropy", "held-out accuracy",
+                                                                "zero-advantage (gated) fraction"]
+    bands = page.evaluate("[...document.querySelectorAll('.js-plotly-plot')].map(gd => gd.data.filter("
+                          "t => t.fill === 'toself').length)")
+    assert bands == [2, 2, 2]  # one band per group on each chart
+    expect(page.get_by_test_id("stDataFrame")).to_have_count(1)  # no baseline yet: no differences
+
+    page.get_by_test_id("stSelectbox").filter(has_text="Baseline").click()
+    page.get_by_role("option", name="estimator=grpo").click()
+    expect(page.get_by_test_id("stDataFrame").nth(1)).to_contain_text("+0.133 [-0.010, 0.277] p=0.0572",
+                                                                     timeout=60_000)
+    assert "baseline=estimator%3Dgrpo" in page.url and f"sweep={SWEEP_NAME}" in page.url
+    screenshot(page, tmp_path, "dashboard-compare.png")

@@ -1,0 +1,254 @@
+"""Compare: the runs of a sweep, or any runs picked, grouped by their config without the seed (as `qae compare`): per
+group the run metrics' means with 95% intervals, the paired differences from a baseline group, and the mean curves of
+held-out accuracy, entropy and the zero-advantage fraction with a band across seeds.
+
+Every number of the table comes from `qae_app.compare`; this page only picks the runs and lays the numbers out."""
+
+import pandas as pd
+import streamlit as st
+
+import board
+import charts
+from qae_app import compare
+from qae_app.errors import QAEUserError
+from qae_app.store import READ_STATUSES, STEP_METRICS
+from qae_app.terminal import number
+
+# the curves drawn per group: steps column -> (chart title, y axis title)
+CURVES = {
+    "heldout_accuracy": ("held-out accuracy", "avg@k over the held-out set"),
+    "entropy": ("entropy", "nats / token"),
+    "frac_zero_adv": ("zero-advantage (gated) fraction", "fraction of responses"),
+}
+NO_HELDOUT = ("No held-out evaluation in these runs, so the held-out metrics are empty. Train with `--eval-every N` "
+              "(`qae sweep` passes it on to every run) to evaluate on the held-out split every N steps and at step 0.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# which runs: a sweep (`?sweep=`) or runs picked (`?runs=`)
+#
+# The pickers take a value typed in or given in a link that is not one of their options (a sweep's id where the list
+# shows names, `grpo` for the group `estimator=grpo`, `a,b` for two runs) and resolve it as `qae compare` does: the
+# URL keeps exactly what the link said, and a value that names nothing is reported, not dropped silently.
+
+
+def run_configs(readable: pd.DataFrame) -> dict[str, dict]:
+    return {str(row["run_id"]): board.run_config(row) for row in readable.to_dict("records")}
+
+
+def sweeps(configs: dict[str, dict]) -> list[str]:
+    """The sweeps among these runs (run id -> config, newest first), each by the name a user types (its id when two
+    sweeps share a name)."""
+    names: dict[str, str] = {}  # sweep id -> name, in the order first seen (newest run first)
+    for config in configs.values():
+        if config.get("sweep_id"):
+            names.setdefault(str(config["sweep_id"]), str(config.get("sweep_name") or config["sweep_id"]))
+    shared = {name for name in names.values() if list(names.values()).count(name) > 1}
+    return [sweep_id if name in shared else name for sweep_id, name in names.items()]
+
+
+def _chosen_by_user() -> None:
+    st.session_state["_compare_chosen"] = True
+
+
+def not_found(what: str) -> None:
+    st.warning(f"Not in `{board.runs_dir()}`: {what}. The link names what this folder does not have (renamed, moved "
+               "or deleted); pick above.", icon=":material/link_off:")
+
+
+def pick_compared(readable: pd.DataFrame) -> list[str]:
+    """The sweep picker (`?sweep=NAME` or its id) and, without a sweep, the runs picker (`?runs=a&runs=b`, or
+    `?runs=a,b`). A first visit shows the newest sweep, else the runs picked in the sidebar."""
+    configs = run_configs(readable)
+    found = sweeps(configs)
+    if not (st.session_state.get("_compare_chosen") or "sweep" in st.query_params or "runs" in st.query_params):
+        if found and st.session_state.get("sweep") is None:
+            board.seed("sweep", found[0])
+        elif not found and not st.session_state.get("runs"):
+            board.seed("runs", [run_id for run_id in board.shown_runs() if run_id in configs])
+    left, right = st.columns(2)
+    sweep = left.selectbox("Sweep", found, index=None, key="sweep", bind="query-params", accept_new_options=True,
+                           placeholder="none: compare the runs picked" if found else "no sweep in this runs dir",
+                           on_change=_chosen_by_user,
+                           help="Runs started by `qae sweep` carry its id and name in their config: pick its name "
+                                "or type its id. Clear it to compare any runs.")
+    if sweep is not None:
+        members = [run_id for run_id, config in sorted(configs.items()) if compare.in_sweep(config, sweep)]
+        if not members:
+            not_found(f"no run belongs to sweep `{sweep}`")
+        else:
+            ids = sorted({str(configs[run_id]["sweep_id"]) for run_id in members})
+            right.caption(f"sweep id {', '.join(ids)}: {len(members)} run(s): " + ", ".join(members))
+        return members
+    picked = right.multiselect("Runs to compare", list(configs), key="runs", bind="query-params",
+                               accept_new_options=True, placeholder="pick runs", on_change=_chosen_by_user,
+                               help="Runs with the same config but the seed form a group; pick two or more seeds of "
+                                    "a setup for an interval.")
+    run_ids = list(dict.fromkeys(run_id for value in picked for run_id in value.split(",") if run_id))
+    if missing := [run_id for run_id in run_ids if run_id not in configs]:
+        not_found(", ".join(f"run `{run_id}`" for run_id in missing))
+    return [run_id for run_id in run_ids if run_id in configs]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the table
+
+
+def estimate_text(estimate: compare.Estimate | None) -> str:
+    """'0.700 [0.452, 0.948]': the mean over seeds and its 95% interval (the mean alone with one seed)."""
+    if estimate is None or estimate.mean is None:
+        return "-"
+    if estimate.low is None:
+        return number(estimate.mean)
+    return f"{number(estimate.mean)} [{number(estimate.low)}, {number(estimate.high)}]"
+
+
+def difference_text(difference: compare.PairedDifference | None) -> str:
+    """'+0.133 [-0.115, 0.382] p=0.0572': the mean paired difference, its 95% interval and the paired t-test p."""
+    if difference is None or difference.mean is None:
+        return "-"
+    text = ("+" if difference.mean > 0 else "") + estimate_text(difference)
+    return text + (f" p={difference.p_value:.3g}" if difference.p_value is not None else "")
+
+
+def group_notes(group: compare.RunGroup) -> str:
+    unfinished = [f"{run.run_id} ({run.status})" for run in group.runs if run.status != "finished"]
+    notes = [group.note()] + ([f"not finished, numbers so far: {', '.join(unfinished)}"] if unfinished else [])
+    return "; ".join(note for note in notes if note)
+
+
+def groups_table(comparison: compare.Comparison) -> pd.DataFrame:
+    rows = []
+    for group in comparison.groups:
+        rows.append({"group": group.label, "n": len(group.runs), "seeds": ", ".join(map(str, group.seeds)),
+                     **{name: estimate_text(group.metrics.get(name)) for name in compare.RUN_METRICS},
+                     "note": group_notes(group), "runs": ", ".join(run.run_id for run in group.runs)})
+    return pd.DataFrame(rows)
+
+
+def differences_table(comparison: compare.Comparison) -> pd.DataFrame:
+    rows = []
+    for label, differences in comparison.differences.items():
+        paired = differences[next(iter(compare.RUN_METRICS))].seeds
+        rows.append({"group": label, "paired seeds": ", ".join(map(str, paired)) or "none",
+                     **{name: difference_text(differences.get(name)) for name in compare.RUN_METRICS}})
+    return pd.DataFrame(rows)
+
+
+METRIC_COLUMNS = {name: st.column_config.TextColumn(name, help=f"{text}: mean over seeds [95% Student-t interval]")
+                  for name, text in compare.RUN_METRICS.items()}
+TABLE_COLUMNS = {
+    "group": st.column_config.TextColumn("group", help="The config keys on which the groups differ; runs that "
+                                                       "differ only in seed (and bookkeeping) form one group."),
+    "n": st.column_config.NumberColumn("n", help="runs (seeds) in the group"),
+    **METRIC_COLUMNS,
+    "note": st.column_config.TextColumn("note", width="large"),
+}
+DIFFERENCE_COLUMNS = {
+    "paired seeds": st.column_config.TextColumn("paired seeds", help="seeds both this group and the baseline ran: "
+                                                                     "only those pairs enter the difference"),
+    **{name: st.column_config.TextColumn(name, help=f"{text}: group minus baseline, mean over paired seeds [95% "
+                                                    "interval] and the paired t-test p") for name, text in
+       compare.RUN_METRICS.items()},
+}
+
+
+def pick_baseline(groups: list[compare.RunGroup]) -> compare.RunGroup | None:
+    """The baseline selector (`?baseline=LABEL`, or a value only one group has, such as `grpo`, resolved as
+    `qae compare --baseline grpo` resolves it)."""
+    if len(groups) < 2:
+        return None
+    name = st.selectbox("Baseline", [group.label for group in groups], index=None, key="baseline",
+                        bind="query-params", accept_new_options=True, placeholder="none: no differences",
+                        help="Adds each group's difference from this one, paired by seed (the same seed gives both "
+                             "runs the same prompt order), with its 95% interval and the paired t-test p-value. "
+                             "Pick a group, or type a value only it has (grpo).")
+    if name is None:
+        return None
+    try:
+        return compare.find_group(groups, name)
+    except QAEUserError as err:
+        st.warning(str(err), icon=":material/link_off:")
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the page
+
+
+def curves_section(comparison: compare.Comparison, band: str) -> None:
+    colors = {group.label: board.RUN_COLORS[i % len(board.RUN_COLORS)] for i, group in enumerate(comparison.groups)}
+    caption = (f"One color per group; the line is the mean over the group's seeds at each step, the band the "
+               f"{charts.SEED_BANDS[band]} (none where only one seed has the step; hover for how many do)")
+    left, right = st.columns(2)
+    for i, (metric, (title, y_title)) in enumerate(CURVES.items()):
+        curves = {group.label: charts.across_seeds([run.steps.rename(columns={metric: "value"}) for run in group.runs
+                                                    if metric in run.steps], band)
+                  for group in comparison.groups}
+        with (left, right)[i % 2]:
+            if metric == "heldout_accuracy" and all(curve.empty for curve in curves.values()):
+                st.subheader(title)
+                st.info(NO_HELDOUT)
+                continue
+            fig = charts.seed_bands(curves, colors, title, y_title, band)
+            if metric == "heldout_accuracy":
+                fig.update_yaxes(range=[0, 1.05])
+            board.plot(fig, f"compare_{metric}")
+            without = [label for label, curve in curves.items() if curve.empty]
+            st.caption(f"**{metric}**: {STEP_METRICS[metric]}. {caption}."
+                       + (f" No values in: {'; '.join(without)}." if without else ""))
+
+
+def body(run_ids: list[str]) -> None:
+    records = [record for run_id in run_ids if (record := board.run_record(run_id)) is not None]
+    if not records:
+        return
+    groups = compare.compare_runs(records).groups
+    baseline = pick_baseline(groups)
+    comparison = compare.compare_runs(records, baseline.label if baseline else None)
+    st.caption(f"{len(records)} run(s) in {len(groups)} group(s) (same config but the seed); each metric is the "
+               "mean over the group's seeds with its 95% Student-t interval in brackets, as `qae compare` prints it")
+    st.dataframe(groups_table(comparison), hide_index=True, column_config=TABLE_COLUMNS, key="compare_table",
+                 placeholder="")
+    for group in comparison.groups:
+        if note := group_notes(group):
+            st.caption(f":material/info: **{board.literal(group.label)}**: {board.literal(note)}")
+    if all(group.metrics["final_heldout"].mean is None for group in groups):
+        st.info(NO_HELDOUT)
+    if comparison.baseline is not None:
+        st.markdown(f"**Minus the baseline {board.literal(comparison.baseline.label)}**, paired by seed: mean difference [95% "
+                    "interval] and the two-sided paired t-test p")
+        st.dataframe(differences_table(comparison), hide_index=True, key="compare_differences",
+                     column_config=DIFFERENCE_COLUMNS, placeholder="")
+        for label, differences in comparison.differences.items():
+            paired = differences[next(iter(compare.RUN_METRICS))]
+            if paired.note:
+                st.caption(f":material/info: **{board.literal(label)}** minus the baseline: "
+                           f"{board.literal(paired.note)}")
+    with st.expander("metric definitions"):
+        st.markdown("\n".join(f"- **{name}**: {text}" for name, text in compare.RUN_METRICS.items()))
+    if all(record.steps.empty for record in records):
+        st.info("No step written yet: the curves appear when the runs write their first steps.")
+        return
+    band = st.segmented_control("Band", list(charts.SEED_BANDS), key="band", default="t-interval", required=True,
+                                bind="query-params",
+                                help="t-interval: the 95% Student-t interval of the mean over seeds (the table's "
+                                     "interval, step by step; wide with few seeds); min-max: the lowest to highest "
+                                     "seed.")
+    curves_section(comparison, band)
+
+
+st.header("Compare")
+st.caption("Runs that differ only in seed form a group; each group's metrics are means over its seeds with 95% "
+           "intervals. Pick a sweep or any runs; the choice is in the URL.")
+runs_now = board.runs()
+readable_runs = runs_now[~runs_now["status"].isin(READ_STATUSES)]
+if readable_runs.empty:
+    st.info(f"No runs in `{board.runs_dir()}` yet. Start a sweep with `qae sweep --estimator qae,grpo --seeds 3 "
+            f"--runs-dir {board.runs_dir()}`; its runs appear here.")
+    st.stop()
+compared = pick_compared(readable_runs)
+if not compared:
+    st.info("Pick a sweep, or runs to compare.")
+    st.stop()
+body(compared)
