@@ -56,7 +56,7 @@ def qae_train(runs_dir: Path, model, data: Path, run_name: str, steps: int, resu
         qae("train", "--resume", run_name, "--steps", steps, "--runs-dir", runs_dir)
         return
     qae("train", "--model", model, "--data", data, "--steps", steps, "--group-size", 4, "--prompts-per-step", 2,
-        "--max-new-tokens", 64, "--num-mini-batches", 1, "--checkpoint-every", 1, "--eval-every", 0,
+        "--max-new-tokens", 64, "--num-mini-batches", 1, "--checkpoint-every", 2, "--eval-every", 0,
         "--kl-beta", "0.001", "--lr", "1e-5", "--seed", 7, "--run-name", run_name, "--runs-dir", runs_dir)
 
 
@@ -204,21 +204,21 @@ def test_sampled_log_probs_are_what_the_trainer_recomputes_with_the_real_tokeniz
 @pytest.mark.slow
 def test_eval_smollm2_on_gsm8k(smollm2, math_data, tmp_path):
     max_new_tokens = 256
-    out = qae_eval(tmp_path, smollm2, math_data / GSM8K_TEST, limit=4, samples=2, max_new_tokens=max_new_tokens,
+    out = qae_eval(tmp_path, smollm2, math_data / GSM8K_TEST, limit=8, samples=2, max_new_tokens=max_new_tokens,
                    run_name="smol")
     samples = query(db_path(tmp_path, "smol"), "SELECT * FROM eval_samples ORDER BY problem_id, sample_idx")
-    assert len(samples) == 8
+    assert len(samples) == 16
     assert all(indices == [0, 1] for indices in samples.groupby("problem_id")["sample_idx"].apply(sorted))
     # the chat template made it answer as an assistant that ends its turn: most responses stop by themselves
     stopped = samples["n_tokens"] < max_new_tokens
-    print(f"{stopped.sum()} of 8 responses ended at <|im_end|>; mean length {samples['n_tokens'].mean():.0f} tokens;"
+    print(f"{stopped.sum()} of 16 responses ended at <|im_end|>; mean length {samples['n_tokens'].mean():.0f} tokens;"
           f" accuracy {samples['correct'].mean():.3f}")
     assert stopped.any()
     assert not samples["response"].str.contains("<|im_start|>", regex=False).any()
     # scored with math-verify: every response verified, and the stored verdicts are what the verifier says
     problems = {json.loads(line)["question"]: json.loads(line) for line in
-                (math_data / GSM8K_TEST).read_text().splitlines()[:4]}
-    assert samples["verified"].all() and len(problems) == 4
+                (math_data / GSM8K_TEST).read_text().splitlines()[:8]}
+    assert samples["verified"].all() and len(problems) == 8
     answers = {f"gsm8k_test-{i + 1}": row["answer"].split("####")[-1].strip().replace(",", "")
                for i, row in enumerate(problems.values())}
     with Scorer("math", 5.0) as scorer:
@@ -231,22 +231,22 @@ def test_eval_smollm2_on_gsm8k(smollm2, math_data, tmp_path):
 def test_train_smollm2_on_gsm8k_resume_equals_uninterrupted(smollm2, math_data, tmp_path):
     import shutil
 
-    qae_train(tmp_path, smollm2, math_data / GSM8K_TRAIN, "smol", steps=2)  # checkpoints at steps 1 and 2
+    qae_train(tmp_path, smollm2, math_data / GSM8K_TRAIN, "smol", steps=3)  # checkpoints at steps 2 and 3
     path = db_path(tmp_path, "smol")
     uninterrupted = read_steps(path)
     # step 1's one mini-batch: the policy (train mode) is still its reference (no-grad pass), to rounding
     assert uninterrupted["kl"].iloc[0] < 1e-6
     rollouts = query(path, "SELECT * FROM rollouts")
-    assert len(rollouts) == 2 * 2 * 4 and rollouts["verified"].all()
+    assert len(rollouts) == 3 * 2 * 4 and rollouts["verified"].all()
     print(f"response_len {uninterrupted['response_len'].tolist()}, truncated {uninterrupted['truncated_frac'].tolist()}"
           f", accuracy {uninterrupted['accuracy'].tolist()}")
 
-    # as a kill right after step 2's rows leaves it: step-1 is the newest checkpoint; resume replays step 2
-    shutil.rmtree(tmp_path / "smol" / "checkpoints" / "step-2")
-    qae_train(tmp_path, smollm2, math_data / GSM8K_TRAIN, "smol", steps=2, resume=True)
+    # as a kill right after step 3's rows leaves it: step-2 is the newest checkpoint; resume replays step 3
+    shutil.rmtree(tmp_path / "smol" / "checkpoints" / "step-3")
+    qae_train(tmp_path, smollm2, math_data / GSM8K_TRAIN, "smol", steps=3, resume=True)
     resumed = read_steps(path)
     columns = [c for c in uninterrupted.columns if not c.endswith("_s") and c != "logged_at"]  # all but the timings
-    assert resumed["step"].tolist() == [1, 2]
+    assert resumed["step"].tolist() == [1, 2, 3]
     pd.testing.assert_frame_equal(resumed[columns], uninterrupted[columns])  # (NaN equals NaN here)
 
     out = qae_eval(tmp_path, "smol", math_data / GSM8K_TEST, limit=2, samples=1, max_new_tokens=32)
