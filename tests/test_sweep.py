@@ -3,6 +3,7 @@ and the comparison printed from stored runs with known values (hand-computed int
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -82,8 +83,15 @@ def test_a_sweep_runs_its_points_lists_them_and_keeps_them_when_run_again(tmp_pa
 
 
 def _pids_of(pattern: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-    return [int(pid) for pid in out.split()]
+    """Processes whose command line contains `pattern` (read from /proc: no pgrep needed)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if pattern.encode() in cmdline.read_bytes():
+                pids.append(int(cmdline.parent.name))
+        except OSError:  # the process ended meanwhile
+            continue
+    return [pid for pid in pids if pid != os.getpid()]
 
 
 @pytest.mark.slow
