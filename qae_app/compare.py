@@ -234,6 +234,10 @@ RUN_METRICS: dict[str, str] = {
     "entropy_slope": "least-squares slope of entropy against step over the last 20% of steps (nats per step)",
     "zero_adv": "mean fraction of zero-advantage (gated) responses over all steps",
     "zero_adv_last": "mean fraction of zero-advantage (gated) responses over the last 20% of steps",
+    "dH_easy": "mean over steps of the update's entropy change on easy groups (needs --log-entropy-delta; QAE: "
+               "Prop. 4.2 predicts > 0)",
+    "dH_hard": "mean over steps of the update's entropy change on hard groups (needs --log-entropy-delta; QAE: "
+               "Prop. 4.2 predicts < 0)",
     "step_s": "mean wall seconds per step",
 }
 
@@ -280,6 +284,7 @@ def run_metrics(steps: pd.DataFrame) -> dict[str, float]:
     entropy = _last_fraction(_series(steps, "entropy"))
     zero_adv = _series(steps, "frac_zero_adv")
     step_s = _series(steps, "step_s")
+    delta = {name: _series(steps, name) for name in ("dH_easy", "dH_hard")}
     nan = math.nan
     return {
         "final_heldout": float(heldout["value"].iloc[-1]) if len(heldout) else nan,
@@ -289,6 +294,7 @@ def run_metrics(steps: pd.DataFrame) -> dict[str, float]:
         "entropy_slope": least_squares_slope(entropy["step"].tolist(), entropy["value"].tolist()),
         "zero_adv": float(zero_adv["value"].mean()) if len(zero_adv) else nan,
         "zero_adv_last": float(_last_fraction(zero_adv)["value"].mean()) if len(zero_adv) else nan,
+        **{name: float(rows["value"].mean()) if len(rows) else nan for name, rows in delta.items()},
         "step_s": float(step_s["value"].mean()) if len(step_s) else nan,
     }
 

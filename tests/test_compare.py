@@ -140,6 +140,13 @@ def test_run_metrics_by_hand():
     assert m["entropy_last"] == pytest.approx(1.05) and m["entropy_slope"] == pytest.approx(-0.1)
     assert m["zero_adv"] == pytest.approx(0.82) and m["zero_adv_last"] == pytest.approx(0.9)
     assert m["step_s"] == pytest.approx(5.5)
+    assert math.isnan(m["dH_easy"]) and math.isnan(m["dH_hard"])  # not measured in this run
+
+
+def test_entropy_change_per_regime_is_averaged_over_the_steps_that_have_it():
+    steps = _steps().assign(dH_easy=[0.02, None, 0.04] + [None] * 7, dH_hard=[-0.01] * 10)
+    m = run_metrics(steps)
+    assert m["dH_easy"] == pytest.approx(0.03) and m["dH_hard"] == pytest.approx(-0.01)
 
 
 def test_run_metrics_without_evaluations_are_nan():
