@@ -12,7 +12,8 @@ import board
 st.set_page_config(page_title="qae", page_icon=":material/monitoring:", layout="wide")
 
 RUNS_PAGE = st.Page("views/runs.py", title="Runs", icon=":material/table_rows:", default=True)
-COMPARE_PAGE = st.Page("views/compare.py", title="Compare", icon=":material/compare_arrows:", url_path="compare")
+COMPARE_URL = "compare"
+COMPARE_PAGE = st.Page("views/compare.py", title="Compare", icon=":material/compare_arrows:", url_path=COMPARE_URL)
 PAGES = [
     RUNS_PAGE,
     st.Page("views/curves.py", title="Training curves", icon=":material/show_chart:", url_path="curves"),
@@ -24,7 +25,7 @@ PAGES = [
     COMPARE_PAGE,
 ]
 # pages about runs beyond the ones picked in the sidebar (every run; a sweep's runs) watch every run
-WATCH_ALL = (RUNS_PAGE.url_path, COMPARE_PAGE.url_path)
+WATCH_ALL = ("", COMPARE_URL)  # "": the default page (Runs); strings, as a Page's url_path needs a running app
 
 page = st.navigation(PAGES)
 with st.sidebar:

@@ -146,6 +146,7 @@ def test_ctrl_c_checkpoints_marks_interrupted_and_resumes(tmp_path, reference):
         assert_same_steps(reference, path, OPTS["steps"])
 
 
+@pytest.mark.slow
 def test_a_crash_marks_the_run_failed_with_the_error(tmp_path):
     proc = start_train(tmp_path, "boom", {"QAE_FAULT": "raise:after_step_rows@2"}, **OPTS)
     out, _ = proc.communicate(timeout=600)
@@ -157,6 +158,7 @@ def test_a_crash_marks_the_run_failed_with_the_error(tmp_path):
     assert "failed" in listed.stdout
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_conflicting_config_and_a_live_trainer(tmp_path):
     Trainer(build_config(run_name="r", **dict(OPTS, steps=2)), tmp_path, cpu=True).fit()
     result = subprocess.run([QAE, "train", "--resume", "r", "--group-size", "4", "--runs-dir", str(tmp_path)],
@@ -213,6 +215,7 @@ def test_a_reader_polling_every_100ms_never_hurts_the_writer(tmp_path):
     assert read_run(path)["status"] == "finished"
 
 
+@pytest.mark.slow
 def test_resume_checks_the_checkpoint_data_position(tmp_path):
     Trainer(build_config(run_name="dp", **dict(OPTS, steps=2)), tmp_path, cpu=True).fit()
     state = tmp_path / "dp" / "checkpoints" / "step-2" / "trainer_state.json"

@@ -25,6 +25,7 @@ QAE = Path(sys.executable).parent / "qae"
 
 pytestmark = [
     pytest.mark.browser,
+    pytest.mark.slow,  # a real server and a real browser: 10-60 s a test
     pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing"),
 ]
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[dev])")

@@ -128,7 +128,7 @@ def test_exact_int_reward():
 def test_registry_names_and_unknown_name():
     assert {"exact_int", "math"} <= set(REWARD_FUNCTIONS)
     assert get_reward_function("exact_int") is exact_int_reward
-    with pytest.raises(QAEUserError, match=r"unknown reward function 'mth'.*exact_int, math"):
+    with pytest.raises(QAEUserError, match=r"unknown reward function 'mth'.*exact_int, chain_final, math"):
         get_reward_function("mth")
 
 

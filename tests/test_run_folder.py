@@ -106,6 +106,7 @@ def test_two_fresh_runs_with_one_name_at_once(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["twin"]
 
 
+@pytest.mark.slow
 def test_resume_falls_back_to_the_newest_checkpoint_that_checks_out(finished, tmp_path):
     folder = copy_run(finished, tmp_path)
     newest = latest_checkpoint(folder)
@@ -123,6 +124,7 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_checks_out(finished, tm
     assert read_steps(db_path(tmp_path, "r"))["step"].tolist() == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_its_manifest_is_not_trusted(finished, tmp_path):
     folder = copy_run(finished, tmp_path)
     for checkpoint in list_checkpoints(folder):
@@ -132,6 +134,7 @@ def test_a_checkpoint_without_its_manifest_is_not_trusted(finished, tmp_path):
     assert "no checkpoint of run 'r' checks out" in " ".join(result.stderr.split())
 
 
+@pytest.mark.slow
 def test_resume_without_the_database_refuses_instead_of_losing_steps(finished, tmp_path):
     folder = copy_run(finished, tmp_path)
     (folder / "qae.duckdb").unlink()
@@ -154,6 +157,7 @@ def test_resume_of_a_run_killed_before_its_first_checkpoint_without_a_row_starts
     assert read_steps(db_path(tmp_path, "r"))["step"].tolist() == [1, 2]
 
 
+@pytest.mark.slow
 def test_resume_refuses_fewer_steps_than_done(finished, tmp_path):
     copy_run(finished, tmp_path)
     result = qae("train", "--resume", "r", "--steps", "2", runs_dir=tmp_path)

@@ -1,13 +1,12 @@
 """The DuckDB store: round trip, whole-step transactions, replacing replayed steps, and a reader holding the lock."""
 
 import json
-import multiprocessing
 import resource
 import shutil
 import signal
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import duckdb
 import pytest
@@ -82,19 +81,27 @@ def test_nan_metrics_are_stored_as_null(writer):
     assert query(writer.path, "SELECT entropy_neg IS NULL AS missing FROM steps")["missing"].item()
 
 
-def _hold_read_lock(path: str, seconds: float, ready) -> None:
-    con = duckdb.connect(path, read_only=True)
-    ready.set()
-    time.sleep(seconds)
-    con.close()
+class ReadLock:
+    """Another process holding the run file open read-only for `seconds` (a reader in another process, as the
+    dashboard is). A fresh interpreter, not multiprocessing's spawn, which would re-run whatever `__main__` the test
+    process has (Streamlit's AppTest leaves it pointing at the dashboard's app.py)."""
+
+    def __init__(self, path: Path, seconds: float):
+        code = ("import sys, time, duckdb\n"
+                "con = duckdb.connect(sys.argv[1], read_only=True)\n"
+                "print('ready', flush=True)\n"
+                "time.sleep(float(sys.argv[2]))\n"
+                "con.close()\n")
+        self.process = subprocess.Popen([sys.executable, "-c", code, str(path), str(seconds)],
+                                        stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout.readline().strip() == "ready"  # the file is held from here on
+
+    def join(self) -> None:
+        assert self.process.wait(timeout=60) == 0
 
 
 def test_writer_keeps_rows_while_a_reader_holds_the_file(writer):
-    ctx = multiprocessing.get_context("spawn")
-    ready = ctx.Event()
-    reader = ctx.Process(target=_hold_read_lock, args=(str(writer.path), 3.0, ready))
-    reader.start()
-    assert ready.wait(60)
+    reader = ReadLock(writer.path, 3.0)
     writer.lock_timeout_s = 0.2
     writer.add_step(1, **_rows(1))
     assert writer.flush() is False  # busy: nothing lost, still buffered
@@ -110,11 +117,7 @@ def test_writer_keeps_rows_while_a_reader_holds_the_file(writer):
 def test_rows_spilled_while_a_reader_held_the_file_survive_a_kill(writer):
     """A trainer killed while a reader held the file: the next writer of the run (a resume) writes what was saved,
     in order: the rows, the run's status, and a truncation queued after them."""
-    ctx = multiprocessing.get_context("spawn")
-    ready = ctx.Event()
-    reader = ctx.Process(target=_hold_read_lock, args=(str(writer.path), 2.0, ready))
-    reader.start()
-    assert ready.wait(60)
+    reader = ReadLock(writer.path, 2.0)
     for step in (1, 2, 3):
         writer.add_step(step, **_rows(step))
         assert writer.flush() is False

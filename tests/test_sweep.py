@@ -56,6 +56,7 @@ def test_a_bad_sweep_is_refused_before_any_run_starts(tmp_path, args, message):
     assert not list((tmp_path / "runs").glob("*/qae.duckdb"))
 
 
+@pytest.mark.slow
 def test_a_sweep_runs_its_points_lists_them_and_keeps_them_when_run_again(tmp_path):
     runs = tmp_path / "runs"
     command = [*QAE, "sweep", "--estimator", "qae,grpo", "--name", "s", "--runs-dir", str(runs), *TINY]
