@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 import torch
 
-from qae_app.store import STEP_METRICS, TIMING_METRICS, db_path, query, read_run, read_steps
+from same_steps import assert_same_metrics
+from qae_app.store import db_path, query, read_run, read_steps
 
 ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
 SCRIPT = Path(__file__).parent / "scripts" / "same_samples.py"
-TIMING = set(TIMING_METRICS)
 
 
 def launch(n: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -42,9 +42,7 @@ def test_two_processes_give_the_one_process_update_on_the_same_samples(tmp_path)
         torch.testing.assert_close(one[name], two[name], atol=1e-6, rtol=0, msg=name)
     steps1, steps2 = (read_steps(db_path(tmp_path, f"p{n}")).set_index("step") for n in (1, 2))
     assert steps2["lr"].tolist() == pytest.approx([1.25e-5, 2.5e-5, 3.75e-5])  # --warmup-steps 4, lr 5e-5
-    for name in set(STEP_METRICS) - TIMING:
-        pd.testing.assert_series_equal(steps1[name], steps2[name], check_names=False, rtol=1e-5, atol=1e-6,
-                                       obj=name)
+    assert_same_metrics(steps1, steps2)
     rows = [query(db_path(tmp_path, f"p{n}"), "SELECT step, group_idx, sample_idx, response, reward, advantage "
                   "FROM rollouts ORDER BY ALL") for n in (1, 2)]
     pd.testing.assert_frame_equal(rows[0], rows[1])
@@ -90,5 +88,4 @@ def test_two_process_run_checkpoints_whole_and_resumes_after_kill_9(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     want, got = (read_steps(db_path(tmp_path, name)).set_index("step") for name in ("ref", "cut"))
     assert got.index.tolist() == [1, 2, 3, 4]
-    for name in set(STEP_METRICS) - TIMING:
-        pd.testing.assert_series_equal(want[name], got[name], check_names=False, rtol=1e-5, atol=1e-6, obj=name)
+    assert_same_metrics(want, got)

@@ -17,13 +17,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from same_steps import assert_same_metrics
 from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
 from qae_app.cli import app
 from qae_app.config import build_config
 from qae_app.losses import token_logprobs_and_entropy
 from qae_app.models import load_policy
 from qae_app.rows import step_metrics
-from qae_app.store import STEP_METRICS, TIMING_METRICS, db_path, query, read_steps
+from qae_app.store import db_path, query, read_steps
 from qae_app.trainer import Trainer, data_position_problem
 
 runner = CliRunner()
@@ -261,8 +262,7 @@ def test_kill_9_then_resume_replays_dynamic_sampling_exactly(tmp_path):
     ref, cut = db_path(tmp_path, "ref"), db_path(tmp_path, "cut")
     want, got = read_steps(ref).set_index("step"), read_steps(cut).set_index("step")
     assert got.index.tolist() == [1, 2, 3, 4, 5] and want["gen_batches"].sum() > 5
-    for name in set(STEP_METRICS) - set(TIMING_METRICS):
-        pd.testing.assert_series_equal(want[name], got[name], check_names=False, rtol=1e-5, atol=1e-6, obj=name)
+    assert_same_metrics(want, got)
     for table, order in (("groups", "step, group_idx"), ("rollouts", "step, group_idx, sample_idx")):
         sql = f"SELECT * EXCLUDE (run_id, entropy, logprob) FROM {table} ORDER BY {order}" if table == "rollouts" \
             else f"SELECT * EXCLUDE (run_id) FROM {table} ORDER BY {order}"
@@ -287,9 +287,7 @@ def test_a_process_without_groups_to_train_takes_part_and_adds_nothing(tmp_path)
     assert ((trained["group_idx"] % 4) < 2).all()  # only the first process's share of each batch trained
     assert (read_steps(paths[1])["n_updates"] > 0).all()
     steps1, steps2 = (read_steps(p).set_index("step") for p in paths)
-    for name in set(STEP_METRICS) - set(TIMING_METRICS):
-        pd.testing.assert_series_equal(steps1[name], steps2[name], check_names=False, rtol=1e-5, atol=1e-6,
-                                       obj=name)
+    assert_same_metrics(steps1, steps2)
     rows = [query(p, "SELECT step, group_idx, sample_idx, response, reward, advantage, filtered FROM rollouts "
                      "ORDER BY ALL") for p in paths]
     pd.testing.assert_frame_equal(rows[0], rows[1])

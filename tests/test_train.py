@@ -8,10 +8,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from same_steps import assert_same_metrics
 from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
 from qae_app.cli import app
 from qae_app.config import build_config, resume_config
-from qae_app.store import STEP_METRICS, TIMING_METRICS, db_path, query, read_run, read_steps
+from qae_app.store import STEP_METRICS, db_path, query, read_run, read_steps
 from qae_app.rows import step_metrics
 from qae_app.trainer import Trainer, prompts_for_step
 from tests.conftest import TINY_RUN_OPTIONS
@@ -93,8 +94,7 @@ def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path):
     full = read_steps(db_path(tmp_path, "full")).set_index("step")
     cut = read_steps(db_path(tmp_path, "cut")).set_index("step")
     assert cut.index.tolist() == [1, 2, 3, 4, 5, 6]
-    for name in set(STEP_METRICS) - set(TIMING_METRICS):
-        pd.testing.assert_series_equal(full[name], cut[name], check_names=False, rtol=1e-5, atol=1e-6)
+    assert_same_metrics(full, cut)
     rows = query(db_path(tmp_path, "cut"), "SELECT step, count(*) AS n FROM rollouts GROUP BY step ORDER BY step")
     assert rows["n"].tolist() == [32] * 6
 
