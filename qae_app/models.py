@@ -13,7 +13,6 @@ under $QAE_CACHE (default ~/.cache/qae), keyed by the file's sha256, so RL can s
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -26,6 +25,7 @@ import torch
 
 from qae_app.errors import QAEUserError
 from qae_app.names import BUILTIN_MODEL, BUILTIN_SCRATCH
+from qae_app.rundir import file_sha256
 ASSETS_DIR = Path(__file__).parent / "assets"
 # shipped warm-started checkpoints: model spec -> folder (each built by `qae warmstart --task <the task naming it>`)
 BUILTIN_CHECKPOINTS = {
@@ -227,17 +227,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("QAE_CACHE") or Path.home() / ".cache" / "qae")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def gguf_cache_folder(path: Path) -> Path:
     """Where the de-quantized copy of this GGUF file lives (it may not exist yet)."""
-    return cache_root() / "gguf" / _sha256(path)
+    return cache_root() / "gguf" / file_sha256(path)
 
 
 def publish_folder(final: Path, build) -> Path:

@@ -88,7 +88,8 @@ def latest_checkpoint(run_folder: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks (checkpoint manifests, data fingerprints, the GGUF cache key)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -101,7 +102,7 @@ def write_manifest(folder: Path) -> None:
     checkpoint was complete when saved."""
     folder = Path(folder)
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-    entries = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    entries = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in files}
     (folder / MANIFEST).write_text(json.dumps(entries, indent=1))
 
 
@@ -120,7 +121,7 @@ def checkpoint_problem(folder: Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size != entry["bytes"]:
             return f"{name} has {path.stat().st_size} bytes, {entry['bytes']} were saved"
-        if _sha256(path) != entry["sha256"]:
+        if file_sha256(path) != entry["sha256"]:
             return f"{name} does not match its checksum (altered or corrupted on disk)"
     return None
 

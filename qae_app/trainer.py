@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import math
 import os
@@ -55,7 +54,8 @@ from qae_app.rewards import Scorer, shape_rewards
 from qae_app.rollout import ShardedPolicy, make_engine, plan_for
 from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
 from qae_app.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, DB_FILE, TRAINER_STATE, RunLock, checkpoint_problem,
-                            checkpoint_step, list_checkpoints, run_dir, trainer_alive, write_manifest)
+                            checkpoint_step, file_sha256, list_checkpoints, run_dir, trainer_alive,
+                            write_manifest)
 from qae_app.store import RunWriter, read_run
 from qae_app.tasks import Task, load_benchmark, load_task
 
@@ -177,14 +177,6 @@ def groups_with_signal(rewards: torch.Tensor, correct: torch.Tensor, metric: str
 def _number(value) -> float:
     """A float from a stored value that may be NULL (NaN / None): 0.0 then."""
     return 0.0 if value is None or value != value else float(value)
-
-
-def file_fingerprint(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -881,7 +873,7 @@ class Trainer:
         self.task = load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
         if len(self.task.train) == 0:
             raise QAEUserError(f"data: '{cfg.data}' has no training problems. Lower --heldout-fraction.")
-        self.data_fingerprint = file_fingerprint(Path(cfg.data)) if Path(cfg.data).is_file() else None
+        self.data_fingerprint = file_sha256(Path(cfg.data)) if Path(cfg.data).is_file() else None
         # what --eval-every evaluates: the task's held-out split, or --eval-bench named as `qae eval` names it;
         # loaded now so a bad path fails before anything is written
         self.eval_name, self.eval_problems, self.eval_task = (
