@@ -127,9 +127,9 @@ def main() -> None:
         captured = {}
         update = trainer._update
 
-        def capturing_update(step, batch, old_logp, ref_logp, seq_adv):
+        def capturing_update(step, batch, seq_adv, **kwargs):
             captured.update(batch=batch, seq_adv=seq_adv)
-            return update(step, batch, old_logp, ref_logp, seq_adv)
+            return update(step, batch, seq_adv, **kwargs)
 
         trainer._update = clock.wrap("_update", capturing_update)
 
@@ -143,8 +143,8 @@ def main() -> None:
             m = out.metrics
             t0 = time.perf_counter()
             m["heldout_accuracy"] = None
-            trainer._store_step(step, out, None)  # what fit does after each step
-            trainer._flush()
+            trainer._write_step(step, out, None)  # what fit does after each step
+            trainer._drain_writes()
             phases["store write"] = time.perf_counter() - t0
             phases["reward"] = m["reward_s"]
             phases["update_s"] = m["update_s"]
@@ -159,21 +159,16 @@ def main() -> None:
                 continue
             rows[mode].append(phases)
             batch, seq_adv = captured["batch"], captured["seq_adv"]
-            chunk = cfg.micro_batch_size
-            kept = kept_subset(batch, seq_adv, trim=False)
+            all_rows = torch.arange(len(seq_adv))
+            kept_rows = (seq_adv != 0).nonzero().squeeze(-1).cpu()
             kept_trim = kept_subset(batch, seq_adv, trim=True)
-            whatif["pass, all (again)"].append(timed(lambda: trainer._logprobs_in_chunks(trainer.model, batch, chunk)))
-            with torch.inference_mode():
-                whatif["pass, all, inference_mode"].append(
-                    timed(lambda: trainer._logprobs_in_chunks(trainer.model, batch, chunk)))
-            if len(kept["input_ids"]):
-                whatif["pass, kept only"].append(timed(lambda: trainer._logprobs_in_chunks(trainer.model, kept, chunk)))
-                with torch.inference_mode():
-                    whatif["pass, kept only, trimmed, inference_mode"].append(
-                        timed(lambda: trainer._logprobs_in_chunks(trainer.model, kept_trim, chunk)))
-            else:
-                whatif["pass, kept only"].append(0.0)
-                whatif["pass, kept only, trimmed, inference_mode"].append(0.0)
+            whatif["pass, all, + entropy"].append(
+                timed(lambda: trainer._logprobs_in_chunks(trainer.model, batch, all_rows, True)))
+            whatif["pass, all"].append(timed(lambda: trainer._logprobs_in_chunks(trainer.model, batch, all_rows, False)))
+            whatif["pass, kept only"].append(
+                timed(lambda: trainer._logprobs_in_chunks(trainer.model, batch, kept_rows, False)))
+            whatif["pass, kept only, trimmed"].append(timed(lambda: trainer._logprobs_in_chunks(
+                trainer.model, kept_trim, torch.arange(len(kept_rows)), False)))
             prompts = sorted({g["prompt"] for g in out.groups})
             plain, with_logits = generate_with_and_without_logits(trainer, prompts, step)
             whatif["generate, plain"].append(plain)
@@ -206,7 +201,7 @@ def main() -> None:
     update_skip = statistics.median(r["update_s"] for r in rows["skip"])
     update_dense = statistics.median(r["update_s"] for r in rows["dense"])
     pass_all = statistics.median(r["logprob pass (no grad, all)"] for r in rows["skip"])
-    pass_kept = statistics.median(whatif["pass, kept only, trimmed, inference_mode"])
+    pass_kept = statistics.median(whatif["pass, kept only, trimmed"])
     print(f"update, gated skip / dense (measured): {update_skip * 1e3:.1f} / {update_dense * 1e3:.1f} ms = "
           f"{update_skip / update_dense:.2f}x")
     print(f"  with the pass over kept sequences only (estimate: skip - pass(all) + pass(kept)): "

@@ -221,8 +221,8 @@ def watch(watched: list[str], all_runs: pd.DataFrame) -> None:
     if interval is None:
         st.caption(":material/pause_circle: live updates off")
     elif live:
-        st.caption(f":material/radio_button_checked: live: {', '.join(live)} training; the page redraws at each "
-                   f"new step (checked every {interval:g} s)")
+        st.caption(f":material/radio_button_checked: live: {', '.join(live)} training; the page redraws when new "
+                   f"steps are stored (the trainer writes every few seconds; checked every {interval:g} s)")
     else:
         st.caption(f":material/radio_button_unchecked: no shown run is training: the page is not redrawn (new runs "
                    f"are picked up within {interval:g} s)")

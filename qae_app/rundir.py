@@ -203,5 +203,6 @@ def effective_status(stored: str | None, folder: Path) -> str:
 
 
 def pending_writes(folder: Path) -> int:
-    """Writes saved under pending/ because a reader held the database; the trainer writes them when it is free."""
+    """Writes saved under pending/ and not in the database yet: the steps since the trainer's last database write (see
+    store.WRITE_SHARE), or all of them while a reader holds the file."""
     return len(list((Path(folder) / PENDING_DIR).glob("*.pkl")))

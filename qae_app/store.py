@@ -1,9 +1,10 @@
 """The run store: one DuckDB file per run, `runs/<run_id>/qae.duckdb`.
 
-Only this module touches the database. The trainer is the only writer: `RunWriter` opens the file, writes one step
-in one transaction (so readers see whole steps only, and a kill mid-write loses only that uncommitted step) and closes
-it again, so readers can get in between steps. A reader holding the file makes the writer retry; if the file stays
-busy the rows stay buffered and go out with the next step, never dropped. Readers (`read_*`) open the file read-only,
+Only this module touches the database. The trainer is the only writer: `RunWriter` saves each step's rows under
+`pending/` and every few seconds opens the file, writes the steps since the last write in one transaction (so readers
+see whole steps only, and a kill mid-write loses nothing saved) and closes it again, so readers can get in between. A
+reader holding the file makes the writer retry; if the file stays busy the rows stay saved and go out with a later
+write, never dropped. Readers (`read_*`) open the file read-only,
 query with bound parameters, and close at once.
 
 `STEP_METRICS` is the single definition of every per-step metric: the `steps` table columns, the README table and the
@@ -13,6 +14,7 @@ dashboard labels all come from it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import re
@@ -104,6 +106,9 @@ STEP_METRICS: dict[str, str] = {
     "write_s": "seconds the loop spent handing this step's rows to the store (the store writes on its own thread "
                "while the next step trains) and waiting for it",
     "checkpoint_s": "seconds saving the checkpoint after this step (0 without one)",
+    "store_s": "CPU seconds the store's thread spent on this step's rows while the next step trained: saving them "
+               "under pending/, plus the database write (of the steps since the last one) when one was due; not part "
+               "of step_s",
     "step_s": "wall seconds of the whole step: the above plus advantages and row building",
 }
 TIMING_METRICS = tuple(name for name in STEP_METRICS if name.endswith("_s"))  # seconds: differ run to run
@@ -155,6 +160,14 @@ LEGACY_DEFAULTS = {("evals", "source"): "'train'", ("eval_samples", "source"): "
 STEP_TABLES = ("steps", "groups", "rollouts", "evals", "eval_samples", "warnings")  # rows keyed by step
 EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step, benchmark and source
 
+
+# When queued steps go to the database. Opening and closing the file (~35 ms, a checkpoint of DuckDB's log each time)
+# and each INSERT (~10 ms per table) cost about as much for one step as for ten, so steps are written together: after
+# a write that took c seconds of CPU, the next is due c / WRITE_SHARE later (at most MAX_ROW_DELAY_S, so live views
+# stay live). Until then each step's rows are saved under pending/ (under a millisecond), where a kill -9 cannot lose
+# them. The file is open only while a write runs, so readers get in between.
+WRITE_SHARE = 0.02
+MAX_ROW_DELAY_S = 5.0
 
 WRITER_COLUMNS = ("run_id", "step", "logged_at")  # filled in by RunWriter, not by the rows it is handed
 
@@ -229,6 +242,21 @@ def _storable(value):
     return value
 
 
+def _storable_frame(records: list[dict]) -> "pd.DataFrame":
+    """A frame of `records` with `_storable` text: cell by cell only when some text has a lone surrogate (pandas' arrow
+    strings refuse one; an object column of an older pandas is searched as a whole)."""
+    try:
+        frame = pandas().DataFrame.from_records(records)
+    except UnicodeEncodeError:
+        return pandas().DataFrame.from_records([{name: _storable(value) for name, value in record.items()}
+                                                for record in records])
+    for name in frame.columns[frame.dtypes == object]:
+        column = frame[name]
+        if _LONE_SURROGATE_RE.search("".join(value for value in column if isinstance(value, str))):
+            frame[name] = column.map(_storable)
+    return frame
+
+
 def _rollback(con: duckdb.DuckDBPyConnection, err: BaseException) -> None:
     """Roll back after `err`, which stays the error to report: DuckDB has often ended the transaction itself (an I/O
     error such as a full disk aborts it), and "cannot rollback - no transaction is active" must not replace the
@@ -286,15 +314,21 @@ class PendingWrite:
 class RunWriter:
     """The single writer of one run's database file.
 
-    Writes are queued and go out in order when `flush()` finds the file free. A reader holding the file (even for
-    hours) never fails or stalls training: a flush tries only briefly, and if the file is busy the queued writes are
-    saved to `<run>/pending/` (one file each, written atomically) so a kill -9 loses nothing but the step in flight;
-    the next flush that finds the file free writes them and deletes their files, and a resumed trainer picks up any
-    that an earlier one left.
+    Writes are queued and go out in order when `flush()` finds the file free: consecutive steps (with their late
+    timings) in one transaction, so readers see whole steps only. The trainer calls `flush_when_due()`, which writes
+    only when the last write is long enough ago (WRITE_SHARE) and otherwise saves the queued writes to
+    `<run>/pending/` (one file each, written atomically). A reader holding the file (even for hours) never fails or
+    stalls training either: a flush tries only briefly, and if the file is busy the queued writes are saved the same
+    way. So a kill -9 loses nothing but the step in flight; the next flush that finds the file free writes them and
+    deletes their files, and a resumed trainer picks up any that an earlier one left.
     """
 
-    def __init__(self, path: Path, run_id: str, lock_timeout_s: float = 0.2, open_timeout_s: float = 60.0):
+    def __init__(self, path: Path, run_id: str, lock_timeout_s: float = 0.2, open_timeout_s: float = 60.0,
+                 clock=time.monotonic):
         self.path = Path(path)
+        self.clock = clock  # when writes are due (tests move it by hand)
+        self.next_flush_at = -math.inf  # the first write is due at once
+        self._instance: duckdb.DuckDBPyConnection | None = None  # see _open
         self.run_id = run_id
         self.lock_timeout_s = lock_timeout_s  # how long a flush waits for the file before spilling
         self.pending_dir = self.path.parent / PENDING_DIR
@@ -335,17 +369,23 @@ class RunWriter:
 
     @contextmanager
     def _open(self, timeout_s: float | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
+        """The run file, attached for writing to this writer's own in-memory database (made once: making a DuckDB
+        database costs ~30 ms, attaching a file ~2 ms) and detached on exit, which lets go of its lock."""
+        if self._instance is None:
+            self._instance = duckdb.connect(":memory:")
+        con = self._instance
         try:
-            con = _connect(self.path, read_only=False,
-                           timeout_s=self.lock_timeout_s if timeout_s is None else timeout_s)
+            _attach(con, self.path, "run", self.lock_timeout_s if timeout_s is None else timeout_s, read_only=False)
         except duckdb.Error as err:
             if _is_damage_error(err) and self.path.exists() and self.path.stat().st_size > 0:
                 raise unreadable_run_error(self.path, err) from err
             raise
         try:
+            con.execute("USE run")
             yield con
         finally:
-            con.close()
+            con.execute("USE memory")
+            con.execute("DETACH run")
 
     # run-level rows ------------------------------------------------------------------------------------------
     def create_run(self, name: str, config: dict, estimator: str, k: float | None, model: str, task: str,
@@ -406,11 +446,21 @@ class RunWriter:
         self.pending.append(PendingWrite("truncate", step=step))
         return self.flush()
 
+    def flush_when_due(self) -> bool:
+        """`flush()` if the last write is long enough ago (WRITE_SHARE, MAX_ROW_DELAY_S), else save the queued writes
+        under pending/ and return True. False only when a write was due and found the file busy."""
+        if self.clock() < self.next_flush_at:
+            self._spill()
+            return True
+        return self.flush()
+
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Write every queued write in order, one transaction each. False if the file stayed busy for `timeout_s`
-        (default: lock_timeout_s): then every queued write is safe on disk under pending/ until a later flush."""
+        """Write every queued write in order: run-row changes and truncations one transaction each, consecutive
+        steps and step updates together in one. False if the file stayed busy for `timeout_s` (default:
+        lock_timeout_s): then every queued write is safe on disk under pending/ until a later flush."""
         if not self.pending:
             return True
+        cpu_start = time.thread_time()
         try:
             con_cm = self._open(timeout_s)
             con = con_cm.__enter__()
@@ -425,32 +475,30 @@ class RunWriter:
         try:
             while self.pending:
                 write = self.pending[0]
-                if write.kind == "step":
-                    self._write_step(con, write)
+                if write.kind in ("step", "step_update"):
+                    count = next((i for i, w in enumerate(self.pending) if w.kind not in ("step", "step_update")),
+                                 len(self.pending))
+                    done = self.pending[:count]
+                    self._write_steps(con, done)
                 elif write.kind == "run":
                     assignments = ", ".join(f"{name} = ?" for name in write.fields)  # allow-listed names
                     con.execute(f"UPDATE runs SET {assignments} WHERE run_id = ?",
                                 [*write.fields.values(), self.run_id])
-                elif write.kind == "step_update":
-                    assignments = ", ".join(f"{name} = ?" for name in write.fields)  # STEP_METRICS names
-                    con.execute(f"UPDATE steps SET {assignments} WHERE run_id = ? AND step = ?",
-                                [*write.fields.values(), self.run_id, write.step])
+                    done = [write]
                 else:
-                    con.execute("BEGIN TRANSACTION")
-                    try:
-                        for table in STEP_TABLES:
-                            con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step > ?",
-                                        [self.run_id, write.step])
-                        con.execute("COMMIT")
-                    except BaseException as err:
-                        _rollback(con, err)
-                        raise
-                self.pending.pop(0)
-                if write.spilled is not None:
-                    write.spilled.unlink(missing_ok=True)
+                    self._in_transaction(con, lambda: [con.execute(f"DELETE FROM {table} WHERE run_id = ? AND "
+                                                                   "step > ?", [self.run_id, write.step])
+                                                       for table in STEP_TABLES])
+                    done = [write]
+                del self.pending[: len(done)]
+                for written in done:
+                    if written.spilled is not None:
+                        written.spilled.unlink(missing_ok=True)
         finally:
             con_cm.__exit__(None, None, None)
         self.busy_since = None
+        cost = time.thread_time() - cpu_start
+        self.next_flush_at = self.clock() + min(cost / WRITE_SHARE, MAX_ROW_DELAY_S)
         return True
 
     def wait_until_written(self, timeout_s: float | None = None, on_wait=None, every_s: float = 30.0) -> bool:
@@ -470,12 +518,11 @@ class RunWriter:
         """Save every queued write that is not on disk yet: one pickle each, written to a temporary name, synced,
         then renamed, so a file under pending/ is always whole."""
         self.pending_dir.mkdir(exist_ok=True)
-        sequence = max((int(p.name.split("-")[0]) for p in self.pending_dir.glob("*.pkl")), default=0)
         for write in self.pending:
             if write.spilled is not None:
                 continue
-            sequence += 1
-            final = self.pending_dir / f"{sequence:08d}-{write.kind}.pkl"
+            self._spilled_count += 1
+            final = self.pending_dir / f"{self._spilled_count:08d}-{write.kind}.pkl"
             tmp = final.with_suffix(".tmp")
             with open(tmp, "wb") as f:
                 pickle.dump(write, f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -486,7 +533,9 @@ class RunWriter:
 
     def _load_spilled(self) -> list[PendingWrite]:
         writes = []
-        for path in sorted(self.pending_dir.glob("*.pkl")):
+        found = sorted(self.pending_dir.glob("*.pkl"))
+        self._spilled_count = int(found[-1].name.split("-")[0]) if found else 0  # new files are named after these
+        for path in found:
             with open(path, "rb") as f:
                 write = pickle.load(f)
             write.spilled = path
@@ -495,35 +544,74 @@ class RunWriter:
             tmp.unlink()
         return writes
 
-    def _write_step(self, con: duckdb.DuckDBPyConnection, rows: PendingWrite) -> None:
+    @staticmethod
+    def _in_transaction(con: duckdb.DuckDBPyConnection, body) -> None:
         con.execute("BEGIN TRANSACTION")
         try:
-            for table, records in rows.tables.items():
-                # a step written again (replayed after a resume) replaces the old rows of that step; evaluations
-                # replace only their own benchmark's rows from the same source (`qae eval` of a checkpoint
-                # must not erase the evaluation the trainer logged at that step)
-                if table in EVAL_TABLES:
-                    for benchmark, source in sorted({(r["benchmark"], r["source"]) for r in records}):
-                        con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step = ? AND benchmark = ? "
-                                    "AND source = ?", [self.run_id, rows.step, benchmark, source])
-                else:
-                    con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step = ?", [self.run_id, rows.step])
-                if not records:
-                    continue
-                frame = pandas().DataFrame.from_records([{name: _storable(value) for name, value in record.items()}
-                                                   for record in records])
-                frame.insert(0, "run_id", self.run_id)
-                frame["step"] = rows.step
-                if "logged_at" in TABLES[table]:
-                    frame["logged_at"] = getattr(rows, "logged_at", None) or _now()  # (spilled by an older version)
-                con.register("_batch", frame)
-                con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _batch")
-                con.unregister("_batch")
-                fault_point("db_commit", rows.step)  # crash tests: a kill here loses only this uncommitted step
+            body()
             con.execute("COMMIT")
         except BaseException as err:
             _rollback(con, err)
             raise
+
+    def _write_steps(self, con: duckdb.DuckDBPyConnection, writes: list[PendingWrite]) -> None:
+        """Consecutive step rows and step updates, in one transaction with one DELETE and one INSERT per table.
+
+        A step written again (replayed after a resume, or queued twice) replaces its earlier rows; evaluations
+        replace only their own benchmark's rows from the same source (`qae eval` of a checkpoint must not erase the
+        evaluation the trainer logged at that step). A step update joins its step's row when that is written here."""
+        rows: dict[str, dict[tuple, list[dict]]] = {table: {} for table in STEP_TABLES}  # table -> key -> rows
+        logged_at: dict[int, datetime] = {}  # step -> when its rows were queued
+        late_updates = []  # updates of steps written earlier
+        for write in writes:
+            if write.kind == "step_update":
+                steps_rows = rows["steps"].get((write.step,))
+                if steps_rows:
+                    steps_rows[0] = {**steps_rows[0], **write.fields}
+                else:
+                    late_updates.append(write)
+                continue
+            logged_at[write.step] = getattr(write, "logged_at", None) or _now()  # (None: spilled by an older version)
+            for table, records in write.tables.items():
+                if table in EVAL_TABLES:
+                    for benchmark, source in sorted({(r["benchmark"], r["source"]) for r in records}):
+                        rows[table][(write.step, benchmark, source)] = [
+                            r for r in records if (r["benchmark"], r["source"]) == (benchmark, source)]
+                else:
+                    rows[table][(write.step,)] = records
+
+        def body() -> None:
+            for table, by_key in rows.items():
+                if not by_key:
+                    continue
+                if table in EVAL_TABLES:
+                    for step, benchmark, source in by_key:
+                        con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step = ? AND benchmark = ? "
+                                    "AND source = ?", [self.run_id, step, benchmark, source])
+                else:
+                    con.execute(f"DELETE FROM {table} WHERE run_id = ? AND list_contains(?, step)",
+                                [self.run_id, [key[0] for key in by_key]])
+                records = [record for group in by_key.values() for record in group]
+                if not records:
+                    continue
+                frame = _storable_frame(records)
+                steps = [key[0] for key, group in by_key.items() for _ in group]
+                frame.insert(0, "run_id", self.run_id)
+                frame["step"] = steps
+                if "logged_at" in TABLES[table]:
+                    frame["logged_at"] = [logged_at[step] for step in steps]
+                con.register("_batch", frame)
+                con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _batch")
+                con.unregister("_batch")
+            for update in late_updates:
+                assignments = ", ".join(f"{name} = ?" for name in update.fields)  # STEP_METRICS names
+                con.execute(f"UPDATE steps SET {assignments} WHERE run_id = ? AND step = ?",
+                            [*update.fields.values(), self.run_id, update.step])
+            for write in writes:  # crash tests: a kill here loses nothing (these steps are in pending/ or in flight)
+                if write.kind == "step":
+                    fault_point("db_commit", write.step)
+
+        self._in_transaction(con, body)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -544,14 +632,15 @@ def _reader_cursor() -> duckdb.DuckDBPyConnection:
         return _readers.cursor()
 
 
-def _attach(cursor: duckdb.DuckDBPyConnection, path: Path, alias: str, timeout_s: float) -> None:
-    """ATTACH the file read-only, retrying while the trainer holds its lock for a write."""
+def _attach(cursor: duckdb.DuckDBPyConnection, path: Path, alias: str, timeout_s: float,
+            read_only: bool = True) -> None:
+    """ATTACH the file (read-only unless told), retrying while another process holds its lock."""
     literal = str(path).replace("'", "''")  # ATTACH takes no bound parameter; the path is quoted as a literal
     deadline = time.monotonic() + timeout_s
     delay = 0.005
     while True:
         try:
-            cursor.execute(f"ATTACH '{literal}' AS {alias} (READ_ONLY)")
+            cursor.execute(f"ATTACH '{literal}' AS {alias}" + (" (READ_ONLY)" if read_only else ""))
             return
         except duckdb.Error as err:
             if not _is_lock_error(err) or time.monotonic() >= deadline:

@@ -201,6 +201,7 @@ class Trainer:
         self._stop_requested = self._finishing = self._waiting_for_store = False
         self._write_thread: ThreadPoolExecutor | None = None  # main process: writes the store while steps train
         self._write_job: Future | None = None
+        self._store_s: dict[int, float] = {}  # step -> CPU seconds of its write job, once done (see _drain_writes)
         self._setup_s: float | None = None
         self._wall_s_before = self._setup_s_before = 0.0  # time spent by earlier sessions of a resumed run
         self._setup_processes(cpu)
@@ -225,7 +226,7 @@ class Trainer:
 
         Every second of a step is in its row: rollout_s, reward_s and update_s (train_step), eval_s, write_s (building
         rows and waiting for the store, which writes on its own thread while the next step trains) and
-        checkpoint_s; step_s is the whole iteration. The run's row gets setup_s and wall_s."""
+        checkpoint_s; step_s is the whole iteration. store_s is the CPU time the store's thread spent on the step. The run's row gets setup_s and wall_s."""
         cfg = self.cfg
         status, error = "running", None
         previous_handlers = self._install_stop_handlers()
@@ -747,7 +748,8 @@ class Trainer:
             tables.update(evals=heldout.evals, eval_samples=heldout.samples)
         chosen_k = out.chosen_k if out is not None else None
 
-        def write(writer: RunWriter) -> None:
+        def write(writer: RunWriter) -> tuple[int, float]:
+            cpu_start = time.thread_time()
             if timings is not None:
                 writer.update_step(timings[0], **timings[1])
             if chosen_k is not None:
@@ -755,17 +757,22 @@ class Trainer:
             writer.add_step(step, **tables)
             fault_point("after_step_rows", step)  # crash tests: rows queued, not yet written
             self._flush()
+            return step, time.thread_time() - cpu_start
 
         self._drain_writes()
+        if timings is not None:  # the earlier step's job is done: its store_s is known
+            timings[1]["store_s"] = self._store_s.pop(timings[0], None)
         self._write_job = self._write_thread.submit(write, self.writer)
         return time.perf_counter() - t0
 
     def _drain_writes(self) -> float:
-        """Wait for the writer thread's job (re-raising its error); returns the seconds waited."""
+        """Wait for the writer thread's job (re-raising its error) and keep its CPU time for the step's store_s;
+        returns the seconds waited."""
         t0 = time.perf_counter()
         job, self._write_job = self._write_job, None
         if job is not None:
-            job.result()
+            step, store_s = job.result()
+            self._store_s[step] = store_s
         return time.perf_counter() - t0
 
     def _finish_store(self, status: str, error: str | None, timings: tuple[int, dict] | None) -> None:
@@ -778,7 +785,8 @@ class Trainer:
         finally:
             self._write_thread.shutdown(wait=True)
             if timings is not None:
-                self.writer.update_step(timings[0], **timings[1])
+                step, values = timings  # (its store_s is known if the job was drained, by now or earlier)
+                self.writer.update_step(step, **{**values, "store_s": self._store_s.pop(step, values.get("store_s"))})
             wall_s = self._wall_s_before + time.perf_counter() - self._t_start
             # a failed run's status goes ahead of rows still queued: if the failure was writing them (a full disk),
             # the small update of the run's row may still fit, and `qae runs` says why it failed
@@ -787,10 +795,11 @@ class Trainer:
             self._wait_for_store()
 
     def _flush(self) -> None:
-        """Write what is queued if the database is free; if a reader holds it, training goes on and the rows wait,
-        safe on disk under pending/ (store.RunWriter), and the log says so once per busy spell."""
+        """Write what is queued when a database write is due (store.WRITE_SHARE; until then the rows wait under
+        pending/); if a reader holds the file, training goes on and the rows wait there too, and the log says so once
+        per busy spell."""
         was_busy = self.writer.busy_since is not None
-        if self.writer.flush():
+        if self.writer.flush_when_due():
             if was_busy:
                 self._say("the database is free again: the waiting rows are written")
         elif not was_busy:

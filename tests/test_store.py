@@ -13,6 +13,7 @@ import pytest
 
 from qae_app.errors import QAEUserError
 from qae_app.store import (
+    MAX_ROW_DELAY_S,
     STEP_METRICS,
     RunFileError,
     RunWriter,
@@ -133,6 +134,54 @@ def test_rows_spilled_while_a_reader_held_the_file_survive_a_kill(writer):
     assert steps["step"].tolist() == [1, 2] and steps["write_s"].tolist() == [1.0, 7.0]
     assert query(path, "SELECT status FROM runs")["status"].tolist() == ["interrupted"]
     assert list(resumed.pending_dir.glob("*")) == []
+
+
+class FakeClock:
+    """The writer's clock, moved by hand: when a flush is due must not depend on how fast this machine is."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_steps_between_database_writes_are_safe_on_disk_and_written_together(tmp_path):
+    """Opening the file and each INSERT cost the same for one step as for ten, so the trainer writes steps together
+    (flush_when_due): a step is written at once only when the last write is long enough ago. Until then its rows are
+    saved under pending/ (a kill -9 loses nothing: the next writer of the run writes them), and its late timings
+    join its row before it is written."""
+    clock = FakeClock()
+    path = tmp_path / "r1" / "qae.duckdb"
+    writer = RunWriter(path, "r1", clock=clock)
+    writer.create_run("r1", {}, "qae", 0.4, "builtin:tiny", "arith", 0)
+    writer.add_step(1, **_rows(1))
+    assert writer.flush_when_due()  # the first write is due at once: a new run shows its first step
+    assert read_steps(path)["step"].tolist() == [1]
+    for step in (2, 3, 4):
+        writer.add_step(step, **_rows(step))
+        assert writer.flush_when_due()  # not due: queued and saved, which is not a failure
+    writer.update_step(3, write_s=7.0)
+    assert writer.flush_when_due()
+    assert read_steps(path)["step"].tolist() == [1]  # readers see whole steps only, later
+    assert len(list(writer.pending_dir.glob("*.pkl"))) == 4  # three steps and an update, each safe on disk
+
+    clock.now += MAX_ROW_DELAY_S  # rows reach readers at most this late
+    assert writer.flush_when_due()
+    steps = read_steps(path)
+    assert steps["step"].tolist() == [1, 2, 3, 4] and steps["write_s"].tolist() == [1.0, 2.0, 7.0, 4.0]
+    assert query(path, "SELECT count(*) AS n FROM rollouts")["n"].item() == 16
+    assert list(writer.pending_dir.glob("*")) == []
+
+    for step in (5, 6):
+        writer.add_step(step, **_rows(step))
+        assert writer.flush_when_due()
+    del writer  # killed before the next write was due: only the files under pending/ remain
+    resumed = RunWriter(path, "r1", clock=clock)
+    assert [w.step for w in resumed.pending] == [5, 6]
+    assert resumed.flush()
+    assert read_steps(path)["step"].tolist() == [1, 2, 3, 4, 5, 6]
+    assert query(path, "SELECT count(*) AS n FROM rollouts WHERE step >= 5")["n"].item() == 8
 
 
 @pytest.mark.parametrize("name", ["../x", "a/b", "..", "", ".hidden", "x" * 101, "a b"])

@@ -140,8 +140,9 @@ def test_a_training_step_writes_nothing_and_its_rows_are_the_store_columns(tmp_p
         trainer._close_scorers()
         trainer._lock.release()
     assert out.chosen_k in (0.3, 0.4, 0.5) and out.warnings[0]["kind"] == "auto_k"
-    # what only the loop knows (evaluation, write and checkpoint times) is added by fit
-    assert set(out.metrics) == set(store.STEP_METRICS) - {"heldout_accuracy", "eval_s", "write_s", "checkpoint_s"}
+    # what only the loop knows (evaluation, write, checkpoint and store times) is added by fit
+    assert set(out.metrics) == set(store.STEP_METRICS) - {"heldout_accuracy", "eval_s", "write_s", "checkpoint_s",
+                                                          "store_s"}
     assert all(set(row) == set(store.row_columns("groups")) for row in out.groups)
     assert all(set(row) == set(store.row_columns("rollouts")) for row in out.rollouts)
     assert all(set(row) == set(store.row_columns("warnings")) for row in out.warnings)

@@ -32,8 +32,9 @@ COLUMNS = {
                                                    help="median pace of the last 50 steps (running runs)"),
     "eta": st.column_config.TextColumn("ETA", help="time left to the configured steps at that pace"),
     "pending_writes": st.column_config.NumberColumn(
-        "pending writes", help="Writes the trainer saved under pending/ because a reader held the database; it "
-                               "writes them as soon as the file is free."),
+        "pending writes", help="Writes the trainer saved under pending/ that are not in the database yet: the "
+                               "steps since its last database write (it writes every few seconds), or everything while "
+                               "a reader holds the file. A stopped run's are written by `qae train --resume`."),
     "reward_mean": st.column_config.NumberColumn("reward", format="%.3f", help=STEP_METRICS["reward_mean"]),
     "accuracy": st.column_config.NumberColumn("accuracy", format="%.3f", help=STEP_METRICS["accuracy"]),
     "entropy": st.column_config.NumberColumn("entropy", format="%.3f", help=STEP_METRICS["entropy"]),
