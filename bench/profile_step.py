@@ -150,7 +150,7 @@ def main() -> None:
             phases["update_s"] = m["update_s"]
             phases["step_s"] = m["step_s"]
             phases["other update (loss, sync)"] = (m["update_s"] - phases.get("pack", 0)
-                                                   - phases["logprob pass (no grad, all)"] - phases["train forward"]
+                                                   - phases.get("logprob pass (no grad, all)", 0.0) - phases["train forward"]
                                                    - phases["backward"] - phases["clip + optimizer step"])
             phases["rows, advantages, metrics"] = (m["step_s"] - m["rollout_s"] - m["reward_s"] - m["update_s"])
             phases["frac_gated"] = m["frac_zero_adv"]
@@ -200,7 +200,7 @@ def main() -> None:
 
     update_skip = statistics.median(r["update_s"] for r in rows["skip"])
     update_dense = statistics.median(r["update_s"] for r in rows["dense"])
-    pass_all = statistics.median(r["logprob pass (no grad, all)"] for r in rows["skip"])
+    pass_all = statistics.median(r.get("logprob pass (no grad, all)", 0.0) for r in rows["skip"])
     pass_kept = statistics.median(whatif["pass, kept only, trimmed"])
     print(f"update, gated skip / dense (measured): {update_skip * 1e3:.1f} / {update_dense * 1e3:.1f} ms = "
           f"{update_skip / update_dense:.2f}x")

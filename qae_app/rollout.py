@@ -14,6 +14,8 @@ what the engines must do about it, and `ShardedPolicy` does it.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import itertools
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
@@ -214,6 +216,7 @@ class HFGenerateEngine:
         self.batch_size = batch_size  # sequences per generate call
         self.sampling = sampling.validate()
         self.sharded = sharded or ShardedPolicy()
+        self.share_prompts = True  # compute a prompt's cache once for its group (bench/bench_generate.py compares)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -234,19 +237,46 @@ class HFGenerateEngine:
             eos_token_id=list(self.codec.stop_ids), pad_token_id=self.codec.pad_id, use_cache=True,
         )
 
-    def sample_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config, **extra):
+    def sample_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config,
+                     repeats: list[int] | None = None, **extra):
         """One `generate` call that sees only `config`: the model's own generation_config is set aside meanwhile,
         because transformers fills every setting left unset (and, in some versions, every one left at its library
-        default) from it."""
+        default) from it.
+
+        `repeats`: the rows are consecutive copies of fewer prompts (a group's G samples), `repeats[k]` rows of the
+        k-th: the prompts' tokens but the last go through the model once per prompt instead of once per row, and
+        their cache is copied to each row (what vLLM's prefix caching does); the tokens sampled are the same."""
         model = self.model
         saved = model.generation_config
         model.generation_config = config
         try:
             with self.sharded.generation_context():
+                if repeats is not None and input_ids.shape[1] > 1:
+                    extra = {**extra, **self._shared_prefix(input_ids, attention_mask, repeats)}
                 return model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
                                       synced_gpus=self.sharded.plan.synced_generate, **extra)
         finally:
             model.generation_config = saved
+
+    def _shared_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, repeats: list[int]) -> dict:
+        """generate()'s keyword for a cache holding every row's prompt but its last token, computed once per
+        distinct prompt. Positions follow the left padding as generate numbers them."""
+        from transformers import DynamicCache
+
+        model = self.model
+        firsts = torch.tensor([0, *itertools.accumulate(repeats)][:-1], device=input_ids.device)
+        prompt_ids, prompt_mask = input_ids[firsts, :-1], attention_mask[firsts, :-1]  # (k, width - 1)
+        positions = (prompt_mask.long().cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
+        try:
+            cache = DynamicCache(config=model.config)
+        except TypeError:  # transformers before 4.56 builds its layers as they come
+            cache = DynamicCache()
+        keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
+              **{keyword: cache})
+        cache.batch_select_indices(torch.repeat_interleave(torch.arange(len(repeats), device=input_ids.device),
+                                                           torch.tensor(repeats, device=input_ids.device)))
+        return {keyword: cache}
 
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int, temperature: float, max_new_tokens: int,
@@ -272,20 +302,24 @@ class HFGenerateEngine:
             from transformers import LogitsProcessorList
 
             stats = SamplingStats(temperature) if self.sampling == PLAIN_SAMPLING else None
+            # a group's samples share their prompt: its cache is computed once (not under synced generation, where
+            # every process must run the same forwards)
+            repeats = ([len(list(rows)) for _, rows in itertools.groupby(i for i, _ in chunk)]
+                       if n > 1 and self.share_prompts and not self.sharded.plan.synced_generate else None)
             if stats is not None:  # the processor applies the temperature itself
                 out = self.sample_batch(input_ids.to(device), attention_mask.to(device),
-                                        self.generation_config(1.0, max_new_tokens),
+                                        self.generation_config(1.0, max_new_tokens), repeats,
                                         logits_processor=LogitsProcessorList([stats]))
             else:
-                out = self.sample_batch(input_ids.to(device), attention_mask.to(device), config)
+                out = self.sample_batch(input_ids.to(device), attention_mask.to(device), config, repeats)
             token_logprobs, token_entropies = (stats.finish(out[:, -1]) if stats is not None and out.shape[1] > width
                                                else (None, None))
             for row, ((i, ids), generated) in enumerate(zip(chunk, out[:, width:].tolist())):  # (chunk, new)
                 response, truncated = cut_at_stop(generated, self.codec.stop_ids, self.codec.pad_id)
-                n = len(response)
+                length = len(response)
                 samples.append(Sample(i, ids, response, self.codec.decode(response), truncated,
-                                      token_logprobs[row][:n] if token_logprobs is not None else None,
-                                      token_entropies[row][:n] if token_entropies is not None else None))
+                                      token_logprobs[row][:length] if token_logprobs is not None else None,
+                                      token_entropies[row][:length] if token_entropies is not None else None))
         model.train(was_training)
         return samples
 

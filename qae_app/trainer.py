@@ -456,27 +456,29 @@ class Trainer:
         """Right-padded (prompt + response) tensors; response_mask marks the positions predicting response tokens."""
         pad = self.codec.pad_id
         width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        n = len(samples)
-        input_ids = torch.full((n, width), pad, dtype=torch.long)
-        attention_mask = torch.zeros((n, width), dtype=torch.long)
-        response_mask = torch.zeros((n, width - 1), dtype=self._float_dtype())
-        for i, s in enumerate(samples):
-            ids = s.prompt_ids + s.response_ids
-            input_ids[i, : len(ids)] = torch.tensor(ids)
-            attention_mask[i, : len(ids)] = 1
+        # built as lists and converted once: a tensor write per row costs more than the rest of the packing
+        input_ids, attention_mask, response_mask = [], [], []
+        for s in samples:
+            length = len(s.prompt_ids) + len(s.response_ids)
+            input_ids.append(s.prompt_ids + s.response_ids + [pad] * (width - length))
+            attention_mask.append([1] * length + [0] * (width - length))
             # logits at position t predict token t + 1: response tokens are predicted from len(prompt) - 1 on
-            response_mask[i, len(s.prompt_ids) - 1 : len(ids) - 1] = 1.0
+            response_mask.append([0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) + [0] * (width - length))
         device = self.accelerator.device
-        return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
-                "response_mask": response_mask.to(device)}
+        return {"input_ids": torch.tensor(input_ids, device=device),
+                "attention_mask": torch.tensor(attention_mask, device=device),
+                "response_mask": torch.tensor(response_mask, dtype=self._float_dtype(), device=device)}
 
     def _float_dtype(self) -> torch.dtype:
         """float64 for a float64 model (exactness tests), else float32 (the loss is computed in float32 at least)."""
         return torch.float64 if next(self.model.parameters()).dtype == torch.float64 else torch.float32
 
-    def _forward_logprobs(self, model, input_ids, attention_mask, with_entropy: bool = True):
-        """Token log-probs and (if asked) entropies (N, T-1) of each sequence's next tokens, under `model`."""
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (N, T-1, vocab)
+    def _forward_logprobs(self, model, batch, rows: torch.Tensor, with_entropy: bool = True):
+        """Token log-probs and (if asked) entropies (n, T-1) of the next tokens of the batch's sequences `rows`, under
+        `model`. (Over all T columns: cutting them to the rows' longest sequence saves nothing where it matters, on
+        the few non-gated rows, and would make the gated update differ from the dense one in the last bit.)"""
+        input_ids = batch["input_ids"][rows]
+        logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"][rows]).logits[:, :-1]
         return token_logprobs_and_entropy(logits, input_ids[:, 1:], self.cfg.temperature, with_entropy)
 
     def _lockstep_forwards(self, count: int) -> int:
@@ -497,8 +499,7 @@ class Trainer:
         with torch.inference_mode():
             for i in range(self._lockstep_forwards(len(chunks))):
                 chunk = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long, device=rows.device)
-                logp, ent = self._forward_logprobs(model, batch["input_ids"][chunk], batch["attention_mask"][chunk],
-                                                   with_entropy)
+                logp, ent = self._forward_logprobs(model, batch, chunk, with_entropy)
                 if i < len(chunks):  # (a lockstep pass beyond this process's chunks is discarded)
                     outs_logp.append(logp)
                     outs_ent.append(ent)
@@ -661,8 +662,7 @@ class Trainer:
         for i, (micro, weight) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else acc.no_sync(self.model):
-                logp, _ = self._forward_logprobs(self.model, batch["input_ids"][micro],
-                                                 batch["attention_mask"][micro], with_entropy=False)
+                logp, _ = self._forward_logprobs(self.model, batch, micro, with_entropy=False)
                 known = have_old[micro][:, None]  # (n, 1)
                 old = torch.where(known, old_logp[micro], logp.detach())
                 if weight and not known.all():

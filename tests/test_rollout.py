@@ -1,4 +1,5 @@
-"""The HF rollout engine against a reference written out by hand: same samples for a fixed seed."""
+"""The HF rollout engine against a reference written out by hand: same samples for a fixed seed, with each group's
+shared prompt computed once."""
 
 from __future__ import annotations
 
@@ -38,8 +39,15 @@ def test_hf_engine_samples_equal_the_row_by_row_reference_for_a_fixed_seed():
     # prompts of different lengths (left padding differs per row) and a batch size that splits the work in 3 calls
     prompts = ["3+4=", "12*11=", "20-7=", "0*0="]
     engine = HFGenerateEngine(model, codec, batch_size=5)
-    got = [(s.prompt_index, s.prompt_ids, s.response_ids, s.text, s.truncated)
-           for s in engine.generate(prompts, 3, 1.0, 6, seed=7)]
+    batch_sizes = []  # of every forward: a chunk's distinct prompts go through the model once, then its rows
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: batch_sizes.append(
+        kwargs["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        got = [(s.prompt_index, s.prompt_ids, s.response_ids, s.text, s.truncated)
+               for s in engine.generate(prompts, 3, 1.0, 6, seed=7)]
+    finally:
+        hook.remove()
+    assert batch_sizes[0] == 2 and batch_sizes[1] == 5  # chunk 1 is prompts 0, 0, 0, 1, 1: two prompt prefixes
     expected = reference_generate(model, codec, prompts, 3, 1.0, 6, seed=7, batch_size=5)
     assert got == expected
     assert [i for i, *_ in got] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
