@@ -4,8 +4,9 @@
 
 Both sample the same batch the trainer samples at the defaults (8 arithmetic prompts x 16, temperature 1, at most 8
 new tokens, no top-k/top-p) from the built-in model with the same seed, so they produce the same tokens: the engine
-(`qae_app.rollout.HFGenerateEngine.generate`: encode, left-pad, generate, cut at eos, decode, one `Sample` each)
-against the bare loop (`model.generate` on input tensors built once beforehand, nothing after it). Calls alternate,
+(`qae_app.rollout.HFGenerateEngine.generate`: encode, left-pad, one forward over each group's shared prompt whose
+cache its rows share, generate, cut at eos, decode, one `Sample` each) against the bare loop (`model.generate` on
+input tensors built once beforehand, every row's prompt computed by itself, nothing after it). Calls alternate,
 the first of each is dropped; tokens per second count response tokens up to and including eos. The last line is the
 engine's throughput as a fraction of the bare loop's (goal: at least 0.9x); the engine's own work outside the
 `model.generate` it calls is printed too, timed inside the same calls, so it is free of the noise between calls.

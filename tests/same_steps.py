@@ -1,5 +1,5 @@
 """Comparing the per-step metrics of two runs that must be the same run: resumed against uninterrupted, 2 processes
-against 1, and so on.
+against 1, and so on; and what a killed run kept.
 
 Every metric must agree to rtol 1e-5, except the statistics of the sampled tokens that the engine records in float32
 while sampling (entropies, and the log-probs in cov_logp_adv): two processes computing the very same generate call
@@ -9,9 +9,13 @@ Measured: up to 2e-5 relative. Those get rtol 1e-4; a real difference (another s
 far more.
 """
 
+import pickle
+from pathlib import Path
+
 import pandas as pd
 
-from qae_app.store import STEP_METRICS, TIMING_METRICS
+from qae_app.rundir import DB_FILE, PENDING_DIR
+from qae_app.store import STEP_METRICS, TIMING_METRICS, read_steps
 
 SAMPLING_STATS = {"entropy", "entropy_pos", "entropy_neg", "cov_logp_adv", "dH", "dH_hard", "dH_easy"}
 COMPARED = sorted(set(STEP_METRICS) - set(TIMING_METRICS))
@@ -22,3 +26,15 @@ def assert_same_metrics(want: pd.DataFrame, got: pd.DataFrame) -> None:
     for name in COMPARED:
         rtol, atol = (1e-4, 1e-5) if name in SAMPLING_STATS else (1e-5, 1e-6)
         pd.testing.assert_series_equal(want[name], got[name], check_names=False, rtol=rtol, atol=atol, obj=name)
+
+
+def saved_steps(run_dir: Path) -> list[int]:
+    """Steps whose rows wait under pending/ for the database (the trainer writes steps together every few seconds;
+    the next writer of a killed run writes them)."""
+    writes = [pickle.loads(path.read_bytes()) for path in sorted((run_dir / PENDING_DIR).glob("*.pkl"))]
+    return [write.step for write in writes if write.kind == "step"]
+
+
+def kept_steps(run_dir: Path) -> list[int]:
+    """The steps a killed run kept: in its database or saved under pending/."""
+    return sorted(set(read_steps(run_dir / DB_FILE)["step"].tolist()) | set(saved_steps(run_dir)))

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -14,10 +13,10 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from same_steps import assert_same_metrics
+from same_steps import assert_same_metrics, saved_steps
 from qae_app.config import build_config
 from qae_app.store import db_path, query, read_run, read_steps
-from qae_app.rundir import PENDING_DIR, RunLock, latest_checkpoint, trainer_alive, write_manifest
+from qae_app.rundir import RunLock, latest_checkpoint, trainer_alive, write_manifest
 from qae_app.trainer import Trainer
 
 OPTS = dict(steps=6, prompts_per_step=4, group_size=8, eval_every=0, checkpoint_every=2, seed=1)
@@ -46,12 +45,6 @@ def assert_same_steps(reference: Path, run: Path, n_steps: int) -> None:
     assert counts["n"].tolist() == [PER_STEP] * n_steps
     groups = query(run, "SELECT step, count(*) AS n FROM groups GROUP BY step ORDER BY step")
     assert groups["n"].tolist() == [OPTS["prompts_per_step"]] * n_steps
-
-
-def saved_steps(run_dir: Path) -> list[int]:
-    """Steps whose rows wait under pending/ for the database (the next writer of the run writes them)."""
-    writes = [pickle.loads(path.read_bytes()) for path in sorted((run_dir / PENDING_DIR).glob("*.pkl"))]
-    return [write.step for write in writes if write.kind == "step"]
 
 
 @pytest.fixture(scope="module")
