@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import math
 import os
@@ -475,11 +476,22 @@ class Trainer:
 
     def _forward_logprobs(self, model, batch, rows: torch.Tensor, with_entropy: bool = True):
         """Token log-probs and (if asked) entropies (n, T-1) of the next tokens of the batch's sequences `rows`, under
-        `model`. (Over all T columns: cutting them to the rows' longest sequence saves nothing where it matters, on
-        the few non-gated rows, and would make the gated update differ from the dense one in the last bit.)"""
-        input_ids = batch["input_ids"][rows]
-        logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"][rows]).logits[:, :-1]
-        return token_logprobs_and_entropy(logits, input_ids[:, 1:], self.cfg.temperature, with_entropy)
+        `model`; 0 at the positions before the earliest response of them. The vocabulary projection and softmax run
+        from there on only (`logits_to_keep`, as TRL and verl do): on a real model with a long prompt they are most of
+        the memory of a forward. (All T columns go through the layers: cutting the padding after the rows' longest
+        sequence saves nothing where it matters, on the few non-gated rows, and would change the last bit.)"""
+        input_ids = batch["input_ids"][rows]  # (n, T)
+        width = input_ids.shape[1]
+        # logits at position t predict token t + 1: the first response token is predicted at its prompt's last one
+        first = int(batch["response_mask"][rows].argmax(-1).min()) if self._logits_keyword else 0
+        keep = {self._logits_keyword: width - first} if first else {}
+        logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"][rows], **keep).logits[:, :-1]
+        logp, entropy = token_logprobs_and_entropy(logits, input_ids[:, first + 1:], self.cfg.temperature,
+                                                   with_entropy)
+        if first:
+            logp = torch.nn.functional.pad(logp, (first, 0))
+            entropy = torch.nn.functional.pad(entropy, (first, 0)) if entropy is not None else None
+        return logp, entropy
 
     def _lockstep_forwards(self, count: int) -> int:
         """How many forward passes this process runs where it needs `count`. With sharded weights (FSDP, ZeRO-3) every
@@ -908,6 +920,10 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.model, self.optimizer = acc.prepare(model, optimizer)
+        # the model's keyword for computing the last positions' logits only (transformers >= 4.50; before: num_...)
+        forward_parameters = inspect.signature(model.forward).parameters
+        self._logits_keyword = next((name for name in ("logits_to_keep", "num_logits_to_keep")
+                                     if name in forward_parameters), None)
         acc.register_for_checkpointing(self.scheduler)
         if self.ref_model is not None:
             self.ref_model.to(acc.device)

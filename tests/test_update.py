@@ -114,3 +114,28 @@ def test_entropy_change_per_regime_against_a_hand_computation(tmp_path):
     finally:
         trainer._close_scorers()
         trainer._lock.release()
+
+
+def test_log_probs_from_the_logits_of_response_positions_only_equal_the_full_forward(tmp_path):
+    """The vocabulary projection runs from the earliest response position on (`logits_to_keep`): every response
+    token's log-prob and entropy is the full forward's, bit for bit in float64, and the prompt positions are 0."""
+    cfg = build_config(run_name="keep", steps=1, eval_every=0, checkpoint_every=0, seed=3)
+    trainer = Trainer(cfg, tmp_path, cpu=True)
+    trainer.model.double()
+    try:
+        prompts = [trainer.task.prompt(p) for p in trainer.task.train[:3]]
+        batch = trainer._pack(trainer.engine.generate(prompts, 4, 1.0, 8, seed=0))
+        rows = torch.arange(batch["input_ids"].shape[0])
+        assert trainer._logits_keyword == "logits_to_keep"
+        kept_logp, kept_entropy = trainer._forward_logprobs(trainer.model, batch, rows)
+        trainer._logits_keyword = None  # the full forward
+        full_logp, full_entropy = trainer._forward_logprobs(trainer.model, batch, rows)
+    finally:
+        trainer._close_scorers()
+        trainer._lock.release()
+    response = batch["response_mask"].bool()
+    first = int(response.float().argmax(-1).min())
+    assert first > 0  # the prompts' positions were left out
+    assert torch.equal(kept_logp[response], full_logp[response])
+    assert torch.equal(kept_entropy[response], full_entropy[response])
+    assert not kept_logp[:, :first].any() and not kept_entropy[:, :first].any()
