@@ -15,8 +15,8 @@ hub, transformers and datasets set offline, so nothing is downloaded.
 Runs alternate in child processes of this one (round r runs the systems in an order rotated by r), so machine noise
 hits every system alike. Three systems: TRL, qae with QAE (the default estimator) and qae with GRPO's mean baseline.
 
-Step time is the wall time between consecutive step ends (qae: the `on_step` callback of `Trainer.fit`, so the
-DuckDB write of the step's rows is included; TRL: `TrainerCallback.on_step_end`, so its logging is included). The
+Step time is the wall time between consecutive step ends (qae: the `on_step` callback of `Trainer.fit`, so handing
+the step's rows to the store is included, and its writer thread competes with the steps; TRL: `TrainerCallback.on_step_end`, so its logging is included). The
 first --warmup steps of each run are dropped (first generate call, optimizer state creation, data loader start);
 medians are over the remaining steps of all repeats pooled, with the per-run medians' min/max beside them.
 
@@ -24,20 +24,12 @@ Thread count: 1 by default, the same in every run. On oversubscribed cores (seve
 threads collapses (spin-waiting threads: a qae step went from ~1 s to ~20 s here), which would measure the machine,
 not the trainers; pass --threads 2 on a quiet machine.
 
-Where the difference comes from (bench/profile_step.py splits a qae step into phases): with one update per
-generation TRL takes the old log-probs from the training forward itself (`old_per_token_logps =
-per_token_logps.detach()`, ratio 1 by construction) and runs no separate pass, while qae runs a no-grad forward over
-all B*G sequences before its update; and qae's `fit` writes every step's rows to DuckDB (included in its step time
-here, printed separately as "store write").
-
-Measured on 2 shared, heavily loaded cores (load average 10-15; 1 thread; 2 rounds x 30 steps; noisy, the lead
-re-measures on a quiet machine): TRL 1325 ms per step, qae (QAE) 1144 ms = 0.86x (paired rounds 0.84x, 0.87x), qae
-GRPO 1837 ms = 1.39x. qae's train_step alone is 800 ms = 0.60x TRL: the DuckDB write after each step costs ~300 ms
-here. To reach 0.5x, in order of gain (bench/profile_step.py, same load): take the old log-probs from the training
-forward when num_mini_batches = ppo_epochs = 1 (update 378 -> ~190 ms: the no-grad pass over all 128 sequences is
-187 ms), with per-response entropy/log-prob for the rows from the rollout (`generate(output_logits=True)` costs no
-measurable extra); write the step's rows off the training thread or faster; AdamW(fused=True) on CPU (optimizer step
-~27 -> ~2 ms at the minimum).
+Where the difference comes from (bench/profile_step.py splits a qae step into phases): with about 80% of the
+responses gated (advantage 0), qae's update forwards and backpropagates only the others, where TRL's runs over all
+128; with one update per generation both take the old log-probs from the training forward itself (ratio 1). qae's
+engine also runs each group's shared prompt through the model once (TRL's `model.generate` runs it 16 times), and
+its store writes on a thread of its own. `qae --estimator grpo` (few responses gated) shows what is left without the
+gating. The figures measured are in the README's Performance section.
 """
 
 from __future__ import annotations

@@ -387,6 +387,12 @@ class RunWriter:
             con.execute("USE memory")
             con.execute("DETACH run")
 
+    def moved_to(self, path: Path) -> None:
+        """The file was moved (a new run's staging folder renamed into place): write there from now on, without
+        opening it again (a reader may already hold it)."""
+        self.path = Path(path)
+        self.pending_dir = self.path.parent / PENDING_DIR
+
     # run-level rows ------------------------------------------------------------------------------------------
     def create_run(self, name: str, config: dict, estimator: str, k: float | None, model: str, task: str,
                    seed: int) -> None:

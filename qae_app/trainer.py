@@ -1017,7 +1017,9 @@ class Trainer:
             raise QAEUserError(f"run-name: a run '{self.run_id}' already exists in {self.runs_dir} ({err.strerror})."
                                f" Continue it with --resume {self.run_id}, or pick another --run-name.") from err
         self._staging = None
-        self.writer = RunWriter(self.run_dir / DB_FILE, self.run_id)
+        # the same writer, not a new one: a new writer opens the file, which a reader may hold from the rename on
+        writer.moved_to(self.run_dir / DB_FILE)
+        self.writer = writer
         self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qae-store")
 
     def _stored_k(self) -> float | None:

@@ -8,6 +8,31 @@ from pathlib import Path
 
 import pytest
 
+# under pytest-xdist each worker gets its share of the cores for torch, and so do the trainers the tests start (they
+# inherit it): several workers each running torch on every core would oversubscribe them
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
+MAX_WORKERS = 4  # each worker holds torch and a model or two; the real-model tests alone take ~6 GB
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per core, at most MAX_WORKERS."""
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
+# the longest files first (as measured): under pytest-xdist each worker takes whole files, and a long one started last
+# would run alone at the end while the other cores idle
+LONGEST_FIRST = ("test_real_model.py", "test_crash_safety.py", "test_dashboard_browser.py", "test_accelerate.py",
+                 "test_sweep.py", "test_dapo.py")
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest keep their order
+
+
 MATH_DATA = Path(os.environ.get("QAE_MATH_DATA", Path(__file__).resolve().parents[2] / "shared/data/math"))
 
 TINY_RUN_OPTIONS = dict(steps=6, prompts_per_step=4, group_size=8, eval_every=3, checkpoint_every=3, seed=1)
