@@ -57,8 +57,8 @@ def main() -> None:
     wall = run["wall_s"]
     print(f"{steps['n']} steps in {wall:.1f} s wall ({run['setup_s']:.1f} s start-up, {steps['step']:.1f} s of steps)")
     print(f"store (writer thread CPU): {steps['store']:.2f} s = {steps['store'] / wall:.1%} of the wall time; "
-          f"median {steps['median_store'] * 1e3:.2f} ms a step (saving its rows), max {steps['max_store'] * 1e3:.0f} ms, "
-          f"{writes} steps over 10 ms (the database writes)")
+          f"median {steps['median_store'] * 1e3:.2f} ms a step (saving its rows), max "
+          f"{steps['max_store'] * 1e3:.0f} ms, {writes} steps over 10 ms (the database writes)")
     print(f"row building: {rows_s:.2f} s = {rows_s / wall:.1%} ("
           + ", ".join(f"{name} {seconds * 1e3 / steps['n']:.2f} ms" for name, seconds in spent.items()) + " a step)")
     print(f"store + row building / wall time: {(steps['store'] + rows_s) / wall:.1%}")

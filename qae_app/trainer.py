@@ -227,7 +227,8 @@ class Trainer:
 
         Every second of a step is in its row: rollout_s, reward_s and update_s (train_step), eval_s, write_s (building
         rows and waiting for the store, which writes on its own thread while the next step trains) and
-        checkpoint_s; step_s is the whole iteration. store_s is the CPU time the store's thread spent on the step. The run's row gets setup_s and wall_s."""
+        checkpoint_s; step_s is the whole iteration. store_s is the CPU time the store's thread spent on the step.
+        The run's row gets setup_s and wall_s."""
         cfg = self.cfg
         status, error = "running", None
         previous_handlers = self._install_stop_handlers()
