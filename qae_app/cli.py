@@ -495,7 +495,9 @@ def dashboard(
     def stop(signum, frame):  # SIGTERM (systemd, kill) stops the server too, as Ctrl-C does
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    # SIGINT too: a process started with SIGINT ignored (from a script's `&`, a test runner's worker) has no Python
+    # handler for it, and Ctrl-C would stop the server but leave this process to report a clean exit
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         code = process.wait()
     except KeyboardInterrupt:
@@ -507,7 +509,8 @@ def dashboard(
         console.print("dashboard stopped")
         return
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     if code != 0:  # e.g. the port is taken: Streamlit said why above
         err_console.print(f"[bold red]error:[/] the dashboard server exited with code {code}.")
         raise typer.Exit(code=1)

@@ -676,9 +676,10 @@ def listening_addresses(port: int) -> set[str]:
 def test_qae_dashboard_stops_cleanly_on_ctrl_c(runs_dir):
     port = free_port()
     qae = Path(sys.executable).parent / "qae"
+    # started with SIGINT ignored, as from a script's `&` or a test runner's worker: Ctrl-C must still stop it whole
     process = subprocess.Popen([str(qae), "dashboard", "--runs-dir", str(runs_dir), "--port", str(port)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         wait_healthy(port, process)
         assert listening_addresses(port) == {"127.0.0.1"}  # nobody else on the network can reach the runs
