@@ -206,20 +206,6 @@ def _is_lock_error(err: Exception) -> bool:
     return isinstance(err, (duckdb.IOException, duckdb.ConnectionException)) and bool(_LOCK_ERROR.search(str(err)))
 
 
-def _connect(path: Path, read_only: bool, timeout_s: float) -> duckdb.DuckDBPyConnection:
-    """Open, retrying while another process holds the file's lock."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.005
-    while True:
-        try:
-            return duckdb.connect(str(path), read_only=read_only)
-        except Exception as err:  # noqa: BLE001 - duckdb raises several types for a held lock
-            if not _is_lock_error(err) or time.monotonic() >= deadline:
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-
-
 def pandas():
     """The pandas module, imported on first use (it takes longer to import than `qae runs` takes to run)."""
     import pandas
