@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import pickle
 import re
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Iterator
 import duckdb
 
 if TYPE_CHECKING:  # pandas is imported where a frame is made: `qae runs` (run_summaries) never needs it
+    import numpy as np
     import pandas as pd
 
 from qae_app.errors import QAEUserError
@@ -161,12 +163,13 @@ STEP_TABLES = ("steps", "groups", "rollouts", "evals", "eval_samples", "warnings
 EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step, benchmark and source
 
 
-# When queued steps go to the database. Opening and closing the file (~35 ms, a checkpoint of DuckDB's log each time)
-# and each INSERT (~10 ms per table) cost about as much for one step as for ten, so steps are written together: after
-# a write that took c seconds of CPU, the next is due c / WRITE_SHARE later (at most MAX_ROW_DELAY_S, so live views
-# stay live). Until then each step's rows are saved under pending/ (under a millisecond), where a kill -9 cannot lose
-# them. The file is open only while a write runs, so readers get in between.
-WRITE_SHARE = 0.02
+# When queued steps go to the database. Attaching the file and detaching it (a checkpoint of DuckDB's log) and each
+# INSERT cost about as much for one step as for twenty, so steps are written together: after a write that took c
+# seconds of CPU, the next is due c / WRITE_SHARE later (at most MAX_ROW_DELAY_S, so live views stay live). At the
+# defaults a write of ~20 steps takes ~50 ms, so one is due every ~5 s. Until then each step's rows are saved under
+# pending/ (about a millisecond), where a kill -9 cannot lose them. The file is attached only while a write runs,
+# so readers get in between.
+WRITE_SHARE = 0.01
 MAX_ROW_DELAY_S = 5.0
 
 WRITER_COLUMNS = ("run_id", "step", "logged_at")  # filled in by RunWriter, not by the rows it is handed
@@ -228,19 +231,49 @@ def _storable(value):
     return value
 
 
-def _storable_frame(records: list[dict]) -> "pd.DataFrame":
-    """A frame of `records` with `_storable` text: cell by cell only when some text has a lone surrogate (pandas' arrow
-    strings refuse one; an object column of an older pandas is searched as a whole)."""
-    try:
-        frame = pandas().DataFrame.from_records(records)
-    except UnicodeEncodeError:
-        return pandas().DataFrame.from_records([{name: _storable(value) for name, value in record.items()}
-                                                for record in records])
-    for name in frame.columns[frame.dtypes == object]:
-        column = frame[name]
-        if _LONE_SURROGATE_RE.search("".join(value for value in column if isinstance(value, str))):
-            frame[name] = column.map(_storable)
-    return frame
+def _column(values: list) -> "np.ndarray":
+    """One column of rows as DuckDB's NumPy scan takes it, typed as pandas' `from_records` would type it (so the file
+    holds what it held when the rows went in as a frame): numbers as float64 (None and NaN become NULL, ints only when
+    none is missing), bools as bool when none is missing, anything else (text, timestamps) as Python objects. The
+    values are looked at by type, not one by one: a write holds thousands of rows."""
+    import numpy as np  # (here: `qae runs` never writes, and starts faster without it)
+
+    kinds = set(map(type, values))
+    missing = type(None) in kinds
+    kinds.discard(type(None))
+    flags = [issubclass(kind, (bool, np.bool_)) for kind in kinds]
+    if kinds and all(flags):
+        if not missing:
+            return np.array(values, dtype=bool)
+    elif kinds and not any(flags) and all(issubclass(kind, (int, float, np.number)) for kind in kinds):
+        try:
+            if not missing and all(issubclass(kind, (int, np.integer)) for kind in kinds):
+                return np.array(values, dtype=np.int64)
+            return np.array(values, dtype=np.float64)  # None -> NaN
+        except OverflowError:  # an int beyond int64: DuckDB converts it from the object
+            pass
+    return np.fromiter(values, dtype=object, count=len(values))
+
+
+def _storable_columns(records: list[dict]) -> dict[str, "np.ndarray"]:
+    """`records` as columns (every key of any record; None where one lacks it) with `_storable` text. No pandas: its
+    import alone (0.3-0.9 s) cost the trainer's process more than a default run's database writes."""
+    names = set().union(*records)
+    if set(map(len, records)) == {len(names)}:  # every record has every key (the trainer's rows)
+        by_column = {name: list(map(operator.itemgetter(name), records)) for name in records[0]}
+    else:
+        names = dict.fromkeys(name for record in records for name in record)  # (in order of appearance)
+        by_column = {name: [record.get(name) for record in records] for name in names}
+    columns = {}
+    for name, values in by_column.items():
+        kinds = set(map(type, values))
+        if str in kinds:
+            text = ("".join(filter(None, values)) if kinds <= {str, type(None)}
+                    else "".join(value for value in values if isinstance(value, str)))
+            if _LONE_SURROGATE_RE.search(text):
+                values = [_storable(value) for value in values]
+        columns[name] = _column(values)
+    return columns
 
 
 def _rollback(con: duckdb.DuckDBPyConnection, err: BaseException) -> None:
@@ -586,13 +619,13 @@ class RunWriter:
                 records = [record for group in by_key.values() for record in group]
                 if not records:
                     continue
-                frame = _storable_frame(records)
+                columns = _storable_columns(records)
                 steps = [key[0] for key, group in by_key.items() for _ in group]
-                frame.insert(0, "run_id", self.run_id)
-                frame["step"] = steps
+                columns["run_id"] = _column([self.run_id] * len(records))
+                columns["step"] = _column(steps)
                 if "logged_at" in TABLES[table]:
-                    frame["logged_at"] = [logged_at[step] for step in steps]
-                con.register("_batch", frame)
+                    columns["logged_at"] = _column([logged_at[step] for step in steps])
+                con.register("_batch", columns)
                 con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _batch")
                 con.unregister("_batch")
             for update in late_updates:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pytest
 
 from qae_app.errors import QAEUserError
@@ -340,3 +341,78 @@ def test_a_file_whose_free_blocks_duckdb_dropped_is_not_damaged(writer):
                                               "FROM pragma_database_size()").fetchone()
     assert writer.path.stat().st_size < block_size * total  # blocks listed but not in the file: they are free
     RunWriter(writer.path, "r1").add_step(3, **_rows(3))  # opens as the healthy file it is
+
+
+def _awkward_rows(step: int) -> dict:
+    """Rows with every kind of value the trainer hands the store: NaN and None among floats, None among ints and
+    bools, a lone surrogate, an empty string, unicode, and evaluation rows of two benchmarks."""
+    rows = _rows(step)
+    rows["steps"][0].update(entropy_neg=float("nan"), dH=None, k=None, heldout_accuracy=0.25)
+    rows["groups"][0].update(prompt="x\ud800y", answer="", filtered=None)
+    rows["rollouts"][1].update(response="∑ é 😀", entropy=float("nan"), logprob=None, correct=None, n_tokens=None)
+    rows["rollouts"][2].update(verified=None, reward=float("inf"))
+    rows["rollouts"][3].update(entropy=np.float32(0.25), n_tokens=np.int64(7))  # numpy scalars too
+    rows["evals"] = [{"benchmark": b, "subset": "all", "metric": "pass@1", "k": 1, "value": v, "n_problems": 3,
+                      "source": "train"} for b, v in (("arith", 0.5), ("gsm8k", float("nan")))]
+    rows["warnings"] = [{"kind": "entropy", "message": "low \udfff"}]
+    return rows
+
+
+def _table_contents(path: Path) -> dict[str, list[tuple]]:
+    with duckdb.connect(str(path), read_only=True) as con:
+        return {table: con.execute(f"SELECT * EXCLUDE (run_id) FROM {table} ORDER BY ALL").fetchall()
+                for table in ("steps", "groups", "rollouts", "evals", "warnings")}
+
+
+def test_rows_are_stored_as_a_pandas_frame_of_them_would_be(tmp_path):
+    """The writer hands DuckDB columns of Python values, not a pandas frame (importing pandas alone cost more than a
+    run's database writes): what lands in the file must be what the frame of the same rows gave."""
+    import pandas as pd
+
+    ours = RunWriter(tmp_path / "ours" / "qae.duckdb", "r")
+    ours.create_run("r", {}, "qae", 0.4, "builtin:tiny", "arith", 0)
+    for step in (1, 2):
+        ours.add_step(step, **_awkward_rows(step))
+    assert ours.flush()
+    contents = _table_contents(ours.path)
+
+    reference = tmp_path / "reference.duckdb"
+    shutil.copy(ours.path, reference)
+    with duckdb.connect(str(reference)) as con:
+        for table, stored in contents.items():
+            con.execute(f"DELETE FROM {table}")
+            for step in (1, 2):
+                records = [{name: (value.replace("\ud800", "\ufffd").replace("\udfff", "\ufffd")
+                                   if isinstance(value, str) else value) for name, value in record.items()}
+                           for record in _awkward_rows(step)[table]]
+                frame = pd.DataFrame.from_records(records)
+                frame.insert(0, "run_id", "r")
+                frame["step"] = step
+                if table == "steps":
+                    frame["logged_at"] = [row[1] for row in stored if row[0] == step]
+                con.register("_frame", frame)
+                con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _frame")
+    assert _table_contents(reference) == contents
+    assert contents["steps"][0][list(STEP_METRICS).index("entropy_neg") + 2] is None  # NaN is NULL, as before
+    assert [row[5] for row in contents["rollouts"][:4]] == [1.0, 0.0, float("inf"), 0.0]  # reward
+
+
+def test_writing_rows_does_not_import_pandas(tmp_path):
+    """The trainer's process writes its rows without pandas (its import, about 0.3-0.9 s, was most of the store's
+    cost in a default run); readers still get frames."""
+    code = ("import sys\n"
+            "from pathlib import Path\n"
+            "from tests.test_store import _awkward_rows\n"
+            "from qae_app.store import RunWriter\n"
+            "w = RunWriter(Path(sys.argv[1]), 'r')\n"
+            "w.create_run('r', {}, 'qae', 0.4, 'builtin:tiny', 'arith', 0)\n"
+            "w.add_step(1, **_awkward_rows(1))\n"
+            "w.update_step(1, eval_s=0.5)\n"
+            "assert w.flush()\n"
+            "w.update_run(status='finished', wall_s=1.0)\n"
+            "print(sorted(m for m in ('pandas', 'pyarrow') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r" / "qae.duckdb")], capture_output=True,
+                         text=True, cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    assert read_steps(tmp_path / "r" / "qae.duckdb")["eval_s"].tolist() == [0.5]
