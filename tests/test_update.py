@@ -1,4 +1,4 @@
-"""The update step exactly as claimed: the gated skip changes nothing (bit for bit in float64, all-gated mini-batches
+"""The update step exactly as claimed: the gated skip changes nothing (to float64 rounding, all-gated mini-batches
 included), the mini-batch count is the one asked for, and the new per-step metrics mean what they say."""
 
 import math
@@ -30,17 +30,23 @@ def _two_steps(tmp_path, skip: bool, **opts):
     return [p.detach().clone() for p in trainer.model.parameters()], metrics, len(backward_passes)
 
 
-def test_skipping_gated_sequences_gives_the_dense_update_bit_for_bit(tmp_path):
+def test_skipping_gated_sequences_gives_the_dense_update(tmp_path):
     """16 mini-batches of 8 responses: with ~80% gated, several mini-batches have only zero advantages. The dense
-    update still steps AdamW on them (its moments move the weights), so the skip must too."""
+    update still steps AdamW on them (its moments move the weights), so the skip must too.
+
+    Equal to float64 rounding, not bit for bit: the dense matmuls sum the gated rows' exact zeros too, and where the
+    BLAS splits a sum depends on the matrix shapes and the CPU (on an AVX2 machine the parameters differed by 1.4e-17
+    after 2 steps). A real difference (a mini-batch's gradient missed or normalized by the wrong count) is 1e-6 or
+    more."""
     skip_params, skip_metrics, skip_passes = _two_steps(tmp_path, True, num_mini_batches=16)
     dense_params, dense_metrics, dense_passes = _two_steps(tmp_path, False, num_mini_batches=16)
     assert dense_passes == 32 and skip_passes < dense_passes  # all-gated mini-batches happened and were skipped
-    assert all(torch.equal(a, b) for a, b in zip(skip_params, dense_params))
+    for skip, dense in zip(skip_params, dense_params):
+        torch.testing.assert_close(skip, dense, rtol=1e-12, atol=1e-15)
     for skip, dense in zip(skip_metrics, dense_metrics):
         assert skip["n_updates"] == dense["n_updates"] == 16
         for name in ("loss", "pg_loss", "grad_norm", "clip_frac", "clip_frac_low", "clip_frac_high"):
-            assert skip[name] == dense[name], name
+            assert skip[name] == pytest.approx(dense[name], rel=1e-12, abs=1e-15), name
 
 
 def test_the_step_makes_exactly_the_mini_batches_asked_for(tmp_path):
