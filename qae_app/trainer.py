@@ -486,7 +486,9 @@ class Trainer:
         # logits at position t predict token t + 1: the first response token is predicted at its prompt's last one
         first = int(batch["response_mask"][rows].argmax(-1).min()) if self._logits_keyword else 0
         keep = {self._logits_keyword: width - first} if first else {}
-        logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"][rows], **keep).logits[:, :-1]
+        # use_cache=False: the model would otherwise build a KV cache (its config says use_cache) that nothing reads
+        logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"][rows], use_cache=False,
+                       **keep).logits[:, :-1]
         logp, entropy = token_logprobs_and_entropy(logits, input_ids[:, first + 1:], self.cfg.temperature,
                                                    with_entropy)
         if first:
