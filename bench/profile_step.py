@@ -15,7 +15,8 @@ Then, on each step's real batch, the alternatives for the update are timed direc
   value, detached (ratio 1 by construction, as TRL does); the metrics that the pass also feeds (per-response entropy
   and log-prob, for the rows, the entropy warnings and the dashboard) would then come from the rollout:
   `generate(output_logits=True)` is timed against plain `generate` for that.
-Timings on a shared machine are noisy: medians with min/max. The first --warmup steps are dropped.
+Last, one training forward and its backward on 1, 7 and 32 sequences of a real batch: what a forward costs however few
+sequences it holds. Timings on a shared machine are noisy: medians with min/max. The first --warmup steps are dropped.
 """
 
 from __future__ import annotations
@@ -100,6 +101,28 @@ def generate_with_and_without_logits(trainer: Trainer, prompts: list[str], seed:
     return result
 
 
+def forward_backward_cost(trainer: Trainer, batch: dict, sizes=(1, 7, 32), repeats: int = 10) -> dict:
+    """Median seconds of one training forward and of its backward on the first n sequences of a real batch, for each n
+    in `sizes`: how much of a forward is paid however few sequences it holds (the gated update runs one per
+    mini-batch on its few kept responses)."""
+    trainer.model.train()
+    cost = {}
+    for n in sizes:
+        rows = torch.arange(min(n, len(batch["input_ids"])))
+        forwards, backwards = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            logp, _ = trainer._forward_logprobs(trainer.model, batch, rows, with_entropy=False)
+            loss = (logp * batch["response_mask"][rows]).sum()
+            middle = time.perf_counter()
+            loss.backward()
+            forwards.append(middle - start)
+            backwards.append(time.perf_counter() - middle)
+        cost[len(rows)] = (statistics.median(forwards), statistics.median(backwards))
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return cost
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=16, help="steps (half with the gated skip, half dense)")
@@ -174,6 +197,8 @@ def main() -> None:
             whatif["generate, plain"].append(plain)
             whatif["generate, + logits -> entropy, log-prob"].append(with_logits)
             clock.take()  # what-if timings are not phases of the step
+        per_size = forward_backward_cost(trainer, captured["batch"])
+        clock.take()
 
     def med(values):
         return statistics.median(values) * 1e3
@@ -197,6 +222,11 @@ def main() -> None:
     print("what-if, on the same batches (ms):")
     for name, values in whatif.items():
         print(f"  {name:42s} {med(values):7.1f} [{min(values) * 1e3:5.1f}-{max(values) * 1e3:6.1f}]")
+
+    print("one training forward / its backward on n sequences of the last step's batch (ms; the fixed part is what "
+          "the gated update pays per mini-batch):")
+    for n, (forward_s, backward_s) in per_size.items():
+        print(f"  n = {n:3d}: {forward_s * 1e3:6.1f} / {backward_s * 1e3:6.1f}")
 
     update_skip = statistics.median(r["update_s"] for r in rows["skip"])
     update_dense = statistics.median(r["update_s"] for r in rows["dense"])
