@@ -234,13 +234,17 @@ def _storable(value):
 def _column(values: list) -> "np.ndarray":
     """One column of rows as DuckDB's NumPy scan takes it, typed as pandas' `from_records` would type it (so the file
     holds what it held when the rows went in as a frame): numbers as float64 (None and NaN become NULL, ints only when
-    none is missing), bools as bool when none is missing, anything else (text, timestamps) as Python objects. The
-    values are looked at by type, not one by one: a write holds thousands of rows."""
+    none is missing), bools as bool when none is missing, anything else (text with `_storable` text, timestamps) as
+    Python objects. The values are looked at by type, not one by one: a write holds thousands of rows."""
     import numpy as np  # (here: `qae runs` never writes, and starts faster without it)
 
     kinds = set(map(type, values))
     missing = type(None) in kinds
     kinds.discard(type(None))
+    if str in kinds:
+        text = "".join(filter(None, values)) if kinds == {str} else "".join(v for v in values if isinstance(v, str))
+        if _LONE_SURROGATE_RE.search(text):
+            values = [_storable(value) for value in values]
     flags = [issubclass(kind, (bool, np.bool_)) for kind in kinds]
     if kinds and all(flags):
         if not missing:
@@ -256,24 +260,12 @@ def _column(values: list) -> "np.ndarray":
 
 
 def _storable_columns(records: list[dict]) -> dict[str, "np.ndarray"]:
-    """`records` as columns (every key of any record; None where one lacks it) with `_storable` text. No pandas: its
+    """`records` as columns (every key of any record; None where one lacks it), each a `_column`. No pandas: its
     import alone (0.3-0.9 s) cost the trainer's process more than a default run's database writes."""
-    names = set().union(*records)
-    if set(map(len, records)) == {len(names)}:  # every record has every key (the trainer's rows)
-        by_column = {name: list(map(operator.itemgetter(name), records)) for name in records[0]}
-    else:
-        names = dict.fromkeys(name for record in records for name in record)  # (in order of appearance)
-        by_column = {name: [record.get(name) for record in records] for name in names}
-    columns = {}
-    for name, values in by_column.items():
-        kinds = set(map(type, values))
-        if str in kinds:
-            text = ("".join(filter(None, values)) if kinds <= {str, type(None)}
-                    else "".join(value for value in values if isinstance(value, str)))
-            if _LONE_SURROGATE_RE.search(text):
-                values = [_storable(value) for value in values]
-        columns[name] = _column(values)
-    return columns
+    if set(map(len, records)) == {len(set().union(*records))}:  # every record has every key (the trainer's rows)
+        return {name: _column(list(map(operator.itemgetter(name), records))) for name in records[0]}
+    names = dict.fromkeys(name for record in records for name in record)  # (in order of appearance)
+    return {name: _column([record.get(name) for record in records]) for name in names}
 
 
 def _rollback(con: duckdb.DuckDBPyConnection, err: BaseException) -> None:
