@@ -38,10 +38,10 @@ from qae_app.trainer import Trainer
 class SyntheticVerdicts:
     """A stand-in for the verifier: each prompt (known by its answer) gets a success rate drawn uniformly from [0, 1],
     each response a verdict drawn with that rate, both from a hash (crc32) of the text and the response's place in the
-    batch (the same response text twice in a group may get two verdicts, as a policy's two samples would), so the
-    trainers that skip and that do not give the same verdicts to the same responses. With QAE's K = 0.4, a group with success rate p keeps
-    its successes when p <= 0.6 and its failures otherwise: on average 0.6^2/2 + 0.4^2/2 = 26% of responses keep an
-    advantage, about what the built-in model has early in its run (it has 23-24%)."""
+    batch (the same text twice in a group may get two verdicts, as two samples of a policy would), so the trainers
+    that skip and that do not give the same verdicts to the same responses. With QAE's K = 0.4 a group with success
+    rate p keeps its successes when p <= 0.6 and its failures otherwise: on average 0.6^2/2 + 0.4^2/2 = 26% of
+    responses keep an advantage (measured: 22-24%), about what the built-in model has at the defaults (23-24%)."""
 
     def __call__(self, texts: list[str], answers: list[str]) -> list[float]:
         verdicts = []
