@@ -422,11 +422,13 @@ def _rgba(hex_color: str, alpha: float) -> str:
 # across seeds (Compare page)
 
 
-def across_seeds(curves: list[pd.DataFrame], band: str = "t-interval") -> pd.DataFrame:
+def across_seeds(curves: list[pd.DataFrame], band: str = "t-interval",
+                 bounds: tuple[float | None, float | None] = (None, None)) -> pd.DataFrame:
     """One group's curve: per step, over the runs (frames of step, value) that have a value at that step, `n`, the
     `mean` and the band [`low`, `high`]: the mean's 95% Student-t interval (the interval `qae compare` gives a
     metric: compare.mean_interval of those values) or the lowest and highest value. No band (NaN) where fewer than
-    two runs have the step: one seed says nothing about the spread."""
+    two runs have the step: one seed says nothing about the spread. `bounds` (lower, upper; None: none) are the values
+    the metric can take: the band is cut there (with 3 seeds a fraction's t-interval easily reaches below 0)."""
     if band not in SEED_BANDS:
         raise ValueError(f"band: unknown {band!r}; use one of {', '.join(SEED_BANDS)}")
     parts = [curve[["step", "value"]].dropna() for curve in curves]
@@ -437,6 +439,8 @@ def across_seeds(curves: list[pd.DataFrame], band: str = "t-interval") -> pd.Dat
         quantile = {n: student_t_ppf(0.5 + CONFIDENCE / 2, n - 1) for n in set(out["n"]) if n >= 2}
         half = out["n"].map(quantile) * out["sd"] / np.sqrt(out["n"])
         out["low"], out["high"] = out["mean"] - half, out["mean"] + half
+    lower, upper = bounds
+    out["low"], out["high"] = out["low"].clip(lower, upper), out["high"].clip(lower, upper)
     few = out["n"] < 2
     out.loc[few, ["low", "high"]] = np.nan
     return out[["step", "n", "mean", "low", "high"]].astype({"step": int, "n": int})

@@ -122,6 +122,24 @@ def test_across_seeds_by_hand():
         charts.across_seeds(curves, "sd")
 
 
+def test_a_band_stays_within_the_values_the_metric_can_take():
+    """A fraction's mean lies in [0, 1] whatever its interval says: with 3 seeds the t quantile is 4.3 and the
+    interval of a gated fraction reached -0.5 on the study's chain sweep. The band is cut at the bounds; the mean
+    and the rows without a band are unchanged."""
+    curves = [pd.DataFrame({"step": [0, 1, 2], "value": [0.2, 0.8, 1.0]}),
+              pd.DataFrame({"step": [0, 1, 2], "value": [0.0, 0.9, None]}),
+              pd.DataFrame({"step": [0, 1], "value": [0.1, 1.0]})]
+    free = charts.across_seeds(curves).set_index("step")
+    bounded = charts.across_seeds(curves, bounds=(0.0, 1.0)).set_index("step")
+    assert free.loc[1, "high"] > 1 and free.loc[0, "low"] < 0  # the case: both ends leave [0, 1]
+    assert bounded.loc[1, "high"] == 1.0 and bounded.loc[1, "low"] == pytest.approx(free.loc[1, "low"])
+    assert bounded.loc[0, "low"] == 0.0 and bounded.loc[0, "high"] == pytest.approx(free.loc[0, "high"])
+    assert bounded["mean"].tolist() == pytest.approx(free["mean"].tolist())
+    assert math.isnan(bounded.loc[2, "low"]) and math.isnan(bounded.loc[2, "high"])
+    lower_only = charts.across_seeds(curves, bounds=(0.0, None)).set_index("step")
+    assert lower_only.loc[0, "low"] == 0.0 and lower_only.loc[1, "high"] == pytest.approx(free.loc[1, "high"])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the page
 

@@ -20,6 +20,8 @@ CURVES = {
     "entropy": ("entropy", "nats / token"),
     "frac_zero_adv": ("zero-advantage (gated) fraction", "fraction of responses"),
 }
+# the values each curve can take: its band is cut there
+CURVE_BOUNDS = {"heldout_accuracy": (0.0, 1.0), "entropy": (0.0, None), "frac_zero_adv": (0.0, 1.0)}
 NO_HELDOUT = ("No held-out evaluation in these runs, so the held-out metrics are empty. Train with `--eval-every N` "
               "(`qae sweep` passes it on to every run) to evaluate on the held-out split every N steps and at step 0.")
 
@@ -179,11 +181,12 @@ def pick_baseline(groups: list[compare.RunGroup]) -> compare.RunGroup | None:
 def curves_section(comparison: compare.Comparison, band: str) -> None:
     colors = {group.label: board.RUN_COLORS[i % len(board.RUN_COLORS)] for i, group in enumerate(comparison.groups)}
     caption = (f"One color per group; the line is the mean over the group's seeds at each step, the band the "
-               f"{charts.SEED_BANDS[band]} (none where only one seed has the step; hover for how many do)")
+               f"{charts.SEED_BANDS[band]}, cut at the values the metric can take (none where only one seed has the "
+               "step; hover for how many do)")
     left, right = st.columns(2)
     for i, (metric, (title, y_title)) in enumerate(CURVES.items()):
         curves = {group.label: charts.across_seeds([run.steps.rename(columns={metric: "value"}) for run in group.runs
-                                                    if metric in run.steps], band)
+                                                    if metric in run.steps], band, CURVE_BOUNDS[metric])
                   for group in comparison.groups}
         with (left, right)[i % 2]:
             if metric == "heldout_accuracy" and all(curve.empty for curve in curves.values()):
