@@ -145,27 +145,31 @@ def default_runs(all_runs: pd.DataFrame) -> list[str]:
 
 def _picked_by_user() -> None:
     st.session_state["_run_chosen"] = True
-    st.session_state.pop("_missing_runs", None)
 
 
 def pick_runs(all_runs: pd.DataFrame) -> list[str]:
-    """The sidebar multiselect of runs, bound to `?run=`. Until the user picks, the default (see `default_runs`) is
-    written into the URL, so a new run shows up on a page opened on an empty runs dir. Runs named in a link that are
-    not in the runs dir are reported, not dropped silently."""
+    """The sidebar multiselect of runs, bound to `?run=`. Until the user picks, the page shows the runs the link names
+    as they come to exist (a link to a run about to start shows it once its first rows are written) and meanwhile the
+    default (see `default_runs`), so a new run shows up on a page opened on an empty runs dir; runs the link names
+    that are not (yet) in the runs dir are reported, not dropped silently."""
     ids = [str(run_id) for run_id in all_runs["run_id"]]
-    requested = st.query_params.get_all("run")
-    missing = [run_id for run_id in requested if run_id not in ids]
-    if missing:
-        st.session_state["_missing_runs"] = missing
-    if not st.session_state.get("_run_chosen") and not [r for r in requested if r in ids]:
-        default = default_runs(all_runs)
-        if default and st.session_state.get("run") != default:
-            seed("run", default)
-    if st.session_state.get("_missing_runs"):
-        st.sidebar.warning("Not in " + f"`{runs_dir()}`: " + ", ".join(f"`{r}`" for r in
-                                                                       st.session_state["_missing_runs"])
-                           + ". The link names runs this folder does not have (renamed, moved or deleted); "
-                           "pick runs below.", icon=":material/link_off:")
+    if "_link_runs" not in st.session_state:
+        st.session_state["_link_runs"] = st.query_params.get_all("run")  # what the link asked for, read once
+    if not st.session_state.get("_run_chosen"):
+        linked = st.session_state["_link_runs"]
+        wanted = [run_id for run_id in linked if run_id in ids] or default_runs(all_runs)
+        if wanted and st.session_state.get("run") != wanted:
+            seed("run", wanted)
+        elif wanted and st.query_params.get_all("run") != wanted:
+            # Streamlit drops a link's unknown run from the URL as the bound widget first reads it, and the run
+            # written in its place with it: set it again on the next pass, which a bound widget writes into the URL
+            st.session_state["run"] = wanted
+        missing = [run_id for run_id in linked if run_id not in ids]
+        if missing:
+            st.sidebar.warning("Not in " + f"`{runs_dir()}`: " + ", ".join(f"`{r}`" for r in missing)
+                               + ". The link names runs this folder does not have (not started yet, renamed, moved "
+                               "or deleted); they are shown as soon as they appear, or pick runs below.",
+                               icon=":material/link_off:")
     # no format_func: a bound widget reads the URL as formatted options, and run ids make plain URLs
     st.sidebar.multiselect("Runs", ids, key="run", bind="query-params", placeholder="pick runs",
                            on_change=_picked_by_user,

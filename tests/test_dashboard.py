@@ -418,6 +418,28 @@ def test_the_url_names_the_default_run_and_a_missing_run_is_reported(small_app):
     assert "ghost" in warning and "does not have" in warning
 
 
+@pytest.mark.parametrize("view", [None, "curves", "rollouts"])
+def test_a_linked_run_that_appears_later_is_shown_and_the_url_always_names_the_run_shown(tmp_path, monkeypatch,
+                                                                                          view):
+    """A link to a run not started yet (`?run=fresh`, then `qae train --run-name fresh`): meanwhile the newest run is
+    shown, and the URL names it from the page's next pass on (Streamlit drops the unknown run from the URL as it first
+    reads it); once the run exists the page shows it and the warning goes."""
+    _write_crafted(tmp_path, "old")
+    app = make_app(tmp_path, monkeypatch)
+    at = app(view, run="fresh")
+    assert at.sidebar.multiselect(key="run").value == ["old"]
+    assert "fresh" in " ".join(w.value for w in at.sidebar.warning)
+    at.run()
+    assert at.query_params.get("run") in ("old", ["old"])
+    assert "fresh" in " ".join(w.value for w in at.sidebar.warning)
+    _write_crafted(tmp_path, "fresh")
+    at.run()
+    assert at.sidebar.multiselect(key="run").value == ["fresh"]
+    assert at.query_params.get("run") in ("fresh", ["fresh"])
+    assert not at.sidebar.warning
+    assert not at.exception
+
+
 def test_config_of_a_run_and_the_difference_of_two(small_app):
     at = small_app(run=["crafted", "syn"])
     grid = frame_with(at, "option", "crafted", "syn")
