@@ -829,8 +829,21 @@ def read_warnings(path: Path) -> pd.DataFrame:
 
 def read_last_step(path: Path) -> int | None:
     frame = query(path, "SELECT max(step) AS last FROM steps")
-    value = frame["last"].iloc[0]
-    return None if value is None or value != value else int(value)  # NULL / NaN: no step
+    return None if frame["last"].isna().iloc[0] else int(frame["last"].iloc[0])  # NULL (NA, None or NaN): no step
+
+
+def last_logged_step(run_dir: Path) -> int:
+    """The newest step whose rows a run kept: in its database, or saved under pending/ for it (written by the run's
+    next writer); 0 when none. A reader: it writes nothing."""
+    path = Path(run_dir) / DB_FILE
+    in_file = read_last_step(path) if path.exists() else None
+    saved = []
+    for spilled in sorted((Path(run_dir) / PENDING_DIR).glob("*.pkl")):
+        with open(spilled, "rb") as f:
+            write = pickle.load(f)
+        if write.kind == "step":
+            saved.append(write.step)
+    return max([in_file or 0, *saved])
 
 
 # ---------------------------------------------------------------------------------------------------------------

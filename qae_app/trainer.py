@@ -57,7 +57,7 @@ from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
 from qae_app.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, DB_FILE, TRAINER_STATE, RunLock, checkpoint_problem,
                             checkpoint_step, file_sha256, list_checkpoints, run_dir, trainer_alive,
                             write_manifest)
-from qae_app.store import RunWriter, read_run
+from qae_app.store import RunWriter, last_logged_step, read_run
 from qae_app.tasks import Task, load_benchmark, load_task
 
 ENTROPY_EMA_ALPHA = 0.1  # smoothing of the entropy that the band warnings watch (about the last 10 steps)
@@ -943,26 +943,38 @@ class Trainer:
         """Load the newest checkpoint whose files match their checksums; say so when a newer one was skipped."""
         from accelerate.utils import broadcast_object_list
 
-        chosen = [None]
+        cfg = self.cfg
+        chosen = [None, 0]  # the checkpoint, and the newest step whose rows the run kept (stored or saved)
         if self.is_main:
             for ckpt in reversed(list_checkpoints(self.run_dir)):
                 problem = checkpoint_problem(ckpt)
                 if problem is None:
-                    chosen = [str(ckpt)]
+                    chosen[0] = str(ckpt)
                     break
                 self._say(f"[yellow]warning:[/] skipping checkpoint {ckpt.name}: {problem}")
+            chosen[1] = last_logged_step(self.run_dir)
         if self.accelerator.num_processes > 1:
             broadcast_object_list(chosen)
+        logged = chosen[1]
         if chosen[0] is None:
             if self.is_main and list_checkpoints(self.run_dir):
                 raise QAEUserError(f"resume: no checkpoint of run '{self.run_id}' checks out (see the warnings "
                                    "above). Start a new run.")
-            return  # killed before the first checkpoint: start over from step 0, same run
+            # killed before its first checkpoint: start over from step 0, same run, same seed (the same steps again)
+            if cfg.steps < logged:
+                raise QAEUserError(
+                    f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged. It has no "
+                    f"checkpoint (killed before its first; --checkpoint-every {cfg.checkpoint_every}), so a resume "
+                    f"trains it again from step 0 and replaces their rows: pass --steps {logged} or more to keep "
+                    "every logged step, or start a new run.")
+            if logged:
+                self._say(f"[yellow]warning:[/] run {self.run_id} has no checkpoint: training it again from step 0 "
+                          f"(same seed); the {logged} steps it logged are replaced as they are trained again.")
+            return
         ckpt = Path(chosen[0])
         self.accelerator.load_state(str(ckpt))
         self.state = TrainerState.load(ckpt / TRAINER_STATE)
         self._say(f"resuming run {self.run_id} from checkpoint {ckpt.name}")
-        cfg = self.cfg
         problem = data_position_problem(self.state.data_position, self.state.step, cfg)
         if problem:
             raise QAEUserError(f"resume: checkpoint {ckpt} is at prompt {self.state.data_position} of the data, but "
@@ -970,6 +982,11 @@ class Trainer:
         if cfg.steps < self.state.step:
             raise QAEUserError(f"steps: {cfg.steps} is below the {self.state.step} steps run '{self.run_id}' has "
                                "already done. Pass --steps above that to train further.")
+        if cfg.steps < logged:
+            raise QAEUserError(f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged (its "
+                               f"newest checkpoint is at step {self.state.step}; the steps after it are trained "
+                               f"again and replace their rows). Pass --steps {logged} or more to keep every logged "
+                               "step.")
         if self.state.data_fingerprint != self.data_fingerprint:
             raise QAEUserError(f"data: {cfg.data} changed since run '{self.run_id}' was started (its sha256 differs "
                                "from the one the checkpoint recorded). A resumed run must see the same prompts: "

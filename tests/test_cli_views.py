@@ -203,3 +203,15 @@ def test_readme_defines_every_gate_reason():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| (.+?) \|$", readme, re.M))
     assert {name: rows.get(name) for name in GATE_REASONS} == GATE_REASONS
+
+
+def test_rollouts_of_a_run_without_steps_say_so(tmp_path):
+    """A run created but not past its first step (or an eval-only run): DuckDB's max(step) over no rows comes back as
+    pandas' NA, which is neither None nor NaN."""
+    writer = store.RunWriter(store.db_path(tmp_path, "new"), "new")
+    writer.create_run("new", {"steps": 10}, "qae", 0.4, "builtin:tiny", "arith", 0)
+    assert store.read_last_step(store.db_path(tmp_path, "new")) is None
+    assert store.last_logged_step(tmp_path / "new") == 0
+    result = runner.invoke(app, ["rollouts", "new", "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert "run: 'new' has no steps yet." in " ".join(result.output.split())

@@ -13,7 +13,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from same_steps import assert_same_metrics, saved_steps
+from same_steps import assert_same_metrics, kept_steps, saved_steps
 from qae_app.config import build_config
 from qae_app.store import db_path, query, read_run, read_steps
 from qae_app.rundir import RunLock, latest_checkpoint, trainer_alive, write_manifest
@@ -88,6 +88,30 @@ def test_kill_9_at_a_chosen_point_then_resume_equals_the_uninterrupted_run(tmp_p
     assert_same_steps(reference, db_path(tmp_path, "cut"), OPTS["steps"])
     assert read_run(db_path(tmp_path, "cut"))["status"] == "finished"
     assert not trainer_alive(tmp_path / "cut")
+
+
+@pytest.mark.slow
+def test_resuming_a_run_killed_before_its_first_checkpoint_replays_it_and_drops_no_logged_step(tmp_path, reference):
+    """No checkpoint to resume from: the resume trains again from step 0 (same seed, so the same steps), says so,
+    and refuses a --steps below the steps already logged (their rows would be dropped and never trained again)."""
+    proc = start_train(tmp_path, "nock", {"QAE_FAULT": "after_step_rows@5"}, **dict(OPTS, checkpoint_every=0))
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == -signal.SIGKILL, out
+    assert not (tmp_path / "nock" / "checkpoints").exists() or latest_checkpoint(tmp_path / "nock") is None
+    kept = kept_steps(tmp_path / "nock")
+    assert kept == [1, 2, 3, 4]  # step 5 was in flight
+    refused = subprocess.run([QAE, "train", "--resume", "nock", "--steps", "3", "--runs-dir", str(tmp_path)],
+                             capture_output=True, text=True, timeout=600, env=WIDE)
+    message = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode == 2, message
+    assert "steps: 3 is below the 4 steps run 'nock' has logged" in message
+    assert kept_steps(tmp_path / "nock") == kept  # nothing dropped
+    resumed = subprocess.run([QAE, "train", "--resume", "nock", "--runs-dir", str(tmp_path)], capture_output=True,
+                             text=True, timeout=600, env=WIDE)
+    said = " ".join((resumed.stdout + resumed.stderr).split())
+    assert resumed.returncode == 0, said
+    assert "has no checkpoint: training it again from step 0" in said and "4 steps it logged" in said
+    assert_same_steps(reference, db_path(tmp_path, "nock"), OPTS["steps"])
 
 
 @pytest.mark.slow
