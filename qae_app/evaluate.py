@@ -113,7 +113,8 @@ class EvalTarget:
 def resolve_model(spec: str, runs_dir, checkpoint: int | None = None) -> EvalTarget:
     """A run id (its newest or --checkpoint N), builtin:tiny, a local folder or a Hugging Face id."""
     folder = Path(runs_dir) / spec
-    if RUN_NAME_PATTERN.match(spec) and (folder / CHECKPOINTS_DIR).is_dir():
+    # a run folder: checkpoints, or a database only (a run killed before its first checkpoint)
+    if RUN_NAME_PATTERN.match(spec) and ((folder / CHECKPOINTS_DIR).is_dir() or db_path(runs_dir, spec).exists()):
         found = list_checkpoints(folder)
         if checkpoint is None:
             if not found:
@@ -148,7 +149,15 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
     else:
         run_id = target.run_id
 
-    policy, codec = load_policy(target.model_path, cfg.dtype)
+    try:
+        policy, codec = load_policy(target.model_path, cfg.dtype)
+    except QAEUserError:
+        if target.run_id is None or cfg.checkpoint is not None or Path(target.model_path).exists():
+            raise
+        # the run is training and pruned the checkpoint chosen (--keep-checkpoints) before it was loaded: take the
+        # newest again (a newer one than the pruned, which the trainer keeps for at least a checkpoint interval)
+        target = resolve_model(cfg.model, runs_dir)
+        policy, codec = load_policy(target.model_path, cfg.dtype)
     rollout_engine = make_engine(cfg.engine, policy, codec, model_path=target.model_path,
                                  sampling=SamplingOptions(cfg.top_p, cfg.top_k, cfg.min_p))
     progress = Progress(TextColumn(f"[bold]eval {name}"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),

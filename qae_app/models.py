@@ -326,6 +326,13 @@ def load_policy(spec: str, dtype: str = "float32", use_chat_template: bool = Tru
         known = ", ".join([*BUILTIN_CHECKPOINTS, BUILTIN_SCRATCH])
         raise QAEUserError(f"model: unknown built-in model '{spec}'. Choose one of: {known}, or pass a local folder, "
                            "a .gguf file or a Hugging Face id.")
+    # a path, not a Hugging Face id ("name" or "org/name"): transformers would take a missing folder for an id and ask
+    # the Hub for it (retries, then a message about repo ids)
+    looks_like_path = spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or "\\" in spec
+    if looks_like_path and not Path(spec).expanduser().exists():
+        raise QAEUserError(f"model: '{spec}' is not a folder or file on this machine. Pass an existing folder with "
+                           "config.json and weights, a .gguf file, a Hugging Face id (name or org/name), or one of "
+                           f"{', '.join(BUILTIN_CHECKPOINTS)}.")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]

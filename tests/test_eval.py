@@ -83,3 +83,54 @@ def test_train_with_eval_bench_logs_results_with_the_step(tmp_path, math_data):
     assert set(evals["step"]) == {0, 2}
     assert set(evals["benchmark"]) == {"amc23"}
     assert evals[evals["metric"] == "pass@k"]["k"].max() == 2
+
+
+def test_a_run_without_checkpoints_and_a_missing_folder_are_clear_errors_with_no_network(tiny_run, tmp_path,
+                                                                                           monkeypatch):
+    """A run killed before its first checkpoint has no checkpoints/ folder at all, and a path that does not exist is
+    not a Hugging Face id: neither may reach the network (HF_HUB_OFFLINE would turn a lookup into another error)."""
+    import shutil
+
+    from qae_app import models
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("asked Hugging Face")
+
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", no_network)
+    shared_runs_dir, run_id = tiny_run
+    early = tmp_path / "runs" / "early"
+    early.mkdir(parents=True)
+    shutil.copy(db_path(shared_runs_dir, run_id), early / "qae.duckdb")  # a run's database, no checkpoints/
+    result = runner.invoke(app, ["eval", "--model", "early", "--runs-dir", str(tmp_path / "runs")])
+    assert result.exit_code == 2, result.output
+    assert "run 'early' has no checkpoint yet" in " ".join(result.output.split())
+    for missing in ("/nonexistent/dir", "./not-here", "a/b/c"):
+        with pytest.raises(models.QAEUserError, match=f"model: '{missing}' is not a folder"):
+            models.load_policy(missing)
+
+
+@pytest.mark.slow
+def test_eval_of_a_training_run_takes_the_newest_checkpoint_again_when_training_prunes_the_one_it_chose(
+        tiny_run, tmp_path, monkeypatch):
+    """`qae eval --model RUN` while RUN trains: the trainer may delete the checkpoint eval chose (--keep-checkpoints)
+    before eval has loaded it. Here the first load finds its checkpoint deleted, as the trainer would."""
+    import shutil
+
+    from qae_app import models
+
+    shared_runs_dir, run_id = tiny_run
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(shared_runs_dir / run_id, runs_dir / run_id)
+    loads, load_policy = [], models.load_policy
+
+    def pruned_first(spec, *args, **kwargs):
+        loads.append(spec)
+        if len(loads) == 1:
+            shutil.rmtree(runs_dir / run_id / "checkpoints" / "step-6")
+        return load_policy(spec, *args, **kwargs)
+
+    monkeypatch.setattr(models, "load_policy", pruned_first)
+    out = _eval(runs_dir, "--model", run_id, "--limit", "4", "--samples", "1")
+    assert [p.split("/")[-2] for p in loads] == ["step-6", "step-3"]
+    steps = query(db_path(runs_dir, run_id), "SELECT DISTINCT step FROM eval_samples WHERE source = 'eval'")["step"]
+    assert steps.tolist() == [3] and out["run_id"] == run_id
