@@ -127,8 +127,9 @@ def rollout_steps(run_id: str) -> list[int]:
 
 
 def rollouts(run_id: str, step: int, gated: bool | None = None, regime: str | None = None,
-             reward: float | None = None, search: str | None = None) -> pd.DataFrame | None:
-    return read("read_rollouts", run_id, step, gated, regime, reward, search or None)
+             reward: float | None = None, search: str | None = None,
+             filtered: bool | None = None) -> pd.DataFrame | None:
+    return read("read_rollouts", run_id, step, gated, regime, reward, search or None, filtered)
 
 
 # ---------------------------------------------------------------------------------------------------------------

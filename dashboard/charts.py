@@ -338,19 +338,21 @@ def regime_mix(counts: pd.DataFrame) -> go.Figure:
 
 
 def gate_breakdown(breakdown: pd.DataFrame, totals: pd.DataFrame, step: int | None = None) -> go.Figure:
-    """Fraction of each step's responses gated, split by why (stacked bars); the shown step is marked."""
+    """Fraction of each step's trained responses gated, split by why (stacked bars; groups filtered out by dynamic
+    sampling are not trained, so neither counted nor in the denominator, as in frac_zero_adv); the shown step is
+    marked."""
     fig = go.Figure()
-    n = breakdown.merge(totals[["step", "n_responses"]], on="step")
+    n = breakdown.merge(totals[["step", "n_trained"]], on="step")
     for reason in GATE_REASONS:
         part = n[n["gate_reason"] == reason]
         if part.empty:
             continue
-        fig.add_trace(go.Bar(x=part["step"], y=part["n"] / part["n_responses"], name=reason.replace("_", " "),
+        fig.add_trace(go.Bar(x=part["step"], y=part["n"] / part["n_trained"], name=reason.replace("_", " "),
                              uid=reason, marker_color=GATE_COLORS[reason], customdata=part["n"],
                              hovertemplate="%{y:.1%} (%{customdata} responses)<extra>" + reason + "</extra>"))
     if step is not None:
         fig.add_vline(x=step, line=dict(color="black", dash="dot", width=1))
-    _layout(fig, "why responses were gated, per step", "fraction of the step's responses", barmode="stack",
+    _layout(fig, "why responses were gated, per step", "fraction of the step's trained responses", barmode="stack",
             bargap=0.05)
     fig.update_yaxes(range=[0, 1])
     return fig

@@ -61,8 +61,8 @@ GATE_REASONS: dict[str, str] = {
                              "reward - baseline = 0",
     "failure_in_hard_group": "a failure in a hard group: its reward is the group's lowest, QAE's baseline (0, or -1 "
                              "with -1/1 rewards), so reward - baseline = 0",
-    "reward_at_baseline": "its reward equals a baseline strictly between the group's lowest and highest reward "
-                          "(mean-baseline estimators, linear quantile, QAE on shaped rewards)",
+    "reward_at_baseline": "its reward equals its group's baseline (mean-baseline estimators, linear quantile, QAE "
+                          "on shaped rewards)",
 }
 
 # --- rewards: what the verifier's verdict scores, before the overlong penalty (qae_app/rewards.py shape_rewards)

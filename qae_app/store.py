@@ -801,7 +801,7 @@ SQL_ROLLOUTS = f"""
     FROM rollouts r JOIN groups g USING (run_id, step, group_idx)
     WHERE r.step = ?
       AND (? IS NULL OR r.gated = ?)
-      AND (? IS NULL OR r.filtered = ?)
+      AND (? IS NULL OR coalesce(r.filtered, FALSE) = ?)  -- NULL: a row from before the column, trained
       AND (? IS NULL OR r.regime = ?)
       AND (? IS NULL OR r.reward = ?)
       AND (? IS NULL OR contains(lower(r.response), lower(?)) OR contains(lower(g.prompt), lower(?)))
@@ -935,15 +935,18 @@ def file_version(path: Path) -> tuple:
 
 
 def read_step_tokens(path: Path) -> pd.DataFrame:
-    """step, n_responses, n_tokens (generated tokens of the step's responses), by step."""
-    return query(path, "SELECT step, count(*) AS n_responses, sum(n_tokens)::BIGINT AS n_tokens FROM rollouts "
-                       "GROUP BY step ORDER BY step")
+    """step, n_responses, n_trained (not filtered out by dynamic sampling), n_tokens (generated tokens of the step's
+    responses), by step."""
+    return query(path, "SELECT step, count(*) AS n_responses, count(*) FILTER (WHERE NOT coalesce(filtered, FALSE)) "
+                       "AS n_trained, sum(n_tokens)::BIGINT AS n_tokens FROM rollouts GROUP BY step ORDER BY step")
 
 
 def read_gate_breakdown(path: Path) -> pd.DataFrame:
-    """step, gate_reason, n: how many responses of each step were gated, and why (names.GATE_REASONS)."""
+    """step, gate_reason, n: how many trained responses of each step were gated, and why (names.GATE_REASONS); a
+    group dynamic sampling left out of the update is not counted (it is filtered, whatever its advantages), so the
+    counts add up to frac_zero_adv."""
     return query(path, f"SELECT step, {SQL_GATE_REASON} AS gate_reason, count(*) AS n FROM rollouts r "
-                       "WHERE r.gated GROUP BY ALL ORDER BY step, gate_reason")
+                       "WHERE r.gated AND NOT coalesce(r.filtered, FALSE) GROUP BY ALL ORDER BY step, gate_reason")
 
 
 # rollouts columns whose distribution over a step's responses the dashboard shows: column -> label

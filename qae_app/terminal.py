@@ -321,19 +321,24 @@ def rollouts_view(run: str, step: int, frame: pd.DataFrame, everything: pd.DataF
                   full: bool = False) -> RenderableType:
     """One step: why its gated responses were gated (the step's breakdown), then each group (prompt, answer, success
     count, regime, baseline) with its responses (reward, advantage, why gated, the text)."""
-    n_gated = int(everything["gated"].sum())
-    n_filtered = int(everything.loc[everything["filtered"].fillna(False).astype(bool), "group_idx"].nunique())
+    # a group left out of the update by dynamic sampling is filtered, neither gated nor kept: gated counts are of the
+    # trained responses, as frac_zero_adv
+    left_out = everything["filtered"].fillna(False).astype(bool)
+    trained = everything[~left_out]
+    n_gated = int(trained["gated"].sum())
+    n_filtered = int(everything.loc[left_out, "group_idx"].nunique())
     filtered = frame["filtered"].fillna(False).astype(bool)  # left out of the update by dynamic sampling
-    parts: list[RenderableType] = [Text(f"{run} step {step}: {len(everything)} responses in "
-                                        f"{everything['group_idx'].nunique()} groups, {n_gated} gated "
-                                        f"(advantage 0)" + (f", {n_filtered} groups filtered out of the update by "
-                                                            "dynamic sampling" if n_filtered else ""), style="bold")]
-    counts = everything.loc[everything["gated"], "gate_reason"].value_counts()
+    parts: list[RenderableType] = [Text(
+        f"{run} step {step}: {len(everything)} responses in {everything['group_idx'].nunique()} groups, "
+        + (f"{n_filtered} groups ({int(left_out.sum())} responses) filtered out of the update by dynamic sampling, "
+           f"{n_gated} of the {len(trained)} trained gated (advantage 0)" if n_filtered
+           else f"{n_gated} gated (advantage 0)"), style="bold")]
+    counts = trained.loc[trained["gated"], "gate_reason"].value_counts()
     reasons = [reason for reason in GATE_REASONS if counts.get(reason, 0)]
     if reasons:
         breakdown = [Column("why gated", reasons),
                      Column("responses", [str(int(counts[r])) for r in reasons], justify="right"),
-                     Column("share", [f"{counts[r] / len(everything):.1%}" for r in reasons], justify="right"),
+                     Column("share", [f"{counts[r] / max(len(trained), 1):.1%}" for r in reasons], justify="right"),
                      Column("meaning", [GATE_REASONS[r] for r in reasons], flexible=True, min_width=20)]
         parts.append(fit(breakdown, width).table)
     if len(frame) != len(everything):

@@ -110,7 +110,14 @@ def test_qae_rollouts_shows_the_filtered_groups(dynamic_run):
     assert shown.exit_code == 0, shown.output
     assert f"{n_filtered} of {P * G * int(steps_of(path).loc[step, 'gen_batches'])} responses match" in shown.output
     assert len(filtered_row.findall(shown.output)) == n_filtered
-    assert "groups filtered out of the update by dynamic sampling" in shown.output
+    header = " ".join(shown.output.split())
+    n_total = P * G * int(steps_of(path).loc[step, "gen_batches"])
+    n_gated = query(path, "SELECT count(*) AS n FROM rollouts WHERE step = ? AND gated AND NOT filtered",
+                    [step])["n"].item()
+    # gated counts are of the trained responses, as frac_zero_adv
+    assert (f"{n_filtered // G} groups ({n_filtered} responses) filtered out of the update by dynamic sampling, "
+            f"{n_gated} of the {n_total - n_filtered} trained gated (advantage 0)") in header
+    assert n_gated / (n_total - n_filtered) == pytest.approx(steps_of(path).loc[step, "frac_zero_adv"])
     kept = runner.invoke(app, [*args, "--kept"], env={"COLUMNS": "250"})
     assert kept.exit_code == 0 and not filtered_row.findall(kept.output) and "kept" in kept.output
 

@@ -510,6 +510,68 @@ def test_rollouts_say_why_each_response_was_gated(small_app):
     assert pd.concat(response_tables(at))["sample_idx"].tolist() == [2, 3]
 
 
+def _write_dynamic(out: Path) -> None:
+    """One step of a DAPO-style run (dynamic sampling, overlong penalty), 3 groups of 4:
+    group 0 hard, trained: one success shaped to 0.75, three failures (gated);
+    group 1 easy, trained: three successes (gated) and one failure;
+    group 2 filtered (all wrong by the verifier), one response shaped to -0.25 so its advantage is not 0."""
+    writer = store.RunWriter(store.db_path(out, "dyn"), "dyn")
+    writer.create_run("dyn", {"steps": 1, "group_size": 4, "dynamic_sampling": True}, "qae", 0.4, "builtin:tiny",
+                      "arith", 0)
+    spec = [  # group: (regime, baseline, filtered, [(reward, correct, advantage)] * 4)
+        ("hard", 0.0, False, [(0.75, True, 1.5), (0.0, False, 0.0), (0.0, False, 0.0), (0.0, False, 0.0)]),
+        ("easy", 1.0, False, [(1.0, True, 0.0), (1.0, True, 0.0), (1.0, True, 0.0), (0.0, False, -2.0)]),
+        ("easy", 0.0, True, [(0.0, False, 0.0), (0.0, False, 0.0), (0.0, False, 0.0), (-0.25, False, -2.0)]),
+    ]
+    groups, rollouts = [], []
+    for g, (regime, baseline, filtered, samples) in enumerate(spec):
+        groups.append(dict(group_idx=g, prompt_id=f"p{g}", prompt=f"{g}+1=", answer=str(g + 1),
+                           n_correct=sum(c for _, c, _ in samples), group_size=4, baseline=baseline, regime=regime,
+                           filtered=filtered))
+        for s, (reward, correct, advantage) in enumerate(samples):
+            rollouts.append(dict(group_idx=g, sample_idx=s, prompt_id=f"p{g}", response=f"r{g}{s}", reward=reward,
+                                 correct=correct, verified=True, advantage=advantage, gated=advantage == 0,
+                                 regime=regime, n_tokens=2, truncated=False, entropy=0.4, logprob=-1.0,
+                                 filtered=filtered))
+    metrics = {name: None for name in store.STEP_METRICS}
+    metrics.update(accuracy=4 / 12, frac_zero_adv=6 / 8, frac_filtered=1 / 3, gen_batches=1.0, step_s=0.5)
+    writer.add_step(1, steps=[metrics], groups=groups, rollouts=rollouts)
+    assert writer.flush()
+    writer.update_run(status="finished")
+
+
+def test_rollouts_of_a_dynamic_sampling_run_mark_the_filtered_groups_and_count_the_verifier(tmp_path, monkeypatch):
+    """Accuracy is the verifier's (a success shaped to 0.75 by the overlong penalty is a success), and a group that
+    dynamic sampling left out of the update is marked filtered, not gated or kept, whatever its advantage: the step's
+    gated count is over the trained responses, as frac_zero_adv is."""
+    _write_dynamic(tmp_path)
+    at = make_app(tmp_path, monkeypatch)("rollouts", run="dyn")
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["accuracy"] == "0.333"  # 4 of 12 correct; reward == 1 would say 0.250
+    assert metrics["gated (advantage 0)"] == "6 / 8"  # trained responses only: frac_zero_adv 0.75
+    assert metrics["filtered out"] == "4 / 12"
+    shown = pd.concat(response_tables(at), ignore_index=True)
+    assert shown["status"].tolist() == ["✓ kept"] + ["⊘ gated"] * 3 + ["⊘ gated"] * 3 + ["✓ kept"] + \
+        ["⊘ filtered"] * 4
+    assert shown["gate_reason"].tolist()[8:] == ["filtered by dynamic sampling"] * 4
+    headers = [m.value for m in at.markdown if m.value.startswith("**Group")]
+    assert ["filtered" in h for h in headers] == [False, False, True]
+    breakdown = frame_with(at, "why gated", "responses")
+    assert dict(zip(breakdown["why gated"], breakdown["responses"])) == {"success_in_easy_group": 3,
+                                                                         "failure_in_hard_group": 3}
+    bars = {t["name"]: list(t["y"]) for t in plotly_specs(at)["gate_breakdown"]["data"]}
+    assert bars == {"success in easy group": [3 / 8], "failure in hard group": [3 / 8]}  # of the trained responses
+    for choice, samples in [("filtered", [(2, s) for s in range(4)]), ("kept", [(0, 0), (1, 3)]),
+                            ("gated", [(0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2)])]:
+        at.session_state["gated"] = choice
+        at.run()
+        tables = response_tables(at)
+        groups = [int(m.value.split("**Group ")[1].split("**")[0]) for m in at.markdown
+                  if m.value.startswith("**Group")]
+        rows = [(g, int(s)) for g, t in zip(groups, tables) for s in t["sample_idx"]]
+        assert rows == samples, choice
+
+
 def test_rollouts_links_keep_filters_and_a_missing_step_says_so(small_app):
     at = small_app("rollouts", run="crafted", step="99999", reward="1")
     assert at.select_slider(key="step").value == 3

@@ -1,5 +1,7 @@
 """Rollouts: the groups of one step (prompt, answer, success count, baseline, regime), their responses, and why each
-gated response was gated, with the step's breakdown by reason.
+gated response was gated, with the step's breakdown by reason. A group that dynamic sampling left out of the update
+is "filtered": none of its responses is trained, whatever its advantages, so it is neither gated nor kept, and the
+step's gated count is over the trained responses (as frac_zero_adv).
 
 Model text is data, never markup: prompts and responses are shown with st.code / st.text and in dataframe cells.
 """
@@ -16,12 +18,16 @@ from qae_app.names import GATE_REASONS, REGIMES
 
 GROUPS_PER_PAGE = 10
 ROW_PX, MAX_TABLE_PX = 35, 610  # a group's table shows up to ~16 responses without scrolling
-GATED_CHOICES = {"all": None, "gated": True, "kept": False}
+# the Responses control -> (gated, filtered) for store.read_rollouts: gated and kept are of the trained groups
+GATED_CHOICES = {"all": (None, None), "gated": (True, False), "kept": (False, False), "filtered": (None, True)}
+STATUS = {"kept": "✓ kept", "gated": "⊘ gated", "filtered": "⊘ filtered"}
+FILTERED_REASON = "filtered by dynamic sampling"
 REGIME_BADGE = {"hard": "red", "easy": "green", "all_correct": "blue", "all_wrong": "gray", "mixed": "violet"}
 RESPONSE_COLUMNS = {
     "sample_idx": st.column_config.NumberColumn("sample", width="small"),
     "status": st.column_config.TextColumn("gated", width="small",
-                                          help="gated: advantage exactly 0, no policy gradient from this response"),
+                                          help="gated: advantage exactly 0, no policy gradient from this response; "
+                                               "filtered: its group was left out of the update by dynamic sampling"),
     "gate_reason": st.column_config.TextColumn("why gated", width="medium",
                                                help="; ".join(f"{k}: {v}" for k, v in GATE_REASONS.items())),
     "reward": st.column_config.NumberColumn("reward", format="%.2f", width="small"),
@@ -64,13 +70,28 @@ def _clear_step_note() -> None:
     st.session_state.pop("_step_note", None)
 
 
+def filtered_rows(responses: pd.DataFrame) -> pd.Series:
+    """Whether each response's group was left out of the update by dynamic sampling (NULL in older files: trained)."""
+    return responses["filtered"].fillna(False).astype(bool)
+
+
+def accuracy(responses: pd.DataFrame) -> float:
+    """The verifier's: a correct answer whose reward is shaped (overlong penalty, -1/1 rewards) is correct. Rows from
+    before the `correct` column: reward 1 was correct (as store.GATE_REASON_RULES)."""
+    correct = responses["correct"].astype("boolean").fillna(responses["reward"].eq(1))
+    return float(correct.mean()) if len(correct) else math.nan
+
+
 def styled(responses: pd.DataFrame):
-    """Responses of one group with the gated ones greyed out."""
-    frame = responses.assign(status=responses["gated"].map({True: "⊘ gated", False: "✓ kept"}),
-                             gate_reason=responses["gate_reason"].fillna(""))
+    """Responses of one group, the ones without a gradient (gated, filtered) greyed out."""
+    filtered = filtered_rows(responses)
+    status = responses["gated"].map({True: STATUS["gated"], False: STATUS["kept"]}).where(~filtered,
+                                                                                          STATUS["filtered"])
+    frame = responses.assign(status=status,
+                             gate_reason=responses["gate_reason"].fillna("").where(~filtered, FILTERED_REASON))
     frame = frame[list(RESPONSE_COLUMNS)].reset_index(drop=True)
     grey = "color: #8a8a8a; background-color: #f2f2f2"
-    return frame.style.apply(lambda row: [grey if row["status"] == "⊘ gated" else ""] * len(row), axis=1)
+    return frame.style.apply(lambda row: [grey if row["status"] != STATUS["kept"] else ""] * len(row), axis=1)
 
 
 def open_row(table_key: str, select_key: str, samples: list[int]) -> None:
@@ -85,9 +106,11 @@ def group(step: int, rows: pd.DataFrame) -> None:
     g, regime = int(first["group_idx"]), str(first["regime"])
     with st.container(border=True):
         badge = f":{REGIME_BADGE[regime]}-badge[{regime}]" if regime in REGIME_BADGE else ""
-        n_gated = int(rows["gated"].sum())
+        filtered = bool(filtered_rows(rows).iloc[0])
+        status = (":orange-badge[filtered by dynamic sampling] · not trained" if filtered
+                  else f"{int(rows['gated'].sum())} of {len(rows)} shown gated")
         st.markdown(f"**Group {g}** {badge} · **{int(first['n_correct'])}/{int(first['group_size'])}** correct · "
-                    f"baseline **{first['baseline']:.3g}** · {n_gated} of {len(rows)} shown gated")
+                    f"baseline **{first['baseline']:.3g}** · {status}")
         board.show_prompt_and_answer(first["prompt"], first["answer"])
         samples = [int(s) for s in rows["sample_idx"]]
         table_key, select_key = f"table_{step}_{g}", f"open_{step}_{g}"
@@ -100,28 +123,31 @@ def group(step: int, rows: pd.DataFrame) -> None:
                               format_func=lambda s: "—" if s is None else (
                                   f"sample {s} · reward {by_sample.at[s, 'reward']:.2f} · "
                                   f"advantage {by_sample.at[s, 'advantage']:+.3f}"
-                                  + (" · gated" if by_sample.at[s, 'gated'] else "")))
+                                  + (" · filtered" if filtered else " · gated" if by_sample.at[s, 'gated'] else "")))
         if chosen is not None:
             row = by_sample.loc[chosen]
             st.code(row["response"], language=None, wrap_lines=True)
             st.caption(f"{int(row['n_tokens'])} tokens" + (" · truncated at max_new_tokens" if row["truncated"]
                                                              else "") + f" · entropy {row['entropy']:.3f}"
-                       + (f" · gated: {GATE_REASONS[row['gate_reason']]}" if row["gated"] else ""))
+                       + (" · its group was left out of the update by dynamic sampling" if filtered
+                          else f" · gated: {GATE_REASONS[row['gate_reason']]}" if row["gated"] else ""))
 
 
 def gate_summary(run_id: str, step: int, everything: pd.DataFrame) -> None:
-    """Why this step's gated responses were gated (a table), and the same over every step (a chart)."""
-    gated = everything[everything["gated"]]
-    counts = gated["gate_reason"].value_counts()
+    """Why this step's gated (trained) responses were gated (a table), and the same over every step (a chart)."""
+    trained = everything[~filtered_rows(everything)]
+    counts = trained.loc[trained["gated"], "gate_reason"].value_counts()
     table = pd.DataFrame({"why gated": list(GATE_REASONS), "responses": [int(counts.get(r, 0)) for r in GATE_REASONS],
                           "meaning": list(GATE_REASONS.values())})
-    table["share of the step"] = table["responses"] / max(len(everything), 1)
+    table["share of the trained"] = table["responses"] / max(len(trained), 1)
+    n_filtered = len(everything) - len(trained)
     st.markdown(f"**Why gated** at step {step}: " + (" · ".join(
         f"{n} {reason.replace('_', ' ')}" for reason, n in zip(table["why gated"], table["responses"]) if n)
-        or "none gated"))
+        or "none gated") + (f" · and {n_filtered} responses in groups filtered by dynamic sampling (not trained)"
+                            if n_filtered else ""))
     with st.expander("The breakdown, with what each reason means, and over every step", expanded=False):
         st.dataframe(table[table["responses"] > 0], hide_index=True, key="gate_table",
-                     column_config={"share of the step": st.column_config.NumberColumn(format="percent")},
+                     column_config={"share of the trained": st.column_config.NumberColumn(format="percent")},
                      placeholder="")
         breakdown = board.read("read_gate_breakdown", run_id)
         totals = board.read("read_step_tokens", run_id)
@@ -145,26 +171,39 @@ def body(run_id: str) -> None:
     filters = st.columns([1.1, 1.6, 0.8, 1.5])
     regime = filters[0].selectbox("Regime", ["any", *REGIMES], key="regime", bind="query-params")
     gated = filters[1].segmented_control("Responses", list(GATED_CHOICES), key="gated", default="all",
-                                         bind="query-params", required=True)
+                                         bind="query-params", required=True,
+                                         help="gated and kept: of the trained groups; filtered: the groups dynamic "
+                                              "sampling left out of the update")
     rewards = [f"{r:g}" for r in sorted(everything["reward"].dropna().unique().tolist())]
     reward = filters[2].selectbox("Reward", ["any", *rewards], key="reward", bind="query-params")
     reason = filters[3].selectbox("Why gated", ["any", *GATE_REASONS], key="why", bind="query-params",
                                   help="; ".join(f"{k}: {v}" for k, v in GATE_REASONS.items()))
     search = st.text_input("Search prompts and responses", key="search", bind="query-params",
                            placeholder="plain text, case-insensitive")
-    shown = board.rollouts(run_id, step, gated=GATED_CHOICES[gated], regime=None if regime == "any" else regime,
-                           reward=None if reward == "any" else float(reward), search=search)
+    gated_only, filtered_only = GATED_CHOICES[gated]
+    shown = board.rollouts(run_id, step, gated=gated_only, regime=None if regime == "any" else regime,
+                           reward=None if reward == "any" else float(reward), search=search,
+                           filtered=False if reason != "any" and filtered_only is None else filtered_only)
     if shown is None:
         return
     if reason != "any":
         shown = shown[shown["gate_reason"] == reason]
     n_groups = everything["group_idx"].nunique()
-    summary = st.columns(4)
+    filtered = filtered_rows(everything)
+    trained = everything[~filtered]
+    summary = st.columns(5 if filtered.any() else 4)
     summary[0].metric("responses shown", f"{len(shown)} / {len(everything)}")
-    summary[1].metric("gated (advantage 0)", f"{int(everything['gated'].sum())} / {len(everything)}",
-                      help="over the whole step, before filters")
+    summary[1].metric("gated (advantage 0)", f"{int(trained['gated'].sum())} / {len(trained)}",
+                      help="of the step's trained responses (frac_zero_adv), before filters")
     summary[2].metric("groups shown", f"{shown['group_idx'].nunique()} / {n_groups}")
-    summary[3].metric("accuracy", f"{everything['reward'].eq(1).mean():.3f}")
+    summary[3].metric("accuracy", f"{accuracy(everything):.3f}",
+                      help="the verifier's verdicts over every response of the step (filtered groups included), as "
+                           "the step's accuracy metric")
+    if filtered.any():
+        summary[4].metric("filtered out", f"{int(filtered.sum())} / {len(everything)}",
+                          help=f"responses of the {everything.loc[filtered, 'group_idx'].nunique()} groups that "
+                               "dynamic sampling left out of the update: no signal, or informative beyond the first "
+                               "prompts_per_step")
     gate_summary(run_id, step, everything)
     if shown.empty:
         st.info("No response of this step matches the filters.")
