@@ -369,9 +369,10 @@ def sweep_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from qae_app.config import given_options
-    from qae_app.sweep import failure_tail, plan_sweep, run_sweep
+    from qae_app.sweep import check_parallel, failure_tail, plan_sweep, run_sweep
 
     try:
+        check_parallel(parallel)
         given = given_options(config, **options)
         estimators, ks = str(given.pop("estimator", "qae")), given.pop("k", None)
         plan = plan_sweep(runs_dir, estimators, None if ks is None else str(ks), seeds, given, name)

@@ -41,10 +41,11 @@ STORED_STATUSES = ("running", "finished", "failed", "interrupted")  # what the t
 STOPPED = "stopped"  # shown, never stored: `running` in the file, but no trainer holds the run's lock
 
 
-def validate_run_name(name: str) -> str:
+def validate_run_name(name: str, option: str = "run-name") -> str:
+    """`name` if it can name a run folder; else an error about `option`, the command-line option that gave it."""
     if not isinstance(name, str) or not RUN_NAME_PATTERN.match(name) or ".." in name:
         raise QAEUserError(
-            f"run-name: '{name}' is not a plain name. Use letters, digits, '.', '_' and '-' (at most 100, starting "
+            f"{option}: '{name}' is not a plain name. Use letters, digits, '.', '_' and '-' (at most 100, starting "
             "with a letter or digit, no '..', no '/'); the run is stored under --runs-dir."
         )
     return name

@@ -53,10 +53,14 @@ class Sweep:
     folder: Path  # runs/.sweeps/<name>
 
 
+LIST_EXAMPLES = {"estimator": "qae,grpo", "k": "0.3,0.4"}
+
+
 def parse_list(flag: str, text: str) -> list[str]:
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
-        raise QAEUserError(f"{flag}: '{text}' names nothing. Give a comma-separated list, e.g. qae,grpo.")
+        raise QAEUserError(f"{flag}: '{text}' names nothing. Give a comma-separated list, e.g. "
+                           f"{LIST_EXAMPLES.get(flag, 'a,b')}.")
     if len(set(items)) != len(items):
         raise QAEUserError(f"{flag}: '{text}' repeats a value. Give each once.")
     return items
@@ -85,7 +89,7 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
     # the id hashes the options every point shares, not the grid: the same command with more seeds or Ks extends the
     # sweep (its finished points kept), and a point's run name says where in the grid it is
     sweep_id = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:10]
-    name = validate_run_name(name or f"sweep-{sweep_id[:6]}")
+    name = validate_run_name(name or f"sweep-{sweep_id[:6]}", option="name")
     points = []
     for estimator in estimator_list:
         for k in k_list if estimator == "qae" else [None]:  # a mean baseline ignores K: one point per seed
@@ -161,13 +165,17 @@ def _command(sweep: Sweep, point: SweepPoint, action: str, runs_dir: Path, cpu: 
     return [*base, "--config", str(write_point_file(sweep.folder / f"{point.run_name}.toml", point.options))]
 
 
+def check_parallel(parallel: int) -> None:
+    if parallel < 1:
+        raise QAEUserError(f"parallel: {parallel}. Use 1 or more runs at a time (at most the number of cores).")
+
+
 def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False, on_update=None) -> dict:
     """Run every point not yet done, `parallel` at a time. `on_update(states, steps)` is called every POLL_S seconds
     with each point's state ('done', 'kept', 'queued', 'running', 'failed', 'busy', 'interrupted') and its stored
     step count. Returns {run_name: final state}. Ctrl-C / SIGTERM stop the running points the trainer's way
     (checkpoint, status interrupted) and return with them 'interrupted'."""
-    if parallel < 1:
-        raise QAEUserError(f"parallel: {parallel}. Use 1 or more runs at a time (at most the number of cores).")
+    check_parallel(parallel)
     states, steps = {}, {}
     queue = []
     for point in sweep.points:

@@ -183,8 +183,9 @@ def task_defaults(data: str) -> dict:
     return {"model": BUILTIN_TASKS[name].model, "max_new_tokens": BUILTIN_TASKS[name].max_new_tokens}
 
 
-def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0) -> Task:
-    """A built-in task by name, or a math data file (all of it trains unless `heldout_fraction` > 0)."""
+def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0, option: str = "data") -> Task:
+    """A built-in task by name, or a math data file (all of it trains unless `heldout_fraction` > 0); `option`: the
+    command-line option that named it, for the error messages."""
     builtin = builtin_task_name(name_or_path)
     if builtin is not None:
         return BUILTIN_TASKS[builtin].build()
@@ -192,9 +193,9 @@ def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0) -
     if not path.exists():
         names = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_TASKS)
         if name_or_path.startswith(BUILTIN_PREFIX):
-            raise QAEUserError(f"data: '{name_or_path}' is not a built-in task. Choose one of: {names}.")
+            raise QAEUserError(f"{option}: '{name_or_path}' is not a built-in task. Choose one of: {names}.")
         raise QAEUserError(
-            f"data: '{name_or_path}' is neither a built-in task ({names}) nor an existing file. "
+            f"{option}: '{name_or_path}' is neither a built-in task ({names}) nor an existing file. "
             "Pass a JSONL or Parquet file in the GSM8K, MATH-500, AIME, AMC or DAPO-17k format."
         )
     problems = load_math_file(path)
@@ -206,10 +207,10 @@ def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0) -
     return Task(name=path.stem, train=train, heldout=heldout, reward="math", prompt_template=MATH_PROMPT_TEMPLATE)
 
 
-def load_benchmark(bench: str) -> tuple[str, list[Problem], Task]:
+def load_benchmark(bench: str, option: str = "bench") -> tuple[str, list[Problem], Task]:
     """(name, problems, task) of what `qae eval --bench` and `qae train --eval-bench` evaluate: a built-in task's
     held-out split (named `<task>-heldout`) or a whole math file (named by its stem)."""
-    task = load_task(bench)
+    task = load_task(bench, option=option)
     problems = task.heldout if task.heldout else task.train
     name = f"{task.name}-heldout" if task.heldout else task.name
     return name, problems, task

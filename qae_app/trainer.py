@@ -901,7 +901,7 @@ class Trainer:
         # what --eval-every evaluates: the task's held-out split, or --eval-bench named as `qae eval` names it;
         # loaded now so a bad path fails before anything is written
         self.eval_name, self.eval_problems, self.eval_task = (
-            load_benchmark(cfg.eval_bench) if cfg.eval_bench
+            load_benchmark(cfg.eval_bench, option="eval-bench") if cfg.eval_bench
             else (f"{self.task.name}-heldout", self.task.heldout, self.task))
 
     def _load_models(self) -> None:

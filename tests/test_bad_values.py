@@ -107,6 +107,14 @@ BAD_VALUES = [
     (["eval", "--verify-timeout-s", "inf"], "verify-timeout-s: inf is not a finite number"),
     (["eval", "--seed", "-1"], "seed: -1 is less than 0"),
     (["eval", "--samples", HUGE], f"samples: {HUGE} is more than 2,147,483,647"),
+    # each message names the option the user gave, with an example of its own kind
+    (["train", "--eval-bench", "nofile.jsonl"], "eval-bench: 'nofile.jsonl' is neither a built-in task"),
+    (["eval", "--bench", "nofile.jsonl"], "bench: 'nofile.jsonl' is neither a built-in task"),
+    (["train", "--data", "nofile.jsonl"], "data: 'nofile.jsonl' is neither a built-in task"),
+    (["sweep", "--name", "a/b"], "error: name: 'a/b' is not a plain name"),
+    (["sweep", "--k", ","], "k: ',' names nothing. Give a comma-separated list, e.g. 0.3,0.4"),
+    (["sweep", "--estimator", ","], "estimator: ',' names nothing. Give a comma-separated list, e.g. qae,grpo"),
+    (["sweep", "--parallel", "0"], "parallel: 0. Use 1 or more runs at a time"),
 ]
 
 
@@ -119,6 +127,7 @@ def test_a_bad_value_is_one_message_exit_2_and_nothing_written(tmp_path, args, m
     assert result.exit_code == 2, result.output
     assert "".join(message.format(d=d).split()) in output, result.output
     assert "Traceback" not in output and not isinstance(result.exception, (ValueError, RuntimeError, OSError))
+    assert "qaesweep" not in output  # a sweep refused says so before announcing its runs
     assert not runs.exists() or not any(runs.rglob("*"))  # refused before anything was written
 
 
