@@ -424,6 +424,10 @@ def load_runs(runs_dir: Path, run_ids: list[str] | None = None, sweep: str | Non
     """The runs named, or every run of a sweep (by id or name), in the order given / by name."""
     if bool(run_ids) == bool(sweep):
         raise QAEUserError("compare: pass run ids or --sweep ID (one of them), e.g. `qae compare --sweep study`.")
+    repeated = sorted({run_id for run_id in run_ids or [] if run_ids.count(run_id) > 1})
+    if repeated:
+        raise QAEUserError(f"runs: {', '.join(repr(r) for r in repeated)} is named twice. Name each run once: a "
+                           "group's seeds are different runs (same config, another --seed).")
     if sweep:
         run_ids = []
         for folder in list_run_dirs(runs_dir):
@@ -445,6 +449,7 @@ class Comparison:
     groups: list[RunGroup]
     baseline: RunGroup | None = None
     differences: dict[str, dict[str, PairedDifference]] = field(default_factory=dict)  # label -> metric -> diff
+    left_out: dict[str, str] = field(default_factory=dict)  # run id -> why it is in no group
 
     def to_dict(self) -> dict:
         """Everything `qae compare --json` prints: per group its runs, n, note and metric estimates; against the
@@ -455,12 +460,20 @@ class Comparison:
             "baseline": self.baseline.label if self.baseline else None,
             "differences": {label: {name: asdict(d) for name, d in diffs.items()}
                             for label, diffs in self.differences.items()},
+            "left_out": self.left_out,
         }
 
 
+def has_training_step(run: RunRecord) -> bool:
+    return not run.steps.empty and bool((run.steps["step"] > 0).any())
+
+
 def compare_runs(runs: list[RunRecord], baseline: str | None = None) -> Comparison:
-    groups = group_runs(runs)
+    """The runs grouped and summarised, a run without a training step left out (killed before its first step, or
+    not started: at most its step-0 evaluation, which as a seed would pull its group towards the untrained model)."""
+    left_out = {run.run_id: "no training step yet" for run in runs if not has_training_step(run)}
+    groups = group_runs([run for run in runs if run.run_id not in left_out])
     if baseline is None:
-        return Comparison(groups)
+        return Comparison(groups, left_out=left_out)
     base = find_group(groups, baseline)
-    return Comparison(groups, base, compare_to_baseline(groups, base))
+    return Comparison(groups, base, compare_to_baseline(groups, base), left_out)

@@ -472,5 +472,8 @@ def compare_view(comparison, width: int) -> RenderableType:
         unfinished = [f"{run.run_id} ({run.status})" for run in group.runs if run.status != "finished"]
         if unfinished:
             parts.append(Text(f"G{index}: not finished, numbers so far: {', '.join(unfinished)}", style="yellow"))
+    if comparison.left_out:
+        parts.append(Text("left out: " + ", ".join(f"{run_id} ({why})" for run_id, why in comparison.left_out.items()),
+                          style="yellow"))
     parts.append(Text("; ".join(f"{name}: {text}" for name, text in RUN_METRICS.items()), style="dim"))
     return Group(*parts)

@@ -224,6 +224,33 @@ def test_duplicate_seeds_are_counted_and_said():
     assert groups[0].per_run["final_heldout"] == {0: 0.5}
 
 
+def test_a_run_without_a_training_step_is_left_out_and_said(tmp_path):
+    """A run killed before its first step has at most its step-0 evaluation: counted as a seed, it would pull the
+    group's final accuracy towards the untrained model's."""
+    from qae_app.compare import compare_runs
+    from qae_app.terminal import compare_view
+
+    untrained = RunRecord("nosteps", _config(seed=1, run_name="nosteps"), 1,
+                          pd.DataFrame({"step": [0], "heldout_accuracy": [0.371]}), status="stopped")
+    comparison = compare_runs([_record("a", 0, 0.5), untrained])
+    assert [[r.run_id for r in g.runs] for g in comparison.groups] == [["a"]]
+    assert comparison.groups[0].metrics["final_heldout"].mean == pytest.approx(0.5)
+    assert comparison.left_out == {"nosteps": "no training step yet"}
+    assert comparison.to_dict()["left_out"] == {"nosteps": "no training step yet"}
+    from rich.console import Console
+
+    console = Console(width=120, record=True)
+    console.print(compare_view(comparison, 120))
+    assert "left out: nosteps (no training step yet)" in console.export_text()
+
+
+def test_a_run_named_twice_is_refused(tmp_path):
+    from qae_app.compare import load_runs
+
+    with pytest.raises(QAEUserError, match="runs: 'a' is named twice"):
+        load_runs(tmp_path, ["a", "b", "a"])
+
+
 def test_runs_read_back_from_duckdb(tmp_path):
     """Stored runs with known values give the hand-computed interval: the store's frames are what compare reads."""
     import json

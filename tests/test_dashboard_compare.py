@@ -265,3 +265,21 @@ def test_nothing_picked_and_no_runs(compare_app, tmp_path, monkeypatch):
     (tmp_path / "none").mkdir()
     at = make_app(tmp_path / "none", monkeypatch)("compare")
     assert "No runs in" in texts(at)
+
+
+def test_a_run_without_a_training_step_is_left_out_and_said(tmp_path, monkeypatch):
+    """A run killed before its first step holds at most its step-0 evaluation: counted as a seed it would pull the
+    group's final accuracy to the untrained model's (0.2 here)."""
+    write_compare_run(tmp_path, "trained", {0: 0.2, 2: 0.5, 4: 0.6}, lambda step: (1.0, 0.5), seed=0)
+    cfg = {**TrainConfig().to_dict(), "run_name": "untrained", "seed": 1}
+    writer = store.RunWriter(store.db_path(tmp_path, "untrained"), "untrained")
+    writer.create_run("untrained", cfg, cfg["estimator"], None, cfg["model"], cfg["data"], cfg["seed"])
+    writer.add_step(0, evals=[dict(benchmark="heldout", subset="all", metric="avg@k", k=4, value=0.2, n_problems=10,
+                                   source="train")])
+    assert writer.flush()
+    at = make_app(tmp_path, monkeypatch)("compare", runs="trained,untrained")
+    table = frame_with(at, "group", "n")
+    assert table["n"].tolist() == [1] and table["final_heldout"].tolist() == ["0.600"]
+    assert "left out: untrained (no training step yet)" in texts(at).replace("\\", "")  # markdown escapes
+    at = make_app(tmp_path, monkeypatch)("compare", runs="untrained")
+    assert any("No picked run has a training step yet" in info.value for info in at.info)

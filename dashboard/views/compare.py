@@ -206,10 +206,18 @@ def body(run_ids: list[str]) -> None:
     records = [record for run_id in run_ids if (record := board.run_record(run_id)) is not None]
     if not records:
         return
-    groups = compare.compare_runs(records).groups
+    first = compare.compare_runs(records)
+    if first.left_out:
+        st.caption(":material/info: left out: " + board.literal(", ".join(f"{run_id} ({why})" for run_id, why in
+                                                                          first.left_out.items())))
+    groups = first.groups
+    if not groups:
+        st.info("No picked run has a training step yet: the comparison appears when they write their first steps.")
+        return
     baseline = pick_baseline(groups)
     comparison = compare.compare_runs(records, baseline.label if baseline else None)
-    st.caption(f"{len(records)} run(s) in {len(groups)} group(s) (same config but the seed); each metric is the "
+    n_runs = sum(len(group.runs) for group in groups)
+    st.caption(f"{n_runs} run(s) in {len(groups)} group(s) (same config but the seed); each metric is the "
                "mean over the group's seeds with its 95% Student-t interval in brackets, as `qae compare` prints it")
     st.dataframe(groups_table(comparison), hide_index=True, column_config=TABLE_COLUMNS, key="compare_table",
                  placeholder="")
