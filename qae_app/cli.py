@@ -27,7 +27,15 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="
 console = Console()
 err_console = Console(stderr=True)
 
-RunsDir = Annotated[Path, typer.Option("--runs-dir", help="Folder holding one sub-folder per run.")]
+def _runs_dir_is_a_folder(value: Path) -> Path:
+    if value.exists() and not value.is_dir():
+        raise typer.BadParameter(f"'{value}' is a file, not a folder. Pass the folder that holds one sub-folder per "
+                                 "run (it is created by the first `qae train`).")
+    return value
+
+
+RunsDir = Annotated[Path, typer.Option("--runs-dir", help="Folder holding one sub-folder per run.",
+                                       callback=_runs_dir_is_a_folder)]
 DEFAULT_RUNS_DIR = Path("runs")
 
 
@@ -144,11 +152,21 @@ def run_training(trainer) -> None:
         if main and not console.is_terminal and (step % 25 == 0 or step == cfg.steps):
             console.print(f"step {step}/{cfg.steps} {stats}", highlight=False)
 
+    steps_before = trainer.state.step  # a resumed run's steps already done
     try:
         with progress:
             result = trainer.fit(on_step=on_step)
     except QAEUserError as err:
         fail(err)
+    if main and heldout["value"] is None and trainer.resuming:  # nothing evaluated now: the run's last evaluation
+        from qae_app.store import query
+
+        last = query(result.run_dir / "qae.duckdb", "SELECT heldout_accuracy FROM steps WHERE heldout_accuracy IS "
+                                                    "NOT NULL ORDER BY step DESC LIMIT 1")
+        heldout["value"] = float(last["heldout_accuracy"].iloc[0]) if len(last) else None
+    if main and result.steps_done == steps_before and steps_before >= cfg.steps:
+        console.print(f"run {result.run_id} had already done its {cfg.steps} steps: nothing to train. Pass --steps "
+                      f"above {cfg.steps} to train further.", highlight=False)
     if result.status == "interrupted":
         if main:
             console.print(f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue from the newest "

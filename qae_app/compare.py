@@ -28,7 +28,7 @@ from pathlib import Path
 import pandas as pd
 
 from qae_app.errors import QAEUserError
-from qae_app.rundir import list_run_dirs
+from qae_app.rundir import list_run_dirs, recent_runs_text
 from qae_app.store import db_path, query, read_run, read_steps
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -406,8 +406,8 @@ def load_run(runs_dir: Path, run_id: str) -> RunRecord:
     added as a step-0 row so curves start where training did."""
     path = db_path(runs_dir, run_id)
     if not path.exists():
-        existing = ", ".join(p.name for p in list_run_dirs(runs_dir)[-10:])
-        raise QAEUserError(f"run: no run '{run_id}' in {runs_dir} (recent: {existing or 'none'}). See `qae runs`.")
+        raise QAEUserError(f"run: no run '{run_id}' in {runs_dir} (runs there, last written first: "
+                           f"{recent_runs_text(runs_dir)}). See `qae runs`.")
     row = read_run(path)
     config = json.loads(row["config"] or "{}")
     steps = read_steps(path)

@@ -20,7 +20,7 @@ from typing import Any
 
 from qae_app import names
 from qae_app.errors import QAEUserError
-from qae_app.rundir import CONFIG_FILE, list_run_dirs, run_dir, validate_run_name
+from qae_app.rundir import CONFIG_FILE, recent_runs_text, run_dir, validate_run_name
 from qae_app.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, task_defaults
 
 _BUILTIN_TASK_HELP = ", ".join(f"{BUILTIN_PREFIX}{name} (model {t.model}, {t.max_new_tokens} tokens)"
@@ -366,9 +366,8 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
     must equal the stored value (a resumed run keeps its config)."""
     folder = run_dir(runs_dir, run)
     if not (folder / CONFIG_FILE).exists():
-        existing = ", ".join(p.name for p in list_run_dirs(runs_dir)[-10:])
-        raise QAEUserError(f"resume: no run '{run}' in {runs_dir} (existing: {existing or 'none'}). "
-                           "See `qae runs`.")
+        raise QAEUserError(f"resume: no run '{run}' in {runs_dir} (runs there, last written first: "
+                           f"{recent_runs_text(runs_dir)}). See `qae runs`.")
     stored = stored_config(folder)
     changes = {}
     for name, value in given_options(toml_path, **cli_options).items():

@@ -38,7 +38,8 @@ from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
 from qae_app.names import DEFAULT_K, GATE_REASONS
 from qae_app.rundir import (CONFIG_FILE, DB_FILE, PENDING_DIR, STORED_STATUSES, db_path,  # noqa: F401
-                            effective_status, list_checkpoints, list_run_dirs, pending_writes, validate_run_name)
+                            effective_status, list_checkpoints, list_run_dirs, pending_writes, recent_runs_text,
+                            validate_run_name)
 
 # (DB_FILE, db_path and validate_run_name belong to the run folder, qae_app/rundir.py; readers get them here too)
 UNREADABLE, BUSY = "unreadable", "busy"  # what `read_runs` says of a run whose file it cannot read (never stored):
@@ -704,8 +705,8 @@ def resolve_run(runs_dir: Path, run: str) -> Path:
     """Database path of a run given by id; a clear error listing existing runs otherwise."""
     path = db_path(runs_dir, run)
     if not path.exists():
-        existing = ", ".join(p.name for p in list_run_dirs(runs_dir)[-10:]) or "none"
-        raise QAEUserError(f"run: no run '{run}' in {runs_dir} (existing: {existing}). See `qae runs`.")
+        raise QAEUserError(f"run: no run '{run}' in {runs_dir} (runs there, last written first: "
+                           f"{recent_runs_text(runs_dir)}). See `qae runs`.")
     return path
 
 

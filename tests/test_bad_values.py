@@ -166,3 +166,13 @@ def test_a_damaged_run_file_is_named_by_every_command(tmp_path):
     assert result.exit_code == 0, result.output
     output = "".join(result.output.split())
     assert f"unreadable:broken:run:cannotread{path}" in output  # listed, with the reason under the table
+
+
+@pytest.mark.parametrize("command", [["runs"], ["show", "r"], ["rollouts", "r"], ["compare", "r"], ["train"],
+                                     ["eval"], ["dashboard"]])
+def test_a_runs_dir_that_is_a_file_is_refused_by_every_command(tmp_path, command):
+    (tmp_path / "f").write_text("x")
+    result = runner.invoke(app, [*command, "--runs-dir", str(tmp_path / "f")])
+    assert result.exit_code == 2, result.output
+    assert "isafile,notafolder" in "".join(result.output.replace("│", "").split())  # typer boxes and wraps it
+    assert (tmp_path / "f").read_text() == "x"

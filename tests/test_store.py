@@ -18,6 +18,7 @@ from qae_app.store import (
     STEP_METRICS,
     RunFileError,
     RunWriter,
+    db_path,
     query,
     read_rollouts,
     read_run,
@@ -192,8 +193,22 @@ def test_run_names_that_are_paths_are_refused(name):
 
 
 def test_unknown_run_lists_existing(writer, tmp_path):
-    with pytest.raises(QAEUserError, match="existing: r1"):
+    with pytest.raises(QAEUserError, match="runs there, last written first: r1\\)"):
         resolve_run(tmp_path, "nope")
+
+
+def test_unknown_run_lists_the_runs_last_written_first_and_how_many_more(tmp_path):
+    """Not the last ten by name, which left out most of a long runs dir without saying so."""
+    import os
+
+    for i in range(12):
+        RunWriter(db_path(tmp_path, f"run{i:02d}"), f"run{i:02d}")
+        os.utime(db_path(tmp_path, f"run{i:02d}"), (1_000_000 + i * (-1) ** i, 1_000_000 + i * (-1) ** i))
+    newest_first = sorted(range(12), key=lambda i: -(i * (-1) ** i))
+    listed = ", ".join(f"run{i:02d}" for i in newest_first[:10]) + ", and 2 more"
+    with pytest.raises(QAEUserError) as err:
+        resolve_run(tmp_path, "nope")
+    assert f"(runs there, last written first: {listed})" in str(err.value)
 
 
 def test_writer_migrates_a_file_from_before_the_source_column(tmp_path):

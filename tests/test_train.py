@@ -130,7 +130,7 @@ BAD_INPUT = [
     (["--estimator", "ppo"], "estimator: unknown value 'ppo'. Choose one of: qae, grpo, dr_grpo, rloo"),
     (["--quantile", "median"], "quantile: unknown value 'median'"),
     (["--data", "nope.jsonl"], "data: 'nope.jsonl' is neither a built-in task"),
-    (["--model", "/nonexistent/model"], "model: cannot load '/nonexistent/model'"),
+    (["--model", "/nonexistent/model"], "model: '/nonexistent/model' is not a folder or file on this machine"),
     (["--run-name", "../x"], "run-name: '../x' is not a plain name"),
     (["--config", "missing.toml"], "config: file missing.toml does not exist"),
     (["--resume", "ghost"], "resume: no run 'ghost'"),
@@ -259,3 +259,18 @@ def test_micro_batches_accumulate_to_the_same_update(tmp_path):
     assert m_small["entropy"] == pytest.approx(m_big["entropy"], abs=1e-6)
     for a, b in zip(big, small):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_resuming_a_run_that_did_all_its_steps_says_so_and_gives_its_stored_heldout_accuracy(tiny_run, tmp_path):
+    import shutil
+
+    shared_runs_dir, run_id = tiny_run
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(shared_runs_dir / run_id, runs_dir / run_id)
+    stored = read_steps(db_path(runs_dir, run_id)).dropna(subset=["heldout_accuracy"])["heldout_accuracy"].iloc[-1]
+    result = runner.invoke(app, ["train", "--resume", run_id, "--runs-dir", str(runs_dir)])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 0, said
+    assert f"run {run_id} had already done its {TINY_RUN_OPTIONS['steps']} steps: nothing to train" in said
+    assert f"Held-out accuracy {stored:.3f}" in said  # the run's last evaluation, not "-"
+    assert read_steps(db_path(runs_dir, run_id))["step"].tolist() == list(range(1, TINY_RUN_OPTIONS["steps"] + 1))
