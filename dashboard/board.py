@@ -280,6 +280,38 @@ def heartbeat(views: dict[str, store.RunView]) -> None:
     st.fragment(line, run_every=refresh_interval())()
 
 
+def step_slider(steps: list[int], label: str, what: str) -> int:
+    """Step picker bound to `?step=`; it follows the newest step while the user is on the newest step (a live run's
+    new steps are shown as they come). A step in the link that has no `what` (rollouts) opens the nearest one that
+    has, and says so."""
+    latest, seen = steps[-1], st.session_state.get("_latest_step")
+    requested = st.query_params.get("step")
+    if requested is not None and requested not in {str(s) for s in steps}:
+        try:
+            target = min(steps, key=lambda s: (abs(s - int(requested)), -s))
+        except ValueError:
+            target = latest
+        st.session_state["_step_note"] = (f"Step {requested} from the link has no {what}; showing step {target}, "
+                                          f"the nearest (steps {steps[0]}..{latest}).")
+        seed("step", target)
+    elif "step" not in st.session_state and requested is None:
+        seed("step", latest)
+    elif "step" in st.session_state and (st.session_state["step"] not in steps or st.session_state["step"] == seen):
+        st.session_state["step"] = latest
+    st.session_state["_latest_step"] = latest
+    if st.session_state.get("_step_note"):
+        st.caption(st.session_state["_step_note"])
+    if len(steps) == 1:
+        st.caption(f"step {latest} (the only step with {what} so far)")
+        return latest
+    return st.select_slider(label, steps, key="step", bind="query-params", on_change=_clear_step_note,
+                            help="Stays on the newest step while you are on it; pick an older one to stay there.")
+
+
+def _clear_step_note() -> None:
+    st.session_state.pop("_step_note", None)
+
+
 MARKDOWN_SPECIAL = "\\`*_{}[]()#+-.!|<>~$:"
 
 

@@ -858,3 +858,25 @@ print("torch loaded:", "torch" in sys.modules)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "torch loaded: False" in result.stdout
+
+
+@pytest.mark.parametrize("view, key", [("rollouts", "step"), ("distributions", "step")])
+def test_the_step_follows_a_live_run_while_the_user_is_on_the_newest(tmp_path, monkeypatch, view, key):
+    """As on the Rollouts page, the Distributions histogram stays on the newest step of a run being trained until the
+    user picks an older one."""
+    writer = store.RunWriter(store.db_path(tmp_path, "live"), "live")
+    writer.create_run("live", {"steps": 3, "group_size": 4}, "qae", 0.5, "builtin:tiny", "arith", 0)
+    for step in (1, 2):
+        writer.add_step(step, **_crafted_rows(step))
+    assert writer.flush()
+    at = make_app(tmp_path, monkeypatch)(view, run="live")
+    assert at.select_slider(key=key).value == 2
+    writer.add_step(3, **_crafted_rows(3))
+    assert writer.flush()
+    at.run()
+    assert at.select_slider(key=key).value == 3  # followed
+    at.select_slider(key=key).set_value(1).run()
+    writer.add_step(4, **_crafted_rows(3))
+    assert writer.flush()
+    at.run()
+    assert at.select_slider(key=key).value == 1  # the user's pick stays

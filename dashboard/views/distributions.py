@@ -17,11 +17,7 @@ def body(run_ids: list[str], column: str, log_y: bool) -> None:
         return
     colors = board.run_colors(run_ids)
     steps = sorted({int(s) for q in quantiles.values() for s in q["step"]})
-    requested = st.query_params.get("step")
-    if requested not in {str(s) for s in steps} and (requested is not None or "step" not in st.session_state):
-        board.seed("step", steps[-1])  # first visit, or a step without rollouts: the newest
-    step = steps[0] if len(steps) == 1 else st.select_slider("Step of the histogram", steps, key="step",
-                                                             bind="query-params")
+    step = board.step_slider(steps, "Step of the histogram", what="rollouts")
     left, right = st.columns([3, 2])
     with left:
         bands = "-".join(f"{q:.0%}" for q in (QUANTILES[0], QUANTILES[-1]))

@@ -39,37 +39,6 @@ RESPONSE_COLUMNS = {
 }
 
 
-def step_slider(steps: list[int]) -> int:
-    """Step picker bound to `?step=`; it follows the newest step while the user is on the newest step. A step in the
-    link that has no rollouts opens the nearest one that has, and says so."""
-    latest, seen = steps[-1], st.session_state.get("_latest_step")
-    requested = st.query_params.get("step")
-    if requested is not None and requested not in {str(s) for s in steps}:
-        try:
-            target = min(steps, key=lambda s: (abs(s - int(requested)), -s))
-        except ValueError:
-            target = latest
-        st.session_state["_step_note"] = (f"Step {requested} from the link has no rollouts; showing step {target}, "
-                                          f"the nearest (steps {steps[0]}..{latest}).")
-        board.seed("step", target)
-    elif "step" not in st.session_state and requested is None:
-        board.seed("step", latest)
-    elif "step" in st.session_state and (st.session_state["step"] not in steps or st.session_state["step"] == seen):
-        st.session_state["step"] = latest
-    st.session_state["_latest_step"] = latest
-    if st.session_state.get("_step_note"):
-        st.caption(st.session_state["_step_note"])
-    if len(steps) == 1:
-        st.caption(f"step {latest} (the only step with rollouts so far)")
-        return latest
-    return st.select_slider("Step", steps, key="step", bind="query-params", on_change=_clear_step_note,
-                            help="Stays on the newest step while you are on it; pick an older one to stay there.")
-
-
-def _clear_step_note() -> None:
-    st.session_state.pop("_step_note", None)
-
-
 def filtered_rows(responses: pd.DataFrame) -> pd.Series:
     """Whether each response's group was left out of the update by dynamic sampling (NULL in older files: trained)."""
     return responses["filtered"].fillna(False).astype(bool)
@@ -164,7 +133,7 @@ def body(run_id: str) -> None:
     if not steps:
         st.info("No rollouts written yet: the first step's groups appear here when the trainer finishes it.")
         return
-    step = step_slider(steps)
+    step = board.step_slider(steps, "Step", what="rollouts")
     everything = board.rollouts(run_id, step)
     if everything is None:
         return
