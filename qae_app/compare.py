@@ -426,8 +426,8 @@ def load_runs(runs_dir: Path, run_ids: list[str] | None = None, sweep: str | Non
         raise QAEUserError("compare: pass run ids or --sweep ID (one of them), e.g. `qae compare --sweep study`.")
     repeated = sorted({run_id for run_id in run_ids or [] if run_ids.count(run_id) > 1})
     if repeated:
-        raise QAEUserError(f"runs: {', '.join(repr(r) for r in repeated)} is named twice. Name each run once: a "
-                           "group's seeds are different runs (same config, another --seed).")
+        raise QAEUserError(f"runs: {', '.join(repr(r) for r in repeated)} is named more than once. Name each run "
+                           "once: a group's seeds are different runs (same config, another --seed).")
     if sweep:
         run_ids = []
         for folder in list_run_dirs(runs_dir):

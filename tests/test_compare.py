@@ -244,10 +244,10 @@ def test_a_run_without_a_training_step_is_left_out_and_said(tmp_path):
     assert "left out: nosteps (no training step yet)" in console.export_text()
 
 
-def test_a_run_named_twice_is_refused(tmp_path):
+def test_a_run_named_more_than_once_is_refused(tmp_path):
     from qae_app.compare import load_runs
 
-    with pytest.raises(QAEUserError, match="runs: 'a' is named twice"):
+    with pytest.raises(QAEUserError, match="runs: 'a' is named more than once"):
         load_runs(tmp_path, ["a", "b", "a"])
 
 
