@@ -135,7 +135,7 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
     """Everything `qae eval` does; returns (EvalResult, run_id the results were stored under, database path)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from qae_app.models import load_policy
+    from qae_app.models import check_prompt_lengths, load_policy
     from qae_app.rollout import SamplingOptions, make_engine
 
     target = resolve_model(cfg.model, runs_dir, cfg.checkpoint)
@@ -158,6 +158,7 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
         # newest again (a newer one than the pruned, which the trainer keeps for at least a checkpoint interval)
         target = resolve_model(cfg.model, runs_dir)
         policy, codec = load_policy(target.model_path, cfg.dtype)
+    check_prompt_lengths(policy, codec, [(p.prompt_id, task.prompt(p)) for p in problems], max_new_tokens, "bench")
     rollout_engine = make_engine(cfg.engine, policy, codec, model_path=target.model_path,
                                  sampling=SamplingOptions(cfg.top_p, cfg.top_k, cfg.min_p))
     progress = Progress(TextColumn(f"[bold]eval {name}"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),

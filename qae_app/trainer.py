@@ -910,6 +910,10 @@ class Trainer:
         disable_dropout(model)  # old log-probs (no grad) and the update must see the same network
         check_prompt_lengths(model, self.codec, [(p.prompt_id, self.task.prompt(p)) for p in self.task.train
                                                  + self.task.heldout], cfg.max_new_tokens, "data")
+        if cfg.eval_bench and cfg.eval_every:  # the problems --eval-every evaluates, as `qae eval` checks them
+            evaluated = self.eval_problems[: cfg.eval_limit] if cfg.eval_limit else self.eval_problems
+            check_prompt_lengths(model, self.codec, [(p.prompt_id, self.eval_task.prompt(p)) for p in evaluated],
+                                 cfg.max_new_tokens, "eval-bench")
         self.ref_model = None
         if cfg.kl_beta > 0:
             self.ref_model, _ = load_policy(cfg.model, cfg.dtype)

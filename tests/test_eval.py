@@ -62,8 +62,18 @@ def test_unknown_checkpoint_and_bad_k_are_clear_errors(tiny_run, tmp_path):  # r
     assert result.exit_code == 2 and "missing.jsonl" in result.output
 
 
+def shortest_problems(math_data, name: str, n: int, folder) -> str:
+    """The `n` shortest problems of a real data file, as a file of the same name in `folder`: the built-in model's
+    context (128 positions) holds only those with the math prompt template (`qae eval` refuses longer ones)."""
+    rows = [json.loads(line) for line in (math_data / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+    rows.sort(key=lambda row: len(row["problem"]))
+    path = folder / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows[:n]))
+    return str(path)
+
+
 def test_real_math_file_is_scored_with_math_verify(tmp_path, math_data):
-    out = _eval(tmp_path, "--bench", str(math_data / "math500.jsonl"), "--limit", "3", "--samples", "2",
+    out = _eval(tmp_path, "--bench", shortest_problems(math_data, "math500", 3, tmp_path), "--samples", "2",
                 "--max-new-tokens", "4", "--run-name", "m500")
     assert out["benchmark"] == "math500"
     subsets = {m["subset"] for m in out["metrics"]}
@@ -75,13 +85,13 @@ def test_real_math_file_is_scored_with_math_verify(tmp_path, math_data):
 
 def test_train_with_eval_bench_logs_results_with_the_step(tmp_path, math_data):
     result = runner.invoke(app, ["train", "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
-                                 "--eval-every", "2", "--eval-bench", str(math_data / "amc23.jsonl"),
-                                 "--eval-k", "2", "--eval-limit", "3", "--run-name", "tb",
-                                 "--runs-dir", str(tmp_path)])
+                                 "--eval-every", "2", "--eval-bench",
+                                 shortest_problems(math_data, "math500", 3, tmp_path),
+                                 "--eval-k", "2", "--run-name", "tb", "--runs-dir", str(tmp_path / "runs")])
     assert result.exit_code == 0, result.output
-    evals = query(db_path(tmp_path, "tb"), "SELECT * FROM evals WHERE subset = 'all' ORDER BY step")
+    evals = query(db_path(tmp_path / "runs", "tb"), "SELECT * FROM evals WHERE subset = 'all' ORDER BY step")
     assert set(evals["step"]) == {0, 2}
-    assert set(evals["benchmark"]) == {"amc23"}
+    assert set(evals["benchmark"]) == {"math500"}
     assert evals[evals["metric"] == "pass@k"]["k"].max() == 2
 
 
@@ -134,3 +144,20 @@ def test_eval_of_a_training_run_takes_the_newest_checkpoint_again_when_training_
     assert [p.split("/")[-2] for p in loads] == ["step-6", "step-3"]
     steps = query(db_path(runs_dir, run_id), "SELECT DISTINCT step FROM eval_samples WHERE source = 'eval'")["step"]
     assert steps.tolist() == [3] and out["run_id"] == run_id
+
+
+@pytest.mark.parametrize("command, option", [(["eval", "--max-new-tokens", "16", "--bench"], "bench"),
+                                             (["train", "--steps", "1", "--eval-every", "1", "--eval-bench"],
+                                              "eval-bench")])
+def test_a_benchmark_prompt_longer_than_the_context_is_refused_before_anything_runs(tmp_path, command, option):
+    """As `qae train --data` refuses it: past the context a RoPE model degrades (the built-in model, 128 positions,
+    answered every such prompt with an empty response, stored as a real evaluation scored 0)."""
+    bench = tmp_path / "long.jsonl"
+    bench.write_text(json.dumps({"problem": "1+" * 100 + "1", "answer": "101"}) + "\n"
+                     + json.dumps({"problem": "1+1", "answer": "2"}) + "\n")
+    runs = tmp_path / "runs"
+    result = runner.invoke(app, [*command, str(bench), "--runs-dir", str(runs)])
+    message = " ".join(result.output.split())
+    assert result.exit_code == 2, message
+    assert f"{option}: prompt 'long-1' is" in message and "but the model's context is 128" in message
+    assert not runs.exists() or not any(runs.rglob("*.duckdb"))
