@@ -73,6 +73,8 @@ class TrainerState:
     entropy_start: float | None = None  # step 1's entropy: the default band is relative to it
     data_position: int = 0  # prompts of the data stream consumed so far (every generation batch); a resume checks it
     data_fingerprint: str | None = None  # sha256 of the data file (None for a built-in task); a resume checks it
+    # processes that trained the run (each samples with its own seed); a resume checks it. None: an older checkpoint
+    num_processes: int | None = None
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.__dict__))
@@ -941,7 +943,7 @@ class Trainer:
         self.eval_scorer = (self.scorer if self.eval_task.reward == self.task.reward
                             else Scorer(self.eval_task.reward, cfg.verify_timeout_s))
         self.state = TrainerState(k=None if cfg.k == "auto" else float(cfg.k),
-                                  data_fingerprint=self.data_fingerprint)
+                                  data_fingerprint=self.data_fingerprint, num_processes=acc.num_processes)
 
     def _restore_checkpoint(self) -> None:
         """Load the newest checkpoint whose files match their checksums; say so when a newer one was skipped."""
@@ -976,6 +978,14 @@ class Trainer:
                           f"(same seed); the {logged} steps it logged are replaced as they are trained again.")
             return
         ckpt = Path(chosen[0])
+        trained_by = TrainerState.load(ckpt / TRAINER_STATE).num_processes
+        if trained_by not in (None, self.accelerator.num_processes):
+            # every process samples with its own seed (_step_seed): another count trains other steps than the logged
+            raise QAEUserError(
+                f"resume: run '{self.run_id}' was trained by {trained_by} processes and this resume has "
+                f"{self.accelerator.num_processes}. Each process samples with its own seed, so the steps after "
+                f"checkpoint {ckpt.name} would not be the ones logged: resume it as it was launched (accelerate "
+                f"launch --num_processes {trained_by} ...), or start a new run.")
         self.accelerator.load_state(str(ckpt))
         self.state = TrainerState.load(ckpt / TRAINER_STATE)
         self._say(f"resuming run {self.run_id} from checkpoint {ckpt.name}")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -249,6 +250,23 @@ def test_resume_checks_the_checkpoint_data_position(tmp_path):
                             text=True, env=WIDE)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "is at prompt 5 of the data, but 2 steps of 4 prompts end at 8" in " ".join(result.stderr.split())
+
+
+@pytest.mark.slow
+def test_resume_refuses_another_number_of_processes(tmp_path):
+    """Each process samples with its own seed: a run checkpointed by 2 processes and resumed by 1 trains other steps
+    than the ones it logged (steps 11-20 of such a resume differed from the uninterrupted run), so it is refused."""
+    Trainer(build_config(run_name="np", **dict(OPTS, steps=2)), tmp_path, cpu=True).fit()
+    state = tmp_path / "np" / "checkpoints" / "step-2" / "trainer_state.json"
+    assert json.loads(state.read_text())["num_processes"] == 1
+    state.write_text(state.read_text().replace('"num_processes": 1', '"num_processes": 2'))
+    write_manifest(state.parent)  # an intact checkpoint of a 2-process run
+    result = subprocess.run([QAE, "train", "--resume", "np", "--steps", "4", "--runs-dir", str(tmp_path)],
+                            capture_output=True, text=True, env=WIDE)
+    message = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2, message
+    assert "resume: run 'np' was trained by 2 processes and this resume has 1" in message
+    assert read_steps(db_path(tmp_path, "np"))["step"].tolist() == [1, 2]
 
 
 @pytest.mark.slow
