@@ -728,11 +728,16 @@ class Trainer:
         self._say(f"[yellow]warning:[/] {message}")
         return [{"kind": f"entropy_{zone}", "message": message}]
 
+    def _evaluated_problems(self) -> list:
+        """What --eval-every evaluates: the held-out split or --eval-bench, cut to --eval-limit."""
+        limit = self.cfg.eval_limit
+        return self.eval_problems[:limit] if limit else self.eval_problems
+
     def evaluate_heldout(self, step: int) -> HeldoutEval | None:
         """Sampled accuracy on the held-out split (or --eval-bench), with every metric and sample (not written)."""
         cfg, acc = self.cfg, self.accelerator
         name, task = self.eval_name, self.eval_task
-        problems = self.eval_problems[: cfg.eval_limit] if cfg.eval_limit else self.eval_problems
+        problems = self._evaluated_problems()
         if not problems:
             return None
         share = problems[acc.process_index :: acc.num_processes]
@@ -913,9 +918,9 @@ class Trainer:
         check_prompt_lengths(model, self.codec, [(p.prompt_id, self.task.prompt(p)) for p in self.task.train
                                                  + self.task.heldout], cfg.max_new_tokens, "data")
         if cfg.eval_bench and cfg.eval_every:  # the problems --eval-every evaluates, as `qae eval` checks them
-            evaluated = self.eval_problems[: cfg.eval_limit] if cfg.eval_limit else self.eval_problems
-            check_prompt_lengths(model, self.codec, [(p.prompt_id, self.eval_task.prompt(p)) for p in evaluated],
-                                 cfg.max_new_tokens, "eval-bench")
+            check_prompt_lengths(model, self.codec, [(p.prompt_id, self.eval_task.prompt(p))
+                                                     for p in self._evaluated_problems()], cfg.max_new_tokens,
+                                 "eval-bench")
         self.ref_model = None
         if cfg.kl_beta > 0:
             self.ref_model, _ = load_policy(cfg.model, cfg.dtype)
@@ -978,7 +983,8 @@ class Trainer:
                           f"(same seed); the {logged} steps it logged are replaced as they are trained again.")
             return
         ckpt = Path(chosen[0])
-        trained_by = TrainerState.load(ckpt / TRAINER_STATE).num_processes
+        state = TrainerState.load(ckpt / TRAINER_STATE)
+        trained_by = state.num_processes
         if trained_by not in (None, self.accelerator.num_processes):
             # every process samples with its own seed (_step_seed): another count trains other steps than the logged
             raise QAEUserError(
@@ -987,7 +993,7 @@ class Trainer:
                 f"checkpoint {ckpt.name} would not be the ones logged: resume it as it was launched (accelerate "
                 f"launch --num_processes {trained_by} ...), or start a new run.")
         self.accelerator.load_state(str(ckpt))
-        self.state = TrainerState.load(ckpt / TRAINER_STATE)
+        self.state = state
         self._say(f"resuming run {self.run_id} from checkpoint {ckpt.name}")
         problem = data_position_problem(self.state.data_position, self.state.step, cfg)
         if problem:
