@@ -11,7 +11,8 @@ or Ks extends it. A run of that name that belongs to another sweep (other option
 rather than mixed in.
 
 Each point's options are written to runs/.sweeps/<name>/<run>.toml (what `qae train --config` reads) with its log
-beside it; the dot keeps the folder out of `qae runs`.
+beside it (the trainer's output, between lines saying when its process started and exited, with the exit code);
+the dot keeps the folder out of `qae runs`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 from qae_app import names
@@ -200,7 +202,7 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
                 log = sweep.folder / f"{point.run_name}.log"
                 log.parent.mkdir(parents=True, exist_ok=True)
                 with log.open("a") as out:
-                    out.write(f"\n# qae sweep {sweep.name}: {action} {point.run_name}\n")
+                    out.write(f"\n# qae sweep {sweep.name}: {action} {point.run_name} at {_now()}\n")
                     out.flush()
                     process = subprocess.Popen(_command(sweep, point, action, runs_dir, cpu), stdout=out,
                                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -216,6 +218,9 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
                 if code is None:
                     continue
                 active.remove(run)
+                with run.log.open("a") as out:  # the trainer has exited: nothing else writes to its log now
+                    out.write(f"# qae sweep {sweep.name}: {run.point.run_name} exited with code {code} at {_now()} "
+                              f"after {time.monotonic() - run.started:.1f} s\n")
                 states[run.point.run_name] = ("done" if code == 0 and point_state(runs_dir, run.point) == "done"
                                               else "interrupted" if stopping or code == 130 else "failed")
             for point in sweep.points:
@@ -229,6 +234,11 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return states
+
+
+def _now() -> str:
+    """The wall-clock time a point log records (ISO 8601, UTC, to the microsecond)."""
+    return datetime.now(timezone.utc).isoformat()
 
 
 def _stop_with_parent() -> None:

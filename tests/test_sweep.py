@@ -4,9 +4,11 @@ and the comparison printed from stored runs with known values (hand-computed int
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -142,12 +144,22 @@ def test_parallel_2_trains_two_runs_at_once(tmp_path):
                              "--runs-dir", str(runs), *TINY, "--steps", "4"], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    # the two trainers lived at the same time: each run was created before the other finished (one at a time, the
-    # second is created after the first finished). Its steps need not interleave: on a loaded machine one trainer
-    # may take its 4 steps while the other is still importing torch
-    (a0, a1), (b0, b1) = (query(db_path(runs, f"p-qae-k0.4-s{seed}"), "SELECT created_at, updated_at FROM runs")
-                          .iloc[0] for seed in (0, 1))
-    assert a0 < b1 and b0 < a1
+    # the two trainer processes lived at the same time: each was started before the other exited (one at a time,
+    # the second starts after the first exited). The sweep's log of each point says when its process started and
+    # exited; the database's timestamps cannot say it (a trainer goes on after its last write: the final checkpoint,
+    # the exit, and on a loaded machine one may take its 4 steps while the other is still importing torch)
+    (a_start, a_exit), (b_start, b_exit) = (process_lifetime(runs / ".sweeps" / "p" / f"p-qae-k0.4-s{seed}.log")
+                                            for seed in (0, 1))
+    assert a_start < b_exit and b_start < a_exit
+
+
+def process_lifetime(log: Path) -> tuple[datetime, datetime]:
+    """(start, exit) of the one trainer process a sweep's point log records."""
+    text = log.read_text()
+    starts = re.findall(r"^# qae sweep \S+: start \S+ at (\S+)$", text, re.M)
+    exits = re.findall(r"^# qae sweep \S+: \S+ exited with code 0 at (\S+) after [\d.]+ s$", text, re.M)
+    assert len(starts) == 1 and len(exits) == 1, text
+    return datetime.fromisoformat(starts[0]), datetime.fromisoformat(exits[0])
 
 
 # ---------------------------------------------------------------------------------------------------------------
