@@ -16,8 +16,9 @@ those are turned back into the LaTeX command, and any other control character (P
 "fi\\x0cve") is dropped. A lone surrogate (a JSON `"\\ud800"` escape with no partner) is not text and cannot be
 stored: it becomes U+FFFD. `meta` keeps `subject`, `level` and `source` where the file has them.
 
-A file that is not UTF-8 (binary, UTF-16), nests JSON deeper than Python's parser allows, or has a gold answer longer
-than the verifier reads (`names.MAX_ANSWER_CHARS`, so never scorable) is refused with one message naming it.
+A file that is not UTF-8 (binary, UTF-16), nests JSON deeper than Python's parser allows, has a gold answer longer
+than the verifier reads (`names.MAX_ANSWER_CHARS`, so never scorable), or gives some answers GSM8K's way (after
+'####') and others without it (a solution taken whole could never be matched) is refused with one message naming it.
 """
 
 from __future__ import annotations
@@ -205,6 +206,7 @@ def load_math_file(path: Path) -> list[Problem]:
 
     problems = []
     seen_ids: dict[str, int] = {}
+    after_marker, without_marker = [], []  # GSM8K-style rows (final answer after '####') and the other rows
     for number, row in rows:
         where = f"'{path}' {unit} {number}"
         if not isinstance(row, dict):
@@ -225,6 +227,8 @@ def load_math_file(path: Path) -> list[Problem]:
             if value is not None:
                 answer = _answer_text(value, column)
                 if answer:
+                    marked = column == "answer" and isinstance(value, str) and "####" in value
+                    (after_marker if marked else without_marker).append((number, str(value)))
                     break
         if not answer:
             raise QAEUserError(
@@ -251,4 +255,15 @@ def load_math_file(path: Path) -> list[Problem]:
         if source is not None:
             meta["source"] = replace_lone_surrogates(str(source))
         problems.append(Problem(prompt_id=prompt_id, question=question, answer=answer, meta=meta))
+    if after_marker and without_marker:
+        # a GSM8K solution whose '#### N' line was lost would be taken whole as the gold answer: nothing matches it
+        number, text = without_marker[0]
+        shown = text if len(text) <= 60 else text[:60] + "..."
+        raise QAEUserError(
+            f"data: '{path}' {unit} {number} gives its answer without a final '#### N' ({shown!r}), while "
+            f"{len(after_marker)} of {len(rows)} rows ({unit} {after_marker[0][0]} first) give theirs after "
+            "'####', as GSM8K does. Taken whole, that text would be a gold answer no response can match: end it "
+            "with '#### <final answer>' or remove the row"
+            + (f" ({len(without_marker)} rows lack it)." if len(without_marker) > 1 else ".")
+        )
     return problems

@@ -124,6 +124,24 @@ def test_missing_empty_and_unsupported_files(tmp_path):
         load_math_file(tmp_path / "data.csv")
 
 
+def test_gsm8k_row_without_its_final_answer_marker_is_refused(tmp_path):
+    """In a GSM8K file a solution whose '#### N' was lost would be taken whole as the gold answer, which no response
+    matches: that prompt would score 0 forever. A file that gives its answers after '####' must do so on every row."""
+    rows = [{"question": "Tom has 2 apples and buys 3. How many?", "answer": "2 + 3 = <<2+3=5>>5\n#### 5"},
+            {"question": "Ann has 4 pens and loses 1. How many?", "answer": "4 - 1 = <<4-1=3>>3 pens are left."},
+            {"question": "What is 6 times 7?", "answer": "6 * 7 = 42\n#### 42"}]
+    path = write_jsonl(tmp_path / "gsm.jsonl", rows)
+    with pytest.raises(QAEUserError) as e:
+        load_math_file(path)
+    message = str(e.value)
+    assert "gsm.jsonl' line 2" in message and "4 - 1 = <<4-1=3>>3 pens" in message
+    assert "'####'" in message and "2 of 3 rows" in message and "line 1" in message
+    # a file of plain short answers (no row with '####') is the generic format and loads as before
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"question": "1+1?", "answer": "2"}, {"question": "2+2?",
+                                                                                          "answer": "4"}])
+    assert [p.answer for p in load_math_file(plain)] == ["2", "4"]
+
+
 def test_duplicate_ids_are_rejected(tmp_path):
     rows = [{"id": 1, "problem": "a", "answer": 1}, {"id": 1, "problem": "b", "answer": 2}]
     path = write_jsonl(tmp_path / "dup.jsonl", rows)
