@@ -4,6 +4,8 @@
 
 Prints, measured in this run (no thresholds):
 - answer extraction on a 2.5 MB response: reading only the tail (`FINAL_ANSWER_WINDOW`) against the whole text;
+- answer extraction on the hostile texts of tests/test_rewards.py (the slowest), and on 10x more nested boxes within
+  the window (linear grows ~10x, a rescan per box ~100x);
 - replacing a killed worker: forked from the warm fork server against a fresh "spawn" (a sympy import);
 - 16 distinct power towers + 16 honest answers on 2 workers with a 3 s timeout: the default batch bound against none.
 """
@@ -15,6 +17,11 @@ import time
 
 from qae_app import rewards
 from qae_app.rewards import MathVerifierPool, extract_answer
+
+# the hostile texts of tests/test_rewards.py::test_extract_answer_on_hostile_text
+HOSTILE_TEXTS = ["x" * 100_000 + "\\boxed{1}", "{" * 5000 + "\\boxed{" + "{" * 5000 + "1" + "}" * 4000,
+                 "\\boxed{" * 20_000, "answer is " * 20_000, "\\boxed{" + "9" * 10_000 + "}",
+                 "}" * 50_000 + "{" * 50_000]
 
 
 def extraction_seconds(text: str, window: int) -> float:
@@ -63,6 +70,10 @@ def main() -> None:
     tail, whole = extraction_seconds(text, rewards.FINAL_ANSWER_WINDOW), extraction_seconds(text, len(text))
     print(f"extract_answer on {len(text) / 1e6:.1f} MB: tail {tail * 1000:.1f} ms, whole text {whole * 1000:.0f} ms "
           f"({whole / tail:.0f}x)")
+    slowest = max(min(extraction_seconds(t, rewards.FINAL_ANSWER_WINDOW) for _ in range(3)) for t in HOSTILE_TEXTS)
+    nested = [min(extraction_seconds("\\boxed{" * n + "{" * n, 10**9) for _ in range(3)) for n in (500, 5_000)]
+    print(f"extract_answer on {len(HOSTILE_TEXTS)} hostile texts: slowest {slowest * 1000:.1f} ms; nested boxes 500 -> "
+          f"5,000: {nested[0] * 1000:.2f} -> {nested[1] * 1000:.1f} ms ({nested[1] / nested[0]:.0f}x for 10x the text)")
     forked, spawned = replacement_seconds(None), replacement_seconds("spawn")
     print(f"worker replacement: fork server {forked * 1000:.0f} ms, spawn {spawned * 1000:.0f} ms "
           f"({spawned / forked:.0f}x)")

@@ -343,6 +343,7 @@ class MathVerifierPool:
         self.start_failures = 0  # workers that died before they were ready
         self.workers_started = 0
         self.items_scored = 0  # items a worker answered
+        self.peak_busy = 0  # the most items being verified at once (workers verify side by side)
         self._failed_starts: list[int | None] = []  # exit codes of the workers that died starting, since the last ready
         self._workers: list[_Worker] = []
         self._lock = threading.RLock()
@@ -505,6 +506,7 @@ class MathVerifierPool:
                         continue
                     w.item, w.quick_try = i, quick_try
                     w.deadline = now + self.timeout_s * (QUICK_TRY_FRACTION if quick_try else 1)
+                    self.peak_busy = max(self.peak_busy, sum(v.item is not None for v in self._workers))
                     if batch_deadline is None:
                         batch_deadline = now + budget_s
             # wait for a result, a death, a ready message, the next deadline, or the next interrupt check

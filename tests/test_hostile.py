@@ -69,8 +69,9 @@ def test_hostile_outputs_in_a_training_step(tmp_path, math_file):
                 "7": [0, 0, 0, 0, 0, 0]}  # 10,000 sevens are not 7
     for answer, group in rollouts.groupby("answer"):
         assert group["reward"].tolist() == expected[answer]
-    # bounded: the two stuck items time out side by side on the two workers, plus worker restarts
-    assert steps["reward_s"].max() < 30
+    # the two stuck items of each step were cut at their deadline, side by side on the two workers
+    pool = trainer.scorer.pool
+    assert (pool.timeouts, pool.crashes, pool.batch_cutoffs, pool.peak_busy) == (2 * 2, 0, 0, 2)
 
 
 def test_scoring_from_a_worker_thread_keeps_the_deadline():
@@ -79,13 +80,12 @@ def test_scoring_from_a_worker_thread_keeps_the_deadline():
 
     def score():
         with Scorer("math", timeout_s=1.0) as scorer:
-            scorer([HOSTILE[-1]], ["1"])  # start the workers outside the timed part
-            start = time.monotonic()
             results["rewards"] = scorer([POWER_TOWER, HOSTILE[-1]], ["1", "1"])
-            results["seconds"] = time.monotonic() - start
+            results["timeouts"] = scorer.pool.timeouts
 
     thread = threading.Thread(target=score)
     thread.start()
-    thread.join(timeout=120)
+    thread.join(timeout=300)  # a hang detector, not a speed bound: without the deadline this never returns
+    assert not thread.is_alive(), "scoring from a worker thread did not return: the deadline was not kept"
     assert results["rewards"] == [None, 1.0]
-    assert results["seconds"] < 1.0 * 3
+    assert results["timeouts"] == 1  # the tower was cut at its 1 s deadline off the main thread
