@@ -24,15 +24,26 @@ import plotly.graph_objects as go
 import streamlit as st
 import streamlit.components.v1 as components_v1
 
-from qae_app import compare, rundir, store
+from qae_app import compare, names, rundir, store
 from qae_app.errors import QAEUserError
 
 RUNS_DIR_ENV = "QAE_RUNS_DIR"  # set by `qae dashboard --runs-dir`
-REFRESH_CHOICES = {"off": None, "2 s": 2, "5 s": 5, "10 s": 10, "30 s": 30}
-DEFAULT_REFRESH = "5 s"
+REFRESH_CHOICES = {("off" if s is None else f"{s} s"): s for s in names.DASHBOARD_REFRESH_S.values()}
 RUN_COLORS = plotly.colors.qualitative.Plotly
 CACHE_ENTRIES = 64  # per reader: a few versions of each shown run
 RECORD_CACHE_ENTRIES = 256  # the Compare page reads every run of a sweep: a few versions of each of many runs
+
+
+def starting_refresh() -> tuple[str, str | None]:
+    """The refresh the sidebar starts at (`qae dashboard --refresh`), and what was wrong with the setting, if anything
+    (a hand-set environment variable: `qae dashboard` refuses a bad value before starting)."""
+    asked = os.environ.get(names.DASHBOARD_REFRESH_ENV, names.DASHBOARD_REFRESH_DEFAULT)
+    if asked not in names.DASHBOARD_REFRESH_S:
+        default = names.DASHBOARD_REFRESH_DEFAULT
+        return f"{default} s", (f"{names.DASHBOARD_REFRESH_ENV}={asked} is not offered "
+                                f"({', '.join(names.DASHBOARD_REFRESH_S)}): refreshing every {default} s.")
+    seconds = names.DASHBOARD_REFRESH_S[asked]
+    return ("off" if seconds is None else f"{seconds} s"), None
 
 
 def runs_dir() -> Path:
@@ -207,7 +218,7 @@ def run_colors(run_ids: list[str]) -> dict[str, str]:
 
 def refresh_interval() -> float | None:
     """Seconds between checks for changes (sidebar choice), None when off."""
-    return REFRESH_CHOICES.get(st.session_state.get("refresh", DEFAULT_REFRESH))
+    return REFRESH_CHOICES.get(st.session_state.get("refresh") or starting_refresh()[0])
 
 
 def _snapshot(watched: list[str]) -> tuple:

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from qae_app import names
 from qae_app.config import EvalConfig, TrainConfig
 from qae_app.errors import QAEUserError
 
@@ -494,6 +495,9 @@ def dashboard(
     port: Annotated[int, typer.Option(help="Port to serve on.")] = 8501,
     host: Annotated[str, typer.Option(help="Address to bind. The default keeps it on this machine; 0.0.0.0 "
                                       "exposes every run to your network.")] = "127.0.0.1",
+    refresh: Annotated[str, typer.Option(help="Seconds between the pages' checks for new steps and runs: "
+                                         + ", ".join(names.DASHBOARD_REFRESH_S) + ". The sidebar changes it in "
+                                         "that browser tab; off suits reading finished runs.")] = names.DASHBOARD_REFRESH_DEFAULT,
 ) -> None:
     """Start the Streamlit dashboard (live curves, rollouts browser) on 127.0.0.1; Ctrl-C or SIGTERM stops it."""
     import os
@@ -502,11 +506,15 @@ def dashboard(
 
     if not 0 < port < 65536:
         fail(QAEUserError(f"port: {port} is not a TCP port. Use 1-65535 (default 8501)."))
+    if refresh not in names.DASHBOARD_REFRESH_S:
+        *most, last = names.DASHBOARD_REFRESH_S
+        fail(QAEUserError(f"refresh: {refresh} is not offered. Use {', '.join(most)} or {last} (seconds between "
+                          f"checks for new steps; default {names.DASHBOARD_REFRESH_DEFAULT})."))
     app_path = dashboard_app()
     command = [sys.executable, "-m", "streamlit", "run", str(app_path), "--server.address", host,
                "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
                "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal"]
-    env = dict(os.environ, QAE_RUNS_DIR=str(Path(runs_dir).resolve()))
+    env = dict(os.environ, QAE_RUNS_DIR=str(Path(runs_dir).resolve()), **{names.DASHBOARD_REFRESH_ENV: refresh})
     console.print(f"qae dashboard for [cyan]{Path(runs_dir).resolve()}[/] at [bold]http://{host}:{port}[/] "
                   "(Ctrl-C to stop)")
     process = subprocess.Popen(command, env=env)

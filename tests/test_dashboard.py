@@ -18,8 +18,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from typer.testing import CliRunner
 
 from qae_app import store
+from qae_app.cli import app as cli_app
 from qae_app.rundir import RunLock, run_dir
 from tests.synthetic import write_run
 
@@ -190,6 +192,24 @@ def frame_with(at, *columns: str) -> pd.DataFrame:
 
 # ---------------------------------------------------------------------------------------------------------------
 # pages
+
+
+@pytest.mark.parametrize("refresh, shown, caption", [("off", "off", "live updates off"),
+                                                       ("2", "2 s", "new runs are picked up within 2 s"),
+                                                       (None, "5 s", "new runs are picked up within 5 s")])
+def test_the_refresh_interval_starts_at_qae_dashboard_refresh(app, monkeypatch, refresh, shown, caption):
+    """`qae dashboard --refresh off` opens every page with live updates off (the default: every 5 s)."""
+    if refresh is not None:
+        monkeypatch.setenv("QAE_DASHBOARD_REFRESH", refresh)
+    at = app("rollouts")
+    assert at.sidebar.selectbox(key="refresh").value == shown
+    assert any(caption in c.value for c in at.sidebar.caption), [c.value for c in at.sidebar.caption]
+
+
+def test_qae_dashboard_refuses_a_refresh_it_does_not_offer(tmp_path):
+    result = CliRunner().invoke(cli_app, ["dashboard", "--runs-dir", str(tmp_path), "--refresh", "7"])
+    assert result.exit_code == 2
+    assert "refresh: 7" in result.output and "off, 2, 5, 10 or 30" in result.output
 
 
 def test_runs_page_lists_every_run_with_progress(app, runs_dir):

@@ -58,13 +58,18 @@ def start(request):
 
 @pytest.fixture
 def dashboard(start, tmp_path):
-    """dashboard(runs_dir) -> base URL of a `qae dashboard` server on a free port."""
+    """dashboard(runs_dir, refresh=...) -> base URL of a `qae dashboard` server on a free port.
 
-    def run(runs_dir: Path) -> str:
+    Tests of finished runs pass refresh="off" (`qae dashboard --refresh off`). Streamlit's browser side can drop what a
+    click changed when the click lands while the page's periodic check for new steps (a `run_every` fragment) is in
+    flight: the server opens the response, the page does not show it. Measured with the browser's CPU throttled 6x on
+    a loaded machine: 4 of 8 clicks lost with the check every 2 s, 0 of 8 with it off (README, The dashboard)."""
+
+    def run(runs_dir: Path, refresh: str | None = None) -> str:
         port = free_port()
         log = open(tmp_path / f"dashboard-{port}.log", "w")
-        process = start([str(QAE), "dashboard", "--runs-dir", str(runs_dir), "--port", str(port)], stdout=log,
-                        stderr=subprocess.STDOUT)
+        process = start([str(QAE), "dashboard", "--runs-dir", str(runs_dir), "--port", str(port),
+                         *(["--refresh", refresh] if refresh else [])], stdout=log, stderr=subprocess.STDOUT)
         wait_healthy(port, process)
         return f"http://127.0.0.1:{port}"
 
@@ -98,20 +103,9 @@ def wait_idle(page, timeout_s: float = 60) -> None:
         time.sleep(0.2)
 
 
-def turn_live_updates_off(page) -> None:
-    """Set the sidebar's refresh to off, for a test that clicks a table cell. Streamlit's browser side can drop what
-    a click changed when the click lands while the page's periodic check for new steps (a `run_every` fragment) is
-    in flight: the server opens the response, the page does not show it. Measured with the browser's CPU throttled
-    6x on a loaded machine: 4 of 8 clicks lost with the check every 2 s, 0 of 8 with it off (README, Dashboard)."""
-    page.get_by_role("combobox", name="Refresh live runs every").click()
-    page.get_by_role("option", name="off", exact=True).click()
-    expect(page.get_by_text("live updates off")).to_be_visible(timeout=60_000)
-    wait_idle(page)
-
-
 def test_browse_a_finished_run(tiny_run, dashboard, page, tmp_path):
     runs_dir, run_id = tiny_run
-    url = dashboard(runs_dir)
+    url = dashboard(runs_dir, refresh="off")  # a finished run: no click may land on a refresh check
     page.goto(f"{url}/curves")
     wait_idle(page)
     # pick the run in the sidebar (the newest run is preselected: clear it first)
@@ -223,7 +217,7 @@ def test_a_copied_run_folder_is_its_own_run_and_a_click_opens_a_response(dashboa
     runs_dir = tmp_path / "runs"
     _write_crafted(runs_dir)
     shutil.copytree(runs_dir / "crafted", runs_dir / "crafted-copy")  # `cp -r runs/X runs/copy`
-    url = dashboard(runs_dir)
+    url = dashboard(runs_dir, refresh="off")
     page.goto(f"{url}/?run=crafted-copy")
     wait_idle(page)
     table = page.get_by_test_id("stDataFrame").first
@@ -236,7 +230,7 @@ def test_a_copied_run_folder_is_its_own_run_and_a_click_opens_a_response(dashboa
     page.goto(f"{url}/rollouts?run=crafted-copy&step=3")
     wait_idle(page)
     expect(page.get_by_test_id("stMetricValue").nth(0)).to_have_text("8 / 8", timeout=60_000)
-    turn_live_updates_off(page)
+    expect(page.get_by_text("live updates off")).to_be_visible()
     # click the response cell of sample 3 of group 0 (not the row's checkbox): the response opens in full
     grid = page.get_by_test_id("stDataFrame").nth(1)
     box = grid.bounding_box()
@@ -328,7 +322,7 @@ def test_the_compare_page_of_a_sweep(dashboard, page, tmp_path):
     and a baseline picked on the page: the paired differences appear and the choice goes into the URL."""
     from test_dashboard_compare import SWEEP_NAME, write_compare_runs
 
-    url = dashboard(write_compare_runs(tmp_path / "runs"))
+    url = dashboard(write_compare_runs(tmp_path / "runs"), refresh="off")
     page.goto(f"{url}/compare?sweep={SWEEP_NAME}")
     wait_idle(page)
     page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 3", timeout=60_000)
