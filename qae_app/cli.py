@@ -495,9 +495,10 @@ def dashboard(
     port: Annotated[int, typer.Option(help="Port to serve on.")] = 8501,
     host: Annotated[str, typer.Option(help="Address to bind. The default keeps it on this machine; 0.0.0.0 "
                                       "exposes every run to your network.")] = "127.0.0.1",
-    refresh: Annotated[str, typer.Option(help="Seconds between the pages' checks for new steps and runs: "
-                                         + ", ".join(names.DASHBOARD_REFRESH_S) + ". The sidebar changes it in "
-                                         "that browser tab; off suits reading finished runs.")] = names.DASHBOARD_REFRESH_DEFAULT,
+    refresh: Annotated[str, typer.Option(
+        help="Seconds between the pages' checks for new steps and runs: " + ", ".join(names.DASHBOARD_REFRESH_S)
+             + ". The sidebar changes it in that browser tab; off suits reading finished runs.",
+    )] = names.DASHBOARD_REFRESH_DEFAULT,
 ) -> None:
     """Start the Streamlit dashboard (live curves, rollouts browser) on 127.0.0.1; Ctrl-C or SIGTERM stops it."""
     import os

@@ -127,6 +127,7 @@ def describe(choices: dict[str, str]) -> str:
     """'a: what a is; b: what b is' for help texts."""
     return "; ".join(f"{name}: {text}" for name, text in choices.items())
 
+
 # --- the dashboard's live refresh (`qae dashboard --refresh`, the sidebar's "Refresh live runs every")
 DASHBOARD_REFRESH_S: dict[str, int | None] = {"off": None, "2": 2, "5": 5, "10": 10, "30": 30}  # seconds between checks
 DASHBOARD_REFRESH_DEFAULT = "5"
