@@ -28,7 +28,8 @@ from qae_app import compare, names, rundir, store
 from qae_app.errors import QAEUserError
 
 RUNS_DIR_ENV = "QAE_RUNS_DIR"  # set by `qae dashboard --runs-dir`
-REFRESH_CHOICES = {("off" if s is None else f"{s} s"): s for s in names.DASHBOARD_REFRESH_S.values()}
+REFRESH_CHOICES = {("off" if seconds is None else f"{seconds} s"): seconds  # sidebar label -> seconds
+                   for seconds in names.DASHBOARD_REFRESH_S.values()}
 RUN_COLORS = plotly.colors.qualitative.Plotly
 CACHE_ENTRIES = 64  # per reader: a few versions of each shown run
 RECORD_CACHE_ENTRIES = 256  # the Compare page reads every run of a sweep: a few versions of each of many runs
@@ -37,13 +38,13 @@ RECORD_CACHE_ENTRIES = 256  # the Compare page reads every run of a sweep: a few
 def starting_refresh() -> tuple[str, str | None]:
     """The refresh the sidebar starts at (`qae dashboard --refresh`), and what was wrong with the setting, if anything
     (a hand-set environment variable: `qae dashboard` refuses a bad value before starting)."""
-    asked = os.environ.get(names.DASHBOARD_REFRESH_ENV, names.DASHBOARD_REFRESH_DEFAULT)
+    asked, problem = os.environ.get(names.DASHBOARD_REFRESH_ENV, names.DASHBOARD_REFRESH_DEFAULT), None
     if asked not in names.DASHBOARD_REFRESH_S:
-        default = names.DASHBOARD_REFRESH_DEFAULT
-        return f"{default} s", (f"{names.DASHBOARD_REFRESH_ENV}={asked} is not offered "
-                                f"({', '.join(names.DASHBOARD_REFRESH_S)}): refreshing every {default} s.")
-    seconds = names.DASHBOARD_REFRESH_S[asked]
-    return ("off" if seconds is None else f"{seconds} s"), None
+        problem = (f"{names.DASHBOARD_REFRESH_ENV}={asked} is not offered ({', '.join(names.DASHBOARD_REFRESH_S)}): "
+                   f"refreshing every {names.DASHBOARD_REFRESH_DEFAULT} s.")
+        asked = names.DASHBOARD_REFRESH_DEFAULT
+    label = {seconds: label for label, seconds in REFRESH_CHOICES.items()}[names.DASHBOARD_REFRESH_S[asked]]
+    return label, problem
 
 
 def runs_dir() -> Path:
