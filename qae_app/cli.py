@@ -59,13 +59,14 @@ def _fmt(value: Any, digits: int = 3) -> str:
 _PYTHON_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 
-def _option_parameters(config_class) -> list[inspect.Parameter]:
-    """One typer option per dataclass field, all defaulting to None (= not given: keep the TOML value or default)."""
+def _option_parameters(config_class, own_defaults: dict | None = None) -> list[inspect.Parameter]:
+    """One typer option per dataclass field, all defaulting to None (= not given: keep the TOML value or default).
+    `own_defaults`: the command's defaults where they differ from the dataclass's, for the help to show."""
     params = []
     defaults = config_class()
     for f in dataclasses.fields(config_class):
         base = str(f.type).split(" |")[0]
-        default = getattr(defaults, f.name)
+        default = (own_defaults or {}).get(f.name, getattr(defaults, f.name))
         help_text = f.metadata["help"]
         choices = f.metadata.get("choices")
         if isinstance(choices, dict):  # a names.* registry: say what each choice means
@@ -438,7 +439,7 @@ def _sweep_options(command):
     command.__signature__ = inspect.Signature(
         [p for p in inspect.signature(command, eval_str=True).parameters.values()
          if p.kind != inspect.Parameter.VAR_KEYWORD]
-        + [p for p in _option_parameters(TrainConfig) if p.name not in own])
+        + [p for p in _option_parameters(TrainConfig, names.SWEEP_DEFAULTS) if p.name not in own])
     return command
 
 

@@ -132,3 +132,8 @@ def describe(choices: dict[str, str]) -> str:
 DASHBOARD_REFRESH_S: dict[str, int | None] = {"off": None, "2": 2, "5": 5, "10": 10, "30": 30}  # seconds between checks
 DASHBOARD_REFRESH_DEFAULT = "5"
 DASHBOARD_REFRESH_ENV = "QAE_DASHBOARD_REFRESH"  # how `qae dashboard` hands --refresh to the Streamlit process
+
+
+# --- sweeps: train options whose default differs in `qae sweep` (sweep.py applies them, the CLI's help shows them)
+# the mechanism (Prop. 4.2: dH_easy > 0 > dH_hard under QAE) is what a sweep compares: measured unless turned off
+SWEEP_DEFAULTS = {"log_entropy_delta": True}

@@ -86,8 +86,8 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
     for key in ("run_name", "sweep_id", "sweep_name", "estimator", "k"):
         options.pop(key, None)
     first_seed = int(options.pop("seed", 0))
-    # the mechanism (Prop. 4.2: dH_easy > 0 > dH_hard under QAE) is what a sweep compares: measured unless turned off
-    options.setdefault("log_entropy_delta", True)
+    for key, value in names.SWEEP_DEFAULTS.items():  # e.g. the entropy change is measured unless turned off
+        options.setdefault(key, value)
     # the id hashes the options every point shares, not the grid: the same command with more seeds or Ks extends the
     # sweep (its finished points kept), and a point's run name says where in the grid it is
     sweep_id = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:10]

