@@ -144,10 +144,13 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
     max_new_tokens = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task.reward]
     if target.run_id is None:
         run_id = validate_run_name(cfg.run_name or f"eval-{datetime.now():%Y%m%d-%H%M%S}")
-        if db_path(runs_dir, run_id).exists():
+        if db_path(runs_dir, run_id).parent.exists():  # a run, or what is left of one (checkpoints, config.json)
             raise QAEUserError(f"run-name: '{run_id}' already exists in {runs_dir}. Pick another --run-name.")
+        writer = None  # the new run's file is made once there are results to put in it
     else:
         run_id = target.run_id
+        # the run's own file takes the results: refused now if it cannot, not after the evaluation
+        writer = RunWriter(db_path(runs_dir, run_id), run_id)
 
     try:
         policy, codec = load_policy(target.model_path, cfg.dtype)
@@ -169,7 +172,7 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
                           cfg.temperature, max_new_tokens, cfg.seed, on_batch=lambda n: progress.advance(bar, n))
 
     path = db_path(runs_dir, run_id)
-    writer = RunWriter(path, run_id)
+    writer = writer or RunWriter(path, run_id)
     if target.run_id is None:
         options = dict(cfg.to_dict(), max_new_tokens=max_new_tokens)
         writer.create_run(run_id, options, "eval", None, cfg.model, cfg.bench, cfg.seed)

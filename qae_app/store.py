@@ -300,11 +300,27 @@ def unreadable_run_error(path: Path, err: Exception | str) -> RunFileError:
 
 
 def _is_damage_error(err: BaseException) -> bool:
-    """DuckDB's errors for a file it cannot read (not a held lock, not a mistake in our SQL)."""
+    """DuckDB's errors for a file it cannot read (not a held lock, not a mistake in our SQL), or one that is not a qae
+    run database (a DuckDB file without qae's tables)."""
     if not isinstance(err, duckdb.Error) or _is_lock_error(err):
         return False
-    return type(err) is duckdb.Error or isinstance(err, (duckdb.IOException, duckdb.SerializationException,
-                                                         duckdb.InternalException, duckdb.FatalException))
+    return (type(err) is duckdb.Error or _missing_table(err) is not None
+            or isinstance(err, (duckdb.IOException, duckdb.SerializationException, duckdb.InternalException,
+                                duckdb.FatalException)))
+
+
+def _missing_table(err: BaseException) -> str | None:
+    """The qae table a query found missing from the file, if that is what `err` says."""
+    match = re.search(r"Table with name (\w+) does not exist", str(err))
+    return match.group(1) if isinstance(err, duckdb.CatalogException) and match and match.group(1) in TABLES \
+        else None
+
+
+def _damage_reason(err: BaseException) -> Exception | str:
+    """What unreadable_run_error says of `err`."""
+    table = _missing_table(err)
+    return (f"it is not a qae run database (it has no {table} table): another program's DuckDB file, or one emptied"
+            if table else err)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -348,35 +364,18 @@ class RunWriter:
         self.flush_retries = 0  # flushes that found the file busy
         self.holder = ""  # who held the file at the last busy flush, as DuckDB says it
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        existed = self.path.exists() and self.path.stat().st_size > 0
         try:
-            con_cm = self._open(timeout_s=open_timeout_s)
-            con = con_cm.__enter__()
-        except Exception as err:  # noqa: BLE001
+            with self._open(timeout_s=open_timeout_s) as con:
+                self._check_and_prepare(con, existed)
+        except duckdb.Error as err:
             if _is_lock_error(err):
                 raise QAEUserError(f"store: {self.path} is held by another process for more than "
                                    f"{open_timeout_s:.0f} s ({_holder(err)}). Close that connection and retry; "
                                    "read live runs with `qae show` or the dashboard, which let go at once.") from err
+            if _is_damage_error(err):
+                raise unreadable_run_error(self.path, _damage_reason(err)) from err
             raise
-        try:
-            for statement in _schema_statements():
-                con.execute(statement)
-            # a copied or renamed run folder is the run named by the folder: its rows take that id
-            stored = con.execute("SELECT run_id FROM runs").fetchall()
-            if stored and stored[0][0] != run_id:
-                con.execute("BEGIN TRANSACTION")
-                for table in TABLES:
-                    con.execute(f"UPDATE {table} SET run_id = ?", [run_id])
-                con.execute("COMMIT")
-            # a truncated file opens and takes writes; it fails only when a reader reaches the missing blocks. DuckDB
-            # itself drops free blocks from the end of the file, so only the blocks in use must all be there
-            block_size, blocks = con.execute("SELECT block_size, used_blocks FROM pragma_database_size() "
-                                             "WHERE database_name = current_database()").fetchone()
-            if self.path.stat().st_size < block_size * blocks:
-                raise unreadable_run_error(self.path, f"it is {self.path.stat().st_size:,} bytes, shorter than the "
-                                                      f"{block_size * blocks:,} bytes of the blocks its header says "
-                                                      "are in use")
-        finally:
-            con_cm.__exit__(None, None, None)
         self.pending: list[PendingWrite] = self._load_spilled()  # left by a trainer that never found the file free
 
     @contextmanager
@@ -395,9 +394,44 @@ class RunWriter:
         try:
             con.execute("USE run")
             yield con
+        except BaseException:
+            # a statement that failed inside a transaction leaves it aborted: every later statement, the USE and
+            # DETACH below included, would fail with "Current transaction is aborted" and hide the real error
+            try:
+                con.execute("ROLLBACK")
+            except duckdb.Error:
+                pass  # no transaction was open
+            raise
         finally:
             con.execute("USE memory")
             con.execute("DETACH run")
+
+    def _check_and_prepare(self, con: duckdb.DuckDBPyConnection, existed: bool) -> None:
+        """Refuse a damaged file, or a DuckDB file that `existed` before this writer without being a run's, before
+        writing to it; then qae's tables, and the folder's run id on every row."""
+        # a truncated file opens and takes writes; it fails only when a reader reaches the missing blocks. DuckDB
+        # itself drops free blocks from the end of the file, so only the blocks in use must all be there
+        block_size, blocks = con.execute("SELECT block_size, used_blocks FROM pragma_database_size() "
+                                         "WHERE database_name = current_database()").fetchone()
+        if self.path.stat().st_size < block_size * blocks:
+            raise unreadable_run_error(self.path, f"it is {self.path.stat().st_size:,} bytes, shorter than the "
+                                                  f"{block_size * blocks:,} bytes of the blocks its header says "
+                                                  "are in use")
+        tables = {row[0] for row in con.execute("SELECT table_name FROM duckdb_tables() "
+                                                "WHERE database_name = current_database()").fetchall()}
+        if not tables & set(TABLES) and (tables or existed):  # another program's file, or one emptied: left alone
+            raise unreadable_run_error(self.path, "it is not a qae run database (it has none of qae's tables"
+                                                  + (f"; its own: {', '.join(sorted(tables)[:5])})" if tables
+                                                     else "): another program's DuckDB file, or one emptied"))
+        for statement in _schema_statements():
+            con.execute(statement)
+        # a copied or renamed run folder is the run named by the folder: its rows take that id
+        stored = con.execute("SELECT run_id FROM runs").fetchall()
+        if stored and stored[0][0] != self.run_id:
+            con.execute("BEGIN TRANSACTION")
+            for table in TABLES:
+                con.execute(f"UPDATE {table} SET run_id = ?", [self.run_id])
+            con.execute("COMMIT")
 
     def moved_to(self, path: Path) -> None:
         """The file was moved (a new run's staging folder renamed into place): write there from now on, without
@@ -686,9 +720,9 @@ def open_reader(path: Path, timeout_s: float = 3.0) -> Iterator[duckdb.DuckDBPyC
     try:
         cursor.execute(f"USE {alias}")
         yield cursor
-    except duckdb.Error as err:  # a damaged block is found only when a query reads it
+    except duckdb.Error as err:  # a damaged block (or a missing table) is found only when a query reads it
         if _is_damage_error(err):
-            raise unreadable_run_error(path, err) from err
+            raise unreadable_run_error(path, _damage_reason(err)) from err
         raise
     finally:
         cursor.execute("USE memory")
@@ -757,7 +791,7 @@ def run_summaries(runs_dir: Path) -> list[dict]:
         try:
             rows += _run_summary(run_dir / DB_FILE)
         except (RunFileError, duckdb.Error) as err:
-            status = UNREADABLE if isinstance(err, RunFileError) else BUSY
+            status = BUSY if _is_lock_error(err) else UNREADABLE
             reason = str(err) if status == UNREADABLE else (f"run: {run_dir / DB_FILE} is held by another process "
                                                               f"({str(err).splitlines()[0]}); try again later.")
             modified = datetime.fromtimestamp((run_dir / DB_FILE).stat().st_mtime, timezone.utc).replace(tzinfo=None)

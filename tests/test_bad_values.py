@@ -176,3 +176,76 @@ def test_a_runs_dir_that_is_a_file_is_refused_by_every_command(tmp_path, command
     assert result.exit_code == 2, result.output
     assert "isafile,notafolder" in "".join(result.output.replace("│", "").split())  # typer boxes and wraps it
     assert (tmp_path / "f").read_text() == "x"
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A real two-step run with a checkpoint per step (its database spans several blocks)."""
+    runs = tmp_path_factory.mktemp("damaged") / "runs"
+    result = runner.invoke(app, ["train", "--steps", "2", "--eval-every", "0", "--checkpoint-every", "1",
+                                 "--run-name", "base", "--runs-dir", str(runs)])
+    assert result.exit_code == 0, result.output
+    return runs
+
+
+def _damaged_copies(runs, tmp_path):
+    """runs/base copied twice under tmp_path: `trunc` with its database cut in half, `notables` whose database is a
+    valid DuckDB file without qae's tables (another program's, or one emptied)."""
+    import duckdb
+    import shutil
+
+    copies = tmp_path / "runs"
+    for name in ("trunc", "notables"):
+        shutil.copytree(runs / "base", copies / name)
+    path = db_path(copies, "trunc")
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    db_path(copies, "notables").unlink()
+    duckdb.connect(str(db_path(copies, "notables"))).close()
+    return copies
+
+
+@pytest.mark.parametrize("command", [["train", "--resume", "{run}", "--steps", "3"],
+                                     ["eval", "--model", "{run}", "--limit", "2", "--samples", "1"],
+                                     ["show", "{run}"], ["rollouts", "{run}"], ["compare", "{run}"]])
+@pytest.mark.parametrize("run", ["trunc", "notables"])
+def test_a_damaged_database_in_a_copied_run_is_named_by_every_command(trained_run, tmp_path, command, run):
+    """A truncated file in a copied folder failed while the writer renamed the stored run id, and the aborted
+    transaction's error hid the cause (a traceback); a DuckDB file without qae's tables gave a CatalogException
+    traceback and was listed as held by another process."""
+    runs = _damaged_copies(trained_run, tmp_path)
+    path = db_path(runs, run)
+    before = path.read_bytes()
+    result = runner.invoke(app, [*(part.format(run=run) for part in command), "--runs-dir", str(runs)])
+    output = "".join(result.output.replace("│", "").split())
+    assert result.exit_code == 2, result.output
+    assert f"cannotread{path}:" in output, result.output
+    reasons = ("Couldnotreadenoughbytes", "shorterthanthe") if run == "trunc" else ("isnotaqaerundatabase(ithasno",)
+    assert any(reason in output for reason in reasons), result.output
+    assert "eval" not in command or "evalarith" not in output  # refused before evaluating, not after
+    assert "checkpoints(step-1,step-2)" in output
+    assert path.read_bytes() == before  # refused, not repaired or overwritten
+
+
+def test_runs_lists_a_database_without_tables_as_unreadable_not_busy(trained_run, tmp_path):
+    runs = _damaged_copies(trained_run, tmp_path)
+    result = runner.invoke(app, ["runs", "--runs-dir", str(runs)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())
+    assert "notables unreadable" in output and "trunc unreadable" in output and "held by another process" not in output
+    assert "is not a qae run database" in output
+
+
+def test_eval_run_name_refuses_what_is_left_of_a_training_run(trained_run, tmp_path):
+    """A run folder whose database was moved aside (as the unreadable-file message advises) still holds the run's
+    checkpoints and config: `qae eval --run-name` used to make an eval database there, which a resume then continued
+    as if it were the run's own."""
+    import shutil
+
+    runs = tmp_path / "runs"
+    shutil.copytree(trained_run / "base", runs / "nodb")
+    db_path(runs, "nodb").rename(tmp_path / "aside.duckdb")
+    result = runner.invoke(app, ["eval", "--run-name", "nodb", "--limit", "2", "--samples", "1",
+                                 "--runs-dir", str(runs)])
+    assert result.exit_code == 2, result.output
+    assert "run-name: 'nodb' already exists" in " ".join(result.output.split())
+    assert not db_path(runs, "nodb").exists()
