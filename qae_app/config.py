@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 import tomllib
 from dataclasses import dataclass, field
@@ -20,7 +19,8 @@ from typing import Any
 
 from qae_app import names
 from qae_app.errors import QAEUserError
-from qae_app.rundir import CONFIG_FILE, recent_runs_text, run_dir, validate_run_name
+from qae_app.rundir import (CONFIG_FILE, config_restore_hint, read_run_config, recent_runs_text, run_dir,
+                            validate_run_name)
 from qae_app.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, task_defaults
 
 _BUILTIN_TASK_HELP = ", ".join(f"{BUILTIN_PREFIX}{name} (model {t.model}, {t.max_new_tokens} tokens)"
@@ -356,9 +356,25 @@ RESUMABLE = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata[
 
 
 def stored_config(folder: Path) -> TrainConfig:
-    """The config a run was started with (its config.json)."""
-    stored = json.loads((Path(folder) / CONFIG_FILE).read_text())
-    return TrainConfig(**{key: value for key, value in stored.items() if key in FIELDS})
+    """The config a run was started with (its config.json), checked as a TOML file is: a file edited by hand or
+    damaged is named with the bad value and what to do, not met by a traceback."""
+    path = Path(folder) / CONFIG_FILE
+    source = f"config.json {path}"
+    values = {}
+    try:
+        for key, value in read_run_config(folder).items():
+            if key not in FIELDS:  # a key an older qae wrote and this one dropped
+                continue
+            if value is None and "None" not in str(FIELDS[key].type):
+                raise QAEUserError(f"{source}: '{key}' = null, expected {str(FIELDS[key].type)}. "
+                                   f"{FIELDS[key].metadata['help']}")
+            values[key] = _coerce(key, value, source)
+    except QAEUserError as err:
+        raise QAEUserError(f"{err} {config_restore_hint(folder)}") from None
+    try:
+        return TrainConfig(**values).validate()
+    except QAEUserError as err:
+        raise QAEUserError(f"{source} holds a bad value: {err} {config_restore_hint(folder)}") from None
 
 
 def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli_options: Any) -> TrainConfig:

@@ -51,6 +51,28 @@ def validate_run_name(name: str, option: str = "run-name") -> str:
     return name
 
 
+def read_run_config(folder: Path) -> dict:
+    """The run's config.json as a dict (the file must exist); an error naming the file when it is not one."""
+    path = Path(folder) / CONFIG_FILE
+    fix = config_restore_hint(folder)
+    try:
+        stored = json.loads(path.read_bytes())
+    except OSError as err:
+        raise QAEUserError(f"config.json: cannot read {path} ({err.strerror}). {fix}") from err
+    except (UnicodeDecodeError, ValueError) as err:  # (JSONDecodeError is a ValueError)
+        raise QAEUserError(f"config.json: {path} is not valid JSON ({err}). {fix}") from err
+    if not isinstance(stored, dict):
+        raise QAEUserError(f"config.json: {path} is not a JSON object of the run's settings (it holds a "
+                           f"{type(stored).__name__}). {fix}")
+    return stored
+
+
+def config_restore_hint(folder: Path) -> str:
+    """What to do about a damaged config.json: its settings are also in the run's database."""
+    return (f"Restore it from a backup, or write the settings `qae show {Path(folder).name}` prints (from the run's "
+            "database) back into it as JSON; nothing else in the run was changed.")
+
+
 def run_dir(runs_dir: Path, run_id: str) -> Path:
     return Path(runs_dir) / validate_run_name(run_id)
 

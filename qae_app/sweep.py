@@ -31,7 +31,7 @@ from pathlib import Path
 from qae_app import names
 from qae_app.config import build_config
 from qae_app.errors import QAEUserError
-from qae_app.rundir import CONFIG_FILE, db_path, run_dir, trainer_alive, validate_run_name
+from qae_app.rundir import CONFIG_FILE, db_path, read_run_config, run_dir, trainer_alive, validate_run_name
 
 SWEEPS_DIR = ".sweeps"  # under the runs dir: each sweep's point files and logs
 POLL_S = 2.0  # how often the sweep looks at its running processes and their step counts
@@ -107,7 +107,7 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
     for point in points:  # the same name under other options is another sweep: never mix the two
         stored = run_dir(runs_dir, point.run_name) / CONFIG_FILE
         if stored.exists():
-            other = json.loads(stored.read_text()).get("sweep_id")
+            other = read_run_config(stored.parent).get("sweep_id")
             if other != sweep_id:
                 raise QAEUserError(
                     f"name: run '{point.run_name}' already exists in {runs_dir} and belongs to "

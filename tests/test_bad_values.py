@@ -249,3 +249,35 @@ def test_eval_run_name_refuses_what_is_left_of_a_training_run(trained_run, tmp_p
     assert result.exit_code == 2, result.output
     assert "run-name: 'nodb' already exists" in " ".join(result.output.split())
     assert not db_path(runs, "nodb").exists()
+
+
+TRAIN_RESUME = ["train", "--resume", "cfg", "--steps", "3"]
+SWEEP_RESUME = ["sweep", "--name", "cfg"]  # its first point is the damaged run (a sweep reads only its sweep id)
+
+
+@pytest.mark.parametrize("content, reason, command", [
+    ("{oops", "isnotvalidJSON", TRAIN_RESUME), ("", "isnotvalidJSON", TRAIN_RESUME),
+    ("[1, 2]", "isnotaJSONobject", TRAIN_RESUME), ('{"group_size": "x"}', "'group_size'='x'isastr", TRAIN_RESUME),
+    ('{"steps": -4}', "holdsabadvalue:steps:-4", TRAIN_RESUME), ('{"steps": null}', "'steps'=null", TRAIN_RESUME),
+    ("{oops", "isnotvalidJSON", SWEEP_RESUME), ("[1, 2]", "isnotaJSONobject", SWEEP_RESUME),
+])
+def test_a_damaged_config_json_is_named_on_resume(trained_run, tmp_path, content, reason, command):
+    """A run's config.json edited by hand or damaged: a traceback (JSONDecodeError, TypeError, AttributeError) on
+    resume; now the file, what is wrong with it and what to do."""
+    import shutil
+
+    runs = tmp_path / "runs"
+    if command[0] == "sweep":  # the sweep's first point is the damaged run
+        shutil.copytree(trained_run / "base", runs / "cfg-qae-k0.4-s0")
+        config = runs / "cfg-qae-k0.4-s0" / "config.json"
+    else:
+        shutil.copytree(trained_run / "base", runs / "cfg")
+        config = runs / "cfg" / "config.json"
+    before = db_path(runs, config.parent.name).read_bytes()
+    config.write_text(content)
+    result = runner.invoke(app, [*command, "--runs-dir", str(runs)])
+    output = "".join(result.output.replace("│", "").split())
+    assert result.exit_code == 2, result.output
+    assert f"{config}" in output and reason in output, result.output
+    assert "Restoreitfromabackup" in output and "qaeshow" in output, result.output
+    assert config.read_text() == content and db_path(runs, config.parent.name).read_bytes() == before
