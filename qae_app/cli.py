@@ -201,13 +201,13 @@ def warmstart(
     from rich.progress import Progress
 
     from qae_app.tasks import builtin_task_name
-    from qae_app.warmstart import WarmstartConfig, default_out_dir, warmstart as run_warmstart
+    from qae_app.warmstart import WarmstartConfig, check_out_dir, default_out_dir, warmstart as run_warmstart
 
     try:
         cfg = WarmstartConfig(task=builtin_task_name(task) or task, steps=steps, seed=seed).resolved()
+        out = check_out_dir(out if out is not None else default_out_dir(cfg.task))
     except QAEUserError as err:
         fail(err)
-    out = out if out is not None else default_out_dir(cfg.task)
     with Progress(console=console) as progress:
         bar = progress.add_task("warm start", total=cfg.steps)
         run_warmstart(out, cfg, on_step=lambda step, loss, *_: progress.update(bar, completed=step + 1,

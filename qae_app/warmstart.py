@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from qae_app.config import check_range
 from qae_app.errors import QAEUserError
 from qae_app.models import BUILTIN_CHECKPOINTS, build_tiny_model
 from qae_app.datasets import Problem
@@ -39,7 +40,17 @@ class WarmstartConfig:
         steps = BUILTIN_TASKS[self.task].warmstart_steps if self.steps is None else self.steps
         if steps < 1:
             raise QAEUserError(f"steps: {steps}. Use a positive number of supervised steps.")
+        check_range("seed", self.seed)  # the range `qae train` takes (torch refuses seeds beyond 64 bits)
         return dataclasses.replace(self, steps=steps)
+
+
+def check_out_dir(out_dir: Path) -> Path:
+    """`out_dir` if the checkpoint can be saved there (checked before training, not after)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise QAEUserError(f"out: {out_dir} is a file, not a folder. Pass a folder for the checkpoint (it is made if "
+                           "missing).")
+    return out_dir
 
 
 def default_out_dir(task: str) -> Path:
@@ -71,6 +82,7 @@ def warmstart(out_dir: Path, cfg: WarmstartConfig | None = None, on_step=None) -
     """Train the tiny model on `cfg.task` and save it (weights, config, tokenizer) to `out_dir`.
     `on_step(step, loss, model, tokenizer)` is called after each optimizer step."""
     cfg = (cfg or WarmstartConfig()).resolved()
+    out_dir = check_out_dir(out_dir)
     torch.set_num_threads(cfg.threads)
     model, tokenizer = build_tiny_model(cfg.seed)
     task = BUILTIN_TASKS[cfg.task].build()
@@ -87,7 +99,6 @@ def warmstart(out_dir: Path, cfg: WarmstartConfig | None = None, on_step=None) -
         schedule.step()
         if on_step is not None:
             on_step(step, loss.item(), model, tokenizer)
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save(out_dir)

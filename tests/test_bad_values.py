@@ -281,3 +281,20 @@ def test_a_damaged_config_json_is_named_on_resume(trained_run, tmp_path, content
     assert f"{config}" in output and reason in output, result.output
     assert "Restoreitfromabackup" in output and "qaeshow" in output, result.output
     assert config.read_text() == content and db_path(runs, config.parent.name).read_bytes() == before
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seed", HUGE], f"seed: {HUGE}"), (["--seed", "-1"], "seed: -1"),
+    (["--out", "{file}"], "out: {file} is a file, not a folder"),
+])
+def test_warmstart_refuses_bad_values_before_training(tmp_path, args, message):
+    """A bad --out was found only when saving, after the training (a FileExistsError traceback); a seed too large
+    for torch gave a traceback; a negative one was taken although `qae train` refuses it."""
+    (tmp_path / "afile").write_text("x")
+    args = [arg.format(file=tmp_path / "afile") for arg in args]
+    out = [] if "--out" in args else ["--out", str(tmp_path / "out")]
+    result = runner.invoke(app, ["warmstart", "--steps", "1", *args, *out])
+    assert result.exit_code == 2, result.output
+    assert "".join(message.format(file=tmp_path / "afile").split()) in "".join(result.output.split()), result.output
+    assert "warm start" not in result.output and "loss" not in result.output  # refused before any training step
+    assert (tmp_path / "afile").read_text() == "x" and not (tmp_path / "out").exists()
