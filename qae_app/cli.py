@@ -512,6 +512,7 @@ def dashboard(
         *most, last = names.DASHBOARD_REFRESH_S
         fail(QAEUserError(f"refresh: {refresh} is not offered. Use {', '.join(most)} or {last} (seconds between "
                           f"checks for new steps; default {names.DASHBOARD_REFRESH_DEFAULT})."))
+    _check_host(host)
     app_path = dashboard_app()
     command = [sys.executable, "-m", "streamlit", "run", str(app_path), "--server.address", host,
                "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
@@ -543,6 +544,24 @@ def dashboard(
     if code != 0:  # e.g. the port is taken: Streamlit said why above
         err_console.print(f"[bold red]error:[/] the dashboard server exited with code {code}.")
         raise typer.Exit(code=1)
+
+
+def _check_host(host: str) -> None:
+    """Refuse a --host the server could not listen on (Streamlit would fail with a traceback): one that names no
+    address, or an address this machine does not have. Whether the port is free is for the server to say."""
+    import socket
+
+    advice = "Use 127.0.0.1 (this machine only, the default), 0.0.0.0 (every network interface) or an address of " \
+             "this machine."
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as err:
+        fail(QAEUserError(f"host: '{host}' is not an address ({getattr(err, 'strerror', None) or err}). {advice}"))
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address[0], 0))  # any free port: only the address is in question here
+        except OSError as err:
+            fail(QAEUserError(f"host: '{host}' is not an address of this machine ({err.strerror}). {advice}"))
 
 
 def main() -> None:  # pragma: no cover - `python -m qae_app.cli`

@@ -206,6 +206,17 @@ def test_the_refresh_interval_starts_at_qae_dashboard_refresh(app, monkeypatch, 
     assert any(caption in c.value for c in at.sidebar.caption), [c.value for c in at.sidebar.caption]
 
 
+@pytest.mark.parametrize("host, reason", [("999.1.1.1", "is not an address"),
+                                          ("192.0.2.1", "is not an address of this machine")])
+def test_qae_dashboard_refuses_a_host_it_cannot_bind(tmp_path, host, reason):
+    """A bad --host gave Streamlit's socket.gaierror traceback and exit 1; 192.0.2.1 is a documentation address
+    (RFC 5737) that no machine has."""
+    result = CliRunner().invoke(cli_app, ["dashboard", "--runs-dir", str(tmp_path), "--host", host])
+    assert result.exit_code == 2, result.output
+    output = " ".join(result.output.split())
+    assert f"host: '{host}' {reason}" in output and "127.0.0.1" in output and "Traceback" not in output
+
+
 def test_qae_dashboard_refuses_a_refresh_it_does_not_offer(tmp_path):
     result = CliRunner().invoke(cli_app, ["dashboard", "--runs-dir", str(tmp_path), "--refresh", "7"])
     assert result.exit_code == 2
