@@ -375,7 +375,8 @@ def sweep_command(
     seeds: Annotated[int, typer.Option(help="Seeds per point, from --seed on (3 or more give intervals).")] = 1,
     name: Annotated[Optional[str], typer.Option(help="The sweep's name (prefix of its run ids); default: "
                                                 "sweep-<hash of the shared options>.")] = None,
-    parallel: Annotated[int, typer.Option(help="Runs at a time, each with its share of the cores.")] = 1,
+    parallel: Annotated[int, typer.Option(help="Runs at a time, each with its share of the cores (at most "
+                                                "the number of cores).")] = 1,
     config: Annotated[Optional[Path], typer.Option("--config", help="TOML file with train options for every "
                                                    "point; command-line options override it.")] = None,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
@@ -418,8 +419,9 @@ def sweep_command(
     except QAEUserError as err:
         fail(err)
     counts = {state: sum(1 for s in states.values() if s == state) for state in sorted(set(states.values()))}
-    console.print("sweep " + ", ".join(f"{n} {state}" for state, n in counts.items()) + ". Compare them with: "
-                  f"qae compare --sweep {plan.name} --runs-dir {runs_dir}", highlight=False)
+    compare = (f". Compare them with: qae compare --sweep {plan.name} --runs-dir {runs_dir}"
+               if {"done", "kept"} & set(states.values()) else "")  # (compare leaves out runs without a step)
+    console.print("sweep " + ", ".join(f"{n} {state}" for state, n in counts.items()) + compare, highlight=False)
     for run_name, state in states.items():
         if state == "failed":
             log = plan.folder / f"{run_name}.log"

@@ -104,8 +104,14 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
                 except QAEUserError as err:
                     raise QAEUserError(f"{err} (in sweep point {run_name})") from None
                 points.append(SweepPoint(run_name, point))
+    check_data_files(build_config(**points[0].options))  # shared by every point: a bad file fails all of them
     for point in points:  # the same name under other options is another sweep: never mix the two
         stored = run_dir(runs_dir, point.run_name) / CONFIG_FILE
+        if not stored.exists() and stored.parent.exists():
+            raise QAEUserError(
+                f"name: run '{point.run_name}' already exists in {runs_dir} and is not a training run (no "
+                f"{CONFIG_FILE}: an eval run, or what is left of a run). Pass another --name, or move the folder "
+                "aside.")
         if stored.exists():
             other = read_run_config(stored.parent).get("sweep_id")
             if other != sweep_id:
@@ -167,9 +173,21 @@ def _command(sweep: Sweep, point: SweepPoint, action: str, runs_dir: Path, cpu: 
     return [*base, "--config", str(write_point_file(sweep.folder / f"{point.run_name}.toml", point.options))]
 
 
+def check_data_files(cfg) -> None:
+    """Load the training data and the evaluation benchmark as each run will (each run loads its own again): a bad
+    file is refused once, before any run starts, not by every run in turn."""
+    from qae_app.tasks import load_benchmark, load_task
+
+    load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
+    if cfg.eval_bench:
+        load_benchmark(cfg.eval_bench, option="eval-bench")
+
+
 def check_parallel(parallel: int) -> None:
-    if parallel < 1:
-        raise QAEUserError(f"parallel: {parallel}. Use 1 or more runs at a time (at most the number of cores).")
+    cores = os.cpu_count() or 1
+    if not 1 <= parallel <= cores:
+        raise QAEUserError(f"parallel: {parallel}. Use 1 to {cores} runs at a time (this machine has {cores} cores; "
+                           "each run gets its share of them).")
 
 
 def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False, on_update=None) -> dict:

@@ -198,7 +198,12 @@ def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0, o
             f"{option}: '{name_or_path}' is neither a built-in task ({names}) nor an existing file. "
             "Pass a JSONL or Parquet file in the GSM8K, MATH-500, AIME, AMC or DAPO-17k format."
         )
-    problems = load_math_file(path)
+    try:
+        problems = load_math_file(path)
+    except QAEUserError as err:  # the file's problem, said of the option that named it (--eval-bench, --bench)
+        if option == "data" or not str(err).startswith("data: "):
+            raise
+        raise QAEUserError(f"{option}: {str(err)[len('data: '):]}") from None
     order = list(range(len(problems)))
     random.Random(seed).shuffle(order)
     n_heldout = int(len(problems) * heldout_fraction)

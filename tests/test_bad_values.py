@@ -114,7 +114,7 @@ BAD_VALUES = [
     (["sweep", "--name", "a/b"], "error: name: 'a/b' is not a plain name"),
     (["sweep", "--k", ","], "k: ',' names nothing. Give a comma-separated list, e.g. 0.3,0.4"),
     (["sweep", "--estimator", ","], "estimator: ',' names nothing. Give a comma-separated list, e.g. qae,grpo"),
-    (["sweep", "--parallel", "0"], "parallel: 0. Use 1 or more runs at a time"),
+    (["sweep", "--parallel", "0"], "parallel: 0. Use 1 to"),
 ]
 
 

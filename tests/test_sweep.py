@@ -42,6 +42,39 @@ def test_the_grid_repeats_k_for_qae_only_and_tags_every_point(tmp_path):
     assert plan_sweep(tmp_path, "qae", None, 1, {"steps": 6}, name="study").sweep_id != sweep.sweep_id
 
 
+def test_a_sweep_checks_its_data_files_before_any_run_starts(tmp_path):
+    """A bad --data was found by each run in turn (three failed runs, exit 1) and the closing line still advised a
+    `qae compare` that then found no run of the sweep."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1?"}\n')  # no answer
+    for option in ("--data", "--eval-bench"):
+        result = runner.invoke(app, ["sweep", option, str(bad), "--seeds", "3", *TINY[:2],
+                                     "--runs-dir", str(tmp_path / "runs")])
+        output = "".join(result.output.split())  # the console wraps long paths anywhere
+        assert result.exit_code == 2, result.output
+        assert "".join(f"{option[2:]}: '{bad}' line 1 has no answer".split()) in output, result.output
+        assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+def test_a_sweep_point_named_like_an_eval_run_is_refused(tmp_path):
+    """An eval run took the name of the sweep's first point: the sweep tried to resume it and failed with 'no run'."""
+    runs = tmp_path / "runs"
+    result = runner.invoke(app, ["eval", "--run-name", "foo-qae-k0.4-s0", "--limit", "2", "--samples", "1",
+                                 "--runs-dir", str(runs)])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["sweep", "--name", "foo", *TINY, "--runs-dir", str(runs)])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "name: run 'foo-qae-k0.4-s0' already exists" in output and "is not a training run" in output
+
+
+def test_parallel_beyond_the_cores_is_refused(tmp_path):
+    cores = os.cpu_count() or 1
+    result = runner.invoke(app, ["sweep", "--parallel", str(cores + 1), *TINY, "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert f"parallel: {cores + 1}" in result.output and f"{cores} cores" in " ".join(result.output.split())
+
+
 def test_sweep_help_gives_the_sweeps_own_defaults():
     # a sweep measures the entropy change by default (unlike qae train): its help must say so, not train's default
     result = runner.invoke(app, ["sweep", "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"})
