@@ -28,8 +28,8 @@ from pathlib import Path
 import pandas as pd
 
 from qae_app.errors import QAEUserError
-from qae_app.rundir import list_run_dirs, recent_runs_text
-from qae_app.store import db_path, query, read_run, read_steps
+from qae_app.rundir import DB_FILE, list_run_dirs, recent_runs_text, validated_run_dir
+from qae_app.store import query, read_run, read_steps
 
 # ---------------------------------------------------------------------------------------------------------------
 # Which config keys make two runs "the same setup"
@@ -404,7 +404,7 @@ def in_sweep(config: dict, sweep: str) -> bool:
 def load_run(runs_dir: Path, run_id: str) -> RunRecord:
     """A stored run as a RunRecord: its config, seed and steps, with the step-0 held-out evaluation (from `evals`)
     added as a step-0 row so curves start where training did."""
-    path = db_path(runs_dir, run_id)
+    path = validated_run_dir(runs_dir, run_id) / DB_FILE
     if not path.exists():
         raise QAEUserError(f"run: no run '{run_id}' in {runs_dir} (runs there, last written first: "
                            f"{recent_runs_text(runs_dir)}). See `qae runs`.")

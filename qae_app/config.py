@@ -19,8 +19,8 @@ from typing import Any
 
 from qae_app import names
 from qae_app.errors import QAEUserError
-from qae_app.rundir import (CONFIG_FILE, config_restore_hint, read_run_config, recent_runs_text, run_dir,
-                            validate_run_name)
+from qae_app.rundir import (CONFIG_FILE, config_restore_hint, eval_run_error, read_run_config, recent_runs_text,
+                            run_dir, validate_run_name)
 from qae_app.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, task_defaults
 
 _BUILTIN_TASK_HELP = ", ".join(f"{BUILTIN_PREFIX}{name} (model {t.model}, {t.max_new_tokens} tokens)"
@@ -381,6 +381,16 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
     """The stored config of `run`, with the resumable options the user gave now; any other option the user gave
     must equal the stored value (a resumed run keeps its config)."""
     folder = run_dir(runs_dir, run)
+    given_name = cli_options.get("run_name") or given_options(toml_path).get("run_name")
+    if given_name is not None and given_name != run:
+        raise QAEUserError(f"run-name: '{given_name}' is not the run --resume continues ('{run}'). Drop --run-name "
+                           "(and run_name from the --config file) to resume it, or drop --resume to start a new run "
+                           "of that name.")
+    from qae_app.store import is_eval_run  # (duckdb: not imported by every command that reads options)
+
+    if is_eval_run(folder):
+        raise eval_run_error("resume", folder, "There is nothing to resume; start a training run with another "
+                                               "--run-name.")
     if not (folder / CONFIG_FILE).exists():
         raise QAEUserError(f"resume: no run '{run}' in {runs_dir} (runs there, last written first: "
                            f"{recent_runs_text(runs_dir)}). See `qae runs`.")

@@ -20,9 +20,9 @@ from qae_app.errors import QAEUserError
 from qae_app.metrics import avg_at_k, maj_at_k, pass_at_k, pass_k_values
 from qae_app.rewards import Scorer, extract_answer
 from qae_app.rollout import RolloutEngine
-from qae_app.rundir import RUN_NAME_PATTERN, CHECKPOINTS_DIR, checkpoint_step, db_path, list_checkpoints, \
-    validate_run_name
-from qae_app.store import RunWriter
+from qae_app.rundir import RUN_NAME_PATTERN, CHECKPOINTS_DIR, checkpoint_step, db_path, eval_run_error, \
+    list_checkpoints, validate_run_name
+from qae_app.store import RunWriter, is_eval_run
 from qae_app.tasks import load_benchmark
 
 
@@ -115,6 +115,9 @@ def resolve_model(spec: str, runs_dir, checkpoint: int | None = None) -> EvalTar
     folder = Path(runs_dir) / spec
     # a run folder: checkpoints, or a database only (a run killed before its first checkpoint)
     if RUN_NAME_PATTERN.match(spec) and ((folder / CHECKPOINTS_DIR).is_dir() or db_path(runs_dir, spec).exists()):
+        if is_eval_run(folder):
+            raise eval_run_error("model", folder, f"Pass the model it evaluated (`qae show {spec}` names it), a "
+                                                  "training run's id or a model folder.")
         found = list_checkpoints(folder)
         if checkpoint is None:
             if not found:

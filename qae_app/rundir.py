@@ -51,6 +51,12 @@ def validate_run_name(name: str, option: str = "run-name") -> str:
     return name
 
 
+def eval_run_error(option: str, folder: Path, what: str) -> QAEUserError:
+    """The error for an eval run given where a training run is needed; `what`: what to do instead."""
+    return QAEUserError(f"{option}: '{Path(folder).name}' is an eval run (qae eval): it holds evaluation results, "
+                        f"not a model or a training run's settings. {what}")
+
+
 def read_run_config(folder: Path) -> dict:
     """The run's config.json as a dict (the file must exist); an error naming the file when it is not one."""
     path = Path(folder) / CONFIG_FILE
@@ -75,6 +81,11 @@ def config_restore_hint(folder: Path) -> str:
 
 def run_dir(runs_dir: Path, run_id: str) -> Path:
     return Path(runs_dir) / validate_run_name(run_id)
+
+
+def validated_run_dir(runs_dir: Path, run: str) -> Path:
+    """The folder of a run named by a command's RUN argument (a bad name is reported as `run`, not --run-name)."""
+    return Path(runs_dir) / validate_run_name(run, option="run")
 
 
 def db_path(runs_dir: Path, run_id: str) -> Path:

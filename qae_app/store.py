@@ -39,7 +39,7 @@ from qae_app.faults import fault_point
 from qae_app.names import DEFAULT_K, GATE_REASONS
 from qae_app.rundir import (CONFIG_FILE, DB_FILE, PENDING_DIR, STORED_STATUSES, db_path,  # noqa: F401
                             effective_status, list_checkpoints, list_run_dirs, pending_writes, recent_runs_text,
-                            validate_run_name)
+                            validate_run_name, validated_run_dir)
 
 # (DB_FILE, db_path and validate_run_name belong to the run folder, qae_app/rundir.py; readers get them here too)
 UNREADABLE, BUSY = "unreadable", "busy"  # what `read_runs` says of a run whose file it cannot read (never stored):
@@ -737,7 +737,7 @@ def query(path: Path, sql: str, params: list | None = None, timeout_s: float = 3
 
 def resolve_run(runs_dir: Path, run: str) -> Path:
     """Database path of a run given by id; a clear error listing existing runs otherwise."""
-    path = db_path(runs_dir, run)
+    path = validated_run_dir(runs_dir, run) / DB_FILE
     if not path.exists():
         raise QAEUserError(f"run: no run '{run}' in {runs_dir} (runs there, last written first: "
                            f"{recent_runs_text(runs_dir)}). See `qae runs`.")
@@ -798,6 +798,17 @@ def run_summaries(runs_dir: Path) -> list[dict]:
             rows.append({"run_id": run_dir.name, "name": run_dir.name, "status": status, "error": reason,
                          "created_at": modified, "steps": None})
     return sorted(rows, key=lambda row: row["created_at"] or datetime.min, reverse=True)
+
+
+def is_eval_run(folder: Path) -> bool:
+    """A run folder `qae eval` made (its row's estimator is 'eval'): results only, no model, no training config."""
+    folder = Path(folder)
+    if not (folder / DB_FILE).exists() or (folder / CONFIG_FILE).exists():  # a training run writes its config.json
+        return False
+    try:
+        return read_run(folder / DB_FILE).get("estimator") == "eval"
+    except (QAEUserError, duckdb.Error):  # unreadable: the command's own reading says why
+        return False
 
 
 def read_run(path: Path) -> dict:

@@ -55,9 +55,9 @@ from qae_app.rewards import Scorer, shape_rewards
 from qae_app.rollout import ShardedPolicy, make_engine, plan_for
 from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
 from qae_app.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, DB_FILE, TRAINER_STATE, RunLock, checkpoint_problem,
-                            checkpoint_step, file_sha256, list_checkpoints, run_dir, trainer_alive,
-                            write_manifest)
-from qae_app.store import RunWriter, last_logged_step, read_run
+                            checkpoint_step, eval_run_error, file_sha256, list_checkpoints, run_dir,
+                            trainer_alive, write_manifest)
+from qae_app.store import RunWriter, is_eval_run, last_logged_step, read_run
 from qae_app.tasks import Task, load_benchmark, load_task
 
 ENTROPY_EMA_ALPHA = 0.1  # smoothing of the entropy that the band warnings watch (about the last 10 steps)
@@ -884,6 +884,8 @@ class Trainer:
         if self.resuming:
             self._lock = RunLock(self.run_dir).acquire("resume")
             return
+        if is_eval_run(self.run_dir):
+            raise eval_run_error("run-name", self.run_dir, "Pick another --run-name for the training run.")
         if (self.run_dir / DB_FILE).exists() or (self.run_dir / CONFIG_FILE).exists():
             raise QAEUserError(f"run-name: a run '{self.run_id}' already exists in {self.runs_dir}. Continue it "
                                f"with --resume {self.run_id}, or pick another --run-name.")

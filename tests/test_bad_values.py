@@ -115,6 +115,12 @@ BAD_VALUES = [
     (["sweep", "--k", ","], "k: ',' names nothing. Give a comma-separated list, e.g. 0.3,0.4"),
     (["sweep", "--estimator", ","], "estimator: ',' names nothing. Give a comma-separated list, e.g. qae,grpo"),
     (["sweep", "--parallel", "0"], "parallel: 0. Use 1 to"),
+    (["eval", "--bench", "{d}/binary.jsonl"], "bench: '{d}/binary.jsonl' is not UTF-8 text"),  # the file's error too
+    (["train", "--eval-bench", "{d}/binary.jsonl"], "eval-bench: '{d}/binary.jsonl' is not UTF-8 text"),
+    # a RUN argument is named as such, not as --run-name
+    (["show", "../base"], "error: run: '../base' is not a plain name"),
+    (["rollouts", "../base"], "error: run: '../base' is not a plain name"),
+    (["compare", "../base"], "error: run: '../base' is not a plain name"),
 ]
 
 
@@ -298,3 +304,42 @@ def test_warmstart_refuses_bad_values_before_training(tmp_path, args, message):
     assert "".join(message.format(file=tmp_path / "afile").split()) in "".join(result.output.split()), result.output
     assert "warm start" not in result.output and "loss" not in result.output  # refused before any training step
     assert (tmp_path / "afile").read_text() == "x" and not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def eval_run(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("evalrun") / "runs"
+    result = runner.invoke(app, ["eval", "--run-name", "ev", "--limit", "2", "--samples", "1", "--runs-dir",
+                                 str(runs)])
+    assert result.exit_code == 0, result.output
+    return runs
+
+
+@pytest.mark.parametrize("command, message", [
+    (["train", "--run-name", "ev", "--steps", "1"], "run-name: 'ev' is an eval run (qae eval)"),
+    (["train", "--resume", "ev", "--steps", "1"], "resume: 'ev' is an eval run (qae eval)"),
+    (["eval", "--model", "ev", "--limit", "1", "--samples", "1"], "model: 'ev' is an eval run (qae eval)"),
+])
+def test_an_eval_run_is_called_one(eval_run, command, message):
+    """An eval run's folder holds results, not a model or a training config: `train --run-name` advised --resume,
+    which then said 'no run ev (runs there: ev)'; `eval --model` advised waiting for checkpoints."""
+    before = db_path(eval_run, "ev").read_bytes()
+    result = runner.invoke(app, [*command, "--runs-dir", str(eval_run)])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert message in output and "--resume ev" not in output and "checkpoint-every" not in output, result.output
+    assert db_path(eval_run, "ev").read_bytes() == before
+
+
+def test_resume_refuses_another_run_name(trained_run, tmp_path):
+    """`--resume base --run-name other` trained base and ignored the name the user gave."""
+    import shutil
+
+    runs = tmp_path / "runs"
+    shutil.copytree(trained_run / "base", runs / "base")
+    result = runner.invoke(app, ["train", "--resume", "base", "--run-name", "other", "--steps", "3",
+                                 "--runs-dir", str(runs)])
+    assert result.exit_code == 2, result.output
+    output = " ".join(result.output.split())
+    assert "run-name: 'other' is not the run --resume continues ('base')" in output, result.output
+    assert read_run(db_path(runs, "base"))["last_step"] == 2 and not (runs / "other").exists()
