@@ -318,11 +318,15 @@ def load_toml(path: Path) -> dict:
         raise QAEUserError(f"config: {path} nests arrays or tables too deeply to parse. Use flat `key = value` "
                            "lines.") from err
     flat: dict = {}
-    for key, value in raw.items():
-        if isinstance(value, dict):
-            flat.update(value)
-        else:
-            flat[key] = value
+    where: dict[str, str] = {}  # key -> "[section] key = value", for a key set twice
+    for section, body in ((None, {k: v for k, v in raw.items() if not isinstance(v, dict)}),
+                          *((name, value) for name, value in raw.items() if isinstance(value, dict))):
+        for key, value in body.items():
+            shown = (f"[{section}] " if section else "") + f"{key} = " + (f'"{value}"' if isinstance(value, str)
+                                                                        else str(value))
+            if key in flat:  # sections only group keys for the reader: one run has one value per key
+                raise QAEUserError(f"config: '{key}' is set twice in {path} ({where[key]}, {shown}). Keep one.")
+            flat[key], where[key] = value, shown
     values = {}
     for key, value in flat.items():
         name = key.replace("-", "_")

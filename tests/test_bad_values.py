@@ -26,6 +26,7 @@ def _files(d):
             "micro_float": "micro_batch_size = 1e30", "deep": "a = " + "[" * 100_000 + "]" * 100_000}
     for name, body in toml.items():
         (d / f"{name}.toml").write_text(body + "\n")
+    (d / "twice.toml").write_text("[run]\nsteps = 2\n[optim]\nsteps = 0\n")  # sections are for reading only
     (d / "utf16.toml").write_text("steps = 2\n", encoding="utf-16")
     (d / "binary.toml").write_bytes(bytes(range(256)))
     (d / "folder.toml").mkdir()
@@ -115,6 +116,8 @@ BAD_VALUES = [
     (["sweep", "--k", ","], "k: ',' names nothing. Give a comma-separated list, e.g. 0.3,0.4"),
     (["sweep", "--estimator", ","], "estimator: ',' names nothing. Give a comma-separated list, e.g. qae,grpo"),
     (["sweep", "--parallel", "0"], "parallel: 0. Use 1 to"),
+    (["train", "--config", "{d}/twice.toml"], "config: 'steps' is set twice in {d}/twice.toml ([run] steps = 2, "
+                                              "[optim] steps = 0)"),
     (["eval", "--bench", "{d}/binary.jsonl"], "bench: '{d}/binary.jsonl' is not UTF-8 text"),  # the file's error too
     (["train", "--eval-bench", "{d}/binary.jsonl"], "eval-bench: '{d}/binary.jsonl' is not UTF-8 text"),
     # a RUN argument is named as such, not as --run-name
