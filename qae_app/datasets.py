@@ -215,6 +215,15 @@ def load_math_file(path: Path) -> list[Problem]:
             )
         question_column = next((c for c in QUESTION_COLUMNS if _get(row, c) is not None), None)
         question = _question_text(_get(row, question_column)) if question_column else ""
+        given = _get(row, question_column) if question_column else None
+        if not question and given is not None and not isinstance(given, (str, list, tuple)) \
+                and not hasattr(given, "tolist"):
+            kind = {bool: "true/false", int: "a number", float: "a number", dict: "an object"}.get(type(given),
+                                                                                                  "not text")
+            raise QAEUserError(
+                f"data: {where} gives its question as {kind} ({question_column} = {given!r:.40}), not text. Write "
+                "the problem as a string (a number too: \"5\")."
+            )
         if not question:
             raise QAEUserError(
                 f"data: {where} has no question (columns: {_describe_columns(row)}). "
