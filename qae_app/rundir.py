@@ -100,6 +100,15 @@ def list_run_dirs(runs_dir: Path) -> list[Path]:
     return sorted(p.parent for p in runs_dir.glob(f"*/{DB_FILE}") if RUN_NAME_PATTERN.match(p.parent.name))
 
 
+def runs_without_database(runs_dir: Path) -> list[Path]:
+    """Training run folders (a config.json) whose database is gone: deleted, or moved aside after it was damaged."""
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        return []
+    return sorted(p.parent for p in runs_dir.glob(f"*/{CONFIG_FILE}")
+                  if RUN_NAME_PATTERN.match(p.parent.name) and not (p.parent / DB_FILE).exists())
+
+
 def recent_runs_text(runs_dir: Path, limit: int = 10) -> str:
     """'c, b, a' (the runs last written first) for a message about a run that is not there; 'none' if there are
     none, '..., and 12 more' past `limit`."""

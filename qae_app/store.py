@@ -39,7 +39,7 @@ from qae_app.faults import fault_point
 from qae_app.names import DEFAULT_K, GATE_REASONS
 from qae_app.rundir import (CONFIG_FILE, DB_FILE, PENDING_DIR, STORED_STATUSES, db_path,  # noqa: F401
                             effective_status, list_checkpoints, list_run_dirs, pending_writes, recent_runs_text,
-                            validate_run_name, validated_run_dir)
+                            runs_without_database, validate_run_name, validated_run_dir)
 
 # (DB_FILE, db_path and validate_run_name belong to the run folder, qae_app/rundir.py; readers get them here too)
 UNREADABLE, BUSY = "unreadable", "busy"  # what `read_runs` says of a run whose file it cannot read (never stored):
@@ -284,9 +284,11 @@ class RunFileError(QAEUserError):
 
 
 def unreadable_run_error(path: Path, err: Exception | str) -> RunFileError:
-    """The error for a run file DuckDB cannot open or read (damaged, truncated, not DuckDB): names the file, the
-    reason, and what in the run folder is still usable."""
+    """The error for a run file DuckDB cannot open or read (damaged, truncated, not DuckDB, missing): names the file,
+    the reason, and what in the run folder is still usable."""
     path = Path(path)
+    if not path.exists():
+        err = "the file is missing (deleted or moved aside)"
     reason = str(err).strip().splitlines()[0].rstrip(".!") if str(err).strip() else type(err).__name__
     checkpoints = list_checkpoints(path.parent)
     if checkpoints:
@@ -295,8 +297,10 @@ def unreadable_run_error(path: Path, err: Exception | str) -> RunFileError:
     else:
         kept = "The run has no checkpoint to recover a model from."
     config = f" Its settings are in {CONFIG_FILE}." if (path.parent / CONFIG_FILE).exists() else ""
+    silence = ("Move the file aside to silence this." if path.exists() else
+               "Move the run's folder aside to silence this.")
     return RunFileError(f"run: cannot read {path}: {reason}. The steps logged in this file are lost unless you restore "
-                        f"it from a backup. {kept}{config} Move the file aside to silence this.")
+                        f"it from a backup. {kept}{config} {silence}")
 
 
 def _is_damage_error(err: BaseException) -> bool:
@@ -706,6 +710,8 @@ def open_reader(path: Path, timeout_s: float = 3.0) -> Iterator[duckdb.DuckDBPyC
     """A read-only view of one run's file, retried briefly while the trainer writes, let go of on exit: a cursor
     whose default database is the file (queries name its tables plainly)."""
     path = Path(path)
+    if not path.exists() and (path.parent / CONFIG_FILE).exists():  # a training run's folder, its file gone
+        raise unreadable_run_error(path, "")
     if not path.exists():
         raise QAEUserError(f"run: no database at {path}. List runs with `qae runs`.")
     cursor = _reader_cursor()
@@ -738,6 +744,8 @@ def query(path: Path, sql: str, params: list | None = None, timeout_s: float = 3
 def resolve_run(runs_dir: Path, run: str) -> Path:
     """Database path of a run given by id; a clear error listing existing runs otherwise."""
     path = validated_run_dir(runs_dir, run) / DB_FILE
+    if not path.exists() and (path.parent / CONFIG_FILE).exists():  # a training run's folder, its file gone
+        raise unreadable_run_error(path, "")
     if not path.exists():
         raise QAEUserError(f"run: no run '{run}' in {runs_dir} (runs there, last written first: "
                            f"{recent_runs_text(runs_dir)}). See `qae runs`.")
@@ -787,6 +795,10 @@ def run_summaries(runs_dir: Path) -> list[dict]:
     file cannot be read is listed too, with status `unreadable` (damaged file) or `busy` (held by another process for
     too long) and the reason in `error`."""
     rows = []
+    for folder in runs_without_database(runs_dir):  # a training run whose file was deleted or moved aside
+        modified = datetime.fromtimestamp((folder / CONFIG_FILE).stat().st_mtime, timezone.utc).replace(tzinfo=None)
+        rows.append({"run_id": folder.name, "name": folder.name, "status": UNREADABLE, "created_at": modified,
+                     "error": str(unreadable_run_error(folder / DB_FILE, "")), "steps": None})
     for run_dir in list_run_dirs(runs_dir):
         try:
             rows += _run_summary(run_dir / DB_FILE)

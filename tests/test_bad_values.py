@@ -348,3 +348,25 @@ def test_resume_refuses_another_run_name(trained_run, tmp_path):
     output = " ".join(result.output.split())
     assert "run-name: 'other' is not the run --resume continues ('base')" in output, result.output
     assert read_run(db_path(runs, "base"))["last_step"] == 2 and not (runs / "other").exists()
+
+
+def test_a_run_whose_database_is_missing_is_listed_and_named(trained_run, tmp_path):
+    """A training run's folder whose qae.duckdb was deleted or moved aside (as the unreadable-file message advises):
+    `qae runs` left it out and `qae show` said there was no such run, while `qae train --run-name` said it existed."""
+    import shutil
+
+    runs = tmp_path / "runs"
+    shutil.copytree(trained_run / "base", runs / "nodb")
+    shutil.copytree(trained_run / "base", runs / "fine")
+    db_path(runs, "nodb").unlink()
+    result = runner.invoke(app, ["runs", "--runs-dir", str(runs)], env={"COLUMNS": "200"})
+    output = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert "nodb unreadable" in output and "fine " in output, result.output
+    assert f"cannotread{db_path(runs, 'nodb')}:thefileismissing" in "".join(result.output.split())
+    for command in (["show", "nodb"], ["rollouts", "nodb"]):
+        result = runner.invoke(app, [*command, "--runs-dir", str(runs)])
+        output = "".join(result.output.split())
+        assert result.exit_code == 2, result.output
+        assert f"cannotread{db_path(runs, 'nodb')}:thefileismissing" in output, result.output
+        assert "checkpoints(step-1,step-2)" in output and "Movethefileaside" not in output

@@ -440,6 +440,22 @@ def test_an_unreadable_database_is_listed_with_the_reason(tmp_path, monkeypatch)
     assert "broken" not in at.sidebar.multiselect(key="run").value
 
 
+def test_a_run_whose_database_is_missing_is_listed_and_its_pages_say_why(tmp_path, monkeypatch):
+    write_run(tmp_path, "good", steps=2)
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "gone" / "config.json").write_text("{}")  # a training run whose qae.duckdb was moved aside
+    app = make_app(tmp_path, monkeypatch)
+    at = app()
+    table = frames(at)[0].set_index("run_id")
+    assert table.loc["gone", "status"] == "unreadable" and "the file is missing" in table.loc["gone", "error"]
+    assert at.sidebar.multiselect(key="run").value == ["good"]
+    for page in ("curves", "rollouts"):  # picked by a link: the page says why, it does not fail
+        shown = app(page, run="gone")
+        assert not shown.exception, shown.exception
+        notes = [e.value for e in [*shown.error, *shown.warning, *shown.info]]
+        assert any("gone" in note and "missing" in note for note in notes), notes
+
+
 def test_the_url_names_the_default_run_and_a_missing_run_is_reported(small_app):
     at = small_app()
     assert at.query_params["run"] in ("syn", ["syn"]) and at.sidebar.multiselect(key="run").value == ["syn"]
