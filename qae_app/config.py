@@ -353,7 +353,14 @@ def build_config(toml_path: Path | None = None, **cli_options: Any) -> TrainConf
     values = given_options(toml_path, **cli_options)
     for name, value in task_defaults(values.get("data", FIELDS["data"].default)).items():
         values.setdefault(name, value)
-    return TrainConfig(**values).validate()
+    try:
+        return TrainConfig(**values).validate()
+    except QAEUserError as err:  # a value from the file: say which file ("steps: 0" alone points at the command line)
+        name = str(err).split(":", 1)[0].replace("-", "_")
+        if toml_path is not None and name in FIELDS and cli_options.get(name) is None and \
+                name in load_toml(toml_path):
+            raise QAEUserError(f"{str(err).rstrip('.')} (set in {toml_path}).") from None
+        raise
 
 
 RESUMABLE = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["resumable"])

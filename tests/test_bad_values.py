@@ -27,6 +27,7 @@ def _files(d):
     for name, body in toml.items():
         (d / f"{name}.toml").write_text(body + "\n")
     (d / "number_question.jsonl").write_text('{"question": 5, "answer": 3}\n')
+    (d / "zero_steps.toml").write_text("[run]\nsteps = 0\n")
     (d / "twice.toml").write_text("[run]\nsteps = 2\n[optim]\nsteps = 0\n")  # sections are for reading only
     (d / "utf16.toml").write_text("steps = 2\n", encoding="utf-16")
     (d / "binary.toml").write_bytes(bytes(range(256)))
@@ -117,6 +118,8 @@ BAD_VALUES = [
     (["sweep", "--k", ","], "k: ',' names nothing. Give a comma-separated list, e.g. 0.3,0.4"),
     (["sweep", "--estimator", ","], "estimator: ',' names nothing. Give a comma-separated list, e.g. qae,grpo"),
     (["sweep", "--parallel", "0"], "parallel: 0. Use 1 to"),
+    (["train", "--config", "{d}/zero_steps.toml"], "steps: 0. Use a positive integer (set in "
+                                                   "{d}/zero_steps.toml)."),
     (["train", "--data", "{d}/number_question.jsonl"], "line 1 gives its question as a number (question = 5), not text"),
     (["train", "--config", "{d}/twice.toml"], "config: 'steps' is set twice in {d}/twice.toml ([run] steps = 2, "
                                               "[optim] steps = 0)"),
