@@ -303,6 +303,13 @@ def unreadable_run_error(path: Path, err: Exception | str) -> RunFileError:
                         f"it from a backup. {kept}{config} {silence}")
 
 
+def _refuse_missing_file_of_training_run(path: Path) -> None:
+    """A training run's folder (its config.json) without its database: the file was deleted or moved aside. Said as
+    such, with its checkpoints, rather than 'no run' (`qae train --run-name` would say the run exists)."""
+    if not path.exists() and (path.parent / CONFIG_FILE).exists():
+        raise unreadable_run_error(path, "")
+
+
 def _is_damage_error(err: BaseException) -> bool:
     """DuckDB's errors for a file it cannot read (not a held lock, not a mistake in our SQL), or one that is not a qae
     run database (a DuckDB file without qae's tables)."""
@@ -710,8 +717,7 @@ def open_reader(path: Path, timeout_s: float = 3.0) -> Iterator[duckdb.DuckDBPyC
     """A read-only view of one run's file, retried briefly while the trainer writes, let go of on exit: a cursor
     whose default database is the file (queries name its tables plainly)."""
     path = Path(path)
-    if not path.exists() and (path.parent / CONFIG_FILE).exists():  # a training run's folder, its file gone
-        raise unreadable_run_error(path, "")
+    _refuse_missing_file_of_training_run(path)
     if not path.exists():
         raise QAEUserError(f"run: no database at {path}. List runs with `qae runs`.")
     cursor = _reader_cursor()
@@ -744,8 +750,7 @@ def query(path: Path, sql: str, params: list | None = None, timeout_s: float = 3
 def resolve_run(runs_dir: Path, run: str) -> Path:
     """Database path of a run given by id; a clear error listing existing runs otherwise."""
     path = validated_run_dir(runs_dir, run) / DB_FILE
-    if not path.exists() and (path.parent / CONFIG_FILE).exists():  # a training run's folder, its file gone
-        raise unreadable_run_error(path, "")
+    _refuse_missing_file_of_training_run(path)
     if not path.exists():
         raise QAEUserError(f"run: no run '{run}' in {runs_dir} (runs there, last written first: "
                            f"{recent_runs_text(runs_dir)}). See `qae runs`.")
