@@ -31,7 +31,7 @@ from pathlib import Path
 from qae_app import names
 from qae_app.config import build_config
 from qae_app.errors import QAEUserError
-from qae_app.rundir import CONFIG_FILE, db_path, read_run_config, run_dir, trainer_alive, validate_run_name
+from qae_app.rundir import CONFIG_FILE, DB_FILE, db_path, read_run_config, run_dir, trainer_alive, validate_run_name
 
 SWEEPS_DIR = ".sweeps"  # under the runs dir: each sweep's point files and logs
 POLL_S = 2.0  # how often the sweep looks at its running processes and their step counts
@@ -112,6 +112,11 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
                 f"name: run '{point.run_name}' already exists in {runs_dir} and is not a training run (no "
                 f"{CONFIG_FILE}: an eval run, or what is left of a run). Pass another --name, or move the folder "
                 "aside.")
+        if stored.exists() and not (stored.parent / DB_FILE).exists():
+            raise QAEUserError(
+                f"name: run '{point.run_name}' of this sweep has lost its database ({stored.parent / DB_FILE} was "
+                "deleted or moved aside), so it can neither be resumed nor started again under its name. Restore "
+                "the file, or move the run's folder aside to train that point anew.")
         if stored.exists():
             other = read_run_config(stored.parent).get("sweep_id")
             if other != sweep_id:
@@ -164,6 +169,7 @@ class PointRun:
     process: subprocess.Popen
     log: Path
     started: float = field(default_factory=time.monotonic)
+    asked_to_stop: bool = False  # sent SIGTERM by a stopping sweep
 
 
 def _command(sweep: Sweep, point: SweepPoint, action: str, runs_dir: Path, cpu: bool) -> list[str]:
@@ -229,8 +235,9 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
                 states[point.run_name] = "running"
             if stopping:
                 for run in active:
-                    if run.process.poll() is None:
+                    if run.process.poll() is None and not run.asked_to_stop:
                         run.process.send_signal(signal.SIGTERM)  # the trainer checkpoints and says interrupted
+                        run.asked_to_stop = True  # once: the trainer finishes its step and checkpoint first
             for run in list(active):
                 code = run.process.poll()
                 if code is None:

@@ -1136,7 +1136,12 @@ class Trainer:
             if self._finishing:
                 return  # the run is writing its final status: nothing may interrupt that
             if self._stop_requested:
-                raise KeyboardInterrupt
+                # only a person's second Ctrl-C stops at once; a repeated SIGTERM is the same request again (a
+                # supervisor may send it more than once, the kernel's parent-death signal once per dying thread),
+                # and aborting would lose the steps since the last checkpoint
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                return
             self._stop_requested = True
             self._say("[yellow]stopping after this step (checkpoint, then exit); Ctrl-C again to stop at once[/]")
 
