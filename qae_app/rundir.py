@@ -128,9 +128,11 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 def list_checkpoints(run_folder: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+    """The checkpoints of a run, oldest first. A save is written to step-N.tmp and renamed when complete, so every
+    step-N folder was complete once; whether it still is, `checkpoint_problem` says (a file gone from one is named
+    there, not passed over here)."""
     folder = Path(run_folder) / CHECKPOINTS_DIR
-    found = [p for p in folder.glob("step-*") if checkpoint_step(p) is not None and (p / TRAINER_STATE).exists()]
+    found = [p for p in folder.glob("step-*") if checkpoint_step(p) is not None and p.is_dir()]
     return sorted(found, key=checkpoint_step)
 
 

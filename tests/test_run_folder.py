@@ -12,8 +12,8 @@ import pytest
 
 from qae_app.config import build_config, resume_config
 from qae_app.errors import QAEUserError
-from qae_app.rundir import (LOCK_FILE, MANIFEST, RunLock, checkpoint_problem, effective_status, latest_checkpoint,
-                            list_checkpoints, trainer_alive)
+from qae_app.rundir import (LOCK_FILE, MANIFEST, TRAINER_STATE, RunLock, checkpoint_problem, effective_status,
+                            latest_checkpoint, list_checkpoints, trainer_alive)
 from qae_app.store import db_path, read_run, read_runs, read_steps
 from qae_app.trainer import Trainer
 
@@ -132,6 +132,26 @@ def test_a_checkpoint_without_its_manifest_is_not_trusted(finished, tmp_path):
     result = qae("train", "--resume", "r", "--steps", "5", runs_dir=tmp_path)
     assert result.returncode == 2
     assert "no checkpoint of run 'r' checks out" in " ".join(result.stderr.split())
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_its_trainer_state_is_named_not_passed_over(finished, tmp_path):
+    """A step-N folder missing trainer_state.json was left out of the checkpoints silently: with the newest one
+    damaged the run resumed from an older one without a word, and with all of them damaged it said the run had no
+    checkpoint and trained it again from step 0, where any other damage is named and refused."""
+    folder = copy_run(finished, tmp_path)
+    (latest_checkpoint(folder) / TRAINER_STATE).unlink()
+    result = qae("train", "--resume", "r", runs_dir=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = " ".join(result.stdout.split())
+    assert "skipping checkpoint step-4: trainer_state.json is missing" in out
+    assert "resuming run r from checkpoint step-2" in out
+    for checkpoint in list_checkpoints(folder):
+        (checkpoint / TRAINER_STATE).unlink(missing_ok=True)
+    result = qae("train", "--resume", "r", "--steps", "6", runs_dir=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "no checkpoint of run 'r' checks out" in " ".join(result.stderr.split())
+    assert "training it again from step 0" not in result.stdout
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from qae_app.cli import app
 from qae_app.config import TrainConfig
+from qae_app.errors import QAEUserError
 from qae_app.store import STEP_METRICS, RunWriter, db_path, query, read_run, read_steps
 from qae_app.sweep import plan_sweep
 
@@ -66,6 +67,17 @@ def test_a_sweep_point_named_like_an_eval_run_is_refused(tmp_path):
     output = " ".join(result.output.split())
     assert result.exit_code == 2, result.output
     assert "name: run 'foo-qae-k0.4-s0' already exists" in output and "is not a training run" in output
+
+
+def test_a_sweep_point_whose_database_is_gone_is_refused_up_front(tmp_path):
+    """A point's folder kept its config.json but lost qae.duckdb: the sweep started it as new, the trainer said the
+    run exists and to --resume it, and the resume said the rows were lost."""
+    plan = plan_sweep(tmp_path, "qae", None, 1, {"steps": 2}, name="gone")
+    folder = tmp_path / plan.points[0].run_name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"sweep_id": plan.sweep_id}))
+    with pytest.raises(QAEUserError, match=f"run '{plan.points[0].run_name}' of this sweep has lost its database"):
+        plan_sweep(tmp_path, "qae", None, 1, {"steps": 2}, name="gone")
 
 
 def test_parallel_beyond_the_cores_is_refused(tmp_path):
