@@ -171,9 +171,13 @@ def run_training(trainer) -> None:
                       f"above {cfg.steps} to train further.", highlight=False)
     if result.status == "interrupted":
         if main:
-            console.print(f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue from the newest "
-                          f"checkpoint with: qae train --resume {result.run_id} --runs-dir {trainer.runs_dir}",
-                          highlight=False)
+            from qae_app.rundir import latest_checkpoint
+
+            newest = latest_checkpoint(result.run_dir)
+            start = (f"from its newest checkpoint, {newest.name}" if newest is not None else
+                     "from step 0 (no checkpoint yet; the same seed trains the same steps again)")
+            console.print(f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue it {start} with: "
+                          f"qae train --resume {result.run_id} --runs-dir {trainer.runs_dir}", highlight=False)
         raise typer.Exit(code=130)
     if main:
         console.print(f"[green]done[/]: {result.steps_done} steps, status {result.status}. "

@@ -193,6 +193,7 @@ def test_a_repeated_sigterm_still_checkpoints_at_the_stop(tmp_path):
     info = read_run(db_path(tmp_path, "tt"))
     assert info["status"] == "interrupted", out
     assert latest_checkpoint(tmp_path / "tt").name == f"step-{int(info['last_step'])}", out  # nothing lost
+    assert f"Continue it from its newest checkpoint, step-{int(info['last_step'])}, with" in " ".join(out.split())
 
 
 @pytest.mark.slow
