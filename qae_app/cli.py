@@ -174,7 +174,7 @@ def run_training(trainer) -> None:
             from qae_app.rundir import latest_checkpoint
 
             newest = latest_checkpoint(result.run_dir)
-            start = (f"from its newest checkpoint, {newest.name}" if newest is not None else
+            start = (f"from its newest checkpoint, {newest.name}," if newest is not None else
                      "from step 0 (no checkpoint yet; the same seed trains the same steps again)")
             console.print(f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue it {start} with: "
                           f"qae train --resume {result.run_id} --runs-dir {trainer.runs_dir}", highlight=False)
