@@ -246,6 +246,12 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
     elif info["status"] == STOPPED:
         parts.append(Text("stopped: no trainer holds this run (it was killed). Continue it with "
                           f"`qae train --resume {info['run_id']}`.", style="magenta"))
+    pending = info.get("pending_writes") or 0
+    if pending:  # rows saved by the trainer that the database does not have yet (see the README's store section)
+        who = ("the trainer writes them within seconds" if info["status"] == "running" else
+               f"`qae train --resume {info['run_id']}` writes them")
+        parts.append(Text(f"{pending} writes saved under pending/ are not in the database yet: {who}.",
+                          style="yellow"))
     if info.get("error"):
         parts.append(Text.assemble(("error: ", "red"), str(info["error"])))
     if config:

@@ -140,6 +140,22 @@ def test_show_of_a_dead_run_says_how_to_continue_it(runs_cwd):
     assert text.startswith("killed stopped") and "qae train --resume killed" in text
 
 
+def test_show_counts_the_steps_still_under_pending(runs_cwd, tmp_path):
+    """A killed trainer's last steps wait under pending/ until a writer puts them in the database: `qae show` said
+    0 of them (the dashboard's Runs page counts them)."""
+    import shutil
+
+    cwd = tmp_path
+    shutil.copytree(runs_cwd / "runs" / "killed", cwd / "runs" / "killed")
+    pending = cwd / "runs" / "killed" / "pending"
+    pending.mkdir(exist_ok=True)
+    for step in (6, 7):
+        (pending / f"step-{step:08d}.pkl").write_bytes(b"")
+    text = " ".join(invoke(cwd, 80, "show", "killed").split())
+    assert "2 writes saved under pending/ are not in the database yet: `qae train --resume killed` writes them" \
+        in text, text
+
+
 def test_show_refuses_an_unknown_metric(runs_cwd):
     old = Path.cwd()
     os.chdir(runs_cwd)
