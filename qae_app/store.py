@@ -200,6 +200,9 @@ def _schema_statements() -> list[str]:
 _LOCK_ERROR = re.compile(r"lock|being used by another process|Conflicting lock", re.IGNORECASE)
 
 
+WAIT_NOTICE_S = 1.0  # a wait for the run file longer than this is said (RunWriter's on_wait)
+
+
 def _holder(err: Exception) -> str:
     """'held by PID 123' from DuckDB's lock error, when it says."""
     match = re.search(r"PID (\d+)", str(err))
@@ -363,7 +366,8 @@ class RunWriter:
     """
 
     def __init__(self, path: Path, run_id: str, lock_timeout_s: float = 0.2, open_timeout_s: float = 60.0,
-                 clock=time.monotonic):
+                 clock=time.monotonic, on_wait=None):
+        """`on_wait(holder)`: called once if opening the file waits on another process for over WAIT_NOTICE_S."""
         self.path = Path(path)
         self.clock = clock  # when writes are due (tests move it by hand)
         self.next_flush_at = -math.inf  # the first write is due at once
@@ -377,7 +381,7 @@ class RunWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         existed = self.path.exists() and self.path.stat().st_size > 0
         try:
-            with self._open(timeout_s=open_timeout_s) as con:
+            with self._open(timeout_s=open_timeout_s, on_wait=on_wait) as con:
                 self._check_and_prepare(con, existed)
         except duckdb.Error as err:
             if _is_lock_error(err):
@@ -390,14 +394,15 @@ class RunWriter:
         self.pending: list[PendingWrite] = self._load_spilled()  # left by a trainer that never found the file free
 
     @contextmanager
-    def _open(self, timeout_s: float | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
+    def _open(self, timeout_s: float | None = None, on_wait=None) -> Iterator[duckdb.DuckDBPyConnection]:
         """The run file, attached for writing to this writer's own in-memory database (made once: making a DuckDB
         database costs ~30 ms, attaching a file ~2 ms) and detached on exit, which lets go of its lock."""
         if self._instance is None:
             self._instance = duckdb.connect(":memory:")
         con = self._instance
         try:
-            _attach(con, self.path, "run", self.lock_timeout_s if timeout_s is None else timeout_s, read_only=False)
+            _attach(con, self.path, "run", self.lock_timeout_s if timeout_s is None else timeout_s, read_only=False,
+                    on_wait=on_wait)
         except duckdb.Error as err:
             if _is_damage_error(err) and self.path.exists() and self.path.stat().st_size > 0:
                 raise unreadable_run_error(self.path, err) from err
@@ -696,11 +701,14 @@ def _reader_cursor() -> duckdb.DuckDBPyConnection:
 
 
 def _attach(cursor: duckdb.DuckDBPyConnection, path: Path, alias: str, timeout_s: float,
-            read_only: bool = True) -> None:
-    """ATTACH the file (read-only unless told), retrying while another process holds its lock."""
+            read_only: bool = True, on_wait=None) -> None:
+    """ATTACH the file (read-only unless told), retrying while another process holds its lock; `on_wait(holder)` is
+    called once if that lasts more than WAIT_NOTICE_S (a long wait says why)."""
     literal = str(path).replace("'", "''")  # ATTACH takes no bound parameter; the path is quoted as a literal
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = start + timeout_s
     delay = 0.005
+    told = on_wait is None
     while True:
         try:
             cursor.execute(f"ATTACH '{literal}' AS {alias}" + (" (READ_ONLY)" if read_only else ""))
@@ -708,6 +716,9 @@ def _attach(cursor: duckdb.DuckDBPyConnection, path: Path, alias: str, timeout_s
         except duckdb.Error as err:
             if not _is_lock_error(err) or time.monotonic() >= deadline:
                 raise
+            if not told and time.monotonic() - start >= WAIT_NOTICE_S:
+                on_wait(_holder(err))
+                told = True
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
 

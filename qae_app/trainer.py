@@ -1029,7 +1029,9 @@ class Trainer:
                     f"resume: run '{self.run_id}' has a checkpoint at step {self.state.step} but no database: the "
                     f"rows of steps 1-{self.state.step} are lost. Restore {DB_FILE} from a backup, or start a new "
                     "run.")
-            self.writer = RunWriter(db, self.run_id)  # brings a file from an older version up to date
+            # (opening brings a file from an older version up to date; it waits up to 60 s for a reader to let go)
+            self.writer = RunWriter(db, self.run_id, on_wait=lambda holder: self._say(
+                f"[yellow]waiting for {db}: {holder} (a reader left open?). Close it to go on.[/]"))
             has_row = self._has_run_row(db)
             if not has_row and self.state.step > 0:
                 raise QAEUserError(

@@ -103,6 +103,20 @@ class ReadLock:
         assert self.process.wait(timeout=60) == 0
 
 
+def test_opening_a_file_a_reader_holds_says_why_it_waits(writer):
+    """A resume opening its run's file waited up to 60 s without a word while a reader held it."""
+    writer.add_step(1, **_rows(1))
+    assert writer.flush()
+    reader = ReadLock(writer.path, 2.5)
+    waits = []
+    RunWriter(writer.path, "r1", on_wait=waits.append)  # returns once the reader lets go
+    reader.join()
+    assert len(waits) == 1 and waits[0].startswith("held by process"), waits  # said once, naming the holder
+    told = []
+    RunWriter(writer.path, "r1", on_wait=told.append)  # nobody holds it now: nothing to say
+    assert told == []
+
+
 def test_writer_keeps_rows_while_a_reader_holds_the_file(writer):
     reader = ReadLock(writer.path, 3.0)
     writer.lock_timeout_s = 0.2
