@@ -18,7 +18,7 @@ from qae_app.config import EvalConfig
 from qae_app.datasets import Problem
 from qae_app.errors import QAEUserError
 from qae_app.metrics import avg_at_k, maj_at_k, pass_at_k, pass_k_values
-from qae_app.rewards import Scorer, extract_answer
+from qae_app.rewards import ANSWER_EXTRACTORS, Scorer
 from qae_app.rollout import RolloutEngine
 from qae_app.rundir import RUN_NAME_PATTERN, CHECKPOINTS_DIR, checkpoint_step, db_path, eval_run_error, \
     list_checkpoints, validate_run_name
@@ -52,7 +52,7 @@ def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: li
                 "problem_id": problem.prompt_id,
                 "sample_idx": counters[sample.prompt_index],
                 "response": text,
-                "extracted": extract_answer(text) if scorer.name == "math" else text.strip(),
+                "extracted": ANSWER_EXTRACTORS[scorer.name](text),  # what the reward read: maj@k's vote
                 "correct": reward == 1.0,
                 "verified": reward is not None,
                 "n_tokens": len(sample.response_ids),

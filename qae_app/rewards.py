@@ -137,19 +137,25 @@ def exact_int_reward(responses: list[str], answers: list[str]) -> list[float | N
     return [1.0 if _INT_RE.fullmatch(r.strip()) and r.strip() == a.strip() else 0.0 for r, a in zip(responses, answers)]
 
 
-def chain_final_reward(responses: list[str], answers: list[str]) -> list[float | None]:
-    """Final answer only: 1.0 when the text after the last " so " (`tasks.CHAIN_ANSWER_MARKER`), stripped, is exactly
-    the gold integer string; else 0.0 (no marker, or not an integer after it). Never None.
-
-    The scratchpad before the marker is not read: `1+1=3 so 2` scores 1 for gold 2, as outcome rewards do."""
+def chain_final_answer(response: str) -> str | None:
+    """The final answer of a chain response: the text after the last " so " (`tasks.CHAIN_ANSWER_MARKER`),
+    stripped; None without the marker."""
     from qae_app.tasks import CHAIN_ANSWER_MARKER
 
+    _, marker, final = response.rpartition(CHAIN_ANSWER_MARKER)
+    return final.strip() if marker else None
+
+
+def chain_final_reward(responses: list[str], answers: list[str]) -> list[float | None]:
+    """Final answer only: 1.0 when `chain_final_answer` is exactly the gold integer string; else 0.0 (no marker, or
+    not an integer after it). Never None.
+
+    The scratchpad before the marker is not read: `1+1=3 so 2` scores 1 for gold 2, as outcome rewards do."""
     _check_lengths(responses, answers)
     scores: list[float | None] = []
     for response, answer in zip(responses, answers):
-        _, marker, final = response.rpartition(CHAIN_ANSWER_MARKER)
-        final = final.strip()
-        scores.append(1.0 if marker and _INT_RE.fullmatch(final) and final == answer.strip() else 0.0)
+        final = chain_final_answer(response)
+        scores.append(1.0 if final is not None and _INT_RE.fullmatch(final) and final == answer.strip() else 0.0)
     return scores
 
 
@@ -606,6 +612,14 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "exact_int": exact_int_reward,
     "chain_final": chain_final_reward,
     "math": math_reward,
+}
+
+
+# the part of a response each reward reads as its answer: what maj@k votes on (qae eval's `extracted` column)
+ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
+    "exact_int": lambda response: response.strip(),  # the whole response is the answer
+    "chain_final": chain_final_answer,
+    "math": extract_answer,
 }
 
 

@@ -161,3 +161,34 @@ def test_a_benchmark_prompt_longer_than_the_context_is_refused_before_anything_r
     assert result.exit_code == 2, message
     assert f"{option}: prompt 'long-1' is" in message and "but the model's context is 128" in message
     assert not runs.exists() or not any(runs.rglob("*.duckdb"))
+
+
+class ScriptedEngine:
+    """Returns the given responses in order: the texts a policy might sample, so maj@k's vote can be worked out by
+    hand (a stand-in for the model's randomness only; the scorer and the metrics are the real ones)."""
+
+    def __init__(self, texts: list[str]):
+        self.texts = texts
+
+    def generate(self, prompts, n, temperature, max_new_tokens, seed=0):
+        from qae_app.rollout import Sample
+
+        return [Sample(prompt_index=0, prompt_ids=[1], response_ids=[1] * len(text), text=text, truncated=False)
+                for text in self.texts[:n]]
+
+
+def test_maj_at_k_on_the_chain_task_votes_on_the_final_answer_the_reward_reads():
+    """The chain task's reward reads the integer after the last ' so '; maj@k voted on whole responses, so three
+    different scratchpads reaching 2 lost to two copies of one wrong response (review: 'x so 2' x3 vs 'w so 5' x2)."""
+    from qae_app.datasets import Problem
+    from qae_app.evaluate import evaluate
+    from qae_app.rewards import Scorer
+
+    texts = ["1+1=2 so 2", "2+0=2 so 2", "3-1=2 so 2", "4+1=5 so 5", "4+1=5 so 5"]
+    with Scorer("chain_final") as scorer:
+        result = evaluate(ScriptedEngine(texts), "chain", [Problem("p", "q", "2")], ["q"], scorer, k=5,
+                          temperature=1.0, max_new_tokens=8, seed=0)
+    metrics = {row["metric"]: row["value"] for row in result.metrics if row["subset"] == "all"}
+    assert metrics["avg@k"] == pytest.approx(3 / 5)
+    assert metrics["maj@k"] == 1.0  # the answer 2 has three votes, 5 has two
+    assert [s["extracted"] for s in result.samples] == ["2", "2", "2", "5", "5"]
