@@ -394,6 +394,15 @@ def plot(fig: go.Figure, key: str) -> None:
                                      "config": json.dumps(PLOTLY_CONFIG)})
 
 
+FILTERED_REASON = "filtered by dynamic sampling"  # what a response of a group left out of the update shows
+
+
+def filtered_rows(responses: pd.DataFrame) -> pd.Series:
+    """Whether each response's group was left out of the update by dynamic sampling (NULL in older files: trained):
+    such a response is neither gated nor kept, whatever its advantage."""
+    return responses["filtered"].fillna(False).astype(bool)
+
+
 def show_prompt_and_answer(prompt: str, answer: str) -> None:
     """Prompt and gold answer side by side, as literal text (model-facing text never goes through markdown)."""
     left, right = st.columns([3, 1])

@@ -1048,7 +1048,7 @@ def read_prompt_rollouts(path: Path, prompt_id: str) -> pd.DataFrame:
     """Every response to one prompt, at every step it was sampled, with its group's outcome and why it was gated."""
     return query(path, f"""
         SELECT r.step, r.group_idx, r.sample_idx, g.n_correct, g.group_size, g.baseline, r.regime, r.response,
-               r.reward, r.advantage, r.gated, {SQL_GATE_REASON} AS gate_reason, r.n_tokens, r.truncated
+               r.reward, r.advantage, r.gated, {SQL_GATE_REASON} AS gate_reason, r.n_tokens, r.truncated, r.filtered
         FROM rollouts r JOIN groups g USING (run_id, step, group_idx)
         WHERE r.prompt_id = ?
         ORDER BY r.step, r.group_idx, r.sample_idx""", [prompt_id])

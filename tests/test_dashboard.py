@@ -660,6 +660,21 @@ def test_the_same_prompt_side_by_side_across_steps_and_runs(small_app):
     assert tables[3]["gate_reason"].tolist()[:3] == ["success_in_easy_group"] * 3
 
 
+def test_a_filtered_group_is_shown_filtered_on_the_prompts_page_too(tmp_path, monkeypatch):
+    """The prompt's history counted a group dynamic sampling left out of the update as gated ('4 gated', reasons of
+    a trained group), where the Rollouts page says it was filtered and not trained."""
+    _write_dynamic(tmp_path)
+    at = make_app(tmp_path, monkeypatch)("prompts", run="dyn", prompt="p2")
+    assert not at.exception
+    headers = [c.value for c in at.caption if c.value.startswith("step ")]
+    assert headers == ["step 1 · 0/4 correct · easy · baseline 0 · filtered by dynamic sampling · not trained"]
+    table = next(frame for frame in frames(at) if "gate_reason" in frame.columns)
+    assert table["gate_reason"].tolist() == ["filtered by dynamic sampling"] * 4
+    trained = make_app(tmp_path, monkeypatch)("prompts", run="dyn", prompt="p1")
+    assert [c.value for c in trained.caption if c.value.startswith("step ")] == [
+        "step 1 · 3/4 correct · easy · baseline 1 · 3 gated"]
+
+
 def test_eval_samples_page_shows_answers_and_problems_across_checkpoints(small_app):
     at = small_app("eval_samples", run="crafted")
     assert at.select_slider(key="step").value == 3  # the newest evaluation

@@ -64,8 +64,12 @@ def side_by_side(prompt_id: str, run_ids: list[str]) -> None:
             for step in steps[-SIDE_BY_SIDE_STEPS:][::-1]:
                 rows = frame[frame["step"] == step]
                 first = rows.iloc[0]
+                filtered = bool(board.filtered_rows(rows).iloc[0])  # as the Rollouts page: not trained, not gated
+                outcome = f"{board.FILTERED_REASON} · not trained" if filtered else f"{int(rows['gated'].sum())} gated"
                 st.caption(f"step {step} · {int(first['n_correct'])}/{int(first['group_size'])} correct · "
-                           f"{first['regime']} · baseline {first['baseline']:.3g} · {int(rows['gated'].sum())} gated")
+                           f"{first['regime']} · baseline {first['baseline']:.3g} · {outcome}")
+                if filtered:
+                    rows = rows.assign(gate_reason=board.FILTERED_REASON)
                 st.dataframe(rows[list(SAMPLE_COLUMNS)], hide_index=True, column_config=SAMPLE_COLUMNS,
                              key=f"side_{run_id}_{step}_{int(first['group_idx'])}", placeholder="")
 

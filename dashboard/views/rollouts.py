@@ -21,7 +21,6 @@ ROW_PX, MAX_TABLE_PX = 35, 610  # a group's table shows up to ~16 responses with
 # the Responses control -> (gated, filtered) for store.read_rollouts: gated and kept are of the trained groups
 GATED_CHOICES = {"all": (None, None), "gated": (True, False), "kept": (False, False), "filtered": (None, True)}
 STATUS = {"kept": "✓ kept", "gated": "⊘ gated", "filtered": "⊘ filtered"}
-FILTERED_REASON = "filtered by dynamic sampling"
 REGIME_BADGE = {"hard": "red", "easy": "green", "all_correct": "blue", "all_wrong": "gray", "mixed": "violet"}
 RESPONSE_COLUMNS = {
     "sample_idx": st.column_config.NumberColumn("sample", width="small"),
@@ -39,11 +38,6 @@ RESPONSE_COLUMNS = {
 }
 
 
-def filtered_rows(responses: pd.DataFrame) -> pd.Series:
-    """Whether each response's group was left out of the update by dynamic sampling (NULL in older files: trained)."""
-    return responses["filtered"].fillna(False).astype(bool)
-
-
 def accuracy(responses: pd.DataFrame) -> float:
     """The verifier's: a correct answer whose reward is shaped (overlong penalty, -1/1 rewards) is correct. Rows from
     before the `correct` column: reward 1 was correct (as store.GATE_REASON_RULES)."""
@@ -53,11 +47,11 @@ def accuracy(responses: pd.DataFrame) -> float:
 
 def styled(responses: pd.DataFrame):
     """Responses of one group, the ones without a gradient (gated, filtered) greyed out."""
-    filtered = filtered_rows(responses)
+    filtered = board.filtered_rows(responses)
     status = responses["gated"].map({True: STATUS["gated"], False: STATUS["kept"]}).where(~filtered,
                                                                                           STATUS["filtered"])
     frame = responses.assign(status=status,
-                             gate_reason=responses["gate_reason"].fillna("").where(~filtered, FILTERED_REASON))
+                             gate_reason=responses["gate_reason"].fillna("").where(~filtered, board.FILTERED_REASON))
     frame = frame[list(RESPONSE_COLUMNS)].reset_index(drop=True)
     grey = "color: #8a8a8a; background-color: #f2f2f2"
     return frame.style.apply(lambda row: [grey if row["status"] != STATUS["kept"] else ""] * len(row), axis=1)
@@ -75,7 +69,7 @@ def group(step: int, rows: pd.DataFrame) -> None:
     g, regime = int(first["group_idx"]), str(first["regime"])
     with st.container(border=True):
         badge = f":{REGIME_BADGE[regime]}-badge[{regime}]" if regime in REGIME_BADGE else ""
-        filtered = bool(filtered_rows(rows).iloc[0])
+        filtered = bool(board.filtered_rows(rows).iloc[0])
         status = (":orange-badge[filtered by dynamic sampling] · not trained" if filtered
                   else f"{int(rows['gated'].sum())} of {len(rows)} shown gated")
         st.markdown(f"**Group {g}** {badge} · **{int(first['n_correct'])}/{int(first['group_size'])}** correct · "
@@ -104,7 +98,7 @@ def group(step: int, rows: pd.DataFrame) -> None:
 
 def gate_summary(run_id: str, step: int, everything: pd.DataFrame) -> None:
     """Why this step's gated (trained) responses were gated (a table), and the same over every step (a chart)."""
-    trained = everything[~filtered_rows(everything)]
+    trained = everything[~board.filtered_rows(everything)]
     counts = trained.loc[trained["gated"], "gate_reason"].value_counts()
     table = pd.DataFrame({"why gated": list(GATE_REASONS), "responses": [int(counts.get(r, 0)) for r in GATE_REASONS],
                           "meaning": list(GATE_REASONS.values())})
@@ -158,7 +152,7 @@ def body(run_id: str) -> None:
     if reason != "any":
         shown = shown[shown["gate_reason"] == reason]
     n_groups = everything["group_idx"].nunique()
-    filtered = filtered_rows(everything)
+    filtered = board.filtered_rows(everything)
     trained = everything[~filtered]
     summary = st.columns(5 if filtered.any() else 4)
     summary[0].metric("responses shown", f"{len(shown)} / {len(everything)}")
