@@ -368,6 +368,20 @@ def test_evals_page_plots_each_metric_and_subset(app, runs_dir):
     assert at.selectbox(key="subset").options == ["all", "level=1"]
 
 
+def test_the_latest_evaluation_is_one_row_not_a_mix(tmp_path, monkeypatch):
+    """'latest value' took each column's last non-missing value: a metric missing at step 2 showed step 2 beside
+    step 1's value."""
+    writer = store.RunWriter(store.db_path(tmp_path, "ev"), "ev")
+    writer.create_run("ev", {"steps": 2}, "qae", 0.4, "builtin:tiny", "arith", 0)
+    for step, value in ((1, 0.5), (2, None)):
+        writer.add_step(step, steps=[{name: None for name in store.STEP_METRICS}],
+                        evals=[dict(benchmark="arith-heldout", subset="all", metric="avg@k", k=4, value=value,
+                                    n_problems=8, source="train")])
+    assert writer.flush()
+    latest = frame_with(make_app(tmp_path, monkeypatch)("evals", run="ev"), "run", "metric", "value")
+    assert latest["step"].tolist() == [2] and pd.isna(latest["value"].iloc[0])
+
+
 def test_evals_page_says_when_there_are_none(app):
     at = app("evals", run="empty")
     assert any("No evaluations recorded" in i.value for i in at.info)

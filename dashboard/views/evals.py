@@ -31,7 +31,8 @@ def body(run_ids: list[str]) -> None:
     part = everything[(everything["benchmark"] == benchmark) & (everything["subset"] == subset)]
     frames = {run_id: part[part["run"] == run_id] for run_id in evals}
     board.plot(charts.evals(frames, colors, f"{benchmark} · {subset}"), "evals_chart")
-    latest = part.sort_values("step").groupby(["run", "metric", "k"], as_index=False).last()
+    # the newest row of each (run, metric, k) whole: .last() would take each column's last non-missing value
+    latest = part.sort_values("step").groupby(["run", "metric", "k"]).tail(1).sort_values(["run", "metric", "k"])
     st.caption("latest value of each metric")
     st.dataframe(latest[["run", "step", "metric", "k", "value", "n_problems"]], hide_index=True, key="evals_latest",
                  column_config={"value": st.column_config.NumberColumn(format="%.3f")}, placeholder="")
