@@ -179,7 +179,7 @@ def pick_runs(all_runs: pd.DataFrame) -> list[str]:
             st.session_state["run"] = wanted
         missing = [run_id for run_id in linked if run_id not in ids]
         if missing:
-            st.sidebar.warning("Not in " + f"`{runs_dir()}`: " + ", ".join(f"`{r}`" for r in missing)
+            st.sidebar.warning("Not in " + f"`{runs_dir()}`: " + ", ".join(literal(r) for r in missing)  # link text
                                + ". The link names runs this folder does not have (not started yet, renamed, moved "
                                "or deleted); they are shown as soon as they appear, or pick runs below.",
                                icon=":material/link_off:")
@@ -303,8 +303,8 @@ def step_slider(steps: list[int], label: str, what: str) -> int:
             target = min(steps, key=lambda s: (abs(s - int(requested)), -s))
         except ValueError:
             target = latest
-        st.session_state["_step_note"] = (f"Step {requested} from the link has no {what}; showing step {target}, "
-                                          f"the nearest (steps {steps[0]}..{latest}).")
+        st.session_state["_step_note"] = (f"Step {literal(requested)} from the link has no {what}; showing step "
+                                          f"{target}, the nearest (steps {steps[0]}..{latest}).")
         seed("step", target)
     elif "step" not in st.session_state and requested is None:
         seed("step", latest)

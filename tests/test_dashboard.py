@@ -645,6 +645,19 @@ def test_rollouts_links_keep_filters_and_a_missing_step_says_so(small_app):
     assert [h.split("**")[1] for h in headers] == ["Group 10", "Group 11"]
 
 
+PAYLOAD = "x`**b**[l](http://e)"  # a link value that markdown would render as bold text and a hyperlink
+
+
+def test_link_values_are_shown_as_text_not_markdown(small_app):
+    """The step and the unknown run ids of a link were put into captions and warnings as markdown (or in backticks
+    that a backtick in the value closes): a crafted link rendered links and formatting."""
+    at = small_app("rollouts", run=["crafted", PAYLOAD], step=PAYLOAD)
+    shown = [e.value for e in [*at.caption, *at.sidebar.warning, *at.warning]]
+    assert any("from the link has no rollouts" in v for v in shown)
+    assert any("The link names runs this folder does not have" in v for v in shown)
+    assert not [v for v in shown if "[l](http://e)" in v or "**b**" in v], shown  # escaped wherever it appears
+
+
 def test_prompt_heatmap_leaves_unsampled_steps_blank(small_app, small_dir):
     at = small_app("prompts", run="syn")
     heat = plotly_specs(at)["prompt_heatmap"]["data"][0]

@@ -77,7 +77,7 @@ def pick_compared(readable: pd.DataFrame) -> list[str]:
     if sweep is not None:
         members = [run_id for run_id, config in sorted(configs.items()) if compare.in_sweep(config, sweep)]
         if not members:
-            not_found(f"no run belongs to sweep `{sweep}`")
+            not_found(f"no run belongs to sweep {board.literal(sweep)}")  # (the link's text, shown as text)
         else:
             ids = sorted({str(configs[run_id]["sweep_id"]) for run_id in members})
             right.caption(f"sweep id {', '.join(ids)}: {len(members)} run(s): " + ", ".join(members))
@@ -88,7 +88,7 @@ def pick_compared(readable: pd.DataFrame) -> list[str]:
                                     "a setup for an interval.")
     run_ids = list(dict.fromkeys(run_id for value in picked for run_id in value.split(",") if run_id))
     if missing := [run_id for run_id in run_ids if run_id not in configs]:
-        not_found(", ".join(f"run `{run_id}`" for run_id in missing))
+        not_found(", ".join(f"run {board.literal(run_id)}" for run_id in missing))
     return [run_id for run_id in run_ids if run_id in configs]
 
 

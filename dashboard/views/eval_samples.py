@@ -86,7 +86,7 @@ def body(run_id: str) -> None:
                  selection_mode=["single-row", "single-cell"], placeholder="")
     where, opened = st.session_state.get("_open_sample") or (None, None)
     if opened is not None and where == (run_id, name, step):
-        st.caption(f"problem {opened['problem_id']} · sample {opened['sample_idx']} · "
+        st.caption(f"problem {board.literal(opened['problem_id'])} · sample {opened['sample_idx']} · "
                    + ("correct" if opened["correct"] else "wrong") + " · extracted answer:")
         st.code(str(opened["extracted"]), language=None, wrap_lines=True)
         st.code(str(opened["response"]), language=None, wrap_lines=True)
