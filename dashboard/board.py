@@ -134,8 +134,9 @@ def read(reader: str, run_id: str, *args):
     return _guarded(_read, reader, str(run_path(run_id)), run_version(run_id), *args, what=run_id)
 
 
-def rollout_steps(run_id: str) -> list[int]:
-    return read("read_rollout_steps", run_id) or []
+def rollout_steps(run_id: str) -> list[int] | None:
+    """The steps with rollouts; None (with a note) if the run cannot be read."""
+    return read("read_rollout_steps", run_id)
 
 
 def rollouts(run_id: str, step: int, gated: bool | None = None, regime: str | None = None,

@@ -454,6 +454,19 @@ def test_an_unreadable_database_is_listed_with_the_reason(tmp_path, monkeypatch)
     assert "broken" not in at.sidebar.multiselect(key="run").value
 
 
+@pytest.mark.parametrize("page", ["rollouts", "distributions", "evals", "prompts", "curves"])
+def test_an_unreadable_run_picked_by_a_link_gets_only_its_error(tmp_path, monkeypatch, page):
+    """Pages said the run was unreadable and then that nothing was written yet, or that no evaluation was
+    recorded, or that the prompt was never sampled in it."""
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "qae.duckdb").write_bytes(b"this is not a database" * 100)
+    at = make_app(tmp_path, monkeypatch)(page, run="broken")
+    assert not at.exception
+    said = [e.value for e in [*at.error, *at.warning, *at.info, *at.caption]]
+    assert any("broken" in v and ("cannot be read" in v or "cannot read" in v) for v in said), said
+    assert not [v for v in said if "written yet" in v or "No evaluations recorded" in v or "Never sampled" in v], said
+
+
 def test_a_run_whose_database_is_missing_is_listed_and_its_pages_say_why(tmp_path, monkeypatch):
     write_run(tmp_path, "good", steps=2)
     (tmp_path / "gone").mkdir()

@@ -10,10 +10,11 @@ from qae_app.store import DISTRIBUTION_COLUMNS, QUANTILES
 
 def body(run_ids: list[str], column: str, log_y: bool) -> None:
     label = DISTRIBUTION_COLUMNS[column]
-    quantiles = {run_id: q for run_id in run_ids
-                 if (q := board.read("read_quantiles", run_id, column)) is not None and not q.empty}
+    readable = {run_id: q for run_id in run_ids if (q := board.read("read_quantiles", run_id, column)) is not None}
+    quantiles = {run_id: q for run_id, q in readable.items() if not q.empty}
     if not quantiles:
-        st.info("No rollouts written yet: distributions appear here when the trainer finishes its first step.")
+        if readable:  # (an unreadable run's note says why it shows nothing)
+            st.info("No rollouts written yet: distributions appear here when the trainer finishes its first step.")
         return
     colors = board.run_colors(run_ids)
     steps = sorted({int(s) for q in quantiles.values() for s in q["step"]})

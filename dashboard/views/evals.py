@@ -14,7 +14,8 @@ def body(run_ids: list[str]) -> None:
     views = {run_id: view for run_id in run_ids if (view := board.run_view(run_id)) is not None}
     evals = {run_id: view.evals for run_id, view in views.items() if not view.evals.empty}
     if not evals:
-        st.info(EMPTY)
+        if views:  # (an unreadable run's note says why it shows nothing)
+            st.info(EMPTY)
         return
     everything = pd.concat([frame.assign(run=run_id) for run_id, frame in evals.items()], ignore_index=True)
     # `qae eval` of a checkpoint is listed apart from the trainer's own --eval-every results (other k, limit)

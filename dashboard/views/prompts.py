@@ -47,10 +47,11 @@ SAMPLE_COLUMNS = {
 
 def side_by_side(prompt_id: str, run_ids: list[str]) -> None:
     """The prompt's responses at each step it was sampled, one column per picked run."""
-    found = {run_id: frame for run_id in run_ids
-             if (frame := board.read("read_prompt_rollouts", run_id, prompt_id)) is not None and not frame.empty}
+    readable = {run_id: frame for run_id in run_ids
+                if (frame := board.read("read_prompt_rollouts", run_id, prompt_id)) is not None}
+    found = {run_id: frame for run_id, frame in readable.items() if not frame.empty}
     st.subheader("Its responses, step by step" + (" and run by run" if len(run_ids) > 1 else ""))
-    absent = [run_id for run_id in run_ids if run_id not in found]
+    absent = [run_id for run_id in readable if run_id not in found]  # (an unreadable run's note says why)
     if absent:
         st.caption(f"Never sampled in {', '.join(absent)}.")
     if not found:

@@ -124,6 +124,8 @@ def reward_label(reward: str) -> str:
 
 def body(run_id: str) -> None:
     steps = board.rollout_steps(run_id)
+    if steps is None:  # unreadable: the note says why
+        return
     if not steps:
         st.info("No rollouts written yet: the first step's groups appear here when the trainer finishes it.")
         return
