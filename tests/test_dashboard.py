@@ -467,6 +467,21 @@ def test_an_unreadable_run_picked_by_a_link_gets_only_its_error(tmp_path, monkey
     assert not [v for v in said if "written yet" in v or "No evaluations recorded" in v or "Never sampled" in v], said
 
 
+def test_a_run_keeps_its_color_on_every_page_when_an_unreadable_run_is_picked_first(tmp_path, monkeypatch):
+    """Curves and Evaluations gave colors over the readable runs, Distributions over every picked one: with an
+    unreadable run picked first, one run had two colors."""
+    write_run(tmp_path, "one", steps=3)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "qae.duckdb").write_bytes(b"this is not a database" * 100)
+    app = make_app(tmp_path, monkeypatch)
+    colors = set()
+    for page, chart in (("curves", "entropy"), ("distributions", "quantile_bands")):
+        traces = plotly_specs(app(page, run=["broken", "one"]))[chart]["data"]
+        colors |= {(t.get("line") or {}).get("color") or (t.get("marker") or {}).get("color")
+                   for t in traces if str(t.get("name", "")).startswith("one")}
+    assert len(colors) == 1, colors
+
+
 def test_a_run_whose_database_is_missing_is_listed_and_its_pages_say_why(tmp_path, monkeypatch):
     write_run(tmp_path, "good", steps=2)
     (tmp_path / "gone").mkdir()

@@ -45,7 +45,7 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
                    "were kept); plotted by step instead.")
         for run_id in missing:
             frames[run_id] = frames[run_id].assign(**{x: frames[run_id]["step"]})
-    colors = board.run_colors(list(views))
+    colors = board.run_colors(run_ids)  # the picked order, readable or not: a run keeps its color on every page
     bands = {}  # the band each run's trainer watched: its options, or relative to its first step's entropy
     for run_id, view in views.items():
         cfg = board.run_config(view.run)

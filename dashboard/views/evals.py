@@ -21,7 +21,7 @@ def body(run_ids: list[str]) -> None:
     # `qae eval` of a checkpoint is listed apart from the trainer's own --eval-every results (other k, limit)
     everything["benchmark"] = everything["benchmark"].where(everything["source"] != "eval",
                                                             everything["benchmark"] + " (qae eval)")
-    colors = board.run_colors(list(views))
+    colors = board.run_colors(run_ids)  # the picked order, readable or not: a run keeps its color on every page
     benchmarks = sorted(everything["benchmark"].unique())
     cols = st.columns(2)
     benchmark = cols[0].selectbox("Benchmark", benchmarks, key="benchmark", bind="query-params")
