@@ -161,6 +161,9 @@ FEW_SEEDS = 5  # below this a 95% t-interval is wide (t_{0.975, 3} = 3.18 vs 1.9
 
 def sample_size_note(n: int) -> str | None:
     """What to tell the reader about n seeds: nothing from 5 on."""
+    if n == 0:
+        return ("n=0: nothing to estimate from (for a difference: no seed shared with the baseline; for a held-out "
+                "metric: no evaluation)")
     if n < 2:
         return f"n={n}: one seed, no interval; run more seeds (--seeds 3 or more) to tell a difference from noise"
     if n < FEW_SEEDS:

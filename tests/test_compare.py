@@ -82,7 +82,9 @@ def test_mean_interval_by_hand():
 
 
 def test_sample_size_notes():
-    assert "no interval" in sample_size_note(1)
+    # n=0 said "one seed" (a group that shares no seed with the baseline): it says there is nothing to estimate from
+    assert "one seed" not in sample_size_note(0) and "no seed shared with the baseline" in sample_size_note(0)
+    assert "no interval" in sample_size_note(1) and "one seed" in sample_size_note(1)
     assert "wide" in sample_size_note(2) and "12.71" in sample_size_note(2)
     assert "wide" in sample_size_note(4)
     assert sample_size_note(5) is None
