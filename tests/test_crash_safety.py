@@ -48,6 +48,18 @@ def assert_same_steps(reference: Path, run: Path, n_steps: int) -> None:
     assert groups["n"].tolist() == [OPTS["prompts_per_step"]] * n_steps
 
 
+def wait_for_stored_steps(path: Path, n: int, timeout_s: float = 300) -> None:
+    """Until the run's database holds `n` steps (a signal sent then lands in a later step), at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if query(path, "SELECT count(*) AS n FROM steps")["n"].item() >= n:
+                return
+        except Exception:  # noqa: BLE001 - the file is not there yet, or the trainer holds it for a moment
+            pass
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """The uninterrupted run, trained as the runs under test are: a `qae train` process of its own. (Trained inside
@@ -142,14 +154,7 @@ def test_kill_9_at_an_arbitrary_moment_then_resume(tmp_path, tmp_path_factory):
 @pytest.mark.slow
 def test_ctrl_c_checkpoints_marks_interrupted_and_resumes(tmp_path, reference):
     proc = start_train(tmp_path, "cc", **dict(OPTS, steps=400, checkpoint_every=100))
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if query(db_path(tmp_path, "cc"), "SELECT count(*) AS n FROM steps")["n"].item() >= 3:
-                break
-        except Exception:  # noqa: BLE001
-            pass
-        time.sleep(0.05)
+    wait_for_stored_steps(db_path(tmp_path, "cc"), 3)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
@@ -177,14 +182,7 @@ def test_a_repeated_sigterm_still_checkpoints_at_the_stop(tmp_path):
     fires once per thread of a dying sweep): the second used to abort the run mid-step or mid-checkpoint, losing the
     steps since the last checkpoint. Only Ctrl-C again stops at once; a repeated SIGTERM is the same request."""
     proc = start_train(tmp_path, "tt", **dict(OPTS, steps=400, checkpoint_every=100))
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if query(db_path(tmp_path, "tt"), "SELECT count(*) AS n FROM steps")["n"].item() >= 2:
-                break
-        except Exception:  # noqa: BLE001 - the trainer holds the file for a moment
-            pass
-        time.sleep(0.05)
+    wait_for_stored_steps(db_path(tmp_path, "tt"), 2)
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.02)  # the second arrives while the step (or its checkpoint) is under way
     proc.send_signal(signal.SIGTERM)
