@@ -392,7 +392,8 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
     """The stored config of `run`, with the resumable options the user gave now; any other option the user gave
     must equal the stored value (a resumed run keeps its config)."""
     folder = run_dir(runs_dir, run)
-    given_name = cli_options.get("run_name") or given_options(toml_path).get("run_name")
+    given = given_options(toml_path, **cli_options)  # the TOML file's, then the command line's
+    given_name = given.get("run_name")
     if given_name is not None and given_name != run:
         raise QAEUserError(f"run-name: '{given_name}' is not the run --resume continues ('{run}'). Drop --run-name "
                            "(and run_name from the --config file) to resume it, or drop --resume to start a new run "
@@ -407,8 +408,8 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
                            f"{recent_runs_text(runs_dir)}). See `qae runs`.")
     stored = stored_config(folder)
     changes = {}
-    for name, value in given_options(toml_path, **cli_options).items():
-        if name == "run_name" or value == getattr(stored, name):
+    for name, value in given.items():
+        if name == "run_name" or value == getattr(stored, name):  # (a copied run's stored name is not its own)
             continue
         if name not in RESUMABLE:
             raise QAEUserError(
