@@ -100,13 +100,20 @@ def list_run_dirs(runs_dir: Path) -> list[Path]:
     return sorted(p.parent for p in runs_dir.glob(f"*/{DB_FILE}") if RUN_NAME_PATTERN.match(p.parent.name))
 
 
+def lost_its_database(folder: Path) -> bool:
+    """A training run's folder (its config.json) whose database is gone: deleted, or moved aside after it was
+    damaged. (A new run's folder appears by one rename with both files, so no live creation looks like this.)"""
+    folder = Path(folder)
+    return (folder / CONFIG_FILE).exists() and not (folder / DB_FILE).exists()
+
+
 def runs_without_database(runs_dir: Path) -> list[Path]:
-    """Training run folders (a config.json) whose database is gone: deleted, or moved aside after it was damaged."""
+    """The run folders in `runs_dir` that `lost_its_database`."""
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         return []
     return sorted(p.parent for p in runs_dir.glob(f"*/{CONFIG_FILE}")
-                  if RUN_NAME_PATTERN.match(p.parent.name) and not (p.parent / DB_FILE).exists())
+                  if RUN_NAME_PATTERN.match(p.parent.name) and lost_its_database(p.parent))
 
 
 def recent_runs_text(runs_dir: Path, limit: int = 10) -> str:

@@ -38,8 +38,8 @@ from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
 from qae_app.names import DEFAULT_K, GATE_REASONS
 from qae_app.rundir import (CONFIG_FILE, DB_FILE, PENDING_DIR, STORED_STATUSES, db_path,  # noqa: F401
-                            effective_status, list_checkpoints, list_run_dirs, pending_writes, recent_runs_text,
-                            runs_without_database, validate_run_name, validated_run_dir)
+                            effective_status, list_checkpoints, list_run_dirs, lost_its_database, pending_writes,
+                            recent_runs_text, runs_without_database, validate_run_name, validated_run_dir)
 
 # (DB_FILE, db_path and validate_run_name belong to the run folder, qae_app/rundir.py; readers get them here too)
 UNREADABLE, BUSY = "unreadable", "busy"  # what `read_runs` says of a run whose file it cannot read (never stored):
@@ -309,7 +309,7 @@ def unreadable_run_error(path: Path, err: Exception | str) -> RunFileError:
 def _refuse_missing_file_of_training_run(path: Path) -> None:
     """A training run's folder (its config.json) without its database: the file was deleted or moved aside. Said as
     such, with its checkpoints, rather than 'no run' (`qae train --run-name` would say the run exists)."""
-    if not path.exists() and (path.parent / CONFIG_FILE).exists():
+    if lost_its_database(path.parent):  # (`path` is always a run folder's DB_FILE)
         raise unreadable_run_error(path, "")
 
 

@@ -31,7 +31,8 @@ from pathlib import Path
 from qae_app import names
 from qae_app.config import build_config
 from qae_app.errors import QAEUserError
-from qae_app.rundir import CONFIG_FILE, DB_FILE, db_path, read_run_config, run_dir, trainer_alive, validate_run_name
+from qae_app.rundir import (CONFIG_FILE, DB_FILE, db_path, lost_its_database, read_run_config, run_dir, trainer_alive,
+                            validate_run_name)
 
 SWEEPS_DIR = ".sweeps"  # under the runs dir: each sweep's point files and logs
 POLL_S = 2.0  # how often the sweep looks at its running processes and their step counts
@@ -112,7 +113,7 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
                 f"name: run '{point.run_name}' already exists in {runs_dir} and is not a training run (no "
                 f"{CONFIG_FILE}: an eval run, or what is left of a run). Pass another --name, or move the folder "
                 "aside.")
-        if stored.exists() and not (stored.parent / DB_FILE).exists():
+        if lost_its_database(stored.parent):
             raise QAEUserError(
                 f"name: run '{point.run_name}' of this sweep has lost its database ({stored.parent / DB_FILE} was "
                 "deleted or moved aside), so it can neither be resumed nor started again under its name. Restore "
