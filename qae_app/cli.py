@@ -489,6 +489,15 @@ app.command("eval", help=eval_command.__doc__)(_with_config_options(eval_command
 # ---------------------------------------------------------------------------------------------------------------
 # qae dashboard
 
+# `python -m streamlit` puts the working folder first on sys.path, so a `click.py` or `streamlit.py` in the folder the
+# dashboard is started from (a download folder, a shared run folder) would run as the user: start Streamlit's CLI with
+# that entry dropped (it is '' under `python -c`, and absent where PYTHONSAFEPATH is set)
+STREAMLIT_WITHOUT_WORKING_FOLDER = ("import sys\n"
+                                    "if sys.path and sys.path[0] == '': del sys.path[0]\n"
+                                    "from streamlit.web.cli import main\n"
+                                    "sys.exit(main(prog_name='streamlit'))")
+
+
 def dashboard_app() -> Path:
     """The Streamlit entry point, installed with the package as qae_app.dashboard (the repo's dashboard/ folder)."""
     from importlib.resources import files
@@ -520,7 +529,7 @@ def dashboard(
                           f"checks for new steps; default {names.DASHBOARD_REFRESH_DEFAULT})."))
     _check_host(host)
     app_path = dashboard_app()
-    command = [sys.executable, "-m", "streamlit", "run", str(app_path), "--server.address", host,
+    command = [sys.executable, "-c", STREAMLIT_WITHOUT_WORKING_FOLDER, "run", str(app_path), "--server.address", host,
                "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
                "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal"]
     env = dict(os.environ, QAE_RUNS_DIR=str(Path(runs_dir).resolve()), **{names.DASHBOARD_REFRESH_ENV: refresh})
