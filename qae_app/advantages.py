@@ -17,8 +17,9 @@ out of G, the paper's (lower, inverted-CDF) quantile is the m-th smallest reward
 
 then, as in GRPO, the advantage is divided by the group's (unbiased) reward std + eps. `m` is computed exactly from
 the decimal value of K (0.3 * 10 is 3.0000000000000004 in floats, ceil of which would be 4), so the regime is decided on
-integer counts. `quantile="linear"` reproduces the official code, which used `torch.quantile` (linear interpolation at
-position K * (G - 1)); it differs from the paper when K * (G - 1) is not an integer, e.g. G=8, K=0.4, 5 correct:
+integer counts. `quantile="linear"` reproduces the official code, which used `torch.quantile` (linear
+interpolation at position K * (G - 1), computed here exactly, so an integer position gives a reward itself); it differs
+from the paper when K * (G - 1) is not an integer, e.g. G=8, K=0.4, 5 correct:
 paper baseline 1, linear baseline 0.8. With more than two reward values (the overlong penalty) the quantile works on
 them as they are, as in the paper.
 """
@@ -122,6 +123,20 @@ def quantile_rank(k: float, group_size: int) -> int:
     return min(max(m, 1), group_size)
 
 
+def linear_quantile(rewards: torch.Tensor, k: float) -> torch.Tensor:
+    """torch.quantile's linear interpolation along dim 1, [B, G] -> [B], with the position K * (G - 1) and its
+    interpolation weight computed exactly on K's decimal value: where the position is an integer the quantile is that
+    reward itself (torch's float position, e.g. 0.6 * 25 = 15.000000000000002, put a 1e-6 share of the next reward in
+    the baseline and turned a hard group into a mixed one); elsewhere the weight is the correctly rounded one."""
+    position = Fraction(repr(float(k))) * (rewards.shape[1] - 1)
+    below = math.floor(position)
+    ordered = rewards.sort(dim=1).values  # [B, G]
+    weight = position - below
+    if weight == 0:
+        return ordered[:, below]
+    return ordered[:, below] + float(weight) * (ordered[:, below + 1] - ordered[:, below])
+
+
 def validate_estimator_config(cfg: EstimatorConfig) -> None:
     if not 0.0 < cfg.k < 1.0:
         raise QAEUserError(f"k: {cfg.k} is outside (0, 1). QAE's K is a quantile level; the paper uses "
@@ -145,7 +160,7 @@ def qae_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> tuple[torch.T
         m = quantile_rank(cfg.k, G)
         baseline = rewards.sort(dim=1).values[:, m - 1]  # [B], the m-th smallest reward
     else:
-        baseline = torch.quantile(rewards, cfg.k, dim=1, interpolation="linear")  # [B]
+        baseline = linear_quantile(rewards, cfg.k)  # [B]
     return _scale(rewards - baseline[:, None], rewards, cfg, "qae"), baseline  # [B, G], [B]
 
 

@@ -64,6 +64,28 @@ def test_paper_and_linear_quantiles_differ_when_position_is_fractional():
     assert adv[0, 5:].tolist() == pytest.approx([-1.5457] * 3, abs=1e-4)
 
 
+@pytest.mark.parametrize("size, k", [(26, 0.6), (46, 0.6), (51, 0.3), (51, 0.54), (51, 0.6), (11, 0.4), (6, 0.2)])
+def test_linear_quantile_is_exact_where_its_position_is_an_integer(size, k):
+    """K * (G - 1) an integer: the linear quantile is a reward itself, never 1e-6 away from it (torch.quantile's float
+    position 0.6 * 25 = 15.000000000000002 gave a baseline of 2e-16-ish weight times 1, and the regime `mixed`)."""
+    for n_correct in range(1, size):
+        _, baseline, regime = qae(group(n_correct, size), k=k, quantile="linear")
+        position = round(k * (size - 1))  # exactly an integer for these (G, K)
+        expected = 1.0 if position >= size - n_correct else 0.0  # the sorted rewards: failures first
+        assert baseline.item() == expected, (n_correct, baseline.item())
+        assert REGIMES[regime.item()] == ("easy" if expected == 1.0 else "hard")
+
+
+def test_linear_quantile_matches_torch_quantile_everywhere_else():
+    generator = torch.Generator().manual_seed(0)
+    for size in (2, 3, 5, 8, 16, 33):
+        for k in (0.1, 0.25, 0.4, 0.5, 0.77, 0.9):
+            rewards = torch.rand(20, size, generator=generator)
+            _, baseline, _ = qae(rewards, k=k, quantile="linear")
+            reference = torch.quantile(rewards, k, dim=1, interpolation="linear")
+            assert torch.allclose(baseline, reference, rtol=0, atol=1e-6), (size, k)
+
+
 def test_quantile_rank_is_exact_on_decimal_k():
     # 0.3 * 10 == 3.0000000000000004 in floats; a float ceil would give 4.
     assert quantile_rank(0.3, 10) == 3
