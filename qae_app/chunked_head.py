@@ -15,6 +15,12 @@ the weight's dtype (what autograd does on the plain path), and the weight's grad
 chunks in float32 (one float32 (vocab, H) buffer, cast to the weight's dtype at the end), so bf16 rounding does not
 add up over the chunks.
 
+`causal_lm_logprobs` is what `Trainer._forward_logprobs` computes, through this path: it runs a Hugging Face causal
+LM with `logits_to_keep=1` (the model builds the logits of its last position only), takes the final hidden states
+from its decoder, and passes them with `get_output_embeddings().weight` (tied embeddings are the same Parameter) to
+`head_logprobs_and_entropy`. It refuses models whose logits are not `lm_head(last hidden state)` (Gemma's
+soft-capping, Cohere's logit scale, Granite's logits scaling, ...) and sharded head weights (FSDP, ZeRO-3).
+
 Memory: the default chunk (`default_chunk_tokens`) makes one float32 chunk of logits `CHUNK_BYTES` (256 MiB): 441
 tokens for a 151,936 vocabulary. A chunk holds ~3 such tensors at once (logits, log-probs, and their exp or
 gradient), so the head's working memory is ~0.75 GB whatever the token count, plus the weight's gradient buffer.
@@ -22,8 +28,12 @@ gradient), so the head's working memory is ~0.75 GB whatever the token count, pl
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
+
+from qae_app.errors import QAEUserError
 
 CHUNK_BYTES = 256 * 2**20  # one float32 chunk of logits (chunk_tokens x vocab x 4 bytes) by default
 
@@ -155,3 +165,136 @@ def head_logprobs_and_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, h
                                                with_entropy, int(chunk_tokens))
     return logp.view(targets.shape), entropy.view(targets.shape) if entropy is not None else None
 
+
+# ---- Hugging Face causal LMs ---------------------------------------------------------------------------------------
+
+# config fields with which a model changes its logits after the head, each with the value that leaves them unchanged
+# (Gemma 2/3 soft-capping, RecurrentGemma's, Cohere's logit scale, Granite's logits scaling)
+LOGIT_TRANSFORM_FIELDS = {"final_logit_softcapping": None, "logits_soft_cap": None, "logit_scale": 1.0,
+                          "logits_scaling": 1.0}
+
+
+def wrapper_chain(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """[model, the module it wraps, ...]: through DDP / FSDP / DeepSpeed (`.module`) and torch.compile (`._orig_mod`)
+    wrappers; the last is the Hugging Face model."""
+    chain = [model]
+    while True:
+        inner = getattr(chain[-1], "module", None)
+        inner = inner if isinstance(inner, torch.nn.Module) else getattr(chain[-1], "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return chain
+        chain.append(inner)
+
+
+def _sharding_of(chain: list[torch.nn.Module], head_weight: torch.Tensor) -> str | None:
+    """'FSDP' or 'DeepSpeed ZeRO-3' where the head's weight is sharded across processes (gathered by the wrapper's
+    forward, its gradient reduce-scattered by the wrapper's hooks), else None."""
+    if getattr(head_weight, "ds_id", None) is not None:  # ZeRO-3 partitions the parameter in place
+        return "DeepSpeed ZeRO-3"
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(head_weight, DTensor) or any(isinstance(m, (FSDPModule, FullyShardedDataParallel))
+                                                   for m in chain):
+            return "FSDP"
+    return None
+
+
+def plain_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight (vocab, H), bias (vocab,) | None) of the LM head of an unwrapped Hugging Face causal LM whose logits are
+    `head(decoder's last hidden state)`; a clear error for a model that transforms them after the head."""
+    config = getattr(model, "config", None)
+    configs = [config] + ([config.get_text_config()] if hasattr(config, "get_text_config") else [])
+    for cfg in configs:
+        for field, unchanged in LOGIT_TRANSFORM_FIELDS.items():
+            value = getattr(cfg, field, unchanged)
+            if value is not None and value != unchanged:
+                raise QAEUserError(
+                    f"model: its config sets {field}={value}, so its logits are not the LM head's output and the "
+                    "chunked log-probs (qae_app.chunked_head) would be wrong for it. Compute the full logits and use "
+                    "losses.token_logprobs_and_entropy instead.")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        raise QAEUserError(f"model: {type(model).__name__} has no nn.Linear output embedding (get_output_embeddings() "
+                           f"gave {type(head).__name__}); the chunked log-probs need one. Compute the full logits and "
+                           "use losses.token_logprobs_and_entropy instead.")
+    return head.weight, head.bias
+
+
+def _logits_keyword(model: torch.nn.Module) -> str:
+    """The forward's keyword for computing the last positions' logits only (transformers >= 4.50; before: num_...)."""
+    parameters = inspect.signature(model.forward).parameters
+    keyword = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in parameters), None)
+    if keyword is None:
+        raise QAEUserError(f"model: {type(model).__name__}.forward takes no logits_to_keep, so it would build the full "
+                           "logits anyway; use losses.token_logprobs_and_entropy on them instead.")
+    return keyword
+
+
+def _check_logits_are_the_head_of_hidden(model_name: str, model_logits, last_hidden, weight, bias) -> None:
+    """The model's own logits of its last position (n, 1, V) must be the head applied to the captured hidden state
+    (n, 1, H): this catches a model that transforms its logits (or its head's input) in a way no config field says."""
+    with torch.no_grad():
+        if model_logits.shape[-1] != weight.shape[0]:
+            raise QAEUserError(f"model: its logits have {model_logits.shape[-1]} entries per position but its LM head "
+                               f"{weight.shape[0]} rows (a padded vocabulary the model cuts?); the chunked log-probs "
+                               "cannot be used. Use losses.token_logprobs_and_entropy on the full logits instead.")
+        ours = F.linear(last_hidden, weight, bias).double()
+        theirs = model_logits.double()
+        tolerance = 4 * torch.finfo(weight.dtype).eps * (1 + theirs.abs().max())
+        gap = (ours - theirs).abs().max()
+        if gap > tolerance:
+            raise QAEUserError(
+                f"model: {model_name}'s logits differ from its LM head applied to its last hidden state "
+                f"(by up to {gap.item():.3g}): it transforms them (a logit scale, soft-capping, ...), so the chunked "
+                "log-probs would be wrong for it. Use losses.token_logprobs_and_entropy on the full logits instead.")
+
+
+def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int,
+                       temperature: float, with_entropy: bool = True, chunk_tokens: int | None = None):
+    """Log-probs and (if asked) entropies (n, T-1) of each sequence's next tokens, 0 at the positions before `first`:
+    what `Trainer._forward_logprobs` computes from the full logits, without building them.
+
+    input_ids and attention_mask (n, T). Position t's distribution predicts token t + 1, and the head runs only from
+    position `first` on (as `logits_to_keep=T - first` on the plain path). `model` may be wrapped (DDP, Accelerate):
+    the forward goes through the wrapper (DDP's gradient synchronization needs that), with `logits_to_keep=1`, and a
+    hook on the decoder keeps its last hidden state (n, T, H), normalized, as the head reads it. A sharded model
+    (FSDP, ZeRO-3) is refused: use the plain path for it.
+
+    In `Trainer._forward_logprobs` the model call, `token_logprobs_and_entropy` and the padding are then
+    `return causal_lm_logprobs(model, input_ids, batch["attention_mask"][rows], first, self.cfg.temperature,
+    with_entropy)`.
+    """
+    width = input_ids.shape[1]
+    if not 0 <= first < width:
+        raise ValueError(f"first: {first} must be a position of the sequences, in [0, {width}).")
+    chain = wrapper_chain(model)
+    core = chain[-1]
+    weight, bias = plain_head(core)
+    sharding = _sharding_of(chain, weight)
+    if sharding is not None:
+        # FSDP2 leaves the root's weights gathered after the forward, so the chunked head would even run; but the
+        # gradient it gives the head goes around the wrapper's reduce-scatter, which is not verified here
+        raise QAEUserError(f"model: its LM head is sharded by {sharding}; the chunked log-probs (qae_app.chunked_head) "
+                           "need the whole weight on this process. Compute the full logits and use "
+                           "losses.token_logprobs_and_entropy for sharded models.")
+    captured = {}
+
+    def keep_last_hidden_state(module, args, output):
+        captured["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    hook = core.get_decoder().register_forward_hook(keep_last_hidden_state)
+    try:
+        # use_cache=False: the model would otherwise build a KV cache (its config says use_cache) that nothing reads
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **{_logits_keyword(core): 1})
+    finally:
+        hook.remove()
+    hidden = captured["hidden"]  # (n, T, H)
+    _check_logits_are_the_head_of_hidden(type(core).__name__, out.logits[:, -1:], hidden[:, -1:], weight, bias)
+    logp, entropy = head_logprobs_and_entropy(hidden[:, first:-1], weight, bias, input_ids[:, first + 1:],
+                                              temperature, with_entropy, chunk_tokens)  # (n, T-1-first) each
+    if first:
+        logp = F.pad(logp, (first, 0))  # (n, T-1)
+        entropy = F.pad(entropy, (first, 0)) if entropy is not None else None
+    return logp, entropy

@@ -189,3 +189,167 @@ def test_bad_inputs_name_the_argument():
         head_logprobs_and_entropy(hidden, weight.reshape(-1), bias, targets, 1.0)
     with pytest.raises(ValueError, match="dtype"):
         head_logprobs_and_entropy(hidden.float(), weight, bias, targets, 1.0)
+
+
+# ---- through Hugging Face causal LMs ---------------------------------------------------------------------------------
+
+
+def trainer_plain_logprobs(model, input_ids, attention_mask, first, temperature, with_entropy):
+    """What Trainer._forward_logprobs computes today: the logits from `first` on, then the plain path, padded."""
+    width = input_ids.shape[1]
+    keep = {"logits_to_keep": width - first} if first else {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **keep).logits[:, :-1]
+    logp, entropy = token_logprobs_and_entropy(logits, input_ids[:, first + 1:], temperature, with_entropy)
+    if first:
+        logp = F.pad(logp, (first, 0))
+        entropy = F.pad(entropy, (first, 0)) if entropy is not None else None
+    return logp, entropy
+
+
+def tiny_builtin():
+    from qae_app.models import build_tiny_model
+
+    return build_tiny_model()[0]  # Llama, 4 layers, tied embeddings
+
+
+def tiny_llama_untied():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+
+
+def tiny_qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+
+
+def left_padded_batch(vocab, n=3, width=14, seed=0):
+    """(input_ids, attention_mask (n, width)) with left padding (pad id 0) as the trainer's batches have."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab, (n, width), generator=gen)
+    attention_mask = torch.ones(n, width, dtype=torch.long)
+    attention_mask[0, :3] = 0
+    attention_mask[2, :1] = 0
+    return input_ids.masked_fill(attention_mask == 0, 0), attention_mask
+
+
+@pytest.mark.parametrize("build", [tiny_builtin, tiny_llama_untied, tiny_qwen3])
+@pytest.mark.parametrize("first", [0, 5])
+def test_causal_lm_log_probs_and_parameter_gradients_equal_the_trainers_path(build, first):
+    """float64: the no-grad pass (log-probs and entropies) and the grad pass (log-probs; gradients of every parameter,
+    tied embeddings included) equal the full-logits path to 1e-10."""
+    from qae_app.chunked_head import causal_lm_logprobs
+
+    model = build().double()
+    model.eval()  # as the trainer's forwards (and no dropout either way)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size)
+    with torch.inference_mode():
+        ref = trainer_plain_logprobs(model, input_ids, attention_mask, first, 0.8, True)
+        ours = causal_lm_logprobs(model, input_ids, attention_mask, first, 0.8, True, chunk_tokens=7)
+    assert ours[0].shape == ours[1].shape == (3, 13)
+    assert (ours[0][:, :first] == 0).all() and (ours[1][:, :first] == 0).all()
+    torch.testing.assert_close(ours[0], ref[0], rtol=0, atol=1e-10)
+    torch.testing.assert_close(ours[1], ref[1], rtol=0, atol=1e-10)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.randn(3, 13, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    weights[:, :first] = 0
+    ref_grads = torch.autograd.grad(
+        (weights * trainer_plain_logprobs(model, input_ids, attention_mask, first, 0.8, False)[0]).sum(), params)
+    logp, entropy = causal_lm_logprobs(model, input_ids, attention_mask, first, 0.8, False, chunk_tokens=7)
+    assert entropy is None
+    grads = torch.autograd.grad((weights * logp).sum(), params)
+    for (name, _), mine, theirs in zip(model.named_parameters(), grads, ref_grads):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-10, msg=name)
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo process group of this process alone, for wrapping a model in DDP or FSDP."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_causal_lm_through_a_ddp_wrapper(one_process_group):
+    """The trainer's model is DDP-wrapped with several processes: the forward goes through the wrapper (so DDP's
+    gradient hooks run) and the head is found on the module inside."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from qae_app.chunked_head import causal_lm_logprobs
+
+    model = tiny_llama_untied().double()
+    input_ids, attention_mask = left_padded_batch(90, seed=1)
+    params = list(model.parameters())
+    ref_grads = torch.autograd.grad(
+        trainer_plain_logprobs(model, input_ids, attention_mask, 4, 1.0, False)[0].sum(), params)
+    wrapped = DistributedDataParallel(model)
+    causal_lm_logprobs(wrapped, input_ids, attention_mask, 4, 1.0, False)[0].sum().backward()
+    for p, theirs in zip(params, ref_grads):
+        torch.testing.assert_close(p.grad, theirs, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("version", [1, 2], ids=["fsdp1", "fsdp2"])
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`")  # (one process: nothing to shard)
+def test_a_sharded_model_is_refused(one_process_group, version):
+    """FSDP as the trainer's sharded runs wrap it (each layer, then the root; as tests/test_sharding.py does): the
+    head's gradient would bypass the wrapper's reduce-scatter, so the chunked path says to use the plain one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from qae_app.chunked_head import causal_lm_logprobs
+    from qae_app.errors import QAEUserError
+
+    model = tiny_builtin()
+    if version == 2:
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+                                         use_orig_params=True, device_id=torch.device("cpu"))
+    input_ids, attention_mask = left_padded_batch(64)
+    with pytest.raises(QAEUserError, match="sharded by FSDP"):
+        causal_lm_logprobs(model, input_ids, attention_mask, 2, 1.0)
+
+
+def test_a_model_with_soft_capped_logits_is_refused():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from qae_app.chunked_head import causal_lm_logprobs
+    from qae_app.errors import QAEUserError
+
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    input_ids, attention_mask = left_padded_batch(50)
+    with pytest.raises(QAEUserError, match="final_logit_softcapping=30.0"):
+        causal_lm_logprobs(model, input_ids, attention_mask, 2, 1.0)
+
+
+def test_a_model_that_scales_its_logits_without_saying_so_is_refused():
+    """No config field names the change; the model's own last-position logits give it away."""
+    from transformers import LlamaForCausalLM
+
+    from qae_app.chunked_head import causal_lm_logprobs
+    from qae_app.errors import QAEUserError
+
+    class ScaledLogits(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, logits_to_keep=0, **kwargs):
+            out = super().forward(input_ids, attention_mask, logits_to_keep=logits_to_keep, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    model = ScaledLogits(tiny_llama_untied().config)
+    input_ids, attention_mask = left_padded_batch(90)
+    with pytest.raises(QAEUserError, match="differ from its LM head"):
+        causal_lm_logprobs(model, input_ids, attention_mask, 2, 1.0)
