@@ -353,3 +353,25 @@ def test_a_model_that_scales_its_logits_without_saying_so_is_refused():
     input_ids, attention_mask = left_padded_batch(90)
     with pytest.raises(QAEUserError, match="differ from its LM head"):
         causal_lm_logprobs(model, input_ids, attention_mask, 2, 1.0)
+
+
+# ---- memory, measured from outside the process -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_chunked_head_peak_memory_at_4096_tokens_of_a_151936_vocabulary_is_under_one_logits_tensor():
+    """bench/bench_head_memory.py runs the no-grad pass, the grad pass and its backward in a child process and reads
+    the child's peak RSS from the kernel. The plain path peaks at ~4 float32 (tokens, vocab) tensors (10.4 GB here);
+    the chunked one must stay under one (2.49 GB), torch and the head's weight included (0.4 GB)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tokens, vocab = 4096, 151936
+    one_logits_tensor = tokens * vocab * 4
+    script = Path(__file__).resolve().parents[1] / "bench" / "bench_head_memory.py"
+    out = subprocess.run([sys.executable, str(script), "--tokens", str(tokens), "--vocab", str(vocab), "--hidden",
+                          "256", "--path", "chunked"], capture_output=True, text=True, check=True)
+    peak_gb = float(re.fullmatch(r"peak_rss ([\d.]+) GB", out.stdout.strip().splitlines()[-1]).group(1))
+    assert peak_gb * 1e9 < one_logits_tensor, out.stdout
