@@ -99,11 +99,10 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
             probs = logp_all.exp()  # (c, V); becomes the gradient of the scaled logits z = logits / temperature
             # d logp_t / dz = onehot(t) - p;  d entropy / dz_j = -p_j (log p_j + entropy)
             # so dL/dz = onehot(t) g_logp - p * (g_logp + g_entropy (log p + entropy))
-            per_prob = logp_all  # reused in place: (c, V) -> what multiplies -p
             if grad_entropy is not None:
-                g_ent = grad_entropy[start:end, None].to(compute_dtype)  # (c, 1)
                 entropy = -(probs * logp_all).sum(-1, keepdim=True)  # (c, 1)
-                per_prob.add_(entropy).mul_(g_ent)
+                # what multiplies -p, written over the log-probs: (c, V)
+                per_prob = logp_all.add_(entropy).mul_(grad_entropy[start:end, None].to(compute_dtype))
                 if grad_logp is not None:
                     per_prob.add_(grad_logp[start:end, None].to(compute_dtype))
             else:
