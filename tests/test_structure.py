@@ -22,7 +22,7 @@ LAYERS = [
     {"errors", "names", "faults"},
     {"rundir", "metrics", "datasets", "rows"},
     {"store", "tasks", "config", "compare"},
-    {"advantages", "losses", "models", "rewards", "verifier_preload", "checkpoint_state"},
+    {"advantages", "losses", "chunked_head", "models", "rewards", "verifier_preload", "checkpoint_state"},
     {"rollout", "vllm_engine", "evaluate", "warmstart"},
     {"trainer", "sweep"},
     {"terminal"},  # what the reading commands print (torch-free, like everything the dashboard and `qae runs` use)
