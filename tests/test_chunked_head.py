@@ -269,7 +269,7 @@ def test_causal_lm_log_probs_and_parameter_gradients_equal_the_trainers_path(bui
 
 
 @pytest.fixture
-def one_process_group():
+def one_process_group():  # (tests using it carry a short timeout: one run hung once in gloo, unexplained)
     """A gloo process group of this process alone, for wrapping a model in DDP or FSDP."""
     import torch.distributed as dist
 
@@ -278,6 +278,7 @@ def one_process_group():
     dist.destroy_process_group()
 
 
+@pytest.mark.timeout(180)
 def test_causal_lm_through_a_ddp_wrapper(one_process_group):
     """The trainer's model is DDP-wrapped with several processes: the forward goes through the wrapper (so DDP's
     gradient hooks run) and the head is found on the module inside."""
@@ -296,6 +297,7 @@ def test_causal_lm_through_a_ddp_wrapper(one_process_group):
         torch.testing.assert_close(p.grad, theirs, rtol=0, atol=1e-10)
 
 
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("version", [1, 2], ids=["fsdp1", "fsdp2"])
 @pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`")  # (one process: nothing to shard)
 def test_a_sharded_model_is_refused(one_process_group, version):
