@@ -26,6 +26,7 @@ import streamlit.components.v1 as components_v1
 
 from qae_app import compare, names, rundir, store
 from qae_app.errors import QAEUserError
+from qae_app.formatting import pace_line, run_pace
 
 RUNS_DIR_ENV = "QAE_RUNS_DIR"  # set by `qae dashboard --runs-dir`
 REFRESH_CHOICES = {("off" if seconds is None else f"{seconds} s"): seconds  # sidebar label -> seconds
@@ -283,11 +284,7 @@ def heartbeat(views: dict[str, store.RunView]) -> None:
     def line() -> None:
         parts = []
         for run_id, view in live.items():
-            facts = store.run_pace(view.steps, run_config(view.run).get("steps"))
-            rate = facts["steps_per_min"]
-            parts.append(f"**{run_id}**: last step {store.duration(facts['age_s'])} ago · "
-                         + (f"{rate:.3g} steps/min" if rate else "— steps/min")
-                         + f" · ETA {store.duration(facts['eta_s'])}")
+            parts.append(f"**{run_id}**: " + pace_line(run_pace(view.steps, run_config(view.run).get("steps"))))
         st.markdown(":material/favorite: " + "   ·   ".join(parts))
 
     st.fragment(line, run_every=refresh_interval())()

@@ -22,6 +22,7 @@ from rich.table import Table
 from qae_app import names
 from qae_app.config import EvalConfig, TrainConfig
 from qae_app.errors import QAEUserError
+from qae_app.formatting import number
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="RL from verifiable rewards with Quantile Advantage Estimation (QAE).")
@@ -43,14 +44,6 @@ DEFAULT_RUNS_DIR = Path("runs")
 def fail(err: QAEUserError) -> None:
     err_console.print(f"[bold red]error:[/] {escape(str(err))}")
     raise typer.Exit(code=2)
-
-
-def _fmt(value: Any, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -143,11 +136,11 @@ def run_training(trainer) -> None:
         if m.get("heldout_accuracy") is not None:
             heldout["value"] = m["heldout_accuracy"]
         if step == 0:
-            progress.update(task_id, stats=f"held-out acc {_fmt(heldout['value'])}")
+            progress.update(task_id, stats=f"held-out acc {number(heldout['value'])}")
             return
         stats = (f"reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} H {m['entropy']:.3f} "
                  f"zero-adv {m['frac_zero_adv']:.2f} hard/easy/none {m['frac_hard']:.2f}/{m['frac_easy']:.2f}/"
-                 f"{m['frac_all_correct'] + m['frac_all_wrong']:.2f} held-out {_fmt(heldout['value'])}")
+                 f"{m['frac_all_correct'] + m['frac_all_wrong']:.2f} held-out {number(heldout['value'])}")
         if cfg.dynamic_sampling:
             stats += f" gen-batches {m['gen_batches']:.0f} filtered {m['frac_filtered']:.2f}"
         progress.update(task_id, completed=step, stats=stats)
@@ -181,7 +174,7 @@ def run_training(trainer) -> None:
         raise typer.Exit(code=130)
     if main:
         console.print(f"[green]done[/]: {result.steps_done} steps, status {result.status}. "
-                      f"Held-out accuracy {_fmt(heldout['value'])}.")
+                      f"Held-out accuracy {number(heldout['value'])}.")
         console.print(f"Stored in [cyan]{result.run_dir / 'qae.duckdb'}[/]. Inspect it with:\n"
                       f"  qae show {result.run_id} --runs-dir {trainer.runs_dir}\n"
                       f"  qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}\n"

@@ -28,6 +28,7 @@ from pathlib import Path
 import pandas as pd
 
 from qae_app.errors import QAEUserError
+from qae_app.formatting import missing
 from qae_app.rundir import DB_FILE, list_run_dirs, recent_runs_text, validated_run_dir
 from qae_app.store import query, read_run, read_steps
 
@@ -185,7 +186,7 @@ class Estimate:
 
 def mean_interval(values: list[float]) -> Estimate:
     """Mean and 95% t-interval of the non-NaN values (runs without the metric are left out, and n says so)."""
-    xs = [float(v) for v in values if v is not None and not math.isnan(v)]
+    xs = [float(v) for v in values if not missing(v)]
     n = len(xs)
     if n == 0:
         return Estimate(None, None, None, None, 0, sample_size_note(0))
@@ -208,7 +209,7 @@ class PairedDifference(Estimate):
 def paired_difference(values: dict[int, float], baseline: dict[int, float]) -> PairedDifference:
     """`values` and `baseline` map seed -> one run's metric; only seeds present (and not NaN) in both are paired."""
     seeds = sorted(s for s in values.keys() & baseline.keys()
-                   if not _missing(values[s]) and not _missing(baseline[s]))
+                   if not missing(values[s]) and not missing(baseline[s]))
     diffs = [values[s] - baseline[s] for s in seeds]
     base = mean_interval(diffs)
     p = None
@@ -218,10 +219,6 @@ def paired_difference(values: dict[int, float], baseline: dict[int, float]) -> P
         else:
             p = student_t_two_sided_p(base.mean / (base.sd / math.sqrt(base.n)), base.n - 1)
     return PairedDifference(**asdict(base), p_value=p, seeds=seeds)
-
-
-def _missing(value) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 # ---------------------------------------------------------------------------------------------------------------

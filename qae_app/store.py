@@ -1081,37 +1081,3 @@ def read_eval_samples(path: Path, benchmark: str, source: str, step: int, correc
           AND (? IS NULL OR contains(lower(response), lower(?)) OR contains(lower(extracted), lower(?)))
         ORDER BY problem_id, sample_idx""",
                  [benchmark, source, step, correct, correct, problem_id, problem_id, search, search, search])
-
-
-PACE_STEPS = 50  # a run's pace is the median spacing of its last this-many steps
-
-
-def run_pace(steps: pd.DataFrame, total_steps: int | None, now: datetime | None = None) -> dict:
-    """How a run is moving, from the times its steps were committed (`logged_at`, UTC): `age_s` of the last step,
-    `steps_per_min` (median spacing of the last PACE_STEPS steps, so a pause for an evaluation, a checkpoint or a
-    resume does not skew it) and `eta_s` to `total_steps` at that pace. Facts that cannot be known are None."""
-    pd = pandas()
-    now = now or _now()
-    times = steps["logged_at"].dropna() if "logged_at" in steps else pd.Series(dtype="datetime64[ns]")
-    if times.empty:
-        return dict(age_s=None, steps_per_min=None, eta_s=None)
-    age_s = max(0.0, (now - pd.Timestamp(times.iloc[-1]).to_pydatetime()).total_seconds())
-    gaps = pd.to_datetime(times.tail(PACE_STEPS)).diff().dt.total_seconds().dropna()
-    gaps = gaps[gaps > 0]
-    per_min = 60 / float(gaps.median()) if not gaps.empty else None
-    last = int(steps["step"].iloc[-1])
-    eta_s = (total_steps - last) * 60 / per_min if per_min and total_steps and total_steps > last else None
-    return dict(age_s=age_s, steps_per_min=per_min, eta_s=eta_s)
-
-
-def duration(seconds: float | None) -> str:
-    """'45 s', '12 min', '3.4 h', '2.1 d' (or '-' when unknown)."""
-    if seconds is None or seconds != seconds:  # NULL or NaN
-        return "-"
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 90 * 60:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 48 * 3600:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} d"

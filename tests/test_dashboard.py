@@ -805,20 +805,6 @@ def test_file_version_changes_with_each_commit_and_only_then(tmp_path):
     assert store.file_version(path) != before
 
 
-def test_run_pace_from_step_times():
-    from datetime import datetime, timedelta
-
-    start = datetime(2026, 1, 1, 12, 0, 0)
-    # 10 steps 6 s apart, with a 600 s pause (an evaluation) before step 6: the median spacing ignores the pause
-    times = [start + timedelta(seconds=6 * i + (600 if i >= 5 else 0)) for i in range(10)]
-    steps = pd.DataFrame({"step": range(1, 11), "logged_at": times})
-    facts = store.run_pace(steps, 110, now=times[-1] + timedelta(seconds=30))
-    assert facts["age_s"] == 30 and facts["steps_per_min"] == pytest.approx(10)
-    assert facts["eta_s"] == pytest.approx(100 * 6)
-    assert store.run_pace(steps.assign(logged_at=pd.NaT), 110)["steps_per_min"] is None
-    assert store.duration(45) == "45 s" and store.duration(600) == "10 min" and store.duration(3 * 3600) == "3.0 h"
-
-
 def test_smoothing_by_hand():
     values = pd.Series([1.0, None, 3.0, 5.0])
     assert charts.smooth(values, "none").equals(values)
