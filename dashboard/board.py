@@ -53,7 +53,7 @@ def runs_dir() -> Path:
 
 
 def run_path(run_id: str) -> Path:
-    return store.db_path(runs_dir(), run_id)
+    return rundir.db_path(runs_dir(), run_id)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -37,11 +37,10 @@ if TYPE_CHECKING:  # pandas is imported where a frame is made: `qae runs` (run_s
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
 from qae_app.names import DEFAULT_K, GATE_REASONS
-from qae_app.rundir import (CONFIG_FILE, DB_FILE, PENDING_DIR, STORED_STATUSES, db_path,  # noqa: F401
-                            effective_status, list_checkpoints, list_run_dirs, lost_its_database, pending_writes,
-                            recent_runs_text, runs_without_database, validate_run_name, validated_run_dir)
+from qae_app.rundir import (CONFIG_FILE, DB_FILE, PENDING_DIR, STORED_STATUSES, effective_status, list_checkpoints,
+                            list_run_dirs, lost_its_database, pending_writes, recent_runs_text, runs_without_database,
+                            validated_run_dir)
 
-# (DB_FILE, db_path and validate_run_name belong to the run folder, qae_app/rundir.py; readers get them here too)
 UNREADABLE, BUSY = "unreadable", "busy"  # what `read_runs` says of a run whose file it cannot read (never stored):
 READ_STATUSES = (UNREADABLE, BUSY)  # damaged, or held by another process for too long; `error` says why
 

@@ -13,7 +13,7 @@ import math
 import random
 from pathlib import Path
 
-from qae_app import store
+from qae_app import rundir, store
 from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
 
 EPS = 1e-6
@@ -39,7 +39,7 @@ def write_run(runs_dir: Path, run_id: str, steps: int = 20, prompts_per_step: in
     """Write `steps` steps of a synthetic QAE run into runs_dir/run_id (created if new) and return its writer.
     `status=None` leaves the stored status as it is (`running` for a new run); `start_step` continues a run."""
     rng = random.Random(seed * 1_000_003 + start_step)
-    path = store.db_path(runs_dir, run_id)
+    path = rundir.db_path(runs_dir, run_id)
     if writer is None:
         writer = store.RunWriter(path, run_id)
         if start_step == 1:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from qae_app import store
+from qae_app import rundir, store
 from qae_app.cli import app
 from qae_app.names import GATE_REASONS
 from qae_app.formatting import number
@@ -124,7 +124,7 @@ def test_show_prints_status_config_and_whole_numbers(runs_cwd, width):
     for key, value in [("steps", "30"), ("group_size", "8"), ("k", "0.4"), ("eval_every", "10")]:
         assert f"{key} = {value}" in flat
     assert "…" not in text
-    steps = store.read_steps(store.db_path(runs_cwd / "runs", LONG_A)).set_index("step")
+    steps = store.read_steps(rundir.db_path(runs_cwd / "runs", LONG_A)).set_index("step")
     rows = {int(line.split()[0]): line.split() for line in lines if re.match(r"^\s*\d+\s+\d", line)}
     assert 30 in rows and 1 in rows
     for step, cells in rows.items():
@@ -171,7 +171,7 @@ def test_show_refuses_an_unknown_metric(runs_cwd):
 @pytest.mark.parametrize("width", WIDTHS)
 def test_rollouts_break_down_why_responses_were_gated(runs_cwd, width):
     text = invoke(runs_cwd, width, "rollouts", LONG_A, "--step", "30", "--limit", "200")
-    path = store.db_path(runs_cwd / "runs", LONG_A)
+    path = rundir.db_path(runs_cwd / "runs", LONG_A)
     breakdown = store.read_gate_breakdown(path).query("step == 30")
     for reason, n in zip(breakdown["gate_reason"], breakdown["n"]):
         assert re.search(rf"^{reason}\s+{n}\s", text, re.MULTILINE), reason
@@ -220,9 +220,9 @@ def test_readme_defines_every_gate_reason():
 def test_rollouts_of_a_run_without_steps_say_so(tmp_path):
     """A run created but not past its first step (or an eval-only run): DuckDB's max(step) over no rows comes back as
     pandas' NA, which is neither None nor NaN."""
-    writer = store.RunWriter(store.db_path(tmp_path, "new"), "new")
+    writer = store.RunWriter(rundir.db_path(tmp_path, "new"), "new")
     writer.create_run("new", {"steps": 10}, "qae", 0.4, "builtin:tiny", "arith", 0)
-    assert store.read_last_step(store.db_path(tmp_path, "new")) is None
+    assert store.read_last_step(rundir.db_path(tmp_path, "new")) is None
     assert store.last_logged_step(tmp_path / "new") == 0
     result = runner.invoke(app, ["rollouts", "new", "--runs-dir", str(tmp_path)])
     assert result.exit_code == 2, result.output

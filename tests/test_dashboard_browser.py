@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from qae_app import store
+from qae_app import rundir, store
 
 from test_dashboard import free_port, wait_healthy
 
@@ -121,7 +121,7 @@ def test_browse_a_finished_run(tiny_run, dashboard, page, tmp_path):
     screenshot(page, tmp_path, "dashboard-curves.png")
 
     # the rollouts of step 3, through the URL the page keeps
-    path = store.db_path(runs_dir, run_id)
+    path = rundir.db_path(runs_dir, run_id)
     expected = store.read_rollouts(path, 3)
     page.goto(f"{url}/rollouts?run={run_id}&step=3")
     wait_idle(page)
@@ -146,7 +146,7 @@ def test_curves_grow_while_qae_train_writes(start, dashboard, page, tmp_path):
     trainer = start([str(QAE), "train", "--runs-dir", str(runs_dir), "--run-name", "live", "--steps", "400",
                      "--prompts-per-step", "4", "--group-size", "8", "--eval-every", "0", "--checkpoint-every", "0"],
                     stdout=open(tmp_path / "train.log", "w"), stderr=subprocess.STDOUT, cwd=tmp_path)
-    path = store.db_path(runs_dir, "live")
+    path = rundir.db_path(runs_dir, "live")
     deadline = time.monotonic() + 120
     while not (path.exists() and store.read_runs(runs_dir).shape[0]) and time.monotonic() < deadline:
         assert trainer.poll() is None, (tmp_path / "train.log").read_text()
@@ -270,7 +270,7 @@ def test_a_new_run_appears_on_an_open_empty_page(start, dashboard, page, tmp_pat
 def test_zoom_survives_new_steps_and_a_killed_run_stops_redrawing(start, dashboard, page, tmp_path):
     runs_dir = tmp_path / "runs"
     trainer = start_trainer(start, runs_dir, tmp_path, "live")
-    path = store.db_path(runs_dir, "live")
+    path = rundir.db_path(runs_dir, "live")
     wait_for_steps(path, trainer, tmp_path / "train-live.log", 3)
     url = dashboard(runs_dir)
     page.goto(f"{url}/curves?run=live&smooth=none")

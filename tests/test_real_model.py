@@ -22,7 +22,8 @@ from qae_app.errors import QAEUserError
 from qae_app.losses import token_logprobs_and_entropy
 from qae_app.models import gguf_cache_folder, load_policy, local_model_folder, publish_folder
 from qae_app.rewards import Scorer
-from qae_app.store import db_path, query, read_steps
+from qae_app.rundir import db_path
+from qae_app.store import query, read_steps
 
 runner = CliRunner()
 

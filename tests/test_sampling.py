@@ -12,7 +12,8 @@ from qae_app.cli import app
 from qae_app.losses import token_logprobs_and_entropy
 from qae_app.models import build_tiny_model, load_policy
 from qae_app.rollout import HFGenerateEngine
-from qae_app.store import db_path, read_run
+from qae_app.rundir import db_path
+from qae_app.store import read_run
 
 runner = CliRunner()
 
