@@ -354,7 +354,7 @@ def gate_breakdown(breakdown: pd.DataFrame, totals: pd.DataFrame, step: int | No
 def quantile_bands(frames: dict[str, pd.DataFrame], colors: dict[str, str], title: str, y_title: str,
                    step: int | None = None, log_y: bool = False) -> go.Figure:
     """Per run, over steps: the median (line), the 25-75% band (darker) and the 5-95% band (lighter) of a quantity
-    over each step's responses (frames from store.read_quantiles); the step shown in the histogram is marked."""
+    over each step's responses (frames from store_read.read_quantiles); the step shown in the histogram is marked."""
     fig = go.Figure()
     for run_id, q in frames.items():
         color = colors[run_id]

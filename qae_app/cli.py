@@ -154,7 +154,7 @@ def run_training(trainer) -> None:
     except QAEUserError as err:
         fail(err)
     if main and heldout["value"] is None and trainer.resuming:  # nothing evaluated now: the run's last evaluation
-        from qae_app.store import query
+        from qae_app.store_read import query
 
         last = query(result.run_dir / "qae.duckdb", "SELECT heldout_accuracy FROM steps WHERE heldout_accuracy IS "
                                                     "NOT NULL ORDER BY step DESC LIMIT 1")
@@ -227,7 +227,7 @@ def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
               ) -> None:
     """List runs: status, estimator, K, steps and the latest reward, accuracy and entropy (model and task when the
     terminal is wide enough). A run is its folder; an unreadable database is listed with the reason."""
-    from qae_app.store import run_summaries
+    from qae_app.store_read import run_summaries
     from qae_app.terminal import runs_view
 
     out = _view_console()
@@ -253,7 +253,8 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
              help="Comma-separated step metrics to show (default: the most important that fit the terminal).")] = None,
          ) -> None:
     """Summarize a run: status, config, pace while running, per-step metrics, evaluations and warnings."""
-    from qae_app.store import STEP_METRICS, read_evals, read_run, read_steps, read_warnings, resolve_run
+    from qae_app.store import STEP_METRICS
+    from qae_app.store_read import read_evals, read_run, read_steps, read_warnings, resolve_run
     from qae_app.terminal import show_view
 
     try:
@@ -293,7 +294,7 @@ def rollouts(
     reason), which groups dynamic sampling filtered out of the update, and each group's prompt, answer, baseline and
     regime."""
     from qae_app.names import GATE_REASONS, REGIMES
-    from qae_app.store import read_last_step, read_rollouts, resolve_run
+    from qae_app.store_read import read_last_step, read_rollouts, resolve_run
     from qae_app.terminal import rollouts_view
 
     try:

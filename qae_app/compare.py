@@ -30,7 +30,7 @@ import pandas as pd
 from qae_app.errors import QAEUserError
 from qae_app.formatting import missing
 from qae_app.rundir import DB_FILE, list_run_dirs, recent_runs_text, validated_run_dir
-from qae_app.store import query, read_run, read_steps
+from qae_app.store_read import query, read_run, read_steps
 
 # ---------------------------------------------------------------------------------------------------------------
 # Which config keys make two runs "the same setup"

@@ -398,7 +398,7 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
         raise QAEUserError(f"run-name: '{given_name}' is not the run --resume continues ('{run}'). Drop --run-name "
                            "(and run_name from the --config file) to resume it, or drop --resume to start a new run "
                            "of that name.")
-    from qae_app.store import is_eval_run  # (duckdb: not imported by every command that reads options)
+    from qae_app.store_read import is_eval_run  # (duckdb: not imported by every command that reads options)
 
     if is_eval_run(folder):
         raise eval_run_error("resume", folder, "There is nothing to resume; start a training run with another "

@@ -153,7 +153,7 @@ def point_state(runs_dir: Path, point: SweepPoint) -> str:
         return "new"
     if trainer_alive(folder):
         return "busy"
-    from qae_app.store import read_last_step, read_run
+    from qae_app.store_read import read_last_step, read_run
 
     try:
         status, last = read_run(db_path(runs_dir, point.run_name))["status"], read_last_step(
@@ -283,7 +283,7 @@ def _stored_steps(runs_dir: Path, run_name: str, before: int | None) -> int | No
     path = db_path(runs_dir, run_name)
     if not path.exists():
         return before
-    from qae_app.store import read_last_step
+    from qae_app.store_read import read_last_step
 
     try:
         return read_last_step(path) or 0

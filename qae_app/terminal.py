@@ -24,7 +24,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from qae_app import store
+from qae_app import store, store_read
 from qae_app.formatting import missing, number, pace_line, run_pace
 from qae_app.names import GATE_REASONS
 from qae_app.rundir import STOPPED
@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # `qae runs` draws from dicts and never imports pandas
 
 GAP = 2  # characters between two columns (SIMPLE_HEAD box, collapsed padding)
 STATUS_STYLES = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow",
-                 store.UNREADABLE: "bold red", store.BUSY: "yellow", STOPPED: "magenta"}
+                 store_read.UNREADABLE: "bold red", store_read.BUSY: "yellow", STOPPED: "magenta"}
 ID_SEPARATORS = "-_."
 MIN_ID_WIDTH = 24  # optional columns give way before a run id gets narrower than this (default ids: 19-23)
 # `qae show`: the steps columns in order of importance (all of STEP_METRICS, the first ones kept at 80 columns)
@@ -141,11 +141,11 @@ def shared_prefix(ids: list[str]) -> str:
 
 
 def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
-    """The runs table (rows: store.run_summaries): run, status, estimator and K, progress and the latest metrics;
+    """The runs table (rows: store_read.run_summaries): run, status, estimator and K, progress and the latest metrics;
     model, task and creation time when there is room. Under it: what `stopped` means and why a run is unreadable."""
     ids = [str(row["run_id"]) for row in rows]
     configs = [_config(row) for row in rows]
-    readable = [row.get("status") not in store.READ_STATUSES for row in rows]
+    readable = [row.get("status") not in store_read.READ_STATUSES for row in rows]
 
     def cell(row: dict, key: str, ok: bool) -> str:
         return number(row.get(key)) if ok else ""
@@ -192,7 +192,7 @@ def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
         parts.append(Text("stopped: stored as running, but no trainer holds the run (killed by kill -9, OOM or a power "
                           "loss). Continue it with `qae train --resume RUN`.", style="dim"))
     for row in rows:
-        if row["status"] in store.READ_STATUSES:
+        if row["status"] in store_read.READ_STATUSES:
             parts.append(Text.assemble(("unreadable: ", "bold red"), (f"{row['run_id']}: {row.get('error')}", "")))
     return Group(*parts)
 

@@ -25,7 +25,7 @@ from qae_app.losses import token_logprobs_and_entropy
 from qae_app.models import load_policy
 from qae_app.rows import step_metrics
 from qae_app.rundir import db_path
-from qae_app.store import query, read_steps
+from qae_app.store_read import query, read_steps
 from qae_app.trainer import Trainer, data_position_problem
 
 runner = CliRunner()

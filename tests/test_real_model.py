@@ -23,7 +23,7 @@ from qae_app.losses import token_logprobs_and_entropy
 from qae_app.models import gguf_cache_folder, load_policy, local_model_folder, publish_folder
 from qae_app.rewards import Scorer
 from qae_app.rundir import db_path
-from qae_app.store import query, read_steps
+from qae_app.store_read import query, read_steps
 
 runner = CliRunner()
 

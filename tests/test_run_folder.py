@@ -14,7 +14,7 @@ from qae_app.config import build_config, resume_config
 from qae_app.errors import QAEUserError
 from qae_app.rundir import (LOCK_FILE, MANIFEST, TRAINER_STATE, RunLock, checkpoint_problem, db_path, effective_status,
                             latest_checkpoint, list_checkpoints, trainer_alive)
-from qae_app.store import read_run, read_runs, read_steps
+from qae_app.store_read import read_run, read_runs, read_steps
 from qae_app.trainer import Trainer
 
 QAE = str(Path(sys.executable).parent / "qae")

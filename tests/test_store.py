@@ -14,8 +14,8 @@ import pytest
 
 from qae_app.errors import QAEUserError
 from qae_app.rundir import db_path, validate_run_name
-from qae_app.store import (MAX_ROW_DELAY_S, STEP_METRICS, RunFileError, RunWriter, query, read_rollouts, read_run,
-                           read_runs, read_steps, resolve_run)
+from qae_app.store import MAX_ROW_DELAY_S, STEP_METRICS, RunFileError, RunWriter
+from qae_app.store_read import query, read_rollouts, read_run, read_runs, read_steps, resolve_run
 
 
 def _rows(step: int, n: int = 4):
@@ -232,7 +232,8 @@ def test_writer_migrates_a_file_from_before_the_source_column(tmp_path):
 
 FILL_SCRIPT = r"""
 import json, random, sys
-from qae_app.store import STEP_METRICS, RunWriter, read_run
+from qae_app.store import STEP_METRICS, RunWriter
+from qae_app.store_read import read_run
 
 path = sys.argv[1] + "/run/qae.duckdb"
 writer = RunWriter(path, "run")

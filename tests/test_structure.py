@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qae_app"
 LAYERS = [
     {"errors", "names", "faults"},
     {"rundir", "metrics", "datasets", "rows", "formatting"},
-    {"store", "tasks", "config", "compare"},
+    {"store", "store_read", "tasks", "config", "compare"},
     {"advantages", "losses", "models", "rewards", "verifier_preload"},
     {"rollout", "vllm_engine", "evaluate", "warmstart"},
     {"trainer", "sweep"},
@@ -127,7 +127,7 @@ def test_train_config_is_frozen_and_resumable_fields_are_marked():
 
 
 def test_a_training_step_writes_nothing_and_its_rows_are_the_store_columns(tmp_path):
-    from qae_app.store import read_steps
+    from qae_app.store_read import read_steps
     from qae_app.trainer import Trainer
 
     trainer = Trainer(build_config(run_name="pure", steps=2, prompts_per_step=2, group_size=4, eval_every=0,

@@ -13,7 +13,8 @@ from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
 from qae_app.cli import app
 from qae_app.config import build_config, resume_config
 from qae_app.rundir import db_path
-from qae_app.store import STEP_METRICS, query, read_run, read_steps
+from qae_app.store import STEP_METRICS
+from qae_app.store_read import query, read_run, read_steps
 from qae_app.rows import step_metrics
 from qae_app.trainer import Trainer, prompts_for_step
 from tests.conftest import TINY_RUN_OPTIONS

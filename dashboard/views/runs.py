@@ -8,7 +8,8 @@ import streamlit as st
 
 import board
 from qae_app.formatting import ago, duration, run_pace
-from qae_app.store import READ_STATUSES, STEP_METRICS
+from qae_app.store import STEP_METRICS
+from qae_app.store_read import READ_STATUSES
 
 COLUMNS = {
     "shown": st.column_config.CheckboxColumn("shown", help="Picked in the sidebar: shown on the other pages."),
