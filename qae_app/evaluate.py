@@ -22,7 +22,7 @@ from qae_app.rewards import ANSWER_EXTRACTORS, Scorer
 from qae_app.rollout import RolloutEngine
 from qae_app.rundir import RUN_NAME_PATTERN, CHECKPOINTS_DIR, checkpoint_step, db_path, eval_run_error, \
     list_checkpoints, validate_run_name
-from qae_app.store import RunWriter
+from qae_app.store_write import RunWriter
 from qae_app.store_read import is_eval_run
 from qae_app.tasks import load_benchmark
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from qae_app.cli import app
 from qae_app.rundir import db_path
-from qae_app.store import RunWriter
+from qae_app.store_write import RunWriter
 from qae_app.store_read import query, read_run
 
 runner = CliRunner()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from qae_app import rundir, store, store_read
+from qae_app import rundir, store_read, store_write
 from qae_app.cli import app
 from qae_app.names import GATE_REASONS
 from qae_app.formatting import number
@@ -220,7 +220,7 @@ def test_readme_defines_every_gate_reason():
 def test_rollouts_of_a_run_without_steps_say_so(tmp_path):
     """A run created but not past its first step (or an eval-only run): DuckDB's max(step) over no rows comes back as
     pandas' NA, which is neither None nor NaN."""
-    writer = store.RunWriter(rundir.db_path(tmp_path, "new"), "new")
+    writer = store_write.RunWriter(rundir.db_path(tmp_path, "new"), "new")
     writer.create_run("new", {"steps": 10}, "qae", 0.4, "builtin:tiny", "arith", 0)
     assert store_read.read_last_step(rundir.db_path(tmp_path, "new")) is None
     assert store_read.last_logged_step(tmp_path / "new") == 0

@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from qae_app import rundir, store, store_read
+from qae_app import rundir, store, store_read, store_write
 from qae_app.cli import app as cli_app
 from qae_app.rundir import RunLock, run_dir
 from tests.synthetic import write_run
@@ -93,13 +93,13 @@ def runs_dir(tiny_run, tmp_path_factory) -> Path:
     (out / tiny_id).mkdir()
     shutil.copy(rundir.db_path(tiny_dir, tiny_id), rundir.db_path(out, tiny_id))  # the database only, not checkpoints
     _write_crafted(out)
-    empty = store.RunWriter(rundir.db_path(out, "empty"), "empty")
+    empty = store_write.RunWriter(rundir.db_path(out, "empty"), "empty")
     empty.create_run("empty", {"steps": 10}, "grpo", None, "builtin:tiny", "arith", 0)
     return out
 
 
 def _write_crafted(out: Path, run_id: str = "crafted") -> None:
-    writer = store.RunWriter(rundir.db_path(out, run_id), run_id)
+    writer = store_write.RunWriter(rundir.db_path(out, run_id), run_id)
     writer.create_run(run_id, {"steps": 3, "group_size": 4, "entropy_low": 0.5, "entropy_high": 3.0}, "qae", 0.5,
                       "builtin:tiny", "arith", 0)
     for step in (1, 2, 3):
@@ -371,7 +371,7 @@ def test_evals_page_plots_each_metric_and_subset(app, runs_dir):
 def test_the_latest_evaluation_is_one_row_not_a_mix(tmp_path, monkeypatch):
     """'latest value' took each column's last non-missing value: a metric missing at step 2 showed step 2 beside
     step 1's value."""
-    writer = store.RunWriter(rundir.db_path(tmp_path, "ev"), "ev")
+    writer = store_write.RunWriter(rundir.db_path(tmp_path, "ev"), "ev")
     writer.create_run("ev", {"steps": 2}, "qae", 0.4, "builtin:tiny", "arith", 0)
     for step, value in ((1, 0.5), (2, None)):
         writer.add_step(step, steps=[{name: None for name in store.STEP_METRICS}],
@@ -604,7 +604,7 @@ def _write_dynamic(out: Path) -> None:
     group 0 hard, trained: one success shaped to 0.75, three failures (gated);
     group 1 easy, trained: three successes (gated) and one failure;
     group 2 filtered (all wrong by the verifier), one response shaped to -0.25 so its advantage is not 0."""
-    writer = store.RunWriter(rundir.db_path(out, "dyn"), "dyn")
+    writer = store_write.RunWriter(rundir.db_path(out, "dyn"), "dyn")
     writer.create_run("dyn", {"steps": 1, "group_size": 4, "dynamic_sampling": True}, "qae", 0.4, "builtin:tiny",
                       "arith", 0)
     spec = [  # group: (regime, baseline, filtered, [(reward, correct, advantage)] * 4)
@@ -967,7 +967,7 @@ print("torch loaded:", "torch" in sys.modules)
 def test_the_step_follows_a_live_run_while_the_user_is_on_the_newest(tmp_path, monkeypatch, view, key):
     """As on the Rollouts page, the Distributions histogram stays on the newest step of a run being trained until the
     user picks an older one."""
-    writer = store.RunWriter(rundir.db_path(tmp_path, "live"), "live")
+    writer = store_write.RunWriter(rundir.db_path(tmp_path, "live"), "live")
     writer.create_run("live", {"steps": 3, "group_size": 4}, "qae", 0.5, "builtin:tiny", "arith", 0)
     for step in (1, 2):
         writer.add_step(step, **_crafted_rows(step))

@@ -169,7 +169,7 @@ def test_resume_of_a_run_killed_before_its_first_checkpoint_without_a_row_starts
     folder = copy_run(finished, tmp_path)
     shutil.rmtree(folder / "checkpoints")
     (folder / "qae.duckdb").unlink()
-    from qae_app.store import RunWriter
+    from qae_app.store_write import RunWriter
 
     RunWriter(folder / "qae.duckdb", "r")  # tables, no run row
     result = Trainer(resume_config(tmp_path, "r", steps=2), tmp_path, resume=True, cpu=True).fit()

@@ -14,7 +14,8 @@ import pytest
 
 from qae_app.errors import QAEUserError
 from qae_app.rundir import db_path, validate_run_name
-from qae_app.store import MAX_ROW_DELAY_S, STEP_METRICS, RunFileError, RunWriter
+from qae_app.store import STEP_METRICS, RunFileError
+from qae_app.store_write import MAX_ROW_DELAY_S, RunWriter
 from qae_app.store_read import query, read_rollouts, read_run, read_runs, read_steps, resolve_run
 
 
@@ -232,7 +233,8 @@ def test_writer_migrates_a_file_from_before_the_source_column(tmp_path):
 
 FILL_SCRIPT = r"""
 import json, random, sys
-from qae_app.store import STEP_METRICS, RunWriter
+from qae_app.store import STEP_METRICS
+from qae_app.store_write import RunWriter
 from qae_app.store_read import read_run
 
 path = sys.argv[1] + "/run/qae.duckdb"
@@ -422,7 +424,7 @@ def test_writing_rows_does_not_import_pandas(tmp_path):
     code = ("import sys\n"
             "from pathlib import Path\n"
             "from tests.test_store import _awkward_rows\n"
-            "from qae_app.store import RunWriter\n"
+            "from qae_app.store_write import RunWriter\n"
             "w = RunWriter(Path(sys.argv[1]), 'r')\n"
             "w.create_run('r', {}, 'qae', 0.4, 'builtin:tiny', 'arith', 0)\n"
             "w.add_step(1, **_awkward_rows(1))\n"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qae_app import store
+from qae_app import store, store_write
 from qae_app.config import TrainConfig, build_config
 
 PACKAGE = Path(__file__).resolve().parents[1] / "qae_app"
@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qae_app"
 LAYERS = [
     {"errors", "names", "faults"},
     {"rundir", "metrics", "datasets", "rows", "formatting"},
-    {"store", "store_read", "tasks", "config", "compare"},
+    {"store", "store_write", "store_read", "tasks", "config", "compare"},
     {"advantages", "losses", "models", "rewards", "verifier_preload"},
     {"rollout", "vllm_engine", "evaluate", "warmstart"},
     {"trainer", "sweep"},
@@ -150,7 +150,7 @@ def test_a_training_step_writes_nothing_and_its_rows_are_the_store_columns(tmp_p
 
 
 def test_the_writer_refuses_rows_that_are_not_the_table_columns(tmp_path):
-    writer = store.RunWriter(tmp_path / "x" / "qae.duckdb", "x")
+    writer = store_write.RunWriter(tmp_path / "x" / "qae.duckdb", "x")
     with pytest.raises(ValueError, match="groups rows have columns"):
         writer.add_step(1, groups=[{"group_idx": 0, "promt": "1+1="}])
 
