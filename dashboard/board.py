@@ -24,7 +24,7 @@ import plotly.graph_objects as go
 import streamlit as st
 import streamlit.components.v1 as components_v1
 
-from qae_app import compare, names, rundir, store, store_read
+from qae_app import compare, names, run_file, rundir, store_read
 from qae_app.errors import QAEUserError
 from qae_app.formatting import pace_line, run_pace
 
@@ -106,7 +106,7 @@ def _guarded(read: Callable, *args, what: str):
     try:
         return read(*args)
     except duckdb.Error as err:
-        if store.is_lock_error(err):
+        if run_file.is_lock_error(err):
             st.caption(f":material/hourglass_empty: {what}: the database is busy; retrying at the next refresh.")
         else:
             st.error(f"{what}: the database cannot be read: {err}")

@@ -29,8 +29,8 @@ if TYPE_CHECKING:  # numpy is imported where rows are written: `qae runs` never 
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
 from qae_app.rundir import PENDING_DIR, STORED_STATUSES
-from qae_app.store import (EVAL_TABLES, STEP_METRICS, STEP_TABLES, TABLES, PendingWrite, attach, damage_reason, holder,
-                           is_damage_error, is_lock_error, row_columns, schema_statements, unreadable_run_error)
+from qae_app.run_file import attach, damage_reason, holder, is_damage_error, is_lock_error, unreadable_run_error
+from qae_app.store import EVAL_TABLES, STEP_METRICS, STEP_TABLES, TABLES, PendingWrite, row_columns, schema_statements
 
 # When queued steps go to the database. Attaching the file and detaching it (a checkpoint of DuckDB's log) and each
 # INSERT cost about as much for one step as for twenty, so steps are written together: after a write that took c
@@ -118,7 +118,8 @@ class RunWriter:
 
     def __init__(self, path: Path, run_id: str, lock_timeout_s: float = 0.2, open_timeout_s: float = 60.0,
                  clock=time.monotonic, on_wait=None):
-        """`on_wait(holder)`: called once if opening the file waits on another process for over WAIT_NOTICE_S."""
+        """`on_wait(holder)`: called once if opening the file waits on another process for over
+        run_file.WAIT_NOTICE_S."""
         self.path = Path(path)
         self.clock = clock  # when writes are due (tests move it by hand)
         self.next_flush_at = -math.inf  # the first write is due at once

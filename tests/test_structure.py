@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qae_app"
 LAYERS = [
     {"errors", "names", "faults"},
     {"rundir", "metrics", "datasets", "rows", "formatting"},
-    {"store", "store_write", "store_read", "tasks", "config", "compare"},
+    {"store", "run_file", "store_write", "store_read", "tasks", "config", "compare"},
     {"advantages", "losses", "models", "rewards", "verifier_preload"},
     {"rollout", "vllm_engine", "evaluate", "warmstart"},
     {"trainer", "sweep"},
