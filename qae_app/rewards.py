@@ -51,7 +51,7 @@ from multiprocessing.connection import wait
 
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
-from qae_app.names import MAX_ANSWER_CHARS
+from qae_app.names import CHAIN_ANSWER_MARKER, MAX_ANSWER_CHARS
 
 RewardFunction = Callable[[list[str], list[str]], list[float | None]]
 
@@ -138,10 +138,8 @@ def exact_int_reward(responses: list[str], answers: list[str]) -> list[float | N
 
 
 def chain_final_answer(response: str) -> str | None:
-    """The final answer of a chain response: the text after the last " so " (`tasks.CHAIN_ANSWER_MARKER`),
+    """The final answer of a chain response: the text after the last " so " (`names.CHAIN_ANSWER_MARKER`),
     stripped; None without the marker."""
-    from qae_app.tasks import CHAIN_ANSWER_MARKER
-
     _, marker, final = response.rpartition(CHAIN_ANSWER_MARKER)
     return final.strip() if marker else None
 
