@@ -584,32 +584,15 @@ def _close_live_pools() -> None:
 atexit.register(_close_live_pools)  # registered after multiprocessing.util's handler (imported above), so runs first
 
 
-_default_pool: MathVerifierPool | None = None
-_default_pool_lock = threading.Lock()
-
-
-def default_math_pool() -> MathVerifierPool:
-    """The shared pool behind `math_reward` (created on first use, closed at exit)."""
-    global _default_pool
-    with _default_pool_lock:
-        if _default_pool is None:
-            _default_pool = MathVerifierPool()
-            atexit.register(_default_pool.close)
-        return _default_pool
-
-
-def math_reward(responses: list[str], answers: list[str]) -> list[float | None]:
-    """math-verify on the extracted final answer: 1.0 / 0.0, None if the verifier timed out or crashed."""
-    return default_math_pool().score(responses, answers)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Registry
 
-REWARD_FUNCTIONS: dict[str, RewardFunction] = {
+# name -> reward function. `math` has none: worker processes score it (MathVerifierPool), which each Scorer starts and
+# closes itself, so that no pool outlives the run that uses it.
+REWARD_FUNCTIONS: dict[str, RewardFunction | None] = {
     "exact_int": exact_int_reward,
     "chain_final": chain_final_reward,
-    "math": math_reward,
+    "math": None,
 }
 
 
@@ -621,7 +604,8 @@ ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
 }
 
 
-def get_reward_function(name: str) -> RewardFunction:
+def get_reward_function(name: str) -> RewardFunction | None:
+    """The reward function of `name` (None for `math`: only a Scorer, with its own pool, scores it)."""
     if name not in REWARD_FUNCTIONS:
         raise QAEUserError(f"reward: unknown reward function '{name}'. Choose one of: {', '.join(REWARD_FUNCTIONS)}.")
     return REWARD_FUNCTIONS[name]
