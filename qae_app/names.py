@@ -99,12 +99,12 @@ ENGINES: dict[str, str] = {
     "vllm": "a colocated vLLM engine that receives the new weights after each step (CUDA)",
 }
 
-# --- the built-in chain task's responses: scratchpad, marker, final answer (tasks.py writes them, rewards.py reads the
+# --- the built-in chain task's responses: scratchpad, marker, final answer (tasks.py writes them, answers.py reads the
 # final answer after the last marker); only characters of the built-in vocabulary
 CHAIN_ANSWER_MARKER = " so "
 
-# --- math verification: an extracted answer longer than this scores 0 without math-verify (rewards.py), so a data
-# file's gold answer longer than this could never be matched and is refused (datasets.py)
+# --- math verification: an extracted answer longer than this scores 0 without math-verify (verifier_pool.py), so a
+# data file's gold answer longer than this could never be matched and is refused (datasets.py)
 MAX_ANSWER_CHARS = 1000
 
 # --- models

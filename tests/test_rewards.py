@@ -17,16 +17,9 @@ import pytest
 
 from qae_app.datasets import load_math_file
 from qae_app.errors import QAEUserError
-from qae_app.rewards import (
-    FINAL_ANSWER_WINDOW,
-    REWARD_FUNCTIONS,
-    MathVerifierPool,
-    Scorer,
-    ScoringInterrupted,
-    exact_int_reward,
-    extract_answer,
-    get_reward_function,
-)
+from qae_app.answers import FINAL_ANSWER_WINDOW, extract_answer
+from qae_app.rewards import REWARD_FUNCTIONS, Scorer, exact_int_reward, get_reward_function
+from qae_app.verifier_pool import MathVerifierPool, ScoringInterrupted
 
 MATH_DATA = Path(os.environ.get("QAE_MATH_DATA") or Path(__file__).resolve().parents[2] / "shared/data/math")
 needs_data = pytest.mark.skipif(not MATH_DATA.is_dir(), reason=f"math data folder {MATH_DATA} not found")
@@ -315,7 +308,7 @@ def test_interrupt_and_close_during_a_call_raise_scoring_interrupted():
 
 SIGNAL_SCRIPT = r"""
 import json, signal, sys
-from qae_app.rewards import MathVerifierPool, ScoringInterrupted
+from qae_app.verifier_pool import MathVerifierPool, ScoringInterrupted
 
 def main(mode, n):
     seen = []

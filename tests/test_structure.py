@@ -20,9 +20,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qae_app"
 # lower layers never import higher ones; a module in no layer fails the test, so a new module gets placed on purpose
 LAYERS = [
     {"errors", "names", "faults"},
-    {"rundir", "metrics", "datasets", "rows", "formatting"},
+    {"rundir", "metrics", "datasets", "rows", "formatting", "answers"},
     {"store", "run_file", "store_write", "store_read", "tasks", "config", "compare"},
-    {"advantages", "losses", "models", "rewards", "verifier_preload"},
+    {"advantages", "losses", "models", "rewards", "verifier_pool", "verifier_preload"},
     {"rollout", "vllm_engine", "evaluate", "warmstart"},
     {"trainer", "sweep"},
     {"terminal"},  # what the reading commands print (torch-free, like everything the dashboard and `qae runs` use)
