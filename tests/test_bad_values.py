@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from qae_app.cli import app
 from qae_app.rundir import db_path
-from qae_app.store_write import RunWriter
 from qae_app.store_read import query, read_run
+from qae_app.store_write import RunWriter
 
 runner = CliRunner()
 HUGE = "1" + "0" * 30  # an integer no 32-bit column, seed or tensor size can hold

@@ -16,8 +16,8 @@ from qae_app.errors import QAEUserError
 from qae_app.rundir import db_path, validate_run_name
 from qae_app.run_file import RunFileError
 from qae_app.store import STEP_METRICS
-from qae_app.store_write import MAX_ROW_DELAY_S, RunWriter
 from qae_app.store_read import query, read_rollouts, read_run, read_runs, read_steps, resolve_run
+from qae_app.store_write import MAX_ROW_DELAY_S, RunWriter
 
 
 def _rows(step: int, n: int = 4):
@@ -235,8 +235,8 @@ def test_writer_migrates_a_file_from_before_the_source_column(tmp_path):
 FILL_SCRIPT = r"""
 import json, random, sys
 from qae_app.store import STEP_METRICS
-from qae_app.store_write import RunWriter
 from qae_app.store_read import read_run
+from qae_app.store_write import RunWriter
 
 path = sys.argv[1] + "/run/qae.duckdb"
 writer = RunWriter(path, "run")
