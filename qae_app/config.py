@@ -21,6 +21,7 @@ from qae_app import names
 from qae_app.errors import QAEUserError
 from qae_app.rundir import (CONFIG_FILE, config_restore_hint, eval_run_error, read_run_config, recent_runs_text,
                             run_dir, validate_run_name)
+from qae_app.sampling import SamplingOptions
 from qae_app.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, task_defaults
 
 _BUILTIN_TASK_HELP = ", ".join(f"{BUILTIN_PREFIX}{name} (model {t.model}, {t.max_new_tokens} tokens)"
@@ -418,28 +419,6 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
                 f"may change: {', '.join(_flag(n) for n in RESUMABLE)}).")
         changes[name] = value
     return dataclasses.replace(stored, run_name=run, **changes).validate()
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """Truncations of the sampling distribution, for `qae eval` only. The defaults switch each one off: training
-    always samples from softmax(logits / T), the distribution its loss assumes."""
-
-    top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p (1: off)
-    top_k: int = 0  # keep the k most likely tokens (0: off)
-    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (0: off)
-
-    def validate(self) -> "SamplingOptions":
-        if not 0 < self.top_p <= 1:
-            raise QAEUserError(f"top-p: {self.top_p}. Use a value in (0, 1]; 1 keeps the whole distribution.")
-        if self.top_k < 0:
-            raise QAEUserError(f"top-k: {self.top_k}. Use 0 (off) or a positive number of tokens.")
-        if not 0 <= self.min_p < 1:
-            raise QAEUserError(f"min-p: {self.min_p}. Use a value in [0, 1); 0 keeps the whole distribution.")
-        return self
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)

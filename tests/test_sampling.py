@@ -109,7 +109,7 @@ def test_the_checkpoints_generation_config_does_not_shape_the_rollouts(opinionat
 
 
 def test_generation_config_spells_out_plain_sampling():
-    from qae_app.rollout import SamplingOptions
+    from qae_app.sampling import SamplingOptions
 
     model, codec = build_tiny_model()
     config = HFGenerateEngine(model, codec).generation_config(0.7, 9)
