@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from qae_app import names
 from qae_app.errors import QAEUserError
 from qae_app.formatting import missing
 from qae_app.rundir import DB_FILE, list_run_dirs, recent_runs_text, validated_run_dir
@@ -58,7 +59,7 @@ QAE_ONLY_KEYS = ("k", "quantile")
 def group_key(config: dict) -> tuple:
     """The config without ignored keys (and without K and quantile for a mean-baseline estimator), hashable."""
     drop = set(IGNORED_CONFIG_KEYS)
-    if config.get("estimator", "qae") != "qae":
+    if not names.uses_k(config.get("estimator", "qae")):
         drop.update(QAE_ONLY_KEYS)
     return tuple(sorted((key, _hashable(value)) for key, value in config.items() if key not in drop))
 
@@ -350,7 +351,7 @@ def group_runs(runs: list[RunRecord]) -> list[RunGroup]:
     for key in keys:
         config = dict(key)
         for name in {name for k in keys for name, _ in k}:
-            if name in config or not (name in QAE_ONLY_KEYS and config.get("estimator", "qae") != "qae"):
+            if name in config or not (name in QAE_ONLY_KEYS and not names.uses_k(config.get("estimator", "qae"))):
                 values.setdefault(name, set()).add(config.get(name, "<unset>"))
     varying = sorted(name for name, seen in values.items() if len(seen) > 1)
     varying.sort(key=lambda name: name != "estimator")  # the estimator first: "estimator=qae, k=0.4"
