@@ -128,7 +128,7 @@ def test_config_file_and_command_line_precedence(tmp_path):
 BAD_INPUT = [
     (["--k", "1.5"], "k: 1.5 is outside (0, 1)"),
     (["--k", "abc"], "k: 'abc' is not a number"),
-    (["--group-size", "1"], "group-size: 1 is too small"),
+    (["--group-size", "1"], "group-size: 1 is less than 2, the least it may be. Group baselines need at least 2"),
     (["--estimator", "ppo"], "estimator: unknown value 'ppo'. Choose one of: qae, grpo, dr_grpo, rloo"),
     (["--quantile", "median"], "quantile: unknown value 'median'"),
     (["--data", "nope.jsonl"], "data: 'nope.jsonl' is neither a built-in task"),
@@ -137,7 +137,7 @@ BAD_INPUT = [
     (["--config", "missing.toml"], "config: file missing.toml does not exist"),
     (["--resume", "ghost"], "resume: no run 'ghost'"),
     (["--temperature", "0"], "temperature: 0.0"),
-    (["--steps", "0"], "steps: 0. Use a positive integer"),
+    (["--steps", "0"], "steps: 0 is less than 1, the least it may be. Use a positive integer"),
 ]
 
 
