@@ -26,7 +26,7 @@ import streamlit.components.v1 as components_v1
 
 from qae_app import compare, names, run_file, rundir, store_read
 from qae_app.errors import QAEUserError
-from qae_app.formatting import pace_line, run_pace
+from qae_app.formatting import MISSING, missing, pace_line, run_pace
 
 RUNS_DIR_ENV = "QAE_RUNS_DIR"  # set by `qae dashboard --runs-dir`
 REFRESH_CHOICES = {("off" if seconds is None else f"{seconds} s"): seconds  # sidebar label -> seconds
@@ -269,7 +269,7 @@ def progress_line(view: store_read.RunView) -> str:
     """'qae1 · running · step 37 / 400' from the run's row and config."""
     run = view.run
     total = run_config(run).get("steps")
-    last = "—" if pd.isna(run.get("last_step")) else int(run["last_step"])
+    last = MISSING if missing(run.get("last_step")) else int(run["last_step"])
     return f"{run['run_id']} · {run['status']} · step {last}" + (f" / {total}" if total else "")
 
 
