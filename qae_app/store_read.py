@@ -25,10 +25,10 @@ if TYPE_CHECKING:  # pandas is imported where a frame is made: `qae runs` (run_s
 
 from qae_app.errors import QAEUserError
 from qae_app.names import GATE_REASONS
-from qae_app.rundir import (CONFIG_FILE, DB_FILE, PENDING_DIR, effective_status, list_run_dirs, pending_writes,
-                            recent_runs_text, runs_without_database, validated_run_dir)
 from qae_app.run_file import (RunFileError, attach, damage_reason, is_damage_error, is_lock_error,
                               refuse_missing_file_of_training_run, unreadable_run_error)
+from qae_app.rundir import (CONFIG_FILE, DB_FILE, PENDING_DIR, effective_status, list_run_dirs, pending_writes,
+                            recent_runs_text, runs_without_database, validated_run_dir)
 
 UNREADABLE, BUSY = "unreadable", "busy"  # what `read_runs` says of a run whose file it cannot read (never stored):
 READ_STATUSES = (UNREADABLE, BUSY)  # damaged, or held by another process for too long; `error` says why

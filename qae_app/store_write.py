@@ -28,8 +28,8 @@ if TYPE_CHECKING:  # numpy is imported where rows are written: `qae runs` never 
 
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
-from qae_app.rundir import PENDING_DIR, STORED_STATUSES
 from qae_app.run_file import attach, damage_reason, holder, is_damage_error, is_lock_error, unreadable_run_error
+from qae_app.rundir import PENDING_DIR, STORED_STATUSES
 from qae_app.store import EVAL_TABLES, STEP_METRICS, STEP_TABLES, TABLES, PendingWrite, row_columns, schema_statements
 
 # When queued steps go to the database. Attaching the file and detaching it (a checkpoint of DuckDB's log) and each

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from qae_app.errors import QAEUserError
-from qae_app.rundir import db_path, validate_run_name
 from qae_app.run_file import RunFileError
+from qae_app.rundir import db_path, validate_run_name
 from qae_app.store import STEP_METRICS
 from qae_app.store_read import query, read_rollouts, read_run, read_runs, read_steps, resolve_run
 from qae_app.store_write import MAX_ROW_DELAY_S, RunWriter
