@@ -22,7 +22,8 @@ from pathlib import Path
 
 import qae_app.trainer as trainer_module
 from qae_app.config import build_config
-from qae_app.store import db_path, query
+from qae_app.rundir import db_path
+from qae_app.store_read import query
 
 
 def main() -> None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import multiprocessing
 import time
 
-from qae_app import rewards
-from qae_app.rewards import MathVerifierPool, extract_answer
+from qae_app import answers
+from qae_app.answers import extract_answer
+from qae_app.verifier_pool import MathVerifierPool
 
 # the hostile texts of tests/test_rewards.py::test_extract_answer_on_hostile_text
 HOSTILE_TEXTS = ["x" * 100_000 + "\\boxed{1}", "{" * 5000 + "\\boxed{" + "{" * 5000 + "1" + "}" * 4000,
@@ -25,13 +26,13 @@ HOSTILE_TEXTS = ["x" * 100_000 + "\\boxed{1}", "{" * 5000 + "\\boxed{" + "{" * 5
 
 
 def extraction_seconds(text: str, window: int) -> float:
-    saved, rewards.FINAL_ANSWER_WINDOW = rewards.FINAL_ANSWER_WINDOW, window
+    saved, answers.FINAL_ANSWER_WINDOW = answers.FINAL_ANSWER_WINDOW, window
     try:
         start = time.perf_counter()
         extract_answer(text)
         return time.perf_counter() - start
     finally:
-        rewards.FINAL_ANSWER_WINDOW = saved
+        answers.FINAL_ANSWER_WINDOW = saved
 
 
 def replacement_seconds(context_name: str | None, rounds: int = 3) -> float:
@@ -67,10 +68,10 @@ def hostile_batch(batch_timeout_s: float | None) -> tuple[float, list, MathVerif
 
 def main() -> None:
     text = "\\boxed{7}{" * 250_000 + "so the answer is \\boxed{\\frac{1}{2}}."
-    tail, whole = extraction_seconds(text, rewards.FINAL_ANSWER_WINDOW), extraction_seconds(text, len(text))
+    tail, whole = extraction_seconds(text, answers.FINAL_ANSWER_WINDOW), extraction_seconds(text, len(text))
     print(f"extract_answer on {len(text) / 1e6:.1f} MB: tail {tail * 1000:.1f} ms, whole text {whole * 1000:.0f} ms "
           f"({whole / tail:.0f}x)")
-    slowest = max(min(extraction_seconds(t, rewards.FINAL_ANSWER_WINDOW) for _ in range(3)) for t in HOSTILE_TEXTS)
+    slowest = max(min(extraction_seconds(t, answers.FINAL_ANSWER_WINDOW) for _ in range(3)) for t in HOSTILE_TEXTS)
     nested = [min(extraction_seconds("\\boxed{" * n + "{" * n, 10**9) for _ in range(3)) for n in (500, 5_000)]
     print(f"extract_answer on {len(HOSTILE_TEXTS)} hostile texts: slowest {slowest * 1000:.1f} ms; nested boxes 500 -> "
           f"5,000: {nested[0] * 1000:.2f} -> {nested[1] * 1000:.1f} ms ({nested[1] / nested[0]:.0f}x for 10x the text)")

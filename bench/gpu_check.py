@@ -109,7 +109,8 @@ def check_plan(args) -> None:
 
 @check("rl_steps")
 def check_rl_steps(args, runs_dir: str) -> None:
-    from qae_app.store import db_path, read_steps
+    from qae_app.rundir import db_path
+    from qae_app.store_read import read_steps
 
     dtype = "float32" if args.cpu else "bfloat16"
     cfg = build_config(model=args.model, data=args.data, dtype=dtype, steps=2, group_size=4,

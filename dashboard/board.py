@@ -4,9 +4,9 @@ watcher that redraws a page when its runs change, and the facts of a run (progre
 A run is its folder: every reader is given `<runs dir>/<folder>/qae.duckdb`, so a copied or renamed run folder is a
 run of its own on every page (the id stored inside the file is only shown, as `stored_run_id`).
 
-No I/O at import. Every read goes through a `qae_app.store` reader (read-only, opened and closed at once) wrapped in
-`st.cache_data` keyed by the run's file version (`store.file_version`: mtime and size, two stat calls): a page redrawn
-without a new commit reads nothing from the database, and a new commit is always read.
+No I/O at import. Every read goes through a `qae_app.store_read` reader (read-only, opened and closed at once) wrapped
+in `st.cache_data` keyed by the run's file version (`store_read.file_version`: mtime and size, two stat calls): a page
+redrawn without a new commit reads nothing from the database, and a new commit is always read.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import plotly.graph_objects as go
 import streamlit as st
 import streamlit.components.v1 as components_v1
 
-from qae_app import compare, names, rundir, store
+from qae_app import compare, names, run_file, rundir, store_read
 from qae_app.errors import QAEUserError
+from qae_app.formatting import MISSING, missing, pace_line, run_pace
 
 RUNS_DIR_ENV = "QAE_RUNS_DIR"  # set by `qae dashboard --runs-dir`
 REFRESH_CHOICES = {("off" if seconds is None else f"{seconds} s"): seconds  # sidebar label -> seconds
@@ -52,7 +53,7 @@ def runs_dir() -> Path:
 
 
 def run_path(run_id: str) -> Path:
-    return store.db_path(runs_dir(), run_id)
+    return rundir.db_path(runs_dir(), run_id)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -68,11 +69,11 @@ def runs_signature() -> tuple:
 def run_version(run_id: str) -> tuple:
     """Changes with every commit to the run's database and when its trainer starts or stops."""
     path = run_path(run_id)
-    return (*store.file_version(path), rundir.trainer_alive(path.parent))
+    return (*store_read.file_version(path), rundir.trainer_alive(path.parent))
 
 
 def runs_version() -> tuple:
-    return tuple((name, alive, store.file_version(run_path(name))) for name, alive in runs_signature())
+    return tuple((name, alive, store_read.file_version(run_path(name))) for name, alive in runs_signature())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -81,12 +82,12 @@ def runs_version() -> tuple:
 
 @st.cache_data(max_entries=CACHE_ENTRIES, show_spinner=False)
 def _runs(runs_dir_: str, version: tuple) -> pd.DataFrame:
-    return store.read_runs(Path(runs_dir_))
+    return store_read.read_runs(Path(runs_dir_))
 
 
 @st.cache_data(max_entries=CACHE_ENTRIES, show_spinner=False)
-def _run_view(path: str, version: tuple) -> store.RunView:
-    return store.read_run_view(Path(path))
+def _run_view(path: str, version: tuple) -> store_read.RunView:
+    return store_read.read_run_view(Path(path))
 
 
 @st.cache_data(max_entries=RECORD_CACHE_ENTRIES, show_spinner=False)
@@ -96,8 +97,8 @@ def _run_record(runs_dir_: str, run_id: str, version: tuple) -> compare.RunRecor
 
 @st.cache_data(max_entries=CACHE_ENTRIES, show_spinner=False)
 def _read(reader: str, path: str, version: tuple, *args) -> pd.DataFrame | list:
-    """Any other store reader, by name: store.<reader>(path, *args)."""
-    return getattr(store, reader)(Path(path), *args)
+    """Any other store reader, by name: store_read.<reader>(path, *args)."""
+    return getattr(store_read, reader)(Path(path), *args)
 
 
 def _guarded(read: Callable, *args, what: str):
@@ -105,7 +106,7 @@ def _guarded(read: Callable, *args, what: str):
     try:
         return read(*args)
     except duckdb.Error as err:
-        if store._is_lock_error(err):
+        if run_file.is_lock_error(err):
             st.caption(f":material/hourglass_empty: {what}: the database is busy; retrying at the next refresh.")
         else:
             st.error(f"{what}: the database cannot be read: {err}")
@@ -115,12 +116,12 @@ def _guarded(read: Callable, *args, what: str):
 
 
 def runs() -> pd.DataFrame:
-    """Every run in the runs dir, newest first, with its effective status (see `store.read_runs`)."""
+    """Every run in the runs dir, newest first, with its effective status (see `store_read.read_runs`)."""
     frame = _guarded(_runs, str(runs_dir()), runs_version(), what="runs")
     return frame if frame is not None else pd.DataFrame(columns=["run_id", "status", "steps"])
 
 
-def run_view(run_id: str) -> store.RunView | None:
+def run_view(run_id: str) -> store_read.RunView | None:
     return _guarded(_run_view, str(run_path(run_id)), run_version(run_id), what=run_id)
 
 
@@ -151,7 +152,7 @@ def rollouts(run_id: str, step: int, gated: bool | None = None, regime: str | No
 
 def default_runs(all_runs: pd.DataFrame) -> list[str]:
     """The run shown on a first visit: the newest run being trained, else the newest run."""
-    readable = all_runs[~all_runs["status"].isin(store.READ_STATUSES)]
+    readable = all_runs[~all_runs["status"].isin(store_read.READ_STATUSES)]
     live = readable[readable["status"] == "running"]
     pool = live if not live.empty else readable
     return [str(pool["run_id"].iloc[0])] if not pool.empty else []
@@ -224,7 +225,7 @@ def refresh_interval() -> float | None:
 
 
 def _snapshot(watched: list[str]) -> tuple:
-    return runs_signature(), tuple(store.file_version(run_path(run_id)) for run_id in watched)
+    return runs_signature(), tuple(store_read.file_version(run_path(run_id)) for run_id in watched)
 
 
 def watch(watched: list[str], all_runs: pd.DataFrame) -> None:
@@ -264,15 +265,15 @@ def run_config(run: dict) -> dict:
         return {}
 
 
-def progress_line(view: store.RunView) -> str:
+def progress_line(view: store_read.RunView) -> str:
     """'qae1 · running · step 37 / 400' from the run's row and config."""
     run = view.run
     total = run_config(run).get("steps")
-    last = "—" if pd.isna(run.get("last_step")) else int(run["last_step"])
+    last = MISSING if missing(run.get("last_step")) else int(run["last_step"])
     return f"{run['run_id']} · {run['status']} · step {last}" + (f" / {total}" if total else "")
 
 
-def heartbeat(views: dict[str, store.RunView]) -> None:
+def heartbeat(views: dict[str, store_read.RunView]) -> None:
     """For each run being trained: its last step's age, steps per minute and ETA, redrawn every few seconds on its
     own (only this line; the data is what the page was drawn with), so a trainer that hangs shows as an age that
     keeps growing."""
@@ -283,11 +284,7 @@ def heartbeat(views: dict[str, store.RunView]) -> None:
     def line() -> None:
         parts = []
         for run_id, view in live.items():
-            facts = store.run_pace(view.steps, run_config(view.run).get("steps"))
-            rate = facts["steps_per_min"]
-            parts.append(f"**{run_id}**: last step {store.duration(facts['age_s'])} ago · "
-                         + (f"{rate:.3g} steps/min" if rate else "— steps/min")
-                         + f" · ETA {store.duration(facts['eta_s'])}")
+            parts.append(f"**{run_id}**: " + pace_line(run_pace(view.steps, run_config(view.run).get("steps"))))
         st.markdown(":material/favorite: " + "   ·   ".join(parts))
 
     st.fragment(line, run_every=refresh_interval())()

@@ -20,6 +20,7 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from qae_app.compare import CONFIDENCE, student_t_ppf
+from qae_app.formatting import as_float
 from qae_app.names import GATE_REASONS, REGIMES
 
 SMOOTHING_METHODS = ("none", "ema", "rolling")
@@ -145,14 +146,6 @@ def lines(frames: dict[str, pd.DataFrame], metrics: list[str], colors: dict[str,
     return _layout(fig, title, y_title, x, log_y)
 
 
-def _number(value) -> float | None:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return None if math.isnan(number) else number
-
-
 def entropy(frames: dict[str, pd.DataFrame], colors: dict[str, str], bands: dict[str, tuple],
             warnings: dict[str, pd.DataFrame], smoothing: tuple[str, float] = ("none", 0.0), x: str = "step",
             log_y: bool = False) -> go.Figure:
@@ -160,7 +153,7 @@ def entropy(frames: dict[str, pd.DataFrame], colors: dict[str, str], bands: dict
     nats) and the recorded warnings as markers (hover for the message)."""
     fig = lines(frames, ["entropy"], colors, "entropy", smoothing, y_title="nats / token", x=x, log_y=log_y)
     ymax = max([float(s["entropy"].max()) for s in frames.values() if s["entropy"].notna().any()] or [1.0])
-    for low, high in sorted({(_number(low), _number(high)) for low, high in bands.values()}, key=str):
+    for low, high in sorted({(as_float(low), as_float(high)) for low, high in bands.values()}, key=str):
         if low is not None:
             fig.add_hline(y=low, line=dict(color="#d62728", dash="dot", width=1),
                           annotation_text=f"entropy_low {low:g}", annotation_position="bottom right")
@@ -361,7 +354,7 @@ def gate_breakdown(breakdown: pd.DataFrame, totals: pd.DataFrame, step: int | No
 def quantile_bands(frames: dict[str, pd.DataFrame], colors: dict[str, str], title: str, y_title: str,
                    step: int | None = None, log_y: bool = False) -> go.Figure:
     """Per run, over steps: the median (line), the 25-75% band (darker) and the 5-95% band (lighter) of a quantity
-    over each step's responses (frames from store.read_quantiles); the step shown in the histogram is marked."""
+    over each step's responses (frames from store_read.read_quantiles); the step shown in the histogram is marked."""
     fig = go.Figure()
     for run_id, q in frames.items():
         color = colors[run_id]

@@ -22,6 +22,7 @@ from rich.table import Table
 from qae_app import names
 from qae_app.config import EvalConfig, TrainConfig
 from qae_app.errors import QAEUserError
+from qae_app.formatting import number
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="RL from verifiable rewards with Quantile Advantage Estimation (QAE).")
@@ -43,14 +44,6 @@ DEFAULT_RUNS_DIR = Path("runs")
 def fail(err: QAEUserError) -> None:
     err_console.print(f"[bold red]error:[/] {escape(str(err))}")
     raise typer.Exit(code=2)
-
-
-def _fmt(value: Any, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -143,11 +136,11 @@ def run_training(trainer) -> None:
         if m.get("heldout_accuracy") is not None:
             heldout["value"] = m["heldout_accuracy"]
         if step == 0:
-            progress.update(task_id, stats=f"held-out acc {_fmt(heldout['value'])}")
+            progress.update(task_id, stats=f"held-out acc {number(heldout['value'])}")
             return
         stats = (f"reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} H {m['entropy']:.3f} "
                  f"zero-adv {m['frac_zero_adv']:.2f} hard/easy/none {m['frac_hard']:.2f}/{m['frac_easy']:.2f}/"
-                 f"{m['frac_all_correct'] + m['frac_all_wrong']:.2f} held-out {_fmt(heldout['value'])}")
+                 f"{m['frac_all_correct'] + m['frac_all_wrong']:.2f} held-out {number(heldout['value'])}")
         if cfg.dynamic_sampling:
             stats += f" gen-batches {m['gen_batches']:.0f} filtered {m['frac_filtered']:.2f}"
         progress.update(task_id, completed=step, stats=stats)
@@ -161,7 +154,7 @@ def run_training(trainer) -> None:
     except QAEUserError as err:
         fail(err)
     if main and heldout["value"] is None and trainer.resuming:  # nothing evaluated now: the run's last evaluation
-        from qae_app.store import query
+        from qae_app.store_read import query
 
         last = query(result.run_dir / "qae.duckdb", "SELECT heldout_accuracy FROM steps WHERE heldout_accuracy IS "
                                                     "NOT NULL ORDER BY step DESC LIMIT 1")
@@ -181,7 +174,7 @@ def run_training(trainer) -> None:
         raise typer.Exit(code=130)
     if main:
         console.print(f"[green]done[/]: {result.steps_done} steps, status {result.status}. "
-                      f"Held-out accuracy {_fmt(heldout['value'])}.")
+                      f"Held-out accuracy {number(heldout['value'])}.")
         console.print(f"Stored in [cyan]{result.run_dir / 'qae.duckdb'}[/]. Inspect it with:\n"
                       f"  qae show {result.run_id} --runs-dir {trainer.runs_dir}\n"
                       f"  qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}\n"
@@ -234,7 +227,7 @@ def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
               ) -> None:
     """List runs: status, estimator, K, steps and the latest reward, accuracy and entropy (model and task when the
     terminal is wide enough). A run is its folder; an unreadable database is listed with the reason."""
-    from qae_app.store import run_summaries
+    from qae_app.store_read import run_summaries
     from qae_app.terminal import runs_view
 
     out = _view_console()
@@ -260,7 +253,8 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
              help="Comma-separated step metrics to show (default: the most important that fit the terminal).")] = None,
          ) -> None:
     """Summarize a run: status, config, pace while running, per-step metrics, evaluations and warnings."""
-    from qae_app.store import STEP_METRICS, read_evals, read_run, read_steps, read_warnings, resolve_run
+    from qae_app.store import STEP_METRICS
+    from qae_app.store_read import read_evals, read_run, read_steps, read_warnings, resolve_run
     from qae_app.terminal import show_view
 
     try:
@@ -300,7 +294,7 @@ def rollouts(
     reason), which groups dynamic sampling filtered out of the update, and each group's prompt, answer, baseline and
     regime."""
     from qae_app.names import GATE_REASONS, REGIMES
-    from qae_app.store import read_last_step, read_rollouts, resolve_run
+    from qae_app.store_read import read_last_step, read_rollouts, resolve_run
     from qae_app.terminal import rollouts_view
 
     try:

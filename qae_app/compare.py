@@ -27,9 +27,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from qae_app import names
 from qae_app.errors import QAEUserError
+from qae_app.formatting import missing
 from qae_app.rundir import DB_FILE, list_run_dirs, recent_runs_text, validated_run_dir
-from qae_app.store import query, read_run, read_steps
+from qae_app.store_read import query, read_run, read_steps
 
 # ---------------------------------------------------------------------------------------------------------------
 # Which config keys make two runs "the same setup"
@@ -57,7 +59,7 @@ QAE_ONLY_KEYS = ("k", "quantile")
 def group_key(config: dict) -> tuple:
     """The config without ignored keys (and without K and quantile for a mean-baseline estimator), hashable."""
     drop = set(IGNORED_CONFIG_KEYS)
-    if config.get("estimator", "qae") != "qae":
+    if not names.uses_k(config.get("estimator", "qae")):
         drop.update(QAE_ONLY_KEYS)
     return tuple(sorted((key, _hashable(value)) for key, value in config.items() if key not in drop))
 
@@ -185,7 +187,7 @@ class Estimate:
 
 def mean_interval(values: list[float]) -> Estimate:
     """Mean and 95% t-interval of the non-NaN values (runs without the metric are left out, and n says so)."""
-    xs = [float(v) for v in values if v is not None and not math.isnan(v)]
+    xs = [float(v) for v in values if not missing(v)]
     n = len(xs)
     if n == 0:
         return Estimate(None, None, None, None, 0, sample_size_note(0))
@@ -208,7 +210,7 @@ class PairedDifference(Estimate):
 def paired_difference(values: dict[int, float], baseline: dict[int, float]) -> PairedDifference:
     """`values` and `baseline` map seed -> one run's metric; only seeds present (and not NaN) in both are paired."""
     seeds = sorted(s for s in values.keys() & baseline.keys()
-                   if not _missing(values[s]) and not _missing(baseline[s]))
+                   if not missing(values[s]) and not missing(baseline[s]))
     diffs = [values[s] - baseline[s] for s in seeds]
     base = mean_interval(diffs)
     p = None
@@ -218,10 +220,6 @@ def paired_difference(values: dict[int, float], baseline: dict[int, float]) -> P
         else:
             p = student_t_two_sided_p(base.mean / (base.sd / math.sqrt(base.n)), base.n - 1)
     return PairedDifference(**asdict(base), p_value=p, seeds=seeds)
-
-
-def _missing(value) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -353,7 +351,7 @@ def group_runs(runs: list[RunRecord]) -> list[RunGroup]:
     for key in keys:
         config = dict(key)
         for name in {name for k in keys for name, _ in k}:
-            if name in config or not (name in QAE_ONLY_KEYS and config.get("estimator", "qae") != "qae"):
+            if name in config or not (name in QAE_ONLY_KEYS and not names.uses_k(config.get("estimator", "qae"))):
                 values.setdefault(name, set()).add(config.get(name, "<unset>"))
     varying = sorted(name for name, seen in values.items() if len(seen) > 1)
     varying.sort(key=lambda name: name != "estimator")  # the estimator first: "estimator=qae, k=0.4"

@@ -15,12 +15,13 @@ import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from qae_app import names
 from qae_app.errors import QAEUserError
 from qae_app.rundir import (CONFIG_FILE, config_restore_hint, eval_run_error, read_run_config, recent_runs_text,
                             run_dir, validate_run_name)
+from qae_app.sampling import SamplingOptions
 from qae_app.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, task_defaults
 
 _BUILTIN_TASK_HELP = ", ".join(f"{BUILTIN_PREFIX}{name} (model {t.model}, {t.max_new_tokens} tokens)"
@@ -37,50 +38,66 @@ def opt(default: Any, help: str, group: str, choices: dict[str, str] | tuple | N
 
 INT32_MAX = 2**31 - 1  # steps and seeds are stored in 32-bit INTEGER columns; numpy seeds must be < 2**32
 
-# The sane range of every numeric option: (lowest, highest, whether the lowest itself is allowed, advice). Every
-# value, from the command line or TOML, must be finite and in its range; `validate()` also checks combinations.
-NUMERIC_RANGES: dict[str, tuple[float, float, bool, str]] = {
-    "seed": (0, INT32_MAX, True, "Use an integer from 0 to 2147483647"),
-    "steps": (1, INT32_MAX, True, "Use a positive integer"),
-    "checkpoint_every": (0, INT32_MAX, True, "Use 0 (only at the end) or a number of steps"),
-    "keep_checkpoints": (1, INT32_MAX, True, "Keep at least 1 so the run can resume"),
-    "heldout_fraction": (0.0, 1.0, True, "Use a fraction in [0, 1)"),
-    "group_size": (2, INT32_MAX, True, "Group baselines need at least 2 responses per prompt; QAE uses 8-16"),
-    "prompts_per_step": (1, INT32_MAX, True, "Use a positive integer"),
-    "temperature": (0.01, 10.0, True, "Use a temperature from 0.01 to 10 (1.0 is usual; below 0.01 sampling is "
-                                      "greedy in all but name and overflows)"),
-    "max_new_tokens": (1, INT32_MAX, True, "Use a positive number of tokens"),
-    "max_gen_batches": (0, INT32_MAX, True, "Use 0 (no cap) or a number of generation batches, e.g. 10"),
-    "overlong_buffer": (0, INT32_MAX, True, "Use 0 (no overlong shaping) or a number of tokens below max-new-tokens, "
-                                            "e.g. 4096"),
-    "overlong_penalty": (0.0, 100.0, True, "Use a penalty from 0 to 100, e.g. 1.0 (DAPO)"),
-    "lr": (0.0, 1.0, False, "Use a learning rate in (0, 1], e.g. 5e-5 for the built-in model, 1e-6 for 7B models"),
-    "weight_decay": (0.0, 1.0, True, "Use a weight decay from 0 to 1 (0.01-0.1 is usual)"),
-    "max_grad_norm": (0.0, math.inf, False, "Use a finite value > 0, e.g. 1.0"),
-    "warmup_steps": (0, INT32_MAX, True, "Use 0 or more steps"),
-    "num_mini_batches": (1, INT32_MAX, True, "Use a positive integer"),
-    "ppo_epochs": (1, INT32_MAX, True, "Use a positive integer"),
-    "micro_batch_size": (1, INT32_MAX, True, "Use a positive integer"),
-    "clip_low": (0.0, 1.0, True, "Use 0 <= clip-low < 1 (default 0.2)"),
-    "clip_high": (0.0, 10.0, True, "Use a clip-high from 0 to 10 (default 0.28)"),
-    "kl_beta": (0.0, 10.0, True, "Use a KL weight from 0 (no reference model) to 10; 0.001-0.1 is usual"),
-    "entropy_low": (-math.inf, math.inf, True, "Use a finite number of nats, e.g. 0.5"),
-    "entropy_high": (-math.inf, math.inf, True, "Use a finite number of nats, e.g. 3.0"),
-    "eval_every": (0, INT32_MAX, True, "Use 0 (never) or a number of steps"),
-    "eval_k": (1, INT32_MAX, True, "Use a positive integer"),
-    "eval_limit": (1, INT32_MAX, True, "Use a positive number of problems"),
-    "verify_timeout_s": (0.0, 3600.0, False, "Use a number of seconds in (0, 3600], e.g. 3"),
+class Range(NamedTuple):
+    """The sane range of a numeric option, and what to use instead when a value is outside it."""
+
+    low: float
+    high: float
+    low_allowed: bool  # whether `low` itself is allowed
+    advice: str
+    high_allowed: bool = True  # whether `high` itself is allowed
+
+
+# Every numeric option's only bounds: every value, from the command line or TOML, must be finite and in its range.
+# `validate()` adds only the rules that tie options together.
+NUMERIC_RANGES: dict[str, Range] = {
+    "seed": Range(0, INT32_MAX, True, "Use an integer from 0 to 2147483647"),
+    "steps": Range(1, INT32_MAX, True, "Use a positive integer"),
+    "checkpoint_every": Range(0, INT32_MAX, True, "Use 0 (only at the end) or a number of steps"),
+    "keep_checkpoints": Range(1, INT32_MAX, True, "Keep at least 1 so the run can resume"),
+    "heldout_fraction": Range(0.0, 1.0, True, "Use a fraction in [0, 1)", high_allowed=False),
+    "group_size": Range(2, INT32_MAX, True, "Group baselines need at least 2 responses per prompt; QAE uses 8-16"),
+    "prompts_per_step": Range(1, INT32_MAX, True, "Use a positive integer"),
+    "temperature": Range(0.01, 10.0, True, "Use a temperature from 0.01 to 10 (1.0 is usual; below 0.01 sampling "
+                                           "is greedy in all but name and overflows)"),
+    "max_new_tokens": Range(1, INT32_MAX, True, "Use a positive number of tokens"),
+    "max_gen_batches": Range(0, INT32_MAX, True, "Use 0 (no cap) or a number of generation batches, e.g. 10"),
+    "overlong_buffer": Range(0, INT32_MAX, True, "Use 0 (no overlong shaping) or a number of tokens below "
+                                                 "max-new-tokens, e.g. 4096"),
+    "overlong_penalty": Range(0.0, 100.0, True, "Use a penalty from 0 to 100, e.g. 1.0 (DAPO)"),
+    "lr": Range(0.0, 1.0, False, "Use a learning rate in (0, 1], e.g. 5e-5 for the built-in model, 1e-6 for 7B "
+                                 "models"),
+    "weight_decay": Range(0.0, 1.0, True, "Use a weight decay from 0 to 1 (0.01-0.1 is usual)"),
+    "max_grad_norm": Range(0.0, math.inf, False, "Use a finite value > 0, e.g. 1.0"),
+    "warmup_steps": Range(0, INT32_MAX, True, "Use 0 or more steps"),
+    "num_mini_batches": Range(1, INT32_MAX, True, "Use a positive integer"),
+    "ppo_epochs": Range(1, INT32_MAX, True, "Use a positive integer"),
+    "micro_batch_size": Range(1, INT32_MAX, True, "Use a positive integer"),
+    "clip_low": Range(0.0, 1.0, True, "Use 0 <= clip-low < 1 (default 0.2)", high_allowed=False),
+    "clip_high": Range(0.0, 10.0, True, "Use a clip-high from 0 to 10 (default 0.28)"),
+    "kl_beta": Range(0.0, 10.0, True, "Use a KL weight from 0 (no reference model) to 10; 0.001-0.1 is usual"),
+    "entropy_low": Range(-math.inf, math.inf, True, "Use a finite number of nats, e.g. 0.5"),
+    "entropy_high": Range(-math.inf, math.inf, True, "Use a finite number of nats, e.g. 3.0"),
+    "eval_every": Range(0, INT32_MAX, True, "Use 0 (never) or a number of steps"),
+    "eval_k": Range(1, INT32_MAX, True, "Use a positive integer"),
+    "eval_limit": Range(1, INT32_MAX, True, "Use a positive number of problems"),
+    "verify_timeout_s": Range(0.0, 3600.0, False, "Use a number of seconds in (0, 3600], e.g. 3"),
 }
+
+
+# Options another option bounds more tightly than their range: that rule's message says what to use (at most the
+# responses of a step; below max-new-tokens), so it is checked before their own range.
+BOUNDED_BY_ANOTHER_OPTION = ("num_mini_batches", "overlong_buffer")
 
 
 def check_range(name: str, value: float, flag: str | None = None) -> None:
     """QAEUserError unless `value` is finite and in NUMERIC_RANGES[name]; `flag` names the option in the message
     where a command calls it differently (`qae eval --limit` is eval_limit's range)."""
-    low, high, low_allowed, advice = NUMERIC_RANGES[name]
+    low, high, low_allowed, advice, high_allowed = NUMERIC_RANGES[name]
     if isinstance(value, float) and not math.isfinite(value):
         problem = "is not a finite number"
-    elif value > high:
-        problem = f"is more than {high:,}, the most it may be"
+    elif value > high or (value == high and not high_allowed):
+        problem = f"is more than {high:,}, the most it may be" if high_allowed else f"must be less than {high:,}"
     elif value < low or (value == low and not low_allowed):
         problem = f"is less than {low:,}, the least it may be" if low_allowed else f"must be more than {low:,}"
     else:
@@ -181,14 +198,14 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         _check_choices(self)
-        for name in NUMERIC_RANGES:  # before any comparison below: nan compares False to everything
-            value = getattr(self, name)
-            if isinstance(value, float) and not math.isfinite(value):
-                check_range(name, value)
+        for name in NUMERIC_RANGES:  # each numeric option on its own (before any rule below: nan compares False)
+            if name not in BOUNDED_BY_ANOTHER_OPTION and getattr(self, name) is not None:
+                check_range(name, getattr(self, name))
+        # the rules that tie options together
         if self.estimator == "dr_grpo" and self.scale == "std":
             raise QAEUserError("scale: dr_grpo is GRPO without the std normalization, so --scale std contradicts it. "
                                "Use --estimator grpo for the std-normalized mean baseline.")
-        if self.k != "auto":
+        if self.k != "auto":  # (text: a number or 'auto', so not in NUMERIC_RANGES)
             try:
                 k = float(self.k)
             except ValueError:
@@ -198,50 +215,19 @@ class TrainConfig:
                 raise QAEUserError(f"k: {self.k} is outside (0, 1). QAE's K is a quantile level; the paper uses "
                                    f"{names.DEFAULT_K} "
                                    "(lower K pushes entropy up, higher K pushes it down).")
-        if self.group_size < 2:
-            raise QAEUserError(f"group-size: {self.group_size} is too small. Group baselines need at least 2 "
-                               "responses per prompt; QAE is usually run with 8-16.")
-        _positive("steps", self.steps)
-        _positive("prompts-per-step", self.prompts_per_step)
-        _positive("max-new-tokens", self.max_new_tokens)
-        _positive("num-mini-batches", self.num_mini_batches)
         if self.num_mini_batches > self.prompts_per_step * self.group_size:
             raise QAEUserError(f"num-mini-batches: {self.num_mini_batches} is more than the "
                                f"{self.prompts_per_step * self.group_size} responses of a step (prompts-per-step x "
                                "group-size). Use at most that many; each mini-batch is one optimizer update.")
-        _positive("ppo-epochs", self.ppo_epochs)
-        _positive("micro-batch-size", self.micro_batch_size)
-        _positive("eval-k", self.eval_k)
-        for name in ("checkpoint_every", "eval_every", "warmup_steps", "kl_beta", "weight_decay"):
-            if getattr(self, name) < 0:
-                raise QAEUserError(f"{_flag(name)}: {getattr(self, name)} is negative. Use 0 or more.")
-        if self.overlong_buffer >= self.max_new_tokens > 0:
+        if self.overlong_buffer >= self.max_new_tokens:
             raise QAEUserError(f"overlong-buffer: {self.overlong_buffer} is not below max-new-tokens "
                                f"{self.max_new_tokens}. The penalty starts at max-new-tokens minus the buffer: use a "
                                "smaller buffer (DAPO: 4096 of 20480), or 0 for no overlong shaping.")
-        if self.keep_checkpoints < 1:
-            raise QAEUserError(f"keep-checkpoints: {self.keep_checkpoints}. Keep at least 1 so the run can resume.")
-        if not self.temperature > 0:
-            raise QAEUserError(f"temperature: {self.temperature}. Sampling needs a temperature > 0 (1.0 is usual).")
-        if not self.lr > 0:
-            raise QAEUserError(f"lr: {self.lr}. The learning rate must be > 0 (e.g. 1e-6 for 7B models).")
-        if not self.max_grad_norm > 0:
-            raise QAEUserError(f"max-grad-norm: {self.max_grad_norm}. Use a value > 0, e.g. 1.0.")
-        if not 0 <= self.clip_low < 1 or not self.clip_high >= 0:
-            raise QAEUserError(f"clip-low / clip-high: {self.clip_low} / {self.clip_high}. Use 0 <= clip-low < 1 "
-                               "and clip-high >= 0 (defaults 0.2 / 0.28).")
-        if not 0 <= self.heldout_fraction < 1:
-            raise QAEUserError(f"heldout-fraction: {self.heldout_fraction}. Use a fraction in [0, 1).")
         if self.entropy_low is not None and self.entropy_high is not None and not self.entropy_low < self.entropy_high:
             raise QAEUserError(f"entropy-low / entropy-high: {self.entropy_low} / {self.entropy_high}. "
                                "The low bound must be below the high bound.")
-        if self.verify_timeout_s <= 0:
-            raise QAEUserError(f"verify-timeout-s: {self.verify_timeout_s}. Use a positive number of seconds.")
-        if self.eval_limit is not None and self.eval_limit < 1:
-            raise QAEUserError(f"eval-limit: {self.eval_limit}. Use a positive number of problems.")
-        for name in NUMERIC_RANGES:
-            if getattr(self, name) is not None:
-                check_range(name, getattr(self, name))
+        for name in BOUNDED_BY_ANOTHER_OPTION:  # their own range, now that the tighter bound holds
+            check_range(name, getattr(self, name))
         if self.run_name is not None:
             validate_run_name(self.run_name)
         return self
@@ -257,11 +243,6 @@ def _check_choices(cfg) -> None:
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
-
-
-def _positive(name: str, value: int) -> None:
-    if value < 1:
-        raise QAEUserError(f"{name}: {value}. Use a positive integer.")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -398,7 +379,7 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
         raise QAEUserError(f"run-name: '{given_name}' is not the run --resume continues ('{run}'). Drop --run-name "
                            "(and run_name from the --config file) to resume it, or drop --resume to start a new run "
                            "of that name.")
-    from qae_app.store import is_eval_run  # (duckdb: not imported by every command that reads options)
+    from qae_app.store_read import is_eval_run  # (duckdb: not imported by every command that reads options)
 
     if is_eval_run(folder):
         raise eval_run_error("resume", folder, "There is nothing to resume; start a training run with another "
@@ -418,28 +399,6 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
                 f"may change: {', '.join(_flag(n) for n in RESUMABLE)}).")
         changes[name] = value
     return dataclasses.replace(stored, run_name=run, **changes).validate()
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """Truncations of the sampling distribution, for `qae eval` only. The defaults switch each one off: training
-    always samples from softmax(logits / T), the distribution its loss assumes."""
-
-    top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p (1: off)
-    top_k: int = 0  # keep the k most likely tokens (0: off)
-    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (0: off)
-
-    def validate(self) -> "SamplingOptions":
-        if not 0 < self.top_p <= 1:
-            raise QAEUserError(f"top-p: {self.top_p}. Use a value in (0, 1]; 1 keeps the whole distribution.")
-        if self.top_k < 0:
-            raise QAEUserError(f"top-k: {self.top_k}. Use 0 (off) or a positive number of tokens.")
-        if not 0 <= self.min_p < 1:
-            raise QAEUserError(f"min-p: {self.min_p}. Use a value in [0, 1); 0 keeps the whole distribution.")
-        return self
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -474,25 +433,15 @@ class EvalConfig:
 
     def validate(self) -> "EvalConfig":
         _check_choices(self)
-        _positive("samples", self.samples)
-        if not self.temperature > 0:
-            raise QAEUserError(f"temperature: {self.temperature}. Sampling needs a temperature > 0 (0.7 is usual "
-                               "for evaluation).")
-        SamplingOptions(self.top_p, self.top_k, self.min_p).validate()
-        if self.limit is not None:
-            _positive("limit", self.limit)
-        if self.max_new_tokens is not None:
-            _positive("max-new-tokens", self.max_new_tokens)
-        if self.checkpoint is not None and self.checkpoint < 0:
-            raise QAEUserError(f"checkpoint: {self.checkpoint}. Use the step of one of the run's checkpoints.")
-        if not self.verify_timeout_s > 0:
-            raise QAEUserError(f"verify-timeout-s: {self.verify_timeout_s}. Use a positive number of seconds.")
         # the training options' ranges, under this command's option names
         for name, value, flag in (("eval_k", self.samples, "samples"), ("temperature", self.temperature, None),
                                   ("seed", self.seed, None), ("verify_timeout_s", self.verify_timeout_s, None),
                                   ("eval_limit", self.limit, "limit"), ("max_new_tokens", self.max_new_tokens, None)):
             if value is not None:
                 check_range(name, value, flag)
+        SamplingOptions(self.top_p, self.top_k, self.min_p).validate()
+        if self.checkpoint is not None and self.checkpoint < 0:
+            raise QAEUserError(f"checkpoint: {self.checkpoint}. Use the step of one of the run's checkpoints.")
         if self.run_name is not None:
             validate_run_name(self.run_name)
         return self

@@ -22,7 +22,9 @@ from qae_app.rewards import ANSWER_EXTRACTORS, Scorer
 from qae_app.rollout import RolloutEngine
 from qae_app.rundir import RUN_NAME_PATTERN, CHECKPOINTS_DIR, checkpoint_step, db_path, eval_run_error, \
     list_checkpoints, validate_run_name
-from qae_app.store import RunWriter, is_eval_run
+from qae_app.sampling import SamplingOptions
+from qae_app.store_read import is_eval_run
+from qae_app.store_write import RunWriter
 from qae_app.tasks import load_benchmark
 
 
@@ -139,7 +141,7 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from qae_app.models import check_prompt_lengths, load_policy
-    from qae_app.rollout import SamplingOptions, make_engine
+    from qae_app.rollout import make_engine
 
     target = resolve_model(cfg.model, runs_dir, cfg.checkpoint)
     name, problems, task = load_benchmark(cfg.bench)

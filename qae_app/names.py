@@ -16,6 +16,14 @@ ESTIMATORS: dict[str, str] = {
     "rloo": "leave-one-out mean of the other G-1 rewards (RLOO); the baseline column shows the group mean",
 }
 MEAN_BASELINE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # K means nothing to these
+
+
+def uses_k(estimator: str) -> bool:
+    """Whether `estimator` reads K (and --quantile): QAE does; K means nothing to a mean baseline. Decides where a run
+    stores a K, which sweep points differ by K, and which configs `qae compare` groups together whatever their K."""
+    return estimator not in MEAN_BASELINE_ESTIMATORS
+
+
 ESTIMATOR_DEFAULT_SCALE = {"qae": "std", "grpo": "std", "dr_grpo": "none", "rloo": "none"}  # --scale not given
 QUANTILE_METHODS: dict[str, str] = {
     "paper": "lower (inverted-CDF) quantile, the m-th smallest reward with m = ceil(K * G), decided on integer counts",
@@ -99,8 +107,12 @@ ENGINES: dict[str, str] = {
     "vllm": "a colocated vLLM engine that receives the new weights after each step (CUDA)",
 }
 
-# --- math verification: an extracted answer longer than this scores 0 without math-verify (rewards.py), so a data
-# file's gold answer longer than this could never be matched and is refused (datasets.py)
+# --- the built-in chain task's responses: scratchpad, marker, final answer (tasks.py writes them, answers.py reads the
+# final answer after the last marker); only characters of the built-in vocabulary
+CHAIN_ANSWER_MARKER = " so "
+
+# --- math verification: an extracted answer longer than this scores 0 without math-verify (verifier_pool.py), so a
+# data file's gold answer longer than this could never be matched and is refused (datasets.py)
 MAX_ANSWER_CHARS = 1000
 
 # --- models

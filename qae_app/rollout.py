@@ -21,10 +21,10 @@ from typing import Iterator, Protocol
 
 import torch
 
-from qae_app.config import SamplingOptions
 from qae_app.errors import QAEUserError
 from qae_app.models import TextCodec
 from qae_app.names import ENGINES
+from qae_app.sampling import PLAIN_SAMPLING, SamplingOptions
 
 
 @dataclass
@@ -38,9 +38,6 @@ class Sample:
     # measured them while sampling (the trainer then skips a no-grad pass over the responses to report them)
     token_logprobs: list[float] | None = None
     token_entropies: list[float] | None = None
-
-
-PLAIN_SAMPLING = SamplingOptions()
 
 
 class RolloutEngine(Protocol):

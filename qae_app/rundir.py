@@ -6,7 +6,7 @@ status a reader should show. Torch-free, so the CLI's readers and the dashboard 
       config.json            the run's TrainConfig
       trainer.lock           held (flock) by the process training the run; it holds that process's pid
       checkpoints/step-N/    accelerate state, an HF `model/` folder, trainer_state.json, manifest.json (checksums)
-      pending/               rows waiting for the database while a reader holds it (store.RunWriter)
+      pending/               rows waiting for the database while a reader holds it (store_write.RunWriter)
 
 The folder name is the run's id for every reader and writer: a copied or renamed run folder is that run.
 
@@ -264,5 +264,5 @@ def effective_status(stored: str | None, folder: Path) -> str:
 
 def pending_writes(folder: Path) -> int:
     """Writes saved under pending/ and not in the database yet: the steps since the trainer's last database write (see
-    store.WRITE_SHARE), or all of them while a reader holds the file."""
+    store_write.WRITE_SHARE), or all of them while a reader holds the file."""
     return len(list((Path(folder) / PENDING_DIR).glob("*.pkl")))

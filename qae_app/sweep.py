@@ -78,7 +78,7 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
     for estimator in estimator_list:
         if estimator not in names.ESTIMATORS:
             raise QAEUserError(f"estimator: unknown '{estimator}'. Choose from: {', '.join(names.ESTIMATORS)}.")
-    if ks is not None and "qae" not in estimator_list:
+    if ks is not None and not any(names.uses_k(estimator) for estimator in estimator_list):
         raise QAEUserError(f"k: {ks} is QAE's quantile level, and the sweep has no qae run. Drop --k or add qae "
                            "to --estimator.")
     k_list = parse_list("k", ks) if ks is not None else [str(options.get("k", names.DEFAULT_K))]
@@ -95,7 +95,7 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
     name = validate_run_name(name or f"sweep-{sweep_id[:6]}", option="name")
     points = []
     for estimator in estimator_list:
-        for k in k_list if estimator == "qae" else [None]:  # a mean baseline ignores K: one point per seed
+        for k in k_list if names.uses_k(estimator) else [None]:  # a mean baseline ignores K: one point per seed
             for seed in range(first_seed, first_seed + seeds):
                 run_name = validate_run_name(f"{name}-{estimator}{f'-k{k}' if k is not None else ''}-s{seed}")
                 point = dict(options, estimator=estimator, seed=seed, run_name=run_name, sweep_id=sweep_id,
@@ -153,7 +153,7 @@ def point_state(runs_dir: Path, point: SweepPoint) -> str:
         return "new"
     if trainer_alive(folder):
         return "busy"
-    from qae_app.store import read_last_step, read_run
+    from qae_app.store_read import read_last_step, read_run
 
     try:
         status, last = read_run(db_path(runs_dir, point.run_name))["status"], read_last_step(
@@ -283,7 +283,7 @@ def _stored_steps(runs_dir: Path, run_name: str, before: int | None) -> int | No
     path = db_path(runs_dir, run_name)
     if not path.exists():
         return before
-    from qae_app.store import read_last_step
+    from qae_app.store_read import read_last_step
 
     try:
         return read_last_step(path) or 0

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from qae_app.datasets import Problem, load_math_file
 from qae_app.errors import QAEUserError
+from qae_app.names import CHAIN_ANSWER_MARKER
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,6 @@ CHAIN_OPERAND_COUNTS = (3, 4)  # drawn with equal probability
 CHAIN_N_PROBLEMS = 8192
 CHAIN_N_HELDOUT = 256
 CHAIN_SEED = 4321  # fixed forever: changing it changes every problem and the held-out split
-CHAIN_ANSWER_MARKER = " so "  # scratchpad, marker, final answer; only characters of the built-in vocabulary
 
 
 def chain_question(operands: list[int], ops: list[str]) -> str:

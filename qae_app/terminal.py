@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich import box
 from rich.columns import Columns
@@ -24,45 +24,22 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from qae_app import store
+from qae_app import store, store_read
+from qae_app.formatting import missing, number, pace_line, run_pace
 from qae_app.names import GATE_REASONS
 from qae_app.rundir import STOPPED
 
 if TYPE_CHECKING:  # `qae runs` draws from dicts and never imports pandas
     import pandas as pd
 
-
-def missing(value: Any) -> bool:
-    """None, NaN, pandas' NA or NaT: a value that was never recorded."""
-    return value is None or value != value or type(value).__name__ in ("NAType", "NaTType")
-
 GAP = 2  # characters between two columns (SIMPLE_HEAD box, collapsed padding)
 STATUS_STYLES = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow",
-                 store.UNREADABLE: "bold red", store.BUSY: "yellow", STOPPED: "magenta"}
+                 store_read.UNREADABLE: "bold red", store_read.BUSY: "yellow", STOPPED: "magenta"}
 ID_SEPARATORS = "-_."
 MIN_ID_WIDTH = 24  # optional columns give way before a run id gets narrower than this (default ids: 19-23)
 # `qae show`: the steps columns in order of importance (all of STEP_METRICS, the first ones kept at 80 columns)
 SHOW_METRICS = ["reward_mean", "accuracy", "heldout_accuracy", "entropy", "frac_zero_adv", "frac_hard", "frac_easy",
                 "cov_logp_adv", "kl", "clip_frac", "response_len", "step_s"]
-
-
-def number(value: Any) -> str:
-    """A number in at most ~8 characters, never cut: '-' for missing, integers as they are, 3 decimals in [0.001,
-    100), 1 decimal above, scientific below."""
-    if missing(value):
-        return "-"
-    if isinstance(value, (bool,)):
-        return str(value)
-    if isinstance(value, (int,)) or (isinstance(value, float) and value.is_integer() and abs(value) < 1e6):
-        return str(int(value))
-    value = float(value)
-    if abs(value) >= 1e6:
-        return f"{value:.3g}"
-    if abs(value) >= 100:
-        return f"{value:.1f}"
-    if abs(value) >= 0.001:
-        return f"{value:.3f}"
-    return f"{value:.1e}"
 
 
 def metric_header(name: str) -> str:
@@ -164,11 +141,11 @@ def shared_prefix(ids: list[str]) -> str:
 
 
 def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
-    """The runs table (rows: store.run_summaries): run, status, estimator and K, progress and the latest metrics;
+    """The runs table (rows: store_read.run_summaries): run, status, estimator and K, progress and the latest metrics;
     model, task and creation time when there is room. Under it: what `stopped` means and why a run is unreadable."""
     ids = [str(row["run_id"]) for row in rows]
     configs = [_config(row) for row in rows]
-    readable = [row.get("status") not in store.READ_STATUSES for row in rows]
+    readable = [row.get("status") not in store_read.READ_STATUSES for row in rows]
 
     def cell(row: dict, key: str, ok: bool) -> str:
         return number(row.get(key)) if ok else ""
@@ -215,7 +192,7 @@ def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
         parts.append(Text("stopped: stored as running, but no trainer holds the run (killed by kill -9, OOM or a power "
                           "loss). Continue it with `qae train --resume RUN`.", style="dim"))
     for row in rows:
-        if row["status"] in store.READ_STATUSES:
+        if row["status"] in store_read.READ_STATUSES:
             parts.append(Text.assemble(("unreadable: ", "bold red"), (f"{row['run_id']}: {row.get('error')}", "")))
     return Group(*parts)
 
@@ -238,11 +215,7 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
     if stored and stored != info["run_id"]:
         parts.append(Text(f"copied or renamed: the database names it {stored}", style="dim"))
     if info["status"] == "running":
-        facts = store.run_pace(steps, config.get("steps"))
-        rate = facts["steps_per_min"]
-        parts.append(Text(f"last step {store.duration(facts['age_s'])} ago · "
-                          + (f"{rate:.3g} steps/min" if rate else "- steps/min")
-                          + f" · ETA {store.duration(facts['eta_s'])}"))
+        parts.append(Text(pace_line(run_pace(steps, config.get("steps")))))
     elif info["status"] == STOPPED:
         parts.append(Text("stopped: no trainer holds this run (it was killed). Continue it with "
                           f"`qae train --resume {info['run_id']}`.", style="magenta"))

@@ -57,7 +57,8 @@ from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
 from qae_app.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, DB_FILE, TRAINER_STATE, RunLock, checkpoint_problem,
                             checkpoint_step, eval_run_error, file_sha256, list_checkpoints, run_dir,
                             trainer_alive, write_manifest)
-from qae_app.store import RunWriter, is_eval_run, last_logged_step, read_run
+from qae_app.store_read import is_eval_run, last_logged_step, read_run
+from qae_app.store_write import RunWriter
 from qae_app.tasks import Task, load_benchmark, load_task
 
 ENTROPY_EMA_ALPHA = 0.1  # smoothing of the entropy that the band warnings watch (about the last 10 steps)

@@ -1,4 +1,4 @@
-"""Imported once by the math verifier's fork server (see `rewards._worker_context`): imports math-verify and sympy and
+"""Imported once by the math verifier's fork server (see `verifier_pool._worker_context`): imports math-verify and sympy and
 runs each of its parsers once, so every worker forked from the server starts warm, in milliseconds.
 
 Any failure here is left for the workers to meet and report (they import and warm up again): the fork server must
@@ -7,7 +7,7 @@ start whatever happens."""
 import logging
 
 try:
-    from qae_app.rewards import verify_math
+    from qae_app.verifier_pool import verify_math
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" is expected in the workers
     for prediction, gold in (("1", "1"), ("\\frac{1}{2}", "0.5"), ("x^2", "x^{2}"), ("\\sqrt{2}", "2^{1/2}")):

@@ -15,7 +15,8 @@ import torch
 
 from qae_app.errors import QAEUserError
 from qae_app.models import TextCodec, local_model_folder
-from qae_app.rollout import PLAIN_SAMPLING, Sample, SamplingOptions, ShardedPolicy, cut_at_stop
+from qae_app.rollout import Sample, ShardedPolicy, cut_at_stop
+from qae_app.sampling import PLAIN_SAMPLING, SamplingOptions
 
 
 class VLLMEngine:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pandas as pd
 
 from qae_app.rundir import DB_FILE, PENDING_DIR
-from qae_app.store import STEP_METRICS, TIMING_METRICS, read_steps
+from qae_app.store import STEP_METRICS, TIMING_METRICS
+from qae_app.store_read import read_steps
 
 SAMPLING_STATS = {"entropy", "entropy_pos", "entropy_neg", "cov_logp_adv", "dH", "dH_hard", "dH_easy"}
 COMPARED = sorted(set(STEP_METRICS) - set(TIMING_METRICS))

@@ -1,5 +1,5 @@
-"""Synthetic runs written through the real `store.RunWriter`, for dashboard and CLI tests and bench/bench_dashboard.py:
-big runs (1,000 steps, 128,000 rollouts) without training.
+"""Synthetic runs written through the real `store_write.RunWriter`, for dashboard and CLI tests and
+bench/bench_dashboard.py: big runs (1,000 steps, 128,000 rollouts) without training.
 
 Each prompt has a fixed difficulty; a response is correct with that probability (rising slowly over the run), and
 QAE's paper rule is applied by hand to the binary rewards of each group (c correct of G, success rate p = c / G):
@@ -13,7 +13,7 @@ import math
 import random
 from pathlib import Path
 
-from qae_app import store
+from qae_app import rundir, store, store_write
 from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
 
 EPS = 1e-6
@@ -35,13 +35,13 @@ def qae_group(rewards: list[float], k: float) -> tuple[float, str, list[float]]:
 def write_run(runs_dir: Path, run_id: str, steps: int = 20, prompts_per_step: int = 4, group_size: int = 8,
               n_prompts: int = 40, k: float = 0.4, seed: int = 0, eval_every: int = 0, eval_problems: int = 8,
               eval_k: int = 4, status: str | None = "finished", start_step: int = 1,
-              writer: store.RunWriter | None = None, config: dict | None = None) -> store.RunWriter:
+              writer: store_write.RunWriter | None = None, config: dict | None = None) -> store_write.RunWriter:
     """Write `steps` steps of a synthetic QAE run into runs_dir/run_id (created if new) and return its writer.
     `status=None` leaves the stored status as it is (`running` for a new run); `start_step` continues a run."""
     rng = random.Random(seed * 1_000_003 + start_step)
-    path = store.db_path(runs_dir, run_id)
+    path = rundir.db_path(runs_dir, run_id)
     if writer is None:
-        writer = store.RunWriter(path, run_id)
+        writer = store_write.RunWriter(path, run_id)
         if start_step == 1:
             cfg = {**dict(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, k=k, seed=seed,
                           estimator="qae", model="builtin:tiny", data="arith", eval_every=eval_every, lr=1e-5,

@@ -189,6 +189,19 @@ def test_every_named_estimator_has_an_implementation():
     assert set(ESTIMATORS) == set(names.ESTIMATORS) == set(ESTIMATOR_DEFAULT_SCALE)
 
 
+def test_k_applies_to_exactly_the_estimators_that_use_it():
+    """names.uses_k decides where K applies (the stored k, the sweep's grid, compare's groups): exactly the estimators
+    whose advantages change with K. 2 of 5 correct: K=0.2 makes QAE's baseline 0 (hard), K=0.8 makes it 1 (easy)."""
+    from qae_app import names
+
+    rewards = torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0]])
+    for name in ESTIMATORS:
+        low = compute_advantages(name, rewards, EstimatorConfig(k=0.2)).advantages
+        high = compute_advantages(name, rewards, EstimatorConfig(k=0.8)).advantages
+        assert names.uses_k(name) == (not torch.equal(low, high)), name
+    assert [name for name in names.ESTIMATORS if names.uses_k(name)] == ["qae"]
+
+
 def test_scale_none_is_honoured_by_the_mean_baselines():
     """`--scale none` used to be ignored by grpo (always divided by the std)."""
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]])  # mean 0.25, unbiased std 0.5

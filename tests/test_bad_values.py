@@ -11,7 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from qae_app.cli import app
-from qae_app.store import RunWriter, db_path, query, read_run
+from qae_app.rundir import db_path
+from qae_app.store_read import query, read_run
+from qae_app.store_write import RunWriter
 
 runner = CliRunner()
 HUGE = "1" + "0" * 30  # an integer no 32-bit column, seed or tensor size can hold
@@ -55,6 +57,7 @@ BAD_VALUES = [
     (["train", "--steps", HUGE], f"steps: {HUGE} is more than 2,147,483,647"),
     (["train", "--clip-high", "1e308"], "clip-high: 1e+308 is more than 10.0"),
     (["train", "--clip-low", "nan"], "clip-low: nan is not a finite number"),
+    (["train", "--clip-low", "1"], "clip-low: 1.0 must be less than 1.0. Use 0 <= clip-low < 1"),  # the bound excluded
     (["train", "--kl-beta", "inf"], "kl-beta: inf is not a finite number"),
     (["train", "--kl-beta", "nan"], "kl-beta: nan is not a finite number"),
     (["train", "--kl-beta", "1e6"], "kl-beta: 1000000.0 is more than 10.0"),
@@ -71,6 +74,7 @@ BAD_VALUES = [
     (["train", "--verify-timeout-s", "1e9"], "verify-timeout-s: 1000000000.0 is more than 3,600.0"),
     (["train", "--entropy-low", "nan"], "entropy-low: nan is not a finite number"),
     (["train", "--heldout-fraction", "nan"], "heldout-fraction: nan is not a finite number"),
+    (["train", "--heldout-fraction", "1"], "heldout-fraction: 1.0 must be less than 1.0. Use a fraction in [0, 1)"),
     (["train", "--k", "nan"], "k: nan is outside (0, 1)"),
     (["train", "--eval-limit", "0"], "eval-limit: 0"),
     # the same from a TOML file, and TOML files that are not TOML
@@ -106,7 +110,7 @@ BAD_VALUES = [
     (["rollouts", "some-run", "--limit", "0"], "limit: 0 shows nothing. Use a positive number of responses"),
     # qae eval shares the training options' ranges
     (["eval", "--temperature", "1e-300"], "temperature: 1e-300 is less than 0.01"),
-    (["eval", "--verify-timeout-s", "nan"], "verify-timeout-s: nan. Use a positive number of seconds"),
+    (["eval", "--verify-timeout-s", "nan"], "verify-timeout-s: nan is not a finite number"),
     (["eval", "--verify-timeout-s", "inf"], "verify-timeout-s: inf is not a finite number"),
     (["eval", "--seed", "-1"], "seed: -1 is less than 0"),
     (["eval", "--samples", HUGE], f"samples: {HUGE} is more than 2,147,483,647"),
@@ -118,8 +122,8 @@ BAD_VALUES = [
     (["sweep", "--k", ","], "k: ',' names nothing. Give a comma-separated list, e.g. 0.3,0.4"),
     (["sweep", "--estimator", ","], "estimator: ',' names nothing. Give a comma-separated list, e.g. qae,grpo"),
     (["sweep", "--parallel", "0"], "parallel: 0. Use 1 to"),
-    (["train", "--config", "{d}/zero_steps.toml"], "steps: 0. Use a positive integer (set in "
-                                                   "{d}/zero_steps.toml)."),
+    (["train", "--config", "{d}/zero_steps.toml"], "steps: 0 is less than 1, the least it may be. Use a positive "
+                                                   "integer (set in {d}/zero_steps.toml)."),
     (["train", "--data", "{d}/number_question.jsonl"], "line 1 gives its question as a number (question = 5), not text"),
     (["train", "--config", "{d}/twice.toml"], "config: 'steps' is set twice in {d}/twice.toml ([run] steps = 2, "
                                               "[optim] steps = 0)"),

@@ -180,7 +180,8 @@ def test_warmstart_refuses_an_unknown_task(tmp_path):
 
 @pytest.mark.slow
 def test_train_on_chain_end_to_end(tmp_path):
-    from qae_app.store import db_path, query, read_run, read_steps
+    from qae_app.rundir import db_path
+    from qae_app.store_read import query, read_run, read_steps
 
     result = runner.invoke(app, ["train", "--data", "builtin:chain", "--steps", "2", "--prompts-per-step", "2",
                                  "--group-size", "4", "--eval-every", "2", "--eval-limit", "8", "--run-name", "c",

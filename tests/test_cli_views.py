@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from qae_app import store
+from qae_app import rundir, store_read, store_write
 from qae_app.cli import app
 from qae_app.names import GATE_REASONS
-from qae_app.terminal import number, shared_prefix
+from qae_app.formatting import number
+from qae_app.terminal import shared_prefix
 from tests.synthetic import write_run
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
@@ -102,7 +103,7 @@ def test_runs_shows_every_run_whole_its_status_and_why_one_is_unreadable(broken_
     text = invoke(broken_cwd, width, "runs")
     check_fits(text, width)
     assert "…" not in text
-    frame = store.read_runs(broken_cwd / "runs")
+    frame = store_read.read_runs(broken_cwd / "runs")
     for run_id in frame["run_id"]:
         assert run_id in text
     assert re.search(r"killed\s+stopped", text) and re.search(r"broken\s+unreadable", text)
@@ -123,7 +124,7 @@ def test_show_prints_status_config_and_whole_numbers(runs_cwd, width):
     for key, value in [("steps", "30"), ("group_size", "8"), ("k", "0.4"), ("eval_every", "10")]:
         assert f"{key} = {value}" in flat
     assert "…" not in text
-    steps = store.read_steps(store.db_path(runs_cwd / "runs", LONG_A)).set_index("step")
+    steps = store_read.read_steps(rundir.db_path(runs_cwd / "runs", LONG_A)).set_index("step")
     rows = {int(line.split()[0]): line.split() for line in lines if re.match(r"^\s*\d+\s+\d", line)}
     assert 30 in rows and 1 in rows
     for step, cells in rows.items():
@@ -170,11 +171,11 @@ def test_show_refuses_an_unknown_metric(runs_cwd):
 @pytest.mark.parametrize("width", WIDTHS)
 def test_rollouts_break_down_why_responses_were_gated(runs_cwd, width):
     text = invoke(runs_cwd, width, "rollouts", LONG_A, "--step", "30", "--limit", "200")
-    path = store.db_path(runs_cwd / "runs", LONG_A)
-    breakdown = store.read_gate_breakdown(path).query("step == 30")
+    path = rundir.db_path(runs_cwd / "runs", LONG_A)
+    breakdown = store_read.read_gate_breakdown(path).query("step == 30")
     for reason, n in zip(breakdown["gate_reason"], breakdown["n"]):
         assert re.search(rf"^{reason}\s+{n}\s", text, re.MULTILINE), reason
-    rows = store.read_rollouts(path, 30)
+    rows = store_read.read_rollouts(path, 30)
     table_rows = [line.split() for line in text.splitlines() if re.match(r"^\d+\s+[01]\s+[+-]\d", line)]
     assert len(table_rows) == len(rows)
     reasons = [cells[3] for cells in table_rows]
@@ -194,7 +195,7 @@ def test_ids_that_share_a_prefix_show_the_part_that_differs(tmp_path):
     for run_id in ids:
         write_run(tmp_path, run_id, steps=2, prompts_per_step=2, group_size=4)
     console = Console(width=80, record=True)
-    console.print(runs_view(store.run_summaries(tmp_path), "runs", 80))
+    console.print(runs_view(store_read.run_summaries(tmp_path), "runs", 80))
     text = console.export_text()
     check_fits(text, 80)
     assert "every run id below starts with 20261130-" in text
@@ -210,11 +211,6 @@ def test_shared_prefix_cuts_at_a_separator():
     assert shared_prefix(["alone"]) == ""
 
 
-def test_numbers_keep_their_digits():
-    assert [number(v) for v in (None, float("nan"), 3, 3.0, 0.12345, -0.0456, 123.456, 1.5e-05, 2.5e7)] == \
-        ["-", "-", "3", "3", "0.123", "-0.046", "123.5", "1.5e-05", "2.5e+07"]
-
-
 def test_readme_defines_every_gate_reason():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| (.+?) \|$", readme, re.M))
@@ -224,10 +220,10 @@ def test_readme_defines_every_gate_reason():
 def test_rollouts_of_a_run_without_steps_say_so(tmp_path):
     """A run created but not past its first step (or an eval-only run): DuckDB's max(step) over no rows comes back as
     pandas' NA, which is neither None nor NaN."""
-    writer = store.RunWriter(store.db_path(tmp_path, "new"), "new")
+    writer = store_write.RunWriter(rundir.db_path(tmp_path, "new"), "new")
     writer.create_run("new", {"steps": 10}, "qae", 0.4, "builtin:tiny", "arith", 0)
-    assert store.read_last_step(store.db_path(tmp_path, "new")) is None
-    assert store.last_logged_step(tmp_path / "new") == 0
+    assert store_read.read_last_step(rundir.db_path(tmp_path, "new")) is None
+    assert store_read.last_logged_step(tmp_path / "new") == 0
     result = runner.invoke(app, ["rollouts", "new", "--runs-dir", str(tmp_path)])
     assert result.exit_code == 2, result.output
     assert "run: 'new' has no steps yet." in " ".join(result.output.split())

@@ -257,7 +257,9 @@ def test_runs_read_back_from_duckdb(tmp_path):
     """Stored runs with known values give the hand-computed interval: the store's frames are what compare reads."""
     import json
 
-    from qae_app.store import STEP_METRICS, RunWriter, read_run, read_steps
+    from qae_app.store import STEP_METRICS
+    from qae_app.store_read import read_run, read_steps
+    from qae_app.store_write import RunWriter
 
     finals = {0: 0.6, 1: 0.7, 2: 0.8}
     records = []

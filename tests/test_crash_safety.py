@@ -16,8 +16,8 @@ import pytest
 
 from same_steps import assert_same_metrics, kept_steps, saved_steps
 from qae_app.config import build_config
-from qae_app.store import db_path, query, read_run, read_steps
-from qae_app.rundir import RunLock, latest_checkpoint, trainer_alive, write_manifest
+from qae_app.rundir import RunLock, db_path, latest_checkpoint, trainer_alive, write_manifest
+from qae_app.store_read import query, read_run, read_steps
 from qae_app.trainer import Trainer
 
 OPTS = dict(steps=6, prompts_per_step=4, group_size=8, eval_every=0, checkpoint_every=2, seed=1)

@@ -24,7 +24,8 @@ from qae_app.config import build_config
 from qae_app.losses import token_logprobs_and_entropy
 from qae_app.models import load_policy
 from qae_app.rows import step_metrics
-from qae_app.store import db_path, query, read_steps
+from qae_app.rundir import db_path
+from qae_app.store_read import query, read_steps
 from qae_app.trainer import Trainer, data_position_problem
 
 runner = CliRunner()

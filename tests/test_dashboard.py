@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from qae_app import store
+from qae_app import rundir, store, store_read, store_write
 from qae_app.cli import app as cli_app
 from qae_app.rundir import RunLock, run_dir
 from tests.synthetic import write_run
@@ -91,15 +91,15 @@ def runs_dir(tiny_run, tmp_path_factory) -> Path:
     tiny_dir, tiny_id = tiny_run
     out = tmp_path_factory.mktemp("dash_runs")
     (out / tiny_id).mkdir()
-    shutil.copy(store.db_path(tiny_dir, tiny_id), store.db_path(out, tiny_id))  # the database only, not checkpoints
+    shutil.copy(rundir.db_path(tiny_dir, tiny_id), rundir.db_path(out, tiny_id))  # the database only, not checkpoints
     _write_crafted(out)
-    empty = store.RunWriter(store.db_path(out, "empty"), "empty")
+    empty = store_write.RunWriter(rundir.db_path(out, "empty"), "empty")
     empty.create_run("empty", {"steps": 10}, "grpo", None, "builtin:tiny", "arith", 0)
     return out
 
 
 def _write_crafted(out: Path, run_id: str = "crafted") -> None:
-    writer = store.RunWriter(store.db_path(out, run_id), run_id)
+    writer = store_write.RunWriter(rundir.db_path(out, run_id), run_id)
     writer.create_run(run_id, {"steps": 3, "group_size": 4, "entropy_low": 0.5, "entropy_high": 3.0}, "qae", 0.5,
                       "builtin:tiny", "arith", 0)
     for step in (1, 2, 3):
@@ -228,7 +228,7 @@ def test_runs_page_lists_every_run_with_progress(app, runs_dir):
     table = frames(at)[0]
     assert set(table["run_id"]) == {"tiny", "crafted", "empty"}
     tiny = table.set_index("run_id").loc["tiny"]
-    steps = store.read_steps(store.db_path(runs_dir, "tiny"))
+    steps = store_read.read_steps(rundir.db_path(runs_dir, "tiny"))
     assert tiny["status"] == "finished" and tiny["progress"] == f"{len(steps)} / {len(steps)}"
     assert tiny["accuracy"] == pytest.approx(steps["accuracy"].iloc[-1])
     assert bool(tiny["shown"]) and not bool(table.set_index("run_id").loc["crafted", "shown"])
@@ -245,7 +245,7 @@ def test_curves_page_plots_every_step_of_each_run(app, runs_dir):
     specs = plotly_specs(at)
     assert {"entropy", "accuracy", "frac_zero_adv", "regimes", "cov_logp_adv", "entropy_split", "response_len",
             "clip_frac", "step_time"} <= set(specs)
-    tiny_steps = store.read_steps(store.db_path(runs_dir, "tiny"))
+    tiny_steps = store_read.read_steps(rundir.db_path(runs_dir, "tiny"))
     entropy = {trace["name"]: trace for trace in specs["entropy"]["data"]}
     assert list(entropy["tiny"]["x"]) == tiny_steps["step"].tolist()
     assert list(entropy["crafted"]["x"]) == [1, 2, 3]
@@ -284,16 +284,16 @@ def test_curves_smoothing_control_changes_the_lines(app):
 
 def test_rollouts_page_shows_the_latest_step_with_gated_rows_marked(app, runs_dir):
     at = app("rollouts", run="tiny")
-    path = store.db_path(runs_dir, "tiny")
-    latest = store.read_rollout_steps(path)[-1]
-    expected = store.read_rollouts(path, latest)
+    path = rundir.db_path(runs_dir, "tiny")
+    latest = store_read.read_rollout_steps(path)[-1]
+    expected = store_read.read_rollouts(path, latest)
     tables = response_tables(at)
     assert sum(len(t) for t in tables) == len(expected)
     shown = pd.concat(tables, ignore_index=True)
     assert (shown["status"] == "⊘ gated").sum() == expected["gated"].sum() > 0
     assert shown.loc[shown["status"] == "⊘ gated", "advantage"].eq(0).all()
     assert f"{int(expected['gated'].sum())} / {len(expected)}" in [m.value for m in at.metric]
-    groups = store.read_groups(path, latest)
+    groups = store_read.read_groups(path, latest)
     headers = [m.value for m in at.markdown if m.value.startswith("**Group")]
     assert len(headers) == len(groups)
     first = groups.iloc[0]
@@ -312,10 +312,10 @@ def test_rollouts_filters_match_the_database(app, runs_dir, filters, reader_args
     for key, value in filters.items():
         at.session_state[key] = value
     at.run()
-    expected = store.read_rollouts(store.db_path(runs_dir, "tiny"), 3, **reader_args)
+    expected = store_read.read_rollouts(rundir.db_path(runs_dir, "tiny"), 3, **reader_args)
     shown = response_tables(at)
     assert sum(len(t) for t in shown) == len(expected)
-    total = len(store.read_rollouts(store.db_path(runs_dir, "tiny"), 3))
+    total = len(store_read.read_rollouts(rundir.db_path(runs_dir, "tiny"), 3))
     assert at.metric[0].value == f"{len(expected)} / {total}"
 
 
@@ -354,7 +354,7 @@ def test_prompt_history_follows_a_prompt_from_hard_to_easy(app):
 
 def test_evals_page_plots_each_metric_and_subset(app, runs_dir):
     at = app("evals", run="tiny")
-    evals = store.read_evals(store.db_path(runs_dir, "tiny"))
+    evals = store_read.read_evals(rundir.db_path(runs_dir, "tiny"))
     spec = plotly_specs(at)["evals_chart"]
     avg = [t for t in spec["data"] if t["xaxis"] in (None, "x")]
     assert avg and list(avg[0]["x"]) == evals.query("metric == 'avg@k' and subset == 'all'")["step"].tolist()
@@ -371,7 +371,7 @@ def test_evals_page_plots_each_metric_and_subset(app, runs_dir):
 def test_the_latest_evaluation_is_one_row_not_a_mix(tmp_path, monkeypatch):
     """'latest value' took each column's last non-missing value: a metric missing at step 2 showed step 2 beside
     step 1's value."""
-    writer = store.RunWriter(store.db_path(tmp_path, "ev"), "ev")
+    writer = store_write.RunWriter(rundir.db_path(tmp_path, "ev"), "ev")
     writer.create_run("ev", {"steps": 2}, "qae", 0.4, "builtin:tiny", "arith", 0)
     for step, value in ((1, 0.5), (2, None)):
         writer.add_step(step, steps=[{name: None for name in store.STEP_METRICS}],
@@ -549,14 +549,14 @@ def test_config_of_a_run_and_the_difference_of_two(small_app):
 def test_curves_take_the_step_0_heldout_point_from_the_evals_and_other_x_axes(app, runs_dir):
     at = app("curves", run="tiny", smooth="none")
     heldout = next(t for t in plotly_specs(at)["accuracy"]["data"] if t["name"] == "tiny · heldout_accuracy")
-    evals = store.read_evals(store.db_path(runs_dir, "tiny")).query("metric == 'avg@k' and subset == 'all'")
+    evals = store_read.read_evals(rundir.db_path(runs_dir, "tiny")).query("metric == 'avg@k' and subset == 'all'")
     assert heldout["x"][0] == 0 and list(heldout["x"]) == evals["step"].tolist()
     assert heldout["y"] == pytest.approx(evals["value"].tolist())
     at.session_state["x"] = "tokens"
     at.session_state["log"] = True
     at.run()
     entropy = plotly_specs(at)["entropy"]
-    tokens = store.read_step_tokens(store.db_path(runs_dir, "tiny"))
+    tokens = store_read.read_step_tokens(rundir.db_path(runs_dir, "tiny"))
     line = next(t for t in entropy["data"] if t["name"] == "tiny")
     assert line["x"] == pytest.approx(tokens["n_tokens"].cumsum().tolist())
     assert entropy["layout"]["yaxis"]["type"] == "log"
@@ -604,7 +604,7 @@ def _write_dynamic(out: Path) -> None:
     group 0 hard, trained: one success shaped to 0.75, three failures (gated);
     group 1 easy, trained: three successes (gated) and one failure;
     group 2 filtered (all wrong by the verifier), one response shaped to -0.25 so its advantage is not 0."""
-    writer = store.RunWriter(store.db_path(out, "dyn"), "dyn")
+    writer = store_write.RunWriter(rundir.db_path(out, "dyn"), "dyn")
     writer.create_run("dyn", {"steps": 1, "group_size": 4, "dynamic_sampling": True}, "qae", 0.4, "builtin:tiny",
                       "arith", 0)
     spec = [  # group: (regime, baseline, filtered, [(reward, correct, advantage)] * 4)
@@ -689,12 +689,12 @@ def test_link_values_are_shown_as_text_not_markdown(small_app):
 def test_prompt_heatmap_leaves_unsampled_steps_blank(small_app, small_dir):
     at = small_app("prompts", run="syn")
     heat = plotly_specs(at)["prompt_heatmap"]["data"][0]
-    histories = store.read_groups(store.db_path(small_dir, "syn"), 1)  # any step: prompts come back irregularly
+    histories = store_read.read_groups(rundir.db_path(small_dir, "syn"), 1)  # any step: prompts come back irregularly
     assert list(heat["x"]) == list(range(min(heat["x"]), max(heat["x"]) + 1))  # one column per step
     z = np.array(heat["z"], dtype=float)
     assert np.isnan(z).any()  # steps where a prompt was not sampled stay empty
-    groups = store.query(store.db_path(small_dir, "syn"), "SELECT prompt_id, step, n_correct / group_size AS rate "
-                                                           "FROM groups")
+    groups = store_read.query(rundir.db_path(small_dir, "syn"),
+                              "SELECT prompt_id, step, n_correct / group_size AS rate FROM groups")
     row = heat["y"].index(heat["y"][0])
     sampled = groups[groups["prompt_id"] == heat["y"][0]].set_index("step")["rate"]
     for step, value in zip(heat["x"], z[row]):
@@ -751,72 +751,58 @@ def test_eval_samples_page_shows_answers_and_problems_across_checkpoints(small_a
 
 
 def test_dashboard_readers_on_the_crafted_run(runs_dir):
-    path = store.db_path(runs_dir, "crafted")
-    view = store.read_run_view(path)
+    path = rundir.db_path(runs_dir, "crafted")
+    view = store_read.read_run_view(path)
     assert view.run["status"] == "finished" and view.steps["step"].tolist() == [1, 2, 3]
     assert view.warnings["step"].tolist() == [2] and set(view.evals["subset"]) == {"all", "level=1"}
-    assert store.read_rollout_steps(path) == [1, 2, 3]
-    prompts = store.read_prompts(path).set_index("prompt_id")
+    assert store_read.read_rollout_steps(path) == [1, 2, 3]
+    prompts = store_read.read_prompts(path).set_index("prompt_id")
     moving = prompts.loc[MOVING_PROMPT]
     assert (moving["times_sampled"], moving["first_regime"], moving["last_regime"]) == (3, "hard", "easy")
     assert (moving["first_success"], moving["last_success"]) == (0.25, 0.75)
-    counts = store.read_regime_counts(path)
+    counts = store_read.read_regime_counts(path)
     assert counts.groupby("step")["n_groups"].sum().tolist() == [2, 2, 2]
-    history = store.read_prompt_histories(path, [MOVING_PROMPT, "p-other-1"])
+    history = store_read.read_prompt_histories(path, [MOVING_PROMPT, "p-other-1"])
     assert sorted(history["prompt_id"].unique()) == [MOVING_PROMPT, "p-other-1"] and len(history) == 4
 
 
 def test_round_two_readers_by_hand(small_dir):
-    path = store.db_path(small_dir, "crafted")
+    path = rundir.db_path(small_dir, "crafted")
     # step 3: group 0 easy (successes 0-2 gated), group 1 hard (failures 2-3 gated); step 1: hard 1/4 + all wrong
-    breakdown = store.read_gate_breakdown(path)
+    breakdown = store_read.read_gate_breakdown(path)
     assert breakdown.query("step == 3").set_index("gate_reason")["n"].to_dict() == {
         "failure_in_hard_group": 2, "success_in_easy_group": 3}
     assert breakdown.query("step == 1").set_index("gate_reason")["n"].to_dict() == {
         "all_wrong_group": 4, "failure_in_hard_group": 3}
-    quantiles = store.read_quantiles(path, "advantage").set_index("step")
+    quantiles = store_read.read_quantiles(path, "advantage").set_index("step")
     assert quantiles.loc[1, "mean"] == pytest.approx(1 / 8) and quantiles.loc[1, "q0.95"] == pytest.approx(0.65)
     with pytest.raises(ValueError, match="not one of"):
-        store.read_quantiles(path, "response; DROP TABLE rollouts")
-    tokens = store.read_step_tokens(path)
+        store_read.read_quantiles(path, "response; DROP TABLE rollouts")
+    tokens = store_read.read_step_tokens(path)
     assert tokens["n_responses"].tolist() == [8, 8, 8]
     assert tokens["n_tokens"].tolist() == [sum(len(r["response"]) for r in _crafted_rows(s)["rollouts"])
                                            for s in (1, 2, 3)]
-    moving = store.read_prompt_rollouts(path, MOVING_PROMPT)
+    moving = store_read.read_prompt_rollouts(path, MOVING_PROMPT)
     assert moving["step"].tolist() == [1] * 4 + [2] * 4 + [3] * 4 and moving["regime"].tolist()[-1] == "easy"
-    checkpoints = store.read_eval_checkpoints(path)
+    checkpoints = store_read.read_eval_checkpoints(path)
     assert checkpoints[["step", "n_problems", "n_samples"]].values.tolist() == [[1, 2, 4], [3, 2, 4]]
     assert checkpoints["accuracy"].tolist() == [0.25, 0.5]
-    grid = store.read_eval_problem_grid(path, "mini", "eval")
+    grid = store_read.read_eval_problem_grid(path, "mini", "eval")
     assert grid[["problem_id", "step", "n_correct"]].values.tolist() == [["q1", 1, 0], ["q1", 3, 1], ["q2", 1, 1],
                                                                          ["q2", 3, 1]]
-    assert store.read_eval_samples(path, "mini", "eval", 3, search="SCRIPT")["problem_id"].tolist() == ["q2"]
-    steps = store.read_steps(path)
+    assert store_read.read_eval_samples(path, "mini", "eval", 3, search="SCRIPT")["problem_id"].tolist() == ["q2"]
+    steps = store_read.read_steps(path)
     assert steps["logged_at"].notna().all() and steps["logged_at"].is_monotonic_increasing
 
 
 def test_file_version_changes_with_each_commit_and_only_then(tmp_path):
     writer = write_run(tmp_path, "r", steps=2, status=None)
-    path = store.db_path(tmp_path, "r")
-    before = store.file_version(path)
-    store.read_runs(tmp_path), store.read_steps(path)  # readers change nothing
-    assert store.file_version(path) == before
+    path = rundir.db_path(tmp_path, "r")
+    before = store_read.file_version(path)
+    store_read.read_runs(tmp_path), store_read.read_steps(path)  # readers change nothing
+    assert store_read.file_version(path) == before
     write_run(tmp_path, "r", steps=1, start_step=3, writer=writer, status=None)
-    assert store.file_version(path) != before
-
-
-def test_run_pace_from_step_times():
-    from datetime import datetime, timedelta
-
-    start = datetime(2026, 1, 1, 12, 0, 0)
-    # 10 steps 6 s apart, with a 600 s pause (an evaluation) before step 6: the median spacing ignores the pause
-    times = [start + timedelta(seconds=6 * i + (600 if i >= 5 else 0)) for i in range(10)]
-    steps = pd.DataFrame({"step": range(1, 11), "logged_at": times})
-    facts = store.run_pace(steps, 110, now=times[-1] + timedelta(seconds=30))
-    assert facts["age_s"] == 30 and facts["steps_per_min"] == pytest.approx(10)
-    assert facts["eta_s"] == pytest.approx(100 * 6)
-    assert store.run_pace(steps.assign(logged_at=pd.NaT), 110)["steps_per_min"] is None
-    assert store.duration(45) == "45 s" and store.duration(600) == "10 min" and store.duration(3 * 3600) == "3.0 h"
+    assert store_read.file_version(path) != before
 
 
 def test_smoothing_by_hand():
@@ -981,7 +967,7 @@ print("torch loaded:", "torch" in sys.modules)
 def test_the_step_follows_a_live_run_while_the_user_is_on_the_newest(tmp_path, monkeypatch, view, key):
     """As on the Rollouts page, the Distributions histogram stays on the newest step of a run being trained until the
     user picks an older one."""
-    writer = store.RunWriter(store.db_path(tmp_path, "live"), "live")
+    writer = store_write.RunWriter(rundir.db_path(tmp_path, "live"), "live")
     writer.create_run("live", {"steps": 3, "group_size": 4}, "qae", 0.5, "builtin:tiny", "arith", 0)
     for step in (1, 2):
         writer.add_step(step, **_crafted_rows(step))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from qae_app import store
+from qae_app import rundir, store_read
 
 from test_dashboard import free_port, wait_healthy
 
@@ -121,15 +121,15 @@ def test_browse_a_finished_run(tiny_run, dashboard, page, tmp_path):
     screenshot(page, tmp_path, "dashboard-curves.png")
 
     # the rollouts of step 3, through the URL the page keeps
-    path = store.db_path(runs_dir, run_id)
-    expected = store.read_rollouts(path, 3)
+    path = rundir.db_path(runs_dir, run_id)
+    expected = store_read.read_rollouts(path, 3)
     page.goto(f"{url}/rollouts?run={run_id}&step=3")
     wait_idle(page)
     metrics = page.get_by_test_id("stMetricValue")
     expect(metrics.nth(1)).to_have_text(f"{int(expected['gated'].sum())} / {len(expected)}", timeout=60_000)
     expect(metrics.nth(0)).to_have_text(f"{len(expected)} / {len(expected)}")
     expect(page.get_by_test_id("stSlider").get_by_role("slider")).to_have_attribute("aria-valuetext", "3")
-    groups = store.read_groups(path, 3)
+    groups = store_read.read_groups(path, 3)
     expect(page.get_by_text(re.compile(r"^Group \d+"))).to_have_count(len(groups))
     body = page.inner_text("body")
     for g, rows in expected.groupby("group_idx"):
@@ -146,9 +146,9 @@ def test_curves_grow_while_qae_train_writes(start, dashboard, page, tmp_path):
     trainer = start([str(QAE), "train", "--runs-dir", str(runs_dir), "--run-name", "live", "--steps", "400",
                      "--prompts-per-step", "4", "--group-size", "8", "--eval-every", "0", "--checkpoint-every", "0"],
                     stdout=open(tmp_path / "train.log", "w"), stderr=subprocess.STDOUT, cwd=tmp_path)
-    path = store.db_path(runs_dir, "live")
+    path = rundir.db_path(runs_dir, "live")
     deadline = time.monotonic() + 120
-    while not (path.exists() and store.read_runs(runs_dir).shape[0]) and time.monotonic() < deadline:
+    while not (path.exists() and store_read.read_runs(runs_dir).shape[0]) and time.monotonic() < deadline:
         assert trainer.poll() is None, (tmp_path / "train.log").read_text()
         time.sleep(0.5)
     url = dashboard(runs_dir)
@@ -173,7 +173,7 @@ def test_curves_grow_while_qae_train_writes(start, dashboard, page, tmp_path):
     assert trainer.poll() is None, (tmp_path / "train.log").read_text()
     trainer.send_signal(signal.SIGTERM)
     trainer.wait(timeout=60)
-    run = store.read_run(path)
+    run = store_read.read_run(path)
     assert run["status"] in ("interrupted", "finished"), run
     assert run["last_step"] >= seen[-1]
 
@@ -202,7 +202,7 @@ def wait_for_steps(path: Path, trainer: subprocess.Popen, log: Path, n: int, tim
         assert trainer.poll() is None, log.read_text()[-3000:]
         if path.exists():
             try:
-                last = store.read_last_step(path)
+                last = store_read.read_last_step(path)
             except Exception:  # noqa: BLE001 - the trainer holds the file for a moment
                 last = None
             if last is not None and last >= n:
@@ -270,7 +270,7 @@ def test_a_new_run_appears_on_an_open_empty_page(start, dashboard, page, tmp_pat
 def test_zoom_survives_new_steps_and_a_killed_run_stops_redrawing(start, dashboard, page, tmp_path):
     runs_dir = tmp_path / "runs"
     trainer = start_trainer(start, runs_dir, tmp_path, "live")
-    path = store.db_path(runs_dir, "live")
+    path = rundir.db_path(runs_dir, "live")
     wait_for_steps(path, trainer, tmp_path / "train-live.log", 3)
     url = dashboard(runs_dir)
     page.goto(f"{url}/curves?run=live&smooth=none")
@@ -312,7 +312,7 @@ def test_zoom_survives_new_steps_and_a_killed_run_stops_redrawing(start, dashboa
     time.sleep(15)  # three refresh intervals
     assert page.evaluate("window.qaeRedraws") == 0
     assert page.inner_text("body") == shown
-    assert store.read_runs(runs_dir).set_index("run_id").loc["live", "status"] == "stopped"
+    assert store_read.read_runs(runs_dir).set_index("run_id").loc["live", "status"] == "stopped"
     screenshot(page, tmp_path, "dashboard-killed.png")
 
 

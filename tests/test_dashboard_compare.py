@@ -1,6 +1,6 @@
-"""The dashboard's Compare page (AppTest) on real DuckDB run files written through `store.RunWriter` with known values:
-a sweep of 2 estimators x 3 seeds and runs outside it. The table's intervals and paired differences, the curves'
-bands and the URL's choices are checked against hand computations; the curve aggregation on its own too."""
+"""The dashboard's Compare page (AppTest) on real DuckDB run files written through `store_write.RunWriter` with known
+values: a sweep of 2 estimators x 3 seeds and runs outside it. The table's intervals and paired differences, the
+curves' bands and the URL's choices are checked against hand computations; the curve aggregation on its own too."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from qae_app import store
+from qae_app import rundir, store, store_write
 from qae_app.config import TrainConfig
 from qae_app.rundir import CONFIG_FILE
 from test_dashboard import charts, frame_with, make_app, plotly_specs, texts
@@ -39,7 +39,7 @@ def write_compare_run(runs_dir: Path, run_id: str, heldout: dict[int, float] | N
     per step (`values(step)` -> entropy, frac_zero_adv), held-out evaluations (`heldout`: step -> avg@k) in `evals` and,
     after step 0, in the steps' heldout_accuracy."""
     cfg = {**TrainConfig().to_dict(), "run_name": run_id, **config}
-    writer = store.RunWriter(store.db_path(runs_dir, run_id), run_id)
+    writer = store_write.RunWriter(rundir.db_path(runs_dir, run_id), run_id)
     writer.create_run(run_id, cfg, cfg["estimator"], None, cfg["model"], cfg["data"], cfg["seed"])
     (runs_dir / run_id / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
 
@@ -275,7 +275,7 @@ def test_a_run_without_a_training_step_is_left_out_and_said(tmp_path, monkeypatc
     group's final accuracy to the untrained model's (0.2 here)."""
     write_compare_run(tmp_path, "trained", {0: 0.2, 2: 0.5, 4: 0.6}, lambda step: (1.0, 0.5), seed=0)
     cfg = {**TrainConfig().to_dict(), "run_name": "untrained", "seed": 1}
-    writer = store.RunWriter(store.db_path(tmp_path, "untrained"), "untrained")
+    writer = store_write.RunWriter(rundir.db_path(tmp_path, "untrained"), "untrained")
     writer.create_run("untrained", cfg, cfg["estimator"], None, cfg["model"], cfg["data"], cfg["seed"])
     writer.add_step(0, evals=[dict(benchmark="heldout", subset="all", metric="avg@k", k=4, value=0.2, n_problems=10,
                                    source="train")])

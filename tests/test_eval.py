@@ -7,7 +7,8 @@ from typer.testing import CliRunner
 
 from qae_app.cli import app
 from qae_app.metrics import pass_at_k
-from qae_app.store import db_path, query, read_run
+from qae_app.rundir import db_path
+from qae_app.store_read import query, read_run
 
 runner = CliRunner()
 

@@ -8,7 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from qae_app.cli import app
-from qae_app.store import db_path, query, read_run, read_steps
+from qae_app.rundir import db_path
+from qae_app.store_read import query, read_run, read_steps
 
 runner = CliRunner()
 

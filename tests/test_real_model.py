@@ -22,7 +22,8 @@ from qae_app.errors import QAEUserError
 from qae_app.losses import token_logprobs_and_entropy
 from qae_app.models import gguf_cache_folder, load_policy, local_model_folder, publish_folder
 from qae_app.rewards import Scorer
-from qae_app.store import db_path, query, read_steps
+from qae_app.rundir import db_path
+from qae_app.store_read import query, read_steps
 
 runner = CliRunner()
 
@@ -149,7 +150,8 @@ def test_real_tokenizer_uses_the_chat_template_and_stops_at_end_of_turn(smollm2)
 
 @pytest.mark.slow
 def test_the_converted_model_is_the_real_one(smollm2):
-    from qae_app.rollout import HFGenerateEngine, SamplingOptions
+    from qae_app.rollout import HFGenerateEngine
+    from qae_app.sampling import SamplingOptions
 
     model, codec = load_policy(str(smollm2))
     # tied embeddings: the GGUF file has no output tensor, and a random lm_head would still load without an error

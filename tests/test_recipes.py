@@ -10,7 +10,8 @@ import pytest
 
 from qae_app.config import build_config, load_toml
 from qae_app.rewards import overlong_penalty
-from qae_app.store import db_path, query, read_run, read_steps
+from qae_app.rundir import db_path
+from qae_app.store_read import query, read_run, read_steps
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 RECIPES = sorted(RECIPES_DIR.glob("*.toml"))

@@ -17,16 +17,9 @@ import pytest
 
 from qae_app.datasets import load_math_file
 from qae_app.errors import QAEUserError
-from qae_app.rewards import (
-    FINAL_ANSWER_WINDOW,
-    REWARD_FUNCTIONS,
-    MathVerifierPool,
-    ScoringInterrupted,
-    exact_int_reward,
-    extract_answer,
-    get_reward_function,
-    math_reward,
-)
+from qae_app.answers import FINAL_ANSWER_WINDOW, extract_answer
+from qae_app.rewards import REWARD_FUNCTIONS, Scorer, exact_int_reward, get_reward_function
+from qae_app.verifier_pool import MathVerifierPool, ScoringInterrupted
 
 MATH_DATA = Path(os.environ.get("QAE_MATH_DATA") or Path(__file__).resolve().parents[2] / "shared/data/math")
 needs_data = pytest.mark.skipif(not MATH_DATA.is_dir(), reason=f"math data folder {MATH_DATA} not found")
@@ -120,9 +113,18 @@ def test_registry_names_and_unknown_name():
         get_reward_function("mth")
 
 
-def test_math_reward_uses_the_shared_pool():
-    scores = math_reward(["\\boxed{\\dfrac{2}{4}}", "answer: 3", "nothing"], ["\\frac{1}{2}", "4", "1"])
+def test_the_math_reward_is_scored_by_the_scorers_own_pool():
+    """A task's `math` reward: the extracted final answer checked by math-verify in the Scorer's own worker processes
+    (no pool shared across scorers, none left running after the Scorer closes)."""
+    assert REWARD_FUNCTIONS["math"] is None  # no inline function: only a Scorer scores it
+    with Scorer("math", timeout_s=3.0) as scorer:
+        scores = scorer(["\\boxed{\\dfrac{2}{4}}", "answer: 3", "nothing"], ["\\frac{1}{2}", "4", "1"])
+        workers = scorer.pool.worker_pids()
     assert scores == [1.0, 0.0, 0.0]
+    assert workers and scorer.pool.worker_pids() == []
+    for pid in workers:  # closed with the Scorer: joined, so the pid is gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -306,7 +308,7 @@ def test_interrupt_and_close_during_a_call_raise_scoring_interrupted():
 
 SIGNAL_SCRIPT = r"""
 import json, signal, sys
-from qae_app.rewards import MathVerifierPool, ScoringInterrupted
+from qae_app.verifier_pool import MathVerifierPool, ScoringInterrupted
 
 def main(mode, n):
     seen = []

@@ -12,9 +12,9 @@ import pytest
 
 from qae_app.config import build_config, resume_config
 from qae_app.errors import QAEUserError
-from qae_app.rundir import (LOCK_FILE, MANIFEST, TRAINER_STATE, RunLock, checkpoint_problem, effective_status,
+from qae_app.rundir import (LOCK_FILE, MANIFEST, TRAINER_STATE, RunLock, checkpoint_problem, db_path, effective_status,
                             latest_checkpoint, list_checkpoints, trainer_alive)
-from qae_app.store import db_path, read_run, read_runs, read_steps
+from qae_app.store_read import read_run, read_runs, read_steps
 from qae_app.trainer import Trainer
 
 QAE = str(Path(sys.executable).parent / "qae")
@@ -169,7 +169,7 @@ def test_resume_of_a_run_killed_before_its_first_checkpoint_without_a_row_starts
     folder = copy_run(finished, tmp_path)
     shutil.rmtree(folder / "checkpoints")
     (folder / "qae.duckdb").unlink()
-    from qae_app.store import RunWriter
+    from qae_app.store_write import RunWriter
 
     RunWriter(folder / "qae.duckdb", "r")  # tables, no run row
     result = Trainer(resume_config(tmp_path, "r", steps=2), tmp_path, resume=True, cpu=True).fit()

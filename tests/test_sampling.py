@@ -12,7 +12,8 @@ from qae_app.cli import app
 from qae_app.losses import token_logprobs_and_entropy
 from qae_app.models import build_tiny_model, load_policy
 from qae_app.rollout import HFGenerateEngine
-from qae_app.store import db_path, read_run
+from qae_app.rundir import db_path
+from qae_app.store_read import read_run
 
 runner = CliRunner()
 
@@ -108,7 +109,7 @@ def test_the_checkpoints_generation_config_does_not_shape_the_rollouts(opinionat
 
 
 def test_generation_config_spells_out_plain_sampling():
-    from qae_app.rollout import SamplingOptions
+    from qae_app.sampling import SamplingOptions
 
     model, codec = build_tiny_model()
     config = HFGenerateEngine(model, codec).generation_config(0.7, 9)
@@ -163,7 +164,7 @@ def test_eval_top_k_is_applied_and_recorded(tmp_path):
     out = json.loads(result.output)
     assert {key: out["options"][key] for key in ("temperature", "top_p", "top_k", "min_p")} == \
         {"temperature": 1.0, "top_p": 1.0, "top_k": 1, "min_p": 0.0}
-    from qae_app.store import query
+    from qae_app.store_read import query
 
     samples = query(db_path(tmp_path, "greedy"), "SELECT problem_id, response FROM eval_samples")
     # top-k 1 is greedy: the 3 samples of each problem are the same response

@@ -13,20 +13,11 @@ import numpy as np
 import pytest
 
 from qae_app.errors import QAEUserError
-from qae_app.store import (
-    MAX_ROW_DELAY_S,
-    STEP_METRICS,
-    RunFileError,
-    RunWriter,
-    db_path,
-    query,
-    read_rollouts,
-    read_run,
-    read_runs,
-    read_steps,
-    resolve_run,
-    validate_run_name,
-)
+from qae_app.run_file import RunFileError
+from qae_app.rundir import db_path, validate_run_name
+from qae_app.store import STEP_METRICS
+from qae_app.store_read import query, read_rollouts, read_run, read_runs, read_steps, resolve_run
+from qae_app.store_write import MAX_ROW_DELAY_S, RunWriter
 
 
 def _rows(step: int, n: int = 4):
@@ -243,7 +234,9 @@ def test_writer_migrates_a_file_from_before_the_source_column(tmp_path):
 
 FILL_SCRIPT = r"""
 import json, random, sys
-from qae_app.store import RunWriter, STEP_METRICS, read_run
+from qae_app.store import STEP_METRICS
+from qae_app.store_read import read_run
+from qae_app.store_write import RunWriter
 
 path = sys.argv[1] + "/run/qae.duckdb"
 writer = RunWriter(path, "run")
@@ -432,7 +425,7 @@ def test_writing_rows_does_not_import_pandas(tmp_path):
     code = ("import sys\n"
             "from pathlib import Path\n"
             "from tests.test_store import _awkward_rows\n"
-            "from qae_app.store import RunWriter\n"
+            "from qae_app.store_write import RunWriter\n"
             "w = RunWriter(Path(sys.argv[1]), 'r')\n"
             "w.create_run('r', {}, 'qae', 0.4, 'builtin:tiny', 'arith', 0)\n"
             "w.add_step(1, **_awkward_rows(1))\n"

@@ -13,16 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from qae_app import store
+from qae_app import store, store_write
 from qae_app.config import TrainConfig, build_config
 
 PACKAGE = Path(__file__).resolve().parents[1] / "qae_app"
 # lower layers never import higher ones; a module in no layer fails the test, so a new module gets placed on purpose
 LAYERS = [
     {"errors", "names", "faults"},
-    {"rundir", "metrics", "datasets", "rows"},
-    {"store", "tasks", "config", "compare"},
-    {"advantages", "losses", "chunked_head", "models", "rewards", "verifier_preload", "checkpoint_state"},
+    {"rundir", "metrics", "datasets", "rows", "formatting", "answers", "sampling"},
+    {"store", "run_file", "store_write", "store_read", "tasks", "config", "compare"},
+    {"advantages", "losses", "chunked_head", "models", "rewards", "verifier_pool", "verifier_preload",
+     "checkpoint_state"},
     {"rollout", "vllm_engine", "evaluate", "warmstart"},
     {"trainer", "sweep"},
     {"terminal"},  # what the reading commands print (torch-free, like everything the dashboard and `qae runs` use)
@@ -127,7 +128,7 @@ def test_train_config_is_frozen_and_resumable_fields_are_marked():
 
 
 def test_a_training_step_writes_nothing_and_its_rows_are_the_store_columns(tmp_path):
-    from qae_app.store import read_steps
+    from qae_app.store_read import read_steps
     from qae_app.trainer import Trainer
 
     trainer = Trainer(build_config(run_name="pure", steps=2, prompts_per_step=2, group_size=4, eval_every=0,
@@ -150,7 +151,7 @@ def test_a_training_step_writes_nothing_and_its_rows_are_the_store_columns(tmp_p
 
 
 def test_the_writer_refuses_rows_that_are_not_the_table_columns(tmp_path):
-    writer = store.RunWriter(tmp_path / "x" / "qae.duckdb", "x")
+    writer = store_write.RunWriter(tmp_path / "x" / "qae.duckdb", "x")
     with pytest.raises(ValueError, match="groups rows have columns"):
         writer.add_step(1, groups=[{"group_idx": 0, "promt": "1+1="}])
 

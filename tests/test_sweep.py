@@ -17,7 +17,10 @@ from typer.testing import CliRunner
 from qae_app.cli import app
 from qae_app.config import TrainConfig
 from qae_app.errors import QAEUserError
-from qae_app.store import STEP_METRICS, RunWriter, db_path, query, read_run, read_steps
+from qae_app.rundir import db_path
+from qae_app.store import STEP_METRICS
+from qae_app.store_read import query, read_run, read_steps
+from qae_app.store_write import RunWriter
 from qae_app.sweep import plan_sweep
 
 runner = CliRunner()

@@ -12,7 +12,9 @@ from same_steps import assert_same_metrics
 from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
 from qae_app.cli import app
 from qae_app.config import build_config, resume_config
-from qae_app.store import STEP_METRICS, db_path, query, read_run, read_steps
+from qae_app.rundir import db_path
+from qae_app.store import STEP_METRICS
+from qae_app.store_read import query, read_run, read_steps
 from qae_app.rows import step_metrics
 from qae_app.trainer import Trainer, prompts_for_step
 from tests.conftest import TINY_RUN_OPTIONS
@@ -126,7 +128,7 @@ def test_config_file_and_command_line_precedence(tmp_path):
 BAD_INPUT = [
     (["--k", "1.5"], "k: 1.5 is outside (0, 1)"),
     (["--k", "abc"], "k: 'abc' is not a number"),
-    (["--group-size", "1"], "group-size: 1 is too small"),
+    (["--group-size", "1"], "group-size: 1 is less than 2, the least it may be. Group baselines need at least 2"),
     (["--estimator", "ppo"], "estimator: unknown value 'ppo'. Choose one of: qae, grpo, dr_grpo, rloo"),
     (["--quantile", "median"], "quantile: unknown value 'median'"),
     (["--data", "nope.jsonl"], "data: 'nope.jsonl' is neither a built-in task"),
@@ -135,7 +137,7 @@ BAD_INPUT = [
     (["--config", "missing.toml"], "config: file missing.toml does not exist"),
     (["--resume", "ghost"], "resume: no run 'ghost'"),
     (["--temperature", "0"], "temperature: 0.0"),
-    (["--steps", "0"], "steps: 0. Use a positive integer"),
+    (["--steps", "0"], "steps: 0 is less than 1, the least it may be. Use a positive integer"),
 ]
 
 

@@ -75,7 +75,7 @@ def test_builtin_model_is_refused_with_a_hint(fake_vllm):
 
 
 def test_sampling_params_are_plain_softmax_with_the_codecs_stop_ids(fake_vllm):
-    from qae_app.rollout import SamplingOptions
+    from qae_app.sampling import SamplingOptions
     from qae_app.vllm_engine import VLLMEngine
 
     codec = CharTokenizer()

@@ -11,8 +11,9 @@ import board
 import charts
 from qae_app import compare
 from qae_app.errors import QAEUserError
-from qae_app.store import READ_STATUSES, STEP_METRICS
-from qae_app.terminal import number
+from qae_app.store import STEP_METRICS
+from qae_app.store_read import READ_STATUSES
+from qae_app.formatting import number
 
 # the curves drawn per group: steps column -> (chart title, y axis title)
 CURVES = {

@@ -5,7 +5,7 @@ import streamlit as st
 
 import board
 import charts
-from qae_app.store import DISTRIBUTION_COLUMNS, QUANTILES
+from qae_app.store_read import DISTRIBUTION_COLUMNS, QUANTILES
 
 
 def body(run_ids: list[str], column: str, log_y: bool) -> None:

@@ -18,7 +18,7 @@ from qae_app.names import GATE_REASONS, REGIMES
 
 GROUPS_PER_PAGE = 10
 ROW_PX, MAX_TABLE_PX = 35, 610  # a group's table shows up to ~16 responses without scrolling
-# the Responses control -> (gated, filtered) for store.read_rollouts: gated and kept are of the trained groups
+# the Responses control -> (gated, filtered) for store_read.read_rollouts: gated and kept are of the trained groups
 GATED_CHOICES = {"all": (None, None), "gated": (True, False), "kept": (False, False), "filtered": (None, True)}
 STATUS = {"kept": "✓ kept", "gated": "⊘ gated", "filtered": "⊘ filtered"}
 REGIME_BADGE = {"hard": "red", "easy": "green", "all_correct": "blue", "all_wrong": "gray", "mixed": "violet"}
@@ -40,7 +40,7 @@ RESPONSE_COLUMNS = {
 
 def accuracy(responses: pd.DataFrame) -> float:
     """The verifier's: a correct answer whose reward is shaped (overlong penalty, -1/1 rewards) is correct. Rows from
-    before the `correct` column: reward 1 was correct (as store.GATE_REASON_RULES)."""
+    before the `correct` column: reward 1 was correct (as store_read.GATE_REASON_RULES)."""
     correct = responses["correct"].astype("boolean").fillna(responses["reward"].eq(1))
     return float(correct.mean()) if len(correct) else math.nan
 

@@ -7,8 +7,9 @@ import pandas as pd
 import streamlit as st
 
 import board
-from qae_app import store
-from qae_app.store import READ_STATUSES, STEP_METRICS
+from qae_app.formatting import ago, duration, run_pace
+from qae_app.store import STEP_METRICS
+from qae_app.store_read import READ_STATUSES
 
 COLUMNS = {
     "shown": st.column_config.CheckboxColumn("shown", help="Picked in the sidebar: shown on the other pages."),
@@ -63,10 +64,10 @@ def table(all_runs: pd.DataFrame) -> pd.DataFrame:
         view = board.run_view(row["run_id"])
         if view is None:
             continue
-        facts = store.run_pace(view.steps, board.run_config(view.run).get("steps"))
-        frame.at[i, "last_step_age"] = store.duration(facts["age_s"]) + " ago" if facts["age_s"] is not None else None
-        frame.at[i, "steps_per_min"] = facts["steps_per_min"]
-        frame.at[i, "eta"] = store.duration(facts["eta_s"]) if facts["eta_s"] is not None else None
+        pace = run_pace(view.steps, board.run_config(view.run).get("steps"))
+        frame.at[i, "last_step_age"] = ago(pace["age_s"]) if pace["age_s"] is not None else None
+        frame.at[i, "steps_per_min"] = pace["steps_per_min"]
+        frame.at[i, "eta"] = duration(pace["eta_s"]) if pace["eta_s"] is not None else None
     frame["pending_writes"] = frame["pending_writes"].where(frame["pending_writes"].fillna(0) > 0)
     # shown when some run has one
     optional = ("last_step_age", "steps_per_min", "eta", "stored_run_id", "pending_writes")
