@@ -12,6 +12,7 @@ tells a busy file from a damaged one. This module is data only: it imports no da
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -169,8 +170,8 @@ def schema_statements() -> list[str]:
 class PendingWrite:
     """One write waiting for the file: a step's rows, a change to the run's row, or a truncation (on resume).
 
-    The writer pickles it as is under pending/: its module and name (qae_app.store.PendingWrite) are part of that
-    file format, so it stays here, with the tables, wherever the writer lives."""
+    Saved under pending/ as JSON (`pending_write_json`). qae before that pickled it as is, so its module and name
+    (qae_app.store.PendingWrite) stay what they were: `qae train --resume RUN --trust-pickles` converts such files."""
 
     kind: str  # "step", "step_update", "run" or "truncate"
     step: int | None = None
@@ -178,3 +179,43 @@ class PendingWrite:
     fields: dict | None = None  # kinds "run", "step_update": columns -> values
     spilled: Path | None = None  # its file under pending/ once the database was found busy
     logged_at: datetime | None = None  # kind "step": when it was queued (the steps row's logged_at)
+
+
+PENDING_SUFFIX = ".json"  # a write saved under pending/: data only, nothing in it runs when read
+LEGACY_PENDING_SUFFIX = ".pkl"  # what qae pickled there before; read only for a folder its user vouches for
+_DATETIME_KEY = "$datetime"  # JSON has no timestamps: {"$datetime": ISO 8601}
+
+
+def pending_write_json(write: PendingWrite) -> str:
+    """A pending write as JSON text (without `spilled`, which is where it was read from). Row values are what the
+    store's columns hold: text, numbers (NaN and infinities as Python's json writes them), booleans, null, nested
+    lists/objects, and timestamps."""
+    record = {"kind": write.kind, "step": write.step, "tables": write.tables, "fields": write.fields,
+              "logged_at": write.logged_at}
+    return json.dumps(record, default=_json_value, ensure_ascii=False)
+
+
+def pending_write_from_json(text: str) -> PendingWrite:
+    """The inverse of pending_write_json; ValueError when the text is not such a record."""
+    record = json.loads(text, object_hook=_from_json_object)
+    if not isinstance(record, dict) or record.get("kind") not in PENDING_KINDS:
+        raise ValueError("not a pending write: no known 'kind'")
+    return PendingWrite(kind=record["kind"], step=record.get("step"), tables=record.get("tables"),
+                        fields=record.get("fields"), logged_at=record.get("logged_at"))
+
+
+PENDING_KINDS = ("step", "step_update", "run", "truncate")
+
+
+def _json_value(value):
+    if isinstance(value, datetime):
+        return {_DATETIME_KEY: value.isoformat()}
+    if hasattr(value, "item") and hasattr(value, "dtype"):  # a NumPy scalar a row was built with
+        return value.item()
+    raise TypeError(f"a pending write holds a {type(value).__name__}, which the store's columns do not take")
+
+
+def _from_json_object(obj: dict):
+    if len(obj) == 1 and _DATETIME_KEY in obj:
+        return datetime.fromisoformat(obj[_DATETIME_KEY])
+    return obj

@@ -9,7 +9,6 @@ run stored as running that no trainer holds reads as `stopped`.
 
 from __future__ import annotations
 
-import pickle
 import threading
 import uuid
 from contextlib import contextmanager
@@ -29,6 +28,7 @@ from qae_app.run_file import (RunFileError, attach, damage_reason, is_damage_err
                               refuse_missing_file_of_training_run, unreadable_run_error)
 from qae_app.rundir import (CONFIG_FILE, DB_FILE, PENDING_DIR, effective_status, list_run_dirs, pending_writes,
                             recent_runs_text, runs_without_database, validated_run_dir)
+from qae_app.store import PENDING_SUFFIX, pending_write_from_json
 
 UNREADABLE, BUSY = "unreadable", "busy"  # what `read_runs` says of a run whose file it cannot read (never stored):
 READ_STATUSES = (UNREADABLE, BUSY)  # damaged, or held by another process for too long; `error` says why
@@ -244,9 +244,8 @@ def last_logged_step(run_dir: Path) -> int:
     path = Path(run_dir) / DB_FILE
     in_file = read_last_step(path) if path.exists() else None
     saved = []
-    for spilled in sorted((Path(run_dir) / PENDING_DIR).glob("*.pkl")):
-        with open(spilled, "rb") as f:
-            write = pickle.load(f)
+    for spilled in sorted((Path(run_dir) / PENDING_DIR).glob(f"*{PENDING_SUFFIX}")):
+        write = pending_write_from_json(spilled.read_text(encoding="utf-8"))
         if write.kind == "step":
             saved.append(write.step)
     return max([in_file or 0, *saved])

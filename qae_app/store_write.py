@@ -13,7 +13,7 @@ import json
 import math
 import operator
 import os
-import pickle
+import pickle  # only convert_legacy_pending, for a folder its user vouches for
 import re
 import time
 from contextlib import contextmanager
@@ -30,7 +30,8 @@ from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
 from qae_app.run_file import attach, damage_reason, holder, is_damage_error, is_lock_error, unreadable_run_error
 from qae_app.rundir import PENDING_DIR, STORED_STATUSES
-from qae_app.store import EVAL_TABLES, STEP_METRICS, STEP_TABLES, TABLES, PendingWrite, row_columns, schema_statements
+from qae_app.store import (EVAL_TABLES, LEGACY_PENDING_SUFFIX, PENDING_SUFFIX, STEP_METRICS, STEP_TABLES, TABLES,
+                          PendingWrite, pending_write_from_json, pending_write_json, row_columns, schema_statements)
 
 # When queued steps go to the database. Attaching the file and detaching it (a checkpoint of DuckDB's log) and each
 # INSERT cost about as much for one step as for twenty, so steps are written together: after a write that took c
@@ -335,29 +336,26 @@ class RunWriter:
         return True
 
     def _spill(self) -> None:
-        """Save every queued write that is not on disk yet: one pickle each, written to a temporary name, synced,
+        """Save every queued write that is not on disk yet: one JSON file each, written to a temporary name, synced,
         then renamed, so a file under pending/ is always whole."""
         self.pending_dir.mkdir(exist_ok=True)
         for write in self.pending:
             if write.spilled is not None:
                 continue
             self._spilled_count += 1
-            final = self.pending_dir / f"{self._spilled_count:08d}-{write.kind}.pkl"
-            tmp = final.with_suffix(".tmp")
-            with open(tmp, "wb") as f:
-                pickle.dump(write, f, protocol=pickle.HIGHEST_PROTOCOL)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
+            final = self.pending_dir / f"{self._spilled_count:08d}-{write.kind}{PENDING_SUFFIX}"
+            _write_atomically(final, pending_write_json(write))
             write.spilled = final
 
     def _load_spilled(self) -> list[PendingWrite]:
+        legacy = legacy_pending_files(self.path.parent)
+        if legacy:  # convert_legacy_pending runs first where the user vouched for the folder
+            raise legacy_pending_error(self.path.parent, legacy)
         writes = []
-        found = sorted(self.pending_dir.glob("*.pkl"))
+        found = sorted(self.pending_dir.glob(f"*{PENDING_SUFFIX}"))
         self._spilled_count = int(found[-1].name.split("-")[0]) if found else 0  # new files are named after these
         for path in found:
-            with open(path, "rb") as f:
-                write = pickle.load(f)
+            write = read_pending_write(path)
             write.spilled = path
             writes.append(write)
         for tmp in self.pending_dir.glob("*.tmp"):  # a spill killed before its rename: the write was not queued yet
@@ -432,3 +430,53 @@ class RunWriter:
                     fault_point("db_commit", write.step)
 
         self._in_transaction(con, body)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pending/ as data
+
+
+def _write_atomically(final: Path, text: str) -> None:
+    tmp = final.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+
+
+def read_pending_write(path: Path) -> PendingWrite:
+    """One saved write; a file that is not one (edited, planted, cut short by a full disk) is named."""
+    try:
+        return pending_write_from_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise QAEUserError(f"store: {path} is not a write qae saved ({err}). Move it out of {path.parent} to go on "
+                           "without it (the step it held is trained again on resume if its checkpoint is older, "
+                           "else it is missing from the database).") from err
+
+
+def legacy_pending_files(run_dir: Path) -> list[Path]:
+    return sorted((Path(run_dir) / PENDING_DIR).glob(f"*{LEGACY_PENDING_SUFFIX}"))
+
+
+def legacy_pending_error(run_dir: Path, legacy: list[Path]) -> QAEUserError:
+    return QAEUserError(
+        f"store: {Path(run_dir) / PENDING_DIR} holds {len(legacy)} write(s) saved by an older qae as Python pickles "
+        f"({legacy[0].name}{', ...' if len(legacy) > 1 else ''}). Reading a pickle can run any code it carries, so "
+        "qae reads them only for a folder you made yourself: resume it with --trust-pickles (they are converted to "
+        "JSON once). For a folder from someone else, delete those files instead: the steps they held are trained "
+        "again from the newest checkpoint.")
+
+
+def convert_legacy_pending(run_dir: Path, trusted: bool) -> int:
+    """Rewrite an older qae's pickled pending writes as JSON (each atomically, then the pickle removed), when the user
+    vouched for the folder (`trusted`); refuse otherwise. Returns how many were converted."""
+    legacy = legacy_pending_files(run_dir)
+    if legacy and not trusted:
+        raise legacy_pending_error(run_dir, legacy)
+    for path in legacy:
+        write = pickle.loads(path.read_bytes())  # the user vouched for this folder (--trust-pickles)
+        write.spilled = None
+        _write_atomically(path.with_suffix(PENDING_SUFFIX), pending_write_json(write))
+        path.unlink()
+    return len(legacy)

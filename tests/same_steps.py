@@ -9,13 +9,12 @@ Measured: up to 2e-5 relative. Those get rtol 1e-4; a real difference (another s
 far more.
 """
 
-import pickle
 from pathlib import Path
 
 import pandas as pd
 
 from qae_app.rundir import DB_FILE, PENDING_DIR
-from qae_app.store import STEP_METRICS, TIMING_METRICS
+from qae_app.store import PENDING_SUFFIX, STEP_METRICS, TIMING_METRICS, pending_write_from_json
 from qae_app.store_read import read_steps
 
 SAMPLING_STATS = {"entropy", "entropy_pos", "entropy_neg", "cov_logp_adv", "dH", "dH_hard", "dH_easy"}
@@ -32,7 +31,8 @@ def assert_same_metrics(want: pd.DataFrame, got: pd.DataFrame) -> None:
 def saved_steps(run_dir: Path) -> list[int]:
     """Steps whose rows wait under pending/ for the database (the trainer writes steps together every few seconds;
     the next writer of a killed run writes them)."""
-    writes = [pickle.loads(path.read_bytes()) for path in sorted((run_dir / PENDING_DIR).glob("*.pkl"))]
+    writes = [pending_write_from_json(path.read_text())
+              for path in sorted((run_dir / PENDING_DIR).glob(f"*{PENDING_SUFFIX}"))]
     return [write.step for write in writes if write.kind == "step"]
 
 

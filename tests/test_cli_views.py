@@ -151,7 +151,7 @@ def test_show_counts_the_steps_still_under_pending(runs_cwd, tmp_path):
     pending = cwd / "runs" / "killed" / "pending"
     pending.mkdir(exist_ok=True)
     for step in (6, 7):
-        (pending / f"step-{step:08d}.pkl").write_bytes(b"")
+        (pending / f"{step:08d}-step.json").write_text("{}")
     text = " ".join(invoke(cwd, 80, "show", "killed").split())
     assert "2 writes saved under pending/ are not in the database yet: `qae train --resume killed` writes them" \
         in text, text

@@ -320,7 +320,7 @@ def test_a_reader_holding_the_database_neither_fails_nor_blocks_the_run(tmp_path
             time.sleep(0.05)  # the trainer is writing right now
     try:
         # while the reader holds the file, steps keep coming (and a checkpoint is taken) and wait under pending/
-        while len(list((tmp_path / "held" / "pending").glob("*-step.pkl"))) < 5 and proc.poll() is None:
+        while len(list((tmp_path / "held" / "pending").glob("*-step.json"))) < 5 and proc.poll() is None:
             time.sleep(0.2)
         assert proc.poll() is None and latest_checkpoint(tmp_path / "held").name == "step-4"
         listed = subprocess.run([QAE, "runs", "--runs-dir", str(tmp_path)], capture_output=True, text=True,

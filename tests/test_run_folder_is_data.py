@@ -6,12 +6,20 @@ the marker is absent."""
 
 from __future__ import annotations
 
+import math
+import pickle
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
+from qae_app.errors import QAEUserError
+from qae_app.rundir import pending_writes
+from qae_app.store import PendingWrite, pending_write_from_json, pending_write_json
+from qae_app.store_read import last_logged_step
+from qae_app.store_write import RunWriter, convert_legacy_pending
 from tests.test_dashboard import free_port, wait_healthy
 
 # a module that leaves a trace when imported: `python -m streamlit` used to put the working folder first on sys.path,
@@ -42,3 +50,87 @@ def test_qae_dashboard_imports_no_module_from_the_working_folder(tmp_path):
         process.terminate()
         output, _ = process.communicate(timeout=30)
     assert not marker.exists(), f"planted modules ran: {marker.read_text()!r}\n{output}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pending/: the writes a trainer could not make yet
+
+
+class Payload:
+    """Pickled, it opens MARKER for writing when unpickled: the proof that a reader ran code from the folder."""
+
+    marker: Path
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def planted_pickle(marker: Path) -> bytes:
+    payload = Payload()
+    payload.marker = marker
+    return pickle.dumps(payload)
+
+
+def test_a_pending_write_round_trips_through_json_exactly():
+    write = PendingWrite("step", step=3, logged_at=datetime(2026, 12, 2, 7, 15, 20, 123456),
+                         tables={"rollouts": [{"response": "é\n\\boxed{1}\x00", "reward": float("nan"), "adv": -0.0,
+                                               "len": 7, "correct": True, "extracted": None, "big": 2 ** 62,
+                                               "inf": float("inf"), "ratio": 0.1 + 0.2}],
+                                 "groups": [{"rewards": [0.0, 1.0], "meta": {"k": 0.4}}]})
+    back = pending_write_from_json(pending_write_json(write))
+    assert back.kind == "step" and back.step == 3 and back.logged_at == write.logged_at
+    row, again = write.tables["rollouts"][0], back.tables["rollouts"][0]
+    assert math.isnan(again.pop("reward")) and math.copysign(1, again["adv"]) == -1
+    assert again == {k: v for k, v in row.items() if k != "reward"}
+    assert type(again["len"]) is int and type(again["ratio"]) is float and again["ratio"] == 0.1 + 0.2
+    assert back.tables["groups"] == write.tables["groups"]
+
+
+@pytest.fixture
+def run_with_planted_pending(tmp_path):
+    """A finished run folder (its database and a checkpoint-less run) with a pickle payload in pending/, as an older
+    qae would have named a saved write."""
+    runs_dir = tmp_path / "runs"
+    RunWriter(runs_dir / "r" / "qae.duckdb", "r")
+    marker = tmp_path / "ran"
+    pending = runs_dir / "r" / "pending"
+    pending.mkdir(exist_ok=True)
+    (pending / "00000001-step.pkl").write_bytes(planted_pickle(marker))
+    return runs_dir, marker
+
+
+def test_an_older_pickled_pending_write_is_refused_by_the_writer_and_never_runs(run_with_planted_pending):
+    runs_dir, marker = run_with_planted_pending
+    with pytest.raises(QAEUserError, match=r"pickles .*--trust-pickles.*delete those files"):
+        RunWriter(runs_dir / "r" / "qae.duckdb", "r")
+    with pytest.raises(QAEUserError, match="--trust-pickles"):
+        convert_legacy_pending(runs_dir / "r", trusted=False)
+    assert last_logged_step(runs_dir / "r") == 0  # readers count the file, never read it
+    assert pending_writes(runs_dir / "r") == 1
+    assert not marker.exists()
+
+
+def test_a_trusted_folder_converts_its_pickled_writes_to_json_once(tmp_path):
+    """`--trust-pickles`: the user's own folder from an older qae; its saved writes are kept, as JSON."""
+    run_dir = tmp_path / "runs" / "r"
+    RunWriter(run_dir / "qae.duckdb", "r")
+    pending = run_dir / "pending"
+    pending.mkdir(exist_ok=True)
+    old = PendingWrite("step", step=1, tables={"steps": [{"reward_mean": 0.25}]},
+                       logged_at=datetime(2026, 12, 1, 12, 0))
+    (pending / "00000001-step.pkl").write_bytes(pickle.dumps(old))
+    assert convert_legacy_pending(run_dir, trusted=True) == 1
+    assert [p.name for p in pending.iterdir()] == ["00000001-step.json"]
+    resumed = RunWriter(run_dir / "qae.duckdb", "r")
+    assert [(w.kind, w.step, w.tables, w.logged_at) for w in resumed.pending] == [
+        ("step", 1, {"steps": [{"reward_mean": 0.25}]}, datetime(2026, 12, 1, 12, 0))]
+    assert last_logged_step(run_dir) == 1
+
+
+def test_a_planted_json_pending_file_is_named_not_executed(tmp_path):
+    run_dir = tmp_path / "runs" / "r"
+    RunWriter(run_dir / "qae.duckdb", "r")
+    (run_dir / "pending").mkdir(exist_ok=True)
+    (run_dir / "pending" / "00000001-step.json").write_text('{"kind": "exec", "code": "import os"}')
+    with pytest.raises(QAEUserError, match=r"00000001-step.json is not a write qae saved"):
+        RunWriter(run_dir / "qae.duckdb", "r")

@@ -114,7 +114,7 @@ def test_writer_keeps_rows_while_a_reader_holds_the_file(writer):
     writer.add_step(1, **_rows(1))
     assert writer.flush() is False  # busy: nothing lost, still buffered
     assert len(writer.pending) == 1 and writer.flush_retries == 1
-    assert len(list(writer.pending_dir.glob("*.pkl"))) == 1  # and safe on disk, not only in memory
+    assert len(list(writer.pending_dir.glob("*.json"))) == 1  # and safe on disk, not only in memory
     writer.add_step(2, **_rows(2))
     assert writer.flush(timeout_s=30)  # waits for the reader to close
     reader.join()
@@ -171,7 +171,7 @@ def test_steps_between_database_writes_are_safe_on_disk_and_written_together(tmp
     writer.update_step(3, write_s=7.0)
     assert writer.flush_when_due()
     assert read_steps(path)["step"].tolist() == [1]  # readers see whole steps only, later
-    assert len(list(writer.pending_dir.glob("*.pkl"))) == 4  # three steps and an update, each safe on disk
+    assert len(list(writer.pending_dir.glob("*.json"))) == 4  # three steps and an update, each safe on disk
 
     clock.now += MAX_ROW_DELAY_S  # rows reach readers at most this late
     assert writer.flush_when_due()
