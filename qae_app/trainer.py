@@ -24,9 +24,7 @@ and is the only one to write the run folder's database.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
 import json
 import math
 import os
@@ -49,7 +47,6 @@ from qae_app.config import TrainConfig
 from qae_app.errors import QAEUserError
 from qae_app.evaluate import evaluate, summarize
 from qae_app.faults import fault_point
-from qae_app.losses import policy_loss, token_logprobs_and_entropy
 from qae_app.models import check_prompt_lengths, disable_dropout, load_policy
 from qae_app.rewards import Scorer, shape_rewards
 from qae_app.rollout import ShardedPolicy, make_engine, plan_for
@@ -59,6 +56,8 @@ from qae_app.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, DB_FILE, TRAINER_STATE
                             trainer_alive, write_manifest)
 from qae_app.store import RunWriter, is_eval_run, last_logged_step, read_run
 from qae_app.tasks import Task, load_benchmark, load_task
+from qae_app.update import (NO_UPDATE, UpdateOptions, entropy_change, float_dtype, logits_keyword, pack,
+                            policy_update)
 
 ENTROPY_EMA_ALPHA = 0.1  # smoothing of the entropy that the band warnings watch (about the last 10 steps)
 CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from readers until it is renamed into place
@@ -337,18 +336,22 @@ class Trainer:
         from_engine = all(s.token_logprobs is not None and s.token_entropies is not None for s in samples)
         if n_trained:
             # a process whose groups were all filtered packs one placeholder sequence: it still takes part in the
-            # collective forward/backward passes, weighted 0 (see _accumulate_gradients), and contributes nothing
-            batch = self._pack(trained_samples or samples[:1])
-            update_stats, old_logp, entropy = self._update(
-                step, batch, seq_adv if trained_samples else seq_adv.new_zeros(1),
-                full_pass=not from_engine or cfg.log_entropy_delta, n_local=len(trained_samples))
-            update_stats.update(self._entropy_change(batch, entropy, correct[trained_mask], len(trained_samples))
+            # collective forward/backward passes, weighted 0 (see update.accumulate_gradients), and contributes nothing
+            batch = pack(trained_samples or samples[:1], self.codec.pad_id, acc.device, float_dtype(self.model))
+            options = self.update_options()
+            updated = policy_update(self.model, self.optimizer, batch,
+                                   seq_adv if trained_samples else seq_adv.new_zeros(1), options, acc,
+                                   seed=_step_seed(cfg.seed, step, 0) + 1, ref_model=self.ref_model,
+                                   full_pass=not from_engine or cfg.log_entropy_delta, n_local=len(trained_samples))
+            update_stats, old_logp, entropy = updated.stats, updated.old_logp, updated.entropy
+            # (dH's regimes: the K in use, K = 0.4 for mean-baseline runs, so runs compare)
+            k = self.state.k if cfg.estimator == "qae" else names.DEFAULT_K
+            update_stats.update(entropy_change(self.model, batch, entropy, correct[trained_mask], k, G, options, acc,
+                                               len(trained_samples))
                                 if cfg.log_entropy_delta else dict.fromkeys(("dH", "dH_hard", "dH_easy")))
             self.engine.sync_weights(acc.unwrap_model(self.model))  # vLLM holds its own copy; hf shares the model
         else:  # dynamic sampling found no group with signal on any process: nothing to learn from
-            update_stats = {**dict.fromkeys(("loss", "pg_loss", "kl", "grad_norm", "clip_frac", "clip_frac_low",
-                                             "clip_frac_high"), math.nan), "n_updates": 0,
-                            **dict.fromkeys(("dH", "dH_hard", "dH_easy"))}
+            update_stats = {**NO_UPDATE, **dict.fromkeys(("dH", "dH_hard", "dH_easy"))}
         update_s = time.perf_counter() - t0
 
         # ---- rows (gathered on the main process) and metrics
@@ -456,245 +459,11 @@ class Trainer:
             count += has_signal
         return batches, trained, rollout_s, reward_s
 
-    def _pack(self, samples) -> dict:
-        """Right-padded (prompt + response) tensors; response_mask marks the positions predicting response tokens."""
-        pad = self.codec.pad_id
-        width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        # built as lists and converted once: a tensor write per row costs more than the rest of the packing
-        input_ids, attention_mask, response_mask = [], [], []
-        for s in samples:
-            length = len(s.prompt_ids) + len(s.response_ids)
-            input_ids.append(s.prompt_ids + s.response_ids + [pad] * (width - length))
-            attention_mask.append([1] * length + [0] * (width - length))
-            # logits at position t predict token t + 1: response tokens are predicted from len(prompt) - 1 on
-            response_mask.append([0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) + [0] * (width - length))
-        device = self.accelerator.device
-        return {"input_ids": torch.tensor(input_ids, device=device),
-                "attention_mask": torch.tensor(attention_mask, device=device),
-                "response_mask": torch.tensor(response_mask, dtype=self._float_dtype(), device=device)}
-
-    def _float_dtype(self) -> torch.dtype:
-        """float64 for a float64 model (exactness tests), else float32 (the loss is computed in float32 at least)."""
-        return torch.float64 if next(self.model.parameters()).dtype == torch.float64 else torch.float32
-
-    def _forward_logprobs(self, model, batch, rows: torch.Tensor, with_entropy: bool = True):
-        """Token log-probs and (if asked) entropies (n, T-1) of the next tokens of the batch's sequences `rows`, under
-        `model`; 0 at the positions before the earliest response of them. The vocabulary projection and softmax run
-        from there on only (`logits_to_keep`, as TRL and verl do): on a real model with a long prompt they are most of
-        the memory of a forward. (All T columns go through the layers: cutting the padding after the rows' longest
-        sequence saves nothing where it matters, on the few non-gated rows, and would change the last bit.)"""
-        input_ids = batch["input_ids"][rows]  # (n, T)
-        width = input_ids.shape[1]
-        # logits at position t predict token t + 1: the first response token is predicted at its prompt's last one
-        first = int(batch["response_mask"][rows].argmax(-1).min()) if self._logits_keyword else 0
-        keep = {self._logits_keyword: width - first} if first else {}
-        # use_cache=False: the model would otherwise build a KV cache (its config says use_cache) that nothing reads
-        logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"][rows], use_cache=False,
-                       **keep).logits[:, :-1]
-        logp, entropy = token_logprobs_and_entropy(logits, input_ids[:, first + 1:], self.cfg.temperature,
-                                                   with_entropy)
-        if first:
-            logp = torch.nn.functional.pad(logp, (first, 0))
-            entropy = torch.nn.functional.pad(entropy, (first, 0)) if entropy is not None else None
-        return logp, entropy
-
-    def _lockstep_forwards(self, count: int) -> int:
-        """How many forward passes this process runs where it needs `count`. With sharded weights (FSDP, ZeRO-3) every
-        forward gathers the shards from all processes, so each must run as many as the busiest one (a process with
-        fewer responses runs the rest on a placeholder and drops the result); otherwise just `count`."""
-        if not self.lockstep:
-            return count
-        acc = self.accelerator
-        return int(acc.gather(torch.tensor([count], device=acc.device)).max())
-
-    def _logprobs_in_chunks(self, model, batch, rows: torch.Tensor, with_entropy: bool):
-        """No-grad token log-probs (and entropies) of the sequences `rows`, micro_batch_size at a time."""
-        model_was_training = model.training
-        model.eval()
-        outs_logp, outs_ent = [], []
-        chunks = list(rows.split(self.cfg.micro_batch_size)) if len(rows) else []
-        with torch.inference_mode():
-            for i in range(self._lockstep_forwards(len(chunks))):
-                chunk = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long, device=rows.device)
-                logp, ent = self._forward_logprobs(model, batch, chunk, with_entropy)
-                if i < len(chunks):  # (a lockstep pass beyond this process's chunks is discarded)
-                    outs_logp.append(logp)
-                    outs_ent.append(ent)
-        model.train(model_was_training)
-        if not chunks:  # (a lockstep pass with no rows of its own)
-            return None, None
-        # clone: tensors made under inference_mode cannot take part in the autograd graph of the loss
-        return torch.cat(outs_logp).clone(), torch.cat(outs_ent).clone() if with_entropy else None
-
-    def _update(self, step: int, batch, seq_adv, full_pass: bool, n_local: int | None = None):
-        """num_mini_batches x ppo_epochs optimizer steps over this step's responses; returns (stats, old log-probs,
-        entropies), the last two (N, T-1) of the sampling policy when `full_pass` ran over every response, else None.
-        The responses are the first `n_local` rows of the batch (default: all): a process with none (dynamic sampling
-        filtered all its groups) passes one placeholder row, used only for its weight-0 passes.
-
-        Mini-batches are drawn over the responses of every process (the same seeded permutation on each), and each
-        process takes its members of each: the loss normalizer (tokens or sequences of the whole mini-batch) is summed
-        over processes, and each process's loss is multiplied by the process count because DDP averages gradients.
-        So the update equals the one-process update on the same responses.
-
-        Old log-probs (the sampling policy's, for the ratio) are computed only where the loss needs them: not for
-        gated responses (their loss is 0 whatever the ratio) unless a KL term or the dense reference needs every
-        response, and not for the first mini-batch, whose training forward runs on the sampling weights: its own
-        log-probs, detached, are the old ones (ratio 1, as TRL does with one update per generation).
-        """
-        cfg, acc = self.cfg, self.accelerator
-        n_rows = seq_adv.shape[0]  # this process's responses, or one placeholder
-        n_local = n_rows if n_local is None else n_local
-        device = seq_adv.device
-        tokens_per_seq = batch["response_mask"].sum(-1)  # (n_local,)
-        epochs = self._mini_batch_plan(step, n_local, device)
-        # the KL term has gradient on gated sequences too; skip_gated=False is the dense reference
-        needs_all = self.ref_model is not None or not self.skip_gated
-        forwarded = torch.ones(n_rows, dtype=torch.bool, device=device) if needs_all else seq_adv != 0
-        old_logp, have_old, entropy = self._old_logprobs(batch, forwarded, first_mini_batch=epochs[0][1][0],
-                                                          full_pass=full_pass)
-        ref_logp = (self._logprobs_in_chunks(self.ref_model, batch, torch.arange(n_rows, device=device), False)[0]
-                    if self.ref_model is not None else None)
-
-        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "grad_norm": 0.0, "clipped_low": 0.0, "clipped_high": 0.0}
-        tokens = 0.0
-        n_updates = 0
-        self.model.train()
-        for mini_batches, mine in epochs:
-            # per mini-batch, over all processes: response tokens (the normalizer) and responses forwarded
-            counts = torch.tensor([[tokens_per_seq[ix].sum().item(), forwarded[ix].sum().item()] for ix in mine],
-                                  dtype=torch.float64, device=acc.device)  # (num_mini_batches, 2)
-            if acc.num_processes > 1:
-                counts = acc.reduce(counts, reduction="sum")
-            for mb, ix, (mb_tokens, mb_forwarded) in zip(mini_batches, mine, counts.tolist()):
-                normalizer = {"tokens": mb_tokens, "sequences": len(mb), "max_len": cfg.max_new_tokens}
-                self.optimizer.zero_grad(set_to_none=True)
-                if mb_forwarded == 0:
-                    # every advantage is 0 on every process: the gradient is exactly 0 without computing it
-                    for p in self.model.parameters():
-                        p.grad = torch.zeros_like(p)
-                else:
-                    stats = self._accumulate_gradients(batch, ix[forwarded[ix]], old_logp, have_old, ref_logp,
-                                                       seq_adv, normalizer, fallback=ix)
-                    for key, value in stats.items():
-                        totals[key] += value
-                grad_norm = acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-                self.optimizer.step()  # also on a zero gradient, as the dense update does
-                n_updates += 1
-                totals["grad_norm"] += float(grad_norm)
-                tokens += mb_tokens
-        if acc.num_processes > 1:  # each process holds its share of the sums; grad_norm is the same everywhere
-            shares = ("loss", "pg_loss", "kl", "clipped_low", "clipped_high")
-            summed = acc.reduce(torch.tensor([totals[k] for k in shares], dtype=torch.float64, device=acc.device),
-                                reduction="sum").tolist()
-            totals.update(zip(shares, summed))
-        stats = {key: totals[key] / max(n_updates, 1) for key in ("loss", "pg_loss", "kl", "grad_norm")}
-        stats.update(clip_frac_low=totals["clipped_low"] / max(tokens, 1),
-                     clip_frac_high=totals["clipped_high"] / max(tokens, 1),
-                     clip_frac=(totals["clipped_low"] + totals["clipped_high"]) / max(tokens, 1), n_updates=n_updates)
-        return stats, (old_logp if full_pass else None), entropy
-
-    def _entropy_change(self, batch, entropy_before, correct, n_local: int | None = None) -> dict:
-        """dH, dH_hard, dH_easy: the token-weighted mean change of token entropy over the step's trained responses
-        (the first `n_local` rows of the batch, default all; `correct` (B, G) their verdicts) from before the update
-        (`entropy_before`, the same pass) to after it, over all groups and per QAE regime (the regime QAE gives the
-        group's success rate, K = 0.4 for mean-baseline runs, so runs compare)."""
-        cfg, acc = self.cfg, self.accelerator
-        n = batch["input_ids"].shape[0]
-        n_local = n if n_local is None else n_local
-        _, entropy_after = self._logprobs_in_chunks(self.model, batch, torch.arange(n, device=acc.device), True)
-        mask = batch["response_mask"][:n_local]
-        change = ((entropy_after - entropy_before)[:n_local] * mask).sum(-1)  # (N,) summed over each response
-        tokens = mask.sum(-1)  # (N,)
-        k = self.state.k if cfg.estimator == "qae" else names.DEFAULT_K
-        regime = (compute_advantages("qae", correct.float(), EstimatorConfig(k=k)).regime if n_local  # (B,)
-                  else torch.zeros(0, dtype=torch.long))
-        regime = regime.repeat_interleave(cfg.group_size).to(acc.device)  # (N,)
-        parts = {"dH": torch.ones_like(tokens, dtype=torch.bool), "dH_hard": regime == REGIMES.index("hard"),
-                 "dH_easy": regime == REGIMES.index("easy")}
-        sums = torch.tensor([[change[m].sum().item(), tokens[m].sum().item()] for m in parts.values()],
-                            dtype=torch.float64, device=acc.device)  # (3, 2): change, tokens
-        if acc.num_processes > 1:
-            sums = acc.reduce(sums, reduction="sum")
-        return {name: (c / t if t else math.nan) for name, (c, t) in zip(parts, sums.tolist())}
-
-    def _mini_batch_plan(self, step: int, n_local: int, device) -> list[tuple[tuple, list[torch.Tensor]]]:
-        """Per PPO epoch: the global mini-batches (a seeded permutation of every process's responses, the same on
-        each process, split into num_mini_batches) and this process's members of each, as local indices."""
-        cfg, acc = self.cfg, self.accelerator
-        # processes may hold different numbers of responses: number them globally, process by process
-        counts_per_process = (acc.gather(torch.tensor([n_local], device=acc.device)).tolist()
-                              if acc.num_processes > 1 else [n_local])
-        first = sum(counts_per_process[: acc.process_index])  # global index of this process's first response
-        generator = torch.Generator().manual_seed(_step_seed(cfg.seed, step, 0) + 1)  # the same on every process
-        epochs = []
-        n_total = sum(counts_per_process)
-        for _ in range(cfg.ppo_epochs):
-            # fewer responses than mini-batches happens only when dynamic sampling's cap left few groups
-            mini_batches = torch.randperm(n_total, generator=generator).tensor_split(min(cfg.num_mini_batches,
-                                                                                          n_total))
-            epochs.append((mini_batches, [(mb[(mb >= first) & (mb < first + n_local)] - first).to(device)
-                                          for mb in mini_batches]))
-        return epochs
-
-    def _old_logprobs(self, batch, forwarded, first_mini_batch, full_pass: bool):
-        """(old_logp (N, T-1), have_old (N,), entropy (N, T-1) or None), before any optimizer step.
-
-        `full_pass`: every response (the entropies and log-probs the rows report come from it). Otherwise only the
-        responses the loss will forward (`forwarded`) outside the first mini-batch, which takes its own later."""
-        n = forwarded.shape[0]
-        device = forwarded.device
-        if full_pass:
-            old_logp, entropy = self._logprobs_in_chunks(self.model, batch, torch.arange(n, device=device), True)
-            return old_logp, torch.ones(n, dtype=torch.bool, device=device), entropy
-        old_logp = torch.zeros_like(batch["response_mask"])
-        have_old = forwarded.clone()
-        have_old[first_mini_batch] = False
-        rows = have_old.nonzero().squeeze(-1)
-        if len(rows) or self.lockstep:
-            logp = self._logprobs_in_chunks(self.model, batch, rows, False)[0]
-            if len(rows):
-                old_logp[rows] = logp
-        return old_logp, have_old, None
-
-    def _accumulate_gradients(self, batch, keep, old_logp, have_old, ref_logp, seq_adv, normalizer,
-                              fallback) -> dict:
-        """Backward of this process's share (`keep`) of one mini-batch's loss, in micro-batches.
-
-        Each micro-batch's loss uses the mini-batch's normalizer, so their sum is the mini-batch loss exactly; only
-        the last backward all-reduces under DDP. A process with nothing to contribute still runs one forward/backward,
-        weighted 0, because the others wait for its gradients. A response without an old log-prob yet (the first
-        mini-batch's) takes its own, detached, and keeps it for later epochs.
-        """
-        cfg, acc = self.cfg, self.accelerator
-        weight = float(acc.num_processes)  # DDP averages gradients over processes: undo it
-        if len(keep) == 0:
-            keep, weight = (fallback[:1] if len(fallback) else torch.zeros(1, dtype=torch.long,
-                                                                         device=seq_adv.device)), 0.0
-        mask = batch["response_mask"]
-        stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipped_low": 0.0, "clipped_high": 0.0}
-        micro_batches = [(micro, weight) for micro in keep.split(cfg.micro_batch_size)]
-        # sharded weights: as many forwards as the busiest process, the extra ones weighted 0 (see _lockstep_forwards)
-        micro_batches += [(keep[:1], 0.0)] * (self._lockstep_forwards(len(micro_batches)) - len(micro_batches))
-        for i, (micro, weight) in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else acc.no_sync(self.model):
-                logp, _ = self._forward_logprobs(self.model, batch, micro, with_entropy=False)
-                known = have_old[micro][:, None]  # (n, 1)
-                old = torch.where(known, old_logp[micro], logp.detach())
-                if weight and not known.all():
-                    old_logp[micro], have_old[micro] = old, True
-                out = policy_loss(logp, old, seq_adv[micro], mask[micro], cfg.clip_low, cfg.clip_high,
-                                  cfg.loss_agg, normalizer, ref_logp[micro] if ref_logp is not None else None,
-                                  cfg.kl_beta)
-                acc.backward(out.loss * weight if weight != 1.0 else out.loss)
-            if weight:
-                stats["loss"] += out.loss.item()
-                stats["pg_loss"] += out.pg_loss.item()
-                stats["kl"] += out.kl.item()
-                stats["clipped_low"] += out.clip_low_count.item()
-                stats["clipped_high"] += out.clip_high_count.item()
-        return stats
+    def update_options(self) -> UpdateOptions:
+        """The update's options: the config's, and the trainer's skip_gated, lockstep and logits_keyword (attributes,
+        so a test or benchmark can switch them: the dense reference, lockstep on one machine, the full forward)."""
+        return UpdateOptions.from_config(self.cfg, skip_gated=self.skip_gated, lockstep=self.lockstep,
+                                         logits_keyword=self.logits_keyword)
 
     def _check_entropy(self, entropy: float) -> list[dict]:
         """A warning when the smoothed entropy leaves the band: once per crossing, not every noisy step."""
@@ -936,10 +705,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.model, self.optimizer = acc.prepare(model, optimizer)
-        # the model's keyword for computing the last positions' logits only (transformers >= 4.50; before: num_...)
-        forward_parameters = inspect.signature(model.forward).parameters
-        self._logits_keyword = next((name for name in ("logits_to_keep", "num_logits_to_keep")
-                                     if name in forward_parameters), None)
+        self.logits_keyword = logits_keyword(model)  # (of the unwrapped model: a DDP wrapper takes **kwargs)
         acc.register_for_checkpointing(self.scheduler)
         if self.ref_model is not None:
             self.ref_model.to(acc.device)

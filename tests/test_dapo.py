@@ -26,6 +26,7 @@ from qae_app.models import load_policy
 from qae_app.rows import step_metrics
 from qae_app.store import db_path, query, read_steps
 from qae_app.trainer import Trainer, data_position_problem
+from qae_app.update import pack
 
 runner = CliRunner()
 QAE = str(Path(sys.executable).parent / "qae")
@@ -165,10 +166,10 @@ def test_filtered_groups_are_absent_from_the_loss(tmp_path):
 
     def gradient(sequences, sequence_advantages, normalizer_sequences):
         policy.zero_grad()
-        batch = trainer._pack(sequences)
+        batch = pack(sequences, trainer.codec.pad_id, "cpu", torch.float64)
         logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
         logp, _ = token_logprobs_and_entropy(logits, batch["input_ids"][:, 1:], cfg.temperature)  # (N, T-1)
-        tokens = trainer._pack(normalizer_sequences)["response_mask"].sum()
+        tokens = pack(normalizer_sequences, trainer.codec.pad_id, "cpu", torch.float64)["response_mask"].sum()
         # at the sampling policy the ratio is 1 and inside the clip range: the gradient is -A grad(log p) / tokens
         loss = -(sequence_advantages.double()[:, None] * logp * batch["response_mask"]).sum() / tokens
         loss.backward()

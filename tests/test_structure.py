@@ -23,7 +23,7 @@ LAYERS = [
     {"rundir", "metrics", "datasets", "rows"},
     {"store", "tasks", "config", "compare"},
     {"advantages", "losses", "models", "rewards", "verifier_preload"},
-    {"rollout", "vllm_engine", "evaluate", "warmstart"},
+    {"rollout", "vllm_engine", "evaluate", "warmstart", "update"},
     {"trainer", "sweep"},
     {"terminal"},  # what the reading commands print (torch-free, like everything the dashboard and `qae runs` use)
     {"cli"},
