@@ -851,6 +851,18 @@ class Trainer:
         if self._staging is not None:
             shutil.rmtree(self._staging, ignore_errors=True)
 
+    def close(self) -> None:
+        """Stop the verifier workers and let go of the run folder (its lock; a new run's staging folder if the run
+        never appeared). `fit` does it when it ends; a caller that only runs train_step calls it, or uses
+        `with Trainer(...) as trainer:`. Safe to call more than once."""
+        self._abandon_setup()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _close_scorers(self) -> None:
         for scorer in {id(s): s for s in (getattr(self, "scorer", None), getattr(self, "eval_scorer", None))
                        if s is not None}.values():

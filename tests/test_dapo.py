@@ -147,8 +147,7 @@ def test_filtered_groups_are_absent_from_the_loss(tmp_path):
     try:
         out = trainer.train_step(1)
     finally:
-        trainer._close_scorers()
-        trainer._lock.release()
+        trainer.close()
     assert len(grads) == 1 and out.metrics["n_updates"] == 1
     samples = [s for batch in generated for s in batch]  # group g's responses at g * G .. (one process)
     trained = [g["group_idx"] for g in out.groups if not g["filtered"]]

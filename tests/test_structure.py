@@ -137,8 +137,7 @@ def test_a_training_step_writes_nothing_and_its_rows_are_the_store_columns(tmp_p
         out = trainer.train_step(1)
         assert (tmp_path / "pure" / "qae.duckdb").read_bytes() == before and trainer.writer.pending == []
     finally:
-        trainer._close_scorers()
-        trainer._lock.release()
+        trainer.close()
     assert out.chosen_k in (0.3, 0.4, 0.5) and out.warnings[0]["kind"] == "auto_k"
     # what only the loop knows (evaluation, write, checkpoint and store times) is added by fit
     assert set(out.metrics) == set(store.STEP_METRICS) - {"heldout_accuracy", "eval_s", "write_s", "checkpoint_s",

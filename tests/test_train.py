@@ -199,7 +199,7 @@ def test_skipping_gated_sequences_in_the_trainer_gives_the_same_update(tmp_path)
         metrics = trainer.train_step(1).metrics
         assert 0 < metrics["frac_zero_adv"] < 1 and metrics["n_updates"] >= 1
         params[skip] = [p.detach().clone() for p in trainer.model.parameters()]
-        trainer.scorer.close()
+        trainer.close()
     moved = builtin_params = None
     from qae_app.models import load_policy
 
@@ -253,7 +253,7 @@ def test_micro_batches_accumulate_to_the_same_update(tmp_path):
         trainer = Trainer(cfg, tmp_path, cpu=True)
         metrics = trainer.train_step(1).metrics
         params[size] = ([p.detach().clone() for p in trainer.model.parameters()], metrics)
-        trainer.scorer.close()
+        trainer.close()
     (big, m_big), (small, m_small) = params[64], params[2]
     assert m_small["loss"] == pytest.approx(m_big["loss"], abs=1e-6)
     assert m_small["entropy"] == pytest.approx(m_big["entropy"], abs=1e-6)

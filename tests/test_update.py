@@ -30,8 +30,7 @@ def _two_steps(tmp_path, monkeypatch, skip: bool, **opts):
     try:
         metrics = [trainer.train_step(step).metrics for step in (1, 2)]
     finally:
-        trainer._close_scorers()
-        trainer._lock.release()
+        trainer.close()
     return [p.detach().clone() for p in trainer.model.parameters()], metrics, len(backward_passes)
 
 
@@ -61,8 +60,7 @@ def test_the_step_makes_exactly_the_mini_batches_asked_for(tmp_path):
     try:
         assert trainer.train_step(1).metrics["n_updates"] == 48
     finally:
-        trainer._close_scorers()
-        trainer._lock.release()
+        trainer.close()
 
 
 def test_more_mini_batches_than_responses_is_refused():
@@ -124,8 +122,7 @@ def test_entropy_change_per_regime_against_a_hand_computation(tmp_path):
         assert change["dH_easy"] == pytest.approx((per_seq[4:].sum() / tokens[4:].sum()).item(), rel=1e-5)
         assert change["dH"] != 0.0 and change["dH_hard"] != change["dH_easy"]
     finally:
-        trainer._close_scorers()
-        trainer._lock.release()
+        trainer.close()
 
 
 def test_log_probs_from_the_logits_of_response_positions_only_equal_the_full_forward(tmp_path):
@@ -144,8 +141,7 @@ def test_log_probs_from_the_logits_of_response_positions_only_equal_the_full_for
         full = dataclasses.replace(options, logits_keyword=None)  # the full forward
         full_logp, full_entropy = update.forward_logprobs(trainer.model, batch, rows, full)
     finally:
-        trainer._close_scorers()
-        trainer._lock.release()
+        trainer.close()
     response = batch["response_mask"].bool()
     first = int(response.float().argmax(-1).min())
     assert first > 0  # the prompts' positions were left out
