@@ -32,7 +32,7 @@ import torch
 import qae_app.trainer as trainer_module
 from qae_app import update
 from qae_app.config import build_config
-from qae_app.trainer import Trainer
+from qae_app.trainer import Trainer, step_tables
 
 
 class PhaseClock:
@@ -169,8 +169,8 @@ def main() -> None:
             m = out.metrics
             t0 = time.perf_counter()
             m["heldout_accuracy"] = None
-            trainer._write_step(step, out, None)  # what fit does after each step
-            trainer._drain_writes()
+            trainer.session.write_step(step, step_tables(out, None))  # what fit does after each step
+            trainer.session.drain_writes()
             phases["store write"] = time.perf_counter() - t0
             phases["reward"] = m["reward_s"]
             phases["update_s"] = m["update_s"]

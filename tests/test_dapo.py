@@ -25,7 +25,8 @@ from qae_app.losses import token_logprobs_and_entropy
 from qae_app.models import load_policy
 from qae_app.rows import step_metrics
 from qae_app.store import db_path, query, read_steps
-from qae_app.trainer import Trainer, data_position_problem
+from qae_app.session import data_position_problem
+from qae_app.trainer import Trainer
 from qae_app.update import pack
 
 runner = CliRunner()

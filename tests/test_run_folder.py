@@ -90,6 +90,25 @@ def test_a_run_being_created_is_invisible_and_a_failed_creation_leaves_nothing(t
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_run_session_claims_the_folder_and_close_lets_go_of_it(tmp_path):
+    """RunSession alone, no trainer: while it is open the run is locked (and, before its store opens, invisible);
+    leaving `with` before open_store leaves nothing, and after it leaves the run, with its row, unlocked."""
+    from accelerate import Accelerator
+
+    from qae_app.session import RunSession, TrainerState
+
+    cfg, acc = build_config(run_name="s", **OPTS), Accelerator(cpu=True)
+    with RunSession(tmp_path, "s", cfg, acc):
+        (staging,) = tmp_path.glob(".creating-s-*")
+        assert trainer_alive(staging) and read_runs(tmp_path).empty
+    assert list(tmp_path.iterdir()) == []
+    with RunSession(tmp_path, "s", cfg, acc) as session:
+        assert session.open_store(TrainerState(k=0.4)) == {}  # (a new run: no earlier sessions' times)
+        assert trainer_alive(tmp_path / "s") and read_run(db_path(tmp_path, "s"))["status"] == "running"
+    assert not trainer_alive(tmp_path / "s") and [p.name for p in tmp_path.iterdir()] == ["s"]
+    assert read_run(db_path(tmp_path, "s"))["k"] == 0.4
+
+
 def test_a_creation_killed_midway_does_not_block_the_name(tmp_path):
     (tmp_path / ".creating-new-99999").mkdir()  # what a kill -9 during creation leaves: hidden, unlocked
     assert read_runs(tmp_path).empty

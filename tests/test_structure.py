@@ -22,7 +22,7 @@ LAYERS = [
     {"errors", "names", "faults"},
     {"rundir", "metrics", "datasets", "rows"},
     {"store", "tasks", "config", "compare"},
-    {"advantages", "losses", "models", "rewards", "verifier_preload"},
+    {"advantages", "losses", "models", "rewards", "verifier_preload", "session"},
     {"rollout", "vllm_engine", "evaluate", "warmstart", "update"},
     {"trainer", "sweep"},
     {"terminal"},  # what the reading commands print (torch-free, like everything the dashboard and `qae runs` use)
@@ -135,7 +135,7 @@ def test_a_training_step_writes_nothing_and_its_rows_are_the_store_columns(tmp_p
     try:
         before = (tmp_path / "pure" / "qae.duckdb").read_bytes()
         out = trainer.train_step(1)
-        assert (tmp_path / "pure" / "qae.duckdb").read_bytes() == before and trainer.writer.pending == []
+        assert (tmp_path / "pure" / "qae.duckdb").read_bytes() == before and trainer.session.writer.pending == []
     finally:
         trainer.close()
     assert out.chosen_k in (0.3, 0.4, 0.5) and out.warnings[0]["kind"] == "auto_k"
