@@ -1,5 +1,6 @@
 """A training session's hold on its run folder (runs/<run_id>/), from claiming it to letting it go:
 
+    cfg = resume_config(runs_dir, run_id, **given)   # a resume: the run's stored config, with what may change
     with RunSession(runs_dir, run_id, cfg, accelerator, resume) as session:  # takes the run's lock
         state = session.restore(data_fingerprint)     # a resume: the newest valid checkpoint, checked against the run
         session.open_store(state)                     # the database and config.json; a new run's folder appears
@@ -15,6 +16,7 @@ step's rows are stored; only `qae_app.store` touches the database.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,14 +26,16 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from qae_app.config import TrainConfig
+from qae_app.config import FIELDS, RESUMABLE, TrainConfig, coerce_option, given_options, option_flag
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
 from qae_app.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, DB_FILE, TRAINER_STATE, RunLock, checkpoint_problem,
-                            checkpoint_step, eval_run_error, list_checkpoints, run_dir, trainer_alive, write_manifest)
+                            checkpoint_step, config_restore_hint, eval_run_error, list_checkpoints, read_run_config,
+                            recent_runs_text, run_dir, trainer_alive, write_manifest)
 from qae_app.store import RunWriter, is_eval_run, last_logged_step, read_run
 
 CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from readers until it is renamed into place
@@ -70,6 +74,65 @@ def data_position_problem(position: int, steps: int, cfg: TrainConfig) -> str | 
         return None
     return (f"{steps} steps of 1 to {cfg.max_gen_batches or 'any number of'} generation batches of {P} prompts end "
             f"at a multiple of {P} from {steps * P}" + (f" to {most}" if most is not None else " on"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the config of a run being resumed
+
+
+def stored_config(folder: Path) -> TrainConfig:
+    """The config a run was started with (its config.json), checked as a TOML file is: a file edited by hand or
+    damaged is named with the bad value and what to do, not met by a traceback."""
+    path = Path(folder) / CONFIG_FILE
+    source = f"config.json {path}"
+    values = {}
+    try:
+        for key, value in read_run_config(folder).items():
+            if key not in FIELDS:  # a key an older qae wrote and this one dropped
+                continue
+            if value is None and "None" not in str(FIELDS[key].type):
+                raise QAEUserError(f"{source}: '{key}' = null, expected {str(FIELDS[key].type)}. "
+                                   f"{FIELDS[key].metadata['help']}")
+            values[key] = coerce_option(key, value, source)
+    except QAEUserError as err:
+        raise QAEUserError(f"{err} {config_restore_hint(folder)}") from None
+    try:
+        return TrainConfig(**values).validate()
+    except QAEUserError as err:
+        raise QAEUserError(f"{source} holds a bad value: {err} {config_restore_hint(folder)}") from None
+
+
+def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli_options: Any) -> TrainConfig:
+    """The stored config of `run`, with the resumable options the user gave now; any other option the user gave
+    must equal the stored value (a resumed run keeps its config)."""
+    folder = run_dir(runs_dir, run)
+    given = given_options(toml_path, **cli_options)  # the TOML file's, then the command line's
+    given_name = given.get("run_name")
+    if given_name is not None and given_name != run:
+        raise QAEUserError(f"run-name: '{given_name}' is not the run --resume continues ('{run}'). Drop --run-name "
+                           "(and run_name from the --config file) to resume it, or drop --resume to start a new run "
+                           "of that name.")
+    if is_eval_run(folder):
+        raise eval_run_error("resume", folder, "There is nothing to resume; start a training run with another "
+                                               "--run-name.")
+    if not (folder / CONFIG_FILE).exists():
+        raise QAEUserError(f"resume: no run '{run}' in {runs_dir} (runs there, last written first: "
+                           f"{recent_runs_text(runs_dir)}). See `qae runs`.")
+    stored = stored_config(folder)
+    changes = {}
+    for name, value in given.items():
+        if name == "run_name" or value == getattr(stored, name):  # (a copied run's stored name is not its own)
+            continue
+        if name not in RESUMABLE:
+            raise QAEUserError(
+                f"resume: --{option_flag(name)} {value} conflicts with run '{run}', which was started with "
+                f"{getattr(stored, name)}. A resumed run keeps its config; start a new run to change it (resume "
+                f"may change: {', '.join(option_flag(n) for n in RESUMABLE)}).")
+        changes[name] = value
+    return dataclasses.replace(stored, run_name=run, **changes).validate()
+
+
+# ---------------------------------------------------------------------------------------------------------------
 
 
 class RunSession:

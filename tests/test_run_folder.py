@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from qae_app.config import build_config, resume_config
+from qae_app.config import build_config
 from qae_app.errors import QAEUserError
 from qae_app.rundir import (LOCK_FILE, MANIFEST, TRAINER_STATE, RunLock, checkpoint_problem, effective_status,
                             latest_checkpoint, list_checkpoints, trainer_alive)
+from qae_app.session import resume_config
 from qae_app.store import db_path, read_run, read_runs, read_steps
 from qae_app.trainer import Trainer
 

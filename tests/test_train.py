@@ -11,9 +11,10 @@ from typer.testing import CliRunner
 from same_steps import assert_same_metrics
 from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
 from qae_app.cli import app
-from qae_app.config import build_config, resume_config
+from qae_app.config import build_config
 from qae_app.store import STEP_METRICS, db_path, query, read_run, read_steps
 from qae_app.rows import step_metrics
+from qae_app.session import resume_config
 from qae_app.trainer import Trainer, prompts_for_step
 from tests.conftest import TINY_RUN_OPTIONS
 
