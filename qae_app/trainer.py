@@ -153,6 +153,75 @@ def _number(value) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# what a step reports: its groups' rows, the entropy band
+
+
+def group_results(batches: list[GenerationBatch], trained: list[bool], adv, rewards, correct, group_size: int,
+                  from_engine: bool, pass_stats) -> list[GroupResult]:
+    """This process's groups of every generation batch, in order (`trained` (B,), `adv`, `rewards` and `correct`
+    (B, G): one entry per group). A response's mean token entropy and summed log-prob come from the engine when it
+    measured them while sampling (`from_engine`), else from the no-grad pass over the trained responses
+    (`pass_stats`: two lists, one value per trained response, in order); a filtered group the engine did not measure
+    never went through the model, and gets None."""
+    G = group_size
+    results, local, done = [], 0, 0  # local: group index over all batches; done: trained groups seen
+    for b in batches:
+        for i, problem in enumerate(b.problems):
+            group = b.samples[i * G:(i + 1) * G]
+            if from_engine:
+                entropies = [sum(s.token_entropies) / max(len(s.token_entropies), 1) for s in group]
+                logprobs = [sum(s.token_logprobs) for s in group]
+            elif trained[local]:
+                entropies, logprobs = (stats[done * G:(done + 1) * G] for stats in pass_stats)
+                done += 1
+            else:
+                entropies = logprobs = [None] * G
+            results.append(GroupResult(
+                group_idx=b.first_group + i, prompt_id=problem.prompt_id, prompt=b.prompts[i],
+                answer=problem.answer, baseline=adv.baseline[local].item(),
+                regime=REGIMES[adv.regime[local].item()], responses=[s.text for s in group],
+                rewards=rewards[local].tolist(), correct=correct[local].tolist(),
+                verified=b.verified[i * G:(i + 1) * G], advantages=adv.advantages[local].tolist(),
+                n_tokens=[len(s.response_ids) for s in group], truncated=[s.truncated for s in group],
+                entropies=entropies, logprobs=logprobs, filtered=not trained[local]))
+            local += 1
+    return results
+
+
+def entropy_warning(state: TrainerState, entropy: float, cfg: TrainConfig) -> dict | None:
+    """A `warnings` row when the smoothed entropy leaves the band: once per crossing, not every noisy step. Follows
+    the step's entropy in `state` (entropy_start, entropy_ema, entropy_zone)."""
+    if math.isnan(entropy):
+        return None
+    if state.entropy_start is None:
+        state.entropy_start = entropy
+    ema = entropy if state.entropy_ema is None else (
+        ENTROPY_EMA_ALPHA * entropy + (1 - ENTROPY_EMA_ALPHA) * state.entropy_ema)
+    state.entropy_ema = ema
+    low, high = names.entropy_band(cfg.entropy_low, cfg.entropy_high, state.entropy_start)
+    zone = "low" if ema < low else "high" if ema > high else "ok"
+    crossed = zone != state.entropy_zone and zone != "ok"
+    state.entropy_zone = zone
+    if not crossed:
+        return None
+    k = state.k or names.DEFAULT_K
+    start = state.entropy_start
+    if zone == "low":
+        bound = f"{low:.3g}" + ("" if cfg.entropy_low is not None else
+                                f" (the starting {start:.3g} / {names.ENTROPY_BAND_FACTOR:g})")
+        message = (f"entropy (smoothed) {ema:.3f} fell below {bound}: collapse risk. Raise --k (e.g. "
+                   f"{min(k + 0.1, 0.9):.1f}) so more prompts are 'easy' and failures are pushed down, which "
+                   "raises entropy.")
+    else:
+        bound = f"{high:.3g}" + ("" if cfg.entropy_high is not None else
+                                 f" (the starting {start:.3g} x {names.ENTROPY_BAND_FACTOR:g})")
+        message = (f"entropy (smoothed) {ema:.3f} rose above {bound}: explosion risk. Lower --k (e.g. "
+                   f"{max(k - 0.1, 0.1):.1f}) so more prompts are 'hard' and only successes are reinforced, "
+                   "which lowers entropy.")
+    return {"kind": f"entropy_{zone}", "message": message}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 
 
 class Trainer:
@@ -406,7 +475,7 @@ class Trainer:
             mask = batch["response_mask"][:n]
             pass_stats = (((entropy[:n] * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist(),  # (N,)
                           (old_logp[:n] * mask).sum(-1).tolist())  # (N,)
-        results = self._group_results(batches, trained, adv, rewards, correct, from_engine, pass_stats)
+        results = group_results(batches, trained, adv, rewards, correct, G, from_engine, pass_stats)
         if acc.num_processes > 1:
             from accelerate.utils import gather_object
 
@@ -420,12 +489,15 @@ class Trainer:
         with python_warnings.catch_warnings():  # a step that found nothing to train on is still a step of the schedule
             python_warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
             self.scheduler.step()  # once per RL step, on every process (the scheduler is not prepared: see _load_models)
-        warnings += self._check_entropy(metrics["entropy"])
+        warning = entropy_warning(self.state, metrics["entropy"], cfg)
+        if warning is not None:
+            self._say(f"[yellow]warning:[/] {warning['message']}")
+            warnings.append(warning)
         metrics["step_s"] = time.perf_counter() - t_step
         return StepOutput(metrics, groups, rollouts, warnings, chosen_k)
 
     # -------------------------------------------------------------------------------------------------------------
-    # sampling: generation batches, and the rows of their groups
+    # sampling
 
     def _sample_generation_batches(self, step: int) -> tuple[list[GenerationBatch], list[bool], float, float]:
         """Sample and score batches of prompts_per_step prompts, taken in order from the data stream at
@@ -477,76 +549,14 @@ class Trainer:
             count += has_signal
         return batches, trained, rollout_s, reward_s
 
-    def _group_results(self, batches, trained, adv, rewards, correct, from_engine: bool,
-                       pass_stats) -> list[GroupResult]:
-        """This process's groups of every generation batch, in order. A response's mean token entropy and summed
-        log-prob come from the engine when it measured them while sampling (`from_engine`), else from the no-grad pass
-        over the trained responses (`pass_stats`: two lists, one value per trained response, in order); a filtered
-        group the engine did not measure never went through the model, and gets None."""
-        G = self.cfg.group_size
-        results, local, done = [], 0, 0  # local: group index over all batches; done: trained groups seen
-        for b in batches:
-            for i, problem in enumerate(b.problems):
-                group = b.samples[i * G:(i + 1) * G]
-                if from_engine:
-                    entropies = [sum(s.token_entropies) / max(len(s.token_entropies), 1) for s in group]
-                    logprobs = [sum(s.token_logprobs) for s in group]
-                elif trained[local]:
-                    entropies, logprobs = (stats[done * G:(done + 1) * G] for stats in pass_stats)
-                    done += 1
-                else:
-                    entropies = logprobs = [None] * G
-                results.append(GroupResult(
-                    group_idx=b.first_group + i, prompt_id=problem.prompt_id, prompt=b.prompts[i],
-                    answer=problem.answer, baseline=adv.baseline[local].item(),
-                    regime=REGIMES[adv.regime[local].item()], responses=[s.text for s in group],
-                    rewards=rewards[local].tolist(), correct=correct[local].tolist(),
-                    verified=b.verified[i * G:(i + 1) * G], advantages=adv.advantages[local].tolist(),
-                    n_tokens=[len(s.response_ids) for s in group], truncated=[s.truncated for s in group],
-                    entropies=entropies, logprobs=logprobs, filtered=not trained[local]))
-                local += 1
-        return results
-
     # -------------------------------------------------------------------------------------------------------------
-    # the update's options and the entropy band
+    # the update's options
 
     def update_options(self) -> UpdateOptions:
         """The update's options: the config's, and the trainer's skip_gated, lockstep and logits_keyword (attributes,
         so a test or benchmark can switch them: the dense reference, lockstep on one machine, the full forward)."""
         return UpdateOptions.from_config(self.cfg, skip_gated=self.skip_gated, lockstep=self.lockstep,
                                          logits_keyword=self.logits_keyword)
-
-    def _check_entropy(self, entropy: float) -> list[dict]:
-        """A warning when the smoothed entropy leaves the band: once per crossing, not every noisy step."""
-        if math.isnan(entropy):
-            return []
-        if self.state.entropy_start is None:
-            self.state.entropy_start = entropy
-        ema = entropy if self.state.entropy_ema is None else (
-            ENTROPY_EMA_ALPHA * entropy + (1 - ENTROPY_EMA_ALPHA) * self.state.entropy_ema)
-        self.state.entropy_ema = ema
-        low, high = names.entropy_band(self.cfg.entropy_low, self.cfg.entropy_high, self.state.entropy_start)
-        zone = "low" if ema < low else "high" if ema > high else "ok"
-        crossed = zone != self.state.entropy_zone and zone != "ok"
-        self.state.entropy_zone = zone
-        if not crossed:
-            return []
-        k = self.state.k or names.DEFAULT_K
-        start = self.state.entropy_start
-        if zone == "low":
-            bound = f"{low:.3g}" + ("" if self.cfg.entropy_low is not None else
-                                    f" (the starting {start:.3g} / {names.ENTROPY_BAND_FACTOR:g})")
-            message = (f"entropy (smoothed) {ema:.3f} fell below {bound}: collapse risk. Raise --k (e.g. "
-                       f"{min(k + 0.1, 0.9):.1f}) so more prompts are 'easy' and failures are pushed down, which "
-                       "raises entropy.")
-        else:
-            bound = f"{high:.3g}" + ("" if self.cfg.entropy_high is not None else
-                                     f" (the starting {start:.3g} x {names.ENTROPY_BAND_FACTOR:g})")
-            message = (f"entropy (smoothed) {ema:.3f} rose above {bound}: explosion risk. Lower --k (e.g. "
-                       f"{max(k - 0.1, 0.1):.1f}) so more prompts are 'hard' and only successes are reinforced, "
-                       "which lowers entropy.")
-        self._say(f"[yellow]warning:[/] {message}")
-        return [{"kind": f"entropy_{zone}", "message": message}]
 
     # -------------------------------------------------------------------------------------------------------------
     # evaluation
