@@ -23,9 +23,7 @@ and is the only one to write the run folder's database (`session.py`: the run fo
 
 from __future__ import annotations
 
-import functools
 import math
-import random
 import time
 import warnings as python_warnings  # `warnings` names a step's warning rows
 from dataclasses import dataclass, field
@@ -46,7 +44,7 @@ from qae_app.rollout import ShardedPolicy, make_engine, plan_for
 from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
 from qae_app.rundir import file_sha256
 from qae_app.session import RunSession, TrainerState
-from qae_app.tasks import Task, load_benchmark, load_task
+from qae_app.tasks import load_benchmark, load_task, prompts_at
 from qae_app.update import (NO_UPDATE, UpdateOptions, entropy_change, float_dtype, logits_keyword, pack,
                             policy_update)
 
@@ -104,7 +102,7 @@ def step_tables(out: StepOutput | None, heldout: HeldoutEval | None) -> dict[str
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the data stream: which prompts a step sees, and its sampling seeds
+# sampling: the seeds, and which groups dynamic sampling keeps
 
 
 def _step_seed(seed: int, step: int, process: int, gen_batch: int = 0) -> int:
@@ -112,32 +110,6 @@ def _step_seed(seed: int, step: int, process: int, gen_batch: int = 0) -> int:
     resumed run samples exactly what the uninterrupted run did (gen_batch 0 keeps the seed runs had before dynamic
     sampling)."""
     return (seed * 1_000_003 + step * 7_919 + process * 104_729 + gen_batch * 15_485_863) % (2**31 - 1)
-
-
-def prompts_at(task: Task, seed: int, start: int, count: int) -> list[int]:
-    """Indices into task.train of the data stream's positions start .. start + count - 1: an epoch-wise seeded
-    shuffle, so a position always holds the same prompt and a resumed run, restarting at the checkpoint's
-    data_position, sees exactly the prompts the uninterrupted run would have."""
-    n = len(task.train)
-    indices = []
-    for position in range(start, start + count):
-        epoch, offset = divmod(position, n)
-        indices.append(_epoch_order(seed, epoch, n)[offset])
-    return indices
-
-
-def prompts_for_step(task: Task, seed: int, step: int, per_step: int) -> list[int]:
-    """Indices into task.train for RL step `step` (1-based) of a run without dynamic sampling, which consumes
-    exactly `per_step` prompts a step (with it, a step takes one or more batches of `per_step` from
-    TrainerState.data_position on)."""
-    return prompts_at(task, seed, (step - 1) * per_step, per_step)
-
-
-@functools.lru_cache(maxsize=4)
-def _epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
-    order = list(range(n))
-    random.Random(seed * 10_007 + epoch).shuffle(order)
-    return tuple(order)
 
 
 def groups_with_signal(rewards: torch.Tensor, correct: torch.Tensor, metric: str) -> torch.Tensor:

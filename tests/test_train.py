@@ -15,7 +15,8 @@ from qae_app.config import build_config
 from qae_app.store import STEP_METRICS, db_path, query, read_run, read_steps
 from qae_app.rows import step_metrics
 from qae_app.session import resume_config
-from qae_app.trainer import Trainer, prompts_for_step
+from qae_app.tasks import prompts_for_step
+from qae_app.trainer import Trainer
 from tests.conftest import TINY_RUN_OPTIONS
 
 runner = CliRunner()
