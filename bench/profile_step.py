@@ -4,8 +4,8 @@
 
 A real `Trainer` at the defaults (8 prompts x 16, 8 new tokens, QAE K=0.4) runs --steps steps, alternating the
 gated skip on and off (`skip_gated`, as bench/bench_step.py; both give the same gradient), so the dense update and
-the gated one are timed in the same process under the same noise. The trainer is not changed: its methods are
-wrapped on the instance to time each phase (rollout, reward, packing, the no-grad log-prob pass over all sequences,
+the gated one are timed in the same process under the same noise. The trainer is not changed: the functions it
+calls are wrapped to time each phase (rollout, reward, packing, the no-grad log-prob pass over all sequences,
 the training forwards, backwards, grad clip + optimizer step, row building, the store write that `fit` does).
 
 Then, on each step's real batch, the alternatives for the update are timed directly:
@@ -29,8 +29,10 @@ from collections import defaultdict
 
 import torch
 
+import qae_app.trainer as trainer_module
+from qae_app import update
 from qae_app.config import build_config
-from qae_app.trainer import Trainer
+from qae_app.trainer import Trainer, step_tables
 
 
 class PhaseClock:
@@ -112,7 +114,7 @@ def forward_backward_cost(trainer: Trainer, batch: dict, sizes=(1, 7, 32), repea
         forwards, backwards = [], []
         for _ in range(repeats):
             start = time.perf_counter()
-            logp, _ = trainer._forward_logprobs(trainer.model, batch, rows, with_entropy=False)
+            logp, _ = update.forward_logprobs(trainer.model, batch, rows, trainer.update_options(), with_entropy=False)
             loss = (logp * batch["response_mask"][rows]).sum()
             middle = time.perf_counter()
             loss.backward()
@@ -139,22 +141,23 @@ def main() -> None:
         clock = PhaseClock()
         acc = trainer.accelerator
         trainer.engine.generate = clock.wrap("rollout", trainer.engine.generate)
-        trainer._pack = clock.wrap("pack", trainer._pack)
-        trainer._logprobs_in_chunks = clock.wrap("logprob pass (no grad, all)", trainer._logprobs_in_chunks)
-        forward = trainer._forward_logprobs
-        trainer._forward_logprobs = clock.wrap(
-            lambda: "train forward" if torch.is_grad_enabled() else "(pass forwards)", forward)
+        # the update's functions are wrapped where they are looked up: the trainer's names and the update module's
+        trainer_module.pack = clock.wrap("pack", trainer_module.pack)
+        update.logprobs_in_chunks = clock.wrap("logprob pass (no grad, all)", update.logprobs_in_chunks)
+        update.forward_logprobs = clock.wrap(
+            lambda: "train forward" if torch.is_grad_enabled() else "(pass forwards)", update.forward_logprobs)
         acc.backward = clock.wrap("backward", acc.backward)
         acc.clip_grad_norm_ = clock.wrap("clip + optimizer step", acc.clip_grad_norm_)
         trainer.optimizer.step = clock.wrap("clip + optimizer step", trainer.optimizer.step)
         captured = {}
-        update = trainer._update
+        policy_update = trainer_module.policy_update
 
-        def capturing_update(step, batch, seq_adv, **kwargs):
-            captured.update(batch=batch, seq_adv=seq_adv)
-            return update(step, batch, seq_adv, **kwargs)
+        def capturing_update(model, optimizer, batch, advantages, *args, **kwargs):
+            captured.update(batch=batch, seq_adv=advantages)
+            return policy_update(model, optimizer, batch, advantages, *args, **kwargs)
 
-        trainer._update = clock.wrap("_update", capturing_update)
+        trainer_module.policy_update = clock.wrap("policy_update", capturing_update)
+        options = trainer.update_options()
 
         rows = {"skip": [], "dense": []}
         whatif = defaultdict(list)
@@ -166,8 +169,8 @@ def main() -> None:
             m = out.metrics
             t0 = time.perf_counter()
             m["heldout_accuracy"] = None
-            trainer._write_step(step, out, None)  # what fit does after each step
-            trainer._drain_writes()
+            trainer.session.write_step(step, step_tables(out, None))  # what fit does after each step
+            trainer.session.drain_writes()
             phases["store write"] = time.perf_counter() - t0
             phases["reward"] = m["reward_s"]
             phases["update_s"] = m["update_s"]
@@ -186,12 +189,13 @@ def main() -> None:
             kept_rows = (seq_adv != 0).nonzero().squeeze(-1).cpu()
             kept_trim = kept_subset(batch, seq_adv, trim=True)
             whatif["pass, all, + entropy"].append(
-                timed(lambda: trainer._logprobs_in_chunks(trainer.model, batch, all_rows, True)))
-            whatif["pass, all"].append(timed(lambda: trainer._logprobs_in_chunks(trainer.model, batch, all_rows, False)))
+                timed(lambda: update.logprobs_in_chunks(trainer.model, batch, all_rows, options, with_entropy=True)))
+            whatif["pass, all"].append(
+                timed(lambda: update.logprobs_in_chunks(trainer.model, batch, all_rows, options)))
             whatif["pass, kept only"].append(
-                timed(lambda: trainer._logprobs_in_chunks(trainer.model, batch, kept_rows, False)))
-            whatif["pass, kept only, trimmed"].append(timed(lambda: trainer._logprobs_in_chunks(
-                trainer.model, kept_trim, torch.arange(len(kept_rows)), False)))
+                timed(lambda: update.logprobs_in_chunks(trainer.model, batch, kept_rows, options)))
+            whatif["pass, kept only, trimmed"].append(timed(lambda: update.logprobs_in_chunks(
+                trainer.model, kept_trim, torch.arange(len(kept_rows)), options)))
             prompts = sorted({g["prompt"] for g in out.groups})
             plain, with_logits = generate_with_and_without_logits(trainer, prompts, step)
             whatif["generate, plain"].append(plain)

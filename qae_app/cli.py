@@ -101,7 +101,8 @@ def train(
     **options: Any,
 ) -> None:
     """Train a policy with QAE (or a mean-baseline estimator) and log every rollout to DuckDB."""
-    from qae_app.config import build_config, resume_config
+    from qae_app.config import build_config
+    from qae_app.session import resume_config
     from qae_app.trainer import Trainer
 
     try:

@@ -1,8 +1,8 @@
 """Configuration of `qae train` and `qae eval`: one frozen dataclass each, whose field help strings are the CLI help.
 
 Precedence: defaults < `--config run.toml` < command-line options. `given_options` keeps only what the user actually
-gave (TOML or command line), which is what a resume may change. Every value is checked in `validate()`; a bad one
-raises `QAEUserError` naming the option, the value and the fix, before anything is written.
+gave (TOML or command line), which is what a resume may change (`session.resume_config`). Every value is checked in
+`validate()`; a bad one raises `QAEUserError` naming the option, the value and the fix, before anything is written.
 
 Torch-free (the CLI builds its options from these classes at start-up): the choices come from `qae_app.names`.
 """
@@ -19,8 +19,7 @@ from typing import Any, NamedTuple
 
 from qae_app import names
 from qae_app.errors import QAEUserError
-from qae_app.rundir import (CONFIG_FILE, config_restore_hint, eval_run_error, read_run_config, recent_runs_text,
-                            run_dir, validate_run_name)
+from qae_app.rundir import validate_run_name
 from qae_app.sampling import SamplingOptions
 from qae_app.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, task_defaults
 
@@ -102,7 +101,7 @@ def check_range(name: str, value: float, flag: str | None = None) -> None:
         problem = f"is less than {low:,}, the least it may be" if low_allowed else f"must be more than {low:,}"
     else:
         return
-    raise QAEUserError(f"{flag or _flag(name)}: {value} {problem}. {advice}.")
+    raise QAEUserError(f"{flag or option_flag(name)}: {value} {problem}. {advice}.")
 
 
 @dataclass(frozen=True)
@@ -238,17 +237,17 @@ def _check_choices(cfg) -> None:
         choices = f.metadata.get("choices")
         value = getattr(cfg, f.name)
         if choices and value is not None and value not in choices:
-            raise QAEUserError(f"{_flag(f.name)}: unknown value '{value}'. Choose one of: {', '.join(choices)}.")
+            raise QAEUserError(f"{option_flag(f.name)}: unknown value '{value}'. Choose one of: {', '.join(choices)}.")
 
 
-def _flag(name: str) -> str:
+def option_flag(name: str) -> str:
     return name.replace("_", "-")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
-def _coerce(name: str, value: Any, source: str) -> Any:
+def coerce_option(name: str, value: Any, source: str) -> Any:
     """Check a TOML value against the field's type; ints are accepted for floats, numbers for k."""
     f = FIELDS[name]
     annotation = str(f.type)
@@ -315,7 +314,7 @@ def load_toml(path: Path) -> dict:
             close = difflib.get_close_matches(name, FIELDS, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else f" Known keys: {', '.join(FIELDS)}."
             raise QAEUserError(f"config: unknown key '{key}' in {path}.{hint}")
-        values[name] = _coerce(name, value, f"config {path}")
+        values[name] = coerce_option(name, value, f"config {path}")
     return values
 
 
@@ -345,60 +344,6 @@ def build_config(toml_path: Path | None = None, **cli_options: Any) -> TrainConf
 
 
 RESUMABLE = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["resumable"])
-
-
-def stored_config(folder: Path) -> TrainConfig:
-    """The config a run was started with (its config.json), checked as a TOML file is: a file edited by hand or
-    damaged is named with the bad value and what to do, not met by a traceback."""
-    path = Path(folder) / CONFIG_FILE
-    source = f"config.json {path}"
-    values = {}
-    try:
-        for key, value in read_run_config(folder).items():
-            if key not in FIELDS:  # a key an older qae wrote and this one dropped
-                continue
-            if value is None and "None" not in str(FIELDS[key].type):
-                raise QAEUserError(f"{source}: '{key}' = null, expected {str(FIELDS[key].type)}. "
-                                   f"{FIELDS[key].metadata['help']}")
-            values[key] = _coerce(key, value, source)
-    except QAEUserError as err:
-        raise QAEUserError(f"{err} {config_restore_hint(folder)}") from None
-    try:
-        return TrainConfig(**values).validate()
-    except QAEUserError as err:
-        raise QAEUserError(f"{source} holds a bad value: {err} {config_restore_hint(folder)}") from None
-
-
-def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli_options: Any) -> TrainConfig:
-    """The stored config of `run`, with the resumable options the user gave now; any other option the user gave
-    must equal the stored value (a resumed run keeps its config)."""
-    folder = run_dir(runs_dir, run)
-    given = given_options(toml_path, **cli_options)  # the TOML file's, then the command line's
-    given_name = given.get("run_name")
-    if given_name is not None and given_name != run:
-        raise QAEUserError(f"run-name: '{given_name}' is not the run --resume continues ('{run}'). Drop --run-name "
-                           "(and run_name from the --config file) to resume it, or drop --resume to start a new run "
-                           "of that name.")
-    from qae_app.store_read import is_eval_run  # (duckdb: not imported by every command that reads options)
-
-    if is_eval_run(folder):
-        raise eval_run_error("resume", folder, "There is nothing to resume; start a training run with another "
-                                               "--run-name.")
-    if not (folder / CONFIG_FILE).exists():
-        raise QAEUserError(f"resume: no run '{run}' in {runs_dir} (runs there, last written first: "
-                           f"{recent_runs_text(runs_dir)}). See `qae runs`.")
-    stored = stored_config(folder)
-    changes = {}
-    for name, value in given.items():
-        if name == "run_name" or value == getattr(stored, name):  # (a copied run's stored name is not its own)
-            continue
-        if name not in RESUMABLE:
-            raise QAEUserError(
-                f"resume: --{_flag(name)} {value} conflicts with run '{run}', which was started with "
-                f"{getattr(stored, name)}. A resumed run keeps its config; start a new run to change it (resume "
-                f"may change: {', '.join(_flag(n) for n in RESUMABLE)}).")
-        changes[name] = value
-    return dataclasses.replace(stored, run_name=run, **changes).validate()
 
 
 @dataclass(frozen=True)

@@ -219,3 +219,33 @@ def load_benchmark(bench: str, option: str = "bench") -> tuple[str, list[Problem
     problems = task.heldout if task.heldout else task.train
     name = f"{task.name}-heldout" if task.heldout else task.name
     return name, problems, task
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the training data stream: which prompt each position holds
+
+
+def prompts_at(task: Task, seed: int, start: int, count: int) -> list[int]:
+    """Indices into task.train of the data stream's positions start .. start + count - 1: an epoch-wise seeded
+    shuffle, so a position always holds the same prompt and a resumed run, restarting at the checkpoint's
+    data_position, sees exactly the prompts the uninterrupted run would have."""
+    n = len(task.train)
+    indices = []
+    for position in range(start, start + count):
+        epoch, offset = divmod(position, n)
+        indices.append(_epoch_order(seed, epoch, n)[offset])
+    return indices
+
+
+def prompts_for_step(task: Task, seed: int, step: int, per_step: int) -> list[int]:
+    """Indices into task.train for RL step `step` (1-based) of a run without dynamic sampling, which consumes
+    exactly `per_step` prompts a step (with it, a step takes one or more batches of `per_step` from
+    session.TrainerState.data_position on)."""
+    return prompts_at(task, seed, (step - 1) * per_step, per_step)
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    order = list(range(n))
+    random.Random(seed * 10_007 + epoch).shuffle(order)
+    return tuple(order)

@@ -3,20 +3,19 @@
 How this differs from GRPO: the only change is the baseline (`advantages.py`). With QAE about 80% of responses get
 advantage exactly 0 ("gated"); their policy gradient is exactly 0, so when nothing else needs them (no KL term) they
 are left out of the update's forward/backward, with the loss normalizer of the full mini-batch, so the update is the
-one the dense computation gives (a mini-batch whose advantages are all 0 still steps the optimizer, as the dense one
-does: AdamW's moments move the weights on a zero gradient too).
+one the dense computation gives (`update.py`).
 
 One step, for B prompts x G samples:
     rollout   -> engine samples G responses per prompt                   (rollout_s)
     reward    -> verifier scores each response: 1, 0 or None             (reward_s)
     advantage -> estimator(rewards [B, G]) -> advantages, baseline, regime
     update    -> log-probs/entropy of the sampling policy (no grad), then num_mini_batches optimizer steps (update_s)
-    log       -> `fit` writes the step's rows in one transaction into runs/<run_id>/qae.duckdb
+    log       -> `fit` hands the step's rows to the run's session, which writes them into runs/<run_id>/qae.duckdb
 
 Runs on one CPU process as is, and under `accelerate launch` (DDP, FSDP, DeepSpeed): each process samples its share
 of the prompts; mini-batches are drawn over the whole step's responses, so every loss normalizer counts the tokens of
 all processes and the update equals the one-process update on the same samples; the main process gathers every row
-and is the only one to write the run folder's database.
+and is the only one to write the run folder's database (`session.py`: the run folder's life, checkpoints, signals).
 
     qae train                                   # built-in tiny model and arithmetic task, QAE K=0.4
     accelerate launch -m qae_app.cli train ...  # several processes
@@ -24,19 +23,9 @@ and is the only one to write the run folder's database.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
-import json
 import math
-import os
-import random
-import shutil
-import signal
-import threading
 import time
 import warnings as python_warnings  # `warnings` names a step's warning rows
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -49,40 +38,17 @@ from qae_app.config import TrainConfig
 from qae_app.errors import QAEUserError
 from qae_app.evaluate import evaluate, summarize
 from qae_app.faults import fault_point
-from qae_app.losses import policy_loss, token_logprobs_and_entropy
 from qae_app.models import check_prompt_lengths, disable_dropout, load_policy
 from qae_app.rewards import Scorer, shape_rewards
 from qae_app.rollout import ShardedPolicy, make_engine, plan_for
 from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
-from qae_app.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, DB_FILE, TRAINER_STATE, RunLock, checkpoint_problem,
-                            checkpoint_step, eval_run_error, file_sha256, list_checkpoints, run_dir,
-                            trainer_alive, write_manifest)
-from qae_app.store_read import is_eval_run, last_logged_step, read_run
-from qae_app.store_write import RunWriter
-from qae_app.tasks import Task, load_benchmark, load_task
+from qae_app.rundir import file_sha256
+from qae_app.session import RunSession, TrainerState
+from qae_app.tasks import load_benchmark, load_task, prompts_at
+from qae_app.update import (NO_UPDATE, UpdateOptions, entropy_change, float_dtype, logits_keyword, pack,
+                            policy_update)
 
 ENTROPY_EMA_ALPHA = 0.1  # smoothing of the entropy that the band warnings watch (about the last 10 steps)
-CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from readers until it is renamed into place
-
-
-@dataclass
-class TrainerState:
-    step: int = 0  # RL steps completed
-    k: float | None = None  # K in use (set at step 1 when --k auto)
-    entropy_zone: str = "ok"  # "low" / "ok" / "high" for the smoothed entropy: warn once per crossing of the band
-    entropy_ema: float | None = None  # exponential moving average of step entropy (alpha ENTROPY_EMA_ALPHA)
-    entropy_start: float | None = None  # step 1's entropy: the default band is relative to it
-    data_position: int = 0  # prompts of the data stream consumed so far (every generation batch); a resume checks it
-    data_fingerprint: str | None = None  # sha256 of the data file (None for a built-in task); a resume checks it
-    # processes that trained the run (each samples with its own seed); a resume checks it. None: an older checkpoint
-    num_processes: int | None = None
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.__dict__))
-
-    @classmethod
-    def load(cls, path: Path) -> "TrainerState":
-        return cls(**json.loads(path.read_text()))
 
 
 @dataclass
@@ -125,50 +91,25 @@ class RunResult:
     status: str  # finished, interrupted (Ctrl-C / SIGTERM; resumable)
 
 
+def step_tables(out: StepOutput | None, heldout: HeldoutEval | None) -> dict[str, list[dict]]:
+    """What `fit` hands the store for one step (step 0: the evaluation before training), by table."""
+    tables = {}
+    if out is not None:
+        tables.update(steps=[out.metrics], groups=out.groups, rollouts=out.rollouts, warnings=out.warnings)
+    if heldout is not None:
+        tables.update(evals=heldout.evals, eval_samples=heldout.samples)
+    return tables
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sampling: the seeds, and which groups dynamic sampling keeps
+
+
 def _step_seed(seed: int, step: int, process: int, gen_batch: int = 0) -> int:
     """The sampling seed of one process's share of a step's generation batch: a pure function of the four, so a
     resumed run samples exactly what the uninterrupted run did (gen_batch 0 keeps the seed runs had before dynamic
     sampling)."""
     return (seed * 1_000_003 + step * 7_919 + process * 104_729 + gen_batch * 15_485_863) % (2**31 - 1)
-
-
-def prompts_at(task: Task, seed: int, start: int, count: int) -> list[int]:
-    """Indices into task.train of the data stream's positions start .. start + count - 1: an epoch-wise seeded
-    shuffle, so a position always holds the same prompt and a resumed run, restarting at the checkpoint's
-    data_position, sees exactly the prompts the uninterrupted run would have."""
-    n = len(task.train)
-    indices = []
-    for position in range(start, start + count):
-        epoch, offset = divmod(position, n)
-        indices.append(_epoch_order(seed, epoch, n)[offset])
-    return indices
-
-
-def prompts_for_step(task: Task, seed: int, step: int, per_step: int) -> list[int]:
-    """Indices into task.train for RL step `step` (1-based) of a run without dynamic sampling, which consumes
-    exactly `per_step` prompts a step (with it, a step takes one or more batches of `per_step` from
-    TrainerState.data_position on)."""
-    return prompts_at(task, seed, (step - 1) * per_step, per_step)
-
-
-@functools.lru_cache(maxsize=4)
-def _epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
-    order = list(range(n))
-    random.Random(seed * 10_007 + epoch).shuffle(order)
-    return tuple(order)
-
-
-def data_position_problem(position: int, steps: int, cfg: TrainConfig) -> str | None:
-    """Why `position` prompts consumed cannot follow `steps` steps of this config (None if it can): each step takes
-    one generation batch of prompts_per_step prompts, or with dynamic sampling 1 to max_gen_batches of them."""
-    P = cfg.prompts_per_step
-    if not cfg.dynamic_sampling:
-        return None if position == steps * P else f"{steps} steps of {P} prompts end at {steps * P}"
-    most = steps * P * cfg.max_gen_batches if cfg.max_gen_batches else None
-    if position % P == 0 and steps * P <= position and (most is None or position <= most):
-        return None
-    return (f"{steps} steps of 1 to {cfg.max_gen_batches or 'any number of'} generation batches of {P} prompts end "
-            f"at a multiple of {P} from {steps * P}" + (f" to {most}" if most is not None else " on"))
 
 
 def groups_with_signal(rewards: torch.Tensor, correct: torch.Tensor, metric: str) -> torch.Tensor:
@@ -184,12 +125,83 @@ def _number(value) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# what a step reports: its groups' rows, the entropy band
+
+
+def group_results(batches: list[GenerationBatch], trained: list[bool], adv, rewards, correct, group_size: int,
+                  from_engine: bool, pass_stats) -> list[GroupResult]:
+    """This process's groups of every generation batch, in order (`trained` (B,), `adv`, `rewards` and `correct`
+    (B, G): one entry per group). A response's mean token entropy and summed log-prob come from the engine when it
+    measured them while sampling (`from_engine`), else from the no-grad pass over the trained responses
+    (`pass_stats`: two lists, one value per trained response, in order); a filtered group the engine did not measure
+    never went through the model, and gets None."""
+    G = group_size
+    results, local, done = [], 0, 0  # local: group index over all batches; done: trained groups seen
+    for b in batches:
+        for i, problem in enumerate(b.problems):
+            group = b.samples[i * G:(i + 1) * G]
+            if from_engine:
+                entropies = [sum(s.token_entropies) / max(len(s.token_entropies), 1) for s in group]
+                logprobs = [sum(s.token_logprobs) for s in group]
+            elif trained[local]:
+                entropies, logprobs = (stats[done * G:(done + 1) * G] for stats in pass_stats)
+                done += 1
+            else:
+                entropies = logprobs = [None] * G
+            results.append(GroupResult(
+                group_idx=b.first_group + i, prompt_id=problem.prompt_id, prompt=b.prompts[i],
+                answer=problem.answer, baseline=adv.baseline[local].item(),
+                regime=REGIMES[adv.regime[local].item()], responses=[s.text for s in group],
+                rewards=rewards[local].tolist(), correct=correct[local].tolist(),
+                verified=b.verified[i * G:(i + 1) * G], advantages=adv.advantages[local].tolist(),
+                n_tokens=[len(s.response_ids) for s in group], truncated=[s.truncated for s in group],
+                entropies=entropies, logprobs=logprobs, filtered=not trained[local]))
+            local += 1
+    return results
+
+
+def entropy_warning(state: TrainerState, entropy: float, cfg: TrainConfig) -> dict | None:
+    """A `warnings` row when the smoothed entropy leaves the band: once per crossing, not every noisy step. Follows
+    the step's entropy in `state` (entropy_start, entropy_ema, entropy_zone)."""
+    if math.isnan(entropy):
+        return None
+    if state.entropy_start is None:
+        state.entropy_start = entropy
+    ema = entropy if state.entropy_ema is None else (
+        ENTROPY_EMA_ALPHA * entropy + (1 - ENTROPY_EMA_ALPHA) * state.entropy_ema)
+    state.entropy_ema = ema
+    low, high = names.entropy_band(cfg.entropy_low, cfg.entropy_high, state.entropy_start)
+    zone = "low" if ema < low else "high" if ema > high else "ok"
+    crossed = zone != state.entropy_zone and zone != "ok"
+    state.entropy_zone = zone
+    if not crossed:
+        return None
+    k = state.k or names.DEFAULT_K
+    start = state.entropy_start
+    if zone == "low":
+        bound = f"{low:.3g}" + ("" if cfg.entropy_low is not None else
+                                f" (the starting {start:.3g} / {names.ENTROPY_BAND_FACTOR:g})")
+        message = (f"entropy (smoothed) {ema:.3f} fell below {bound}: collapse risk. Raise --k (e.g. "
+                   f"{min(k + 0.1, 0.9):.1f}) so more prompts are 'easy' and failures are pushed down, which "
+                   "raises entropy.")
+    else:
+        bound = f"{high:.3g}" + ("" if cfg.entropy_high is not None else
+                                 f" (the starting {start:.3g} x {names.ENTROPY_BAND_FACTOR:g})")
+        message = (f"entropy (smoothed) {ema:.3f} rose above {bound}: explosion risk. Lower --k (e.g. "
+                   f"{max(k - 0.1, 0.1):.1f}) so more prompts are 'hard' and only successes are reinforced, "
+                   "which lowers entropy.")
+    return {"kind": f"entropy_{zone}", "message": message}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 
 
 class Trainer:
     """`Trainer(cfg, runs_dir).fit()` trains a new run; `Trainer(resume_config(...), runs_dir, resume=True)` continues
-    one from its newest valid checkpoint. Setup takes the run's lock first, so nothing slow runs for a run that another
-    process is training, and a new run's folder appears (atomically, by a rename) only once it can train."""
+    one from its newest valid checkpoint. Setup takes the run's lock first (its RunSession), so nothing slow runs for
+    a run that another process is training, and a new run's folder appears (atomically, by a rename) only once it can
+    train. `fit` lets go of the run folder when it ends; a caller that only runs train_step calls close() (or uses
+    `with Trainer(...) as trainer:`)."""
 
     def __init__(self, cfg: TrainConfig, runs_dir: Path, resume: bool = False, console=None,
                  cpu: bool | None = None):
@@ -199,26 +211,100 @@ class Trainer:
         self.runs_dir = Path(runs_dir)
         self.resuming = resume
         self.skip_gated = True  # leave zero-advantage sequences out of the update (same update; tests turn it off)
-        self.writer: RunWriter | None = None  # main process only
-        self._lock: RunLock | None = None  # main process only: held from setup until fit ends
-        self._staging: Path | None = None
-        self._stop_requested = self._finishing = self._waiting_for_store = False
-        self._write_thread: ThreadPoolExecutor | None = None  # main process: writes the store while steps train
-        self._write_job: Future | None = None
-        self._store_s: dict[int, float] = {}  # step -> CPU seconds of its write job, once done (see _drain_writes)
         self._setup_s: float | None = None
         self._wall_s_before = self._setup_s_before = 0.0  # time spent by earlier sessions of a resumed run
         self._setup_processes(cpu)
-        self._claim_run_folder()
+        self.session = RunSession(self.runs_dir, self.run_id, cfg, self.accelerator, resume, say=self._say,
+                                  started=self._t_start)  # (takes the run's lock)
+        self.run_dir = self.session.run_dir
         try:
             self._load_data()
             self._load_models()
             if resume:
-                self._restore_checkpoint()
-            self._open_store()
-        except BaseException:
-            self._abandon_setup()
+                restored = self.session.restore(self.data_fingerprint)
+                if restored is not None:
+                    self.state = restored
+                    self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
+            earlier = self.session.open_store(self.state)
+            self._wall_s_before = _number(earlier.get("wall_s"))
+            self._setup_s_before = _number(earlier.get("setup_s"))
+        except BaseException:  # nothing is left behind: no lock, no half-made run folder, no verifier workers
+            self.close()
             raise
+
+    # -------------------------------------------------------------------------------------------------------------
+    # setup phases, in the order __init__ runs them
+
+    def _setup_processes(self, cpu: bool | None) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
+
+        cfg = self.cfg
+        # no buffer broadcast at each DDP forward: it is a collective, and processes run different numbers of
+        # forwards (gated responses skip theirs); the models' buffers (rotary tables) are constants anyway
+        self.accelerator = Accelerator(cpu=cpu if cpu is not None else not torch.cuda.is_available(),
+                                       kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+        # sharded weights (FSDP, ZeRO-3): every forward is a collective, so processes run them in lockstep
+        self.lockstep = self.accelerator.num_processes > 1 and plan_for(self.accelerator).sharding != "none"
+        self.is_main = self.accelerator.is_main_process
+        n = self.accelerator.num_processes
+        if n > 1 and cfg.prompts_per_step % n:
+            raise QAEUserError(f"prompts-per-step: {cfg.prompts_per_step} does not split over {n} processes. Use a "
+                               "multiple of the process count.")
+        # the run id, decided once by the main process (a default id from the clock could differ between processes)
+        run_id = [cfg.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-{cfg.estimator}"]
+        if n > 1:
+            broadcast_object_list(run_id)
+        self.run_id = run_id[0]
+        set_seed(cfg.seed)
+
+    def _load_data(self) -> None:
+        cfg = self.cfg
+        self.task = load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
+        if len(self.task.train) == 0:
+            raise QAEUserError(f"data: '{cfg.data}' has no training problems. Lower --heldout-fraction.")
+        self.data_fingerprint = file_sha256(Path(cfg.data)) if Path(cfg.data).is_file() else None
+        # what --eval-every evaluates: the task's held-out split, or --eval-bench named as `qae eval` names it;
+        # loaded now so a bad path fails before anything is written
+        self.eval_name, self.eval_problems, self.eval_task = (
+            load_benchmark(cfg.eval_bench, option="eval-bench") if cfg.eval_bench
+            else (f"{self.task.name}-heldout", self.task.heldout, self.task))
+
+    def _load_models(self) -> None:
+        cfg, acc = self.cfg, self.accelerator
+        model, self.codec = load_policy(cfg.model, cfg.dtype)
+        disable_dropout(model)  # old log-probs (no grad) and the update must see the same network
+        check_prompt_lengths(model, self.codec, [(p.prompt_id, self.task.prompt(p)) for p in self.task.train
+                                                 + self.task.heldout], cfg.max_new_tokens, "data")
+        if cfg.eval_bench and cfg.eval_every:  # the problems --eval-every evaluates, as `qae eval` checks them
+            check_prompt_lengths(model, self.codec, [(p.prompt_id, self.eval_task.prompt(p))
+                                                     for p in self._evaluated_problems()], cfg.max_new_tokens,
+                                 "eval-bench")
+        self.ref_model = None
+        if cfg.kl_beta > 0:
+            self.ref_model, _ = load_policy(cfg.model, cfg.dtype)
+            self.ref_model.requires_grad_(False).eval()
+        # the fused kernel (one pass over all parameters) is several times faster than the per-tensor loop on CPU too
+        fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
+        warmup = cfg.warmup_steps
+        # stepped once per RL step on every process; not passed to accelerate.prepare, whose wrapper would step it
+        # once per process per call (a warmup num_processes times too fast); checkpointed as a custom object
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        self.model, self.optimizer = acc.prepare(model, optimizer)
+        self.logits_keyword = logits_keyword(model)  # (of the unwrapped model: a DDP wrapper takes **kwargs)
+        acc.register_for_checkpointing(self.scheduler)
+        if self.ref_model is not None:
+            self.ref_model.to(acc.device)
+        self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
+                                  sharded=ShardedPolicy.of(acc, self.model))
+        self.scorer = Scorer(self.task.reward, cfg.verify_timeout_s)
+        # one scorer for the whole run (a math verifier pool takes seconds to start): the training one if it fits
+        self.eval_scorer = (self.scorer if self.eval_task.reward == self.task.reward
+                            else Scorer(self.eval_task.reward, cfg.verify_timeout_s))
+        self.state = TrainerState(k=None if cfg.k == "auto" else float(cfg.k),
+                                  data_fingerprint=self.data_fingerprint, num_processes=acc.num_processes)
 
     # -------------------------------------------------------------------------------------------------------------
     # the loop
@@ -234,16 +320,16 @@ class Trainer:
         The run's row gets setup_s and wall_s."""
         cfg = self.cfg
         status, error = "running", None
-        previous_handlers = self._install_stop_handlers()
+        self.session.catch_stop_signals()
         timings: tuple[int, dict] | None = None  # (step, write_s/checkpoint_s/step_s), known after its row is queued
         try:
             if self.state.step == 0 and cfg.eval_every:
                 heldout = self.evaluate_heldout(0)
-                self._write_step(0, None, heldout)
+                self.session.write_step(0, step_tables(None, heldout))
                 if on_step is not None:
                     on_step(0, {"heldout_accuracy": heldout.accuracy if heldout else None})
             self._setup_s = time.perf_counter() - self._t_start
-            while self.state.step < cfg.steps and not self._should_stop():
+            while self.state.step < cfg.steps and not self.session.should_stop():
                 t_iteration = time.perf_counter()
                 step = self.state.step + 1
                 out = self.train_step(step)
@@ -253,12 +339,12 @@ class Trainer:
                 out.metrics.update(heldout_accuracy=heldout.accuracy if heldout else None,
                                    eval_s=time.perf_counter() - t0)
                 self.state.step = step  # (train_step advanced state.data_position by the prompts it consumed)
-                write_s = self._write_step(step, out, heldout, timings)
+                write_s = self.session.write_step(step, step_tables(out, heldout), out.chosen_k, timings)
                 checkpoint_s = 0.0
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
                     t0 = time.perf_counter()
-                    write_s += self._drain_writes()  # the rows up to here are stored (or safe under pending/)
-                    self.save_checkpoint()
+                    write_s += self.session.drain_writes()  # the rows up to here are stored (or safe under pending/)
+                    self.session.save_checkpoint(self.model, self.codec, self.state)
                     checkpoint_s = time.perf_counter() - t0
                 if on_step is not None:
                     on_step(step, out.metrics)
@@ -266,10 +352,9 @@ class Trainer:
                                   "step_s": time.perf_counter() - t_iteration})
             if self.state.step < cfg.steps:  # stopped by a signal at a step boundary
                 status = "interrupted"
-                newest = list_checkpoints(self.run_dir)
-                if not newest or checkpoint_step(newest[-1]) != self.state.step:
-                    self._drain_writes()
-                    self.save_checkpoint()
+                if not self.session.has_checkpoint(self.state.step):
+                    self.session.drain_writes()
+                    self.session.save_checkpoint(self.model, self.codec, self.state)
             else:
                 status = "finished"
         except KeyboardInterrupt:  # second Ctrl-C: stop now; the newest checkpoint stays the resume point
@@ -279,15 +364,14 @@ class Trainer:
             raise
         finally:
             # late signals are ignored from here on: the final status must be written, whatever arrives
-            self._finishing = True
+            self.session.finishing = True
             try:
                 fault_point("finishing", self.state.step)
                 self._close_scorers()
-                self._finish_store(status, error, timings)
+                self.session.finish(status, error, timings, wall_s_before=self._wall_s_before,
+                                    setup_s=self._setup_s_before + (self._setup_s or 0.0))
             finally:
-                if self._lock is not None:
-                    self._lock.release()
-                self._restore_handlers(previous_handlers)
+                self.session.close()  # (the lock, the signal handlers)
         return RunResult(self.run_id, self.run_dir, self.state.step, status)
 
     def train_step(self, step: int) -> StepOutput:
@@ -338,18 +422,22 @@ class Trainer:
         from_engine = all(s.token_logprobs is not None and s.token_entropies is not None for s in samples)
         if n_trained:
             # a process whose groups were all filtered packs one placeholder sequence: it still takes part in the
-            # collective forward/backward passes, weighted 0 (see _accumulate_gradients), and contributes nothing
-            batch = self._pack(trained_samples or samples[:1])
-            update_stats, old_logp, entropy = self._update(
-                step, batch, seq_adv if trained_samples else seq_adv.new_zeros(1),
-                full_pass=not from_engine or cfg.log_entropy_delta, n_local=len(trained_samples))
-            update_stats.update(self._entropy_change(batch, entropy, correct[trained_mask], len(trained_samples))
+            # collective forward/backward passes, weighted 0 (see update.accumulate_gradients), and contributes nothing
+            batch = pack(trained_samples or samples[:1], self.codec.pad_id, acc.device, float_dtype(self.model))
+            options = self.update_options()
+            updated = policy_update(self.model, self.optimizer, batch,
+                                   seq_adv if trained_samples else seq_adv.new_zeros(1), options, acc,
+                                   seed=_step_seed(cfg.seed, step, 0) + 1, ref_model=self.ref_model,
+                                   full_pass=not from_engine or cfg.log_entropy_delta, n_local=len(trained_samples))
+            update_stats, old_logp, entropy = updated.stats, updated.old_logp, updated.entropy
+            # (dH's regimes: the K in use, K = 0.4 for mean-baseline runs, so runs compare)
+            k = self.state.k if cfg.estimator == "qae" else names.DEFAULT_K
+            update_stats.update(entropy_change(self.model, batch, entropy, correct[trained_mask], k, G, options, acc,
+                                               len(trained_samples))
                                 if cfg.log_entropy_delta else dict.fromkeys(("dH", "dH_hard", "dH_easy")))
             self.engine.sync_weights(acc.unwrap_model(self.model))  # vLLM holds its own copy; hf shares the model
         else:  # dynamic sampling found no group with signal on any process: nothing to learn from
-            update_stats = {**dict.fromkeys(("loss", "pg_loss", "kl", "grad_norm", "clip_frac", "clip_frac_low",
-                                             "clip_frac_high"), math.nan), "n_updates": 0,
-                            **dict.fromkeys(("dH", "dH_hard", "dH_easy"))}
+            update_stats = {**NO_UPDATE, **dict.fromkeys(("dH", "dH_hard", "dH_easy"))}
         update_s = time.perf_counter() - t0
 
         # ---- rows (gathered on the main process) and metrics
@@ -359,7 +447,7 @@ class Trainer:
             mask = batch["response_mask"][:n]
             pass_stats = (((entropy[:n] * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist(),  # (N,)
                           (old_logp[:n] * mask).sum(-1).tolist())  # (N,)
-        results = self._group_results(batches, trained, adv, rewards, correct, from_engine, pass_stats)
+        results = group_results(batches, trained, adv, rewards, correct, G, from_engine, pass_stats)
         if acc.num_processes > 1:
             from accelerate.utils import gather_object
 
@@ -373,39 +461,15 @@ class Trainer:
         with python_warnings.catch_warnings():  # a step that found nothing to train on is still a step of the schedule
             python_warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
             self.scheduler.step()  # once per RL step, on every process (the scheduler is not prepared: see _load_models)
-        warnings += self._check_entropy(metrics["entropy"])
+        warning = entropy_warning(self.state, metrics["entropy"], cfg)
+        if warning is not None:
+            self._say(f"[yellow]warning:[/] {warning['message']}")
+            warnings.append(warning)
         metrics["step_s"] = time.perf_counter() - t_step
         return StepOutput(metrics, groups, rollouts, warnings, chosen_k)
 
-    def _group_results(self, batches, trained, adv, rewards, correct, from_engine: bool,
-                       pass_stats) -> list[GroupResult]:
-        """This process's groups of every generation batch, in order. A response's mean token entropy and summed
-        log-prob come from the engine when it measured them while sampling (`from_engine`), else from the no-grad pass
-        over the trained responses (`pass_stats`: two lists, one value per trained response, in order); a filtered
-        group the engine did not measure never went through the model, and gets None."""
-        G = self.cfg.group_size
-        results, local, done = [], 0, 0  # local: group index over all batches; done: trained groups seen
-        for b in batches:
-            for i, problem in enumerate(b.problems):
-                group = b.samples[i * G:(i + 1) * G]
-                if from_engine:
-                    entropies = [sum(s.token_entropies) / max(len(s.token_entropies), 1) for s in group]
-                    logprobs = [sum(s.token_logprobs) for s in group]
-                elif trained[local]:
-                    entropies, logprobs = (stats[done * G:(done + 1) * G] for stats in pass_stats)
-                    done += 1
-                else:
-                    entropies = logprobs = [None] * G
-                results.append(GroupResult(
-                    group_idx=b.first_group + i, prompt_id=problem.prompt_id, prompt=b.prompts[i],
-                    answer=problem.answer, baseline=adv.baseline[local].item(),
-                    regime=REGIMES[adv.regime[local].item()], responses=[s.text for s in group],
-                    rewards=rewards[local].tolist(), correct=correct[local].tolist(),
-                    verified=b.verified[i * G:(i + 1) * G], advantages=adv.advantages[local].tolist(),
-                    n_tokens=[len(s.response_ids) for s in group], truncated=[s.truncated for s in group],
-                    entropies=entropies, logprobs=logprobs, filtered=not trained[local]))
-                local += 1
-        return results
+    # -------------------------------------------------------------------------------------------------------------
+    # sampling
 
     def _sample_generation_batches(self, step: int) -> tuple[list[GenerationBatch], list[bool], float, float]:
         """Sample and score batches of prompts_per_step prompts, taken in order from the data stream at
@@ -457,277 +521,17 @@ class Trainer:
             count += has_signal
         return batches, trained, rollout_s, reward_s
 
-    def _pack(self, samples) -> dict:
-        """Right-padded (prompt + response) tensors; response_mask marks the positions predicting response tokens."""
-        pad = self.codec.pad_id
-        width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        # built as lists and converted once: a tensor write per row costs more than the rest of the packing
-        input_ids, attention_mask, response_mask = [], [], []
-        for s in samples:
-            length = len(s.prompt_ids) + len(s.response_ids)
-            input_ids.append(s.prompt_ids + s.response_ids + [pad] * (width - length))
-            attention_mask.append([1] * length + [0] * (width - length))
-            # logits at position t predict token t + 1: response tokens are predicted from len(prompt) - 1 on
-            response_mask.append([0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) + [0] * (width - length))
-        device = self.accelerator.device
-        return {"input_ids": torch.tensor(input_ids, device=device),
-                "attention_mask": torch.tensor(attention_mask, device=device),
-                "response_mask": torch.tensor(response_mask, dtype=self._float_dtype(), device=device)}
+    # -------------------------------------------------------------------------------------------------------------
+    # the update's options
 
-    def _float_dtype(self) -> torch.dtype:
-        """float64 for a float64 model (exactness tests), else float32 (the loss is computed in float32 at least)."""
-        return torch.float64 if next(self.model.parameters()).dtype == torch.float64 else torch.float32
+    def update_options(self) -> UpdateOptions:
+        """The update's options: the config's, and the trainer's skip_gated, lockstep and logits_keyword (attributes,
+        so a test or benchmark can switch them: the dense reference, lockstep on one machine, the full forward)."""
+        return UpdateOptions.from_config(self.cfg, skip_gated=self.skip_gated, lockstep=self.lockstep,
+                                         logits_keyword=self.logits_keyword)
 
-    def _forward_logprobs(self, model, batch, rows: torch.Tensor, with_entropy: bool = True):
-        """Token log-probs and (if asked) entropies (n, T-1) of the next tokens of the batch's sequences `rows`, under
-        `model`; 0 at the positions before the earliest response of them. The vocabulary projection and softmax run
-        from there on only (`logits_to_keep`, as TRL and verl do): on a real model with a long prompt they are most of
-        the memory of a forward. (All T columns go through the layers: cutting the padding after the rows' longest
-        sequence saves nothing where it matters, on the few non-gated rows, and would change the last bit.)"""
-        input_ids = batch["input_ids"][rows]  # (n, T)
-        width = input_ids.shape[1]
-        # logits at position t predict token t + 1: the first response token is predicted at its prompt's last one
-        first = int(batch["response_mask"][rows].argmax(-1).min()) if self._logits_keyword else 0
-        keep = {self._logits_keyword: width - first} if first else {}
-        # use_cache=False: the model would otherwise build a KV cache (its config says use_cache) that nothing reads
-        logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"][rows], use_cache=False,
-                       **keep).logits[:, :-1]
-        logp, entropy = token_logprobs_and_entropy(logits, input_ids[:, first + 1:], self.cfg.temperature,
-                                                   with_entropy)
-        if first:
-            logp = torch.nn.functional.pad(logp, (first, 0))
-            entropy = torch.nn.functional.pad(entropy, (first, 0)) if entropy is not None else None
-        return logp, entropy
-
-    def _lockstep_forwards(self, count: int) -> int:
-        """How many forward passes this process runs where it needs `count`. With sharded weights (FSDP, ZeRO-3) every
-        forward gathers the shards from all processes, so each must run as many as the busiest one (a process with
-        fewer responses runs the rest on a placeholder and drops the result); otherwise just `count`."""
-        if not self.lockstep:
-            return count
-        acc = self.accelerator
-        return int(acc.gather(torch.tensor([count], device=acc.device)).max())
-
-    def _logprobs_in_chunks(self, model, batch, rows: torch.Tensor, with_entropy: bool):
-        """No-grad token log-probs (and entropies) of the sequences `rows`, micro_batch_size at a time."""
-        model_was_training = model.training
-        model.eval()
-        outs_logp, outs_ent = [], []
-        chunks = list(rows.split(self.cfg.micro_batch_size)) if len(rows) else []
-        with torch.inference_mode():
-            for i in range(self._lockstep_forwards(len(chunks))):
-                chunk = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long, device=rows.device)
-                logp, ent = self._forward_logprobs(model, batch, chunk, with_entropy)
-                if i < len(chunks):  # (a lockstep pass beyond this process's chunks is discarded)
-                    outs_logp.append(logp)
-                    outs_ent.append(ent)
-        model.train(model_was_training)
-        if not chunks:  # (a lockstep pass with no rows of its own)
-            return None, None
-        # clone: tensors made under inference_mode cannot take part in the autograd graph of the loss
-        return torch.cat(outs_logp).clone(), torch.cat(outs_ent).clone() if with_entropy else None
-
-    def _update(self, step: int, batch, seq_adv, full_pass: bool, n_local: int | None = None):
-        """num_mini_batches x ppo_epochs optimizer steps over this step's responses; returns (stats, old log-probs,
-        entropies), the last two (N, T-1) of the sampling policy when `full_pass` ran over every response, else None.
-        The responses are the first `n_local` rows of the batch (default: all): a process with none (dynamic sampling
-        filtered all its groups) passes one placeholder row, used only for its weight-0 passes.
-
-        Mini-batches are drawn over the responses of every process (the same seeded permutation on each), and each
-        process takes its members of each: the loss normalizer (tokens or sequences of the whole mini-batch) is summed
-        over processes, and each process's loss is multiplied by the process count because DDP averages gradients.
-        So the update equals the one-process update on the same responses.
-
-        Old log-probs (the sampling policy's, for the ratio) are computed only where the loss needs them: not for
-        gated responses (their loss is 0 whatever the ratio) unless a KL term or the dense reference needs every
-        response, and not for the first mini-batch, whose training forward runs on the sampling weights: its own
-        log-probs, detached, are the old ones (ratio 1, as TRL does with one update per generation).
-        """
-        cfg, acc = self.cfg, self.accelerator
-        n_rows = seq_adv.shape[0]  # this process's responses, or one placeholder
-        n_local = n_rows if n_local is None else n_local
-        device = seq_adv.device
-        tokens_per_seq = batch["response_mask"].sum(-1)  # (n_local,)
-        epochs = self._mini_batch_plan(step, n_local, device)
-        # the KL term has gradient on gated sequences too; skip_gated=False is the dense reference
-        needs_all = self.ref_model is not None or not self.skip_gated
-        forwarded = torch.ones(n_rows, dtype=torch.bool, device=device) if needs_all else seq_adv != 0
-        old_logp, have_old, entropy = self._old_logprobs(batch, forwarded, first_mini_batch=epochs[0][1][0],
-                                                          full_pass=full_pass)
-        ref_logp = (self._logprobs_in_chunks(self.ref_model, batch, torch.arange(n_rows, device=device), False)[0]
-                    if self.ref_model is not None else None)
-
-        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "grad_norm": 0.0, "clipped_low": 0.0, "clipped_high": 0.0}
-        tokens = 0.0
-        n_updates = 0
-        self.model.train()
-        for mini_batches, mine in epochs:
-            # per mini-batch, over all processes: response tokens (the normalizer) and responses forwarded
-            counts = torch.tensor([[tokens_per_seq[ix].sum().item(), forwarded[ix].sum().item()] for ix in mine],
-                                  dtype=torch.float64, device=acc.device)  # (num_mini_batches, 2)
-            if acc.num_processes > 1:
-                counts = acc.reduce(counts, reduction="sum")
-            for mb, ix, (mb_tokens, mb_forwarded) in zip(mini_batches, mine, counts.tolist()):
-                normalizer = {"tokens": mb_tokens, "sequences": len(mb), "max_len": cfg.max_new_tokens}
-                self.optimizer.zero_grad(set_to_none=True)
-                if mb_forwarded == 0:
-                    # every advantage is 0 on every process: the gradient is exactly 0 without computing it
-                    for p in self.model.parameters():
-                        p.grad = torch.zeros_like(p)
-                else:
-                    stats = self._accumulate_gradients(batch, ix[forwarded[ix]], old_logp, have_old, ref_logp,
-                                                       seq_adv, normalizer, fallback=ix)
-                    for key, value in stats.items():
-                        totals[key] += value
-                grad_norm = acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-                self.optimizer.step()  # also on a zero gradient, as the dense update does
-                n_updates += 1
-                totals["grad_norm"] += float(grad_norm)
-                tokens += mb_tokens
-        if acc.num_processes > 1:  # each process holds its share of the sums; grad_norm is the same everywhere
-            shares = ("loss", "pg_loss", "kl", "clipped_low", "clipped_high")
-            summed = acc.reduce(torch.tensor([totals[k] for k in shares], dtype=torch.float64, device=acc.device),
-                                reduction="sum").tolist()
-            totals.update(zip(shares, summed))
-        stats = {key: totals[key] / max(n_updates, 1) for key in ("loss", "pg_loss", "kl", "grad_norm")}
-        stats.update(clip_frac_low=totals["clipped_low"] / max(tokens, 1),
-                     clip_frac_high=totals["clipped_high"] / max(tokens, 1),
-                     clip_frac=(totals["clipped_low"] + totals["clipped_high"]) / max(tokens, 1), n_updates=n_updates)
-        return stats, (old_logp if full_pass else None), entropy
-
-    def _entropy_change(self, batch, entropy_before, correct, n_local: int | None = None) -> dict:
-        """dH, dH_hard, dH_easy: the token-weighted mean change of token entropy over the step's trained responses
-        (the first `n_local` rows of the batch, default all; `correct` (B, G) their verdicts) from before the update
-        (`entropy_before`, the same pass) to after it, over all groups and per QAE regime (the regime QAE gives the
-        group's success rate, K = 0.4 for mean-baseline runs, so runs compare)."""
-        cfg, acc = self.cfg, self.accelerator
-        n = batch["input_ids"].shape[0]
-        n_local = n if n_local is None else n_local
-        _, entropy_after = self._logprobs_in_chunks(self.model, batch, torch.arange(n, device=acc.device), True)
-        mask = batch["response_mask"][:n_local]
-        change = ((entropy_after - entropy_before)[:n_local] * mask).sum(-1)  # (N,) summed over each response
-        tokens = mask.sum(-1)  # (N,)
-        k = self.state.k if cfg.estimator == "qae" else names.DEFAULT_K
-        regime = (compute_advantages("qae", correct.float(), EstimatorConfig(k=k)).regime if n_local  # (B,)
-                  else torch.zeros(0, dtype=torch.long))
-        regime = regime.repeat_interleave(cfg.group_size).to(acc.device)  # (N,)
-        parts = {"dH": torch.ones_like(tokens, dtype=torch.bool), "dH_hard": regime == REGIMES.index("hard"),
-                 "dH_easy": regime == REGIMES.index("easy")}
-        sums = torch.tensor([[change[m].sum().item(), tokens[m].sum().item()] for m in parts.values()],
-                            dtype=torch.float64, device=acc.device)  # (3, 2): change, tokens
-        if acc.num_processes > 1:
-            sums = acc.reduce(sums, reduction="sum")
-        return {name: (c / t if t else math.nan) for name, (c, t) in zip(parts, sums.tolist())}
-
-    def _mini_batch_plan(self, step: int, n_local: int, device) -> list[tuple[tuple, list[torch.Tensor]]]:
-        """Per PPO epoch: the global mini-batches (a seeded permutation of every process's responses, the same on
-        each process, split into num_mini_batches) and this process's members of each, as local indices."""
-        cfg, acc = self.cfg, self.accelerator
-        # processes may hold different numbers of responses: number them globally, process by process
-        counts_per_process = (acc.gather(torch.tensor([n_local], device=acc.device)).tolist()
-                              if acc.num_processes > 1 else [n_local])
-        first = sum(counts_per_process[: acc.process_index])  # global index of this process's first response
-        generator = torch.Generator().manual_seed(_step_seed(cfg.seed, step, 0) + 1)  # the same on every process
-        epochs = []
-        n_total = sum(counts_per_process)
-        for _ in range(cfg.ppo_epochs):
-            # fewer responses than mini-batches happens only when dynamic sampling's cap left few groups
-            mini_batches = torch.randperm(n_total, generator=generator).tensor_split(min(cfg.num_mini_batches,
-                                                                                          n_total))
-            epochs.append((mini_batches, [(mb[(mb >= first) & (mb < first + n_local)] - first).to(device)
-                                          for mb in mini_batches]))
-        return epochs
-
-    def _old_logprobs(self, batch, forwarded, first_mini_batch, full_pass: bool):
-        """(old_logp (N, T-1), have_old (N,), entropy (N, T-1) or None), before any optimizer step.
-
-        `full_pass`: every response (the entropies and log-probs the rows report come from it). Otherwise only the
-        responses the loss will forward (`forwarded`) outside the first mini-batch, which takes its own later."""
-        n = forwarded.shape[0]
-        device = forwarded.device
-        if full_pass:
-            old_logp, entropy = self._logprobs_in_chunks(self.model, batch, torch.arange(n, device=device), True)
-            return old_logp, torch.ones(n, dtype=torch.bool, device=device), entropy
-        old_logp = torch.zeros_like(batch["response_mask"])
-        have_old = forwarded.clone()
-        have_old[first_mini_batch] = False
-        rows = have_old.nonzero().squeeze(-1)
-        if len(rows) or self.lockstep:
-            logp = self._logprobs_in_chunks(self.model, batch, rows, False)[0]
-            if len(rows):
-                old_logp[rows] = logp
-        return old_logp, have_old, None
-
-    def _accumulate_gradients(self, batch, keep, old_logp, have_old, ref_logp, seq_adv, normalizer,
-                              fallback) -> dict:
-        """Backward of this process's share (`keep`) of one mini-batch's loss, in micro-batches.
-
-        Each micro-batch's loss uses the mini-batch's normalizer, so their sum is the mini-batch loss exactly; only
-        the last backward all-reduces under DDP. A process with nothing to contribute still runs one forward/backward,
-        weighted 0, because the others wait for its gradients. A response without an old log-prob yet (the first
-        mini-batch's) takes its own, detached, and keeps it for later epochs.
-        """
-        cfg, acc = self.cfg, self.accelerator
-        weight = float(acc.num_processes)  # DDP averages gradients over processes: undo it
-        if len(keep) == 0:
-            keep, weight = (fallback[:1] if len(fallback) else torch.zeros(1, dtype=torch.long,
-                                                                         device=seq_adv.device)), 0.0
-        mask = batch["response_mask"]
-        stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipped_low": 0.0, "clipped_high": 0.0}
-        micro_batches = [(micro, weight) for micro in keep.split(cfg.micro_batch_size)]
-        # sharded weights: as many forwards as the busiest process, the extra ones weighted 0 (see _lockstep_forwards)
-        micro_batches += [(keep[:1], 0.0)] * (self._lockstep_forwards(len(micro_batches)) - len(micro_batches))
-        for i, (micro, weight) in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else acc.no_sync(self.model):
-                logp, _ = self._forward_logprobs(self.model, batch, micro, with_entropy=False)
-                known = have_old[micro][:, None]  # (n, 1)
-                old = torch.where(known, old_logp[micro], logp.detach())
-                if weight and not known.all():
-                    old_logp[micro], have_old[micro] = old, True
-                out = policy_loss(logp, old, seq_adv[micro], mask[micro], cfg.clip_low, cfg.clip_high,
-                                  cfg.loss_agg, normalizer, ref_logp[micro] if ref_logp is not None else None,
-                                  cfg.kl_beta)
-                acc.backward(out.loss * weight if weight != 1.0 else out.loss)
-            if weight:
-                stats["loss"] += out.loss.item()
-                stats["pg_loss"] += out.pg_loss.item()
-                stats["kl"] += out.kl.item()
-                stats["clipped_low"] += out.clip_low_count.item()
-                stats["clipped_high"] += out.clip_high_count.item()
-        return stats
-
-    def _check_entropy(self, entropy: float) -> list[dict]:
-        """A warning when the smoothed entropy leaves the band: once per crossing, not every noisy step."""
-        if math.isnan(entropy):
-            return []
-        if self.state.entropy_start is None:
-            self.state.entropy_start = entropy
-        ema = entropy if self.state.entropy_ema is None else (
-            ENTROPY_EMA_ALPHA * entropy + (1 - ENTROPY_EMA_ALPHA) * self.state.entropy_ema)
-        self.state.entropy_ema = ema
-        low, high = names.entropy_band(self.cfg.entropy_low, self.cfg.entropy_high, self.state.entropy_start)
-        zone = "low" if ema < low else "high" if ema > high else "ok"
-        crossed = zone != self.state.entropy_zone and zone != "ok"
-        self.state.entropy_zone = zone
-        if not crossed:
-            return []
-        k = self.state.k or names.DEFAULT_K
-        start = self.state.entropy_start
-        if zone == "low":
-            bound = f"{low:.3g}" + ("" if self.cfg.entropy_low is not None else
-                                    f" (the starting {start:.3g} / {names.ENTROPY_BAND_FACTOR:g})")
-            message = (f"entropy (smoothed) {ema:.3f} fell below {bound}: collapse risk. Raise --k (e.g. "
-                       f"{min(k + 0.1, 0.9):.1f}) so more prompts are 'easy' and failures are pushed down, which "
-                       "raises entropy.")
-        else:
-            bound = f"{high:.3g}" + ("" if self.cfg.entropy_high is not None else
-                                     f" (the starting {start:.3g} x {names.ENTROPY_BAND_FACTOR:g})")
-            message = (f"entropy (smoothed) {ema:.3f} rose above {bound}: explosion risk. Lower --k (e.g. "
-                       f"{max(k - 0.1, 0.1):.1f}) so more prompts are 'hard' and only successes are reinforced, "
-                       "which lowers entropy.")
-        self._say(f"[yellow]warning:[/] {message}")
-        return [{"kind": f"entropy_{zone}", "message": message}]
+    # -------------------------------------------------------------------------------------------------------------
+    # evaluation
 
     def _evaluated_problems(self) -> list:
         """What --eval-every evaluates: the held-out split or --eval-bench, cut to --eval-limit."""
@@ -755,336 +559,18 @@ class Trainer:
                            [{**s, "benchmark": name, "source": "train"} for s in samples])
 
     # -------------------------------------------------------------------------------------------------------------
-    # writing: only here, only on the main process, on one writer thread so the next step trains meanwhile
+    # teardown
 
-    def _write_step(self, step: int, out: StepOutput | None, heldout: HeldoutEval | None,
-                    timings: tuple[int, dict] | None = None) -> float:
-        """Hand one step's rows to the writer thread (after the previous step's write is done, so at most one step
-        is in flight); `timings` completes an earlier step's row. Returns the seconds this thread spent."""
-        if self.writer is None:
-            return 0.0
-        t0 = time.perf_counter()
-        tables = {}
-        if out is not None:
-            tables.update(steps=[out.metrics], groups=out.groups, rollouts=out.rollouts, warnings=out.warnings)
-        if heldout is not None:
-            tables.update(evals=heldout.evals, eval_samples=heldout.samples)
-        chosen_k = out.chosen_k if out is not None else None
-
-        def write(writer: RunWriter) -> tuple[int, float]:
-            cpu_start = time.thread_time()
-            if timings is not None:
-                writer.update_step(timings[0], **timings[1])
-            if chosen_k is not None:
-                writer.update_run(k=chosen_k)
-            writer.add_step(step, **tables)
-            fault_point("after_step_rows", step)  # crash tests: rows queued, not yet written
-            self._flush()
-            return step, time.thread_time() - cpu_start
-
-        self._drain_writes()
-        if timings is not None:  # the earlier step's job is done: its store_s is known
-            timings[1]["store_s"] = self._store_s.pop(timings[0], None)
-        self._write_job = self._write_thread.submit(write, self.writer)
-        return time.perf_counter() - t0
-
-    def _drain_writes(self) -> float:
-        """Wait for the writer thread's job (re-raising its error) and keep its CPU time for the step's store_s;
-        returns the seconds waited."""
-        t0 = time.perf_counter()
-        job, self._write_job = self._write_job, None
-        if job is not None:
-            step, store_s = job.result()
-            self._store_s[step] = store_s
-        return time.perf_counter() - t0
-
-    def _finish_store(self, status: str, error: str | None, timings: tuple[int, dict] | None) -> None:
-        """The last writes: the last step's timings, the final status and the run's time; waits for a reader that
-        still holds the file (Ctrl-C leaves them safe under pending/)."""
-        if self.writer is None:
-            return
-        try:
-            self._drain_writes()
-        finally:
-            self._write_thread.shutdown(wait=True)
-            if timings is not None:
-                step, values = timings  # (its store_s is known if the job was drained, by now or earlier)
-                self.writer.update_step(step, **{**values, "store_s": self._store_s.pop(step, values.get("store_s"))})
-            wall_s = self._wall_s_before + time.perf_counter() - self._t_start
-            # a failed run's status goes ahead of rows still queued: if the failure was writing them (a full disk),
-            # the small update of the run's row may still fit, and `qae runs` says why it failed
-            self.writer.update_run(status=status, error=error, wall_s=wall_s,
-                                   setup_s=self._setup_s_before + (self._setup_s or 0.0), first=status == "failed")
-            self._wait_for_store()
-
-    def _flush(self) -> None:
-        """Write what is queued when a database write is due (store.WRITE_SHARE; until then the rows wait under
-        pending/); if a reader holds the file, training goes on and the rows wait there too, and the log says so once
-        per busy spell."""
-        was_busy = self.writer.busy_since is not None
-        if self.writer.flush_when_due():
-            if was_busy:
-                self._say("the database is free again: the waiting rows are written")
-        elif not was_busy:
-            self._say(f"[yellow]note:[/] {self.writer.path} is {self.writer.holder}; training goes on and the rows "
-                      f"wait, safe on disk, in {self.writer.pending_dir} until it is free. Read live runs with "
-                      "`qae show`, `qae rollouts` or the dashboard, which let go of the file at once.")
-
-    def _wait_for_store(self) -> None:
-        """At the end of the run every row must reach the database: wait for a reader that still holds it."""
-        if self.writer is None or self.writer.flush():
-            return
-
-        def say(waited: float) -> None:
-            self._say(f"waiting {waited:.0f} s for {self.writer.path} ({self.writer.holder}) to write the last rows;"
-                      f" they are safe in {self.writer.pending_dir}. Ctrl-C leaves them there: `qae train --resume "
-                      f"{self.run_id}` writes them later.")
-
-        say(0)
-        self._waiting_for_store = True
-        try:
-            self.writer.wait_until_written(on_wait=say)
-        except KeyboardInterrupt:
-            self._say(f"[yellow]stopped waiting:[/] the last rows stay in {self.writer.pending_dir}; "
-                      f"`qae train --resume {self.run_id}` writes them.")
-        finally:
-            self._waiting_for_store = False
-
-    # -------------------------------------------------------------------------------------------------------------
-    # setup phases, in the order __init__ runs them
-
-    def _setup_processes(self, cpu: bool | None) -> None:
-        from accelerate import Accelerator
-        from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
-
-        cfg = self.cfg
-        # no buffer broadcast at each DDP forward: it is a collective, and processes run different numbers of
-        # forwards (gated responses skip theirs); the models' buffers (rotary tables) are constants anyway
-        self.accelerator = Accelerator(cpu=cpu if cpu is not None else not torch.cuda.is_available(),
-                                       kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
-        # sharded weights (FSDP, ZeRO-3): every forward is a collective, so processes run them in lockstep
-        self.lockstep = self.accelerator.num_processes > 1 and plan_for(self.accelerator).sharding != "none"
-        self.is_main = self.accelerator.is_main_process
-        n = self.accelerator.num_processes
-        if n > 1 and cfg.prompts_per_step % n:
-            raise QAEUserError(f"prompts-per-step: {cfg.prompts_per_step} does not split over {n} processes. Use a "
-                               "multiple of the process count.")
-        # the run id, decided once by the main process (a default id from the clock could differ between processes)
-        run_id = [cfg.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-{cfg.estimator}"]
-        if n > 1:
-            broadcast_object_list(run_id)
-        self.run_id = run_id[0]
-        self.run_dir = run_dir(self.runs_dir, self.run_id)
-        set_seed(cfg.seed)
-
-    def _claim_run_folder(self) -> None:
-        """Take the run's lock before anything slow. A new run is built in a hidden staging folder that becomes
-        runs/<id> by one rename once its database holds the run's row (see _open_store)."""
-        if not self.is_main:
-            return
-        if self.resuming:
-            self._lock = RunLock(self.run_dir).acquire("resume")
-            return
-        if is_eval_run(self.run_dir):
-            raise eval_run_error("run-name", self.run_dir, "Pick another --run-name for the training run.")
-        if (self.run_dir / DB_FILE).exists() or (self.run_dir / CONFIG_FILE).exists():
-            raise QAEUserError(f"run-name: a run '{self.run_id}' already exists in {self.runs_dir}. Continue it "
-                               f"with --resume {self.run_id}, or pick another --run-name.")
-        try:
-            self.runs_dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.runs_dir.glob(f"{CREATING_PREFIX}{self.run_id}-*"):  # left by a kill mid-creation
-                if not trainer_alive(stale):
-                    shutil.rmtree(stale, ignore_errors=True)
-            self._staging = self.runs_dir / f"{CREATING_PREFIX}{self.run_id}-{os.getpid()}"
-            self._staging.mkdir()
-        except OSError as err:
-            raise QAEUserError(f"runs-dir: cannot create a run in {self.runs_dir} ({err.strerror}). Pass a "
-                               "writable --runs-dir.") from err
-        self._lock = RunLock(self._staging).acquire("run-name")
-
-    def _load_data(self) -> None:
-        cfg = self.cfg
-        self.task = load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
-        if len(self.task.train) == 0:
-            raise QAEUserError(f"data: '{cfg.data}' has no training problems. Lower --heldout-fraction.")
-        self.data_fingerprint = file_sha256(Path(cfg.data)) if Path(cfg.data).is_file() else None
-        # what --eval-every evaluates: the task's held-out split, or --eval-bench named as `qae eval` names it;
-        # loaded now so a bad path fails before anything is written
-        self.eval_name, self.eval_problems, self.eval_task = (
-            load_benchmark(cfg.eval_bench, option="eval-bench") if cfg.eval_bench
-            else (f"{self.task.name}-heldout", self.task.heldout, self.task))
-
-    def _load_models(self) -> None:
-        cfg, acc = self.cfg, self.accelerator
-        model, self.codec = load_policy(cfg.model, cfg.dtype)
-        disable_dropout(model)  # old log-probs (no grad) and the update must see the same network
-        check_prompt_lengths(model, self.codec, [(p.prompt_id, self.task.prompt(p)) for p in self.task.train
-                                                 + self.task.heldout], cfg.max_new_tokens, "data")
-        if cfg.eval_bench and cfg.eval_every:  # the problems --eval-every evaluates, as `qae eval` checks them
-            check_prompt_lengths(model, self.codec, [(p.prompt_id, self.eval_task.prompt(p))
-                                                     for p in self._evaluated_problems()], cfg.max_new_tokens,
-                                 "eval-bench")
-        self.ref_model = None
-        if cfg.kl_beta > 0:
-            self.ref_model, _ = load_policy(cfg.model, cfg.dtype)
-            self.ref_model.requires_grad_(False).eval()
-        # the fused kernel (one pass over all parameters) is several times faster than the per-tensor loop on CPU too
-        fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in model.parameters())
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
-        warmup = cfg.warmup_steps
-        # stepped once per RL step on every process; not passed to accelerate.prepare, whose wrapper would step it
-        # once per process per call (a warmup num_processes times too fast); checkpointed as a custom object
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-        self.model, self.optimizer = acc.prepare(model, optimizer)
-        # the model's keyword for computing the last positions' logits only (transformers >= 4.50; before: num_...)
-        forward_parameters = inspect.signature(model.forward).parameters
-        self._logits_keyword = next((name for name in ("logits_to_keep", "num_logits_to_keep")
-                                     if name in forward_parameters), None)
-        acc.register_for_checkpointing(self.scheduler)
-        if self.ref_model is not None:
-            self.ref_model.to(acc.device)
-        self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
-                                  sharded=ShardedPolicy.of(acc, self.model))
-        self.scorer = Scorer(self.task.reward, cfg.verify_timeout_s)
-        # one scorer for the whole run (a math verifier pool takes seconds to start): the training one if it fits
-        self.eval_scorer = (self.scorer if self.eval_task.reward == self.task.reward
-                            else Scorer(self.eval_task.reward, cfg.verify_timeout_s))
-        self.state = TrainerState(k=None if cfg.k == "auto" else float(cfg.k),
-                                  data_fingerprint=self.data_fingerprint, num_processes=acc.num_processes)
-
-    def _restore_checkpoint(self) -> None:
-        """Load the newest checkpoint whose files match their checksums; say so when a newer one was skipped."""
-        from accelerate.utils import broadcast_object_list
-
-        cfg = self.cfg
-        chosen = [None, 0]  # the checkpoint, and the newest step whose rows the run kept (stored or saved)
-        if self.is_main:
-            for ckpt in reversed(list_checkpoints(self.run_dir)):
-                problem = checkpoint_problem(ckpt)
-                if problem is None:
-                    chosen[0] = str(ckpt)
-                    break
-                self._say(f"[yellow]warning:[/] skipping checkpoint {ckpt.name}: {problem}")
-            chosen[1] = last_logged_step(self.run_dir)
-        if self.accelerator.num_processes > 1:
-            broadcast_object_list(chosen)
-        logged = chosen[1]
-        if chosen[0] is None:
-            if self.is_main and list_checkpoints(self.run_dir):
-                raise QAEUserError(f"resume: no checkpoint of run '{self.run_id}' checks out (see the warnings "
-                                   "above). Start a new run.")
-            # killed before its first checkpoint: start over from step 0, same run, same seed (the same steps again)
-            if cfg.steps < logged:
-                raise QAEUserError(
-                    f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged. It has no "
-                    f"checkpoint (killed before its first; --checkpoint-every {cfg.checkpoint_every}), so a resume "
-                    f"trains it again from step 0 and replaces their rows: pass --steps {logged} or more to keep "
-                    "every logged step, or start a new run.")
-            if logged:
-                self._say(f"[yellow]warning:[/] run {self.run_id} has no checkpoint: training it again from step 0 "
-                          f"(same seed); the {logged} steps it logged are replaced as they are trained again.")
-            return
-        ckpt = Path(chosen[0])
-        state = TrainerState.load(ckpt / TRAINER_STATE)
-        trained_by = state.num_processes
-        if trained_by not in (None, self.accelerator.num_processes):
-            # every process samples with its own seed (_step_seed): another count trains other steps than the logged
-            raise QAEUserError(
-                f"resume: run '{self.run_id}' was trained by {trained_by} processes and this resume has "
-                f"{self.accelerator.num_processes}. Each process samples with its own seed, so the steps after "
-                f"checkpoint {ckpt.name} would not be the ones logged: resume it as it was launched (accelerate "
-                f"launch --num_processes {trained_by} ...), or start a new run.")
-        self.accelerator.load_state(str(ckpt))
-        self.state = state
-        self._say(f"resuming run {self.run_id} from checkpoint {ckpt.name}")
-        problem = data_position_problem(self.state.data_position, self.state.step, cfg)
-        if problem:
-            raise QAEUserError(f"resume: checkpoint {ckpt} is at prompt {self.state.data_position} of the data, but "
-                               f"{problem}. The checkpoint does not belong to this run's config; start a new run.")
-        if cfg.steps < self.state.step:
-            raise QAEUserError(f"steps: {cfg.steps} is below the {self.state.step} steps run '{self.run_id}' has "
-                               "already done. Pass --steps above that to train further.")
-        if cfg.steps < logged:
-            raise QAEUserError(f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged (its "
-                               f"newest checkpoint is at step {self.state.step}; the steps after it are trained "
-                               f"again and replace their rows). Pass --steps {logged} or more to keep every logged "
-                               "step.")
-        if self.state.data_fingerprint != self.data_fingerprint:
-            raise QAEUserError(f"data: {cfg.data} changed since run '{self.run_id}' was started (its sha256 differs "
-                               "from the one the checkpoint recorded). A resumed run must see the same prompts: "
-                               "restore the file, or start a new run on the new data.")
-        self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
-
-    def _open_store(self) -> None:
-        """The run's database and config.json (main process). A new run's staging folder is renamed into place
-        last, so every command sees either no run or one with its row."""
-        if not self.is_main:
-            return
-        cfg = self.cfg
-        config = cfg.to_dict()
-        if self.resuming:
-            db = self.run_dir / DB_FILE
-            if not db.exists() and self.state.step > 0:
-                raise QAEUserError(
-                    f"resume: run '{self.run_id}' has a checkpoint at step {self.state.step} but no database: the "
-                    f"rows of steps 1-{self.state.step} are lost. Restore {DB_FILE} from a backup, or start a new "
-                    "run.")
-            # (opening brings a file from an older version up to date; it waits up to 60 s for a reader to let go)
-            self.writer = RunWriter(db, self.run_id, on_wait=lambda holder: self._say(
-                f"[yellow]waiting for {db}: {holder} (a reader left open?). Close it to go on.[/]"))
-            has_row = self._has_run_row(db)
-            if not has_row and self.state.step > 0:
-                raise QAEUserError(
-                    f"resume: run '{self.run_id}' has a checkpoint at step {self.state.step} but no run row in {db}: "
-                    f"the rows of steps 1-{self.state.step} are lost. Restore {DB_FILE} from a backup, or start a "
-                    "new run.")
-            if not has_row:  # killed while the run was being created (before any checkpoint): create it again
-                self.writer.create_run(self.run_id, config, cfg.estimator, self._stored_k(), cfg.model, cfg.data,
-                                       cfg.seed)
-            else:
-                earlier = read_run(db)
-                self._wall_s_before = _number(earlier.get("wall_s"))
-                self._setup_s_before = _number(earlier.get("setup_s"))
-            # rows written after the checkpoint are replayed by this run: drop them so each step is stored once
-            self.writer.truncate_after(self.state.step)
-            (self.run_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-            self.writer.update_run(status="running", error=None, config=config)
-            self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qae-store")
-            return
-        staging = self._staging
-        writer = RunWriter(staging / DB_FILE, self.run_id)
-        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-        writer.create_run(self.run_id, config, cfg.estimator, self._stored_k(), cfg.model, cfg.data, cfg.seed)
-        try:
-            os.rename(staging, self.run_dir)
-        except OSError as err:  # another `qae train --run-name` of the same name got there first
-            raise QAEUserError(f"run-name: a run '{self.run_id}' already exists in {self.runs_dir} ({err.strerror})."
-                               f" Continue it with --resume {self.run_id}, or pick another --run-name.") from err
-        self._staging = None
-        # the same writer, not a new one: a new writer opens the file, which a reader may hold from the rename on
-        writer.moved_to(self.run_dir / DB_FILE)
-        self.writer = writer
-        self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qae-store")
-
-    def _stored_k(self) -> float | None:
-        return self.state.k if self.cfg.estimator == "qae" else None  # K means nothing to a mean baseline
-
-    @staticmethod
-    def _has_run_row(db: Path) -> bool:
-        try:
-            read_run(db)
-        except QAEUserError:
-            return False
-        return True
-
-    def _abandon_setup(self) -> None:
-        """Setup failed: release the lock and remove a new run's staging folder, so nothing is left behind."""
+    def close(self) -> None:
+        """Stop the verifier workers and let go of the run folder (RunSession.close). Safe to call more than once."""
         self._close_scorers()
-        if self._lock is not None:
-            self._lock.release()
-        if self._staging is not None:
-            shutil.rmtree(self._staging, ignore_errors=True)
+        self.session.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _close_scorers(self) -> None:
         for scorer in {id(s): s for s in (getattr(self, "scorer", None), getattr(self, "eval_scorer", None))
@@ -1094,70 +580,3 @@ class Trainer:
     def _say(self, message: str) -> None:
         if self.console is not None and self.is_main:
             self.console.print(message)
-
-    # -------------------------------------------------------------------------------------------------------------
-    # checkpoints
-
-    def save_checkpoint(self) -> Path:
-        """checkpoints/step-N: accelerate state (model, optimizer, scheduler, RNG of every process), an HF model
-        folder for `qae eval`, the trainer state, and a manifest of checksums. Written to a temporary folder and
-        renamed once every process has written its part, so a kill never leaves half of one."""
-        acc = self.accelerator
-        acc.wait_for_everyone()
-        final = self.run_dir / CHECKPOINTS_DIR / f"step-{self.state.step}"
-        tmp = final.with_name(final.name + ".tmp")
-        if self.is_main and tmp.exists():
-            shutil.rmtree(tmp)
-        acc.wait_for_everyone()
-        acc.save_state(str(tmp))
-        acc.wait_for_everyone()  # every process's random_states_<i>.pkl is in tmp before it is renamed
-        if self.is_main:
-            unwrapped = acc.unwrap_model(self.model)
-            unwrapped.save_pretrained(tmp / "model", safe_serialization=True)
-            self.codec.save(tmp / "model")
-            self.state.save(tmp / TRAINER_STATE)
-            write_manifest(tmp)
-            fault_point("checkpoint_rename", self.state.step)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for old in list_checkpoints(self.run_dir)[: -self.cfg.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-        acc.wait_for_everyone()
-        return final
-
-    # -------------------------------------------------------------------------------------------------------------
-    # stopping
-
-    def _install_stop_handlers(self) -> dict:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def request_stop(signum, frame):
-            if self._waiting_for_store:
-                raise KeyboardInterrupt  # give up waiting for a reader: the rows stay safe under pending/
-            if self._finishing:
-                return  # the run is writing its final status: nothing may interrupt that
-            if self._stop_requested:
-                # only a person's second Ctrl-C stops at once; a repeated SIGTERM is the same request again (a
-                # supervisor may send it more than once, the kernel's parent-death signal once per dying thread),
-                # and aborting would lose the steps since the last checkpoint
-                if signum == signal.SIGINT:
-                    raise KeyboardInterrupt
-                return
-            self._stop_requested = True
-            self._say("[yellow]stopping after this step (checkpoint, then exit); Ctrl-C again to stop at once[/]")
-
-        return {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    @staticmethod
-    def _restore_handlers(previous: dict) -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    def _should_stop(self) -> bool:
-        """All processes agree to stop at the same step boundary (a signal may reach them at different times)."""
-        flag = torch.tensor(float(self._stop_requested), device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            flag = self.accelerator.reduce(flag, reduction="sum")
-        return flag.item() > 0

@@ -25,8 +25,10 @@ from qae_app.losses import token_logprobs_and_entropy
 from qae_app.models import load_policy
 from qae_app.rows import step_metrics
 from qae_app.rundir import db_path
+from qae_app.session import data_position_problem
 from qae_app.store_read import query, read_steps
-from qae_app.trainer import Trainer, data_position_problem
+from qae_app.trainer import Trainer
+from qae_app.update import pack
 
 runner = CliRunner()
 QAE = str(Path(sys.executable).parent / "qae")
@@ -147,8 +149,7 @@ def test_filtered_groups_are_absent_from_the_loss(tmp_path):
     try:
         out = trainer.train_step(1)
     finally:
-        trainer._close_scorers()
-        trainer._lock.release()
+        trainer.close()
     assert len(grads) == 1 and out.metrics["n_updates"] == 1
     samples = [s for batch in generated for s in batch]  # group g's responses at g * G .. (one process)
     trained = [g["group_idx"] for g in out.groups if not g["filtered"]]
@@ -166,10 +167,10 @@ def test_filtered_groups_are_absent_from_the_loss(tmp_path):
 
     def gradient(sequences, sequence_advantages, normalizer_sequences):
         policy.zero_grad()
-        batch = trainer._pack(sequences)
+        batch = pack(sequences, trainer.codec.pad_id, "cpu", torch.float64)
         logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
         logp, _ = token_logprobs_and_entropy(logits, batch["input_ids"][:, 1:], cfg.temperature)  # (N, T-1)
-        tokens = trainer._pack(normalizer_sequences)["response_mask"].sum()
+        tokens = pack(normalizer_sequences, trainer.codec.pad_id, "cpu", torch.float64)["response_mask"].sum()
         # at the sampling policy the ratio is 1 and inside the clip range: the gradient is -A grad(log p) / tokens
         loss = -(sequence_advantages.double()[:, None] * logp * batch["response_mask"]).sum() / tokens
         loss.backward()

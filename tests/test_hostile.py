@@ -6,7 +6,6 @@ model can be made to emit these strings on demand). The response token ids stay 
 pass is the real one; what the verifier sees is the hostile text."""
 
 import threading
-import time
 
 import pytest
 

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from qae_app.config import build_config, resume_config
+from qae_app.config import build_config
 from qae_app.errors import QAEUserError
 from qae_app.rundir import (LOCK_FILE, MANIFEST, TRAINER_STATE, RunLock, checkpoint_problem, db_path, effective_status,
                             latest_checkpoint, list_checkpoints, trainer_alive)
+from qae_app.session import resume_config
 from qae_app.store_read import read_run, read_runs, read_steps
 from qae_app.trainer import Trainer
 
@@ -88,6 +89,25 @@ def test_a_run_being_created_is_invisible_and_a_failed_creation_leaves_nothing(t
     with pytest.raises(QAEUserError, match="refused by the test"):
         Trainer(build_config(run_name="new", **OPTS), tmp_path, cpu=True)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_session_claims_the_folder_and_close_lets_go_of_it(tmp_path):
+    """RunSession alone, no trainer: while it is open the run is locked (and, before its store opens, invisible);
+    leaving `with` before open_store leaves nothing, and after it leaves the run, with its row, unlocked."""
+    from accelerate import Accelerator
+
+    from qae_app.session import RunSession, TrainerState
+
+    cfg, acc = build_config(run_name="s", **OPTS), Accelerator(cpu=True)
+    with RunSession(tmp_path, "s", cfg, acc):
+        (staging,) = tmp_path.glob(".creating-s-*")
+        assert trainer_alive(staging) and read_runs(tmp_path).empty
+    assert list(tmp_path.iterdir()) == []
+    with RunSession(tmp_path, "s", cfg, acc) as session:
+        assert session.open_store(TrainerState(k=0.4)) == {}  # (a new run: no earlier sessions' times)
+        assert trainer_alive(tmp_path / "s") and read_run(db_path(tmp_path, "s"))["status"] == "running"
+    assert not trainer_alive(tmp_path / "s") and [p.name for p in tmp_path.iterdir()] == ["s"]
+    assert read_run(db_path(tmp_path, "s"))["k"] == 0.4
 
 
 def test_a_creation_killed_midway_does_not_block_the_name(tmp_path):

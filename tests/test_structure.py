@@ -23,8 +23,8 @@ LAYERS = [
     {"rundir", "metrics", "datasets", "rows", "formatting", "answers", "sampling"},
     {"store", "run_file", "store_write", "store_read", "tasks", "config", "compare"},
     {"advantages", "losses", "chunked_head", "models", "rewards", "verifier_pool", "verifier_preload",
-     "checkpoint_state"},
-    {"rollout", "vllm_engine", "evaluate", "warmstart"},
+     "checkpoint_state", "session"},
+    {"rollout", "vllm_engine", "evaluate", "warmstart", "update"},
     {"trainer", "sweep"},
     {"terminal"},  # what the reading commands print (torch-free, like everything the dashboard and `qae runs` use)
     {"cli"},
@@ -136,10 +136,9 @@ def test_a_training_step_writes_nothing_and_its_rows_are_the_store_columns(tmp_p
     try:
         before = (tmp_path / "pure" / "qae.duckdb").read_bytes()
         out = trainer.train_step(1)
-        assert (tmp_path / "pure" / "qae.duckdb").read_bytes() == before and trainer.writer.pending == []
+        assert (tmp_path / "pure" / "qae.duckdb").read_bytes() == before and trainer.session.writer.pending == []
     finally:
-        trainer._close_scorers()
-        trainer._lock.release()
+        trainer.close()
     assert out.chosen_k in (0.3, 0.4, 0.5) and out.warnings[0]["kind"] == "auto_k"
     # what only the loop knows (evaluation, write, checkpoint and store times) is added by fit
     assert set(out.metrics) == set(store.STEP_METRICS) - {"heldout_accuracy", "eval_s", "write_s", "checkpoint_s",

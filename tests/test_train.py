@@ -11,12 +11,14 @@ from typer.testing import CliRunner
 from same_steps import assert_same_metrics
 from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
 from qae_app.cli import app
-from qae_app.config import build_config, resume_config
+from qae_app.config import build_config
 from qae_app.rundir import db_path
 from qae_app.store import STEP_METRICS
 from qae_app.store_read import query, read_run, read_steps
 from qae_app.rows import step_metrics
-from qae_app.trainer import Trainer, prompts_for_step
+from qae_app.session import resume_config
+from qae_app.tasks import prompts_for_step
+from qae_app.trainer import Trainer
 from tests.conftest import TINY_RUN_OPTIONS
 
 runner = CliRunner()
@@ -201,7 +203,7 @@ def test_skipping_gated_sequences_in_the_trainer_gives_the_same_update(tmp_path)
         metrics = trainer.train_step(1).metrics
         assert 0 < metrics["frac_zero_adv"] < 1 and metrics["n_updates"] >= 1
         params[skip] = [p.detach().clone() for p in trainer.model.parameters()]
-        trainer.scorer.close()
+        trainer.close()
     moved = builtin_params = None
     from qae_app.models import load_policy
 
@@ -255,7 +257,7 @@ def test_micro_batches_accumulate_to_the_same_update(tmp_path):
         trainer = Trainer(cfg, tmp_path, cpu=True)
         metrics = trainer.train_step(1).metrics
         params[size] = ([p.detach().clone() for p in trainer.model.parameters()], metrics)
-        trainer.scorer.close()
+        trainer.close()
     (big, m_big), (small, m_small) = params[64], params[2]
     assert m_small["loss"] == pytest.approx(m_big["loss"], abs=1e-6)
     assert m_small["entropy"] == pytest.approx(m_big["entropy"], abs=1e-6)
