@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from qae_app import names
 from qae_app.config import FIELDS, RESUMABLE, TrainConfig, coerce_option, given_options, option_flag
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
@@ -286,7 +287,7 @@ class RunSession:
             return {}
         cfg = self.cfg
         config = cfg.to_dict()
-        k = state.k if cfg.estimator == "qae" else None  # K means nothing to a mean baseline
+        k = state.k if names.uses_k(cfg.estimator) else None  # K means nothing to a mean baseline
         if self.resuming:
             db = self.run_dir / DB_FILE
             if not db.exists() and state.step > 0:

@@ -38,6 +38,7 @@ from qae_app.config import TrainConfig
 from qae_app.errors import QAEUserError
 from qae_app.evaluate import evaluate, summarize
 from qae_app.faults import fault_point
+from qae_app.formatting import as_float
 from qae_app.models import check_prompt_lengths, disable_dropout, load_policy
 from qae_app.rewards import Scorer, shape_rewards
 from qae_app.rollout import ShardedPolicy, make_engine, plan_for
@@ -117,11 +118,6 @@ def groups_with_signal(rewards: torch.Tensor, correct: torch.Tensor, metric: str
     if metric == "correct":
         return correct.any(dim=1) & ~correct.all(dim=1)
     return rewards.amax(dim=1) != rewards.amin(dim=1)
-
-
-def _number(value) -> float:
-    """A float from a stored value that may be NULL (NaN / None): 0.0 then."""
-    return 0.0 if value is None or value != value else float(value)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -226,8 +222,9 @@ class Trainer:
                     self.state = restored
                     self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
             earlier = self.session.open_store(self.state)
-            self._wall_s_before = _number(earlier.get("wall_s"))
-            self._setup_s_before = _number(earlier.get("setup_s"))
+            # (the earlier sessions' times of a resumed run; NULL in a run that never finished a step)
+            self._wall_s_before = as_float(earlier.get("wall_s")) or 0.0
+            self._setup_s_before = as_float(earlier.get("setup_s")) or 0.0
         except BaseException:  # nothing is left behind: no lock, no half-made run folder, no verifier workers
             self.close()
             raise
@@ -392,7 +389,7 @@ class Trainer:
         trained_samples = [s for i, keep in enumerate(trained) if keep for s in samples[i * G:(i + 1) * G]]
 
         warnings, chosen_k = [], None
-        if self.state.k is None and cfg.estimator == "qae":  # --k auto: choose K once, from the first step
+        if self.state.k is None and names.uses_k(cfg.estimator):  # --k auto: choose K once, from the first step
             success = acc.reduce(batches[0].correct.float().mean().to(acc.device), reduction="mean").item()
             self.state.k = chosen_k = names.auto_k(success)
             warnings.append({"kind": "auto_k", "message": f"--k auto: first-step success rate {success:.3f} "
@@ -431,7 +428,7 @@ class Trainer:
                                    full_pass=not from_engine or cfg.log_entropy_delta, n_local=len(trained_samples))
             update_stats, old_logp, entropy = updated.stats, updated.old_logp, updated.entropy
             # (dH's regimes: the K in use, K = 0.4 for mean-baseline runs, so runs compare)
-            k = self.state.k if cfg.estimator == "qae" else names.DEFAULT_K
+            k = self.state.k if names.uses_k(cfg.estimator) else names.DEFAULT_K
             update_stats.update(entropy_change(self.model, batch, entropy, correct[trained_mask], k, G, options, acc,
                                                len(trained_samples))
                                 if cfg.log_entropy_delta else dict.fromkeys(("dH", "dH_hard", "dH_easy")))
@@ -456,7 +453,7 @@ class Trainer:
         groups, rollouts = group_rows(results), rollout_rows(results)
         metrics = step_metrics(groups, rollouts)
         metrics.update(update_stats)
-        metrics.update(k=self.state.k if cfg.estimator == "qae" else None, gen_batches=len(batches),
+        metrics.update(k=self.state.k if names.uses_k(cfg.estimator) else None, gen_batches=len(batches),
                        rollout_s=rollout_s, reward_s=reward_s, update_s=update_s, lr=self.scheduler.get_last_lr()[0])
         with python_warnings.catch_warnings():  # a step that found nothing to train on is still a step of the schedule
             python_warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
