@@ -98,6 +98,10 @@ def train(
                                                   "valid checkpoint (options marked resumable may change).")] = None,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
     cpu: Annotated[bool, typer.Option("--cpu/--no-cpu", help="Force CPU even when a GPU is present.")] = False,
+    trust_pickles: Annotated[bool, typer.Option(
+        "--trust-pickles", help="With --resume: read the Python pickles an older qae left in the run folder (its "
+                                "pending writes, converted to JSON once, and its checkpoints' training state). A "
+                                "pickle can run code: only for a folder you made yourself.")] = False,
     **options: Any,
 ) -> None:
     """Train a policy with QAE (or a mean-baseline estimator) and log every rollout to DuckDB."""
@@ -106,9 +110,13 @@ def train(
     from qae_app.trainer import Trainer
 
     try:
+        if trust_pickles and resume is None:
+            raise QAEUserError("trust-pickles: only a resumed run has files an older qae wrote. Use it with "
+                               "--resume RUN, or drop it.")
         cfg = (resume_config(runs_dir, resume, config, **options) if resume is not None
                else build_config(config, **options))
-        trainer = Trainer(cfg, runs_dir, resume=resume is not None, console=console, cpu=True if cpu else None)
+        trainer = Trainer(cfg, runs_dir, resume=resume is not None, console=console, cpu=True if cpu else None,
+                          trust_pickles=trust_pickles)
     except QAEUserError as err:
         fail(err)
     run_training(trainer)

@@ -5,7 +5,8 @@ status a reader should show. Torch-free, so the CLI's readers and the dashboard 
       qae.duckdb             every row of the run (qae_app/store.py)
       config.json            the run's TrainConfig
       trainer.lock           held (flock) by the process training the run; it holds that process's pid
-      checkpoints/step-N/    accelerate state, an HF `model/` folder, trainer_state.json, manifest.json (checksums)
+      checkpoints/step-N/    training state (safetensors + JSON), an HF `model/` folder, trainer_state.json,
+                             manifest.json (checksums)
       pending/               rows waiting for the database while a reader holds it (store_write.RunWriter)
 
 The folder name is the run's id for every reader and writer: a copied or renamed run folder is that run.

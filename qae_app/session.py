@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 from qae_app import names
+from qae_app.checkpoint_state import (is_data_checkpoint, load_training_state, pickled_files,
+                                      save_training_state)
 from qae_app.config import FIELDS, RESUMABLE, TrainConfig, coerce_option, given_options, option_flag
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
@@ -38,14 +40,14 @@ from qae_app.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, DB_FILE, TRAINER_STATE
                             checkpoint_step, config_restore_hint, eval_run_error, list_checkpoints, read_run_config,
                             recent_runs_text, run_dir, trainer_alive, write_manifest)
 from qae_app.store_read import is_eval_run, last_logged_step, read_run
-from qae_app.store_write import RunWriter
+from qae_app.store_write import RunWriter, convert_legacy_pending
 
 CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from readers until it is renamed into place
 
 
 @dataclass
 class TrainerState:
-    """What a checkpoint holds besides accelerate's state (trainer_state.json): where the run is."""
+    """What a checkpoint holds besides its training state (checkpoint_state): where the run is (trainer_state.json)."""
 
     step: int = 0  # RL steps completed
     k: float | None = None  # K in use (set at step 1 when --k auto)
@@ -144,7 +146,7 @@ class RunSession:
     its row. `close()` (or leaving `with`) lets go of everything; it may be called more than once."""
 
     def __init__(self, runs_dir: Path, run_id: str, cfg: TrainConfig, accelerator, resume: bool = False,
-                 say=None, started: float | None = None):
+                 say=None, started: float | None = None, trust_pickles: bool = False):
         self.runs_dir = Path(runs_dir)
         self.run_id = run_id
         self.run_dir = run_dir(self.runs_dir, run_id)
@@ -152,6 +154,7 @@ class RunSession:
         self.accelerator = accelerator
         self.is_main = accelerator.is_main_process
         self.resuming = resume
+        self.trust_pickles = trust_pickles  # the user vouched for the folder: an older qae's pickles may be read
         self.started = time.perf_counter() if started is None else started  # the session's wall_s counts from here
         self._say = say or (lambda message: None)
         self.writer: RunWriter | None = None  # main process only, from open_store on
@@ -196,6 +199,9 @@ class RunSession:
             return
         if self.resuming:
             self._lock = RunLock(self.run_dir).acquire("resume")
+            converted = convert_legacy_pending(self.run_dir, self.trust_pickles)  # (refused unless trusted)
+            if converted:
+                self._say(f"converted {converted} pending write(s) an older qae pickled to JSON")
             return
         if is_eval_run(self.run_dir):
             raise eval_run_error("run-name", self.run_dir, "Pick another --run-name for the training run.")
@@ -214,7 +220,7 @@ class RunSession:
                                "writable --runs-dir.") from err
         self._lock = RunLock(self._staging).acquire("run-name")
 
-    def restore(self, data_fingerprint: str | None) -> TrainerState | None:
+    def restore(self, data_fingerprint: str | None, model, optimizer, scheduler) -> TrainerState | None:
         """Load the newest checkpoint whose files match their checksums into the accelerator's prepared objects and
         return its trainer state, checked against this run (process count, data position, --steps, the data file's
         sha256); None when the run has no checkpoint (killed before its first: it trains again from step 0). Says so
@@ -259,7 +265,7 @@ class RunSession:
                 f"{acc.num_processes}. Each process samples with its own seed, so the steps after "
                 f"checkpoint {ckpt.name} would not be the ones logged: resume it as it was launched (accelerate "
                 f"launch --num_processes {trained_by} ...), or start a new run.")
-        acc.load_state(str(ckpt))
+        self._load_training_state(ckpt, model, optimizer, scheduler)
         self._say(f"resuming run {self.run_id} from checkpoint {ckpt.name}")
         problem = data_position_problem(state.data_position, state.step, cfg)
         if problem:
@@ -424,10 +430,11 @@ class RunSession:
     # -------------------------------------------------------------------------------------------------------------
     # checkpoints
 
-    def save_checkpoint(self, model, codec, state: TrainerState) -> Path:
-        """checkpoints/step-N: accelerate state (model, optimizer, scheduler, RNG of every process), an HF model
-        folder for `qae eval`, the trainer state, and a manifest of checksums. Written to a temporary folder and
-        renamed once every process has written its part, so a kill never leaves half of one."""
+    def save_checkpoint(self, model, optimizer, scheduler, codec, state: TrainerState) -> Path:
+        """checkpoints/step-N: the training state (weights, optimizer, scheduler, each process's random states) as
+        safetensors and JSON (checkpoint_state), an HF model folder for `qae eval`, the trainer state, and a manifest
+        of checksums. Written to a temporary folder and renamed once every process has written its part, so a kill
+        never leaves half of one."""
         acc = self.accelerator
         acc.wait_for_everyone()
         final = self.run_dir / CHECKPOINTS_DIR / f"step-{state.step}"
@@ -435,10 +442,13 @@ class RunSession:
         if self.is_main and tmp.exists():
             shutil.rmtree(tmp)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp))
-        acc.wait_for_everyone()  # every process's random_states_<i>.pkl is in tmp before it is renamed
         if self.is_main:
-            unwrapped = acc.unwrap_model(model)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        unwrapped = acc.unwrap_model(model)
+        save_training_state(tmp, unwrapped, optimizer, scheduler, acc.process_index, self.is_main)
+        acc.wait_for_everyone()  # every process's random states are in tmp before it is renamed
+        if self.is_main:
             unwrapped.save_pretrained(tmp / "model", safe_serialization=True)
             codec.save(tmp / "model")
             state.save(tmp / TRAINER_STATE)
@@ -451,6 +461,22 @@ class RunSession:
                 shutil.rmtree(old, ignore_errors=True)
         acc.wait_for_everyone()
         return final
+
+    def _load_training_state(self, ckpt: Path, model, optimizer, scheduler) -> None:
+        """A checkpoint's training state into the prepared model, optimizer and scheduler. One an older qae wrote
+        (accelerate's pickled state) is read only when the user vouched for the folder (--trust-pickles)."""
+        acc = self.accelerator
+        if is_data_checkpoint(ckpt):
+            load_training_state(ckpt, acc.unwrap_model(model), optimizer, scheduler, acc.process_index)
+            return
+        if not self.trust_pickles:
+            pickled = ", ".join(p.name for p in pickled_files(ckpt)[:4])
+            raise QAEUserError(
+                f"resume: checkpoint {ckpt} was written by an older qae, whose training state is Python pickles "
+                f"({pickled}). Reading a pickle can run any code it carries: resume with --trust-pickles if you made "
+                f"this run folder yourself. Its model alone is safe to read: `qae eval --model {ckpt / 'model'}`.")
+        acc.register_for_checkpointing(scheduler)  # (where an older qae kept it: custom_checkpoint_0.pkl)
+        acc.load_state(str(ckpt))
 
     def has_checkpoint(self, step: int) -> bool:
         """The newest checkpoint is at `step`."""

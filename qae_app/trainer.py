@@ -200,7 +200,7 @@ class Trainer:
     `with Trainer(...) as trainer:`)."""
 
     def __init__(self, cfg: TrainConfig, runs_dir: Path, resume: bool = False, console=None,
-                 cpu: bool | None = None):
+                 cpu: bool | None = None, trust_pickles: bool = False):
         self._t_start = time.perf_counter()
         self.cfg = cfg
         self.console = console
@@ -211,13 +211,13 @@ class Trainer:
         self._wall_s_before = self._setup_s_before = 0.0  # time spent by earlier sessions of a resumed run
         self._setup_processes(cpu)
         self.session = RunSession(self.runs_dir, self.run_id, cfg, self.accelerator, resume, say=self._say,
-                                  started=self._t_start)  # (takes the run's lock)
+                                  started=self._t_start, trust_pickles=trust_pickles)  # (takes the run's lock)
         self.run_dir = self.session.run_dir
         try:
             self._load_data()
             self._load_models()
             if resume:
-                restored = self.session.restore(self.data_fingerprint)
+                restored = self.session.restore(self.data_fingerprint, self.model, self.optimizer, self.scheduler)
                 if restored is not None:
                     self.state = restored
                     self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
@@ -286,12 +286,11 @@ class Trainer:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
         warmup = cfg.warmup_steps
         # stepped once per RL step on every process; not passed to accelerate.prepare, whose wrapper would step it
-        # once per process per call (a warmup num_processes times too fast); checkpointed as a custom object
+        # once per process per call (a warmup num_processes times too fast); checkpointed by the session, as JSON
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.model, self.optimizer = acc.prepare(model, optimizer)
         self.logits_keyword = logits_keyword(model)  # (of the unwrapped model: a DDP wrapper takes **kwargs)
-        acc.register_for_checkpointing(self.scheduler)
         if self.ref_model is not None:
             self.ref_model.to(acc.device)
         self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
@@ -341,7 +340,7 @@ class Trainer:
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
                     t0 = time.perf_counter()
                     write_s += self.session.drain_writes()  # the rows up to here are stored (or safe under pending/)
-                    self.session.save_checkpoint(self.model, self.codec, self.state)
+                    self.session.save_checkpoint(self.model, self.optimizer, self.scheduler, self.codec, self.state)
                     checkpoint_s = time.perf_counter() - t0
                 if on_step is not None:
                     on_step(step, out.metrics)
@@ -351,7 +350,7 @@ class Trainer:
                 status = "interrupted"
                 if not self.session.has_checkpoint(self.state.step):
                     self.session.drain_writes()
-                    self.session.save_checkpoint(self.model, self.codec, self.state)
+                    self.session.save_checkpoint(self.model, self.optimizer, self.scheduler, self.codec, self.state)
             else:
                 status = "finished"
         except KeyboardInterrupt:  # second Ctrl-C: stop now; the newest checkpoint stays the resume point

@@ -79,7 +79,8 @@ def test_two_process_run_checkpoints_whole_and_resumes_after_kill_9(tmp_path):
     assert evals["step"].tolist() == [0, 4] and evals["n_problems"].tolist() == [20, 20]
     for step in (2, 4):  # every process's RNG state is in the checkpoint, none left in a stray .tmp folder
         checkpoint = tmp_path / "ref" / "checkpoints" / f"step-{step}"
-        assert (checkpoint / "random_states_0.pkl").exists() and (checkpoint / "random_states_1.pkl").exists()
+        assert (checkpoint / "rng-0.json").exists() and (checkpoint / "rng-1.json").exists()
+        assert not list(checkpoint.rglob("*.pkl")) and not list(checkpoint.rglob("*.bin"))  # nothing to unpickle
     assert not list((tmp_path / "ref" / "checkpoints").glob("*.tmp"))
 
     killed = train(2, tmp_path, "cut", *options, env={"QAE_FAULT": "after_step_rows@3"})

@@ -131,15 +131,15 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_checks_out(finished, tm
     folder = copy_run(finished, tmp_path)
     newest = latest_checkpoint(folder)
     assert newest.name == "step-4" and checkpoint_problem(newest) is None
-    weights = newest / "model.safetensors"
+    weights = newest / "policy.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte in the weights: loads silently unless checked
     weights.write_bytes(bytes(data))
-    assert "model.safetensors does not match its checksum" in checkpoint_problem(newest)
+    assert "policy.safetensors does not match its checksum" in checkpoint_problem(newest)
     result = qae("train", "--resume", "r", runs_dir=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     out = " ".join(result.stdout.split())
-    assert "skipping checkpoint step-4: model.safetensors does not match its checksum" in out
+    assert "skipping checkpoint step-4: policy.safetensors does not match its checksum" in out
     assert "resuming run r from checkpoint step-2" in out
     assert read_steps(db_path(tmp_path, "r"))["step"].tolist() == [1, 2, 3, 4]
 
