@@ -21,6 +21,18 @@ from qae_app.store import TABLES
 _LOCK_ERROR = re.compile(r"lock|being used by another process|Conflicting lock", re.IGNORECASE)
 
 
+# A run file may come from anyone, and a view or macro in it runs as SQL when a table of that name is read: nothing it
+# names may install or load a DuckDB extension (httpfs would reach the network; an extension is native code). Every
+# connection qae opens to attach run files is made with these settings.
+SAFE_CONNECTION_CONFIG = {"autoinstall_known_extensions": False, "autoload_known_extensions": False,
+                          "allow_community_extensions": False}
+
+
+def run_file_database() -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB database to attach run files to, unable to fetch or load extensions."""
+    return duckdb.connect(":memory:", config=SAFE_CONNECTION_CONFIG)
+
+
 WAIT_NOTICE_S = 1.0  # a wait for the run file longer than this is said (RunWriter's on_wait)
 
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pandas is imported where a frame is made: `qae runs` (run_s
 from qae_app.errors import QAEUserError
 from qae_app.names import GATE_REASONS
 from qae_app.run_file import (RunFileError, attach, damage_reason, is_damage_error, is_lock_error,
-                              refuse_missing_file_of_training_run, unreadable_run_error)
+                              refuse_missing_file_of_training_run, run_file_database, unreadable_run_error)
 from qae_app.rundir import (CONFIG_FILE, DB_FILE, PENDING_DIR, effective_status, list_run_dirs, pending_writes,
                             recent_runs_text, runs_without_database, validated_run_dir)
 from qae_app.store import PENDING_SUFFIX, pending_write_from_json
@@ -51,7 +51,7 @@ def _reader_cursor() -> duckdb.DuckDBPyConnection:
     global _readers
     with _readers_lock:
         if _readers is None:
-            _readers = duckdb.connect(":memory:")
+            _readers = run_file_database()
         return _readers.cursor()
 
 

@@ -28,7 +28,8 @@ if TYPE_CHECKING:  # numpy is imported where rows are written: `qae runs` never 
 
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
-from qae_app.run_file import attach, damage_reason, holder, is_damage_error, is_lock_error, unreadable_run_error
+from qae_app.run_file import (attach, damage_reason, holder, is_damage_error, is_lock_error, run_file_database,
+                               unreadable_run_error)
 from qae_app.rundir import PENDING_DIR, STORED_STATUSES
 from qae_app.store import (EVAL_TABLES, LEGACY_PENDING_SUFFIX, PENDING_SUFFIX, STEP_METRICS, STEP_TABLES, TABLES,
                           PendingWrite, pending_write_from_json, pending_write_json, row_columns, schema_statements)
@@ -151,7 +152,7 @@ class RunWriter:
         """The run file, attached for writing to this writer's own in-memory database (made once: making a DuckDB
         database costs ~30 ms, attaching a file ~2 ms) and detached on exit, which lets go of its lock."""
         if self._instance is None:
-            self._instance = duckdb.connect(":memory:")
+            self._instance = run_file_database()
         con = self._instance
         try:
             attach(con, self.path, "run", self.lock_timeout_s if timeout_s is None else timeout_s, read_only=False,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import shutil
 import subprocess
 import sys
 from datetime import datetime
@@ -134,3 +135,86 @@ def test_a_planted_json_pending_file_is_named_not_executed(tmp_path):
     (run_dir / "pending" / "00000001-step.json").write_text('{"kind": "exec", "code": "import os"}')
     with pytest.raises(QAEUserError, match=r"00000001-step.json is not a write qae saved"):
         RunWriter(run_dir / "qae.duckdb", "r")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every file of a run folder, under every command
+
+
+@pytest.fixture(scope="module")
+def sent_run(tmp_path_factory) -> Path:
+    """A finished 2-step run with a checkpoint, as someone would send it: (runs dir holding run 'r')."""
+    from qae_app.config import build_config
+    from qae_app.trainer import Trainer
+
+    runs_dir = tmp_path_factory.mktemp("sent")
+    cfg = build_config(run_name="r", steps=2, prompts_per_step=2, group_size=4, eval_every=0, checkpoint_every=2)
+    with Trainer(cfg, runs_dir, cpu=True) as trainer:
+        assert trainer.fit().status == "finished"
+    return runs_dir
+
+
+def run_folder_files(run_dir: Path) -> list[str]:
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file() and p.name != "trainer.lock")
+
+
+COMMANDS = (["runs"], ["show", "r"], ["rollouts", "r", "--step", "2"], ["compare", "r"],
+            ["train", "--resume", "r", "--steps", "3"], ["eval", "--model", "r", "--limit", "2", "--samples", "2"])
+
+
+@pytest.mark.slow
+def test_a_payload_planted_in_any_file_of_a_run_folder_runs_under_no_command(sent_run, tmp_path):
+    """Each file of a real run folder in turn is replaced by a pickle that leaves a marker when unpickled, the
+    checkpoint's manifest rewritten to match (as whoever planted it would), and every command that reads run
+    folders is run on it, in this process. Any command may refuse the folder; none may run the payload. A
+    pytorch_model.bin beside the model folder's weights (which transformers reads with torch.load) is tried too."""
+    from typer.testing import CliRunner
+
+    from qae_app.cli import app
+    from qae_app.rundir import list_checkpoints, write_manifest
+
+    files = run_folder_files(sent_run / "r")
+    assert "qae.duckdb" in files and any(f.endswith("policy.safetensors") for f in files)
+    plants = [(name, None) for name in files] + [("checkpoints/step-2/model/pytorch_model.bin",
+                                                  "checkpoints/step-2/model/model.safetensors")]
+    runner = CliRunner()
+    control = tmp_path / "control"  # the untouched folder: every command works on it, so a refusal below is the plant's
+    shutil.copytree(sent_run, control)
+    for args in COMMANDS:
+        result = runner.invoke(app, [*args, "--runs-dir", str(control)])
+        assert result.exit_code == 0, (args, result.output)
+    ran = []
+    for i, (planted, removed) in enumerate(plants):
+        runs_dir = tmp_path / f"case-{i}"
+        shutil.copytree(sent_run, runs_dir)
+        marker = tmp_path / f"ran-{i}"
+        (runs_dir / "r" / planted).write_bytes(planted_pickle(marker))
+        if removed:
+            (runs_dir / "r" / removed).unlink()
+        for checkpoint in list_checkpoints(runs_dir / "r"):
+            write_manifest(checkpoint)
+        for args in COMMANDS:
+            runner.invoke(app, [*args, "--runs-dir", str(runs_dir)])
+            if marker.exists():
+                ran.append((planted, args))
+                marker.unlink()
+    assert ran == []
+
+
+def test_a_run_file_cannot_make_duckdb_fetch_or_load_an_extension():
+    """A view in a crafted qae.duckdb runs as SQL when qae reads the table it replaces; a view reading a URL would
+    make DuckDB download and load httpfs (native code, network access; its default). On the connections qae attaches
+    run files to, such SQL fails at once naming the missing extension, and nothing is fetched. (Tried here on the
+    connection itself: a view naming a URL cannot be created on a machine without httpfs.)"""
+    import duckdb
+
+    from qae_app.run_file import run_file_database
+
+    with run_file_database() as con:
+        assert con.execute("SELECT current_setting('autoinstall_known_extensions'), "
+                           "current_setting('autoload_known_extensions'), "
+                           "current_setting('allow_community_extensions')").fetchone() == (False, False, False)
+        with pytest.raises(duckdb.Error, match="requires the extension httpfs to be loaded"):
+            con.execute("SELECT * FROM read_csv('https://127.0.0.1:9/steps.csv')")
+        assert not con.execute("SELECT count(*) FROM duckdb_extensions() WHERE loaded AND extension_name = 'httpfs'"
+                               ).fetchone()[0]
