@@ -218,3 +218,45 @@ def test_a_run_file_cannot_make_duckdb_fetch_or_load_an_extension():
             con.execute("SELECT * FROM read_csv('https://127.0.0.1:9/steps.csv')")
         assert not con.execute("SELECT count(*) FROM duckdb_extensions() WHERE loaded AND extension_name = 'httpfs'"
                                ).fetchone()[0]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_an_older_qae_wrote_resumes_only_with_trust_pickles(sent_run, tmp_path):
+    """Checkpoints written before the data format hold accelerate's pickled state: refused by default with the
+    way out, resumed with --trust-pickles (the user's own folder)."""
+    import torch
+    from accelerate import Accelerator
+    from typer.testing import CliRunner
+
+    from qae_app.checkpoint_state import (OPTIMIZER_FILE, OPTIMIZER_TENSORS_FILE, POLICY_FILE, RNG_FILE,
+                                          SCHEDULER_FILE)
+    from qae_app.cli import app
+    from qae_app.models import load_policy
+    from qae_app.rundir import write_manifest
+
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(sent_run, runs_dir)
+    checkpoint = runs_dir / "r" / "checkpoints" / "step-2"
+    for name in (POLICY_FILE, OPTIMIZER_TENSORS_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE.format(process=0)):
+        (checkpoint / name).unlink()
+    # what qae's trainer saved before: accelerate's state with the scheduler registered as a custom object
+    accelerator = Accelerator(cpu=True)
+    model, _ = load_policy(str(checkpoint / "model"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    accelerator.save_state(str(checkpoint))
+    write_manifest(checkpoint)
+    assert (checkpoint / "custom_checkpoint_0.pkl").exists()
+
+    runner = CliRunner()
+    refused = runner.invoke(app, ["train", "--resume", "r", "--steps", "3", "--runs-dir", str(runs_dir)])
+    assert refused.exit_code == 2
+    assert "written by an older qae" in " ".join(refused.output.split())
+    assert "--trust-pickles" in refused.output
+    resumed = runner.invoke(app, ["train", "--resume", "r", "--steps", "3", "--trust-pickles", "--runs-dir",
+                                  str(runs_dir)])
+    assert resumed.exit_code == 0, resumed.output
+    assert last_logged_step(runs_dir / "r") == 3
+    assert (runs_dir / "r" / "checkpoints" / "step-3" / POLICY_FILE).exists()  # and saved in the data format since
