@@ -32,22 +32,39 @@ LAYERS = [
 ALLOWED_CYCLES = [{"rollout", "vllm_engine"}]  # rollout imports the vLLM engine lazily, only for --engine vllm
 
 
+DASHBOARD = PACKAGE.parent / "dashboard"
+DASHBOARD_LOCAL = {"board", "charts"}  # the app's own modules, imported by bare name (Streamlit runs it as a script)
+# what the dashboard may import from qae_app: the torch-free layers below the estimators and models, and nothing of
+# the terminal views (their text belongs to the CLI)
+DASHBOARD_MAY_IMPORT = set().union(*LAYERS[:3])
+
+
+def _imports_of(path: Path, local: set[str] = frozenset()) -> set[str]:
+    """The qae_app modules (and `local` bare names, as dashboard.<name>) that `path` imports anywhere: at the top or
+    inside a function (a lazy import is an arrow all the same)."""
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("qae_app"):
+            parts = node.module.split(".")
+            if len(parts) > 1:
+                imported.add(parts[1])
+            else:
+                imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            imported.update(a.name.split(".")[1] for a in node.names if a.name.startswith("qae_app."))
+            imported.update(f"dashboard.{a.name}" for a in node.names if a.name in local)
+        if isinstance(node, ast.ImportFrom) and node.module in local:
+            imported.add(f"dashboard.{node.module}")
+    return imported
+
+
 def import_graph() -> dict[str, set[str]]:
-    graph = {}
-    for path in PACKAGE.glob("*.py"):
-        if path.name == "__init__.py":
-            continue
-        imported = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("qae_app"):
-                parts = node.module.split(".")
-                if len(parts) > 1:
-                    imported.add(parts[1])
-                else:
-                    imported.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.Import):
-                imported.update(a.name.split(".")[1] for a in node.names if a.name.startswith("qae_app."))
-        graph[path.stem] = imported - {path.stem}
+    """module -> the modules it imports: qae_app's by their names, the dashboard's as dashboard.<name>."""
+    graph = {path.stem: _imports_of(path) - {path.stem} for path in PACKAGE.glob("*.py") if path.stem != "__init__"}
+    for path in [*DASHBOARD.glob("*.py"), *(DASHBOARD / "views").glob("*.py")]:
+        if path.stem != "__init__":
+            name = "dashboard." + ".".join(path.relative_to(DASHBOARD).with_suffix("").parts)
+            graph[name] = _imports_of(path, DASHBOARD_LOCAL) - {name}
     return graph
 
 
@@ -88,12 +105,41 @@ def test_the_only_import_cycle_is_the_optional_vllm_engine():
 
 def test_no_module_imports_a_higher_layer():
     layer_of = {name: i for i, layer in enumerate(LAYERS) for name in layer}
-    graph = import_graph()
+    graph = {name: imports for name, imports in import_graph().items() if not name.startswith("dashboard.")}
     unplaced = set(graph) - set(layer_of)
     assert not unplaced, f"place these modules in LAYERS: {unplaced}"
     upward = [(module, other) for module, imports in graph.items() for other in imports
               if layer_of[other] > layer_of[module] and {module, other} not in ALLOWED_CYCLES]
     assert upward == []
+
+
+def test_lazy_imports_are_arrows_too():
+    """rollout imports the vLLM engine inside a function only: the graph must see it, or a lazy import could hide
+    any upward arrow."""
+    assert "vllm_engine" in import_graph()["rollout"]
+
+
+def test_the_dashboard_imports_only_torch_free_readers():
+    graph = import_graph()
+    dashboard = {name: imports for name, imports in graph.items() if name.startswith("dashboard.")}
+    assert {"dashboard.app", "dashboard.board", "dashboard.charts", "dashboard.views.compare"} <= set(dashboard)
+    reaching = {name: sorted(imports - DASHBOARD_MAY_IMPORT - {f"dashboard.{m}" for m in DASHBOARD_LOCAL})
+                for name, imports in dashboard.items()}
+    assert {name: bad for name, bad in reaching.items() if bad} == {}
+
+
+# each was broken once; named here so the layers cannot drift back into allowing it
+NEVERS = [
+    ("config", {"store", "store_read", "store_write", "run_file", "session"}, "config is plain options and parsing"),
+    ("dashboard.views.compare", {"terminal"}, "the dashboard formats through qae_app.formatting, not the CLI's text"),
+    ("rewards", {"tasks"}, "a task names its reward; the reward knows no task (the chain marker lives in names)"),
+    ("rollout", {"config"}, "the engines take SamplingOptions from qae_app.sampling, not the training config"),
+]
+
+
+@pytest.mark.parametrize("module, never, why", NEVERS, ids=[n[0] for n in NEVERS])
+def test_the_four_nevers(module, never, why):
+    assert not import_graph()[module] & never, why
 
 
 def modules_imported_by(code: str) -> set[str]:
