@@ -16,7 +16,7 @@ import pytest
 
 from qae_app import rundir, store_read
 
-from test_dashboard import free_port, wait_healthy
+from tests.dashboard_helpers import free_port, wait_healthy
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -212,7 +212,7 @@ def wait_for_steps(path: Path, trainer: subprocess.Popen, log: Path, n: int, tim
 
 
 def test_a_copied_run_folder_is_its_own_run_and_a_click_opens_a_response(dashboard, page, tmp_path):
-    from test_dashboard import EVIL_RESPONSE, _write_crafted
+    from tests.dashboard_helpers import EVIL_RESPONSE, _write_crafted
 
     runs_dir = tmp_path / "runs"
     _write_crafted(runs_dir)

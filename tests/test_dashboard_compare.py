@@ -14,7 +14,7 @@ import pytest
 from qae_app import rundir, store, store_write
 from qae_app.config import TrainConfig
 from qae_app.rundir import CONFIG_FILE
-from test_dashboard import charts, frame_with, make_app, plotly_specs, texts
+from tests.dashboard_helpers import charts, frame_with, make_app, plotly_specs, texts
 
 T_975_2 = 4.3026527  # Student t, 97.5% quantile, 2 degrees of freedom (table value)
 SWEEP_ID, SWEEP_NAME = "a1b2c3d4e5", "study"

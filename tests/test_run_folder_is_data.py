@@ -21,7 +21,7 @@ from qae_app.rundir import pending_writes
 from qae_app.store import PendingWrite, pending_write_from_json, pending_write_json
 from qae_app.store_read import last_logged_step
 from qae_app.store_write import RunWriter, convert_legacy_pending
-from tests.test_dashboard import free_port, wait_healthy
+from tests.dashboard_helpers import free_port, wait_healthy
 
 # a module that leaves a trace when imported: `python -m streamlit` used to put the working folder first on sys.path,
 # so these names, imported by Streamlit itself, ran from whatever folder `qae dashboard` was started in
