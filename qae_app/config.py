@@ -134,7 +134,7 @@ class TrainConfig:
                                  "--filter-metric), sampling further batches of --prompts-per-step prompts until the "
                                  "step has --prompts-per-step such groups or --max-gen-batches batches were sampled. "
                                  "The filtered groups are stored, marked filtered.", "rollout")
-    filter_metric: str = opt("reward", "Dynamic sampling: which groups have no signal.", "rollout",
+    filter_metric: str = opt("correct", "Dynamic sampling: which groups have no signal.", "rollout",
                              names.FILTER_METRICS)
     max_gen_batches: int = opt(10, "Dynamic sampling: at most this many generation batches per step (verl's "
                                "max_num_gen_batches); at the cap the step trains on the groups it found and logs a "

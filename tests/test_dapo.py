@@ -300,3 +300,19 @@ def test_a_process_without_groups_to_train_takes_part_and_adds_nothing(tmp_path)
     rows = [query(p, "SELECT step, group_idx, sample_idx, response, reward, advantage, filtered FROM rollouts "
                      "ORDER BY ALL") for p in paths]
     pd.testing.assert_frame_equal(rows[0], rows[1])
+
+
+def test_dynamic_sampling_drops_all_wrong_groups_by_default_even_when_shaping_spreads_their_rewards():
+    """DAPO's filter (verl's filter_groups.metric=acc, the default of its recipe) keeps a group by the verifier's
+    verdicts. Filtering on shaped rewards kept an all-wrong group whose lengths differed, and QAE then pushed up its
+    short wrong answers: G=8, rewards [-1 x4, -1.5, -1.75, -2, -2] gave four wrong answers A = +1.083."""
+    from qae_app.trainer import groups_with_signal
+
+    cfg = build_config()
+    assert cfg.filter_metric == "correct"
+    shaped_all_wrong = torch.tensor([[-1.0] * 4 + [-1.5, -1.75, -2.0, -2.0]])
+    verdicts = torch.zeros(1, 8, dtype=torch.bool)
+    assert groups_with_signal(shaped_all_wrong, verdicts, cfg.filter_metric).tolist() == [False]
+    assert groups_with_signal(shaped_all_wrong, verdicts, "reward").tolist() == [True]  # what the old default kept
+    adv = compute_advantages("qae", shaped_all_wrong, EstimatorConfig(k=0.4), verdicts).advantages
+    assert adv[0, :4].tolist() == pytest.approx([1.083] * 4, abs=1e-3)  # the update that default let through
