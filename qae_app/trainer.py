@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings as python_warnings  # `warnings` names a step's warning rows
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -454,8 +453,7 @@ class Trainer:
         metrics.update(update_stats)
         metrics.update(k=self.state.k if names.uses_k(cfg.estimator) else None, gen_batches=len(batches),
                        rollout_s=rollout_s, reward_s=reward_s, update_s=update_s, lr=self.scheduler.get_last_lr()[0])
-        with python_warnings.catch_warnings():  # a step that found nothing to train on is still a step of the schedule
-            python_warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
+        if n_trained:  # the schedule counts updates: a step that found nothing to train on leaves the warmup where it is
             self.scheduler.step()  # once per RL step, on every process (the scheduler is not prepared: see _load_models)
         warning = entropy_warning(self.state, metrics["entropy"], cfg)
         if warning is not None:

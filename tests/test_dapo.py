@@ -316,3 +316,18 @@ def test_dynamic_sampling_drops_all_wrong_groups_by_default_even_when_shaping_sp
     assert groups_with_signal(shaped_all_wrong, verdicts, "reward").tolist() == [True]  # what the old default kept
     adv = compute_advantages("qae", shaped_all_wrong, EstimatorConfig(k=0.4), verdicts).advantages
     assert adv[0, :4].tolist() == pytest.approx([1.083] * 4, abs=1e-3)  # the update that default let through
+
+
+def test_a_step_with_no_update_does_not_advance_the_learning_rate_schedule(tmp_path):
+    """At the dynamic-sampling cap a step may find no group with signal: it updates nothing, so the warmup must not
+    move either (it counted such steps, reaching full LR after fewer updates than --warmup-steps)."""
+    cfg = build_config(run_name="cap", steps=6, prompts_per_step=2, group_size=2, num_mini_batches=2, eval_every=0,
+                       checkpoint_every=0, dynamic_sampling=True, max_gen_batches=1, seed=0, warmup_steps=4,
+                       lr=1e-3)
+    Trainer(cfg, tmp_path, cpu=True).fit()
+    steps = read_steps(db_path(tmp_path, "cap")).set_index("step")
+    assert (steps["n_updates"] == 0).any() and (steps["n_updates"] > 0).any()  # (seed 0 has both)
+    updates_before = 0
+    for step, row in steps.iterrows():
+        assert row["lr"] == pytest.approx(1e-3 * min(1.0, (updates_before + 1) / 4)), step
+        updates_before += row["n_updates"] > 0
