@@ -142,6 +142,23 @@ def test_the_four_nevers(module, never, why):
     assert not import_graph()[module] & never, why
 
 
+# the sizes issue 22 split the trainer to: a module that outgrows them holds a second job that wants its own room
+MAX_MODULE_LINES, MAX_CLASS_LINES, MAX_TRAINER_LINES = 700, 400, 600
+
+
+def test_each_module_and_class_keeps_to_one_job_sized_room():
+    too_long = {}
+    for path in PACKAGE.glob("*.py"):
+        text = path.read_text()
+        limit = MAX_TRAINER_LINES if path.stem == "trainer" else MAX_MODULE_LINES
+        if len(text.splitlines()) > limit:
+            too_long[path.stem] = len(text.splitlines())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                too_long[f"{path.stem}.{node.name}"] = node.end_lineno - node.lineno + 1
+    assert too_long == {}
+
+
 def modules_imported_by(code: str) -> set[str]:
     out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
                          capture_output=True, text=True, check=True, cwd=PACKAGE.parent)
