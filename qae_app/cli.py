@@ -30,6 +30,12 @@ console = Console()
 err_console = Console(stderr=True)
 
 def _runs_dir_is_a_folder(value: Path) -> Path:
+    from qae_app.environment import name_too_long
+
+    long = name_too_long(value)
+    if long is not None:
+        raise typer.BadParameter(f"'{long}' has a name over 255 bytes, longer than the file system allows for one "
+                                 "folder. Use a shorter name.")
     if value.exists() and not value.is_dir():
         raise typer.BadParameter(f"'{value}' is a file, not a folder. Pass the folder that holds one sub-folder per "
                                  "run (it is created by the first `qae train`).")
@@ -42,8 +48,18 @@ DEFAULT_RUNS_DIR = Path("runs")
 
 
 def fail(err: QAEUserError) -> None:
-    err_console.print(f"[bold red]error:[/] {escape(str(err))}")
+    err_console.print(f"[bold red]error:[/] {escape(_clip_long_words(str(err)))}")
     raise typer.Exit(code=2)
+
+
+def _clip_long_words(message: str, limit: int = 400) -> str:
+    """Each run of over `limit` characters without a space cut to its start and length: a value echoed from a config
+    file (a 10 MB model name) is named, not printed whole. Paths and values of ordinary length are kept."""
+    import re
+
+    from qae_app.formatting import clipped
+
+    return re.sub(r"\S{%d,}" % (limit + 1), lambda match: clipped(match.group(0)), message)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from qae_app.errors import QAEUserError
+from qae_app.formatting import clipped
 
 DB_FILE = "qae.duckdb"
 CONFIG_FILE = "config.json"
@@ -45,7 +46,7 @@ def validate_run_name(name: str, option: str = "run-name") -> str:
     """`name` if it can name a run folder; else an error about `option`, the command-line option that gave it."""
     if not isinstance(name, str) or not RUN_NAME_PATTERN.match(name) or ".." in name:
         raise QAEUserError(
-            f"{option}: '{name}' is not a plain name. Use letters, digits, '.', '_' and '-' (at most 100, starting "
+            f"{option}: '{clipped(name)}' is not a plain name. Use letters, digits, '.', '_' and '-' (at most 100, starting "
             "with a letter or digit, no '..', no '/'); the run is stored under --runs-dir."
         )
     return name
