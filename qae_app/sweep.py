@@ -31,11 +31,14 @@ from pathlib import Path
 from qae_app import names
 from qae_app.config import build_config
 from qae_app.errors import QAEUserError
+from qae_app.formatting import clipped
 from qae_app.rundir import (CONFIG_FILE, DB_FILE, db_path, lost_its_database, read_run_config, run_dir, trainer_alive,
                             validate_run_name)
 
 SWEEPS_DIR = ".sweeps"  # under the runs dir: each sweep's point files and logs
 POLL_S = 2.0  # how often the sweep looks at its running processes and their step counts
+# A sweep plans, tags and lists every run before the first starts; hundreds of runs are a study, a million a typo
+MAX_SWEEP_RUNS = 500
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,17 @@ def parse_list(flag: str, text: str) -> list[str]:
                            f"{LIST_EXAMPLES.get(flag, 'a,b')}.")
     if len(set(items)) != len(items):
         raise QAEUserError(f"{flag}: '{text}' repeats a value. Give each once.")
+    if flag == "k":  # 0.4 and 0.40 are one K: it would train one point twice, under two names
+        seen: dict[float, str] = {}
+        for item in items:
+            try:
+                value = float(item)
+            except ValueError:
+                continue  # 'auto', or a bad value that the config check names
+            if value in seen:
+                raise QAEUserError(f"k: '{clipped(text)}' gives the same K twice ({seen[value]} and {item}). Give "
+                                   "each once.")
+            seen[value] = item
     return items
 
 
@@ -84,6 +98,11 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
     k_list = parse_list("k", ks) if ks is not None else [str(options.get("k", names.DEFAULT_K))]
     if seeds < 1:
         raise QAEUserError(f"seeds: {seeds}. Use 1 or more seeds (3 or more to get a confidence interval).")
+    n_runs = sum(len(k_list) if names.uses_k(estimator) else 1 for estimator in estimator_list) * seeds
+    if n_runs > MAX_SWEEP_RUNS:  # counted before any point is planned: a typo like --seeds 1000000 never hangs
+        raise QAEUserError(f"seeds: {seeds} makes {n_runs:,} runs, more than the {MAX_SWEEP_RUNS} a sweep may have "
+                           "(each run is a full training run). Use fewer seeds or Ks, or split the study into "
+                           "several sweeps.")
     for key in ("run_name", "sweep_id", "sweep_name", "estimator", "k"):
         options.pop(key, None)
     first_seed = int(options.pop("seed", 0))
@@ -92,7 +111,7 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
     # the id hashes the options every point shares, not the grid: the same command with more seeds or Ks extends the
     # sweep (its finished points kept), and a point's run name says where in the grid it is
     sweep_id = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:10]
-    name = validate_run_name(name or f"sweep-{sweep_id[:6]}", option="name")
+    name = validate_run_name(f"sweep-{sweep_id[:6]}" if name is None else name, option="name")
     points = []
     for estimator in estimator_list:
         for k in k_list if names.uses_k(estimator) else [None]:  # a mean baseline ignores K: one point per seed
