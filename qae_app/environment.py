@@ -50,7 +50,7 @@ def environment_errno(err: BaseException) -> int | None:
         if isinstance(err, OSError) and err.errno in ENVIRONMENT_ERRNOS:
             return err.errno
         for pattern, number in _DUCKDB_TEXTS:
-            if type(err).__module__.startswith("duckdb") and pattern.search(str(err)):
+            if "duckdb" in type(err).__module__ and pattern.search(str(err)):
                 return number
         err = err.__cause__ or err.__context__
     return None

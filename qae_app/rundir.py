@@ -200,8 +200,16 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self, what: str, attempts: int = 40) -> "RunLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        from qae_app.environment import environment_errno, environment_error
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:  # a read-only file system, a permission: the run is intact but cannot be trained here
+            if environment_errno(err) is None:
+                raise
+            raise environment_error(f"{what}: cannot lock run '{self.path.parent.name}' to train it", err,
+                                    "The run is intact.") from None
         # a reader checking liveness holds a shared lock for microseconds: retry briefly before calling it taken
         for attempt in range(attempts):
             try:

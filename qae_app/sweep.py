@@ -30,6 +30,7 @@ from pathlib import Path
 
 from qae_app import names
 from qae_app.config import build_config
+from qae_app.environment import environment_errno, environment_error
 from qae_app.errors import QAEUserError
 from qae_app.formatting import clipped
 from qae_app.rundir import (CONFIG_FILE, DB_FILE, db_path, lost_its_database, read_run_config, run_dir, trainer_alive,
@@ -144,7 +145,15 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
                     f"name: run '{point.run_name}' already exists in {runs_dir} and belongs to "
                     f"{'sweep ' + other if other else 'no sweep'}, not to this one (other options). "
                     "Pass another --name, or the same options as that sweep to resume it.")
-    return Sweep(sweep_id, name, points, Path(runs_dir) / SWEEPS_DIR / name)
+    folder = Path(runs_dir) / SWEEPS_DIR / name
+    try:  # the sweep's point files and logs go here, before any run starts: a read-only runs dir is said now
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        if environment_errno(err) is None:
+            raise
+        raise environment_error(f"runs-dir: cannot write the sweep's files in {runs_dir}", err,
+                                "Its runs are intact.") from None
+    return Sweep(sweep_id, name, points, folder)
 
 
 # ---------------------------------------------------------------------------------------------------------------
