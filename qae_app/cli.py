@@ -170,6 +170,9 @@ def run_training(trainer) -> None:
             result = trainer.fit(on_step=on_step)
     except QAEUserError as err:
         fail(err)
+    except Exception as err:  # a full disk or a file-size limit mid-run: say so, and how the run continues
+        fail_on_write_fault(trainer, err)
+        raise
     if main and heldout["value"] is None and trainer.resuming:  # nothing evaluated now: the run's last evaluation
         from qae_app.store_read import query
 
@@ -196,6 +199,25 @@ def run_training(trainer) -> None:
                       f"  qae show {result.run_id} --runs-dir {trainer.runs_dir}\n"
                       f"  qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}\n"
                       f"  qae dashboard --runs-dir {trainer.runs_dir}", highlight=False)
+
+
+def fail_on_write_fault(trainer, err: Exception) -> None:
+    """Exit 2 with the cause when `err` is the machine's (disk full, file-size limit, read-only), not a bug: the steps
+    stored and the checkpoints before this one are safe, and the run resumes once the cause is gone."""
+    from qae_app.environment import environment_error, free_space_text, write_fault
+
+    folder = Path(trainer.runs_dir) / trainer.run_id
+    number = write_fault(err, folder if folder.exists() else Path(trainer.runs_dir))
+    if number is None:
+        return
+    checkpoint_bytes = 3 * sum(p.numel() * p.element_size() for p in trainer.model.parameters())  # weights, Adam x2
+    free = free_space_text(folder)
+    fail(environment_error(
+        f"run {trainer.run_id}: cannot write its files", err,
+        f"The data is safe: the steps stored so far and its complete checkpoints are kept (a partial checkpoint is "
+        f"never resumed from). A checkpoint of this run needs about {checkpoint_bytes / 1e6:,.1f} MB"
+        + (f"; {free}" if free else "") + ".", number,
+        then=f"continue it with: qae train --resume {trainer.run_id} --runs-dir {trainer.runs_dir}"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -56,6 +56,24 @@ def environment_errno(err: BaseException) -> int | None:
     return None
 
 
+def write_fault(err: BaseException, folder: Path) -> int | None:
+    """The environment fault behind a failed write into `folder`: `environment_errno(err)`, or, for a writer that
+    drops the errno (torch.save's C++ zip writer raises RuntimeError 'unexpected pos'), the machine's state: a finite
+    file-size limit (EFBIG) or a nearly full disk (ENOSPC). None when neither explains it (a bug: let it be seen)."""
+    number = environment_errno(err)
+    if number is not None or not isinstance(err, (OSError, RuntimeError)):
+        return number
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+        return errno.EFBIG
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return None
+    return errno.ENOSPC if stat.f_bavail * stat.f_frsize < 64 * 2**20 else None
+
+
 def free_space_text(folder: Path) -> str:
     """'1.2 GB free on the disk of <folder>' (empty when it cannot be told)."""
     folder = Path(folder)
@@ -68,18 +86,26 @@ def free_space_text(folder: Path) -> str:
     return f"{stat.f_bavail * stat.f_frsize / 1e9:.2f} GB free on the disk of {folder}"
 
 
-def environment_error(what: str, err: BaseException, advice: str = "") -> QAEUserError:
+def environment_error(what: str, err: BaseException, advice: str = "", number: int | None = None,
+                      then: str = "") -> QAEUserError:
     """The error for an environment fault while doing `what` ('cannot write run r's checkpoint step-3'): the cause,
-    the free space where it matters, and `advice` (what becomes of the run) then what to do."""
-    number = environment_errno(err)
+    the free space where it matters, and `advice` (what becomes of the run) then what to do. `number`: the errno when
+    `err` does not carry it (see write_fault); `then`: what to do once the fault is fixed."""
+    number = number or environment_errno(err)
     cause, fix = ENVIRONMENT_ERRNOS.get(number, (getattr(err, "strerror", None) or str(err), ""))
     filename = getattr(err, "filename", None)
     where = f" ({clipped(filename, 200)})" if filename else ""
     space = ""
-    if number in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) and filename:
+    if number == errno.EFBIG:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        space = f" (the limit is {limit / 1e6:.2f} MB)" if limit != resource.RLIM_INFINITY else ""
+    elif number in (errno.ENOSPC, errno.EDQUOT) and filename:
         free = free_space_text(Path(filename).parent)
         space = f" ({free})" if free else ""
-    return QAEUserError(f"{what}: {cause}{where}{space}. " + " ".join(part for part in (advice, fix + "." if fix
+    todo = f"{fix}, then {then}" if fix and then else fix or then
+    return QAEUserError(f"{what}: {cause}{where}{space}. " + " ".join(part for part in (advice, todo + "." if todo
                                                                                       else "") if part).strip())
 
 

@@ -67,6 +67,10 @@ def unreadable_run_error(path: Path, err: Exception | str) -> RunFileError:
     the reason, and what in the run folder is still usable."""
     path = Path(path)
     if isinstance(err, BaseException) and environment_errno(err) is not None:  # the machine's fault, not the file's
+        if path.parent.name.startswith(".creating-"):  # a new run's staging folder (session.CREATING_PREFIX)
+            return RunFileError(str(environment_error(
+                f"run-name: cannot create the run in {path.parent.parent}", err,
+                "Nothing was kept: the run does not exist yet.", then="run the command again")))
         return RunFileError(str(environment_error(
             f"run: cannot open {path}", err, "The file is not damaged: nothing logged in it is lost. qae needs to "
                                              "write it (a training run, or qae eval storing its samples).")))

@@ -110,3 +110,29 @@ def test_a_checkpoint_past_a_file_size_limit_says_the_data_is_safe_and_resumes(t
     resumed = runner.invoke(app, ["train", "--resume", "cut", "--runs-dir", str(runs)])  # no limit now
     assert resumed.exit_code == 0, resumed.output
     assert read_run(db_path(runs, "cut"))["last_step"] == 2
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_checkpoint_names_the_space_needed_and_resumes(tmp_path):
+    """A real full disk: a 6 MB tmpfs holds the run's database and first files but not a checkpoint (13 MB)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(small)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("this process may not mount a small file system")
+    try:
+        runs = small / "runs"
+        done = _qae(["train", *TINY, "--checkpoint-every", "1", "--run-name", "full", "--runs-dir", str(runs)],
+                    resource.RLIM_INFINITY)
+        output = _flat(done.stdout + done.stderr)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "thediskisfull" in output and "Traceback" not in output, output
+        assert "needsabout9.6MB" in output and "freeonthediskof" in output, output
+        assert "qaetrain--resumefull" in output and "Thedataissafe" in output, output
+        moved = tmp_path / "runs"
+        shutil.copytree(runs, moved)  # "space freed": the same folder on a disk with room
+        resumed = runner.invoke(app, ["train", "--resume", "full", "--runs-dir", str(moved)])
+        assert resumed.exit_code == 0, resumed.output
+        assert read_run(db_path(moved, "full"))["last_step"] == 2
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
