@@ -465,10 +465,14 @@ def sweep_command(
             console.print(f"[red]failed[/]: {run_name} (log {escape(str(log))}):\n{escape(failure_tail(log))}")
         elif state == "busy":
             console.print(f"[yellow]skipped[/]: {run_name} is being trained by another process.")
+        elif state == "taken":
+            console.print(f"[yellow]skipped[/]: {run_name} was taken by another run (not of this sweep) while the "
+                          "sweep ran; that run is left alone. Pass another --name to train this point.",
+                          highlight=False)
     if "interrupted" in states.values():
         console.print("[yellow]interrupted[/]: re-run the same command to resume the sweep.")
         raise typer.Exit(code=130)
-    if "failed" in states.values() or "busy" in states.values():
+    if {"failed", "busy", "taken"} & set(states.values()):
         raise typer.Exit(code=1)
 
 

@@ -175,8 +175,11 @@ def write_point_file(path: Path, options: dict) -> Path:
 
 
 def point_state(runs_dir: Path, point: SweepPoint) -> str:
-    """'new' (no run yet), 'done' (finished all its steps), 'busy' (another process trains it) or 'resume'."""
+    """'new' (no run yet), 'done' (finished all its steps), 'busy' (another process trains it), 'taken' (a run of
+    another sweep, or of none, took its name after the sweep was planned: never trained by the sweep) or 'resume'."""
     folder = run_dir(runs_dir, point.run_name)
+    if taken_by_another_run(folder, point.options["sweep_id"]):
+        return "taken"
     if not db_path(runs_dir, point.run_name).exists():
         return "new"
     if trainer_alive(folder):
@@ -189,6 +192,17 @@ def point_state(runs_dir: Path, point: SweepPoint) -> str:
     except QAEUserError:
         return "resume"
     return "done" if status == "finished" and (last or 0) >= point.steps else "resume"
+
+
+def taken_by_another_run(folder: Path, sweep_id: str) -> bool:
+    """Whether the folder holds a run that is not this sweep's (plan_sweep refuses those it finds; one started later,
+    a plain `qae train --run-name` racing the sweep, is found here)."""
+    if (folder / CONFIG_FILE).exists():
+        try:
+            return read_run_config(folder).get("sweep_id") != sweep_id
+        except QAEUserError:
+            return False  # a damaged config.json: the resume says so
+    return (folder / DB_FILE).exists()  # a database without a config: an eval run (`qae eval --run-name`)
 
 
 @dataclass
@@ -235,7 +249,7 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
     queue = []
     for point in sweep.points:
         state = point_state(runs_dir, point)
-        states[point.run_name] = {"done": "kept", "busy": "busy"}.get(state, "queued")
+        states[point.run_name] = {"done": "kept", "busy": "busy", "taken": "taken"}.get(state, "queued")
         if state in ("new", "resume"):
             queue.append((point, "start" if state == "new" else "resume"))
     threads = max(1, (os.cpu_count() or 1) // parallel)  # each run its share of the cores, not all of them each
@@ -252,6 +266,9 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
         while (queue and not stopping) or active:
             while queue and len(active) < parallel and not stopping:
                 point, action = queue.pop(0)
+                if point_state(runs_dir, point) == "taken":  # another run took the name since the sweep began
+                    states[point.run_name] = "taken"
+                    continue
                 log = sweep.folder / f"{point.run_name}.log"
                 log.parent.mkdir(parents=True, exist_ok=True)
                 with log.open("a") as out:
@@ -275,7 +292,9 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
                 with run.log.open("a") as out:  # the trainer has exited: nothing else writes to its log now
                     out.write(f"# qae sweep {sweep.name}: {run.point.run_name} exited with code {code} at {_now()} "
                               f"after {time.monotonic() - run.started:.1f} s\n")
-                states[run.point.run_name] = ("done" if code == 0 and point_state(runs_dir, run.point) == "done"
+                final = point_state(runs_dir, run.point)  # (the name may have been taken as the point started)
+                states[run.point.run_name] = ("done" if code == 0 and final == "done"
+                                              else "taken" if code != 0 and final == "taken"
                                               else "interrupted" if stopping or code == 130 else "failed")
             for point in sweep.points:
                 if states[point.run_name] in ("running", "done", "kept", "interrupted", "failed"):
