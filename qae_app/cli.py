@@ -143,6 +143,10 @@ def run_training(trainer) -> None:
         console.print(f"[bold]qae train[/] run [cyan]{trainer.run_id}[/]: {cfg.estimator} "
                       f"(K={cfg.k}, {cfg.quantile}) on {cfg.data} with {cfg.model}, {cfg.steps} steps of "
                       f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples")
+        if cfg.eval_every and not trainer.eval_problems:  # (given explicitly, config.check_given_together refuses it)
+            console.print(f"[yellow]note:[/] nothing to evaluate every {cfg.eval_every} steps: {cfg.data} has no "
+                          "held-out split. Pass --heldout-fraction 0.1 or --eval-bench FILE to track held-out "
+                          "accuracy, or --eval-every 0 to silence this.", highlight=False)
     progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=20),
                         TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
                         console=console, disable=not main or not console.is_terminal, transient=False)

@@ -245,6 +245,21 @@ def test_a_lone_surrogate_in_a_data_file_is_stored_as_a_replacement_character(tm
     assert read_run(db_path(tmp_path / "runs", "s"))["status"] == "finished"
 
 
+@pytest.mark.slow
+def test_the_default_eval_every_on_data_without_a_held_out_split_says_so_once(tmp_path):
+    """--eval-every 25 (the default) on a data file with nothing held out evaluated nothing and said nothing; given
+    explicitly it is refused (the table above)."""
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"problem": "What is 1+1?", "answer": "2"}\n')
+    result = runner.invoke(app, ["train", "--data", str(data), "--steps", "2", "--prompts-per-step", "1",
+                                 "--group-size", "2", "--num-mini-batches", "1", "--max-new-tokens", "4",
+                                 "--run-name", "n", "--runs-dir", str(tmp_path / "runs")])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert output.count("note: nothing to evaluate every 25 steps: ") == 1, output
+    assert "--heldout-fraction 0.1 or --eval-bench FILE" in output
+
+
 def test_a_damaged_run_file_is_named_by_every_command(tmp_path):
     runs = tmp_path / "runs"
     writer = RunWriter(db_path(runs, "broken"), "broken")
