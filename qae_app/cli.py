@@ -30,6 +30,12 @@ console = Console()
 err_console = Console(stderr=True)
 
 def _runs_dir_is_a_folder(value: Path) -> Path:
+    from qae_app.environment import name_too_long
+
+    long = name_too_long(value)
+    if long is not None:
+        raise typer.BadParameter(f"'{long}' has a name over 255 bytes, longer than the file system allows for one "
+                                 "folder. Use a shorter name.")
     if value.exists() and not value.is_dir():
         raise typer.BadParameter(f"'{value}' is a file, not a folder. Pass the folder that holds one sub-folder per "
                                  "run (it is created by the first `qae train`).")
@@ -42,8 +48,18 @@ DEFAULT_RUNS_DIR = Path("runs")
 
 
 def fail(err: QAEUserError) -> None:
-    err_console.print(f"[bold red]error:[/] {escape(str(err))}")
+    err_console.print(f"[bold red]error:[/] {escape(_clip_long_words(str(err)))}")
     raise typer.Exit(code=2)
+
+
+def _clip_long_words(message: str, limit: int = 400) -> str:
+    """Each run of over `limit` characters without a space cut to its start and length: a value echoed from a config
+    file (a 10 MB model name) is named, not printed whole. Paths and values of ordinary length are kept."""
+    import re
+
+    from qae_app.formatting import clipped
+
+    return re.sub(r"\S{%d,}" % (limit + 1), lambda match: clipped(match.group(0)), message)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -135,6 +151,10 @@ def run_training(trainer) -> None:
         console.print(f"[bold]qae train[/] run [cyan]{trainer.run_id}[/]: {cfg.estimator} "
                       f"(K={cfg.k}, {cfg.quantile}) on {cfg.data} with {cfg.model}, {cfg.steps} steps of "
                       f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples")
+        if cfg.eval_every and not trainer.eval_problems:  # (given explicitly, config.check_given_together refuses it)
+            console.print(f"[yellow]note:[/] nothing to evaluate every {cfg.eval_every} steps: {cfg.data} has no "
+                          "held-out split. Pass --heldout-fraction 0.1 or --eval-bench FILE to track held-out "
+                          "accuracy, or --eval-every 0 to silence this.", highlight=False)
     progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=20),
                         TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
                         console=console, disable=not main or not console.is_terminal, transient=False)
@@ -162,6 +182,9 @@ def run_training(trainer) -> None:
             result = trainer.fit(on_step=on_step)
     except QAEUserError as err:
         fail(err)
+    except Exception as err:  # a full disk or a file-size limit mid-run: say so, and how the run continues
+        fail_on_write_fault(trainer, err)
+        raise
     if main and heldout["value"] is None and trainer.resuming:  # nothing evaluated now: the run's last evaluation
         from qae_app.store_read import query
 
@@ -188,6 +211,25 @@ def run_training(trainer) -> None:
                       f"  qae show {result.run_id} --runs-dir {trainer.runs_dir}\n"
                       f"  qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}\n"
                       f"  qae dashboard --runs-dir {trainer.runs_dir}", highlight=False)
+
+
+def fail_on_write_fault(trainer, err: Exception) -> None:
+    """Exit 2 with the cause when `err` is the machine's (disk full, file-size limit, read-only), not a bug: the steps
+    stored and the checkpoints before this one are safe, and the run resumes once the cause is gone."""
+    from qae_app.environment import environment_error, free_space_text, write_fault
+
+    folder = Path(trainer.runs_dir) / trainer.run_id
+    number = write_fault(err, folder if folder.exists() else Path(trainer.runs_dir))
+    if number is None:
+        return
+    checkpoint_bytes = 3 * sum(p.numel() * p.element_size() for p in trainer.model.parameters())  # weights, Adam x2
+    free = free_space_text(folder)
+    fail(environment_error(
+        f"run {trainer.run_id}: cannot write its files", err,
+        f"The data is safe: the steps stored so far and its complete checkpoints are kept (a partial checkpoint is "
+        f"never resumed from). A checkpoint of this run needs about {checkpoint_bytes / 1e6:,.1f} MB"
+        + (f"; {free}" if free else "") + ".", number,
+        then=f"continue it with: qae train --resume {trainer.run_id} --runs-dir {trainer.runs_dir}"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -435,10 +477,14 @@ def sweep_command(
             console.print(f"[red]failed[/]: {run_name} (log {escape(str(log))}):\n{escape(failure_tail(log))}")
         elif state == "busy":
             console.print(f"[yellow]skipped[/]: {run_name} is being trained by another process.")
+        elif state == "taken":
+            console.print(f"[yellow]skipped[/]: {run_name} was taken by another run (not of this sweep) while the "
+                          "sweep ran; that run is left alone. Pass another --name to train this point.",
+                          highlight=False)
     if "interrupted" in states.values():
         console.print("[yellow]interrupted[/]: re-run the same command to resume the sweep.")
         raise typer.Exit(code=130)
-    if "failed" in states.values() or "busy" in states.values():
+    if {"failed", "busy", "taken"} & set(states.values()):
         raise typer.Exit(code=1)
 
 

@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from qae_app import names
+from qae_app.environment import check_path_names
 from qae_app.errors import QAEUserError
+from qae_app.formatting import clipped
 from qae_app.rundir import validate_run_name
 from qae_app.sampling import SamplingOptions
-from qae_app.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, task_defaults
+from qae_app.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, builtin_task_name, task_defaults
 
 _BUILTIN_TASK_HELP = ", ".join(f"{BUILTIN_PREFIX}{name} (model {t.model}, {t.max_new_tokens} tokens)"
                                for name, t in BUILTIN_TASKS.items())
@@ -36,6 +38,15 @@ def opt(default: Any, help: str, group: str, choices: dict[str, str] | tuple | N
 
 
 INT32_MAX = 2**31 - 1  # steps and seeds are stored in 32-bit INTEGER columns; numpy seeds must be < 2**32
+MAX_ENTROPY_NATS = 20.0  # above ln(vocabulary size) of any tokenizer (ln 1e6 = 13.8)
+# A step holds all of its responses at once (token ids, log-probs, rewards, and their rows in the store): 65,536 is
+# 8x DAPO's 512 prompts x 16 responses, and a million responses would exhaust memory before the first step ended
+MAX_RESPONSES_PER_STEP = 65_536
+
+# Options that act only with a switch on: given without it they would do nothing, yet be stored and split
+# `qae compare`'s groups. Their defaults never trigger this (only a value the user gave).
+NEEDS_SWITCH = {"filter_metric": "dynamic_sampling", "max_gen_batches": "dynamic_sampling",
+                "overlong_penalty": "overlong_buffer"}
 
 class Range(NamedTuple):
     """The sane range of a numeric option, and what to use instead when a value is outside it."""
@@ -75,8 +86,13 @@ NUMERIC_RANGES: dict[str, Range] = {
     "clip_low": Range(0.0, 1.0, True, "Use 0 <= clip-low < 1 (default 0.2)", high_allowed=False),
     "clip_high": Range(0.0, 10.0, True, "Use a clip-high from 0 to 10 (default 0.28)"),
     "kl_beta": Range(0.0, 10.0, True, "Use a KL weight from 0 (no reference model) to 10; 0.001-0.1 is usual"),
-    "entropy_low": Range(-math.inf, math.inf, True, "Use a finite number of nats, e.g. 0.5"),
-    "entropy_high": Range(-math.inf, math.inf, True, "Use a finite number of nats, e.g. 3.0"),
+    # a token's entropy lies in [0, ln(vocabulary size)], about 12 nats for a 150k-token vocabulary: a band outside
+    # it warns on every step (or never)
+    "entropy_low": Range(0.0, MAX_ENTROPY_NATS, True, "Use a number of nats below the entropy-high bound, e.g. 0.5 "
+                                                      "(0: never warn of collapse)"),
+    "entropy_high": Range(0.0, MAX_ENTROPY_NATS, False, "Use a number of nats above the entropy-low bound, e.g. 3.0 "
+                                                        "(a token's entropy is at most ln(vocabulary size), ~12 "
+                                                        "nats)"),
     "eval_every": Range(0, INT32_MAX, True, "Use 0 (never) or a number of steps"),
     "eval_k": Range(1, INT32_MAX, True, "Use a positive integer"),
     "eval_limit": Range(1, INT32_MAX, True, "Use a positive number of problems"),
@@ -208,12 +224,18 @@ class TrainConfig:
             try:
                 k = float(self.k)
             except ValueError:
-                raise QAEUserError(f"k: '{self.k}' is not a number. Use a value in (0, 1) such as "
+                raise QAEUserError(f"k: '{clipped(self.k)}' is not a number. Use a value in (0, 1) such as "
                                    f"{names.DEFAULT_K}, or 'auto'.")
             if not 0.0 < k < 1.0:
                 raise QAEUserError(f"k: {self.k} is outside (0, 1). QAE's K is a quantile level; the paper uses "
                                    f"{names.DEFAULT_K} "
                                    "(lower K pushes entropy up, higher K pushes it down).")
+        if self.group_size * self.prompts_per_step > MAX_RESPONSES_PER_STEP:
+            raise QAEUserError(
+                f"group-size x prompts-per-step: {self.group_size:,} x {self.prompts_per_step:,} = "
+                f"{self.group_size * self.prompts_per_step:,} responses per step, more than the "
+                f"{MAX_RESPONSES_PER_STEP:,} qae allows: a step holds all its responses in memory at once. Lower "
+                "--group-size (QAE uses 8-16) or --prompts-per-step.")
         if self.num_mini_batches > self.prompts_per_step * self.group_size:
             raise QAEUserError(f"num-mini-batches: {self.num_mini_batches} is more than the "
                                f"{self.prompts_per_step * self.group_size} responses of a step (prompts-per-step x "
@@ -237,7 +259,8 @@ def _check_choices(cfg) -> None:
         choices = f.metadata.get("choices")
         value = getattr(cfg, f.name)
         if choices and value is not None and value not in choices:
-            raise QAEUserError(f"{option_flag(f.name)}: unknown value '{value}'. Choose one of: {', '.join(choices)}.")
+            raise QAEUserError(f"{option_flag(f.name)}: unknown value '{clipped(value)}'. Choose one of: "
+                               f"{', '.join(choices)}.")
 
 
 def option_flag(name: str) -> str:
@@ -261,7 +284,7 @@ def coerce_option(name: str, value: Any, source: str) -> Any:
     ok = (isinstance(value, bool) if base == "bool" else
           isinstance(value, python_type) and not isinstance(value, bool) if python_type else True)
     if not ok:
-        raise QAEUserError(f"{source}: '{name}' = {value!r} is a {type(value).__name__}, expected {base}. "
+        raise QAEUserError(f"{source}: '{name}' = {clipped(repr(value))} is a {type(value).__name__}, expected {base}. "
                            f"{f.metadata['help']}")
     if base == "float":
         try:
@@ -274,10 +297,14 @@ def coerce_option(name: str, value: Any, source: str) -> Any:
 def load_toml(path: Path) -> dict:
     """Read a run.toml: flat `key = value` pairs, optionally inside [sections] (section names are ignored)."""
     path = Path(path)
+    check_path_names("config", path)
     if not path.exists():
         raise QAEUserError(f"config: file {path} does not exist. Pass an existing TOML file to --config.")
-    if not path.is_file():
+    if path.is_dir():
         raise QAEUserError(f"config: {path} is a directory, not a file. Pass the TOML file itself to --config.")
+    if not path.is_file():  # /dev/zero, a pipe, a socket: reading it may never end
+        raise QAEUserError(f"config: {path} is not a regular file (a device, pipe or socket). Pass a TOML file to "
+                           "--config.")
     try:
         data = path.read_bytes()
     except OSError as err:
@@ -290,6 +317,8 @@ def load_toml(path: Path) -> dict:
     except UnicodeDecodeError as err:
         raise QAEUserError(f"config: {path} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
                            "is it a binary file? Pass a TOML file of `key = value` lines.") from err
+    if text.startswith("\ufeff"):  # a byte-order mark (Windows editors write one): not part of the TOML
+        text = text[1:]
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
@@ -302,18 +331,19 @@ def load_toml(path: Path) -> dict:
     for section, body in ((None, {k: v for k, v in raw.items() if not isinstance(v, dict)}),
                           *((name, value) for name, value in raw.items() if isinstance(value, dict))):
         for key, value in body.items():
-            shown = (f"[{section}] " if section else "") + f"{key} = " + (f'"{value}"' if isinstance(value, str)
-                                                                        else str(value))
-            if key in flat:  # sections only group keys for the reader: one run has one value per key
-                raise QAEUserError(f"config: '{key}' is set twice in {path} ({where[key]}, {shown}). Keep one.")
-            flat[key], where[key] = value, shown
+            shown = (f"[{section}] " if section else "") + f"{key} = " + clipped(f'"{value}"' if isinstance(
+                value, str) else value)
+            name = key.replace("-", "_")  # group-size and group_size are one option
+            if name in flat:  # sections only group keys for the reader: one run has one value per key
+                raise QAEUserError(f"config: '{name}' is set twice in {path} ({where[name]}, {shown}). Keep one.")
+            flat[name], where[name] = value, shown
     values = {}
-    for key, value in flat.items():
-        name = key.replace("-", "_")
+    for name, value in flat.items():
+        key = where[name].split("] ")[-1].split(" = ")[0]  # as the file spells it
         if name not in FIELDS:
             close = difflib.get_close_matches(name, FIELDS, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else f" Known keys: {', '.join(FIELDS)}."
-            raise QAEUserError(f"config: unknown key '{key}' in {path}.{hint}")
+            raise QAEUserError(f"config: unknown key '{clipped(key)}' in {path}.{hint}")
         values[name] = coerce_option(name, value, f"config {path}")
     return values
 
@@ -331,16 +361,36 @@ def build_config(toml_path: Path | None = None, **cli_options: Any) -> TrainConf
     A built-in task's own model and response length (`tasks.BUILTIN_TASKS`) replace the defaults of --model and
     --max-new-tokens, so `--data builtin:chain` alone is a working run; a value the user set anywhere wins."""
     values = given_options(toml_path, **cli_options)
+    given = dict(values)
     for name, value in task_defaults(values.get("data", FIELDS["data"].default)).items():
         values.setdefault(name, value)
     try:
-        return TrainConfig(**values).validate()
+        cfg = TrainConfig(**values).validate()
+        check_given_together(cfg, given)
+        return cfg
     except QAEUserError as err:  # a value from the file: say which file ("steps: 0" alone points at the command line)
         name = str(err).split(":", 1)[0].replace("-", "_")
         if toml_path is not None and name in FIELDS and cli_options.get(name) is None and \
                 name in load_toml(toml_path):
             raise QAEUserError(f"{str(err).rstrip('.')} (set in {toml_path}).") from None
         raise
+
+
+def check_given_together(cfg: TrainConfig, given: dict) -> None:
+    """The rules about what the user gave (not the defaults): an option that acts only with a switch off, and
+    --eval-every on data with nothing to evaluate."""
+    for name, switch in NEEDS_SWITCH.items():
+        if name in given and not getattr(cfg, switch):
+            value = getattr(cfg, name)
+            raise QAEUserError(f"{option_flag(name)}: {value} acts only with --{option_flag(switch)}, which is off, "
+                               f"so it would change nothing (yet split `qae compare`'s groups). Add "
+                               f"--{option_flag(switch)}{' N' if switch == 'overlong_buffer' else ''}, or drop "
+                               f"--{option_flag(name)}.")
+    if given.get("eval_every") and cfg.heldout_fraction == 0 and not cfg.eval_bench and \
+            builtin_task_name(cfg.data) is None:
+        raise QAEUserError(f"eval-every: {cfg.eval_every}, but the data file '{clipped(cfg.data)}' has no held-out "
+                           "split (--heldout-fraction 0) and no --eval-bench is given, so nothing would be "
+                           "evaluated. Pass --heldout-fraction 0.1 or --eval-bench FILE, or --eval-every 0.")
 
 
 RESUMABLE = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["resumable"])

@@ -24,11 +24,13 @@ than the verifier reads (`names.MAX_ANSWER_CHARS`, so never scorable), or gives 
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qae_app.environment import check_path_names
 from qae_app.errors import QAEUserError
 from qae_app.names import MAX_ANSWER_CHARS
 
@@ -100,6 +102,8 @@ def _answer_text(value, column: str) -> str:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
+        if not math.isfinite(value):  # JSON's NaN / Infinity (or a missing value in a Parquet float column)
+            raise ValueError("NaN" if value != value else "Infinity")
         return str(int(value)) if value.is_integer() else repr(value)
     text = clean_text(str(value)).strip()
     if column == "answer" and "####" in text:  # GSM8K: worked solution, final answer after the last "#### "
@@ -196,6 +200,7 @@ def _read_rows(path: Path) -> tuple[list[tuple[int, dict]], str]:
 def load_math_file(path: Path) -> list[Problem]:
     """All problems in a JSONL or Parquet math file, in file order. Raises QAEUserError on anything unreadable."""
     path = Path(path)
+    check_path_names("data", path)
     if path.is_dir():
         raise QAEUserError(f"data: '{path}' is a directory. Pass the path of a JSONL or Parquet math file in it.")
     if not path.is_file():
@@ -234,7 +239,13 @@ def load_math_file(path: Path) -> list[Problem]:
         for column in ANSWER_COLUMNS:
             value = _get(row, column)
             if value is not None:
-                answer = _answer_text(value, column)
+                try:
+                    answer = _answer_text(value, column)
+                except ValueError as err:
+                    raise QAEUserError(
+                        f"data: {where} gives its answer as {err} ({column}), which is not a number a response "
+                        "can match (it would be stored as the text 'nan'). Give the gold answer, or remove the "
+                        "row.") from None
                 if answer:
                     marked = column == "answer" and isinstance(value, str) and "####" in value
                     (after_marker if marked else without_marker).append((number, str(value)))

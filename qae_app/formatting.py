@@ -98,3 +98,13 @@ def pace_line(pace: dict) -> str:
     rate = pace["steps_per_min"]
     return (f"last step {ago(pace['age_s'])} · " + (f"{rate:.3g} steps/min" if rate else f"{MISSING} steps/min")
             + f" · ETA {duration(pace['eta_s'])}")
+
+
+ECHO_CHARS = 80  # a value a message repeats is cut to this many characters
+
+
+def clipped(value: Any, limit: int = ECHO_CHARS) -> str:
+    """`value` as text for a message, cut after `limit` characters with its length said: a 10 MB string in a config
+    file is named by its start, not echoed whole."""
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"

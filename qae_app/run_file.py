@@ -14,6 +14,7 @@ from pathlib import Path
 
 import duckdb
 
+from qae_app.environment import environment_errno, environment_error
 from qae_app.errors import QAEUserError
 from qae_app.rundir import CONFIG_FILE, list_checkpoints, lost_its_database
 from qae_app.store import TABLES
@@ -77,6 +78,14 @@ def unreadable_run_error(path: Path, err: Exception | str) -> RunFileError:
     """The error for a run file DuckDB cannot open or read (damaged, truncated, not DuckDB, missing): names the file,
     the reason, and what in the run folder is still usable."""
     path = Path(path)
+    if isinstance(err, BaseException) and environment_errno(err) is not None:  # the machine's fault, not the file's
+        if path.parent.name.startswith(".creating-"):  # a new run's staging folder (session.CREATING_PREFIX)
+            return RunFileError(str(environment_error(
+                f"run-name: cannot create the run in {path.parent.parent}", err,
+                "Nothing was kept: the run does not exist yet.", then="run the command again")))
+        return RunFileError(str(environment_error(
+            f"run: cannot open {path}", err, "The file is not damaged: nothing logged in it is lost. qae needs to "
+                                             "write it (a training run, or qae eval storing its samples).")))
     if not path.exists():
         err = "the file is missing (deleted or moved aside)"
     reason = str(err).strip().splitlines()[0].rstrip(".!") if str(err).strip() else type(err).__name__

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from qae_app.errors import QAEUserError
+from qae_app.formatting import clipped
 
 DB_FILE = "qae.duckdb"
 CONFIG_FILE = "config.json"
@@ -46,7 +47,7 @@ def validate_run_name(name: str, option: str = "run-name") -> str:
     """`name` if it can name a run folder; else an error about `option`, the command-line option that gave it."""
     if not isinstance(name, str) or not RUN_NAME_PATTERN.match(name) or ".." in name:
         raise QAEUserError(
-            f"{option}: '{name}' is not a plain name. Use letters, digits, '.', '_' and '-' (at most 100, starting "
+            f"{option}: '{clipped(name)}' is not a plain name. Use letters, digits, '.', '_' and '-' (at most 100, starting "
             "with a letter or digit, no '..', no '/'); the run is stored under --runs-dir."
         )
     return name
@@ -200,8 +201,16 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self, what: str, attempts: int = 40) -> "RunLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        from qae_app.environment import environment_errno, environment_error
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:  # a read-only file system, a permission: the run is intact but cannot be trained here
+            if environment_errno(err) is None:
+                raise
+            raise environment_error(f"{what}: cannot lock run '{self.path.parent.name}' to train it", err,
+                                    "The run is intact.") from None
         # a reader checking liveness holds a shared lock for microseconds: retry briefly before calling it taken
         for attempt in range(attempts):
             try:

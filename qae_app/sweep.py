@@ -30,12 +30,16 @@ from pathlib import Path
 
 from qae_app import names
 from qae_app.config import build_config
+from qae_app.environment import environment_errno, environment_error
 from qae_app.errors import QAEUserError
+from qae_app.formatting import clipped
 from qae_app.rundir import (CONFIG_FILE, DB_FILE, db_path, lost_its_database, read_run_config, run_dir, trainer_alive,
                             validate_run_name)
 
 SWEEPS_DIR = ".sweeps"  # under the runs dir: each sweep's point files and logs
 POLL_S = 2.0  # how often the sweep looks at its running processes and their step counts
+# A sweep plans, tags and lists every run before the first starts; hundreds of runs are a study, a million a typo
+MAX_SWEEP_RUNS = 500
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,17 @@ def parse_list(flag: str, text: str) -> list[str]:
                            f"{LIST_EXAMPLES.get(flag, 'a,b')}.")
     if len(set(items)) != len(items):
         raise QAEUserError(f"{flag}: '{text}' repeats a value. Give each once.")
+    if flag == "k":  # 0.4 and 0.40 are one K: it would train one point twice, under two names
+        seen: dict[float, str] = {}
+        for item in items:
+            try:
+                value = float(item)
+            except ValueError:
+                continue  # 'auto', or a bad value that the config check names
+            if value in seen:
+                raise QAEUserError(f"k: '{clipped(text)}' gives the same K twice ({seen[value]} and {item}). Give "
+                                   "each once.")
+            seen[value] = item
     return items
 
 
@@ -84,6 +99,11 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
     k_list = parse_list("k", ks) if ks is not None else [str(options.get("k", names.DEFAULT_K))]
     if seeds < 1:
         raise QAEUserError(f"seeds: {seeds}. Use 1 or more seeds (3 or more to get a confidence interval).")
+    n_runs = sum(len(k_list) if names.uses_k(estimator) else 1 for estimator in estimator_list) * seeds
+    if n_runs > MAX_SWEEP_RUNS:  # counted before any point is planned: a typo like --seeds 1000000 never hangs
+        raise QAEUserError(f"seeds: {seeds} makes {n_runs:,} runs, more than the {MAX_SWEEP_RUNS} a sweep may have "
+                           "(each run is a full training run). Use fewer seeds or Ks, or split the study into "
+                           "several sweeps.")
     for key in ("run_name", "sweep_id", "sweep_name", "estimator", "k"):
         options.pop(key, None)
     first_seed = int(options.pop("seed", 0))
@@ -92,7 +112,7 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
     # the id hashes the options every point shares, not the grid: the same command with more seeds or Ks extends the
     # sweep (its finished points kept), and a point's run name says where in the grid it is
     sweep_id = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:10]
-    name = validate_run_name(name or f"sweep-{sweep_id[:6]}", option="name")
+    name = validate_run_name(f"sweep-{sweep_id[:6]}" if name is None else name, option="name")
     points = []
     for estimator in estimator_list:
         for k in k_list if names.uses_k(estimator) else [None]:  # a mean baseline ignores K: one point per seed
@@ -125,7 +145,15 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
                     f"name: run '{point.run_name}' already exists in {runs_dir} and belongs to "
                     f"{'sweep ' + other if other else 'no sweep'}, not to this one (other options). "
                     "Pass another --name, or the same options as that sweep to resume it.")
-    return Sweep(sweep_id, name, points, Path(runs_dir) / SWEEPS_DIR / name)
+    folder = Path(runs_dir) / SWEEPS_DIR / name
+    try:  # the sweep's point files and logs go here, before any run starts: a read-only runs dir is said now
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        if environment_errno(err) is None:
+            raise
+        raise environment_error(f"runs-dir: cannot write the sweep's files in {runs_dir}", err,
+                                "Its runs are intact.") from None
+    return Sweep(sweep_id, name, points, folder)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -147,8 +175,11 @@ def write_point_file(path: Path, options: dict) -> Path:
 
 
 def point_state(runs_dir: Path, point: SweepPoint) -> str:
-    """'new' (no run yet), 'done' (finished all its steps), 'busy' (another process trains it) or 'resume'."""
+    """'new' (no run yet), 'done' (finished all its steps), 'busy' (another process trains it), 'taken' (a run of
+    another sweep, or of none, took its name after the sweep was planned: never trained by the sweep) or 'resume'."""
     folder = run_dir(runs_dir, point.run_name)
+    if taken_by_another_run(folder, point.options["sweep_id"]):
+        return "taken"
     if not db_path(runs_dir, point.run_name).exists():
         return "new"
     if trainer_alive(folder):
@@ -161,6 +192,17 @@ def point_state(runs_dir: Path, point: SweepPoint) -> str:
     except QAEUserError:
         return "resume"
     return "done" if status == "finished" and (last or 0) >= point.steps else "resume"
+
+
+def taken_by_another_run(folder: Path, sweep_id: str) -> bool:
+    """Whether the folder holds a run that is not this sweep's (plan_sweep refuses those it finds; one started later,
+    a plain `qae train --run-name` racing the sweep, is found here)."""
+    if (folder / CONFIG_FILE).exists():
+        try:
+            return read_run_config(folder).get("sweep_id") != sweep_id
+        except QAEUserError:
+            return False  # a damaged config.json: the resume says so
+    return (folder / DB_FILE).exists()  # a database without a config: an eval run (`qae eval --run-name`)
 
 
 @dataclass
@@ -207,7 +249,7 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
     queue = []
     for point in sweep.points:
         state = point_state(runs_dir, point)
-        states[point.run_name] = {"done": "kept", "busy": "busy"}.get(state, "queued")
+        states[point.run_name] = {"done": "kept", "busy": "busy", "taken": "taken"}.get(state, "queued")
         if state in ("new", "resume"):
             queue.append((point, "start" if state == "new" else "resume"))
     threads = max(1, (os.cpu_count() or 1) // parallel)  # each run its share of the cores, not all of them each
@@ -224,6 +266,9 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
         while (queue and not stopping) or active:
             while queue and len(active) < parallel and not stopping:
                 point, action = queue.pop(0)
+                if point_state(runs_dir, point) == "taken":  # another run took the name since the sweep began
+                    states[point.run_name] = "taken"
+                    continue
                 log = sweep.folder / f"{point.run_name}.log"
                 log.parent.mkdir(parents=True, exist_ok=True)
                 with log.open("a") as out:
@@ -247,7 +292,9 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
                 with run.log.open("a") as out:  # the trainer has exited: nothing else writes to its log now
                     out.write(f"# qae sweep {sweep.name}: {run.point.run_name} exited with code {code} at {_now()} "
                               f"after {time.monotonic() - run.started:.1f} s\n")
-                states[run.point.run_name] = ("done" if code == 0 and point_state(runs_dir, run.point) == "done"
+                final = point_state(runs_dir, run.point)  # (the name may have been taken as the point started)
+                states[run.point.run_name] = ("done" if code == 0 and final == "done"
+                                              else "taken" if code != 0 and final == "taken"
                                               else "interrupted" if stopping or code == 130 else "failed")
             for point in sweep.points:
                 if states[point.run_name] in ("running", "done", "kept", "interrupted", "failed"):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qae_app.datasets import Problem, load_math_file
+from qae_app.environment import check_path_names
 from qae_app.errors import QAEUserError
 from qae_app.names import CHAIN_ANSWER_MARKER
 
@@ -190,6 +191,7 @@ def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0, o
     if builtin is not None:
         return BUILTIN_TASKS[builtin].build()
     path = Path(name_or_path)
+    check_path_names(option, path)
     if not path.exists():
         names = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_TASKS)
         if name_or_path.startswith(BUILTIN_PREFIX):

@@ -6,11 +6,13 @@ unreadable) have their own tests below the table; a full disk is tested in test_
 """
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
 
 from qae_app.cli import app
+from qae_app.sweep import MAX_SWEEP_RUNS
 from qae_app.rundir import db_path
 from qae_app.store_read import query, read_run
 from qae_app.store_write import RunWriter
@@ -41,6 +43,12 @@ def _files(d):
     (d / "bigint_text.jsonl").write_text('{"problem": "What is 7 repeated?", "answer": "' + "7" * 5000 + '"}\n')
     (d / "big_prompt.jsonl").write_text(json.dumps({"problem": "1" * 1_000_000, "answer": "2"}) + "\n")
     (d / "folder.jsonl").mkdir()
+    # issue 28
+    (d / "both_spellings.toml").write_text("group-size = 4\ngroup_size = 8\n")
+    (d / "bom.toml").write_bytes("\ufeffsteps = 0\n".encode())  # the BOM is read past: the next error is the value's
+    (d / "nan_answer.jsonl").write_text('{"problem": "1+1?", "answer": 2}\n{"problem": "0/0?", "answer": NaN}\n')
+    (d / "inf_answer.jsonl").write_text('{"problem": "1/0?", "answer": Infinity}\n')
+    (d / "no_heldout.jsonl").write_text('{"problem": "1+1?", "answer": 2}\n')
     return d
 
 
@@ -103,6 +111,33 @@ BAD_VALUES = [
     (["train", "--data", "{d}/big_prompt.jsonl"], "data: prompt 'big_prompt-1' is 1,000,073 tokens, and with "
                                                   "--max-new-tokens 8 it needs 1,000,081 positions, but the model's "
                                                   "context is 128"),
+    # issue 28: sizes bounded before any work
+    (["sweep", "--seeds", "1000000"], f"seeds: 1000000 makes 1,000,000 runs, more than the {MAX_SWEEP_RUNS}"),
+    (["sweep", "--seeds", HUGE], f"seeds: {HUGE} makes"),
+    (["sweep", "--estimator", "qae,grpo", "--k", "0.1,0.2,0.3", "--seeds", "200"], "seeds: 200 makes 800 runs"),
+    (["train", "--group-size", "1000000"], "group-size x prompts-per-step: 1,000,000 x 8 = 8,000,000 responses"),
+    (["train", "--prompts-per-step", "1000000"], "group-size x prompts-per-step: 16 x 1,000,000 = 16,000,000"),
+    (["sweep", "--group-size", "1000000"], "group-size x prompts-per-step: 1,000,000 x 8"),
+    # issue 28: nonsense that was accepted silently
+    (["sweep", "--k", "0.4,0.40"], "k: '0.4,0.40' gives the same K twice (0.4 and 0.40)"),
+    (["sweep", "--name", ""], "name: '' is not a plain name"),
+    (["train", "--filter-metric", "correct"], "filter-metric: correct acts only with --dynamic-sampling"),
+    (["train", "--max-gen-batches", "3"], "max-gen-batches: 3 acts only with --dynamic-sampling"),
+    (["train", "--overlong-penalty", "2"], "overlong-penalty: 2.0 acts only with --overlong-buffer"),
+    (["sweep", "--max-gen-batches", "3"], "max-gen-batches: 3 acts only with --dynamic-sampling"),
+    (["train", "--entropy-high", "0"], "entropy-high: 0.0 must be more than 0.0"),
+    (["train", "--entropy-low", "1e308"], "entropy-low: 1e+308 is more than 20.0"),
+    (["train", "--entropy-low", "-1"], "entropy-low: -1.0 is less than 0.0"),
+    (["train", "--entropy-low", "2", "--entropy-high", "2"], "entropy-low / entropy-high: 2.0 / 2.0"),
+    (["train", "--data", "{d}/no_heldout.jsonl", "--eval-every", "1"], "eval-every: 1, but"),
+    (["train", "--config", "{d}/both_spellings.toml"], "config: 'group_size' is set twice in {d}/both_spellings.toml "
+                                                       "(group-size = 4, group_size = 8)"),
+    (["train", "--config", "{d}/bom.toml"], "steps: 0 is less than 1"),
+    (["train", "--data", "{d}/nan_answer.jsonl"], "nan_answer.jsonl' line 2 gives its answer as NaN"),
+    (["train", "--data", "{d}/inf_answer.jsonl"], "inf_answer.jsonl' line 1 gives its answer as Infinity"),
+    (["train", "--config", "/dev/zero"], "config: /dev/zero is not a regular file"),
+    (["train", "--data", "{d}/" + "x" * 300 + ".jsonl"], "a name over 255 bytes, longer than the file system"),
+    (["train", "--config", "{d}/" + "c" * 300 + ".toml"], "a name over 255 bytes, longer than the file system"),
     # the inspecting commands
     (["show", "some-run", "--every", "1e30"], "Invalid value for '--every': Input should be a valid integer"),
     (["show", "some-run", "--every", "-1"], "every: -1 is negative. Use 0"),
@@ -149,8 +184,50 @@ def test_a_bad_value_is_one_message_exit_2_and_nothing_written(tmp_path, args, m
     assert not runs.exists() or not any(runs.rglob("*"))  # refused before anything was written
 
 
+@pytest.mark.parametrize("command", [["train"], ["sweep"], ["eval"], ["runs"], ["show", "r"]])
+def test_a_runs_dir_with_a_name_over_255_bytes_is_refused(tmp_path, command):
+    """`Errno 36` tracebacks: a path component longer than the file system allows."""
+    runs = tmp_path / ("r" * 300)
+    result = runner.invoke(app, [*command, "--runs-dir", str(runs)])
+    output = "".join(result.output.replace("│", "").split())
+    assert result.exit_code == 2, result.output
+    assert "hasanameover255bytes" in output and "r" * 80 + "…(300characters)" in output, result.output
+    assert "Traceback" not in output and not isinstance(result.exception, OSError)
+
+
+@pytest.mark.parametrize("key", ["estimator", "run_name", "k", "data", "model", "quantile"])
+def test_a_huge_string_in_a_toml_file_is_echoed_capped(tmp_path, key):
+    """A 10 MB string in a TOML file was echoed whole to stderr."""
+    (tmp_path / "huge.toml").write_text(f'{key} = "{"x" * 10_000_000}"\n')
+    result = runner.invoke(app, ["train", "--config", str(tmp_path / "huge.toml"), "--runs-dir",
+                                 str(tmp_path / "runs")])
+    assert result.exit_code == 2, result.output[:2000]
+    assert len(result.output) < 3000, result.output[:2000]
+    assert re.search(r"x…\(10,000,00\dcharacters\)", "".join(result.output.split())), result.output  # (quotes too)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*"))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # inputs that are not refusals
+
+
+def test_a_toml_file_with_a_utf8_bom_is_read(tmp_path):
+    """A BOM (Windows editors write one) was a bare syntax error at line 1."""
+    (tmp_path / "bom.toml").write_bytes("\ufeff# a comment\nsteps = 3\ngroup-size = 4\n".encode())
+    from qae_app.config import build_config
+
+    cfg = build_config(tmp_path / "bom.toml")
+    assert (cfg.steps, cfg.group_size) == (3, 4)
+
+
+@pytest.mark.parametrize("options", [{}, {"dynamic_sampling": True, "filter_metric": "correct", "max_gen_batches": 3},
+                                     {"overlong_buffer": 2, "overlong_penalty": 0.5, "max_new_tokens": 8},
+                                     {"dynamic_sampling": False}, {"overlong_buffer": 0}])
+def test_options_that_need_a_switch_are_taken_with_it_and_their_defaults_never_trigger(options):
+    from qae_app.config import build_config
+
+    cfg = build_config(**options)
+    assert all(getattr(cfg, name) == value for name, value in options.items())
 
 
 @pytest.mark.slow
@@ -166,6 +243,21 @@ def test_a_lone_surrogate_in_a_data_file_is_stored_as_a_replacement_character(tm
     assert groups["prompt_id"].tolist() == ["p\ufffd"]
     assert groups["prompt"].iloc[0].startswith("What is 1+1? \ufffd")
     assert read_run(db_path(tmp_path / "runs", "s"))["status"] == "finished"
+
+
+@pytest.mark.slow
+def test_the_default_eval_every_on_data_without_a_held_out_split_says_so_once(tmp_path):
+    """--eval-every 25 (the default) on a data file with nothing held out evaluated nothing and said nothing; given
+    explicitly it is refused (the table above)."""
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"problem": "What is 1+1?", "answer": "2"}\n')
+    result = runner.invoke(app, ["train", "--data", str(data), "--steps", "2", "--prompts-per-step", "1",
+                                 "--group-size", "2", "--num-mini-batches", "1", "--max-new-tokens", "4",
+                                 "--run-name", "n", "--runs-dir", str(tmp_path / "runs")])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert output.count("note: nothing to evaluate every 25 steps: ") == 1, output
+    assert "--heldout-fraction 0.1 or --eval-bench FILE" in output
 
 
 def test_a_damaged_run_file_is_named_by_every_command(tmp_path):

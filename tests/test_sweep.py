@@ -291,3 +291,33 @@ def test_compare_prints_groups_intervals_baseline_and_small_n_notes(known_runs):
 def test_compare_refuses_clearly(known_runs, args, message):
     result = runner.invoke(app, [*args, "--runs-dir", str(known_runs)])
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+@pytest.mark.slow
+def test_a_point_whose_name_another_run_took_meanwhile_is_skipped_not_trained(tmp_path):
+    """A plain `qae train --run-name X` that took the name of a sweep's next point after the sweep planned it: the
+    sweep resumed (trained!) the foreign run, or failed the point advising `--resume X`. Now the point is skipped,
+    said to be taken by another run, and the foreign run is left alone."""
+    from qae_app.sweep import run_sweep
+
+    options = {"steps": 2, "prompts_per_step": 2, "group_size": 4, "eval_every": 0, "checkpoint_every": 1}
+    sweep = plan_sweep(tmp_path, "qae", None, 1, dict(options), name="race")
+    taken = sweep.points[0].run_name
+    result = runner.invoke(app, ["train", *TINY[:-2], "--steps", "1", "--run-name", taken, "--runs-dir",
+                                 str(tmp_path)])  # another user's run, started between planning and training
+    assert result.exit_code == 0, result.output
+    before = db_path(tmp_path, taken).read_bytes()
+    states = run_sweep(sweep, tmp_path)
+    assert states == {taken: "taken"}
+    assert db_path(tmp_path, taken).read_bytes() == before and read_run(db_path(tmp_path, taken))["last_step"] == 1
+
+
+def test_the_cli_says_a_taken_point_was_taken_by_another_run(tmp_path, monkeypatch):
+    import qae_app.sweep as sweep_module
+
+    monkeypatch.setattr(sweep_module, "run_sweep", lambda plan, *a, **k: {p.run_name: "taken" for p in plan.points})
+    result = runner.invoke(app, ["sweep", *TINY, "--name", "race", "--runs-dir", str(tmp_path)])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 1, result.output
+    assert "skipped: race-qae-k0.4-s0 was taken by another run (not of this sweep)" in output, output
+    assert "--resume" not in output and "Pass another --name" in output, output
