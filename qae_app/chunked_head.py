@@ -250,6 +250,29 @@ def _check_logits_are_the_head_of_hidden(model_name: str, model_logits, last_hid
                 "log-probs would be wrong for it. Use losses.token_logprobs_and_entropy on the full logits instead.")
 
 
+def check_chunked_head(model: torch.nn.Module) -> int:
+    """The vocabulary size of `model` (possibly wrapped) if `causal_lm_logprobs` can run it, else the QAEUserError it
+    would raise: a sharded head, logits that are not the head's output (by config, or found by one forward of a
+    two-token sequence on the unwrapped model, which is no collective). For deciding once per run, before training."""
+    chain = wrapper_chain(model)
+    core = chain[-1]
+    weight, bias = plain_head(core)
+    sharding = _sharding_of(chain, weight)
+    if sharding is not None:
+        raise QAEUserError(f"model: its LM head is sharded by {sharding}; the chunked log-probs need the whole weight "
+                           "on this process.")
+    _logits_keyword(core)
+    probe = torch.zeros(1, 2, dtype=torch.long, device=weight.device)  # (1, 2) token 0 twice
+    was_training = core.training
+    core.eval()
+    try:
+        with torch.no_grad():
+            causal_lm_logprobs(core, probe, torch.ones_like(probe), 0, 1.0, with_entropy=False)
+    finally:
+        core.train(was_training)
+    return weight.shape[0]
+
+
 def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int,
                        temperature: float, with_entropy: bool = True, chunk_tokens: int | None = None):
     """Log-probs and (if asked) entropies (n, T-1) of each sequence's next tokens, 0 at the positions before `first`:

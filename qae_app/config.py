@@ -97,6 +97,12 @@ NUMERIC_RANGES: dict[str, Range] = {
     "eval_k": Range(1, INT32_MAX, True, "Use a positive integer"),
     "eval_limit": Range(1, INT32_MAX, True, "Use a positive number of problems"),
     "verify_timeout_s": Range(0.0, 3600.0, False, "Use a number of seconds in (0, 3600], e.g. 3"),
+    "logprob_chunk_tokens": Range(0, INT32_MAX, True, "Use 0 (the full logits) or a number of tokens, e.g. 441 "
+                                                      "(256 MiB of float32 logits with a 151,936 vocabulary); leave "
+                                                      "it unset for that automatically"),
+    "max_tokens_per_micro_batch": Range(1, INT32_MAX, True, "Use a number of tokens at least the longest prompt plus "
+                                                            "max-new-tokens, e.g. 16384, or leave it unset for "
+                                                            "--micro-batch-size sequences per micro-batch"),
 }
 
 
@@ -184,6 +190,22 @@ class TrainConfig:
     loss_agg: str = opt("token", "Loss aggregation.", "optim", names.LOSS_AGGREGATIONS)
     kl_beta: float = opt(0.0, "Weight of the k3 KL to a frozen reference (0: no reference model is loaded).",
                          "optim")
+    # --- memory: the same update, computed in less memory
+    logprob_chunk_tokens: int | None = opt(None, "Log-probs through the vocabulary projection this many tokens at a "
+                                           "time, never holding the full logits (forward and backward; the same "
+                                           "numbers). Default: 256 MiB of float32 logits per chunk; 0: the full "
+                                           "logits. Models whose logits are not the LM head's output (soft-capping) "
+                                           "or whose head is sharded (FSDP, ZeRO-3) use the full logits; the run "
+                                           "says so once.", "memory", resumable=True)
+    gradient_checkpointing: bool = opt(False, "Recompute each layer's activations in the backward instead of "
+                                       "keeping them (transformers' non-reentrant checkpointing): less memory, about "
+                                       "a third more compute, the same gradients.", "memory", resumable=True)
+    max_tokens_per_micro_batch: int | None = opt(None, "Micro-batches by tokens instead of --micro-batch-size "
+                                                 "sequences (verl's ppo_max_token_len_per_gpu): sequences sorted by "
+                                                 "length, packed up to this many tokens (sequences x the longest, "
+                                                 "prompt + response), padding cut to each micro-batch's longest. The "
+                                                 "same update. At least the longest prompt + max-new-tokens.",
+                                                 "memory", resumable=True)
     # --- monitoring and evaluation
     entropy_low: float | None = opt(None, "Warn when the smoothed token entropy falls below this many nats "
                                     "(collapse): raise K. Default: the starting entropy / "
@@ -247,6 +269,11 @@ class TrainConfig:
         if self.entropy_low is not None and self.entropy_high is not None and not self.entropy_low < self.entropy_high:
             raise QAEUserError(f"entropy-low / entropy-high: {self.entropy_low} / {self.entropy_high}. "
                                "The low bound must be below the high bound.")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch <= self.max_new_tokens:
+            raise QAEUserError(f"max-tokens-per-micro-batch: {self.max_tokens_per_micro_batch} tokens cannot hold one "
+                               f"sequence of a prompt and max-new-tokens {self.max_new_tokens} response tokens. Use "
+                               "at least the longest prompt plus max-new-tokens, or leave it unset for "
+                               "--micro-batch-size sequences per micro-batch.")
         for name in BOUNDED_BY_ANOTHER_OPTION:  # their own range, now that the tighter bound holds
             check_range(name, getattr(self, name))
         if self.run_name is not None:

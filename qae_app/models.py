@@ -184,6 +184,20 @@ def quiet_transformers() -> None:
     logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
 
 
+def enable_gradient_checkpointing(model) -> None:
+    """transformers' own activation checkpointing of each decoder layer, non-reentrant (it works under DDP's no_sync
+    and with inputs that need no gradient): the layers run again in the backward instead of keeping their
+    activations. transformers 5 calls it activation_checkpointing_enable; before, gradient_checkpointing_enable."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise QAEUserError(f"gradient-checkpointing: {type(model).__name__} does not support transformers' gradient "
+                           "checkpointing. Leave --gradient-checkpointing off, or lower --micro-batch-size or set "
+                           "--max-tokens-per-micro-batch to save memory.")
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def _is_dropout_name(name: str) -> bool:
     return "dropout" in name or name.endswith("pdrop")  # GPT-2 style configs name them resid_pdrop, attn_pdrop, ...
 
@@ -360,6 +374,35 @@ def model_context(model) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
+def prompts_longer_than(codec: TextCodec, prompts: list[tuple[str, str]], budget: int) -> list[tuple[str, int]]:
+    """(prompt id, tokens) of the `prompts` (prompt id, text) longer than `budget` tokens as encoded.
+
+    Only prompts that might be longer are encoded: a token covers at least one UTF-8 byte, so a prompt whose bytes
+    plus the template's own tokens fit is known to fit."""
+    template_tokens = len(codec.encode("")) + 1  # +1: a tokenizer may add a word-start token to the first word
+    too_long = []
+    for prompt_id, text in prompts:
+        if len(text.encode("utf-8", "surrogatepass")) + template_tokens <= budget:
+            continue
+        n_tokens = len(codec.encode(text))
+        if n_tokens > budget:
+            too_long.append((prompt_id, n_tokens))
+    return too_long
+
+
+def check_token_budget(codec: TextCodec, prompts: list[tuple[str, str]], max_new_tokens: int,
+                       max_tokens_per_micro_batch: int, source: str) -> None:
+    """QAEUserError, before anything runs, if a prompt of `prompts` (prompt id, text) with a response of
+    `max_new_tokens` would not fit one micro-batch of `max_tokens_per_micro_batch` tokens."""
+    too_long = prompts_longer_than(codec, prompts, max_tokens_per_micro_batch - max_new_tokens)
+    if too_long:
+        prompt_id, n_tokens = max(too_long, key=lambda item: item[1])
+        raise QAEUserError(f"max-tokens-per-micro-batch: {max_tokens_per_micro_batch} tokens cannot hold {source} "
+                           f"prompt '{prompt_id}' ({n_tokens:,} tokens) with a response of --max-new-tokens "
+                           f"{max_new_tokens}. Use at least {n_tokens + max_new_tokens:,}, or leave it unset for "
+                           "--micro-batch-size sequences per micro-batch.")
+
+
 def check_prompt_lengths(model, codec: TextCodec, prompts: list[tuple[str, str]], max_new_tokens: int,
                          source: str) -> None:
     """QAEUserError, before anything runs, if a prompt (as encoded, chat template included) plus `max_new_tokens`
@@ -376,14 +419,7 @@ def check_prompt_lengths(model, codec: TextCodec, prompts: list[tuple[str, str]]
     if budget < 1:
         raise QAEUserError(f"max-new-tokens: {max_new_tokens} leaves no room for a prompt in the model's context of "
                            f"{context:,} positions. Use --max-new-tokens below {context}.")
-    template_tokens = len(codec.encode("")) + 1  # +1: a tokenizer may add a word-start token to the first word
-    too_long = []
-    for prompt_id, text in prompts:
-        if len(text.encode("utf-8", "surrogatepass")) + template_tokens <= budget:
-            continue
-        n_tokens = len(codec.encode(text))
-        if n_tokens > budget:
-            too_long.append((prompt_id, n_tokens))
+    too_long = prompts_longer_than(codec, prompts, budget)
     if too_long:
         prompt_id, n_tokens = max(too_long, key=lambda item: item[1])
         more = f" ({len(too_long):,} prompts are too long; this is the longest)" if len(too_long) > 1 else ""

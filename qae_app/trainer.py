@@ -38,7 +38,9 @@ from qae_app.errors import QAEUserError
 from qae_app.evaluate import evaluate, summarize
 from qae_app.faults import fault_point
 from qae_app.formatting import as_float
-from qae_app.models import check_prompt_lengths, disable_dropout, load_policy
+from qae_app.chunked_head import check_chunked_head, default_chunk_tokens
+from qae_app.models import (check_prompt_lengths, check_token_budget, disable_dropout, enable_gradient_checkpointing,
+                            load_policy)
 from qae_app.rewards import Scorer, shape_rewards
 from qae_app.rollout import ShardedPolicy, make_engine, plan_for
 from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
@@ -276,6 +278,11 @@ class Trainer:
             check_prompt_lengths(model, self.codec, [(p.prompt_id, self.eval_task.prompt(p))
                                                      for p in self._evaluated_problems()], cfg.max_new_tokens,
                                  "eval-bench")
+        if cfg.max_tokens_per_micro_batch is not None:  # (the trained prompts: the held-out ones are only sampled)
+            check_token_budget(self.codec, [(p.prompt_id, self.task.prompt(p)) for p in self.task.train],
+                               cfg.max_new_tokens, cfg.max_tokens_per_micro_batch, "the data's")
+        if cfg.gradient_checkpointing:  # (only training forwards: the no-grad passes and generate run as they are)
+            enable_gradient_checkpointing(model)
         self.ref_model = None
         if cfg.kl_beta > 0:
             self.ref_model, _ = load_policy(cfg.model, cfg.dtype)
@@ -290,6 +297,7 @@ class Trainer:
             optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.model, self.optimizer = acc.prepare(model, optimizer)
         self.logits_keyword = logits_keyword(model)  # (of the unwrapped model: a DDP wrapper takes **kwargs)
+        self.logprob_chunk_tokens = self._logprob_chunk_tokens()
         if self.ref_model is not None:
             self.ref_model.to(acc.device)
         self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
@@ -300,6 +308,20 @@ class Trainer:
                             else Scorer(self.eval_task.reward, cfg.verify_timeout_s))
         self.state = TrainerState(k=None if cfg.k == "auto" else float(cfg.k),
                                   data_fingerprint=self.data_fingerprint, num_processes=acc.num_processes)
+
+    def _logprob_chunk_tokens(self) -> int:
+        """The update's logprob_chunk_tokens, decided once for the run: the config's (default: 256 MiB of float32
+        logits per chunk), or 0 (the full logits) where the model cannot take the chunked head (a sharded head,
+        soft-capped logits), which the run says once."""
+        requested = self.cfg.logprob_chunk_tokens
+        if requested == 0:
+            return 0
+        try:
+            vocab = check_chunked_head(self.model)
+        except QAEUserError as err:
+            self._say(f"[yellow]note:[/] log-probs from the full logits, not in chunks of tokens: {err}")
+            return 0
+        return requested or default_chunk_tokens(vocab)
 
     # -------------------------------------------------------------------------------------------------------------
     # the loop
@@ -519,10 +541,12 @@ class Trainer:
     # the update's options
 
     def update_options(self) -> UpdateOptions:
-        """The update's options: the config's, and the trainer's skip_gated, lockstep and logits_keyword (attributes,
-        so a test or benchmark can switch them: the dense reference, lockstep on one machine, the full forward)."""
+        """The update's options: the config's, and the trainer's skip_gated, lockstep, logits_keyword and
+        logprob_chunk_tokens (attributes, so a test or benchmark can switch them: the dense reference, lockstep on one
+        machine, the full forward, the full logits)."""
         return UpdateOptions.from_config(self.cfg, skip_gated=self.skip_gated, lockstep=self.lockstep,
-                                         logits_keyword=self.logits_keyword)
+                                         logits_keyword=self.logits_keyword,
+                                         logprob_chunk_tokens=self.logprob_chunk_tokens)
 
     # -------------------------------------------------------------------------------------------------------------
     # evaluation

@@ -6,11 +6,14 @@ process or on many. Plain functions on tensors; no run folder, no trainer:
                            seed=...)                    # advantages (N,) -> result.stats: the step's update columns
 
 One update, and the seam where each later change plugs in:
-    mini_batch_plan       which responses each optimizer step takes (token-budget micro-batches: here)
+    mini_batch_plan       which responses each optimizer step takes
+    micro_batch_plan      how a mini-batch's forwarded responses split into forwards: micro_batch_size sequences,
+                          or sorted by length into token budgets (max_tokens_per_micro_batch), trimmed to their longest
     old_logprobs          the sampling policy's log-probs, only where the loss needs them
-    logprobs_in_chunks    no-grad log-probs, micro_batch_size sequences at a time (chunked log-probs: here)
-    accumulate_gradients  one mini-batch's backward, in micro-batches (gradient checkpointing: here)
-    forward_logprobs      one forward of the model (LoRA: the model passed in)
+    logprobs_in_chunks    no-grad log-probs, one micro-batch at a time
+    accumulate_gradients  one mini-batch's backward, in micro-batches (gradient checkpointing: the model's own)
+    forward_logprobs      one forward of the model (LoRA: the model passed in), through the chunked vocabulary
+                          projection (chunked_head) when logprob_chunk_tokens says so
     entropy_change        after the update, how it changed the responses' token entropy (dH)
 
 The gated skip (`UpdateOptions.skip_gated`): with QAE about 80% of responses get advantage exactly 0; their policy
@@ -38,11 +41,12 @@ from dataclasses import dataclass
 import torch
 
 from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
+from qae_app.chunked_head import causal_lm_logprobs
 from qae_app.losses import policy_loss, token_logprobs_and_entropy
 
 # the options TrainConfig gives the update, by the same names
 CONFIG_OPTIONS = ("num_mini_batches", "ppo_epochs", "micro_batch_size", "clip_low", "clip_high", "loss_agg",
-                  "kl_beta", "max_grad_norm", "max_new_tokens", "temperature")
+                  "kl_beta", "max_grad_norm", "max_new_tokens", "temperature", "max_tokens_per_micro_batch")
 
 
 @dataclass(frozen=True)
@@ -59,13 +63,16 @@ class UpdateOptions:
     max_grad_norm: float
     max_new_tokens: int  # the seq_mean_token_sum_norm normalizer
     temperature: float  # the sampling temperature: log-probs and entropies are of the distribution sampled from
+    max_tokens_per_micro_batch: int | None = None  # token-budget micro-batches (micro_batch_plan); None: fixed size
     skip_gated: bool = True  # leave zero-advantage responses out (the same update); False: the dense reference
     lockstep: bool = False  # sharded weights (FSDP, ZeRO-3): every process runs as many forwards as the busiest
     logits_keyword: str | None = None  # the model's keyword for the last positions' logits (see logits_keyword)
+    logprob_chunk_tokens: int = 0  # tokens per chunk of the chunked vocabulary projection; 0: the full logits
 
     @classmethod
     def from_config(cls, cfg, **how) -> "UpdateOptions":
-        """The update options of a TrainConfig; `how`: skip_gated, lockstep, logits_keyword."""
+        """The update options of a TrainConfig; `how`: skip_gated, lockstep, logits_keyword, logprob_chunk_tokens
+        (the trainer decides it once per run: the config's request, if the model allows the chunked head)."""
         return cls(**{name: getattr(cfg, name) for name in CONFIG_OPTIONS}, **how)
 
 
@@ -133,25 +140,72 @@ def logits_keyword(model) -> str | None:
     return next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in parameters), None)
 
 
-def forward_logprobs(model, batch, rows: torch.Tensor, options: UpdateOptions, with_entropy: bool = True):
+def forward_logprobs(model, batch, rows: torch.Tensor, options: UpdateOptions, with_entropy: bool = True,
+                     width: int | None = None):
     """Token log-probs and (if asked) entropies (n, T-1) of the next tokens of the batch's sequences `rows`, under
     `model`; 0 at the positions before the earliest response of them. The vocabulary projection and softmax run
     from there on only (`logits_to_keep`, as TRL and verl do): on a real model with a long prompt they are most of
-    the memory of a forward. (All T columns go through the layers: cutting the padding after the rows' longest
-    sequence saves nothing where it matters, on the few non-gated rows, and would change the last bit.)"""
+    the memory of a forward. With `options.logprob_chunk_tokens` they run that many tokens at a time, never
+    building the full logits (`chunked_head.causal_lm_logprobs`, the same numbers).
+
+    `width`: only the first `width` columns go through the model (a token-budget micro-batch, trimmed to its longest
+    sequence: `pack` pads on the right, so the columns cut are padding, which no real position attends to); every
+    position predicting padding is then 0, the columns cut included. None: all T columns, as they are (cutting the
+    padding of fixed micro-batches would change the last bit of the update that runs have always made)."""
     input_ids = batch["input_ids"][rows]  # (n, T)
-    width = input_ids.shape[1]
+    attention_mask = batch["attention_mask"][rows]  # (n, T)
+    full_width = input_ids.shape[1]
+    if width is not None:
+        input_ids, attention_mask = input_ids[:, :width], attention_mask[:, :width]  # (n, width)
     # logits at position t predict token t + 1: the first response token is predicted at its prompt's last one
-    first = int(batch["response_mask"][rows].argmax(-1).min()) if options.logits_keyword else 0
-    keep = {options.logits_keyword: width - first} if first else {}
-    # use_cache=False: the model would otherwise build a KV cache (its config says use_cache) that nothing reads
-    logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"][rows], use_cache=False,
-                   **keep).logits[:, :-1]
-    logp, entropy = token_logprobs_and_entropy(logits, input_ids[:, first + 1:], options.temperature, with_entropy)
-    if first:
-        logp = torch.nn.functional.pad(logp, (first, 0))
-        entropy = torch.nn.functional.pad(entropy, (first, 0)) if entropy is not None else None
+    first = (int(batch["response_mask"][rows].argmax(-1).min())
+             if options.logits_keyword or options.logprob_chunk_tokens else 0)
+    if options.logprob_chunk_tokens:
+        logp, entropy = causal_lm_logprobs(model, input_ids, attention_mask, first, options.temperature,
+                                           with_entropy, options.logprob_chunk_tokens)  # (n, width-1) each
+    else:
+        keep = {options.logits_keyword: input_ids.shape[1] - first} if first else {}
+        # use_cache=False: the model would otherwise build a KV cache (its config says use_cache) that nothing reads
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                       **keep).logits[:, :-1]
+        logp, entropy = token_logprobs_and_entropy(logits, input_ids[:, first + 1:], options.temperature,
+                                                   with_entropy)
+        if first:
+            logp = torch.nn.functional.pad(logp, (first, 0))
+            entropy = torch.nn.functional.pad(entropy, (first, 0)) if entropy is not None else None
+    if width is not None:
+        # 0 wherever the next token is padding: another micro-batch plan (the old log-probs' pass) cuts other
+        # columns, and a ratio exp(0 - logp) at a masked position must not overflow into the loss as inf * 0
+        predicts_real = attention_mask[:, 1:].bool()  # (n, width-1)
+        logp = torch.nn.functional.pad(torch.where(predicts_real, logp, 0.0), (0, full_width - width))  # (n, T-1)
+        if entropy is not None:
+            entropy = torch.nn.functional.pad(torch.where(predicts_real, entropy, 0.0), (0, full_width - width))
     return logp, entropy
+
+
+def micro_batch_plan(batch, rows: torch.Tensor, options: UpdateOptions) -> list[tuple[torch.Tensor, int | None]]:
+    """How the sequences `rows` (n,) go through the model: a list of (positions in `rows`, width) per forward.
+
+    Default: micro_batch_size sequences at a time, in order, at the batch's full width (width None). With
+    max_tokens_per_micro_batch (verl's use_dynamic_bsz): sorted by length (prompt + response tokens), longest
+    first, and packed greedily while the micro-batch's sequences x its longest stay within the budget; each is
+    trimmed to its longest (width), so padding is only that within a micro-batch. A sequence longer than the budget
+    alone is a micro-batch of its own (the trainer refuses such a budget before the run starts). The loss is the
+    same either way: each micro-batch's loss carries the mini-batch's normalizer."""
+    positions = torch.arange(len(rows), device=rows.device)
+    budget = options.max_tokens_per_micro_batch
+    if budget is None:
+        return [(chunk, None) for chunk in positions.split(options.micro_batch_size)]
+    lengths = batch["attention_mask"][rows].sum(-1)  # (n,) real tokens of each sequence
+    order = torch.argsort(lengths, descending=True, stable=True)  # (n,)
+    sorted_lengths = lengths[order].tolist()
+    plan, start = [], 0
+    for end in range(1, len(rows) + 1):
+        # the micro-batch is order[start:end]; its longest is its first (sorted longest first)
+        if end == len(rows) or (end + 1 - start) * sorted_lengths[start] > budget:
+            plan.append((order[start:end], int(sorted_lengths[start])))
+            start = end
+    return plan
 
 
 def lockstep_forwards(count: int, options: UpdateOptions, accelerator) -> int:
@@ -165,25 +219,28 @@ def lockstep_forwards(count: int, options: UpdateOptions, accelerator) -> int:
 
 def logprobs_in_chunks(model, batch, rows: torch.Tensor, options: UpdateOptions, accelerator=None,
                        with_entropy: bool = False):
-    """No-grad token log-probs (and entropies) (len(rows), T-1) of the sequences `rows`, micro_batch_size at a
-    time; (None, None) for no rows."""
+    """No-grad token log-probs (and entropies) (len(rows), T-1) of the sequences `rows`, one micro-batch
+    (micro_batch_plan) at a time; (None, None) for no rows."""
     acc = accelerator or OneProcess(rows.device)
     model_was_training = model.training
     model.eval()
     outs_logp, outs_ent = [], []
-    chunks = list(rows.split(options.micro_batch_size)) if len(rows) else []
+    chunks = micro_batch_plan(batch, rows, options) if len(rows) else []
     with torch.inference_mode():
         for i in range(lockstep_forwards(len(chunks), options, acc)):
-            chunk = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long, device=rows.device)
-            logp, ent = forward_logprobs(model, batch, chunk, options, with_entropy)
+            positions, width = chunks[i] if i < len(chunks) else (None, None)
+            chunk = rows[positions] if i < len(chunks) else torch.zeros(1, dtype=torch.long, device=rows.device)
+            logp, ent = forward_logprobs(model, batch, chunk, options, with_entropy, width)
             if i < len(chunks):  # (a lockstep pass beyond this process's chunks is discarded)
                 outs_logp.append(logp)
                 outs_ent.append(ent)
     model.train(model_was_training)
     if not chunks:  # (a lockstep pass with no rows of its own)
         return None, None
-    # clone: tensors made under inference_mode cannot take part in the autograd graph of the loss
-    return torch.cat(outs_logp).clone(), torch.cat(outs_ent).clone() if with_entropy else None
+    # back in the order of `rows` (the plan may have sorted them); a new tensor, outside inference_mode: tensors
+    # made under it cannot take part in the autograd graph of the loss
+    in_order = torch.argsort(torch.cat([positions for positions, _ in chunks]))  # (len(rows),)
+    return torch.cat(outs_logp)[in_order], torch.cat(outs_ent)[in_order] if with_entropy else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -317,13 +374,14 @@ def accumulate_gradients(model, batch, keep, old_logp, have_old, ref_logp, advan
                                                                      device=advantages.device)), 0.0
     mask = batch["response_mask"]
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipped_low": 0.0, "clipped_high": 0.0}
-    micro_batches = [(micro, weight) for micro in keep.split(options.micro_batch_size)]
+    micro_batches = [(keep[positions], width, weight) for positions, width in micro_batch_plan(batch, keep, options)]
     # sharded weights: as many forwards as the busiest process, the extra ones weighted 0 (see lockstep_forwards)
-    micro_batches += [(keep[:1], 0.0)] * (lockstep_forwards(len(micro_batches), options, acc) - len(micro_batches))
-    for i, (micro, weight) in enumerate(micro_batches):
+    micro_batches += [(keep[:1], None, 0.0)] * (lockstep_forwards(len(micro_batches), options, acc)
+                                                - len(micro_batches))
+    for i, (micro, width, weight) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last else acc.no_sync(model):
-            logp, _ = forward_logprobs(model, batch, micro, options, with_entropy=False)
+            logp, _ = forward_logprobs(model, batch, micro, options, with_entropy=False, width=width)
             known = have_old[micro][:, None]  # (n, 1)
             old = torch.where(known, old_logp[micro], logp.detach())
             if weight and not known.all():

@@ -66,6 +66,26 @@ def test_lockstep_forwards_for_sharded_weights_keep_the_update_and_match_in_numb
 
 
 @pytest.mark.slow
+def test_two_processes_with_the_memory_options_give_the_one_process_update(tmp_path):
+    """Gradient checkpointing under DDP (its recomputation under no_sync, the last micro-batch's all-reduce) and
+    token-budget micro-batches in lockstep (each process's plan has its own count of forwards): the same steps and
+    weights as one process without either, and in lockstep as many forwards on each process."""
+    runs = {"p1": (1, ""), "p2-ckpt": (2, "checkpointing"), "p2-all": (2, "lockstep+budget+checkpointing")}
+    for name, (n, mode) in runs.items():
+        result = launch(n, str(SCRIPT), str(tmp_path), name, mode)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    one = torch.load(tmp_path / "p1.params.pt")
+    steps1 = read_steps(db_path(tmp_path, "p1")).set_index("step")
+    for name in ("p2-ckpt", "p2-all"):
+        two = torch.load(tmp_path / f"{name}.params.pt")
+        for param in one:
+            torch.testing.assert_close(one[param], two[param], atol=1e-6, rtol=0, msg=f"{name}: {param}")
+        assert_same_metrics(steps1, read_steps(db_path(tmp_path, name)).set_index("step"))
+    counts = [int((tmp_path / f"p2-all.forwards.{rank}").read_text()) for rank in (0, 1)]
+    assert counts[0] == counts[1] > 0
+
+
+@pytest.mark.slow
 def test_two_process_run_checkpoints_whole_and_resumes_after_kill_9(tmp_path):
     options = ["--steps", "4", "--prompts-per-step", "4", "--group-size", "8", "--checkpoint-every", "2",
                "--eval-every", "4", "--eval-limit", "20", "--micro-batch-size", "2", "--seed", "2"]

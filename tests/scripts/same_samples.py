@@ -13,7 +13,10 @@ With `lockstep`, the trainer runs its forward passes as it does on sharded weigh
 cannot set up on CPU): every process as many as the busiest one. Each process then writes how many forwards its model
 ran to <runs_dir>/<run_name>.forwards.<rank>.
 
-    accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic][+lockstep]
+With `checkpointing`, the run uses --gradient-checkpointing; with `budget`, token-budget micro-batches
+(--max-tokens-per-micro-batch 40: a few sequences each).
+
+    accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic][+lockstep]...
 """
 
 import dataclasses
@@ -52,11 +55,15 @@ class SeededPerPrompt:
 
 
 DYNAMIC = dict(dynamic_sampling=True, max_gen_batches=6, reward_values="-1,1")
+MEMORY_MODES = {"checkpointing": dict(gradient_checkpointing=True), "budget": dict(max_tokens_per_micro_batch=40)}
 
 
 def main(runs_dir: str, run_name: str, mode: str = "") -> None:
     modes = set(mode.split("+"))
     options = dict(OPTIONS, **(DYNAMIC if "dynamic" in modes else {}))
+    for mode_name, mode_options in MEMORY_MODES.items():
+        if mode_name in modes:
+            options.update(mode_options)
     trainer = Trainer(build_config(run_name=run_name, **options), Path(runs_dir), cpu=True)
     acc = trainer.accelerator
     per_step = options["prompts_per_step"]
