@@ -34,6 +34,7 @@ from qae_app import names
 from qae_app.config import FIELDS, RESUMABLE, TrainConfig, coerce_option, given_options, option_flag
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
+from qae_app.lora import is_lora, load_lora_adapter, save_lora_artifacts
 from qae_app.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, DB_FILE, TRAINER_STATE, RunLock, checkpoint_problem,
                             checkpoint_step, config_restore_hint, eval_run_error, list_checkpoints, read_run_config,
                             recent_runs_text, run_dir, trainer_alive, write_manifest)
@@ -214,7 +215,7 @@ class RunSession:
                                "writable --runs-dir.") from err
         self._lock = RunLock(self._staging).acquire("run-name")
 
-    def restore(self, data_fingerprint: str | None) -> TrainerState | None:
+    def restore(self, data_fingerprint: str | None, model=None) -> TrainerState | None:
         """Load the newest checkpoint whose files match their checksums into the accelerator's prepared objects and
         return its trainer state, checked against this run (process count, data position, --steps, the data file's
         sha256); None when the run has no checkpoint (killed before its first: it trains again from step 0). Says so
@@ -260,6 +261,8 @@ class RunSession:
                 f"checkpoint {ckpt.name} would not be the ones logged: resume it as it was launched (accelerate "
                 f"launch --num_processes {trained_by} ...), or start a new run.")
         acc.load_state(str(ckpt))
+        if model is not None:  # (a LoRA run's adapter, from its own folder: `model` unwrapped)
+            load_lora_adapter(ckpt, model)
         self._say(f"resuming run {self.run_id} from checkpoint {ckpt.name}")
         problem = data_position_problem(state.data_position, state.step, cfg)
         if problem:
@@ -439,7 +442,10 @@ class RunSession:
         acc.wait_for_everyone()  # every process's random_states_<i>.pkl is in tmp before it is renamed
         if self.is_main:
             unwrapped = acc.unwrap_model(model)
-            unwrapped.save_pretrained(tmp / "model", safe_serialization=True)
+            if is_lora(unwrapped):  # model/: the merged weights, as a full model folder; adapter/: the adapter
+                save_lora_artifacts(tmp, unwrapped)
+            else:
+                unwrapped.save_pretrained(tmp / "model", safe_serialization=True)
             codec.save(tmp / "model")
             state.save(tmp / TRAINER_STATE)
             write_manifest(tmp)

@@ -39,6 +39,7 @@ from qae_app.errors import QAEUserError
 from qae_app.evaluate import evaluate, summarize
 from qae_app.faults import fault_point
 from qae_app.formatting import as_float
+from qae_app.lora import AdaptersDisabled, apply_lora, trainable_parameters
 from qae_app.models import check_prompt_lengths, disable_dropout, load_policy
 from qae_app.rewards import Scorer, shape_rewards
 from qae_app.rollout import ShardedPolicy, make_engine, plan_for
@@ -217,7 +218,7 @@ class Trainer:
             self._load_data()
             self._load_models()
             if resume:
-                restored = self.session.restore(self.data_fingerprint)
+                restored = self.session.restore(self.data_fingerprint, self.accelerator.unwrap_model(self.model))
                 if restored is not None:
                     self.state = restored
                     self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
@@ -277,22 +278,31 @@ class Trainer:
             check_prompt_lengths(model, self.codec, [(p.prompt_id, self.eval_task.prompt(p))
                                                      for p in self._evaluated_problems()], cfg.max_new_tokens,
                                  "eval-bench")
+        self.logits_keyword = logits_keyword(model)  # (of the Hugging Face model: peft's and DDP's take **kwargs)
+        if cfg.lora_rank:
+            if plan_for(acc).sharding != "none":
+                raise QAEUserError(f"lora-rank: LoRA is not supported with sharded weights ({plan_for(acc).sharding})"
+                                   ". Launch with DDP (accelerate launch --multi_gpu) or one process, or train "
+                                   "every weight (--lora-rank 0).")
+            model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, model_name=cfg.model)
         self.ref_model = None
-        if cfg.kl_beta > 0:
+        if cfg.kl_beta > 0 and cfg.lora_rank:  # the base model is the policy with its adapters off: no second copy
+            self.ref_model = AdaptersDisabled(model)
+        elif cfg.kl_beta > 0:
             self.ref_model, _ = load_policy(cfg.model, cfg.dtype)
             self.ref_model.requires_grad_(False).eval()
+        trainable = trainable_parameters(model)  # with LoRA only the adapters: no gradient or moments for the rest
         # the fused kernel (one pass over all parameters) is several times faster than the per-tensor loop on CPU too
-        fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in model.parameters())
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
+        fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in trainable)
+        optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
         warmup = cfg.warmup_steps
         # stepped once per RL step on every process; not passed to accelerate.prepare, whose wrapper would step it
         # once per process per call (a warmup num_processes times too fast); checkpointed as a custom object
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.model, self.optimizer = acc.prepare(model, optimizer)
-        self.logits_keyword = logits_keyword(model)  # (of the unwrapped model: a DDP wrapper takes **kwargs)
         acc.register_for_checkpointing(self.scheduler)
-        if self.ref_model is not None:
+        if self.ref_model is not None and not cfg.lora_rank:
             self.ref_model.to(acc.device)
         self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
                                   sharded=ShardedPolicy.of(acc, self.model))

@@ -233,7 +233,8 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
             if mb_forwarded == 0:
                 # every advantage is 0 on every process: the gradient is exactly 0 without computing it
                 for p in model.parameters():
-                    p.grad = torch.zeros_like(p)
+                    if p.requires_grad:  # (not a frozen LoRA base weight: it would hold a gradient forever)
+                        p.grad = torch.zeros_like(p)
             else:
                 stats = accumulate_gradients(model, batch, ix[forwarded[ix]], old_logp, have_old, ref_logp,
                                              advantages, normalizer, ix, options, acc)
