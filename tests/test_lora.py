@@ -213,3 +213,30 @@ def test_lora_with_sharded_weights_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_module, "plan_for", lambda accelerator: ShardingPlan("fsdp2", True, True))
     with pytest.raises(QAEUserError, match=r"lora-rank: LoRA is not supported with sharded weights \(fsdp2\)"):
         Trainer(build_config(run_name="sharded", lora_rank=4), tmp_path, cpu=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a real pretrained model
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # (peft on transformers 5)
+def test_lora_on_smollm2_trains_only_adapters_and_eval_loads_the_checkpoint(smollm2_gguf, tmp_path):
+    """SmolLM2-135M (GGUF), 2 steps with --lora-rank 8. Overlong shaping gives the groups signal whatever the
+    answers (a shorter response earns more), so the adapters move."""
+    cfg = build_config(run_name="smol", model=str(smollm2_gguf), data="arith", lora_rank=8, steps=2,
+                       prompts_per_step=2, group_size=4, max_new_tokens=16, overlong_buffer=12, num_mini_batches=1,
+                       lr=1e-3, eval_every=0, seed=3)
+    trainer = Trainer(cfg, tmp_path, cpu=True)
+    assert trainer.model.peft_config["default"].target_modules == set(LLAMA_LINEARS)  # the default targets
+    frozen = base_weights(trainer.model)
+    adapters = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} == \
+        {id(p) for n, p in trainer.model.named_parameters() if n in adapters}
+    assert trainer.fit().status == "finished"
+    params = dict(trainer.model.named_parameters())
+    assert all(torch.equal(params[n], w) for n, w in frozen.items())
+    assert any(not torch.equal(params[n], w) for n, w in adapters.items() if "lora_B" in n)
+    result = runner.invoke(app, ["eval", "--model", "smol", "--bench", "arith", "--limit", "2", "--samples", "1",
+                                 "--max-new-tokens", "8", "--runs-dir", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
