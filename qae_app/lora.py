@@ -13,6 +13,7 @@ every base weight). Dropout stays off (`lora_dropout=0`): the old log-probs and 
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -27,11 +28,12 @@ ADAPTER_NAME = "default"  # peft's name of the one adapter qae trains
 
 
 def is_lora(model: torch.nn.Module) -> bool:
-    """`model` (unwrapped) is a peft model with LoRA adapters."""
-    try:
-        from peft import PeftModel
-    except ImportError:
+    """`model` (unwrapped) is a peft model with LoRA adapters. (A run without LoRA never imports peft: no peft
+    model can exist before it is imported.)"""
+    if "peft" not in sys.modules:
         return False
+    from peft import PeftModel
+
     return isinstance(model, PeftModel)
 
 
