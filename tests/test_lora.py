@@ -4,6 +4,11 @@ exact. Real tiny model, real peft, real checkpoints."""
 
 import copy
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,3 +245,24 @@ def test_lora_on_smollm2_trains_only_adapters_and_eval_loads_the_checkpoint(smol
     result = runner.invoke(app, ["eval", "--model", "smol", "--bench", "arith", "--limit", "2", "--samples", "1",
                                  "--max-new-tokens", "8", "--runs-dir", str(tmp_path), "--json"])
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_one_process_adapters(tmp_path):
+    """Under `accelerate launch --num_processes 2` (DDP over gloo) the adapters, the KL to the adapters-off reference
+    and every stored row are those of one process on the same samples (tests/scripts/same_samples.py)."""
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
+    script = Path(__file__).parent / "scripts" / "same_samples.py"
+    for n in (1, 2):
+        command = [accelerate, "launch", "--num_processes", str(n), "--num_machines", "1", "--mixed_precision", "no",
+                   "--dynamo_backend", "no", *(["--multi_gpu"] if n > 1 else ["--cpu"]), str(script), str(tmp_path),
+                   f"p{n}", "lora"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=dict(os.environ))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    one, two = (torch.load(tmp_path / f"p{n}.params.pt") for n in (1, 2))
+    assert one.keys() == two.keys() and any("lora_B" in name for name in one)
+    for name in one:
+        torch.testing.assert_close(one[name], two[name], atol=1e-6, rtol=0, msg=name)
+    steps1, steps2 = (read_steps(db_path(tmp_path, f"p{n}")).set_index("step") for n in (1, 2))
+    assert (steps1["kl"] > 0).any()
+    assert_same_metrics(steps1, steps2)

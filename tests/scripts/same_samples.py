@@ -13,7 +13,10 @@ With `lockstep`, the trainer runs its forward passes as it does on sharded weigh
 cannot set up on CPU): every process as many as the busiest one. Each process then writes how many forwards its model
 ran to <runs_dir>/<run_name>.forwards.<rank>.
 
-    accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic][+lockstep]
+With `lora` (tests/test_lora.py), the run trains LoRA adapters of rank 4 with a KL term (the reference: the policy
+with its adapters off).
+
+    accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic][+lockstep][+lora]
 """
 
 import dataclasses
@@ -52,11 +55,12 @@ class SeededPerPrompt:
 
 
 DYNAMIC = dict(dynamic_sampling=True, max_gen_batches=6, reward_values="-1,1")
+LORA = dict(lora_rank=4, kl_beta=0.1, lr=1e-3)
 
 
 def main(runs_dir: str, run_name: str, mode: str = "") -> None:
     modes = set(mode.split("+"))
-    options = dict(OPTIONS, **(DYNAMIC if "dynamic" in modes else {}))
+    options = dict(OPTIONS, **(DYNAMIC if "dynamic" in modes else {}), **(LORA if "lora" in modes else {}))
     trainer = Trainer(build_config(run_name=run_name, **options), Path(runs_dir), cpu=True)
     acc = trainer.accelerator
     per_step = options["prompts_per_step"]
