@@ -86,6 +86,12 @@ NUMERIC_RANGES: dict[str, Range] = {
     "clip_low": Range(0.0, 1.0, True, "Use 0 <= clip-low < 1 (default 0.2)", high_allowed=False),
     "clip_high": Range(0.0, 10.0, True, "Use a clip-high from 0 to 10 (default 0.28)"),
     "kl_beta": Range(0.0, 10.0, True, "Use a KL weight from 0 (no reference model) to 10; 0.001-0.1 is usual"),
+    "lora_rank": Range(0, INT32_MAX, True, "Use 0 (no LoRA: every weight trains) or a rank such as 8-64"),
+    "lora_alpha": Range(0.0, math.inf, False, "Use an alpha > 0, e.g. 2 x --lora-rank (the default): the adapters' "
+                                              "output is scaled by alpha / rank"),
+    "lora_dropout": Range(0.0, 0.0, True, "Leave it at 0: qae trains with dropout off, because the old log-probs "
+                                          "(no gradient) and the update must see the same network for the ratio to "
+                                          "start at 1"),
     # a token's entropy lies in [0, ln(vocabulary size)], about 12 nats for a 150k-token vocabulary: a band outside
     # it warns on every step (or never)
     "entropy_low": Range(0.0, MAX_ENTROPY_NATS, True, "Use a number of nats below the entropy-high bound, e.g. 0.5 "
@@ -206,6 +212,16 @@ class TrainConfig:
                                                  "prompt + response), padding cut to each micro-batch's longest. The "
                                                  "same update. At least the longest prompt + max-new-tokens.",
                                                  "memory", resumable=True)
+    # --- LoRA
+    lora_rank: int = opt(0, "Train LoRA adapters of this rank instead of every weight (0: off). Only the adapters get "
+                         "gradients and optimizer state; the KL's reference is the base model (adapters off).", "lora")
+    lora_alpha: float | None = opt(None, "LoRA alpha: the adapters' output is scaled by alpha / rank. Default: 2 x "
+                                   "--lora-rank.", "lora")
+    lora_targets: str | None = opt(None, "LoRA: comma list of the linear layers to adapt, by name (e.g. "
+                                   "q_proj,v_proj). Default: every linear layer but the output layer (a Llama's "
+                                   "attention and MLP projections).", "lora")
+    lora_dropout: float = opt(0.0, "LoRA dropout: must be 0 (dropout is off in training: the old log-probs and the "
+                              "update must see the same network).", "lora")
     # --- monitoring and evaluation
     entropy_low: float | None = opt(None, "Warn when the smoothed token entropy falls below this many nats "
                                     "(collapse): raise K. Default: the starting entropy / "
@@ -274,6 +290,14 @@ class TrainConfig:
                                f"sequence of a prompt and max-new-tokens {self.max_new_tokens} response tokens. Use "
                                "at least the longest prompt plus max-new-tokens, or leave it unset for "
                                "--micro-batch-size sequences per micro-batch.")
+        if not self.lora_rank:
+            for name in ("lora_alpha", "lora_targets"):
+                if getattr(self, name) is not None:
+                    raise QAEUserError(f"{option_flag(name)}: {getattr(self, name)} does nothing without LoRA. Set "
+                                       "--lora-rank (e.g. 16) to train adapters, or drop it.")
+        if self.lora_targets is not None and not [t for t in self.lora_targets.split(",") if t.strip()]:
+            raise QAEUserError(f"lora-targets: '{self.lora_targets}' names no layer. Pass a comma list of linear "
+                               "layer names (e.g. q_proj,v_proj), or leave it out for every linear layer.")
         for name in BOUNDED_BY_ANOTHER_OPTION:  # their own range, now that the tighter bound holds
             check_range(name, getattr(self, name))
         if self.run_name is not None:

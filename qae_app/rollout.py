@@ -203,12 +203,21 @@ class SamplingStats:
         return torch.stack(self.logprobs, 1).tolist(), torch.stack(self.entropies, 1).tolist()
 
 
+def sampling_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model `generate` runs on: `model` itself, or for a LoRA (peft) model its base model, whose
+    linear layers peft replaced by adapted ones (so it samples from the adapted policy) and whose generation_config
+    is the one sample_batch sets aside (a peft wrapper would take the assignment on itself)."""
+    from qae_app.lora import is_lora
+
+    return model.get_base_model() if is_lora(model) else model
+
+
 class HFGenerateEngine:
     """transformers `generate` on the training model itself (no copy, so there are no weights to sync)."""
 
     def __init__(self, model: torch.nn.Module, codec: TextCodec, batch_size: int = 256,
                  sampling: SamplingOptions = PLAIN_SAMPLING, sharded: ShardedPolicy | None = None):
-        self.model = model
+        self.model = sampling_model(model)
         self.codec = codec
         self.batch_size = batch_size  # sequences per generate call
         self.sampling = sampling.validate()
@@ -216,7 +225,7 @@ class HFGenerateEngine:
         self.share_prompts = True  # compute a prompt's cache once for its group (bench/bench_generate.py compares)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        self.model = model
+        self.model = sampling_model(model)
 
     def generation_config(self, temperature: float, max_new_tokens: int):
         """Every setting that shapes the sampled distribution or the stopping, spelled out: exactly

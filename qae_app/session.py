@@ -36,6 +36,7 @@ from qae_app.checkpoint_state import (is_data_checkpoint, load_training_state, p
 from qae_app.config import FIELDS, RESUMABLE, TrainConfig, coerce_option, given_options, option_flag
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
+from qae_app.lora import is_lora, load_lora_adapter, save_lora_artifacts
 from qae_app.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, DB_FILE, TRAINER_STATE, RunLock, checkpoint_problem,
                             checkpoint_step, config_restore_hint, eval_run_error, list_checkpoints, read_run_config,
                             recent_runs_text, run_dir, trainer_alive, write_manifest)
@@ -266,6 +267,8 @@ class RunSession:
                 f"checkpoint {ckpt.name} would not be the ones logged: resume it as it was launched (accelerate "
                 f"launch --num_processes {trained_by} ...), or start a new run.")
         self._load_training_state(ckpt, model, optimizer, scheduler)
+        if is_lora(acc.unwrap_model(model)):  # (a LoRA run's adapter, from its own folder)
+            load_lora_adapter(ckpt, acc.unwrap_model(model))
         self._say(f"resuming run {self.run_id} from checkpoint {ckpt.name}")
         problem = data_position_problem(state.data_position, state.step, cfg)
         if problem:
@@ -449,7 +452,10 @@ class RunSession:
         save_training_state(tmp, unwrapped, optimizer, scheduler, acc.process_index, self.is_main)
         acc.wait_for_everyone()  # every process's random states are in tmp before it is renamed
         if self.is_main:
-            unwrapped.save_pretrained(tmp / "model", safe_serialization=True)
+            if is_lora(unwrapped):  # model/: the merged weights, as a full model folder; adapter/: the adapter
+                save_lora_artifacts(tmp, unwrapped)
+            else:
+                unwrapped.save_pretrained(tmp / "model", safe_serialization=True)
             codec.save(tmp / "model")
             state.save(tmp / TRAINER_STATE)
             write_manifest(tmp)

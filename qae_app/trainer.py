@@ -38,7 +38,7 @@ from qae_app.errors import QAEUserError
 from qae_app.evaluate import evaluate, summarize
 from qae_app.faults import fault_point
 from qae_app.formatting import as_float
-from qae_app.chunked_head import check_chunked_head, default_chunk_tokens
+from qae_app.lora import AdaptersDisabled, apply_lora, trainable_parameters
 from qae_app.models import (check_prompt_lengths, check_token_budget, disable_dropout, enable_gradient_checkpointing,
                             load_policy)
 from qae_app.rewards import Scorer, shape_rewards
@@ -47,8 +47,8 @@ from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
 from qae_app.rundir import file_sha256
 from qae_app.session import RunSession, TrainerState
 from qae_app.tasks import load_benchmark, load_task, prompts_at
-from qae_app.update import (NO_UPDATE, UpdateOptions, entropy_change, float_dtype, logits_keyword, pack,
-                            policy_update)
+from qae_app.update import (NO_UPDATE, UpdateOptions, entropy_change, float_dtype, logits_keyword,
+                            logprob_chunk_tokens, optimizer_and_schedule, pack, policy_update)
 
 ENTROPY_EMA_ALPHA = 0.1  # smoothing of the entropy that the band warnings watch (about the last 10 steps)
 
@@ -283,22 +283,27 @@ class Trainer:
                                cfg.max_new_tokens, cfg.max_tokens_per_micro_batch, "the data's")
         if cfg.gradient_checkpointing:  # (only training forwards: the no-grad passes and generate run as they are)
             enable_gradient_checkpointing(model)
+        self.logits_keyword = logits_keyword(model)  # (of the Hugging Face model: peft's and DDP's take **kwargs)
+        if cfg.lora_rank:
+            if plan_for(acc).sharding != "none":
+                raise QAEUserError(f"lora-rank: LoRA is not supported with sharded weights ({plan_for(acc).sharding})"
+                                   ". Launch with DDP (accelerate launch --multi_gpu) or one process, or train "
+                                   "every weight (--lora-rank 0).")
+            model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, model_name=cfg.model)
         self.ref_model = None
-        if cfg.kl_beta > 0:
+        if cfg.kl_beta > 0 and cfg.lora_rank:  # the base model is the policy with its adapters off: no second copy
+            self.ref_model = AdaptersDisabled(model)
+        elif cfg.kl_beta > 0:
             self.ref_model, _ = load_policy(cfg.model, cfg.dtype)
             self.ref_model.requires_grad_(False).eval()
-        # the fused kernel (one pass over all parameters) is several times faster than the per-tensor loop on CPU too
-        fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in model.parameters())
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
-        warmup = cfg.warmup_steps
-        # stepped once per RL step on every process; not passed to accelerate.prepare, whose wrapper would step it
-        # once per process per call (a warmup num_processes times too fast); checkpointed by the session, as JSON
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        # with LoRA only the adapters are trainable: no gradient or moments for the rest. The scheduler is stepped once
+        # per RL step on every process; not passed to accelerate.prepare, whose wrapper would step it once per process
+        # per call (a warmup num_processes times too fast); checkpointed by the session, as JSON
+        optimizer, self.scheduler = optimizer_and_schedule(trainable_parameters(model), cfg.lr, cfg.weight_decay,
+                                                           cfg.warmup_steps)
         self.model, self.optimizer = acc.prepare(model, optimizer)
-        self.logits_keyword = logits_keyword(model)  # (of the unwrapped model: a DDP wrapper takes **kwargs)
-        self.logprob_chunk_tokens = self._logprob_chunk_tokens()
-        if self.ref_model is not None:
+        self.logprob_chunk_tokens = logprob_chunk_tokens(self.model, cfg.logprob_chunk_tokens, self._say)
+        if self.ref_model is not None and not cfg.lora_rank:
             self.ref_model.to(acc.device)
         self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
                                   sharded=ShardedPolicy.of(acc, self.model))
@@ -308,20 +313,6 @@ class Trainer:
                             else Scorer(self.eval_task.reward, cfg.verify_timeout_s))
         self.state = TrainerState(k=None if cfg.k == "auto" else float(cfg.k),
                                   data_fingerprint=self.data_fingerprint, num_processes=acc.num_processes)
-
-    def _logprob_chunk_tokens(self) -> int:
-        """The update's logprob_chunk_tokens, decided once for the run: the config's (default: 256 MiB of float32
-        logits per chunk), or 0 (the full logits) where the model cannot take the chunked head (a sharded head,
-        soft-capped logits), which the run says once."""
-        requested = self.cfg.logprob_chunk_tokens
-        if requested == 0:
-            return 0
-        try:
-            vocab = check_chunked_head(self.model)
-        except QAEUserError as err:
-            self._say(f"[yellow]note:[/] log-probs from the full logits, not in chunks of tokens: {err}")
-            return 0
-        return requested or default_chunk_tokens(vocab)
 
     # -------------------------------------------------------------------------------------------------------------
     # the loop

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 import torch
 
 from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
-from qae_app.chunked_head import causal_lm_logprobs
+from qae_app.chunked_head import causal_lm_logprobs, check_chunked_head, default_chunk_tokens
+from qae_app.errors import QAEUserError
 from qae_app.losses import policy_loss, token_logprobs_and_entropy
 
 # the options TrainConfig gives the update, by the same names
@@ -290,7 +291,8 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
             if mb_forwarded == 0:
                 # every advantage is 0 on every process: the gradient is exactly 0 without computing it
                 for p in model.parameters():
-                    p.grad = torch.zeros_like(p)
+                    if p.requires_grad:  # (not a frozen LoRA base weight: it would hold a gradient forever)
+                        p.grad = torch.zeros_like(p)
             else:
                 stats = accumulate_gradients(model, batch, ix[forwarded[ix]], old_logp, have_old, ref_logp,
                                              advantages, normalizer, ix, options, acc)
@@ -431,3 +433,31 @@ def entropy_change(model, batch, entropy_before: torch.Tensor, correct: torch.Te
 
 NO_UPDATE = {**dict.fromkeys(("loss", "pg_loss", "kl", "grad_norm", "clip_frac", "clip_frac_low", "clip_frac_high"),
                              math.nan), "n_updates": 0}  # a step with nothing to learn from (dynamic sampling)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what the update is set up with, once per run
+
+
+def optimizer_and_schedule(trainable: list[torch.nn.Parameter], lr: float, weight_decay: float, warmup_steps: int):
+    """AdamW over `trainable` and its LR schedule: a linear warmup over `warmup_steps` updates, then constant."""
+    # the fused kernel (one pass over all parameters) is several times faster than the per-tensor loop on CPU too
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in trainable)
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, fused=fused)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
+    return optimizer, schedule
+
+
+def logprob_chunk_tokens(model, requested: int | None, say) -> int:
+    """The update's logprob_chunk_tokens, decided once for the run: `requested` (None: 256 MiB of float32 logits per
+    chunk), or 0 (the full logits) where the model cannot take the chunked head (a sharded head, soft-capped logits,
+    a peft-wrapped model), which `say` tells once."""
+    if requested == 0:
+        return 0
+    try:
+        vocab = check_chunked_head(model)
+    except QAEUserError as err:
+        say(f"[yellow]note:[/] log-probs from the full logits, not in chunks of tokens: {err}")
+        return 0
+    return requested or default_chunk_tokens(vocab)

@@ -14,6 +14,7 @@ import os
 import torch
 
 from qae_app.errors import QAEUserError
+from qae_app.lora import is_lora, merged_weights
 from qae_app.models import TextCodec, local_model_folder
 from qae_app.rollout import Sample, ShardedPolicy, cut_at_stop
 from qae_app.sampling import PLAIN_SAMPLING, SamplingOptions
@@ -74,8 +75,12 @@ class VLLMEngine:
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Load the trainer's parameters (names as in the HF checkpoint) into vLLM's model; sharded weights (FSDP,
-        ZeRO-3) are gathered to full tensors first, one unit at a time."""
-        weights = (self.sharded.full_weights(model) if self.sharded.plan.gather_full_weights
-                   else model.state_dict().items())
+        ZeRO-3) are gathered to full tensors first, one unit at a time; a LoRA model's adapters are merged into
+        their layers' weights (W + B @ A * alpha / rank), one layer at a time."""
+        if is_lora(model):  # (LoRA is refused with sharded weights: see Trainer._load_models)
+            weights = merged_weights(model)
+        else:
+            weights = (self.sharded.full_weights(model) if self.sharded.plan.gather_full_weights
+                       else model.state_dict().items())
         self._vllm_model().load_weights(((name, p.detach()) for name, p in weights))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights

@@ -15,6 +15,7 @@ from qae_app.config import build_config
 from qae_app.errors import QAEUserError
 from qae_app.models import enable_gradient_checkpointing
 from qae_app.trainer import Trainer
+from qae_app.update import logprob_chunk_tokens
 
 
 def tiny_llama(seed: int = 0):
@@ -189,7 +190,7 @@ def test_a_model_the_chunked_head_refuses_uses_the_full_logits_and_says_so_once(
     try:
         messages.clear()
         trainer.accelerator.unwrap_model(trainer.model).config.final_logit_softcapping = 30.0
-        assert trainer._logprob_chunk_tokens() == 0
+        assert logprob_chunk_tokens(trainer.model, None, trainer._say) == 0
         assert len(messages) == 1 and "full logits" in messages[0] and "final_logit_softcapping" in messages[0]
     finally:
         trainer.close()

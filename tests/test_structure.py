@@ -22,7 +22,7 @@ LAYERS = [
     {"errors", "names", "faults"},
     {"environment", "rundir", "metrics", "datasets", "rows", "formatting", "answers", "sampling"},
     {"store", "run_file", "store_write", "store_read", "tasks", "config", "compare"},
-    {"advantages", "losses", "chunked_head", "models", "rewards", "verifier_pool", "verifier_preload",
+    {"advantages", "losses", "chunked_head", "models", "lora", "rewards", "verifier_pool", "verifier_preload",
      "checkpoint_state", "session"},
     {"rollout", "vllm_engine", "evaluate", "warmstart", "update"},
     {"trainer", "sweep"},

@@ -110,3 +110,29 @@ def test_sync_gathers_full_weights_when_the_plan_says_so(fake_vllm):
                         sharded=RecordingShardedPolicy(ShardingPlan("fsdp2", True, True)))
     engine.sync_weights(model)
     assert gathered == [model] and engine.llm.loaded == ["weight"]
+
+
+def test_sync_of_a_lora_model_loads_the_merged_weights(fake_vllm):
+    """vLLM holds a plain model: it gets W + B @ A * alpha / rank for an adapted layer, the base weight for the rest,
+    under the Hugging Face checkpoint's names."""
+    from qae_app.lora import apply_lora
+    from qae_app.models import build_tiny_model
+    from qae_app.vllm_engine import VLLMEngine
+
+    model = apply_lora(build_tiny_model()[0], rank=4, alpha=6.0, targets="q_proj,down_proj")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    engine = VLLMEngine("some/model", CharTokenizer())
+    weights = {}
+    engine._vllm_model().load_weights = lambda pairs: weights.update((name, t.clone()) for name, t in pairs)
+    engine.sync_weights(model)
+    plain = build_tiny_model()[0].state_dict()  # the same base weights (seeded), no adapters
+    assert list(weights) == list(plain)
+    layer = model.get_base_model().model.layers[0].self_attn.q_proj
+    A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight  # (r, in), (out, r)
+    torch.testing.assert_close(weights["model.layers.0.self_attn.q_proj.weight"],
+                               plain["model.layers.0.self_attn.q_proj.weight"] + B @ A * (6.0 / 4), rtol=0, atol=1e-7)
+    assert torch.equal(weights["model.layers.0.self_attn.k_proj.weight"], plain["model.layers.0.self_attn.k_proj.weight"])
+    assert engine.llm.prefix_resets == 1

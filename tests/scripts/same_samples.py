@@ -14,9 +14,10 @@ cannot set up on CPU): every process as many as the busiest one. Each process th
 ran to <runs_dir>/<run_name>.forwards.<rank>.
 
 With `checkpointing`, the run uses --gradient-checkpointing; with `budget`, token-budget micro-batches
-(--max-tokens-per-micro-batch 40: a few sequences each).
+(--max-tokens-per-micro-batch 40: a few sequences each). With `lora` (tests/test_lora.py), the run trains LoRA adapters
+of rank 4 with a KL term (the reference: the policy with its adapters off).
 
-    accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic][+lockstep]...
+    accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic][+lockstep][+lora]...
 """
 
 import dataclasses
@@ -56,11 +57,12 @@ class SeededPerPrompt:
 
 DYNAMIC = dict(dynamic_sampling=True, max_gen_batches=6, reward_values="-1,1")
 MEMORY_MODES = {"checkpointing": dict(gradient_checkpointing=True), "budget": dict(max_tokens_per_micro_batch=40)}
+LORA = dict(lora_rank=4, kl_beta=0.1, lr=1e-3)
 
 
 def main(runs_dir: str, run_name: str, mode: str = "") -> None:
     modes = set(mode.split("+"))
-    options = dict(OPTIONS, **(DYNAMIC if "dynamic" in modes else {}))
+    options = dict(OPTIONS, **(DYNAMIC if "dynamic" in modes else {}), **(LORA if "lora" in modes else {}))
     for mode_name, mode_options in MEMORY_MODES.items():
         if mode_name in modes:
             options.update(mode_options)
