@@ -260,3 +260,48 @@ def test_a_checkpoint_an_older_qae_wrote_resumes_only_with_trust_pickles(sent_ru
     assert resumed.exit_code == 0, resumed.output
     assert last_logged_step(runs_dir / "r") == 3
     assert (runs_dir / "r" / "checkpoints" / "step-3" / POLICY_FILE).exists()  # and saved in the data format since
+
+
+# every call that can run code from a file it reads, and the only functions allowed to make one: both behind the
+# user's --trust-pickles for a folder an older qae wrote
+UNPICKLING_CALLS = ("pickle.load", "torch.load", ".load_state(", "weights_only=False", "joblib.load", "dill.load")
+TRUSTED_ONLY = {("store_write.py", "convert_legacy_pending"), ("session.py", "_load_training_state")}
+
+
+def test_nothing_unpickles_outside_the_trusted_legacy_path():
+    """Whatever a command or a dashboard page reads goes through code that cannot run what it reads: the project's
+    only unpickling calls sit in the two functions --trust-pickles guards (checked there by the tests above)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    found = set()
+    for path in [*(root / "qae_app").glob("*.py"), *(root / "dashboard").rglob("*.py")]:
+        tree = ast.parse(path.read_text())
+        for function in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            for node in ast.walk(function):
+                if isinstance(node, ast.Call):
+                    call = ast.unparse(node)
+                    if any(pattern in call for pattern in UNPICKLING_CALLS):
+                        found.add((path.name, function.name))
+        for statement in tree.body:  # calls at import time
+            if not isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                calls = [ast.unparse(n) for n in ast.walk(statement) if isinstance(n, ast.Call)]
+                assert not [c for c in calls if any(p in c for p in UNPICKLING_CALLS)], path
+    assert found == TRUSTED_ONLY
+
+
+def test_every_dashboard_page_on_a_folder_of_payloads_runs_none(sent_run, tmp_path, monkeypatch):
+    """Every file of a run folder replaced by a payload at once (the database too): each page shows what it can and
+    runs nothing."""
+    from tests.dashboard_helpers import make_app
+
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(sent_run, runs_dir)
+    marker = tmp_path / "ran"
+    for name in run_folder_files(runs_dir / "r"):
+        (runs_dir / "r" / name).write_bytes(planted_pickle(marker))
+    run_page = make_app(runs_dir, monkeypatch)
+    for view in (None, "curves", "distributions", "rollouts", "prompts", "evals", "eval_samples", "compare"):
+        page = run_page(view, run="r")
+        assert not page.exception, (view, page.exception)
+    assert not marker.exists()

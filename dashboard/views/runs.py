@@ -49,7 +49,8 @@ COLUMNS = {
 
 def table(all_runs: pd.DataFrame) -> pd.DataFrame:
     frame = all_runs.copy()
-    for column in COLUMNS:
+    # (a list of unreadable runs only has none of the columns a readable run's row brings)
+    for column in (*COLUMNS, "last_step", "stored_run_id"):
         if column not in frame:
             frame[column] = None
     configs = [board.run_config(row) for row in frame.to_dict("records")]
