@@ -42,6 +42,9 @@ _DUCKDB_TEXTS = (
 )
 
 
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
 def environment_errno(err: BaseException) -> int | None:
     """The errno of `err` (or of the error it wraps) when it is a fault of the environment, not damage; else None."""
     seen = set()
@@ -52,6 +55,10 @@ def environment_errno(err: BaseException) -> int | None:
         for pattern, number in _DUCKDB_TEXTS:
             if "duckdb" in type(err).__module__ and pattern.search(str(err)):
                 return number
+        # Rust writers (safetensors: the checkpoint's tensors) report the OS error in their text only
+        rust_os_error = _RUST_OS_ERROR.search(str(err))
+        if rust_os_error and int(rust_os_error.group(1)) in ENVIRONMENT_ERRNOS:
+            return int(rust_os_error.group(1))
         err = err.__cause__ or err.__context__
     return None
 
