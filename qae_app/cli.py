@@ -203,6 +203,7 @@ def run_training(trainer) -> None:
                      "from step 0 (no checkpoint yet; the same seed trains the same steps again)")
             console.print(f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue it {start} with: "
                           f"qae train --resume {result.run_id} --runs-dir {trainer.runs_dir}", highlight=False)
+        end_processes()
         raise typer.Exit(code=130)
     if main:
         console.print(f"[green]done[/]: {result.steps_done} steps, status {result.status}. "
@@ -211,6 +212,17 @@ def run_training(trainer) -> None:
                       f"  qae show {result.run_id} --runs-dir {trainer.runs_dir}\n"
                       f"  qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}\n"
                       f"  qae dashboard --runs-dir {trainer.runs_dir}", highlight=False)
+    end_processes()
+
+
+def end_processes() -> None:
+    """Tear down the process group of an `accelerate launch` run that finished: left to the interpreter's exit, gloo's
+    threads were destroyed still running and a process aborted ('terminate called without an active exception',
+    SIGABRT) after its run had finished and been stored."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def fail_on_write_fault(trainer, err: Exception) -> None:
