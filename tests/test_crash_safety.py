@@ -229,7 +229,7 @@ def test_a_reader_polling_every_100ms_never_hurts_the_writer(tmp_path):
     opts = dict(OPTS, steps=40, checkpoint_every=20)
     proc = start_train(tmp_path, "live", **opts)
     path = db_path(tmp_path, "live")
-    reads = partial_steps = reader_busy = 0
+    reads = partial_steps = reader_busy = mid_run_reads = 0
     while proc.poll() is None:
         time.sleep(0.1)
         if not path.exists():
@@ -249,6 +249,7 @@ def test_a_reader_polling_every_100ms_never_hurts_the_writer(tmp_path):
         finally:
             con.close()
         reads += 1
+        mid_run_reads += 0 < len(steps) < opts["steps"]  # a read between the trainer's writes, not before or after
         for (step,) in steps:  # every step a reader sees is whole
             if per_step.get(step) != PER_STEP or groups.get(step) != opts["prompts_per_step"]:
                 partial_steps += 1
@@ -256,7 +257,8 @@ def test_a_reader_polling_every_100ms_never_hurts_the_writer(tmp_path):
             partial_steps += 1
     out = proc.stdout.read()
     assert proc.returncode == 0, out
-    assert reads > 20 and partial_steps == 0
+    # (a count of reads, not more than 20 of them: how many fit in a run is the machine's speed, not the writer's)
+    assert mid_run_reads >= 1 and partial_steps == 0, (reads, mid_run_reads)
     final = read_steps(path)
     assert final["step"].tolist() == list(range(1, 41))  # zero lost rows
     assert query(path, "SELECT count(*) AS n FROM rollouts")["n"].item() == 40 * PER_STEP
