@@ -28,9 +28,9 @@ whatever the token count (--chunk-tokens 64: 0.69 GB at 4,096 tokens); the plain
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
+
+from child_peak_rss import peak_rss_of_child
 
 GB = 1e9
 
@@ -67,18 +67,6 @@ def run_passes(args) -> None:
     print(f"setup_rss {setup_rss / GB:.2f} GB (torch, the head, the hidden states, before the passes)")
 
 
-def measure(argv: list[str]) -> tuple[int, str]:
-    """(peak RSS in bytes of a child running the passes with these arguments, its output)."""
-    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--child"], stdout=subprocess.PIPE,
-                             text=True)
-    output = child.stdout.read()
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)  # (reaped here: Popen must not wait for it again)
-    if child.returncode != 0:
-        raise SystemExit(f"the child process failed (exit code {child.returncode}); output:\n{output}")
-    return usage.ru_maxrss * 1024, output
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=151936)
@@ -100,7 +88,7 @@ def main() -> None:
         return
     logits_bytes = args.tokens * args.vocab * 4
     print(f"{args.tokens} tokens x {args.vocab} vocab: one float32 logits tensor is {logits_bytes / GB:.2f} GB")
-    peak, output = measure(sys.argv[1:])
+    peak, output = peak_rss_of_child(__file__, sys.argv[1:])
     print(output, end="")
     print(f"peak_rss {peak / GB:.2f} GB")
 

@@ -18,10 +18,10 @@ and the parent reads the child's peak resident set size from the kernel when it 
 from __future__ import annotations
 
 import argparse
-import os
 import resource
-import subprocess
 import sys
+
+from child_peak_rss import peak_rss_of_child
 
 GB = 1e9
 
@@ -63,18 +63,6 @@ def run_update(args) -> None:
     print(f"setup_rss {setup_rss / GB:.2f} GB (torch, the model, the batch, before the update)")
 
 
-def measure(argv: list[str]) -> tuple[int, str]:
-    """(peak RSS in bytes of a child running the update with these arguments, its output)."""
-    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--child"], stdout=subprocess.PIPE,
-                             text=True)
-    output = child.stdout.read()
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)  # (reaped here: Popen must not wait for it again)
-    if child.returncode != 0:
-        raise SystemExit(f"the child process failed (exit code {child.returncode}); output:\n{output}")
-    return usage.ru_maxrss * 1024, output
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=151936)
@@ -94,7 +82,7 @@ def main() -> None:
             torch.set_num_threads(args.threads)
         run_update(args)
         return
-    peak, output = measure(sys.argv[1:])
+    peak, output = peak_rss_of_child(__file__, sys.argv[1:])
     print(output, end="")
     print(f"peak_rss {peak / GB:.2f} GB")
 
