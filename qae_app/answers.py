@@ -86,3 +86,25 @@ def check_lengths(responses: list[str], answers: list[str]) -> None:
     """A reward scores one response against one gold answer: refuse lists of different lengths."""
     if len(responses) != len(answers):
         raise ValueError(f"got {len(responses)} responses but {len(answers)} answers; pass one answer per response")
+
+
+# An instruct model answers a plain question in words ("The answer is 14.", "7 + 7 = 14", "14"), rarely with a box:
+# the number it ends on is its answer, unless it wrote the `Answer: N` line a prompt may ask for.
+_ANSWER_LINE_RE = re.compile(r"^[ \t*#]*answer[ \t*]*:[ \t*$]*(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE | re.MULTILINE)
+_NUMBER_RE = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")  # 14, -3, 1,234, 2.5: a comma only between digit triples
+
+
+def final_number_answer(text: str) -> str | None:
+    """The answer of an instruct model's plain-language response: the number on the last `Answer: N` line when it
+    wrote one, else the last number in the response; commas between digit triples dropped (`1,234` -> `1234`), a
+    trailing sentence period not taken for a decimal point; None when the response holds no number.
+
+    Only the last `FINAL_ANSWER_WINDOW` characters are read; linear time (regular expressions without nesting)."""
+    text = text[-FINAL_ANSWER_WINDOW:]
+    lines = list(_ANSWER_LINE_RE.finditer(text))
+    if lines:
+        return lines[-1].group(1).replace(",", "")
+    last = None
+    for last in _NUMBER_RE.finditer(text):
+        pass
+    return last.group(0).replace(",", "") if last is not None else None

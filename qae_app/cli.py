@@ -351,13 +351,15 @@ def rollouts(
     limit: Annotated[int, typer.Option(help="At most this many responses.")] = 64,
     full: Annotated[bool, typer.Option("--full", help="Print prompts and responses whole (wrapped), not cut to "
                                        "one line.")] = False,
+    model_prompt: Annotated[bool, typer.Option("--model-prompt", help="Also print each prompt as the model saw "
+                                               "it: chat template applied (system message, role markers).")] = False,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
 ) -> None:
     """Show one step's responses: reward, advantage, why each gated one was gated (with the step's breakdown by
     reason), which groups dynamic sampling filtered out of the update, and each group's prompt, answer, baseline and
     regime."""
     from qae_app.names import GATE_REASONS, REGIMES
-    from qae_app.store_read import read_last_step, read_rollouts, resolve_run
+    from qae_app.store_read import read_last_step, read_model_prompts, read_rollouts, resolve_run
     from qae_app.terminal import rollouts_view
 
     try:
@@ -382,12 +384,13 @@ def rollouts(
         everything = read_rollouts(path, step)  # read before anything is printed: a damaged file gives one message
         frame = read_rollouts(path, step, gated=True if gated or why else False if kept else None, regime=regime,
                               search=search, filtered=True if filtered else False if gated or kept or why else None)
+        shown = read_model_prompts(path, step) if model_prompt else None
     except QAEUserError as err:
         fail(err)
     if why is not None:
         frame = frame[frame["gate_reason"] == why]
     out = _view_console()
-    out.print(rollouts_view(run, step, frame, everything, out.width, limit, full))
+    out.print(rollouts_view(run, step, frame, everything, out.width, limit, full, shown))
 
 
 # ---------------------------------------------------------------------------------------------------------------

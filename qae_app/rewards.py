@@ -10,8 +10,10 @@ those and never treats them as a silent 0.
 | `chain_final` | built-in chain task: 1.0 when the integer after the last " so " is exactly the gold integer,   |
 |               | else 0.0; the scratchpad before it is not checked                                              |
 | `math`        | math files: the last `\\boxed{...}` (or a final "answer is X" line) checked with math-verify   |
+| `final_number`| built-in `add` task (instruct models answering in words): the number on the last `Answer: N`    |
+|               | line, else the last number of the response, checked with math-verify                          |
 
-`math` is scored by worker processes (`MathVerifierPool`, qae_app/verifier_pool.py: math-verify can hang, so each item
+`math` and `final_number` are scored by worker processes (`MathVerifierPool`, qae_app/verifier_pool.py: math-verify can hang, so each item
 has a hard deadline) that every `Scorer` starts and closes itself; the answers each reward reads are extracted in
 qae_app/answers.py.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from qae_app.answers import INTEGER_RE, chain_final_answer, check_lengths, extract_answer
+from qae_app.answers import INTEGER_RE, chain_final_answer, check_lengths, extract_answer, final_number_answer
 from qae_app.errors import QAEUserError
 from qae_app.verifier_pool import MathVerifierPool
 
@@ -58,12 +60,13 @@ def chain_final_reward(responses: list[str], answers: list[str]) -> list[float |
 # ---------------------------------------------------------------------------------------------------------------
 # Registry
 
-# name -> reward function. `math` has none: worker processes score it (MathVerifierPool), which each Scorer starts and
-# closes itself, so that no pool outlives the run that uses it.
+# name -> reward function. `math` and `final_number` have none: worker processes score them (MathVerifierPool), which
+# each Scorer starts and closes itself, so that no pool outlives the run that uses it.
 REWARD_FUNCTIONS: dict[str, RewardFunction | None] = {
     "exact_int": exact_int_reward,
     "chain_final": chain_final_reward,
     "math": None,
+    "final_number": None,
 }
 
 
@@ -72,11 +75,13 @@ ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
     "exact_int": lambda response: response.strip(),  # the whole response is the answer
     "chain_final": chain_final_answer,
     "math": extract_answer,
+    "final_number": final_number_answer,
 }
 
 
 def get_reward_function(name: str) -> RewardFunction | None:
-    """The reward function of `name` (None for `math`: only a Scorer, with its own pool, scores it)."""
+    """The reward function of `name` (None for `math` and `final_number`: only a Scorer, with its own pool, scores
+    them)."""
     if name not in REWARD_FUNCTIONS:
         raise QAEUserError(f"reward: unknown reward function '{name}'. Choose one of: {', '.join(REWARD_FUNCTIONS)}.")
     return REWARD_FUNCTIONS[name]
@@ -85,12 +90,14 @@ def get_reward_function(name: str) -> RewardFunction | None:
 class Scorer:
     """The reward function of a task, with its own verifier pool when it needs one; use as a context manager.
 
-    `Scorer("math", timeout_s=3)` owns a `MathVerifierPool` with that per-item deadline; other rewards run inline.
+    `Scorer("math", timeout_s=3)` owns a `MathVerifierPool` with that per-item deadline, checking the answer that
+    `ANSWER_EXTRACTORS[name]` reads (so does `final_number`); other rewards run inline.
     """
 
     def __init__(self, name: str, timeout_s: float = 3.0):
         self.name = name
-        self.pool = MathVerifierPool(timeout_s=timeout_s) if name == "math" else None
+        self.pool = (MathVerifierPool(timeout_s=timeout_s, extract=ANSWER_EXTRACTORS[name])
+                     if name in REWARD_FUNCTIONS and REWARD_FUNCTIONS[name] is None else None)
         self.fn = self.pool.score if self.pool is not None else get_reward_function(name)
 
     def __call__(self, responses: list[str], answers: list[str]) -> list[float | None]:

@@ -22,7 +22,7 @@ from typing import Iterator, Protocol
 import torch
 
 from qae_app.errors import QAEUserError
-from qae_app.models import TextCodec
+from qae_app.models import TextCodec, templated_prompt
 from qae_app.names import ENGINES
 from qae_app.sampling import PLAIN_SAMPLING, SamplingOptions
 
@@ -38,6 +38,8 @@ class Sample:
     # measured them while sampling (the trainer then skips a no-grad pass over the responses to report them)
     token_logprobs: list[float] | None = None
     token_entropies: list[float] | None = None
+    # the prompt as the model saw it, chat template included (models.templated_prompt); None without a template
+    model_prompt: str | None = None
 
 
 class RolloutEngine(Protocol):
@@ -294,6 +296,7 @@ class HFGenerateEngine:
         torch.manual_seed(seed)
         config = self.generation_config(temperature, max_new_tokens)
         encoded = [self.codec.encode(p) for p in prompts]
+        shown = [templated_prompt(self.codec, ids) for ids in encoded]
         # every prompt repeated n times, in order: sample j of prompt i sits at i * n + j
         flat = [(i, ids) for i, ids in enumerate(encoded) for _ in range(n)]
         samples: list[Sample] = []
@@ -325,7 +328,8 @@ class HFGenerateEngine:
                 length = len(response)
                 samples.append(Sample(i, ids, response, self.codec.decode(response), truncated,
                                       token_logprobs[row][:length] if token_logprobs is not None else None,
-                                      token_entropies[row][:length] if token_entropies is not None else None))
+                                      token_entropies[row][:length] if token_entropies is not None else None,
+                                      shown[i]))
         model.train(was_training)
         return samples
 

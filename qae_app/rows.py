@@ -34,13 +34,14 @@ class GroupResult:
     entropies: list[float | None]  # [G], mean token entropy of each response; None if filtered and not measured
     logprobs: list[float | None]  # [G], sum of token log-probs of each response; None if filtered and not measured
     filtered: bool = False  # left out of the update by dynamic sampling
+    model_prompt: str | None = None  # the prompt with the chat template applied, as the model saw it; None without one
 
 
 def group_rows(groups: Sequence[GroupResult]) -> list[dict]:
     return [{
         "group_idx": g.group_idx, "prompt_id": g.prompt_id, "prompt": g.prompt, "answer": g.answer,
         "n_correct": sum(g.correct), "group_size": len(g.rewards), "baseline": g.baseline, "regime": g.regime,
-        "filtered": g.filtered,
+        "filtered": g.filtered, "model_prompt": g.model_prompt,
     } for g in groups]
 
 

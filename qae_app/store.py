@@ -109,6 +109,9 @@ TABLES: dict[str, dict[str, str]] = {
         "answer": "VARCHAR", "n_correct": "INTEGER", "group_size": "INTEGER", "baseline": "DOUBLE",
         "regime": "VARCHAR",
         "filtered": "BOOLEAN",  # left out of the update by dynamic sampling
+        # the prompt as a chat model saw it: chat template applied, special tokens written out (system message, role
+        # markers); NULL for a model without a chat template (the prompt is `prompt` itself) and in older files
+        "model_prompt": "VARCHAR",
     },
     "rollouts": {
         "run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "sample_idx": "INTEGER",
@@ -128,6 +131,7 @@ TABLES: dict[str, dict[str, str]] = {
         "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "problem_id": "VARCHAR",
         "sample_idx": "INTEGER", "response": "VARCHAR", "extracted": "VARCHAR", "correct": "BOOLEAN",
         "verified": "BOOLEAN", "n_tokens": "INTEGER", "source": "VARCHAR",
+        "model_prompt": "VARCHAR",  # as in `groups`: the prompt after the chat template; NULL without one
     },
     "warnings": {"run_id": "VARCHAR", "step": "INTEGER", "kind": "VARCHAR", "message": "VARCHAR"},
 }

@@ -225,6 +225,22 @@ def read_rollouts(path: Path, step: int, gated: bool | None = None, regime: str 
                                       search, search])
 
 
+SQL_HAS_MODEL_PROMPT = """
+    SELECT count(*) FROM duckdb_columns()
+    WHERE database_name = current_database() AND table_name = ? AND column_name = 'model_prompt'
+"""
+SQL_MODEL_PROMPTS = "SELECT group_idx, model_prompt FROM groups WHERE step = ? AND model_prompt IS NOT NULL"
+
+
+def read_model_prompts(path: Path, step: int) -> dict[int, str]:
+    """group_idx -> the prompt as the model saw it (chat template applied) for the groups of one step; empty for a
+    model without a chat template and for files from before the column (read as they are: a reader never migrates)."""
+    with open_reader(path) as con:
+        if not con.execute(SQL_HAS_MODEL_PROMPT, ["groups"]).fetchone()[0]:
+            return {}
+        return {int(g): str(text) for g, text in con.execute(SQL_MODEL_PROMPTS, [step]).fetchall()}
+
+
 def read_evals(path: Path) -> pd.DataFrame:
     return query(path, "SELECT * FROM evals ORDER BY benchmark, subset, metric, k, step")
 

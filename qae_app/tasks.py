@@ -10,6 +10,10 @@ A task is a list of `Problem`s plus the name of the reward function that scores 
   right and written with the brackets that say so (`((7+5)*3)-4=`); the model writes each intermediate result and
   then the final answer (`7+5=12,12*3=36,36-4=32 so 32`, 16-34 characters). 8,192 problems, a fixed held-out split
   of 256. Scored on the final answer only (`chain_final`), so a wrong scratchpad that lands on the right number counts.
+- `add`: the built-in task for a small instruct model (SmolLM2-135M-Instruct, `names.SMOLLM2_MODEL`), in plain
+  language: "What is 17 + 8? Reply with just the number." with operands 0..ADD_MAX_OPERAND. A fixed held-out split
+  of ADD_N_HELDOUT problems. Scored by `final_number` (the last `Answer: N` line, else the response's last number,
+  checked with math-verify), since such a model answers in words ("The answer is 25.") and rarely with a box.
 - a math file (JSONL or Parquet in the GSM8K, MATH-500, AIME, AMC or DAPO-17k formats, see `datasets.py`), prompted to
   put the final answer in `\\boxed{}` and scored with math-verify.
 
@@ -29,7 +33,7 @@ from pathlib import Path
 from qae_app.datasets import Problem, load_math_file
 from qae_app.environment import check_path_names
 from qae_app.errors import QAEUserError
-from qae_app.names import CHAIN_ANSWER_MARKER
+from qae_app.names import CHAIN_ANSWER_MARKER, SMOLLM2_MODEL
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,30 @@ def chain_task() -> Task:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The built-in addition task in plain language, for a small instruct model
+
+ADD_MAX_OPERAND = 29  # operands 0..29: 900 problems; SmolLM2-135M-Instruct starts near 40% (README, measured)
+ADD_N_HELDOUT = 150
+ADD_SPLIT_SEED = 2500  # fixed forever: changing it changes which problems are held out
+ADD_PROMPT_TEMPLATE = "{question} Reply with just the number."
+
+
+def add_problems() -> list[Problem]:
+    """All (ADD_MAX_OPERAND + 1) ** 2 additions, in a fixed order."""
+    return [Problem(prompt_id=f"{a}+{b}", question=f"What is {a} + {b}?", answer=str(a + b), meta={"op": "+"})
+            for a in range(ADD_MAX_OPERAND + 1) for b in range(ADD_MAX_OPERAND + 1)]
+
+
+def add_task() -> Task:
+    problems = add_problems()
+    order = list(range(len(problems)))
+    random.Random(ADD_SPLIT_SEED).shuffle(order)
+    heldout = [problems[i] for i in sorted(order[:ADD_N_HELDOUT])]
+    train = [problems[i] for i in sorted(order[ADD_N_HELDOUT:])]
+    return Task(name="add", train=train, heldout=heldout, reward="final_number", prompt_template=ADD_PROMPT_TEMPLATE)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Registry of built-in tasks
 
 
@@ -167,6 +195,9 @@ BUILTIN_TASKS = {
     # 330 steps: ~34% sampled held-out accuracy, measured (300: 20%, 400: 54%: it rises steeply here).
     # The longest gold response is 34 characters + eos; 48 leaves room for a wrong, longer scratchpad.
     "chain": BuiltinTask(chain_task, model="builtin:tiny-chain", max_new_tokens=48, warmstart_steps=330),
+    # no warm start: the pretrained instruct model starts RL as it is. "42<|im_end|>" is 2 tokens, "The answer is
+    # 42." about 7; 16 leaves room for a short sentence and cuts the rambling ones
+    "add": BuiltinTask(add_task, model=SMOLLM2_MODEL, max_new_tokens=16, warmstart_steps=0),
 }
 
 

@@ -297,9 +297,10 @@ def _evals_table(evals: pd.DataFrame, width: int) -> list[RenderableType]:
 
 
 def rollouts_view(run: str, step: int, frame: pd.DataFrame, everything: pd.DataFrame, width: int, limit: int,
-                  full: bool = False) -> RenderableType:
+                  full: bool = False, model_prompts: dict[int, str] | None = None) -> RenderableType:
     """One step: why its gated responses were gated (the step's breakdown), then each group (prompt, answer, success
-    count, regime, baseline) with its responses (reward, advantage, why gated, the text)."""
+    count, regime, baseline) with its responses (reward, advantage, why gated, the text). `model_prompts` (group ->
+    the prompt after the chat template; `qae rollouts --model-prompt`): printed under each prompt, whole."""
     # a group left out of the update by dynamic sampling is filtered, neither gated nor kept: gated counts are of the
     # trained responses, as frac_zero_adv
     left_out = everything["filtered"].fillna(False).astype(bool)
@@ -335,6 +336,10 @@ def rollouts_view(run: str, step: int, frame: pd.DataFrame, everything: pd.DataF
         if not full:
             prompt.truncate(width, overflow="ellipsis")
         parts.append(prompt)
+        if model_prompts is not None:
+            seen = model_prompts.get(int(g))
+            parts.append(Text("model saw: " + seen.replace("\n", " ⏎ ") if seen is not None else
+                              "model saw: the prompt itself (no chat template)", style="dim" if seen is None else ""))
         responses = [str(r).replace("\n", " ⏎ ") for r in rows["response"]]
         columns = [
             Column("#", [str(s) for s in rows["sample_idx"]], justify="right"),

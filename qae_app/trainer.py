@@ -152,7 +152,8 @@ def group_results(batches: list[GenerationBatch], trained: list[bool], adv, rewa
                 rewards=rewards[local].tolist(), correct=correct[local].tolist(),
                 verified=b.verified[i * G:(i + 1) * G], advantages=adv.advantages[local].tolist(),
                 n_tokens=[len(s.response_ids) for s in group], truncated=[s.truncated for s in group],
-                entropies=entropies, logprobs=logprobs, filtered=not trained[local]))
+                entropies=entropies, logprobs=logprobs, filtered=not trained[local],
+                model_prompt=group[0].model_prompt))
             local += 1
     return results
 

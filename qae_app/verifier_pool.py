@@ -31,6 +31,7 @@ import threading
 import time
 import types
 import weakref
+from collections.abc import Callable
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -204,7 +205,8 @@ class MathVerifierPool:
 
     def __init__(self, timeout_s: float = 3.0, num_workers: int = 2, max_answer_chars: int | None = MAX_ANSWER_CHARS,
                  shortcuts: bool = True, memory_limit_mb: int | None = 4096, startup_timeout_s: float = 120.0,
-                 batch_timeout_s: float | None = None, max_start_failures: int = 3):
+                 batch_timeout_s: float | None = None, max_start_failures: int = 3,
+                 extract: Callable[[str], str | None] = extract_answer):
         """
         timeout_s: seconds one item may take in a worker, counted from when it is sent; then it scores None.
         num_workers: worker processes scoring concurrently.
@@ -215,6 +217,8 @@ class MathVerifierPool:
         batch_timeout_s: seconds one `score()` call may take from its first item sent; items unscored then score
             None (None: `default_batch_timeout_s` of the call's size).
         max_start_failures: workers that may die while starting, in a row, before `score()` raises.
+        extract: the response's final answer, which math-verify checks against the gold (default: the last box or
+            "answer is" line; `answers.final_number_answer` for instruct models answering in words).
         """
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s={timeout_s}: must be a finite number of seconds > 0")
@@ -230,6 +234,7 @@ class MathVerifierPool:
         self.startup_timeout_s = startup_timeout_s
         self.batch_timeout_s = batch_timeout_s
         self.max_start_failures = max_start_failures
+        self.extract = extract
         self.timeouts = 0  # items whose worker was killed at the item deadline
         self.batch_cutoffs = 0  # items left unscored when a call reached its batch bound
         self.crashes = 0  # workers that died while scoring
@@ -344,7 +349,7 @@ class MathVerifierPool:
         # hostile answer costs one timeout, not one per sample
         unique: dict[tuple[str, str], list[int]] = {}
         for i, (response, gold) in enumerate(zip(responses, answers)):
-            prediction = extract_answer(response)
+            prediction = self.extract(response)
             quick = self._shortcut(prediction, gold)
             if quick is not None:
                 results[i] = quick

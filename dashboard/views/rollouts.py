@@ -64,7 +64,7 @@ def open_row(table_key: str, select_key: str, samples: list[int]) -> None:
     st.session_state[select_key] = samples[rows[0]] if rows else None
 
 
-def group(step: int, rows: pd.DataFrame) -> None:
+def group(step: int, rows: pd.DataFrame, model_prompts: dict[int, str]) -> None:
     first = rows.iloc[0]
     g, regime = int(first["group_idx"]), str(first["regime"])
     with st.container(border=True):
@@ -74,7 +74,7 @@ def group(step: int, rows: pd.DataFrame) -> None:
                   else f"{int(rows['gated'].sum())} of {len(rows)} shown gated")
         st.markdown(f"**Group {g}** {badge} · **{int(first['n_correct'])}/{int(first['group_size'])}** correct · "
                     f"baseline **{first['baseline']:.3g}** · {status}")
-        board.show_prompt_and_answer(first["prompt"], first["answer"])
+        board.show_prompt_and_answer(first["prompt"], first["answer"], model_prompts.get(g))
         samples = [int(s) for s in rows["sample_idx"]]
         table_key, select_key = f"table_{step}_{g}", f"open_{step}_{g}"
         st.dataframe(styled(rows), hide_index=True, column_config=RESPONSE_COLUMNS, key=table_key,
@@ -181,8 +181,15 @@ def body(run_id: str) -> None:
         if st.session_state.get("page", 1) > pages:
             st.session_state["page"] = pages
         page = st.pagination(pages, key="page", bind="query-params")
+    # a chat model's prompts as it saw them (chat template applied): empty for other models and older files
+    model_prompts = {}
+    if st.toggle("Show prompts as the model saw them (chat template)", key="model_prompt", bind="query-params"):
+        model_prompts = board.read("read_model_prompts", run_id, step) or {}
+        if not model_prompts:
+            st.caption("This run stored no templated prompts: its model has no chat template (it saw the prompt "
+                       "itself), or the run is older than the column.")
     for g in group_ids[(page - 1) * GROUPS_PER_PAGE: page * GROUPS_PER_PAGE]:
-        group(step, shown[shown["group_idx"] == g])
+        group(step, shown[shown["group_idx"] == g], model_prompts)
 
 
 st.header("Rollouts")
