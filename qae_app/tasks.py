@@ -155,7 +155,7 @@ def chain_task() -> Task:
 # ---------------------------------------------------------------------------------------------------------------
 # The built-in addition task in plain language, for a small instruct model
 
-ADD_MAX_OPERAND = 29  # operands 0..29: 900 problems; SmolLM2-135M-Instruct starts near 40% (README, measured)
+ADD_MAX_OPERAND = 29  # operands 0..29: 900 problems; SmolLM2-135M-Instruct starts at 20% (README)
 ADD_N_HELDOUT = 150
 ADD_SPLIT_SEED = 2500  # fixed forever: changing it changes which problems are held out
 ADD_PROMPT_TEMPLATE = "{question} Reply with just the number."
