@@ -100,3 +100,33 @@ def test_warmstart_refuses_the_add_task(tmp_path):
 def test_a_model_without_chat_template_stores_no_templated_prompt():
     tokenizer = CharTokenizer()
     assert templated_prompt(tokenizer, tokenizer.encode("1+2=")) is None
+
+
+def test_rollouts_show_what_a_chat_model_saw_and_read_older_files(tmp_path):
+    """`qae rollouts --model-prompt` prints the stored templated prompt under each group's prompt; a file without the
+    column (written before it existed) is read as it is, with no templated prompt."""
+    import duckdb
+
+    from qae_app.rundir import db_path
+    from qae_app.store_read import read_model_prompts
+    from tests.synthetic import write_run
+
+    assert write_run(tmp_path, "chat", steps=1, prompts_per_step=2, group_size=4).wait_until_written(timeout_s=60)
+    path = db_path(tmp_path, "chat")
+    seen = "<|im_start|>system\nBe brief<|im_end|>\n<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    with duckdb.connect(str(path)) as con:
+        con.execute("UPDATE groups SET model_prompt = ? WHERE step = 1 AND group_idx = 0", [seen])
+    assert read_model_prompts(path, 1) == {0: seen}
+    result = runner.invoke(app, ["rollouts", "chat", "--step", "1", "--model-prompt", "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "model saw: <|im_start|>system ⏎ Be brief<|im_end|>" in result.output
+    assert "model saw: the prompt itself (no chat template)" in result.output  # group 1 stored none
+    plain = runner.invoke(app, ["rollouts", "chat", "--step", "1", "--runs-dir", str(tmp_path)])
+    assert "model saw" not in plain.output
+
+    with duckdb.connect(str(path)) as con:  # an older file: the column does not exist
+        con.execute("ALTER TABLE groups DROP COLUMN model_prompt")
+    assert read_model_prompts(path, 1) == {}
+    result = runner.invoke(app, ["rollouts", "chat", "--step", "1", "--model-prompt", "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("model saw: the prompt itself") == 2
