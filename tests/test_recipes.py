@@ -91,3 +91,32 @@ def test_the_smollm2_recipe_names_the_packaged_model_and_a_fixed_heldout_set():
     assert cfg.eval_limit is None and len(load_task(cfg.data).heldout) >= 100
     assert 0 < cfg.eval_every < cfg.steps and cfg.steps % cfg.eval_every == 0  # the last step is evaluated
     assert cfg.prompts_per_step * cfg.group_size <= 32 and cfg.max_new_tokens <= 16
+
+
+@pytest.mark.slow
+def test_the_smollm2_recipe_runs_as_it_is_and_stores_what_the_model_saw(tmp_path, smollm2_gguf):
+    """One step of the recipe as it is (shortened by the command line only: one step, the first 8 held-out problems),
+    with the packaged model it names: the step-0 and last evaluations are stored, rewards are final_number verdicts,
+    and each group and evaluation sample keeps the prompt after SmolLM2's chat template."""
+    from qae_app.answers import final_number_answer
+
+    recipe = RECIPES_DIR / "cpu-smollm2-qae.toml"
+    result = subprocess.run([QAE, "train", "--config", str(recipe), "--steps", "1", "--eval-every", "1",
+                             "--eval-limit", "8", "--run-name", "smol", "--runs-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=3600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    path = db_path(tmp_path, "smol")
+    assert read_run(path)["status"] == "finished"
+    assert read_steps(path)["heldout_accuracy"].notna().all()
+    rollouts = query(path, "SELECT r.response, r.correct, g.answer FROM rollouts r "
+                           "JOIN groups g USING (step, group_idx)")
+    assert len(rollouts) == 32
+    for response, correct, answer in zip(rollouts["response"], rollouts["correct"], rollouts["answer"]):
+        extracted = final_number_answer(response)
+        assert correct == (extracted is not None and float(extracted) == float(answer))
+    for table in ("groups", "eval_samples"):
+        shown = query(path, f"SELECT model_prompt FROM {table}")["model_prompt"]
+        assert shown.str.startswith("<|im_start|>system\n").all()
+        assert shown.str.endswith("<|im_start|>assistant\n").all()
+    samples = query(path, "SELECT DISTINCT step FROM eval_samples ORDER BY step")["step"].tolist()
+    assert samples == [0, 1]
