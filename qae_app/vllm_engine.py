@@ -15,7 +15,7 @@ import torch
 
 from qae_app.errors import QAEUserError
 from qae_app.lora import is_lora, merged_weights
-from qae_app.models import TextCodec, local_model_folder
+from qae_app.models import TextCodec, local_model_folder, templated_prompt
 from qae_app.rollout import Sample, ShardedPolicy, cut_at_stop
 from qae_app.sampling import PLAIN_SAMPLING, SamplingOptions
 
@@ -56,6 +56,7 @@ class VLLMEngine:
                  seed: int) -> list[Sample]:
         params = self.sampling_params(n, temperature, max_new_tokens, seed)
         encoded = [self.codec.encode(p) for p in prompts]
+        shown = [templated_prompt(self.codec, ids) for ids in encoded]  # what the model saw (chat template)
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
         samples = []
         for i, output in enumerate(outputs):  # vLLM keeps the order of the prompts
@@ -63,7 +64,8 @@ class VLLMEngine:
                 # vLLM keeps the stop token in token_ids; cut as the HF engine does, so both give the same Sample
                 response, _ = cut_at_stop(list(completion.token_ids), self.codec.stop_ids, self.codec.pad_id)
                 truncated = completion.finish_reason == "length"
-                samples.append(Sample(i, encoded[i], response, self.codec.decode(response), truncated))
+                samples.append(Sample(i, encoded[i], response, self.codec.decode(response), truncated,
+                                      model_prompt=shown[i]))
         return samples
 
     def _vllm_model(self):

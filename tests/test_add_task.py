@@ -130,3 +130,20 @@ def test_rollouts_show_what_a_chat_model_saw_and_read_older_files(tmp_path):
     result = runner.invoke(app, ["rollouts", "chat", "--step", "1", "--model-prompt", "--runs-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert result.output.count("model saw: the prompt itself") == 2
+
+
+def test_a_chat_models_templated_prompt_is_what_its_tokens_say(smollm2_gguf):
+    """SmolLM2's chat template adds a system message and role markers: the stored prompt writes them out, and
+    encoding it again (no template, no special tokens added) gives back the very ids the model was fed."""
+    from transformers import AutoTokenizer
+
+    from qae_app.models import HFTokenizerCodec, local_model_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(local_model_folder(str(smollm2_gguf)))
+    codec = HFTokenizerCodec(tokenizer)
+    ids = codec.encode("What is 2 + 3? Reply with just the number.")
+    shown = templated_prompt(codec, ids)
+    assert shown.startswith("<|im_start|>system\n") and shown.endswith(
+        "<|im_start|>user\nWhat is 2 + 3? Reply with just the number.<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer(shown, add_special_tokens=False)["input_ids"] == ids
+    assert templated_prompt(HFTokenizerCodec(tokenizer, use_chat_template=False), ids) is None
