@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from qae_app.cli import app
 from qae_app.config import build_config
 from qae_app.errors import QAEUserError
-from qae_app.models import BUILTIN_CHECKPOINTS, CharTokenizer, load_policy, tiny_llama_config
+from qae_app.models import BUILTIN_CHECKPOINTS, PACKAGED_GGUF, CharTokenizer, load_policy, tiny_llama_config
 from qae_app.rewards import REWARD_FUNCTIONS, chain_final_reward
 from qae_app.tasks import (
     BUILTIN_TASKS,
@@ -78,8 +78,8 @@ def test_builtin_names():
     assert load_task("arith").name == "arith"
     with pytest.raises(QAEUserError, match="'builtin:nope' is not a built-in task.*builtin:arith, builtin:chain"):
         load_task("builtin:nope")
-    for name, builtin in BUILTIN_TASKS.items():  # every built-in task's model is a shipped checkpoint
-        assert builtin.model in BUILTIN_CHECKPOINTS, name
+    for name, builtin in BUILTIN_TASKS.items():  # a shipped checkpoint, or a pip package's GGUF file (add: SmolLM2)
+        assert builtin.model in BUILTIN_CHECKPOINTS or builtin.model in PACKAGED_GGUF, name
         assert builtin.build().reward in REWARD_FUNCTIONS, name
 
 

@@ -94,6 +94,7 @@ def test_the_smollm2_recipe_names_the_packaged_model_and_a_fixed_heldout_set():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # a real 135M model on CPU: minutes on a quiet machine, far longer on a shared one
 def test_the_smollm2_recipe_runs_as_it_is_and_stores_what_the_model_saw(tmp_path, smollm2_gguf):
     """One step of the recipe as it is (shortened by the command line only: one step, the first 8 held-out problems),
     with the packaged model it names: the step-0 and last evaluations are stored, rewards are final_number verdicts,
