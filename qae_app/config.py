@@ -145,7 +145,8 @@ class TrainConfig:
                                "`qae compare --sweep`).", "run")
     sweep_name: str | None = opt(None, "Set by `qae sweep`: the sweep's name.", "run")
     # --- model and data
-    model: str = opt(names.BUILTIN_MODEL, "Policy: a built-in model, a local folder or a Hugging Face id; a built-in "
+    model: str = opt(names.BUILTIN_MODEL, "Policy: a built-in model, a local folder, a .gguf file, "
+                     f"{names.SMOLLM2_MODEL} (the GGUF file that pip package ships) or a Hugging Face id; a built-in "
                      "task picks its own model unless this is given.", "model")
     dtype: str = opt("float32", "Weights dtype for training.", "model", names.DTYPES)
     data: str = opt("arith", f"Task: a built-in one, {_BUILTIN_TASK_HELP} ('arith' is builtin:arith), or a "
@@ -452,11 +453,12 @@ class EvalConfig:
     """`qae eval`: a model, a benchmark, samples per problem. The results go into the run the model came from (a run
     id) or into a standalone eval run."""
 
-    model: str = opt(names.BUILTIN_MODEL, "builtin:tiny, a run id (its newest checkpoint), a local folder or a "
-                     "Hugging Face id.", "model")
+    model: str = opt(names.BUILTIN_MODEL, "builtin:tiny, a run id (its newest checkpoint), a local folder, a .gguf "
+                     f"file, {names.SMOLLM2_MODEL} or a Hugging Face id; a built-in task's bench picks its own model "
+                     "unless this is given.", "model")
     checkpoint: int | None = opt(None, "With a run id: evaluate checkpoint step-N instead of the newest.", "model")
     dtype: str = opt("float32", "Weights dtype.", "model", names.DTYPES)
-    bench: str = opt("arith", "A built-in task's held-out split (arith, builtin:chain) or a JSONL/Parquet math file (GSM8K, MATH-500, "
+    bench: str = opt("arith", "A built-in task's held-out split (arith, builtin:chain, add) or a JSONL/Parquet math file (GSM8K, MATH-500, "
                      "AIME, AMC, DAPO formats).", "benchmark")
     limit: int | None = opt(None, "Only the first N problems.", "benchmark")
     samples: int = opt(4, "Samples per problem (k of avg@k, pass@k, maj@k; the paper's avg@32 uses 32).", "sampling")
