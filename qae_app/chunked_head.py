@@ -34,13 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from qae_app.errors import QAEUserError
-
-CHUNK_BYTES = 256 * 2**20  # one float32 chunk of logits (chunk_tokens x vocab x 4 bytes) by default
-
-
-def default_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk so that one float32 chunk of logits is CHUNK_BYTES (441 for a 151,936 vocabulary), >= 1."""
-    return max(1, CHUNK_BYTES // (vocab_size * 4))
+# one float32 chunk of logits (chunk_tokens x vocab x 4 bytes) by default; in names, where `qae plan` reads it too
+from qae_app.names import LOGPROB_CHUNK_BYTES as CHUNK_BYTES, default_chunk_tokens  # noqa: F401
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -45,6 +45,9 @@ MAX_RESPONSES_PER_STEP = 65_536
 
 # Options that act only with a switch on: given without it they would do nothing, yet be stored and split
 # `qae compare`'s groups. Their defaults never trigger this (only a value the user gave).
+# a run config file's [plan] table says what hardware it is planned for: read by `qae plan`, ignored by `qae train`
+PLAN_TABLE = "plan"
+
 NEEDS_SWITCH = {"filter_metric": "dynamic_sampling", "max_gen_batches": "dynamic_sampling",
                 "overlong_penalty": "overlong_buffer"}
 
@@ -380,7 +383,8 @@ def load_toml(path: Path) -> dict:
     flat: dict = {}
     where: dict[str, str] = {}  # key -> "[section] key = value", for a key set twice
     for section, body in ((None, {k: v for k, v in raw.items() if not isinstance(v, dict)}),
-                          *((name, value) for name, value in raw.items() if isinstance(value, dict))):
+                          *((name, value) for name, value in raw.items()
+                            if isinstance(value, dict) and name != PLAN_TABLE)):
         for key, value in body.items():
             shown = (f"[{section}] " if section else "") + f"{key} = " + clipped(f'"{value}"' if isinstance(
                 value, str) else value)
