@@ -215,6 +215,9 @@ class TrainConfig:
                                                  "prompt + response), padding cut to each micro-batch's longest. The "
                                                  "same update. At least the longest prompt + max-new-tokens.",
                                                  "memory", resumable=True)
+    mixed_precision: str = opt("no", "accelerate's mixed precision: bf16 keeps float32 master weights (use --dtype "
+                               "float32) and computes the forward and backward in bfloat16 under autocast; no: "
+                               "everything in --dtype.", "memory", names.MIXED_PRECISION)
     # --- LoRA
     lora_rank: int = opt(0, "Train LoRA adapters of this rank instead of every weight (0: off). Only the adapters get "
                          "gradients and optimizer state; the KL's reference is the base model (adapters off).", "lora")
@@ -293,6 +296,10 @@ class TrainConfig:
                                f"sequence of a prompt and max-new-tokens {self.max_new_tokens} response tokens. Use "
                                "at least the longest prompt plus max-new-tokens, or leave it unset for "
                                "--micro-batch-size sequences per micro-batch.")
+        if self.mixed_precision == "bf16" and self.dtype != "float32":
+            raise QAEUserError(f"mixed-precision: bf16 keeps float32 master weights, but --dtype {self.dtype} loads "
+                               "the weights in bfloat16 already. Use --dtype float32 with --mixed-precision bf16, or "
+                               "--mixed-precision no.")
         if not self.lora_rank:
             for name in ("lora_alpha", "lora_targets"):
                 if getattr(self, name) is not None:

@@ -119,6 +119,7 @@ MAX_ANSWER_CHARS = 1000
 BUILTIN_MODEL = "builtin:tiny"  # the shipped warm-started checkpoint
 BUILTIN_SCRATCH = "builtin:tiny-scratch"  # the same architecture, randomly initialised
 DTYPES = ("float32", "bfloat16")
+MIXED_PRECISION = ("no", "bf16")  # accelerate's mixed_precision values qae train takes (--mixed-precision)
 
 # --- the chunked log-prob head (chunked_head.py): one float32 chunk of logits is this many bytes by default
 LOGPROB_CHUNK_BYTES = 256 * 2**20
