@@ -341,7 +341,7 @@ def _update_of(cfg, shape: ModelShape, hardware: Hardware) -> tuple[UpdateShape,
         chunk = 0
         notes.append("the log-probs come from the full logits: FSDP shards the LM head, and the chunked head needs "
                      "the whole weight")
-    mixed = getattr(cfg, "mixed_precision", "no") == "bf16"
+    mixed = cfg.mixed_precision == "bf16"
     weight_bytes = DTYPE_BYTES[cfg.dtype]
     return UpdateShape(micro_tokens=micro_tokens, head_tokens=micro_tokens, chunk_tokens=chunk,
                        gradient_checkpointing=cfg.gradient_checkpointing, lora_rank=cfg.lora_rank,

@@ -178,3 +178,13 @@ def test_the_cpu_recipes_prompt_tokens_cover_its_prompts():
     task = load_task(build_config(path).data, 0.0, 0)
     longest = max(len(CharTokenizer().encode(task.prompt(p))) for p in task.train + task.heldout)
     assert longest <= recipe_hardware(path)["prompt_tokens"]
+
+
+def test_a_plan_table_is_read_by_qae_plan_and_ignored_by_qae_train(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[plan]\ngpus = 2\ngpu_memory_gb = 24\n\n[optim]\nmicro_batch_size = 4\n")
+    assert build_config(path).micro_batch_size == 4
+    assert recipe_hardware(path) == {"gpus": 2, "gpu_memory_gb": 24}
+    path.write_text("[plan]\ngpu = 2\n")
+    with pytest.raises(QAEUserError, match=r"config: unknown key 'gpu' in the \[plan\] table"):
+        recipe_hardware(path)
