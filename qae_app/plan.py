@@ -7,15 +7,16 @@ shapes (its config.json, read without loading it or downloading anything) and th
 
 What the plan counts, per GPU (one process):
     weights           parameters x bytes of --dtype (FSDP: / processes, plus two gathered decoder layers)
-    gradients         the trainable parameters' (LoRA: the adapters') x bytes of --dtype (FSDP: / processes)
+    gradients         the trainable parameters' (LoRA: the adapters') x bytes of --dtype (FSDP: / processes; DDP
+                      over several processes: twice, its all-reduce buckets are a copy)
     optimizer         AdamW's two moments, in the parameters' dtype as torch keeps them (FSDP: / processes)
     reference model   with --kl-beta > 0 and no LoRA: a full copy of the weights on every process
     activations       what autograd keeps of one micro-batch: per decoder layer and token, the saved tensors of a
                       Llama / Qwen3 layer (counted from the layer's own autograd graph: ACTIVATION_ELEMENTS); with
                       --gradient-checkpointing each layer's input only, plus one layer recomputed in the backward
     log-prob head     chunked (the default): three float32 chunks of logits and the head's float32 gradient buffer;
-                      the full logits (LoRA's peft model, a sharded head, --logprob-chunk-tokens 0): four float32
-                      (tokens, vocab) tensors (bench/bench_head_memory.py measured that)
+                      the full logits (LoRA's peft model, a sharded head, --logprob-chunk-tokens 0): six float32
+                      (tokens, vocab) tensors (FULL_LOGITS_COPIES, from bench/bench_memory.py's measurements)
     vLLM              --engine vllm: its gpu_memory_utilization share of the GPU (vllm_engine.VLLM_GPU_MEMORY_SHARE)
 
 It fits when the total is within the GPU's memory less RESERVE_FRACTION (the CUDA context, the allocator's
@@ -43,7 +44,10 @@ SHARDINGS = {"ddp": "every process holds all weights, gradients and optimizer st
              "fsdp": "weights, gradients and optimizer state split over the processes (FSDP, ZeRO-3)"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 SHIPPED_CONFIGS = Path(__file__).parent / "assets" / "model_configs"  # config.json of models nothing can download
-FULL_LOGITS_COPIES = 4  # float32 (tokens, vocab) tensors the full-logits path holds at its peak
+# float32 (tokens, vocab) tensors the full-logits path holds at its peak: the model's logits, logits / T, the
+# log-softmax, its exp and their product in the no-grad pass with entropies (five), and what the allocator keeps;
+# measured with bench/bench_memory.py: 5.4 (--logprob-chunk-tokens 0) and 6.3 (--lora-rank 16) copies
+FULL_LOGITS_COPIES = 6
 CHUNK_COPIES = 3  # float32 (chunk, vocab) tensors the chunked head holds at once
 
 
@@ -269,6 +273,8 @@ def update_components(shape: ModelShape, update: UpdateShape, processes: int = 1
     what = "the LoRA adapters'" if update.lora_rank else "every parameter's"
     rows.append(("gradients", trainable * wb / shard, f"{what}, {wb} bytes each{sharded}"))
     rows.append(("optimizer", 2 * trainable * wb / shard, f"AdamW's two moments of {what}{sharded}"))
+    if sharding == "ddp" and processes > 1:
+        rows.append(("DDP buckets", trainable * wb, "DDP's all-reduce buckets: a second copy of the gradients"))
     if reference_model:
         rows.append(("reference model", base * wb, "--kl-beta: a frozen copy of the weights on every process"))
     tokens = update.micro_tokens

@@ -42,12 +42,16 @@ def test_the_plan_of_a_tiny_case_is_the_arithmetic_by_hand():
                            lora_rank=2, lora_targets=("q_proj",))))
     assert rows["weights"] == (1992 + 64) * 4 and rows["gradients"] == 64 * 4 and rows["optimizer"] == 2 * 64 * 4
     assert rows["activations"] == 10 * (2 * 8 + (146 + 2) + 3 * 8) * 4
-    assert rows["log-prob head"] == 4 * 6 * 100 * 4  # the full logits: four float32 copies
+    assert rows["log-prob head"] == 6 * 6 * 100 * 4  # the full logits: six float32 copies
     # FSDP over 4 processes: a quarter of the state, plus two whole layers
     rows = dict((name, size) for name, size, _ in update_components(
         shape, UpdateShape(micro_tokens=10, head_tokens=6, chunk_tokens=4), processes=4, sharding="fsdp"))
     assert rows["weights"] == 1992 * 4 / 4 and rows["optimizer"] == 2 * 1992 * 4 / 4
     assert rows["gathered layers"] == 2 * 592 * 4
+    # DDP over 4 processes: everything whole, and the all-reduce buckets copy the gradients
+    rows = dict((name, size) for name, size, _ in update_components(
+        shape, UpdateShape(micro_tokens=10, head_tokens=6, chunk_tokens=4), processes=4, sharding="ddp"))
+    assert rows["weights"] == rows["gradients"] == rows["DDP buckets"] == 1992 * 4
 
 
 def test_the_shapes_give_the_parameters_transformers_builds(tmp_path):
@@ -156,18 +160,18 @@ def test_every_recipe_fits_the_hardware_it_is_planned_for(path):
 
 
 def test_the_paper_recipe_on_80_gb_gpus_says_why_it_does_not_fit():
-    """What the paper recipe's comment says: on 8 x 80 GB the full logits under FSDP and vLLM's share are too much,
-    and under DDP the weights, gradients and moments are; the plan names the head's path."""
+    """What the paper recipe's comment says: on 8 x 80 GB under DDP the weights, gradients, buckets and moments alone
+    are too much; under FSDP the head is sharded, so the full logits are; the plan names the head's path."""
     path = next(p for p in RECIPES if p.name == "paper-qwen3-8b-dapo-qae.toml")
     cfg = build_config(path)
     shape = model_shape(cfg.model)
-    fsdp = plan_run(cfg, shape, Hardware(**{**recipe_hardware(path), "gpu_memory_gb": 80}))
+    ddp = plan_run(cfg, shape, Hardware(**{**recipe_hardware(path), "gpu_memory_gb": 80}))
+    state = sum(size for name, size, _ in ddp.components if name in ("weights", "gradients", "DDP buckets",
+                                                                      "optimizer"))
+    assert state == 5 * 2 * shape.parameters() and state > 72 * GB and not ddp.fits
+    fsdp = plan_run(cfg, shape, Hardware(8, 80, "fsdp", 2048))
     assert not fsdp.fits and any("FSDP shards the LM head" in note for note in fsdp.notes)
-    head = dict((name, size) for name, size, _ in fsdp.components)["log-prob head"]
-    assert head == 4 * 22528 * 151936 * 4
-    ddp = plan_run(cfg, shape, Hardware(8, 80, "ddp", 2048))
-    state = sum(size for name, size, _ in ddp.components if name in ("weights", "gradients", "optimizer"))
-    assert state == 4 * 2 * shape.parameters() and not ddp.fits
+    assert dict((name, size) for name, size, _ in fsdp.components)["log-prob head"] == 6 * 22528 * 151936 * 4
 
 
 def test_the_cpu_recipes_prompt_tokens_cover_its_prompts():
