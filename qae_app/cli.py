@@ -142,7 +142,7 @@ app.command(help=train.__doc__)(_with_config_options(train, TrainConfig))
 
 
 def plan(
-    config: Annotated[Optional[Path], typer.Option("--config", help="The run's TOML file; its [plan] table may give "
+    config: Annotated[Optional[Path], typer.Option("--config", help="The run's TOML file; its \\[plan] table may give "
                                                    "the options below.")] = None,
     gpus: Annotated[Optional[int], typer.Option("--gpus", help="Processes, one per GPU (default: 1).")] = None,
     gpu_memory: Annotated[Optional[float], typer.Option("--gpu-memory", help="Each GPU's memory in GB (default: "

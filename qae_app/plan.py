@@ -193,7 +193,9 @@ def model_shape(spec: str) -> ModelShape:
     if looks_like_id:
         for found in (_hf_cache_config(spec), shipped_config(spec)):
             if found is not None and found.is_file():
-                return shape_from_config(_read_json(found, spec), f"{spec} ({found})")
+                where = (f"shipped: qae_app/assets/model_configs/{found.name}" if found.parent == SHIPPED_CONFIGS
+                         else found)
+                return shape_from_config(_read_json(found, spec), f"{spec} ({where})")
     raise QAEUserError(f"model: cannot find the shapes of '{spec}' on this machine (qae plan downloads nothing). "
                        "Pass a local folder with config.json, a .gguf file, a built-in model, or a Hugging Face id "
                        "whose config.json is in the local cache (e.g. after `huggingface-cli download ID "
