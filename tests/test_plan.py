@@ -192,3 +192,22 @@ def test_a_plan_table_is_read_by_qae_plan_and_ignored_by_qae_train(tmp_path):
     path.write_text("[plan]\ngpu = 2\n")
     with pytest.raises(QAEUserError, match=r"config: unknown key 'gpu' in the \[plan\] table"):
         recipe_hardware(path)
+
+
+@pytest.mark.slow
+def test_the_plan_predicts_the_measured_peak_of_the_trainers_update_within_20_percent():
+    """bench/bench_memory.py: two RL steps of update.policy_update on a 1-layer Llama with Qwen's vocabulary, in a
+    child process whose peak RSS the kernel reports; measured (peak less the size before the model) against the
+    plan, chunked and through the full logits."""
+    import re
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "bench_memory.py"
+    for head in ([], ["--logprob-chunk-tokens", "0"]):
+        out = subprocess.run([sys.executable, str(script), "--vocab", "151936", "--hidden", "64", "--layers", "1",
+                              "--tokens", "1024", *head], capture_output=True, text=True, check=True)
+        last = out.stdout.strip().splitlines()[-1]
+        measured, predicted, ratio = map(float, re.fullmatch(
+            r"measured ([\d.]+) GB predicted ([\d.]+) GB ratio ([\d.]+)", last).groups())
+        assert 0.8 <= ratio <= 1.2, out.stdout
