@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -314,6 +315,16 @@ class TrainConfig:
         if self.run_name is not None:
             validate_run_name(self.run_name)
         return self
+
+
+def check_launch_mixed_precision(mixed_precision: str) -> None:
+    """qae train passes --mixed-precision to the Accelerator, which would silently win over what `accelerate launch`
+    (its flag or its config file) asked for; a run must not train in a precision its launcher did not choose."""
+    launched_with = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")  # "no" is also the launcher's default
+    if launched_with not in ("no", mixed_precision):
+        raise QAEUserError(f"mixed-precision: accelerate launch asked for {launched_with!r} but qae train's "
+                           f"--mixed-precision is {mixed_precision!r}. Launch with the same value on both (qae train "
+                           f"takes {', '.join(names.MIXED_PRECISION)}).")
 
 
 def _check_choices(cfg) -> None:

@@ -33,7 +33,7 @@ import torch
 
 from qae_app import names
 from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
-from qae_app.config import TrainConfig
+from qae_app.config import TrainConfig, check_launch_mixed_precision
 from qae_app.errors import QAEUserError
 from qae_app.evaluate import evaluate, summarize
 from qae_app.faults import fault_point
@@ -239,6 +239,7 @@ class Trainer:
         from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
 
         cfg = self.cfg
+        check_launch_mixed_precision(cfg.mixed_precision)
         # no buffer broadcast at each DDP forward: it is a collective, and processes run different numbers of
         # forwards (gated responses skip theirs); the models' buffers (rotary tables) are constants anyway
         self.accelerator = Accelerator(cpu=cpu if cpu is not None else not torch.cuda.is_available(),

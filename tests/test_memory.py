@@ -256,3 +256,18 @@ def test_bf16_mixed_precision_on_bf16_weights_is_refused():
     with pytest.raises(QAEUserError, match="mixed-precision: bf16 keeps float32 master weights, but --dtype "
                                            "bfloat16"):
         build_config(mixed_precision="bf16", dtype="bfloat16")
+
+
+def test_a_launch_in_mixed_precision_is_not_silently_overridden(monkeypatch):
+    """accelerate launch --mixed_precision bf16 sets ACCELERATE_MIXED_PRECISION; qae train's own default ("no") would
+    win at the Accelerator, so the run is refused with both values named instead of training in float32 unasked."""
+    from qae_app.config import check_launch_mixed_precision
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    with pytest.raises(QAEUserError, match="accelerate launch asked for 'bf16' but qae train's --mixed-precision "
+                                           "is 'no'"):
+        check_launch_mixed_precision("no")
+    check_launch_mixed_precision("bf16")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # the launcher's default: qae's option decides
+    check_launch_mixed_precision("bf16")
+    check_launch_mixed_precision("no")
