@@ -24,6 +24,7 @@ import plotly.graph_objects as go
 import streamlit as st
 import streamlit.components.v1 as components_v1
 
+import charts
 from qae_app import compare, names, run_file, rundir, store_read
 from qae_app.errors import QAEUserError
 from qae_app.formatting import MISSING, missing, pace_line, run_pace
@@ -358,7 +359,7 @@ def seed(key: str, value) -> None:
 # Streamlit from that package's folder; nothing is fetched from the network.
 
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["select2d", "lasso2d"]}
-PLOTLY_JS = """
+PLOTLY_JS = r"""
 export default function (component) {
   const { data, parentElement } = component;
   let plot = parentElement.querySelector("div.qae-plot");
@@ -368,7 +369,16 @@ export default function (component) {
     plot.style.width = "100%";
     parentElement.appendChild(plot);
   }
-  const figure = JSON.parse(data.figure);
+  // the figure is drawn in the light theme's ink (charts.THEMED) on a transparent background: swap the ink for the
+  // page's text color, so a dark theme gets light text, grid and outlines
+  const probe = document.createElement("span");
+  probe.style.color = getComputedStyle(parentElement).getPropertyValue("--st-text-color").trim() || "#31333f";
+  parentElement.appendChild(probe);
+  const ink = getComputedStyle(probe).color.match(/[\d.]+/g).slice(0, 3).join(",");  // "r,g,b"
+  probe.remove();
+  const themed = JSON.parse(data.themed);
+  const figure = JSON.parse(data.figure.replaceAll(themed.ink, `rgb(${ink})`)
+    .replaceAll(themed.grid, `rgba(${ink},0.12)`).replaceAll(themed.axis_line, `rgba(${ink},0.3)`));
   window.qaePlotly = window.qaePlotly || new Promise((resolve, reject) => {
     if (window.Plotly) { resolve(window.Plotly); return; }
     const script = document.createElement("script");
@@ -398,7 +408,9 @@ def _plotly_library_url() -> str:
 def plot(fig: go.Figure, key: str) -> None:
     """Draw `fig` as the chart named `key`; redrawn with new data, it keeps the user's zoom and hidden traces."""
     _plot_component()(key=key, data={"figure": fig.to_json(remove_uids=False), "library": _plotly_library_url(),
-                                     "config": json.dumps(PLOTLY_CONFIG)})
+                                     "config": json.dumps(PLOTLY_CONFIG), "themed": json.dumps(charts.THEMED),
+                                     # a new theme reruns the page: new data, so the chart is drawn in its ink
+                                     "theme": st.context.theme.type})
 
 
 FILTERED_REASON = "filtered by dynamic sampling"  # what a response of a group left out of the update shows

@@ -206,7 +206,7 @@ def test_a_link_names_the_runs(compare_app):
 
 
 def test_curves_are_the_mean_with_a_band_across_seeds(compare_app):
-    at = compare_app("compare", sweep=SWEEP_NAME)
+    at = compare_app("compare", sweep=SWEEP_NAME, band="t-interval")
     specs = plotly_specs(at)
     assert {"compare_heldout_accuracy", "compare_entropy", "compare_frac_zero_adv"} <= set(specs)
     entropy_traces = {t["uid"]: t for t in specs["compare_entropy"]["data"]}
@@ -286,3 +286,18 @@ def test_a_run_without_a_training_step_is_left_out_and_said(tmp_path, monkeypatc
     assert "left out: untrained (no training step yet)" in texts(at).replace("\\", "")  # markdown escapes
     at = make_app(tmp_path, monkeypatch)("compare", runs="untrained")
     assert any("No picked run has a training step yet" in info.value for info in at.info)
+
+
+def test_the_default_band_of_three_seeds_is_their_range_and_says_why(compare_app):
+    """With 2 or 3 seeds the 95% t-interval is the mean +- 12.71 or 4.30 standard errors: on a 2-seed sweep the band
+    sent the entropy axis to 2.5 nats and flattened curves near 0.45. The default band (auto) draws the seeds' range
+    there and says why; from 4 seeds on it is the t-interval."""
+    at = compare_app("compare", sweep=SWEEP_NAME)
+    assert at.segmented_control(key="band").value == "auto"
+    band = {t["uid"]: t for t in plotly_specs(at)["compare_entropy"]["data"]}["estimator=qae · band"]
+    assert band["y"] == pytest.approx([entropy("qae", 2, s) for s in STEPS] + [entropy("qae", 0, s)
+                                                                             for s in reversed(STEPS)])
+    assert "no group has more than 3 seeds" in texts(at) and "4.30 standard errors" in texts(at)
+    assert charts.resolve_band("auto", 4) == ("t-interval", None)
+    assert charts.resolve_band("auto", 2)[0] == "min-max" and "12.71" in charts.resolve_band("auto", 2)[1]
+    assert charts.resolve_band("t-interval", 2) == ("t-interval", None)

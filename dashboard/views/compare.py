@@ -181,9 +181,10 @@ def pick_baseline(groups: list[compare.RunGroup]) -> compare.RunGroup | None:
 
 def curves_section(comparison: compare.Comparison, band: str) -> None:
     colors = {group.label: board.RUN_COLORS[i % len(board.RUN_COLORS)] for i, group in enumerate(comparison.groups)}
+    band, why = charts.resolve_band(band, max(len(group.runs) for group in comparison.groups))
     caption = (f"One color per group; the line is the mean over the group's seeds at each step, the band the "
                f"{charts.SEED_BANDS[band]}, cut at the values the metric can take (none where only one seed has the "
-               "step; hover for how many do)")
+               "step; hover for how many do)" + (f". {why[0].upper()}{why[1:]}" if why else ""))
     left, right = st.columns(2)
     for i, (metric, (title, y_title)) in enumerate(CURVES.items()):
         curves = {group.label: charts.across_seeds([run.steps.rename(columns={metric: "value"}) for run in group.runs
@@ -242,11 +243,12 @@ def body(run_ids: list[str]) -> None:
     if all(record.steps.empty for record in records):
         st.info("No step written yet: the curves appear when the runs write their first steps.")
         return
-    band = st.segmented_control("Band", list(charts.SEED_BANDS), key="band", default="t-interval", required=True,
+    band = st.segmented_control("Band", list(charts.SEED_BANDS), key="band", default="auto", required=True,
                                 bind="query-params",
                                 help="t-interval: the 95% Student-t interval of the mean over seeds (the table's "
                                      "interval, step by step; wide with few seeds); min-max: the lowest to highest "
-                                     "seed.")
+                                     "seed; auto: min-max up to 3 seeds, where t (12.71 at 2 seeds, 4.30 at 3) "
+                                     "makes the interval unreadably wide, the t-interval from 4 seeds on.")
     curves_section(comparison, band)
 
 
