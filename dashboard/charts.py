@@ -20,7 +20,7 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from qae_app.compare import CONFIDENCE, student_t_ppf
-from qae_app.formatting import as_float
+from qae_app.formatting import as_float, number
 from qae_app.names import GATE_REASONS, REGIMES
 
 SMOOTHING_METHODS = ("none", "ema", "rolling")
@@ -123,10 +123,13 @@ def _layout(fig: go.Figure, title: str, y_title: str | None = None, x: str = "st
     rows = _legend_rows(fig) if extra.get("legend", LAYOUT["legend"]).get("orientation", "h") == "h" else 0
     extra.setdefault("height", LAYOUT["height"] + LEGEND_ROW_PX * max(0, rows - 1))
     margin = {**LAYOUT["margin"], "b": AXIS_TITLE_PX + LEGEND_ROW_PX * rows}
-    if "<br>" in title:  # a subtitle line
+    title, _, subtitle = title.partition("<br>")  # a second line: plotly's subtitle (a <br> title was cut at the top)
+    subtitle = subtitle.removeprefix("<sup>").removesuffix("</sup>")
+    if subtitle:
         margin["t"] = 70
     extra["margin"] = {**margin, **extra.get("margin", {})}
-    fig.update_layout(title=dict(text=title, x=0, y=0.98, yanchor="top", font=dict(size=15)), **{**LAYOUT, **extra})
+    fig.update_layout(title=dict(text=title, x=0, y=0.98, yanchor="top", font=dict(size=15),
+                                 subtitle=dict(text=subtitle, font=dict(size=11))), **{**LAYOUT, **extra})
     fig.update_xaxes(title_text=X_AXES.get(x, x), **AXES)
     fig.update_yaxes(**AXES)
     if y_title:
@@ -195,16 +198,20 @@ def entropy(frames: dict[str, pd.DataFrame], colors: dict[str, str], bands: dict
     nats) and the recorded warnings as markers (hover for the message)."""
     fig = lines(frames, ["entropy"], colors, "entropy", smoothing, y_title="nats / token", x=x, log_y=log_y)
     ymax = max([float(s["entropy"].max()) for s in frames.values() if s["entropy"].notna().any()] or [1.0])
+    above = []
     for low, high in sorted({(as_float(low), as_float(high)) for low, high in bands.values()}, key=str):
         if low is not None:
             fig.add_hline(y=low, line=dict(color="#d62728", dash="dot", width=1),
-                          annotation_text=f"entropy_low {low:g}", annotation_position="bottom right")
+                          annotation_text=f"entropy_low {number(low)}", annotation_position="bottom right")
         if high is not None and high <= 1.5 * ymax:
             fig.add_hline(y=high, line=dict(color="#ff7f0e", dash="dot", width=1),
-                          annotation_text=f"entropy_high {high:g}", annotation_position="top right")
+                          annotation_text=f"entropy_high {number(high)}", annotation_position="top right")
         elif high is not None:  # a line far above would squash the curve (autorange includes lines): say it
-            fig.add_annotation(text=f"entropy_high {high:g} (above)", xref="paper", yref="paper", x=1, y=1,
-                               xanchor="right", yanchor="bottom", showarrow=False, font=dict(color="#ff7f0e"))
+            above.append(high)
+    if above:  # one note for every run's line above the plot (several notes at one place overprinted)
+        fig.add_annotation(text=f"entropy_high {', '.join(number(high) for high in sorted(above))} (above)",
+                           xref="paper", yref="paper", x=1, y=1, xanchor="right", yanchor="bottom", showarrow=False,
+                           font=dict(color="#ff7f0e"))
     if not log_y:
         fig.update_yaxes(rangemode="tozero")
     for run_id, frame in warnings.items():
@@ -228,8 +235,7 @@ def accuracy(frames: dict[str, pd.DataFrame], colors: dict[str, str], heldout: d
     evals table, so the step-0 evaluation before training is included) as diamonds."""
     fig = lines(frames, ["accuracy", "reward_mean"], colors, "accuracy and reward", smoothing, x=x, log_y=log_y)
     if len(frames) * 3 > MAX_LEGEND_ENTRIES:
-        fig.update_layout(title_text="accuracy and reward<br><sup>solid: accuracy · dash: reward_mean · ◆: held-out"
-                                     "</sup>")
+        fig.update_layout(title_subtitle_text="solid: accuracy · dash: reward_mean · ◆: held-out", margin_t=70)
     for run_id, held in heldout.items():
         if held.empty:
             continue

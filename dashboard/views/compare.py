@@ -138,22 +138,17 @@ def differences_table(comparison: compare.Comparison) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-METRIC_COLUMNS = {name: st.column_config.TextColumn(name, help=f"{text}: mean over seeds [95% Student-t interval]")
-                  for name, text in compare.RUN_METRICS.items()}
-TABLE_COLUMNS = {
-    "group": st.column_config.TextColumn("group", help="The config keys on which the groups differ; runs that "
-                                                       "differ only in seed (and bookkeeping) form one group."),
-    "n": st.column_config.NumberColumn("n", help="runs (seeds) in the group"),
-    **METRIC_COLUMNS,
-    "note": st.column_config.TextColumn("note", width="large"),
-}
-DIFFERENCE_COLUMNS = {
-    "paired seeds": st.column_config.TextColumn("paired seeds", help="seeds both this group and the baseline ran: "
-                                                                     "only those pairs enter the difference"),
-    **{name: st.column_config.TextColumn(name, help=f"{text}: group minus baseline, mean over paired seeds [95% "
-                                                    "interval] and the paired t-test p") for name, text in
-       compare.RUN_METRICS.items()},
-}
+def by_metric(table: pd.DataFrame) -> pd.DataFrame:
+    """A table with a row per group (first column `group`) turned to a row per metric and a column per group: ten
+    metrics of 'mean [low, high]' side by side ran off a 1400 px page (zero_adv, dH_*, step_s out of view), while a
+    sweep has a few groups."""
+    return table.set_index("group").T.astype(str).rename_axis("metric").reset_index()
+
+
+def by_metric_columns(table: pd.DataFrame, what: str) -> dict:
+    return {"metric": st.column_config.TextColumn("metric", pinned=True, width=120,
+                                                  help="each metric is defined under 'metric definitions' below"),
+            **{label: st.column_config.TextColumn(label, help=what) for label in table["group"]}}
 
 
 def pick_baseline(groups: list[compare.RunGroup]) -> compare.RunGroup | None:
@@ -221,8 +216,9 @@ def body(run_ids: list[str]) -> None:
     n_runs = sum(len(group.runs) for group in groups)
     st.caption(f"{n_runs} run(s) in {len(groups)} group(s) (same config but the seed); each metric is the "
                "mean over the group's seeds with its 95% Student-t interval in brackets, as `qae compare` prints it")
-    st.dataframe(groups_table(comparison), hide_index=True, column_config=TABLE_COLUMNS, key="compare_table",
-                 placeholder="")
+    table = groups_table(comparison)
+    st.dataframe(by_metric(table), hide_index=True, key="compare_table", placeholder="",
+                 column_config=by_metric_columns(table, "mean over the group's seeds [95% Student-t interval]"))
     for group in comparison.groups:
         if note := group_notes(group):
             st.caption(f":material/info: **{board.literal(group.label)}**: {board.literal(note)}")
@@ -231,8 +227,10 @@ def body(run_ids: list[str]) -> None:
     if comparison.baseline is not None:
         st.markdown(f"**Minus the baseline {board.literal(comparison.baseline.label)}**, paired by seed: mean difference [95% "
                     "interval] and the two-sided paired t-test p")
-        st.dataframe(differences_table(comparison), hide_index=True, key="compare_differences",
-                     column_config=DIFFERENCE_COLUMNS, placeholder="")
+        differences = differences_table(comparison)
+        st.dataframe(by_metric(differences), hide_index=True, key="compare_differences", placeholder="",
+                     column_config=by_metric_columns(differences, "group minus baseline, mean over paired seeds [95% "
+                                                                  "interval] and the paired t-test p"))
         for label, differences in comparison.differences.items():
             paired = differences[next(iter(compare.RUN_METRICS))]
             if paired.note:
