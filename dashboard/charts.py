@@ -65,7 +65,7 @@ LAYOUT = dict(margin=dict(l=10, r=10, t=50, b=AXIS_TITLE_PX + LEGEND_ROW_PX), he
                           bgcolor=TRANSPARENT),
               hoverlabel=dict(namelength=-1))
 AXES = dict(showgrid=True, gridcolor=GRID, zeroline=False, linecolor=AXIS_LINE, ticks="outside", tickcolor=AXIS_LINE,
-            automargin=True, separatethousands=True)
+            automargin=True, exponentformat="e")  # ticks read 5e-05 as tables do, not plotly's 50µ
 # Figures are styled by LAYOUT and AXES alone: plotly's default template is deep-copied into every figure built,
 # which was two thirds of the time to build the curves page of a 1,000-step run.
 pio.templates.default = "none"
