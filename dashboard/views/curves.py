@@ -48,7 +48,7 @@ def grouped(views: dict, frames: dict[str, pd.DataFrame], heldout: dict[str, pd.
 
 
 def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, other: list[str],
-         group_by: list[str] | None = None, band: str = "auto") -> None:
+         group_by: list[str] | None = None, seed_band: str = "auto") -> None:
     """The charts of the picked runs; `group_by` (a list, [] for everything but the seed): one mean curve and band
     per group of runs instead of a line per run."""
     views = {run_id: view for run_id in run_ids if (view := board.run_view(run_id)) is not None}
@@ -82,7 +82,7 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
         if x != "step":
             st.caption(f"Grouped curves are drawn over steps: the runs of a group differ in {x.replace('_', ' ')}.")
             x = "step"
-        frames, heldout, groups = grouped(views, frames, heldout, group_by, band)
+        frames, heldout, groups = grouped(views, frames, heldout, group_by, seed_band)
         colors = board.run_colors(list(groups))
         bands = {label: bands[run_ids[0]] for label, run_ids in groups.items() if run_ids[0] in bands}
         warnings = {}  # markers of one run's warnings: ungroup to see them
