@@ -110,7 +110,7 @@ def _legend_rows(fig: go.Figure, width_px: int = CHART_PX) -> int:
     """Rows the horizontal legend takes at `width_px` (entries of ~40 px plus ~7 px a character, as plotly lays them
     out: one width for all, that of the longest)."""
     names = [t.name or "" for t in fig.data if t.showlegend is not False]
-    if not names:
+    if not names or (len(fig.data) == 1 and fig.data[0].showlegend is None):  # plotly shows no legend for one trace
         return 0
     per_row = max(1, width_px // (40 + 7 * max(len(name) for name in names)))
     return -(-len(names) // per_row)

@@ -329,6 +329,9 @@ def test_the_compare_page_of_a_sweep(dashboard, page, tmp_path):
     table = page.get_by_test_id("stDataFrame").first
     expect(table).to_contain_text("estimator=qae", timeout=60_000)
     expect(table).to_contain_text("0.700 [0.452, 0.948]")  # final_heldout of the qae seeds (0.6, 0.7, 0.8)
+    # a row per metric, all in view: header, n, seeds, ten metrics, note and runs (a 10-row box hid step_s)
+    assert table.bounding_box()["height"] >= 35 * 15
+    expect(table).to_contain_text("step_s")
     titles = page.evaluate("[...document.querySelectorAll('.js-plotly-plot')].map(gd => gd.layout.title.text)")
     assert sorted(title.split(" · ")[0] for title in titles) == ["entropy", "held-out accuracy",
                                                                 "zero-advantage (gated) fraction"]

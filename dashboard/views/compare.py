@@ -145,6 +145,11 @@ def by_metric(table: pd.DataFrame) -> pd.DataFrame:
     return table.set_index("group").T.astype(str).rename_axis("metric").reset_index()
 
 
+def full_height(table: pd.DataFrame) -> int:
+    """Pixels that show every row of `table` (st.dataframe's default box showed ten, hiding dH_hard and step_s)."""
+    return 35 * (len(table) + 1) + 3
+
+
 def by_metric_columns(table: pd.DataFrame, what: str) -> dict:
     return {"metric": st.column_config.TextColumn("metric", pinned=True, width=120,
                                                   help="each metric is defined under 'metric definitions' below"),
@@ -217,7 +222,8 @@ def body(run_ids: list[str]) -> None:
     st.caption(f"{n_runs} run(s) in {len(groups)} group(s) (same config but the seed); each metric is the "
                "mean over the group's seeds with its 95% Student-t interval in brackets, as `qae compare` prints it")
     table = groups_table(comparison)
-    st.dataframe(by_metric(table), hide_index=True, key="compare_table", placeholder="",
+    shown = by_metric(table)
+    st.dataframe(shown, hide_index=True, key="compare_table", placeholder="", height=full_height(shown),
                  column_config=by_metric_columns(table, "mean over the group's seeds [95% Student-t interval]"))
     for group in comparison.groups:
         if note := group_notes(group):
@@ -228,7 +234,8 @@ def body(run_ids: list[str]) -> None:
         st.markdown(f"**Minus the baseline {board.literal(comparison.baseline.label)}**, paired by seed: mean difference [95% "
                     "interval] and the two-sided paired t-test p")
         differences = differences_table(comparison)
-        st.dataframe(by_metric(differences), hide_index=True, key="compare_differences", placeholder="",
+        shown = by_metric(differences)
+        st.dataframe(shown, hide_index=True, key="compare_differences", placeholder="", height=full_height(shown),
                      column_config=by_metric_columns(differences, "group minus baseline, mean over paired seeds [95% "
                                                                   "interval] and the paired t-test p"))
         for label, differences in comparison.differences.items():
