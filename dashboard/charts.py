@@ -141,7 +141,7 @@ def _layout(fig: go.Figure, title: str, y_title: str | None = None, x: str = "st
 
 def lines(frames: dict[str, pd.DataFrame], metrics: list[str], colors: dict[str, str], title: str,
           smoothing: tuple[str, float] = ("none", 0.0), y_title: str | None = None, x: str = "step",
-          log_y: bool = False) -> go.Figure:
+          log_y: bool = False, banded: tuple[str, ...] | None = None) -> go.Figure:
     """One line per (run, metric) over `x` (a column of each frame: a key of X_AXES): color = run, dash =
     metric; with smoothing, the raw values stay as a faint line under the smoothed one."""
     fig = go.Figure()
@@ -155,7 +155,8 @@ def lines(frames: dict[str, pd.DataFrame], metrics: list[str], colors: dict[str,
             name = run_id if len(metrics) == 1 else f"{run_id} · {metric}"
             group = run_id if per_run else name
             smoothed = smooth(steps[metric], *smoothing)
-            if metric + BAND_LOW in steps and steps[metric + BAND_LOW].notna().any():  # a group's band
+            if (metric + BAND_LOW in steps and steps[metric + BAND_LOW].notna().any()  # a group's band
+                    and (banded is None or metric in banded)):
                 _band(fig, steps[x], smooth(steps[metric + BAND_LOW], *smoothing),
                       smooth(steps[metric + BAND_HIGH], *smoothing), colors[run_id], name, group)
             if smoothing[0] != "none":
@@ -233,7 +234,9 @@ def accuracy(frames: dict[str, pd.DataFrame], colors: dict[str, str], heldout: d
              smoothing: tuple[str, float] = ("none", 0.0), x: str = "step", log_y: bool = False) -> go.Figure:
     """accuracy (solid) and reward_mean (dash) per run; held-out accuracy (`heldout`: step, value per run, from the
     evals table, so the step-0 evaluation before training is included) as diamonds."""
-    fig = lines(frames, ["accuracy", "reward_mean"], colors, "accuracy and reward", smoothing, x=x, log_y=log_y)
+    # grouped runs: a band for accuracy only (reward_mean's, the same for 0/1 rewards, doubled the shading)
+    fig = lines(frames, ["accuracy", "reward_mean"], colors, "accuracy and reward", smoothing, x=x, log_y=log_y,
+                banded=("accuracy",))
     if len(frames) * 3 > MAX_LEGEND_ENTRIES:
         fig.update_layout(title_subtitle_text="solid: accuracy · dash: reward_mean · ◆: held-out", margin_t=70)
     for run_id, held in heldout.items():
