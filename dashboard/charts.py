@@ -42,7 +42,7 @@ AXIS_LINE = "#c8ccd4"  # axis lines and ticks (INK at ~30% in the browser)
 THEMED = {"ink": INK, "grid": GRID, "axis_line": AXIS_LINE}
 # Regimes (and why a response was gated) in earthy tones from brown (failing) to teal (succeeding): none is one of
 # the run colors (board.RUN_COLORS, plotly's bright qualitative palette), so a regime never reads as a run.
-REGIME_COLORS = {"all_wrong": "#7f6000", "hard": "#a6761d", "mixed": "#9e9e9e", "easy": "#5ab4ac",
+REGIME_COLORS = {"all_wrong": "#6b4226", "hard": "#a6761d", "mixed": "#9e9e9e", "easy": "#5ab4ac",
                  "all_correct": "#01665e"}
 GATE_COLORS = {"all_wrong_group": REGIME_COLORS["all_wrong"], "failure_in_hard_group": REGIME_COLORS["hard"],
                "reward_at_baseline": REGIME_COLORS["mixed"], "success_in_easy_group": REGIME_COLORS["easy"],

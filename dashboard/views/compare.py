@@ -184,7 +184,9 @@ def curves_section(comparison: compare.Comparison, band: str) -> None:
     band, why = charts.resolve_band(band, max(len(group.runs) for group in comparison.groups))
     caption = (f"One color per group; the line is the mean over the group's seeds at each step, the band the "
                f"{charts.SEED_BANDS[band]}, cut at the values the metric can take (none where only one seed has the "
-               "step; hover for how many do)" + (f". {why[0].upper()}{why[1:]}" if why else ""))
+               "step; hover for how many do)")
+    if why:  # once for the three charts
+        st.caption(f":material/info: {why[0].upper()}{why[1:]}.")
     left, right = st.columns(2)
     for i, (metric, (title, y_title)) in enumerate(CURVES.items()):
         curves = {group.label: charts.across_seeds([run.steps.rename(columns={metric: "value"}) for run in group.runs
