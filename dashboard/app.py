@@ -41,4 +41,8 @@ with st.sidebar:
         st.warning(refresh_problem, icon=":material/warning:")
     # the runs page lists every run, the compare page a sweep's runs; the other pages show the picked ones
     board.watch(list(all_runs["run_id"]) if page.url_path in WATCH_ALL else shown, all_runs)
+# a link's run this folder does not have is said on the page; a page about the picked runs then draws nothing else
+# (never another run in its place); the Runs page still lists the runs there are, Compare picks its own
+if page.url_path != COMPARE_URL and board.unknown_notice() and page.url_path not in WATCH_ALL:
+    st.stop()
 page.run()

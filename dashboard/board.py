@@ -24,6 +24,7 @@ import plotly.graph_objects as go
 import streamlit as st
 import streamlit.components.v1 as components_v1
 
+import charts
 from qae_app import compare, names, run_file, rundir, store_read
 from qae_app.errors import QAEUserError
 from qae_app.formatting import MISSING, missing, pace_line, run_pace
@@ -163,38 +164,47 @@ def _picked_by_user() -> None:
 
 
 def pick_runs(all_runs: pd.DataFrame) -> list[str]:
-    """The sidebar multiselect of runs, bound to `?run=`. Until the user picks, the page shows the runs the link names
-    as they come to exist (a link to a run about to start shows it once its first rows are written) and meanwhile the
-    default (see `default_runs`), so a new run shows up on a page opened on an empty runs dir; runs the link names
-    that are not (yet) in the runs dir are reported, not dropped silently."""
+    """The sidebar multiselect of runs, bound to `?run=`. A link's runs are kept as the link says them, in the picker
+    and in the URL, whether or not this folder has them: the page says which it does not have (`unknown_notice`) and
+    shows them as soon as they appear (a link to a run about to start). Without a link, and until the user picks, the
+    page shows the default (see `default_runs`), so a new run shows up on a page opened on an empty runs dir."""
     ids = [str(run_id) for run_id in all_runs["run_id"]]
+    st.session_state["_run_ids"] = ids
     if "_link_runs" not in st.session_state:
         st.session_state["_link_runs"] = st.query_params.get_all("run")  # what the link asked for, read once
-    if not st.session_state.get("_run_chosen"):
-        linked = st.session_state["_link_runs"]
-        wanted = [run_id for run_id in linked if run_id in ids] or default_runs(all_runs)
+    if not st.session_state.get("_run_chosen") and not st.session_state["_link_runs"]:
+        wanted = default_runs(all_runs)
         if wanted and st.session_state.get("run") != wanted:
             seed("run", wanted)
-        elif wanted and st.query_params.get_all("run") != wanted:
-            # Streamlit drops a link's unknown run from the URL as the bound widget first reads it, and the run
-            # written in its place with it: set it again on the next pass, which a bound widget writes into the URL
-            st.session_state["run"] = wanted
-        missing = [run_id for run_id in linked if run_id not in ids]
-        if missing:
-            st.sidebar.warning("Not in " + f"`{runs_dir()}`: " + ", ".join(literal(r) for r in missing)  # link text
-                               + ". The link names runs this folder does not have (not started yet, renamed, moved "
-                               "or deleted); they are shown as soon as they appear, or pick runs below.",
-                               icon=":material/link_off:")
-    # no format_func: a bound widget reads the URL as formatted options, and run ids make plain URLs
+    # no format_func: a bound widget reads the URL as formatted options, and run ids make plain URLs; new options:
+    # a link's run that is not here yet stays in the URL (Streamlit drops a value that is not an option)
     st.sidebar.multiselect("Runs", ids, key="run", bind="query-params", placeholder="pick runs",
-                           on_change=_picked_by_user,
+                           on_change=_picked_by_user, accept_new_options=True,
                            help="Curves and evaluations overlay every picked run; rollouts and prompt history show "
                                 "one of them. The choice is in the URL: share it to share the view.")
     return shown_runs()
 
 
+def picked_runs() -> list[str]:
+    """Every run in the picker, as the link or the user named it, in this folder or not."""
+    return [str(run_id) for run_id in st.session_state.get("run") or []]
+
+
 def shown_runs() -> list[str]:
-    return list(st.session_state.get("run") or [])
+    """The picked runs this folder has: the ones the pages show."""
+    known = set(st.session_state.get("_run_ids") or [])
+    return [run_id for run_id in picked_runs() if run_id in known]
+
+
+def unknown_notice() -> bool:
+    """Say on the page which picked runs this folder does not have; True when none of the picked runs is here (the
+    page then draws nothing else: it never shows another run in their place)."""
+    unknown = [run_id for run_id in picked_runs() if run_id not in set(shown_runs())]
+    if unknown:
+        st.warning(f"Not in `{literal(runs_dir())}`: " + ", ".join(f"**{literal(r)}**" for r in unknown)
+                   + ". The link names runs this folder does not have (not started yet, renamed, moved or deleted): "
+                     "they are shown as soon as they appear; or pick runs in the sidebar.", icon=":material/link_off:")
+    return bool(unknown) and not shown_runs()
 
 
 def pick_one_run(label: str = "Run") -> str | None:
@@ -349,7 +359,7 @@ def seed(key: str, value) -> None:
 # Streamlit from that package's folder; nothing is fetched from the network.
 
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["select2d", "lasso2d"]}
-PLOTLY_JS = """
+PLOTLY_JS = r"""
 export default function (component) {
   const { data, parentElement } = component;
   let plot = parentElement.querySelector("div.qae-plot");
@@ -359,7 +369,16 @@ export default function (component) {
     plot.style.width = "100%";
     parentElement.appendChild(plot);
   }
-  const figure = JSON.parse(data.figure);
+  // the figure is drawn in the light theme's ink (charts.THEMED) on a transparent background: swap the ink for the
+  // page's text color, so a dark theme gets light text, grid and outlines
+  const probe = document.createElement("span");
+  probe.style.color = getComputedStyle(parentElement).getPropertyValue("--st-text-color").trim() || "#31333f";
+  parentElement.appendChild(probe);
+  const ink = getComputedStyle(probe).color.match(/[\d.]+/g).slice(0, 3).join(",");  // "r,g,b"
+  probe.remove();
+  const themed = JSON.parse(data.themed);
+  const figure = JSON.parse(data.figure.replaceAll(themed.ink, `rgb(${ink})`)
+    .replaceAll(themed.grid, `rgba(${ink},0.12)`).replaceAll(themed.axis_line, `rgba(${ink},0.3)`));
   window.qaePlotly = window.qaePlotly || new Promise((resolve, reject) => {
     if (window.Plotly) { resolve(window.Plotly); return; }
     const script = document.createElement("script");
@@ -389,7 +408,9 @@ def _plotly_library_url() -> str:
 def plot(fig: go.Figure, key: str) -> None:
     """Draw `fig` as the chart named `key`; redrawn with new data, it keeps the user's zoom and hidden traces."""
     _plot_component()(key=key, data={"figure": fig.to_json(remove_uids=False), "library": _plotly_library_url(),
-                                     "config": json.dumps(PLOTLY_CONFIG)})
+                                     "config": json.dumps(PLOTLY_CONFIG), "themed": json.dumps(charts.THEMED),
+                                     # a new theme reruns the page: new data, so the chart is drawn in its ink
+                                     "theme": st.context.theme.type})
 
 
 FILTERED_REASON = "filtered by dynamic sampling"  # what a response of a group left out of the update shows

@@ -20,32 +20,52 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from qae_app.compare import CONFIDENCE, student_t_ppf
-from qae_app.formatting import as_float
+from qae_app.formatting import as_float, number
 from qae_app.names import GATE_REASONS, REGIMES
 
 SMOOTHING_METHODS = ("none", "ema", "rolling")
-# the band around a group's mean curve (Compare page): the mean's 95% Student-t interval, or the seeds' range
-SEED_BANDS = {"t-interval": "95% Student-t interval of the mean over seeds",
+# the band around a group's mean curve (Compare, grouped Training curves): the mean's 95% Student-t interval, the
+# seeds' range, or (auto, the pages' default) the range below AUTO_T_FROM seeds and the interval from there on
+SEED_BANDS = {"auto": "lowest to highest seed with 3 or fewer seeds, else the 95% Student-t interval of the mean",
+              "t-interval": "95% Student-t interval of the mean over seeds",
               "min-max": "lowest to highest seed"}
+AUTO_T_FROM = 4  # with 2 or 3 seeds t_0.975 is 12.71 or 4.30: the interval dwarfs the curves and the axis follows it
+BAND_LOW, BAND_HIGH, BAND_N = ":low", ":high", ":n"  # a grouped frame's columns beside each metric's mean
 # x axes of the curves: column of the prepared steps frame -> axis title
 X_AXES = {"step": "step", "wall_time": "wall time (hours since the run started)", "tokens": "tokens generated"}
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash")
-REGIME_COLORS = {"hard": "#d62728", "easy": "#2ca02c", "all_correct": "#1f77b4", "all_wrong": "#7f7f7f",
-                 "mixed": "#9467bd"}
-GATE_COLORS = {"all_correct_group": "#1f77b4", "all_wrong_group": "#7f7f7f", "success_in_easy_group": "#2ca02c",
-               "failure_in_hard_group": "#d62728", "reward_at_baseline": "#9467bd"}
+# Foreground colors of the light theme. Backgrounds are transparent, so a chart takes the page's; the browser swaps
+# these exact strings for the Streamlit theme's text color (board.plot), so dark mode draws light ink on dark.
+INK = "#31333f"  # text, axis titles, marker outlines, marker lines (Streamlit's light text color)
+GRID = "#e6e9ef"  # grid lines (INK at ~12% in the browser)
+AXIS_LINE = "#c8ccd4"  # axis lines and ticks (INK at ~30% in the browser)
+THEMED = {"ink": INK, "grid": GRID, "axis_line": AXIS_LINE}
+# Regimes (and why a response was gated) in earthy tones from brown (failing) to teal (succeeding): none is one of
+# the run colors (board.RUN_COLORS, plotly's bright qualitative palette), so a regime never reads as a run.
+REGIME_COLORS = {"all_wrong": "#6b4226", "hard": "#a6761d", "mixed": "#9e9e9e", "easy": "#5ab4ac",
+                 "all_correct": "#01665e"}
+GATE_COLORS = {"all_wrong_group": REGIME_COLORS["all_wrong"], "failure_in_hard_group": REGIME_COLORS["hard"],
+               "reward_at_baseline": REGIME_COLORS["mixed"], "success_in_easy_group": REGIME_COLORS["easy"],
+               "all_correct_group": REGIME_COLORS["all_correct"]}
 REGIME_METRICS = {f"frac_{regime}": regime for regime in REGIMES}  # steps column -> regime
 TIME_METRICS = ("rollout_s", "reward_s", "update_s", "eval_s", "write_s", "checkpoint_s")  # parts of step_s, stacked
 TIME_COLORS = {"rollout_s": "#1f77b4", "reward_s": "#ff7f0e", "update_s": "#2ca02c", "eval_s": "#9467bd",
                "write_s": "#8c564b", "checkpoint_s": "#7f7f7f"}
 PANELS_PER_ROW = 4  # per-run panels (stacked areas, drawn full width) wrap after this many
 MAX_LEGEND_ENTRIES = 6  # more (run, metric) lines than this: the legend lists runs and the title names the dashes
-# legends go under the plot, where plotly makes room for however many rows they take
-LAYOUT = dict(margin=dict(l=10, r=10, t=50, b=10), height=400, hovermode="x unified", uirevision="keep",
-              paper_bgcolor="white", plot_bgcolor="white", font=dict(color="#2a3f5f"),
-              legend=dict(orientation="h", yanchor="top", y=-0.28, xanchor="left", x=0, title=None))
-AXES = dict(showgrid=True, gridcolor="#e5ecf6", zeroline=False, linecolor="#c8d4e3", ticks="outside",
-            tickcolor="#c8d4e3", automargin=True)
+# The legend sits at the bottom of the figure (container coordinates), below a margin that holds the x axis's tick
+# labels and title: however many rows the legend takes, it never overlaps the axis title (a legend placed relative to
+# the plot area moved up into the title as it wrapped and the plot shrank).
+AXIS_TITLE_PX = 62  # under the plot: tick labels and the x axis title
+LEGEND_ROW_PX = 21  # one row of a horizontal legend
+TRANSPARENT = "rgba(0,0,0,0)"
+LAYOUT = dict(margin=dict(l=10, r=10, t=50, b=AXIS_TITLE_PX + LEGEND_ROW_PX), height=400, hovermode="x unified",
+              uirevision="keep", paper_bgcolor=TRANSPARENT, plot_bgcolor=TRANSPARENT, font=dict(color=INK),
+              legend=dict(orientation="h", yref="container", y=0, yanchor="bottom", xanchor="left", x=0, title=None,
+                          bgcolor=TRANSPARENT),
+              hoverlabel=dict(namelength=-1))
+AXES = dict(showgrid=True, gridcolor=GRID, zeroline=False, linecolor=AXIS_LINE, ticks="outside", tickcolor=AXIS_LINE,
+            automargin=True, exponentformat="e")  # ticks read 5e-05 as tables do, not plotly's 50µ
 # Figures are styled by LAYOUT and AXES alone: plotly's default template is deep-copied into every figure built,
 # which was two thirds of the time to build the curves page of a 1,000-step run.
 pio.templates.default = "none"
@@ -83,27 +103,33 @@ def with_x_axes(steps: pd.DataFrame, created_at, tokens: pd.DataFrame | None) ->
     return frame
 
 
-LEGEND_ROW_PX = 22  # a horizontal legend row under a half-width chart
-CHART_PX = 560  # the width of a chart in one of two columns on a wide screen
+CHART_PX = 470  # the width of a chart in one of two columns at 1400 px with the sidebar open (rows: a safe count)
 
 
-def _legend_height(fig: go.Figure) -> int:
-    """Pixels the legend under the plot needs beyond its first two rows (entries of ~7 px per character)."""
+def _legend_rows(fig: go.Figure, width_px: int = CHART_PX) -> int:
+    """Rows the horizontal legend takes at `width_px` (entries of ~40 px plus ~7 px a character, as plotly lays them
+    out: one width for all, that of the longest)."""
     names = [t.name or "" for t in fig.data if t.showlegend is not False]
-    if not names:
+    if not names or (len(fig.data) == 1 and fig.data[0].showlegend is None):  # plotly shows no legend for one trace
         return 0
-    per_row = max(1, CHART_PX // (40 + 7 * max(len(name) for name in names)))
-    rows = -(-len(names) // per_row)
-    return LEGEND_ROW_PX * max(0, rows - 2)
+    per_row = max(1, width_px // (40 + 7 * max(len(name) for name in names)))
+    return -(-len(names) // per_row)
 
 
 def _layout(fig: go.Figure, title: str, y_title: str | None = None, x: str = "step", log_y: bool = False,
             **extra) -> go.Figure:
-    """Title, axes and the shared layout; a chart with many legend entries grows instead of squashing its plot."""
-    extra.setdefault("height", LAYOUT["height"] + _legend_height(fig))
-    if "<br>" in title:  # a subtitle line
-        extra.setdefault("margin", {**LAYOUT["margin"], "t": 70})
-    fig.update_layout(title=dict(text=title, x=0, y=0.98, yanchor="top", font=dict(size=15)), **{**LAYOUT, **extra})
+    """Title, axes and the shared layout; the legend's rows get room of their own below the x axis title, and the
+    figure grows by them instead of squashing its plot."""
+    rows = _legend_rows(fig) if extra.get("legend", LAYOUT["legend"]).get("orientation", "h") == "h" else 0
+    extra.setdefault("height", LAYOUT["height"] + LEGEND_ROW_PX * max(0, rows - 1))
+    margin = {**LAYOUT["margin"], "b": AXIS_TITLE_PX + LEGEND_ROW_PX * rows}
+    title, _, subtitle = title.partition("<br>")  # a second line: plotly's subtitle (a <br> title was cut at the top)
+    subtitle = subtitle.removeprefix("<sup>").removesuffix("</sup>")
+    if subtitle:
+        margin["t"] = 70
+    extra["margin"] = {**margin, **extra.get("margin", {})}
+    fig.update_layout(title=dict(text=title, x=0, y=0.98, yanchor="top", font=dict(size=15),
+                                 subtitle=dict(text=subtitle, font=dict(size=11))), **{**LAYOUT, **extra})
     fig.update_xaxes(title_text=X_AXES.get(x, x), **AXES)
     fig.update_yaxes(**AXES)
     if y_title:
@@ -115,7 +141,7 @@ def _layout(fig: go.Figure, title: str, y_title: str | None = None, x: str = "st
 
 def lines(frames: dict[str, pd.DataFrame], metrics: list[str], colors: dict[str, str], title: str,
           smoothing: tuple[str, float] = ("none", 0.0), y_title: str | None = None, x: str = "step",
-          log_y: bool = False) -> go.Figure:
+          log_y: bool = False, banded: tuple[str, ...] | None = None) -> go.Figure:
     """One line per (run, metric) over `x` (a column of each frame: a key of X_AXES): color = run, dash =
     metric; with smoothing, the raw values stay as a faint line under the smoothed one."""
     fig = go.Figure()
@@ -129,6 +155,10 @@ def lines(frames: dict[str, pd.DataFrame], metrics: list[str], colors: dict[str,
             name = run_id if len(metrics) == 1 else f"{run_id} · {metric}"
             group = run_id if per_run else name
             smoothed = smooth(steps[metric], *smoothing)
+            if (metric + BAND_LOW in steps and steps[metric + BAND_LOW].notna().any()  # a group's band
+                    and (banded is None or metric in banded)):
+                _band(fig, steps[x], smooth(steps[metric + BAND_LOW], *smoothing),
+                      smooth(steps[metric + BAND_HIGH], *smoothing), colors[run_id], name, group)
             if smoothing[0] != "none":
                 fig.add_trace(go.Scatter(x=steps[x], y=steps[metric], mode="lines", name=f"{name} (raw)",
                                          uid=f"{name} (raw)",
@@ -140,10 +170,26 @@ def lines(frames: dict[str, pd.DataFrame], metrics: list[str], colors: dict[str,
                                      customdata=steps["step"],
                                      hovertemplate=f"{html.escape(name)}: %{{y:.4g}} (step %{{customdata}})"
                                                    "<extra></extra>"))
+            if metric + BAND_N in steps:  # a group: hover says over how many runs, and the band
+                fig.data[-1].customdata = np.stack([steps["step"], steps[metric + BAND_N],
+                                                    steps[metric + BAND_LOW], steps[metric + BAND_HIGH]], axis=-1)
+                fig.data[-1].hovertemplate = (f"{html.escape(name)}: %{{y:.4g}} [%{{customdata[2]:.4g}}, "
+                                              "%{customdata[3]:.4g}] (%{customdata[1]} runs, step "
+                                              "%{customdata[0]})<extra></extra>")
             shown_in_legend = True
     if per_run:
         title += "<br><sup>" + " · ".join(f"{DASHES[i % len(DASHES)]}: {m}" for i, m in enumerate(metrics)) + "</sup>"
     return _layout(fig, title, y_title, x, log_y)
+
+
+def _band(fig: go.Figure, xs: pd.Series, low: pd.Series, high: pd.Series, color: str, name: str,
+          group: str) -> None:
+    """A filled band from `low` to `high` over `xs` (NaN: no band there), in `color`, shown and hidden with its line."""
+    keep = low.notna() & high.notna()
+    xs, low, high = xs[keep], low[keep], high[keep]
+    fig.add_trace(go.Scatter(x=pd.concat([xs, xs[::-1]]), y=pd.concat([high, low[::-1]]), fill="toself",
+                             fillcolor=_rgba(color, 0.2), line=dict(width=0), mode="lines", name=f"{name} · band",
+                             uid=f"{name} · band", legendgroup=group, showlegend=False, hoverinfo="skip"))
 
 
 def entropy(frames: dict[str, pd.DataFrame], colors: dict[str, str], bands: dict[str, tuple],
@@ -153,16 +199,20 @@ def entropy(frames: dict[str, pd.DataFrame], colors: dict[str, str], bands: dict
     nats) and the recorded warnings as markers (hover for the message)."""
     fig = lines(frames, ["entropy"], colors, "entropy", smoothing, y_title="nats / token", x=x, log_y=log_y)
     ymax = max([float(s["entropy"].max()) for s in frames.values() if s["entropy"].notna().any()] or [1.0])
+    above = []
     for low, high in sorted({(as_float(low), as_float(high)) for low, high in bands.values()}, key=str):
         if low is not None:
             fig.add_hline(y=low, line=dict(color="#d62728", dash="dot", width=1),
-                          annotation_text=f"entropy_low {low:g}", annotation_position="bottom right")
+                          annotation_text=f"entropy_low {number(low)}", annotation_position="bottom right")
         if high is not None and high <= 1.5 * ymax:
             fig.add_hline(y=high, line=dict(color="#ff7f0e", dash="dot", width=1),
-                          annotation_text=f"entropy_high {high:g}", annotation_position="top right")
+                          annotation_text=f"entropy_high {number(high)}", annotation_position="top right")
         elif high is not None:  # a line far above would squash the curve (autorange includes lines): say it
-            fig.add_annotation(text=f"entropy_high {high:g} (above)", xref="paper", yref="paper", x=1, y=1,
-                               xanchor="right", yanchor="bottom", showarrow=False, font=dict(color="#ff7f0e"))
+            above.append(high)
+    if above:  # one note for every run's line above the plot (several notes at one place overprinted)
+        fig.add_annotation(text=f"entropy_high {', '.join(number(high) for high in sorted(above))} (above)",
+                           xref="paper", yref="paper", x=1, y=1, xanchor="right", yanchor="bottom", showarrow=False,
+                           font=dict(color="#ff7f0e"))
     if not log_y:
         fig.update_yaxes(rangemode="tozero")
     for run_id, frame in warnings.items():
@@ -174,7 +224,7 @@ def entropy(frames: dict[str, pd.DataFrame], colors: dict[str, str], bands: dict
         name = f"{run_id} · warnings"
         fig.add_trace(go.Scatter(
             x=xs, y=ys, mode="markers", name=f"{name} ({len(frame)})", uid=name,
-            marker=dict(symbol="triangle-down", size=12, color=colors[run_id], line=dict(color="black", width=1)),
+            marker=dict(symbol="triangle-down", size=12, color=colors[run_id], line=dict(color=INK, width=1)),
             text=[html.escape(f"{kind}: {message}") for kind, message in zip(frame["kind"], frame["message"])],
             hovertemplate="%{text}<extra></extra>"))
     return fig
@@ -184,10 +234,11 @@ def accuracy(frames: dict[str, pd.DataFrame], colors: dict[str, str], heldout: d
              smoothing: tuple[str, float] = ("none", 0.0), x: str = "step", log_y: bool = False) -> go.Figure:
     """accuracy (solid) and reward_mean (dash) per run; held-out accuracy (`heldout`: step, value per run, from the
     evals table, so the step-0 evaluation before training is included) as diamonds."""
-    fig = lines(frames, ["accuracy", "reward_mean"], colors, "accuracy and reward", smoothing, x=x, log_y=log_y)
+    # grouped runs: a band for accuracy only (reward_mean's, the same for 0/1 rewards, doubled the shading)
+    fig = lines(frames, ["accuracy", "reward_mean"], colors, "accuracy and reward", smoothing, x=x, log_y=log_y,
+                banded=("accuracy",))
     if len(frames) * 3 > MAX_LEGEND_ENTRIES:
-        fig.update_layout(title_text="accuracy and reward<br><sup>solid: accuracy · dash: reward_mean · ◆: held-out"
-                                     "</sup>")
+        fig.update_layout(title_subtitle_text="solid: accuracy · dash: reward_mean · ◆: held-out", margin_t=70)
     for run_id, held in heldout.items():
         if held.empty:
             continue
@@ -203,7 +254,7 @@ def accuracy(frames: dict[str, pd.DataFrame], colors: dict[str, str], heldout: d
                                  hovertemplate=f"{html.escape(name)}: %{{y:.4g}} (step %{{customdata}})"
                                                "<extra></extra>",
                                  marker=dict(symbol="diamond", size=10, color=colors[run_id],
-                                             line=dict(color="black", width=1))))
+                                             line=dict(color=INK, width=1))))
     if not log_y:
         fig.update_yaxes(range=[0, 1.05])
     return fig
@@ -284,7 +335,7 @@ def prompt_history(history: pd.DataFrame, k: float | None) -> go.Figure:
     """Success rate of one prompt at each step it was sampled, colored by regime; above 1 - K QAE calls it easy."""
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=history["step"], y=history["success_rate"], mode="lines", showlegend=False,
-                             line=dict(color="#bbbbbb"), hoverinfo="skip"))
+                             line=dict(color=AXIS_LINE), hoverinfo="skip"))
     for regime in REGIMES:
         part = history[history["regime"] == regime]
         if part.empty:
@@ -295,7 +346,7 @@ def prompt_history(history: pd.DataFrame, k: float | None) -> go.Figure:
                                  hovertemplate="%{customdata[0]}/%{customdata[1]} correct<extra>" + regime
                                                + "</extra>"))
     if k is not None and not pd.isna(k):
-        fig.add_hline(y=1 - k, line=dict(dash="dot", color="#555555"), annotation_text=f"1 - K = {1 - k:g}")
+        fig.add_hline(y=1 - k, line=dict(dash="dot", color=INK), annotation_text=f"1 - K = {1 - k:g}")
     _layout(fig, "success rate of this prompt", "n_correct / group_size")
     fig.update_yaxes(range=[-0.05, 1.05])
     return fig
@@ -344,7 +395,7 @@ def gate_breakdown(breakdown: pd.DataFrame, totals: pd.DataFrame, step: int | No
                              uid=reason, marker_color=GATE_COLORS[reason], customdata=part["n"],
                              hovertemplate="%{y:.1%} (%{customdata} responses)<extra>" + reason + "</extra>"))
     if step is not None:
-        fig.add_vline(x=step, line=dict(color="black", dash="dot", width=1))
+        fig.add_vline(x=step, line=dict(color=INK, dash="dot", width=1))
     _layout(fig, "why responses were gated, per step", "fraction of the step's trained responses", barmode="stack",
             bargap=0.05)
     fig.update_yaxes(range=[0, 1])
@@ -375,7 +426,7 @@ def quantile_bands(frames: dict[str, pd.DataFrame], colors: dict[str, str], titl
                                                "%{customdata[3]:.4g} · mean %{customdata[4]:.4g}<extra>"
                                                + html.escape(run_id) + "</extra>"))
     if step is not None:
-        fig.add_vline(x=step, line=dict(color="black", dash="dot", width=1))
+        fig.add_vline(x=step, line=dict(color=INK, dash="dot", width=1))
     return _layout(fig, title, y_title, log_y=log_y)
 
 
@@ -417,6 +468,21 @@ def _rgba(hex_color: str, alpha: float) -> str:
 # across seeds (Compare page)
 
 
+def resolve_band(band: str, n_seeds: int) -> tuple[str, str | None]:
+    """The band drawn for `band` (a key of SEED_BANDS) when the largest group has `n_seeds` runs, and why, when
+    "auto" chose the seeds' range: the t-interval of 2 or 3 seeds is too wide to read."""
+    if band not in SEED_BANDS:
+        raise ValueError(f"band: unknown {band!r}; use one of {', '.join(SEED_BANDS)}")
+    if band != "auto":
+        return band, None
+    if n_seeds >= AUTO_T_FROM or n_seeds < 2:
+        return "t-interval", None
+    t = student_t_ppf(0.5 + CONFIDENCE / 2, n_seeds - 1)
+    return "min-max", (f"band: lowest to highest seed, as no group has more than {n_seeds} seeds: their 95% "
+                       f"t-interval is the mean ± {t:.2f} standard errors (t at {n_seeds - 1} degree(s) of freedom), "
+                       f"far wider than the seeds' spread; pick t-interval to draw it anyway")
+
+
 def across_seeds(curves: list[pd.DataFrame], band: str = "t-interval",
                  bounds: tuple[float | None, float | None] = (None, None)) -> pd.DataFrame:
     """One group's curve: per step, over the runs (frames of step, value) that have a value at that step, `n`, the
@@ -424,8 +490,8 @@ def across_seeds(curves: list[pd.DataFrame], band: str = "t-interval",
     metric: compare.mean_interval of those values) or the lowest and highest value. No band (NaN) where fewer than
     two runs have the step: one seed says nothing about the spread. `bounds` (lower, upper; None: none) are the values
     the metric can take: the band is cut there (with 3 seeds a fraction's t-interval easily reaches below 0)."""
-    if band not in SEED_BANDS:
-        raise ValueError(f"band: unknown {band!r}; use one of {', '.join(SEED_BANDS)}")
+    if band not in SEED_BANDS or band == "auto":  # (auto is resolved per page: one band for every group)
+        raise ValueError(f"band: unknown {band!r}; use one of t-interval, min-max")
     parts = [curve[["step", "value"]].dropna() for curve in curves]
     values = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame({"step": [], "value": []})
     out = values.groupby("step")["value"].agg(n="count", mean="mean", sd="std", low="min", high="max").reset_index()

@@ -6,6 +6,7 @@ Torch-free, and pandas-free at import (`qae runs` draws from dicts): `run_pace` 
 
 from __future__ import annotations
 
+import math
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -32,8 +33,9 @@ def as_float(value: Any) -> float | None:
 
 
 def number(value: Any) -> str:
-    """A number in at most ~8 characters, never cut: '-' for missing, integers as they are, 3 decimals in [0.001,
-    100), 1 decimal above, scientific below."""
+    """A number in at most ~8 characters, never cut: '-' for missing, integers as they are, 3 decimals in [0.001, 1),
+    4 significant digits from 1 on (5.123, 50.86, 135.7, 1358: one precision, where 50.859 sat beside 135.7), 2
+    significant digits in scientific notation below 0.001 and from a million on."""
     if missing(value):
         return MISSING
     if isinstance(value, (bool,)):
@@ -43,8 +45,11 @@ def number(value: Any) -> str:
     value = float(value)
     if abs(value) >= 1e6:
         return f"{value:.3g}"
-    if abs(value) >= 100:
-        return f"{value:.1f}"
+    if abs(value) >= 1000:
+        return f"{value:.0f}"
+    if abs(value) >= 1:
+        value = float(f"{value:.4g}")  # rounded first, so 9.9996 reads 10.00, not 10.000
+        return f"{value:.{max(0, 3 - math.floor(math.log10(abs(value))))}f}"
     if abs(value) >= 0.001:
         return f"{value:.3f}"
     return f"{value:.1e}"

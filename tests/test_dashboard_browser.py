@@ -329,6 +329,9 @@ def test_the_compare_page_of_a_sweep(dashboard, page, tmp_path):
     table = page.get_by_test_id("stDataFrame").first
     expect(table).to_contain_text("estimator=qae", timeout=60_000)
     expect(table).to_contain_text("0.700 [0.452, 0.948]")  # final_heldout of the qae seeds (0.6, 0.7, 0.8)
+    # a row per metric, all in view: header, n, seeds, ten metrics, note and runs (a 10-row box hid step_s)
+    assert table.bounding_box()["height"] >= 35 * 15
+    expect(table).to_contain_text("step_s")
     titles = page.evaluate("[...document.querySelectorAll('.js-plotly-plot')].map(gd => gd.layout.title.text)")
     assert sorted(title.split(" · ")[0] for title in titles) == ["entropy", "held-out accuracy",
                                                                 "zero-advantage (gated) fraction"]
@@ -343,3 +346,103 @@ def test_the_compare_page_of_a_sweep(dashboard, page, tmp_path):
                                                                      timeout=60_000)
     assert "baseline=estimator%3Dgrpo" in page.url and f"sweep={SWEEP_NAME}" in page.url
     screenshot(page, tmp_path, "dashboard-compare.png")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# round three: dark mode, grouping, a link to a run that is not there
+
+THEMED_PLOTS = """() => [...document.querySelectorAll('.js-plotly-plot')].map(gd => ({
+    paper: gd.layout.paper_bgcolor, font: gd.layout.font.color, grid: gd.layout.xaxis.gridcolor}))"""
+
+
+@pytest.fixture
+def dark_page():
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield browser.new_page(viewport={"width": 1400, "height": 2400}, color_scheme="dark")
+        finally:
+            browser.close()
+
+
+def brightness(css_color: str) -> float:
+    """Mean of the r, g, b of 'rgb(r, g, b)' / 'rgba(r, g, b, a)'."""
+    return sum(float(v) for v in re.findall(r"[\d.]+", css_color)[:3]) / 3
+
+
+def test_dark_mode_charts_follow_the_theme(dashboard, dark_page, tmp_path):
+    """In a browser that prefers dark, Streamlit draws its dark theme: the charts were white panels. Now they have no
+    background of their own and their text and grid are drawn in the theme's (light) text color."""
+    from tests.dashboard_helpers import _write_crafted
+
+    runs_dir = tmp_path / "runs"
+    _write_crafted(runs_dir)
+    url = dashboard(runs_dir, refresh="off")
+    page = dark_page
+    page.goto(f"{url}/curves?run=crafted")
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 9", timeout=90_000)
+    background = page.evaluate("getComputedStyle(document.querySelector('.stApp')).backgroundColor")
+    assert brightness(background) < 60, background  # the dark theme is on
+    plots = page.evaluate(THEMED_PLOTS)
+    assert plots and all(p["paper"] == "rgba(0,0,0,0)" for p in plots), plots
+    assert all(brightness(p["font"]) > 200 for p in plots), plots  # light text on the dark page
+    assert all(p["grid"].startswith("rgba(") and brightness(p["grid"]) > 200 for p in plots), plots
+    screenshot(page, tmp_path, "dashboard-dark-curves.png")
+    page.goto(f"{url}/rollouts?run=crafted&step=1")
+    expect(page.get_by_test_id("stMetricValue").nth(0)).to_have_text("8 / 8", timeout=60_000)
+    screenshot(page, tmp_path, "dashboard-dark-rollouts.png")
+
+
+def test_grouped_curves_and_a_runs_table_that_shows_every_run(dashboard, page, tmp_path):
+    """Five runs of two setups (K 0.4: seeds 0-2; K 0.6: seeds 0-1) and six more: the Runs table shows all eleven
+    (a 10-row box hid the eleventh), and grouping on Training curves turns five lines into two means with bands."""
+    from tests.synthetic import write_run
+
+    runs_dir = tmp_path / "runs"
+    grid = []
+    for k, seeds in ((0.4, (0, 1, 2)), (0.6, (0, 1))):
+        for seed in seeds:
+            grid.append(f"grid-k{k}-s{seed}")
+            write_run(runs_dir, grid[-1], steps=4, prompts_per_step=2, group_size=4, k=k, seed=seed)
+    for i in range(6):
+        write_run(runs_dir, f"other-{i}", steps=1, prompts_per_step=1, group_size=4, seed=10 + i)
+    url = dashboard(runs_dir, refresh="off")
+    page.goto(url)
+    table = page.get_by_test_id("stDataFrame").first
+    expect(table).to_contain_text("grid-k0.4-s0", timeout=60_000)
+    assert table.bounding_box()["height"] >= 35 * 12  # header and 11 rows, no inner scrolling
+    expect(table).to_contain_text("other-0")  # the first run listed last (newest first): in view
+    page.goto(f"{url}/curves?" + "&".join(f"run={run_id}" for run_id in grid) + "&smooth=none")
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 9", timeout=90_000)
+    names = "document.querySelectorAll('.js-plotly-plot')[0].data.map(t => t.name)"
+    assert set(grid) <= set(page.evaluate(names))
+    page.get_by_test_id("stCheckbox").filter(has_text="Group runs").locator("label").click()
+    page.wait_for_function(f"{names}.includes('k=0.4')", timeout=60_000)
+    traces = page.evaluate("document.querySelectorAll('.js-plotly-plot')[0].data.map(t => [t.name, t.fill || ''])")
+    assert [name for name, fill in traces if not fill and "warnings" not in name] == ["k=0.4", "k=0.6"]
+    assert len([name for name, fill in traces if fill == "toself"]) == 2  # one band a group
+    assert "group=true" in page.url
+    expect(page.get_by_text("Grouped by everything but the seed")).to_be_visible()
+    screenshot(page, tmp_path, "dashboard-grouped.png")
+
+
+def test_a_link_to_a_run_that_is_not_there_says_so_until_it_appears(dashboard, page, tmp_path):
+    """`?run=ghost` drew the newest run and rewrote the URL to name it. Now the page says the run is not there, draws
+    nothing else, keeps the link, and shows the run once it appears (a link to a run about to start)."""
+    from tests.dashboard_helpers import _write_crafted
+
+    runs_dir = tmp_path / "runs"
+    _write_crafted(runs_dir, "newest")
+    url = dashboard(runs_dir, refresh="2")
+    page.goto(f"{url}/curves?run=ghost")
+    warning = page.get_by_test_id("stAlert").filter(has_text="ghost")
+    expect(warning).to_be_visible(timeout=60_000)
+    time.sleep(5)  # two refresh intervals: nothing else is drawn and the link stays
+    assert page.query_selector(".js-plotly-plot") is None
+    assert "newest" not in page.get_by_test_id("stMain").inner_text()
+    assert "run=ghost" in page.url and "run=newest" not in page.url
+    screenshot(page, tmp_path, "dashboard-unknown-run.png")
+    _write_crafted(runs_dir, "ghost")  # the run appears
+    expect(page.get_by_text("ghost · finished · step 3 / 3")).to_be_visible(timeout=60_000)
+    expect(warning).to_have_count(0)
+    assert "run=ghost" in page.url

@@ -14,7 +14,7 @@ import pytest
 from qae_app import rundir, store, store_write
 from qae_app.config import TrainConfig
 from qae_app.rundir import CONFIG_FILE
-from tests.dashboard_helpers import charts, frame_with, make_app, plotly_specs, texts
+from tests.dashboard_helpers import charts, make_app, plotly_specs, texts
 
 T_975_2 = 4.3026527  # Student t, 97.5% quantile, 2 degrees of freedom (table value)
 SWEEP_ID, SWEEP_NAME = "a1b2c3d4e5", "study"
@@ -89,6 +89,20 @@ def interval_text(values: list[float]) -> str:
     return f"{mean:.3f} [{mean - half:.3f}, {mean + half:.3f}]"
 
 
+def by_metric(at, first_row: str = "n") -> pd.DataFrame | None:
+    """The page's table as shown (a row per metric, a column per group) whose first row is `first_row`: n for the
+    groups, paired seeds for the differences from the baseline; None if there is none."""
+    return next((frame.value for frame in at.dataframe if list(frame.value.columns)[:1] == ["metric"]
+                 and frame.value["metric"].iloc[0] == first_row), None)
+
+
+def by_group(at, first_row: str = "n") -> pd.DataFrame:
+    """The page's table back as a row per group, `n` as a number."""
+    shown = by_metric(at, first_row)
+    table = shown.set_index("metric").T.rename_axis("group").reset_index()
+    return table.assign(n=table["n"].astype(int)) if "n" in table else table
+
+
 def finals(estimator: str) -> list[float]:
     return [HELDOUT[estimator][seed][4] for seed in range(3)]
 
@@ -146,7 +160,12 @@ def test_a_band_stays_within_the_values_the_metric_can_take():
 
 def test_sweep_table_matches_the_hand_computed_intervals(compare_app):
     at = compare_app("compare", sweep=SWEEP_NAME)
-    table = frame_with(at, "group", "n", "final_heldout").set_index("group")
+    # a row per metric and a column per group: every metric stays in view at 1400 px (ten columns of intervals ran
+    # off the page), whatever the number of metrics
+    shown = by_metric(at)
+    assert list(shown.columns) == ["metric", "estimator=grpo", "estimator=qae"]
+    assert {"zero_adv", "dH_easy", "dH_hard", "step_s"} <= set(shown["metric"])
+    table = by_group(at).set_index("group")
     assert list(table.index) == ["estimator=grpo", "estimator=qae"]  # by run name, as `qae compare --sweep`
     assert table["n"].tolist() == [3, 3] and table.loc["estimator=qae", "seeds"] == "0, 1, 2"
     assert table.loc["estimator=qae", "final_heldout"] == interval_text(finals("qae")) == "0.700 [0.452, 0.948]"
@@ -166,9 +185,9 @@ def test_sweep_table_matches_the_hand_computed_intervals(compare_app):
 
 def test_baseline_adds_the_paired_difference_and_p_value(compare_app):
     at = compare_app("compare", sweep=SWEEP_NAME)
-    assert not [f for f in at.dataframe if f.key == "compare_differences"]
+    assert by_metric(at, "paired seeds") is None
     at.selectbox(key="baseline").set_value("estimator=grpo").run()
-    differences = frame_with(at, "group", "paired seeds", "final_heldout")
+    differences = by_group(at, "paired seeds")
     assert differences["group"].tolist() == ["estimator=qae"] and differences["paired seeds"].tolist() == ["0, 1, 2"]
     # qae - grpo by seed: 0.1, 0.2, 0.1 -> mean 2/15, sd 1/sqrt(300), t = 4 on 2 df: p = 1 - 4 / sqrt(18)
     half = T_975_2 / math.sqrt(300) / math.sqrt(3)
@@ -184,8 +203,8 @@ def test_a_link_with_the_sweep_id_and_a_short_baseline(compare_app):
     at = compare_app("compare", sweep=SWEEP_ID, baseline="grpo")
     assert at.selectbox(key="sweep").value == SWEEP_ID and at.selectbox(key="baseline").value == "grpo"
     assert f"sweep id {SWEEP_ID}: 6 run(s)" in texts(at)
-    assert frame_with(at, "group", "n")["n"].tolist() == [3, 3]
-    assert frame_with(at, "group", "paired seeds")["group"].tolist() == ["estimator=qae"]
+    assert by_group(at)["n"].tolist() == [3, 3]
+    assert by_group(at, "paired seeds")["group"].tolist() == ["estimator=qae"]
     assert "Minus the baseline estimator=grpo" in texts(at)
     assert (at.query_params["sweep"], at.query_params["baseline"]) in [(SWEEP_ID, "grpo"), ([SWEEP_ID], ["grpo"])]
     assert not at.warning
@@ -195,18 +214,18 @@ def test_a_link_names_the_runs(compare_app):
     # the a,b,c form: two groups of two seeds and one
     at = compare_app("compare", runs="study-qae-s0,study-qae-s1,study-grpo-s2")
     assert at.selectbox(key="sweep").value is None
-    table = frame_with(at, "group", "n").set_index("group")
+    table = by_group(at).set_index("group")
     assert table["n"].to_dict() == {"estimator=qae": 2, "estimator=grpo": 1}
     assert table.loc["estimator=grpo", "final_heldout"] == "0.700"  # one seed: its value, no interval
     assert "n=1: one seed, no interval" in table.loc["estimator=grpo", "note"]
     # repeated parameters, as the page writes them; groups of other setups are labelled by what differs
     at = compare_app("compare", runs=["study-qae-s2", "solo"])
     assert at.multiselect(key="runs").value == ["study-qae-s2", "solo"]
-    assert frame_with(at, "group", "n")["group"].tolist() == ["lr=5e-05", "lr=0.0001"]
+    assert by_group(at)["group"].tolist() == ["lr=5e-05", "lr=0.0001"]
 
 
 def test_curves_are_the_mean_with_a_band_across_seeds(compare_app):
-    at = compare_app("compare", sweep=SWEEP_NAME)
+    at = compare_app("compare", sweep=SWEEP_NAME, band="t-interval")
     specs = plotly_specs(at)
     assert {"compare_heldout_accuracy", "compare_entropy", "compare_frac_zero_adv"} <= set(specs)
     entropy_traces = {t["uid"]: t for t in specs["compare_entropy"]["data"]}
@@ -236,7 +255,7 @@ def test_curves_are_the_mean_with_a_band_across_seeds(compare_app):
 
 def test_one_run_without_heldout_evaluations(compare_app):
     at = compare_app("compare", runs="solo")
-    table = frame_with(at, "group", "n")
+    table = by_group(at)
     assert table["group"].tolist() == ["all"] and table["final_heldout"].tolist() == ["-"]
     assert table["entropy_last"].tolist() == ["0.650"]  # the last 20% of 4 steps is 2 steps: 0.7 and 0.6
     assert "one seed, no interval; run more seeds" in texts(at)
@@ -253,13 +272,13 @@ def test_a_link_to_a_missing_sweep_run_or_baseline_says_so(compare_app):
     assert "Pick a sweep, or runs to compare." in texts(at)
     at = compare_app("compare", runs="study-qae-s0,gone", baseline="ppo")
     assert any("run gone" in w.value for w in at.warning)
-    assert frame_with(at, "group", "n")["runs"].tolist() == ["study-qae-s0"]
+    assert by_group(at)["runs"].tolist() == ["study-qae-s0"]
     for link in (dict(runs="study-qae-s0,x`**b**[l](http://e)"), dict(sweep="y`**b**")):  # the link's text, as text
         warnings = [w.value for w in compare_app("compare", **link).warning]
         assert warnings and not [w for w in warnings if "**b**" in w or "[l](http://e)" in w], warnings
     at = compare_app("compare", sweep=SWEEP_NAME, baseline="ppo")
     assert any("baseline: 'ppo' matches no group" in w.value for w in at.warning)
-    assert not [f for f in at.dataframe if "paired seeds" in f.value.columns]
+    assert by_metric(at, "paired seeds") is None
 
 
 def test_nothing_picked_and_no_runs(compare_app, tmp_path, monkeypatch):
@@ -281,8 +300,23 @@ def test_a_run_without_a_training_step_is_left_out_and_said(tmp_path, monkeypatc
                                    source="train")])
     assert writer.flush()
     at = make_app(tmp_path, monkeypatch)("compare", runs="trained,untrained")
-    table = frame_with(at, "group", "n")
+    table = by_group(at)
     assert table["n"].tolist() == [1] and table["final_heldout"].tolist() == ["0.600"]
     assert "left out: untrained (no training step yet)" in texts(at).replace("\\", "")  # markdown escapes
     at = make_app(tmp_path, monkeypatch)("compare", runs="untrained")
     assert any("No picked run has a training step yet" in info.value for info in at.info)
+
+
+def test_the_default_band_of_three_seeds_is_their_range_and_says_why(compare_app):
+    """With 2 or 3 seeds the 95% t-interval is the mean +- 12.71 or 4.30 standard errors: on a 2-seed sweep the band
+    sent the entropy axis to 2.5 nats and flattened curves near 0.45. The default band (auto) draws the seeds' range
+    there and says why; from 4 seeds on it is the t-interval."""
+    at = compare_app("compare", sweep=SWEEP_NAME)
+    assert at.segmented_control(key="band").value == "auto"
+    band = {t["uid"]: t for t in plotly_specs(at)["compare_entropy"]["data"]}["estimator=qae · band"]
+    assert band["y"] == pytest.approx([entropy("qae", 2, s) for s in STEPS] + [entropy("qae", 0, s)
+                                                                             for s in reversed(STEPS)])
+    assert "no group has more than 3 seeds" in texts(at) and "4.30 standard errors" in texts(at)
+    assert charts.resolve_band("auto", 4) == ("t-interval", None)
+    assert charts.resolve_band("auto", 2)[0] == "min-max" and "12.71" in charts.resolve_band("auto", 2)[1]
+    assert charts.resolve_band("t-interval", 2) == ("t-interval", None)

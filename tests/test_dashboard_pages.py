@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from qae_app import rundir, store, store_read, store_write
 from qae_app.cli import app as cli_app
+from qae_app.formatting import number
 from qae_app.rundir import RunLock, run_dir
 from tests.synthetic import write_run
 
@@ -84,7 +85,9 @@ def test_curves_page_plots_every_step_of_each_run(app, runs_dir):
     assert sorted({shape["y0"] for shape in specs["entropy"]["layout"]["shapes"]}) == pytest.approx(
         sorted({0.5, start / 3}))
     notes = [a["text"] for a in specs["entropy"]["layout"]["annotations"]]
-    assert "entropy_high 3 (above)" in notes and f"entropy_high {start * 3:g} (above)" in notes
+    # (one note for both lines: two at one place overprinted each other)
+    above = ", ".join(number(v) for v in sorted([3.0, start * 3]))
+    assert [n for n in notes if "(above)" in n] == [f"entropy_high {above} (above)"]
     warning = entropy["crafted · warnings (1)"]
     assert list(warning["x"]) == [2] and "fell below 0.5" in warning["text"][0]
     names = {trace["name"] for trace in specs["accuracy"]["data"]}
@@ -330,31 +333,52 @@ def test_a_run_whose_database_is_missing_is_listed_and_its_pages_say_why(tmp_pat
 def test_the_url_names_the_default_run_and_a_missing_run_is_reported(small_app):
     at = small_app()
     assert at.query_params["run"] in ("syn", ["syn"]) and at.sidebar.multiselect(key="run").value == ["syn"]
-    at = small_app(run=["ghost", "crafted"])
-    assert at.sidebar.multiselect(key="run").value == ["crafted"]
-    warning = " ".join(w.value for w in at.sidebar.warning)
+    at = small_app("curves", run=["ghost", "crafted"])
+    # the link's runs stay as it said them; the page shows the one this folder has and names the other
+    assert at.sidebar.multiselect(key="run").value == ["ghost", "crafted"]
+    assert at.query_params.get("run") == ["ghost", "crafted"]
+    warning = " ".join(w.value for w in at.main.warning)
+    assert "ghost" in warning and "does not have" in warning and "crafted" not in warning
+    assert {trace["name"].split(" ")[0] for trace in plotly_specs(at)["entropy"]["data"]} == {"crafted"}
+
+
+@pytest.mark.parametrize("view", [None, "curves", "rollouts", "distributions", "evals", "prompts", "eval_samples"])
+def test_a_link_to_an_unknown_run_says_so_and_draws_no_other_run(small_app, view):
+    """A link to a run this folder does not have drew the newest run and rewrote the URL to name it (only a sidebar
+    note said so): now the page says so and draws nothing else, and the URL keeps the link's run."""
+    at = small_app(view, run="ghost")
+    warning = " ".join(w.value for w in at.main.warning)
     assert "ghost" in warning and "does not have" in warning
+    at.run()  # and on the next pass (a refresh): still the link's run, still nothing else
+    assert at.query_params.get("run") in ("ghost", ["ghost"])
+    assert at.sidebar.multiselect(key="run").value == ["ghost"]
+    assert not plotly_specs(at) and not at.metric
+    shown = frames(at)
+    if view is None:  # the Runs page lists the runs there are, none of them shown
+        assert set(shown[0]["run_id"]) == {"crafted", "crafted-copy", "syn"} and not shown[0]["shown"].any()
+    else:
+        assert not shown and not at.main.header, [h.value for h in at.main.header]
 
 
 @pytest.mark.parametrize("view", [None, "curves", "rollouts"])
 def test_a_linked_run_that_appears_later_is_shown_and_the_url_always_names_the_run_shown(tmp_path, monkeypatch,
                                                                                           view):
-    """A link to a run not started yet (`?run=fresh`, then `qae train --run-name fresh`): meanwhile the newest run is
-    shown, and the URL names it from the page's next pass on (Streamlit drops the unknown run from the URL as it first
-    reads it); once the run exists the page shows it and the warning goes."""
+    """A link to a run not started yet (`?run=fresh`, then `qae train --run-name fresh`): meanwhile the page says the
+    run is not there and shows no other run, and the URL keeps naming it; once the run exists the page shows it and
+    the warning goes."""
     _write_crafted(tmp_path, "old")
     app = make_app(tmp_path, monkeypatch)
     at = app(view, run="fresh")
-    assert at.sidebar.multiselect(key="run").value == ["old"]
-    assert "fresh" in " ".join(w.value for w in at.sidebar.warning)
+    assert at.sidebar.multiselect(key="run").value == ["fresh"]
+    assert "fresh" in " ".join(w.value for w in at.main.warning)
     at.run()
-    assert at.query_params.get("run") in ("old", ["old"])
-    assert "fresh" in " ".join(w.value for w in at.sidebar.warning)
+    assert at.query_params.get("run") in ("fresh", ["fresh"])
+    assert "fresh" in " ".join(w.value for w in at.main.warning)
     _write_crafted(tmp_path, "fresh")
     at.run()
     assert at.sidebar.multiselect(key="run").value == ["fresh"]
     assert at.query_params.get("run") in ("fresh", ["fresh"])
-    assert not at.sidebar.warning
+    assert not at.main.warning
     assert not at.exception
 
 

@@ -21,6 +21,9 @@ def test_numbers_keep_their_digits():
     assert [number(v) for v in (None, float("nan"), 3, 3.0, 0.12345, -0.0456, 123.456, 1.5e-05, 2.5e7)] == \
         ["-", "-", "3", "3", "0.123", "-0.046", "123.5", "1.5e-05", "2.5e+07"]
     assert [number(v) for v in (pd.NA, True, 1.0, 0.875)] == ["-", "True", "1", "0.875"]
+    # one precision from 1 on: 4 significant digits (50.859 beside 135.7 read as two precisions)
+    assert [number(v) for v in (5.1234, 50.859, 135.74, 1357.6, 99.99, -12.345, 9.9996)] == \
+        ["5.123", "50.86", "135.7", "1358", "99.99", "-12.35", "10.00"]
 
 
 def test_as_float_gives_none_for_what_is_not_a_number():

@@ -33,7 +33,7 @@ ALLOWED_CYCLES = [{"rollout", "vllm_engine"}]  # rollout imports the vLLM engine
 
 
 DASHBOARD = PACKAGE.parent / "dashboard"
-DASHBOARD_LOCAL = {"board", "charts"}  # the app's own modules, imported by bare name (Streamlit runs it as a script)
+DASHBOARD_LOCAL = {"board", "charts", "grouping"}  # the app's own modules, imported by bare name (Streamlit runs it as a script)
 # what the dashboard may import from qae_app: the torch-free layers below the estimators and models, and nothing of
 # the terminal views (their text belongs to the CLI)
 DASHBOARD_MAY_IMPORT = set().union(*LAYERS[:3])

@@ -138,22 +138,22 @@ def differences_table(comparison: compare.Comparison) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-METRIC_COLUMNS = {name: st.column_config.TextColumn(name, help=f"{text}: mean over seeds [95% Student-t interval]")
-                  for name, text in compare.RUN_METRICS.items()}
-TABLE_COLUMNS = {
-    "group": st.column_config.TextColumn("group", help="The config keys on which the groups differ; runs that "
-                                                       "differ only in seed (and bookkeeping) form one group."),
-    "n": st.column_config.NumberColumn("n", help="runs (seeds) in the group"),
-    **METRIC_COLUMNS,
-    "note": st.column_config.TextColumn("note", width="large"),
-}
-DIFFERENCE_COLUMNS = {
-    "paired seeds": st.column_config.TextColumn("paired seeds", help="seeds both this group and the baseline ran: "
-                                                                     "only those pairs enter the difference"),
-    **{name: st.column_config.TextColumn(name, help=f"{text}: group minus baseline, mean over paired seeds [95% "
-                                                    "interval] and the paired t-test p") for name, text in
-       compare.RUN_METRICS.items()},
-}
+def by_metric(table: pd.DataFrame) -> pd.DataFrame:
+    """A table with a row per group (first column `group`) turned to a row per metric and a column per group: ten
+    metrics of 'mean [low, high]' side by side ran off a 1400 px page (zero_adv, dH_*, step_s out of view), while a
+    sweep has a few groups."""
+    return table.set_index("group").T.astype(str).rename_axis("metric").reset_index()
+
+
+def full_height(table: pd.DataFrame) -> int:
+    """Pixels that show every row of `table` (st.dataframe's default box showed ten, hiding dH_hard and step_s)."""
+    return 35 * (len(table) + 1) + 3
+
+
+def by_metric_columns(table: pd.DataFrame, what: str) -> dict:
+    return {"metric": st.column_config.TextColumn("metric", pinned=True, width=120,
+                                                  help="each metric is defined under 'metric definitions' below"),
+            **{label: st.column_config.TextColumn(label, help=what) for label in table["group"]}}
 
 
 def pick_baseline(groups: list[compare.RunGroup]) -> compare.RunGroup | None:
@@ -181,9 +181,12 @@ def pick_baseline(groups: list[compare.RunGroup]) -> compare.RunGroup | None:
 
 def curves_section(comparison: compare.Comparison, band: str) -> None:
     colors = {group.label: board.RUN_COLORS[i % len(board.RUN_COLORS)] for i, group in enumerate(comparison.groups)}
+    band, why = charts.resolve_band(band, max(len(group.runs) for group in comparison.groups))
     caption = (f"One color per group; the line is the mean over the group's seeds at each step, the band the "
                f"{charts.SEED_BANDS[band]}, cut at the values the metric can take (none where only one seed has the "
                "step; hover for how many do)")
+    if why:  # once for the three charts
+        st.caption(f":material/info: {why[0].upper()}{why[1:]}.")
     left, right = st.columns(2)
     for i, (metric, (title, y_title)) in enumerate(CURVES.items()):
         curves = {group.label: charts.across_seeds([run.steps.rename(columns={metric: "value"}) for run in group.runs
@@ -220,8 +223,10 @@ def body(run_ids: list[str]) -> None:
     n_runs = sum(len(group.runs) for group in groups)
     st.caption(f"{n_runs} run(s) in {len(groups)} group(s) (same config but the seed); each metric is the "
                "mean over the group's seeds with its 95% Student-t interval in brackets, as `qae compare` prints it")
-    st.dataframe(groups_table(comparison), hide_index=True, column_config=TABLE_COLUMNS, key="compare_table",
-                 placeholder="")
+    table = groups_table(comparison)
+    shown = by_metric(table)
+    st.dataframe(shown, hide_index=True, key="compare_table", placeholder="", height=full_height(shown),
+                 column_config=by_metric_columns(table, "mean over the group's seeds [95% Student-t interval]"))
     for group in comparison.groups:
         if note := group_notes(group):
             st.caption(f":material/info: **{board.literal(group.label)}**: {board.literal(note)}")
@@ -230,8 +235,11 @@ def body(run_ids: list[str]) -> None:
     if comparison.baseline is not None:
         st.markdown(f"**Minus the baseline {board.literal(comparison.baseline.label)}**, paired by seed: mean difference [95% "
                     "interval] and the two-sided paired t-test p")
-        st.dataframe(differences_table(comparison), hide_index=True, key="compare_differences",
-                     column_config=DIFFERENCE_COLUMNS, placeholder="")
+        differences = differences_table(comparison)
+        shown = by_metric(differences)
+        st.dataframe(shown, hide_index=True, key="compare_differences", placeholder="", height=full_height(shown),
+                     column_config=by_metric_columns(differences, "group minus baseline, mean over paired seeds [95% "
+                                                                  "interval] and the paired t-test p"))
         for label, differences in comparison.differences.items():
             paired = differences[next(iter(compare.RUN_METRICS))]
             if paired.note:
@@ -242,11 +250,12 @@ def body(run_ids: list[str]) -> None:
     if all(record.steps.empty for record in records):
         st.info("No step written yet: the curves appear when the runs write their first steps.")
         return
-    band = st.segmented_control("Band", list(charts.SEED_BANDS), key="band", default="t-interval", required=True,
+    band = st.segmented_control("Band", list(charts.SEED_BANDS), key="band", default="auto", required=True,
                                 bind="query-params",
                                 help="t-interval: the 95% Student-t interval of the mean over seeds (the table's "
                                      "interval, step by step; wide with few seeds); min-max: the lowest to highest "
-                                     "seed.")
+                                     "seed; auto: min-max up to 3 seeds, where t (12.71 at 2 seeds, 4.30 at 3) "
+                                     "makes the interval unreadably wide, the t-interval from 4 seeds on.")
     curves_section(comparison, band)
 
 

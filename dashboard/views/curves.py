@@ -6,6 +6,7 @@ import streamlit as st
 
 import board
 import charts
+import grouping
 from qae_app import names
 from qae_app.store import STEP_METRICS
 
@@ -27,7 +28,29 @@ def heldout_points(view) -> pd.DataFrame:
     return part.groupby("step", as_index=False)["value"].mean()
 
 
-def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, other: list[str]) -> None:
+def grouped(views: dict, frames: dict[str, pd.DataFrame], heldout: dict[str, pd.DataFrame], by: list[str],
+            band: str) -> tuple[dict, dict, dict[str, list[str]]]:
+    """The runs' frames and held-out points as one per group (mean and band over its runs), and the groups."""
+    configs = {run_id: board.run_config(view.run) for run_id, view in views.items()}
+    groups = grouping.group_runs(configs, by or None)
+    drawn, why = charts.resolve_band(band, max(len(run_ids) for run_ids in groups.values()))
+    metrics = [m for m in STEP_METRICS if any(m in frame for frame in frames.values())]
+    held = {run_id: points.rename(columns={"value": "heldout"}) for run_id, points in heldout.items()}
+    grouped_held = grouping.group_frames(held, groups, ["heldout"], drawn)
+    lines = [f"**{board.literal(label)}**: {len(run_ids)} run(s) ({board.literal(', '.join(run_ids))})"
+             for label, run_ids in groups.items()]
+    st.caption(f"Grouped by {', '.join(by) if by else 'everything but the seed'}: the line is the mean over the "
+               f"group's runs at each step, the band the {charts.SEED_BANDS[drawn]} (none where one run has the "
+               "step; hover for how many do). " + " · ".join(lines) + (f". {why}." if why else ""))
+    return (grouping.group_frames(frames, groups, metrics, drawn),
+            {label: frame.rename(columns={"heldout": "value"})[["step", "value"]].dropna()
+             for label, frame in grouped_held.items()}, groups)
+
+
+def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, other: list[str],
+         group_by: list[str] | None = None, seed_band: str = "auto") -> None:
+    """The charts of the picked runs; `group_by` (a list, [] for everything but the seed): one mean curve and band
+    per group of runs instead of a line per run."""
     views = {run_id: view for run_id in run_ids if (view := board.run_view(run_id)) is not None}
     if not views:
         return
@@ -55,12 +78,21 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
             bands[run_id] = band
     warnings = {run_id: view.warnings for run_id, view in views.items()}
     heldout = {run_id: heldout_points(view) for run_id, view in views.items()}
+    if group_by is not None:
+        if x != "step":
+            st.caption(f"Grouped curves are drawn over steps: the runs of a group differ in {x.replace('_', ' ')}.")
+            x = "step"
+        frames, heldout, groups = grouped(views, frames, heldout, group_by, seed_band)
+        colors = board.run_colors(list(groups))
+        bands = {label: bands[run_ids[0]] for label, run_ids in groups.items() if run_ids[0] in bands}
+        warnings = {}  # markers of one run's warnings: ungroup to see them
     axes = dict(x=x, log_y=log_y)
 
     left, right = st.columns(2)
     with left:
         chart(charts.entropy(frames, colors, bands, warnings, smoothing, **axes), "entropy", ["entropy"])
-        recorded = pd.concat([w.assign(run=run_id) for run_id, w in warnings.items()], ignore_index=True)
+        recorded = pd.concat([pd.DataFrame(columns=["step", "kind", "message"])]
+                             + [w.assign(run=run_id) for run_id, w in warnings.items()], ignore_index=True)
         if not recorded.empty:
             with st.expander(f"{len(recorded)} recorded warning(s)"):
                 st.dataframe(recorded[["run", "step", "kind", "message"]], hide_index=True, placeholder="")
@@ -89,8 +121,9 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
               "clip_frac", ["clip_frac_low", "clip_frac_high"])
     with right:
         if any("dH" in frame and frame["dH"].notna().any() for frame in frames.values()):
-            chart(charts.lines(frames, ["dH_easy", "dH_hard", "dH"], colors, "entropy change of the update, per regime "
-                               "(QAE: Prop. 4.2 predicts dH_easy > 0 > dH_hard)", smoothing, "nats / token", **axes),
+            # (QAE, Prop. 4.2: dH_easy > 0 > dH_hard, in the metrics' definitions below the chart)
+            chart(charts.lines(frames, ["dH_easy", "dH_hard", "dH"], colors, "entropy change of the update, per "
+                               "regime", smoothing, "nats / token", **axes),
                   "entropy_delta", ["dH_easy", "dH_hard", "dH"])
         else:
             st.caption("Entropy change per regime (dH_easy, dH_hard): not measured in these runs. Train with "
@@ -128,4 +161,21 @@ log_y = bottom[1].toggle("log y", key="log", bind="query-params", help="Logarith
 other = st.multiselect("More metrics", [m for m in STEP_METRICS if m not in charts.TIME_METRICS],
                        default=OTHER_DEFAULT, key="other", bind="query-params",
                        help="Any other column of the steps table.")
-body(run_ids, (method, amount), x_axis, log_y, other)
+grouping_row = st.columns([1, 2, 1.3])
+group_on = grouping_row[0].toggle("Group runs", key="group", bind="query-params",
+                                  help="One mean curve and band per group of runs (same config but the seed, or the "
+                                       "keys picked), as W&B's grouping.")
+group_by = None
+if group_on:
+    picked_configs = {run_id: board.run_config(view.run) for run_id in run_ids
+                      if (view := board.run_view(run_id)) is not None}
+    group_by = grouping_row[1].multiselect("Group by", grouping.config_keys(picked_configs), key="group_by",
+                                           bind="query-params", accept_new_options=True,
+                                           placeholder="everything but the seed",
+                                           help="Config keys whose values make a group (the keys that differ "
+                                                "between the picked runs are listed first). None: runs that differ "
+                                                "only in seed (and bookkeeping) form a group, as on Compare.")
+    band_choice = grouping_row[2].segmented_control("Band", list(charts.SEED_BANDS), key="band", default="auto",
+                                                    bind="query-params", required=True,
+                                                    help="; ".join(f"{k}: {v}" for k, v in charts.SEED_BANDS.items()))
+body(run_ids, (method, amount), x_axis, log_y, other, group_by, band_choice if group_on else "auto")

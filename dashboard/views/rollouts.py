@@ -21,6 +21,9 @@ ROW_PX, MAX_TABLE_PX = 35, 610  # a group's table shows up to ~16 responses with
 # the Responses control -> (gated, filtered) for store_read.read_rollouts: gated and kept are of the trained groups
 GATED_CHOICES = {"all": (None, None), "gated": (True, False), "kept": (False, False), "filtered": (None, True)}
 STATUS = {"kept": "✓ kept", "gated": "⊘ gated", "filtered": "⊘ filtered"}
+# rows without a gradient: grey text on the page's own background, so they read dimmer than the kept rows in the light
+# and the dark theme alike (a light background made them the brightest rows in dark mode)
+DIMMED = "color: #8a8a8a"
 REGIME_BADGE = {"hard": "red", "easy": "green", "all_correct": "blue", "all_wrong": "gray", "mixed": "violet"}
 RESPONSE_COLUMNS = {
     "sample_idx": st.column_config.NumberColumn("sample", width="small"),
@@ -53,8 +56,7 @@ def styled(responses: pd.DataFrame):
     frame = responses.assign(status=status,
                              gate_reason=responses["gate_reason"].fillna("").where(~filtered, board.FILTERED_REASON))
     frame = frame[list(RESPONSE_COLUMNS)].reset_index(drop=True)
-    grey = "color: #8a8a8a; background-color: #f2f2f2"
-    return frame.style.apply(lambda row: [grey if row["status"] != STATUS["kept"] else ""] * len(row), axis=1)
+    return frame.style.apply(lambda row: [DIMMED if row["status"] != STATUS["kept"] else ""] * len(row), axis=1)
 
 
 def open_row(table_key: str, select_key: str, samples: list[int]) -> None:

@@ -11,40 +11,49 @@ from qae_app.formatting import ago, duration, run_pace
 from qae_app.store import STEP_METRICS
 from qae_app.store_read import READ_STATUSES
 
+# In reading order: what the run is and how it is doing first (its latest metrics before the pace of a live run, so
+# they stay in view at 1400 px), then what it trains, then bookkeeping.
 COLUMNS = {
-    "shown": st.column_config.CheckboxColumn("shown", help="Picked in the sidebar: shown on the other pages."),
+    "shown": st.column_config.CheckboxColumn("shown", width=56, help="Picked in the sidebar: shown on the other pages."),
     "run_id": st.column_config.TextColumn("run", help="The run's folder: a copied or renamed folder is a run of its "
                                                       "own."),
-    "stored_run_id": st.column_config.TextColumn("copied from", help="The id stored in the database, when it differs "
-                                                                     "from the folder (a copied or renamed run)."),
     "status": st.column_config.TextColumn(
-        "status", help="running, finished, failed, interrupted; stopped: stored as running but no trainer holds the "
-                       "run (killed without a chance to say so: resume it); unreadable: the database cannot be "
-                       "opened (see error)"),
-    "estimator": st.column_config.TextColumn("estimator"),
-    "k": st.column_config.NumberColumn("K", format="%.2f", help="QAE quantile level (empty for mean baselines)"),
-    "group_size": st.column_config.NumberColumn("G", help="responses per prompt"),
+        "status", width=80,
+        help="running, finished, failed, interrupted; stopped: stored as running but no trainer holds the "
+             "run (killed without a chance to say so: resume it); unreadable: the database cannot be "
+             "opened (see error)"),
+    "progress": st.column_config.TextColumn("steps", width=80, help="last step written / steps configured"),
+    "reward_mean": st.column_config.NumberColumn("reward", format="%.3f", width=70, help=STEP_METRICS["reward_mean"]),
+    "accuracy": st.column_config.NumberColumn("accuracy", format="%.3f", width=70, help=STEP_METRICS["accuracy"]),
+    "entropy": st.column_config.NumberColumn("entropy", format="%.3f", width=70, help=STEP_METRICS["entropy"]),
+    "heldout_accuracy": st.column_config.NumberColumn("heldout acc.", format="%.3f", width=90,
+                                                      help=STEP_METRICS["heldout_accuracy"]),
+    "last_step_age": st.column_config.TextColumn("last step", width=90, help="how long ago the last step was "
+                                                                             "committed (running runs)"),
+    "steps_per_min": st.column_config.NumberColumn("steps/min", format="%.3g", width=75,
+                                                   help="median pace of the last 50 steps (running runs)"),
+    "eta": st.column_config.TextColumn("ETA", width=60, help="time left to the configured steps at that pace"),
+    "estimator": st.column_config.TextColumn("estimator", width=80),
+    "k": st.column_config.NumberColumn("K", format="%.2f", width=50, help="QAE quantile level (empty for mean "
+                                                                          "baselines)"),
+    "group_size": st.column_config.NumberColumn("G", width=40, help="responses per prompt"),
+    "seed": st.column_config.NumberColumn("seed", width=50, help="the run's seed: runs of one setup that differ only "
+                                                                 "in it are grouped on Compare and Training curves"),
+    "sweep": st.column_config.TextColumn("sweep", help="the `qae sweep` the run belongs to (its name)"),
     "model": st.column_config.TextColumn("model"),
     "task": st.column_config.TextColumn("task"),
-    "progress": st.column_config.TextColumn("steps", help="last step written / steps configured"),
-    "last_step_age": st.column_config.TextColumn("last step", help="how long ago the last step was committed "
-                                                                   "(running runs)"),
-    "steps_per_min": st.column_config.NumberColumn("steps/min", format="%.3g",
-                                                   help="median pace of the last 50 steps (running runs)"),
-    "eta": st.column_config.TextColumn("ETA", help="time left to the configured steps at that pace"),
     "pending_writes": st.column_config.NumberColumn(
         "pending writes", help="Writes the trainer saved under pending/ that are not in the database yet: the "
                                "steps since its last database write (it writes every few seconds), or everything while "
                                "a reader holds the file. A stopped run's are written by `qae train --resume`."),
-    "reward_mean": st.column_config.NumberColumn("reward", format="%.3f", help=STEP_METRICS["reward_mean"]),
-    "accuracy": st.column_config.NumberColumn("accuracy", format="%.3f", help=STEP_METRICS["accuracy"]),
-    "entropy": st.column_config.NumberColumn("entropy", format="%.3f", help=STEP_METRICS["entropy"]),
-    "heldout_accuracy": st.column_config.NumberColumn("heldout acc.", format="%.3f",
-                                                      help=STEP_METRICS["heldout_accuracy"]),
+    "stored_run_id": st.column_config.TextColumn("copied from", help="The id stored in the database, when it differs "
+                                                                     "from the folder (a copied or renamed run)."),
     "created_at": st.column_config.DatetimeColumn("created (UTC)", format="YYYY-MM-DD HH:mm"),
     "updated_at": st.column_config.DatetimeColumn("updated (UTC)", format="YYYY-MM-DD HH:mm:ss"),
     "error": st.column_config.TextColumn("error", width="large"),
 }
+ROW_PX = 35  # a row of st.dataframe
+MAX_ROWS_SHOWN = 60  # the table grows to show every run up to this many; beyond, it scrolls (and says so)
 
 
 def table(all_runs: pd.DataFrame) -> pd.DataFrame:
@@ -59,6 +68,8 @@ def table(all_runs: pd.DataFrame) -> pd.DataFrame:
     frame["progress"] = [f"{step} / {steps}" if steps else step for step, steps in zip(last, total)]
     frame.loc[frame["status"].isin(READ_STATUSES), "progress"] = None
     frame["group_size"] = [config.get("group_size") for config in configs]
+    frame["seed"] = [config.get("seed") for config in configs]
+    frame["sweep"] = [config.get("sweep_name") or config.get("sweep_id") for config in configs]
     frame["shown"] = frame["run_id"].isin(board.shown_runs())
     frame["stored_run_id"] = frame["stored_run_id"].where(frame["stored_run_id"] != frame["run_id"])
     for i, row in frame[frame["status"] == "running"].iterrows():
@@ -71,7 +82,7 @@ def table(all_runs: pd.DataFrame) -> pd.DataFrame:
         frame.at[i, "eta"] = duration(pace["eta_s"]) if pace["eta_s"] is not None else None
     frame["pending_writes"] = frame["pending_writes"].where(frame["pending_writes"].fillna(0) > 0)
     # shown when some run has one
-    optional = ("last_step_age", "steps_per_min", "eta", "stored_run_id", "pending_writes")
+    optional = ("last_step_age", "steps_per_min", "eta", "stored_run_id", "pending_writes", "sweep")
     shown = [column for column in COLUMNS if column not in optional or frame[column].notna().any()]
     return frame[shown]
 
@@ -123,7 +134,11 @@ if runs_now.empty:
             "it appears here within seconds.")
     st.stop()
 unreadable_notice(runs_now)
-st.dataframe(table(runs_now), hide_index=True, column_config=COLUMNS, key="runs_table", placeholder="")
+# every run in view: the table grows with the runs (a fixed box hid the 11th run below its fold)
+st.dataframe(table(runs_now), hide_index=True, column_config=COLUMNS, key="runs_table", placeholder="",
+             height=ROW_PX * (min(len(runs_now), MAX_ROWS_SHOWN) + 1) + 3)
 counts = runs_now["status"].value_counts()
-st.caption(" · ".join(f"{n} {status}" for status, n in counts.items()))
+st.caption(f"{len(runs_now)} runs: " + " · ".join(f"{n} {status}" for status, n in counts.items())
+           + (f" (the table shows {MAX_ROWS_SHOWN} at a time: scroll it for the rest)"
+              if len(runs_now) > MAX_ROWS_SHOWN else ""))
 config_section(runs_now)
