@@ -441,6 +441,9 @@ def compare_view(comparison, width: int) -> RenderableType:
         parts.append(diff)
         for index, group in others:
             paired = comparison.differences[group.label][next(iter(RUN_METRICS))]
+            if paired.pairs:
+                parts.append(Text(f"G{index} - G{base_index} pairs: " + ", ".join(
+                    f"seed {seed} {run} - {base_run}" for seed, run, base_run in paired.pairs), style="dim"))
             if len(paired.seeds) < len(group.runs) or len(paired.seeds) < len(comparison.baseline.runs):
                 parts.append(Text(f"G{index}: {len(paired.seeds)} seed(s) shared with the baseline are paired "
                                   f"({', '.join(map(str, paired.seeds)) or 'none'}); the others are left out",

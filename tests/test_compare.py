@@ -218,12 +218,27 @@ def test_find_group_names_the_choices():
         find_group(groups, "grpo")
 
 
-def test_duplicate_seeds_are_counted_and_said():
-    groups = group_runs([_record("a", 0, 0.5), _record("b", 0, 0.7)])
+def test_a_seed_run_twice_counts_once_and_is_said():
+    """Two runs of one config and seed are one draw: n is the distinct seeds, the first run given is counted."""
+    groups = group_runs([_record("a", 0, 0.5), _record("b", 0, 0.7), _record("c", 1, 0.9)])
     assert len(groups) == 1 and groups[0].label == "all"
-    assert groups[0].metrics["final_heldout"].n == 2
-    assert "seed 0 appears more than once" in groups[0].note()
-    assert groups[0].per_run["final_heldout"] == {0: 0.5}
+    assert groups[0].metrics["final_heldout"].n == 2 and groups[0].metrics["final_heldout"].mean == pytest.approx(0.7)
+    assert [r.run_id for r in groups[0].runs] == ["a", "c"] and groups[0].excluded == {
+        "b": "seed 0 again: a is counted for it"}
+    assert "not counted: b (seed 0 again: a is counted for it)" in groups[0].note()
+    assert groups[0].per_run["final_heldout"] == {0: 0.5, 1: 0.9}
+
+
+def test_a_copy_counts_as_its_original_and_a_copy_picked_alone_counts():
+    copy = _record("a-backup", 0, 0.5)
+    copy.stored_run_id = "a"  # `cp -r a a-backup`: the database still holds the id "a"
+    original = _record("a", 0, 0.5)
+    original.stored_run_id = "a"
+    [group] = group_runs([copy, original, _record("b", 1, 0.7)])  # the copy sorts first by name: still not counted
+    assert [r.run_id for r in group.runs] == ["a", "b"] and group.to_dict()["n"] == 2
+    assert group.excluded == {"a-backup": "a copy of a, seed 0: counted once"}
+    [alone] = group_runs([copy, _record("b", 1, 0.7)])  # picked on purpose, without its original
+    assert [r.run_id for r in alone.runs] == ["a-backup", "b"] and not alone.excluded
 
 
 def test_a_run_without_a_training_step_is_left_out_and_said(tmp_path):

@@ -132,8 +132,9 @@ def groups_table(comparison: compare.Comparison) -> pd.DataFrame:
 def differences_table(comparison: compare.Comparison) -> pd.DataFrame:
     rows = []
     for label, differences in comparison.differences.items():
-        paired = differences[next(iter(compare.RUN_METRICS))].seeds
-        rows.append({"group": label, "paired seeds": ", ".join(map(str, paired)) or "none",
+        pairs = differences[next(iter(compare.RUN_METRICS))].pairs
+        rows.append({"group": label, "paired seeds": ", ".join(str(seed) for seed, _, _ in pairs) or "none",
+                     "paired runs": "; ".join(f"{run} - {base_run}" for _, run, base_run in pairs) or "none",
                      **{name: difference_text(differences.get(name)) for name in compare.RUN_METRICS}})
     return pd.DataFrame(rows)
 
@@ -143,13 +144,16 @@ METRIC_COLUMNS = {name: st.column_config.TextColumn(name, help=f"{text}: mean ov
 TABLE_COLUMNS = {
     "group": st.column_config.TextColumn("group", help="The config keys on which the groups differ; runs that "
                                                        "differ only in seed (and bookkeeping) form one group."),
-    "n": st.column_config.NumberColumn("n", help="runs (seeds) in the group"),
+    "n": st.column_config.NumberColumn("n", help="distinct seeds in the group: a copied run (`cp -r`) or a second "
+                                                 "run of a seed is shown in the note, not counted"),
     **METRIC_COLUMNS,
     "note": st.column_config.TextColumn("note", width="large"),
 }
 DIFFERENCE_COLUMNS = {
     "paired seeds": st.column_config.TextColumn("paired seeds", help="seeds both this group and the baseline ran: "
                                                                      "only those pairs enter the difference"),
+    "paired runs": st.column_config.TextColumn("paired runs", help="the run used on either side of each pair, in "
+                                                                   "the order of the paired seeds"),
     **{name: st.column_config.TextColumn(name, help=f"{text}: group minus baseline, mean over paired seeds [95% "
                                                     "interval] and the paired t-test p") for name, text in
        compare.RUN_METRICS.items()},
