@@ -15,6 +15,7 @@ Torch-free: `qae runs` and `qae show` start in a fraction of a second.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,14 +28,15 @@ from rich.text import Text
 from qae_app import store, store_read
 from qae_app.formatting import missing, number, pace_line, run_pace
 from qae_app.names import GATE_REASONS
-from qae_app.rundir import STOPPED
+from qae_app.rundir import RUN_NAME_PATTERN, STOPPED
 
 if TYPE_CHECKING:  # `qae runs` draws from dicts and never imports pandas
     import pandas as pd
 
 GAP = 2  # characters between two columns (SIMPLE_HEAD box, collapsed padding)
 STATUS_STYLES = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow",
-                 store_read.UNREADABLE: "bold red", store_read.BUSY: "yellow", STOPPED: "magenta"}
+                 store_read.UNREADABLE: "bold red", store_read.BUSY: "yellow", STOPPED: "magenta",
+                 store_read.NOT_A_RUN: "dim"}
 ID_SEPARATORS = "-_."
 MIN_ID_WIDTH = 24  # optional columns give way before a run id gets narrower than this (default ids: 19-23)
 # `qae show`: the steps columns in order of importance (all of STEP_METRICS, the first ones kept at 80 columns)
@@ -193,8 +195,18 @@ def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
                           "loss). Continue it with `qae train --resume RUN`.", style="dim"))
     for row in rows:
         if row["status"] in store_read.READ_STATUSES:
-            parts.append(Text.assemble(("unreadable: ", "bold red"), (f"{row['run_id']}: {row.get('error')}", "")))
+            parts.append(Text.assemble((f"{row['status']}: ", STATUS_STYLES[row["status"]]),
+                                       (f"{row['run_id']}: {row.get('error')}", "")))
+        elif not RUN_NAME_PATTERN.match(str(row["run_id"])):
+            parts.append(Text(f"{row['run_id']}: read as a run, but not a plain name, so `qae train --resume` cannot "
+                              f"continue it: rename it (mv '{row['run_id']}' {plain_name(str(row['run_id']))}).",
+                              style="dim"))
     return Group(*parts)
+
+
+def plain_name(name: str) -> str:
+    """A plain run name close to `name`: 'a (copy)' -> 'a-copy'."""
+    return "-".join(re.findall(r"[A-Za-z0-9._]+", name)).strip("._-")[:100] or "run"
 
 
 # ---------------------------------------------------------------------------------------------------------------

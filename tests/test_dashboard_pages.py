@@ -595,3 +595,26 @@ def test_the_step_follows_a_live_run_while_the_user_is_on_the_newest(tmp_path, m
     assert writer.flush()
     at.run()
     assert at.select_slider(key=key).value == 1  # the user's pick stays
+
+
+def test_a_folder_of_any_name_is_listed_and_linked_with_a_reason_when_it_is_no_run(tmp_path, monkeypatch):
+    """`cp -r r 'r (copy)'` in a file manager's style was invisible to `qae runs` and the dashboard, and a link to
+    it said the folder did not exist; a folder that holds no run is listed with why."""
+    import shutil
+
+    write_run(tmp_path, "r", steps=3, prompts_per_step=2, group_size=4)
+    shutil.copytree(tmp_path / "r", tmp_path / "r (copy)")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / ".creating-x").mkdir()  # a run being created stays hidden
+    listed = CliRunner().invoke(cli_app, ["runs", "--runs-dir", str(tmp_path)], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0, listed.output
+    assert "3 run(s)" in listed.output and "r (copy)" in listed.output and ".creating" not in listed.output
+    text = " ".join(listed.output.split())
+    assert "not a run: notes: not a run: no qae.duckdb in it" in text
+    assert "r (copy): read as a run, but not a plain name" in text and "mv 'r (copy)' r-copy" in text
+    shown = CliRunner().invoke(cli_app, ["show", "r (copy)", "--runs-dir", str(tmp_path)], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0 and "copied or renamed: the database names it r" in " ".join(shown.output.split())
+    app = make_app(tmp_path, monkeypatch)
+    table = frames(app())[0].set_index("run_id")
+    assert table.loc["r (copy)", "status"] == "finished" and table.loc["notes", "status"] == "not a run"
+    assert "r (copy) · finished · step 3 / 3" in texts(app("curves", run="r (copy)"))
