@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from qae_app import names
 from qae_app.config import EvalConfig, TrainConfig
@@ -541,6 +542,12 @@ def eval_command(
     for row in result.metrics:
         table.add_row(row["subset"], row["metric"], str(row["k"]), f"{row['value']:.4f}", str(row["n_problems"]))
     console.print(table)
+    # a few answers a reader can check by eye, wrong ones first: what was read from the response, and the gold answer
+    for sample in sorted(result.samples, key=lambda sample: bool(sample["correct"]))[:3]:
+        console.print(Text(f"problem {sample['problem_id']} sample {sample['sample_idx']}: extracted "
+                           f"{sample['extracted']!r}, gold {sample['answer']!r}, "
+                           + ("correct" if sample["correct"] else "wrong")))
+    console.print("every sample, with its gold answer: the dashboard's Eval samples page")
     console.print(f"samples and metrics stored in [cyan]{path}[/] (run {target_run})")
 
 

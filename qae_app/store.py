@@ -128,6 +128,7 @@ TABLES: dict[str, dict[str, str]] = {
         "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "problem_id": "VARCHAR",
         "sample_idx": "INTEGER", "response": "VARCHAR", "extracted": "VARCHAR", "correct": "BOOLEAN",
         "verified": "BOOLEAN", "n_tokens": "INTEGER", "source": "VARCHAR",
+        "answer": "VARCHAR",  # the problem's gold answer, what `extracted` was checked against; NULL in older files
     },
     "warnings": {"run_id": "VARCHAR", "step": "INTEGER", "kind": "VARCHAR", "message": "VARCHAR"},
 }

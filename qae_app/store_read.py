@@ -418,3 +418,6 @@ def read_eval_samples(path: Path, benchmark: str, source: str, step: int, correc
           AND (? IS NULL OR contains(lower(response), lower(?)) OR contains(lower(extracted), lower(?)))
         ORDER BY problem_id, sample_idx""",
                  [benchmark, source, step, correct, correct, problem_id, problem_id, search, search, search])
+    if "answer" not in frame:
+        frame["answer"] = None
+    return frame[["problem_id", "sample_idx", "response", "extracted", "answer", "correct", "verified", "n_tokens"]]

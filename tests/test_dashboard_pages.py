@@ -565,6 +565,7 @@ def test_eval_samples_page_shows_answers_and_problems_across_checkpoints(small_a
     samples = frame_with(at, "problem_id", "extracted", "correct")
     assert samples["correct"].tolist() == [True, False, True, False]
     assert EVIL_RESPONSE in samples["response"].tolist() and "**7**" in samples["extracted"].tolist()
+    assert samples["answer"].tolist() == ["1", "1", "0", "0"]  # the gold answer beside the extracted one
     assert not any("<script>" in m.value for m in at.markdown)
     grid = plotly_specs(at)["eval_grid"]["data"][0]
     assert grid["x"] == ["1", "3"] and grid["y"] == ["q1", "q2"]
