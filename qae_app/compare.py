@@ -168,6 +168,9 @@ def sample_size_note(n: int) -> str | None:
                 "metric: no evaluation)")
     if n < 2:
         return f"n={n}: one seed, no interval; run more seeds (--seeds 3 or more) to tell a difference from noise"
+    if n == 2:
+        return (f"n=2: no interval (from 2 seeds a 95% t-interval spans +-{student_t_ppf(0.975, 1):.1f} standard "
+                "errors, wider than the metric can take); run 3 or more seeds")
     if n < FEW_SEEDS:
         return f"n={n}: few seeds, the 95% interval is wide (t quantile {student_t_ppf(0.975, n - 1):.2f})"
     return None
@@ -185,8 +188,20 @@ class Estimate:
     note: str | None = None
 
 
-def mean_interval(values: list[float]) -> Estimate:
-    """Mean and 95% t-interval of the non-NaN values (runs without the metric are left out, and n says so)."""
+Bounds = tuple[float | None, float | None]  # the values a metric can take: (lowest, highest), None if open
+UNBOUNDED: Bounds = (None, None)
+
+
+def clip(value: float, bounds: Bounds) -> float:
+    low, high = bounds
+    if low is not None:
+        value = max(value, low)
+    return min(value, high) if high is not None else value
+
+
+def mean_interval(values: list[float], bounds: Bounds = UNBOUNDED) -> Estimate:
+    """Mean and 95% t-interval of the non-NaN values (runs without the metric are left out, and n says so), the
+    interval cut at `bounds`, what the metric can take (a fraction's interval never leaves [0, 1])."""
     xs = [float(v) for v in values if not missing(v)]
     n = len(xs)
     if n == 0:
@@ -196,7 +211,20 @@ def mean_interval(values: list[float]) -> Estimate:
         return Estimate(mean, None, None, None, 1, sample_size_note(1))
     sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
     half = student_t_ppf(0.5 + CONFIDENCE / 2, n - 1) * sd / math.sqrt(n)
-    return Estimate(mean, mean - half, mean + half, sd, n, sample_size_note(n))
+    return Estimate(mean, clip(mean - half, bounds), clip(mean + half, bounds), sd, n, sample_size_note(n))
+
+
+def interval_missing(estimate: Estimate) -> str | None:
+    """Why an estimate is shown without an interval, in a few words ('n=2: no interval'), or None when it has one
+    worth reading. Two seeds give a t-interval of +-12.7 standard errors; seeds that tie give one of zero width,
+    which would read as certainty."""
+    if estimate.mean is None or estimate.n < 2:
+        return None if estimate.mean is None else f"n={estimate.n}: no interval"
+    if estimate.n == 2:
+        return "n=2: no interval"
+    if estimate.sd == 0:
+        return f"all {estimate.n} seeds tied: no spread to measure"
+    return None
 
 
 @dataclass
@@ -208,12 +236,16 @@ class PairedDifference(Estimate):
     pairs: list[tuple[int, str, str]] = field(default_factory=list)  # (seed, run, baseline run) for each pair
 
 
-def paired_difference(values: dict[int, float], baseline: dict[int, float]) -> PairedDifference:
-    """`values` and `baseline` map seed -> one run's metric; only seeds present (and not NaN) in both are paired."""
+def paired_difference(values: dict[int, float], baseline: dict[int, float],
+                      bounds: Bounds = UNBOUNDED) -> PairedDifference:
+    """`values` and `baseline` map seed -> one run's metric (which takes values in `bounds`); only seeds present
+    (and not NaN) in both are paired."""
     seeds = sorted(s for s in values.keys() & baseline.keys()
                    if not missing(values[s]) and not missing(baseline[s]))
     diffs = [values[s] - baseline[s] for s in seeds]
-    base = mean_interval(diffs)
+    low, high = bounds
+    spread = high - low if low is not None and high is not None else None  # a difference lies in [-spread, spread]
+    base = mean_interval(diffs, (-spread, spread) if spread is not None else UNBOUNDED)
     p = None
     if base.n >= 2:
         if base.sd == 0:
@@ -242,6 +274,15 @@ RUN_METRICS: dict[str, str] = {
                "Prop. 4.2 predicts < 0)",
     "step_s": "mean wall seconds per step",
 }
+FRACTION: Bounds = (0.0, 1.0)
+NON_NEGATIVE: Bounds = (0.0, None)
+# the values each run metric can take: its interval is cut there
+RUN_METRIC_BOUNDS: dict[str, Bounds] = {
+    "final_heldout": FRACTION, "best_heldout": FRACTION, "auc_heldout": FRACTION, "entropy_last": NON_NEGATIVE,
+    "entropy_slope": UNBOUNDED, "zero_adv": FRACTION, "zero_adv_last": FRACTION, "dH_easy": UNBOUNDED,
+    "dH_hard": UNBOUNDED, "step_s": NON_NEGATIVE,
+}
+assert set(RUN_METRIC_BOUNDS) == set(RUN_METRICS)
 
 
 def _series(steps: pd.DataFrame, column: str) -> pd.DataFrame:
@@ -394,7 +435,7 @@ def group_runs(runs: list[RunRecord]) -> list[RunGroup]:
         group = RunGroup(label=label, config=config, runs=counted, excluded=excluded)
         per_run_rows = [(run.seed, run_metrics(run.steps)) for run in group.runs]
         for name in RUN_METRICS:
-            group.metrics[name] = mean_interval([row[name] for _, row in per_run_rows])
+            group.metrics[name] = mean_interval([row[name] for _, row in per_run_rows], RUN_METRIC_BOUNDS[name])
             group.per_run[name] = {seed: row[name] for seed, row in per_run_rows}
         groups.append(group)
     return groups
@@ -422,7 +463,7 @@ def compare_to_baseline(groups: list[RunGroup], baseline: RunGroup) -> dict[str,
         differences[group.label] = {}
         runs, base_runs = group.run_of_seed(), baseline.run_of_seed()
         for name in RUN_METRICS:
-            difference = paired_difference(group.per_run[name], baseline.per_run[name])
+            difference = paired_difference(group.per_run[name], baseline.per_run[name], RUN_METRIC_BOUNDS[name])
             difference.pairs = [(seed, runs[seed], base_runs[seed]) for seed in difference.seeds]
             differences[group.label][name] = difference
     return differences

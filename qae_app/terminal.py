@@ -397,13 +397,21 @@ def _time(value) -> str:
 # qae compare
 
 
+def _interval(e) -> str:
+    """'[0.581, 0.643]' (the 95% interval, cut at what the metric can take), or why there is none ('n=2: no
+    interval', 'all 3 seeds tied: no spread to measure')."""
+    from qae_app.compare import interval_missing
+
+    return interval_missing(e) or f"[{number(e.low)}, {number(e.high)}]"
+
+
 def _estimate(e) -> Text:
-    """'0.612' over '[0.581, 0.643]' (the 95% interval), or '-' without a value."""
+    """'0.612' over '[0.581, 0.643]' (the 95% interval) or why there is none, or '-' without a value."""
     if e is None or e.mean is None:
         return Text("-")
     text = Text(number(e.mean))
-    if e.low is not None:
-        text.append(f"\n[{number(e.low)}, {number(e.high)}]", style="dim")
+    if e.n >= 2:
+        text.append(f"\n{_interval(e)}", style="dim")
     return text
 
 
@@ -411,9 +419,9 @@ def _difference(d) -> Text:
     if d is None or d.mean is None:
         return Text("-")
     text = Text(("+" if d.mean > 0 else "") + number(d.mean))
-    if d.low is not None:
-        text.append(f"\n[{number(d.low)}, {number(d.high)}]", style="dim")
-    if d.p_value is not None:
+    if d.n >= 2:
+        text.append(f"\n{_interval(d)}", style="dim")
+    if d.p_value is not None and d.sd != 0:  # (pairs that all differ by the same amount: p is 0 or 1, meaningless)
         text.append(f"\np={d.p_value:.3g}", style="bold" if d.p_value < 0.05 else "dim")
     return text
 
