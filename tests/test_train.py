@@ -114,6 +114,34 @@ def test_mean_baseline_estimators_run_the_same_loop(tmp_path, estimator):
     assert pd.isna(read_run(path)["k"])  # K is QAE's; a mean-baseline run records none
     groups = query(path, "SELECT regime FROM groups")
     assert set(groups["regime"]) <= {"mixed", "all_correct", "all_wrong"}
+    # the banner is true of a mean baseline (it said `grpo (K=0.4, paper)`), and a log (not a terminal) gets one
+    # plain progress line a step with reward, entropy, gated fraction, pace and ETA
+    text = " ".join(result.output.split())
+    assert f"run {estimator}: {estimator} on arith" in text and "K=" not in text
+    lines = [line for line in result.output.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/2", "2/2"]
+    stored = read_steps(path).set_index("step")
+    for step, line in enumerate(lines, 1):
+        assert f"reward {stored.loc[step, 'reward_mean']:.3f}" in line and f"H {stored.loc[step, 'entropy']:.3f}" in line
+        assert f"gated {stored.loc[step, 'frac_zero_adv']:.3f}" in line and "steps/min" in line and "ETA" in line
+    assert "ETA 0 s" in lines[1]  # after the last step, none left
+
+
+def test_a_qae_banner_names_k_and_the_quantile_and_the_pace_is_the_median():
+    from types import SimpleNamespace
+
+    from qae_app.train_progress import StepPace, banner
+
+    cfg = SimpleNamespace(estimator="qae", k="0.4", quantile="paper", data="arith", model="builtin:tiny", steps=10,
+                          prompts_per_step=2, group_size=4)
+    assert "qae (K=0.4, quantile paper) on arith" in banner(cfg, "r")
+    clock = iter([0.0, 30.0, 60.0, 150.0]).__next__  # steps 1-3 at 2 steps/min, then one step in 90 s
+    pace = StepPace(10, clock)
+    assert pace.steps_per_min() is None and pace.eta_s() is None
+    for step in (1, 2, 3, 4):
+        pace.record(step)
+    assert pace.steps_per_min() == pytest.approx(2.0)  # median of 2, 2, 2/3
+    assert pace.eta_s() == pytest.approx(6 / 2 * 60)
 
 
 def test_config_file_and_command_line_precedence(tmp_path):
