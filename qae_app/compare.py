@@ -51,6 +51,7 @@ IGNORED_CONFIG_KEYS: dict[str, str] = {
     "verify_timeout_s": "a safety deadline for the math verifier; it changes a reward only when a verifier hangs",
     "sweep_id": "a label (qae sweep)",
     "sweep_name": "a label (qae sweep)",
+    "store_responses": "how much response text the store keeps, not what is trained",
 }
 # Options only QAE reads: a mean-baseline run (grpo, rloo, ...) with another K is the same setup.
 QAE_ONLY_KEYS = ("k", "quantile")

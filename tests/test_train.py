@@ -306,3 +306,20 @@ def test_resuming_a_run_that_did_all_its_steps_says_so_and_gives_its_stored_held
     assert f"run {run_id} had already done its {TINY_RUN_OPTIONS['steps']} steps: nothing to train" in said
     assert f"Held-out accuracy {stored:.3f}" in said  # the run's last evaluation, not "-"
     assert read_steps(db_path(runs_dir, run_id))["step"].tolist() == list(range(1, TINY_RUN_OPTIONS["steps"] + 1))
+
+
+def test_store_responses_keeps_one_text_a_group_and_every_row(tmp_path):
+    result = runner.invoke(app, ["train", "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
+                                 "--eval-every", "0", "--store-responses", "1", "--run-name", "one",
+                                 "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    path = db_path(tmp_path, "one")
+    per_group = query(path, "SELECT step, group_idx, count(*) AS n, count(response) AS texts, sum(gated::INT) AS "
+                            "gated FROM rollouts GROUP BY ALL ORDER BY ALL")
+    assert per_group["n"].tolist() == [4] * 4 and per_group["texts"].tolist() == [1] * 4
+    steps = read_steps(path).set_index("step")
+    for step, rows in per_group.groupby("step"):  # the gated fraction counts every response, texts kept or not
+        assert steps.loc[step, "frac_zero_adv"] == pytest.approx(rows["gated"].sum() / 8)
+    refused = runner.invoke(app, ["train", "--store-responses", "0", "--runs-dir", str(tmp_path)])
+    assert refused.exit_code == 2 and "store-responses: '0' is not all, none or a whole number" in " ".join(
+        refused.output.split())
