@@ -10,11 +10,23 @@ the steps since its last write to DuckDB every few seconds, while the next step 
 take from training on a busy machine (an upper bound: on a second core it overlaps for free).
 
 The last line is (store CPU + row building) / wall time; the goal is at most 3%.
+
+    python bench/bench_store.py --paper-scale [--steps 4] [--store-responses all|N|none]
+
+The paper's step size, without training: steps of 512 prompts x 16 responses whose lengths follow a log-normal
+clipped to 2-12k characters (median 6.5k, mean ~7k, about 57 MB a step; text made of words drawn from the MATH-500 solutions, so it compresses as
+model text does), handed to the store's writer as the trainer hands them (`add_step`, then `flush_when_due`). Prints,
+per step and overall, the writer's MB/s of response text (wall and CPU of this process), what was saved under pending/,
+and the file's bytes per response. Goal: >= 30 MB/s on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import json
+import math
+import random
 import tempfile
 import time
 from collections import defaultdict
@@ -23,13 +35,22 @@ from pathlib import Path
 import qae_app.trainer as trainer_module
 from qae_app.config import build_config
 from qae_app.rundir import db_path
+from qae_app.store import STEP_METRICS
 from qae_app.store_read import query
+
+MATH_DATA = Path(os.environ.get("QAE_MATH_DATA", Path(__file__).resolve().parents[2] / "shared/data/math"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=None, help="steps (default: 300; --paper-scale: 4)")
+    parser.add_argument("--paper-scale", action="store_true", help="512 x 16 responses of 2-12k characters a step")
+    parser.add_argument("--store-responses", default="all", help="all, N per group, or none (--paper-scale)")
     args = parser.parse_args()
+    if args.paper_scale:
+        paper_scale(args.steps or 4, args.store_responses)
+        return
+    args.steps = args.steps or 300
 
     spent: dict[str, float] = defaultdict(float)
 
@@ -62,6 +83,85 @@ def main() -> None:
     print(f"row building: {rows_s:.2f} s = {rows_s / wall:.1%} ("
           + ", ".join(f"{name} {seconds * 1e3 / steps['n']:.2f} ms" for name, seconds in spent.items()) + " a step)")
     print(f"store + row building / wall time: {(steps['store'] + rows_s) / wall:.1%}")
+
+
+PROMPTS, GROUP_SIZE = 512, 16
+MIN_CHARS, MAX_CHARS = 2_000, 12_000
+
+
+def response_texts(rng: random.Random, words: list[str], n: int) -> list[str]:
+    """`n` responses, lengths log-normal (median 6.5k characters) clipped to [MIN_CHARS, MAX_CHARS]."""
+    corpus = " ".join(rng.choice(words) for _ in range(400_000))  # ~2.5 MB of text to cut responses from
+    texts = []
+    for _ in range(n):
+        length = int(min(MAX_CHARS, max(MIN_CHARS, rng.lognormvariate(math.log(6_500), 0.45))))
+        start = rng.randrange(0, len(corpus) - length)
+        texts.append(corpus[start : start + length])
+    return texts
+
+
+def paper_step(rng: random.Random, words: list[str], step: int) -> tuple[dict, int]:
+    """One step's tables as the trainer builds them (rows.group_rows / rollout_rows), and its response characters."""
+    texts = response_texts(rng, words, PROMPTS * GROUP_SIZE)
+    groups, rollouts = [], []
+    for g in range(PROMPTS):
+        rewards = [float(rng.random() < 0.4) for _ in range(GROUP_SIZE)]
+        n_correct = int(sum(rewards))
+        regime = {0: "all_wrong", GROUP_SIZE: "all_correct"}.get(n_correct, "hard" if n_correct < 8 else "easy")
+        baseline = 0.0 if regime in ("hard", "all_wrong") else 1.0
+        groups.append(dict(group_idx=g, prompt_id=f"p{step}-{g}", prompt="Find x. " * 40, answer="42",
+                           n_correct=n_correct, group_size=GROUP_SIZE, baseline=baseline, regime=regime,
+                           filtered=False))
+        for i, reward in enumerate(rewards):
+            advantage = 0.0 if regime.startswith("all") else reward - baseline
+            text = texts[g * GROUP_SIZE + i]
+            rollouts.append(dict(group_idx=g, sample_idx=i, prompt_id=f"p{step}-{g}", response=text, reward=reward,
+                                 correct=bool(reward), verified=True, advantage=advantage, gated=advantage == 0.0,
+                                 regime=regime, n_tokens=len(text) // 4, truncated=False, entropy=0.5,
+                                 logprob=-100.0, filtered=False))
+    metrics = {name: 0.5 for name in STEP_METRICS}
+    return dict(steps=[metrics], groups=groups, rollouts=rollouts), sum(map(len, texts))
+
+
+def paper_scale(steps: int, store_responses: str) -> None:
+    from qae_app.rows import stored_responses
+    from qae_app.store_write import RunWriter
+
+    solutions = [json.loads(line) for line in (MATH_DATA / "math500.jsonl").read_text().splitlines() if line.strip()]
+    words = " ".join(row.get("solution", "") + " " + row.get("problem", "") for row in solutions).split()
+    rng = random.Random(0)
+    print(f"paper scale: {steps} steps of {PROMPTS} x {GROUP_SIZE} responses of {MIN_CHARS}-{MAX_CHARS} characters, "
+          f"--store-responses {store_responses}")
+    with tempfile.TemporaryDirectory() as runs_dir:
+        path = db_path(Path(runs_dir), "paper")
+        writer = RunWriter(path, "paper")
+        writer.create_run("paper", {"steps": steps}, "qae", 0.4, "bench", "bench", 0)
+        total_chars = total_wall = total_cpu = 0.0
+        for step in range(1, steps + 1):
+            tables, _ = paper_step(rng, words, step)
+            tables["rollouts"] = stored_responses(tables["rollouts"], store_responses, seed=0, step=step)
+            chars = sum(len(r["response"]) for r in tables["rollouts"] if r["response"] is not None)
+            wall, cpu = time.perf_counter(), time.process_time()
+            writer.add_step(step, **tables)
+            assert writer.flush_when_due()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            pending = sum(f.stat().st_size for f in writer.pending_dir.glob("*")) if writer.pending_dir.exists() else 0
+            print(f"step {step}: {chars / 1e6:.1f} MB of response text in {wall:.2f} s wall, {cpu:.2f} s CPU: "
+                  f"{chars / 1e6 / wall:.1f} MB/s; pending/ holds {pending / 1e6:.1f} MB")
+            total_chars, total_wall, total_cpu = total_chars + chars, total_wall + wall, total_cpu + cpu
+        wall, cpu = time.perf_counter(), time.process_time()
+        assert writer.wait_until_written(timeout_s=600)  # what is still queued or under pending/ counts too
+        total_wall, total_cpu = total_wall + time.perf_counter() - wall, total_cpu + time.process_time() - cpu
+        size = path.stat().st_size + (path.with_suffix(".duckdb.wal").stat().st_size
+                                      if path.with_suffix(".duckdb.wal").exists() else 0)
+        stored = query(path, "SELECT count(*) AS n, count(response) AS texts, sum(gated::INT) AS gated FROM rollouts")
+    n = int(stored["n"].item())
+    print(f"writer: {total_chars / 1e6:.0f} MB of response text in {total_wall:.1f} s wall ({total_cpu:.1f} s CPU of "
+          f"this process): {total_chars / 1e6 / total_wall:.1f} MB/s wall, {total_chars / 1e6 / total_cpu:.1f} MB/s "
+          "per CPU second")
+    print(f"file: {size / 1e6:.0f} MB for {n} responses ({int(stored['texts'].item())} with text, "
+          f"{int(stored['gated'].item())} gated): {size / n:,.0f} bytes per response, "
+          f"{size / max(total_chars, 1):.2f} bytes per character of text")
 
 
 if __name__ == "__main__":

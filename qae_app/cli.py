@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from qae_app import names
 from qae_app.config import EvalConfig, TrainConfig
@@ -176,55 +177,33 @@ app.command(help=plan.__doc__)(_with_config_options(plan, TrainConfig))
 
 
 def run_training(trainer) -> None:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
+    from qae_app.train_progress import TrainProgress, banner
 
     cfg = trainer.cfg
     main = trainer.is_main
     if main:
-        console.print(f"[bold]qae train[/] run [cyan]{trainer.run_id}[/]: {cfg.estimator} "
-                      f"(K={cfg.k}, {cfg.quantile}) on {cfg.data} with {cfg.model}, {cfg.steps} steps of "
-                      f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples")
+        console.print(banner(cfg, trainer.run_id))
         if cfg.eval_every and not trainer.eval_problems:  # (given explicitly, config.check_given_together refuses it)
             console.print(f"[yellow]note:[/] nothing to evaluate every {cfg.eval_every} steps: {cfg.data} has no "
                           "held-out split. Pass --heldout-fraction 0.1 or --eval-bench FILE to track held-out "
                           "accuracy, or --eval-every 0 to silence this.", highlight=False)
-    progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=20),
-                        TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
-                        console=console, disable=not main or not console.is_terminal, transient=False)
-    heldout = {"value": None}
-    task_id = progress.add_task("train", total=cfg.steps, completed=trainer.state.step, stats="")
-
-    def on_step(step: int, m: dict) -> None:
-        if m.get("heldout_accuracy") is not None:
-            heldout["value"] = m["heldout_accuracy"]
-        if step == 0:
-            progress.update(task_id, stats=f"held-out acc {number(heldout['value'])}")
-            return
-        stats = (f"reward {m['reward_mean']:.3f} acc {m['accuracy']:.3f} H {m['entropy']:.3f} "
-                 f"zero-adv {m['frac_zero_adv']:.2f} hard/easy/none {m['frac_hard']:.2f}/{m['frac_easy']:.2f}/"
-                 f"{m['frac_all_correct'] + m['frac_all_wrong']:.2f} held-out {number(heldout['value'])}")
-        if cfg.dynamic_sampling:
-            stats += f" gen-batches {m['gen_batches']:.0f} filtered {m['frac_filtered']:.2f}"
-        progress.update(task_id, completed=step, stats=stats)
-        if main and not console.is_terminal and (step % 25 == 0 or step == cfg.steps):
-            console.print(f"step {step}/{cfg.steps} {stats}", highlight=False)
-
+    progress = TrainProgress(console, cfg.steps, trainer.state.step, show=main,
+                             dynamic_sampling=cfg.dynamic_sampling)
     steps_before = trainer.state.step  # a resumed run's steps already done
     try:
         with progress:
-            result = trainer.fit(on_step=on_step)
+            result = trainer.fit(on_step=progress.update)
     except QAEUserError as err:
         fail(err)
     except Exception as err:  # a full disk or a file-size limit mid-run: say so, and how the run continues
         fail_on_write_fault(trainer, err)
         raise
-    if main and heldout["value"] is None and trainer.resuming:  # nothing evaluated now: the run's last evaluation
+    if main and progress.heldout is None and trainer.resuming:  # nothing evaluated now: the run's last evaluation
         from qae_app.store_read import query
 
         last = query(result.run_dir / "qae.duckdb", "SELECT heldout_accuracy FROM steps WHERE heldout_accuracy IS "
                                                     "NOT NULL ORDER BY step DESC LIMIT 1")
-        heldout["value"] = float(last["heldout_accuracy"].iloc[0]) if len(last) else None
+        progress.heldout = float(last["heldout_accuracy"].iloc[0]) if len(last) else None
     if main and result.steps_done == steps_before and steps_before >= cfg.steps:
         console.print(f"run {result.run_id} had already done its {cfg.steps} steps: nothing to train. Pass --steps "
                       f"above {cfg.steps} to train further.", highlight=False)
@@ -241,7 +220,7 @@ def run_training(trainer) -> None:
         raise typer.Exit(code=130)
     if main:
         console.print(f"[green]done[/]: {result.steps_done} steps, status {result.status}. "
-                      f"Held-out accuracy {number(heldout['value'])}.")
+                      f"Held-out accuracy {number(progress.heldout)}.")
         console.print(f"Stored in [cyan]{result.run_dir / 'qae.duckdb'}[/]. Inspect it with:\n"
                       f"  qae show {result.run_id} --runs-dir {trainer.runs_dir}\n"
                       f"  qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}\n"
@@ -578,6 +557,12 @@ def eval_command(
     for row in result.metrics:
         table.add_row(row["subset"], row["metric"], str(row["k"]), f"{row['value']:.4f}", str(row["n_problems"]))
     console.print(table)
+    # a few answers a reader can check by eye, wrong ones first: what was read from the response, and the gold answer
+    for sample in sorted(result.samples, key=lambda sample: bool(sample["correct"]))[:3]:
+        console.print(Text(f"problem {sample['problem_id']} sample {sample['sample_idx']}: extracted "
+                           f"{sample['extracted']!r}, gold {sample['answer']!r}, "
+                           + ("correct" if sample["correct"] else "wrong")))
+    console.print("every sample, with its gold answer: the dashboard's Eval samples page")
     console.print(f"samples and metrics stored in [cyan]{path}[/] (run {target_run})")
 
 

@@ -51,6 +51,7 @@ IGNORED_CONFIG_KEYS: dict[str, str] = {
     "verify_timeout_s": "a safety deadline for the math verifier; it changes a reward only when a verifier hangs",
     "sweep_id": "a label (qae sweep)",
     "sweep_name": "a label (qae sweep)",
+    "store_responses": "how much response text the store keeps, not what is trained",
 }
 # Options only QAE reads: a mean-baseline run (grpo, rloo, ...) with another K is the same setup.
 QAE_ONLY_KEYS = ("k", "quantile")
@@ -168,6 +169,9 @@ def sample_size_note(n: int) -> str | None:
                 "metric: no evaluation)")
     if n < 2:
         return f"n={n}: one seed, no interval; run more seeds (--seeds 3 or more) to tell a difference from noise"
+    if n == 2:
+        return (f"n=2: no interval (from 2 seeds a 95% t-interval spans +-{student_t_ppf(0.975, 1):.1f} standard "
+                "errors, wider than the metric can take); run 3 or more seeds")
     if n < FEW_SEEDS:
         return f"n={n}: few seeds, the 95% interval is wide (t quantile {student_t_ppf(0.975, n - 1):.2f})"
     return None
@@ -185,8 +189,20 @@ class Estimate:
     note: str | None = None
 
 
-def mean_interval(values: list[float]) -> Estimate:
-    """Mean and 95% t-interval of the non-NaN values (runs without the metric are left out, and n says so)."""
+Bounds = tuple[float | None, float | None]  # the values a metric can take: (lowest, highest), None if open
+UNBOUNDED: Bounds = (None, None)
+
+
+def clip(value: float, bounds: Bounds) -> float:
+    low, high = bounds
+    if low is not None:
+        value = max(value, low)
+    return min(value, high) if high is not None else value
+
+
+def mean_interval(values: list[float], bounds: Bounds = UNBOUNDED) -> Estimate:
+    """Mean and 95% t-interval of the non-NaN values (runs without the metric are left out, and n says so), the
+    interval cut at `bounds`, what the metric can take (a fraction's interval never leaves [0, 1])."""
     xs = [float(v) for v in values if not missing(v)]
     n = len(xs)
     if n == 0:
@@ -196,7 +212,20 @@ def mean_interval(values: list[float]) -> Estimate:
         return Estimate(mean, None, None, None, 1, sample_size_note(1))
     sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
     half = student_t_ppf(0.5 + CONFIDENCE / 2, n - 1) * sd / math.sqrt(n)
-    return Estimate(mean, mean - half, mean + half, sd, n, sample_size_note(n))
+    return Estimate(mean, clip(mean - half, bounds), clip(mean + half, bounds), sd, n, sample_size_note(n))
+
+
+def interval_missing(estimate: Estimate) -> str | None:
+    """Why an estimate is shown without an interval, in a few words ('n=2: no interval'), or None when it has one
+    worth reading. Two seeds give a t-interval of +-12.7 standard errors; seeds that tie give one of zero width,
+    which would read as certainty."""
+    if estimate.mean is None or estimate.n < 2:
+        return None if estimate.mean is None else f"n={estimate.n}: no interval"
+    if estimate.n == 2:
+        return "n=2: no interval"
+    if estimate.sd == 0:
+        return f"all {estimate.n} seeds tied: no spread to measure"
+    return None
 
 
 @dataclass
@@ -205,14 +234,19 @@ class PairedDifference(Estimate):
 
     p_value: float | None = None
     seeds: list[int] = field(default_factory=list)  # the seeds paired
+    pairs: list[tuple[int, str, str]] = field(default_factory=list)  # (seed, run, baseline run) for each pair
 
 
-def paired_difference(values: dict[int, float], baseline: dict[int, float]) -> PairedDifference:
-    """`values` and `baseline` map seed -> one run's metric; only seeds present (and not NaN) in both are paired."""
+def paired_difference(values: dict[int, float], baseline: dict[int, float],
+                      bounds: Bounds = UNBOUNDED) -> PairedDifference:
+    """`values` and `baseline` map seed -> one run's metric (which takes values in `bounds`); only seeds present
+    (and not NaN) in both are paired."""
     seeds = sorted(s for s in values.keys() & baseline.keys()
                    if not missing(values[s]) and not missing(baseline[s]))
     diffs = [values[s] - baseline[s] for s in seeds]
-    base = mean_interval(diffs)
+    low, high = bounds
+    spread = high - low if low is not None and high is not None else None  # a difference lies in [-spread, spread]
+    base = mean_interval(diffs, (-spread, spread) if spread is not None else UNBOUNDED)
     p = None
     if base.n >= 2:
         if base.sd == 0:
@@ -241,6 +275,15 @@ RUN_METRICS: dict[str, str] = {
                "Prop. 4.2 predicts < 0)",
     "step_s": "mean wall seconds per step",
 }
+FRACTION: Bounds = (0.0, 1.0)
+NON_NEGATIVE: Bounds = (0.0, None)
+# the values each run metric can take: its interval is cut there
+RUN_METRIC_BOUNDS: dict[str, Bounds] = {
+    "final_heldout": FRACTION, "best_heldout": FRACTION, "auc_heldout": FRACTION, "entropy_last": NON_NEGATIVE,
+    "entropy_slope": UNBOUNDED, "zero_adv": FRACTION, "zero_adv_last": FRACTION, "dH_easy": UNBOUNDED,
+    "dH_hard": UNBOUNDED, "step_s": NON_NEGATIVE,
+}
+assert set(RUN_METRIC_BOUNDS) == set(RUN_METRICS)
 
 
 def _series(steps: pd.DataFrame, column: str) -> pd.DataFrame:
@@ -311,32 +354,61 @@ class RunRecord:
     seed: int
     steps: pd.DataFrame  # the run's steps table: step, heldout_accuracy, entropy, frac_zero_adv, step_s, ...
     status: str = "finished"  # as `qae runs` shows it: a group with unfinished runs says so
+    stored_run_id: str | None = None  # the id in its database: another folder's name for a copied (`cp -r`) run
+
+    @property
+    def copy_of(self) -> str | None:
+        """The run this folder was copied or renamed from (the id its database holds), None for an original."""
+        return self.stored_run_id if self.stored_run_id not in (None, self.run_id) else None
 
 
 @dataclass
 class RunGroup:
     label: str  # the keys that differ between the compared groups, e.g. "estimator=qae, k=0.4"; "all" if none
     config: dict  # the shared config (group key as a dict)
-    runs: list[RunRecord]
+    runs: list[RunRecord]  # one per seed: n is the number of distinct seeds
     metrics: dict[str, Estimate] = field(default_factory=dict)  # RUN_METRICS name -> across-seed estimate
-    per_run: dict[str, dict[int, float]] = field(default_factory=dict)  # name -> seed -> value (first run per seed)
+    per_run: dict[str, dict[int, float]] = field(default_factory=dict)  # name -> seed -> value
+    excluded: dict[str, str] = field(default_factory=dict)  # run id -> why it is not counted (a copy, a seed again)
 
     @property
     def seeds(self) -> list[int]:
         return sorted(r.seed for r in self.runs)
 
+    def run_of_seed(self) -> dict[int, str]:
+        """seed -> the run counted (and paired) for it."""
+        return {run.seed: run.run_id for run in self.runs}
+
     def note(self) -> str | None:
-        duplicated = sorted({s for s in self.seeds if self.seeds.count(s) > 1})
-        if duplicated:
-            return (f"seed {', '.join(map(str, duplicated))} appears more than once; n counts runs, pairing uses "
-                    "the first run of each seed")
-        return sample_size_note(len(self.runs))
+        notes = [f"not counted: {', '.join(f'{run_id} ({why})' for run_id, why in self.excluded.items())}"
+                 if self.excluded else None, sample_size_note(len(self.runs))]
+        return "; ".join(note for note in notes if note) or None
 
     def to_dict(self) -> dict:
         return {"label": self.label, "config": self.config, "n": len(self.runs), "seeds": self.seeds,
                 "runs": [r.run_id for r in self.runs], "statuses": {r.run_id: r.status for r in self.runs},
-                "note": self.note(),
+                "excluded": self.excluded, "note": self.note(),
                 "metrics": {name: asdict(e) for name, e in self.metrics.items()}}
+
+
+def one_run_per_seed(runs: list[RunRecord]) -> tuple[list[RunRecord], dict[str, str]]:
+    """The runs to count, one per seed, and why each other run is not counted. Two runs of one config and seed are
+    one draw, not two (the seed fixes the prompts and the sampling stream): a `cp -r` backup of a run would otherwise
+    double its seed and shrink the interval on identical data. Kept for a seed: the original (its folder is the id
+    its database holds) over a copy, then the first given; a copy named alone is counted, as it was picked."""
+    kept: dict[int, RunRecord] = {}
+    for run in sorted(runs, key=lambda run: run.copy_of is not None):  # (stable: originals first, else as given)
+        kept.setdefault(run.seed, run)
+    excluded = {}
+    for run in runs:
+        counted = kept[run.seed]
+        if counted is run:
+            continue
+        if run.copy_of is not None and run.copy_of in (counted.run_id, counted.stored_run_id):
+            excluded[run.run_id] = f"a copy of {counted.run_id}, seed {run.seed}: counted once"
+        else:
+            excluded[run.run_id] = f"seed {run.seed} again: {counted.run_id} is counted for it"
+    return [run for run in runs if kept[run.seed] is run], excluded
 
 
 def group_runs(runs: list[RunRecord]) -> list[RunGroup]:
@@ -360,14 +432,12 @@ def group_runs(runs: list[RunRecord]) -> list[RunGroup]:
         config = dict(key)
         label = ", ".join(f"{name}={config.get(name, '-')}" for name in varying
                           if name in config or name not in QAE_ONLY_KEYS) or "all"
-        group = RunGroup(label=label, config=config, runs=by_key[key])
+        counted, excluded = one_run_per_seed(by_key[key])
+        group = RunGroup(label=label, config=config, runs=counted, excluded=excluded)
         per_run_rows = [(run.seed, run_metrics(run.steps)) for run in group.runs]
         for name in RUN_METRICS:
-            group.metrics[name] = mean_interval([row[name] for _, row in per_run_rows])
-            by_seed: dict[int, float] = {}
-            for seed, row in per_run_rows:
-                by_seed.setdefault(seed, row[name])
-            group.per_run[name] = by_seed
+            group.metrics[name] = mean_interval([row[name] for _, row in per_run_rows], RUN_METRIC_BOUNDS[name])
+            group.per_run[name] = {seed: row[name] for seed, row in per_run_rows}
         groups.append(group)
     return groups
 
@@ -387,10 +457,17 @@ def find_group(groups: list[RunGroup], name: str) -> RunGroup:
 
 def compare_to_baseline(groups: list[RunGroup], baseline: RunGroup) -> dict[str, dict[str, PairedDifference]]:
     """label -> metric -> paired difference (group - baseline) over the seeds both groups ran."""
-    return {
-        group.label: {name: paired_difference(group.per_run[name], baseline.per_run[name]) for name in RUN_METRICS}
-        for group in groups if group is not baseline
-    }
+    differences = {}
+    for group in groups:
+        if group is baseline:
+            continue
+        differences[group.label] = {}
+        runs, base_runs = group.run_of_seed(), baseline.run_of_seed()
+        for name in RUN_METRICS:
+            difference = paired_difference(group.per_run[name], baseline.per_run[name], RUN_METRIC_BOUNDS[name])
+            difference.pairs = [(seed, runs[seed], base_runs[seed]) for seed in difference.seeds]
+            differences[group.label][name] = difference
+    return differences
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -418,7 +495,7 @@ def load_run(runs_dir: Path, run_id: str) -> RunRecord:
         steps = pd.concat([pd.DataFrame({"step": [0], "heldout_accuracy": [float(start["value"].iloc[0])]}), steps],
                           ignore_index=True)
     return RunRecord(run_id=run_id, config=config, seed=int(config.get("seed", row.get("seed") or 0)), steps=steps,
-                     status=row["status"])
+                     status=row["status"], stored_run_id=row.get("stored_run_id"))
 
 
 def load_runs(runs_dir: Path, run_ids: list[str] | None = None, sweep: str | None = None) -> list[RunRecord]:

@@ -22,6 +22,7 @@ from qae_app import names
 from qae_app.environment import check_path_names
 from qae_app.errors import QAEUserError
 from qae_app.formatting import clipped
+from qae_app.rows import STORE_RESPONSES_HELP, check_store_responses
 from qae_app.rundir import validate_run_name
 from qae_app.sampling import SamplingOptions
 from qae_app.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, builtin_task_name, task_defaults
@@ -148,6 +149,7 @@ class TrainConfig:
     sweep_id: str | None = opt(None, "Set by `qae sweep`: the sweep this run is a point of (`qae runs --sweep`, "
                                "`qae compare --sweep`).", "run")
     sweep_name: str | None = opt(None, "Set by `qae sweep`: the sweep's name.", "run")
+    store_responses: str = opt("all", STORE_RESPONSES_HELP, "run", resumable=True)
     # --- model and data
     model: str = opt(names.BUILTIN_MODEL, "Policy: a built-in model, a local folder, a .gguf file, "
                      f"{names.SMOLLM2_MODEL} (the GGUF file that pip package ships) or a Hugging Face id; a built-in "
@@ -314,6 +316,10 @@ class TrainConfig:
             check_range(name, getattr(self, name))
         if self.run_name is not None:
             validate_run_name(self.run_name)
+        try:
+            check_store_responses(str(self.store_responses))
+        except ValueError as err:
+            raise QAEUserError(str(err)) from None
         return self
 
 

@@ -55,6 +55,7 @@ def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: li
                 "sample_idx": counters[sample.prompt_index],
                 "response": text,
                 "extracted": ANSWER_EXTRACTORS[scorer.name](text),  # what the reward read: maj@k's vote
+                "answer": None if problem.answer is None else str(problem.answer),  # the gold answer it was checked against
                 "correct": reward == 1.0,
                 "verified": reward is not None,
                 "n_tokens": len(sample.response_ids),

@@ -8,6 +8,7 @@ that were logged.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,6 +53,34 @@ def rollout_rows(groups: Sequence[GroupResult]) -> list[dict]:
         "gated": g.advantages[i] == 0.0, "regime": g.regime, "n_tokens": g.n_tokens[i],
         "truncated": g.truncated[i], "entropy": g.entropies[i], "logprob": g.logprobs[i], "filtered": g.filtered,
     } for g in groups for i in range(len(g.rewards))]
+
+
+STORE_RESPONSES_HELP = ("What the store keeps of the responses' text: all, N per group (chosen by a seeded draw, "
+                        "the same on a rerun), or none. Every response's row (reward, advantage, gated, tokens) is "
+                        "kept either way, so counts stay exact; a text not kept is NULL.")
+
+
+def check_store_responses(value: str) -> str:
+    """`value` if --store-responses can take it (all, none, or a whole number >= 1); else an error's text."""
+    if value in ("all", "none") or (value.isdigit() and int(value) >= 1):
+        return value
+    raise ValueError(f"store-responses: '{value}' is not all, none or a whole number of responses per group (>= 1). "
+                     "Use all (the default), e.g. 4 to keep 4 texts a group, or none.")
+
+
+def stored_responses(rollouts: list[dict], keep: str, seed: int, step: int) -> list[dict]:
+    """The rollout rows with the response text the store keeps (`keep`: all, none or N per group). N per group are
+    drawn with a generator seeded by (seed, step, group), so a rerun keeps the same ones whatever the order of rows;
+    the others' `response` is None. Every row stays: counts of gated, kept and correct responses are exact."""
+    if keep == "all":
+        return rollouts
+    per_group = 0 if keep == "none" else int(keep)
+    samples: dict[int, list[int]] = {}
+    for row in rollouts:
+        samples.setdefault(row["group_idx"], []).append(row["sample_idx"])
+    kept = {(group, i) for group, indexes in samples.items()
+            for i in random.Random(f"{seed}:{step}:{group}").sample(sorted(indexes), min(per_group, len(indexes)))}
+    return [row if (row["group_idx"], row["sample_idx"]) in kept else {**row, "response": None} for row in rollouts]
 
 
 def step_metrics(group_rows: list[dict], rollout_rows: list[dict]) -> dict:

@@ -43,8 +43,18 @@ STORED_STATUSES = ("running", "finished", "failed", "interrupted")  # what the t
 STOPPED = "stopped"  # shown, never stored: `running` in the file, but no trainer holds the run's lock
 
 
-def validate_run_name(name: str, option: str = "run-name") -> str:
-    """`name` if it can name a run folder; else an error about `option`, the command-line option that gave it."""
+def listed_folder_name(name: str) -> bool:
+    """Whether a folder of this name in the runs dir is shown to readers: any name a folder can have but a hidden
+    one (a run being created, `.creating-*`; a sweep's logs, `.sweeps`). A run copied by hand to `a (copy)` is a run:
+    readers list and read it; only a new run's name must be plain (`validate_run_name`)."""
+    return isinstance(name, str) and bool(name) and not name.startswith(".") and "/" not in name and "\0" not in name
+
+
+def validate_run_name(name: str, option: str = "run-name", runs_dir: Path | None = None) -> str:
+    """`name` if it can name a run folder; else an error about `option`, the command-line option that gave it. With
+    `runs_dir`, the name of a folder that exists there is taken as it is (a copy named `a (copy)`)."""
+    if runs_dir is not None and listed_folder_name(name) and (Path(runs_dir) / name).is_dir():
+        return name
     if not isinstance(name, str) or not RUN_NAME_PATTERN.match(name) or ".." in name:
         raise QAEUserError(
             f"{option}: '{clipped(name)}' is not a plain name. Use letters, digits, '.', '_' and '-' (at most 100, starting "
@@ -82,12 +92,12 @@ def config_restore_hint(folder: Path) -> str:
 
 
 def run_dir(runs_dir: Path, run_id: str) -> Path:
-    return Path(runs_dir) / validate_run_name(run_id)
+    return Path(runs_dir) / validate_run_name(run_id, runs_dir=runs_dir)
 
 
 def validated_run_dir(runs_dir: Path, run: str) -> Path:
     """The folder of a run named by a command's RUN argument (a bad name is reported as `run`, not --run-name)."""
-    return Path(runs_dir) / validate_run_name(run, option="run")
+    return Path(runs_dir) / validate_run_name(run, option="run", runs_dir=runs_dir)
 
 
 def db_path(runs_dir: Path, run_id: str) -> Path:
@@ -95,11 +105,25 @@ def db_path(runs_dir: Path, run_id: str) -> Path:
 
 
 def list_run_dirs(runs_dir: Path) -> list[Path]:
-    """Every run folder (one holding a database) in `runs_dir`, by name. Folders being created are hidden."""
+    """Every run folder (one holding a database) in `runs_dir`, by name, whatever its name (`a (copy)` too). Folders
+    being created are hidden."""
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         return []
-    return sorted(p.parent for p in runs_dir.glob(f"*/{DB_FILE}") if RUN_NAME_PATTERN.match(p.parent.name))
+    return sorted(p.parent for p in runs_dir.glob(f"*/{DB_FILE}") if listed_folder_name(p.parent.name))
+
+
+def folders_not_runs(runs_dir: Path) -> list[tuple[Path, str]]:
+    """(folder, why it is not a run) for every other listed folder in `runs_dir`: neither a database nor the
+    config.json of a run that lost its database (those are `runs_without_database`)."""
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        return []
+    return [(folder, f"not a run: no {DB_FILE} in it (a run folder holds its database; `qae train` and `qae eval` "
+                     "make one). Move it out of the runs dir, or copy a whole run folder here.")
+            for folder in sorted(runs_dir.iterdir())
+            if listed_folder_name(folder.name) and folder.is_dir() and not (folder / DB_FILE).exists()
+            and not (folder / CONFIG_FILE).exists()]
 
 
 def lost_its_database(folder: Path) -> bool:
@@ -115,7 +139,7 @@ def runs_without_database(runs_dir: Path) -> list[Path]:
     if not runs_dir.is_dir():
         return []
     return sorted(p.parent for p in runs_dir.glob(f"*/{CONFIG_FILE}")
-                  if RUN_NAME_PATTERN.match(p.parent.name) and lost_its_database(p.parent))
+                  if listed_folder_name(p.parent.name) and lost_its_database(p.parent))
 
 
 def recent_runs_text(runs_dir: Path, limit: int = 10) -> str:

@@ -511,7 +511,11 @@ class RunSession:
                     raise KeyboardInterrupt
                 return
             self._stop_requested = True
-            self._say("[yellow]stopping after this step (checkpoint, then exit); Ctrl-C again to stop at once[/]")
+            if signum == signal.SIGINT:
+                self._say("[yellow]stopping after this step (checkpoint, then exit); Ctrl-C again to stop at once[/]")
+            else:  # a repeated SIGTERM is the same request (above): only SIGKILL stops at once, losing the step
+                self._say("[yellow]SIGTERM: stopping after this step (checkpoint, then exit); sending it again changes "
+                          "nothing, kill -9 stops at once and loses the steps since the last checkpoint[/]")
 
         self._previous_handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
 

@@ -115,7 +115,8 @@ TABLES: dict[str, dict[str, str]] = {
     },
     "rollouts": {
         "run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "sample_idx": "INTEGER",
-        "prompt_id": "VARCHAR", "response": "VARCHAR", "reward": "DOUBLE", "verified": "BOOLEAN",
+        # zstd: the file holds response text at about a third of its size (FSST, DuckDB's default, about half)
+        "prompt_id": "VARCHAR", "response": "VARCHAR USING COMPRESSION zstd", "reward": "DOUBLE", "verified": "BOOLEAN",
         "advantage": "DOUBLE", "gated": "BOOLEAN", "regime": "VARCHAR", "n_tokens": "INTEGER",
         "truncated": "BOOLEAN", "entropy": "DOUBLE", "logprob": "DOUBLE",
         "correct": "BOOLEAN",  # the verifier's verdict (reward is shaped); NULL in rows from before the column
@@ -132,6 +133,7 @@ TABLES: dict[str, dict[str, str]] = {
         "sample_idx": "INTEGER", "response": "VARCHAR", "extracted": "VARCHAR", "correct": "BOOLEAN",
         "verified": "BOOLEAN", "n_tokens": "INTEGER", "source": "VARCHAR",
         "model_prompt": "VARCHAR",  # as in `groups`: the prompt after the chat template; NULL without one
+        "answer": "VARCHAR",  # the problem's gold answer, what `extracted` was checked against; NULL in older files
     },
     "warnings": {"run_id": "VARCHAR", "step": "INTEGER", "kind": "VARCHAR", "message": "VARCHAR"},
 }
@@ -161,6 +163,7 @@ def schema_statements() -> list[str]:
             if "PRIMARY KEY" in sql_type:
                 continue
             default = LEGACY_DEFAULTS.get((table, name))
+            sql_type = sql_type.split(" USING ")[0]  # (a column added to an older file: no compression clause)
             statements.append(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {name} {sql_type}"
                               + (f" DEFAULT {default}" if default else ""))
     return statements

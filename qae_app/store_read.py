@@ -26,12 +26,13 @@ from qae_app.errors import QAEUserError
 from qae_app.names import GATE_REASONS
 from qae_app.run_file import (RunFileError, attach, damage_reason, is_damage_error, is_lock_error,
                               refuse_missing_file_of_training_run, run_file_database, unreadable_run_error)
-from qae_app.rundir import (CONFIG_FILE, DB_FILE, PENDING_DIR, effective_status, list_run_dirs, pending_writes,
-                            recent_runs_text, runs_without_database, validated_run_dir)
+from qae_app.rundir import (CONFIG_FILE, DB_FILE, PENDING_DIR, effective_status, folders_not_runs, list_run_dirs,
+                            pending_writes, recent_runs_text, runs_without_database, validated_run_dir)
 from qae_app.store import PENDING_SUFFIX, pending_write_from_json
 
 UNREADABLE, BUSY = "unreadable", "busy"  # what `read_runs` says of a run whose file it cannot read (never stored):
-READ_STATUSES = (UNREADABLE, BUSY)  # damaged, or held by another process for too long; `error` says why
+NOT_A_RUN = "not a run"  # ... and of a folder in the runs dir that holds no run
+READ_STATUSES = (UNREADABLE, BUSY, NOT_A_RUN)  # damaged, held by another process for too long, no run; `error` says why
 
 
 def pandas():
@@ -147,6 +148,10 @@ def run_summaries(runs_dir: Path) -> list[dict]:
         modified = datetime.fromtimestamp((folder / CONFIG_FILE).stat().st_mtime, timezone.utc).replace(tzinfo=None)
         rows.append({"run_id": folder.name, "name": folder.name, "status": UNREADABLE, "created_at": modified,
                      "error": str(unreadable_run_error(folder / DB_FILE, "")), "steps": None})
+    for folder, reason in folders_not_runs(runs_dir):
+        modified = datetime.fromtimestamp(folder.stat().st_mtime, timezone.utc).replace(tzinfo=None)
+        rows.append({"run_id": folder.name, "name": folder.name, "status": NOT_A_RUN, "created_at": modified,
+                     "error": reason, "steps": None})
     for run_dir in list_run_dirs(runs_dir):
         try:
             rows += _run_summary(run_dir / DB_FILE)
@@ -419,8 +424,9 @@ def read_eval_samples(path: Path, benchmark: str, source: str, step: int, correc
                       problem_id: str | None = None, search: str | None = None) -> pd.DataFrame:
     """The evaluated responses of one benchmark at one step, filtered; `search` is a plain substring (bound)."""
     search = search or None
-    return query(path, """
-        SELECT problem_id, sample_idx, response, extracted, correct, verified, n_tokens
+    # `SELECT *`: a file written before the gold answer was stored has no `answer` column (read as empty)
+    frame = query(path, """
+        SELECT *
         FROM eval_samples
         WHERE benchmark = ? AND source = ? AND step = ?
           AND (? IS NULL OR correct = ?)
@@ -428,3 +434,6 @@ def read_eval_samples(path: Path, benchmark: str, source: str, step: int, correc
           AND (? IS NULL OR contains(lower(response), lower(?)) OR contains(lower(extracted), lower(?)))
         ORDER BY problem_id, sample_idx""",
                  [benchmark, source, step, correct, correct, problem_id, problem_id, search, search, search])
+    if "answer" not in frame:
+        frame["answer"] = None
+    return frame[["problem_id", "sample_idx", "response", "extracted", "answer", "correct", "verified", "n_tokens"]]

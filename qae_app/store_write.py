@@ -42,6 +42,11 @@ from qae_app.store import (EVAL_TABLES, LEGACY_PENDING_SUFFIX, PENDING_SUFFIX, S
 # so readers get in between.
 WRITE_SHARE = 0.01
 MAX_ROW_DELAY_S = 5.0
+# ... unless the queued rows are big: a step of the paper's size (512 x 16 responses, ~60 MB of text) costs as much to
+# save under pending/ as to write to the database, and its write's fixed cost is nothing beside it. So queued text
+# above this goes to the database at once, and pending/ never holds a second copy of it (unless a reader holds the
+# file: then it is saved there, as always, until a write gets in).
+WRITE_NOW_CHARS = 4_000_000
 
 
 def _now() -> datetime:
@@ -69,9 +74,13 @@ def _column(values: list) -> "np.ndarray":
     kinds = set(map(type, values))
     missing = type(None) in kinds
     kinds.discard(type(None))
-    if str in kinds:
-        text = "".join(filter(None, values)) if kinds == {str} else "".join(v for v in values if isinstance(v, str))
-        if _LONE_SURROGATE_RE.search(text):
+    if str in kinds and not all(value.isascii() for value in values if isinstance(value, str)):
+        try:  # (UTF-8 encoding fails exactly on a lone surrogate, and runs at memory speed: a regex over 60 MB of a
+            # paper-scale step's text took 0.5 s)
+            for value in values:
+                if isinstance(value, str):
+                    value.encode("utf-8")
+        except UnicodeEncodeError:
             values = [_storable(value) for value in values]
     flags = [issubclass(kind, (bool, np.bool_)) for kind in kinds]
     if kinds and all(flags):
@@ -271,7 +280,7 @@ class RunWriter:
     def flush_when_due(self) -> bool:
         """`flush()` if the last write is long enough ago (WRITE_SHARE, MAX_ROW_DELAY_S), else save the queued writes
         under pending/ and return True. False only when a write was due and found the file busy."""
-        if self.clock() < self.next_flush_at:
+        if self.clock() < self.next_flush_at and queued_text_chars(self.pending) < WRITE_NOW_CHARS:
             self._spill()
             return True
         return self.flush()
@@ -431,6 +440,13 @@ class RunWriter:
                     fault_point("db_commit", write.step)
 
         self._in_transaction(con, body)
+
+
+def queued_text_chars(writes: list[PendingWrite]) -> int:
+    """Characters of text in the step rows of `writes` not saved under pending/ yet (what a spill would write)."""
+    return sum(len(value) for write in writes if write.spilled is None and write.kind == "step"
+               for records in write.tables.values() for record in records for value in record.values()
+               if isinstance(value, str))
 
 
 # ---------------------------------------------------------------------------------------------------------------

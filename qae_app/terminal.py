@@ -15,6 +15,8 @@ Torch-free: `qae runs` and `qae show` start in a fraction of a second.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,14 +29,15 @@ from rich.text import Text
 from qae_app import store, store_read
 from qae_app.formatting import missing, number, pace_line, run_pace
 from qae_app.names import GATE_REASONS
-from qae_app.rundir import STOPPED
+from qae_app.rundir import RUN_NAME_PATTERN, STOPPED
 
 if TYPE_CHECKING:  # `qae runs` draws from dicts and never imports pandas
     import pandas as pd
 
 GAP = 2  # characters between two columns (SIMPLE_HEAD box, collapsed padding)
 STATUS_STYLES = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow",
-                 store_read.UNREADABLE: "bold red", store_read.BUSY: "yellow", STOPPED: "magenta"}
+                 store_read.UNREADABLE: "bold red", store_read.BUSY: "yellow", STOPPED: "magenta",
+                 store_read.NOT_A_RUN: "dim"}
 ID_SEPARATORS = "-_."
 MIN_ID_WIDTH = 24  # optional columns give way before a run id gets narrower than this (default ids: 19-23)
 # `qae show`: the steps columns in order of importance (all of STEP_METRICS, the first ones kept at 80 columns)
@@ -150,18 +153,25 @@ def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
     def cell(row: dict, key: str, ok: bool) -> str:
         return number(row.get(key)) if ok else ""
 
-    def build(prefix: str) -> Fitted:
+    # with 0/1 rewards the mean reward is the accuracy: one column says both, and leaves room for entropy
+    same = all(number(row.get("reward_mean")) == number(row.get("accuracy")) for row, ok in zip(rows, readable) if ok)
+
+    def build(prefix: str, whole_ids: bool = False) -> Fitted:
         shown_ids = [i[len(prefix):] for i in ids]
         columns = [
-            Column("run", shown_ids, flexible=True, name="run"),
+            # whole_ids: optional columns give way before an id of up to 40 characters is cut
+            Column("run", shown_ids, flexible=True, name="run",
+                   min_width=max(MIN_ID_WIDTH, min(40, max(map(len, shown_ids), default=0))) if whole_ids
+                   else MIN_ID_WIDTH),
             Column("status", [status_text(row["status"]) for row in rows]),
             Column("estimator", [_estimator(row) if ok else "" for row, ok in zip(rows, readable)], priority=1),
             Column("steps", [_progress(row, config) if ok else "" for row, config, ok in
                              zip(rows, configs, readable)], justify="right"),
             Column(metric_header("reward_mean"), [cell(r, "reward_mean", ok) for r, ok in zip(rows, readable)],
                    justify="right", priority=2, name="reward_mean"),
-            Column(metric_header("accuracy"), [cell(r, "accuracy", ok) for r, ok in zip(rows, readable)],
-                   justify="right", priority=2, name="accuracy"),
+            *([] if same else [Column(metric_header("accuracy"), [cell(r, "accuracy", ok) for r, ok in
+                                                                  zip(rows, readable)],
+                                      justify="right", priority=2, name="accuracy")]),
             Column(metric_header("heldout_accuracy"), [cell(r, "heldout_accuracy", ok) for r, ok in
                                                        zip(rows, readable)],
                    justify="right", priority=3, name="heldout_accuracy"),
@@ -180,21 +190,33 @@ def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
     run_width = next(c.max_width for c in fitted.table.columns if c.header == "run")
     if run_width is not None and run_width < longest:
         prefix = shared_prefix(ids)
-        if prefix:
-            fitted = build(prefix)
+    fitted = build(prefix, whole_ids=True)
     parts: list[RenderableType] = [Text(f"{len(rows)} run(s) in {runs_dir}", style="bold")]
     if prefix:
         parts.append(Text(f"every run id below starts with {prefix}", style="dim"))
     parts.append(fitted.table)
     if note := dropped_note(fitted.dropped, width, "widen the terminal, or `qae show RUN`"):
         parts.append(note)
+    if same and any(readable):
+        parts.append(Text("reward_mean is also the accuracy here (0/1 rewards: the same in every "
+                          "run)", style="dim"))
     if any(row["status"] == STOPPED for row in rows):
         parts.append(Text("stopped: stored as running, but no trainer holds the run (killed by kill -9, OOM or a power "
                           "loss). Continue it with `qae train --resume RUN`.", style="dim"))
     for row in rows:
         if row["status"] in store_read.READ_STATUSES:
-            parts.append(Text.assemble(("unreadable: ", "bold red"), (f"{row['run_id']}: {row.get('error')}", "")))
+            parts.append(Text.assemble((f"{row['status']}: ", STATUS_STYLES[row["status"]]),
+                                       (f"{row['run_id']}: {row.get('error')}", "")))
+        elif not RUN_NAME_PATTERN.match(str(row["run_id"])):
+            parts.append(Text(f"{row['run_id']}: read as a run, but not a plain name, so `qae train --resume` cannot "
+                              f"continue it: rename it (mv '{row['run_id']}' {plain_name(str(row['run_id']))}).",
+                              style="dim"))
     return Group(*parts)
+
+
+def plain_name(name: str) -> str:
+    """A plain run name close to `name`: 'a (copy)' -> 'a-copy'."""
+    return "-".join(re.findall(r"[A-Za-z0-9._]+", name)).strip("._-")[:100] or "run"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -240,12 +262,33 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
     return Group(*parts)
 
 
-def _steps_table(steps: pd.DataFrame, width: int, metrics: list[str] | None, every: int) -> list[RenderableType]:
-    stride = every or max(1, len(steps) // 15)
+SHOWN_STEPS = 15  # about this many rows of steps unless --every says otherwise
+
+
+def picked_steps(steps: pd.DataFrame, every: int) -> tuple[list[int], str]:
+    """The row positions `qae show` prints and the table's title: every n-th step, and the first and last. Without
+    --every, in a run with held-out evaluations, n is a divisor or a multiple of the evaluation interval, so held-out
+    accuracy is in the table (a stride of 2 from step 1 showed steps 1, 3, 5, ... and never step 10)."""
+    numbers = [int(step) for step in steps["step"]]
+    last = len(steps) - 1
+    evaluated = ([] if every or "heldout_accuracy" not in steps else
+                 [step for step, value in zip(numbers, steps["heldout_accuracy"]) if not missing(value)])
+    interval = math.gcd(*evaluated) if evaluated else 0
+    if interval > 1:
+        fitting = [d for d in range(1, interval + 1) if interval % d == 0 and len(steps) / d <= SHOWN_STEPS]
+        stride = fitting[0] if fitting else interval * math.ceil(len(steps) / (SHOWN_STEPS * interval))
+        picked = sorted({0, last, *(i for i, step in enumerate(numbers) if step % stride == 0)})
+        return picked, f"steps (every {stride}, held-out evaluations among them; the first and the last)"
+    stride = every or max(1, len(steps) // SHOWN_STEPS)
     picked = list(range(0, len(steps), stride))
-    appended = picked[-1] != len(steps) - 1
+    appended = picked[-1] != last
     if appended:
-        picked.append(len(steps) - 1)  # always the last step
+        picked.append(last)  # always the last step
+    return picked, f"steps (every {stride}{', and the last' if appended else ''})" if stride > 1 else "steps"
+
+
+def _steps_table(steps: pd.DataFrame, width: int, metrics: list[str] | None, every: int) -> list[RenderableType]:
+    picked, title = picked_steps(steps, every)
     shown = steps.iloc[picked]
     names = metrics or SHOW_METRICS + [m for m in store.STEP_METRICS if m not in SHOW_METRICS]
     # a metric this run never recorded (dH without --log-entropy-delta) takes no column unless asked for
@@ -257,7 +300,6 @@ def _steps_table(steps: pd.DataFrame, width: int, metrics: list[str] | None, eve
         columns.append(Column(metric_header(name), [number(v) for v in shown[name]], justify="right",
                               priority=0 if metrics else rank, name=name))
     fitted = fit(columns, width)
-    title = f"steps (every {stride}{', and the last' if appended else ''})" if stride > 1 else "steps"
     parts: list[RenderableType] = [Text(title, style="bold"), fitted.table]
     if note := dropped_note(fitted.dropped, width, "widen the terminal or pick with --metrics"):
         parts.append(note)
@@ -390,13 +432,21 @@ def _time(value) -> str:
 # qae compare
 
 
+def _interval(e) -> str:
+    """'[0.581, 0.643]' (the 95% interval, cut at what the metric can take), or why there is none ('n=2: no
+    interval', 'all 3 seeds tied: no spread to measure')."""
+    from qae_app.compare import interval_missing
+
+    return interval_missing(e) or f"[{number(e.low)}, {number(e.high)}]"
+
+
 def _estimate(e) -> Text:
-    """'0.612' over '[0.581, 0.643]' (the 95% interval), or '-' without a value."""
+    """'0.612' over '[0.581, 0.643]' (the 95% interval) or why there is none, or '-' without a value."""
     if e is None or e.mean is None:
         return Text("-")
     text = Text(number(e.mean))
-    if e.low is not None:
-        text.append(f"\n[{number(e.low)}, {number(e.high)}]", style="dim")
+    if e.n >= 2:
+        text.append(f"\n{_interval(e)}", style="dim")
     return text
 
 
@@ -404,9 +454,9 @@ def _difference(d) -> Text:
     if d is None or d.mean is None:
         return Text("-")
     text = Text(("+" if d.mean > 0 else "") + number(d.mean))
-    if d.low is not None:
-        text.append(f"\n[{number(d.low)}, {number(d.high)}]", style="dim")
-    if d.p_value is not None:
+    if d.n >= 2:
+        text.append(f"\n{_interval(d)}", style="dim")
+    if d.p_value is not None and d.sd != 0:  # (pairs that all differ by the same amount: p is 0 or 1, meaningless)
         text.append(f"\np={d.p_value:.3g}", style="bold" if d.p_value < 0.05 else "dim")
     return text
 
@@ -446,6 +496,9 @@ def compare_view(comparison, width: int) -> RenderableType:
         parts.append(diff)
         for index, group in others:
             paired = comparison.differences[group.label][next(iter(RUN_METRICS))]
+            if paired.pairs:
+                parts.append(Text(f"G{index} - G{base_index} pairs: " + ", ".join(
+                    f"seed {seed} {run} - {base_run}" for seed, run, base_run in paired.pairs), style="dim"))
             if len(paired.seeds) < len(group.runs) or len(paired.seeds) < len(comparison.baseline.runs):
                 parts.append(Text(f"G{index}: {len(paired.seeds)} seed(s) shared with the baseline are paired "
                                   f"({', '.join(map(str, paired.seeds)) or 'none'}); the others are left out",

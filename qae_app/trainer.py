@@ -43,7 +43,7 @@ from qae_app.models import (check_prompt_lengths, check_token_budget, disable_dr
                             load_policy)
 from qae_app.rewards import Scorer, shape_rewards
 from qae_app.rollout import ShardedPolicy, make_engine, plan_for
-from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
+from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics, stored_responses
 from qae_app.rundir import file_sha256
 from qae_app.session import RunSession, TrainerState
 from qae_app.tasks import load_benchmark, load_task, prompts_at
@@ -93,11 +93,14 @@ class RunResult:
     status: str  # finished, interrupted (Ctrl-C / SIGTERM; resumable)
 
 
-def step_tables(out: StepOutput | None, heldout: HeldoutEval | None) -> dict[str, list[dict]]:
-    """What `fit` hands the store for one step (step 0: the evaluation before training), by table."""
+def step_tables(out: StepOutput | None, heldout: HeldoutEval | None, keep: str = "all", seed: int = 0,
+                step: int = 0) -> dict[str, list[dict]]:
+    """What `fit` hands the store for one step (step 0: the evaluation before training), by table; the response
+    texts as --store-responses `keep` says (every row stays, so counts are exact)."""
     tables = {}
     if out is not None:
-        tables.update(steps=[out.metrics], groups=out.groups, rollouts=out.rollouts, warnings=out.warnings)
+        tables.update(steps=[out.metrics], groups=out.groups, rollouts=stored_responses(out.rollouts, keep, seed, step),
+                      warnings=out.warnings)
     if heldout is not None:
         tables.update(evals=heldout.evals, eval_samples=heldout.samples)
     return tables
@@ -350,7 +353,8 @@ class Trainer:
                 out.metrics.update(heldout_accuracy=heldout.accuracy if heldout else None,
                                    eval_s=time.perf_counter() - t0)
                 self.state.step = step  # (train_step advanced state.data_position by the prompts it consumed)
-                write_s = self.session.write_step(step, step_tables(out, heldout), out.chosen_k, timings)
+                write_s = self.session.write_step(step, step_tables(out, heldout, cfg.store_responses, cfg.seed, step),
+                                                   out.chosen_k, timings)
                 checkpoint_s = 0.0
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
                     t0 = time.perf_counter()

@@ -75,7 +75,8 @@ def _crafted_rows(step: int) -> dict[str, list[dict]]:
         tables["eval_samples"] = [
             dict(benchmark="mini", problem_id=problem, sample_idx=s, source="eval", verified=True, n_tokens=3,
                  response=EVIL_RESPONSE if (problem, s) == ("q2", 1) else f"answer {problem}-{s}",
-                 extracted="**7**" if (problem, s) == ("q2", 1) else str(s), correct=correct)
+                 extracted="**7**" if (problem, s) == ("q2", 1) else str(s), correct=correct,
+                 answer={"q1": "1", "q2": "0"}[problem])
             for problem, s, correct in [("q1", 0, step == 3), ("q1", 1, False), ("q2", 0, True), ("q2", 1, False)]]
     return tables
 

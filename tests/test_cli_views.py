@@ -111,8 +111,9 @@ def test_runs_shows_every_run_whole_its_status_and_why_one_is_unreadable(broken_
     assert "unreadable: broken: run: cannot read runs/broken/qae.duckdb" in " ".join(text.split())
     finished = frame.set_index("run_id").loc[LONG_A]
     assert number(finished["reward_mean"]) in text
-    assert (number(finished["heldout_accuracy"]) in text) == (width == 200)  # at 80: named as not shown
-    assert ("not shown at 80 columns: heldout_accuracy" in text) == (width == 80)
+    # at 80 too: accuracy, the same as reward_mean with 0/1 rewards, no longer takes the room
+    assert number(finished["heldout_accuracy"]) in text
+    assert ("not shown at 80 columns: entropy" in text) == (width == 80)  # (`unreadable` widens the status)
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -227,3 +228,33 @@ def test_rollouts_of_a_run_without_steps_say_so(tmp_path):
     result = runner.invoke(app, ["rollouts", "new", "--runs-dir", str(tmp_path)])
     assert result.exit_code == 2, result.output
     assert "run: 'new' has no steps yet." in " ".join(result.output.split())
+
+
+def test_show_at_80_columns_has_the_held_out_steps_and_runs_keeps_entropy(runs_cwd):
+    """At 80 columns `qae show` sampled steps 1, 3, 5, ... so the held-out accuracy of steps 10, 20 was never shown,
+    and `qae runs` kept reward_mean and accuracy (the same with 0/1 rewards) and dropped entropy."""
+    shown = invoke(runs_cwd, 80, "show", LONG_A)
+    rows = {line.split()[0]: line.split() for line in shown.splitlines() if re.match(r"^\s+\d+\s+\d", line)}
+    heldout = store_read.query(rundir.db_path(runs_cwd / "runs", LONG_A),
+                               "SELECT step, heldout_accuracy FROM steps WHERE heldout_accuracy IS NOT NULL")
+    assert sorted(heldout["step"]) == [10, 20, 30]
+    for step, value in zip(heldout["step"], heldout["heldout_accuracy"]):
+        assert number(value) in rows[str(step)]
+    listed = invoke(runs_cwd, 80, "runs")
+    header = " ".join(listed.split("─")[0].split())
+    assert "entropy" in header and "reward_" in header and header.count("accuracy") == 1  # heldout_ accuracy
+    assert "reward_mean is also the accuracy here" in listed
+
+
+def test_picked_steps_keep_the_evaluations_of_a_long_run():
+    import pandas as pd
+
+    from qae_app.terminal import picked_steps
+
+    steps = pd.DataFrame({"step": range(1, 1001), "heldout_accuracy": [0.5 if s % 10 == 0 else None
+                                                                     for s in range(1, 1001)]})
+    picked, title = picked_steps(steps, 0)
+    shown = [int(steps["step"].iloc[i]) for i in picked]
+    assert shown == [1, *range(70, 1001, 70), 1000] and "every 70" in title  # 70 = 10 x ceil(1000 / 150)
+    assert all(not pd.isna(steps["heldout_accuracy"].iloc[i]) for i in picked[1:])
+    assert [int(steps["step"].iloc[i]) for i in picked_steps(steps, 100)[0]][:3] == [1, 101, 201]  # --every wins

@@ -85,7 +85,7 @@ def test_sample_size_notes():
     # n=0 said "one seed" (a group that shares no seed with the baseline): it says there is nothing to estimate from
     assert "one seed" not in sample_size_note(0) and "no seed shared with the baseline" in sample_size_note(0)
     assert "no interval" in sample_size_note(1) and "one seed" in sample_size_note(1)
-    assert "wide" in sample_size_note(2) and "12.71" in sample_size_note(2)
+    assert sample_size_note(2).startswith("n=2: no interval") and "12.7 standard errors" in sample_size_note(2)
     assert "wide" in sample_size_note(4)
     assert sample_size_note(5) is None
 
@@ -204,7 +204,7 @@ def test_groups_labels_and_paired_comparison_by_hand():
 
 def test_labels_name_k_only_for_qae_groups():
     groups = group_runs([_record("a", 0, 0.5, k="0.3"), _record("b", 0, 0.5, k="0.5"),
-                         _record("c", 0, 0.5, estimator="grpo", k="0.3"), _record("d", 0, 0.5, estimator="grpo")])
+                         _record("c", 0, 0.5, estimator="grpo", k="0.3"), _record("d", 1, 0.5, estimator="grpo")])
     assert [g.label for g in groups] == ["estimator=qae, k=0.3", "estimator=qae, k=0.5", "estimator=grpo"]
     assert [len(g.runs) for g in groups] == [1, 1, 2]
     with pytest.raises(QAEUserError, match="matches several groups"):
@@ -218,12 +218,27 @@ def test_find_group_names_the_choices():
         find_group(groups, "grpo")
 
 
-def test_duplicate_seeds_are_counted_and_said():
-    groups = group_runs([_record("a", 0, 0.5), _record("b", 0, 0.7)])
+def test_a_seed_run_twice_counts_once_and_is_said():
+    """Two runs of one config and seed are one draw: n is the distinct seeds, the first run given is counted."""
+    groups = group_runs([_record("a", 0, 0.5), _record("b", 0, 0.7), _record("c", 1, 0.9)])
     assert len(groups) == 1 and groups[0].label == "all"
-    assert groups[0].metrics["final_heldout"].n == 2
-    assert "seed 0 appears more than once" in groups[0].note()
-    assert groups[0].per_run["final_heldout"] == {0: 0.5}
+    assert groups[0].metrics["final_heldout"].n == 2 and groups[0].metrics["final_heldout"].mean == pytest.approx(0.7)
+    assert [r.run_id for r in groups[0].runs] == ["a", "c"] and groups[0].excluded == {
+        "b": "seed 0 again: a is counted for it"}
+    assert "not counted: b (seed 0 again: a is counted for it)" in groups[0].note()
+    assert groups[0].per_run["final_heldout"] == {0: 0.5, 1: 0.9}
+
+
+def test_a_copy_counts_as_its_original_and_a_copy_picked_alone_counts():
+    copy = _record("a-backup", 0, 0.5)
+    copy.stored_run_id = "a"  # `cp -r a a-backup`: the database still holds the id "a"
+    original = _record("a", 0, 0.5)
+    original.stored_run_id = "a"
+    [group] = group_runs([copy, original, _record("b", 1, 0.7)])  # the copy sorts first by name: still not counted
+    assert [r.run_id for r in group.runs] == ["a", "b"] and group.to_dict()["n"] == 2
+    assert group.excluded == {"a-backup": "a copy of a, seed 0: counted once"}
+    [alone] = group_runs([copy, _record("b", 1, 0.7)])  # picked on purpose, without its original
+    assert [r.run_id for r in alone.runs] == ["a-backup", "b"] and not alone.excluded
 
 
 def test_a_run_without_a_training_step_is_left_out_and_said(tmp_path):
@@ -281,3 +296,37 @@ def test_runs_read_back_from_duckdb(tmp_path):
     assert e.mean == pytest.approx(0.7) and e.low == pytest.approx(0.7 - half, abs=1e-6)
     assert group.metrics["auc_heldout"].mean == pytest.approx(0.7)  # one evaluated step: its value
     assert group.metrics["entropy_slope"].mean == pytest.approx(0.0)
+
+
+def test_intervals_are_cut_at_what_the_metric_can_take():
+    """zero_adv_last at 0.98, 0.99, 0.60 over 3 seeds: mean 0.857, sd 0.222, t(2) half-width 0.552 -> [0.305, 1.409]
+    by the formula; a fraction's interval stops at 1."""
+    from qae_app.compare import FRACTION, RUN_METRIC_BOUNDS, interval_missing, mean_interval
+
+    values = [0.98, 0.99, 0.60]
+    raw, cut = mean_interval(values), mean_interval(values, FRACTION)
+    assert raw.high == pytest.approx(1.409, abs=1e-3) and raw.low == pytest.approx(0.305, abs=1e-3)
+    assert cut.high == 1.0 and cut.low == raw.low and cut.mean == raw.mean
+    assert RUN_METRIC_BOUNDS["zero_adv_last"] == FRACTION and RUN_METRIC_BOUNDS["entropy_slope"] == (None, None)
+    assert mean_interval([0.1, 0.9, 0.1], (0.0, None)).low == 0.0  # entropy-like: no upper bound, none below 0
+    assert interval_missing(cut) is None
+    assert interval_missing(mean_interval([0.4, 0.6])) == "n=2: no interval"
+    assert interval_missing(mean_interval([0.5, 0.5, 0.5])) == "all 3 seeds tied: no spread to measure"
+    assert interval_missing(mean_interval([0.5])) == "n=1: no interval"
+    d = paired_difference({0: 1.0, 1: 0.9, 2: 0.2}, {0: 0.0, 1: 0.0, 2: 0.0}, FRACTION)
+    assert d.high == 1.0 and d.low < 0  # a difference of fractions lies in [-1, 1]
+
+
+def test_the_cli_says_plainly_when_there_is_no_interval():
+    from rich.console import Console
+
+    from qae_app.compare import compare_runs
+    from qae_app.terminal import compare_view
+
+    runs = [_record("two-0", 0, 0.5), _record("two-1", 1, 0.7)]
+    runs += [_record(f"tie-{s}", s, 0.6, lr=1e-4) for s in range(3)]
+    console = Console(width=120, record=True)
+    console.print(compare_view(compare_runs(runs), 120))
+    text = console.export_text()
+    assert "n=2: no interval" in text and "all 3 seeds tied: no spread to measure" in text
+    assert "[0.600, 0.600]" not in text and "12.71" not in text

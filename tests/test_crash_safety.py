@@ -192,6 +192,8 @@ def test_a_repeated_sigterm_still_checkpoints_at_the_stop(tmp_path):
     assert info["status"] == "interrupted", out
     assert latest_checkpoint(tmp_path / "tt").name == f"step-{int(info['last_step'])}", out  # nothing lost
     assert f"Continue it from its newest checkpoint, step-{int(info['last_step'])}, with" in " ".join(out.split())
+    # what it said is true of SIGTERM: no "Ctrl-C again" to a process that got no Ctrl-C
+    assert "Ctrl-C again" not in out and "SIGTERM: stopping after this step" in " ".join(out.split())
 
 
 @pytest.mark.slow

@@ -320,3 +320,21 @@ def test_the_default_band_of_three_seeds_is_their_range_and_says_why(compare_app
     assert charts.resolve_band("auto", 4) == ("t-interval", None)
     assert charts.resolve_band("auto", 2)[0] == "min-max" and "12.71" in charts.resolve_band("auto", 2)[1]
     assert charts.resolve_band("t-interval", 2) == ("t-interval", None)
+
+
+def test_a_copied_run_folder_is_shown_and_not_counted_as_a_seed(tmp_path, monkeypatch):
+    """`cp -r` of a sweep's run (its database still carries the sweep's tag) made GRPO n=4 with a narrower interval
+    on identical data; the copy is now named in the note, not counted, and the pairing names the runs it used."""
+    import shutil
+
+    runs_dir = write_compare_runs(tmp_path / "runs")
+    shutil.copytree(runs_dir / "study-grpo-s0", runs_dir / "study-grpo-s0 (copy)")
+    at = make_app(runs_dir, monkeypatch)("compare", sweep=SWEEP_NAME, baseline="grpo")
+    table = by_group(at).set_index("group")
+    assert table["n"].to_dict() == {"estimator=grpo": 3, "estimator=qae": 3}
+    assert table.loc["estimator=grpo", "final_heldout"] == interval_text(finals("grpo"))  # as without the copy
+    assert ("not counted: study-grpo-s0 (copy) (a copy of study-grpo-s0, seed 0: counted once)"
+            in table.loc["estimator=grpo", "note"])
+    differences = by_group(at, "paired seeds")
+    assert differences["paired runs"].tolist() == [
+        "study-qae-s0 - study-grpo-s0; study-qae-s1 - study-grpo-s1; study-qae-s2 - study-grpo-s2"]

@@ -589,6 +589,7 @@ def test_eval_samples_page_shows_answers_and_problems_across_checkpoints(small_a
     samples = frame_with(at, "problem_id", "extracted", "correct")
     assert samples["correct"].tolist() == [True, False, True, False]
     assert EVIL_RESPONSE in samples["response"].tolist() and "**7**" in samples["extracted"].tolist()
+    assert samples["answer"].tolist() == ["1", "1", "0", "0"]  # the gold answer beside the extracted one
     assert not any("<script>" in m.value for m in at.markdown)
     grid = plotly_specs(at)["eval_grid"]["data"][0]
     assert grid["x"] == ["1", "3"] and grid["y"] == ["q1", "q2"]
@@ -644,3 +645,26 @@ def test_rollouts_toggle_shows_the_prompt_a_chat_model_saw(tmp_path, monkeypatch
     assert not at.exception
     assert [c.value for c in at.code][:3] == [seen.rstrip("\n"), "1", "1+1="]  # st.code drops a final newline
     assert "prompt as the model saw it (chat template applied)" in [c.value for c in at.caption]
+
+
+def test_a_folder_of_any_name_is_listed_and_linked_with_a_reason_when_it_is_no_run(tmp_path, monkeypatch):
+    """`cp -r r 'r (copy)'` in a file manager's style was invisible to `qae runs` and the dashboard, and a link to
+    it said the folder did not exist; a folder that holds no run is listed with why."""
+    import shutil
+
+    write_run(tmp_path, "r", steps=3, prompts_per_step=2, group_size=4)
+    shutil.copytree(tmp_path / "r", tmp_path / "r (copy)")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / ".creating-x").mkdir()  # a run being created stays hidden
+    listed = CliRunner().invoke(cli_app, ["runs", "--runs-dir", str(tmp_path)], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0, listed.output
+    assert "3 run(s)" in listed.output and "r (copy)" in listed.output and ".creating" not in listed.output
+    text = " ".join(listed.output.split())
+    assert "not a run: notes: not a run: no qae.duckdb in it" in text
+    assert "r (copy): read as a run, but not a plain name" in text and "mv 'r (copy)' r-copy" in text
+    shown = CliRunner().invoke(cli_app, ["show", "r (copy)", "--runs-dir", str(tmp_path)], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0 and "copied or renamed: the database names it r" in " ".join(shown.output.split())
+    app = make_app(tmp_path, monkeypatch)
+    table = frames(app())[0].set_index("run_id")
+    assert table.loc["r (copy)", "status"] == "finished" and table.loc["notes", "status"] == "not a run"
+    assert "r (copy) · finished · step 3 / 3" in texts(app("curves", run="r (copy)"))

@@ -36,6 +36,44 @@ def test_builtin_model_on_the_heldout_split(tmp_path):
     assert metrics[("pass@k", 1)] == pytest.approx(metrics[("avg@k", 4)])
     assert query(path, "SELECT count(*) AS n FROM evals")["n"].item() == 5
     assert read_run(path)["status"] == "finished"
+    # each sample keeps the gold answer it was checked against: "extracted 11, correct: no" can be checked
+    from qae_app.tasks import load_benchmark
+
+    gold = {p.prompt_id: p.answer for p in load_benchmark("arith")[1]}
+    assert samples["answer"].tolist() == [gold[problem] for problem in samples["problem_id"]]
+    right = samples[samples["correct"]]
+    assert (right["extracted"] == right["answer"]).all()
+    assert "gold" in result_text(tmp_path, "--limit", "2", "--samples", "2", "--run-name", "ev2")
+
+
+def result_text(tmp_path, *args) -> str:
+    result = runner.invoke(app, ["eval", "--runs-dir", str(tmp_path), *args], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_samples_stored_before_the_gold_answer_read_as_without_it(tmp_path):
+    """A file from before the `answer` column: readers show it empty, the next writer adds the column."""
+    import duckdb
+
+    from qae_app.store_read import read_eval_samples
+    from qae_app.store_write import RunWriter
+
+    path = db_path(tmp_path, "old")
+    writer = RunWriter(path, "old")
+    writer.create_run("old", {}, "eval", None, "builtin:tiny", "arith", 0)
+    with duckdb.connect(str(path)) as con:  # the table as qae wrote it before
+        con.execute("ALTER TABLE eval_samples DROP COLUMN answer")
+        con.execute("INSERT INTO eval_samples (run_id, step, benchmark, problem_id, sample_idx, response, extracted, "
+                    "correct, verified, n_tokens, source) VALUES ('old', 0, 'b', 'q', 0, 'r 11', '11', false, true, "
+                    "2, 'eval')")
+    old = read_eval_samples(path, "b", "eval", 0)
+    assert old["extracted"].tolist() == ["11"] and old["answer"].isna().all()
+    writer = RunWriter(path, "old")
+    writer.add_step(1, eval_samples=[dict(benchmark="b", problem_id="q", sample_idx=0, response="12", extracted="12",
+                                          answer="12", correct=True, verified=True, n_tokens=1, source="eval")])
+    assert writer.flush()
+    assert read_eval_samples(path, "b", "eval", 1)["answer"].tolist() == ["12"]
 
 
 def test_a_run_checkpoint_stores_results_in_the_run_at_its_step(tiny_run, tmp_path):

@@ -1,6 +1,7 @@
 """The DuckDB store: round trip, whole-step transactions, replacing replayed steps, and a reader holding the lock."""
 
 import json
+import re
 import resource
 import shutil
 import signal
@@ -439,3 +440,50 @@ def test_writing_rows_does_not_import_pandas(tmp_path):
     assert out.stdout.strip() == "[]"
     # the value the subprocess set by hand (update_step(1, eval_s=0.5)) reached the file: a stored value, not a timing
     assert read_steps(tmp_path / "r" / "qae.duckdb")["eval_s"].tolist() == [0.5]
+
+
+def test_a_paper_sized_step_goes_to_the_database_at_once_not_to_pending(tmp_path):
+    """A step whose text is over WRITE_NOW_CHARS is written when queued even though a write is not due: saving it
+    under pending/ first wrote every response twice. Its response text is stored with zstd."""
+    from qae_app.store_write import WRITE_NOW_CHARS
+
+    clock = FakeClock()
+    path = tmp_path / "big" / "qae.duckdb"
+    writer = RunWriter(path, "big", clock=clock)
+    writer.create_run("big", {}, "qae", 0.4, "builtin:tiny", "arith", 0)
+    writer.add_step(1, **_rows(1))
+    assert writer.flush_when_due()
+    writer.add_step(2, **_rows(2))
+    assert writer.flush_when_due() and len(list(writer.pending_dir.glob("*.json"))) == 1  # small: saved, not due
+    big = _rows(3, n=8)
+    text = "x = 2 + 2 is 4. " * (WRITE_NOW_CHARS // (16 * 8) + 1)  # eight of these are over the threshold
+    big["rollouts"] = [dict(row, response=text) for row in big["rollouts"]]
+    writer.add_step(3, **big)
+    assert writer.flush_when_due()  # still not due by the clock
+    assert read_steps(path)["step"].tolist() == [1, 2, 3] and list(writer.pending_dir.glob("*")) == []
+    assert query(path, "SELECT sum(length(response)) AS n FROM rollouts WHERE step = 3")["n"].item() == 8 * len(text)
+    del writer  # (the writer detaches after each write: the file is checkpointed)
+    with duckdb.connect(str(path), read_only=True) as con:
+        compression = con.execute("SELECT DISTINCT compression FROM pragma_storage_info('rollouts') WHERE "
+                                  "column_name = 'response' AND segment_type = 'VARCHAR'").fetchall()
+    assert ("ZSTD",) in compression, compression
+
+
+def test_store_responses_keeps_n_texts_a_group_by_a_seeded_draw_and_every_row():
+    from qae_app.rows import check_store_responses, stored_responses
+
+    rows = [dict(group_idx=g, sample_idx=i, response=f"r{g}-{i}", gated=i % 2 == 0) for g in range(3)
+            for i in range(8)]
+    kept = stored_responses(rows, "2", seed=5, step=7)
+    assert len(kept) == len(rows) and [r["gated"] for r in kept] == [r["gated"] for r in rows]  # counts exact
+    texts = {g: [r["sample_idx"] for r in kept if r["group_idx"] == g and r["response"] is not None] for g in range(3)}
+    assert all(len(indexes) == 2 for indexes in texts.values())
+    assert all(r["response"] == f"r{r['group_idx']}-{r['sample_idx']}" for r in kept if r["response"] is not None)
+    assert stored_responses(list(reversed(rows)), "2", seed=5, step=7) == list(reversed(kept))  # order-free draw
+    assert stored_responses(rows, "2", seed=5, step=8) != kept  # another step, another draw
+    assert stored_responses(rows, "all", 0, 1) is rows
+    assert all(r["response"] is None for r in stored_responses(rows, "none", 0, 1))
+    assert all(r["response"] is not None for r in stored_responses(rows, "9", 0, 1))  # more than G: every one
+    for bad in ("0", "-1", "some", "1.5"):
+        with pytest.raises(ValueError, match=f"store-responses: '{re.escape(bad)}' is not all, none or a whole"):
+            check_store_responses(bad)

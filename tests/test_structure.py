@@ -26,7 +26,7 @@ LAYERS = [
      "checkpoint_state", "session"},
     {"rollout", "vllm_engine", "evaluate", "warmstart", "update"},
     {"trainer", "sweep"},
-    {"terminal"},  # what the reading commands print (torch-free, like everything the dashboard and `qae runs` use)
+    {"terminal", "train_progress"},  # what the reading commands print (torch-free, like everything the dashboard and `qae runs` use)
     {"cli"},
 ]
 ALLOWED_CYCLES = [{"rollout", "vllm_engine"}]  # rollout imports the vLLM engine lazily, only for --engine vllm

@@ -249,6 +249,52 @@ def known_runs(tmp_path) -> Path:
     return runs
 
 
+def test_copied_run_folders_do_not_count_as_seeds(known_runs):
+    """`cp -r` backups of a sweep's runs carry the sweep's tag: each group's n stays its distinct seeds, the copies are
+    named as not counted, the interval is the one without them, and the pairing names the runs it used."""
+    import shutil
+
+    before = json.loads(runner.invoke(app, ["compare", "--sweep", "cmp", "--json", "--runs-dir",
+                                            str(known_runs)]).output)
+    for seed in (0, 1):
+        shutil.copytree(known_runs / f"cmp-grpo-s{seed}", known_runs / f"cmp-grpo-s{seed}.bak")
+    result = runner.invoke(app, ["compare", "--sweep", "cmp", "--baseline", "grpo", "--json", "--runs-dir",
+                                 str(known_runs)])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    grpo = {g["label"]: g for g in out["groups"]}["estimator=grpo"]
+    assert grpo["n"] == 3 and grpo["seeds"] == [0, 1, 2]
+    assert grpo["runs"] == ["cmp-grpo-s0", "cmp-grpo-s1", "cmp-grpo-s2"]
+    assert grpo["excluded"] == {f"cmp-grpo-s{s}.bak": f"a copy of cmp-grpo-s{s}, seed {s}: counted once"
+                                for s in (0, 1)}
+    assert grpo["metrics"] == {g["label"]: g for g in before["groups"]}["estimator=grpo"]["metrics"]
+    pairs = out["differences"]["estimator=qae"]["final_heldout"]["pairs"]
+    assert pairs == [[s, f"cmp-qae-s{s}", f"cmp-grpo-s{s}"] for s in range(3)]
+    text = runner.invoke(app, ["compare", "--sweep", "cmp", "--baseline", "grpo", "--runs-dir", str(known_runs)],
+                         env={"COLUMNS": "200"}).output
+    assert "n=3 (seeds 0, 1, 2)" in text and "cmp-grpo-s0.bak (a copy of cmp-grpo-s0, seed 0: counted once)" in text
+    assert "seed 0 cmp-qae-s0 - cmp-grpo-s0" in text
+
+
+@pytest.mark.slow
+def test_a_real_sweep_copied_on_disk_keeps_its_seed_count(tmp_path):
+    """A real `qae sweep` (2 estimators x 2 seeds), every run folder then copied with `cp -r`: compare still sees 2
+    seeds a group and the same numbers."""
+    runs = tmp_path / "runs"
+    done = subprocess.run([*QAE, "sweep", "--estimator", "qae,grpo", "--seeds", "2", "--name", "cp",
+                           "--runs-dir", str(runs), *TINY], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    compare = [*QAE, "compare", "--sweep", "cp", "--baseline", "grpo", "--json", "--runs-dir", str(runs)]
+    before = json.loads(subprocess.run(compare, capture_output=True, text=True, timeout=300).stdout)
+    for folder in [p for p in runs.iterdir() if p.name.startswith("cp-")]:
+        subprocess.run(["cp", "-r", str(folder), str(folder) + "-backup"], check=True)
+    after = json.loads(subprocess.run(compare, capture_output=True, text=True, timeout=300).stdout)
+    for group, old in zip(after["groups"], before["groups"]):
+        assert group["n"] == old["n"] == 2 and group["seeds"] == [0, 1] and group["metrics"] == old["metrics"]
+        assert sorted(group["excluded"]) == sorted(run + "-backup" for run in group["runs"])
+    assert after["differences"] == before["differences"]
+
+
 def test_compare_json_gives_the_hand_computed_intervals_and_paired_differences(known_runs):
     result = runner.invoke(app, ["compare", "--sweep", "cmp", "--baseline", "grpo", "--json", "--runs-dir",
                                  str(known_runs)])

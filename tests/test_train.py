@@ -114,6 +114,34 @@ def test_mean_baseline_estimators_run_the_same_loop(tmp_path, estimator):
     assert pd.isna(read_run(path)["k"])  # K is QAE's; a mean-baseline run records none
     groups = query(path, "SELECT regime FROM groups")
     assert set(groups["regime"]) <= {"mixed", "all_correct", "all_wrong"}
+    # the banner is true of a mean baseline (it said `grpo (K=0.4, paper)`), and a log (not a terminal) gets one
+    # plain progress line a step with reward, entropy, gated fraction, pace and ETA
+    text = " ".join(result.output.split())
+    assert f"run {estimator}: {estimator} on arith" in text and "K=" not in text
+    lines = [line for line in result.output.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/2", "2/2"]
+    stored = read_steps(path).set_index("step")
+    for step, line in enumerate(lines, 1):
+        assert f"reward {stored.loc[step, 'reward_mean']:.3f}" in line and f"H {stored.loc[step, 'entropy']:.3f}" in line
+        assert f"gated {stored.loc[step, 'frac_zero_adv']:.3f}" in line and "steps/min" in line and "ETA" in line
+    assert "ETA 0 s" in lines[1]  # after the last step, none left
+
+
+def test_a_qae_banner_names_k_and_the_quantile_and_the_pace_is_the_median():
+    from types import SimpleNamespace
+
+    from qae_app.train_progress import StepPace, banner
+
+    cfg = SimpleNamespace(estimator="qae", k="0.4", quantile="paper", data="arith", model="builtin:tiny", steps=10,
+                          prompts_per_step=2, group_size=4)
+    assert "qae (K=0.4, quantile paper) on arith" in banner(cfg, "r")
+    clock = iter([0.0, 30.0, 60.0, 150.0]).__next__  # steps 1-3 at 2 steps/min, then one step in 90 s
+    pace = StepPace(10, clock)
+    assert pace.steps_per_min() is None and pace.eta_s() is None
+    for step in (1, 2, 3, 4):
+        pace.record(step)
+    assert pace.steps_per_min() == pytest.approx(2.0)  # median of 2, 2, 2/3
+    assert pace.eta_s() == pytest.approx(6 / 2 * 60)
 
 
 def test_config_file_and_command_line_precedence(tmp_path):
@@ -278,3 +306,20 @@ def test_resuming_a_run_that_did_all_its_steps_says_so_and_gives_its_stored_held
     assert f"run {run_id} had already done its {TINY_RUN_OPTIONS['steps']} steps: nothing to train" in said
     assert f"Held-out accuracy {stored:.3f}" in said  # the run's last evaluation, not "-"
     assert read_steps(db_path(runs_dir, run_id))["step"].tolist() == list(range(1, TINY_RUN_OPTIONS["steps"] + 1))
+
+
+def test_store_responses_keeps_one_text_a_group_and_every_row(tmp_path):
+    result = runner.invoke(app, ["train", "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
+                                 "--eval-every", "0", "--store-responses", "1", "--run-name", "one",
+                                 "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    path = db_path(tmp_path, "one")
+    per_group = query(path, "SELECT step, group_idx, count(*) AS n, count(response) AS texts, sum(gated::INT) AS "
+                            "gated FROM rollouts GROUP BY ALL ORDER BY ALL")
+    assert per_group["n"].tolist() == [4] * 4 and per_group["texts"].tolist() == [1] * 4
+    steps = read_steps(path).set_index("step")
+    for step, rows in per_group.groupby("step"):  # the gated fraction counts every response, texts kept or not
+        assert steps.loc[step, "frac_zero_adv"] == pytest.approx(rows["gated"].sum() / 8)
+    refused = runner.invoke(app, ["train", "--store-responses", "0", "--runs-dir", str(tmp_path)])
+    assert refused.exit_code == 2 and "store-responses: '0' is not all, none or a whole number" in " ".join(
+        refused.output.split())

@@ -132,8 +132,9 @@ def groups_table(comparison: compare.Comparison) -> pd.DataFrame:
 def differences_table(comparison: compare.Comparison) -> pd.DataFrame:
     rows = []
     for label, differences in comparison.differences.items():
-        paired = differences[next(iter(compare.RUN_METRICS))].seeds
-        rows.append({"group": label, "paired seeds": ", ".join(map(str, paired)) or "none",
+        pairs = differences[next(iter(compare.RUN_METRICS))].pairs
+        rows.append({"group": label, "paired seeds": ", ".join(str(seed) for seed, _, _ in pairs) or "none",
+                     "paired runs": "; ".join(f"{run} - {base_run}" for _, run, base_run in pairs) or "none",
                      **{name: difference_text(differences.get(name)) for name in compare.RUN_METRICS}})
     return pd.DataFrame(rows)
 

@@ -21,6 +21,9 @@ SAMPLE_COLUMNS = {
     "verified": st.column_config.CheckboxColumn("verified", width="small",
                                                 help="False: the verifier timed out (scored as wrong)"),
     "extracted": st.column_config.TextColumn("extracted answer", width="medium"),
+    "answer": st.column_config.TextColumn("gold answer", width="medium",
+                                          help="The problem's answer the extracted one was checked against (empty "
+                                               "for an evaluation stored before qae kept it)"),
     "response": st.column_config.TextColumn("response (click a row to open it)", width="large"),
     "n_tokens": st.column_config.NumberColumn("tokens", width="small"),
 }
@@ -87,8 +90,10 @@ def body(run_id: str) -> None:
     where, opened = st.session_state.get("_open_sample") or (None, None)
     if opened is not None and where == (run_id, name, step):
         st.caption(f"problem {board.literal(opened['problem_id'])} · sample {opened['sample_idx']} · "
-                   + ("correct" if opened["correct"] else "wrong") + " · extracted answer:")
+                   + ("correct" if opened["correct"] else "wrong") + " · extracted answer, then the gold answer:")
         st.code(str(opened["extracted"]), language=None, wrap_lines=True)
+        st.code("not stored (an evaluation from before qae kept it)" if pd.isna(opened.get("answer"))
+                else str(opened["answer"]), language=None, wrap_lines=True)
         st.code(str(opened["response"]), language=None, wrap_lines=True)
 
 

@@ -9,7 +9,7 @@ import streamlit as st
 import board
 from qae_app.formatting import ago, duration, run_pace
 from qae_app.store import STEP_METRICS
-from qae_app.store_read import READ_STATUSES
+from qae_app.store_read import NOT_A_RUN, READ_STATUSES
 
 # In reading order: what the run is and how it is doing first (its latest metrics before the pace of a live run, so
 # they stay in view at 1400 px), then what it trains, then bookkeeping.
@@ -122,6 +122,9 @@ def config_section(all_runs: pd.DataFrame) -> None:
 
 def unreadable_notice(all_runs: pd.DataFrame) -> None:
     for row in all_runs[all_runs["status"].isin(READ_STATUSES)].to_dict("records"):
+        if row["status"] == NOT_A_RUN:
+            st.info(f"**{board.literal(row['run_id'])}**: {board.literal(row['error'])}", icon=":material/folder_off:")
+            continue
         st.error(f"**{row['run_id']}** is unreadable: {board.literal(row['error'])}. Other runs are unaffected; the "
                  "run's checkpoints, if any, are still in its folder.", icon=":material/broken_image:")
 
