@@ -8,6 +8,10 @@ executes the page's script as the server does (reads, figures, tables) without a
 - warm: the same page again with the caches filled (a rerun after a widget change).
 
     python bench/bench_dashboard.py [--keep DIR] [--repeats N]
+    python bench/bench_dashboard.py --paper-scale   # one step of 512 x 16 responses of 2-12k characters (~60 MB)
+
+`--paper-scale` writes one step at the paper's size (bench/bench_store.py's synthetic step, through the real writer)
+and times the pages that read a step's responses.
 
 Goal: every page under 3 s cold. The last line names the worst page.
 """
@@ -15,6 +19,7 @@ Goal: every page under 3 s cold. The last line names the worst page.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import statistics
@@ -27,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PAGES = ["runs", "curves", "distributions", "rollouts", "prompts", "evals", "eval_samples"]
+PAPER_SCALE_PAGES = ["rollouts", "distributions"]  # the pages that read a step's responses
 GOAL_S = 3.0
 STEPS, PROMPTS, GROUP = 1000, 16, 8
 
@@ -41,6 +47,32 @@ def build(runs_dir: Path) -> None:
     write_run(runs_dir, "big", steps=STEPS, prompts_per_step=PROMPTS, group_size=GROUP, n_prompts=2000,
               eval_every=50, eval_problems=30, eval_k=4, seed=0)
     print(f"wrote {STEPS} steps x {PROMPTS * GROUP} rollouts in {time.perf_counter() - t0:.0f} s")
+
+
+def build_paper_scale(runs_dir: Path) -> None:
+    """One step of 512 prompts x 16 responses of 2-12k characters, written as the trainer's writer writes it."""
+    import random
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_store import MATH_DATA, paper_step
+
+    from qae_app.rundir import db_path
+    from qae_app.store_write import RunWriter
+
+    if (runs_dir / "big" / "qae.duckdb").exists():
+        print(f"reusing {runs_dir / 'big'}")
+        return
+    t0 = time.perf_counter()
+    rows = [json.loads(line) for line in (MATH_DATA / "math500.jsonl").read_text().splitlines() if line.strip()]
+    words = " ".join(row.get("solution", "") + " " + row.get("problem", "") for row in rows).split()
+    writer = RunWriter(db_path(runs_dir, "big"), "big")
+    writer.create_run("big", {"steps": 1}, "qae", 0.4, "bench", "bench", 0)
+    tables, chars = paper_step(random.Random(0), words, 1)
+    writer.add_step(1, **tables)
+    assert writer.wait_until_written(timeout_s=600)
+    writer.update_run(status="finished")
+    print(f"wrote one step of {len(tables['rollouts'])} responses, {chars / 1e6:.0f} MB of text, in "
+          f"{time.perf_counter() - t0:.0f} s")
 
 
 def render(page: str, cold: bool) -> float:
@@ -66,17 +98,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", type=Path, help="Folder for the runs (kept, and reused when it holds the run).")
     parser.add_argument("--repeats", type=int, default=3, help="Timed runs per page (the median is printed).")
+    parser.add_argument("--paper-scale", action="store_true",
+                        help="One step of 512 x 16 responses of 2-12k characters; times the pages that read it.")
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 2:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
     print(f"cores: {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()}")
     runs_dir = args.keep or Path(tempfile.mkdtemp(prefix="qae-bench-dashboard-"))
-    build(runs_dir)
+    (build_paper_scale if args.paper_scale else build)(runs_dir)
     os.environ["QAE_RUNS_DIR"] = str(runs_dir)
     render("runs", cold=True)  # imports and the first run of the app, not counted
     results = {}
     print(f"{'page':<15}{'cold s':>8}{'warm s':>8}")
-    for page in PAGES:
+    for page in (PAPER_SCALE_PAGES if args.paper_scale else PAGES):
         cold = statistics.median(render(page, cold=True) for _ in range(args.repeats))
         warm = statistics.median(render(page, cold=False) for _ in range(args.repeats))
         results[page] = cold

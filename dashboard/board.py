@@ -143,8 +143,10 @@ def rollout_steps(run_id: str) -> list[int] | None:
 
 def rollouts(run_id: str, step: int, gated: bool | None = None, regime: str | None = None,
              reward: float | None = None, search: str | None = None,
-             filtered: bool | None = None) -> pd.DataFrame | None:
-    return read("read_rollouts", run_id, step, gated, regime, reward, search or None, filtered)
+             filtered: bool | None = None, with_text: bool = True,
+             group_ids: tuple[int, ...] | None = None) -> pd.DataFrame | None:
+    return read("read_rollouts", run_id, step, gated, regime, reward, search or None, filtered, with_text,
+                None if group_ids is None else tuple(group_ids))
 
 
 # ---------------------------------------------------------------------------------------------------------------

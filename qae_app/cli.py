@@ -394,7 +394,7 @@ def rollouts(
         step = last if step is None else step
         if not 1 <= step <= last:
             raise QAEUserError(f"step: {step} is not a step of '{run}'. Use 1..{last}.")
-        everything = read_rollouts(path, step)  # read before anything is printed: a damaged file gives one message
+        everything = read_rollouts(path, step, with_text=False)  # first: a damaged file gives one message
         frame = read_rollouts(path, step, gated=True if gated or why else False if kept else None, regime=regime,
                               search=search, filtered=True if filtered else False if gated or kept or why else None)
         shown = read_model_prompts(path, step) if model_prompt else None

@@ -205,9 +205,10 @@ SQL_GATE_REASON = ("CASE WHEN NOT r.gated THEN NULL "
                    + " ".join(f"WHEN {condition} THEN '{reason}'" for reason, condition in GATE_REASON_RULES.items())
                    + " END")
 
+ROLLOUT_TEXT_COLUMNS = "g.prompt, r.response"  # the bulk of a step's bytes: read for the groups a page shows
 SQL_ROLLOUTS = f"""
-    SELECT r.step, r.group_idx, r.sample_idx, r.prompt_id, g.prompt, g.answer, g.n_correct, g.group_size,
-           g.baseline, r.regime, r.response, r.reward, r.correct, r.verified, r.advantage, r.gated, r.filtered,
+    SELECT r.step, r.group_idx, r.sample_idx, r.prompt_id, {{text}} g.answer, g.n_correct, g.group_size,
+           g.baseline, r.regime, r.reward, r.correct, r.verified, r.advantage, r.gated, r.filtered,
            {SQL_GATE_REASON} AS gate_reason, r.n_tokens, r.truncated, r.entropy, r.logprob
     FROM rollouts r JOIN groups g USING (run_id, step, group_idx)
     WHERE r.step = ?
@@ -216,18 +217,24 @@ SQL_ROLLOUTS = f"""
       AND (? IS NULL OR r.regime = ?)
       AND (? IS NULL OR r.reward = ?)
       AND (? IS NULL OR contains(lower(r.response), lower(?)) OR contains(lower(g.prompt), lower(?)))
+      AND (? IS NULL OR list_contains(?, r.group_idx))
     ORDER BY r.group_idx, r.sample_idx
 """
 
 
 def read_rollouts(path: Path, step: int, gated: bool | None = None, regime: str | None = None,
                   reward: float | None = None, search: str | None = None,
-                  filtered: bool | None = None) -> pd.DataFrame:
+                  filtered: bool | None = None, with_text: bool = True,
+                  group_ids: list[int] | None = None) -> pd.DataFrame:
     """Rollouts of one step joined with their group, filtered; `search` is a plain substring (bound, no SQL);
-    `filtered`: only the groups dynamic sampling left out of the update (True) or only the trained ones (False)."""
+    `filtered`: only the groups dynamic sampling left out of the update (True) or only the trained ones (False).
+    `with_text=False` leaves out the prompt and response texts (at the paper's step size, 512 x 16 responses of
+    2-12k characters, they are ~60 MB; the counts and filters need none of it); `group_ids` reads only those groups."""
     search = search or None
-    return query(path, SQL_ROLLOUTS, [step, gated, gated, filtered, filtered, regime, regime, reward, reward, search,
-                                      search, search])
+    groups = None if group_ids is None else [int(g) for g in group_ids]
+    sql = SQL_ROLLOUTS.format(text=f"{ROLLOUT_TEXT_COLUMNS}," if with_text else "")
+    return query(path, sql, [step, gated, gated, filtered, filtered, regime, regime, reward, reward, search,
+                             search, search, groups, groups])
 
 
 SQL_HAS_MODEL_PROMPT = """

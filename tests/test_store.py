@@ -11,6 +11,7 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
+import pandas as pd
 import pytest
 
 from qae_app.errors import QAEUserError
@@ -66,6 +67,23 @@ def test_rollout_filters_use_bound_parameters(writer):
     assert len(read_rollouts(writer.path, 1, search="<B>")) == 1  # case-insensitive substring, not SQL
     assert len(read_rollouts(writer.path, 1, search="' OR 1=1 --")) == 0
     assert len(read_rollouts(writer.path, 1, search="%")) == 0  # no LIKE wildcards either
+
+
+def test_rollouts_read_without_text_and_by_group_give_the_same_rows(tmp_path):
+    """The Rollouts page counts and filters a step without its texts (~60 MB at the paper's step size) and reads the
+    texts of the groups it shows only: both must be the whole read's rows, cut by column or by group."""
+    from tests.synthetic import write_run
+
+    write_run(tmp_path, "r", steps=2, prompts_per_step=4, group_size=4)
+    path = tmp_path / "r" / "qae.duckdb"
+    whole = read_rollouts(path, 2)
+    bare = read_rollouts(path, 2, with_text=False)
+    assert "response" not in bare and "prompt" not in bare
+    pd.testing.assert_frame_equal(bare, whole.drop(columns=["prompt", "response"]))
+    page = read_rollouts(path, 2, gated=True, group_ids=[1, 3])
+    expected = whole[whole["gated"] & whole["group_idx"].isin([1, 3])].reset_index(drop=True)
+    assert set(page["group_idx"]) == {1, 3} and not expected.empty
+    pd.testing.assert_frame_equal(page, expected)
 
 
 def test_nan_metrics_are_stored_as_null(writer):

@@ -29,7 +29,7 @@ def body(run_ids: list[str], column: str, log_y: bool) -> None:
     with right:
         values = {}
         for run_id in quantiles:
-            frame = board.rollouts(run_id, step)
+            frame = board.rollouts(run_id, step, with_text=False)
             if frame is not None and not frame.empty:
                 values[run_id] = frame[column]
         if values:

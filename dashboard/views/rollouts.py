@@ -132,7 +132,9 @@ def body(run_id: str) -> None:
         st.info("No rollouts written yet: the first step's groups appear here when the trainer finishes it.")
         return
     step = board.step_slider(steps, "Step", what="rollouts")
-    everything = board.rollouts(run_id, step)
+    # counts and filters read no text; the prompt and response texts are read for the page's groups only (a step
+    # at the paper's size holds ~60 MB of them)
+    everything = board.rollouts(run_id, step, with_text=False)
     if everything is None:
         return
     filters = st.columns([1.1, 1.6, 0.8, 1.5])
@@ -150,7 +152,8 @@ def body(run_id: str) -> None:
     gated_only, filtered_only = GATED_CHOICES[gated]
     shown = board.rollouts(run_id, step, gated=gated_only, regime=None if regime == "any" else regime,
                            reward=None if reward == "any" else float(reward), search=search,
-                           filtered=False if reason != "any" and filtered_only is None else filtered_only)
+                           filtered=False if reason != "any" and filtered_only is None else filtered_only,
+                           with_text=False)
     if shown is None:
         return
     if reason != "any":
@@ -190,8 +193,17 @@ def body(run_id: str) -> None:
         if not model_prompts:
             st.caption("This run stored no templated prompts: its model has no chat template (it saw the prompt "
                        "itself), or the run is older than the column.")
-    for g in group_ids[(page - 1) * GROUPS_PER_PAGE: page * GROUPS_PER_PAGE]:
-        group(step, shown[shown["group_idx"] == g], model_prompts)
+    page_groups = group_ids[(page - 1) * GROUPS_PER_PAGE: page * GROUPS_PER_PAGE]
+    page_rows = board.rollouts(run_id, step, gated=gated_only, regime=None if regime == "any" else regime,
+                               reward=None if reward == "any" else float(reward), search=search,
+                               filtered=False if reason != "any" and filtered_only is None else filtered_only,
+                               group_ids=tuple(page_groups))
+    if page_rows is None:
+        return
+    if reason != "any":
+        page_rows = page_rows[page_rows["gate_reason"] == reason]
+    for g in page_groups:
+        group(step, page_rows[page_rows["group_idx"] == g], model_prompts)
 
 
 st.header("Rollouts")
