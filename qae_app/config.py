@@ -240,6 +240,14 @@ class TrainConfig:
     log_entropy_delta: bool = opt(False, "After each update, one no-grad pass over the step's own responses "
                                   "measures how the update changed their token entropy, per regime (dH, dH_hard, "
                                   "dH_easy): the mechanism of the paper's Prop. 4.2.", "monitor")
+    log_entropy_attribution: bool = opt(False, "Before each update, from a copy of the policy and optimizer state, "
+                                        "apply the update made from the hard groups' loss alone, the easy groups' "
+                                        "alone and neither's (AdamW's drift), and measure how each changed the "
+                                        "step's responses' token entropy (dH_from_hard, dH_hard_from_easy, ...); "
+                                        "the state is restored, so training is unchanged. Costs 4 no-grad passes "
+                                        "over the step's responses, the 2 regimes' forward/backward passes again and "
+                                        "a copy of the trainable weights and optimizer state (~3x the weights).",
+                                        "monitor")
 
     # ------------------------------------------------------------------------------------------------------------
     @property

@@ -23,7 +23,6 @@ and is the only one to write the run folder's database (`session.py`: the run fo
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -33,7 +32,9 @@ import torch
 
 from qae_app import names
 from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
+from qae_app.attribution import ATTRIBUTION_METRICS, entropy_attribution
 from qae_app.config import TrainConfig
+from qae_app.entropy_band import entropy_warning
 from qae_app.errors import QAEUserError
 from qae_app.evaluate import evaluate, summarize
 from qae_app.faults import fault_point
@@ -49,9 +50,6 @@ from qae_app.session import RunSession, TrainerState
 from qae_app.tasks import load_benchmark, load_task, prompts_at
 from qae_app.update import (NO_UPDATE, UpdateOptions, entropy_change, float_dtype, logits_keyword,
                             logprob_chunk_tokens, optimizer_and_schedule, pack, policy_update)
-
-ENTROPY_EMA_ALPHA = 0.1  # smoothing of the entropy that the band warnings watch (about the last 10 steps)
-
 
 @dataclass
 class StepOutput:
@@ -122,7 +120,7 @@ def groups_with_signal(rewards: torch.Tensor, correct: torch.Tensor, metric: str
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# what a step reports: its groups' rows, the entropy band
+# what a step reports: its groups' rows
 
 
 def group_results(batches: list[GenerationBatch], trained: list[bool], adv, rewards, correct, group_size: int,
@@ -155,39 +153,6 @@ def group_results(batches: list[GenerationBatch], trained: list[bool], adv, rewa
                 entropies=entropies, logprobs=logprobs, filtered=not trained[local]))
             local += 1
     return results
-
-
-def entropy_warning(state: TrainerState, entropy: float, cfg: TrainConfig) -> dict | None:
-    """A `warnings` row when the smoothed entropy leaves the band: once per crossing, not every noisy step. Follows
-    the step's entropy in `state` (entropy_start, entropy_ema, entropy_zone)."""
-    if math.isnan(entropy):
-        return None
-    if state.entropy_start is None:
-        state.entropy_start = entropy
-    ema = entropy if state.entropy_ema is None else (
-        ENTROPY_EMA_ALPHA * entropy + (1 - ENTROPY_EMA_ALPHA) * state.entropy_ema)
-    state.entropy_ema = ema
-    low, high = names.entropy_band(cfg.entropy_low, cfg.entropy_high, state.entropy_start)
-    zone = "low" if ema < low else "high" if ema > high else "ok"
-    crossed = zone != state.entropy_zone and zone != "ok"
-    state.entropy_zone = zone
-    if not crossed:
-        return None
-    k = state.k or names.DEFAULT_K
-    start = state.entropy_start
-    if zone == "low":
-        bound = f"{low:.3g}" + ("" if cfg.entropy_low is not None else
-                                f" (the starting {start:.3g} / {names.ENTROPY_BAND_FACTOR:g})")
-        message = (f"entropy (smoothed) {ema:.3f} fell below {bound}: collapse risk. Raise --k (e.g. "
-                   f"{min(k + 0.1, 0.9):.1f}) so more prompts are 'easy' and failures are pushed down, which "
-                   "raises entropy.")
-    else:
-        bound = f"{high:.3g}" + ("" if cfg.entropy_high is not None else
-                                 f" (the starting {start:.3g} x {names.ENTROPY_BAND_FACTOR:g})")
-        message = (f"entropy (smoothed) {ema:.3f} rose above {bound}: explosion risk. Lower --k (e.g. "
-                   f"{max(k - 0.1, 0.1):.1f}) so more prompts are 'hard' and only successes are reinforced, "
-                   "which lowers entropy.")
-    return {"kind": f"entropy_{zone}", "message": message}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -433,19 +398,23 @@ class Trainer:
             # collective forward/backward passes, weighted 0 (see update.accumulate_gradients), and contributes nothing
             batch = pack(trained_samples or samples[:1], self.codec.pad_id, acc.device, float_dtype(self.model))
             options = self.update_options()
-            updated = policy_update(self.model, self.optimizer, batch,
-                                   seq_adv if trained_samples else seq_adv.new_zeros(1), options, acc,
-                                   seed=_step_seed(cfg.seed, step, 0) + 1, ref_model=self.ref_model,
-                                   full_pass=not from_engine or cfg.log_entropy_delta, n_local=len(trained_samples))
-            update_stats, old_logp, entropy = updated.stats, updated.old_logp, updated.entropy
+            update_adv = seq_adv if trained_samples else seq_adv.new_zeros(1)
+            update_seed = _step_seed(cfg.seed, step, 0) + 1  # (the mini-batches: the attribution draws the same)
             # (dH's regimes: the K in use, K = 0.4 for mean-baseline runs, so runs compare)
             k = self.state.k if names.uses_k(cfg.estimator) else names.DEFAULT_K
+            attribution = (entropy_attribution(self.model, self.optimizer, batch, update_adv, correct[trained_mask], k,
+                                               G, options, acc, seed=update_seed, n_local=len(trained_samples))
+                           if cfg.log_entropy_attribution else dict.fromkeys(ATTRIBUTION_METRICS))
+            updated = policy_update(self.model, self.optimizer, batch, update_adv, options, acc, seed=update_seed,
+                                    ref_model=self.ref_model, full_pass=not from_engine or cfg.log_entropy_delta,
+                                    n_local=len(trained_samples))
+            update_stats, old_logp, entropy = {**updated.stats, **attribution}, updated.old_logp, updated.entropy
             update_stats.update(entropy_change(self.model, batch, entropy, correct[trained_mask], k, G, options, acc,
                                                len(trained_samples))
                                 if cfg.log_entropy_delta else dict.fromkeys(("dH", "dH_hard", "dH_easy")))
             self.engine.sync_weights(acc.unwrap_model(self.model))  # vLLM holds its own copy; hf shares the model
         else:  # dynamic sampling found no group with signal on any process: nothing to learn from
-            update_stats = {**NO_UPDATE, **dict.fromkeys(("dH", "dH_hard", "dH_easy"))}
+            update_stats = {**NO_UPDATE, **dict.fromkeys(("dH", "dH_hard", "dH_easy", *ATTRIBUTION_METRICS))}
         update_s = time.perf_counter() - t0
 
         # ---- rows (gathered on the main process) and metrics
