@@ -46,7 +46,7 @@ MAX_RESPONSES_PER_STEP = 65_536
 # Options that act only with a switch on: given without it they would do nothing, yet be stored and split
 # `qae compare`'s groups. Their defaults never trigger this (only a value the user gave).
 NEEDS_SWITCH = {"filter_metric": "dynamic_sampling", "max_gen_batches": "dynamic_sampling",
-                "overlong_penalty": "overlong_buffer"}
+                "overlong_penalty": "overlong_buffer", "shaping": "overlong_buffer"}
 
 class Range(NamedTuple):
     """The sane range of a numeric option, and what to use instead when a value is outside it."""
@@ -174,6 +174,8 @@ class TrainConfig:
                                "reward")
     overlong_penalty: float = opt(1.0, "DAPO overlong reward shaping: the penalty at max-new-tokens (verl's "
                                   "penalty_factor).", "reward")
+    shaping: str = opt("before-baseline", "DAPO overlong reward shaping: where the penalty enters the advantage.",
+                       "reward", names.SHAPING)
     # --- advantage estimator
     estimator: str = opt("qae", "Advantage estimator.", "estimator", names.ESTIMATORS)
     k: str = opt(str(names.DEFAULT_K), f"QAE quantile level K in (0, 1), or 'auto' ({names.AUTO_K_RULE}).",

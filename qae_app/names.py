@@ -94,6 +94,14 @@ FILTER_METRICS: dict[str, str] = {
                "their rewards differ (verl filter_groups.metric=acc, the DAPO recipe's)",
 }
 
+# --- where DAPO's overlong penalty enters the advantage
+SHAPING: dict[str, str] = {
+    "before-baseline": "the penalty is added to the reward and the estimator's baseline, scale and regime are of the "
+                       "shaped rewards (the official QAE code and verl's DAPO)",
+    "after-baseline": "the baseline, scale and regime are of the verifier's verdicts (the reward values without the "
+                      "penalty); each response's penalty is then added to its advantage, unscaled",
+}
+
 # --- policy loss aggregations (implemented in qae_app/losses.py)
 LOSS_AGGREGATIONS: dict[str, str] = {
     "token": "sum over all response tokens / number of response tokens in the mini-batch (DAPO token-level)",

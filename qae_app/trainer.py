@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from qae_app import names
-from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
+from qae_app.advantages import REGIMES, EstimatorConfig, step_advantages
 from qae_app.attribution import ATTRIBUTION_METRICS, entropy_attribution
 from qae_app.config import TrainConfig
 from qae_app.entropy_band import entropy_warning
@@ -383,7 +383,8 @@ class Trainer:
         # ---- advantages of every group sampled (a filtered group's are stored but never trained)
         estimator = EstimatorConfig(k=self.state.k or names.DEFAULT_K, quantile=cfg.quantile,
                                     scale=cfg.advantage_scale)
-        adv = compute_advantages(cfg.estimator, rewards, estimator, correct)
+        adv = step_advantages(cfg.estimator, rewards, correct, names.reward_values(cfg.reward_values), estimator,
+                              cfg.shaping)
         trained_mask = torch.tensor(trained, dtype=torch.bool)  # (B,)
         seq_adv = adv.advantages[trained_mask].reshape(-1).to(acc.device)  # (N,) the trained responses
 

@@ -331,3 +331,26 @@ def test_a_step_with_no_update_does_not_advance_the_learning_rate_schedule(tmp_p
     for step, row in steps.iterrows():
         assert row["lr"] == pytest.approx(1e-3 * min(1.0, (updates_before + 1) / 4)), step
         updates_before += row["n_updates"] > 0
+
+
+def test_shaping_after_the_baseline_in_a_run_decides_on_the_verdicts(tmp_path):
+    """A real step with overlong shaping that reaches the built-in task's responses (buffer 6 of 8 tokens): with
+    --shaping after-baseline every stored advantage is QAE's on the verdicts plus the stored penalty (reward minus
+    the verdict's value), no group is mixed, and some response was penalized."""
+    G = 8
+    cfg = build_config(run_name="after", steps=1, prompts_per_step=8, group_size=G, eval_every=0, checkpoint_every=0,
+                       reward_values="-1,1", overlong_buffer=6, shaping="after-baseline", seed=2)
+    Trainer(cfg, tmp_path, cpu=True).fit()
+    path = db_path(tmp_path, "after")
+    groups = query(path, "SELECT * FROM groups ORDER BY group_idx")
+    rollouts = query(path, "SELECT * FROM rollouts ORDER BY group_idx, sample_idx")
+    verdicts = torch.tensor(rollouts["correct"].map({True: 1.0, False: -1.0}).to_numpy()).view(-1, G)
+    penalty = torch.tensor(rollouts["reward"].to_numpy()).view(-1, G) - verdicts
+    assert (penalty < 0).any()
+    correct = torch.tensor(rollouts["correct"].to_numpy()).view(-1, G)
+    expected = compute_advantages("qae", verdicts, EstimatorConfig(k=0.4), correct)
+    stored = torch.tensor(rollouts["advantage"].to_numpy(), dtype=torch.float64).view(-1, G)
+    torch.testing.assert_close(stored, (expected.advantages + penalty).double(), atol=1e-6, rtol=0)
+    assert groups["regime"].tolist() == [REGIMES[r] for r in expected.regime.tolist()]
+    assert "mixed" not in set(groups["regime"])
+
