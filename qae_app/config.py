@@ -46,7 +46,7 @@ MAX_RESPONSES_PER_STEP = 65_536
 # Options that act only with a switch on: given without it they would do nothing, yet be stored and split
 # `qae compare`'s groups. Their defaults never trigger this (only a value the user gave).
 NEEDS_SWITCH = {"filter_metric": "dynamic_sampling", "max_gen_batches": "dynamic_sampling",
-                "overlong_penalty": "overlong_buffer", "shaping": "overlong_buffer"}
+                "on_gen_cap": "dynamic_sampling", "overlong_penalty": "overlong_buffer", "shaping": "overlong_buffer"}
 
 class Range(NamedTuple):
     """The sane range of a numeric option, and what to use instead when a value is outside it."""
@@ -165,8 +165,9 @@ class TrainConfig:
     filter_metric: str = opt("correct", "Dynamic sampling: which groups have no signal.", "rollout",
                              names.FILTER_METRICS)
     max_gen_batches: int = opt(10, "Dynamic sampling: at most this many generation batches per step (verl's "
-                               "max_num_gen_batches); at the cap the step trains on the groups it found and logs a "
-                               "warning. 0: no cap.", "rollout")
+                               "max_num_gen_batches); what happens at the cap: --on-gen-cap. 0: no cap.", "rollout")
+    on_gen_cap: str = opt("train", "Dynamic sampling: what a step does when --max-gen-batches batches found fewer "
+                          "than --prompts-per-step groups with signal.", "rollout", names.ON_GEN_CAP)
     # --- reward
     reward_values: str = opt("0,1", "Rewards of a wrong and of a correct response.", "reward", names.REWARD_VALUES)
     overlong_buffer: int = opt(0, "DAPO overlong reward shaping: a response longer than max-new-tokens minus this many "

@@ -94,6 +94,13 @@ FILTER_METRICS: dict[str, str] = {
                "their rewards differ (verl filter_groups.metric=acc, the DAPO recipe's)",
 }
 
+# --- dynamic sampling at --max-gen-batches with fewer groups with signal than --prompts-per-step
+ON_GEN_CAP: dict[str, str] = {
+    "train": "train on the groups found (none: the step makes no update and leaves the LR schedule where it is) and "
+             "log a dynamic_sampling_cap warning",
+    "stop": "stop the run, failed, with the reason as its error, before the step trains (verl raises here)",
+}
+
 # --- where DAPO's overlong penalty enters the advantage
 SHAPING: dict[str, str] = {
     "before-baseline": "the penalty is added to the reward and the estimator's baseline, scale and regime are of the "

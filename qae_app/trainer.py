@@ -119,6 +119,23 @@ def groups_with_signal(rewards: torch.Tensor, correct: torch.Tensor, metric: str
     return rewards.amax(dim=1) != rewards.amin(dim=1)
 
 
+def generation_cap_warning(cfg: TrainConfig, step: int, n_trained: int, n_batches: int) -> dict | None:
+    """When dynamic sampling's --max-gen-batches batches found fewer than prompts_per_step groups with signal: the
+    step's `warnings` row (--on-gen-cap train: the step trains on the groups found), or, with --on-gen-cap stop, a
+    QAEUserError that ends the run failed, the reason as its error, before the step trains (as verl raises)."""
+    if not cfg.dynamic_sampling or n_trained >= cfg.prompts_per_step:
+        return None
+    found = (f"dynamic sampling found {n_trained} of the {cfg.prompts_per_step} groups with signal it wanted in "
+             f"{n_batches} generation batches (--max-gen-batches {cfg.max_gen_batches})")
+    if cfg.on_gen_cap == "stop":
+        raise QAEUserError(f"on-gen-cap: stop: at step {step}, {found}; the step was not trained. Raise "
+                           "--max-gen-batches (0: no cap), or use --on-gen-cap train to train on the groups found.")
+    return {"kind": "dynamic_sampling_cap",
+            "message": f"{found}; this step trains on those {n_trained}. Raise --max-gen-batches, or check the data: "
+                       "the policy solves all or none of the responses to most prompts (frac_all_correct, "
+                       "frac_all_wrong)."}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # what a step reports: its groups' rows
 
@@ -371,14 +388,10 @@ class Trainer:
             warnings.append({"kind": "auto_k", "message": f"--k auto: first-step success rate {success:.3f} "
                                                           f"-> K = {chosen_k}"})
         n_trained = sum(trained_global)
-        if cfg.dynamic_sampling and n_trained < cfg.prompts_per_step:
-            message = (f"dynamic sampling found {n_trained} of the {cfg.prompts_per_step} groups with signal it "
-                       f"wanted in {len(batches)} generation batches (--max-gen-batches {cfg.max_gen_batches}); "
-                       f"this step trains on those {n_trained}. Raise --max-gen-batches, or check the data: the "
-                       "policy solves all or none of the responses to most prompts (frac_all_correct, "
-                       "frac_all_wrong).")
-            self._say(f"[yellow]warning:[/] step {step}: {message}")
-            warnings.append({"kind": "dynamic_sampling_cap", "message": message})
+        cap = generation_cap_warning(cfg, step, n_trained, len(batches))  # (or stops the run: --on-gen-cap stop)
+        if cap is not None:
+            self._say(f"[yellow]warning:[/] step {step}: {cap['message']}")
+            warnings.append(cap)
 
         # ---- advantages of every group sampled (a filtered group's are stored but never trained)
         estimator = EstimatorConfig(k=self.state.k or names.DEFAULT_K, quantile=cfg.quantile,

@@ -354,3 +354,28 @@ def test_shaping_after_the_baseline_in_a_run_decides_on_the_verdicts(tmp_path):
     assert groups["regime"].tolist() == [REGIMES[r] for r in expected.regime.tolist()]
     assert "mixed" not in set(groups["regime"])
 
+
+@pytest.mark.slow
+def test_on_gen_cap_stop_ends_the_run_at_the_first_short_step_with_the_reason(tmp_path):
+    """The cap test's run (seed 2: some steps find fewer than 2 groups with signal in their one batch), with
+    --on-gen-cap train (today's: every step trains, the short ones with a warning) and with stop: the run ends failed before the
+    first short step trains, the reason printed and stored as the run's error, the steps before it kept."""
+    common = ["--steps", "6", "--prompts-per-step", "2", "--group-size", "2", "--num-mini-batches", "2",
+              "--eval-every", "0", "--checkpoint-every", "0", "--dynamic-sampling", "--max-gen-batches", "1",
+              "--seed", "2", "--runs-dir", str(tmp_path)]
+    runner = CliRunner()
+    trained = runner.invoke(app, ["train", "--run-name", "train", "--on-gen-cap", "train", *common])
+    assert trained.exit_code == 0, trained.output
+    short = query(db_path(tmp_path, "train"), "SELECT min(step) AS s FROM warnings WHERE kind = 'dynamic_sampling_cap'")
+    first_short = int(short["s"].item())
+    assert first_short > 1 and len(read_steps(db_path(tmp_path, "train"))) == 6  # (seed 2: step 1 is not short)
+
+    stopped = runner.invoke(app, ["train", "--run-name", "stop", "--on-gen-cap", "stop", *common])
+    assert stopped.exit_code != 0
+    assert f"on-gen-cap: stop: at step {first_short}" in " ".join(stopped.output.split())
+    run = query(db_path(tmp_path, "stop"), "SELECT status, error FROM runs")
+    assert run["status"].item() == "failed"
+    assert f"at step {first_short}, dynamic sampling found" in run["error"].item()
+    assert read_steps(db_path(tmp_path, "stop"))["step"].tolist() == list(range(1, first_short))
+    want = read_steps(db_path(tmp_path, "train")).set_index("step").loc[: first_short - 1].reset_index(drop=True)
+    assert_same_metrics(want, read_steps(db_path(tmp_path, "stop")).reset_index(drop=True))
