@@ -235,10 +235,16 @@ RUN_METRICS: dict[str, str] = {
     "entropy_slope": "least-squares slope of entropy against step over the last 20% of steps (nats per step)",
     "zero_adv": "mean fraction of zero-advantage (gated) responses over all steps",
     "zero_adv_last": "mean fraction of zero-advantage (gated) responses over the last 20% of steps",
-    "dH_easy": "mean over steps of the update's entropy change on easy groups (needs --log-entropy-delta; QAE: "
-               "Prop. 4.2 predicts > 0)",
-    "dH_hard": "mean over steps of the update's entropy change on hard groups (needs --log-entropy-delta; QAE: "
-               "Prop. 4.2 predicts < 0)",
+    "dH_easy": "mean over steps of the whole update's entropy change on easy groups' responses (needs "
+               "--log-entropy-delta; every group's gradient moves them: not which regime caused it)",
+    "dH_hard": "mean over steps of the whole update's entropy change on hard groups' responses (needs "
+               "--log-entropy-delta; as dH_easy)",
+    "dH_from_easy": "mean over steps of the entropy change of all responses caused by the easy groups' update alone "
+                    "(needs --log-entropy-attribution; QAE: Prop. 4.2 predicts above dH_from_none)",
+    "dH_from_hard": "mean over steps of the entropy change of all responses caused by the hard groups' update alone "
+                    "(needs --log-entropy-attribution; QAE: Prop. 4.2 predicts below dH_from_none)",
+    "dH_from_none": "mean over steps of the entropy change of AdamW's drift alone (every advantage 0; needs "
+                    "--log-entropy-attribution): part of both regimes' updates",
     "step_s": "mean wall seconds per step",
 }
 
@@ -285,7 +291,8 @@ def run_metrics(steps: pd.DataFrame) -> dict[str, float]:
     entropy = _last_fraction(_series(steps, "entropy"))
     zero_adv = _series(steps, "frac_zero_adv")
     step_s = _series(steps, "step_s")
-    delta = {name: _series(steps, name) for name in ("dH_easy", "dH_hard")}
+    delta = {name: _series(steps, name) for name in ("dH_easy", "dH_hard", "dH_from_easy", "dH_from_hard",
+                                                     "dH_from_none")}
     nan = math.nan
     return {
         "final_heldout": float(heldout["value"].iloc[-1]) if len(heldout) else nan,
