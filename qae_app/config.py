@@ -241,8 +241,9 @@ class TrainConfig:
     verify_timeout_s: float = opt(3.0, "Seconds the math verifier may spend on one response.", "monitor",
                                   resumable=True)
     log_entropy_delta: bool = opt(False, "After each update, one no-grad pass over the step's own responses "
-                                  "measures how the update changed their token entropy, per regime (dH, dH_hard, "
-                                  "dH_easy): the mechanism of the paper's Prop. 4.2.", "monitor")
+                                  "measures how the whole update changed their token entropy, per regime's "
+                                  "responses (dH, dH_hard, dH_easy); which regime's update caused it: "
+                                  "--log-entropy-attribution.", "monitor")
     log_entropy_attribution: bool = opt(False, "Before each update, from a copy of the policy and optimizer state, "
                                         "apply the update made from the hard groups' loss alone, the easy groups' "
                                         "alone and neither's (AdamW's drift), and measure how each changed the "

@@ -162,5 +162,5 @@ DASHBOARD_REFRESH_ENV = "QAE_DASHBOARD_REFRESH"  # how `qae dashboard` hands --r
 
 
 # --- sweeps: train options whose default differs in `qae sweep` (sweep.py applies them, the CLI's help shows them)
-# the mechanism (Prop. 4.2: dH_easy > 0 > dH_hard under QAE) is what a sweep compares: measured unless turned off
+# how the update moves each regime's entropy (dH_easy, dH_hard) is what a sweep compares: measured unless turned off
 SWEEP_DEFAULTS = {"log_entropy_delta": True}

@@ -56,9 +56,10 @@ STEP_METRICS: dict[str, str] = {
     "dH": "with --log-entropy-delta: how the step's update changed the mean token entropy of the step's own "
           "trained responses (after minus before, nats); NULL without it",
     "dH_hard": f"dH over the responses of hard groups (success rate <= 1 - K; K = {DEFAULT_K} for mean-baseline "
-               "runs): the paper's Prop. 4.2 predicts < 0 under QAE",
-    "dH_easy": "dH over the responses of easy groups (success rate > 1 - K, not all correct): Prop. 4.2 predicts > 0 "
-               "under QAE",
+               "runs), under the whole update (every group's gradient): not which regime's update moved it (that is "
+               "dH_hard_from_hard / dH_hard_from_easy)",
+    "dH_easy": "dH over the responses of easy groups (success rate > 1 - K, not all correct), under the whole update, "
+               "as dH_hard",
     "dH_from_hard": "with --log-entropy-attribution: how the update made from the hard groups' loss alone (every "
                     "other advantage 0, the real step's normalizer, from the policy and optimizer state before the "
                     "update, then undone) changes the mean token entropy of all the step's trained responses; "

@@ -225,6 +225,11 @@ BAD_DAPO_INPUT = [
     (["--reward-values", "0,2"], "reward-values: unknown value '0,2'. Choose one of: 0,1, -1,1"),
     (["--filter-metric", "acc"], "filter-metric: unknown value 'acc'. Choose one of: reward, correct"),
     (["--max-gen-batches", "-1"], "max-gen-batches: -1 is less than 0, the least it may be"),
+    (["--shaping", "late", "--overlong-buffer", "4"],
+     "shaping: unknown value 'late'. Choose one of: before-baseline, after-baseline"),
+    (["--shaping", "after-baseline"], "shaping: after-baseline acts only with --overlong-buffer, which is off"),
+    (["--on-gen-cap", "halt", "--dynamic-sampling"], "on-gen-cap: unknown value 'halt'. Choose one of: train, stop"),
+    (["--on-gen-cap", "stop"], "on-gen-cap: stop acts only with --dynamic-sampling, which is off"),
 ]
 
 
