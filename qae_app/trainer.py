@@ -266,6 +266,9 @@ class Trainer:
         if cfg.gradient_checkpointing:  # (only training forwards: the no-grad passes and generate run as they are)
             enable_gradient_checkpointing(model)
         self.logits_keyword = logits_keyword(model)  # (of the Hugging Face model: peft's and DDP's take **kwargs)
+        if cfg.log_entropy_attribution and getattr(acc.state, "deepspeed_plugin", None) is not None:
+            raise QAEUserError("log-entropy-attribution: DeepSpeed keeps its own master weights inside its optimizer, "
+                               "which the trial updates cannot restore. Launch with DDP or FSDP, or drop the option.")
         if cfg.lora_rank:
             if plan_for(acc).sharding != "none":
                 raise QAEUserError(f"lora-rank: LoRA is not supported with sharded weights ({plan_for(acc).sharding})"
