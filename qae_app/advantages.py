@@ -90,6 +90,27 @@ def compute_advantages(name: str, rewards: torch.Tensor, cfg: EstimatorConfig | 
     return Advantages(advantages, baseline, label_regimes(rewards, baseline, correct))
 
 
+@torch.no_grad()
+def step_advantages(name: str, rewards: torch.Tensor, correct: torch.Tensor, values: tuple[float, float],
+                    cfg: EstimatorConfig, shaping: str = "before-baseline") -> Advantages:
+    """A step's advantages by names.SHAPING. `rewards` [B, G] shaped (the reward values plus the overlong penalty),
+    `correct` [B, G] bool, `values` (wrong, correct) the reward values.
+
+    before-baseline: `compute_advantages` of the shaped rewards (the official QAE code; verl's DAPO).
+    after-baseline: `compute_advantages` of the verdicts' reward values (so QAE's baseline, std and regime are those
+    of the 0/1 or -1/1 rewards), then each response's penalty (shaped minus verdict reward, <= 0) added to its
+    advantage unscaled: divided by the verdicts' std it would be a penalty / 1e-6 in a group of equal verdicts."""
+    if shaping == "before-baseline":
+        return compute_advantages(name, rewards, cfg, correct)
+    if shaping != "after-baseline":
+        raise QAEUserError(f"shaping: unknown value '{shaping}'. Choose one of: {', '.join(names.SHAPING)}.")
+    wrong_value, correct_value = values
+    verdicts = torch.where(correct.bool(), correct_value, wrong_value).to(torch.float64)  # [B, G]
+    adv = compute_advantages(name, verdicts, cfg, correct)
+    penalty = (rewards.to(torch.float64) - verdicts).float()  # [B, G], 0 for a response within the budget
+    return adv._replace(advantages=adv.advantages + penalty)
+
+
 def label_regimes(rewards: torch.Tensor, baseline: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
     """[B] regime codes by names.REGIME_RULE: a group whose rewards differ is hard when its baseline is its lowest
     reward, easy when it is its highest, else mixed; a group of equal rewards (no signal) is all_correct or all_wrong

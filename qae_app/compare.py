@@ -269,10 +269,16 @@ RUN_METRICS: dict[str, str] = {
     "entropy_slope": "least-squares slope of entropy against step over the last 20% of steps (nats per step)",
     "zero_adv": "mean fraction of zero-advantage (gated) responses over all steps",
     "zero_adv_last": "mean fraction of zero-advantage (gated) responses over the last 20% of steps",
-    "dH_easy": "mean over steps of the update's entropy change on easy groups (needs --log-entropy-delta; QAE: "
-               "Prop. 4.2 predicts > 0)",
-    "dH_hard": "mean over steps of the update's entropy change on hard groups (needs --log-entropy-delta; QAE: "
-               "Prop. 4.2 predicts < 0)",
+    "dH_easy": "mean over steps of the whole update's entropy change on easy groups' responses (needs "
+               "--log-entropy-delta; every group's gradient moves them: not which regime caused it)",
+    "dH_hard": "mean over steps of the whole update's entropy change on hard groups' responses (needs "
+               "--log-entropy-delta; as dH_easy)",
+    "dH_from_easy": "mean over steps of the entropy change of all responses caused by the easy groups' update alone "
+                    "(needs --log-entropy-attribution; QAE: Prop. 4.2 predicts above dH_from_none)",
+    "dH_from_hard": "mean over steps of the entropy change of all responses caused by the hard groups' update alone "
+                    "(needs --log-entropy-attribution; QAE: Prop. 4.2 predicts below dH_from_none)",
+    "dH_from_none": "mean over steps of the entropy change of AdamW's drift alone (every advantage 0; needs "
+                    "--log-entropy-attribution): part of both regimes' updates",
     "step_s": "mean wall seconds per step",
 }
 FRACTION: Bounds = (0.0, 1.0)
@@ -281,7 +287,8 @@ NON_NEGATIVE: Bounds = (0.0, None)
 RUN_METRIC_BOUNDS: dict[str, Bounds] = {
     "final_heldout": FRACTION, "best_heldout": FRACTION, "auc_heldout": FRACTION, "entropy_last": NON_NEGATIVE,
     "entropy_slope": UNBOUNDED, "zero_adv": FRACTION, "zero_adv_last": FRACTION, "dH_easy": UNBOUNDED,
-    "dH_hard": UNBOUNDED, "step_s": NON_NEGATIVE,
+    "dH_hard": UNBOUNDED, "dH_from_easy": UNBOUNDED, "dH_from_hard": UNBOUNDED, "dH_from_none": UNBOUNDED,
+    "step_s": NON_NEGATIVE,
 }
 assert set(RUN_METRIC_BOUNDS) == set(RUN_METRICS)
 
@@ -328,7 +335,8 @@ def run_metrics(steps: pd.DataFrame) -> dict[str, float]:
     entropy = _last_fraction(_series(steps, "entropy"))
     zero_adv = _series(steps, "frac_zero_adv")
     step_s = _series(steps, "step_s")
-    delta = {name: _series(steps, name) for name in ("dH_easy", "dH_hard")}
+    delta = {name: _series(steps, name) for name in ("dH_easy", "dH_hard", "dH_from_easy", "dH_from_hard",
+                                                     "dH_from_none")}
     nan = math.nan
     return {
         "final_heldout": float(heldout["value"].iloc[-1]) if len(heldout) else nan,

@@ -51,7 +51,7 @@ MAX_RESPONSES_PER_STEP = 65_536
 PLAN_TABLE = "plan"
 
 NEEDS_SWITCH = {"filter_metric": "dynamic_sampling", "max_gen_batches": "dynamic_sampling",
-                "overlong_penalty": "overlong_buffer"}
+                "on_gen_cap": "dynamic_sampling", "overlong_penalty": "overlong_buffer", "shaping": "overlong_buffer"}
 
 class Range(NamedTuple):
     """The sane range of a numeric option, and what to use instead when a value is outside it."""
@@ -172,8 +172,9 @@ class TrainConfig:
     filter_metric: str = opt("correct", "Dynamic sampling: which groups have no signal.", "rollout",
                              names.FILTER_METRICS)
     max_gen_batches: int = opt(10, "Dynamic sampling: at most this many generation batches per step (verl's "
-                               "max_num_gen_batches); at the cap the step trains on the groups it found and logs a "
-                               "warning. 0: no cap.", "rollout")
+                               "max_num_gen_batches); what happens at the cap: --on-gen-cap. 0: no cap.", "rollout")
+    on_gen_cap: str = opt("train", "Dynamic sampling: what a step does when --max-gen-batches batches found fewer "
+                          "than --prompts-per-step groups with signal.", "rollout", names.ON_GEN_CAP)
     # --- reward
     reward_values: str = opt("0,1", "Rewards of a wrong and of a correct response.", "reward", names.REWARD_VALUES)
     overlong_buffer: int = opt(0, "DAPO overlong reward shaping: a response longer than max-new-tokens minus this many "
@@ -181,6 +182,8 @@ class TrainConfig:
                                "reward")
     overlong_penalty: float = opt(1.0, "DAPO overlong reward shaping: the penalty at max-new-tokens (verl's "
                                   "penalty_factor).", "reward")
+    shaping: str = opt("before-baseline", "DAPO overlong reward shaping: where the penalty enters the advantage.",
+                       "reward", names.SHAPING)
     # --- advantage estimator
     estimator: str = opt("qae", "Advantage estimator.", "estimator", names.ESTIMATORS)
     k: str = opt(str(names.DEFAULT_K), f"QAE quantile level K in (0, 1), or 'auto' ({names.AUTO_K_RULE}).",
@@ -248,8 +251,17 @@ class TrainConfig:
     verify_timeout_s: float = opt(3.0, "Seconds the math verifier may spend on one response.", "monitor",
                                   resumable=True)
     log_entropy_delta: bool = opt(False, "After each update, one no-grad pass over the step's own responses "
-                                  "measures how the update changed their token entropy, per regime (dH, dH_hard, "
-                                  "dH_easy): the mechanism of the paper's Prop. 4.2.", "monitor")
+                                  "measures how the whole update changed their token entropy, per regime's "
+                                  "responses (dH, dH_hard, dH_easy); which regime's update caused it: "
+                                  "--log-entropy-attribution.", "monitor")
+    log_entropy_attribution: bool = opt(False, "Before each update, from a copy of the policy and optimizer state, "
+                                        "apply the update made from the hard groups' loss alone, the easy groups' "
+                                        "alone and neither's (AdamW's drift), and measure how each changed the "
+                                        "step's responses' token entropy (dH_from_hard, dH_hard_from_easy, ...); "
+                                        "the state is restored, so training is unchanged. Costs 4 no-grad passes "
+                                        "over the step's responses, the 2 regimes' forward/backward passes again and "
+                                        "a copy of the trainable weights and optimizer state (~3x the weights).",
+                                        "monitor")
 
     # ------------------------------------------------------------------------------------------------------------
     @property

@@ -94,6 +94,21 @@ FILTER_METRICS: dict[str, str] = {
                "their rewards differ (verl filter_groups.metric=acc, the DAPO recipe's)",
 }
 
+# --- dynamic sampling at --max-gen-batches with fewer groups with signal than --prompts-per-step
+ON_GEN_CAP: dict[str, str] = {
+    "train": "train on the groups found (none: the step makes no update and leaves the LR schedule where it is) and "
+             "log a dynamic_sampling_cap warning",
+    "stop": "stop the run, failed, with the reason as its error, before the step trains (verl raises here)",
+}
+
+# --- where DAPO's overlong penalty enters the advantage
+SHAPING: dict[str, str] = {
+    "before-baseline": "the penalty is added to the reward and the estimator's baseline, scale and regime are of the "
+                       "shaped rewards (the official QAE code and verl's DAPO)",
+    "after-baseline": "the baseline, scale and regime are of the verifier's verdicts (the reward values without the "
+                      "penalty); each response's penalty is then added to its advantage, unscaled",
+}
+
 # --- policy loss aggregations (implemented in qae_app/losses.py)
 LOSS_AGGREGATIONS: dict[str, str] = {
     "token": "sum over all response tokens / number of response tokens in the mini-batch (DAPO token-level)",
@@ -160,5 +175,5 @@ DASHBOARD_REFRESH_ENV = "QAE_DASHBOARD_REFRESH"  # how `qae dashboard` hands --r
 
 
 # --- sweeps: train options whose default differs in `qae sweep` (sweep.py applies them, the CLI's help shows them)
-# the mechanism (Prop. 4.2: dH_easy > 0 > dH_hard under QAE) is what a sweep compares: measured unless turned off
+# how the update moves each regime's entropy (dH_easy, dH_hard) is what a sweep compares: measured unless turned off
 SWEEP_DEFAULTS = {"log_entropy_delta": True}

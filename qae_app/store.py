@@ -56,9 +56,24 @@ STEP_METRICS: dict[str, str] = {
     "dH": "with --log-entropy-delta: how the step's update changed the mean token entropy of the step's own "
           "trained responses (after minus before, nats); NULL without it",
     "dH_hard": f"dH over the responses of hard groups (success rate <= 1 - K; K = {DEFAULT_K} for mean-baseline "
-               "runs): the paper's Prop. 4.2 predicts < 0 under QAE",
-    "dH_easy": "dH over the responses of easy groups (success rate > 1 - K, not all correct): Prop. 4.2 predicts > 0 "
-               "under QAE",
+               "runs), under the whole update (every group's gradient): not which regime's update moved it (that is "
+               "dH_hard_from_hard / dH_hard_from_easy)",
+    "dH_easy": "dH over the responses of easy groups (success rate > 1 - K, not all correct), under the whole update, "
+               "as dH_hard",
+    "dH_from_hard": "with --log-entropy-attribution: how the update made from the hard groups' loss alone (every "
+                    "other advantage 0, the real step's normalizer, from the policy and optimizer state before the "
+                    "update, then undone) changes the mean token entropy of all the step's trained responses; "
+                    "regimes as dH_hard's; NULL without it or when the step has no hard group",
+    "dH_hard_from_hard": "dH_from_hard over the hard groups' responses only",
+    "dH_easy_from_hard": "dH_from_hard over the easy groups' responses only",
+    "dH_from_easy": "as dH_from_hard, for the update made from the easy groups' loss alone",
+    "dH_hard_from_easy": "dH_from_easy over the hard groups' responses only",
+    "dH_easy_from_easy": "dH_from_easy over the easy groups' responses only",
+    "dH_from_none": "as dH_from_hard, for the update with every advantage 0: AdamW's drift (its first moment from "
+                    "earlier steps, weight decay), part of both regimes' updates; dH_from_hard - dH_from_none is "
+                    "the hard gradient's own part",
+    "dH_hard_from_none": "dH_from_none over the hard groups' responses only",
+    "dH_easy_from_none": "dH_from_none over the easy groups' responses only",
     "cov_logp_adv": "covariance over trained response tokens of token log-prob and advantage; entropy falls when it "
                     "is > 0",
     "adv_abs_mean": "mean |advantage| over trained responses",

@@ -23,7 +23,6 @@ and is the only one to write the run folder's database (`session.py`: the run fo
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -32,8 +31,10 @@ from pathlib import Path
 import torch
 
 from qae_app import names
-from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
+from qae_app.advantages import REGIMES, EstimatorConfig, step_advantages
+from qae_app.attribution import ATTRIBUTION_METRICS, entropy_attribution
 from qae_app.config import TrainConfig, check_launch_mixed_precision
+from qae_app.entropy_band import entropy_warning
 from qae_app.errors import QAEUserError
 from qae_app.evaluate import evaluate, summarize
 from qae_app.faults import fault_point
@@ -49,9 +50,6 @@ from qae_app.session import RunSession, TrainerState
 from qae_app.tasks import load_benchmark, load_task, prompts_at
 from qae_app.update import (NO_UPDATE, UpdateOptions, entropy_change, float_dtype, logits_keyword,
                             logprob_chunk_tokens, optimizer_and_schedule, pack, policy_update)
-
-ENTROPY_EMA_ALPHA = 0.1  # smoothing of the entropy that the band warnings watch (about the last 10 steps)
-
 
 @dataclass
 class StepOutput:
@@ -124,8 +122,25 @@ def groups_with_signal(rewards: torch.Tensor, correct: torch.Tensor, metric: str
     return rewards.amax(dim=1) != rewards.amin(dim=1)
 
 
+def generation_cap_warning(cfg: TrainConfig, step: int, n_trained: int, n_batches: int) -> dict | None:
+    """When dynamic sampling's --max-gen-batches batches found fewer than prompts_per_step groups with signal: the
+    step's `warnings` row (--on-gen-cap train: the step trains on the groups found), or, with --on-gen-cap stop, a
+    QAEUserError that ends the run failed, the reason as its error, before the step trains (as verl raises)."""
+    if not cfg.dynamic_sampling or n_trained >= cfg.prompts_per_step:
+        return None
+    found = (f"dynamic sampling found {n_trained} of the {cfg.prompts_per_step} groups with signal it wanted in "
+             f"{n_batches} generation batches (--max-gen-batches {cfg.max_gen_batches})")
+    if cfg.on_gen_cap == "stop":
+        raise QAEUserError(f"on-gen-cap: stop: at step {step}, {found}; the step was not trained. Raise "
+                           "--max-gen-batches (0: no cap), or use --on-gen-cap train to train on the groups found.")
+    return {"kind": "dynamic_sampling_cap",
+            "message": f"{found}; this step trains on those {n_trained}. Raise --max-gen-batches, or check the data: "
+                       "the policy solves all or none of the responses to most prompts (frac_all_correct, "
+                       "frac_all_wrong)."}
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# what a step reports: its groups' rows, the entropy band
+# what a step reports: its groups' rows
 
 
 def group_results(batches: list[GenerationBatch], trained: list[bool], adv, rewards, correct, group_size: int,
@@ -161,40 +176,13 @@ def group_results(batches: list[GenerationBatch], trained: list[bool], adv, rewa
     return results
 
 
-def entropy_warning(state: TrainerState, entropy: float, cfg: TrainConfig) -> dict | None:
-    """A `warnings` row when the smoothed entropy leaves the band: once per crossing, not every noisy step. Follows
-    the step's entropy in `state` (entropy_start, entropy_ema, entropy_zone)."""
-    if math.isnan(entropy):
-        return None
-    if state.entropy_start is None:
-        state.entropy_start = entropy
-    ema = entropy if state.entropy_ema is None else (
-        ENTROPY_EMA_ALPHA * entropy + (1 - ENTROPY_EMA_ALPHA) * state.entropy_ema)
-    state.entropy_ema = ema
-    low, high = names.entropy_band(cfg.entropy_low, cfg.entropy_high, state.entropy_start)
-    zone = "low" if ema < low else "high" if ema > high else "ok"
-    crossed = zone != state.entropy_zone and zone != "ok"
-    state.entropy_zone = zone
-    if not crossed:
-        return None
-    k = state.k or names.DEFAULT_K
-    start = state.entropy_start
-    if zone == "low":
-        bound = f"{low:.3g}" + ("" if cfg.entropy_low is not None else
-                                f" (the starting {start:.3g} / {names.ENTROPY_BAND_FACTOR:g})")
-        message = (f"entropy (smoothed) {ema:.3f} fell below {bound}: collapse risk. Raise --k (e.g. "
-                   f"{min(k + 0.1, 0.9):.1f}) so more prompts are 'easy' and failures are pushed down, which "
-                   "raises entropy.")
-    else:
-        bound = f"{high:.3g}" + ("" if cfg.entropy_high is not None else
-                                 f" (the starting {start:.3g} x {names.ENTROPY_BAND_FACTOR:g})")
-        message = (f"entropy (smoothed) {ema:.3f} rose above {bound}: explosion risk. Lower --k (e.g. "
-                   f"{max(k - 0.1, 0.1):.1f}) so more prompts are 'hard' and only successes are reinforced, "
-                   "which lowers entropy.")
-    return {"kind": f"entropy_{zone}", "message": message}
-
-
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def check_prompts_split(prompts_per_step: int, n_processes: int) -> None:
+    if n_processes > 1 and prompts_per_step % n_processes:
+        raise QAEUserError(f"prompts-per-step: {prompts_per_step} does not split over {n_processes} processes. Use a "
+                           "multiple of the process count.")
 
 
 class Trainer:
@@ -252,9 +240,7 @@ class Trainer:
         self.lockstep = self.accelerator.num_processes > 1 and plan_for(self.accelerator).sharding != "none"
         self.is_main = self.accelerator.is_main_process
         n = self.accelerator.num_processes
-        if n > 1 and cfg.prompts_per_step % n:
-            raise QAEUserError(f"prompts-per-step: {cfg.prompts_per_step} does not split over {n} processes. Use a "
-                               "multiple of the process count.")
+        check_prompts_split(cfg.prompts_per_step, n)
         # the run id, decided once by the main process (a default id from the clock could differ between processes)
         run_id = [cfg.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-{cfg.estimator}"]
         if n > 1:
@@ -290,6 +276,9 @@ class Trainer:
         if cfg.gradient_checkpointing:  # (only training forwards: the no-grad passes and generate run as they are)
             enable_gradient_checkpointing(model)
         self.logits_keyword = logits_keyword(model)  # (of the Hugging Face model: peft's and DDP's take **kwargs)
+        if cfg.log_entropy_attribution and getattr(acc.state, "deepspeed_plugin", None) is not None:
+            raise QAEUserError("log-entropy-attribution: DeepSpeed keeps its own master weights inside its optimizer, "
+                               "which the trial updates cannot restore. Launch with DDP or FSDP, or drop the option.")
         if cfg.lora_rank:
             if plan_for(acc).sharding != "none":
                 raise QAEUserError(f"lora-rank: LoRA is not supported with sharded weights ({plan_for(acc).sharding})"
@@ -413,19 +402,16 @@ class Trainer:
             warnings.append({"kind": "auto_k", "message": f"--k auto: first-step success rate {success:.3f} "
                                                           f"-> K = {chosen_k}"})
         n_trained = sum(trained_global)
-        if cfg.dynamic_sampling and n_trained < cfg.prompts_per_step:
-            message = (f"dynamic sampling found {n_trained} of the {cfg.prompts_per_step} groups with signal it "
-                       f"wanted in {len(batches)} generation batches (--max-gen-batches {cfg.max_gen_batches}); "
-                       f"this step trains on those {n_trained}. Raise --max-gen-batches, or check the data: the "
-                       "policy solves all or none of the responses to most prompts (frac_all_correct, "
-                       "frac_all_wrong).")
-            self._say(f"[yellow]warning:[/] step {step}: {message}")
-            warnings.append({"kind": "dynamic_sampling_cap", "message": message})
+        cap = generation_cap_warning(cfg, step, n_trained, len(batches))  # (or stops the run: --on-gen-cap stop)
+        if cap is not None:
+            self._say(f"[yellow]warning:[/] step {step}: {cap['message']}")
+            warnings.append(cap)
 
         # ---- advantages of every group sampled (a filtered group's are stored but never trained)
         estimator = EstimatorConfig(k=self.state.k or names.DEFAULT_K, quantile=cfg.quantile,
                                     scale=cfg.advantage_scale)
-        adv = compute_advantages(cfg.estimator, rewards, estimator, correct)
+        adv = step_advantages(cfg.estimator, rewards, correct, names.reward_values(cfg.reward_values), estimator,
+                              cfg.shaping)
         trained_mask = torch.tensor(trained, dtype=torch.bool)  # (B,)
         seq_adv = adv.advantages[trained_mask].reshape(-1).to(acc.device)  # (N,) the trained responses
 
@@ -440,19 +426,23 @@ class Trainer:
             # collective forward/backward passes, weighted 0 (see update.accumulate_gradients), and contributes nothing
             batch = pack(trained_samples or samples[:1], self.codec.pad_id, acc.device, float_dtype(self.model))
             options = self.update_options()
-            updated = policy_update(self.model, self.optimizer, batch,
-                                   seq_adv if trained_samples else seq_adv.new_zeros(1), options, acc,
-                                   seed=_step_seed(cfg.seed, step, 0) + 1, ref_model=self.ref_model,
-                                   full_pass=not from_engine or cfg.log_entropy_delta, n_local=len(trained_samples))
-            update_stats, old_logp, entropy = updated.stats, updated.old_logp, updated.entropy
+            update_adv = seq_adv if trained_samples else seq_adv.new_zeros(1)
+            update_seed = _step_seed(cfg.seed, step, 0) + 1  # (the mini-batches: the attribution draws the same)
             # (dH's regimes: the K in use, K = 0.4 for mean-baseline runs, so runs compare)
             k = self.state.k if names.uses_k(cfg.estimator) else names.DEFAULT_K
+            attribution = (entropy_attribution(self.model, self.optimizer, batch, update_adv, correct[trained_mask], k,
+                                               G, options, acc, seed=update_seed, n_local=len(trained_samples))
+                           if cfg.log_entropy_attribution else dict.fromkeys(ATTRIBUTION_METRICS))
+            updated = policy_update(self.model, self.optimizer, batch, update_adv, options, acc, seed=update_seed,
+                                    ref_model=self.ref_model, full_pass=not from_engine or cfg.log_entropy_delta,
+                                    n_local=len(trained_samples))
+            update_stats, old_logp, entropy = {**updated.stats, **attribution}, updated.old_logp, updated.entropy
             update_stats.update(entropy_change(self.model, batch, entropy, correct[trained_mask], k, G, options, acc,
                                                len(trained_samples))
                                 if cfg.log_entropy_delta else dict.fromkeys(("dH", "dH_hard", "dH_easy")))
             self.engine.sync_weights(acc.unwrap_model(self.model))  # vLLM holds its own copy; hf shares the model
         else:  # dynamic sampling found no group with signal on any process: nothing to learn from
-            update_stats = {**NO_UPDATE, **dict.fromkeys(("dH", "dH_hard", "dH_easy"))}
+            update_stats = {**NO_UPDATE, **dict.fromkeys(("dH", "dH_hard", "dH_easy", *ATTRIBUTION_METRICS))}
         update_s = time.perf_counter() - t0
 
         # ---- rows (gathered on the main process) and metrics
@@ -539,9 +529,8 @@ class Trainer:
     # the update's options
 
     def update_options(self) -> UpdateOptions:
-        """The update's options: the config's, and the trainer's skip_gated, lockstep, logits_keyword and
-        logprob_chunk_tokens (attributes, so a test or benchmark can switch them: the dense reference, lockstep on one
-        machine, the full forward, the full logits)."""
+        """The config's options and the trainer's attributes that a test or benchmark may switch: skip_gated (the
+        dense reference), lockstep (on one machine), logits_keyword (full forward), logprob_chunk_tokens."""
         return UpdateOptions.from_config(self.cfg, skip_gated=self.skip_gated, lockstep=self.lockstep,
                                          logits_keyword=self.logits_keyword,
                                          logprob_chunk_tokens=self.logprob_chunk_tokens)

@@ -15,6 +15,7 @@ One update, and the seam where each later change plugs in:
     forward_logprobs      one forward of the model (LoRA: the model passed in), through the chunked vocabulary
                           projection (chunked_head) when logprob_chunk_tokens says so
     entropy_change        after the update, how it changed the responses' token entropy (dH)
+    response_regimes      the QAE regime of each response's group, on the verdicts (dH's and attribution.py's split)
 
 The gated skip (`UpdateOptions.skip_gated`): with QAE about 80% of responses get advantage exactly 0; their policy
 gradient is exactly 0, so when nothing else needs them (no KL term) they are left out of the forward/backward, with
@@ -419,9 +420,7 @@ def entropy_change(model, batch, entropy_before: torch.Tensor, correct: torch.Te
     mask = batch["response_mask"][:n_local]
     change = ((entropy_after - entropy_before)[:n_local] * mask).sum(-1)  # (N,) summed over each response
     tokens = mask.sum(-1)  # (N,)
-    regime = (compute_advantages("qae", correct.float(), EstimatorConfig(k=k)).regime if n_local  # (B,)
-              else torch.zeros(0, dtype=torch.long))
-    regime = regime.repeat_interleave(group_size).to(acc.device)  # (N,)
+    regime = response_regimes(correct, k, group_size).to(acc.device)  # (N,)
     parts = {"dH": torch.ones_like(tokens, dtype=torch.bool), "dH_hard": regime == REGIMES.index("hard"),
              "dH_easy": regime == REGIMES.index("easy")}
     sums = torch.tensor([[change[m].sum().item(), tokens[m].sum().item()] for m in parts.values()],
@@ -429,6 +428,15 @@ def entropy_change(model, batch, entropy_before: torch.Tensor, correct: torch.Te
     if acc.num_processes > 1:
         sums = acc.reduce(sums, reduction="sum")
     return {name: (c / t if t else math.nan) for name, (c, t) in zip(parts, sums.tolist())}
+
+
+def response_regimes(correct: torch.Tensor, k: float, group_size: int) -> torch.Tensor:
+    """(B * G,) the regime code (advantages.REGIMES) of each response's group: the regime QAE with quantile level `k`
+    gives the group's verdicts `correct` (B, G) bool, so every estimator's groups split the same way."""
+    if correct.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.long)
+    regime = compute_advantages("qae", correct.float(), EstimatorConfig(k=k)).regime  # (B,)
+    return regime.repeat_interleave(group_size)  # (B * G,)
 
 
 NO_UPDATE = {**dict.fromkeys(("loss", "pg_loss", "kl", "grad_norm", "clip_frac", "clip_frac_low", "clip_frac_high"),

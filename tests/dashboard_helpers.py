@@ -61,6 +61,8 @@ def _crafted_rows(step: int) -> dict[str, list[dict]]:
                    frac_zero_adv=sum(r["gated"] for r in rollouts) / 8, cov_logp_adv=0.1 * step, response_len=1.5,
                    clip_frac_low=0.0, clip_frac_high=0.01, rollout_s=0.2, reward_s=0.01, update_s=0.3, step_s=0.51,
                    loss=0.1, grad_norm=1.0, adv_abs_mean=0.5, dH=0.01 * step, dH_easy=0.02, dH_hard=-0.03,
+                   dH_from_hard=-0.04, dH_from_easy=0.01 * step, dH_from_none=0.001, dH_hard_from_hard=-0.05,
+                   dH_easy_from_hard=-0.02, dH_hard_from_easy=0.005, dH_easy_from_easy=0.03,
                    **{f"frac_{regime}": float(fractions.get(regime, 0.0)) for regime in charts.REGIME_COLORS})
     metrics.update(n_updates=1.0)
     tables = dict(steps=[metrics], groups=groups, rollouts=rollouts)

@@ -17,7 +17,8 @@ from qae_app.rundir import DB_FILE, PENDING_DIR
 from qae_app.store import PENDING_SUFFIX, STEP_METRICS, TIMING_METRICS, pending_write_from_json
 from qae_app.store_read import read_steps
 
-SAMPLING_STATS = {"entropy", "entropy_pos", "entropy_neg", "cov_logp_adv", "dH", "dH_hard", "dH_easy"}
+SAMPLING_STATS = {"entropy", "entropy_pos", "entropy_neg", "cov_logp_adv", "dH", "dH_hard", "dH_easy",
+                  *(name for name in STEP_METRICS if name.startswith("dH_") and "_from_" in name)}
 COMPARED = sorted(set(STEP_METRICS) - set(TIMING_METRICS))
 
 

@@ -12,6 +12,7 @@ from qae_app.advantages import (
     EstimatorConfig,
     compute_advantages,
     quantile_rank,
+    step_advantages,
 )
 from qae_app.errors import QAEUserError
 from qae_app.names import ESTIMATOR_DEFAULT_SCALE
@@ -296,3 +297,42 @@ def test_every_estimator_labels_regimes_by_the_same_rule():
                     zip(rewards, out.baseline.tolist(), correct)]
         assert [REGIMES[i] for i in out.regime.tolist()] == expected, name
     assert "lowest reward" in names.REGIME_RULE and "highest" in names.REGIME_RULE
+
+
+# the README's worked example: G=8, K=0.4, -1/1 rewards, 2 wrong, 6 right of which 2 overlong (penalties -0.5, -0.25)
+SHAPED = torch.tensor([[-1.0, -1.0, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+VERDICTS = torch.tensor([[False, False, True, True, True, True, True, True]])
+
+
+def test_shaping_before_the_baseline_takes_the_quantile_of_the_shaped_rewards():
+    """The official code: the 4th smallest shaped reward (m = ceil(0.4 * 8)) is 0.75, between the group's lowest
+    and highest, so the group is mixed; only the -0.25 response is gated, and the four clean successes are pushed up
+    by 0.25 / std, std = 0.8858 (the shaped rewards' unbiased std)."""
+    adv = step_advantages("qae", SHAPED, VERDICTS, (-1.0, 1.0), EstimatorConfig(k=0.4), "before-baseline")
+    std = math.sqrt(sum((r - 0.40625) ** 2 for r in SHAPED[0].tolist()) / 7)  # mean 3.25 / 8
+    assert adv.baseline.item() == 0.75 and REGIMES[adv.regime.item()] == "mixed"
+    want = [(r - 0.75) / (std + 1e-6) for r in SHAPED[0].tolist()]
+    assert adv.advantages[0].tolist() == pytest.approx(want, rel=1e-6)
+    assert adv.advantages[0, 4:].tolist() == pytest.approx([0.2822] * 4, abs=1e-4)
+    assert int((adv.advantages == 0).sum()) == 1
+    assert torch.equal(adv.advantages, compute_advantages("qae", SHAPED, EstimatorConfig(k=0.4), VERDICTS).advantages)
+
+
+def test_shaping_after_the_baseline_keeps_the_two_regimes_and_adds_the_penalty():
+    """On the verdicts (-1 x2, +1 x6) the 4th smallest is +1: easy, baseline 1; the failures get -2 / std with
+    std = sqrt(6/7) (the verdicts' unbiased std), the clean successes exactly 0 (gated), and the two overlong successes
+    0 plus their penalty, unscaled: -0.5 and -0.25."""
+    adv = step_advantages("qae", SHAPED, VERDICTS, (-1.0, 1.0), EstimatorConfig(k=0.4), "after-baseline")
+    assert adv.baseline.item() == 1.0 and REGIMES[adv.regime.item()] == "easy"
+    failure = -2.0 / (math.sqrt(6 / 7) + 1e-6)
+    assert adv.advantages[0].tolist() == pytest.approx([failure, failure, -0.5, -0.25, 0.0, 0.0, 0.0, 0.0], rel=1e-6)
+    assert int((adv.advantages == 0).sum()) == 4
+    # a hard group: 2 of 8 right, one overlong (-0.5): baseline -1, that success gets 2 / std - 0.5, the other 2 / std
+    shaped = torch.tensor([[0.5, 1.0] + [-1.0] * 6], dtype=torch.float64)
+    verdicts = torch.tensor([[True, True] + [False] * 6])
+    adv = step_advantages("qae", shaped, verdicts, (-1.0, 1.0), EstimatorConfig(k=0.4), "after-baseline")
+    success = 2.0 / (math.sqrt(6 / 7) + 1e-6)
+    assert REGIMES[adv.regime.item()] == "hard"
+    assert adv.advantages[0].tolist() == pytest.approx([success - 0.5, success] + [0.0] * 6, rel=1e-6)
+    with pytest.raises(QAEUserError, match="shaping: unknown value 'late'"):
+        step_advantages("qae", shaped, verdicts, (-1.0, 1.0), EstimatorConfig(k=0.4), "late")

@@ -149,6 +149,16 @@ def test_entropy_change_per_regime_is_averaged_over_the_steps_that_have_it():
     steps = _steps().assign(dH_easy=[0.02, None, 0.04] + [None] * 7, dH_hard=[-0.01] * 10)
     m = run_metrics(steps)
     assert m["dH_easy"] == pytest.approx(0.03) and m["dH_hard"] == pytest.approx(-0.01)
+    assert math.isnan(m["dH_from_easy"])  # (no --log-entropy-attribution)
+
+
+def test_entropy_attribution_is_averaged_over_the_steps_that_have_it():
+    """A step without both regimes leaves a regime's column NULL: the mean is over the steps that measured it."""
+    steps = _steps().assign(dH_from_easy=[0.03, None, 0.05] + [None] * 7, dH_from_hard=[-0.02] * 10,
+                            dH_from_none=[0.001, 0.003] + [None] * 8)
+    m = run_metrics(steps)
+    assert m["dH_from_easy"] == pytest.approx(0.04) and m["dH_from_hard"] == pytest.approx(-0.02)
+    assert m["dH_from_none"] == pytest.approx(0.002)
 
 
 def test_run_metrics_without_evaluations_are_nan():

@@ -225,6 +225,11 @@ BAD_DAPO_INPUT = [
     (["--reward-values", "0,2"], "reward-values: unknown value '0,2'. Choose one of: 0,1, -1,1"),
     (["--filter-metric", "acc"], "filter-metric: unknown value 'acc'. Choose one of: reward, correct"),
     (["--max-gen-batches", "-1"], "max-gen-batches: -1 is less than 0, the least it may be"),
+    (["--shaping", "late", "--overlong-buffer", "4"],
+     "shaping: unknown value 'late'. Choose one of: before-baseline, after-baseline"),
+    (["--shaping", "after-baseline"], "shaping: after-baseline acts only with --overlong-buffer, which is off"),
+    (["--on-gen-cap", "halt", "--dynamic-sampling"], "on-gen-cap: unknown value 'halt'. Choose one of: train, stop"),
+    (["--on-gen-cap", "stop"], "on-gen-cap: stop acts only with --dynamic-sampling, which is off"),
 ]
 
 
@@ -331,3 +336,51 @@ def test_a_step_with_no_update_does_not_advance_the_learning_rate_schedule(tmp_p
     for step, row in steps.iterrows():
         assert row["lr"] == pytest.approx(1e-3 * min(1.0, (updates_before + 1) / 4)), step
         updates_before += row["n_updates"] > 0
+
+
+def test_shaping_after_the_baseline_in_a_run_decides_on_the_verdicts(tmp_path):
+    """A real step with overlong shaping that reaches the built-in task's responses (buffer 6 of 8 tokens): with
+    --shaping after-baseline every stored advantage is QAE's on the verdicts plus the stored penalty (reward minus
+    the verdict's value), no group is mixed, and some response was penalized."""
+    G = 8
+    cfg = build_config(run_name="after", steps=1, prompts_per_step=8, group_size=G, eval_every=0, checkpoint_every=0,
+                       reward_values="-1,1", overlong_buffer=6, shaping="after-baseline", seed=2)
+    Trainer(cfg, tmp_path, cpu=True).fit()
+    path = db_path(tmp_path, "after")
+    groups = query(path, "SELECT * FROM groups ORDER BY group_idx")
+    rollouts = query(path, "SELECT * FROM rollouts ORDER BY group_idx, sample_idx")
+    verdicts = torch.tensor(rollouts["correct"].map({True: 1.0, False: -1.0}).to_numpy()).view(-1, G)
+    penalty = torch.tensor(rollouts["reward"].to_numpy()).view(-1, G) - verdicts
+    assert (penalty < 0).any()
+    correct = torch.tensor(rollouts["correct"].to_numpy()).view(-1, G)
+    expected = compute_advantages("qae", verdicts, EstimatorConfig(k=0.4), correct)
+    stored = torch.tensor(rollouts["advantage"].to_numpy(), dtype=torch.float64).view(-1, G)
+    torch.testing.assert_close(stored, (expected.advantages + penalty).double(), atol=1e-6, rtol=0)
+    assert groups["regime"].tolist() == [REGIMES[r] for r in expected.regime.tolist()]
+    assert "mixed" not in set(groups["regime"])
+
+
+@pytest.mark.slow
+def test_on_gen_cap_stop_ends_the_run_at_the_first_short_step_with_the_reason(tmp_path):
+    """The cap test's run (seed 2: some steps find fewer than 2 groups with signal in their one batch), with
+    --on-gen-cap train (today's: every step trains, the short ones with a warning) and with stop: the run ends failed before the
+    first short step trains, the reason printed and stored as the run's error, the steps before it kept."""
+    common = ["--steps", "6", "--prompts-per-step", "2", "--group-size", "2", "--num-mini-batches", "2",
+              "--eval-every", "0", "--checkpoint-every", "0", "--dynamic-sampling", "--max-gen-batches", "1",
+              "--seed", "2", "--runs-dir", str(tmp_path)]
+    runner = CliRunner()
+    trained = runner.invoke(app, ["train", "--run-name", "train", "--on-gen-cap", "train", *common])
+    assert trained.exit_code == 0, trained.output
+    short = query(db_path(tmp_path, "train"), "SELECT min(step) AS s FROM warnings WHERE kind = 'dynamic_sampling_cap'")
+    first_short = int(short["s"].item())
+    assert first_short > 1 and len(read_steps(db_path(tmp_path, "train"))) == 6  # (seed 2: step 1 is not short)
+
+    stopped = runner.invoke(app, ["train", "--run-name", "stop", "--on-gen-cap", "stop", *common])
+    assert stopped.exit_code != 0
+    assert f"on-gen-cap: stop: at step {first_short}" in " ".join(stopped.output.split())
+    run = query(db_path(tmp_path, "stop"), "SELECT status, error FROM runs")
+    assert run["status"].item() == "failed"
+    assert f"at step {first_short}, dynamic sampling found" in run["error"].item()
+    assert read_steps(db_path(tmp_path, "stop"))["step"].tolist() == list(range(1, first_short))
+    want = read_steps(db_path(tmp_path, "train")).set_index("step").loc[: first_short - 1].reset_index(drop=True)
+    assert_same_metrics(want, read_steps(db_path(tmp_path, "stop")).reset_index(drop=True))

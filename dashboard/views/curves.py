@@ -11,6 +11,9 @@ from qae_app import names
 from qae_app.store import STEP_METRICS
 
 OTHER_DEFAULT = ["loss", "grad_norm", "adv_abs_mean"]
+# --log-entropy-attribution's columns: the change of all responses per source, and the 2 x 2 regime matrix
+ATTRIBUTION_SOURCES = ("dH_from_hard", "dH_from_easy", "dH_from_none")
+ATTRIBUTION_MATRIX = ("dH_hard_from_hard", "dH_easy_from_hard", "dH_hard_from_easy", "dH_easy_from_easy")
 
 
 def chart(fig, key: str, metrics: list[str]) -> None:
@@ -121,13 +124,28 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
               "clip_frac", ["clip_frac_low", "clip_frac_high"])
     with right:
         if any("dH" in frame and frame["dH"].notna().any() for frame in frames.values()):
-            # (QAE, Prop. 4.2: dH_easy > 0 > dH_hard, in the metrics' definitions below the chart)
-            chart(charts.lines(frames, ["dH_easy", "dH_hard", "dH"], colors, "entropy change of the update, per "
-                               "regime", smoothing, "nats / token", **axes),
+            # what each regime's responses did under the whole step's update; which regime caused it: the
+            # attribution chart (--log-entropy-attribution)
+            chart(charts.lines(frames, ["dH_easy", "dH_hard", "dH"], colors, "entropy change of each regime's "
+                               "responses, whole update", smoothing, "nats / token", **axes),
                   "entropy_delta", ["dH_easy", "dH_hard", "dH"])
         else:
             st.caption("Entropy change per regime (dH_easy, dH_hard): not measured in these runs. Train with "
                        "--log-entropy-delta (on in `qae sweep`).")
+    if any("dH_from_none" in frame and frame["dH_from_none"].notna().any() for frame in frames.values()):
+        left, right = st.columns(2)
+        with left:
+            # QAE, Prop. 4.2 predicts from_easy > from_none > from_hard (in the metrics' definitions below)
+            chart(charts.lines(frames, list(ATTRIBUTION_SOURCES), colors, "entropy change caused by one regime's "
+                               "update alone", smoothing, "nats / token", **axes),
+                  "entropy_attribution", list(ATTRIBUTION_SOURCES))
+        with right:
+            chart(charts.lines(frames, list(ATTRIBUTION_MATRIX), colors, "which regime's update moved which "
+                               "regime's responses", smoothing, "nats / token", **axes),
+                  "entropy_attribution_matrix", list(ATTRIBUTION_MATRIX))
+    else:
+        st.caption("Entropy change caused by each regime's update (dH_from_hard, dH_from_easy): not measured in "
+                   "these runs. Train with --log-entropy-attribution.")
     chart(charts.step_time(frames, smoothing, x), "step_time", list(charts.TIME_METRICS))
     columns = st.columns(2)
     for i, metric in enumerate(other):

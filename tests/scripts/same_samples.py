@@ -15,7 +15,8 @@ ran to <runs_dir>/<run_name>.forwards.<rank>.
 
 With `checkpointing`, the run uses --gradient-checkpointing; with `budget`, token-budget micro-batches
 (--max-tokens-per-micro-batch 40: a few sequences each). With `lora` (tests/test_lora.py), the run trains LoRA adapters
-of rank 4 with a KL term (the reference: the policy with its adapters off).
+of rank 4 with a KL term (the reference: the policy with its adapters off). With `attribution`
+(tests/test_attribution.py), the run logs --log-entropy-attribution.
 
     accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic][+lockstep][+lora]...
 """
@@ -62,7 +63,8 @@ LORA = dict(lora_rank=4, kl_beta=0.1, lr=1e-3)
 
 def main(runs_dir: str, run_name: str, mode: str = "") -> None:
     modes = set(mode.split("+"))
-    options = dict(OPTIONS, **(DYNAMIC if "dynamic" in modes else {}), **(LORA if "lora" in modes else {}))
+    options = dict(OPTIONS, **(DYNAMIC if "dynamic" in modes else {}), **(LORA if "lora" in modes else {}),
+                   log_entropy_attribution="attribution" in modes)
     for mode_name, mode_options in MEMORY_MODES.items():
         if mode_name in modes:
             options.update(mode_options)
