@@ -23,7 +23,8 @@ Each round's runs are a pair (bench/paired.py): the ratio of their median step t
 drift, and the per-round ratios' median with its spread is what is printed per group size.
 
 Step time is the wall time between consecutive step ends (qae: the `on_step` callback of `Trainer.fit`, so handing
-the step's rows to the store is included, and its writer thread competes with the steps; TRL: `TrainerCallback.on_step_end`, so its logging is included). The
+the step's rows to the store is included, and its writer thread competes with the steps, but not the checkpoint fit
+saves after the last step, which TRL here does not; TRL: `TrainerCallback.on_step_end`, so its logging is included). The
 first --warmup steps of each run are dropped (first generate call, optimizer state creation, data loader start);
 a run's median is over its remaining steps.
 
@@ -120,11 +121,23 @@ def run_qae(estimator: str, steps: int, seed: int, lr: float, runs_dir: str, sha
         return samples
 
     trainer.engine.generate = counting_generate
+    # fit saves a checkpoint after the last step (TRL here saves nothing): its seconds are taken off the step clock
+    checkpoint_s = [0.0]
+    save_checkpoint = trainer.session.save_checkpoint
+
+    def timed_save_checkpoint(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return save_checkpoint(*args, **kwargs)
+        finally:
+            checkpoint_s[0] += time.perf_counter() - start
+
+    trainer.session.save_checkpoint = timed_save_checkpoint
     step_ends: list[float] = []
     rewards, phases = [], []
 
     def on_step(step: int, metrics: dict) -> None:
-        step_ends.append(time.perf_counter())
+        step_ends.append(time.perf_counter() - checkpoint_s[0])
         counter.close_step()
         rewards.append(metrics["reward_mean"])
         phases.append({"generate_score": metrics["rollout_s"] + metrics["reward_s"], "update": metrics["update_s"],
