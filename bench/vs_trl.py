@@ -17,16 +17,18 @@ checkpointing, the same torch thread count. TRL gets the character codec wrapped
 prompts, which its template turns into the ids qae's codec gives (checked for every prompt before the run). The HF
 hub, transformers and datasets are set offline, so nothing is downloaded.
 
-Runs alternate in child processes of this one (round r runs the systems in an order rotated by r), so machine noise
-hits every system alike. Three systems: TRL, qae with QAE (the default estimator) and qae with GRPO's mean baseline.
-Each round's runs are a pair (bench/paired.py): the ratio of their median step times is the least exposed to load
-drift, and the per-round ratios' median with its spread is what is printed per group size.
+Each system trains in a child process of this one, and in each round the children take turns step by step (the
+parent lets one step of one child run while the others wait at a gate, the order rotated each step: bench/paired.py),
+so step i of qae runs right beside step i of TRL and load that drifts within seconds falls on both alike; rounds
+repeat that with the next seed. Three systems: TRL, qae with QAE (the default estimator) and qae with GRPO's mean
+baseline. What is printed per group size is the median of the per-step ratios (step i of a qae run over step i of
+the TRL run beside it, all rounds pooled) with their middle half and min-max.
 
-Step time is the wall time between consecutive step ends (qae: the `on_step` callback of `Trainer.fit`, so handing
-the step's rows to the store is included, and its writer thread competes with the steps, but not the checkpoint fit
-saves after the last step, which TRL here does not; TRL: `TrainerCallback.on_step_end`, so its logging is included). The
-first --warmup steps of each run are dropped (first generate call, optimizer state creation, data loader start);
-a run's median is over its remaining steps.
+A step's time runs from the parent's go to the step's end (qae: the `on_step` callback of `Trainer.fit`, after
+waiting for the store's thread to finish the step's rows, so the store's work is counted in the step, not overlapped
+with TRL's; not the checkpoint fit saves after the last step, which TRL here does not; TRL:
+`TrainerCallback.on_step_end`, so its logging is included). The first --warmup steps of each run are dropped (first
+generate call, optimizer state creation, data loader start); a run's median is over its remaining steps.
 
 Thread count: 1 by default, the same in every run. On oversubscribed cores (several jobs on 2 cores) torch with 2
 threads collapses (spin-waiting threads: a qae step went from ~1 s to ~20 s here), which would measure the machine,
@@ -68,6 +70,14 @@ MAX_NEW_TOKENS = 8
 LR = 5e-5
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 RESULT_TAG = "VS_TRL_RESULT "
+GATE_TAG = "VS_TRL_GATE"  # a child waits here, between steps, for the parent's go (a line on its stdin)
+
+
+def gate(resumes: list[float]) -> None:
+    """Wait for the parent's go before the next step; the step's clock starts when it comes."""
+    print(GATE_TAG, flush=True)
+    sys.stdin.readline()
+    resumes.append(time.perf_counter())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -134,18 +144,23 @@ def run_qae(estimator: str, steps: int, seed: int, lr: float, runs_dir: str, sha
 
     trainer.session.save_checkpoint = timed_save_checkpoint
     step_ends: list[float] = []
+    resumes: list[float] = []
     rewards, phases = [], []
 
     def on_step(step: int, metrics: dict) -> None:
+        # the store's work for the step is counted in it: while this process waits at the gate, TRL's step runs
+        trainer.session.drain_writes()
         step_ends.append(time.perf_counter() - checkpoint_s[0])
         counter.close_step()
         rewards.append(metrics["reward_mean"])
         phases.append({"generate_score": metrics["rollout_s"] + metrics["reward_s"], "update": metrics["update_s"],
                        "train_step": metrics["step_s"], "frac_gated": metrics["frac_zero_adv"]})
+        gate(resumes)
+        checkpoint_s[0] = 0.0  # (a checkpoint before the next resume is off the clock already)
 
-    start = time.perf_counter()
+    gate(resumes)
     trainer.fit(on_step=on_step)
-    return {"step_ends": step_ends, "start": start, "rewards": rewards, "phases": phases,
+    return {"step_ends": step_ends, "resumes": resumes, "rewards": rewards, "phases": phases,
             "work": counter.per_step, "config": {"micro_batch_size": cfg.micro_batch_size}}
 
 
@@ -203,12 +218,17 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: "RunShape") -
         return rewards
 
     step_ends: list[float] = []
+    resumes: list[float] = []
     phases: list[dict] = []
 
     class StepClock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            gate(resumes)
+
         def on_step_end(self, args, state, control, **kwargs):
             step_ends.append(time.perf_counter())
             counter.close_step()
+            gate(resumes)
 
     config = GRPOConfig(
         output_dir=workdir, seed=seed, max_steps=steps, use_cpu=True, bf16=False, fp16=False,
@@ -231,12 +251,10 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: "RunShape") -
         return out
 
     trainer._generate_and_score_completions = timed_generate_and_score
-    start = time.perf_counter()
     trainer.train()
     for i, end in enumerate(step_ends):
-        begin = step_ends[i - 1] if i else start
-        phases[i]["update"] = end - begin - phases[i]["generate_score"]
-    return {"step_ends": step_ends, "start": start, "rewards": counter.rewards, "phases": phases,
+        phases[i]["update"] = end - resumes[i] - phases[i]["generate_score"]
+    return {"step_ends": step_ends, "resumes": resumes, "rewards": counter.rewards, "phases": phases,
             "work": counter.per_step, "config": {"loss_type": config.loss_type, "torch_threads":
                                                  torch.get_num_threads()}}
 
@@ -269,21 +287,72 @@ class RunShape:
 
 
 def step_times(result: dict) -> list[float]:
-    ends = [result["start"]] + result["step_ends"]
-    return [b - a for a, b in zip(ends, ends[1:])]
+    """Each step's seconds, from the parent's go to the step's end."""
+    return [end - begin for begin, end in zip(result["resumes"], result["step_ends"])]
 
 
-def launch(system: str, steps: int, seed: int, lr: float, threads: int, shape: RunShape) -> dict:
-    env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    command = [sys.executable, __file__, "--child", system, "--steps", str(steps), "--seed", str(seed), "--lr",
-               repr(lr), "--threads", str(threads), "--group-sizes", str(shape.group_size), "--max-new-tokens",
-               str(shape.max_new_tokens)] + (["--model", shape.model] if shape.model else [])
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise SystemExit(f"{system} run failed (exit {proc.returncode})")
-    return json.loads(lines[-1][len(RESULT_TAG):])
+class Child:
+    """One training run in a child process, stepping when the parent says go."""
+
+    def __init__(self, system: str, steps: int, seed: int, lr: float, threads: int, shape: RunShape):
+        env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        command = [sys.executable, __file__, "--child", system, "--steps", str(steps), "--seed", str(seed), "--lr",
+                   repr(lr), "--threads", str(threads), "--group-sizes", str(shape.group_size), "--max-new-tokens",
+                   str(shape.max_new_tokens)] + (["--model", shape.model] if shape.model else [])
+        self.system = system
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                     text=True, env=env)
+        self.output: list[str] = []
+
+    def wait_at_gate(self) -> None:
+        """Read the child's output up to its next gate (its setup, or the step it was let go for)."""
+        for line in self.proc.stdout:
+            if line.startswith(GATE_TAG):
+                return
+            self.output.append(line)
+        self.fail()
+
+    def go(self) -> None:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def result(self) -> dict:
+        self.go()  # past the gate after its last step: the run ends and prints its result
+        out, _ = self.proc.communicate()
+        lines = [line for line in self.output + out.splitlines() if line.startswith(RESULT_TAG)]
+        if self.proc.returncode != 0 or not lines:
+            self.fail()
+        return json.loads(lines[-1][len(RESULT_TAG):])
+
+    def fail(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.stderr.seek(0)
+        sys.stderr.write("".join(self.output)[-3000:] + self.stderr.read()[-6000:])
+        raise SystemExit(f"{self.system} run failed (exit {self.proc.returncode})")
+
+
+def run_in_lockstep(systems: list[str], steps: int, seed: int, lr: float, threads: int, shape: RunShape
+                    ) -> dict[str, dict]:
+    """Every system's run at once, in child processes that take turns step by step: step i of each runs next to
+    step i of the others (one at a time, the order rotated each step: bench/paired.py), so load that drifts within
+    seconds falls on all alike. The setups (model loading, imports) run together, untimed."""
+    children = [Child(system, steps, seed, lr, threads, shape) for system in systems]
+    try:
+        for child in children:
+            child.wait_at_gate()
+        for step in range(steps):
+            turn = step % len(children)
+            for child in children[turn:] + children[:turn]:
+                child.go()
+                child.wait_at_gate()
+        return {child.system: child.result() for child in children}
+    finally:
+        for child in children:
+            if child.proc.poll() is None:
+                child.proc.kill()
+                child.proc.wait()
 
 
 def fmt_ms(seconds: float) -> str:
@@ -318,15 +387,16 @@ def report_run(round_index: int, system: str, result: dict, warmup: int) -> None
     print(f"    reward over the run (5 windows): {reward_curve(result['rewards'])}", flush=True)
 
 
-def compare(shape: RunShape, systems: list[str], args) -> dict[str, list[float]]:
-    """Rounds of one run per system, the order rotated each round (round r starts at system r mod count), so every
-    system runs first and last alike. Returns each qae system's per-round ratio to TRL's (median step over median
-    step of the same round: the runs closest in time, the least exposed to load drift)."""
+def compare(shape: RunShape, systems: list[str], args) -> dict:
+    """--repeats rounds; in each, every system's run steps in turn with the others' (run_in_lockstep). Returns each
+    system's per-round median step and, for each qae system, its per-step ratios to TRL over all rounds (step i of
+    a qae run over step i of the TRL run beside it: the timings closest in time), warm-up steps dropped."""
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for round_index in range(args.repeats):
         order = systems[round_index % len(systems):] + systems[: round_index % len(systems)]
+        results = run_in_lockstep(order, args.steps, args.seed + round_index, args.lr, args.threads, shape)
         for system in order:
-            result = launch(system, args.steps, args.seed + round_index, args.lr, args.threads, shape)
+            result = results[system]
             result["kept_times"] = step_times(result)[args.warmup :]
             runs[system].append(result)
             report_run(round_index, system, result, args.warmup)
@@ -338,9 +408,10 @@ def compare(shape: RunShape, systems: list[str], args) -> dict[str, list[float]]
             inner = [statistics.median(p["train_step"] for p in r["phases"][args.warmup :]) for r in runs[system]]
             print(f"  {'':8s} train_step alone (no store write) per round {', '.join(fmt_ms(t) for t in inner)} ms")
     medians = {s: [statistics.median(r["kept_times"]) for r in runs[s]] for s in systems}
-    ratios = {s: pair_ratios(medians[s], medians["trl"]) for s in systems if s != "trl"}
+    ratios = {s: pair_ratios([t for r in runs[s] for t in r["kept_times"]],
+                             [t for r in runs["trl"] for t in r["kept_times"]]) for s in systems if s != "trl"}
     for system, values in ratios.items():
-        print(f"  {system}/TRL per round (paired runs): {describe(values)}", flush=True)
+        print(f"  {system}/TRL per step pair: {describe(values)}", flush=True)
     return {"medians": medians, "ratios": ratios}
 
 
@@ -388,7 +459,7 @@ def main() -> None:
         results[group_size] = compare(RunShape(group_size, args.max_new_tokens, args.model), systems, args)
 
     others = [s for s in systems if s != "trl"]
-    print("\n| G | TRL median step (ms) | " + " | ".join(f"{s} (ms) | {s}/TRL per round" for s in others) + " |")
+    print("\n| G | TRL median step (ms) | " + " | ".join(f"{s} (ms) | {s}/TRL per step pair" for s in others) + " |")
     print("|---|---|" + "---|---|" * len(others))
     for group_size, result in results.items():
         medians, ratios = result["medians"], result["ratios"]
