@@ -6,9 +6,11 @@ Both sample the same batch the trainer samples at the defaults (8 arithmetic pro
 new tokens, no top-k/top-p) from the built-in model with the same seed, so they produce the same tokens: the engine
 (`qae_app.rollout.HFGenerateEngine.generate`: encode, left-pad, one forward over each group's shared prompt whose
 cache its rows share, generate, cut at eos, decode, one `Sample` each) against the bare loop (`model.generate` on
-input tensors built once beforehand, every row's prompt computed by itself, nothing after it). Calls alternate,
-the first of each is dropped; tokens per second count response tokens up to and including eos. A line gives the
-engine's throughput as a fraction of the bare loop's (goal: at least 0.9x); the engine's own work outside the
+input tensors built once beforehand, every row's prompt computed by itself, nothing after it). Calls alternate in
+pairs, one seed each, the order alternating (bench/paired.py), the first pair dropped; tokens per second count
+response tokens up to and including eos, the same in both calls of a pair, so a pair's throughput ratio is its bare
+call's time over its engine call's. The built-in part ends with the median of those per-pair ratios (goal: 0.9x),
+with their spread above it; the engine's own work outside the
 `model.generate` it calls is printed too, timed inside the same calls, so it is free of the noise between calls.
 
 The real-model part samples 2 GSM8K-style prompts x 4 with 32 new tokens from SmolLM2-135M-Instruct, a GGUF file
@@ -22,8 +24,9 @@ x 8, <= 64 new tokens, temperature 1) times 2 x (the model's parameters) FLOPs a
 alternate, so a busy spell of the shared machine hits both; medians. The last line prints the fraction (goal: at
 least 0.6): `SmolLM2 engine at batch 32: N tokens/s, F of the FLOP limit`.
 
-Timings on a shared machine are noisy: medians with min/max. Thread count: 1 by default, because oversubscribed
-cores make multi-threaded torch collapse (spin-waiting threads); pass --threads 2 on a quiet machine.
+Timings on a shared machine are noisy: medians with min/max, per-pair ratios with their middle half. Thread count: 1
+by default, because oversubscribed cores make multi-threaded torch collapse (spin-waiting threads); pass --threads 2
+on a quiet machine.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import statistics
 import time
 
 import torch
+from paired import alternate, describe, pair_ratios
 
 from qae_app.models import BUILTIN_MODEL, load_policy
 from qae_app.rollout import HFGenerateEngine
@@ -77,33 +81,37 @@ def compare(model, codec, prompts: list[str], n: int, max_new_tokens: int, repea
         finally:
             inner_s.append(time.perf_counter() - start)
 
-    engine_s, bare_s, tokens, overhead_s = [], [], [], []
-    for i in range(repeats + 1):
-        seed = 1000 + i
-        order = ("engine", "bare") if i % 2 == 0 else ("bare", "engine")
-        for who in order:
-            start = time.perf_counter()
-            if who == "engine":
-                model.generate = timed_generate
-                try:
-                    samples = engine.generate(prompts, n, 1.0, max_new_tokens, seed)
-                finally:
-                    del model.generate  # back to the class's method
-            else:
-                out = bare(seed)
+    overhead_s: list[float] = []
+    sampled: dict[int, list] = {}  # pair index -> the engine's samples
+    bare_out: dict[int, torch.Tensor] = {}  # pair index -> the bare loop's output
+
+    def engine_call(index: int) -> float:
+        model.generate = timed_generate
+        start = time.perf_counter()
+        try:
+            sampled[index] = engine.generate(prompts, n, 1.0, max_new_tokens, 1000 + index)
+        finally:
             elapsed = time.perf_counter() - start
-            if i == 0:
-                continue  # first call of each: allocations, lazy imports
-            (engine_s if who == "engine" else bare_s).append(elapsed)
-            if who == "engine":
-                overhead_s.append(elapsed - inner_s[-1])
-        if i == 0:
-            continue
-        response = out[:, input_ids.shape[1]:].tolist()
-        same = all(r[: len(s.response_ids)] == s.response_ids for r, s in zip(response, samples))
-        if not same:
-            raise SystemExit(f"{label}: the engine and the bare loop sampled different tokens for seed {seed}; "
-                             "the comparison would not be like for like")
+            del model.generate  # back to the class's method
+        overhead_s.append(elapsed - inner_s[-1])
+        return elapsed
+
+    def bare_call(index: int) -> float:
+        start = time.perf_counter()
+        bare_out[index] = bare(1000 + index)
+        return time.perf_counter() - start
+
+    # the two in turn, one pair per seed, the order alternating (bench/paired.py); pair 0 (allocations, lazy imports)
+    # is left out
+    engine_s, bare_s = (times[1:] for times in alternate(engine_call, bare_call, repeats + 1))
+    overhead_s = overhead_s[1:]
+    tokens = []
+    for index in range(1, repeats + 1):
+        response = bare_out[index][:, input_ids.shape[1]:].tolist()
+        samples = sampled[index]
+        if not all(r[: len(s.response_ids)] == s.response_ids for r, s in zip(response, samples)):
+            raise SystemExit(f"{label}: the engine and the bare loop sampled different tokens for seed "
+                             f"{1000 + index}; the comparison would not be like for like")
         tokens.append(sum(len(s.response_ids) for s in samples))
 
     def rate(times: list[float]) -> float:
@@ -116,7 +124,10 @@ def compare(model, codec, prompts: list[str], n: int, max_new_tokens: int, repea
               f"{max(times) * 1e3:.1f}) -> {rate(times):,.0f} tokens/s")
     print(f"  engine work outside model.generate: median {statistics.median(overhead_s) * 1e3:.1f} ms (min "
           f"{min(overhead_s) * 1e3:.1f}, max {max(overhead_s) * 1e3:.1f}) per call")
-    return rate(engine_s) / rate(bare_s)
+    # the same tokens in a pair: engine tokens/s over bare tokens/s is the bare call's time over the engine call's
+    speedups = pair_ratios(bare_s, engine_s)
+    print(f"  engine / bare tokens per second, per pair: {describe(speedups)}")
+    return statistics.median(speedups)
 
 
 def find_smollm2_gguf(path: str | None) -> str | None:

