@@ -51,6 +51,7 @@ IGNORED_CONFIG_KEYS: dict[str, str] = {
     "verify_timeout_s": "a safety deadline for the math verifier; it changes a reward only when a verifier hangs",
     "sweep_id": "a label (qae sweep)",
     "sweep_name": "a label (qae sweep)",
+    "distributed": "how it was launched (processes, sharding): DDP and FSDP2 make the same update",
 }
 # Options only QAE reads: a mean-baseline run (grpo, rloo, ...) with another K is the same setup.
 QAE_ONLY_KEYS = ("k", "quantile")

@@ -96,7 +96,11 @@ def sharding_plan(distributed_type, zero_stage: int | None = None, fsdp_version:
 
 
 def plan_for(accelerator) -> ShardingPlan:
-    """sharding_plan for a live accelerate.Accelerator."""
+    """sharding_plan for a live accelerate.Accelerator (FSDP2 that qae applies itself on CPU included)."""
+    from qae_app.sharding import shards_itself
+
+    if shards_itself(accelerator):
+        return sharding_plan("FSDP", None, 2, accelerator.num_processes)
     state = accelerator.state
     deepspeed = getattr(state, "deepspeed_plugin", None)
     fsdp = getattr(state, "fsdp_plugin", None)

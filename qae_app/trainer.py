@@ -46,6 +46,7 @@ from qae_app.rollout import ShardedPolicy, make_engine, plan_for
 from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
 from qae_app.rundir import file_sha256
 from qae_app.session import RunSession, TrainerState
+from qae_app.sharding import describe, prepare, shard_models
 from qae_app.tasks import load_benchmark, load_task, prompts_at
 from qae_app.update import (NO_UPDATE, UpdateOptions, entropy_change, float_dtype, logits_keyword,
                             logprob_chunk_tokens, optimizer_and_schedule, pack, policy_update)
@@ -212,7 +213,8 @@ class Trainer:
         self._wall_s_before = self._setup_s_before = 0.0  # time spent by earlier sessions of a resumed run
         self._setup_processes(cpu)
         self.session = RunSession(self.runs_dir, self.run_id, cfg, self.accelerator, resume, say=self._say,
-                                  started=self._t_start, trust_pickles=trust_pickles)  # (takes the run's lock)
+                                  started=self._t_start, trust_pickles=trust_pickles,
+                                  distributed=describe(self.accelerator, plan_for(self.accelerator).sharding))
         self.run_dir = self.session.run_dir
         try:
             self._load_data()
@@ -299,9 +301,11 @@ class Trainer:
         # with LoRA only the adapters are trainable: no gradient or moments for the rest. The scheduler is stepped once
         # per RL step on every process; not passed to accelerate.prepare, whose wrapper would step it once per process
         # per call (a warmup num_processes times too fast); checkpointed by the session, as JSON
+        # FSDP2 where accelerate falls back to DDP (CPUs): sharded here, before the optimizer takes the parameters
+        model, self.ref_model = shard_models(acc, model, self.ref_model)
         optimizer, self.scheduler = optimizer_and_schedule(trainable_parameters(model), cfg.lr, cfg.weight_decay,
                                                            cfg.warmup_steps)
-        self.model, self.optimizer = acc.prepare(model, optimizer)
+        self.model, self.optimizer = prepare(acc, model, optimizer)
         self.logprob_chunk_tokens = logprob_chunk_tokens(self.model, cfg.logprob_chunk_tokens, self._say)
         if self.ref_model is not None and not cfg.lora_rank:
             self.ref_model.to(acc.device)
