@@ -120,12 +120,18 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state_dict with every sharded tensor gathered whole (a collective: every process calls it); plain
-    tensors on the CPU."""
+    tensors on the CPU. A tied weight (the head sharing the embeddings) comes once, under its first name, as
+    save_pretrained writes it for an unsharded model."""
     from torch.distributed.tensor import DTensor
 
     reshard(model)
-    return {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
-            for name, value in model.state_dict().items()}
+    full, seen = {}, set()
+    for name, value in model.state_dict(keep_vars=True).items():  # (keep_vars: a tied weight is the same object)
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        full[name] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+    return full
 
 
 # ---------------------------------------------------------------------------------------------------------------
