@@ -140,7 +140,8 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @dataclass(frozen=True)
 class DistributedSetup:
-    """How a run was launched, stored in its config (key `distributed`) and shown by `qae show`."""
+    """How a run was launched, stored in its config (key `distributed`) and shown by `qae show`
+    (terminal.setup_label: "fsdp2 x 2 processes")."""
 
     sharding: str  # "none" (one process), "ddp", "fsdp1", "fsdp2" or "zero3"
     processes: int
@@ -165,18 +166,3 @@ def _machines(processes: int) -> int:
     """Machines from torchrun's environment: processes / processes per machine."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", processes) or processes)
     return max(1, processes // max(local, 1))
-
-
-def setup_label(setup: dict | None) -> str | None:
-    """'fsdp2 x 2 processes', 'ddp x 4 processes on 2 machines', '1 process'; None for a run that stored none."""
-    if not setup:
-        return None
-    n = setup.get("processes", 1)
-    if n == 1:
-        return "1 process"
-    label = f"{setup.get('sharding')} x {n} processes"
-    if setup.get("machines", 1) > 1:
-        label += f" on {setup['machines']} machines"
-    if setup.get("mixed_precision") not in (None, "no"):
-        label += f", {setup['mixed_precision']}"
-    return label

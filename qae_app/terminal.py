@@ -201,6 +201,22 @@ def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
 # qae show
 
 
+def setup_label(setup: dict | None) -> str | None:
+    """How a run was launched (its config's `distributed`, sharding.DistributedSetup): 'fsdp2 x 2 processes',
+    'ddp x 4 processes on 2 machines', '1 process'; None for a run that stored none (an older qae)."""
+    if not setup:
+        return None
+    n = setup.get("processes", 1)
+    if n == 1:
+        return "1 process"
+    label = f"{setup.get('sharding')} x {n} processes"
+    if (setup.get("machines") or 1) > 1:
+        label += f" on {setup['machines']} machines"
+    if setup.get("mixed_precision") not in (None, "no"):
+        label += f", {setup['mixed_precision']} mixed precision"
+    return label
+
+
 def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd.DataFrame, width: int,
               metrics: list[str] | None = None, every: int = 0) -> RenderableType:
     """A run: its id and status, what it trains, its pace while running, its config, every N-th step's metrics (the
@@ -211,6 +227,9 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
         Text(f"{_estimator(info)} · model {info.get('model')} · task {info.get('task')} · "
              f"seed {info.get('seed')} · {_progress(info, config)} steps"),
     ]
+    launched = setup_label(config.get("distributed"))
+    if launched:
+        parts.append(Text(f"ran as {launched}"))
     stored = info.get("stored_run_id")
     if stored and stored != info["run_id"]:
         parts.append(Text(f"copied or renamed: the database names it {stored}", style="dim"))
@@ -229,7 +248,8 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
         parts.append(Text.assemble(("error: ", "red"), str(info["error"])))
     if config:
         parts.append(Text("config", style="bold"))
-        parts.append(Columns([Text(f"{key} = {json.dumps(value)}") for key, value in config.items()],
+        parts.append(Columns([Text(f"{key} = {json.dumps(value)}") for key, value in config.items()
+                              if key != "distributed"],
                              padding=(0, 3), column_first=True, equal=True))
     if not steps.empty:
         parts += _steps_table(steps, width, metrics, every)

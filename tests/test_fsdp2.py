@@ -121,3 +121,66 @@ def test_fsdp2_resume_with_another_process_count_is_refused_with_the_reason(fsdp
     refused = resume("ddp", tmp_path, "ref", n=1)
     assert refused.returncode != 0
     assert "trained by 2 processes and this resume has 1" in refused.stdout + refused.stderr
+
+
+@pytest.mark.slow
+def test_a_sharded_run_exports_evaluates_and_says_how_it_ran(fsdp2_run, tmp_path):
+    """Full weights where a full model is needed: `qae export` writes the Hugging Face folder (the weights gathered
+    at the checkpoint) that loads as the model; `qae eval --model RUN` evaluates it; `qae show` names the setup."""
+    from typer.testing import CliRunner
+
+    from qae_app.cli import app
+    from qae_app.models import load_policy
+
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(fsdp2_run, runs_dir)
+    runner = CliRunner()
+    out = tmp_path / "hf"
+    exported = runner.invoke(app, ["export", "ref", "--out", str(out), "--runs-dir", str(runs_dir)])
+    assert exported.exit_code == 0, exported.output
+    assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    model, codec = load_policy(str(out))
+    newest = load_file(runs_dir / "ref" / "checkpoints" / "step-4" / "model" / "model.safetensors")
+    state = model.state_dict()
+    for name, tensor in newest.items():
+        assert torch.equal(state[name], tensor), name
+    again = runner.invoke(app, ["export", "ref", "--out", str(out), "--runs-dir", str(runs_dir)])
+    assert again.exit_code == 2 and "is not empty" in " ".join(again.output.split())
+    evaluated = runner.invoke(app, ["eval", "--model", "ref", "--limit", "2", "--samples", "2", "--runs-dir",
+                                    str(runs_dir)])
+    assert evaluated.exit_code == 0, evaluated.output
+    shown = runner.invoke(app, ["show", "ref", "--runs-dir", str(runs_dir)])
+    assert "ran as fsdp2 x 2 processes" in shown.output
+
+
+def test_setup_labels():
+    from qae_app.terminal import setup_label
+
+    assert setup_label(None) is None
+    assert setup_label({"sharding": "none", "processes": 1, "machines": 1, "mixed_precision": "no"}) == "1 process"
+    assert setup_label({"sharding": "fsdp2", "processes": 2, "machines": 1, "mixed_precision": "no"}) == \
+        "fsdp2 x 2 processes"
+    assert setup_label({"sharding": "ddp", "processes": 4, "machines": 2, "mixed_precision": "bf16"}) == \
+        "ddp x 4 processes on 2 machines, bf16 mixed precision"
+
+
+def test_fsdp1_on_cpu_is_refused_not_silently_unsharded(monkeypatch):
+    """accelerate trains an FSDP1 config unsharded on CPU: qae says so instead of pretending."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from qae_app.errors import QAEUserError
+    from qae_app.sharding import shards_itself
+
+    cpu_ddp = SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_CPU)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(QAEUserError, match="fsdp_version: 2"):
+        shards_itself(cpu_ddp)
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert shards_itself(cpu_ddp)
+    assert not shards_itself(SimpleNamespace(num_processes=1, distributed_type=DistributedType.NO))
+    assert not shards_itself(SimpleNamespace(num_processes=2, distributed_type=DistributedType.FSDP))  # accelerate's
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    assert not shards_itself(cpu_ddp)

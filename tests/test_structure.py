@@ -23,7 +23,7 @@ LAYERS = [
     {"environment", "rundir", "metrics", "datasets", "rows", "formatting", "answers", "sampling"},
     {"store", "run_file", "store_write", "store_read", "tasks", "config", "compare"},
     {"advantages", "losses", "chunked_head", "models", "lora", "rewards", "verifier_pool", "verifier_preload",
-     "checkpoint_state", "session"},
+     "checkpoint_state", "session", "sharding"},
     {"rollout", "vllm_engine", "evaluate", "warmstart", "update"},
     {"trainer", "sweep"},
     {"terminal"},  # what the reading commands print (torch-free, like everything the dashboard and `qae runs` use)
