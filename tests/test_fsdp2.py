@@ -184,3 +184,40 @@ def test_fsdp1_on_cpu_is_refused_not_silently_unsharded(monkeypatch):
     assert not shards_itself(SimpleNamespace(num_processes=2, distributed_type=DistributedType.FSDP))  # accelerate's
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     assert not shards_itself(cpu_ddp)
+
+
+@pytest.mark.slow
+def test_two_machines_on_localhost_store_every_ranks_groups_once(tmp_path):
+    """Two `accelerate launch`es as two machines (--num_machines 2, machine_rank 0 and 1, 2 processes each) on
+    localhost, sharded with FSDP2 over all 4: only the main process writes the store, and every rank's groups arrive
+    once."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [ACCELERATE, "launch", "--config_file", str(CONFIGS / "fsdp2.yaml"), "--num_machines", "2",
+               "--num_processes", "4", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+               "--mixed_precision", "no", "--dynamo_backend", "no"]
+    train_args = ["-m", "qae_app.cli", "train", "--run-name", "two", "--runs-dir", str(tmp_path), "--steps", "2",
+                  "--prompts-per-step", "4", "--group-size", "2", "--eval-every", "0", "--seed", "1"]
+    machines = [subprocess.Popen([*command, "--machine_rank", str(rank), *train_args], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, env=dict(os.environ, COLUMNS="300"))
+                for rank in (0, 1)]
+    outputs = []
+    try:
+        for machine in machines:
+            outputs.append(machine.communicate(timeout=900)[0])
+    finally:
+        for machine in machines:
+            if machine.poll() is None:
+                machine.kill()
+    assert [m.returncode for m in machines] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    ref = db_path(tmp_path, "two")
+    groups = query(ref, "SELECT step, group_idx FROM groups ORDER BY step, group_idx")
+    assert groups.groupby("step")["group_idx"].apply(list).tolist() == [[0, 1, 2, 3]] * 2
+    assert len(query(ref, "SELECT * FROM rollouts")) == 2 * 4 * 2
+    setup = json.loads((tmp_path / "two" / "config.json").read_text())["distributed"]
+    assert (setup["sharding"], setup["processes"], setup["machines"]) == ("fsdp2", 4, 2)
+    assert {p.name for p in (tmp_path / "two" / "checkpoints" / "step-2").glob("rank-*.safetensors")} == \
+        {f"rank-{i}.safetensors" for i in range(4)}
