@@ -24,10 +24,11 @@ from qae_app.store_read import query, read_run, read_steps
 
 ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
+# with a KL term, so the reference model is sharded and compared too
 OPTIONS = ["--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0", "--micro-batch-size", "2",
-           "--num-mini-batches", "2", "--seed", "3", "--keep-checkpoints", "4"]
+           "--num-mini-batches", "2", "--seed", "3", "--keep-checkpoints", "4", "--kl-beta", "0.05"]
 # what the issue asks to agree to 1e-4 between FSDP2 and DDP (the other step metrics are compared too)
-KEY_METRICS = ("reward_mean", "entropy", "loss", "grad_norm")
+KEY_METRICS = ("reward_mean", "entropy", "loss", "grad_norm", "kl")
 
 
 def launch(config: str, n: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
