@@ -12,10 +12,11 @@ One step, for B prompts x G samples:
     update    -> log-probs/entropy of the sampling policy (no grad), then num_mini_batches optimizer steps (update_s)
     log       -> `fit` hands the step's rows to the run's session, which writes them into runs/<run_id>/qae.duckdb
 
-Runs on one CPU process as is, and under `accelerate launch` (DDP, FSDP, DeepSpeed): each process samples its share
-of the prompts; mini-batches are drawn over the whole step's responses, so every loss normalizer counts the tokens of
-all processes and the update equals the one-process update on the same samples; the main process gathers every row
-and is the only one to write the run folder's database (`session.py`: the run folder's life, checkpoints, signals).
+Runs on one CPU process as is, and under `accelerate launch` (DDP, FSDP, DeepSpeed; configs/accelerate/, and for
+FSDP2 on CPUs `sharding.py`): each process samples its share of the prompts; mini-batches are drawn over the whole
+step's responses, so every loss normalizer counts the tokens of all processes and the update equals the one-process
+update on the same samples; the main process gathers every row and is the only one to write the run folder's
+database (`session.py`: the run folder's life, checkpoints, signals).
 
     qae train                                   # built-in tiny model and arithmetic task, QAE K=0.4
     accelerate launch -m qae_app.cli train ...  # several processes
