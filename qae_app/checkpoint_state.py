@@ -141,12 +141,14 @@ def _load_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     from torch.distributed.tensor import DTensor
 
     name, layout_name = SHARD_FILE.format(process=process_index), SHARD_LAYOUT_FILE.format(process=process_index)
-    if not (folder / layout_name).is_file():
-        written = "sharded (FSDP2)" if (folder / SHARD_LAYOUT_FILE.format(process=0)).is_file() else "unsharded"
-        launch = "sharded" if is_sharded(model) else "unsharded"
-        raise QAEUserError(f"resume: checkpoint {folder} was written {written} and this launch trains {launch} with "
-                           f"no {layout_name} for process {process_index}. Resume it with the accelerate config and "
-                           "process count it was trained with, or start a new run.")
+    written_sharded = (folder / SHARD_LAYOUT_FILE.format(process=0)).is_file()
+    if written_sharded != is_sharded(model) or not (folder / layout_name).is_file():
+        written = "sharded (FSDP2)" if written_sharded else "unsharded"
+        launch = "sharded (FSDP2)" if is_sharded(model) else "unsharded"
+        raise QAEUserError(f"resume: checkpoint {folder} was written {written} and this launch trains {launch} "
+                           f"(process {process_index}). Resume it with the accelerate config it was trained with "
+                           "(configs/accelerate/fsdp2.yaml for a sharded run) and as many processes, or start a new "
+                           "run.")
     layout = _read_json(folder, layout_name)
     world = torch.distributed.get_world_size() if is_sharded(model) else 1
     if layout.get("processes") != world:
