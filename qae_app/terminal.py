@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from qae_app import store, store_read
-from qae_app.formatting import missing, number, pace_line, run_pace
+from qae_app.formatting import missing, number, pace_line, run_pace, setup_label
 from qae_app.names import GATE_REASONS
 from qae_app.rundir import STOPPED
 
@@ -199,22 +199,6 @@ def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
 
 # ---------------------------------------------------------------------------------------------------------------
 # qae show
-
-
-def setup_label(setup: dict | None) -> str | None:
-    """How a run was launched (its config's `distributed`, sharding.DistributedSetup): 'fsdp2 x 2 processes',
-    'ddp x 4 processes on 2 machines', '1 process'; None for a run that stored none (an older qae)."""
-    if not setup:
-        return None
-    n = setup.get("processes", 1)
-    if n == 1:
-        return "1 process"
-    label = f"{setup.get('sharding')} x {n} processes"
-    if (setup.get("machines") or 1) > 1:
-        label += f" on {setup['machines']} machines"
-    if setup.get("mixed_precision") not in (None, "no"):
-        label += f", {setup['mixed_precision']} mixed precision"
-    return label
 
 
 def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd.DataFrame, width: int,

@@ -595,3 +595,18 @@ def test_the_step_follows_a_live_run_while_the_user_is_on_the_newest(tmp_path, m
     assert writer.flush()
     at.run()
     assert at.select_slider(key=key).value == 1  # the user's pick stays
+
+
+def test_the_config_says_how_a_run_was_launched(tmp_path, monkeypatch):
+    """The config's `distributed` (how `qae train` was launched) reads as `qae show` says it: 'fsdp2 x 2 processes'."""
+    _write_crafted(tmp_path, "plain")
+    writer = store_write.RunWriter(rundir.db_path(tmp_path, "sharded"), "sharded")
+    writer.create_run("sharded", {"steps": 3, "distributed": {"sharding": "fsdp2", "processes": 2, "machines": 1,
+                                                              "mixed_precision": "no", "sharded_by": "qae"}},
+                      "qae", 0.5, "builtin:tiny", "arith", 0)
+    writer.add_step(1, **_crafted_rows(1))
+    assert writer.flush()
+    writer.update_run(status="finished")
+    at = make_app(tmp_path, monkeypatch)(run=["sharded", "plain"])
+    grid = frame_with(at, "option", "sharded", "plain").set_index("option")
+    assert grid.loc["distributed"].tolist() == ["fsdp2 x 2 processes", "(not set)"]

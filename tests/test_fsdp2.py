@@ -155,7 +155,7 @@ def test_a_sharded_run_exports_evaluates_and_says_how_it_ran(fsdp2_run, tmp_path
 
 
 def test_setup_labels():
-    from qae_app.terminal import setup_label
+    from qae_app.formatting import setup_label
 
     assert setup_label(None) is None
     assert setup_label({"sharding": "none", "processes": 1, "machines": 1, "mixed_precision": "no"}) == "1 process"
