@@ -569,6 +569,21 @@ def eval_command(
 app.command("eval", help=eval_command.__doc__)(_with_config_options(eval_command, EvalConfig))
 
 
+@app.command()
+def export(run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
+           out: Annotated[Path, typer.Option(help="Folder to write the Hugging Face model to (new or empty).")],
+           checkpoint: Annotated[Optional[int], typer.Option(help="Checkpoint step (default: the newest).")] = None,
+           runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+    """Write a run's model as a Hugging Face folder (config, safetensors, tokenizer) for vLLM or the hub."""
+    from qae_app.evaluate import export_model
+
+    try:
+        target = export_model(run, runs_dir, out, checkpoint)
+    except QAEUserError as err:
+        fail(err)
+    console.print(f"run {run} at step {target.step} exported to [cyan]{out}[/]")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # qae dashboard
 

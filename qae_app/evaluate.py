@@ -138,6 +138,33 @@ def resolve_model(spec: str, runs_dir, checkpoint: int | None = None) -> EvalTar
     return EvalTarget(spec, None, 0)
 
 
+def export_model(run: str, runs_dir, out: Path, checkpoint: int | None = None) -> EvalTarget:
+    """Copy a run's checkpoint model (its newest, or `checkpoint`) to `out` as a Hugging Face folder: config,
+    model.safetensors, generation config and tokenizer, what vLLM or the hub take. A sharded run's checkpoint holds
+    its full weights there too (gathered once when it was saved), so any run exports the same way; a LoRA run's are
+    the merged weights. The checkpoint's checksums are verified first."""
+    import shutil
+
+    from qae_app.rundir import checkpoint_problem
+
+    if not RUN_NAME_PATTERN.match(run) or not (Path(runs_dir) / run).is_dir():
+        raise QAEUserError(f"run: no run '{run}' in {runs_dir}. `qae export` takes a training run's id (see "
+                           "`qae runs`).")
+    target = resolve_model(run, runs_dir, checkpoint)
+    ckpt = Path(target.model_path).parent
+    problem = checkpoint_problem(ckpt)
+    if problem is not None:
+        raise QAEUserError(f"checkpoint: {ckpt} does not check out ({problem}). Export another one with "
+                           "--checkpoint N.")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise QAEUserError(f"out: {out} is not empty. Pass a new or empty folder.")
+    out.mkdir(parents=True, exist_ok=True)
+    for path in sorted(Path(target.model_path).iterdir()):
+        shutil.copy2(path, out / path.name)
+    return target
+
+
 def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResult, str, Path]:
     """Everything `qae eval` does; returns (EvalResult, run_id the results were stored under, database path)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -1,4 +1,4 @@
-"""How a number, a missing value, a duration and a run's pace read, wherever qae shows them: the terminal (`qae runs`,
+"""How a number, a missing value, a duration, a run's pace and its launch read, wherever qae shows them: the terminal (`qae runs`,
 `qae show`, `qae train`, `qae compare`) and the dashboard. One definition of each, so the two never disagree.
 
 Torch-free, and pandas-free at import (`qae runs` draws from dicts): `run_pace` imports pandas when it is called.
@@ -113,3 +113,19 @@ def clipped(value: Any, limit: int = ECHO_CHARS) -> str:
     file is named by its start, not echoed whole."""
     text = str(value)
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
+
+
+def setup_label(setup: dict | None) -> str | None:
+    """How a run was launched (its config's `distributed`, sharding.DistributedSetup): 'fsdp2 x 2 processes',
+    'ddp x 4 processes on 2 machines', '1 process'; None for a run that stored none (an older qae)."""
+    if not setup:
+        return None
+    n = setup.get("processes", 1)
+    if n == 1:
+        return "1 process"
+    label = f"{setup.get('sharding')} x {n} processes"
+    if (setup.get("machines") or 1) > 1:
+        label += f" on {setup['machines']} machines"
+    if setup.get("mixed_precision") not in (None, "no"):
+        label += f", {setup['mixed_precision']} mixed precision"
+    return label

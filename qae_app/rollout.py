@@ -98,7 +98,11 @@ def sharding_plan(distributed_type, zero_stage: int | None = None, fsdp_version:
 
 
 def plan_for(accelerator) -> ShardingPlan:
-    """sharding_plan for a live accelerate.Accelerator."""
+    """sharding_plan for a live accelerate.Accelerator (FSDP2 that qae applies itself on CPU included)."""
+    from qae_app.sharding import shards_itself
+
+    if shards_itself(accelerator):
+        return sharding_plan("FSDP", None, 2, accelerator.num_processes)
     state = accelerator.state
     deepspeed = getattr(state, "deepspeed_plugin", None)
     fsdp = getattr(state, "fsdp_plugin", None)
@@ -110,7 +114,7 @@ class ShardedPolicy:
     """The policy as accelerate prepared it, with what generation and weight sync need when it is sharded.
 
     `wrapped` is the prepared model (FSDP / DeepSpeed wrapper); the engines generate with the unwrapped one.
-    These paths need several GPUs: bench/gpu_check.py runs them; here only the plan is tested.
+    FSDP1 and FSDP2 run on CPU (tests/test_sharding.py, tests/test_fsdp2.py); ZeRO-3 needs GPUs (bench/gpu_check.py).
     """
 
     def __init__(self, plan: ShardingPlan = UNSHARDED, wrapped: torch.nn.Module | None = None):

@@ -36,6 +36,7 @@ from qae_app.checkpoint_state import (is_data_checkpoint, load_training_state, p
 from qae_app.config import FIELDS, RESUMABLE, TrainConfig, coerce_option, given_options, option_flag
 from qae_app.errors import QAEUserError
 from qae_app.faults import fault_point
+from qae_app.sharding import full_state_dict, is_sharded
 from qae_app.lora import is_lora, load_lora_adapter, save_lora_artifacts
 from qae_app.rundir import (CHECKPOINTS_DIR, CONFIG_FILE, DB_FILE, TRAINER_STATE, RunLock, checkpoint_problem,
                             checkpoint_step, config_restore_hint, eval_run_error, list_checkpoints, read_run_config,
@@ -147,7 +148,7 @@ class RunSession:
     its row. `close()` (or leaving `with`) lets go of everything; it may be called more than once."""
 
     def __init__(self, runs_dir: Path, run_id: str, cfg: TrainConfig, accelerator, resume: bool = False,
-                 say=None, started: float | None = None, trust_pickles: bool = False):
+                 say=None, started: float | None = None, trust_pickles: bool = False, distributed=None):
         self.runs_dir = Path(runs_dir)
         self.run_id = run_id
         self.run_dir = run_dir(self.runs_dir, run_id)
@@ -156,6 +157,7 @@ class RunSession:
         self.is_main = accelerator.is_main_process
         self.resuming = resume
         self.trust_pickles = trust_pickles  # the user vouched for the folder: an older qae's pickles may be read
+        self.distributed = distributed  # sharding.DistributedSetup of this launch, stored in the run's config
         self.started = time.perf_counter() if started is None else started  # the session's wall_s counts from here
         self._say = say or (lambda message: None)
         self.writer: RunWriter | None = None  # main process only, from open_store on
@@ -296,6 +298,8 @@ class RunSession:
             return {}
         cfg = self.cfg
         config = cfg.to_dict()
+        if self.distributed is not None:  # how this session ran (a resume records its own launch)
+            config["distributed"] = self.distributed.to_dict()
         k = state.k if names.uses_k(cfg.estimator) else None  # K means nothing to a mean baseline
         if self.resuming:
             db = self.run_dir / DB_FILE
@@ -450,12 +454,14 @@ class RunSession:
         acc.wait_for_everyone()
         unwrapped = acc.unwrap_model(model)
         save_training_state(tmp, unwrapped, optimizer, scheduler, acc.process_index, self.is_main)
-        acc.wait_for_everyone()  # every process's random states are in tmp before it is renamed
+        # sharded weights (FSDP2): model/ needs them whole, gathered once here (every process takes part)
+        full = full_state_dict(unwrapped) if is_sharded(unwrapped) else None
+        acc.wait_for_everyone()  # every process's random states (and shards) are in tmp before it is renamed
         if self.is_main:
             if is_lora(unwrapped):  # model/: the merged weights, as a full model folder; adapter/: the adapter
                 save_lora_artifacts(tmp, unwrapped)
             else:
-                unwrapped.save_pretrained(tmp / "model", safe_serialization=True)
+                unwrapped.save_pretrained(tmp / "model", state_dict=full, safe_serialization=True)
             codec.save(tmp / "model")
             state.save(tmp / TRAINER_STATE)
             write_manifest(tmp)

@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from qae_app import store, store_read
-from qae_app.formatting import missing, number, pace_line, run_pace
+from qae_app.formatting import missing, number, pace_line, run_pace, setup_label
 from qae_app.names import GATE_REASONS
 from qae_app.rundir import RUN_NAME_PATTERN, STOPPED
 
@@ -233,6 +233,9 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
         Text(f"{_estimator(info)} · model {info.get('model')} · task {info.get('task')} · "
              f"seed {info.get('seed')} · {_progress(info, config)} steps"),
     ]
+    launched = setup_label(config.get("distributed"))
+    if launched:
+        parts.append(Text(f"ran as {launched}"))
     stored = info.get("stored_run_id")
     if stored and stored != info["run_id"]:
         parts.append(Text(f"copied or renamed: the database names it {stored}", style="dim"))
@@ -251,7 +254,8 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
         parts.append(Text.assemble(("error: ", "red"), str(info["error"])))
     if config:
         parts.append(Text("config", style="bold"))
-        parts.append(Columns([Text(f"{key} = {json.dumps(value)}") for key, value in config.items()],
+        parts.append(Columns([Text(f"{key} = {json.dumps(value)}") for key, value in config.items()
+                              if key != "distributed"],
                              padding=(0, 3), column_first=True, equal=True))
     if not steps.empty:
         parts += _steps_table(steps, width, metrics, every)

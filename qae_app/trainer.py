@@ -12,10 +12,11 @@ One step, for B prompts x G samples:
     update    -> log-probs/entropy of the sampling policy (no grad), then num_mini_batches optimizer steps (update_s)
     log       -> `fit` hands the step's rows to the run's session, which writes them into runs/<run_id>/qae.duckdb
 
-Runs on one CPU process as is, and under `accelerate launch` (DDP, FSDP, DeepSpeed): each process samples its share
-of the prompts; mini-batches are drawn over the whole step's responses, so every loss normalizer counts the tokens of
-all processes and the update equals the one-process update on the same samples; the main process gathers every row
-and is the only one to write the run folder's database (`session.py`: the run folder's life, checkpoints, signals).
+Runs on one CPU process as is, and under `accelerate launch` (DDP, FSDP, DeepSpeed; configs/accelerate/, and for
+FSDP2 on CPUs `sharding.py`): each process samples its share of the prompts; mini-batches are drawn over the whole
+step's responses, so every loss normalizer counts the tokens of all processes and the update equals the one-process
+update on the same samples; the main process gathers every row and is the only one to write the run folder's
+database (`session.py`: the run folder's life, checkpoints, signals).
 
     qae train                                   # built-in tiny model and arithmetic task, QAE K=0.4
     accelerate launch -m qae_app.cli train ...  # several processes
@@ -47,6 +48,7 @@ from qae_app.rollout import ShardedPolicy, make_engine, plan_for
 from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics, stored_responses
 from qae_app.rundir import file_sha256
 from qae_app.session import RunSession, TrainerState
+from qae_app.sharding import describe, prepare, shard_models
 from qae_app.tasks import load_benchmark, load_task, prompts_at
 from qae_app.update import (NO_UPDATE, UpdateOptions, entropy_change, float_dtype, logits_keyword,
                             logprob_chunk_tokens, optimizer_and_schedule, pack, policy_update)
@@ -188,6 +190,12 @@ def check_prompts_split(prompts_per_step: int, n_processes: int) -> None:
                            "multiple of the process count.")
 
 
+def close_scorers(*scorers) -> None:
+    """Stop each verifier pool once (the training and evaluation scorers may be one object)."""
+    for scorer in {id(s): s for s in scorers if s is not None}.values():
+        scorer.close()
+
+
 class Trainer:
     """`Trainer(cfg, runs_dir).fit()` trains a new run; `Trainer(resume_config(...), runs_dir, resume=True)` continues
     one from its newest valid checkpoint. Setup takes the run's lock first (its RunSession), so nothing slow runs for
@@ -207,7 +215,8 @@ class Trainer:
         self._wall_s_before = self._setup_s_before = 0.0  # time spent by earlier sessions of a resumed run
         self._setup_processes(cpu)
         self.session = RunSession(self.runs_dir, self.run_id, cfg, self.accelerator, resume, say=self._say,
-                                  started=self._t_start, trust_pickles=trust_pickles)  # (takes the run's lock)
+                                  started=self._t_start, trust_pickles=trust_pickles,
+                                  distributed=describe(self.accelerator, plan_for(self.accelerator).sharding))
         self.run_dir = self.session.run_dir
         try:
             self._load_data()
@@ -297,9 +306,11 @@ class Trainer:
         # with LoRA only the adapters are trainable: no gradient or moments for the rest. The scheduler is stepped once
         # per RL step on every process; not passed to accelerate.prepare, whose wrapper would step it once per process
         # per call (a warmup num_processes times too fast); checkpointed by the session, as JSON
+        # FSDP2 where accelerate falls back to DDP (CPUs): sharded here, before the optimizer takes the parameters
+        model, self.ref_model = shard_models(acc, model, self.ref_model)
         optimizer, self.scheduler = optimizer_and_schedule(trainable_parameters(model), cfg.lr, cfg.weight_decay,
                                                            cfg.warmup_steps)
-        self.model, self.optimizer = acc.prepare(model, optimizer)
+        self.model, self.optimizer = prepare(acc, model, optimizer)
         self.logprob_chunk_tokens = logprob_chunk_tokens(self.model, cfg.logprob_chunk_tokens, self._say)
         if self.ref_model is not None and not cfg.lora_rank:
             self.ref_model.to(acc.device)
@@ -374,7 +385,7 @@ class Trainer:
             self.session.finishing = True
             try:
                 fault_point("finishing", self.state.step)
-                self._close_scorers()
+                close_scorers(getattr(self, "scorer", None), getattr(self, "eval_scorer", None))
                 self.session.finish(status, error, timings, wall_s_before=self._wall_s_before,
                                     setup_s=self._setup_s_before + (self._setup_s or 0.0))
             finally:
@@ -571,7 +582,7 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the verifier workers and let go of the run folder (RunSession.close). Safe to call more than once."""
-        self._close_scorers()
+        close_scorers(getattr(self, "scorer", None), getattr(self, "eval_scorer", None))
         self.session.close()
 
     def __enter__(self) -> "Trainer":
@@ -579,11 +590,6 @@ class Trainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _close_scorers(self) -> None:
-        for scorer in {id(s): s for s in (getattr(self, "scorer", None), getattr(self, "eval_scorer", None))
-                       if s is not None}.values():
-            scorer.close()
 
     def _say(self, message: str) -> None:
         if self.console is not None and self.is_main:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qae_app import sharding
 from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
 from qae_app.chunked_head import causal_lm_logprobs, check_chunked_head, default_chunk_tokens
 from qae_app.errors import QAEUserError
@@ -292,6 +293,7 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
             optimizer.zero_grad(set_to_none=True)
             if mb_forwarded == 0:
                 # every advantage is 0 on every process: the gradient is exactly 0 without computing it
+                sharding.reshard(model)  # (FSDP2: onto the sharded parameters the optimizer holds)
                 for p in model.parameters():
                     if p.requires_grad:  # (not a frozen LoRA base weight: it would hold a gradient forever)
                         p.grad = torch.zeros_like(p)
@@ -300,7 +302,7 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
                                              advantages, normalizer, ix, options, acc)
                 for key, value in stats.items():
                     totals[key] += value
-            grad_norm = acc.clip_grad_norm_(model.parameters(), options.max_grad_norm)
+            grad_norm = clip_gradients(model, options.max_grad_norm, acc)
             optimizer.step()  # also on a zero gradient, as the dense update does
             n_updates += 1
             totals["grad_norm"] += float(grad_norm)
@@ -315,6 +317,18 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
                  clip_frac_high=totals["clipped_high"] / max(tokens, 1),
                  clip_frac=(totals["clipped_low"] + totals["clipped_high"]) / max(tokens, 1), n_updates=n_updates)
     return UpdateResult(stats, old_logp if full_pass else None, entropy)
+
+
+def clip_gradients(model, max_norm: float, accelerator) -> torch.Tensor:
+    """Clip to max_norm; returns the norm of the whole gradient, also when its shards are spread over processes
+    (FSDP2's DTensors, whoever sharded: accelerate's clipping on a CPU would take each process's shard for the whole,
+    and on GPUs returns a DTensor)."""
+    sharding.reshard(model)
+    if sharding.is_sharded(model):
+        if hasattr(accelerator, "unscale_gradients"):  # (fp16's loss scaler; a no-op otherwise)
+            accelerator.unscale_gradients()
+        return sharding.clip_grad_norm_(model.parameters(), max_norm)
+    return accelerator.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def mini_batch_plan(n_local: int, seed: int, options: UpdateOptions, accelerator, device

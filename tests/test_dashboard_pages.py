@@ -677,3 +677,18 @@ def test_a_folder_of_any_name_is_listed_and_linked_with_a_reason_when_it_is_no_r
     table = frames(app())[0].set_index("run_id")
     assert table.loc["r (copy)", "status"] == "finished" and table.loc["notes", "status"] == "not a run"
     assert "r (copy) · finished · step 3 / 3" in texts(app("curves", run="r (copy)"))
+
+
+def test_the_config_says_how_a_run_was_launched(tmp_path, monkeypatch):
+    """The config's `distributed` (how `qae train` was launched) reads as `qae show` says it: 'fsdp2 x 2 processes'."""
+    _write_crafted(tmp_path, "plain")
+    writer = store_write.RunWriter(rundir.db_path(tmp_path, "sharded"), "sharded")
+    writer.create_run("sharded", {"steps": 3, "distributed": {"sharding": "fsdp2", "processes": 2, "machines": 1,
+                                                              "mixed_precision": "no", "sharded_by": "qae"}},
+                      "qae", 0.5, "builtin:tiny", "arith", 0)
+    writer.add_step(1, **_crafted_rows(1))
+    assert writer.flush()
+    writer.update_run(status="finished")
+    at = make_app(tmp_path, monkeypatch)(run=["sharded", "plain"])
+    grid = frame_with(at, "option", "sharded", "plain").set_index("option")
+    assert grid.loc["distributed"].tolist() == ["fsdp2 x 2 processes", "(not set)"]

@@ -305,3 +305,58 @@ def test_every_dashboard_page_on_a_folder_of_payloads_runs_none(sent_run, tmp_pa
         page = run_page(view, run="r")
         assert not page.exception, (view, page.exception)
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sharded checkpoints (FSDP2): each process's slices, as safetensors and JSON
+
+
+def test_no_module_uses_torch_distributed_checkpoint():
+    """torch.distributed.checkpoint writes its plan as a pickle (`.metadata`, torch.save) and unpickles it on load:
+    sharded checkpoints are each process's safetensors and a JSON layout instead (checkpoint_state)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    for path in [*(root / "qae_app").glob("*.py"), *(root / "dashboard").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
+                     [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            assert not [n for n in names if n.startswith("torch.distributed.checkpoint")], path
+
+
+@pytest.mark.slow
+def test_a_payload_planted_in_a_sharded_checkpoint_never_runs(tmp_path):
+    """A 2-process FSDP2 run (accelerate launch, gloo): its checkpoint holds no pickle (nothing DCP's `.metadata`
+    would be); each of its per-process files replaced by a pickle payload (the manifest rewritten to match), a
+    sharded resume refuses the file by name and runs nothing."""
+    import os
+
+    from qae_app.checkpoint_state import pickled_files
+    from qae_app.rundir import write_manifest
+
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
+    config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "fsdp2.yaml"
+
+    def launch(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([accelerate, "launch", "--config_file", str(config), "--num_processes", "2",
+                               "-m", "qae_app.cli", "train", *args], capture_output=True, text=True, timeout=900,
+                              env=dict(os.environ, COLUMNS="300"))
+
+    runs_dir = tmp_path / "runs"
+    made = launch("--run-name", "r", "--runs-dir", str(runs_dir), "--steps", "1", "--prompts-per-step", "2",
+                  "--group-size", "2", "--eval-every", "0")
+    assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+    checkpoint = runs_dir / "r" / "checkpoints" / "step-1"
+    assert (checkpoint / "rank-1.safetensors").exists()
+    assert pickled_files(checkpoint) == [] and not list(checkpoint.rglob("*.distcp"))
+    assert not list(checkpoint.rglob(".metadata"))
+    for i, planted in enumerate(("rank-0.json", "rank-1.safetensors", "optimizer.json")):
+        case = tmp_path / f"case-{i}"
+        shutil.copytree(runs_dir, case)
+        marker = tmp_path / f"ran-{i}"
+        (case / "r" / "checkpoints" / "step-1" / planted).write_bytes(planted_pickle(marker))
+        write_manifest(case / "r" / "checkpoints" / "step-1")
+        resumed = launch("--resume", "r", "--runs-dir", str(case), "--steps", "2")
+        assert not marker.exists(), planted
+        assert resumed.returncode != 0
+        assert f"{planted} cannot be read" in resumed.stdout + resumed.stderr, planted

@@ -1,9 +1,9 @@
 """Sharded policies (FSDP, DeepSpeed ZeRO-3): which path the engines take for each accelerate distributed type, and the
 two sharded paths themselves on CPU.
 
-`accelerate launch` with an FSDP config falls back to DDP on CPU, so the FSDP runs below wrap the model by hand
-(torch FSDP1 and FSDP2 both run on CPU over gloo, 2 processes). ZeRO-3 and GPUs are not available here:
-bench/gpu_check.py runs those paths on a GPU machine.
+The FSDP runs below wrap the model by hand (torch FSDP1 and FSDP2 both run on CPU over gloo, 2 processes);
+tests/test_fsdp2.py trains with FSDP2 through `qae train` under `accelerate launch`. ZeRO-3 and GPUs are not available
+here: bench/gpu_check.py runs those paths on a GPU machine.
 """
 
 import os

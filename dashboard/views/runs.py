@@ -7,7 +7,7 @@ import pandas as pd
 import streamlit as st
 
 import board
-from qae_app.formatting import ago, duration, run_pace
+from qae_app.formatting import ago, duration, run_pace, setup_label
 from qae_app.store import STEP_METRICS
 from qae_app.store_read import NOT_A_RUN, READ_STATUSES
 
@@ -104,6 +104,8 @@ def config_section(all_runs: pd.DataFrame) -> None:
     keys = list(dict.fromkeys(key for config in configs.values() for key in config))
 
     def cell(config: dict, key: str) -> str:
+        if key == "distributed" and key in config:  # how the run was launched: "fsdp2 x 2 processes"
+            return setup_label(config[key]) or "(not set)"
         return json.dumps(config[key]) if key in config else "(not set)"
 
     grid = pd.DataFrame({"option": keys, **{run_id: [cell(config, key) for key in keys]
