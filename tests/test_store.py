@@ -11,7 +11,6 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
-import pandas as pd
 import pytest
 
 from qae_app.errors import QAEUserError
@@ -72,6 +71,8 @@ def test_rollout_filters_use_bound_parameters(writer):
 def test_rollouts_read_without_text_and_by_group_give_the_same_rows(tmp_path):
     """The Rollouts page counts and filters a step without its texts (~60 MB at the paper's step size) and reads the
     texts of the groups it shows only: both must be the whole read's rows, cut by column or by group."""
+    import pandas as pd  # not at the top: a test imports this module in a process that must not load pandas
+
     from tests.synthetic import write_run
 
     write_run(tmp_path, "r", steps=2, prompts_per_step=4, group_size=4)
