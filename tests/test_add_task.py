@@ -111,7 +111,7 @@ def test_rollouts_show_what_a_chat_model_saw_and_read_older_files(tmp_path):
     from qae_app.store_read import read_model_prompts
     from tests.synthetic import write_run
 
-    assert write_run(tmp_path, "chat", steps=1, prompts_per_step=2, group_size=4).wait_until_written(timeout_s=60)
+    assert write_run(tmp_path, "chat", steps=1, prompts_per_step=2, group_size=4).wait_until_written()
     path = db_path(tmp_path, "chat")
     seen = "<|im_start|>system\nBe brief<|im_end|>\n<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
     with duckdb.connect(str(path)) as con:
