@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from child_peak_rss import peak_rss_of_child
+from child_peak_rss import add_child_options, peak_rss_of_child, ran_as_child
 
 GB = 1e9
 
@@ -76,15 +76,9 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, default=None, help="chunked path only (default: 256 MiB of logits)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=None, help="torch threads in the child (default: torch's)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_child_options(parser)
     args = parser.parse_args()
-    if args.child:
-        if args.threads:
-            import torch
-
-            torch.set_num_threads(args.threads)
-        run_passes(args)
+    if ran_as_child(args, run_passes):
         return
     logits_bytes = args.tokens * args.vocab * 4
     print(f"{args.tokens} tokens x {args.vocab} vocab: one float32 logits tensor is {logits_bytes / GB:.2f} GB")

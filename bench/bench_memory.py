@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from child_peak_rss import peak_rss_of_child
+from child_peak_rss import add_child_options, peak_rss_of_child, ran_as_child
 
 GB = 1e9
 
@@ -133,15 +133,9 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=0)
     parser.add_argument("--logprob-chunk-tokens", type=int, default=None,
                         help="as qae train's: tokens per chunk of the log-prob head, 0 for the full logits")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads in the child (default: torch's)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_child_options(parser)
     args = parser.parse_args()
-    if args.child:
-        if args.threads:
-            import torch
-
-            torch.set_num_threads(args.threads)
-        run_update(args)
+    if ran_as_child(args, run_update):
         return
     from qae_app.plan import update_components
 

@@ -1,6 +1,7 @@
 """Peak memory of a benchmark measured from outside: run a script as a child process and read its peak resident set
 size from the kernel when it exits (`os.wait4`, what `/usr/bin/time -v` reports)."""
 
+import argparse
 import os
 import subprocess
 import sys
@@ -16,3 +17,21 @@ def peak_rss_of_child(script: str, argv: list[str]) -> tuple[int, str]:
     if child.returncode != 0:
         raise SystemExit(f"the child process failed (exit code {child.returncode}); output:\n{output}")
     return usage.ru_maxrss * 1024, output  # (kilobytes on Linux)
+
+
+def add_child_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the child side: torch's thread count, and the hidden --child that `peak_rss_of_child` adds."""
+    parser.add_argument("--threads", type=int, default=None, help="torch threads in the child (default: torch's)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+
+
+def ran_as_child(args: argparse.Namespace, work) -> bool:
+    """In the child (--child): set torch's threads, run `work(args)` and say so; in the parent: False."""
+    if not args.child:
+        return False
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    work(args)
+    return True
