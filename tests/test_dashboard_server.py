@@ -41,6 +41,13 @@ def listening_addresses(port: int) -> set[str]:
     return found
 
 
+def kill_group_if_running(process: subprocess.Popen) -> None:
+    """A test's cleanup: a dashboard that did not stop as asked takes its streamlit child down with it."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 def test_qae_dashboard_stops_cleanly_on_ctrl_c(runs_dir):
     port = free_port()
     qae = Path(sys.executable).parent / "qae"
@@ -54,9 +61,7 @@ def test_qae_dashboard_stops_cleanly_on_ctrl_c(runs_dir):
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal signals the whole foreground group
         output, _ = process.communicate(timeout=20)
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        kill_group_if_running(process)
     assert process.returncode == 0, output
     assert "dashboard stopped" in output and "Traceback" not in output
     with pytest.raises(OSError):
@@ -93,9 +98,7 @@ def test_qae_dashboard_stops_the_server_on_sigterm(small_dir):
         process.send_signal(signal.SIGTERM)  # to qae alone, as systemd or `kill PID` would
         output, _ = process.communicate(timeout=30)
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        kill_group_if_running(process)
     assert process.returncode == 0, output
     assert "dashboard stopped" in output and "Traceback" not in output
     assert not [pid for pid in servers if Path(f"/proc/{pid}").exists()
@@ -113,9 +116,7 @@ def test_qae_dashboard_fails_when_the_port_is_taken(small_dir):
         try:
             output, _ = process.communicate(timeout=120)
         finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            kill_group_if_running(process)
     assert process.returncode == 1, output
     assert f"Port {port} is not available" in output and "the dashboard server exited with code 1" in output
 
