@@ -245,17 +245,26 @@ def _check_logits_are_the_head_of_hidden(model_name: str, model_logits, last_hid
                 "log-probs would be wrong for it. Use losses.token_logprobs_and_entropy on the full logits instead.")
 
 
-def check_chunked_head(model: torch.nn.Module) -> int:
-    """The vocabulary size of `model` (possibly wrapped) if `causal_lm_logprobs` can run it, else the QAEUserError it
-    would raise: a sharded head, logits that are not the head's output (by config, or found by one forward of a
-    two-token sequence on the unwrapped model, which is no collective). For deciding once per run, before training."""
+def whole_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]:
+    """(the unwrapped model, its LM head's weight and bias), or the QAEUserError of a head sharded over processes."""
     chain = wrapper_chain(model)
     core = chain[-1]
     weight, bias = plain_head(core)
     sharding = _sharding_of(chain, weight)
     if sharding is not None:
-        raise QAEUserError(f"model: its LM head is sharded by {sharding}; the chunked log-probs need the whole weight "
-                           "on this process.")
+        # FSDP2 leaves the root's weights gathered after the forward, so the chunked head would even run; but the
+        # gradient it gives the head goes around the wrapper's reduce-scatter, which is not verified here
+        raise QAEUserError(f"model: its LM head is sharded by {sharding}; the chunked log-probs (qae_app.chunked_head) "
+                           "need the whole weight on this process. Compute the full logits and use "
+                           "losses.token_logprobs_and_entropy for sharded models.")
+    return core, weight, bias
+
+
+def check_chunked_head(model: torch.nn.Module) -> int:
+    """The vocabulary size of `model` (possibly wrapped) if `causal_lm_logprobs` can run it, else the QAEUserError it
+    would raise: a sharded head, logits that are not the head's output (by config, or found by one forward of a
+    two-token sequence on the unwrapped model, which is no collective). For deciding once per run, before training."""
+    core, weight, _ = whole_head(model)
     _logits_keyword(core)
     probe = torch.zeros(1, 2, dtype=torch.long, device=weight.device)  # (1, 2) token 0 twice
     was_training = core.training
@@ -286,16 +295,7 @@ def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     width = input_ids.shape[1]
     if not 0 <= first < width:
         raise ValueError(f"first: {first} must be a position of the sequences, in [0, {width}).")
-    chain = wrapper_chain(model)
-    core = chain[-1]
-    weight, bias = plain_head(core)
-    sharding = _sharding_of(chain, weight)
-    if sharding is not None:
-        # FSDP2 leaves the root's weights gathered after the forward, so the chunked head would even run; but the
-        # gradient it gives the head goes around the wrapper's reduce-scatter, which is not verified here
-        raise QAEUserError(f"model: its LM head is sharded by {sharding}; the chunked log-probs (qae_app.chunked_head) "
-                           "need the whole weight on this process. Compute the full logits and use "
-                           "losses.token_logprobs_and_entropy for sharded models.")
+    core, weight, bias = whole_head(model)
     captured = {}
 
     def keep_last_hidden_state(module, args, output):
