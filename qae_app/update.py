@@ -305,7 +305,7 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
             grad_norm = clip_gradients(model, options.max_grad_norm, acc)
             optimizer.step()  # also on a zero gradient, as the dense update does
             n_updates += 1
-            totals["grad_norm"] += float(grad_norm)
+            totals["grad_norm"] += grad_norm_value(grad_norm, acc)
             tokens += mb_tokens
     if acc.num_processes > 1:  # each process holds its share of the sums; grad_norm is the same everywhere
         shares = ("loss", "pg_loss", "kl", "clipped_low", "clipped_high")
@@ -329,6 +329,17 @@ def clip_gradients(model, max_norm: float, accelerator) -> torch.Tensor:
             accelerator.unscale_gradients()
         return sharding.clip_grad_norm_(model.parameters(), max_norm)
     return accelerator.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def grad_norm_value(grad_norm, accelerator) -> float:
+    """The clipped step's gradient norm as a float, read after optimizer.step().
+
+    accelerate returns None under DeepSpeed: DeepSpeed clips inside its own step and knows the norm only after it,
+    through its engine. NaN (the store's "not measured") where no engine reports one."""
+    if grad_norm is None:
+        engine = getattr(accelerator, "deepspeed_engine_wrapped", None)
+        grad_norm = engine.get_global_grad_norm() if engine is not None else None
+    return math.nan if grad_norm is None else float(grad_norm)
 
 
 def mini_batch_plan(n_local: int, seed: int, options: UpdateOptions, accelerator, device

@@ -252,3 +252,25 @@ def test_the_gated_skip_on_tensors_gives_the_dense_update_and_forwards_fewer_row
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
     assert skip_stats == pytest.approx(dense_stats, rel=1e-12, abs=1e-15)
     assert skip_stats["n_updates"] == 6
+
+
+def test_grad_norm_under_deepspeed_is_read_from_its_engine_after_the_step():
+    """accelerate's clip_grad_norm_ returns None under DeepSpeed (DeepSpeed clips inside its step); float(None)
+    crashed the update. DeepSpeed is not installed here (it needs a GPU to run the project's configs), so its engine
+    wrapper is stood in for by an object with the one method accelerate's wrapper has."""
+    import math
+
+    from accelerate import Accelerator
+
+    from qae_app.update import grad_norm_value
+
+    class EngineAfterStep:
+        def get_global_grad_norm(self):
+            return 2.5
+
+    class DeepSpeedAccelerator:
+        deepspeed_engine_wrapped = EngineAfterStep()
+
+    assert grad_norm_value(None, DeepSpeedAccelerator()) == 2.5
+    assert math.isnan(grad_norm_value(None, Accelerator(cpu=True)))  # no engine: not measured, not a crash
+    assert grad_norm_value(torch.tensor(0.75), Accelerator(cpu=True)) == 0.75
