@@ -308,8 +308,26 @@ def _steps_table(steps: pd.DataFrame, width: int, metrics: list[str] | None, eve
     if note := dropped_note(fitted.dropped, width, "widen the terminal or pick with --metrics"):
         parts.append(note)
     if empty:
-        parts.append(Text(f"no values in this run: {', '.join(empty)}", style="dim"))
+        parts.append(Text(f"no values in this run: {empty_metrics_note(empty)}", style="dim"))
     return parts
+
+
+# columns only an option records: named once, with the option, in the "no values" line (nine attribution columns
+# listed one by one hid the line's other names)
+RECORDED_ONLY_WITH = {"--log-entropy-delta": ("dH, dH_hard, dH_easy", ("dH", "dH_hard", "dH_easy")),
+                      "--log-entropy-attribution": ("the 9 dH_*from_* columns",
+                                                    tuple(m for m in store.STEP_METRICS if "_from_" in m))}
+
+
+def empty_metrics_note(empty: list[str]) -> str:
+    """The empty columns, each option's family folded into one entry when all of it is empty."""
+    entries, folded = [], set()
+    for option, (label, family) in RECORDED_ONLY_WITH.items():
+        if set(family) <= set(empty):
+            folded.update(family)
+            entries.append(f"{label} (recorded with {option})")
+    plain = ", ".join(name for name in empty if name not in folded)
+    return "; ".join(([plain] if plain else []) + entries)
 
 
 def _evals_table(evals: pd.DataFrame, width: int) -> list[RenderableType]:

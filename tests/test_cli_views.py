@@ -258,3 +258,16 @@ def test_picked_steps_keep_the_evaluations_of_a_long_run():
     assert shown == [1, *range(70, 1001, 70), 1000] and "every 70" in title  # 70 = 10 x ceil(1000 / 150)
     assert all(not pd.isna(steps["heldout_accuracy"].iloc[i]) for i in picked[1:])
     assert [int(steps["step"].iloc[i]) for i in picked_steps(steps, 100)[0]][:3] == [1, 101, 201]  # --every wins
+
+
+def test_no_values_line_names_each_option_once_for_the_columns_it_records():
+    from qae_app import store
+    from qae_app.terminal import empty_metrics_note
+
+    attribution = [m for m in store.STEP_METRICS if "_from_" in m]
+    assert len(attribution) == 9
+    note = empty_metrics_note(["gen_batches", "dH", "dH_hard", "dH_easy", *attribution])
+    assert note == ("gen_batches; dH, dH_hard, dH_easy (recorded with --log-entropy-delta); "
+                    "the 9 dH_*from_* columns (recorded with --log-entropy-attribution)")
+    # a family only partly empty is not folded: each empty column keeps its own name
+    assert empty_metrics_note(["dH_easy", "dH_from_none"]) == "dH_easy, dH_from_none"
