@@ -317,30 +317,41 @@ def test_an_fsdp1_model_is_refused(one_process_group):
         causal_lm_logprobs(model, input_ids, attention_mask, 2, 1.0)
 
 
-def fsdp2_sharded(model):
-    """fully_shard per decoder layer, then the root, as qae_app/sharding.py does; one process."""
+def fsdp2_sharded(model, root_reshards: bool):
+    """fully_shard per decoder layer, then the root, as qae_app/sharding.py does (the root keeps its weights gathered
+    after the forward), or with the root resharded after the forward too (accelerate's fsdp_reshard_after_forward:
+    true on GPUs); one process."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-    from qae_app.sharding import shard_model
+    from qae_app.sharding import decoder_layers, shard_model
 
-    return shard_model(model, init_device_mesh("cpu", (1,)))
+    mesh = init_device_mesh("cpu", (1,))
+    if not root_reshards:
+        return shard_model(model, mesh)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=True)
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("root_reshards", [False, True], ids=["root-kept", "root-resharded"])
 @pytest.mark.parametrize("build", [tiny_builtin, tiny_llama_untied], ids=["tied", "untied"])
-def test_fsdp2_chunked_head_gradients_reach_the_shards_as_the_full_logits_do(one_process_group, build):
+def test_fsdp2_chunked_head_gradients_reach_the_shards_as_the_full_logits_do(one_process_group, build, root_reshards):
     """FSDP2 (one process here; two in tests/test_fsdp2.py): the chunked path reads the gathered head weight after the
     forward, and the gradient it gives it is reduce-scattered into the sharded parameters (DTensors), equal to the full
     logits' through the same sharded model, for every parameter (tied embeddings: both uses summed); float64, 1e-10.
-    Had the head's gradient gone around FSDP2, the sharded head (or embedding) would have no gradient or a wrong one."""
+    Had the head's gradient gone around FSDP2, the sharded head (or embedding) would have no gradient or a wrong one.
+    With the root resharded after the forward, the explicit unshard gathers it again (the final norm's backward reads
+    its weight too)."""
     import copy
 
     from torch.distributed.tensor import DTensor
 
     from qae_app.chunked_head import causal_lm_logprobs, check_chunked_head
 
-    plain = fsdp2_sharded(build().double())
-    chunked = fsdp2_sharded(copy.deepcopy(build().double()))
+    plain = fsdp2_sharded(build().double(), root_reshards)
+    chunked = fsdp2_sharded(copy.deepcopy(build().double()), root_reshards)
     vocab = chunked.config.vocab_size
     assert check_chunked_head(chunked) == vocab  # (the probe forward leaves the head resharded)
     assert isinstance(chunked.get_output_embeddings().weight, DTensor)
