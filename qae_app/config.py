@@ -217,7 +217,8 @@ class TrainConfig:
                                            "numbers). Default: 256 MiB of float32 logits per chunk; 0: the full "
                                            "logits. Models whose logits are not the LM head's output (soft-capping) "
                                            "or whose head is sharded by FSDP1 or ZeRO-3 use the full logits (the "
-                                           "run says so once); FSDP2 chunks its gathered head.", "memory", resumable=True)
+                                           "run says so once); FSDP2 chunks its gathered head.", "memory",
+                                           resumable=True)
     gradient_checkpointing: bool = opt(False, "Recompute each layer's activations in the backward instead of "
                                        "keeping them (transformers' non-reentrant checkpointing): less memory, about "
                                        "a third more compute, the same gradients.", "memory", resumable=True)
