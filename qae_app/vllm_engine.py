@@ -69,11 +69,12 @@ class VLLMEngine:
             self.llm.sleep(level=1)
             self.sleeping = {"weights", "kv_cache"}
 
-    def _wake(self, part: str | None = None) -> None:
+    def _wake(self, part: str | None = None) -> bool:
         """Wake `part` ("weights" or "kv_cache") of a sleeping engine, or all of it (None; also where this vLLM
-        cannot wake parts). A part already awake is not woken twice (vLLM would map its memory again)."""
+        cannot wake parts). A part already awake is not woken twice (vLLM would map its memory again). Whether it woke
+        the KV cache, whose cached prefixes it then forgets (their blocks were freed asleep)."""
         if not self.sleeping or (part is not None and part not in self.sleeping):
-            return
+            return False
         if part is not None and self._wakes_by_tag:
             self.llm.wake_up(tags=[part])
             self.sleeping.discard(part)
@@ -83,6 +84,10 @@ class VLLMEngine:
         else:
             self.llm.wake_up()
             self.sleeping = set()
+        if "kv_cache" in self.sleeping:
+            return False
+        self.llm.reset_prefix_cache()
+        return True
 
     def sampling_params(self, n: int, temperature: float, max_new_tokens: int, seed: int):
         """Every setting that shapes the distribution or the stopping, spelled out (vLLM would otherwise take some
@@ -130,5 +135,5 @@ class VLLMEngine:
             weights = (self.sharded.full_weights(model) if self.sharded.plan.gather_full_weights
                        else model.state_dict().items())
         self._vllm_model().load_weights(((name, p.detach()) for name, p in weights))
-        self._wake()
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        if not self._wake():  # (waking the KV cache resets the prefix cache)
+            self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights

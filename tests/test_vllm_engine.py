@@ -196,11 +196,12 @@ def test_sleep_mode_releases_the_engine_through_the_update_and_wakes_it_for_the_
     one_step(engine, model)
     assert engine.llm.events == ["generate", "sleep(1)", "wake_up(weights)", "load_weights", "wake_up(kv_cache)",
                                  "reset_prefix_cache"] * 2
-    # a step that trained nothing (dynamic sampling found no signal) syncs nothing: the next generate wakes it all
+    # a step that trained nothing (dynamic sampling found no signal) syncs nothing: the next generate wakes it all,
+    # and the prefix cache is forgotten with the KV cache it pointed into
     engine.release_memory()
     engine.release_memory()  # (once asleep, a second release does nothing)
     engine.generate(["2*3="], n=1, temperature=1.0, max_new_tokens=3, seed=1)
-    assert engine.llm.events[-3:] == ["sleep(1)", "wake_up(kv_cache,weights)", "generate"]
+    assert engine.llm.events[-4:] == ["sleep(1)", "wake_up(kv_cache,weights)", "reset_prefix_cache", "generate"]
 
     resident = VLLMEngine("some/model", CharTokenizer(), sleep=False)
     assert "enable_sleep_mode" not in resident.llm.kwargs
@@ -215,8 +216,8 @@ def test_sleep_mode_wakes_everything_at_once_where_vllm_cannot_wake_parts(fake_v
     fake_vllm.LLM = FakeLLMWithoutPartialWake
     engine = VLLMEngine("some/model", CharTokenizer())
     one_step(engine, torch.nn.Linear(2, 2))
-    assert engine.llm.events == ["generate", "sleep(1)", "wake_up(kv_cache,weights)", "load_weights",
-                                 "reset_prefix_cache"]
+    assert engine.llm.events == ["generate", "sleep(1)", "wake_up(kv_cache,weights)", "reset_prefix_cache",
+                                 "load_weights", "reset_prefix_cache"]
 
 
 def test_sleep_mode_on_a_vllm_without_it_is_refused_with_the_fix(fake_vllm):
