@@ -103,12 +103,13 @@ def test_fsdp2_chunked_head_updates_as_the_full_logits_do(tmp_path):
     """The chunked vocabulary projection on the sharded policy (the head's gathered weight; its gradient
     reduce-scattered by FSDP2) against the full logits through the same sharding: the same step's metrics to 1e-4 and
     the same weights after it to 1e-5. Chunks of 7 tokens, so every response spans several; the built-in model ties
-    its head to the embeddings."""
-    chunked = train("fsdp2", tmp_path, "chunked", "--steps", "1", "--checkpoint-every", "1",
-                    "--logprob-chunk-tokens", "7")
+    its head to the embeddings; with gradient checkpointing, as the paper recipe runs. (Without checkpointing, FSDP2's
+    chunked head is compared with DDP's in the test above.)"""
+    common = ("--steps", "1", "--checkpoint-every", "1", "--gradient-checkpointing")
+    chunked = train("fsdp2", tmp_path, "chunked", *common, "--logprob-chunk-tokens", "7")
     ok(chunked)
     assert "log-probs from the full logits" not in chunked.stdout + chunked.stderr  # (no fallback: chunked for real)
-    ok(train("fsdp2", tmp_path, "full", "--steps", "1", "--checkpoint-every", "1", "--logprob-chunk-tokens", "0"))
+    ok(train("fsdp2", tmp_path, "full", *common, "--logprob-chunk-tokens", "0"))
     want, got = (read_steps(db_path(tmp_path, name)).set_index("step") for name in ("full", "chunked"))
     for name in KEY_METRICS:
         assert got[name].tolist() == pytest.approx(want[name].tolist(), rel=1e-4, abs=1e-6), name
