@@ -19,7 +19,16 @@ add up over the chunks.
 LM with `logits_to_keep=1` (the model builds the logits of its last position only), takes the final hidden states
 from its decoder, and passes them with `get_output_embeddings().weight` (tied embeddings are the same Parameter) to
 `head_logprobs_and_entropy`. It refuses models whose logits are not `lm_head(last hidden state)` (Gemma's
-soft-capping, Cohere's logit scale, Granite's logits scaling, ...) and sharded head weights (FSDP, ZeRO-3).
+soft-capping, Cohere's logit scale, Granite's logits scaling, ...) and heads sharded by FSDP1 or ZeRO-3.
+
+FSDP2 (`fully_shard`, qae_app/sharding.py or accelerate's): after the model's forward the FSDP unit that owns the head
+(the root, which holds embeddings, final norm and head) is unsharded explicitly (`FSDPModule.unshard()`: a no-op
+where the root kept its weights gathered after the forward, as FSDP2 does by default; an all-gather otherwise), so
+`get_output_embeddings().weight` is the gathered Parameter FSDP2 swapped into the module, the one its own forward
+reads. Its gradient lands where the plain path's does, in that Parameter's `.grad`, and FSDP2's end-of-backward
+callback reduce-scatters it into the sharded parameter (the unit's post-backward runs there for any group that the
+autograd graph did not reach through the unit's outputs, which is the case here: the loss does not use the logits).
+A tied head is the embedding's Parameter, gathered once, its gradient the sum of both uses as on the plain path.
 
 Memory: the default chunk (`default_chunk_tokens`) makes one float32 chunk of logits `names.LOGPROB_CHUNK_BYTES` (256 MiB): 441
 tokens for a 151,936 vocabulary. A chunk holds ~3 such tensors at once (logits, log-probs, and their exp or
@@ -181,18 +190,55 @@ def wrapper_chain(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _sharding_of(chain: list[torch.nn.Module], head_weight: torch.Tensor) -> str | None:
-    """'FSDP' or 'DeepSpeed ZeRO-3' where the head's weight is sharded across processes (gathered by the wrapper's
-    forward, its gradient reduce-scattered by the wrapper's hooks), else None."""
+    """'FSDP2', 'FSDP1' or 'DeepSpeed ZeRO-3' where the head's weight is sharded across processes (gathered by the
+    wrapper's forward, its gradient reduce-scattered by the wrapper's hooks), else None."""
     if getattr(head_weight, "ds_id", None) is not None:  # ZeRO-3 partitions the parameter in place
         return "DeepSpeed ZeRO-3"
     if torch.distributed.is_available():
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.tensor import DTensor
 
-        if isinstance(head_weight, DTensor) or any(isinstance(m, (FSDPModule, FullyShardedDataParallel))
-                                                   for m in chain):
-            return "FSDP"
+        if any(isinstance(m, FullyShardedDataParallel) for m in chain):
+            return "FSDP1"
+        if isinstance(head_weight, DTensor) or _fsdp2_owner_of_head(chain[-1]) is not None:
+            return "FSDP2"
     return None
+
+
+def _fsdp2_owner_of_head(core: torch.nn.Module) -> torch.nn.Module | None:
+    """The FSDP2 unit whose parameters include the LM head's: the head module itself or its nearest ancestor that is an
+    FSDPModule (the root under qae_app/sharding.py and accelerate's wrapping); None when there is none."""
+    from torch.distributed.fsdp import FSDPModule
+
+    head = core.get_output_embeddings()
+    head_name = next((name for name, module in core.named_modules() if module is head), None)
+    if head_name is None:
+        return None
+    parts = head_name.split(".") if head_name else []
+    for depth in range(len(parts), -1, -1):
+        module = core.get_submodule(".".join(parts[:depth]))
+        if isinstance(module, FSDPModule):
+            return module
+    return None
+
+
+def gathered_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight (vocab, H), bias (vocab,) | None) of the LM head as the model's forward uses it: its own Parameters,
+    or under FSDP2 the gathered Parameters of the unit that owns it (unsharded here if they are not already; call
+    after the forward, which leaves the root gathered). Gradients reaching them are reduce-scattered by FSDP2 as the
+    plain path's are."""
+    from torch.distributed.tensor import DTensor
+
+    core = wrapper_chain(model)[-1]
+    weight, bias = plain_head(core)
+    owner = _fsdp2_owner_of_head(core) if torch.distributed.is_available() else None
+    if owner is not None:
+        owner.unshard()  # (waits for the all-gather; nothing to do when already gathered)
+        weight, bias = plain_head(core)
+    if isinstance(weight, DTensor):
+        raise QAEUserError("model: its LM head weight is sharded (a DTensor) and no FSDP2 unit gathers it; the chunked "
+                           "log-probs need the whole weight. Use --logprob-chunk-tokens 0 for the full logits.")
+    return weight, bias
 
 
 def plain_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -246,24 +292,26 @@ def _check_logits_are_the_head_of_hidden(model_name: str, model_logits, last_hid
 
 
 def whole_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]:
-    """(the unwrapped model, its LM head's weight and bias), or the QAEUserError of a head sharded over processes."""
+    """(the unwrapped model, its LM head's weight and bias as they stand: under FSDP2 possibly the shards; use
+    `gathered_head` after the forward), or the QAEUserError of a head sharded by FSDP1 or ZeRO-3, whose gathered
+    weight and gradient reduction this module does not reach."""
     chain = wrapper_chain(model)
     core = chain[-1]
     weight, bias = plain_head(core)
     sharding = _sharding_of(chain, weight)
-    if sharding is not None:
-        # FSDP2 leaves the root's weights gathered after the forward, so the chunked head would even run; but the
-        # gradient it gives the head goes around the wrapper's reduce-scatter, which is not verified here
+    if sharding not in (None, "FSDP2"):
         raise QAEUserError(f"model: its LM head is sharded by {sharding}; the chunked log-probs (qae_app.chunked_head) "
-                           "need the whole weight on this process. Compute the full logits and use "
-                           "losses.token_logprobs_and_entropy for sharded models.")
+                           "need the whole weight on this process, which they get from FSDP2 (fully_shard) only. "
+                           "Use FSDP2 (configs/accelerate/fsdp2.yaml), or --logprob-chunk-tokens 0 for the full "
+                           "logits.")
     return core, weight, bias
 
 
 def check_chunked_head(model: torch.nn.Module) -> int:
     """The vocabulary size of `model` (possibly wrapped) if `causal_lm_logprobs` can run it, else the QAEUserError it
-    would raise: a sharded head, logits that are not the head's output (by config, or found by one forward of a
-    two-token sequence on the unwrapped model, which is no collective). For deciding once per run, before training."""
+    would raise: a head sharded by FSDP1 or ZeRO-3, logits that are not the head's output (by config, or found by one
+    forward of a two-token sequence on the unwrapped model: no collective, except under FSDP2, where the unwrapped
+    model is the sharded root and every process must call this). For deciding once per run, before training."""
     core, weight, _ = whole_head(model)
     _logits_keyword(core)
     probe = torch.zeros(1, 2, dtype=torch.long, device=weight.device)  # (1, 2) token 0 twice
@@ -274,6 +322,9 @@ def check_chunked_head(model: torch.nn.Module) -> int:
             causal_lm_logprobs(core, probe, torch.ones_like(probe), 0, 1.0, with_entropy=False)
     finally:
         core.train(was_training)
+        owner = _fsdp2_owner_of_head(core) if torch.distributed.is_available() else None
+        if owner is not None:
+            owner.reshard()  # (back onto the shards the optimizer holds)
     return weight.shape[0]
 
 
@@ -285,8 +336,8 @@ def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     input_ids and attention_mask (n, T). Position t's distribution predicts token t + 1, and the head runs only from
     position `first` on (as `logits_to_keep=T - first` on the plain path). `model` may be wrapped (DDP, Accelerate):
     the forward goes through the wrapper (DDP's gradient synchronization needs that), with `logits_to_keep=1`, and a
-    hook on the decoder keeps its last hidden state (n, T, H), normalized, as the head reads it. A sharded model
-    (FSDP, ZeRO-3) is refused: use the plain path for it.
+    hook on the decoder keeps its last hidden state (n, T, H), normalized, as the head reads it. Under FSDP2 the head
+    is its gathered weight (`gathered_head`); FSDP1 and ZeRO-3 are refused: use the plain path for them.
 
     In `Trainer._forward_logprobs` the model call, `token_logprobs_and_entropy` and the padding are then
     `return causal_lm_logprobs(model, input_ids, batch["attention_mask"][rows], first, self.cfg.temperature,
@@ -295,7 +346,7 @@ def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     width = input_ids.shape[1]
     if not 0 <= first < width:
         raise ValueError(f"first: {first} must be a position of the sequences, in [0, {width}).")
-    core, weight, bias = whole_head(model)
+    core, _, _ = whole_head(model)
     captured = {}
 
     def keep_last_hidden_state(module, args, output):
@@ -308,6 +359,7 @@ def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     finally:
         hook.remove()
     hidden = captured["hidden"]  # (n, T, H)
+    weight, bias = gathered_head(model)  # (after the forward: under FSDP2 the gathered weight it used)
     _check_logits_are_the_head_of_hidden(type(core).__name__, out.logits[:, -1:], hidden[:, -1:], weight, bias)
     logp, entropy = head_logprobs_and_entropy(hidden[:, first:-1], weight, bias, input_ids[:, first + 1:],
                                               temperature, with_entropy, chunk_tokens)  # (n, T-1-first) each

@@ -160,6 +160,11 @@ class TrainConfig:
     heldout_fraction: float = opt(0.0, "For a data file: fraction held out for --eval-every evaluation.", "model")
     # --- rollout
     engine: str = opt("hf", "Rollout engine.", "rollout", names.ENGINES)
+    vllm_sleep: bool = opt(True, "With --engine vllm: put the engine to sleep through the update (vLLM's sleep "
+                           "mode, level 1: its weights copied to CPU memory, its KV cache freed), so the update gets "
+                           "the GPU memory vLLM holds; it wakes for the weight sync. Needs vLLM >= 0.7.3 and CPU "
+                           "memory for one copy of the weights per process. --no-vllm-sleep: vLLM keeps its memory "
+                           "(no copy each step).", "rollout", resumable=True)
     group_size: int = opt(16, "Responses sampled per prompt (G).", "rollout")
     prompts_per_step: int = opt(8, "Prompts per RL step (B); a step has B * G responses.", "rollout")
     temperature: float = opt(1.0, "Sampling temperature.", "rollout")
@@ -211,8 +216,9 @@ class TrainConfig:
                                            "time, never holding the full logits (forward and backward; the same "
                                            "numbers). Default: 256 MiB of float32 logits per chunk; 0: the full "
                                            "logits. Models whose logits are not the LM head's output (soft-capping) "
-                                           "or whose head is sharded (FSDP, ZeRO-3) use the full logits; the run "
-                                           "says so once.", "memory", resumable=True)
+                                           "or whose head is sharded by FSDP1 or ZeRO-3 use the full logits (the "
+                                           "run says so once); FSDP2 chunks its gathered head.", "memory",
+                                           resumable=True)
     gradient_checkpointing: bool = opt(False, "Recompute each layer's activations in the backward instead of "
                                        "keeping them (transformers' non-reentrant checkpointing): less memory, about "
                                        "a third more compute, the same gradients.", "memory", resumable=True)

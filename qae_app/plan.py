@@ -5,8 +5,10 @@ shapes (its config.json, read without loading it or downloading anything) and th
     plan = plan_run(cfg, shape, Hardware(gpus=8, gpu_memory_gb=80, sharding="fsdp"))
     plan.total, plan.fits, plan.advice                      # bytes; whether it fits; the knobs to turn if not
 
-What the plan counts, per GPU (one process):
-    weights           parameters x bytes of --dtype (FSDP: / processes, plus two gathered decoder layers)
+What the plan counts, per GPU (one process), and in which phase of a step it is held (PHASES):
+    weights           parameters x bytes of --dtype (FSDP: / processes, plus two gathered decoder layers and the
+                      gathered root unit: embeddings, final norm and LM head, with their gradients before the
+                      reduce-scatter)
     gradients         the trainable parameters' (LoRA: the adapters') x bytes of --dtype (FSDP: / processes; DDP
                       over several processes: twice, its all-reduce buckets are a copy)
     optimizer         AdamW's two moments, in the parameters' dtype as torch keeps them (FSDP: / processes)
@@ -14,12 +16,25 @@ What the plan counts, per GPU (one process):
     activations       what autograd keeps of one micro-batch: per decoder layer and token, the saved tensors of a
                       Llama / Qwen3 layer (counted from the layer's own autograd graph: ACTIVATION_ELEMENTS); with
                       --gradient-checkpointing each layer's input only, plus one layer recomputed in the backward
-    log-prob head     chunked (the default): three float32 chunks of logits and the head's float32 gradient buffer;
-                      the full logits (LoRA's peft model, a sharded head, --logprob-chunk-tokens 0): six float32
-                      (tokens, vocab) tensors (FULL_LOGITS_COPIES, from bench/bench_memory.py's measurements)
-    vLLM              --engine vllm: its gpu_memory_utilization share of the GPU (vllm_engine.VLLM_GPU_MEMORY_SHARE)
+    log-prob head     chunked (the default; under FSDP on the gathered head): three float32 chunks of logits and
+                      the head's float32 gradient buffer; the full logits (LoRA's peft model, --logprob-chunk-tokens
+                      0): six float32 (tokens, vocab) tensors (FULL_LOGITS_COPIES, from bench/bench_memory.py's
+                      measurements)
+    vLLM              --engine vllm: its gpu_memory_utilization share of the GPU (VLLM_GPU_MEMORY_SHARE)
 
-It fits when the total is within the GPU's memory less RESERVE_FRACTION (the CUDA context, the allocator's
+A step has two phases that do not overlap: the rollouts (vLLM generates; the trainer holds its weights, gradients and
+optimizer state) and the update (the trainer's forward and backward passes). With --vllm-sleep (the default) vLLM's
+memory is released through the update (vllm_engine: sleep mode) and taken back for the weight sync and the next
+rollouts, so the peak is what both phases hold plus the larger of the two phases' own:
+
+    peak = persistent + max(update phase, rollout phase)
+    persistent    weights, gradients (kept from one update to the next), optimizer, DDP buckets, reference model,
+                  and vLLM with --no-vllm-sleep
+    update phase  gathered layers and root, bf16 weight copies, activations, log-prob head
+    rollout phase vLLM with --vllm-sleep
+
+(The weight sync between them holds vLLM's woken weights and one gathered unit at a time: less than either phase.)
+It fits when the peak is within the GPU's memory less RESERVE_FRACTION (the CUDA context, the allocator's
 fragmentation; an allowance, not a measurement). On a CPU the memory it predicts is the process's peak resident set
 size minus its size before the model is built; `bench/bench_memory.py` measures that for the trainer's own update
 (README, Memory: predicted within 20% at real architectures' widths).
@@ -42,7 +57,12 @@ GB = 1e9
 RESERVE_FRACTION = 0.10  # of a GPU's memory, kept free for the CUDA context and the allocator's fragmentation
 VLLM_GPU_MEMORY_SHARE = 0.35  # vllm_engine.VLLMEngine's gpu_memory_utilization: the share of a GPU vLLM takes
 SHARDINGS = {"ddp": "every process holds all weights, gradients and optimizer state (DDP, ZeRO-0)",
-             "fsdp": "weights, gradients and optimizer state split over the processes (FSDP, ZeRO-3)"}
+             "fsdp": "weights, gradients and optimizer state split over the processes (FSDP2)"}
+PERSISTENT, UPDATE_PHASE, ROLLOUT_PHASE = "both", "update", "rollout"
+# the phase of a step in which each component is held (see the module's docstring); vLLM's depends on --vllm-sleep
+PHASES = {"weights": PERSISTENT, "gradients": PERSISTENT, "optimizer": PERSISTENT, "DDP buckets": PERSISTENT,
+          "reference model": PERSISTENT, "gathered layers": UPDATE_PHASE, "gathered root": UPDATE_PHASE,
+          "bf16 weight copies": UPDATE_PHASE, "activations": UPDATE_PHASE, "log-prob head": UPDATE_PHASE}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 SHIPPED_CONFIGS = Path(__file__).parent / "assets" / "model_configs"  # config.json of models nothing can download
 # float32 (tokens, vocab) tensors the full-logits path holds at its peak: the model's logits, logits / T, the
@@ -273,6 +293,9 @@ def update_components(shape: ModelShape, update: UpdateShape, processes: int = 1
     if shard > 1:
         rows.append(("gathered layers", 2 * shape.layer_parameters() * wb,
                      "FSDP: the decoder layer computed and the one prefetched, whole"))
+        root = shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2) + shape.hidden
+        rows.append(("gathered root", 2 * root * wb, "FSDP: embeddings, final norm, LM head whole, and their "
+                     "gradients"))
     if update.autocast_weight_copy:
         rows.append(("bf16 weight copies", (base + adapters) * 2 / shard, "autocast's bf16 copy of each weight"))
     what = "the LoRA adapters'" if update.lora_rank else "every parameter's"
@@ -317,13 +340,18 @@ def default_chunk_tokens(vocab: int) -> int:
 class Plan:
     shape: ModelShape
     hardware: Hardware
-    components: list  # (component, bytes, what it is)
+    components: list  # (component, bytes, phase: PERSISTENT / UPDATE_PHASE / ROLLOUT_PHASE, what it is)
     notes: list  # why the update runs as it does (the head's path, ...)
-    advice: list  # (the knob, the total it gives, whether that fits), when it does not fit
+    advice: list  # (the knob, the peak it gives, whether that fits), when it does not fit
+
+    def phase(self, phase: str) -> float:
+        """Bytes of the components held in `phase` only (PERSISTENT: in both)."""
+        return sum(size for _, size, held, _ in self.components if held == phase)
 
     @property
     def total(self) -> float:
-        return sum(size for _, size, _ in self.components)
+        """The peak: what both phases hold, plus the larger phase's own."""
+        return self.phase(PERSISTENT) + max(self.phase(UPDATE_PHASE), self.phase(ROLLOUT_PHASE))
 
     @property
     def budget(self) -> float:
@@ -349,9 +377,7 @@ def _update_of(cfg, shape: ModelShape, hardware: Hardware) -> tuple[UpdateShape,
         chunk = 0
         notes.append("the log-probs come from the full logits: the chunked head does not run on a peft (LoRA) model")
     elif chunk and hardware.sharding == "fsdp" and hardware.gpus > 1:
-        chunk = 0
-        notes.append("the log-probs come from the full logits: FSDP shards the LM head, and the chunked head needs "
-                     "the whole weight")
+        notes.append("the log-probs in chunks of tokens on the LM head's weight as FSDP2 gathers it for the forward")
     mixed = cfg.mixed_precision == "bf16"
     weight_bytes = DTYPE_BYTES[cfg.dtype]
     return UpdateShape(micro_tokens=micro_tokens, head_tokens=micro_tokens, chunk_tokens=chunk,
@@ -371,10 +397,13 @@ def _components(cfg, shape: ModelShape, hardware: Hardware) -> tuple[list, list]
     update, notes = _update_of(cfg, shape, hardware)
     rows = update_components(shape, update, hardware.gpus, hardware.sharding, reference_model=cfg.kl_beta > 0
                              and not cfg.lora_rank)
+    phases = dict(PHASES)
     if cfg.engine == "vllm":
+        held = "asleep in updates (--vllm-sleep)" if cfg.vllm_sleep else "held all run (--no-vllm-sleep)"
         rows.append(("vLLM", VLLM_GPU_MEMORY_SHARE * hardware.gpu_memory_gb * GB,
-                     f"gpu_memory_utilization {VLLM_GPU_MEMORY_SHARE}: its weights and KV cache, held all run"))
-    return rows, notes
+                     f"{VLLM_GPU_MEMORY_SHARE} of the GPU (gpu_memory_utilization), {held}"))
+        phases["vLLM"] = ROLLOUT_PHASE if cfg.vllm_sleep else PERSISTENT
+    return [(name, size, phases[name], what) for name, size, what in rows], notes
 
 
 def plan_run(cfg, shape: ModelShape, hardware: Hardware, advise: bool = True) -> Plan:
@@ -397,9 +426,8 @@ def plan_run(cfg, shape: ModelShape, hardware: Hardware, advise: bool = True) ->
                       replace(cfg, max_tokens_per_micro_batch=sequence), hardware))
     if hardware.sharding == "ddp" and not cfg.lora_rank and hardware.gpus > 1:
         knobs.append(("--sharding fsdp", cfg, replace(hardware, sharding="fsdp")))
-    if hardware.sharding == "fsdp" and hardware.gpus > 1 and not cfg.lora_rank:
-        knobs.append(("--sharding ddp (the chunked head runs: the LM head is whole)", cfg,
-                      replace(hardware, sharding="ddp")))
+    if cfg.engine == "vllm" and not cfg.vllm_sleep:
+        knobs.append(("--vllm-sleep", replace(cfg, vllm_sleep=True), hardware))
     if not cfg.lora_rank and hardware.sharding == "ddp":
         knobs.append(("--lora-rank 16", replace(cfg, lora_rank=16), hardware))
     if hardware.sharding == "fsdp" and not cfg.lora_rank:
@@ -437,6 +465,9 @@ def recipe_hardware(path: Path | None) -> dict:
     return table
 
 
+PHASE_LABELS = {PERSISTENT: "always", UPDATE_PHASE: "update", ROLLOUT_PHASE: "rollouts"}
+
+
 def render(plan: Plan, console) -> None:
     """The plan as a rich table, the verdict, and the knobs when it does not fit."""
     from rich.table import Table
@@ -448,20 +479,21 @@ def render(plan: Plan, console) -> None:
     table = Table(title="memory per GPU", title_justify="left")
     table.add_column("component")
     table.add_column("GB", justify="right")
+    table.add_column("held")
     table.add_column("what")
-    for name, size, what in plan.components:
-        table.add_row(name, f"{size / GB:.2f}", what)
-    table.add_row("[bold]total[/]", f"[bold]{plan.total / GB:.2f}[/]",
-                  f"of {plan.budget / GB:.1f} GB usable ({hw.gpu_memory_gb:g} GB less {RESERVE_FRACTION:.0%} "
-                  "reserve)")
+    for name, size, phase, what in plan.components:
+        table.add_row(name, f"{size / GB:.2f}", PHASE_LABELS[phase], what)
+    persistent, update, rollout = (plan.phase(p) for p in (PERSISTENT, UPDATE_PHASE, ROLLOUT_PHASE))
+    table.add_row("[bold]peak[/]", f"[bold]{plan.total / GB:.2f}[/]", "",
+                  f"{persistent / GB:.2f} always + max(update {update / GB:.2f}, rollouts {rollout / GB:.2f})")
     console.print(table)
     for note in plan.notes:
         console.print(f"  {note}", highlight=False)
+    usable = f"{plan.budget / GB:.1f} GB usable ({hw.gpu_memory_gb:g} GB less {RESERVE_FRACTION:.0%} reserve)"
     if plan.fits:
-        console.print(f"[green]fits[/]: {plan.total / GB:.1f} GB of {plan.budget / GB:.1f} GB", highlight=False)
+        console.print(f"[green]fits[/]: {plan.total / GB:.1f} GB of {usable}", highlight=False)
         return
-    console.print(f"[red]does not fit[/]: {plan.total / GB:.1f} GB of {plan.budget / GB:.1f} GB. Each knob alone:",
-                  highlight=False)
+    console.print(f"[red]does not fit[/]: {plan.total / GB:.1f} GB of {usable}. Each knob alone:", highlight=False)
     for knob, total, fits in plan.advice:
         console.print(f"  {knob}: {total / GB:.1f} GB" + (" [green]fits[/]" if fits else ""), highlight=False)
     if not any(fits for _, _, fits in plan.advice):

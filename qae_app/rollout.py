@@ -48,6 +48,10 @@ class RolloutEngine(Protocol):
 
     def sync_weights(self, model: torch.nn.Module) -> None: ...
 
+    def release_memory(self) -> None:
+        """Free what the engine holds on the accelerator until its next generate or sync (vLLM's sleep mode); the
+        trainer calls it before the update."""
+
 
 def cut_at_stop(ids: list[int], stop_ids: list[int], pad_id: int) -> tuple[list[int], bool]:
     """(response up to and including its first stop token, truncated). Without a stop token the response ran out of
@@ -232,6 +236,9 @@ class HFGenerateEngine:
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = sampling_model(model)
+
+    def release_memory(self) -> None:
+        """Nothing to free: this engine samples from the trained model itself."""
 
     def generation_config(self, temperature: float, max_new_tokens: int):
         """Every setting that shapes the sampled distribution or the stopping, spelled out: exactly

@@ -315,7 +315,7 @@ class Trainer:
         if self.ref_model is not None and not cfg.lora_rank:
             self.ref_model.to(acc.device)
         self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
-                                  sharded=ShardedPolicy.of(acc, self.model))
+                                  sharded=ShardedPolicy.of(acc, self.model), sleep=cfg.vllm_sleep)
         self.scorer = Scorer(self.task.reward, cfg.verify_timeout_s)
         # one scorer for the whole run (a math verifier pool takes seconds to start): the training one if it fits
         self.eval_scorer = (self.scorer if self.eval_task.reward == self.task.reward
@@ -430,6 +430,7 @@ class Trainer:
         seq_adv = adv.advantages[trained_mask].reshape(-1).to(acc.device)  # (N,) the trained responses
 
         # ---- update, on the trained groups only: filtered ones enter neither the loss nor its normalizer
+        self.engine.release_memory()  # (vLLM's sleep mode: its GPU memory goes to the update until the weight sync)
         t0 = time.perf_counter()
         # what each response's row reports of the sampling policy (mean token entropy, summed log-prob): from the
         # engine when it measured them while sampling (for filtered responses too), else from a no-grad pass over the

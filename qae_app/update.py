@@ -485,8 +485,8 @@ def optimizer_and_schedule(trainable: list[torch.nn.Parameter], lr: float, weigh
 
 def logprob_chunk_tokens(model, requested: int | None, say) -> int:
     """The update's logprob_chunk_tokens, decided once for the run: `requested` (None: 256 MiB of float32 logits per
-    chunk), or 0 (the full logits) where the model cannot take the chunked head (a sharded head, soft-capped logits,
-    a peft-wrapped model), which `say` tells once."""
+    chunk), or 0 (the full logits) where the model cannot take the chunked head (a head sharded by FSDP1 or ZeRO-3,
+    soft-capped logits, a peft-wrapped model), which `say` tells once."""
     if requested == 0:
         return 0
     try:

@@ -298,31 +298,76 @@ def test_causal_lm_through_a_ddp_wrapper(one_process_group):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("version", [1, 2], ids=["fsdp1", "fsdp2"])
 @pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`")  # (one process: nothing to shard)
-def test_a_sharded_model_is_refused(one_process_group, version):
-    """FSDP as the trainer's sharded runs wrap it (each layer, then the root; as tests/test_sharding.py does): the
-    head's gradient would bypass the wrapper's reduce-scatter, so the chunked path says to use the plain one."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+def test_an_fsdp1_model_is_refused(one_process_group):
+    """FSDP1 wrapped as accelerate does (each layer, then the root): its flat parameters are not reached here, so the
+    chunked path says to use FSDP2 or the full logits. (ZeRO-3 is refused the same way, by its ds_id; no DeepSpeed
+    here to test it.)"""
+    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from qae_app.chunked_head import causal_lm_logprobs
     from qae_app.errors import QAEUserError
 
-    model = tiny_builtin()
-    if version == 2:
-        mesh = init_device_mesh("cpu", (1,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    else:
-        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
-                                         use_orig_params=True, device_id=torch.device("cpu"))
+    model = FullyShardedDataParallel(tiny_builtin(), auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+                                     use_orig_params=True, device_id=torch.device("cpu"))
     input_ids, attention_mask = left_padded_batch(64)
-    with pytest.raises(QAEUserError, match="sharded by FSDP"):
+    with pytest.raises(QAEUserError, match="sharded by FSDP1.*--logprob-chunk-tokens 0"):
         causal_lm_logprobs(model, input_ids, attention_mask, 2, 1.0)
+
+
+def fsdp2_sharded(model, root_reshards: bool):
+    """fully_shard per decoder layer, then the root, as qae_app/sharding.py does (the root keeps its weights gathered
+    after the forward), or with the root resharded after the forward too (accelerate's fsdp_reshard_after_forward:
+    true on GPUs); one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from qae_app.sharding import decoder_layers, shard_model
+
+    mesh = init_device_mesh("cpu", (1,))
+    if not root_reshards:
+        return shard_model(model, mesh)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=True)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("root_reshards", [False, True], ids=["root-kept", "root-resharded"])
+@pytest.mark.parametrize("build", [tiny_builtin, tiny_llama_untied], ids=["tied", "untied"])
+def test_fsdp2_chunked_head_gradients_reach_the_shards_as_the_full_logits_do(one_process_group, build, root_reshards):
+    """FSDP2 (one process here; two in tests/test_fsdp2.py): the chunked path reads the gathered head weight after the
+    forward, and the gradient it gives it is reduce-scattered into the sharded parameters (DTensors), equal to the full
+    logits' through the same sharded model, for every parameter (tied embeddings: both uses summed); float64, 1e-10.
+    Had the head's gradient gone around FSDP2, the sharded head (or embedding) would have no gradient or a wrong one.
+    With the root resharded after the forward, the explicit unshard gathers it again (the final norm's backward reads
+    its weight too)."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    from qae_app.chunked_head import causal_lm_logprobs, check_chunked_head
+
+    plain = fsdp2_sharded(build().double(), root_reshards)
+    chunked = fsdp2_sharded(copy.deepcopy(build().double()), root_reshards)
+    vocab = chunked.config.vocab_size
+    assert check_chunked_head(chunked) == vocab  # (the probe forward leaves the head resharded)
+    assert isinstance(chunked.get_output_embeddings().weight, DTensor)
+    input_ids, attention_mask = left_padded_batch(vocab, seed=2)
+    logp, entropy = trainer_plain_logprobs(plain, input_ids, attention_mask, 3, 0.7, True)
+    (logp.sum() + 0.3 * entropy.sum()).backward()
+    got_logp, got_entropy = causal_lm_logprobs(chunked, input_ids, attention_mask, 3, 0.7, True, chunk_tokens=5)
+    (got_logp.sum() + 0.3 * got_entropy.sum()).backward()
+    torch.testing.assert_close(got_logp, logp, rtol=0, atol=1e-10)
+    torch.testing.assert_close(got_entropy, entropy, rtol=0, atol=1e-10)
+    mine, theirs = dict(chunked.named_parameters()), dict(plain.named_parameters())
+    assert mine.keys() == theirs.keys() and any("lm_head" in n or "embed" in n for n in mine)
+    for name, param in mine.items():
+        assert isinstance(param, DTensor) and isinstance(param.grad, DTensor), name  # (resharded after the backward)
+        torch.testing.assert_close(param.grad.full_tensor(), theirs[name].grad.full_tensor(), rtol=0, atol=1e-10,
+                                   msg=name)
 
 
 def test_a_model_with_soft_capped_logits_is_refused():

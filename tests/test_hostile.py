@@ -34,6 +34,9 @@ class HostileEngine:
     def sync_weights(self, model):
         pass
 
+    def release_memory(self):
+        pass
+
     def generate(self, prompts, n, temperature, max_new_tokens, seed):
         samples = []
         for i, prompt in enumerate(prompts):

@@ -3,6 +3,7 @@ of the model transformers builds from them), the activation count against what a
 refused naming the option, and every recipe fitting the hardware its [plan] table names. The plan against measured
 peak memory is bench/bench_memory.py's job (README, Memory)."""
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def test_the_plan_of_a_tiny_case_is_the_arithmetic_by_hand():
         shape, UpdateShape(micro_tokens=10, head_tokens=6, chunk_tokens=4), processes=4, sharding="fsdp"))
     assert rows["weights"] == 1992 * 4 / 4 and rows["optimizer"] == 2 * 1992 * 4 / 4
     assert rows["gathered layers"] == 2 * 592 * 4
+    assert rows["gathered root"] == 2 * (100 * 8 + 8) * 4  # (tied: the embedding is the head) and its gradient
     # DDP over 4 processes: everything whole, and the all-reduce buckets copy the gradients
     rows = dict((name, size) for name, size, _ in update_components(
         shape, UpdateShape(micro_tokens=10, head_tokens=6, chunk_tokens=4), processes=4, sharding="ddp"))
@@ -163,19 +165,49 @@ def test_every_recipe_fits_the_hardware_it_is_planned_for(path):
     assert result.exit_code == 0 and "fits:" in result.output, result.output
 
 
-def test_the_paper_recipe_on_80_gb_gpus_says_why_it_does_not_fit():
-    """What the paper recipe's comment says: on 8 x 80 GB under DDP the weights, gradients, buckets and moments alone
-    are too much; under FSDP the head is sharded, so the full logits are; the plan names the head's path."""
+def test_the_paper_recipe_fits_80_gb_under_fsdp_and_says_why_not_under_ddp():
+    """What the paper recipe's comment says: on 8 x 80 GB under FSDP the chunked head runs on the gathered LM head
+    (not the full logits) and vLLM sleeps through the update; under DDP the weights, gradients, buckets and moments
+    alone are too much."""
     path = next(p for p in RECIPES if p.name == "paper-qwen3-8b-dapo-qae.toml")
     cfg = build_config(path)
     shape = model_shape(cfg.model)
-    ddp = plan_run(cfg, shape, Hardware(**{**recipe_hardware(path), "gpu_memory_gb": 80}))
-    state = sum(size for name, size, _ in ddp.components if name in ("weights", "gradients", "DDP buckets",
-                                                                      "optimizer"))
+    assert recipe_hardware(path) == {"gpus": 8, "gpu_memory_gb": 80, "sharding": "fsdp", "prompt_tokens": 2048}
+    fsdp = plan_run(cfg, shape, Hardware(**recipe_hardware(path)))
+    rows = {name: (size, phase) for name, size, phase, _ in fsdp.components}
+    assert rows["log-prob head"] == ((3 * 441 * 151936 + 151936 * 4096) * 4, "update")  # chunks, not the full logits
+    assert rows["vLLM"] == (0.35 * 80 * GB, "rollout")
+    assert fsdp.fits and any("FSDP2 gathers it" in note for note in fsdp.notes)
+    always = sum(size for size, phase in rows.values() if phase == "both")
+    update = sum(size for size, phase in rows.values() if phase == "update")
+    assert always == (2 + 2 + 4) * shape.parameters() / 8  # bf16 weights, gradients, two moments, sharded 8 ways
+    assert fsdp.total == always + max(update, 0.35 * 80 * GB)
+    awake = plan_run(dataclasses.replace(cfg, vllm_sleep=False), shape, Hardware(**recipe_hardware(path)))
+    assert awake.total == always + update + 0.35 * 80 * GB and awake.total > fsdp.total
+    ddp = plan_run(cfg, shape, Hardware(**{**recipe_hardware(path), "sharding": "ddp"}))
+    state = sum(size for name, size, _, _ in ddp.components if name in ("weights", "gradients", "DDP buckets",
+                                                                         "optimizer"))
     assert state == 5 * 2 * shape.parameters() and state > 72 * GB and not ddp.fits
-    fsdp = plan_run(cfg, shape, Hardware(8, 80, "fsdp", 2048))
-    assert not fsdp.fits and any("FSDP shards the LM head" in note for note in fsdp.notes)
-    assert dict((name, size) for name, size, _ in fsdp.components)["log-prob head"] == 6 * 22528 * 151936 * 4
+    assert [knob for knob, _, fits in ddp.advice if fits] == ["--sharding fsdp"]
+
+
+def test_the_peak_is_what_both_phases_hold_plus_the_larger_phase():
+    """Hand-computed on the built-in model with --engine vllm on a 1 GB GPU: vLLM's 0.35 GB sleeps through the
+    update, so the peak is the persistent state plus max(update, 0.35 GB); awake, it is everything at once."""
+    shape = model_shape("builtin:tiny")
+    cfg = build_config(engine="vllm", micro_batch_size=1, max_new_tokens=8)
+    plan = plan_run(cfg, shape, Hardware(1, 1.0, prompt_tokens=8))
+    p = shape.parameters()
+    rows = {name: (size, phase) for name, size, phase, _ in plan.components}
+    assert {name: phase for name, (_, phase) in rows.items()} == {
+        "weights": "both", "gradients": "both", "optimizer": "both", "activations": "update",
+        "log-prob head": "update", "vLLM": "rollout"}
+    assert plan.phase("both") == 4 * p * 4  # float32 weights, gradients and two moments
+    update = rows["activations"][0] + rows["log-prob head"][0]
+    assert plan.phase("update") == update and update < 0.35 * GB
+    assert plan.total == 16 * p + 0.35 * GB
+    awake = plan_run(dataclasses.replace(cfg, vllm_sleep=False), shape, Hardware(1, 1.0, prompt_tokens=8))
+    assert awake.total == 16 * p + update + 0.35 * GB and awake.phase("rollout") == 0
 
 
 def test_the_cpu_recipes_prompt_tokens_cover_its_prompts():

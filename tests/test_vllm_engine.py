@@ -14,15 +14,39 @@ from qae_app.models import CharTokenizer
 
 
 class FakeLLM:
+    """MOCK of vllm.LLM (needs a GPU): records its calls, in order, in `events`; its sleep mode checks the state
+    transitions vLLM's allocator allows (no generate or weight load into released memory, no part woken twice)."""
+
     def __init__(self, **kwargs):
         self.kwargs = kwargs
         self.loaded = []
-        model = SimpleNamespace(load_weights=lambda weights: self.loaded.extend(name for name, _ in weights))
+        self.events = []
+        self.released = set()
+        model = SimpleNamespace(load_weights=self._load_weights)
         worker = SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
         self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker))
         self.prefix_resets = 0
 
+    def _load_weights(self, weights):
+        assert "weights" not in self.released, "weights loaded into released memory"
+        names = [name for name, _ in weights]
+        self.loaded.extend(names)
+        self.events.append("load_weights")
+
+    def sleep(self, level=1):
+        assert self.kwargs.get("enable_sleep_mode") and not self.released
+        self.released = {"weights", "kv_cache"}
+        self.events.append(f"sleep({level})")
+
+    def wake_up(self, tags=None):
+        tags = set(tags or ("weights", "kv_cache"))
+        assert tags <= self.released, f"woke {tags - self.released} twice"
+        self.released -= tags
+        self.events.append(f"wake_up({','.join(sorted(tags))})")
+
     def generate(self, prompts, params, use_tqdm):
+        assert not self.released, "generate on a sleeping engine"
+        self.events.append("generate")
         self.last = (prompts, params)
         outs = []
         for p in prompts:
@@ -32,7 +56,21 @@ class FakeLLM:
         return outs
 
     def reset_prefix_cache(self):
+        assert not self.released
         self.prefix_resets += 1
+        self.events.append("reset_prefix_cache")
+
+
+class FakeLLMWithoutPartialWake(FakeLLM):
+    """MOCK of a vLLM whose wake_up takes no tags (0.7.3 - 0.8.4)."""
+
+    def wake_up(self):
+        super().wake_up()
+
+
+# MOCK of a vLLM from before sleep mode (< 0.7.3): FakeLLM without sleep and wake_up
+FakeLLMWithoutSleep = type("FakeLLMWithoutSleep", (), {k: v for k, v in vars(FakeLLM).items()
+                                                       if k not in ("sleep", "wake_up", "__dict__", "__weakref__")})
 
 
 @pytest.fixture
@@ -136,3 +174,56 @@ def test_sync_of_a_lora_model_loads_the_merged_weights(fake_vllm):
                                plain["model.layers.0.self_attn.q_proj.weight"] + B @ A * (6.0 / 4), rtol=0, atol=1e-7)
     assert torch.equal(weights["model.layers.0.self_attn.k_proj.weight"], plain["model.layers.0.self_attn.k_proj.weight"])
     assert engine.llm.prefix_resets == 1
+
+
+def one_step(engine, model):
+    """What the trainer does with its engine in a step: rollouts, release before the update, sync after it."""
+    engine.generate(["1+1="], n=1, temperature=1.0, max_new_tokens=3, seed=0)
+    engine.release_memory()
+    engine.sync_weights(model)
+
+
+def test_sleep_mode_releases_the_engine_through_the_update_and_wakes_it_for_the_sync(fake_vllm):
+    """MOCKED vLLM (sleep mode needs a GPU): the order of calls is the point. Asleep (level 1) from the end of the
+    rollouts to the weight sync; the weights woken first and loaded, then the KV cache, then the prefix cache reset;
+    the next step's rollouts find it awake. --no-vllm-sleep never sleeps and builds no sleep-mode engine."""
+    from qae_app.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine("some/model", CharTokenizer())  # (sleep mode: on by default)
+    assert engine.llm.kwargs["enable_sleep_mode"] is True
+    model = torch.nn.Linear(2, 2)
+    one_step(engine, model)
+    one_step(engine, model)
+    assert engine.llm.events == ["generate", "sleep(1)", "wake_up(weights)", "load_weights", "wake_up(kv_cache)",
+                                 "reset_prefix_cache"] * 2
+    # a step that trained nothing (dynamic sampling found no signal) syncs nothing: the next generate wakes it all,
+    # and the prefix cache is forgotten with the KV cache it pointed into
+    engine.release_memory()
+    engine.release_memory()  # (once asleep, a second release does nothing)
+    engine.generate(["2*3="], n=1, temperature=1.0, max_new_tokens=3, seed=1)
+    assert engine.llm.events[-4:] == ["sleep(1)", "wake_up(kv_cache,weights)", "reset_prefix_cache", "generate"]
+
+    resident = VLLMEngine("some/model", CharTokenizer(), sleep=False)
+    assert "enable_sleep_mode" not in resident.llm.kwargs
+    one_step(resident, model)
+    assert resident.llm.events == ["generate", "load_weights", "reset_prefix_cache"]
+
+
+def test_sleep_mode_wakes_everything_at_once_where_vllm_cannot_wake_parts(fake_vllm):
+    """MOCKED vLLM: before wake_up took tags, the whole engine wakes before the weights are loaded."""
+    from qae_app.vllm_engine import VLLMEngine
+
+    fake_vllm.LLM = FakeLLMWithoutPartialWake
+    engine = VLLMEngine("some/model", CharTokenizer())
+    one_step(engine, torch.nn.Linear(2, 2))
+    assert engine.llm.events == ["generate", "sleep(1)", "wake_up(kv_cache,weights)", "reset_prefix_cache",
+                                 "load_weights", "reset_prefix_cache"]
+
+
+def test_sleep_mode_on_a_vllm_without_it_is_refused_with_the_fix(fake_vllm):
+    from qae_app.vllm_engine import VLLMEngine
+
+    fake_vllm.LLM = FakeLLMWithoutSleep
+    with pytest.raises(QAEUserError, match="vllm_sleep: .*--no-vllm-sleep"):
+        VLLMEngine("some/model", CharTokenizer())
+    VLLMEngine("some/model", CharTokenizer(), sleep=False)  # (without sleep mode it runs as before)

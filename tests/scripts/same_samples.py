@@ -55,6 +55,9 @@ class SeededPerPrompt:
     def sync_weights(self, model):
         self.engine.sync_weights(model)
 
+    def release_memory(self):
+        self.engine.release_memory()
+
 
 DYNAMIC = dict(dynamic_sampling=True, max_gen_batches=6, reward_values="-1,1")
 MEMORY_MODES = {"checkpointing": dict(gradient_checkpointing=True), "budget": dict(max_tokens_per_micro_batch=40)}
