@@ -214,7 +214,9 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
                     eval_samples=[{**s, "benchmark": name, "source": "eval"} for s in result.samples])
     if target.run_id is None:
         writer.update_run(status="finished")
-    if not writer.wait_until_written(timeout_s=60) and console is not None:
-        console.print(f"[yellow]{path} is {writer.holder}: the results are saved under {writer.pending_dir} and "
-                      "written by the run's next writer.[/]")
+    if not writer.wait_until_written(timeout_s=60):
+        writer.sync_pending()  # they wait there for the run's next writer, maybe across a reboot
+        if console is not None:
+            console.print(f"[yellow]{path} is {writer.holder}: the results are saved under {writer.pending_dir} and "
+                          "written by the run's next writer.[/]")
     return result, run_id, path

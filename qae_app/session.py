@@ -429,6 +429,7 @@ class RunSession:
         try:
             self.writer.wait_until_written(on_wait=say)
         except KeyboardInterrupt:
+            self.writer.sync_pending()  # (the run is over: they stay there, maybe across a reboot)
             self._say(f"[yellow]stopped waiting:[/] the last rows stay in {self.writer.pending_dir}; "
                       f"`qae train --resume {self.run_id}` writes them.")
         finally:
@@ -443,6 +444,9 @@ class RunSession:
         of checksums. Written to a temporary folder and renamed once every process has written its part, so a kill
         never leaves half of one."""
         acc = self.accelerator
+        if self.writer is not None:  # the steps up to this checkpoint are not trained again on resume: their rows
+            self.drain_writes()  # must survive the OS going down too (the writer's thread is idle after this)
+            self.writer.sync_pending()
         acc.wait_for_everyone()
         final = self.run_dir / CHECKPOINTS_DIR / f"step-{state.step}"
         tmp = final.with_name(final.name + ".tmp")

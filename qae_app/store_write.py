@@ -5,6 +5,12 @@ under `pending/` and every few seconds opens the file, writes the steps since th
 readers see whole steps only, and a kill mid-write loses nothing saved) and closes it again, so readers can get in
 between. A reader holding the file makes the writer retry; if the file stays busy the rows stay saved and go out with a
 later write, never dropped.
+
+Saved is not synced: a file under `pending/` is whole once it has its name (written under another, then renamed), and
+a killed process's writes stay in the OS's cache, so a kill -9 loses nothing saved. Only the OS going down can lose
+what is not synced yet, and that matters only for steps a resume does not train again, those up to its checkpoint:
+`sync_pending()`, called before each checkpoint, syncs them. (An fsync per step cost 3-45 ms of disk wait a step on
+the shared machine, about as long as a whole step at small groups.)
 """
 
 from __future__ import annotations
@@ -36,10 +42,12 @@ from qae_app.store import (EVAL_TABLES, LEGACY_PENDING_SUFFIX, PENDING_SUFFIX, S
 
 # When queued steps go to the database. Attaching the file and detaching it (a checkpoint of DuckDB's log) and each
 # INSERT cost about as much for one step as for twenty, so steps are written together: after a write that took c
-# seconds of CPU, the next is due c / WRITE_SHARE later (at most MAX_ROW_DELAY_S, so live views stay live). At the
+# seconds, the next is due c / WRITE_SHARE later (at most MAX_ROW_DELAY_S, so live views stay live). c is wall time:
+# DuckDB does about half a write's work on threads of its own, which the writer thread's CPU time left out (measured:
+# 25 of 50 ms CPU), and a write that waits for the CPU or the disk is waited for by whoever waits for the store. At the
 # defaults a write of ~20 steps takes ~50 ms, so one is due every ~5 s. Until then each step's rows are saved under
-# pending/ (about a millisecond), where a kill -9 cannot lose them. The file is attached only while a write runs,
-# so readers get in between.
+# pending/ (under a millisecond: not synced, see above), where a kill -9 cannot lose them. The file is attached only
+# while a write runs, so readers get in between.
 WRITE_SHARE = 0.01
 MAX_ROW_DELAY_S = 5.0
 # ... unless the queued rows are big: a step of the paper's size (512 x 16 responses, ~60 MB of text) costs as much to
@@ -291,7 +299,7 @@ class RunWriter:
         lock_timeout_s): then every queued write is safe on disk under pending/ until a later flush."""
         if not self.pending:
             return True
-        cpu_start = time.thread_time()
+        start = time.perf_counter()
         try:
             con_cm = self._open(timeout_s)
             con = con_cm.__enter__()
@@ -328,7 +336,7 @@ class RunWriter:
         finally:
             con_cm.__exit__(None, None, None)
         self.busy_since = None
-        cost = time.thread_time() - cpu_start
+        cost = time.perf_counter() - start
         self.next_flush_at = self.clock() + min(cost / WRITE_SHARE, MAX_ROW_DELAY_S)
         return True
 
@@ -346,16 +354,34 @@ class RunWriter:
         return True
 
     def _spill(self) -> None:
-        """Save every queued write that is not on disk yet: one JSON file each, written to a temporary name, synced,
-        then renamed, so a file under pending/ is always whole."""
+        """Save every queued write that is not on disk yet: one JSON file each, written to a temporary name, then
+        renamed, so a file under pending/ is always whole. Not synced (a kill cannot lose it; `sync_pending`)."""
         self.pending_dir.mkdir(exist_ok=True)
         for write in self.pending:
             if write.spilled is not None:
                 continue
             self._spilled_count += 1
             final = self.pending_dir / f"{self._spilled_count:08d}-{write.kind}{PENDING_SUFFIX}"
-            _write_atomically(final, pending_write_json(write))
+            _write_atomically(final, pending_write_json(write), sync=False)
             write.spilled = final
+
+    def sync_pending(self) -> None:
+        """Sync every queued write saved under pending/ (its file, then the folder, which holds its name) to the
+        disk, so an OS crash cannot lose it either; what the database holds DuckDB has synced. The trainer calls this
+        before it saves a checkpoint: a resume trains again every step after its checkpoint, but not those before."""
+        spilled = [write.spilled for write in self.pending if write.spilled is not None]
+        for path in spilled:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        if spilled:
+            fd = os.open(self.pending_dir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def _load_spilled(self) -> list[PendingWrite]:
         legacy = legacy_pending_files(self.path.parent)
@@ -453,12 +479,15 @@ def queued_text_chars(writes: list[PendingWrite]) -> int:
 # pending/ as data
 
 
-def _write_atomically(final: Path, text: str) -> None:
+def _write_atomically(final: Path, text: str, sync: bool = True) -> None:
+    """`text` as the file `final`, which is whole whenever it exists (written under a temporary name, renamed);
+    synced to the disk before the rename unless `sync` is False."""
     tmp = final.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, final)
 
 

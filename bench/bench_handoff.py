@@ -1,0 +1,107 @@
+"""Benchmark: the store's work for one training step, its rows saved under pending/ with an fsync each step (as
+before) against without one (synced before each checkpoint instead), the two sides alternating step by step.
+
+    python bench/bench_handoff.py [--steps 200] [--group-size 4]
+
+The rows are a real step's: one `qae train` step at the benchmark settings of bench/vs_trl.py (built-in model, 8
+prompts x --group-size, 8 new tokens, 1 thread) is trained and the tables `fit` hands the store are kept. Then two
+writers, each on a run file of its own, take those rows step after step as the store's thread does for `fit`: the
+previous step's late timings (`update_step`), the step's rows (`add_step`), `flush_when_due` (a database write when
+one is due, every few seconds; else the rows are saved under pending/). "synced each step" is the writer as it was:
+every file it saves is synced before its rename (both sides space their database writes by today's rule). A step's
+time is the wall time of those three calls, on this thread (bench/vs_trl.py's qae step also waits for the store's
+thread to wake). Printed: each side's median and mean ms a step (the mean includes the database writes), and the
+per-step ratio (bench/paired.py: the order alternates pair by pair).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from paired import alternate, describe, pair_ratios
+
+import qae_app.trainer as trainer_module
+from qae_app.config import build_config
+from qae_app.store import PENDING_SUFFIX, pending_write_json
+from qae_app.store_write import RunWriter, _write_atomically
+
+
+class SyncedEachStep(RunWriter):
+    """The writer as it was before pending/ was synced per checkpoint: each saved write synced before its rename."""
+
+    def _spill(self) -> None:
+        self.pending_dir.mkdir(exist_ok=True)
+        for write in self.pending:
+            if write.spilled is not None:
+                continue
+            self._spilled_count += 1
+            final = self.pending_dir / f"{self._spilled_count:08d}-{write.kind}{PENDING_SUFFIX}"
+            _write_atomically(final, pending_write_json(write), sync=True)
+            write.spilled = final
+
+
+def real_step_tables(group_size: int, runs_dir: Path) -> dict[str, list[dict]]:
+    """The tables `fit` handed the store for step 1 of a real run at vs_trl.py's settings."""
+    kept = {}
+    step_tables = trainer_module.step_tables
+
+    def keeping(*args, **kwargs):
+        tables = step_tables(*args, **kwargs)
+        kept.setdefault("tables", tables)
+        return tables
+
+    trainer_module.step_tables = keeping
+    try:
+        cfg = build_config(run_name="rows", steps=1, prompts_per_step=8, group_size=group_size, max_new_tokens=8,
+                           lora_rank=0, eval_every=0, checkpoint_every=0)
+        trainer_module.Trainer(cfg, runs_dir, cpu=True).fit()
+    finally:
+        trainer_module.step_tables = step_tables
+    return kept["tables"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="steps each writer takes (pairs)")
+    parser.add_argument("--group-size", type=int, default=4, help="responses per prompt of the real step's rows")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        tables = real_step_tables(args.group_size, tmp)
+        writers = {}
+        for name, kind in (("synced", SyncedEachStep), ("unsynced", RunWriter)):
+            writers[name] = kind(tmp / name / "qae.duckdb", name)
+            writers[name].create_run(name, {}, "qae", 0.4, "builtin:tiny", "arith", 0)
+        timings = {"write_s": 0.001, "checkpoint_s": 0.0, "step_s": 0.1, "store_s": 0.001}
+
+        def side(name: str):
+            def one_step(index: int) -> float:
+                writer, step = writers[name], index + 1
+                start = time.perf_counter()
+                if step > 1:
+                    writer.update_step(step - 1, **timings)
+                writer.add_step(step, **tables)
+                writer.flush_when_due()
+                return time.perf_counter() - start
+            return one_step
+
+        synced, unsynced = alternate(side("synced"), side("unsynced"), args.steps)
+        for writer in writers.values():
+            writer.flush()
+    rows = sum(len(records) for records in tables.values())
+    print(f"{args.steps} steps each, a real step's rows at G={args.group_size} ({rows} rows), the two writers "
+          "alternating step by step")
+    for name, times in (("synced each step (before)", synced), ("synced before checkpoints", unsynced)):
+        print(f"  {name:26s} median {statistics.median(times) * 1e3:.2f} ms a step, mean "
+              f"{statistics.mean(times) * 1e3:.2f} ms (database writes included), max {max(times) * 1e3:.0f} ms")
+    print(f"after / before per step pair: {describe(pair_ratios(unsynced, synced))}")
+
+
+if __name__ == "__main__":
+    main()
