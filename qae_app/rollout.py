@@ -21,6 +21,7 @@ from typing import Iterator, Protocol
 
 import torch
 
+from qae_app import decode
 from qae_app.errors import QAEUserError
 from qae_app.models import TextCodec, templated_prompt
 from qae_app.names import ENGINES
@@ -233,6 +234,8 @@ class HFGenerateEngine:
         self.sampling = sampling.validate()
         self.sharded = sharded or ShardedPolicy()
         self.share_prompts = True  # compute a prompt's cache once for its group (bench/bench_generate.py compares)
+        # sample with qae_app.decode's loop instead of model.generate where the model allows it (same tokens)
+        self.use_decode_loop = True
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = sampling_model(model)
@@ -314,8 +317,18 @@ class HFGenerateEngine:
         # every prompt repeated n times, in order: sample j of prompt i sits at i * n + j
         flat = [(i, ids) for i, ids in enumerate(encoded) for _ in range(n)]
         samples: list[Sample] = []
+        loop = (plain and self.use_decode_loop and max_new_tokens > 0 and self.sharded.plan.sharding == "none"
+                and decode.supports_decode_loop(model))
         for start in range(0, len(flat), self.batch_size):
             chunk = flat[start : start + self.batch_size]
+            if loop:  # the same samples as generate's below, sooner (qae_app/decode.py)
+                rows = decode.sample(model, [ids for _, ids in chunk], temperature, max_new_tokens,
+                                     self.codec.stop_ids)
+                for (i, ids), (generated, logprobs, entropies) in zip(chunk, rows):
+                    response, truncated = cut_at_stop(generated, self.codec.stop_ids, self.codec.pad_id)
+                    samples.append(Sample(i, ids, response, self.codec.decode(response), truncated, logprobs,
+                                          entropies, shown[i]))
+                continue
             width = max(len(ids) for _, ids in chunk)
             # left padding, built as lists and converted once: a tensor write per row costs more than the rest of
             # the engine's bookkeeping together (bench/bench_generate.py)

@@ -23,7 +23,7 @@ LAYERS = [
     {"environment", "rundir", "metrics", "datasets", "rows", "formatting", "answers", "sampling", "packaged"},
     {"store", "run_file", "store_write", "store_read", "tasks", "config", "compare", "plan"},
     {"advantages", "losses", "chunked_head", "models", "lora", "rewards", "verifier_pool", "verifier_preload",
-     "checkpoint_state", "session", "entropy_band", "sharding"},
+     "checkpoint_state", "session", "entropy_band", "sharding", "decode"},
     {"rollout", "vllm_engine", "evaluate", "warmstart", "update", "attribution"},
     {"trainer", "sweep"},
     {"terminal", "train_progress"},  # what the reading commands print (torch-free, like everything the dashboard and `qae runs` use)

@@ -1,0 +1,218 @@
+"""A hand-written sampling loop over a Llama-family model's own modules, used by the HF engine instead of
+`model.generate` where it can be (`supports_decode_loop`): what vLLM does on a GPU, on the CPU.
+
+Why: at a batch of 32, SmolLM2-135M spends its decode step in many small matmuls and in `generate`'s per-token
+bookkeeping (a cache that grows by concatenation, logits processors, stopping criteria, finished rows still computed).
+This loop
+- runs each distinct prompt through the model once (a group's G samples share it) and computes the LM head only at its
+  last position;
+- keeps the keys and values in one preallocated buffer per layer, rows left-aligned as generate's left padding does,
+  so a step writes one column instead of copying the cache;
+- multiplies by the query/key/value weights as one matrix and by the gate/up weights as one matrix (bigger matmuls
+  run nearer the machine's limit; each output equals the separate product to float32 rounding);
+- drops rows that emitted a stop token from the batch and the cache (in batches, so the copy pays back).
+
+What it samples is exactly what `generate` samples: softmax(logits / T) drawn the way `torch.multinomial` draws one
+sample (argmax of p / q, q ~ Exp(1) over the whole (rows, vocab) batch, every row's noise drawn each step as
+generate draws it for its finished rows too), so with the same seed the tokens equal generate's wherever the logits
+agree to the last bit (tests/test_decode.py checks tokens and log-probs against generate on the built-in model and
+SmolLM2). Only plain sampling (no top-k/top-p/min-p) on unsharded, un-adapted (no LoRA) weights takes this path.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+# the module classes whose forward this loop re-implements; any other model (or a peft-wrapped linear) uses generate
+_LLAMA_CLASSES = {"LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP")}
+_SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa: torch 2.5
+COMPACT_FRACTION = 8  # drop finished rows once they are 1/8 of the batch: one cache copy per several finished rows
+
+
+def supports_decode_loop(model: torch.nn.Module) -> bool:
+    """Whether `model` is a Llama-family causal LM made of plain linear layers, the structure `sample` assumes."""
+    classes = _LLAMA_CLASSES.get(type(model).__name__)
+    if classes is None or getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return False
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if (type(layer).__name__, type(attn).__name__, type(mlp).__name__) != classes:
+            return False
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if any(type(linear) is not torch.nn.Linear for linear in linears):
+            return False
+    return type(model.lm_head) is torch.nn.Linear and model.lm_head.bias is None
+
+
+def _fused(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of the linears stacked along their outputs: one matmul computes them all."""
+    weight = torch.cat([linear.weight for linear in linears])
+    biases = [linear.bias for linear in linears]
+    return weight, (torch.cat(biases) if all(b is not None for b in biases) else None)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Layers:
+    """The model's weights as the loop uses them, fused once per call (the training model changes between calls)."""
+
+    def __init__(self, model: torch.nn.Module):
+        config = model.config
+        self.model = model
+        first = model.model.layers[0].self_attn
+        self.head_dim = first.head_dim
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.scaling = first.scaling
+        self.qkv = [_fused([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in model.model.layers]
+        self.gate_up = [_fused([l.mlp.gate_proj, l.mlp.up_proj]) for l in model.model.layers]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of q (rows, heads, seq, head_dim) over k, v (rows, kv_heads, columns, head_dim); query head h
+        reads key head h // (heads / kv_heads), as transformers' repeat_kv pairs them. `mask`: for one new token per
+        row (seq 1) a (rows, columns) bias, 0 or -inf per column; for a prompt pass a (rows, 1, seq, columns) bool,
+        True where a query may read a key, or None for plain causal attention."""
+        rows, heads, seq, head_dim = q.shape
+        if seq > 1:
+            if self.kv_heads != heads:
+                if _SDPA_GQA:
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                          scale=self.scaling, enable_gqa=True)
+                k = k.repeat_interleave(heads // self.kv_heads, dim=1)
+                v = v.repeat_interleave(heads // self.kv_heads, dim=1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling)
+        # one query per row: two batched matmuls, each key head serving its group of query heads at once (cheaper on
+        # the CPU than scaled_dot_product_attention with a mask, and no copy of the keys per query head)
+        grouped = q.reshape(rows, self.kv_heads, heads // self.kv_heads, head_dim)  # (rows, kv_heads, group, hd)
+        scores = torch.matmul(grouped, k.transpose(-1, -2)) * self.scaling + mask[:, None, None, :]
+        out = torch.matmul(torch.softmax(scores, dim=-1), v)  # (rows, kv_heads, group, head_dim)
+        return out.view(rows, heads, 1, head_dim)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
+                values: list[torch.Tensor], start: int, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """Hidden states after the final norm, (rows, seq, hidden), for `tokens` (rows, seq) at `positions`
+        (rows, seq), writing their keys and values into columns start..start+seq of the per-layer buffers
+        (rows, kv_heads, columns, head_dim) and attending to columns 0..start+seq. `key_mask` (rows, start+seq) is
+        True where a column holds a token (not left padding); None when no row is padded."""
+        model = self.model.model
+        rows, seq = tokens.shape
+        hidden = model.embed_tokens(tokens)  # (rows, seq, hidden)
+        cos, sin = model.rotary_emb(hidden, positions)  # (rows, seq, head_dim)
+        cos, sin = cos[:, None], sin[:, None]
+        heads, kv_heads, end = self.heads, self.kv_heads, start + seq
+        mask = None
+        if key_mask is not None and seq == 1:  # (rows, end): 0 where a column holds a token, -inf where it is padding
+            mask = torch.zeros(key_mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(~key_mask,
+                                                                                                      float("-inf"))
+        elif key_mask is not None:  # a prompt pass (start 0), (rows, 1, seq, seq): causal, a padding query reads itself
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=hidden.device).tril()
+            itself = torch.eye(seq, dtype=torch.bool, device=hidden.device)
+            mask = (causal & key_mask[:, None, None, :]) | itself
+        for index, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            x = layer.input_layernorm(hidden)
+            qkv = F.linear(x, *self.qkv[index]).view(rows, seq, heads + 2 * kv_heads, self.head_dim).transpose(1, 2)
+            qk = qkv[:, : heads + kv_heads]  # (rows, heads + kv_heads, seq, head_dim): both rotated at once
+            qk = qk * cos + _rotate_half(qk) * sin
+            keys[index][:, :, start:end] = qk[:, heads:]
+            values[index][:, :, start:end] = qkv[:, heads + kv_heads :]
+            out = self.attend(qk[:, :heads], keys[index][:, :, :end], values[index][:, :, :end], mask)
+            out = attn.o_proj(out.transpose(1, 2).reshape(rows, seq, heads * self.head_dim))
+            hidden = hidden + out
+            x = layer.post_attention_layernorm(hidden)
+            gate, up = F.linear(x, *self.gate_up[index]).chunk(2, dim=-1)
+            hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
+        return model.norm(hidden)
+
+
+def _draw(logits: torch.Tensor, temperature: float, rows: torch.Tensor, batch: int):
+    """(tokens, log-probs, entropies) of the rows `rows` of a batch of `batch` rows, sampled as generate does.
+
+    generate samples torch.multinomial(softmax(scores), 1), which draws q ~ Exp(1) of the whole (batch, vocab) batch
+    and takes argmax(p / q); finished rows are sampled too. Drawing the same noise and keeping the active rows' part
+    gives the same tokens for the same seed. The log-prob of token t is s_t - logsumexp(s) and the entropy
+    logsumexp(s) - sum(p * s): no full-vocabulary log-softmax, and no 0 x -inf to clean up."""
+    scores = logits.float() / temperature  # (active, vocab), as transformers' TemperatureLogitsWarper does
+    probs = torch.softmax(scores, dim=-1)
+    normalizer = torch.logsumexp(scores, dim=-1)  # (active,)
+    entropy = normalizer - (probs * scores).sum(-1)
+    noise = torch.empty((batch, scores.shape[-1]), dtype=scores.dtype, device=scores.device).exponential_(1)
+    if len(rows) < batch:
+        noise = noise[rows]
+    tokens = torch.div(probs, noise, out=noise).argmax(-1)  # (active,): torch.multinomial's own arithmetic
+    return tokens, scores.gather(-1, tokens[:, None]).squeeze(-1) - normalizer, entropy
+
+
+@torch.no_grad()
+def sample(model: torch.nn.Module, encoded: list[list[int]], temperature: float, max_new_tokens: int,
+           stop_ids: list[int]) -> list[tuple[list[int], list[float], list[float]]]:
+    """Per row of `encoded` (token ids; consecutive equal rows are a group sharing its prompt): the generated tokens
+    (up to and including the first stop id, or max_new_tokens of them), their log-probs and the entropy at each
+    position, sampled from softmax(logits / T) with torch's global generator."""
+    device = next(model.parameters()).device
+    layers = _Layers(model)
+    batch = len(encoded)
+    width = max(len(ids) for ids in encoded)
+    columns = width + max_new_tokens
+    dtype = model.model.embed_tokens.weight.dtype
+    # zeros, not empty: a masked column's score is dropped, but 0 x (a NaN value) would still reach the output
+    keys = [torch.zeros(batch, layers.kv_heads, columns, layers.head_dim, dtype=dtype, device=device)
+            for _ in model.model.layers]
+    values = [torch.zeros_like(k) for k in keys]
+    lengths = torch.tensor([len(ids) for ids in encoded], device=device)
+    key_mask = torch.zeros(batch, columns, dtype=torch.bool, device=device)  # True where a column holds a token
+    key_mask[:, :width] = torch.arange(width, device=device) >= (width - lengths)[:, None]
+
+    # the prompt pass: each group's prompt once, all groups in one forward (left-padded to the same width), its keys
+    # and values then copied to the group's rows, the LM head only at the last position
+    prompts = [ids for ids, _ in itertools.groupby(encoded)]
+    group = torch.tensor([g for g, (_, rows) in enumerate(itertools.groupby(encoded)) for _ in rows], device=device)
+    prompt_lengths = torch.tensor([len(ids) for ids in prompts], device=device)
+    prompt_mask = torch.arange(width, device=device) >= (width - prompt_lengths)[:, None]  # (prompts, width)
+    prompt_ids = torch.tensor([[0] * (width - len(ids)) + ids for ids in prompts], device=device)
+    positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded positions
+    prompt_keys = [torch.zeros(len(prompts), *k.shape[1:2], width, k.shape[3], dtype=dtype, device=device)
+                   for k in keys]
+    prompt_values = [torch.zeros_like(k) for k in prompt_keys]
+    hidden = layers.forward(prompt_ids, positions, prompt_keys, prompt_values, 0,
+                            None if bool(prompt_mask.all()) else prompt_mask)
+    for index in range(len(keys)):
+        keys[index][:, :, :width] = prompt_keys[index][group]
+        values[index][:, :, :width] = prompt_values[index][group]
+    logits = model.lm_head(hidden[group, -1])  # (batch, vocab)
+
+    rows = torch.arange(batch, device=device)  # the batch rows still sampling, in the buffers' order
+    generated: list[list[int]] = [[] for _ in range(batch)]
+    logprobs: list[list[float]] = [[] for _ in range(batch)]
+    entropies: list[list[float]] = [[] for _ in range(batch)]
+    stops = torch.tensor(sorted(set(stop_ids)), device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)  # per buffer row
+    for step in range(max_new_tokens):
+        tokens, token_logp, entropy = _draw(logits, temperature, rows, batch)
+        for row, done, token, lp, ent in zip(rows.tolist(), finished.tolist(), tokens.tolist(), token_logp.tolist(),
+                                             entropy.tolist()):
+            if not done:  # a finished row kept in the batch until the next compaction samples nothing more
+                generated[row].append(token)
+                logprobs[row].append(lp)
+                entropies[row].append(ent)
+        finished = finished | torch.isin(tokens, stops)
+        if bool(finished.all()) or step + 1 == max_new_tokens:
+            break
+        if int(finished.sum()) * COMPACT_FRACTION >= len(rows):  # drop the finished rows from batch and cache
+            keep = (~finished).nonzero().squeeze(1)
+            rows, tokens, lengths, key_mask = rows[keep], tokens[keep], lengths[keep], key_mask[keep]
+            keys = [k[keep] for k in keys]
+            values = [v[keep] for v in values]
+            finished = finished[keep]
+        column = width + step
+        key_mask[:, column] = True
+        hidden = layers.forward(tokens[:, None], (lengths + step)[:, None], keys, values, column,
+                                key_mask[:, : column + 1])
+        logits = model.lm_head(hidden[:, -1])  # (rows, vocab)
+    return list(zip(generated, logprobs, entropies))
