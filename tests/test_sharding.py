@@ -71,7 +71,10 @@ def test_engines_pass_synced_gpus_as_planned():
         return real_generate(*args, **{**kwargs, "synced_gpus": False})  # one process: nobody to sync with
 
     model.generate = recording_generate
-    HFGenerateEngine(model, codec).generate(["1+1="], 2, 1.0, 3, seed=0)
+    unsharded = HFGenerateEngine(model, codec)
+    unsharded.use_decode_loop = False  # (unsharded, it samples with qae_app/decode.py's loop, not generate)
+    unsharded.generate(["1+1="], 2, 1.0, 3, seed=0)
+    # sharded weights always take generate: the loop reads whole weights, which a sharded process does not hold
     HFGenerateEngine(model, codec, sharded=ShardedPolicy(SHARDED_ZERO3)).generate(["1+1="], 2, 1.0, 3, seed=0)
     assert seen == [False, True]
 
