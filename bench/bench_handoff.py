@@ -27,22 +27,13 @@ from paired import alternate, describe, pair_ratios
 
 import qae_app.trainer as trainer_module
 from qae_app.config import build_config
-from qae_app.store import PENDING_SUFFIX, pending_write_json
-from qae_app.store_write import RunWriter, _write_atomically
+from qae_app.store_write import RunWriter
 
 
 class SyncedEachStep(RunWriter):
     """The writer as it was before pending/ was synced per checkpoint: each saved write synced before its rename."""
 
-    def _spill(self) -> None:
-        self.pending_dir.mkdir(exist_ok=True)
-        for write in self.pending:
-            if write.spilled is not None:
-                continue
-            self._spilled_count += 1
-            final = self.pending_dir / f"{self._spilled_count:08d}-{write.kind}{PENDING_SUFFIX}"
-            _write_atomically(final, pending_write_json(write), sync=True)
-            write.spilled = final
+    sync_each_spill = True
 
 
 def real_step_tables(group_size: int, runs_dir: Path) -> dict[str, list[dict]]:

@@ -135,6 +135,10 @@ class RunWriter:
     deletes their files, and a resumed trainer picks up any that an earlier one left.
     """
 
+    # whether each saved write is synced before its rename (False: `sync_pending` syncs them before a checkpoint;
+    # bench/bench_handoff.py times True, the writer as it was)
+    sync_each_spill = False
+
     def __init__(self, path: Path, run_id: str, lock_timeout_s: float = 0.2, open_timeout_s: float = 60.0,
                  clock=time.monotonic, on_wait=None):
         """`on_wait(holder)`: called once if opening the file waits on another process for over
@@ -355,14 +359,15 @@ class RunWriter:
 
     def _spill(self) -> None:
         """Save every queued write that is not on disk yet: one JSON file each, written to a temporary name, then
-        renamed, so a file under pending/ is always whole. Not synced (a kill cannot lose it; `sync_pending`)."""
+        renamed, so a file under pending/ is always whole. Not synced unless `sync_each_spill` (a kill cannot lose it;
+        `sync_pending`)."""
         self.pending_dir.mkdir(exist_ok=True)
         for write in self.pending:
             if write.spilled is not None:
                 continue
             self._spilled_count += 1
             final = self.pending_dir / f"{self._spilled_count:08d}-{write.kind}{PENDING_SUFFIX}"
-            _write_atomically(final, pending_write_json(write), sync=False)
+            _write_atomically(final, pending_write_json(write), sync=self.sync_each_spill)
             write.spilled = final
 
     def sync_pending(self) -> None:
@@ -370,14 +375,8 @@ class RunWriter:
         disk, so an OS crash cannot lose it either; what the database holds DuckDB has synced. The trainer calls this
         before it saves a checkpoint: a resume trains again every step after its checkpoint, but not those before."""
         spilled = [write.spilled for write in self.pending if write.spilled is not None]
-        for path in spilled:
+        for path in spilled + ([self.pending_dir] if spilled else []):
             fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        if spilled:
-            fd = os.open(self.pending_dir, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
