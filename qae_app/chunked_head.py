@@ -207,7 +207,10 @@ def _sharding_of(chain: list[torch.nn.Module], head_weight: torch.Tensor) -> str
 
 def _fsdp2_owner_of_head(core: torch.nn.Module) -> torch.nn.Module | None:
     """The FSDP2 unit whose parameters include the LM head's: the head module itself or its nearest ancestor that is an
-    FSDPModule (the root under qae_app/sharding.py and accelerate's wrapping); None when there is none."""
+    FSDPModule (the root under qae_app/sharding.py and accelerate's wrapping); None when there is none (or no
+    torch.distributed in this build)."""
+    if not torch.distributed.is_available():
+        return None
     from torch.distributed.fsdp import FSDPModule
 
     head = core.get_output_embeddings()
@@ -231,7 +234,7 @@ def gathered_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | 
 
     core = wrapper_chain(model)[-1]
     weight, bias = plain_head(core)
-    owner = _fsdp2_owner_of_head(core) if torch.distributed.is_available() else None
+    owner = _fsdp2_owner_of_head(core)
     if owner is not None:
         owner.unshard()  # (waits for the all-gather; nothing to do when already gathered)
         weight, bias = plain_head(core)
@@ -322,7 +325,7 @@ def check_chunked_head(model: torch.nn.Module) -> int:
             causal_lm_logprobs(core, probe, torch.ones_like(probe), 0, 1.0, with_entropy=False)
     finally:
         core.train(was_training)
-        owner = _fsdp2_owner_of_head(core) if torch.distributed.is_available() else None
+        owner = _fsdp2_owner_of_head(core)
         if owner is not None:
             owner.reshard()  # (back onto the shards the optimizer holds)
     return weight.shape[0]
