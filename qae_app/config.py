@@ -108,6 +108,9 @@ NUMERIC_RANGES: dict[str, Range] = {
     "eval_k": Range(1, INT32_MAX, True, "Use a positive integer"),
     "eval_limit": Range(1, INT32_MAX, True, "Use a positive number of problems"),
     "verify_timeout_s": Range(0.0, 3600.0, False, "Use a number of seconds in (0, 3600], e.g. 3"),
+    "vllm_gpu_memory": Range(0.0, 1.0, False, "Use a share of each GPU in (0, 1): vLLM's gpu_memory_utilization, "
+                                              "e.g. 0.35 beside the trainer, 0.9 for qae eval alone",
+                             high_allowed=False),
     "logprob_chunk_tokens": Range(0, INT32_MAX, True, "Use 0 (the full logits) or a number of tokens, e.g. 441 "
                                                       "(256 MiB of float32 logits with a 151,936 vocabulary); leave "
                                                       "it unset for that automatically"),
@@ -165,6 +168,10 @@ class TrainConfig:
                            "the GPU memory vLLM holds; it wakes for the weight sync. Needs vLLM >= 0.7.3 and CPU "
                            "memory for one copy of the weights per process. --no-vllm-sleep: vLLM keeps its memory "
                            "(no copy each step).", "rollout", resumable=True)
+    vllm_gpu_memory: float = opt(0.35, "With --engine vllm: the share of each GPU vLLM takes for its weights and KV "
+                                 "cache (vLLM's gpu_memory_utilization); the trainer's weights, gradients and "
+                                 "optimizer state share the GPU with it. `qae plan` counts it.", "rollout",
+                                 resumable=True)
     group_size: int = opt(16, "Responses sampled per prompt (G).", "rollout")
     prompts_per_step: int = opt(8, "Prompts per RL step (B); a step has B * G responses.", "rollout")
     temperature: float = opt(1.0, "Sampling temperature.", "rollout")
@@ -518,6 +525,9 @@ class EvalConfig:
                                      "sampling")
     seed: int = opt(0, "Sampling seed.", "sampling")
     engine: str = opt("hf", "Rollout engine.", "sampling", names.ENGINES)
+    vllm_gpu_memory: float = opt(0.9, "With --engine vllm: the share of the GPU vLLM takes for its weights and KV "
+                                 "cache (vLLM's gpu_memory_utilization; nothing else is trained beside it here).",
+                                 "sampling")
     verify_timeout_s: float = opt(3.0, "Seconds the math verifier may spend on one response.", "benchmark")
     run_name: str | None = opt(None, "Id of the standalone eval run (for a model that is not a training run).",
                                "output")
@@ -530,6 +540,7 @@ class EvalConfig:
         # the training options' ranges, under this command's option names
         for name, value, flag in (("eval_k", self.samples, "samples"), ("temperature", self.temperature, None),
                                   ("seed", self.seed, None), ("verify_timeout_s", self.verify_timeout_s, None),
+                                  ("vllm_gpu_memory", self.vllm_gpu_memory, None),
                                   ("eval_limit", self.limit, "limit"), ("max_new_tokens", self.max_new_tokens, None)):
             if value is not None:
                 check_range(name, value, flag)

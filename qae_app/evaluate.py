@@ -197,7 +197,8 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
         policy, codec = load_policy(target.model_path, cfg.dtype)
     check_prompt_lengths(policy, codec, [(p.prompt_id, task.prompt(p)) for p in problems], max_new_tokens, "bench")
     rollout_engine = make_engine(cfg.engine, policy, codec, model_path=target.model_path,
-                                 sampling=SamplingOptions(cfg.top_p, cfg.top_k, cfg.min_p))
+                                 sampling=SamplingOptions(cfg.top_p, cfg.top_k, cfg.min_p),
+                                 gpu_memory_utilization=cfg.vllm_gpu_memory)  # (vllm only)
     progress = Progress(TextColumn(f"[bold]eval {name}"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
                         console=console, disable=console is None)
     with Scorer(task.reward, cfg.verify_timeout_s) as scorer, progress:

@@ -20,7 +20,8 @@ What the plan counts, per GPU (one process), and in which phase of a step it is 
                       the head's float32 gradient buffer; the full logits (LoRA's peft model, --logprob-chunk-tokens
                       0): six float32 (tokens, vocab) tensors (FULL_LOGITS_COPIES, from bench/bench_memory.py's
                       measurements)
-    vLLM              --engine vllm: its gpu_memory_utilization share of the GPU (VLLM_GPU_MEMORY_SHARE)
+    vLLM              --engine vllm: its gpu_memory_utilization share of the GPU (--vllm-gpu-memory, 0.35 by
+                      default), which must hold vLLM's bfloat16 copy of the weights and leave room for its KV cache
 
 A step has two phases that do not overlap: the rollouts (vLLM generates; the trainer holds its weights, gradients and
 optimizer state) and the update (the trainer's forward and backward passes). With --vllm-sleep (the default) vLLM's
@@ -55,7 +56,7 @@ from qae_app.packaged import PACKAGED_GGUF, packaged_gguf
 
 GB = 1e9
 RESERVE_FRACTION = 0.10  # of a GPU's memory, kept free for the CUDA context and the allocator's fragmentation
-VLLM_GPU_MEMORY_SHARE = 0.35  # vllm_engine.VLLMEngine's gpu_memory_utilization: the share of a GPU vLLM takes
+VLLM_WEIGHT_BYTES = 2  # vllm_engine.VLLMEngine loads the weights in bfloat16
 SHARDINGS = {"ddp": "every process holds all weights, gradients and optimizer state (DDP, ZeRO-0)",
              "fsdp": "weights, gradients and optimizer state split over the processes (FSDP2)"}
 PERSISTENT, UPDATE_PHASE, ROLLOUT_PHASE = "both", "update", "rollout"
@@ -399,9 +400,18 @@ def _components(cfg, shape: ModelShape, hardware: Hardware) -> tuple[list, list]
                              and not cfg.lora_rank)
     phases = dict(PHASES)
     if cfg.engine == "vllm":
+        share = cfg.vllm_gpu_memory
+        vllm_weights = shape.parameters() * VLLM_WEIGHT_BYTES
+        if share * hardware.gpu_memory_gb * GB <= vllm_weights:  # vLLM itself would refuse to start on the GPU
+            raise QAEUserError(
+                f"vllm-gpu-memory: {share:g} of each {hardware.gpu_memory_gb:g} GB GPU is "
+                f"{share * hardware.gpu_memory_gb:.1f} GB, no more than vLLM's bfloat16 copy of the weights "
+                f"({vllm_weights / GB:.1f} GB), so nothing is left for its KV cache and vLLM would not start. Use "
+                f"--vllm-gpu-memory {math.ceil(vllm_weights / (hardware.gpu_memory_gb * GB) * 100) / 100:.2f} or more "
+                "(the KV cache gets the rest of the share), or plan for GPUs with more memory.")
         held = "asleep in updates (--vllm-sleep)" if cfg.vllm_sleep else "held all run (--no-vllm-sleep)"
-        rows.append(("vLLM", VLLM_GPU_MEMORY_SHARE * hardware.gpu_memory_gb * GB,
-                     f"{VLLM_GPU_MEMORY_SHARE} of the GPU (gpu_memory_utilization), {held}"))
+        rows.append(("vLLM", share * hardware.gpu_memory_gb * GB,
+                     f"{share:g} of the GPU (--vllm-gpu-memory), {held}"))
         phases["vLLM"] = ROLLOUT_PHASE if cfg.vllm_sleep else PERSISTENT
     return [(name, size, phases[name], what) for name, size, what in rows], notes
 

@@ -315,7 +315,8 @@ class Trainer:
         if self.ref_model is not None and not cfg.lora_rank:
             self.ref_model.to(acc.device)
         self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
-                                  sharded=ShardedPolicy.of(acc, self.model), sleep=cfg.vllm_sleep)
+                                  sharded=ShardedPolicy.of(acc, self.model), sleep=cfg.vllm_sleep,
+                                  gpu_memory_utilization=cfg.vllm_gpu_memory)
         self.scorer = Scorer(self.task.reward, cfg.verify_timeout_s)
         # one scorer for the whole run (a math verifier pool takes seconds to start): the training one if it fits
         self.eval_scorer = (self.scorer if self.eval_task.reward == self.task.reward

@@ -187,6 +187,7 @@ def test_group_key_ignores_the_seed_and_bookkeeping_and_k_for_mean_baselines():
     assert group_key(_config(seed=3, run_name="x", checkpoint_every=5, eval_every=10)) == base
     # --vllm-sleep moves memory, not samples or updates; runs from before the option have no such key
     assert group_key(_config(vllm_sleep=True)) == group_key(_config(vllm_sleep=False)) == base
+    assert group_key(_config(vllm_gpu_memory=0.5)) == base  # nor does vLLM's share of the GPU
     assert group_key(_config(k="0.3")) != base
     assert group_key(_config(lr=1e-4)) != base
     assert group_key(_config(estimator="grpo", k="0.3")) == group_key(_config(estimator="grpo", k="0.5"))

@@ -210,6 +210,24 @@ def test_the_peak_is_what_both_phases_hold_plus_the_larger_phase():
     assert awake.total == 16 * p + update + 0.35 * GB and awake.phase("rollout") == 0
 
 
+def test_vllms_share_is_the_one_given_and_one_too_small_for_its_weights_is_refused():
+    """Qwen3-8B on 8 x 80 GB: --vllm-gpu-memory 0.5 is 40 GB in the rollout phase. Its bfloat16 weights are 16.4 GB,
+    so 0.2 (16 GB) leaves vLLM nothing for its KV cache: refused, naming the option, the value and the share that
+    holds them (0.21), through `qae plan` as through plan_run."""
+    path = next(p for p in RECIPES if p.name == "paper-qwen3-8b-dapo-qae.toml")
+    shape = model_shape(build_config(path).model)
+    hardware = Hardware(**recipe_hardware(path))
+    half = plan_run(build_config(path, vllm_gpu_memory=0.5), shape, hardware)
+    rows = {name: (size, phase, what) for name, size, phase, what in half.components}
+    assert rows["vLLM"][:2] == (0.5 * 80 * GB, "rollout") and "0.5 of the GPU (--vllm-gpu-memory)" in rows["vLLM"][2]
+    assert 2 * shape.parameters() / (80 * GB) == pytest.approx(0.2048, abs=1e-4)
+    with pytest.raises(QAEUserError, match=r"vllm-gpu-memory: 0\.2 of each 80 GB GPU is 16\.0 GB, .*16\.4 GB.*Use "
+                                           r"--vllm-gpu-memory 0\.21 or more"):
+        plan_run(build_config(path, vllm_gpu_memory=0.2), shape, hardware)
+    result = runner.invoke(app, ["plan", "--config", str(path), "--vllm-gpu-memory", "0.2"])
+    assert result.exit_code != 0 and "vllm-gpu-memory: 0.2 of each 80 GB GPU" in " ".join(result.output.split())
+
+
 def test_the_cpu_recipes_prompt_tokens_cover_its_prompts():
     from qae_app.models import CharTokenizer
     from qae_app.tasks import load_task

@@ -227,3 +227,39 @@ def test_sleep_mode_on_a_vllm_without_it_is_refused_with_the_fix(fake_vllm):
     with pytest.raises(QAEUserError, match="vllm_sleep: .*--no-vllm-sleep"):
         VLLMEngine("some/model", CharTokenizer())
     VLLMEngine("some/model", CharTokenizer(), sleep=False)  # (without sleep mode it runs as before)
+
+
+def test_vllm_gpu_memory_reaches_the_engine_from_train_and_eval(fake_vllm, tmp_path):
+    """--vllm-gpu-memory is vLLM's gpu_memory_utilization: the trainer's engine and `qae eval`'s get the value given,
+    and each command its own default (0.35 beside the trainer, 0.9 for eval alone)."""
+    from qae_app.config import EvalConfig, build_config
+    from qae_app.evaluate import run_eval_command
+    from qae_app.models import BUILTIN_CHECKPOINTS
+    from qae_app.trainer import Trainer
+
+    folder = str(BUILTIN_CHECKPOINTS["builtin:tiny"])  # a folder vLLM would load (the stand-in loads nothing)
+    for given, expected in ((None, 0.35), (0.6, 0.6)):
+        options = {} if given is None else {"vllm_gpu_memory": given}
+        cfg = build_config(model=folder, engine="vllm", steps=1, run_name=f"v{expected}", **options)
+        trainer = Trainer(cfg, tmp_path / "runs", cpu=True)
+        try:
+            assert trainer.engine.llm.kwargs["gpu_memory_utilization"] == expected
+        finally:
+            trainer.close()
+
+    seen = []
+    fake_vllm.LLM = type("RecordingLLM", (FakeLLM,), {"__init__": lambda self, **kw: (seen.append(kw),
+                                                                                      FakeLLM.__init__(self, **kw))[1]})
+    for given, expected in ((None, 0.9), (0.5, 0.5)):
+        options = {} if given is None else {"vllm_gpu_memory": given}
+        cfg = EvalConfig(model=folder, engine="vllm", limit=1, samples=1, run_name=f"e{expected}", **options)
+        run_eval_command(cfg.validate(), tmp_path / "runs")
+        assert seen[-1]["gpu_memory_utilization"] == expected
+
+
+@pytest.mark.parametrize("value", [0.0, 1.0, 1.5, float("nan")])
+def test_a_vllm_gpu_memory_outside_0_to_1_is_refused_naming_the_option(value):
+    from qae_app.config import build_config
+
+    with pytest.raises(QAEUserError, match=r"vllm-gpu-memory: .*Use a share of each GPU in \(0, 1\)"):
+        build_config(engine="vllm", vllm_gpu_memory=value)
