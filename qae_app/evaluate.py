@@ -198,7 +198,8 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
     check_prompt_lengths(policy, codec, [(p.prompt_id, task.prompt(p)) for p in problems], max_new_tokens, "bench")
     rollout_engine = make_engine(cfg.engine, policy, codec, model_path=target.model_path,
                                  sampling=SamplingOptions(cfg.top_p, cfg.top_k, cfg.min_p),
-                                 gpu_memory_utilization=cfg.vllm_gpu_memory)  # (vllm only)
+                                 # (vllm only) no update here to free vLLM's memory for: no sleep mode
+                                 gpu_memory_utilization=cfg.vllm_gpu_memory, sleep=False)
     progress = Progress(TextColumn(f"[bold]eval {name}"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
                         console=console, disable=console is None)
     with Scorer(task.reward, cfg.verify_timeout_s) as scorer, progress:

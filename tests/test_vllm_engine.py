@@ -263,3 +263,20 @@ def test_a_vllm_gpu_memory_outside_0_to_1_is_refused_naming_the_option(value):
 
     with pytest.raises(QAEUserError, match=r"vllm-gpu-memory: .*Use a share of each GPU in \(0, 1\)"):
         build_config(engine="vllm", vllm_gpu_memory=value)
+
+
+def test_qae_eval_runs_vllm_without_sleep_mode_which_it_never_uses(fake_vllm, tmp_path):
+    """`qae eval` trains nothing, so it has no update to free vLLM's memory for: it builds no sleep-mode engine, and a
+    vLLM from before sleep mode (which `qae train` refuses, naming --no-vllm-sleep, an option eval does not have)
+    evaluates."""
+    from qae_app.config import EvalConfig
+    from qae_app.evaluate import run_eval_command
+    from qae_app.models import BUILTIN_CHECKPOINTS
+
+    folder = str(BUILTIN_CHECKPOINTS["builtin:tiny"])
+    built = []
+    fake_vllm.LLM = type("RecordingLLMWithoutSleep", (FakeLLMWithoutSleep,),
+                         {"__init__": lambda self, **kw: (built.append(kw), FakeLLM.__init__(self, **kw))[1]})
+    run_eval_command(EvalConfig(model=folder, engine="vllm", limit=2, samples=2, run_name="old-vllm").validate(),
+                     tmp_path / "runs")
+    assert len(built) == 1 and "enable_sleep_mode" not in built[0]
