@@ -169,7 +169,7 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
     """Everything `qae eval` does; returns (EvalResult, run_id the results were stored under, database path)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from qae_app.models import check_prompt_lengths, load_policy
+    from qae_app.models import check_prompt_lengths, load_policy, rollout_positions
     from qae_app.rollout import make_engine
 
     target = resolve_model(cfg.model, runs_dir, cfg.checkpoint)
@@ -195,16 +195,19 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
         # newest again (a newer one than the pruned, which the trainer keeps for at least a checkpoint interval)
         target = resolve_model(cfg.model, runs_dir)
         policy, codec = load_policy(target.model_path, cfg.dtype)
-    check_prompt_lengths(policy, codec, [(p.prompt_id, task.prompt(p)) for p in problems], max_new_tokens, "bench")
+    prompts = [task.prompt(p) for p in problems]
+    by_id = list(zip([p.prompt_id for p in problems], prompts))
+    check_prompt_lengths(policy, codec, by_id, max_new_tokens, "bench")
     rollout_engine = make_engine(cfg.engine, policy, codec, model_path=target.model_path,
                                  sampling=SamplingOptions(cfg.top_p, cfg.top_k, cfg.min_p),
                                  # (vllm only) no update here to free vLLM's memory for: no sleep mode
-                                 gpu_memory_utilization=cfg.vllm_gpu_memory, sleep=False)
+                                 gpu_memory_utilization=cfg.vllm_gpu_memory, sleep=False,
+                                 max_model_len=rollout_positions(policy, codec, by_id, max_new_tokens))
     progress = Progress(TextColumn(f"[bold]eval {name}"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
                         console=console, disable=console is None)
     with Scorer(task.reward, cfg.verify_timeout_s) as scorer, progress:
         bar = progress.add_task("eval", total=len(problems))
-        result = evaluate(rollout_engine, name, problems, [task.prompt(p) for p in problems], scorer, cfg.samples,
+        result = evaluate(rollout_engine, name, problems, prompts, scorer, cfg.samples,
                           cfg.temperature, max_new_tokens, cfg.seed, on_batch=lambda n: progress.advance(bar, n))
 
     path = db_path(runs_dir, run_id)

@@ -402,6 +402,21 @@ def prompts_longer_than(codec: TextCodec, prompts: list[tuple[str, str]], budget
     return too_long
 
 
+def rollout_positions(model, codec: TextCodec, prompts: list[tuple[str, str]], max_new_tokens: int) -> int:
+    """The most positions a rollout of `prompts` (prompt id, text) can take, as a bound that costs no encoding: the
+    longest prompt's UTF-8 bytes plus the template's own tokens (a token covers at least one byte, as in
+    `prompts_longer_than`) plus `max_new_tokens`, capped at the model's context.
+
+    vLLM sizes its sequences by it (`max_model_len`). Left unset, vLLM takes the model's whole context (131,072
+    positions for Llama 3.1) and refuses to start when its share of the GPU cannot cache one sequence that long, though
+    no rollout comes near it. TRL sets it the same way (max prompt length + max completion length)."""
+    template_tokens = len(codec.encode("")) + 1
+    longest = max((len(text.encode("utf-8", "surrogatepass")) for _, text in prompts), default=0)
+    needed = longest + template_tokens + max_new_tokens
+    context = model_context(model)
+    return needed if context is None else min(needed, context)
+
+
 def check_token_budget(codec: TextCodec, prompts: list[tuple[str, str]], max_new_tokens: int,
                        max_tokens_per_micro_batch: int, source: str) -> None:
     """QAEUserError, before anything runs, if a prompt of `prompts` (prompt id, text) with a response of

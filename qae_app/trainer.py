@@ -42,7 +42,7 @@ from qae_app.faults import fault_point
 from qae_app.formatting import as_float
 from qae_app.lora import AdaptersDisabled, apply_lora, trainable_parameters
 from qae_app.models import (check_prompt_lengths, check_token_budget, disable_dropout, enable_gradient_checkpointing,
-                            load_policy)
+                            load_policy, rollout_positions)
 from qae_app.rewards import Scorer, shape_rewards
 from qae_app.rollout import ShardedPolicy, make_engine, plan_for
 from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics, stored_responses
@@ -276,12 +276,11 @@ class Trainer:
         cfg, acc = self.cfg, self.accelerator
         model, self.codec = load_policy(cfg.model, cfg.dtype)
         disable_dropout(model)  # old log-probs (no grad) and the update must see the same network
-        check_prompt_lengths(model, self.codec, [(p.prompt_id, self.task.prompt(p)) for p in self.task.train
-                                                 + self.task.heldout], cfg.max_new_tokens, "data")
+        data = [(p.prompt_id, self.task.prompt(p)) for p in self.task.train + self.task.heldout]  # both splits
+        evals = [(p.prompt_id, self.eval_task.prompt(p)) for p in self._evaluated_problems()]  # --eval-every's
+        check_prompt_lengths(model, self.codec, data, cfg.max_new_tokens, "data")
         if cfg.eval_bench and cfg.eval_every:  # the problems --eval-every evaluates, as `qae eval` checks them
-            check_prompt_lengths(model, self.codec, [(p.prompt_id, self.eval_task.prompt(p))
-                                                     for p in self._evaluated_problems()], cfg.max_new_tokens,
-                                 "eval-bench")
+            check_prompt_lengths(model, self.codec, evals, cfg.max_new_tokens, "eval-bench")
         if cfg.max_tokens_per_micro_batch is not None:  # (the trained prompts: the held-out ones are only sampled)
             check_token_budget(self.codec, [(p.prompt_id, self.task.prompt(p)) for p in self.task.train],
                                cfg.max_new_tokens, cfg.max_tokens_per_micro_batch, "the data's")
@@ -316,7 +315,8 @@ class Trainer:
             self.ref_model.to(acc.device)
         self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
                                   sharded=ShardedPolicy.of(acc, self.model), sleep=cfg.vllm_sleep,
-                                  gpu_memory_utilization=cfg.vllm_gpu_memory)
+                                  gpu_memory_utilization=cfg.vllm_gpu_memory,
+                                  max_model_len=rollout_positions(model, self.codec, data + evals, cfg.max_new_tokens))
         self.scorer = Scorer(self.task.reward, cfg.verify_timeout_s)
         # one scorer for the whole run (a math verifier pool takes seconds to start): the training one if it fits
         self.eval_scorer = (self.scorer if self.eval_task.reward == self.task.reward

@@ -229,9 +229,10 @@ def test_sleep_mode_on_a_vllm_without_it_is_refused_with_the_fix(fake_vllm):
     VLLMEngine("some/model", CharTokenizer(), sleep=False)  # (without sleep mode it runs as before)
 
 
-def test_vllm_gpu_memory_reaches_the_engine_from_train_and_eval(fake_vllm, tmp_path):
+def test_vllm_gpu_memory_and_max_model_len_reach_the_engine_from_train_and_eval(fake_vllm, tmp_path):
     """--vllm-gpu-memory is vLLM's gpu_memory_utilization: the trainer's engine and `qae eval`'s get the value given,
-    and each command its own default (0.35 beside the trainer, 0.9 for eval alone)."""
+    and each command its own default (0.35 beside the trainer, 0.9 for eval alone). Both bound vLLM's max_model_len
+    by the prompts they sample and --max-new-tokens (`rollout_positions`), not the model's whole context."""
     from qae_app.config import EvalConfig, build_config
     from qae_app.evaluate import run_eval_command
     from qae_app.models import BUILTIN_CHECKPOINTS
@@ -244,6 +245,8 @@ def test_vllm_gpu_memory_reaches_the_engine_from_train_and_eval(fake_vllm, tmp_p
         trainer = Trainer(cfg, tmp_path / "runs", cpu=True)
         try:
             assert trainer.engine.llm.kwargs["gpu_memory_utilization"] == expected
+            # the longest arith prompt is 6 characters ("12+34="): 6 bytes + <bos> and one spare + 8 new tokens
+            assert trainer.engine.llm.kwargs["max_model_len"] == 6 + 2 + 8
         finally:
             trainer.close()
 
@@ -255,6 +258,7 @@ def test_vllm_gpu_memory_reaches_the_engine_from_train_and_eval(fake_vllm, tmp_p
         cfg = EvalConfig(model=folder, engine="vllm", limit=1, samples=1, run_name=f"e{expected}", **options)
         run_eval_command(cfg.validate(), tmp_path / "runs")
         assert seen[-1]["gpu_memory_utilization"] == expected
+        assert seen[-1]["max_model_len"] == 4 + 2 + 8  # --limit 1: the first held-out prompt, "0+0="; 8 new tokens
 
 
 @pytest.mark.parametrize("value", [0.0, 1.0, 1.5, float("nan")])
@@ -280,3 +284,15 @@ def test_qae_eval_runs_vllm_without_sleep_mode_which_it_never_uses(fake_vllm, tm
     run_eval_command(EvalConfig(model=folder, engine="vllm", limit=2, samples=2, run_name="old-vllm").validate(),
                      tmp_path / "runs")
     assert len(built) == 1 and "enable_sleep_mode" not in built[0]
+
+
+def test_rollout_positions_bound_every_prompt_and_stop_at_the_models_context():
+    """vLLM's max_model_len: the longest prompt's bytes + the template's tokens + one + max_new_tokens, never below
+    what a prompt encodes to, never past the model's context (128 positions for the built-in model)."""
+    from qae_app.models import load_policy, rollout_positions
+
+    model, codec = load_policy("builtin:tiny")
+    prompts = [("a", "1+1="), ("b", "12+34="), ("c", "7*8=")]
+    assert rollout_positions(model, codec, prompts, 8) == 6 + 1 + 1 + 8  # "12+34=", <bos>, one spare
+    assert all(len(codec.encode(p)) + 8 <= rollout_positions(model, codec, prompts, 8) for _, p in prompts)
+    assert rollout_positions(model, codec, prompts, 500) == 128
