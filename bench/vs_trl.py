@@ -13,8 +13,8 @@ once to the Hugging Face folder both then load; `chain`: builtin:tiny-chain), or
 tokens (arith 8, add 16, chain 48; or --max-new-tokens), temperature 1, LoRA off, learning rate 5e-5 (AdamW,
 constant, no weight decay, grad-norm clip 1.0), clip 0.2 / 0.28, ONE optimizer update per step (qae:
 num_mini_batches=1, ppo_epochs=1; TRL: per_device_train_batch_size=8 x G, gradient_accumulation_steps=1,
-num_iterations=1), token-level loss (qae loss_agg=token; TRL loss_type="dapo"), no KL (beta 0: neither loads a reference model), float32, no gradient
-checkpointing, the same torch thread count. Both score a response with the task's own reward, through the same
+num_iterations=1), token-level loss (qae loss_agg=token; TRL loss_type="dapo"), no KL (beta 0: neither loads a
+reference model), float32, no gradient checkpointing, the same torch thread count. Both score a response with the task's own reward, through the same
 `qae_app.rewards.Scorer` (arith: exact integer; add: the final number checked with math-verify in its worker pool).
 For a built-in model TRL gets the character codec wrapped as a transformers tokenizer (bench/hf_char_tokenizer.py:
 same ids, <bos> prepended, no chat template); otherwise both load the folder as qae does (float32) and, where its
