@@ -14,13 +14,13 @@ tokens (arith 8, add 16, chain 48; or --max-new-tokens), temperature 1, LoRA off
 constant, no weight decay, grad-norm clip 1.0), clip 0.2 / 0.28, ONE optimizer update per step (qae:
 num_mini_batches=1, ppo_epochs=1; TRL: per_device_train_batch_size=8 x G, gradient_accumulation_steps=1,
 num_iterations=1), token-level loss (qae loss_agg=token; TRL loss_type="dapo"), no KL (beta 0: neither loads a
-reference model), float32, no gradient checkpointing, the same torch thread count. Both score a response with the task's own reward, through the same
-`qae_app.rewards.Scorer` (arith: exact integer; add: the final number checked with math-verify in its worker pool).
-For a built-in model TRL gets the character codec wrapped as a transformers tokenizer (bench/hf_char_tokenizer.py:
-same ids, <bos> prepended, no chat template); otherwise both load the folder as qae does (float32) and, where its
-tokenizer has a chat template, TRL gets chat prompts, which its template turns into the ids qae's codec gives
-(checked for every prompt before the run). The HF hub, transformers and datasets are set offline, so nothing is
-downloaded.
+reference model), float32, no gradient checkpointing, the same torch thread count. Both score a response with the
+task's own reward, through the same `qae_app.rewards.Scorer` (arith: exact integer; add: the final number checked
+with math-verify in its worker pool). For a built-in model TRL gets the character codec wrapped as a transformers
+tokenizer (bench/hf_char_tokenizer.py: same ids, <bos> prepended, no chat template); otherwise both load the folder
+as qae does (float32) and, where its tokenizer has a chat template, TRL gets chat prompts, which its template turns
+into the ids qae's codec gives (checked for every prompt before the run). The HF hub, transformers and datasets are
+set offline, so nothing is downloaded.
 
 Each system trains in a child process of this one, and in each round the children take turns step by step (the
 parent lets one step of one child run while the others wait at a gate, the order rotated each step: bench/paired.py),
