@@ -386,15 +386,26 @@ def model_context(model) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
+def template_tokens(codec: TextCodec) -> int:
+    """The tokens the codec adds to any prompt (chat template, <bos>), plus one: a tokenizer may add a word-start
+    token to the first word."""
+    return len(codec.encode("")) + 1
+
+
+def most_tokens(text: str, template: int) -> int:
+    """A bound on `text`'s tokens as encoded, with `template` = `template_tokens(codec)`, that costs no encoding: a
+    token covers at least one UTF-8 byte."""
+    return len(text.encode("utf-8", "surrogatepass")) + template
+
+
 def prompts_longer_than(codec: TextCodec, prompts: list[tuple[str, str]], budget: int) -> list[tuple[str, int]]:
     """(prompt id, tokens) of the `prompts` (prompt id, text) longer than `budget` tokens as encoded.
 
-    Only prompts that might be longer are encoded: a token covers at least one UTF-8 byte, so a prompt whose bytes
-    plus the template's own tokens fit is known to fit."""
-    template_tokens = len(codec.encode("")) + 1  # +1: a tokenizer may add a word-start token to the first word
+    Only prompts that might be longer are encoded: a prompt whose `most_tokens` fit is known to fit."""
+    template = template_tokens(codec)
     too_long = []
     for prompt_id, text in prompts:
-        if len(text.encode("utf-8", "surrogatepass")) + template_tokens <= budget:
+        if most_tokens(text, template) <= budget:
             continue
         n_tokens = len(codec.encode(text))
         if n_tokens > budget:
@@ -404,15 +415,13 @@ def prompts_longer_than(codec: TextCodec, prompts: list[tuple[str, str]], budget
 
 def rollout_positions(model, codec: TextCodec, prompts: list[tuple[str, str]], max_new_tokens: int) -> int:
     """The most positions a rollout of `prompts` (prompt id, text) can take, as a bound that costs no encoding: the
-    longest prompt's UTF-8 bytes plus the template's own tokens (a token covers at least one byte, as in
-    `prompts_longer_than`) plus `max_new_tokens`, capped at the model's context.
+    longest prompt's `most_tokens` plus `max_new_tokens`, capped at the model's context.
 
     vLLM sizes its sequences by it (`max_model_len`). Left unset, vLLM takes the model's whole context (131,072
     positions for Llama 3.1) and refuses to start when its share of the GPU cannot cache one sequence that long, though
     no rollout comes near it. TRL sets it the same way (max prompt length + max completion length)."""
-    template_tokens = len(codec.encode("")) + 1
-    longest = max((len(text.encode("utf-8", "surrogatepass")) for _, text in prompts), default=0)
-    needed = longest + template_tokens + max_new_tokens
+    template = template_tokens(codec)
+    needed = max((most_tokens(text, template) for _, text in prompts), default=template) + max_new_tokens
     context = model_context(model)
     return needed if context is None else min(needed, context)
 
