@@ -401,17 +401,16 @@ def _components(cfg, shape: ModelShape, hardware: Hardware) -> tuple[list, list]
     phases = dict(PHASES)
     if cfg.engine == "vllm":
         share = cfg.vllm_gpu_memory
-        vllm_weights = shape.parameters() * VLLM_WEIGHT_BYTES
-        if share * hardware.gpu_memory_gb * GB <= vllm_weights:  # vLLM itself would refuse to start on the GPU
+        vllm_bytes, vllm_weights = share * hardware.gpu_memory_gb * GB, shape.parameters() * VLLM_WEIGHT_BYTES
+        if vllm_bytes <= vllm_weights:  # vLLM itself would refuse to start on the GPU
             raise QAEUserError(
                 f"vllm-gpu-memory: {share:g} of each {hardware.gpu_memory_gb:g} GB GPU is "
-                f"{share * hardware.gpu_memory_gb:.1f} GB, no more than vLLM's bfloat16 copy of the weights "
+                f"{vllm_bytes / GB:.1f} GB, no more than vLLM's bfloat16 copy of the weights "
                 f"({vllm_weights / GB:.1f} GB), so nothing is left for its KV cache and vLLM would not start. Use "
                 f"--vllm-gpu-memory {math.ceil(vllm_weights / (hardware.gpu_memory_gb * GB) * 100) / 100:.2f} or more "
                 "(the KV cache gets the rest of the share), or plan for GPUs with more memory.")
         held = "asleep in updates (--vllm-sleep)" if cfg.vllm_sleep else "held all run (--no-vllm-sleep)"
-        rows.append(("vLLM", share * hardware.gpu_memory_gb * GB,
-                     f"{share:g} of the GPU (--vllm-gpu-memory), {held}"))
+        rows.append(("vLLM", vllm_bytes, f"{share:g} of the GPU (--vllm-gpu-memory), {held}"))
         phases["vLLM"] = ROLLOUT_PHASE if cfg.vllm_sleep else PERSISTENT
     return [(name, size, phases[name], what) for name, size, what in rows], notes
 
