@@ -150,6 +150,22 @@ def test_real_tokenizer_uses_the_chat_template_and_stops_at_end_of_turn(smollm2)
 
 
 @pytest.mark.slow
+def test_rollout_positions_cover_every_prompt_with_the_chat_template(smollm2, math_data):
+    """vLLM's max_model_len on a real BPE tokenizer whose chat template adds a system message: the bound is at least
+    every GSM8K test prompt's encoded length plus the response, and far below the model's 8,192 positions."""
+    from qae_app.models import model_context, rollout_positions
+    from qae_app.tasks import load_benchmark
+
+    model, codec = load_policy(str(smollm2))
+    _, problems, task = load_benchmark(str(math_data / GSM8K_TEST))
+    prompts = [(p.prompt_id, task.prompt(p)) for p in problems[:300]]
+    bound = rollout_positions(model, codec, prompts, 256)
+    longest = max(len(codec.encode(text)) for _, text in prompts)
+    print(f"longest prompt {longest} tokens; max_model_len {bound} of {model_context(model)}")
+    assert longest + 256 <= bound < model_context(model)
+
+
+@pytest.mark.slow
 def test_the_converted_model_is_the_real_one(smollm2):
     from qae_app.rollout import HFGenerateEngine
     from qae_app.sampling import SamplingOptions
