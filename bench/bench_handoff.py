@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from paired import alternate, describe, pair_ratios
 
-import qae_app.trainer as trainer_module
+import qae_app.train.trainer as trainer_module
 from qae_app.config import build_config
-from qae_app.store_write import RunWriter
+from qae_app.store.writer import RunWriter
 
 
 class SyncedEachStep(RunWriter):

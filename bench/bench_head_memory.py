@@ -42,8 +42,8 @@ def run_passes(args) -> None:
     import torch
     import torch.nn.functional as F
 
-    from qae_app.chunked_head import head_logprobs_and_entropy
-    from qae_app.losses import token_logprobs_and_entropy
+    from qae_app.algo.chunked_head import head_logprobs_and_entropy
+    from qae_app.algo.losses import token_logprobs_and_entropy
 
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)

@@ -43,7 +43,8 @@ def model_shape(args):
     """The ModelShape of the model the child builds: --model-config's, or the options', --layers always applied."""
     from dataclasses import replace
 
-    from qae_app.plan import ModelShape, model_shape as shape_of_model
+    from qae_app.analysis.memory_plan import ModelShape
+    from qae_app.analysis.memory_plan import model_shape as shape_of_model
 
     if args.model_config:
         return replace(shape_of_model(args.model_config), layers=args.layers)
@@ -56,7 +57,7 @@ def model_shape(args):
 
 def update_shape(args, shape):
     """What qae plan is told about the update the child runs."""
-    from qae_app.plan import UpdateShape, default_chunk_tokens
+    from qae_app.analysis.memory_plan import UpdateShape, default_chunk_tokens
 
     length = args.tokens // args.sequences
     micro = args.micro_batch_size or args.sequences
@@ -71,9 +72,9 @@ def run_update(args) -> None:
     import torch
     import transformers
 
-    from qae_app import update
-    from qae_app.lora import apply_lora, trainable_parameters
-    from qae_app.models import disable_dropout, enable_gradient_checkpointing, quiet_transformers
+    from qae_app.models.lora import apply_lora, trainable_parameters
+    from qae_app.models.policy import disable_dropout, enable_gradient_checkpointing, quiet_transformers
+    from qae_app.train import update
 
     quiet_transformers()
     baseline = current_rss()
@@ -137,7 +138,7 @@ def main() -> None:
     args = parser.parse_args()
     if ran_as_child(args, run_update):
         return
-    from qae_app.plan import update_components
+    from qae_app.analysis.memory_plan import update_components
 
     shape = model_shape(args)
     components = update_components(shape, update_shape(args, shape))

@@ -31,8 +31,8 @@ def worker(model: str, out: str) -> None:
     import torch
 
     from qae_app.config import build_config
-    from qae_app.sharding import reshard
-    from qae_app.trainer import Trainer
+    from qae_app.models.sharding import reshard
+    from qae_app.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as runs:
         cfg = build_config(run_name="mem", model=model, steps=1, prompts_per_step=2, group_size=2, eval_every=0,

@@ -30,12 +30,11 @@ import time
 import zlib
 
 import torch
-
 from paired import alternate, describe, pair_ratios
 
-from qae_app.advantages import compute_advantages, quantile_rank
+from qae_app.algo.advantages import compute_advantages, quantile_rank
 from qae_app.config import build_config
-from qae_app.trainer import Trainer
+from qae_app.train.trainer import Trainer
 
 
 class SyntheticVerdicts:

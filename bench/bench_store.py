@@ -23,20 +23,20 @@ and the file's bytes per response. Goal: >= 30 MB/s on 2 cores.
 from __future__ import annotations
 
 import argparse
-import os
 import json
 import math
+import os
 import random
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
-import qae_app.trainer as trainer_module
+import qae_app.train.trainer as trainer_module
 from qae_app.config import build_config
-from qae_app.rundir import db_path
-from qae_app.store import STEP_METRICS
-from qae_app.store_read import query
+from qae_app.store.reader import query
+from qae_app.store.run_folder import db_path
+from qae_app.store.schema import STEP_METRICS
 
 MATH_DATA = Path(os.environ.get("QAE_MATH_DATA", Path(__file__).resolve().parents[2] / "shared/data/math"))
 
@@ -124,8 +124,8 @@ def paper_step(rng: random.Random, words: list[str], step: int) -> tuple[dict, i
 
 
 def paper_scale(steps: int, store_responses: str) -> None:
-    from qae_app.rows import stored_responses
-    from qae_app.store_write import RunWriter
+    from qae_app.store.rows import stored_responses
+    from qae_app.store.writer import RunWriter
 
     solutions = [json.loads(line) for line in (MATH_DATA / "math500.jsonl").read_text().splitlines() if line.strip()]
     words = " ".join(row.get("solution", "") + " " + row.get("problem", "") for row in solutions).split()

@@ -15,9 +15,9 @@ from __future__ import annotations
 import multiprocessing
 import time
 
-from qae_app import answers
-from qae_app.answers import extract_answer
-from qae_app.verifier_pool import MathVerifierPool
+from qae_app.rewards import answers
+from qae_app.rewards.answers import extract_answer
+from qae_app.rewards.verifier_pool import MathVerifierPool
 
 # the hostile texts of tests/test_rewards.py::test_extract_answer_on_hostile_text
 HOSTILE_TEXTS = ["x" * 100_000 + "\\boxed{1}", "{" * 5000 + "\\boxed{" + "{" * 5000 + "1" + "}" * 4000,

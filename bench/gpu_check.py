@@ -29,11 +29,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import qae_app.trainer as trainer_module  # noqa: E402
+import qae_app.train.trainer as trainer_module  # noqa: E402
+from qae_app.algo.losses import token_logprobs_and_entropy  # noqa: E402
 from qae_app.config import build_config  # noqa: E402
-from qae_app.losses import token_logprobs_and_entropy  # noqa: E402
-from qae_app.models import load_policy, local_model_folder  # noqa: E402
-from qae_app.rollout import HFGenerateEngine, plan_for  # noqa: E402
+from qae_app.engines.hf import HFGenerateEngine
+from qae_app.engines.sharded_policy import sharding_plan_for  # noqa: E402
+from qae_app.models.policy import load_policy, local_model_folder  # noqa: E402
 
 FSDP_CONFIG = """compute_environment: LOCAL_MACHINE
 distributed_type: FSDP
@@ -99,7 +100,7 @@ def check_plan(args) -> None:
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=args.cpu)
-    plan = plan_for(accelerator)
+    plan = sharding_plan_for(accelerator)
     expected_sharded = accelerator.distributed_type.value == "FSDP" or (
         accelerator.distributed_type.value == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3)
     ok = (plan.sharding != "none") == expected_sharded
@@ -109,8 +110,8 @@ def check_plan(args) -> None:
 
 @check("rl_steps")
 def check_rl_steps(args, runs_dir: str) -> None:
-    from qae_app.rundir import db_path
-    from qae_app.store_read import read_steps
+    from qae_app.store.reader import read_steps
+    from qae_app.store.run_folder import db_path
 
     dtype = "float32" if args.cpu else "bfloat16"
     cfg = build_config(model=args.model, data=args.data, dtype=dtype, steps=2, group_size=4,
@@ -167,7 +168,7 @@ def check_vllm(args) -> None:
     if args.model.startswith("builtin:"):
         report("vllm_engine", "SKIP", "vLLM cannot load the built-in character tokenizer: pass --model")
         return
-    from qae_app.vllm_engine import VLLMEngine
+    from qae_app.engines.vllm_engine import VLLMEngine
 
     model, codec = load_policy(args.model, "bfloat16")
     model.to("cuda")
@@ -213,7 +214,7 @@ def check_sharded(args, runs_dir: str) -> None:
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=args.cpu)
-    plan = plan_for(accelerator)
+    plan = sharding_plan_for(accelerator)
     if plan.sharding == "none":
         report("sharded", "SKIP", f"{accelerator.distributed_type.value}: not sharded (run under accelerate launch "
                                   "with an FSDP or ZeRO-3 config)")

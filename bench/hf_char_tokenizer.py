@@ -1,4 +1,4 @@
-"""The built-in character codec (`qae_app.models.CharTokenizer`) as a transformers tokenizer, for bench/ only.
+"""The built-in character codec (`qae_app.models.policy.CharTokenizer`) as a transformers tokenizer, for bench/ only.
 
 TRL's `GRPOTrainer` takes a `PreTrainedTokenizerBase`, not qae's small `TextCodec`, so bench/vs_trl.py hands it this
 wrapper. Same ids as the codec: 0..3 are <pad>, <bos>, <eos>, <unk>, then one id per character; encoding a prompt
@@ -13,7 +13,7 @@ import os
 
 from transformers import PreTrainedTokenizer
 
-from qae_app.models import CharTokenizer
+from qae_app.models.policy import CharTokenizer
 
 
 class HFCharTokenizer(PreTrainedTokenizer):

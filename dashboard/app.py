@@ -5,9 +5,8 @@ and the watcher that redraws the page when its runs change) and hands over to th
 Pages live in `views/` and stay thin: data comes from `board` (cached store readers), figures from `charts`.
 """
 
-import streamlit as st
-
 import board
+import streamlit as st
 
 st.set_page_config(page_title="qae", page_icon=":material/monitoring:", layout="wide")
 

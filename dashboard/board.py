@@ -4,7 +4,7 @@ watcher that redraws a page when its runs change, and the facts of a run (progre
 A run is its folder: every reader is given `<runs dir>/<folder>/qae.duckdb`, so a copied or renamed run folder is a
 run of its own on every page (the id stored inside the file is only shown, as `stored_run_id`).
 
-No I/O at import. Every read goes through a `qae_app.store_read` reader (read-only, opened and closed at once) wrapped
+No I/O at import. Every read goes through a `qae_app.store.reader` reader (read-only, opened and closed at once) wrapped
 in `st.cache_data` keyed by the run's file version (`store_read.file_version`: mtime and size, two stat calls): a page
 redrawn without a new commit reads nothing from the database, and a new commit is always read.
 """
@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
+import charts
 import duckdb
 import pandas as pd
 import plotly
@@ -24,10 +25,13 @@ import plotly.graph_objects as go
 import streamlit as st
 import streamlit.components.v1 as components_v1
 
-import charts
-from qae_app import compare, names, run_file, rundir, store_read
-from qae_app.errors import QAEUserError
-from qae_app.formatting import MISSING, missing, pace_line, run_pace
+from qae_app.analysis import compare
+from qae_app.core import names
+from qae_app.core.errors import QAEUserError
+from qae_app.core.formatting import MISSING, missing, pace_line, run_pace
+from qae_app.store import reader as store_read
+from qae_app.store import run_file
+from qae_app.store import run_folder as rundir
 
 RUNS_DIR_ENV = "QAE_RUNS_DIR"  # set by `qae dashboard --runs-dir`
 REFRESH_CHOICES = {("off" if seconds is None else f"{seconds} s"): seconds  # sidebar label -> seconds

@@ -19,9 +19,9 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
-from qae_app.compare import CONFIDENCE, student_t_ppf
-from qae_app.formatting import as_float, number
-from qae_app.names import GATE_REASONS, REGIMES
+from qae_app.analysis.compare import CONFIDENCE, student_t_ppf
+from qae_app.core.formatting import as_float, number
+from qae_app.core.names import GATE_REASONS, REGIMES
 
 SMOOTHING_METHODS = ("none", "ema", "rolling")
 # the band around a group's mean curve (Compare, grouped Training curves): the mean's 95% Student-t interval, the

@@ -7,10 +7,10 @@ the evaluation's sampling), so the seeds of one setup form a group; any config k
 
 from __future__ import annotations
 
+import charts
 import pandas as pd
 
-import charts
-from qae_app import compare
+from qae_app.analysis import compare
 
 # the values a metric can take: its band is cut there (a fraction's t-interval easily leaves [0, 1] with 3 seeds)
 UNIT_INTERVAL = (0.0, 1.0)

@@ -4,7 +4,7 @@ Precedence: defaults < `--config run.toml` < command-line options. `given_option
 gave (TOML or command line), which is what a resume may change (`session.resume_config`). Every value is checked in
 `validate()`; a bad one raises `QAEUserError` naming the option, the value and the fix, before anything is written.
 
-Torch-free (the CLI builds its options from these classes at start-up): the choices come from `qae_app.names`.
+Torch-free (the CLI builds its options from these classes at start-up): the choices come from `qae_app.core.names`.
 """
 
 from __future__ import annotations
@@ -13,19 +13,20 @@ import dataclasses
 import difflib
 import math
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from qae_app import names
-from qae_app.environment import check_path_names
-from qae_app.errors import QAEUserError
-from qae_app.formatting import clipped
-from qae_app.rows import STORE_RESPONSES_HELP, check_store_responses
-from qae_app.rundir import validate_run_name
-from qae_app.sampling import SamplingOptions
-from qae_app.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, builtin_task_name, task_defaults
+import tomllib
+
+from qae_app.core import names
+from qae_app.core.errors import QAEUserError
+from qae_app.core.formatting import clipped
+from qae_app.core.host_faults import check_path_names
+from qae_app.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, builtin_task_name, task_defaults
+from qae_app.engines.sampling import SamplingOptions
+from qae_app.store.rows import STORE_RESPONSES_HELP, check_store_responses
+from qae_app.store.run_folder import validate_run_name
 
 _BUILTIN_TASK_HELP = ", ".join(f"{BUILTIN_PREFIX}{name} (model {t.model}, {t.max_new_tokens} tokens)"
                                for name, t in BUILTIN_TASKS.items())

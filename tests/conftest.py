@@ -42,7 +42,7 @@ TINY_RUN_OPTIONS = dict(steps=6, prompts_per_step=4, group_size=8, eval_every=3,
 def tiny_run(tmp_path_factory) -> tuple[Path, str]:
     """(runs_dir, run_id) of a finished 6-step QAE run on the built-in task."""
     from qae_app.config import build_config
-    from qae_app.trainer import Trainer
+    from qae_app.train.trainer import Trainer
 
     runs_dir = tmp_path_factory.mktemp("runs")
     cfg = build_config(run_name="tiny", **TINY_RUN_OPTIONS)

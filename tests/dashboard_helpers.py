@@ -17,7 +17,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from qae_app import rundir, store, store_write
+from qae_app.store import run_folder as rundir
+from qae_app.store import schema as store
+from qae_app.store import writer as store_write
 from tests.synthetic import write_run
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"

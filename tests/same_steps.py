@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from qae_app.rundir import DB_FILE, PENDING_DIR
-from qae_app.store import PENDING_SUFFIX, STEP_METRICS, TIMING_METRICS, pending_write_from_json
-from qae_app.store_read import read_steps
+from qae_app.store.reader import read_steps
+from qae_app.store.run_folder import DB_FILE, PENDING_DIR
+from qae_app.store.schema import PENDING_SUFFIX, STEP_METRICS, TIMING_METRICS, pending_write_from_json
 
 SAMPLING_STATS = {"entropy", "entropy_pos", "entropy_neg", "cov_logp_adv", "dH", "dH_hard", "dH_easy",
                   *(name for name in STEP_METRICS if name.startswith("dH_") and "_from_" in name)}

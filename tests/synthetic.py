@@ -13,8 +13,10 @@ import math
 import random
 from pathlib import Path
 
-from qae_app import rundir, store, store_write
-from qae_app.rows import GroupResult, group_rows, rollout_rows, step_metrics
+from qae_app.store import run_folder as rundir
+from qae_app.store import schema as store
+from qae_app.store import writer as store_write
+from qae_app.store.rows import GroupResult, group_rows, rollout_rows, step_metrics
 
 EPS = 1e-6
 

@@ -5,14 +5,14 @@ spec, and what a chat model saw (the prompt after its chat template) stored and 
 import pytest
 from typer.testing import CliRunner
 
-from qae_app.answers import final_number_answer
-from qae_app.cli import app
+from qae_app.cli.main import app
 from qae_app.config import build_config, build_eval_config
-from qae_app.errors import QAEUserError
-from qae_app.models import PACKAGED_GGUF, CharTokenizer, packaged_gguf, templated_prompt
-from qae_app.names import SMOLLM2_MODEL
-from qae_app.rewards import ANSWER_EXTRACTORS, REWARD_FUNCTIONS, Scorer
-from qae_app.tasks import ADD_MAX_OPERAND, ADD_N_HELDOUT, BUILTIN_TASKS, add_task, load_task
+from qae_app.core.errors import QAEUserError
+from qae_app.core.names import SMOLLM2_MODEL
+from qae_app.data.tasks import ADD_MAX_OPERAND, ADD_N_HELDOUT, BUILTIN_TASKS, add_task, load_task
+from qae_app.models.policy import PACKAGED_GGUF, CharTokenizer, packaged_gguf, templated_prompt
+from qae_app.rewards.answers import final_number_answer
+from qae_app.rewards.scorer import ANSWER_EXTRACTORS, REWARD_FUNCTIONS, Scorer
 
 runner = CliRunner()
 
@@ -107,8 +107,8 @@ def test_rollouts_show_what_a_chat_model_saw_and_read_older_files(tmp_path):
     column (written before it existed) is read as it is, with no templated prompt."""
     import duckdb
 
-    from qae_app.rundir import db_path
-    from qae_app.store_read import read_model_prompts
+    from qae_app.store.reader import read_model_prompts
+    from qae_app.store.run_folder import db_path
     from tests.synthetic import write_run
 
     assert write_run(tmp_path, "chat", steps=1, prompts_per_step=2, group_size=4).wait_until_written()
@@ -137,7 +137,7 @@ def test_a_chat_models_templated_prompt_is_what_its_tokens_say(smollm2_gguf):
     encoding it again (no template, no special tokens added) gives back the very ids the model was fed."""
     from transformers import AutoTokenizer
 
-    from qae_app.models import HFTokenizerCodec, local_model_folder
+    from qae_app.models.policy import HFTokenizerCodec, local_model_folder
 
     tokenizer = AutoTokenizer.from_pretrained(local_model_folder(str(smollm2_gguf)))
     codec = HFTokenizerCodec(tokenizer)

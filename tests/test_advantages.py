@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from qae_app.advantages import (
+from qae_app.algo.advantages import (
     ESTIMATORS,
     REGIMES,
     EstimatorConfig,
@@ -14,8 +14,8 @@ from qae_app.advantages import (
     quantile_rank,
     step_advantages,
 )
-from qae_app.errors import QAEUserError
-from qae_app.names import ESTIMATOR_DEFAULT_SCALE
+from qae_app.core.errors import QAEUserError
+from qae_app.core.names import ESTIMATOR_DEFAULT_SCALE
 
 
 def group(n_correct: int, size: int) -> torch.Tensor:
@@ -185,7 +185,7 @@ def test_unknown_estimator_lists_the_valid_ones():
 
 
 def test_every_named_estimator_has_an_implementation():
-    from qae_app import names
+    from qae_app.core import names
 
     assert set(ESTIMATORS) == set(names.ESTIMATORS) == set(ESTIMATOR_DEFAULT_SCALE)
 
@@ -193,7 +193,7 @@ def test_every_named_estimator_has_an_implementation():
 def test_k_applies_to_exactly_the_estimators_that_use_it():
     """names.uses_k decides where K applies (the stored k, the sweep's grid, compare's groups): exactly the estimators
     whose advantages change with K. 2 of 5 correct: K=0.2 makes QAE's baseline 0 (hard), K=0.8 makes it 1 (easy)."""
-    from qae_app import names
+    from qae_app.core import names
 
     rewards = torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0]])
     for name in ESTIMATORS:
@@ -287,7 +287,7 @@ def test_shaped_rewards_quantile_and_regime_by_hand():
 
 
 def test_every_estimator_labels_regimes_by_the_same_rule():
-    from qae_app import names
+    from qae_app.core import names
 
     rewards = torch.tensor([[1.0, 0.75, -1.0, -1.25], [1.0, 1.0, 1.0, 1.0], [-1.0, -1.0, -1.0, 1.0]])
     correct = rewards > 0

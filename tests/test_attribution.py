@@ -9,14 +9,14 @@ import pandas as pd
 import pytest
 import torch
 
-from qae_app import update
-from qae_app.attribution import ATTRIBUTION_METRICS, entropy_attribution
 from qae_app.config import build_config
-from qae_app.rollout import Sample
-from qae_app.rundir import db_path
-from qae_app.store import STEP_METRICS, TIMING_METRICS
-from qae_app.store_read import query, read_steps
-from qae_app.trainer import Trainer
+from qae_app.engines.base import Sample
+from qae_app.store.reader import query, read_steps
+from qae_app.store.run_folder import db_path
+from qae_app.store.schema import STEP_METRICS, TIMING_METRICS
+from qae_app.train import update
+from qae_app.train.attribution import ATTRIBUTION_METRICS, entropy_attribution
+from qae_app.train.trainer import Trainer
 
 # 2 prompts x 4 responses; group 0 (1 of 4 correct, p = 0.25 <= 1 - K): hard; group 1 (3 of 4, p = 0.75): easy
 TEXTS = [("3+4=", ["7", "8", "1", "12"]), ("2*9=", ["18", "18", "18", "81"])]
@@ -114,7 +114,7 @@ def test_each_attribution_is_the_update_made_by_hand_from_its_regime_alone(tmp_p
 
 def test_a_regime_with_no_response_gets_null():
     """Only an easy group: nothing to attribute to the hard regime (its columns NULL), the easy ones measured."""
-    from qae_app.models import load_policy
+    from qae_app.models.policy import load_policy
 
     policy, codec = load_policy("builtin:tiny", "float32")
     optimizer, _ = update.optimizer_and_schedule(list(policy.parameters()), 1e-3, 0.0, 0)

@@ -11,11 +11,11 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from qae_app.cli import app
-from qae_app.sweep import MAX_SWEEP_RUNS
-from qae_app.rundir import db_path
-from qae_app.store_read import query, read_run
-from qae_app.store_write import RunWriter
+from qae_app.cli.main import app
+from qae_app.cli.sweep import MAX_SWEEP_RUNS
+from qae_app.store.reader import query, read_run
+from qae_app.store.run_folder import db_path
+from qae_app.store.writer import RunWriter
 
 runner = CliRunner()
 HUGE = "1" + "0" * 30  # an integer no 32-bit column, seed or tensor size can hold
@@ -301,8 +301,9 @@ def trained_run(tmp_path_factory):
 def _damaged_copies(runs, tmp_path):
     """runs/base copied twice under tmp_path: `trunc` with its database cut in half, `notables` whose database is a
     valid DuckDB file without qae's tables (another program's, or one emptied)."""
-    import duckdb
     import shutil
+
+    import duckdb
 
     copies = tmp_path / "runs"
     for name in ("trunc", "notables"):

@@ -8,12 +8,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from qae_app.cli import app
+from qae_app.cli.main import app
 from qae_app.config import build_config
-from qae_app.errors import QAEUserError
-from qae_app.models import BUILTIN_CHECKPOINTS, PACKAGED_GGUF, CharTokenizer, load_policy, tiny_llama_config
-from qae_app.rewards import REWARD_FUNCTIONS, chain_final_reward
-from qae_app.tasks import (
+from qae_app.core.errors import QAEUserError
+from qae_app.data.tasks import (
     BUILTIN_TASKS,
     CHAIN_N_HELDOUT,
     CHAIN_N_PROBLEMS,
@@ -23,6 +21,8 @@ from qae_app.tasks import (
     chain_task,
     load_task,
 )
+from qae_app.models.policy import BUILTIN_CHECKPOINTS, PACKAGED_GGUF, CharTokenizer, load_policy, tiny_llama_config
+from qae_app.rewards.scorer import REWARD_FUNCTIONS, chain_final_reward
 
 runner = CliRunner()
 
@@ -140,7 +140,7 @@ def test_a_builtin_task_picks_its_model_and_response_length(tmp_path):
 
 @pytest.mark.slow
 def test_shipped_checkpoint_writes_scratchpads_of_the_promised_length():
-    from qae_app.rollout import HFGenerateEngine
+    from qae_app.engines.hf import HFGenerateEngine
 
     torch.set_num_threads(2)
     model, codec = load_policy("builtin:tiny-chain")
@@ -180,8 +180,8 @@ def test_warmstart_refuses_an_unknown_task(tmp_path):
 
 @pytest.mark.slow
 def test_train_on_chain_end_to_end(tmp_path):
-    from qae_app.rundir import db_path
-    from qae_app.store_read import query, read_run, read_steps
+    from qae_app.store.reader import query, read_run, read_steps
+    from qae_app.store.run_folder import db_path
 
     result = runner.invoke(app, ["train", "--data", "builtin:chain", "--steps", "2", "--prompts-per-step", "2",
                                  "--group-size", "4", "--eval-every", "2", "--eval-limit", "8", "--run-name", "c",

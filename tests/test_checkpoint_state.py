@@ -11,10 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from qae_app.checkpoint_state import (OPTIMIZER_FILE, OPTIMIZER_TENSORS_FILE, POLICY_FILE, RNG_FILE, SCHEDULER_FILE,
-                                      load_training_state, save_training_state)
-from qae_app.errors import QAEUserError
-from qae_app.models import build_tiny_model
+from qae_app.core.errors import QAEUserError
+from qae_app.models.policy import build_tiny_model
+from qae_app.train.checkpoint_state import (
+    OPTIMIZER_FILE,
+    OPTIMIZER_TENSORS_FILE,
+    POLICY_FILE,
+    RNG_FILE,
+    SCHEDULER_FILE,
+    load_training_state,
+    save_training_state,
+)
 
 WARMUP = 3
 

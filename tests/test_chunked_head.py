@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qae_app.chunked_head import default_chunk_tokens, head_logprobs_and_entropy
-from qae_app.losses import token_logprobs_and_entropy
+from qae_app.algo.chunked_head import default_chunk_tokens, head_logprobs_and_entropy
+from qae_app.algo.losses import token_logprobs_and_entropy
 
 
 def plain_head_logprobs(hidden, weight, bias, targets, temperature, with_entropy=True):
@@ -207,7 +207,7 @@ def trainer_plain_logprobs(model, input_ids, attention_mask, first, temperature,
 
 
 def tiny_builtin():
-    from qae_app.models import build_tiny_model
+    from qae_app.models.policy import build_tiny_model
 
     return build_tiny_model()[0]  # Llama, 4 layers, tied embeddings
 
@@ -243,7 +243,7 @@ def left_padded_batch(vocab, n=3, width=14, seed=0):
 def test_causal_lm_log_probs_and_parameter_gradients_equal_the_trainers_path(build, first):
     """float64: the no-grad pass (log-probs and entropies) and the grad pass (log-probs; gradients of every parameter,
     tied embeddings included) equal the full-logits path to 1e-10."""
-    from qae_app.chunked_head import causal_lm_logprobs
+    from qae_app.algo.chunked_head import causal_lm_logprobs
 
     model = build().double()
     model.eval()  # as the trainer's forwards (and no dropout either way)
@@ -284,7 +284,7 @@ def test_causal_lm_through_a_ddp_wrapper(one_process_group):
     gradient hooks run) and the head is found on the module inside."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from qae_app.chunked_head import causal_lm_logprobs
+    from qae_app.algo.chunked_head import causal_lm_logprobs
 
     model = tiny_llama_untied().double()
     input_ids, attention_mask = left_padded_batch(90, seed=1)
@@ -307,8 +307,8 @@ def test_an_fsdp1_model_is_refused(one_process_group):
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from qae_app.chunked_head import causal_lm_logprobs
-    from qae_app.errors import QAEUserError
+    from qae_app.algo.chunked_head import causal_lm_logprobs
+    from qae_app.core.errors import QAEUserError
 
     model = FullyShardedDataParallel(tiny_builtin(), auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
                                      use_orig_params=True, device_id=torch.device("cpu"))
@@ -318,13 +318,13 @@ def test_an_fsdp1_model_is_refused(one_process_group):
 
 
 def fsdp2_sharded(model, root_reshards: bool):
-    """fully_shard per decoder layer, then the root, as qae_app/sharding.py does (the root keeps its weights gathered
+    """fully_shard per decoder layer, then the root, as qae_app/models/sharding.py does (the root keeps its weights gathered
     after the forward), or with the root resharded after the forward too (accelerate's fsdp_reshard_after_forward:
     true on GPUs); one process."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from qae_app.sharding import decoder_layers, shard_model
+    from qae_app.models.sharding import decoder_layers, shard_model
 
     mesh = init_device_mesh("cpu", (1,))
     if not root_reshards:
@@ -348,7 +348,7 @@ def test_fsdp2_chunked_head_gradients_reach_the_shards_as_the_full_logits_do(one
 
     from torch.distributed.tensor import DTensor
 
-    from qae_app.chunked_head import causal_lm_logprobs, check_chunked_head
+    from qae_app.algo.chunked_head import causal_lm_logprobs, check_chunked_head
 
     plain = fsdp2_sharded(build().double(), root_reshards)
     chunked = fsdp2_sharded(copy.deepcopy(build().double()), root_reshards)
@@ -373,8 +373,8 @@ def test_fsdp2_chunked_head_gradients_reach_the_shards_as_the_full_logits_do(one
 def test_a_model_with_soft_capped_logits_is_refused():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    from qae_app.chunked_head import causal_lm_logprobs
-    from qae_app.errors import QAEUserError
+    from qae_app.algo.chunked_head import causal_lm_logprobs
+    from qae_app.core.errors import QAEUserError
 
     model = Gemma2ForCausalLM(Gemma2Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                            num_attention_heads=2, num_key_value_heads=1, head_dim=8))
@@ -387,8 +387,8 @@ def test_a_model_that_scales_its_logits_without_saying_so_is_refused():
     """No config field names the change; the model's own last-position logits give it away."""
     from transformers import LlamaForCausalLM
 
-    from qae_app.chunked_head import causal_lm_logprobs
-    from qae_app.errors import QAEUserError
+    from qae_app.algo.chunked_head import causal_lm_logprobs
+    from qae_app.core.errors import QAEUserError
 
     class ScaledLogits(LlamaForCausalLM):
         def forward(self, input_ids=None, attention_mask=None, logits_to_keep=0, **kwargs):

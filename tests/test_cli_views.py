@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from qae_app import rundir, store_read, store_write
-from qae_app.cli import app
-from qae_app.names import GATE_REASONS
-from qae_app.formatting import number
-from qae_app.terminal import shared_prefix
+from qae_app.cli.main import app
+from qae_app.cli.views import shared_prefix
+from qae_app.core.formatting import number
+from qae_app.core.names import GATE_REASONS
+from qae_app.store import reader as store_read
+from qae_app.store import run_folder as rundir
+from qae_app.store import writer as store_write
 from tests.synthetic import write_run
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
@@ -190,7 +192,7 @@ def test_rollouts_break_down_why_responses_were_gated(runs_cwd, width):
 def test_ids_that_share_a_prefix_show_the_part_that_differs(tmp_path):
     from rich.console import Console
 
-    from qae_app.terminal import runs_view
+    from qae_app.cli.views import runs_view
 
     ids = [f"20261130-1131{i:02d}-qae-k0.4-seed{i}-lr1e-6-b" for i in range(3)]  # 35 characters: too long
     for run_id in ids:
@@ -249,7 +251,7 @@ def test_show_at_80_columns_has_the_held_out_steps_and_runs_keeps_entropy(runs_c
 def test_picked_steps_keep_the_evaluations_of_a_long_run():
     import pandas as pd
 
-    from qae_app.terminal import picked_steps
+    from qae_app.cli.views import picked_steps
 
     steps = pd.DataFrame({"step": range(1, 1001), "heldout_accuracy": [0.5 if s % 10 == 0 else None
                                                                      for s in range(1, 1001)]})
@@ -261,8 +263,8 @@ def test_picked_steps_keep_the_evaluations_of_a_long_run():
 
 
 def test_no_values_line_names_each_option_once_for_the_columns_it_records():
-    from qae_app import store
-    from qae_app.terminal import empty_metrics_note
+    from qae_app.cli.views import empty_metrics_note
+    from qae_app.store import schema as store
 
     attribution = [m for m in store.STEP_METRICS if "_from_" in m]
     assert len(attribution) == 9

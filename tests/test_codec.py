@@ -6,7 +6,7 @@ stop ids."""
 import pytest
 import torch
 
-from qae_app.models import HFTokenizerCodec, load_policy
+from qae_app.models.policy import HFTokenizerCodec, load_policy
 
 # a ChatML template (Qwen, SmolLM2) that also writes the BOS token itself, as Llama-3's and Gemma's do
 CHATML_WITH_BOS = ("{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
@@ -80,7 +80,7 @@ def test_stop_ids_include_the_generation_configs_end_of_turn_tokens(chat_folder)
 def test_plain_ids_from_every_return_type():
     from transformers import BatchEncoding
 
-    from qae_app.models import plain_ids
+    from qae_app.models.policy import plain_ids
 
     expected = [5, 6, 7]
     for encoded in ([5, 6, 7], (5, 6, 7), [[5, 6, 7]], torch.tensor([5, 6, 7]), torch.tensor([[5, 6, 7]]),

@@ -1,5 +1,5 @@
 """Nothing lost, nothing hung: real `qae train` processes killed with SIGKILL at chosen points (fault injection,
-`qae_app/faults.py`) and at an arbitrary moment, stopped with Ctrl-C, crashed, and read by a polling reader."""
+`qae_app/core/faults.py`) and at an arbitrary moment, stopped with Ctrl-C, crashed, and read by a polling reader."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import duckdb
 import pytest
-
 from same_steps import assert_same_metrics, kept_steps, saved_steps
+
 from qae_app.config import build_config
-from qae_app.rundir import RunLock, db_path, latest_checkpoint, trainer_alive, write_manifest
-from qae_app.store_read import query, read_run, read_steps
-from qae_app.trainer import Trainer
+from qae_app.store.reader import query, read_run, read_steps
+from qae_app.store.run_folder import RunLock, db_path, latest_checkpoint, trainer_alive, write_manifest
+from qae_app.train.trainer import Trainer
 
 OPTS = dict(steps=6, prompts_per_step=4, group_size=8, eval_every=0, checkpoint_every=2, seed=1)
 PER_STEP = OPTS["prompts_per_step"] * OPTS["group_size"]

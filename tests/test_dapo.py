@@ -15,20 +15,20 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from same_steps import assert_same_metrics
 from typer.testing import CliRunner
 
-from same_steps import assert_same_metrics
-from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
-from qae_app.cli import app
+from qae_app.algo.advantages import REGIMES, EstimatorConfig, compute_advantages
+from qae_app.algo.losses import token_logprobs_and_entropy
+from qae_app.cli.main import app
 from qae_app.config import build_config
-from qae_app.losses import token_logprobs_and_entropy
-from qae_app.models import load_policy
-from qae_app.rows import step_metrics
-from qae_app.rundir import db_path
-from qae_app.session import data_position_problem
-from qae_app.store_read import query, read_steps
-from qae_app.trainer import Trainer
-from qae_app.update import pack
+from qae_app.models.policy import load_policy
+from qae_app.store.reader import query, read_steps
+from qae_app.store.rows import step_metrics
+from qae_app.store.run_folder import db_path
+from qae_app.train.session import data_position_problem
+from qae_app.train.trainer import Trainer
+from qae_app.train.update import pack
 
 runner = CliRunner()
 QAE = str(Path(sys.executable).parent / "qae")
@@ -311,7 +311,7 @@ def test_dynamic_sampling_drops_all_wrong_groups_by_default_even_when_shaping_sp
     """DAPO's filter (verl's filter_groups.metric=acc, the default of its recipe) keeps a group by the verifier's
     verdicts. Filtering on shaped rewards kept an all-wrong group whose lengths differed, and QAE then pushed up its
     short wrong answers: G=8, rewards [-1 x4, -1.5, -1.75, -2, -2] gave four wrong answers A = +1.083."""
-    from qae_app.trainer import groups_with_signal
+    from qae_app.train.trainer import groups_with_signal
 
     cfg = build_config()
     assert cfg.filter_metric == "correct"

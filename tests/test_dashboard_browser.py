@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from qae_app import rundir, store_read
-
+from qae_app.store import reader as store_read
+from qae_app.store import run_folder as rundir
 from tests.dashboard_helpers import free_port, wait_healthy
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -11,9 +11,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from qae_app import rundir, store, store_write
 from qae_app.config import TrainConfig
-from qae_app.rundir import CONFIG_FILE
+from qae_app.store import run_folder as rundir
+from qae_app.store import schema as store
+from qae_app.store import writer as store_write
+from qae_app.store.run_folder import CONFIG_FILE
 from tests.dashboard_helpers import charts, make_app, plotly_specs, texts
 
 T_975_2 = 4.3026527  # Student t, 97.5% quantile, 2 degrees of freedom (table value)

@@ -10,9 +10,9 @@ import pandas as pd
 import plotly.colors
 import pytest
 
-from qae_app import rundir, store_read
-from tests.dashboard_helpers import charts, frames, make_app, plotly_specs, texts
-from tests.dashboard_helpers import small_app, small_dir  # noqa: F401 (fixtures, used by name)
+from qae_app.store import reader as store_read
+from qae_app.store import run_folder as rundir
+from tests.dashboard_helpers import charts, frames, make_app, plotly_specs, small_app, small_dir, texts  # noqa: F401 (fixtures, used by name)
 from tests.synthetic import write_run
 
 SWEEP = {"sweep_id": "0123456789", "sweep_name": "grid"}

@@ -10,15 +10,31 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from qae_app import rundir, store, store_read, store_write
-from qae_app.cli import app as cli_app
-from qae_app.formatting import number
-from qae_app.rundir import RunLock, run_dir
+from qae_app.cli.main import app as cli_app
+from qae_app.core.formatting import number
+from qae_app.store import reader as store_read
+from qae_app.store import run_folder as rundir
+from qae_app.store import schema as store
+from qae_app.store import writer as store_write
+from qae_app.store.run_folder import RunLock, run_dir
+from tests.dashboard_helpers import (  # noqa: F401 (fixtures, used by name)
+    EVIL_PROMPT,
+    EVIL_RESPONSE,
+    MOVING_PROMPT,
+    _crafted_rows,
+    _write_crafted,
+    app,
+    frame_with,
+    frames,
+    make_app,
+    plotly_specs,
+    response_tables,
+    runs_dir,
+    small_app,
+    small_dir,
+    texts,
+)
 from tests.synthetic import write_run
-
-from tests.dashboard_helpers import EVIL_PROMPT, EVIL_RESPONSE, MOVING_PROMPT, _crafted_rows, _write_crafted, frame_with, frames, make_app, plotly_specs, response_tables, texts
-from tests.dashboard_helpers import app, runs_dir, small_app, small_dir  # noqa: F401 (fixtures, used by name)
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # pages

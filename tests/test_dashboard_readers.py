@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-
 import pandas as pd
 import pytest
 
-from qae_app import rundir, store_read
+from qae_app.store import reader as store_read
+from qae_app.store import run_folder as rundir
+from tests.dashboard_helpers import MOVING_PROMPT, _crafted_rows, charts, runs_dir, small_dir  # noqa: F401 (fixtures, used by name)
 from tests.synthetic import write_run
-
-from tests.dashboard_helpers import MOVING_PROMPT, _crafted_rows, charts
-from tests.dashboard_helpers import runs_dir, small_dir  # noqa: F401 (fixtures, used by name)
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # store readers and chart helpers

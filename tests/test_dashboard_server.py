@@ -13,10 +13,7 @@ from pathlib import Path
 
 import pytest
 
-
-from tests.dashboard_helpers import APP, free_port, wait_healthy
-from tests.dashboard_helpers import runs_dir, small_dir  # noqa: F401 (fixtures, used by name)
-
+from tests.dashboard_helpers import APP, free_port, runs_dir, small_dir, wait_healthy  # noqa: F401 (fixtures, used by name)
 
 # ---------------------------------------------------------------------------------------------------------------
 # the real server
@@ -135,7 +132,7 @@ for page in ["runs", "curves", "distributions", "rollouts", "prompts", "evals", 
     at.switch_page(f"views/{{page}}.py").run()
     assert not at.exception, (page, [e.value for e in at.exception])
 from typer.testing import CliRunner
-from qae_app.cli import app
+from qae_app.cli.main import app
 for args in (["runs"], ["show", "crafted"], ["rollouts", "crafted"]):
     assert CliRunner().invoke(app, [*args, "--runs-dir", {str(small_dir)!r}]).exit_code == 0, args
 print("torch loaded:", "torch" in sys.modules)

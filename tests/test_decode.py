@@ -1,4 +1,4 @@
-"""The HF engine's own decode loop (qae_app/decode.py) samples what `model.generate` samples: for a fixed seed the same
+"""The HF engine's own decode loop (qae_app/engines/decode.py) samples what `model.generate` samples: for a fixed seed the same
 tokens, the log-prob each token was sampled with equal to the model's own forward over prompt + response, finished
 rows dropped from the batch without changing anyone's tokens, and the models it cannot run left to generate."""
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 from test_rollout import reference_generate
 
-from qae_app import decode
-from qae_app.lora import apply_lora
-from qae_app.losses import token_logprobs_and_entropy
-from qae_app.models import BUILTIN_MODEL, BUILTIN_SCRATCH, load_policy
-from qae_app.rollout import HFGenerateEngine
+from qae_app.algo.losses import token_logprobs_and_entropy
+from qae_app.engines import decode
+from qae_app.engines.hf import HFGenerateEngine
+from qae_app.models.lora import apply_lora
+from qae_app.models.policy import BUILTIN_MODEL, BUILTIN_SCRATCH, load_policy
 
 
 def engine_samples(engine: HFGenerateEngine, use_decode_loop: bool, prompts, n, max_new_tokens, seed):

@@ -4,10 +4,10 @@ so the first mini-batch's ratio is exactly 1 even on a checkpoint trained with d
 import pytest
 import torch
 
-import qae_app.update as update_module
+import qae_app.train.update as update_module
 from qae_app.config import build_config
-from qae_app.models import load_policy
-from qae_app.trainer import Trainer
+from qae_app.models.policy import load_policy
+from qae_app.train.trainer import Trainer
 
 
 def _tiny_gpt2():
@@ -22,7 +22,7 @@ def _tiny_gpt2():
 def _tiny_llama():
     from transformers import LlamaForCausalLM
 
-    from qae_app.models import tiny_llama_config
+    from qae_app.models.policy import tiny_llama_config
 
     torch.manual_seed(0)
     config = tiny_llama_config()
@@ -43,7 +43,7 @@ def _train_minus_eval_logprobs(model) -> float:
 
 @pytest.mark.parametrize("build", [_tiny_gpt2, _tiny_llama], ids=["gpt2-nn.Dropout", "llama-attention_dropout"])
 def test_disable_dropout_makes_train_mode_equal_eval_mode(build):
-    from qae_app.models import disable_dropout
+    from qae_app.models.policy import disable_dropout
 
     model = build()
     assert _train_minus_eval_logprobs(model) > 1e-2  # the checkpoint really has dropout

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from qae_app.cli import app
-from qae_app.rundir import db_path, list_checkpoints
-from qae_app.store_read import read_run
+from qae_app.cli.main import app
+from qae_app.store.reader import read_run
+from qae_app.store.run_folder import db_path, list_checkpoints
 
 runner = CliRunner()
 QAE = str(Path(sys.executable).parent / "qae")

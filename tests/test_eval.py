@@ -5,10 +5,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from qae_app.cli import app
-from qae_app.metrics import pass_at_k
-from qae_app.rundir import db_path
-from qae_app.store_read import query, read_run
+from qae_app.cli.main import app
+from qae_app.evaluation.metrics import pass_at_k
+from qae_app.store.reader import query, read_run
+from qae_app.store.run_folder import db_path
 
 runner = CliRunner()
 
@@ -37,7 +37,7 @@ def test_builtin_model_on_the_heldout_split(tmp_path):
     assert query(path, "SELECT count(*) AS n FROM evals")["n"].item() == 5
     assert read_run(path)["status"] == "finished"
     # each sample keeps the gold answer it was checked against: "extracted 11, correct: no" can be checked
-    from qae_app.tasks import load_benchmark
+    from qae_app.data.tasks import load_benchmark
 
     gold = {p.prompt_id: p.answer for p in load_benchmark("arith")[1]}
     assert samples["answer"].tolist() == [gold[problem] for problem in samples["problem_id"]]
@@ -56,8 +56,8 @@ def test_samples_stored_before_the_gold_answer_read_as_without_it(tmp_path):
     """A file from before the `answer` column: readers show it empty, the next writer adds the column."""
     import duckdb
 
-    from qae_app.store_read import read_eval_samples
-    from qae_app.store_write import RunWriter
+    from qae_app.store.reader import read_eval_samples
+    from qae_app.store.writer import RunWriter
 
     path = db_path(tmp_path, "old")
     writer = RunWriter(path, "old")
@@ -140,7 +140,7 @@ def test_a_run_without_checkpoints_and_a_missing_folder_are_clear_errors_with_no
     not a Hugging Face id: neither may reach the network (HF_HUB_OFFLINE would turn a lookup into another error)."""
     import shutil
 
-    from qae_app import models
+    from qae_app.models import policy as models
 
     def no_network(*args, **kwargs):
         raise AssertionError("asked Hugging Face")
@@ -165,7 +165,7 @@ def test_eval_of_a_training_run_takes_the_newest_checkpoint_again_when_training_
     before eval has loaded it. Here the first load finds its checkpoint deleted, as the trainer would."""
     import shutil
 
-    from qae_app import models
+    from qae_app.models import policy as models
 
     shared_runs_dir, run_id = tiny_run
     runs_dir = tmp_path / "runs"
@@ -210,7 +210,7 @@ class ScriptedEngine:
         self.texts = texts
 
     def generate(self, prompts, n, temperature, max_new_tokens, seed=0):
-        from qae_app.rollout import Sample
+        from qae_app.engines.base import Sample
 
         return [Sample(prompt_index=0, prompt_ids=[1], response_ids=[1] * len(text), text=text, truncated=False)
                 for text in self.texts[:n]]
@@ -219,9 +219,9 @@ class ScriptedEngine:
 def test_maj_at_k_on_the_chain_task_votes_on_the_final_answer_the_reward_reads():
     """The chain task's reward reads the integer after the last ' so '; maj@k voted on whole responses, so three
     different scratchpads reaching 2 lost to two copies of one wrong response (review: 'x so 2' x3 vs 'w so 5' x2)."""
-    from qae_app.datasets import Problem
-    from qae_app.evaluate import evaluate
-    from qae_app.rewards import Scorer
+    from qae_app.data.datasets import Problem
+    from qae_app.evaluation.evaluate import evaluate
+    from qae_app.rewards.scorer import Scorer
 
     texts = ["1+1=2 so 2", "2+0=2 so 2", "3-1=2 so 2", "4+1=5 so 5", "4+1=5 so 5"]
     with Scorer("chain_final") as scorer:

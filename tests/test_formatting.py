@@ -1,4 +1,4 @@
-"""What a number, a missing value, a duration and a run's pace read as: one definition (qae_app/formatting.py) for
+"""What a number, a missing value, a duration and a run's pace read as: one definition (qae_app/core/formatting.py) for
 the terminal and the dashboard, checked on hand-written values."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from qae_app.formatting import ago, as_float, duration, missing, number, pace_line, run_pace
+from qae_app.core.formatting import ago, as_float, duration, missing, number, pace_line, run_pace
 
 
 def test_missing_is_every_kind_of_never_recorded_and_nothing_else():

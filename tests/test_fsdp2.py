@@ -1,5 +1,5 @@
 """FSDP2 through `qae train`, for real: `accelerate launch --config_file configs/accelerate/fsdp2.yaml` with 2 processes
-on CPU (gloo). accelerate falls back to DDP there, so qae shards with torch's fully_shard itself (qae_app/sharding.py);
+on CPU (gloo). accelerate falls back to DDP there, so qae shards with torch's fully_shard itself (qae_app/models/sharding.py);
 these runs show that it does, that the update is DDP's on the same samples, and that sharded checkpoints resume a
 killed run into the uninterrupted one.
 
@@ -17,10 +17,10 @@ import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from same_steps import assert_same_metrics, kept_steps
-from qae_app.rundir import db_path
-from qae_app.store_read import query, read_run, read_steps
+
+from qae_app.store.reader import query, read_run, read_steps
+from qae_app.store.run_folder import db_path
 
 ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
@@ -154,8 +154,8 @@ def test_a_sharded_run_exports_evaluates_and_says_how_it_ran(fsdp2_run, tmp_path
     at the checkpoint) that loads as the model; `qae eval --model RUN` evaluates it; `qae show` names the setup."""
     from typer.testing import CliRunner
 
-    from qae_app.cli import app
-    from qae_app.models import load_policy
+    from qae_app.cli.main import app
+    from qae_app.models.policy import load_policy
 
     runs_dir = tmp_path / "runs"
     shutil.copytree(fsdp2_run, runs_dir)
@@ -179,7 +179,7 @@ def test_a_sharded_run_exports_evaluates_and_says_how_it_ran(fsdp2_run, tmp_path
 
 
 def test_setup_labels():
-    from qae_app.formatting import setup_label
+    from qae_app.core.formatting import setup_label
 
     assert setup_label(None) is None
     assert setup_label({"sharding": "none", "processes": 1, "machines": 1, "mixed_precision": "no"}) == "1 process"
@@ -195,8 +195,8 @@ def test_fsdp1_on_cpu_is_refused_not_silently_unsharded(monkeypatch):
 
     from accelerate.utils import DistributedType
 
-    from qae_app.errors import QAEUserError
-    from qae_app.sharding import shards_itself
+    from qae_app.core.errors import QAEUserError
+    from qae_app.models.sharding import shards_itself
 
     cpu_ddp = SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_CPU)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")

@@ -7,9 +7,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from qae_app.cli import app
-from qae_app.rundir import db_path
-from qae_app.store_read import query, read_run, read_steps
+from qae_app.cli.main import app
+from qae_app.store.reader import query, read_run, read_steps
+from qae_app.store.run_folder import db_path
 
 runner = CliRunner()
 

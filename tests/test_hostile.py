@@ -10,11 +10,11 @@ import threading
 import pytest
 
 from qae_app.config import build_config
-from qae_app.rewards import Scorer
-from qae_app.rollout import Sample
-from qae_app.rundir import db_path
-from qae_app.store_read import query, read_steps
-from qae_app.trainer import Trainer
+from qae_app.engines.base import Sample
+from qae_app.rewards.scorer import Scorer
+from qae_app.store.reader import query, read_steps
+from qae_app.store.run_folder import db_path
+from qae_app.train.trainer import Trainer
 
 POWER_TOWER = "\\boxed{9^{9^{9^{9}}}}"  # math-verify never returns on this
 HOSTILE = [

@@ -12,22 +12,30 @@ from pathlib import Path
 
 import pytest
 import torch
+from same_steps import assert_same_metrics
 from typer.testing import CliRunner
 
-from same_steps import assert_same_metrics
-from qae_app import trainer as trainer_module
-from qae_app.cli import app
+from qae_app.cli.main import app
 from qae_app.config import build_config
-from qae_app.errors import QAEUserError
-from qae_app.lora import (ADAPTER_DIR, MODEL_DIR, AdaptersDisabled, apply_lora, linear_module_names,
-                          merged_state_dict, resolve_targets)
-from qae_app.models import build_tiny_model, load_policy
-from qae_app.rollout import HFGenerateEngine, ShardingPlan
-from qae_app.rundir import db_path, latest_checkpoint
-from qae_app.session import resume_config
-from qae_app.store_read import query, read_steps
-from qae_app.trainer import Trainer
-from qae_app.update import UpdateOptions, logprobs_in_chunks, pack
+from qae_app.core.errors import QAEUserError
+from qae_app.engines.hf import HFGenerateEngine
+from qae_app.engines.sharded_policy import ShardingPlan
+from qae_app.models.lora import (
+    ADAPTER_DIR,
+    MODEL_DIR,
+    AdaptersDisabled,
+    apply_lora,
+    linear_module_names,
+    merged_state_dict,
+    resolve_targets,
+)
+from qae_app.models.policy import build_tiny_model, load_policy
+from qae_app.store.reader import query, read_steps
+from qae_app.store.run_folder import db_path, latest_checkpoint
+from qae_app.train import trainer as trainer_module
+from qae_app.train.session import resume_config
+from qae_app.train.trainer import Trainer
+from qae_app.train.update import UpdateOptions, logprobs_in_chunks, pack
 from tests.conftest import TINY_RUN_OPTIONS
 
 runner = CliRunner()
@@ -215,7 +223,7 @@ def test_a_target_the_model_lacks_is_refused_with_the_layers_it_has(tmp_path, ta
 
 
 def test_lora_with_sharded_weights_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_module, "plan_for", lambda accelerator: ShardingPlan("fsdp2", True, True))
+    monkeypatch.setattr(trainer_module, "sharding_plan_for", lambda accelerator: ShardingPlan("fsdp2", True, True))
     with pytest.raises(QAEUserError, match=r"lora-rank: LoRA is not supported with sharded weights \(fsdp2\)"):
         Trainer(build_config(run_name="sharded", lora_rank=4), tmp_path, cpu=True)
 

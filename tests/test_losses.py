@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from qae_app.losses import LOSS_AGGREGATIONS, policy_loss, token_logprobs_and_entropy
-from qae_app.models import build_tiny_model
+from qae_app.algo.losses import LOSS_AGGREGATIONS, policy_loss, token_logprobs_and_entropy
+from qae_app.models.policy import build_tiny_model
 
 
 def test_entropy_of_uniform_logits_is_log_vocab():

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qae_app import update
 from qae_app.config import build_config
-from qae_app.errors import QAEUserError
-from qae_app.models import enable_gradient_checkpointing
-from qae_app.trainer import Trainer
-from qae_app.update import logprob_chunk_tokens
+from qae_app.core.errors import QAEUserError
+from qae_app.models.policy import enable_gradient_checkpointing
+from qae_app.train import update
+from qae_app.train.trainer import Trainer
+from qae_app.train.update import logprob_chunk_tokens
 
 
 def tiny_llama(seed: int = 0):
@@ -226,8 +226,8 @@ def test_mixed_precision_no_is_todays_run_and_bf16_trains_float32_weights_on_cpu
     weights) runs on a CPU, keeps the weights float32, moves them, and the run's stored config says what ran."""
     import json
 
-    from qae_app.rundir import db_path
-    from qae_app.store_read import read_run
+    from qae_app.store.reader import read_run
+    from qae_app.store.run_folder import db_path
 
     today = _rows_after_two_steps(tmp_path, "today")
     plain = _rows_after_two_steps(tmp_path, "no", mixed_precision="no")

@@ -5,7 +5,7 @@ from math import comb
 
 import pytest
 
-from qae_app.metrics import avg_at_k, maj_at_k, pass_at_k, pass_k_values
+from qae_app.evaluation.metrics import avg_at_k, maj_at_k, pass_at_k, pass_k_values
 
 
 def brute_force_pass_at_k(n: int, c: int, k: int) -> float:

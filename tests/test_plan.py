@@ -10,12 +10,20 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from qae_app.cli import app
+from qae_app.analysis.memory_plan import (
+    GB,
+    Hardware,
+    ModelShape,
+    UpdateShape,
+    model_shape,
+    plan_run,
+    recipe_hardware,
+    update_components,
+)
+from qae_app.cli.main import app
 from qae_app.config import build_config
-from qae_app.errors import QAEUserError
-from qae_app.packaged import PACKAGED_GGUF
-from qae_app.plan import (GB, Hardware, ModelShape, UpdateShape, model_shape, plan_run, recipe_hardware,
-                          update_components)
+from qae_app.core.errors import QAEUserError
+from qae_app.models.packaged import PACKAGED_GGUF
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.toml"))
 runner = CliRunner()
@@ -61,7 +69,7 @@ def test_the_plan_of_a_tiny_case_is_the_arithmetic_by_hand():
 def test_the_shapes_give_the_parameters_transformers_builds(tmp_path):
     import transformers
 
-    from qae_app.models import build_tiny_model
+    from qae_app.models.policy import build_tiny_model
 
     model, _ = build_tiny_model()
     assert model_shape("builtin:tiny").parameters() == sum(p.numel() for p in model.parameters())
@@ -229,8 +237,8 @@ def test_vllms_share_is_the_one_given_and_one_too_small_for_its_weights_is_refus
 
 
 def test_the_cpu_recipes_prompt_tokens_cover_its_prompts():
-    from qae_app.models import CharTokenizer
-    from qae_app.tasks import load_task
+    from qae_app.data.tasks import load_task
+    from qae_app.models.policy import CharTokenizer
 
     path = next(p for p in RECIPES if p.name == "cpu-tiny-dapo-qae.toml")
     task = load_task(build_config(path).data, 0.0, 0)

@@ -4,8 +4,8 @@ command."""
 import re
 from pathlib import Path
 
-from qae_app.cli import app
-from qae_app.store import STEP_METRICS
+from qae_app.cli.main import app
+from qae_app.store.schema import STEP_METRICS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

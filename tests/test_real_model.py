@@ -17,13 +17,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from qae_app.cli import app
-from qae_app.errors import QAEUserError
-from qae_app.losses import token_logprobs_and_entropy
-from qae_app.models import gguf_cache_folder, load_policy, local_model_folder, publish_folder
-from qae_app.rewards import Scorer
-from qae_app.rundir import db_path
-from qae_app.store_read import query, read_steps
+from qae_app.algo.losses import token_logprobs_and_entropy
+from qae_app.cli.main import app
+from qae_app.core.errors import QAEUserError
+from qae_app.models.policy import gguf_cache_folder, load_policy, local_model_folder, publish_folder
+from qae_app.rewards.scorer import Scorer
+from qae_app.store.reader import query, read_steps
+from qae_app.store.run_folder import db_path
 
 runner = CliRunner()
 
@@ -128,7 +128,7 @@ def test_gguf_is_converted_once_into_a_cached_hf_folder(smollm2, monkeypatch):
     def no_conversion(*args):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr("qae_app.models._convert_gguf", no_conversion)
+    monkeypatch.setattr("qae_app.models.policy._convert_gguf", no_conversion)
     assert local_model_folder(str(smollm2)) == str(folder)  # the cache answers; nothing is converted twice
     model, codec = load_policy(str(smollm2))
     assert model.config.model_type == "llama" and model.num_parameters() > 100_000_000
@@ -153,8 +153,8 @@ def test_real_tokenizer_uses_the_chat_template_and_stops_at_end_of_turn(smollm2)
 def test_rollout_positions_cover_every_prompt_with_the_chat_template(smollm2, math_data):
     """vLLM's max_model_len on a real BPE tokenizer whose chat template adds a system message: the bound is at least
     every GSM8K test prompt's encoded length plus the response, and far below the model's 8,192 positions."""
-    from qae_app.models import model_context, rollout_positions
-    from qae_app.tasks import load_benchmark
+    from qae_app.data.tasks import load_benchmark
+    from qae_app.models.policy import model_context, rollout_positions
 
     model, codec = load_policy(str(smollm2))
     _, problems, task = load_benchmark(str(math_data / GSM8K_TEST))
@@ -167,8 +167,8 @@ def test_rollout_positions_cover_every_prompt_with_the_chat_template(smollm2, ma
 
 @pytest.mark.slow
 def test_the_converted_model_is_the_real_one(smollm2):
-    from qae_app.rollout import HFGenerateEngine
-    from qae_app.sampling import SamplingOptions
+    from qae_app.engines.hf import HFGenerateEngine
+    from qae_app.engines.sampling import SamplingOptions
 
     model, codec = load_policy(str(smollm2))
     # tied embeddings: the GGUF file has no output tensor, and a random lm_head would still load without an error
@@ -184,8 +184,9 @@ def test_the_converted_model_is_the_real_one(smollm2):
 def test_sampled_log_probs_are_what_the_trainer_recomputes_with_the_real_tokenizer(smollm2, math_data):
     """Chat-template prompts of different lengths, left-padded for generate, right-padded as the trainer packs them:
     the log-prob each token was sampled with equals the trainer's recomputation (the ratio's starting point)."""
-    from qae_app.rollout import HFGenerateEngine, cut_at_stop
-    from qae_app.tasks import load_task
+    from qae_app.data.tasks import load_task
+    from qae_app.engines.base import cut_at_stop
+    from qae_app.engines.hf import HFGenerateEngine
 
     model, codec = load_policy(str(smollm2))
     model.eval()

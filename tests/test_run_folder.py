@@ -1,4 +1,4 @@
-"""The run folder (qae_app/rundir.py) as operators meet it: liveness that survives pid reuse, a lock taken before
+"""The run folder (qae_app/store/run_folder.py) as operators meet it: liveness that survives pid reuse, a lock taken before
 anything slow, run creation that is atomic for every command, checkpoints verified before they are trusted, and resume
 refusing what it cannot do honestly."""
 
@@ -11,12 +11,22 @@ from pathlib import Path
 import pytest
 
 from qae_app.config import build_config
-from qae_app.errors import QAEUserError
-from qae_app.rundir import (LOCK_FILE, MANIFEST, TRAINER_STATE, RunLock, checkpoint_problem, db_path, effective_status,
-                            latest_checkpoint, list_checkpoints, trainer_alive)
-from qae_app.session import resume_config
-from qae_app.store_read import read_run, read_runs, read_steps
-from qae_app.trainer import Trainer
+from qae_app.core.errors import QAEUserError
+from qae_app.store.reader import read_run, read_runs, read_steps
+from qae_app.store.run_folder import (
+    LOCK_FILE,
+    MANIFEST,
+    TRAINER_STATE,
+    RunLock,
+    checkpoint_problem,
+    db_path,
+    effective_status,
+    latest_checkpoint,
+    list_checkpoints,
+    trainer_alive,
+)
+from qae_app.train.session import resume_config
+from qae_app.train.trainer import Trainer
 
 QAE = str(Path(sys.executable).parent / "qae")
 OPTS = dict(steps=4, prompts_per_step=2, group_size=4, eval_every=0, checkpoint_every=2, seed=1)
@@ -69,7 +79,7 @@ def test_a_stale_lock_file_with_a_live_pid_does_not_block_resume(finished, tmp_p
 def test_the_lock_is_taken_before_the_model_loads(finished, tmp_path, monkeypatch):
     folder = copy_run(finished, tmp_path)
     loaded = []
-    monkeypatch.setattr("qae_app.trainer.load_policy", lambda *a, **kw: loaded.append(a))
+    monkeypatch.setattr("qae_app.train.trainer.load_policy", lambda *a, **kw: loaded.append(a))
     lock = RunLock(folder).acquire("test")
     try:
         with pytest.raises(QAEUserError, match="being trained right now"):
@@ -85,7 +95,7 @@ def test_a_run_being_created_is_invisible_and_a_failed_creation_leaves_nothing(t
         assert read_runs(tmp_path).empty  # ...and no command sees it
         raise QAEUserError("model: refused by the test")
 
-    monkeypatch.setattr("qae_app.trainer.load_policy", refuse)
+    monkeypatch.setattr("qae_app.train.trainer.load_policy", refuse)
     with pytest.raises(QAEUserError, match="refused by the test"):
         Trainer(build_config(run_name="new", **OPTS), tmp_path, cpu=True)
     assert list(tmp_path.iterdir()) == []
@@ -96,7 +106,7 @@ def test_a_run_session_claims_the_folder_and_close_lets_go_of_it(tmp_path):
     leaving `with` before open_store leaves nothing, and after it leaves the run, with its row, unlocked."""
     from accelerate import Accelerator
 
-    from qae_app.session import RunSession, TrainerState
+    from qae_app.train.session import RunSession, TrainerState
 
     cfg, acc = build_config(run_name="s", **OPTS), Accelerator(cpu=True)
     with RunSession(tmp_path, "s", cfg, acc):
@@ -189,7 +199,7 @@ def test_resume_of_a_run_killed_before_its_first_checkpoint_without_a_row_starts
     folder = copy_run(finished, tmp_path)
     shutil.rmtree(folder / "checkpoints")
     (folder / "qae.duckdb").unlink()
-    from qae_app.store_write import RunWriter
+    from qae_app.store.writer import RunWriter
 
     RunWriter(folder / "qae.duckdb", "r")  # tables, no run row
     result = Trainer(resume_config(tmp_path, "r", steps=2), tmp_path, resume=True, cpu=True).fit()

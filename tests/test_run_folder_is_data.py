@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from qae_app.errors import QAEUserError
-from qae_app.rundir import pending_writes
-from qae_app.store import PendingWrite, pending_write_from_json, pending_write_json
-from qae_app.store_read import last_logged_step
-from qae_app.store_write import RunWriter, convert_legacy_pending
+from qae_app.core.errors import QAEUserError
+from qae_app.store.reader import last_logged_step
+from qae_app.store.run_folder import pending_writes
+from qae_app.store.schema import PendingWrite, pending_write_from_json, pending_write_json
+from qae_app.store.writer import RunWriter, convert_legacy_pending
 from tests.dashboard_helpers import free_port, wait_healthy
 
 # a module that leaves a trace when imported: `python -m streamlit` used to put the working folder first on sys.path,
@@ -145,7 +145,7 @@ def test_a_planted_json_pending_file_is_named_not_executed(tmp_path):
 def sent_run(tmp_path_factory) -> Path:
     """A finished 2-step run with a checkpoint, as someone would send it: (runs dir holding run 'r')."""
     from qae_app.config import build_config
-    from qae_app.trainer import Trainer
+    from qae_app.train.trainer import Trainer
 
     runs_dir = tmp_path_factory.mktemp("sent")
     cfg = build_config(run_name="r", steps=2, prompts_per_step=2, group_size=4, eval_every=0, checkpoint_every=2)
@@ -170,8 +170,8 @@ def test_a_payload_planted_in_any_file_of_a_run_folder_runs_under_no_command(sen
     pytorch_model.bin beside the model folder's weights (which transformers reads with torch.load) is tried too."""
     from typer.testing import CliRunner
 
-    from qae_app.cli import app
-    from qae_app.rundir import list_checkpoints, write_manifest
+    from qae_app.cli.main import app
+    from qae_app.store.run_folder import list_checkpoints, write_manifest
 
     files = run_folder_files(sent_run / "r")
     assert "qae.duckdb" in files and any(f.endswith("policy.safetensors") for f in files)
@@ -208,7 +208,7 @@ def test_a_run_file_cannot_make_duckdb_fetch_or_load_an_extension():
     connection itself: a view naming a URL cannot be created on a machine without httpfs.)"""
     import duckdb
 
-    from qae_app.run_file import run_file_database
+    from qae_app.store.run_file import run_file_database
 
     with run_file_database() as con:
         assert con.execute("SELECT current_setting('autoinstall_known_extensions'), "
@@ -228,11 +228,16 @@ def test_a_checkpoint_an_older_qae_wrote_resumes_only_with_trust_pickles(sent_ru
     from accelerate import Accelerator
     from typer.testing import CliRunner
 
-    from qae_app.checkpoint_state import (OPTIMIZER_FILE, OPTIMIZER_TENSORS_FILE, POLICY_FILE, RNG_FILE,
-                                          SCHEDULER_FILE)
-    from qae_app.cli import app
-    from qae_app.models import load_policy
-    from qae_app.rundir import write_manifest
+    from qae_app.cli.main import app
+    from qae_app.models.policy import load_policy
+    from qae_app.store.run_folder import write_manifest
+    from qae_app.train.checkpoint_state import (
+        OPTIMIZER_FILE,
+        OPTIMIZER_TENSORS_FILE,
+        POLICY_FILE,
+        RNG_FILE,
+        SCHEDULER_FILE,
+    )
 
     runs_dir = tmp_path / "runs"
     shutil.copytree(sent_run, runs_dir)
@@ -265,7 +270,7 @@ def test_a_checkpoint_an_older_qae_wrote_resumes_only_with_trust_pickles(sent_ru
 # every call that can run code from a file it reads, and the only functions allowed to make one: both behind the
 # user's --trust-pickles for a folder an older qae wrote
 UNPICKLING_CALLS = ("pickle.load", "torch.load", ".load_state(", "weights_only=False", "joblib.load", "dill.load")
-TRUSTED_ONLY = {("store_write.py", "convert_legacy_pending"), ("session.py", "_load_training_state")}
+TRUSTED_ONLY = {("writer.py", "convert_legacy_pending"), ("session.py", "_load_training_state")}
 
 
 def test_nothing_unpickles_outside_the_trusted_legacy_path():
@@ -275,7 +280,7 @@ def test_nothing_unpickles_outside_the_trusted_legacy_path():
 
     root = Path(__file__).resolve().parents[1]
     found = set()
-    for path in [*(root / "qae_app").glob("*.py"), *(root / "dashboard").rglob("*.py")]:
+    for path in [*(root / "qae_app").rglob("*.py"), *(root / "dashboard").rglob("*.py")]:
         tree = ast.parse(path.read_text())
         for function in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
             for node in ast.walk(function):
@@ -317,7 +322,7 @@ def test_no_module_uses_torch_distributed_checkpoint():
     import ast
 
     root = Path(__file__).resolve().parents[1]
-    for path in [*(root / "qae_app").glob("*.py"), *(root / "dashboard").rglob("*.py")]:
+    for path in [*(root / "qae_app").rglob("*.py"), *(root / "dashboard").rglob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
                      [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
@@ -331,8 +336,8 @@ def test_a_payload_planted_in_a_sharded_checkpoint_never_runs(tmp_path):
     sharded resume refuses the file by name and runs nothing."""
     import os
 
-    from qae_app.checkpoint_state import pickled_files
-    from qae_app.rundir import write_manifest
+    from qae_app.store.run_folder import write_manifest
+    from qae_app.train.checkpoint_state import pickled_files
 
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
     config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "fsdp2.yaml"

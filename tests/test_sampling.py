@@ -8,12 +8,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from qae_app.cli import app
-from qae_app.losses import token_logprobs_and_entropy
-from qae_app.models import build_tiny_model, load_policy
-from qae_app.rollout import HFGenerateEngine
-from qae_app.rundir import db_path
-from qae_app.store_read import read_run
+from qae_app.algo.losses import token_logprobs_and_entropy
+from qae_app.cli.main import app
+from qae_app.engines.hf import HFGenerateEngine
+from qae_app.models.policy import build_tiny_model, load_policy
+from qae_app.store.reader import read_run
+from qae_app.store.run_folder import db_path
 
 runner = CliRunner()
 
@@ -39,7 +39,7 @@ def opinionated_checkpoint(tmp_path_factory):
 
 
 def test_sampled_token_logprobs_equal_the_trainers_recomputed_ones(opinionated_checkpoint):
-    from qae_app.rollout import cut_at_stop
+    from qae_app.engines.base import cut_at_stop
 
     model, codec = load_policy(str(opinionated_checkpoint))
     model.eval()
@@ -109,7 +109,7 @@ def test_the_checkpoints_generation_config_does_not_shape_the_rollouts(opinionat
 
 
 def test_generation_config_spells_out_plain_sampling():
-    from qae_app.sampling import SamplingOptions
+    from qae_app.engines.sampling import SamplingOptions
 
     model, codec = build_tiny_model()
     config = HFGenerateEngine(model, codec).generation_config(0.7, 9)
@@ -127,7 +127,7 @@ def test_generation_config_spells_out_plain_sampling():
 
 
 def test_cut_at_stop_keeps_the_first_stop_token():
-    from qae_app.rollout import cut_at_stop
+    from qae_app.engines.base import cut_at_stop
 
     assert cut_at_stop([5, 6, 9, 7, 2, 0], [2, 9], pad_id=0) == ([5, 6, 9], False)
     assert cut_at_stop([5, 2, 9], [2, 9], pad_id=0) == ([5, 2], False)
@@ -164,7 +164,7 @@ def test_eval_top_k_is_applied_and_recorded(tmp_path):
     out = json.loads(result.output)
     assert {key: out["options"][key] for key in ("temperature", "top_p", "top_k", "min_p")} == \
         {"temperature": 1.0, "top_p": 1.0, "top_k": 1, "min_p": 0.0}
-    from qae_app.store_read import query
+    from qae_app.store.reader import query
 
     samples = query(db_path(tmp_path, "greedy"), "SELECT problem_id, response FROM eval_samples")
     # top-k 1 is greedy: the 3 samples of each problem are the same response

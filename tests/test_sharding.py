@@ -13,8 +13,8 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from qae_app.errors import QAEUserError
-from qae_app.rollout import UNSHARDED, ShardingPlan, plan_for, sharding_plan
+from qae_app.core.errors import QAEUserError
+from qae_app.engines.sharded_policy import UNSHARDED, ShardingPlan, sharding_plan, sharding_plan_for
 
 # (zero_stage, fsdp_version) -> plan, with 2 processes
 SHARDED_FSDP1 = ShardingPlan("fsdp1", synced_generate=True, gather_full_weights=True)
@@ -55,12 +55,13 @@ def test_megatron_is_refused_clearly():
 def test_plan_of_a_live_single_process_accelerator():
     from accelerate import Accelerator
 
-    assert plan_for(Accelerator(cpu=True)) == UNSHARDED
+    assert sharding_plan_for(Accelerator(cpu=True)) == UNSHARDED
 
 
 def test_engines_pass_synced_gpus_as_planned():
-    from qae_app.models import build_tiny_model
-    from qae_app.rollout import HFGenerateEngine, ShardedPolicy
+    from qae_app.engines.hf import HFGenerateEngine
+    from qae_app.engines.sharded_policy import ShardedPolicy
+    from qae_app.models.policy import build_tiny_model
 
     model, codec = build_tiny_model()
     seen = []
@@ -72,7 +73,7 @@ def test_engines_pass_synced_gpus_as_planned():
 
     model.generate = recording_generate
     unsharded = HFGenerateEngine(model, codec)
-    unsharded.use_decode_loop = False  # (unsharded, it samples with qae_app/decode.py's loop, not generate)
+    unsharded.use_decode_loop = False  # (unsharded, it samples with qae_app/engines/decode.py's loop, not generate)
     unsharded.generate(["1+1="], 2, 1.0, 3, seed=0)
     # sharded weights always take generate: the loop reads whole weights, which a sharded process does not hold
     HFGenerateEngine(model, codec, sharded=ShardedPolicy(SHARDED_ZERO3)).generate(["1+1="], 2, 1.0, 3, seed=0)
@@ -94,8 +95,9 @@ def _fsdp_worker(rank: int, world: int, port: int, version: int, out_dir: str) -
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from qae_app.models import build_tiny_model
-    from qae_app.rollout import HFGenerateEngine, ShardedPolicy
+    from qae_app.engines.hf import HFGenerateEngine
+    from qae_app.engines.sharded_policy import ShardedPolicy
+    from qae_app.models.policy import build_tiny_model
 
     model, codec = build_tiny_model(seed=0)
     reference = {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -4,11 +4,11 @@ real training step."""
 
 import pytest
 
-import qae_app.trainer as trainer_module
-from qae_app.advantages import REGIMES
+import qae_app.train.trainer as trainer_module
+from qae_app.algo.advantages import REGIMES
 from qae_app.config import build_config
-from qae_app.rows import GroupResult
-from qae_app.trainer import Trainer
+from qae_app.store.rows import GroupResult
+from qae_app.train.trainer import Trainer
 
 
 def reference_group_results(batches, trained, adv, rewards, correct, G, from_engine, pass_stats):

@@ -14,12 +14,12 @@ import duckdb
 import numpy as np
 import pytest
 
-from qae_app.errors import QAEUserError
-from qae_app.run_file import RunFileError
-from qae_app.rundir import db_path, validate_run_name
-from qae_app.store import STEP_METRICS
-from qae_app.store_read import query, read_rollouts, read_run, read_runs, read_steps, resolve_run
-from qae_app.store_write import MAX_ROW_DELAY_S, RunWriter, read_pending_write
+from qae_app.core.errors import QAEUserError
+from qae_app.store.reader import query, read_rollouts, read_run, read_runs, read_steps, resolve_run
+from qae_app.store.run_file import RunFileError
+from qae_app.store.run_folder import db_path, validate_run_name
+from qae_app.store.schema import STEP_METRICS
+from qae_app.store.writer import MAX_ROW_DELAY_S, RunWriter, read_pending_write
 
 
 def _rows(step: int, n: int = 4):
@@ -288,9 +288,9 @@ def test_writer_migrates_a_file_from_before_the_source_column(tmp_path):
 
 FILL_SCRIPT = r"""
 import json, random, sys
-from qae_app.store import STEP_METRICS
-from qae_app.store_read import read_run
-from qae_app.store_write import RunWriter
+from qae_app.store.schema import STEP_METRICS
+from qae_app.store.reader import read_run
+from qae_app.store.writer import RunWriter
 
 path = sys.argv[1] + "/run/qae.duckdb"
 writer = RunWriter(path, "run")
@@ -479,7 +479,7 @@ def test_writing_rows_does_not_import_pandas(tmp_path):
     code = ("import sys\n"
             "from pathlib import Path\n"
             "from tests.test_store import _awkward_rows\n"
-            "from qae_app.store_write import RunWriter\n"
+            "from qae_app.store.writer import RunWriter\n"
             "w = RunWriter(Path(sys.argv[1]), 'r')\n"
             "w.create_run('r', {}, 'qae', 0.4, 'builtin:tiny', 'arith', 0)\n"
             "w.add_step(1, **_awkward_rows(1))\n"
@@ -498,7 +498,7 @@ def test_writing_rows_does_not_import_pandas(tmp_path):
 def test_a_paper_sized_step_goes_to_the_database_at_once_not_to_pending(tmp_path):
     """A step whose text is over WRITE_NOW_CHARS is written when queued even though a write is not due: saving it
     under pending/ first wrote every response twice. Its response text is stored with zstd."""
-    from qae_app.store_write import WRITE_NOW_CHARS
+    from qae_app.store.writer import WRITE_NOW_CHARS
 
     clock = FakeClock()
     path = tmp_path / "big" / "qae.duckdb"
@@ -523,7 +523,7 @@ def test_a_paper_sized_step_goes_to_the_database_at_once_not_to_pending(tmp_path
 
 
 def test_store_responses_keeps_n_texts_a_group_by_a_seeded_draw_and_every_row():
-    from qae_app.rows import check_store_responses, stored_responses
+    from qae_app.store.rows import check_store_responses, stored_responses
 
     rows = [dict(group_idx=g, sample_idx=i, response=f"r{g}-{i}", gated=i % 2 == 0) for g in range(3)
             for i in range(8)]

@@ -9,12 +9,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-import qae_app.store_write as store_write
+import qae_app.store.writer as store_write
 from qae_app.config import build_config
-from qae_app.rundir import CHECKPOINTS_DIR, db_path
-from qae_app.store import TABLES, TIMING_METRICS, pending_write_from_json
-from qae_app.store_read import query
-from qae_app.trainer import Trainer
+from qae_app.store.reader import query
+from qae_app.store.run_folder import CHECKPOINTS_DIR, db_path
+from qae_app.store.schema import TABLES, TIMING_METRICS, pending_write_from_json
+from qae_app.train.trainer import Trainer
 from tests.conftest import TINY_RUN_OPTIONS
 
 OPTS = dict(TINY_RUN_OPTIONS, steps=3, eval_every=2, checkpoint_every=2)

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from qae_app.cli import app
+from qae_app.cli.main import app
+from qae_app.cli.sweep import plan_sweep
 from qae_app.config import TrainConfig
-from qae_app.errors import QAEUserError
-from qae_app.rundir import db_path
-from qae_app.store import STEP_METRICS
-from qae_app.store_read import query, read_run, read_steps
-from qae_app.store_write import RunWriter
-from qae_app.sweep import plan_sweep
+from qae_app.core.errors import QAEUserError
+from qae_app.store.reader import query, read_run, read_steps
+from qae_app.store.run_folder import db_path
+from qae_app.store.schema import STEP_METRICS
+from qae_app.store.writer import RunWriter
 
 runner = CliRunner()
 QAE = [sys.executable, "-m", "qae_app.cli"]
@@ -344,7 +344,7 @@ def test_a_point_whose_name_another_run_took_meanwhile_is_skipped_not_trained(tm
     """A plain `qae train --run-name X` that took the name of a sweep's next point after the sweep planned it: the
     sweep resumed (trained!) the foreign run, or failed the point advising `--resume X`. Now the point is skipped,
     said to be taken by another run, and the foreign run is left alone."""
-    from qae_app.sweep import run_sweep
+    from qae_app.cli.sweep import run_sweep
 
     options = {"steps": 2, "prompts_per_step": 2, "group_size": 4, "eval_every": 0, "checkpoint_every": 1}
     sweep = plan_sweep(tmp_path, "qae", None, 1, dict(options), name="race")
@@ -359,7 +359,7 @@ def test_a_point_whose_name_another_run_took_meanwhile_is_skipped_not_trained(tm
 
 
 def test_the_cli_says_a_taken_point_was_taken_by_another_run(tmp_path, monkeypatch):
-    import qae_app.sweep as sweep_module
+    import qae_app.cli.sweep as sweep_module
 
     monkeypatch.setattr(sweep_module, "run_sweep", lambda plan, *a, **k: {p.run_name: "taken" for p in plan.points})
     result = runner.invoke(app, ["sweep", *TINY, "--name", "race", "--runs-dir", str(tmp_path)])

@@ -6,19 +6,19 @@ import json
 import pandas as pd
 import pytest
 import torch
+from same_steps import assert_same_metrics
 from typer.testing import CliRunner
 
-from same_steps import assert_same_metrics
-from qae_app.advantages import REGIMES, EstimatorConfig, compute_advantages
-from qae_app.cli import app
+from qae_app.algo.advantages import REGIMES, EstimatorConfig, compute_advantages
+from qae_app.cli.main import app
 from qae_app.config import build_config
-from qae_app.rundir import db_path
-from qae_app.store import STEP_METRICS
-from qae_app.store_read import query, read_run, read_steps
-from qae_app.rows import step_metrics
-from qae_app.session import resume_config
-from qae_app.tasks import prompts_for_step
-from qae_app.trainer import Trainer
+from qae_app.data.tasks import prompts_for_step
+from qae_app.store.reader import query, read_run, read_steps
+from qae_app.store.rows import step_metrics
+from qae_app.store.run_folder import db_path
+from qae_app.store.schema import STEP_METRICS
+from qae_app.train.session import resume_config
+from qae_app.train.trainer import Trainer
 from tests.conftest import TINY_RUN_OPTIONS
 
 runner = CliRunner()
@@ -70,7 +70,7 @@ def test_step_metrics_recompute_from_stored_rows(tiny_run):
 
 
 def test_prompts_for_step_is_a_pure_function_of_the_step():
-    from qae_app.tasks import arith_task
+    from qae_app.data.tasks import arith_task
 
     task = arith_task()
     first = [prompts_for_step(task, 0, s, 8) for s in range(1, 300)]
@@ -130,7 +130,7 @@ def test_mean_baseline_estimators_run_the_same_loop(tmp_path, estimator):
 def test_a_qae_banner_names_k_and_the_quantile_and_the_pace_is_the_median():
     from types import SimpleNamespace
 
-    from qae_app.train_progress import StepPace, banner
+    from qae_app.cli.progress import StepPace, banner
 
     cfg = SimpleNamespace(estimator="qae", k="0.4", quantile="paper", data="arith", model="builtin:tiny", steps=10,
                           prompts_per_step=2, group_size=4)
@@ -233,7 +233,7 @@ def test_skipping_gated_sequences_in_the_trainer_gives_the_same_update(tmp_path)
         params[skip] = [p.detach().clone() for p in trainer.model.parameters()]
         trainer.close()
     moved = builtin_params = None
-    from qae_app.models import load_policy
+    from qae_app.models.policy import load_policy
 
     builtin_params = [p.detach() for p in load_policy("builtin:tiny")[0].parameters()]
     moved = sum((a - b).abs().sum().item() for a, b in zip(params[True], builtin_params))

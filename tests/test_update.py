@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qae_app import update
 from qae_app.config import build_config
-from qae_app.errors import QAEUserError
-from qae_app.rows import step_metrics
-from qae_app.trainer import Trainer
+from qae_app.core.errors import QAEUserError
+from qae_app.store.rows import step_metrics
+from qae_app.train import update
+from qae_app.train.trainer import Trainer
 
 
 def _two_steps(tmp_path, monkeypatch, skip: bool, **opts):
@@ -88,7 +88,7 @@ def test_zero_advantage_fraction_over_informative_groups():
 def test_entropy_change_per_regime_against_a_hand_computation(tmp_path):
     """dH, dH_hard, dH_easy on a fixed batch of 2 prompts x 2 responses, against the entropies computed by hand from
     the model's logits before and after a change of the weights."""
-    from qae_app.rollout import Sample
+    from qae_app.engines.base import Sample
 
     cfg = build_config(run_name="dh", steps=1, prompts_per_step=2, group_size=4, eval_every=0, k="0.4",
                        log_entropy_delta=True)
@@ -262,7 +262,7 @@ def test_grad_norm_under_deepspeed_is_read_from_its_engine_after_the_step():
 
     from accelerate import Accelerator
 
-    from qae_app.update import grad_norm_value
+    from qae_app.train.update import grad_norm_value
 
     class EngineAfterStep:
         def get_global_grad_norm(self):

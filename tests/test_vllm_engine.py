@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qae_app.errors import QAEUserError
-from qae_app.models import CharTokenizer
+from qae_app.core.errors import QAEUserError
+from qae_app.models.policy import CharTokenizer
 
 
 class FakeLLM:
@@ -83,7 +83,7 @@ def fake_vllm(monkeypatch):
 
 
 def test_generate_maps_outputs_to_samples(fake_vllm):
-    from qae_app.vllm_engine import VLLMEngine
+    from qae_app.engines.vllm_engine import VLLMEngine
 
     codec = CharTokenizer()
     engine = VLLMEngine("some/model", codec)
@@ -97,7 +97,7 @@ def test_generate_maps_outputs_to_samples(fake_vllm):
 
 
 def test_sync_weights_loads_every_parameter_and_resets_the_prefix_cache(fake_vllm):
-    from qae_app.vllm_engine import VLLMEngine
+    from qae_app.engines.vllm_engine import VLLMEngine
 
     engine = VLLMEngine("some/model", CharTokenizer())
     model = torch.nn.Linear(2, 2)
@@ -106,15 +106,15 @@ def test_sync_weights_loads_every_parameter_and_resets_the_prefix_cache(fake_vll
 
 
 def test_builtin_model_is_refused_with_a_hint(fake_vllm):
-    from qae_app.vllm_engine import VLLMEngine
+    from qae_app.engines.vllm_engine import VLLMEngine
 
     with pytest.raises(QAEUserError, match="--engine hf"):
         VLLMEngine("builtin:tiny", CharTokenizer())
 
 
 def test_sampling_params_are_plain_softmax_with_the_codecs_stop_ids(fake_vllm):
-    from qae_app.sampling import SamplingOptions
-    from qae_app.vllm_engine import VLLMEngine
+    from qae_app.engines.sampling import SamplingOptions
+    from qae_app.engines.vllm_engine import VLLMEngine
 
     codec = CharTokenizer()
     codec.stop_ids = [codec.eos_id, 6]  # a second end-of-turn token, as instruct models have
@@ -133,8 +133,8 @@ def test_sampling_params_are_plain_softmax_with_the_codecs_stop_ids(fake_vllm):
 
 
 def test_sync_gathers_full_weights_when_the_plan_says_so(fake_vllm):
-    from qae_app.rollout import ShardedPolicy, ShardingPlan
-    from qae_app.vllm_engine import VLLMEngine
+    from qae_app.engines.sharded_policy import ShardedPolicy, ShardingPlan
+    from qae_app.engines.vllm_engine import VLLMEngine
 
     gathered = []
 
@@ -153,9 +153,9 @@ def test_sync_gathers_full_weights_when_the_plan_says_so(fake_vllm):
 def test_sync_of_a_lora_model_loads_the_merged_weights(fake_vllm):
     """vLLM holds a plain model: it gets W + B @ A * alpha / rank for an adapted layer, the base weight for the rest,
     under the Hugging Face checkpoint's names."""
-    from qae_app.lora import apply_lora
-    from qae_app.models import build_tiny_model
-    from qae_app.vllm_engine import VLLMEngine
+    from qae_app.engines.vllm_engine import VLLMEngine
+    from qae_app.models.lora import apply_lora
+    from qae_app.models.policy import build_tiny_model
 
     model = apply_lora(build_tiny_model()[0], rank=4, alpha=6.0, targets="q_proj,down_proj")
     with torch.no_grad():
@@ -187,7 +187,7 @@ def test_sleep_mode_releases_the_engine_through_the_update_and_wakes_it_for_the_
     """MOCKED vLLM (sleep mode needs a GPU): the order of calls is the point. Asleep (level 1) from the end of the
     rollouts to the weight sync; the weights woken first and loaded, then the KV cache, then the prefix cache reset;
     the next step's rollouts find it awake. --no-vllm-sleep never sleeps and builds no sleep-mode engine."""
-    from qae_app.vllm_engine import VLLMEngine
+    from qae_app.engines.vllm_engine import VLLMEngine
 
     engine = VLLMEngine("some/model", CharTokenizer())  # (sleep mode: on by default)
     assert engine.llm.kwargs["enable_sleep_mode"] is True
@@ -211,7 +211,7 @@ def test_sleep_mode_releases_the_engine_through_the_update_and_wakes_it_for_the_
 
 def test_sleep_mode_wakes_everything_at_once_where_vllm_cannot_wake_parts(fake_vllm):
     """MOCKED vLLM: before wake_up took tags, the whole engine wakes before the weights are loaded."""
-    from qae_app.vllm_engine import VLLMEngine
+    from qae_app.engines.vllm_engine import VLLMEngine
 
     fake_vllm.LLM = FakeLLMWithoutPartialWake
     engine = VLLMEngine("some/model", CharTokenizer())
@@ -221,7 +221,7 @@ def test_sleep_mode_wakes_everything_at_once_where_vllm_cannot_wake_parts(fake_v
 
 
 def test_sleep_mode_on_a_vllm_without_it_is_refused_with_the_fix(fake_vllm):
-    from qae_app.vllm_engine import VLLMEngine
+    from qae_app.engines.vllm_engine import VLLMEngine
 
     fake_vllm.LLM = FakeLLMWithoutSleep
     with pytest.raises(QAEUserError, match="vllm_sleep: .*--no-vllm-sleep"):
@@ -234,9 +234,9 @@ def test_vllm_gpu_memory_and_max_model_len_reach_the_engine_from_train_and_eval(
     and each command its own default (0.35 beside the trainer, 0.9 for eval alone). Both bound vLLM's max_model_len
     by the prompts they sample and --max-new-tokens (`rollout_positions`), not the model's whole context."""
     from qae_app.config import EvalConfig, build_config
-    from qae_app.evaluate import run_eval_command
-    from qae_app.models import BUILTIN_CHECKPOINTS
-    from qae_app.trainer import Trainer
+    from qae_app.evaluation.evaluate import run_eval_command
+    from qae_app.models.policy import BUILTIN_CHECKPOINTS
+    from qae_app.train.trainer import Trainer
 
     folder = str(BUILTIN_CHECKPOINTS["builtin:tiny"])  # a folder vLLM would load (the stand-in loads nothing)
     for given, expected in ((None, 0.35), (0.6, 0.6)):
@@ -274,8 +274,8 @@ def test_qae_eval_runs_vllm_without_sleep_mode_which_it_never_uses(fake_vllm, tm
     vLLM from before sleep mode (which `qae train` refuses, naming --no-vllm-sleep, an option eval does not have)
     evaluates."""
     from qae_app.config import EvalConfig
-    from qae_app.evaluate import run_eval_command
-    from qae_app.models import BUILTIN_CHECKPOINTS
+    from qae_app.evaluation.evaluate import run_eval_command
+    from qae_app.models.policy import BUILTIN_CHECKPOINTS
 
     folder = str(BUILTIN_CHECKPOINTS["builtin:tiny"])
     built = []
@@ -289,7 +289,7 @@ def test_qae_eval_runs_vllm_without_sleep_mode_which_it_never_uses(fake_vllm, tm
 def test_rollout_positions_bound_every_prompt_and_stop_at_the_models_context():
     """vLLM's max_model_len: the longest prompt's bytes + the template's tokens + one + max_new_tokens, never below
     what a prompt encodes to, never past the model's context (128 positions for the built-in model)."""
-    from qae_app.models import load_policy, rollout_positions
+    from qae_app.models.policy import load_policy, rollout_positions
 
     model, codec = load_policy("builtin:tiny")
     prompts = [("a", "1+1="), ("b", "12+34="), ("c", "7*8=")]

@@ -2,18 +2,18 @@
 group the run metrics' means with 95% intervals, the paired differences from a baseline group, and the mean curves of
 held-out accuracy, entropy and the zero-advantage fraction with a band across seeds.
 
-Every number of the table comes from `qae_app.compare`; this page only picks the runs and lays the numbers out."""
-
-import pandas as pd
-import streamlit as st
+Every number of the table comes from `qae_app.analysis.compare`; this page only picks the runs and lays the numbers out."""
 
 import board
 import charts
-from qae_app import compare
-from qae_app.errors import QAEUserError
-from qae_app.store import STEP_METRICS
-from qae_app.store_read import READ_STATUSES
-from qae_app.formatting import number
+import pandas as pd
+import streamlit as st
+
+from qae_app.analysis import compare
+from qae_app.core.errors import QAEUserError
+from qae_app.core.formatting import number
+from qae_app.store.reader import READ_STATUSES
+from qae_app.store.schema import STEP_METRICS
 
 # the curves drawn per group: steps column -> (chart title, y axis title)
 CURVES = {

@@ -1,14 +1,14 @@
 """Training curves of the picked runs, overlaid, redrawn at each new step of a live run (zoom and hidden legend entries
 survive the redraw)."""
 
-import pandas as pd
-import streamlit as st
-
 import board
 import charts
 import grouping
-from qae_app import names
-from qae_app.store import STEP_METRICS
+import pandas as pd
+import streamlit as st
+
+from qae_app.core import names
+from qae_app.store.schema import STEP_METRICS
 
 OTHER_DEFAULT = ["loss", "grad_norm", "adv_abs_mean"]
 # --log-entropy-attribution's columns: the change of all responses per source, and the 2 x 2 regime matrix

@@ -1,11 +1,11 @@
 """Distributions: advantage, reward, response length and entropy over each step's responses, as quantile bands over
 the steps and as a histogram of one step, for the picked runs overlaid."""
 
-import streamlit as st
-
 import board
 import charts
-from qae_app.store_read import DISTRIBUTION_COLUMNS, QUANTILES
+import streamlit as st
+
+from qae_app.store.reader import DISTRIBUTION_COLUMNS, QUANTILES
 
 
 def body(run_ids: list[str], column: str, log_y: bool) -> None:

@@ -6,11 +6,10 @@ Model text is data, never markup: responses and answers are shown in dataframe c
 
 from functools import partial
 
-import pandas as pd
-import streamlit as st
-
 import board
 import charts
+import pandas as pd
+import streamlit as st
 
 CORRECT_CHOICES = {"all": None, "correct": True, "wrong": False}
 SOURCES = {"train": "during training", "eval": "qae eval"}

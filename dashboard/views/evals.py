@@ -1,10 +1,9 @@
 """Evaluations: avg@k / pass@k / maj@k over training steps, per benchmark and subset, for the picked runs."""
 
-import pandas as pd
-import streamlit as st
-
 import board
 import charts
+import pandas as pd
+import streamlit as st
 
 EMPTY = ("No evaluations recorded for the picked runs. Train with `--eval-every N` to evaluate on the held-out split "
          "(or `--eval-bench NAME`) every N steps; the results appear here.")

@@ -5,11 +5,10 @@ step.
 Model text is data, never markup: prompts and responses are shown with st.code and in dataframe cells.
 """
 
-import pandas as pd
-import streamlit as st
-
 import board
 import charts
+import pandas as pd
+import streamlit as st
 
 HEATMAP_PROMPTS = 30
 PROMPT_COLUMNS = {

@@ -9,12 +9,12 @@ Model text is data, never markup: prompts and responses are shown with st.code /
 import math
 from functools import partial
 
+import board
+import charts
 import pandas as pd
 import streamlit as st
 
-import board
-import charts
-from qae_app.names import GATE_REASONS, REGIMES
+from qae_app.core.names import GATE_REASONS, REGIMES
 
 GROUPS_PER_PAGE = 10
 ROW_PX, MAX_TABLE_PX = 35, 610  # a group's table shows up to ~16 responses without scrolling

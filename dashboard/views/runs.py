@@ -3,13 +3,13 @@ between two runs' configs."""
 
 import json
 
+import board
 import pandas as pd
 import streamlit as st
 
-import board
-from qae_app.formatting import ago, duration, run_pace, setup_label
-from qae_app.store import STEP_METRICS
-from qae_app.store_read import NOT_A_RUN, READ_STATUSES
+from qae_app.core.formatting import ago, duration, run_pace, setup_label
+from qae_app.store.reader import NOT_A_RUN, READ_STATUSES
+from qae_app.store.schema import STEP_METRICS
 
 # In reading order: what the run is and how it is doing first (its latest metrics before the pace of a live run, so
 # they stay in view at 1400 px), then what it trains, then bookkeeping.

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from qae_app.config import build_config
-from qae_app.trainer import Trainer
+from qae_app.train.trainer import Trainer
 
 OPTIONS = dict(steps=3, prompts_per_step=4, group_size=8, num_mini_batches=4, micro_batch_size=3, eval_every=0,
                checkpoint_every=0, warmup_steps=4, seed=5)

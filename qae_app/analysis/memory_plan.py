@@ -1,0 +1,510 @@
+"""`qae plan`: the per-GPU memory of a training run, by component, before anything runs. Pure arithmetic on the model's
+shapes (its config.json, read without loading it or downloading anything) and the run's options; no torch.
+
+    shape = model_shape("Qwen/Qwen3-8B-Base")              # from the HF cache, a folder, a .gguf file or shipped
+    plan = plan_run(cfg, shape, Hardware(gpus=8, gpu_memory_gb=80, sharding="fsdp"))
+    plan.total, plan.fits, plan.advice                      # bytes; whether it fits; the knobs to turn if not
+
+What the plan counts, per GPU (one process), and in which phase of a step it is held (PHASES):
+    weights           parameters x bytes of --dtype (FSDP: / processes, plus two gathered decoder layers and the
+                      gathered root unit: embeddings, final norm and LM head, with their gradients before the
+                      reduce-scatter)
+    gradients         the trainable parameters' (LoRA: the adapters') x bytes of --dtype (FSDP: / processes; DDP
+                      over several processes: twice, its all-reduce buckets are a copy)
+    optimizer         AdamW's two moments, in the parameters' dtype as torch keeps them (FSDP: / processes)
+    reference model   with --kl-beta > 0 and no LoRA: a full copy of the weights on every process
+    activations       what autograd keeps of one micro-batch: per decoder layer and token, the saved tensors of a
+                      Llama / Qwen3 layer (counted from the layer's own autograd graph: ACTIVATION_ELEMENTS); with
+                      --gradient-checkpointing each layer's input only, plus one layer recomputed in the backward
+    log-prob head     chunked (the default; under FSDP on the gathered head): three float32 chunks of logits and
+                      the head's float32 gradient buffer; the full logits (LoRA's peft model, --logprob-chunk-tokens
+                      0): six float32 (tokens, vocab) tensors (FULL_LOGITS_COPIES, from bench/bench_memory.py's
+                      measurements)
+    vLLM              --engine vllm: its gpu_memory_utilization share of the GPU (--vllm-gpu-memory, 0.35 by
+                      default), which must hold vLLM's bfloat16 copy of the weights and leave room for its KV cache
+
+A step has two phases that do not overlap: the rollouts (vLLM generates; the trainer holds its weights, gradients and
+optimizer state) and the update (the trainer's forward and backward passes). With --vllm-sleep (the default) vLLM's
+memory is released through the update (vllm_engine: sleep mode) and taken back for the weight sync and the next
+rollouts, so the peak is what both phases hold plus the larger of the two phases' own:
+
+    peak = persistent + max(update phase, rollout phase)
+    persistent    weights, gradients (kept from one update to the next), optimizer, DDP buckets, reference model,
+                  and vLLM with --no-vllm-sleep
+    update phase  gathered layers and root, bf16 weight copies, activations, log-prob head
+    rollout phase vLLM with --vllm-sleep
+
+(The weight sync between them holds vLLM's woken weights and one gathered unit at a time: less than either phase.)
+It fits when the peak is within the GPU's memory less RESERVE_FRACTION (the CUDA context, the allocator's
+fragmentation; an allowance, not a measurement). On a CPU the memory it predicts is the process's peak resident set
+size minus its size before the model is built; `bench/bench_memory.py` measures that for the trainer's own update
+(README, Memory: predicted within 20% at real architectures' widths).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+from qae_app.config import PLAN_TABLE
+from qae_app.core import names
+from qae_app.core.errors import QAEUserError
+from qae_app.models.packaged import PACKAGED_GGUF, packaged_gguf
+
+GB = 1e9
+RESERVE_FRACTION = 0.10  # of a GPU's memory, kept free for the CUDA context and the allocator's fragmentation
+VLLM_WEIGHT_BYTES = 2  # vllm_engine.VLLMEngine loads the weights in bfloat16
+SHARDINGS = {"ddp": "every process holds all weights, gradients and optimizer state (DDP, ZeRO-0)",
+             "fsdp": "weights, gradients and optimizer state split over the processes (FSDP2)"}
+PERSISTENT, UPDATE_PHASE, ROLLOUT_PHASE = "both", "update", "rollout"
+# the phase of a step in which each component is held (see the module's docstring); vLLM's depends on --vllm-sleep
+PHASES = {"weights": PERSISTENT, "gradients": PERSISTENT, "optimizer": PERSISTENT, "DDP buckets": PERSISTENT,
+          "reference model": PERSISTENT, "gathered layers": UPDATE_PHASE, "gathered root": UPDATE_PHASE,
+          "bf16 weight copies": UPDATE_PHASE, "activations": UPDATE_PHASE, "log-prob head": UPDATE_PHASE}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+SHIPPED_CONFIGS = Path(__file__).parents[1] / "assets" / "model_configs"  # config.json of models nothing can download
+# float32 (tokens, vocab) tensors the full-logits path holds at its peak: the model's logits, logits / T, the
+# log-softmax, its exp and their product in the no-grad pass with entropies (five), and what the allocator keeps;
+# measured with bench/bench_memory.py: 5.4 (--logprob-chunk-tokens 0) and 6.3 (--lora-rank 16) copies
+FULL_LOGITS_COPIES = 6
+CHUNK_COPIES = 3  # float32 (chunk, vocab) tensors the chunked head holds at once
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory of a decoder-only transformer depends on (a Llama / Qwen / Mistral config.json's fields)."""
+
+    source: str  # where the shapes came from
+    model_type: str  # config.json's model_type: llama, qwen3, ...
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied_embeddings: bool
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalizes each head's queries and keys (q_norm, k_norm): more saved activations."""
+        return self.model_type.startswith("qwen3")
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each decoder layer's linear layers, by name: LoRA's targets."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def layer_parameters(self) -> int:
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return sum(a * b for a, b in self.linear_shapes().values()) + norms
+
+    def parameters(self) -> int:
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return embeddings + self.layers * self.layer_parameters() + self.hidden
+
+    def layer_activation_elements(self) -> int:
+        """Elements autograd keeps per token for one decoder layer's backward (memory-efficient attention: nothing of
+        size tokens x tokens). Counted on transformers' Llama and Qwen3 layers with saved_tensors_hooks, parameters
+        left out: 6 x hidden (the two RMSNorms' inputs and outputs, the residual sums), 4 x intermediate (gate, up,
+        SiLU(gate), their product), 2 x (q_dim + kv_dim) for the projections and rotary embedding (4 x with Qwen3's
+        q_norm/k_norm), one float per head (the attention's log-sum-exp; two with Qwen3), 2 x head_dim (cos, sin)."""
+        attention = (4 if self.qk_norm else 2) * (self.q_dim + self.kv_dim)
+        per_head = (2 if self.qk_norm else 1) * self.heads
+        return 6 * self.hidden + 4 * self.intermediate + attention + per_head + 2 * self.head_dim
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# where the shapes come from
+
+
+def shape_from_config(config: dict, source: str) -> ModelShape:
+    """A ModelShape from a Hugging Face config.json's fields."""
+    text = config.get("text_config") or config  # a multimodal model's language part
+    try:
+        hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+        return ModelShape(
+            source=source, model_type=str(text.get("model_type", "llama")), vocab=int(text["vocab_size"]),
+            hidden=hidden, intermediate=int(text["intermediate_size"]), layers=int(text["num_hidden_layers"]),
+            heads=heads, kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            tied_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))))
+    except (KeyError, TypeError, ValueError) as err:
+        raise QAEUserError(f"model: the config of {source} lacks {err} (needs vocab_size, hidden_size, "
+                           "intermediate_size, num_hidden_layers, num_attention_heads): qae plan reads decoder-only "
+                           "Llama-style configs.") from None
+
+
+def _read_json(path: Path, source: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise QAEUserError(f"model: cannot read {path} ({err}). Pass a folder with a valid config.json.") from err
+
+
+def _gguf_shape(path: Path) -> ModelShape:
+    """The shapes in a GGUF file's metadata (llama.cpp's keys: <arch>.embedding_length, ...)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+
+    def value(key, default=None):
+        field = reader.fields.get(key)
+        if field is None:
+            if default is None:
+                raise QAEUserError(f"model: {path} has no '{key}' in its metadata; qae plan cannot size it.")
+            return default
+        part = field.parts[field.data[0]]
+        return bytes(part).decode() if field.types and field.types[0].name == "STRING" else int(part[0])
+
+    arch = value("general.architecture")
+    heads = value(f"{arch}.attention.head_count")
+    hidden = value(f"{arch}.embedding_length")
+    tensors = {t.name for t in reader.tensors}
+    return ModelShape(source=f"{path} (GGUF metadata)", model_type=arch,
+                      vocab=len(reader.fields["tokenizer.ggml.tokens"].data), hidden=hidden,
+                      intermediate=value(f"{arch}.feed_forward_length"), layers=value(f"{arch}.block_count"),
+                      heads=heads, kv_heads=value(f"{arch}.attention.head_count_kv", heads),
+                      head_dim=value(f"{arch}.attention.key_length", hidden // heads),
+                      tied_embeddings="output.weight" not in tensors)
+
+
+def _hf_cache_config(repo_id: str) -> Path | None:
+    """config.json of `repo_id` in the local Hugging Face cache, if it is there (never downloads)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(repo_id, "config.json")
+    return Path(found) if isinstance(found, str) else None
+
+
+def shipped_config(repo_id: str) -> Path:
+    """Where qae ships a model's config.json (`org/name` -> assets/model_configs/org--name.json)."""
+    return SHIPPED_CONFIGS / f"{repo_id.replace('/', '--')}.json"
+
+
+def model_shape(spec: str) -> ModelShape:
+    """The shapes of `--model` as `qae train` would load it: a built-in model, a local folder, a .gguf file, or a
+    Hugging Face id found in the local cache or shipped in qae_app/assets/model_configs. Nothing is downloaded."""
+    if spec == names.BUILTIN_SCRATCH or spec in BUILTIN_FOLDERS:
+        folder = BUILTIN_FOLDERS.get(spec, BUILTIN_FOLDERS[names.BUILTIN_MODEL])
+        return shape_from_config(_read_json(folder / "config.json", spec), f"{spec} ({folder / 'config.json'})")
+    if spec in PACKAGED_GGUF:
+        spec = str(packaged_gguf(spec))
+    path = Path(spec).expanduser()
+    if spec.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise QAEUserError(f"model: GGUF file '{spec}' does not exist. Pass the path of a local .gguf file.")
+        return _gguf_shape(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise QAEUserError(f"model: folder '{spec}' has no config.json. Pass a Hugging Face model folder.")
+        return shape_from_config(_read_json(path / "config.json", spec), str(path / "config.json"))
+    looks_like_id = not spec.startswith(("/", ".", "~", "builtin:")) and spec.count("/") <= 1 and "\\" not in spec
+    if looks_like_id:
+        for found in (_hf_cache_config(spec), shipped_config(spec)):
+            if found is not None and found.is_file():
+                where = (f"shipped: qae_app/assets/model_configs/{found.name}" if found.parent == SHIPPED_CONFIGS
+                         else found)
+                return shape_from_config(_read_json(found, spec), f"{spec} ({where})")
+    raise QAEUserError(f"model: cannot find the shapes of '{spec}' on this machine (qae plan downloads nothing). "
+                       "Pass a local folder with config.json, a .gguf file, a built-in model, or a Hugging Face id "
+                       "whose config.json is in the local cache (e.g. after `huggingface-cli download ID "
+                       "config.json`).")
+
+
+BUILTIN_FOLDERS = {names.BUILTIN_MODEL: Path(__file__).parents[1] / "assets" / "tiny",
+                   "builtin:tiny-chain": Path(__file__).parents[1] / "assets" / "tiny-chain"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the arithmetic
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What a run is planned for."""
+
+    gpus: int  # processes, one per GPU
+    gpu_memory_gb: float  # each GPU's memory, in GB (1e9 bytes)
+    sharding: str = "ddp"  # SHARDINGS
+    prompt_tokens: int = 1024  # the longest prompt, in tokens (a micro-batch's sequences are prompt + response)
+
+    def validate(self) -> "Hardware":
+        for name, value in (("gpus", self.gpus), ("gpu-memory", self.gpu_memory_gb),
+                            ("prompt-tokens", self.prompt_tokens)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise QAEUserError(f"{name}: {value} must be a positive number. Pass e.g. --gpus 8 --gpu-memory 80 "
+                                   "--prompt-tokens 2048.")
+        if self.sharding not in SHARDINGS:
+            raise QAEUserError(f"sharding: unknown value '{self.sharding}'. Choose one of: {', '.join(SHARDINGS)}.")
+        return self
+
+
+@dataclass(frozen=True)
+class UpdateShape:
+    """One micro-batch of the update and how it is computed: what the activations and the head depend on."""
+
+    micro_tokens: int  # tokens through the model in one micro-batch (sequences x their longest)
+    head_tokens: int  # positions through the vocabulary projection (from the earliest response token on)
+    chunk_tokens: int  # the chunked head's tokens per chunk; 0: the full logits
+    gradient_checkpointing: bool = False
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()  # () with lora_rank: every linear layer of the decoder
+    weight_bytes: int = 4  # bytes per parameter (--dtype)
+    activation_bytes: int = 4  # bytes per activation: bf16 autocast keeps bf16 activations
+    autocast_weight_copy: bool = False  # bf16 autocast caches a bf16 copy of each weight for the step
+
+
+def lora_parameters(shape: ModelShape, rank: int, targets: tuple[str, ...] = ()) -> int:
+    """A and B of every targeted linear layer: rank x (in + out) each."""
+    linears = shape.linear_shapes()
+    chosen = targets or tuple(linears)
+    unknown = [t for t in chosen if t not in linears]
+    if unknown:
+        raise QAEUserError(f"lora-targets: {shape.source} has no linear layer named '{unknown[0]}'. Its linear "
+                           f"layers: {', '.join(linears)}.")
+    return shape.layers * sum(rank * sum(linears[t]) for t in chosen)
+
+
+def update_components(shape: ModelShape, update: UpdateShape, processes: int = 1, sharding: str = "ddp",
+                      reference_model: bool = False) -> list[tuple[str, float, str]]:
+    """(component, bytes, what it is) of one process's memory during the update's backward, the peak."""
+    shard = processes if sharding == "fsdp" else 1
+    wb, ab = update.weight_bytes, update.activation_bytes
+    base = shape.parameters()
+    adapters = lora_parameters(shape, update.lora_rank, update.lora_targets) if update.lora_rank else 0
+    trainable = adapters if update.lora_rank else base
+    sharded = f" / {shard} processes" if shard > 1 else ""
+    rows = [("weights", (base + adapters) * wb / shard, f"{(base + adapters) / 1e9:.3g}B parameters x {wb} bytes"
+             + sharded + (f" ({adapters / 1e6:.3g}M of them LoRA adapters)" if adapters else ""))]
+    if shard > 1:
+        rows.append(("gathered layers", 2 * shape.layer_parameters() * wb,
+                     "FSDP: the decoder layer computed and the one prefetched, whole"))
+        root = shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2) + shape.hidden
+        rows.append(("gathered root", 2 * root * wb, "FSDP: embeddings, final norm, LM head whole, and their "
+                     "gradients"))
+    if update.autocast_weight_copy:
+        rows.append(("bf16 weight copies", (base + adapters) * 2 / shard, "autocast's bf16 copy of each weight"))
+    what = "the LoRA adapters'" if update.lora_rank else "every parameter's"
+    rows.append(("gradients", trainable * wb / shard, f"{what}, {wb} bytes each{sharded}"))
+    rows.append(("optimizer", 2 * trainable * wb / shard, f"AdamW's two moments of {what}{sharded}"))
+    if sharding == "ddp" and processes > 1:
+        rows.append(("DDP buckets", trainable * wb, "DDP's all-reduce buckets: a second copy of the gradients"))
+    if reference_model:
+        rows.append(("reference model", base * wb, "--kl-beta: a frozen copy of the weights on every process"))
+    tokens = update.micro_tokens
+    layer = shape.layer_activation_elements() + (len(update.lora_targets or shape.linear_shapes())
+                                                 * update.lora_rank if update.lora_rank else 0)
+    model_level = 3 * shape.hidden  # the embeddings' output, the final norm's input and output
+    if update.gradient_checkpointing:
+        kept = shape.layers * shape.hidden + layer  # each layer's input, and one layer recomputed in the backward
+        how = f"{shape.layers} layer inputs + 1 layer recomputed"
+    else:
+        kept = shape.layers * layer
+        how = f"{shape.layers} layers x {layer:,} values a token"
+    rows.append(("activations", tokens * (kept + model_level) * ab,
+                 f"{tokens:,} tokens a micro-batch, {how}, {ab} bytes each"))
+    if update.chunk_tokens:
+        chunk = min(update.chunk_tokens, update.head_tokens)
+        rows.append(("log-prob head", (CHUNK_COPIES * chunk * shape.vocab + shape.vocab * shape.hidden) * 4,
+                     f"chunks of {chunk:,} tokens x {shape.vocab:,} vocab, and the head's float32 gradient"))
+    else:
+        rows.append(("log-prob head", FULL_LOGITS_COPIES * update.head_tokens * shape.vocab * 4,
+                     f"the full logits: {update.head_tokens:,} tokens x {shape.vocab:,} vocab, float32, "
+                     f"{FULL_LOGITS_COPIES} copies"))
+    return rows
+
+
+def default_chunk_tokens(vocab: int) -> int:
+    return names.default_chunk_tokens(vocab)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a run's plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: ModelShape
+    hardware: Hardware
+    components: list  # (component, bytes, phase: PERSISTENT / UPDATE_PHASE / ROLLOUT_PHASE, what it is)
+    notes: list  # why the update runs as it does (the head's path, ...)
+    advice: list  # (the knob, the peak it gives, whether that fits), when it does not fit
+
+    def phase(self, phase: str) -> float:
+        """Bytes of the components held in `phase` only (PERSISTENT: in both)."""
+        return sum(size for _, size, held, _ in self.components if held == phase)
+
+    @property
+    def total(self) -> float:
+        """The peak: what both phases hold, plus the larger phase's own."""
+        return self.phase(PERSISTENT) + max(self.phase(UPDATE_PHASE), self.phase(ROLLOUT_PHASE))
+
+    @property
+    def budget(self) -> float:
+        """Bytes a process may use: the GPU's memory less the reserve."""
+        return self.hardware.gpu_memory_gb * GB * (1 - RESERVE_FRACTION)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget
+
+
+def _update_of(cfg, shape: ModelShape, hardware: Hardware) -> tuple[UpdateShape, list[str]]:
+    """The UpdateShape a run of `cfg` computes on `hardware`, and why its head runs as it does."""
+    sequence = hardware.prompt_tokens + cfg.max_new_tokens
+    budget = cfg.max_tokens_per_micro_batch
+    micro_tokens = budget if budget is not None else cfg.micro_batch_size * sequence
+    notes = [f"a micro-batch: {micro_tokens:,} tokens ("
+             + (f"--max-tokens-per-micro-batch {budget:,}" if budget is not None else
+                f"--micro-batch-size {cfg.micro_batch_size} x (--prompt-tokens {hardware.prompt_tokens:,} + "
+                f"--max-new-tokens {cfg.max_new_tokens:,})") + ")"]
+    chunk = cfg.logprob_chunk_tokens if cfg.logprob_chunk_tokens is not None else default_chunk_tokens(shape.vocab)
+    if chunk and cfg.lora_rank:
+        chunk = 0
+        notes.append("the log-probs come from the full logits: the chunked head does not run on a peft (LoRA) model")
+    elif chunk and hardware.sharding == "fsdp" and hardware.gpus > 1:
+        notes.append("the log-probs in chunks of tokens on the LM head's weight as FSDP2 gathers it for the forward")
+    mixed = cfg.mixed_precision == "bf16"
+    weight_bytes = DTYPE_BYTES[cfg.dtype]
+    return UpdateShape(micro_tokens=micro_tokens, head_tokens=micro_tokens, chunk_tokens=chunk,
+                       gradient_checkpointing=cfg.gradient_checkpointing, lora_rank=cfg.lora_rank,
+                       lora_targets=tuple(t.strip() for t in (cfg.lora_targets or "").split(",") if t.strip()),
+                       weight_bytes=weight_bytes, activation_bytes=2 if mixed or weight_bytes == 2 else 4,
+                       autocast_weight_copy=mixed and weight_bytes == 4), notes
+
+
+def _components(cfg, shape: ModelShape, hardware: Hardware) -> tuple[list, list]:
+    if cfg.lora_rank and hardware.sharding == "fsdp" and hardware.gpus > 1:
+        raise QAEUserError("lora-rank: LoRA is not supported with sharded weights (FSDP). Plan it with --sharding ddp, "
+                           "or train every weight (--lora-rank 0).")
+    if cfg.prompts_per_step % hardware.gpus:
+        raise QAEUserError(f"gpus: {hardware.gpus} processes cannot split --prompts-per-step {cfg.prompts_per_step}. "
+                           "Use a GPU count that divides it.")
+    update, notes = _update_of(cfg, shape, hardware)
+    rows = update_components(shape, update, hardware.gpus, hardware.sharding, reference_model=cfg.kl_beta > 0
+                             and not cfg.lora_rank)
+    phases = dict(PHASES)
+    if cfg.engine == "vllm":
+        share = cfg.vllm_gpu_memory
+        vllm_bytes, vllm_weights = share * hardware.gpu_memory_gb * GB, shape.parameters() * VLLM_WEIGHT_BYTES
+        if vllm_bytes <= vllm_weights:  # vLLM itself would refuse to start on the GPU
+            raise QAEUserError(
+                f"vllm-gpu-memory: {share:g} of each {hardware.gpu_memory_gb:g} GB GPU is "
+                f"{vllm_bytes / GB:.1f} GB, no more than vLLM's bfloat16 copy of the weights "
+                f"({vllm_weights / GB:.1f} GB), so nothing is left for its KV cache and vLLM would not start. Use "
+                f"--vllm-gpu-memory {math.ceil(vllm_weights / (hardware.gpu_memory_gb * GB) * 100) / 100:.2f} or more "
+                "(the KV cache gets the rest of the share), or plan for GPUs with more memory.")
+        held = "asleep in updates (--vllm-sleep)" if cfg.vllm_sleep else "held all run (--no-vllm-sleep)"
+        rows.append(("vLLM", vllm_bytes, f"{share:g} of the GPU (--vllm-gpu-memory), {held}"))
+        phases["vLLM"] = ROLLOUT_PHASE if cfg.vllm_sleep else PERSISTENT
+    return [(name, size, phases[name], what) for name, size, what in rows], notes
+
+
+def plan_run(cfg, shape: ModelShape, hardware: Hardware, advise: bool = True) -> Plan:
+    """The per-GPU memory of a run of `cfg` (a TrainConfig) on `hardware`; when it does not fit, what each knob would
+    make of it (each alone)."""
+    hardware = hardware.validate()
+    rows, notes = _components(cfg, shape, hardware)
+    plan = Plan(shape, hardware, rows, notes, [])
+    if plan.fits or not advise:
+        return plan
+    from dataclasses import replace
+
+    sequence = hardware.prompt_tokens + cfg.max_new_tokens
+    knobs = []
+    if not cfg.gradient_checkpointing:
+        knobs.append(("--gradient-checkpointing", replace(cfg, gradient_checkpointing=True), hardware))
+    micro = plan_micro_tokens(cfg, hardware)
+    if micro > sequence:
+        knobs.append((f"--max-tokens-per-micro-batch {sequence} (one longest sequence)",
+                      replace(cfg, max_tokens_per_micro_batch=sequence), hardware))
+    if hardware.sharding == "ddp" and not cfg.lora_rank and hardware.gpus > 1:
+        knobs.append(("--sharding fsdp", cfg, replace(hardware, sharding="fsdp")))
+    if cfg.engine == "vllm" and not cfg.vllm_sleep:
+        knobs.append(("--vllm-sleep", replace(cfg, vllm_sleep=True), hardware))
+    if not cfg.lora_rank and hardware.sharding == "ddp":
+        knobs.append(("--lora-rank 16", replace(cfg, lora_rank=16), hardware))
+    if hardware.sharding == "fsdp" and not cfg.lora_rank:
+        for gpus in (2, 4, 8, 16, 32, 64, 128, 256):
+            if gpus > hardware.gpus and cfg.prompts_per_step % gpus == 0:
+                more = replace(hardware, gpus=gpus)
+                if plan_run(cfg, shape, more, advise=False).fits:
+                    knobs.append((f"--gpus {gpus}", cfg, more))
+                    break
+    for knob, other_cfg, other_hardware in knobs:
+        other = plan_run(other_cfg, shape, other_hardware, advise=False)
+        plan.advice.append((knob, other.total, other.fits))
+    plan.advice.sort(key=lambda item: (not item[2], item[1]))
+    return plan
+
+
+def plan_micro_tokens(cfg, hardware: Hardware) -> int:
+    return _update_of(cfg, ModelShape("", "llama", 1, 1, 1, 1, 1, 1, 1, True), hardware)[0].micro_tokens
+
+
+def recipe_hardware(path: Path | None) -> dict:
+    """The [plan] table of a run config file (the hardware it is planned for): gpus, gpu_memory_gb, sharding,
+    prompt_tokens; {} without one."""
+    if path is None:
+        return {}
+    try:
+        table = tomllib.loads(Path(path).read_text()).get(PLAN_TABLE, {})
+    except (OSError, ValueError):  # load_toml, run first, names what is wrong with the file
+        return {}
+    known = {"gpus", "gpu_memory_gb", "sharding", "prompt_tokens"}
+    unknown = set(table) - known
+    if unknown:
+        raise QAEUserError(f"config: unknown key '{sorted(unknown)[0]}' in the [{PLAN_TABLE}] table of {path}. Known: "
+                           f"{', '.join(sorted(known))}.")
+    return table
+
+
+PHASE_LABELS = {PERSISTENT: "always", UPDATE_PHASE: "update", ROLLOUT_PHASE: "rollouts"}
+
+
+def render(plan: Plan, console) -> None:
+    """The plan as a rich table, the verdict, and the knobs when it does not fit."""
+    from rich.table import Table
+
+    hw = plan.hardware
+    console.print(f"[bold]qae plan[/]: {plan.shape.source}: {plan.shape.parameters() / 1e9:.3g}B parameters, "
+                  f"{plan.shape.layers} layers, hidden {plan.shape.hidden:,}, vocab {plan.shape.vocab:,}; "
+                  f"{hw.gpus} x {hw.gpu_memory_gb:g} GB, {hw.sharding}", highlight=False)
+    table = Table(title="memory per GPU", title_justify="left")
+    table.add_column("component")
+    table.add_column("GB", justify="right")
+    table.add_column("held")
+    table.add_column("what")
+    for name, size, phase, what in plan.components:
+        table.add_row(name, f"{size / GB:.2f}", PHASE_LABELS[phase], what)
+    persistent, update, rollout = (plan.phase(p) for p in (PERSISTENT, UPDATE_PHASE, ROLLOUT_PHASE))
+    table.add_row("[bold]peak[/]", f"[bold]{plan.total / GB:.2f}[/]", "",
+                  f"{persistent / GB:.2f} always + max(update {update / GB:.2f}, rollouts {rollout / GB:.2f})")
+    console.print(table)
+    for note in plan.notes:
+        console.print(f"  {note}", highlight=False)
+    usable = f"{plan.budget / GB:.1f} GB usable ({hw.gpu_memory_gb:g} GB less {RESERVE_FRACTION:.0%} reserve)"
+    if plan.fits:
+        console.print(f"[green]fits[/]: {plan.total / GB:.1f} GB of {usable}", highlight=False)
+        return
+    console.print(f"[red]does not fit[/]: {plan.total / GB:.1f} GB of {usable}. Each knob alone:", highlight=False)
+    for knob, total, fits in plan.advice:
+        console.print(f"  {knob}: {total / GB:.1f} GB" + (" [green]fits[/]" if fits else ""), highlight=False)
+    if not any(fits for _, _, fits in plan.advice):
+        console.print("  none fits alone: combine them, or plan for GPUs with more memory", highlight=False)

@@ -1,0 +1,686 @@
+"""`qae`: train with QAE, evaluate, and inspect runs. Each command parses options and calls the library.
+
+Options of `qae train` are generated from `config.TrainConfig`, so the dataclass is the one place that names them,
+sets their defaults and writes their help.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from qae_app.config import EvalConfig, TrainConfig
+from qae_app.core import names
+from qae_app.core.errors import QAEUserError
+from qae_app.core.formatting import number
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
+                  help="RL from verifiable rewards with Quantile Advantage Estimation (QAE).")
+console = Console()
+err_console = Console(stderr=True)
+
+def _runs_dir_is_a_folder(value: Path) -> Path:
+    from qae_app.core.host_faults import name_too_long
+
+    long = name_too_long(value)
+    if long is not None:
+        raise typer.BadParameter(f"'{long}' has a name over 255 bytes, longer than the file system allows for one "
+                                 "folder. Use a shorter name.")
+    if value.exists() and not value.is_dir():
+        raise typer.BadParameter(f"'{value}' is a file, not a folder. Pass the folder that holds one sub-folder per "
+                                 "run (it is created by the first `qae train`).")
+    return value
+
+
+RunsDir = Annotated[Path, typer.Option("--runs-dir", help="Folder holding one sub-folder per run.",
+                                       callback=_runs_dir_is_a_folder)]
+DEFAULT_RUNS_DIR = Path("runs")
+
+
+def fail(err: QAEUserError) -> None:
+    err_console.print(f"[bold red]error:[/] {escape(_clip_long_words(str(err)))}")
+    raise typer.Exit(code=2)
+
+
+def _clip_long_words(message: str, limit: int = 400) -> str:
+    """Each run of over `limit` characters without a space cut to its start and length: a value echoed from a config
+    file (a 10 MB model name) is named, not printed whole. Paths and values of ordinary length are kept."""
+    import re
+
+    from qae_app.core.formatting import clipped
+
+    return re.sub(r"\S{%d,}" % (limit + 1), lambda match: clipped(match.group(0)), message)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# options generated from the config dataclasses (config.TrainConfig, config.EvalConfig)
+
+_PYTHON_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _option_parameters(config_class, own_defaults: dict | None = None) -> list[inspect.Parameter]:
+    """One typer option per dataclass field, all defaulting to None (= not given: keep the TOML value or default).
+    `own_defaults`: the command's defaults where they differ from the dataclass's, for the help to show."""
+    params = []
+    defaults = config_class()
+    for f in dataclasses.fields(config_class):
+        base = str(f.type).split(" |")[0]
+        default = (own_defaults or {}).get(f.name, getattr(defaults, f.name))
+        help_text = f.metadata["help"]
+        choices = f.metadata.get("choices")
+        if isinstance(choices, dict):  # a names.* registry: say what each choice means
+            help_text += " " + escape("; ".join(f"{name}: {text}" for name, text in choices.items()))
+        elif choices:
+            help_text += " " + escape(f"[{'|'.join(choices)}]")
+        if default is not None:
+            help_text += f" [dim](default: {default})[/]"
+        flag = f"--{f.name.replace('_', '-')}"
+        if base == "bool":  # a switch: --x / --no-x (not given: keep the TOML value or default)
+            flag = f"{flag}/--no-{f.name.replace('_', '-')}"
+        option = typer.Option(flag, help=help_text, show_default=False,
+                              rich_help_panel=f.metadata["group"].capitalize())
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation=Annotated[Optional[_PYTHON_TYPES[base]], option]))
+    return params
+
+
+def _with_config_options(command, config_class):
+    """Give `command` (which takes **options) one option per field of `config_class`, and register it."""
+    command.__signature__ = inspect.Signature(
+        [p for p in inspect.signature(command, eval_str=True).parameters.values()
+         if p.kind != inspect.Parameter.VAR_KEYWORD]
+        + _option_parameters(config_class))
+    return command
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae train
+
+
+def train(
+    config: Annotated[Optional[Path], typer.Option("--config", help="TOML file with any of the options below; "
+                                                   "command-line options override it.")] = None,
+    resume: Annotated[Optional[str], typer.Option("--resume", help="Continue the run with this id from its newest "
+                                                  "valid checkpoint (options marked resumable may change).")] = None,
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+    cpu: Annotated[bool, typer.Option("--cpu/--no-cpu", help="Force CPU even when a GPU is present.")] = False,
+    trust_pickles: Annotated[bool, typer.Option(
+        "--trust-pickles", help="With --resume: read the Python pickles an older qae left in the run folder (its "
+                                "pending writes, converted to JSON once, and its checkpoints' training state). A "
+                                "pickle can run code: only for a folder you made yourself.")] = False,
+    **options: Any,
+) -> None:
+    """Train a policy with QAE (or a mean-baseline estimator) and log every rollout to DuckDB."""
+    from qae_app.config import build_config
+    from qae_app.train.session import resume_config
+    from qae_app.train.trainer import Trainer
+
+    try:
+        if trust_pickles and resume is None:
+            raise QAEUserError("trust-pickles: only a resumed run has files an older qae wrote. Use it with "
+                               "--resume RUN, or drop it.")
+        cfg = (resume_config(runs_dir, resume, config, **options) if resume is not None
+               else build_config(config, **options))
+        trainer = Trainer(cfg, runs_dir, resume=resume is not None, console=console, cpu=True if cpu else None,
+                          trust_pickles=trust_pickles)
+    except QAEUserError as err:
+        fail(err)
+    run_training(trainer)
+
+
+app.command(help=train.__doc__)(_with_config_options(train, TrainConfig))
+
+
+def plan(
+    config: Annotated[Optional[Path], typer.Option("--config", help="The run's TOML file; its \\[plan] table may give "
+                                                   "the options below.")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Processes, one per GPU (default: 1).")] = None,
+    gpu_memory: Annotated[Optional[float], typer.Option("--gpu-memory", help="Each GPU's memory in GB (default: "
+                                                        "80).")] = None,
+    sharding: Annotated[Optional[str], typer.Option("--sharding", help="ddp: every process holds everything; fsdp: "
+                                                    "weights, gradients and optimizer state split over the GPUs "
+                                                    "(default: ddp).")] = None,
+    prompt_tokens: Annotated[Optional[int], typer.Option("--prompt-tokens", help="The longest prompt in tokens "
+                                                         "(default: 1024).")] = None,
+    **options: Any,
+) -> None:
+    """The per-GPU memory of a training run by component, whether it fits, and what to turn if not. Reads the
+    model's config only (a folder, a .gguf file, the HF cache): nothing is loaded or downloaded."""
+    from qae_app.analysis.memory_plan import Hardware, model_shape, plan_run, recipe_hardware, render
+    from qae_app.config import build_config
+
+    try:
+        cfg = build_config(config, **options)
+        given = {"gpus": gpus, "gpu_memory_gb": gpu_memory, "sharding": sharding, "prompt_tokens": prompt_tokens}
+        hardware = Hardware(**{"gpus": 1, "gpu_memory_gb": 80.0, **recipe_hardware(config),
+                               **{k: v for k, v in given.items() if v is not None}})
+        result = plan_run(cfg, model_shape(cfg.model), hardware)
+    except QAEUserError as err:
+        fail(err)
+    render(result, Console(highlight=False, width=max(console.width, 120)))
+    if not result.fits:
+        raise typer.Exit(code=1)
+
+
+app.command(help=plan.__doc__)(_with_config_options(plan, TrainConfig))
+
+
+def run_training(trainer) -> None:
+    from qae_app.cli.progress import TrainProgress, banner
+
+    cfg = trainer.cfg
+    main = trainer.is_main
+    if main:
+        console.print(banner(cfg, trainer.run_id))
+        if cfg.eval_every and not trainer.eval_problems:  # (given explicitly, config.check_given_together refuses it)
+            console.print(f"[yellow]note:[/] nothing to evaluate every {cfg.eval_every} steps: {cfg.data} has no "
+                          "held-out split. Pass --heldout-fraction 0.1 or --eval-bench FILE to track held-out "
+                          "accuracy, or --eval-every 0 to silence this.", highlight=False)
+    progress = TrainProgress(console, cfg.steps, trainer.state.step, show=main,
+                             dynamic_sampling=cfg.dynamic_sampling)
+    steps_before = trainer.state.step  # a resumed run's steps already done
+    try:
+        with progress:
+            result = trainer.fit(on_step=progress.update)
+    except QAEUserError as err:
+        fail(err)
+    except Exception as err:  # a full disk or a file-size limit mid-run: say so, and how the run continues
+        fail_on_write_fault(trainer, err)
+        raise
+    if main and progress.heldout is None and trainer.resuming:  # nothing evaluated now: the run's last evaluation
+        from qae_app.store.reader import query
+
+        last = query(result.run_dir / "qae.duckdb", "SELECT heldout_accuracy FROM steps WHERE heldout_accuracy IS "
+                                                    "NOT NULL ORDER BY step DESC LIMIT 1")
+        progress.heldout = float(last["heldout_accuracy"].iloc[0]) if len(last) else None
+    if main and result.steps_done == steps_before and steps_before >= cfg.steps:
+        console.print(f"run {result.run_id} had already done its {cfg.steps} steps: nothing to train. Pass --steps "
+                      f"above {cfg.steps} to train further.", highlight=False)
+    if result.status == "interrupted":
+        if main:
+            from qae_app.store.run_folder import latest_checkpoint
+
+            newest = latest_checkpoint(result.run_dir)
+            start = (f"from its newest checkpoint, {newest.name}," if newest is not None else
+                     "from step 0 (no checkpoint yet; the same seed trains the same steps again)")
+            console.print(f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue it {start} with: "
+                          f"qae train --resume {result.run_id} --runs-dir {trainer.runs_dir}", highlight=False)
+        end_processes()
+        raise typer.Exit(code=130)
+    if main:
+        console.print(f"[green]done[/]: {result.steps_done} steps, status {result.status}. "
+                      f"Held-out accuracy {number(progress.heldout)}.")
+        console.print(f"Stored in [cyan]{result.run_dir / 'qae.duckdb'}[/]. Inspect it with:\n"
+                      f"  qae show {result.run_id} --runs-dir {trainer.runs_dir}\n"
+                      f"  qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}\n"
+                      f"  qae dashboard --runs-dir {trainer.runs_dir}", highlight=False)
+    end_processes()
+
+
+def end_processes() -> None:
+    """Tear down the process group of an `accelerate launch` run that finished: left to the interpreter's exit, gloo's
+    threads were destroyed still running and a process aborted ('terminate called without an active exception',
+    SIGABRT) after its run had finished and been stored."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def fail_on_write_fault(trainer, err: Exception) -> None:
+    """Exit 2 with the cause when `err` is the machine's (disk full, file-size limit, read-only), not a bug: the steps
+    stored and the checkpoints before this one are safe, and the run resumes once the cause is gone."""
+    from qae_app.core.host_faults import environment_error, free_space_text, write_fault
+
+    folder = Path(trainer.runs_dir) / trainer.run_id
+    number = write_fault(err, folder if folder.exists() else Path(trainer.runs_dir))
+    if number is None:
+        return
+    checkpoint_bytes = 3 * sum(p.numel() * p.element_size() for p in trainer.model.parameters())  # weights, Adam x2
+    free = free_space_text(folder)
+    fail(environment_error(
+        f"run {trainer.run_id}: cannot write its files", err,
+        f"The data is safe: the steps stored so far and its complete checkpoints are kept (a partial checkpoint is "
+        f"never resumed from). A checkpoint of this run needs about {checkpoint_bytes / 1e6:,.1f} MB"
+        + (f"; {free}" if free else "") + ".", number,
+        then=f"continue it with: qae train --resume {trainer.run_id} --runs-dir {trainer.runs_dir}"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae warmstart
+
+
+@app.command()
+def warmstart(
+    task: Annotated[str, typer.Option(help="Built-in task to warm-start on: arith (ships as builtin:tiny) or chain "
+                                      "(builtin:tiny-chain).")] = "arith",
+    out: Annotated[Optional[Path], typer.Option(help="Folder for the checkpoint (default: the task's shipped "
+                                                "checkpoint folder, which `qae train --data <task>` loads).")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Supervised steps (default: the shipped recipe's).")] = None,
+    seed: Annotated[int, typer.Option(help="Initialisation and data seed.")] = 0,
+) -> None:
+    """Rebuild a built-in task's starting checkpoint (supervised, deterministic, under a minute on 2 cores)."""
+    from rich.progress import Progress
+
+    from qae_app.data.tasks import builtin_task_name
+    from qae_app.train.warmstart import WarmstartConfig, check_out_dir, default_out_dir
+    from qae_app.train.warmstart import warmstart as run_warmstart
+
+    try:
+        cfg = WarmstartConfig(task=builtin_task_name(task) or task, steps=steps, seed=seed).resolved()
+        out = check_out_dir(out if out is not None else default_out_dir(cfg.task))
+    except QAEUserError as err:
+        fail(err)
+    with Progress(console=console) as progress:
+        bar = progress.add_task("warm start", total=cfg.steps)
+        run_warmstart(out, cfg, on_step=lambda step, loss, *_: progress.update(bar, completed=step + 1,
+                                                                               description=f"loss {loss:.3f}"))
+    console.print(f"saved to [cyan]{out}[/]")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inspecting runs
+
+
+def _view_console() -> Console:
+    """A console sized now (COLUMNS, or the terminal): the views lay themselves out for its width."""
+    return Console(highlight=False)
+
+
+@app.command("runs")
+def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+              sweep: Annotated[Optional[str], typer.Option(help="Only the runs of this sweep (its id or name).")] = None,
+              ) -> None:
+    """List runs: status, estimator, K, steps and the latest reward, accuracy and entropy (model and task when the
+    terminal is wide enough). A run is its folder; an unreadable database is listed with the reason."""
+    from qae_app.cli.views import runs_view
+    from qae_app.store.reader import run_summaries
+
+    out = _view_console()
+    rows = run_summaries(runs_dir)
+    if sweep is not None:
+        from qae_app.analysis.compare import in_sweep
+
+        rows = [row for row in rows if in_sweep(json.loads(row.get("config") or "{}"), sweep)]
+        if not rows:
+            out.print(f"no run of sweep '{escape(sweep)}' in {escape(str(runs_dir))}. Start it with `qae sweep`.")
+            return
+    if not rows:
+        out.print(f"no runs in {escape(str(runs_dir))}. Start one with `qae train`.")
+        return
+    out.print(runs_view(rows, str(runs_dir), out.width))
+
+
+@app.command()
+def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
+         runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+         every: Annotated[int, typer.Option(help="Show every N-th step (default: about 15 rows).")] = 0,
+         metrics: Annotated[Optional[str], typer.Option(
+             help="Comma-separated step metrics to show (default: the most important that fit the terminal).")] = None,
+         ) -> None:
+    """Summarize a run: status, config, pace while running, per-step metrics, evaluations and warnings."""
+    from qae_app.cli.views import show_view
+    from qae_app.store.reader import read_evals, read_run, read_steps, read_warnings, resolve_run
+    from qae_app.store.schema import STEP_METRICS
+
+    try:
+        chosen = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else None
+        unknown = [m for m in chosen or [] if m not in STEP_METRICS]
+        if unknown:
+            raise QAEUserError(f"metrics: {', '.join(unknown)} not a step metric. Choose from: "
+                               f"{', '.join(STEP_METRICS)}.")
+        if every < 0:
+            raise QAEUserError(f"every: {every} is negative. Use 0 (about 15 rows) or a positive stride.")
+        path = resolve_run(runs_dir, run)
+        info = read_run(path)  # everything is read before anything is printed: a damaged file gives one message
+        steps, evals, warnings = read_steps(path), read_evals(path), read_warnings(path)
+    except QAEUserError as err:
+        fail(err)
+    out = _view_console()
+    out.print(show_view(info, steps, evals, warnings, out.width, chosen, every))
+
+
+@app.command()
+def rollouts(
+    run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
+    step: Annotated[Optional[int], typer.Option(help="Step to show (default: the latest).")] = None,
+    gated: Annotated[bool, typer.Option("--gated", help="Only trained responses gated out (advantage 0).")] = False,
+    kept: Annotated[bool, typer.Option("--kept", help="Only responses that carried gradient.")] = False,
+    filtered: Annotated[bool, typer.Option("--filtered", help="Only responses of groups that dynamic sampling left "
+                                           "out of the update.")] = False,
+    regime: Annotated[Optional[str], typer.Option(help="Only groups in this regime.")] = None,
+    why: Annotated[Optional[str], typer.Option(help="Only responses gated for this reason.")] = None,
+    search: Annotated[Optional[str], typer.Option(help="Only responses or prompts containing this text.")] = None,
+    limit: Annotated[int, typer.Option(help="At most this many responses.")] = 64,
+    full: Annotated[bool, typer.Option("--full", help="Print prompts and responses whole (wrapped), not cut to "
+                                       "one line.")] = False,
+    model_prompt: Annotated[bool, typer.Option("--model-prompt", help="Also print each prompt as the model saw "
+                                               "it: chat template applied (system message, role markers).")] = False,
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+) -> None:
+    """Show one step's responses: reward, advantage, why each gated one was gated (with the step's breakdown by
+    reason), which groups dynamic sampling filtered out of the update, and each group's prompt, answer, baseline and
+    regime."""
+    from qae_app.cli.views import rollouts_view
+    from qae_app.core.names import GATE_REASONS, REGIMES
+    from qae_app.store.reader import read_last_step, read_model_prompts, read_rollouts, resolve_run
+
+    try:
+        if gated + kept + filtered > 1:
+            raise QAEUserError("--gated, --kept and --filtered exclude each other. Pass one of them, or none for "
+                               "every response.")
+        if regime is not None and regime not in REGIMES:
+            raise QAEUserError(f"regime: unknown value '{regime}'. Choose one of: {', '.join(REGIMES)}.")
+        if why is not None and kept:
+            raise QAEUserError("--why selects gated responses, --kept the others. Pass one of them.")
+        if why is not None and why not in GATE_REASONS:
+            raise QAEUserError(f"why: unknown reason '{why}'. Choose one of: {', '.join(GATE_REASONS)}.")
+        if limit < 1:
+            raise QAEUserError(f"limit: {limit} shows nothing. Use a positive number of responses.")
+        path = resolve_run(runs_dir, run)
+        last = read_last_step(path)
+        if last is None:
+            raise QAEUserError(f"run: '{run}' has no steps yet.")
+        step = last if step is None else step
+        if not 1 <= step <= last:
+            raise QAEUserError(f"step: {step} is not a step of '{run}'. Use 1..{last}.")
+        everything = read_rollouts(path, step, with_text=False)  # first: a damaged file gives one message
+        frame = read_rollouts(path, step, gated=True if gated or why else False if kept else None, regime=regime,
+                              search=search, filtered=True if filtered else False if gated or kept or why else None)
+        shown = read_model_prompts(path, step) if model_prompt else None
+    except QAEUserError as err:
+        fail(err)
+    if why is not None:
+        frame = frame[frame["gate_reason"] == why]
+    out = _view_console()
+    out.print(rollouts_view(run, step, frame, everything, out.width, limit, full, shown))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae compare and qae sweep
+
+
+@app.command()
+def compare(
+    runs: Annotated[Optional[list[str]], typer.Argument(help="Run ids to compare (or --sweep).")] = None,
+    sweep: Annotated[Optional[str], typer.Option(help="Compare every run of this sweep (its id or name).")] = None,
+    baseline: Annotated[Optional[str], typer.Option(help="A group to compare the others with, paired by seed: its "
+                                                    "label or a value only it has (e.g. grpo).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON (no tables).")] = False,
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+) -> None:
+    """Compare runs across seeds: runs with the same config but the seed form a group; per group, the mean over
+    seeds of final, best and area-under-curve held-out accuracy, late entropy and its slope, the zero-advantage
+    fractions and seconds per step, each with a 95% t-interval; with --baseline, each group's paired difference from
+    it (interval and p-value)."""
+    from qae_app.analysis.compare import compare_runs, load_runs
+    from qae_app.cli.views import compare_view
+
+    try:
+        comparison = compare_runs(load_runs(runs_dir, runs, sweep), baseline)
+    except QAEUserError as err:
+        fail(err)
+    if as_json:
+        print(json.dumps(_finite(comparison.to_dict()), indent=2, default=str))
+        return
+    out = _view_console()
+    out.print(compare_view(comparison, out.width))
+
+
+def _finite(value):
+    """NaN and infinities as null: JSON has no NaN."""
+    if isinstance(value, dict):
+        return {key: _finite(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def sweep_command(
+    seeds: Annotated[int, typer.Option(help="Seeds per point, from --seed on (3 or more give intervals).")] = 1,
+    name: Annotated[Optional[str], typer.Option(help="The sweep's name (prefix of its run ids); default: "
+                                                "sweep-<hash of the shared options>.")] = None,
+    parallel: Annotated[int, typer.Option(help="Runs at a time, each with its share of the cores (at most "
+                                                "the number of cores).")] = 1,
+    config: Annotated[Optional[Path], typer.Option("--config", help="TOML file with train options for every "
+                                                   "point; command-line options override it.")] = None,
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+    cpu: Annotated[bool, typer.Option("--cpu/--no-cpu", help="Force CPU even when a GPU is present.")] = False,
+    **options: Any,
+) -> None:
+    """Run a grid of training runs: --estimator and --k take comma-separated lists (qae,grpo; 0.3,0.4,0.5), and
+    each point runs --seeds seeds (a mean baseline ignores K: it is not repeated per K). Every point is an ordinary
+    run tagged with the sweep (`qae runs --sweep`, `qae compare --sweep`). Re-running the same command resumes:
+    finished runs are kept, an interrupted one resumes, the rest start."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from qae_app.cli.sweep import check_parallel, failure_tail, plan_sweep, run_sweep
+    from qae_app.config import given_options
+
+    try:
+        check_parallel(parallel)
+        given = given_options(config, **options)
+        estimators, ks = str(given.pop("estimator", "qae")), given.pop("k", None)
+        plan = plan_sweep(runs_dir, estimators, None if ks is None else str(ks), seeds, given, name)
+    except QAEUserError as err:
+        fail(err)
+    console.print(f"[bold]qae sweep[/] [cyan]{plan.name}[/] (id {plan.sweep_id}): {len(plan.points)} runs, "
+                  f"{parallel} at a time, in {escape(str(runs_dir))}", highlight=False)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                        TextColumn("{task.fields[state]}"), console=console, disable=not console.is_terminal)
+    bars = {p.run_name: progress.add_task(p.run_name, total=p.steps, state="") for p in plan.points}
+    seen: dict[str, str] = {}
+
+    def on_update(states: dict, steps: dict) -> None:
+        for run_name, state in states.items():
+            progress.update(bars[run_name], completed=steps.get(run_name) or 0, state=state)
+            if not console.is_terminal and seen.get(run_name) != state:  # logs and CI: one line per change
+                console.print(f"{run_name}: {state}", highlight=False)
+            seen[run_name] = state
+
+    try:
+        with progress:
+            states = run_sweep(plan, runs_dir, parallel, cpu, on_update)
+    except QAEUserError as err:
+        fail(err)
+    counts = {state: sum(1 for s in states.values() if s == state) for state in sorted(set(states.values()))}
+    compare = (f". Compare them with: qae compare --sweep {plan.name} --runs-dir {runs_dir}"
+               if {"done", "kept"} & set(states.values()) else "")  # (compare leaves out runs without a step)
+    console.print("sweep " + ", ".join(f"{n} {state}" for state, n in counts.items()) + compare, highlight=False)
+    for run_name, state in states.items():
+        if state == "failed":
+            log = plan.folder / f"{run_name}.log"
+            console.print(f"[red]failed[/]: {run_name} (log {escape(str(log))}):\n{escape(failure_tail(log))}")
+        elif state == "busy":
+            console.print(f"[yellow]skipped[/]: {run_name} is being trained by another process.")
+        elif state == "taken":
+            console.print(f"[yellow]skipped[/]: {run_name} was taken by another run (not of this sweep) while the "
+                          "sweep ran; that run is left alone. Pass another --name to train this point.",
+                          highlight=False)
+    if "interrupted" in states.values():
+        console.print("[yellow]interrupted[/]: re-run the same command to resume the sweep.")
+        raise typer.Exit(code=130)
+    if {"failed", "busy", "taken"} & set(states.values()):
+        raise typer.Exit(code=1)
+
+
+def _sweep_options(command):
+    """The train options, less those a sweep sets itself for each point (the run id and the sweep tags)."""
+    own = {"run_name", "sweep_id", "sweep_name"}
+    command.__signature__ = inspect.Signature(
+        [p for p in inspect.signature(command, eval_str=True).parameters.values()
+         if p.kind != inspect.Parameter.VAR_KEYWORD]
+        + [p for p in _option_parameters(TrainConfig, names.SWEEP_DEFAULTS) if p.name not in own])
+    return command
+
+
+app.command("sweep", help=sweep_command.__doc__)(_sweep_options(sweep_command))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae eval
+
+
+def eval_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as JSON (no table).")] = False,
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+    **options: Any,
+) -> None:
+    """Evaluate a model: avg@k, pass@k (unbiased) and maj@k on a benchmark; every sample is stored in DuckDB."""
+    from qae_app.config import build_eval_config
+    from qae_app.evaluation.evaluate import run_eval_command
+
+    try:
+        cfg = build_eval_config(**options)
+        result, target_run, path = run_eval_command(cfg, runs_dir, console=None if as_json else console)
+    except QAEUserError as err:
+        fail(err)
+    if as_json:
+        print(json.dumps({"run_id": target_run, "database": str(path), "benchmark": result.benchmark,
+                          "samples": result.k, "options": cfg.to_dict(), "metrics": result.metrics}, indent=2))
+        return
+    table = Table(title=f"{result.benchmark}: {cfg.model}, k={result.k}")
+    for column in ("subset", "metric", "k", "value", "problems"):
+        table.add_column(column, justify="right")
+    for row in result.metrics:
+        table.add_row(row["subset"], row["metric"], str(row["k"]), f"{row['value']:.4f}", str(row["n_problems"]))
+    console.print(table)
+    # a few answers a reader can check by eye, wrong ones first: what was read from the response, and the gold answer
+    for sample in sorted(result.samples, key=lambda sample: bool(sample["correct"]))[:3]:
+        console.print(Text(f"problem {sample['problem_id']} sample {sample['sample_idx']}: extracted "
+                           f"{sample['extracted']!r}, gold {sample['answer']!r}, "
+                           + ("correct" if sample["correct"] else "wrong")))
+    console.print("every sample, with its gold answer: the dashboard's Eval samples page")
+    console.print(f"samples and metrics stored in [cyan]{path}[/] (run {target_run})")
+
+
+app.command("eval", help=eval_command.__doc__)(_with_config_options(eval_command, EvalConfig))
+
+
+@app.command()
+def export(run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
+           out: Annotated[Path, typer.Option(help="Folder to write the Hugging Face model to (new or empty).")],
+           checkpoint: Annotated[Optional[int], typer.Option(help="Checkpoint step (default: the newest).")] = None,
+           runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+    """Write a run's model as a Hugging Face folder (config, safetensors, tokenizer) for vLLM or the hub."""
+    from qae_app.evaluation.evaluate import export_model
+
+    try:
+        target = export_model(run, runs_dir, out, checkpoint)
+    except QAEUserError as err:
+        fail(err)
+    console.print(f"run {run} at step {target.step} exported to [cyan]{out}[/]")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae dashboard
+
+# `python -m streamlit` puts the working folder first on sys.path, so a `click.py` or `streamlit.py` in the folder the
+# dashboard is started from (a download folder, a shared run folder) would run as the user: start Streamlit's CLI with
+# that entry dropped (it is '' under `python -c`, and absent where PYTHONSAFEPATH is set)
+STREAMLIT_WITHOUT_WORKING_FOLDER = ("import sys\n"
+                                    "if sys.path and sys.path[0] == '': del sys.path[0]\n"
+                                    "from streamlit.web.cli import main\n"
+                                    "sys.exit(main(prog_name='streamlit'))")
+
+
+def dashboard_app() -> Path:
+    """The Streamlit entry point, installed with the package as qae_app.dashboard (the repo's dashboard/ folder)."""
+    from importlib.resources import files
+
+    return Path(str(files("qae_app.dashboard") / "app.py"))
+
+
+@app.command()
+def dashboard(
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+    port: Annotated[int, typer.Option(help="Port to serve on.")] = 8501,
+    host: Annotated[str, typer.Option(help="Address to bind. The default keeps it on this machine; 0.0.0.0 "
+                                      "exposes every run to your network.")] = "127.0.0.1",
+    refresh: Annotated[str, typer.Option(
+        help="Seconds between the pages' checks for new steps and runs: " + ", ".join(names.DASHBOARD_REFRESH_S)
+             + ". The sidebar changes it in that browser tab; off suits reading finished runs.",
+    )] = names.DASHBOARD_REFRESH_DEFAULT,
+) -> None:
+    """Start the Streamlit dashboard (live curves, rollouts browser) on 127.0.0.1; Ctrl-C or SIGTERM stops it."""
+    import os
+    import signal
+    import subprocess
+
+    if not 0 < port < 65536:
+        fail(QAEUserError(f"port: {port} is not a TCP port. Use 1-65535 (default 8501)."))
+    if refresh not in names.DASHBOARD_REFRESH_S:
+        *most, last = names.DASHBOARD_REFRESH_S
+        fail(QAEUserError(f"refresh: {refresh} is not offered. Use {', '.join(most)} or {last} (seconds between "
+                          f"checks for new steps; default {names.DASHBOARD_REFRESH_DEFAULT})."))
+    _check_host(host)
+    app_path = dashboard_app()
+    command = [sys.executable, "-c", STREAMLIT_WITHOUT_WORKING_FOLDER, "run", str(app_path), "--server.address", host,
+               "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
+               "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal"]
+    env = dict(os.environ, QAE_RUNS_DIR=str(Path(runs_dir).resolve()), **{names.DASHBOARD_REFRESH_ENV: refresh})
+    console.print(f"qae dashboard for [cyan]{Path(runs_dir).resolve()}[/] at [bold]http://{host}:{port}[/] "
+                  "(Ctrl-C to stop)")
+    process = subprocess.Popen(command, env=env)
+
+    def stop(signum, frame):  # SIGTERM (systemd, kill) stops the server too, as Ctrl-C does
+        raise KeyboardInterrupt
+
+    # SIGINT too: a process started with SIGINT ignored (from a script's `&`, a test runner's worker) has no Python
+    # handler for it, and Ctrl-C would stop the server but leave this process to report a clean exit
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = process.wait()
+    except KeyboardInterrupt:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        console.print("dashboard stopped")
+        return
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if code != 0:  # e.g. the port is taken: Streamlit said why above
+        err_console.print(f"[bold red]error:[/] the dashboard server exited with code {code}.")
+        raise typer.Exit(code=1)
+
+
+def _check_host(host: str) -> None:
+    """Refuse a --host the server could not listen on (Streamlit would fail with a traceback): one that names no
+    address, or an address this machine does not have. Whether the port is free is for the server to say."""
+    import socket
+
+    advice = "Use 127.0.0.1 (this machine only, the default), 0.0.0.0 (every network interface) or an address of " \
+             "this machine."
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as err:
+        fail(QAEUserError(f"host: '{host}' is not an address ({getattr(err, 'strerror', None) or err}). {advice}"))
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address[0], 0))  # any free port: only the address is in question here
+        except OSError as err:
+            fail(QAEUserError(f"host: '{host}' is not an address of this machine ({err.strerror}). {advice}"))
+
+
+def main() -> None:  # pragma: no cover - `python -m qae_app.cli`
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

@@ -1,0 +1,352 @@
+"""`qae sweep`: a grid of ordinary training runs (estimators x K x seeds), run one after another or N at a time.
+
+Every point is a plain `qae train` run in the runs dir, started as its own process (so `--parallel 2` trains two at
+once, each with its share of the cores), its config tagged with the sweep's id and name (`qae runs --sweep`,
+`qae compare --sweep`). A mean-baseline estimator ignores K, so it gets one point per seed, not one per K.
+
+The sweep's id is a hash of the options its points share, and its runs are named from the sweep's name and the point
+(`study-qae-k0.4-s1`). So re-running the same command after a kill resumes the sweep: a finished run is kept, an
+interrupted (or killed) one resumes from its newest checkpoint, the rest start; and the same command with more seeds
+or Ks extends it. A run of that name that belongs to another sweep (other options under the same --name) is refused
+rather than mixed in.
+
+Each point's options are written to runs/.sweeps/<name>/<run>.toml (what `qae train --config` reads) with its log
+beside it (the trainer's output, between lines saying when its process started and exited, with the exit code);
+the dot keeps the folder out of `qae runs`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from qae_app.config import build_config
+from qae_app.core import names
+from qae_app.core.errors import QAEUserError
+from qae_app.core.formatting import clipped
+from qae_app.core.host_faults import environment_errno, environment_error
+from qae_app.store.run_folder import (
+    CONFIG_FILE,
+    DB_FILE,
+    db_path,
+    lost_its_database,
+    read_run_config,
+    run_dir,
+    trainer_alive,
+    validate_run_name,
+)
+
+SWEEPS_DIR = ".sweeps"  # under the runs dir: each sweep's point files and logs
+POLL_S = 2.0  # how often the sweep looks at its running processes and their step counts
+# A sweep plans, tags and lists every run before the first starts; hundreds of runs are a study, a million a typo
+MAX_SWEEP_RUNS = 500
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    run_name: str
+    options: dict  # every option the user gave plus this point's estimator, K, seed and the sweep tags
+
+    @property
+    def steps(self) -> int:
+        return build_config(**self.options).steps
+
+
+@dataclass
+class Sweep:
+    sweep_id: str
+    name: str
+    points: list[SweepPoint]
+    folder: Path  # runs/.sweeps/<name>
+
+
+LIST_EXAMPLES = {"estimator": "qae,grpo", "k": "0.3,0.4"}
+
+
+def parse_list(flag: str, text: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise QAEUserError(f"{flag}: '{text}' names nothing. Give a comma-separated list, e.g. "
+                           f"{LIST_EXAMPLES.get(flag, 'a,b')}.")
+    if len(set(items)) != len(items):
+        raise QAEUserError(f"{flag}: '{text}' repeats a value. Give each once.")
+    if flag == "k":  # 0.4 and 0.40 are one K: it would train one point twice, under two names
+        seen: dict[float, str] = {}
+        for item in items:
+            try:
+                value = float(item)
+            except ValueError:
+                continue  # 'auto', or a bad value that the config check names
+            if value in seen:
+                raise QAEUserError(f"k: '{clipped(text)}' gives the same K twice ({seen[value]} and {item}). Give "
+                                   "each once.")
+            seen[value] = item
+    return items
+
+
+def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, options: dict,
+               name: str | None = None) -> Sweep:
+    """The sweep's points, validated before anything runs: `estimators` 'qae,grpo', `ks` '0.3,0.4' (QAE only;
+    default: the options' K or names.DEFAULT_K), `seeds` how many seeds from the options' seed on, `options` the train
+    options the user gave (TOML and command line, not the defaults)."""
+    estimator_list = parse_list("estimator", estimators)
+    for estimator in estimator_list:
+        if estimator not in names.ESTIMATORS:
+            raise QAEUserError(f"estimator: unknown '{estimator}'. Choose from: {', '.join(names.ESTIMATORS)}.")
+    if ks is not None and not any(names.uses_k(estimator) for estimator in estimator_list):
+        raise QAEUserError(f"k: {ks} is QAE's quantile level, and the sweep has no qae run. Drop --k or add qae "
+                           "to --estimator.")
+    k_list = parse_list("k", ks) if ks is not None else [str(options.get("k", names.DEFAULT_K))]
+    if seeds < 1:
+        raise QAEUserError(f"seeds: {seeds}. Use 1 or more seeds (3 or more to get a confidence interval).")
+    n_runs = sum(len(k_list) if names.uses_k(estimator) else 1 for estimator in estimator_list) * seeds
+    if n_runs > MAX_SWEEP_RUNS:  # counted before any point is planned: a typo like --seeds 1000000 never hangs
+        raise QAEUserError(f"seeds: {seeds} makes {n_runs:,} runs, more than the {MAX_SWEEP_RUNS} a sweep may have "
+                           "(each run is a full training run). Use fewer seeds or Ks, or split the study into "
+                           "several sweeps.")
+    for key in ("run_name", "sweep_id", "sweep_name", "estimator", "k"):
+        options.pop(key, None)
+    first_seed = int(options.pop("seed", 0))
+    for key, value in names.SWEEP_DEFAULTS.items():  # e.g. the entropy change is measured unless turned off
+        options.setdefault(key, value)
+    # the id hashes the options every point shares, not the grid: the same command with more seeds or Ks extends the
+    # sweep (its finished points kept), and a point's run name says where in the grid it is
+    sweep_id = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    name = validate_run_name(f"sweep-{sweep_id[:6]}" if name is None else name, option="name")
+    points = []
+    for estimator in estimator_list:
+        for k in k_list if names.uses_k(estimator) else [None]:  # a mean baseline ignores K: one point per seed
+            for seed in range(first_seed, first_seed + seeds):
+                run_name = validate_run_name(f"{name}-{estimator}{f'-k{k}' if k is not None else ''}-s{seed}")
+                point = dict(options, estimator=estimator, seed=seed, run_name=run_name, sweep_id=sweep_id,
+                             sweep_name=name, **({"k": k} if k is not None else {}))
+                try:
+                    build_config(**point)  # every bad value is refused here, before any run starts
+                except QAEUserError as err:
+                    raise QAEUserError(f"{err} (in sweep point {run_name})") from None
+                points.append(SweepPoint(run_name, point))
+    check_data_files(build_config(**points[0].options))  # shared by every point: a bad file fails all of them
+    for point in points:  # the same name under other options is another sweep: never mix the two
+        stored = run_dir(runs_dir, point.run_name) / CONFIG_FILE
+        if not stored.exists() and stored.parent.exists():
+            raise QAEUserError(
+                f"name: run '{point.run_name}' already exists in {runs_dir} and is not a training run (no "
+                f"{CONFIG_FILE}: an eval run, or what is left of a run). Pass another --name, or move the folder "
+                "aside.")
+        if lost_its_database(stored.parent):
+            raise QAEUserError(
+                f"name: run '{point.run_name}' of this sweep has lost its database ({stored.parent / DB_FILE} was "
+                "deleted or moved aside), so it can neither be resumed nor started again under its name. Restore "
+                "the file, or move the run's folder aside to train that point anew.")
+        if stored.exists():
+            other = read_run_config(stored.parent).get("sweep_id")
+            if other != sweep_id:
+                raise QAEUserError(
+                    f"name: run '{point.run_name}' already exists in {runs_dir} and belongs to "
+                    f"{'sweep ' + other if other else 'no sweep'}, not to this one (other options). "
+                    "Pass another --name, or the same options as that sweep to resume it.")
+    folder = Path(runs_dir) / SWEEPS_DIR / name
+    try:  # the sweep's point files and logs go here, before any run starts: a read-only runs dir is said now
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        if environment_errno(err) is None:
+            raise
+        raise environment_error(f"runs-dir: cannot write the sweep's files in {runs_dir}", err,
+                                "Its runs are intact.") from None
+    return Sweep(sweep_id, name, points, folder)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# running the points
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
+
+
+def write_point_file(path: Path, options: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{key} = {_toml_value(value)}\n" for key, value in sorted(options.items())))
+    return path
+
+
+def point_state(runs_dir: Path, point: SweepPoint) -> str:
+    """'new' (no run yet), 'done' (finished all its steps), 'busy' (another process trains it), 'taken' (a run of
+    another sweep, or of none, took its name after the sweep was planned: never trained by the sweep) or 'resume'."""
+    folder = run_dir(runs_dir, point.run_name)
+    if taken_by_another_run(folder, point.options["sweep_id"]):
+        return "taken"
+    if not db_path(runs_dir, point.run_name).exists():
+        return "new"
+    if trainer_alive(folder):
+        return "busy"
+    from qae_app.store.reader import read_last_step, read_run
+
+    try:
+        status, last = read_run(db_path(runs_dir, point.run_name))["status"], read_last_step(
+            db_path(runs_dir, point.run_name))
+    except QAEUserError:
+        return "resume"
+    return "done" if status == "finished" and (last or 0) >= point.steps else "resume"
+
+
+def taken_by_another_run(folder: Path, sweep_id: str) -> bool:
+    """Whether the folder holds a run that is not this sweep's (plan_sweep refuses those it finds; one started later,
+    a plain `qae train --run-name` racing the sweep, is found here)."""
+    if (folder / CONFIG_FILE).exists():
+        try:
+            return read_run_config(folder).get("sweep_id") != sweep_id
+        except QAEUserError:
+            return False  # a damaged config.json: the resume says so
+    return (folder / DB_FILE).exists()  # a database without a config: an eval run (`qae eval --run-name`)
+
+
+@dataclass
+class PointRun:
+    point: SweepPoint
+    action: str  # "start" or "resume"
+    process: subprocess.Popen
+    log: Path
+    started: float = field(default_factory=time.monotonic)
+    asked_to_stop: bool = False  # sent SIGTERM by a stopping sweep
+
+
+def _command(sweep: Sweep, point: SweepPoint, action: str, runs_dir: Path, cpu: bool) -> list[str]:
+    base = [sys.executable, "-m", "qae_app.cli", "train", "--runs-dir", str(runs_dir), *(["--cpu"] if cpu else [])]
+    if action == "resume":  # the stored config is the run's; only the step count may grow
+        return [*base, "--resume", point.run_name, "--steps", str(point.steps)]
+    return [*base, "--config", str(write_point_file(sweep.folder / f"{point.run_name}.toml", point.options))]
+
+
+def check_data_files(cfg) -> None:
+    """Load the training data and the evaluation benchmark as each run will (each run loads its own again): a bad
+    file is refused once, before any run starts, not by every run in turn."""
+    from qae_app.data.tasks import load_benchmark, load_task
+
+    load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
+    if cfg.eval_bench:
+        load_benchmark(cfg.eval_bench, option="eval-bench")
+
+
+def check_parallel(parallel: int) -> None:
+    cores = os.cpu_count() or 1
+    if not 1 <= parallel <= cores:
+        raise QAEUserError(f"parallel: {parallel}. Use 1 to {cores} runs at a time (this machine has {cores} cores; "
+                           "each run gets its share of them).")
+
+
+def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False, on_update=None) -> dict:
+    """Run every point not yet done, `parallel` at a time. `on_update(states, steps)` is called every POLL_S seconds
+    with each point's state ('done', 'kept', 'queued', 'running', 'failed', 'busy', 'interrupted') and its stored
+    step count. Returns {run_name: final state}. Ctrl-C / SIGTERM stop the running points the trainer's way
+    (checkpoint, status interrupted) and return with them 'interrupted'."""
+    check_parallel(parallel)
+    states, steps = {}, {}
+    queue = []
+    for point in sweep.points:
+        state = point_state(runs_dir, point)
+        states[point.run_name] = {"done": "kept", "busy": "busy", "taken": "taken"}.get(state, "queued")
+        if state in ("new", "resume"):
+            queue.append((point, "start" if state == "new" else "resume"))
+    threads = max(1, (os.cpu_count() or 1) // parallel)  # each run its share of the cores, not all of them each
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), COLUMNS="120")
+    active: list[PointRun] = []
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while (queue and not stopping) or active:
+            while queue and len(active) < parallel and not stopping:
+                point, action = queue.pop(0)
+                if point_state(runs_dir, point) == "taken":  # another run took the name since the sweep began
+                    states[point.run_name] = "taken"
+                    continue
+                log = sweep.folder / f"{point.run_name}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                with log.open("a") as out:
+                    out.write(f"\n# qae sweep {sweep.name}: {action} {point.run_name} at {_now()}\n")
+                    out.flush()
+                    process = subprocess.Popen(_command(sweep, point, action, runs_dir, cpu), stdout=out,
+                                               stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                               preexec_fn=_stop_with_parent)
+                active.append(PointRun(point, action, process, log))
+                states[point.run_name] = "running"
+            if stopping:
+                for run in active:
+                    if run.process.poll() is None and not run.asked_to_stop:
+                        run.process.send_signal(signal.SIGTERM)  # the trainer checkpoints and says interrupted
+                        run.asked_to_stop = True  # once: the trainer finishes its step and checkpoint first
+            for run in list(active):
+                code = run.process.poll()
+                if code is None:
+                    continue
+                active.remove(run)
+                with run.log.open("a") as out:  # the trainer has exited: nothing else writes to its log now
+                    out.write(f"# qae sweep {sweep.name}: {run.point.run_name} exited with code {code} at {_now()} "
+                              f"after {time.monotonic() - run.started:.1f} s\n")
+                final = point_state(runs_dir, run.point)  # (the name may have been taken as the point started)
+                states[run.point.run_name] = ("done" if code == 0 and final == "done"
+                                              else "taken" if code != 0 and final == "taken"
+                                              else "interrupted" if stopping or code == 130 else "failed")
+            for point in sweep.points:
+                if states[point.run_name] in ("running", "done", "kept", "interrupted", "failed"):
+                    steps[point.run_name] = _stored_steps(runs_dir, point.run_name, steps.get(point.run_name))
+            if on_update:
+                on_update(states, steps)
+            if active:
+                time.sleep(POLL_S)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return states
+
+
+def _now() -> str:
+    """The wall-clock time a point log records (ISO 8601, UTC, to the microsecond)."""
+    return datetime.now(timezone.utc).isoformat()
+
+
+def _stop_with_parent() -> None:
+    """In the child: have the kernel send it SIGTERM when the sweep dies, even by kill -9, so a killed sweep leaves
+    no orphan trainer behind (the trainer checkpoints and stops as interrupted; re-running the sweep resumes it).
+    Linux only; elsewhere a child outlives a killed sweep."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _stored_steps(runs_dir: Path, run_name: str, before: int | None) -> int | None:
+    """The run's stored step count, or the last one seen when its file is busy this instant."""
+    path = db_path(runs_dir, run_name)
+    if not path.exists():
+        return before
+    from qae_app.store.reader import read_last_step
+
+    try:
+        return read_last_step(path) or 0
+    except Exception:  # noqa: BLE001 - a file being written may be unreadable for a moment; the next poll reads it
+        return before
+
+
+def failure_tail(log: Path, lines: int = 15) -> str:
+    if not log.exists():
+        return ""
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])

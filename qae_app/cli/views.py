@@ -1,0 +1,539 @@
+"""What `qae runs`, `qae show` and `qae rollouts` print: rich renderables laid out for the console's width.
+
+Designed for 80 columns and better with more:
+- a number is never elided: numeric columns never wrap, and the columns that fit are chosen in order of importance;
+  the ones left out are named under the table (with how to see them);
+- a run id always shows the part that tells it apart: a prefix every listed id shares is written once, above the
+  table, and an id that is still too long wraps instead of being cut;
+- metric headers are the stored names (`heldout_accuracy`), broken at their underscores to stay narrow;
+- text from runs (prompts, responses, messages) is never read as rich markup, and is cut with '…' only where it is
+  prose, never where it is a number or an id.
+
+Torch-free: `qae runs` and `qae show` start in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from rich import box
+from rich.columns import Columns
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from qae_app.core.formatting import missing, number, pace_line, run_pace, setup_label
+from qae_app.core.names import GATE_REASONS
+from qae_app.store import reader as store_read
+from qae_app.store import schema as store
+from qae_app.store.run_folder import RUN_NAME_PATTERN, STOPPED
+
+if TYPE_CHECKING:  # `qae runs` draws from dicts and never imports pandas
+    import pandas as pd
+
+GAP = 2  # characters between two columns (SIMPLE_HEAD box, collapsed padding)
+STATUS_STYLES = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow",
+                 store_read.UNREADABLE: "bold red", store_read.BUSY: "yellow", STOPPED: "magenta",
+                 store_read.NOT_A_RUN: "dim"}
+ID_SEPARATORS = "-_."
+MIN_ID_WIDTH = 24  # optional columns give way before a run id gets narrower than this (default ids: 19-23)
+# `qae show`: the steps columns in order of importance (all of STEP_METRICS, the first ones kept at 80 columns)
+SHOW_METRICS = ["reward_mean", "accuracy", "heldout_accuracy", "entropy", "frac_zero_adv", "frac_hard", "frac_easy",
+                "cov_logp_adv", "kl", "clip_frac", "response_len", "step_s"]
+
+
+def metric_header(name: str) -> str:
+    """'heldout_accuracy' -> 'heldout_\\naccuracy': the stored name, in lines no wider than its longest part."""
+    return name.replace("_", "_\n")
+
+
+def status_text(status: str) -> Text:
+    return Text(str(status), style=STATUS_STYLES.get(str(status), "red"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fitting columns to the width
+
+
+@dataclass
+class Column:
+    header: str
+    cells: list  # str or Text, one per row
+    justify: str = "left"
+    priority: int = 0  # 0: always shown; higher: dropped first when the table is too wide
+    flexible: bool = False  # takes the room left (wraps or is cut instead of being dropped)
+    overflow: str = "fold"  # for a flexible column: 'fold' (wrap anywhere) or 'ellipsis' (prose)
+    min_width: int = MIN_ID_WIDTH  # for a flexible column: optional columns give way before it gets narrower
+    name: str = ""  # what the note about dropped columns calls it
+    style: str | None = None
+
+    def width(self) -> int:
+        header = max((len(line) for line in self.header.split("\n")), default=0)
+        return max([header, *(len(cell.plain if isinstance(cell, Text) else str(cell)) for cell in self.cells)])
+
+
+@dataclass
+class Fitted:
+    table: Table
+    dropped: list[str] = field(default_factory=list)
+
+
+def fit(columns: list[Column], width: int, title: str | None = None) -> Fitted:
+    """A table of the columns that fit in `width`: every priority-0 column, then the others by priority (lower
+    first) until one does not fit (the flexible column keeping at least its min_width, or its natural width if
+    smaller)."""
+    flexible = next((c for c in columns if c.flexible), None)
+
+    def total(chosen: list[Column]) -> int:
+        fixed = sum(c.width() for c in chosen if c is not flexible)
+        return fixed + GAP * (len(chosen) - 1)
+
+    def room_for_flexible(chosen: list[Column]) -> int:
+        return width - total(chosen) - (GAP if flexible is not None else 0)
+
+    chosen = [c for c in columns if c.priority == 0]
+    for candidate in sorted((c for c in columns if c.priority > 0), key=lambda c: c.priority):
+        trial = [c for c in columns if c in chosen or c is candidate]
+        if flexible is not None:
+            need = min(flexible.width(), flexible.min_width)
+            fits = room_for_flexible([c for c in trial if c is not flexible]) >= need
+        else:
+            fits = total(trial) <= width
+        if not fits:
+            break  # in order of importance: a less important column never takes the place of a more important one
+        chosen = trial
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True, title=title,
+                  title_justify="left", title_style="bold")
+    for column in chosen:
+        if column is flexible:
+            room = max(room_for_flexible([c for c in chosen if c is not flexible]), 1)
+            table.add_column(column.header, justify=column.justify, overflow=column.overflow,
+                             no_wrap=column.overflow == "ellipsis", max_width=room, style=column.style)
+        else:
+            table.add_column(column.header, justify=column.justify, no_wrap=True, min_width=column.width(),
+                             style=column.style)
+    for row in zip(*(c.cells for c in chosen)) if chosen and chosen[0].cells else []:
+        table.add_row(*[cell if isinstance(cell, Text) else Text(str(cell)) for cell in row])
+    return Fitted(table, [c.name or c.header.replace("\n", "") for c in columns if c not in chosen])
+
+
+def dropped_note(dropped: list[str], width: int, how: str) -> Text | None:
+    if not dropped:
+        return None
+    return Text(f"not shown at {width} columns: {', '.join(dropped)} ({how})", style="dim")
+
+
+def shared_prefix(ids: list[str]) -> str:
+    """The longest prefix all `ids` share that ends at a separator (-, _ or .) and leaves every id something."""
+    if len(ids) < 2:
+        return ""
+    prefix = ids[0]
+    for other in ids[1:]:
+        while not other.startswith(prefix):
+            prefix = prefix[:-1]
+    cut = max(prefix.rfind(sep) for sep in ID_SEPARATORS) + 1
+    prefix = prefix[:cut]
+    return prefix if all(len(i) > len(prefix) for i in ids) else ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae runs
+
+
+def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
+    """The runs table (rows: store_read.run_summaries): run, status, estimator and K, progress and the latest metrics;
+    model, task and creation time when there is room. Under it: what `stopped` means and why a run is unreadable."""
+    ids = [str(row["run_id"]) for row in rows]
+    configs = [_config(row) for row in rows]
+    readable = [row.get("status") not in store_read.READ_STATUSES for row in rows]
+
+    def cell(row: dict, key: str, ok: bool) -> str:
+        return number(row.get(key)) if ok else ""
+
+    # with 0/1 rewards the mean reward is the accuracy: one column says both, and leaves room for entropy
+    same = all(number(row.get("reward_mean")) == number(row.get("accuracy")) for row, ok in zip(rows, readable) if ok)
+
+    def build(prefix: str, whole_ids: bool = False) -> Fitted:
+        shown_ids = [i[len(prefix):] for i in ids]
+        columns = [
+            # whole_ids: optional columns give way before an id of up to 40 characters is cut
+            Column("run", shown_ids, flexible=True, name="run",
+                   min_width=max(MIN_ID_WIDTH, min(40, max(map(len, shown_ids), default=0))) if whole_ids
+                   else MIN_ID_WIDTH),
+            Column("status", [status_text(row["status"]) for row in rows]),
+            Column("estimator", [_estimator(row) if ok else "" for row, ok in zip(rows, readable)], priority=1),
+            Column("steps", [_progress(row, config) if ok else "" for row, config, ok in
+                             zip(rows, configs, readable)], justify="right"),
+            Column(metric_header("reward_mean"), [cell(r, "reward_mean", ok) for r, ok in zip(rows, readable)],
+                   justify="right", priority=2, name="reward_mean"),
+            *([] if same else [Column(metric_header("accuracy"), [cell(r, "accuracy", ok) for r, ok in
+                                                                  zip(rows, readable)],
+                                      justify="right", priority=2, name="accuracy")]),
+            Column(metric_header("heldout_accuracy"), [cell(r, "heldout_accuracy", ok) for r, ok in
+                                                       zip(rows, readable)],
+                   justify="right", priority=3, name="heldout_accuracy"),
+            Column(metric_header("entropy"), [cell(r, "entropy", ok) for r, ok in zip(rows, readable)],
+                   justify="right", priority=4, name="entropy"),
+            Column("model", [str(row.get("model") or "") if ok else "" for row, ok in zip(rows, readable)],
+                   priority=5),
+            Column("task", [str(row.get("task") or "") if ok else "" for row, ok in zip(rows, readable)],
+                   priority=6),
+            Column("created (UTC)", [_time(row.get("created_at")) for row in rows], priority=7, name="created"),
+        ]
+        return fit(columns, width)
+
+    fitted, prefix = build(""), ""
+    longest = max((len(i) for i in ids), default=0)
+    run_width = next(c.max_width for c in fitted.table.columns if c.header == "run")
+    if run_width is not None and run_width < longest:
+        prefix = shared_prefix(ids)
+    fitted = build(prefix, whole_ids=True)
+    parts: list[RenderableType] = [Text(f"{len(rows)} run(s) in {runs_dir}", style="bold")]
+    if prefix:
+        parts.append(Text(f"every run id below starts with {prefix}", style="dim"))
+    parts.append(fitted.table)
+    if note := dropped_note(fitted.dropped, width, "widen the terminal, or `qae show RUN`"):
+        parts.append(note)
+    if same and any(readable):
+        parts.append(Text("reward_mean is also the accuracy here (0/1 rewards: the same in every "
+                          "run)", style="dim"))
+    if any(row["status"] == STOPPED for row in rows):
+        parts.append(Text("stopped: stored as running, but no trainer holds the run (killed by kill -9, OOM or a power "
+                          "loss). Continue it with `qae train --resume RUN`.", style="dim"))
+    for row in rows:
+        if row["status"] in store_read.READ_STATUSES:
+            parts.append(Text.assemble((f"{row['status']}: ", STATUS_STYLES[row["status"]]),
+                                       (f"{row['run_id']}: {row.get('error')}", "")))
+        elif not RUN_NAME_PATTERN.match(str(row["run_id"])):
+            parts.append(Text(f"{row['run_id']}: read as a run, but not a plain name, so `qae train --resume` cannot "
+                              f"continue it: rename it (mv '{row['run_id']}' {plain_name(str(row['run_id']))}).",
+                              style="dim"))
+    return Group(*parts)
+
+
+def plain_name(name: str) -> str:
+    """A plain run name close to `name`: 'a (copy)' -> 'a-copy'."""
+    return "-".join(re.findall(r"[A-Za-z0-9._]+", name)).strip("._-")[:100] or "run"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae show
+
+
+def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd.DataFrame, width: int,
+              metrics: list[str] | None = None, every: int = 0) -> RenderableType:
+    """A run: its id and status, what it trains, its pace while running, its config, every N-th step's metrics (the
+    most important ones that fit, or `metrics`), its evaluations and its warnings."""
+    config = _config(info)
+    parts: list[RenderableType] = [
+        Text.assemble((str(info["run_id"]), "bold"), "  ", status_text(info["status"])),
+        Text(f"{_estimator(info)} · model {info.get('model')} · task {info.get('task')} · "
+             f"seed {info.get('seed')} · {_progress(info, config)} steps"),
+    ]
+    launched = setup_label(config.get("distributed"))
+    if launched:
+        parts.append(Text(f"ran as {launched}"))
+    stored = info.get("stored_run_id")
+    if stored and stored != info["run_id"]:
+        parts.append(Text(f"copied or renamed: the database names it {stored}", style="dim"))
+    if info["status"] == "running":
+        parts.append(Text(pace_line(run_pace(steps, config.get("steps")))))
+    elif info["status"] == STOPPED:
+        parts.append(Text("stopped: no trainer holds this run (it was killed). Continue it with "
+                          f"`qae train --resume {info['run_id']}`.", style="magenta"))
+    pending = info.get("pending_writes") or 0
+    if pending:  # rows saved by the trainer that the database does not have yet (see the README's store section)
+        who = ("the trainer writes them within seconds" if info["status"] == "running" else
+               f"`qae train --resume {info['run_id']}` writes them")
+        parts.append(Text(f"{pending} writes saved under pending/ are not in the database yet: {who}.",
+                          style="yellow"))
+    if info.get("error"):
+        parts.append(Text.assemble(("error: ", "red"), str(info["error"])))
+    if config:
+        parts.append(Text("config", style="bold"))
+        parts.append(Columns([Text(f"{key} = {json.dumps(value)}") for key, value in config.items()
+                              if key != "distributed"],
+                             padding=(0, 3), column_first=True, equal=True))
+    if not steps.empty:
+        parts += _steps_table(steps, width, metrics, every)
+    if not evals.empty:
+        parts += _evals_table(evals, width)
+    for row in warnings.to_dict("records"):
+        parts.append(Text.assemble((f"step {row['step']} {row['kind']}: ", "yellow"), str(row["message"])))
+    return Group(*parts)
+
+
+SHOWN_STEPS = 15  # about this many rows of steps unless --every says otherwise
+
+
+def picked_steps(steps: pd.DataFrame, every: int) -> tuple[list[int], str]:
+    """The row positions `qae show` prints and the table's title: every n-th step, and the first and last. Without
+    --every, in a run with held-out evaluations, n is a divisor or a multiple of the evaluation interval, so held-out
+    accuracy is in the table (a stride of 2 from step 1 showed steps 1, 3, 5, ... and never step 10)."""
+    numbers = [int(step) for step in steps["step"]]
+    last = len(steps) - 1
+    evaluated = ([] if every or "heldout_accuracy" not in steps else
+                 [step for step, value in zip(numbers, steps["heldout_accuracy"]) if not missing(value)])
+    interval = math.gcd(*evaluated) if evaluated else 0
+    if interval > 1:
+        fitting = [d for d in range(1, interval + 1) if interval % d == 0 and len(steps) / d <= SHOWN_STEPS]
+        stride = fitting[0] if fitting else interval * math.ceil(len(steps) / (SHOWN_STEPS * interval))
+        picked = sorted({0, last, *(i for i, step in enumerate(numbers) if step % stride == 0)})
+        return picked, f"steps (every {stride}, held-out evaluations among them; the first and the last)"
+    stride = every or max(1, len(steps) // SHOWN_STEPS)
+    picked = list(range(0, len(steps), stride))
+    appended = picked[-1] != last
+    if appended:
+        picked.append(last)  # always the last step
+    return picked, f"steps (every {stride}{', and the last' if appended else ''})" if stride > 1 else "steps"
+
+
+def _steps_table(steps: pd.DataFrame, width: int, metrics: list[str] | None, every: int) -> list[RenderableType]:
+    picked, title = picked_steps(steps, every)
+    shown = steps.iloc[picked]
+    names = metrics or SHOW_METRICS + [m for m in store.STEP_METRICS if m not in SHOW_METRICS]
+    # a metric this run never recorded (dH without --log-entropy-delta) takes no column unless asked for
+    empty = [] if metrics else [name for name in names if name in steps and steps[name].isna().all()]
+    columns = [Column("step", [str(int(s)) for s in shown["step"]], justify="right")]
+    for rank, name in enumerate(names, start=1):
+        if name not in shown or name in empty:
+            continue
+        columns.append(Column(metric_header(name), [number(v) for v in shown[name]], justify="right",
+                              priority=0 if metrics else rank, name=name))
+    fitted = fit(columns, width)
+    parts: list[RenderableType] = [Text(title, style="bold"), fitted.table]
+    if note := dropped_note(fitted.dropped, width, "widen the terminal or pick with --metrics"):
+        parts.append(note)
+    if empty:
+        parts.append(Text(f"no values in this run: {empty_metrics_note(empty)}", style="dim"))
+    return parts
+
+
+# columns only an option records: named once, with the option, in the "no values" line (nine attribution columns
+# listed one by one hid the line's other names)
+RECORDED_ONLY_WITH = {"--log-entropy-delta": ("dH, dH_hard, dH_easy", ("dH", "dH_hard", "dH_easy")),
+                      "--log-entropy-attribution": ("the 9 dH_*from_* columns",
+                                                    tuple(m for m in store.STEP_METRICS if "_from_" in m))}
+
+
+def empty_metrics_note(empty: list[str]) -> str:
+    """The empty columns, each option's family folded into one entry when all of it is empty."""
+    entries, folded = [], set()
+    for option, (label, family) in RECORDED_ONLY_WITH.items():
+        if set(family) <= set(empty):
+            folded.update(family)
+            entries.append(f"{label} (recorded with {option})")
+    plain = ", ".join(name for name in empty if name not in folded)
+    return "; ".join(([plain] if plain else []) + entries)
+
+
+def _evals_table(evals: pd.DataFrame, width: int) -> list[RenderableType]:
+    whole = evals[evals["subset"] == "all"]
+    if whole.empty:
+        return []
+    whole = whole.assign(name=whole["metric"].str.replace("@k", "@", regex=False) + whole["k"].astype(str))
+    keys = ["benchmark", "source", "step", "n_problems"]
+    wide = whole.pivot_table(index=keys, columns="name", values="value", sort=False).reset_index()
+    names = [c for c in wide.columns if c not in keys]
+    # avg@k and maj@k first, then pass@k from the largest k down
+    order = sorted(names, key=lambda n: (not n.startswith("avg@"), not n.startswith("maj@"),
+                                         -int(n.split("@")[1]) if n.split("@")[1].isdigit() else 0))
+    rows = wide.to_dict("records")
+    columns = [Column("benchmark", [str(r["benchmark"]) for r in rows], flexible=True, min_width=8),
+               Column("by", [str(r["source"]) for r in rows]),
+               Column("step", [str(r["step"]) for r in rows], justify="right"),
+               Column("problems", [str(r["n_problems"]) for r in rows], justify="right", priority=len(order) + 1)]
+    for rank, name in enumerate(order, start=1):
+        columns.append(Column(name, [number(r[name]) for r in rows], justify="right", priority=rank))
+    fitted = fit(columns, width)
+    parts: list[RenderableType] = [Text.assemble(("evaluations", "bold"), (" (subset all; per subject and level in the "
+                                                                          "dashboard)", "dim")), fitted.table]
+    if note := dropped_note(fitted.dropped, width, "widen the terminal, or see them in the dashboard"):
+        parts.append(note)
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae rollouts
+
+
+def rollouts_view(run: str, step: int, frame: pd.DataFrame, everything: pd.DataFrame, width: int, limit: int,
+                  full: bool = False, model_prompts: dict[int, str] | None = None) -> RenderableType:
+    """One step: why its gated responses were gated (the step's breakdown), then each group (prompt, answer, success
+    count, regime, baseline) with its responses (reward, advantage, why gated, the text). `model_prompts` (group ->
+    the prompt after the chat template; `qae rollouts --model-prompt`): printed under each prompt, whole."""
+    # a group left out of the update by dynamic sampling is filtered, neither gated nor kept: gated counts are of the
+    # trained responses, as frac_zero_adv
+    left_out = everything["filtered"].fillna(False).astype(bool)
+    trained = everything[~left_out]
+    n_gated = int(trained["gated"].sum())
+    n_filtered = int(everything.loc[left_out, "group_idx"].nunique())
+    filtered = frame["filtered"].fillna(False).astype(bool)  # left out of the update by dynamic sampling
+    parts: list[RenderableType] = [Text(
+        f"{run} step {step}: {len(everything)} responses in {everything['group_idx'].nunique()} groups, "
+        + (f"{n_filtered} groups ({int(left_out.sum())} responses) filtered out of the update by dynamic sampling, "
+           f"{n_gated} of the {len(trained)} trained gated (advantage 0)" if n_filtered
+           else f"{n_gated} gated (advantage 0)"), style="bold")]
+    counts = trained.loc[trained["gated"], "gate_reason"].value_counts()
+    reasons = [reason for reason in GATE_REASONS if counts.get(reason, 0)]
+    if reasons:
+        breakdown = [Column("why gated", reasons),
+                     Column("responses", [str(int(counts[r])) for r in reasons], justify="right"),
+                     Column("share", [f"{counts[r] / max(len(trained), 1):.1%}" for r in reasons], justify="right"),
+                     Column("meaning", [GATE_REASONS[r] for r in reasons], flexible=True, min_width=20)]
+        parts.append(fit(breakdown, width).table)
+    if len(frame) != len(everything):
+        parts.append(Text(f"{len(frame)} of {len(everything)} responses match the filters", style="dim"))
+    shown = frame.head(limit)
+    for g, rows in shown.groupby("group_idx", sort=False):
+        first = rows.iloc[0]
+        total = int((frame["group_idx"] == g).sum())
+        parts.append(Text(""))
+        parts.append(Text.assemble(
+            (f"group {g}", "bold"), f" · {int(first['n_correct'])}/{int(first['group_size'])} correct · ",
+            (str(first["regime"]), "bold"), f" · baseline {number(first['baseline'])} · answer ",
+            (str(first["answer"]), "green")))
+        prompt = Text("prompt: " + str(first["prompt"]).replace("\n", " ⏎ "))
+        if not full:
+            prompt.truncate(width, overflow="ellipsis")
+        parts.append(prompt)
+        if model_prompts is not None:
+            seen = model_prompts.get(int(g))
+            parts.append(Text("model saw: " + seen.replace("\n", " ⏎ ") if seen is not None else
+                              "model saw: the prompt itself (no chat template)", style="dim" if seen is None else ""))
+        responses = [str(r).replace("\n", " ⏎ ") for r in rows["response"]]
+        columns = [
+            Column("#", [str(s) for s in rows["sample_idx"]], justify="right"),
+            Column("reward", [number(v) for v in rows["reward"]], justify="right"),
+            Column("advantage", [f"{v:+.4f}" for v in rows["advantage"]], justify="right"),
+            Column("why gated", [Text("filtered", style="yellow") if f else Text(str(r), style="dim") if g
+                                 else Text("kept", style="bold") for r, g, f in
+                                 zip(rows["gate_reason"], rows["gated"], filtered[rows.index].tolist())]),
+            Column("response", responses, flexible=True, overflow="fold" if full else "ellipsis", min_width=16),
+        ]
+        parts.append(fit(columns, width).table)
+        if len(rows) < total:
+            parts.append(Text(f"… {total - len(rows)} more responses of this group (raise --limit)", style="dim"))
+    if len(frame) > limit:
+        parts.append(Text(f"showing {limit} of {len(frame)} responses (--limit)", style="dim"))
+    return Group(*parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _config(row: dict) -> dict:
+    try:
+        return json.loads(row.get("config") or "{}")
+    except (TypeError, ValueError):
+        return {}
+
+
+def _estimator(row: dict) -> str:
+    k = row.get("k")
+    return f"{row.get('estimator')}" + ("" if missing(k) else f" K={k:g}")
+
+
+def _progress(row: dict, config: dict) -> str:
+    last = row.get("last_step")
+    last = 0 if missing(last) else int(last)
+    return f"{last}/{config['steps']}" if config.get("steps") else str(last)
+
+
+def _time(value) -> str:
+    if missing(value):
+        return ""
+    return value.strftime("%Y-%m-%d %H:%M")  # a datetime, or a pandas Timestamp
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qae compare
+
+
+def _interval(e) -> str:
+    """'[0.581, 0.643]' (the 95% interval, cut at what the metric can take), or why there is none ('n=2: no
+    interval', 'all 3 seeds tied: no spread to measure')."""
+    from qae_app.analysis.compare import interval_missing
+
+    return interval_missing(e) or f"[{number(e.low)}, {number(e.high)}]"
+
+
+def _estimate(e) -> Text:
+    """'0.612' over '[0.581, 0.643]' (the 95% interval) or why there is none, or '-' without a value."""
+    if e is None or e.mean is None:
+        return Text("-")
+    text = Text(number(e.mean))
+    if e.n >= 2:
+        text.append(f"\n{_interval(e)}", style="dim")
+    return text
+
+
+def _difference(d) -> Text:
+    if d is None or d.mean is None:
+        return Text("-")
+    text = Text(("+" if d.mean > 0 else "") + number(d.mean))
+    if d.n >= 2:
+        text.append(f"\n{_interval(d)}", style="dim")
+    if d.p_value is not None and d.sd != 0:  # (pairs that all differ by the same amount: p is 0 or 1, meaningless)
+        text.append(f"\np={d.p_value:.3g}", style="bold" if d.p_value < 0.05 else "dim")
+    return text
+
+
+def compare_view(comparison, width: int) -> RenderableType:
+    """`qae compare`: one column per group (runs with the same config but the seed), one row per run metric, each
+    cell the mean over seeds and its 95% t-interval; with a baseline, a second table of the paired differences (group
+    minus baseline, seeds matched) with interval and p-value. Notes say when n is too small to mean much."""
+    from qae_app.analysis.compare import RUN_METRICS
+
+    groups = comparison.groups
+    parts: list[RenderableType] = [Text(
+        f"{sum(len(g.runs) for g in groups)} run(s) in {len(groups)} group(s) (same config but the seed); "
+        "mean over seeds, 95% t-interval below it", style="bold")]
+    for index, group in enumerate(groups, 1):
+        seeds = ", ".join(map(str, group.seeds))
+        parts.append(Text.assemble((f"G{index} ", "bold"), (group.label, "cyan"),
+                                   f": n={len(group.runs)} (seeds {seeds})"))
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    table.add_column("metric", no_wrap=True)
+    for index, _ in enumerate(groups, 1):
+        table.add_column(f"G{index}", justify="right", no_wrap=True)
+    for name in RUN_METRICS:
+        table.add_row(name, *[_estimate(group.metrics.get(name)) for group in groups])
+    parts.append(table)
+    if comparison.baseline is not None:
+        others = [(i, g) for i, g in enumerate(groups, 1) if g is not comparison.baseline]
+        base_index = groups.index(comparison.baseline) + 1
+        parts.append(Text(f"minus the baseline G{base_index} ({comparison.baseline.label}), paired by seed: mean, "
+                          "95% t-interval, paired t-test p", style="bold"))
+        diff = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+        diff.add_column("metric", no_wrap=True)
+        for index, _ in others:
+            diff.add_column(f"G{index} - G{base_index}", justify="right", no_wrap=True)
+        for name in RUN_METRICS:
+            diff.add_row(name, *[_difference(comparison.differences[g.label].get(name)) for _, g in others])
+        parts.append(diff)
+        for index, group in others:
+            paired = comparison.differences[group.label][next(iter(RUN_METRICS))]
+            if paired.pairs:
+                parts.append(Text(f"G{index} - G{base_index} pairs: " + ", ".join(
+                    f"seed {seed} {run} - {base_run}" for seed, run, base_run in paired.pairs), style="dim"))
+            if len(paired.seeds) < len(group.runs) or len(paired.seeds) < len(comparison.baseline.runs):
+                parts.append(Text(f"G{index}: {len(paired.seeds)} seed(s) shared with the baseline are paired "
+                                  f"({', '.join(map(str, paired.seeds)) or 'none'}); the others are left out",
+                                  style="yellow"))
+    for index, group in enumerate(groups, 1):
+        if note := group.note():
+            parts.append(Text(f"G{index}: {note}", style="yellow"))
+        unfinished = [f"{run.run_id} ({run.status})" for run in group.runs if run.status != "finished"]
+        if unfinished:
+            parts.append(Text(f"G{index}: not finished, numbers so far: {', '.join(unfinished)}", style="yellow"))
+    if comparison.left_out:
+        parts.append(Text("left out: " + ", ".join(f"{run_id} ({why})" for run_id, why in comparison.left_out.items()),
+                          style="yellow"))
+    parts.append(Text("; ".join(f"{name}: {text}" for name, text in RUN_METRICS.items()), style="dim"))
+    return Group(*parts)

@@ -1,0 +1,25 @@
+"""Which rollout engine a run samples with (`--engine`)."""
+
+from __future__ import annotations
+
+import torch
+
+from qae_app.core.errors import QAEUserError
+from qae_app.core.names import ENGINES
+from qae_app.engines.base import RolloutEngine
+from qae_app.engines.hf import HFGenerateEngine
+from qae_app.engines.sampling import PLAIN_SAMPLING, SamplingOptions
+from qae_app.engines.sharded_policy import ShardedPolicy
+from qae_app.models.policy import TextCodec
+
+
+def make_engine(name: str, model: torch.nn.Module, codec: TextCodec, model_path: str | None = None,
+                sampling: SamplingOptions = PLAIN_SAMPLING, sharded: ShardedPolicy | None = None,
+                **kwargs) -> RolloutEngine:
+    if name == "hf":
+        return HFGenerateEngine(model, codec, sampling=sampling, sharded=sharded)
+    if name == "vllm":
+        from qae_app.engines.vllm_engine import VLLMEngine  # imported only here: vllm needs a GPU
+
+        return VLLMEngine(model_path=model_path, codec=codec, sampling=sampling, sharded=sharded, **kwargs)
+    raise QAEUserError(f"engine: unknown value '{name}'. Choose one of: {', '.join(ENGINES)}.")

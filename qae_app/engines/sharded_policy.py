@@ -1,0 +1,122 @@
+"""Rollouts from a sharded policy (FSDP, DeepSpeed ZeRO-3): every process holds a slice of each weight.
+`sharding_plan` decides what the engines must do about it, and `ShardedPolicy` does it."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from qae_app.core.errors import QAEUserError
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    sharding: str  # "none", "fsdp1", "fsdp2" or "zero3": how the policy's weights are split over processes
+    synced_generate: bool  # HF generate: every process runs forward until all are done (synced_gpus=True)
+    gather_full_weights: bool  # vLLM sync: gather each full weight from the shards before loading it
+
+
+UNSHARDED = ShardingPlan("none", synced_generate=False, gather_full_weights=False)
+
+
+def sharding_plan(distributed_type, zero_stage: int | None = None, fsdp_version: int | None = None,
+                  num_processes: int = 1) -> ShardingPlan:
+    """What the engines must do for accelerate's `distributed_type` (DistributedType or its name).
+
+    Sharded weights (FSDP, ZeRO-3) are gathered layer by layer inside forward, a collective call: a process that
+    stopped sampling must keep calling forward while another still samples, or both wait forever (TRL passes
+    synced_gpus=True there for the same reason). vLLM keeps a full copy of the weights, so a sync must gather them
+    first. Data parallel (DDP, multi-CPU), ZeRO-1/2 and one process keep full weights everywhere: nothing to do.
+    """
+    kind = str(getattr(distributed_type, "value", distributed_type)).upper()
+    if kind == "MEGATRON_LM":
+        raise QAEUserError("accelerate: Megatron-LM splits layers across processes, which the rollout engines do not "
+                           "support. Use DDP, FSDP or DeepSpeed in your `accelerate config`.")
+    if kind == "FSDP":
+        sharding = "fsdp2" if fsdp_version == 2 else "fsdp1"
+    elif kind == "DEEPSPEED" and (zero_stage or 0) >= 3:
+        sharding = "zero3"
+    else:
+        return UNSHARDED
+    return ShardingPlan(sharding, synced_generate=num_processes > 1, gather_full_weights=True)
+
+
+def sharding_plan_for(accelerator) -> ShardingPlan:
+    """sharding_plan for a live accelerate.Accelerator (FSDP2 that qae applies itself on CPU included)."""
+    from qae_app.models.sharding import shards_itself
+
+    if shards_itself(accelerator):
+        return sharding_plan("FSDP", None, 2, accelerator.num_processes)
+    state = accelerator.state
+    deepspeed = getattr(state, "deepspeed_plugin", None)
+    fsdp = getattr(state, "fsdp_plugin", None)
+    return sharding_plan(accelerator.distributed_type, getattr(deepspeed, "zero_stage", None),
+                         getattr(fsdp, "fsdp_version", None), accelerator.num_processes)
+
+
+class ShardedPolicy:
+    """The policy as accelerate prepared it, with what generation and weight sync need when it is sharded.
+
+    `wrapped` is the prepared model (FSDP / DeepSpeed wrapper); the engines generate with the unwrapped one.
+    FSDP1 and FSDP2 run on CPU (tests/test_sharding.py, tests/test_fsdp2.py); ZeRO-3 needs GPUs (bench/gpu_check.py).
+    """
+
+    def __init__(self, plan: ShardingPlan = UNSHARDED, wrapped: torch.nn.Module | None = None):
+        self.plan = plan
+        self.wrapped = wrapped
+
+    @classmethod
+    def of(cls, accelerator, wrapped: torch.nn.Module) -> "ShardedPolicy":
+        return cls(sharding_plan_for(accelerator), wrapped)
+
+    def generation_context(self):
+        """FSDP1 keeps the root module's own weights (embeddings, final norm, lm_head) sharded outside any nested
+        unit's forward: gather them for the whole generate call (TRL does the same)."""
+        if self.plan.sharding == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            return FSDP.summon_full_params(self.wrapped, recurse=False, writeback=False)
+        return contextlib.nullcontext()
+
+    def full_weights(self, unwrapped: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) for every weight, names as in the Hugging Face checkpoint; gathered one unit at a time
+        so no process holds more than one full unit beyond its shard (unless the caller keeps them all)."""
+        if self.plan.sharding == "none":
+            yield from unwrapped.state_dict().items()
+        elif self.plan.sharding == "fsdp2":  # parameters are DTensors: full_tensor() all-gathers one
+            for name, param in unwrapped.named_parameters():
+                yield name, param.full_tensor() if hasattr(param, "full_tensor") else param
+        elif self.plan.sharding == "zero3":
+            import deepspeed
+
+            for name, param in unwrapped.named_parameters():
+                with deepspeed.zero.GatheredParameters([param]):
+                    yield name, param.data.clone()  # the gathered storage is released when the block ends
+        else:  # fsdp1
+            yield from _fsdp1_full_weights(self.wrapped)
+
+
+def _fsdp1_full_weights(root):
+    """Each FSDP unit's own weights, gathered one unit at a time (the nested units first, as TRL does)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(root, recurse=False, writeback=False):
+        pass  # FSDP1 initialises lazily, taking the first unit gathered as its root: make that the real root
+    seen: set[str] = set()
+
+    def visit(module, prefix: str):
+        for child_name, child in module.named_children():
+            yield from visit(child, f"{prefix}.{child_name}" if prefix else child_name)
+        if isinstance(module, FSDP):
+            with FSDP.summon_full_params(module, recurse=False, writeback=False):
+                for name, param in module.named_parameters():
+                    full = f"{prefix}.{name}" if prefix else name
+                    full = full.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+                    if full not in seen:  # nested units' weights were yielded (gathered) by the units themselves
+                        seen.add(full)
+                        yield full, param.data.clone()  # the gathered storage is freed when the block ends
+
+    yield from visit(root, "")

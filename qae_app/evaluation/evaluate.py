@@ -1,0 +1,234 @@
+"""Evaluation: sample k responses per problem, score them, and report avg@k, pass@k and maj@k.
+
+- avg@k: mean accuracy over all k samples of all problems (the paper's avg@32).
+- pass@k': unbiased estimator of Chen et al. 2021 from the k samples, for k' in 1, 2, 4, ... <= k (and k).
+- maj@k: the majority answer among the k extracted answers is correct (ties: the answer seen first wins).
+
+Each is reported for the whole benchmark (subset "all") and, where problems carry them, per subject and level.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from qae_app.config import EvalConfig
+from qae_app.core.errors import QAEUserError
+from qae_app.data.datasets import Problem
+from qae_app.data.tasks import load_benchmark
+from qae_app.engines.base import RolloutEngine
+from qae_app.engines.sampling import SamplingOptions
+from qae_app.evaluation.metrics import avg_at_k, maj_at_k, pass_at_k, pass_k_values
+from qae_app.rewards.scorer import ANSWER_EXTRACTORS, Scorer
+from qae_app.store.reader import is_eval_run
+from qae_app.store.run_folder import (
+    CHECKPOINTS_DIR,
+    RUN_NAME_PATTERN,
+    checkpoint_step,
+    db_path,
+    eval_run_error,
+    list_checkpoints,
+    validate_run_name,
+)
+from qae_app.store.writer import RunWriter
+
+
+@dataclass
+class EvalResult:
+    benchmark: str
+    k: int
+    samples: list[dict]  # one per (problem, sample): problem_id, sample_idx, response, extracted, correct, ...
+    metrics: list[dict]  # benchmark, subset, metric, k, value, n_problems
+
+
+def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: list[str], scorer: Scorer, k: int,
+                     temperature: float, max_new_tokens: int, seed: int, on_batch=None,
+                     batch_problems: int = 64) -> list[dict]:
+    """k samples for each problem, scored. `on_batch(n_done)` is called after each batch (progress bars)."""
+    rows: list[dict] = []
+    for start in range(0, len(problems), batch_problems):
+        chunk = problems[start : start + batch_problems]
+        samples = engine.generate(prompts[start : start + batch_problems], k, temperature, max_new_tokens,
+                                  seed=seed + start)
+        texts = [s.text for s in samples]
+        rewards = scorer(texts, [chunk[s.prompt_index].answer for s in samples])
+        counters = defaultdict(int)
+        for sample, text, reward in zip(samples, texts, rewards):
+            problem = chunk[sample.prompt_index]
+            rows.append({
+                "problem_id": problem.prompt_id,
+                "sample_idx": counters[sample.prompt_index],
+                "response": text,
+                "extracted": ANSWER_EXTRACTORS[scorer.name](text),  # what the reward read: maj@k's vote
+                "answer": None if problem.answer is None else str(problem.answer),  # the gold answer it was checked against
+                "correct": reward == 1.0,
+                "verified": reward is not None,
+                "n_tokens": len(sample.response_ids),
+                "model_prompt": sample.model_prompt,  # chat template applied; None without one
+            })
+            counters[sample.prompt_index] += 1
+        if on_batch is not None:
+            on_batch(len(chunk))
+    return rows
+
+
+def summarize(benchmark: str, problems: list[Problem], samples: list[dict], k: int) -> list[dict]:
+    """Metric rows for the whole benchmark and for each subject / level present in the problems' meta."""
+    by_problem: dict[str, list[dict]] = defaultdict(list)
+    for row in samples:
+        by_problem[row["problem_id"]].append(row)
+    subsets: dict[str, list[Problem]] = {"all": problems}
+    for key in ("subject", "level"):
+        for p in problems:
+            if key in p.meta and p.meta[key] is not None:
+                subsets.setdefault(f"{key}={p.meta[key]}", []).append(p)
+    metrics = []
+    for subset, members in subsets.items():
+        groups = [by_problem[p.prompt_id] for p in members if by_problem[p.prompt_id]]
+        if not groups:
+            continue
+        n = len(groups)
+
+        def add(metric: str, kk: int, value: float) -> None:
+            metrics.append({"benchmark": benchmark, "subset": subset, "metric": metric, "k": kk, "value": value,
+                            "n_problems": n})
+
+        add("avg@k", k, sum(avg_at_k([r["correct"] for r in g]) for g in groups) / n)
+        for kk in pass_k_values(k):
+            add("pass@k", kk, sum(pass_at_k(len(g), sum(r["correct"] for r in g), kk) for g in groups) / n)
+        add("maj@k", k, sum(maj_at_k([r["extracted"] for r in g], [r["correct"] for r in g]) for g in groups) / n)
+    return metrics
+
+
+def evaluate(engine: RolloutEngine, benchmark: str, problems: list[Problem], prompts: list[str], scorer: Scorer,
+             k: int, temperature: float, max_new_tokens: int, seed: int, on_batch=None) -> EvalResult:
+    samples = sample_and_score(engine, problems, prompts, scorer, k, temperature, max_new_tokens, seed, on_batch)
+    return EvalResult(benchmark, k, samples, summarize(benchmark, problems, samples, k))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `qae eval`: resolve what to evaluate, run it, store it
+
+DEFAULT_MAX_NEW_TOKENS = {"exact_int": 8, "chain_final": 48, "math": 1024}
+
+
+@dataclass
+class EvalTarget:
+    model_path: str  # what load_policy / the engine loads
+    run_id: str | None  # the training run it belongs to (results go into that run's database)
+    step: int  # the checkpoint's step (0 for a model that is not a run checkpoint)
+
+
+def resolve_model(spec: str, runs_dir, checkpoint: int | None = None) -> EvalTarget:
+    """A run id (its newest or --checkpoint N), builtin:tiny, a local folder or a Hugging Face id."""
+    folder = Path(runs_dir) / spec
+    # a run folder: checkpoints, or a database only (a run killed before its first checkpoint)
+    if RUN_NAME_PATTERN.match(spec) and ((folder / CHECKPOINTS_DIR).is_dir() or db_path(runs_dir, spec).exists()):
+        if is_eval_run(folder):
+            raise eval_run_error("model", folder, f"Pass the model it evaluated (`qae show {spec}` names it), a "
+                                                  "training run's id or a model folder.")
+        found = list_checkpoints(folder)
+        if checkpoint is None:
+            if not found:
+                raise QAEUserError(f"model: run '{spec}' has no checkpoint yet. Wait for --checkpoint-every steps.")
+            ckpt = found[-1]
+        else:
+            ckpt = next((c for c in found if checkpoint_step(c) == checkpoint), None)
+            if ckpt is None:
+                have = ", ".join(c.name for c in found) or "none"
+                raise QAEUserError(f"checkpoint: run '{spec}' has no checkpoint {checkpoint} (has: {have}).")
+        return EvalTarget(str(ckpt / "model"), spec, checkpoint_step(ckpt))
+    if checkpoint is not None:
+        raise QAEUserError(f"checkpoint: --checkpoint needs --model to be a run id in {runs_dir}; '{spec}' is not.")
+    return EvalTarget(spec, None, 0)
+
+
+def export_model(run: str, runs_dir, out: Path, checkpoint: int | None = None) -> EvalTarget:
+    """Copy a run's checkpoint model (its newest, or `checkpoint`) to `out` as a Hugging Face folder: config,
+    model.safetensors, generation config and tokenizer, what vLLM or the hub take. A sharded run's checkpoint holds
+    its full weights there too (gathered once when it was saved), so any run exports the same way; a LoRA run's are
+    the merged weights. The checkpoint's checksums are verified first."""
+    import shutil
+
+    from qae_app.store.run_folder import checkpoint_problem
+
+    if not RUN_NAME_PATTERN.match(run) or not (Path(runs_dir) / run).is_dir():
+        raise QAEUserError(f"run: no run '{run}' in {runs_dir}. `qae export` takes a training run's id (see "
+                           "`qae runs`).")
+    target = resolve_model(run, runs_dir, checkpoint)
+    ckpt = Path(target.model_path).parent
+    problem = checkpoint_problem(ckpt)
+    if problem is not None:
+        raise QAEUserError(f"checkpoint: {ckpt} does not check out ({problem}). Export another one with "
+                           "--checkpoint N.")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise QAEUserError(f"out: {out} is not empty. Pass a new or empty folder.")
+    out.mkdir(parents=True, exist_ok=True)
+    for path in sorted(Path(target.model_path).iterdir()):
+        shutil.copy2(path, out / path.name)
+    return target
+
+
+def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResult, str, Path]:
+    """Everything `qae eval` does; returns (EvalResult, run_id the results were stored under, database path)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from qae_app.engines.factory import make_engine
+    from qae_app.models.policy import check_prompt_lengths, load_policy, rollout_positions
+
+    target = resolve_model(cfg.model, runs_dir, cfg.checkpoint)
+    name, problems, task = load_benchmark(cfg.bench)
+    problems = problems[: cfg.limit] if cfg.limit else problems
+    max_new_tokens = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task.reward]
+    if target.run_id is None:
+        run_id = validate_run_name(cfg.run_name or f"eval-{datetime.now():%Y%m%d-%H%M%S}")
+        if db_path(runs_dir, run_id).parent.exists():  # a run, or what is left of one (checkpoints, config.json)
+            raise QAEUserError(f"run-name: '{run_id}' already exists in {runs_dir}. Pick another --run-name.")
+        writer = None  # the new run's file is made once there are results to put in it
+    else:
+        run_id = target.run_id
+        # the run's own file takes the results: refused now if it cannot, not after the evaluation
+        writer = RunWriter(db_path(runs_dir, run_id), run_id)
+
+    try:
+        policy, codec = load_policy(target.model_path, cfg.dtype)
+    except QAEUserError:
+        if target.run_id is None or cfg.checkpoint is not None or Path(target.model_path).exists():
+            raise
+        # the run is training and pruned the checkpoint chosen (--keep-checkpoints) before it was loaded: take the
+        # newest again (a newer one than the pruned, which the trainer keeps for at least a checkpoint interval)
+        target = resolve_model(cfg.model, runs_dir)
+        policy, codec = load_policy(target.model_path, cfg.dtype)
+    prompts = [task.prompt(p) for p in problems]
+    by_id = list(zip([p.prompt_id for p in problems], prompts))
+    check_prompt_lengths(policy, codec, by_id, max_new_tokens, "bench")
+    rollout_engine = make_engine(cfg.engine, policy, codec, model_path=target.model_path,
+                                 sampling=SamplingOptions(cfg.top_p, cfg.top_k, cfg.min_p),
+                                 # (vllm only) no update here to free vLLM's memory for: no sleep mode
+                                 gpu_memory_utilization=cfg.vllm_gpu_memory, sleep=False,
+                                 max_model_len=rollout_positions(policy, codec, by_id, max_new_tokens))
+    progress = Progress(TextColumn(f"[bold]eval {name}"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+                        console=console, disable=console is None)
+    with Scorer(task.reward, cfg.verify_timeout_s) as scorer, progress:
+        bar = progress.add_task("eval", total=len(problems))
+        result = evaluate(rollout_engine, name, problems, prompts, scorer, cfg.samples,
+                          cfg.temperature, max_new_tokens, cfg.seed, on_batch=lambda n: progress.advance(bar, n))
+
+    path = db_path(runs_dir, run_id)
+    writer = writer or RunWriter(path, run_id)
+    if target.run_id is None:
+        options = dict(cfg.to_dict(), max_new_tokens=max_new_tokens)
+        writer.create_run(run_id, options, "eval", None, cfg.model, cfg.bench, cfg.seed)
+    writer.add_step(target.step, evals=[{**m, "source": "eval"} for m in result.metrics],
+                    eval_samples=[{**s, "benchmark": name, "source": "eval"} for s in result.samples])
+    if target.run_id is None:
+        writer.update_run(status="finished")
+    if not writer.wait_until_written(timeout_s=60):
+        writer.sync_pending()  # they wait there for the run's next writer, maybe across a reboot
+        if console is not None:
+            console.print(f"[yellow]{path} is {writer.holder}: the results are saved under {writer.pending_dir} and "
+                          "written by the run's next writer.[/]")
+    return result, run_id, path

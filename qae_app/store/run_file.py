@@ -1,0 +1,133 @@
+"""Opening a run's database file, for the writer (qae_app/store/writer.py) and the readers (qae_app/store/reader.py).
+
+`attach` waits out another process's lock on the file (DuckDB lets one process write a file, or several read it) and
+says so when the wait is long. When DuckDB cannot read a file, `is_damage_error` tells a damaged, truncated or foreign
+file from a busy one or a mistake in our own SQL, and `unreadable_run_error` says which file, why, and what in the run
+folder is still usable (its checkpoints, its config).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import duckdb
+
+from qae_app.core.errors import QAEUserError
+from qae_app.core.host_faults import environment_errno, environment_error
+from qae_app.store.run_folder import CONFIG_FILE, list_checkpoints, lost_its_database
+from qae_app.store.schema import TABLES
+
+_LOCK_ERROR = re.compile(r"lock|being used by another process|Conflicting lock", re.IGNORECASE)
+
+
+# A run file may come from anyone, and a view or macro in it runs as SQL when a table of that name is read: nothing it
+# names may install or load a DuckDB extension (httpfs would reach the network; an extension is native code). Every
+# connection qae opens to attach run files is made with these settings.
+SAFE_CONNECTION_CONFIG = {"autoinstall_known_extensions": False, "autoload_known_extensions": False,
+                          "allow_community_extensions": False}
+
+
+def run_file_database() -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB database to attach run files to, unable to fetch or load extensions."""
+    return duckdb.connect(":memory:", config=SAFE_CONNECTION_CONFIG)
+
+
+WAIT_NOTICE_S = 1.0  # a wait for the run file longer than this is said (RunWriter's on_wait)
+
+
+def holder(err: Exception) -> str:
+    """'held by PID 123' from DuckDB's lock error, when it says."""
+    match = re.search(r"PID (\d+)", str(err))
+    return f"held by process {match.group(1)}" if match else "held by another process"
+
+
+def is_lock_error(err: Exception) -> bool:
+    return isinstance(err, (duckdb.IOException, duckdb.ConnectionException)) and bool(_LOCK_ERROR.search(str(err)))
+
+
+def attach(cursor: duckdb.DuckDBPyConnection, path: Path, alias: str, timeout_s: float,
+            read_only: bool = True, on_wait=None) -> None:
+    """ATTACH the file (read-only unless told), retrying while another process holds its lock; `on_wait(holder)` is
+    called once if that lasts more than WAIT_NOTICE_S (a long wait says why)."""
+    literal = str(path).replace("'", "''")  # ATTACH takes no bound parameter; the path is quoted as a literal
+    start = time.monotonic()
+    deadline = start + timeout_s
+    delay = 0.005
+    told = on_wait is None
+    while True:
+        try:
+            cursor.execute(f"ATTACH '{literal}' AS {alias}" + (" (READ_ONLY)" if read_only else ""))
+            return
+        except duckdb.Error as err:
+            if not is_lock_error(err) or time.monotonic() >= deadline:
+                raise
+            if not told and time.monotonic() - start >= WAIT_NOTICE_S:
+                on_wait(holder(err))
+                told = True
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+
+class RunFileError(QAEUserError):
+    """A run's database file cannot be opened or read: damaged, truncated or not a DuckDB file."""
+
+
+def unreadable_run_error(path: Path, err: Exception | str) -> RunFileError:
+    """The error for a run file DuckDB cannot open or read (damaged, truncated, not DuckDB, missing): names the file,
+    the reason, and what in the run folder is still usable."""
+    path = Path(path)
+    if isinstance(err, BaseException) and environment_errno(err) is not None:  # the machine's fault, not the file's
+        if path.parent.name.startswith(".creating-"):  # a new run's staging folder (session.CREATING_PREFIX)
+            return RunFileError(str(environment_error(
+                f"run-name: cannot create the run in {path.parent.parent}", err,
+                "Nothing was kept: the run does not exist yet.", then="run the command again")))
+        return RunFileError(str(environment_error(
+            f"run: cannot open {path}", err, "The file is not damaged: nothing logged in it is lost. qae needs to "
+                                             "write it (a training run, or qae eval storing its samples).")))
+    if not path.exists():
+        err = "the file is missing (deleted or moved aside)"
+    reason = str(err).strip().splitlines()[0].rstrip(".!") if str(err).strip() else type(err).__name__
+    checkpoints = list_checkpoints(path.parent)
+    if checkpoints:
+        kept = (f"The model is safe in its checkpoints ({', '.join(p.name for p in checkpoints)}): evaluate the newest "
+                f"with `qae eval --model {checkpoints[-1] / 'model'}`.")
+    else:
+        kept = "The run has no checkpoint to recover a model from."
+    config = f" Its settings are in {CONFIG_FILE}." if (path.parent / CONFIG_FILE).exists() else ""
+    silence = ("Move the file aside to silence this." if path.exists() else
+               "Move the run's folder aside to silence this.")
+    return RunFileError(f"run: cannot read {path}: {reason}. The steps logged in this file are lost unless you restore "
+                        f"it from a backup. {kept}{config} {silence}")
+
+
+def refuse_missing_file_of_training_run(path: Path) -> None:
+    """A training run's folder (its config.json) without its database: the file was deleted or moved aside. Said as
+    such, with its checkpoints, rather than 'no run' (`qae train --run-name` would say the run exists)."""
+    if lost_its_database(path.parent):  # (`path` is always a run folder's DB_FILE)
+        raise unreadable_run_error(path, "")
+
+
+def is_damage_error(err: BaseException) -> bool:
+    """DuckDB's errors for a file it cannot read (not a held lock, not a mistake in our SQL), or one that is not a qae
+    run database (a DuckDB file without qae's tables)."""
+    if not isinstance(err, duckdb.Error) or is_lock_error(err):
+        return False
+    return (type(err) is duckdb.Error or _missing_table(err) is not None
+            or isinstance(err, (duckdb.IOException, duckdb.SerializationException, duckdb.InternalException,
+                                duckdb.FatalException)))
+
+
+def _missing_table(err: BaseException) -> str | None:
+    """The qae table a query found missing from the file, if that is what `err` says."""
+    match = re.search(r"Table with name (\w+) does not exist", str(err))
+    return match.group(1) if isinstance(err, duckdb.CatalogException) and match and match.group(1) in TABLES \
+        else None
+
+
+def damage_reason(err: BaseException) -> Exception | str:
+    """What unreadable_run_error says of `err`."""
+    table = _missing_table(err)
+    return (f"it is not a qae run database (it has no {table} table): another program's DuckDB file, or one emptied"
+            if table else err)

@@ -1,0 +1,303 @@
+"""The run folder, `<runs-dir>/<run_id>/`: its layout, its checkpoints, whether a trainer is alive in it, and the
+status a reader should show. Torch-free, so the CLI's readers and the dashboard use it without loading a model.
+
+    <run_id>/
+      qae.duckdb             every row of the run (qae_app/store/schema.py)
+      config.json            the run's TrainConfig
+      trainer.lock           held (flock) by the process training the run; it holds that process's pid
+      checkpoints/step-N/    training state (safetensors + JSON), an HF `model/` folder, trainer_state.json,
+                             manifest.json (checksums)
+      pending/               rows waiting for the database while a reader holds it (store_write.RunWriter)
+
+The folder name is the run's id for every reader and writer: a copied or renamed run folder is that run.
+
+Liveness is an OS file lock, not a pid file: the kernel drops the lock when the trainer dies however it dies (kill -9,
+OOM, a container restart that reuses pids), so a dead trainer never looks alive and a live one never looks dead.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+from qae_app.core.errors import QAEUserError
+from qae_app.core.formatting import clipped
+
+DB_FILE = "qae.duckdb"
+CONFIG_FILE = "config.json"
+LOCK_FILE = "trainer.lock"
+CHECKPOINTS_DIR = "checkpoints"
+PENDING_DIR = "pending"  # writes the trainer could not make yet because a reader held the database
+TRAINER_STATE = "trainer_state.json"  # inside a checkpoint: what the trainer needs besides accelerate's state
+MANIFEST = "manifest.json"  # inside a checkpoint: sha256 of every other file, written last
+CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
+
+RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+STORED_STATUSES = ("running", "finished", "failed", "interrupted")  # what the trainer writes into `runs.status`
+STOPPED = "stopped"  # shown, never stored: `running` in the file, but no trainer holds the run's lock
+
+
+def listed_folder_name(name: str) -> bool:
+    """Whether a folder of this name in the runs dir is shown to readers: any name a folder can have but a hidden
+    one (a run being created, `.creating-*`; a sweep's logs, `.sweeps`). A run copied by hand to `a (copy)` is a run:
+    readers list and read it; only a new run's name must be plain (`validate_run_name`)."""
+    return isinstance(name, str) and bool(name) and not name.startswith(".") and "/" not in name and "\0" not in name
+
+
+def validate_run_name(name: str, option: str = "run-name", runs_dir: Path | None = None) -> str:
+    """`name` if it can name a run folder; else an error about `option`, the command-line option that gave it. With
+    `runs_dir`, the name of a folder that exists there is taken as it is (a copy named `a (copy)`)."""
+    if runs_dir is not None and listed_folder_name(name) and (Path(runs_dir) / name).is_dir():
+        return name
+    if not isinstance(name, str) or not RUN_NAME_PATTERN.match(name) or ".." in name:
+        raise QAEUserError(
+            f"{option}: '{clipped(name)}' is not a plain name. Use letters, digits, '.', '_' and '-' (at most 100, starting "
+            "with a letter or digit, no '..', no '/'); the run is stored under --runs-dir."
+        )
+    return name
+
+
+def eval_run_error(option: str, folder: Path, what: str) -> QAEUserError:
+    """The error for an eval run given where a training run is needed; `what`: what to do instead."""
+    return QAEUserError(f"{option}: '{Path(folder).name}' is an eval run (qae eval): it holds evaluation results, "
+                        f"not a model or a training run's settings. {what}")
+
+
+def read_run_config(folder: Path) -> dict:
+    """The run's config.json as a dict (the file must exist); an error naming the file when it is not one."""
+    path = Path(folder) / CONFIG_FILE
+    fix = config_restore_hint(folder)
+    try:
+        stored = json.loads(path.read_bytes())
+    except OSError as err:
+        raise QAEUserError(f"config.json: cannot read {path} ({err.strerror}). {fix}") from err
+    except (UnicodeDecodeError, ValueError) as err:  # (JSONDecodeError is a ValueError)
+        raise QAEUserError(f"config.json: {path} is not valid JSON ({err}). {fix}") from err
+    if not isinstance(stored, dict):
+        raise QAEUserError(f"config.json: {path} is not a JSON object of the run's settings (it holds a "
+                           f"{type(stored).__name__}). {fix}")
+    return stored
+
+
+def config_restore_hint(folder: Path) -> str:
+    """What to do about a damaged config.json: its settings are also in the run's database."""
+    return (f"Restore it from a backup, or write the settings `qae show {Path(folder).name}` prints (from the run's "
+            "database) back into it as JSON; nothing else in the run was changed.")
+
+
+def run_dir(runs_dir: Path, run_id: str) -> Path:
+    return Path(runs_dir) / validate_run_name(run_id, runs_dir=runs_dir)
+
+
+def validated_run_dir(runs_dir: Path, run: str) -> Path:
+    """The folder of a run named by a command's RUN argument (a bad name is reported as `run`, not --run-name)."""
+    return Path(runs_dir) / validate_run_name(run, option="run", runs_dir=runs_dir)
+
+
+def db_path(runs_dir: Path, run_id: str) -> Path:
+    return run_dir(runs_dir, run_id) / DB_FILE
+
+
+def list_run_dirs(runs_dir: Path) -> list[Path]:
+    """Every run folder (one holding a database) in `runs_dir`, by name, whatever its name (`a (copy)` too). Folders
+    being created are hidden."""
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        return []
+    return sorted(p.parent for p in runs_dir.glob(f"*/{DB_FILE}") if listed_folder_name(p.parent.name))
+
+
+def folders_not_runs(runs_dir: Path) -> list[tuple[Path, str]]:
+    """(folder, why it is not a run) for every other listed folder in `runs_dir`: neither a database nor the
+    config.json of a run that lost its database (those are `runs_without_database`)."""
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        return []
+    return [(folder, f"not a run: no {DB_FILE} in it (a run folder holds its database; `qae train` and `qae eval` "
+                     "make one). Move it out of the runs dir, or copy a whole run folder here.")
+            for folder in sorted(runs_dir.iterdir())
+            if listed_folder_name(folder.name) and folder.is_dir() and not (folder / DB_FILE).exists()
+            and not (folder / CONFIG_FILE).exists()]
+
+
+def lost_its_database(folder: Path) -> bool:
+    """A training run's folder (its config.json) whose database is gone: deleted, or moved aside after it was
+    damaged. (A new run's folder appears by one rename with both files, so no live creation looks like this.)"""
+    folder = Path(folder)
+    return (folder / CONFIG_FILE).exists() and not (folder / DB_FILE).exists()
+
+
+def runs_without_database(runs_dir: Path) -> list[Path]:
+    """The run folders in `runs_dir` that `lost_its_database`."""
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        return []
+    return sorted(p.parent for p in runs_dir.glob(f"*/{CONFIG_FILE}")
+                  if listed_folder_name(p.parent.name) and lost_its_database(p.parent))
+
+
+def recent_runs_text(runs_dir: Path, limit: int = 10) -> str:
+    """'c, b, a' (the runs last written first) for a message about a run that is not there; 'none' if there are
+    none, '..., and 12 more' past `limit`."""
+    folders = sorted(list_run_dirs(runs_dir), key=lambda folder: (folder / DB_FILE).stat().st_mtime, reverse=True)
+    names = ", ".join(folder.name for folder in folders[:limit]) or "none"
+    return names + (f", and {len(folders) - limit} more" if len(folders) > limit else "")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """N for a folder named `step-N`, else None (a `step-N.tmp` left by a kill mid-save is not a checkpoint)."""
+    match = CHECKPOINT_NAME.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def list_checkpoints(run_folder: Path) -> list[Path]:
+    """The checkpoints of a run, oldest first. A save is written to step-N.tmp and renamed when complete, so every
+    step-N folder was complete once; whether it still is, `checkpoint_problem` says (a file gone from one is named
+    there, not passed over here)."""
+    folder = Path(run_folder) / CHECKPOINTS_DIR
+    found = [p for p in folder.glob("step-*") if checkpoint_step(p) is not None and p.is_dir()]
+    return sorted(found, key=checkpoint_step)
+
+
+def latest_checkpoint(run_folder: Path) -> Path | None:
+    found = list_checkpoints(run_folder)
+    return found[-1] if found else None
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks (checkpoint manifests, data fingerprints, the GGUF cache key)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Record the size and sha256 of every file in a checkpoint folder; written last, so its presence means the
+    checkpoint was complete when saved."""
+    folder = Path(folder)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in files}
+    (folder / MANIFEST).write_text(json.dumps(entries, indent=1))
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a checkpoint cannot be trusted (a missing, truncated or altered file), or None when it checks out."""
+    folder = Path(folder)
+    try:
+        entries = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing (the save did not finish)"
+    except (OSError, ValueError) as err:
+        return f"{MANIFEST} is unreadable ({err})"
+    for name, entry in entries.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != entry["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, {entry['bytes']} were saved"
+        if file_sha256(path) != entry["sha256"]:
+            return f"{name} does not match its checksum (altered or corrupted on disk)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# liveness: the trainer holds an exclusive flock on trainer.lock for as long as it trains the run
+
+
+class RunLock:
+    """The exclusive lock a trainer holds on its run folder. `acquire()` raises QAEUserError if another live process
+    holds it. The lock file keeps the holder's pid for messages; the lock itself, not the pid, decides liveness."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self, what: str, attempts: int = 40) -> "RunLock":
+        from qae_app.core.host_faults import environment_errno, environment_error
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:  # a read-only file system, a permission: the run is intact but cannot be trained here
+            if environment_errno(err) is None:
+                raise
+            raise environment_error(f"{what}: cannot lock run '{self.path.parent.name}' to train it", err,
+                                    "The run is intact.") from None
+        # a reader checking liveness holds a shared lock for microseconds: retry briefly before calling it taken
+        for attempt in range(attempts):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as err:
+                if err.errno not in (errno.EAGAIN, errno.EACCES) or attempt == attempts - 1:
+                    os.close(fd)
+                    if err.errno in (errno.EAGAIN, errno.EACCES):
+                        holder = lock_holder_pid(self.path.parent)
+                        raise QAEUserError(
+                            f"{what}: run '{self.path.parent.name}' is being trained right now"
+                            + (f" by process {holder}" if holder else "")
+                            + ". Stop it first (Ctrl-C or kill -TERM), then resume it.") from None
+                    raise
+                time.sleep(0.05)
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+
+def lock_holder_pid(folder: Path) -> int | None:
+    try:
+        return int((Path(folder) / LOCK_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def trainer_alive(folder: Path) -> bool:
+    """Whether a live process holds the run's lock (is training it now)."""
+    try:
+        fd = os.open(Path(folder) / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # also releases the shared lock if we got it
+    return False
+
+
+def effective_status(stored: str | None, folder: Path) -> str:
+    """The status to show: `stopped` for a run stored as `running` whose trainer is gone (kill -9, power loss)."""
+    if stored == "running" and not trainer_alive(folder):
+        return STOPPED
+    return stored or STOPPED
+
+
+def pending_writes(folder: Path) -> int:
+    """Writes saved under pending/ and not in the database yet: the steps since the trainer's last database write (see
+    store_write.WRITE_SHARE), or all of them while a reader holds the file."""
+    # (.pkl: saved by an older qae, converted on a trusted resume; counted, never read, here)
+    return sum(1 for path in (Path(folder) / PENDING_DIR).glob("*") if path.suffix in (".json", ".pkl"))

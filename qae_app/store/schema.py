@@ -1,0 +1,243 @@
+"""The run store: one DuckDB file per run, `runs/<run_id>/qae.duckdb`, and what it holds.
+
+`STEP_METRICS` is the single definition of every per-step metric: the `steps` table columns, the README table and the
+dashboard labels all come from it. `TABLES` is the single definition of every table: the writer's DDL, the migration of
+older files and the check of the rows the trainer hands over all come from it. `PendingWrite` is a write the writer
+keeps under `pending/` until the file is free.
+
+Who touches the file: qae_app/store/writer.py (`RunWriter`, the only writer) and qae_app/store/reader.py (the readers:
+read-only, one query, let go at once), both through qae_app/store/run_file.py, which waits out another process's lock and
+tells a busy file from a damaged one. This module is data only: it imports no database library.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from qae_app.core.names import DEFAULT_K
+
+# name -> definition. Every name is a column of `steps`; NaN is stored as NULL (e.g. no response had a negative
+# advantage, so entropy_neg is undefined). With --dynamic-sampling a step samples more groups than it trains: metrics
+# of what was sampled count every group of the step, filtered ones included; metrics of the update count the trained
+# groups only (each definition says which). Without dynamic sampling every sampled group is trained.
+STEP_METRICS: dict[str, str] = {
+    "reward_mean": "mean reward of the responses sampled this step, filtered groups included (after the overlong "
+                   "penalty; unverifiable responses count as wrong)",
+    "accuracy": "fraction of the responses sampled this step that the verifier found correct, filtered groups "
+                "included",
+    "heldout_accuracy": "sampled (temperature as training) accuracy on the held-out split; NULL on steps without eval",
+    "entropy": "mean per-token entropy (nats) of the policy over the response tokens of the trained groups, before "
+               "the update",
+    "entropy_pos": "mean token entropy of trained responses with advantage > 0",
+    "entropy_neg": "mean token entropy of trained responses with advantage < 0",
+    "frac_zero_adv": "fraction of trained responses whose advantage is exactly 0 (gated out: no policy gradient)",
+    "frac_zero_adv_informative": "frac_zero_adv over the trained responses of informative groups only (neither all "
+                                 "correct nor all wrong): the paper's ~80% (Fig. 5c); NULL when no group is "
+                                 "informative",
+    "frac_hard": "fraction of the groups sampled this step (filtered included) in the hard regime (baseline = the "
+                 "group's lowest reward: only responses above it are pushed up)",
+    "frac_easy": "fraction of the groups sampled this step (filtered included) in the easy regime (baseline = the "
+                 "group's highest reward: only responses below it are pushed down)",
+    "frac_all_correct": "fraction of the groups sampled this step where every response is correct with equal "
+                        "rewards (no signal)",
+    "frac_all_wrong": "fraction of the groups sampled this step where every response is wrong with equal rewards "
+                      "(no signal)",
+    "frac_mixed": "fraction of the groups sampled this step whose baseline lies strictly between their lowest and "
+                  "highest reward (mean-baseline estimators, linear quantile, QAE on shaped rewards)",
+    "frac_unverified": "fraction of the responses sampled this step that the verifier could not score in time "
+                       "(counted wrong)",
+    "gen_batches": "generation batches of prompts_per_step prompts sampled this step (always 1 without "
+                   "--dynamic-sampling)",
+    "frac_filtered": "fraction of the groups sampled this step that dynamic sampling left out of the update (no "
+                     "signal, or informative beyond the first prompts_per_step); 0 without it",
+    "dH": "with --log-entropy-delta: how the step's update changed the mean token entropy of the step's own "
+          "trained responses (after minus before, nats); NULL without it",
+    "dH_hard": f"dH over the responses of hard groups (success rate <= 1 - K; K = {DEFAULT_K} for mean-baseline "
+               "runs), under the whole update (every group's gradient): not which regime's update moved it (that is "
+               "dH_hard_from_hard / dH_hard_from_easy)",
+    "dH_easy": "dH over the responses of easy groups (success rate > 1 - K, not all correct), under the whole update, "
+               "as dH_hard",
+    "dH_from_hard": "with --log-entropy-attribution: how the update made from the hard groups' loss alone (every "
+                    "other advantage 0, the real step's normalizer, from the policy and optimizer state before the "
+                    "update, then undone) changes the mean token entropy of all the step's trained responses; "
+                    "regimes as dH_hard's; NULL without it or when the step has no hard group",
+    "dH_hard_from_hard": "dH_from_hard over the hard groups' responses only",
+    "dH_easy_from_hard": "dH_from_hard over the easy groups' responses only",
+    "dH_from_easy": "as dH_from_hard, for the update made from the easy groups' loss alone",
+    "dH_hard_from_easy": "dH_from_easy over the hard groups' responses only",
+    "dH_easy_from_easy": "dH_from_easy over the easy groups' responses only",
+    "dH_from_none": "as dH_from_hard, for the update with every advantage 0: AdamW's drift (its first moment from "
+                    "earlier steps, weight decay), part of both regimes' updates; dH_from_hard - dH_from_none is "
+                    "the hard gradient's own part",
+    "dH_hard_from_none": "dH_from_none over the hard groups' responses only",
+    "dH_easy_from_none": "dH_from_none over the easy groups' responses only",
+    "cov_logp_adv": "covariance over trained response tokens of token log-prob and advantage; entropy falls when it "
+                    "is > 0",
+    "adv_abs_mean": "mean |advantage| over trained responses",
+    "k": "the QAE quantile level K used this step (NULL for mean-baseline estimators)",
+    "loss": "policy loss (plus KL term) averaged over the step's optimizer updates",
+    "pg_loss": "policy-gradient part of the loss",
+    "kl": "mean k3 estimate of KL(policy || reference) over response tokens; 0 when kl_beta = 0",
+    "grad_norm": "gradient norm before clipping, averaged over the step's optimizer updates",
+    "clip_frac": "fraction of tokens whose ratio was clipped (low + high)",
+    "clip_frac_low": "fraction of tokens with negative advantage and ratio < 1 - clip_low (clipped)",
+    "clip_frac_high": "fraction of tokens with positive advantage and ratio > 1 + clip_high (clipped)",
+    "lr": "learning rate used for this step's updates",
+    "response_len": "mean length in tokens of the responses sampled this step, filtered groups included",
+    "truncated_frac": "fraction of the responses sampled this step that hit max_new_tokens before eos",
+    "n_updates": "optimizer updates this step (num_mini_batches x ppo_epochs, including mini-batches whose "
+                 "advantages are all 0: AdamW still moves the weights on them, as a dense update would; fewer when "
+                 "dynamic sampling's cap left fewer trained responses than mini-batches, 0 when it left none)",
+    "rollout_s": "seconds sampling responses (every generation batch)",
+    "reward_s": "seconds scoring responses",
+    "update_s": "seconds in forward/backward/optimizer (including the log-prob pass)",
+    "eval_s": "seconds of the held-out evaluation after this step (0 without one)",
+    "write_s": "seconds the loop spent handing this step's rows to the store (the store writes on its own thread "
+               "while the next step trains) and waiting for it",
+    "checkpoint_s": "seconds saving the checkpoint after this step (0 without one)",
+    "store_s": "CPU seconds the store's thread spent on this step's rows while the next step trained: saving them "
+               "under pending/, plus the database write (of the steps since the last one) when one was due; not part "
+               "of step_s",
+    "step_s": "wall seconds of the whole step: the above plus advantages and row building",
+}
+TIMING_METRICS = tuple(name for name in STEP_METRICS if name.endswith("_s"))  # seconds: differ run to run
+
+# The tables: name -> {column: SQL type}, `run_id` first in every table. The DDL, the migration of older files and the
+# check of the rows the trainer produces (`RunWriter.add_step`) all come from here.
+TABLES: dict[str, dict[str, str]] = {
+    "runs": {
+        "run_id": "VARCHAR PRIMARY KEY", "name": "VARCHAR", "created_at": "TIMESTAMP", "updated_at": "TIMESTAMP",
+        "status": "VARCHAR", "config": "VARCHAR", "estimator": "VARCHAR", "k": "DOUBLE", "model": "VARCHAR",
+        "task": "VARCHAR", "seed": "BIGINT", "error": "VARCHAR",
+        "setup_s": "DOUBLE",  # seconds from the trainer's start to its first step (loading, step-0 evaluation)
+        "wall_s": "DOUBLE",  # seconds the run has trained, summed over its sessions (resumes)
+    },
+    # logged_at: when the step's rows were handed to RunWriter (UTC), stamped by it: the dashboard's wall-time axis,
+    # heartbeat, rate and ETA
+    "steps": {"run_id": "VARCHAR", "step": "INTEGER", "logged_at": "TIMESTAMP",
+              **{name: "DOUBLE" for name in STEP_METRICS}},
+    "groups": {
+        "run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "prompt_id": "VARCHAR", "prompt": "VARCHAR",
+        "answer": "VARCHAR", "n_correct": "INTEGER", "group_size": "INTEGER", "baseline": "DOUBLE",
+        "regime": "VARCHAR",
+        "filtered": "BOOLEAN",  # left out of the update by dynamic sampling
+        # the prompt as a chat model saw it: chat template applied, special tokens written out (system message, role
+        # markers); NULL for a model without a chat template (the prompt is `prompt` itself) and in older files
+        "model_prompt": "VARCHAR",
+    },
+    "rollouts": {
+        "run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "sample_idx": "INTEGER",
+        # zstd: the file holds response text at about a third of its size (FSST, DuckDB's default, about half)
+        "prompt_id": "VARCHAR", "response": "VARCHAR USING COMPRESSION zstd", "reward": "DOUBLE", "verified": "BOOLEAN",
+        "advantage": "DOUBLE", "gated": "BOOLEAN", "regime": "VARCHAR", "n_tokens": "INTEGER",
+        "truncated": "BOOLEAN", "entropy": "DOUBLE", "logprob": "DOUBLE",
+        "correct": "BOOLEAN",  # the verifier's verdict (reward is shaped); NULL in rows from before the column
+        # its group was left out of the update by dynamic sampling (entropy, logprob: NULL unless the engine measured
+        # them while sampling, as the hf engine does; the trainer's own pass covers the trained responses only)
+        "filtered": "BOOLEAN",
+    },
+    "evals": {
+        "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "subset": "VARCHAR", "metric": "VARCHAR",
+        "k": "INTEGER", "value": "DOUBLE", "n_problems": "INTEGER", "source": "VARCHAR",
+    },
+    "eval_samples": {
+        "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "problem_id": "VARCHAR",
+        "sample_idx": "INTEGER", "response": "VARCHAR", "extracted": "VARCHAR", "correct": "BOOLEAN",
+        "verified": "BOOLEAN", "n_tokens": "INTEGER", "source": "VARCHAR",
+        "model_prompt": "VARCHAR",  # as in `groups`: the prompt after the chat template; NULL without one
+        "answer": "VARCHAR",  # the problem's gold answer, what `extracted` was checked against; NULL in older files
+    },
+    "warnings": {"run_id": "VARCHAR", "step": "INTEGER", "kind": "VARCHAR", "message": "VARCHAR"},
+}
+# What a column added after its table's first version holds in rows written before it existed.
+LEGACY_DEFAULTS = {("evals", "source"): "'train'", ("eval_samples", "source"): "'train'",
+                   ("groups", "filtered"): "FALSE", ("rollouts", "filtered"): "FALSE"}
+STEP_TABLES = ("steps", "groups", "rollouts", "evals", "eval_samples", "warnings")  # rows keyed by step
+EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step, benchmark and source
+
+
+WRITER_COLUMNS = ("run_id", "step", "logged_at")  # filled in by RunWriter, not by the rows it is handed
+
+
+def row_columns(table: str) -> tuple[str, ...]:
+    """The columns a row of a step table carries when handed to the writer (the writer adds run_id, step and
+    logged_at)."""
+    return tuple(name for name in TABLES[table] if name not in WRITER_COLUMNS)
+
+
+def schema_statements() -> list[str]:
+    statements = []
+    for table, columns in TABLES.items():
+        statements.append(f"CREATE TABLE IF NOT EXISTS {table} ("
+                          + ", ".join(f"{name} {sql_type}" for name, sql_type in columns.items()) + ")")
+        # files written by an older version lack the newer columns: add them (a no-op on current files)
+        for name, sql_type in columns.items():
+            if "PRIMARY KEY" in sql_type:
+                continue
+            default = LEGACY_DEFAULTS.get((table, name))
+            sql_type = sql_type.split(" USING ")[0]  # (a column added to an older file: no compression clause)
+            statements.append(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {name} {sql_type}"
+                              + (f" DEFAULT {default}" if default else ""))
+    return statements
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a write waiting under pending/
+
+
+@dataclass
+class PendingWrite:
+    """One write waiting for the file: a step's rows, a change to the run's row, or a truncation (on resume).
+
+    Saved under pending/ as JSON (`pending_write_json`). qae before that pickled it as is, so its module and name
+    (qae_app.store.schema.PendingWrite) stay what they were: `qae train --resume RUN --trust-pickles` converts such files."""
+
+    kind: str  # "step", "step_update", "run" or "truncate"
+    step: int | None = None
+    tables: dict[str, list[dict]] | None = None  # kind "step": table name -> rows (without run_id and step)
+    fields: dict | None = None  # kinds "run", "step_update": columns -> values
+    spilled: Path | None = None  # its file under pending/ once the database was found busy
+    logged_at: datetime | None = None  # kind "step": when it was queued (the steps row's logged_at)
+
+
+PENDING_SUFFIX = ".json"  # a write saved under pending/: data only, nothing in it runs when read
+LEGACY_PENDING_SUFFIX = ".pkl"  # what qae pickled there before; read only for a folder its user vouches for
+_DATETIME_KEY = "$datetime"  # JSON has no timestamps: {"$datetime": ISO 8601}
+
+
+def pending_write_json(write: PendingWrite) -> str:
+    """A pending write as JSON text (without `spilled`, which is where it was read from). Row values are what the
+    store's columns hold: text, numbers (NaN and infinities as Python's json writes them), booleans, null, nested
+    lists/objects, and timestamps."""
+    record = {"kind": write.kind, "step": write.step, "tables": write.tables, "fields": write.fields,
+              "logged_at": write.logged_at}
+    return json.dumps(record, default=_json_value, ensure_ascii=False)
+
+
+def pending_write_from_json(text: str) -> PendingWrite:
+    """The inverse of pending_write_json; ValueError when the text is not such a record."""
+    record = json.loads(text, object_hook=_from_json_object)
+    if not isinstance(record, dict) or record.get("kind") not in PENDING_KINDS:
+        raise ValueError("not a pending write: no known 'kind'")
+    return PendingWrite(kind=record["kind"], step=record.get("step"), tables=record.get("tables"),
+                        fields=record.get("fields"), logged_at=record.get("logged_at"))
+
+
+PENDING_KINDS = ("step", "step_update", "run", "truncate")
+
+
+def _json_value(value):
+    if isinstance(value, datetime):
+        return {_DATETIME_KEY: value.isoformat()}
+    if hasattr(value, "item") and hasattr(value, "dtype"):  # a NumPy scalar a row was built with
+        return value.item()
+    raise TypeError(f"a pending write holds a {type(value).__name__}, which the store's columns do not take")
+
+
+def _from_json_object(obj: dict):
+    if len(obj) == 1 and _DATETIME_KEY in obj:
+        return datetime.fromisoformat(obj[_DATETIME_KEY])
+    return obj

@@ -1,0 +1,558 @@
+"""A training session's hold on its run folder (runs/<run_id>/), from claiming it to letting it go:
+
+    cfg = resume_config(runs_dir, run_id, **given)   # a resume: the run's stored config, with what may change
+    with RunSession(runs_dir, run_id, cfg, accelerator, resume) as session:  # takes the run's lock
+        state = session.restore(data_fingerprint)     # a resume: the newest valid checkpoint, checked against the run
+        session.open_store(state)                     # the database and config.json; a new run's folder appears
+        session.catch_stop_signals()                  # Ctrl-C / SIGTERM: stop at the next step boundary
+        ... session.write_step(...), session.save_checkpoint(...), session.should_stop() ...
+        session.finish(status, ...)                   # the last rows and the run's final status
+    # close(): the lock, a new run's staging folder if the run never appeared, the writer's thread, the signals
+
+The main process does every file operation; the others take part in the collectives only (checkpoints, the resume
+decision, the stop vote). Rows are written on one thread of the main process's own, so the next step trains while a
+step's rows are stored; only `qae_app.store.schema` touches the database.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qae_app.config import FIELDS, RESUMABLE, TrainConfig, coerce_option, given_options, option_flag
+from qae_app.core import names
+from qae_app.core.errors import QAEUserError
+from qae_app.core.faults import fault_point
+from qae_app.models.lora import is_lora, load_lora_adapter, save_lora_artifacts
+from qae_app.models.sharding import full_state_dict, is_sharded
+from qae_app.store.reader import is_eval_run, last_logged_step, read_run
+from qae_app.store.run_folder import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    DB_FILE,
+    TRAINER_STATE,
+    RunLock,
+    checkpoint_problem,
+    checkpoint_step,
+    config_restore_hint,
+    eval_run_error,
+    list_checkpoints,
+    read_run_config,
+    recent_runs_text,
+    run_dir,
+    trainer_alive,
+    write_manifest,
+)
+from qae_app.store.writer import RunWriter, convert_legacy_pending
+from qae_app.train.checkpoint_state import is_data_checkpoint, load_training_state, pickled_files, save_training_state
+
+CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from readers until it is renamed into place
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint holds besides its training state (checkpoint_state): where the run is (trainer_state.json)."""
+
+    step: int = 0  # RL steps completed
+    k: float | None = None  # K in use (set at step 1 when --k auto)
+    entropy_zone: str = "ok"  # "low" / "ok" / "high" for the smoothed entropy: warn once per crossing of the band
+    entropy_ema: float | None = None  # moving average of step entropy (alpha trainer.ENTROPY_EMA_ALPHA)
+    entropy_start: float | None = None  # step 1's entropy: the default band is relative to it
+    data_position: int = 0  # prompts of the data stream consumed so far (every generation batch); a resume checks it
+    data_fingerprint: str | None = None  # sha256 of the data file (None for a built-in task); a resume checks it
+    # processes that trained the run (each samples with its own seed); a resume checks it. None: an older checkpoint
+    num_processes: int | None = None
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.__dict__))
+
+    @classmethod
+    def load(cls, path: Path) -> "TrainerState":
+        return cls(**json.loads(path.read_text()))
+
+
+def data_position_problem(position: int, steps: int, cfg: TrainConfig) -> str | None:
+    """Why `position` prompts consumed cannot follow `steps` steps of this config (None if it can): each step takes
+    one generation batch of prompts_per_step prompts, or with dynamic sampling 1 to max_gen_batches of them."""
+    P = cfg.prompts_per_step
+    if not cfg.dynamic_sampling:
+        return None if position == steps * P else f"{steps} steps of {P} prompts end at {steps * P}"
+    most = steps * P * cfg.max_gen_batches if cfg.max_gen_batches else None
+    if position % P == 0 and steps * P <= position and (most is None or position <= most):
+        return None
+    return (f"{steps} steps of 1 to {cfg.max_gen_batches or 'any number of'} generation batches of {P} prompts end "
+            f"at a multiple of {P} from {steps * P}" + (f" to {most}" if most is not None else " on"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the config of a run being resumed
+
+
+def stored_config(folder: Path) -> TrainConfig:
+    """The config a run was started with (its config.json), checked as a TOML file is: a file edited by hand or
+    damaged is named with the bad value and what to do, not met by a traceback."""
+    path = Path(folder) / CONFIG_FILE
+    source = f"config.json {path}"
+    values = {}
+    try:
+        for key, value in read_run_config(folder).items():
+            if key not in FIELDS:  # a key an older qae wrote and this one dropped
+                continue
+            if value is None and "None" not in str(FIELDS[key].type):
+                raise QAEUserError(f"{source}: '{key}' = null, expected {str(FIELDS[key].type)}. "
+                                   f"{FIELDS[key].metadata['help']}")
+            values[key] = coerce_option(key, value, source)
+    except QAEUserError as err:
+        raise QAEUserError(f"{err} {config_restore_hint(folder)}") from None
+    try:
+        return TrainConfig(**values).validate()
+    except QAEUserError as err:
+        raise QAEUserError(f"{source} holds a bad value: {err} {config_restore_hint(folder)}") from None
+
+
+def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli_options: Any) -> TrainConfig:
+    """The stored config of `run`, with the resumable options the user gave now; any other option the user gave
+    must equal the stored value (a resumed run keeps its config)."""
+    folder = run_dir(runs_dir, run)
+    given = given_options(toml_path, **cli_options)  # the TOML file's, then the command line's
+    given_name = given.get("run_name")
+    if given_name is not None and given_name != run:
+        raise QAEUserError(f"run-name: '{given_name}' is not the run --resume continues ('{run}'). Drop --run-name "
+                           "(and run_name from the --config file) to resume it, or drop --resume to start a new run "
+                           "of that name.")
+    if is_eval_run(folder):
+        raise eval_run_error("resume", folder, "There is nothing to resume; start a training run with another "
+                                               "--run-name.")
+    if not (folder / CONFIG_FILE).exists():
+        raise QAEUserError(f"resume: no run '{run}' in {runs_dir} (runs there, last written first: "
+                           f"{recent_runs_text(runs_dir)}). See `qae runs`.")
+    stored = stored_config(folder)
+    changes = {}
+    for name, value in given.items():
+        if name == "run_name" or value == getattr(stored, name):  # (a copied run's stored name is not its own)
+            continue
+        if name not in RESUMABLE:
+            raise QAEUserError(
+                f"resume: --{option_flag(name)} {value} conflicts with run '{run}', which was started with "
+                f"{getattr(stored, name)}. A resumed run keeps its config; start a new run to change it (resume "
+                f"may change: {', '.join(option_flag(n) for n in RESUMABLE)}).")
+        changes[name] = value
+    return dataclasses.replace(stored, run_name=run, **changes).validate()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class RunSession:
+    """One session of a run on disk: `RunSession(...)` takes the run's lock before anything slow, so nothing runs for
+    a run that another process is training; a new run is built in a hidden staging folder that becomes runs/<id> by
+    one rename once its database holds the run's row (open_store), so every command sees either no run or one with
+    its row. `close()` (or leaving `with`) lets go of everything; it may be called more than once."""
+
+    def __init__(self, runs_dir: Path, run_id: str, cfg: TrainConfig, accelerator, resume: bool = False,
+                 say=None, started: float | None = None, trust_pickles: bool = False, distributed=None):
+        self.runs_dir = Path(runs_dir)
+        self.run_id = run_id
+        self.run_dir = run_dir(self.runs_dir, run_id)
+        self.cfg = cfg
+        self.accelerator = accelerator
+        self.is_main = accelerator.is_main_process
+        self.resuming = resume
+        self.trust_pickles = trust_pickles  # the user vouched for the folder: an older qae's pickles may be read
+        self.distributed = distributed  # sharding.DistributedSetup of this launch, stored in the run's config
+        self.started = time.perf_counter() if started is None else started  # the session's wall_s counts from here
+        self._say = say or (lambda message: None)
+        self.writer: RunWriter | None = None  # main process only, from open_store on
+        self._lock: RunLock | None = None  # main process only
+        self._staging: Path | None = None  # a new run's folder until open_store renames it into place
+        self._write_thread: ThreadPoolExecutor | None = None  # main process: writes the store while steps train
+        self._write_job: Future | None = None
+        self._store_s: dict[int, float] = {}  # step -> CPU seconds of its write job, once done (see drain_writes)
+        self._previous_handlers: dict = {}
+        self.finishing = False  # set by the caller once it writes the final status: late signals are ignored
+        self._stop_requested = self._waiting_for_store = False
+        self._claim_run_folder()
+
+    def __enter__(self) -> "RunSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Let go of the run folder: the writer's thread (after its job), the lock, a new run's staging folder if the
+        run never appeared (nothing is left behind), and the signal handlers catch_stop_signals replaced."""
+        try:
+            if self._write_thread is not None:
+                self._write_thread.shutdown(wait=True)
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+            if self._staging is not None:
+                shutil.rmtree(self._staging, ignore_errors=True)
+                self._staging = None
+            for sig, handler in self._previous_handlers.items():
+                signal.signal(sig, handler)
+            self._previous_handlers = {}
+
+    # -------------------------------------------------------------------------------------------------------------
+    # claiming the folder, resume checks, the database
+
+    def _claim_run_folder(self) -> None:
+        """Take the run's lock; a new run's is on its staging folder, created here."""
+        if not self.is_main:
+            return
+        if self.resuming:
+            self._lock = RunLock(self.run_dir).acquire("resume")
+            converted = convert_legacy_pending(self.run_dir, self.trust_pickles)  # (refused unless trusted)
+            if converted:
+                self._say(f"converted {converted} pending write(s) an older qae pickled to JSON")
+            return
+        if is_eval_run(self.run_dir):
+            raise eval_run_error("run-name", self.run_dir, "Pick another --run-name for the training run.")
+        if (self.run_dir / DB_FILE).exists() or (self.run_dir / CONFIG_FILE).exists():
+            raise QAEUserError(f"run-name: a run '{self.run_id}' already exists in {self.runs_dir}. Continue it "
+                               f"with --resume {self.run_id}, or pick another --run-name.")
+        try:
+            self.runs_dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.runs_dir.glob(f"{CREATING_PREFIX}{self.run_id}-*"):  # left by a kill mid-creation
+                if not trainer_alive(stale):
+                    shutil.rmtree(stale, ignore_errors=True)
+            self._staging = self.runs_dir / f"{CREATING_PREFIX}{self.run_id}-{os.getpid()}"
+            self._staging.mkdir()
+        except OSError as err:
+            raise QAEUserError(f"runs-dir: cannot create a run in {self.runs_dir} ({err.strerror}). Pass a "
+                               "writable --runs-dir.") from err
+        self._lock = RunLock(self._staging).acquire("run-name")
+
+    def restore(self, data_fingerprint: str | None, model, optimizer, scheduler) -> TrainerState | None:
+        """Load the newest checkpoint whose files match their checksums into the accelerator's prepared objects and
+        return its trainer state, checked against this run (process count, data position, --steps, the data file's
+        sha256); None when the run has no checkpoint (killed before its first: it trains again from step 0). Says so
+        when a newer checkpoint was skipped."""
+        from accelerate.utils import broadcast_object_list
+
+        cfg, acc = self.cfg, self.accelerator
+        chosen = [None, 0]  # the checkpoint, and the newest step whose rows the run kept (stored or saved)
+        if self.is_main:
+            for ckpt in reversed(list_checkpoints(self.run_dir)):
+                problem = checkpoint_problem(ckpt)
+                if problem is None:
+                    chosen[0] = str(ckpt)
+                    break
+                self._say(f"[yellow]warning:[/] skipping checkpoint {ckpt.name}: {problem}")
+            chosen[1] = last_logged_step(self.run_dir)
+        if acc.num_processes > 1:
+            broadcast_object_list(chosen)
+        logged = chosen[1]
+        if chosen[0] is None:
+            if self.is_main and list_checkpoints(self.run_dir):
+                raise QAEUserError(f"resume: no checkpoint of run '{self.run_id}' checks out (see the warnings "
+                                   "above). Start a new run.")
+            # killed before its first checkpoint: start over from step 0, same run, same seed (the same steps again)
+            if cfg.steps < logged:
+                raise QAEUserError(
+                    f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged. It has no "
+                    f"checkpoint (killed before its first; --checkpoint-every {cfg.checkpoint_every}), so a resume "
+                    f"trains it again from step 0 and replaces their rows: pass --steps {logged} or more to keep "
+                    "every logged step, or start a new run.")
+            if logged:
+                self._say(f"[yellow]warning:[/] run {self.run_id} has no checkpoint: training it again from step 0 "
+                          f"(same seed); the {logged} steps it logged are replaced as they are trained again.")
+            return None
+        ckpt = Path(chosen[0])
+        state = TrainerState.load(ckpt / TRAINER_STATE)
+        trained_by = state.num_processes
+        if trained_by not in (None, acc.num_processes):
+            # every process samples with its own seed: another count trains other steps than the logged ones
+            raise QAEUserError(
+                f"resume: run '{self.run_id}' was trained by {trained_by} processes and this resume has "
+                f"{acc.num_processes}. Each process samples with its own seed, so the steps after "
+                f"checkpoint {ckpt.name} would not be the ones logged: resume it as it was launched (accelerate "
+                f"launch --num_processes {trained_by} ...), or start a new run.")
+        self._load_training_state(ckpt, model, optimizer, scheduler)
+        if is_lora(acc.unwrap_model(model)):  # (a LoRA run's adapter, from its own folder)
+            load_lora_adapter(ckpt, acc.unwrap_model(model))
+        self._say(f"resuming run {self.run_id} from checkpoint {ckpt.name}")
+        problem = data_position_problem(state.data_position, state.step, cfg)
+        if problem:
+            raise QAEUserError(f"resume: checkpoint {ckpt} is at prompt {state.data_position} of the data, but "
+                               f"{problem}. The checkpoint does not belong to this run's config; start a new run.")
+        if cfg.steps < state.step:
+            raise QAEUserError(f"steps: {cfg.steps} is below the {state.step} steps run '{self.run_id}' has "
+                               "already done. Pass --steps above that to train further.")
+        if cfg.steps < logged:
+            raise QAEUserError(f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged (its "
+                               f"newest checkpoint is at step {state.step}; the steps after it are trained "
+                               f"again and replace their rows). Pass --steps {logged} or more to keep every logged "
+                               "step.")
+        if state.data_fingerprint != data_fingerprint:
+            raise QAEUserError(f"data: {cfg.data} changed since run '{self.run_id}' was started (its sha256 differs "
+                               "from the one the checkpoint recorded). A resumed run must see the same prompts: "
+                               "restore the file, or start a new run on the new data.")
+        return state
+
+    def open_store(self, state: TrainerState) -> dict:
+        """The run's database and config.json (main process), and the writer's thread. A new run's staging folder is
+        renamed into place last. Returns the stored row of a resumed run that has one (its earlier sessions'
+        wall_s and setup_s), else {}."""
+        if not self.is_main:
+            return {}
+        cfg = self.cfg
+        config = cfg.to_dict()
+        if self.distributed is not None:  # how this session ran (a resume records its own launch)
+            config["distributed"] = self.distributed.to_dict()
+        k = state.k if names.uses_k(cfg.estimator) else None  # K means nothing to a mean baseline
+        if self.resuming:
+            db = self.run_dir / DB_FILE
+            if not db.exists() and state.step > 0:
+                raise QAEUserError(
+                    f"resume: run '{self.run_id}' has a checkpoint at step {state.step} but no database: the "
+                    f"rows of steps 1-{state.step} are lost. Restore {DB_FILE} from a backup, or start a new "
+                    "run.")
+            # (opening brings a file from an older version up to date; it waits up to 60 s for a reader to let go)
+            self.writer = RunWriter(db, self.run_id, on_wait=lambda holder: self._say(
+                f"[yellow]waiting for {db}: {holder} (a reader left open?). Close it to go on.[/]"))
+            earlier = _stored_run(db)
+            if earlier is None and state.step > 0:
+                raise QAEUserError(
+                    f"resume: run '{self.run_id}' has a checkpoint at step {state.step} but no run row in {db}: "
+                    f"the rows of steps 1-{state.step} are lost. Restore {DB_FILE} from a backup, or start a "
+                    "new run.")
+            if earlier is None:  # killed while the run was being created (before any checkpoint): create it again
+                self.writer.create_run(self.run_id, config, cfg.estimator, k, cfg.model, cfg.data, cfg.seed)
+            # rows written after the checkpoint are replayed by this run: drop them so each step is stored once
+            self.writer.truncate_after(state.step)
+            (self.run_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+            self.writer.update_run(status="running", error=None, config=config)
+            self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qae-store")
+            return earlier or {}
+        staging = self._staging
+        writer = RunWriter(staging / DB_FILE, self.run_id)
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        writer.create_run(self.run_id, config, cfg.estimator, k, cfg.model, cfg.data, cfg.seed)
+        try:
+            os.rename(staging, self.run_dir)
+        except OSError as err:  # another `qae train --run-name` of the same name got there first
+            raise QAEUserError(f"run-name: a run '{self.run_id}' already exists in {self.runs_dir} ({err.strerror})."
+                               f" Continue it with --resume {self.run_id}, or pick another --run-name.") from err
+        self._staging = None
+        # the same writer, not a new one: a new writer opens the file, which a reader may hold from the rename on
+        writer.moved_to(self.run_dir / DB_FILE)
+        self.writer = writer
+        self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qae-store")
+        return {}
+
+    # -------------------------------------------------------------------------------------------------------------
+    # writing: only here, only on the main process, on one writer thread so the next step trains meanwhile
+
+    def write_step(self, step: int, tables: dict[str, list[dict]], chosen_k: float | None = None,
+                   timings: tuple[int, dict] | None = None) -> float:
+        """Hand one step's rows (table name -> rows) to the writer thread, after the previous step's write is done,
+        so at most one step is in flight; `chosen_k` goes into the run's row, `timings` completes an earlier step's
+        row. Returns the seconds this thread spent."""
+        if self.writer is None:
+            return 0.0
+        t0 = time.perf_counter()
+
+        def write(writer: RunWriter) -> tuple[int, float]:
+            cpu_start = time.thread_time()
+            if timings is not None:
+                writer.update_step(timings[0], **timings[1])
+            if chosen_k is not None:
+                writer.update_run(k=chosen_k)
+            writer.add_step(step, **tables)
+            fault_point("after_step_rows", step)  # crash tests: rows queued, not yet written
+            self._flush()
+            return step, time.thread_time() - cpu_start
+
+        self.drain_writes()
+        if timings is not None:  # the earlier step's job is done: its store_s is known
+            timings[1]["store_s"] = self._store_s.pop(timings[0], None)
+        self._write_job = self._write_thread.submit(write, self.writer)
+        return time.perf_counter() - t0
+
+    def drain_writes(self) -> float:
+        """Wait for the writer thread's job (re-raising its error) and keep its CPU time for the step's store_s;
+        returns the seconds waited."""
+        t0 = time.perf_counter()
+        job, self._write_job = self._write_job, None
+        if job is not None:
+            step, store_s = job.result()
+            self._store_s[step] = store_s
+        return time.perf_counter() - t0
+
+    def finish(self, status: str, error: str | None, timings: tuple[int, dict] | None, *, setup_s: float,
+               wall_s_before: float = 0.0) -> None:
+        """The last writes: the last step's timings, the final status and the run's time (setup_s; wall_s: the
+        earlier sessions' and this one's); waits for a reader that still holds the file (Ctrl-C leaves the rows
+        safe under pending/)."""
+        if self.writer is None:
+            return
+        try:
+            self.drain_writes()
+        finally:
+            self._write_thread.shutdown(wait=True)
+            if timings is not None:
+                step, values = timings  # (its store_s is known if the job was drained, by now or earlier)
+                self.writer.update_step(step, **{**values, "store_s": self._store_s.pop(step, values.get("store_s"))})
+            wall_s = wall_s_before + time.perf_counter() - self.started
+            # a failed run's status goes ahead of rows still queued: if the failure was writing them (a full disk),
+            # the small update of the run's row may still fit, and `qae runs` says why it failed
+            self.writer.update_run(status=status, error=error, wall_s=wall_s, setup_s=setup_s,
+                                   first=status == "failed")
+            self._wait_for_store()
+
+    def _flush(self) -> None:
+        """Write what is queued when a database write is due (store_write.WRITE_SHARE; until then the rows wait under
+        pending/); if a reader holds the file, training goes on and the rows wait there too, and the log says so once
+        per busy spell."""
+        was_busy = self.writer.busy_since is not None
+        if self.writer.flush_when_due():
+            if was_busy:
+                self._say("the database is free again: the waiting rows are written")
+        elif not was_busy:
+            self._say(f"[yellow]note:[/] {self.writer.path} is {self.writer.holder}; training goes on and the rows "
+                      f"wait, safe on disk, in {self.writer.pending_dir} until it is free. Read live runs with "
+                      "`qae show`, `qae rollouts` or the dashboard, which let go of the file at once.")
+
+    def _wait_for_store(self) -> None:
+        """At the end of the run every row must reach the database: wait for a reader that still holds it."""
+        if self.writer is None or self.writer.flush():
+            return
+
+        def say(waited: float) -> None:
+            self._say(f"waiting {waited:.0f} s for {self.writer.path} ({self.writer.holder}) to write the last rows;"
+                      f" they are safe in {self.writer.pending_dir}. Ctrl-C leaves them there: `qae train --resume "
+                      f"{self.run_id}` writes them later.")
+
+        say(0)
+        self._waiting_for_store = True
+        try:
+            self.writer.wait_until_written(on_wait=say)
+        except KeyboardInterrupt:
+            self.writer.sync_pending()  # (the run is over: they stay there, maybe across a reboot)
+            self._say(f"[yellow]stopped waiting:[/] the last rows stay in {self.writer.pending_dir}; "
+                      f"`qae train --resume {self.run_id}` writes them.")
+        finally:
+            self._waiting_for_store = False
+
+    # -------------------------------------------------------------------------------------------------------------
+    # checkpoints
+
+    def save_checkpoint(self, model, optimizer, scheduler, codec, state: TrainerState) -> Path:
+        """checkpoints/step-N: the training state (weights, optimizer, scheduler, each process's random states) as
+        safetensors and JSON (checkpoint_state), an HF model folder for `qae eval`, the trainer state, and a manifest
+        of checksums. Written to a temporary folder and renamed once every process has written its part, so a kill
+        never leaves half of one."""
+        acc = self.accelerator
+        if self.writer is not None:  # the steps up to this checkpoint are not trained again on resume: their rows
+            self.drain_writes()  # must survive the OS going down too (the writer's thread is idle after this)
+            self.writer.sync_pending()
+        acc.wait_for_everyone()
+        final = self.run_dir / CHECKPOINTS_DIR / f"step-{state.step}"
+        tmp = final.with_name(final.name + ".tmp")
+        if self.is_main and tmp.exists():
+            shutil.rmtree(tmp)
+        acc.wait_for_everyone()
+        if self.is_main:
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        unwrapped = acc.unwrap_model(model)
+        save_training_state(tmp, unwrapped, optimizer, scheduler, acc.process_index, self.is_main)
+        # sharded weights (FSDP2): model/ needs them whole, gathered once here (every process takes part)
+        full = full_state_dict(unwrapped) if is_sharded(unwrapped) else None
+        acc.wait_for_everyone()  # every process's random states (and shards) are in tmp before it is renamed
+        if self.is_main:
+            if is_lora(unwrapped):  # model/: the merged weights, as a full model folder; adapter/: the adapter
+                save_lora_artifacts(tmp, unwrapped)
+            else:
+                unwrapped.save_pretrained(tmp / "model", state_dict=full, safe_serialization=True)
+            codec.save(tmp / "model")
+            state.save(tmp / TRAINER_STATE)
+            write_manifest(tmp)
+            fault_point("checkpoint_rename", state.step)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in list_checkpoints(self.run_dir)[: -self.cfg.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        acc.wait_for_everyone()
+        return final
+
+    def _load_training_state(self, ckpt: Path, model, optimizer, scheduler) -> None:
+        """A checkpoint's training state into the prepared model, optimizer and scheduler. One an older qae wrote
+        (accelerate's pickled state) is read only when the user vouched for the folder (--trust-pickles)."""
+        acc = self.accelerator
+        if is_data_checkpoint(ckpt):
+            load_training_state(ckpt, acc.unwrap_model(model), optimizer, scheduler, acc.process_index)
+            return
+        if not self.trust_pickles:
+            pickled = ", ".join(p.name for p in pickled_files(ckpt)[:4])
+            raise QAEUserError(
+                f"resume: checkpoint {ckpt} was written by an older qae, whose training state is Python pickles "
+                f"({pickled}). Reading a pickle can run any code it carries: resume with --trust-pickles if you made "
+                f"this run folder yourself. Its model alone is safe to read: `qae eval --model {ckpt / 'model'}`.")
+        acc.register_for_checkpointing(scheduler)  # (where an older qae kept it: custom_checkpoint_0.pkl)
+        acc.load_state(str(ckpt))
+
+    def has_checkpoint(self, step: int) -> bool:
+        """The newest checkpoint is at `step`."""
+        newest = list_checkpoints(self.run_dir)
+        return bool(newest) and checkpoint_step(newest[-1]) == step
+
+    # -------------------------------------------------------------------------------------------------------------
+    # stopping
+
+    def catch_stop_signals(self) -> None:
+        """Ctrl-C or SIGTERM asks to stop at the next step boundary (should_stop); a second Ctrl-C stops at once
+        (KeyboardInterrupt). close() puts the previous handlers back. Only from the main thread (signals reach it)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def request_stop(signum, frame):
+            if self._waiting_for_store:
+                raise KeyboardInterrupt  # give up waiting for a reader: the rows stay safe under pending/
+            if self.finishing:
+                return  # the run is writing its final status: nothing may interrupt that
+            if self._stop_requested:
+                # only a person's second Ctrl-C stops at once; a repeated SIGTERM is the same request again (a
+                # supervisor may send it more than once, the kernel's parent-death signal once per dying thread),
+                # and aborting would lose the steps since the last checkpoint
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                return
+            self._stop_requested = True
+            if signum == signal.SIGINT:
+                self._say("[yellow]stopping after this step (checkpoint, then exit); Ctrl-C again to stop at once[/]")
+            else:  # a repeated SIGTERM is the same request (above): only SIGKILL stops at once, losing the step
+                self._say("[yellow]SIGTERM: stopping after this step (checkpoint, then exit); sending it again changes "
+                          "nothing, kill -9 stops at once and loses the steps since the last checkpoint[/]")
+
+        self._previous_handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def should_stop(self) -> bool:
+        """All processes agree to stop at the same step boundary (a signal may reach them at different times)."""
+        flag = torch.tensor(float(self._stop_requested), device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.reduce(flag, reduction="sum")
+        return flag.item() > 0
+
+
+def _stored_run(db: Path) -> dict | None:
+    """The run's row in its database, None if it has none."""
+    try:
+        return read_run(db)
+    except QAEUserError:
+        return None

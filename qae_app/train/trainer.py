@@ -1,0 +1,615 @@
+"""The RL loop: sample, score, QAE advantages, clipped policy-gradient updates, log everything to DuckDB.
+
+How this differs from GRPO: the only change is the baseline (`advantages.py`). With QAE about 80% of responses get
+advantage exactly 0 ("gated"); their policy gradient is exactly 0, so when nothing else needs them (no KL term) they
+are left out of the update's forward/backward, with the loss normalizer of the full mini-batch, so the update is the
+one the dense computation gives (`update.py`).
+
+One step, for B prompts x G samples:
+    rollout   -> engine samples G responses per prompt                   (rollout_s)
+    reward    -> verifier scores each response: 1, 0 or None             (reward_s)
+    advantage -> estimator(rewards [B, G]) -> advantages, baseline, regime
+    update    -> log-probs/entropy of the sampling policy (no grad), then num_mini_batches optimizer steps (update_s)
+    log       -> `fit` hands the step's rows to the run's session, which writes them into runs/<run_id>/qae.duckdb
+
+Runs on one CPU process as is, and under `accelerate launch` (DDP, FSDP, DeepSpeed; configs/accelerate/, and for
+FSDP2 on CPUs `sharding.py`): each process samples its share of the prompts; mini-batches are drawn over the whole
+step's responses, so every loss normalizer counts the tokens of all processes and the update equals the one-process
+update on the same samples; the main process gathers every row and is the only one to write the run folder's
+database (`session.py`: the run folder's life, checkpoints, signals).
+
+    qae train                                   # built-in tiny model and arithmetic task, QAE K=0.4
+    accelerate launch -m qae_app.cli train ...  # several processes
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from qae_app.algo.advantages import REGIMES, EstimatorConfig, step_advantages
+from qae_app.config import TrainConfig, check_launch_mixed_precision
+from qae_app.core import names
+from qae_app.core.errors import QAEUserError
+from qae_app.core.faults import fault_point
+from qae_app.core.formatting import as_float
+from qae_app.data.tasks import load_benchmark, load_task, prompts_at
+from qae_app.engines.factory import make_engine
+from qae_app.engines.sharded_policy import ShardedPolicy, sharding_plan_for
+from qae_app.evaluation.evaluate import evaluate, summarize
+from qae_app.models.lora import AdaptersDisabled, apply_lora, trainable_parameters
+from qae_app.models.policy import (
+    check_prompt_lengths,
+    check_token_budget,
+    disable_dropout,
+    enable_gradient_checkpointing,
+    load_policy,
+    rollout_positions,
+)
+from qae_app.models.sharding import describe, prepare, shard_models
+from qae_app.rewards.scorer import Scorer, shape_rewards
+from qae_app.store.rows import GroupResult, group_rows, rollout_rows, step_metrics, stored_responses
+from qae_app.store.run_folder import file_sha256
+from qae_app.train.attribution import ATTRIBUTION_METRICS, entropy_attribution
+from qae_app.train.entropy_band import entropy_warning
+from qae_app.train.session import RunSession, TrainerState
+from qae_app.train.update import (
+    NO_UPDATE,
+    UpdateOptions,
+    entropy_change,
+    float_dtype,
+    logits_keyword,
+    logprob_chunk_tokens,
+    optimizer_and_schedule,
+    pack,
+    policy_update,
+)
+
+
+@dataclass
+class StepOutput:
+    """Everything one RL step produced; `fit` alone writes it."""
+
+    metrics: dict  # one `steps` row (STEP_METRICS names; heldout_accuracy filled in by fit)
+    groups: list[dict]  # B `groups` rows, gathered from every process
+    rollouts: list[dict]  # B * G `rollouts` rows
+    warnings: list[dict] = field(default_factory=list)  # `warnings` rows: kind, message
+    chosen_k: float | None = None  # the K that --k auto picked at this step, if it did
+
+
+@dataclass
+class GenerationBatch:
+    """This process's share of one generation batch (prompts_per_step prompts) of a step, sampled and scored."""
+
+    index: int  # 0 for a step's first batch; more with dynamic sampling
+    first_group: int  # step-wide group_idx of this process's first group: index * prompts_per_step + its offset
+    problems: list  # [B] tasks.Problem
+    prompts: list[str]  # [B]
+    samples: list  # [B * G] rollout.Sample, sample j of prompt i at i * G + j
+    verified: list[bool]  # [B * G] the verifier gave a verdict
+    rewards: torch.Tensor  # (B, G) shaped: reward values plus the overlong penalty
+    correct: torch.Tensor  # (B, G) bool, the verifier's verdicts
+
+
+@dataclass
+class HeldoutEval:
+    accuracy: float  # avg@k on the whole benchmark
+    evals: list[dict]  # `evals` rows
+    samples: list[dict]  # `eval_samples` rows
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    run_dir: Path
+    steps_done: int
+    status: str  # finished, interrupted (Ctrl-C / SIGTERM; resumable)
+
+
+def step_tables(out: StepOutput | None, heldout: HeldoutEval | None, keep: str = "all", seed: int = 0,
+                step: int = 0) -> dict[str, list[dict]]:
+    """What `fit` hands the store for one step (step 0: the evaluation before training), by table; the response
+    texts as --store-responses `keep` says (every row stays, so counts are exact)."""
+    tables = {}
+    if out is not None:
+        tables.update(steps=[out.metrics], groups=out.groups, rollouts=stored_responses(out.rollouts, keep, seed, step),
+                      warnings=out.warnings)
+    if heldout is not None:
+        tables.update(evals=heldout.evals, eval_samples=heldout.samples)
+    return tables
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sampling: the seeds, and which groups dynamic sampling keeps
+
+
+def _step_seed(seed: int, step: int, process: int, gen_batch: int = 0) -> int:
+    """The sampling seed of one process's share of a step's generation batch: a pure function of the four, so a
+    resumed run samples exactly what the uninterrupted run did (gen_batch 0 keeps the seed runs had before dynamic
+    sampling)."""
+    return (seed * 1_000_003 + step * 7_919 + process * 104_729 + gen_batch * 15_485_863) % (2**31 - 1)
+
+
+def groups_with_signal(rewards: torch.Tensor, correct: torch.Tensor, metric: str) -> torch.Tensor:
+    """(B,) bool: the groups dynamic sampling keeps, by names.FILTER_METRICS. rewards (B, G), correct (B, G) bool."""
+    if metric == "correct":
+        return correct.any(dim=1) & ~correct.all(dim=1)
+    return rewards.amax(dim=1) != rewards.amin(dim=1)
+
+
+def generation_cap_warning(cfg: TrainConfig, step: int, n_trained: int, n_batches: int) -> dict | None:
+    """When dynamic sampling's --max-gen-batches batches found fewer than prompts_per_step groups with signal: the
+    step's `warnings` row (--on-gen-cap train: the step trains on the groups found), or, with --on-gen-cap stop, a
+    QAEUserError that ends the run failed, the reason as its error, before the step trains (as verl raises)."""
+    if not cfg.dynamic_sampling or n_trained >= cfg.prompts_per_step:
+        return None
+    found = (f"dynamic sampling found {n_trained} of the {cfg.prompts_per_step} groups with signal it wanted in "
+             f"{n_batches} generation batches (--max-gen-batches {cfg.max_gen_batches})")
+    if cfg.on_gen_cap == "stop":
+        raise QAEUserError(f"on-gen-cap: stop: at step {step}, {found}; the step was not trained. Raise "
+                           "--max-gen-batches (0: no cap), or use --on-gen-cap train to train on the groups found.")
+    return {"kind": "dynamic_sampling_cap",
+            "message": f"{found}; this step trains on those {n_trained}. Raise --max-gen-batches, or check the data: "
+                       "the policy solves all or none of the responses to most prompts (frac_all_correct, "
+                       "frac_all_wrong)."}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what a step reports: its groups' rows
+
+
+def group_results(batches: list[GenerationBatch], trained: list[bool], adv, rewards, correct, group_size: int,
+                  from_engine: bool, pass_stats) -> list[GroupResult]:
+    """This process's groups of every generation batch, in order (`trained` (B,), `adv`, `rewards` and `correct`
+    (B, G): one entry per group). A response's mean token entropy and summed log-prob come from the engine when it
+    measured them while sampling (`from_engine`), else from the no-grad pass over the trained responses
+    (`pass_stats`: two lists, one value per trained response, in order); a filtered group the engine did not measure
+    never went through the model, and gets None."""
+    G = group_size
+    # each tensor to Python values once, not an item() or tolist() per group: the same values
+    baselines, regimes, advantages = adv.baseline.tolist(), adv.regime.tolist(), adv.advantages.tolist()
+    rewards, correct = rewards.tolist(), correct.tolist()
+    results, local, done = [], 0, 0  # local: group index over all batches; done: trained groups seen
+    for b in batches:
+        for i, problem in enumerate(b.problems):
+            group = b.samples[i * G:(i + 1) * G]
+            if from_engine:
+                entropies = [sum(s.token_entropies) / max(len(s.token_entropies), 1) for s in group]
+                logprobs = [sum(s.token_logprobs) for s in group]
+            elif trained[local]:
+                entropies, logprobs = (stats[done * G:(done + 1) * G] for stats in pass_stats)
+                done += 1
+            else:
+                entropies = logprobs = [None] * G
+            results.append(GroupResult(
+                group_idx=b.first_group + i, prompt_id=problem.prompt_id, prompt=b.prompts[i],
+                answer=problem.answer, baseline=baselines[local],
+                regime=REGIMES[regimes[local]], responses=[s.text for s in group],
+                rewards=rewards[local], correct=correct[local],
+                verified=b.verified[i * G:(i + 1) * G], advantages=advantages[local],
+                n_tokens=[len(s.response_ids) for s in group], truncated=[s.truncated for s in group],
+                entropies=entropies, logprobs=logprobs, filtered=not trained[local],
+                model_prompt=group[0].model_prompt))
+            local += 1
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_prompts_split(prompts_per_step: int, n_processes: int) -> None:
+    if n_processes > 1 and prompts_per_step % n_processes:
+        raise QAEUserError(f"prompts-per-step: {prompts_per_step} does not split over {n_processes} processes. Use a "
+                           "multiple of the process count.")
+
+
+def close_scorers(*scorers) -> None:
+    """Stop each verifier pool once (the training and evaluation scorers may be one object)."""
+    for scorer in {id(s): s for s in scorers if s is not None}.values():
+        scorer.close()
+
+
+class Trainer:
+    """`Trainer(cfg, runs_dir).fit()` trains a new run; `Trainer(resume_config(...), runs_dir, resume=True)` continues
+    one from its newest valid checkpoint. Setup takes the run's lock first (its RunSession), so nothing slow runs for
+    a run that another process is training, and a new run's folder appears (atomically, by a rename) only once it can
+    train. `fit` lets go of the run folder when it ends; a caller that only runs train_step calls close() (or uses
+    `with Trainer(...) as trainer:`)."""
+
+    def __init__(self, cfg: TrainConfig, runs_dir: Path, resume: bool = False, console=None,
+                 cpu: bool | None = None, trust_pickles: bool = False):
+        self._t_start = time.perf_counter()
+        self.cfg = cfg
+        self.console = console
+        self.runs_dir = Path(runs_dir)
+        self.resuming = resume
+        self.skip_gated = True  # leave zero-advantage sequences out of the update (same update; tests turn it off)
+        self._setup_s: float | None = None
+        self._wall_s_before = self._setup_s_before = 0.0  # time spent by earlier sessions of a resumed run
+        self._setup_processes(cpu)
+        self.session = RunSession(self.runs_dir, self.run_id, cfg, self.accelerator, resume, say=self._say,
+                                  started=self._t_start, trust_pickles=trust_pickles,
+                                  distributed=describe(self.accelerator, sharding_plan_for(self.accelerator).sharding))
+        self.run_dir = self.session.run_dir
+        try:
+            self._load_data()
+            self._load_models()
+            if resume:
+                restored = self.session.restore(self.data_fingerprint, self.model, self.optimizer, self.scheduler)
+                if restored is not None:
+                    self.state = restored
+                    self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
+            earlier = self.session.open_store(self.state)
+            # (the earlier sessions' times of a resumed run; NULL in a run that never finished a step)
+            self._wall_s_before = as_float(earlier.get("wall_s")) or 0.0
+            self._setup_s_before = as_float(earlier.get("setup_s")) or 0.0
+        except BaseException:  # nothing is left behind: no lock, no half-made run folder, no verifier workers
+            self.close()
+            raise
+
+    # -------------------------------------------------------------------------------------------------------------
+    # setup phases, in the order __init__ runs them
+
+    def _setup_processes(self, cpu: bool | None) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
+
+        cfg = self.cfg
+        check_launch_mixed_precision(cfg.mixed_precision)
+        # no buffer broadcast at each DDP forward: it is a collective, and processes run different numbers of
+        # forwards (gated responses skip theirs); the models' buffers (rotary tables) are constants anyway
+        self.accelerator = Accelerator(cpu=cpu if cpu is not None else not torch.cuda.is_available(),
+                                       mixed_precision=cfg.mixed_precision,  # bf16: autocast, float32 weights
+                                       kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+        # sharded weights (FSDP, ZeRO-3): every forward is a collective, so processes run them in lockstep
+        self.lockstep = self.accelerator.num_processes > 1 and sharding_plan_for(self.accelerator).sharding != "none"
+        self.is_main = self.accelerator.is_main_process
+        n = self.accelerator.num_processes
+        check_prompts_split(cfg.prompts_per_step, n)
+        # the run id, decided once by the main process (a default id from the clock could differ between processes)
+        run_id = [cfg.run_name or f"{datetime.now():%Y%m%d-%H%M%S}-{cfg.estimator}"]
+        if n > 1:
+            broadcast_object_list(run_id)
+        self.run_id = run_id[0]
+        set_seed(cfg.seed)
+
+    def _load_data(self) -> None:
+        cfg = self.cfg
+        self.task = load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
+        if len(self.task.train) == 0:
+            raise QAEUserError(f"data: '{cfg.data}' has no training problems. Lower --heldout-fraction.")
+        self.data_fingerprint = file_sha256(Path(cfg.data)) if Path(cfg.data).is_file() else None
+        # what --eval-every evaluates: the task's held-out split, or --eval-bench named as `qae eval` names it;
+        # loaded now so a bad path fails before anything is written
+        self.eval_name, self.eval_problems, self.eval_task = (
+            load_benchmark(cfg.eval_bench, option="eval-bench") if cfg.eval_bench
+            else (f"{self.task.name}-heldout", self.task.heldout, self.task))
+
+    def _load_models(self) -> None:
+        cfg, acc = self.cfg, self.accelerator
+        model, self.codec = load_policy(cfg.model, cfg.dtype)
+        disable_dropout(model)  # old log-probs (no grad) and the update must see the same network
+        data = [(p.prompt_id, self.task.prompt(p)) for p in self.task.train + self.task.heldout]  # both splits
+        evals = [(p.prompt_id, self.eval_task.prompt(p)) for p in self._evaluated_problems()]  # --eval-every's
+        check_prompt_lengths(model, self.codec, data, cfg.max_new_tokens, "data")
+        if cfg.eval_bench and cfg.eval_every:  # the problems --eval-every evaluates, as `qae eval` checks them
+            check_prompt_lengths(model, self.codec, evals, cfg.max_new_tokens, "eval-bench")
+        if cfg.max_tokens_per_micro_batch is not None:  # (the trained prompts: the held-out ones are only sampled)
+            check_token_budget(self.codec, [(p.prompt_id, self.task.prompt(p)) for p in self.task.train],
+                               cfg.max_new_tokens, cfg.max_tokens_per_micro_batch, "the data's")
+        if cfg.gradient_checkpointing:  # (only training forwards: the no-grad passes and generate run as they are)
+            enable_gradient_checkpointing(model)
+        self.logits_keyword = logits_keyword(model)  # (of the Hugging Face model: peft's and DDP's take **kwargs)
+        if cfg.log_entropy_attribution and getattr(acc.state, "deepspeed_plugin", None) is not None:
+            raise QAEUserError("log-entropy-attribution: DeepSpeed keeps its own master weights inside its optimizer, "
+                               "which the trial updates cannot restore. Launch with DDP or FSDP, or drop the option.")
+        if cfg.lora_rank:
+            if sharding_plan_for(acc).sharding != "none":
+                raise QAEUserError(f"lora-rank: LoRA is not supported with sharded weights ({sharding_plan_for(acc).sharding})"
+                                   ". Launch with DDP (accelerate launch --multi_gpu) or one process, or train "
+                                   "every weight (--lora-rank 0).")
+            model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, model_name=cfg.model)
+        self.ref_model = None
+        if cfg.kl_beta > 0 and cfg.lora_rank:  # the base model is the policy with its adapters off: no second copy
+            self.ref_model = AdaptersDisabled(model)
+        elif cfg.kl_beta > 0:
+            self.ref_model, _ = load_policy(cfg.model, cfg.dtype)
+            self.ref_model.requires_grad_(False).eval()
+        # with LoRA only the adapters are trainable: no gradient or moments for the rest. The scheduler is stepped once
+        # per RL step on every process; not passed to accelerate.prepare, whose wrapper would step it once per process
+        # per call (a warmup num_processes times too fast); checkpointed by the session, as JSON
+        # FSDP2 where accelerate falls back to DDP (CPUs): sharded here, before the optimizer takes the parameters
+        model, self.ref_model = shard_models(acc, model, self.ref_model)
+        optimizer, self.scheduler = optimizer_and_schedule(trainable_parameters(model), cfg.lr, cfg.weight_decay,
+                                                           cfg.warmup_steps)
+        self.model, self.optimizer = prepare(acc, model, optimizer)
+        self.logprob_chunk_tokens = logprob_chunk_tokens(self.model, cfg.logprob_chunk_tokens, self._say)
+        if self.ref_model is not None and not cfg.lora_rank:
+            self.ref_model.to(acc.device)
+        self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
+                                  sharded=ShardedPolicy.of(acc, self.model), sleep=cfg.vllm_sleep,
+                                  gpu_memory_utilization=cfg.vllm_gpu_memory,
+                                  max_model_len=rollout_positions(model, self.codec, data + evals, cfg.max_new_tokens))
+        self.scorer = Scorer(self.task.reward, cfg.verify_timeout_s)
+        # one scorer for the whole run (a math verifier pool takes seconds to start): the training one if it fits
+        self.eval_scorer = (self.scorer if self.eval_task.reward == self.task.reward
+                            else Scorer(self.eval_task.reward, cfg.verify_timeout_s))
+        self.state = TrainerState(k=None if cfg.k == "auto" else float(cfg.k),
+                                  data_fingerprint=self.data_fingerprint, num_processes=acc.num_processes)
+
+    # -------------------------------------------------------------------------------------------------------------
+    # the loop
+
+    def fit(self, on_step=None) -> RunResult:
+        """Train until cfg.steps. Ctrl-C (or SIGTERM) stops at the end of the current step with a checkpoint, so a
+        resumed run is exactly the uninterrupted one, and returns status `interrupted`; a second Ctrl-C stops at once
+        (rows kept, the newest checkpoint stays the resume point).
+
+        Every second of a step is in its row: rollout_s, reward_s and update_s (train_step), eval_s, write_s (building
+        rows and waiting for the store, which writes on its own thread while the next step trains) and
+        checkpoint_s; step_s is the whole iteration. store_s is the CPU time the store's thread spent on the step.
+        The run's row gets setup_s and wall_s."""
+        cfg = self.cfg
+        status, error = "running", None
+        self.session.catch_stop_signals()
+        timings: tuple[int, dict] | None = None  # (step, write_s/checkpoint_s/step_s), known after its row is queued
+        try:
+            if self.state.step == 0 and cfg.eval_every:
+                heldout = self.evaluate_heldout(0)
+                self.session.write_step(0, step_tables(None, heldout))
+                if on_step is not None:
+                    on_step(0, {"heldout_accuracy": heldout.accuracy if heldout else None})
+            self._setup_s = time.perf_counter() - self._t_start
+            while self.state.step < cfg.steps and not self.session.should_stop():
+                t_iteration = time.perf_counter()
+                step = self.state.step + 1
+                out = self.train_step(step)
+                t0 = time.perf_counter()
+                heldout = (self.evaluate_heldout(step)
+                           if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps) else None)
+                out.metrics.update(heldout_accuracy=heldout.accuracy if heldout else None,
+                                   eval_s=time.perf_counter() - t0)
+                self.state.step = step  # (train_step advanced state.data_position by the prompts it consumed)
+                write_s = self.session.write_step(step, step_tables(out, heldout, cfg.store_responses, cfg.seed, step),
+                                                   out.chosen_k, timings)
+                checkpoint_s = 0.0
+                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
+                    t0 = time.perf_counter()
+                    write_s += self.session.drain_writes()  # the rows up to here are stored (or safe under pending/)
+                    self.session.save_checkpoint(self.model, self.optimizer, self.scheduler, self.codec, self.state)
+                    checkpoint_s = time.perf_counter() - t0
+                if on_step is not None:
+                    on_step(step, out.metrics)
+                timings = (step, {"write_s": write_s, "checkpoint_s": checkpoint_s,
+                                  "step_s": time.perf_counter() - t_iteration})
+            if self.state.step < cfg.steps:  # stopped by a signal at a step boundary
+                status = "interrupted"
+                if not self.session.has_checkpoint(self.state.step):
+                    self.session.drain_writes()
+                    self.session.save_checkpoint(self.model, self.optimizer, self.scheduler, self.codec, self.state)
+            else:
+                status = "finished"
+        except KeyboardInterrupt:  # second Ctrl-C: stop now; the newest checkpoint stays the resume point
+            status = "interrupted"
+        except Exception as err:
+            status, error = "failed", f"{type(err).__name__}: {err}"
+            raise
+        finally:
+            # late signals are ignored from here on: the final status must be written, whatever arrives
+            self.session.finishing = True
+            try:
+                fault_point("finishing", self.state.step)
+                close_scorers(getattr(self, "scorer", None), getattr(self, "eval_scorer", None))
+                self.session.finish(status, error, timings, wall_s_before=self._wall_s_before,
+                                    setup_s=self._setup_s_before + (self._setup_s or 0.0))
+            finally:
+                self.session.close()  # (the lock, the signal handlers)
+        return RunResult(self.run_id, self.run_dir, self.state.step, status)
+
+    def train_step(self, step: int) -> StepOutput:
+        """One RL step on this process's share of the step's prompts. Updates the model, optimizer, scheduler and
+        trainer state (data_position included); writes nothing (the rows, metrics and warnings come back in the
+        StepOutput)."""
+        cfg, acc = self.cfg, self.accelerator
+        t_step = time.perf_counter()
+        G = cfg.group_size
+
+        # ---- rollout and reward, in generation batches of prompts_per_step prompts (several: dynamic sampling)
+        batches, trained_global, rollout_s, reward_s = self._sample_generation_batches(step)
+        self.state.data_position += len(batches) * cfg.prompts_per_step
+        rewards = torch.cat([b.rewards for b in batches])  # (B, G): this process's groups of every batch, in order
+        correct = torch.cat([b.correct for b in batches])  # (B, G) bool
+        samples = [s for b in batches for s in b.samples]  # (B * G): sample j of group i at i * G + j
+        trained = [trained_global[b.first_group + i] for b in batches for i in range(len(b.problems))]  # (B,)
+        trained_samples = [s for i, keep in enumerate(trained) if keep for s in samples[i * G:(i + 1) * G]]
+
+        warnings, chosen_k = [], None
+        if self.state.k is None and names.uses_k(cfg.estimator):  # --k auto: choose K once, from the first step
+            success = acc.reduce(batches[0].correct.float().mean().to(acc.device), reduction="mean").item()
+            self.state.k = chosen_k = names.auto_k(success)
+            warnings.append({"kind": "auto_k", "message": f"--k auto: first-step success rate {success:.3f} "
+                                                          f"-> K = {chosen_k}"})
+        n_trained = sum(trained_global)
+        cap = generation_cap_warning(cfg, step, n_trained, len(batches))  # (or stops the run: --on-gen-cap stop)
+        if cap is not None:
+            self._say(f"[yellow]warning:[/] step {step}: {cap['message']}")
+            warnings.append(cap)
+
+        # ---- advantages of every group sampled (a filtered group's are stored but never trained)
+        estimator = EstimatorConfig(k=self.state.k or names.DEFAULT_K, quantile=cfg.quantile,
+                                    scale=cfg.advantage_scale)
+        adv = step_advantages(cfg.estimator, rewards, correct, names.reward_values(cfg.reward_values), estimator,
+                              cfg.shaping)
+        trained_mask = torch.tensor(trained, dtype=torch.bool)  # (B,)
+        seq_adv = adv.advantages[trained_mask].reshape(-1).to(acc.device)  # (N,) the trained responses
+
+        # ---- update, on the trained groups only: filtered ones enter neither the loss nor its normalizer
+        self.engine.release_memory()  # (vLLM's sleep mode: its GPU memory goes to the update until the weight sync)
+        t0 = time.perf_counter()
+        # what each response's row reports of the sampling policy (mean token entropy, summed log-prob): from the
+        # engine when it measured them while sampling (for filtered responses too), else from a no-grad pass over the
+        # trained responses
+        from_engine = all(s.token_logprobs is not None and s.token_entropies is not None for s in samples)
+        if n_trained:
+            # a process whose groups were all filtered packs one placeholder sequence: it still takes part in the
+            # collective forward/backward passes, weighted 0 (see update.accumulate_gradients), and contributes nothing
+            batch = pack(trained_samples or samples[:1], self.codec.pad_id, acc.device, float_dtype(self.model))
+            options = self.update_options()
+            update_adv = seq_adv if trained_samples else seq_adv.new_zeros(1)
+            update_seed = _step_seed(cfg.seed, step, 0) + 1  # (the mini-batches: the attribution draws the same)
+            # (dH's regimes: the K in use, K = 0.4 for mean-baseline runs, so runs compare)
+            k = self.state.k if names.uses_k(cfg.estimator) else names.DEFAULT_K
+            attribution = (entropy_attribution(self.model, self.optimizer, batch, update_adv, correct[trained_mask], k,
+                                               G, options, acc, seed=update_seed, n_local=len(trained_samples))
+                           if cfg.log_entropy_attribution else dict.fromkeys(ATTRIBUTION_METRICS))
+            updated = policy_update(self.model, self.optimizer, batch, update_adv, options, acc, seed=update_seed,
+                                    ref_model=self.ref_model, full_pass=not from_engine or cfg.log_entropy_delta,
+                                    n_local=len(trained_samples))
+            update_stats, old_logp, entropy = {**updated.stats, **attribution}, updated.old_logp, updated.entropy
+            update_stats.update(entropy_change(self.model, batch, entropy, correct[trained_mask], k, G, options, acc,
+                                               len(trained_samples))
+                                if cfg.log_entropy_delta else dict.fromkeys(("dH", "dH_hard", "dH_easy")))
+            self.engine.sync_weights(acc.unwrap_model(self.model))  # vLLM holds its own copy; hf shares the model
+        else:  # dynamic sampling found no group with signal on any process: nothing to learn from
+            update_stats = {**NO_UPDATE, **dict.fromkeys(("dH", "dH_hard", "dH_easy", *ATTRIBUTION_METRICS))}
+        update_s = time.perf_counter() - t0
+
+        # ---- rows (gathered on the main process) and metrics
+        pass_stats = None  # per trained response: mean token entropy and summed log-prob, from the no-grad pass
+        if trained_samples and not from_engine:
+            n = len(trained_samples)
+            mask = batch["response_mask"][:n]
+            pass_stats = (((entropy[:n] * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist(),  # (N,)
+                          (old_logp[:n] * mask).sum(-1).tolist())  # (N,)
+        results = group_results(batches, trained, adv, rewards, correct, G, from_engine, pass_stats)
+        if acc.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            results = gather_object(results)
+        results.sort(key=lambda g: g.group_idx)
+        groups, rollouts = group_rows(results), rollout_rows(results)
+        metrics = step_metrics(groups, rollouts)
+        metrics.update(update_stats)
+        metrics.update(k=self.state.k if names.uses_k(cfg.estimator) else None, gen_batches=len(batches),
+                       rollout_s=rollout_s, reward_s=reward_s, update_s=update_s, lr=self.scheduler.get_last_lr()[0])
+        if n_trained:  # the schedule counts updates: a step that found nothing to train on leaves the warmup where it is
+            self.scheduler.step()  # once per RL step, on every process (the scheduler is not prepared: see _load_models)
+        warning = entropy_warning(self.state, metrics["entropy"], cfg)
+        if warning is not None:
+            self._say(f"[yellow]warning:[/] {warning['message']}")
+            warnings.append(warning)
+        metrics["step_s"] = time.perf_counter() - t_step
+        return StepOutput(metrics, groups, rollouts, warnings, chosen_k)
+
+    # -------------------------------------------------------------------------------------------------------------
+    # sampling
+
+    def _sample_generation_batches(self, step: int) -> tuple[list[GenerationBatch], list[bool], float, float]:
+        """Sample and score batches of prompts_per_step prompts, taken in order from the data stream at
+        state.data_position: one batch, or with dynamic sampling as many as it takes to find prompts_per_step groups
+        with signal over all processes, at most max_gen_batches.
+
+        Returns this process's share of each batch; which groups train, one flag per group of every batch in
+        step-wide group_idx order (the same on every process): all of them without dynamic sampling, else the first
+        prompts_per_step with signal; and the seconds spent sampling and scoring."""
+        cfg, acc = self.cfg, self.accelerator
+        P, G = cfg.prompts_per_step, cfg.group_size
+        per_process = P // acc.num_processes
+        offset = acc.process_index * per_process  # this process's share of every batch: groups offset .. + per_process
+        values = names.reward_values(cfg.reward_values)
+        batches: list[GenerationBatch] = []
+        signal: list[bool] = []  # one flag per group of every batch so far, in group_idx order
+        rollout_s = reward_s = 0.0
+        while True:
+            index = len(batches)
+            stream = prompts_at(self.task, cfg.seed, self.state.data_position + index * P, P)
+            problems = [self.task.train[i] for i in stream[offset:offset + per_process]]
+            prompts = [self.task.prompt(p) for p in problems]
+            t0 = time.perf_counter()
+            samples = self.engine.generate(prompts, G, cfg.temperature, cfg.max_new_tokens,
+                                           _step_seed(cfg.seed, step, acc.process_index, index))
+            rollout_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            fault_point("scoring", step)
+            scores = self.scorer([s.text for s in samples], [problems[s.prompt_index].answer for s in samples])
+            reward_s += time.perf_counter() - t0
+            rewards, correct = shape_rewards(scores, [len(s.response_ids) for s in samples], values,
+                                             cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+            batch = GenerationBatch(
+                index=index, first_group=index * P + offset, problems=problems, prompts=prompts, samples=samples,
+                verified=[score is not None for score in scores],
+                rewards=torch.tensor(rewards, dtype=torch.float64).view(len(problems), G),
+                correct=torch.tensor(correct, dtype=torch.bool).view(len(problems), G))
+            batches.append(batch)
+            if not cfg.dynamic_sampling:
+                return batches, [True] * P, rollout_s, reward_s
+            mine = groups_with_signal(batch.rewards, batch.correct, cfg.filter_metric)  # (per_process,)
+            signal += (acc.gather(mine.long().to(acc.device)).bool().tolist() if acc.num_processes > 1
+                       else mine.tolist())
+            if sum(signal) >= P or (cfg.max_gen_batches and len(batches) >= cfg.max_gen_batches):
+                break
+        trained, count = [], 0
+        for has_signal in signal:
+            trained.append(has_signal and count < P)
+            count += has_signal
+        return batches, trained, rollout_s, reward_s
+
+    # -------------------------------------------------------------------------------------------------------------
+    # the update's options
+
+    def update_options(self) -> UpdateOptions:
+        """The config's options and the trainer's attributes that a test or benchmark may switch: skip_gated (the
+        dense reference), lockstep (on one machine), logits_keyword (full forward), logprob_chunk_tokens."""
+        return UpdateOptions.from_config(self.cfg, skip_gated=self.skip_gated, lockstep=self.lockstep,
+                                         logits_keyword=self.logits_keyword,
+                                         logprob_chunk_tokens=self.logprob_chunk_tokens)
+
+    # -------------------------------------------------------------------------------------------------------------
+    # evaluation
+
+    def _evaluated_problems(self) -> list:
+        """What --eval-every evaluates: the held-out split or --eval-bench, cut to --eval-limit."""
+        limit = self.cfg.eval_limit
+        return self.eval_problems[:limit] if limit else self.eval_problems
+
+    def evaluate_heldout(self, step: int) -> HeldoutEval | None:
+        """Sampled accuracy on the held-out split (or --eval-bench), with every metric and sample (not written)."""
+        cfg, acc = self.cfg, self.accelerator
+        name, task = self.eval_name, self.eval_task
+        problems = self._evaluated_problems()
+        if not problems:
+            return None
+        share = problems[acc.process_index :: acc.num_processes]
+        result = evaluate(self.engine, name, share, [task.prompt(p) for p in share], self.eval_scorer, cfg.eval_k,
+                          cfg.temperature, cfg.max_new_tokens, seed=_step_seed(cfg.seed, step, acc.process_index) + 7)
+        samples, metrics = result.samples, result.metrics
+        if acc.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            samples = gather_object(samples)
+            metrics = summarize(name, problems, samples, cfg.eval_k)
+        accuracy = next(m["value"] for m in metrics if m["metric"] == "avg@k" and m["subset"] == "all")
+        return HeldoutEval(accuracy, [{**m, "source": "train"} for m in metrics],
+                           [{**s, "benchmark": name, "source": "train"} for s in samples])
+
+    # -------------------------------------------------------------------------------------------------------------
+    # teardown
+
+    def close(self) -> None:
+        """Stop the verifier workers and let go of the run folder (RunSession.close). Safe to call more than once."""
+        close_scorers(getattr(self, "scorer", None), getattr(self, "eval_scorer", None))
+        self.session.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _say(self, message: str) -> None:
+        if self.console is not None and self.is_main:
+            self.console.print(message)
