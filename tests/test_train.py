@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from qae_app.algo.advantages import REGIMES, EstimatorConfig, compute_advantages
 from qae_app.cli.main import app
 from qae_app.config import build_config
-from qae_app.data.tasks import prompts_for_step
+from qae_app.data.tasks import prompts_at
 from qae_app.store.reader import query, read_run, read_steps
 from qae_app.store.rows import step_metrics
 from qae_app.store.run_folder import db_path
@@ -69,14 +69,14 @@ def test_step_metrics_recompute_from_stored_rows(tiny_run):
             assert (pd.isna(stored) and pd.isna(value)) or stored == pytest.approx(value, abs=1e-9), name
 
 
-def test_prompts_for_step_is_a_pure_function_of_the_step():
+def test_the_data_stream_is_a_pure_function_of_the_position():
     from qae_app.data.tasks import arith_task
 
     task = arith_task()
-    first = [prompts_for_step(task, 0, s, 8) for s in range(1, 300)]
-    again = [prompts_for_step(task, 0, s, 8) for s in range(1, 300)]
+    first = [prompts_at(task, 0, (s - 1) * 8, 8) for s in range(1, 300)]
+    again = [prompts_at(task, 0, (s - 1) * 8, 8) for s in range(1, 300)]
     assert first == again
-    epoch = [i for s in range(1, 134) for i in prompts_for_step(task, 0, s, 8)][: len(task.train)]
+    epoch = [i for s in range(1, 134) for i in prompts_at(task, 0, (s - 1) * 8, 8)][: len(task.train)]
     assert sorted(epoch) == list(range(len(task.train)))  # one epoch visits every training prompt once
 
 
@@ -323,3 +323,15 @@ def test_store_responses_keeps_one_text_a_group_and_every_row(tmp_path):
     refused = runner.invoke(app, ["train", "--store-responses", "0", "--runs-dir", str(tmp_path)])
     assert refused.exit_code == 2 and "store-responses: '0' is not all, none or a whole number" in " ".join(
         refused.output.split())
+
+
+def test_a_missing_builtin_checkpoint_names_the_warm_start_that_builds_it(tmp_path, monkeypatch):
+    from qae_app.core.errors import QAEUserError
+    from qae_app.data.tasks import BUILTIN_TASKS
+    from qae_app.models import policy
+
+    built_by = {task.model: name for name, task in BUILTIN_TASKS.items() if task.model in policy.BUILTIN_CHECKPOINTS}
+    assert policy.WARMSTART_TASK_OF == built_by
+    monkeypatch.setitem(policy.BUILTIN_CHECKPOINTS, "builtin:tiny-chain", tmp_path / "gone")
+    with pytest.raises(QAEUserError, match="qae warmstart --task chain"):
+        policy.load_policy("builtin:tiny-chain")

@@ -24,9 +24,9 @@ from typing import Protocol
 import torch
 
 from qae_app.core.errors import QAEUserError
+from qae_app.core.hashing import file_sha256
 from qae_app.core.names import BUILTIN_MODEL, BUILTIN_SCRATCH
 from qae_app.models.packaged import PACKAGED_GGUF, packaged_gguf
-from qae_app.store.run_folder import file_sha256
 
 ASSETS_DIR = Path(__file__).parents[1] / "assets"
 # shipped warm-started checkpoints: model spec -> folder (each built by `qae warmstart --task <the task naming it>`)
@@ -34,7 +34,8 @@ BUILTIN_CHECKPOINTS = {
     BUILTIN_MODEL: ASSETS_DIR / "tiny",
     "builtin:tiny-chain": ASSETS_DIR / "tiny-chain",
 }
-BUILTIN_CHECKPOINT = BUILTIN_CHECKPOINTS[BUILTIN_MODEL]
+# the built-in task whose `qae warmstart` builds each checkpoint (tests check it against data.tasks.BUILTIN_TASKS)
+WARMSTART_TASK_OF = {BUILTIN_MODEL: "arith", "builtin:tiny-chain": "chain"}
 CHAR_TOKENIZER_FILE = "qae_char_tokenizer.json"
 
 
@@ -343,11 +344,9 @@ def load_policy(spec: str, dtype: str = "float32", use_chat_template: bool = Tru
     if spec in BUILTIN_CHECKPOINTS:
         folder = BUILTIN_CHECKPOINTS[spec]
         if not (folder / "config.json").exists():
-            from qae_app.data.tasks import BUILTIN_TASKS
-
-            task = next((name for name, t in BUILTIN_TASKS.items() if t.model == spec), "arith")
             raise QAEUserError(f"model: the built-in checkpoint {spec} is missing from {folder}. "
-                               f"Rebuild it with `qae warmstart --task {task}` (about a minute on CPU).")
+                               f"Rebuild it with `qae warmstart --task {WARMSTART_TASK_OF[spec]}` (about a minute on "
+                               "CPU).")
         spec = str(folder)
     elif spec.startswith("builtin:"):
         known = ", ".join([*BUILTIN_CHECKPOINTS, BUILTIN_SCRATCH])

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import clipped
+from qae_app.core.hashing import file_sha256
 
 DB_FILE = "qae.duckdb"
 CONFIG_FILE = "config.json"
@@ -172,15 +172,6 @@ def list_checkpoints(run_folder: Path) -> list[Path]:
 def latest_checkpoint(run_folder: Path) -> Path | None:
     found = list_checkpoints(run_folder)
     return found[-1] if found else None
-
-
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks (checkpoint manifests, data fingerprints, the GGUF cache key)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_manifest(folder: Path) -> None:

@@ -37,6 +37,7 @@ from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.faults import fault_point
 from qae_app.core.formatting import as_float
+from qae_app.core.hashing import file_sha256
 from qae_app.data.tasks import load_benchmark, load_task, prompts_at
 from qae_app.engines.factory import make_engine
 from qae_app.engines.sharded_policy import ShardedPolicy, sharding_plan_for
@@ -53,7 +54,6 @@ from qae_app.models.policy import (
 from qae_app.models.sharding import describe, prepare, shard_models
 from qae_app.rewards.scorer import Scorer, shape_rewards
 from qae_app.store.rows import GroupResult, group_rows, rollout_rows, step_metrics, stored_responses
-from qae_app.store.run_folder import file_sha256
 from qae_app.train.attribution import ATTRIBUTION_METRICS, entropy_attribution
 from qae_app.train.entropy_band import entropy_warning
 from qae_app.train.session import RunSession, TrainerState
