@@ -270,13 +270,6 @@ def prompts_at(task: Task, seed: int, start: int, count: int) -> list[int]:
     return indices
 
 
-def prompts_for_step(task: Task, seed: int, step: int, per_step: int) -> list[int]:
-    """Indices into task.train for RL step `step` (1-based) of a run without dynamic sampling, which consumes
-    exactly `per_step` prompts a step (with it, a step takes one or more batches of `per_step` from
-    session.TrainerState.data_position on)."""
-    return prompts_at(task, seed, (step - 1) * per_step, per_step)
-
-
 @functools.lru_cache(maxsize=4)
 def _epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
     order = list(range(n))

@@ -6,7 +6,6 @@ may truncate it, on request. Torch-free, so the config checks these options with
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from qae_app.core.errors import QAEUserError
@@ -29,9 +28,6 @@ class SamplingOptions:
         if not 0 <= self.min_p < 1:
             raise QAEUserError(f"min-p: {self.min_p}. Use a value in [0, 1); 0 keeps the whole distribution.")
         return self
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 PLAIN_SAMPLING = SamplingOptions()  # nothing truncated: what training samples from
