@@ -280,7 +280,7 @@ class TrainConfig:
     # ------------------------------------------------------------------------------------------------------------
     @property
     def advantage_scale(self) -> str:
-        return self.scale or names.ESTIMATOR_DEFAULT_SCALE[self.estimator]
+        return names.advantage_scale(self.estimator, self.scale)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qae_app.algo.advantages import (
-    ESTIMATORS,
+    ESTIMATOR_FUNCTIONS,
     REGIMES,
     EstimatorConfig,
     compute_advantages,
@@ -140,7 +140,7 @@ def reference_regime(rewards: list[float], baseline: float, correct: list[bool])
     return "hard" if baseline == min(rewards) else "easy" if baseline == max(rewards) else "mixed"
 
 
-@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+@pytest.mark.parametrize("name", sorted(ESTIMATOR_FUNCTIONS))
 @pytest.mark.parametrize("quantile", ["paper", "linear"])
 @pytest.mark.parametrize("scale", [None, "std", "none"])
 def test_vectorized_equals_reference_loop(name, quantile, scale):
@@ -187,7 +187,18 @@ def test_unknown_estimator_lists_the_valid_ones():
 def test_every_named_estimator_has_an_implementation():
     from qae_app.core import names
 
-    assert set(ESTIMATORS) == set(names.ESTIMATORS) == set(ESTIMATOR_DEFAULT_SCALE)
+    assert set(ESTIMATOR_FUNCTIONS) == set(names.ESTIMATORS) == set(ESTIMATOR_DEFAULT_SCALE)
+
+
+def test_registering_a_name_twice_or_without_a_description_raises():
+    from qae_app.algo.advantages import register_estimator
+
+    qae = ESTIMATOR_FUNCTIONS["qae"]
+    with pytest.raises(ValueError, match="'qae' is registered already"):
+        register_estimator("qae")(lambda rewards, cfg: (rewards, rewards))
+    assert ESTIMATOR_FUNCTIONS["qae"] is qae
+    with pytest.raises(ValueError, match="no entry in qae_app.core.names.ESTIMATORS"):
+        register_estimator("ppo")
 
 
 def test_k_applies_to_exactly_the_estimators_that_use_it():
@@ -196,7 +207,7 @@ def test_k_applies_to_exactly_the_estimators_that_use_it():
     from qae_app.core import names
 
     rewards = torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0]])
-    for name in ESTIMATORS:
+    for name in ESTIMATOR_FUNCTIONS:
         low = compute_advantages(name, rewards, EstimatorConfig(k=0.2)).advantages
         high = compute_advantages(name, rewards, EstimatorConfig(k=0.8)).advantages
         assert names.uses_k(name) == (not torch.equal(low, high)), name
@@ -291,7 +302,7 @@ def test_every_estimator_labels_regimes_by_the_same_rule():
 
     rewards = torch.tensor([[1.0, 0.75, -1.0, -1.25], [1.0, 1.0, 1.0, 1.0], [-1.0, -1.0, -1.0, 1.0]])
     correct = rewards > 0
-    for name in ESTIMATORS:
+    for name in ESTIMATOR_FUNCTIONS:
         out = compute_advantages(name, rewards, EstimatorConfig(k=0.4), correct)
         expected = [reference_regime(r.tolist(), b, c.tolist()) for r, b, c in
                     zip(rewards, out.baseline.tolist(), correct)]

@@ -57,7 +57,8 @@ class Advantages(NamedTuple):
 
 
 Estimator = Callable[[torch.Tensor, EstimatorConfig], tuple[torch.Tensor, torch.Tensor]]  # advantages, baseline
-ESTIMATORS: dict[str, Estimator] = {}  # names and descriptions: names.ESTIMATORS
+# name -> function; the names and their descriptions live torch-free in names.ESTIMATORS (the CLI help reads them)
+ESTIMATOR_FUNCTIONS: dict[str, Estimator] = {}
 
 
 def register_estimator(name: str):
@@ -65,16 +66,18 @@ def register_estimator(name: str):
         raise ValueError(f"estimator '{name}' has no entry in qae_app.core.names.ESTIMATORS: add its description there")
 
     def decorator(fn: Estimator) -> Estimator:
-        ESTIMATORS[name] = fn
+        if name in ESTIMATOR_FUNCTIONS:  # a second registration would silently replace the first (verl raises too)
+            raise ValueError(f"estimator '{name}' is registered already, by {ESTIMATOR_FUNCTIONS[name].__qualname__}")
+        ESTIMATOR_FUNCTIONS[name] = fn
         return fn
 
     return decorator
 
 
 def get_estimator(name: str) -> Estimator:
-    if name not in ESTIMATORS:
-        raise QAEUserError(f"estimator: unknown value '{name}'. Choose one of: {', '.join(ESTIMATORS)}.")
-    return ESTIMATORS[name]
+    if name not in ESTIMATOR_FUNCTIONS:
+        raise QAEUserError(f"estimator: unknown value '{name}'. Choose one of: {', '.join(ESTIMATOR_FUNCTIONS)}.")
+    return ESTIMATOR_FUNCTIONS[name]
 
 
 @torch.no_grad()
@@ -132,7 +135,7 @@ def label_regimes(rewards: torch.Tensor, baseline: torch.Tensor, correct: torch.
 
 
 def _scale(centered: torch.Tensor, rewards: torch.Tensor, cfg: EstimatorConfig, estimator: str) -> torch.Tensor:
-    if (cfg.scale or names.ESTIMATOR_DEFAULT_SCALE[estimator]) == "none":
+    if names.advantage_scale(estimator, cfg.scale) == "none":
         return centered
     std = rewards.std(dim=1, keepdim=True)  # [B, 1], unbiased (G - 1), as GRPO
     return centered / (std + cfg.eps)

@@ -25,6 +25,13 @@ def uses_k(estimator: str) -> bool:
 
 
 ESTIMATOR_DEFAULT_SCALE = {"qae": "std", "grpo": "std", "dr_grpo": "none", "rloo": "none"}  # --scale not given
+
+
+def advantage_scale(estimator: str, scale: str | None) -> str:
+    """The advantage scaling a run uses: `--scale` when given, else the estimator's own."""
+    return scale or ESTIMATOR_DEFAULT_SCALE[estimator]
+
+
 QUANTILE_METHODS: dict[str, str] = {
     "paper": "lower (inverted-CDF) quantile, the m-th smallest reward with m = ceil(K * G), decided on integer counts",
     "linear": "torch.quantile's linear interpolation at K * (G - 1), as the official code",
