@@ -24,6 +24,7 @@ from qae_app.config import EvalConfig, TrainConfig
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import number
+from qae_app.store.run_folder import DB_FILE
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="RL from verifiable rewards with Quantile Advantage Estimation (QAE).")
@@ -199,11 +200,9 @@ def run_training(trainer) -> None:
         fail_on_write_fault(trainer, err)
         raise
     if main and progress.heldout is None and trainer.resuming:  # nothing evaluated now: the run's last evaluation
-        from qae_app.store.reader import query
+        from qae_app.store.reader import read_last_heldout_accuracy
 
-        last = query(result.run_dir / "qae.duckdb", "SELECT heldout_accuracy FROM steps WHERE heldout_accuracy IS "
-                                                    "NOT NULL ORDER BY step DESC LIMIT 1")
-        progress.heldout = float(last["heldout_accuracy"].iloc[0]) if len(last) else None
+        progress.heldout = read_last_heldout_accuracy(result.run_dir / DB_FILE)
     if main and result.steps_done == steps_before and steps_before >= cfg.steps:
         console.print(f"run {result.run_id} had already done its {cfg.steps} steps: nothing to train. Pass --steps "
                       f"above {cfg.steps} to train further.", highlight=False)
@@ -221,7 +220,7 @@ def run_training(trainer) -> None:
     if main:
         console.print(f"[green]done[/]: {result.steps_done} steps, status {result.status}. "
                       f"Held-out accuracy {number(progress.heldout)}.")
-        console.print(f"Stored in [cyan]{result.run_dir / 'qae.duckdb'}[/]. Inspect it with:\n"
+        console.print(f"Stored in [cyan]{result.run_dir / DB_FILE}[/]. Inspect it with:\n"
                       f"  qae show {result.run_id} --runs-dir {trainer.runs_dir}\n"
                       f"  qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}\n"
                       f"  qae dashboard --runs-dir {trainer.runs_dir}", highlight=False)

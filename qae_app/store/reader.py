@@ -284,6 +284,13 @@ def read_last_step(path: Path) -> int | None:
     return None if frame["last"].isna().iloc[0] else int(frame["last"].iloc[0])  # NULL (NA, None or NaN): no step
 
 
+def read_last_heldout_accuracy(path: Path) -> float | None:
+    """The run's newest held-out accuracy, or None when it has never evaluated."""
+    frame = query(path, "SELECT heldout_accuracy FROM steps WHERE heldout_accuracy IS NOT NULL ORDER BY step DESC "
+                        "LIMIT 1")
+    return float(frame["heldout_accuracy"].iloc[0]) if len(frame) else None
+
+
 def last_logged_step(run_dir: Path) -> int:
     """The newest step whose rows a run kept: in its database, or saved under pending/ for it (written by the run's
     next writer); 0 when none. A reader: it writes nothing."""
