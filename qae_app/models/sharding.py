@@ -56,13 +56,18 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """fully_shard each decoder layer, then the root (the same module, now an FSDPModule)."""
-    from torch.distributed.fsdp import fully_shard
+def shard_model(model: torch.nn.Module, mesh, mixed_precision: str = "no") -> torch.nn.Module:
+    """fully_shard each decoder layer, then the root (the same module, now an FSDPModule). With `mixed_precision`
+    "bf16", FSDP2's own policy: the float32 shards are the master weights (the optimizer and its moments hold them),
+    each layer is gathered and computed in bfloat16, and gradients are reduced in float32, as verl's FSDP workers do
+    (the model never reaches accelerate's autocast here: accelerate does not prepare it)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if mixed_precision == "bf16" else MixedPrecisionPolicy())
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
@@ -74,9 +79,10 @@ def shard_models(accelerator, model: torch.nn.Module, ref_model: torch.nn.Module
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
-    model = shard_model(model.to(accelerator.device), mesh)
+    precision = str(accelerator.mixed_precision)
+    model = shard_model(model.to(accelerator.device), mesh, precision)
     if ref_model is not None:
-        ref_model = shard_model(ref_model.to(accelerator.device), mesh)
+        ref_model = shard_model(ref_model.to(accelerator.device), mesh, precision)
     return model, ref_model
 
 
