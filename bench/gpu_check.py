@@ -25,6 +25,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from accelerate.state import AcceleratorState
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -51,6 +52,12 @@ fsdp_config:
 """
 
 RESULTS: list[tuple[str, str, str]] = []  # (check, PASS/FAIL/SKIP, what was measured)
+
+
+def master_weights(cpu: bool) -> dict:
+    """float32 weights and AdamW moments everywhere, with bf16 compute on a GPU (the paper recipes' precision: bf16
+    weights would not move at their learning rates, and qae train refuses them)."""
+    return {"dtype": "float32", "mixed_precision": "no" if cpu else "bf16"}
 
 
 def is_main() -> bool:
@@ -113,12 +120,12 @@ def check_rl_steps(args, runs_dir: str) -> None:
     from qae_app.store.reader import read_steps
     from qae_app.store.run_folder import db_path
 
-    dtype = "float32" if args.cpu else "bfloat16"
-    cfg = build_config(model=args.model, data=args.data, dtype=dtype, steps=2, group_size=4,
+    cfg = build_config(model=args.model, data=args.data, **master_weights(args.cpu), steps=2, group_size=4,
                        prompts_per_step=2 * int(os.environ.get("WORLD_SIZE", "1")), max_new_tokens=args.max_new_tokens,
                        num_mini_batches=1, eval_every=0, checkpoint_every=2, lr=1e-5, kl_beta=0.001,
                        run_name="gpu-check", seed=7)
     started = time.perf_counter()
+    AcceleratorState._reset_state()  # the Trainer's mixed precision may differ from an earlier check's Accelerator
     result = trainer_module.Trainer(cfg, runs_dir, cpu=args.cpu).fit()
     elapsed = time.perf_counter() - started
     if not is_main():
@@ -130,7 +137,8 @@ def check_rl_steps(args, runs_dir: str) -> None:
     first_kl = float(steps.iloc[0]["kl"])
     ok = result.status == "finished" and finite and len(steps) == 2 and first_kl < (1e-6 if args.cpu else 1e-2)
     report("rl_steps", "PASS" if ok else "FAIL",
-           f"{dtype} 2 steps + checkpoint in {elapsed:.1f} s, loss {last['loss']:.4f}, grad_norm "
+           f"{cfg.dtype} weights, {cfg.mixed_precision} mixed precision: 2 steps + checkpoint in {elapsed:.1f} s, "
+           f"loss {last['loss']:.4f}, grad_norm "
            f"{last['grad_norm']:.3f}, step-1 KL to the reference {first_kl:.2e}, response_len "
            f"{last['response_len']:.1f}, accuracy {last['accuracy']:.3f}")
 
@@ -220,12 +228,13 @@ def check_sharded(args, runs_dir: str) -> None:
                                   "with an FSDP or ZeRO-3 config)")
         return
     # generate where processes stop at different steps (synced_gpus), then full weights equal the checkpoint's
-    cfg = build_config(model=args.model, data=args.data, dtype="bfloat16", steps=1, group_size=4,
+    cfg = build_config(model=args.model, data=args.data, **master_weights(cpu=False), steps=1, group_size=4,
                        prompts_per_step=2 * accelerator.num_processes, max_new_tokens=args.max_new_tokens,
                        eval_every=0, checkpoint_every=0, run_name="gpu-check-sharded", seed=3)
+    AcceleratorState._reset_state()
     trainer = trainer_module.Trainer(cfg, runs_dir + "-sharded")
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-    reference, _ = load_policy(args.model, "bfloat16")
+    reference, _ = load_policy(args.model, cfg.dtype)
     reference = dict(reference.named_parameters())
     full = dict(trainer.engine.sharded.full_weights(unwrapped))
     mismatched = [n for n, t in full.items() if not torch.equal(t.cpu(), reference[n].detach())]

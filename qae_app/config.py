@@ -158,7 +158,9 @@ class TrainConfig:
     model: str = opt(names.BUILTIN_MODEL, "Policy: a built-in model, a local folder, a .gguf file, "
                      f"{names.SMOLLM2_MODEL} (the GGUF file that pip package ships) or a Hugging Face id; a built-in "
                      "task picks its own model unless this is given.", "model")
-    dtype: str = opt("float32", "Weights dtype for training.", "model", names.DTYPES)
+    dtype: str = opt("float32", "Weights dtype for training. bfloat16 weights are updated in place, which moves them "
+                     "only at learning rates bfloat16 can represent (refused otherwise); for bf16 compute keep float32 "
+                     "and pass --mixed-precision bf16.", "model", names.DTYPES)
     data: str = opt("arith", f"Task: a built-in one, {_BUILTIN_TASK_HELP} ('arith' is builtin:arith), or a "
                     "JSONL/Parquet math file (GSM8K, MATH-500, AIME, AMC, DAPO-17k formats).", "model")
     heldout_fraction: float = opt(0.0, "For a data file: fraction held out for --eval-every evaluation.", "model")
@@ -236,9 +238,10 @@ class TrainConfig:
                                                  "prompt + response), padding cut to each micro-batch's longest. The "
                                                  "same update. At least the longest prompt + max-new-tokens.",
                                                  "memory", resumable=True)
-    mixed_precision: str = opt("no", "accelerate's mixed precision: bf16 keeps float32 master weights (use --dtype "
-                               "float32) and computes the forward and backward in bfloat16 under autocast; no: "
-                               "everything in --dtype.", "memory", names.MIXED_PRECISION)
+    mixed_precision: str = opt("no", "bf16: float32 master weights and AdamW moments (use --dtype float32), the "
+                               "forward and backward in bfloat16 (accelerate's autocast; FSDP2's mixed-precision "
+                               "policy, with float32 gradient reduction, where qae shards on CPU); no: everything in "
+                               "--dtype.", "memory", names.MIXED_PRECISION)
     # --- LoRA
     lora_rank: int = opt(0, "Train LoRA adapters of this rank instead of every weight (0: off). Only the adapters get "
                          "gradients and optimizer state; the KL's reference is the base model (adapters off).", "lora")

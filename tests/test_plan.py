@@ -174,9 +174,9 @@ def test_every_recipe_fits_the_hardware_it_is_planned_for(path):
 
 
 def test_the_paper_recipe_fits_80_gb_under_fsdp_and_says_why_not_under_ddp():
-    """What the paper recipe's comment says: on 8 x 80 GB under FSDP the chunked head runs on the gathered LM head
-    (not the full logits) and vLLM sleeps through the update; under DDP the weights, gradients, buckets and moments
-    alone are too much."""
+    """What the paper recipe's comment says: on 8 x 80 GB under FSDP, with float32 master weights, the chunked head
+    runs on the gathered LM head (not the full logits) and vLLM sleeps through the update; under DDP the weights,
+    gradients, buckets and moments alone are too much."""
     path = next(p for p in RECIPES if p.name == "paper-qwen3-8b-dapo-qae.toml")
     cfg = build_config(path)
     shape = model_shape(cfg.model)
@@ -188,14 +188,16 @@ def test_the_paper_recipe_fits_80_gb_under_fsdp_and_says_why_not_under_ddp():
     assert fsdp.fits and any("FSDP2 gathers it" in note for note in fsdp.notes)
     always = sum(size for size, phase in rows.values() if phase == "both")
     update = sum(size for size, phase in rows.values() if phase == "update")
-    assert always == (2 + 2 + 4) * shape.parameters() / 8  # bf16 weights, gradients, two moments, sharded 8 ways
+    # float32 master weights, float32 gradients and two float32 moments (16 bytes a parameter), sharded 8 ways
+    assert cfg.dtype == "float32" and cfg.mixed_precision == "bf16"
+    assert always == (4 + 4 + 8) * shape.parameters() / 8
     assert fsdp.total == always + max(update, 0.35 * 80 * GB)
     awake = plan_run(dataclasses.replace(cfg, vllm_sleep=False), shape, Hardware(**recipe_hardware(path)))
     assert awake.total == always + update + 0.35 * 80 * GB and awake.total > fsdp.total
     ddp = plan_run(cfg, shape, Hardware(**{**recipe_hardware(path), "sharding": "ddp"}))
     state = sum(size for name, size, _, _ in ddp.components if name in ("weights", "gradients", "DDP buckets",
                                                                          "optimizer"))
-    assert state == 5 * 2 * shape.parameters() and state > 72 * GB and not ddp.fits
+    assert state == 5 * 4 * shape.parameters() and state > 72 * GB and not ddp.fits
     assert [knob for knob, _, fits in ddp.advice if fits] == ["--sharding fsdp"]
 
 

@@ -56,6 +56,7 @@ from qae_app.rewards.scorer import Scorer, shape_rewards
 from qae_app.store.rows import GroupResult, group_rows, rollout_rows, step_metrics, stored_responses
 from qae_app.train.attribution import ATTRIBUTION_METRICS, entropy_attribution
 from qae_app.train.entropy_band import entropy_warning
+from qae_app.train.precision import check_updates_move_the_weights
 from qae_app.train.session import RunSession, TrainerState
 from qae_app.train.update import (
     NO_UPDATE,
@@ -323,6 +324,7 @@ class Trainer:
         # per RL step on every process; not passed to accelerate.prepare, whose wrapper would step it once per process
         # per call (a warmup num_processes times too fast); checkpointed by the session, as JSON
         # FSDP2 where accelerate falls back to DDP (CPUs): sharded here, before the optimizer takes the parameters
+        check_updates_move_the_weights(trainable_parameters(model), cfg.lr, cfg.dtype)
         model, self.ref_model = shard_models(acc, model, self.ref_model)
         optimizer, self.scheduler = optimizer_and_schedule(trainable_parameters(model), cfg.lr, cfg.weight_decay,
                                                            cfg.warmup_steps)
