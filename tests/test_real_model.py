@@ -203,7 +203,7 @@ def test_sampled_log_probs_are_what_the_trainer_recomputes_with_the_real_tokeniz
                                   return_dict_in_generate=True)
     sampled = out.sequences[:, width:]  # (2, new)
     engine_logp = torch.log_softmax(torch.stack(out.scores, 1), -1).gather(-1, sampled[..., None])[..., 0]
-    responses = [cut_at_stop(row, codec.stop_ids, codec.pad_id)[0] for row in sampled.tolist()]
+    responses = [cut_at_stop(row, codec.stop_ids)[0] for row in sampled.tolist()]
     full = max(len(p) + len(r) for p, r in zip(prompts, responses))
     packed = torch.tensor([p + r + [codec.pad_id] * (full - len(p) - len(r)) for p, r in zip(prompts, responses)])
     packed_mask = torch.tensor([[1] * (len(p) + len(r)) + [0] * (full - len(p) - len(r))

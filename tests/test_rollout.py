@@ -29,7 +29,7 @@ def reference_generate(model, codec, prompts: list[str], n: int, temperature: fl
                                  temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                                  pad_token_id=codec.pad_id, eos_token_id=codec.eos_id)
             for row, (i, ids) in enumerate(chunk):
-                response, truncated = cut_at_stop(out[row, width:].tolist(), [codec.eos_id], codec.pad_id)
+                response, truncated = cut_at_stop(out[row, width:].tolist(), [codec.eos_id])
                 samples.append((i, ids, response, codec.decode(response), truncated))
     return samples
 

@@ -62,7 +62,7 @@ def test_sampled_token_logprobs_equal_the_trainers_recomputed_ones(opinionated_c
 
     max_diff, compared = 0.0, 0
     for row, ids in enumerate(prompts):
-        response, _ = cut_at_stop(sampled[row].tolist(), codec.stop_ids, codec.pad_id)
+        response, _ = cut_at_stop(sampled[row].tolist(), codec.stop_ids)
         full = torch.tensor([ids + response])
         with torch.no_grad():
             logits = model(input_ids=full).logits[:, :-1]  # (1, T-1, vocab), the trainer's unpadded view
@@ -129,10 +129,30 @@ def test_generation_config_spells_out_plain_sampling():
 def test_cut_at_stop_keeps_the_first_stop_token():
     from qae_app.engines.base import cut_at_stop
 
-    assert cut_at_stop([5, 6, 9, 7, 2, 0], [2, 9], pad_id=0) == ([5, 6, 9], False)
-    assert cut_at_stop([5, 2, 9], [2, 9], pad_id=0) == ([5, 2], False)
-    assert cut_at_stop([5, 6, 0, 0], [2, 9], pad_id=0) == ([5, 6], True)  # ran out of tokens: padding dropped
-    assert cut_at_stop([2, 2, 2], [2], pad_id=2) == ([2], False)  # pad == eos (SmolLM2, Llama-3)
+    assert cut_at_stop([5, 6, 9, 7, 2, 0], [2, 9]) == ([5, 6, 9], False)
+    assert cut_at_stop([5, 2, 9], [2, 9]) == ([5, 2], False)
+    # a row that ran out of tokens was never padded (generate pads only rows that stopped): a pad-id token at its end
+    # was sampled, and belongs to the response
+    assert cut_at_stop([5, 6, 0, 0], [2, 9]) == ([5, 6, 0, 0], True)
+    assert cut_at_stop([2, 2, 2], [2]) == ([2], False)  # pad == eos (SmolLM2, Llama-3)
+
+
+@pytest.mark.parametrize("decode_loop", [True, False], ids=["decode-loop", "generate"])
+def test_a_truncated_response_keeps_the_pad_id_tokens_it_sampled(decode_loop):
+    """A model that emits its pad id (not a stop id): every response runs out of tokens, all of them pad ids, and keeps
+    them with one log-prob and one entropy per token (the decode loop's lists were longer than the response)."""
+    model, codec = build_tiny_model(seed=1)
+    assert codec.pad_id not in codec.stop_ids
+    def pad_wins(module, inputs, logits):  # (..., vocab): the pad id's logit far above every other's
+        return logits.index_fill(-1, torch.tensor([codec.pad_id]), 100.0)
+
+    model.lm_head.register_forward_hook(pad_wins)
+    engine = HFGenerateEngine(model, codec)
+    engine.use_decode_loop = decode_loop
+    samples = engine.generate(["1+2=", "33+4="], n=2, temperature=1.0, max_new_tokens=5, seed=0)
+    for sample in samples:
+        assert sample.truncated and sample.response_ids == [codec.pad_id] * 5
+        assert len(sample.token_logprobs) == len(sample.token_entropies) == 5
 
 
 def test_generation_stops_at_any_stop_id():

@@ -42,13 +42,12 @@ class RolloutEngine(Protocol):
         trainer calls it before the update."""
 
 
-def cut_at_stop(ids: list[int], stop_ids: list[int], pad_id: int) -> tuple[list[int], bool]:
+def cut_at_stop(ids: list[int], stop_ids: list[int]) -> tuple[list[int], bool]:
     """(response up to and including its first stop token, truncated). Without a stop token the response ran out of
-    tokens: trailing padding is dropped and it counts as truncated."""
+    tokens and is kept whole: generate pads only the rows that stopped, so a pad-id token in a row that never stopped
+    was sampled (a model may emit its pad id), and its log-prob is the response's."""
     stops = set(stop_ids)
     for position, token in enumerate(ids):
         if token in stops:
             return ids[: position + 1], False
-    while ids and ids[-1] == pad_id:
-        ids = ids[:-1]
     return ids, True

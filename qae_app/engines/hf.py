@@ -156,7 +156,7 @@ class HFGenerateEngine:
                 rows = decode.sample(model, [ids for _, ids in chunk], temperature, max_new_tokens,
                                      self.codec.stop_ids)
                 for (i, ids), (generated, logprobs, entropies) in zip(chunk, rows):
-                    response, truncated = cut_at_stop(generated, self.codec.stop_ids, self.codec.pad_id)
+                    response, truncated = cut_at_stop(generated, self.codec.stop_ids)
                     samples.append(Sample(i, ids, response, self.codec.decode(response), truncated, logprobs,
                                           entropies, shown[i]))
                 continue
@@ -180,7 +180,7 @@ class HFGenerateEngine:
             token_logprobs, token_entropies = (stats.finish(out[:, -1]) if stats is not None and out.shape[1] > width
                                                else (None, None))
             for row, ((i, ids), generated) in enumerate(zip(chunk, out[:, width:].tolist())):  # (chunk, new)
-                response, truncated = cut_at_stop(generated, self.codec.stop_ids, self.codec.pad_id)
+                response, truncated = cut_at_stop(generated, self.codec.stop_ids)
                 length = len(response)
                 samples.append(Sample(i, ids, response, self.codec.decode(response), truncated,
                                       token_logprobs[row][:length] if token_logprobs is not None else None,

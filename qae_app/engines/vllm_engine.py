@@ -111,7 +111,7 @@ class VLLMEngine:
         for i, output in enumerate(outputs):  # vLLM keeps the order of the prompts
             for completion in output.outputs:
                 # vLLM keeps the stop token in token_ids; cut as the HF engine does, so both give the same Sample
-                response, _ = cut_at_stop(list(completion.token_ids), self.codec.stop_ids, self.codec.pad_id)
+                response, _ = cut_at_stop(list(completion.token_ids), self.codec.stop_ids)
                 truncated = completion.finish_reason == "length"
                 samples.append(Sample(i, encoded[i], response, self.codec.decode(response), truncated,
                                       model_prompt=shown[i]))
