@@ -14,10 +14,10 @@ The last line is (store CPU + row building) / wall time; the goal is at most 3%.
     python bench/bench_store.py --paper-scale [--steps 4] [--store-responses all|N|none]
 
 The paper's step size, without training: steps of 512 prompts x 16 responses whose lengths follow a log-normal
-clipped to 2-12k characters (median 6.5k, mean ~7k, about 57 MB a step; text made of words drawn from the MATH-500 solutions, so it compresses as
-model text does), handed to the store's writer as the trainer hands them (`add_step`, then `flush_when_due`). Prints,
-per step and overall, the writer's MB/s of response text (wall and CPU of this process), what was saved under pending/,
-and the file's bytes per response. Goal: >= 30 MB/s on 2 cores.
+clipped to 2-12k characters (median 6.5k, mean ~7k, about 57 MB a step; text made of words drawn from the MATH-500
+solutions, so it compresses as model text does), handed to the store's writer as the trainer hands them (`add_step`,
+then `flush_when_due`). Prints, per step and overall, the writer's MB/s of response text (wall and CPU of this
+process), what was saved under pending/, and the file's bytes per response. Goal: >= 30 MB/s on 2 cores.
 """
 
 from __future__ import annotations

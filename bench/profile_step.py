@@ -182,8 +182,9 @@ def main() -> None:
             phases["update_s"] = m["update_s"]
             phases["step_s"] = m["step_s"]
             phases["other update (loss, sync)"] = (m["update_s"] - phases.get("pack", 0)
-                                                   - phases.get("logprob pass (no grad, all)", 0.0) - phases["train forward"]
-                                                   - phases["backward"] - phases["clip + optimizer step"])
+                                                   - phases.get("logprob pass (no grad, all)", 0.0)
+                                                   - phases["train forward"] - phases["backward"]
+                                                   - phases["clip + optimizer step"])
             phases["rows, advantages, metrics"] = (m["step_s"] - m["rollout_s"] - m["reward_s"] - m["update_s"])
             phases["frac_gated"] = m["frac_zero_adv"]
             phases["n_updates"] = m["n_updates"]
