@@ -8,7 +8,7 @@ new tokens, no top-k/top-p) from the built-in model with the same seed, so they 
 (`qae_app.engines.hf.HFGenerateEngine.generate`: encode, left-pad, one forward over each group's shared prompt whose
 cache its rows share, generate, cut at eos, decode, one `Sample` each) against the bare loop (`model.generate` on
 input tensors built once beforehand, every row's prompt computed by itself, nothing after it). Calls alternate in
-pairs, one seed each, the order alternating (bench/paired.py), the first pair dropped; tokens per second count
+pairs, one seed each, the order alternating (bench/harness.py), the first pair dropped; tokens per second count
 response tokens up to and including eos, the same in both calls of a pair, so a pair's throughput ratio is its bare
 call's time over its engine call's. The built-in part ends with the median of those per-pair ratios (goal: 0.9x),
 with their spread above it; the engine's own work outside the
@@ -40,7 +40,7 @@ import statistics
 import time
 
 import torch
-from paired import alternate, describe, pair_order, pair_ratios
+from harness import alternate, describe, pair_order, pair_ratios
 
 from qae_app.data.tasks import load_task
 from qae_app.engines.hf import HFGenerateEngine
@@ -103,7 +103,7 @@ def compare(model, codec, prompts: list[str], n: int, max_new_tokens: int, repea
         bare_out[index] = bare(1000 + index)
         return time.perf_counter() - start
 
-    # the two in turn, one pair per seed, the order alternating (bench/paired.py); pair 0 (allocations, lazy imports)
+    # the two in turn, one pair per seed, the order alternating (bench/harness.py); pair 0 (allocations, lazy imports)
     # is left out
     engine_s, bare_s = (times[1:] for times in alternate(engine_call, bare_call, repeats + 1))
     overhead_s = overhead_s[1:]
@@ -198,7 +198,7 @@ def flop_limit_fraction(model, codec, rounds: int, max_new_tokens: int = 64, n: 
     """The engine's FLOPs per second (2 x parameters per response token) at a batch of len(FLOP_PROMPTS) x n, as a
     fraction of the matmul rate, measured in alternating rounds; prints both and returns (tokens/s, fraction).
     `against_generate`: each round also times the engine on `model.generate` (use_decode_loop off) on the same seed,
-    the two in the order bench/paired.py alternates, and prints both fractions and the per-round ratio."""
+    the two in the order bench/harness.py alternates, and prints both fractions and the per-round ratio."""
     engine = HFGenerateEngine(model, codec)
     n_params = sum(p.numel() for p in model.parameters())  # tied embeddings count once
     engine.generate(FLOP_PROMPTS, n, 1.0, max_new_tokens, seed=999)  # warm-up: allocations, lazy imports

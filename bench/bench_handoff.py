@@ -11,7 +11,7 @@ one is due, every few seconds; else the rows are saved under pending/). "synced 
 every file it saves is synced before its rename (both sides space their database writes by today's rule). A step's
 time is the wall time of those three calls, on this thread (bench/vs_trl.py's qae step also waits for the store's
 thread to wake). Printed: each side's median and mean ms a step (the mean includes the database writes), and the
-per-step ratio (bench/paired.py: the order alternates pair by pair).
+per-step ratio (bench/harness.py: the order alternates pair by pair).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from paired import alternate, describe, pair_ratios
+from harness import alternate, describe, pair_ratios
 
 import qae_app.train.trainer as trainer_module
 from qae_app.config import build_config

