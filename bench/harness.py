@@ -141,20 +141,24 @@ def ran_as_child(args: argparse.Namespace, work) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 # the results log
 
-GOAL = re.compile(r"(<=|>=|==|<|>)\s*(-?\d+(?:\.\d+)?(?:e-?\d+)?)")
+NUMBER = r"(-?\d+(?:\.\d+)?(?:e-?\d+)?)"
+GOAL = re.compile(rf"(<=|>=|==|<|>)\s*{NUMBER}")
+GOAL_RANGE = re.compile(rf"between\s+{NUMBER}\s+and\s+{NUMBER}")  # both ends included
 COMPARE = {"<=": float.__le__, ">=": float.__ge__, "==": float.__eq__, "<": float.__lt__, ">": float.__gt__}
 
 
 def goal_met(value: float, goal: str | None) -> bool | None:
-    """Whether `value` meets `goal` ("<= 0.8", ">= 30", "< 1", "== 0"); None when there is no goal."""
+    """Whether `value` meets `goal` ("<= 0.8", ">= 30", "< 1", "== 0", "between 0.8 and 1.2"); None without a goal."""
     if goal is None:
         return None
-    match = GOAL.fullmatch(goal.strip())
-    if match is None:
-        raise ValueError(f"goal: '{goal}' is not a comparison with a number. Write it as '<= 0.8', '>= 30', '< 1', "
-                         "'> 2' or '== 0' (in the figure's unit), or None for a figure without a goal")
-    operator, bound = match.groups()
-    return COMPARE[operator](float(value), float(bound))
+    if match := GOAL.fullmatch(goal.strip()):
+        operator, bound = match.groups()
+        return COMPARE[operator](float(value), float(bound))
+    if match := GOAL_RANGE.fullmatch(goal.strip()):
+        low, high = map(float, match.groups())
+        return low <= value <= high
+    raise ValueError(f"goal: '{goal}' is not a comparison with a number. Write it as '<= 0.8', '>= 30', '< 1', '> 2', "
+                     "'== 0' or 'between 0.8 and 1.2' (in the figure's unit), or None for a figure without a goal")
 
 
 def results_log() -> Path:

@@ -53,6 +53,7 @@ def test_goals_are_compared_as_written():
     assert harness.goal_met(0.8, "<= 0.8") and not harness.goal_met(0.8, "< 0.8")
     assert not harness.goal_met(11.8, ">= 30") and harness.goal_met(49.0, ">=30")
     assert harness.goal_met(0, "== 0") and harness.goal_met(2.5, "> 1e-3")
+    assert harness.goal_met(0.8, "between 0.8 and 1.2") and not harness.goal_met(1.21, "between 0.8 and 1.2")
     assert harness.goal_met(0.72, None) is None
     with pytest.raises(ValueError, match="goal: 'at most 3%' is not a comparison with a number"):
         harness.goal_met(2.4, "at most 3%")
