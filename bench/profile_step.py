@@ -18,6 +18,7 @@ Then, on each step's real batch, the alternatives for the update are timed direc
   `generate(output_logits=True)` is timed against plain `generate` for that.
 Last, one training forward and its backward on 1, 7 and 32 sequences of a real batch: what a forward costs however few
 sequences it holds. Timings on a shared machine are noisy: medians with min/max. The first --warmup steps are dropped.
+The update's gated / dense ratio, of the medians and per pair, goes to the results log (bench/harness.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from collections import defaultdict
 
 import torch
-from harness import describe, pair_order, pair_ratios
+from harness import describe, pair_order, pair_ratios, report, spread
 
 import qae_app.train.trainer as trainer_module
 from qae_app.config import build_config
@@ -252,8 +253,15 @@ def main() -> None:
         print(f"  with no separate pass (old log-prob = training forward, detached): "
               f"{(update_skip - pass_all) / update_dense:.2f}x")
     complete = [p for p in pairs.values() if len(p) == 2]
-    print(f"update ratio gated/dense, per pair of consecutive steps: "
-          f"{describe(pair_ratios([p['skip'] for p in complete], [p['dense'] for p in complete]))}")
+    ratios = pair_ratios([p["skip"] for p in complete], [p["dense"] for p in complete])
+    print(f"update ratio gated/dense, per pair of consecutive steps: {describe(ratios)}")
+    shape = f"builtin:tiny G={args.group_size}, {args.num_mini_batches} mini-batches"
+    note = (f"{gated:.0%} gated, {torch.get_num_threads()} threads; medians {update_skip * 1e3:.0f} against "
+            f"{update_dense * 1e3:.0f} ms")
+    report(f"profile_step: update time, gated skip / dense, {shape}", round(update_skip / update_dense, 4), None,
+           unit="x", note=f"ratio of the medians; {note}")
+    report(f"profile_step: update time, gated skip / dense per pair, {shape}", round(spread(ratios).median, 4), None,
+           unit="x", spread=spread(ratios), note=note)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ responses gated (advantage 0), qae's update forwards and backpropagates only the
 128; with one update per generation both take the old log-probs from the training forward itself (ratio 1). qae's
 engine also runs each group's shared prompt through the model once (TRL's `model.generate` runs it 16 times), and
 its store writes on a thread of its own. `qae --estimator grpo` (few responses gated) shows what is left without the
-gating. The figures measured are in the README's Performance section.
+gating. Each qae system's ratio at each group size goes to the results log (bench/harness.py), with issue 29's goal
+where it set one; docs/performance.md shows the latest.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import describe, pair_ratios
+from harness import describe, pair_ratios, report, spread
 
 from qae_app.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS
 
@@ -77,6 +78,8 @@ LR = 5e-5
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 RESULT_TAG = "VS_TRL_RESULT "
 GATE_TAG = "VS_TRL_GATE"  # a child waits here, between steps, for the parent's go (a line on its stdin)
+# issue 29's goals for qae (QAE) / TRL per step pair, by (task, G), on the task's own model
+GOALS = {("arith", 4): "<= 0.8", ("arith", 16): "<= 0.4", ("add", 8): "<= 0.7"}
 
 
 def gate(resumes: list[float]) -> None:
@@ -494,6 +497,16 @@ def main() -> None:
         cells = [f"{fmt_ms(statistics.median(medians[s]))} | {describe(ratios[s])}" for s in others]
         print(f"| {group_size} | {fmt_ms(statistics.median(medians['trl']))} | " + " | ".join(cells) + " |")
     headline = "qae" if "qae" in others else others[0]
+    trained = f"{args.task} ({args.model or BUILTIN_TASKS[args.task].model})"
+    for group_size, result in results.items():
+        for system in others:
+            s = spread(result["ratios"][system])
+            goal = GOALS.get((args.task, group_size)) if system == "qae" and args.model is None else None
+            report(f"vs_trl: {system}/TRL step time per pair, {trained}, G={group_size}", round(s.median, 4), goal,
+                   unit="x", spread=s,
+                   note=f"median step TRL {fmt_ms(statistics.median(result['medians']['trl']))} ms, {system} "
+                        f"{fmt_ms(statistics.median(result['medians'][system]))} ms; <= {max_new_tokens} new tokens, "
+                        f"{args.threads} threads, {args.repeats} rounds of {args.steps} steps, {args.warmup} dropped")
     for group_size, result in results.items():
         print(f"G={group_size} ratio {statistics.median(result['ratios'][headline]):.2f}"
               + ("" if headline == "qae" else f" ({headline}/TRL)"))
