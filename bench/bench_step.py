@@ -167,7 +167,7 @@ def main() -> None:
           f"{loop * 1e3:.1f} ms, ratio {loop / vectorized:.0f}x")
     print(f"update time, gated skip / dense, per pair: {describe(ratios)}")
     s = spread(ratios)
-    report(f"bench_step: update time, gated skip / dense per pair, {args.model or 'builtin:tiny'}"
+    report(f"bench_step: update time, gated skip / dense, {args.model or 'builtin:tiny'}"
            + (", synthetic verdicts" if args.synthetic_success else ""), round(s.median, 4), GOAL_RATIO, unit="x",
            spread=s, note=f"{statistics.mean(skip['zero']):.0%} gated; {torch.get_num_threads()} threads; medians "
                           f"{statistics.median(skip['times'][kept]) * 1e3:.0f} against "
