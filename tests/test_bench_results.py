@@ -1,6 +1,7 @@
-"""bench/harness.py's results log: report() appends one well-formed JSON line (to a log in tmp_path, never the real
-one), goals are compared as written, the latest entry of each name is the one shown, and a child's peak RSS is read
-from the kernel. No test here times anything."""
+"""The results log: bench/harness.py's report() appends one well-formed JSON line (to a log in tmp_path, never the
+real one), goals are compared as written, and a child's peak RSS is read from the kernel; bench/results.py shows the
+latest entry of each name, and docs/performance.md is what it makes of bench/results.jsonl. No test here times
+anything."""
 
 import json
 import re
@@ -10,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
 import harness  # noqa: E402
+import results  # noqa: E402
+
+HELPERS = {"harness.py", "results.py", "hf_char_tokenizer.py"}  # bench/ modules that are not benchmarks
 
 
 def test_report_appends_one_well_formed_line(tmp_path):
@@ -91,3 +96,74 @@ def test_peak_rss_of_a_child_is_what_it_held(tmp_path):
     peak, output = harness.peak_rss_of_child(str(script), ["--size", "64"])
     assert output == "held ['--size', '64', '--child']\n"
     assert peak >= 64 * 2**20
+
+
+# ---- bench/results.py and docs/performance.md ----------------------------------------------------------------------
+
+
+def test_the_page_is_what_the_renderer_makes_of_the_log():
+    page = results.PAGE.read_text()
+    assert results.render_page(page, harness.read_results(harness.RESULTS_LOG)) == page, (
+        "docs/performance.md is out of date with bench/results.jsonl: run python bench/results.py render")
+    assert results.main(["check"]) == 0
+
+
+def test_the_table_shows_the_latest_line_of_each_name():
+    entries = [{"name": "bench_x: speed-up", "value": 0.6, "unit": "x", "goal": "<= 0.5", "met": False,
+                "date": "2026-12-02T08:00:00Z", "commit": "abc1234", "load": [8.3, 5.0, 4.0],
+                "machine": {"cores": 4, "usable_cores": 2, "cpu": "c"}, "command": "python bench/bench_x.py",
+                "note": None},
+               {"name": "bench_x: speed-up", "value": 0.2, "unit": "x", "goal": "<= 0.5", "met": True,
+                "date": "2026-12-02T09:30:00Z", "commit": "def5678+dirty", "load": [1.25, 1.0, 1.0],
+                "machine": {"cores": 4, "usable_cores": 2, "cpu": "c"}, "command": "python bench/bench_x.py --a|b",
+                "note": "quiet", "spread": {"middle_half": [0.18, 0.25], "min_max": [0.1, 0.3], "pairs": 20}},
+               {"name": "bench_x: speed-up", "value": 0.9, "unit": "x", "goal": "<= 0.5", "met": False,
+                "date": "2026-12-01", "commit": None, "load": "machine shared", "machine": {"cores": 2, "cpu": None},
+                "command": "python bench/bench_x.py", "note": None, "source": "README before the results log"},
+               {"name": "bench_x: size", "value": 1.5, "unit": "GB", "goal": None, "met": None, "date": None,
+                "commit": None, "load": None, "machine": {}, "command": None, "note": None}]
+    table = results.render_table(entries).splitlines()
+    rows = [line for line in table if line.startswith("| bench_x")]
+    assert rows == [
+        "| bench_x: size | **1.5 GB** |  |  | not stated | not stated |  |  |  |",
+        "| bench_x: speed-up | **0.20x (middle half 0.18-0.25, min-max 0.10-0.30, 20 pairs)** | <= 0.5x | yes | "
+        "2026-12-02 09:30 UTC | 1.2 on 2 cores | def5678+dirty | `python bench/bench_x.py --a\\|b` | quiet |"]
+    assert "The latest of each of 2 figures, out of 4 lines in the log." in table
+    readme_row = results.row(entries[2])
+    assert (readme_row[3], readme_row[5], readme_row[6]) == ("**no**", "machine shared", "README")
+
+
+def test_render_replaces_only_the_generated_block_and_check_sees_a_new_line(tmp_path, monkeypatch):
+    log, page = tmp_path / "results.jsonl", tmp_path / "performance.md"
+    monkeypatch.setenv(harness.RESULTS_ENV, str(log))
+    assert results.main(["record", "test suite: python -m pytest", "15.8", "--unit", "min", "--command",
+                         "python -m pytest"]) == 0
+    page.write_text(f"# Performance\n\nabove\n\n{results.BEGIN}\nold table\n{results.END}\n\nbelow\n")
+    paths = ["--log", str(log), "--page", str(page)]
+    assert results.main([*paths, "check"]) == 1
+    assert results.main([*paths, "render"]) == 0
+    text = page.read_text()
+    assert text.startswith("# Performance\n\nabove\n\n" + results.BEGIN) and text.endswith(results.END + "\n\nbelow\n")
+    assert "old table" not in text and "| test suite: python -m pytest | **15.8 min** |" in text
+    assert results.main([*paths, "check"]) == 0
+    harness.report("bench_cli: qae --help", 0.4, None, unit="s", command="python bench/bench_cli.py")
+    assert results.main([*paths, "check"]) == 1
+
+
+def test_a_page_without_its_markers_is_refused():
+    with pytest.raises(SystemExit, match="markers are missing or out of order"):
+        results.render_page(f"# Performance\n{results.END}\n{results.BEGIN}\n", [])
+
+
+def test_every_line_of_the_log_is_well_formed_and_names_a_benchmark():
+    benchmarks = {path.stem for path in BENCH.glob("*.py") if path.name not in HELPERS} | {"test suite"}
+    for number, entry in enumerate(harness.read_results(harness.RESULTS_LOG), start=1):
+        where = f"bench/results.jsonl:{number}"
+        assert set(entry) >= {"name", "value", "unit", "goal", "met", "date", "commit", "load", "machine", "command"}, (
+            where)
+        assert entry["name"].split(":")[0] in benchmarks, where
+        assert isinstance(entry["value"], float) and entry["unit"], where
+        assert entry["met"] == harness.goal_met(entry["value"], entry["goal"]), where
+        if entry.get("source"):  # copied from the README: no commit, the README's words for the load
+            assert entry["source"] == "README before the results log" and entry["commit"] is None, where
+
