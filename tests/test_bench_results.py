@@ -167,3 +167,11 @@ def test_every_line_of_the_log_is_well_formed_and_names_a_benchmark():
         if entry.get("source"):  # copied from the README: no commit, the README's words for the load
             assert entry["source"] == "README before the results log" and entry["commit"] is None, where
 
+
+
+def test_every_benchmark_reports_and_is_in_the_index():
+    index = (BENCH / "README.md").read_text()
+    for path in sorted(BENCH.glob("*.py")):
+        assert f"`{path.name}`" in index, f"bench/README.md does not list {path.name}"
+        if path.name not in HELPERS:
+            assert re.search(r"\breport(_result)?\(", path.read_text()), f"{path.name} never calls report()"
