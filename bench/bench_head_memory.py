@@ -10,7 +10,8 @@ losses.token_logprobs_and_entropy; `chunked` calls chunked_head.head_logprobs_an
 
 The measurement is made from outside: the script runs the passes in a child process (itself, with --child) and reads
 that process's peak resident set size from the kernel when it exits (os.wait4's rusage, as `/usr/bin/time -v` does).
-The last line printed is `peak_rss X GB`.
+The last line printed is `peak_rss X GB`; the peak goes to the results log (bench/harness.py), for the chunked path
+with its goal: under one float32 logits tensor.
 
 Measured here (CPU, float32, vocab 151,936, hidden 256; the child's RSS before the passes is 0.39 GB: torch, the
 head, the hidden states):
@@ -30,7 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from child_peak_rss import add_child_options, peak_rss_of_child, ran_as_child
+from harness import add_child_options, peak_rss_of_child, ran_as_child, report
 
 GB = 1e9
 
@@ -84,6 +85,11 @@ def main() -> None:
     print(f"{args.tokens} tokens x {args.vocab} vocab: one float32 logits tensor is {logits_bytes / GB:.2f} GB")
     peak, output = peak_rss_of_child(__file__, sys.argv[1:])
     print(output, end="")
+    report(f"bench_head_memory: peak RSS, {args.path} head, {args.tokens} tokens x {args.vocab} vocab, hidden "
+           f"{args.hidden}, {args.dtype}", round(peak / GB, 3),
+           f"< {logits_bytes / GB:.3g}" if args.path == "chunked" else None, unit="GB",
+           note="the child's peak resident set size, torch and the head included; goal (chunked): under one float32 "
+                "logits tensor" + (f"; --chunk-tokens {args.chunk_tokens}" if args.chunk_tokens else ""))
     print(f"peak_rss {peak / GB:.2f} GB")
 
 

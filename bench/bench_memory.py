@@ -15,20 +15,23 @@ batch is `--sequences` synthetic sequences of --tokens tokens in all (half promp
 so that the second backward runs with AdamW's moments allocated, as every step of a run after its first does.
 
 Measured from outside: the update runs in a child process (this script with --child) and the parent reads the child's
-peak resident set size from the kernel when it exits (bench/child_peak_rss.py, as `/usr/bin/time -v`). "measured" is
+peak resident set size from the kernel when it exits (bench/harness.py, as `/usr/bin/time -v`). "measured" is
 that peak minus the child's resident size before the model is built (torch and transformers imported), which is
 what `qae plan` predicts (on a GPU: the memory the run allocates). The last line printed is
-`measured X GB predicted Y GB ratio Z` (ratio = measured / predicted).
+`measured X GB predicted Y GB ratio Z` (ratio = measured / predicted); the ratio goes to the results log
+(bench/harness.py) with tests/test_plan.py's goal, within 20%.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from child_peak_rss import add_child_options, peak_rss_of_child, ran_as_child
+from harness import add_child_options, peak_rss_of_child, ran_as_child, report
 
 GB = 1e9
+GOAL_RATIO = "between 0.8 and 1.2"  # measured / predicted, as tests/test_plan.py checks it
 
 
 def current_rss() -> int:
@@ -53,6 +56,19 @@ def model_shape(args):
                       intermediate=args.intermediate or 4 * args.hidden, layers=args.layers, heads=heads,
                       kv_heads=args.kv_heads or heads, head_dim=args.head_dim or args.hidden // heads,
                       tied_embeddings=not args.untied)
+
+
+def configuration(args, shape) -> str:
+    """What the update ran on, in the results log's name: 'llama vocab 151936 hidden 256 x2 layers, 4096 tokens,
+    chunked head'."""
+    source = f"{Path(args.model_config).name} " if args.model_config else ""
+    head = ("full logits" if args.lora_rank or args.logprob_chunk_tokens == 0 else
+            f"chunks of {args.logprob_chunk_tokens}" if args.logprob_chunk_tokens else "chunked head")
+    return (f"{source}{shape.model_type} vocab {shape.vocab} hidden {shape.hidden} x{shape.layers} layers, "
+            f"{args.tokens} tokens in {args.sequences} sequences"
+            + (f", micro-batches of {args.micro_batch_size}" if args.micro_batch_size else "")
+            + (", checkpointing" if args.gradient_checkpointing else "")
+            + (f", LoRA rank {args.lora_rank}" if args.lora_rank else "") + f", {head}")
 
 
 def update_shape(args, shape):
@@ -150,6 +166,10 @@ def main() -> None:
         print(f"  predicted {name:<16} {size / GB:7.3f} GB  {what}")
     measured = peak - baseline
     print(f"peak_rss {peak / GB:.2f} GB (baseline {baseline / GB:.2f} GB)")
+    report(f"bench_memory: measured / predicted update memory, {configuration(args, shape)}",
+           round(measured / predicted, 4), GOAL_RATIO, unit="x",
+           note=f"measured {measured / GB:.2f} GB (peak {peak / GB:.2f} GB less {baseline / GB:.2f} GB before the "
+                f"model), predicted {predicted / GB:.2f} GB")
     print(f"measured {measured / GB:.2f} GB predicted {predicted / GB:.2f} GB ratio {measured / predicted:.2f}")
 
 

@@ -5,7 +5,8 @@ step of `qae train`'s trainer, launched for real with `accelerate launch --confi
     python bench/bench_sharded_memory.py                       # builtin:tiny
     python bench/bench_sharded_memory.py --model PATH_OR_HF_ID  # any model qae trains
 
-Activations, the batch and the rollout engine are not counted: this is the state FSDP2 shards.
+Activations, the batch and the rollout engine are not counted: this is the state FSDP2 shards. Each launch's total
+(the larger of its two processes) goes to the results log (bench/harness.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from harness import report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,12 +73,19 @@ def main() -> None:
                                     capture_output=True, text=True)
             if result.returncode != 0:
                 sys.exit(result.stdout[-2000:] + result.stderr[-3000:])
+            totals = []
             for rank in (0, 1):
                 c = json.loads(Path(f"{out}.{rank}.json").read_text())
                 total = c["params"] + c["grads"] + c["optimizer"]
+                totals.append((total, c))
                 print(f"{config:5s} x 2, process {rank}: params {c['params'] / 2**20:7.2f} MiB  grads "
                       f"{c['grads'] / 2**20:7.2f} MiB  optimizer {c['optimizer'] / 2**20:7.2f} MiB  "
                       f"total {total / 2**20:7.2f} MiB  ({c['setup']['sharding']})")
+            total, c = max(totals, key=lambda pair: pair[0])
+            report(f"bench_sharded_memory: training state per process, {config.upper()} x 2, {args.model}",
+                   round(total / 2**20, 3), None, unit="MiB",
+                   note=f"params {c['params'] / 2**20:.2f}, grads {c['grads'] / 2**20:.2f}, optimizer "
+                        f"{c['optimizer'] / 2**20:.2f} MiB (the larger process); one RL step under accelerate launch")
 
 
 if __name__ == "__main__":

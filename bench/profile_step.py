@@ -5,7 +5,7 @@
 A real `Trainer` at the defaults (8 prompts x 16, 8 new tokens, QAE K=0.4) runs --steps steps, alternating the
 gated skip on and off (`skip_gated`, as bench/bench_step.py; both give the same gradient), so the dense update and
 the gated one are timed in the same process under the same noise (two consecutive steps are a pair, the order
-alternating: bench/paired.py, whose per-pair ratios end the output). The trainer is not changed: the functions it
+alternating: bench/harness.py, whose per-pair ratios end the output). The trainer is not changed: the functions it
 calls are wrapped to time each phase (rollout, reward, packing, the no-grad log-prob pass over all sequences,
 the training forwards, backwards, grad clip + optimizer step, row building, the store write that `fit` does).
 
@@ -18,6 +18,7 @@ Then, on each step's real batch, the alternatives for the update are timed direc
   `generate(output_logits=True)` is timed against plain `generate` for that.
 Last, one training forward and its backward on 1, 7 and 32 sequences of a real batch: what a forward costs however few
 sequences it holds. Timings on a shared machine are noisy: medians with min/max. The first --warmup steps are dropped.
+The update's gated / dense ratio, of the medians and per pair, goes to the results log (bench/harness.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from collections import defaultdict
 
 import torch
-from paired import describe, pair_order, pair_ratios
+from harness import describe, pair_order, pair_ratios, report, spread
 
 import qae_app.train.trainer as trainer_module
 from qae_app.config import build_config
@@ -166,7 +167,7 @@ def main() -> None:
         pairs: dict[int, dict[str, float]] = defaultdict(dict)  # pair index -> update_s of each mode
         whatif = defaultdict(list)
         for step in range(1, args.steps + 1):
-            # steps 2i+1 and 2i+2 are pair i, the order alternating (bench/paired.py)
+            # steps 2i+1 and 2i+2 are pair i, the order alternating (bench/harness.py)
             pair, place = divmod(step - 1, 2)
             mode = ("skip", "dense")[pair_order(pair)[place]]
             trainer.skip_gated = mode == "skip"
@@ -182,8 +183,9 @@ def main() -> None:
             phases["update_s"] = m["update_s"]
             phases["step_s"] = m["step_s"]
             phases["other update (loss, sync)"] = (m["update_s"] - phases.get("pack", 0)
-                                                   - phases.get("logprob pass (no grad, all)", 0.0) - phases["train forward"]
-                                                   - phases["backward"] - phases["clip + optimizer step"])
+                                                   - phases.get("logprob pass (no grad, all)", 0.0)
+                                                   - phases["train forward"] - phases["backward"]
+                                                   - phases["clip + optimizer step"])
             phases["rows, advantages, metrics"] = (m["step_s"] - m["rollout_s"] - m["reward_s"] - m["update_s"])
             phases["frac_gated"] = m["frac_zero_adv"]
             phases["n_updates"] = m["n_updates"]
@@ -251,8 +253,15 @@ def main() -> None:
         print(f"  with no separate pass (old log-prob = training forward, detached): "
               f"{(update_skip - pass_all) / update_dense:.2f}x")
     complete = [p for p in pairs.values() if len(p) == 2]
-    print(f"update ratio gated/dense, per pair of consecutive steps: "
-          f"{describe(pair_ratios([p['skip'] for p in complete], [p['dense'] for p in complete]))}")
+    ratios = pair_ratios([p["skip"] for p in complete], [p["dense"] for p in complete])
+    print(f"update ratio gated/dense, per pair of consecutive steps: {describe(ratios)}")
+    shape = f"builtin:tiny G={args.group_size}, {args.num_mini_batches} mini-batches"
+    note = (f"{gated:.0%} gated, {torch.get_num_threads()} threads; medians {update_skip * 1e3:.0f} against "
+            f"{update_dense * 1e3:.0f} ms")
+    report(f"profile_step: update time, gated skip / dense, {shape}", round(update_skip / update_dense, 4), None,
+           unit="x", note=f"ratio of the medians; {note}")
+    report(f"profile_step: update time, gated skip / dense per pair, {shape}", round(spread(ratios).median, 4), None,
+           unit="x", spread=spread(ratios), note=note)
 
 
 if __name__ == "__main__":

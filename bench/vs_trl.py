@@ -23,7 +23,7 @@ into the ids qae's codec gives (checked for every prompt before the run). The HF
 set offline, so nothing is downloaded.
 
 Each system trains in a child process of this one, and in each round the children take turns step by step (the
-parent lets one step of one child run while the others wait at a gate, the order rotated each step: bench/paired.py),
+parent lets one step of one child run while the others wait at a gate, the order rotated each step: bench/harness.py),
 so step i of qae runs right beside step i of TRL and load that drifts within seconds falls on both alike; rounds
 repeat that with the next seed. Three systems: TRL, qae with QAE (the default estimator) and qae with GRPO's mean
 baseline. What is printed per group size is the median of the per-step ratios (step i of a qae run over step i of
@@ -44,7 +44,8 @@ responses gated (advantage 0), qae's update forwards and backpropagates only the
 128; with one update per generation both take the old log-probs from the training forward itself (ratio 1). qae's
 engine also runs each group's shared prompt through the model once (TRL's `model.generate` runs it 16 times), and
 its store writes on a thread of its own. `qae --estimator grpo` (few responses gated) shows what is left without the
-gating. The figures measured are in the README's Performance section.
+gating. Each qae system's ratio at each group size goes to the results log (bench/harness.py), with issue 29's goal
+where it set one; docs/performance.md shows the latest.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from paired import describe, pair_ratios
+from harness import describe, pair_ratios, report, spread
 
 from qae_app.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS
 
@@ -77,6 +78,8 @@ LR = 5e-5
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 RESULT_TAG = "VS_TRL_RESULT "
 GATE_TAG = "VS_TRL_GATE"  # a child waits here, between steps, for the parent's go (a line on its stdin)
+# issue 29's goals for qae (QAE) / TRL per step pair, by (task, G), on the task's own model
+GOALS = {("arith", 4): "<= 0.8", ("arith", 16): "<= 0.4", ("add", 8): "<= 0.7"}
 
 
 def gate(resumes: list[float]) -> None:
@@ -345,7 +348,7 @@ class Child:
 def run_in_lockstep(systems: list[str], steps: int, seed: int, lr: float, threads: int, shape: RunShape
                     ) -> dict[str, dict]:
     """Every system's run at once, in child processes that take turns step by step: step i of each runs next to
-    step i of the others (one at a time, the order rotated each step: bench/paired.py), so load that drifts within
+    step i of the others (one at a time, the order rotated each step: bench/harness.py), so load that drifts within
     seconds falls on all alike. The setups (model loading, imports) run together, untimed."""
     children = [Child(system, steps, seed, lr, threads, shape) for system in systems]
     try:
@@ -494,6 +497,16 @@ def main() -> None:
         cells = [f"{fmt_ms(statistics.median(medians[s]))} | {describe(ratios[s])}" for s in others]
         print(f"| {group_size} | {fmt_ms(statistics.median(medians['trl']))} | " + " | ".join(cells) + " |")
     headline = "qae" if "qae" in others else others[0]
+    trained = f"{args.task} ({args.model or BUILTIN_TASKS[args.task].model})"
+    for group_size, result in results.items():
+        for system in others:
+            s = spread(result["ratios"][system])
+            goal = GOALS.get((args.task, group_size)) if system == "qae" and args.model is None else None
+            report(f"vs_trl: {system}/TRL step time per pair, {trained}, G={group_size}", round(s.median, 4), goal,
+                   unit="x", spread=s,
+                   note=f"median step TRL {fmt_ms(statistics.median(result['medians']['trl']))} ms, {system} "
+                        f"{fmt_ms(statistics.median(result['medians'][system]))} ms; <= {max_new_tokens} new tokens, "
+                        f"{args.threads} threads, {args.repeats} rounds of {args.steps} steps, {args.warmup} dropped")
     for group_size, result in results.items():
         print(f"G={group_size} ratio {statistics.median(result['ratios'][headline]):.2f}"
               + ("" if headline == "qae" else f" ({headline}/TRL)"))

@@ -14,6 +14,10 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
+# the benchmarks some tests run (bench/bench_memory.py, bench_head_memory.py) report their figures: not into the
+# repository's results log (bench/harness.py), whose lines are measurements someone chose to record
+os.environ["QAE_BENCH_RESULTS"] = os.devnull
+
 MAX_WORKERS = 4  # each worker holds torch and a model or two; the real-model tests alone take ~6 GB
 
 
