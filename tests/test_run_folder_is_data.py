@@ -74,16 +74,17 @@ def planted_pickle(marker: Path) -> bytes:
 
 def test_a_pending_write_round_trips_through_json_exactly():
     write = PendingWrite("step", step=3, logged_at=datetime(2026, 12, 2, 7, 15, 20, 123456),
-                         tables={"rollouts": [{"response": "é\n\\boxed{1}\x00", "reward": float("nan"), "adv": -0.0,
-                                               "len": 7, "correct": True, "extracted": None, "big": 2 ** 62,
-                                               "inf": float("inf"), "ratio": 0.1 + 0.2}],
-                                 "groups": [{"rewards": [0.0, 1.0], "meta": {"k": 0.4}}]})
+                         tables={"rollouts": [{"response": "é\n\\boxed{1}\x00", "reward": float("nan"),
+                                               "advantage": -0.0, "n_tokens": 7, "correct": True, "regime": None,
+                                               "sample_idx": 2 ** 62, "entropy": float("inf"),
+                                               "logprob": 0.1 + 0.2}],
+                                 "groups": [{"baseline": 0.4, "filtered": False, "answer": "1"}]})
     back = pending_write_from_json(pending_write_json(write))
     assert back.kind == "step" and back.step == 3 and back.logged_at == write.logged_at
     row, again = write.tables["rollouts"][0], back.tables["rollouts"][0]
-    assert math.isnan(again.pop("reward")) and math.copysign(1, again["adv"]) == -1
+    assert math.isnan(again.pop("reward")) and math.copysign(1, again["advantage"]) == -1
     assert again == {k: v for k, v in row.items() if k != "reward"}
-    assert type(again["len"]) is int and type(again["ratio"]) is float and again["ratio"] == 0.1 + 0.2
+    assert type(again["n_tokens"]) is int and type(again["logprob"]) is float and again["logprob"] == 0.1 + 0.2
     assert back.tables["groups"] == write.tables["groups"]
 
 

@@ -46,7 +46,7 @@ from qae_app.store.run_folder import (
     runs_without_database,
     validated_run_dir,
 )
-from qae_app.store.schema import PENDING_SUFFIX, pending_write_from_json
+from qae_app.store.schema import PENDING_SUFFIX, read_pending_write
 
 UNREADABLE, BUSY = "unreadable", "busy"  # what `read_runs` says of a run whose file it cannot read (never stored):
 NOT_A_RUN = "not a run"  # ... and of a folder in the runs dir that holds no run
@@ -298,7 +298,7 @@ def last_logged_step(run_dir: Path) -> int:
     in_file = read_last_step(path) if path.exists() else None
     saved = []
     for spilled in sorted((Path(run_dir) / PENDING_DIR).glob(f"*{PENDING_SUFFIX}")):
-        write = pending_write_from_json(spilled.read_text(encoding="utf-8"))
+        write = read_pending_write(spilled)
         if write.kind == "step":
             saved.append(write.step)
     return max([in_file or 0, *saved])

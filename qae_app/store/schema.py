@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from qae_app.core.errors import QAEUserError
 from qae_app.core.names import DEFAULT_K
 
 # name -> definition. Every name is a column of `steps`; NaN is stored as NULL (e.g. no response had a negative
@@ -218,15 +219,87 @@ def pending_write_json(write: PendingWrite) -> str:
 
 
 def pending_write_from_json(text: str) -> PendingWrite:
-    """The inverse of pending_write_json; ValueError when the text is not such a record."""
-    record = json.loads(text, object_hook=_from_json_object)
+    """The inverse of pending_write_json; ValueError, naming what is wrong, when the text is not such a record. A file
+    under pending/ may have been planted: its table and column names become SQL identifiers, so every name is checked
+    against the schema here, before anything is applied, and every value must be one a column holds."""
+    try:
+        record = json.loads(text, object_hook=_from_json_object)
+    except RecursionError:
+        raise ValueError("nested deeper than any row") from None
     if not isinstance(record, dict) or record.get("kind") not in PENDING_KINDS:
         raise ValueError("not a pending write: no known 'kind'")
-    return PendingWrite(kind=record["kind"], step=record.get("step"), tables=record.get("tables"),
-                        fields=record.get("fields"), logged_at=record.get("logged_at"))
+    unknown = set(record) - {"kind", "step", "tables", "fields", "logged_at"}
+    if unknown:
+        raise ValueError(f"unknown keys {sorted(unknown)}")
+    write = PendingWrite(kind=record["kind"], step=record.get("step"), tables=record.get("tables"),
+                         fields=record.get("fields"), logged_at=record.get("logged_at"))
+    _check_pending(write)
+    return write
+
+
+def read_pending_write(path: Path) -> PendingWrite:
+    """One saved write; a file that is not one (edited, planted, cut short by a full disk) is named."""
+    try:
+        return pending_write_from_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise QAEUserError(f"store: {path} is not a write qae saved ({err}). Move it out of {path.parent} to go on "
+                           "without it (the step it held is trained again on resume if its checkpoint is older, "
+                           "else it is missing from the database).") from err
 
 
 PENDING_KINDS = ("step", "step_update", "run", "truncate")
+RUN_UPDATE_FIELDS = ("status", "error", "k", "config", "wall_s", "setup_s", "updated_at")  # what a "run" write sets
+
+
+def _check_pending(write: PendingWrite) -> None:
+    """ValueError unless every name in `write` is the schema's and every value a column's (see
+    pending_write_from_json)."""
+    from qae_app.store.run_folder import STORED_STATUSES
+
+    if write.kind == "run":
+        step_ok = write.step is None
+    else:
+        step_ok = isinstance(write.step, int) and not isinstance(write.step, bool) and write.step >= 0
+    if not step_ok:
+        raise ValueError(f"step {write.step!r} is not a step number (a whole number, 0 or more)")
+    if write.logged_at is not None and not isinstance(write.logged_at, datetime):
+        raise ValueError("logged_at is not a timestamp")
+    if write.kind == "step":
+        if not isinstance(write.tables, dict) or write.fields is not None:
+            raise ValueError("a step write holds tables of rows and no fields")
+        for table, rows in write.tables.items():
+            if table not in STEP_TABLES:
+                raise ValueError(f"unknown table {table!r}; a step's tables are {', '.join(STEP_TABLES)}")
+            if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+                raise ValueError(f"{table}: rows are not a list of objects")
+            for row in rows:
+                _check_fields(row, row_columns(table), table)
+        return
+    if write.tables is not None:
+        raise ValueError(f"a {write.kind} write holds no tables")
+    if write.kind == "truncate":
+        if write.fields is not None:
+            raise ValueError("a truncate write holds no fields")
+        return
+    if not isinstance(write.fields, dict):
+        raise ValueError(f"a {write.kind} write's fields are not an object")
+    _check_fields(write.fields, RUN_UPDATE_FIELDS if write.kind == "run" else tuple(STEP_METRICS), write.kind)
+    if write.kind == "run" and "status" in write.fields and write.fields["status"] not in STORED_STATUSES:
+        raise ValueError(f"status {write.fields['status']!r} is not one of {', '.join(STORED_STATUSES)}")
+
+
+def _check_fields(fields: dict, columns, where: str) -> None:
+    unknown = set(fields) - set(columns)
+    if unknown:
+        raise ValueError(f"{where}: unknown columns {sorted(unknown)[:5]}")
+    for name, value in fields.items():
+        if not _column_value(value):
+            raise ValueError(f"{where}.{name}: a {type(value).__name__} is not a value this column holds")
+
+
+def _column_value(value) -> bool:
+    """What the store's columns hold (TABLES: text, integers, doubles, booleans, timestamps) or null."""
+    return value is None or isinstance(value, (str, int, float, bool, datetime))
 
 
 def _json_value(value):

@@ -48,12 +48,13 @@ from qae_app.store.schema import (
     EVAL_TABLES,
     LEGACY_PENDING_SUFFIX,
     PENDING_SUFFIX,
+    RUN_UPDATE_FIELDS,
     STEP_METRICS,
     STEP_TABLES,
     TABLES,
     PendingWrite,
-    pending_write_from_json,
     pending_write_json,
+    read_pending_write,
     row_columns,
     schema_statements,
 )
@@ -263,8 +264,7 @@ class RunWriter:
     def update_run(self, first: bool = False, **fields) -> bool:
         """Queue a change of run-level fields (status, error, k, config, wall_s, setup_s) and flush; False if it had to
         wait."""
-        allowed = {"status", "error", "k", "config", "wall_s", "setup_s"}
-        unknown = set(fields) - allowed
+        unknown = set(fields) - (set(RUN_UPDATE_FIELDS) - {"updated_at"})  # updated_at is the writer's own
         if unknown:
             raise ValueError(f"cannot update runs columns {unknown}")
         if "status" in fields and fields["status"] not in STORED_STATUSES:
@@ -506,16 +506,6 @@ def _write_atomically(final: Path, text: str, sync: bool = True) -> None:
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, final)
-
-
-def read_pending_write(path: Path) -> PendingWrite:
-    """One saved write; a file that is not one (edited, planted, cut short by a full disk) is named."""
-    try:
-        return pending_write_from_json(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise QAEUserError(f"store: {path} is not a write qae saved ({err}). Move it out of {path.parent} to go on "
-                           "without it (the step it held is trained again on resume if its checkpoint is older, "
-                           "else it is missing from the database).") from err
 
 
 def legacy_pending_files(run_dir: Path) -> list[Path]:
