@@ -1,5 +1,5 @@
-"""The README stays true: CI runs its test command, its metrics table is STEP_METRICS, its CLI table names every
-command."""
+"""The README and docs/ stay true: CI runs the README's test command, the README's CLI table names every command,
+and docs/metrics.md's table is STEP_METRICS."""
 
 import re
 from pathlib import Path
@@ -9,6 +9,7 @@ from qae_app.store.schema import STEP_METRICS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
 
 
 def readme_commands() -> list[str]:
@@ -28,9 +29,24 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert readme_commands()[1] in ci
 
 
-def test_metrics_table_defines_every_step_metric():
-    rows = dict(re.findall(r"^\| `(\w+)` \| (.+?) \|$", README, re.M))
-    assert {name: rows.get(name) for name in STEP_METRICS} == STEP_METRICS
+def table_rows(text: str, header: str) -> list[tuple[str, str]]:
+    """The rows of the Markdown table whose header line is `header`, as (name, text): each row must read
+    | `name` | text |."""
+    lines = text.splitlines()
+    assert lines.count(header) == 1, f"{header!r} heads {lines.count(header)} tables"
+    rows = []
+    for line in lines[lines.index(header) + 2:]:  # past the header and its |---| line
+        if not line.startswith("|"):
+            break
+        row = re.fullmatch(r"\| `(\w+)` \| (.+?) \|", line)
+        assert row, f"not a | `name` | text | row: {line}"
+        rows.append(row.groups())
+    return rows
+
+
+def test_metrics_page_table_is_step_metrics_row_for_row():
+    rows = table_rows((DOCS / "metrics.md").read_text(), "| metric | definition |")
+    assert rows == list(STEP_METRICS.items())
 
 
 def test_cli_table_names_every_command():
