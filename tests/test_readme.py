@@ -1,5 +1,6 @@
 """The README and docs/ stay true: CI runs the README's test command, the README's CLI table names every command,
-and docs/metrics.md's table is STEP_METRICS."""
+docs/metrics.md's table is STEP_METRICS, and docs/architecture.md names every module that exists and none that does
+not."""
 
 import re
 from pathlib import Path
@@ -10,6 +11,8 @@ from qae_app.store.schema import STEP_METRICS
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 DOCS = ROOT / "docs"
+PACKAGE = ROOT / "qae_app"
+DASHBOARD = ROOT / "dashboard"
 
 
 def readme_commands() -> list[str]:
@@ -53,3 +56,22 @@ def test_cli_table_names_every_command():
     for command in app.registered_commands:
         name = command.name or command.callback.__name__
         assert f"`qae {name}" in README, name
+
+
+def code_spans(text: str) -> set[str]:
+    return set(re.findall(r"`([^`\n]+)`", text))
+
+
+def test_architecture_page_names_every_package_and_module():
+    """Modules of qae_app as `package/module.py` (relative to qae_app/, `config.py` at its top), the dashboard's as
+    `dashboard/...py`; packages as `qae_app/package/`. A .py path the page names must exist (under qae_app/ or the
+    repository), so a module that is renamed or removed cannot linger there."""
+    named = code_spans((DOCS / "architecture.md").read_text())
+    modules = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
+               if path.stem not in ("__init__", "__main__")}
+    dashboard = {path.relative_to(ROOT).as_posix() for path in DASHBOARD.rglob("*.py") if path.stem != "__init__"}
+    packages = {f"qae_app/{path.parent.name}/" for path in PACKAGE.glob("*/__init__.py")}
+    assert sorted((modules | dashboard | packages) - named) == []
+    gone = [name for name in named if name.endswith(".py") and not (PACKAGE / name).exists()
+            and not (ROOT / name).exists()]
+    assert gone == []
