@@ -1,4 +1,4 @@
-"""Screenshot a dashboard page in a real browser, as the README's images were made.
+"""Screenshot a dashboard page in a real browser, as the pictures in docs/ were made.
 
     python docs/screenshot.py --runs-dir runs --path "compare?sweep=chain&baseline=grpo" --out docs/compare-chain.png
 

@@ -63,7 +63,7 @@ def dashboard(start, tmp_path):
     Tests of finished runs pass refresh="off" (`qae dashboard --refresh off`). Streamlit's browser side can drop what a
     click changed when the click lands while the page's periodic check for new steps (a `run_every` fragment) is in
     flight: the server opens the response, the page does not show it. Measured with the browser's CPU throttled 6x on
-    a loaded machine: 4 of 8 clicks lost with the check every 2 s, 0 of 8 with it off (README, The dashboard)."""
+    a loaded machine: 4 of 8 clicks lost with the check every 2 s, 0 of 8 with it off (docs/dashboard.md)."""
 
     def run(runs_dir: Path, refresh: str | None = None) -> str:
         port = free_port()

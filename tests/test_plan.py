@@ -1,7 +1,7 @@
 """`qae plan`: the memory arithmetic by hand for a tiny case, the shapes read from real configs (the parameter count
 of the model transformers builds from them), the activation count against what autograd really keeps, bad values
 refused naming the option, and every recipe fitting the hardware its [plan] table names. The plan against measured
-peak memory is bench/bench_memory.py's job (README, Memory)."""
+peak memory is bench/bench_memory.py's job (docs/memory.md)."""
 
 import dataclasses
 import importlib.util

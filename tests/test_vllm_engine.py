@@ -1,6 +1,6 @@
 """The vLLM engine's glue. vLLM needs a CUDA GPU, which this machine and CI lack, so a stand-in `vllm` module
 (MOCK: fake LLM / SamplingParams recording their calls) checks what the engine asks of vLLM and how it turns
-vLLM's outputs into Samples. The real engine is exercised on a GPU machine (README, "Scaling to GPUs")."""
+vLLM's outputs into Samples. The real engine is exercised on a GPU machine (docs/scaling.md)."""
 
 import sys
 import types
