@@ -31,7 +31,7 @@ from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import missing
 from qae_app.store.reader import query, read_run, read_steps
-from qae_app.store.run_folder import DB_FILE, list_run_dirs, recent_runs_text, validated_run_dir
+from qae_app.store.run_folder import DB_FILE, list_run_dirs, read_run_file, recent_runs_text, validated_run_dir
 
 # ---------------------------------------------------------------------------------------------------------------
 # Which config keys make two runs "the same setup"
@@ -522,8 +522,10 @@ def load_runs(runs_dir: Path, run_ids: list[str] | None = None, sweep: str | Non
         for folder in list_run_dirs(runs_dir):
             config_file = folder / "config.json"
             try:
-                config = json.loads(config_file.read_text())
-            except (OSError, ValueError):
+                config = json.loads(read_run_file(config_file))
+            except (OSError, ValueError, RecursionError, QAEUserError):  # unreadable or planted: not a sweep's run
+                continue
+            if not isinstance(config, dict):
                 continue
             if in_sweep(config, sweep):
                 run_ids.append(folder.name)

@@ -16,7 +16,7 @@ import duckdb
 
 from qae_app.core.errors import QAEUserError
 from qae_app.core.host_faults import environment_errno, environment_error
-from qae_app.store.run_folder import CONFIG_FILE, list_checkpoints, lost_its_database
+from qae_app.store.run_folder import CONFIG_FILE, check_regular_file, list_checkpoints, lost_its_database
 from qae_app.store.schema import TABLES
 
 _LOCK_ERROR = re.compile(r"lock|being used by another process|Conflicting lock", re.IGNORECASE)
@@ -51,6 +51,10 @@ def attach(cursor: duckdb.DuckDBPyConnection, path: Path, alias: str, timeout_s:
             read_only: bool = True, on_wait=None) -> None:
     """ATTACH the file (read-only unless told), retrying while another process holds its lock; `on_wait(holder)` is
     called once if that lasts more than WAIT_NOTICE_S (a long wait says why)."""
+    # a planted link would point the writer at another run's file (or anything the user can write): the file and
+    # its write-ahead log are attached only as regular files of the folder's own
+    check_regular_file(Path(path))
+    check_regular_file(Path(f"{path}.wal"))
     literal = str(path).replace("'", "''")  # ATTACH takes no bound parameter; the path is quoted as a literal
     start = time.monotonic()
     deadline = start + timeout_s

@@ -22,6 +22,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import time
 from pathlib import Path
 
@@ -69,16 +70,74 @@ def eval_run_error(option: str, folder: Path, what: str) -> QAEUserError:
                         f"not a model or a training run's settings. {what}")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# opening what a run folder holds: a run folder may come from anyone, so a file in it is read only if it is a regular
+# file of its own (a symlink could point qae's reads and writes at another run or any file; a FIFO or a device hangs a
+# read or never ends), and a JSON file no larger than any qae writes
+
+
+MAX_JSON_BYTES = 64 << 20  # config.json, manifest.json, trainer_state.json, a pending write: far below this
+
+
+class NotARegularFile(QAEUserError):
+    """A path in a run folder that is a symlink, a FIFO, a device or a folder where qae keeps a file."""
+
+
+def _refusal(path: Path, what: str) -> NotARegularFile:
+    return NotARegularFile(f"run folder: {path} is {what}, where qae keeps a file of its own. A run folder holds only "
+                           f"qae's files: move it out of {path.parent} (the run then reads as if it were missing).")
+
+
+def check_regular_file(path: Path) -> bool:
+    """True if `path` is a regular file (not through a symlink), False if nothing is there; NotARegularFile otherwise."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(info.st_mode):
+        raise _refusal(path, "a symbolic link")
+    if not stat.S_ISREG(info.st_mode):
+        raise _refusal(path, "not a regular file (a FIFO, a device or a folder)")
+    return True
+
+
+def open_regular_file(path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+    """os.open that neither follows a symlink nor blocks on a FIFO, and refuses anything but a regular file."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise _refusal(path, "a symbolic link") from None
+        if err.errno in (errno.ENXIO, errno.EISDIR):
+            raise _refusal(path, "not a regular file (a FIFO, a device or a folder)") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _refusal(path, "not a regular file (a FIFO, a device or a folder)")
+    return fd
+
+
+def read_run_file(path: Path, max_bytes: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of a regular file in a run folder, at most `max_bytes` (more is refused, not read)."""
+    fd = open_regular_file(path)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise QAEUserError(f"run folder: {path} is larger than {max_bytes:,} bytes, more than qae ever writes there. "
+                           f"Move it out of {path.parent}.")
+    return data
+
+
 def read_run_config(folder: Path) -> dict:
     """The run's config.json as a dict (the file must exist); an error naming the file when it is not one."""
     path = Path(folder) / CONFIG_FILE
     fix = config_restore_hint(folder)
     try:
-        stored = json.loads(path.read_bytes())
+        stored = json.loads(read_run_file(path))
     except OSError as err:
         raise QAEUserError(f"config.json: cannot read {path} ({err.strerror}). {fix}") from err
-    except (UnicodeDecodeError, ValueError) as err:  # (JSONDecodeError is a ValueError)
-        raise QAEUserError(f"config.json: {path} is not valid JSON ({err}). {fix}") from err
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # (JSONDecodeError is a ValueError)
+        raise QAEUserError(f"config.json: {path} is not valid JSON ({str(err)[:200]}). {fix}") from err
     if not isinstance(stored, dict):
         raise QAEUserError(f"config.json: {path} is not a JSON object of the run's settings (it holds a "
                            f"{type(stored).__name__}). {fix}")
@@ -187,15 +246,27 @@ def checkpoint_problem(folder: Path) -> str | None:
     """Why a checkpoint cannot be trusted (a missing, truncated or altered file), or None when it checks out."""
     folder = Path(folder)
     try:
-        entries = json.loads((folder / MANIFEST).read_text())
+        entries = json.loads(read_run_file(folder / MANIFEST))
     except FileNotFoundError:
         return f"{MANIFEST} is missing (the save did not finish)"
-    except (OSError, ValueError) as err:
-        return f"{MANIFEST} is unreadable ({err})"
+    except NotARegularFile as err:
+        return str(err)
+    except (OSError, ValueError, RecursionError, QAEUserError) as err:
+        return f"{MANIFEST} is unreadable ({str(err)[:200]})"
+    if not isinstance(entries, dict) or not entries:
+        return f"{MANIFEST} lists no files"
     for name, entry in entries.items():
         path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
+        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) or \
+                not isinstance(entry.get("sha256"), str):
+            return f"{MANIFEST} holds no size and checksum for {name!r}"
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            return f"{MANIFEST} names {name!r}, outside the checkpoint"
+        try:
+            if not check_regular_file(path):
+                return f"{name} is missing"
+        except NotARegularFile as err:
+            return str(err)
         if path.stat().st_size != entry["bytes"]:
             return f"{name} has {path.stat().st_size} bytes, {entry['bytes']} were saved"
         if file_sha256(path) != entry["sha256"]:
@@ -220,7 +291,7 @@ class RunLock:
 
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_regular_file(self.path, os.O_RDWR | os.O_CREAT)  # a planted link is refused, not truncated
         except OSError as err:  # a read-only file system, a permission: the run is intact but cannot be trained here
             if environment_errno(err) is None:
                 raise
@@ -260,16 +331,16 @@ class RunLock:
 
 def lock_holder_pid(folder: Path) -> int | None:
     try:
-        return int((Path(folder) / LOCK_FILE).read_text().strip())
-    except (OSError, ValueError):
+        return int(read_run_file(Path(folder) / LOCK_FILE, max_bytes=32).strip())
+    except (OSError, ValueError, QAEUserError):
         return None
 
 
 def trainer_alive(folder: Path) -> bool:
     """Whether a live process holds the run's lock (is training it now)."""
     try:
-        fd = os.open(Path(folder) / LOCK_FILE, os.O_RDONLY)
-    except OSError:
+        fd = open_regular_file(Path(folder) / LOCK_FILE)
+    except (OSError, QAEUserError):  # no lock file, or a planted one: no trainer of qae's holds it
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

@@ -240,7 +240,9 @@ def pending_write_from_json(text: str) -> PendingWrite:
 def read_pending_write(path: Path) -> PendingWrite:
     """One saved write; a file that is not one (edited, planted, cut short by a full disk) is named."""
     try:
-        return pending_write_from_json(path.read_text(encoding="utf-8"))
+        from qae_app.store.run_folder import read_run_file
+
+        return pending_write_from_json(read_run_file(path).decode("utf-8"))
     except (OSError, ValueError) as err:
         raise QAEUserError(f"store: {path} is not a write qae saved ({err}). Move it out of {path.parent} to go on "
                            "without it (the step it held is trained again on resume if its checkpoint is older, "

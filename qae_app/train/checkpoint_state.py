@@ -36,6 +36,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 
 from qae_app.core.errors import QAEUserError
 from qae_app.models.sharding import is_sharded, reshard
+from qae_app.store.run_folder import read_run_file
 
 POLICY_FILE = "policy.safetensors"
 OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"
@@ -259,9 +260,9 @@ def _set_random_states(states: dict) -> None:
 
 def _read_json(folder: Path, name: str):
     try:
-        return json.loads((folder / name).read_text())
-    except (OSError, ValueError) as err:
-        raise _unreadable(folder, name, err) from err
+        return json.loads(read_run_file(folder / name))
+    except (OSError, ValueError, RecursionError, QAEUserError) as err:
+        raise _unreadable(folder, name, str(err)[:300]) from err
 
 
 def _unreadable(folder: Path, name: str, why) -> QAEUserError:

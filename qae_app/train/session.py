@@ -49,6 +49,7 @@ from qae_app.store.run_folder import (
     eval_run_error,
     list_checkpoints,
     read_run_config,
+    read_run_file,
     recent_runs_text,
     run_dir,
     trainer_alive,
@@ -79,7 +80,7 @@ class TrainerState:
 
     @classmethod
     def load(cls, path: Path) -> "TrainerState":
-        return cls(**json.loads(path.read_text()))
+        return cls(**json.loads(read_run_file(path)))
 
 
 def data_position_problem(position: int, steps: int, cfg: TrainConfig) -> str | None:

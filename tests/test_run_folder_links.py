@@ -1,0 +1,101 @@
+"""A run folder is data, and only its own: a symlink planted in it never points qae's reads or writes at another run
+or any other file, and a FIFO or a device never hangs a command or fills memory. Each is refused by name, exit 2,
+nothing written outside the folder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from qae_app.cli.main import app
+from qae_app.store.run_folder import checkpoint_problem, latest_checkpoint
+
+runner = CliRunner()
+TRAIN = ["--steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0", "--cpu"]
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """A runs folder holding two finished one-step runs, `victim` and `evil`, each with a checkpoint."""
+    runs_dir = tmp_path_factory.mktemp("runs")
+    for name in ("victim", "evil"):
+        result = runner.invoke(app, ["train", "--run-name", name, *TRAIN, "--runs-dir", str(runs_dir)])
+        assert result.exit_code == 0, result.output
+    return runs_dir
+
+
+@pytest.fixture
+def runs(two_runs, tmp_path):
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(two_runs, runs_dir)
+    return runs_dir
+
+
+def qae(*args, runs_dir) -> subprocess.CompletedProcess:
+    """The command in a process of its own: a hang fails the test after 120 s instead of holding the suite."""
+    return subprocess.run([sys.executable, "-m", "qae_app.cli", *args, "--runs-dir", str(runs_dir)],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, COLUMNS="300"))
+
+
+def test_a_database_linked_to_another_run_is_refused_and_the_other_run_untouched(runs):
+    victim = (runs / "victim" / "qae.duckdb").read_bytes()
+    (runs / "evil" / "qae.duckdb").unlink()
+    (runs / "evil" / "qae.duckdb").symlink_to("../victim/qae.duckdb")
+    result = qae("train", "--resume", "evil", "--steps", "2", runs_dir=runs)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "qae.duckdb is a symbolic link" in result.stdout + result.stderr
+    assert (runs / "victim" / "qae.duckdb").read_bytes() == victim
+
+
+def test_a_lock_file_linked_outside_is_not_truncated(runs, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    (runs / "evil" / "trainer.lock").unlink(missing_ok=True)
+    (runs / "evil" / "trainer.lock").symlink_to(notes)
+    result = qae("train", "--resume", "evil", "--steps", "2", runs_dir=runs)
+    assert result.returncode == 2 and "trainer.lock is a symbolic link" in result.stdout + result.stderr
+    assert notes.read_text() == "my notes\n"
+    listed = qae("runs", runs_dir=runs)  # a reader takes the planted lock for no trainer: the run is not live
+    assert listed.returncode == 0 and "evil" in listed.stdout
+
+
+@pytest.mark.parametrize("command", [["runs"], ["show", "evil"], ["train", "--resume", "evil", "--steps", "2"]])
+def test_a_fifo_lock_file_hangs_no_command(runs, command):
+    (runs / "evil" / "trainer.lock").unlink(missing_ok=True)
+    os.mkfifo(runs / "evil" / "trainer.lock")
+    result = qae(*command, runs_dir=runs)
+    if command[0] == "train":
+        assert result.returncode == 2 and "trainer.lock is not a regular file" in result.stdout + result.stderr
+    else:
+        assert result.returncode == 0 and "evil" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("plant", ["fifo", "/dev/zero"])
+def test_a_config_that_is_a_fifo_or_a_device_is_named_not_read(runs, plant):
+    config = runs / "evil" / "config.json"
+    config.unlink()
+    os.mkfifo(config) if plant == "fifo" else config.symlink_to(plant)
+    result = qae("train", "--resume", "evil", "--steps", "2", runs_dir=runs)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output, output
+    assert "config.json is " + ("not a regular file" if plant == "fifo" else "a symbolic link") in output
+
+
+def test_a_checkpoint_whose_manifest_lists_nothing_or_a_link_is_not_trusted(runs, tmp_path):
+    checkpoint = latest_checkpoint(runs / "evil")
+    assert checkpoint is not None and checkpoint_problem(checkpoint) is None
+    manifest = (checkpoint / "manifest.json").read_text()
+    (checkpoint / "manifest.json").write_text("{}")
+    assert checkpoint_problem(checkpoint) == "manifest.json lists no files"
+    (checkpoint / "manifest.json").write_text(manifest)
+    outside = tmp_path / "secret.txt"
+    outside.write_text("not for the Hub")
+    listed = next(name for name in __import__("json").loads(manifest) if name.startswith("model/"))
+    (checkpoint / listed).unlink()
+    (checkpoint / listed).symlink_to(outside)
+    assert "is a symbolic link" in checkpoint_problem(checkpoint)
