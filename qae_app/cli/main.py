@@ -123,6 +123,7 @@ def train(
     **options: Any,
 ) -> None:
     """Train a policy with QAE (or a mean-baseline estimator) and log every rollout to DuckDB."""
+    end_with_the_launcher()
     from qae_app.config import build_config
     from qae_app.train.session import resume_config
     from qae_app.train.trainer import Trainer
@@ -225,6 +226,24 @@ def run_training(trainer) -> None:
                       f"  qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}\n"
                       f"  qae dashboard --runs-dir {trainer.runs_dir}", highlight=False)
     end_processes()
+
+
+def end_with_the_launcher() -> None:
+    """Under `accelerate launch` (torch's elastic launcher) every rank runs in a session of its own, so a kill -9 of
+    the launcher's process group never reaches it: the ranks trained on, holding the run's lock. Linux's parent-death
+    signal ends a rank with the launcher that started it; the run resumes from its newest checkpoint."""
+    import os
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    launcher = os.getppid()
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != launcher:  # it died before the signal was asked for
+        os._exit(1)
 
 
 def end_processes() -> None:
