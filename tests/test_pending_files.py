@@ -78,3 +78,39 @@ def test_resume_and_eval_on_a_planted_run_name_the_file_and_run_nothing(tmp_path
         result = CliRunner().invoke(app, [*args, "--runs-dir", str(runs_dir)], env={"COLUMNS": "300"})
         assert result.exit_code == 2 and "is not a write qae saved" in result.output, (args, result.output)
         assert not marker.exists()
+
+
+@pytest.mark.parametrize("crafted", [
+    "DROP TABLE steps; CREATE VIEW steps AS SELECT 1 AS step, content AS loss FROM read_text('{secret}')",
+    "CREATE MACRO count(x) AS 0",
+])
+def test_a_run_file_holding_views_or_macros_is_refused_before_any_query(run_file, tmp_path, crafted):
+    """qae writes tables only: a view named like its table ran as SQL (`qae show` printed a file from outside the
+    folder), and a macro can shadow a function qae's queries call."""
+    import duckdb
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the secret")
+    with duckdb.connect(str(run_file)) as con:
+        con.execute(crafted.format(secret=secret))
+    result = CliRunner().invoke(app, ["show", "r", "--runs-dir", str(run_file.parent.parent)],
+                                env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and "holds views or macros" in result.output, result.output
+    assert "the secret" not in result.output
+    with pytest.raises(QAEUserError, match="holds views or macros"):
+        RunWriter(run_file, "r")
+
+
+def test_the_writers_database_reaches_the_run_file_and_nothing_else(run_file, tmp_path):
+    """Defence in depth under the name checks: whatever SQL reached the writer's connection could not write or read
+    another path."""
+    import duckdb
+
+    writer = RunWriter(run_file, "r")
+    with writer._open() as con:
+        assert con.execute("SELECT count(*) FROM steps").fetchone() == (1,)
+        with pytest.raises(duckdb.PermissionException):
+            con.execute(f"COPY (SELECT 1) TO '{tmp_path / 'marker.csv'}'")
+        with pytest.raises(duckdb.PermissionException):
+            con.execute(f"ATTACH '{tmp_path / 'other.duckdb'}' AS other")
+    assert not (tmp_path / "marker.csv").exists() and not (tmp_path / "other.duckdb").exists()

@@ -30,6 +30,7 @@ from qae_app.store.run_file import (
     damage_reason,
     is_damage_error,
     is_lock_error,
+    refuse_crafted_objects,
     refuse_missing_file_of_training_run,
     run_file_database,
     unreadable_run_error,
@@ -92,6 +93,7 @@ def open_reader(path: Path, timeout_s: float = 3.0) -> Iterator[duckdb.DuckDBPyC
             raise unreadable_run_error(path, err) from err
         raise
     try:
+        refuse_crafted_objects(cursor, alias, path)
         cursor.execute(f"USE {alias}")
         yield cursor
     except duckdb.Error as err:  # a damaged block (or a missing table) is found only when a query reads it

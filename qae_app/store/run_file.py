@@ -8,6 +8,7 @@ folder is still usable (its checkpoints, its config).
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from pathlib import Path
@@ -72,6 +73,31 @@ def attach(cursor: duckdb.DuckDBPyConnection, path: Path, alias: str, timeout_s:
                 told = True
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
+
+
+_VETTED: dict[tuple, bool] = {}  # (path, inode, size, mtime) of run files found free of views and macros
+
+
+def refuse_crafted_objects(cursor: duckdb.DuckDBPyConnection, alias: str, path: Path) -> None:
+    """qae writes tables only. A view or a macro in a run file runs as SQL when qae names it: a view called `steps`
+    could read any file the user can (`read_text('/etc/...')`), a macro could shadow a function qae's queries call.
+    Such a file is refused as crafted, before any query reads it; checked once per version of the file."""
+    info = os.stat(path)
+    version = (str(path), info.st_ino, info.st_size, info.st_mtime_ns)
+    if version in _VETTED:
+        return
+    views = [row[0] for row in cursor.execute("SELECT view_name FROM duckdb_views() WHERE database_name = ? AND NOT "
+                                              "internal", [alias]).fetchall()]
+    macros = [row[0] for row in cursor.execute("SELECT function_name FROM duckdb_functions() WHERE database_name = ? "
+                                               "AND NOT internal", [alias]).fetchall()]
+    if views or macros:
+        named = ", ".join(repr(name) for name in [*views, *macros][:5])
+        raise RunFileError(f"run: {path} holds views or macros ({named}), which qae never writes: SQL in it would run "
+                           "when qae reads the run. It is not a file qae made; it was not read. Remove it, or open it "
+                           "with DuckDB yourself if you trust it.")
+    if len(_VETTED) > 4096:
+        _VETTED.clear()
+    _VETTED[version] = True
 
 
 class RunFileError(QAEUserError):

@@ -40,6 +40,7 @@ from qae_app.store.run_file import (
     holder,
     is_damage_error,
     is_lock_error,
+    refuse_crafted_objects,
     run_file_database,
     unreadable_run_error,
 )
@@ -193,6 +194,11 @@ class RunWriter:
         database costs ~30 ms, attaching a file ~2 ms) and detached on exit, which lets go of its lock."""
         if self._instance is None:
             self._instance = run_file_database()
+            # this database reaches the run file and nothing else: no COPY ... TO, no ATTACH or read of another path,
+            # whatever SQL a crafted name might slip in (its names are checked too: schema.pending_write_from_json)
+            self._instance.execute("SET allowed_paths = ?", [[str(self.path), *(f"{self.path}{suffix}" for suffix in
+                                                                  (".wal", ".wal.checkpoint"))]])
+            self._instance.execute("SET enable_external_access = false")
         con = self._instance
         try:
             attach(con, self.path, "run", self.lock_timeout_s if timeout_s is None else timeout_s, read_only=False,
@@ -202,6 +208,7 @@ class RunWriter:
                 raise unreadable_run_error(self.path, err) from err
             raise
         try:
+            refuse_crafted_objects(con, "run", self.path)
             con.execute("USE run")
             yield con
         except BaseException:
@@ -248,6 +255,9 @@ class RunWriter:
         opening it again (a reader may already hold it)."""
         self.path = Path(path)
         self.pending_dir = self.path.parent / PENDING_DIR
+        if self._instance is not None:  # its database may reach the old path only: made anew for the new one
+            self._instance.close()
+            self._instance = None
 
     # run-level rows ------------------------------------------------------------------------------------------
     def create_run(self, name: str, config: dict, estimator: str, k: float | None, model: str, task: str,
