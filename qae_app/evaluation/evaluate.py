@@ -9,6 +9,7 @@ Each is reported for the whole benchmark (subset "all") and, where problems carr
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from qae_app.config import EvalConfig
 from qae_app.core.errors import QAEUserError
+from qae_app.core.host_faults import check_path_names, environment_errno, environment_error
 from qae_app.data.datasets import Problem
 from qae_app.data.tasks import load_benchmark
 from qae_app.engines.base import RolloutEngine
@@ -25,11 +27,13 @@ from qae_app.rewards.scorer import ANSWER_EXTRACTORS, Scorer
 from qae_app.store.reader import is_eval_run
 from qae_app.store.run_folder import (
     CHECKPOINTS_DIR,
+    MANIFEST,
     RUN_NAME_PATTERN,
     checkpoint_step,
     db_path,
     eval_run_error,
     list_checkpoints,
+    read_run_file,
     validate_run_name,
 )
 from qae_app.store.writer import RunWriter
@@ -164,12 +168,39 @@ def export_model(run: str, runs_dir, out: Path, checkpoint: int | None = None) -
         raise QAEUserError(f"checkpoint: {ckpt} does not check out ({problem}). Export another one with "
                            "--checkpoint N.")
     out = Path(out)
+    _check_export_folder(out, Path(runs_dir) / run)
+    # only what the manifest lists (checked above: regular files inside the checkpoint, checksums matching), so a file
+    # slipped into model/ never reaches an export meant for the Hub
+    listed = json.loads(read_run_file(ckpt / MANIFEST))
+    model_dir = Path(target.model_path).relative_to(ckpt)
+    files = sorted(name for name in listed if Path(name).parent == model_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            shutil.copy2(ckpt / name, out / Path(name).name)
+    except OSError as err:
+        if environment_errno(err) is None:
+            raise QAEUserError(f"out: cannot write {out} ({err.strerror or err}). Pass a new or empty folder you "
+                               "can write to.") from None
+        raise environment_error(f"out: cannot write the export to {out}", err, "The run is unchanged.",
+                                then="export again") from None
+    return target
+
+
+def _check_export_folder(out: Path, run_folder: Path) -> None:
+    """Refuse, before anything is written, an --out that cannot become a new folder holding the export."""
+    check_path_names("out", out)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise QAEUserError(f"out: {out} is a file, not a folder. Pass a new or empty folder.")
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise QAEUserError(f"out: {parent} is a file, so {out} cannot be made under it. Pass a new or empty folder.")
+    resolved = out.resolve()
+    if resolved == run_folder.resolve() or run_folder.resolve() in resolved.parents:
+        raise QAEUserError(f"out: {out} is inside the run's own folder ({run_folder}). Export to a folder outside "
+                           "it.")
     if out.exists() and any(out.iterdir()):
         raise QAEUserError(f"out: {out} is not empty. Pass a new or empty folder.")
-    out.mkdir(parents=True, exist_ok=True)
-    for path in sorted(Path(target.model_path).iterdir()):
-        shutil.copy2(path, out / path.name)
-    return target
 
 
 def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResult, str, Path]:

@@ -267,6 +267,8 @@ def checkpoint_problem(folder: Path) -> str | None:
                 return f"{name} is missing"
         except NotARegularFile as err:
             return str(err)
+        if not path.resolve().is_relative_to(folder.resolve()):  # through a linked folder (model/ -> elsewhere)
+            return f"{name} lies outside the checkpoint, through a symbolic link"
         if path.stat().st_size != entry["bytes"]:
             return f"{name} has {path.stat().st_size} bytes, {entry['bytes']} were saved"
         if file_sha256(path) != entry["sha256"]:
