@@ -41,6 +41,9 @@ def opt(default: Any, help: str, group: str, choices: dict[str, str] | tuple | N
 
 
 INT32_MAX = 2**31 - 1  # steps and seeds are stored in 32-bit INTEGER columns; numpy seeds must be < 2**32
+# alpha / rank: the adapters' output scale; rsLoRA and the usual 2 x rank stay far below, and above it a trained
+# adapter's output overflows (a scale of 1e308 gave inf log-probs at the first sampled step after an update)
+MAX_LORA_SCALE = 100.0
 MAX_ENTROPY_NATS = 20.0  # above ln(vocabulary size) of any tokenizer (ln 1e6 = 13.8)
 # A step holds all of its responses at once (token ids, log-probs, rewards, and their rows in the store): 65,536 is
 # 8x DAPO's 512 prompts x 16 responses, and a million responses would exhaust memory before the first step ended
@@ -338,6 +341,11 @@ class TrainConfig:
                 if getattr(self, name) is not None:
                     raise QAEUserError(f"{option_flag(name)}: {getattr(self, name)} does nothing without LoRA. Set "
                                        "--lora-rank (e.g. 16) to train adapters, or drop it.")
+        if self.lora_rank and self.lora_alpha is not None and self.lora_alpha / self.lora_rank > MAX_LORA_SCALE:
+            raise QAEUserError(f"lora-alpha: {self.lora_alpha:g} scales the adapters' output by alpha / rank = "
+                               f"{self.lora_alpha / self.lora_rank:.3g}, which overflows as soon as the adapters "
+                               f"train. Use an alpha of at most {MAX_LORA_SCALE:g} x --lora-rank "
+                               f"({MAX_LORA_SCALE * self.lora_rank:g}); the default, 2 x rank, suits most runs.")
         if self.lora_targets is not None and not [t for t in self.lora_targets.split(",") if t.strip()]:
             raise QAEUserError(f"lora-targets: '{self.lora_targets}' names no layer. Pass a comma list of linear "
                                "layer names (e.g. q_proj,v_proj), or leave it out for every linear layer.")

@@ -78,6 +78,18 @@ def resolve_targets(model: torch.nn.Module, text: str | None, model_name: str = 
     return wanted
 
 
+def check_rank_fits(model: torch.nn.Module, rank: int, targets: list[str], model_name: str) -> None:
+    """Refuse, before any adapter is allocated, a rank above the narrowest adapted layer's width: past it an adapter
+    is no longer low-rank (it adds parameters, not capacity), and a huge one asks the allocator for gigabytes."""
+    widths = {name: min(module.in_features, module.out_features) for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets}
+    narrowest = min(widths, key=widths.get)
+    if rank > widths[narrowest]:
+        raise QAEUserError(f"lora-rank: {rank} is more than the narrowest adapted layer of {model_name} is wide "
+                           f"({narrowest}: {widths[narrowest]}). Use a rank of at most {widths[narrowest]} (8-64 "
+                           "is usual).")
+
+
 def lora_alpha(rank: int, alpha: float | None) -> float:
     """--lora-alpha, default 2 x rank: the adapter's output is scaled by alpha / rank = 2 whatever the rank."""
     return float(alpha) if alpha is not None else 2.0 * rank
@@ -90,8 +102,10 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float | None = None, ta
     A's initialisation draws from torch's global generator (seeded by the trainer)."""
     from peft import LoraConfig, get_peft_model
 
+    target_modules = resolve_targets(model, targets, model_name)
+    check_rank_fits(model, rank, target_modules, model_name)
     config = LoraConfig(r=rank, lora_alpha=lora_alpha(rank, alpha), lora_dropout=0.0, bias="none",
-                        target_modules=resolve_targets(model, targets, model_name), task_type="CAUSAL_LM")
+                        target_modules=target_modules, task_type="CAUSAL_LM")
     with warnings.catch_warnings():  # peft reads a property transformers 5 deprecated: nothing a user can act on
         warnings.filterwarnings("ignore", r"`is_gradient_checkpointing` is deprecated", FutureWarning)
         return get_peft_model(model, config, adapter_name=ADAPTER_NAME)
