@@ -82,3 +82,20 @@ def test_only_the_files_the_manifest_lists_are_exported(runs, tmp_path):
     assert code == 0, output
     exported = {p.name for p in (tmp_path / "out").iterdir()}
     assert "planted.txt" not in exported and {"config.json", "model.safetensors"} <= exported
+
+
+@pytest.mark.parametrize("plant, message", [
+    ("deep/config.json", "nested deeper than any model config"),
+    ("list/config.json", "holds a list, not a model config"),
+    ("bad.gguf", "is not a GGUF file gguf can read"),
+])
+def test_qae_plan_on_a_model_file_it_cannot_read_is_one_message(tmp_path, plant, message):
+    """(Beside export: the other file-reading commands of issue 39's list.)"""
+    content = {"deep/config.json": '{"a":' * 100_000 + "1" + "}" * 100_000, "list/config.json": "[1, 2]",
+               "bad.gguf": "not a gguf file"}[plant]
+    path = tmp_path / plant
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(content)
+    model = path if plant.endswith(".gguf") else path.parent
+    result = runner.invoke(app, ["plan", "--model", str(model)], env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output

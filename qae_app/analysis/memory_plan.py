@@ -150,16 +150,25 @@ def shape_from_config(config: dict, source: str) -> ModelShape:
 
 def _read_json(path: Path, source: str) -> dict:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise QAEUserError(f"model: cannot read {path} ({err}). Pass a folder with a valid config.json.") from err
+        config = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as err:
+        reason = "nested deeper than any model config" if isinstance(err, RecursionError) else str(err)[:200]
+        raise QAEUserError(f"model: cannot read {path} ({reason}). Pass a folder with a valid config.json.") from None
+    if not isinstance(config, dict):
+        raise QAEUserError(f"model: {path} holds a {type(config).__name__}, not a model config (a JSON object). Pass "
+                           "a folder with a valid config.json.")
+    return config
 
 
 def _gguf_shape(path: Path) -> ModelShape:
     """The shapes in a GGUF file's metadata (llama.cpp's keys: <arch>.embedding_length, ...)."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(path)
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as err:  # gguf raises ValueError('GGUF magic invalid') & co
+        raise QAEUserError(f"model: {path} is not a GGUF file gguf can read ({str(err)[:200]}). Pass a .gguf model "
+                           "file (llama.cpp's format) or a Hugging Face model folder.") from None
 
     def value(key, default=None):
         field = reader.fields.get(key)
