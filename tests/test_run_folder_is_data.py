@@ -120,7 +120,11 @@ def test_a_trusted_folder_converts_its_pickled_writes_to_json_once(tmp_path):
     pending.mkdir(exist_ok=True)
     old = PendingWrite("step", step=1, tables={"steps": [{"reward_mean": 0.25}]},
                        logged_at=datetime(2026, 12, 1, 12, 0))
-    (pending / "00000001-step.pkl").write_bytes(pickle.dumps(old))
+    # as an older qae pickled it: the class named where it lived then, the flat module qae_app.store (protocol 0
+    # spells the names out, so they can be written as they were)
+    pickled = pickle.dumps(old, protocol=0).replace(b"qae_app.store.schema\n", b"qae_app.store\n")
+    assert b"cqae_app.store\nPendingWrite" in pickled
+    (pending / "00000001-step.pkl").write_bytes(pickled)
     assert convert_legacy_pending(run_dir, trusted=True) == 1
     assert [p.name for p in pending.iterdir()] == ["00000001-step.json"]
     resumed = RunWriter(run_dir / "qae.duckdb", "r")
@@ -270,7 +274,7 @@ def test_a_checkpoint_an_older_qae_wrote_resumes_only_with_trust_pickles(sent_ru
 
 # every call that can run code from a file it reads, and the only functions allowed to make one: both behind the
 # user's --trust-pickles for a folder an older qae wrote
-UNPICKLING_CALLS = ("pickle.load", "torch.load", ".load_state(", "weights_only=False", "joblib.load", "dill.load")
+UNPICKLING_CALLS = ("pickle.load", "Unpickler(", "torch.load", ".load_state(", "weights_only=False", "joblib.load", "dill.load")
 TRUSTED_ONLY = {("writer.py", "convert_legacy_pending"), ("session.py", "_load_training_state")}
 
 

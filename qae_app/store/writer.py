@@ -531,6 +531,16 @@ def legacy_pending_error(run_dir: Path, legacy: list[Path]) -> QAEUserError:
         "again from the newest checkpoint.")
 
 
+class _LegacyUnpickler(pickle.Unpickler):
+    """An older qae pickled `PendingWrite` where it lived then, the flat module `qae_app.store`, now the package
+    holding store.schema: its class is looked up where it lives now."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("qae_app.store", "PendingWrite"):
+            module = "qae_app.store.schema"
+        return super().find_class(module, name)
+
+
 def convert_legacy_pending(run_dir: Path, trusted: bool) -> int:
     """Rewrite an older qae's pickled pending writes as JSON (each atomically, then the pickle removed), when the user
     vouched for the folder (`trusted`); refuse otherwise. Returns how many were converted."""
@@ -538,7 +548,8 @@ def convert_legacy_pending(run_dir: Path, trusted: bool) -> int:
     if legacy and not trusted:
         raise legacy_pending_error(run_dir, legacy)
     for path in legacy:
-        write = pickle.loads(path.read_bytes())  # the user vouched for this folder (--trust-pickles)
+        with open(path, "rb") as f:  # the user vouched for this folder (--trust-pickles)
+            write = _LegacyUnpickler(f).load()
         write.spilled = None
         _write_atomically(path.with_suffix(PENDING_SUFFIX), pending_write_json(write))
         path.unlink()
