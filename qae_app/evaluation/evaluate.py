@@ -34,6 +34,7 @@ from qae_app.store.run_folder import (
     eval_run_error,
     list_checkpoints,
     read_run_file,
+    recent_runs_text,
     validate_run_name,
 )
 from qae_app.store.writer import RunWriter
@@ -146,7 +147,23 @@ def resolve_model(spec: str, runs_dir, checkpoint: int | None = None) -> EvalTar
         return EvalTarget(str(ckpt / "model"), spec, checkpoint_step(ckpt))
     if checkpoint is not None:
         raise QAEUserError(f"checkpoint: --checkpoint needs --model to be a run id in {runs_dir}; '{spec}' is not.")
+    if _looks_like_a_run_id(spec):
+        raise QAEUserError(f"model: there is no run '{spec}' in {runs_dir}, and it is no built-in model, local folder "
+                           f"or file (runs there, last written first: {recent_runs_text(Path(runs_dir))}). Pass a run id (`qae runs`), a model folder, "
+                           "a .gguf file, or a Hugging Face id as org/name.")
     return EvalTarget(spec, None, 0)
+
+
+def _looks_like_a_run_id(spec: str) -> bool:
+    """A bare name (no org/, no path, no built-in prefix) that is no folder here and no model in the Hugging Face
+    cache: a run id mistyped, which transformers would otherwise take for a Hub id and retry offline for a minute."""
+    if not RUN_NAME_PATTERN.match(spec) or "/" in spec or ":" in spec or Path(spec).exists():
+        return False
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return True
+    return not isinstance(try_to_load_from_cache(spec, "config.json"), str)
 
 
 def export_model(run: str, runs_dir, out: Path, checkpoint: int | None = None) -> EvalTarget:
