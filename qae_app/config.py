@@ -523,8 +523,8 @@ class EvalConfig:
                      "unless this is given.", "model")
     checkpoint: int | None = opt(None, "With a run id: evaluate checkpoint step-N instead of the newest.", "model")
     dtype: str = opt("float32", "Weights dtype.", "model", names.DTYPES)
-    bench: str = opt("arith", "A built-in task's held-out split (arith, builtin:chain, add) or a JSONL/Parquet math file (GSM8K, MATH-500, "
-                     "AIME, AMC, DAPO formats).", "benchmark")
+    bench: str = opt("arith", "A built-in task's held-out split (arith, builtin:chain, add) or a JSONL/Parquet math "
+                     "file (GSM8K, MATH-500, AIME, AMC, DAPO formats).", "benchmark")
     limit: int | None = opt(None, "Only the first N problems.", "benchmark")
     samples: int = opt(4, "Samples per problem (k of avg@k, pass@k, maj@k; the paper's avg@32 uses 32).", "sampling")
     temperature: float = opt(0.7, "Sampling temperature.", "sampling")

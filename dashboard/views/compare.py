@@ -2,7 +2,8 @@
 group the run metrics' means with 95% intervals, the paired differences from a baseline group, and the mean curves of
 held-out accuracy, entropy and the zero-advantage fraction with a band across seeds.
 
-Every number of the table comes from `qae_app.analysis.compare`; this page only picks the runs and lays the numbers out."""
+Every number of the table comes from `qae_app.analysis.compare`; this page only picks the runs and lays the numbers
+out."""
 
 import board
 import charts
@@ -234,8 +235,8 @@ def body(run_ids: list[str]) -> None:
     if all(group.metrics["final_heldout"].mean is None for group in groups):
         st.info(NO_HELDOUT)
     if comparison.baseline is not None:
-        st.markdown(f"**Minus the baseline {board.literal(comparison.baseline.label)}**, paired by seed: mean difference [95% "
-                    "interval] and the two-sided paired t-test p")
+        st.markdown(f"**Minus the baseline {board.literal(comparison.baseline.label)}**, paired by seed: mean "
+                    "difference [95% interval] and the two-sided paired t-test p")
         differences = differences_table(comparison)
         shown = by_metric(differences)
         st.dataframe(shown, hide_index=True, key="compare_differences", placeholder="", height=full_height(shown),

@@ -14,7 +14,8 @@ from qae_app.store.schema import STEP_METRICS
 # In reading order: what the run is and how it is doing first (its latest metrics before the pace of a live run, so
 # they stay in view at 1400 px), then what it trains, then bookkeeping.
 COLUMNS = {
-    "shown": st.column_config.CheckboxColumn("shown", width=56, help="Picked in the sidebar: shown on the other pages."),
+    "shown": st.column_config.CheckboxColumn("shown", width=56,
+                                             help="Picked in the sidebar: shown on the other pages."),
     "run_id": st.column_config.TextColumn("run", help="The run's folder: a copied or renamed folder is a run of its "
                                                       "own."),
     "status": st.column_config.TextColumn(

@@ -21,17 +21,17 @@ from its decoder, and passes them with `get_output_embeddings().weight` (tied em
 `head_logprobs_and_entropy`. It refuses models whose logits are not `lm_head(last hidden state)` (Gemma's
 soft-capping, Cohere's logit scale, Granite's logits scaling, ...) and heads sharded by FSDP1 or ZeRO-3.
 
-FSDP2 (`fully_shard`, qae_app/models/sharding.py or accelerate's): after the model's forward the FSDP unit that owns the head
-(the root, which holds embeddings, final norm and head) is unsharded explicitly (`FSDPModule.unshard()`: a no-op
+FSDP2 (`fully_shard`, qae_app/models/sharding.py or accelerate's): after the model's forward the FSDP unit that owns the
+head (the root, which holds embeddings, final norm and head) is unsharded explicitly (`FSDPModule.unshard()`: a no-op
 where the root kept its weights gathered after the forward, as FSDP2 does by default; an all-gather otherwise), so
-`get_output_embeddings().weight` is the gathered Parameter FSDP2 swapped into the module, the one its own forward
-reads. Its gradient lands where the plain path's does, in that Parameter's `.grad`, and FSDP2's end-of-backward
-callback reduce-scatters it into the sharded parameter (the unit's post-backward runs there for any group that the
-autograd graph did not reach through the unit's outputs, which is the case here: the loss does not use the logits).
-A tied head is the embedding's Parameter, gathered once, its gradient the sum of both uses as on the plain path.
+`get_output_embeddings().weight` is the gathered Parameter FSDP2 swapped into the module, the one its own forward reads.
+Its gradient lands where the plain path's does, in that Parameter's `.grad`, and FSDP2's end-of-backward callback
+reduce-scatters it into the sharded parameter (the unit's post-backward runs there for any group that the autograd graph
+did not reach through the unit's outputs, which is the case here: the loss does not use the logits). A tied head is the
+embedding's Parameter, gathered once, its gradient the sum of both uses as on the plain path.
 
-Memory: the default chunk (`default_chunk_tokens`) makes one float32 chunk of logits `names.LOGPROB_CHUNK_BYTES` (256 MiB): 441
-tokens for a 151,936 vocabulary. A chunk holds ~3 such tensors at once (logits, log-probs, and their exp or
+Memory: the default chunk (`default_chunk_tokens`) makes one float32 chunk of logits `names.LOGPROB_CHUNK_BYTES` (256
+MiB): 441 tokens for a 151,936 vocabulary. A chunk holds ~3 such tensors at once (logits, log-probs, and their exp or
 gradient), so the head's working memory is ~0.75 GB whatever the token count, plus the weight's gradient buffer.
 """
 
@@ -256,8 +256,8 @@ def plain_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | Non
             if value is not None and value != unchanged:
                 raise QAEUserError(
                     f"model: its config sets {field}={value}, so its logits are not the LM head's output and the "
-                    "chunked log-probs (qae_app.algo.chunked_head) would be wrong for it. Compute the full logits and use "
-                    "losses.token_logprobs_and_entropy instead.")
+                    "chunked log-probs (qae_app.algo.chunked_head) would be wrong for it. Compute the full logits "
+                    "and use losses.token_logprobs_and_entropy instead.")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear):
         raise QAEUserError(f"model: {type(model).__name__} has no nn.Linear output embedding (get_output_embeddings() "
@@ -304,8 +304,9 @@ def whole_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor, t
     weight, bias = plain_head(core)
     sharding = _sharding_of(chain, weight)
     if sharding not in (None, "FSDP2"):
-        raise QAEUserError(f"model: its LM head is sharded by {sharding}; the chunked log-probs (qae_app.algo.chunked_head) "
-                           "need the whole weight on this process, which they get from FSDP2 (fully_shard) only. "
+        raise QAEUserError(f"model: its LM head is sharded by {sharding}; the chunked log-probs "
+                           "(qae_app.algo.chunked_head) need the whole weight on this process, which they get from "
+                           "FSDP2 (fully_shard) only. "
                            "Use FSDP2 (configs/accelerate/fsdp2.yaml), or --logprob-chunk-tokens 0 for the full "
                            "logits.")
     return core, weight, bias

@@ -3,8 +3,8 @@
 A single run is one draw: two runs that differ by 0.02 in held-out accuracy say nothing until the seed-to-seed spread
 is known. So runs are grouped by their config without the seed, each metric is reduced to one number per run, and a
 group reports the mean over its runs with a 95% Student-t interval. Against a baseline group, runs are paired by seed
-(the same seed gives both runs the same prompt order and the same start of the sampling stream), and the paired difference gets its
-own interval and a two-sided paired t-test p-value.
+(the same seed gives both runs the same prompt order and the same start of the sampling stream), and the paired
+difference gets its own interval and a two-sided paired t-test p-value.
 
 Per-run metrics are defined once, in `RUN_METRICS`; each is computed from the run's `steps` frame (columns as
 `store.STEP_METRICS`, one row per step).

@@ -318,8 +318,8 @@ def _view_console() -> Console:
 
 @app.command("runs")
 def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
-              sweep: Annotated[Optional[str], typer.Option(help="Only the runs of this sweep (its id or name).")] = None,
-              ) -> None:
+              sweep: Annotated[Optional[str],
+                               typer.Option(help="Only the runs of this sweep (its id or name).")] = None) -> None:
     """List runs: status, estimator, K, steps and the latest reward, accuracy and entropy (model and task when the
     terminal is wide enough). A run is its folder; an unreadable database is listed with the reason."""
     from qae_app.cli.views import runs_view

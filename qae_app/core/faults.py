@@ -2,11 +2,11 @@
 `kill -9` would) when execution reaches that point at that step, `QAE_FAULT=raise:<point>@<step>` raises there, and
 `QAE_FAULT=term:<point>@<step>` sends SIGTERM to this process's group (as systemd or Slurm do).
 
-Points: `db_commit` (inside a step's database transaction, before COMMIT), `after_step_rows` (rows queued in the store, before
-they are written), `checkpoint_rename` (checkpoint written to `step-N.tmp`, before the rename), `finishing` (the run is
-writing its final status; the step is the last one done), `scoring` (responses sent to the verifier), `verifier_start`
-(math-verify worker number N of its pool, before it reports ready). `<point>@*` matches every N. Unset, this costs
-one dictionary lookup.
+Points: `db_commit` (inside a step's database transaction, before COMMIT), `after_step_rows` (rows queued in the store,
+before they are written), `checkpoint_rename` (checkpoint written to `step-N.tmp`, before the rename), `finishing` (the
+run is writing its final status; the step is the last one done), `scoring` (responses sent to the verifier),
+`verifier_start` (math-verify worker number N of its pool, before it reports ready). `<point>@*` matches every N. Unset,
+this costs one dictionary lookup.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""How a number, a missing value, a duration, a run's pace and its launch read, wherever qae shows them: the terminal (`qae runs`,
-`qae show`, `qae train`, `qae compare`) and the dashboard. One definition of each, so the two never disagree.
+"""How a number, a missing value, a duration, a run's pace and its launch read, wherever qae shows them: the terminal
+(`qae runs`, `qae show`, `qae train`, `qae compare`) and the dashboard. One definition of each, so the two never
+disagree.
 
 Torch-free, and pandas-free at import (`qae runs` draws from dicts): `run_pace` imports pandas when it is called.
 """

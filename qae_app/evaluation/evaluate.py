@@ -67,7 +67,8 @@ def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: li
                 "sample_idx": counters[sample.prompt_index],
                 "response": text,
                 "extracted": ANSWER_EXTRACTORS[scorer.name](text),  # what the reward read: maj@k's vote
-                "answer": None if problem.answer is None else str(problem.answer),  # the gold answer it was checked against
+                # the gold answer it was checked against
+                "answer": None if problem.answer is None else str(problem.answer),
                 "correct": reward == 1.0,
                 "verified": reward is not None,
                 "n_tokens": len(sample.response_ids),
@@ -149,8 +150,8 @@ def resolve_model(spec: str, runs_dir, checkpoint: int | None = None) -> EvalTar
         raise QAEUserError(f"checkpoint: --checkpoint needs --model to be a run id in {runs_dir}; '{spec}' is not.")
     if _looks_like_a_run_id(spec):
         raise QAEUserError(f"model: there is no run '{spec}' in {runs_dir}, and it is no built-in model, local folder "
-                           f"or file (runs there, last written first: {recent_runs_text(Path(runs_dir))}). Pass a run id (`qae runs`), a model folder, "
-                           "a .gguf file, or a Hugging Face id as org/name.")
+                           f"or file (runs there, last written first: {recent_runs_text(Path(runs_dir))}). Pass a run "
+                           "id (`qae runs`), a model folder, a .gguf file, or a Hugging Face id as org/name.")
     return EvalTarget(spec, None, 0)
 
 

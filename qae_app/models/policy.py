@@ -375,7 +375,8 @@ def load_policy(spec: str, dtype: str = "float32", use_chat_template: bool = Tru
     except (OSError, ValueError) as err:
         raise QAEUserError(
             f"model: cannot load '{original}' ({type(err).__name__}: {str(err).splitlines()[0][:300]}). "
-            f"Pass a local folder with config.json and weights, a .gguf file, a Hugging Face id, or one of {', '.join(BUILTIN_CHECKPOINTS)}."
+            "Pass a local folder with config.json and weights, a .gguf file, a Hugging Face id, or one of "
+            f"{', '.join(BUILTIN_CHECKPOINTS)}."
         ) from err
     return model, codec
 

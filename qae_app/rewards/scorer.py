@@ -13,10 +13,9 @@ those and never treats them as a silent 0.
 | `final_number`| built-in `add` task (instruct models answering in words): the number on the last `Answer: N`    |
 |               | line, else the last number of the response, checked with math-verify                          |
 
-`math` and `final_number` are scored by worker processes (`MathVerifierPool`, qae_app/rewards/verifier_pool.py: math-verify
-can hang, so each item has a hard deadline) that every `Scorer` starts and closes itself; the answers each reward reads
-are extracted in qae_app/rewards/answers.py.
-"""
+`math` and `final_number` are scored by worker processes (`MathVerifierPool`, qae_app/rewards/verifier_pool.py:
+math-verify can hang, so each item has a hard deadline) that every `Scorer` starts and closes itself; the answers each
+reward reads are extracted in qae_app/rewards/answers.py. """
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Imported once by the math verifier's fork server (see `verifier_pool._worker_context`): imports math-verify and sympy and
-runs each of its parsers once, so every worker forked from the server starts warm, in milliseconds.
+"""Imported once by the math verifier's fork server (see `verifier_pool._worker_context`): imports math-verify and sympy
+and runs each of its parsers once, so every worker forked from the server starts warm, in milliseconds.
 
 Any failure here is left for the workers to meet and report (they import and warm up again): the fork server must
 start whatever happens."""

@@ -346,7 +346,8 @@ def read_rollout_steps(path: Path) -> list[int]:
 SQL_PROMPTS = """
     SELECT prompt_id, any_value(prompt) AS prompt, any_value(answer) AS answer, count(*) AS times_sampled,
            min(step) AS first_step, max(step) AS last_step,
-           arg_min(n_correct / group_size, step) AS first_success, arg_max(n_correct / group_size, step) AS last_success,
+           arg_min(n_correct / group_size, step) AS first_success,
+           arg_max(n_correct / group_size, step) AS last_success,
            arg_min(regime, step) AS first_regime, arg_max(regime, step) AS last_regime,
            avg(n_correct / group_size) AS mean_success
     FROM groups

@@ -58,8 +58,8 @@ def validate_run_name(name: str, option: str = "run-name", runs_dir: Path | None
         return name
     if not isinstance(name, str) or not RUN_NAME_PATTERN.match(name) or ".." in name:
         raise QAEUserError(
-            f"{option}: '{clipped(name)}' is not a plain name. Use letters, digits, '.', '_' and '-' (at most 100, starting "
-            "with a letter or digit, no '..', no '/'); the run is stored under --runs-dir."
+            f"{option}: '{clipped(name)}' is not a plain name. Use letters, digits, '.', '_' and '-' (at most 100, "
+            "starting with a letter or digit, no '..', no '/'); the run is stored under --runs-dir."
         )
     return name
 
@@ -89,7 +89,7 @@ def _refusal(path: Path, what: str) -> NotARegularFile:
 
 
 def check_regular_file(path: Path) -> bool:
-    """True if `path` is a regular file (not through a symlink), False if nothing is there; NotARegularFile otherwise."""
+    """True if `path` is a regular file (not a symlink), False if nothing is there; NotARegularFile otherwise."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:

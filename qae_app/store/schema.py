@@ -6,8 +6,8 @@ older files and the check of the rows the trainer hands over all come from it. `
 keeps under `pending/` until the file is free.
 
 Who touches the file: qae_app/store/writer.py (`RunWriter`, the only writer) and qae_app/store/reader.py (the readers:
-read-only, one query, let go at once), both through qae_app/store/run_file.py, which waits out another process's lock and
-tells a busy file from a damaged one. This module is data only: it imports no database library.
+read-only, one query, let go at once), both through qae_app/store/run_file.py, which waits out another process's lock
+and tells a busy file from a damaged one. This module is data only: it imports no database library.
 """
 
 from __future__ import annotations
@@ -193,8 +193,9 @@ def schema_statements() -> list[str]:
 class PendingWrite:
     """One write waiting for the file: a step's rows, a change to the run's row, or a truncation (on resume).
 
-    Saved under pending/ as JSON (`pending_write_json`). qae before that pickled it as is, so its module and name
-    (qae_app.store.schema.PendingWrite) stay what they were: `qae train --resume RUN --trust-pickles` converts such files."""
+    Saved under pending/ as JSON (`pending_write_json`). qae before that pickled it as is, as qae_app.store.PendingWrite
+    (the flat module it lived in then): `qae train --resume RUN --trust-pickles` converts such files
+    (writer.convert_legacy_pending finds the class where it lives now)."""
 
     kind: str  # "step", "step_update", "run" or "truncate"
     step: int | None = None
