@@ -10,10 +10,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from same_steps import assert_same_metrics, kept_steps
 
 from qae_app.store.reader import query, read_run, read_steps
 from qae_app.store.run_folder import db_path
+from tests.same_steps import assert_same_metrics, kept_steps
 
 ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
 SCRIPT = Path(__file__).parent / "scripts" / "same_samples.py"

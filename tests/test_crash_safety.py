@@ -13,12 +13,12 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from same_steps import assert_same_metrics, kept_steps, saved_steps
 
 from qae_app.config import build_config
 from qae_app.store.reader import query, read_run, read_steps
 from qae_app.store.run_folder import RunLock, db_path, latest_checkpoint, trainer_alive, write_manifest
 from qae_app.train.trainer import Trainer
+from tests.same_steps import assert_same_metrics, kept_steps, saved_steps
 
 OPTS = dict(steps=6, prompts_per_step=4, group_size=8, eval_every=0, checkpoint_every=2, seed=1)
 PER_STEP = OPTS["prompts_per_step"] * OPTS["group_size"]

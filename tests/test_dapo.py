@@ -15,7 +15,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from same_steps import assert_same_metrics
 from typer.testing import CliRunner
 
 from qae_app.algo.advantages import REGIMES, EstimatorConfig, compute_advantages
@@ -29,6 +28,7 @@ from qae_app.store.run_folder import db_path
 from qae_app.train.session import data_position_problem
 from qae_app.train.trainer import Trainer
 from qae_app.train.update import pack
+from tests.same_steps import assert_same_metrics
 
 runner = CliRunner()
 QAE = str(Path(sys.executable).parent / "qae")

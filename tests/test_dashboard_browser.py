@@ -320,7 +320,7 @@ def test_zoom_survives_new_steps_and_a_killed_run_stops_redrawing(start, dashboa
 def test_the_compare_page_of_a_sweep(dashboard, page, tmp_path):
     """A sweep of 2 estimators x 3 seeds: the table with its intervals, the three charts of mean curves with bands,
     and a baseline picked on the page: the paired differences appear and the choice goes into the URL."""
-    from test_dashboard_compare import SWEEP_NAME, write_compare_runs
+    from tests.test_dashboard_compare import SWEEP_NAME, write_compare_runs
 
     url = dashboard(write_compare_runs(tmp_path / "runs"), refresh="off")
     page.goto(f"{url}/compare?sweep={SWEEP_NAME}")

@@ -17,10 +17,10 @@ import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
-from same_steps import assert_same_metrics, kept_steps
 
 from qae_app.store.reader import query, read_run, read_steps
 from qae_app.store.run_folder import db_path
+from tests.same_steps import assert_same_metrics, kept_steps
 
 ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelerate"

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from same_steps import assert_same_metrics
 from typer.testing import CliRunner
 
 from qae_app.cli.main import app
@@ -37,6 +36,7 @@ from qae_app.train.session import resume_config
 from qae_app.train.trainer import Trainer
 from qae_app.train.update import UpdateOptions, logprobs_in_chunks, pack
 from tests.conftest import TINY_RUN_OPTIONS
+from tests.same_steps import assert_same_metrics
 
 runner = CliRunner()
 

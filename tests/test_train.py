@@ -6,7 +6,6 @@ import json
 import pandas as pd
 import pytest
 import torch
-from same_steps import assert_same_metrics
 from typer.testing import CliRunner
 
 from qae_app.algo.advantages import REGIMES, EstimatorConfig, compute_advantages
@@ -20,6 +19,7 @@ from qae_app.store.schema import STEP_METRICS
 from qae_app.train.session import resume_config
 from qae_app.train.trainer import Trainer
 from tests.conftest import TINY_RUN_OPTIONS
+from tests.same_steps import assert_same_metrics
 
 runner = CliRunner()
 
