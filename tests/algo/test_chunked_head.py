@@ -417,7 +417,7 @@ def test_chunked_head_peak_memory_at_4096_tokens_of_a_151936_vocabulary_is_under
 
     tokens, vocab = 4096, 151936
     one_logits_tensor = tokens * vocab * 4
-    script = Path(__file__).resolve().parents[1] / "bench" / "bench_head_memory.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_head_memory.py"
     out = subprocess.run([sys.executable, str(script), "--tokens", str(tokens), "--vocab", str(vocab), "--hidden",
                           "256", "--path", "chunked"], capture_output=True, text=True, check=True)
     peak_gb = float(re.fullmatch(r"peak_rss ([\d.]+) GB", out.stdout.strip().splitlines()[-1]).group(1))
