@@ -25,7 +25,7 @@ from qae_app.config import build_config
 from qae_app.core.errors import QAEUserError
 from qae_app.models.packaged import PACKAGED_GGUF
 
-RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.toml"))
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.toml"))
 runner = CliRunner()
 
 
@@ -265,7 +265,7 @@ def test_the_plan_predicts_the_measured_peak_of_the_trainers_update_within_20_pe
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parents[1] / "bench" / "bench_memory.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_memory.py"
     for head in ([], ["--logprob-chunk-tokens", "0"]):
         out = subprocess.run([sys.executable, str(script), "--vocab", "151936", "--hidden", "64", "--layers", "1",
                               "--tokens", "1024", *head], capture_output=True, text=True, check=True)
