@@ -9,7 +9,7 @@ import pytest
 from qae_app.core.errors import QAEUserError
 from qae_app.data.datasets import clean_text, load_math_file
 
-MATH_DATA = Path(os.environ.get("QAE_MATH_DATA") or Path(__file__).resolve().parents[2] / "shared/data/math")
+MATH_DATA = Path(os.environ.get("QAE_MATH_DATA") or Path(__file__).resolve().parents[3] / "shared/data/math")
 needs_data = pytest.mark.skipif(not MATH_DATA.is_dir(), reason=f"math data folder {MATH_DATA} not found")
 
 
