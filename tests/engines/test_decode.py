@@ -12,7 +12,7 @@ from qae_app.engines import decode
 from qae_app.engines.hf import HFGenerateEngine
 from qae_app.models.lora import apply_lora
 from qae_app.models.policy import BUILTIN_MODEL, BUILTIN_SCRATCH, load_policy
-from tests.test_rollout import reference_generate
+from tests.engines.test_rollout import reference_generate
 
 
 def engine_samples(engine: HFGenerateEngine, use_decode_loop: bool, prompts, n, max_new_tokens, seed):
