@@ -260,7 +260,7 @@ def test_two_processes_train_the_one_process_adapters(tmp_path):
     """Under `accelerate launch --num_processes 2` (DDP over gloo) the adapters, the KL to the adapters-off reference
     and every stored row are those of one process on the same samples (tests/scripts/same_samples.py)."""
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
-    script = Path(__file__).parent / "scripts" / "same_samples.py"
+    script = Path(__file__).parents[1] / "scripts" / "same_samples.py"
     for n in (1, 2):
         command = [accelerate, "launch", "--num_processes", str(n), "--num_machines", "1", "--mixed_precision", "no",
                    "--dynamo_backend", "no", *(["--multi_gpu"] if n > 1 else ["--cpu"]), str(script), str(tmp_path),
