@@ -21,7 +21,7 @@ from qae_app.rewards.answers import FINAL_ANSWER_WINDOW, extract_answer
 from qae_app.rewards.scorer import REWARD_FUNCTIONS, Scorer, exact_int_reward, get_reward_function
 from qae_app.rewards.verifier_pool import MathVerifierPool, ScoringInterrupted
 
-MATH_DATA = Path(os.environ.get("QAE_MATH_DATA") or Path(__file__).resolve().parents[2] / "shared/data/math")
+MATH_DATA = Path(os.environ.get("QAE_MATH_DATA") or Path(__file__).resolve().parents[3] / "shared/data/math")
 needs_data = pytest.mark.skipif(not MATH_DATA.is_dir(), reason=f"math data folder {MATH_DATA} not found")
 
 # MATH-500 gold answers that do not verify against themselves when written as `\boxed{<gold>}`: none with
