@@ -478,7 +478,7 @@ def test_writing_rows_does_not_import_pandas(tmp_path):
     cost in a default run); readers still get frames."""
     code = ("import sys\n"
             "from pathlib import Path\n"
-            "from tests.test_store import _awkward_rows\n"
+            "from tests.store.test_store import _awkward_rows\n"
             "from qae_app.store.writer import RunWriter\n"
             "w = RunWriter(Path(sys.argv[1]), 'r')\n"
             "w.create_run('r', {}, 'qae', 0.4, 'builtin:tiny', 'arith', 0)\n"
@@ -488,7 +488,7 @@ def test_writing_rows_does_not_import_pandas(tmp_path):
             "w.update_run(status='finished', wall_s=1.0)\n"
             "print(sorted(m for m in ('pandas', 'pyarrow') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r" / "qae.duckdb")], capture_output=True,
-                         text=True, cwd=Path(__file__).resolve().parents[1], timeout=120)
+                         text=True, cwd=Path(__file__).resolve().parents[2], timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
     # the value the subprocess set by hand (update_step(1, eval_s=0.5)) reached the file: a stored value, not a timing

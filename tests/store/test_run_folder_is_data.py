@@ -278,7 +278,7 @@ def test_nothing_unpickles_outside_the_trusted_legacy_path():
     only unpickling calls sit in the two functions --trust-pickles guards (checked there by the tests above)."""
     import ast
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     found = set()
     for path in [*(root / "qae_app").rglob("*.py"), *(root / "dashboard").rglob("*.py")]:
         tree = ast.parse(path.read_text())
@@ -321,7 +321,7 @@ def test_no_module_uses_torch_distributed_checkpoint():
     sharded checkpoints are each process's safetensors and a JSON layout instead (checkpoint_state)."""
     import ast
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for path in [*(root / "qae_app").rglob("*.py"), *(root / "dashboard").rglob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
@@ -340,7 +340,7 @@ def test_a_payload_planted_in_a_sharded_checkpoint_never_runs(tmp_path):
     from qae_app.train.checkpoint_state import pickled_files
 
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
-    config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "fsdp2.yaml"
+    config = Path(__file__).resolve().parents[2] / "configs" / "accelerate" / "fsdp2.yaml"
 
     def launch(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([accelerate, "launch", "--config_file", str(config), "--num_processes", "2",
