@@ -13,7 +13,7 @@ from qae_app.rewards.scorer import overlong_penalty
 from qae_app.store.reader import query, read_run, read_steps
 from qae_app.store.run_folder import db_path
 
-RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 RECIPES = sorted(RECIPES_DIR.glob("*.toml"))
 QAE = str(Path(sys.executable).parent / "qae")
 
