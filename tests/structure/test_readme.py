@@ -7,7 +7,7 @@ from pathlib import Path
 from qae_app.cli.main import app
 from qae_app.store.schema import STEP_METRICS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
 

@@ -17,7 +17,7 @@ from qae_app.config import TrainConfig, build_config
 from qae_app.store import schema as store
 from qae_app.store import writer as store_write
 
-PACKAGE = Path(__file__).resolve().parents[1] / "qae_app"
+PACKAGE = Path(__file__).resolve().parents[2] / "qae_app"
 # The layer table. A package imports only from packages in lower layers, never from one beside it or above it; inside
 # a package its modules import each other, never in a circle. `config` is a module of its own; the dashboard sits on
 # top. docs/architecture.md describes each package and module.
