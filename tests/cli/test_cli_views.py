@@ -2,8 +2,8 @@
 through the real store, no training), plus what must hold at any width: no line wider than the terminal, no number
 or id cut short, the status and the config printed, and the gating breakdown equal to the database's.
 
-Snapshots live in tests/snapshots/; after a deliberate change of the views, rewrite them with
-`QAE_UPDATE_SNAPSHOTS=1 python -m pytest tests/test_cli_views.py` and read the diff.
+Snapshots live in tests/cli/snapshots/; after a deliberate change of the views, rewrite them with
+`QAE_UPDATE_SNAPSHOTS=1 python -m pytest tests/cli/test_cli_views.py` and read the diff.
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def test_shared_prefix_cuts_at_a_separator():
 
 
 def test_readme_defines_every_gate_reason():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| (.+?) \|$", readme, re.M))
     assert {name: rows.get(name) for name in GATE_REASONS} == GATE_REASONS
 
