@@ -21,7 +21,7 @@ from qae_app.store.reader import last_logged_step
 from qae_app.store.run_folder import pending_writes
 from qae_app.store.schema import PendingWrite, pending_write_from_json, pending_write_json
 from qae_app.store.writer import RunWriter, convert_legacy_pending
-from tests.dashboard_helpers import free_port, wait_healthy
+from tests.dashboard.helpers import free_port, wait_healthy
 
 # a module that leaves a trace when imported: `python -m streamlit` used to put the working folder first on sys.path,
 # so these names, imported by Streamlit itself, ran from whatever folder `qae dashboard` was started in
@@ -298,7 +298,7 @@ def test_nothing_unpickles_outside_the_trusted_legacy_path():
 def test_every_dashboard_page_on_a_folder_of_payloads_runs_none(sent_run, tmp_path, monkeypatch):
     """Every file of a run folder replaced by a payload at once (the database too): each page shows what it can and
     runs nothing."""
-    from tests.dashboard_helpers import make_app
+    from tests.dashboard.helpers import make_app
 
     runs_dir = tmp_path / "runs"
     shutil.copytree(sent_run, runs_dir)

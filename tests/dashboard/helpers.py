@@ -1,11 +1,11 @@
-"""What the dashboard's tests share: the real tiny training run and a crafted run whose model text holds HTML and
-markdown (as run folders), AppTest runners for the pages, and readers of what a page drew."""
+"""What the dashboard's tests import: a crafted run whose model text holds HTML and markdown, the AppTest runner for
+the pages, readers of what a page drew, and a real server's port and health. The fixtures built on them (the real
+tiny training run and the crafted run as run folders, AppTest runners on them) are in conftest.py."""
 
 from __future__ import annotations
 
 import base64
 import json
-import shutil
 import socket
 import subprocess
 import sys
@@ -20,9 +20,8 @@ import pytest
 from qae_app.store import run_folder as rundir
 from qae_app.store import schema as store
 from qae_app.store import writer as store_write
-from tests.synthetic import write_run
 
-APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
+APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
 sys.path.insert(0, str(APP.parent))  # `charts` is imported by the app as a sibling module
 
 import charts  # noqa: E402
@@ -35,7 +34,7 @@ MOVING_PROMPT = "p-move"
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# fixtures
+# the crafted run and the AppTest runner (conftest.py's fixtures are built on them)
 
 
 def _crafted_rows(step: int) -> dict[str, list[dict]]:
@@ -85,19 +84,6 @@ def _crafted_rows(step: int) -> dict[str, list[dict]]:
     return tables
 
 
-@pytest.fixture(scope="module")
-def runs_dir(tiny_run, tmp_path_factory) -> Path:
-    """A runs dir with a copy of the real tiny run, a crafted finished run and a crafted empty running run."""
-    tiny_dir, tiny_id = tiny_run
-    out = tmp_path_factory.mktemp("dash_runs")
-    (out / tiny_id).mkdir()
-    shutil.copy(rundir.db_path(tiny_dir, tiny_id), rundir.db_path(out, tiny_id))  # the database only, not checkpoints
-    _write_crafted(out)
-    empty = store_write.RunWriter(rundir.db_path(out, "empty"), "empty")
-    empty.create_run("empty", {"steps": 10}, "grpo", None, "builtin:tiny", "arith", 0)
-    return out
-
-
 def _write_crafted(out: Path, run_id: str = "crafted") -> None:
     writer = store_write.RunWriter(rundir.db_path(out, run_id), run_id)
     writer.create_run(run_id, {"steps": 3, "group_size": 4, "entropy_low": 0.5, "entropy_high": 3.0}, "qae", 0.5,
@@ -106,17 +92,6 @@ def _write_crafted(out: Path, run_id: str = "crafted") -> None:
         writer.add_step(step, **_crafted_rows(step))
     assert writer.flush()
     writer.update_run(status="finished")
-
-
-@pytest.fixture(scope="module")
-def small_dir(tmp_path_factory) -> Path:
-    """Runs without training (quick): the crafted run, a copy of its folder, and a synthetic run of 12 groups a
-    step over 6 prompts (so prompts come back at irregular steps and the rollouts page has two pages of groups)."""
-    out = tmp_path_factory.mktemp("small_runs")
-    _write_crafted(out)
-    shutil.copytree(out / "crafted", out / "crafted-copy")
-    write_run(out, "syn", steps=8, prompts_per_step=12, group_size=4, n_prompts=18, eval_every=4, seed=3)
-    return out
 
 
 def make_app(runs_dir: Path, monkeypatch):
@@ -134,16 +109,6 @@ def make_app(runs_dir: Path, monkeypatch):
         return at
 
     return run
-
-
-@pytest.fixture
-def app(runs_dir, monkeypatch):
-    return make_app(runs_dir, monkeypatch)
-
-
-@pytest.fixture
-def small_app(small_dir, monkeypatch):
-    return make_app(small_dir, monkeypatch)
 
 
 def _unpack(value):

@@ -16,7 +16,7 @@ from qae_app.store import run_folder as rundir
 from qae_app.store import schema as store
 from qae_app.store import writer as store_write
 from qae_app.store.run_folder import CONFIG_FILE
-from tests.dashboard_helpers import charts, make_app, plotly_specs, texts
+from tests.dashboard.helpers import charts, make_app, plotly_specs, texts
 
 T_975_2 = 4.3026527  # Student t, 97.5% quantile, 2 degrees of freedom (table value)
 SWEEP_ID, SWEEP_NAME = "a1b2c3d4e5", "study"

@@ -12,7 +12,7 @@ import pytest
 
 from qae_app.store import reader as store_read
 from qae_app.store import run_folder as rundir
-from tests.dashboard_helpers import charts, frames, make_app, plotly_specs, small_app, small_dir, texts  # noqa: F401 (fixtures, used by name)
+from tests.dashboard.helpers import charts, frames, make_app, plotly_specs, texts
 from tests.synthetic import write_run
 
 SWEEP = {"sweep_id": "0123456789", "sweep_name": "grid"}

@@ -17,21 +17,17 @@ from qae_app.store import run_folder as rundir
 from qae_app.store import schema as store
 from qae_app.store import writer as store_write
 from qae_app.store.run_folder import RunLock, run_dir
-from tests.dashboard_helpers import (  # noqa: F401 (fixtures, used by name)
+from tests.dashboard.helpers import (
     EVIL_PROMPT,
     EVIL_RESPONSE,
     MOVING_PROMPT,
     _crafted_rows,
     _write_crafted,
-    app,
     frame_with,
     frames,
     make_app,
     plotly_specs,
     response_tables,
-    runs_dir,
-    small_app,
-    small_dir,
     texts,
 )
 from tests.synthetic import write_run

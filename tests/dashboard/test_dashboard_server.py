@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dashboard_helpers import APP, free_port, runs_dir, small_dir, wait_healthy  # noqa: F401 (fixtures, used by name)
+from tests.dashboard.helpers import APP, free_port, wait_healthy
 
 # ---------------------------------------------------------------------------------------------------------------
 # the real server

@@ -16,7 +16,7 @@ import pytest
 
 from qae_app.store import reader as store_read
 from qae_app.store import run_folder as rundir
-from tests.dashboard_helpers import free_port, wait_healthy
+from tests.dashboard.helpers import free_port, wait_healthy
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -212,7 +212,7 @@ def wait_for_steps(path: Path, trainer: subprocess.Popen, log: Path, n: int, tim
 
 
 def test_a_copied_run_folder_is_its_own_run_and_a_click_opens_a_response(dashboard, page, tmp_path):
-    from tests.dashboard_helpers import EVIL_RESPONSE, _write_crafted
+    from tests.dashboard.helpers import EVIL_RESPONSE, _write_crafted
 
     runs_dir = tmp_path / "runs"
     _write_crafted(runs_dir)
@@ -320,7 +320,7 @@ def test_zoom_survives_new_steps_and_a_killed_run_stops_redrawing(start, dashboa
 def test_the_compare_page_of_a_sweep(dashboard, page, tmp_path):
     """A sweep of 2 estimators x 3 seeds: the table with its intervals, the three charts of mean curves with bands,
     and a baseline picked on the page: the paired differences appear and the choice goes into the URL."""
-    from tests.test_dashboard_compare import SWEEP_NAME, write_compare_runs
+    from tests.dashboard.test_dashboard_compare import SWEEP_NAME, write_compare_runs
 
     url = dashboard(write_compare_runs(tmp_path / "runs"), refresh="off")
     page.goto(f"{url}/compare?sweep={SWEEP_NAME}")
@@ -373,7 +373,7 @@ def brightness(css_color: str) -> float:
 def test_dark_mode_charts_follow_the_theme(dashboard, dark_page, tmp_path):
     """In a browser that prefers dark, Streamlit draws its dark theme: the charts were white panels. Now they have no
     background of their own and their text and grid are drawn in the theme's (light) text color."""
-    from tests.dashboard_helpers import _write_crafted
+    from tests.dashboard.helpers import _write_crafted
 
     runs_dir = tmp_path / "runs"
     _write_crafted(runs_dir)
@@ -429,7 +429,7 @@ def test_grouped_curves_and_a_runs_table_that_shows_every_run(dashboard, page, t
 def test_a_link_to_a_run_that_is_not_there_says_so_until_it_appears(dashboard, page, tmp_path):
     """`?run=ghost` drew the newest run and rewrote the URL to name it. Now the page says the run is not there, draws
     nothing else, keeps the link, and shows the run once it appears (a link to a run about to start)."""
-    from tests.dashboard_helpers import _write_crafted
+    from tests.dashboard.helpers import _write_crafted
 
     runs_dir = tmp_path / "runs"
     _write_crafted(runs_dir, "newest")

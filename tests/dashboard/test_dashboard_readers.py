@@ -7,7 +7,7 @@ import pytest
 
 from qae_app.store import reader as store_read
 from qae_app.store import run_folder as rundir
-from tests.dashboard_helpers import MOVING_PROMPT, _crafted_rows, charts, runs_dir, small_dir  # noqa: F401 (fixtures, used by name)
+from tests.dashboard.helpers import MOVING_PROMPT, _crafted_rows, charts
 from tests.synthetic import write_run
 
 # ---------------------------------------------------------------------------------------------------------------
