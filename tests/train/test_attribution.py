@@ -162,8 +162,8 @@ def test_the_default_run_is_unchanged_by_the_attribution(tmp_path):
 def test_two_processes_give_the_one_process_attribution(tmp_path):
     """Under a real `accelerate launch --num_processes 2`, on the same samples: the attribution columns (and every
     other) are the one-process ones."""
+    from tests.e2e.test_accelerate import SCRIPT, launch
     from tests.same_steps import assert_same_metrics
-    from tests.test_accelerate import SCRIPT, launch
 
     for n in (1, 2):
         result = launch(n, str(SCRIPT), str(tmp_path), f"p{n}", "attribution")

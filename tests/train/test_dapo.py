@@ -288,7 +288,7 @@ def test_a_process_without_groups_to_train_takes_part_and_adds_nothing(tmp_path)
     """Two processes against one, on the same samples (tests/scripts/same_samples.py): the second process's prompts get
     G identical responses, so all its groups are filtered and only the first process trains; the update, the rows
     and the metrics equal the one-process run's."""
-    from tests.test_accelerate import SCRIPT, launch
+    from tests.e2e.test_accelerate import SCRIPT, launch
 
     for n in (1, 2):
         result = launch(n, str(SCRIPT), str(tmp_path), f"p{n}", "dynamic")

@@ -16,7 +16,7 @@ from qae_app.store.run_folder import db_path
 from tests.same_steps import assert_same_metrics, kept_steps
 
 ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
-SCRIPT = Path(__file__).parent / "scripts" / "same_samples.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "same_samples.py"
 
 
 def launch(n: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
