@@ -48,3 +48,14 @@ def test_run_pace_from_step_times():
     unknown = run_pace(steps.assign(logged_at=pd.NaT), 110)
     assert unknown == dict(age_s=None, steps_per_min=None, eta_s=None)
     assert pace_line(unknown) == "last step - ago · - steps/min · ETA -"
+
+
+def test_setup_labels():
+    from qae_app.core.formatting import setup_label
+
+    assert setup_label(None) is None
+    assert setup_label({"sharding": "none", "processes": 1, "machines": 1, "mixed_precision": "no"}) == "1 process"
+    assert setup_label({"sharding": "fsdp2", "processes": 2, "machines": 1, "mixed_precision": "no"}) == \
+        "fsdp2 x 2 processes"
+    assert setup_label({"sharding": "ddp", "processes": 4, "machines": 2, "mixed_precision": "bf16"}) == \
+        "ddp x 4 processes on 2 machines, bf16 mixed precision"

@@ -23,7 +23,7 @@ from qae_app.store.run_folder import db_path
 from tests.same_steps import assert_same_metrics, kept_steps
 
 ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
-CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "accelerate"
 # with a KL term, so the reference model is sharded and compared too
 OPTIONS = ["--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0", "--micro-batch-size", "2",
            "--num-mini-batches", "2", "--seed", "3", "--keep-checkpoints", "4", "--kl-beta", "0.05"]
@@ -176,39 +176,6 @@ def test_a_sharded_run_exports_evaluates_and_says_how_it_ran(fsdp2_run, tmp_path
     assert evaluated.exit_code == 0, evaluated.output
     shown = runner.invoke(app, ["show", "ref", "--runs-dir", str(runs_dir)])
     assert "ran as fsdp2 x 2 processes" in shown.output
-
-
-def test_setup_labels():
-    from qae_app.core.formatting import setup_label
-
-    assert setup_label(None) is None
-    assert setup_label({"sharding": "none", "processes": 1, "machines": 1, "mixed_precision": "no"}) == "1 process"
-    assert setup_label({"sharding": "fsdp2", "processes": 2, "machines": 1, "mixed_precision": "no"}) == \
-        "fsdp2 x 2 processes"
-    assert setup_label({"sharding": "ddp", "processes": 4, "machines": 2, "mixed_precision": "bf16"}) == \
-        "ddp x 4 processes on 2 machines, bf16 mixed precision"
-
-
-def test_fsdp1_on_cpu_is_refused_not_silently_unsharded(monkeypatch):
-    """accelerate trains an FSDP1 config unsharded on CPU: qae says so instead of pretending."""
-    from types import SimpleNamespace
-
-    from accelerate.utils import DistributedType
-
-    from qae_app.core.errors import QAEUserError
-    from qae_app.models.sharding import shards_itself
-
-    cpu_ddp = SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_CPU)
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("FSDP_VERSION", "1")
-    with pytest.raises(QAEUserError, match="fsdp_version: 2"):
-        shards_itself(cpu_ddp)
-    monkeypatch.setenv("FSDP_VERSION", "2")
-    assert shards_itself(cpu_ddp)
-    assert not shards_itself(SimpleNamespace(num_processes=1, distributed_type=DistributedType.NO))
-    assert not shards_itself(SimpleNamespace(num_processes=2, distributed_type=DistributedType.FSDP))  # accelerate's
-    monkeypatch.delenv("ACCELERATE_USE_FSDP")
-    assert not shards_itself(cpu_ddp)
 
 
 @pytest.mark.slow
