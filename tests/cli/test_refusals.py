@@ -1,187 +1,24 @@
-"""Every bad value of issue 10, from the command line, a TOML file or a data file: one message that names the option
-(or file) and the value, exit code 2, and nothing written in the runs folder. Run in-process with typer's CliRunner.
+"""Bad input that is not a row of a bad-value table (those are each folder's test_bad_input.py, with their check in
+tests/bad_input.py): a runs dir no command can use, a huge string in a TOML file, damaged run files, databases and
+configs that every command names, an eval run called one, and the bad values `qae warmstart` refuses before training.
+Run in-process with typer's CliRunner.
 
 The cases that are not refusals (a lone surrogate in a data file loads and trains; a damaged run file is listed as
-unreadable) have their own tests below the table; a full disk is tested in test_store.py.
+unreadable) have their own tests below; a full disk is tested in test_store.py.
 """
 
-import json
 import re
 
 import pytest
 from typer.testing import CliRunner
 
 from qae_app.cli.main import app
-from qae_app.cli.sweep import MAX_SWEEP_RUNS
 from qae_app.store.reader import query, read_run
 from qae_app.store.run_folder import db_path
 from qae_app.store.writer import RunWriter
+from tests.bad_input import HUGE
 
 runner = CliRunner()
-HUGE = "1" + "0" * 30  # an integer no 32-bit column, seed or tensor size can hold
-
-
-def _files(d):
-    """The bad files the table refers to as {d}/name."""
-    toml = {"seed_big": "seed = 2147483648", "seed_negative": "seed = -1", "kl_nan": "kl_beta = nan",
-            "lr_inf": "lr = inf", "lr_huge_int": "lr = " + "9" * 400, "wd_inf": "weight_decay = inf",
-            "temperature_tiny": "temperature = 1e-300", "timeout_nan": "verify_timeout_s = nan",
-            "timeout_inf": "verify_timeout_s = inf", "mini_batches_huge": f"num_mini_batches = {10 ** 18}",
-            "micro_float": "micro_batch_size = 1e30", "deep": "a = " + "[" * 100_000 + "]" * 100_000}
-    for name, body in toml.items():
-        (d / f"{name}.toml").write_text(body + "\n")
-    (d / "number_question.jsonl").write_text('{"question": 5, "answer": 3}\n')
-    (d / "zero_steps.toml").write_text("[run]\nsteps = 0\n")
-    (d / "twice.toml").write_text("[run]\nsteps = 2\n[optim]\nsteps = 0\n")  # sections are for reading only
-    (d / "utf16.toml").write_text("steps = 2\n", encoding="utf-16")
-    (d / "binary.toml").write_bytes(bytes(range(256)))
-    (d / "folder.toml").mkdir()
-    (d / "binary.jsonl").write_bytes(bytes(range(256)) * 4)
-    (d / "utf16.jsonl").write_text('{"problem": "1+1?", "answer": "2"}\n', encoding="utf-16")
-    (d / "deep.jsonl").write_text('{"problem": "x", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
-    (d / "bigint.jsonl").write_text('{"problem": "What is 7 repeated?", "answer": ' + "7" * 5000 + "}\n")
-    (d / "bigint_text.jsonl").write_text('{"problem": "What is 7 repeated?", "answer": "' + "7" * 5000 + '"}\n')
-    (d / "big_prompt.jsonl").write_text(json.dumps({"problem": "1" * 1_000_000, "answer": "2"}) + "\n")
-    (d / "folder.jsonl").mkdir()
-    # issue 28
-    (d / "both_spellings.toml").write_text("group-size = 4\ngroup_size = 8\n")
-    (d / "bom.toml").write_bytes("\ufeffsteps = 0\n".encode())  # the BOM is read past: the next error is the value's
-    (d / "nan_answer.jsonl").write_text('{"problem": "1+1?", "answer": 2}\n{"problem": "0/0?", "answer": NaN}\n')
-    (d / "inf_answer.jsonl").write_text('{"problem": "1/0?", "answer": Infinity}\n')
-    (d / "no_heldout.jsonl").write_text('{"problem": "1+1?", "answer": 2}\n')
-    return d
-
-
-# (command line, what the message must contain: the option or file, and the value)
-BAD_VALUES = [
-    # numbers on the command line: finite, and in a sane range
-    (["train", "--seed", "2147483648"], "seed: 2147483648 is more than 2,147,483,647"),
-    (["train", "--seed", "-1"], "seed: -1 is less than 0"),
-    # typer refuses a non-integer before our checks; its message names the option but does not repeat the value
-    (["train", "--num-mini-batches", "1e30"], "Invalid value for '--num-mini-batches': Input should be a valid"),
-    (["train", "--num-mini-batches", HUGE], f"num-mini-batches: {HUGE} is more than the 128 responses of a step"),
-    (["train", "--micro-batch-size", "1e30"], "Invalid value for '--micro-batch-size': Input should be a valid"),
-    (["train", "--micro-batch-size", HUGE], f"micro-batch-size: {HUGE} is more than 2,147,483,647"),
-    (["train", "--steps", HUGE], f"steps: {HUGE} is more than 2,147,483,647"),
-    (["train", "--clip-high", "1e308"], "clip-high: 1e+308 is more than 10.0"),
-    (["train", "--clip-low", "nan"], "clip-low: nan is not a finite number"),
-    (["train", "--clip-low", "1"], "clip-low: 1.0 must be less than 1.0. Use 0 <= clip-low < 1"),  # the bound excluded
-    (["train", "--kl-beta", "inf"], "kl-beta: inf is not a finite number"),
-    (["train", "--kl-beta", "nan"], "kl-beta: nan is not a finite number"),
-    (["train", "--kl-beta", "1e6"], "kl-beta: 1000000.0 is more than 10.0"),
-    (["train", "--lr", "inf"], "lr: inf is not a finite number"),
-    (["train", "--lr", "nan"], "lr: nan is not a finite number"),
-    (["train", "--lr", "10"], "lr: 10.0 is more than 1.0"),
-    (["train", "--weight-decay", "inf"], "weight-decay: inf is not a finite number"),
-    (["train", "--weight-decay", "nan"], "weight-decay: nan is not a finite number"),
-    (["train", "--max-grad-norm", "inf"], "max-grad-norm: inf is not a finite number"),
-    (["train", "--temperature", "1e-300"], "temperature: 1e-300 is less than 0.01"),
-    (["train", "--temperature", "inf"], "temperature: inf is not a finite number"),
-    (["train", "--verify-timeout-s", "nan"], "verify-timeout-s: nan is not a finite number"),
-    (["train", "--verify-timeout-s", "inf"], "verify-timeout-s: inf is not a finite number"),
-    (["train", "--verify-timeout-s", "1e9"], "verify-timeout-s: 1000000000.0 is more than 3,600.0"),
-    (["train", "--entropy-low", "nan"], "entropy-low: nan is not a finite number"),
-    (["train", "--heldout-fraction", "nan"], "heldout-fraction: nan is not a finite number"),
-    (["train", "--heldout-fraction", "1"], "heldout-fraction: 1.0 must be less than 1.0. Use a fraction in [0, 1)"),
-    (["train", "--k", "nan"], "k: nan is outside (0, 1)"),
-    (["train", "--eval-limit", "0"], "eval-limit: 0"),
-    # the same from a TOML file, and TOML files that are not TOML
-    (["train", "--config", "{d}/seed_big.toml"], "seed: 2147483648 is more than 2,147,483,647"),
-    (["train", "--config", "{d}/seed_negative.toml"], "seed: -1 is less than 0"),
-    (["train", "--config", "{d}/kl_nan.toml"], "kl-beta: nan is not a finite number"),
-    (["train", "--config", "{d}/lr_inf.toml"], "lr: inf is not a finite number"),
-    (["train", "--config", "{d}/lr_huge_int.toml"], "'lr' = 999"),
-    (["train", "--config", "{d}/wd_inf.toml"], "weight-decay: inf is not a finite number"),
-    (["train", "--config", "{d}/temperature_tiny.toml"], "temperature: 1e-300 is less than 0.01"),
-    (["train", "--config", "{d}/timeout_nan.toml"], "verify-timeout-s: nan is not a finite number"),
-    (["train", "--config", "{d}/timeout_inf.toml"], "verify-timeout-s: inf is not a finite number"),
-    (["train", "--config", "{d}/mini_batches_huge.toml"], f"num-mini-batches: {10 ** 18} is more than the 128"),
-    (["train", "--config", "{d}/micro_float.toml"], "'micro_batch_size' = 1e+30 is a float, expected int"),
-    (["train", "--config", "{d}/utf16.toml"], "utf16.toml is UTF-16 (or UTF-32) text; TOML must be UTF-8"),
-    (["train", "--config", "{d}/binary.toml"], "binary.toml is not UTF-8 text (byte 0x80 at offset 128)"),
-    (["train", "--config", "{d}/folder.toml"], "folder.toml is a directory, not a file"),
-    (["train", "--config", "{d}/deep.toml"], "deep.toml nests arrays or tables too deeply to parse"),
-    # data files
-    (["train", "--data", "{d}/binary.jsonl"], "binary.jsonl' is not UTF-8 text (byte 0x80 at line 2, offset 128)"),
-    (["train", "--data", "{d}/utf16.jsonl"], "utf16.jsonl' is UTF-16 text; JSONL must be UTF-8"),
-    (["train", "--data", "{d}/deep.jsonl"], "deep.jsonl' line 1 nests JSON arrays or objects too deeply"),
-    (["train", "--data", "{d}/bigint.jsonl"], "bigint.jsonl' line 1 has a 5,000-character answer (7777"),
-    (["train", "--data", "{d}/bigint_text.jsonl"], "bigint_text.jsonl' line 1 has a 5,000-character answer (7777"),
-    (["train", "--data", "{d}/folder.jsonl"], "folder.jsonl' is a directory"),
-    (["train", "--data", "{d}/big_prompt.jsonl"], "data: prompt 'big_prompt-1' is 1,000,073 tokens, and with "
-                                                  "--max-new-tokens 8 it needs 1,000,081 positions, but the model's "
-                                                  "context is 128"),
-    # issue 28: sizes bounded before any work
-    (["sweep", "--seeds", "1000000"], f"seeds: 1000000 makes 1,000,000 runs, more than the {MAX_SWEEP_RUNS}"),
-    (["sweep", "--seeds", HUGE], f"seeds: {HUGE} makes"),
-    (["sweep", "--estimator", "qae,grpo", "--k", "0.1,0.2,0.3", "--seeds", "200"], "seeds: 200 makes 800 runs"),
-    (["train", "--group-size", "1000000"], "group-size x prompts-per-step: 1,000,000 x 8 = 8,000,000 responses"),
-    (["train", "--prompts-per-step", "1000000"], "group-size x prompts-per-step: 16 x 1,000,000 = 16,000,000"),
-    (["sweep", "--group-size", "1000000"], "group-size x prompts-per-step: 1,000,000 x 8"),
-    # issue 28: nonsense that was accepted silently
-    (["sweep", "--k", "0.4,0.40"], "k: '0.4,0.40' gives the same K twice (0.4 and 0.40)"),
-    (["sweep", "--name", ""], "name: '' is not a plain name"),
-    (["train", "--filter-metric", "correct"], "filter-metric: correct acts only with --dynamic-sampling"),
-    (["train", "--max-gen-batches", "3"], "max-gen-batches: 3 acts only with --dynamic-sampling"),
-    (["train", "--overlong-penalty", "2"], "overlong-penalty: 2.0 acts only with --overlong-buffer"),
-    (["sweep", "--max-gen-batches", "3"], "max-gen-batches: 3 acts only with --dynamic-sampling"),
-    (["train", "--entropy-high", "0"], "entropy-high: 0.0 must be more than 0.0"),
-    (["train", "--entropy-low", "1e308"], "entropy-low: 1e+308 is more than 20.0"),
-    (["train", "--entropy-low", "-1"], "entropy-low: -1.0 is less than 0.0"),
-    (["train", "--entropy-low", "2", "--entropy-high", "2"], "entropy-low / entropy-high: 2.0 / 2.0"),
-    (["train", "--data", "{d}/no_heldout.jsonl", "--eval-every", "1"], "eval-every: 1, but"),
-    (["train", "--config", "{d}/both_spellings.toml"], "config: 'group_size' is set twice in {d}/both_spellings.toml "
-                                                       "(group-size = 4, group_size = 8)"),
-    (["train", "--config", "{d}/bom.toml"], "steps: 0 is less than 1"),
-    (["train", "--data", "{d}/nan_answer.jsonl"], "nan_answer.jsonl' line 2 gives its answer as NaN"),
-    (["train", "--data", "{d}/inf_answer.jsonl"], "inf_answer.jsonl' line 1 gives its answer as Infinity"),
-    (["train", "--config", "/dev/zero"], "config: /dev/zero is not a regular file"),
-    (["train", "--data", "{d}/" + "x" * 300 + ".jsonl"], "a name over 255 bytes, longer than the file system"),
-    (["train", "--config", "{d}/" + "c" * 300 + ".toml"], "a name over 255 bytes, longer than the file system"),
-    # the inspecting commands
-    (["show", "some-run", "--every", "1e30"], "Invalid value for '--every': Input should be a valid integer"),
-    (["show", "some-run", "--every", "-1"], "every: -1 is negative. Use 0"),
-    (["rollouts", "some-run", "--limit", "-1"], "limit: -1 shows nothing. Use a positive number of responses"),
-    (["rollouts", "some-run", "--limit", "0"], "limit: 0 shows nothing. Use a positive number of responses"),
-    # qae eval shares the training options' ranges
-    (["eval", "--temperature", "1e-300"], "temperature: 1e-300 is less than 0.01"),
-    (["eval", "--verify-timeout-s", "nan"], "verify-timeout-s: nan is not a finite number"),
-    (["eval", "--verify-timeout-s", "inf"], "verify-timeout-s: inf is not a finite number"),
-    (["eval", "--seed", "-1"], "seed: -1 is less than 0"),
-    (["eval", "--samples", HUGE], f"samples: {HUGE} is more than 2,147,483,647"),
-    # each message names the option the user gave, with an example of its own kind
-    (["train", "--eval-bench", "nofile.jsonl"], "eval-bench: 'nofile.jsonl' is neither a built-in task"),
-    (["eval", "--bench", "nofile.jsonl"], "bench: 'nofile.jsonl' is neither a built-in task"),
-    (["train", "--data", "nofile.jsonl"], "data: 'nofile.jsonl' is neither a built-in task"),
-    (["sweep", "--name", "a/b"], "error: name: 'a/b' is not a plain name"),
-    (["sweep", "--k", ","], "k: ',' names nothing. Give a comma-separated list, e.g. 0.3,0.4"),
-    (["sweep", "--estimator", ","], "estimator: ',' names nothing. Give a comma-separated list, e.g. qae,grpo"),
-    (["sweep", "--parallel", "0"], "parallel: 0. Use 1 to"),
-    (["train", "--config", "{d}/zero_steps.toml"], "steps: 0 is less than 1, the least it may be. Use a positive "
-                                                   "integer (set in {d}/zero_steps.toml)."),
-    (["train", "--data", "{d}/number_question.jsonl"], "line 1 gives its question as a number (question = 5), not text"),
-    (["train", "--config", "{d}/twice.toml"], "config: 'steps' is set twice in {d}/twice.toml ([run] steps = 2, "
-                                              "[optim] steps = 0)"),
-    (["eval", "--bench", "{d}/binary.jsonl"], "bench: '{d}/binary.jsonl' is not UTF-8 text"),  # the file's error too
-    (["train", "--eval-bench", "{d}/binary.jsonl"], "eval-bench: '{d}/binary.jsonl' is not UTF-8 text"),
-    # a RUN argument is named as such, not as --run-name
-    (["show", "../base"], "error: run: '../base' is not a plain name"),
-    (["rollouts", "../base"], "error: run: '../base' is not a plain name"),
-    (["compare", "../base"], "error: run: '../base' is not a plain name"),
-]
-
-
-@pytest.mark.parametrize("args, message", BAD_VALUES, ids=[" ".join(a)[:60] for a, _ in BAD_VALUES])
-def test_a_bad_value_is_one_message_exit_2_and_nothing_written(tmp_path, args, message):
-    d = _files(tmp_path)
-    runs = tmp_path / "runs"
-    result = runner.invoke(app, [*[a.format(d=d) for a in args], "--runs-dir", str(runs)])
-    output = "".join(result.output.split())  # the console wraps long paths anywhere, so compare without spaces
-    assert result.exit_code == 2, result.output
-    assert "".join(message.format(d=d).split()) in output, result.output
-    assert "Traceback" not in output and not isinstance(result.exception, (ValueError, RuntimeError, OSError))
-    assert "qaesweep" not in output  # a sweep refused says so before announcing its runs
-    assert not runs.exists() or not any(runs.rglob("*"))  # refused before anything was written
 
 
 @pytest.mark.parametrize("command", [["train"], ["sweep"], ["eval"], ["runs"], ["show", "r"]])
