@@ -1,5 +1,11 @@
 """Shared fixtures: a real tiny training run (real model, real DuckDB file) reused by the store, CLI and dashboard
-tests, and the location of the real math data."""
+tests, and the location of the real math data.
+
+Each test file lives in the folder of the package it tests (tests/store/ for qae_app/store, ..., tests/dashboard/ for
+dashboard/, tests/structure/ for the repository as a whole); tests/e2e/ runs the whole thing as processes (accelerate
+launches, crash safety, sweeps, the real model) and its conftest.py marks all of it slow. A folder's own fixtures
+are in its conftest.py; the helpers several folders use (synthetic.py, same_steps.py, bad_input.py, scripts/) are
+here."""
 
 from __future__ import annotations
 

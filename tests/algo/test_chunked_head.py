@@ -338,10 +338,11 @@ def fsdp2_sharded(model, root_reshards: bool):
 @pytest.mark.parametrize("root_reshards", [False, True], ids=["root-kept", "root-resharded"])
 @pytest.mark.parametrize("build", [tiny_builtin, tiny_llama_untied], ids=["tied", "untied"])
 def test_fsdp2_chunked_head_gradients_reach_the_shards_as_the_full_logits_do(one_process_group, build, root_reshards):
-    """FSDP2 (one process here; two in tests/test_fsdp2.py): the chunked path reads the gathered head weight after the
-    forward, and the gradient it gives it is reduce-scattered into the sharded parameters (DTensors), equal to the full
-    logits' through the same sharded model, for every parameter (tied embeddings: both uses summed); float64, 1e-10.
-    Had the head's gradient gone around FSDP2, the sharded head (or embedding) would have no gradient or a wrong one.
+    """FSDP2 (one process here; two in tests/e2e/test_fsdp2.py): the chunked path reads the gathered head weight after
+    the forward, and the gradient it gives it is reduce-scattered into the sharded parameters (DTensors), equal to the
+    full logits' through the same sharded model, for every parameter (tied embeddings: both uses summed); float64,
+    1e-10. Had the head's gradient gone around FSDP2, the sharded head (or embedding) would have no gradient or a wrong
+    one.
     With the root resharded after the forward, the explicit unshard gathers it again (the final norm's backward reads
     its weight too)."""
     import copy

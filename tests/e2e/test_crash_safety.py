@@ -344,7 +344,7 @@ def test_a_reader_holding_the_database_neither_fails_nor_blocks_the_run(tmp_path
 def test_sigterm_to_the_process_group_while_scoring_finishes_the_step_then_stops(tmp_path, reference):
     """systemd / Slurm preemption: SIGTERM to the whole group as the step's responses are being scored. The step is
     scored in full and stored, the run stops at that boundary with a checkpoint, and the resumed run equals the
-    uninterrupted one (the verifier workers ignore the signal: tests/test_rewards.py kills a batch's group)."""
+    uninterrupted one (the verifier workers ignore the signal: tests/rewards/test_rewards.py kills a batch's group)."""
     proc = start_train(tmp_path, "term", {"QAE_FAULT": "term:scoring@3"}, **OPTS)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 130, out

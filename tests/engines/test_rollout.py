@@ -40,7 +40,7 @@ def test_hf_engine_samples_equal_the_row_by_row_reference_for_a_fixed_seed():
     # prompts of different lengths (left padding differs per row) and a batch size that splits the work in 3 calls
     prompts = ["3+4=", "12*11=", "20-7=", "0*0="]
     engine = HFGenerateEngine(model, codec, batch_size=5)
-    engine.use_decode_loop = False  # the generate path (tests/test_decode.py checks the loop against this reference)
+    engine.use_decode_loop = False  # the generate path (tests/engines/test_decode.py checks the loop against it)
     batch_sizes = []  # of every forward: a chunk's distinct prompts go through the model once, then its rows
     hook = model.register_forward_pre_hook(lambda module, args, kwargs: batch_sizes.append(
         kwargs["input_ids"].shape[0]), with_kwargs=True)

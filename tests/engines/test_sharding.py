@@ -2,8 +2,8 @@
 two sharded paths themselves on CPU.
 
 The FSDP runs below wrap the model by hand (torch FSDP1 and FSDP2 both run on CPU over gloo, 2 processes);
-tests/test_fsdp2.py trains with FSDP2 through `qae train` under `accelerate launch`. ZeRO-3 and GPUs are not available
-here: bench/gpu_check.py runs those paths on a GPU machine.
+tests/e2e/test_fsdp2.py trains with FSDP2 through `qae train` under `accelerate launch`. ZeRO-3 and GPUs are not
+available here: bench/gpu_check.py runs those paths on a GPU machine.
 """
 
 import os

@@ -138,7 +138,7 @@ def test_sync_gathers_full_weights_when_the_plan_says_so(fake_vllm):
 
     gathered = []
 
-    class RecordingShardedPolicy(ShardedPolicy):  # the real gathering needs FSDP processes: tests/test_sharding.py
+    class RecordingShardedPolicy(ShardedPolicy):  # the real gathering needs FSDP processes: engines/test_sharding.py
         def full_weights(self, unwrapped):
             gathered.append(unwrapped)
             yield from [("weight", torch.zeros(2, 2))]

@@ -1,5 +1,5 @@
 """HFTokenizerCodec on a real fast tokenizer with a chat template (built here with the `tokenizers` library, since
-nothing can be downloaded; tests/test_real_model.py does the same with SmolLM2's own tokenizer): plain ids whatever
+nothing can be downloaded; tests/e2e/test_real_model.py does the same with SmolLM2's own tokenizer): plain ids whatever
 the transformers version returns, the template's special tokens exactly once, and the model's end-of-turn tokens as
 stop ids."""
 

@@ -96,7 +96,7 @@ def test_a_pickle_planted_in_place_of_a_state_file_is_refused_by_name_and_never_
 
 def test_a_sharded_checkpoint_resumed_unsharded_is_refused_with_the_way_out(tmp_path):
     """A sharded (FSDP2) run's checkpoint holds per-process slices only: an unsharded launch cannot take them and
-    says to resume with the config the run was trained with (the sharded resume is tests/test_fsdp2.py's)."""
+    says to resume with the config the run was trained with (the sharded resume is tests/e2e/test_fsdp2.py's)."""
     model, optimizer, scheduler = training_objects(seed=0)
     save_training_state(tmp_path, model, optimizer, scheduler, process_index=0, is_main=True)
     (tmp_path / POLICY_FILE).unlink()  # what a sharded checkpoint lacks, and has instead:
