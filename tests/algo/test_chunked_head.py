@@ -318,9 +318,9 @@ def test_an_fsdp1_model_is_refused(one_process_group):
 
 
 def fsdp2_sharded(model, root_reshards: bool):
-    """fully_shard per decoder layer, then the root, as qae_app/models/sharding.py does (the root keeps its weights gathered
-    after the forward), or with the root resharded after the forward too (accelerate's fsdp_reshard_after_forward:
-    true on GPUs); one process."""
+    """fully_shard per decoder layer, then the root, as qae_app/models/sharding.py does (the root keeps its weights
+    gathered after the forward), or with the root resharded after the forward too (accelerate's
+    fsdp_reshard_after_forward: true on GPUs); one process."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

@@ -27,7 +27,8 @@ BAD_VALUES = [
     (["train", "--eval-bench", "nofile.jsonl"], "eval-bench: 'nofile.jsonl' is neither a built-in task"),
     (["eval", "--bench", "nofile.jsonl"], "bench: 'nofile.jsonl' is neither a built-in task"),
     (["train", "--data", "nofile.jsonl"], "data: 'nofile.jsonl' is neither a built-in task"),
-    (["train", "--data", "{d}/number_question.jsonl"], "line 1 gives its question as a number (question = 5), not text"),
+    (["train", "--data", "{d}/number_question.jsonl"],
+     "line 1 gives its question as a number (question = 5), not text"),
     (["eval", "--bench", "{d}/binary.jsonl"], "bench: '{d}/binary.jsonl' is not UTF-8 text"),  # the file's error too
     (["train", "--eval-bench", "{d}/binary.jsonl"], "eval-bench: '{d}/binary.jsonl' is not UTF-8 text"),
 ]

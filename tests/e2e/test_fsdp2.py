@@ -1,7 +1,7 @@
 """FSDP2 through `qae train`, for real: `accelerate launch --config_file configs/accelerate/fsdp2.yaml` with 2 processes
-on CPU (gloo). accelerate falls back to DDP there, so qae shards with torch's fully_shard itself (qae_app/models/sharding.py);
-these runs show that it does, that the update is DDP's on the same samples, and that sharded checkpoints resume a
-killed run into the uninterrupted one.
+on CPU (gloo). accelerate falls back to DDP there, so qae shards with torch's fully_shard itself
+(qae_app/models/sharding.py); these runs show that it does, that the update is DDP's on the same samples, and that
+sharded checkpoints resume a killed run into the uninterrupted one.
 
 Both launches use 2 processes with the same seed, so they sample the same prompts with the same per-process seeds.
 """
@@ -34,7 +34,8 @@ KEY_METRICS = ("reward_mean", "entropy", "loss", "grad_norm", "kl")
 def launch(config: str, n: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     command = [ACCELERATE, "launch", "--config_file", str(CONFIGS / f"{config}.yaml"), "--num_processes", str(n),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=900, env=dict(os.environ, COLUMNS="300", **(env or {})))
+    return subprocess.run(command, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, COLUMNS="300", **(env or {})))
 
 
 def train(config: str, runs_dir: Path, name: str, *options: str, n: int = 2, env: dict | None = None):

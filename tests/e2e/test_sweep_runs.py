@@ -1,6 +1,6 @@
 """`qae sweep` running its points as real processes: the points listed and kept when the sweep runs again, a killed
 sweep resumed losing no run, two points trained at once, a sweep copied on disk keeping its seed count, and a point
-another run took meanwhile left alone. The sweep's grid, its refusals and `qae compare` are tests/cli/test_sweep.py's."""
+another run took meanwhile left alone. The grid, its refusals and `qae compare` are tests/cli/test_sweep.py's."""
 
 import json
 import os

@@ -1,6 +1,7 @@
-"""The HF engine's own decode loop (qae_app/engines/decode.py) samples what `model.generate` samples: for a fixed seed the same
-tokens, the log-prob each token was sampled with equal to the model's own forward over prompt + response, finished
-rows dropped from the batch without changing anyone's tokens, and the models it cannot run left to generate."""
+"""The HF engine's own decode loop (qae_app/engines/decode.py) samples what `model.generate` samples: for a fixed seed
+the same tokens, the log-prob each token was sampled with equal to the model's own forward over prompt + response,
+finished rows dropped from the batch without changing anyone's tokens, and the models it cannot run left to
+generate."""
 
 from __future__ import annotations
 

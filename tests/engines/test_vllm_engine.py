@@ -172,7 +172,8 @@ def test_sync_of_a_lora_model_loads_the_merged_weights(fake_vllm):
     A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight  # (r, in), (out, r)
     torch.testing.assert_close(weights["model.layers.0.self_attn.q_proj.weight"],
                                plain["model.layers.0.self_attn.q_proj.weight"] + B @ A * (6.0 / 4), rtol=0, atol=1e-7)
-    assert torch.equal(weights["model.layers.0.self_attn.k_proj.weight"], plain["model.layers.0.self_attn.k_proj.weight"])
+    assert torch.equal(weights["model.layers.0.self_attn.k_proj.weight"],
+                       plain["model.layers.0.self_attn.k_proj.weight"])
     assert engine.llm.prefix_resets == 1
 
 

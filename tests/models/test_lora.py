@@ -142,7 +142,7 @@ def test_only_the_adapters_train_and_the_reference_is_no_second_model(tmp_path, 
     assert steps["kl"].iloc[0] == 0.0 < steps["kl"].iloc[1]
 
 
-@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # (peft on transformers 5)
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft on transformers 5
 def test_checkpoint_holds_the_merged_model_and_the_adapter_and_eval_loads_it(tmp_path):
     cfg = build_config(run_name="lora", **dict(LORA, steps=2))
     trainer = Trainer(cfg, tmp_path, cpu=True)
@@ -233,7 +233,7 @@ def test_lora_with_sharded_weights_is_refused(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # (peft on transformers 5)
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft on transformers 5
 def test_lora_on_smollm2_trains_only_adapters_and_eval_loads_the_checkpoint(smollm2_gguf, tmp_path):
     """SmolLM2-135M (GGUF), 2 steps with --lora-rank 8. Overlong shaping gives the groups signal whatever the
     answers (a shorter response earns more), so the adapters move."""

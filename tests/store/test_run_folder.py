@@ -1,6 +1,6 @@
-"""The run folder (qae_app/store/run_folder.py) as operators meet it: liveness that survives pid reuse, a lock taken before
-anything slow, run creation that is atomic for every command, checkpoints verified before they are trusted, and resume
-refusing what it cannot do honestly."""
+"""The run folder (qae_app/store/run_folder.py) as operators meet it: liveness that survives pid reuse, a lock taken
+before anything slow, run creation that is atomic for every command, checkpoints verified before they are trusted, and
+resume refusing what it cannot do honestly."""
 
 import os
 import shutil

@@ -261,7 +261,8 @@ def test_switches_from_the_command_line_and_toml(tmp_path):
 @pytest.mark.slow
 def test_kill_9_then_resume_replays_dynamic_sampling_exactly(tmp_path):
     opts = dict(DYNAMIC, steps=5, checkpoint_every=2)
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in opts.items() if k != "dynamic_sampling"] + ["--dynamic-sampling"]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in opts.items() if k != "dynamic_sampling"]
+    flags += ["--dynamic-sampling"]
 
     def train(name, *extra, env=None):
         return subprocess.run([QAE, "train", "--run-name", name, "--runs-dir", str(tmp_path), *flags, *extra],
@@ -363,8 +364,8 @@ def test_shaping_after_the_baseline_in_a_run_decides_on_the_verdicts(tmp_path):
 @pytest.mark.slow
 def test_on_gen_cap_stop_ends_the_run_at_the_first_short_step_with_the_reason(tmp_path):
     """The cap test's run (seed 2: some steps find fewer than 2 groups with signal in their one batch), with
-    --on-gen-cap train (today's: every step trains, the short ones with a warning) and with stop: the run ends failed before the
-    first short step trains, the reason printed and stored as the run's error, the steps before it kept."""
+    --on-gen-cap train (today's: every step trains, the short ones with a warning) and with stop: the run ends failed
+    before the first short step trains, the reason printed and stored as the run's error, the steps before it kept."""
     common = ["--steps", "6", "--prompts-per-step", "2", "--group-size", "2", "--num-mini-batches", "2",
               "--eval-every", "0", "--checkpoint-every", "0", "--dynamic-sampling", "--max-gen-batches", "1",
               "--seed", "2", "--runs-dir", str(tmp_path)]
