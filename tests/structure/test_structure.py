@@ -33,7 +33,8 @@ LAYERS = [
     {"dashboard"},
 ]
 DASHBOARD = PACKAGE.parent / "dashboard"
-DASHBOARD_LOCAL = {"board", "charts", "grouping"}  # the app's own modules, imported by bare name (Streamlit runs it as a script)
+# the app's own modules, imported by bare name (Streamlit runs it as a script)
+DASHBOARD_LOCAL = {"board", "charts", "grouping"}
 # what the dashboard may import from qae_app: the torch-free packages, and nothing of the terminal views (their text
 # belongs to the CLI)
 DASHBOARD_MAY_IMPORT = {"core", "store", "data", "config", "analysis"}
@@ -154,9 +155,12 @@ def test_the_dashboard_imports_only_torch_free_readers():
 NEVERS = [
     ("config", {"store.schema", "store.reader", "store.writer", "store.run_file", "train.session"},
      "config is plain options and parsing"),
-    ("dashboard.views.compare", {"cli.views"}, "the dashboard formats through qae_app.core.formatting, not the CLI's text"),
-    ("rewards.scorer", {"data.tasks"}, "a task names its reward; the reward knows no task (the chain marker lives in names)"),
-    ("engines.hf", {"config"}, "the engines take SamplingOptions from qae_app.engines.sampling, not the training config"),
+    ("dashboard.views.compare", {"cli.views"},
+     "the dashboard formats through qae_app.core.formatting, not the CLI's text"),
+    ("rewards.scorer", {"data.tasks"},
+     "a task names its reward; the reward knows no task (the chain marker lives in names)"),
+    ("engines.hf", {"config"},
+     "the engines take SamplingOptions from qae_app.engines.sampling, not the training config"),
 ]
 
 
