@@ -19,7 +19,7 @@ peak resident set size from the kernel when it exits (bench/harness.py, as `/usr
 that peak minus the child's resident size before the model is built (torch and transformers imported), which is
 what `qae plan` predicts (on a GPU: the memory the run allocates). The last line printed is
 `measured X GB predicted Y GB ratio Z` (ratio = measured / predicted); the ratio goes to the results log
-(bench/harness.py) with tests/test_plan.py's goal, within 20%.
+(bench/harness.py) with tests/analysis/test_plan.py's goal, within 20%.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 from harness import add_child_options, peak_rss_of_child, ran_as_child, report
 
 GB = 1e9
-GOAL_RATIO = "between 0.8 and 1.2"  # measured / predicted, as tests/test_plan.py checks it
+GOAL_RATIO = "between 0.8 and 1.2"  # measured / predicted, as tests/analysis/test_plan.py checks it
 
 
 def current_rss() -> int:

@@ -4,8 +4,8 @@
 
 Prints, measured in this run (no thresholds):
 - answer extraction on a 2.5 MB response: reading only the tail (`FINAL_ANSWER_WINDOW`) against the whole text;
-- answer extraction on the hostile texts of tests/test_rewards.py (the slowest), and on 10x more nested boxes within
-  the window (linear grows ~10x, a rescan per box ~100x);
+- answer extraction on the hostile texts of tests/rewards/test_rewards.py (the slowest), and on 10x more nested boxes
+  within the window (linear grows ~10x, a rescan per box ~100x);
 - replacing a killed worker: forked from the warm fork server against a fresh "spawn" (a sympy import);
 - 16 distinct power towers + 16 honest answers on 2 workers with a 3 s timeout: the default batch bound against none.
 
@@ -24,7 +24,7 @@ from qae_app.rewards import answers
 from qae_app.rewards.answers import extract_answer
 from qae_app.rewards.verifier_pool import MathVerifierPool
 
-# the hostile texts of tests/test_rewards.py::test_extract_answer_on_hostile_text
+# the hostile texts of tests/rewards/test_rewards.py::test_extract_answer_on_hostile_text
 HOSTILE_TEXTS = ["x" * 100_000 + "\\boxed{1}", "{" * 5000 + "\\boxed{" + "{" * 5000 + "1" + "}" * 4000,
                  "\\boxed{" * 20_000, "answer is " * 20_000, "\\boxed{" + "9" * 10_000 + "}",
                  "}" * 50_000 + "{" * 50_000]

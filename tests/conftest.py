@@ -1,5 +1,11 @@
 """Shared fixtures: a real tiny training run (real model, real DuckDB file) reused by the store, CLI and dashboard
-tests, and the location of the real math data."""
+tests, and the location of the real math data.
+
+Each test file lives in the folder of the package it tests (tests/store/ for qae_app/store, ..., tests/dashboard/ for
+dashboard/, tests/structure/ for the repository as a whole); tests/e2e/ runs the whole thing as processes (accelerate
+launches, crash safety, sweeps, the real model) and its conftest.py marks all of it slow. A folder's own fixtures
+are in its conftest.py; the helpers several folders use (synthetic.py, same_steps.py, bad_input.py, scripts/) are
+here."""
 
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # the longest files first (as measured): under pytest-xdist each worker takes whole files, and a long one started last
 # would run alone at the end while the other cores idle
 LONGEST_FIRST = ("test_real_model.py", "test_crash_safety.py", "test_dashboard_browser.py", "test_accelerate.py",
-                 "test_sweep.py", "test_dapo.py")
+                 "test_sweep_runs.py", "test_dapo.py")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:

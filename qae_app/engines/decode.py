@@ -15,8 +15,8 @@ This loop
 What it samples is exactly what `generate` samples: softmax(logits / T) drawn the way `torch.multinomial` draws one
 sample (argmax of p / q, q ~ Exp(1) over the whole (rows, vocab) batch, every row's noise drawn each step as
 generate draws it for its finished rows too), so with the same seed the tokens equal generate's wherever the logits
-agree to the last bit (tests/test_decode.py checks tokens and log-probs against generate on the built-in model and
-SmolLM2). Only plain sampling (no top-k/top-p/min-p) on unsharded, un-adapted (no LoRA) weights takes this path.
+agree to the last bit (tests/engines/test_decode.py checks tokens and log-probs against generate on the built-in model
+and SmolLM2). Only plain sampling (no top-k/top-p/min-p) on unsharded, un-adapted (no LoRA) weights takes this path.
 """
 
 from __future__ import annotations

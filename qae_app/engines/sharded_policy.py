@@ -61,7 +61,8 @@ class ShardedPolicy:
     """The policy as accelerate prepared it, with what generation and weight sync need when it is sharded.
 
     `wrapped` is the prepared model (FSDP / DeepSpeed wrapper); the engines generate with the unwrapped one.
-    FSDP1 and FSDP2 run on CPU (tests/test_sharding.py, tests/test_fsdp2.py); ZeRO-3 needs GPUs (bench/gpu_check.py).
+    FSDP1 and FSDP2 run on CPU (tests/engines/test_sharding.py, tests/e2e/test_fsdp2.py); ZeRO-3 needs GPUs
+    (bench/gpu_check.py).
     """
 
     def __init__(self, plan: ShardingPlan = UNSHARDED, wrapped: torch.nn.Module | None = None):

@@ -1,11 +1,11 @@
-"""Run by tests/test_accelerate.py under `accelerate launch` with 1 and with 2 processes: a few RL steps whose
+"""Run by tests/e2e/test_accelerate.py under `accelerate launch` with 1 and with 2 processes: a few RL steps whose
 responses do not depend on the process count, so the two updates can be compared.
 
 The rollout engine is the real HF engine, called once per prompt with a seed made from the step and the prompt's
 position in the step (the trainer's own engine seeds per process, so its samples differ between 1 and 2 processes).
 Writes the final parameters to <runs_dir>/<run_name>.params.pt from the main process.
 
-With `dynamic` (tests/test_dapo.py), the run uses dynamic sampling and the prompts in the second half of every
+With `dynamic` (tests/train/test_dapo.py), the run uses dynamic sampling and the prompts in the second half of every
 generation batch get G identical responses: their groups have no signal, so under 2 processes the second one never
 has a group to train.
 
@@ -14,9 +14,9 @@ cannot set up on CPU): every process as many as the busiest one. Each process th
 ran to <runs_dir>/<run_name>.forwards.<rank>.
 
 With `checkpointing`, the run uses --gradient-checkpointing; with `budget`, token-budget micro-batches
-(--max-tokens-per-micro-batch 40: a few sequences each). With `lora` (tests/test_lora.py), the run trains LoRA adapters
-of rank 4 with a KL term (the reference: the policy with its adapters off). With `attribution`
-(tests/test_attribution.py), the run logs --log-entropy-attribution.
+(--max-tokens-per-micro-batch 40: a few sequences each). With `lora` (tests/models/test_lora.py), the run trains LoRA
+adapters of rank 4 with a KL term (the reference: the policy with its adapters off). With `attribution`
+(tests/train/test_attribution.py), the run logs --log-entropy-attribution.
 
     accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic][+lockstep][+lora]...
 """

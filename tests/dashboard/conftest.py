@@ -1,0 +1,49 @@
+"""The dashboard (dashboard/, installed as qae_app.dashboard): its pages run with Streamlit's AppTest, its readers and
+charts, the real server, and a real browser on it. The run folders the pages are tested on, and AppTest runners on
+them, are fixtures here (on tests/conftest.py's tiny_run); the plain helpers are in helpers.py."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from qae_app.store import run_folder as rundir
+from qae_app.store import writer as store_write
+from tests.dashboard.helpers import _write_crafted, make_app
+from tests.synthetic import write_run
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tiny_run, tmp_path_factory) -> Path:
+    """A runs dir with a copy of the real tiny run, a crafted finished run and a crafted empty running run."""
+    tiny_dir, tiny_id = tiny_run
+    out = tmp_path_factory.mktemp("dash_runs")
+    (out / tiny_id).mkdir()
+    shutil.copy(rundir.db_path(tiny_dir, tiny_id), rundir.db_path(out, tiny_id))  # the database only, not checkpoints
+    _write_crafted(out)
+    empty = store_write.RunWriter(rundir.db_path(out, "empty"), "empty")
+    empty.create_run("empty", {"steps": 10}, "grpo", None, "builtin:tiny", "arith", 0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory) -> Path:
+    """Runs without training (quick): the crafted run, a copy of its folder, and a synthetic run of 12 groups a
+    step over 6 prompts (so prompts come back at irregular steps and the rollouts page has two pages of groups)."""
+    out = tmp_path_factory.mktemp("small_runs")
+    _write_crafted(out)
+    shutil.copytree(out / "crafted", out / "crafted-copy")
+    write_run(out, "syn", steps=8, prompts_per_step=12, group_size=4, n_prompts=18, eval_every=4, seed=3)
+    return out
+
+
+@pytest.fixture
+def app(runs_dir, monkeypatch):
+    return make_app(runs_dir, monkeypatch)
+
+
+@pytest.fixture
+def small_app(small_dir, monkeypatch):
+    return make_app(small_dir, monkeypatch)

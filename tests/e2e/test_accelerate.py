@@ -1,0 +1,113 @@
+"""Several processes are the real case: under a real `accelerate launch --num_processes 2` (gloo on CPU) the update,
+the learning-rate schedule, the stored rows and the checkpoints are those of one process."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from qae_app.store.reader import query, read_run, read_steps
+from qae_app.store.run_folder import db_path
+from tests.same_steps import assert_same_metrics, kept_steps
+
+ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
+SCRIPT = Path(__file__).parents[1] / "scripts" / "same_samples.py"
+
+
+def launch(n: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = [ACCELERATE, "launch", "--num_processes", str(n), "--num_machines", "1", "--mixed_precision", "no",
+               "--dynamo_backend", "no", *(["--multi_gpu"] if n > 1 else ["--cpu"]), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=900, env=dict(os.environ, **(env or {})))
+
+
+def train(n: int, runs_dir: Path, name: str, *options: str, env: dict | None = None):
+    return launch(n, "-m", "qae_app.cli", "train", "--run-name", name, "--runs-dir", str(runs_dir), *options,
+                  env=env)
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_one_process_update_on_the_same_samples(tmp_path):
+    """Token-level loss normalized over both processes' tokens (not a mean of per-process means), mini-batches drawn
+    over all responses, the warmup stepped once per RL step (not once per process)."""
+    for n in (1, 2):
+        result = launch(n, str(SCRIPT), str(tmp_path), f"p{n}")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    one, two = (torch.load(tmp_path / f"p{n}.params.pt") for n in (1, 2))
+    assert one.keys() == two.keys()
+    for name in one:
+        torch.testing.assert_close(one[name], two[name], atol=1e-6, rtol=0, msg=name)
+    steps1, steps2 = (read_steps(db_path(tmp_path, f"p{n}")).set_index("step") for n in (1, 2))
+    assert steps2["lr"].tolist() == pytest.approx([1.25e-5, 2.5e-5, 3.75e-5])  # --warmup-steps 4, lr 5e-5
+    assert_same_metrics(steps1, steps2)
+    rows = [query(db_path(tmp_path, f"p{n}"), "SELECT step, group_idx, sample_idx, response, reward, advantage "
+                  "FROM rollouts ORDER BY ALL") for n in (1, 2)]
+    pd.testing.assert_frame_equal(rows[0], rows[1])
+
+
+@pytest.mark.slow
+def test_lockstep_forwards_for_sharded_weights_keep_the_update_and_match_in_number(tmp_path):
+    """FSDP and ZeRO-3 gather the shards in every forward, so processes that run different numbers of forwards (gated
+    responses skip theirs) would hang: in lockstep, every process runs as many as the busiest, the extra ones on a
+    placeholder weighted 0. Shown under DDP (accelerate cannot shard on CPU): the counts match, the update is that of
+    one process."""
+    for n, mode in ((1, ""), (2, "lockstep")):
+        result = launch(n, str(SCRIPT), str(tmp_path), f"p{n}", mode)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    counts = [int((tmp_path / f"p2.forwards.{rank}").read_text()) for rank in (0, 1)]
+    assert counts[0] == counts[1] > 0
+    one, two = (torch.load(tmp_path / f"p{n}.params.pt") for n in (1, 2))
+    for name in one:
+        torch.testing.assert_close(one[name], two[name], atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_two_processes_with_the_memory_options_give_the_one_process_update(tmp_path):
+    """Gradient checkpointing under DDP (its recomputation under no_sync, the last micro-batch's all-reduce) and
+    token-budget micro-batches in lockstep (each process's plan has its own count of forwards): the same steps and
+    weights as one process without either, and in lockstep as many forwards on each process."""
+    runs = {"p1": (1, ""), "p2-ckpt": (2, "checkpointing"), "p2-all": (2, "lockstep+budget+checkpointing")}
+    for name, (n, mode) in runs.items():
+        result = launch(n, str(SCRIPT), str(tmp_path), name, mode)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    one = torch.load(tmp_path / "p1.params.pt")
+    steps1 = read_steps(db_path(tmp_path, "p1")).set_index("step")
+    for name in ("p2-ckpt", "p2-all"):
+        two = torch.load(tmp_path / f"{name}.params.pt")
+        for param in one:
+            torch.testing.assert_close(one[param], two[param], atol=1e-6, rtol=0, msg=f"{name}: {param}")
+        assert_same_metrics(steps1, read_steps(db_path(tmp_path, name)).set_index("step"))
+    counts = [int((tmp_path / f"p2-all.forwards.{rank}").read_text()) for rank in (0, 1)]
+    assert counts[0] == counts[1] > 0
+
+
+@pytest.mark.slow
+def test_two_process_run_checkpoints_whole_and_resumes_after_kill_9(tmp_path):
+    options = ["--steps", "4", "--prompts-per-step", "4", "--group-size", "8", "--checkpoint-every", "2",
+               "--eval-every", "4", "--eval-limit", "20", "--micro-batch-size", "2", "--seed", "2"]
+    reference = train(2, tmp_path, "ref", *options)
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    ref = db_path(tmp_path, "ref")
+    assert read_run(ref)["status"] == "finished"
+    groups = query(ref, "SELECT step, group_idx FROM groups ORDER BY step, group_idx")
+    assert groups.groupby("step")["group_idx"].apply(list).tolist() == [[0, 1, 2, 3]] * 4
+    evals = query(ref, "SELECT * FROM evals WHERE metric = 'avg@k' AND subset = 'all' ORDER BY step")
+    assert evals["step"].tolist() == [0, 4] and evals["n_problems"].tolist() == [20, 20]
+    for step in (2, 4):  # every process's RNG state is in the checkpoint, none left in a stray .tmp folder
+        checkpoint = tmp_path / "ref" / "checkpoints" / f"step-{step}"
+        assert (checkpoint / "rng-0.json").exists() and (checkpoint / "rng-1.json").exists()
+        assert not list(checkpoint.rglob("*.pkl")) and not list(checkpoint.rglob("*.bin"))  # nothing to unpickle
+    assert not list((tmp_path / "ref" / "checkpoints").glob("*.tmp"))
+
+    killed = train(2, tmp_path, "cut", *options, env={"QAE_FAULT": "after_step_rows@3"})
+    assert killed.returncode != 0
+    assert kept_steps(tmp_path / "cut") == [1, 2]  # in the database or saved under pending/: all but the step in flight
+    resumed = launch(2, "-m", "qae_app.cli", "train", "--resume", "cut", "--runs-dir", str(tmp_path))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    want, got = (read_steps(db_path(tmp_path, name)).set_index("step") for name in ("ref", "cut"))
+    assert got.index.tolist() == [1, 2, 3, 4]
+    assert_same_metrics(want, got)

@@ -1,0 +1,65 @@
+"""Every process of an `accelerate launch` stops with its launcher: torch's launcher starts each rank in a session of
+its own, so a `kill -9` of the launcher's process group never reached the ranks, which trained on holding the run's
+lock (8 of 8 tries with FSDP2 x 2), and a --resume beside them died in a gloo traceback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from qae_app.store.run_folder import latest_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """The pids of this machine's processes whose command line holds `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def launch(runs_dir: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"),
+                             "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                             "--dynamo_backend", "no", "-m", "qae_app.cli", "train", "--runs-dir", str(runs_dir),
+                             *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_launch_ends_every_rank_and_the_run_resumes(tmp_path):
+    runs_dir = tmp_path / "runs"
+    launcher = launch(runs_dir, "--run-name", "k", "--steps", "500", "--prompts-per-step", "2", "--group-size", "4",
+                      "--eval-every", "0", "--checkpoint-every", "1")
+    try:
+        deadline = time.monotonic() + 300
+        while latest_checkpoint(runs_dir / "k") is None and time.monotonic() < deadline:
+            assert launcher.poll() is None, "the launch ended before its first checkpoint"
+            time.sleep(0.5)
+        assert latest_checkpoint(runs_dir / "k") is not None
+        assert len(processes_mentioning(str(runs_dir))) >= 3  # the launcher and its two ranks
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while processes_mentioning(str(runs_dir)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert processes_mentioning(str(runs_dir)) == []
+    finally:
+        for pid in processes_mentioning(str(runs_dir)):
+            os.kill(pid, signal.SIGKILL)
+    resumed = launch(runs_dir, "--resume", "k", "--steps", "3")
+    assert resumed.wait(timeout=600) == 0

@@ -1,0 +1,110 @@
+"""The HF engine's own decode loop (qae_app/engines/decode.py) samples what `model.generate` samples: for a fixed seed
+the same tokens, the log-prob each token was sampled with equal to the model's own forward over prompt + response,
+finished rows dropped from the batch without changing anyone's tokens, and the models it cannot run left to
+generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qae_app.algo.losses import token_logprobs_and_entropy
+from qae_app.engines import decode
+from qae_app.engines.hf import HFGenerateEngine
+from qae_app.models.lora import apply_lora
+from qae_app.models.policy import BUILTIN_MODEL, BUILTIN_SCRATCH, load_policy
+from tests.engines.test_rollout import reference_generate
+
+
+def engine_samples(engine: HFGenerateEngine, use_decode_loop: bool, prompts, n, max_new_tokens, seed):
+    engine.use_decode_loop = use_decode_loop
+    return engine.generate(prompts, n, 1.0, max_new_tokens, seed)
+
+
+def recomputed_logprobs(model, samples) -> list[list[float]]:
+    """Each response's token log-probs and entropies from one plain forward over its prompt + response."""
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            logits = model(input_ids=ids).logits[:, len(s.prompt_ids) - 1 : -1]  # (1, response, vocab)
+            logp, entropy = token_logprobs_and_entropy(logits, ids[:, len(s.prompt_ids) :], 1.0)
+            out.append((logp[0].tolist(), entropy[0].tolist()))
+    return out
+
+
+def assert_close(got: list[float], expected: list[float], tolerance: float) -> None:
+    assert len(got) == len(expected)
+    assert max((abs(a - b) for a, b in zip(got, expected)), default=0.0) < tolerance
+
+
+def test_decode_loop_samples_the_tokens_generate_samples_for_a_fixed_seed():
+    model, codec = load_policy(BUILTIN_MODEL)
+    model.eval()
+    assert decode.supports_decode_loop(model)
+    prompts = ["3+4=", "12*11=", "20-7=", "0*0="]  # different lengths: left padding differs per row
+    engine = HFGenerateEngine(model, codec, batch_size=5)  # 3 chunks, one of them splitting a group
+    prompt_rows = []  # (rows, tokens) of every embedding lookup: the loop's forwards (it never calls model.forward)
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: prompt_rows.append(out.shape[:2]))
+    try:
+        got = engine_samples(engine, True, prompts, 3, 6, seed=7)
+    finally:
+        hook.remove()
+    # chunk 1 is prompts 0, 0, 0, 1, 1: one forward over the two distinct prompts (left-padded), then 5 rows a step
+    assert prompt_rows[:2] == [(2, len(codec.encode("12*11="))), (5, 1)]
+    expected = reference_generate(model, codec, prompts, 3, 1.0, 6, seed=7, batch_size=5)
+    assert [(s.prompt_index, s.prompt_ids, s.response_ids, s.text, s.truncated) for s in got] == expected
+    through_generate = engine_samples(engine, False, prompts, 3, 6, seed=7)
+    for loop, gen, (logp, entropy) in zip(got, through_generate, recomputed_logprobs(model, got)):
+        assert_close(loop.token_logprobs, gen.token_logprobs, 1e-5)
+        assert_close(loop.token_entropies, gen.token_entropies, 1e-5)
+        assert_close(loop.token_logprobs, logp, 1e-5)
+        assert_close(loop.token_entropies, entropy, 1e-4)
+
+
+def test_finished_rows_leave_the_batch_and_the_rest_sample_as_before():
+    """A random model stops at random lengths: the loop drops rows that emitted eos (the batch shrinks), and every
+    row's tokens, stop and truncation still equal generate's, which keeps all rows to the end."""
+    model, codec = load_policy(BUILTIN_SCRATCH)
+    model.eval()
+    engine = HFGenerateEngine(model, codec)
+    rows_per_step = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: rows_per_step.append(out.shape[0]))
+    try:
+        got = engine_samples(engine, True, ["1+1=", "9*9="], 12, 40, seed=3)
+    finally:
+        hook.remove()
+    expected = engine_samples(engine, False, ["1+1=", "9*9="], 12, 40, seed=3)
+    lengths = sorted(len(s.response_ids) for s in got)
+    assert lengths[0] < 20 and lengths[-1] == 40  # rows finish early and late: the case that shrinks the batch
+    decode_rows = rows_per_step[1:]  # after the prompt pass
+    assert decode_rows[0] == 24 and min(decode_rows) < 24 and decode_rows == sorted(decode_rows, reverse=True)
+    assert [(s.response_ids, s.text, s.truncated) for s in got] == [(s.response_ids, s.text, s.truncated)
+                                                                    for s in expected]
+    for loop, gen in zip(got, expected):
+        assert_close(loop.token_logprobs, gen.token_logprobs, 1e-5)
+        assert loop.truncated == (codec.eos_id not in loop.response_ids)
+
+
+def test_models_the_loop_cannot_run_are_left_to_generate():
+    model, _ = load_policy(BUILTIN_SCRATCH)
+    lora = apply_lora(model, rank=2)
+    assert not decode.supports_decode_loop(lora.get_base_model())  # peft's adapted linears: generate samples them
+
+
+@pytest.mark.slow
+def test_decode_loop_samples_what_generate_samples_on_smollm2(smollm2_gguf):
+    model, codec = load_policy(str(smollm2_gguf))
+    model.eval()
+    assert decode.supports_decode_loop(model)
+    prompts = ["What is 7 + 8? Reply with just the number.", "Name a colour."]  # chat template, different lengths
+    engine = HFGenerateEngine(model, codec)
+    got = engine_samples(engine, True, prompts, 3, 16, seed=11)
+    expected = engine_samples(engine, False, prompts, 3, 16, seed=11)
+    assert [(s.response_ids, s.text, s.truncated) for s in got] == [(s.response_ids, s.text, s.truncated)
+                                                                    for s in expected]
+    assert any(not s.truncated for s in got)  # some rows end their turn (<|im_end|>) before the limit
+    for loop, gen, (logp, _) in zip(got, expected, recomputed_logprobs(model, got)):
+        assert_close(loop.token_logprobs, gen.token_logprobs, 1e-4)
+        assert_close(loop.token_entropies, gen.token_entropies, 1e-3)
+        assert_close(loop.token_logprobs, logp, 1e-4)

@@ -1,0 +1,117 @@
+"""A planted file under a run's pending/ folder is data, never SQL: every table and column name a saved write carries
+is checked against the schema before anything is applied, so a crafted name cannot run a statement (DuckDB runs every
+statement of a string: `COPY ... TO` writes any path the user can), and a write that breaks the schema is named with
+what to do, not applied."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from qae_app.cli.main import app
+from qae_app.core.errors import QAEUserError
+from qae_app.store.reader import query, read_run
+from qae_app.store.run_folder import PENDING_DIR
+from qae_app.store.writer import RunWriter
+
+INJECTED = "status = 'x' WHERE 1=1; COPY (SELECT 1) TO '{marker}'; UPDATE runs SET error"
+PLANTS = {
+    "sql in a run field": {"kind": "run", "fields": {INJECTED: None}},
+    "sql in a step metric": {"kind": "step_update", "step": 1, "fields": {INJECTED: 1.0}},
+    "sql as a table name": {"kind": "step", "step": 1, "tables": {"steps; COPY (SELECT 1) TO '{marker}'; --": []}},
+    "sql in a row's column": {"kind": "step", "step": 1, "tables": {"rollouts": [{INJECTED: 1}]}},
+    "a truncation before step 0": {"kind": "truncate", "step": -1},
+    "a bogus status": {"kind": "run", "fields": {"status": "pwned"}},
+    "a step that is no number": {"kind": "step_update", "step": "1; DROP TABLE steps", "fields": {"loss": 1.0}},
+    "a value no column holds": {"kind": "step_update", "step": 1, "fields": {"loss": {"nested": [1]}}},
+    "an unknown key": {"kind": "truncate", "step": 1, "sql": "DROP TABLE steps"},
+}
+
+
+@pytest.fixture
+def run_file(tmp_path):
+    """A run's database with one step row, as a trainer leaves it."""
+    path = tmp_path / "runs" / "r" / "qae.duckdb"
+    writer = RunWriter(path, "r")
+    writer.create_run("r", {"seed": 0}, "qae", 0.4, "builtin:tiny", "arith", 0)
+    writer.add_step(1, steps=[{"loss": 0.5}])
+    assert writer.flush()
+    return path
+
+
+def plant(run_file, record: dict, marker) -> None:
+    text = json.dumps(record).replace("{marker}", str(marker).replace("'", "''"))
+    (run_file.parent / PENDING_DIR).mkdir(exist_ok=True)
+    (run_file.parent / PENDING_DIR / "00000001-step.json").write_text(text)
+
+
+@pytest.mark.parametrize("record", PLANTS.values(), ids=PLANTS.keys())
+def test_a_planted_pending_write_is_refused_by_name_before_anything_is_applied(run_file, tmp_path, record):
+    marker = tmp_path / "marker"
+    plant(run_file, record, marker)
+    before = query(run_file, "SELECT * FROM steps"), read_run(run_file)
+    with pytest.raises(QAEUserError, match="00000001-step.json is not a write qae saved") as refused:
+        RunWriter(run_file, "r")
+    assert "Move it out of" in str(refused.value)
+    assert not marker.exists()
+    after = query(run_file, "SELECT * FROM steps"), read_run(run_file)
+    assert after[0].equals(before[0]) and repr(after[1]) == repr(before[1])  # (repr: NaN equals NaN)
+
+
+def test_a_pending_write_nested_past_the_parser_is_named_not_a_traceback(run_file):
+    (run_file.parent / PENDING_DIR).mkdir(exist_ok=True)
+    (run_file.parent / PENDING_DIR / "00000001-step.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(QAEUserError, match="nested deeper than any row"):
+        RunWriter(run_file, "r")
+
+
+def test_resume_and_eval_on_a_planted_run_name_the_file_and_run_nothing(tmp_path):
+    """The reproduction: `qae train --resume` and `qae eval --model RUN` applied the planted statement (exit 0)."""
+    runs_dir, marker = tmp_path / "runs", tmp_path / "marker"
+    trained = CliRunner().invoke(app, ["train", "--run-name", "r", "--steps", "1", "--prompts-per-step", "2",
+                                       "--group-size", "4", "--eval-every", "0", "--cpu", "--runs-dir", str(runs_dir)])
+    assert trained.exit_code == 0, trained.output
+    plant(runs_dir / "r" / "qae.duckdb", PLANTS["sql in a run field"], marker)
+    for args in (["train", "--resume", "r", "--steps", "2"],
+                 ["eval", "--model", "r", "--limit", "2", "--samples", "1"]):
+        result = CliRunner().invoke(app, [*args, "--runs-dir", str(runs_dir)], env={"COLUMNS": "300"})
+        assert result.exit_code == 2 and "is not a write qae saved" in result.output, (args, result.output)
+        assert not marker.exists()
+
+
+@pytest.mark.parametrize("crafted", [
+    "DROP TABLE steps; CREATE VIEW steps AS SELECT 1 AS step, content AS loss FROM read_text('{secret}')",
+    "CREATE MACRO count(x) AS 0",
+])
+def test_a_run_file_holding_views_or_macros_is_refused_before_any_query(run_file, tmp_path, crafted):
+    """qae writes tables only: a view named like its table ran as SQL (`qae show` printed a file from outside the
+    folder), and a macro can shadow a function qae's queries call."""
+    import duckdb
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the secret")
+    with duckdb.connect(str(run_file)) as con:
+        con.execute(crafted.format(secret=secret))
+    result = CliRunner().invoke(app, ["show", "r", "--runs-dir", str(run_file.parent.parent)],
+                                env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and "holds views or macros" in result.output, result.output
+    assert "the secret" not in result.output
+    with pytest.raises(QAEUserError, match="holds views or macros"):
+        RunWriter(run_file, "r")
+
+
+def test_the_writers_database_reaches_the_run_file_and_nothing_else(run_file, tmp_path):
+    """Defence in depth under the name checks: whatever SQL reached the writer's connection could not write or read
+    another path."""
+    import duckdb
+
+    writer = RunWriter(run_file, "r")
+    with writer._open() as con:
+        assert con.execute("SELECT count(*) FROM steps").fetchone() == (1,)
+        with pytest.raises(duckdb.PermissionException):
+            con.execute(f"COPY (SELECT 1) TO '{tmp_path / 'marker.csv'}'")
+        with pytest.raises(duckdb.PermissionException):
+            con.execute(f"ATTACH '{tmp_path / 'other.duckdb'}' AS other")
+    assert not (tmp_path / "marker.csv").exists() and not (tmp_path / "other.duckdb").exists()
