@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from qae_app.cli.console import SafeConsole
 from qae_app.config import EvalConfig, TrainConfig
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
@@ -28,8 +28,8 @@ from qae_app.store.run_folder import DB_FILE
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="RL from verifiable rewards with Quantile Advantage Estimation (QAE).")
-console = Console()
-err_console = Console(stderr=True)
+console = SafeConsole()
+err_console = SafeConsole(stderr=True)
 
 def _runs_dir_is_a_folder(value: Path) -> Path:
     from qae_app.core.host_faults import name_too_long
@@ -170,7 +170,7 @@ def plan(
         result = plan_run(cfg, model_shape(cfg.model), hardware)
     except QAEUserError as err:
         fail(err)
-    render(result, Console(highlight=False, width=max(console.width, 120)))
+    render(result, SafeConsole(highlight=False, width=max(console.width, 120)))
     if not result.fits:
         raise typer.Exit(code=1)
 
@@ -311,9 +311,9 @@ def warmstart(
 # inspecting runs
 
 
-def _view_console() -> Console:
+def _view_console() -> SafeConsole:
     """A console sized now (COLUMNS, or the terminal): the views lay themselves out for its width."""
-    return Console(highlight=False)
+    return SafeConsole(highlight=False)
 
 
 @app.command("runs")

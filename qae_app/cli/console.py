@@ -1,0 +1,31 @@
+"""The console every qae command prints through. Text from a run folder (a prompt, a response, an error message, a
+config value) may carry terminal escapes, and a run folder can come from anyone: an OSC 52 sequence in a response
+would write the user's clipboard, `ESC [2J` clear the screen. rich removes only a few control characters, so this
+console shows every other one as a visible escape (`\\x1b`) in the text it is given, while its own styling and
+cursor control (the progress bar) are drawn as usual."""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+from rich.console import Console
+from rich.segment import Segment
+
+# C0 controls but tab and newline, DEL, and the C1 controls (0x9b is a one-byte CSI on some terminals)
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible_controls(text: str) -> str:
+    """`text` with every control character but tab and newline written as a `\\xNN` escape."""
+    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
+
+
+class SafeConsole(Console):
+    """A rich Console whose text segments cannot reach the terminal as control sequences."""
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        # rich's own styles and cursor movements are not in the segments' text: they stay as they are
+        return super()._render_buffer(segment if segment.control else
+                                      Segment(visible_controls(segment.text), segment.style)
+                                      for segment in buffer)
