@@ -313,7 +313,7 @@ class RunSession:
         config = cfg.to_dict()
         if self.distributed is not None:  # how this session ran (a resume records its own launch)
             config["distributed"] = self.distributed.to_dict()
-        k = state.k if names.uses_k(cfg.estimator) else None  # K means nothing to a mean baseline
+        k = names.k_in_use(cfg.estimator, state.k)  # (None before --k auto chooses one, and for a mean baseline)
         if self.resuming:
             db = self.run_dir / DB_FILE
             if not db.exists() and state.step > 0:

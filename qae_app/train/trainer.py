@@ -433,6 +433,10 @@ class Trainer:
             self.state.k = chosen_k = names.auto_k(success)
             warnings.append({"kind": "auto_k", "message": f"--k auto: first-step success rate {success:.3f} "
                                                           f"-> K = {chosen_k}"})
+        k = names.k_in_use(cfg.estimator, self.state.k)  # None: a mean baseline reads no K
+        # the K that splits the groups into hard and easy (dH's regimes; the estimator reads it for QAE only): a mean
+        # baseline's is DEFAULT_K, so runs compare
+        regime_k = k or names.DEFAULT_K
         n_trained = sum(trained_global)
         cap = generation_cap_warning(cfg, step, n_trained, len(batches))  # (or stops the run: --on-gen-cap stop)
         if cap is not None:
@@ -440,8 +444,7 @@ class Trainer:
             warnings.append(cap)
 
         # ---- advantages of every group sampled (a filtered group's are stored but never trained)
-        estimator = EstimatorConfig(k=self.state.k or names.DEFAULT_K, quantile=cfg.quantile,
-                                    scale=cfg.advantage_scale)
+        estimator = EstimatorConfig(k=regime_k, quantile=cfg.quantile, scale=cfg.advantage_scale)
         adv = step_advantages(cfg.estimator, rewards, correct, names.reward_values(cfg.reward_values), estimator,
                               cfg.shaping)
         trained_mask = torch.tensor(trained, dtype=torch.bool)  # (B,)
@@ -461,17 +464,16 @@ class Trainer:
             options = self.update_options()
             update_adv = seq_adv if trained_samples else seq_adv.new_zeros(1)
             update_seed = _step_seed(cfg.seed, step, 0) + 1  # (the mini-batches: the attribution draws the same)
-            # (dH's regimes: the K in use, K = 0.4 for mean-baseline runs, so runs compare)
-            k = self.state.k if names.uses_k(cfg.estimator) else names.DEFAULT_K
-            attribution = (entropy_attribution(self.model, self.optimizer, batch, update_adv, correct[trained_mask], k,
-                                               G, options, acc, seed=update_seed, n_local=len(trained_samples))
+            attribution = (entropy_attribution(self.model, self.optimizer, batch, update_adv, correct[trained_mask],
+                                               regime_k, G, options, acc, seed=update_seed,
+                                               n_local=len(trained_samples))
                            if cfg.log_entropy_attribution else dict.fromkeys(ATTRIBUTION_METRICS))
             updated = policy_update(self.model, self.optimizer, batch, update_adv, options, acc, seed=update_seed,
                                     ref_model=self.ref_model, full_pass=not from_engine or cfg.log_entropy_delta,
                                     n_local=len(trained_samples))
             update_stats, old_logp, entropy = {**updated.stats, **attribution}, updated.old_logp, updated.entropy
-            update_stats.update(entropy_change(self.model, batch, entropy, correct[trained_mask], k, G, options, acc,
-                                               len(trained_samples))
+            update_stats.update(entropy_change(self.model, batch, entropy, correct[trained_mask], regime_k, G, options,
+                                               acc, len(trained_samples))
                                 if cfg.log_entropy_delta else dict.fromkeys(("dH", "dH_hard", "dH_easy")))
             self.engine.sync_weights(acc.unwrap_model(self.model))  # vLLM holds its own copy; hf shares the model
         else:  # dynamic sampling found no group with signal on any process: nothing to learn from
@@ -494,8 +496,8 @@ class Trainer:
         groups, rollouts = group_rows(results), rollout_rows(results)
         metrics = step_metrics(groups, rollouts)
         metrics.update(update_stats)
-        metrics.update(k=self.state.k if names.uses_k(cfg.estimator) else None, gen_batches=len(batches),
-                       rollout_s=rollout_s, reward_s=reward_s, update_s=update_s, lr=self.scheduler.get_last_lr()[0])
+        metrics.update(k=k, gen_batches=len(batches), rollout_s=rollout_s, reward_s=reward_s, update_s=update_s,
+                       lr=self.scheduler.get_last_lr()[0])
         if n_trained:  # the schedule counts updates: a step that found nothing to train on leaves the warmup where it is
             self.scheduler.step()  # once per RL step, on every process (the scheduler is not prepared: see _load_models)
         warning = entropy_warning(self.state, metrics["entropy"], cfg)
