@@ -448,6 +448,9 @@ def accumulate_gradients(model, batch, keep, old_logp, have_old, ref_logp, advan
 # after the update
 
 
+ENTROPY_CHANGE_METRICS = ("dH", "dH_hard", "dH_easy")  # what entropy_change measures, by its column names
+
+
 def entropy_change(model, batch, entropy_before: torch.Tensor, correct: torch.Tensor, k: float, group_size: int,
                    options: UpdateOptions, accelerator=None, n_local: int | None = None) -> dict:
     """dH, dH_hard, dH_easy: the token-weighted mean change of token entropy over the step's trained responses
