@@ -354,9 +354,9 @@ class Trainer:
                                "which the trial updates cannot restore. Launch with DDP or FSDP, or drop the option.")
         if cfg.lora_rank:
             if sharding_plan_for(acc).sharding != "none":
-                raise QAEUserError(f"lora-rank: LoRA is not supported with sharded weights ({sharding_plan_for(acc).sharding})"
-                                   ". Launch with DDP (accelerate launch --multi_gpu) or one process, or train "
-                                   "every weight (--lora-rank 0).")
+                raise QAEUserError(f"lora-rank: LoRA is not supported with sharded weights "
+                                   f"({sharding_plan_for(acc).sharding}). Launch with DDP (accelerate launch "
+                                   "--multi_gpu) or one process, or train every weight (--lora-rank 0).")
             model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, model_name=cfg.model)
         self.ref_model = None
         if cfg.kl_beta > 0 and cfg.lora_rank:  # the base model is the policy with its adapters off: no second copy
