@@ -5,7 +5,8 @@
         state = session.restore(data_fingerprint)     # a resume: the newest valid checkpoint, checked against the run
         session.open_store(state)                     # the database and config.json; a new run's folder appears
         session.catch_stop_signals()                  # Ctrl-C / SIGTERM: stop at the next step boundary
-        ... session.write_step(...), session.save_checkpoint(...), session.should_stop() ...
+        ... session.write_step(...), session.record_step_times(...), session.save_checkpoint(...),
+            session.should_stop() ...
         session.finish(status, ...)                   # the last rows and the run's final status
     # close(): the lock, a new run's staging folder if the run never appeared, the writer's thread, the signals
 
@@ -179,6 +180,8 @@ class RunSession:
         self._write_thread: ThreadPoolExecutor | None = None  # main process: writes the store while steps train
         self._write_job: Future | None = None
         self._store_s: dict[int, float] = {}  # step -> CPU seconds of its write job, once done (see drain_writes)
+        # (step, seconds): the newest step's times known only after its rows were queued (record_step_times)
+        self._late_times: tuple[int, dict[str, float]] | None = None
         self._previous_handlers: dict = {}
         self.finishing = False  # set by the caller once it writes the final status: late signals are ignored
         self._stop_requested = self._waiting_for_store = False
@@ -357,19 +360,25 @@ class RunSession:
     # -------------------------------------------------------------------------------------------------------------
     # writing: only here, only on the main process, on one writer thread so the next step trains meanwhile
 
-    def write_step(self, step: int, tables: dict[str, list[dict]], chosen_k: float | None = None,
-                   timings: tuple[int, dict] | None = None) -> float:
+    def record_step_times(self, step: int, **seconds: float) -> None:
+        """The times of `step` that are known only after its rows were queued (write_s, checkpoint_s, step_s): they
+        complete its row with the next step's write, with store_s (the writer thread's CPU time for the step, known
+        once that job is done), or at finish. Kept until the next step's are recorded."""
+        self._late_times = (step, seconds)
+
+    def write_step(self, step: int, tables: dict[str, list[dict]], chosen_k: float | None = None) -> float:
         """Hand one step's rows (table name -> rows) to the writer thread, after the previous step's write is done,
-        so at most one step is in flight; `chosen_k` goes into the run's row, `timings` completes an earlier step's
-        row. Returns the seconds this thread spent."""
+        so at most one step is in flight; `chosen_k` goes into the run's row, and the times recorded for an earlier
+        step (record_step_times) complete its row. Returns the seconds this thread spent."""
         if self.writer is None:
             return 0.0
         t0 = time.perf_counter()
+        late = self._late_times  # (step, seconds) of an earlier step, or None
 
         def write(writer: RunWriter) -> tuple[int, float]:
             cpu_start = time.thread_time()
-            if timings is not None:
-                writer.update_step(timings[0], **timings[1])
+            if late is not None:
+                writer.update_step(late[0], **late[1])
             if chosen_k is not None:
                 writer.update_run(k=chosen_k)
             writer.add_step(step, **tables)
@@ -378,8 +387,8 @@ class RunSession:
             return step, time.thread_time() - cpu_start
 
         self.drain_writes()
-        if timings is not None:  # the earlier step's job is done: its store_s is known
-            timings[1]["store_s"] = self._store_s.pop(timings[0], None)
+        if late is not None:  # the earlier step's job is done: its store_s is known
+            late[1]["store_s"] = self._store_s.pop(late[0], None)
         self._write_job = self._write_thread.submit(write, self.writer)
         return time.perf_counter() - t0
 
@@ -393,19 +402,18 @@ class RunSession:
             self._store_s[step] = store_s
         return time.perf_counter() - t0
 
-    def finish(self, status: str, error: str | None, timings: tuple[int, dict] | None, *, setup_s: float,
-               wall_s_before: float = 0.0) -> None:
-        """The last writes: the last step's timings, the final status and the run's time (setup_s; wall_s: the
-        earlier sessions' and this one's); waits for a reader that still holds the file (Ctrl-C leaves the rows
-        safe under pending/)."""
+    def finish(self, status: str, error: str | None, *, setup_s: float, wall_s_before: float = 0.0) -> None:
+        """The last writes: the times recorded for the last step (record_step_times), the final status and the run's
+        time (setup_s; wall_s: the earlier sessions' and this one's); waits for a reader that still holds the file
+        (Ctrl-C leaves the rows safe under pending/)."""
         if self.writer is None:
             return
         try:
             self.drain_writes()
         finally:
             self._write_thread.shutdown(wait=True)
-            if timings is not None:
-                step, values = timings  # (its store_s is known if the job was drained, by now or earlier)
+            if self._late_times is not None:
+                step, values = self._late_times  # (its store_s is known if the job was drained, by now or earlier)
                 self.writer.update_step(step, **{**values, "store_s": self._store_s.pop(step, values.get("store_s"))})
             wall_s = wall_s_before + time.perf_counter() - self.started
             # a failed run's status goes ahead of rows still queued: if the failure was writing them (a full disk),

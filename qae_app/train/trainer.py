@@ -401,7 +401,6 @@ class Trainer:
         cfg = self.cfg
         status, error = "running", None
         self.session.catch_stop_signals()
-        timings: tuple[int, dict] | None = None  # (step, write_s/checkpoint_s/step_s), known after its row is queued
         try:
             if self.state.step == 0 and cfg.eval_every:
                 heldout = self.evaluate_heldout(0)
@@ -420,7 +419,7 @@ class Trainer:
                                    eval_s=time.perf_counter() - t0)
                 self.state.step = step  # (train_step advanced state.data_position by the prompts it consumed)
                 write_s = self.session.write_step(step, step_tables(out, heldout, cfg.store_responses, cfg.seed, step),
-                                                   out.chosen_k, timings)
+                                                   out.chosen_k)
                 checkpoint_s = 0.0
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
                     t0 = time.perf_counter()
@@ -429,8 +428,9 @@ class Trainer:
                     checkpoint_s = time.perf_counter() - t0
                 if on_step is not None:
                     on_step(step, out.metrics)
-                timings = (step, {"write_s": write_s, "checkpoint_s": checkpoint_s,
-                                  "step_s": time.perf_counter() - t_iteration})
+                # (known only now that the step's rows are queued: the session writes them with the next step's)
+                self.session.record_step_times(step, write_s=write_s, checkpoint_s=checkpoint_s,
+                                               step_s=time.perf_counter() - t_iteration)
             if self.state.step < cfg.steps:  # stopped by a signal at a step boundary
                 status = "interrupted"
                 if not self.session.has_checkpoint(self.state.step):
@@ -449,7 +449,7 @@ class Trainer:
             try:
                 fault_point("finishing", self.state.step)
                 close_scorers(getattr(self, "scorer", None), getattr(self, "eval_scorer", None))
-                self.session.finish(status, error, timings, wall_s_before=self._wall_s_before,
+                self.session.finish(status, error, wall_s_before=self._wall_s_before,
                                     setup_s=self._setup_s_before + (self._setup_s or 0.0))
             finally:
                 self.session.close()  # (the lock, the signal handlers)
