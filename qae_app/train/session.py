@@ -244,10 +244,27 @@ class RunSession:
         return its trainer state, checked against this run (process count, data position, --steps, the data file's
         sha256); None when the run has no checkpoint (killed before its first: it trains again from step 0). Says so
         when a newer checkpoint was skipped."""
+        acc = self.accelerator
+        ckpt, logged = self._newest_valid_checkpoint()
+        if ckpt is None:
+            self._check_start_over(logged)
+            return None
+        state = TrainerState.load(ckpt / TRAINER_STATE)
+        self._check_process_count(state, ckpt)
+        self._load_training_state(ckpt, model, optimizer, scheduler)
+        if is_lora(acc.unwrap_model(model)):  # (a LoRA run's adapter, from its own folder)
+            load_lora_adapter(ckpt, acc.unwrap_model(model))
+        self._say(f"resuming run {self.run_id} from checkpoint {ckpt.name}")
+        self._check_checkpoint_fits_run(state, ckpt, logged, data_fingerprint)
+        return state
+
+    def _newest_valid_checkpoint(self) -> tuple[Path | None, int]:
+        """The newest checkpoint whose files match their checksums (None if none does; each one skipped is said),
+        and the newest step whose rows the run kept (stored or saved): decided by the main process, the same on
+        every process."""
         from accelerate.utils import broadcast_object_list
 
-        cfg, acc = self.cfg, self.accelerator
-        chosen = [None, 0]  # the checkpoint, and the newest step whose rows the run kept (stored or saved)
+        chosen = [None, 0]  # the checkpoint, and the newest step whose rows the run kept
         if self.is_main:
             for ckpt in reversed(list_checkpoints(self.run_dir)):
                 problem = checkpoint_problem(ckpt)
@@ -256,38 +273,43 @@ class RunSession:
                     break
                 self._say(f"[yellow]warning:[/] skipping checkpoint {ckpt.name}: {problem}")
             chosen[1] = last_logged_step(self.run_dir)
-        if acc.num_processes > 1:
+        if self.accelerator.num_processes > 1:
             broadcast_object_list(chosen)
-        logged = chosen[1]
-        if chosen[0] is None:
-            if self.is_main and list_checkpoints(self.run_dir):
-                raise QAEUserError(f"resume: no checkpoint of run '{self.run_id}' checks out (see the warnings "
-                                   "above). Start a new run.")
-            # killed before its first checkpoint: start over from step 0, same run, same seed (the same steps again)
-            if cfg.steps < logged:
-                raise QAEUserError(
-                    f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged. It has no "
-                    f"checkpoint (killed before its first; --checkpoint-every {cfg.checkpoint_every}), so a resume "
-                    f"trains it again from step 0 and replaces their rows: pass --steps {logged} or more to keep "
-                    "every logged step, or start a new run.")
-            if logged:
-                self._say(f"[yellow]warning:[/] run {self.run_id} has no checkpoint: training it again from step 0 "
-                          f"(same seed); the {logged} steps it logged are replaced as they are trained again.")
-            return None
-        ckpt = Path(chosen[0])
-        state = TrainerState.load(ckpt / TRAINER_STATE)
+        return (Path(chosen[0]) if chosen[0] is not None else None), chosen[1]
+
+    def _check_start_over(self, logged: int) -> None:
+        """A run with no checkpoint starts over from step 0, same run, same seed (the same steps again): refused
+        when its checkpoints all failed their checks, or when --steps would drop steps it logged; said when it
+        replaces logged steps."""
+        cfg = self.cfg
+        if self.is_main and list_checkpoints(self.run_dir):
+            raise QAEUserError(f"resume: no checkpoint of run '{self.run_id}' checks out (see the warnings "
+                               "above). Start a new run.")
+        if cfg.steps < logged:
+            raise QAEUserError(
+                f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged. It has no "
+                f"checkpoint (killed before its first; --checkpoint-every {cfg.checkpoint_every}), so a resume "
+                f"trains it again from step 0 and replaces their rows: pass --steps {logged} or more to keep "
+                "every logged step, or start a new run.")
+        if logged:
+            self._say(f"[yellow]warning:[/] run {self.run_id} has no checkpoint: training it again from step 0 "
+                      f"(same seed); the {logged} steps it logged are replaced as they are trained again.")
+
+    def _check_process_count(self, state: TrainerState, ckpt: Path) -> None:
+        """Every process samples with its own seed: another process count trains other steps than the logged ones."""
         trained_by = state.num_processes
-        if trained_by not in (None, acc.num_processes):
-            # every process samples with its own seed: another count trains other steps than the logged ones
+        if trained_by not in (None, self.accelerator.num_processes):
             raise QAEUserError(
                 f"resume: run '{self.run_id}' was trained by {trained_by} processes and this resume has "
-                f"{acc.num_processes}. Each process samples with its own seed, so the steps after "
+                f"{self.accelerator.num_processes}. Each process samples with its own seed, so the steps after "
                 f"checkpoint {ckpt.name} would not be the ones logged: resume it as it was launched (accelerate "
                 f"launch --num_processes {trained_by} ...), or start a new run.")
-        self._load_training_state(ckpt, model, optimizer, scheduler)
-        if is_lora(acc.unwrap_model(model)):  # (a LoRA run's adapter, from its own folder)
-            load_lora_adapter(ckpt, acc.unwrap_model(model))
-        self._say(f"resuming run {self.run_id} from checkpoint {ckpt.name}")
+
+    def _check_checkpoint_fits_run(self, state: TrainerState, ckpt: Path, logged: int,
+                                   data_fingerprint: str | None) -> None:
+        """The checkpoint's trainer state against this run: its data position (the config's prompts per step),
+        --steps (neither below the steps done nor below those logged) and the data file's sha256."""
+        cfg = self.cfg
         problem = data_position_problem(state.data_position, state.step, cfg)
         if problem:
             raise QAEUserError(f"resume: checkpoint {ckpt} is at prompt {state.data_position} of the data, but "
@@ -304,7 +326,6 @@ class RunSession:
             raise QAEUserError(f"data: {cfg.data} changed since run '{self.run_id}' was started (its sha256 differs "
                                "from the one the checkpoint recorded). A resumed run must see the same prompts: "
                                "restore the file, or start a new run on the new data.")
-        return state
 
     def open_store(self, state: TrainerState) -> dict:
         """The run's database and config.json (main process), and the writer's thread. A new run's staging folder is
