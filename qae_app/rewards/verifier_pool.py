@@ -133,9 +133,9 @@ def default_batch_timeout_s(timeout_s: float, n_items: int, num_workers: int) ->
 
 def _worker_context() -> multiprocessing.context.BaseContext:
     """Where the platform has it, "forkserver": a server process imports and warms math-verify once
-    (`qae_app.rewards.verifier_preload`) and every worker is forked from it, so replacing a killed worker takes milliseconds
-    instead of a fresh multi-second sympy import. Otherwise "spawn". Never plain fork: the parent holds torch
-    threads."""
+    (`qae_app.rewards.verifier_preload`) and every worker is forked from it, so replacing a killed worker takes
+    milliseconds instead of a fresh multi-second sympy import. Otherwise "spawn". Never plain fork: the parent holds
+    torch threads."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["qae_app.rewards.verifier_preload"])
