@@ -172,7 +172,7 @@ MAX_FUNCTION_LINES = 60
 # functions still over the limit when it was set; each is split in its own commit and leaves this list, which only
 # shrinks
 OVER_THE_LIMIT = {"dashboard.views.curves.body",
-                  "dashboard.views.rollouts.body", "cli.views.runs_view",
+                  "dashboard.views.rollouts.body",
                   "cli.sweep.plan_sweep", "cli.sweep.run_sweep"}
 
 
