@@ -280,13 +280,8 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
     step count. Returns {run_name: final state}. Ctrl-C / SIGTERM stop the running points the trainer's way
     (checkpoint, status interrupted) and return with them 'interrupted'."""
     check_parallel(parallel)
-    states, steps = {}, {}
-    queue = []
-    for point in sweep.points:
-        state = point_state(runs_dir, point)
-        states[point.run_name] = {"done": "kept", "busy": "busy", "taken": "taken"}.get(state, "queued")
-        if state in ("new", "resume"):
-            queue.append((point, "start" if state == "new" else "resume"))
+    states, queue = _starting_states(sweep, runs_dir)
+    steps = {}
     threads = max(1, (os.cpu_count() or 1) // parallel)  # each run its share of the cores, not all of them each
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), COLUMNS="120")
     active: list[PointRun] = []
@@ -304,33 +299,11 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
                 if point_state(runs_dir, point) == "taken":  # another run took the name since the sweep began
                     states[point.run_name] = "taken"
                     continue
-                log = sweep.folder / f"{point.run_name}.log"
-                log.parent.mkdir(parents=True, exist_ok=True)
-                with log.open("a") as out:
-                    out.write(f"\n# qae sweep {sweep.name}: {action} {point.run_name} at {_now()}\n")
-                    out.flush()
-                    process = subprocess.Popen(_command(sweep, point, action, runs_dir, cpu), stdout=out,
-                                               stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                               preexec_fn=_stop_with_parent)
-                active.append(PointRun(point, action, process, log))
+                active.append(_start_point(sweep, point, action, runs_dir, cpu, env))
                 states[point.run_name] = "running"
             if stopping:
-                for run in active:
-                    if run.process.poll() is None and not run.asked_to_stop:
-                        run.process.send_signal(signal.SIGTERM)  # the trainer checkpoints and says interrupted
-                        run.asked_to_stop = True  # once: the trainer finishes its step and checkpoint first
-            for run in list(active):
-                code = run.process.poll()
-                if code is None:
-                    continue
-                active.remove(run)
-                with run.log.open("a") as out:  # the trainer has exited: nothing else writes to its log now
-                    out.write(f"# qae sweep {sweep.name}: {run.point.run_name} exited with code {code} at {_now()} "
-                              f"after {time.monotonic() - run.started:.1f} s\n")
-                final = point_state(runs_dir, run.point)  # (the name may have been taken as the point started)
-                states[run.point.run_name] = ("done" if code == 0 and final == "done"
-                                              else "taken" if code != 0 and final == "taken"
-                                              else "interrupted" if stopping or code == 130 else "failed")
+                _ask_to_stop(active)
+            states.update(_collect_exited(sweep, runs_dir, active, stopping))
             for point in sweep.points:
                 if states[point.run_name] in ("running", "done", "kept", "interrupted", "failed"):
                     steps[point.run_name] = _stored_steps(runs_dir, point.run_name, steps.get(point.run_name))
@@ -342,6 +315,59 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return states
+
+
+def _starting_states(sweep: Sweep, runs_dir: Path) -> tuple[dict[str, str], list[tuple[SweepPoint, str]]]:
+    """Each point's state as the sweep starts ('kept', 'busy', 'taken' or 'queued'), and the queue: the points to
+    start or resume, in order, each with its action."""
+    states, queue = {}, []
+    for point in sweep.points:
+        state = point_state(runs_dir, point)
+        states[point.run_name] = {"done": "kept", "busy": "busy", "taken": "taken"}.get(state, "queued")
+        if state in ("new", "resume"):
+            queue.append((point, "start" if state == "new" else "resume"))
+    return states, queue
+
+
+def _start_point(sweep: Sweep, point: SweepPoint, action: str, runs_dir: Path, cpu: bool, env: dict) -> PointRun:
+    """Start (or resume: `action`) a point's trainer in a process of its own, its output appended to the point's
+    log after a line that says when."""
+    log = sweep.folder / f"{point.run_name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as out:
+        out.write(f"\n# qae sweep {sweep.name}: {action} {point.run_name} at {_now()}\n")
+        out.flush()
+        process = subprocess.Popen(_command(sweep, point, action, runs_dir, cpu), stdout=out,
+                                   stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                   preexec_fn=_stop_with_parent)
+    return PointRun(point, action, process, log)
+
+
+def _ask_to_stop(active: list[PointRun]) -> None:
+    """SIGTERM, once, to each running trainer: it finishes its step, checkpoints and says interrupted."""
+    for run in active:
+        if run.process.poll() is None and not run.asked_to_stop:
+            run.process.send_signal(signal.SIGTERM)
+            run.asked_to_stop = True
+
+
+def _collect_exited(sweep: Sweep, runs_dir: Path, active: list[PointRun], stopping: bool) -> dict[str, str]:
+    """The final state of each trainer that has exited ('done', 'taken', 'interrupted' or 'failed'), by run name;
+    each leaves `active`, and its log ends with its exit code."""
+    exited = {}
+    for run in list(active):
+        code = run.process.poll()
+        if code is None:
+            continue
+        active.remove(run)
+        with run.log.open("a") as out:  # the trainer has exited: nothing else writes to its log now
+            out.write(f"# qae sweep {sweep.name}: {run.point.run_name} exited with code {code} at {_now()} "
+                      f"after {time.monotonic() - run.started:.1f} s\n")
+        final = point_state(runs_dir, run.point)  # (the name may have been taken as the point started)
+        exited[run.point.run_name] = ("done" if code == 0 and final == "done"
+                                      else "taken" if code != 0 and final == "taken"
+                                      else "interrupted" if stopping or code == 130 else "failed")
+    return exited
 
 
 def _now() -> str:
