@@ -171,7 +171,7 @@ def test_the_four_nevers(module, never, why):
 MAX_FUNCTION_LINES = 60
 # functions still over the limit when it was set; each is split in its own commit and leaves this list, which only
 # shrinks
-OVER_THE_LIMIT = {"dashboard.views.rollouts.body"}
+OVER_THE_LIMIT: set[str] = set()
 
 
 def function_lengths() -> dict[str, int]:
