@@ -50,6 +50,33 @@ def grouped(views: dict, frames: dict[str, pd.DataFrame], heldout: dict[str, pd.
              for label, frame in grouped_held.items()}, groups)
 
 
+def step_frames(views: dict, x: str) -> dict[str, pd.DataFrame]:
+    """Each run's steps with the x axes (charts.X_AXES); a run that recorded no `x` is plotted by step, as the page
+    says."""
+    frames = {run_id: charts.with_x_axes(view.steps, view.run.get("created_at"),
+                                         board.read("read_step_tokens", run_id) if x == "tokens" else None)
+              for run_id, view in views.items()}
+    missing = [run_id for run_id, frame in frames.items() if not frame.empty and frame[x].isna().all()]
+    if missing:
+        st.caption(f"{', '.join(missing)}: no {x.replace('_', ' ')} recorded (a run written before step times "
+                   "were kept); plotted by step instead.")
+        for run_id in missing:
+            frames[run_id] = frames[run_id].assign(**{x: frames[run_id]["step"]})
+    return frames
+
+
+def entropy_bands(views: dict) -> dict[str, tuple[float, float]]:
+    """The entropy band each run's trainer watched: its options, or relative to its first step's entropy."""
+    bands = {}
+    for run_id, view in views.items():
+        cfg = board.run_config(view.run)
+        start = view.steps["entropy"].dropna().iloc[0] if view.steps["entropy"].notna().any() else None
+        band = names.entropy_band(cfg.get("entropy_low"), cfg.get("entropy_high"), start)
+        if band is not None:
+            bands[run_id] = band
+    return bands
+
+
 def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, other: list[str],
          group_by: list[str] | None = None, seed_band: str = "auto") -> None:
     """The charts of the picked runs; `group_by` (a list, [] for everything but the seed): one mean curve and band
@@ -62,23 +89,9 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
     if all(view.steps.empty for view in views.values()):
         st.info("No step written yet: the first step appears here when the trainer finishes it.")
         return
-    frames = {run_id: charts.with_x_axes(view.steps, view.run.get("created_at"),
-                                         board.read("read_step_tokens", run_id) if x == "tokens" else None)
-              for run_id, view in views.items()}
-    missing = [run_id for run_id, frame in frames.items() if not frame.empty and frame[x].isna().all()]
-    if missing:
-        st.caption(f"{', '.join(missing)}: no {x.replace('_', ' ')} recorded (a run written before step times "
-                   "were kept); plotted by step instead.")
-        for run_id in missing:
-            frames[run_id] = frames[run_id].assign(**{x: frames[run_id]["step"]})
+    frames = step_frames(views, x)
     colors = board.run_colors(run_ids)  # the picked order, readable or not: a run keeps its color on every page
-    bands = {}  # the band each run's trainer watched: its options, or relative to its first step's entropy
-    for run_id, view in views.items():
-        cfg = board.run_config(view.run)
-        start = view.steps["entropy"].dropna().iloc[0] if view.steps["entropy"].notna().any() else None
-        band = names.entropy_band(cfg.get("entropy_low"), cfg.get("entropy_high"), start)
-        if band is not None:
-            bands[run_id] = band
+    bands = entropy_bands(views)
     warnings = {run_id: view.warnings for run_id, view in views.items()}
     heldout = {run_id: heldout_points(view) for run_id, view in views.items()}
     if group_by is not None:
@@ -90,7 +103,20 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
         bands = {label: bands[run_ids[0]] for label, run_ids in groups.items() if run_ids[0] in bands}
         warnings = {}  # markers of one run's warnings: ungroup to see them
     axes = dict(x=x, log_y=log_y)
+    policy_charts(frames, colors, bands, warnings, heldout, smoothing, axes)
+    update_charts(frames, colors, smoothing, axes)
+    chart(charts.step_time(frames, smoothing, x), "step_time", list(charts.TIME_METRICS))
+    columns = st.columns(2)
+    for i, metric in enumerate(other):
+        with columns[i % 2]:
+            chart(charts.lines(frames, [metric], colors, metric, smoothing, **axes), f"other_{metric}", [metric])
 
+
+def policy_charts(frames: dict, colors: dict, bands: dict, warnings: dict, heldout: dict,
+                  smoothing: tuple[str, float], axes: dict) -> None:
+    """What the policy did: entropy (with its band and the recorded warnings), accuracy, the gated fraction, the
+    covariance of log-prob and advantage, the regimes, the entropy of positive and negative responses, response
+    length."""
     left, right = st.columns(2)
     with left:
         chart(charts.entropy(frames, colors, bands, warnings, smoothing, **axes), "entropy", ["entropy"])
@@ -109,7 +135,8 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
     with right:
         chart(charts.lines(frames, ["cov_logp_adv"], colors, "covariance of log-prob and advantage", smoothing,
                            **axes), "cov_logp_adv", ["cov_logp_adv"])
-    chart(charts.regimes(frames, smoothing, x), "regimes", list(charts.REGIME_METRICS))  # a panel per run: full width
+    # a panel per run: full width
+    chart(charts.regimes(frames, smoothing, axes["x"]), "regimes", list(charts.REGIME_METRICS))
     left, right = st.columns(2)
     with left:
         chart(charts.lines(frames, ["entropy_pos", "entropy_neg"], colors, "entropy of positive vs negative "
@@ -118,6 +145,12 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
     with right:
         chart(charts.lines(frames, ["response_len"], colors, "response length", smoothing, "tokens", **axes),
               "response_len", ["response_len"])
+
+
+def update_charts(frames: dict, colors: dict, smoothing: tuple[str, float], axes: dict) -> None:
+    """What the updates did: clip fractions, the entropy change of each regime's responses (--log-entropy-delta)
+    and the change each regime's update caused (--log-entropy-attribution), or a line that says how to measure
+    them."""
     left, right = st.columns(2)
     with left:
         chart(charts.lines(frames, ["clip_frac_low", "clip_frac_high"], colors, "clip fractions", smoothing, **axes),
@@ -146,11 +179,6 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
     else:
         st.caption("Entropy change caused by each regime's update (dH_from_hard, dH_from_easy): not measured in "
                    "these runs. Train with --log-entropy-attribution.")
-    chart(charts.step_time(frames, smoothing, x), "step_time", list(charts.TIME_METRICS))
-    columns = st.columns(2)
-    for i, metric in enumerate(other):
-        with columns[i % 2]:
-            chart(charts.lines(frames, [metric], colors, metric, smoothing, **axes), f"other_{metric}", [metric])
 
 
 st.header("Training curves")

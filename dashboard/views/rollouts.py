@@ -124,19 +124,9 @@ def reward_label(reward: str) -> str:
     return reward if reward == "any" else f"reward {reward}"
 
 
-def body(run_id: str) -> None:
-    steps = board.rollout_steps(run_id)
-    if steps is None:  # unreadable: the note says why
-        return
-    if not steps:
-        st.info("No rollouts written yet: the first step's groups appear here when the trainer finishes it.")
-        return
-    step = board.step_slider(steps, "Step", what="rollouts")
-    # counts and filters read no text; the prompt and response texts are read for the page's groups only (a step
-    # at the paper's size holds ~60 MB of them)
-    everything = board.rollouts(run_id, step, with_text=False)
-    if everything is None:
-        return
+def filter_controls(everything: pd.DataFrame) -> tuple[dict, str]:
+    """The page's filters, bound to the URL: the board.rollouts arguments they make, and the gate reason (applied by
+    `matching`). `everything`: the step's rollouts, whose rewards the Reward control offers."""
     filters = st.columns([1.1, 1.6, 0.8, 1.5])
     regime = filters[0].selectbox("Regime", ["any", *REGIMES], key="regime", bind="query-params")
     gated = filters[1].segmented_control("Responses", list(GATED_CHOICES), key="gated", default="all",
@@ -150,14 +140,23 @@ def body(run_id: str) -> None:
     search = st.text_input("Search prompts and responses", key="search", bind="query-params",
                            placeholder="plain text, case-insensitive")
     gated_only, filtered_only = GATED_CHOICES[gated]
-    shown = board.rollouts(run_id, step, gated=gated_only, regime=None if regime == "any" else regime,
-                           reward=None if reward == "any" else float(reward), search=search,
-                           filtered=False if reason != "any" and filtered_only is None else filtered_only,
-                           with_text=False)
-    if shown is None:
-        return
-    if reason != "any":
-        shown = shown[shown["gate_reason"] == reason]
+    query = dict(gated=gated_only, regime=None if regime == "any" else regime,
+                 reward=None if reward == "any" else float(reward), search=search,
+                 filtered=False if reason != "any" and filtered_only is None else filtered_only)
+    return query, reason
+
+
+def matching(run_id: str, step: int, query: dict, reason: str, **read) -> pd.DataFrame | None:
+    """The step's rollouts that pass the filters (filter_controls' `query` and `reason`); `read`: with_text or
+    group_ids, as board.rollouts takes them. None when the file cannot be read (a note says why)."""
+    rows = board.rollouts(run_id, step, **query, **read)
+    if rows is not None and reason != "any":
+        rows = rows[rows["gate_reason"] == reason]
+    return rows
+
+
+def step_summary(everything: pd.DataFrame, shown: pd.DataFrame) -> None:
+    """The step's counts (responses and groups shown, gated, accuracy, filtered out), before filters unless said."""
     n_groups = everything["group_idx"].nunique()
     filtered = board.filtered_rows(everything)
     trained = everything[~filtered]
@@ -174,11 +173,10 @@ def body(run_id: str) -> None:
                           help=f"responses of the {everything.loc[filtered, 'group_idx'].nunique()} groups that "
                                "dynamic sampling left out of the update: no signal, or informative beyond the first "
                                "prompts_per_step")
-    gate_summary(run_id, step, everything)
-    if shown.empty:
-        st.info("No response of this step matches the filters.")
-        return
-    group_ids = list(dict.fromkeys(shown["group_idx"]))
+
+
+def page_of_groups(group_ids: list[int]) -> list[int]:
+    """The groups of the page the pagination control (bound to the URL) picks, GROUPS_PER_PAGE a page."""
     pages = math.ceil(len(group_ids) / GROUPS_PER_PAGE)
     page = 1
     if pages > 1:
@@ -186,22 +184,48 @@ def body(run_id: str) -> None:
         if st.session_state.get("page", 1) > pages:
             st.session_state["page"] = pages
         page = st.pagination(pages, key="page", bind="query-params")
-    # a chat model's prompts as it saw them (chat template applied): empty for other models and older files
-    model_prompts = {}
-    if st.toggle("Show prompts as the model saw them (chat template)", key="model_prompt", bind="query-params"):
-        model_prompts = board.read("read_model_prompts", run_id, step) or {}
-        if not model_prompts:
-            st.caption("This run stored no templated prompts: its model has no chat template (it saw the prompt "
-                       "itself), or the run is older than the column.")
-    page_groups = group_ids[(page - 1) * GROUPS_PER_PAGE: page * GROUPS_PER_PAGE]
-    page_rows = board.rollouts(run_id, step, gated=gated_only, regime=None if regime == "any" else regime,
-                               reward=None if reward == "any" else float(reward), search=search,
-                               filtered=False if reason != "any" and filtered_only is None else filtered_only,
-                               group_ids=tuple(page_groups))
+    return group_ids[(page - 1) * GROUPS_PER_PAGE: page * GROUPS_PER_PAGE]
+
+
+def templated_prompts(run_id: str, step: int) -> dict[int, str]:
+    """With its toggle on, a chat model's prompts as it saw them (chat template applied), by group: empty for other
+    models and older files, as a caption says."""
+    if not st.toggle("Show prompts as the model saw them (chat template)", key="model_prompt", bind="query-params"):
+        return {}
+    model_prompts = board.read("read_model_prompts", run_id, step) or {}
+    if not model_prompts:
+        st.caption("This run stored no templated prompts: its model has no chat template (it saw the prompt "
+                   "itself), or the run is older than the column.")
+    return model_prompts
+
+
+def body(run_id: str) -> None:
+    steps = board.rollout_steps(run_id)
+    if steps is None:  # unreadable: the note says why
+        return
+    if not steps:
+        st.info("No rollouts written yet: the first step's groups appear here when the trainer finishes it.")
+        return
+    step = board.step_slider(steps, "Step", what="rollouts")
+    # counts and filters read no text; the prompt and response texts are read for the page's groups only (a step
+    # at the paper's size holds ~60 MB of them)
+    everything = board.rollouts(run_id, step, with_text=False)
+    if everything is None:
+        return
+    query, reason = filter_controls(everything)
+    shown = matching(run_id, step, query, reason, with_text=False)
+    if shown is None:
+        return
+    step_summary(everything, shown)
+    gate_summary(run_id, step, everything)
+    if shown.empty:
+        st.info("No response of this step matches the filters.")
+        return
+    page_groups = page_of_groups(list(dict.fromkeys(shown["group_idx"])))
+    model_prompts = templated_prompts(run_id, step)
+    page_rows = matching(run_id, step, query, reason, group_ids=tuple(page_groups))
     if page_rows is None:
         return
-    if reason != "any":
-        page_rows = page_rows[page_rows["gate_reason"] == reason]
     for g in page_groups:
         group(step, page_rows[page_rows["group_idx"] == g], model_prompts)
 

@@ -97,6 +97,24 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
     """The sweep's points, validated before anything runs: `estimators` 'qae,grpo', `ks` '0.3,0.4' (QAE only;
     default: the options' K or names.DEFAULT_K), `seeds` how many seeds from the options' seed on, `options` the train
     options the user gave (TOML and command line, not the defaults)."""
+    estimator_list, k_list = _grid(estimators, ks, seeds, options)
+    for key in ("run_name", "sweep_id", "sweep_name", "estimator", "k"):
+        options.pop(key, None)
+    first_seed = int(options.pop("seed", 0))
+    for key, value in names.SWEEP_DEFAULTS.items():  # e.g. the entropy change is measured unless turned off
+        options.setdefault(key, value)
+    # the id hashes the options every point shares, not the grid: the same command with more seeds or Ks extends the
+    # sweep (its finished points kept), and a point's run name says where in the grid it is
+    sweep_id = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    name = validate_run_name(f"sweep-{sweep_id[:6]}" if name is None else name, option="name")
+    points = _points(name, sweep_id, estimator_list, k_list, range(first_seed, first_seed + seeds), options)
+    check_data_files(build_config(**points[0].options))  # shared by every point: a bad file fails all of them
+    _check_point_folders(runs_dir, points, sweep_id)
+    return Sweep(sweep_id, name, points, _sweep_folder(runs_dir, name))
+
+
+def _grid(estimators: str, ks: str | None, seeds: int, options: dict) -> tuple[list[str], list[str]]:
+    """The sweep's estimators and Ks, checked with its seed count before any point is planned."""
     estimator_list = parse_list("estimator", estimators)
     for estimator in estimator_list:
         if estimator not in names.ESTIMATORS:
@@ -112,19 +130,17 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
         raise QAEUserError(f"seeds: {seeds} makes {n_runs:,} runs, more than the {MAX_SWEEP_RUNS} a sweep may have "
                            "(each run is a full training run). Use fewer seeds or Ks, or split the study into "
                            "several sweeps.")
-    for key in ("run_name", "sweep_id", "sweep_name", "estimator", "k"):
-        options.pop(key, None)
-    first_seed = int(options.pop("seed", 0))
-    for key, value in names.SWEEP_DEFAULTS.items():  # e.g. the entropy change is measured unless turned off
-        options.setdefault(key, value)
-    # the id hashes the options every point shares, not the grid: the same command with more seeds or Ks extends the
-    # sweep (its finished points kept), and a point's run name says where in the grid it is
-    sweep_id = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:10]
-    name = validate_run_name(f"sweep-{sweep_id[:6]}" if name is None else name, option="name")
+    return estimator_list, k_list
+
+
+def _points(name: str, sweep_id: str, estimator_list: list[str], k_list: list[str], seeds: range,
+            options: dict) -> list[SweepPoint]:
+    """One point per estimator, K (QAE only) and seed, each with its run name and its options (the shared
+    `options` and its own), built into a config here so that every bad value is refused before any run starts."""
     points = []
     for estimator in estimator_list:
         for k in k_list if names.uses_k(estimator) else [None]:  # a mean baseline ignores K: one point per seed
-            for seed in range(first_seed, first_seed + seeds):
+            for seed in seeds:
                 run_name = validate_run_name(f"{name}-{estimator}{f'-k{k}' if k is not None else ''}-s{seed}")
                 point = dict(options, estimator=estimator, seed=seed, run_name=run_name, sweep_id=sweep_id,
                              sweep_name=name, **({"k": k} if k is not None else {}))
@@ -133,8 +149,14 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
                 except QAEUserError as err:
                     raise QAEUserError(f"{err} (in sweep point {run_name})") from None
                 points.append(SweepPoint(run_name, point))
-    check_data_files(build_config(**points[0].options))  # shared by every point: a bad file fails all of them
-    for point in points:  # the same name under other options is another sweep: never mix the two
+    return points
+
+
+def _check_point_folders(runs_dir: Path, points: list[SweepPoint], sweep_id: str) -> None:
+    """Refuse a point whose run name is taken by a folder that is not this sweep's run (no training run, a run
+    that lost its database, a run of another sweep): the same name under other options is another sweep, and the
+    two never mix."""
+    for point in points:
         stored = run_dir(runs_dir, point.run_name) / CONFIG_FILE
         if not stored.exists() and stored.parent.exists():
             raise QAEUserError(
@@ -153,15 +175,20 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
                     f"name: run '{point.run_name}' already exists in {runs_dir} and belongs to "
                     f"{'sweep ' + other if other else 'no sweep'}, not to this one (other options). "
                     "Pass another --name, or the same options as that sweep to resume it.")
+
+
+def _sweep_folder(runs_dir: Path, name: str) -> Path:
+    """The sweep's folder for its point files and logs, made before any run starts: a read-only runs dir is said
+    now."""
     folder = Path(runs_dir) / SWEEPS_DIR / name
-    try:  # the sweep's point files and logs go here, before any run starts: a read-only runs dir is said now
+    try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         if environment_errno(err) is None:
             raise
         raise environment_error(f"runs-dir: cannot write the sweep's files in {runs_dir}", err,
                                 "Its runs are intact.") from None
-    return Sweep(sweep_id, name, points, folder)
+    return folder
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -253,13 +280,8 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
     step count. Returns {run_name: final state}. Ctrl-C / SIGTERM stop the running points the trainer's way
     (checkpoint, status interrupted) and return with them 'interrupted'."""
     check_parallel(parallel)
-    states, steps = {}, {}
-    queue = []
-    for point in sweep.points:
-        state = point_state(runs_dir, point)
-        states[point.run_name] = {"done": "kept", "busy": "busy", "taken": "taken"}.get(state, "queued")
-        if state in ("new", "resume"):
-            queue.append((point, "start" if state == "new" else "resume"))
+    states, queue = _starting_states(sweep, runs_dir)
+    steps = {}
     threads = max(1, (os.cpu_count() or 1) // parallel)  # each run its share of the cores, not all of them each
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), COLUMNS="120")
     active: list[PointRun] = []
@@ -277,33 +299,11 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
                 if point_state(runs_dir, point) == "taken":  # another run took the name since the sweep began
                     states[point.run_name] = "taken"
                     continue
-                log = sweep.folder / f"{point.run_name}.log"
-                log.parent.mkdir(parents=True, exist_ok=True)
-                with log.open("a") as out:
-                    out.write(f"\n# qae sweep {sweep.name}: {action} {point.run_name} at {_now()}\n")
-                    out.flush()
-                    process = subprocess.Popen(_command(sweep, point, action, runs_dir, cpu), stdout=out,
-                                               stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                               preexec_fn=_stop_with_parent)
-                active.append(PointRun(point, action, process, log))
+                active.append(_start_point(sweep, point, action, runs_dir, cpu, env))
                 states[point.run_name] = "running"
             if stopping:
-                for run in active:
-                    if run.process.poll() is None and not run.asked_to_stop:
-                        run.process.send_signal(signal.SIGTERM)  # the trainer checkpoints and says interrupted
-                        run.asked_to_stop = True  # once: the trainer finishes its step and checkpoint first
-            for run in list(active):
-                code = run.process.poll()
-                if code is None:
-                    continue
-                active.remove(run)
-                with run.log.open("a") as out:  # the trainer has exited: nothing else writes to its log now
-                    out.write(f"# qae sweep {sweep.name}: {run.point.run_name} exited with code {code} at {_now()} "
-                              f"after {time.monotonic() - run.started:.1f} s\n")
-                final = point_state(runs_dir, run.point)  # (the name may have been taken as the point started)
-                states[run.point.run_name] = ("done" if code == 0 and final == "done"
-                                              else "taken" if code != 0 and final == "taken"
-                                              else "interrupted" if stopping or code == 130 else "failed")
+                _ask_to_stop(active)
+            states.update(_collect_exited(sweep, runs_dir, active, stopping))
             for point in sweep.points:
                 if states[point.run_name] in ("running", "done", "kept", "interrupted", "failed"):
                     steps[point.run_name] = _stored_steps(runs_dir, point.run_name, steps.get(point.run_name))
@@ -315,6 +315,59 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return states
+
+
+def _starting_states(sweep: Sweep, runs_dir: Path) -> tuple[dict[str, str], list[tuple[SweepPoint, str]]]:
+    """Each point's state as the sweep starts ('kept', 'busy', 'taken' or 'queued'), and the queue: the points to
+    start or resume, in order, each with its action."""
+    states, queue = {}, []
+    for point in sweep.points:
+        state = point_state(runs_dir, point)
+        states[point.run_name] = {"done": "kept", "busy": "busy", "taken": "taken"}.get(state, "queued")
+        if state in ("new", "resume"):
+            queue.append((point, "start" if state == "new" else "resume"))
+    return states, queue
+
+
+def _start_point(sweep: Sweep, point: SweepPoint, action: str, runs_dir: Path, cpu: bool, env: dict) -> PointRun:
+    """Start (or resume: `action`) a point's trainer in a process of its own, its output appended to the point's
+    log after a line that says when."""
+    log = sweep.folder / f"{point.run_name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as out:
+        out.write(f"\n# qae sweep {sweep.name}: {action} {point.run_name} at {_now()}\n")
+        out.flush()
+        process = subprocess.Popen(_command(sweep, point, action, runs_dir, cpu), stdout=out,
+                                   stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                   preexec_fn=_stop_with_parent)
+    return PointRun(point, action, process, log)
+
+
+def _ask_to_stop(active: list[PointRun]) -> None:
+    """SIGTERM, once, to each running trainer: it finishes its step, checkpoints and says interrupted."""
+    for run in active:
+        if run.process.poll() is None and not run.asked_to_stop:
+            run.process.send_signal(signal.SIGTERM)
+            run.asked_to_stop = True
+
+
+def _collect_exited(sweep: Sweep, runs_dir: Path, active: list[PointRun], stopping: bool) -> dict[str, str]:
+    """The final state of each trainer that has exited ('done', 'taken', 'interrupted' or 'failed'), by run name;
+    each leaves `active`, and its log ends with its exit code."""
+    exited = {}
+    for run in list(active):
+        code = run.process.poll()
+        if code is None:
+            continue
+        active.remove(run)
+        with run.log.open("a") as out:  # the trainer has exited: nothing else writes to its log now
+            out.write(f"# qae sweep {sweep.name}: {run.point.run_name} exited with code {code} at {_now()} "
+                      f"after {time.monotonic() - run.started:.1f} s\n")
+        final = point_state(runs_dir, run.point)  # (the name may have been taken as the point started)
+        exited[run.point.run_name] = ("done" if code == 0 and final == "done"
+                                      else "taken" if code != 0 and final == "taken"
+                                      else "interrupted" if stopping or code == 130 else "failed")
+    return exited
 
 
 def _now() -> str:

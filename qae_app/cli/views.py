@@ -148,71 +148,78 @@ def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
     """The runs table (rows: store_read.run_summaries): run, status, estimator and K, progress and the latest metrics;
     model, task and creation time when there is room. Under it: what `stopped` means and why a run is unreadable."""
     ids = [str(row["run_id"]) for row in rows]
-    configs = [_config(row) for row in rows]
     readable = [row.get("status") not in store_read.READ_STATUSES for row in rows]
-
-    def cell(row: dict, key: str, ok: bool) -> str:
-        return number(row.get(key)) if ok else ""
-
     # with 0/1 rewards the mean reward is the accuracy: one column says both, and leaves room for entropy
     same = all(number(row.get("reward_mean")) == number(row.get("accuracy")) for row, ok in zip(rows, readable) if ok)
 
-    def build(prefix: str, whole_ids: bool = False) -> Fitted:
-        shown_ids = [i[len(prefix):] for i in ids]
-        columns = [
-            # whole_ids: optional columns give way before an id of up to 40 characters is cut
-            Column("run", shown_ids, flexible=True, name="run",
-                   min_width=max(MIN_ID_WIDTH, min(40, max(map(len, shown_ids), default=0))) if whole_ids
-                   else MIN_ID_WIDTH),
-            Column("status", [status_text(row["status"]) for row in rows]),
-            Column("estimator", [_estimator(row) if ok else "" for row, ok in zip(rows, readable)], priority=1),
-            Column("steps", [_progress(row, config) if ok else "" for row, config, ok in
-                             zip(rows, configs, readable)], justify="right"),
-            Column(metric_header("reward_mean"), [cell(r, "reward_mean", ok) for r, ok in zip(rows, readable)],
-                   justify="right", priority=2, name="reward_mean"),
-            *([] if same else [Column(metric_header("accuracy"), [cell(r, "accuracy", ok) for r, ok in
-                                                                  zip(rows, readable)],
-                                      justify="right", priority=2, name="accuracy")]),
-            Column(metric_header("heldout_accuracy"), [cell(r, "heldout_accuracy", ok) for r, ok in
-                                                       zip(rows, readable)],
-                   justify="right", priority=3, name="heldout_accuracy"),
-            Column(metric_header("entropy"), [cell(r, "entropy", ok) for r, ok in zip(rows, readable)],
-                   justify="right", priority=4, name="entropy"),
-            Column("model", [str(row.get("model") or "") if ok else "" for row, ok in zip(rows, readable)],
-                   priority=5),
-            Column("task", [str(row.get("task") or "") if ok else "" for row, ok in zip(rows, readable)],
-                   priority=6),
-            Column("created (UTC)", [_time(row.get("created_at")) for row in rows], priority=7, name="created"),
-        ]
-        return fit(columns, width)
-
-    fitted, prefix = build(""), ""
+    # the run ids lose the prefix they all share when the run column cannot show them whole
+    fitted, prefix = fit(_runs_columns(rows, readable, same), width), ""
     longest = max((len(i) for i in ids), default=0)
     run_width = next(c.max_width for c in fitted.table.columns if c.header == "run")
     if run_width is not None and run_width < longest:
         prefix = shared_prefix(ids)
-    fitted = build(prefix, whole_ids=True)
+    fitted = fit(_runs_columns(rows, readable, same, prefix, whole_ids=True), width)
     parts: list[RenderableType] = [Text(f"{len(rows)} run(s) in {runs_dir}", style="bold")]
     if prefix:
         parts.append(Text(f"every run id below starts with {prefix}", style="dim"))
     parts.append(fitted.table)
     if note := dropped_note(fitted.dropped, width, "widen the terminal, or `qae show RUN`"):
         parts.append(note)
+    return Group(*parts, *_runs_notes(rows, readable, same))
+
+
+def _runs_columns(rows: list[dict], readable: list[bool], same: bool, prefix: str = "",
+                  whole_ids: bool = False) -> list[Column]:
+    """The columns of the runs table, the run ids without `prefix`; an unreadable run shows its id and status only.
+    `same`: reward_mean is the accuracy in every run (one column says both). `whole_ids`: optional columns give way
+    before an id of up to 40 characters is cut."""
+    shown_ids = [str(row["run_id"])[len(prefix):] for row in rows]
+    configs = [_config(row) for row in rows]
+
+    def cell(row: dict, key: str, ok: bool) -> str:
+        return number(row.get(key)) if ok else ""
+
+    return [
+        Column("run", shown_ids, flexible=True, name="run",
+               min_width=max(MIN_ID_WIDTH, min(40, max(map(len, shown_ids), default=0))) if whole_ids
+               else MIN_ID_WIDTH),
+        Column("status", [status_text(row["status"]) for row in rows]),
+        Column("estimator", [_estimator(row) if ok else "" for row, ok in zip(rows, readable)], priority=1),
+        Column("steps", [_progress(row, config) if ok else "" for row, config, ok in zip(rows, configs, readable)],
+               justify="right"),
+        Column(metric_header("reward_mean"), [cell(r, "reward_mean", ok) for r, ok in zip(rows, readable)],
+               justify="right", priority=2, name="reward_mean"),
+        *([] if same else [Column(metric_header("accuracy"), [cell(r, "accuracy", ok) for r, ok in
+                                                              zip(rows, readable)],
+                                  justify="right", priority=2, name="accuracy")]),
+        Column(metric_header("heldout_accuracy"), [cell(r, "heldout_accuracy", ok) for r, ok in zip(rows, readable)],
+               justify="right", priority=3, name="heldout_accuracy"),
+        Column(metric_header("entropy"), [cell(r, "entropy", ok) for r, ok in zip(rows, readable)],
+               justify="right", priority=4, name="entropy"),
+        Column("model", [str(row.get("model") or "") if ok else "" for row, ok in zip(rows, readable)], priority=5),
+        Column("task", [str(row.get("task") or "") if ok else "" for row, ok in zip(rows, readable)], priority=6),
+        Column("created (UTC)", [_time(row.get("created_at")) for row in rows], priority=7, name="created"),
+    ]
+
+
+def _runs_notes(rows: list[dict], readable: list[bool], same: bool) -> list[Text]:
+    """The notes under the runs table: that reward_mean is the accuracy (`same`), what `stopped` means, why a run
+    is unreadable, and which run ids `qae train --resume` cannot take."""
+    notes = []
     if same and any(readable):
-        parts.append(Text("reward_mean is also the accuracy here (0/1 rewards: the same in every "
-                          "run)", style="dim"))
+        notes.append(Text("reward_mean is also the accuracy here (0/1 rewards: the same in every run)", style="dim"))
     if any(row["status"] == STOPPED for row in rows):
-        parts.append(Text("stopped: stored as running, but no trainer holds the run (killed by kill -9, OOM or a power "
+        notes.append(Text("stopped: stored as running, but no trainer holds the run (killed by kill -9, OOM or a power "
                           "loss). Continue it with `qae train --resume RUN`.", style="dim"))
     for row in rows:
         if row["status"] in store_read.READ_STATUSES:
-            parts.append(Text.assemble((f"{row['status']}: ", STATUS_STYLES[row["status"]]),
+            notes.append(Text.assemble((f"{row['status']}: ", STATUS_STYLES[row["status"]]),
                                        (f"{row['run_id']}: {row.get('error')}", "")))
         elif not RUN_NAME_PATTERN.match(str(row["run_id"])):
-            parts.append(Text(f"{row['run_id']}: read as a run, but not a plain name, so `qae train --resume` cannot "
+            notes.append(Text(f"{row['run_id']}: read as a run, but not a plain name, so `qae train --resume` cannot "
                               f"continue it: rename it (mv '{row['run_id']}' {plain_name(str(row['run_id']))}).",
                               style="dim"))
-    return Group(*parts)
+    return notes
 
 
 def plain_name(name: str) -> str:

@@ -51,6 +51,14 @@ def auto_k(success_rate: float) -> float:
     return 0.3 if success_rate < 0.2 else 0.4 if success_rate < 0.5 else 0.5
 
 
+def k_in_use(estimator: str, k: float | None) -> float | None:
+    """The K a run trains with, given the run's K (`k`: its --k, or what --k auto chose at step 1; None before then):
+    that K for an estimator that reads K, None for a mean baseline (K means nothing to it, whatever --k says). What the
+    run's row and each step's row store; where a K must split groups into hard and easy anyway (dH's regimes), a mean
+    baseline's is DEFAULT_K, so runs compare."""
+    return k if uses_k(estimator) else None
+
+
 # --- regimes of a group, in code order (advantages.py returns indices into this tuple; the store keeps the names).
 # A group is labelled by what its baseline does, whatever the reward values (0/1, -1/1, or shaped by the overlong
 # penalty), with one rule for every estimator (advantages.label_regimes):

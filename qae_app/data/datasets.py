@@ -218,72 +218,104 @@ def load_math_file(path: Path) -> list[Problem]:
             raise QAEUserError(
                 f"data: {where} is a {type(row).__name__}, not a JSON object. Write one object per line."
             )
-        question_column = next((c for c in QUESTION_COLUMNS if _get(row, c) is not None), None)
-        question = _question_text(_get(row, question_column)) if question_column else ""
-        given = _get(row, question_column) if question_column else None
-        if not question and given is not None and not isinstance(given, (str, list, tuple)) \
-                and not hasattr(given, "tolist"):
-            kind = {bool: "true/false", int: "a number", float: "a number", dict: "an object"}.get(type(given),
-                                                                                                  "not text")
-            raise QAEUserError(
-                f"data: {where} gives its question as {kind} ({question_column} = {given!r:.40}), not text. Write "
-                "the problem as a string (a number too: \"5\")."
-            )
-        if not question:
-            raise QAEUserError(
-                f"data: {where} has no question (columns: {_describe_columns(row)}). "
-                f"Put the problem text in one of: {', '.join(QUESTION_COLUMNS)} "
-                "(`prompt` may be a list of chat messages; the user message is used)."
-            )
-        answer = ""
-        for column in ANSWER_COLUMNS:
-            value = _get(row, column)
-            if value is not None:
-                try:
-                    answer = _answer_text(value, column)
-                except ValueError as err:
-                    raise QAEUserError(
-                        f"data: {where} gives its answer as {err} ({column}), which is not a number a response "
-                        "can match (it would be stored as the text 'nan'). Give the gold answer, or remove the "
-                        "row.") from None
-                if answer:
-                    marked = column == "answer" and isinstance(value, str) and "####" in value
-                    (after_marker if marked else without_marker).append((number, str(value)))
-                    break
-        if not answer:
-            raise QAEUserError(
-                f"data: {where} has no answer (columns: {_describe_columns(row)}). "
-                f"Put the gold final answer in one of: {', '.join(ANSWER_COLUMNS)}."
-            )
-        if len(answer) > MAX_ANSWER_CHARS:
-            raise QAEUserError(
-                f"data: {where} has a {len(answer):,}-character answer ({answer[:20]}...). The verifier scores "
-                f"answers of at most {MAX_ANSWER_CHARS:,} characters, so no response could match it; shorten it or "
-                "remove the row."
-            )
-        raw_id = next((_get(row, c) for c in ID_COLUMNS if _get(row, c) is not None), None)
-        prompt_id = replace_lone_surrogates(str(raw_id)) if raw_id is not None else f"{path.stem}-{number}"
+        question = _row_question(row, where)
+        answer, given, marked = _row_answer(row, where)
+        (after_marker if marked else without_marker).append((number, given))
+        prompt_id = _row_id(row, path, number)
         if prompt_id in seen_ids:
             raise QAEUserError(
                 f"data: {where} repeats id '{prompt_id}' (first at {unit} {seen_ids[prompt_id]}). "
                 "Ids must be unique within a file; fix or remove the id column."
             )
         seen_ids[prompt_id] = number
-        meta = {key: replace_lone_surrogates(row[key]) if isinstance(row[key], str) else row[key]
-                for key in ("subject", "level") if row.get(key) is not None}
-        source = next((_get(row, c) for c in SOURCE_COLUMNS if _get(row, c) is not None), None)
-        if source is not None:
-            meta["source"] = replace_lone_surrogates(str(source))
-        problems.append(Problem(prompt_id=prompt_id, question=question, answer=answer, meta=meta))
-    if after_marker and without_marker:
-        # a GSM8K solution whose '#### N' line was lost would be taken whole as the gold answer: nothing matches it
-        number, text = without_marker[0]
-        shown = text if len(text) <= 60 else text[:60] + "..."
-        raise QAEUserError(
-            f"data: '{path}' {unit} {number} gives its answer without a final '#### N' ({shown!r}), while "
-            f"{len(after_marker)} of {len(rows)} rows ({unit} {after_marker[0][0]} first) give theirs after "
-            "'####', as GSM8K does. Taken whole, that text would be a gold answer no response can match: end it "
-            "with '#### <final answer>' or remove the row"
-            + (f" ({len(without_marker)} rows lack it)." if len(without_marker) > 1 else ".")
-        )
+        problems.append(Problem(prompt_id=prompt_id, question=question, answer=answer, meta=_row_meta(row)))
+    _check_final_answer_markers(path, unit, len(rows), after_marker, without_marker)
     return problems
+
+
+def _row_question(row: dict, where: str) -> str:
+    """The problem text of a file's row (`where` names it in errors): the first of QUESTION_COLUMNS present."""
+    question_column = next((c for c in QUESTION_COLUMNS if _get(row, c) is not None), None)
+    question = _question_text(_get(row, question_column)) if question_column else ""
+    given = _get(row, question_column) if question_column else None
+    if not question and given is not None and not isinstance(given, (str, list, tuple)) \
+            and not hasattr(given, "tolist"):
+        kind = {bool: "true/false", int: "a number", float: "a number", dict: "an object"}.get(type(given),
+                                                                                              "not text")
+        raise QAEUserError(
+            f"data: {where} gives its question as {kind} ({question_column} = {given!r:.40}), not text. Write "
+            "the problem as a string (a number too: \"5\")."
+        )
+    if not question:
+        raise QAEUserError(
+            f"data: {where} has no question (columns: {_describe_columns(row)}). "
+            f"Put the problem text in one of: {', '.join(QUESTION_COLUMNS)} "
+            "(`prompt` may be a list of chat messages; the user message is used)."
+        )
+    return question
+
+
+def _row_answer(row: dict, where: str) -> tuple[str, str, bool]:
+    """The gold answer of a file's row (`where` names it in errors): the first of ANSWER_COLUMNS present and not
+    empty, as the text a response must match; with the value as given, and whether it is given after a GSM8K
+    '####' marker."""
+    answer = ""
+    for column in ANSWER_COLUMNS:
+        value = _get(row, column)
+        if value is not None:
+            try:
+                answer = _answer_text(value, column)
+            except ValueError as err:
+                raise QAEUserError(
+                    f"data: {where} gives its answer as {err} ({column}), which is not a number a response "
+                    "can match (it would be stored as the text 'nan'). Give the gold answer, or remove the "
+                    "row.") from None
+            if answer:
+                break
+    if not answer:
+        raise QAEUserError(
+            f"data: {where} has no answer (columns: {_describe_columns(row)}). "
+            f"Put the gold final answer in one of: {', '.join(ANSWER_COLUMNS)}."
+        )
+    if len(answer) > MAX_ANSWER_CHARS:
+        raise QAEUserError(
+            f"data: {where} has a {len(answer):,}-character answer ({answer[:20]}...). The verifier scores "
+            f"answers of at most {MAX_ANSWER_CHARS:,} characters, so no response could match it; shorten it or "
+            "remove the row."
+        )
+    marked = column == "answer" and isinstance(value, str) and "####" in value
+    return answer, str(value), marked
+
+
+def _row_id(row: dict, path: Path, number: int) -> str:
+    """A file's row's prompt id: the first of ID_COLUMNS present, else `<file stem>-<row number>`."""
+    raw_id = next((_get(row, c) for c in ID_COLUMNS if _get(row, c) is not None), None)
+    return replace_lone_surrogates(str(raw_id)) if raw_id is not None else f"{path.stem}-{number}"
+
+
+def _row_meta(row: dict) -> dict:
+    """What a problem keeps of its row besides the question, answer and id: subject, level and source."""
+    meta = {key: replace_lone_surrogates(row[key]) if isinstance(row[key], str) else row[key]
+            for key in ("subject", "level") if row.get(key) is not None}
+    source = next((_get(row, c) for c in SOURCE_COLUMNS if _get(row, c) is not None), None)
+    if source is not None:
+        meta["source"] = replace_lone_surrogates(str(source))
+    return meta
+
+
+def _check_final_answer_markers(path: Path, unit: str, n_rows: int, after_marker: list[tuple[int, str]],
+                                without_marker: list[tuple[int, str]]) -> None:
+    """Refuse a file where some rows give their answer after GSM8K's '####' and others without it (`after_marker`,
+    `without_marker`: (row number, answer as given) each): a GSM8K solution whose '#### N' line was lost would be
+    taken whole as the gold answer, which nothing matches."""
+    if not (after_marker and without_marker):
+        return
+    number, text = without_marker[0]
+    shown = text if len(text) <= 60 else text[:60] + "..."
+    raise QAEUserError(
+        f"data: '{path}' {unit} {number} gives its answer without a final '#### N' ({shown!r}), while "
+        f"{len(after_marker)} of {n_rows} rows ({unit} {after_marker[0][0]} first) give theirs after "
+        "'####', as GSM8K does. Taken whole, that text would be a gold answer no response can match: end it "
+        "with '#### <final answer>' or remove the row"
+        + (f" ({len(without_marker)} rows lack it)." if len(without_marker) > 1 else ".")
+    )

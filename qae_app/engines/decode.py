@@ -160,33 +160,13 @@ def sample(model: torch.nn.Module, encoded: list[list[int]], temperature: float,
     batch = len(encoded)
     width = max(len(ids) for ids in encoded)
     columns = width + max_new_tokens
-    dtype = model.model.embed_tokens.weight.dtype
-    # zeros, not empty: a masked column's score is dropped, but 0 x (a NaN value) would still reach the output
-    keys = [torch.zeros(batch, layers.kv_heads, columns, layers.head_dim, dtype=dtype, device=device)
-            for _ in model.model.layers]
-    values = [torch.zeros_like(k) for k in keys]
+    keys, values = _empty_cache(model, layers, batch, columns, device)
     lengths = torch.tensor([len(ids) for ids in encoded], device=device)
     key_mask = torch.zeros(batch, columns, dtype=torch.bool, device=device)  # True where a column holds a token
     key_mask[:, :width] = torch.arange(width, device=device) >= (width - lengths)[:, None]
+    logits = _prompt_pass(model, layers, encoded, width, keys, values)  # (batch, vocab)
 
-    # the prompt pass: each group's prompt once, all groups in one forward (left-padded to the same width), its keys
-    # and values then copied to the group's rows, the LM head only at the last position
-    prompts = [ids for ids, _ in itertools.groupby(encoded)]
-    group = torch.tensor([g for g, (_, rows) in enumerate(itertools.groupby(encoded)) for _ in rows], device=device)
-    prompt_lengths = torch.tensor([len(ids) for ids in prompts], device=device)
-    prompt_mask = torch.arange(width, device=device) >= (width - prompt_lengths)[:, None]  # (prompts, width)
-    prompt_ids = torch.tensor([[0] * (width - len(ids)) + ids for ids in prompts], device=device)
-    positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded positions
-    prompt_keys = [torch.zeros(len(prompts), *k.shape[1:2], width, k.shape[3], dtype=dtype, device=device)
-                   for k in keys]
-    prompt_values = [torch.zeros_like(k) for k in prompt_keys]
-    hidden = layers.forward(prompt_ids, positions, prompt_keys, prompt_values, 0,
-                            None if bool(prompt_mask.all()) else prompt_mask)
-    for index in range(len(keys)):
-        keys[index][:, :, :width] = prompt_keys[index][group]
-        values[index][:, :, :width] = prompt_values[index][group]
-    logits = model.lm_head(hidden[group, -1])  # (batch, vocab)
-
+    # the decode loop: a token for every row still sampling, one forward per step, from the cache
     rows = torch.arange(batch, device=device)  # the batch rows still sampling, in the buffers' order
     generated: list[list[int]] = [[] for _ in range(batch)]
     logprobs: list[list[float]] = [[] for _ in range(batch)]
@@ -216,3 +196,37 @@ def sample(model: torch.nn.Module, encoded: list[list[int]], temperature: float,
                                 key_mask[:, : column + 1])
         logits = model.lm_head(hidden[:, -1])  # (rows, vocab)
     return list(zip(generated, logprobs, entropies))
+
+
+def _empty_cache(model: torch.nn.Module, layers: _Layers, batch: int, columns: int,
+                 device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, the keys and the values (batch, kv_heads, columns, head_dim) of a decode of `columns` positions."""
+    dtype = model.model.embed_tokens.weight.dtype
+    # zeros, not empty: a masked column's score is dropped, but 0 x (a NaN value) would still reach the output
+    keys = [torch.zeros(batch, layers.kv_heads, columns, layers.head_dim, dtype=dtype, device=device)
+            for _ in model.model.layers]
+    return keys, [torch.zeros_like(k) for k in keys]
+
+
+def _prompt_pass(model: torch.nn.Module, layers: _Layers, encoded: list[list[int]], width: int,
+                 keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """The prompt pass: each group's prompt once (consecutive equal rows of `encoded`), all groups in one forward
+    (left-padded to `width`), its keys and values then copied into the first `width` columns of the group's rows of
+    `keys` and `values`; returns the logits (batch, vocab) of each row's first token, the LM head run at the last
+    position only."""
+    device, dtype = keys[0].device, keys[0].dtype
+    prompts = [ids for ids, _ in itertools.groupby(encoded)]
+    group = torch.tensor([g for g, (_, rows) in enumerate(itertools.groupby(encoded)) for _ in rows], device=device)
+    prompt_lengths = torch.tensor([len(ids) for ids in prompts], device=device)
+    prompt_mask = torch.arange(width, device=device) >= (width - prompt_lengths)[:, None]  # (prompts, width)
+    prompt_ids = torch.tensor([[0] * (width - len(ids)) + ids for ids in prompts], device=device)
+    positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded positions
+    prompt_keys = [torch.zeros(len(prompts), *k.shape[1:2], width, k.shape[3], dtype=dtype, device=device)
+                   for k in keys]
+    prompt_values = [torch.zeros_like(k) for k in prompt_keys]
+    hidden = layers.forward(prompt_ids, positions, prompt_keys, prompt_values, 0,
+                            None if bool(prompt_mask.all()) else prompt_mask)
+    for index in range(len(keys)):
+        keys[index][:, :, :width] = prompt_keys[index][group]
+        values[index][:, :, :width] = prompt_values[index][group]
+    return model.lm_head(hidden[group, -1])  # (batch, vocab)

@@ -133,9 +133,9 @@ def default_batch_timeout_s(timeout_s: float, n_items: int, num_workers: int) ->
 
 def _worker_context() -> multiprocessing.context.BaseContext:
     """Where the platform has it, "forkserver": a server process imports and warms math-verify once
-    (`qae_app.rewards.verifier_preload`) and every worker is forked from it, so replacing a killed worker takes milliseconds
-    instead of a fresh multi-second sympy import. Otherwise "spawn". Never plain fork: the parent holds torch
-    threads."""
+    (`qae_app.rewards.verifier_preload`) and every worker is forked from it, so replacing a killed worker takes
+    milliseconds instead of a fresh multi-second sympy import. Otherwise "spawn". Never plain fork: the parent holds
+    torch threads."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["qae_app.rewards.verifier_preload"])
@@ -373,6 +373,9 @@ class MathVerifierPool:
         return results
 
     def _run(self, items: list[tuple[str, str]]) -> list[float | None]:
+        """Score the (prediction, gold) `items` on the workers: every item's quick try first, in order, then the full
+        timeout of those whose quick try ran out. An item that a worker does not finish in time, or that the batch's
+        deadline cuts off, scores None."""
         results: list[float | None] = [None] * len(items)
         pending = deque((i, True) for i in range(len(items)))  # (item, quick try?): quick tries first, in order
         budget_s = self.batch_timeout_s or default_batch_timeout_s(self.timeout_s, len(items), self.num_workers)
@@ -386,63 +389,89 @@ class MathVerifierPool:
                                          f" of {len(items)} distinct answers were sent to the verifier")
             now = time.monotonic()
             if batch_deadline is not None and now >= batch_deadline:
-                busy = [w for w in self._workers if w.item is not None]
-                self.batch_cutoffs += len(pending) + len(busy)
-                for w in busy:
-                    self._replace(w)  # its item stays None
+                self._cut_off_batch(len(pending))
                 return results
-            # hand out items to idle, ready workers
-            for w in self._workers:
-                if w.ready and w.item is None and pending:
-                    i, quick_try = pending.popleft()
-                    try:
-                        w.conn.send((i, *items[i]))
-                    except OSError:  # died since its last message: requeue the item, replace the worker
-                        pending.appendleft((i, quick_try))
-                        self.crashes += 1
-                        self._replace(w)
-                        continue
-                    w.item, w.quick_try = i, quick_try
-                    w.deadline = now + self.timeout_s * (QUICK_TRY_FRACTION if quick_try else 1)
-                    self.peak_busy = max(self.peak_busy, sum(v.item is not None for v in self._workers))
-                    if batch_deadline is None:
-                        batch_deadline = now + budget_s
-            # wait for a result, a death, a ready message, the next deadline, or the next interrupt check
-            deadlines = [w.deadline for w in self._workers if w.item is not None]
-            deadlines += [w.started_at + self.startup_timeout_s for w in self._workers if not w.ready]
-            deadlines += [batch_deadline] if batch_deadline is not None else []
-            waitables = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
-            timeout = min(_INTERRUPT_POLL_S, max(0.0, min(deadlines, default=now) - time.monotonic()))
-            ready = set(wait(waitables, timeout=timeout))
-            for w in list(self._workers):
-                if w.conn in ready:
-                    try:
-                        message = w.conn.recv()
-                    except (EOFError, OSError):
-                        self._on_death(w, results)
-                        continue
-                    if message[0] == "ready":
-                        w.ready = True
-                        self._failed_starts.clear()
-                    elif message[0] == w.item:
-                        results[w.item] = message[1]
-                        self.items_scored += 1
-                        w.item = None
-                elif w.process.sentinel in ready:
-                    self._on_death(w, results)
-            now = time.monotonic()
-            for w in list(self._workers):
-                if w.item is not None and now >= w.deadline:
-                    if w.quick_try:
-                        pending.append((w.item, False))  # its full timeout comes after every other quick try
-                    else:
-                        results[w.item] = None
-                        self.timeouts += 1
-                    self._replace(w)
-                elif not w.ready and now >= w.started_at + self.startup_timeout_s:
-                    raise RuntimeError(f"a math-verify worker did not start within {self.startup_timeout_s:.0f} s; "
-                                       "check that `python -c 'import math_verify'` works in this environment")
+            if self._hand_out(items, pending, now) and batch_deadline is None:
+                batch_deadline = now + budget_s
+            self._receive(self._wait_for_workers(now, batch_deadline), results)
+            self._enforce_deadlines(pending, results)
         return results
+
+    def _cut_off_batch(self, n_pending: int) -> None:
+        """The batch's deadline passed: the items not sent and those still running score None (counted in
+        batch_cutoffs); the busy workers are replaced."""
+        busy = [w for w in self._workers if w.item is not None]
+        self.batch_cutoffs += n_pending + len(busy)
+        for w in busy:
+            self._replace(w)  # its item stays None
+
+    def _hand_out(self, items: list[tuple[str, str]], pending: deque, now: float) -> bool:
+        """Send pending items to the idle, ready workers, each with its deadline (a quick try's is a fraction of the
+        timeout); returns whether any was sent. A worker that died since its last message is replaced and its item
+        goes back to the front of `pending`."""
+        sent = False
+        for w in self._workers:
+            if w.ready and w.item is None and pending:
+                i, quick_try = pending.popleft()
+                try:
+                    w.conn.send((i, *items[i]))
+                except OSError:  # died since its last message: requeue the item, replace the worker
+                    pending.appendleft((i, quick_try))
+                    self.crashes += 1
+                    self._replace(w)
+                    continue
+                w.item, w.quick_try = i, quick_try
+                w.deadline = now + self.timeout_s * (QUICK_TRY_FRACTION if quick_try else 1)
+                self.peak_busy = max(self.peak_busy, sum(v.item is not None for v in self._workers))
+                sent = True
+        return sent
+
+    def _wait_for_workers(self, now: float, batch_deadline: float | None) -> set:
+        """Wait for a result, a death, a ready message, the next deadline, or the next interrupt check; returns the
+        workers' connections and process sentinels that are ready."""
+        deadlines = [w.deadline for w in self._workers if w.item is not None]
+        deadlines += [w.started_at + self.startup_timeout_s for w in self._workers if not w.ready]
+        deadlines += [batch_deadline] if batch_deadline is not None else []
+        waitables = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
+        timeout = min(_INTERRUPT_POLL_S, max(0.0, min(deadlines, default=now) - time.monotonic()))
+        return set(wait(waitables, timeout=timeout))
+
+    def _receive(self, ready: set, results: list[float | None]) -> None:
+        """Read what the `ready` workers sent (a result into `results`, or that a worker is ready) and handle the
+        ones that died."""
+        for w in list(self._workers):
+            if w.conn in ready:
+                try:
+                    message = w.conn.recv()
+                except (EOFError, OSError):
+                    self._on_death(w, results)
+                    continue
+                if message[0] == "ready":
+                    w.ready = True
+                    self._failed_starts.clear()
+                elif message[0] == w.item:
+                    results[w.item] = message[1]
+                    self.items_scored += 1
+                    w.item = None
+            elif w.process.sentinel in ready:
+                self._on_death(w, results)
+
+    def _enforce_deadlines(self, pending: deque, results: list[float | None]) -> None:
+        """Replace each worker past its item's deadline: a quick try goes back into `pending` for its full timeout
+        (after every other quick try), a full try scores None (counted in timeouts). A worker that does not start
+        in time ends the run with an error."""
+        now = time.monotonic()
+        for w in list(self._workers):
+            if w.item is not None and now >= w.deadline:
+                if w.quick_try:
+                    pending.append((w.item, False))  # its full timeout comes after every other quick try
+                else:
+                    results[w.item] = None
+                    self.timeouts += 1
+                self._replace(w)
+            elif not w.ready and now >= w.started_at + self.startup_timeout_s:
+                raise RuntimeError(f"a math-verify worker did not start within {self.startup_timeout_s:.0f} s; "
+                                   "check that `python -c 'import math_verify'` works in this environment")
 
     def _on_death(self, w: _Worker, results: list[float | None]) -> None:
         w.process.join()

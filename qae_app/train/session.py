@@ -5,7 +5,8 @@
         state = session.restore(data_fingerprint)     # a resume: the newest valid checkpoint, checked against the run
         session.open_store(state)                     # the database and config.json; a new run's folder appears
         session.catch_stop_signals()                  # Ctrl-C / SIGTERM: stop at the next step boundary
-        ... session.write_step(...), session.save_checkpoint(...), session.should_stop() ...
+        ... session.write_step(...), session.record_step_times(...), session.save_checkpoint(...),
+            session.should_stop() ...
         session.finish(status, ...)                   # the last rows and the run's final status
     # close(): the lock, a new run's staging folder if the run never appeared, the writer's thread, the signals
 
@@ -180,6 +181,8 @@ class RunSession:
         self._write_thread: ThreadPoolExecutor | None = None  # main process: writes the store while steps train
         self._write_job: Future | None = None
         self._store_s: dict[int, float] = {}  # step -> CPU seconds of its write job, once done (see drain_writes)
+        # (step, seconds): the newest step's times known only after its rows were queued (record_step_times)
+        self._late_times: tuple[int, dict[str, float]] | None = None
         self._previous_handlers: dict = {}
         self.finishing = False  # set by the caller once it writes the final status: late signals are ignored
         self._stop_requested = self._waiting_for_store = False
@@ -242,10 +245,27 @@ class RunSession:
         return its trainer state, checked against this run (process count, data position, --steps, the data file's
         sha256); None when the run has no checkpoint (killed before its first: it trains again from step 0). Says so
         when a newer checkpoint was skipped."""
+        acc = self.accelerator
+        ckpt, logged = self._newest_valid_checkpoint()
+        if ckpt is None:
+            self._check_start_over(logged)
+            return None
+        state = TrainerState.load(ckpt / TRAINER_STATE)
+        self._check_process_count(state, ckpt)
+        self._load_training_state(ckpt, model, optimizer, scheduler)
+        if is_lora(acc.unwrap_model(model)):  # (a LoRA run's adapter, from its own folder)
+            load_lora_adapter(ckpt, acc.unwrap_model(model))
+        self._say(f"resuming run {self.run_id} from checkpoint {ckpt.name}")
+        self._check_checkpoint_fits_run(state, ckpt, logged, data_fingerprint)
+        return state
+
+    def _newest_valid_checkpoint(self) -> tuple[Path | None, int]:
+        """The newest checkpoint whose files match their checksums (None if none does; each one skipped is said),
+        and the newest step whose rows the run kept (stored or saved): decided by the main process, the same on
+        every process."""
         from accelerate.utils import broadcast_object_list
 
-        cfg, acc = self.cfg, self.accelerator
-        chosen = [None, 0]  # the checkpoint, and the newest step whose rows the run kept (stored or saved)
+        chosen = [None, 0]  # the checkpoint, and the newest step whose rows the run kept
         if self.is_main:
             for ckpt in reversed(list_checkpoints(self.run_dir)):
                 problem = checkpoint_problem(ckpt)
@@ -254,38 +274,43 @@ class RunSession:
                     break
                 self._say(f"[yellow]warning:[/] skipping checkpoint {ckpt.name}: {problem}")
             chosen[1] = last_logged_step(self.run_dir)
-        if acc.num_processes > 1:
+        if self.accelerator.num_processes > 1:
             broadcast_object_list(chosen)
-        logged = chosen[1]
-        if chosen[0] is None:
-            if self.is_main and list_checkpoints(self.run_dir):
-                raise QAEUserError(f"resume: no checkpoint of run '{self.run_id}' checks out (see the warnings "
-                                   "above). Start a new run.")
-            # killed before its first checkpoint: start over from step 0, same run, same seed (the same steps again)
-            if cfg.steps < logged:
-                raise QAEUserError(
-                    f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged. It has no "
-                    f"checkpoint (killed before its first; --checkpoint-every {cfg.checkpoint_every}), so a resume "
-                    f"trains it again from step 0 and replaces their rows: pass --steps {logged} or more to keep "
-                    "every logged step, or start a new run.")
-            if logged:
-                self._say(f"[yellow]warning:[/] run {self.run_id} has no checkpoint: training it again from step 0 "
-                          f"(same seed); the {logged} steps it logged are replaced as they are trained again.")
-            return None
-        ckpt = Path(chosen[0])
-        state = TrainerState.load(ckpt / TRAINER_STATE)
+        return (Path(chosen[0]) if chosen[0] is not None else None), chosen[1]
+
+    def _check_start_over(self, logged: int) -> None:
+        """A run with no checkpoint starts over from step 0, same run, same seed (the same steps again): refused
+        when its checkpoints all failed their checks, or when --steps would drop steps it logged; said when it
+        replaces logged steps."""
+        cfg = self.cfg
+        if self.is_main and list_checkpoints(self.run_dir):
+            raise QAEUserError(f"resume: no checkpoint of run '{self.run_id}' checks out (see the warnings "
+                               "above). Start a new run.")
+        if cfg.steps < logged:
+            raise QAEUserError(
+                f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged. It has no "
+                f"checkpoint (killed before its first; --checkpoint-every {cfg.checkpoint_every}), so a resume "
+                f"trains it again from step 0 and replaces their rows: pass --steps {logged} or more to keep "
+                "every logged step, or start a new run.")
+        if logged:
+            self._say(f"[yellow]warning:[/] run {self.run_id} has no checkpoint: training it again from step 0 "
+                      f"(same seed); the {logged} steps it logged are replaced as they are trained again.")
+
+    def _check_process_count(self, state: TrainerState, ckpt: Path) -> None:
+        """Every process samples with its own seed: another process count trains other steps than the logged ones."""
         trained_by = state.num_processes
-        if trained_by not in (None, acc.num_processes):
-            # every process samples with its own seed: another count trains other steps than the logged ones
+        if trained_by not in (None, self.accelerator.num_processes):
             raise QAEUserError(
                 f"resume: run '{self.run_id}' was trained by {trained_by} processes and this resume has "
-                f"{acc.num_processes}. Each process samples with its own seed, so the steps after "
+                f"{self.accelerator.num_processes}. Each process samples with its own seed, so the steps after "
                 f"checkpoint {ckpt.name} would not be the ones logged: resume it as it was launched (accelerate "
                 f"launch --num_processes {trained_by} ...), or start a new run.")
-        self._load_training_state(ckpt, model, optimizer, scheduler)
-        if is_lora(acc.unwrap_model(model)):  # (a LoRA run's adapter, from its own folder)
-            load_lora_adapter(ckpt, acc.unwrap_model(model))
-        self._say(f"resuming run {self.run_id} from checkpoint {ckpt.name}")
+
+    def _check_checkpoint_fits_run(self, state: TrainerState, ckpt: Path, logged: int,
+                                   data_fingerprint: str | None) -> None:
+        """The checkpoint's trainer state against this run: its data position (the config's prompts per step),
+        --steps (neither below the steps done nor below those logged) and the data file's sha256."""
+        cfg = self.cfg
         problem = data_position_problem(state.data_position, state.step, cfg)
         if problem:
             raise QAEUserError(f"resume: checkpoint {ckpt} is at prompt {state.data_position} of the data, but "
@@ -302,7 +327,6 @@ class RunSession:
             raise QAEUserError(f"data: {cfg.data} changed since run '{self.run_id}' was started (its sha256 differs "
                                "from the one the checkpoint recorded). A resumed run must see the same prompts: "
                                "restore the file, or start a new run on the new data.")
-        return state
 
     def open_store(self, state: TrainerState) -> dict:
         """The run's database and config.json (main process), and the writer's thread. A new run's staging folder is
@@ -314,7 +338,7 @@ class RunSession:
         config = cfg.to_dict()
         if self.distributed is not None:  # how this session ran (a resume records its own launch)
             config["distributed"] = self.distributed.to_dict()
-        k = state.k if names.uses_k(cfg.estimator) else None  # K means nothing to a mean baseline
+        k = names.k_in_use(cfg.estimator, state.k)  # (None before --k auto chooses one, and for a mean baseline)
         if self.resuming:
             db = self.run_dir / DB_FILE
             if not db.exists() and state.step > 0:
@@ -358,19 +382,25 @@ class RunSession:
     # -------------------------------------------------------------------------------------------------------------
     # writing: only here, only on the main process, on one writer thread so the next step trains meanwhile
 
-    def write_step(self, step: int, tables: dict[str, list[dict]], chosen_k: float | None = None,
-                   timings: tuple[int, dict] | None = None) -> float:
+    def record_step_times(self, step: int, **seconds: float) -> None:
+        """The times of `step` that are known only after its rows were queued (write_s, checkpoint_s, step_s): they
+        complete its row with the next step's write, with store_s (the writer thread's CPU time for the step, known
+        once that job is done), or at finish. Kept until the next step's are recorded."""
+        self._late_times = (step, seconds)
+
+    def write_step(self, step: int, tables: dict[str, list[dict]], chosen_k: float | None = None) -> float:
         """Hand one step's rows (table name -> rows) to the writer thread, after the previous step's write is done,
-        so at most one step is in flight; `chosen_k` goes into the run's row, `timings` completes an earlier step's
-        row. Returns the seconds this thread spent."""
+        so at most one step is in flight; `chosen_k` goes into the run's row, and the times recorded for an earlier
+        step (record_step_times) complete its row. Returns the seconds this thread spent."""
         if self.writer is None:
             return 0.0
         t0 = time.perf_counter()
+        late = self._late_times  # (step, seconds) of an earlier step, or None
 
         def write(writer: RunWriter) -> tuple[int, float]:
             cpu_start = time.thread_time()
-            if timings is not None:
-                writer.update_step(timings[0], **timings[1])
+            if late is not None:
+                writer.update_step(late[0], **late[1])
             if chosen_k is not None:
                 writer.update_run(k=chosen_k)
             writer.add_step(step, **tables)
@@ -379,8 +409,8 @@ class RunSession:
             return step, time.thread_time() - cpu_start
 
         self.drain_writes()
-        if timings is not None:  # the earlier step's job is done: its store_s is known
-            timings[1]["store_s"] = self._store_s.pop(timings[0], None)
+        if late is not None:  # the earlier step's job is done: its store_s is known
+            late[1]["store_s"] = self._store_s.pop(late[0], None)
         self._write_job = self._write_thread.submit(write, self.writer)
         return time.perf_counter() - t0
 
@@ -394,19 +424,18 @@ class RunSession:
             self._store_s[step] = store_s
         return time.perf_counter() - t0
 
-    def finish(self, status: str, error: str | None, timings: tuple[int, dict] | None, *, setup_s: float,
-               wall_s_before: float = 0.0) -> None:
-        """The last writes: the last step's timings, the final status and the run's time (setup_s; wall_s: the
-        earlier sessions' and this one's); waits for a reader that still holds the file (Ctrl-C leaves the rows
-        safe under pending/)."""
+    def finish(self, status: str, error: str | None, *, setup_s: float, wall_s_before: float = 0.0) -> None:
+        """The last writes: the times recorded for the last step (record_step_times), the final status and the run's
+        time (setup_s; wall_s: the earlier sessions' and this one's); waits for a reader that still holds the file
+        (Ctrl-C leaves the rows safe under pending/)."""
         if self.writer is None:
             return
         try:
             self.drain_writes()
         finally:
             self._write_thread.shutdown(wait=True)
-            if timings is not None:
-                step, values = timings  # (its store_s is known if the job was drained, by now or earlier)
+            if self._late_times is not None:
+                step, values = self._late_times  # (its store_s is known if the job was drained, by now or earlier)
                 self.writer.update_step(step, **{**values, "store_s": self._store_s.pop(step, values.get("store_s"))})
             wall_s = wall_s_before + time.perf_counter() - self.started
             # a failed run's status goes ahead of rows still queued: if the failure was writing them (a full disk),

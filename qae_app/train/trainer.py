@@ -5,12 +5,16 @@ advantage exactly 0 ("gated"); their policy gradient is exactly 0, so when nothi
 are left out of the update's forward/backward, with the loss normalizer of the full mini-batch, so the update is the
 one the dense computation gives (`update.py`).
 
-One step, for B prompts x G samples:
-    rollout   -> engine samples G responses per prompt                   (rollout_s)
-    reward    -> verifier scores each response: 1, 0 or None             (reward_s)
-    advantage -> estimator(rewards [B, G]) -> advantages, baseline, regime
-    update    -> log-probs/entropy of the sampling policy (no grad), then num_mini_batches optimizer steps (update_s)
-    log       -> `fit` hands the step's rows to the run's session, which writes them into runs/<run_id>/qae.duckdb
+One step, for B prompts x G samples (`train_step` reads as these six):
+    sample and score -> engine samples G responses per prompt (rollout_s); the verifier scores each: 1, 0 or None
+                        (reward_s)
+    the K in use     -> --k auto chooses K once, from the first step's success rate
+    advantages       -> estimator(rewards [B, G]) -> advantages, baseline, regime
+    update           -> log-probs/entropy of the sampling policy (no grad), then num_mini_batches optimizer steps, and
+                        its diagnostics (dH, the entropy attribution) (update_s, with the weight sync)
+    weight sync      -> the engine takes the new weights (vLLM holds its own copy; hf shares the model)
+    output           -> the step's rows and metrics; `fit` hands them to the run's session, which writes them into
+                        runs/<run_id>/qae.duckdb
 
 Runs on one CPU process as is, and under `accelerate launch` (DDP, FSDP, DeepSpeed; configs/accelerate/, and for
 FSDP2 on CPUs `sharding.py`): each process samples its share of the prompts; mini-batches are drawn over the whole
@@ -59,8 +63,10 @@ from qae_app.train.entropy_band import entropy_warning
 from qae_app.train.precision import check_updates_move_the_weights
 from qae_app.train.session import RunSession, TrainerState
 from qae_app.train.update import (
+    ENTROPY_CHANGE_METRICS,
     NO_UPDATE,
     UpdateOptions,
+    UpdateResult,
     entropy_change,
     float_dtype,
     logits_keyword,
@@ -94,6 +100,35 @@ class GenerationBatch:
     verified: list[bool]  # [B * G] the verifier gave a verdict
     rewards: torch.Tensor  # (B, G) shaped: reward values plus the overlong penalty
     correct: torch.Tensor  # (B, G) bool, the verifier's verdicts
+
+
+@dataclass
+class SampledStep:
+    """This process's share of one step's responses, sampled and scored: every generation batch's, in order."""
+
+    batches: list[GenerationBatch]
+    trained: list[bool]  # [B] which of this process's groups train (dynamic sampling filters out the others)
+    n_trained: int  # the groups that train, over every process
+    rewards: torch.Tensor  # (B, G) shaped rewards of this process's groups of every batch, in order
+    correct: torch.Tensor  # (B, G) bool
+    samples: list  # [B * G] rollout.Sample, sample j of group i at i * G + j
+    trained_samples: list  # [N] the samples of the trained groups, in order
+    # the engine measured every response's token entropies and log-probs while sampling (the filtered ones' too);
+    # else the rows take the trained ones' from the update's no-grad pass
+    engine_measured: bool
+    rollout_s: float
+    reward_s: float
+    cap_warning: dict | None  # the `warnings` row when dynamic sampling found too few groups with signal
+
+
+@dataclass
+class StepUpdate:
+    """What the step's update reports for the step's rows."""
+
+    stats: dict  # its columns of the `steps` row: NO_UPDATE's names, dH's, the attribution's, lr
+    # per trained response, in order, from the update's no-grad pass: mean token entropy, summed log-prob (None: the
+    # engine measured them, or this process trained no response)
+    response_stats: tuple[list[float], list[float]] | None = None
 
 
 @dataclass
@@ -197,6 +232,16 @@ def group_results(batches: list[GenerationBatch], trained: list[bool], adv, rewa
                 model_prompt=group[0].model_prompt))
             local += 1
     return results
+
+
+def sampling_policy_stats(batch: dict, updated: UpdateResult, n: int) -> tuple[list[float], list[float]] | None:
+    """The first `n` responses' mean token entropy and summed log-prob under the sampling policy, from the update's
+    no-grad pass over them (policy_update's full_pass), for their rows; None for no response."""
+    if not n:
+        return None
+    mask = batch["response_mask"][:n]
+    return (((updated.entropy[:n] * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist(),  # (N,)
+            (updated.old_logp[:n] * mask).sum(-1).tolist())  # (N,)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -310,9 +355,9 @@ class Trainer:
                                "which the trial updates cannot restore. Launch with DDP or FSDP, or drop the option.")
         if cfg.lora_rank:
             if sharding_plan_for(acc).sharding != "none":
-                raise QAEUserError(f"lora-rank: LoRA is not supported with sharded weights ({sharding_plan_for(acc).sharding})"
-                                   ". Launch with DDP (accelerate launch --multi_gpu) or one process, or train "
-                                   "every weight (--lora-rank 0).")
+                raise QAEUserError(f"lora-rank: LoRA is not supported with sharded weights "
+                                   f"({sharding_plan_for(acc).sharding}). Launch with DDP (accelerate launch "
+                                   "--multi_gpu) or one process, or train every weight (--lora-rank 0).")
             model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, model_name=cfg.model)
         self.ref_model = None
         if cfg.kl_beta > 0 and cfg.lora_rank:  # the base model is the policy with its adapters off: no second copy
@@ -358,7 +403,6 @@ class Trainer:
         cfg = self.cfg
         status, error = "running", None
         self.session.catch_stop_signals()
-        timings: tuple[int, dict] | None = None  # (step, write_s/checkpoint_s/step_s), known after its row is queued
         try:
             if self.state.step == 0 and cfg.eval_every:
                 heldout = self.evaluate_heldout(0)
@@ -377,7 +421,7 @@ class Trainer:
                                    eval_s=time.perf_counter() - t0)
                 self.state.step = step  # (train_step advanced state.data_position by the prompts it consumed)
                 write_s = self.session.write_step(step, step_tables(out, heldout, cfg.store_responses, cfg.seed, step),
-                                                   out.chosen_k, timings)
+                                                   out.chosen_k)
                 checkpoint_s = 0.0
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
                     t0 = time.perf_counter()
@@ -386,8 +430,9 @@ class Trainer:
                     checkpoint_s = time.perf_counter() - t0
                 if on_step is not None:
                     on_step(step, out.metrics)
-                timings = (step, {"write_s": write_s, "checkpoint_s": checkpoint_s,
-                                  "step_s": time.perf_counter() - t_iteration})
+                # (known only now that the step's rows are queued: the session writes them with the next step's)
+                self.session.record_step_times(step, write_s=write_s, checkpoint_s=checkpoint_s,
+                                               step_s=time.perf_counter() - t_iteration)
             if self.state.step < cfg.steps:  # stopped by a signal at a step boundary
                 status = "interrupted"
                 if not self.session.has_checkpoint(self.state.step):
@@ -406,7 +451,7 @@ class Trainer:
             try:
                 fault_point("finishing", self.state.step)
                 close_scorers(getattr(self, "scorer", None), getattr(self, "eval_scorer", None))
-                self.session.finish(status, error, timings, wall_s_before=self._wall_s_before,
+                self.session.finish(status, error, wall_s_before=self._wall_s_before,
                                     setup_s=self._setup_s_before + (self._setup_s or 0.0))
             finally:
                 self.session.close()  # (the lock, the signal handlers)
@@ -416,99 +461,66 @@ class Trainer:
         """One RL step on this process's share of the step's prompts. Updates the model, optimizer, scheduler and
         trainer state (data_position included); writes nothing (the rows, metrics and warnings come back in the
         StepOutput)."""
-        cfg, acc = self.cfg, self.accelerator
+        cfg = self.cfg
         t_step = time.perf_counter()
-        G = cfg.group_size
 
-        # ---- rollout and reward, in generation batches of prompts_per_step prompts (several: dynamic sampling)
+        # ---- sample and score, in generation batches of prompts_per_step prompts (several: dynamic sampling)
+        sampled = self._sample_and_score(step)
+
+        # ---- the K in use: --k auto chooses it once, at the first step
+        auto_k = self._choose_k(sampled.batches[0])  # the `warnings` row that says so, at that step only
+        k = names.k_in_use(cfg.estimator, self.state.k)  # None: a mean baseline reads no K
+        # the K that splits the groups into hard and easy (dH's regimes; the estimator reads it for QAE only): a mean
+        # baseline's is DEFAULT_K, so runs compare
+        regime_k = k or names.DEFAULT_K
+
+        # ---- advantages of every group sampled (a filtered group's are stored but never trained)
+        estimator = EstimatorConfig(k=regime_k, quantile=cfg.quantile, scale=cfg.advantage_scale)
+        adv = step_advantages(cfg.estimator, sampled.rewards, sampled.correct, names.reward_values(cfg.reward_values),
+                              estimator, cfg.shaping)
+
+        # ---- the update with its diagnostics, on the trained groups only
+        self.engine.release_memory()  # (vLLM's sleep mode: its GPU memory goes to the update until the weight sync)
+        t_update = time.perf_counter()
+        update = self._update_with_diagnostics(step, sampled, adv.advantages, regime_k)
+
+        # ---- the weight sync: vLLM holds its own copy of the weights; hf shares the model
+        if sampled.n_trained:
+            self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
+        update_s = time.perf_counter() - t_update
+
+        # ---- the step's output: its rows (every process's groups, gathered on the main one), metrics and warnings
+        groups, rollouts = self._step_rows(sampled, adv, update)
+        metrics = {**step_metrics(groups, rollouts), **update.stats, "k": k, "gen_batches": len(sampled.batches),
+                   "rollout_s": sampled.rollout_s, "reward_s": sampled.reward_s, "update_s": update_s}
+        warnings = [row for row in (auto_k, sampled.cap_warning, self._entropy_warning(metrics["entropy"]))
+                    if row is not None]
+        metrics["step_s"] = time.perf_counter() - t_step
+        return StepOutput(metrics, groups, rollouts, warnings, chosen_k=self.state.k if auto_k else None)
+
+    # -------------------------------------------------------------------------------------------------------------
+    # the step's parts, in the order train_step runs them
+
+    def _sample_and_score(self, step: int) -> SampledStep:
+        """The step's generation batches, sampled and scored (_sample_generation_batches), as one step's responses;
+        moves the data position past the prompts they took. Says when dynamic sampling's cap left the step short of
+        groups with signal, or, with --on-gen-cap stop, ends the run here, before the step trains."""
+        cfg, G = self.cfg, self.cfg.group_size
         batches, trained_global, rollout_s, reward_s = self._sample_generation_batches(step)
         self.state.data_position += len(batches) * cfg.prompts_per_step
-        rewards = torch.cat([b.rewards for b in batches])  # (B, G): this process's groups of every batch, in order
-        correct = torch.cat([b.correct for b in batches])  # (B, G) bool
-        samples = [s for b in batches for s in b.samples]  # (B * G): sample j of group i at i * G + j
-        trained = [trained_global[b.first_group + i] for b in batches for i in range(len(b.problems))]  # (B,)
-        trained_samples = [s for i, keep in enumerate(trained) if keep for s in samples[i * G:(i + 1) * G]]
-
-        warnings, chosen_k = [], None
-        if self.state.k is None and names.uses_k(cfg.estimator):  # --k auto: choose K once, from the first step
-            success = acc.reduce(batches[0].correct.float().mean().to(acc.device), reduction="mean").item()
-            self.state.k = chosen_k = names.auto_k(success)
-            warnings.append({"kind": "auto_k", "message": f"--k auto: first-step success rate {success:.3f} "
-                                                          f"-> K = {chosen_k}"})
         n_trained = sum(trained_global)
         cap = generation_cap_warning(cfg, step, n_trained, len(batches))  # (or stops the run: --on-gen-cap stop)
         if cap is not None:
             self._say(f"[yellow]warning:[/] step {step}: {cap['message']}")
-            warnings.append(cap)
-
-        # ---- advantages of every group sampled (a filtered group's are stored but never trained)
-        estimator = EstimatorConfig(k=self.state.k or names.DEFAULT_K, quantile=cfg.quantile,
-                                    scale=cfg.advantage_scale)
-        adv = step_advantages(cfg.estimator, rewards, correct, names.reward_values(cfg.reward_values), estimator,
-                              cfg.shaping)
-        trained_mask = torch.tensor(trained, dtype=torch.bool)  # (B,)
-        seq_adv = adv.advantages[trained_mask].reshape(-1).to(acc.device)  # (N,) the trained responses
-
-        # ---- update, on the trained groups only: filtered ones enter neither the loss nor its normalizer
-        self.engine.release_memory()  # (vLLM's sleep mode: its GPU memory goes to the update until the weight sync)
-        t0 = time.perf_counter()
-        # what each response's row reports of the sampling policy (mean token entropy, summed log-prob): from the
-        # engine when it measured them while sampling (for filtered responses too), else from a no-grad pass over the
-        # trained responses
-        from_engine = all(s.token_logprobs is not None and s.token_entropies is not None for s in samples)
-        if n_trained:
-            # a process whose groups were all filtered packs one placeholder sequence: it still takes part in the
-            # collective forward/backward passes, weighted 0 (see update.accumulate_gradients), and contributes nothing
-            batch = pack(trained_samples or samples[:1], self.codec.pad_id, acc.device, float_dtype(self.model))
-            options = self.update_options()
-            update_adv = seq_adv if trained_samples else seq_adv.new_zeros(1)
-            update_seed = _step_seed(cfg.seed, step, 0) + 1  # (the mini-batches: the attribution draws the same)
-            # (dH's regimes: the K in use, K = 0.4 for mean-baseline runs, so runs compare)
-            k = self.state.k if names.uses_k(cfg.estimator) else names.DEFAULT_K
-            attribution = (entropy_attribution(self.model, self.optimizer, batch, update_adv, correct[trained_mask], k,
-                                               G, options, acc, seed=update_seed, n_local=len(trained_samples))
-                           if cfg.log_entropy_attribution else dict.fromkeys(ATTRIBUTION_METRICS))
-            updated = policy_update(self.model, self.optimizer, batch, update_adv, options, acc, seed=update_seed,
-                                    ref_model=self.ref_model, full_pass=not from_engine or cfg.log_entropy_delta,
-                                    n_local=len(trained_samples))
-            update_stats, old_logp, entropy = {**updated.stats, **attribution}, updated.old_logp, updated.entropy
-            update_stats.update(entropy_change(self.model, batch, entropy, correct[trained_mask], k, G, options, acc,
-                                               len(trained_samples))
-                                if cfg.log_entropy_delta else dict.fromkeys(("dH", "dH_hard", "dH_easy")))
-            self.engine.sync_weights(acc.unwrap_model(self.model))  # vLLM holds its own copy; hf shares the model
-        else:  # dynamic sampling found no group with signal on any process: nothing to learn from
-            update_stats = {**NO_UPDATE, **dict.fromkeys(("dH", "dH_hard", "dH_easy", *ATTRIBUTION_METRICS))}
-        update_s = time.perf_counter() - t0
-
-        # ---- rows (gathered on the main process) and metrics
-        pass_stats = None  # per trained response: mean token entropy and summed log-prob, from the no-grad pass
-        if trained_samples and not from_engine:
-            n = len(trained_samples)
-            mask = batch["response_mask"][:n]
-            pass_stats = (((entropy[:n] * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist(),  # (N,)
-                          (old_logp[:n] * mask).sum(-1).tolist())  # (N,)
-        results = group_results(batches, trained, adv, rewards, correct, G, from_engine, pass_stats)
-        if acc.num_processes > 1:
-            from accelerate.utils import gather_object
-
-            results = gather_object(results)
-        results.sort(key=lambda g: g.group_idx)
-        groups, rollouts = group_rows(results), rollout_rows(results)
-        metrics = step_metrics(groups, rollouts)
-        metrics.update(update_stats)
-        metrics.update(k=self.state.k if names.uses_k(cfg.estimator) else None, gen_batches=len(batches),
-                       rollout_s=rollout_s, reward_s=reward_s, update_s=update_s, lr=self.scheduler.get_last_lr()[0])
-        if n_trained:  # the schedule counts updates: a step that found nothing to train on leaves the warmup where it is
-            self.scheduler.step()  # once per RL step, on every process (the scheduler is not prepared: see _load_models)
-        warning = entropy_warning(self.state, metrics["entropy"], cfg)
-        if warning is not None:
-            self._say(f"[yellow]warning:[/] {warning['message']}")
-            warnings.append(warning)
-        metrics["step_s"] = time.perf_counter() - t_step
-        return StepOutput(metrics, groups, rollouts, warnings, chosen_k)
-
-    # -------------------------------------------------------------------------------------------------------------
-    # sampling
+        samples = [s for b in batches for s in b.samples]  # (B * G): sample j of group i at i * G + j
+        trained = [trained_global[b.first_group + i] for b in batches for i in range(len(b.problems))]  # (B,)
+        return SampledStep(
+            batches=batches, trained=trained, n_trained=n_trained,
+            rewards=torch.cat([b.rewards for b in batches]), correct=torch.cat([b.correct for b in batches]),
+            samples=samples,
+            trained_samples=[s for i, keep in enumerate(trained) if keep for s in samples[i * G:(i + 1) * G]],
+            engine_measured=all(s.token_logprobs is not None and s.token_entropies is not None for s in samples),
+            rollout_s=rollout_s, reward_s=reward_s, cap_warning=cap)
 
     def _sample_generation_batches(self, step: int) -> tuple[list[GenerationBatch], list[bool], float, float]:
         """Sample and score batches of prompts_per_step prompts, taken in order from the data stream at
@@ -559,6 +571,73 @@ class Trainer:
             trained.append(has_signal and count < P)
             count += has_signal
         return batches, trained, rollout_s, reward_s
+
+    def _choose_k(self, first_batch: GenerationBatch) -> dict | None:
+        """--k auto: K from the success rate of the first step's first generation batch over every process
+        (names.AUTO_K_RULE), kept in the trainer state for the rest of the run; returns the `warnings` row that says
+        so. None once K is known, and for a mean baseline (it reads no K)."""
+        if self.state.k is not None or not names.uses_k(self.cfg.estimator):
+            return None
+        acc = self.accelerator
+        success = acc.reduce(first_batch.correct.float().mean().to(acc.device), reduction="mean").item()
+        self.state.k = names.auto_k(success)
+        return {"kind": "auto_k", "message": f"--k auto: first-step success rate {success:.3f} -> K = {self.state.k}"}
+
+    def _update_with_diagnostics(self, step: int, sampled: SampledStep, advantages: torch.Tensor,
+                                 regime_k: float) -> StepUpdate:
+        """The policy update on the trained groups (a filtered group enters neither the loss nor its normalizer) and
+        the LR schedule's step, with what the step's row reports of them: the update's stats and LR, the entropy
+        attribution (--log-entropy-attribution: trial updates from the weights before it), dH (--log-entropy-delta:
+        after it) and, where the engine did not measure them, each trained response's mean token entropy and summed
+        log-prob from the update's no-grad pass. `advantages` (B, G) of every group sampled; `regime_k`: the K that
+        splits dH's groups into hard and easy."""
+        cfg, acc = self.cfg, self.accelerator
+        lr = self.scheduler.get_last_lr()[0]  # (the row's: the LR this update steps with)
+        if not sampled.n_trained:  # dynamic sampling found no group with signal on any process: nothing to learn from
+            # (and the schedule counts updates: the warmup stays where it is)
+            return StepUpdate({**NO_UPDATE, **dict.fromkeys((*ENTROPY_CHANGE_METRICS, *ATTRIBUTION_METRICS)), "lr": lr})
+        G, n_local = cfg.group_size, len(sampled.trained_samples)
+        trained = torch.tensor(sampled.trained, dtype=torch.bool)  # (B,)
+        correct = sampled.correct[trained]  # (B_trained, G) bool
+        # a process whose groups were all filtered packs one placeholder sequence: it still takes part in the
+        # collective forward/backward passes, weighted 0 (see update.accumulate_gradients), and contributes nothing
+        batch = pack(sampled.trained_samples or sampled.samples[:1], self.codec.pad_id, acc.device,
+                     float_dtype(self.model))
+        trained_adv = advantages[trained].reshape(-1).to(acc.device)  # (N,) the trained responses
+        if not n_local:
+            trained_adv = trained_adv.new_zeros(1)  # (the placeholder's)
+        options = self.update_options()
+        seed = _step_seed(cfg.seed, step, 0) + 1  # (the mini-batches: the attribution draws the same)
+        attribution = (entropy_attribution(self.model, self.optimizer, batch, trained_adv, correct, regime_k, G,
+                                           options, acc, seed=seed, n_local=n_local)
+                       if cfg.log_entropy_attribution else dict.fromkeys(ATTRIBUTION_METRICS))
+        updated = policy_update(self.model, self.optimizer, batch, trained_adv, options, acc, seed=seed,
+                                ref_model=self.ref_model, n_local=n_local,
+                                full_pass=not sampled.engine_measured or cfg.log_entropy_delta)
+        dH = (entropy_change(self.model, batch, updated.entropy, correct, regime_k, G, options, acc, n_local)
+              if cfg.log_entropy_delta else dict.fromkeys(ENTROPY_CHANGE_METRICS))
+        self.scheduler.step()  # once per RL step, on every process (the scheduler is not prepared: see _load_models)
+        response_stats = None if sampled.engine_measured else sampling_policy_stats(batch, updated, n_local)
+        return StepUpdate({**updated.stats, **attribution, **dH, "lr": lr}, response_stats)
+
+    def _step_rows(self, sampled: SampledStep, adv, update: StepUpdate) -> tuple[list[dict], list[dict]]:
+        """The step's `groups` and `rollouts` rows: every process's groups, gathered on the main process, in
+        group_idx order."""
+        results = group_results(sampled.batches, sampled.trained, adv, sampled.rewards, sampled.correct,
+                                self.cfg.group_size, sampled.engine_measured, update.response_stats)
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            results = gather_object(results)
+        results.sort(key=lambda g: g.group_idx)
+        return group_rows(results), rollout_rows(results)
+
+    def _entropy_warning(self, entropy: float) -> dict | None:
+        """The entropy band's `warnings` row when the smoothed entropy crosses it (entropy_band), said as well."""
+        warning = entropy_warning(self.state, entropy, self.cfg)
+        if warning is not None:
+            self._say(f"[yellow]warning:[/] {warning['message']}")
+        return warning
 
     # -------------------------------------------------------------------------------------------------------------
     # the update's options

@@ -6,9 +6,10 @@ process or on many. Plain functions on tensors; no run folder, no trainer:
                            seed=...)                    # advantages (N,) -> result.stats: the step's update columns
 
 One update, and the seam where each later change plugs in:
-    mini_batch_plan       which responses each optimizer step takes
-    micro_batch_plan      how a mini-batch's forwarded responses split into forwards: micro_batch_size sequences,
-                          or sorted by length into token budgets (max_tokens_per_micro_batch), trimmed to their longest
+    mini_batch_plan       which responses each optimizer step takes: a MiniBatchPlan per PPO epoch
+    micro_batch_plan      how a mini-batch's forwarded responses split into forwards (a MicroBatch each):
+                          micro_batch_size sequences, or sorted by length into token budgets
+                          (max_tokens_per_micro_batch), trimmed to their longest
     old_logprobs          the sampling policy's log-probs, only where the loss needs them
     logprobs_in_chunks    no-grad log-probs, one micro-batch at a time
     accumulate_gradients  one mini-batch's backward, in micro-batches (gradient checkpointing: the model's own)
@@ -38,6 +39,7 @@ import contextlib
 import inspect
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -84,6 +86,20 @@ class UpdateResult:
     stats: dict  # loss, pg_loss, kl, grad_norm, clip_frac, clip_frac_low, clip_frac_high, n_updates
     old_logp: torch.Tensor | None  # (N, T-1) the sampling policy's token log-probs, when full_pass ran
     entropy: torch.Tensor | None  # (N, T-1) its token entropies, when full_pass ran
+
+
+class MiniBatchPlan(NamedTuple):
+    """One PPO epoch's mini-batches (mini_batch_plan): which responses each of its optimizer steps takes."""
+
+    mini_batches: tuple[torch.Tensor, ...]  # each one's global response indices, over every process's responses
+    mine: list[torch.Tensor]  # this process's members of each, as local indices
+
+
+class MicroBatch(NamedTuple):
+    """One forward of a micro_batch_plan: which of its sequences go through the model together, and how wide."""
+
+    positions: torch.Tensor  # (n,) positions in the planned `rows`
+    width: int | None  # the columns that go through the model (the longest sequence's); None: all of them
 
 
 class OneProcess:
@@ -186,8 +202,8 @@ def forward_logprobs(model, batch, rows: torch.Tensor, options: UpdateOptions, w
     return logp, entropy
 
 
-def micro_batch_plan(batch, rows: torch.Tensor, options: UpdateOptions) -> list[tuple[torch.Tensor, int | None]]:
-    """How the sequences `rows` (n,) go through the model: a list of (positions in `rows`, width) per forward.
+def micro_batch_plan(batch, rows: torch.Tensor, options: UpdateOptions) -> list[MicroBatch]:
+    """How the sequences `rows` (n,) go through the model: a MicroBatch (positions in `rows`, width) per forward.
 
     Default: micro_batch_size sequences at a time, in order, at the batch's full width (width None). With
     max_tokens_per_micro_batch (verl's use_dynamic_bsz): sorted by length (prompt + response tokens), longest
@@ -198,17 +214,17 @@ def micro_batch_plan(batch, rows: torch.Tensor, options: UpdateOptions) -> list[
     positions = torch.arange(len(rows), device=rows.device)
     budget = options.max_tokens_per_micro_batch
     if budget is None:
-        return [(chunk, None) for chunk in positions.split(options.micro_batch_size)]
+        return [MicroBatch(chunk, None) for chunk in positions.split(options.micro_batch_size)]
     lengths = batch["attention_mask"][rows].sum(-1)  # (n,) real tokens of each sequence
     order = torch.argsort(lengths, descending=True, stable=True)  # (n,)
     sorted_lengths = lengths[order].tolist()
-    plan, start = [], 0
+    micro_batches, start = [], 0
     for end in range(1, len(rows) + 1):
         # the micro-batch is order[start:end]; its longest is its first (sorted longest first)
         if end == len(rows) or (end + 1 - start) * sorted_lengths[start] > budget:
-            plan.append((order[start:end], int(sorted_lengths[start])))
+            micro_batches.append(MicroBatch(order[start:end], int(sorted_lengths[start])))
             start = end
-    return plan
+    return micro_batches
 
 
 def lockstep_forwards(count: int, options: UpdateOptions, accelerator) -> int:
@@ -228,21 +244,21 @@ def logprobs_in_chunks(model, batch, rows: torch.Tensor, options: UpdateOptions,
     model_was_training = model.training
     model.eval()
     outs_logp, outs_ent = [], []
-    chunks = micro_batch_plan(batch, rows, options) if len(rows) else []
+    micro_batches = micro_batch_plan(batch, rows, options) if len(rows) else []
     with torch.inference_mode():
-        for i in range(lockstep_forwards(len(chunks), options, acc)):
-            positions, width = chunks[i] if i < len(chunks) else (None, None)
-            chunk = rows[positions] if i < len(chunks) else torch.zeros(1, dtype=torch.long, device=rows.device)
+        for i in range(lockstep_forwards(len(micro_batches), options, acc)):
+            positions, width = micro_batches[i] if i < len(micro_batches) else (None, None)
+            chunk = rows[positions] if i < len(micro_batches) else torch.zeros(1, dtype=torch.long, device=rows.device)
             logp, ent = forward_logprobs(model, batch, chunk, options, with_entropy, width)
-            if i < len(chunks):  # (a lockstep pass beyond this process's chunks is discarded)
+            if i < len(micro_batches):  # (a lockstep pass beyond this process's micro-batches is discarded)
                 outs_logp.append(logp)
                 outs_ent.append(ent)
     model.train(model_was_training)
-    if not chunks:  # (a lockstep pass with no rows of its own)
+    if not micro_batches:  # (a lockstep pass with no rows of its own)
         return None, None
-    # back in the order of `rows` (the plan may have sorted them); a new tensor, outside inference_mode: tensors
-    # made under it cannot take part in the autograd graph of the loss
-    in_order = torch.argsort(torch.cat([positions for positions, _ in chunks]))  # (len(rows),)
+    # back in the order of `rows` (the micro-batch plan may have sorted them); a new tensor, outside inference_mode:
+    # tensors made under it cannot take part in the autograd graph of the loss
+    in_order = torch.argsort(torch.cat([micro.positions for micro in micro_batches]))  # (len(rows),)
     return torch.cat(outs_logp)[in_order], torch.cat(outs_ent)[in_order] if with_entropy else None
 
 
@@ -273,7 +289,7 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
     # the KL term has gradient on gated sequences too; skip_gated=False is the dense reference
     needs_all = ref_model is not None or not options.skip_gated
     forwarded = torch.ones(n_rows, dtype=torch.bool, device=device) if needs_all else advantages != 0
-    old_logp, have_old, entropy = old_logprobs(model, batch, forwarded, epochs[0][1][0], full_pass, options, acc)
+    old_logp, have_old, entropy = old_logprobs(model, batch, forwarded, epochs[0].mine[0], full_pass, options, acc)
     ref_logp = (logprobs_in_chunks(ref_model, batch, torch.arange(n_rows, device=device), options, acc)[0]
                 if ref_model is not None else None)
 
@@ -342,10 +358,10 @@ def grad_norm_value(grad_norm, accelerator) -> float:
     return math.nan if grad_norm is None else float(grad_norm)
 
 
-def mini_batch_plan(n_local: int, seed: int, options: UpdateOptions, accelerator, device
-                    ) -> list[tuple[tuple, list[torch.Tensor]]]:
-    """Per PPO epoch: the global mini-batches (a permutation of every process's responses drawn from `seed`, the
-    same on each process, split into num_mini_batches) and this process's members of each, as local indices."""
+def mini_batch_plan(n_local: int, seed: int, options: UpdateOptions, accelerator, device) -> list[MiniBatchPlan]:
+    """A MiniBatchPlan per PPO epoch: the global mini-batches (a permutation of every process's responses drawn from
+    `seed`, the same on each process, split into num_mini_batches) and this process's members of each, as local
+    indices."""
     acc = accelerator
     # processes may hold different numbers of responses: number them globally, process by process
     counts_per_process = (acc.gather(torch.tensor([n_local], device=acc.device)).tolist()
@@ -358,8 +374,8 @@ def mini_batch_plan(n_local: int, seed: int, options: UpdateOptions, accelerator
         # fewer responses than mini-batches happens only when dynamic sampling's cap left few groups
         mini_batches = torch.randperm(n_total, generator=generator).tensor_split(min(options.num_mini_batches,
                                                                                       n_total))
-        epochs.append((mini_batches, [(mb[(mb >= first) & (mb < first + n_local)] - first).to(device)
-                                      for mb in mini_batches]))
+        epochs.append(MiniBatchPlan(mini_batches, [(mb[(mb >= first) & (mb < first + n_local)] - first).to(device)
+                                                   for mb in mini_batches]))
     return epochs
 
 
@@ -430,6 +446,9 @@ def accumulate_gradients(model, batch, keep, old_logp, have_old, ref_logp, advan
 
 # ---------------------------------------------------------------------------------------------------------------
 # after the update
+
+
+ENTROPY_CHANGE_METRICS = ("dH", "dH_hard", "dH_easy")  # what entropy_change measures, by its column names
 
 
 def entropy_change(model, batch, entropy_before: torch.Tensor, correct: torch.Tensor, k: float, group_size: int,
