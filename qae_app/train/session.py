@@ -37,7 +37,7 @@ from qae_app.core.errors import QAEUserError
 from qae_app.core.faults import fault_point
 from qae_app.models.lora import is_lora, load_lora_adapter, save_lora_artifacts
 from qae_app.models.sharding import full_state_dict, is_sharded
-from qae_app.store.reader import is_eval_run, last_logged_step, read_run
+from qae_app.store.reader import is_eval_run, last_logged_step, logged_steps, read_run
 from qae_app.store.run_folder import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -328,6 +328,18 @@ class RunSession:
                                "from the one the checkpoint recorded). A resumed run must see the same prompts: "
                                "restore the file, or start a new run on the new data.")
 
+    def _say_missing_steps(self, checkpoint_step: int) -> None:
+        """A resume replays the steps after its checkpoint; those up to it must be stored already. Say which are not
+        (a pending write moved aside or lost before it reached the file): their rows are not coming back."""
+        queued = {write.step for write in self.writer.pending if write.kind == "step"}
+        missing = sorted(set(range(1, checkpoint_step + 1)) - logged_steps(self.run_dir) - queued)
+        if missing:
+            spans = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in _spans(missing))
+            self._say(f"[yellow]warning:[/] run '{self.run_id}' resumes after its checkpoint at step "
+                      f"{checkpoint_step}, but the rows of step(s) {spans} are in neither {DB_FILE} nor pending/ (a "
+                      "saved write moved aside or lost before it was written). The checkpoint's weights include "
+                      "those steps; their rows stay missing from `qae show` and the dashboard.")
+
     def open_store(self, state: TrainerState) -> dict:
         """The run's database and config.json (main process), and the writer's thread. A new run's staging folder is
         renamed into place last. Returns the stored row of a resumed run that has one (its earlier sessions'
@@ -359,6 +371,7 @@ class RunSession:
                 self.writer.create_run(self.run_id, config, cfg.estimator, k, cfg.model, cfg.data, cfg.seed)
             # rows written after the checkpoint are replayed by this run: drop them so each step is stored once
             self.writer.truncate_after(state.step)
+            self._say_missing_steps(state.step)
             (self.run_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
             self.writer.update_run(status="running", error=None, config=config)
             self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qae-store")
@@ -586,3 +599,14 @@ def _stored_run(db: Path) -> dict | None:
         return read_run(db)
     except QAEUserError:
         return None
+
+
+def _spans(steps: list[int]) -> list[tuple[int, int]]:
+    """[1, 2, 3, 7, 9, 10] -> [(1, 3), (7, 7), (9, 10)]."""
+    spans: list[tuple[int, int]] = []
+    for step in steps:
+        if spans and step == spans[-1][1] + 1:
+            spans[-1] = (spans[-1][0], step)
+        else:
+            spans.append((step, step))
+    return spans
