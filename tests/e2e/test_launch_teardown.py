@@ -63,3 +63,28 @@ def test_kill_9_of_a_launch_ends_every_rank_and_the_run_resumes(tmp_path):
             os.kill(pid, signal.SIGKILL)
     resumed = launch(runs_dir, "--resume", "k", "--steps", "3")
     assert resumed.wait(timeout=600) == 0
+
+
+def test_a_second_launch_on_a_live_run_is_refused_before_any_collective(tmp_path):
+    """A resume launched beside a live launch of the same run: refused by the run's lock with one message (the main
+    process's), no rank left waiting in a collective, and the live run trains on."""
+    runs_dir = tmp_path / "runs"
+    first = launch(runs_dir, "--run-name", "k", "--steps", "500", "--prompts-per-step", "2", "--group-size", "4",
+                   "--eval-every", "0", "--checkpoint-every", "1")
+    try:
+        deadline = time.monotonic() + 300
+        while latest_checkpoint(runs_dir / "k") is None and time.monotonic() < deadline:
+            assert first.poll() is None, "the first launch ended before its first checkpoint"
+            time.sleep(0.5)
+        second = subprocess.run([ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"),
+                                 "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                                 "--dynamo_backend", "no", "-m", "qae_app.cli", "train", "--resume", "k",
+                                 "--runs-dir", str(runs_dir)], capture_output=True, text=True, timeout=300,
+                                env=dict(os.environ, COLUMNS="300"))
+        output = second.stdout + second.stderr
+        assert second.returncode != 0
+        assert output.count("is being trained right now") == 1, output[-3000:]
+        assert "gloo" not in output.lower() and first.poll() is None  # the live run trains on
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
