@@ -319,7 +319,8 @@ def _view_console() -> SafeConsole:
 @app.command("runs")
 def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
               sweep: Annotated[Optional[str],
-                               typer.Option(help="Only the runs of this sweep (its id or name).")] = None) -> None:
+                               typer.Option(help="Only the runs of this sweep (its id or name).")] = None,
+              tag: Annotated[Optional[str], typer.Option(help="Only the runs tagged so (`qae tag`).")] = None) -> None:
     """List runs: status, estimator, K, steps and the latest reward, accuracy and entropy (model and task when the
     terminal is wide enough). A run is its folder; an unreadable database is listed with the reason."""
     from qae_app.cli.views import runs_view
@@ -334,10 +335,92 @@ def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
         if not rows:
             out.print(f"no run of sweep '{escape(sweep)}' in {escape(str(runs_dir))}. Start it with `qae sweep`.")
             return
+    if tag is not None:
+        rows = [row for row in rows if tag in (row.get("tags") or "").split(", ")]
+        if not rows:
+            out.print(f"no run tagged '{escape(tag)}' in {escape(str(runs_dir))}. Tag one with `qae tag RUN {tag}`.")
+            return
     if not rows:
         out.print(f"no runs in {escape(str(runs_dir))}. Start one with `qae train`.")
         return
     out.print(runs_view(rows, str(runs_dir), out.width))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# managing runs: tags, notes, removal
+
+
+@app.command()
+def tag(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
+        tags: Annotated[list[str], typer.Argument(help="Tags to add (letters, digits, '.', '_', '-').")],
+        remove: Annotated[bool, typer.Option("--remove", help="Remove these tags instead.")] = False,
+        runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+    """Tag a run (e.g. baseline, lr-too-high): shown by `qae runs` and `qae show`, filtered by `qae runs --tag`.
+    Works while the run trains: tags live beside its database, not in it."""
+    from qae_app.store.labels import check_tag, read_labels, write_labels
+    from qae_app.store.reader import resolve_run
+
+    try:
+        folder = resolve_run(runs_dir, run).parent
+        labels = read_labels(folder)
+        given = [check_tag(t) for t in tags]
+        labels.tags = ([t for t in labels.tags if t not in given] if remove
+                       else labels.tags + [t for t in dict.fromkeys(given) if t not in labels.tags])
+        write_labels(folder, labels)
+    except QAEUserError as err:
+        fail(err)
+    console.print(f"run {escape(run)}: tags {escape(', '.join(labels.tags)) or '(none)'}", highlight=False)
+
+
+@app.command()
+def note(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
+         text: Annotated[str, typer.Argument(help="The note; \"\" clears it.")],
+         runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+    """Write a run's note ("lr too high", "the paper's baseline"), shown by `qae runs` and `qae show`. Works while
+    the run trains."""
+    from qae_app.store.labels import check_note, read_labels, write_labels
+    from qae_app.store.reader import resolve_run
+
+    try:
+        folder = resolve_run(runs_dir, run).parent
+        labels = read_labels(folder)
+        labels.note = check_note(text)
+        write_labels(folder, labels)
+    except QAEUserError as err:
+        fail(err)
+    console.print(f"run {escape(run)}: note {'cleared' if not text else 'saved'}", highlight=False)
+
+
+@app.command()
+def rm(runs: Annotated[Optional[list[str]], typer.Argument(help="Run ids to delete (or --sweep).")] = None,
+       sweep: Annotated[Optional[str], typer.Option(help="Delete every run of this sweep (its id or name).")] = None,
+       yes: Annotated[bool, typer.Option("--yes", help="Delete without asking.")] = False,
+       runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+    """Delete runs: their folders, database, checkpoints and all. A run being trained is refused (stop it first)."""
+    from qae_app.store.removal import folders_to_remove, remove_run_folder
+
+    try:
+        if sweep is not None:
+            from qae_app.analysis.compare import in_sweep
+            from qae_app.store.reader import run_summaries
+
+            runs = [*(runs or []), *(row["run_id"] for row in run_summaries(runs_dir)
+                                     if in_sweep(json.loads(row.get("config") or "{}"), sweep))]
+            if not runs:
+                raise QAEUserError(f"sweep: no run of sweep '{sweep}' in {runs_dir}. Nothing was deleted.")
+        folders = folders_to_remove(runs_dir, runs or [])
+    except QAEUserError as err:
+        fail(err)
+    names_text = ", ".join(folder.name for folder in folders)
+    if not yes and not typer.confirm(f"Delete {len(folders)} run(s) from {runs_dir}: {names_text}?", default=False):
+        console.print("nothing deleted")
+        raise typer.Exit(code=1)
+    for folder in folders:
+        try:
+            remove_run_folder(folder)
+        except QAEUserError as err:
+            fail(err)
+    console.print(f"deleted {len(folders)} run(s): {escape(names_text)}", highlight=False)
 
 
 @app.command()

@@ -187,6 +187,8 @@ def _runs_columns(rows: list[dict], readable: list[bool], same: bool, prefix: st
         Column("estimator", [_estimator(row) if ok else "" for row, ok in zip(rows, readable)], priority=1),
         Column("steps", [_progress(row, config) if ok else "" for row, config, ok in zip(rows, configs, readable)],
                justify="right"),
+        *([Column("tags", [str(row.get("tags") or "") for row in rows], priority=2, name="tags")]
+          if any(row.get("tags") for row in rows) else []),  # (`qae tag`: only when a run has some)
         Column(metric_header("reward_mean"), [cell(r, "reward_mean", ok) for r, ok in zip(rows, readable)],
                justify="right", priority=2, name="reward_mean"),
         *([] if same else [Column(metric_header("accuracy"), [cell(r, "accuracy", ok) for r, ok in
@@ -244,6 +246,10 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
     launched = setup_label(config.get("distributed"))
     if launched:
         parts.append(Text(f"ran as {launched}"))
+    if info.get("tags"):  # `qae tag`, `qae note`
+        parts.append(Text.assemble(("tags ", "bold"), str(info["tags"])))
+    if info.get("note"):
+        parts.append(Text.assemble(("note ", "bold"), str(info["note"])))
     stored = info.get("stored_run_id")
     if stored and stored != info["run_id"]:
         parts.append(Text(f"copied or renamed: the database names it {stored}", style="dim"))

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # pandas is imported where a frame is made: `qae runs` (run_s
 
 from qae_app.core.errors import QAEUserError
 from qae_app.core.names import GATE_REASONS
+from qae_app.store.labels import read_labels
 from qae_app.store.run_file import (
     RunFileError,
     attach,
@@ -136,8 +137,10 @@ def _seen_from_folder(row: dict, path: Path) -> dict:
     """A run is named by its folder (a copied or renamed folder is that run) and shown with its effective status
     (`stopped` when stored as running but no trainer holds it); what the file says stays in stored_*."""
     folder = Path(path).parent
+    labels = read_labels(folder)  # (beside the database: `qae tag` and `qae note` write them while the run trains)
     return {**row, "run_id": folder.name, "stored_run_id": row["run_id"], "stored_status": row["status"],
-            "status": effective_status(row["status"], folder), "pending_writes": pending_writes(folder)}
+            "status": effective_status(row["status"], folder), "pending_writes": pending_writes(folder),
+            "tags": ", ".join(labels.tags), "note": labels.note}
 
 
 def _as_seen_from_folder(frame: pd.DataFrame, path: Path) -> pd.DataFrame:

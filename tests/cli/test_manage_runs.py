@@ -1,0 +1,90 @@
+"""Runs people manage: `qae tag`, `qae note` (while the run trains, without its database lock), `qae runs --tag`,
+`qae show`, and `qae rm` (a live run refused, asked first unless --yes, a sweep's runs by --sweep)."""
+
+from __future__ import annotations
+
+import duckdb
+import pytest
+from typer.testing import CliRunner
+
+from qae_app.cli.main import app
+from qae_app.store.labels import LABELS_FILE, read_labels
+from qae_app.store.run_folder import RunLock
+from tests.synthetic import write_run
+
+runner = CliRunner()
+
+
+def qae(*args, runs_dir, input=None):
+    result = runner.invoke(app, [*args, "--runs-dir", str(runs_dir)], input=input, env={"COLUMNS": "200"})
+    return result.exit_code, result.output
+
+
+@pytest.fixture
+def runs(tmp_path):
+    runs_dir = tmp_path / "runs"
+    for name, seed in (("base-s0", 0), ("base-s1", 1), ("other", 2)):
+        sweep = {"sweep_id": "sw1", "sweep_name": "base"} if name.startswith("base") else {}
+        write_run(runs_dir, name, steps=2, prompts_per_step=2, group_size=4, seed=seed, config=sweep)
+    return runs_dir
+
+
+def test_tags_and_a_note_round_trip_while_the_database_is_held(runs):
+    with duckdb.connect(str(runs / "base-s0" / "qae.duckdb")):  # a trainer's write lock on the file
+        assert qae("tag", "base-s0", "baseline", "paper", runs_dir=runs)[0] == 0
+        assert qae("tag", "base-s0", "paper", "lr-too-high", runs_dir=runs)[0] == 0  # no duplicate
+        assert qae("note", "base-s0", "the paper's baseline", runs_dir=runs)[0] == 0
+    labels = read_labels(runs / "base-s0")
+    assert labels.tags == ["baseline", "paper", "lr-too-high"] and labels.note == "the paper's baseline"
+    assert qae("tag", "base-s0", "paper", "--remove", runs_dir=runs)[0] == 0
+    assert read_labels(runs / "base-s0").tags == ["baseline", "lr-too-high"]
+    code, shown = qae("show", "base-s0", runs_dir=runs)
+    assert code == 0 and "tags baseline, lr-too-high" in shown and "note the paper's baseline" in shown
+    assert qae("note", "base-s0", "", runs_dir=runs)[0] == 0 and read_labels(runs / "base-s0").note == ""
+
+
+def test_runs_lists_tags_and_filters_by_one(runs):
+    qae("tag", "base-s0", "baseline", runs_dir=runs)
+    qae("tag", "base-s1", "baseline", runs_dir=runs)
+    code, listed = qae("runs", "--tag", "baseline", runs_dir=runs)
+    assert code == 0 and "2 run(s)" in listed and "base-s0" in listed and "other" not in listed
+    assert "tags" in listed.splitlines()[2] or "tags" in listed  # the column appears once a run has tags
+    code, none = qae("runs", "--tag", "nope", runs_dir=runs)
+    assert code == 0 and "no run tagged 'nope'" in none
+
+
+@pytest.mark.parametrize("args, message", [
+    (["tag", "base-s0", "two words"], "tag: 'two words' is not a tag"),
+    (["tag", "nope", "x"], "no run 'nope'"),
+    (["note", "base-s0", "x" * 2001], "note: 2,001 characters, more than 2,000"),
+    (["rm", "nope", "--yes"], "no run 'nope'"),
+    (["rm", "--yes"], "name the runs to delete"),
+])
+def test_a_bad_tag_note_or_rm_is_one_message_and_changes_nothing(runs, args, message):
+    before = sorted(p.relative_to(runs) for p in runs.rglob("*"))
+    code, output = qae(*args, runs_dir=runs)
+    assert code == 2 and message in " ".join(output.split()), output
+    assert sorted(p.relative_to(runs) for p in runs.rglob("*")) == before
+
+
+def test_rm_refuses_a_live_run_asks_first_and_deletes_a_sweeps_runs(runs):
+    lock = RunLock(runs / "other").acquire("test")  # as a live trainer holds it
+    try:
+        code, output = qae("rm", "other", "--yes", runs_dir=runs)
+        assert code == 2 and "'other' is being trained right now" in output and (runs / "other").is_dir()
+    finally:
+        lock.release()
+    code, output = qae("rm", "other", runs_dir=runs, input="n\n")
+    assert code == 1 and "nothing deleted" in output and (runs / "other").is_dir()
+    code, output = qae("rm", "other", runs_dir=runs, input="y\n")
+    assert code == 0 and not (runs / "other").exists()
+    assert sorted(p.name for p in runs.iterdir()) == ["base-s0", "base-s1"]
+    code, output = qae("rm", "--sweep", "base", "--yes", runs_dir=runs)
+    assert code == 0 and "deleted 2 run(s)" in output and list(runs.iterdir()) == []
+
+
+def test_a_planted_labels_file_reads_as_no_labels(runs):
+    (runs / "base-s0" / LABELS_FILE).symlink_to("/etc/hostname")
+    assert read_labels(runs / "base-s0").tags == []
+    assert qae("tag", "base-s0", "x", runs_dir=runs)[0] == 0  # replaced, not followed
+    assert not (runs / "base-s0" / LABELS_FILE).is_symlink() and read_labels(runs / "base-s0").tags == ["x"]
