@@ -180,9 +180,13 @@ class TrainConfig:
                                  "cache (vLLM's gpu_memory_utilization); the trainer's weights, gradients and "
                                  "optimizer state share the GPU with it. `qae plan` counts it.", "rollout",
                                  resumable=True)
+    rollout_dtype: str | None = opt(None, "The dtype the engine samples in. With --engine hf a bfloat16 copy of the "
+                                    "weights samples (synced after each update, as vLLM's copy is) while the trainer "
+                                    "keeps --dtype; vLLM loads its weights in it. Default: --dtype for hf, bfloat16 "
+                                    "for vllm.", "rollout", names.DTYPES)
     rollout_correction: str | None = opt(None, "Correct the policy loss for a sampler whose numbers differ from the "
-                                         "trainer's. Default: none where they are the same (--engine hf, "
-                                         "--mixed-precision no), else tis; the run stores which.", "rollout",
+                                         "trainer's. Default: none where they are the same (--engine hf sampling in "
+                                         "--dtype, --mixed-precision no), else tis; the run stores which.", "rollout",
                                          names.ROLLOUT_CORRECTIONS)
     rollout_correction_cap: float = opt(names.DEFAULT_ROLLOUT_CORRECTION_CAP, "--rollout-correction tis: the cap C "
                                         "of each token's weight min(pi_old / pi_sampler, C) (the default 2.0 is "
@@ -296,6 +300,8 @@ class TrainConfig:
     # ------------------------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
         """The defaults that depend on other options, resolved once, so the stored config says what the run used."""
+        if self.rollout_dtype is None:
+            object.__setattr__(self, "rollout_dtype", self.dtype if self.engine == "hf" else "bfloat16")
         if self.rollout_correction is None:
             object.__setattr__(self, "rollout_correction", "none" if self.sampler_is_trainer else "tis")
 
@@ -303,7 +309,7 @@ class TrainConfig:
     def sampler_is_trainer(self) -> bool:
         """Whether the engine's log-probs are the trainer's numbers: the hf engine sampling from the trained weights
         themselves, in the dtype the trainer computes in."""
-        return self.engine == "hf" and self.mixed_precision == "no"
+        return self.engine == "hf" and self.rollout_dtype == self.dtype and self.mixed_precision == "no"
 
     @property
     def advantage_scale(self) -> str:

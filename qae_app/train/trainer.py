@@ -379,7 +379,8 @@ class Trainer:
         if self.ref_model is not None and not cfg.lora_rank:
             self.ref_model.to(acc.device)
         self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
-                                  sharded=ShardedPolicy.of(acc, self.model), sleep=cfg.vllm_sleep,
+                                  sharded=ShardedPolicy.of(acc, self.model), rollout_dtype=cfg.rollout_dtype,
+                                  sleep=cfg.vllm_sleep,
                                   gpu_memory_utilization=cfg.vllm_gpu_memory,
                                   max_model_len=rollout_positions(model, self.codec, data + evals, cfg.max_new_tokens))
         self.scorer = Scorer(self.task.reward, cfg.verify_timeout_s)

@@ -252,6 +252,8 @@ def test_vllm_gpu_memory_and_max_model_len_reach_the_engine_from_train_and_eval(
         trainer = Trainer(cfg, tmp_path / "runs", cpu=True)
         try:
             assert trainer.engine.llm.kwargs["gpu_memory_utilization"] == expected
+            # --rollout-dtype's default for vllm is the dtype it always sampled in; the run corrects for it
+            assert trainer.engine.llm.kwargs["dtype"] == "bfloat16" and cfg.rollout_correction == "tis"
             # the longest arith prompt is 6 characters ("12+34="): 6 bytes + <bos> and one spare + 8 new tokens
             assert trainer.engine.llm.kwargs["max_model_len"] == 6 + 2 + 8
         finally:

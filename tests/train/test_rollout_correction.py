@@ -1,5 +1,6 @@
 """The sampler-trainer mismatch and --rollout-correction: with the same numbers on both sides the tis weights are
-exactly 1 and the update is the uncorrected one bit for bit; the defaults resolve once, into the stored config."""
+exactly 1 and the update is the uncorrected one bit for bit; a bfloat16 hf sampler beside a float32 trainer stores a
+mismatch above 0; the defaults resolve once, into the stored config."""
 
 import dataclasses
 import math
@@ -10,6 +11,7 @@ import torch
 from qae_app.config import build_config
 from qae_app.core.errors import QAEUserError
 from qae_app.train import update
+from qae_app.train.trainer import Trainer
 from tests.train.test_update import ADVANTAGES, TwoLayerLM, _batch, _options
 
 
@@ -62,11 +64,13 @@ def test_tis_without_the_samplers_log_probs_is_refused():
 
 def test_the_defaults_resolve_once_by_whether_the_sampler_is_the_trainer():
     same = build_config()
-    assert (same.rollout_correction, same.rollout_correction_cap) == ("none", 2.0)
+    assert (same.rollout_dtype, same.rollout_correction, same.rollout_correction_cap) == ("float32", "none", 2.0)
+    assert build_config(rollout_dtype="bfloat16").rollout_correction == "tis"
     assert build_config(mixed_precision="bf16").rollout_correction == "tis"
-    assert build_config(engine="vllm").rollout_correction == "tis"
-    assert build_config(engine="vllm", rollout_correction="none").rollout_correction == "none"
-    stored = dataclasses.replace(build_config(engine="vllm"))  # (what a resume rebuilds)
+    vllm = build_config(engine="vllm")
+    assert (vllm.rollout_dtype, vllm.rollout_correction) == ("bfloat16", "tis")
+    assert build_config(rollout_dtype="bfloat16", rollout_correction="none").rollout_correction == "none"
+    stored = dataclasses.replace(build_config(rollout_dtype="bfloat16"))  # (what a resume rebuilds)
     assert stored.to_dict()["rollout_correction"] == "tis"
 
 
@@ -75,3 +79,19 @@ def test_a_cap_without_the_correction_or_below_1_is_refused():
         build_config(rollout_correction_cap=3.0)
     with pytest.raises(QAEUserError, match="rollout-correction-cap: 0.5 is less than 1"):
         build_config(rollout_correction="tis", rollout_correction_cap=0.5)
+
+
+def test_a_bfloat16_hf_sampler_beside_a_float32_trainer_stores_a_mismatch(tmp_path):
+    cfg = build_config(run_name="bf16", steps=1, eval_every=0, checkpoint_every=0, group_size=4, prompts_per_step=4,
+                       seed=1, rollout_dtype="bfloat16")
+    assert cfg.rollout_correction == "tis"
+    with Trainer(cfg, tmp_path, cpu=True) as trainer:
+        sampler = trainer.engine.model
+        assert next(sampler.parameters()).dtype == torch.bfloat16
+        assert next(trainer.model.parameters()).dtype == torch.float32
+        metrics = trainer.train_step(1).metrics
+        # the sampling copy took the updated weights (rounded to bfloat16)
+        for copy, trained in zip(sampler.parameters(), trainer.model.parameters()):
+            assert torch.equal(copy, trained.detach().to(torch.bfloat16))
+    assert metrics["mismatch_logp_abs"] > 0 and metrics["mismatch_k3_kl"] > 0
+    assert metrics["mismatch_ratio_max"] > 1
