@@ -118,6 +118,8 @@ NUMERIC_RANGES: dict[str, Range] = {
     "logprob_chunk_tokens": Range(0, INT32_MAX, True, "Use 0 (the full logits) or a number of tokens, e.g. 441 "
                                                       "(256 MiB of float32 logits with a 151,936 vocabulary); leave "
                                                       "it unset for that automatically"),
+    "rollout_correction_cap": Range(1.0, math.inf, True, "Use a cap of 1 or more, e.g. 2.0 (TRL's and verl's "
+                                                          "default)"),
     "max_tokens_per_micro_batch": Range(1, INT32_MAX, True, "Use a number of tokens at least the longest prompt plus "
                                                             "max-new-tokens, e.g. 16384, or leave it unset for "
                                                             "--micro-batch-size sequences per micro-batch"),
@@ -178,6 +180,18 @@ class TrainConfig:
                                  "cache (vLLM's gpu_memory_utilization); the trainer's weights, gradients and "
                                  "optimizer state share the GPU with it. `qae plan` counts it.", "rollout",
                                  resumable=True)
+    rollout_dtype: str | None = opt(None, "The dtype the engine samples in. With --engine hf a bfloat16 copy of the "
+                                    "weights samples (synced after each update, as vLLM's copy is) while the trainer "
+                                    "keeps --dtype; vLLM loads its weights in it. Default: --dtype for hf, bfloat16 "
+                                    "for vllm.", "rollout", names.DTYPES)
+    rollout_correction: str | None = opt(None, "Correct the policy loss for a sampler whose numbers differ from the "
+                                         "trainer's. Default: none where they are the same (--engine hf sampling in "
+                                         "--dtype, --mixed-precision no), else tis; the run stores which.", "rollout",
+                                         names.ROLLOUT_CORRECTIONS)
+    rollout_correction_cap: float = opt(names.DEFAULT_ROLLOUT_CORRECTION_CAP, "--rollout-correction tis: the cap C "
+                                        "of each token's weight min(pi_old / pi_sampler, C) (the default 2.0 is "
+                                        "TRL's vllm_importance_sampling_cap and verl's rollout_is_threshold).",
+                                        "rollout")
     group_size: int = opt(16, "Responses sampled per prompt (G).", "rollout")
     prompts_per_step: int = opt(8, "Prompts per RL step (B); a step has B * G responses.", "rollout")
     temperature: float = opt(1.0, "Sampling temperature.", "rollout")
@@ -284,6 +298,19 @@ class TrainConfig:
                                         "monitor")
 
     # ------------------------------------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        """The defaults that depend on other options, resolved once, so the stored config says what the run used."""
+        if self.rollout_dtype is None:
+            object.__setattr__(self, "rollout_dtype", self.dtype if self.engine == "hf" else "bfloat16")
+        if self.rollout_correction is None:
+            object.__setattr__(self, "rollout_correction", "none" if self.sampler_is_trainer else "tis")
+
+    @property
+    def sampler_is_trainer(self) -> bool:
+        """Whether the engine's log-probs are the trainer's numbers: the hf engine sampling from the trained weights
+        themselves, in the dtype the trainer computes in."""
+        return self.engine == "hf" and self.rollout_dtype == self.dtype and self.mixed_precision == "no"
+
     @property
     def advantage_scale(self) -> str:
         return names.advantage_scale(self.estimator, self.scale)
@@ -503,6 +530,10 @@ def check_given_together(cfg: TrainConfig, given: dict) -> None:
                                f"so it would change nothing (yet split `qae compare`'s groups). Add "
                                f"--{option_flag(switch)}{' N' if switch == 'overlong_buffer' else ''}, or drop "
                                f"--{option_flag(name)}.")
+    if "rollout_correction_cap" in given and cfg.rollout_correction == "none":
+        raise QAEUserError(f"rollout-correction-cap: {cfg.rollout_correction_cap} acts only with --rollout-correction "
+                           "tis, and this run's is none, so it would change nothing. Add --rollout-correction tis, or "
+                           "drop --rollout-correction-cap.")
     if given.get("eval_every") and cfg.heldout_fraction == 0 and not cfg.eval_bench and \
             builtin_task_name(cfg.data) is None:
         raise QAEUserError(f"eval-every: {cfg.eval_every}, but the data file '{clipped(cfg.data)}' has no held-out "

@@ -150,7 +150,7 @@ def policy_charts(frames: dict, colors: dict, bands: dict, warnings: dict, heldo
 def update_charts(frames: dict, colors: dict, smoothing: tuple[str, float], axes: dict) -> None:
     """What the updates did: clip fractions, the entropy change of each regime's responses (--log-entropy-delta)
     and the change each regime's update caused (--log-entropy-attribution), or a line that says how to measure
-    them."""
+    them; and, where the engine returned its log-probs, how far the sampler's numbers were from the trainer's."""
     left, right = st.columns(2)
     with left:
         chart(charts.lines(frames, ["clip_frac_low", "clip_frac_high"], colors, "clip fractions", smoothing, **axes),
@@ -179,6 +179,15 @@ def update_charts(frames: dict, colors: dict, smoothing: tuple[str, float], axes
     else:
         st.caption("Entropy change caused by each regime's update (dH_from_hard, dH_from_easy): not measured in "
                    "these runs. Train with --log-entropy-attribution.")
+    if any("mismatch_k3_kl" in frame and frame["mismatch_k3_kl"].notna().any() for frame in frames.values()):
+        # the sampler's numbers against the trainer's (--rollout-dtype, vLLM; --rollout-correction tis corrects)
+        left, right = st.columns(2)
+        with left:
+            chart(charts.lines(frames, ["mismatch_logp_abs", "mismatch_k3_kl"], colors, "sampler-trainer mismatch",
+                               smoothing, "nats / token", **axes), "mismatch", ["mismatch_logp_abs", "mismatch_k3_kl"])
+        with right:
+            chart(charts.lines(frames, ["mismatch_ratio_max"], colors, "largest pi_old / pi_sampler", smoothing,
+                               **axes), "mismatch_ratio_max", ["mismatch_ratio_max"])
 
 
 st.header("Training curves")

@@ -1,4 +1,5 @@
-"""Policy loss: clipped importance ratio with separate low/high clip, aggregation, k3 KL, token entropy.
+"""Policy loss: clipped importance ratio with separate low/high clip, aggregation, k3 KL, token entropy, and the
+sampler-trainer mismatch: truncated importance sampling weights and what the mismatch measures.
 
 Shapes: N sequences (a mini-batch of responses), T response positions. `mask` is 1 on response tokens.
 Advantages are per sequence ([N]) and broadcast over its tokens.
@@ -6,6 +7,7 @@ Advantages are per sequence ([N]) and broadcast over its tokens.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -69,12 +71,15 @@ def policy_loss(
     normalizer: dict,
     ref_logp: torch.Tensor | None = None,  # (N, T) frozen reference, for the KL term
     kl_beta: float = 0.0,
+    token_weights: torch.Tensor | None = None,  # (N, T) no grad: each token's policy-loss weight (tis_weights)
 ) -> LossOutput:
     adv = advantages[:, None]  # (N, 1) broadcast over tokens
     ratio = torch.exp(logp - old_logp)  # (N, T)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)  # pessimistic bound, as PPO
+    if token_weights is not None:  # (the KL term below is not reweighted, as in TRL)
+        per_token = per_token * token_weights
     pg_loss = aggregate(per_token, mask, aggregation, normalizer)
 
     if ref_logp is not None and kl_beta > 0:
@@ -91,3 +96,29 @@ def policy_loss(
         clip_low_count = ((ratio < 1.0 - clip_low) & (adv < 0) & on).sum()
         clip_high_count = ((ratio > 1.0 + clip_high) & (adv > 0) & on).sum()
     return LossOutput(loss, pg_loss.detach(), kl.detach(), clip_low_count, clip_high_count)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the sampler and the trainer: by how much their numbers differ, and the correction
+
+
+@torch.no_grad()
+def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling: min(pi_old / pi_sampler, cap) per token, (N, T), detached; pi_old the trainer's
+    log-probs of the sampling weights, pi_sampler the engine's while it sampled (TRL's importance_sampling_ratio with
+    vllm_importance_sampling_cap; verl's token-level rollout IS in truncate mode). Where both are the same numbers
+    every weight is exactly 1."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap)
+
+
+@torch.no_grad()
+def mismatch_sums(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(4,) float64 over the tokens `mask` (N, T) marks, with d = old_logp - sampler_logp (N, T): [sum |d|, sum of the
+    k3 terms exp(d) - d - 1, token count, max exp(d)] (max -inf without tokens). Sums, so that mini-batches and
+    processes add up; mean |d| = sums[0] / sums[2], the k3 estimate of KL(sampler || trainer) = sums[1] / sums[2]
+    (verl's mismatch_k3_kl)."""
+    on = mask.bool()
+    d = (old_logp - sampler_logp)[on].double()  # (tokens,)
+    ratio_max = d.exp().max() if d.numel() else torch.tensor(-math.inf, dtype=torch.float64, device=d.device)
+    return torch.stack([d.abs().sum(), (d.exp() - d - 1.0).sum(),
+                        torch.tensor(float(d.numel()), dtype=torch.float64, device=d.device), ratio_max])

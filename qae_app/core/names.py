@@ -131,6 +131,15 @@ LOSS_AGGREGATIONS: dict[str, str] = {
     "seq_mean_token_sum_norm": "sum over tokens of each sequence / max_new_tokens, mean over sequences (Dr. GRPO)",
 }
 
+# --- correcting for a sampler whose numbers differ from the trainer's (--rollout-correction; algo/losses.py)
+ROLLOUT_CORRECTIONS: dict[str, str] = {
+    "none": "the policy loss as it is: right where the sampler's numbers are the trainer's (the hf engine in the "
+            "trainer's dtype, no mixed precision)",
+    "tis": "truncated importance sampling (TRL's vllm_importance_sampling_correction, verl's token-level rollout IS): "
+           "each token's policy-loss term times min(pi_old / pi_sampler, cap), the weight detached",
+}
+DEFAULT_ROLLOUT_CORRECTION_CAP = 2.0  # TRL's vllm_importance_sampling_cap and verl's rollout_is_threshold default
+
 # --- rollout engines (qae_app/engines/)
 ENGINES: dict[str, str] = {
     "hf": "transformers generate on the training model (anywhere)",

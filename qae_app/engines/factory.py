@@ -15,11 +15,15 @@ from qae_app.models.policy import TextCodec
 
 def make_engine(name: str, model: torch.nn.Module, codec: TextCodec, model_path: str | None = None,
                 sampling: SamplingOptions = PLAIN_SAMPLING, sharded: ShardedPolicy | None = None,
-                **kwargs) -> RolloutEngine:
+                rollout_dtype: str | None = None, **kwargs) -> RolloutEngine:
+    """The engine `name`; `rollout_dtype` (names.DTYPES): the dtype it samples in (None: the model's for hf, bfloat16
+    for vllm)."""
     if name == "hf":
-        return HFGenerateEngine(model, codec, sampling=sampling, sharded=sharded)
+        return HFGenerateEngine(model, codec, sampling=sampling, sharded=sharded,
+                                rollout_dtype=getattr(torch, rollout_dtype) if rollout_dtype else None)
     if name == "vllm":
         from qae_app.engines.vllm_engine import VLLMEngine  # imported only here: vllm needs a GPU
 
-        return VLLMEngine(model_path=model_path, codec=codec, sampling=sampling, sharded=sharded, **kwargs)
+        return VLLMEngine(model_path=model_path, codec=codec, sampling=sampling, sharded=sharded,
+                          dtype=rollout_dtype or "bfloat16", **kwargs)
     raise QAEUserError(f"engine: unknown value '{name}'. Choose one of: {', '.join(ENGINES)}.")

@@ -1,13 +1,17 @@
 """The transformers engine: `generate` (or, for Llama-family models, qae's own decode loop in engines/decode.py) on
-the training model itself, so there are no weights to sync."""
+the training model itself, so there are no weights to sync; or, with a `rollout_dtype` other than the model's (what
+vLLM's bf16 kernels are to a float32 trainer, on any machine), on a copy of it in that dtype, synced after each
+update."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import itertools
 
 import torch
 
+from qae_app.core.errors import QAEUserError
 from qae_app.engines import decode
 from qae_app.engines.base import Sample, cut_at_stop
 from qae_app.engines.sampling import PLAIN_SAMPLING, SamplingOptions
@@ -55,21 +59,39 @@ def sampling_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class HFGenerateEngine:
-    """transformers `generate` on the training model itself (no copy, so there are no weights to sync)."""
+    """transformers `generate` on the training model itself (no copy, so there are no weights to sync), or on a copy
+    in `rollout_dtype` when that is not the model's dtype."""
 
     def __init__(self, model: torch.nn.Module, codec: TextCodec, batch_size: int = 256,
-                 sampling: SamplingOptions = PLAIN_SAMPLING, sharded: ShardedPolicy | None = None):
-        self.model = sampling_model(model)
+                 sampling: SamplingOptions = PLAIN_SAMPLING, sharded: ShardedPolicy | None = None,
+                 rollout_dtype: torch.dtype | None = None):
         self.codec = codec
         self.batch_size = batch_size  # sequences per generate call
         self.sampling = sampling.validate()
         self.sharded = sharded or ShardedPolicy()
+        self.model = sampling_model(model)
+        self.copied = rollout_dtype is not None and rollout_dtype != next(self.model.parameters()).dtype
+        if self.copied:
+            if self.sharded.plan.sharding != "none":
+                raise QAEUserError(f"rollout-dtype: a sampling copy in {str(rollout_dtype).removeprefix('torch.')} "
+                                   f"needs the full weights on each process, and these are sharded "
+                                   f"({self.sharded.plan.sharding}). Leave --rollout-dtype at --dtype, or launch "
+                                   "with DDP.")
+            # its own weights, never trained: no gradients, and what sync_weights copies the trained ones into
+            self.model = copy.deepcopy(self.model).to(rollout_dtype).requires_grad_(False)
         self.share_prompts = True  # compute a prompt's cache once for its group (bench/bench_generate.py compares)
         # sample with qae_app.engines.decode's loop instead of model.generate where the model allows it (same tokens)
         self.use_decode_loop = True
 
+    @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module) -> None:
-        self.model = sampling_model(model)
+        """Sample from `model`'s weights from now on: the model itself, or its weights copied (cast) into the copy."""
+        if not self.copied:
+            self.model = sampling_model(model)
+            return
+        copies = dict(self.model.named_parameters())
+        for name, parameter in sampling_model(model).named_parameters():
+            copies[name].copy_(parameter)  # (cast to the copy's dtype)
 
     def release_memory(self) -> None:
         """Nothing to free: this engine samples from the trained model itself."""

@@ -3,8 +3,12 @@
 Install with `pip install -e '.[vllm]'` on a CUDA machine and pass `--engine vllm`. The engine keeps its own copy of
 the weights in vLLM's paged format; `sync_weights` loads the trainer's current parameters into it (the approach TRL's
 colocate mode uses), so sampling always follows the policy being trained. Log-probs for the loss are recomputed by
-the trainer, so vLLM's numerics never enter the gradient; the distribution it samples from is set explicitly (as for the
-HF engine): softmax(logits / T), no penalties, stopping at the codec's stop ids.
+the trainer; the distribution it samples from is set explicitly (as for the HF engine): softmax(logits / T), no
+penalties, stopping at the codec's stop ids. vLLM samples in its own kernels and dtype (bfloat16 unless
+--rollout-dtype says otherwise), so it is not quite the policy the trainer computes: each Sample carries vLLM's
+log-prob of each of its tokens (`logprobs=0`: the sampled token's only; `logprobs_mode="processed_logprobs"`, after
+the temperature, where vLLM has it: 0.10.2 on; a V1 engine before that returns them before the temperature, right
+only at temperature 1), from which the trainer measures the mismatch and --rollout-correction tis corrects for it.
 
 Sleep mode (`--vllm-sleep`, on by default): colocated, vLLM's share of the GPU (its weights and its KV cache,
 `gpu_memory_utilization`) would sit idle through the update while the trainer needs the memory most. The engine is
@@ -19,6 +23,7 @@ evaluation after a step that trained nothing). Sleep mode needs vLLM >= 0.7.3 on
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 
@@ -60,7 +65,9 @@ class VLLMEngine:
         self.sleeping: set[str] = set()  # what of the engine's GPU memory is released: "weights", "kv_cache"
         self.llm = LLM(model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, enable_prefix_caching=True,
-                       **({"enable_sleep_mode": True} if sleep else {}))
+                       **({"enable_sleep_mode": True} if sleep else {}),
+                       # the log-probs of the distribution sampled from (after the temperature), as the trainer's
+                       **({"logprobs_mode": "processed_logprobs"} if _has_logprobs_mode() else {}))
         # waking the weights and the KV cache separately came after sleep mode itself
         self._wakes_by_tag = sleep and "tags" in inspect.signature(self.llm.wake_up).parameters
 
@@ -98,6 +105,7 @@ class VLLMEngine:
             n=n, temperature=temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1, min_p=s.min_p,
             repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0,
             max_tokens=max_new_tokens, seed=seed, stop_token_ids=list(self.codec.stop_ids), ignore_eos=False,
+            logprobs=0,  # the log-prob of each sampled token (and no other): Sample.token_logprobs
         )
 
     def generate(self, prompts: list[str], n: int, temperature: float, max_new_tokens: int,
@@ -114,7 +122,7 @@ class VLLMEngine:
                 response, _ = cut_at_stop(list(completion.token_ids), self.codec.stop_ids)
                 truncated = completion.finish_reason == "length"
                 samples.append(Sample(i, encoded[i], response, self.codec.decode(response), truncated,
-                                      model_prompt=shown[i]))
+                                      token_logprobs=sampled_logprobs(completion, response), model_prompt=shown[i]))
         return samples
 
     def _vllm_model(self):
@@ -138,3 +146,21 @@ class VLLMEngine:
         self._vllm_model().load_weights(((name, p.detach()) for name, p in weights))
         if not self._wake():  # (waking the KV cache resets the prefix cache)
             self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+
+def sampled_logprobs(completion, response: list[int]) -> list[float] | None:
+    """vLLM's log-prob of each token of `response` (a prefix of completion.token_ids), from completion.logprobs (one
+    {token id: Logprob} per generated token); None where vLLM returned none."""
+    steps = getattr(completion, "logprobs", None)
+    if steps is None:
+        return None
+    return [step[token].logprob for step, token in zip(steps, response)]
+
+
+def _has_logprobs_mode() -> bool:
+    """Whether this vLLM takes logprobs_mode (0.10.2 on)."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return False
+    return any(f.name == "logprobs_mode" for f in dataclasses.fields(EngineArgs))

@@ -64,6 +64,7 @@ from qae_app.train.precision import check_updates_move_the_weights
 from qae_app.train.session import RunSession, TrainerState
 from qae_app.train.update import (
     ENTROPY_CHANGE_METRICS,
+    MISMATCH_METRICS,
     NO_UPDATE,
     UpdateOptions,
     UpdateResult,
@@ -378,7 +379,8 @@ class Trainer:
         if self.ref_model is not None and not cfg.lora_rank:
             self.ref_model.to(acc.device)
         self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
-                                  sharded=ShardedPolicy.of(acc, self.model), sleep=cfg.vllm_sleep,
+                                  sharded=ShardedPolicy.of(acc, self.model), rollout_dtype=cfg.rollout_dtype,
+                                  sleep=cfg.vllm_sleep,
                                   gpu_memory_utilization=cfg.vllm_gpu_memory,
                                   max_model_len=rollout_positions(model, self.codec, data + evals, cfg.max_new_tokens))
         self.scorer = Scorer(self.task.reward, cfg.verify_timeout_s)
@@ -618,7 +620,8 @@ class Trainer:
               if cfg.log_entropy_delta else dict.fromkeys(ENTROPY_CHANGE_METRICS))
         self.scheduler.step()  # once per RL step, on every process (the scheduler is not prepared: see _load_models)
         response_stats = None if sampled.engine_measured else sampling_policy_stats(batch, updated, n_local)
-        return StepUpdate({**updated.stats, **attribution, **dH, "lr": lr}, response_stats)
+        mismatch = dict.fromkeys(MISMATCH_METRICS)  # (NULL: an engine that returns no log-probs)
+        return StepUpdate({**mismatch, **updated.stats, **attribution, **dH, "lr": lr}, response_stats)
 
     def _step_rows(self, sampled: SampledStep, adv, update: StepUpdate) -> tuple[list[dict], list[dict]]:
         """The step's `groups` and `rollouts` rows: every process's groups, gathered on the main process, in

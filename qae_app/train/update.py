@@ -11,6 +11,8 @@ One update, and the seam where each later change plugs in:
                           micro_batch_size sequences, or sorted by length into token budgets
                           (max_tokens_per_micro_batch), trimmed to their longest
     old_logprobs          the sampling policy's log-probs, only where the loss needs them
+    rollout_mismatch      by how much the engine's log-probs (pack's sampler_logp) differ from the trainer's old ones;
+                          --rollout-correction tis reweights each token's policy-loss term by min(their ratio, cap)
     logprobs_in_chunks    no-grad log-probs, one micro-batch at a time
     accumulate_gradients  one mini-batch's backward, in micro-batches (gradient checkpointing: the model's own)
     forward_logprobs      one forward of the model (LoRA: the model passed in), through the chunked vocabulary
@@ -45,13 +47,14 @@ import torch
 
 from qae_app.algo.advantages import REGIMES, EstimatorConfig, compute_advantages
 from qae_app.algo.chunked_head import causal_lm_logprobs, check_chunked_head, default_chunk_tokens
-from qae_app.algo.losses import policy_loss, token_logprobs_and_entropy
+from qae_app.algo.losses import mismatch_sums, policy_loss, tis_weights, token_logprobs_and_entropy
 from qae_app.core.errors import QAEUserError
 from qae_app.models import sharding
 
 # the options TrainConfig gives the update, by the same names
 CONFIG_OPTIONS = ("num_mini_batches", "ppo_epochs", "micro_batch_size", "clip_low", "clip_high", "loss_agg",
-                  "kl_beta", "max_grad_norm", "max_new_tokens", "temperature", "max_tokens_per_micro_batch")
+                  "kl_beta", "max_grad_norm", "max_new_tokens", "temperature", "max_tokens_per_micro_batch",
+                  "rollout_correction", "rollout_correction_cap")
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class UpdateOptions:
     max_new_tokens: int  # the seq_mean_token_sum_norm normalizer
     temperature: float  # the sampling temperature: log-probs and entropies are of the distribution sampled from
     max_tokens_per_micro_batch: int | None = None  # token-budget micro-batches (micro_batch_plan); None: fixed size
+    rollout_correction: str = "none"  # names.ROLLOUT_CORRECTIONS: tis reweights by the sampler's log-probs
+    rollout_correction_cap: float = 2.0  # tis: the weight's cap C
     skip_gated: bool = True  # leave zero-advantage responses out (the same update); False: the dense reference
     lockstep: bool = False  # sharded weights (FSDP, ZeRO-3): every process runs as many forwards as the busiest
     logits_keyword: str | None = None  # the model's keyword for the last positions' logits (see logits_keyword)
@@ -83,7 +88,7 @@ class UpdateOptions:
 
 @dataclass
 class UpdateResult:
-    stats: dict  # loss, pg_loss, kl, grad_norm, clip_frac, clip_frac_low, clip_frac_high, n_updates
+    stats: dict  # loss, pg_loss, kl, grad_norm, clip_frac, clip_frac_low, clip_frac_high, n_updates, MISMATCH_METRICS
     old_logp: torch.Tensor | None  # (N, T-1) the sampling policy's token log-probs, when full_pass ran
     entropy: torch.Tensor | None  # (N, T-1) its token entropies, when full_pass ran
 
@@ -131,20 +136,27 @@ class OneProcess:
 
 
 def pack(samples, pad_id: int, device, float_dtype: torch.dtype = torch.float32) -> dict:
-    """Right-padded (prompt + response) tensors of rollout.Samples, each (N, T); response_mask marks the positions
-    predicting response tokens."""
+    """Right-padded (prompt + response) tensors of rollout.Samples: input_ids and attention_mask (N, T);
+    response_mask (N, T-1) marks the positions predicting response tokens; sampler_logp (N, T-1), where every sample
+    carries the engine's token log-probs, holds them at those positions (0 elsewhere)."""
     width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    with_sampler = all(getattr(s, "token_logprobs", None) is not None for s in samples)
     # built as lists and converted once: a tensor write per row costs more than the rest of the packing
-    input_ids, attention_mask, response_mask = [], [], []
+    input_ids, attention_mask, response_mask, sampler_logp = [], [], [], []
     for s in samples:
         length = len(s.prompt_ids) + len(s.response_ids)
         input_ids.append(s.prompt_ids + s.response_ids + [pad_id] * (width - length))
         attention_mask.append([1] * length + [0] * (width - length))
         # logits at position t predict token t + 1: response tokens are predicted from len(prompt) - 1 on
         response_mask.append([0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) + [0] * (width - length))
-    return {"input_ids": torch.tensor(input_ids, device=device),
-            "attention_mask": torch.tensor(attention_mask, device=device),
-            "response_mask": torch.tensor(response_mask, dtype=float_dtype, device=device)}
+        if with_sampler:
+            sampler_logp.append([0.0] * (len(s.prompt_ids) - 1) + list(s.token_logprobs) + [0.0] * (width - length))
+    batch = {"input_ids": torch.tensor(input_ids, device=device),
+             "attention_mask": torch.tensor(attention_mask, device=device),
+             "response_mask": torch.tensor(response_mask, dtype=float_dtype, device=device)}
+    if with_sampler:
+        batch["sampler_logp"] = torch.tensor(sampler_logp, dtype=float_dtype, device=device)  # (N, T-1)
+    return batch
 
 
 def float_dtype(model) -> torch.dtype:
@@ -281,6 +293,9 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
     log-probs, detached, are the old ones (ratio 1, as TRL does with one update per generation).
     """
     acc = accelerator or OneProcess(advantages.device)
+    if options.rollout_correction != "none" and "sampler_logp" not in batch:
+        raise QAEUserError(f"rollout-correction: {options.rollout_correction} reweights by the sampler's token "
+                           "log-probs, which this engine did not return. Use --rollout-correction none.")
     n_rows = advantages.shape[0]  # this process's responses, or one placeholder
     n_local = n_rows if n_local is None else n_local
     device = advantages.device
@@ -329,6 +344,9 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
                             reduction="sum").tolist()
         totals.update(zip(shares, summed))
     stats = {key: totals[key] / max(n_updates, 1) for key in ("loss", "pg_loss", "kl", "grad_norm")}
+    weighed = forwarded & have_old & (advantages != 0)  # (n_rows,) the responses whose policy-loss terms count
+    weighed[n_local:] = False  # (not a placeholder)
+    stats.update(rollout_mismatch(batch, old_logp, weighed, acc))
     stats.update(clip_frac_low=totals["clipped_low"] / max(tokens, 1),
                  clip_frac_high=totals["clipped_high"] / max(tokens, 1),
                  clip_frac=(totals["clipped_low"] + totals["clipped_high"]) / max(tokens, 1), n_updates=n_updates)
@@ -431,9 +449,11 @@ def accumulate_gradients(model, batch, keep, old_logp, have_old, ref_logp, advan
             old = torch.where(known, old_logp[micro], logp.detach())
             if weight and not known.all():
                 old_logp[micro], have_old[micro] = old, True
+            weights = (tis_weights(old, batch["sampler_logp"][micro], options.rollout_correction_cap)
+                       if options.rollout_correction == "tis" else None)  # (n, T-1), or None: no correction
             out = policy_loss(logp, old, advantages[micro], mask[micro], options.clip_low, options.clip_high,
                               options.loss_agg, normalizer, ref_logp[micro] if ref_logp is not None else None,
-                              options.kl_beta)
+                              options.kl_beta, weights)
             acc.backward(out.loss * weight if weight != 1.0 else out.loss)
         if weight:
             stats["loss"] += out.loss.item()
@@ -442,6 +462,27 @@ def accumulate_gradients(model, batch, keep, old_logp, have_old, ref_logp, advan
             stats["clipped_low"] += out.clip_low_count.item()
             stats["clipped_high"] += out.clip_high_count.item()
     return stats
+
+
+MISMATCH_METRICS = ("mismatch_logp_abs", "mismatch_k3_kl", "mismatch_ratio_max")  # rollout_mismatch's columns
+
+
+def rollout_mismatch(batch, old_logp: torch.Tensor, rows: torch.Tensor, accelerator) -> dict:
+    """By how much the sampler's token log-probs (batch["sampler_logp"]) differ from the trainer's old ones
+    (`old_logp` (N, T-1), the ratio's denominator) over the response tokens of `rows` (N,) bool, over every process:
+    mean |d|, the k3 estimate of KL(sampler || trainer) and the largest pi_old / pi_sampler, d = old - sampler
+    (losses.mismatch_sums). NaN without a token; nothing without the sampler's log-probs."""
+    acc = accelerator
+    if "sampler_logp" not in batch:
+        return {}
+    sums = mismatch_sums(old_logp[rows], batch["sampler_logp"][rows], batch["response_mask"][rows])  # (4,)
+    if acc.num_processes > 1:
+        sums = torch.cat([acc.reduce(sums[:3].to(acc.device), reduction="sum"),
+                          acc.gather(sums[3:].to(acc.device)).max()[None]])
+    abs_sum, k3_sum, tokens, ratio_max = sums.tolist()
+    if not tokens:
+        return dict.fromkeys(MISMATCH_METRICS, math.nan)
+    return dict(zip(MISMATCH_METRICS, (abs_sum / tokens, k3_sum / tokens, ratio_max)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -484,8 +525,9 @@ def response_regimes(correct: torch.Tensor, k: float, group_size: int) -> torch.
     return regime.repeat_interleave(group_size)  # (B * G,)
 
 
-NO_UPDATE = {**dict.fromkeys(("loss", "pg_loss", "kl", "grad_norm", "clip_frac", "clip_frac_low", "clip_frac_high"),
-                             math.nan), "n_updates": 0}  # a step with nothing to learn from (dynamic sampling)
+# a step with nothing to learn from (dynamic sampling)
+NO_UPDATE = {**dict.fromkeys(("loss", "pg_loss", "kl", "grad_norm", "clip_frac", "clip_frac_low", "clip_frac_high",
+                              *MISMATCH_METRICS), math.nan), "n_updates": 0}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,11 +1,18 @@
-"""Policy loss: clipping, KL, entropy, and the gradient being unchanged when gated sequences are skipped."""
+"""Policy loss: clipping, KL, entropy, the gradient being unchanged when gated sequences are skipped, and the
+sampler-trainer mismatch (truncated importance sampling weights, the mismatch sums) on hand-computed cases."""
 
 import math
 
 import pytest
 import torch
 
-from qae_app.algo.losses import LOSS_AGGREGATIONS, policy_loss, token_logprobs_and_entropy
+from qae_app.algo.losses import (
+    LOSS_AGGREGATIONS,
+    mismatch_sums,
+    policy_loss,
+    tis_weights,
+    token_logprobs_and_entropy,
+)
 from qae_app.models.policy import build_tiny_model
 
 
@@ -90,3 +97,48 @@ def test_skipping_gated_sequences_leaves_the_gradient_unchanged(aggregation):
     assert any(g.abs().sum() > 0 for g in full)
     for a, b in zip(full, kept):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the sampler and the trainer
+
+
+def test_tis_weights_are_the_capped_ratio_of_old_to_sampler_probabilities():
+    """d = old - sampler per token: 0 -> 1; 0.5 -> e^0.5 (under the cap); ln 3 -> 3, capped at 2; -1 -> e^-1 (a
+    weight below 1 is never raised). Detached."""
+    old = torch.tensor([[-1.0, -2.0, -0.25, -3.0]], dtype=torch.float64, requires_grad=True)
+    sampler = torch.tensor([[-1.0, -2.5, -0.25 - math.log(3.0), -2.0]], dtype=torch.float64)
+    weights = tis_weights(old, sampler, cap=2.0)
+    assert weights.shape == (1, 4)
+    assert not weights.requires_grad
+    assert weights.tolist() == [[1.0, math.exp(0.5), 2.0, math.exp(-1.0)]]
+
+
+def test_identical_log_probs_give_weights_of_exactly_1_and_the_same_loss_bit_for_bit():
+    logp = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).clamp(max=0)
+    weights = tis_weights(logp, logp.clone(), cap=2.0)
+    assert torch.equal(weights, torch.ones_like(logp))
+    current = logp + 0.01
+    args = (current, logp, torch.tensor([1.0, -0.5, 0.0], dtype=torch.float64), torch.ones_like(logp), 0.2, 0.28,
+            "token", {"tokens": 15, "sequences": 3, "max_len": 5})
+    assert torch.equal(policy_loss(*args, token_weights=weights).loss, policy_loss(*args).loss)
+
+
+def test_token_weights_scale_each_tokens_policy_loss_term():
+    """Ratio 1 everywhere (logp = old), advantage 1, token aggregation over 3 tokens: loss = -(w1 + w2 + w3) / 3."""
+    logp = torch.full((1, 3), -1.0, dtype=torch.float64)
+    weights = torch.tensor([[1.0, 0.5, 2.0]], dtype=torch.float64)
+    out = policy_loss(logp, logp.clone(), torch.tensor([1.0], dtype=torch.float64), torch.ones_like(logp), 0.2, 0.28,
+                      "token", {"tokens": 3, "sequences": 1, "max_len": 3}, token_weights=weights)
+    assert out.loss.item() == -3.5 / 3
+
+
+def test_mismatch_sums_over_the_masked_tokens_by_hand():
+    """d = [0, 0.5] on the two response tokens (the third is masked out, whatever its d): sum |d| = 0.5, k3 terms
+    (e^0 - 0 - 1) + (e^0.5 - 0.5 - 1), 2 tokens, max ratio e^0.5."""
+    old = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.float64)
+    sampler = torch.tensor([[-1.0, -2.5, -9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64)
+    sums = mismatch_sums(old, sampler, mask)
+    assert sums.tolist() == [0.5, 0.0 + (math.exp(0.5) - 0.5 - 1.0), 2.0, math.exp(0.5)]
+    assert mismatch_sums(old, sampler, torch.zeros_like(mask)).tolist() == [0.0, 0.0, 0.0, -math.inf]

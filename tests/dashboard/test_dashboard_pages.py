@@ -121,6 +121,10 @@ def test_curves_page_plots_every_step_of_each_run(app, runs_dir):
               for trace in specs["entropy_attribution_matrix"]["data"] if trace["name"].endswith(" (raw)")}
     assert matrix["crafted · dH_easy_from_hard"] == pytest.approx([-0.02] * 3) and len(matrix) == 4
     assert "caused by each regime's update" in texts(app("curves", run="tiny"))
+    # the sampler-trainer mismatch: the tiny run's hf engine returned its log-probs, the crafted run stored none
+    mismatch = {trace["name"].removesuffix(" (raw)") for trace in specs["mismatch"]["data"]}
+    assert {"tiny · mismatch_logp_abs", "tiny · mismatch_k3_kl"} <= mismatch
+    assert not any(name.startswith("crafted") for name in mismatch)
 
 
 def test_curves_smoothing_control_changes_the_lines(app):

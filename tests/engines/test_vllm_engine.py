@@ -52,6 +52,9 @@ class FakeLLM:
         for p in prompts:
             completions = [SimpleNamespace(token_ids=[5, 6, 2], finish_reason="stop"),
                            SimpleNamespace(token_ids=[7, 7, 7], finish_reason="length")][: params.n]
+            for c in completions:  # what logprobs=0 returns: one {sampled token: Logprob} per generated token
+                c.logprobs = ([{t: SimpleNamespace(logprob=-0.25 * (k + 1))} for k, t in enumerate(c.token_ids)]
+                              if params.logprobs is not None else None)
             outs.append(SimpleNamespace(outputs=completions))
         return outs
 
@@ -94,6 +97,9 @@ def test_generate_maps_outputs_to_samples(fake_vllm):
     assert [s.prompt_index for s in samples] == [0, 0, 1, 1]
     assert [s.truncated for s in samples] == [False, True, False, True]
     assert samples[0].text == codec.decode([5, 6, 2])
+    # the sampled tokens' log-probs, one per response token
+    assert params.logprobs == 0
+    assert [s.token_logprobs for s in samples[:2]] == [[-0.25, -0.5, -0.75]] * 2
 
 
 def test_sync_weights_loads_every_parameter_and_resets_the_prefix_cache(fake_vllm):
@@ -246,6 +252,8 @@ def test_vllm_gpu_memory_and_max_model_len_reach_the_engine_from_train_and_eval(
         trainer = Trainer(cfg, tmp_path / "runs", cpu=True)
         try:
             assert trainer.engine.llm.kwargs["gpu_memory_utilization"] == expected
+            # --rollout-dtype's default for vllm is the dtype it always sampled in; the run corrects for it
+            assert trainer.engine.llm.kwargs["dtype"] == "bfloat16" and cfg.rollout_correction == "tis"
             # the longest arith prompt is 6 characters ("12+34="): 6 bytes + <bos> and one spare + 8 new tokens
             assert trainer.engine.llm.kwargs["max_model_len"] == 6 + 2 + 8
         finally:
