@@ -8,6 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from qae_app.core import names
+from qae_app.store import reader as store_read
 from qae_app.store.schema import STEP_METRICS
 
 OTHER_DEFAULT = ["loss", "grad_norm", "adv_abs_mean"]
@@ -54,7 +55,7 @@ def step_frames(views: dict, x: str) -> dict[str, pd.DataFrame]:
     """Each run's steps with the x axes (charts.X_AXES); a run that recorded no `x` is plotted by step, as the page
     says."""
     frames = {run_id: charts.with_x_axes(view.steps, view.run.get("created_at"),
-                                         board.read("read_step_tokens", run_id) if x == "tokens" else None)
+                                         board.read(store_read.read_step_tokens, run_id) if x == "tokens" else None)
               for run_id, view in views.items()}
     missing = [run_id for run_id, frame in frames.items() if not frame.empty and frame[x].isna().all()]
     if missing:
