@@ -233,6 +233,24 @@ def pick_one_run(label: str = "Run") -> str | None:
     return st.segmented_control(label, chosen, key="one_run", bind="query-params", persist_state="session")
 
 
+def start_page(title: str, caption: str | None = None, one_run: bool = False) -> list[str]:
+    """How a page about the picked runs starts: its header (and caption), then the runs it shows: every picked run,
+    or with `one_run` the one chosen among them (a list of one). With no run picked it says so and stops the page."""
+    st.header(title)
+    if caption:
+        st.caption(caption)
+    if one_run:
+        run = pick_one_run()
+        chosen = [] if run is None else [run]
+    else:
+        chosen = shown_runs()
+        if not chosen:
+            st.info("Pick one or more runs in the sidebar.")
+    if not chosen:
+        st.stop()
+    return chosen
+
+
 def run_colors(run_ids: list[str]) -> dict[str, str]:
     """One fixed color per run, in the order they were picked, on every chart."""
     return {run_id: RUN_COLORS[i % len(RUN_COLORS)] for i, run_id in enumerate(run_ids)}

@@ -182,11 +182,7 @@ def update_charts(frames: dict, colors: dict, smoothing: tuple[str, float], axes
                    "these runs. Train with --log-entropy-attribution.")
 
 
-st.header("Training curves")
-run_ids = board.shown_runs()
-if not run_ids:
-    st.info("Pick one or more runs in the sidebar.")
-    st.stop()
+run_ids = board.start_page("Training curves")
 # controls in rows of two, so none is clipped on a 1024 px screen with the sidebar open
 top = st.columns(2)
 method = top[0].segmented_control("Smoothing", charts.SMOOTHING_METHODS, key="smooth", default="ema",

@@ -42,11 +42,7 @@ def body(run_ids: list[str], column: str, log_y: bool) -> None:
             st.caption(f"No picked run has responses at step {step}.")
 
 
-st.header("Distributions")
-run_ids = board.shown_runs()
-if not run_ids:
-    st.info("Pick one or more runs in the sidebar.")
-    st.stop()
+run_ids = board.start_page("Distributions")
 controls = st.columns([4, 1])
 quantity = controls[0].segmented_control("Quantity", list(DISTRIBUTION_COLUMNS), key="quantity", default="advantage",
                                          bind="query-params", required=True,

@@ -98,8 +98,5 @@ def body(run_id: str) -> None:
         st.code(str(opened["response"]), language=None, wrap_lines=True)
 
 
-st.header("Eval samples")
-run = board.pick_one_run()
-if run is None:
-    st.stop()
+[run] = board.start_page("Eval samples", one_run=True)
 body(run)

@@ -117,8 +117,5 @@ def body(run_id: str) -> None:
         board.plot(charts.regime_mix(counts), "regime_mix")
 
 
-st.header("Prompt history")
-run = board.pick_one_run()
-if run is None:
-    st.stop()
+[run] = board.start_page("Prompt history", one_run=True)
 body(run)

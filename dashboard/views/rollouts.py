@@ -231,8 +231,5 @@ def body(run_id: str) -> None:
         group(step, page_rows[page_rows["group_idx"] == g], model_prompts)
 
 
-st.header("Rollouts")
-run = board.pick_one_run()
-if run is None:
-    st.stop()
+[run] = board.start_page("Rollouts", one_run=True)
 body(run)
