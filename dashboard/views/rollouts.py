@@ -121,10 +121,6 @@ def gate_summary(run_id: str, step: int, everything: pd.DataFrame) -> None:
             board.plot(charts.gate_breakdown(breakdown, totals, step), "gate_breakdown")
 
 
-def reward_label(reward: str) -> str:
-    return reward if reward == "any" else f"reward {reward}"
-
-
 def filter_controls(everything: pd.DataFrame) -> tuple[dict, str]:
     """The page's filters, bound to the URL: the board.rollouts arguments they make, and the gate reason (applied by
     `matching`). `everything`: the step's rollouts, whose rewards the Reward control offers."""
