@@ -188,7 +188,3 @@ DASHBOARD_REFRESH_S: dict[str, int | None] = {"off": None, "2": 2, "5": 5, "10":
 DASHBOARD_REFRESH_DEFAULT = "5"
 DASHBOARD_REFRESH_ENV = "QAE_DASHBOARD_REFRESH"  # how `qae dashboard` hands --refresh to the Streamlit process
 
-
-# --- sweeps: train options whose default differs in `qae sweep` (sweep.py applies them, the CLI's help shows them)
-# how the update moves each regime's entropy (dH_easy, dH_hard) is what a sweep compares: measured unless turned off
-SWEEP_DEFAULTS = {"log_entropy_delta": True}
