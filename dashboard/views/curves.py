@@ -7,7 +7,7 @@ import grouping
 import pandas as pd
 import streamlit as st
 
-from qae_app.core import names
+from qae_app.config import entropy_band
 from qae_app.store import reader as store_read
 from qae_app.store.schema import STEP_METRICS
 
@@ -72,7 +72,7 @@ def entropy_bands(views: dict) -> dict[str, tuple[float, float]]:
     for run_id, view in views.items():
         cfg = board.run_config(view.run)
         start = view.steps["entropy"].dropna().iloc[0] if view.steps["entropy"].notna().any() else None
-        band = names.entropy_band(cfg.get("entropy_low"), cfg.get("entropy_high"), start)
+        band = entropy_band(cfg.get("entropy_low"), cfg.get("entropy_high"), start)
         if band is not None:
             bands[run_id] = band
     return bands
