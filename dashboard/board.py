@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import FunctionType
 from typing import Callable
 
 import charts
@@ -100,10 +101,15 @@ def _run_record(runs_dir_: str, run_id: str, version: tuple) -> compare.RunRecor
     return compare.load_run(Path(runs_dir_), run_id)
 
 
-@st.cache_data(max_entries=CACHE_ENTRIES, show_spinner=False)
-def _read(reader: str, path: str, version: tuple, *args) -> pd.DataFrame | list:
-    """Any other store reader, by name: store_read.<reader>(path, *args)."""
-    return getattr(store_read, reader)(Path(path), *args)
+def _reader_key(reader: Callable) -> str:
+    """What a reader adds to a cache key: its qualified name (Streamlit cannot hash a function itself)."""
+    return f"{reader.__module__}.{reader.__qualname__}"
+
+
+@st.cache_data(max_entries=CACHE_ENTRIES, show_spinner=False, hash_funcs={FunctionType: _reader_key})
+def _read(reader: Callable, path: str, version: tuple, *args) -> pd.DataFrame | list:
+    """Any other store reader: reader(path, *args)."""
+    return reader(Path(path), *args)
 
 
 def _guarded(read: Callable, *args, what: str):
@@ -135,21 +141,22 @@ def run_record(run_id: str) -> compare.RunRecord | None:
     return _guarded(_run_record, str(runs_dir()), run_id, run_version(run_id), what=run_id)
 
 
-def read(reader: str, run_id: str, *args):
-    """store.<reader>(the run's database, *args), cached by the run's version; None (with a note) if unreadable."""
+def read(reader: Callable, run_id: str, *args):
+    """`reader(the run's database, *args)` for a `store_read` reader, cached by the run's version; None (with a note)
+    if unreadable."""
     return _guarded(_read, reader, str(run_path(run_id)), run_version(run_id), *args, what=run_id)
 
 
 def rollout_steps(run_id: str) -> list[int] | None:
     """The steps with rollouts; None (with a note) if the run cannot be read."""
-    return read("read_rollout_steps", run_id)
+    return read(store_read.read_rollout_steps, run_id)
 
 
 def rollouts(run_id: str, step: int, gated: bool | None = None, regime: str | None = None,
              reward: float | None = None, search: str | None = None,
              filtered: bool | None = None, with_text: bool = True,
              group_ids: tuple[int, ...] | None = None) -> pd.DataFrame | None:
-    return read("read_rollouts", run_id, step, gated, regime, reward, search or None, filtered, with_text,
+    return read(store_read.read_rollouts, run_id, step, gated, regime, reward, search or None, filtered, with_text,
                 None if group_ids is None else tuple(group_ids))
 
 
@@ -224,6 +231,24 @@ def pick_one_run(label: str = "Run") -> str | None:
     if st.session_state.get("one_run") not in chosen:
         st.session_state["one_run"] = chosen[0]
     return st.segmented_control(label, chosen, key="one_run", bind="query-params", persist_state="session")
+
+
+def start_page(title: str, caption: str | None = None, one_run: bool = False) -> list[str]:
+    """How a page about the picked runs starts: its header (and caption), then the runs it shows: every picked run,
+    or with `one_run` the one chosen among them (a list of one). With no run picked it says so and stops the page."""
+    st.header(title)
+    if caption:
+        st.caption(caption)
+    if one_run:
+        run = pick_one_run()
+        chosen = [] if run is None else [run]
+    else:
+        chosen = shown_runs()
+        if not chosen:
+            st.info("Pick one or more runs in the sidebar.")
+    if not chosen:
+        st.stop()
+    return chosen
 
 
 def run_colors(run_ids: list[str]) -> dict[str, str]:

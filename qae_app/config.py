@@ -30,6 +30,12 @@ from qae_app.store.run_folder import validate_run_name
 
 _BUILTIN_TASK_HELP = ", ".join(f"{BUILTIN_PREFIX}{name} (model {t.model}, {t.max_new_tokens} tokens)"
                                for name, t in BUILTIN_TASKS.items())
+# help that `qae train` and `qae eval` share, for the options that mean the same in both
+_MODEL_SOURCES_HELP = (f"a local folder, a .gguf file, {names.SMOLLM2_MODEL} (the GGUF file that pip package ships) "
+                       "or a Hugging Face id")
+_TEMPERATURE_HELP = "Sampling temperature."
+_ENGINE_HELP = "Rollout engine."
+_VERIFY_TIMEOUT_HELP = "Seconds the math verifier may spend on one response."
 
 
 def opt(default: Any, help: str, group: str, choices: dict[str, str] | tuple | None = None,
@@ -48,6 +54,21 @@ MAX_ENTROPY_NATS = 20.0  # above ln(vocabulary size) of any tokenizer (ln 1e6 = 
 # A step holds all of its responses at once (token ids, log-probs, rewards, and their rows in the store): 65,536 is
 # 8x DAPO's 512 prompts x 16 responses, and a million responses would exhaust memory before the first step ended
 MAX_RESPONSES_PER_STEP = 65_536
+
+# the entropy band (--entropy-low, --entropy-high): the smoothed token entropy is watched against [low, high]. Token
+# entropy scales differ by model and task (0.46 nats for the built-in model on 1-3 token answers, 1-2 nats for a 7B
+# model on math), so by default the band is relative to the run's starting entropy: [start / FACTOR, start * FACTOR].
+ENTROPY_BAND_FACTOR = 3.0
+
+
+def entropy_band(low: float | None, high: float | None, start: float | None) -> tuple[float, float] | None:
+    """[low, high] for the smoothed entropy: the --entropy-low/--entropy-high values where given, else the starting
+    entropy divided / multiplied by ENTROPY_BAND_FACTOR (None until the start is known)."""
+    if start is None and (low is None or high is None):
+        return None
+    return (low if low is not None else start / ENTROPY_BAND_FACTOR,
+            high if high is not None else start * ENTROPY_BAND_FACTOR)
+
 
 # Options that act only with a switch on: given without it they would do nothing, yet be stored and split
 # `qae compare`'s groups. Their defaults never trigger this (only a value the user gave).
@@ -160,9 +181,8 @@ class TrainConfig:
     sweep_name: str | None = opt(None, "Set by `qae sweep`: the sweep's name.", "run")
     store_responses: str = opt("all", STORE_RESPONSES_HELP, "run", resumable=True)
     # --- model and data
-    model: str = opt(names.BUILTIN_MODEL, "Policy: a built-in model, a local folder, a .gguf file, "
-                     f"{names.SMOLLM2_MODEL} (the GGUF file that pip package ships) or a Hugging Face id; a built-in "
-                     "task picks its own model unless this is given.", "model")
+    model: str = opt(names.BUILTIN_MODEL, f"Policy: a built-in model, {_MODEL_SOURCES_HELP}; a built-in task picks "
+                     "its own model unless this is given.", "model")
     dtype: str = opt("float32", "Weights dtype for training. bfloat16 weights are updated in place, which moves them "
                      "only at learning rates bfloat16 can represent (refused otherwise); for bf16 compute keep float32 "
                      "and pass --mixed-precision bf16.", "model", names.DTYPES)
@@ -170,7 +190,7 @@ class TrainConfig:
                     "JSONL/Parquet math file (GSM8K, MATH-500, AIME, AMC, DAPO-17k formats).", "model")
     heldout_fraction: float = opt(0.0, "For a data file: fraction held out for --eval-every evaluation.", "model")
     # --- rollout
-    engine: str = opt("hf", "Rollout engine.", "rollout", names.ENGINES)
+    engine: str = opt("hf", _ENGINE_HELP, "rollout", names.ENGINES)
     vllm_sleep: bool = opt(True, "With --engine vllm: put the engine to sleep through the update (vLLM's sleep "
                            "mode, level 1: its weights copied to CPU memory, its KV cache freed), so the update gets "
                            "the GPU memory vLLM holds; it wakes for the weight sync. Needs vLLM >= 0.7.3 and CPU "
@@ -194,7 +214,7 @@ class TrainConfig:
                                         "rollout")
     group_size: int = opt(16, "Responses sampled per prompt (G).", "rollout")
     prompts_per_step: int = opt(8, "Prompts per RL step (B); a step has B * G responses.", "rollout")
-    temperature: float = opt(1.0, "Sampling temperature.", "rollout")
+    temperature: float = opt(1.0, _TEMPERATURE_HELP, "rollout")
     max_new_tokens: int = opt(8, "Longest response in tokens; a built-in task picks its own unless this is given "
                               "(use ~1024+ for math data).", "rollout")
     dynamic_sampling: bool = opt(False, "DAPO dynamic sampling: train only on groups with signal (see "
@@ -272,18 +292,17 @@ class TrainConfig:
     # --- monitoring and evaluation
     entropy_low: float | None = opt(None, "Warn when the smoothed token entropy falls below this many nats "
                                     "(collapse): raise K. Default: the starting entropy / "
-                                    f"{names.ENTROPY_BAND_FACTOR:g}.", "monitor", resumable=True)
+                                    f"{ENTROPY_BAND_FACTOR:g}.", "monitor", resumable=True)
     entropy_high: float | None = opt(None, "Warn when the smoothed token entropy rises above this many nats "
                                      "(explosion): lower K. Default: the starting entropy x "
-                                     f"{names.ENTROPY_BAND_FACTOR:g}.", "monitor", resumable=True)
+                                     f"{ENTROPY_BAND_FACTOR:g}.", "monitor", resumable=True)
     eval_every: int = opt(25, "Evaluate every N steps (0: never). Built-in task: sampled held-out accuracy.",
                           "monitor", resumable=True)
     eval_bench: str | None = opt(None, "Benchmark for --eval-every: a built-in name or a math file (default: the "
                                  "task's held-out split).", "monitor")
     eval_k: int = opt(1, "Samples per problem in --eval-every evaluations.", "monitor")
     eval_limit: int | None = opt(None, "Evaluate on the first N problems only.", "monitor", resumable=True)
-    verify_timeout_s: float = opt(3.0, "Seconds the math verifier may spend on one response.", "monitor",
-                                  resumable=True)
+    verify_timeout_s: float = opt(3.0, _VERIFY_TIMEOUT_HELP, "monitor", resumable=True)
     log_entropy_delta: bool = opt(False, "After each update, one no-grad pass over the step's own responses "
                                   "measures how the whole update changed their token entropy, per regime's "
                                   "responses (dH, dH_hard, dH_easy); which regime's update caused it: "
@@ -549,16 +568,15 @@ class EvalConfig:
     """`qae eval`: a model, a benchmark, samples per problem. The results go into the run the model came from (a run
     id) or into a standalone eval run."""
 
-    model: str = opt(names.BUILTIN_MODEL, "builtin:tiny, a run id (its newest checkpoint), a local folder, a .gguf "
-                     f"file, {names.SMOLLM2_MODEL} or a Hugging Face id; a built-in task's bench picks its own model "
-                     "unless this is given.", "model")
+    model: str = opt(names.BUILTIN_MODEL, f"builtin:tiny, a run id (its newest checkpoint), {_MODEL_SOURCES_HELP}; "
+                     "a built-in task's bench picks its own model unless this is given.", "model")
     checkpoint: int | None = opt(None, "With a run id: evaluate checkpoint step-N instead of the newest.", "model")
     dtype: str = opt("float32", "Weights dtype.", "model", names.DTYPES)
     bench: str = opt("arith", "A built-in task's held-out split (arith, builtin:chain, add) or a JSONL/Parquet math "
                      "file (GSM8K, MATH-500, AIME, AMC, DAPO formats).", "benchmark")
     limit: int | None = opt(None, "Only the first N problems.", "benchmark")
     samples: int = opt(4, "Samples per problem (k of avg@k, pass@k, maj@k; the paper's avg@32 uses 32).", "sampling")
-    temperature: float = opt(0.7, "Sampling temperature.", "sampling")
+    temperature: float = opt(0.7, _TEMPERATURE_HELP, "sampling")
     top_p: float = opt(1.0, "Nucleus sampling: keep the most likely tokens up to this total probability (1: off, as "
                        "in training).", "sampling")
     top_k: int = opt(0, "Keep only the k most likely tokens (0: off, as in training).", "sampling")
@@ -567,11 +585,11 @@ class EvalConfig:
     max_new_tokens: int | None = opt(None, "Longest response in tokens (default: 8 for arith, 1024 for math).",
                                      "sampling")
     seed: int = opt(0, "Sampling seed.", "sampling")
-    engine: str = opt("hf", "Rollout engine.", "sampling", names.ENGINES)
+    engine: str = opt("hf", _ENGINE_HELP, "sampling", names.ENGINES)
     vllm_gpu_memory: float = opt(0.9, "With --engine vllm: the share of the GPU vLLM takes for its weights and KV "
                                  "cache (vLLM's gpu_memory_utilization; nothing else is trained beside it here).",
                                  "sampling")
-    verify_timeout_s: float = opt(3.0, "Seconds the math verifier may spend on one response.", "benchmark")
+    verify_timeout_s: float = opt(3.0, _VERIFY_TIMEOUT_HELP, "benchmark")
     run_name: str | None = opt(None, "Id of the standalone eval run (for a model that is not a training run).",
                                "output")
 

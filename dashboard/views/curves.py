@@ -7,7 +7,8 @@ import grouping
 import pandas as pd
 import streamlit as st
 
-from qae_app.core import names
+from qae_app.config import entropy_band
+from qae_app.store import reader as store_read
 from qae_app.store.schema import STEP_METRICS
 
 OTHER_DEFAULT = ["loss", "grad_norm", "adv_abs_mean"]
@@ -54,7 +55,7 @@ def step_frames(views: dict, x: str) -> dict[str, pd.DataFrame]:
     """Each run's steps with the x axes (charts.X_AXES); a run that recorded no `x` is plotted by step, as the page
     says."""
     frames = {run_id: charts.with_x_axes(view.steps, view.run.get("created_at"),
-                                         board.read("read_step_tokens", run_id) if x == "tokens" else None)
+                                         board.read(store_read.read_step_tokens, run_id) if x == "tokens" else None)
               for run_id, view in views.items()}
     missing = [run_id for run_id, frame in frames.items() if not frame.empty and frame[x].isna().all()]
     if missing:
@@ -71,7 +72,7 @@ def entropy_bands(views: dict) -> dict[str, tuple[float, float]]:
     for run_id, view in views.items():
         cfg = board.run_config(view.run)
         start = view.steps["entropy"].dropna().iloc[0] if view.steps["entropy"].notna().any() else None
-        band = names.entropy_band(cfg.get("entropy_low"), cfg.get("entropy_high"), start)
+        band = entropy_band(cfg.get("entropy_low"), cfg.get("entropy_high"), start)
         if band is not None:
             bands[run_id] = band
     return bands
@@ -190,11 +191,7 @@ def update_charts(frames: dict, colors: dict, smoothing: tuple[str, float], axes
                                **axes), "mismatch_ratio_max", ["mismatch_ratio_max"])
 
 
-st.header("Training curves")
-run_ids = board.shown_runs()
-if not run_ids:
-    st.info("Pick one or more runs in the sidebar.")
-    st.stop()
+run_ids = board.start_page("Training curves")
 # controls in rows of two, so none is clipped on a 1024 px screen with the sidebar open
 top = st.columns(2)
 method = top[0].segmented_control("Smoothing", charts.SMOOTHING_METHODS, key="smooth", default="ema",

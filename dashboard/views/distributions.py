@@ -5,12 +5,14 @@ import board
 import charts
 import streamlit as st
 
+from qae_app.store import reader as store_read
 from qae_app.store.reader import DISTRIBUTION_COLUMNS, QUANTILES
 
 
 def body(run_ids: list[str], column: str, log_y: bool) -> None:
     label = DISTRIBUTION_COLUMNS[column]
-    readable = {run_id: q for run_id in run_ids if (q := board.read("read_quantiles", run_id, column)) is not None}
+    readable = {run_id: q for run_id in run_ids
+                if (q := board.read(store_read.read_quantiles, run_id, column)) is not None}
     quantiles = {run_id: q for run_id, q in readable.items() if not q.empty}
     if not quantiles:
         if readable:  # (an unreadable run's note says why it shows nothing)
@@ -40,11 +42,7 @@ def body(run_ids: list[str], column: str, log_y: bool) -> None:
             st.caption(f"No picked run has responses at step {step}.")
 
 
-st.header("Distributions")
-run_ids = board.shown_runs()
-if not run_ids:
-    st.info("Pick one or more runs in the sidebar.")
-    st.stop()
+run_ids = board.start_page("Distributions")
 controls = st.columns([4, 1])
 quantity = controls[0].segmented_control("Quantity", list(DISTRIBUTION_COLUMNS), key="quantity", default="advantage",
                                          bind="query-params", required=True,

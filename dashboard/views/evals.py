@@ -41,10 +41,6 @@ def body(run_ids: list[str]) -> None:
                      hide_index=True, key="evals_all", placeholder="")
 
 
-st.header("Evaluations")
-st.caption("avg@k: mean accuracy of k samples · pass@k: some sample correct · maj@k: the most common answer correct")
-run_ids = board.shown_runs()
-if not run_ids:
-    st.info("Pick one or more runs in the sidebar.")
-    st.stop()
+run_ids = board.start_page("Evaluations", "avg@k: mean accuracy of k samples · pass@k: some sample correct · "
+                                          "maj@k: the most common answer correct")
 body(run_ids)

@@ -15,6 +15,7 @@ import pandas as pd
 import streamlit as st
 
 from qae_app.core.names import GATE_REASONS, REGIMES
+from qae_app.store import reader as store_read
 
 GROUPS_PER_PAGE = 10
 ROW_PX, MAX_TABLE_PX = 35, 610  # a group's table shows up to ~16 responses without scrolling
@@ -114,14 +115,10 @@ def gate_summary(run_id: str, step: int, everything: pd.DataFrame) -> None:
         st.dataframe(table[table["responses"] > 0], hide_index=True, key="gate_table",
                      column_config={"share of the trained": st.column_config.NumberColumn(format="percent")},
                      placeholder="")
-        breakdown = board.read("read_gate_breakdown", run_id)
-        totals = board.read("read_step_tokens", run_id)
+        breakdown = board.read(store_read.read_gate_breakdown, run_id)
+        totals = board.read(store_read.read_step_tokens, run_id)
         if breakdown is not None and totals is not None:
             board.plot(charts.gate_breakdown(breakdown, totals, step), "gate_breakdown")
-
-
-def reward_label(reward: str) -> str:
-    return reward if reward == "any" else f"reward {reward}"
 
 
 def filter_controls(everything: pd.DataFrame) -> tuple[dict, str]:
@@ -192,7 +189,7 @@ def templated_prompts(run_id: str, step: int) -> dict[int, str]:
     models and older files, as a caption says."""
     if not st.toggle("Show prompts as the model saw them (chat template)", key="model_prompt", bind="query-params"):
         return {}
-    model_prompts = board.read("read_model_prompts", run_id, step) or {}
+    model_prompts = board.read(store_read.read_model_prompts, run_id, step) or {}
     if not model_prompts:
         st.caption("This run stored no templated prompts: its model has no chat template (it saw the prompt "
                    "itself), or the run is older than the column.")
@@ -230,8 +227,5 @@ def body(run_id: str) -> None:
         group(step, page_rows[page_rows["group_idx"] == g], model_prompts)
 
 
-st.header("Rollouts")
-run = board.pick_one_run()
-if run is None:
-    st.stop()
+[run] = board.start_page("Rollouts", one_run=True)
 body(run)

@@ -620,11 +620,13 @@ def sweep_command(
 
 def _sweep_options(command):
     """The train options, less those a sweep sets itself for each point (the run id and the sweep tags)."""
+    from qae_app.cli.sweep import SWEEP_DEFAULTS
+
     own = {"run_name", "sweep_id", "sweep_name"}
     command.__signature__ = inspect.Signature(
         [p for p in inspect.signature(command, eval_str=True).parameters.values()
          if p.kind != inspect.Parameter.VAR_KEYWORD]
-        + [p for p in _option_parameters(TrainConfig, names.SWEEP_DEFAULTS) if p.name not in own])
+        + [p for p in _option_parameters(TrainConfig, SWEEP_DEFAULTS) if p.name not in own])
     return command
 
 

@@ -48,6 +48,9 @@ SWEEPS_DIR = ".sweeps"  # under the runs dir: each sweep's point files and logs
 POLL_S = 2.0  # how often the sweep looks at its running processes and their step counts
 # A sweep plans, tags and lists every run before the first starts; hundreds of runs are a study, a million a typo
 MAX_SWEEP_RUNS = 500
+# train options whose default differs in a sweep (`plan_sweep` applies them, `qae sweep --help` shows them): how the
+# update moves each regime's entropy (dH_easy, dH_hard) is what a sweep compares, so it is measured unless turned off
+SWEEP_DEFAULTS = {"log_entropy_delta": True}
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
     for key in ("run_name", "sweep_id", "sweep_name", "estimator", "k"):
         options.pop(key, None)
     first_seed = int(options.pop("seed", 0))
-    for key, value in names.SWEEP_DEFAULTS.items():  # e.g. the entropy change is measured unless turned off
+    for key, value in SWEEP_DEFAULTS.items():  # e.g. the entropy change is measured unless turned off
         options.setdefault(key, value)
     # the id hashes the options every point shares, not the grid: the same command with more seeds or Ks extends the
     # sweep (its finished points kept), and a point's run name says where in the grid it is

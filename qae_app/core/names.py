@@ -172,20 +172,6 @@ def default_chunk_tokens(vocab_size: int) -> int:
     >= 1."""
     return max(1, LOGPROB_CHUNK_BYTES // (vocab_size * 4))
 
-# --- monitoring: the smoothed token entropy is watched against a band [low, high]. Token entropy scales differ by
-# model and task (0.46 nats for the built-in model on 1-3 token answers, 1-2 nats for a 7B model on math), so by
-# default the band is relative to the run's starting entropy: [start / ENTROPY_BAND_FACTOR, start * FACTOR].
-ENTROPY_BAND_FACTOR = 3.0
-
-
-def entropy_band(low: float | None, high: float | None, start: float | None) -> tuple[float, float] | None:
-    """[low, high] for the smoothed entropy: the --entropy-low/--entropy-high values where given, else the starting
-    entropy divided / multiplied by ENTROPY_BAND_FACTOR (None until the start is known)."""
-    if start is None and (low is None or high is None):
-        return None
-    return (low if low is not None else start / ENTROPY_BAND_FACTOR,
-            high if high is not None else start * ENTROPY_BAND_FACTOR)
-
 
 def describe(choices: dict[str, str]) -> str:
     """'a: what a is; b: what b is' for help texts."""
@@ -197,7 +183,3 @@ DASHBOARD_REFRESH_S: dict[str, int | None] = {"off": None, "2": 2, "5": 5, "10":
 DASHBOARD_REFRESH_DEFAULT = "5"
 DASHBOARD_REFRESH_ENV = "QAE_DASHBOARD_REFRESH"  # how `qae dashboard` hands --refresh to the Streamlit process
 
-
-# --- sweeps: train options whose default differs in `qae sweep` (sweep.py applies them, the CLI's help shows them)
-# how the update moves each regime's entropy (dH_easy, dH_hard) is what a sweep compares: measured unless turned off
-SWEEP_DEFAULTS = {"log_entropy_delta": True}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from qae_app.config import TrainConfig
+from qae_app.config import ENTROPY_BAND_FACTOR, TrainConfig, entropy_band
 from qae_app.core import names
 from qae_app.train.session import TrainerState
 
@@ -22,7 +22,7 @@ def entropy_warning(state: TrainerState, entropy: float, cfg: TrainConfig) -> di
     ema = entropy if state.entropy_ema is None else (
         ENTROPY_EMA_ALPHA * entropy + (1 - ENTROPY_EMA_ALPHA) * state.entropy_ema)
     state.entropy_ema = ema
-    low, high = names.entropy_band(cfg.entropy_low, cfg.entropy_high, state.entropy_start)
+    low, high = entropy_band(cfg.entropy_low, cfg.entropy_high, state.entropy_start)
     zone = "low" if ema < low else "high" if ema > high else "ok"
     crossed = zone != state.entropy_zone and zone != "ok"
     state.entropy_zone = zone
@@ -34,13 +34,13 @@ def entropy_warning(state: TrainerState, entropy: float, cfg: TrainConfig) -> di
     start = state.entropy_start
     if zone == "low":
         bound = f"{low:.3g}" + ("" if cfg.entropy_low is not None else
-                                f" (the starting {start:.3g} / {names.ENTROPY_BAND_FACTOR:g})")
+                                f" (the starting {start:.3g} / {ENTROPY_BAND_FACTOR:g})")
         message = (f"entropy (smoothed) {ema:.3f} fell below {bound}: collapse risk. Raise --k (e.g. "
                    f"{min(k + 0.1, 0.9):.1f}) so more prompts are 'easy' and failures are pushed down, which "
                    "raises entropy.")
     else:
         bound = f"{high:.3g}" + ("" if cfg.entropy_high is not None else
-                                 f" (the starting {start:.3g} x {names.ENTROPY_BAND_FACTOR:g})")
+                                 f" (the starting {start:.3g} x {ENTROPY_BAND_FACTOR:g})")
         message = (f"entropy (smoothed) {ema:.3f} rose above {bound}: explosion risk. Lower --k (e.g. "
                    f"{max(k - 0.1, 0.1):.1f}) so more prompts are 'hard' and only successes are reinforced, "
                    "which lowers entropy.")

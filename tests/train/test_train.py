@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from qae_app.algo.advantages import REGIMES, EstimatorConfig, compute_advantages
 from qae_app.cli.main import app
-from qae_app.config import build_config
+from qae_app.config import build_config, entropy_band
 from qae_app.data.tasks import prompts_at
 from qae_app.store.reader import query, read_run, read_steps
 from qae_app.store.rows import step_metrics
@@ -255,6 +255,13 @@ def test_k_auto_and_entropy_warnings_are_recorded(tmp_path):
     k = read_run(path)["k"]
     assert k in (0.3, 0.4, 0.5) and f"K = {k}" in warnings["message"].iloc[0]
     assert read_steps(path)["k"].tolist() == [k] * 4
+
+
+def test_the_entropy_band_is_the_options_else_the_start_divided_and_multiplied_by_3():
+    assert entropy_band(None, None, 0.6) == pytest.approx((0.2, 1.8))  # the built-in model starts near 0.46-0.6 nats
+    assert entropy_band(0.5, None, 0.6) == pytest.approx((0.5, 1.8))
+    assert entropy_band(0.5, 4.0, None) == (0.5, 4.0)  # both given: no need to wait for the start
+    assert entropy_band(0.5, None, None) is None  # one bound waits for the starting entropy
 
 
 def test_warmstart_is_deterministic(tmp_path):
