@@ -392,6 +392,29 @@ def note(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
 
 
 @app.command()
+def stop(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
+         timeout: Annotated[float, typer.Option(help="Seconds to wait for its checkpoint.")] = 600.0,
+         runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+    """Stop a live run as Ctrl-C does: after its current step, with a checkpoint; it resumes with --resume. Only the
+    process the kernel says holds the run's lock is signalled (every rank of a launch stops with it)."""
+    from qae_app.cli.stop import stop_run
+    from qae_app.store.reader import read_last_step, read_run, resolve_run
+
+    try:
+        path = resolve_run(runs_dir, run)
+        console.print(f"stopping run {escape(run)} after its current step (its checkpoint is written on the way "
+                      "out)...", highlight=False)
+        if not stop_run(path.parent, timeout):
+            raise QAEUserError(f"stop: run '{run}' is still running after {timeout:g} s (a long step, or a large "
+                               "checkpoint). It will stop on its own; check with `qae runs`.")
+        status, step = read_run(path).get("status"), read_last_step(path)
+    except QAEUserError as err:
+        fail(err)
+    console.print(f"run {escape(run)} {status} at step {step}. Continue it with: qae train --resume {escape(run)} "
+                  f"--runs-dir {escape(str(runs_dir))}", highlight=False, soft_wrap=True)
+
+
+@app.command()
 def rm(runs: Annotated[Optional[list[str]], typer.Argument(help="Run ids to delete (or --sweep).")] = None,
        sweep: Annotated[Optional[str], typer.Option(help="Delete every run of this sweep (its id or name).")] = None,
        yes: Annotated[bool, typer.Option("--yes", help="Delete without asking.")] = False,

@@ -1,0 +1,87 @@
+"""`qae stop RUN` from another terminal: the live run stops after its current step with a checkpoint, status
+interrupted, and resumes; a run that is not running, or a lock record that is not the holder's, signals nobody."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from typer.testing import CliRunner
+
+from qae_app.cli.main import app
+from qae_app.store.reader import read_last_step, read_run
+from qae_app.store.run_folder import LOCK_FILE, latest_checkpoint
+
+runner = CliRunner()
+
+
+def test_stop_ends_a_live_run_with_a_checkpoint_and_it_resumes(tmp_path):
+    runs = tmp_path / "runs"
+    trainer = subprocess.Popen([sys.executable, "-m", "qae_app.cli", "train", "--run-name", "r", "--steps", "500",
+                                "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0",
+                                "--checkpoint-every", "100", "--cpu", "--runs-dir", str(runs)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (runs / "r" / "qae.duckdb").exists() or not read_last_step(runs / "r" / "qae.duckdb"):
+            assert trainer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        result = runner.invoke(app, ["stop", "r", "--runs-dir", str(runs)], env={"COLUMNS": "300"})
+        assert result.exit_code == 0, result.output
+        assert trainer.wait(timeout=120) == 130  # the trainer's own exit for a stop it was asked for
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    db = runs / "r" / "qae.duckdb"
+    stopped_at = read_last_step(db)
+    assert read_run(db)["status"] == "interrupted" and f"interrupted at step {stopped_at}" in result.output
+    assert latest_checkpoint(runs / "r").name == f"step-{stopped_at}"  # written on the way out, not at step 100
+    assert "qae train --resume r" in result.output
+    resumed = runner.invoke(app, ["train", "--resume", "r", "--steps", str(stopped_at + 1), "--runs-dir", str(runs)])
+    assert resumed.exit_code == 0 and read_last_step(db) == stopped_at + 1
+
+
+def test_stop_signals_nobody_for_a_run_that_is_not_running_or_a_record_not_the_holders(tmp_path):
+    runs = tmp_path / "runs"
+    assert runner.invoke(app, ["train", "--run-name", "r", "--steps", "1", "--prompts-per-step", "2",
+                               "--group-size", "4", "--eval-every", "0", "--cpu", "--runs-dir", str(runs)]
+                         ).exit_code == 0
+    (runs / "r" / LOCK_FILE).write_text(str(os.getpid()))  # a stale record naming a live process: this one
+    result = runner.invoke(app, ["stop", "r", "--runs-dir", str(runs)], env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and "is not running" in result.output  # and this test process was not signalled
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(runs / 'r' / LOCK_FILE)!r}, os.O_RDWR)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = runner.invoke(app, ["stop", "r", "--runs-dir", str(runs)], env={"COLUMNS": "300"})
+        assert result.exit_code == 2 and "Nothing was signalled" in result.output  # the record names this process
+        assert holder.poll() is None
+    finally:
+        holder.kill()
+
+
+def test_stop_ends_every_rank_of_a_two_process_launch(tmp_path):
+    from tests.e2e.test_launch_teardown import launch, processes_mentioning
+
+    runs = tmp_path / "runs"
+    launcher = launch(runs, "--run-name", "k", "--steps", "500", "--prompts-per-step", "2", "--group-size", "4",
+                      "--eval-every", "0", "--checkpoint-every", "100")
+    try:
+        deadline = time.monotonic() + 300
+        while not (runs / "k" / "qae.duckdb").exists() or not read_last_step(runs / "k" / "qae.duckdb"):
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        result = runner.invoke(app, ["stop", "k", "--runs-dir", str(runs)], env={"COLUMNS": "300"})
+        assert result.exit_code == 0, result.output
+        launcher.wait(timeout=120)
+        assert processes_mentioning(str(runs)) == []
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    db = runs / "k" / "qae.duckdb"
+    assert read_run(db)["status"] == "interrupted"
+    assert latest_checkpoint(runs / "k").name == f"step-{read_last_step(db)}"
