@@ -68,7 +68,8 @@ def configuration(args, shape) -> str:
             f"{args.tokens} tokens in {args.sequences} sequences"
             + (f", micro-batches of {args.micro_batch_size}" if args.micro_batch_size else "")
             + (", checkpointing" if args.gradient_checkpointing else "")
-            + (f", LoRA rank {args.lora_rank}" if args.lora_rank else "") + f", {head}")
+            + (f", LoRA rank {args.lora_rank}" if args.lora_rank else "")
+            + (", bf16 mixed precision" if args.mixed_precision == "bf16" else "") + f", {head}")
 
 
 def update_shape(args, shape):
@@ -80,11 +81,15 @@ def update_shape(args, shape):
     return UpdateShape(micro_tokens=micro * length, head_tokens=micro * (length - length // 2 + 1),
                        chunk_tokens=(0 if args.lora_rank or args.logprob_chunk_tokens == 0 else
                                      args.logprob_chunk_tokens or default_chunk_tokens(shape.vocab)),
-                       gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank)
+                       gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank,
+                       activation_bytes=2 if args.mixed_precision == "bf16" else 4,
+                       autocast_weight_copy=args.mixed_precision == "bf16")
 
 
 def run_update(args) -> None:
     """In the child: build the model and the batch as the trainer does, run two policy updates."""
+    import contextlib
+
     import torch
     import transformers
 
@@ -122,8 +127,11 @@ def run_update(args) -> None:
         clip_high=0.28, loss_agg="token", kl_beta=0.0, max_grad_norm=1.0, max_new_tokens=length - prompt,
         temperature=1.0, logits_keyword=keyword, logprob_chunk_tokens=chunk_tokens)
     setup = current_rss()
+    precision = (torch.autocast("cpu", dtype=torch.bfloat16) if args.mixed_precision == "bf16"  # what accelerate does
+                 else contextlib.nullcontext())
     for step in range(2):
-        result = update.policy_update(model, optimizer, batch, advantages, options, seed=step, full_pass=True)
+        with precision:
+            result = update.policy_update(model, optimizer, batch, advantages, options, seed=step, full_pass=True)
         print(f"step {step + 1}: loss {result.stats['loss']:.6f}, grad_norm {result.stats['grad_norm']:.6f}")
     print(f"log-prob chunk {chunk_tokens or 'off (full logits)'}; {sum(p.numel() for p in model.parameters()):,} "
           f"parameters")
@@ -148,6 +156,8 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward (default: all)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
+                        help="as qae train's: bf16 runs the update under bf16 autocast on float32 weights")
     parser.add_argument("--logprob-chunk-tokens", type=int, default=None,
                         help="as qae train's: tokens per chunk of the log-prob head, 0 for the full logits")
     add_child_options(parser)
