@@ -178,6 +178,12 @@ def plan(
 app.command(help=plan.__doc__)(_with_config_options(plan, TrainConfig))
 
 
+def print_command(command: str) -> None:
+    """A command for the user to paste, indented, on one line whatever the terminal's width: wrapped at a space (or
+    a long path anywhere), a paste ran its first half."""
+    console.print(Text("  " + command), soft_wrap=True, highlight=False)
+
+
 def run_training(trainer) -> None:
     from qae_app.cli.progress import TrainProgress, banner
 
@@ -214,17 +220,18 @@ def run_training(trainer) -> None:
             newest = latest_checkpoint(result.run_dir)
             start = (f"from its newest checkpoint, {newest.name}," if newest is not None else
                      "from step 0 (no checkpoint yet; the same seed trains the same steps again)")
-            console.print(f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue it {start} with: "
-                          f"qae train --resume {result.run_id} --runs-dir {trainer.runs_dir}", highlight=False)
+            console.print(f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue it {start} with:",
+                          highlight=False)
+            print_command(f"qae train --resume {result.run_id} --runs-dir {trainer.runs_dir}")
         end_processes()
         raise typer.Exit(code=130)
     if main:
         console.print(f"[green]done[/]: {result.steps_done} steps, status {result.status}. "
                       f"Held-out accuracy {number(progress.heldout)}.")
-        console.print(f"Stored in [cyan]{result.run_dir / DB_FILE}[/]. Inspect it with:\n"
-                      f"  qae show {result.run_id} --runs-dir {trainer.runs_dir}\n"
-                      f"  qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}\n"
-                      f"  qae dashboard --runs-dir {trainer.runs_dir}", highlight=False)
+        console.print(f"Stored in [cyan]{escape(str(result.run_dir / DB_FILE))}[/]. Inspect it with:", highlight=False)
+        print_command(f"qae show {result.run_id} --runs-dir {trainer.runs_dir}")
+        print_command(f"qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}")
+        print_command(f"qae dashboard --runs-dir {trainer.runs_dir}")
     end_processes()
 
 
@@ -515,9 +522,11 @@ def sweep_command(
     except QAEUserError as err:
         fail(err)
     counts = {state: sum(1 for s in states.values() if s == state) for state in sorted(set(states.values()))}
-    compare = (f". Compare them with: qae compare --sweep {plan.name} --runs-dir {runs_dir}"
-               if {"done", "kept"} & set(states.values()) else "")  # (compare leaves out runs without a step)
-    console.print("sweep " + ", ".join(f"{n} {state}" for state, n in counts.items()) + compare, highlight=False)
+    compared = {"done", "kept"} & set(states.values())  # (compare leaves out runs without a step)
+    console.print("sweep " + ", ".join(f"{n} {state}" for state, n in counts.items())
+                  + (". Compare them with:" if compared else ""), highlight=False)
+    if compared:
+        print_command(f"qae compare --sweep {plan.name} --runs-dir {runs_dir}")
     for run_name, state in states.items():
         if state == "failed":
             log = plan.folder / f"{run_name}.log"

@@ -1,5 +1,6 @@
-"""What `qae train` prints while it trains: the progress line fitted to the terminal's width (the least useful fields
-dropped first, "step N/M" and the ETA kept, no number cut)."""
+"""What `qae train` prints while it trains and after: the progress line fitted to the terminal's width (the least
+useful fields dropped first, "step N/M" and the ETA kept, no number cut), and the commands it suggests each on one
+line whatever the width, so a paste runs the whole command."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import re
 
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner
 
+from qae_app.cli.main import app
 from qae_app.cli.progress import DROP_ORDER, StepPace, TrainProgress
 
 METRICS = dict(reward_mean=0.531, entropy=0.412, frac_zero_adv=0.62, heldout_accuracy=0.41)
@@ -47,3 +50,16 @@ def test_the_progress_line_drops_the_least_useful_fields_first(width, dropped):
     assert dropped == [name for name in DROP_ORDER if name in FIELDS][:len(dropped)]  # least useful first
     assert text.startswith("step 120/300 ") and text.rstrip().endswith("· ETA 60 min"), text
 
+
+def test_suggested_commands_stay_on_one_line_at_80_columns(tmp_path):
+    """A --runs-dir longer than the terminal: each command `qae train` suggests is one line (the terminal may show
+    it folded; a paste is the whole command), where rich broke it before the path."""
+    runs_dir = tmp_path / "a-rather-long-folder-name-for-the-runs" / "of-this-study" / "with-more-levels" / "runs"
+    result = CliRunner().invoke(app, ["train", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
+                                      "--eval-every", "0", "--run-name", "r", "--runs-dir", str(runs_dir)],
+                                env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    for command in (f"qae show r --runs-dir {runs_dir}", f"qae rollouts r --gated --runs-dir {runs_dir}",
+                    f"qae dashboard --runs-dir {runs_dir}"):
+        assert len(command) > 80 and f"  {command}" in lines, result.output
