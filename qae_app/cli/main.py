@@ -290,28 +290,37 @@ def fail_on_write_fault(trainer, err: Exception) -> None:
 def warmstart(
     task: Annotated[str, typer.Option(help="Built-in task to warm-start on: arith (ships as builtin:tiny) or chain "
                                       "(builtin:tiny-chain).")] = "arith",
-    out: Annotated[Optional[Path], typer.Option(help="Folder for the checkpoint (default: the task's shipped "
-                                                "checkpoint folder, which `qae train --data <task>` loads).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Folder for the checkpoint (default: ./warmstart/<task>). Train "
+                                                "from it with `qae train --model FOLDER --data <task>`.")] = None,
+    into_package: Annotated[bool, typer.Option(
+        "--into-package", help="Overwrite the task's shipped checkpoint inside the installed package (what `qae "
+                               "train --data <task>` loads by default) instead of writing ./warmstart/<task>.",
+    )] = False,
     steps: Annotated[Optional[int], typer.Option(help="Supervised steps (default: the shipped recipe's).")] = None,
     seed: Annotated[int, typer.Option(help="Initialisation and data seed.")] = 0,
 ) -> None:
-    """Rebuild a built-in task's starting checkpoint (supervised, deterministic, under a minute on 2 cores)."""
+    """Rebuild a built-in task's starting checkpoint (supervised, deterministic, seconds on 2 cores), into
+    ./warmstart/<task> unless --out or --into-package says otherwise; train from it with `qae train --model FOLDER`."""
     from rich.progress import Progress
 
     from qae_app.data.tasks import builtin_task_name
-    from qae_app.train.warmstart import WarmstartConfig, check_out_dir, default_out_dir
+    from qae_app.train.warmstart import WarmstartConfig, check_out_dir, default_out_dir, shipped_dir
     from qae_app.train.warmstart import warmstart as run_warmstart
 
     try:
         cfg = WarmstartConfig(task=builtin_task_name(task) or task, steps=steps, seed=seed).resolved()
-        out = check_out_dir(out if out is not None else default_out_dir(cfg.task))
+        if into_package and out is not None:
+            raise QAEUserError(f"out: --out {out} and --into-package name two folders. Pass one: --into-package "
+                               f"writes {shipped_dir(cfg.task)}.")
+        out = check_out_dir(shipped_dir(cfg.task) if into_package else out or default_out_dir(cfg.task))
     except QAEUserError as err:
         fail(err)
     with Progress(console=console) as progress:
         bar = progress.add_task("warm start", total=cfg.steps)
         run_warmstart(out, cfg, on_step=lambda step, loss, *_: progress.update(bar, completed=step + 1,
                                                                                description=f"loss {loss:.3f}"))
-    console.print(f"saved to [cyan]{out}[/]")
+    console.print(Text.assemble("saved to ", (str(out), "cyan"), ". Train from it with:"), highlight=False)
+    print_command(f"qae train --model {out} --data {cfg.task}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
