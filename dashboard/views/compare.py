@@ -98,21 +98,24 @@ def pick_compared(readable: pd.DataFrame) -> list[str]:
 # the table
 
 
-def estimate_text(estimate: compare.Estimate | None) -> str:
-    """'0.700 [0.452, 0.948]': the mean over seeds and its 95% interval (the mean alone with one seed)."""
-    if estimate is None or estimate.mean is None:
+def estimate_text(estimate: compare.Estimate | None, sign: bool = False) -> str:
+    """'0.700 [0.452, 0.948]': the mean over seeds and its 95% interval, '0.700 (n=2: no interval)' below
+    `compare.MIN_SEEDS` seeds, the mean alone with one; for a paired difference '+0.133 [-0.010, 0.277] p=0.0572'.
+    `compare.shown` rules what is printed, as in `qae compare`."""
+    shown = compare.shown(estimate)
+    if shown.mean is None:
         return "-"
-    if estimate.low is None:
-        return number(estimate.mean)
-    return f"{number(estimate.mean)} [{number(estimate.low)}, {number(estimate.high)}]"
+    text = ("+" if sign and shown.mean > 0 else "") + number(shown.mean)
+    if shown.interval is not None:
+        text += f" [{number(shown.interval[0])}, {number(shown.interval[1])}]"
+    elif shown.no_interval is not None:
+        text += f" ({shown.no_interval})"
+    return text + (f" p={shown.p_value:.3g}" if shown.p_value is not None else "")
 
 
 def difference_text(difference: compare.PairedDifference | None) -> str:
-    """'+0.133 [-0.115, 0.382] p=0.0572': the mean paired difference, its 95% interval and the paired t-test p."""
-    if difference is None or difference.mean is None:
-        return "-"
-    text = ("+" if difference.mean > 0 else "") + estimate_text(difference)
-    return text + (f" p={difference.p_value:.3g}" if difference.p_value is not None else "")
+    """'+0.133 [-0.010, 0.277] p=0.0572': the mean paired difference, its 95% interval and the paired t-test p."""
+    return estimate_text(difference, sign=True)
 
 
 def group_notes(group: compare.RunGroup) -> str:

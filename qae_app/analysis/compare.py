@@ -162,6 +162,9 @@ def student_t_ppf(p: float, df: float) -> float:
 # Estimates across seeds
 
 CONFIDENCE = 0.95
+# Fewer seeds (or paired seeds) than this: no interval and no p-value is printed, by `qae compare` and the Compare
+# page alike (`shown`). From 2 seeds a 95% t-interval spans +-12.7 standard errors, wider than most metrics can take.
+MIN_SEEDS = 3
 FEW_SEEDS = 5  # below this a 95% t-interval is wide (t_{0.975, 3} = 3.18 vs 1.96 for many seeds)
 
 
@@ -172,9 +175,9 @@ def sample_size_note(n: int) -> str | None:
                 "metric: no evaluation)")
     if n < 2:
         return f"n={n}: one seed, no interval; run more seeds (--seeds 3 or more) to tell a difference from noise"
-    if n == 2:
-        return (f"n=2: no interval (from 2 seeds a 95% t-interval spans +-{student_t_ppf(0.975, 1):.1f} standard "
-                "errors, wider than the metric can take); run 3 or more seeds")
+    if n < MIN_SEEDS:
+        return (f"n={n}: no interval (from 2 seeds a 95% t-interval spans +-{student_t_ppf(0.975, 1):.1f} standard "
+                f"errors, wider than the metric can take); run {MIN_SEEDS} or more seeds")
     if n < FEW_SEEDS:
         return f"n={n}: few seeds, the 95% interval is wide (t quantile {student_t_ppf(0.975, n - 1):.2f})"
     return None
@@ -220,15 +223,37 @@ def mean_interval(values: list[float], bounds: Bounds = UNBOUNDED) -> Estimate:
 
 def interval_missing(estimate: Estimate) -> str | None:
     """Why an estimate is shown without an interval, in a few words ('n=2: no interval'), or None when it has one
-    worth reading. Two seeds give a t-interval of +-12.7 standard errors; seeds that tie give one of zero width,
-    which would read as certainty."""
-    if estimate.mean is None or estimate.n < 2:
-        return None if estimate.mean is None else f"n={estimate.n}: no interval"
-    if estimate.n == 2:
-        return "n=2: no interval"
+    worth reading. Fewer than `MIN_SEEDS` seeds give none (two give a t-interval of +-12.7 standard errors); seeds
+    that tie give one of zero width, which would read as certainty."""
+    if estimate.mean is None:
+        return None
+    if estimate.n < MIN_SEEDS:
+        return f"n={estimate.n}: no interval"
     if estimate.sd == 0:
         return f"all {estimate.n} seeds tied: no spread to measure"
     return None
+
+
+@dataclass(frozen=True)
+class Shown:
+    """What `qae compare` and the Compare page print of one estimate: both format this, so they print the same."""
+
+    mean: float | None  # None: no value ('-')
+    interval: tuple[float, float] | None  # (low, high), only from MIN_SEEDS seeds on and with a spread
+    no_interval: str | None  # why there is none ('n=2: no interval'); None with an interval, or with one seed
+    p_value: float | None  # a paired difference's two-sided p, only where its interval is shown
+
+
+def shown(estimate: Estimate | None) -> Shown:
+    """The one rule for printing an estimate or a paired difference: its mean; its interval and (for a difference)
+    its p-value from `MIN_SEEDS` seeds on, else why not (`interval_missing`). With one seed the mean alone: the
+    group's note says why."""
+    if estimate is None or estimate.mean is None:
+        return Shown(None, None, None, None)
+    why = interval_missing(estimate)
+    if why is not None:
+        return Shown(estimate.mean, None, why if estimate.n >= 2 else None, None)
+    return Shown(estimate.mean, (estimate.low, estimate.high), None, getattr(estimate, "p_value", None))
 
 
 @dataclass

@@ -178,6 +178,12 @@ def plan(
 app.command(help=plan.__doc__)(_with_config_options(plan, TrainConfig))
 
 
+def print_command(command: str) -> None:
+    """A command for the user to paste, indented, on one line whatever the terminal's width: wrapped at a space (or
+    a long path anywhere), a paste ran its first half."""
+    console.print(Text("  " + command), soft_wrap=True, highlight=False)
+
+
 def run_training(trainer) -> None:
     from qae_app.cli.progress import TrainProgress, banner
 
@@ -214,17 +220,18 @@ def run_training(trainer) -> None:
             newest = latest_checkpoint(result.run_dir)
             start = (f"from its newest checkpoint, {newest.name}," if newest is not None else
                      "from step 0 (no checkpoint yet; the same seed trains the same steps again)")
-            console.print(f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue it {start} with: "
-                          f"qae train --resume {result.run_id} --runs-dir {trainer.runs_dir}", highlight=False)
+            console.print(f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue it {start} with:",
+                          highlight=False)
+            print_command(f"qae train --resume {result.run_id} --runs-dir {trainer.runs_dir}")
         end_processes()
         raise typer.Exit(code=130)
     if main:
         console.print(f"[green]done[/]: {result.steps_done} steps, status {result.status}. "
                       f"Held-out accuracy {number(progress.heldout)}.")
-        console.print(f"Stored in [cyan]{result.run_dir / DB_FILE}[/]. Inspect it with:\n"
-                      f"  qae show {result.run_id} --runs-dir {trainer.runs_dir}\n"
-                      f"  qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}\n"
-                      f"  qae dashboard --runs-dir {trainer.runs_dir}", highlight=False)
+        console.print(f"Stored in [cyan]{escape(str(result.run_dir / DB_FILE))}[/]. Inspect it with:", highlight=False)
+        print_command(f"qae show {result.run_id} --runs-dir {trainer.runs_dir}")
+        print_command(f"qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}")
+        print_command(f"qae dashboard --runs-dir {trainer.runs_dir}")
     end_processes()
 
 
@@ -283,28 +290,37 @@ def fail_on_write_fault(trainer, err: Exception) -> None:
 def warmstart(
     task: Annotated[str, typer.Option(help="Built-in task to warm-start on: arith (ships as builtin:tiny) or chain "
                                       "(builtin:tiny-chain).")] = "arith",
-    out: Annotated[Optional[Path], typer.Option(help="Folder for the checkpoint (default: the task's shipped "
-                                                "checkpoint folder, which `qae train --data <task>` loads).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Folder for the checkpoint (default: ./warmstart/<task>). Train "
+                                                "from it with `qae train --model FOLDER --data <task>`.")] = None,
+    into_package: Annotated[bool, typer.Option(
+        "--into-package", help="Overwrite the task's shipped checkpoint inside the installed package (what `qae "
+                               "train --data <task>` loads by default) instead of writing ./warmstart/<task>.",
+    )] = False,
     steps: Annotated[Optional[int], typer.Option(help="Supervised steps (default: the shipped recipe's).")] = None,
     seed: Annotated[int, typer.Option(help="Initialisation and data seed.")] = 0,
 ) -> None:
-    """Rebuild a built-in task's starting checkpoint (supervised, deterministic, under a minute on 2 cores)."""
+    """Rebuild a built-in task's starting checkpoint (supervised, deterministic, seconds on 2 cores), into
+    ./warmstart/<task> unless --out or --into-package says otherwise; train from it with `qae train --model FOLDER`."""
     from rich.progress import Progress
 
     from qae_app.data.tasks import builtin_task_name
-    from qae_app.train.warmstart import WarmstartConfig, check_out_dir, default_out_dir
+    from qae_app.train.warmstart import WarmstartConfig, check_out_dir, default_out_dir, shipped_dir
     from qae_app.train.warmstart import warmstart as run_warmstart
 
     try:
         cfg = WarmstartConfig(task=builtin_task_name(task) or task, steps=steps, seed=seed).resolved()
-        out = check_out_dir(out if out is not None else default_out_dir(cfg.task))
+        if into_package and out is not None:
+            raise QAEUserError(f"out: --out {out} and --into-package name two folders. Pass one: --into-package "
+                               f"writes {shipped_dir(cfg.task)}.")
+        out = check_out_dir(shipped_dir(cfg.task) if into_package else out or default_out_dir(cfg.task))
     except QAEUserError as err:
         fail(err)
     with Progress(console=console) as progress:
         bar = progress.add_task("warm start", total=cfg.steps)
         run_warmstart(out, cfg, on_step=lambda step, loss, *_: progress.update(bar, completed=step + 1,
                                                                                description=f"loss {loss:.3f}"))
-    console.print(f"saved to [cyan]{out}[/]")
+    console.print(Text.assemble("saved to ", (str(out), "cyan"), ". Train from it with:"), highlight=False)
+    print_command(f"qae train --model {out} --data {cfg.task}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -621,9 +637,11 @@ def sweep_command(
     except QAEUserError as err:
         fail(err)
     counts = {state: sum(1 for s in states.values() if s == state) for state in sorted(set(states.values()))}
-    compare = (f". Compare them with: qae compare --sweep {plan.name} --runs-dir {runs_dir}"
-               if {"done", "kept"} & set(states.values()) else "")  # (compare leaves out runs without a step)
-    console.print("sweep " + ", ".join(f"{n} {state}" for state, n in counts.items()) + compare, highlight=False)
+    compared = {"done", "kept"} & set(states.values())  # (compare leaves out runs without a step)
+    console.print("sweep " + ", ".join(f"{n} {state}" for state, n in counts.items())
+                  + (". Compare them with:" if compared else ""), highlight=False)
+    if compared:
+        print_command(f"qae compare --sweep {plan.name} --runs-dir {runs_dir}")
     for run_name, state in states.items():
         if state == "failed":
             log = plan.folder / f"{run_name}.log"

@@ -1,21 +1,30 @@
 """What `qae train` prints while it trains: the banner, and one progress line per step.
 
-On a terminal the line is a `rich` progress bar that redraws in place (step, reward, entropy, gated fraction, held-out
-accuracy, steps/min and ETA); anywhere else (a log file, a pipe, a sweep's point log) the same facts are printed as
-one plain line per step, so `tail -f` shows a live run and a silent one is a stuck one.
+On a terminal the line is a `rich` progress bar that redraws in place (step, bar, elapsed time, reward, entropy, gated
+fraction, held-out accuracy, steps/min and ETA), fitted to the terminal's width by dropping its least useful fields
+first (`DROP_ORDER`): "step N/M" and the ETA stay down to 60 columns and no field is cut. Anywhere else (a log file,
+a pipe, a sweep's point log) the same facts are printed as one plain line per step, so `tail -f` shows a live run and a
+silent one is a stuck one.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from datetime import timedelta
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, ProgressColumn, Task
+from rich.table import Column
+from rich.text import Text
 
 from qae_app.core import names
 from qae_app.core.formatting import duration, number
 
+BAR_WIDTH = 20
+# the live line's fields, least useful first: dropped in this order while the line is wider than the terminal ("step
+# N/M" and the ETA are never dropped; the bar repeats the step count, the pace is in the ETA)
+DROP_ORDER = ("bar", "pace", "elapsed", "filtered", "gated", "entropy", "heldout", "reward")
 PACE_STEPS = 20  # steps/min is the median pace of the last this many steps (an evaluation's pause does not skew it)
 
 
@@ -50,14 +59,47 @@ class StepPace:
         return max(0, self.total_steps - self.times[-1][0]) / rate * 60
 
 
-def step_stats(metrics: dict, heldout: float | None, pace: StepPace, dynamic_sampling: bool = False) -> str:
-    """'reward 0.531 H 0.412 gated 0.62 held-out 0.410 · 3.1 steps/min · ETA 28 min'."""
+def stat_fields(metrics: dict, heldout: float | None, pace: StepPace, dynamic_sampling: bool = False) -> dict[str, str]:
+    """The step's fields in the order printed, each named as in `DROP_ORDER` (and "eta")."""
     rate = pace.steps_per_min()
-    text = (f"reward {number(metrics.get('reward_mean'))} H {number(metrics.get('entropy'))} "
-            f"gated {number(metrics.get('frac_zero_adv'))} held-out {number(heldout)}")
+    fields = {"reward": f"reward {number(metrics.get('reward_mean'))}",
+              "entropy": f"H {number(metrics.get('entropy'))}",
+              "gated": f"gated {number(metrics.get('frac_zero_adv'))}", "heldout": f"held-out {number(heldout)}"}
     if dynamic_sampling:
-        text += f" filtered {number(metrics.get('frac_filtered'))}"
-    return text + f" · {f'{rate:.3g}' if rate else '-'} steps/min · ETA {duration(pace.eta_s())}"
+        fields["filtered"] = f"filtered {number(metrics.get('frac_filtered'))}"
+    return {**fields, "pace": f"· {f'{rate:.3g}' if rate else '-'} steps/min", "eta": f"· ETA {duration(pace.eta_s())}"}
+
+
+def fit_line(fields: dict[str, Text], width: int) -> Text:
+    """The fields joined by spaces, the least useful dropped (`DROP_ORDER`) until the line fits `width` columns."""
+    shown = dict(fields)
+    for name in DROP_ORDER:
+        if sum(text.cell_len for text in shown.values()) + len(shown) - 1 <= width:
+            break
+        shown.pop(name, None)
+    return Text(" ", no_wrap=True, overflow="ellipsis").join(shown.values())
+
+
+def bar(completed: float, total: float | None) -> Text:
+    filled = round(BAR_WIDTH * min(1.0, completed / total)) if total else 0
+    done = "bar.finished" if filled == BAR_WIDTH else "bar.complete"
+    return Text.assemble(("━" * filled, done), ("━" * (BAR_WIDTH - filled), "bar.back"))
+
+
+class FittedLine(ProgressColumn):
+    """'step 120/300 ━━━━━━━━ 0:03:10 reward 0.531 ... · ETA 28 min', as wide as the console is (`fit_line`): rich's
+    columns squeezed each other instead, cutting '300' to '3…' and dropping the step count first."""
+
+    def __init__(self, console: Console):
+        super().__init__(table_column=Column(no_wrap=True))
+        self.console = console
+
+    def render(self, task: Task) -> Text:
+        elapsed = "-:--:--" if task.elapsed is None else str(timedelta(seconds=max(0, int(task.elapsed))))
+        fields = {"step": Text.assemble(("step", "bold"), f" {int(task.completed)}/{int(task.total or 0)}"),
+                  "bar": bar(task.completed, task.total), "elapsed": Text(elapsed, style="progress.elapsed"),
+                  **{name: Text(text) for name, text in task.fields["stats"].items()}}
+        return fit_line(fields, self.console.width)
 
 
 class TrainProgress:
@@ -70,10 +112,8 @@ class TrainProgress:
         self.live = show and console.is_terminal  # redraw in place; else one plain line a step
         self.pace = StepPace(total_steps)
         self.heldout: float | None = None
-        self.bar = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=20),
-                            TimeElapsedColumn(), TextColumn("{task.fields[stats]}"), console=console,
-                            disable=not self.live, transient=False)
-        self.task = self.bar.add_task("train", total=total_steps, completed=done, stats="")
+        self.bar = Progress(FittedLine(console), console=console, disable=not self.live, transient=False)
+        self.task = self.bar.add_task("train", total=total_steps, completed=done, stats={})
 
     def __enter__(self) -> "TrainProgress":
         self.bar.__enter__()
@@ -86,10 +126,11 @@ class TrainProgress:
         if metrics.get("heldout_accuracy") is not None:
             self.heldout = metrics["heldout_accuracy"]
         if step == 0:
-            stats = f"held-out {number(self.heldout)} before training"
+            stats = {"heldout": f"held-out {number(self.heldout)} before training"}
         else:
             self.pace.record(step)
-            stats = step_stats(metrics, self.heldout, self.pace, self.dynamic_sampling)
+            stats = stat_fields(metrics, self.heldout, self.pace, self.dynamic_sampling)
         self.bar.update(self.task, completed=step, stats=stats)
         if self.show and not self.live:
-            self.console.print(f"step {step}/{self.total_steps} {stats}", highlight=False, soft_wrap=True)
+            self.console.print(f"step {step}/{self.total_steps} {' '.join(stats.values())}", highlight=False,
+                               soft_wrap=True)

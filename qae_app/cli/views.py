@@ -468,32 +468,22 @@ def _time(value) -> str:
 # qae compare
 
 
-def _interval(e) -> str:
-    """'[0.581, 0.643]' (the 95% interval, cut at what the metric can take), or why there is none ('n=2: no
-    interval', 'all 3 seeds tied: no spread to measure')."""
-    from qae_app.analysis.compare import interval_missing
+def _cell(e, sign: bool = False) -> Text:
+    """'0.612' over '[0.581, 0.643]' (the 95% interval) or why there is none ('n=2: no interval'), and for a paired
+    difference its p-value below, as `analysis.compare.shown` rules (the Compare page prints the same); '-' without
+    a value."""
+    from qae_app.analysis.compare import shown
 
-    return interval_missing(e) or f"[{number(e.low)}, {number(e.high)}]"
-
-
-def _estimate(e) -> Text:
-    """'0.612' over '[0.581, 0.643]' (the 95% interval) or why there is none, or '-' without a value."""
-    if e is None or e.mean is None:
+    s = shown(e)
+    if s.mean is None:
         return Text("-")
-    text = Text(number(e.mean))
-    if e.n >= 2:
-        text.append(f"\n{_interval(e)}", style="dim")
-    return text
-
-
-def _difference(d) -> Text:
-    if d is None or d.mean is None:
-        return Text("-")
-    text = Text(("+" if d.mean > 0 else "") + number(d.mean))
-    if d.n >= 2:
-        text.append(f"\n{_interval(d)}", style="dim")
-    if d.p_value is not None and d.sd != 0:  # (pairs that all differ by the same amount: p is 0 or 1, meaningless)
-        text.append(f"\np={d.p_value:.3g}", style="bold" if d.p_value < 0.05 else "dim")
+    text = Text(("+" if sign and s.mean > 0 else "") + number(s.mean))
+    if s.interval is not None:
+        text.append(f"\n[{number(s.interval[0])}, {number(s.interval[1])}]", style="dim")
+    elif s.no_interval is not None:
+        text.append(f"\n{s.no_interval}", style="dim")
+    if s.p_value is not None:
+        text.append(f"\np={s.p_value:.3g}", style="bold" if s.p_value < 0.05 else "dim")
     return text
 
 
@@ -516,7 +506,7 @@ def compare_view(comparison, width: int) -> RenderableType:
     for index, _ in enumerate(groups, 1):
         table.add_column(f"G{index}", justify="right", no_wrap=True)
     for name in RUN_METRICS:
-        table.add_row(name, *[_estimate(group.metrics.get(name)) for group in groups])
+        table.add_row(name, *[_cell(group.metrics.get(name)) for group in groups])
     parts.append(table)
     if comparison.baseline is not None:
         others = [(i, g) for i, g in enumerate(groups, 1) if g is not comparison.baseline]
@@ -528,7 +518,7 @@ def compare_view(comparison, width: int) -> RenderableType:
         for index, _ in others:
             diff.add_column(f"G{index} - G{base_index}", justify="right", no_wrap=True)
         for name in RUN_METRICS:
-            diff.add_row(name, *[_difference(comparison.differences[g.label].get(name)) for _, g in others])
+            diff.add_row(name, *[_cell(comparison.differences[g.label].get(name), sign=True) for _, g in others])
         parts.append(diff)
         for index, group in others:
             paired = comparison.differences[group.label][next(iter(RUN_METRICS))]

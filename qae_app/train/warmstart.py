@@ -5,7 +5,8 @@ RL needs a policy that is sometimes right: from random weights every group is al
 on held-out ones) for the task's fixed number of steps (`tasks.BUILTIN_TASKS[T].warmstart_steps`), deterministically
 for a given seed, and stops early on purpose: sampled held-out accuracy stays between about a fifth and a half,
 leaving RL room to improve it. The gold response is the answer for `arith` and the scratchpad plus answer for
-`chain` (`Problem.meta["gold_response"]`). Its output is what ships in `qae_app/assets/` under the task's model name.
+`chain` (`Problem.meta["gold_response"]`). Its output is what ships in `qae_app/assets/` under the task's model name;
+it is saved to `./warmstart/<task>` unless the shipped folder is asked for by name.
 """
 
 from __future__ import annotations
@@ -57,7 +58,14 @@ def check_out_dir(out_dir: Path) -> Path:
 
 
 def default_out_dir(task: str) -> Path:
-    """Where the shipped checkpoint of `task` lives (what `qae train --data <task>` loads by default)."""
+    """Where `qae warmstart` saves by default: `warmstart/<task>` under the current folder, never inside the installed
+    package (a rebuild there replaces the checkpoint every `qae train --data <task>` loads)."""
+    return Path.cwd() / "warmstart" / task
+
+
+def shipped_dir(task: str) -> Path:
+    """Where the shipped checkpoint of `task` lives (what `qae train --data <task>` loads by default): written only
+    when asked for (`qae warmstart --into-package`, or `--out` naming it)."""
     return BUILTIN_CHECKPOINTS[BUILTIN_TASKS[task].model]
 
 

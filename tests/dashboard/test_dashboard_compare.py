@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from typer.testing import CliRunner
 
+from qae_app.analysis import compare
+from qae_app.cli.main import app
 from qae_app.config import TrainConfig
 from qae_app.store import run_folder as rundir
 from qae_app.store import schema as store
 from qae_app.store import writer as store_write
 from qae_app.store.run_folder import CONFIG_FILE
 from tests.dashboard.helpers import charts, make_app, plotly_specs, texts
+from tests.synthetic import write_run
 
 T_975_2 = 4.3026527  # Student t, 97.5% quantile, 2 degrees of freedom (table value)
 SWEEP_ID, SWEEP_NAME = "a1b2c3d4e5", "study"
@@ -340,3 +345,62 @@ def test_a_copied_run_folder_is_shown_and_not_counted_as_a_seed(tmp_path, monkey
     differences = by_group(at, "paired seeds")
     assert differences["paired runs"].tolist() == [
         "study-qae-s0 - study-grpo-s0; study-qae-s1 - study-grpo-s1; study-qae-s2 - study-grpo-s2"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `qae compare` and the page print the same numbers
+
+
+def cli_cells(output: str, table_header: str) -> dict[str, list[str]]:
+    """metric -> its cells, one per group column, of the `qae compare` table whose header line starts with
+    `table_header`, each cell's lines joined as the page writes them: '0.433 [0.415, 0.451] p=0.428',
+    '0.656 (n=2: no interval)'."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(table_header))
+    header = lines[start]
+    ends = [match.end() for match in re.finditer(r"\S+(?: - \S+)?", header)][1:]  # right-justified columns
+    cells: dict[str, list[list[str]]] = {}
+    for line in lines[start + 2:]:
+        name = line.split(" ", 1)[0]
+        if name in compare.RUN_METRICS:
+            cells[name] = [[] for _ in ends]
+        elif line[:1] != " " or not cells:
+            break
+        for column, (begin, end) in enumerate(zip([len(name)] + ends[:-1], ends)):
+            if text := line[begin:end].strip():
+                cells[next(reversed(cells))][column].append(text)
+    return {name: [" ".join(f"({part})" if part[0].isalpha() and not part.startswith("p=") else part
+                            for part in parts) for parts in by_column] for name, by_column in cells.items()}
+
+
+def page_cells(at, first_row: str) -> dict[str, list[str]]:
+    table = by_metric(at, first_row).set_index("metric")
+    return {name: table.loc[name].tolist() for name in compare.RUN_METRICS}
+
+
+@pytest.mark.parametrize("seeds", [2, 3])
+def test_the_cli_and_the_page_print_the_same_intervals_and_p_values(tmp_path, monkeypatch, seeds):
+    """One statistics rule for both: below `compare.MIN_SEEDS` paired seeds no interval and no p-value (the page
+    printed t-intervals and both printed p at n=2), from it on the same interval and p. Two setups (group size 8 and
+    6), the same seeds, synthetic runs with held-out evaluations (which tie across seeds) and entropies (which do
+    not)."""
+    runs_dir = tmp_path / "runs"
+    ids = [f"g{size}-s{seed}" for size in (8, 6) for seed in range(seeds)]
+    for run_id in ids:
+        size, seed = (int(part[1:]) for part in run_id.split("-"))
+        write_run(runs_dir, run_id, steps=6, group_size=size, seed=seed, eval_every=3)
+    result = CliRunner().invoke(app, ["compare", *ids, "--baseline", "group_size=6", "--runs-dir", str(runs_dir)],
+                                env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    at = make_app(runs_dir, monkeypatch)("compare", runs=",".join(ids), baseline="group_size=6")
+    cli = {**cli_cells(result.output, "metric "),
+           **{f"diff {name}": cells for name, cells in cli_cells(result.output.split("minus the baseline")[1],
+                                                                   "metric ").items()}}
+    page = {**page_cells(at, "n"), **{f"diff {name}": cells for name, cells in page_cells(at, "paired seeds").items()}}
+    assert cli == page
+    shown = " ".join(cell for cells in cli.values() for cell in cells)
+    if seeds < compare.MIN_SEEDS:
+        assert "[" not in shown and "p=" not in shown and "(n=2: no interval)" in shown
+    else:
+        assert "[" in shown and "p=" in shown and "no interval" not in shown
+    assert "all 3 seeds tied" in shown if seeds == 3 else "tied" not in shown  # held-out accuracy is seed-free

@@ -2,6 +2,7 @@
 cleanly. Real model, real DuckDB file, real checkpoints."""
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -273,6 +274,40 @@ def test_warmstart_is_deterministic(tmp_path):
     a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("a", "b"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
+
+
+def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in sorted(folder.iterdir())}
+
+
+def test_warmstart_writes_under_the_working_folder_and_leaves_the_package_alone(tmp_path, monkeypatch):
+    """`qae warmstart` without --out overwrote the shipped checkpoint inside the installed package (what every
+    `qae train --data arith` loads); now it writes ./warmstart/<task> and says how to train from it."""
+    from qae_app.train.warmstart import shipped_dir
+
+    shipped = shipped_dir("arith")
+    before = _files(shipped)
+    assert "model.safetensors" in before
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["warmstart", "--steps", "2"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "warmstart" / "arith"
+    assert (out / "model.safetensors").is_file() and (out / "qae_char_tokenizer.json").is_file()
+    assert _files(shipped) == before  # the same bytes, not even touched
+    assert f"  qae train --model {out} --data arith" in result.output.splitlines(), result.output
+
+
+def test_warmstart_writes_the_package_only_when_asked(tmp_path, monkeypatch):
+    from qae_app.models.policy import BUILTIN_CHECKPOINTS
+
+    package = tmp_path / "package" / "tiny"  # (a stand-in: the real assets stay as shipped)
+    monkeypatch.setitem(BUILTIN_CHECKPOINTS, "builtin:tiny", package)
+    both = runner.invoke(app, ["warmstart", "--steps", "1", "--into-package", "--out", str(tmp_path / "x")])
+    assert both.exit_code == 2 and "--into-packagenametwofolders" in "".join(both.output.split()), both.output
+    assert not package.exists() and not (tmp_path / "x").exists()
+    result = runner.invoke(app, ["warmstart", "--steps", "1", "--into-package"])
+    assert result.exit_code == 0, result.output
+    assert (package / "model.safetensors").is_file()
 
 def test_kl_to_a_frozen_reference_grows_once_the_policy_moves(tmp_path):
     cfg = build_config(run_name="kl", kl_beta=0.1, steps=3, prompts_per_step=4, group_size=8, eval_every=0,
