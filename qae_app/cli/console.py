@@ -1,16 +1,22 @@
-"""The console every qae command prints through. Text from a run folder (a prompt, a response, an error message, a
-config value) may carry terminal escapes, and a run folder can come from anyone: an OSC 52 sequence in a response
-would write the user's clipboard, `ESC [2J` clear the screen. rich removes only a few control characters, so this
-console shows every other one as a visible escape (`\\x1b`) in the text it is given, while its own styling and
-cursor control (the progress bar) are drawn as usual."""
+"""The console every qae command prints through, and `fail`, how each reports an error a user can fix.
+
+Text from a run folder (a prompt, a response, an error message, a config value) may carry terminal escapes, and a run
+folder can come from anyone: an OSC 52 sequence in a response would write the user's clipboard, `ESC [2J` clear the
+screen. rich removes only a few control characters, so this console shows every other one as a visible escape
+(`\\x1b`) in the text it is given, while its own styling and cursor control (the progress bar) are drawn as usual.
+"""
 
 from __future__ import annotations
 
 import re
 from typing import Iterable
 
+import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.segment import Segment
+
+from qae_app.core.errors import QAEUserError
 
 # C0 controls but tab and newline, DEL, and the C1 controls (0x9b is a one-byte CSI on some terminals)
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -29,3 +35,21 @@ class SafeConsole(Console):
         return super()._render_buffer(segment if segment.control else
                                       Segment(visible_controls(segment.text), segment.style)
                                       for segment in buffer)
+
+
+console = SafeConsole()
+err_console = SafeConsole(stderr=True)
+
+
+
+def fail(err: QAEUserError) -> None:
+    err_console.print(f"[bold red]error:[/] {escape(_clip_long_words(str(err)))}")
+    raise typer.Exit(code=2)
+
+
+def _clip_long_words(message: str, limit: int = 400) -> str:
+    """Each run of over `limit` characters without a space cut to its start and length: a value echoed from a config
+    file (a 10 MB model name) is named, not printed whole. Paths and values of ordinary length are kept."""
+    from qae_app.core.formatting import clipped
+
+    return re.sub(r"\S{%d,}" % (limit + 1), lambda match: clipped(match.group(0)), message)

@@ -19,7 +19,9 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from qae_app.cli.console import SafeConsole
+from qae_app.cli import launch, manage
+from qae_app.cli.console import SafeConsole, console, err_console, fail
+from qae_app.cli.options import DEFAULT_RUNS_DIR, RunsDir
 from qae_app.config import EvalConfig, TrainConfig
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
@@ -28,41 +30,6 @@ from qae_app.store.run_folder import DB_FILE
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="RL from verifiable rewards with Quantile Advantage Estimation (QAE).")
-console = SafeConsole()
-err_console = SafeConsole(stderr=True)
-
-def _runs_dir_is_a_folder(value: Path) -> Path:
-    from qae_app.core.host_faults import name_too_long
-
-    long = name_too_long(value)
-    if long is not None:
-        raise typer.BadParameter(f"'{long}' has a name over 255 bytes, longer than the file system allows for one "
-                                 "folder. Use a shorter name.")
-    if value.exists() and not value.is_dir():
-        raise typer.BadParameter(f"'{value}' is a file, not a folder. Pass the folder that holds one sub-folder per "
-                                 "run (it is created by the first `qae train`).")
-    return value
-
-
-RunsDir = Annotated[Path, typer.Option("--runs-dir", help="Folder holding one sub-folder per run.",
-                                       callback=_runs_dir_is_a_folder)]
-DEFAULT_RUNS_DIR = Path("runs")
-
-
-def fail(err: QAEUserError) -> None:
-    err_console.print(f"[bold red]error:[/] {escape(_clip_long_words(str(err)))}")
-    raise typer.Exit(code=2)
-
-
-def _clip_long_words(message: str, limit: int = 400) -> str:
-    """Each run of over `limit` characters without a space cut to its start and length: a value echoed from a config
-    file (a 10 MB model name) is named, not printed whole. Paths and values of ordinary length are kept."""
-    import re
-
-    from qae_app.core.formatting import clipped
-
-    return re.sub(r"\S{%d,}" % (limit + 1), lambda match: clipped(match.group(0)), message)
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # options generated from the config dataclasses (config.TrainConfig, config.EvalConfig)
@@ -123,7 +90,7 @@ def train(
     **options: Any,
 ) -> None:
     """Train a policy with QAE (or a mean-baseline estimator) and log every rollout to DuckDB."""
-    end_with_the_launcher()
+    launch.end_with_the_launcher()
     from qae_app.config import build_config
     from qae_app.train.session import resume_config
     from qae_app.train.trainer import Trainer
@@ -223,7 +190,7 @@ def run_training(trainer) -> None:
             console.print(f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue it {start} with:",
                           highlight=False)
             print_command(f"qae train --resume {result.run_id} --runs-dir {trainer.runs_dir}")
-        end_processes()
+        launch.end_processes()
         raise typer.Exit(code=130)
     if main:
         console.print(f"[green]done[/]: {result.steps_done} steps, status {result.status}. "
@@ -232,35 +199,7 @@ def run_training(trainer) -> None:
         print_command(f"qae show {result.run_id} --runs-dir {trainer.runs_dir}")
         print_command(f"qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}")
         print_command(f"qae dashboard --runs-dir {trainer.runs_dir}")
-    end_processes()
-
-
-def end_with_the_launcher() -> None:
-    """Under `accelerate launch` (torch's elastic launcher) every rank runs in a session of its own, so a kill -9 of
-    the launcher's process group never reaches it: the ranks trained on, holding the run's lock. Linux's parent-death
-    signal ends a rank with the launcher that started it; the run resumes from its newest checkpoint."""
-    import os
-
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    launcher = os.getppid()
-    pr_set_pdeathsig = 1  # <linux/prctl.h>
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != launcher:  # it died before the signal was asked for
-        os._exit(1)
-
-
-def end_processes() -> None:
-    """Tear down the process group of an `accelerate launch` run that finished: left to the interpreter's exit, gloo's
-    threads were destroyed still running and a process aborted ('terminate called without an active exception',
-    SIGABRT) after its run had finished and been stored."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    launch.end_processes()
 
 
 def fail_on_write_fault(trainer, err: Exception) -> None:
@@ -362,104 +301,8 @@ def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
     out.print(runs_view(rows, str(runs_dir), out.width))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# managing runs: tags, notes, removal
-
-
-@app.command()
-def tag(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
-        tags: Annotated[list[str], typer.Argument(help="Tags to add (letters, digits, '.', '_', '-').")],
-        remove: Annotated[bool, typer.Option("--remove", help="Remove these tags instead.")] = False,
-        runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
-    """Tag a run (e.g. baseline, lr-too-high): shown by `qae runs` and `qae show`, filtered by `qae runs --tag`.
-    Works while the run trains: tags live beside its database, not in it."""
-    from qae_app.store.labels import check_tag, read_labels, write_labels
-    from qae_app.store.reader import resolve_run
-
-    try:
-        folder = resolve_run(runs_dir, run).parent
-        labels = read_labels(folder)
-        given = [check_tag(t) for t in tags]
-        labels.tags = ([t for t in labels.tags if t not in given] if remove
-                       else labels.tags + [t for t in dict.fromkeys(given) if t not in labels.tags])
-        write_labels(folder, labels)
-    except QAEUserError as err:
-        fail(err)
-    console.print(f"run {escape(run)}: tags {escape(', '.join(labels.tags)) or '(none)'}", highlight=False)
-
-
-@app.command()
-def note(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
-         text: Annotated[str, typer.Argument(help="The note; \"\" clears it.")],
-         runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
-    """Write a run's note ("lr too high", "the paper's baseline"), shown by `qae runs` and `qae show`. Works while
-    the run trains."""
-    from qae_app.store.labels import check_note, read_labels, write_labels
-    from qae_app.store.reader import resolve_run
-
-    try:
-        folder = resolve_run(runs_dir, run).parent
-        labels = read_labels(folder)
-        labels.note = check_note(text)
-        write_labels(folder, labels)
-    except QAEUserError as err:
-        fail(err)
-    console.print(f"run {escape(run)}: note {'cleared' if not text else 'saved'}", highlight=False)
-
-
-@app.command()
-def stop(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
-         timeout: Annotated[float, typer.Option(help="Seconds to wait for its checkpoint.")] = 600.0,
-         runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
-    """Stop a live run as Ctrl-C does: after its current step, with a checkpoint; it resumes with --resume. Only the
-    process the kernel says holds the run's lock is signalled (every rank of a launch stops with it)."""
-    from qae_app.cli.stop import stop_run
-    from qae_app.store.reader import read_last_step, read_run, resolve_run
-
-    try:
-        path = resolve_run(runs_dir, run)
-        console.print(f"stopping run {escape(run)} after its current step (its checkpoint is written on the way "
-                      "out)...", highlight=False)
-        if not stop_run(path.parent, timeout):
-            raise QAEUserError(f"stop: run '{run}' is still running after {timeout:g} s (a long step, or a large "
-                               "checkpoint). It will stop on its own; check with `qae runs`.")
-        status, step = read_run(path).get("status"), read_last_step(path)
-    except QAEUserError as err:
-        fail(err)
-    console.print(f"run {escape(run)} {status} at step {step}. Continue it with: qae train --resume {escape(run)} "
-                  f"--runs-dir {escape(str(runs_dir))}", highlight=False, soft_wrap=True)
-
-
-@app.command()
-def rm(runs: Annotated[Optional[list[str]], typer.Argument(help="Run ids to delete (or --sweep).")] = None,
-       sweep: Annotated[Optional[str], typer.Option(help="Delete every run of this sweep (its id or name).")] = None,
-       yes: Annotated[bool, typer.Option("--yes", help="Delete without asking.")] = False,
-       runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
-    """Delete runs: their folders, database, checkpoints and all. A run being trained is refused (stop it first)."""
-    from qae_app.store.removal import folders_to_remove, remove_run_folder
-
-    try:
-        if sweep is not None:
-            from qae_app.analysis.compare import in_sweep
-            from qae_app.store.reader import run_summaries
-
-            runs = [*(runs or []), *(row["run_id"] for row in run_summaries(runs_dir)
-                                     if in_sweep(json.loads(row.get("config") or "{}"), sweep))]
-            if not runs:
-                raise QAEUserError(f"sweep: no run of sweep '{sweep}' in {runs_dir}. Nothing was deleted.")
-        folders = folders_to_remove(runs_dir, runs or [])
-    except QAEUserError as err:
-        fail(err)
-    names_text = ", ".join(folder.name for folder in folders)
-    if not yes and not typer.confirm(f"Delete {len(folders)} run(s) from {runs_dir}: {names_text}?", default=False):
-        console.print("nothing deleted")
-        raise typer.Exit(code=1)
-    for folder in folders:
-        try:
-            remove_run_folder(folder)
-        except QAEUserError as err:
-            fail(err)
-    console.print(f"deleted {len(folders)} run(s): {escape(names_text)}", highlight=False)
+for managing in (manage.tag, manage.note, manage.stop, manage.rm):
+    app.command()(managing)
 
 
 @app.command()

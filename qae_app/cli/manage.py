@@ -1,0 +1,113 @@
+"""Managing runs: `qae tag`, `qae note` (labels kept beside the run's database, so they change while it trains),
+`qae stop` (a live run, as Ctrl-C stops it) and `qae rm`. Registered on the `qae` app by cli/main.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+
+from qae_app.cli.console import console, fail
+from qae_app.cli.options import DEFAULT_RUNS_DIR, RunsDir
+from qae_app.core.errors import QAEUserError
+
+
+def _change_labels(run: str, runs_dir, change):
+    """Read the run's labels, apply `change` (which checks its input), write them back; one message on bad input."""
+    from qae_app.store.labels import read_labels, write_labels
+    from qae_app.store.reader import resolve_run
+
+    try:
+        folder = resolve_run(runs_dir, run).parent
+        labels = read_labels(folder)
+        change(labels)
+        write_labels(folder, labels)
+    except QAEUserError as err:
+        fail(err)
+    return labels
+
+
+def tag(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
+        tags: Annotated[list[str], typer.Argument(help="Tags to add (letters, digits, '.', '_', '-').")],
+        remove: Annotated[bool, typer.Option("--remove", help="Remove these tags instead.")] = False,
+        runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+    """Tag a run (e.g. baseline, lr-too-high): shown by `qae runs` and `qae show`, filtered by `qae runs --tag`.
+    Works while the run trains: tags live beside its database, not in it."""
+    from qae_app.store.labels import check_tag
+
+    def change(labels) -> None:
+        given = [check_tag(t) for t in tags]
+        labels.tags = ([t for t in labels.tags if t not in given] if remove
+                       else labels.tags + [t for t in dict.fromkeys(given) if t not in labels.tags])
+
+    labels = _change_labels(run, runs_dir, change)
+    console.print(f"run {escape(run)}: tags {escape(', '.join(labels.tags)) or '(none)'}", highlight=False)
+
+
+def note(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
+         text: Annotated[str, typer.Argument(help="The note; \"\" clears it.")],
+         runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+    """Write a run's note ("lr too high", "the paper's baseline"), shown by `qae runs` and `qae show`. Works while
+    the run trains."""
+    from qae_app.store.labels import check_note
+
+    def change(labels) -> None:
+        labels.note = check_note(text)
+
+    _change_labels(run, runs_dir, change)
+    console.print(f"run {escape(run)}: note {'cleared' if not text else 'saved'}", highlight=False)
+
+
+def stop(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
+         timeout: Annotated[float, typer.Option(help="Seconds to wait for its checkpoint.")] = 600.0,
+         runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+    """Stop a live run as Ctrl-C does: after its current step, with a checkpoint; it resumes with --resume. Only the
+    process the kernel says holds the run's lock is signalled (every rank of a launch stops with it)."""
+    from qae_app.cli.stop import stop_run
+    from qae_app.store.reader import read_last_step, read_run, resolve_run
+
+    try:
+        path = resolve_run(runs_dir, run)
+        console.print(f"stopping run {escape(run)} after its current step (its checkpoint is written on the way "
+                      "out)...", highlight=False)
+        if not stop_run(path.parent, timeout):
+            raise QAEUserError(f"stop: run '{run}' is still running after {timeout:g} s (a long step, or a large "
+                               "checkpoint). It will stop on its own; check with `qae runs`.")
+        status, step = read_run(path).get("status"), read_last_step(path)
+    except QAEUserError as err:
+        fail(err)
+    console.print(f"run {escape(run)} {status} at step {step}. Continue it with: qae train --resume {escape(run)} "
+                  f"--runs-dir {escape(str(runs_dir))}", highlight=False, soft_wrap=True)
+
+
+def rm(runs: Annotated[Optional[list[str]], typer.Argument(help="Run ids to delete (or --sweep).")] = None,
+       sweep: Annotated[Optional[str], typer.Option(help="Delete every run of this sweep (its id or name).")] = None,
+       yes: Annotated[bool, typer.Option("--yes", help="Delete without asking.")] = False,
+       runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+    """Delete runs: their folders, database, checkpoints and all. A run being trained is refused (stop it first)."""
+    from qae_app.store.removal import folders_to_remove, remove_run_folder
+
+    try:
+        if sweep is not None:
+            from qae_app.analysis.compare import in_sweep
+            from qae_app.store.reader import run_summaries
+
+            runs = [*(runs or []), *(row["run_id"] for row in run_summaries(runs_dir)
+                                     if in_sweep(json.loads(row.get("config") or "{}"), sweep))]
+            if not runs:
+                raise QAEUserError(f"sweep: no run of sweep '{sweep}' in {runs_dir}. Nothing was deleted.")
+        folders = folders_to_remove(runs_dir, runs or [])
+    except QAEUserError as err:
+        fail(err)
+    names_text = ", ".join(folder.name for folder in folders)
+    if not yes and not typer.confirm(f"Delete {len(folders)} run(s) from {runs_dir}: {names_text}?", default=False):
+        console.print("nothing deleted")
+        raise typer.Exit(code=1)
+    for folder in folders:
+        try:
+            remove_run_folder(folder)
+        except QAEUserError as err:
+            fail(err)
+    console.print(f"deleted {len(folders)} run(s): {escape(names_text)}", highlight=False)
