@@ -33,6 +33,17 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def wait_until(ready, process: subprocess.Popen, what: str, timeout_s: float = 300) -> None:
+    """Wait for `ready()` while `process` runs: a readiness wait, not a speed bound (the limit only ends a hang)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if process.poll() is not None:
+            pytest.fail(f"the process ended (exit {process.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} after {timeout_s:g} s")
+        time.sleep(0.5)
+
+
 def launch(runs_dir: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen([ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"),
                              "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
@@ -46,11 +57,7 @@ def test_kill_9_of_a_launch_ends_every_rank_and_the_run_resumes(tmp_path):
     launcher = launch(runs_dir, "--run-name", "k", "--steps", "500", "--prompts-per-step", "2", "--group-size", "4",
                       "--eval-every", "0", "--checkpoint-every", "1")
     try:
-        deadline = time.monotonic() + 300
-        while latest_checkpoint(runs_dir / "k") is None and time.monotonic() < deadline:
-            assert launcher.poll() is None, "the launch ended before its first checkpoint"
-            time.sleep(0.5)
-        assert latest_checkpoint(runs_dir / "k") is not None
+        wait_until(lambda: latest_checkpoint(runs_dir / "k") is not None, launcher, "first checkpoint")
         assert len(processes_mentioning(str(runs_dir))) >= 3  # the launcher and its two ranks
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=30)
@@ -72,10 +79,7 @@ def test_a_second_launch_on_a_live_run_is_refused_before_any_collective(tmp_path
     first = launch(runs_dir, "--run-name", "k", "--steps", "500", "--prompts-per-step", "2", "--group-size", "4",
                    "--eval-every", "0", "--checkpoint-every", "1")
     try:
-        deadline = time.monotonic() + 300
-        while latest_checkpoint(runs_dir / "k") is None and time.monotonic() < deadline:
-            assert first.poll() is None, "the first launch ended before its first checkpoint"
-            time.sleep(0.5)
+        wait_until(lambda: latest_checkpoint(runs_dir / "k") is not None, first, "first checkpoint")
         second = subprocess.run([ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"),
                                  "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                                  "--dynamo_backend", "no", "-m", "qae_app.cli", "train", "--resume", "k",

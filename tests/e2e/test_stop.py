@@ -6,15 +6,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 from typer.testing import CliRunner
 
 from qae_app.cli.main import app
 from qae_app.store.reader import read_last_step, read_run
 from qae_app.store.run_folder import LOCK_FILE, latest_checkpoint
+from tests.e2e.test_launch_teardown import wait_until
 
 runner = CliRunner()
+
+
+def first_step_stored(run_dir) -> bool:
+    return (run_dir / "qae.duckdb").exists() and bool(read_last_step(run_dir / "qae.duckdb"))
 
 
 def test_stop_ends_a_live_run_with_a_checkpoint_and_it_resumes(tmp_path):
@@ -24,10 +28,7 @@ def test_stop_ends_a_live_run_with_a_checkpoint_and_it_resumes(tmp_path):
                                 "--checkpoint-every", "100", "--cpu", "--runs-dir", str(runs)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 300
-        while not (runs / "r" / "qae.duckdb").exists() or not read_last_step(runs / "r" / "qae.duckdb"):
-            assert trainer.poll() is None and time.monotonic() < deadline
-            time.sleep(0.5)
+        wait_until(lambda: first_step_stored(runs / "r"), trainer, "first step stored")
         result = runner.invoke(app, ["stop", "r", "--runs-dir", str(runs)], env={"COLUMNS": "300"})
         assert result.exit_code == 0, result.output
         assert trainer.wait(timeout=120) == 130  # the trainer's own exit for a stop it was asked for
@@ -71,10 +72,7 @@ def test_stop_ends_every_rank_of_a_two_process_launch(tmp_path):
     launcher = launch(runs, "--run-name", "k", "--steps", "500", "--prompts-per-step", "2", "--group-size", "4",
                       "--eval-every", "0", "--checkpoint-every", "100")
     try:
-        deadline = time.monotonic() + 300
-        while not (runs / "k" / "qae.duckdb").exists() or not read_last_step(runs / "k" / "qae.duckdb"):
-            assert launcher.poll() is None and time.monotonic() < deadline
-            time.sleep(0.5)
+        wait_until(lambda: first_step_stored(runs / "k"), launcher, "first step stored")
         result = runner.invoke(app, ["stop", "k", "--runs-dir", str(runs)], env={"COLUMNS": "300"})
         assert result.exit_code == 0, result.output
         launcher.wait(timeout=120)
