@@ -235,8 +235,8 @@ def accuracy(frames: dict[str, pd.DataFrame], colors: dict[str, str], heldout: d
     """accuracy (solid) and reward_mean (dash) per run; held-out accuracy (`heldout`: step, value per run, from the
     evals table, so the step-0 evaluation before training is included) as diamonds."""
     # grouped runs: a band for accuracy only (reward_mean's, the same for 0/1 rewards, doubled the shading)
-    fig = lines(frames, ["accuracy", "reward_mean"], colors, "accuracy and reward", smoothing, x=x, log_y=log_y,
-                banded=("accuracy",))
+    fig = lines(frames, ["accuracy", "reward_mean"], colors, "accuracy and reward", smoothing,
+                y_title="fraction correct / mean reward", x=x, log_y=log_y, banded=("accuracy",))
     if len(frames) * 3 > MAX_LEGEND_ENTRIES:
         fig.update_layout(title_subtitle_text="solid: accuracy · dash: reward_mean · ◆: held-out", margin_t=70)
     for run_id, held in heldout.items():
@@ -258,6 +258,21 @@ def accuracy(frames: dict[str, pd.DataFrame], colors: dict[str, str], heldout: d
     if not log_y:
         fig.update_yaxes(range=[0, 1.05])
     return fig
+
+
+def metric_unit(metric: str) -> str:
+    """The y-axis title of a step metric's own chart: its unit where the name says it, else the metric itself."""
+    if metric.endswith("_s"):
+        return "seconds"
+    if metric.startswith(("entropy", "dH", "mismatch_logp", "mismatch_k3")):
+        return "nats / token"
+    if metric.startswith("frac_") or "_frac" in metric or metric in ("accuracy", "heldout_accuracy"):
+        return "fraction"
+    if metric in ("response_len", "tokens"):
+        return "tokens"
+    if "ratio" in metric:
+        return "ratio"
+    return metric
 
 
 def stacked(frames: dict[str, pd.DataFrame], metrics: dict[str, str], metric_colors: dict[str, str], title: str,

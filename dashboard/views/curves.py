@@ -110,7 +110,8 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
     columns = st.columns(2)
     for i, metric in enumerate(other):
         with columns[i % 2]:
-            chart(charts.lines(frames, [metric], colors, metric, smoothing, **axes), f"other_{metric}", [metric])
+            chart(charts.lines(frames, [metric], colors, metric, smoothing, charts.metric_unit(metric), **axes),
+                  f"other_{metric}", [metric])
 
 
 def policy_charts(frames: dict, colors: dict, bands: dict, warnings: dict, heldout: dict,
@@ -131,11 +132,11 @@ def policy_charts(frames: dict, colors: dict, bands: dict, warnings: dict, heldo
               ["accuracy", "reward_mean", "heldout_accuracy"])
     left, right = st.columns(2)
     with left:
-        chart(charts.lines(frames, ["frac_zero_adv"], colors, "zero-advantage (gated) fraction", smoothing, **axes),
-              "frac_zero_adv", ["frac_zero_adv"])
+        chart(charts.lines(frames, ["frac_zero_adv"], colors, "zero-advantage (gated) fraction", smoothing,
+                           "fraction of responses", **axes), "frac_zero_adv", ["frac_zero_adv"])
     with right:
         chart(charts.lines(frames, ["cov_logp_adv"], colors, "covariance of log-prob and advantage", smoothing,
-                           **axes), "cov_logp_adv", ["cov_logp_adv"])
+                           "nats x advantage", **axes), "cov_logp_adv", ["cov_logp_adv"])
     # a panel per run: full width
     chart(charts.regimes(frames, smoothing, axes["x"]), "regimes", list(charts.REGIME_METRICS))
     left, right = st.columns(2)
@@ -154,8 +155,8 @@ def update_charts(frames: dict, colors: dict, smoothing: tuple[str, float], axes
     them; and, where the engine returned its log-probs, how far the sampler's numbers were from the trainer's."""
     left, right = st.columns(2)
     with left:
-        chart(charts.lines(frames, ["clip_frac_low", "clip_frac_high"], colors, "clip fractions", smoothing, **axes),
-              "clip_frac", ["clip_frac_low", "clip_frac_high"])
+        chart(charts.lines(frames, ["clip_frac_low", "clip_frac_high"], colors, "clip fractions", smoothing,
+                           "fraction of tokens", **axes), "clip_frac", ["clip_frac_low", "clip_frac_high"])
     with right:
         if any("dH" in frame and frame["dH"].notna().any() for frame in frames.values()):
             # what each regime's responses did under the whole step's update; which regime caused it: the
@@ -188,7 +189,7 @@ def update_charts(frames: dict, colors: dict, smoothing: tuple[str, float], axes
                                smoothing, "nats / token", **axes), "mismatch", ["mismatch_logp_abs", "mismatch_k3_kl"])
         with right:
             chart(charts.lines(frames, ["mismatch_ratio_max"], colors, "largest pi_old / pi_sampler", smoothing,
-                               **axes), "mismatch_ratio_max", ["mismatch_ratio_max"])
+                               "ratio", **axes), "mismatch_ratio_max", ["mismatch_ratio_max"])
 
 
 run_ids = board.start_page("Training curves")

@@ -708,3 +708,14 @@ def test_the_config_says_how_a_run_was_launched(tmp_path, monkeypatch):
     at = make_app(tmp_path, monkeypatch)(run=["sharded", "plain"])
     grid = frame_with(at, "option", "sharded", "plain").set_index("option")
     assert grid.loc["distributed"].tolist() == ["fsdp2 x 2 processes", "(not set)"]
+
+
+def test_every_training_curve_titles_its_y_axis_with_a_unit(app):
+    """Issue 39: 7 of 12 training-curve charts had no y-axis title; a number without its unit reads as anything."""
+    specs = plotly_specs(app("curves", run=["tiny", "crafted"]))
+    untitled = []
+    for key, spec in specs.items():
+        axes = [value for name, value in spec["layout"].items() if name.startswith("yaxis")]
+        if not any((axis.get("title") or {}).get("text") for axis in axes):
+            untitled.append(key)
+    assert untitled == [], ", ".join(untitled)
