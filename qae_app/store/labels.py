@@ -43,9 +43,7 @@ def read_labels(run_dir: Path) -> Labels:
     none: the run itself is still listed and shown."""
     try:
         stored = json.loads(read_run_file(Path(run_dir) / LABELS_FILE, max_bytes=64 * 1024))
-    except FileNotFoundError:
-        return Labels()
-    except (OSError, ValueError, RecursionError, QAEUserError):
+    except (OSError, ValueError, RecursionError, QAEUserError):  # (FileNotFoundError too: no labels yet)
         return Labels()
     if not isinstance(stored, dict):
         return Labels()

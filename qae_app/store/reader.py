@@ -296,29 +296,25 @@ def read_last_heldout_accuracy(path: Path) -> float | None:
     return float(frame["heldout_accuracy"].iloc[0]) if len(frame) else None
 
 
+def _saved_step_writes(run_dir: Path) -> list:
+    """The step writes saved under pending/ for the run's next writer, in the order they were saved."""
+    writes = (read_pending_write(path) for path in sorted((Path(run_dir) / PENDING_DIR).glob(f"*{PENDING_SUFFIX}")))
+    return [write for write in writes if write.kind == "step"]
+
+
 def logged_steps(run_dir: Path) -> set[int]:
-    """The steps whose rows a run kept: in its database, or saved under pending/ for it (written by the run's next
-    writer). A reader: it writes nothing."""
+    """The steps whose `steps` row a run kept: in its database, or saved under pending/ for it (written by the run's
+    next writer). A reader: it writes nothing."""
     path = Path(run_dir) / DB_FILE
     in_file = set(query(path, "SELECT DISTINCT step FROM steps")["step"].astype(int)) if path.exists() else set()
-    saved = set()
-    for spilled in sorted((Path(run_dir) / PENDING_DIR).glob(f"*{PENDING_SUFFIX}")):
-        write = read_pending_write(spilled)
-        if write.kind == "step" and write.tables and write.tables.get("steps"):
-            saved.add(write.step)
-    return in_file | saved
+    return in_file | {write.step for write in _saved_step_writes(run_dir) if (write.tables or {}).get("steps")}
 
 
 def last_logged_step(run_dir: Path) -> int:
-    """The newest step whose rows a run kept (logged_steps); 0 when none."""
+    """The newest step any of whose rows a run kept, in its database or under pending/; 0 when none."""
     path = Path(run_dir) / DB_FILE
     in_file = read_last_step(path) if path.exists() else None
-    saved = []
-    for spilled in sorted((Path(run_dir) / PENDING_DIR).glob(f"*{PENDING_SUFFIX}")):
-        write = read_pending_write(spilled)
-        if write.kind == "step":
-            saved.append(write.step)
-    return max([in_file or 0, *saved])
+    return max([in_file or 0, *(write.step for write in _saved_step_writes(run_dir))])
 
 
 # ---------------------------------------------------------------------------------------------------------------

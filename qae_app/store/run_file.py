@@ -75,6 +75,10 @@ def attach(cursor: duckdb.DuckDBPyConnection, path: Path, alias: str, timeout_s:
             delay = min(delay * 2, 0.1)
 
 
+class RunFileError(QAEUserError):
+    """A run's database file cannot be opened or read: damaged, truncated or not a DuckDB file."""
+
+
 _VETTED: dict[tuple, bool] = {}  # (path, inode, size, mtime) of run files found free of views and macros
 
 
@@ -98,10 +102,6 @@ def refuse_crafted_objects(cursor: duckdb.DuckDBPyConnection, alias: str, path: 
     if len(_VETTED) > 4096:
         _VETTED.clear()
     _VETTED[version] = True
-
-
-class RunFileError(QAEUserError):
-    """A run's database file cannot be opened or read: damaged, truncated or not a DuckDB file."""
 
 
 def unreadable_run_error(path: Path, err: Exception | str) -> RunFileError:

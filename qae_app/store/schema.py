@@ -19,6 +19,7 @@ from pathlib import Path
 
 from qae_app.core.errors import QAEUserError
 from qae_app.core.names import DEFAULT_K
+from qae_app.store.run_folder import STORED_STATUSES, read_run_file
 
 # name -> definition. Every name is a column of `steps`; NaN is stored as NULL (e.g. no response had a negative
 # advantage, so entropy_neg is undefined). With --dynamic-sampling a step samples more groups than it trains: metrics
@@ -250,8 +251,6 @@ def pending_write_from_json(text: str) -> PendingWrite:
 def read_pending_write(path: Path) -> PendingWrite:
     """One saved write; a file that is not one (edited, planted, cut short by a full disk) is named."""
     try:
-        from qae_app.store.run_folder import read_run_file
-
         return pending_write_from_json(read_run_file(path).decode("utf-8"))
     except (OSError, ValueError) as err:
         raise QAEUserError(f"store: {path} is not a write qae saved ({err}). Move it out of {path.parent} to go on "
@@ -266,8 +265,6 @@ RUN_UPDATE_FIELDS = ("status", "error", "k", "config", "wall_s", "setup_s", "upd
 def _check_pending(write: PendingWrite) -> None:
     """ValueError unless every name in `write` is the schema's and every value a column's (see
     pending_write_from_json)."""
-    from qae_app.store.run_folder import STORED_STATUSES
-
     if write.kind == "run":
         step_ok = write.step is None
     else:
