@@ -41,6 +41,8 @@ class Problem:
     question: str  # the problem as given, before any prompt template
     answer: str  # gold final answer, as a string ("19", "\\frac{1}{2}")
     meta: dict = field(default_factory=dict, hash=False, compare=False)  # subject, level, source...
+    # every field of the data row as loaded (JSON values): what a prompt template and a user's reward function read
+    columns: dict = field(default_factory=dict, hash=False, compare=False)
 
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -228,7 +230,8 @@ def load_math_file(path: Path) -> list[Problem]:
                 "Ids must be unique within a file; fix or remove the id column."
             )
         seen_ids[prompt_id] = number
-        problems.append(Problem(prompt_id=prompt_id, question=question, answer=answer, meta=_row_meta(row)))
+        problems.append(Problem(prompt_id=prompt_id, question=question, answer=answer, meta=_row_meta(row),
+                                columns=_row_columns(row)))
     _check_final_answer_markers(path, unit, len(rows), after_marker, without_marker)
     return problems
 
@@ -291,6 +294,19 @@ def _row_id(row: dict, path: Path, number: int) -> str:
     """A file's row's prompt id: the first of ID_COLUMNS present, else `<file stem>-<row number>`."""
     raw_id = next((_get(row, c) for c in ID_COLUMNS if _get(row, c) is not None), None)
     return replace_lone_surrogates(str(raw_id)) if raw_id is not None else f"{path.stem}-{number}"
+
+
+def _row_columns(row: dict) -> dict:
+    """The row's fields with lone surrogates replaced in its text, so they can be stored and passed on as JSON."""
+    def clean(value):
+        if isinstance(value, str):
+            return replace_lone_surrogates(value)
+        if isinstance(value, dict):
+            return {str(k): clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)) or hasattr(value, "tolist"):
+            return [clean(v) for v in (value.tolist() if hasattr(value, "tolist") else value)]
+        return value
+    return {str(key): clean(value) for key, value in row.items()}
 
 
 def _row_meta(row: dict) -> dict:
