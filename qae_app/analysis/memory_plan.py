@@ -419,9 +419,10 @@ def _components(cfg, shape: ModelShape, hardware: Hardware) -> tuple[list, list]
                 f"({vllm_weights / GB:.1f} GB), so nothing is left for its KV cache and vLLM would not start. Use "
                 f"--vllm-gpu-memory {math.ceil(vllm_weights / (hardware.gpu_memory_gb * GB) * 100) / 100:.2f} or more "
                 "(the KV cache gets the rest of the share), or plan for GPUs with more memory.")
-        held = "asleep in updates (--vllm-sleep)" if cfg.vllm_sleep else "held all run (--no-vllm-sleep)"
+        asleep = cfg.vllm_sleep is not False  # (not given: on, as on every GPU build with sleep mode)
+        held = "asleep in updates (--vllm-sleep)" if asleep else "held all run (--no-vllm-sleep)"
         rows.append(("vLLM", vllm_bytes, f"{share:g} of the GPU (--vllm-gpu-memory), {held}"))
-        phases["vLLM"] = ROLLOUT_PHASE if cfg.vllm_sleep else PERSISTENT
+        phases["vLLM"] = ROLLOUT_PHASE if asleep else PERSISTENT
     return [(name, size, phases[name], what) for name, size, what in rows], notes
 
 
@@ -445,7 +446,7 @@ def plan_run(cfg, shape: ModelShape, hardware: Hardware, advise: bool = True) ->
                       replace(cfg, max_tokens_per_micro_batch=sequence), hardware))
     if hardware.sharding == "ddp" and not cfg.lora_rank and hardware.gpus > 1:
         knobs.append(("--sharding fsdp", cfg, replace(hardware, sharding="fsdp")))
-    if cfg.engine == "vllm" and not cfg.vllm_sleep:
+    if cfg.engine == "vllm" and cfg.vllm_sleep is False:
         knobs.append(("--vllm-sleep", replace(cfg, vllm_sleep=True), hardware))
     if not cfg.lora_rank and hardware.sharding == "ddp":
         knobs.append(("--lora-rank 16", replace(cfg, lora_rank=16), hardware))

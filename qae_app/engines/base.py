@@ -1,4 +1,5 @@
-"""What every rollout engine is: `generate(...) -> list[Sample]`, `sync_weights(model)` and `release_memory()`.
+"""What every rollout engine is: `generate(...) -> list[Sample]`, `sync_weights(model)`, `release_memory()` and
+`close()`.
 
 The trainer only sees this protocol, so the vLLM engine (GPU) and the transformers engine (anywhere) are
 interchangeable (engines/factory.py picks one). Log-probs used by the loss are always recomputed by the trainer's own
@@ -40,6 +41,9 @@ class RolloutEngine(Protocol):
     def release_memory(self) -> None:
         """Free what the engine holds on the accelerator until its next generate or sync (vLLM's sleep mode); the
         trainer calls it before the update."""
+
+    def close(self) -> None:
+        """Shut down what the engine started (vLLM: its engine and the process group it made); the run ends it."""
 
 
 def cut_at_stop(ids: list[int], stop_ids: list[int]) -> tuple[list[int], bool]:

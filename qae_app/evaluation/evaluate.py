@@ -256,15 +256,17 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
     check_prompt_lengths(policy, codec, by_id, max_new_tokens, "bench")
     rollout_engine = make_engine(cfg.engine, policy, codec, model_path=target.model_path,
                                  sampling=SamplingOptions(cfg.top_p, cfg.top_k, cfg.min_p),
-                                 # (vllm only) no update here to free vLLM's memory for: no sleep mode
-                                 gpu_memory_utilization=cfg.vllm_gpu_memory, sleep=False,
+                                 gpu_memory_utilization=cfg.vllm_gpu_memory, sleep=False,  # (no update to sleep in)
                                  max_model_len=rollout_positions(policy, codec, by_id, max_new_tokens))
     progress = Progress(TextColumn(f"[bold]eval {name}"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
                         console=console, disable=console is None)
-    with Scorer(task.reward, cfg.verify_timeout_s) as scorer, progress:
-        bar = progress.add_task("eval", total=len(problems))
-        result = evaluate(rollout_engine, name, problems, prompts, scorer, cfg.samples,
-                          cfg.temperature, max_new_tokens, cfg.seed, on_batch=lambda n: progress.advance(bar, n))
+    try:
+        with Scorer(task.reward, cfg.verify_timeout_s) as scorer, progress:
+            bar = progress.add_task("eval", total=len(problems))
+            result = evaluate(rollout_engine, name, problems, prompts, scorer, cfg.samples,
+                              cfg.temperature, max_new_tokens, cfg.seed, on_batch=lambda n: progress.advance(bar, n))
+    finally:
+        rollout_engine.close()  # (vLLM: its engine and process group, before the results are written)
 
     path = db_path(runs_dir, run_id)
     writer = writer or RunWriter(path, run_id)

