@@ -88,6 +88,15 @@ GATE_REASONS: dict[str, str] = {
                           "on shaped rewards)",
 }
 
+# --- the built-in rewards (qae_app/rewards/scorer.py), addressed by name: `--reward math`; a task names its default
+REWARDS: dict[str, str] = {
+    "exact_int": "1 when the stripped response is exactly the gold integer, else 0 (the built-in arith task)",
+    "chain_final": "1 when the integer after the last ' so ' is the gold integer, else 0 (the built-in chain task)",
+    "math": "the last \\boxed{} (or 'answer is' line) checked against the gold answer with math-verify (math files)",
+    "final_number": "the last 'Answer: N' line, else the last number, checked with math-verify (the built-in add "
+                    "task)",
+}
+
 # --- rewards: what the verifier's verdict scores, before the overlong penalty (qae_app/rewards/scorer.py shape_rewards)
 REWARD_VALUES: dict[str, str] = {
     "0,1": "wrong (or unverifiable) 0, correct 1",
