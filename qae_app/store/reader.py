@@ -276,6 +276,49 @@ def read_model_prompts(path: Path, step: int) -> dict[int, str]:
         return {int(g): str(text) for g, text in con.execute(SQL_MODEL_PROMPTS, [step]).fetchall()}
 
 
+SQL_HAS_TABLE = """
+    SELECT count(*) FROM duckdb_tables() WHERE database_name = current_database() AND table_name = ?
+"""
+# the mean of each reward component per step, over the responses it scored (None: not counted), and how many it scored
+SQL_COMPONENT_MEANS = """
+    SELECT step, name, avg(value) AS mean, count(value) AS scored, count(*) AS responses
+    FROM reward_components GROUP BY step, name ORDER BY step, name
+"""
+SQL_COMPONENTS = """
+    SELECT group_idx, sample_idx, name, value FROM reward_components WHERE step = ?
+    ORDER BY group_idx, sample_idx, name
+"""
+
+
+def _read_components(path: Path, sql: str, params: list, columns: list[str]) -> pd.DataFrame:
+    """A query of `reward_components`; an empty frame of `columns` for a file from before the table (a reader never
+    migrates)."""
+    with open_reader(path) as con:
+        if not con.execute(SQL_HAS_TABLE, ["reward_components"]).fetchone()[0]:
+            return pandas().DataFrame(columns=columns)
+        return con.execute(sql, params).df()
+
+
+def read_component_means(path: Path) -> pd.DataFrame:
+    """step, name, mean, scored, responses: each reward component's mean per step (a run given --reward; else
+    empty)."""
+    return _read_components(path, SQL_COMPONENT_MEANS, [], ["step", "name", "mean", "scored", "responses"])
+
+
+def read_components(path: Path, step: int) -> pd.DataFrame:
+    """group_idx, sample_idx, name, value of every response of one step and every reward component."""
+    return _read_components(path, SQL_COMPONENTS, [step], ["group_idx", "sample_idx", "name", "value"])
+
+
+def component_table(means: pd.DataFrame) -> pd.DataFrame:
+    """Component means as one column per component, one row per step (columns named `reward:<name>`)."""
+    if means.empty:
+        return pandas().DataFrame({"step": []})
+    wide = means.pivot(index="step", columns="name", values="mean")
+    wide.columns = [f"reward:{name}" for name in wide.columns]
+    return wide.reset_index()
+
+
 def read_evals(path: Path) -> pd.DataFrame:
     return query(path, "SELECT * FROM evals ORDER BY benchmark, subset, metric, k, step")
 

@@ -150,6 +150,10 @@ TABLES: dict[str, dict[str, str]] = {
         # them while sampling, as the hf engine does; the trainer's own pass covers the trained responses only)
         "filtered": "BOOLEAN",
     },
+    # with --reward: each response's value of each reward component (a built-in's verdict, a user function's score
+    # or one of its named parts; NULL: could not verify); the response's `reward` is their weighted sum
+    "reward_components": {"run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "sample_idx": "INTEGER",
+                          "name": "VARCHAR", "value": "DOUBLE"},
     "evals": {
         "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "subset": "VARCHAR", "metric": "VARCHAR",
         "k": "INTEGER", "value": "DOUBLE", "n_problems": "INTEGER", "source": "VARCHAR",
@@ -166,7 +170,7 @@ TABLES: dict[str, dict[str, str]] = {
 # What a column added after its table's first version holds in rows written before it existed.
 LEGACY_DEFAULTS = {("evals", "source"): "'train'", ("eval_samples", "source"): "'train'",
                    ("groups", "filtered"): "FALSE", ("rollouts", "filtered"): "FALSE"}
-STEP_TABLES = ("steps", "groups", "rollouts", "evals", "eval_samples", "warnings")  # rows keyed by step
+STEP_TABLES = ("steps", "groups", "rollouts", "reward_components", "evals", "eval_samples", "warnings")  # by step
 EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step, benchmark and source
 
 
