@@ -25,6 +25,7 @@ from qae_app.core.formatting import clipped
 from qae_app.core.host_faults import check_path_names
 from qae_app.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, builtin_task_name, task_defaults
 from qae_app.engines.sampling import SamplingOptions
+from qae_app.rewards.specs import SPEC_FORMS, check_reward_options, weights_text
 from qae_app.store.rows import STORE_RESPONSES_HELP, check_store_responses
 from qae_app.store.run_folder import validate_run_name
 
@@ -35,7 +36,12 @@ _MODEL_SOURCES_HELP = (f"a local folder, a .gguf file, {names.SMOLLM2_MODEL} (th
                        "or a Hugging Face id")
 _TEMPERATURE_HELP = "Sampling temperature."
 _ENGINE_HELP = "Rollout engine."
-_VERIFY_TIMEOUT_HELP = "Seconds the math verifier may spend on one response."
+_VERIFY_TIMEOUT_HELP = ("Seconds the math verifier (or a --reward function) may spend on one response; then it "
+                        "scores None (could not verify).")
+_REWARD_HELP = (f"Repeatable: {SPEC_FORMS}, called TRL's way: fn(completions, prompts, **columns) -> a score (or None) "
+                "per completion, columns being the data row's fields, answer and step. Several: their weighted sum "
+                "(docs/rewards.md). Default: the task's own.")
+_REWARD_WEIGHTS_HELP = "Comma list of weights, one per --reward, e.g. 1,0.5 (default: 1 each)."
 
 
 def opt(default: Any, help: str, group: str, choices: dict[str, str] | tuple | None = None,
@@ -228,7 +234,10 @@ class TrainConfig:
     on_gen_cap: str = opt("train", "Dynamic sampling: what a step does when --max-gen-batches batches found fewer "
                           "than --prompts-per-step groups with signal.", "rollout", names.ON_GEN_CAP)
     # --- reward
-    reward_values: str = opt("0,1", "Rewards of a wrong and of a correct response.", "reward", names.REWARD_VALUES)
+    reward: list[str] | None = opt(None, _REWARD_HELP, "reward")
+    reward_weights: str | None = opt(None, _REWARD_WEIGHTS_HELP, "reward")
+    reward_values: str = opt("0,1", "Rewards of a wrong and of a correct response (a built-in reward's verdict).",
+                             "reward", names.REWARD_VALUES)
     overlong_buffer: int = opt(0, "DAPO overlong reward shaping: a response longer than max-new-tokens minus this many "
                                "tokens loses reward linearly, down to -overlong-penalty at max-new-tokens. 0: off.",
                                "reward")
@@ -397,6 +406,7 @@ class TrainConfig:
                                "layer names (e.g. q_proj,v_proj), or leave it out for every linear layer.")
         for name in BOUNDED_BY_ANOTHER_OPTION:  # their own range, now that the tighter bound holds
             check_range(name, getattr(self, name))
+        check_reward_options(self.reward, self.reward_weights)
         if self.run_name is not None:
             validate_run_name(self.run_name)
         try:
@@ -440,10 +450,16 @@ def coerce_option(name: str, value: Any, source: str) -> Any:
         return None
     if name == "k" and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    expected = {"int": int, "float": (int, float), "str": str, "bool": bool}
+    if name == "reward" and isinstance(value, str):  # one reward: reward = "math" is reward = ["math"]
+        return [value]
+    if name == "reward_weights" and isinstance(value, list) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return weights_text(value)
+    expected = {"int": int, "float": (int, float), "str": str, "bool": bool, "list[str]": list}
     base = annotation.split(" |")[0]
     python_type = expected.get(base)
     ok = (isinstance(value, bool) if base == "bool" else
+          isinstance(value, list) and all(isinstance(v, str) for v in value) if base == "list[str]" else
           isinstance(value, python_type) and not isinstance(value, bool) if python_type else True)
     if not ok:
         raise QAEUserError(f"{source}: '{name}' = {clipped(repr(value))} is a {type(value).__name__}, expected {base}. "
@@ -590,6 +606,8 @@ class EvalConfig:
                                  "cache (vLLM's gpu_memory_utilization; nothing else is trained beside it here).",
                                  "sampling")
     verify_timeout_s: float = opt(3.0, _VERIFY_TIMEOUT_HELP, "benchmark")
+    reward: list[str] | None = opt(None, _REWARD_HELP.replace("task's own", "bench's own"), "benchmark")
+    reward_weights: str | None = opt(None, _REWARD_WEIGHTS_HELP, "benchmark")
     run_name: str | None = opt(None, "Id of the standalone eval run (for a model that is not a training run).",
                                "output")
 
@@ -606,6 +624,7 @@ class EvalConfig:
             if value is not None:
                 check_range(name, value, flag)
         SamplingOptions(self.top_p, self.top_k, self.min_p).validate()
+        check_reward_options(self.reward, self.reward_weights)
         if self.checkpoint is not None and self.checkpoint < 0:
             raise QAEUserError(f"checkpoint: {self.checkpoint}. Use the step of one of the run's checkpoints.")
         if self.run_name is not None:

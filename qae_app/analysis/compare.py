@@ -30,7 +30,7 @@ import pandas as pd
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import missing
-from qae_app.store.reader import query, read_run, read_steps
+from qae_app.store.reader import component_table, query, read_component_means, read_run, read_steps
 from qae_app.store.run_folder import DB_FILE, list_run_dirs, read_run_file, recent_runs_text, validated_run_dir
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -55,7 +55,10 @@ IGNORED_CONFIG_KEYS: dict[str, str] = {
     "distributed": "how it was launched (processes, sharding): DDP and FSDP2 make the same update",
     "vllm_sleep": "where vLLM's memory is during the update: the same samples and the same update",
     "vllm_gpu_memory": "how much of the GPU vLLM takes: memory, not what is trained",
+    "reward_files": "where the reward code lives and its sha256: `reward` names the rewards",
 }
+# Options added after runs were stored: a run without the key trained as with this value, so the value counts as absent
+SAME_AS_ABSENT = {"reward": None, "reward_weights": None}
 # Options only QAE reads: a mean-baseline run (grpo, rloo, ...) with another K is the same setup.
 QAE_ONLY_KEYS = ("k", "quantile")
 
@@ -65,7 +68,8 @@ def group_key(config: dict) -> tuple:
     drop = set(IGNORED_CONFIG_KEYS)
     if not names.uses_k(config.get("estimator", "qae")):
         drop.update(QAE_ONLY_KEYS)
-    return tuple(sorted((key, _hashable(value)) for key, value in config.items() if key not in drop))
+    return tuple(sorted((key, _hashable(value)) for key, value in config.items()
+                        if key not in drop and not (key in SAME_AS_ABSENT and value == SAME_AS_ABSENT[key])))
 
 
 def _hashable(value):
@@ -319,6 +323,15 @@ RUN_METRIC_BOUNDS: dict[str, Bounds] = {
     "step_s": NON_NEGATIVE,
 }
 assert set(RUN_METRIC_BOUNDS) == set(RUN_METRICS)
+COMPONENT_PREFIX = "reward:"  # a reward component's per-step mean in a run's steps frame: `reward:<name>` (load_run)
+
+
+def component_metrics(runs: list["RunRecord"]) -> dict[str, str]:
+    """The run metric of each reward component the runs have (runs given --reward): its mean over the last 20% of
+    steps, named as its column, `reward:<name>`."""
+    found = sorted({c for run in runs for c in run.steps.columns if str(c).startswith(COMPONENT_PREFIX)})
+    return {name: f"the reward component {name.removeprefix(COMPONENT_PREFIX)}: its mean per response over the last "
+                  "20% of steps" for name in found}
 
 
 def _series(steps: pd.DataFrame, column: str) -> pd.DataFrame:
@@ -376,6 +389,9 @@ def run_metrics(steps: pd.DataFrame) -> dict[str, float]:
         "zero_adv_last": float(_last_fraction(zero_adv)["value"].mean()) if len(zero_adv) else nan,
         **{name: float(rows["value"].mean()) if len(rows) else nan for name, rows in delta.items()},
         "step_s": float(step_s["value"].mean()) if len(step_s) else nan,
+        **{name: float(rows["value"].mean()) if len(rows) else nan for name, rows in (
+            (name, _last_fraction(_series(steps, name))) for name in steps.columns
+            if str(name).startswith(COMPONENT_PREFIX))},
     }
 
 
@@ -448,7 +464,9 @@ def one_run_per_seed(runs: list[RunRecord]) -> tuple[list[RunRecord], dict[str, 
 
 
 def group_runs(runs: list[RunRecord]) -> list[RunGroup]:
-    """Runs grouped by `group_key`, in the order each group's first run appears; each group summarised."""
+    """Runs grouped by `group_key`, in the order each group's first run appears; each group summarised on every
+    RUN_METRICS metric and every reward component any of the runs has."""
+    metrics = {**RUN_METRICS, **component_metrics(runs)}
     by_key: dict[tuple, list[RunRecord]] = {}
     for run in runs:
         by_key.setdefault(group_key(run.config), []).append(run)
@@ -471,9 +489,10 @@ def group_runs(runs: list[RunRecord]) -> list[RunGroup]:
         counted, excluded = one_run_per_seed(by_key[key])
         group = RunGroup(label=label, config=config, runs=counted, excluded=excluded)
         per_run_rows = [(run.seed, run_metrics(run.steps)) for run in group.runs]
-        for name in RUN_METRICS:
-            group.metrics[name] = mean_interval([row[name] for _, row in per_run_rows], RUN_METRIC_BOUNDS[name])
-            group.per_run[name] = {seed: row[name] for seed, row in per_run_rows}
+        for name in metrics:
+            values = [row.get(name, math.nan) for _, row in per_run_rows]
+            group.metrics[name] = mean_interval(values, RUN_METRIC_BOUNDS.get(name, UNBOUNDED))
+            group.per_run[name] = {seed: row.get(name, math.nan) for seed, row in per_run_rows}
         groups.append(group)
     return groups
 
@@ -499,8 +518,9 @@ def compare_to_baseline(groups: list[RunGroup], baseline: RunGroup) -> dict[str,
             continue
         differences[group.label] = {}
         runs, base_runs = group.run_of_seed(), baseline.run_of_seed()
-        for name in RUN_METRICS:
-            difference = paired_difference(group.per_run[name], baseline.per_run[name], RUN_METRIC_BOUNDS[name])
+        for name in group.metrics:
+            difference = paired_difference(group.per_run[name], baseline.per_run[name],
+                                           RUN_METRIC_BOUNDS.get(name, UNBOUNDED))
             difference.pairs = [(seed, runs[seed], base_runs[seed]) for seed in difference.seeds]
             differences[group.label][name] = difference
     return differences
@@ -525,6 +545,9 @@ def load_run(runs_dir: Path, run_id: str) -> RunRecord:
     row = read_run(path)
     config = json.loads(row["config"] or "{}")
     steps = read_steps(path)
+    components = component_table(read_component_means(path))  # (a run given --reward: each component's mean)
+    if len(components.columns) > 1:
+        steps = steps.merge(components, on="step", how="left")
     start = query(path, "SELECT value FROM evals WHERE step = 0 AND metric = 'avg@k' AND subset = 'all' "
                         "AND source = 'train' LIMIT 1")
     if len(start) and (steps.empty or 0 not in set(steps["step"])):
@@ -566,12 +589,13 @@ class Comparison:
     baseline: RunGroup | None = None
     differences: dict[str, dict[str, PairedDifference]] = field(default_factory=dict)  # label -> metric -> diff
     left_out: dict[str, str] = field(default_factory=dict)  # run id -> why it is in no group
+    metrics: dict[str, str] = field(default_factory=lambda: dict(RUN_METRICS))  # name -> definition, in order
 
     def to_dict(self) -> dict:
         """Everything `qae compare --json` prints: per group its runs, n, note and metric estimates; against the
         baseline, per group and metric the paired difference."""
         return {
-            "metrics": RUN_METRICS,
+            "metrics": self.metrics,
             "groups": [group.to_dict() for group in self.groups],
             "baseline": self.baseline.label if self.baseline else None,
             "differences": {label: {name: asdict(d) for name, d in diffs.items()}
@@ -588,8 +612,10 @@ def compare_runs(runs: list[RunRecord], baseline: str | None = None) -> Comparis
     """The runs grouped and summarised, a run without a training step left out (killed before its first step, or
     not started: at most its step-0 evaluation, which as a seed would pull its group towards the untrained model)."""
     left_out = {run.run_id: "no training step yet" for run in runs if not has_training_step(run)}
-    groups = group_runs([run for run in runs if run.run_id not in left_out])
+    counted = [run for run in runs if run.run_id not in left_out]
+    groups = group_runs(counted)
+    metrics = {**RUN_METRICS, **component_metrics(counted)}
     if baseline is None:
-        return Comparison(groups, left_out=left_out)
+        return Comparison(groups, left_out=left_out, metrics=metrics)
     base = find_group(groups, baseline)
-    return Comparison(groups, base, compare_to_baseline(groups, base), left_out)
+    return Comparison(groups, base, compare_to_baseline(groups, base), left_out, metrics)

@@ -34,7 +34,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="
 # ---------------------------------------------------------------------------------------------------------------
 # options generated from the config dataclasses (config.TrainConfig, config.EvalConfig)
 
-_PYTHON_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+_PYTHON_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "list[str]": list[str]}
 
 
 def _option_parameters(config_class, own_defaults: dict | None = None) -> list[inspect.Parameter]:
@@ -56,8 +56,8 @@ def _option_parameters(config_class, own_defaults: dict | None = None) -> list[i
         flag = f"--{f.name.replace('_', '-')}"
         if base == "bool":  # a switch: --x / --no-x (not given: keep the TOML value or default)
             flag = f"{flag}/--no-{f.name.replace('_', '-')}"
-        option = typer.Option(flag, help=help_text, show_default=False,
-                              rich_help_panel=f.metadata["group"].capitalize())
+        option = typer.Option(flag, help=help_text, show_default=False, metavar="<str>..." if base == "list[str]"
+                              else None, rich_help_panel=f.metadata["group"].capitalize())
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
                                         annotation=Annotated[Optional[_PYTHON_TYPES[base]], option]))
     return params
@@ -87,6 +87,9 @@ def train(
         "--trust-pickles", help="With --resume: read the Python pickles an older qae left in the run folder (its "
                                 "pending writes, converted to JSON once, and its checkpoints' training state). A "
                                 "pickle can run code: only for a folder you made yourself.")] = False,
+    accept_changed_reward: Annotated[bool, typer.Option(
+        "--accept-changed-reward", help="With --resume: score the rest of the run with a --reward file that changed "
+                                        "since the run scored with it (the run records both versions).")] = False,
     **options: Any,
 ) -> None:
     """Train a policy with QAE (or a mean-baseline estimator) and log every rollout to DuckDB."""
@@ -102,7 +105,7 @@ def train(
         cfg = (resume_config(runs_dir, resume, config, **options) if resume is not None
                else build_config(config, **options))
         trainer = Trainer(cfg, runs_dir, resume=resume is not None, console=console, cpu=True if cpu else None,
-                          trust_pickles=trust_pickles)
+                          trust_pickles=trust_pickles, accept_changed_reward=accept_changed_reward)
     except QAEUserError as err:
         fail(err)
     run_training(trainer)
@@ -314,7 +317,15 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
          ) -> None:
     """Summarize a run: status, config, pace while running, per-step metrics, evaluations and warnings."""
     from qae_app.cli.views import show_view
-    from qae_app.store.reader import read_evals, read_run, read_steps, read_warnings, resolve_run
+    from qae_app.store.reader import (
+        component_table,
+        read_component_means,
+        read_evals,
+        read_run,
+        read_steps,
+        read_warnings,
+        resolve_run,
+    )
     from qae_app.store.schema import STEP_METRICS
 
     try:
@@ -328,10 +339,11 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
         path = resolve_run(runs_dir, run)
         info = read_run(path)  # everything is read before anything is printed: a damaged file gives one message
         steps, evals, warnings = read_steps(path), read_evals(path), read_warnings(path)
+        components = component_table(read_component_means(path))
     except QAEUserError as err:
         fail(err)
     out = _view_console()
-    out.print(show_view(info, steps, evals, warnings, out.width, chosen, every))
+    out.print(show_view(info, steps, evals, warnings, out.width, chosen, every, components))
 
 
 @app.command()
@@ -357,7 +369,7 @@ def rollouts(
     regime."""
     from qae_app.cli.views import rollouts_view
     from qae_app.core.names import GATE_REASONS, REGIMES
-    from qae_app.store.reader import read_last_step, read_model_prompts, read_rollouts, resolve_run
+    from qae_app.store.reader import read_components, read_last_step, read_model_prompts, read_rollouts, resolve_run
 
     try:
         if gated + kept + filtered > 1:
@@ -382,12 +394,13 @@ def rollouts(
         frame = read_rollouts(path, step, gated=True if gated or why else False if kept else None, regime=regime,
                               search=search, filtered=True if filtered else False if gated or kept or why else None)
         shown = read_model_prompts(path, step) if model_prompt else None
+        components = read_components(path, step)
     except QAEUserError as err:
         fail(err)
     if why is not None:
         frame = frame[frame["gate_reason"] == why]
     out = _view_console()
-    out.print(rollouts_view(run, step, frame, everything, out.width, limit, full, shown))
+    out.print(rollouts_view(run, step, frame, everything, out.width, limit, full, shown, components))
 
 
 # ---------------------------------------------------------------------------------------------------------------

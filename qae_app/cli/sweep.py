@@ -201,6 +201,8 @@ def _sweep_folder(runs_dir: Path, name: str) -> Path:
 def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (list, tuple)):  # reward = [...]
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, (int, float)):
         return repr(value)
     return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
@@ -255,16 +257,21 @@ class PointRun:
 
 def _command(sweep: Sweep, point: SweepPoint, action: str, runs_dir: Path, cpu: bool) -> list[str]:
     base = [sys.executable, "-m", "qae_app.cli", "train", "--runs-dir", str(runs_dir), *(["--cpu"] if cpu else [])]
-    if action == "resume":  # the stored config is the run's; only the step count may grow
-        return [*base, "--resume", point.run_name, "--steps", str(point.steps)]
+    if action == "resume":  # the stored config is the run's; only the step count may grow; reward code named again
+        rewards = [flag for spec in point.options.get("reward") or [] for flag in ("--reward", str(spec))]
+        return [*base, "--resume", point.run_name, "--steps", str(point.steps), *rewards]
     return [*base, "--config", str(write_point_file(sweep.folder / f"{point.run_name}.toml", point.options))]
 
 
 def check_data_files(cfg) -> None:
-    """Load the training data and the evaluation benchmark as each run will (each run loads its own again): a bad
-    file is refused once, before any run starts, not by every run in turn."""
+    """Load the training data and the evaluation benchmark as each run will (each run loads its own again), and find
+    each --reward file (read, not imported: each run's workers import it): a bad file is refused once, before any run
+    starts, not by every run in turn."""
     from qae_app.data.tasks import load_benchmark, load_task
+    from qae_app.rewards.specs import parse_reward_specs
 
+    for spec in parse_reward_specs(cfg.reward):
+        spec.resolved()
     load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
     if cfg.eval_bench:
         load_benchmark(cfg.eval_bench, option="eval-bench")

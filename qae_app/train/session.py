@@ -37,6 +37,7 @@ from qae_app.core.errors import QAEUserError
 from qae_app.core.faults import fault_point
 from qae_app.models.lora import is_lora, load_lora_adapter, save_lora_artifacts
 from qae_app.models.sharding import full_state_dict, is_sharded
+from qae_app.rewards.specs import check_named_again
 from qae_app.store.reader import is_eval_run, last_logged_step, logged_steps, read_run
 from qae_app.store.run_folder import (
     CHECKPOINTS_DIR,
@@ -140,6 +141,7 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
         raise QAEUserError(f"resume: no run '{run}' in {runs_dir} (runs there, last written first: "
                            f"{recent_runs_text(runs_dir)}). See `qae runs`.")
     stored = stored_config(folder)
+    check_named_again(stored.reward, given.get("reward"), run)
     changes = {}
     for name, value in given.items():
         if name == "run_name" or value == getattr(stored, name):  # (a copied run's stored name is not its own)
@@ -173,6 +175,7 @@ class RunSession:
         self.resuming = resume
         self.trust_pickles = trust_pickles  # the user vouched for the folder: an older qae's pickles may be read
         self.distributed = distributed  # sharding.DistributedSetup of this launch, stored in the run's config
+        self.reward_files: dict = {}  # the user reward functions' files and sha256s (train/scoring.py), stored too
         self.started = time.perf_counter() if started is None else started  # the session's wall_s counts from here
         self._say = say or (lambda message: None)
         self.writer: RunWriter | None = None  # main process only, from open_store on
@@ -350,6 +353,8 @@ class RunSession:
         config = cfg.to_dict()
         if self.distributed is not None:  # how this session ran (a resume records its own launch)
             config["distributed"] = self.distributed.to_dict()
+        if self.reward_files:
+            config["reward_files"] = self.reward_files
         k = names.k_in_use(cfg.estimator, state.k)  # (None before --k auto chooses one, and for a mean baseline)
         if self.resuming:
             db = self.run_dir / DB_FILE
