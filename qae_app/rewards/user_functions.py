@@ -55,6 +55,10 @@ def load_user_rewards(specs: list[tuple[str, str, str]]) -> None:
         except LookupError as err:
             _loaded.append(str(err).strip("'\""))
             _paths.append(None)
+        except ModuleNotFoundError as err:
+            hint = "\n(a module must be importable here, e.g. installed; for a file of yours pass PATH.py:FUNCTION)"
+            _loaded.append("importing it raised:\n" + _user_traceback(err) + (hint if kind == "module" else ""))
+            _paths.append(None)
         except BaseException as err:  # noqa: BLE001 - a SyntaxError, an ImportError, a SystemExit of the user's module
             _loaded.append("importing it raised:\n" + _user_traceback(err))
             _paths.append(None)
@@ -77,7 +81,7 @@ def _import(kind: str, target: str):
 def _user_traceback(err: BaseException) -> str:
     """The traceback from the user's code on (this module's frames left out)."""
     tb = err.__traceback__
-    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, importlib.__file__)
                               or tb.tb_frame.f_code.co_filename.startswith("<frozen importlib")):
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(err), err, tb)).rstrip()

@@ -281,3 +281,17 @@ def test_a_function_that_hangs_on_every_response_stops_with_one_message(rewards_
     assert str(err.value) == (f"reward: {rewards_file}:hangs scored none of the 2 responses of step 4 within "
                               "--verify-timeout-s 0.3 s: it hangs, or is far slower than that. Fix it (or raise "
                               "--verify-timeout-s) and resume the run.")
+
+
+def test_a_file_that_cannot_be_imported_is_refused_with_its_error_before_scoring(tmp_path):
+    (tmp_path / "broken.py").write_text("def score(completions, **kwargs)\n    return [1.0]\n")
+    with RewardSet(parse_reward_specs([f"{tmp_path}/broken.py:score"])) as rewards, \
+            pytest.raises(RewardError) as err:
+        rewards.check(data_columns(PROBLEMS))
+    text = str(err.value)
+    assert text.startswith(f"reward: {tmp_path}/broken.py:score: importing it raised:\n")
+    assert f'File "{tmp_path}/broken.py", line 1' in text and "SyntaxError: expected ':'" in text
+    with RewardSet(parse_reward_specs(["no_such_module.rewards:score"])) as rewards, \
+            pytest.raises(RewardError, match="ModuleNotFoundError: No module named 'no_such_module'\n\\(a module "
+                                             "must be importable here"):
+        rewards.check(data_columns(PROBLEMS))
