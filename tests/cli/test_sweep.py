@@ -53,6 +53,28 @@ def test_a_sweep_checks_its_data_files_before_any_run_starts(tmp_path):
         assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
 
 
+def test_a_sweep_takes_the_reward_options_and_names_the_reward_code_again_on_resume(tmp_path):
+    """Each point's file is what `qae train --config` reads (reward as a TOML list); a point resumed gets --reward
+    again (a resumed run imports reward code only when named); a missing reward file is refused before any run."""
+    import tomllib
+
+    from qae_app.cli.sweep import _command, write_point_file
+    from qae_app.config import build_config
+
+    given = {"steps": 2, "reward": ["exact_int", "r.py:score"], "reward_weights": "1,0.5"}
+    sweep = plan_sweep(tmp_path, "qae", None, 1, dict(given), name="rw")
+    point = sweep.points[0]
+    written = tomllib.loads(write_point_file(tmp_path / "p.toml", point.options).read_text())
+    assert written["reward"] == ["exact_int", "r.py:score"] and written["reward_weights"] == "1,0.5"
+    assert build_config(tmp_path / "p.toml").reward == ["exact_int", "r.py:score"]
+    resume = _command(sweep, point, "resume", tmp_path, cpu=False)
+    assert resume[-4:] == ["--reward", "exact_int", "--reward", "r.py:score"]
+    missing = runner.invoke(app, ["sweep", "--reward", str(tmp_path / "none.py:score"), *TINY[:2],
+                                  "--runs-dir", str(tmp_path / "runs")])
+    assert missing.exit_code == 2 and "none.py does not exist" in "".join(missing.output.split())
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_sweep_point_named_like_an_eval_run_is_refused(tmp_path):
     """An eval run took the name of the sweep's first point: the sweep tried to resume it and failed with 'no run'."""
     runs = tmp_path / "runs"
