@@ -61,17 +61,19 @@ def test_a_sweep_takes_the_reward_options_and_names_the_reward_code_again_on_res
     from qae_app.cli.sweep import _command, write_point_file
     from qae_app.config import build_config
 
-    given = {"steps": 2, "reward": ["exact_int", "r.py:score"], "reward_weights": "1,0.5"}
+    (tmp_path / "r.py").write_text("def score(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    spec = f"{tmp_path / 'r.py'}:score"
+    given = {"steps": 2, "reward": ["exact_int", spec], "reward_weights": "1,0.5"}
     sweep = plan_sweep(tmp_path, "qae", None, 1, dict(given), name="rw")
     point = sweep.points[0]
     written = tomllib.loads(write_point_file(tmp_path / "p.toml", point.options).read_text())
-    assert written["reward"] == ["exact_int", "r.py:score"] and written["reward_weights"] == "1,0.5"
-    assert build_config(tmp_path / "p.toml").reward == ["exact_int", "r.py:score"]
+    assert written["reward"] == ["exact_int", spec] and written["reward_weights"] == "1,0.5"
+    assert build_config(tmp_path / "p.toml").reward == ["exact_int", spec]
     resume = _command(sweep, point, "resume", tmp_path, cpu=False)
-    assert resume[-4:] == ["--reward", "exact_int", "--reward", "r.py:score"]
+    assert resume[-4:] == ["--reward", "exact_int", "--reward", spec]
     missing = runner.invoke(app, ["sweep", "--reward", str(tmp_path / "none.py:score"), *TINY[:2],
                                   "--runs-dir", str(tmp_path / "runs")])
-    assert missing.exit_code == 2 and "none.py does not exist" in "".join(missing.output.split())
+    assert missing.exit_code == 2 and "none.pydoesnotexist" in "".join(missing.output.split())
     assert not (tmp_path / "runs").exists()
 
 
