@@ -6,8 +6,8 @@ are left out of the update's forward/backward, with the loss normalizer of the f
 one the dense computation gives (`update.py`).
 
 One step, for B prompts x G samples (`train_step` reads as these six):
-    sample and score -> engine samples G responses per prompt (rollout_s); the verifier scores each: 1, 0 or None
-                        (reward_s)
+    sample and score -> engine samples G responses per prompt (rollout_s); the run's rewards score each (reward_s):
+                        the task's verifier (1, 0 or None) or --reward's weighted sum (train/scoring.py)
     the K in use     -> --k auto chooses K once, from the first step's success rate
     advantages       -> estimator(rewards [B, G]) -> advantages, baseline, regime
     update           -> log-probs/entropy of the sampling policy (no grad), then num_mini_batches optimizer steps, and
