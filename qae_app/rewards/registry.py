@@ -69,8 +69,9 @@ class RewardSet:
         resolved = [spec.resolved() for spec in self.user_specs]  # (a missing file is named before any worker starts)
         self.scorers = scorers or {spec.target: Scorer(spec.target, timeout_s) for spec in self.specs
                                    if not spec.is_user_code}
-        self.pool = (MathVerifierPool(timeout_s=timeout_s, memory_limit_mb=None, shortcuts=False, handler=handle_item,
-                                      init=(load_user_rewards, resolved)) if self.user_specs else None)
+        self.user_pool = (MathVerifierPool(timeout_s=timeout_s, memory_limit_mb=None, shortcuts=False,
+                                           handler=handle_item, init=(load_user_rewards, resolved))
+                          if self.user_specs else None)
         self.weight_of: dict[str, float] = {spec.name: w for spec, w in zip(self.specs, self.weights)}
         self.builtin_names = {spec.name for spec in self.specs if not spec.is_user_code}
         self.last_timeouts: dict[str, int] = {}  # spec text -> responses of the last call scored None at the deadline
@@ -88,6 +89,12 @@ class RewardSet:
         return cls([parse_reward_spec(scorer.name)], scorers={scorer.name: scorer})
 
     @property
+    def pool(self) -> MathVerifierPool | None:
+        """The worker pool whose counters (timeouts, crashes, ...) say how scoring went: the built-in math
+        verifier's where the set has one, else the user functions'."""
+        return next((s.pool for s in self.scorers.values() if s.pool is not None), self.user_pool)
+
+    @property
     def name(self) -> str:
         return " + ".join(spec.text for spec in self.specs)
 
@@ -97,9 +104,9 @@ class RewardSet:
         """Start the user functions' workers (which import them) and ask each function what it needs: RewardError
         when one cannot be imported, QAEUserError when it requires a column the data lacks (`columns`: the data's
         column names). Returns spec text -> {"path", "sha256"} of each user function's file: the run's record."""
-        if self.pool is None:
+        if self.user_pool is None:
             return {}
-        answers = self.pool.run_items([("probe", i) for i in range(len(self.user_specs))],
+        answers = self.user_pool.run_items([("probe", i) for i in range(len(self.user_specs))],
                                       timeout_s=max(self.timeout_s, PROBE_TIMEOUT_S))
         available = sorted(set(columns) - set(PASSED_ALWAYS))
         record = {}
@@ -131,7 +138,7 @@ class RewardSet:
             raise ValueError(f"{n} completions, {len(prompts)} prompts and {len(problems)} problems")
         answers = [problem.answer for problem in problems]
         components: dict[str, list[float | None]] = {}
-        user = self._score_user(completions, prompts, problems, step) if self.pool is not None else {}
+        user = self._score_user(completions, prompts, problems, step) if self.user_pool is not None else {}
         for spec in self.specs:
             parts = {spec.name: self.scorers[spec.target](completions, answers)} if not spec.is_user_code else \
                 user[spec.text]
@@ -160,7 +167,7 @@ class RewardSet:
         rows = _column_rows(problems)
         items = [("score", u, completions[i], prompts[i], rows[i], step)
                  for u in range(len(self.user_specs)) for i in range(n)]
-        results = self.pool.run_items(items) if items else []
+        results = self.user_pool.run_items(items) if items else []
         scored: dict[str, dict[str, list[float | None]]] = {spec.text: {} for spec in self.user_specs}
         self.last_timeouts = {spec.text: 0 for spec in self.user_specs}
         for k, result in enumerate(results):
@@ -219,14 +226,14 @@ class RewardSet:
         """Shutting down: the scoring call in progress stops soon and raises `ScoringInterrupted`."""
         for scorer in self.scorers.values():
             scorer.interrupt()
-        if self.pool is not None:
-            self.pool.interrupt()
+        if self.user_pool is not None:
+            self.user_pool.interrupt()
 
     def close(self) -> None:
         for scorer in self.scorers.values():
             scorer.close()
-        if self.pool is not None:
-            self.pool.close()
+        if self.user_pool is not None:
+            self.user_pool.close()
 
     def __enter__(self) -> "RewardSet":
         return self
