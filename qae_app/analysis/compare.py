@@ -256,6 +256,17 @@ def shown(estimate: Estimate | None) -> Shown:
     return Shown(estimate.mean, (estimate.low, estimate.high), None, getattr(estimate, "p_value", None))
 
 
+def estimate_json(estimate: Estimate) -> dict:
+    """An estimate as `qae compare --json` prints it, under the same rule as the tables (`shown`): below
+    `MIN_SEEDS` seeds, or with no spread, `low`, `high` and `p_value` are null and `no_interval` says why."""
+    out = asdict(estimate)
+    rule = shown(estimate)
+    if rule.interval is None:
+        out.update(low=None, high=None, **({"p_value": None} if "p_value" in out else {}))
+    out["no_interval"] = rule.no_interval
+    return out
+
+
 @dataclass
 class PairedDifference(Estimate):
     """Mean of (group - baseline) over seeds both have, its 95% interval, and the two-sided paired t-test p."""
@@ -424,7 +435,7 @@ class RunGroup:
         return {"label": self.label, "config": self.config, "n": len(self.runs), "seeds": self.seeds,
                 "runs": [r.run_id for r in self.runs], "statuses": {r.run_id: r.status for r in self.runs},
                 "excluded": self.excluded, "note": self.note(),
-                "metrics": {name: asdict(e) for name, e in self.metrics.items()}}
+                "metrics": {name: estimate_json(e) for name, e in self.metrics.items()}}
 
 
 def one_run_per_seed(runs: list[RunRecord]) -> tuple[list[RunRecord], dict[str, str]]:
@@ -574,7 +585,7 @@ class Comparison:
             "metrics": RUN_METRICS,
             "groups": [group.to_dict() for group in self.groups],
             "baseline": self.baseline.label if self.baseline else None,
-            "differences": {label: {name: asdict(d) for name, d in diffs.items()}
+            "differences": {label: {name: estimate_json(d) for name, d in diffs.items()}
                             for label, diffs in self.differences.items()},
             "left_out": self.left_out,
         }
