@@ -86,6 +86,7 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
     if not views:
         return
     st.text("   ".join(board.progress_line(view) for view in views.values()))
+    board.stop_controls(views)
     board.heartbeat(views)
     if all(view.steps.empty for view in views.values()):
         st.info("No step written yet: the first step appears here when the trainer finishes it.")

@@ -601,6 +601,11 @@ def dashboard(
         help="Seconds between the pages' checks for new steps and runs: " + ", ".join(names.DASHBOARD_REFRESH_S)
              + ". The sidebar changes it in that browser tab; off suits reading finished runs.",
     )] = names.DASHBOARD_REFRESH_DEFAULT,
+    controls: Annotated[Optional[bool], typer.Option(
+        "--controls/--read-only",
+        help="Show the controls that change runs (stop a live run, edit tags and notes) or none. Default: controls "
+             "on a loopback --host (this machine only), none on any other (anyone who reaches the page could use "
+             "them).")] = None,
 ) -> None:
     """Start the Streamlit dashboard (live curves, rollouts browser) on 127.0.0.1; Ctrl-C or SIGTERM stops it."""
     import os
@@ -618,9 +623,11 @@ def dashboard(
     command = [sys.executable, "-c", STREAMLIT_WITHOUT_WORKING_FOLDER, "run", str(app_path), "--server.address", host,
                "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
                "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal"]
-    env = dict(os.environ, QAE_RUNS_DIR=str(Path(runs_dir).resolve()), **{names.DASHBOARD_REFRESH_ENV: refresh})
+    controls = dashboard_controls(host, controls)
+    env = dict(os.environ, QAE_RUNS_DIR=str(Path(runs_dir).resolve()),
+               **{names.DASHBOARD_REFRESH_ENV: refresh, names.DASHBOARD_CONTROLS_ENV: str(int(controls))})
     console.print(f"qae dashboard for [cyan]{Path(runs_dir).resolve()}[/] at [bold]http://{host}:{port}[/] "
-                  "(Ctrl-C to stop)")
+                  f"({'' if controls else 'read-only; '}Ctrl-C to stop)")
     process = subprocess.Popen(command, env=env)
 
     def stop(signum, frame):  # SIGTERM (systemd, kill) stops the server too, as Ctrl-C does
@@ -645,6 +652,19 @@ def dashboard(
     if code != 0:  # e.g. the port is taken: Streamlit said why above
         err_console.print(f"[bold red]error:[/] the dashboard server exited with code {code}.")
         raise typer.Exit(code=1)
+
+
+def dashboard_controls(host: str, asked: bool | None) -> bool:
+    """Whether the dashboard shows its controls: as --controls / --read-only say, else only where --host keeps the
+    server on this machine (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if asked is not None:
+        return asked
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
 
 
 def _check_host(host: str) -> None:

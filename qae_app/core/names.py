@@ -182,4 +182,7 @@ def describe(choices: dict[str, str]) -> str:
 DASHBOARD_REFRESH_S: dict[str, int | None] = {"off": None, "2": 2, "5": 5, "10": 10, "30": 30}  # seconds between checks
 DASHBOARD_REFRESH_DEFAULT = "5"
 DASHBOARD_REFRESH_ENV = "QAE_DASHBOARD_REFRESH"  # how `qae dashboard` hands --refresh to the Streamlit process
+# whether the dashboard shows its controls (stop a live run, edit tags and notes): "1" from `qae dashboard` on a
+# loopback address or with --controls; anything else (--read-only, another --host, the app started by hand): none
+DASHBOARD_CONTROLS_ENV = "QAE_DASHBOARD_CONTROLS"
 
