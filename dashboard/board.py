@@ -320,6 +320,13 @@ def run_config(run: dict) -> dict:
         return {}
 
 
+def grouping_config(run: dict) -> dict:
+    """The run's config and its tags as one more key (`tags`: its `qae tag` tags, as `qae compare --group-by tags`
+    has them): what Training curves can group by."""
+    tags = [tag for tag in str(run.get("tags") or "").split(", ") if tag]
+    return {**run_config(run), compare.TAGS_KEY: compare.tags_value(tags)}
+
+
 def progress_line(view: store_read.RunView) -> str:
     """'qae1 · running · step 37 / 400' from the run's row and config."""
     run = view.run

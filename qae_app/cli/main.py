@@ -400,6 +400,9 @@ def compare(
     sweep: Annotated[Optional[str], typer.Option(help="Compare every run of this sweep (its id or name).")] = None,
     baseline: Annotated[Optional[str], typer.Option(help="A group to compare the others with, paired by seed: its "
                                                     "label or a value only it has (e.g. grpo).")] = None,
+    group_by: Annotated[Optional[str], typer.Option(help="Group by these instead (comma list): tags (the runs' "
+                                                    "`qae tag` tags, e.g. with --baseline baseline) or config keys "
+                                                    "(estimator,k).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON (no tables).")] = False,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
 ) -> None:
@@ -411,7 +414,8 @@ def compare(
     from qae_app.cli.views import compare_view
 
     try:
-        comparison = compare_runs(load_runs(runs_dir, runs, sweep), baseline)
+        by = [key.strip() for key in group_by.split(",") if key.strip()] if group_by is not None else None
+        comparison = compare_runs(load_runs(runs_dir, runs, sweep), baseline, by)
     except QAEUserError as err:
         fail(err)
     if as_json:

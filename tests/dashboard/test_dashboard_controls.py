@@ -267,3 +267,24 @@ def test_a_read_only_dashboard_shows_no_controls(serve, browser_page, tmp_path, 
         assert read_labels(runs_dir / "live").tags == []
     assert holder.poll() is None
 
+
+def test_curves_grouped_by_tags(tmp_path, monkeypatch):
+    """Training curves' "Group by" offers the runs' tags: runs with the same tags form a group, whatever their config;
+    the line is the mean of the group's runs as their DuckDB files hold them."""
+    from qae_app.store.labels import Labels, write_labels
+    from tests.dashboard.helpers import plotly_specs
+    from tests.synthetic import write_run
+
+    runs_dir = tmp_path / "runs"
+    tags = {"r-a": ["baseline"], "r-b": ["baseline"], "r-c": ["idea"]}
+    for seed, run_id in enumerate(tags):
+        write_run(runs_dir, run_id, steps=3, prompts_per_step=2, group_size=4, k=0.4 + 0.1 * seed, seed=seed)
+        write_labels(runs_dir / run_id, Labels(tags=tags[run_id]))
+    at = make_app(runs_dir, monkeypatch)("curves", run=list(tags), smooth="none", group="true", group_by="tags")
+    assert set(at.multiselect(key="group_by").options[:3]) == {"k", "seed", "tags"}  # those that differ, first
+    lines = {t["uid"]: t for t in plotly_specs(at)["entropy"]["data"] if not t["uid"].endswith("band")
+             and "warning" not in t["uid"]}
+    assert set(lines) == {"tags=baseline", "tags=idea"}
+    entropy = {run_id: store_read.read_steps(rundir.db_path(runs_dir, run_id))["entropy"] for run_id in tags}
+    assert lines["tags=baseline"]["y"] == pytest.approx(((entropy["r-a"] + entropy["r-b"]) / 2).tolist())
+    assert lines["tags=idea"]["y"] == pytest.approx(entropy["r-c"].tolist())
