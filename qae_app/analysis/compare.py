@@ -56,6 +56,7 @@ IGNORED_CONFIG_KEYS: dict[str, str] = {
     "distributed": "how it was launched (processes, sharding): DDP and FSDP2 make the same update",
     "vllm_sleep": "where vLLM's memory is during the update: the same samples and the same update",
     "vllm_gpu_memory": "how much of the GPU vLLM takes: memory, not what is trained",
+    "report_to": "where the metrics are also sent (TensorBoard, MLflow, ...), not what is trained",
 }
 # Options only QAE reads: a mean-baseline run (grpo, rloo, ...) with another K is the same setup.
 QAE_ONLY_KEYS = ("k", "quantile")

@@ -146,6 +146,18 @@ ENGINES: dict[str, str] = {
     "vllm": "a colocated vLLM engine that receives the new weights after each step (CUDA)",
 }
 
+# --- where `qae train --report-to` also sends every step's metrics (train/trackers.py, through accelerate's trackers),
+# and the modules any one of which makes each work (accelerate's TensorBoard tracker writes with torch's writer, which
+# needs the tensorboard package, or tensorboardX)
+TRACKERS: dict[str, str] = {
+    "tensorboard": "event files in runs/<run>/tensorboard (tensorboard --logdir runs)",
+    "mlflow": "the MLflow store MLFLOW_TRACKING_URI names",
+    "wandb": "Weights & Biases (WANDB_MODE=offline: a local run folder)",
+    "trackio": "trackio's local store",
+}
+TRACKER_MODULES: dict[str, tuple[str, ...]] = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",),
+                                               "wandb": ("wandb",), "trackio": ("trackio",)}
+
 # --- the built-in chain task's responses: scratchpad, marker, final answer (tasks.py writes them, answers.py reads the
 # final answer after the last marker); only characters of the built-in vocabulary
 CHAIN_ANSWER_MARKER = " so "
