@@ -400,6 +400,9 @@ def compare(
     sweep: Annotated[Optional[str], typer.Option(help="Compare every run of this sweep (its id or name).")] = None,
     baseline: Annotated[Optional[str], typer.Option(help="A group to compare the others with, paired by seed: its "
                                                     "label or a value only it has (e.g. grpo).")] = None,
+    group_by: Annotated[Optional[str], typer.Option(help="Group by these instead (comma list): tags (the runs' "
+                                                    "`qae tag` tags, e.g. with --baseline baseline) or config keys "
+                                                    "(estimator,k).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON (no tables).")] = False,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
 ) -> None:
@@ -411,7 +414,8 @@ def compare(
     from qae_app.cli.views import compare_view
 
     try:
-        comparison = compare_runs(load_runs(runs_dir, runs, sweep), baseline)
+        by = [key.strip() for key in group_by.split(",") if key.strip()] if group_by is not None else None
+        comparison = compare_runs(load_runs(runs_dir, runs, sweep), baseline, by)
     except QAEUserError as err:
         fail(err)
     if as_json:
@@ -601,6 +605,11 @@ def dashboard(
         help="Seconds between the pages' checks for new steps and runs: " + ", ".join(names.DASHBOARD_REFRESH_S)
              + ". The sidebar changes it in that browser tab; off suits reading finished runs.",
     )] = names.DASHBOARD_REFRESH_DEFAULT,
+    controls: Annotated[Optional[bool], typer.Option(
+        "--controls/--read-only",
+        help="Show the controls that change runs (stop a live run, edit tags and notes) or none. Default: controls "
+             "on a loopback --host (this machine only), none on any other (anyone who reaches the page could use "
+             "them).")] = None,
 ) -> None:
     """Start the Streamlit dashboard (live curves, rollouts browser) on 127.0.0.1; Ctrl-C or SIGTERM stops it."""
     import os
@@ -618,9 +627,11 @@ def dashboard(
     command = [sys.executable, "-c", STREAMLIT_WITHOUT_WORKING_FOLDER, "run", str(app_path), "--server.address", host,
                "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
                "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal"]
-    env = dict(os.environ, QAE_RUNS_DIR=str(Path(runs_dir).resolve()), **{names.DASHBOARD_REFRESH_ENV: refresh})
+    controls = dashboard_controls(host, controls)
+    env = dict(os.environ, QAE_RUNS_DIR=str(Path(runs_dir).resolve()),
+               **{names.DASHBOARD_REFRESH_ENV: refresh, names.DASHBOARD_CONTROLS_ENV: str(int(controls))})
     console.print(f"qae dashboard for [cyan]{Path(runs_dir).resolve()}[/] at [bold]http://{host}:{port}[/] "
-                  "(Ctrl-C to stop)")
+                  f"({'' if controls else 'read-only; '}Ctrl-C to stop)")
     process = subprocess.Popen(command, env=env)
 
     def stop(signum, frame):  # SIGTERM (systemd, kill) stops the server too, as Ctrl-C does
@@ -645,6 +656,19 @@ def dashboard(
     if code != 0:  # e.g. the port is taken: Streamlit said why above
         err_console.print(f"[bold red]error:[/] the dashboard server exited with code {code}.")
         raise typer.Exit(code=1)
+
+
+def dashboard_controls(host: str, asked: bool | None) -> bool:
+    """Whether the dashboard shows its controls: as --controls / --read-only say, else only where --host keeps the
+    server on this machine (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if asked is not None:
+        return asked
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
 
 
 def _check_host(host: str) -> None:

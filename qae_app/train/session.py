@@ -58,6 +58,7 @@ from qae_app.store.run_folder import (
 )
 from qae_app.store.writer import RunWriter, convert_legacy_pending
 from qae_app.train.checkpoint_state import is_data_checkpoint, load_training_state, pickled_files, save_training_state
+from qae_app.train.trackers import Trackers, start_trackers
 
 CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from readers until it is renamed into place
 
@@ -176,6 +177,7 @@ class RunSession:
         self.started = time.perf_counter() if started is None else started  # the session's wall_s counts from here
         self._say = say or (lambda message: None)
         self.writer: RunWriter | None = None  # main process only, from open_store on
+        self.trackers: Trackers | None = None  # --report-to: main process only, from open_store on
         self._lock: RunLock | None = None  # main process only
         self._staging: Path | None = None  # a new run's folder until open_store renames it into place
         self._write_thread: ThreadPoolExecutor | None = None  # main process: writes the store while steps train
@@ -200,6 +202,8 @@ class RunSession:
         try:
             if self._write_thread is not None:
                 self._write_thread.shutdown(wait=True)
+            if self.trackers is not None:
+                self.trackers.finish()
         finally:
             if self._lock is not None:
                 self._lock.release()
@@ -375,6 +379,7 @@ class RunSession:
             (self.run_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
             self.writer.update_run(status="running", error=None, config=config)
             self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qae-store")
+            self.trackers = start_trackers(cfg.report_to, self.run_id, self.run_dir, config)
             return earlier or {}
         staging = self._staging
         writer = RunWriter(staging / DB_FILE, self.run_id)
@@ -390,6 +395,7 @@ class RunSession:
         writer.moved_to(self.run_dir / DB_FILE)
         self.writer = writer
         self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qae-store")
+        self.trackers = start_trackers(cfg.report_to, self.run_id, self.run_dir, config)
         return {}
 
     # -------------------------------------------------------------------------------------------------------------
@@ -424,6 +430,10 @@ class RunSession:
         self.drain_writes()
         if late is not None:  # the earlier step's job is done: its store_s is known
             late[1]["store_s"] = self._store_s.pop(late[0], None)
+        if self.trackers is not None:  # --report-to: what the rows hold, in step order
+            if late is not None:
+                self.trackers.log_times(*late)
+            self.trackers.log_step(step, tables)
         self._write_job = self._write_thread.submit(write, self.writer)
         return time.perf_counter() - t0
 
@@ -449,7 +459,10 @@ class RunSession:
             self._write_thread.shutdown(wait=True)
             if self._late_times is not None:
                 step, values = self._late_times  # (its store_s is known if the job was drained, by now or earlier)
-                self.writer.update_step(step, **{**values, "store_s": self._store_s.pop(step, values.get("store_s"))})
+                values = {**values, "store_s": self._store_s.pop(step, values.get("store_s"))}
+                self.writer.update_step(step, **values)
+                if self.trackers is not None:
+                    self.trackers.log_times(step, values)
             wall_s = wall_s_before + time.perf_counter() - self.started
             # a failed run's status goes ahead of rows still queued: if the failure was writing them (a full disk),
             # the small update of the run's row may still fit, and `qae runs` says why it failed
