@@ -17,14 +17,13 @@ from rich.text import Text
 
 from qae_app.cli.console import console, fail
 from qae_app.cli.options import DEFAULT_RUNS_DIR, RunsDir
+from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import number
 
 if TYPE_CHECKING:
     from qae_app.store.reader import PreviewView
 
-DEFAULT_PROMPTS = 32  # (evaluation.preview's, repeated here: `qae --help` must not import torch)
-DEFAULT_KS = "0.2,0.3,0.4,0.5,0.6,0.7,0.8"
 BAR_CELLS = 30  # the widest bar of a histogram
 TEXT_WIDTH = 100  # a sampled response is cut to this many characters
 
@@ -33,9 +32,9 @@ def preview_command(
     config: Annotated[Optional[Path], typer.Option("--config", help="The run's TOML file (what `qae train --config` "
                                                    "takes); command-line options override it.")] = None,
     prompts: Annotated[int, typer.Option("--prompts", help="Prompts to sample, each --group-size times: the first "
-                                         "ones of the run's data stream.")] = DEFAULT_PROMPTS,
+                                         "ones of the run's data stream.")] = names.PREVIEW_PROMPTS,
     ks: Annotated[str, typer.Option("--ks", help="The K values to show QAE's gating at, comma-separated (the "
-                                    "suggested K is added).")] = DEFAULT_KS,
+                                    "suggested K is added).")] = names.PREVIEW_KS,
     show: Annotated[int, typer.Option("--show", help="Sampled responses to print (correct and wrong ones; every one "
                                       "is stored: `qae rollouts RUN`).")] = 6,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,

@@ -44,8 +44,6 @@ from qae_app.store.writer import RunWriter
 
 PREVIEW_ESTIMATOR = "preview"  # the runs row's estimator: what tells a preview's folder from a training run's
 PREVIEW_STEP = 1  # the step its rows are stored under: the training step whose responses it samples
-DEFAULT_PROMPTS = 32
-DEFAULT_KS = "0.2,0.3,0.4,0.5,0.6,0.7,0.8"
 NO_SIGNAL_HINT = "try a larger G, an easier split, a longer max-new-tokens, or a warm start"
 
 
@@ -53,13 +51,13 @@ NO_SIGNAL_HINT = "try a larger G, an easier split, a longer max-new-tokens, or a
 class PreviewOptions:
     """What `qae preview` adds to the run's own options."""
 
-    prompts: int = DEFAULT_PROMPTS  # prompts sampled (N), each --group-size times
-    ks: tuple[float, ...] = tuple(float(k) for k in DEFAULT_KS.split(","))  # the K values QAE is shown at
+    prompts: int = names.PREVIEW_PROMPTS  # prompts sampled (N), each --group-size times
+    ks: tuple[float, ...] = tuple(float(k) for k in names.PREVIEW_KS.split(","))  # the K values QAE is shown at
 
 
 def parse_ks(text: str) -> tuple[float, ...]:
     """'0.2,0.4' -> (0.2, 0.4), sorted, without repeats; QAEUserError naming --ks for anything else."""
-    advice = f"Pass K values in (0, 1) separated by commas, e.g. {DEFAULT_KS}."
+    advice = f"Pass K values in (0, 1) separated by commas, e.g. {names.PREVIEW_KS}."
     try:
         ks = [float(part) for part in str(text).split(",") if part.strip()]
     except ValueError:
@@ -75,7 +73,7 @@ def parse_ks(text: str) -> tuple[float, ...]:
 def check_prompts(prompts: int, task: Task, data: str) -> None:
     if prompts < 1:
         raise QAEUserError(f"prompts: {prompts} samples nothing. Use a positive number of prompts, e.g. "
-                           f"{DEFAULT_PROMPTS}.")
+                           f"{names.PREVIEW_PROMPTS}.")
     if prompts > len(task.train):
         raise QAEUserError(f"prompts: {prompts} is more than the {len(task.train)} training problems of '{data}' "
                            f"(each would be sampled twice). Use at most {len(task.train)}.")
