@@ -167,10 +167,11 @@ def _responses(view: PreviewView, show: int) -> Table:
     firsts = rows.drop_duplicates(subset=["group_idx", "correct"])  # a group's first correct and first wrong one
     right, wrong = (firsts[firsts["correct"] == verdict].to_dict("records") for verdict in (True, False))
     picked = [row for pair in zip_longest(right, wrong) for row in pair if row is not None][:show]
-    table = Table(title="sampled responses", title_justify="left", box=None, pad_edge=False)
-    for name in ("group", "prompt", "answer", "response", "reward", "tokens"):
-        table.add_column(name, overflow="ellipsis", no_wrap=True,
-                         justify="right" if name in ("group", "reward", "tokens") else "left")
+    table = Table(title="sampled responses", title_justify="left", box=None, pad_edge=False, expand=True)
+    for name in ("group", "prompt", "answer", "response", "reward", "tokens"):  # the texts give way, never a number
+        text = name in ("prompt", "response")
+        table.add_column(name, overflow="ellipsis", no_wrap=True, ratio=(1 if name == "prompt" else 2) if text
+                         else None, justify="left" if text or name == "answer" else "right")
     for row in picked:
         table.add_row(str(row["group_idx"]), _one_line(row["prompt"]), _one_line(row["answer"]),
                       _one_line(row["response"]), f"{row['reward']:g}",
