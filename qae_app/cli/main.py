@@ -316,7 +316,7 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
          ) -> None:
     """Summarize a run: status, config, pace while running, per-step metrics, evaluations and warnings."""
     from qae_app.cli.views import show_view
-    from qae_app.store.reader import read_evals, read_run, read_steps, read_warnings, resolve_run
+    from qae_app.store.reader import read_evals, read_preview, read_run, read_steps, read_warnings, resolve_run
     from qae_app.store.schema import STEP_METRICS
 
     try:
@@ -330,10 +330,13 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
         path = resolve_run(runs_dir, run)
         info = read_run(path)  # everything is read before anything is printed: a damaged file gives one message
         steps, evals, warnings = read_steps(path), read_evals(path), read_warnings(path)
+        found = read_preview(path) if info.get("estimator") == "preview" else None
     except QAEUserError as err:
         fail(err)
     out = _view_console()
     out.print(show_view(info, steps, evals, warnings, out.width, chosen, every))
+    if found is not None:  # a preview: what it found, as `qae preview` printed it
+        out.print(preview.preview_view(run, found))
 
 
 @app.command()

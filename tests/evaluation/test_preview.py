@@ -179,7 +179,10 @@ def test_bad_options_are_refused_before_anything_is_written(tmp_path, case):
 def test_a_preview_is_listed_and_refused_where_a_training_run_is_needed(paper):
     runs_dir, _ = paper
     listed = runner.invoke(app, ["runs", "--runs-dir", str(runs_dir)], env={"COLUMNS": "200"})
-    assert listed.exit_code == 0 and re.search(r"\bp\b.*finished.*preview", listed.output), listed.output
+    assert listed.exit_code == 0 and re.search(r"\bp\b +finished +preview +- ", listed.output), listed.output
+    shown = runner.invoke(app, ["show", "p", "--runs-dir", str(runs_dir)], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    assert read_preview(db_path(runs_dir, "p")).summary["verdict"] in shown.output  # and the rest of its findings
     for args in (["train", "--resume", "p"], ["train", "--run-name", "p", "--steps", "1"], ["eval", "--model", "p"]):
         result = runner.invoke(app, [*args, "--runs-dir", str(runs_dir)], env={"COLUMNS": "200"})
         assert result.exit_code == 2, result.output
