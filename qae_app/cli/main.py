@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from qae_app.cli import launch, manage
+from qae_app.cli import launch, manage, preview
 from qae_app.cli.console import SafeConsole, console, err_console, fail
 from qae_app.cli.options import DEFAULT_RUNS_DIR, RunsDir
 from qae_app.config import EvalConfig, TrainConfig
@@ -143,6 +143,8 @@ def plan(
 
 
 app.command(help=plan.__doc__)(_with_config_options(plan, TrainConfig))
+app.command("preview", help=preview.preview_command.__doc__)(_with_config_options(preview.preview_command,
+                                                                                  TrainConfig))
 
 
 def print_command(command: str) -> None:
@@ -314,7 +316,7 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
          ) -> None:
     """Summarize a run: status, config, pace while running, per-step metrics, evaluations and warnings."""
     from qae_app.cli.views import show_view
-    from qae_app.store.reader import read_evals, read_run, read_steps, read_warnings, resolve_run
+    from qae_app.store.reader import read_evals, read_preview, read_run, read_steps, read_warnings, resolve_run
     from qae_app.store.schema import STEP_METRICS
 
     try:
@@ -328,10 +330,13 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
         path = resolve_run(runs_dir, run)
         info = read_run(path)  # everything is read before anything is printed: a damaged file gives one message
         steps, evals, warnings = read_steps(path), read_evals(path), read_warnings(path)
+        found = read_preview(path) if info.get("estimator") == "preview" else None
     except QAEUserError as err:
         fail(err)
     out = _view_console()
     out.print(show_view(info, steps, evals, warnings, out.width, chosen, every))
+    if found is not None:  # a preview: what it found, as `qae preview` printed it
+        out.print(preview.preview_view(run, found))
 
 
 @app.command()
@@ -357,7 +362,7 @@ def rollouts(
     regime."""
     from qae_app.cli.views import rollouts_view
     from qae_app.core.names import GATE_REASONS, REGIMES
-    from qae_app.store.reader import read_last_step, read_model_prompts, read_rollouts, resolve_run
+    from qae_app.store.reader import read_model_prompts, read_rollout_steps, read_rollouts, resolve_run
 
     try:
         if gated + kept + filtered > 1:
@@ -372,12 +377,12 @@ def rollouts(
         if limit < 1:
             raise QAEUserError(f"limit: {limit} shows nothing. Use a positive number of responses.")
         path = resolve_run(runs_dir, run)
-        last = read_last_step(path)
-        if last is None:
+        steps = read_rollout_steps(path)  # (a preview's one step has rollouts and no `steps` row)
+        if not steps:
             raise QAEUserError(f"run: '{run}' has no steps yet.")
-        step = last if step is None else step
-        if not 1 <= step <= last:
-            raise QAEUserError(f"step: {step} is not a step of '{run}'. Use 1..{last}.")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise QAEUserError(f"step: {step} is not a step of '{run}'. Use {steps[0]}..{steps[-1]}.")
         everything = read_rollouts(path, step, with_text=False)  # first: a damaged file gives one message
         frame = read_rollouts(path, step, gated=True if gated or why else False if kept else None, regime=regime,
                               search=search, filtered=True if filtered else False if gated or kept or why else None)

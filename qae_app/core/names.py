@@ -46,6 +46,11 @@ DEFAULT_K = 0.4
 AUTO_K_RULE = "K=0.3 if the first step's success rate < 0.2, 0.4 if < 0.5, else 0.5"
 
 
+# `qae preview`: how many prompts it samples, and the K values it shows QAE's gating at, unless told otherwise
+PREVIEW_PROMPTS = 32
+PREVIEW_KS = "0.2,0.3,0.4,0.5,0.6,0.7,0.8"
+
+
 def auto_k(success_rate: float) -> float:
     """--k auto: harder tasks get a lower K (a wider hard regime); see AUTO_K_RULE."""
     return 0.3 if success_rate < 0.2 else 0.4 if success_rate < 0.5 else 0.5

@@ -37,7 +37,7 @@ from qae_app.core.errors import QAEUserError
 from qae_app.core.faults import fault_point
 from qae_app.models.lora import is_lora, load_lora_adapter, save_lora_artifacts
 from qae_app.models.sharding import full_state_dict, is_sharded
-from qae_app.store.reader import is_eval_run, last_logged_step, logged_steps, read_run
+from qae_app.store.reader import last_logged_step, logged_steps, read_run, results_only_kind
 from qae_app.store.run_folder import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -134,9 +134,9 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
         raise QAEUserError(f"run-name: '{given_name}' is not the run --resume continues ('{run}'). Drop --run-name "
                            "(and run_name from the --config file) to resume it, or drop --resume to start a new run "
                            "of that name.")
-    if is_eval_run(folder):
+    if kind := results_only_kind(folder):
         raise eval_run_error("resume", folder, "There is nothing to resume; start a training run with another "
-                                               "--run-name.")
+                                               "--run-name.", kind)
     if not (folder / CONFIG_FILE).exists():
         raise QAEUserError(f"resume: no run '{run}' in {runs_dir} (runs there, last written first: "
                            f"{recent_runs_text(runs_dir)}). See `qae runs`.")
@@ -227,8 +227,8 @@ class RunSession:
             if converted:
                 self._say(f"converted {converted} pending write(s) an older qae pickled to JSON")
             return
-        if is_eval_run(self.run_dir):
-            raise eval_run_error("run-name", self.run_dir, "Pick another --run-name for the training run.")
+        if kind := results_only_kind(self.run_dir):
+            raise eval_run_error("run-name", self.run_dir, "Pick another --run-name for the training run.", kind)
         if (self.run_dir / DB_FILE).exists() or (self.run_dir / CONFIG_FILE).exists():
             raise QAEUserError(f"run-name: a run '{self.run_id}' already exists in {self.runs_dir}. Continue it "
                                f"with --resume {self.run_id}, or pick another --run-name.")
