@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
@@ -307,6 +308,10 @@ class TrainConfig:
                                      f"{ENTROPY_BAND_FACTOR:g}.", "monitor", resumable=True)
     eval_every: int = opt(25, "Evaluate every N steps (0: never). Built-in task: sampled held-out accuracy.",
                           "monitor", resumable=True)
+    report_to: str | None = opt(None, "Also send every step's metrics and each evaluation to these trackers (a comma "
+                                "list; install them with pip install -e '.[trackers]'): "
+                                f"{names.describe(names.TRACKERS)}. Default: none, the run's DuckDB file only.",
+                                "monitor", resumable=True)
     eval_bench: str | None = opt(None, "Benchmark for --eval-every: a built-in name or a math file (default: the "
                                  "task's held-out split).", "monitor")
     eval_k: int = opt(1, "Samples per problem in --eval-every evaluations.", "monitor")
@@ -409,11 +414,30 @@ class TrainConfig:
         check_reward_options(self.reward, self.reward_weights)
         if self.run_name is not None:
             validate_run_name(self.run_name)
+        report_to_trackers(self.report_to)
         try:
             check_store_responses(str(self.store_responses))
         except ValueError as err:
             raise QAEUserError(str(err)) from None
         return self
+
+
+def report_to_trackers(value: str | None) -> list[str]:
+    """The trackers --report-to names ("tensorboard,mlflow"; none or "": none), each known and installed, checked
+    before anything runs; one QAEUserError naming the option, the value and the fix otherwise."""
+    wanted = list(dict.fromkeys(name.strip() for name in (value or "").split(",")
+                                if name.strip() and name.strip() != "none"))
+    for name in wanted:
+        if name not in names.TRACKERS:
+            raise QAEUserError(f"report-to: '{clipped(name)}' is not a tracker qae sends metrics to. Use a comma list "
+                               f"of {', '.join(names.TRACKERS)}, or leave it out (the run's DuckDB file only).")
+    missing = [name for name in wanted
+               if not any(importlib.util.find_spec(module) for module in names.TRACKER_MODULES[name])]
+    if missing:
+        raise QAEUserError(f"report-to: {', '.join(missing)} is not installed. Install it (pip install -e "
+                           f"'.[trackers]' brings tensorboard and mlflow-skinny; or pip install {' '.join(missing)}), "
+                           "or drop it from --report-to.")
+    return wanted
 
 
 def check_launch_mixed_precision(mixed_precision: str) -> None:

@@ -35,7 +35,8 @@ def heldout_points(view) -> pd.DataFrame:
 def grouped(views: dict, frames: dict[str, pd.DataFrame], heldout: dict[str, pd.DataFrame], by: list[str],
             band: str) -> tuple[dict, dict, dict[str, list[str]]]:
     """The runs' frames and held-out points as one per group (mean and band over its runs), and the groups."""
-    configs = {run_id: board.run_config(view.run) for run_id, view in views.items()}
+    configs = {run_id: board.grouping_config(view.run) if by else board.run_config(view.run)
+               for run_id, view in views.items()}  # (the default groups are Compare's: tags not among the keys)
     groups = grouping.group_runs(configs, by or None)
     drawn, why = charts.resolve_band(band, max(len(run_ids) for run_ids in groups.values()))
     metrics = [m for m in STEP_METRICS if any(m in frame for frame in frames.values())] + component_columns(frames)
@@ -100,6 +101,7 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
     if not views:
         return
     st.text("   ".join(board.progress_line(view) for view in views.values()))
+    board.stop_controls(views)
     board.heartbeat(views)
     if all(view.steps.empty for view in views.values()):
         st.info("No step written yet: the first step appears here when the trainer finishes it.")
@@ -240,14 +242,16 @@ group_on = grouping_row[0].toggle("Group runs", key="group", bind="query-params"
                                        "keys picked), as W&B's grouping.")
 group_by = None
 if group_on:
-    picked_configs = {run_id: board.run_config(view.run) for run_id in run_ids
+    picked_configs = {run_id: board.grouping_config(view.run) for run_id in run_ids
                       if (view := board.run_view(run_id)) is not None}
     group_by = grouping_row[1].multiselect("Group by", grouping.config_keys(picked_configs), key="group_by",
                                            bind="query-params", accept_new_options=True,
                                            placeholder="everything but the seed",
                                            help="Config keys whose values make a group (the keys that differ "
-                                                "between the picked runs are listed first). None: runs that differ "
-                                                "only in seed (and bookkeeping) form a group, as on Compare.")
+                                                "between the picked runs are listed first), or tags: the runs' "
+                                                "`qae tag` tags (runs with the same tags form a group). None: runs "
+                                                "that differ only in seed (and bookkeeping) form a group, as on "
+                                                "Compare.")
     band_choice = grouping_row[2].segmented_control("Band", list(charts.SEED_BANDS), key="band", default="auto",
                                                     bind="query-params", required=True,
                                                     help="; ".join(f"{k}: {v}" for k, v in charts.SEED_BANDS.items()))

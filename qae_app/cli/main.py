@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from qae_app.cli import launch, manage
+from qae_app.cli import launch, manage, preview
 from qae_app.cli.console import SafeConsole, console, err_console, fail
 from qae_app.cli.options import DEFAULT_RUNS_DIR, RunsDir
 from qae_app.config import EvalConfig, TrainConfig
@@ -146,6 +146,8 @@ def plan(
 
 
 app.command(help=plan.__doc__)(_with_config_options(plan, TrainConfig))
+app.command("preview", help=preview.preview_command.__doc__)(_with_config_options(preview.preview_command,
+                                                                                  TrainConfig))
 
 
 def print_command(command: str) -> None:
@@ -321,6 +323,7 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
         component_table,
         read_component_means,
         read_evals,
+        read_preview,
         read_run,
         read_steps,
         read_warnings,
@@ -339,11 +342,14 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
         path = resolve_run(runs_dir, run)
         info = read_run(path)  # everything is read before anything is printed: a damaged file gives one message
         steps, evals, warnings = read_steps(path), read_evals(path), read_warnings(path)
+        found = read_preview(path) if info.get("estimator") == "preview" else None
         components = component_table(read_component_means(path))
     except QAEUserError as err:
         fail(err)
     out = _view_console()
     out.print(show_view(info, steps, evals, warnings, out.width, chosen, every, components))
+    if found is not None:  # a preview: what it found, as `qae preview` printed it
+        out.print(preview.preview_view(run, found))
 
 
 @app.command()
@@ -369,7 +375,7 @@ def rollouts(
     regime."""
     from qae_app.cli.views import rollouts_view
     from qae_app.core.names import GATE_REASONS, REGIMES
-    from qae_app.store.reader import read_components, read_last_step, read_model_prompts, read_rollouts, resolve_run
+    from qae_app.store.reader import read_components, read_model_prompts, read_rollout_steps, read_rollouts, resolve_run
 
     try:
         if gated + kept + filtered > 1:
@@ -384,12 +390,12 @@ def rollouts(
         if limit < 1:
             raise QAEUserError(f"limit: {limit} shows nothing. Use a positive number of responses.")
         path = resolve_run(runs_dir, run)
-        last = read_last_step(path)
-        if last is None:
+        steps = read_rollout_steps(path)  # (a preview's one step has rollouts and no `steps` row)
+        if not steps:
             raise QAEUserError(f"run: '{run}' has no steps yet.")
-        step = last if step is None else step
-        if not 1 <= step <= last:
-            raise QAEUserError(f"step: {step} is not a step of '{run}'. Use 1..{last}.")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise QAEUserError(f"step: {step} is not a step of '{run}'. Use {steps[0]}..{steps[-1]}.")
         everything = read_rollouts(path, step, with_text=False)  # first: a damaged file gives one message
         frame = read_rollouts(path, step, gated=True if gated or why else False if kept else None, regime=regime,
                               search=search, filtered=True if filtered else False if gated or kept or why else None)
@@ -413,6 +419,9 @@ def compare(
     sweep: Annotated[Optional[str], typer.Option(help="Compare every run of this sweep (its id or name).")] = None,
     baseline: Annotated[Optional[str], typer.Option(help="A group to compare the others with, paired by seed: its "
                                                     "label or a value only it has (e.g. grpo).")] = None,
+    group_by: Annotated[Optional[str], typer.Option(help="Group by these instead (comma list): tags (the runs' "
+                                                    "`qae tag` tags, e.g. with --baseline baseline) or config keys "
+                                                    "(estimator,k).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON (no tables).")] = False,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
 ) -> None:
@@ -424,7 +433,8 @@ def compare(
     from qae_app.cli.views import compare_view
 
     try:
-        comparison = compare_runs(load_runs(runs_dir, runs, sweep), baseline)
+        by = [key.strip() for key in group_by.split(",") if key.strip()] if group_by is not None else None
+        comparison = compare_runs(load_runs(runs_dir, runs, sweep), baseline, by)
     except QAEUserError as err:
         fail(err)
     if as_json:
@@ -614,6 +624,11 @@ def dashboard(
         help="Seconds between the pages' checks for new steps and runs: " + ", ".join(names.DASHBOARD_REFRESH_S)
              + ". The sidebar changes it in that browser tab; off suits reading finished runs.",
     )] = names.DASHBOARD_REFRESH_DEFAULT,
+    controls: Annotated[Optional[bool], typer.Option(
+        "--controls/--read-only",
+        help="Show the controls that change runs (stop a live run, edit tags and notes) or none. Default: controls "
+             "on a loopback --host (this machine only), none on any other (anyone who reaches the page could use "
+             "them).")] = None,
 ) -> None:
     """Start the Streamlit dashboard (live curves, rollouts browser) on 127.0.0.1; Ctrl-C or SIGTERM stops it."""
     import os
@@ -631,9 +646,11 @@ def dashboard(
     command = [sys.executable, "-c", STREAMLIT_WITHOUT_WORKING_FOLDER, "run", str(app_path), "--server.address", host,
                "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
                "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal"]
-    env = dict(os.environ, QAE_RUNS_DIR=str(Path(runs_dir).resolve()), **{names.DASHBOARD_REFRESH_ENV: refresh})
+    controls = dashboard_controls(host, controls)
+    env = dict(os.environ, QAE_RUNS_DIR=str(Path(runs_dir).resolve()),
+               **{names.DASHBOARD_REFRESH_ENV: refresh, names.DASHBOARD_CONTROLS_ENV: str(int(controls))})
     console.print(f"qae dashboard for [cyan]{Path(runs_dir).resolve()}[/] at [bold]http://{host}:{port}[/] "
-                  "(Ctrl-C to stop)")
+                  f"({'' if controls else 'read-only; '}Ctrl-C to stop)")
     process = subprocess.Popen(command, env=env)
 
     def stop(signum, frame):  # SIGTERM (systemd, kill) stops the server too, as Ctrl-C does
@@ -658,6 +675,19 @@ def dashboard(
     if code != 0:  # e.g. the port is taken: Streamlit said why above
         err_console.print(f"[bold red]error:[/] the dashboard server exited with code {code}.")
         raise typer.Exit(code=1)
+
+
+def dashboard_controls(host: str, asked: bool | None) -> bool:
+    """Whether the dashboard shows its controls: as --controls / --read-only say, else only where --host keeps the
+    server on this machine (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if asked is not None:
+        return asked
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
 
 
 def _check_host(host: str) -> None:

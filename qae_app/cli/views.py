@@ -30,7 +30,7 @@ from qae_app.core.formatting import missing, number, pace_line, run_pace, setup_
 from qae_app.core.names import GATE_REASONS
 from qae_app.store import reader as store_read
 from qae_app.store import schema as store
-from qae_app.store.run_folder import RUN_NAME_PATTERN, STOPPED
+from qae_app.store.run_folder import RESULTS_ONLY_KINDS, RUN_NAME_PATTERN, STOPPED
 
 if TYPE_CHECKING:  # `qae runs` draws from dicts and never imports pandas
     import pandas as pd
@@ -483,6 +483,8 @@ def _estimator(row: dict) -> str:
 
 
 def _progress(row: dict, config: dict) -> str:
+    if row.get("estimator") in RESULTS_ONLY_KINDS:  # `qae eval`, `qae preview`: no steps to count (the config's
+        return "-"  # steps are those of the run a preview was made for)
     last = row.get("last_step")
     last = 0 if missing(last) else int(last)
     return f"{last}/{config['steps']}" if config.get("steps") else str(last)

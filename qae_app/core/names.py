@@ -46,6 +46,11 @@ DEFAULT_K = 0.4
 AUTO_K_RULE = "K=0.3 if the first step's success rate < 0.2, 0.4 if < 0.5, else 0.5"
 
 
+# `qae preview`: how many prompts it samples, and the K values it shows QAE's gating at, unless told otherwise
+PREVIEW_PROMPTS = 32
+PREVIEW_KS = "0.2,0.3,0.4,0.5,0.6,0.7,0.8"
+
+
 def auto_k(success_rate: float) -> float:
     """--k auto: harder tasks get a lower K (a wider hard regime); see AUTO_K_RULE."""
     return 0.3 if success_rate < 0.2 else 0.4 if success_rate < 0.5 else 0.5
@@ -155,6 +160,18 @@ ENGINES: dict[str, str] = {
     "vllm": "a colocated vLLM engine that receives the new weights after each step (CUDA)",
 }
 
+# --- where `qae train --report-to` also sends every step's metrics (train/trackers.py, through accelerate's trackers),
+# and the modules any one of which makes each work (accelerate's TensorBoard tracker writes with torch's writer, which
+# needs the tensorboard package, or tensorboardX)
+TRACKERS: dict[str, str] = {
+    "tensorboard": "event files in runs/<run>/tensorboard (tensorboard --logdir runs)",
+    "mlflow": "the MLflow store MLFLOW_TRACKING_URI names",
+    "wandb": "Weights & Biases (WANDB_MODE=offline: a local run folder)",
+    "trackio": "trackio's local store",
+}
+TRACKER_MODULES: dict[str, tuple[str, ...]] = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",),
+                                               "wandb": ("wandb",), "trackio": ("trackio",)}
+
 # --- the built-in chain task's responses: scratchpad, marker, final answer (tasks.py writes them, answers.py reads the
 # final answer after the last marker); only characters of the built-in vocabulary
 CHAIN_ANSWER_MARKER = " so "
@@ -191,4 +208,7 @@ def describe(choices: dict[str, str]) -> str:
 DASHBOARD_REFRESH_S: dict[str, int | None] = {"off": None, "2": 2, "5": 5, "10": 10, "30": 30}  # seconds between checks
 DASHBOARD_REFRESH_DEFAULT = "5"
 DASHBOARD_REFRESH_ENV = "QAE_DASHBOARD_REFRESH"  # how `qae dashboard` hands --refresh to the Streamlit process
+# whether the dashboard shows its controls (stop a live run, edit tags and notes): "1" from `qae dashboard` on a
+# loopback address or with --controls; anything else (--read-only, another --host, the app started by hand): none
+DASHBOARD_CONTROLS_ENV = "QAE_DASHBOARD_CONTROLS"
 

@@ -25,7 +25,7 @@ from qae_app.engines.sampling import SamplingOptions
 from qae_app.evaluation.metrics import avg_at_k, maj_at_k, pass_at_k, pass_k_values
 from qae_app.rewards.registry import RewardSet, data_columns
 from qae_app.rewards.scorer import Scorer
-from qae_app.store.reader import is_eval_run
+from qae_app.store.reader import results_only_kind
 from qae_app.store.run_folder import (
     CHECKPOINTS_DIR,
     MANIFEST,
@@ -138,9 +138,10 @@ def resolve_model(spec: str, runs_dir, checkpoint: int | None = None) -> EvalTar
     folder = Path(runs_dir) / spec
     # a run folder: checkpoints, or a database only (a run killed before its first checkpoint)
     if RUN_NAME_PATTERN.match(spec) and ((folder / CHECKPOINTS_DIR).is_dir() or db_path(runs_dir, spec).exists()):
-        if is_eval_run(folder):
-            raise eval_run_error("model", folder, f"Pass the model it evaluated (`qae show {spec}` names it), a "
-                                                  "training run's id or a model folder.")
+        if kind := results_only_kind(folder):
+            raise eval_run_error("model", folder, f"Pass the model it {'evaluated' if kind == 'eval' else 'sampled'} "
+                                                  f"(`qae show {spec}` names it), a training run's id or a model "
+                                                  "folder.", kind)
         found = list_checkpoints(folder)
         if checkpoint is None:
             if not found:

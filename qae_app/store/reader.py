@@ -40,6 +40,7 @@ from qae_app.store.run_folder import (
     CONFIG_FILE,
     DB_FILE,
     PENDING_DIR,
+    RESULTS_ONLY_KINDS,
     effective_status,
     folders_not_runs,
     list_run_dirs,
@@ -188,15 +189,22 @@ def run_summaries(runs_dir: Path) -> list[dict]:
     return sorted(rows, key=lambda row: row["created_at"] or datetime.min, reverse=True)
 
 
-def is_eval_run(folder: Path) -> bool:
-    """A run folder `qae eval` made (its row's estimator is 'eval'): results only, no model, no training config."""
+def results_only_kind(folder: Path) -> str | None:
+    """'eval' or 'preview' for a run folder that `qae eval` or `qae preview` made (its row's estimator says which:
+    run_folder.RESULTS_ONLY_KINDS): results only, no model, no training run's settings; None for any other folder."""
     folder = Path(folder)
     if not (folder / DB_FILE).exists() or (folder / CONFIG_FILE).exists():  # a training run writes its config.json
-        return False
+        return None
     try:
-        return read_run(folder / DB_FILE).get("estimator") == "eval"
+        estimator = read_run(folder / DB_FILE).get("estimator")
     except (QAEUserError, duckdb.Error):  # unreadable: the command's own reading says why
-        return False
+        return None
+    return estimator if estimator in RESULTS_ONLY_KINDS else None
+
+
+def is_eval_run(folder: Path) -> bool:
+    """A run folder `qae eval` made (its row's estimator is 'eval')."""
+    return results_only_kind(folder) == "eval"
 
 
 def read_run(path: Path) -> dict:
@@ -389,6 +397,44 @@ def read_run_view(path: Path) -> RunView:
             evals=con.execute("SELECT step, benchmark, subset, metric, k, value, n_problems, source FROM evals "
                               "ORDER BY benchmark, subset, metric, k, step").df(),
         )
+
+
+@dataclass
+class PreviewView:
+    """What `qae preview` found (qae_app/evaluation/preview.py), read in one connection: what it prints and the
+    dashboard's Preview page draws."""
+
+    run: dict  # one row of SQL_RUN_SUMMARY
+    summary: dict  # the `previews` row
+    by_k: pd.DataFrame  # the `preview_k` rows: QAE by K, then GRPO (k NULL)
+    groups: pd.DataFrame  # group_idx, prompt, answer, n_correct, group_size, baseline, regime
+    rollouts: pd.DataFrame  # group_idx, sample_idx, response, reward, correct, verified, advantage, gated, n_tokens,
+    # truncated
+
+
+SQL_PREVIEW_GROUPS = ("SELECT group_idx, prompt, answer, n_correct, group_size, baseline, regime FROM groups "
+                      "WHERE step = ? ORDER BY group_idx")
+SQL_PREVIEW_ROLLOUTS = ("SELECT group_idx, sample_idx, response, reward, correct, verified, advantage, gated, "
+                        "n_tokens, truncated FROM rollouts WHERE step = ? ORDER BY group_idx, sample_idx")
+
+
+def read_preview(path: Path) -> PreviewView:
+    """A preview's findings; QAEUserError when the run is not a preview."""
+    with open_reader(path) as con:
+        run = con.execute(SQL_RUN_SUMMARY).df()
+        if run.empty or run["estimator"].iloc[0] != "preview":
+            raise QAEUserError(f"run: '{Path(path).parent.name}' is not a preview. Make one with `qae preview` (the "
+                               "options of `qae train`), or look at a training run with `qae show`.")
+        summary = con.execute("SELECT * FROM previews ORDER BY step DESC LIMIT 1").df()
+        if summary.empty:
+            raise QAEUserError(f"run: the preview '{Path(path).parent.name}' holds no findings: it stopped before "
+                               "they were written. Run `qae preview` again.")
+        step = int(summary["step"].iloc[0])
+        return PreviewView(
+            run=_as_seen_from_folder(run, path).iloc[0].to_dict(), summary=summary.iloc[0].to_dict(),
+            by_k=con.execute("SELECT * FROM preview_k WHERE step = ? ORDER BY estimator DESC, k", [step]).df(),
+            groups=con.execute(SQL_PREVIEW_GROUPS, [step]).df(),
+            rollouts=con.execute(SQL_PREVIEW_ROLLOUTS, [step]).df())
 
 
 def read_rollout_steps(path: Path) -> list[int]:

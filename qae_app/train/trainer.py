@@ -44,6 +44,7 @@ from qae_app.core.formatting import as_float
 from qae_app.core.hashing import file_sha256
 from qae_app.data.tasks import load_benchmark, load_task, prompts_at
 from qae_app.engines.factory import make_engine
+from qae_app.engines.sampling import step_seed
 from qae_app.engines.sharded_policy import ShardedPolicy, sharding_plan_for
 from qae_app.evaluation.evaluate import evaluate, summarize
 from qae_app.models.lora import AdaptersDisabled, apply_lora, trainable_parameters
@@ -165,14 +166,7 @@ def step_tables(out: StepOutput | None, heldout: HeldoutEval | None, keep: str =
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# sampling: the seeds, and which groups dynamic sampling keeps
-
-
-def _step_seed(seed: int, step: int, process: int, gen_batch: int = 0) -> int:
-    """The sampling seed of one process's share of a step's generation batch: a pure function of the four, so a
-    resumed run samples exactly what the uninterrupted run did (gen_batch 0 keeps the seed runs had before dynamic
-    sampling)."""
-    return (seed * 1_000_003 + step * 7_919 + process * 104_729 + gen_batch * 15_485_863) % (2**31 - 1)
+# sampling: which groups dynamic sampling keeps (each batch's seed: engines.sampling.step_seed)
 
 
 def groups_with_signal(rewards: torch.Tensor, correct: torch.Tensor, metric: str) -> torch.Tensor:
@@ -513,7 +507,7 @@ class Trainer:
             prompts = [self.task.prompt(p) for p in problems]
             t0 = time.perf_counter()
             samples = self.engine.generate(prompts, G, cfg.temperature, cfg.max_new_tokens,
-                                           _step_seed(cfg.seed, step, acc.process_index, index))
+                                           step_seed(cfg.seed, step, acc.process_index, index))
             rollout_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             fault_point("scoring", step)
@@ -573,7 +567,7 @@ class Trainer:
         if not n_local:
             trained_adv = trained_adv.new_zeros(1)  # (the placeholder's)
         options = self.update_options()
-        seed = _step_seed(cfg.seed, step, 0) + 1  # (the mini-batches: the attribution draws the same)
+        seed = step_seed(cfg.seed, step, 0) + 1  # (the mini-batches: the attribution draws the same)
         attribution = (entropy_attribution(self.model, self.optimizer, batch, trained_adv, correct, regime_k, G,
                                            options, acc, seed=seed, n_local=n_local)
                        if cfg.log_entropy_attribution else dict.fromkeys(ATTRIBUTION_METRICS))
@@ -633,7 +627,7 @@ class Trainer:
             return None
         share = problems[acc.process_index :: acc.num_processes]
         result = evaluate(self.engine, name, share, [task.prompt(p) for p in share], self.eval_scorer, cfg.eval_k,
-                          cfg.temperature, cfg.max_new_tokens, seed=_step_seed(cfg.seed, step, acc.process_index) + 7)
+                          cfg.temperature, cfg.max_new_tokens, seed=step_seed(cfg.seed, step, acc.process_index) + 7)
         samples, metrics = result.samples, result.metrics
         if acc.num_processes > 1:
             from accelerate.utils import gather_object

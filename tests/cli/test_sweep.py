@@ -210,6 +210,26 @@ def test_compare_json_gives_the_hand_computed_intervals_and_paired_differences(k
     assert diff["p_value"] == pytest.approx(1 - 4 / math.sqrt(18), abs=1e-9)  # two-sided t(2) tail at t = 4
 
 
+def test_compare_json_follows_the_one_statistics_rule_below_three_seeds(known_runs):
+    """`--json` is read by scripts that quote it: below 3 paired seeds it gives no interval and no p-value (null,
+    with the reason), as the tables and the Compare page do; the mean and sd stay."""
+    result = runner.invoke(app, ["compare", "cmp-qae-s0", "cmp-qae-s1", "cmp-grpo-s0", "cmp-grpo-s1", "--baseline",
+                                 "grpo", "--json", "--runs-dir", str(known_runs)])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    final = {g["label"]: g for g in out["groups"]}["estimator=qae"]["metrics"]["final_heldout"]
+    assert final["mean"] == pytest.approx(0.65) and final["sd"] == pytest.approx(math.sqrt(0.005))
+    assert (final["low"], final["high"], final["no_interval"]) == (None, None, "n=2: no interval")
+    diff = out["differences"]["estimator=qae"]["final_heldout"]
+    assert diff["mean"] == pytest.approx(0.15) and diff["seeds"] == [0, 1]
+    assert (diff["low"], diff["high"], diff["p_value"]) == (None, None, None)
+    assert diff["no_interval"] == "n=2: no interval"
+    three = json.loads(runner.invoke(app, ["compare", "--sweep", "cmp", "--baseline", "grpo", "--json",
+                                           "--runs-dir", str(known_runs)]).output)
+    diff = three["differences"]["estimator=qae"]["final_heldout"]
+    assert diff["low"] is not None and diff["p_value"] is not None and diff["no_interval"] is None
+
+
 def test_compare_prints_groups_intervals_baseline_and_small_n_notes(known_runs):
     result = runner.invoke(app, ["compare", "cmp-qae-s0", "cmp-qae-s1", "cmp-grpo-s0", "--baseline", "grpo",
                                  "--runs-dir", str(known_runs)], env={"COLUMNS": "80"})
