@@ -9,6 +9,7 @@ import pytest
 
 from qae_app.core.errors import QAEUserError
 from qae_app.data.datasets import load_math_file
+from qae_app.data.tasks import load_task
 
 ROWS = [
     {"id": "r1", "question": "Name a prime above 10.", "answer": "11", "hint": "try 11", "tests": ["11", "13"]},
@@ -108,6 +109,10 @@ def test_a_file_without_answers_loads_when_none_is_required(tmp_path):
     problems = load_math_file(path, require_answer=False)
     assert [(p.question, p.answer) for p in problems] == [("Write a haiku.", ""), ("Write a limerick.", "")]
     assert problems[0].columns == {"question": "Write a haiku.", "min_lines": 3}
+    task = load_task(str(path), require_answer=False)
+    assert [p.answer for p in task.train] == ["", ""]
+    with pytest.raises(QAEUserError, match="line 1 has no answer"):
+        load_task(str(path))
 
 
 def test_an_answer_given_is_still_checked_when_none_is_required(tmp_path):
