@@ -19,6 +19,7 @@ from qae_app.config import EvalConfig
 from qae_app.core.errors import QAEUserError
 from qae_app.core.host_faults import check_path_names, environment_errno, environment_error
 from qae_app.data.datasets import Problem
+from qae_app.data.prompts import Prompt
 from qae_app.data.tasks import load_benchmark
 from qae_app.engines.base import RolloutEngine
 from qae_app.engines.sampling import SamplingOptions
@@ -48,7 +49,7 @@ class EvalResult:
     metrics: list[dict]  # benchmark, subset, metric, k, value, n_problems
 
 
-def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: list[str], scorer: Scorer, k: int,
+def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: list[Prompt], scorer: Scorer, k: int,
                      temperature: float, max_new_tokens: int, seed: int, on_batch=None,
                      batch_problems: int = 64) -> list[dict]:
     """k samples for each problem, scored. `on_batch(n_done)` is called after each batch (progress bars)."""
@@ -108,7 +109,7 @@ def summarize(benchmark: str, problems: list[Problem], samples: list[dict], k: i
     return metrics
 
 
-def evaluate(engine: RolloutEngine, benchmark: str, problems: list[Problem], prompts: list[str], scorer: Scorer,
+def evaluate(engine: RolloutEngine, benchmark: str, problems: list[Problem], prompts: list[Prompt], scorer: Scorer,
              k: int, temperature: float, max_new_tokens: int, seed: int, on_batch=None) -> EvalResult:
     samples = sample_and_score(engine, problems, prompts, scorer, k, temperature, max_new_tokens, seed, on_batch)
     return EvalResult(benchmark, k, samples, summarize(benchmark, problems, samples, k))

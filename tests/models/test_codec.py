@@ -90,3 +90,59 @@ def test_plain_ids_from_every_return_type():
         assert plain_ids(encoded) == expected, encoded
     with pytest.raises(TypeError, match="expected token ids"):
         plain_ids(["<s>", "hi"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chat messages (a data row's `prompt` column, or --system-prompt): through the chat template as they are
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2 plus 3?"}]
+
+
+def test_chat_messages_go_through_the_template_as_they_are(chat_folder):
+    _, codec = load_policy(str(chat_folder))
+    ids = codec.encode(MESSAGES)
+    assert codec.tokenizer.decode(ids) == ("<s><|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n"
+                                           "What is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n")
+    assert ids.count(codec.tokenizer.bos_token_id) == 1
+    # a text prompt is one user message, as before
+    assert codec.encode("What is 2 plus 3?") == codec.encode(MESSAGES[1:])
+
+
+def test_without_a_chat_template_messages_are_their_contents_joined_by_blank_lines(chat_folder):
+    from qae_app.models.policy import CharTokenizer
+
+    _, codec = load_policy(str(chat_folder), use_chat_template=False)
+    assert codec.encode(MESSAGES) == codec.encode("You are terse.\n\nWhat is 2 plus 3?")
+    char = CharTokenizer()
+    assert char.encode([{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+2="}]) == \
+        char.encode("be brief\n\n1+2=")
+
+
+def test_a_template_that_refuses_the_messages_is_a_clear_error(chat_folder, tmp_path):
+    """Gemma's template raises on a system message; the user hears which messages and what to do."""
+    from qae_app.core.errors import QAEUserError
+
+    _, codec = load_policy(str(chat_folder))
+    codec.tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                                     "{{ raise_exception('System role not supported') }}{% endif %}"
+                                     "{{ m['content'] }}{% endfor %}")
+    with pytest.raises(QAEUserError) as e:
+        codec.encode(MESSAGES)
+    assert str(e.value).startswith("prompt: the model's chat template refuses the messages (system, user): System "
+                                   "role not supported.")
+    assert "--system-prompt" in str(e.value)
+
+
+def test_prompt_lengths_of_chat_messages_are_measured_encoded(chat_folder):
+    """A chat prompt has no cheap bound (its template adds per-message tokens), so it is encoded: a long system
+    message is caught."""
+    from qae_app.core.errors import QAEUserError
+    from qae_app.models.policy import check_prompt_lengths, prompts_longer_than, rollout_positions
+
+    model, codec = load_policy(str(chat_folder))
+    long = [{"role": "system", "content": "system " * 300}, {"role": "user", "content": "hi"}]
+    n_tokens = len(codec.encode(long))
+    assert prompts_longer_than(codec, [("a", long), ("b", "hi")], 100) == [("a", n_tokens)]
+    assert rollout_positions(model, codec, [("a", long)], 8) == 256  # (capped at the model's context)
+    with pytest.raises(QAEUserError, match=f"data: prompt 'a' is {n_tokens:,} tokens"):
+        check_prompt_lengths(model, codec, [("a", long)], 8, "data")
