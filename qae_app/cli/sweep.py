@@ -265,9 +265,9 @@ def check_data_files(cfg) -> None:
     file is refused once, before any run starts, not by every run in turn."""
     from qae_app.data.tasks import load_benchmark, load_task
 
-    load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
+    load_task(cfg.data, cfg.heldout_fraction, cfg.seed, prompt_format=cfg.prompt_format)
     if cfg.eval_bench:
-        load_benchmark(cfg.eval_bench, option="eval-bench")
+        load_benchmark(cfg.eval_bench, "eval-bench", cfg.prompt_format)
 
 
 def check_parallel(parallel: int) -> None:

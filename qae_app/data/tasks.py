@@ -254,7 +254,8 @@ def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0, o
             raise QAEUserError(f"{option}: '{name_or_path}' is not a built-in task. Choose one of: {names}.")
         raise QAEUserError(
             f"{option}: '{name_or_path}' is neither a built-in task ({names}) nor an existing file. "
-            "Pass a JSONL or Parquet file in the GSM8K, MATH-500, AIME, AMC or DAPO-17k format."
+            "Pass a JSONL, Parquet or CSV data file (the GSM8K, MATH-500, AIME, AMC or DAPO-17k format, or any "
+            "columns with --prompt-template)."
         )
     try:  # (a user's template that does not show the question reads files without one)
         problems = load_math_file(path, require_answer=require_answer,

@@ -230,7 +230,7 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
     from qae_app.models.policy import check_prompt_lengths, load_policy, rollout_positions
 
     target = resolve_model(cfg.model, runs_dir, cfg.checkpoint)
-    name, problems, task = load_benchmark(cfg.bench)
+    name, problems, task = load_benchmark(cfg.bench, prompt_format=cfg.prompt_format)
     problems = problems[: cfg.limit] if cfg.limit else problems
     max_new_tokens = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task.reward]
     if target.run_id is None:

@@ -42,6 +42,7 @@ from qae_app.core.errors import QAEUserError
 from qae_app.core.faults import fault_point
 from qae_app.core.formatting import as_float
 from qae_app.core.hashing import file_sha256
+from qae_app.data.prompts import prompt_text
 from qae_app.data.tasks import load_benchmark, load_task, prompts_at
 from qae_app.engines.factory import make_engine
 from qae_app.engines.sharded_policy import ShardedPolicy, sharding_plan_for
@@ -96,7 +97,7 @@ class GenerationBatch:
     index: int  # 0 for a step's first batch; more with dynamic sampling
     first_group: int  # step-wide group_idx of this process's first group: index * prompts_per_step + its offset
     problems: list  # [B] tasks.Problem
-    prompts: list[str]  # [B]
+    prompts: list  # [B] data.prompts.Prompt: text or chat messages, as the engine was given them
     samples: list  # [B * G] rollout.Sample, sample j of prompt i at i * G + j
     verified: list[bool]  # [B * G] the verifier gave a verdict
     rewards: torch.Tensor  # (B, G) shaped: reward values plus the overlong penalty
@@ -223,7 +224,7 @@ def group_results(batches: list[GenerationBatch], trained: list[bool], adv, rewa
             else:
                 entropies = logprobs = [None] * G
             results.append(GroupResult(
-                group_idx=b.first_group + i, prompt_id=problem.prompt_id, prompt=b.prompts[i],
+                group_idx=b.first_group + i, prompt_id=problem.prompt_id, prompt=prompt_text(b.prompts[i]),
                 answer=problem.answer, baseline=baselines[local],
                 regime=REGIMES[regimes[local]], responses=[s.text for s in group],
                 rewards=rewards[local], correct=correct[local],
@@ -326,14 +327,14 @@ class Trainer:
 
     def _load_data(self) -> None:
         cfg = self.cfg
-        self.task = load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
+        self.task = load_task(cfg.data, cfg.heldout_fraction, cfg.seed, prompt_format=cfg.prompt_format)
         if len(self.task.train) == 0:
             raise QAEUserError(f"data: '{cfg.data}' has no training problems. Lower --heldout-fraction.")
         self.data_fingerprint = file_sha256(Path(cfg.data)) if Path(cfg.data).is_file() else None
         # what --eval-every evaluates: the task's held-out split, or --eval-bench named as `qae eval` names it;
         # loaded now so a bad path fails before anything is written
         self.eval_name, self.eval_problems, self.eval_task = (
-            load_benchmark(cfg.eval_bench, option="eval-bench") if cfg.eval_bench
+            load_benchmark(cfg.eval_bench, "eval-bench", cfg.prompt_format) if cfg.eval_bench
             else (f"{self.task.name}-heldout", self.task.heldout, self.task))
 
     def _load_models(self) -> None:
@@ -380,8 +381,7 @@ class Trainer:
             self.ref_model.to(acc.device)
         self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
                                   sharded=ShardedPolicy.of(acc, self.model), rollout_dtype=cfg.rollout_dtype,
-                                  sleep=cfg.vllm_sleep,
-                                  gpu_memory_utilization=cfg.vllm_gpu_memory,
+                                  sleep=cfg.vllm_sleep, gpu_memory_utilization=cfg.vllm_gpu_memory,
                                   max_model_len=rollout_positions(model, self.codec, data + evals, cfg.max_new_tokens))
         self.scorer = Scorer(self.task.reward, cfg.verify_timeout_s)
         # one scorer for the whole run (a math verifier pool takes seconds to start): the training one if it fits
