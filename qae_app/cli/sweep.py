@@ -203,12 +203,15 @@ def _toml_value(value) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
+    # a TOML basic string: JSON's escapes are TOML's, but not its surrogate pairs for characters beyond U+FFFF, so
+    # the rest of Unicode is written as it is (UTF-8), and DEL, which JSON leaves bare and TOML refuses, escaped
+    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def write_point_file(path: Path, options: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(f"{key} = {_toml_value(value)}\n" for key, value in sorted(options.items())))
+    path.write_text("".join(f"{key} = {_toml_value(value)}\n" for key, value in sorted(options.items())),
+                    encoding="utf-8")
     return path
 
 
