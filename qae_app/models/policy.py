@@ -417,15 +417,29 @@ def most_tokens(text: str, template: int) -> int:
     return len(text.encode("utf-8", "surrogatepass")) + template
 
 
+def most_prompt_tokens(codec: TextCodec, prompt: Prompt, template: int, scaffolds: dict[str, int]) -> int:
+    """A bound on a prompt's tokens as encoded that costs no encoding of the prompt itself: `most_tokens` for text;
+    for chat messages their contents' UTF-8 bytes plus the tokens of the same messages with a one-letter content each
+    (the chat template's scaffolding: roles, markers, a default system message), plus one a message for a word-start
+    token. The scaffolding is encoded once per shape of messages (their roles and other fields) into `scaffolds`: a
+    file's chat rows mostly share one or two shapes."""
+    if isinstance(prompt, str):
+        return most_tokens(prompt, template)
+    shape = json.dumps([{k: v for k, v in m.items() if k != "content"} for m in prompt], sort_keys=True, default=str)
+    if shape not in scaffolds:
+        scaffolds[shape] = len(codec.encode([{**m, "content": "x"} for m in prompt]))
+    contents = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in prompt)
+    return contents + scaffolds[shape] + len(prompt)
+
+
 def prompts_longer_than(codec: TextCodec, prompts: list[tuple[str, Prompt]], budget: int) -> list[tuple[str, int]]:
     """(prompt id, tokens) of the `prompts` (prompt id, text or chat messages) longer than `budget` tokens as encoded.
 
-    Only prompts that might be longer are encoded: a text prompt whose `most_tokens` fit is known to fit (chat
-    messages have no such bound: the template adds tokens per message)."""
-    template = template_tokens(codec)
+    Only prompts that might be longer are encoded: a prompt whose `most_prompt_tokens` fit is known to fit."""
+    template, scaffolds = template_tokens(codec), {}
     too_long = []
     for prompt_id, text in prompts:
-        if isinstance(text, str) and most_tokens(text, template) <= budget:
+        if most_prompt_tokens(codec, text, template, scaffolds) <= budget:
             continue
         n_tokens = len(codec.encode(text))
         if n_tokens > budget:
@@ -434,15 +448,16 @@ def prompts_longer_than(codec: TextCodec, prompts: list[tuple[str, Prompt]], bud
 
 
 def rollout_positions(model, codec: TextCodec, prompts: list[tuple[str, Prompt]], max_new_tokens: int) -> int:
-    """The most positions a rollout of `prompts` (prompt id, text or chat messages) can take: the longest prompt's
-    `most_tokens` (chat messages: their encoded length) plus `max_new_tokens`, capped at the model's context.
+    """The most positions a rollout of `prompts` (prompt id, text or chat messages) can take, as a bound that costs
+    no encoding of each prompt: the longest prompt's `most_prompt_tokens` plus `max_new_tokens`, capped at the
+    model's context.
 
     vLLM sizes its sequences by it (`max_model_len`). Left unset, vLLM takes the model's whole context (131,072
     positions for Llama 3.1) and refuses to start when its share of the GPU cannot cache one sequence that long, though
     no rollout comes near it. TRL sets it the same way (max prompt length + max completion length)."""
-    template = template_tokens(codec)
-    needed = max((most_tokens(text, template) if isinstance(text, str) else len(codec.encode(text))
-                  for _, text in prompts), default=template) + max_new_tokens
+    template, scaffolds = template_tokens(codec), {}
+    needed = max((most_prompt_tokens(codec, text, template, scaffolds) for _, text in prompts),
+                 default=template) + max_new_tokens
     context = model_context(model)
     return needed if context is None else min(needed, context)
 

@@ -98,16 +98,33 @@ def test_a_template_that_refuses_the_messages_is_a_clear_error(chat_folder, tmp_
     assert "--system-prompt" in str(e.value)
 
 
-def test_prompt_lengths_of_chat_messages_are_measured_encoded(chat_folder):
-    """A chat prompt has no cheap bound (its template adds per-message tokens), so it is encoded: a long system
-    message is caught."""
+def test_prompt_lengths_of_chat_messages_are_bounded_then_measured(chat_folder):
+    """A chat prompt's bound (its contents' bytes plus the template's scaffolding for messages of that shape, encoded
+    once) is at least its encoded length, for every shape here; a prompt the bound cannot clear is encoded, so a long
+    system message is caught with its exact length."""
     from qae_app.core.errors import QAEUserError
-    from qae_app.models.policy import check_prompt_lengths, prompts_longer_than, rollout_positions
+    from qae_app.models.policy import (
+        check_prompt_lengths,
+        most_prompt_tokens,
+        prompts_longer_than,
+        rollout_positions,
+        template_tokens,
+    )
 
     model, codec = load_policy(str(chat_folder))
+    _, plain = load_policy(str(chat_folder), use_chat_template=False)
+    prompts = [MESSAGES, MESSAGES[1:], [{"role": "user", "content": ""}], [{"role": "user", "content": "é" * 40}],
+               [{"role": "system", "content": "a\n\nb"}, {"role": "user", "content": "What is 2 plus 3?"},
+                {"role": "assistant", "content": "5"}, {"role": "user", "content": "And 3 plus 4?", "name": "ann"}]]
+    for tokenizer in (codec, plain):
+        scaffolds = {}
+        for prompt in prompts:
+            assert len(tokenizer.encode(prompt)) <= most_prompt_tokens(tokenizer, prompt, template_tokens(tokenizer),
+                                                                       scaffolds), prompt
+        assert len(scaffolds) == 3  # one per shape: the three prompts of one user message share theirs
     long = [{"role": "system", "content": "system " * 300}, {"role": "user", "content": "hi"}]
     n_tokens = len(codec.encode(long))
-    assert prompts_longer_than(codec, [("a", long), ("b", "hi")], 100) == [("a", n_tokens)]
+    assert prompts_longer_than(codec, [("a", long), ("b", "hi"), ("c", MESSAGES)], 100) == [("a", n_tokens)]
     assert rollout_positions(model, codec, [("a", long)], 8) == 256  # (capped at the model's context)
     with pytest.raises(QAEUserError, match=f"data: prompt 'a' is {n_tokens:,} tokens"):
         check_prompt_lengths(model, codec, [("a", long)], 8, "data")
