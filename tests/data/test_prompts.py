@@ -88,8 +88,8 @@ def test_a_chat_prompt_column_is_sent_as_it_is(tmp_path):
 
 def test_system_prompt_goes_before_the_user_message_and_a_template_replaces_the_default(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"question": "2+2?", "answer": "4", "hint": "add"}])
-    [p] = load_task(str(path), prompt_format=PromptFormat(system_prompt="Be brief.")).train
     task = load_task(str(path), prompt_format=PromptFormat(system_prompt="Be brief."))
+    [p] = task.train
     assert task.prompt(p) == [{"role": "system", "content": "Be brief."},
                               {"role": "user", "content": MATH_PROMPT_TEMPLATE.replace("{question}", "2+2?")}]
     task = load_task(str(path), prompt_format=PromptFormat(template="{question} ({hint})"))
