@@ -24,6 +24,7 @@ from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import clipped
 from qae_app.core.host_faults import check_path_names
+from qae_app.data.prompts import PromptFormat, placeholders
 from qae_app.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, builtin_task_name, task_defaults
 from qae_app.engines.sampling import SamplingOptions
 from qae_app.rewards.specs import SPEC_FORMS, check_reward_options, weights_text
@@ -43,6 +44,32 @@ _REWARD_HELP = (f"Repeatable: {SPEC_FORMS}, called TRL's way: fn(completions, pr
                 "per completion, columns being the data row's fields, answer and step. Several: their weighted sum "
                 "(docs/rewards.md). Default: the task's own.")
 _REWARD_WEIGHTS_HELP = "Comma list of weights, one per --reward, e.g. 1,0.5 (default: 1 each)."
+_PROMPT_TEMPLATE_HELP = (
+    "The prompt of each data row: {name} is replaced by the row's column `name` (any column; {a.b} a nested field; "
+    "{question} and {answer} the problem's text and gold answer where the row has no such column), text as it is, "
+    "anything else as JSON. Only a name between single braces is replaced, so other braces stay as written "
+    "(LaTeX's \\boxed{} too) and {{name}} is the literal {name}. A column some row lacks is refused before anything "
+    "runs. Default: the task's own (a data file: the question, then 'put your final answer within \\boxed{}'); a "
+    "row whose `prompt` is a list of chat messages is then sent as it is, through the chat template.")
+_SYSTEM_PROMPT_HELP = (
+    "A system message before every prompt, through the model's chat template, taken as written. A row whose chat "
+    "messages have a system message of their own is refused. A model without a chat template (the built-in model, a "
+    "base model) reads it as text before the prompt, a blank line between.")
+
+
+def check_prompts(template: str | None, system_prompt: str | None) -> None:
+    """Both are text a tokenizer can read (a command line's bytes that are not UTF-8 arrive as lone surrogates,
+    which no tokenizer or database takes), and a template names a column: without one every prompt would be the
+    same text."""
+    for flag, value in (("prompt-template", template), ("system-prompt", system_prompt)):
+        bad = next((i for i, ch in enumerate(value or "") if "\ud800" <= ch <= "\udfff"), None)
+        if bad is not None:
+            raise QAEUserError(f"{flag}: '{clipped(value)}' is not UTF-8 text (character {bad + 1} is a byte that no "
+                               "UTF-8 character starts with). Write it in UTF-8.")
+    if template is not None and not placeholders(template):
+        raise QAEUserError(f"prompt-template: '{clipped(template)}' names no column, so every prompt would be this "
+                           "same text. Put the row's text in it with a placeholder such as {question} (or any column "
+                           "of the data: {name}).")
 
 
 def opt(default: Any, help: str, group: str, choices: dict[str, str] | tuple | None = None,
@@ -194,8 +221,12 @@ class TrainConfig:
                      "only at learning rates bfloat16 can represent (refused otherwise); for bf16 compute keep float32 "
                      "and pass --mixed-precision bf16.", "model", names.DTYPES)
     data: str = opt("arith", f"Task: a built-in one, {_BUILTIN_TASK_HELP} ('arith' is builtin:arith), or a "
-                    "JSONL/Parquet math file (GSM8K, MATH-500, AIME, AMC, DAPO-17k formats).", "model")
+                    "JSONL, Parquet or CSV data file (GSM8K, MATH-500, AIME, AMC, DAPO-17k formats, or any columns "
+                    "with --prompt-template).", "model")
     heldout_fraction: float = opt(0.0, "For a data file: fraction held out for --eval-every evaluation.", "model")
+    # --- prompt
+    prompt_template: str | None = opt(None, _PROMPT_TEMPLATE_HELP, "prompt")
+    system_prompt: str | None = opt(None, _SYSTEM_PROMPT_HELP, "prompt")
     # --- rollout
     engine: str = opt("hf", _ENGINE_HELP, "rollout", names.ENGINES)
     vllm_sleep: bool = opt(True, "With --engine vllm: put the engine to sleep through the update (vLLM's sleep "
@@ -348,6 +379,11 @@ class TrainConfig:
     def advantage_scale(self) -> str:
         return names.advantage_scale(self.estimator, self.scale)
 
+    @property
+    def prompt_format(self) -> PromptFormat:
+        """--prompt-template and --system-prompt, as the tasks take them (training and its evaluation alike)."""
+        return PromptFormat(self.prompt_template, self.system_prompt)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -415,6 +451,7 @@ class TrainConfig:
         if self.run_name is not None:
             validate_run_name(self.run_name)
         report_to_trackers(self.report_to)
+        check_prompts(self.prompt_template, self.system_prompt)
         try:
             check_store_responses(str(self.store_responses))
         except ValueError as err:
@@ -612,9 +649,12 @@ class EvalConfig:
                      "a built-in task's bench picks its own model unless this is given.", "model")
     checkpoint: int | None = opt(None, "With a run id: evaluate checkpoint step-N instead of the newest.", "model")
     dtype: str = opt("float32", "Weights dtype.", "model", names.DTYPES)
-    bench: str = opt("arith", "A built-in task's held-out split (arith, builtin:chain, add) or a JSONL/Parquet math "
-                     "file (GSM8K, MATH-500, AIME, AMC, DAPO formats).", "benchmark")
+    bench: str = opt("arith", "A built-in task's held-out split (arith, builtin:chain, add) or a JSONL, Parquet or "
+                     "CSV data file (GSM8K, MATH-500, AIME, AMC, DAPO formats, or any columns with "
+                     "--prompt-template).", "benchmark")
     limit: int | None = opt(None, "Only the first N problems.", "benchmark")
+    prompt_template: str | None = opt(None, _PROMPT_TEMPLATE_HELP, "prompt")
+    system_prompt: str | None = opt(None, _SYSTEM_PROMPT_HELP, "prompt")
     samples: int = opt(4, "Samples per problem (k of avg@k, pass@k, maj@k; the paper's avg@32 uses 32).", "sampling")
     temperature: float = opt(0.7, _TEMPERATURE_HELP, "sampling")
     top_p: float = opt(1.0, "Nucleus sampling: keep the most likely tokens up to this total probability (1: off, as "
@@ -638,6 +678,11 @@ class EvalConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @property
+    def prompt_format(self) -> PromptFormat:
+        """--prompt-template and --system-prompt, as `qae train` takes them."""
+        return PromptFormat(self.prompt_template, self.system_prompt)
+
     def validate(self) -> "EvalConfig":
         _check_choices(self)
         # the training options' ranges, under this command's option names
@@ -653,6 +698,7 @@ class EvalConfig:
             raise QAEUserError(f"checkpoint: {self.checkpoint}. Use the step of one of the run's checkpoints.")
         if self.run_name is not None:
             validate_run_name(self.run_name)
+        check_prompts(self.prompt_template, self.system_prompt)
         return self
 
 

@@ -205,12 +205,15 @@ def _toml_value(value) -> str:
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, (int, float)):
         return repr(value)
-    return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
+    # a TOML basic string: JSON's escapes are TOML's, but not its surrogate pairs for characters beyond U+FFFF, so
+    # the rest of Unicode is written as it is (UTF-8), and DEL, which JSON leaves bare and TOML refuses, escaped
+    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def write_point_file(path: Path, options: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(f"{key} = {_toml_value(value)}\n" for key, value in sorted(options.items())))
+    path.write_text("".join(f"{key} = {_toml_value(value)}\n" for key, value in sorted(options.items())),
+                    encoding="utf-8")
     return path
 
 
@@ -272,9 +275,9 @@ def check_data_files(cfg) -> None:
 
     for spec in parse_reward_specs(cfg.reward):
         spec.resolved()
-    load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
+    load_task(cfg.data, cfg.heldout_fraction, cfg.seed, prompt_format=cfg.prompt_format)
     if cfg.eval_bench:
-        load_benchmark(cfg.eval_bench, option="eval-bench")
+        load_benchmark(cfg.eval_bench, "eval-bench", cfg.prompt_format)
 
 
 def check_parallel(parallel: int) -> None:

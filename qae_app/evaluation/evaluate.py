@@ -19,6 +19,7 @@ from qae_app.config import EvalConfig
 from qae_app.core.errors import QAEUserError
 from qae_app.core.host_faults import check_path_names, environment_errno, environment_error
 from qae_app.data.datasets import Problem
+from qae_app.data.prompts import Prompt
 from qae_app.data.tasks import load_benchmark
 from qae_app.engines.base import RolloutEngine
 from qae_app.engines.sampling import SamplingOptions
@@ -49,7 +50,7 @@ class EvalResult:
     metrics: list[dict]  # benchmark, subset, metric, k, value, n_problems
 
 
-def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: list[str],
+def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: list[Prompt],
                      scorer: RewardSet | Scorer, k: int, temperature: float, max_new_tokens: int, seed: int,
                      on_batch=None, batch_problems: int = 64) -> list[dict]:
     """k samples for each problem, scored by the rewards (a RewardSet; a built-in's Scorer is taken as one):
@@ -113,7 +114,7 @@ def summarize(benchmark: str, problems: list[Problem], samples: list[dict], k: i
     return metrics
 
 
-def evaluate(engine: RolloutEngine, benchmark: str, problems: list[Problem], prompts: list[str],
+def evaluate(engine: RolloutEngine, benchmark: str, problems: list[Problem], prompts: list[Prompt],
              scorer: RewardSet | Scorer, k: int, temperature: float, max_new_tokens: int, seed: int,
              on_batch=None) -> EvalResult:
     samples = sample_and_score(engine, problems, prompts, scorer, k, temperature, max_new_tokens, seed, on_batch)
@@ -236,7 +237,7 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
     from qae_app.models.policy import check_prompt_lengths, load_policy, rollout_positions
 
     target = resolve_model(cfg.model, runs_dir, cfg.checkpoint)
-    name, problems, task = load_benchmark(cfg.bench)
+    name, problems, task = load_benchmark(cfg.bench, prompt_format=cfg.prompt_format)
     problems = problems[: cfg.limit] if cfg.limit else problems
     max_new_tokens = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task.reward]
     if target.run_id is None:

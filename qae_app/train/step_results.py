@@ -4,6 +4,7 @@ update's no-grad pass into one `GroupResult` per group (plain Python values, wha
 from __future__ import annotations
 
 from qae_app.algo.advantages import REGIMES
+from qae_app.data.prompts import prompt_text
 from qae_app.store.rows import GroupResult
 from qae_app.train.update import UpdateResult
 
@@ -33,7 +34,7 @@ def group_results(batches: list, trained: list[bool], adv, rewards, correct, gro
             else:
                 entropies = logprobs = [None] * G
             results.append(GroupResult(
-                group_idx=b.first_group + i, prompt_id=problem.prompt_id, prompt=b.prompts[i],
+                group_idx=b.first_group + i, prompt_id=problem.prompt_id, prompt=prompt_text(b.prompts[i]),
                 answer=problem.answer, baseline=baselines[local],
                 regime=REGIMES[regimes[local]], responses=[s.text for s in group],
                 rewards=rewards[local], correct=correct[local],

@@ -99,7 +99,7 @@ class GenerationBatch:
     index: int  # 0 for a step's first batch; more with dynamic sampling
     first_group: int  # step-wide group_idx of this process's first group: index * prompts_per_step + its offset
     problems: list  # [B] tasks.Problem
-    prompts: list[str]  # [B]
+    prompts: list  # [B] data.prompts.Prompt: text or chat messages, as the engine was given them
     samples: list  # [B * G] rollout.Sample, sample j of prompt i at i * G + j
     verified: list[bool]  # [B * G] the verifier gave a verdict
     rewards: torch.Tensor  # (B, G) shaped: reward values plus the overlong penalty
@@ -275,14 +275,14 @@ class Trainer:
 
     def _load_data(self) -> None:
         cfg = self.cfg
-        self.task = load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
+        self.task = load_task(cfg.data, cfg.heldout_fraction, cfg.seed, prompt_format=cfg.prompt_format)
         if len(self.task.train) == 0:
             raise QAEUserError(f"data: '{cfg.data}' has no training problems. Lower --heldout-fraction.")
         self.data_fingerprint = file_sha256(Path(cfg.data)) if Path(cfg.data).is_file() else None
         # what --eval-every evaluates: the task's held-out split, or --eval-bench named as `qae eval` names it;
         # loaded now so a bad path fails before anything is written
         self.eval_name, self.eval_problems, self.eval_task = (
-            load_benchmark(cfg.eval_bench, option="eval-bench") if cfg.eval_bench
+            load_benchmark(cfg.eval_bench, "eval-bench", cfg.prompt_format) if cfg.eval_bench
             else (f"{self.task.name}-heldout", self.task.heldout, self.task))
 
     def _check_rewards(self, accept_changed: bool) -> dict:
@@ -340,8 +340,7 @@ class Trainer:
             self.ref_model.to(acc.device)
         self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
                                   sharded=ShardedPolicy.of(acc, self.model), rollout_dtype=cfg.rollout_dtype,
-                                  sleep=cfg.vllm_sleep,
-                                  gpu_memory_utilization=cfg.vllm_gpu_memory,
+                                  sleep=cfg.vllm_sleep, gpu_memory_utilization=cfg.vllm_gpu_memory,
                                   max_model_len=rollout_positions(model, self.codec, data + evals, cfg.max_new_tokens))
         self.scorer = run_rewards(cfg, self.task.reward)  # (its workers start when it first scores)
         # one scorer for the whole run (a math verifier pool takes seconds to start): the training one if it fits

@@ -22,6 +22,17 @@ TINY = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--eval-
         "1"]
 
 
+def test_a_point_file_gives_each_run_the_prompt_as_written(tmp_path):
+    """Each point's options reach its run through a TOML file: a template with LaTeX, quotes, newlines and a system
+    prompt with an emoji (a surrogate pair in JSON's ASCII escapes, which TOML refuses) and DEL read back the same."""
+    from qae_app.cli.sweep import write_point_file
+    from qae_app.config import load_toml
+
+    options = {"prompt_template": 'Say "hi".\n\n{question}\tput it in \\boxed{}',
+               "system_prompt": "Be kind \U0001F600\x7f", "steps": 3, "lr": 1e-05, "dynamic_sampling": True}
+    assert load_toml(write_point_file(tmp_path / "p.toml", options)) == options
+
+
 def test_the_grid_repeats_k_for_qae_only_and_tags_every_point(tmp_path):
     sweep = plan_sweep(tmp_path, "qae,grpo", "0.3,0.4,0.5", 3, {"steps": 5, "seed": 7}, name="study")
     names = [p.run_name for p in sweep.points]
