@@ -47,6 +47,7 @@ from qae_app.engines.factory import make_engine
 from qae_app.engines.sampling import step_seed
 from qae_app.engines.sharded_policy import ShardedPolicy, sharding_plan_for
 from qae_app.evaluation.evaluate import evaluate, summarize
+from qae_app.evaluation.scoring import run_rewards, score_batch
 from qae_app.models.lora import AdaptersDisabled, apply_lora, trainable_parameters
 from qae_app.models.policy import (
     check_prompt_lengths,
@@ -62,7 +63,7 @@ from qae_app.store.rows import component_rows, group_rows, rollout_rows, step_me
 from qae_app.train.attribution import ATTRIBUTION_METRICS, entropy_attribution
 from qae_app.train.entropy_band import entropy_warning
 from qae_app.train.precision import check_updates_move_the_weights
-from qae_app.train.scoring import checked_record, file_record, run_rewards, score_batch
+from qae_app.train.reward_record import checked_record, file_record
 from qae_app.train.session import RunSession, TrainerState
 from qae_app.train.step_results import group_results, sampling_policy_stats
 from qae_app.train.update import (

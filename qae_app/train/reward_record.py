@@ -1,7 +1,6 @@
-"""A run's rewards: which (--reward, else the task's own), the record of the code they run, and scoring one generation
-batch into the shaped rewards, verdicts and components a step stores.
+"""The record of the code a run's rewards run (which rewards, and scoring a batch with them: evaluation/scoring.py).
 
-The record: a run scored by user functions keeps, in its config.json's `reward_files`, each function's file and the
+A run scored by user functions keeps, in its config.json's `reward_files`, each function's file and the
 sha256 of its content (as the worker that imported it read it). A resume names the functions again (a run folder runs
 no code by itself: `specs.check_named_again`); a file whose content changed since is refused before it is imported,
 unless the user passes --accept-changed-reward, and then the run's record keeps the earlier sha256 and the step from
@@ -10,46 +9,12 @@ which the new one scored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-from qae_app.config import TrainConfig
-from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.hashing import file_sha256
 from qae_app.rewards.registry import RewardSet
-from qae_app.rewards.scorer import overlong_penalty
 from qae_app.store.run_folder import CONFIG_FILE, read_run_config
-
-
-def run_rewards(cfg: TrainConfig, reward: str) -> RewardSet:
-    """The rewards a run (or its --eval-every evaluation, whose task may name another `reward`) scores with."""
-    return RewardSet.of(cfg.reward, cfg.reward_weights, reward, cfg.verify_timeout_s,
-                        names.reward_values(cfg.reward_values))
-
-
-@dataclass
-class ScoredBatch:
-    """One generation batch's responses, scored: [B * G] each, sample j of prompt i at i * G + j."""
-
-    rewards: list[float]  # the total plus the overlong penalty: what the estimator sees
-    correct: list[bool]  # full marks (registry.RewardSet.correct)
-    verified: list[bool]  # no component None
-    components: dict[str, list[float | None]]  # what the store keeps per response (empty: not stored)
-    warning: dict | None  # a `warnings` row: responses a user function did not score in time
-
-
-def score_batch(rewards: RewardSet, cfg: TrainConfig, samples: list, problems: list, prompts: list[str],
-                step: int) -> ScoredBatch:
-    """Score a batch's `samples` (each with prompt_index into `problems` and `prompts`, its text and token ids)."""
-    asked = [s.prompt_index for s in samples]
-    totals, components = rewards.score([s.text for s in samples], [prompts[i] for i in asked],
-                                       [problems[i] for i in asked], step)
-    shaped = [total + overlong_penalty(len(s.response_ids), cfg.max_new_tokens, cfg.overlong_buffer,
-                                       cfg.overlong_penalty) for total, s in zip(totals, samples)]
-    return ScoredBatch(shaped, rewards.correct(components), rewards.verified(components),
-                       components if cfg.reward is not None else {}, rewards.timeout_warning(step, len(samples)))
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # the record of the code a run's rewards ran
