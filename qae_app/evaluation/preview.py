@@ -4,7 +4,8 @@ A preview samples N prompts x G responses from the policy as `qae train` with th
 step: the first N prompts of the run's data stream, in batches of prompts_per_step, each batch with the seed of step
 1's generation batch (engines.sampling.step_seed), the run's engine, temperature and max-new-tokens. So its first
 prompts_per_step groups are the responses step 1 of that run trains on (with the hf engine on one process). It scores
-them with the run's reward (`reward_scorer`, the one place that scores) and works out, from the rewards [N, G]:
+them as `qae train` does (evaluation/scoring.py: --reward, else the task's own) and works out, from the rewards
+[N, G]:
 
 - the reward distribution, and each group's success rate;
 - the groups with no signal (every reward equal): no estimator learns from them;
@@ -21,9 +22,8 @@ the dashboard's Preview page draws them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -37,8 +37,9 @@ from qae_app.data.datasets import Problem
 from qae_app.data.tasks import Task, load_task, prompts_at
 from qae_app.engines.base import Sample
 from qae_app.engines.sampling import step_seed
-from qae_app.rewards.scorer import Scorer, shape_rewards
-from qae_app.store.rows import GroupResult, group_rows, rollout_rows
+from qae_app.evaluation.scoring import ScoredBatch, run_rewards, score_batch
+from qae_app.rewards.registry import data_columns
+from qae_app.store.rows import GroupResult, component_rows, group_rows, rollout_rows
 from qae_app.store.run_folder import db_path, validate_run_name
 from qae_app.store.writer import RunWriter
 
@@ -85,48 +86,49 @@ def check_prompts(prompts: int, task: Task, data: str) -> None:
 
 @dataclass
 class Sampled:
-    """N prompts x G responses, scored: sample j of prompt i at i * G + j."""
+    """N prompts x G responses, scored as the run scores them: sample j of prompt i at i * G + j."""
 
     problems: list[Problem]  # [N]
-    prompts: list[str]  # [N]
+    prompts: list  # [N] (text, or chat messages)
     samples: list[Sample]  # [N * G]; prompt_index is global (into problems)
-    scores: list[float | None]  # [N * G], the verifier's: 1.0, 0.0, or None (could not verify)
+    rewards: list[float] = field(default_factory=list)  # [N * G]: the rewards' total, shaped, as the estimator sees it
+    correct: list[bool] = field(default_factory=list)  # [N * G]: full marks
+    verified: list[bool] = field(default_factory=list)  # [N * G]: no component None (could not verify)
+    components: dict[str, list[float | None]] = field(default_factory=dict)  # name -> [N * G] (with --reward)
 
-
-@contextmanager
-def reward_scorer(task: Task, cfg: TrainConfig) -> Iterator[Callable[[list[Problem], list[Sample]], list]]:
-    """The one place a preview scores responses, as the run would: yields `score(problems, samples)` -> one score per
-    sample (1.0, 0.0, or None: could not verify), `samples[i].prompt_index` indexing `problems`."""
-    with Scorer(task.reward, cfg.verify_timeout_s) as scorer:
-        yield lambda problems, samples: scorer([s.text for s in samples],
-                                               [problems[s.prompt_index].answer for s in samples])
+    def add(self, scored: ScoredBatch) -> None:
+        self.rewards += scored.rewards
+        self.correct += scored.correct
+        self.verified += scored.verified
+        for name, values in scored.components.items():
+            self.components.setdefault(name, []).extend(values)
 
 
 def sample_and_score(engine, task: Task, cfg: TrainConfig, n_prompts: int,
                      on_progress: Callable[[str, int], None] | None = None) -> Sampled:
     """The first `n_prompts` prompts of the run's data stream, `cfg.group_size` responses each, sampled a batch of
-    prompts_per_step at a time with step 1's seeds, and scored. `on_progress(phase, prompts_done)`: phase
-    'sampling' before a batch is sampled, 'scoring' before it is scored."""
+    prompts_per_step at a time with step 1's seeds, and scored by the run's rewards (evaluation/scoring.py, as
+    `qae train` scores: --reward, else the task's own). `on_progress(phase, prompts_done)`: phase 'sampling' before a
+    batch is sampled, 'scoring' before it is scored."""
     problems = [task.train[i] for i in prompts_at(task, cfg.seed, 0, n_prompts)]
-    prompts = [task.prompt(p) for p in problems]
-    samples: list[Sample] = []
-    scores: list[float | None] = []
-    with reward_scorer(task, cfg) as score:
+    sampled = Sampled(problems, [task.prompt(p) for p in problems], [])
+    with run_rewards(cfg, task.reward) as rewards:
+        rewards.check(data_columns(task.train + task.heldout))  # (user functions imported, their columns checked)
         for batch, start in enumerate(range(0, n_prompts, cfg.prompts_per_step)):
             if on_progress is not None:
                 on_progress("sampling", start)
             chunk = slice(start, start + cfg.prompts_per_step)
-            drawn = engine.generate(prompts[chunk], cfg.group_size, cfg.temperature, cfg.max_new_tokens,
+            drawn = engine.generate(sampled.prompts[chunk], cfg.group_size, cfg.temperature, cfg.max_new_tokens,
                                     step_seed(cfg.seed, PREVIEW_STEP, 0, batch))
             if on_progress is not None:
                 on_progress("scoring", start)
-            scores += score(problems[chunk], drawn)
+            sampled.add(score_batch(rewards, cfg, drawn, problems[chunk], sampled.prompts[chunk], PREVIEW_STEP))
             for sample in drawn:  # (the engine's index is into the batch)
                 sample.prompt_index += start
-            samples += drawn
+            sampled.samples += drawn
     if on_progress is not None:
         on_progress("done", n_prompts)
-    return Sampled(problems, prompts, samples, scores)
+    return sampled
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -196,10 +198,8 @@ def preview_tables(sampled: Sampled, cfg: TrainConfig, ks: tuple[float, ...]) ->
     choose), the `previews` row and the `preview_k` rows."""
     N, G = len(sampled.problems), cfg.group_size
     lengths = [len(s.response_ids) for s in sampled.samples]
-    shaped, verdicts = shape_rewards(sampled.scores, lengths, names.reward_values(cfg.reward_values),
-                                     cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
-    rewards = torch.tensor(shaped, dtype=torch.float64).view(N, G)  # [N, G]
-    correct = torch.tensor(verdicts, dtype=torch.bool).view(N, G)  # [N, G]
+    rewards = torch.tensor(sampled.rewards, dtype=torch.float64).view(N, G)  # [N, G]
+    correct = torch.tensor(sampled.correct, dtype=torch.bool).view(N, G)  # [N, G]
     accuracy = correct.float().mean().item()
     no_signal = rewards.amax(dim=1) == rewards.amin(dim=1)  # [N]
     suggested_k = names.auto_k(accuracy) if not no_signal.all() else None
@@ -212,12 +212,13 @@ def preview_tables(sampled: Sampled, cfg: TrainConfig, ks: tuple[float, ...]) ->
     summary = {
         "n_prompts": N, "group_size": G, "max_new_tokens": cfg.max_new_tokens, "accuracy": accuracy,
         "reward_mean": rewards.mean().item(), "frac_no_signal": no_signal.float().mean().item(),
-        "frac_unverified": sum(s is None for s in sampled.scores) / len(sampled.scores),
+        "frac_unverified": sampled.verified.count(False) / len(sampled.verified),
         "truncated_frac": truncated_frac, "response_len": sum(lengths) / len(lengths), "suggested_k": suggested_k,
         "verdict": verdict(int((~no_signal).sum()), N, G, [g.regime for g in groups], truncated_frac),
         "suggested_why": None if suggested_k is None else suggestion_why(accuracy, suggested_k, by_k),
     }
-    return {"groups": group_rows(groups), "rollouts": rollout_rows(groups), "previews": [summary], "preview_k": by_k}
+    return {"groups": group_rows(groups), "rollouts": rollout_rows(groups), "previews": [summary], "preview_k": by_k,
+            **({"reward_components": component_rows(groups)} if sampled.components else {})}
 
 
 def _group_results(sampled: Sampled, adv: Advantages, rewards: torch.Tensor, correct: torch.Tensor,
@@ -232,12 +233,13 @@ def _group_results(sampled: Sampled, adv: Advantages, rewards: torch.Tensor, cor
             group_idx=i, prompt_id=problem.prompt_id, prompt=sampled.prompts[i], answer=problem.answer,
             baseline=baselines[i], regime=REGIMES[regimes[i]], responses=[s.text for s in group],
             rewards=rewards_[i], correct=correct_[i],
-            verified=[score is not None for score in sampled.scores[i * G:(i + 1) * G]],
+            verified=sampled.verified[i * G:(i + 1) * G],
             advantages=advantages[i], n_tokens=[len(s.response_ids) for s in group],
             truncated=[s.truncated for s in group],
             entropies=[sum(s.token_entropies) / max(len(s.token_entropies), 1) if measured else None for s in group],
             logprobs=[sum(s.token_logprobs) if measured else None for s in group],
-            model_prompt=group[0].model_prompt if group else None))
+            model_prompt=group[0].model_prompt if group else None,
+            components={name: values[i * G:(i + 1) * G] for name, values in sampled.components.items()}))
     return results
 
 

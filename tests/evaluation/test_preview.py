@@ -142,6 +142,31 @@ def test_its_first_groups_are_the_responses_train_samples_at_step_one(tiny_run, 
     assert previewed.to_dict("records") == trained.to_dict("records")
 
 
+USER_REWARD = """
+def parity(completions, prompts, answer, **columns):
+    # half credit for a response of even length, full for the gold answer
+    return [1.0 if c.strip() == a else 0.5 if len(c) % 2 == 0 else 0.0 for c, a in zip(completions, answer)]
+"""
+
+
+def test_it_scores_with_the_rewards_the_user_names(tmp_path):
+    """`qae preview --reward FILE:FN` scores with the user's function as `qae train` would: each stored reward is
+    that function's score of the stored response (and its component row), not the task's own verifier's."""
+    reward_file = tmp_path / "parity.py"
+    reward_file.write_text(USER_REWARD)
+    preview(tmp_path, "u", "--prompts", "8", "--group-size", "4", "--reward", f"{reward_file}:parity")
+    path = db_path(tmp_path, "u")
+    rows = query(path, "SELECT r.response, g.answer, r.reward, r.correct, c.name, c.value FROM rollouts r "
+                 "JOIN groups g USING (step, group_idx) LEFT JOIN reward_components c USING (step, group_idx, "
+                 "sample_idx) ORDER BY r.group_idx, r.sample_idx")
+    assert len(rows) == 32 and set(rows["name"]) == {"parity"}
+    want = [1.0 if r.strip() == a else 0.5 if len(r) % 2 == 0 else 0.0 for r, a in zip(rows["response"],
+                                                                                         rows["answer"])]
+    assert rows["reward"].tolist() == want and rows["value"].tolist() == want
+    assert rows["correct"].tolist() == [w == 1.0 for w in want]
+    assert 0.5 in want  # (the check above would pass on the exact-int verifier's 0/1 without it)
+
+
 def test_a_task_without_signal_says_what_to_try(tmp_path):
     """One token cannot hold the chain task's ' so N': every group all-wrong."""
     text = preview(tmp_path, "none", "--data", "builtin:chain", "--max-new-tokens", "1", "--prompts", "4",
