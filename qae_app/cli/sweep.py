@@ -270,14 +270,14 @@ def check_data_files(cfg) -> None:
     """Load the training data and the evaluation benchmark as each run will (each run loads its own again), and find
     each --reward file (read, not imported: each run's workers import it): a bad file is refused once, before any run
     starts, not by every run in turn."""
-    from qae_app.data.tasks import load_benchmark, load_task
+    from qae_app.evaluation.scoring import run_benchmark, run_task
     from qae_app.rewards.specs import parse_reward_specs
 
     for spec in parse_reward_specs(cfg.reward):
         spec.resolved()
-    load_task(cfg.data, cfg.heldout_fraction, cfg.seed, prompt_format=cfg.prompt_format)
+    run_task(cfg)
     if cfg.eval_bench:
-        load_benchmark(cfg.eval_bench, "eval-bench", cfg.prompt_format)
+        run_benchmark(cfg, cfg.eval_bench, "eval-bench")
 
 
 def check_parallel(parallel: int) -> None:

@@ -274,12 +274,12 @@ def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0, o
     return task.with_format(prompt_format)
 
 
-def load_benchmark(bench: str, option: str = "bench",
-                   prompt_format: PromptFormat | None = None) -> tuple[str, list[Problem], Task]:
+def load_benchmark(bench: str, option: str = "bench", prompt_format: PromptFormat | None = None,
+                   require_answer: bool = True) -> tuple[str, list[Problem], Task]:
     """(name, problems, task) of what `qae eval --bench` and `qae train --eval-bench` evaluate: a built-in task's
     held-out split (named `<task>-heldout`) or a whole data file (named by its stem), prompted as `prompt_format`
-    says (the same for both commands)."""
-    task = load_task(bench, option=option, prompt_format=prompt_format)
+    says (the same for both commands); `require_answer` as for `load_task`."""
+    task = load_task(bench, option=option, prompt_format=prompt_format, require_answer=require_answer)
     problems = task.heldout if task.heldout else task.train
     name = f"{task.name}-heldout" if task.heldout else task.name
     return name, problems, task

@@ -20,10 +20,10 @@ from qae_app.core.errors import QAEUserError
 from qae_app.core.host_faults import check_path_names, environment_errno, environment_error
 from qae_app.data.datasets import Problem
 from qae_app.data.prompts import Prompt
-from qae_app.data.tasks import load_benchmark
 from qae_app.engines.base import RolloutEngine
 from qae_app.engines.sampling import SamplingOptions
 from qae_app.evaluation.metrics import avg_at_k, maj_at_k, pass_at_k, pass_k_values
+from qae_app.evaluation.scoring import run_benchmark
 from qae_app.rewards.registry import RewardSet, data_columns
 from qae_app.rewards.scorer import Scorer
 from qae_app.store.reader import results_only_kind
@@ -237,7 +237,7 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
     from qae_app.models.policy import check_prompt_lengths, load_policy, rollout_positions
 
     target = resolve_model(cfg.model, runs_dir, cfg.checkpoint)
-    name, problems, task = load_benchmark(cfg.bench, prompt_format=cfg.prompt_format)
+    name, problems, task = run_benchmark(cfg, cfg.bench, "bench")
     problems = problems[: cfg.limit] if cfg.limit else problems
     max_new_tokens = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task.reward]
     if target.run_id is None:

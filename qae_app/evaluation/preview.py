@@ -34,10 +34,10 @@ from qae_app.config import TrainConfig
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.data.datasets import Problem
-from qae_app.data.tasks import Task, load_task, prompts_at
+from qae_app.data.tasks import Task, prompts_at
 from qae_app.engines.base import Sample
 from qae_app.engines.sampling import step_seed
-from qae_app.evaluation.scoring import ScoredBatch, run_rewards, score_batch
+from qae_app.evaluation.scoring import ScoredBatch, run_rewards, run_task, score_batch
 from qae_app.rewards.registry import data_columns
 from qae_app.store.rows import GroupResult, component_rows, group_rows, rollout_rows
 from qae_app.store.run_folder import db_path, validate_run_name
@@ -262,7 +262,7 @@ def run_preview(cfg: TrainConfig, runs_dir: Path, options: PreviewOptions,
     from qae_app.models.policy import check_prompt_lengths, load_policy, rollout_positions
 
     run_id = preview_run_id(cfg, Path(runs_dir))  # before anything slow
-    task = load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
+    task = run_task(cfg)
     check_prompts(options.prompts, task, cfg.data)
     policy, codec = load_policy(cfg.model, cfg.dtype)
     policy.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -1,6 +1,7 @@
-"""Scoring a run's responses as the run does: which rewards (--reward, else the task's own) and one generation
-batch scored into the shaped rewards, verdicts and components a step stores. `qae train` and `qae preview` both score
-through here, so a preview sees the rewards its run would."""
+"""A run's task and rewards as the run has them: its data loaded with its prompt template and only the columns its
+rewards need (a user's reward may need no gold answer), which rewards (--reward, else the task's own), and one
+generation batch scored into the shaped rewards, verdicts and components a step stores. `qae train`, `qae preview` and
+`qae sweep` load and score through here, so a preview sees the prompts and rewards its run would."""
 
 from __future__ import annotations
 
@@ -8,8 +9,24 @@ from dataclasses import dataclass
 
 from qae_app.config import TrainConfig
 from qae_app.core import names
+from qae_app.data.datasets import Problem
+from qae_app.data.tasks import Task, load_benchmark, load_task
 from qae_app.rewards.registry import RewardSet
 from qae_app.rewards.scorer import overlong_penalty
+from qae_app.rewards.specs import reads_gold_answer
+
+
+def run_task(cfg: TrainConfig) -> Task:
+    """The run's training task: --data with its held-out split, prompted by --prompt-template / --system-prompt, its
+    rows' gold answers required only where the rewards read them."""
+    return load_task(cfg.data, cfg.heldout_fraction, cfg.seed, prompt_format=cfg.prompt_format,
+                     require_answer=reads_gold_answer(cfg.reward))
+
+
+def run_benchmark(cfg, bench: str, option: str) -> tuple[str, list[Problem], Task]:
+    """What the run's evaluation (`cfg`: a TrainConfig's --eval-bench, or `qae eval`'s EvalConfig --bench) reads,
+    prompted and answered as `run_task`."""
+    return load_benchmark(bench, option, cfg.prompt_format, require_answer=reads_gold_answer(cfg.reward))
 
 
 def run_rewards(cfg: TrainConfig, reward: str) -> RewardSet:

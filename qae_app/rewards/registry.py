@@ -252,5 +252,8 @@ def _column_rows(problems: Sequence) -> list[dict]:
 
 
 def data_columns(problems: Iterable) -> set[str]:
-    """Every column name a task's problems carry, and `answer`: what `RewardSet.check` checks a function against."""
-    return {name for problem in problems for name in (getattr(problem, "columns", None) or {})} | {"answer"}
+    """Every column name a task's problems carry, and `answer` where every problem has a gold answer: what
+    `RewardSet.check` checks a function against."""
+    problems = list(problems)
+    answered = {"answer"} if all(problem.answer for problem in problems) else set()
+    return {name for problem in problems for name in (getattr(problem, "columns", None) or {})} | answered

@@ -74,6 +74,13 @@ def parse_reward_spec(text: str, option: str = "reward") -> RewardSpec:
                        f"name. Pass {SPEC_FORMS}.")
 
 
+def reads_gold_answer(reward: list[str] | None) -> bool:
+    """Whether the rewards need each data row's gold answer: the task's own reward (no --reward) and every built-in
+    do; user functions alone do not (one that asks for `answer` gets it where the rows have one, and is refused by
+    name where they do not)."""
+    return not reward or any(not spec.is_user_code for spec in parse_reward_specs(reward))
+
+
 def parse_reward_specs(texts: list[str] | None, option: str = "reward") -> list[RewardSpec]:
     """Every --reward value's spec; the same spec twice is refused (its component would be counted twice)."""
     specs = [parse_reward_spec(text, option) for text in texts or []]

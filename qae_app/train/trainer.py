@@ -42,12 +42,12 @@ from qae_app.core.errors import QAEUserError
 from qae_app.core.faults import fault_point
 from qae_app.core.formatting import as_float
 from qae_app.core.hashing import file_sha256
-from qae_app.data.tasks import load_benchmark, load_task, prompts_at
+from qae_app.data.tasks import prompts_at
 from qae_app.engines.factory import make_engine
 from qae_app.engines.sampling import step_seed
 from qae_app.engines.sharded_policy import ShardedPolicy, sharding_plan_for
 from qae_app.evaluation.evaluate import evaluate, summarize
-from qae_app.evaluation.scoring import run_rewards, score_batch
+from qae_app.evaluation.scoring import run_benchmark, run_rewards, run_task, score_batch
 from qae_app.models.lora import AdaptersDisabled, apply_lora, trainable_parameters
 from qae_app.models.policy import (
     check_prompt_lengths,
@@ -276,14 +276,14 @@ class Trainer:
 
     def _load_data(self) -> None:
         cfg = self.cfg
-        self.task = load_task(cfg.data, cfg.heldout_fraction, cfg.seed, prompt_format=cfg.prompt_format)
+        self.task = run_task(cfg)
         if len(self.task.train) == 0:
             raise QAEUserError(f"data: '{cfg.data}' has no training problems. Lower --heldout-fraction.")
         self.data_fingerprint = file_sha256(Path(cfg.data)) if Path(cfg.data).is_file() else None
         # what --eval-every evaluates: the task's held-out split, or --eval-bench named as `qae eval` names it;
         # loaded now so a bad path fails before anything is written
         self.eval_name, self.eval_problems, self.eval_task = (
-            load_benchmark(cfg.eval_bench, "eval-bench", cfg.prompt_format) if cfg.eval_bench
+            run_benchmark(cfg, cfg.eval_bench, "eval-bench") if cfg.eval_bench
             else (f"{self.task.name}-heldout", self.task.heldout, self.task))
 
     def _check_rewards(self, accept_changed: bool) -> dict:
