@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qae_app.cli.main import dashboard_controls
+from qae_app.cli.dashboard_command import dashboard_controls
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.store import reader as store_read
