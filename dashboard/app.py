@@ -21,6 +21,7 @@ PAGES = [
     st.Page("views/prompts.py", title="Prompt history", icon=":material/history:", url_path="prompts"),
     st.Page("views/evals.py", title="Evaluations", icon=":material/fact_check:", url_path="evals"),
     st.Page("views/eval_samples.py", title="Eval samples", icon=":material/quiz:", url_path="eval-samples"),
+    st.Page("views/preview.py", title="Preview", icon=":material/preview:", url_path="preview"),
     COMPARE_PAGE,
 ]
 # pages about runs beyond the ones picked in the sidebar (every run; a sweep's runs) watch every run

@@ -33,6 +33,8 @@ from qae_app.core.formatting import MISSING, missing, pace_line, run_pace
 from qae_app.store import reader as store_read
 from qae_app.store import run_file
 from qae_app.store import run_folder as rundir
+from qae_app.store import stop as run_stop
+from qae_app.store.labels import LABELS_FILE
 
 RUNS_DIR_ENV = "QAE_RUNS_DIR"  # set by `qae dashboard --runs-dir`
 REFRESH_CHOICES = {("off" if seconds is None else f"{seconds} s"): seconds  # sidebar label -> seconds
@@ -72,14 +74,25 @@ def runs_signature() -> tuple:
     return tuple((folder.name, rundir.trainer_alive(folder)) for folder in rundir.list_run_dirs(runs_dir()))
 
 
+def labels_version(run_id: str) -> tuple:
+    """Changes when the run's tags or note change (`qae tag`, `qae note`, the Runs table: labels.json, beside the
+    database, replaced by a rename)."""
+    try:
+        stat = (run_path(run_id).parent / LABELS_FILE).stat()
+    except OSError:
+        return (None, None, None)
+    return (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+
+
 def run_version(run_id: str) -> tuple:
-    """Changes with every commit to the run's database and when its trainer starts or stops."""
+    """Changes with every commit to the run's database, when its trainer starts or stops, and with its labels."""
     path = run_path(run_id)
-    return (*store_read.file_version(path), rundir.trainer_alive(path.parent))
+    return (*store_read.file_version(path), rundir.trainer_alive(path.parent), *labels_version(run_id))
 
 
 def runs_version() -> tuple:
-    return tuple((name, alive, store_read.file_version(run_path(name))) for name, alive in runs_signature())
+    return tuple((name, alive, store_read.file_version(run_path(name)), labels_version(name))
+                 for name, alive in runs_signature())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -266,7 +279,8 @@ def refresh_interval() -> float | None:
 
 
 def _snapshot(watched: list[str]) -> tuple:
-    return runs_signature(), tuple(store_read.file_version(run_path(run_id)) for run_id in watched)
+    return runs_signature(), tuple((store_read.file_version(run_path(run_id)), labels_version(run_id))
+                                   for run_id in watched)
 
 
 def watch(watched: list[str], all_runs: pd.DataFrame) -> None:
@@ -306,12 +320,55 @@ def run_config(run: dict) -> dict:
         return {}
 
 
+def grouping_config(run: dict) -> dict:
+    """The run's config and its tags as one more key (`tags`: its `qae tag` tags, as `qae compare --group-by tags`
+    has them): what Training curves can group by."""
+    tags = [tag for tag in str(run.get("tags") or "").split(", ") if tag]
+    return {**run_config(run), compare.TAGS_KEY: compare.tags_value(tags)}
+
+
 def progress_line(view: store_read.RunView) -> str:
     """'qae1 · running · step 37 / 400' from the run's row and config."""
     run = view.run
     total = run_config(run).get("steps")
     last = MISSING if missing(run.get("last_step")) else int(run["last_step"])
     return f"{run['run_id']} · {run['status']} · step {last}" + (f" / {total}" if total else "")
+
+
+def controls_on() -> bool:
+    """Whether this dashboard shows the controls that change runs (stop, tags and notes): `qae dashboard` on a
+    loopback address or with --controls; not with --read-only, another --host, or the app started by hand."""
+    return os.environ.get(names.DASHBOARD_CONTROLS_ENV) == "1"
+
+
+def stop_controls(views: dict[str, store_read.RunView]) -> None:
+    """For each shown run that a trainer of this machine is training: a stop button behind a confirmation, which
+    stops it as `qae stop` does (store/stop.py: SIGTERM to the process the kernel says holds the run's lock; the run
+    stops after its current step, with a checkpoint). Nothing for a run trained elsewhere, or without controls."""
+    if not controls_on():
+        return
+    for run_id, view in views.items():
+        if view.run["status"] != "running":
+            continue
+        folder = run_path(run_id).parent
+        if st.session_state.get(f"_stop_sent_{run_id}") == rundir.lock_holder_pid(folder):
+            st.caption(f":material/hourglass_top: **{literal(run_id)}**: stop sent; it stops after its current "
+                       "step and writes a checkpoint on the way out.")
+            continue
+        try:
+            run_stop.trainer_of(folder)
+        except QAEUserError:  # not training here (another machine's trainer on a shared folder, or just ended)
+            continue
+        with st.popover(f"Stop {run_id}", icon=":material/stop_circle:", key=f"stop_menu_{run_id}"):
+            st.markdown(f"Stop **{literal(run_id)}** after its current step? It writes a checkpoint on the way out "
+                        f"and ends `interrupted`; `qae train --resume {literal(run_id)}` continues it.")
+            if st.button(f"Stop {run_id} now", key=f"stop_{run_id}", type="primary"):
+                try:
+                    st.session_state[f"_stop_sent_{run_id}"] = run_stop.request_stop(folder)
+                except QAEUserError as err:
+                    st.error(literal(str(err)))
+                    continue
+                st.rerun()
 
 
 def heartbeat(views: dict[str, store_read.RunView]) -> None:

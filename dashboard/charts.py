@@ -545,3 +545,59 @@ def seed_bands(groups: dict[str, pd.DataFrame], colors: dict[str, str], title: s
             hovertemplate=f"{name}: %{{y:.4g}} [%{{customdata[1]:.4g}}, %{{customdata[2]:.4g}}] "
                           "(%{customdata[0]} seeds, step %{x})<extra></extra>"))
     return _layout(fig, f"{title} · band: {band}", y_title)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a preview (`qae preview`): its groups by success rate, and what QAE at each K would gate against GRPO
+
+PREVIEW_MIDDLE = "#1f77b4"  # groups with signal (the two ends, no signal, take the all-wrong / all-correct colors)
+
+
+def preview_success(groups: pd.DataFrame, group_size: int) -> go.Figure:
+    """A preview's groups by their number of correct responses, 0..G (bars); 0 and G are the groups without
+    signal."""
+    counts = groups["n_correct"].value_counts()
+    xs = list(range(group_size + 1))
+    colors = [REGIME_COLORS["all_wrong"] if c == 0 else REGIME_COLORS["all_correct"] if c == group_size
+              else PREVIEW_MIDDLE for c in xs]
+    fig = go.Figure(go.Bar(x=xs, y=[int(counts.get(c, 0)) for c in xs], marker_color=colors, name="groups",
+                           uid="groups", hovertemplate="%{x} of " + str(group_size) + " correct: %{y} groups"
+                                                       "<extra></extra>"))
+    _layout(fig, f"groups by success rate (correct of G={group_size})", "groups", bargap=0.1)
+    fig.update_xaxes(title_text="correct responses in the group", dtick=1)
+    return fig
+
+
+def preview_gating(by_k: pd.DataFrame) -> go.Figure:
+    """The share of responses QAE gates (advantage exactly 0) at each K, the suggested K marked, against GRPO's
+    (one value: a mean baseline reads no K); by_k: the preview_k rows."""
+    qae = by_k[by_k["estimator"] == "qae"].sort_values("k")
+    fig = go.Figure(go.Scatter(x=qae["k"], y=qae["frac_zero_adv"], mode="lines+markers", name="QAE", uid="qae",
+                               line=dict(color=PREVIEW_MIDDLE, width=2),
+                               hovertemplate="K=%{x}: %{y:.1%} gated<extra>QAE</extra>"))
+    grpo = by_k.loc[by_k["estimator"] == "grpo", "frac_zero_adv"]
+    if len(grpo):
+        fig.add_trace(go.Scatter(x=[qae["k"].min(), qae["k"].max()], y=[grpo.iloc[0]] * 2, mode="lines",
+                                 name="GRPO", uid="grpo", line=dict(color=INK, dash="dash", width=1.5),
+                                 hovertemplate="%{y:.1%} gated<extra>GRPO</extra>"))
+    suggested = qae[qae["suggested"].astype(bool)]
+    if len(suggested):
+        fig.add_trace(go.Scatter(x=suggested["k"], y=suggested["frac_zero_adv"], mode="markers", name="suggested K",
+                                 uid="suggested", marker=dict(symbol="star", size=16, color="#d62728"),
+                                 hovertemplate="suggested K=%{x}: %{y:.1%} gated<extra></extra>"))
+    _layout(fig, "responses gated (advantage exactly 0) by K", "fraction of the responses", x="K")
+    fig.update_yaxes(range=[0, 1], tickformat=".0%")
+    return fig
+
+
+def preview_regimes(by_k: pd.DataFrame) -> go.Figure:
+    """Groups per regime under QAE at each K (stacked bars): which groups K makes hard and which easy."""
+    qae = by_k[by_k["estimator"] == "qae"].sort_values("k")
+    fig = go.Figure()
+    for regime in REGIMES:
+        if qae[f"n_{regime}"].sum():
+            fig.add_trace(go.Bar(x=[f"{k:g}" for k in qae["k"]], y=qae[f"n_{regime}"], name=regime, uid=regime,
+                                 marker_color=REGIME_COLORS[regime]))
+    _layout(fig, "groups by regime under QAE at each K", "groups", x="K", barmode="stack", bargap=0.1)
+    fig.update_xaxes(type="category")  # one bar per K shown, side by side
+    return fig

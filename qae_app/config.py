@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
@@ -23,8 +24,10 @@ from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import clipped
 from qae_app.core.host_faults import check_path_names
+from qae_app.data.prompts import PromptFormat, placeholders
 from qae_app.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, builtin_task_name, task_defaults
 from qae_app.engines.sampling import SamplingOptions
+from qae_app.rewards.specs import SPEC_FORMS, check_reward_options, weights_text
 from qae_app.store.rows import STORE_RESPONSES_HELP, check_store_responses
 from qae_app.store.run_folder import validate_run_name
 
@@ -35,7 +38,38 @@ _MODEL_SOURCES_HELP = (f"a local folder, a .gguf file, {names.SMOLLM2_MODEL} (th
                        "or a Hugging Face id")
 _TEMPERATURE_HELP = "Sampling temperature."
 _ENGINE_HELP = "Rollout engine."
-_VERIFY_TIMEOUT_HELP = "Seconds the math verifier may spend on one response."
+_VERIFY_TIMEOUT_HELP = ("Seconds the math verifier (or a --reward function) may spend on one response; then it "
+                        "scores None (could not verify).")
+_REWARD_HELP = (f"Repeatable: {SPEC_FORMS}, called TRL's way: fn(completions, prompts, **columns) -> a score (or None) "
+                "per completion, columns being the data row's fields, answer and step. Several: their weighted sum "
+                "(docs/rewards.md). Default: the task's own.")
+_REWARD_WEIGHTS_HELP = "Comma list of weights, one per --reward, e.g. 1,0.5 (default: 1 each)."
+_PROMPT_TEMPLATE_HELP = (
+    "The prompt of each data row: {name} is replaced by the row's column `name` (any column; {a.b} a nested field; "
+    "{question} and {answer} the problem's text and gold answer where the row has no such column), text as it is, "
+    "anything else as JSON. Only a name between single braces is replaced, so other braces stay as written "
+    "(LaTeX's \\boxed{} too) and {{name}} is the literal {name}. A column some row lacks is refused before anything "
+    "runs. Default: the task's own (a data file: the question, then 'put your final answer within \\boxed{}'); a "
+    "row whose `prompt` is a list of chat messages is then sent as it is, through the chat template.")
+_SYSTEM_PROMPT_HELP = (
+    "A system message before every prompt, through the model's chat template, taken as written. A row whose chat "
+    "messages have a system message of their own is refused. A model without a chat template (the built-in model, a "
+    "base model) reads it as text before the prompt, a blank line between.")
+
+
+def check_prompts(template: str | None, system_prompt: str | None) -> None:
+    """Both are text a tokenizer can read (a command line's bytes that are not UTF-8 arrive as lone surrogates,
+    which no tokenizer or database takes), and a template names a column: without one every prompt would be the
+    same text."""
+    for flag, value in (("prompt-template", template), ("system-prompt", system_prompt)):
+        bad = next((i for i, ch in enumerate(value or "") if "\ud800" <= ch <= "\udfff"), None)
+        if bad is not None:
+            raise QAEUserError(f"{flag}: '{clipped(value)}' is not UTF-8 text (character {bad + 1} is a byte that no "
+                               "UTF-8 character starts with). Write it in UTF-8.")
+    if template is not None and not placeholders(template):
+        raise QAEUserError(f"prompt-template: '{clipped(template)}' names no column, so every prompt would be this "
+                           "same text. Put the row's text in it with a placeholder such as {question} (or any column "
+                           "of the data: {name}).")
 
 
 def opt(default: Any, help: str, group: str, choices: dict[str, str] | tuple | None = None,
@@ -187,8 +221,12 @@ class TrainConfig:
                      "only at learning rates bfloat16 can represent (refused otherwise); for bf16 compute keep float32 "
                      "and pass --mixed-precision bf16.", "model", names.DTYPES)
     data: str = opt("arith", f"Task: a built-in one, {_BUILTIN_TASK_HELP} ('arith' is builtin:arith), or a "
-                    "JSONL/Parquet math file (GSM8K, MATH-500, AIME, AMC, DAPO-17k formats).", "model")
+                    "JSONL, Parquet or CSV data file (GSM8K, MATH-500, AIME, AMC, DAPO-17k formats, or any columns "
+                    "with --prompt-template).", "model")
     heldout_fraction: float = opt(0.0, "For a data file: fraction held out for --eval-every evaluation.", "model")
+    # --- prompt
+    prompt_template: str | None = opt(None, _PROMPT_TEMPLATE_HELP, "prompt")
+    system_prompt: str | None = opt(None, _SYSTEM_PROMPT_HELP, "prompt")
     # --- rollout
     engine: str = opt("hf", _ENGINE_HELP, "rollout", names.ENGINES)
     vllm_sleep: bool | None = opt(None, "With --engine vllm: put the engine to sleep through the update (vLLM's "
@@ -230,7 +268,10 @@ class TrainConfig:
     on_gen_cap: str = opt("train", "Dynamic sampling: what a step does when --max-gen-batches batches found fewer "
                           "than --prompts-per-step groups with signal.", "rollout", names.ON_GEN_CAP)
     # --- reward
-    reward_values: str = opt("0,1", "Rewards of a wrong and of a correct response.", "reward", names.REWARD_VALUES)
+    reward: list[str] | None = opt(None, _REWARD_HELP, "reward")
+    reward_weights: str | None = opt(None, _REWARD_WEIGHTS_HELP, "reward")
+    reward_values: str = opt("0,1", "Rewards of a wrong and of a correct response (a built-in reward's verdict).",
+                             "reward", names.REWARD_VALUES)
     overlong_buffer: int = opt(0, "DAPO overlong reward shaping: a response longer than max-new-tokens minus this many "
                                "tokens loses reward linearly, down to -overlong-penalty at max-new-tokens. 0: off.",
                                "reward")
@@ -300,6 +341,10 @@ class TrainConfig:
                                      f"{ENTROPY_BAND_FACTOR:g}.", "monitor", resumable=True)
     eval_every: int = opt(25, "Evaluate every N steps (0: never). Built-in task: sampled held-out accuracy.",
                           "monitor", resumable=True)
+    report_to: str | None = opt(None, "Also send every step's metrics and each evaluation to these trackers (a comma "
+                                "list; install them with pip install -e '.[trackers]'): "
+                                f"{names.describe(names.TRACKERS)}. Default: none, the run's DuckDB file only.",
+                                "monitor", resumable=True)
     eval_bench: str | None = opt(None, "Benchmark for --eval-every: a built-in name or a math file (default: the "
                                  "task's held-out split).", "monitor")
     eval_k: int = opt(1, "Samples per problem in --eval-every evaluations.", "monitor")
@@ -335,6 +380,11 @@ class TrainConfig:
     @property
     def advantage_scale(self) -> str:
         return names.advantage_scale(self.estimator, self.scale)
+
+    @property
+    def prompt_format(self) -> PromptFormat:
+        """--prompt-template and --system-prompt, as the tasks take them (training and its evaluation alike)."""
+        return PromptFormat(self.prompt_template, self.system_prompt)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -399,13 +449,34 @@ class TrainConfig:
                                "layer names (e.g. q_proj,v_proj), or leave it out for every linear layer.")
         for name in BOUNDED_BY_ANOTHER_OPTION:  # their own range, now that the tighter bound holds
             check_range(name, getattr(self, name))
+        check_reward_options(self.reward, self.reward_weights)
         if self.run_name is not None:
             validate_run_name(self.run_name)
+        report_to_trackers(self.report_to)
+        check_prompts(self.prompt_template, self.system_prompt)
         try:
             check_store_responses(str(self.store_responses))
         except ValueError as err:
             raise QAEUserError(str(err)) from None
         return self
+
+
+def report_to_trackers(value: str | None) -> list[str]:
+    """The trackers --report-to names ("tensorboard,mlflow"; none or "": none), each known and installed, checked
+    before anything runs; one QAEUserError naming the option, the value and the fix otherwise."""
+    wanted = list(dict.fromkeys(name.strip() for name in (value or "").split(",")
+                                if name.strip() and name.strip() != "none"))
+    for name in wanted:
+        if name not in names.TRACKERS:
+            raise QAEUserError(f"report-to: '{clipped(name)}' is not a tracker qae sends metrics to. Use a comma list "
+                               f"of {', '.join(names.TRACKERS)}, or leave it out (the run's DuckDB file only).")
+    missing = [name for name in wanted
+               if not any(importlib.util.find_spec(module) for module in names.TRACKER_MODULES[name])]
+    if missing:
+        raise QAEUserError(f"report-to: {', '.join(missing)} is not installed. Install it (pip install -e "
+                           f"'.[trackers]' brings tensorboard and mlflow-skinny; or pip install {' '.join(missing)}), "
+                           "or drop it from --report-to.")
+    return wanted
 
 
 def check_launch_mixed_precision(mixed_precision: str) -> None:
@@ -442,10 +513,16 @@ def coerce_option(name: str, value: Any, source: str) -> Any:
         return None
     if name == "k" and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    expected = {"int": int, "float": (int, float), "str": str, "bool": bool}
+    if name == "reward" and isinstance(value, str):  # one reward: reward = "math" is reward = ["math"]
+        return [value]
+    if name == "reward_weights" and isinstance(value, list) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return weights_text(value)
+    expected = {"int": int, "float": (int, float), "str": str, "bool": bool, "list[str]": list}
     base = annotation.split(" |")[0]
     python_type = expected.get(base)
     ok = (isinstance(value, bool) if base == "bool" else
+          isinstance(value, list) and all(isinstance(v, str) for v in value) if base == "list[str]" else
           isinstance(value, python_type) and not isinstance(value, bool) if python_type else True)
     if not ok:
         raise QAEUserError(f"{source}: '{name}' = {clipped(repr(value))} is a {type(value).__name__}, expected {base}. "
@@ -574,9 +651,12 @@ class EvalConfig:
                      "a built-in task's bench picks its own model unless this is given.", "model")
     checkpoint: int | None = opt(None, "With a run id: evaluate checkpoint step-N instead of the newest.", "model")
     dtype: str = opt("float32", "Weights dtype.", "model", names.DTYPES)
-    bench: str = opt("arith", "A built-in task's held-out split (arith, builtin:chain, add) or a JSONL/Parquet math "
-                     "file (GSM8K, MATH-500, AIME, AMC, DAPO formats).", "benchmark")
+    bench: str = opt("arith", "A built-in task's held-out split (arith, builtin:chain, add) or a JSONL, Parquet or "
+                     "CSV data file (GSM8K, MATH-500, AIME, AMC, DAPO formats, or any columns with "
+                     "--prompt-template).", "benchmark")
     limit: int | None = opt(None, "Only the first N problems.", "benchmark")
+    prompt_template: str | None = opt(None, _PROMPT_TEMPLATE_HELP, "prompt")
+    system_prompt: str | None = opt(None, _SYSTEM_PROMPT_HELP, "prompt")
     samples: int = opt(4, "Samples per problem (k of avg@k, pass@k, maj@k; the paper's avg@32 uses 32).", "sampling")
     temperature: float = opt(0.7, _TEMPERATURE_HELP, "sampling")
     top_p: float = opt(1.0, "Nucleus sampling: keep the most likely tokens up to this total probability (1: off, as "
@@ -592,11 +672,18 @@ class EvalConfig:
                                  "cache (vLLM's gpu_memory_utilization; nothing else is trained beside it here).",
                                  "sampling")
     verify_timeout_s: float = opt(3.0, _VERIFY_TIMEOUT_HELP, "benchmark")
+    reward: list[str] | None = opt(None, _REWARD_HELP.replace("task's own", "bench's own"), "benchmark")
+    reward_weights: str | None = opt(None, _REWARD_WEIGHTS_HELP, "benchmark")
     run_name: str | None = opt(None, "Id of the standalone eval run (for a model that is not a training run).",
                                "output")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def prompt_format(self) -> PromptFormat:
+        """--prompt-template and --system-prompt, as `qae train` takes them."""
+        return PromptFormat(self.prompt_template, self.system_prompt)
 
     def validate(self) -> "EvalConfig":
         _check_choices(self)
@@ -608,10 +695,12 @@ class EvalConfig:
             if value is not None:
                 check_range(name, value, flag)
         SamplingOptions(self.top_p, self.top_k, self.min_p).validate()
+        check_reward_options(self.reward, self.reward_weights)
         if self.checkpoint is not None and self.checkpoint < 0:
             raise QAEUserError(f"checkpoint: {self.checkpoint}. Use the step of one of the run's checkpoints.")
         if self.run_name is not None:
             validate_run_name(self.run_name)
+        check_prompts(self.prompt_template, self.system_prompt)
         return self
 
 

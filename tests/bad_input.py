@@ -44,6 +44,14 @@ def bad_files(d):
     (d / "nan_answer.jsonl").write_text('{"problem": "1+1?", "answer": 2}\n{"problem": "0/0?", "answer": NaN}\n')
     (d / "inf_answer.jsonl").write_text('{"problem": "1/0?", "answer": Infinity}\n')
     (d / "no_heldout.jsonl").write_text('{"problem": "1+1?", "answer": 2}\n')
+    # issue 37: data and prompts as the user writes them
+    (d / "ragged.csv").write_text("question,answer\n1+1?,2\n2+2?,4,5\n")
+    (d / "headless.csv").write_text("1+1?,2\n2+2?,4\n")
+    (d / "hint.jsonl").write_text('{"question": "1+1?", "answer": 2, "hint": "add"}\n'
+                                  '{"question": "2+2?", "answer": 4}\n')  # the second row has no hint
+    (d / "hints.jsonl").write_text('{"question": "1+1?", "answer": 2, "hint": "add"}\n')
+    chat = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "1+1?"}]
+    (d / "chat_system.jsonl").write_text(json.dumps({"prompt": chat, "answer": 2}) + "\n")
     return d
 
 

@@ -88,3 +88,41 @@ def smollm2_gguf() -> Path:
         pytest.skip(f"{SMOLLM2_GGUF} is missing from the installed {SMOLLM2_PACKAGE} package")
     pytest.importorskip("gguf", reason="reading GGUF files needs the gguf package (a runtime dependency)")
     return path
+
+
+# a ChatML template (Qwen, SmolLM2) that also writes the BOS token itself, as Llama-3's and Gemma's do
+CHATML_WITH_BOS = ("{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+                   "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                   "{% endif %}")
+SPECIALS = ["<pad>", "<unk>", "<s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory):
+    """A Hugging Face folder: a small Llama, a BPE tokenizer that adds BOS, a ChatML template, and a
+    generation_config whose eos is a list (<|im_end|>, <|endoftext|>) as Qwen2.5-Instruct's is."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("chat_model")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["What is 2 plus 3? Please reason step by step.", "The answer is \\boxed{5}.", "user assistant system"]
+    tok.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 2)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|endoftext|>",
+                                   pad_token="<pad>", unk_token="<unk>")
+    fast.chat_template = CHATML_WITH_BOS
+    fast.save_pretrained(folder)
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+                         pad_token_id=fast.pad_token_id)
+    model = LlamaForCausalLM(config)
+    ids = fast.convert_tokens_to_ids
+    model.generation_config = GenerationConfig(bos_token_id=fast.bos_token_id, pad_token_id=fast.pad_token_id,
+                                               eos_token_id=[ids("<|im_end|>"), ids("<|endoftext|>")])
+    model.save_pretrained(folder)
+    return folder

@@ -35,10 +35,11 @@ def heldout_points(view) -> pd.DataFrame:
 def grouped(views: dict, frames: dict[str, pd.DataFrame], heldout: dict[str, pd.DataFrame], by: list[str],
             band: str) -> tuple[dict, dict, dict[str, list[str]]]:
     """The runs' frames and held-out points as one per group (mean and band over its runs), and the groups."""
-    configs = {run_id: board.run_config(view.run) for run_id, view in views.items()}
+    configs = {run_id: board.grouping_config(view.run) if by else board.run_config(view.run)
+               for run_id, view in views.items()}  # (the default groups are Compare's: tags not among the keys)
     groups = grouping.group_runs(configs, by or None)
     drawn, why = charts.resolve_band(band, max(len(run_ids) for run_ids in groups.values()))
-    metrics = [m for m in STEP_METRICS if any(m in frame for frame in frames.values())]
+    metrics = [m for m in STEP_METRICS if any(m in frame for frame in frames.values())] + component_columns(frames)
     held = {run_id: points.rename(columns={"value": "heldout"}) for run_id, points in heldout.items()}
     grouped_held = grouping.group_frames(held, groups, ["heldout"], drawn)
     lines = [f"**{board.literal(label)}**: {len(run_ids)} run(s) ({board.literal(', '.join(run_ids))})"
@@ -54,7 +55,7 @@ def grouped(views: dict, frames: dict[str, pd.DataFrame], heldout: dict[str, pd.
 def step_frames(views: dict, x: str) -> dict[str, pd.DataFrame]:
     """Each run's steps with the x axes (charts.X_AXES); a run that recorded no `x` is plotted by step, as the page
     says."""
-    frames = {run_id: charts.with_x_axes(view.steps, view.run.get("created_at"),
+    frames = {run_id: charts.with_x_axes(with_components(run_id, view.steps), view.run.get("created_at"),
                                          board.read(store_read.read_step_tokens, run_id) if x == "tokens" else None)
               for run_id, view in views.items()}
     missing = [run_id for run_id, frame in frames.items() if not frame.empty and frame[x].isna().all()]
@@ -64,6 +65,20 @@ def step_frames(views: dict, x: str) -> dict[str, pd.DataFrame]:
         for run_id in missing:
             frames[run_id] = frames[run_id].assign(**{x: frames[run_id]["step"]})
     return frames
+
+
+def with_components(run_id: str, steps: pd.DataFrame) -> pd.DataFrame:
+    """The run's steps with each reward component's mean per step as a column `reward:<name>` (a run given
+    --reward; the others' steps as they are)."""
+    means = board.read(store_read.read_component_means, run_id)
+    wide = store_read.component_table(means) if means is not None else None
+    if wide is None or len(wide.columns) < 2:
+        return steps
+    return steps.merge(wide, on="step", how="left")
+
+
+def component_columns(frames: dict[str, pd.DataFrame]) -> list[str]:
+    return sorted({str(c) for frame in frames.values() for c in frame.columns if str(c).startswith("reward:")})
 
 
 def entropy_bands(views: dict) -> dict[str, tuple[float, float]]:
@@ -86,6 +101,7 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
     if not views:
         return
     st.text("   ".join(board.progress_line(view) for view in views.values()))
+    board.stop_controls(views)
     board.heartbeat(views)
     if all(view.steps.empty for view in views.values()):
         st.info("No step written yet: the first step appears here when the trainer finishes it.")
@@ -105,6 +121,12 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
         warnings = {}  # markers of one run's warnings: ungroup to see them
     axes = dict(x=x, log_y=log_y)
     policy_charts(frames, colors, bands, warnings, heldout, smoothing, axes)
+    if components := component_columns(frames):  # runs given --reward: each component's mean per step
+        board.plot(charts.lines(frames, components, colors, "reward components", smoothing, "mean per response",
+                                **axes), "reward_components")
+        st.caption("**reward:NAME**: the mean, over the step's responses it scored, of one reward component (a "
+                   "built-in's verdict, a user function's score or one of its named parts); the reward is their "
+                   "weighted sum (docs/rewards.md)")
     update_charts(frames, colors, smoothing, axes)
     chart(charts.step_time(frames, smoothing, x), "step_time", list(charts.TIME_METRICS))
     columns = st.columns(2)
@@ -220,14 +242,16 @@ group_on = grouping_row[0].toggle("Group runs", key="group", bind="query-params"
                                        "keys picked), as W&B's grouping.")
 group_by = None
 if group_on:
-    picked_configs = {run_id: board.run_config(view.run) for run_id in run_ids
+    picked_configs = {run_id: board.grouping_config(view.run) for run_id in run_ids
                       if (view := board.run_view(run_id)) is not None}
     group_by = grouping_row[1].multiselect("Group by", grouping.config_keys(picked_configs), key="group_by",
                                            bind="query-params", accept_new_options=True,
                                            placeholder="everything but the seed",
                                            help="Config keys whose values make a group (the keys that differ "
-                                                "between the picked runs are listed first). None: runs that differ "
-                                                "only in seed (and bookkeeping) form a group, as on Compare.")
+                                                "between the picked runs are listed first), or tags: the runs' "
+                                                "`qae tag` tags (runs with the same tags form a group). None: runs "
+                                                "that differ only in seed (and bookkeeping) form a group, as on "
+                                                "Compare.")
     band_choice = grouping_row[2].segmented_control("Band", list(charts.SEED_BANDS), key="band", default="auto",
                                                     bind="query-params", required=True,
                                                     help="; ".join(f"{k}: {v}" for k, v in charts.SEED_BANDS.items()))

@@ -49,14 +49,36 @@ def accuracy(responses: pd.DataFrame) -> float:
     return float(correct.mean()) if len(correct) else math.nan
 
 
-def styled(responses: pd.DataFrame):
+def response_columns(components: list[str]) -> dict:
+    """The table's columns: RESPONSE_COLUMNS with each reward component's after the reward."""
+    columns = {}
+    for name, column in RESPONSE_COLUMNS.items():
+        columns[name] = column
+        if name == "reward":
+            columns.update({c: st.column_config.NumberColumn(c, format="%.3g", width="small",
+                                                             help="this reward component's value (None: could not "
+                                                                  "verify); the reward is their weighted sum")
+                            for c in components})
+    return columns
+
+
+def with_components(rows: pd.DataFrame, components: pd.DataFrame | None) -> tuple[pd.DataFrame, list[str]]:
+    """The rows with a column per reward component (a run given --reward), and the components' names."""
+    if components is None or components.empty:
+        return rows, []
+    wide = components.pivot(index=["group_idx", "sample_idx"], columns="name", values="value").reset_index()
+    names = [str(c) for c in wide.columns if c not in ("group_idx", "sample_idx")]
+    return rows.merge(wide, on=["group_idx", "sample_idx"], how="left"), names
+
+
+def styled(responses: pd.DataFrame, components: list[str] = ()):
     """Responses of one group, the ones without a gradient (gated, filtered) greyed out."""
     filtered = board.filtered_rows(responses)
     status = responses["gated"].map({True: STATUS["gated"], False: STATUS["kept"]}).where(~filtered,
                                                                                           STATUS["filtered"])
     frame = responses.assign(status=status,
                              gate_reason=responses["gate_reason"].fillna("").where(~filtered, board.FILTERED_REASON))
-    frame = frame[list(RESPONSE_COLUMNS)].reset_index(drop=True)
+    frame = frame[list(response_columns(list(components)))].reset_index(drop=True)
     return frame.style.apply(lambda row: [DIMMED if row["status"] != STATUS["kept"] else ""] * len(row), axis=1)
 
 
@@ -67,7 +89,7 @@ def open_row(table_key: str, select_key: str, samples: list[int]) -> None:
     st.session_state[select_key] = samples[rows[0]] if rows else None
 
 
-def group(step: int, rows: pd.DataFrame, model_prompts: dict[int, str]) -> None:
+def group(step: int, rows: pd.DataFrame, model_prompts: dict[int, str], components: list[str] = ()) -> None:
     first = rows.iloc[0]
     g, regime = int(first["group_idx"]), str(first["regime"])
     with st.container(border=True):
@@ -80,7 +102,8 @@ def group(step: int, rows: pd.DataFrame, model_prompts: dict[int, str]) -> None:
         board.show_prompt_and_answer(first["prompt"], first["answer"], model_prompts.get(g))
         samples = [int(s) for s in rows["sample_idx"]]
         table_key, select_key = f"table_{step}_{g}", f"open_{step}_{g}"
-        st.dataframe(styled(rows), hide_index=True, column_config=RESPONSE_COLUMNS, key=table_key,
+        st.dataframe(styled(rows, components), hide_index=True, column_config=response_columns(list(components)),
+                     key=table_key,
                      height=min(ROW_PX * (len(rows) + 1) + 8, MAX_TABLE_PX),
                      on_select=partial(open_row, table_key, select_key, samples),
                      selection_mode=["single-row", "single-cell"], placeholder="")
@@ -223,8 +246,9 @@ def body(run_id: str) -> None:
     page_rows = matching(run_id, step, query, reason, group_ids=tuple(page_groups))
     if page_rows is None:
         return
+    page_rows, components = with_components(page_rows, board.read(store_read.read_components, run_id, step))
     for g in page_groups:
-        group(step, page_rows[page_rows["group_idx"] == g], model_prompts)
+        group(step, page_rows[page_rows["group_idx"] == g], model_prompts, components)
 
 
 [run] = board.start_page("Rollouts", one_run=True)

@@ -1,5 +1,5 @@
-"""Runs: every run in the runs dir with its status, setup, latest metrics and pace; a run's config and the difference
-between two runs' configs."""
+"""Runs: every run in the runs dir with its status, setup, latest metrics, pace, tags and note (editable in the table
+when the dashboard shows controls); a run's config and the difference between two runs' configs."""
 
 import json
 
@@ -7,8 +7,10 @@ import board
 import pandas as pd
 import streamlit as st
 
+from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import ago, duration, run_pace, setup_label
-from qae_app.store.reader import NOT_A_RUN, READ_STATUSES
+from qae_app.store.labels import MAX_NOTE_CHARS, check_note, read_labels, tags_from_text, write_labels
+from qae_app.store.reader import NOT_A_RUN, READ_STATUSES, resolve_run
 from qae_app.store.schema import STEP_METRICS
 
 # In reading order: what the run is and how it is doing first (its latest metrics before the pace of a live run, so
@@ -18,6 +20,11 @@ COLUMNS = {
                                              help="Picked in the sidebar: shown on the other pages."),
     "run_id": st.column_config.TextColumn("run", help="The run's folder: a copied or renamed folder is a run of its "
                                                       "own."),
+    "tags": st.column_config.TextColumn("tags", width=120, help="`qae tag RUN TAG...`; where the dashboard shows "
+                                                                "controls, edit them here (comma or space "
+                                                                "separated), even while the run trains"),
+    "note": st.column_config.TextColumn("note", width=160, max_chars=MAX_NOTE_CHARS,
+                                        help="`qae note RUN TEXT`; editable here where the dashboard shows controls"),
     "status": st.column_config.TextColumn(
         "status", width=80,
         help="running, finished, failed, interrupted; stopped: stored as running but no trainer holds the "
@@ -82,10 +89,56 @@ def table(all_runs: pd.DataFrame) -> pd.DataFrame:
         frame.at[i, "steps_per_min"] = pace["steps_per_min"]
         frame.at[i, "eta"] = duration(pace["eta_s"]) if pace["eta_s"] is not None else None
     frame["pending_writes"] = frame["pending_writes"].where(frame["pending_writes"].fillna(0) > 0)
-    # shown when some run has one
-    optional = ("last_step_age", "steps_per_min", "eta", "stored_run_id", "pending_writes", "sweep")
+    # shown when some run has one (tags and note always, where they can be edited)
+    optional = ("last_step_age", "steps_per_min", "eta", "stored_run_id", "pending_writes", "sweep",
+                *(() if board.controls_on() else ("tags", "note")))
+    frame[["tags", "note"]] = frame[["tags", "note"]].fillna("").astype(str)
+    frame[["tags", "note"]] = frame[["tags", "note"]].where(frame[["tags", "note"]] != "")
     shown = [column for column in COLUMNS if column not in optional or frame[column].notna().any()]
     return frame[shown]
+
+
+EDITABLE = ("tags", "note")
+TABLE_VERSION = "_runs_table_version"  # part of the editable table's key: a new table (no stale edits) after a save
+
+
+def save_labels(run_ids: list[str], key: str) -> None:
+    """The editable table's on_change: write each edited row's tags and note to its run's labels.json (store/labels.py,
+    beside the database: no lock of the trainer's is touched), then start a fresh table. `run_ids`: the runs as the
+    table showed them, row by row."""
+    problems = []
+    for row, changed in st.session_state[key]["edited_rows"].items():
+        run_id = run_ids[int(row)]
+        try:
+            folder = resolve_run(board.runs_dir(), run_id).parent
+            labels = read_labels(folder)
+            if "tags" in changed:
+                labels.tags = tags_from_text(changed["tags"] or "")
+            if "note" in changed:
+                labels.note = check_note(changed["note"] or "")
+            write_labels(folder, labels)
+        except (QAEUserError, OSError) as err:
+            problems.append(f"{run_id}: {err}")
+    st.session_state["_label_problems"] = problems
+    st.session_state[TABLE_VERSION] = st.session_state.get(TABLE_VERSION, 0) + 1
+
+
+def runs_table(runs_now: pd.DataFrame) -> None:
+    """Every run in view (the table grows with the runs: a fixed box hid the 11th run below its fold); with controls,
+    the tags and note cells are editable."""
+    frame = table(runs_now)
+    height = ROW_PX * (min(len(runs_now), MAX_ROWS_SHOWN) + 1) + 3
+    if not board.controls_on():
+        st.dataframe(frame, hide_index=True, column_config=COLUMNS, key="runs_table", placeholder="", height=height)
+        return
+    for problem in st.session_state.pop("_label_problems", []):
+        st.error(board.literal(problem), icon=":material/label_off:")
+    key = f"runs_table_{st.session_state.get(TABLE_VERSION, 0)}"
+    st.data_editor(frame, hide_index=True, column_config=COLUMNS, key=key, placeholder="", height=height,
+                   disabled=[column for column in frame.columns if column not in EDITABLE], on_change=save_labels,
+                   args=([str(run_id) for run_id in frame["run_id"]], key))
+    st.caption("Edit a run's **tags** (comma or space separated) or **note** in the table: saved beside its "
+               "database at once, also while it trains (as `qae tag` and `qae note`).")
 
 
 def config_section(all_runs: pd.DataFrame) -> None:
@@ -140,9 +193,7 @@ if runs_now.empty:
             "it appears here within seconds.")
     st.stop()
 unreadable_notice(runs_now)
-# every run in view: the table grows with the runs (a fixed box hid the 11th run below its fold)
-st.dataframe(table(runs_now), hide_index=True, column_config=COLUMNS, key="runs_table", placeholder="",
-             height=ROW_PX * (min(len(runs_now), MAX_ROWS_SHOWN) + 1) + 3)
+runs_table(runs_now)
 counts = runs_now["status"].value_counts()
 st.caption(f"{len(runs_now)} runs: " + " · ".join(f"{n} {status}" for status, n in counts.items())
            + (f" (the table shows {MAX_ROWS_SHOWN} at a time: scroll it for the rest)"

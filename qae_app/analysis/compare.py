@@ -30,7 +30,8 @@ import pandas as pd
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import missing
-from qae_app.store.reader import query, read_run, read_steps
+from qae_app.store.labels import read_labels
+from qae_app.store.reader import component_table, query, read_component_means, read_run, read_steps
 from qae_app.store.run_folder import DB_FILE, list_run_dirs, read_run_file, recent_runs_text, validated_run_dir
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -55,7 +56,11 @@ IGNORED_CONFIG_KEYS: dict[str, str] = {
     "distributed": "how it was launched (processes, sharding): DDP and FSDP2 make the same update",
     "vllm_sleep": "where vLLM's memory is during the update: the same samples and the same update",
     "vllm_gpu_memory": "how much of the GPU vLLM takes: memory, not what is trained",
+    "report_to": "where the metrics are also sent (TensorBoard, MLflow, ...), not what is trained",
+    "reward_files": "where the reward code lives and its sha256: `reward` names the rewards",
 }
+# Options added after runs were stored: a run without the key trained as with this value, so the value counts as absent
+SAME_AS_ABSENT = {"reward": None, "reward_weights": None}
 # Options only QAE reads: a mean-baseline run (grpo, rloo, ...) with another K is the same setup.
 QAE_ONLY_KEYS = ("k", "quantile")
 
@@ -65,7 +70,33 @@ def group_key(config: dict) -> tuple:
     drop = set(IGNORED_CONFIG_KEYS)
     if not names.uses_k(config.get("estimator", "qae")):
         drop.update(QAE_ONLY_KEYS)
-    return tuple(sorted((key, _hashable(value)) for key, value in config.items() if key not in drop))
+    return tuple(sorted((key, _hashable(value)) for key, value in config.items()
+                        if key not in drop and not (key in SAME_AS_ABSENT and value == SAME_AS_ABSENT[key])))
+
+
+# `--group-by tags` (and the Training curves page's "Group by" tags): the runs' `qae tag` tags as a grouping key, one
+# value per run: its set of tags
+TAGS_KEY = "tags"
+NO_TAGS = "(none)"
+
+
+def tags_value(tags: list[str]) -> str:
+    """A run's tags as one grouping value: sorted and joined by '+' ('baseline+paper'), NO_TAGS without any."""
+    return "+".join(sorted(tags)) or NO_TAGS
+
+
+def picked_key(config: dict, tags: list[str], by: list[str]) -> tuple:
+    """The values of the keys picked to group by (`tags`: the run's tags; a key the config lacks: '-'), hashable."""
+    return tuple((key, _hashable(tags_value(tags) if key == TAGS_KEY else config.get(key, "-"))) for key in by)
+
+
+def check_group_by(configs: list[dict], by: list[str]) -> None:
+    known = {TAGS_KEY} | {key for config in configs for key in config}
+    for key in by:
+        if key not in known:
+            raise QAEUserError(f"group-by: '{key}' is neither {TAGS_KEY} nor a config key of these runs. Use "
+                               f"{TAGS_KEY} (the runs' `qae tag` tags) or config keys, e.g. {TAGS_KEY} or "
+                               "estimator,k (`qae show RUN` lists a run's config).")
 
 
 def _hashable(value):
@@ -256,6 +287,17 @@ def shown(estimate: Estimate | None) -> Shown:
     return Shown(estimate.mean, (estimate.low, estimate.high), None, getattr(estimate, "p_value", None))
 
 
+def estimate_json(estimate: Estimate) -> dict:
+    """An estimate as `qae compare --json` prints it, under the same rule as the tables (`shown`): below
+    `MIN_SEEDS` seeds, or with no spread, `low`, `high` and `p_value` are null and `no_interval` says why."""
+    out = asdict(estimate)
+    rule = shown(estimate)
+    if rule.interval is None:
+        out.update(low=None, high=None, **({"p_value": None} if "p_value" in out else {}))
+    out["no_interval"] = rule.no_interval
+    return out
+
+
 @dataclass
 class PairedDifference(Estimate):
     """Mean of (group - baseline) over seeds both have, its 95% interval, and the two-sided paired t-test p."""
@@ -319,6 +361,15 @@ RUN_METRIC_BOUNDS: dict[str, Bounds] = {
     "step_s": NON_NEGATIVE,
 }
 assert set(RUN_METRIC_BOUNDS) == set(RUN_METRICS)
+COMPONENT_PREFIX = "reward:"  # a reward component's per-step mean in a run's steps frame: `reward:<name>` (load_run)
+
+
+def component_metrics(runs: list["RunRecord"]) -> dict[str, str]:
+    """The run metric of each reward component the runs have (runs given --reward): its mean over the last 20% of
+    steps, named as its column, `reward:<name>`."""
+    found = sorted({c for run in runs for c in run.steps.columns if str(c).startswith(COMPONENT_PREFIX)})
+    return {name: f"the reward component {name.removeprefix(COMPONENT_PREFIX)}: its mean per response over the last "
+                  "20% of steps" for name in found}
 
 
 def _series(steps: pd.DataFrame, column: str) -> pd.DataFrame:
@@ -376,6 +427,9 @@ def run_metrics(steps: pd.DataFrame) -> dict[str, float]:
         "zero_adv_last": float(_last_fraction(zero_adv)["value"].mean()) if len(zero_adv) else nan,
         **{name: float(rows["value"].mean()) if len(rows) else nan for name, rows in delta.items()},
         "step_s": float(step_s["value"].mean()) if len(step_s) else nan,
+        **{name: float(rows["value"].mean()) if len(rows) else nan for name, rows in (
+            (name, _last_fraction(_series(steps, name))) for name in steps.columns
+            if str(name).startswith(COMPONENT_PREFIX))},
     }
 
 
@@ -391,6 +445,7 @@ class RunRecord:
     steps: pd.DataFrame  # the run's steps table: step, heldout_accuracy, entropy, frac_zero_adv, step_s, ...
     status: str = "finished"  # as `qae runs` shows it: a group with unfinished runs says so
     stored_run_id: str | None = None  # the id in its database: another folder's name for a copied (`cp -r`) run
+    tags: list[str] = field(default_factory=list)  # `qae tag`: a grouping key with --group-by tags
 
     @property
     def copy_of(self) -> str | None:
@@ -424,7 +479,7 @@ class RunGroup:
         return {"label": self.label, "config": self.config, "n": len(self.runs), "seeds": self.seeds,
                 "runs": [r.run_id for r in self.runs], "statuses": {r.run_id: r.status for r in self.runs},
                 "excluded": self.excluded, "note": self.note(),
-                "metrics": {name: asdict(e) for name, e in self.metrics.items()}}
+                "metrics": {name: estimate_json(e) for name, e in self.metrics.items()}}
 
 
 def one_run_per_seed(runs: list[RunRecord]) -> tuple[list[RunRecord], dict[str, str]]:
@@ -447,11 +502,14 @@ def one_run_per_seed(runs: list[RunRecord]) -> tuple[list[RunRecord], dict[str, 
     return [run for run in runs if kept[run.seed] is run], excluded
 
 
-def group_runs(runs: list[RunRecord]) -> list[RunGroup]:
-    """Runs grouped by `group_key`, in the order each group's first run appears; each group summarised."""
+def group_runs(runs: list[RunRecord], by: list[str] | None = None) -> list[RunGroup]:
+    """Runs grouped by `group_key` (or by the values of the keys in `by`: config keys and `tags`), in the order each
+    group's first run appears; each group summarised on every RUN_METRICS metric and every reward component any of
+    the runs has."""
+    metrics = {**RUN_METRICS, **component_metrics(runs)}
     by_key: dict[tuple, list[RunRecord]] = {}
     for run in runs:
-        by_key.setdefault(group_key(run.config), []).append(run)
+        by_key.setdefault(picked_key(run.config, run.tags, by) if by else group_key(run.config), []).append(run)
     keys = list(by_key)
     # a key names the groups when they disagree on it; a mean-baseline group has no K by design, which does not
     # count as disagreeing (a K that is absent for any other reason, e.g. an older config, does)
@@ -471,9 +529,10 @@ def group_runs(runs: list[RunRecord]) -> list[RunGroup]:
         counted, excluded = one_run_per_seed(by_key[key])
         group = RunGroup(label=label, config=config, runs=counted, excluded=excluded)
         per_run_rows = [(run.seed, run_metrics(run.steps)) for run in group.runs]
-        for name in RUN_METRICS:
-            group.metrics[name] = mean_interval([row[name] for _, row in per_run_rows], RUN_METRIC_BOUNDS[name])
-            group.per_run[name] = {seed: row[name] for seed, row in per_run_rows}
+        for name in metrics:
+            values = [row.get(name, math.nan) for _, row in per_run_rows]
+            group.metrics[name] = mean_interval(values, RUN_METRIC_BOUNDS.get(name, UNBOUNDED))
+            group.per_run[name] = {seed: row.get(name, math.nan) for seed, row in per_run_rows}
         groups.append(group)
     return groups
 
@@ -499,8 +558,9 @@ def compare_to_baseline(groups: list[RunGroup], baseline: RunGroup) -> dict[str,
             continue
         differences[group.label] = {}
         runs, base_runs = group.run_of_seed(), baseline.run_of_seed()
-        for name in RUN_METRICS:
-            difference = paired_difference(group.per_run[name], baseline.per_run[name], RUN_METRIC_BOUNDS[name])
+        for name in group.metrics:
+            difference = paired_difference(group.per_run[name], baseline.per_run[name],
+                                           RUN_METRIC_BOUNDS.get(name, UNBOUNDED))
             difference.pairs = [(seed, runs[seed], base_runs[seed]) for seed in difference.seeds]
             differences[group.label][name] = difference
     return differences
@@ -525,13 +585,16 @@ def load_run(runs_dir: Path, run_id: str) -> RunRecord:
     row = read_run(path)
     config = json.loads(row["config"] or "{}")
     steps = read_steps(path)
+    components = component_table(read_component_means(path))  # (a run given --reward: each component's mean)
+    if len(components.columns) > 1:
+        steps = steps.merge(components, on="step", how="left")
     start = query(path, "SELECT value FROM evals WHERE step = 0 AND metric = 'avg@k' AND subset = 'all' "
                         "AND source = 'train' LIMIT 1")
     if len(start) and (steps.empty or 0 not in set(steps["step"])):
         steps = pd.concat([pd.DataFrame({"step": [0], "heldout_accuracy": [float(start["value"].iloc[0])]}), steps],
                           ignore_index=True)
     return RunRecord(run_id=run_id, config=config, seed=int(config.get("seed", row.get("seed") or 0)), steps=steps,
-                     status=row["status"], stored_run_id=row.get("stored_run_id"))
+                     status=row["status"], stored_run_id=row.get("stored_run_id"), tags=read_labels(path.parent).tags)
 
 
 def load_runs(runs_dir: Path, run_ids: list[str] | None = None, sweep: str | None = None) -> list[RunRecord]:
@@ -566,15 +629,16 @@ class Comparison:
     baseline: RunGroup | None = None
     differences: dict[str, dict[str, PairedDifference]] = field(default_factory=dict)  # label -> metric -> diff
     left_out: dict[str, str] = field(default_factory=dict)  # run id -> why it is in no group
+    metrics: dict[str, str] = field(default_factory=lambda: dict(RUN_METRICS))  # name -> definition, in order
 
     def to_dict(self) -> dict:
         """Everything `qae compare --json` prints: per group its runs, n, note and metric estimates; against the
         baseline, per group and metric the paired difference."""
         return {
-            "metrics": RUN_METRICS,
+            "metrics": self.metrics,
             "groups": [group.to_dict() for group in self.groups],
             "baseline": self.baseline.label if self.baseline else None,
-            "differences": {label: {name: asdict(d) for name, d in diffs.items()}
+            "differences": {label: {name: estimate_json(d) for name, d in diffs.items()}
                             for label, diffs in self.differences.items()},
             "left_out": self.left_out,
         }
@@ -584,12 +648,17 @@ def has_training_step(run: RunRecord) -> bool:
     return not run.steps.empty and bool((run.steps["step"] > 0).any())
 
 
-def compare_runs(runs: list[RunRecord], baseline: str | None = None) -> Comparison:
-    """The runs grouped and summarised, a run without a training step left out (killed before its first step, or
-    not started: at most its step-0 evaluation, which as a seed would pull its group towards the untrained model)."""
+def compare_runs(runs: list[RunRecord], baseline: str | None = None, group_by: list[str] | None = None) -> Comparison:
+    """The runs grouped (by config without the seed, or by the keys in `group_by`: config keys and `tags`) and
+    summarised, a run without a training step left out (killed before its first step, or not started: at most its
+    step-0 evaluation, which as a seed would pull its group towards the untrained model)."""
+    if group_by:
+        check_group_by([run.config for run in runs], group_by)
     left_out = {run.run_id: "no training step yet" for run in runs if not has_training_step(run)}
-    groups = group_runs([run for run in runs if run.run_id not in left_out])
+    counted = [run for run in runs if run.run_id not in left_out]
+    groups = group_runs(counted, group_by)
+    metrics = {**RUN_METRICS, **component_metrics(counted)}
     if baseline is None:
-        return Comparison(groups, left_out=left_out)
+        return Comparison(groups, left_out=left_out, metrics=metrics)
     base = find_group(groups, baseline)
-    return Comparison(groups, base, compare_to_baseline(groups, base), left_out)
+    return Comparison(groups, base, compare_to_baseline(groups, base), left_out, metrics)

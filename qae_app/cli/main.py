@@ -19,11 +19,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from qae_app.cli import launch, manage
-from qae_app.cli.console import SafeConsole, console, err_console, fail
+from qae_app.cli import dashboard_command, launch, manage, preview
+from qae_app.cli.console import SafeConsole, console, fail
 from qae_app.cli.options import DEFAULT_RUNS_DIR, RunsDir
 from qae_app.config import EvalConfig, TrainConfig
-from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import number
 from qae_app.store.run_folder import DB_FILE
@@ -34,7 +33,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="
 # ---------------------------------------------------------------------------------------------------------------
 # options generated from the config dataclasses (config.TrainConfig, config.EvalConfig)
 
-_PYTHON_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+_PYTHON_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "list[str]": list[str]}
 
 
 def _option_parameters(config_class, own_defaults: dict | None = None) -> list[inspect.Parameter]:
@@ -56,8 +55,8 @@ def _option_parameters(config_class, own_defaults: dict | None = None) -> list[i
         flag = f"--{f.name.replace('_', '-')}"
         if base == "bool":  # a switch: --x / --no-x (not given: keep the TOML value or default)
             flag = f"{flag}/--no-{f.name.replace('_', '-')}"
-        option = typer.Option(flag, help=help_text, show_default=False,
-                              rich_help_panel=f.metadata["group"].capitalize())
+        option = typer.Option(flag, help=help_text, show_default=False, metavar="<str>..." if base == "list[str]"
+                              else None, rich_help_panel=f.metadata["group"].capitalize())
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
                                         annotation=Annotated[Optional[_PYTHON_TYPES[base]], option]))
     return params
@@ -87,6 +86,9 @@ def train(
         "--trust-pickles", help="With --resume: read the Python pickles an older qae left in the run folder (its "
                                 "pending writes, converted to JSON once, and its checkpoints' training state). A "
                                 "pickle can run code: only for a folder you made yourself.")] = False,
+    accept_changed_reward: Annotated[bool, typer.Option(
+        "--accept-changed-reward", help="With --resume: score the rest of the run with a --reward file that changed "
+                                        "since the run scored with it (the run records both versions).")] = False,
     **options: Any,
 ) -> None:
     """Train a policy with QAE (or a mean-baseline estimator) and log every rollout to DuckDB."""
@@ -102,7 +104,7 @@ def train(
         cfg = (resume_config(runs_dir, resume, config, **options) if resume is not None
                else build_config(config, **options))
         trainer = Trainer(cfg, runs_dir, resume=resume is not None, console=console, cpu=True if cpu else None,
-                          trust_pickles=trust_pickles)
+                          trust_pickles=trust_pickles, accept_changed_reward=accept_changed_reward)
     except QAEUserError as err:
         fail(err)
     run_training(trainer)
@@ -143,6 +145,8 @@ def plan(
 
 
 app.command(help=plan.__doc__)(_with_config_options(plan, TrainConfig))
+app.command("preview", help=preview.preview_command.__doc__)(_with_config_options(preview.preview_command,
+                                                                                  TrainConfig))
 
 
 def print_command(command: str) -> None:
@@ -314,7 +318,16 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
          ) -> None:
     """Summarize a run: status, config, pace while running, per-step metrics, evaluations and warnings."""
     from qae_app.cli.views import show_view
-    from qae_app.store.reader import read_evals, read_run, read_steps, read_warnings, resolve_run
+    from qae_app.store.reader import (
+        component_table,
+        read_component_means,
+        read_evals,
+        read_preview,
+        read_run,
+        read_steps,
+        read_warnings,
+        resolve_run,
+    )
     from qae_app.store.schema import STEP_METRICS
 
     try:
@@ -328,10 +341,14 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
         path = resolve_run(runs_dir, run)
         info = read_run(path)  # everything is read before anything is printed: a damaged file gives one message
         steps, evals, warnings = read_steps(path), read_evals(path), read_warnings(path)
+        found = read_preview(path) if info.get("estimator") == "preview" else None
+        components = component_table(read_component_means(path))
     except QAEUserError as err:
         fail(err)
     out = _view_console()
-    out.print(show_view(info, steps, evals, warnings, out.width, chosen, every))
+    out.print(show_view(info, steps, evals, warnings, out.width, chosen, every, components))
+    if found is not None:  # a preview: what it found, as `qae preview` printed it
+        out.print(preview.preview_view(run, found))
 
 
 @app.command()
@@ -357,7 +374,7 @@ def rollouts(
     regime."""
     from qae_app.cli.views import rollouts_view
     from qae_app.core.names import GATE_REASONS, REGIMES
-    from qae_app.store.reader import read_last_step, read_model_prompts, read_rollouts, resolve_run
+    from qae_app.store.reader import read_components, read_model_prompts, read_rollout_steps, read_rollouts, resolve_run
 
     try:
         if gated + kept + filtered > 1:
@@ -372,22 +389,23 @@ def rollouts(
         if limit < 1:
             raise QAEUserError(f"limit: {limit} shows nothing. Use a positive number of responses.")
         path = resolve_run(runs_dir, run)
-        last = read_last_step(path)
-        if last is None:
+        steps = read_rollout_steps(path)  # (a preview's one step has rollouts and no `steps` row)
+        if not steps:
             raise QAEUserError(f"run: '{run}' has no steps yet.")
-        step = last if step is None else step
-        if not 1 <= step <= last:
-            raise QAEUserError(f"step: {step} is not a step of '{run}'. Use 1..{last}.")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise QAEUserError(f"step: {step} is not a step of '{run}'. Use {steps[0]}..{steps[-1]}.")
         everything = read_rollouts(path, step, with_text=False)  # first: a damaged file gives one message
         frame = read_rollouts(path, step, gated=True if gated or why else False if kept else None, regime=regime,
                               search=search, filtered=True if filtered else False if gated or kept or why else None)
         shown = read_model_prompts(path, step) if model_prompt else None
+        components = read_components(path, step)
     except QAEUserError as err:
         fail(err)
     if why is not None:
         frame = frame[frame["gate_reason"] == why]
     out = _view_console()
-    out.print(rollouts_view(run, step, frame, everything, out.width, limit, full, shown))
+    out.print(rollouts_view(run, step, frame, everything, out.width, limit, full, shown, components))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -400,6 +418,9 @@ def compare(
     sweep: Annotated[Optional[str], typer.Option(help="Compare every run of this sweep (its id or name).")] = None,
     baseline: Annotated[Optional[str], typer.Option(help="A group to compare the others with, paired by seed: its "
                                                     "label or a value only it has (e.g. grpo).")] = None,
+    group_by: Annotated[Optional[str], typer.Option(help="Group by these instead (comma list): tags (the runs' "
+                                                    "`qae tag` tags, e.g. with --baseline baseline) or config keys "
+                                                    "(estimator,k).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON (no tables).")] = False,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
 ) -> None:
@@ -411,7 +432,8 @@ def compare(
     from qae_app.cli.views import compare_view
 
     try:
-        comparison = compare_runs(load_runs(runs_dir, runs, sweep), baseline)
+        by = [key.strip() for key in group_by.split(",") if key.strip()] if group_by is not None else None
+        comparison = compare_runs(load_runs(runs_dir, runs, sweep), baseline, by)
     except QAEUserError as err:
         fail(err)
     if as_json:
@@ -573,96 +595,9 @@ def export(run: Annotated[str, typer.Argument(help="Run id: its folder under --r
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# qae dashboard
+# qae dashboard: cli/dashboard_command.py
 
-# `python -m streamlit` puts the working folder first on sys.path, so a `click.py` or `streamlit.py` in the folder the
-# dashboard is started from (a download folder, a shared run folder) would run as the user: start Streamlit's CLI with
-# that entry dropped (it is '' under `python -c`, and absent where PYTHONSAFEPATH is set)
-STREAMLIT_WITHOUT_WORKING_FOLDER = ("import sys\n"
-                                    "if sys.path and sys.path[0] == '': del sys.path[0]\n"
-                                    "from streamlit.web.cli import main\n"
-                                    "sys.exit(main(prog_name='streamlit'))")
-
-
-def dashboard_app() -> Path:
-    """The Streamlit entry point, installed with the package as qae_app.dashboard (the repo's dashboard/ folder)."""
-    from importlib.resources import files
-
-    return Path(str(files("qae_app.dashboard") / "app.py"))
-
-
-@app.command()
-def dashboard(
-    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
-    port: Annotated[int, typer.Option(help="Port to serve on.")] = 8501,
-    host: Annotated[str, typer.Option(help="Address to bind. The default keeps it on this machine; 0.0.0.0 "
-                                      "exposes every run to your network.")] = "127.0.0.1",
-    refresh: Annotated[str, typer.Option(
-        help="Seconds between the pages' checks for new steps and runs: " + ", ".join(names.DASHBOARD_REFRESH_S)
-             + ". The sidebar changes it in that browser tab; off suits reading finished runs.",
-    )] = names.DASHBOARD_REFRESH_DEFAULT,
-) -> None:
-    """Start the Streamlit dashboard (live curves, rollouts browser) on 127.0.0.1; Ctrl-C or SIGTERM stops it."""
-    import os
-    import signal
-    import subprocess
-
-    if not 0 < port < 65536:
-        fail(QAEUserError(f"port: {port} is not a TCP port. Use 1-65535 (default 8501)."))
-    if refresh not in names.DASHBOARD_REFRESH_S:
-        *most, last = names.DASHBOARD_REFRESH_S
-        fail(QAEUserError(f"refresh: {refresh} is not offered. Use {', '.join(most)} or {last} (seconds between "
-                          f"checks for new steps; default {names.DASHBOARD_REFRESH_DEFAULT})."))
-    _check_host(host)
-    app_path = dashboard_app()
-    command = [sys.executable, "-c", STREAMLIT_WITHOUT_WORKING_FOLDER, "run", str(app_path), "--server.address", host,
-               "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
-               "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal"]
-    env = dict(os.environ, QAE_RUNS_DIR=str(Path(runs_dir).resolve()), **{names.DASHBOARD_REFRESH_ENV: refresh})
-    console.print(f"qae dashboard for [cyan]{Path(runs_dir).resolve()}[/] at [bold]http://{host}:{port}[/] "
-                  "(Ctrl-C to stop)")
-    process = subprocess.Popen(command, env=env)
-
-    def stop(signum, frame):  # SIGTERM (systemd, kill) stops the server too, as Ctrl-C does
-        raise KeyboardInterrupt
-
-    # SIGINT too: a process started with SIGINT ignored (from a script's `&`, a test runner's worker) has no Python
-    # handler for it, and Ctrl-C would stop the server but leave this process to report a clean exit
-    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        code = process.wait()
-    except KeyboardInterrupt:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        console.print("dashboard stopped")
-        return
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if code != 0:  # e.g. the port is taken: Streamlit said why above
-        err_console.print(f"[bold red]error:[/] the dashboard server exited with code {code}.")
-        raise typer.Exit(code=1)
-
-
-def _check_host(host: str) -> None:
-    """Refuse a --host the server could not listen on (Streamlit would fail with a traceback): one that names no
-    address, or an address this machine does not have. Whether the port is free is for the server to say."""
-    import socket
-
-    advice = "Use 127.0.0.1 (this machine only, the default), 0.0.0.0 (every network interface) or an address of " \
-             "this machine."
-    try:
-        family, _, _, _, address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0]
-    except (socket.gaierror, UnicodeError) as err:
-        fail(QAEUserError(f"host: '{host}' is not an address ({getattr(err, 'strerror', None) or err}). {advice}"))
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((address[0], 0))  # any free port: only the address is in question here
-        except OSError as err:
-            fail(QAEUserError(f"host: '{host}' is not an address of this machine ({err.strerror}). {advice}"))
+app.command()(dashboard_command.dashboard)
 
 
 def main() -> None:  # pragma: no cover - `python -m qae_app.cli`

@@ -65,8 +65,8 @@ def stop(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
          runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
     """Stop a live run as Ctrl-C does: after its current step, with a checkpoint; it resumes with --resume. Only the
     process the kernel says holds the run's lock is signalled (every rank of a launch stops with it)."""
-    from qae_app.cli.stop import stop_run
     from qae_app.store.reader import read_last_step, read_run, resolve_run
+    from qae_app.store.stop import stop_run
 
     try:
         path = resolve_run(runs_dir, run)

@@ -134,3 +134,30 @@ class TrainProgress:
         if self.show and not self.live:
             self.console.print(f"step {step}/{self.total_steps} {' '.join(stats.values())}", highlight=False,
                                soft_wrap=True)
+
+
+class PreviewProgress:
+    """What `qae preview` prints while it samples and scores: a bar of the prompts done and what it is doing (on a
+    terminal); elsewhere one plain line per batch. `update(phase, prompts_done)` is evaluation.preview's
+    on_progress. Use as a context manager around the preview."""
+
+    def __init__(self, console: Console, total_prompts: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+        self.console, self.total = console, total_prompts
+        self.bar = Progress(TextColumn("[bold]preview[/] {task.description}"), BarColumn(bar_width=BAR_WIDTH),
+                            MofNCompleteColumn(), TextColumn("prompts"), TimeElapsedColumn(), console=console,
+                            disable=not console.is_terminal, transient=True)
+        self.task = self.bar.add_task("loading", total=total_prompts)
+
+    def __enter__(self) -> "PreviewProgress":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+
+    def update(self, phase: str, prompts_done: int) -> None:
+        self.bar.update(self.task, completed=prompts_done, description=phase)
+        if not self.console.is_terminal:
+            self.console.print(f"preview: {phase} ({prompts_done}/{self.total} prompts done)", highlight=False)

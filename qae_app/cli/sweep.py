@@ -201,14 +201,19 @@ def _sweep_folder(runs_dir: Path, name: str) -> Path:
 def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (list, tuple)):  # reward = [...]
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, (int, float)):
         return repr(value)
-    return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
+    # a TOML basic string: JSON's escapes are TOML's, but not its surrogate pairs for characters beyond U+FFFF, so
+    # the rest of Unicode is written as it is (UTF-8), and DEL, which JSON leaves bare and TOML refuses, escaped
+    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def write_point_file(path: Path, options: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(f"{key} = {_toml_value(value)}\n" for key, value in sorted(options.items())))
+    path.write_text("".join(f"{key} = {_toml_value(value)}\n" for key, value in sorted(options.items())),
+                    encoding="utf-8")
     return path
 
 
@@ -255,19 +260,24 @@ class PointRun:
 
 def _command(sweep: Sweep, point: SweepPoint, action: str, runs_dir: Path, cpu: bool) -> list[str]:
     base = [sys.executable, "-m", "qae_app.cli", "train", "--runs-dir", str(runs_dir), *(["--cpu"] if cpu else [])]
-    if action == "resume":  # the stored config is the run's; only the step count may grow
-        return [*base, "--resume", point.run_name, "--steps", str(point.steps)]
+    if action == "resume":  # the stored config is the run's; only the step count may grow; reward code named again
+        rewards = [flag for spec in point.options.get("reward") or [] for flag in ("--reward", str(spec))]
+        return [*base, "--resume", point.run_name, "--steps", str(point.steps), *rewards]
     return [*base, "--config", str(write_point_file(sweep.folder / f"{point.run_name}.toml", point.options))]
 
 
 def check_data_files(cfg) -> None:
-    """Load the training data and the evaluation benchmark as each run will (each run loads its own again): a bad
-    file is refused once, before any run starts, not by every run in turn."""
-    from qae_app.data.tasks import load_benchmark, load_task
+    """Load the training data and the evaluation benchmark as each run will (each run loads its own again), and find
+    each --reward file (read, not imported: each run's workers import it): a bad file is refused once, before any run
+    starts, not by every run in turn."""
+    from qae_app.evaluation.scoring import run_benchmark, run_task
+    from qae_app.rewards.specs import parse_reward_specs
 
-    load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
+    for spec in parse_reward_specs(cfg.reward):
+        spec.resolved()
+    run_task(cfg)
     if cfg.eval_bench:
-        load_benchmark(cfg.eval_bench, option="eval-bench")
+        run_benchmark(cfg, cfg.eval_bench, "eval-bench")
 
 
 def check_parallel(parallel: int) -> None:

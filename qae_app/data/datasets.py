@@ -1,6 +1,7 @@
-"""Load math problem files (JSONL or Parquet) into `Problem`s.
+"""Load data files (JSONL, Parquet or CSV, with any columns) into `Problem`s.
 
-One function, `load_math_file(path)`. The format is detected per row from the columns present, so these all load:
+One function, `load_math_file(path)`. Every field of a row is kept in `Problem.columns` (what a prompt template and a
+user's reward read); the question, gold answer and id are found per row from the columns present, so these all load:
 
 | format            | question                    | gold answer                                  | prompt_id          |
 |-------------------|-----------------------------|----------------------------------------------|--------------------|
@@ -8,7 +9,13 @@ One function, `load_math_file(path)`. The format is detected per row from the co
 | MATH-500          | `problem`                   | `answer`                                     | `unique_id`        |
 | AIME'24/'25, AMC  | `problem` (or `question`)   | `answer` (int, str or float: 27.0 -> "27")   | `id`               |
 | DAPO-17k (verl)   | `prompt`: the user message  | `reward_model.ground_truth`                  | `extra_info.index` |
-| generic JSONL     | `question/problem/prompt`   | `answer` or `ground_truth`                   | `id`, if present   |
+| generic JSONL/CSV | `question/problem/prompt`   | `answer` or `ground_truth`                   | `id`, if present   |
+
+A CSV file (`.csv`, or `.tsv` separated by tabs) is read with Python's csv module (RFC 4180 quoting: a cell with a
+comma, quote or newline is quoted, a quote in it doubled); its first line names the columns and every cell is text.
+A row without a gold answer is refused unless `require_answer=False` (a reward that reads no gold answer), and one
+without a question unless `require_question=False` (a prompt template that names other columns); the answer is then
+"" and the question "".
 
 Integer answers are written canonically ("025" -> "25"). Text is cleaned of stray control characters: DAPO-17k has
 escapes that were mangled by a JSON round trip ("\\frac" stored as form feed + "rac", "\\beta" as backspace + "eta");
@@ -18,11 +25,15 @@ stored: it becomes U+FFFD. `meta` keeps `subject`, `level` and `source` where th
 
 A file that is not UTF-8 (binary, UTF-16), nests JSON deeper than Python's parser allows, has a gold answer longer
 than the verifier reads (`names.MAX_ANSWER_CHARS`, so never scorable), or gives some answers GSM8K's way (after
-'####') and others without it (a solution taken whole could never be matched) is refused with one message naming it.
+'####') and others without it (a solution taken whole could never be matched) is refused with one message naming it;
+so is a CSV file without a header line, with a row of more or fewer cells than the header names, or with broken
+quoting.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
 import re
@@ -31,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qae_app.core.errors import QAEUserError
+from qae_app.core.formatting import clipped
 from qae_app.core.host_faults import check_path_names
 from qae_app.core.names import MAX_ANSWER_CHARS
 
@@ -43,10 +55,14 @@ class Problem:
     meta: dict = field(default_factory=dict, hash=False, compare=False)  # subject, level, source...
     # every field of the data row as loaded (JSON values): what a prompt template and a user's reward function read
     columns: dict = field(default_factory=dict, hash=False, compare=False)
+    # the row's `prompt` column where it is a list of chat messages ({"role", "content", ...} each): sent as it is
+    messages: list | None = field(default=None, hash=False, compare=False)
+    origin: str = field(default="", hash=False, compare=False)  # where it came from, for messages: "'f.jsonl' line 3"
 
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
+CSV_SUFFIXES = (".csv", ".tsv")  # comma- and tab-separated
 QUESTION_COLUMNS = ("problem", "question", "prompt")  # first one present wins
 ANSWER_COLUMNS = ("reward_model.ground_truth", "answer", "ground_truth")  # first one present and non-empty wins
 ID_COLUMNS = ("unique_id", "id", "extra_info.index", "idx")
@@ -125,7 +141,8 @@ def _question_text(value) -> str:
     return ""
 
 
-def _describe_columns(row: dict) -> str:
+def describe_columns(row: dict) -> str:
+    """A row's column names for a message, a nested field's as `outer.inner`."""
     names = []
     for key, value in row.items():
         names.append(key)
@@ -140,23 +157,25 @@ def _json_int(digits: str) -> int | str:
     return digits if limit and len(digits.lstrip("-")) > limit else int(digits)
 
 
-def _decode_text(path: Path) -> str:
-    """The file as text: UTF-8 (with or without a byte-order mark), else a QAEUserError that says what it is."""
+def _decode_text(path: Path, kind: str = "JSONL") -> str:
+    """The file as text: UTF-8 (with or without a byte-order mark), else a QAEUserError that says what it is; `kind`
+    ("JSONL", "CSV") names the format in it."""
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise QAEUserError(f"data: cannot read '{path}' ({e.strerror}). Check the path and its permissions.") from e
     for mark, encoding in _BYTE_ORDER_MARKS.items():
         if raw.startswith(mark):
-            raise QAEUserError(f"data: '{path}' is {encoding} text; JSONL must be UTF-8. Convert it, e.g. "
-                               f"`iconv -f {encoding} -t UTF-8 '{path}' > fixed.jsonl`.")
+            raise QAEUserError(f"data: '{path}' is {encoding} text; {kind} must be UTF-8. Convert it, e.g. "
+                               f"`iconv -f {encoding} -t UTF-8 '{path}' > fixed{path.suffix.lower()}`.")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
+        what = "a UTF-8 JSONL file (one JSON object per line)" if kind == "JSONL" else f"the {kind} file saved as UTF-8"
         raise QAEUserError(f"data: '{path}' is not UTF-8 text (byte 0x{raw[e.start]:02x} at line {line}, offset "
-                           f"{e.start}); is it a binary file? Pass a UTF-8 JSONL file (one JSON object per line) "
-                           "or a Parquet file.") from e
+                           f"{e.start}); is it a binary file, or saved in another encoding? Pass {what}, or a "
+                           "Parquet file.") from e
 
 
 def _parse_json(text: str, where: str) -> object:
@@ -171,7 +190,7 @@ def _parse_json(text: str, where: str) -> object:
                            "flat object; fix or remove it.") from e
 
 
-def _read_rows(path: Path) -> tuple[list[tuple[int, dict]], str]:
+def _read_rows(path: Path, require_question: bool = True) -> tuple[list[tuple[int, dict]], str]:
     """(line or row number counted from 1, record) pairs, and the word for the unit ("line" or "row")."""
     suffix = path.suffix.lower()
     if suffix in PARQUET_SUFFIXES:
@@ -182,10 +201,12 @@ def _read_rows(path: Path) -> tuple[list[tuple[int, dict]], str]:
         except Exception as e:  # pyarrow raises several types for a corrupt or non-parquet file
             raise QAEUserError(f"data: cannot read '{path}' as Parquet ({e}). Pass a valid .parquet file.") from e
         return list(enumerate(records, start=1)), "row"
+    if suffix in CSV_SUFFIXES:
+        return _read_csv(path, _decode_text(path, "CSV"), require_question), "line"
     if suffix not in JSONL_SUFFIXES:
         raise QAEUserError(
             f"data: '{path}' has suffix '{path.suffix}'; expected one of "
-            f"{', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)}. Rename the file or convert it to JSONL."
+            f"{', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES + CSV_SUFFIXES)}. Rename the file or convert it to JSONL."
         )
     text = _decode_text(path)
     if suffix == ".json" and text.lstrip().startswith("["):  # a JSON array of records
@@ -199,15 +220,64 @@ def _read_rows(path: Path) -> tuple[list[tuple[int, dict]], str]:
     return rows, "line"
 
 
-def load_math_file(path: Path) -> list[Problem]:
-    """All problems in a JSONL or Parquet math file, in file order. Raises QAEUserError on anything unreadable."""
+def _read_csv(path: Path, text: str, require_question: bool) -> list[tuple[int, dict]]:
+    """(first line of the record, {column: cell}) for each row of a CSV file's text; its first line is the header."""
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t" if path.suffix.lower() == ".tsv" else ",",
+                        strict=True)
+    rows: list[tuple[int, dict]] = []
+    try:
+        header = next(reader, None)
+        if header is None:
+            return rows
+        _check_csv_header(path, header, require_question)
+        while True:
+            start = reader.line_num + 1
+            cells = next(reader, None)
+            if cells is None:
+                return rows
+            if not cells:  # a blank line
+                continue
+            if len(cells) != len(header):
+                raise QAEUserError(
+                    f"data: '{path}' line {start} has {len(cells)} cell{'s' * (len(cells) != 1)}, but the header "
+                    f"(line 1) names {len(header)} columns ({', '.join(header)}). Give each row one cell per column; "
+                    'quote a cell that holds the separator or a newline ("a, b").')
+            rows.append((start, dict(zip(header, cells))))
+    except csv.Error as e:
+        raise QAEUserError(f"data: '{path}' is not valid CSV ({e} at line {reader.line_num}). Quote a cell that "
+                           'holds a comma, quote or newline, doubling the quotes inside it ("say ""hi""").') from None
+
+
+def _check_csv_header(path: Path, header: list[str], require_question: bool) -> None:
+    """Refuse a header with an empty or repeated name, or (`require_question`) no question column: a file whose first
+    line is data, not column names."""
+    seen = set()
+    for number, name in enumerate(header, start=1):
+        if not name.strip():
+            raise QAEUserError(f"data: '{path}' line 1 has an empty column name (column {number}). The first line "
+                               "of a CSV file names every column: name it, or remove the empty column.")
+        if name in seen:
+            raise QAEUserError(f"data: '{path}' line 1 names column '{name}' twice. Give each column its own name.")
+        seen.add(name)
+    if require_question and not any(c in header for c in QUESTION_COLUMNS):
+        shown = ", ".join(h if len(h) <= 40 else h[:40] + "..." for h in header[:8])
+        raise QAEUserError(
+            f"data: '{path}' has no question column in its header (its first line: {shown}). A CSV file's first line "
+            f"names its columns, e.g. `question,answer`: add that line, or name the problem's column one of: "
+            f"{', '.join(QUESTION_COLUMNS)} (or write a --prompt-template of your columns).")
+
+
+def load_math_file(path: Path, require_answer: bool = True, require_question: bool = True) -> list[Problem]:
+    """All problems in a JSONL, Parquet or CSV data file, in file order. Raises QAEUserError on anything unreadable.
+    `require_answer`: refuse a row without a gold answer (else its answer is ""): for a reward that reads one.
+    `require_question`: refuse a row without a question (else it is ""): for a prompt that shows it."""
     path = Path(path)
     check_path_names("data", path)
     if path.is_dir():
-        raise QAEUserError(f"data: '{path}' is a directory. Pass the path of a JSONL or Parquet math file in it.")
+        raise QAEUserError(f"data: '{path}' is a directory. Pass the path of a JSONL, Parquet or CSV file in it.")
     if not path.is_file():
-        raise QAEUserError(f"data: file '{path}' does not exist. Pass the path of a JSONL or Parquet math file.")
-    rows, unit = _read_rows(path)
+        raise QAEUserError(f"data: file '{path}' does not exist. Pass the path of a JSONL, Parquet or CSV file.")
+    rows, unit = _read_rows(path, require_question)
     if not rows:
         raise QAEUserError(f"data: '{path}' is empty. Pass a file with at least one problem.")
 
@@ -220,9 +290,11 @@ def load_math_file(path: Path) -> list[Problem]:
             raise QAEUserError(
                 f"data: {where} is a {type(row).__name__}, not a JSON object. Write one object per line."
             )
-        question = _row_question(row, where)
-        answer, given, marked = _row_answer(row, where)
-        (after_marker if marked else without_marker).append((number, given))
+        messages = _row_messages(row, where)
+        question = _row_question(row, where, require_question)
+        answer, given, marked = _row_answer(row, where, require_answer)
+        if given is not None:  # (a row without an answer, where none is required, has no marker to check)
+            (after_marker if marked else without_marker).append((number, given))
         prompt_id = _row_id(row, path, number)
         if prompt_id in seen_ids:
             raise QAEUserError(
@@ -231,16 +303,19 @@ def load_math_file(path: Path) -> list[Problem]:
             )
         seen_ids[prompt_id] = number
         problems.append(Problem(prompt_id=prompt_id, question=question, answer=answer, meta=_row_meta(row),
-                                columns=_row_columns(row)))
+                                columns=_row_columns(row), messages=messages, origin=where))
     _check_final_answer_markers(path, unit, len(rows), after_marker, without_marker)
     return problems
 
 
-def _row_question(row: dict, where: str) -> str:
-    """The problem text of a file's row (`where` names it in errors): the first of QUESTION_COLUMNS present."""
+def _row_question(row: dict, where: str, required: bool = True) -> str:
+    """The problem text of a file's row (`where` names it in errors): the first of QUESTION_COLUMNS present; ""
+    for a row without one unless `required`."""
     question_column = next((c for c in QUESTION_COLUMNS if _get(row, c) is not None), None)
     question = _question_text(_get(row, question_column)) if question_column else ""
     given = _get(row, question_column) if question_column else None
+    if not question and not required:
+        return ""
     if not question and given is not None and not isinstance(given, (str, list, tuple)) \
             and not hasattr(given, "tolist"):
         kind = {bool: "true/false", int: "a number", float: "a number", dict: "an object"}.get(type(given),
@@ -251,17 +326,46 @@ def _row_question(row: dict, where: str) -> str:
         )
     if not question:
         raise QAEUserError(
-            f"data: {where} has no question (columns: {_describe_columns(row)}). "
+            f"data: {where} has no question (columns: {describe_columns(row)}). "
             f"Put the problem text in one of: {', '.join(QUESTION_COLUMNS)} "
-            "(`prompt` may be a list of chat messages; the user message is used)."
+            "(`prompt` may be a list of chat messages), or pass a --prompt-template of the columns it has."
         )
     return question
 
 
-def _row_answer(row: dict, where: str) -> tuple[str, str, bool]:
+def _row_messages(row: dict, where: str) -> list | None:
+    """The row's `prompt` column as chat messages where it is a list (TRL's conversational format, verl's), each
+    with a text `content` and a `role`, the last not the assistant's; fields a Parquet file fills with null for the
+    messages without them are left out. None where `prompt` is not a list."""
+    value = row.get("prompt")
+    if hasattr(value, "tolist") and not isinstance(value, dict):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        return None
+    if not value:
+        raise QAEUserError(f"data: {where} gives `prompt` as an empty list. Give chat messages "
+                           '([{"role": "user", "content": "..."}]) or the prompt as text.')
+    messages = []
+    for number, message in enumerate(value, start=1):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise QAEUserError(f"data: {where} gives `prompt` as a list, but item {number} is not a chat message "
+                               f"({clipped(repr(message), 60)}). Each item is "
+                               '{"role": "system" | "user" | "assistant", "content": "..."}.')
+        if not isinstance(message.get("content"), str):
+            raise QAEUserError(f"data: {where}: chat message {number} has no text content "
+                               f"({clipped(repr(message), 60)}). Give each message's `content` as text.")
+        messages.append({str(k): clean_text(v) if k == "content" else v for k, v in message.items() if v is not None})
+    if messages[-1]["role"] == "assistant":
+        raise QAEUserError(f"data: {where}: its chat messages end with an assistant message; the model writes the "
+                           "next assistant turn, so the last message is the user's. Drop the trailing answer (a "
+                           "reward reads the gold answer from its own column).")
+    return messages
+
+
+def _row_answer(row: dict, where: str, required: bool = True) -> tuple[str, str | None, bool]:
     """The gold answer of a file's row (`where` names it in errors): the first of ANSWER_COLUMNS present and not
     empty, as the text a response must match; with the value as given, and whether it is given after a GSM8K
-    '####' marker."""
+    '####' marker. A row without one is refused if `required`, else its answer is "" (given as None)."""
     answer = ""
     for column in ANSWER_COLUMNS:
         value = _get(row, column)
@@ -275,9 +379,11 @@ def _row_answer(row: dict, where: str) -> tuple[str, str, bool]:
                     "row.") from None
             if answer:
                 break
+    if not answer and not required:
+        return "", None, False
     if not answer:
         raise QAEUserError(
-            f"data: {where} has no answer (columns: {_describe_columns(row)}). "
+            f"data: {where} has no answer (columns: {describe_columns(row)}). "
             f"Put the gold final answer in one of: {', '.join(ANSWER_COLUMNS)}."
         )
     if len(answer) > MAX_ANSWER_CHARS:

@@ -14,8 +14,12 @@ A task is a list of `Problem`s plus the name of the reward function that scores 
   language: "What is 17 + 8? Reply with just the number." with operands 0..ADD_MAX_OPERAND. A fixed held-out split
   of ADD_N_HELDOUT problems. Scored by `final_number` (the last `Answer: N` line, else the response's last number,
   checked with math-verify), since such a model answers in words ("The answer is 25.") and rarely with a box.
-- a math file (JSONL or Parquet in the GSM8K, MATH-500, AIME, AMC or DAPO-17k formats, see `datasets.py`), prompted to
-  put the final answer in `\\boxed{}` and scored with math-verify.
+- a data file (JSONL, Parquet or CSV: the GSM8K, MATH-500, AIME, AMC and DAPO-17k formats or any columns, see
+  `datasets.py`), prompted to put the final answer in `\\boxed{}` (a row whose `prompt` is chat messages is sent as
+  it is) and scored with math-verify.
+
+Any task takes the user's `--prompt-template` and `--system-prompt` (`PromptFormat`, see `prompts.py`): `load_task`
+and `load_benchmark` apply them, so `qae train`, its held-out evaluation and `qae eval` prompt alike.
 
 The built-in tasks are selectable as `arith` / `chain` or `builtin:arith` / `builtin:chain`; each names the model
 `qae train` starts from and the response length it needs (`BUILTIN_TASKS`), so `qae train --data builtin:chain` needs
@@ -24,6 +28,7 @@ no other option.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from collections.abc import Callable
@@ -34,6 +39,7 @@ from qae_app.core.errors import QAEUserError
 from qae_app.core.host_faults import check_path_names
 from qae_app.core.names import CHAIN_ANSWER_MARKER, SMOLLM2_MODEL
 from qae_app.data.datasets import Problem, load_math_file
+from qae_app.data.prompts import Prompt, PromptFormat, build_prompt, placeholders
 
 
 @dataclass(frozen=True)
@@ -42,10 +48,25 @@ class Task:
     train: list[Problem]
     heldout: list[Problem]
     reward: str  # a key of rewards.REWARD_FUNCTIONS
-    prompt_template: str  # "{question}" is replaced by the problem text
+    prompt_template: str  # each {column} is replaced by the row's (prompts.py): "{question}" by the problem text
+    system_prompt: str | None = None  # a system message before every prompt (--system-prompt)
+    row_messages: bool = True  # a row's own chat messages are its prompt (off when the user gives a template)
 
-    def prompt(self, problem: Problem) -> str:
-        return self.prompt_template.replace("{question}", problem.question)
+    def prompt(self, problem: Problem) -> Prompt:
+        """What the model is sent for `problem`: text, or chat messages (prompts.build_prompt)."""
+        return build_prompt(problem, self.prompt_template, self.system_prompt, self.row_messages)
+
+    def with_format(self, prompt_format: PromptFormat | None) -> "Task":
+        """This task with the user's --prompt-template and --system-prompt, every problem's prompt built once so a
+        column a template names and a row lacks is refused now, not mid-run."""
+        if prompt_format is None or prompt_format == PromptFormat():
+            return self
+        given = prompt_format.template is not None
+        task = dataclasses.replace(self, prompt_template=prompt_format.template if given else self.prompt_template,
+                                   system_prompt=prompt_format.system_prompt, row_messages=not given)
+        for problem in task.train + task.heldout:
+            task.prompt(problem)
+        return task
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -215,12 +236,16 @@ def task_defaults(data: str) -> dict:
     return {"model": BUILTIN_TASKS[name].model, "max_new_tokens": BUILTIN_TASKS[name].max_new_tokens}
 
 
-def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0, option: str = "data") -> Task:
-    """A built-in task by name, or a math data file (all of it trains unless `heldout_fraction` > 0); `option`: the
-    command-line option that named it, for the error messages."""
+def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0, option: str = "data",
+              prompt_format: PromptFormat | None = None, require_answer: bool = True) -> Task:
+    """A built-in task by name, or a data file (all of it trains unless `heldout_fraction` > 0); `option`: the
+    command-line option that named it, for the error messages. `prompt_format`: the user's template and system
+    prompt (checked against every problem here). `require_answer`: refuse a file's row without a gold answer (a
+    reward that reads none passes False)."""
+    prompt_format = prompt_format or PromptFormat()
     builtin = builtin_task_name(name_or_path)
     if builtin is not None:
-        return BUILTIN_TASKS[builtin].build()
+        return BUILTIN_TASKS[builtin].build().with_format(prompt_format)
     path = Path(name_or_path)
     check_path_names(option, path)
     if not path.exists():
@@ -229,10 +254,13 @@ def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0, o
             raise QAEUserError(f"{option}: '{name_or_path}' is not a built-in task. Choose one of: {names}.")
         raise QAEUserError(
             f"{option}: '{name_or_path}' is neither a built-in task ({names}) nor an existing file. "
-            "Pass a JSONL or Parquet file in the GSM8K, MATH-500, AIME, AMC or DAPO-17k format."
+            "Pass a JSONL, Parquet or CSV data file (the GSM8K, MATH-500, AIME, AMC or DAPO-17k format, or any "
+            "columns with --prompt-template)."
         )
-    try:
-        problems = load_math_file(path)
+    try:  # (a user's template that does not show the question reads files without one)
+        problems = load_math_file(path, require_answer=require_answer,
+                                  require_question=prompt_format.template is None
+                                  or "question" in placeholders(prompt_format.template))
     except QAEUserError as err:  # the file's problem, said of the option that named it (--eval-bench, --bench)
         if option == "data" or not str(err).startswith("data: "):
             raise
@@ -242,13 +270,16 @@ def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0, o
     n_heldout = int(len(problems) * heldout_fraction)
     heldout = [problems[i] for i in sorted(order[:n_heldout])]
     train = [problems[i] for i in sorted(order[n_heldout:])]
-    return Task(name=path.stem, train=train, heldout=heldout, reward="math", prompt_template=MATH_PROMPT_TEMPLATE)
+    task = Task(name=path.stem, train=train, heldout=heldout, reward="math", prompt_template=MATH_PROMPT_TEMPLATE)
+    return task.with_format(prompt_format)
 
 
-def load_benchmark(bench: str, option: str = "bench") -> tuple[str, list[Problem], Task]:
+def load_benchmark(bench: str, option: str = "bench", prompt_format: PromptFormat | None = None,
+                   require_answer: bool = True) -> tuple[str, list[Problem], Task]:
     """(name, problems, task) of what `qae eval --bench` and `qae train --eval-bench` evaluate: a built-in task's
-    held-out split (named `<task>-heldout`) or a whole math file (named by its stem)."""
-    task = load_task(bench, option=option)
+    held-out split (named `<task>-heldout`) or a whole data file (named by its stem), prompted as `prompt_format`
+    says (the same for both commands); `require_answer` as for `load_task`."""
+    task = load_task(bench, option=option, prompt_format=prompt_format, require_answer=require_answer)
     problems = task.heldout if task.heldout else task.train
     name = f"{task.name}-heldout" if task.heldout else task.name
     return name, problems, task

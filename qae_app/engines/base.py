@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from qae_app.data.prompts import Prompt
+
 
 @dataclass
 class Sample:
@@ -33,7 +35,7 @@ class Sample:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[str], n: int, temperature: float, max_new_tokens: int,
+    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_new_tokens: int,
                  seed: int) -> list[Sample]: ...
 
     def sync_weights(self, model: torch.nn.Module) -> None: ...

@@ -12,6 +12,7 @@ import itertools
 import torch
 
 from qae_app.core.errors import QAEUserError
+from qae_app.data.prompts import Prompt
 from qae_app.engines import decode
 from qae_app.engines.base import Sample, cut_at_stop
 from qae_app.engines.sampling import PLAIN_SAMPLING, SamplingOptions
@@ -157,7 +158,7 @@ class HFGenerateEngine:
         return {keyword: cache}
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], n: int, temperature: float, max_new_tokens: int,
+    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_new_tokens: int,
                  seed: int) -> list[Sample]:
         model = self.model
         was_training = model.training

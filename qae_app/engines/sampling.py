@@ -1,4 +1,5 @@
-"""How the rollout engines sample: the truncations of the distribution `qae eval` may ask for (`SamplingOptions`).
+"""How the rollout engines sample: the truncations of the distribution `qae eval` may ask for (`SamplingOptions`),
+and the seed of each generation batch of a training step (`step_seed`, which `qae preview` shares to sample step 1's).
 
 Training always samples from softmax(logits / T), the distribution its loss assumes (`PLAIN_SAMPLING`); only `qae eval`
 may truncate it, on request. Torch-free, so the config checks these options without loading an engine.
@@ -31,3 +32,10 @@ class SamplingOptions:
 
 
 PLAIN_SAMPLING = SamplingOptions()  # nothing truncated: what training samples from
+
+
+def step_seed(seed: int, step: int, process: int, gen_batch: int = 0) -> int:
+    """The sampling seed of one process's share of a step's generation batch: a pure function of the four, so a
+    resumed run samples exactly what the uninterrupted run did (gen_batch 0 keeps the seed runs had before dynamic
+    sampling), and `qae preview` samples the responses a run's first step would."""
+    return (seed * 1_000_003 + step * 7_919 + process * 104_729 + gen_batch * 15_485_863) % (2**31 - 1)

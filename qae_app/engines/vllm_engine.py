@@ -46,6 +46,7 @@ import torch
 
 from qae_app.core.errors import QAEUserError
 from qae_app.core.names import BUILTIN_SCRATCH
+from qae_app.data.prompts import Prompt
 from qae_app.engines.base import Sample, cut_at_stop
 from qae_app.engines.sampling import PLAIN_SAMPLING, SamplingOptions
 from qae_app.engines.sharded_policy import ShardedPolicy
@@ -129,7 +130,7 @@ class VLLMEngine:
             detokenize=False,  # (vLLM has no tokenizer: the codec decodes)
         )
 
-    def generate(self, prompts: list[str], n: int, temperature: float, max_new_tokens: int,
+    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_new_tokens: int,
                  seed: int) -> list[Sample]:
         self._wake()
         params = self.sampling_params(n, temperature, max_new_tokens, seed)

@@ -19,12 +19,14 @@ from qae_app.config import EvalConfig
 from qae_app.core.errors import QAEUserError
 from qae_app.core.host_faults import check_path_names, environment_errno, environment_error
 from qae_app.data.datasets import Problem
-from qae_app.data.tasks import load_benchmark
+from qae_app.data.prompts import Prompt
 from qae_app.engines.base import RolloutEngine
 from qae_app.engines.sampling import SamplingOptions
 from qae_app.evaluation.metrics import avg_at_k, maj_at_k, pass_at_k, pass_k_values
-from qae_app.rewards.scorer import ANSWER_EXTRACTORS, Scorer
-from qae_app.store.reader import is_eval_run
+from qae_app.evaluation.scoring import run_benchmark
+from qae_app.rewards.registry import RewardSet, data_columns
+from qae_app.rewards.scorer import Scorer
+from qae_app.store.reader import results_only_kind
 from qae_app.store.run_folder import (
     CHECKPOINTS_DIR,
     MANIFEST,
@@ -48,29 +50,33 @@ class EvalResult:
     metrics: list[dict]  # benchmark, subset, metric, k, value, n_problems
 
 
-def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: list[str], scorer: Scorer, k: int,
-                     temperature: float, max_new_tokens: int, seed: int, on_batch=None,
-                     batch_problems: int = 64) -> list[dict]:
-    """k samples for each problem, scored. `on_batch(n_done)` is called after each batch (progress bars)."""
+def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: list[Prompt],
+                     scorer: RewardSet | Scorer, k: int, temperature: float, max_new_tokens: int, seed: int,
+                     on_batch=None, batch_problems: int = 64) -> list[dict]:
+    """k samples for each problem, scored by the rewards (a RewardSet; a built-in's Scorer is taken as one):
+    `correct` is full marks (registry.RewardSet.correct). `on_batch(n_done)` is called after each batch."""
+    rewards = scorer if isinstance(scorer, RewardSet) else RewardSet.of_scorer(scorer)
     rows: list[dict] = []
     for start in range(0, len(problems), batch_problems):
         chunk = problems[start : start + batch_problems]
         samples = engine.generate(prompts[start : start + batch_problems], k, temperature, max_new_tokens,
                                   seed=seed + start)
         texts = [s.text for s in samples]
-        rewards = scorer(texts, [chunk[s.prompt_index].answer for s in samples])
+        _, components = rewards.score(texts, [prompts[start + s.prompt_index] for s in samples],
+                                      [chunk[s.prompt_index] for s in samples])
         counters = defaultdict(int)
-        for sample, text, reward in zip(samples, texts, rewards):
+        for sample, text, correct, verified in zip(samples, texts, rewards.correct(components),
+                                                   rewards.verified(components)):
             problem = chunk[sample.prompt_index]
             rows.append({
                 "problem_id": problem.prompt_id,
                 "sample_idx": counters[sample.prompt_index],
                 "response": text,
-                "extracted": ANSWER_EXTRACTORS[scorer.name](text),  # what the reward read: maj@k's vote
+                "extracted": rewards.extract(text),  # what the reward read: maj@k's vote
                 # the gold answer it was checked against
                 "answer": None if problem.answer is None else str(problem.answer),
-                "correct": reward == 1.0,
-                "verified": reward is not None,
+                "correct": correct,
+                "verified": verified,
                 "n_tokens": len(sample.response_ids),
                 "model_prompt": sample.model_prompt,  # chat template applied; None without one
             })
@@ -108,8 +114,9 @@ def summarize(benchmark: str, problems: list[Problem], samples: list[dict], k: i
     return metrics
 
 
-def evaluate(engine: RolloutEngine, benchmark: str, problems: list[Problem], prompts: list[str], scorer: Scorer,
-             k: int, temperature: float, max_new_tokens: int, seed: int, on_batch=None) -> EvalResult:
+def evaluate(engine: RolloutEngine, benchmark: str, problems: list[Problem], prompts: list[Prompt],
+             scorer: RewardSet | Scorer, k: int, temperature: float, max_new_tokens: int, seed: int,
+             on_batch=None) -> EvalResult:
     samples = sample_and_score(engine, problems, prompts, scorer, k, temperature, max_new_tokens, seed, on_batch)
     return EvalResult(benchmark, k, samples, summarize(benchmark, problems, samples, k))
 
@@ -132,9 +139,10 @@ def resolve_model(spec: str, runs_dir, checkpoint: int | None = None) -> EvalTar
     folder = Path(runs_dir) / spec
     # a run folder: checkpoints, or a database only (a run killed before its first checkpoint)
     if RUN_NAME_PATTERN.match(spec) and ((folder / CHECKPOINTS_DIR).is_dir() or db_path(runs_dir, spec).exists()):
-        if is_eval_run(folder):
-            raise eval_run_error("model", folder, f"Pass the model it evaluated (`qae show {spec}` names it), a "
-                                                  "training run's id or a model folder.")
+        if kind := results_only_kind(folder):
+            raise eval_run_error("model", folder, f"Pass the model it {'evaluated' if kind == 'eval' else 'sampled'} "
+                                                  f"(`qae show {spec}` names it), a training run's id or a model "
+                                                  "folder.", kind)
         found = list_checkpoints(folder)
         if checkpoint is None:
             if not found:
@@ -221,15 +229,27 @@ def _check_export_folder(out: Path, run_folder: Path) -> None:
         raise QAEUserError(f"out: {out} is not empty. Pass a new or empty folder.")
 
 
-def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResult, str, Path]:
-    """Everything `qae eval` does; returns (EvalResult, run_id the results were stored under, database path)."""
+def evaluate_with_progress(cfg: EvalConfig, engine, name: str, problems, prompts, task, max_new_tokens: int,
+                           console=None) -> EvalResult:
+    """`qae eval`'s samples of every problem, scored with its rewards, under a progress bar on `console`."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    progress = Progress(TextColumn(f"[bold]eval {name}"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+                        console=console, disable=console is None)
+    with RewardSet.of(cfg.reward, cfg.reward_weights, task.reward, cfg.verify_timeout_s) as scorer, progress:
+        scorer.check(data_columns(problems))  # (the user's functions imported in its workers, their columns checked)
+        bar = progress.add_task("eval", total=len(problems))
+        return evaluate(engine, name, problems, prompts, scorer, cfg.samples, cfg.temperature, max_new_tokens,
+                        cfg.seed, on_batch=lambda n: progress.advance(bar, n))
+
+
+def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResult, str, Path]:
+    """Everything `qae eval` does; returns (EvalResult, run_id the results were stored under, database path)."""
     from qae_app.engines.factory import make_engine
     from qae_app.models.policy import check_prompt_lengths, load_policy, rollout_positions
 
     target = resolve_model(cfg.model, runs_dir, cfg.checkpoint)
-    name, problems, task = load_benchmark(cfg.bench)
+    name, problems, task = run_benchmark(cfg, cfg.bench, "bench")
     problems = problems[: cfg.limit] if cfg.limit else problems
     max_new_tokens = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task.reward]
     if target.run_id is None:
@@ -258,13 +278,8 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
                                  sampling=SamplingOptions(cfg.top_p, cfg.top_k, cfg.min_p),
                                  gpu_memory_utilization=cfg.vllm_gpu_memory, sleep=False,  # (no update to sleep in)
                                  max_model_len=rollout_positions(policy, codec, by_id, max_new_tokens))
-    progress = Progress(TextColumn(f"[bold]eval {name}"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
-                        console=console, disable=console is None)
     try:
-        with Scorer(task.reward, cfg.verify_timeout_s) as scorer, progress:
-            bar = progress.add_task("eval", total=len(problems))
-            result = evaluate(rollout_engine, name, problems, prompts, scorer, cfg.samples,
-                              cfg.temperature, max_new_tokens, cfg.seed, on_batch=lambda n: progress.advance(bar, n))
+        result = evaluate_with_progress(cfg, rollout_engine, name, problems, prompts, task, max_new_tokens, console)
     finally:
         rollout_engine.close()  # (vLLM: its engine and process group, before the results are written)
 

@@ -1,7 +1,9 @@
 """Policies: the built-in tiny model and its character tokenizer, and loading any Hugging Face causal LM.
 
 Everything the trainer and the rollout engines need from a tokenizer is the small `TextCodec` interface, so the
-built-in character tokenizer and a Hugging Face tokenizer are interchangeable.
+built-in character tokenizer and a Hugging Face tokenizer are interchangeable. A prompt is text or a list of chat
+messages (`data.prompts.Prompt`): a tokenizer with a chat template renders either (text as one user message), and one
+without (the built-in model's, a base model's) reads the messages' contents joined by blank lines.
 
 The built-in model is a ~0.8M-parameter Llama (4 layers, hidden 128, vocab 64) built locally with transformers:
 no download. `qae warmstart --task T` trains it supervised on a built-in task's training split; the results ship in
@@ -26,6 +28,7 @@ import torch
 from qae_app.core.errors import QAEUserError
 from qae_app.core.hashing import file_sha256
 from qae_app.core.names import BUILTIN_MODEL, BUILTIN_SCRATCH
+from qae_app.data.prompts import Prompt, prompt_text
 from qae_app.models.packaged import PACKAGED_GGUF, packaged_gguf
 
 ASSETS_DIR = Path(__file__).parents[1] / "assets"
@@ -44,7 +47,7 @@ class TextCodec(Protocol):
     eos_id: int
     stop_ids: list[int]  # a response ends at the first of these (eos and the model's end-of-turn tokens)
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, prompt: Prompt) -> list[int]: ...  # text, or chat messages
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -67,9 +70,10 @@ class CharTokenizer:
         self._to_id = {c: i + len(self.SPECIALS) for i, c in enumerate(chars)}
         self._to_char = {i: c for c, i in self._to_id.items()}
 
-    def encode(self, text: str) -> list[int]:
-        """The prompt's ids, starting with <bos>."""
-        return [self.bos_id] + [self._to_id.get(c, self.unk_id) for c in text]
+    def encode(self, prompt: Prompt) -> list[int]:
+        """The prompt's ids, starting with <bos>; chat messages (no chat template here) as their contents joined by
+        blank lines."""
+        return [self.bos_id] + [self._to_id.get(c, self.unk_id) for c in prompt_text(prompt)]
 
     def encode_target(self, text: str) -> list[int]:
         """A response's ids, ending with <eos> (for supervised warm start)."""
@@ -103,18 +107,32 @@ class HFTokenizerCodec:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_ids = _unique_ids([self.eos_id, *_id_list(generation_stop_ids)])
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, prompt: Prompt) -> list[int]:
+        """The prompt's ids: text as one user message, or chat messages as they are, through the chat template; a
+        tokenizer without one reads `prompt_text(prompt)`."""
         if self.use_chat_template:
-            # the template writes every special token itself (BOS included where the model has one), so nothing is
-            # added on top; the return type differs across transformers versions (ids, or a dict-like encoding)
-            ids = plain_ids(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True))
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            ids = plain_ids(self._apply_chat_template(messages))
         else:
-            ids = plain_ids(self.tokenizer(text, add_special_tokens=True))
+            ids = plain_ids(self.tokenizer(prompt_text(prompt), add_special_tokens=True))
         bos = self.tokenizer.bos_token_id
         if bos is not None and ids[:2] == [bos, bos]:  # a template that writes BOS, on a tokenizer that adds one too
             ids = ids[1:]
         return ids
+
+    def _apply_chat_template(self, messages: list[dict]):
+        """The template writes every special token itself (BOS included where the model has one), so nothing is
+        added on top; the return type differs across transformers versions (ids, or a dict-like encoding). A template
+        may refuse messages (Gemma's raises on a system message): a QAEUserError that says which."""
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except TemplateError as err:
+            roles = ", ".join(str(m.get("role")) for m in messages)
+            raise QAEUserError(f"prompt: the model's chat template refuses the messages ({roles}): {err}. Drop "
+                               "--system-prompt (or the data's system messages) for this model, or give the "
+                               "messages it takes.") from None
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -399,14 +417,29 @@ def most_tokens(text: str, template: int) -> int:
     return len(text.encode("utf-8", "surrogatepass")) + template
 
 
-def prompts_longer_than(codec: TextCodec, prompts: list[tuple[str, str]], budget: int) -> list[tuple[str, int]]:
-    """(prompt id, tokens) of the `prompts` (prompt id, text) longer than `budget` tokens as encoded.
+def most_prompt_tokens(codec: TextCodec, prompt: Prompt, template: int, scaffolds: dict[str, int]) -> int:
+    """A bound on a prompt's tokens as encoded that costs no encoding of the prompt itself: `most_tokens` for text;
+    for chat messages their contents' UTF-8 bytes plus the tokens of the same messages with a one-letter content each
+    (the chat template's scaffolding: roles, markers, a default system message), plus one a message for a word-start
+    token. The scaffolding is encoded once per shape of messages (their roles and other fields) into `scaffolds`: a
+    file's chat rows mostly share one or two shapes."""
+    if isinstance(prompt, str):
+        return most_tokens(prompt, template)
+    shape = json.dumps([{k: v for k, v in m.items() if k != "content"} for m in prompt], sort_keys=True, default=str)
+    if shape not in scaffolds:
+        scaffolds[shape] = len(codec.encode([{**m, "content": "x"} for m in prompt]))
+    contents = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in prompt)
+    return contents + scaffolds[shape] + len(prompt)
 
-    Only prompts that might be longer are encoded: a prompt whose `most_tokens` fit is known to fit."""
-    template = template_tokens(codec)
+
+def prompts_longer_than(codec: TextCodec, prompts: list[tuple[str, Prompt]], budget: int) -> list[tuple[str, int]]:
+    """(prompt id, tokens) of the `prompts` (prompt id, text or chat messages) longer than `budget` tokens as encoded.
+
+    Only prompts that might be longer are encoded: a prompt whose `most_prompt_tokens` fit is known to fit."""
+    template, scaffolds = template_tokens(codec), {}
     too_long = []
     for prompt_id, text in prompts:
-        if most_tokens(text, template) <= budget:
+        if most_prompt_tokens(codec, text, template, scaffolds) <= budget:
             continue
         n_tokens = len(codec.encode(text))
         if n_tokens > budget:
@@ -414,20 +447,22 @@ def prompts_longer_than(codec: TextCodec, prompts: list[tuple[str, str]], budget
     return too_long
 
 
-def rollout_positions(model, codec: TextCodec, prompts: list[tuple[str, str]], max_new_tokens: int) -> int:
-    """The most positions a rollout of `prompts` (prompt id, text) can take, as a bound that costs no encoding: the
-    longest prompt's `most_tokens` plus `max_new_tokens`, capped at the model's context.
+def rollout_positions(model, codec: TextCodec, prompts: list[tuple[str, Prompt]], max_new_tokens: int) -> int:
+    """The most positions a rollout of `prompts` (prompt id, text or chat messages) can take, as a bound that costs
+    no encoding of each prompt: the longest prompt's `most_prompt_tokens` plus `max_new_tokens`, capped at the
+    model's context.
 
     vLLM sizes its sequences by it (`max_model_len`). Left unset, vLLM takes the model's whole context (131,072
     positions for Llama 3.1) and refuses to start when its share of the GPU cannot cache one sequence that long, though
     no rollout comes near it. TRL sets it the same way (max prompt length + max completion length)."""
-    template = template_tokens(codec)
-    needed = max((most_tokens(text, template) for _, text in prompts), default=template) + max_new_tokens
+    template, scaffolds = template_tokens(codec), {}
+    needed = max((most_prompt_tokens(codec, text, template, scaffolds) for _, text in prompts),
+                 default=template) + max_new_tokens
     context = model_context(model)
     return needed if context is None else min(needed, context)
 
 
-def check_token_budget(codec: TextCodec, prompts: list[tuple[str, str]], max_new_tokens: int,
+def check_token_budget(codec: TextCodec, prompts: list[tuple[str, Prompt]], max_new_tokens: int,
                        max_tokens_per_micro_batch: int, source: str) -> None:
     """QAEUserError, before anything runs, if a prompt of `prompts` (prompt id, text) with a response of
     `max_new_tokens` would not fit one micro-batch of `max_tokens_per_micro_batch` tokens."""
@@ -440,11 +475,12 @@ def check_token_budget(codec: TextCodec, prompts: list[tuple[str, str]], max_new
                            "--micro-batch-size sequences per micro-batch.")
 
 
-def check_prompt_lengths(model, codec: TextCodec, prompts: list[tuple[str, str]], max_new_tokens: int,
+def check_prompt_lengths(model, codec: TextCodec, prompts: list[tuple[str, Prompt]], max_new_tokens: int,
                          source: str) -> None:
     """QAEUserError, before anything runs, if a prompt (as encoded, chat template included) plus `max_new_tokens`
     does not fit the model's context: past it a model with learned positions crashes and a RoPE model degrades, and a
-    megabyte prompt exhausts memory mid-run. `prompts` are (prompt id, prompt text); `source` names them ("data").
+    megabyte prompt exhausts memory mid-run. `prompts` are (prompt id, text or chat messages); `source` names them
+    ("data").
 
     Only prompts that might not fit are encoded: a token covers at least one UTF-8 byte, so a prompt whose bytes plus
     the template's own tokens fit is known to fit.

@@ -83,11 +83,14 @@ _gold_cache: dict[str, list] = {}  # per process; a group of G responses shares 
 WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _worker_main(conn, memory_limit_mb: int | None, number: int = 0, fault_spec: str | None = None) -> None:
-    """Worker loop: receive (item_id, prediction, gold), send (item_id, score). Exits when the pipe closes.
+def _worker_main(conn, memory_limit_mb: int | None, number: int = 0, fault_spec: str | None = None,
+                 handler: Callable | None = None, init: tuple | None = None) -> None:
+    """Worker loop: receive (item_id, *payload), send (item_id, handler(*payload)). Exits when the pipe closes.
 
     number: this worker's start number in its pool (1, 2, ...); fault_spec: the parent's QAE_FAULT (a worker forked
     from the fork server would otherwise see the server's environment), for the crash tests' `verifier_start@N`.
+    handler: what scores an item (default: math-verify on (prediction, gold)); init: (function, *args) run once
+    before the worker says it is ready (user_functions.load_user_rewards imports the user's rewards here).
     """
     # Ctrl-C and SIGTERM sent to the process group are the parent's to handle; it closes the pool. The parent started
     # this process with them blocked, so none could kill it before these lines run.
@@ -100,7 +103,11 @@ def _worker_main(conn, memory_limit_mb: int | None, number: int = 0, fault_spec:
         limit = memory_limit_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" is expected here
-    verify_math("1", "1")  # import sympy and warm up before declaring ready, so startup never eats a deadline
+    if handler is None:
+        handler = verify_math
+        verify_math("1", "1")  # import sympy and warm up before declaring ready, so startup never eats a deadline
+    if init is not None:
+        init[0](*init[1:])
     if fault_spec:
         os.environ["QAE_FAULT"] = fault_spec
         fault_point("verifier_start", number)
@@ -112,9 +119,9 @@ def _worker_main(conn, memory_limit_mb: int | None, number: int = 0, fault_spec:
             return
         if message is None:
             return
-        item_id, prediction, gold = message
+        item_id, *payload = message
         try:
-            result = verify_math(prediction, gold)
+            result = handler(*payload)
         except Exception:  # math-verify swallows most errors; anything that escapes is "could not verify"
             result = None
         conn.send((item_id, result))
@@ -206,7 +213,8 @@ class MathVerifierPool:
     def __init__(self, timeout_s: float = 3.0, num_workers: int = 2, max_answer_chars: int | None = MAX_ANSWER_CHARS,
                  shortcuts: bool = True, memory_limit_mb: int | None = 4096, startup_timeout_s: float = 120.0,
                  batch_timeout_s: float | None = None, max_start_failures: int = 3,
-                 extract: Callable[[str], str | None] = extract_answer):
+                 extract: Callable[[str], str | None] = extract_answer, handler: Callable | None = None,
+                 init: tuple | None = None):
         """
         timeout_s: seconds one item may take in a worker, counted from when it is sent; then it scores None.
         num_workers: worker processes scoring concurrently.
@@ -219,6 +227,8 @@ class MathVerifierPool:
         max_start_failures: workers that may die while starting, in a row, before `score()` raises.
         extract: the response's final answer, which math-verify checks against the gold (default: the last box or
             "answer is" line; `answers.final_number_answer` for instruct models answering in words).
+        handler, init: another job for the workers (`run_items` hands them items): the function that scores an item
+            in a worker, and (function, *args) each worker runs when it starts (user_functions: a user's rewards).
         """
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s={timeout_s}: must be a finite number of seconds > 0")
@@ -235,6 +245,10 @@ class MathVerifierPool:
         self.batch_timeout_s = batch_timeout_s
         self.max_start_failures = max_start_failures
         self.extract = extract
+        self.handler, self.init = handler, init
+        self.role, self.startup_hint = ("math-verify", "check that `python -c 'import math_verify'` works in this "
+                                        "environment") if handler is None else (
+            "reward", "does importing a reward's module hang or take minutes?")
         self.timeouts = 0  # items whose worker was killed at the item deadline
         self.batch_cutoffs = 0  # items left unscored when a call reached its batch bound
         self.crashes = 0  # workers that died while scoring
@@ -297,7 +311,7 @@ class MathVerifierPool:
         parent_conn, child_conn = self._context.Pipe(duplex=True)
         process = self._context.Process(target=_worker_main, name="qae-math-verify", daemon=True,
                                         args=(child_conn, self.memory_limit_mb, self.workers_started + 1,
-                                              os.environ.get("QAE_FAULT")))
+                                              os.environ.get("QAE_FAULT"), self.handler, self.init))
         # Start it with SIGINT/SIGTERM blocked: the new process (and the fork server, the first time) inherits the
         # mask, so a signal to the whole process group cannot kill it before it has set them to be ignored. The fork
         # server never unblocks them, so it survives such a signal too. Start multiprocessing's resource tracker
@@ -358,21 +372,31 @@ class MathVerifierPool:
         if not unique:
             return results
         items = list(unique)
-        with self._lock:
-            self._scoring_thread = threading.get_ident()
-            try:
-                item_results = self._run(items)
-            except BaseException:
-                self._close_workers()  # a worker may still hold an item of this call; never let it answer the next
-                raise
-            finally:
-                self._scoring_thread = None
+        item_results = self.run_items(items)
         for item, score in zip(items, item_results):
             for i in unique[item]:
                 results[i] = score
         return results
 
-    def _run(self, items: list[tuple[str, str]]) -> list[float | None]:
+    def run_items(self, items: list[tuple], timeout_s: float | None = None) -> list:
+        """What the workers' handler gives for each item (a tuple of its arguments), in order; None for an item that
+        ran past its deadline, or whose worker died. `timeout_s`: this call's deadline per item instead of the
+        pool's (and the batch bound that follows from it). Raises `ScoringInterrupted` as `score` does."""
+        with self._lock:
+            self._scoring_thread = threading.get_ident()
+            pool_timeouts = self.timeout_s, self.batch_timeout_s
+            if timeout_s is not None:
+                self.timeout_s, self.batch_timeout_s = timeout_s, None
+            try:
+                return self._run(items)
+            except BaseException:
+                self._close_workers()  # a worker may still hold an item of this call; never let it answer the next
+                raise
+            finally:
+                self._scoring_thread = None
+                self.timeout_s, self.batch_timeout_s = pool_timeouts
+
+    def _run(self, items: list[tuple]) -> list:
         """Score the (prediction, gold) `items` on the workers: every item's quick try first, in order, then the full
         timeout of those whose quick try ran out. An item that a worker does not finish in time, or that the batch's
         deadline cuts off, scores None."""
@@ -470,8 +494,8 @@ class MathVerifierPool:
                     self.timeouts += 1
                 self._replace(w)
             elif not w.ready and now >= w.started_at + self.startup_timeout_s:
-                raise RuntimeError(f"a math-verify worker did not start within {self.startup_timeout_s:.0f} s; "
-                                   "check that `python -c 'import math_verify'` works in this environment")
+                raise RuntimeError(f"a {self.role} worker did not start within {self.startup_timeout_s:.0f} s; "
+                                   f"{self.startup_hint}")
 
     def _on_death(self, w: _Worker, results: list[float | None]) -> None:
         w.process.join()

@@ -31,6 +31,12 @@ def check_tag(tag: str) -> str:
     return tag
 
 
+def tags_from_text(text: str) -> list[str]:
+    """The tags in a text cell as one types them ("baseline, lr-too-high" or "baseline lr-too-high"), each checked,
+    in order, once each; "" is no tags."""
+    return list(dict.fromkeys(check_tag(tag) for tag in re.split(r"[,\s]+", text or "") if tag))
+
+
 def check_note(note: str) -> str:
     if len(note) > MAX_NOTE_CHARS:
         raise QAEUserError(f"note: {len(note):,} characters, more than {MAX_NOTE_CHARS:,}. Keep a note short; put "

@@ -40,6 +40,7 @@ from qae_app.store.run_folder import (
     CONFIG_FILE,
     DB_FILE,
     PENDING_DIR,
+    RESULTS_ONLY_KINDS,
     effective_status,
     folders_not_runs,
     list_run_dirs,
@@ -188,15 +189,22 @@ def run_summaries(runs_dir: Path) -> list[dict]:
     return sorted(rows, key=lambda row: row["created_at"] or datetime.min, reverse=True)
 
 
-def is_eval_run(folder: Path) -> bool:
-    """A run folder `qae eval` made (its row's estimator is 'eval'): results only, no model, no training config."""
+def results_only_kind(folder: Path) -> str | None:
+    """'eval' or 'preview' for a run folder that `qae eval` or `qae preview` made (its row's estimator says which:
+    run_folder.RESULTS_ONLY_KINDS): results only, no model, no training run's settings; None for any other folder."""
     folder = Path(folder)
     if not (folder / DB_FILE).exists() or (folder / CONFIG_FILE).exists():  # a training run writes its config.json
-        return False
+        return None
     try:
-        return read_run(folder / DB_FILE).get("estimator") == "eval"
+        estimator = read_run(folder / DB_FILE).get("estimator")
     except (QAEUserError, duckdb.Error):  # unreadable: the command's own reading says why
-        return False
+        return None
+    return estimator if estimator in RESULTS_ONLY_KINDS else None
+
+
+def is_eval_run(folder: Path) -> bool:
+    """A run folder `qae eval` made (its row's estimator is 'eval')."""
+    return results_only_kind(folder) == "eval"
 
 
 def read_run(path: Path) -> dict:
@@ -276,6 +284,49 @@ def read_model_prompts(path: Path, step: int) -> dict[int, str]:
         return {int(g): str(text) for g, text in con.execute(SQL_MODEL_PROMPTS, [step]).fetchall()}
 
 
+SQL_HAS_TABLE = """
+    SELECT count(*) FROM duckdb_tables() WHERE database_name = current_database() AND table_name = ?
+"""
+# the mean of each reward component per step, over the responses it scored (None: not counted), and how many it scored
+SQL_COMPONENT_MEANS = """
+    SELECT step, name, avg(value) AS mean, count(value) AS scored, count(*) AS responses
+    FROM reward_components GROUP BY step, name ORDER BY step, name
+"""
+SQL_COMPONENTS = """
+    SELECT group_idx, sample_idx, name, value FROM reward_components WHERE step = ?
+    ORDER BY group_idx, sample_idx, name
+"""
+
+
+def _read_components(path: Path, sql: str, params: list, columns: list[str]) -> pd.DataFrame:
+    """A query of `reward_components`; an empty frame of `columns` for a file from before the table (a reader never
+    migrates)."""
+    with open_reader(path) as con:
+        if not con.execute(SQL_HAS_TABLE, ["reward_components"]).fetchone()[0]:
+            return pandas().DataFrame(columns=columns)
+        return con.execute(sql, params).df()
+
+
+def read_component_means(path: Path) -> pd.DataFrame:
+    """step, name, mean, scored, responses: each reward component's mean per step (a run given --reward; else
+    empty)."""
+    return _read_components(path, SQL_COMPONENT_MEANS, [], ["step", "name", "mean", "scored", "responses"])
+
+
+def read_components(path: Path, step: int) -> pd.DataFrame:
+    """group_idx, sample_idx, name, value of every response of one step and every reward component."""
+    return _read_components(path, SQL_COMPONENTS, [step], ["group_idx", "sample_idx", "name", "value"])
+
+
+def component_table(means: pd.DataFrame) -> pd.DataFrame:
+    """Component means as one column per component, one row per step (columns named `reward:<name>`)."""
+    if means.empty:
+        return pandas().DataFrame({"step": []})
+    wide = means.pivot(index="step", columns="name", values="mean")
+    wide.columns = [f"reward:{name}" for name in wide.columns]
+    return wide.reset_index()
+
+
 def read_evals(path: Path) -> pd.DataFrame:
     return query(path, "SELECT * FROM evals ORDER BY benchmark, subset, metric, k, step")
 
@@ -346,6 +397,44 @@ def read_run_view(path: Path) -> RunView:
             evals=con.execute("SELECT step, benchmark, subset, metric, k, value, n_problems, source FROM evals "
                               "ORDER BY benchmark, subset, metric, k, step").df(),
         )
+
+
+@dataclass
+class PreviewView:
+    """What `qae preview` found (qae_app/evaluation/preview.py), read in one connection: what it prints and the
+    dashboard's Preview page draws."""
+
+    run: dict  # one row of SQL_RUN_SUMMARY
+    summary: dict  # the `previews` row
+    by_k: pd.DataFrame  # the `preview_k` rows: QAE by K, then GRPO (k NULL)
+    groups: pd.DataFrame  # group_idx, prompt, answer, n_correct, group_size, baseline, regime
+    rollouts: pd.DataFrame  # group_idx, sample_idx, response, reward, correct, verified, advantage, gated, n_tokens,
+    # truncated
+
+
+SQL_PREVIEW_GROUPS = ("SELECT group_idx, prompt, answer, n_correct, group_size, baseline, regime FROM groups "
+                      "WHERE step = ? ORDER BY group_idx")
+SQL_PREVIEW_ROLLOUTS = ("SELECT group_idx, sample_idx, response, reward, correct, verified, advantage, gated, "
+                        "n_tokens, truncated FROM rollouts WHERE step = ? ORDER BY group_idx, sample_idx")
+
+
+def read_preview(path: Path) -> PreviewView:
+    """A preview's findings; QAEUserError when the run is not a preview."""
+    with open_reader(path) as con:
+        run = con.execute(SQL_RUN_SUMMARY).df()
+        if run.empty or run["estimator"].iloc[0] != "preview":
+            raise QAEUserError(f"run: '{Path(path).parent.name}' is not a preview. Make one with `qae preview` (the "
+                               "options of `qae train`), or look at a training run with `qae show`.")
+        summary = con.execute("SELECT * FROM previews ORDER BY step DESC LIMIT 1").df()
+        if summary.empty:
+            raise QAEUserError(f"run: the preview '{Path(path).parent.name}' holds no findings: it stopped before "
+                               "they were written. Run `qae preview` again.")
+        step = int(summary["step"].iloc[0])
+        return PreviewView(
+            run=_as_seen_from_folder(run, path).iloc[0].to_dict(), summary=summary.iloc[0].to_dict(),
+            by_k=con.execute("SELECT * FROM preview_k WHERE step = ? ORDER BY estimator DESC, k", [step]).df(),
+            groups=con.execute(SQL_PREVIEW_GROUPS, [step]).df(),
+            rollouts=con.execute(SQL_PREVIEW_ROLLOUTS, [step]).df())
 
 
 def read_rollout_steps(path: Path) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from qae_app.core.names import NO_SIGNAL_REGIMES, REGIMES
 
@@ -36,6 +36,8 @@ class GroupResult:
     logprobs: list[float | None]  # [G], sum of token log-probs of each response; None if filtered and not measured
     filtered: bool = False  # left out of the update by dynamic sampling
     model_prompt: str | None = None  # the prompt with the chat template applied, as the model saw it; None without one
+    # reward component -> [G] each response's value (None: could not verify); empty unless the run stores them
+    components: dict[str, list[float | None]] = field(default_factory=dict)
 
 
 def group_rows(groups: Sequence[GroupResult]) -> list[dict]:
@@ -53,6 +55,12 @@ def rollout_rows(groups: Sequence[GroupResult]) -> list[dict]:
         "gated": g.advantages[i] == 0.0, "regime": g.regime, "n_tokens": g.n_tokens[i],
         "truncated": g.truncated[i], "entropy": g.entropies[i], "logprob": g.logprobs[i], "filtered": g.filtered,
     } for g in groups for i in range(len(g.rewards))]
+
+
+def component_rows(groups: Sequence[GroupResult]) -> list[dict]:
+    """The `reward_components` rows: one per response and component."""
+    return [{"group_idx": g.group_idx, "sample_idx": i, "name": name, "value": values[i]}
+            for g in groups for name, values in g.components.items() for i in range(len(values))]
 
 
 STORE_RESPONSES_HELP = ("What the store keeps of the responses' text: all, N per group (chosen by a seeded draw, "

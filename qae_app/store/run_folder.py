@@ -64,10 +64,16 @@ def validate_run_name(name: str, option: str = "run-name", runs_dir: Path | None
     return name
 
 
-def eval_run_error(option: str, folder: Path, what: str) -> QAEUserError:
-    """The error for an eval run given where a training run is needed; `what`: what to do instead."""
-    return QAEUserError(f"{option}: '{Path(folder).name}' is an eval run (qae eval): it holds evaluation results, "
-                        f"not a model or a training run's settings. {what}")
+# the runs row's estimator of a folder that holds results only (no model, no training run's settings) -> what it is
+RESULTS_ONLY_KINDS = {"eval": "an eval run (qae eval): it holds evaluation results",
+                      "preview": "a preview (qae preview): it holds a task's sampled responses and what they say"}
+
+
+def eval_run_error(option: str, folder: Path, what: str, kind: str = "eval") -> QAEUserError:
+    """The error for a results-only run (`kind`: a RESULTS_ONLY_KINDS key) given where a training run is needed;
+    `what`: what to do instead."""
+    return QAEUserError(f"{option}: '{Path(folder).name}' is {RESULTS_ONLY_KINDS[kind]}, not a model or a training "
+                        f"run's settings. {what}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

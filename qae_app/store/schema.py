@@ -150,6 +150,10 @@ TABLES: dict[str, dict[str, str]] = {
         # them while sampling, as the hf engine does; the trainer's own pass covers the trained responses only)
         "filtered": "BOOLEAN",
     },
+    # with --reward: each response's value of each reward component (a built-in's verdict, a user function's score
+    # or one of its named parts; NULL: could not verify); the response's `reward` is their weighted sum
+    "reward_components": {"run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "sample_idx": "INTEGER",
+                          "name": "VARCHAR", "value": "DOUBLE"},
     "evals": {
         "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "subset": "VARCHAR", "metric": "VARCHAR",
         "k": "INTEGER", "value": "DOUBLE", "n_problems": "INTEGER", "source": "VARCHAR",
@@ -162,11 +166,27 @@ TABLES: dict[str, dict[str, str]] = {
         "answer": "VARCHAR",  # the problem's gold answer, what `extracted` was checked against; NULL in older files
     },
     "warnings": {"run_id": "VARCHAR", "step": "INTEGER", "kind": "VARCHAR", "message": "VARCHAR"},
+    # `qae preview` (a run folder of its own, its runs row's estimator 'preview'; its responses are the `groups` and
+    # `rollouts` rows of step 0, under the run's own estimator): what it found, one row
+    "previews": {
+        "run_id": "VARCHAR", "step": "INTEGER", "n_prompts": "INTEGER", "group_size": "INTEGER",
+        "max_new_tokens": "INTEGER", "accuracy": "DOUBLE", "reward_mean": "DOUBLE", "frac_no_signal": "DOUBLE",
+        "frac_unverified": "DOUBLE", "truncated_frac": "DOUBLE", "response_len": "DOUBLE",
+        "suggested_k": "DOUBLE",  # NULL when no group has signal: no K helps
+        "verdict": "VARCHAR", "suggested_why": "VARCHAR",
+    },
+    # ... and what each estimator would make of its rewards: QAE at each K of --ks, and GRPO (k NULL)
+    "preview_k": {
+        "run_id": "VARCHAR", "step": "INTEGER", "estimator": "VARCHAR", "k": "DOUBLE", "frac_zero_adv": "DOUBLE",
+        "frac_zero_adv_informative": "DOUBLE", "n_hard": "INTEGER", "n_easy": "INTEGER", "n_all_correct": "INTEGER",
+        "n_all_wrong": "INTEGER", "n_mixed": "INTEGER", "suggested": "BOOLEAN",
+    },
 }
 # What a column added after its table's first version holds in rows written before it existed.
 LEGACY_DEFAULTS = {("evals", "source"): "'train'", ("eval_samples", "source"): "'train'",
                    ("groups", "filtered"): "FALSE", ("rollouts", "filtered"): "FALSE"}
-STEP_TABLES = ("steps", "groups", "rollouts", "evals", "eval_samples", "warnings")  # rows keyed by step
+STEP_TABLES = ("steps", "groups", "rollouts", "reward_components", "evals", "eval_samples", "warnings", "previews",
+               "preview_k")  # rows keyed by step
 EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step, benchmark and source
 
 

@@ -37,7 +37,8 @@ from qae_app.core.errors import QAEUserError
 from qae_app.core.faults import fault_point
 from qae_app.models.lora import is_lora, load_lora_adapter, save_lora_artifacts
 from qae_app.models.sharding import full_state_dict, is_sharded
-from qae_app.store.reader import is_eval_run, last_logged_step, logged_steps, read_run
+from qae_app.rewards.specs import check_named_again
+from qae_app.store.reader import last_logged_step, logged_steps, read_run, results_only_kind
 from qae_app.store.run_folder import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -58,6 +59,7 @@ from qae_app.store.run_folder import (
 )
 from qae_app.store.writer import RunWriter, convert_legacy_pending
 from qae_app.train.checkpoint_state import is_data_checkpoint, load_training_state, pickled_files, save_training_state
+from qae_app.train.trackers import Trackers, start_trackers
 
 CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from readers until it is renamed into place
 
@@ -133,13 +135,14 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
         raise QAEUserError(f"run-name: '{given_name}' is not the run --resume continues ('{run}'). Drop --run-name "
                            "(and run_name from the --config file) to resume it, or drop --resume to start a new run "
                            "of that name.")
-    if is_eval_run(folder):
+    if kind := results_only_kind(folder):
         raise eval_run_error("resume", folder, "There is nothing to resume; start a training run with another "
-                                               "--run-name.")
+                                               "--run-name.", kind)
     if not (folder / CONFIG_FILE).exists():
         raise QAEUserError(f"resume: no run '{run}' in {runs_dir} (runs there, last written first: "
                            f"{recent_runs_text(runs_dir)}). See `qae runs`.")
     stored = stored_config(folder)
+    check_named_again(stored.reward, given.get("reward"), run)
     changes = {}
     for name, value in given.items():
         if name == "run_name" or value == getattr(stored, name):  # (a copied run's stored name is not its own)
@@ -173,9 +176,11 @@ class RunSession:
         self.resuming = resume
         self.trust_pickles = trust_pickles  # the user vouched for the folder: an older qae's pickles may be read
         self.distributed = distributed  # sharding.DistributedSetup of this launch, stored in the run's config
+        self.reward_files: dict = {}  # the user reward functions' files and sha256s (train/scoring.py), stored too
         self.started = time.perf_counter() if started is None else started  # the session's wall_s counts from here
         self._say = say or (lambda message: None)
         self.writer: RunWriter | None = None  # main process only, from open_store on
+        self.trackers: Trackers | None = None  # --report-to: main process only, from open_store on
         self._lock: RunLock | None = None  # main process only
         self._staging: Path | None = None  # a new run's folder until open_store renames it into place
         self._write_thread: ThreadPoolExecutor | None = None  # main process: writes the store while steps train
@@ -200,6 +205,8 @@ class RunSession:
         try:
             if self._write_thread is not None:
                 self._write_thread.shutdown(wait=True)
+            if self.trackers is not None:
+                self.trackers.finish()
         finally:
             if self._lock is not None:
                 self._lock.release()
@@ -223,8 +230,8 @@ class RunSession:
             if converted:
                 self._say(f"converted {converted} pending write(s) an older qae pickled to JSON")
             return
-        if is_eval_run(self.run_dir):
-            raise eval_run_error("run-name", self.run_dir, "Pick another --run-name for the training run.")
+        if kind := results_only_kind(self.run_dir):
+            raise eval_run_error("run-name", self.run_dir, "Pick another --run-name for the training run.", kind)
         if (self.run_dir / DB_FILE).exists() or (self.run_dir / CONFIG_FILE).exists():
             raise QAEUserError(f"run-name: a run '{self.run_id}' already exists in {self.runs_dir}. Continue it "
                                f"with --resume {self.run_id}, or pick another --run-name.")
@@ -350,6 +357,8 @@ class RunSession:
         config = cfg.to_dict()
         if self.distributed is not None:  # how this session ran (a resume records its own launch)
             config["distributed"] = self.distributed.to_dict()
+        if self.reward_files:
+            config["reward_files"] = self.reward_files
         k = names.k_in_use(cfg.estimator, state.k)  # (None before --k auto chooses one, and for a mean baseline)
         if self.resuming:
             db = self.run_dir / DB_FILE
@@ -375,6 +384,7 @@ class RunSession:
             (self.run_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
             self.writer.update_run(status="running", error=None, config=config)
             self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qae-store")
+            self.trackers = start_trackers(cfg.report_to, self.run_id, self.run_dir, config)
             return earlier or {}
         staging = self._staging
         writer = RunWriter(staging / DB_FILE, self.run_id)
@@ -390,6 +400,7 @@ class RunSession:
         writer.moved_to(self.run_dir / DB_FILE)
         self.writer = writer
         self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qae-store")
+        self.trackers = start_trackers(cfg.report_to, self.run_id, self.run_dir, config)
         return {}
 
     # -------------------------------------------------------------------------------------------------------------
@@ -424,6 +435,10 @@ class RunSession:
         self.drain_writes()
         if late is not None:  # the earlier step's job is done: its store_s is known
             late[1]["store_s"] = self._store_s.pop(late[0], None)
+        if self.trackers is not None:  # --report-to: what the rows hold, in step order
+            if late is not None:
+                self.trackers.log_times(*late)
+            self.trackers.log_step(step, tables)
         self._write_job = self._write_thread.submit(write, self.writer)
         return time.perf_counter() - t0
 
@@ -449,7 +464,10 @@ class RunSession:
             self._write_thread.shutdown(wait=True)
             if self._late_times is not None:
                 step, values = self._late_times  # (its store_s is known if the job was drained, by now or earlier)
-                self.writer.update_step(step, **{**values, "store_s": self._store_s.pop(step, values.get("store_s"))})
+                values = {**values, "store_s": self._store_s.pop(step, values.get("store_s"))}
+                self.writer.update_step(step, **values)
+                if self.trackers is not None:
+                    self.trackers.log_times(step, values)
             wall_s = wall_s_before + time.perf_counter() - self.started
             # a failed run's status goes ahead of rows still queued: if the failure was writing them (a full disk),
             # the small update of the run's row may still fit, and `qae runs` says why it failed

@@ -6,8 +6,8 @@ are left out of the update's forward/backward, with the loss normalizer of the f
 one the dense computation gives (`update.py`).
 
 One step, for B prompts x G samples (`train_step` reads as these six):
-    sample and score -> engine samples G responses per prompt (rollout_s); the verifier scores each: 1, 0 or None
-                        (reward_s)
+    sample and score -> engine samples G responses per prompt (rollout_s); the run's rewards score each (reward_s):
+                        the task's verifier (1, 0 or None) or --reward's weighted sum (train/scoring.py)
     the K in use     -> --k auto chooses K once, from the first step's success rate
     advantages       -> estimator(rewards [B, G]) -> advantages, baseline, regime
     update           -> log-probs/entropy of the sampling policy (no grad), then num_mini_batches optimizer steps, and
@@ -35,17 +35,19 @@ from pathlib import Path
 
 import torch
 
-from qae_app.algo.advantages import REGIMES, EstimatorConfig, step_advantages
+from qae_app.algo.advantages import EstimatorConfig, step_advantages
 from qae_app.config import TrainConfig, check_launch_mixed_precision
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.faults import fault_point
 from qae_app.core.formatting import as_float
 from qae_app.core.hashing import file_sha256
-from qae_app.data.tasks import load_benchmark, load_task, prompts_at
+from qae_app.data.tasks import prompts_at
 from qae_app.engines.factory import make_engine
+from qae_app.engines.sampling import step_seed
 from qae_app.engines.sharded_policy import ShardedPolicy, sharding_plan_for
 from qae_app.evaluation.evaluate import evaluate, summarize
+from qae_app.evaluation.scoring import run_benchmark, run_rewards, run_task, score_batch
 from qae_app.models.lora import AdaptersDisabled, apply_lora, trainable_parameters
 from qae_app.models.policy import (
     check_prompt_lengths,
@@ -56,18 +58,19 @@ from qae_app.models.policy import (
     rollout_positions,
 )
 from qae_app.models.sharding import describe, prepare, shard_models
-from qae_app.rewards.scorer import Scorer, shape_rewards
-from qae_app.store.rows import GroupResult, group_rows, rollout_rows, step_metrics, stored_responses
+from qae_app.rewards.registry import data_columns
+from qae_app.store.rows import component_rows, group_rows, rollout_rows, step_metrics, stored_responses
 from qae_app.train.attribution import ATTRIBUTION_METRICS, entropy_attribution
 from qae_app.train.entropy_band import entropy_warning
 from qae_app.train.precision import check_updates_move_the_weights
+from qae_app.train.reward_record import checked_record, file_record
 from qae_app.train.session import RunSession, TrainerState
+from qae_app.train.step_results import group_results, sampling_policy_stats
 from qae_app.train.update import (
     ENTROPY_CHANGE_METRICS,
     MISMATCH_METRICS,
     NO_UPDATE,
     UpdateOptions,
-    UpdateResult,
     entropy_change,
     float_dtype,
     logits_keyword,
@@ -86,6 +89,7 @@ class StepOutput:
     groups: list[dict]  # B `groups` rows, gathered from every process
     rollouts: list[dict]  # B * G `rollouts` rows
     warnings: list[dict] = field(default_factory=list)  # `warnings` rows: kind, message
+    components: list[dict] = field(default_factory=list)  # `reward_components` rows (with --reward)
     chosen_k: float | None = None  # the K that --k auto picked at this step, if it did
 
 
@@ -96,11 +100,13 @@ class GenerationBatch:
     index: int  # 0 for a step's first batch; more with dynamic sampling
     first_group: int  # step-wide group_idx of this process's first group: index * prompts_per_step + its offset
     problems: list  # [B] tasks.Problem
-    prompts: list[str]  # [B]
+    prompts: list  # [B] data.prompts.Prompt: text or chat messages, as the engine was given them
     samples: list  # [B * G] rollout.Sample, sample j of prompt i at i * G + j
     verified: list[bool]  # [B * G] the verifier gave a verdict
     rewards: torch.Tensor  # (B, G) shaped: reward values plus the overlong penalty
     correct: torch.Tensor  # (B, G) bool, the verifier's verdicts
+    components: dict = field(default_factory=dict)  # name -> [B * G] each response's value (stored with --reward)
+    reward_warning: dict | None = None  # a user reward left responses unscored at the deadline
 
 
 @dataclass
@@ -154,21 +160,14 @@ def step_tables(out: StepOutput | None, heldout: HeldoutEval | None, keep: str =
     tables = {}
     if out is not None:
         tables.update(steps=[out.metrics], groups=out.groups, rollouts=stored_responses(out.rollouts, keep, seed, step),
-                      warnings=out.warnings)
+                      warnings=out.warnings, **({"reward_components": out.components} if out.components else {}))
     if heldout is not None:
         tables.update(evals=heldout.evals, eval_samples=heldout.samples)
     return tables
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# sampling: the seeds, and which groups dynamic sampling keeps
-
-
-def _step_seed(seed: int, step: int, process: int, gen_batch: int = 0) -> int:
-    """The sampling seed of one process's share of a step's generation batch: a pure function of the four, so a
-    resumed run samples exactly what the uninterrupted run did (gen_batch 0 keeps the seed runs had before dynamic
-    sampling)."""
-    return (seed * 1_000_003 + step * 7_919 + process * 104_729 + gen_batch * 15_485_863) % (2**31 - 1)
+# sampling: which groups dynamic sampling keeps (each batch's seed: engines.sampling.step_seed)
 
 
 def groups_with_signal(rewards: torch.Tensor, correct: torch.Tensor, metric: str) -> torch.Tensor:
@@ -196,56 +195,6 @@ def generation_cap_warning(cfg: TrainConfig, step: int, n_trained: int, n_batche
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# what a step reports: its groups' rows
-
-
-def group_results(batches: list[GenerationBatch], trained: list[bool], adv, rewards, correct, group_size: int,
-                  from_engine: bool, pass_stats) -> list[GroupResult]:
-    """This process's groups of every generation batch, in order (`trained` (B,), `adv`, `rewards` and `correct`
-    (B, G): one entry per group). A response's mean token entropy and summed log-prob come from the engine when it
-    measured them while sampling (`from_engine`), else from the no-grad pass over the trained responses
-    (`pass_stats`: two lists, one value per trained response, in order); a filtered group the engine did not measure
-    never went through the model, and gets None."""
-    G = group_size
-    # each tensor to Python values once, not an item() or tolist() per group: the same values
-    baselines, regimes, advantages = adv.baseline.tolist(), adv.regime.tolist(), adv.advantages.tolist()
-    rewards, correct = rewards.tolist(), correct.tolist()
-    results, local, done = [], 0, 0  # local: group index over all batches; done: trained groups seen
-    for b in batches:
-        for i, problem in enumerate(b.problems):
-            group = b.samples[i * G:(i + 1) * G]
-            if from_engine:
-                entropies = [sum(s.token_entropies) / max(len(s.token_entropies), 1) for s in group]
-                logprobs = [sum(s.token_logprobs) for s in group]
-            elif trained[local]:
-                entropies, logprobs = (stats[done * G:(done + 1) * G] for stats in pass_stats)
-                done += 1
-            else:
-                entropies = logprobs = [None] * G
-            results.append(GroupResult(
-                group_idx=b.first_group + i, prompt_id=problem.prompt_id, prompt=b.prompts[i],
-                answer=problem.answer, baseline=baselines[local],
-                regime=REGIMES[regimes[local]], responses=[s.text for s in group],
-                rewards=rewards[local], correct=correct[local],
-                verified=b.verified[i * G:(i + 1) * G], advantages=advantages[local],
-                n_tokens=[len(s.response_ids) for s in group], truncated=[s.truncated for s in group],
-                entropies=entropies, logprobs=logprobs, filtered=not trained[local],
-                model_prompt=group[0].model_prompt))
-            local += 1
-    return results
-
-
-def sampling_policy_stats(batch: dict, updated: UpdateResult, n: int) -> tuple[list[float], list[float]] | None:
-    """The first `n` responses' mean token entropy and summed log-prob under the sampling policy, from the update's
-    no-grad pass over them (policy_update's full_pass), for their rows; None for no response."""
-    if not n:
-        return None
-    mask = batch["response_mask"][:n]
-    return (((updated.entropy[:n] * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist(),  # (N,)
-            (updated.old_logp[:n] * mask).sum(-1).tolist())  # (N,)
-
-
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def check_prompts_split(prompts_per_step: int, n_processes: int) -> None:
@@ -269,7 +218,7 @@ class Trainer:
     `with Trainer(...) as trainer:`)."""
 
     def __init__(self, cfg: TrainConfig, runs_dir: Path, resume: bool = False, console=None,
-                 cpu: bool | None = None, trust_pickles: bool = False):
+                 cpu: bool | None = None, trust_pickles: bool = False, accept_changed_reward: bool = False):
         self._t_start = time.perf_counter()
         self.cfg = cfg
         self.console = console
@@ -291,6 +240,7 @@ class Trainer:
                 if restored is not None:
                     self.state = restored
                     self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
+            self.session.reward_files = self._check_rewards(accept_changed_reward)
             earlier = self.session.open_store(self.state)
             # (the earlier sessions' times of a resumed run; NULL in a run that never finished a step)
             self._wall_s_before = as_float(earlier.get("wall_s")) or 0.0
@@ -327,15 +277,26 @@ class Trainer:
 
     def _load_data(self) -> None:
         cfg = self.cfg
-        self.task = load_task(cfg.data, cfg.heldout_fraction, cfg.seed)
+        self.task = run_task(cfg)
         if len(self.task.train) == 0:
             raise QAEUserError(f"data: '{cfg.data}' has no training problems. Lower --heldout-fraction.")
         self.data_fingerprint = file_sha256(Path(cfg.data)) if Path(cfg.data).is_file() else None
         # what --eval-every evaluates: the task's held-out split, or --eval-bench named as `qae eval` names it;
         # loaded now so a bad path fails before anything is written
         self.eval_name, self.eval_problems, self.eval_task = (
-            load_benchmark(cfg.eval_bench, option="eval-bench") if cfg.eval_bench
+            run_benchmark(cfg, cfg.eval_bench, "eval-bench") if cfg.eval_bench
             else (f"{self.task.name}-heldout", self.task.heldout, self.task))
+
+    def _check_rewards(self, accept_changed: bool) -> dict:
+        """The rewards' code, checked before it runs: on a resume a `PATH.py:FUNCTION` file that changed since the
+        run scored with it is refused before a worker imports it (unless `accept_changed`); then the workers import
+        every function and check what it asks for against the data's columns. Returns the run's `reward_files`."""
+        if self.resuming and not accept_changed:
+            checked_record(self.run_dir, file_record(self.scorer), self.state.step, accept_changed=False)
+        found = self.scorer.check(data_columns(self.task.train + self.task.heldout))
+        if self.eval_scorer is not self.scorer:
+            self.eval_scorer.check(data_columns(self.eval_problems))
+        return checked_record(self.run_dir, found, self.state.step, accept_changed, self._say)
 
     def _load_models(self) -> None:
         cfg, acc = self.cfg, self.accelerator
@@ -383,10 +344,10 @@ class Trainer:
                                   sharded=ShardedPolicy.of(acc, self.model), rollout_dtype=cfg.rollout_dtype,
                                   sleep=cfg.vllm_sleep, gpu_memory_utilization=cfg.vllm_gpu_memory,
                                   max_model_len=rollout_positions(model, self.codec, data + evals, cfg.max_new_tokens))
-        self.scorer = Scorer(self.task.reward, cfg.verify_timeout_s)
+        self.scorer = run_rewards(cfg, self.task.reward)  # (its workers start when it first scores)
         # one scorer for the whole run (a math verifier pool takes seconds to start): the training one if it fits
-        self.eval_scorer = (self.scorer if self.eval_task.reward == self.task.reward
-                            else Scorer(self.eval_task.reward, cfg.verify_timeout_s))
+        self.eval_scorer = (self.scorer if cfg.reward or self.eval_task.reward == self.task.reward
+                            else run_rewards(cfg, self.eval_task.reward))
         self.state = TrainerState(k=None if cfg.k == "auto" else float(cfg.k),
                                   data_fingerprint=self.data_fingerprint, num_processes=acc.num_processes)
 
@@ -492,13 +453,14 @@ class Trainer:
         update_s = time.perf_counter() - t_update
 
         # ---- the step's output: its rows (every process's groups, gathered on the main one), metrics and warnings
-        groups, rollouts = self._step_rows(sampled, adv, update)
+        groups, rollouts, components = self._step_rows(sampled, adv, update)
         metrics = {**step_metrics(groups, rollouts), **update.stats, "k": k, "gen_batches": len(sampled.batches),
                    "rollout_s": sampled.rollout_s, "reward_s": sampled.reward_s, "update_s": update_s}
-        warnings = [row for row in (auto_k, sampled.cap_warning, self._entropy_warning(metrics["entropy"]))
-                    if row is not None]
+        warnings = [row for row in (auto_k, sampled.cap_warning, *(b.reward_warning for b in sampled.batches),
+                                    self._entropy_warning(metrics["entropy"])) if row is not None]
         metrics["step_s"] = time.perf_counter() - t_step
-        return StepOutput(metrics, groups, rollouts, warnings, chosen_k=self.state.k if auto_k else None)
+        return StepOutput(metrics, groups, rollouts, warnings, chosen_k=self.state.k if auto_k else None,
+                          components=components)
 
     # -------------------------------------------------------------------------------------------------------------
     # the step's parts, in the order train_step runs them
@@ -536,7 +498,6 @@ class Trainer:
         P, G = cfg.prompts_per_step, cfg.group_size
         per_process = P // acc.num_processes
         offset = acc.process_index * per_process  # this process's share of every batch: groups offset .. + per_process
-        values = names.reward_values(cfg.reward_values)
         batches: list[GenerationBatch] = []
         signal: list[bool] = []  # one flag per group of every batch so far, in group_idx order
         rollout_s = reward_s = 0.0
@@ -547,19 +508,17 @@ class Trainer:
             prompts = [self.task.prompt(p) for p in problems]
             t0 = time.perf_counter()
             samples = self.engine.generate(prompts, G, cfg.temperature, cfg.max_new_tokens,
-                                           _step_seed(cfg.seed, step, acc.process_index, index))
+                                           step_seed(cfg.seed, step, acc.process_index, index))
             rollout_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             fault_point("scoring", step)
-            scores = self.scorer([s.text for s in samples], [problems[s.prompt_index].answer for s in samples])
+            scored = score_batch(self.scorer, cfg, samples, problems, prompts, step)
             reward_s += time.perf_counter() - t0
-            rewards, correct = shape_rewards(scores, [len(s.response_ids) for s in samples], values,
-                                             cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
             batch = GenerationBatch(
                 index=index, first_group=index * P + offset, problems=problems, prompts=prompts, samples=samples,
-                verified=[score is not None for score in scores],
-                rewards=torch.tensor(rewards, dtype=torch.float64).view(len(problems), G),
-                correct=torch.tensor(correct, dtype=torch.bool).view(len(problems), G))
+                verified=scored.verified, components=scored.components, reward_warning=scored.warning,
+                rewards=torch.tensor(scored.rewards, dtype=torch.float64).view(len(problems), G),
+                correct=torch.tensor(scored.correct, dtype=torch.bool).view(len(problems), G))
             batches.append(batch)
             if not cfg.dynamic_sampling:
                 return batches, [True] * P, rollout_s, reward_s
@@ -609,7 +568,7 @@ class Trainer:
         if not n_local:
             trained_adv = trained_adv.new_zeros(1)  # (the placeholder's)
         options = self.update_options()
-        seed = _step_seed(cfg.seed, step, 0) + 1  # (the mini-batches: the attribution draws the same)
+        seed = step_seed(cfg.seed, step, 0) + 1  # (the mini-batches: the attribution draws the same)
         attribution = (entropy_attribution(self.model, self.optimizer, batch, trained_adv, correct, regime_k, G,
                                            options, acc, seed=seed, n_local=n_local)
                        if cfg.log_entropy_attribution else dict.fromkeys(ATTRIBUTION_METRICS))
@@ -623,9 +582,9 @@ class Trainer:
         mismatch = dict.fromkeys(MISMATCH_METRICS)  # (NULL: an engine that returns no log-probs)
         return StepUpdate({**mismatch, **updated.stats, **attribution, **dH, "lr": lr}, response_stats)
 
-    def _step_rows(self, sampled: SampledStep, adv, update: StepUpdate) -> tuple[list[dict], list[dict]]:
-        """The step's `groups` and `rollouts` rows: every process's groups, gathered on the main process, in
-        group_idx order."""
+    def _step_rows(self, sampled: SampledStep, adv, update: StepUpdate) -> tuple[list[dict], list[dict], list[dict]]:
+        """The step's `groups`, `rollouts` and `reward_components` rows: every process's groups, gathered on the
+        main process, in group_idx order."""
         results = group_results(sampled.batches, sampled.trained, adv, sampled.rewards, sampled.correct,
                                 self.cfg.group_size, sampled.engine_measured, update.response_stats)
         if self.accelerator.num_processes > 1:
@@ -633,7 +592,7 @@ class Trainer:
 
             results = gather_object(results)
         results.sort(key=lambda g: g.group_idx)
-        return group_rows(results), rollout_rows(results)
+        return group_rows(results), rollout_rows(results), component_rows(results)
 
     def _entropy_warning(self, entropy: float) -> dict | None:
         """The entropy band's `warnings` row when the smoothed entropy crosses it (entropy_band), said as well."""
@@ -669,7 +628,7 @@ class Trainer:
             return None
         share = problems[acc.process_index :: acc.num_processes]
         result = evaluate(self.engine, name, share, [task.prompt(p) for p in share], self.eval_scorer, cfg.eval_k,
-                          cfg.temperature, cfg.max_new_tokens, seed=_step_seed(cfg.seed, step, acc.process_index) + 7)
+                          cfg.temperature, cfg.max_new_tokens, seed=step_seed(cfg.seed, step, acc.process_index) + 7)
         samples, metrics = result.samples, result.metrics
         if acc.num_processes > 1:
             from accelerate.utils import gather_object

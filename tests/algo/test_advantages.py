@@ -297,6 +297,26 @@ def test_shaped_rewards_quantile_and_regime_by_hand():
     assert REGIMES[regime.item()] == "mixed"
 
 
+def test_continuous_and_weighted_rewards_quantile_and_regime_by_hand():
+    """A user's continuous reward (docs/rewards.md): the K-quantile of the rewards as they are, as for shaped ones.
+
+    G=5, K=0.4: m = ceil(2) = 2, the 2nd smallest of [0.1, 0.3, 0.3, 0.7, 1.0] is 0.3, strictly between the lowest and
+    the highest -> mixed; both responses at 0.3 are gated (reward at the baseline). std: mean 0.48, squared deviations
+    0.1444 + 0.0484 + 0.0324 + 0.2704 + 0.0324 = 0.528, / 4 -> sqrt(0.132)."""
+    rewards = torch.tensor([[0.1, 0.7, 0.3, 1.0, 0.3]])
+    correct = torch.tensor([[False, False, False, True, False]])  # full marks: only the 1.0
+    adv, baseline, regime = compute_advantages("qae", rewards, EstimatorConfig(k=0.4), correct)
+    std = math.sqrt(0.132)
+    assert baseline.item() == pytest.approx(0.3) and REGIMES[regime.item()] == "mixed"
+    assert adv[0].tolist() == pytest.approx([-0.2 / std, 0.4 / std, 0.0, 0.7 / std, 0.0], abs=1e-5)
+    # a weighted sum (1 x correct + 0.5 x format): [0, 0, 0.5, 1.5], G=4, m=2 -> baseline 0, the lowest -> hard: only
+    # the responses above it are pushed up. mean 0.5, squares 0.25 + 0.25 + 0 + 1 = 1.5, / 3 -> std sqrt(0.5)
+    adv, baseline, regime = compute_advantages("qae", torch.tensor([[0.0, 0.0, 0.5, 1.5]]), EstimatorConfig(k=0.4),
+                                               torch.tensor([[False, False, False, True]]))
+    assert baseline.item() == 0.0 and REGIMES[regime.item()] == "hard"
+    assert adv[0].tolist() == pytest.approx([0.0, 0.0, 0.5 / math.sqrt(0.5), 1.5 / math.sqrt(0.5)], abs=1e-5)
+
+
 def test_every_estimator_labels_regimes_by_the_same_rule():
     from qae_app.core import names
 

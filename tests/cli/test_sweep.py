@@ -22,6 +22,17 @@ TINY = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--eval-
         "1"]
 
 
+def test_a_point_file_gives_each_run_the_prompt_as_written(tmp_path):
+    """Each point's options reach its run through a TOML file: a template with LaTeX, quotes, newlines and a system
+    prompt with an emoji (a surrogate pair in JSON's ASCII escapes, which TOML refuses) and DEL read back the same."""
+    from qae_app.cli.sweep import write_point_file
+    from qae_app.config import load_toml
+
+    options = {"prompt_template": 'Say "hi".\n\n{question}\tput it in \\boxed{}',
+               "system_prompt": "Be kind \U0001F600\x7f", "steps": 3, "lr": 1e-05, "dynamic_sampling": True}
+    assert load_toml(write_point_file(tmp_path / "p.toml", options)) == options
+
+
 def test_the_grid_repeats_k_for_qae_only_and_tags_every_point(tmp_path):
     sweep = plan_sweep(tmp_path, "qae,grpo", "0.3,0.4,0.5", 3, {"steps": 5, "seed": 7}, name="study")
     names = [p.run_name for p in sweep.points]
@@ -51,6 +62,30 @@ def test_a_sweep_checks_its_data_files_before_any_run_starts(tmp_path):
         assert result.exit_code == 2, result.output
         assert "".join(f"{option[2:]}: '{bad}' line 1 has no answer".split()) in output, result.output
         assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+def test_a_sweep_takes_the_reward_options_and_names_the_reward_code_again_on_resume(tmp_path):
+    """Each point's file is what `qae train --config` reads (reward as a TOML list); a point resumed gets --reward
+    again (a resumed run imports reward code only when named); a missing reward file is refused before any run."""
+    import tomllib
+
+    from qae_app.cli.sweep import _command, write_point_file
+    from qae_app.config import build_config
+
+    (tmp_path / "r.py").write_text("def score(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    spec = f"{tmp_path / 'r.py'}:score"
+    given = {"steps": 2, "reward": ["exact_int", spec], "reward_weights": "1,0.5"}
+    sweep = plan_sweep(tmp_path, "qae", None, 1, dict(given), name="rw")
+    point = sweep.points[0]
+    written = tomllib.loads(write_point_file(tmp_path / "p.toml", point.options).read_text())
+    assert written["reward"] == ["exact_int", spec] and written["reward_weights"] == "1,0.5"
+    assert build_config(tmp_path / "p.toml").reward == ["exact_int", spec]
+    resume = _command(sweep, point, "resume", tmp_path, cpu=False)
+    assert resume[-4:] == ["--reward", "exact_int", "--reward", spec]
+    missing = runner.invoke(app, ["sweep", "--reward", str(tmp_path / "none.py:score"), *TINY[:2],
+                                  "--runs-dir", str(tmp_path / "runs")])
+    assert missing.exit_code == 2 and "none.pydoesnotexist" in "".join(missing.output.split())
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_sweep_point_named_like_an_eval_run_is_refused(tmp_path):
@@ -184,6 +219,26 @@ def test_compare_json_gives_the_hand_computed_intervals_and_paired_differences(k
     # paired differences 0.1, 0.2, 0.1: mean 2/15, sd 1/sqrt(300), t = (2/15) / (sd / sqrt 3) = 4
     assert diff["mean"] == pytest.approx(2 / 15) and diff["seeds"] == [0, 1, 2]
     assert diff["p_value"] == pytest.approx(1 - 4 / math.sqrt(18), abs=1e-9)  # two-sided t(2) tail at t = 4
+
+
+def test_compare_json_follows_the_one_statistics_rule_below_three_seeds(known_runs):
+    """`--json` is read by scripts that quote it: below 3 paired seeds it gives no interval and no p-value (null,
+    with the reason), as the tables and the Compare page do; the mean and sd stay."""
+    result = runner.invoke(app, ["compare", "cmp-qae-s0", "cmp-qae-s1", "cmp-grpo-s0", "cmp-grpo-s1", "--baseline",
+                                 "grpo", "--json", "--runs-dir", str(known_runs)])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    final = {g["label"]: g for g in out["groups"]}["estimator=qae"]["metrics"]["final_heldout"]
+    assert final["mean"] == pytest.approx(0.65) and final["sd"] == pytest.approx(math.sqrt(0.005))
+    assert (final["low"], final["high"], final["no_interval"]) == (None, None, "n=2: no interval")
+    diff = out["differences"]["estimator=qae"]["final_heldout"]
+    assert diff["mean"] == pytest.approx(0.15) and diff["seeds"] == [0, 1]
+    assert (diff["low"], diff["high"], diff["p_value"]) == (None, None, None)
+    assert diff["no_interval"] == "n=2: no interval"
+    three = json.loads(runner.invoke(app, ["compare", "--sweep", "cmp", "--baseline", "grpo", "--json",
+                                           "--runs-dir", str(known_runs)]).output)
+    diff = three["differences"]["estimator=qae"]["final_heldout"]
+    assert diff["low"] is not None and diff["p_value"] is not None and diff["no_interval"] is None
 
 
 def test_compare_prints_groups_intervals_baseline_and_small_n_notes(known_runs):

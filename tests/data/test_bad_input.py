@@ -6,7 +6,8 @@ import pytest
 
 from tests.bad_input import assert_one_message_exit_2_and_nothing_written
 
-# (command line, what the message must contain: the option or file, and the value)
+# (command line, what the message must contain: the option or file, and the value; {{ }} are braces, as `{d}` is
+# filled in by str.format)
 BAD_VALUES = [
     # data files
     (["train", "--data", "{d}/binary.jsonl"], "binary.jsonl' is not UTF-8 text (byte 0x80 at line 2, offset 128)"),
@@ -31,6 +32,20 @@ BAD_VALUES = [
      "line 1 gives its question as a number (question = 5), not text"),
     (["eval", "--bench", "{d}/binary.jsonl"], "bench: '{d}/binary.jsonl' is not UTF-8 text"),  # the file's error too
     (["train", "--eval-bench", "{d}/binary.jsonl"], "eval-bench: '{d}/binary.jsonl' is not UTF-8 text"),
+    # issue 37: CSV files, templates and system prompts
+    (["train", "--data", "{d}/ragged.csv"], "ragged.csv' line 3 has 3 cells, but the header (line 1) names 2 columns"),
+    (["train", "--data", "{d}/headless.csv"], "headless.csv' has no question column in its header (its first line: "
+                                              "1+1?, 2)"),
+    (["eval", "--bench", "{d}/ragged.csv"], "bench: '{d}/ragged.csv' line 3 has 3 cells"),
+    (["train", "--data", "{d}/hint.jsonl", "--prompt-template", "{{question}} {{hint}}"],
+     "prompt-template: '{{question}} {{hint}}' names column 'hint', but '{d}/hint.jsonl' line 2 has no such column"),
+    (["train", "--data", "{d}/hint.jsonl", "--prompt-template", "Think."],
+     "prompt-template: 'Think.' names no column"),
+    (["eval", "--bench", "{d}/hint.jsonl", "--prompt-template", "Think."], "prompt-template: 'Think.' names no column"),
+    (["train", "--data", "{d}/hints.jsonl", "--eval-bench", "{d}/hint.jsonl", "--prompt-template", "{{hint}}"],
+     "prompt-template: '{{hint}}' names column 'hint', but '{d}/hint.jsonl' line 2 has no such column"),
+    (["train", "--data", "{d}/chat_system.jsonl", "--system-prompt", "Be brief."],
+     "system-prompt: '{d}/chat_system.jsonl' line 1 has a system message of its own ('Be kind.')"),
 ]
 
 

@@ -119,9 +119,9 @@ def test_missing_empty_and_unsupported_files(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(QAEUserError, match=r"empty\.jsonl' is empty"):
         load_math_file(tmp_path / "empty.jsonl")
-    (tmp_path / "data.csv").write_text("question,answer\n1+1,2\n")
-    with pytest.raises(QAEUserError, match=r"suffix '\.csv'"):
-        load_math_file(tmp_path / "data.csv")
+    (tmp_path / "data.txt").write_text("question,answer\n1+1,2\n")
+    with pytest.raises(QAEUserError, match=r"suffix '\.txt'"):
+        load_math_file(tmp_path / "data.txt")
 
 
 def test_gsm8k_row_without_its_final_answer_marker_is_refused(tmp_path):

@@ -52,6 +52,21 @@ def result_text(tmp_path, *args) -> str:
     return result.output
 
 
+def test_eval_takes_the_same_reward_options_and_counts_full_marks_as_correct(tmp_path):
+    """`qae eval --reward exact_int --reward FILE:short`: a sample is correct when it has full marks on both (the
+    exact integer, at most 2 characters), and avg@k is their share; maj@k still votes on exact_int's answer."""
+    (tmp_path / "mine.py").write_text("def short(completions, **kwargs):\n"
+                                      "    return [1.0 if len(c.strip()) <= 2 else 0.0 for c in completions]\n")
+    out = _eval(tmp_path, "--limit", "6", "--samples", "2", "--run-name", "rw", "--reward", "exact_int",
+                "--reward", f"{tmp_path / 'mine.py'}:short", "--reward-weights", "1,0.5")
+    samples = query(db_path(tmp_path, "rw"), "SELECT * FROM eval_samples")
+    full = (samples["extracted"] == samples["answer"]) & samples["response"].str.strip().str.len().le(2)
+    assert samples["correct"].tolist() == full.tolist()
+    avg = next(m["value"] for m in out["metrics"] if m["metric"] == "avg@k" and m["subset"] == "all")
+    assert avg == pytest.approx(full.mean())
+    assert out["options"]["reward"] == ["exact_int", f"{tmp_path / 'mine.py'}:short"]
+
+
 def test_samples_stored_before_the_gold_answer_read_as_without_it(tmp_path):
     """A file from before the `answer` column: readers show it empty, the next writer adds the column."""
     import duckdb

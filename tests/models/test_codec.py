@@ -8,43 +8,8 @@ import torch
 
 from qae_app.models.policy import HFTokenizerCodec, load_policy
 
-# a ChatML template (Qwen, SmolLM2) that also writes the BOS token itself, as Llama-3's and Gemma's do
-CHATML_WITH_BOS = ("{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
-                   "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-                   "{% endif %}")
-SPECIALS = ["<pad>", "<unk>", "<s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-@pytest.fixture(scope="module")
-def chat_folder(tmp_path_factory):
-    """A Hugging Face folder: a small Llama, a BPE tokenizer that adds BOS, a ChatML template, and a
-    generation_config whose eos is a list (<|im_end|>, <|endoftext|>) as Qwen2.5-Instruct's is."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    folder = tmp_path_factory.mktemp("chat_model")
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = ["What is 2 plus 3? Please reason step by step.", "The answer is \\boxed{5}.", "user assistant system"]
-    tok.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 2)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|endoftext|>",
-                                   pad_token="<pad>", unk_token="<unk>")
-    fast.chat_template = CHATML_WITH_BOS
-    fast.save_pretrained(folder)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-                         pad_token_id=fast.pad_token_id)
-    model = LlamaForCausalLM(config)
-    ids = fast.convert_tokens_to_ids
-    model.generation_config = GenerationConfig(bos_token_id=fast.bos_token_id, pad_token_id=fast.pad_token_id,
-                                               eos_token_id=[ids("<|im_end|>"), ids("<|endoftext|>")])
-    model.save_pretrained(folder)
-    return folder
-
+# (the `chat_folder` fixture, a small Llama with a ChatML template, is tests/conftest.py's: the training and evaluation
+# tests use it too)
 
 def test_chat_prompt_is_plain_ids_with_the_template_applied_once(chat_folder):
     model, codec = load_policy(str(chat_folder))
@@ -90,3 +55,76 @@ def test_plain_ids_from_every_return_type():
         assert plain_ids(encoded) == expected, encoded
     with pytest.raises(TypeError, match="expected token ids"):
         plain_ids(["<s>", "hi"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chat messages (a data row's `prompt` column, or --system-prompt): through the chat template as they are
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2 plus 3?"}]
+
+
+def test_chat_messages_go_through_the_template_as_they_are(chat_folder):
+    _, codec = load_policy(str(chat_folder))
+    ids = codec.encode(MESSAGES)
+    assert codec.tokenizer.decode(ids) == ("<s><|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n"
+                                           "What is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n")
+    assert ids.count(codec.tokenizer.bos_token_id) == 1
+    # a text prompt is one user message, as before
+    assert codec.encode("What is 2 plus 3?") == codec.encode(MESSAGES[1:])
+
+
+def test_without_a_chat_template_messages_are_their_contents_joined_by_blank_lines(chat_folder):
+    from qae_app.models.policy import CharTokenizer
+
+    _, codec = load_policy(str(chat_folder), use_chat_template=False)
+    assert codec.encode(MESSAGES) == codec.encode("You are terse.\n\nWhat is 2 plus 3?")
+    char = CharTokenizer()
+    assert char.encode([{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+2="}]) == \
+        char.encode("be brief\n\n1+2=")
+
+
+def test_a_template_that_refuses_the_messages_is_a_clear_error(chat_folder, tmp_path):
+    """Gemma's template raises on a system message; the user hears which messages and what to do."""
+    from qae_app.core.errors import QAEUserError
+
+    _, codec = load_policy(str(chat_folder))
+    codec.tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                                     "{{ raise_exception('System role not supported') }}{% endif %}"
+                                     "{{ m['content'] }}{% endfor %}")
+    with pytest.raises(QAEUserError) as e:
+        codec.encode(MESSAGES)
+    assert str(e.value).startswith("prompt: the model's chat template refuses the messages (system, user): System "
+                                   "role not supported.")
+    assert "--system-prompt" in str(e.value)
+
+
+def test_prompt_lengths_of_chat_messages_are_bounded_then_measured(chat_folder):
+    """A chat prompt's bound (its contents' bytes plus the template's scaffolding for messages of that shape, encoded
+    once) is at least its encoded length, for every shape here; a prompt the bound cannot clear is encoded, so a long
+    system message is caught with its exact length."""
+    from qae_app.core.errors import QAEUserError
+    from qae_app.models.policy import (
+        check_prompt_lengths,
+        most_prompt_tokens,
+        prompts_longer_than,
+        rollout_positions,
+        template_tokens,
+    )
+
+    model, codec = load_policy(str(chat_folder))
+    _, plain = load_policy(str(chat_folder), use_chat_template=False)
+    prompts = [MESSAGES, MESSAGES[1:], [{"role": "user", "content": ""}], [{"role": "user", "content": "é" * 40}],
+               [{"role": "system", "content": "a\n\nb"}, {"role": "user", "content": "What is 2 plus 3?"},
+                {"role": "assistant", "content": "5"}, {"role": "user", "content": "And 3 plus 4?", "name": "ann"}]]
+    for tokenizer in (codec, plain):
+        scaffolds = {}
+        for prompt in prompts:
+            assert len(tokenizer.encode(prompt)) <= most_prompt_tokens(tokenizer, prompt, template_tokens(tokenizer),
+                                                                       scaffolds), prompt
+        assert len(scaffolds) == 3  # one per shape: the three prompts of one user message share theirs
+    long = [{"role": "system", "content": "system " * 300}, {"role": "user", "content": "hi"}]
+    n_tokens = len(codec.encode(long))
+    assert prompts_longer_than(codec, [("a", long), ("b", "hi"), ("c", MESSAGES)], 100) == [("a", n_tokens)]
+    assert rollout_positions(model, codec, [("a", long)], 8) == 256  # (capped at the model's context)
+    with pytest.raises(QAEUserError, match=f"data: prompt 'a' is {n_tokens:,} tokens"):
+        check_prompt_lengths(model, codec, [("a", long)], 8, "data")

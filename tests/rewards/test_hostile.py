@@ -37,6 +37,9 @@ class HostileEngine:
     def release_memory(self):
         pass
 
+    def close(self):
+        pass
+
     def generate(self, prompts, n, temperature, max_new_tokens, seed):
         samples = []
         for i, prompt in enumerate(prompts):

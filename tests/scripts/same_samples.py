@@ -16,7 +16,9 @@ ran to <runs_dir>/<run_name>.forwards.<rank>.
 With `checkpointing`, the run uses --gradient-checkpointing; with `budget`, token-budget micro-batches
 (--max-tokens-per-micro-batch 40: a few sequences each). With `lora` (tests/models/test_lora.py), the run trains LoRA
 adapters of rank 4 with a KL term (the reference: the policy with its adapters off). With `attribution`
-(tests/train/test_attribution.py), the run logs --log-entropy-attribution.
+(tests/train/test_attribution.py), the run logs --log-entropy-attribution. With `bf16rollout`
+(tests/train/test_rollout_correction.py), the engine samples from a bfloat16 copy of the weights and the trainer
+corrects for it (--rollout-dtype bfloat16, so --rollout-correction tis).
 
     accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic][+lockstep][+lora]...
 """
@@ -58,15 +60,20 @@ class SeededPerPrompt:
     def release_memory(self):
         self.engine.release_memory()
 
+    def close(self):
+        self.engine.close()
+
 
 DYNAMIC = dict(dynamic_sampling=True, max_gen_batches=6, reward_values="-1,1")
 MEMORY_MODES = {"checkpointing": dict(gradient_checkpointing=True), "budget": dict(max_tokens_per_micro_batch=40)}
 LORA = dict(lora_rank=4, kl_beta=0.1, lr=1e-3)
+BF16_ROLLOUT = dict(rollout_dtype="bfloat16")
 
 
 def main(runs_dir: str, run_name: str, mode: str = "") -> None:
     modes = set(mode.split("+"))
     options = dict(OPTIONS, **(DYNAMIC if "dynamic" in modes else {}), **(LORA if "lora" in modes else {}),
+                   **(BF16_ROLLOUT if "bf16rollout" in modes else {}),
                    log_entropy_attribution="attribution" in modes)
     for mode_name, mode_options in MEMORY_MODES.items():
         if mode_name in modes:

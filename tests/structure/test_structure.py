@@ -265,13 +265,14 @@ def test_a_wheel_install_serves_the_dashboard(tmp_path):
     assert (target / "qae_app" / "dashboard" / "app.py").exists()
     assert (target / "qae_app" / "dashboard" / "views" / "rollouts.py").exists()
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    code = "from qae_app.cli.main import dashboard_app; import qae_app; print(qae_app.__file__, dashboard_app())"
+    code = ("from qae_app.cli.dashboard_command import dashboard_app; import qae_app; "
+            "print(qae_app.__file__, dashboard_app())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
                          env=env)
     package_file, app_path = out.stdout.split()
     assert package_file.startswith(str(target)) and app_path.startswith(str(target))
     # the installed app renders (AppTest in a process that sees only the wheel's qae_app)
-    code = ("from streamlit.testing.v1 import AppTest; from qae_app.cli.main import dashboard_app\n"
+    code = ("from streamlit.testing.v1 import AppTest; from qae_app.cli.dashboard_command import dashboard_app\n"
             "app = AppTest.from_file(str(dashboard_app()), default_timeout=60).run()\n"
             "assert not app.exception, app.exception; print('rendered', len(app.main))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,

@@ -95,3 +95,24 @@ def test_a_bfloat16_hf_sampler_beside_a_float32_trainer_stores_a_mismatch(tmp_pa
             assert torch.equal(copy, trained.detach().to(torch.bfloat16))
     assert metrics["mismatch_logp_abs"] > 0 and metrics["mismatch_k3_kl"] > 0
     assert metrics["mismatch_ratio_max"] > 1
+
+
+@pytest.mark.slow
+def test_two_processes_measure_and_correct_the_one_process_mismatch(tmp_path):
+    """Under a real `accelerate launch --num_processes 2`, on the same samples from a bfloat16 sampler: the mismatch
+    columns are sums over both processes' tokens (not a mean of per-process means) and the largest ratio of either,
+    so they are the one-process numbers, and so is the tis-corrected update."""
+    from qae_app.store.reader import read_steps
+    from qae_app.store.run_folder import db_path
+    from tests.e2e.test_accelerate import SCRIPT, launch
+    from tests.same_steps import assert_same_metrics
+
+    for n in (1, 2):
+        result = launch(n, str(SCRIPT), str(tmp_path), f"p{n}", "bf16rollout")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    one, two = (read_steps(db_path(tmp_path, f"p{n}")).set_index("step") for n in (1, 2))
+    assert (one["mismatch_logp_abs"] > 0).all() and (one["mismatch_ratio_max"] > 1).all()
+    assert_same_metrics(one, two)
+    params = [torch.load(tmp_path / f"p{n}.params.pt") for n in (1, 2)]
+    for name in params[0]:
+        torch.testing.assert_close(params[0][name], params[1][name], atol=1e-6, rtol=0, msg=name)

@@ -1,8 +1,9 @@
-"""`qae stop RUN`: end a live run the way Ctrl-C does (after its current step, with a checkpoint), from another
-terminal. The trainer to signal is the process that holds the run's lock right now, which the kernel says
-(/proc/locks), not a pid read from a file: a stale or planted record never gets a stranger's process signalled. Under
-`accelerate launch` that is the main process; the stop request reaches every rank through the step boundary's
-all-reduce (session.should_stop), and the launcher ends when they do."""
+"""Stopping a live run the way Ctrl-C does (after its current step, with a checkpoint), from another terminal
+(`qae stop RUN`) or the dashboard's stop control: both call this module. The trainer to signal is the process that
+holds the run's lock right now, which the kernel says (/proc/locks), not a pid read from a file: a stale or planted
+record never gets a stranger's process signalled. Under `accelerate launch` that is the main process; the stop
+request reaches every rank through the step boundary's all-reduce (session.should_stop), and the launcher ends when
+they do."""
 
 from __future__ import annotations
 
@@ -44,11 +45,18 @@ def trainer_of(folder: Path) -> int:
     return recorded
 
 
+def request_stop(folder: Path) -> int:
+    """SIGTERM the run's trainer (it stops after its current step, with a checkpoint) and return its pid, without
+    waiting; QAEUserError when no trainer of this machine holds the run."""
+    pid = trainer_of(folder)
+    os.kill(pid, signal.SIGTERM)
+    return pid
+
+
 def stop_run(folder: Path, timeout_s: float, on_wait=None) -> bool:
     """SIGTERM the run's trainer and wait up to `timeout_s` for it to let the run go (its checkpoint written); True
     when it did."""
-    pid = trainer_of(folder)
-    os.kill(pid, signal.SIGTERM)
+    request_stop(folder)
     deadline = time.monotonic() + timeout_s
     while trainer_alive(folder):
         if time.monotonic() > deadline:

@@ -1,0 +1,91 @@
+"""`qae train --report-to` (issue 38): every step's metrics and each evaluation reach TensorBoard and MLflow as the
+run's DuckDB rows hold them, read back with each tracker's own reader (TensorBoard's EventAccumulator on the event
+files, MLflow's client on a local file store); the config is there as hyperparameters; a tracker that is unknown or
+not installed is one clear error before anything is written."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import duckdb
+import pytest
+from typer.testing import CliRunner
+
+from qae_app.cli.main import app
+from qae_app.config import report_to_trackers
+from qae_app.core.errors import QAEUserError
+from qae_app.store.schema import STEP_METRICS
+from qae_app.train.trackers import TENSORBOARD_DIR, metric_name
+
+runner = CliRunner()
+TINY = ["--steps", "3", "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "2", "--checkpoint-every",
+        "0", "--cpu"]
+
+
+def test_an_unknown_tracker_is_refused_before_the_run_starts(tmp_path):
+    result = runner.invoke(app, ["train", "--run-name", "r", "--report-to", "tensorboard,neptune", *TINY,
+                                 "--runs-dir", str(tmp_path / "runs")], env={"COLUMNS": "200"})
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "report-to: 'neptune' is not a tracker qae sends metrics to" in said, said
+    assert "tensorboard, mlflow, wandb, trackio" in said
+    assert not (tmp_path / "runs" / "r").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trackio") is not None, reason="trackio is installed here")
+def test_a_tracker_not_installed_is_one_clear_error():
+    with pytest.raises(QAEUserError, match=r"report-to: trackio is not installed\. Install it"):
+        report_to_trackers("trackio")
+    assert report_to_trackers(None) == [] and report_to_trackers("none") == []
+
+
+def test_metric_names_are_ones_mlflow_takes():
+    assert metric_name("eval", "math-500", "level=1", "avg@k") == "eval/math-500/level_1/avg_k"
+
+
+def stored(db) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]]]:
+    """metric -> step -> value of every non-NULL number in the run's steps and evals rows."""
+    with duckdb.connect(str(db), read_only=True) as con:
+        steps = con.execute("SELECT * FROM steps ORDER BY step").df()
+        evals = con.execute("SELECT step, benchmark, subset, metric, value FROM evals").df()
+    rows = {}
+    for metric in STEP_METRICS:
+        values = {int(s): float(v) for s, v in zip(steps["step"], steps[metric]) if v is not None and math.isfinite(v)}
+        if values:
+            rows[metric] = values
+    eval_rows = {}
+    for row in evals.to_dict("records"):
+        eval_rows.setdefault(metric_name("eval", row["benchmark"], row["subset"], row["metric"]), {})[
+            int(row["step"])] = float(row["value"])
+    return rows, eval_rows
+
+
+@pytest.mark.slow  # a real run of 3 steps with two evaluations: 10-60 s on a loaded CPU
+def test_tensorboard_and_mlflow_get_every_stored_step_metric_and_evaluation(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install -e '.[trackers]')")
+    mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed (pip install -e '.[trackers]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    store_uri = f"file:{tmp_path / 'mlruns'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store behind this switch
+    runs = tmp_path / "runs"
+    result = runner.invoke(app, ["train", "--run-name", "tracked", "--report-to", "tensorboard,mlflow", *TINY,
+                                 "--runs-dir", str(runs)])
+    assert result.exit_code == 0, result.output
+    rows, eval_rows = stored(runs / "tracked" / "qae.duckdb")
+    assert {"entropy", "accuracy", "frac_zero_adv", "step_s", "store_s"} <= set(rows)
+    assert set(eval_rows) and all(set(values) == {0, 2, 3} for values in eval_rows.values())  # steps 0, 2 and last
+
+    events = EventAccumulator(str(runs / "tracked" / TENSORBOARD_DIR)).Reload()
+    logged = {tag: {event.step: event.value for event in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    client = mlflow.tracking.MlflowClient(store_uri)
+    run = client.search_runs([client.get_experiment_by_name("qae").experiment_id])[0]
+    assert run.info.run_name == "tracked"
+    for metric, values in {**rows, **eval_rows}.items():
+        assert logged[metric] == pytest.approx(values, rel=1e-6), metric  # TensorBoard keeps float32
+        history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, metric)}
+        assert history == pytest.approx(values, rel=1e-12), metric
+    assert set(run.data.metrics) == set(rows) | set(eval_rows)  # nothing else was sent
+    assert run.data.params["steps"] == "3" and run.data.params["report_to"] == "tensorboard,mlflow"
+    assert run.data.params["lora_targets"] == "null"  # None, as JSON
