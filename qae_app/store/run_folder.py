@@ -204,7 +204,7 @@ def runs_without_database(runs_dir: Path) -> list[Path]:
 def recent_runs_text(runs_dir: Path, limit: int = 10) -> str:
     """'c, b, a' (the runs last written first) for a message about a run that is not there; 'none' if there are
     none, '..., and 12 more' past `limit`."""
-    folders = sorted(list_run_dirs(runs_dir), key=lambda folder: (folder / DB_FILE).stat().st_mtime, reverse=True)
+    folders = sorted(list_run_dirs(runs_dir), key=lambda folder: os.lstat(folder / DB_FILE).st_mtime, reverse=True)
     names = ", ".join(folder.name for folder in folders[:limit]) or "none"
     return names + (f", and {len(folders) - limit} more" if len(folders) > limit else "")
 
