@@ -107,8 +107,9 @@ def stored_config(folder: Path) -> TrainConfig:
     path = Path(folder) / CONFIG_FILE
     source = f"config.json {path}"
     values = {}
+    stored = read_run_config(folder)  # (its errors say what to do already)
     try:
-        for key, value in read_run_config(folder).items():
+        for key, value in stored.items():
             if key not in FIELDS:  # a key an older qae wrote and this one dropped
                 continue
             if value is None and "None" not in str(FIELDS[key].type):
