@@ -151,10 +151,12 @@ def plant_file(run_dir: Path, plant: Plant, marker: Path, outside: Path) -> None
         with open(path, "wb") as f:
             f.truncate(HUGE_BYTES)
     else:
-        path.write_bytes({"empty": b"", "truncated": original[: len(original) // 2], "garbage": bytes(range(256)) * 16,
-                          "deep": DEEP, "pickle": pickle_payload(marker)}.get(variant) or wrong_types(plant.target))
-    if plant.target.startswith(CHECKPOINT + "/") and not plant.target.endswith("manifest.json"):
-        rewrite_manifest(run_dir / CHECKPOINT)  # as whoever planted it would: the checksums then pass
+        contents = {"empty": b"", "truncated": original[: len(original) // 2], "garbage": bytes(range(256)) * 16,
+                    "deep": DEEP, "pickle": pickle_payload(marker)}
+        path.write_bytes(contents[variant] if variant in contents else wrong_types(plant.target))
+    parts = Path(plant.target).parts
+    if parts[0] == "checkpoints" and len(parts) > 2 and parts[-1] != "manifest.json":
+        rewrite_manifest(run_dir / parts[0] / parts[1])  # as whoever planted it would: the checksums then pass
 
 
 def rewrite_manifest(checkpoint: Path) -> None:
