@@ -569,6 +569,8 @@ def export(run: Annotated[str, typer.Argument(help="Run id: its folder under --r
         target = export_model(run, runs_dir, out, checkpoint)
     except QAEUserError as err:
         fail(err)
+    for skipped in target.skipped:
+        console.print(f"[yellow]warning:[/] {escape(skipped)}", highlight=False)
     console.print(f"run {run} at step {target.step} exported to [cyan]{out}[/]")
 
 

@@ -276,6 +276,52 @@ def checkpoint_problem(folder: Path) -> str | None:
     return None
 
 
+def safetensors_problem(path: Path) -> str | None:
+    """Why `path` is not a whole safetensors file (missing, a link or a FIFO, a header that does not parse or does
+    not cover the file), or None; reads the header only, through safetensors' own parser, which runs no code."""
+    from safetensors import safe_open
+
+    try:
+        if not check_regular_file(path):
+            return f"{path.name} is missing"
+        with safe_open(str(path), framework="numpy") as f:  # (its header's sizes are checked against the file's)
+            f.keys()
+    except QAEUserError as err:
+        return str(err)
+    except BaseException as err:  # SafetensorError, OSError, or pyo3's PanicException (not an Exception)
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        return f"{path.name} is not a whole safetensors file ({_first_line(err)})"
+    return None
+
+
+def model_folder_problem(folder: Path) -> str | None:
+    """Why a checkpoint's model/ folder cannot be handed to a model loader, or None. transformers reads its JSON with
+    a parser that deep nesting breaks (RecursionError) and its weights with errors of its own: each JSON file must be
+    an object, each safetensors file whole, before any loader opens one."""
+    folder = Path(folder)
+    if not folder.is_dir() or folder.is_symlink():
+        return f"{folder.name}/ is not a folder of the checkpoint's own"
+    for path in sorted(folder.iterdir()):
+        if path.suffix == ".safetensors":
+            problem = safetensors_problem(path)
+        elif path.suffix == ".json":
+            try:
+                problem = (None if isinstance(json.loads(read_run_file(path)), dict) else
+                           f"{path.name} is not a JSON object")
+            except (OSError, ValueError, RecursionError, QAEUserError) as err:
+                problem = f"{path.name} is not JSON this qae wrote ({_first_line(err)})"
+        else:
+            continue
+        if problem:
+            return f"{folder.name}/{problem}" if problem.startswith(path.name) else problem
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # liveness: the trainer holds an exclusive flock on trainer.lock for as long as it trains the run
 

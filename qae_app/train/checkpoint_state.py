@@ -36,7 +36,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 
 from qae_app.core.errors import QAEUserError
 from qae_app.models.sharding import is_sharded, reshard
-from qae_app.store.run_folder import check_regular_file, read_run_file
+from qae_app.store.run_folder import read_run_file, safetensors_problem
 
 POLICY_FILE = "policy.safetensors"
 OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"
@@ -213,7 +213,7 @@ def training_state_problem(folder: Path) -> str | None:
     names += [OPTIMIZER_FILE, SCHEDULER_FILE, *(RNG_FILE.format(process=i) for i in range(processes))]
     names += sorted({p.name for p in folder.glob("rng-*.json")} - set(names))  # another process count's, too
     for name in names:
-        problem = (_safetensors_problem(folder / name) if name.endswith(".safetensors") else
+        problem = (safetensors_problem(folder / name) if name.endswith(".safetensors") else
                    _json_file(folder, name, _JSON_SHAPES[name.split("-")[0] if "-" in name else name])[1])
         if problem:
             return problem
@@ -230,23 +230,6 @@ def _json_file(folder: Path, name: str, shape_problem) -> tuple[object, str | No
         return None, f"{name} is not JSON this qae wrote ({_short(err)})"
     why = shape_problem(value)
     return value, (f"{name} does not hold what qae writes there ({why})" if why else None)
-
-
-def _safetensors_problem(path: Path) -> str | None:
-    from safetensors import safe_open
-
-    try:
-        if not check_regular_file(path):
-            return f"{path.name} is missing"
-        with safe_open(str(path), framework="pt") as f:  # (reads the header; its sizes are checked against the file's)
-            f.keys()
-    except QAEUserError as err:
-        return str(err)
-    except BaseException as err:  # SafetensorError, OSError, or pyo3's PanicException (not an Exception)
-        if isinstance(err, (KeyboardInterrupt, SystemExit)):
-            raise
-        return f"{path.name} is not a whole safetensors file ({_short(err)})"
-    return None
 
 
 def _short(err: BaseException) -> str:
