@@ -33,7 +33,7 @@ import torch
 
 from qae_app.config import FIELDS, RESUMABLE, TrainConfig, coerce_option, given_options, option_flag
 from qae_app.core import names
-from qae_app.core.errors import QAEUserError
+from qae_app.core.errors import QAEUserError, SaidByTheMainProcess
 from qae_app.core.faults import fault_point
 from qae_app.models.lora import is_lora, load_lora_adapter, save_lora_artifacts
 from qae_app.models.sharding import full_state_dict, is_sharded
@@ -585,6 +585,24 @@ class RunSession:
         return final
 
     def _load_training_state(self, ckpt: Path, model, optimizer, scheduler) -> None:
+        """`_load_training_state_here` on every process; under a launch, a refusal any process meets (its own shard
+        not this model's) is said once, by the main process, and every process ends with it."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            self._load_training_state_here(ckpt, model, optimizer, scheduler)
+            return
+        from accelerate.utils import gather_object
+
+        refusal = None
+        try:
+            self._load_training_state_here(ckpt, model, optimizer, scheduler)
+        except QAEUserError as err:
+            refusal = str(err)
+        refusals = [r for r in gather_object([refusal]) if r]
+        if refusals:
+            raise QAEUserError(refusals[0]) if self.is_main else SaidByTheMainProcess(refusals[0])
+
+    def _load_training_state_here(self, ckpt: Path, model, optimizer, scheduler) -> None:
         """A checkpoint's training state into the prepared model, optimizer and scheduler. One an older qae wrote
         (accelerate's pickled state) is read only when the user vouched for the folder (--trust-pickles)."""
         acc = self.accelerator
