@@ -102,7 +102,8 @@ def all_plants() -> list[Plant]:
 
 # a quick subset for the quick test set: one of each kind of harm, on the files every command reads
 QUICK = [Plant("config.json", "deep"), Plant("trainer.lock", "fifo"), Plant("qae.duckdb", "view"),
-         Plant("qae.duckdb", "config-bad-types"), Plant(f"{CHECKPOINT}/manifest.json", "wrong-types"),
+         Plant("qae.duckdb", "config-bad-types"), Plant("qae.duckdb", "config-list"),
+         Plant("qae.duckdb", "config-deep"), Plant(f"{CHECKPOINT}/manifest.json", "wrong-types"),
          Plant(f"{CHECKPOINT}/trainer_state.json", "pickle"), Plant("labels.json", "link-zero"),
          Plant(PENDING, "deep")]
 

@@ -30,7 +30,7 @@ import pandas as pd
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import missing
-from qae_app.store.reader import query, read_run, read_steps
+from qae_app.store.reader import query, read_run, read_steps, stored_config
 from qae_app.store.run_folder import DB_FILE, list_run_dirs, read_run_file, recent_runs_text, validated_run_dir
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -523,7 +523,7 @@ def load_run(runs_dir: Path, run_id: str) -> RunRecord:
         raise QAEUserError(f"run: no run '{run_id}' in {runs_dir} (runs there, last written first: "
                            f"{recent_runs_text(runs_dir)}). See `qae runs`.")
     row = read_run(path)
-    config = json.loads(row["config"] or "{}")
+    config = stored_config(row)
     steps = read_steps(path)
     start = query(path, "SELECT value FROM evals WHERE step = 0 AND metric = 'avg@k' AND subset = 'all' "
                         "AND source = 'train' LIMIT 1")

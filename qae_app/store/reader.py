@@ -207,6 +207,19 @@ def read_run(path: Path) -> dict:
     return _as_seen_from_folder(frame, path).iloc[0].to_dict()
 
 
+def stored_config(row: dict) -> dict:
+    """The run's settings from its row's `config` column as a dict; {} when the column is not a JSON object (a file
+    edited by hand or crafted: a list, text, nesting deeper than any config), so one such run never breaks a listing
+    or a view of the others. Its values are shown as stored; a resume reads config.json, checked (session)."""
+    import json
+
+    try:
+        config = json.loads(row.get("config") or "{}")
+    except (TypeError, ValueError, RecursionError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def read_steps(path: Path) -> pd.DataFrame:
     return query(path, "SELECT * FROM steps ORDER BY step")
 
