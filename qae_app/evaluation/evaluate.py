@@ -243,6 +243,17 @@ def _check_export_folder(out: Path, run_folder: Path) -> None:
         raise QAEUserError(f"out: {out} is not empty. Pass a new or empty folder.")
 
 
+def _say_target(target: EvalTarget, console) -> None:
+    """Which checkpoint of a run is evaluated, and the newer ones passed over (with why)."""
+    if console is None or target.run_id is None:
+        return
+    from rich.markup import escape
+
+    for skipped in target.skipped:
+        console.print(f"[yellow]warning:[/] {escape(skipped)}", highlight=False)
+    console.print(f"run {target.run_id}: evaluating its checkpoint at step {target.step}", highlight=False)
+
+
 def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResult, str, Path]:
     """Everything `qae eval` does; returns (EvalResult, run_id the results were stored under, database path)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -251,12 +262,7 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
     from qae_app.models.policy import check_prompt_lengths, load_policy, rollout_positions
 
     target = resolve_model(cfg.model, runs_dir, cfg.checkpoint)
-    if console is not None and target.run_id is not None:
-        from rich.markup import escape
-
-        for skipped in target.skipped:
-            console.print(f"[yellow]warning:[/] {escape(skipped)}", highlight=False)
-        console.print(f"run {target.run_id}: evaluating its checkpoint at step {target.step}", highlight=False)
+    _say_target(target, console)
     name, problems, task = load_benchmark(cfg.bench)
     problems = problems[: cfg.limit] if cfg.limit else problems
     max_new_tokens = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task.reward]
