@@ -218,11 +218,14 @@ def make_base_run(folder: Path) -> Path:
 
 
 def snapshot(folder: Path, leave_out: tuple[Path, ...]) -> dict[str, tuple]:
-    """path -> (kind, size, mtime, link target) of everything under `folder` but the folders in `leave_out`."""
+    """path -> (kind, size, mtime, link target) of every file under `folder` but in the folders `leave_out` (a
+    folder by its kind only: its mtime changes when the run beside it is removed)."""
     seen = {}
     for root, dirs, files in os.walk(folder):
         dirs[:] = [d for d in dirs if Path(root, d) not in leave_out]
-        for name in [*dirs, *files]:
+        for name in dirs:
+            seen[str(Path(root, name).relative_to(folder))] = (os.lstat(Path(root, name)).st_mode,)
+        for name in files:
             path = Path(root, name)
             info = os.lstat(path)
             seen[str(path.relative_to(folder))] = (info.st_mode, info.st_size, info.st_mtime_ns,
