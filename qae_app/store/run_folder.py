@@ -83,9 +83,24 @@ class NotARegularFile(QAEUserError):
     """A path in a run folder that is a symlink, a FIFO, a device or a folder where qae keeps a file."""
 
 
-def _refusal(path: Path, what: str) -> NotARegularFile:
-    return NotARegularFile(f"run folder: {path} is {what}, where qae keeps a file of its own. A run folder holds only "
-                           f"qae's files: move it out of {path.parent} (the run then reads as if it were missing).")
+def _refusal(path: Path, what: str, kind: str = "file") -> NotARegularFile:
+    return NotARegularFile(f"run folder: {path} is {what}, where qae keeps a {kind} of its own. A run folder holds "
+                           f"only qae's files: move it out of {path.parent} (the run then reads as if it were "
+                           "missing).")
+
+
+def check_own_folder(path: Path) -> bool:
+    """True if `path` is a folder (not a symlink to one), False if nothing is there; NotARegularFile otherwise: qae
+    writes into `checkpoints/` and `pending/`, and a link planted there would take those writes out of the folder."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(info.st_mode):
+        raise _refusal(path, "a symbolic link", kind="folder")
+    if not stat.S_ISDIR(info.st_mode):
+        raise _refusal(path, "not a folder", kind="folder")
+    return True
 
 
 def check_regular_file(path: Path) -> bool:
@@ -224,7 +239,9 @@ def list_checkpoints(run_folder: Path) -> list[Path]:
     step-N folder was complete once; whether it still is, `checkpoint_problem` says (a file gone from one is named
     there, not passed over here)."""
     folder = Path(run_folder) / CHECKPOINTS_DIR
-    found = [p for p in folder.glob("step-*") if checkpoint_step(p) is not None and p.is_dir()]
+    if folder.is_symlink():  # (a linked folder is no checkpoint of this run's: a resume refuses it by name)
+        return []
+    found = [p for p in folder.glob("step-*") if checkpoint_step(p) is not None and p.is_dir() and not p.is_symlink()]
     return sorted(found, key=checkpoint_step)
 
 

@@ -44,6 +44,7 @@ from qae_app.store.run_folder import (
     DB_FILE,
     TRAINER_STATE,
     RunLock,
+    check_own_folder,
     checkpoint_problem,
     checkpoint_step,
     config_restore_hint,
@@ -266,6 +267,7 @@ class RunSession:
             return
         if self.resuming:
             self._lock = RunLock(self.run_dir).acquire("resume")
+            check_own_folder(self.run_dir / CHECKPOINTS_DIR)  # (checkpoints saved through a link would land outside)
             converted = convert_legacy_pending(self.run_dir, self.trust_pickles)  # (refused unless trusted)
             if converted:
                 self._say(f"converted {converted} pending write(s) an older qae pickled to JSON")
