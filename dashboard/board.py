@@ -313,11 +313,8 @@ def watch(watched: list[str], all_runs: pd.DataFrame) -> None:
 
 
 def run_config(run: dict) -> dict:
-    """The run's training config (the `config` JSON of its `runs` row); {} if unreadable."""
-    try:
-        return json.loads(run.get("config") or "{}")
-    except (TypeError, ValueError):
-        return {}
+    """The run's training config (the `config` JSON of its `runs` row); {} if it is not a JSON object."""
+    return store_read.stored_config(run)
 
 
 def grouping_config(run: dict) -> dict:

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.segment import Segment
 
-from qae_app.core.errors import QAEUserError
+from qae_app.core.errors import QAEUserError, SaidByTheMainProcess
 
 # C0 controls but tab and newline, DEL, and the C1 controls (0x9b is a one-byte CSI on some terminals)
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -43,7 +43,8 @@ err_console = SafeConsole(stderr=True)
 
 
 def fail(err: QAEUserError) -> None:
-    err_console.print(f"[bold red]error:[/] {escape(_clip_long_words(str(err)))}")
+    if not isinstance(err, SaidByTheMainProcess):  # (another process of the launch says it)
+        err_console.print(f"[bold red]error:[/] {escape(_clip_long_words(str(err)))}")
     raise typer.Exit(code=2)
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import sys
 
+# set by the `qae` entry point and `python -m qae_app.cli`: this process is the command's own, and ends with it (a
+# test that calls a command in its own process keeps its signal handling)
+own_process = False
+
 
 def end_with_the_launcher() -> None:
     """Under `accelerate launch` (torch's elastic launcher) every rank runs in a session of its own, so a kill -9 of
@@ -32,3 +36,13 @@ def end_processes() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def done_with_the_run() -> None:
+    """The run is stored (its final status written, its lock let go): from here the process only says so and exits. A
+    SIGTERM now (a supervisor, or `qae stop` a moment too late) changes nothing; without a handler it killed the
+    process by the signal after "done" (exit -15), which reads as a failed run."""
+    if own_process:
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)

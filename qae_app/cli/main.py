@@ -24,6 +24,7 @@ from qae_app.cli.console import SafeConsole, console, fail
 from qae_app.cli.options import DEFAULT_RUNS_DIR, RunsDir
 from qae_app.config import EvalConfig, TrainConfig
 from qae_app.core.errors import QAEUserError
+from qae_app.core.faults import fault_point
 from qae_app.core.formatting import number
 from qae_app.store.run_folder import DB_FILE
 
@@ -177,6 +178,7 @@ def run_training(trainer) -> None:
     except Exception as err:  # a full disk or a file-size limit mid-run: say so, and how the run continues
         fail_on_write_fault(trainer, err)
         raise
+    launch.done_with_the_run()
     if main and progress.heldout is None and trainer.resuming:  # nothing evaluated now: the run's last evaluation
         from qae_app.store.reader import read_last_heldout_accuracy
 
@@ -203,6 +205,7 @@ def run_training(trainer) -> None:
         print_command(f"qae show {result.run_id} --runs-dir {trainer.runs_dir}")
         print_command(f"qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}")
         print_command(f"qae dashboard --runs-dir {trainer.runs_dir}")
+    fault_point("done", result.steps_done)  # (crash tests: a SIGTERM once the run said it is done)
     launch.end_processes()
 
 
@@ -591,6 +594,8 @@ def export(run: Annotated[str, typer.Argument(help="Run id: its folder under --r
         target = export_model(run, runs_dir, out, checkpoint)
     except QAEUserError as err:
         fail(err)
+    for skipped in target.skipped:
+        console.print(f"[yellow]warning:[/] {escape(skipped)}", highlight=False)
     console.print(f"run {run} at step {target.step} exported to [cyan]{out}[/]")
 
 
@@ -600,7 +605,8 @@ def export(run: Annotated[str, typer.Argument(help="Run id: its folder under --r
 app.command()(dashboard_command.dashboard)
 
 
-def main() -> None:  # pragma: no cover - `python -m qae_app.cli`
+def main() -> None:  # pragma: no cover - the `qae` entry point
+    launch.own_process = True
     app()
 
 

@@ -68,11 +68,13 @@ def stop(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
     from qae_app.store.reader import read_last_step, read_run, resolve_run
     from qae_app.store.stop import stop_run
 
-    try:
-        path = resolve_run(runs_dir, run)
+    def signalled() -> None:  # (said once the trainer was found: a run nobody trains is only said to be so)
         console.print(f"stopping run {escape(run)} after its current step (its checkpoint is written on the way "
                       "out)...", highlight=False)
-        if not stop_run(path.parent, timeout):
+
+    try:
+        path = resolve_run(runs_dir, run)
+        if not stop_run(path.parent, timeout, on_signalled=signalled):
             raise QAEUserError(f"stop: run '{run}' is still running after {timeout:g} s (a long step, or a large "
                                "checkpoint). It will stop on its own; check with `qae runs`.")
         status, step = read_run(path).get("status"), read_last_step(path)

@@ -471,10 +471,7 @@ def rollouts_view(run: str, step: int, frame: pd.DataFrame, everything: pd.DataF
 
 
 def _config(row: dict) -> dict:
-    try:
-        return json.loads(row.get("config") or "{}")
-    except (TypeError, ValueError):
-        return {}
+    return store_read.stored_config(row)
 
 
 def _estimator(row: dict) -> str:

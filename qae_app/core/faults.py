@@ -5,7 +5,8 @@
 Points: `db_commit` (inside a step's database transaction, before COMMIT), `after_step_rows` (rows queued in the store,
 before they are written), `checkpoint_rename` (checkpoint written to `step-N.tmp`, before the rename), `finishing` (the
 run is writing its final status; the step is the last one done), `scoring` (responses sent to the verifier),
-`verifier_start` (math-verify worker number N of its pool, before it reports ready). `<point>@*` matches every N. Unset,
+`verifier_start` (math-verify worker number N of its pool, before it reports ready), `done` (`qae train` said the run
+is done; the step is the last one done). `<point>@*` matches every N. Unset,
 this costs one dictionary lookup.
 """
 

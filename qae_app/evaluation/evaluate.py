@@ -31,10 +31,12 @@ from qae_app.store.run_folder import (
     CHECKPOINTS_DIR,
     MANIFEST,
     RUN_NAME_PATTERN,
+    checkpoint_problem,
     checkpoint_step,
     db_path,
     eval_run_error,
     list_checkpoints,
+    model_folder_problem,
     read_run_file,
     recent_runs_text,
     validate_run_name,
@@ -132,6 +134,7 @@ class EvalTarget:
     model_path: str  # what load_policy / the engine loads
     run_id: str | None  # the training run it belongs to (results go into that run's database)
     step: int  # the checkpoint's step (0 for a model that is not a run checkpoint)
+    skipped: tuple[str, ...] = ()  # newer checkpoints of the run passed over, and why
 
 
 def resolve_model(spec: str, runs_dir, checkpoint: int | None = None) -> EvalTarget:
@@ -147,12 +150,15 @@ def resolve_model(spec: str, runs_dir, checkpoint: int | None = None) -> EvalTar
         if checkpoint is None:
             if not found:
                 raise QAEUserError(f"model: run '{spec}' has no checkpoint yet. Wait for --checkpoint-every steps.")
-            ckpt = found[-1]
-        else:
-            ckpt = next((c for c in found if checkpoint_step(c) == checkpoint), None)
-            if ckpt is None:
-                have = ", ".join(c.name for c in found) or "none"
-                raise QAEUserError(f"checkpoint: run '{spec}' has no checkpoint {checkpoint} (has: {have}).")
+            return _newest_sound_checkpoint(spec, found)
+        ckpt = next((c for c in found if checkpoint_step(c) == checkpoint), None)
+        if ckpt is None:
+            have = ", ".join(c.name for c in found) or "none"
+            raise QAEUserError(f"checkpoint: run '{spec}' has no checkpoint {checkpoint} (has: {have}).")
+        problem = _model_problem(ckpt)
+        if problem is not None:
+            raise QAEUserError(f"checkpoint: {ckpt} does not check out ({problem}). Evaluate another one with "
+                               "--checkpoint N, or drop --checkpoint for the newest that checks out.")
         return EvalTarget(str(ckpt / "model"), spec, checkpoint_step(ckpt))
     if checkpoint is not None:
         raise QAEUserError(f"checkpoint: --checkpoint needs --model to be a run id in {runs_dir}; '{spec}' is not.")
@@ -161,6 +167,24 @@ def resolve_model(spec: str, runs_dir, checkpoint: int | None = None) -> EvalTar
                            f"or file (runs there, last written first: {recent_runs_text(Path(runs_dir))}). Pass a run "
                            "id (`qae runs`), a model folder, a .gguf file, or a Hugging Face id as org/name.")
     return EvalTarget(spec, None, 0)
+
+
+def _model_problem(ckpt: Path) -> str | None:
+    """Why a checkpoint's model cannot be loaded as it was saved (a file altered, cut, linked or planted), or None: its
+    files match their checksums, and each reads as what it is (a manifest rewritten to match passes the first)."""
+    return checkpoint_problem(ckpt) or model_folder_problem(ckpt / "model")
+
+
+def _newest_sound_checkpoint(run: str, found: list[Path]) -> EvalTarget:
+    """The newest of a run's checkpoints whose model checks out, with the newer ones passed over and why."""
+    skipped = []
+    for ckpt in reversed(found):
+        problem = _model_problem(ckpt)
+        if problem is None:
+            return EvalTarget(str(ckpt / "model"), run, checkpoint_step(ckpt), tuple(skipped))
+        skipped.append(f"passing over checkpoint {ckpt.name}: {problem}")
+    raise QAEUserError(f"model: no checkpoint of run '{run}' checks out ({'; '.join(skipped)[:600]}). Evaluate a "
+                       "model folder instead, or restore the run's checkpoints from a backup.")
 
 
 def _looks_like_a_run_id(spec: str) -> bool:
@@ -182,14 +206,12 @@ def export_model(run: str, runs_dir, out: Path, checkpoint: int | None = None) -
     the merged weights. The checkpoint's checksums are verified first."""
     import shutil
 
-    from qae_app.store.run_folder import checkpoint_problem
-
     if not RUN_NAME_PATTERN.match(run) or not (Path(runs_dir) / run).is_dir():
         raise QAEUserError(f"run: no run '{run}' in {runs_dir}. `qae export` takes a training run's id (see "
                            "`qae runs`).")
     target = resolve_model(run, runs_dir, checkpoint)
     ckpt = Path(target.model_path).parent
-    problem = checkpoint_problem(ckpt)
+    problem = _model_problem(ckpt)
     if problem is not None:
         raise QAEUserError(f"checkpoint: {ckpt} does not check out ({problem}). Export another one with "
                            "--checkpoint N.")
@@ -243,12 +265,24 @@ def evaluate_with_progress(cfg: EvalConfig, engine, name: str, problems, prompts
                         cfg.seed, on_batch=lambda n: progress.advance(bar, n))
 
 
+def _say_target(target: EvalTarget, console) -> None:
+    """Which checkpoint of a run is evaluated, and the newer ones passed over (with why)."""
+    if console is None or target.run_id is None:
+        return
+    from rich.markup import escape
+
+    for skipped in target.skipped:
+        console.print(f"[yellow]warning:[/] {escape(skipped)}", highlight=False)
+    console.print(f"run {target.run_id}: evaluating its checkpoint at step {target.step}", highlight=False)
+
+
 def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResult, str, Path]:
     """Everything `qae eval` does; returns (EvalResult, run_id the results were stored under, database path)."""
     from qae_app.engines.factory import make_engine
     from qae_app.models.policy import check_prompt_lengths, load_policy, rollout_positions
 
     target = resolve_model(cfg.model, runs_dir, cfg.checkpoint)
+    _say_target(target, console)
     name, problems, task = run_benchmark(cfg, cfg.bench, "bench")
     problems = problems[: cfg.limit] if cfg.limit else problems
     max_new_tokens = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task.reward]

@@ -9,6 +9,7 @@ run stored as running that no trainer holds reads as `stopped`.
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from contextlib import contextmanager
@@ -26,7 +27,6 @@ from qae_app.core.errors import QAEUserError
 from qae_app.core.names import GATE_REASONS
 from qae_app.store.labels import read_labels
 from qae_app.store.run_file import (
-    RunFileError,
     attach,
     damage_reason,
     is_damage_error,
@@ -179,11 +179,12 @@ def run_summaries(runs_dir: Path) -> list[dict]:
     for run_dir in list_run_dirs(runs_dir):
         try:
             rows += _run_summary(run_dir / DB_FILE)
-        except (RunFileError, duckdb.Error) as err:
+        except (QAEUserError, duckdb.Error) as err:  # (a damaged file; a link or a FIFO in its place: NotARegularFile)
             status = BUSY if is_lock_error(err) else UNREADABLE
             reason = str(err) if status == UNREADABLE else (f"run: {run_dir / DB_FILE} is held by another process "
                                                               f"({str(err).splitlines()[0]}); try again later.")
-            modified = datetime.fromtimestamp((run_dir / DB_FILE).stat().st_mtime, timezone.utc).replace(tzinfo=None)
+            # (lstat: the planted link itself, never what it points at, which may be gone)
+            modified = datetime.fromtimestamp(os.lstat(run_dir / DB_FILE).st_mtime, timezone.utc).replace(tzinfo=None)
             rows.append({"run_id": run_dir.name, "name": run_dir.name, "status": status, "error": reason,
                          "created_at": modified, "steps": None})
     return sorted(rows, key=lambda row: row["created_at"] or datetime.min, reverse=True)
@@ -212,6 +213,19 @@ def read_run(path: Path) -> dict:
     if frame.empty:
         raise QAEUserError(f"run: {path} has no run row; the run never started writing.")
     return _as_seen_from_folder(frame, path).iloc[0].to_dict()
+
+
+def stored_config(row: dict) -> dict:
+    """The run's settings from its row's `config` column as a dict; {} when the column is not a JSON object (a file
+    edited by hand or crafted: a list, text, nesting deeper than any config), so one such run never breaks a listing
+    or a view of the others. Its values are shown as stored; a resume reads config.json, checked (session)."""
+    import json
+
+    try:
+        config = json.loads(row.get("config") or "{}")
+    except (TypeError, ValueError, RecursionError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def read_steps(path: Path) -> pd.DataFrame:

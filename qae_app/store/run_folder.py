@@ -89,9 +89,24 @@ class NotARegularFile(QAEUserError):
     """A path in a run folder that is a symlink, a FIFO, a device or a folder where qae keeps a file."""
 
 
-def _refusal(path: Path, what: str) -> NotARegularFile:
-    return NotARegularFile(f"run folder: {path} is {what}, where qae keeps a file of its own. A run folder holds only "
-                           f"qae's files: move it out of {path.parent} (the run then reads as if it were missing).")
+def _refusal(path: Path, what: str, kind: str = "file") -> NotARegularFile:
+    return NotARegularFile(f"run folder: {path} is {what}, where qae keeps a {kind} of its own. A run folder holds "
+                           f"only qae's files: move it out of {path.parent} (the run then reads as if it were "
+                           "missing).")
+
+
+def check_own_folder(path: Path) -> bool:
+    """True if `path` is a folder (not a symlink to one), False if nothing is there; NotARegularFile otherwise: qae
+    writes into `checkpoints/` and `pending/`, and a link planted there would take those writes out of the folder."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(info.st_mode):
+        raise _refusal(path, "a symbolic link", kind="folder")
+    if not stat.S_ISDIR(info.st_mode):
+        raise _refusal(path, "not a folder", kind="folder")
+    return True
 
 
 def check_regular_file(path: Path) -> bool:
@@ -210,7 +225,7 @@ def runs_without_database(runs_dir: Path) -> list[Path]:
 def recent_runs_text(runs_dir: Path, limit: int = 10) -> str:
     """'c, b, a' (the runs last written first) for a message about a run that is not there; 'none' if there are
     none, '..., and 12 more' past `limit`."""
-    folders = sorted(list_run_dirs(runs_dir), key=lambda folder: (folder / DB_FILE).stat().st_mtime, reverse=True)
+    folders = sorted(list_run_dirs(runs_dir), key=lambda folder: os.lstat(folder / DB_FILE).st_mtime, reverse=True)
     names = ", ".join(folder.name for folder in folders[:limit]) or "none"
     return names + (f", and {len(folders) - limit} more" if len(folders) > limit else "")
 
@@ -230,7 +245,9 @@ def list_checkpoints(run_folder: Path) -> list[Path]:
     step-N folder was complete once; whether it still is, `checkpoint_problem` says (a file gone from one is named
     there, not passed over here)."""
     folder = Path(run_folder) / CHECKPOINTS_DIR
-    found = [p for p in folder.glob("step-*") if checkpoint_step(p) is not None and p.is_dir()]
+    if folder.is_symlink():  # (a linked folder is no checkpoint of this run's: a resume refuses it by name)
+        return []
+    found = [p for p in folder.glob("step-*") if checkpoint_step(p) is not None and p.is_dir() and not p.is_symlink()]
     return sorted(found, key=checkpoint_step)
 
 
@@ -280,6 +297,52 @@ def checkpoint_problem(folder: Path) -> str | None:
         if file_sha256(path) != entry["sha256"]:
             return f"{name} does not match its checksum (altered or corrupted on disk)"
     return None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why `path` is not a whole safetensors file (missing, a link or a FIFO, a header that does not parse or does
+    not cover the file), or None; reads the header only, through safetensors' own parser, which runs no code."""
+    from safetensors import safe_open
+
+    try:
+        if not check_regular_file(path):
+            return f"{path.name} is missing"
+        with safe_open(str(path), framework="numpy") as f:  # (its header's sizes are checked against the file's)
+            f.keys()
+    except QAEUserError as err:
+        return str(err)
+    except BaseException as err:  # SafetensorError, OSError, or pyo3's PanicException (not an Exception)
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        return f"{path.name} is not a whole safetensors file ({_first_line(err)})"
+    return None
+
+
+def model_folder_problem(folder: Path) -> str | None:
+    """Why a checkpoint's model/ folder cannot be handed to a model loader, or None. transformers reads its JSON with
+    a parser that deep nesting breaks (RecursionError) and its weights with errors of its own: each JSON file must be
+    an object, each safetensors file whole, before any loader opens one."""
+    folder = Path(folder)
+    if not folder.is_dir() or folder.is_symlink():
+        return f"{folder.name}/ is not a folder of the checkpoint's own"
+    for path in sorted(folder.iterdir()):
+        if path.suffix == ".safetensors":
+            problem = safetensors_problem(path)
+        elif path.suffix == ".json":
+            try:
+                problem = (None if isinstance(json.loads(read_run_file(path)), dict) else
+                           f"{path.name} is not a JSON object")
+            except (OSError, ValueError, RecursionError, QAEUserError) as err:
+                problem = f"{path.name} is not JSON this qae wrote ({_first_line(err)})"
+        else:
+            continue
+        if problem:
+            return f"{folder.name}/{problem}" if problem.startswith(path.name) else problem
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -53,10 +53,12 @@ def request_stop(folder: Path) -> int:
     return pid
 
 
-def stop_run(folder: Path, timeout_s: float, on_wait=None) -> bool:
+def stop_run(folder: Path, timeout_s: float, on_wait=None, on_signalled=None) -> bool:
     """SIGTERM the run's trainer and wait up to `timeout_s` for it to let the run go (its checkpoint written); True
-    when it did."""
+    when it did. `on_signalled()` is called once the trainer was found and signalled."""
     request_stop(folder)
+    if on_signalled is not None:
+        on_signalled()
     deadline = time.monotonic() + timeout_s
     while trainer_alive(folder):
         if time.monotonic() > deadline:

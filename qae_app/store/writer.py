@@ -44,7 +44,7 @@ from qae_app.store.run_file import (
     run_file_database,
     unreadable_run_error,
 )
-from qae_app.store.run_folder import PENDING_DIR, STORED_STATUSES
+from qae_app.store.run_folder import PENDING_DIR, STORED_STATUSES, check_own_folder
 from qae_app.store.schema import (
     EVAL_TABLES,
     LEGACY_PENDING_SUFFIX,
@@ -170,6 +170,7 @@ class RunWriter:
         self.run_id = run_id
         self.lock_timeout_s = lock_timeout_s  # how long a flush waits for the file before spilling
         self.pending_dir = self.path.parent / PENDING_DIR
+        check_own_folder(self.pending_dir)  # (writes saved through a planted link would land outside the folder)
         self.busy_since: float | None = None  # when flushes started finding the file busy (None: it is free)
         self.flush_retries = 0  # flushes that found the file busy
         self.holder = ""  # who held the file at the last busy flush, as DuckDB says it

@@ -36,7 +36,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 
 from qae_app.core.errors import QAEUserError
 from qae_app.models.sharding import is_sharded, reshard
-from qae_app.store.run_folder import read_run_file
+from qae_app.store.run_folder import read_run_file, safetensors_problem
 
 POLICY_FILE = "policy.safetensors"
 OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"
@@ -187,6 +187,125 @@ def _load_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
         optimizer.load_state_dict(_join_optimizer_state(optimizer_tensors, _read_json(folder, OPTIMIZER_FILE)))
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
         raise _unreadable(folder, OPTIMIZER_FILE, f"not this optimizer's state ({err})") from err
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# checking a checkpoint's state files before any is loaded
+
+
+def training_state_problem(folder: Path) -> str | None:
+    """Why the training state in `folder` cannot be loaded, found without loading any of it, or None: every process's
+    files are there and each reads as what it should be (safetensors whose header and size agree; JSON of the shape
+    this module writes). The main process checks them all before a resume picks the checkpoint, so a damaged one is
+    passed over on every process alike, as one that fails its checksums is. (Whether the tensors are this model's is
+    checked as they load.)"""
+    folder = Path(folder)
+    sharded = (folder / SHARD_LAYOUT_FILE.format(process=0)).is_file()
+    if sharded:
+        layout, problem = _json_file(folder, SHARD_LAYOUT_FILE.format(process=0), _shard_layout_problem)
+        if problem:
+            return problem
+        processes = layout["processes"]
+        names = [name.format(process=i) for i in range(processes) for name in (SHARD_LAYOUT_FILE, SHARD_FILE)]
+    else:
+        names = [POLICY_FILE, OPTIMIZER_TENSORS_FILE]
+        processes = 1
+    names += [OPTIMIZER_FILE, SCHEDULER_FILE, *(RNG_FILE.format(process=i) for i in range(processes))]
+    names += sorted({p.name for p in folder.glob("rng-*.json")} - set(names))  # another process count's, too
+    for name in names:
+        problem = (safetensors_problem(folder / name) if name.endswith(".safetensors") else
+                   _json_file(folder, name, _JSON_SHAPES[name.split("-")[0] if "-" in name else name])[1])
+        if problem:
+            return problem
+    return None
+
+
+def _json_file(folder: Path, name: str, shape_problem) -> tuple[object, str | None]:
+    """(the parsed file, None), or (None, why it is not what `shape_problem` accepts)."""
+    try:
+        value = json.loads(read_run_file(folder / name))
+    except FileNotFoundError:
+        return None, f"{name} is missing"
+    except (OSError, ValueError, RecursionError, QAEUserError) as err:  # (not UTF-8 or JSON, nested too deep, a link)
+        return None, f"{name} is not JSON this qae wrote ({_short(err)})"
+    why = shape_problem(value)
+    return value, (f"{name} does not hold what qae writes there ({why})" if why else None)
+
+
+def _short(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+
+
+def _ints(value, low: int = 0, high: int | None = None) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= low and
+                                           (high is None or v <= high) for v in value)
+
+
+def _number(value, none: bool = False) -> bool:
+    return (none and value is None) or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def _rng_problem(states) -> str | None:
+    if not isinstance(states, dict):
+        return "not an object"
+    python, numpy, torch_state = states.get("python"), states.get("numpy"), states.get("torch")
+    if not (isinstance(python, list) and len(python) == 3 and isinstance(python[0], int) and _ints(python[1]) and
+            len(python[1]) == 625 and _number(python[2], none=True)):
+        return "python: not Python's random state"
+    if not (isinstance(numpy, list) and len(numpy) == 5 and numpy[0] == "MT19937" and _ints(numpy[1]) and
+            len(numpy[1]) == 624 and all(isinstance(v, int) for v in numpy[2:4]) and _number(numpy[4])):
+        return "numpy: not NumPy's random state"
+    if not (_ints(torch_state, 0, 255) and torch_state):
+        return "torch: not torch's random state (bytes)"
+    cuda = states.get("cuda", [])
+    if not (isinstance(cuda, list) and all(_ints(s, 0, 255) for s in cuda)):
+        return "cuda: not CUDA random states"
+    return None
+
+
+def _optimizer_problem(plain) -> str | None:
+    if not isinstance(plain, dict):
+        return "not an object"
+    groups, scalars, tuple_keys = plain.get("param_groups"), plain.get("scalars"), plain.get("tuple_keys")
+    if not (isinstance(groups, list) and groups and all(isinstance(g, dict) and _ints(g.get("params"))
+                                                        for g in groups)):
+        return "param_groups: not a list of parameter groups"
+    if not (isinstance(scalars, dict) and all(k.isdigit() and isinstance(v, dict) for k, v in scalars.items())):
+        return "scalars: not per-parameter values"
+    if not (isinstance(tuple_keys, list) and all(isinstance(k, str) for k in tuple_keys)):
+        return "tuple_keys: not a list of names"
+    return None
+
+
+def _scheduler_problem(state) -> str | None:
+    if not isinstance(state, dict):
+        return "not an object"
+    if not isinstance(state.get("last_epoch"), int) or not (isinstance(state.get("base_lrs"), list) and
+                                                           all(_number(v) for v in state["base_lrs"])):
+        return "last_epoch and base_lrs: not a scheduler's step and learning rates"
+    for name in ("_step_count", "_last_lr", "lr_lambdas"):
+        value = state.get(name)
+        if name in state and not (isinstance(value, int) if name == "_step_count" else isinstance(value, list)):
+            return f"{name}: a {type(value).__name__}"
+    return None
+
+
+def _shard_layout_problem(layout) -> str | None:
+    if not isinstance(layout, dict) or not isinstance(layout.get("tensors"), dict):
+        return "not an object with the tensors' layout"
+    processes = layout.get("processes")
+    if not (isinstance(processes, int) and not isinstance(processes, bool) and 1 <= processes <= 1 << 16):
+        return f"processes: {str(processes)[:40]} is not a process count"
+    for key, placed in layout["tensors"].items():
+        if not (isinstance(placed, dict) and _ints(placed.get("shape")) and _ints(placed.get("local_shape")) and
+                _ints(placed.get("mesh")) and isinstance(placed.get("placements"), list) and
+                all(isinstance(p, str) for p in placed["placements"])):
+            return f"{key[:80]}: not a shard's layout"
+    return None
+
+
+_JSON_SHAPES = {OPTIMIZER_FILE: _optimizer_problem, SCHEDULER_FILE: _scheduler_problem, "rng": _rng_problem,
+                "rank": _shard_layout_problem}
 
 
 def is_data_checkpoint(folder: Path) -> bool:

@@ -33,7 +33,7 @@ import torch
 
 from qae_app.config import FIELDS, RESUMABLE, TrainConfig, coerce_option, given_options, option_flag
 from qae_app.core import names
-from qae_app.core.errors import QAEUserError
+from qae_app.core.errors import QAEUserError, SaidByTheMainProcess
 from qae_app.core.faults import fault_point
 from qae_app.models.lora import is_lora, load_lora_adapter, save_lora_artifacts
 from qae_app.models.sharding import full_state_dict, is_sharded
@@ -45,6 +45,7 @@ from qae_app.store.run_folder import (
     DB_FILE,
     TRAINER_STATE,
     RunLock,
+    check_own_folder,
     checkpoint_problem,
     checkpoint_step,
     config_restore_hint,
@@ -58,7 +59,13 @@ from qae_app.store.run_folder import (
     write_manifest,
 )
 from qae_app.store.writer import RunWriter, convert_legacy_pending
-from qae_app.train.checkpoint_state import is_data_checkpoint, load_training_state, pickled_files, save_training_state
+from qae_app.train.checkpoint_state import (
+    is_data_checkpoint,
+    load_training_state,
+    pickled_files,
+    save_training_state,
+    training_state_problem,
+)
 from qae_app.train.trackers import Trackers, start_trackers
 
 CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from readers until it is renamed into place
@@ -83,7 +90,47 @@ class TrainerState:
 
     @classmethod
     def load(cls, path: Path) -> "TrainerState":
+        """The state saved at `path`; QAEUserError naming the file when it is not one (`problem` says why)."""
+        problem = cls.problem(path)
+        if problem is not None:
+            raise QAEUserError(f"checkpoint {Path(path).parent}: {problem}. Resume from another checkpoint (remove "
+                               "this folder) or start a new run.")
         return cls(**json.loads(read_run_file(path)))
+
+    @classmethod
+    def problem(cls, path: Path) -> str | None:
+        """Why `path` is not a trainer state qae saved (missing, not JSON, a key or a value of the wrong type), or
+        None."""
+        name = Path(path).name
+        try:
+            stored = json.loads(read_run_file(path))
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except (OSError, ValueError, RecursionError, QAEUserError) as err:  # (not UTF-8 or JSON, too deep, a link)
+            return f"{name} is not JSON this qae wrote ({str(err).strip()[:200]})"
+        if not isinstance(stored, dict):
+            return f"{name} does not hold what qae writes there (a {type(stored).__name__}, not an object)"
+        for key, value in stored.items():
+            if key not in _STATE_TYPES:
+                return f"{name} does not hold what qae writes there (an unknown key {str(key)[:60]!r})"
+            if not _STATE_TYPES[key](value):
+                return f"{name} does not hold what qae writes there ({key} = {json.dumps(value)[:60]})"
+        return None
+
+
+def _count(value, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _real(value) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+# what each key of trainer_state.json may hold (TrainerState's fields)
+_STATE_TYPES = {"step": _count, "k": _real, "entropy_zone": lambda v: v in ("low", "ok", "high"),
+                "entropy_ema": _real, "entropy_start": _real, "data_position": _count,
+                "data_fingerprint": lambda v: v is None or isinstance(v, str),
+                "num_processes": lambda v: v is None or _count(v, 1)}
 
 
 def data_position_problem(position: int, steps: int, cfg: TrainConfig) -> str | None:
@@ -109,8 +156,9 @@ def stored_config(folder: Path) -> TrainConfig:
     path = Path(folder) / CONFIG_FILE
     source = f"config.json {path}"
     values = {}
+    stored = read_run_config(folder)  # (its errors say what to do already)
     try:
-        for key, value in read_run_config(folder).items():
+        for key, value in stored.items():
             if key not in FIELDS:  # a key an older qae wrote and this one dropped
                 continue
             if value is None and "None" not in str(FIELDS[key].type):
@@ -226,6 +274,7 @@ class RunSession:
             return
         if self.resuming:
             self._lock = RunLock(self.run_dir).acquire("resume")
+            check_own_folder(self.run_dir / CHECKPOINTS_DIR)  # (checkpoints saved through a link would land outside)
             converted = convert_legacy_pending(self.run_dir, self.trust_pickles)  # (refused unless trusted)
             if converted:
                 self._say(f"converted {converted} pending write(s) an older qae pickled to JSON")
@@ -275,7 +324,10 @@ class RunSession:
         chosen = [None, 0]  # the checkpoint, and the newest step whose rows the run kept
         if self.is_main:
             for ckpt in reversed(list_checkpoints(self.run_dir)):
-                problem = checkpoint_problem(ckpt)
+                # its files as saved (checksums), then each as what it should hold (a manifest rewritten to match a
+                # damaged or planted file passes the first): every process's, before any process loads one
+                problem = checkpoint_problem(ckpt) or TrainerState.problem(ckpt / TRAINER_STATE) or (
+                    training_state_problem(ckpt) if is_data_checkpoint(ckpt) else None)
                 if problem is None:
                     chosen[0] = str(ckpt)
                     break
@@ -553,6 +605,24 @@ class RunSession:
         return final
 
     def _load_training_state(self, ckpt: Path, model, optimizer, scheduler) -> None:
+        """`_load_training_state_here` on every process; under a launch, a refusal any process meets (its own shard
+        not this model's) is said once, by the main process, and every process ends with it."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            self._load_training_state_here(ckpt, model, optimizer, scheduler)
+            return
+        from accelerate.utils import gather_object
+
+        refusal = None
+        try:
+            self._load_training_state_here(ckpt, model, optimizer, scheduler)
+        except QAEUserError as err:
+            refusal = str(err)
+        refusals = [r for r in gather_object([refusal]) if r]
+        if refusals:
+            raise QAEUserError(refusals[0]) if self.is_main else SaidByTheMainProcess(refusals[0])
+
+    def _load_training_state_here(self, ckpt: Path, model, optimizer, scheduler) -> None:
         """A checkpoint's training state into the prepared model, optimizer and scheduler. One an older qae wrote
         (accelerate's pickled state) is read only when the user vouched for the folder (--trust-pickles)."""
         acc = self.accelerator

@@ -88,3 +88,10 @@ def test_a_planted_labels_file_reads_as_no_labels(runs):
     assert read_labels(runs / "base-s0").tags == []
     assert qae("tag", "base-s0", "x", runs_dir=runs)[0] == 0  # replaced, not followed
     assert not (runs / "base-s0" / LABELS_FILE).is_symlink() and read_labels(runs / "base-s0").tags == ["x"]
+
+
+def test_stop_of_a_run_nobody_trains_says_only_that(runs):
+    """It printed "stopping run other after its current step..." and then that the run was not running."""
+    code, output = qae("stop", "other", runs_dir=runs)
+    assert code == 2 and "'other' is not running" in output and "Nothing was signalled" in output
+    assert "stopping run" not in output and output.count("error:") == 1, output

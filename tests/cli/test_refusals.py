@@ -228,6 +228,7 @@ def test_a_damaged_config_json_is_named_on_resume(trained_run, tmp_path, content
     assert result.exit_code == 2, result.output
     assert f"{config}" in output and reason in output, result.output
     assert "Restoreitfromabackup" in output and "qaeshow" in output, result.output
+    assert output.count("Restoreitfromabackup") == 1, result.output  # said once, not once per layer it passed
     assert config.read_text() == content and db_path(runs, config.parent.name).read_bytes() == before
 
 

@@ -18,6 +18,7 @@ from qae_app.config import build_config
 from qae_app.store.reader import query, read_run, read_steps
 from qae_app.store.run_folder import RunLock, db_path, latest_checkpoint, trainer_alive, write_manifest
 from qae_app.train.trainer import Trainer
+from tests.e2e.test_launch_teardown import documented_exit_code
 from tests.same_steps import assert_same_metrics, kept_steps, saved_steps
 
 OPTS = dict(steps=6, prompts_per_step=4, group_size=8, eval_every=0, checkpoint_every=2, seed=1)
@@ -304,6 +305,21 @@ def test_a_sigterm_while_the_run_writes_its_final_status_is_ignored(tmp_path):
     assert proc.returncode == 0, out
     assert read_run(db_path(tmp_path, "late"))["status"] == "finished"
     assert read_steps(db_path(tmp_path, "late"))["step"].tolist() == list(range(1, OPTS["steps"] + 1))
+
+
+@pytest.mark.parametrize("entry", ["qae", "python -m qae_app.cli"])
+def test_a_sigterm_after_the_run_said_done_is_not_its_death(tmp_path, entry):
+    """A SIGTERM to the group once `qae train` printed "done" (a supervisor stopping what still held the run a moment
+    ago): the process died by the signal (exit -15), reading as a failed run; it now exits 0, the run stored whole."""
+    command = [QAE] if entry == "qae" else [sys.executable, "-m", "qae_app.cli"]
+    opts = dict(OPTS, steps=2)
+    proc = subprocess.Popen([*command, "train", "--run-name", "done", "--runs-dir", str(tmp_path), *cli_args(**opts)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=dict(WIDE, QAE_FAULT="term:done@2"))
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == documented_exit_code('a SIGTERM once it printed "done"') == 0, out
+    assert "done: 2 steps, status finished" in out
+    assert read_run(db_path(tmp_path, "done"))["status"] == "finished"
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ Both launches use 2 processes with the same seed, so they sample the same prompt
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 
 from qae_app.store.reader import query, read_run, read_steps
 from qae_app.store.run_folder import db_path
+from tests.e2e.test_launch_teardown import documented_exit_code
 from tests.same_steps import assert_same_metrics, kept_steps
 
 ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
@@ -214,3 +216,55 @@ def test_two_machines_on_localhost_store_every_ranks_groups_once(tmp_path):
     assert (setup["sharding"], setup["processes"], setup["machines"]) == ("fsdp2", 4, 2)
     assert {p.name for p in (tmp_path / "two" / "checkpoints" / "step-2").glob("rank-*.safetensors")} == \
         {f"rank-{i}.safetensors" for i in range(4)}
+
+
+# issue 39: a damaged sharded checkpoint, as each file of it can be damaged (its manifest rewritten to match, so the
+# checksums pass and the check of what each file holds is under test)
+DAMAGED = {"rank-0.safetensors": "truncated", "rank-1.json": "wrong-types", "rank-0.json": "deep",
+           "rank-1.safetensors": "pickle", "rng-1.json": "garbage", "optimizer.json": "wrong-types"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DAMAGED)
+def test_a_sharded_resume_passes_over_a_damaged_checkpoint_as_one_process_does(fsdp2_run, tmp_path, name):
+    """The newest checkpoint's file damaged: the resume says so once (not once per process under the launcher's
+    traceback), resumes from the checkpoint before it, and trains on."""
+    from tests.plants import Plant, plant_file
+
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(fsdp2_run / "ref", runs_dir / "ref")
+    (tmp_path / "outside").mkdir()
+    plant_file(runs_dir / "ref", Plant(f"checkpoints/step-4/{name}", DAMAGED[name]), tmp_path / "ran",
+               tmp_path / "outside")
+    resumed = launch("fsdp2", 2, "-m", "qae_app.cli", "train", "--resume", "ref", "--steps", "5", "--runs-dir",
+                     str(runs_dir))
+    output = " ".join((resumed.stdout + resumed.stderr).split())
+    assert resumed.returncode == 0, output[-3000:]
+    assert output.count(f"skipping checkpoint step-4: {name}") == 1, output[-3000:]
+    assert "resuming run ref from checkpoint step-3" in output and not (tmp_path / "ran").exists()
+    assert read_steps(db_path(runs_dir, "ref"))["step"].tolist() == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_shards_that_are_not_this_models_are_said_once_not_once_per_process(fsdp2_run, tmp_path):
+    """Layouts of the right types but the wrong shapes pass every check but loading, where each process finds its
+    own shard wrong: each printed its refusal (one message per process); now the main process says it once, and
+    the launcher's report names a rank that exited 2 as the root cause."""
+    from tests.plants import rewrite_manifest
+
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(fsdp2_run / "ref", runs_dir / "ref")
+    for checkpoint in sorted((runs_dir / "ref" / "checkpoints").iterdir()):
+        for rank in (0, 1):
+            layout = json.loads((checkpoint / f"rank-{rank}.json").read_text())
+            for placed in layout["tensors"].values():
+                placed["shape"] = [n + 1 for n in placed["shape"]]
+            (checkpoint / f"rank-{rank}.json").write_text(json.dumps(layout))
+        rewrite_manifest(checkpoint)
+    refused = launch("fsdp2", 2, "-m", "qae_app.cli", "train", "--resume", "ref", "--steps", "5", "--runs-dir",
+                     str(runs_dir))
+    output = refused.stdout + refused.stderr
+    assert refused.returncode == documented_exit_code("`ChildFailedError` report"), output[-3000:]
+    assert output.count("error:") == 1 and "cannot be read (its shard of" in output, output[-3000:]
+    root_cause = output.split("Root Cause", 1)[-1]
+    assert re.search(r"exitcode\s*:\s*2\b", root_cause), output[-3000:]

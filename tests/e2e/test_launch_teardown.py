@@ -44,6 +44,16 @@ def wait_until(ready, process: subprocess.Popen, what: str, timeout_s: float = 3
         time.sleep(0.5)
 
 
+def documented_exit_code(phrase: str) -> int:
+    """The exit code docs/cli.md's table of exit codes gives for the row that mentions `phrase`: the tests that stop
+    runs assert it, so code and docs agree."""
+    text = (ROOT / "docs" / "cli.md").read_text().split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:3] for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    found = [int(code) for code, when in rows[1:] if phrase in when]
+    assert len(found) == 1, f"docs/cli.md's exit codes name {phrase!r} {len(found)} times"
+    return found[0]
+
+
 def launch(runs_dir: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen([ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"),
                              "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
@@ -70,6 +80,28 @@ def test_kill_9_of_a_launch_ends_every_rank_and_the_run_resumes(tmp_path):
             os.kill(pid, signal.SIGKILL)
     resumed = launch(runs_dir, "--resume", "k", "--steps", "3")
     assert resumed.wait(timeout=600) == 0
+
+
+def test_a_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint_and_the_documented_code(tmp_path):
+    """SIGTERM to `accelerate launch` itself (a supervisor's stop): its code is the launcher's, 143 (docs/cli.md),
+    and every rank stops after its step with a checkpoint, the run interrupted, as one process stops."""
+    from qae_app.store.reader import read_last_step, read_run
+    from tests.e2e.test_stop import first_step_stored
+
+    runs_dir = tmp_path / "runs"
+    launcher = launch(runs_dir, "--run-name", "k", "--steps", "500", "--prompts-per-step", "2", "--group-size", "4",
+                      "--eval-every", "0", "--checkpoint-every", "100")
+    try:
+        wait_until(lambda: first_step_stored(runs_dir / "k"), launcher, "first step stored")
+        os.kill(launcher.pid, signal.SIGTERM)
+        assert launcher.wait(timeout=300) == documented_exit_code("SIGTERM sent to the `accelerate launch` process")
+        assert processes_mentioning(str(runs_dir)) == []
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    db = runs_dir / "k" / "qae.duckdb"
+    assert read_run(db)["status"] == "interrupted"
+    assert latest_checkpoint(runs_dir / "k").name == f"step-{read_last_step(db)}"
 
 
 def test_a_second_launch_on_a_live_run_is_refused_before_any_collective(tmp_path):

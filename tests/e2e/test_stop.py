@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from qae_app.cli.main import app
 from qae_app.store.reader import read_last_step, read_run
 from qae_app.store.run_folder import LOCK_FILE, latest_checkpoint
-from tests.e2e.test_launch_teardown import wait_until
+from tests.e2e.test_launch_teardown import documented_exit_code, wait_until
 
 runner = CliRunner()
 
@@ -31,7 +31,8 @@ def test_stop_ends_a_live_run_with_a_checkpoint_and_it_resumes(tmp_path):
         wait_until(lambda: first_step_stored(runs / "r"), trainer, "first step stored")
         result = runner.invoke(app, ["stop", "r", "--runs-dir", str(runs)], env={"COLUMNS": "300"})
         assert result.exit_code == 0, result.output
-        assert trainer.wait(timeout=120) == 130  # the trainer's own exit for a stop it was asked for
+        # the trainer's own exit for a stop it was asked for, as docs/cli.md says
+        assert trainer.wait(timeout=120) == documented_exit_code("stopped by Ctrl-C, SIGTERM or `qae stop`")
     finally:
         if trainer.poll() is None:
             trainer.kill()
@@ -75,7 +76,8 @@ def test_stop_ends_every_rank_of_a_two_process_launch(tmp_path):
         wait_until(lambda: first_step_stored(runs / "k"), launcher, "first step stored")
         result = runner.invoke(app, ["stop", "k", "--runs-dir", str(runs)], env={"COLUMNS": "300"})
         assert result.exit_code == 0, result.output
-        launcher.wait(timeout=120)
+        # the launcher's code for a rank that exited 130 (docs/cli.md)
+        assert launcher.wait(timeout=120) == documented_exit_code("`ChildFailedError` report")
         assert processes_mentioning(str(runs)) == []
     finally:
         if launcher.poll() is None:

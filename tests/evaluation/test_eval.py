@@ -1,6 +1,7 @@
 """`qae eval` as a user runs it: stored samples, metrics recomputed from them, runs and checkpoints, real math files."""
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -246,3 +247,29 @@ def test_maj_at_k_on_the_chain_task_votes_on_the_final_answer_the_reward_reads()
     assert metrics["avg@k"] == pytest.approx(3 / 5)
     assert metrics["maj@k"] == 1.0  # the answer 2 has three votes, 5 has two
     assert [s["extracted"] for s in result.samples] == ["2", "2", "2", "5", "5"]
+
+
+@pytest.mark.parametrize("name, plant", [("model/model.safetensors", "garbage"), ("model/config.json", "deep"),
+                                         ("model/qae_char_tokenizer.json", "link-zero")])
+def test_eval_of_a_run_passes_over_a_checkpoint_whose_model_is_damaged(tiny_run, tmp_path, name, plant):
+    """A file of the newest checkpoint's model/ damaged (its manifest rewritten to match) or a link planted there:
+    `qae eval --model RUN` evaluates the newest checkpoint that checks out and says which it passed over (a
+    transformers traceback before, and a read of /dev/zero that never ended); `--checkpoint 6` names the file."""
+    import shutil
+
+    from tests.plants import Plant, plant_file
+
+    shared_runs_dir, run_id = tiny_run
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(shared_runs_dir / run_id, runs_dir / run_id)
+    (tmp_path / "outside").mkdir()
+    plant_file(runs_dir / run_id, Plant(f"checkpoints/step-6/{name}", plant), tmp_path / "ran", tmp_path / "outside")
+    result = runner.invoke(app, ["eval", "--model", run_id, "--limit", "2", "--samples", "1", "--runs-dir",
+                                 str(runs_dir)], env={"COLUMNS": "300"})
+    output = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert "passing over checkpoint step-6: " in output and Path(name).name in output, output
+    assert "(run tiny)" in output and "step 3" in output
+    refused = runner.invoke(app, ["eval", "--model", run_id, "--checkpoint", "6", "--runs-dir", str(runs_dir)],
+                            env={"COLUMNS": "300"})
+    assert refused.exit_code == 2 and Path(name).name in refused.output, refused.output

@@ -136,3 +136,27 @@ def test_a_full_disk_during_a_checkpoint_names_the_space_needed_and_resumes(tmp_
         assert read_run(db_path(moved, "full"))["last_step"] == 2
     finally:
         subprocess.run(["umount", str(small)], capture_output=True)
+
+
+@pytest.mark.parametrize("disk", ["read-only", "full"])
+def test_an_export_to_a_read_only_or_full_disk_is_one_message(trained_run, tmp_path, disk):
+    """Issue 39's last two `qae export --out` cases (the others are tests/evaluation/test_export.py's): an --out on a
+    read-only file system, or on a disk without room for the model (3 MB on a 1 MB tmpfs). One message naming the
+    cause, exit 2, the run unchanged."""
+    mounted = tmp_path / "disk"
+    mounted.mkdir()
+    options = "size=1m" if disk == "full" else "size=1m,ro"
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mounted)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("this process may not mount a file system")
+    try:
+        before = db_path(trained_run, "base").read_bytes()
+        result = runner.invoke(app, ["export", "base", "--out", str(mounted / "hf"), "--runs-dir", str(trained_run)],
+                               env={"COLUMNS": "300"})
+        output = " ".join(result.output.split())
+        assert result.exit_code == 2, result.output
+        assert output.count("error:") == 1 and isinstance(result.exception, SystemExit)  # (no traceback)
+        assert ("read-only" if disk == "read-only" else "disk is full") in output, output
+        assert "The run is unchanged" in output and db_path(trained_run, "base").read_bytes() == before
+    finally:
+        subprocess.run(["umount", str(mounted)], capture_output=True)

@@ -99,3 +99,33 @@ def test_a_checkpoint_whose_manifest_lists_nothing_or_a_link_is_not_trusted(runs
     (checkpoint / listed).unlink()
     (checkpoint / listed).symlink_to(outside)
     assert "is a symbolic link" in checkpoint_problem(checkpoint)
+
+
+@pytest.mark.parametrize("folder", ["checkpoints", "pending"])
+def test_a_folder_of_the_run_linked_outside_is_refused_before_anything_is_written_through_it(runs, tmp_path, folder):
+    """The plant harness found it: `checkpoints -> elsewhere` and `qae train --resume` wrote its new checkpoint
+    through the link, outside the run folder. Each folder qae writes into is one of the run folder's own."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    if (runs / "evil" / folder).exists():
+        (runs / "evil" / folder).rename(tmp_path / f"{folder}-moved")
+    (runs / "evil" / folder).symlink_to(outside)
+    result = qae("train", "--resume", "evil", "--steps", "2", runs_dir=runs)
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and f"{folder} is a symbolic link" in output, output
+    assert list(outside.iterdir()) == []
+
+
+def test_the_writer_saves_no_write_through_a_linked_pending_folder(tmp_path):
+    from qae_app.core.errors import QAEUserError
+    from qae_app.store.writer import RunWriter
+
+    RunWriter(tmp_path / "r" / "qae.duckdb", "r")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    if (tmp_path / "r" / "pending").exists():
+        (tmp_path / "r" / "pending").rmdir()
+    (tmp_path / "r" / "pending").symlink_to(outside)
+    with pytest.raises(QAEUserError, match="pending is a symbolic link"):
+        RunWriter(tmp_path / "r" / "qae.duckdb", "r")
+    assert list(outside.iterdir()) == []

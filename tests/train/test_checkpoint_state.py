@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import struct
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from qae_app.train.checkpoint_state import (
     SCHEDULER_FILE,
     load_training_state,
     save_training_state,
+    training_state_problem,
 )
 
 WARMUP = 3
@@ -103,3 +105,73 @@ def test_a_sharded_checkpoint_resumed_unsharded_is_refused_with_the_way_out(tmp_
     (tmp_path / "rank-0.json").write_text('{"processes": 2, "tensors": {}}')
     with pytest.raises(QAEUserError, match=r"written sharded \(FSDP2\) and this launch trains unsharded.*fsdp2.yaml"):
         load_training_state(tmp_path, model, optimizer, scheduler, process_index=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a damaged state file is found before anything is loaded, so a resume passes over its checkpoint
+
+
+DAMAGES = {"cut": lambda data: data[: len(data) // 2], "deep": lambda data: b"[" * 100_000 + b"]" * 100_000,
+           "list": lambda data: b"[1, 2, 3]", "pickle": lambda data: pickle.dumps(Payload()),
+           "wrong types": lambda data: b'{"python": "x", "numpy": [1], "torch": {"a": 1}, "param_groups": 3, '
+                                       b'"scalars": [], "tuple_keys": {}, "last_epoch": "x", "step": "two"}'}
+STATE_FILES = [POLICY_FILE, OPTIMIZER_TENSORS_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE.format(process=0)]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+@pytest.mark.parametrize("name", STATE_FILES)
+def test_a_damaged_state_file_is_named_before_loading(tmp_path, name, damage):
+    """Each file of the training state, damaged as a full disk, an editor or a planter would, is named by
+    training_state_problem without loading anything: a resume then skips the checkpoint as it skips one whose
+    checksums fail (manifests rewritten to match pass those)."""
+    global MARKER
+    MARKER = tmp_path / "ran"
+    model, optimizer, scheduler = training_objects(seed=0)
+    train(model, optimizer, scheduler, 1)
+    save_training_state(tmp_path, model, optimizer, scheduler, process_index=0, is_main=True)
+    assert training_state_problem(tmp_path) is None
+    if name.endswith(".safetensors") and damage in ("deep", "list", "wrong types"):  # a header that parses as JSON
+        header = DAMAGES[damage](b"")
+        (tmp_path / name).write_bytes(struct.pack("<Q", len(header)) + header)
+    else:
+        (tmp_path / name).write_bytes(DAMAGES[damage]((tmp_path / name).read_bytes()))
+    problem = training_state_problem(tmp_path)
+    assert problem is not None and problem.startswith(name), problem
+    assert not MARKER.exists()
+
+
+def test_every_process_state_file_is_checked_and_a_missing_one_named(tmp_path):
+    model, optimizer, scheduler = training_objects(seed=0)
+    save_training_state(tmp_path, model, optimizer, scheduler, process_index=0, is_main=True)
+    (tmp_path / "rng-1.json").write_text('{"python": 7}')  # a second process's, damaged
+    assert training_state_problem(tmp_path).startswith("rng-1.json")
+    (tmp_path / "rng-1.json").unlink()
+    (tmp_path / "rng-0.json").unlink()
+    assert training_state_problem(tmp_path) == "rng-0.json is missing"
+
+
+@pytest.mark.parametrize("name, content", [("trainer_state.json", b"\x80\x04K\x01."),
+                                           ("optimizer.json", b'{"param_groups": 3}'),
+                                           ("rng-0.json", b"[" * 100_000 + b"]" * 100_000)])
+def test_a_resume_passes_over_a_checkpoint_whose_state_is_damaged(tiny_run, tmp_path, name, content):
+    """A file of the newest checkpoint damaged and its manifest rewritten to match (checksums pass): the resume
+    names it and resumes from the older checkpoint, as it does past one whose checksums fail; the run ends whole."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from qae_app.cli.main import app
+    from qae_app.store.reader import logged_steps
+    from tests.plants import rewrite_manifest
+
+    runs_dir, run = tiny_run
+    shutil.copytree(runs_dir / run, tmp_path / run)
+    newest = tmp_path / run / "checkpoints" / "step-6"
+    (newest / name).write_bytes(content)
+    rewrite_manifest(newest)
+    result = CliRunner().invoke(app, ["train", "--resume", run, "--steps", "7", "--runs-dir", str(tmp_path)],
+                                env={"COLUMNS": "300"})
+    output = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert f"skipping checkpoint step-6: {name} " in output and "from checkpoint step-3" in output, output
+    assert logged_steps(tmp_path / run) == set(range(1, 8))
