@@ -31,6 +31,7 @@ from qae_app.store.run_folder import (
     CHECKPOINTS_DIR,
     MANIFEST,
     RUN_NAME_PATTERN,
+    check_own_folder,
     checkpoint_problem,
     checkpoint_step,
     db_path,
@@ -146,6 +147,7 @@ def resolve_model(spec: str, runs_dir, checkpoint: int | None = None) -> EvalTar
             raise eval_run_error("model", folder, f"Pass the model it {'evaluated' if kind == 'eval' else 'sampled'} "
                                                   f"(`qae show {spec}` names it), a training run's id or a model "
                                                   "folder.", kind)
+        check_own_folder(folder / CHECKPOINTS_DIR)  # (a linked one holds no checkpoint of this run's)
         found = list_checkpoints(folder)
         if checkpoint is None:
             if not found:

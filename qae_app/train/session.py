@@ -239,7 +239,11 @@ class RunSession:
         self._previous_handlers: dict = {}
         self.finishing = False  # set by the caller once it writes the final status: late signals are ignored
         self._stop_requested = self._waiting_for_store = False
-        self._claim_run_folder()
+        try:
+            self._claim_run_folder()
+        except BaseException:  # refused after taking the lock (a linked folder, a legacy pickle): let go of it
+            self.close()
+            raise
 
     def __enter__(self) -> "RunSession":
         return self

@@ -129,3 +129,18 @@ def test_the_writer_saves_no_write_through_a_linked_pending_folder(tmp_path):
     with pytest.raises(QAEUserError, match="pending is a symbolic link"):
         RunWriter(tmp_path / "r" / "qae.duckdb", "r")
     assert list(outside.iterdir()) == []
+
+
+def test_a_resume_refused_after_taking_the_lock_lets_it_go(runs, tmp_path):
+    """Seen in the plant harness, in one process: a resume refused after it took the run's lock (a linked
+    checkpoints/) kept holding it, so `qae rm` next said the run was being trained right now."""
+    from qae_app.store.run_folder import trainer_alive
+
+    shutil.move(runs / "evil" / "checkpoints", tmp_path / "checkpoints")
+    (runs / "evil" / "checkpoints").symlink_to(tmp_path / "checkpoints")
+    refused = runner.invoke(app, ["train", "--resume", "evil", "--steps", "2", "--runs-dir", str(runs)])
+    assert refused.exit_code == 2 and "checkpointsisasymboliclink" in "".join(refused.output.split())
+    assert not trainer_alive(runs / "evil")
+    removed = runner.invoke(app, ["rm", "evil", "--yes", "--runs-dir", str(runs)])
+    assert removed.exit_code == 0 and not (runs / "evil").exists(), removed.output
+    assert (tmp_path / "checkpoints").is_dir()  # the link was removed, not what it points at
