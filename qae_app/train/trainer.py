@@ -64,8 +64,9 @@ from qae_app.train.attribution import ATTRIBUTION_METRICS, entropy_attribution
 from qae_app.train.entropy_band import entropy_warning
 from qae_app.train.precision import check_updates_move_the_weights
 from qae_app.train.reward_record import checked_record, file_record
-from qae_app.train.session import RunSession, TrainerState
+from qae_app.train.session import RunSession
 from qae_app.train.step_results import group_results, sampling_policy_stats
+from qae_app.train.trainer_state import TrainerState
 from qae_app.train.update import (
     ENTROPY_CHANGE_METRICS,
     MISMATCH_METRICS,

@@ -106,7 +106,8 @@ def test_a_run_session_claims_the_folder_and_close_lets_go_of_it(tmp_path):
     leaving `with` before open_store leaves nothing, and after it leaves the run, with its row, unlocked."""
     from accelerate import Accelerator
 
-    from qae_app.train.session import RunSession, TrainerState
+    from qae_app.train.session import RunSession
+    from qae_app.train.trainer_state import TrainerState
 
     cfg, acc = build_config(run_name="s", **OPTS), Accelerator(cpu=True)
     with RunSession(tmp_path, "s", cfg, acc):

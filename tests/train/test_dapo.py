@@ -25,8 +25,8 @@ from qae_app.models.policy import load_policy
 from qae_app.store.reader import query, read_steps
 from qae_app.store.rows import step_metrics
 from qae_app.store.run_folder import db_path
-from qae_app.train.session import data_position_problem
 from qae_app.train.trainer import Trainer
+from qae_app.train.trainer_state import data_position_problem
 from qae_app.train.update import pack
 from tests.same_steps import assert_same_metrics
 
