@@ -24,7 +24,7 @@ from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import clipped
 from qae_app.core.host_faults import check_path_names
-from qae_app.data.prompts import PromptFormat, placeholders
+from qae_app.data.prompts import PromptFormat, check_prompt_options
 from qae_app.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, builtin_task_name, task_defaults
 from qae_app.engines.sampling import SamplingOptions
 from qae_app.rewards.specs import SPEC_FORMS, check_reward_options, weights_text
@@ -55,21 +55,6 @@ _SYSTEM_PROMPT_HELP = (
     "A system message before every prompt, through the model's chat template, taken as written. A row whose chat "
     "messages have a system message of their own is refused. A model without a chat template (the built-in model, a "
     "base model) reads it as text before the prompt, a blank line between.")
-
-
-def check_prompts(template: str | None, system_prompt: str | None) -> None:
-    """Both are text a tokenizer can read (a command line's bytes that are not UTF-8 arrive as lone surrogates,
-    which no tokenizer or database takes), and a template names a column: without one every prompt would be the
-    same text."""
-    for flag, value in (("prompt-template", template), ("system-prompt", system_prompt)):
-        bad = next((i for i, ch in enumerate(value or "") if "\ud800" <= ch <= "\udfff"), None)
-        if bad is not None:
-            raise QAEUserError(f"{flag}: '{clipped(value)}' is not UTF-8 text (character {bad + 1} is a byte that no "
-                               "UTF-8 character starts with). Write it in UTF-8.")
-    if template is not None and not placeholders(template):
-        raise QAEUserError(f"prompt-template: '{clipped(template)}' names no column, so every prompt would be this "
-                           "same text. Put the row's text in it with a placeholder such as {question} (or any column "
-                           "of the data: {name}).")
 
 
 def opt(default: Any, help: str, group: str, choices: dict[str, str] | tuple | None = None,
@@ -453,7 +438,7 @@ class TrainConfig:
         if self.run_name is not None:
             validate_run_name(self.run_name)
         report_to_trackers(self.report_to)
-        check_prompts(self.prompt_template, self.system_prompt)
+        check_prompt_options(self.prompt_template, self.system_prompt)
         try:
             check_store_responses(str(self.store_responses))
         except ValueError as err:
@@ -700,7 +685,7 @@ class EvalConfig:
             raise QAEUserError(f"checkpoint: {self.checkpoint}. Use the step of one of the run's checkpoints.")
         if self.run_name is not None:
             validate_run_name(self.run_name)
-        check_prompts(self.prompt_template, self.system_prompt)
+        check_prompt_options(self.prompt_template, self.system_prompt)
         return self
 
 

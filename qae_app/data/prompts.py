@@ -116,3 +116,18 @@ def prompt_text(prompt: Prompt) -> str:
     if isinstance(prompt, str):
         return prompt
     return MESSAGE_SEPARATOR.join(m["content"] for m in prompt)
+
+
+def check_prompt_options(template: str | None, system_prompt: str | None) -> None:
+    """Both are text a tokenizer can read (a command line's bytes that are not UTF-8 arrive as lone surrogates,
+    which no tokenizer or database takes), and a template names a column: without one every prompt would be the
+    same text."""
+    for flag, value in (("prompt-template", template), ("system-prompt", system_prompt)):
+        bad = next((i for i, ch in enumerate(value or "") if "\ud800" <= ch <= "\udfff"), None)
+        if bad is not None:
+            raise QAEUserError(f"{flag}: '{clipped(value)}' is not UTF-8 text (character {bad + 1} is a byte that no "
+                               "UTF-8 character starts with). Write it in UTF-8.")
+    if template is not None and not placeholders(template):
+        raise QAEUserError(f"prompt-template: '{clipped(template)}' names no column, so every prompt would be this "
+                           "same text. Put the row's text in it with a placeholder such as {question} (or any column "
+                           "of the data: {name}).")
