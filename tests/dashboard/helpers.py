@@ -33,6 +33,19 @@ EVIL_PROMPT = "<b>What</b> is **2+2**?"
 MOVING_PROMPT = "p-move"
 
 
+# a process that holds a run's lock as a trainer does (its pid in the lock file, an exclusive flock) and says when
+# SIGTERM reaches it
+HOLDER = """import fcntl, os, signal, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.ftruncate(fd, 0)
+os.write(fd, str(os.getpid()).encode())
+signal.signal(signal.SIGTERM, lambda *args: (print("SIGTERM", flush=True), os._exit(0)))
+print("held", flush=True)
+time.sleep(300)
+"""
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the crafted run and the AppTest runner (conftest.py's fixtures are built on them)
 
