@@ -441,7 +441,10 @@ def seed(key: str, value) -> None:
 # and hidden legend entries are lost at every new step. `plot` draws through a small component keyed by the chart's
 # name instead: the same plot is updated in place with Plotly.react, which keeps UI state under a constant
 # `uirevision` (set by charts.LAYOUT). plotly.js is the copy that ships with the plotly Python package, served by
-# Streamlit from that package's folder; nothing is fetched from the network.
+# Streamlit from that package's folder; nothing is fetched from the network. The browser keeps a plot only while the
+# chart's place among the page's blocks stays: st.columns are told apart by position, so an element that comes and
+# goes above a chart (a live run's stop button) goes into a container drawn either way, or the chart below is drawn
+# afresh and unzoomed.
 
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["select2d", "lasso2d"]}
 PLOTLY_JS = r"""

@@ -101,8 +101,12 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
     if not views:
         return
     st.text("   ".join(board.progress_line(view) for view in views.values()))
-    board.stop_controls(views)
-    board.heartbeat(views)
+    # what only a live run has, in one slot drawn live or not: Streamlit's browser side keeps a chart (and its zoom)
+    # by its place among the page's blocks, so a stop button and pace line that vanished when the run finished moved
+    # every chart in columns below them, and those were drawn afresh, unzoomed
+    with st.container():
+        board.stop_controls(views)
+        board.heartbeat(views)
     if all(view.steps.empty for view in views.values()):
         st.info("No step written yet: the first step appears here when the trainer finishes it.")
         return

@@ -148,6 +148,22 @@ def plotly_specs(at) -> dict[str, dict]:
     return specs
 
 
+def plot_places(at) -> dict[str, tuple[int, ...]]:
+    """key -> where the chart sits among the page's blocks (the index of each block on the way down, then its own).
+    Streamlit's browser side keeps a chart's plot, and the zoom in it, only while its place stays the same."""
+    places = {}
+
+    def walk(node, place: tuple[int, ...]) -> None:
+        proto = getattr(node, "proto", None)
+        if getattr(proto, "component_name", None) == "qae_plot":
+            places[proto.id.split("-", 2)[-1]] = place
+        for index, child in getattr(node, "children", {}).items():
+            walk(child, (*place, index))
+
+    walk(at._tree, ())
+    return places
+
+
 def texts(at) -> str:
     """Every text, caption, markdown, code and info string on the page, joined."""
     parts = [e.value for kind in ("text", "caption", "markdown", "code", "info") for e in getattr(at, kind)]
