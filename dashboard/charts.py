@@ -116,7 +116,7 @@ def _legend_rows(fig: go.Figure, width_px: int = CHART_PX) -> int:
     return -(-len(names) // per_row)
 
 
-def _layout(fig: go.Figure, title: str, y_title: str | None = None, x: str = "step", log_y: bool = False,
+def apply_layout(fig: go.Figure, title: str, y_title: str | None = None, x: str = "step", log_y: bool = False,
             **extra) -> go.Figure:
     """Title, axes and the shared layout; the legend's rows get room of their own below the x axis title, and the
     figure grows by them instead of squashing its plot."""
@@ -179,7 +179,7 @@ def lines(frames: dict[str, pd.DataFrame], metrics: list[str], colors: dict[str,
             shown_in_legend = True
     if per_run:
         title += "<br><sup>" + " · ".join(f"{DASHES[i % len(DASHES)]}: {m}" for i, m in enumerate(metrics)) + "</sup>"
-    return _layout(fig, title, y_title, x, log_y)
+    return apply_layout(fig, title, y_title, x, log_y)
 
 
 def _band(fig: go.Figure, xs: pd.Series, low: pd.Series, high: pd.Series, color: str, name: str,
@@ -298,7 +298,7 @@ def stacked(frames: dict[str, pd.DataFrame], metrics: dict[str, str], metric_col
                                      line=dict(width=0.5, color=metric_colors[metric]),
                                      hovertemplate=f"{html.escape(run_id)} · {label}: %{{y:.3g}}<extra></extra>"),
                           row=row + 1, col=col + 1)
-    _layout(fig, title, x=x, height=120 + 280 * rows,
+    apply_layout(fig, title, x=x, height=120 + 280 * rows,
             legend=dict(orientation="v", yanchor="top", y=1, xanchor="left", x=1.02))
     fig.update_annotations(font=dict(size=12))
     fig.update_xaxes(title_text=None, nticks=4)
@@ -341,7 +341,7 @@ def evals(frames: dict[str, pd.DataFrame], colors: dict[str, str], title: str) -
                                          hovertemplate=f"{metric.replace('k', str(k))} %{{y:.3f}} "
                                                        "(%{customdata} problems)<extra>" + run_id + "</extra>"),
                               row=1, col=col)
-    _layout(fig, title)
+    apply_layout(fig, title)
     fig.update_yaxes(range=[0, 1.05])
     return fig
 
@@ -362,7 +362,7 @@ def prompt_history(history: pd.DataFrame, k: float | None) -> go.Figure:
                                                + "</extra>"))
     if k is not None and not pd.isna(k):
         fig.add_hline(y=1 - k, line=dict(dash="dot", color=INK), annotation_text=f"1 - K = {1 - k:g}")
-    _layout(fig, "success rate of this prompt", "n_correct / group_size")
+    apply_layout(fig, "success rate of this prompt", "n_correct / group_size")
     fig.update_yaxes(range=[-0.05, 1.05])
     return fig
 
@@ -378,7 +378,7 @@ def prompt_heatmap(histories: pd.DataFrame, prompt_ids: list[str]) -> go.Figure:
     fig = go.Figure(go.Heatmap(z=grid.to_numpy(), x=list(grid.columns), y=labels, zmin=0, zmax=1,
                                colorscale="RdYlGn", colorbar=dict(title="success"), hoverongaps=False,
                                hovertemplate="step %{x}<br>%{y}<br>success %{z:.2f}<extra></extra>"))
-    _layout(fig, "success rate of the most-sampled prompts (blank: not sampled at that step)",
+    apply_layout(fig, "success rate of the most-sampled prompts (blank: not sampled at that step)",
             height=max(300, 22 * len(labels) + 120), hovermode="closest")
     fig.update_yaxes(autorange="reversed", type="category")
     return fig
@@ -392,7 +392,7 @@ def regime_mix(counts: pd.DataFrame) -> go.Figure:
         if part.empty:
             continue
         fig.add_trace(go.Bar(x=part["step"], y=part["n_groups"], name=regime, marker_color=REGIME_COLORS[regime]))
-    _layout(fig, "regime mix per step", "groups", barmode="stack", bargap=0.05)
+    apply_layout(fig, "regime mix per step", "groups", barmode="stack", bargap=0.05)
     return fig
 
 
@@ -411,7 +411,7 @@ def gate_breakdown(breakdown: pd.DataFrame, totals: pd.DataFrame, step: int | No
                              hovertemplate="%{y:.1%} (%{customdata} responses)<extra>" + reason + "</extra>"))
     if step is not None:
         fig.add_vline(x=step, line=dict(color=INK, dash="dot", width=1))
-    _layout(fig, "why responses were gated, per step", "fraction of the step's trained responses", barmode="stack",
+    apply_layout(fig, "why responses were gated, per step", "fraction of the step's trained responses", barmode="stack",
             bargap=0.05)
     fig.update_yaxes(range=[0, 1])
     return fig
@@ -442,7 +442,7 @@ def quantile_bands(frames: dict[str, pd.DataFrame], colors: dict[str, str], titl
                                                + html.escape(run_id) + "</extra>"))
     if step is not None:
         fig.add_vline(x=step, line=dict(color=INK, dash="dot", width=1))
-    return _layout(fig, title, y_title, log_y=log_y)
+    return apply_layout(fig, title, y_title, log_y=log_y)
 
 
 def histogram(values: dict[str, pd.Series], colors: dict[str, str], title: str, x_title: str) -> go.Figure:
@@ -452,7 +452,7 @@ def histogram(values: dict[str, pd.Series], colors: dict[str, str], title: str, 
         fig.add_trace(go.Histogram(x=series.dropna(), name=run_id, uid=run_id, marker_color=colors[run_id],
                                    opacity=0.6 if len(values) > 1 else 0.9,
                                    hovertemplate="%{x}: %{y} responses<extra>" + html.escape(run_id) + "</extra>"))
-    _layout(fig, title, "responses", barmode="overlay", hovermode="closest")
+    apply_layout(fig, title, "responses", barmode="overlay", hovermode="closest")
     fig.update_xaxes(title_text=x_title)
     return fig
 
@@ -468,7 +468,7 @@ def eval_problem_grid(grid: pd.DataFrame, title: str) -> go.Figure:
                                customdata=counts.reindex_like(table).to_numpy(),
                                hovertemplate="step %{x}<br>%{y}<br>%{z:.0%} correct (%{customdata})"
                                              "<extra></extra>"))
-    _layout(fig, title, height=max(300, min(14 * len(labels), 1400) + 140), hovermode="closest")
+    apply_layout(fig, title, height=max(300, min(14 * len(labels), 1400) + 140), hovermode="closest")
     fig.update_xaxes(type="category", title_text="evaluated at step")
     fig.update_yaxes(autorange="reversed", type="category", showticklabels=len(labels) <= 80)
     return fig
@@ -544,7 +544,7 @@ def seed_bands(groups: dict[str, pd.DataFrame], colors: dict[str, str], title: s
             customdata=np.stack([curve["n"], curve["low"], curve["high"]], axis=-1),
             hovertemplate=f"{name}: %{{y:.4g}} [%{{customdata[1]:.4g}}, %{{customdata[2]:.4g}}] "
                           "(%{customdata[0]} seeds, step %{x})<extra></extra>"))
-    return _layout(fig, f"{title} · band: {band}", y_title)
+    return apply_layout(fig, f"{title} · band: {band}", y_title)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -563,7 +563,7 @@ def preview_success(groups: pd.DataFrame, group_size: int) -> go.Figure:
     fig = go.Figure(go.Bar(x=xs, y=[int(counts.get(c, 0)) for c in xs], marker_color=colors, name="groups",
                            uid="groups", hovertemplate="%{x} of " + str(group_size) + " correct: %{y} groups"
                                                        "<extra></extra>"))
-    _layout(fig, f"groups by success rate (correct of G={group_size})", "groups", bargap=0.1)
+    apply_layout(fig, f"groups by success rate (correct of G={group_size})", "groups", bargap=0.1)
     fig.update_xaxes(title_text="correct responses in the group", dtick=1)
     return fig
 
@@ -585,7 +585,7 @@ def preview_gating(by_k: pd.DataFrame) -> go.Figure:
         fig.add_trace(go.Scatter(x=suggested["k"], y=suggested["frac_zero_adv"], mode="markers", name="suggested K",
                                  uid="suggested", marker=dict(symbol="star", size=16, color="#d62728"),
                                  hovertemplate="suggested K=%{x}: %{y:.1%} gated<extra></extra>"))
-    _layout(fig, "responses gated (advantage exactly 0) by K", "fraction of the responses", x="K")
+    apply_layout(fig, "responses gated (advantage exactly 0) by K", "fraction of the responses", x="K")
     fig.update_yaxes(range=[0, 1], tickformat=".0%")
     return fig
 
@@ -598,6 +598,6 @@ def preview_regimes(by_k: pd.DataFrame) -> go.Figure:
         if qae[f"n_{regime}"].sum():
             fig.add_trace(go.Bar(x=[f"{k:g}" for k in qae["k"]], y=qae[f"n_{regime}"], name=regime, uid=regime,
                                  marker_color=REGIME_COLORS[regime]))
-    _layout(fig, "groups by regime under QAE at each K", "groups", x="K", barmode="stack", bargap=0.1)
+    apply_layout(fig, "groups by regime under QAE at each K", "groups", x="K", barmode="stack", bargap=0.1)
     fig.update_xaxes(type="category")  # one bar per K shown, side by side
     return fig
