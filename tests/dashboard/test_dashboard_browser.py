@@ -361,6 +361,39 @@ def test_zoom_survives_the_run_finishing(hold_lock, dashboard, page, tmp_path):
     screenshot(page, tmp_path, "dashboard-zoom-kept-finished.png")
 
 
+ENTROPY_CHANGE_CHART = """(title) => { const gd = [...document.querySelectorAll('.js-plotly-plot')].find(
+    gd => gd.layout.title.text.startsWith(title));
+    const strokes = [...gd.querySelectorAll('.scatterlayer .trace path.js-line')].map(path => path.style.stroke);
+    const subtitle = gd.querySelector('.gtitle-subtitle');
+    return {strokes: strokes, sign: subtitle.textContent,
+            inside: subtitle.getBoundingClientRect().right <= gd.getBoundingClientRect().right}; }"""
+
+
+def test_entropy_change_charts_draw_a_color_per_regime_and_the_sign(dashboard, page, tmp_path):
+    """Issue 39: the attribution charts, as the browser draws them: a stroke color per series (the hard update's,
+    the easy update's, the update without advantage), each color twice (the line and its mean), and the sign
+    convention under the title, whole within the chart's width."""
+    from tests.dashboard.helpers import _write_crafted
+
+    runs_dir = tmp_path / "runs"
+    _write_crafted(runs_dir)
+    url = dashboard(runs_dir, refresh="off")
+    page.goto(f"{url}/curves?run=crafted&smooth=none")
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 12", timeout=90_000)
+    wait_idle(page)
+    for title, n_series in (("entropy change caused by one regime's update alone", 3),
+                            ("which regime's update moved which regime's responses", 4),
+                            ("entropy change of each regime's responses", 3)):
+        drawn = page.evaluate(ENTROPY_CHANGE_CHART, title)
+        colors = set(drawn["strokes"])
+        assert len(colors) == n_series and all(drawn["strokes"].count(c) == 2 for c in colors), (title, drawn)
+        assert drawn["sign"].startswith("above 0: the update raised entropy") and drawn["inside"], (title, drawn)
+    chart = page.locator(".js-plotly-plot").filter(has_text="caused by one regime's update alone")
+    chart.scroll_into_view_if_needed()
+    chart.screenshot(path=tmp_path / "dashboard-entropy-attribution.png")
+    screenshot(page, tmp_path, "dashboard-entropy-change.png")
+
+
 @pytest.mark.slow
 def test_the_compare_page_of_a_sweep(dashboard, page, tmp_path):
     """A sweep of 2 estimators x 3 seeds: the table with its intervals, the three charts of mean curves with bands,

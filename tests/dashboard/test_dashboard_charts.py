@@ -5,10 +5,13 @@ JSON. The browser's side of each is in test_dashboard_browser.py."""
 
 from __future__ import annotations
 
+import plotly.colors
+import pytest
+
 from qae_app.core import names
 from qae_app.store import run_folder as rundir
 from qae_app.store import writer as store_write
-from tests.dashboard.helpers import _crafted_rows, make_app, plot_places, plotly_specs, texts
+from tests.dashboard.helpers import _crafted_rows, charts, make_app, plot_places, plotly_specs, texts
 
 
 def test_a_run_that_finishes_leaves_every_chart_in_its_place(tmp_path, hold_lock, monkeypatch):
@@ -34,3 +37,69 @@ def test_a_run_that_finishes_leaves_every_chart_in_its_place(tmp_path, hold_lock
     assert "live · finished · step 2 / 2" in texts(at) and not at.button
     assert plot_places(at) == running
     assert {key: spec["layout"]["uirevision"] for key, spec in plotly_specs(at).items()} == revisions  # (as before)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the entropy-change charts: a color per regime, the mean over the steps, the sign on the chart
+
+# the crafted run's values (helpers._crafted_rows), steps 1..3, and their means over the steps by hand
+CRAFTED_MEANS = {
+    "entropy_delta": {"dH_easy": 0.02, "dH_hard": -0.03, "dH": (0.01 + 0.02 + 0.03) / 3},
+    "entropy_attribution": {"dH_from_hard": -0.04, "dH_from_easy": (0.01 + 0.02 + 0.03) / 3, "dH_from_none": 0.001},
+    "entropy_attribution_matrix": {"dH_hard_from_hard": -0.05, "dH_easy_from_hard": -0.02,
+                                   "dH_hard_from_easy": 0.005, "dH_easy_from_easy": 0.03},
+}
+
+
+def series(spec: dict, run_id: str) -> tuple[dict, dict]:
+    """metric -> the run's line, and metric -> its mean line, of an entropy-change chart."""
+    lines, means = {}, {}
+    for trace in spec["data"]:
+        run, _, rest = trace["uid"].partition(" · ")
+        if run != run_id or rest.endswith(("(raw)", "band")):
+            continue
+        if rest.endswith(" · mean"):
+            means[rest.removesuffix(" · mean")] = trace
+        else:
+            lines[rest] = trace
+    return lines, means
+
+
+def test_entropy_change_charts_color_each_regime_and_draw_its_mean_and_sign(small_app):
+    """Issue 39: the entropy-attribution charts were 3-4 lines in the run's one color, told apart by dash alone, with
+    no mean over the steps and nothing saying which sign means what. Now each series has a color of its own (a
+    regime's, none of them a run's), a dotted line at its mean over the steps, and the title's second line says
+    what above 0 means."""
+    specs = plotly_specs(small_app("curves", run="crafted", smooth="none"))
+    for key, means_by_hand in CRAFTED_MEANS.items():
+        lines, means = series(specs[key], "crafted")
+        assert set(lines) == set(means) == set(means_by_hand), key
+        colors = [line["line"]["color"] for line in lines.values()]
+        assert len(set(colors)) == len(colors), (key, colors)
+        assert not set(colors) & set(plotly.colors.qualitative.Plotly), (key, colors)  # no run's color
+        for metric, mean in means_by_hand.items():
+            assert means[metric]["y"] == pytest.approx([mean, mean]), (key, metric)
+            assert means[metric]["x"] == [1, 3]  # across the steps that have it
+            assert means[metric]["line"] == {**lines[metric]["line"], "dash": "dot", "width": 1.5}
+        layout = specs[key]["layout"]
+        assert "above 0: the update raised entropy" in layout["title"]["subtitle"]["text"]
+        assert layout["yaxis"]["title"]["text"] == "nats / token" and layout["yaxis"]["zeroline"] is True
+    # the regimes keep their colors from chart to chart: the hard groups' update, the hard groups' responses
+    hard = {series(specs[key], "crafted")[0][metric]["line"]["color"]
+            for key, metric in [("entropy_delta", "dH_hard"), ("entropy_attribution", "dH_from_hard"),
+                                ("entropy_attribution_matrix", "dH_hard_from_hard")]}
+    assert hard == {charts.REGIME_COLORS["hard"]}
+
+
+def test_entropy_change_charts_give_each_run_a_panel(small_app):
+    """Colors name regimes, so runs are told apart by panel: one a run, on one y scale, each series once in the
+    legend (it shows and hides the series in every panel)."""
+    spec = plotly_specs(small_app("curves", run=["crafted", "crafted-copy"], smooth="none"))["entropy_attribution"]
+    assert [a["text"] for a in spec["layout"]["annotations"]] == ["crafted", "crafted-copy"]
+    for run_id, axis in (("crafted", "y"), ("crafted-copy", "y2")):
+        lines, means = series(spec, run_id)
+        assert {trace["yaxis"] or "y" for trace in [*lines.values(), *means.values()]} == {axis}
+        assert lines["dH_from_easy"]["y"] == pytest.approx([0.01, 0.02, 0.03])
+    assert spec["layout"]["yaxis"]["matches"] == "y2"  # one y scale for both panels
+    shown = [trace["name"] for trace in spec["data"] if trace.get("showlegend") is not False]
+    assert sorted(shown) == ["dH_from_easy", "dH_from_hard", "dH_from_none"]
