@@ -260,8 +260,18 @@ def accuracy(frames: dict[str, pd.DataFrame], colors: dict[str, str], heldout: d
     return fig
 
 
+# step metrics whose name says no unit -> the y-axis title of their own chart (the rest: by name, in metric_unit)
+UNITS = {"reward_mean": "reward", "gen_batches": "generation batches", "cov_logp_adv": "nats x advantage",
+         "adv_abs_mean": "|advantage|", "k": "quantile level", "loss": "advantage x ratio",
+         "pg_loss": "advantage x ratio", "kl": "nats / token", "grad_norm": "L2 norm", "lr": "learning rate",
+         "n_updates": "optimizer updates"}
+
+
 def metric_unit(metric: str) -> str:
-    """The y-axis title of a step metric's own chart: its unit where the name says it, else the metric itself."""
+    """The y-axis title of a step metric's own chart: its unit (UNITS, or where the name says it), else the metric
+    itself (a column no step metric names)."""
+    if metric in UNITS:
+        return UNITS[metric]
     if metric.endswith("_s"):
         return "seconds"
     if metric.startswith(("entropy", "dH", "mismatch_logp", "mismatch_k3")):

@@ -11,6 +11,7 @@ import pytest
 from qae_app.core import names
 from qae_app.store import run_folder as rundir
 from qae_app.store import writer as store_write
+from qae_app.store.schema import STEP_METRICS
 from tests.dashboard.helpers import _crafted_rows, charts, make_app, plot_places, plotly_specs, texts
 
 
@@ -103,3 +104,25 @@ def test_entropy_change_charts_give_each_run_a_panel(small_app):
     assert spec["layout"]["yaxis"]["matches"] == "y2"  # one y scale for both panels
     shown = [trace["name"] for trace in spec["data"] if trace.get("showlegend") is not False]
     assert sorted(shown) == ["dH_from_easy", "dH_from_hard", "dH_from_none"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# units
+
+
+def y_titles(spec: dict) -> list[str]:
+    return [(axis.get("title") or {}).get("text") or "" for name, axis in spec["layout"].items()
+            if name.startswith("yaxis")]
+
+
+def test_every_training_curve_titles_its_y_axis_with_a_unit_not_a_name(small_app):
+    """Issue 39: every chart's y axis titled with its unit. A chart picked under More metrics titled its axis with
+    the metric's own name where metric_unit knew no unit (loss, grad_norm, kl, lr, ...): the name is already the
+    chart's title and says nothing of what a tick counts. Every chart the page builds, with every metric picked."""
+    others = [metric for metric in STEP_METRICS if metric not in charts.TIME_METRICS]
+    specs = plotly_specs(small_app("curves", run="crafted", other=others))
+    assert {f"other_{metric}" for metric in others} <= set(specs)
+    bare = {key: y_titles(spec) for key, spec in specs.items()
+            if not any(y_titles(spec)) or key.removeprefix("other_") in y_titles(spec)}
+    assert bare == {}
+    assert {metric: charts.metric_unit(metric) for metric in STEP_METRICS if charts.metric_unit(metric) == metric} == {}
