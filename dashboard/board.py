@@ -324,6 +324,23 @@ def grouping_config(run: dict) -> dict:
     return {**run_config(run), compare.TAGS_KEY: compare.tags_value(tags)}
 
 
+EVAL_SOURCES = {"train": "during training", "eval": "qae eval"}  # evals.source -> how the pages say it
+
+
+def eval_label(benchmark: str, source: str) -> str:
+    """How the Evaluations and Eval samples pages name one benchmark's evaluations: 'math500 (during training)'
+    (--eval-every, --eval-bench) or 'math500 (qae eval)' (a checkpoint evaluated on its own, other k and limit)."""
+    return f"{benchmark} ({EVAL_SOURCES.get(source, source)})"
+
+
+def eval_choices(evaluations: pd.DataFrame) -> dict[str, tuple[str, str]]:
+    """label -> (benchmark, source) of a frame's evaluations (evals or eval_samples rows), as both pages list them;
+    the first is where both open: the training's own evaluations before `qae eval`'s, each by benchmark name."""
+    pairs = evaluations[["benchmark", "source"]].drop_duplicates().itertuples(index=False)
+    ordered = sorted(pairs, key=lambda pair: (pair.source != "train", str(pair.benchmark), str(pair.source)))
+    return {eval_label(benchmark, source): (benchmark, source) for benchmark, source in ordered}
+
+
 def progress_line(view: store_read.RunView) -> str:
     """'qae1 · running · step 37 / 400' from the run's row and config."""
     run = view.run

@@ -126,3 +126,39 @@ def test_every_training_curve_titles_its_y_axis_with_a_unit_not_a_name(small_app
             if not any(y_titles(spec)) or key.removeprefix("other_") in y_titles(spec)}
     assert bare == {}
     assert {metric: charts.metric_unit(metric) for metric in STEP_METRICS if charts.metric_unit(metric) == metric} == {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the Evaluations page at k = 1, and the benchmark both evaluation pages open on
+
+
+def write_k1_run(runs_dir, maj_at_step_2: float = 0.5) -> None:
+    """A run evaluated with one sample a problem (k = 1) on its held-out split while training (steps 1, 2: avg@1 0.25
+    then 0.5), and by `qae eval` on the same benchmark at step 2 (0.75); every evaluation stores its samples."""
+    writer = store_write.RunWriter(rundir.db_path(runs_dir, "k1"), "k1")
+    writer.create_run("k1", {"steps": 2}, "qae", 0.4, "builtin:tiny", "arith", 0)
+    for step, value, extra in ((1, 0.25, []), (2, 0.5, [("eval", 0.75)])):
+        evals, samples = [], []
+        for source, score in [("train", value), *extra]:
+            maj = maj_at_step_2 if (step, source) == (2, "train") else score
+            evals += [dict(benchmark="arith-heldout", subset="all", metric=metric, k=1, value=v, n_problems=4,
+                           source=source) for metric, v in (("avg@k", score), ("pass@k", score), ("maj@k", maj))]
+            samples += [dict(benchmark="arith-heldout", problem_id=f"q{i}", sample_idx=0, source=source, verified=True,
+                             n_tokens=2, response=str(i), extracted=str(i), correct=i < 4 * score, answer=str(i))
+                        for i in range(4)]
+        writer.add_step(step, steps=[{name: None for name in STEP_METRICS}], evals=evals, eval_samples=samples)
+    assert writer.flush()
+    writer.update_run(status="finished")
+
+
+def test_both_evaluation_pages_open_on_the_same_benchmark(tmp_path, monkeypatch):
+    """Issue 39: Evaluations opened on the training's held-out split and Eval samples on `qae eval`'s run of it
+    (each page sorted its own way). Both now list the evaluations as board.eval_choices orders them and open on the
+    first: the training's own evaluations first."""
+    write_k1_run(tmp_path)
+    app = make_app(tmp_path, monkeypatch)
+    evals, samples = app("evals", run="k1"), app("eval_samples", run="k1")
+    assert evals.selectbox(key="benchmark").value == samples.selectbox(key="benchmark").value
+    assert evals.selectbox(key="benchmark").options == samples.selectbox(key="benchmark").options == [
+        "arith-heldout (during training)", "arith-heldout (qae eval)"]
+    assert samples.select_slider(key="step").value == 2
