@@ -333,10 +333,13 @@ def step_time(frames: dict[str, pd.DataFrame], smoothing: tuple[str, float] = ("
 
 
 def evals(frames: dict[str, pd.DataFrame], colors: dict[str, str], title: str) -> go.Figure:
-    """avg@k / pass@k / maj@k over steps, one panel per metric; color = run, dash = k."""
+    """avg@k / pass@k / maj@k over steps, one panel per metric; color = run, dash = k. With one sample a problem
+    (every k is 1) the three are one number: one panel (evals_at_1)."""
     metrics = ["avg@k", "pass@k", "maj@k"]
-    fig = make_subplots(rows=1, cols=3, shared_yaxes=True, subplot_titles=metrics, horizontal_spacing=0.03)
     ks = sorted({int(k) for frame in frames.values() for k in frame["k"]})
+    if ks == [1]:
+        return evals_at_1(frames, colors, title)
+    fig = make_subplots(rows=1, cols=3, shared_yaxes=True, subplot_titles=metrics, horizontal_spacing=0.03)
     for run_id, frame in frames.items():
         for col, metric in enumerate(metrics, start=1):
             for i, k in enumerate(ks):
@@ -352,6 +355,36 @@ def evals(frames: dict[str, pd.DataFrame], colors: dict[str, str], title: str) -
                                                        "(%{customdata} problems)<extra>" + run_id + "</extra>"),
                               row=1, col=col)
     apply_layout(fig, title)
+    fig.update_yaxes(range=[0, 1.05])
+    fig.update_yaxes(title_text=EVAL_Y_TITLE, col=1)
+    return fig
+
+
+EVAL_Y_TITLE = "fraction correct"
+
+
+def evals_at_1(frames: dict[str, pd.DataFrame], colors: dict[str, str], title: str) -> go.Figure:
+    """Evaluations of one sample a problem: avg@1 = pass@1 (the one sample correct), and maj@1 the same unless a
+    sample was judged correct without an extracted answer (no answer never wins a vote): one panel, a line per run,
+    maj@1 a dashed line of its own only where it differs."""
+    fig = go.Figure()
+    for run_id, frame in frames.items():
+        wide = frame.pivot_table(index="step", columns="metric", values="value", aggfunc="mean", dropna=False)
+        wide = wide.reindex(columns=["avg@k", "maj@k"])
+        problems = frame.groupby("step")["n_problems"].max().reindex(wide.index)
+        name = f"{run_id} · k=1"
+        fig.add_trace(go.Scatter(x=wide.index, y=wide["avg@k"], mode="lines+markers", name=name, uid=name,
+                                 line=dict(color=colors[run_id]), customdata=problems,
+                                 hovertemplate="avg@1 = pass@1 %{y:.3f} (%{customdata} problems)<extra>"
+                                               + html.escape(run_id) + "</extra>"))
+        if ((wide["maj@k"] - wide["avg@k"]).abs() > 1e-9).any():
+            name = f"{run_id} · maj@1"
+            fig.add_trace(go.Scatter(x=wide.index, y=wide["maj@k"], mode="lines+markers", name=name, uid=name,
+                                     line=dict(color=colors[run_id], dash="dash"), customdata=problems,
+                                     hovertemplate="maj@1 %{y:.3f} (%{customdata} problems)<extra>"
+                                                   + html.escape(run_id) + "</extra>"))
+    apply_layout(fig, f"{title} · k = 1: avg@1 = pass@1 = maj@1<br><sup>one sample a problem, so the three are one "
+                      "number (maj@1 drawn apart where it differs)</sup>", EVAL_Y_TITLE, hovermode="closest")
     fig.update_yaxes(range=[0, 1.05])
     return fig
 

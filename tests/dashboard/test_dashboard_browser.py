@@ -394,6 +394,31 @@ def test_entropy_change_charts_draw_a_color_per_regime_and_the_sign(dashboard, p
     screenshot(page, tmp_path, "dashboard-entropy-change.png")
 
 
+def test_evaluations_at_k_1_draw_one_panel_and_open_where_eval_samples_opens(dashboard, page, tmp_path):
+    """Issue 39: a run evaluated at k = 1, while training and by `qae eval`: the Evaluations page draws one panel
+    (three identical ones before) and both evaluation pages open on the training's own evaluation."""
+    from tests.dashboard.test_dashboard_charts import write_k1_run
+
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    write_k1_run(runs_dir)
+    url = dashboard(runs_dir, refresh="off")
+    opened = {}
+    for view in ("evals", "eval-samples"):
+        page.goto(f"{url}/{view}?run=k1")
+        box = page.get_by_role("combobox", name="Benchmark")
+        expect(box).to_have_value(re.compile("arith-heldout"), timeout=60_000)
+        wait_idle(page)
+        opened[view] = box.input_value()
+        if view == "evals":
+            page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length === 1", timeout=60_000)
+            panels = page.evaluate("Object.keys(document.querySelector('.js-plotly-plot')._fullLayout)"
+                                   ".filter(name => /^xaxis/.test(name))")
+            assert panels == ["xaxis"]
+            screenshot(page, tmp_path, "dashboard-evals-k1.png")
+    assert opened["evals"] == opened["eval-samples"] and "(during training)" in opened["evals"], opened
+
+
 @pytest.mark.slow
 def test_the_compare_page_of_a_sweep(dashboard, page, tmp_path):
     """A sweep of 2 estimators x 3 seeds: the table with its intervals, the three charts of mean curves with bands,

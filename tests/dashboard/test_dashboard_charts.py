@@ -151,6 +151,28 @@ def write_k1_run(runs_dir, maj_at_step_2: float = 0.5) -> None:
     writer.update_run(status="finished")
 
 
+def test_evaluations_at_k_1_are_one_panel(tmp_path, monkeypatch):
+    """Issue 39: with one sample a problem, avg@1, pass@1 and maj@1 are one number, and the page drew it three
+    times side by side. Now one panel says so, with the run's avg@1 as stored."""
+    write_k1_run(tmp_path)
+    spec = plotly_specs(make_app(tmp_path, monkeypatch)("evals", run="k1"))["evals_chart"]
+    assert [name for name in spec["layout"] if name.startswith(("xaxis", "yaxis"))] == ["xaxis", "yaxis"]
+    assert "avg@1 = pass@1 = maj@1" in spec["layout"]["title"]["text"]
+    [line] = spec["data"]
+    assert line["x"] == [1, 2] and line["y"] == pytest.approx([0.25, 0.5])
+    assert spec["layout"]["yaxis"]["title"]["text"] == "fraction correct"
+
+
+def test_a_maj_at_1_that_differs_is_drawn_apart(tmp_path, monkeypatch):
+    """maj@1 differs from avg@1 where a sample was judged correct without an extracted answer (no answer never
+    wins a vote): then it is a line of its own in the one panel, not hidden behind avg@1."""
+    write_k1_run(tmp_path, maj_at_step_2=0.25)
+    spec = plotly_specs(make_app(tmp_path, monkeypatch)("evals", run="k1"))["evals_chart"]
+    lines = {trace["uid"]: trace for trace in spec["data"]}
+    assert set(lines) == {"k1 · k=1", "k1 · maj@1"}
+    assert lines["k1 · maj@1"]["y"] == pytest.approx([0.25, 0.25])
+
+
 def test_both_evaluation_pages_open_on_the_same_benchmark(tmp_path, monkeypatch):
     """Issue 39: Evaluations opened on the training's held-out split and Eval samples on `qae eval`'s run of it
     (each page sorted its own way). Both now list the evaluations as board.eval_choices orders them and open on the
