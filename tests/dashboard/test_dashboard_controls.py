@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,18 +21,6 @@ from qae_app.store import writer as store_write
 from qae_app.store.labels import Labels, read_labels, tags_from_text, write_labels
 from tests.dashboard.helpers import _crafted_rows, make_app
 
-# a process that holds a run's lock as a trainer does (its pid in the lock file, an exclusive flock) and says when
-# SIGTERM reaches it
-HOLDER = """import fcntl, os, signal, sys, time
-fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
-fcntl.flock(fd, fcntl.LOCK_EX)
-os.ftruncate(fd, 0)
-os.write(fd, str(os.getpid()).encode())
-signal.signal(signal.SIGTERM, lambda *args: (print("SIGTERM", flush=True), os._exit(0)))
-print("held", flush=True)
-time.sleep(300)
-"""
-
 
 def write_live_run(runs_dir: Path, run_id: str = "live") -> None:
     """A run stored as running with one step (its trainer: `hold_lock`)."""
@@ -41,20 +28,6 @@ def write_live_run(runs_dir: Path, run_id: str = "live") -> None:
     writer.create_run(run_id, {"steps": 10}, "qae", 0.4, "builtin:tiny", "arith", 0)
     writer.add_step(1, **_crafted_rows(1))
     assert writer.flush()
-
-
-@pytest.fixture
-def hold_lock(request):
-    """hold_lock(run_dir) -> a process holding the run's lock, ended when the test ends."""
-
-    def hold(run_dir: Path) -> subprocess.Popen:
-        holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir / rundir.LOCK_FILE)],
-                                  stdout=subprocess.PIPE, text=True)
-        request.addfinalizer(holder.kill)
-        assert holder.stdout.readline().strip() == "held"
-        return holder
-
-    return hold
 
 
 def test_tags_typed_in_a_cell_are_checked_and_kept_once_in_order():
