@@ -278,18 +278,12 @@ def test_zoom_survives_new_steps_and_a_killed_run_stops_redrawing(start, dashboa
     expect(page.get_by_text(re.compile(r"live · running · step \d+ / 5000"))).to_be_visible(timeout=60_000)
 
     # zoom the entropy chart with a mouse drag and hide a trace of the accuracy chart from its legend
-    entropy = page.locator(".js-plotly-plot").nth(0)
-    entropy.scroll_into_view_if_needed()
-    area = entropy.locator(".nsewdrag").first.bounding_box()
-    page.mouse.move(area["x"] + area["width"] * 0.3, area["y"] + area["height"] * 0.2)
-    page.mouse.down()
-    page.mouse.move(area["x"] + area["width"] * 0.6, area["y"] + area["height"] * 0.8, steps=8)
-    page.mouse.up()
+    zoomed = zoom(page, 0)
     page.locator(".js-plotly-plot").nth(1).locator(".legendtoggle").first.click()
     # plotly waits out a possible double click before it hides the trace
     page.wait_for_function("document.querySelectorAll('.js-plotly-plot')[1].data[0].visible === 'legendonly'",
                            timeout=10_000)
-    zoomed, hidden = page.evaluate(PLOT_STATE, 0), page.evaluate(PLOT_STATE, 1)
+    hidden = page.evaluate(PLOT_STATE, 1)
     assert zoomed["range"] is not None
 
     # new steps arrive and are drawn into the same charts: the zoom and the hidden trace stay
