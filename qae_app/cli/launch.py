@@ -31,7 +31,8 @@ def end_with_the_launcher() -> None:
 def end_processes() -> None:
     """Tear down the process group of an `accelerate launch` run that finished: left to the interpreter's exit, gloo's
     threads were destroyed still running and a process aborted ('terminate called without an active exception',
-    SIGABRT) after its run had finished and been stored."""
+    SIGABRT) after its run had finished and been stored. Whatever else holds the group must let go first (the
+    trainer's release_models: FSDP2's modules hold it), or it outlives this call."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

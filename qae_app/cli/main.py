@@ -196,6 +196,7 @@ def run_training(trainer) -> None:
             console.print(f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue it {start} with:",
                           highlight=False)
             print_command(f"qae train --resume {result.run_id} --runs-dir {trainer.runs_dir}")
+        trainer.release_models()  # (before the process group: FSDP2's modules hold it)
         launch.end_processes()
         raise typer.Exit(code=130)
     if main:
@@ -206,6 +207,7 @@ def run_training(trainer) -> None:
         print_command(f"qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}")
         print_command(f"qae dashboard --runs-dir {trainer.runs_dir}")
     fault_point("done", result.steps_done)  # (crash tests: a SIGTERM once the run said it is done)
+    trainer.release_models()  # (before the process group: FSDP2's modules hold it)
     launch.end_processes()
 
 

@@ -648,6 +648,18 @@ class Trainer:
         close_workers(self)
         self.session.close()
 
+    def release_models(self) -> None:
+        """Let go of the networks, their optimizer and the engine, here and in the accelerator, and collect them now.
+        FSDP2's modules hold their process group: a run's networks kept to the interpreter's exit had gloo's threads
+        destroyed with the interpreter, and a finished rank could abort (SIGABRT) after its run was stored. For the
+        end of a run, after fit(); the process group is torn down after this."""
+        import gc
+
+        close_workers(self)  # (fit closed them: a no-op then)
+        self.accelerator.free_memory()  # its references: the prepared models, optimizers, schedulers
+        self.model = self.ref_model = self.optimizer = self.scheduler = self.engine = None
+        gc.collect()  # (modules with hooks are cycles: freed by a collection, not by their last reference)
+
     def __enter__(self) -> "Trainer":
         return self
 
