@@ -68,10 +68,19 @@ def run_path(run_id: str) -> Path:
 # versions: what changes when a run changes, without opening a database
 
 
-def runs_signature() -> tuple:
+def run_folders() -> tuple:
     """(folder, trainer alive) of every run: changes when a run appears, disappears, starts or stops (kill -9
     included: the trainer's lock goes with its process)."""
     return tuple((folder.name, rundir.trainer_alive(folder)) for folder in rundir.list_run_dirs(runs_dir()))
+
+
+def runs_signature() -> tuple:
+    """The run folders (`run_folders`) and every other folder a listing shows (not a run; a run that lost its
+    database): changes when any of them appears or disappears. (A folder caught halfway through `rm -r`, its database
+    gone, is listed; it must leave the listing when the rest of it goes.)"""
+    root = runs_dir()
+    return (run_folders(), tuple(folder.name for folder, _ in rundir.folders_not_runs(root)),
+            tuple(folder.name for folder in rundir.runs_without_database(root)))
 
 
 def labels_version(run_id: str) -> tuple:
@@ -91,8 +100,9 @@ def run_version(run_id: str) -> tuple:
 
 
 def runs_version() -> tuple:
-    return tuple((name, alive, store_read.file_version(run_path(name)), labels_version(name))
-                 for name, alive in runs_signature())
+    """What the listing of every run is cached by: every folder it shows, and each run's file and labels."""
+    return (runs_signature(), tuple((store_read.file_version(run_path(name)), labels_version(name))
+                                    for name, _ in run_folders()))
 
 
 # ---------------------------------------------------------------------------------------------------------------
