@@ -32,6 +32,7 @@ with st.sidebar:
     st.caption(f"runs in `{board.runs_dir()}`")
     all_runs = board.runs()
     shown = board.pick_runs(all_runs)
+    board.picked_apart(all_runs, shown)
     starting_refresh, refresh_problem = board.starting_refresh()  # `qae dashboard --refresh`
     st.selectbox("Refresh live runs every", list(board.REFRESH_CHOICES), key="refresh",
                  index=list(board.REFRESH_CHOICES).index(starting_refresh),

@@ -26,7 +26,7 @@ import plotly.graph_objects as go
 import streamlit as st
 import streamlit.components.v1 as components_v1
 
-from qae_app.analysis import compare
+from qae_app.analysis import compare, differences
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import MISSING, missing, pace_line, run_pace
@@ -332,6 +332,32 @@ def grouping_config(run: dict) -> dict:
     has them): what Training curves can group by."""
     tags = [tag for tag in str(run.get("tags") or "").split(", ") if tag]
     return {**run_config(run), compare.TAGS_KEY: compare.tags_value(tags)}
+
+
+def training_config(run: dict) -> dict | None:
+    """The run's training config; None for a run without one (unreadable; made by `qae eval` or `qae preview`)."""
+    if run.get("status") in store_read.READ_STATUSES or run.get("estimator") in rundir.RESULTS_ONLY_KINDS:
+        return None
+    return run_config(run)
+
+
+def runs_apart(runs: pd.DataFrame, leave_out: tuple[str, ...] = ()) -> differences.Differences:
+    """What the runs of a view (rows of `runs()`) share and what tells each apart, as `qae runs` says it."""
+    return differences.what_differs([training_config(run) for run in runs.to_dict("records")], leave_out)
+
+
+def picked_apart(all_runs: pd.DataFrame, shown: list[str]) -> None:
+    """Under the sidebar's picker: each picked run's whole id and what tells it apart from the other picked runs (or,
+    picked alone, its options not at their default); what they all share and is not the default, once."""
+    picked = all_runs.set_index("run_id").loc[shown].reset_index()  # (in the picker's order)
+    apart = runs_apart(picked)
+    lines = [f"**{literal(run_id)}**: {literal(differences.options_text(options))}"
+             for run_id, options in zip(picked["run_id"], apart.per_run) if options]
+    if apart.shared:
+        lines.append(f"all: {literal(differences.options_text(apart.shared))} (not the defaults)")
+    if lines:
+        st.caption("  \n".join(lines), help="What tells the picked runs apart: the options whose value varies "
+                   "among them (a run picked alone: its options not at their default), as `qae runs` says it.")
 
 
 def progress_line(view: store_read.RunView) -> str:

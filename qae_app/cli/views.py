@@ -28,7 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from qae_app.analysis.differences import Differences, option_text, options_text, what_differs
-from qae_app.core.formatting import missing, number, pace_line, run_pace, setup_label
+from qae_app.core.formatting import estimator_label, missing, number, pace_line, run_pace, setup_label
 from qae_app.core.names import GATE_REASONS
 from qae_app.store import reader as store_read
 from qae_app.store import schema as store
@@ -523,8 +523,7 @@ def _config(row: dict) -> dict:
 
 
 def _estimator(row: dict) -> str:
-    k = row.get("k")
-    return f"{row.get('estimator')}" + ("" if missing(k) else f" K={k:g}")
+    return estimator_label(row.get("estimator"), row.get("k"))
 
 
 def _progress(row: dict, config: dict) -> str:
