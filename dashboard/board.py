@@ -334,6 +334,23 @@ def grouping_config(run: dict) -> dict:
     return {**run_config(run), compare.TAGS_KEY: compare.tags_value(tags)}
 
 
+EVAL_SOURCES = {"train": "during training", "eval": "qae eval"}  # evals.source -> how the pages say it
+
+
+def eval_label(benchmark: str, source: str) -> str:
+    """How the Evaluations and Eval samples pages name one benchmark's evaluations: 'math500 (during training)'
+    (--eval-every, --eval-bench) or 'math500 (qae eval)' (a checkpoint evaluated on its own, other k and limit)."""
+    return f"{benchmark} ({EVAL_SOURCES.get(source, source)})"
+
+
+def eval_choices(evaluations: pd.DataFrame) -> dict[str, tuple[str, str]]:
+    """label -> (benchmark, source) of a frame's evaluations (evals or eval_samples rows), as both pages list them;
+    the first is where both open: the training's own evaluations before `qae eval`'s, each by benchmark name."""
+    pairs = evaluations[["benchmark", "source"]].drop_duplicates().itertuples(index=False)
+    ordered = sorted(pairs, key=lambda pair: (pair.source != "train", str(pair.benchmark), str(pair.source)))
+    return {eval_label(benchmark, source): (benchmark, source) for benchmark, source in ordered}
+
+
 def training_config(run: dict) -> dict | None:
     """The run's training config; None for a run without one (unreadable; made by `qae eval` or `qae preview`)."""
     if run.get("status") in store_read.READ_STATUSES or run.get("estimator") in rundir.RESULTS_ONLY_KINDS:
@@ -477,7 +494,10 @@ def seed(key: str, value) -> None:
 # and hidden legend entries are lost at every new step. `plot` draws through a small component keyed by the chart's
 # name instead: the same plot is updated in place with Plotly.react, which keeps UI state under a constant
 # `uirevision` (set by charts.LAYOUT). plotly.js is the copy that ships with the plotly Python package, served by
-# Streamlit from that package's folder; nothing is fetched from the network.
+# Streamlit from that package's folder; nothing is fetched from the network. The browser keeps a plot only while the
+# chart's place among the page's blocks stays: st.columns are told apart by position, so an element that comes and
+# goes above a chart (a live run's stop button) goes into a container drawn either way, or the chart below is drawn
+# afresh and unzoomed.
 
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["select2d", "lasso2d"]}
 PLOTLY_JS = r"""

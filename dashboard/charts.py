@@ -116,7 +116,7 @@ def _legend_rows(fig: go.Figure, width_px: int = CHART_PX) -> int:
     return -(-len(names) // per_row)
 
 
-def _layout(fig: go.Figure, title: str, y_title: str | None = None, x: str = "step", log_y: bool = False,
+def apply_layout(fig: go.Figure, title: str, y_title: str | None = None, x: str = "step", log_y: bool = False,
             **extra) -> go.Figure:
     """Title, axes and the shared layout; the legend's rows get room of their own below the x axis title, and the
     figure grows by them instead of squashing its plot."""
@@ -179,7 +179,7 @@ def lines(frames: dict[str, pd.DataFrame], metrics: list[str], colors: dict[str,
             shown_in_legend = True
     if per_run:
         title += "<br><sup>" + " · ".join(f"{DASHES[i % len(DASHES)]}: {m}" for i, m in enumerate(metrics)) + "</sup>"
-    return _layout(fig, title, y_title, x, log_y)
+    return apply_layout(fig, title, y_title, x, log_y)
 
 
 def _band(fig: go.Figure, xs: pd.Series, low: pd.Series, high: pd.Series, color: str, name: str,
@@ -260,8 +260,18 @@ def accuracy(frames: dict[str, pd.DataFrame], colors: dict[str, str], heldout: d
     return fig
 
 
+# step metrics whose name says no unit -> the y-axis title of their own chart (the rest: by name, in metric_unit)
+UNITS = {"reward_mean": "reward", "gen_batches": "generation batches", "cov_logp_adv": "nats x advantage",
+         "adv_abs_mean": "|advantage|", "k": "quantile level", "loss": "advantage x ratio",
+         "pg_loss": "advantage x ratio", "kl": "nats / token", "grad_norm": "L2 norm", "lr": "learning rate",
+         "n_updates": "optimizer updates"}
+
+
 def metric_unit(metric: str) -> str:
-    """The y-axis title of a step metric's own chart: its unit where the name says it, else the metric itself."""
+    """The y-axis title of a step metric's own chart: its unit (UNITS, or where the name says it), else the metric
+    itself (a column no step metric names)."""
+    if metric in UNITS:
+        return UNITS[metric]
     if metric.endswith("_s"):
         return "seconds"
     if metric.startswith(("entropy", "dH", "mismatch_logp", "mismatch_k3")):
@@ -298,7 +308,7 @@ def stacked(frames: dict[str, pd.DataFrame], metrics: dict[str, str], metric_col
                                      line=dict(width=0.5, color=metric_colors[metric]),
                                      hovertemplate=f"{html.escape(run_id)} · {label}: %{{y:.3g}}<extra></extra>"),
                           row=row + 1, col=col + 1)
-    _layout(fig, title, x=x, height=120 + 280 * rows,
+    apply_layout(fig, title, x=x, height=120 + 280 * rows,
             legend=dict(orientation="v", yanchor="top", y=1, xanchor="left", x=1.02))
     fig.update_annotations(font=dict(size=12))
     fig.update_xaxes(title_text=None, nticks=4)
@@ -323,10 +333,13 @@ def step_time(frames: dict[str, pd.DataFrame], smoothing: tuple[str, float] = ("
 
 
 def evals(frames: dict[str, pd.DataFrame], colors: dict[str, str], title: str) -> go.Figure:
-    """avg@k / pass@k / maj@k over steps, one panel per metric; color = run, dash = k."""
+    """avg@k / pass@k / maj@k over steps, one panel per metric; color = run, dash = k. With one sample a problem
+    (every k is 1) the three are one number: one panel (evals_at_1)."""
     metrics = ["avg@k", "pass@k", "maj@k"]
-    fig = make_subplots(rows=1, cols=3, shared_yaxes=True, subplot_titles=metrics, horizontal_spacing=0.03)
     ks = sorted({int(k) for frame in frames.values() for k in frame["k"]})
+    if ks == [1]:
+        return evals_at_1(frames, colors, title)
+    fig = make_subplots(rows=1, cols=3, shared_yaxes=True, subplot_titles=metrics, horizontal_spacing=0.03)
     for run_id, frame in frames.items():
         for col, metric in enumerate(metrics, start=1):
             for i, k in enumerate(ks):
@@ -341,7 +354,37 @@ def evals(frames: dict[str, pd.DataFrame], colors: dict[str, str], title: str) -
                                          hovertemplate=f"{metric.replace('k', str(k))} %{{y:.3f}} "
                                                        "(%{customdata} problems)<extra>" + run_id + "</extra>"),
                               row=1, col=col)
-    _layout(fig, title)
+    apply_layout(fig, title)
+    fig.update_yaxes(range=[0, 1.05])
+    fig.update_yaxes(title_text=EVAL_Y_TITLE, col=1)
+    return fig
+
+
+EVAL_Y_TITLE = "fraction correct"
+
+
+def evals_at_1(frames: dict[str, pd.DataFrame], colors: dict[str, str], title: str) -> go.Figure:
+    """Evaluations of one sample a problem: avg@1 = pass@1 (the one sample correct), and maj@1 the same unless a
+    sample was judged correct without an extracted answer (no answer never wins a vote): one panel, a line per run,
+    maj@1 a dashed line of its own only where it differs."""
+    fig = go.Figure()
+    for run_id, frame in frames.items():
+        wide = frame.pivot_table(index="step", columns="metric", values="value", aggfunc="mean", dropna=False)
+        wide = wide.reindex(columns=["avg@k", "maj@k"])
+        problems = frame.groupby("step")["n_problems"].max().reindex(wide.index)
+        name = f"{run_id} · k=1"
+        fig.add_trace(go.Scatter(x=wide.index, y=wide["avg@k"], mode="lines+markers", name=name, uid=name,
+                                 line=dict(color=colors[run_id]), customdata=problems,
+                                 hovertemplate="avg@1 = pass@1 %{y:.3f} (%{customdata} problems)<extra>"
+                                               + html.escape(run_id) + "</extra>"))
+        if ((wide["maj@k"] - wide["avg@k"]).abs() > 1e-9).any():
+            name = f"{run_id} · maj@1"
+            fig.add_trace(go.Scatter(x=wide.index, y=wide["maj@k"], mode="lines+markers", name=name, uid=name,
+                                     line=dict(color=colors[run_id], dash="dash"), customdata=problems,
+                                     hovertemplate="maj@1 %{y:.3f} (%{customdata} problems)<extra>"
+                                                   + html.escape(run_id) + "</extra>"))
+    apply_layout(fig, f"{title} · k = 1: avg@1 = pass@1 = maj@1<br><sup>one sample a problem, so the three are one "
+                      "number (maj@1 drawn apart where it differs)</sup>", EVAL_Y_TITLE, hovermode="closest")
     fig.update_yaxes(range=[0, 1.05])
     return fig
 
@@ -362,7 +405,7 @@ def prompt_history(history: pd.DataFrame, k: float | None) -> go.Figure:
                                                + "</extra>"))
     if k is not None and not pd.isna(k):
         fig.add_hline(y=1 - k, line=dict(dash="dot", color=INK), annotation_text=f"1 - K = {1 - k:g}")
-    _layout(fig, "success rate of this prompt", "n_correct / group_size")
+    apply_layout(fig, "success rate of this prompt", "n_correct / group_size")
     fig.update_yaxes(range=[-0.05, 1.05])
     return fig
 
@@ -378,7 +421,7 @@ def prompt_heatmap(histories: pd.DataFrame, prompt_ids: list[str]) -> go.Figure:
     fig = go.Figure(go.Heatmap(z=grid.to_numpy(), x=list(grid.columns), y=labels, zmin=0, zmax=1,
                                colorscale="RdYlGn", colorbar=dict(title="success"), hoverongaps=False,
                                hovertemplate="step %{x}<br>%{y}<br>success %{z:.2f}<extra></extra>"))
-    _layout(fig, "success rate of the most-sampled prompts (blank: not sampled at that step)",
+    apply_layout(fig, "success rate of the most-sampled prompts (blank: not sampled at that step)",
             height=max(300, 22 * len(labels) + 120), hovermode="closest")
     fig.update_yaxes(autorange="reversed", type="category")
     return fig
@@ -392,7 +435,7 @@ def regime_mix(counts: pd.DataFrame) -> go.Figure:
         if part.empty:
             continue
         fig.add_trace(go.Bar(x=part["step"], y=part["n_groups"], name=regime, marker_color=REGIME_COLORS[regime]))
-    _layout(fig, "regime mix per step", "groups", barmode="stack", bargap=0.05)
+    apply_layout(fig, "regime mix per step", "groups", barmode="stack", bargap=0.05)
     return fig
 
 
@@ -411,7 +454,7 @@ def gate_breakdown(breakdown: pd.DataFrame, totals: pd.DataFrame, step: int | No
                              hovertemplate="%{y:.1%} (%{customdata} responses)<extra>" + reason + "</extra>"))
     if step is not None:
         fig.add_vline(x=step, line=dict(color=INK, dash="dot", width=1))
-    _layout(fig, "why responses were gated, per step", "fraction of the step's trained responses", barmode="stack",
+    apply_layout(fig, "why responses were gated, per step", "fraction of the step's trained responses", barmode="stack",
             bargap=0.05)
     fig.update_yaxes(range=[0, 1])
     return fig
@@ -442,7 +485,7 @@ def quantile_bands(frames: dict[str, pd.DataFrame], colors: dict[str, str], titl
                                                + html.escape(run_id) + "</extra>"))
     if step is not None:
         fig.add_vline(x=step, line=dict(color=INK, dash="dot", width=1))
-    return _layout(fig, title, y_title, log_y=log_y)
+    return apply_layout(fig, title, y_title, log_y=log_y)
 
 
 def histogram(values: dict[str, pd.Series], colors: dict[str, str], title: str, x_title: str) -> go.Figure:
@@ -452,7 +495,7 @@ def histogram(values: dict[str, pd.Series], colors: dict[str, str], title: str, 
         fig.add_trace(go.Histogram(x=series.dropna(), name=run_id, uid=run_id, marker_color=colors[run_id],
                                    opacity=0.6 if len(values) > 1 else 0.9,
                                    hovertemplate="%{x}: %{y} responses<extra>" + html.escape(run_id) + "</extra>"))
-    _layout(fig, title, "responses", barmode="overlay", hovermode="closest")
+    apply_layout(fig, title, "responses", barmode="overlay", hovermode="closest")
     fig.update_xaxes(title_text=x_title)
     return fig
 
@@ -468,7 +511,7 @@ def eval_problem_grid(grid: pd.DataFrame, title: str) -> go.Figure:
                                customdata=counts.reindex_like(table).to_numpy(),
                                hovertemplate="step %{x}<br>%{y}<br>%{z:.0%} correct (%{customdata})"
                                              "<extra></extra>"))
-    _layout(fig, title, height=max(300, min(14 * len(labels), 1400) + 140), hovermode="closest")
+    apply_layout(fig, title, height=max(300, min(14 * len(labels), 1400) + 140), hovermode="closest")
     fig.update_xaxes(type="category", title_text="evaluated at step")
     fig.update_yaxes(autorange="reversed", type="category", showticklabels=len(labels) <= 80)
     return fig
@@ -544,7 +587,7 @@ def seed_bands(groups: dict[str, pd.DataFrame], colors: dict[str, str], title: s
             customdata=np.stack([curve["n"], curve["low"], curve["high"]], axis=-1),
             hovertemplate=f"{name}: %{{y:.4g}} [%{{customdata[1]:.4g}}, %{{customdata[2]:.4g}}] "
                           "(%{customdata[0]} seeds, step %{x})<extra></extra>"))
-    return _layout(fig, f"{title} · band: {band}", y_title)
+    return apply_layout(fig, f"{title} · band: {band}", y_title)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -563,7 +606,7 @@ def preview_success(groups: pd.DataFrame, group_size: int) -> go.Figure:
     fig = go.Figure(go.Bar(x=xs, y=[int(counts.get(c, 0)) for c in xs], marker_color=colors, name="groups",
                            uid="groups", hovertemplate="%{x} of " + str(group_size) + " correct: %{y} groups"
                                                        "<extra></extra>"))
-    _layout(fig, f"groups by success rate (correct of G={group_size})", "groups", bargap=0.1)
+    apply_layout(fig, f"groups by success rate (correct of G={group_size})", "groups", bargap=0.1)
     fig.update_xaxes(title_text="correct responses in the group", dtick=1)
     return fig
 
@@ -585,7 +628,7 @@ def preview_gating(by_k: pd.DataFrame) -> go.Figure:
         fig.add_trace(go.Scatter(x=suggested["k"], y=suggested["frac_zero_adv"], mode="markers", name="suggested K",
                                  uid="suggested", marker=dict(symbol="star", size=16, color="#d62728"),
                                  hovertemplate="suggested K=%{x}: %{y:.1%} gated<extra></extra>"))
-    _layout(fig, "responses gated (advantage exactly 0) by K", "fraction of the responses", x="K")
+    apply_layout(fig, "responses gated (advantage exactly 0) by K", "fraction of the responses", x="K")
     fig.update_yaxes(range=[0, 1], tickformat=".0%")
     return fig
 
@@ -598,6 +641,6 @@ def preview_regimes(by_k: pd.DataFrame) -> go.Figure:
         if qae[f"n_{regime}"].sum():
             fig.add_trace(go.Bar(x=[f"{k:g}" for k in qae["k"]], y=qae[f"n_{regime}"], name=regime, uid=regime,
                                  marker_color=REGIME_COLORS[regime]))
-    _layout(fig, "groups by regime under QAE at each K", "groups", x="K", barmode="stack", bargap=0.1)
+    apply_layout(fig, "groups by regime under QAE at each K", "groups", x="K", barmode="stack", bargap=0.1)
     fig.update_xaxes(type="category")  # one bar per K shown, side by side
     return fig

@@ -68,16 +68,17 @@ def group_frames(frames: dict[str, pd.DataFrame], groups: dict[str, list[str]], 
     for label, run_ids in groups.items():
         members = [frames[run_id] for run_id in run_ids if run_id in frames]
         steps = sorted({int(step) for frame in members for step in frame["step"]})
-        grouped = pd.DataFrame({"step": steps})
+        step = pd.Series(steps, name="step")
+        columns = {"step": step}  # built apart and joined once (a column inserted at a time fragments the frame)
         for metric in metrics:
             curves = [frame[["step", metric]].rename(columns={metric: "value"}) for frame in members
                       if metric in frame]
             if not curves:
                 continue
             curve = charts.across_seeds(curves, band, metric_bounds(metric)).set_index("step")
-            grouped[metric] = grouped["step"].map(curve["mean"])
-            grouped[metric + charts.BAND_LOW] = grouped["step"].map(curve["low"])
-            grouped[metric + charts.BAND_HIGH] = grouped["step"].map(curve["high"])
-            grouped[metric + charts.BAND_N] = grouped["step"].map(curve["n"]).fillna(0).astype(int)
-        out[label] = grouped
+            columns[metric] = step.map(curve["mean"])
+            columns[metric + charts.BAND_LOW] = step.map(curve["low"])
+            columns[metric + charts.BAND_HIGH] = step.map(curve["high"])
+            columns[metric + charts.BAND_N] = step.map(curve["n"]).fillna(0).astype(int)
+        out[label] = pd.DataFrame(columns)
     return out

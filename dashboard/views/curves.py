@@ -1,6 +1,7 @@
 """Training curves of the picked runs, overlaid, redrawn at each new step of a live run (zoom and hidden legend entries
 survive the redraw)."""
 
+import attribution
 import board
 import charts
 import grouping
@@ -101,8 +102,12 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
     if not views:
         return
     st.text("   ".join(board.progress_line(view) for view in views.values()))
-    board.stop_controls(views)
-    board.heartbeat(views)
+    # what only a live run has, in one slot drawn live or not: Streamlit's browser side keeps a chart (and its zoom)
+    # by its place among the page's blocks, so a stop button and pace line that vanished when the run finished moved
+    # every chart in columns below them, and those were drawn afresh, unzoomed
+    with st.container():
+        board.stop_controls(views)
+        board.heartbeat(views)
     if all(view.steps.empty for view in views.values()):
         st.info("No step written yet: the first step appears here when the trainer finishes it.")
         return
@@ -183,8 +188,8 @@ def update_charts(frames: dict, colors: dict, smoothing: tuple[str, float], axes
         if any("dH" in frame and frame["dH"].notna().any() for frame in frames.values()):
             # what each regime's responses did under the whole step's update; which regime caused it: the
             # attribution chart (--log-entropy-attribution)
-            chart(charts.lines(frames, ["dH_easy", "dH_hard", "dH"], colors, "entropy change of each regime's "
-                               "responses, whole update", smoothing, "nats / token", **axes),
+            chart(attribution.chart(frames, ["dH_easy", "dH_hard", "dH"], "entropy change of each regime's "
+                                    "responses, whole update", smoothing, axes["x"]),
                   "entropy_delta", ["dH_easy", "dH_hard", "dH"])
         else:
             st.caption("Entropy change per regime (dH_easy, dH_hard): not measured in these runs. Train with "
@@ -193,12 +198,12 @@ def update_charts(frames: dict, colors: dict, smoothing: tuple[str, float], axes
         left, right = st.columns(2)
         with left:
             # QAE, Prop. 4.2 predicts from_easy > from_none > from_hard (in the metrics' definitions below)
-            chart(charts.lines(frames, list(ATTRIBUTION_SOURCES), colors, "entropy change caused by one regime's "
-                               "update alone", smoothing, "nats / token", **axes),
+            chart(attribution.chart(frames, list(ATTRIBUTION_SOURCES), "entropy change caused by one regime's "
+                                    "update alone", smoothing, axes["x"]),
                   "entropy_attribution", list(ATTRIBUTION_SOURCES))
         with right:
-            chart(charts.lines(frames, list(ATTRIBUTION_MATRIX), colors, "which regime's update moved which "
-                               "regime's responses", smoothing, "nats / token", **axes),
+            chart(attribution.chart(frames, list(ATTRIBUTION_MATRIX), "which regime's update moved which "
+                                    "regime's responses", smoothing, axes["x"]),
                   "entropy_attribution_matrix", list(ATTRIBUTION_MATRIX))
     else:
         st.caption("Entropy change caused by each regime's update (dH_from_hard, dH_from_easy): not measured in "

@@ -14,7 +14,6 @@ import streamlit as st
 from qae_app.store import reader as store_read
 
 CORRECT_CHOICES = {"all": None, "correct": True, "wrong": False}
-SOURCES = {"train": "during training", "eval": "qae eval"}
 SAMPLE_COLUMNS = {
     "problem_id": st.column_config.TextColumn("problem"),
     "sample_idx": st.column_config.NumberColumn("sample", width="small"),
@@ -45,8 +44,7 @@ def body(run_id: str) -> None:
         st.info("No evaluation samples stored for this run. Train with `--eval-every N`, or run `qae eval --model "
                 f"{run_id}`; every sampled answer is stored and shown here.")
         return
-    names = {f"{b} ({SOURCES.get(s, s)})": (b, s) for b, s in checkpoints[["benchmark", "source"]].drop_duplicates()
-             .itertuples(index=False)}
+    names = board.eval_choices(checkpoints)  # as Evaluations lists them, opening on the same one
     cols = st.columns([2, 3])
     name = cols[0].selectbox("Benchmark", list(names), key="benchmark", bind="query-params")
     benchmark, source = names[name]

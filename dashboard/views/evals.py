@@ -18,12 +18,14 @@ def body(run_ids: list[str]) -> None:
         return
     everything = pd.concat([frame.assign(run=run_id) for run_id, frame in evals.items()], ignore_index=True)
     # `qae eval` of a checkpoint is listed apart from the trainer's own --eval-every results (other k, limit)
-    everything["benchmark"] = everything["benchmark"].where(everything["source"] != "eval",
-                                                            everything["benchmark"] + " (qae eval)")
+    everything["benchmark"] = [board.eval_label(b, s) for b, s in zip(everything["benchmark"], everything["source"])]
     colors = board.run_colors(run_ids)  # the picked order, readable or not: a run keeps its color on every page
-    benchmarks = sorted(everything["benchmark"].unique())
+    benchmarks = list(board.eval_choices(pd.concat(evals.values())))
+    first = next(iter(board.eval_choices(evals[run_ids[0]]))) if run_ids[0] in evals else benchmarks[0]
     cols = st.columns(2)
-    benchmark = cols[0].selectbox("Benchmark", benchmarks, key="benchmark", bind="query-params")
+    # opens where Eval samples opens for the first picked run (the one it shows)
+    benchmark = cols[0].selectbox("Benchmark", benchmarks, index=benchmarks.index(first), key="benchmark",
+                                  bind="query-params")
     subsets = sorted(everything.loc[everything["benchmark"] == benchmark, "subset"].unique(),
                      key=lambda s: (s != "all", s))
     subset = cols[1].selectbox("Subset", subsets, key="subset", bind="query-params",

@@ -1,17 +1,20 @@
 """The dashboard (dashboard/, installed as qae_app.dashboard): its pages run with Streamlit's AppTest, its readers and
 charts, the real server, and a real browser on it. The run folders the pages are tested on, and AppTest runners on
-them, are fixtures here (on tests/conftest.py's tiny_run); the plain helpers are in helpers.py."""
+them, are fixtures here (on tests/conftest.py's tiny_run), and so is a process that holds a run's lock as its
+trainer does; the plain helpers are in helpers.py."""
 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from qae_app.store import run_folder as rundir
 from qae_app.store import writer as store_write
-from tests.dashboard.helpers import _write_crafted, make_app
+from tests.dashboard.helpers import HOLDER, _write_crafted, make_app
 from tests.synthetic import write_run
 
 
@@ -47,3 +50,17 @@ def app(runs_dir, monkeypatch):
 @pytest.fixture
 def small_app(small_dir, monkeypatch):
     return make_app(small_dir, monkeypatch)
+
+
+@pytest.fixture
+def hold_lock(request):
+    """hold_lock(run_dir) -> a process holding the run's lock, ended when the test ends."""
+
+    def hold(run_dir: Path) -> subprocess.Popen:
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir / rundir.LOCK_FILE)],
+                                  stdout=subprocess.PIPE, text=True)
+        request.addfinalizer(holder.kill)
+        assert holder.stdout.readline().strip() == "held"
+        return holder
+
+    return hold

@@ -33,6 +33,19 @@ EVIL_PROMPT = "<b>What</b> is **2+2**?"
 MOVING_PROMPT = "p-move"
 
 
+# a process that holds a run's lock as a trainer does (its pid in the lock file, an exclusive flock) and says when
+# SIGTERM reaches it
+HOLDER = """import fcntl, os, signal, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.ftruncate(fd, 0)
+os.write(fd, str(os.getpid()).encode())
+signal.signal(signal.SIGTERM, lambda *args: (print("SIGTERM", flush=True), os._exit(0)))
+print("held", flush=True)
+time.sleep(300)
+"""
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the crafted run and the AppTest runner (conftest.py's fixtures are built on them)
 
@@ -133,6 +146,22 @@ def plotly_specs(at) -> dict[str, dict]:
             key = element.proto.id.split("-", 2)[-1]  # "$$ID-<hash>-<key>"
             specs[key] = _unpack(json.loads(json.loads(element.proto.json)["figure"]))
     return specs
+
+
+def plot_places(at) -> dict[str, tuple[int, ...]]:
+    """key -> where the chart sits among the page's blocks (the index of each block on the way down, then its own).
+    Streamlit's browser side keeps a chart's plot, and the zoom in it, only while its place stays the same."""
+    places = {}
+
+    def walk(node, place: tuple[int, ...]) -> None:
+        proto = getattr(node, "proto", None)
+        if getattr(proto, "component_name", None) == "qae_plot":
+            places[proto.id.split("-", 2)[-1]] = place
+        for index, child in getattr(node, "children", {}).items():
+            walk(child, (*place, index))
+
+    walk(at._tree, ())
+    return places
 
 
 def texts(at) -> str:

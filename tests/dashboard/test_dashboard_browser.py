@@ -316,6 +316,109 @@ def test_zoom_survives_new_steps_and_a_killed_run_stops_redrawing(start, dashboa
     screenshot(page, tmp_path, "dashboard-killed.png")
 
 
+def zoom(page, index: int) -> dict:
+    """Drag a box over the middle of the `index`-th chart (as a hand zooms) and return its state once zoomed."""
+    chart = page.locator(".js-plotly-plot").nth(index)
+    chart.scroll_into_view_if_needed()
+    area = chart.locator(".nsewdrag").first.bounding_box()
+    page.mouse.move(area["x"] + area["width"] * 0.3, area["y"] + area["height"] * 0.2)
+    page.mouse.down()
+    page.mouse.move(area["x"] + area["width"] * 0.6, area["y"] + area["height"] * 0.8, steps=8)
+    page.mouse.up()
+    page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot')[{index}].layout.xaxis.autorange === false",
+                           timeout=10_000)
+    return page.evaluate(PLOT_STATE, index)
+
+
+def test_zoom_survives_the_run_finishing(hold_lock, dashboard, page, tmp_path):
+    """Issue 39: the zoom survived a live run's new steps but reset when the run finished. A run stored as running
+    (its lock held by a small process, as a trainer holds it) is zoomed, then finishes: the page is redrawn for the
+    new status and the zoom stays."""
+    from qae_app.store import writer as store_write
+    from tests.dashboard.helpers import _crafted_rows
+
+    runs_dir = tmp_path / "runs"
+    writer = store_write.RunWriter(rundir.db_path(runs_dir, "live"), "live")
+    writer.create_run("live", {"steps": 3}, "qae", 0.4, "builtin:tiny", "arith", 0)
+    for step in (1, 2, 3):
+        writer.add_step(step, **_crafted_rows(step))
+    assert writer.flush()
+    holder = hold_lock(runs_dir / "live")
+    url = dashboard(runs_dir, refresh="2")
+    page.goto(f"{url}/curves?run=live&smooth=none")
+    expect(page.get_by_text("live · running · step 3 / 3")).to_be_visible(timeout=90_000)
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 9", timeout=90_000)
+    wait_idle(page)
+    zoomed = zoom(page, 0)
+
+    assert writer.update_run(status="finished") or writer.flush(timeout_s=30)  # (a page may be reading the file)
+    stop(holder)  # the trainer lets go of its lock as it exits
+    expect(page.get_by_text("live · finished · step 3 / 3")).to_be_visible(timeout=60_000)
+    expect(page.get_by_text("no shown run is training")).to_be_visible(timeout=30_000)
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 9", timeout=30_000)
+    wait_idle(page)
+    assert page.evaluate(PLOT_STATE, 0)["range"] == zoomed["range"]
+    screenshot(page, tmp_path, "dashboard-zoom-kept-finished.png")
+
+
+ENTROPY_CHANGE_CHART = """(title) => { const gd = [...document.querySelectorAll('.js-plotly-plot')].find(
+    gd => gd.layout.title.text.startsWith(title));
+    const strokes = [...gd.querySelectorAll('.scatterlayer .trace path.js-line')].map(path => path.style.stroke);
+    const subtitle = gd.querySelector('.gtitle-subtitle');
+    return {strokes: strokes, sign: subtitle.textContent,
+            inside: subtitle.getBoundingClientRect().right <= gd.getBoundingClientRect().right}; }"""
+
+
+def test_entropy_change_charts_draw_a_color_per_regime_and_the_sign(dashboard, page, tmp_path):
+    """Issue 39: the attribution charts, as the browser draws them: a stroke color per series (the hard update's,
+    the easy update's, the update without advantage), each color twice (the line and its mean), and the sign
+    convention under the title, whole within the chart's width."""
+    from tests.dashboard.helpers import _write_crafted
+
+    runs_dir = tmp_path / "runs"
+    _write_crafted(runs_dir)
+    url = dashboard(runs_dir, refresh="off")
+    page.goto(f"{url}/curves?run=crafted&smooth=none")
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 12", timeout=90_000)
+    wait_idle(page)
+    for title, n_series in (("entropy change caused by one regime's update alone", 3),
+                            ("which regime's update moved which regime's responses", 4),
+                            ("entropy change of each regime's responses", 3)):
+        drawn = page.evaluate(ENTROPY_CHANGE_CHART, title)
+        colors = set(drawn["strokes"])
+        assert len(colors) == n_series and all(drawn["strokes"].count(c) == 2 for c in colors), (title, drawn)
+        assert drawn["sign"].startswith("above 0: the update raised entropy") and drawn["inside"], (title, drawn)
+    chart = page.locator(".js-plotly-plot").filter(has_text="caused by one regime's update alone")
+    chart.scroll_into_view_if_needed()
+    chart.screenshot(path=tmp_path / "dashboard-entropy-attribution.png")
+    screenshot(page, tmp_path, "dashboard-entropy-change.png")
+
+
+def test_evaluations_at_k_1_draw_one_panel_and_open_where_eval_samples_opens(dashboard, page, tmp_path):
+    """Issue 39: a run evaluated at k = 1, while training and by `qae eval`: the Evaluations page draws one panel
+    (three identical ones before) and both evaluation pages open on the training's own evaluation."""
+    from tests.dashboard.test_dashboard_charts import write_k1_run
+
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    write_k1_run(runs_dir)
+    url = dashboard(runs_dir, refresh="off")
+    opened = {}
+    for view in ("evals", "eval-samples"):
+        page.goto(f"{url}/{view}?run=k1")
+        box = page.get_by_role("combobox", name="Benchmark")
+        expect(box).to_have_value(re.compile("arith-heldout"), timeout=60_000)
+        wait_idle(page)
+        opened[view] = box.input_value()
+        if view == "evals":
+            page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length === 1", timeout=60_000)
+            panels = page.evaluate("Object.keys(document.querySelector('.js-plotly-plot')._fullLayout)"
+                                   ".filter(name => /^xaxis/.test(name))")
+            assert panels == ["xaxis"]
+            screenshot(page, tmp_path, "dashboard-evals-k1.png")
+    assert opened["evals"] == opened["eval-samples"] and "(during training)" in opened["evals"], opened
+
+
 @pytest.mark.slow
 def test_the_compare_page_of_a_sweep(dashboard, page, tmp_path):
     """A sweep of 2 estimators x 3 seeds: the table with its intervals, the three charts of mean curves with bands,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,20 +18,8 @@ from qae_app.core.errors import QAEUserError
 from qae_app.store import reader as store_read
 from qae_app.store import run_folder as rundir
 from qae_app.store import writer as store_write
-from qae_app.store.labels import read_labels, tags_from_text
+from qae_app.store.labels import Labels, read_labels, tags_from_text, write_labels
 from tests.dashboard.helpers import _crafted_rows, make_app
-
-# a process that holds a run's lock as a trainer does (its pid in the lock file, an exclusive flock) and says when
-# SIGTERM reaches it
-HOLDER = """import fcntl, os, signal, sys, time
-fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
-fcntl.flock(fd, fcntl.LOCK_EX)
-os.ftruncate(fd, 0)
-os.write(fd, str(os.getpid()).encode())
-signal.signal(signal.SIGTERM, lambda *args: (print("SIGTERM", flush=True), os._exit(0)))
-print("held", flush=True)
-time.sleep(300)
-"""
 
 
 def write_live_run(runs_dir: Path, run_id: str = "live") -> None:
@@ -41,20 +28,6 @@ def write_live_run(runs_dir: Path, run_id: str = "live") -> None:
     writer.create_run(run_id, {"steps": 10}, "qae", 0.4, "builtin:tiny", "arith", 0)
     writer.add_step(1, **_crafted_rows(1))
     assert writer.flush()
-
-
-@pytest.fixture
-def hold_lock(request):
-    """hold_lock(run_dir) -> a process holding the run's lock, ended when the test ends."""
-
-    def hold(run_dir: Path) -> subprocess.Popen:
-        holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir / rundir.LOCK_FILE)],
-                                  stdout=subprocess.PIPE, text=True)
-        request.addfinalizer(holder.kill)
-        assert holder.stdout.readline().strip() == "held"
-        return holder
-
-    return hold
 
 
 def test_tags_typed_in_a_cell_are_checked_and_kept_once_in_order():
@@ -163,45 +136,78 @@ def start(request):
     return run
 
 
-def edit_cell(page, table, right: int, text: str | None) -> bool:
-    """Type `text` into the first row's cell `right` columns right of the run id, as a hand does: click the run id
-    (the column after the 56 px `shown` one), arrow right, Enter opens the cell's editor (glide's textarea), Enter
-    commits. False when no editor opened (a read-only cell); with `text` None only tries to open one."""
+# The grid draws on a canvas; beside it glide keeps an accessibility table that says which cell is selected, its
+# column, whether it can be edited and its text: the tests steer and check by it, not by pixels.
+SELECTED_CELL = """table => {
+    const cell = table.querySelector('td[aria-selected=true]');
+    if (!cell) return null;
+    const header = table.querySelectorAll('th')[Number(cell.getAttribute('aria-colindex')) - 1];
+    return {column: header ? header.textContent : null, readonly: cell.getAttribute('aria-readonly') === 'true',
+            text: cell.textContent, row: cell.id};
+}"""
+
+
+def select_cell(page, table, column: str) -> dict:
+    """Select the first row's cell under `column` as a hand does: click the run id (the column after the 56 px
+    `shown` one; the grid ignores a click that no pointer move led to the cell), then arrow right until the grid
+    says that cell is selected; click again when an arrow moved nothing (the click went unnoticed: the grid has no
+    keyboard focus). Returns what the grid says of the cell."""
     box = table.bounding_box()
     cell = box["x"] + 56 + 15, box["y"] + 35 + 17  # header 35 px, the first row's middle
-    page.mouse.move(*cell)  # the grid ignores a click that no pointer move led to the cell
-    time.sleep(0.5)
-    page.mouse.click(*cell)
-    time.sleep(0.5)
-    for _ in range(right):
-        page.keyboard.press("ArrowRight")
+    selected = None
+    for _ in range(3):
+        page.mouse.move(*cell)
+        time.sleep(0.5)
+        page.mouse.click(*cell)
+        time.sleep(0.5)
+        selected = table.evaluate(SELECTED_CELL)
+        for _ in range(12):
+            if selected is None or selected["column"] == column:
+                break
+            page.keyboard.press("ArrowRight")
+            time.sleep(0.3)
+            moved, selected = selected, table.evaluate(SELECTED_CELL)
+            if selected == moved:
+                break
+        if selected is not None and selected["column"] == column:
+            return selected
+    raise AssertionError(f"no {column!r} cell right of the run id could be selected (last selected: {selected})")
+
+
+def edit_cell(page, table, column: str, text: str) -> dict:
+    """Type `text` into the first row's `column` cell: select it, Enter opens its editor (glide's textarea), Enter
+    commits. Returns what the grid says of the cell afterwards (its text: what the grid took)."""
+    selected = select_cell(page, table, column)
     page.keyboard.press("Enter")
-    try:
-        page.wait_for_selector("textarea.gdg-input", state="visible", timeout=10_000)
-    except Exception:  # noqa: BLE001 - playwright's TimeoutError: no editor
-        return False
-    if text is not None:
-        page.keyboard.press("Control+A")
-        page.keyboard.type(text)
-        page.keyboard.press("Enter")
-    return True
+    page.wait_for_selector("textarea.gdg-input", state="visible", timeout=10_000)
+    page.keyboard.press("Control+A")
+    page.keyboard.type(text)
+    page.keyboard.press("Enter")
+    deadline = time.monotonic() + 10
+    while (shown := table.evaluate(SELECTED_CELL) or selected)["text"] != text and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return shown
 
 
-def edit_until_kept(page, table, right: int, text: str, kept, tries: int = 3) -> None:
-    """Type `text` into the cell as `edit_cell` does until `kept()` says labels.json holds it: Streamlit drops an
-    edit that lands while the page reruns (a live run's refresh can start one at any moment, on a loaded machine
-    often), as it drops a click, and a user types it again. Fails when no try was kept."""
+def edit_until_kept(page, table, column: str, text: str, kept, tmp_path: Path, tries: int = 3) -> None:
+    """Type `text` into the cell as `edit_cell` does until `kept()` says labels.json holds it: an edit that lands
+    while the page reruns can be dropped, and a user types it again. Fails when no try was kept, with what the grid
+    showed and a screenshot."""
     from tests.dashboard.test_dashboard_browser import wait_idle
 
-    for _ in range(tries):
+    seen = []
+    for attempt in range(tries):
         wait_idle(page)
-        assert edit_cell(page, table, right, text)
+        seen.append(edit_cell(page, table, column, text))
         deadline = time.monotonic() + 30
         while not kept() and time.monotonic() < deadline:
             time.sleep(0.5)
         if kept():
             return
-    raise AssertionError(f"{text!r} typed {tries} times, never kept in labels.json")
+        page.screenshot(path=str(tmp_path / f"edit-{column}-{attempt}.png"))
+    logs = "".join(path.read_text()[-2000:] for path in tmp_path.glob("dashboard-*.log"))
+    raise AssertionError(f"{text!r} typed {tries} times, never kept in labels.json; the grid's cell after each "
+                         f"try: {seen}; screenshots in {tmp_path}; the dashboard's log: {logs}")
 
 
 @pytest.mark.browser
@@ -224,10 +230,11 @@ def test_edit_tags_and_a_note_then_stop_a_training_run_from_the_browser(start, s
     expect(table).to_contain_text("live", timeout=90_000)
     expect(page.get_by_text("Edit a run's")).to_be_visible()
     # columns: shown, run, tags, note, ...
-    edit_until_kept(page, table, 1, "baseline lr-too-high",
-                    lambda: read_labels(runs_dir / "live").tags == ["baseline", "lr-too-high"])
+    edit_until_kept(page, table, "tags", "baseline lr-too-high",
+                    lambda: read_labels(runs_dir / "live").tags == ["baseline", "lr-too-high"], tmp_path)
     expect(table).to_contain_text("baseline, lr-too-high", timeout=60_000)
-    edit_until_kept(page, table, 2, "lr too high?", lambda: read_labels(runs_dir / "live").note == "lr too high?")
+    edit_until_kept(page, table, "note", "lr too high?", lambda: read_labels(runs_dir / "live").note == "lr too high?",
+                    tmp_path)
     assert trainer.poll() is None  # the run trained on through both edits
     listed = subprocess.run([str(QAE), "runs", "--runs-dir", str(runs_dir), "--tag", "lr-too-high"],
                             capture_output=True, text=True, env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"})
@@ -254,6 +261,7 @@ def test_a_read_only_dashboard_shows_no_controls(serve, browser_page, tmp_path, 
     expect = pytest.importorskip("playwright.sync_api").expect
     runs_dir = tmp_path / "runs"
     write_live_run(runs_dir)
+    write_labels(runs_dir / "live", Labels(tags=["kept"]))  # (a tags column shows without controls only when set)
     holder = hold_lock(runs_dir / "live")
     page = browser_page
     for options in (["--read-only"], ["--host", "0.0.0.0"]):
@@ -268,20 +276,20 @@ def test_a_read_only_dashboard_shows_no_controls(serve, browser_page, tmp_path, 
         expect(table).to_contain_text("live", timeout=90_000)
         wait_idle(page)
         assert page.get_by_text("Edit a run's").count() == 0
-        edit_cell(page, table, 1, "sneaky")
+        assert select_cell(page, table, "tags")["readonly"]  # the grid itself says the cell cannot be edited
+        edit_cell(page, table, "tags", "sneaky")
         page.keyboard.press("Escape")
         page.reload()  # a full round trip to the server after the typing: a saved edit would be read back
         expect(page.get_by_test_id("stDataFrame").first).to_contain_text("live", timeout=90_000)
         wait_idle(page)
         assert "sneaky" not in page.get_by_test_id("stDataFrame").first.inner_text()
-        assert read_labels(runs_dir / "live").tags == []
+        assert read_labels(runs_dir / "live").tags == ["kept"]
     assert holder.poll() is None
 
 
 def test_curves_grouped_by_tags(tmp_path, monkeypatch):
     """Training curves' "Group by" offers the runs' tags: runs with the same tags form a group, whatever their config;
     the line is the mean of the group's runs as their DuckDB files hold them."""
-    from qae_app.store.labels import Labels, write_labels
     from tests.dashboard.helpers import plotly_specs
     from tests.synthetic import write_run
 

@@ -108,17 +108,17 @@ def test_curves_page_plots_every_step_of_each_run(app, runs_dir):
     assert {"hard", "easy", "all_correct", "all_wrong"} <= regimes
     assert "tiny · finished · step 6 / 6" in texts(at) and "crafted · finished · step 3 / 3" in texts(at)
     assert "mean per-token entropy" in texts(at)  # the definition from STEP_METRICS
-    delta = {trace["name"]: trace for trace in specs["entropy_delta"]["data"]}  # the crafted run measured dH
+    delta = {trace["uid"]: trace for trace in specs["entropy_delta"]["data"]}  # the crafted run measured dH
     assert list(delta["crafted · dH_easy"]["y"]) == pytest.approx([0.02] * 3)
     assert list(delta["crafted · dH_hard"]["y"]) == pytest.approx([-0.03] * 3)
     assert "Entropy change per regime" in texts(app("curves", run="tiny"))  # the tiny run did not: said so
-    caused = {trace["name"].removesuffix(" (raw)"): list(trace["y"]) for trace in specs["entropy_attribution"]["data"]
-              if trace["name"].endswith(" (raw)")}  # (the values as stored: the default smoothing keeps them faint)
+    caused = {trace["uid"].removesuffix(" (raw)"): list(trace["y"]) for trace in specs["entropy_attribution"]["data"]
+              if trace["uid"].endswith(" (raw)")}  # (the values as stored: the default smoothing keeps them faint)
     assert caused == {"crafted · dH_from_hard": pytest.approx([-0.04] * 3),
                       "crafted · dH_from_easy": pytest.approx([0.01, 0.02, 0.03]),
                       "crafted · dH_from_none": pytest.approx([0.001] * 3)}
-    matrix = {trace["name"].removesuffix(" (raw)"): list(trace["y"])
-              for trace in specs["entropy_attribution_matrix"]["data"] if trace["name"].endswith(" (raw)")}
+    matrix = {trace["uid"].removesuffix(" (raw)"): list(trace["y"])
+              for trace in specs["entropy_attribution_matrix"]["data"] if trace["uid"].endswith(" (raw)")}
     assert matrix["crafted · dH_easy_from_hard"] == pytest.approx([-0.02] * 3) and len(matrix) == 4
     assert "caused by each regime's update" in texts(app("curves", run="tiny"))
     # the sampler-trainer mismatch: the tiny run's hf engine returned its log-probs, the crafted run stored none
@@ -213,7 +213,7 @@ def test_evals_page_plots_each_metric_and_subset(app, runs_dir):
     at = app("evals", run="tiny")
     evals = store_read.read_evals(rundir.db_path(runs_dir, "tiny"))
     spec = plotly_specs(at)["evals_chart"]
-    avg = [t for t in spec["data"] if t["xaxis"] in (None, "x")]
+    avg = [t for t in spec["data"] if t.get("xaxis") in (None, "x")]  # (at k = 1, one panel: no xaxis named)
     assert avg and list(avg[0]["x"]) == evals.query("metric == 'avg@k' and subset == 'all'")["step"].tolist()
     latest = frame_with(at, "run", "metric", "value")
     last = evals[evals["step"] == evals["step"].max()].set_index("metric")["value"]

@@ -13,6 +13,7 @@ import torch
 
 from qae_app.store.reader import query, read_run, read_steps
 from qae_app.store.run_folder import db_path
+from tests.launching import ONE_MACHINE
 from tests.same_steps import assert_same_metrics, kept_steps
 
 ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
@@ -20,7 +21,7 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "same_samples.py"
 
 
 def launch(n: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    command = [ACCELERATE, "launch", "--num_processes", str(n), "--num_machines", "1", "--mixed_precision", "no",
+    command = [ACCELERATE, "launch", "--num_processes", str(n), *ONE_MACHINE, "--mixed_precision", "no",
                "--dynamo_backend", "no", *(["--multi_gpu"] if n > 1 else ["--cpu"]), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=900, env=dict(os.environ, **(env or {})))
 
@@ -104,8 +105,11 @@ def test_two_process_run_checkpoints_whole_and_resumes_after_kill_9(tmp_path):
     assert not list((tmp_path / "ref" / "checkpoints").glob("*.tmp"))
 
     killed = train(2, tmp_path, "cut", *options, env={"QAE_FAULT": "after_step_rows@3"})
-    assert killed.returncode != 0
-    assert kept_steps(tmp_path / "cut") == [1, 2]  # in the database or saved under pending/: all but the step in flight
+    killed_output = killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert killed.returncode != 0, killed_output
+    assert db_path(tmp_path, "cut").exists(), killed_output  # it died at step 3, not before its run existed
+    # in the database or saved under pending/: all but the step in flight
+    assert kept_steps(tmp_path / "cut") == [1, 2], killed_output
     resumed = launch(2, "-m", "qae_app.cli", "train", "--resume", "cut", "--runs-dir", str(tmp_path))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     want, got = (read_steps(db_path(tmp_path, name)).set_index("step") for name in ("ref", "cut"))

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from qae_app.store.reader import query, read_run, read_steps
 from qae_app.store.run_folder import db_path
 from tests.e2e.test_launch_teardown import documented_exit_code
+from tests.launching import ONE_MACHINE
 from tests.same_steps import assert_same_metrics, kept_steps
 
 ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
@@ -35,7 +36,7 @@ KEY_METRICS = ("reward_mean", "entropy", "loss", "grad_norm", "kl")
 
 def launch(config: str, n: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     command = [ACCELERATE, "launch", "--config_file", str(CONFIGS / f"{config}.yaml"), "--num_processes", str(n),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *args]
+               *ONE_MACHINE, "--mixed_precision", "no", "--dynamo_backend", "no", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, COLUMNS="300", **(env or {})))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from qae_app.store.run_folder import latest_checkpoint
+from tests.launching import ONE_MACHINE
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
@@ -56,7 +57,7 @@ def documented_exit_code(phrase: str) -> int:
 
 def launch(runs_dir: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen([ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"),
-                             "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                             "--num_processes", "2", *ONE_MACHINE, "--mixed_precision", "no",
                              "--dynamo_backend", "no", "-m", "qae_app.cli", "train", "--runs-dir", str(runs_dir),
                              *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
@@ -113,7 +114,7 @@ def test_a_second_launch_on_a_live_run_is_refused_before_any_collective(tmp_path
     try:
         wait_until(lambda: latest_checkpoint(runs_dir / "k") is not None, first, "first checkpoint")
         second = subprocess.run([ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"),
-                                 "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                                 "--num_processes", "2", *ONE_MACHINE, "--mixed_precision", "no",
                                  "--dynamo_backend", "no", "-m", "qae_app.cli", "train", "--resume", "k",
                                  "--runs-dir", str(runs_dir)], capture_output=True, text=True, timeout=300,
                                 env=dict(os.environ, COLUMNS="300"))

@@ -36,6 +36,7 @@ from qae_app.train.session import resume_config
 from qae_app.train.trainer import Trainer
 from qae_app.train.update import UpdateOptions, logprobs_in_chunks, pack
 from tests.conftest import TINY_RUN_OPTIONS
+from tests.launching import ONE_MACHINE
 from tests.same_steps import assert_same_metrics
 
 runner = CliRunner()
@@ -262,7 +263,7 @@ def test_two_processes_train_the_one_process_adapters(tmp_path):
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
     script = Path(__file__).parents[1] / "scripts" / "same_samples.py"
     for n in (1, 2):
-        command = [accelerate, "launch", "--num_processes", str(n), "--num_machines", "1", "--mixed_precision", "no",
+        command = [accelerate, "launch", "--num_processes", str(n), *ONE_MACHINE, "--mixed_precision", "no",
                    "--dynamo_backend", "no", *(["--multi_gpu"] if n > 1 else ["--cpu"]), str(script), str(tmp_path),
                    f"p{n}", "lora"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=dict(os.environ))

@@ -22,6 +22,7 @@ from qae_app.store.run_folder import pending_writes
 from qae_app.store.schema import PendingWrite, pending_write_from_json, pending_write_json
 from qae_app.store.writer import RunWriter, convert_legacy_pending
 from tests.dashboard.helpers import free_port, wait_healthy
+from tests.launching import ONE_MACHINE
 
 # a module that leaves a trace when imported: `python -m streamlit` used to put the working folder first on sys.path,
 # so these names, imported by Streamlit itself, ran from whatever folder `qae dashboard` was started in
@@ -350,7 +351,7 @@ def test_a_payload_planted_in_a_sharded_checkpoint_never_runs(tmp_path):
     config = Path(__file__).resolve().parents[2] / "configs" / "accelerate" / "fsdp2.yaml"
 
     def launch(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([accelerate, "launch", "--config_file", str(config), "--num_processes", "2",
+        return subprocess.run([accelerate, "launch", "--config_file", str(config), "--num_processes", "2", *ONE_MACHINE,
                                "-m", "qae_app.cli", "train", *args], capture_output=True, text=True, timeout=900,
                               env=dict(os.environ, COLUMNS="300"))
 

@@ -34,7 +34,7 @@ LAYERS = [
 ]
 DASHBOARD = PACKAGE.parent / "dashboard"
 # the app's own modules, imported by bare name (Streamlit runs it as a script)
-DASHBOARD_LOCAL = {"board", "charts", "grouping"}
+DASHBOARD_LOCAL = {"attribution", "board", "charts", "grouping"}
 # what the dashboard may import from qae_app: the torch-free packages, and nothing of the terminal views (their text
 # belongs to the CLI)
 DASHBOARD_MAY_IMPORT = {"core", "store", "data", "config", "analysis"}

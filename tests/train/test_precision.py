@@ -12,6 +12,7 @@ from qae_app.cli.main import app
 from qae_app.config import build_config
 from qae_app.models.policy import load_policy
 from qae_app.train.precision import fraction_moved_by_a_step
+from tests.launching import ONE_MACHINE
 
 runner = CliRunner()
 SMALL = ["--steps", "3", "--prompts-per-step", "4", "--group-size", "8", "--eval-every", "0", "--checkpoint-every",
@@ -112,7 +113,7 @@ def test_mixed_precision_under_fsdp2_x2_moves_every_weight(tmp_path):
     root = Path(__file__).resolve().parents[2]
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
     result = subprocess.run([accelerate, "launch", "--config_file", str(root / "configs/accelerate/fsdp2.yaml"),
-                             "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                             "--num_processes", "2", *ONE_MACHINE, "--mixed_precision", "no",
                              "--dynamo_backend", "no", "-m", "qae_app.cli", "train", "--run-name", "mp", "--runs-dir",
                              str(tmp_path), "--mixed-precision", "bf16", "--lr", "1e-6", "--weight-decay", "0.1",
                              "--steps", "3", "--prompts-per-step", "4", "--group-size", "8", "--eval-every", "0",
