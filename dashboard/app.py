@@ -27,11 +27,22 @@ PAGES = [
 # pages about runs beyond the ones picked in the sidebar (every run; a sweep's runs) watch every run
 WATCH_ALL = ("", COMPARE_URL)  # "": the default page (Runs); strings, as a Page's url_path needs a running app
 
+# The picked runs' chips show each run's whole id, wrapped between lines, never cut: cut at the sidebar's width, the
+# seeds of a sweep (sweep-3f9a1c-qae-k0.4-s0, ...-s1) all read "sweep-3f9a1c-qae-…". (Streamlit's multiselect has no
+# such option; the chip keeps its title, the whole id on hover.)
+WHOLE_CHIPS = """<style>
+[data-testid="stSidebar"] [data-testid="stMultiSelect"] [data-tag] { height: auto; white-space: normal; }
+[data-testid="stSidebar"] [data-testid="stMultiSelect"] [data-tag] span[title] {
+  white-space: normal; overflow-wrap: anywhere; text-overflow: clip; }
+</style>"""
+
 page = st.navigation(PAGES)
 with st.sidebar:
+    st.html(WHOLE_CHIPS)
     st.caption(f"runs in `{board.runs_dir()}`")
     all_runs = board.runs()
     shown = board.pick_runs(all_runs)
+    board.picked_apart(all_runs, shown)
     starting_refresh, refresh_problem = board.starting_refresh()  # `qae dashboard --refresh`
     st.selectbox("Refresh live runs every", list(board.REFRESH_CHOICES), key="refresh",
                  index=list(board.REFRESH_CHOICES).index(starting_refresh),

@@ -26,7 +26,7 @@ import plotly.graph_objects as go
 import streamlit as st
 import streamlit.components.v1 as components_v1
 
-from qae_app.analysis import compare
+from qae_app.analysis import compare, differences
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import MISSING, missing, pace_line, run_pace
@@ -68,10 +68,19 @@ def run_path(run_id: str) -> Path:
 # versions: what changes when a run changes, without opening a database
 
 
-def runs_signature() -> tuple:
+def run_folders() -> tuple:
     """(folder, trainer alive) of every run: changes when a run appears, disappears, starts or stops (kill -9
     included: the trainer's lock goes with its process)."""
     return tuple((folder.name, rundir.trainer_alive(folder)) for folder in rundir.list_run_dirs(runs_dir()))
+
+
+def runs_signature() -> tuple:
+    """The run folders (`run_folders`) and every other folder a listing shows (not a run; a run that lost its
+    database): changes when any of them appears or disappears. (A folder caught halfway through `rm -r`, its database
+    gone, is listed; it must leave the listing when the rest of it goes.)"""
+    root = runs_dir()
+    return (run_folders(), tuple(folder.name for folder, _ in rundir.folders_not_runs(root)),
+            tuple(folder.name for folder in rundir.runs_without_database(root)))
 
 
 def labels_version(run_id: str) -> tuple:
@@ -91,8 +100,9 @@ def run_version(run_id: str) -> tuple:
 
 
 def runs_version() -> tuple:
-    return tuple((name, alive, store_read.file_version(run_path(name)), labels_version(name))
-                 for name, alive in runs_signature())
+    """What the listing of every run is cached by: every folder it shows, and each run's file and labels."""
+    return (runs_signature(), tuple((store_read.file_version(run_path(name)), labels_version(name))
+                                    for name, _ in run_folders()))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -339,6 +349,32 @@ def eval_choices(evaluations: pd.DataFrame) -> dict[str, tuple[str, str]]:
     pairs = evaluations[["benchmark", "source"]].drop_duplicates().itertuples(index=False)
     ordered = sorted(pairs, key=lambda pair: (pair.source != "train", str(pair.benchmark), str(pair.source)))
     return {eval_label(benchmark, source): (benchmark, source) for benchmark, source in ordered}
+
+
+def training_config(run: dict) -> dict | None:
+    """The run's training config; None for a run without one (unreadable; made by `qae eval` or `qae preview`)."""
+    if run.get("status") in store_read.READ_STATUSES or run.get("estimator") in rundir.RESULTS_ONLY_KINDS:
+        return None
+    return run_config(run)
+
+
+def runs_apart(runs: pd.DataFrame, leave_out: tuple[str, ...] = ()) -> differences.Differences:
+    """What the runs of a view (rows of `runs()`) share and what tells each apart, as `qae runs` says it."""
+    return differences.what_differs([training_config(run) for run in runs.to_dict("records")], leave_out)
+
+
+def picked_apart(all_runs: pd.DataFrame, shown: list[str]) -> None:
+    """Under the sidebar's picker: each picked run's whole id and what tells it apart from the other picked runs (or,
+    picked alone, its options not at their default); what they all share and is not the default, once."""
+    picked = all_runs.set_index("run_id").loc[shown].reset_index()  # (in the picker's order)
+    apart = runs_apart(picked)
+    lines = [f"**{literal(run_id)}**: {literal(differences.options_text(options))}"
+             for run_id, options in zip(picked["run_id"], apart.per_run) if options]
+    if apart.shared:
+        lines.append(f"all: {literal(differences.options_text(apart.shared))} (not the defaults)")
+    if lines:
+        st.caption("  \n".join(lines), help="What tells the picked runs apart: the options whose value varies "
+                   "among them (a run picked alone: its options not at their default), as `qae runs` says it.")
 
 
 def progress_line(view: store_read.RunView) -> str:

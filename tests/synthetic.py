@@ -13,6 +13,7 @@ import math
 import random
 from pathlib import Path
 
+from qae_app.core import names
 from qae_app.store import run_folder as rundir
 from qae_app.store import schema as store
 from qae_app.store import writer as store_write
@@ -48,7 +49,9 @@ def write_run(runs_dir: Path, run_id: str, steps: int = 20, prompts_per_step: in
             cfg = {**dict(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, k=k, seed=seed,
                           estimator="qae", model="builtin:tiny", data="arith", eval_every=eval_every, lr=1e-5,
                           entropy_low=0.5, entropy_high=3.0), **(config or {})}
-            writer.create_run(run_id, cfg, "qae", k, "builtin:tiny", "arith", seed)
+            estimator = cfg["estimator"]  # (a mean baseline's row has no K)
+            writer.create_run(run_id, cfg, estimator, k if names.uses_k(estimator) else None, "builtin:tiny", "arith",
+                              seed)
     difficulty = [random.Random(seed + i).random() for i in range(n_prompts)]
     total = (config or {}).get("steps", steps + start_step - 1)
     for step in range(start_step, start_step + steps):

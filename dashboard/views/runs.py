@@ -7,58 +7,72 @@ import board
 import pandas as pd
 import streamlit as st
 
+from qae_app.analysis.differences import options_text
 from qae_app.core.errors import QAEUserError
-from qae_app.core.formatting import ago, duration, run_pace, setup_label
+from qae_app.core.formatting import ago, duration, estimator_label, run_pace, setup_label
 from qae_app.store.labels import MAX_NOTE_CHARS, check_note, read_labels, tags_from_text, write_labels
 from qae_app.store.reader import NOT_A_RUN, READ_STATUSES, resolve_run
 from qae_app.store.schema import STEP_METRICS
 
-# In reading order: what the run is and how it is doing first (its latest metrics before the pace of a live run, so
-# they stay in view at 1400 px), then what it trains, then bookkeeping.
+# In reading order: what the run is (its labels, then what tells it apart), how it is doing (its latest metrics
+# before the pace of a live run), then bookkeeping. The columns shown fit 1400 px (a 940 px table beside the sidebar)
+# for finished runs; those HIDDEN are one click away in the table's column menu (the eye icon): the estimator, K,
+# seed, model and task are in `differs` wherever they tell runs apart (and above the table when every run shares
+# them), an error is said above the table.
+HIDDEN = {"hidden": True}
 COLUMNS = {
-    "shown": st.column_config.CheckboxColumn("shown", width=56,
-                                             help="Picked in the sidebar: shown on the other pages."),
+    "shown": {**st.column_config.CheckboxColumn("shown", width=56,
+                                                help="Picked in the sidebar: shown on the other pages."), **HIDDEN},
     "run_id": st.column_config.TextColumn("run", help="The run's folder: a copied or renamed folder is a run of its "
                                                       "own."),
-    "tags": st.column_config.TextColumn("tags", width=120, help="`qae tag RUN TAG...`; where the dashboard shows "
-                                                                "controls, edit them here (comma or space "
-                                                                "separated), even while the run trains"),
-    "note": st.column_config.TextColumn("note", width=160, max_chars=MAX_NOTE_CHARS,
+    "tags": st.column_config.TextColumn("tags", width=90, help="`qae tag RUN TAG...`; where the dashboard shows "
+                                                               "controls, edit them here (comma or space "
+                                                               "separated), even while the run trains"),
+    "note": st.column_config.TextColumn("note", width=100, max_chars=MAX_NOTE_CHARS,
                                         help="`qae note RUN TEXT`; editable here where the dashboard shows controls"),
+    "differs": st.column_config.TextColumn(
+        "differs", width=220, help="What tells the run apart: the options whose value varies among the runs listed "
+                                   "(a switch that is off is not named), as `qae runs` says it; the options every "
+                                   "run shares that are not the defaults are said above the table. A long one is "
+                                   "cut: widen the column by its edge, or pick the run (the sidebar says it whole)."),
     "status": st.column_config.TextColumn(
-        "status", width=80,
+        "status", width=85,
         help="running, finished, failed, interrupted; stopped: stored as running but no trainer holds the "
              "run (killed without a chance to say so: resume it); unreadable: the database cannot be "
              "opened (see error)"),
-    "progress": st.column_config.TextColumn("steps", width=80, help="last step written / steps configured"),
-    "reward_mean": st.column_config.NumberColumn("reward", format="%.3f", width=70, help=STEP_METRICS["reward_mean"]),
-    "accuracy": st.column_config.NumberColumn("accuracy", format="%.3f", width=70, help=STEP_METRICS["accuracy"]),
-    "entropy": st.column_config.NumberColumn("entropy", format="%.3f", width=70, help=STEP_METRICS["entropy"]),
-    "heldout_accuracy": st.column_config.NumberColumn("heldout acc.", format="%.3f", width=90,
+    "progress": st.column_config.TextColumn("steps", width=70, help="last step written / steps configured"),
+    "reward_mean": st.column_config.NumberColumn("reward", format="%.3f", width=60,
+                                                 help=STEP_METRICS["reward_mean"] + " (with 0/1 rewards, the "
+                                                      "accuracy; the accuracy column is in the column menu)"),
+    "accuracy": {**st.column_config.NumberColumn("accuracy", format="%.3f", width=70,
+                                                 help=STEP_METRICS["accuracy"]), **HIDDEN},
+    "entropy": st.column_config.NumberColumn("entropy", format="%.3f", width=60, help=STEP_METRICS["entropy"]),
+    "heldout_accuracy": st.column_config.NumberColumn("held-out", format="%.3f", width=70,
                                                       help=STEP_METRICS["heldout_accuracy"]),
-    "last_step_age": st.column_config.TextColumn("last step", width=90, help="how long ago the last step was "
+    "last_step_age": st.column_config.TextColumn("last step", width=80, help="how long ago the last step was "
                                                                              "committed (running runs)"),
     "steps_per_min": st.column_config.NumberColumn("steps/min", format="%.3g", width=75,
                                                    help="median pace of the last 50 steps (running runs)"),
     "eta": st.column_config.TextColumn("ETA", width=60, help="time left to the configured steps at that pace"),
-    "estimator": st.column_config.TextColumn("estimator", width=80),
-    "k": st.column_config.NumberColumn("K", format="%.2f", width=50, help="QAE quantile level (empty for mean "
-                                                                          "baselines)"),
-    "group_size": st.column_config.NumberColumn("G", width=40, help="responses per prompt"),
-    "seed": st.column_config.NumberColumn("seed", width=50, help="the run's seed: runs of one setup that differ only "
-                                                                 "in it are grouped on Compare and Training curves"),
-    "sweep": st.column_config.TextColumn("sweep", help="the `qae sweep` the run belongs to (its name)"),
-    "model": st.column_config.TextColumn("model"),
-    "task": st.column_config.TextColumn("task"),
+    "estimator": {**st.column_config.TextColumn("estimator", width=80), **HIDDEN},
+    "k": {**st.column_config.NumberColumn("K", format="%.2f", width=50, help="QAE quantile level (empty for mean "
+                                                                            "baselines)"), **HIDDEN},
+    "group_size": {**st.column_config.NumberColumn("G", width=40, help="responses per prompt"), **HIDDEN},
+    "seed": {**st.column_config.NumberColumn("seed", width=50, help="the run's seed: runs of one setup that differ "
+                                                                    "only in it are grouped on Compare and Training "
+                                                                    "curves"), **HIDDEN},
+    "sweep": {**st.column_config.TextColumn("sweep", help="the `qae sweep` the run belongs to (its name)"), **HIDDEN},
+    "model": {**st.column_config.TextColumn("model"), **HIDDEN},
+    "task": {**st.column_config.TextColumn("task"), **HIDDEN},
     "pending_writes": st.column_config.NumberColumn(
         "pending writes", help="Writes the trainer saved under pending/ that are not in the database yet: the "
                                "steps since its last database write (it writes every few seconds), or everything while "
                                "a reader holds the file. A stopped run's are written by `qae train --resume`."),
     "stored_run_id": st.column_config.TextColumn("copied from", help="The id stored in the database, when it differs "
                                                                      "from the folder (a copied or renamed run)."),
-    "created_at": st.column_config.DatetimeColumn("created (UTC)", format="YYYY-MM-DD HH:mm"),
-    "updated_at": st.column_config.DatetimeColumn("updated (UTC)", format="YYYY-MM-DD HH:mm:ss"),
-    "error": st.column_config.TextColumn("error", width="large"),
+    "created_at": {**st.column_config.DatetimeColumn("created (UTC)", format="YYYY-MM-DD HH:mm"), **HIDDEN},
+    "updated_at": {**st.column_config.DatetimeColumn("updated (UTC)", format="YYYY-MM-DD HH:mm:ss"), **HIDDEN},
+    "error": {**st.column_config.TextColumn("error", width="large"), **HIDDEN},
 }
 ROW_PX = 35  # a row of st.dataframe
 MAX_ROWS_SHOWN = 60  # the table grows to show every run up to this many; beyond, it scrolls (and says so)
@@ -89,6 +103,7 @@ def table(all_runs: pd.DataFrame) -> pd.DataFrame:
         frame.at[i, "steps_per_min"] = pace["steps_per_min"]
         frame.at[i, "eta"] = duration(pace["eta_s"]) if pace["eta_s"] is not None else None
     frame["pending_writes"] = frame["pending_writes"].where(frame["pending_writes"].fillna(0) > 0)
+    frame["differs"] = differs(frame)
     # shown when some run has one (tags and note always, where they can be edited)
     optional = ("last_step_age", "steps_per_min", "eta", "stored_run_id", "pending_writes", "sweep",
                 *(() if board.controls_on() else ("tags", "note")))
@@ -96,6 +111,29 @@ def table(all_runs: pd.DataFrame) -> pd.DataFrame:
     frame[["tags", "note"]] = frame[["tags", "note"]].where(frame[["tags", "note"]] != "")
     shown = [column for column in COLUMNS if column not in optional or frame[column].notna().any()]
     return frame[shown]
+
+
+SETUP = ("estimator", "k")  # (said above the table when every run shares them, else in `differs`)
+
+
+def differs(runs: pd.DataFrame) -> list[str | None]:
+    """The `differs` column: what tells each run apart from the others listed (analysis.differences; the steps are
+    in their own column)."""
+    return [options_text(options) or None for options in board.runs_apart(runs, leave_out=("steps",)).per_run]
+
+
+def shared_note(runs: pd.DataFrame) -> None:
+    """Above the table, once: the estimator and K every run listed trains with, and the options they all share that
+    are not the defaults."""
+    setups = {estimator_label(run["estimator"], run.get("k")) for run in runs.to_dict("records")
+              if board.training_config(run) is not None}
+    shared = [(key, value) for key, value in board.runs_apart(runs, leave_out=("steps",)).shared
+              if key not in SETUP or len(setups) != 1]
+    said = [*setups] if len(setups) == 1 else []
+    if shared:
+        said.append(f"{options_text(shared)} (not the defaults)")
+    if said:
+        st.caption(f"Every run listed: {board.literal('; '.join(said))}")
 
 
 EDITABLE = ("tags", "note")
@@ -193,6 +231,7 @@ if runs_now.empty:
             "it appears here within seconds.")
     st.stop()
 unreadable_notice(runs_now)
+shared_note(runs_now)
 runs_table(runs_now)
 counts = runs_now["status"].value_counts()
 st.caption(f"{len(runs_now)} runs: " + " · ".join(f"{n} {status}" for status, n in counts.items())

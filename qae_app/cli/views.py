@@ -23,10 +23,12 @@ from typing import TYPE_CHECKING
 from rich import box
 from rich.columns import Columns
 from rich.console import Group, RenderableType
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from qae_app.core.formatting import missing, number, pace_line, run_pace, setup_label
+from qae_app.analysis.differences import Differences, option_text, options_text, what_differs
+from qae_app.core.formatting import estimator_label, missing, number, pace_line, run_pace, setup_label
 from qae_app.core.names import GATE_REASONS
 from qae_app.store import reader as store_read
 from qae_app.store import schema as store
@@ -62,7 +64,7 @@ def status_text(status: str) -> Text:
 @dataclass
 class Column:
     header: str
-    cells: list  # str or Text, one per row
+    cells: list  # str, Text or RunCell, one per row
     justify: str = "left"
     priority: int = 0  # 0: always shown; higher: dropped first when the table is too wide
     flexible: bool = False  # takes the room left (wraps or is cut instead of being dropped)
@@ -73,7 +75,8 @@ class Column:
 
     def width(self) -> int:
         header = max((len(line) for line in self.header.split("\n")), default=0)
-        return max([header, *(len(cell.plain if isinstance(cell, Text) else str(cell)) for cell in self.cells)])
+        lines = (cell.plain if isinstance(cell, (Text, RunCell)) else str(cell) for cell in self.cells)
+        return max([header, *(len(line) for text in lines for line in text.split("\n"))])
 
 
 @dataclass
@@ -117,7 +120,7 @@ def fit(columns: list[Column], width: int, title: str | None = None) -> Fitted:
             table.add_column(column.header, justify=column.justify, no_wrap=True, min_width=column.width(),
                              style=column.style)
     for row in zip(*(c.cells for c in chosen)) if chosen and chosen[0].cells else []:
-        table.add_row(*[cell if isinstance(cell, Text) else Text(str(cell)) for cell in row])
+        table.add_row(*[cell if isinstance(cell, (Text, RunCell)) else Text(str(cell)) for cell in row])
     return Fitted(table, [c.name or c.header.replace("\n", "") for c in columns if c not in chosen])
 
 
@@ -146,7 +149,9 @@ def shared_prefix(ids: list[str]) -> str:
 
 def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
     """The runs table (rows: store_read.run_summaries): run, status, estimator and K, progress and the latest metrics;
-    model, task and creation time when there is room. Under it: what `stopped` means and why a run is unreadable."""
+    model, task and creation time when there is room. Under each run id, the options that tell it apart from the
+    others listed (`analysis.differences`); above the table, the options they all share that are not the defaults.
+    Under it: what `stopped` means and why a run is unreadable."""
     ids = [str(row["run_id"]) for row in rows]
     readable = [row.get("status") not in store_read.READ_STATUSES for row in rows]
     # with 0/1 rewards the mean reward is the accuracy: one column says both, and leaves room for entropy
@@ -158,31 +163,74 @@ def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
     run_width = next(c.max_width for c in fitted.table.columns if c.header == "run")
     if run_width is not None and run_width < longest:
         prefix = shared_prefix(ids)
-    fitted = fit(_runs_columns(rows, readable, same, prefix, whole_ids=True), width)
+    fitted, apart = _fitted_apart(rows, readable, same, prefix, width)
     parts: list[RenderableType] = [Text(f"{len(rows)} run(s) in {runs_dir}", style="bold")]
     if prefix:
         parts.append(Text(f"every run id below starts with {prefix}", style="dim"))
+    if apart.shared:
+        parts.append(Text(f"every run below: {options_text(apart.shared)} (not the defaults)", style="dim"))
     parts.append(fitted.table)
     if note := dropped_note(fitted.dropped, width, "widen the terminal, or `qae show RUN`"):
         parts.append(note)
     return Group(*parts, *_runs_notes(rows, readable, same))
 
 
+@dataclass
+class RunCell:
+    """A run id and under it, indented and wrapped between options, what tells the run apart."""
+    run_id: str
+    options: str
+
+    @property
+    def plain(self) -> str:
+        return f"{self.run_id}\n{OPTIONS_INDENT}{self.options}"
+
+    def __rich__(self) -> RenderableType:
+        return Group(Text(self.run_id), Padding(Text(self.options, style="dim"), (0, 0, 0, len(OPTIONS_INDENT))))
+
+
+# the runs table's columns that show options: what differs leaves those out while they are shown
+OPTIONS_INDENT = "  "  # the line under a run id that says what tells it apart
+OPTIONS_IN_COLUMNS = {"estimator": ("estimator", "k"), "steps": ("steps",), "model": ("model",), "task": ("data",)}
+
+
+def _fitted_apart(rows: list[dict], readable: list[bool], same: bool, prefix: str,
+                  width: int) -> tuple[Fitted, Differences]:
+    """The runs table with what tells each run apart under its id. Which columns fit decides what the ids' lines
+    leave out (what a shown column says), and those lines which columns fit: settled in a few rounds (each round can
+    only drop columns)."""
+    configs = [_config(row) if ok and row.get("estimator") not in RESULTS_ONLY_KINDS else None
+               for row, ok in zip(rows, readable)]
+    dropped: list[str] | None = None
+    while True:
+        shown = [name for name in OPTIONS_IN_COLUMNS if dropped is None or name not in dropped]
+        apart = what_differs(configs, leave_out=[key for name in shown for key in OPTIONS_IN_COLUMNS[name]])
+        fitted = fit(_runs_columns(rows, readable, same, prefix, whole_ids=True, apart=apart.per_run), width)
+        if fitted.dropped == dropped:
+            return fitted, apart
+        dropped = fitted.dropped
+
+
 def _runs_columns(rows: list[dict], readable: list[bool], same: bool, prefix: str = "",
-                  whole_ids: bool = False) -> list[Column]:
+                  whole_ids: bool = False, apart: list[list] | None = None) -> list[Column]:
     """The columns of the runs table, the run ids without `prefix`; an unreadable run shows its id and status only.
     `same`: reward_mean is the accuracy in every run (one column says both). `whole_ids`: optional columns give way
-    before an id of up to 40 characters is cut."""
+    before an id of up to 40 characters is cut. `apart`: each run's options that tell it apart, under its id."""
     shown_ids = [str(row["run_id"])[len(prefix):] for row in rows]
     configs = [_config(row) for row in rows]
+    apart = apart or [[] for _ in rows]
+    run_cells = [RunCell(run_id, options_text(options)) if options else Text(run_id)
+                 for run_id, options in zip(shown_ids, apart)]
+    # (an option wraps between options, never inside one, while the id's room allows)
+    longest = max([*map(len, shown_ids), *(len(OPTIONS_INDENT + option_text(*option)) + 1
+                                           for options in apart for option in options)], default=0)
 
     def cell(row: dict, key: str, ok: bool) -> str:
         return number(row.get(key)) if ok else ""
 
     return [
-        Column("run", shown_ids, flexible=True, name="run",
-               min_width=max(MIN_ID_WIDTH, min(40, max(map(len, shown_ids), default=0))) if whole_ids
-               else MIN_ID_WIDTH),
+        Column("run", run_cells, flexible=True, name="run",
+               min_width=max(MIN_ID_WIDTH, min(40, longest)) if whole_ids else MIN_ID_WIDTH),
         Column("status", [status_text(row["status"]) for row in rows]),
         Column("estimator", [_estimator(row) if ok else "" for row, ok in zip(rows, readable)], priority=1),
         Column("steps", [_progress(row, config) if ok else "" for row, config, ok in zip(rows, configs, readable)],
@@ -475,8 +523,7 @@ def _config(row: dict) -> dict:
 
 
 def _estimator(row: dict) -> str:
-    k = row.get("k")
-    return f"{row.get('estimator')}" + ("" if missing(k) else f" K={k:g}")
+    return estimator_label(row.get("estimator"), row.get("k"))
 
 
 def _progress(row: dict, config: dict) -> str:

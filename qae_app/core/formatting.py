@@ -116,6 +116,12 @@ def clipped(value: Any, limit: int = ECHO_CHARS) -> str:
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
 
 
+def estimator_label(estimator: Any, k: Any) -> str:
+    """'qae K=0.4', or 'grpo' for an estimator without K (`qae runs`, the Runs table)."""
+    k = as_float(k)
+    return f"{estimator}" + ("" if k is None else f" K={k:g}")
+
+
 def setup_label(setup: dict | None) -> str | None:
     """How a run was launched (its config's `distributed`, sharding.DistributedSetup): 'fsdp2 x 2 processes',
     'ddp x 4 processes on 2 machines', '1 process'; None for a run that stored none (an older qae)."""

@@ -543,3 +543,58 @@ def test_a_link_to_a_run_that_is_not_there_says_so_until_it_appears(dashboard, p
     expect(page.get_by_text("ghost · finished · step 3 / 3")).to_be_visible(timeout=60_000)
     expect(warning).to_have_count(0)
     assert "run=ghost" in page.url
+
+
+def test_runs_told_apart_at_1400_and_1920(dashboard, page, tmp_path):
+    """Issue 39, in a real browser at both widths: the Runs table of a typical folder (a sweep of QAE K=0.4 and GRPO
+    over seeds 0-2, two runs that differ only in a switch each, tags and a note, the controls on) fits without
+    scrolling sideways and says what tells each run apart; the sidebar's chips show the picked seeds' whole ids (seed 0
+    and seed 1 read alike when cut), with the id on hover, and under them what differs. A run caught halfway through
+    `rm -r` (database gone) leaves the page at the next reload once the rest of it goes."""
+    import json
+
+    from tests.synthetic import write_run
+
+    runs_dir = tmp_path / "runs"
+    sweep = {"sweep_id": "3f9a1c77aa", "sweep_name": "sweep-3f9a1c"}
+    for estimator in ("qae", "grpo"):
+        for seed in (0, 1, 2):
+            name = f"sweep-3f9a1c-{estimator}{'-k0.4' if estimator == 'qae' else ''}-s{seed}"
+            write_run(runs_dir, name, steps=3, prompts_per_step=2, group_size=4, seed=seed, eval_every=3,
+                      config={**sweep, "estimator": estimator})
+    write_run(runs_dir, "20261130-113105-qae", steps=3, prompts_per_step=2, group_size=4, eval_every=3,
+              config={"dynamic_sampling": True})
+    write_run(runs_dir, "20261130-113512-qae", steps=3, prompts_per_step=2, group_size=4, eval_every=3,
+              config={"log_entropy_attribution": True})
+    write_run(runs_dir, "half-removed", steps=1, prompts_per_step=1, group_size=4)
+    (runs_dir / "half-removed" / rundir.CONFIG_FILE).write_text(json.dumps({"steps": 1}))
+    (runs_dir / "half-removed" / rundir.DB_FILE).unlink()  # `rm -r` removed the database first
+    labels = {"sweep-3f9a1c-qae-k0.4-s0": ["tag", "baseline"], "20261130-113105-qae": ["note", "dapo check"]}
+    for run_id, (command, value) in labels.items():
+        subprocess.run([str(QAE), command, run_id, value, "--runs-dir", str(runs_dir)], check=True, capture_output=True)
+    seeds = ["sweep-3f9a1c-qae-k0.4-s0", "sweep-3f9a1c-qae-k0.4-s1"]
+    url = dashboard(runs_dir, refresh="off")
+    for width in (1400, 1920):
+        page.set_viewport_size({"width": width, "height": 1200})
+        page.goto(f"{url}/?" + "&".join(f"run={run_id}" for run_id in seeds))
+        table = page.get_by_test_id("stDataFrame").first
+        expect(table).to_contain_text("log_entropy_attribution", timeout=60_000)
+        expect(table).to_contain_text("estimator=grpo, seed=2")
+        wait_idle(page)
+        scroll = table.evaluate("d => { const s = d.querySelector('.dvn-scroller'); "
+                                "return [s.scrollWidth, s.clientWidth]; }")
+        assert scroll[0] <= scroll[1], (width, scroll)  # no scrolling sideways
+        chips = page.get_by_test_id("stSidebar").locator("[data-tag] span[title]")
+        expect(chips).to_have_count(2)
+        for i, run_id in enumerate(seeds):
+            shown = chips.nth(i).evaluate("s => [s.title, s.innerText, s.scrollWidth, s.clientWidth]")
+            assert shown[0] == run_id and shown[1].replace("\n", "") == run_id and shown[2] <= shown[3], shown
+        sidebar = page.get_by_test_id("stSidebar").inner_text()
+        assert f"{seeds[0]}: seed=0" in sidebar and f"{seeds[1]}: seed=1" in sidebar
+        screenshot(page, tmp_path, f"dashboard-runs-apart-{width}.png")
+    expect(page.get_by_test_id("stMain")).to_contain_text("half-removed")  # listed, its database gone
+    shutil.rmtree(runs_dir / "half-removed")
+    page.reload()
+    expect(table).to_contain_text("log_entropy_attribution", timeout=60_000)
+    wait_idle(page)
+    assert "half-removed" not in page.get_by_test_id("stMain").inner_text()

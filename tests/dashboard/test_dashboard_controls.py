@@ -148,12 +148,12 @@ SELECTED_CELL = """table => {
 
 
 def select_cell(page, table, column: str) -> dict:
-    """Select the first row's cell under `column` as a hand does: click the run id (the column after the 56 px
-    `shown` one; the grid ignores a click that no pointer move led to the cell), then arrow right until the grid
+    """Select the first row's cell under `column` as a hand does: click the run id (the first column: `shown` is in
+    the column menu; the grid ignores a click that no pointer move led to the cell), then arrow right until the grid
     says that cell is selected; click again when an arrow moved nothing (the click went unnoticed: the grid has no
     keyboard focus). Returns what the grid says of the cell."""
     box = table.bounding_box()
-    cell = box["x"] + 56 + 15, box["y"] + 35 + 17  # header 35 px, the first row's middle
+    cell = box["x"] + 15, box["y"] + 35 + 17  # header 35 px, the first row's middle
     selected = None
     for _ in range(3):
         page.mouse.move(*cell)
