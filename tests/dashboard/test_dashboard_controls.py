@@ -175,18 +175,26 @@ def select_cell(page, table, column: str) -> dict:
 
 
 def edit_cell(page, table, column: str, text: str) -> dict:
-    """Type `text` into the first row's `column` cell: select it, Enter opens its editor (glide's textarea), Enter
-    commits. Returns what the grid says of the cell afterwards (its text: what the grid took)."""
+    """Type `text` into the first row's `column` cell: select it, Enter opens its editor (glide's textarea), the text
+    goes into that textarea, Enter commits. Returns what the grid says of the cell afterwards (its text: what the grid
+    took) and what the editor held before the commit. (Keys typed the moment the editor appeared could reach the grid
+    before the editor had focus, on a loaded machine: CI saw an empty cell after three tries. `fill` focuses the
+    editor and types there, as input events, as a user's typing arrives.)"""
     selected = select_cell(page, table, column)
     page.keyboard.press("Enter")
-    page.wait_for_selector("textarea.gdg-input", state="visible", timeout=10_000)
-    page.keyboard.press("Control+A")
-    page.keyboard.type(text)
-    page.keyboard.press("Enter")
+    editor = page.locator("textarea.gdg-input")
+    editor.wait_for(state="visible", timeout=10_000)
+    if editor.is_editable():
+        editor.fill(text)
+    else:  # a read-only cell's editor (it only shows the text): the keys a user would type, which must change nothing
+        editor.focus()
+        page.keyboard.type(text)
+    typed = editor.input_value()
+    editor.press("Enter")
     deadline = time.monotonic() + 10
     while (shown := table.evaluate(SELECTED_CELL) or selected)["text"] != text and time.monotonic() < deadline:
         time.sleep(0.2)
-    return shown
+    return {**shown, "editor_held": typed}
 
 
 def edit_until_kept(page, table, column: str, text: str, kept, tmp_path: Path, tries: int = 3) -> None:
