@@ -15,8 +15,9 @@ from qae_app.store.reader import NOT_A_RUN, READ_STATUSES, resolve_run
 from qae_app.store.schema import STEP_METRICS
 
 # In reading order: what the run is (its labels, then what tells it apart), how it is doing (its latest metrics
-# before the pace of a live run), then bookkeeping. The columns shown fit 1400 px (a 940 px table beside the sidebar)
-# for finished runs; those HIDDEN are one click away in the table's column menu (the eye icon): the estimator, K,
+# before the pace of a live run), then bookkeeping. The columns shown fit 1400 px (a 940 px table beside the sidebar),
+# also with a run training (its ETA shown); those HIDDEN are one click away in the table's column menu (the eye icon):
+# a live run's last step age and pace (its status says when its trainer is gone), the estimator, K,
 # seed, model and task are in `differs` wherever they tell runs apart (and above the table when every run shares
 # them), an error is said above the table.
 HIDDEN = {"hidden": True}
@@ -28,10 +29,10 @@ COLUMNS = {
     "tags": st.column_config.TextColumn("tags", width=90, help="`qae tag RUN TAG...`; where the dashboard shows "
                                                                "controls, edit them here (comma or space "
                                                                "separated), even while the run trains"),
-    "note": st.column_config.TextColumn("note", width=100, max_chars=MAX_NOTE_CHARS,
+    "note": st.column_config.TextColumn("note", width=80, max_chars=MAX_NOTE_CHARS,
                                         help="`qae note RUN TEXT`; editable here where the dashboard shows controls"),
     "differs": st.column_config.TextColumn(
-        "differs", width=220, help="What tells the run apart: the options whose value varies among the runs listed "
+        "differs", width=190, help="What tells the run apart: the options whose value varies among the runs listed "
                                    "(a switch that is off is not named), as `qae runs` says it; the options every "
                                    "run shares that are not the defaults are said above the table. A long one is "
                                    "cut: widen the column by its edge, or pick the run (the sidebar says it whole)."),
@@ -49,11 +50,13 @@ COLUMNS = {
     "entropy": st.column_config.NumberColumn("entropy", format="%.3f", width=60, help=STEP_METRICS["entropy"]),
     "heldout_accuracy": st.column_config.NumberColumn("held-out", format="%.3f", width=70,
                                                       help=STEP_METRICS["heldout_accuracy"]),
-    "last_step_age": st.column_config.TextColumn("last step", width=80, help="how long ago the last step was "
-                                                                             "committed (running runs)"),
-    "steps_per_min": st.column_config.NumberColumn("steps/min", format="%.3g", width=75,
-                                                   help="median pace of the last 50 steps (running runs)"),
-    "eta": st.column_config.TextColumn("ETA", width=60, help="time left to the configured steps at that pace"),
+    "last_step_age": {**st.column_config.TextColumn("last step", width=80, help="how long ago the last step was "
+                                                                                "committed (running runs)"), **HIDDEN},
+    "steps_per_min": {**st.column_config.NumberColumn("steps/min", format="%.3g", width=75,
+                                                      help="median pace of the last 50 steps (running runs)"),
+                      **HIDDEN},
+    "eta": st.column_config.TextColumn("ETA", width=60, help="time left to the configured steps at the pace of the "
+                                                             "last 50 steps (steps/min, in the column menu)"),
     "estimator": {**st.column_config.TextColumn("estimator", width=80), **HIDDEN},
     "k": {**st.column_config.NumberColumn("K", format="%.2f", width=50, help="QAE quantile level (empty for mean "
                                                                             "baselines)"), **HIDDEN},

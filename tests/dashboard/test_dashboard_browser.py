@@ -545,9 +545,10 @@ def test_a_link_to_a_run_that_is_not_there_says_so_until_it_appears(dashboard, p
     assert "run=ghost" in page.url
 
 
-def test_runs_told_apart_at_1400_and_1920(dashboard, page, tmp_path):
+def test_runs_told_apart_at_1400_and_1920(dashboard, page, tmp_path, hold_lock):
     """Issue 39, in a real browser at both widths: the Runs table of a typical folder (a sweep of QAE K=0.4 and GRPO
-    over seeds 0-2, two runs that differ only in a switch each, tags and a note, the controls on) fits without
+    over seeds 0-2, two runs that differ only in a switch each, one still training, tags and a note, the controls
+    on) fits without
     scrolling sideways and says what tells each run apart; the sidebar's chips show the picked seeds' whole ids (seed 0
     and seed 1 read alike when cut), with the id on hover, and under them what differs. A run caught halfway through
     `rm -r` (database gone) leaves the page at the next reload once the rest of it goes."""
@@ -566,6 +567,9 @@ def test_runs_told_apart_at_1400_and_1920(dashboard, page, tmp_path):
               config={"dynamic_sampling": True})
     write_run(runs_dir, "20261130-113512-qae", steps=3, prompts_per_step=2, group_size=4, eval_every=3,
               config={"log_entropy_attribution": True})
+    write_run(runs_dir, "20261203-221500-qae", steps=3, prompts_per_step=2, group_size=4, eval_every=3,
+              status=None, config={"steps": 300})  # (a live run: its pace and ETA shown)
+    hold_lock(runs_dir / "20261203-221500-qae")
     write_run(runs_dir, "half-removed", steps=1, prompts_per_step=1, group_size=4)
     (runs_dir / "half-removed" / rundir.CONFIG_FILE).write_text(json.dumps({"steps": 1}))
     (runs_dir / "half-removed" / rundir.DB_FILE).unlink()  # `rm -r` removed the database first
