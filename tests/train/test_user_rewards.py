@@ -121,7 +121,14 @@ def test_reading_the_run_never_imports_its_reward_code_and_shows_each_component(
     assert lines == {"mine · reward:exact_int", "mine · reward:short", "mine · reward:slow"}
     tables = response_tables(app("rollouts", run="mine", step=1))
     assert {"exact_int", "short", "slow"} <= set(tables[0].columns)
-    assert not marker.exists()  # none of the above imported the reward file
+    # qae eval of the run, not given the rewards: scored with the task's own, and it says so
+    evaluated = qae("eval", "--model", "mine", "--limit", "2", "--samples", "1", "--runs-dir", str(runs_dir),
+                    cwd=tmp_path)
+    assert evaluated.returncode == 0, evaluated.stderr
+    said = "".join(evaluated.stdout.split())  # (the console wraps a long path anywhere)
+    assert "".join(f"run mine trained with --reward exact_int --reward {path}:short --reward {path}:slow; this "
+                   "evaluation scores with the bench's own reward (exact_int)".split()) in said, evaluated.stdout
+    assert not marker.exists()  # none of the above imported the reward file (qae eval included)
 
 
 FAILING = '''
