@@ -174,7 +174,7 @@ def run_training(trainer) -> None:
         with progress:
             result = trainer.fit(on_step=progress.update)
     except QAEUserError as err:
-        fail(err)
+        fail(_with_reward_resume(trainer, err))
     except Exception as err:  # a full disk or a file-size limit mid-run: say so, and how the run continues
         fail_on_write_fault(trainer, err)
         raise
@@ -209,6 +209,26 @@ def run_training(trainer) -> None:
     fault_point("done", result.steps_done)  # (crash tests: a SIGTERM once the run said it is done)
     trainer.release_models()  # (before the process group: FSDP2's modules hold it)
     launch.end_processes()
+
+
+def _with_reward_resume(trainer, err: QAEUserError) -> QAEUserError:
+    """A reward function that failed mid-run (RewardError) said with what is kept and the command that continues the
+    run once the function is fixed; any other error as it is."""
+    import shlex
+
+    from qae_app.rewards.registry import RewardError
+    from qae_app.store.run_folder import latest_checkpoint
+
+    if not isinstance(err, RewardError):
+        return err
+    newest = latest_checkpoint(Path(trainer.runs_dir) / trainer.run_id)
+    kept = f"its newest checkpoint ({newest.name})" if newest is not None else "no checkpoint yet (it restarts at 0)"
+    command = ["qae", "train", "--resume", trainer.run_id, *[part for spec in trainer.cfg.reward or []
+                                                             for part in ("--reward", spec)],
+               "--runs-dir", str(trainer.runs_dir)]
+    return RewardError(f"{err}\nThe run stopped failed at step {trainer.state.step + 1}; the steps before it and "
+                       f"{kept} are kept. Once the function is fixed, continue it with: {shlex.join(command)} (add "
+                       "--accept-changed-reward if the fix changed the reward's file: the run records both versions).")
 
 
 def fail_on_write_fault(trainer, err: Exception) -> None:

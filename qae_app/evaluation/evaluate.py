@@ -10,6 +10,7 @@ Each is reported for the whole benchmark (subset "all") and, where problems carr
 from __future__ import annotations
 
 import json
+import shlex
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
@@ -38,6 +39,7 @@ from qae_app.store.run_folder import (
     eval_run_error,
     list_checkpoints,
     model_folder_problem,
+    read_run_config,
     read_run_file,
     recent_runs_text,
     validate_run_name,
@@ -278,6 +280,33 @@ def _say_target(target: EvalTarget, console) -> None:
     console.print(f"run {target.run_id}: evaluating its checkpoint at step {target.step}", highlight=False)
 
 
+def _say_trained_options(cfg: EvalConfig, target: EvalTarget, runs_dir, bench_reward: str, console) -> None:
+    """A run evaluated without the rewards or prompt options it trained with: said, as qae eval never takes them from
+    a run folder (its reward code runs only when the user names it)."""
+    if console is None or target.run_id is None:
+        return
+    try:
+        stored = read_run_config(Path(runs_dir) / target.run_id)
+    except QAEUserError:
+        return  # (the run's own commands say what is wrong with its config.json)
+    from rich.markup import escape
+
+    def named(option: str, values) -> list[str]:
+        return [f"--{option} {shlex.quote(v)}" for v in values if isinstance(v, str)]
+
+    trained = stored.get("reward") if isinstance(stored.get("reward"), list) else []
+    rewards = named("reward", trained) if cfg.reward is None else []
+    if rewards:
+        console.print(f"[yellow]note:[/] run {target.run_id} trained with {escape(' '.join(rewards))}; this "
+                      f"evaluation scores with the bench's own reward ({bench_reward}). Pass the same --reward "
+                      "options to score as it trained.", highlight=False)
+    prompts = [flag for option in ("prompt_template", "system_prompt") if getattr(cfg, option) is None
+               for flag in named(option.replace("_", "-"), [stored.get(option)])]
+    if prompts:
+        console.print(f"[yellow]note:[/] run {target.run_id} trained with {escape(' '.join(prompts))}; this "
+                      "evaluation prompts without them. Pass them to prompt as it trained.", highlight=False)
+
+
 def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResult, str, Path]:
     """Everything `qae eval` does; returns (EvalResult, run_id the results were stored under, database path)."""
     from qae_app.engines.factory import make_engine
@@ -286,6 +315,7 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
     target = resolve_model(cfg.model, runs_dir, cfg.checkpoint)
     _say_target(target, console)
     name, problems, task = run_benchmark(cfg, cfg.bench, "bench")
+    _say_trained_options(cfg, target, runs_dir, task.reward, console)
     problems = problems[: cfg.limit] if cfg.limit else problems
     max_new_tokens = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task.reward]
     if target.run_id is None:

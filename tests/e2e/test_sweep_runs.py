@@ -164,3 +164,43 @@ def test_a_point_whose_name_another_run_took_meanwhile_is_skipped_not_trained(tm
     states = run_sweep(sweep, tmp_path)
     assert states == {taken: "taken"}
     assert db_path(tmp_path, taken).read_bytes() == before and read_run(db_path(tmp_path, taken))["last_step"] == 1
+
+
+FLAGGED = '''
+from pathlib import Path
+
+
+def short(completions, step, **kwargs):
+    if step == 2 and Path(__file__).with_name("fail-at-2").exists():
+        raise RuntimeError("not yet")
+    return [1.0 if len(c.strip()) <= 2 else 0.0 for c in completions]
+'''
+
+
+@pytest.mark.slow
+def test_a_sweep_scores_with_a_reward_file_and_resumes_a_point_it_failed(tmp_path):
+    """`qae sweep --reward rewards.py:short` (a path relative to where qae runs): its point fails at step 2 while a
+    flag file is there; the same command re-run once it is gone resumes the point (naming the reward again), which
+    finishes with each component of steps 1-2 stored per response."""
+    (tmp_path / "rewards.py").write_text(FLAGGED)
+    (tmp_path / "fail-at-2").write_text("")
+    runs = tmp_path / "runs"
+    command = [*QAE, "sweep", "--estimator", "qae", "--name", "rw", "--runs-dir", str(runs), *TINY,
+               "--reward", "exact_int", "--reward", "rewards.py:short", "--reward-weights", "1,0.5"]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert first.returncode != 0 and "RuntimeError: not yet" in first.stdout + first.stderr, first.stdout
+    db = db_path(runs, "rw-qae-k0.4-s0")
+    assert read_run(db)["status"] == "failed" and read_steps(db)["step"].tolist() == [1]
+    (tmp_path / "fail-at-2").unlink()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert read_run(db)["status"] == "finished" and read_steps(db)["step"].tolist() == [1, 2]
+    rows = query(db, "SELECT r.reward, e.value AS exact, s.value AS short, r.response FROM rollouts r "
+                     "JOIN reward_components e USING (step, group_idx, sample_idx) "
+                     "JOIN reward_components s USING (step, group_idx, sample_idx) "
+                     "WHERE e.name = 'exact_int' AND s.name = 'short'")
+    assert len(rows) == 2 * 2 * 4
+    assert rows["short"].tolist() == [float(len(r.strip()) <= 2) for r in rows["response"]]
+    assert rows["reward"].tolist() == pytest.approx((rows["exact"] + 0.5 * rows["short"]).tolist())
+    record = json.loads((runs / "rw-qae-k0.4-s0" / "config.json").read_text())["reward_files"]["rewards.py:short"]
+    assert record["path"] == str(tmp_path / "rewards.py") and "earlier" not in record

@@ -46,6 +46,11 @@ def test_train_and_eval_render_the_prompt_alike(chat_folder, tmp_path):
     [prompt] = groups["prompt"]  # readable: the system message, a blank line, the user message
     assert prompt.startswith("Be terse.\n\nWhat is ") and prompt.endswith(" Count apples; put it in \\boxed{}.")
     assert groups["model_prompt"][0].startswith("<s><|im_start|>system\nBe terse.<|im_end|>")
+    # evaluated without them, qae eval says the run trained with them (it never takes options from a run folder)
+    said = " ".join(invoke("eval", "--model", "chat", "--bench", data, "--samples", "1", "--limit", "1",
+                           "--max-new-tokens", "2", "--runs-dir", runs).split())
+    assert ("run chat trained with --prompt-template '{question} Count {unit}; put it in \\boxed{}.' "
+            "--system-prompt 'Be terse.'; this evaluation prompts without them") in said, said
 
 
 def test_eval_refuses_a_template_the_bench_cannot_fill(tmp_path):

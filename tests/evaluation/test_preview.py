@@ -167,6 +167,22 @@ def test_it_scores_with_the_rewards_the_user_names(tmp_path):
     assert 0.5 in want  # (the check above would pass on the exact-int verifier's 0/1 without it)
 
 
+def test_a_continuous_reward_without_a_success_has_signal_where_its_scores_differ(tmp_path):
+    """No response gets full marks (success rate 0), yet a group whose scores differ has signal: no signal is every
+    reward of a group equal, not every verdict, and the preview says learnable, not all-wrong."""
+    (tmp_path / "longer.py").write_text("def longer(completions, **kwargs):\n"
+                                        "    return [min(0.9, len(c) / 10) for c in completions]\n")
+    preview(tmp_path, "c", "--prompts", "4", "--group-size", "4", "--reward", f"{tmp_path / 'longer.py'}:longer")
+    path = db_path(tmp_path, "c")
+    rewards = query(path, "SELECT group_idx, reward FROM rollouts ORDER BY group_idx, sample_idx")
+    groups = [g["reward"].tolist() for _, g in rewards.groupby("group_idx")]
+    assert len(groups) == 4 and any(min(g) < max(g) for g in groups)
+    summary = query(path, "SELECT accuracy, frac_no_signal, verdict FROM previews").iloc[0]
+    assert summary["accuracy"] == 0.0
+    assert summary["frac_no_signal"] == sum(min(g) == max(g) for g in groups) / 4
+    assert summary["verdict"].startswith("learnable:"), summary["verdict"]
+
+
 def test_a_task_without_signal_says_what_to_try(tmp_path):
     """One token cannot hold the chain task's ' so N': every group all-wrong."""
     text = preview(tmp_path, "none", "--data", "builtin:chain", "--max-new-tokens", "1", "--prompts", "4",

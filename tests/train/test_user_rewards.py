@@ -121,7 +121,14 @@ def test_reading_the_run_never_imports_its_reward_code_and_shows_each_component(
     assert lines == {"mine · reward:exact_int", "mine · reward:short", "mine · reward:slow"}
     tables = response_tables(app("rollouts", run="mine", step=1))
     assert {"exact_int", "short", "slow"} <= set(tables[0].columns)
-    assert not marker.exists()  # none of the above imported the reward file
+    # qae eval of the run, not given the rewards: scored with the task's own, and it says so
+    evaluated = qae("eval", "--model", "mine", "--limit", "2", "--samples", "1", "--runs-dir", str(runs_dir),
+                    cwd=tmp_path)
+    assert evaluated.returncode == 0, evaluated.stderr
+    said = "".join(evaluated.stdout.split())  # (the console wraps a long path anywhere)
+    assert "".join(f"run mine trained with --reward exact_int --reward {path}:short --reward {path}:slow; this "
+                   "evaluation scores with the bench's own reward (exact_int)".split()) in said, evaluated.stdout
+    assert not marker.exists()  # none of the above imported the reward file (qae eval included)
 
 
 FAILING = '''
@@ -164,3 +171,61 @@ def test_a_reward_that_raises_stops_the_run_failed_and_it_resumes_after_the_fix(
     assert store_read.read_steps(db)["step"].tolist() == [1, 2, 3, 4]
     record = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())["reward_files"]["bad.py:score"]
     assert record["earlier"][0]["until_step"] == 2 and record["earlier"][0]["sha256"] != record["sha256"]
+
+
+MODES = '''
+import math
+import time
+from pathlib import Path
+
+MODE = Path(__file__).with_name("mode.txt")  # data the test writes: how (and at which step) score fails
+
+
+def score(completions, step, **kwargs):
+    how, at = MODE.read_text().split()
+    if step == int(at):
+        if how == "length":
+            return [1.0, 0.0]
+        if how == "nan":
+            return [math.nan]
+        if how == "word":
+            return ["yes"]
+        if how == "hang":
+            while True:
+                time.sleep(1)
+    return [1.0 if c.strip().isdigit() else 0.0 for c in completions]
+'''
+
+
+def test_every_failure_of_a_user_reward_is_one_message_keeps_the_steps_and_resumes(tmp_path):
+    """A wrong-length list (step 2), NaN (3), a string (4), a hang (5): each stops the run `failed` with one message
+    that says how to resume; the steps before it and the checkpoint stay; the resume (the file unchanged: only the
+    data it reads) goes on to the next failure, and the last one finishes with steps 1-6 once each."""
+    (tmp_path / "modes.py").write_text(MODES)
+    runs = str(tmp_path / "runs")
+    db = db_path(tmp_path / "runs", "m")
+    start = ["train", "--run-name", "m", "--steps", "6", "--checkpoint-every", "1", "--prompts-per-step", "2",
+             "--group-size", "4", "--eval-every", "0", "--verify-timeout-s", "1"]
+    resume = ["train", "--resume", "m"]
+    said = {"length": "it returned 2 scores for 1 completion", "nan": "it returned nan as a score",
+            "word": "it returned 'yes' (a str) as a score", "hang": "scored none of the 8 responses of step 5"}
+    for at, (how, message) in enumerate(said.items(), start=2):
+        (tmp_path / "mode.txt").write_text(f"{how} {at}")
+        done = qae(*(start if at == 2 else resume), "--reward", "modes.py:score", "--runs-dir", runs, cwd=tmp_path)
+        out = " ".join((done.stdout + done.stderr).split())
+        assert done.returncode == 2, out
+        assert out.count("error:") == 1 and message in out, out
+        assert f"reward: modes.py:score failed at step {at}" in out or how == "hang"
+        assert "Traceback" not in out  # (only an exception has one: the function's own)
+        assert "qae train --resume m --reward modes.py:score" in out  # how to go on, once it is fixed
+        run = store_read.read_run(db)
+        assert run["status"] == "failed" and message in run["error"]
+        assert store_read.read_steps(db)["step"].tolist() == list(range(1, at))
+        assert (tmp_path / "runs" / "m" / "checkpoints" / f"step-{at - 1}").is_dir()
+    (tmp_path / "mode.txt").write_text("none 0")
+    done = qae(*resume, "--reward", "modes.py:score", "--runs-dir", runs, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert store_read.read_run(db)["status"] == "finished"
+    assert store_read.read_steps(db)["step"].tolist() == [1, 2, 3, 4, 5, 6]
+    rows = store_read.query(db, "SELECT step, count(*) AS n FROM reward_components GROUP BY step ORDER BY step")
+    assert rows["n"].tolist() == [8] * 6  # each step's responses scored once, none twice
