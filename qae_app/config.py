@@ -461,7 +461,25 @@ def report_to_trackers(value: str | None) -> list[str]:
         raise QAEUserError(f"report-to: {', '.join(missing)} is not installed. Install it (pip install -e "
                            f"'.[trackers]' brings tensorboard and mlflow-skinny; or pip install {' '.join(missing)}), "
                            "or drop it from --report-to.")
+    if "mlflow" in wanted:
+        check_mlflow_store()
     return wanted
+
+
+def check_mlflow_store() -> None:
+    """The MLflow store MLFLOW_TRACKING_URI names (unset: MLflow 3's sqlite:///mlflow.db, which mlflow-skinny cannot
+    open) opens here, before the run is made: MLflow's client builds its store without contacting a server."""
+    import mlflow
+
+    try:
+        mlflow.MlflowClient()
+    except Exception as err:  # MLflow raises its own kinds (an unsupported scheme, a store it cannot build)
+        uri = mlflow.get_tracking_uri()
+        said = " ".join(str(err).split())
+        raise QAEUserError(f"report-to: mlflow cannot keep runs at {clipped(uri)} ({clipped(said, 200)}). Set "
+                           "MLFLOW_TRACKING_URI to your MLflow server (http://HOST:5000) or to a folder (file:./mlruns "
+                           "with MLFLOW_ALLOW_FILE_STORE=true), install the full mlflow for its sqlite store, or "
+                           "drop mlflow from --report-to.") from None
 
 
 def check_launch_mixed_precision(mixed_precision: str) -> None:

@@ -89,3 +89,23 @@ def test_tensorboard_and_mlflow_get_every_stored_step_metric_and_evaluation(tmp_
     assert set(run.data.metrics) == set(rows) | set(eval_rows)  # nothing else was sent
     assert run.data.params["steps"] == "3" and run.data.params["report_to"] == "tensorboard,mlflow"
     assert run.data.params["lora_targets"] == "null"  # None, as JSON
+
+
+@pytest.mark.parametrize("uri", [None, "nosuch:/store"], ids=["unset", "unknown-scheme"])
+def test_an_mlflow_store_it_cannot_open_is_one_clear_error_before_the_run_starts(tmp_path, monkeypatch, uri):
+    """MLflow 3 keeps runs in sqlite:///mlflow.db when MLFLOW_TRACKING_URI is unset, which mlflow-skinny (the
+    trackers extra) cannot open: the run was created, then a 180-line traceback, and `qae runs` listed it stopped."""
+    pytest.importorskip("mlflow", reason="mlflow is not installed (pip install -e '.[trackers]')")
+    if uri is None and importlib.util.find_spec("sqlalchemy") is not None:
+        pytest.skip("the full mlflow opens sqlite:///mlflow.db (sqlalchemy is installed)")
+    monkeypatch.chdir(tmp_path)
+    if uri is None:
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    else:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    result = runner.invoke(app, ["train", "--run-name", "r", "--report-to", "mlflow", *TINY,
+                                 "--runs-dir", str(tmp_path / "runs")], env={"COLUMNS": "200"})
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "report-to: mlflow cannot keep runs at" in said, said
+    assert "MLFLOW_TRACKING_URI" in said and "Traceback" not in said and said.count("error:") == 1
+    assert not (tmp_path / "runs" / "r").exists()
