@@ -95,3 +95,14 @@ def test_stop_of_a_run_nobody_trains_says_only_that(runs):
     code, output = qae("stop", "other", runs_dir=runs)
     assert code == 2 and "'other' is not running" in output and "Nothing was signalled" in output
     assert "stopping run" not in output and output.count("error:") == 1, output
+
+
+def test_runs_shows_each_runs_note_under_the_table(runs):
+    """`qae note` said its note was shown by `qae runs`; only `qae show` printed it."""
+    qae("note", "base-s1", "lr too high:\nhalve it", runs_dir=runs)
+    qae("note", "other", "y" * 2000, runs_dir=runs)
+    code, listed = qae("runs", runs_dir=runs)
+    lines = listed.splitlines()
+    assert code == 0 and "note base-s1: lr too high: halve it" in lines, listed  # one line per note
+    assert "note other: " + "y" * 120 + "… (2,000 characters; qae show other)" in lines, listed
+    assert not any(line.startswith("note base-s0") for line in lines)
