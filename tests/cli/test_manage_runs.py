@@ -72,6 +72,7 @@ def test_rm_refuses_a_live_run_asks_first_and_deletes_a_sweeps_runs(runs):
     try:
         code, output = qae("rm", "other", "--yes", runs_dir=runs)
         assert code == 2 and "'other' is being trained right now" in output and (runs / "other").is_dir()
+        assert "Stop it first with `qae stop other`" in " ".join(output.split())
     finally:
         lock.release()
     code, output = qae("rm", "other", runs_dir=runs, input="n\n")
