@@ -59,6 +59,9 @@ def test_runs_lists_tags_and_filters_by_one(runs):
     (["note", "base-s0", "x" * 2001], "note: 2,001 characters, more than 2,000"),
     (["rm", "nope", "--yes"], "no run 'nope'"),
     (["rm", "--yes"], "name the runs to delete"),
+    (["stop"], "name the run to stop"),
+    (["stop", "--sweep", "nope"], "no run of sweep 'nope'"),
+    (["stop", "--sweep", "base"], "nothing of sweep 'base' is running"),
 ])
 def test_a_bad_tag_note_or_rm_is_one_message_and_changes_nothing(runs, args, message):
     before = sorted(p.relative_to(runs) for p in runs.rglob("*"))

@@ -85,3 +85,31 @@ def test_stop_ends_every_rank_of_a_two_process_launch(tmp_path):
     db = runs / "k" / "qae.duckdb"
     assert read_run(db)["status"] == "interrupted"
     assert latest_checkpoint(runs / "k").name == f"step-{read_last_step(db)}"
+
+
+def test_stop_sweep_ends_its_running_point_and_the_sweep_starts_no_other(tmp_path):
+    """`qae stop --sweep NAME` (issue 38): the sweep process and its trainer are found through the locks they hold
+    (the sweep's sweep.lock, the run's trainer.lock), the running point stops with a checkpoint, the next is not
+    started, and the sweep exits as an interrupted one."""
+    runs = tmp_path / "runs"
+    sweep = subprocess.Popen([sys.executable, "-m", "qae_app.cli", "sweep", "--estimator", "qae", "--seeds", "2",
+                              "--name", "sw", "--runs-dir", str(runs), "--steps", "500", "--prompts-per-step", "2",
+                              "--group-size", "4", "--eval-every", "0", "--checkpoint-every", "100", "--cpu"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    first = runs / "sw-qae-k0.4-s0"
+    try:
+        wait_until(lambda: first_step_stored(first), sweep, "the first point's first step stored")
+        result = runner.invoke(app, ["stop", "--sweep", "sw", "--runs-dir", str(runs)], env={"COLUMNS": "300"})
+        assert result.exit_code == 0, result.output
+        assert sweep.wait(timeout=120) == 130  # `qae sweep` interrupted: re-run it to resume
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, 9)
+    db = first / "qae.duckdb"
+    stopped_at = read_last_step(db)
+    assert read_run(db)["status"] == "interrupted" and latest_checkpoint(first).name == f"step-{stopped_at}"
+    said = " ".join(result.output.split())
+    assert f"run sw-qae-k0.4-s0 interrupted at step {stopped_at}" in said, said
+    assert not (runs / "sw-qae-k0.4-s1").exists()  # the sweep started no other point
+    again = runner.invoke(app, ["stop", "--sweep", "sw", "--runs-dir", str(runs)], env={"COLUMNS": "300"})
+    assert again.exit_code == 2 and "nothing of sweep 'sw' is running" in " ".join(again.output.split())
