@@ -110,3 +110,15 @@ def test_runs_shows_each_runs_note_under_the_table(runs):
     assert code == 0 and "note base-s1: lr too high: halve it" in lines, listed  # one line per note
     assert "note other: " + "y" * 120 + "… (2,000 characters; qae show other)" in lines, listed
     assert not any(line.startswith("note base-s0") for line in lines)
+
+
+def test_rm_under_a_reader_leaves_it_reading_what_it_opened(runs):
+    """`qae rm` does not race a reader (issue 38): a reader holding the run's database keeps reading it while the run
+    is deleted, and the listing no longer shows the run."""
+    with duckdb.connect(str(runs / "base-s0" / "qae.duckdb"), read_only=True) as reader:
+        code, output = qae("rm", "base-s0", "--yes", runs_dir=runs)
+        assert code == 0 and "deleted 1 run(s): base-s0" in output and not (runs / "base-s0").exists()
+        assert reader.execute("SELECT list(step ORDER BY step) FROM steps").fetchone()[0] == [1, 2]
+    code, listed = qae("runs", runs_dir=runs)
+    assert code == 0 and "2 run(s)" in listed and "base-s0" not in listed
+    assert sorted(p.name for p in runs.iterdir()) == ["base-s1", "other"]  # nothing left half-deleted
