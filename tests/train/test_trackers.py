@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from qae_app.cli.main import app
-from qae_app.config import report_to_trackers
 from qae_app.core.errors import QAEUserError
+from qae_app.core.trackers_check import report_to_trackers
 from qae_app.store.schema import STEP_METRICS
 from qae_app.train.trackers import TENSORBOARD_DIR, metric_name
 
