@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import clipped
 from qae_app.core.host_faults import check_path_names
+from qae_app.core.trackers_check import report_to_trackers
 from qae_app.data.prompts import PromptFormat, check_prompt_options
 from qae_app.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, builtin_task_name, task_defaults
 from qae_app.engines.sampling import SamplingOptions
@@ -444,24 +444,6 @@ class TrainConfig:
         except ValueError as err:
             raise QAEUserError(str(err)) from None
         return self
-
-
-def report_to_trackers(value: str | None) -> list[str]:
-    """The trackers --report-to names ("tensorboard,mlflow"; none or "": none), each known and installed, checked
-    before anything runs; one QAEUserError naming the option, the value and the fix otherwise."""
-    wanted = list(dict.fromkeys(name.strip() for name in (value or "").split(",")
-                                if name.strip() and name.strip() != "none"))
-    for name in wanted:
-        if name not in names.TRACKERS:
-            raise QAEUserError(f"report-to: '{clipped(name)}' is not a tracker qae sends metrics to. Use a comma list "
-                               f"of {', '.join(names.TRACKERS)}, or leave it out (the run's DuckDB file only).")
-    missing = [name for name in wanted
-               if not any(importlib.util.find_spec(module) for module in names.TRACKER_MODULES[name])]
-    if missing:
-        raise QAEUserError(f"report-to: {', '.join(missing)} is not installed. Install it (pip install -e "
-                           f"'.[trackers]' brings tensorboard and mlflow-skinny; or pip install {' '.join(missing)}), "
-                           "or drop it from --report-to.")
-    return wanted
 
 
 def check_launch_mixed_precision(mixed_precision: str) -> None:

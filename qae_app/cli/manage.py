@@ -60,13 +60,22 @@ def note(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
     console.print(f"run {escape(run)}: note {'cleared' if not text else 'saved'}", highlight=False)
 
 
-def stop(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
+def stop(run: Annotated[Optional[str], typer.Argument(help="Run id (see `qae runs`), or --sweep.")] = None,
+         sweep: Annotated[Optional[str], typer.Option(help="Stop this sweep (its id or name): its `qae sweep` "
+                                                      "process and every run of it training now.")] = None,
          timeout: Annotated[float, typer.Option(help="Seconds to wait for its checkpoint.")] = 600.0,
          runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
     """Stop a live run as Ctrl-C does: after its current step, with a checkpoint; it resumes with --resume. Only the
     process the kernel says holds the run's lock is signalled (every rank of a launch stops with it)."""
     from qae_app.store.reader import read_last_step, read_run, resolve_run
     from qae_app.store.stop import stop_run
+
+    if sweep is not None:
+        _stop_sweep(sweep, runs_dir, timeout)
+    if run is None:
+        if sweep is None:
+            fail(QAEUserError("run: name the run to stop (see `qae runs`), or --sweep NAME for a sweep."))
+        return
 
     def signalled() -> None:  # (said once the trainer was found: a run nobody trains is only said to be so)
         console.print(f"stopping run {escape(run)} after its current step (its checkpoint is written on the way "
@@ -82,6 +91,34 @@ def stop(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
         fail(err)
     console.print(f"run {escape(run)} {status} at step {step}. Continue it with: qae train --resume {escape(run)} "
                   f"--runs-dir {escape(str(runs_dir))}", highlight=False, soft_wrap=True)
+
+
+def _stop_sweep(sweep: str, runs_dir, timeout: float) -> None:
+    """`qae stop --sweep`: the sweep's `qae sweep` processes and live runs stopped, each stopped run said."""
+    from qae_app.analysis.compare import in_sweep
+    from qae_app.cli.sweep import SWEEPS_DIR
+    from qae_app.store.reader import DB_FILE, read_last_step, read_run, run_summaries
+    from qae_app.store.stop import stop_sweep
+
+    try:
+        configs = {row["run_id"]: json.loads(row.get("config") or "{}") for row in run_summaries(runs_dir)}
+        runs = [run_id for run_id, config in configs.items() if in_sweep(config, sweep)]
+        names = {sweep, *(configs[run_id].get("sweep_name") for run_id in runs)} - {None}
+        folders = [runs_dir / SWEEPS_DIR / str(name) for name in sorted(names)]
+        folders = [folder for folder in folders if folder.is_dir()]
+        if not runs and not folders:
+            raise QAEUserError(f"sweep: no run of sweep '{sweep}' in {runs_dir}. Nothing was signalled.")
+        stopped = stop_sweep(sweep, folders, [runs_dir / run_id for run_id in runs], timeout, on_signalled=lambda:
+                             console.print(f"stopping sweep {escape(sweep)}: each run after its current step...",
+                                           highlight=False))
+    except QAEUserError as err:
+        fail(err)
+    for folder in stopped:
+        db = folder / DB_FILE
+        console.print(f"run {escape(folder.name)} {read_run(db).get('status')} at step {read_last_step(db)}",
+                      highlight=False, soft_wrap=True)
+    console.print(f"sweep {escape(sweep)} stopped. Continue it by re-running its `qae sweep` command (finished runs "
+                  "are kept, interrupted ones resume).", highlight=False, soft_wrap=True)
 
 
 def rm(runs: Annotated[Optional[list[str]], typer.Argument(help="Run ids to delete (or --sweep).")] = None,

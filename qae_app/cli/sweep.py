@@ -43,6 +43,7 @@ from qae_app.store.run_folder import (
     trainer_alive,
     validate_run_name,
 )
+from qae_app.store.stop import hold_sweep
 
 SWEEPS_DIR = ".sweeps"  # under the runs dir: each sweep's point files and logs
 POLL_S = 2.0  # how often the sweep looks at its running processes and their step counts
@@ -305,6 +306,7 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
         stopping = True
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    held = hold_sweep(sweep.folder)  # `qae stop --sweep` finds this process by it
     try:
         while (queue and not stopping) or active:
             while queue and len(active) < parallel and not stopping:
@@ -325,6 +327,7 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
             if active:
                 time.sleep(POLL_S)
     finally:
+        os.close(held)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return states

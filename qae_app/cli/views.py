@@ -254,7 +254,7 @@ def _runs_columns(rows: list[dict], readable: list[bool], same: bool, prefix: st
 
 def _runs_notes(rows: list[dict], readable: list[bool], same: bool) -> list[Text]:
     """The notes under the runs table: that reward_mean is the accuracy (`same`), what `stopped` means, why a run
-    is unreadable, and which run ids `qae train --resume` cannot take."""
+    is unreadable, which run ids `qae train --resume` cannot take, and each run's `qae note`."""
     notes = []
     if same and any(readable):
         notes.append(Text("reward_mean is also the accuracy here (0/1 rewards: the same in every run)", style="dim"))
@@ -269,7 +269,19 @@ def _runs_notes(rows: list[dict], readable: list[bool], same: bool) -> list[Text
             notes.append(Text(f"{row['run_id']}: read as a run, but not a plain name, so `qae train --resume` cannot "
                               f"continue it: rename it (mv '{row['run_id']}' {plain_name(str(row['run_id']))}).",
                               style="dim"))
+    notes.extend(_note_line(row) for row in rows if row.get("note"))
     return notes
+
+
+NOTE_LINE_CHARS = 120  # a `qae note` in the runs listing; `qae show RUN` prints it whole
+
+
+def _note_line(row: dict) -> Text:
+    """A run's `qae note` on one line under the runs table, cut after NOTE_LINE_CHARS characters."""
+    text = " ".join(str(row["note"]).split())
+    if len(text) > NOTE_LINE_CHARS:
+        text = f"{text[:NOTE_LINE_CHARS]}… ({len(text):,} characters; qae show {row['run_id']})"
+    return Text.assemble(("note ", "bold"), f"{row['run_id']}: {text}")
 
 
 def plain_name(name: str) -> str:

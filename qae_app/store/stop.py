@@ -3,17 +3,24 @@
 holds the run's lock right now, which the kernel says (/proc/locks), not a pid read from a file: a stale or planted
 record never gets a stranger's process signalled. Under `accelerate launch` that is the main process; the stop
 request reaches every rank through the step boundary's all-reduce (session.should_stop), and the launcher ends when
-they do."""
+they do.
+
+A sweep (`qae stop --sweep`): each `qae sweep` process running it holds a shared flock on its folder's sweep.lock
+(hold_sweep) for as long as it runs; the kernel's holders of that lock are sent SIGTERM (the sweep then stops its
+running points the trainer's way and starts no other), and so is each live run of the sweep, as above."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import time
 from pathlib import Path
 
 from qae_app.core.errors import QAEUserError
-from qae_app.store.run_folder import LOCK_FILE, lock_holder_pid, trainer_alive
+from qae_app.store.run_folder import LOCK_FILE, lock_holder_pid, open_regular_file, trainer_alive
+
+SWEEP_LOCK_FILE = "sweep.lock"  # in a sweep's folder: every `qae sweep` process running it holds a shared flock
 
 
 def lock_holders(lock_file: Path) -> set[int]:
@@ -67,3 +74,48 @@ def stop_run(folder: Path, timeout_s: float, on_wait=None, on_signalled=None) ->
             on_wait()
         time.sleep(0.5)
     return True
+
+
+def hold_sweep(sweep_folder: Path) -> int:
+    """Take a shared flock on the sweep's lock file (several `qae sweep` processes may run one sweep); returns the fd
+    that holds it, to close when the sweep process is done."""
+    fd = open_regular_file(sweep_folder / SWEEP_LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def sweep_running(sweep_folders: list[Path], run_folders: list[Path]) -> bool:
+    """Whether a `qae sweep` process holds one of the sweeps or a trainer holds one of their runs."""
+    return (any(lock_holders(folder / SWEEP_LOCK_FILE) for folder in sweep_folders)
+            or any(trainer_alive(folder) for folder in run_folders))
+
+
+def stop_sweep(name: str, sweep_folders: list[Path], run_folders: list[Path], timeout_s: float,
+               on_signalled=None) -> list[Path]:
+    """SIGTERM every `qae sweep` process holding one of `sweep_folders` and the trainer of every live run among
+    `run_folders`, then wait up to `timeout_s` for all of them to let go. Returns the runs that were live; raises
+    QAEUserError when nothing was running, or still runs after the wait. `on_signalled()`: once all were signalled."""
+    sweeps = {pid for folder in sweep_folders for pid in lock_holders(folder / SWEEP_LOCK_FILE)}
+    live = [folder for folder in run_folders if trainer_alive(folder)]
+    if not sweeps and not live:
+        raise QAEUserError(f"sweep: nothing of sweep '{name}' is running (no `qae sweep` process, no trainer of its "
+                           "runs). Nothing was signalled; re-run the sweep's command to continue it.")
+    for pid in sweeps:  # first: a stopping sweep starts no other point
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:  # it ended since the kernel listed it
+            pass
+    for folder in live:
+        try:
+            request_stop(folder)
+        except QAEUserError:  # it let go meanwhile (or is another machine's: its sweep stops it)
+            pass
+    if on_signalled is not None:
+        on_signalled()
+    deadline = time.monotonic() + timeout_s
+    while sweep_running(sweep_folders, run_folders):
+        if time.monotonic() > deadline:
+            raise QAEUserError(f"stop: sweep '{name}' is still running after {timeout_s:g} s (a long step, or a "
+                               "large checkpoint). It will stop on its own; check with `qae runs`.")
+        time.sleep(0.5)
+    return live

@@ -21,7 +21,7 @@ import os
 import re
 from pathlib import Path
 
-from qae_app.config import report_to_trackers
+from qae_app.core.trackers_check import report_to_trackers
 
 PROJECT_ENV = "QAE_TRACKER_PROJECT"
 DEFAULT_PROJECT = "qae"

@@ -59,6 +59,9 @@ def test_runs_lists_tags_and_filters_by_one(runs):
     (["note", "base-s0", "x" * 2001], "note: 2,001 characters, more than 2,000"),
     (["rm", "nope", "--yes"], "no run 'nope'"),
     (["rm", "--yes"], "name the runs to delete"),
+    (["stop"], "name the run to stop"),
+    (["stop", "--sweep", "nope"], "no run of sweep 'nope'"),
+    (["stop", "--sweep", "base"], "nothing of sweep 'base' is running"),
 ])
 def test_a_bad_tag_note_or_rm_is_one_message_and_changes_nothing(runs, args, message):
     before = sorted(p.relative_to(runs) for p in runs.rglob("*"))
@@ -72,6 +75,7 @@ def test_rm_refuses_a_live_run_asks_first_and_deletes_a_sweeps_runs(runs):
     try:
         code, output = qae("rm", "other", "--yes", runs_dir=runs)
         assert code == 2 and "'other' is being trained right now" in output and (runs / "other").is_dir()
+        assert "Stop it first with `qae stop other`" in " ".join(output.split())
     finally:
         lock.release()
     code, output = qae("rm", "other", runs_dir=runs, input="n\n")
@@ -95,3 +99,26 @@ def test_stop_of_a_run_nobody_trains_says_only_that(runs):
     code, output = qae("stop", "other", runs_dir=runs)
     assert code == 2 and "'other' is not running" in output and "Nothing was signalled" in output
     assert "stopping run" not in output and output.count("error:") == 1, output
+
+
+def test_runs_shows_each_runs_note_under_the_table(runs):
+    """`qae note` said its note was shown by `qae runs`; only `qae show` printed it."""
+    qae("note", "base-s1", "lr too high:\nhalve it", runs_dir=runs)
+    qae("note", "other", "y" * 2000, runs_dir=runs)
+    code, listed = qae("runs", runs_dir=runs)
+    lines = listed.splitlines()
+    assert code == 0 and "note base-s1: lr too high: halve it" in lines, listed  # one line per note
+    assert "note other: " + "y" * 120 + "… (2,000 characters; qae show other)" in lines, listed
+    assert not any(line.startswith("note base-s0") for line in lines)
+
+
+def test_rm_under_a_reader_leaves_it_reading_what_it_opened(runs):
+    """`qae rm` does not race a reader (issue 38): a reader holding the run's database keeps reading it while the run
+    is deleted, and the listing no longer shows the run."""
+    with duckdb.connect(str(runs / "base-s0" / "qae.duckdb"), read_only=True) as reader:
+        code, output = qae("rm", "base-s0", "--yes", runs_dir=runs)
+        assert code == 0 and "deleted 1 run(s): base-s0" in output and not (runs / "base-s0").exists()
+        assert reader.execute("SELECT list(step ORDER BY step) FROM steps").fetchone()[0] == [1, 2]
+    code, listed = qae("runs", runs_dir=runs)
+    assert code == 0 and "2 run(s)" in listed and "base-s0" not in listed
+    assert sorted(p.name for p in runs.iterdir()) == ["base-s1", "other"]  # nothing left half-deleted

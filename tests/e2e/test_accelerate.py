@@ -115,3 +115,29 @@ def test_two_process_run_checkpoints_whole_and_resumes_after_kill_9(tmp_path):
     want, got = (read_steps(db_path(tmp_path, name)).set_index("step") for name in ("ref", "cut"))
     assert got.index.tolist() == [1, 2, 3, 4]
     assert_same_metrics(want, got)
+
+
+def test_report_to_tensorboard_under_two_processes_logs_once_what_the_rows_hold(tmp_path):
+    """--report-to on the main process only (issue 38): under a 2-process launch one process writes TensorBoard's
+    event files (the scalars', and the hparams' that accelerate puts in a sub-folder), and every stored step metric
+    and evaluation there equals the DuckDB rows, each step once."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install -e '.[trackers]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from qae_app.train.trackers import TENSORBOARD_DIR
+    from tests.train.test_trackers import stored
+
+    runs = tmp_path / "runs"
+    result = train(2, runs, "tb", "--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--eval-every",
+                   "2", "--checkpoint-every", "0", "--report-to", "tensorboard")
+    assert result.returncode == 0, result.stdout + result.stderr
+    logdir = runs / "tb" / TENSORBOARD_DIR
+    event_files = list(logdir.rglob("events.out.tfevents.*"))  # events.out.tfevents.<time>.<host>.<pid>.<n>
+    assert len({path.name.rsplit(".", 2)[1] for path in event_files}) == 1, event_files  # one writer process
+    rows, eval_rows = stored(runs / "tb" / "qae.duckdb")
+    assert set(eval_rows) and {"entropy", "accuracy", "step_s"} <= set(rows)
+    events = EventAccumulator(str(logdir)).Reload()  # (the scalars' file: the folder's own, not the sub-folder's)
+    for metric, values in {**rows, **eval_rows}.items():
+        scalars = events.Scalars(metric)
+        assert [event.step for event in scalars] == sorted(values), metric  # each step once
+        assert {event.step: event.value for event in scalars} == pytest.approx(values, rel=1e-6), metric

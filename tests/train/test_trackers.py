@@ -6,6 +6,7 @@ not installed is one clear error before anything is written."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 
 import duckdb
@@ -13,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from qae_app.cli.main import app
-from qae_app.config import report_to_trackers
 from qae_app.core.errors import QAEUserError
+from qae_app.core.trackers_check import report_to_trackers
 from qae_app.store.schema import STEP_METRICS
 from qae_app.train.trackers import TENSORBOARD_DIR, metric_name
 
@@ -89,3 +90,78 @@ def test_tensorboard_and_mlflow_get_every_stored_step_metric_and_evaluation(tmp_
     assert set(run.data.metrics) == set(rows) | set(eval_rows)  # nothing else was sent
     assert run.data.params["steps"] == "3" and run.data.params["report_to"] == "tensorboard,mlflow"
     assert run.data.params["lora_targets"] == "null"  # None, as JSON
+
+
+@pytest.mark.parametrize("uri", [None, "nosuch:/store"], ids=["unset", "unknown-scheme"])
+def test_an_mlflow_store_it_cannot_open_is_one_clear_error_before_the_run_starts(tmp_path, monkeypatch, uri):
+    """MLflow 3 keeps runs in sqlite:///mlflow.db when MLFLOW_TRACKING_URI is unset, which mlflow-skinny (the
+    trackers extra) cannot open: the run was created, then a 180-line traceback, and `qae runs` listed it stopped."""
+    pytest.importorskip("mlflow", reason="mlflow is not installed (pip install -e '.[trackers]')")
+    if uri is None and importlib.util.find_spec("sqlalchemy") is not None:
+        pytest.skip("the full mlflow opens sqlite:///mlflow.db (sqlalchemy is installed)")
+    monkeypatch.chdir(tmp_path)
+    if uri is None:
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    else:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    result = runner.invoke(app, ["train", "--run-name", "r", "--report-to", "mlflow", *TINY,
+                                 "--runs-dir", str(tmp_path / "runs")], env={"COLUMNS": "200"})
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "report-to: mlflow cannot keep runs at" in said, said
+    assert "MLFLOW_TRACKING_URI" in said and "Traceback" not in said and said.count("error:") == 1
+    assert not (tmp_path / "runs" / "r").exists()
+
+
+def wandb_records(path) -> list:
+    """The records of a W&B transaction log (run-<id>.wandb: a 7-byte header, then LevelDB-log blocks of 32 KiB whose
+    records each have a header of crc32, length and kind: 1 whole, 2 first, 3 middle, 4 last part), as W&B's Record
+    messages. wandb 0.31 has no Python reader of its own any more."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    raw, pos, part, found = path.read_bytes(), 7, b"", []
+    assert raw[:4] == b":W&B", raw[:7]
+    while pos + 7 <= len(raw):
+        left = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:  # the rest of a block too short for a header, or zero padding
+            pos += left
+            continue
+        data, pos = raw[pos + 7:pos + 7 + length], pos + 7 + length
+        part = data if kind in (1, 2) else part + data
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(part)
+            found.append(record)
+    return found
+
+
+@pytest.mark.slow  # a real run of 3 steps with two evaluations, and W&B's service process: 20-60 s on a loaded CPU
+def test_wandb_offline_gets_every_stored_step_metric_and_evaluation(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    runs = tmp_path / "runs"
+    result = runner.invoke(app, ["train", "--run-name", "tracked", "--report-to", "wandb", *TINY,
+                                 "--runs-dir", str(runs)])
+    assert result.exit_code == 0, result.output
+    rows, eval_rows = stored(runs / "tracked" / "qae.duckdb")
+    [log] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    records = wandb_records(log)
+    [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.display_name == "tracked" and run.project == "qae"
+    logged = {}
+    for history in (r.history for r in records if r.WhichOneof("record_type") == "history"):
+        # (a key W&B adds itself, _step, _runtime and _timestamp, may come as a nested key of one part)
+        items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in history.item}
+        for metric, value in items.items():
+            if not metric.startswith("_"):
+                logged.setdefault(metric, {})[items["_step"]] = value
+    assert set(logged) == set(rows) | set(eval_rows)  # nothing else was sent
+    for metric, values in {**rows, **eval_rows}.items():
+        assert logged[metric] == pytest.approx(values, rel=1e-12), metric
+    config = {item.key: json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "config"
+              for item in r.config.update}
+    assert config["steps"] == 3 and config["report_to"] == "wandb"
