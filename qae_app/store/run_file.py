@@ -53,9 +53,9 @@ def attach(cursor: duckdb.DuckDBPyConnection, path: Path, alias: str, timeout_s:
     """ATTACH the file (read-only unless told), retrying while another process holds its lock; `on_wait(holder)` is
     called once if that lasts more than WAIT_NOTICE_S (a long wait says why)."""
     # a planted link would point the writer at another run's file (or anything the user can write): the file and
-    # its write-ahead log are attached only as regular files of the folder's own
-    check_regular_file(Path(path))
-    check_regular_file(Path(f"{path}.wal"))
+    # its write-ahead log are attached only as regular files of the folder's own (for writing, not hard links either)
+    check_regular_file(Path(path), writing=not read_only)
+    check_regular_file(Path(f"{path}.wal"), writing=not read_only)
     literal = str(path).replace("'", "''")  # ATTACH takes no bound parameter; the path is quoted as a literal
     start = time.monotonic()
     deadline = start + timeout_s

@@ -109,8 +109,14 @@ def check_own_folder(path: Path) -> bool:
     return True
 
 
-def check_regular_file(path: Path) -> bool:
-    """True if `path` is a regular file (not a symlink), False if nothing is there; NotARegularFile otherwise."""
+def _hard_link(path: Path, info: os.stat_result) -> NotARegularFile:
+    return _refusal(path, f"a hard link (one file under {info.st_nlink} names: writing it would change it under "
+                          "its other names too)")
+
+
+def check_regular_file(path: Path, writing: bool = False) -> bool:
+    """True if `path` is a regular file (not a symlink; when `writing`, not a hard link either), False if nothing is
+    there; NotARegularFile otherwise."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -119,11 +125,14 @@ def check_regular_file(path: Path) -> bool:
         raise _refusal(path, "a symbolic link")
     if not stat.S_ISREG(info.st_mode):
         raise _refusal(path, "not a regular file (a FIFO, a device or a folder)")
+    if writing and info.st_nlink > 1:  # another run's file, or any file the user can write, under a name of ours
+        raise _hard_link(path, info)
     return True
 
 
 def open_regular_file(path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
-    """os.open that neither follows a symlink nor blocks on a FIFO, and refuses anything but a regular file."""
+    """os.open that neither follows a symlink nor blocks on a FIFO, and refuses anything but a regular file; opened
+    for writing, a file with other names (a hard link) is refused too, before anything is written."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as err:
@@ -132,10 +141,15 @@ def open_regular_file(path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -
         if err.errno in (errno.ENXIO, errno.EISDIR):
             raise _refusal(path, "not a regular file (a FIFO, a device or a folder)") from None
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
         raise _refusal(path, "not a regular file (a FIFO, a device or a folder)")
+    if flags & (os.O_WRONLY | os.O_RDWR) and info.st_nlink > 1:
+        os.close(fd)
+        raise _hard_link(path, info)
     return fd
+
 
 
 def read_run_file(path: Path, max_bytes: int = MAX_JSON_BYTES) -> bytes:
