@@ -151,6 +151,17 @@ def open_regular_file(path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -
     return fd
 
 
+def replace_run_file(path: Path, text: str) -> None:
+    """`text` as the run folder's file `path`: written to a new file of the folder, then renamed over the old name, so
+    a link planted there (symbolic or hard) is replaced, never written through."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # (left by a killed write of this pid: whatever it is, only its name is removed)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
 
 def read_run_file(path: Path, max_bytes: int = MAX_JSON_BYTES) -> bytes:
     """The bytes of a regular file in a run folder, at most `max_bytes` (more is refused, not read)."""

@@ -90,6 +90,18 @@ def test_a_lock_file_hard_linked_outside_is_not_truncated(runs, tmp_path, comman
     assert notes.read_text() == "my notes\n"
 
 
+def test_a_resume_writes_its_config_into_the_run_folder_not_through_a_hard_link(runs):
+    """The resume rewrites config.json: written in place, a hard link took it to the file it shares (here the
+    victim's config, which then named the other run). It is replaced instead, as labels.json is."""
+    victim = (runs / "victim" / "config.json").read_bytes()
+    (runs / "evil" / "config.json").unlink()
+    os.link(runs / "victim" / "config.json", runs / "evil" / "config.json")
+    result = qae("train", "--resume", "evil", "--steps", "2", runs_dir=runs)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (runs / "victim" / "config.json").read_bytes() == victim
+    assert os.stat(runs / "evil" / "config.json").st_nlink == 1
+
+
 @pytest.mark.parametrize("command", [["runs"], ["show", "evil"], ["train", "--resume", "evil", "--steps", "2"]])
 def test_a_fifo_lock_file_hangs_no_command(runs, command):
     (runs / "evil" / "trainer.lock").unlink(missing_ok=True)
