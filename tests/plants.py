@@ -87,8 +87,8 @@ class Plant:
         return f"{self.target.replace('/', '~')}:{self.variant}"
 
 
-FILE_VARIANTS = ("link-out", "link-zero", "fifo", "empty", "truncated", "garbage", "deep", "wrong-types", "huge",
-                 "pickle")
+FILE_VARIANTS = ("link-out", "hard-link", "link-zero", "fifo", "empty", "truncated", "garbage", "deep", "wrong-types",
+                 "huge", "pickle")
 DB_VARIANTS = ("view", "macro", "config-list", "config-bad-types", "config-deep")
 
 
@@ -105,7 +105,7 @@ QUICK = [Plant("config.json", "deep"), Plant("trainer.lock", "fifo"), Plant("qae
          Plant("qae.duckdb", "config-bad-types"), Plant("qae.duckdb", "config-list"),
          Plant("qae.duckdb", "config-deep"), Plant(f"{CHECKPOINT}/manifest.json", "wrong-types"),
          Plant(f"{CHECKPOINT}/trainer_state.json", "pickle"), Plant("labels.json", "link-zero"),
-         Plant(PENDING, "deep")]
+         Plant(PENDING, "deep"), Plant("labels.json", "hard-link")]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -142,6 +142,10 @@ def plant_file(run_dir: Path, plant: Plant, marker: Path, outside: Path) -> None
     variant = plant.variant
     if variant == "link-out":
         path.symlink_to(outside / "secret.txt")
+    elif variant == "hard-link":  # its own bytes, as a second name of a file outside (a tar archive can make one)
+        shared = outside / f"hard-{plant.name}"
+        shared.write_bytes(original)
+        os.link(shared, path)
     elif variant == "link-out-dir":
         path.symlink_to(outside / ("model" if path.name == "model" else "."))
     elif variant == "link-zero":
