@@ -87,9 +87,9 @@ class Plant:
         return f"{self.target.replace('/', '~')}:{self.variant}"
 
 
-FILE_VARIANTS = ("link-out", "link-zero", "fifo", "empty", "truncated", "garbage", "deep", "wrong-types", "huge",
-                 "pickle")
-DB_VARIANTS = ("view", "macro", "config-list", "config-bad-types", "config-deep")
+FILE_VARIANTS = ("link-out", "hard-link", "link-zero", "fifo", "empty", "truncated", "garbage", "deep", "wrong-types",
+                 "huge", "pickle")
+DB_VARIANTS = ("view", "macro", "config-list", "config-bad-types", "config-deep", "column-type", "column-dropped")
 
 
 def all_plants() -> list[Plant]:
@@ -105,7 +105,8 @@ QUICK = [Plant("config.json", "deep"), Plant("trainer.lock", "fifo"), Plant("qae
          Plant("qae.duckdb", "config-bad-types"), Plant("qae.duckdb", "config-list"),
          Plant("qae.duckdb", "config-deep"), Plant(f"{CHECKPOINT}/manifest.json", "wrong-types"),
          Plant(f"{CHECKPOINT}/trainer_state.json", "pickle"), Plant("labels.json", "link-zero"),
-         Plant(PENDING, "deep")]
+         Plant(PENDING, "deep"), Plant("labels.json", "hard-link"), Plant("qae.duckdb", "column-type"),
+         Plant("qae.duckdb", "column-dropped")]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -142,6 +143,10 @@ def plant_file(run_dir: Path, plant: Plant, marker: Path, outside: Path) -> None
     variant = plant.variant
     if variant == "link-out":
         path.symlink_to(outside / "secret.txt")
+    elif variant == "hard-link":  # its own bytes, as a second name of a file outside (a tar archive can make one)
+        shared = outside / f"hard-{plant.name}"
+        shared.write_bytes(original)
+        os.link(shared, path)
     elif variant == "link-out-dir":
         path.symlink_to(outside / ("model" if path.name == "model" else "."))
     elif variant == "link-zero":
@@ -179,8 +184,8 @@ def rewrite_manifest(checkpoint: Path) -> None:
 
 
 def _craft_database(path: Path, variant: str, outside: Path) -> None:
-    """qae.duckdb edited with DuckDB itself: a view or macro that would read outside the folder, or a `config`
-    column that is not the run's settings."""
+    """qae.duckdb edited with DuckDB itself: a view or macro that would read outside the folder, a `config` column
+    that is not the run's settings, columns of qae's made text holding text, or a column of qae's dropped."""
     import duckdb
 
     secret = str(outside / "secret.txt").replace("'", "''")
@@ -193,6 +198,12 @@ def _craft_database(path: Path, variant: str, outside: Path) -> None:
         elif variant == "macro":
             con.execute("CREATE MACRO coalesce_secret(x) AS x")
             con.execute(f"CREATE MACRO secret() AS TABLE SELECT * FROM read_text('{secret}')")
+        elif variant == "column-type":
+            for table, column in (("steps", "step"), ("rollouts", "reward"), ("runs", "seed")):
+                con.execute(f"ALTER TABLE {table} ALTER {column} TYPE VARCHAR")
+                con.execute(f"UPDATE {table} SET {column} = 'not a number'")
+        elif variant == "column-dropped":
+            con.execute("ALTER TABLE runs DROP COLUMN status")
         else:
             value = {"config-list": "[1, 2, 3]",
                      "config-bad-types": json.dumps({"steps": "many", "group_size": [4], "k": {"a": 1}}),

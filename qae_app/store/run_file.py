@@ -18,7 +18,7 @@ import duckdb
 from qae_app.core.errors import QAEUserError
 from qae_app.core.host_faults import environment_errno, environment_error
 from qae_app.store.run_folder import CONFIG_FILE, check_regular_file, list_checkpoints, lost_its_database
-from qae_app.store.schema import TABLES
+from qae_app.store.schema import TABLES, column_problem
 
 _LOCK_ERROR = re.compile(r"lock|being used by another process|Conflicting lock", re.IGNORECASE)
 
@@ -53,9 +53,9 @@ def attach(cursor: duckdb.DuckDBPyConnection, path: Path, alias: str, timeout_s:
     """ATTACH the file (read-only unless told), retrying while another process holds its lock; `on_wait(holder)` is
     called once if that lasts more than WAIT_NOTICE_S (a long wait says why)."""
     # a planted link would point the writer at another run's file (or anything the user can write): the file and
-    # its write-ahead log are attached only as regular files of the folder's own
-    check_regular_file(Path(path))
-    check_regular_file(Path(f"{path}.wal"))
+    # its write-ahead log are attached only as regular files of the folder's own (for writing, not hard links either)
+    check_regular_file(Path(path), writing=not read_only)
+    check_regular_file(Path(f"{path}.wal"), writing=not read_only)
     literal = str(path).replace("'", "''")  # ATTACH takes no bound parameter; the path is quoted as a literal
     start = time.monotonic()
     deadline = start + timeout_s
@@ -99,6 +99,12 @@ def refuse_crafted_objects(cursor: duckdb.DuckDBPyConnection, alias: str, path: 
         raise RunFileError(f"run: {path} holds views or macros ({named}), which qae never writes: SQL in it would run "
                            "when qae reads the run. It is not a file qae made; it was not read. Remove it, or open it "
                            "with DuckDB yourself if you trust it.")
+    # a column of qae's retyped or dropped broke every reader that met it (`qae runs` for the whole folder)
+    problem = column_problem(cursor.execute("SELECT table_name, column_name, data_type FROM duckdb_columns() WHERE "
+                                            "database_name = ? AND schema_name = 'main'", [alias]).fetchall())
+    if problem:
+        raise RunFileError(f"run: {path} {problem}: it is not a file qae made, or one edited since; it was not read. "
+                           "Move it aside, or restore it from a backup.")
     if len(_VETTED) > 4096:
         _VETTED.clear()
     _VETTED[version] = True

@@ -109,8 +109,14 @@ def check_own_folder(path: Path) -> bool:
     return True
 
 
-def check_regular_file(path: Path) -> bool:
-    """True if `path` is a regular file (not a symlink), False if nothing is there; NotARegularFile otherwise."""
+def _hard_link(path: Path, info: os.stat_result) -> NotARegularFile:
+    return _refusal(path, f"a hard link (one file under {info.st_nlink} names: writing it would change it under "
+                          "its other names too)")
+
+
+def check_regular_file(path: Path, writing: bool = False) -> bool:
+    """True if `path` is a regular file (not a symlink; when `writing`, not a hard link either), False if nothing is
+    there; NotARegularFile otherwise."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -119,11 +125,14 @@ def check_regular_file(path: Path) -> bool:
         raise _refusal(path, "a symbolic link")
     if not stat.S_ISREG(info.st_mode):
         raise _refusal(path, "not a regular file (a FIFO, a device or a folder)")
+    if writing and info.st_nlink > 1:  # another run's file, or any file the user can write, under a name of ours
+        raise _hard_link(path, info)
     return True
 
 
 def open_regular_file(path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
-    """os.open that neither follows a symlink nor blocks on a FIFO, and refuses anything but a regular file."""
+    """os.open that neither follows a symlink nor blocks on a FIFO, and refuses anything but a regular file; opened
+    for writing, a file with other names (a hard link) is refused too, before anything is written."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as err:
@@ -132,10 +141,26 @@ def open_regular_file(path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -
         if err.errno in (errno.ENXIO, errno.EISDIR):
             raise _refusal(path, "not a regular file (a FIFO, a device or a folder)") from None
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
         raise _refusal(path, "not a regular file (a FIFO, a device or a folder)")
+    if flags & (os.O_WRONLY | os.O_RDWR) and info.st_nlink > 1:
+        os.close(fd)
+        raise _hard_link(path, info)
     return fd
+
+
+def replace_run_file(path: Path, text: str) -> None:
+    """`text` as the run folder's file `path`: written to a new file of the folder, then renamed over the old name, so
+    a link planted there (symbolic or hard) is replaced, never written through."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # (left by a killed write of this pid: whatever it is, only its name is removed)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def read_run_file(path: Path, max_bytes: int = MAX_JSON_BYTES) -> bytes:

@@ -192,6 +192,42 @@ EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step, benchmark and sou
 
 WRITER_COLUMNS = ("run_id", "step", "logged_at")  # filled in by RunWriter, not by the rows it is handed
 
+# The columns of qae's tables in its first run files (2026-11-30): every run file has them, and readers rely on them.
+# A column added since may be missing from an older file (the writer adds it); one of these never is.
+FIRST_COLUMNS = {
+    "runs": ("run_id", "name", "created_at", "updated_at", "status", "config", "estimator", "k", "model", "task",
+             "seed", "error"),
+    "steps": ("run_id", "step"),
+    "groups": ("run_id", "step", "group_idx", "prompt_id", "prompt", "answer", "n_correct", "group_size", "baseline",
+               "regime"),
+    "rollouts": ("run_id", "step", "group_idx", "sample_idx", "prompt_id", "response", "reward", "verified",
+                 "advantage", "gated", "regime", "n_tokens", "truncated", "entropy", "logprob"),
+    "evals": ("run_id", "step", "benchmark", "subset", "metric", "k", "value", "n_problems"),
+    "eval_samples": ("run_id", "step", "benchmark", "problem_id", "sample_idx", "response", "extracted", "correct",
+                     "verified", "n_tokens"),
+    "warnings": ("run_id", "step", "kind", "message"),
+}
+
+
+def column_problem(columns: list[tuple[str, str, str]]) -> str | None:
+    """Why the columns of a run file's tables, as (table, column, DuckDB type) rows, are not what qae writes (a
+    column of qae's of another type, or one its first files had missing), or None. Tables and columns that are not
+    qae's are left to the other checks."""
+    found: dict[str, dict[str, str]] = {}
+    for table, column, data_type in columns:
+        found.setdefault(table, {})[column] = data_type
+    for table, have in found.items():
+        if table not in TABLES:
+            continue
+        for column, data_type in have.items():
+            want = TABLES[table].get(column, "").split(" ")[0]
+            if want and data_type != want:
+                return f"has {table}.{column} as {data_type}, where qae writes {want}"
+        missing = [column for column in FIRST_COLUMNS.get(table, ()) if column not in have]
+        if missing:
+            return f"has no {table}.{missing[0]} column, which every run file of qae's has"
+    return None
+
 
 def row_columns(table: str) -> tuple[str, ...]:
     """The columns a row of a step table carries when handed to the writer (the writer adds run_id, step and

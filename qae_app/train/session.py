@@ -52,6 +52,7 @@ from qae_app.store.run_folder import (
     list_checkpoints,
     read_run_config,
     recent_runs_text,
+    replace_run_file,
     run_dir,
     trainer_alive,
     write_manifest,
@@ -361,7 +362,7 @@ class RunSession:
             # rows written after the checkpoint are replayed by this run: drop them so each step is stored once
             self.writer.truncate_after(state.step)
             self._say_missing_steps(state.step)
-            (self.run_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+            replace_run_file(self.run_dir / CONFIG_FILE, json.dumps(config, indent=2))  # (never through a link)
             self.writer.update_run(status="running", error=None, config=config)
             self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qae-store")
             self.trackers = start_trackers(cfg.report_to, self.run_id, self.run_dir, config)

@@ -12,10 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
-from qae_app.store.run_folder import latest_checkpoint
+from qae_app.store.reader import query, read_steps
+from qae_app.store.run_folder import checkpoint_step, latest_checkpoint
 from tests.launching import ONE_MACHINE
+from tests.same_steps import assert_same_metrics, kept_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
@@ -62,11 +65,20 @@ def launch(runs_dir: Path, *args: str) -> subprocess.Popen:
                              *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
+def stored_rows(runs_dir: Path, run: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The run's steps (indexed by step) and its rollouts, as the database holds them."""
+    db = runs_dir / run / "qae.duckdb"
+    return read_steps(db).set_index("step"), query(db, "SELECT step, group_idx, sample_idx, response, reward, "
+                                                       "advantage FROM rollouts ORDER BY ALL")
+
+
 @pytest.mark.slow
-def test_kill_9_of_a_launch_ends_every_rank_and_the_run_resumes(tmp_path):
-    runs_dir = tmp_path / "runs"
-    launcher = launch(runs_dir, "--run-name", "k", "--steps", "500", "--prompts-per-step", "2", "--group-size", "4",
-                      "--eval-every", "0", "--checkpoint-every", "1")
+def test_kill_9_of_a_launch_ends_every_rank_and_the_run_resumes_into_the_uninterrupted_one(tmp_path):
+    """kill -9 of the launch's process group, wherever the run is: no rank trains on, and the resume gives the rows
+    of an uninterrupted launch of as many steps (the learning rate does not depend on the step count)."""
+    runs_dir, options = tmp_path / "runs", ["--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0",
+                                            "--checkpoint-every", "1"]
+    launcher = launch(runs_dir, "--run-name", "k", "--steps", "500", *options)
     try:
         wait_until(lambda: latest_checkpoint(runs_dir / "k") is not None, launcher, "first checkpoint")
         assert len(processes_mentioning(str(runs_dir))) >= 3  # the launcher and its two ranks
@@ -79,8 +91,16 @@ def test_kill_9_of_a_launch_ends_every_rank_and_the_run_resumes(tmp_path):
     finally:
         for pid in processes_mentioning(str(runs_dir)):
             os.kill(pid, signal.SIGKILL)
-    resumed = launch(runs_dir, "--resume", "k", "--steps", "3")
+    # one step past all it kept (a --steps below the steps a run logged is refused)
+    steps = max(kept_steps(runs_dir / "k") + [checkpoint_step(latest_checkpoint(runs_dir / "k"))]) + 1
+    resumed = launch(runs_dir, "--resume", "k", "--steps", str(steps))
     assert resumed.wait(timeout=600) == 0
+    reference = launch(runs_dir, "--run-name", "ref", "--steps", str(steps), *options)
+    assert reference.wait(timeout=600) == 0
+    (want, want_rollouts), (got, got_rollouts) = stored_rows(runs_dir, "ref"), stored_rows(runs_dir, "k")
+    assert got.index.tolist() == list(range(1, steps + 1))
+    assert_same_metrics(want, got)
+    pd.testing.assert_frame_equal(want_rollouts, got_rollouts)
 
 
 def test_a_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint_and_the_documented_code(tmp_path):

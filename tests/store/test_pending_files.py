@@ -115,3 +115,37 @@ def test_the_writers_database_reaches_the_run_file_and_nothing_else(run_file, tm
         with pytest.raises(duckdb.PermissionException):
             con.execute(f"ATTACH '{tmp_path / 'other.duckdb'}' AS other")
     assert not (tmp_path / "marker.csv").exists() and not (tmp_path / "other.duckdb").exists()
+
+
+def a_saved_write() -> str:
+    from qae_app.store.schema import PendingWrite, pending_write_json
+
+    return pending_write_json(PendingWrite("step", step=1, tables={"steps": [{"loss": 0.5, "reward_mean": 0.25}]}))
+
+
+DAMAGED = {"empty": b"", "cut": a_saved_write().encode()[:40], "binary": bytes(range(256)) * 4}
+
+
+@pytest.mark.parametrize("damage", DAMAGED.values(), ids=DAMAGED.keys())
+def test_a_damaged_pending_write_is_named_with_what_to_do(run_file, damage):
+    """Empty (a full disk), cut (a copy stopped midway) or binary: a traceback that did not name the file, 8 of 8."""
+    (run_file.parent / PENDING_DIR).mkdir(exist_ok=True)
+    (run_file.parent / PENDING_DIR / "00000001-step.json").write_bytes(damage)
+    with pytest.raises(QAEUserError, match="00000001-step.json is not a write qae saved") as refused:
+        RunWriter(run_file, "r")
+    assert f"Move it out of {run_file.parent / PENDING_DIR}" in str(refused.value)
+    assert query(run_file, "SELECT step, loss FROM steps").values.tolist() == [[1, 0.5]]  # nothing applied
+
+
+def test_a_resume_with_a_cut_pending_write_is_one_message(tmp_path):
+    runs_dir = tmp_path / "runs"
+    trained = CliRunner().invoke(app, ["train", "--run-name", "r", "--steps", "1", "--prompts-per-step", "2",
+                                       "--group-size", "4", "--eval-every", "0", "--cpu", "--runs-dir", str(runs_dir)])
+    assert trained.exit_code == 0, trained.output
+    (runs_dir / "r" / PENDING_DIR).mkdir(exist_ok=True)
+    (runs_dir / "r" / PENDING_DIR / "00000001-step.json").write_bytes(DAMAGED["cut"])
+    result = CliRunner().invoke(app, ["train", "--resume", "r", "--steps", "2", "--runs-dir", str(runs_dir)],
+                                env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)  # no traceback
+    assert result.output.count("error:") == 1 and "00000001-step.json is not a write qae saved" in result.output

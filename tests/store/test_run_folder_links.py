@@ -64,6 +64,44 @@ def test_a_lock_file_linked_outside_is_not_truncated(runs, tmp_path):
     assert listed.returncode == 0 and "evil" in listed.stdout
 
 
+def test_a_database_hard_linked_to_another_run_is_refused_and_the_other_run_untouched(runs):
+    """A hard link is a regular file, so the symlink checks passed it: `qae train --resume evil` with `evil/qae.duckdb`
+    hard-linked to `victim/qae.duckdb` (a tar archive unpacked into the runs folder makes one) trained into the
+    victim's file, its id and rows replaced, exit 0."""
+    victim = (runs / "victim" / "qae.duckdb").read_bytes()
+    (runs / "evil" / "qae.duckdb").unlink()
+    os.link(runs / "victim" / "qae.duckdb", runs / "evil" / "qae.duckdb")
+    result = qae("train", "--resume", "evil", "--steps", "2", runs_dir=runs)
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and "qae.duckdb is a hard link" in output, output
+    assert (runs / "victim" / "qae.duckdb").read_bytes() == victim
+
+
+@pytest.mark.parametrize("command", [["train", "--resume", "evil", "--steps", "2"], ["rm", "evil", "--yes"]])
+def test_a_lock_file_hard_linked_outside_is_not_truncated(runs, tmp_path, command):
+    """The lock is taken on a file of the run's own: a hard-linked trainer.lock was truncated to a process id."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    (runs / "evil" / "trainer.lock").unlink(missing_ok=True)
+    os.link(notes, runs / "evil" / "trainer.lock")
+    result = qae(*command, runs_dir=runs)
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and "trainer.lock is a hard link" in output, output
+    assert notes.read_text() == "my notes\n"
+
+
+def test_a_resume_writes_its_config_into_the_run_folder_not_through_a_hard_link(runs):
+    """The resume rewrites config.json: written in place, a hard link took it to the file it shares (here the
+    victim's config, which then named the other run). It is replaced instead, as labels.json is."""
+    victim = (runs / "victim" / "config.json").read_bytes()
+    (runs / "evil" / "config.json").unlink()
+    os.link(runs / "victim" / "config.json", runs / "evil" / "config.json")
+    result = qae("train", "--resume", "evil", "--steps", "2", runs_dir=runs)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (runs / "victim" / "config.json").read_bytes() == victim
+    assert os.stat(runs / "evil" / "config.json").st_nlink == 1
+
+
 @pytest.mark.parametrize("command", [["runs"], ["show", "evil"], ["train", "--resume", "evil", "--steps", "2"]])
 def test_a_fifo_lock_file_hangs_no_command(runs, command):
     (runs / "evil" / "trainer.lock").unlink(missing_ok=True)
