@@ -83,17 +83,20 @@ class ShardedPolicy:
         return contextlib.nullcontext()
 
     def full_weights(self, unwrapped: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) for every weight, names as in the Hugging Face checkpoint; gathered one unit at a time
-        so no process holds more than one full unit beyond its shard (unless the caller keeps them all)."""
+        """(name, full tensor) for every weight, names as in the Hugging Face checkpoint (as the unsharded
+        state_dict names them: a tied weight under each of its names, so `lm_head.weight` beside the embeddings it
+        shares); gathered one unit at a time so no process holds more than one full unit beyond its shard (unless the
+        caller keeps them all). (named_parameters() names a tied weight once: a vLLM on a CPU, which repacks its
+        head apart from the embeddings, kept the first head it loaded, 5e-3 off the trainer's log-probs.)"""
         if self.plan.sharding == "none":
             yield from unwrapped.state_dict().items()
         elif self.plan.sharding == "fsdp2":  # parameters are DTensors: full_tensor() all-gathers one
-            for name, param in unwrapped.named_parameters():
+            for name, param in unwrapped.named_parameters(remove_duplicate=False):
                 yield name, param.full_tensor() if hasattr(param, "full_tensor") else param
         elif self.plan.sharding == "zero3":
             import deepspeed
 
-            for name, param in unwrapped.named_parameters():
+            for name, param in unwrapped.named_parameters(remove_duplicate=False):
                 with deepspeed.zero.GatheredParameters([param]):
                     yield name, param.data.clone()  # the gathered storage is released when the block ends
         else:  # fsdp1
@@ -113,7 +116,7 @@ def _fsdp1_full_weights(root):
             yield from visit(child, f"{prefix}.{child_name}" if prefix else child_name)
         if isinstance(module, FSDP):
             with FSDP.summon_full_params(module, recurse=False, writeback=False):
-                for name, param in module.named_parameters():
+                for name, param in module.named_parameters(remove_duplicate=False):  # (tied: each name)
                     full = f"{prefix}.{name}" if prefix else name
                     full = full.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
                     if full not in seen:  # nested units' weights were yielded (gathered) by the units themselves

@@ -157,3 +157,29 @@ def test_vllm_sleep_on_the_cpu_build_is_one_clear_error(vllm_python, tmp_path):
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
     output = " ".join((result.stdout + result.stderr).split())
     assert "vllm-sleep: the installed vLLM has no sleep mode" in output and "--no-vllm-sleep" in output
+
+
+def test_qae_train_with_vllm_under_an_fsdp2_launch_keeps_each_engine_on_the_trainers_weights(vllm_python,
+                                                                                             smollm2_gguf, tmp_path):
+    """The paper recipes' path: `accelerate launch` with FSDP2 x 2 processes and `--engine vllm`, a vLLM in each
+    process loading the weights gathered from the shards after every update. With a float32 engine the sampler's
+    log-probs are the trainer's to float32 rounding at every step; SmolLM2 ties its head to its embeddings, and the
+    gathered weights named the tied head once, so a CPU vLLM (which repacks its head apart) kept its first head:
+    0.02 off from step 2 on."""
+    accelerate = str(Path(vllm_python).parent / "accelerate")
+    result = run([accelerate, "launch", "--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"),
+                  "--num_processes", "2", "--num_machines", "1", "--main_process_port", "0", "--mixed_precision",
+                  "no", "--dynamo_backend", "no", "-m", "qae_app.cli", "train", "--model", str(smollm2_gguf),
+                  "--data", "add", "--engine", "vllm", "--rollout-dtype", "float32", "--steps", "3",
+                  "--group-size", "8", "--prompts-per-step", "4", "--max-new-tokens", "12", "--eval-every", "0",
+                  "--checkpoint-every", "0", "--kl-beta", "0.001", "--seed", "3", "--run-name", "v2",
+                  "--runs-dir", str(tmp_path)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr, result.stdout[-3000:] + result.stderr[-3000:]
+    path = tmp_path / "v2" / "qae.duckdb"
+    assert query(path, "SELECT step, count(DISTINCT group_idx) FROM rollouts GROUP BY step ORDER BY step") == [
+        (1, 4), (2, 4), (3, 4)]  # both processes' prompts, every step
+    measured = query(path, "SELECT step, mismatch_logp_abs FROM steps WHERE mismatch_logp_abs IS NOT NULL "
+                           "ORDER BY step")
+    assert [step for step, _ in measured if step > 1], measured  # a step after a sync was measured
+    assert all(gap < 1e-4 for _, gap in measured), measured

@@ -100,7 +100,8 @@ def _fsdp_worker(rank: int, world: int, port: int, version: int, out_dir: str) -
     from qae_app.models.policy import build_tiny_model
 
     model, codec = build_tiny_model(seed=0)
-    reference = {name: p.detach().clone() for name, p in model.named_parameters()}
+    # what the unsharded engines load: state_dict's names, a tied weight under each (the head beside the embeddings)
+    reference = {name: p.detach().clone() for name, p in model.state_dict().items()}
     if version == 2:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
