@@ -33,8 +33,10 @@ def test_an_unknown_tracker_is_refused_before_the_run_starts(tmp_path):
     assert not (tmp_path / "runs" / "r").exists()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("trackio") is not None, reason="trackio is installed here")
-def test_a_tracker_not_installed_is_one_clear_error():
+def test_a_tracker_not_installed_is_one_clear_error(monkeypatch):
+    installed = importlib.util.find_spec  # (the dev extra installs every tracker: trackio is made to look absent)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "trackio"
+                        else installed(name, *args))
     with pytest.raises(QAEUserError, match=r"report-to: trackio is not installed\. Install it"):
         report_to_trackers("trackio")
     assert report_to_trackers(None) == [] and report_to_trackers("none") == []
@@ -165,3 +167,36 @@ def test_wandb_offline_gets_every_stored_step_metric_and_evaluation(tmp_path, mo
     config = {item.key: json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "config"
               for item in r.config.update}
     assert config["steps"] == 3 and config["report_to"] == "wandb"
+
+
+@pytest.mark.slow  # a real run of 3 steps with two evaluations: 10-60 s on a loaded CPU
+def test_trackio_gets_every_stored_step_metric_and_evaluation(tmp_path):
+    """trackio's local store (a SQLite file per project under TRACKIO_DIR: a row per log call, the metrics as JSON)
+    read back with Python's sqlite3 (the layout of trackio 0.43, the dev extra's)."""
+    import os
+    import sqlite3
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("trackio") is None:
+        pytest.skip("trackio is not installed (pip install trackio)")
+    runs = tmp_path / "runs"
+    # in a process of its own: trackio reads TRACKIO_DIR once, when it is imported
+    result = subprocess.run([sys.executable, "-m", "qae_app.cli", "train", "--run-name", "tracked", "--report-to",
+                             "trackio", *TINY, "--runs-dir", str(runs)], capture_output=True, text=True,
+                            env=dict(os.environ, TRACKIO_DIR=str(tmp_path / "trackio")), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows, eval_rows = stored(runs / "tracked" / "qae.duckdb")
+    with sqlite3.connect(tmp_path / "trackio" / "qae.db") as con:
+        logs = con.execute("SELECT run_name, step, metrics FROM metrics ORDER BY id").fetchall()
+        [(config,)] = con.execute("SELECT config FROM configs WHERE run_name = 'tracked'").fetchall()
+    assert {name for name, _, _ in logs} == {"tracked"}
+    logged = {}
+    for _, step, metrics in logs:
+        for metric, value in json.loads(metrics).items():
+            logged.setdefault(metric, {})[step] = value
+    assert set(logged) == set(rows) | set(eval_rows)  # nothing else was sent
+    for metric, values in {**rows, **eval_rows}.items():
+        assert logged[metric] == pytest.approx(values, rel=1e-12), metric
+    config = json.loads(config)
+    assert config["steps"] == 3 and config["report_to"] == "trackio"
