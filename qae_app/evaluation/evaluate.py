@@ -140,8 +140,9 @@ class EvalTarget:
     skipped: tuple[str, ...] = ()  # newer checkpoints of the run passed over, and why
 
 
-def resolve_model(spec: str, runs_dir, checkpoint: int | None = None) -> EvalTarget:
-    """A run id (its newest or --checkpoint N), builtin:tiny, a local folder or a Hugging Face id."""
+def resolve_model(spec: str, runs_dir, checkpoint: int | None = None, exporting: bool = False) -> EvalTarget:
+    """A run id (its newest or --checkpoint N), builtin:tiny, a local folder or a Hugging Face id. `exporting`: for
+    `qae export`, whose errors name its own argument and what it can do instead (it takes no model folder)."""
     folder = Path(runs_dir) / spec
     # a run folder: checkpoints, or a database only (a run killed before its first checkpoint)
     if RUN_NAME_PATTERN.match(spec) and ((folder / CHECKPOINTS_DIR).is_dir() or db_path(runs_dir, spec).exists()):
@@ -153,16 +154,18 @@ def resolve_model(spec: str, runs_dir, checkpoint: int | None = None) -> EvalTar
         found = list_checkpoints(folder)
         if checkpoint is None:
             if not found:
-                raise QAEUserError(f"model: run '{spec}' has no checkpoint yet. Wait for --checkpoint-every steps.")
-            return _newest_sound_checkpoint(spec, found)
+                raise QAEUserError(f"{'run' if exporting else 'model'}: run '{spec}' has no checkpoint yet. Wait for "
+                                   "--checkpoint-every steps.")
+            return _newest_sound_checkpoint(spec, found, exporting)
         ckpt = next((c for c in found if checkpoint_step(c) == checkpoint), None)
         if ckpt is None:
             have = ", ".join(c.name for c in found) or "none"
             raise QAEUserError(f"checkpoint: run '{spec}' has no checkpoint {checkpoint} (has: {have}).")
         problem = _model_problem(ckpt)
         if problem is not None:
-            raise QAEUserError(f"checkpoint: {ckpt} does not check out ({problem}). Evaluate another one with "
-                               "--checkpoint N, or drop --checkpoint for the newest that checks out.")
+            raise QAEUserError(f"checkpoint: {ckpt} does not check out ({problem}). "
+                               f"{'Export' if exporting else 'Evaluate'} another one with --checkpoint N, or drop "
+                               "--checkpoint for the newest that checks out.")
         return EvalTarget(str(ckpt / "model"), spec, checkpoint_step(ckpt))
     if checkpoint is not None:
         raise QAEUserError(f"checkpoint: --checkpoint needs --model to be a run id in {runs_dir}; '{spec}' is not.")
@@ -179,7 +182,7 @@ def _model_problem(ckpt: Path) -> str | None:
     return checkpoint_problem(ckpt) or model_folder_problem(ckpt / "model")
 
 
-def _newest_sound_checkpoint(run: str, found: list[Path]) -> EvalTarget:
+def _newest_sound_checkpoint(run: str, found: list[Path], exporting: bool = False) -> EvalTarget:
     """The newest of a run's checkpoints whose model checks out, with the newer ones passed over and why."""
     skipped = []
     for ckpt in reversed(found):
@@ -187,8 +190,10 @@ def _newest_sound_checkpoint(run: str, found: list[Path]) -> EvalTarget:
         if problem is None:
             return EvalTarget(str(ckpt / "model"), run, checkpoint_step(ckpt), tuple(skipped))
         skipped.append(f"passing over checkpoint {ckpt.name}: {problem}")
-    raise QAEUserError(f"model: no checkpoint of run '{run}' checks out ({'; '.join(skipped)[:600]}). Evaluate a "
-                       "model folder instead, or restore the run's checkpoints from a backup.")
+    instead = ("Restore the run's checkpoints from a backup: nothing of it can be exported." if exporting else
+               "Evaluate a model folder instead, or restore the run's checkpoints from a backup.")
+    raise QAEUserError(f"{'run' if exporting else 'model'}: no checkpoint of run '{run}' checks out "
+                       f"({'; '.join(skipped)[:600]}). {instead}")
 
 
 def _looks_like_a_run_id(spec: str) -> bool:
@@ -213,7 +218,7 @@ def export_model(run: str, runs_dir, out: Path, checkpoint: int | None = None) -
     if not RUN_NAME_PATTERN.match(run) or not (Path(runs_dir) / run).is_dir():
         raise QAEUserError(f"run: no run '{run}' in {runs_dir}. `qae export` takes a training run's id (see "
                            "`qae runs`).")
-    target = resolve_model(run, runs_dir, checkpoint)
+    target = resolve_model(run, runs_dir, checkpoint, exporting=True)
     ckpt = Path(target.model_path).parent
     problem = _model_problem(ckpt)
     if problem is not None:

@@ -83,3 +83,19 @@ def test_only_the_files_the_manifest_lists_are_exported(runs, tmp_path):
     exported = {p.name for p in (tmp_path / "out").iterdir()}
     assert "planted.txt" not in exported and {"config.json", "model.safetensors"} <= exported
 
+
+
+def test_a_run_without_a_sound_checkpoint_is_said_in_exports_words(runs, tmp_path):
+    """Every checkpoint damaged: one message, exit 2, naming what `qae export` takes (not `qae eval`'s model folder),
+    with no export written; so with --checkpoint N naming the damaged one."""
+    model = latest_checkpoint(runs / "r") / "model" / "model.safetensors"
+    model.write_bytes(b"cut")
+    code, said = export(runs, tmp_path / "out")
+    assert code == 2 and "run: no checkpoint of run 'r' checks out" in said, said
+    assert "Evaluate" not in said and "model folder" not in said and not (tmp_path / "out").exists()
+    step = int(latest_checkpoint(runs / "r").name.split("-")[1])
+    result = runner.invoke(app, ["export", "r", "--out", str(tmp_path / "out"), "--checkpoint", str(step),
+                                 "--runs-dir", str(runs)], env={"COLUMNS": "300"})
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "does not check out" in said and "Export another one" in said, said
+    assert "Evaluate" not in said
