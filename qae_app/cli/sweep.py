@@ -305,8 +305,10 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
         nonlocal stopping
         stopping = True
 
+    # `qae stop --sweep` finds this process by its hold on the sweep; taken before the handlers are swapped, so a
+    # refused lock file leaves the caller's handlers in place
+    held = hold_sweep(sweep.folder)
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    held = hold_sweep(sweep.folder)  # `qae stop --sweep` finds this process by it
     try:
         while (queue and not stopping) or active:
             while queue and len(active) < parallel and not stopping:
