@@ -10,17 +10,31 @@ This loop
   so a step writes one column instead of copying the cache;
 - multiplies by the query/key/value weights as one matrix and by the gate/up weights as one matrix (bigger matmuls
   run nearer the machine's limit; each output equals the separate product to float32 rounding);
-- drops rows that emitted a stop token from the batch and the cache (in batches, so the copy pays back).
+- drops rows that emitted a stop token from the batch and the cache (in batches, so the copy pays back);
+- on a CPU in bfloat16, packs each weight once per call into oneDNN's blocked layout (what torch.compile's freezing
+  does), so a step's matmuls do not re-lay the weight out each time (~25% less matmul time on SmolLM2; each product
+  is F.linear's to the bit, checked once per process by `_packing_matches`), and attends for each new token with
+  SDPA, which reads the cache's column slices in place where oneDNN's bf16 batched matmul copies them;
+- draws the sampling noise the way torch's exponential_ does (a double uniform, -log1p(-u)) but vectorised, 2.5x
+  faster at SmolLM2's vocabulary (the same numbers from the same generator state, checked once per process by
+  `_uniform_gives_exponential`), a few rows at a time so the vocabulary-wide temporaries stay in cache.
+Together the last two took the bfloat16 loop from 0.45 to 0.7 of the float32 FLOP limit on SmolLM2
+(bench/bench_generate.py).
 
-What it samples is exactly what `generate` samples: softmax(logits / T) drawn the way `torch.multinomial` draws one
+What it samples is what `generate` samples: softmax(logits / T) drawn the way `torch.multinomial` draws one
 sample (argmax of p / q, q ~ Exp(1) over the whole (rows, vocab) batch, every row's noise drawn each step as
 generate draws it for its finished rows too), so with the same seed the tokens equal generate's wherever the logits
-agree to the last bit (tests/engines/test_decode.py checks tokens and log-probs against generate on the built-in model
-and SmolLM2). Only plain sampling (no top-k/top-p/min-p) on unsharded, un-adapted (no LoRA) weights takes this path.
+agree to the last bit: in float32 (tests/engines/test_decode.py checks tokens and log-probs against generate on the
+built-in model and SmolLM2). In bfloat16 the loop's kernels round otherwise than generate's, so tokens may part ways
+where two are nearly tied; the log-probs agree with the bfloat16 model's own forward as closely as generate's do
+(checked there too). Only plain sampling (no top-k/top-p/min-p) on unsharded, un-adapted (no LoRA) weights takes this
+path.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import itertools
 
 import torch
@@ -29,6 +43,7 @@ import torch.nn.functional as F
 # the module classes whose forward this loop re-implements; any other model (or a peft-wrapped linear) uses generate
 _LLAMA_CLASSES = {"LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP")}
 _SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa: torch 2.5
+DRAW_ROWS = 4  # batch rows sampled at a time on a CPU (`_draw`): 4 x SmolLM2's 49152 floats fit a core's L2
 COMPACT_FRACTION = 8  # drop finished rows once they are 1/8 of the batch: one cache copy per several finished rows
 
 
@@ -47,11 +62,66 @@ def supports_decode_loop(model: torch.nn.Module) -> bool:
     return type(model.lm_head) is torch.nn.Linear and model.lm_head.bias is None
 
 
-def _fused(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of the linears stacked along their outputs: one matmul computes them all."""
-    weight = torch.cat([linear.weight for linear in linears])
+@functools.cache
+def _packing_matches() -> bool:
+    """Whether this torch packs a bfloat16 linear weight for oneDNN (the private ops torch.compile's freezing uses)
+    and the packed product equals F.linear's to the bit; any failure means the loop keeps plain weights."""
+    try:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(96, 64, generator=generator).bfloat16()
+        x = torch.randn(5, 3, 64, generator=generator).bfloat16()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+        return torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), F.linear(x, weight))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class _Linear:
+    """x @ weight.T (+ bias) as the loop computes it: on a CPU in bfloat16, from the weight packed once into oneDNN's
+    blocked layout, which F.linear would otherwise re-lay out at every call; elsewhere F.linear, or the `module` itself
+    where one is given (its forward hooks run, as generate runs them; a hooked module is never packed)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+                 module: torch.nn.Module | None = None):
+        self.weight, self.bias, self.module, self.packed = weight, bias, module, None
+        hooked = module is not None and bool(module._forward_hooks or module._forward_pre_hooks)
+        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not hooked and _packing_matches():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)  # rows: a hint for the layout
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self.module(x) if self.module is not None else F.linear(x, self.weight, self.bias)
+
+
+def _fused(linears: list[torch.nn.Linear], rows: int) -> _Linear:
+    """The linears stacked along their outputs: one matmul computes them all (one linear: the module itself)."""
+    if len(linears) == 1:
+        return _Linear(linears[0].weight, linears[0].bias, rows, module=linears[0])
     biases = [linear.bias for linear in linears]
-    return weight, (torch.cat(biases) if all(b is not None for b in biases) else None)
+    return _Linear(torch.cat([linear.weight for linear in linears]),
+                   torch.cat(biases) if all(b is not None for b in biases) else None, rows)
+
+
+@functools.cache
+def _uniform_gives_exponential() -> bool:
+    """Whether -log1p(-u), u a float64 torch.rand, is what this torch's CPU exponential_ draws from the same
+    generator state, to the bit (torch draws a double uniform per number and transforms it one at a time)."""
+    draws = []
+    for draw in (lambda g: torch.empty(4096).exponential_(1, generator=g),
+                 lambda g: torch.rand(4096, dtype=torch.float64, generator=g).neg_().log1p_().neg_().float()):
+        generator = torch.Generator().manual_seed(1)
+        draws.append((draw(generator), torch.rand(8, generator=generator)))  # the generator's state after
+    (exponential, after), (uniform, uniform_after) = draws
+    return torch.equal(exponential, uniform) and torch.equal(after, uniform_after)
+
+
+def _exponential_noise(rows: int, columns: int, device) -> torch.Tensor:
+    """(rows, columns) float32 draws of Exp(1) from torch's global generator: the numbers `exponential_` draws, which
+    `torch.multinomial` divides by, vectorised on a CPU where they are the same (`_uniform_gives_exponential`)."""
+    if torch.device(device).type == "cpu" and _uniform_gives_exponential():
+        return torch.rand(rows, columns, dtype=torch.float64, device=device).neg_().log1p_().neg_().float()
+    return torch.empty((rows, columns), device=device).exponential_(1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -62,7 +132,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class _Layers:
     """The model's weights as the loop uses them, fused once per call (the training model changes between calls)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, rows: int):
         config = model.config
         self.model = model
         first = model.model.layers[0].self_attn
@@ -70,8 +140,12 @@ class _Layers:
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.scaling = first.scaling
-        self.qkv = [_fused([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in model.model.layers]
-        self.gate_up = [_fused([l.mlp.gate_proj, l.mlp.up_proj]) for l in model.model.layers]
+        layers = model.model.layers
+        self.qkv = [_fused([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], rows) for l in layers]
+        self.o = [_fused([l.self_attn.o_proj], rows) for l in layers]
+        self.gate_up = [_fused([l.mlp.gate_proj, l.mlp.up_proj], rows) for l in layers]
+        self.down = [_fused([l.mlp.down_proj], rows) for l in layers]
+        self.lm_head = _fused([model.lm_head], rows)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Attention of q (rows, heads, seq, head_dim) over k, v (rows, kv_heads, columns, head_dim); query head h
@@ -79,16 +153,21 @@ class _Layers:
         row (seq 1) a (rows, columns) bias, 0 or -inf per column; for a prompt pass a (rows, 1, seq, columns) bool,
         True where a query may read a key, or None for plain causal attention."""
         rows, heads, seq, head_dim = q.shape
-        if seq > 1:
+        if seq > 1 or q.dtype == torch.bfloat16:
+            # one query per row in bfloat16 too: oneDNN's bf16 batched matmul would copy the cache's column slices
+            # (strided rows) at every step, 3x the time; SDPA's CPU kernel reads them where they are
+            causal = mask is None and seq > 1
+            if seq == 1 and mask is not None:
+                mask = mask[:, None, None, :]  # (rows, 1, 1, columns)
             if self.kv_heads != heads:
                 if _SDPA_GQA:
-                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                           scale=self.scaling, enable_gqa=True)
                 k = k.repeat_interleave(heads // self.kv_heads, dim=1)
                 v = v.repeat_interleave(heads // self.kv_heads, dim=1)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling)
-        # one query per row: two batched matmuls, each key head serving its group of query heads at once (cheaper on
-        # the CPU than scaled_dot_product_attention with a mask, and no copy of the keys per query head)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling)
+        # one query per row in float32: two batched matmuls, each key head serving its group of query heads at once
+        # (cheaper on the CPU than scaled_dot_product_attention with a mask, and no copy of the keys per query head)
         grouped = q.reshape(rows, self.kv_heads, heads // self.kv_heads, head_dim)  # (rows, kv_heads, group, hd)
         scores = torch.matmul(grouped, k.transpose(-1, -2)) * self.scaling + mask[:, None, None, :]
         out = torch.matmul(torch.softmax(scores, dim=-1), v)  # (rows, kv_heads, group, head_dim)
@@ -115,37 +194,55 @@ class _Layers:
             itself = torch.eye(seq, dtype=torch.bool, device=hidden.device)
             mask = (causal & key_mask[:, None, None, :]) | itself
         for index, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            mlp = layer.mlp
             x = layer.input_layernorm(hidden)
-            qkv = F.linear(x, *self.qkv[index]).view(rows, seq, heads + 2 * kv_heads, self.head_dim).transpose(1, 2)
+            qkv = self.qkv[index](x).view(rows, seq, heads + 2 * kv_heads, self.head_dim).transpose(1, 2)
             qk = qkv[:, : heads + kv_heads]  # (rows, heads + kv_heads, seq, head_dim): both rotated at once
             qk = qk * cos + _rotate_half(qk) * sin
             keys[index][:, :, start:end] = qk[:, heads:]
             values[index][:, :, start:end] = qkv[:, heads + kv_heads :]
             out = self.attend(qk[:, :heads], keys[index][:, :, :end], values[index][:, :, :end], mask)
-            out = attn.o_proj(out.transpose(1, 2).reshape(rows, seq, heads * self.head_dim))
+            out = self.o[index](out.transpose(1, 2).reshape(rows, seq, heads * self.head_dim))
             hidden = hidden + out
             x = layer.post_attention_layernorm(hidden)
-            gate, up = F.linear(x, *self.gate_up[index]).chunk(2, dim=-1)
-            hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
+            gate, up = self.gate_up[index](x).chunk(2, dim=-1)
+            hidden = hidden + self.down[index](mlp.act_fn(gate) * up)
         return model.norm(hidden)
 
 
 def _draw(logits: torch.Tensor, temperature: float, rows: torch.Tensor, batch: int):
-    """(tokens, log-probs, entropies) of the rows `rows` of a batch of `batch` rows, sampled as generate does.
+    """(tokens, log-probs, entropies) of the rows `rows` (ascending) of a batch of `batch` rows, sampled as generate
+    does.
 
     generate samples torch.multinomial(softmax(scores), 1), which draws q ~ Exp(1) of the whole (batch, vocab) batch
     and takes argmax(p / q); finished rows are sampled too. Drawing the same noise and keeping the active rows' part
-    gives the same tokens for the same seed. The log-prob of token t is s_t - logsumexp(s) and the entropy
+    gives the same tokens for the same seed. On a CPU the work goes DRAW_ROWS batch rows at a time: each row's numbers
+    are its own (softmax and logsumexp are per row; the generator draws the noise row after row), so the result is the
+    whole batch's to the bit, while the temporaries stay in the core's cache and in malloc's heap (the whole 32 x
+    49152 batch at once had its ~40 MB of temporaries mapped and faulted in afresh every step)."""
+    chunk = DRAW_ROWS if logits.device.type == "cpu" else batch
+    active = rows.tolist()
+    parts = []
+    for begin in range(0, batch, chunk):
+        end = min(begin + chunk, batch)
+        noise = _exponential_noise(end - begin, logits.shape[-1], logits.device)  # for finished rows too
+        first, last = bisect.bisect_left(active, begin), bisect.bisect_left(active, end)
+        if first < last:
+            part = noise if last - first == end - begin else noise[rows[first:last] - begin]
+            parts.append(_draw_rows(logits[first:last], temperature, part))
+    return tuple(torch.cat(columns) for columns in zip(*parts))
+
+
+def _draw_rows(logits: torch.Tensor, temperature: float, noise: torch.Tensor):
+    """`_draw` for some rows, given their noise: the log-prob of token t is s_t - logsumexp(s) and the entropy
     logsumexp(s) - sum(p * s): no full-vocabulary log-softmax, and no 0 x -inf to clean up."""
-    scores = logits.float() / temperature  # (active, vocab), as transformers' TemperatureLogitsWarper does
+    scores = logits.float()  # (rows, vocab), divided by T as transformers' TemperatureLogitsWarper does (x / 1 is x)
+    if temperature != 1.0:
+        scores = scores / temperature
     probs = torch.softmax(scores, dim=-1)
-    normalizer = torch.logsumexp(scores, dim=-1)  # (active,)
+    normalizer = torch.logsumexp(scores, dim=-1)  # (rows,)
     entropy = normalizer - (probs * scores).sum(-1)
-    noise = torch.empty((batch, scores.shape[-1]), dtype=scores.dtype, device=scores.device).exponential_(1)
-    if len(rows) < batch:
-        noise = noise[rows]
-    tokens = torch.div(probs, noise, out=noise).argmax(-1)  # (active,): torch.multinomial's own arithmetic
+    tokens = torch.div(probs, noise, out=noise).argmax(-1)  # (rows,): torch.multinomial's own arithmetic
     return tokens, scores.gather(-1, tokens[:, None]).squeeze(-1) - normalizer, entropy
 
 
@@ -156,8 +253,8 @@ def sample(model: torch.nn.Module, encoded: list[list[int]], temperature: float,
     (up to and including the first stop id, or max_new_tokens of them), their log-probs and the entropy at each
     position, sampled from softmax(logits / T) with torch's global generator."""
     device = next(model.parameters()).device
-    layers = _Layers(model)
     batch = len(encoded)
+    layers = _Layers(model, batch)
     width = max(len(ids) for ids in encoded)
     columns = width + max_new_tokens
     keys, values = _empty_cache(model, layers, batch, columns, device)
@@ -194,7 +291,7 @@ def sample(model: torch.nn.Module, encoded: list[list[int]], temperature: float,
         key_mask[:, column] = True
         hidden = layers.forward(tokens[:, None], (lengths + step)[:, None], keys, values, column,
                                 key_mask[:, : column + 1])
-        logits = model.lm_head(hidden[:, -1])  # (rows, vocab)
+        logits = layers.lm_head(hidden[:, -1])  # (rows, vocab)
     return list(zip(generated, logprobs, entropies))
 
 
@@ -229,4 +326,4 @@ def _prompt_pass(model: torch.nn.Module, layers: _Layers, encoded: list[list[int
     for index in range(len(keys)):
         keys[index][:, :, :width] = prompt_keys[index][group]
         values[index][:, :, :width] = prompt_values[index][group]
-    return model.lm_head(hidden[group, -1])  # (batch, vocab)
+    return layers.lm_head(hidden[group, -1])  # (batch, vocab)
