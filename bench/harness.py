@@ -193,10 +193,15 @@ def machine() -> dict:
 
 
 def invoking_command() -> str:
-    """The command that ran this benchmark, as a user would type it: 'python bench/bench_cli.py --runs 5'."""
+    """The command that ran this benchmark, as a user would type it: 'python bench/bench_cli.py --runs 5', or
+    '.venv-vllm/bin/python ...' when an environment other than the README's .venv ran it (the vLLM one)."""
     script = Path(sys.argv[0]).resolve()
     shown = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
-    return shlex.join(["python", str(shown), *sys.argv[1:]])
+    python = "python"
+    environment = Path(sys.prefix).name
+    if sys.prefix != sys.base_prefix and environment != ".venv":  # a virtual environment, not the README's
+        python = f"{environment}/bin/python" if Path(sys.prefix).parent == ROOT else f"{sys.prefix}/bin/python"
+    return shlex.join([python, str(shown), *sys.argv[1:]])
 
 
 def report(name: str, value: float, goal: str | None, *, unit: str, command: str | None = None,
