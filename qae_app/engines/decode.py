@@ -18,8 +18,8 @@ This loop
 - draws the sampling noise the way torch's exponential_ does (a double uniform, -log1p(-u)) but vectorised, 2.5x
   faster at SmolLM2's vocabulary (the same numbers from the same generator state, checked once per process by
   `_uniform_gives_exponential`), a few rows at a time so the vocabulary-wide temporaries stay in cache.
-Together the last two took the bfloat16 loop from 0.45 to 0.7 of the float32 FLOP limit on SmolLM2
-(bench/bench_generate.py).
+The last two items took the bfloat16 loop from 0.45 to 0.71 of the float32
+FLOP limit on SmolLM2 (bench/bench_generate.py, 2026-12-04).
 
 What it samples is what `generate` samples: softmax(logits / T) drawn the way `torch.multinomial` draws one
 sample (argmax of p / q, q ~ Exp(1) over the whole (rows, vocab) batch, every row's noise drawn each step as
