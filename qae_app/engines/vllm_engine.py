@@ -33,6 +33,7 @@ the engine right when a wake-up comes without a sync (an evaluation after a step
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib.util
@@ -81,6 +82,9 @@ class VLLMEngine:
         self.sleeps = sleep_mode(sleep, platform)
         self.sleeping: set[str] = set()  # what of the engine's GPU memory is released: "weights", "kv_cache"
         state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        # under accelerate launch the default process group is the launcher's: vLLM builds its own groups beside it,
+        # and must not take it down with them when it closes (see close)
+        self._launchers_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.llm = LLM(model=folder, dtype=dtype, max_model_len=max_model_len, enable_prefix_caching=True,
                        skip_tokenizer_init=True,  # prompts in and responses out as the codec's token ids
                        **platform_options(platform, gpu_memory_utilization, kv_bytes_per_token, max_model_len),
@@ -177,16 +181,37 @@ class VLLMEngine:
         """Shut vLLM down with its process groups, as vLLM's own examples do in-process (drop the LLM, then
         `cleanup_dist_env_and_memory`): left to the interpreter's exit, vLLM destroyed its groups after the run's
         teardown (cli/launch.py) had destroyed the default one, and printed a traceback ('Invalid process group
-        specified') after every finished run. Safe to call more than once."""
+        specified') after every finished run. The default group goes too where vLLM made it (one process), never
+        where it is accelerate launch's: the processes still need it after this engine (another engine, a run after
+        it in the process, the launcher's own teardown). Safe to call more than once."""
         if getattr(self, "llm", None) is None:
             return
-        self.llm = None
-        gc.collect()  # (vLLM's in-process engine shuts down when it is collected)
-        try:
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-        except ImportError:  # (a stand-in vllm)
-            return
-        cleanup_dist_env_and_memory()
+        # (vLLM's in-process engine core runs the same cleanup when it is collected)
+        with _default_group_kept() if getattr(self, "_launchers_group", False) else contextlib.nullcontext():
+            self.llm = None
+            gc.collect()  # (vLLM's in-process engine shuts down when it is collected)
+            try:
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+            except ImportError:  # (a stand-in vllm)
+                return
+            cleanup_dist_env_and_memory()
+
+
+@contextlib.contextmanager
+def _default_group_kept():
+    """vLLM's cleanup ends with `torch.distributed.destroy_process_group()` (the default group) once it has destroyed
+    its own groups by name; while this holds, that one call (no group named) does nothing."""
+    destroy = torch.distributed.destroy_process_group
+
+    def destroy_named_groups_only(group=None):
+        if group is not None:
+            destroy(group)
+
+    torch.distributed.destroy_process_group = destroy_named_groups_only
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = destroy
 
 
 def vllm_model_folder(model_path: str | None) -> str:

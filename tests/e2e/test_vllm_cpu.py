@@ -183,3 +183,19 @@ def test_qae_train_with_vllm_under_an_fsdp2_launch_keeps_each_engine_on_the_trai
                            "ORDER BY step")
     assert [step for step, _ in measured if step > 1], measured  # a step after a sync was measured
     assert all(gap < 1e-4 for _, gap in measured), measured
+
+
+def test_an_engine_closed_under_a_launch_leaves_the_launchers_process_group(vllm_python):
+    """vLLM's cleanup, run when an engine closes (and again when its core is collected), destroys the default process
+    group; under accelerate launch that group is the launcher's: a collective after the close, or a second engine in
+    the process (a sweep's next point, gpu_check's next check), failed ('Default process group has not been
+    initialized'). tests/scripts/vllm_close_under_launch.py: two engines one after the other in each of 2 processes,
+    a sum across the processes between them."""
+    accelerate = str(Path(vllm_python).parent / "accelerate")
+    result = run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                  "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no",
+                  "tests/scripts/vllm_close_under_launch.py"], timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reports = sorted((json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")),
+                     key=lambda r: r["rank"])
+    assert reports == [{"rank": rank, "sum_after_close": 1.0, "second_engine_samples": 4} for rank in (0, 1)]
