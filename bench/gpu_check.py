@@ -242,9 +242,13 @@ def check_vllm(args) -> None:
     pairs = [(s.prompt_ids, s.response_ids) for s in samples]
     old = trainer_logprobs(model, pairs, device)
     before = mean_gap(engine_logprobs(engine, pairs), old)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-    for steps in range(1, 31):  # push the sampled responses down, as steps of negative advantages would, until the
-        optimizer.zero_grad()   # policy moved clearly (down: the built-in model's near-certain responses cannot go up)
+    # push the sampled responses down, as steps of negative advantages would (the built-in model's near-certain
+    # responses cannot go up), in small steps until the policy moved clearly: a policy pushed far down (SmolLM2 moved
+    # 1.6 a token in one step at lr 1e-4) gives the responses tiny probabilities, whose log-probs bfloat16 rounds
+    # far more coarsely than before the step, and the engine's gap after the sync says that, not a stale weight
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.0)
+    for steps in range(1, 41):
+        optimizer.zero_grad()
         torch.cat(trainer_logprobs(model, pairs, device, grad=True)).sum().backward()
         optimizer.step()
         new = trainer_logprobs(model, pairs, device)
