@@ -186,10 +186,9 @@ class VLLMEngine:
         it in the process, the launcher's own teardown). Safe to call more than once."""
         if getattr(self, "llm", None) is None:
             return
-        # (vLLM's in-process engine core runs the same cleanup when it is collected)
         with _default_group_kept() if getattr(self, "_launchers_group", False) else contextlib.nullcontext():
             self.llm = None
-            gc.collect()  # (vLLM's in-process engine shuts down when it is collected)
+            gc.collect()  # vLLM's in-process engine core shuts down when collected, running the same cleanup
             try:
                 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
             except ImportError:  # (a stand-in vllm)
