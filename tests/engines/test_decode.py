@@ -116,13 +116,15 @@ def test_the_noise_is_exponentials_and_the_draw_in_chunks_is_torch_multinomials_
 
 def test_packed_bfloat16_weights_give_f_linears_products_to_the_bit():
     """On a CPU in bfloat16 the loop's linears read weights packed once for oneDNN; wherever this torch packs them
-    (this machine's does: asserted, so a torch without the ops shows here, not as a slower loop), each product is
-    F.linear's, for any number of rows and with a bias."""
+    (asserted where oneDNN has bf16 kernels, as here, so a torch without the ops shows, not as a slower loop), each
+    product is F.linear's, for any number of rows and with a bias; elsewhere the loop keeps F.linear."""
     generator = torch.Generator().manual_seed(3)
     weight = (torch.randn(160, 96, generator=generator) * 0.05).bfloat16()
     bias = torch.randn(160, generator=generator).bfloat16()
     linear = decode._Linear(weight, bias, rows=32)
-    assert decode._packing_matches() and linear.packed is not None
+    assert (linear.packed is not None) == decode._packing_matches()
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert linear.packed is not None
     for shape in [(1, 96), (5, 96), (32, 96), (33, 96), (4, 17, 96)]:
         x = torch.randn(*shape, generator=generator).bfloat16()
         assert torch.equal(linear(x), torch.nn.functional.linear(x, weight, bias))
@@ -131,17 +133,20 @@ def test_packed_bfloat16_weights_give_f_linears_products_to_the_bit():
 
 def test_the_bfloat16_loop_samples_what_generate_samples_to_bfloat16s_rounding():
     """From a bfloat16 copy (--rollout-dtype bfloat16) the loop's kernels (packed weights, SDPA for each new token)
-    round otherwise than generate's: the built-in model's tokens still equal generate's for the seed, and the
-    log-probs agree with generate's and with the bfloat16 model's own forward to bfloat16's rounding."""
+    round otherwise than generate's: the built-in model's tokens equal generate's for the seed (all 12 rows here; a
+    near-tie may part one on other hardware), and the log-probs agree with generate's where the tokens do, and with
+    the bfloat16 model's own forward everywhere, to bfloat16's rounding."""
     model, codec = load_policy(BUILTIN_MODEL)
     model.eval()
     engine = HFGenerateEngine(model, codec, rollout_dtype=torch.bfloat16)
     prompts = ["3+4=", "12*11=", "20-7=", "0*0="]
     got = engine_samples(engine, True, prompts, 3, 6, seed=7)
     expected = engine_samples(engine, False, prompts, 3, 6, seed=7)
-    assert [s.response_ids for s in got] == [s.response_ids for s in expected]
-    for loop, gen, (logp, _) in zip(got, expected, recomputed_logprobs(engine.model, got)):
-        assert_close(loop.token_logprobs, gen.token_logprobs, 0.05)
+    same = [loop.response_ids == gen.response_ids for loop, gen in zip(got, expected)]
+    assert sum(same) >= 11
+    for loop, gen, agree, (logp, _) in zip(got, expected, same, recomputed_logprobs(engine.model, got)):
+        if agree:
+            assert_close(loop.token_logprobs, gen.token_logprobs, 0.05)
         assert_close(loop.token_logprobs, logp, 0.05)
 
 
