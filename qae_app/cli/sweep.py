@@ -271,8 +271,8 @@ def check_data_files(cfg) -> None:
     """Load the training data and the evaluation benchmark as each run will (each run loads its own again), and find
     each --reward file (read, not imported: each run's workers import it): a bad file is refused once, before any run
     starts, not by every run in turn."""
-    from qae_app.evaluation.scoring import run_benchmark, run_task
     from qae_app.rewards.specs import parse_reward_specs
+    from qae_app.scoring.reward_path import run_benchmark, run_task
 
     for spec in parse_reward_specs(cfg.reward):
         spec.resolved()

@@ -37,8 +37,8 @@ from qae_app.data.datasets import Problem
 from qae_app.data.tasks import Task, prompts_at
 from qae_app.engines.base import Sample
 from qae_app.engines.sampling import step_seed
-from qae_app.evaluation.scoring import ScoredBatch, run_rewards, run_task, score_batch
 from qae_app.rewards.registry import data_columns
+from qae_app.scoring.reward_path import ScoredBatch, run_rewards, run_task, score_batch
 from qae_app.store.rows import GroupResult, component_rows, group_rows, rollout_rows
 from qae_app.store.run_folder import db_path, validate_run_name
 from qae_app.store.writer import RunWriter

@@ -47,7 +47,6 @@ from qae_app.engines.factory import make_engine
 from qae_app.engines.sampling import step_seed
 from qae_app.engines.sharded_policy import ShardedPolicy, sharding_plan_for
 from qae_app.evaluation.evaluate import evaluate, summarize
-from qae_app.evaluation.scoring import run_benchmark, run_rewards, run_task, score_batch
 from qae_app.models.lora import AdaptersDisabled, apply_lora, trainable_parameters
 from qae_app.models.policy import (
     check_prompt_lengths,
@@ -59,6 +58,7 @@ from qae_app.models.policy import (
 )
 from qae_app.models.sharding import describe, prepare, shard_models
 from qae_app.rewards.registry import data_columns
+from qae_app.scoring.reward_path import run_benchmark, run_rewards, run_task, score_batch
 from qae_app.store.rows import component_rows, group_rows, rollout_rows, step_metrics, stored_responses
 from qae_app.train.attribution import ATTRIBUTION_METRICS, entropy_attribution
 from qae_app.train.entropy_band import entropy_warning

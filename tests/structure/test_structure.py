@@ -27,6 +27,7 @@ LAYERS = [
     {"models"},  # loading policies, packaged models, LoRA, FSDP2 sharding
     {"engines"},  # rollout engines: the protocol, transformers + the decode loop, vLLM, sampling options
     {"config"},  # the options of `qae train` and `qae eval`
+    {"scoring"},  # the training reward path: a run's task and rewards, a generation batch scored into rewards
     {"evaluation", "analysis"},  # `qae eval` and its metrics; comparing runs and the memory plan
     {"train"},  # the RL loop: trainer, update, session, checkpoints, attribution, entropy band, warm start
     {"cli"},  # the commands, their terminal views, training progress, sweeps
