@@ -38,8 +38,8 @@ import qae_app.train.trainer as trainer_module  # noqa: E402
 from qae_app.algo.losses import token_logprobs_and_entropy  # noqa: E402
 from qae_app.config import build_config  # noqa: E402
 from qae_app.engines.hf import HFGenerateEngine
-from qae_app.engines.sharded_policy import sharding_plan_for  # noqa: E402
 from qae_app.models.policy import load_policy, local_model_folder  # noqa: E402
+from qae_app.models.sharding import sharding_plan_for  # noqa: E402
 
 FSDP_CONFIG = """compute_environment: LOCAL_MACHINE
 distributed_type: FSDP

@@ -45,7 +45,7 @@ from qae_app.core.hashing import file_sha256
 from qae_app.data.tasks import prompts_at
 from qae_app.engines.factory import make_engine
 from qae_app.engines.sampling import step_seed
-from qae_app.engines.sharded_policy import ShardedPolicy, sharding_plan_for
+from qae_app.engines.sharded_policy import ShardedPolicy
 from qae_app.evaluation.evaluate import evaluate, summarize
 from qae_app.models.lora import AdaptersDisabled, apply_lora, trainable_parameters
 from qae_app.models.policy import (
@@ -56,7 +56,7 @@ from qae_app.models.policy import (
     load_policy,
     rollout_positions,
 )
-from qae_app.models.sharding import describe, prepare, shard_models
+from qae_app.models.sharding import describe, prepare, shard_models, sharding_plan_for
 from qae_app.rewards.registry import data_columns
 from qae_app.scoring.reward_path import run_benchmark, run_rewards, run_task, score_batch
 from qae_app.store.rows import component_rows, group_rows, rollout_rows, step_metrics, stored_responses

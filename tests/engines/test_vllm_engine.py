@@ -123,8 +123,9 @@ def test_sampling_params_are_plain_softmax_with_the_codecs_stop_ids(fake_vllm):
 
 
 def test_sync_gathers_full_weights_when_the_plan_says_so(fake_vllm):
-    from qae_app.engines.sharded_policy import ShardedPolicy, ShardingPlan
+    from qae_app.engines.sharded_policy import ShardedPolicy
     from qae_app.engines.vllm_engine import VLLMEngine
+    from qae_app.models.sharding import ShardingPlan
 
     gathered = []
 

@@ -18,7 +18,6 @@ from qae_app.cli.main import app
 from qae_app.config import build_config
 from qae_app.core.errors import QAEUserError
 from qae_app.engines.hf import HFGenerateEngine
-from qae_app.engines.sharded_policy import ShardingPlan
 from qae_app.models.lora import (
     ADAPTER_DIR,
     MODEL_DIR,
@@ -29,6 +28,7 @@ from qae_app.models.lora import (
     resolve_targets,
 )
 from qae_app.models.policy import build_tiny_model, load_policy
+from qae_app.models.sharding import ShardingPlan
 from qae_app.store.reader import query, read_steps
 from qae_app.store.run_folder import db_path, latest_checkpoint
 from qae_app.train import trainer as trainer_module
