@@ -26,7 +26,7 @@ import plotly.graph_objects as go
 import streamlit as st
 import streamlit.components.v1 as components_v1
 
-from qae_app.analysis import compare, differences
+from qae_app.analysis import differences, run_comparison
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import MISSING, missing, pace_line, run_pace
@@ -120,8 +120,8 @@ def _run_view(path: str, version: tuple) -> store_read.RunView:
 
 
 @st.cache_data(max_entries=RECORD_CACHE_ENTRIES, show_spinner=False)
-def _run_record(runs_dir_: str, run_id: str, version: tuple) -> compare.RunRecord:
-    return compare.load_run(Path(runs_dir_), run_id)
+def _run_record(runs_dir_: str, run_id: str, version: tuple) -> run_comparison.RunRecord:
+    return run_comparison.load_run(Path(runs_dir_), run_id)
 
 
 def _reader_key(reader: Callable) -> str:
@@ -159,7 +159,7 @@ def run_view(run_id: str) -> store_read.RunView | None:
     return _guarded(_run_view, str(run_path(run_id)), run_version(run_id), what=run_id)
 
 
-def run_record(run_id: str) -> compare.RunRecord | None:
+def run_record(run_id: str) -> run_comparison.RunRecord | None:
     """The run as `qae compare` reads it (config, seed, steps with the step-0 held-out point); None if unreadable."""
     return _guarded(_run_record, str(runs_dir()), run_id, run_version(run_id), what=run_id)
 
@@ -331,7 +331,7 @@ def grouping_config(run: dict) -> dict:
     """The run's config and its tags as one more key (`tags`: its `qae tag` tags, as `qae compare --group-by tags`
     has them): what Training curves can group by."""
     tags = [tag for tag in str(run.get("tags") or "").split(", ") if tag]
-    return {**run_config(run), compare.TAGS_KEY: compare.tags_value(tags)}
+    return {**run_config(run), run_comparison.TAGS_KEY: run_comparison.tags_value(tags)}
 
 
 EVAL_SOURCES = {"train": "during training", "eval": "qae eval"}  # evals.source -> how the pages say it

@@ -19,7 +19,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
-from qae_app.analysis.compare import CONFIDENCE, student_t_ppf
+from qae_app.analysis.run_comparison import CONFIDENCE, student_t_ppf
 from qae_app.core.formatting import as_float, number
 from qae_app.core.names import GATE_REASONS, REGIMES
 

@@ -24,7 +24,7 @@ from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import clipped
 from qae_app.core.host_faults import check_path_names
 from qae_app.core.trackers_check import report_to_trackers
-from qae_app.data.prompts import PromptFormat, check_prompt_options
+from qae_app.data.prompt_format import PromptFormat, check_prompt_options
 from qae_app.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, builtin_task_name, task_defaults
 from qae_app.engines.sampling import SamplingOptions
 from qae_app.rewards.specs import SPEC_FORMS, check_reward_options, weights_text

@@ -2,15 +2,15 @@
 group the run metrics' means with 95% intervals, the paired differences from a baseline group, and the mean curves of
 held-out accuracy, entropy and the zero-advantage fraction with a band across seeds.
 
-Every number of the table comes from `qae_app.analysis.compare`; this page only picks the runs and lays the numbers
-out."""
+Every number of the table comes from `qae_app.analysis.run_comparison`; this page only picks the runs and lays the
+numbers out."""
 
 import board
 import charts
 import pandas as pd
 import streamlit as st
 
-from qae_app.analysis import compare
+from qae_app.analysis import run_comparison
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import number
 from qae_app.store.reader import READ_STATUSES
@@ -77,7 +77,7 @@ def pick_compared(readable: pd.DataFrame) -> list[str]:
                            help="Runs started by `qae sweep` carry its id and name in their config: pick its name "
                                 "or type its id. Clear it to compare any runs.")
     if sweep is not None:
-        members = [run_id for run_id, config in sorted(configs.items()) if compare.in_sweep(config, sweep)]
+        members = [run_id for run_id, config in sorted(configs.items()) if run_comparison.in_sweep(config, sweep)]
         if not members:
             not_found(f"no run belongs to sweep {board.literal(sweep)}")  # (the link's text, shown as text)
         else:
@@ -98,11 +98,11 @@ def pick_compared(readable: pd.DataFrame) -> list[str]:
 # the table
 
 
-def estimate_text(estimate: compare.Estimate | None, sign: bool = False) -> str:
+def estimate_text(estimate: run_comparison.Estimate | None, sign: bool = False) -> str:
     """'0.700 [0.452, 0.948]': the mean over seeds and its 95% interval, '0.700 (n=2: no interval)' below
-    `compare.MIN_SEEDS` seeds, the mean alone with one; for a paired difference '+0.133 [-0.010, 0.277] p=0.0572'.
-    `compare.shown` rules what is printed, as in `qae compare`."""
-    shown = compare.shown(estimate)
+    `run_comparison.MIN_SEEDS` seeds, the mean alone with one; for a paired difference '+0.133 [-0.010, 0.277]
+    p=0.0572'. `run_comparison.shown` rules what is printed, as in `qae compare`."""
+    shown = run_comparison.shown(estimate)
     if shown.mean is None:
         return "-"
     text = ("+" if sign and shown.mean > 0 else "") + number(shown.mean)
@@ -113,33 +113,33 @@ def estimate_text(estimate: compare.Estimate | None, sign: bool = False) -> str:
     return text + (f" p={shown.p_value:.3g}" if shown.p_value is not None else "")
 
 
-def difference_text(difference: compare.PairedDifference | None) -> str:
+def difference_text(difference: run_comparison.PairedDifference | None) -> str:
     """'+0.133 [-0.010, 0.277] p=0.0572': the mean paired difference, its 95% interval and the paired t-test p."""
     return estimate_text(difference, sign=True)
 
 
-def group_notes(group: compare.RunGroup) -> str:
+def group_notes(group: run_comparison.RunGroup) -> str:
     unfinished = [f"{run.run_id} ({run.status})" for run in group.runs if run.status != "finished"]
     notes = [group.note()] + ([f"not finished, numbers so far: {', '.join(unfinished)}"] if unfinished else [])
     return "; ".join(note for note in notes if note)
 
 
-def groups_table(comparison: compare.Comparison) -> pd.DataFrame:
+def groups_table(comparison: run_comparison.Comparison) -> pd.DataFrame:
     rows = []
     for group in comparison.groups:
         rows.append({"group": group.label, "n": len(group.runs), "seeds": ", ".join(map(str, group.seeds)),
-                     **{name: estimate_text(group.metrics.get(name)) for name in compare.RUN_METRICS},
+                     **{name: estimate_text(group.metrics.get(name)) for name in run_comparison.RUN_METRICS},
                      "note": group_notes(group), "runs": ", ".join(run.run_id for run in group.runs)})
     return pd.DataFrame(rows)
 
 
-def differences_table(comparison: compare.Comparison) -> pd.DataFrame:
+def differences_table(comparison: run_comparison.Comparison) -> pd.DataFrame:
     rows = []
     for label, differences in comparison.differences.items():
-        pairs = differences[next(iter(compare.RUN_METRICS))].pairs
+        pairs = differences[next(iter(run_comparison.RUN_METRICS))].pairs
         rows.append({"group": label, "paired seeds": ", ".join(str(seed) for seed, _, _ in pairs) or "none",
                      "paired runs": "; ".join(f"{run} - {base_run}" for _, run, base_run in pairs) or "none",
-                     **{name: difference_text(differences.get(name)) for name in compare.RUN_METRICS}})
+                     **{name: difference_text(differences.get(name)) for name in run_comparison.RUN_METRICS}})
     return pd.DataFrame(rows)
 
 
@@ -161,7 +161,7 @@ def by_metric_columns(table: pd.DataFrame, what: str) -> dict:
             **{label: st.column_config.TextColumn(label, help=what) for label in table["group"]}}
 
 
-def pick_baseline(groups: list[compare.RunGroup]) -> compare.RunGroup | None:
+def pick_baseline(groups: list[run_comparison.RunGroup]) -> run_comparison.RunGroup | None:
     """The baseline selector (`?baseline=LABEL`, or a value only one group has, such as `grpo`, resolved as
     `qae compare --baseline grpo` resolves it)."""
     if len(groups) < 2:
@@ -174,7 +174,7 @@ def pick_baseline(groups: list[compare.RunGroup]) -> compare.RunGroup | None:
     if name is None:
         return None
     try:
-        return compare.find_group(groups, name)
+        return run_comparison.find_group(groups, name)
     except QAEUserError as err:
         st.warning(str(err), icon=":material/link_off:")
         return None
@@ -184,7 +184,7 @@ def pick_baseline(groups: list[compare.RunGroup]) -> compare.RunGroup | None:
 # the page
 
 
-def curves_section(comparison: compare.Comparison, band: str) -> None:
+def curves_section(comparison: run_comparison.Comparison, band: str) -> None:
     colors = {group.label: board.RUN_COLORS[i % len(board.RUN_COLORS)] for i, group in enumerate(comparison.groups)}
     band, why = charts.resolve_band(band, max(len(group.runs) for group in comparison.groups))
     caption = (f"One color per group; the line is the mean over the group's seeds at each step, the band the "
@@ -215,7 +215,7 @@ def body(run_ids: list[str]) -> None:
     records = [record for run_id in run_ids if (record := board.run_record(run_id)) is not None]
     if not records:
         return
-    first = compare.compare_runs(records)
+    first = run_comparison.compare_runs(records)
     if first.left_out:
         st.caption(":material/info: left out: " + board.literal(", ".join(f"{run_id} ({why})" for run_id, why in
                                                                           first.left_out.items())))
@@ -224,7 +224,7 @@ def body(run_ids: list[str]) -> None:
         st.info("No picked run has a training step yet: the comparison appears when they write their first steps.")
         return
     baseline = pick_baseline(groups)
-    comparison = compare.compare_runs(records, baseline.label if baseline else None)
+    comparison = run_comparison.compare_runs(records, baseline.label if baseline else None)
     n_runs = sum(len(group.runs) for group in groups)
     st.caption(f"{n_runs} run(s) in {len(groups)} group(s) (same config but the seed); each metric is the "
                "mean over the group's seeds with its 95% Student-t interval in brackets, as `qae compare` prints it")
@@ -246,12 +246,12 @@ def body(run_ids: list[str]) -> None:
                      column_config=by_metric_columns(differences, "group minus baseline, mean over paired seeds [95% "
                                                                   "interval] and the paired t-test p"))
         for label, differences in comparison.differences.items():
-            paired = differences[next(iter(compare.RUN_METRICS))]
+            paired = differences[next(iter(run_comparison.RUN_METRICS))]
             if paired.note:
                 st.caption(f":material/info: **{board.literal(label)}** minus the baseline: "
                            f"{board.literal(paired.note)}")
     with st.expander("metric definitions"):
-        st.markdown("\n".join(f"- **{name}**: {text}" for name, text in compare.RUN_METRICS.items()))
+        st.markdown("\n".join(f"- **{name}**: {text}" for name, text in run_comparison.RUN_METRICS.items()))
     if all(record.steps.empty for record in records):
         st.info("No step written yet: the curves appear when the runs write their first steps.")
         return

@@ -1,4 +1,4 @@
-"""Preview: what `qae preview` found for a task before training (qae_app/evaluation/preview.py): its verdict, the
+"""Preview: what `qae preview` found for a task before training (qae_app/evaluation/task_preview.py): its verdict, the
 groups by success rate, what QAE at each K would gate against GRPO, the response lengths and some responses."""
 
 import board

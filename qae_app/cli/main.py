@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from qae_app.cli import dashboard_command, launch, manage, preview
+from qae_app.cli import dashboard_command, launch, manage, preview_command
 from qae_app.cli.console import SafeConsole, console, fail
 from qae_app.cli.options import DEFAULT_RUNS_DIR, RunsDir
 from qae_app.config import EvalConfig, TrainConfig
@@ -146,8 +146,8 @@ def plan(
 
 
 app.command(help=plan.__doc__)(_with_config_options(plan, TrainConfig))
-app.command("preview", help=preview.preview_command.__doc__)(_with_config_options(preview.preview_command,
-                                                                                  TrainConfig))
+app.command("preview", help=preview_command.preview_command.__doc__)(
+    _with_config_options(preview_command.preview_command, TrainConfig))
 
 
 def print_command(command: str) -> None:
@@ -313,7 +313,7 @@ def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
     out = _view_console()
     rows = run_summaries(runs_dir)
     if sweep is not None:
-        from qae_app.analysis.compare import in_sweep
+        from qae_app.analysis.run_comparison import in_sweep
 
         rows = [row for row in rows if in_sweep(json.loads(row.get("config") or "{}"), sweep)]
         if not rows:
@@ -373,7 +373,7 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
     out = _view_console()
     out.print(show_view(info, steps, evals, warnings, out.width, chosen, every, components))
     if found is not None:  # a preview: what it found, as `qae preview` printed it
-        out.print(preview.preview_view(run, found))
+        out.print(preview_command.preview_view(run, found))
 
 
 @app.command()
@@ -453,7 +453,7 @@ def compare(
     seeds of final, best and area-under-curve held-out accuracy, late entropy and its slope, the zero-advantage
     fractions and seconds per step, each with a 95% t-interval; with --baseline, each group's paired difference from
     it (interval and p-value)."""
-    from qae_app.analysis.compare import compare_runs, load_runs
+    from qae_app.analysis.run_comparison import compare_runs, load_runs
     from qae_app.cli.views import compare_view
 
     try:

@@ -138,7 +138,7 @@ class TrainProgress:
 
 class PreviewProgress:
     """What `qae preview` prints while it samples and scores: a bar of the prompts done and what it is doing (on a
-    terminal); elsewhere one plain line per batch. `update(phase, prompts_done)` is evaluation.preview's
+    terminal); elsewhere one plain line per batch. `update(phase, prompts_done)` is evaluation.task_preview's
     on_progress. Use as a context manager around the preview."""
 
     def __init__(self, console: Console, total_prompts: int):

@@ -558,9 +558,9 @@ def _time(value) -> str:
 
 def _cell(e, sign: bool = False) -> Text:
     """'0.612' over '[0.581, 0.643]' (the 95% interval) or why there is none ('n=2: no interval'), and for a paired
-    difference its p-value below, as `analysis.compare.shown` rules (the Compare page prints the same); '-' without
-    a value."""
-    from qae_app.analysis.compare import shown
+    difference its p-value below, as `analysis.run_comparison.shown` rules (the Compare page prints the same); '-'
+    without a value."""
+    from qae_app.analysis.run_comparison import shown
 
     s = shown(e)
     if s.mean is None:

@@ -39,7 +39,7 @@ from qae_app.core.errors import QAEUserError
 from qae_app.core.host_faults import check_path_names
 from qae_app.core.names import CHAIN_ANSWER_MARKER, SMOLLM2_MODEL
 from qae_app.data.datasets import Problem, load_math_file
-from qae_app.data.prompts import Prompt, PromptFormat, build_prompt, placeholders
+from qae_app.data.prompt_format import Prompt, PromptFormat, build_prompt, placeholders
 
 
 @dataclass(frozen=True)

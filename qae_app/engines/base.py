@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from qae_app.data.prompts import Prompt
+from qae_app.data.prompt_format import Prompt
 
 
 @dataclass

@@ -20,7 +20,7 @@ from qae_app.config import EvalConfig
 from qae_app.core.errors import QAEUserError
 from qae_app.core.host_faults import check_path_names, environment_errno, environment_error
 from qae_app.data.datasets import Problem
-from qae_app.data.prompts import Prompt
+from qae_app.data.prompt_format import Prompt
 from qae_app.engines.base import RolloutEngine
 from qae_app.engines.sampling import SamplingOptions
 from qae_app.evaluation.metrics import avg_at_k, maj_at_k, pass_at_k, pass_k_values

@@ -415,7 +415,7 @@ def read_run_view(path: Path) -> RunView:
 
 @dataclass
 class PreviewView:
-    """What `qae preview` found (qae_app/evaluation/preview.py), read in one connection: what it prints and the
+    """What `qae preview` found (qae_app/evaluation/task_preview.py), read in one connection: what it prints and the
     dashboard's Preview page draws."""
 
     run: dict  # one row of SQL_RUN_SUMMARY

@@ -60,7 +60,7 @@ from qae_app.models.sharding import describe, prepare, shard_models, sharding_pl
 from qae_app.rewards.registry import data_columns
 from qae_app.scoring.reward_path import run_benchmark, run_rewards, run_task, score_batch
 from qae_app.store.rows import component_rows, group_rows, rollout_rows, step_metrics, stored_responses
-from qae_app.train.attribution import ATTRIBUTION_METRICS, entropy_attribution
+from qae_app.train.entropy_attribution import ATTRIBUTION_METRICS, entropy_attribution
 from qae_app.train.entropy_band import entropy_warning
 from qae_app.train.precision import check_updates_move_the_weights
 from qae_app.train.reward_record import checked_record, file_record
@@ -101,7 +101,7 @@ class GenerationBatch:
     index: int  # 0 for a step's first batch; more with dynamic sampling
     first_group: int  # step-wide group_idx of this process's first group: index * prompts_per_step + its offset
     problems: list  # [B] tasks.Problem
-    prompts: list  # [B] data.prompts.Prompt: text or chat messages, as the engine was given them
+    prompts: list  # [B] data.prompt_format.Prompt: text or chat messages, as the engine was given them
     samples: list  # [B * G] rollout.Sample, sample j of prompt i at i * G + j
     verified: list[bool]  # [B * G] the verifier gave a verdict
     rewards: torch.Tensor  # (B, G) shaped: reward values plus the overlong penalty

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from qae_app.analysis import compare
+from qae_app.analysis import run_comparison
 from qae_app.cli.main import app
 from qae_app.config import TrainConfig
 from qae_app.store import run_folder as rundir
@@ -362,7 +362,7 @@ def cli_cells(output: str, table_header: str) -> dict[str, list[str]]:
     cells: dict[str, list[list[str]]] = {}
     for line in lines[start + 2:]:
         name = line.split(" ", 1)[0]
-        if name in compare.RUN_METRICS:
+        if name in run_comparison.RUN_METRICS:
             cells[name] = [[] for _ in ends]
         elif line[:1] != " " or not cells:
             break
@@ -375,12 +375,12 @@ def cli_cells(output: str, table_header: str) -> dict[str, list[str]]:
 
 def page_cells(at, first_row: str) -> dict[str, list[str]]:
     table = by_metric(at, first_row).set_index("metric")
-    return {name: table.loc[name].tolist() for name in compare.RUN_METRICS}
+    return {name: table.loc[name].tolist() for name in run_comparison.RUN_METRICS}
 
 
 @pytest.mark.parametrize("seeds", [2, 3])
 def test_the_cli_and_the_page_print_the_same_intervals_and_p_values(tmp_path, monkeypatch, seeds):
-    """One statistics rule for both: below `compare.MIN_SEEDS` paired seeds no interval and no p-value (the page
+    """One statistics rule for both: below `run_comparison.MIN_SEEDS` paired seeds no interval and no p-value (the page
     printed t-intervals and both printed p at n=2), from it on the same interval and p. Two setups (group size 8 and
     6), the same seeds, synthetic runs with held-out evaluations (which tie across seeds) and entropies (which do
     not)."""
@@ -399,7 +399,7 @@ def test_the_cli_and_the_page_print_the_same_intervals_and_p_values(tmp_path, mo
     page = {**page_cells(at, "n"), **{f"diff {name}": cells for name, cells in page_cells(at, "paired seeds").items()}}
     assert cli == page
     shown = " ".join(cell for cells in cli.values() for cell in cells)
-    if seeds < compare.MIN_SEEDS:
+    if seeds < run_comparison.MIN_SEEDS:
         assert "[" not in shown and "p=" not in shown and "(n=2: no interval)" in shown
     else:
         assert "[" in shown and "p=" in shown and "no interval" not in shown

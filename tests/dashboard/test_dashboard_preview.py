@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from qae_app.config import build_config
-from qae_app.evaluation.preview import PreviewOptions, run_preview
+from qae_app.evaluation.task_preview import PreviewOptions, run_preview
 from qae_app.store import reader as store_read
 from qae_app.store import run_folder as rundir
 from tests.dashboard.helpers import make_app, plotly_specs, texts

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from qae_app.cli.main import app
 from qae_app.config import build_config
-from qae_app.evaluation.preview import PREVIEW_STEP, PreviewOptions, run_preview
+from qae_app.evaluation.task_preview import PREVIEW_STEP, PreviewOptions, run_preview
 from qae_app.store.reader import query, read_preview
 from qae_app.store.run_folder import db_path
 from tests.conftest import TINY_RUN_OPTIONS

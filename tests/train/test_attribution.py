@@ -15,7 +15,7 @@ from qae_app.store.reader import query, read_steps
 from qae_app.store.run_folder import db_path
 from qae_app.store.schema import STEP_METRICS, TIMING_METRICS
 from qae_app.train import update
-from qae_app.train.attribution import ATTRIBUTION_METRICS, entropy_attribution
+from qae_app.train.entropy_attribution import ATTRIBUTION_METRICS, entropy_attribution
 from qae_app.train.trainer import Trainer
 
 # 2 prompts x 4 responses; group 0 (1 of 4 correct, p = 0.25 <= 1 - K): hard; group 1 (3 of 4, p = 0.75): easy
