@@ -14,9 +14,10 @@ tokens (arith 8, add 16, chain 48; or --max-new-tokens), temperature 1, LoRA off
 constant, no weight decay, grad-norm clip 1.0), clip 0.2 / 0.28, ONE optimizer update per step (qae:
 num_mini_batches=1, ppo_epochs=1; TRL: per_device_train_batch_size=8 x G, gradient_accumulation_steps=1,
 num_iterations=1), token-level loss (qae loss_agg=token; TRL loss_type="dapo"), no KL (beta 0: neither loads a
-reference model), float32, no gradient checkpointing, the same torch thread count. Both score a response with the
-task's own reward, through the same `qae_app.rewards.scorer.Scorer` (arith: exact integer; add: the final number checked
-with math-verify in its worker pool). For a built-in model TRL gets the character codec wrapped as a transformers
+reference model), float32, no gradient checkpointing, the same torch thread count. Both score a response with the task's
+own reward, through the same `qae_app.rewards.builtin_verifiers.Scorer` (arith: exact integer; add: the final number
+checked with math-verify in its worker pool). For a built-in model TRL gets the character codec wrapped as a
+transformers
 tokenizer (bench/hf_char_tokenizer.py: same ids, <bos> prepended, no chat template); otherwise both load the folder
 as qae does (float32) and, where its tokenizer has a chat template, TRL gets chat prompts, which its template turns
 into the ids qae's codec gives (checked for every prompt before the run). The HF hub, transformers and datasets are
@@ -196,7 +197,7 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: "RunShape") -
     from trl import GRPOConfig, GRPOTrainer
 
     from qae_app.data.tasks import load_task
-    from qae_app.rewards.scorer import Scorer
+    from qae_app.rewards.builtin_verifiers import Scorer
 
     task = load_task(shape.task)
     model, tokenizer, chat, codec = trl_model_and_tokenizer(shape.model)

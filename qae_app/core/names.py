@@ -93,7 +93,7 @@ GATE_REASONS: dict[str, str] = {
                           "on shaped rewards)",
 }
 
-# --- the built-in rewards (qae_app/rewards/scorer.py), addressed by name: `--reward math`; a task names its default
+# --- the built-in rewards (rewards/builtin_verifiers.py), addressed by name: `--reward math`; a task names its default
 REWARDS: dict[str, str] = {
     "exact_int": "1 when the stripped response is exactly the gold integer, else 0 (the built-in arith task)",
     "chain_final": "1 when the integer after the last ' so ' is the gold integer, else 0 (the built-in chain task)",
@@ -102,7 +102,8 @@ REWARDS: dict[str, str] = {
                     "task)",
 }
 
-# --- rewards: what the verifier's verdict scores, before the overlong penalty (qae_app/rewards/scorer.py shape_rewards)
+# --- rewards: what a built-in verifier's verdict is worth in a response's total, before the overlong penalty
+# (rewards/registry.py RewardSet)
 REWARD_VALUES: dict[str, str] = {
     "0,1": "wrong (or unverifiable) 0, correct 1",
     "-1,1": "wrong (or unverifiable) -1, correct 1 (DAPO)",

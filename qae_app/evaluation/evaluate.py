@@ -24,8 +24,8 @@ from qae_app.data.prompt_format import Prompt
 from qae_app.engines.base import RolloutEngine
 from qae_app.engines.sampling import SamplingOptions
 from qae_app.evaluation.metrics import avg_at_k, maj_at_k, pass_at_k, pass_k_values
+from qae_app.rewards.builtin_verifiers import Scorer
 from qae_app.rewards.registry import RewardSet, data_columns
-from qae_app.rewards.scorer import Scorer
 from qae_app.scoring.reward_path import run_benchmark
 from qae_app.store.reader import results_only_kind
 from qae_app.store.run_folder import (

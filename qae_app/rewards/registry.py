@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import clipped
-from qae_app.rewards.scorer import ANSWER_EXTRACTORS, Scorer
+from qae_app.rewards.builtin_verifiers import ANSWER_EXTRACTORS, Scorer
 from qae_app.rewards.specs import RewardSpec, parse_reward_spec, parse_reward_specs, parse_reward_weights
 from qae_app.rewards.user_functions import PASSED_ALWAYS, handle_item, load_user_rewards
 from qae_app.rewards.verifier_pool import MathVerifierPool

@@ -11,8 +11,8 @@ from qae_app.config import TrainConfig
 from qae_app.core import names
 from qae_app.data.datasets import Problem
 from qae_app.data.tasks import Task, load_benchmark, load_task
+from qae_app.rewards.builtin_verifiers import overlong_penalty
 from qae_app.rewards.registry import RewardSet
-from qae_app.rewards.scorer import overlong_penalty
 from qae_app.rewards.specs import reads_gold_answer
 
 

@@ -12,7 +12,7 @@ from qae_app.core.names import SMOLLM2_MODEL
 from qae_app.data.tasks import ADD_MAX_OPERAND, ADD_N_HELDOUT, BUILTIN_TASKS, add_task, load_task
 from qae_app.models.policy import PACKAGED_GGUF, CharTokenizer, packaged_gguf, templated_prompt
 from qae_app.rewards.answers import final_number_answer
-from qae_app.rewards.scorer import ANSWER_EXTRACTORS, REWARD_FUNCTIONS, Scorer
+from qae_app.rewards.builtin_verifiers import ANSWER_EXTRACTORS, REWARD_FUNCTIONS, Scorer
 
 runner = CliRunner()
 

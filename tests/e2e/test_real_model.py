@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from qae_app.algo.losses import token_logprobs_and_entropy
 from qae_app.cli.main import app
 from qae_app.models.policy import gguf_cache_folder, load_policy, local_model_folder
-from qae_app.rewards.scorer import Scorer
+from qae_app.rewards.builtin_verifiers import Scorer
 from qae_app.store.reader import query, read_steps
 from qae_app.store.run_folder import db_path
 

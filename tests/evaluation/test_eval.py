@@ -237,7 +237,7 @@ def test_maj_at_k_on_the_chain_task_votes_on_the_final_answer_the_reward_reads()
     different scratchpads reaching 2 lost to two copies of one wrong response (review: 'x so 2' x3 vs 'w so 5' x2)."""
     from qae_app.data.datasets import Problem
     from qae_app.evaluation.evaluate import evaluate
-    from qae_app.rewards.scorer import Scorer
+    from qae_app.rewards.builtin_verifiers import Scorer
 
     texts = ["1+1=2 so 2", "2+0=2 so 2", "3-1=2 so 2", "4+1=5 so 5", "4+1=5 so 5"]
     with Scorer("chain_final") as scorer:

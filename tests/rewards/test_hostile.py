@@ -11,7 +11,7 @@ import pytest
 
 from qae_app.config import build_config
 from qae_app.engines.base import Sample
-from qae_app.rewards.scorer import Scorer
+from qae_app.rewards.builtin_verifiers import Scorer
 from qae_app.store.reader import query, read_steps
 from qae_app.store.run_folder import db_path
 from qae_app.train.trainer import Trainer

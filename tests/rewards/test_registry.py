@@ -12,8 +12,8 @@ import pytest
 
 from qae_app.core.errors import QAEUserError
 from qae_app.data.datasets import Problem
+from qae_app.rewards.builtin_verifiers import Scorer, shape_rewards
 from qae_app.rewards.registry import RewardError, RewardSet, data_columns
-from qae_app.rewards.scorer import Scorer, shape_rewards
 from qae_app.rewards.specs import (
     check_named_again,
     check_reward_options,

@@ -18,7 +18,7 @@ import pytest
 from qae_app.core.errors import QAEUserError
 from qae_app.data.datasets import load_math_file
 from qae_app.rewards.answers import FINAL_ANSWER_WINDOW, extract_answer
-from qae_app.rewards.scorer import REWARD_FUNCTIONS, Scorer, exact_int_reward, get_reward_function
+from qae_app.rewards.builtin_verifiers import REWARD_FUNCTIONS, Scorer, exact_int_reward, get_reward_function
 from qae_app.rewards.verifier_pool import MathVerifierPool, ScoringInterrupted
 
 MATH_DATA = Path(os.environ.get("QAE_MATH_DATA") or Path(__file__).resolve().parents[3] / "shared/data/math")
@@ -387,7 +387,7 @@ def test_default_shortcuts_skip_the_workers():
 
 
 def test_overlong_penalty_before_at_inside_and_past_the_buffer():
-    from qae_app.rewards.scorer import overlong_penalty
+    from qae_app.rewards.builtin_verifiers import overlong_penalty
 
     # max_new_tokens 20, buffer 4: the penalty starts after 16 tokens and reaches -F at 20
     assert overlong_penalty(12, 20, 4, 1.0) == 0.0  # before the buffer
@@ -403,7 +403,7 @@ def test_overlong_penalty_before_at_inside_and_past_the_buffer():
 
 
 def test_shaped_rewards_add_the_penalty_to_the_reward_values_and_keep_the_verdict():
-    from qae_app.rewards.scorer import shape_rewards
+    from qae_app.rewards.builtin_verifiers import shape_rewards
 
     scores = [1.0, 0.0, None, 1.0, 0.0]
     lengths = [3, 3, 3, 7, 8]  # max_new_tokens 8, buffer 4: 7 tokens -> -0.75, 8 -> -1

@@ -158,7 +158,7 @@ NEVERS = [
      "config is plain options and parsing"),
     ("dashboard.views.compare", {"cli.views"},
      "the dashboard formats through qae_app.core.formatting, not the CLI's text"),
-    ("rewards.scorer", {"data.tasks"},
+    ("rewards.builtin_verifiers", {"data.tasks"},
      "a task names its reward; the reward knows no task (the chain marker lives in names)"),
     ("engines.hf", {"config"},
      "the engines take SamplingOptions from qae_app.engines.sampling, not the training config"),
