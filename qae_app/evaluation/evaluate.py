@@ -24,7 +24,7 @@ from qae_app.data.prompt_format import Prompt
 from qae_app.engines.base import RolloutEngine
 from qae_app.engines.sampling import SamplingOptions
 from qae_app.evaluation.metrics import avg_at_k, maj_at_k, pass_at_k, pass_k_values
-from qae_app.rewards.builtin_verifiers import Scorer
+from qae_app.rewards.builtin_verifiers import BuiltinVerifier
 from qae_app.rewards.registry import RewardSet, data_columns
 from qae_app.scoring.reward_path import run_benchmark
 from qae_app.store.reader import results_only_kind
@@ -56,11 +56,11 @@ class EvalResult:
 
 
 def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: list[Prompt],
-                     scorer: RewardSet | Scorer, k: int, temperature: float, max_new_tokens: int, seed: int,
+                     rewards: RewardSet | BuiltinVerifier, k: int, temperature: float, max_new_tokens: int, seed: int,
                      on_batch=None, batch_problems: int = 64) -> list[dict]:
-    """k samples for each problem, scored by the rewards (a RewardSet; a built-in's Scorer is taken as one):
+    """k samples for each problem, scored by the rewards (a RewardSet; a built-in's BuiltinVerifier is taken as one):
     `correct` is full marks (registry.RewardSet.correct). `on_batch(n_done)` is called after each batch."""
-    rewards = scorer if isinstance(scorer, RewardSet) else RewardSet.of_scorer(scorer)
+    rewards = rewards if isinstance(rewards, RewardSet) else RewardSet.of_verifier(rewards)
     rows: list[dict] = []
     for start in range(0, len(problems), batch_problems):
         chunk = problems[start : start + batch_problems]
@@ -120,9 +120,9 @@ def summarize(benchmark: str, problems: list[Problem], samples: list[dict], k: i
 
 
 def evaluate(engine: RolloutEngine, benchmark: str, problems: list[Problem], prompts: list[Prompt],
-             scorer: RewardSet | Scorer, k: int, temperature: float, max_new_tokens: int, seed: int,
+             rewards: RewardSet | BuiltinVerifier, k: int, temperature: float, max_new_tokens: int, seed: int,
              on_batch=None) -> EvalResult:
-    samples = sample_and_score(engine, problems, prompts, scorer, k, temperature, max_new_tokens, seed, on_batch)
+    samples = sample_and_score(engine, problems, prompts, rewards, k, temperature, max_new_tokens, seed, on_batch)
     return EvalResult(benchmark, k, samples, summarize(benchmark, problems, samples, k))
 
 
@@ -267,10 +267,10 @@ def evaluate_with_progress(cfg: EvalConfig, engine, name: str, problems, prompts
 
     progress = Progress(TextColumn(f"[bold]eval {name}"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
                         console=console, disable=console is None)
-    with RewardSet.of(cfg.reward, cfg.reward_weights, task.reward, cfg.verify_timeout_s) as scorer, progress:
-        scorer.check(data_columns(problems))  # (the user's functions imported in its workers, their columns checked)
+    with RewardSet.of(cfg.reward, cfg.reward_weights, task.reward, cfg.verify_timeout_s) as rewards, progress:
+        rewards.check(data_columns(problems))  # (the user's functions imported in its workers, their columns checked)
         bar = progress.add_task("eval", total=len(problems))
-        return evaluate(engine, name, problems, prompts, scorer, cfg.samples, cfg.temperature, max_new_tokens,
+        return evaluate(engine, name, problems, prompts, rewards, cfg.samples, cfg.temperature, max_new_tokens,
                         cfg.seed, on_batch=lambda n: progress.advance(bar, n))
 
 

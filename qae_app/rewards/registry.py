@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import clipped
-from qae_app.rewards.builtin_verifiers import ANSWER_EXTRACTORS, Scorer
+from qae_app.rewards.builtin_verifiers import ANSWER_EXTRACTORS, BuiltinVerifier
 from qae_app.rewards.specs import RewardSpec, parse_reward_spec, parse_reward_specs, parse_reward_weights
 from qae_app.rewards.user_functions import PASSED_ALWAYS, handle_item, load_user_rewards
 from qae_app.rewards.verifier_pool import MathVerifierPool
@@ -61,13 +61,13 @@ class RewardSet:
     verdict is worth in the total (--reward-values)."""
 
     def __init__(self, specs: Sequence[RewardSpec], weights: Sequence[float] | None = None, timeout_s: float = 3.0,
-                 values: tuple[float, float] = (0.0, 1.0), scorers: dict[str, Scorer] | None = None):
+                 values: tuple[float, float] = (0.0, 1.0), verifiers: dict[str, BuiltinVerifier] | None = None):
         self.specs = list(specs)
         self.weights = tuple(weights) if weights is not None else (1.0,) * len(self.specs)
         self.timeout_s, self.values = timeout_s, values
         self.user_specs = [spec for spec in self.specs if spec.is_user_code]
         resolved = [spec.resolved() for spec in self.user_specs]  # (a missing file is named before any worker starts)
-        self.scorers = scorers or {spec.target: Scorer(spec.target, timeout_s) for spec in self.specs
+        self.verifiers = verifiers or {spec.target: BuiltinVerifier(spec.target, timeout_s) for spec in self.specs
                                    if not spec.is_user_code}
         self.user_pool = (MathVerifierPool(timeout_s=timeout_s, memory_limit_mb=None, shortcuts=False,
                                            handler=handle_item, init=(load_user_rewards, resolved))
@@ -84,15 +84,15 @@ class RewardSet:
         return cls(specs, parse_reward_weights(reward_weights, len(specs)), timeout_s, values)
 
     @classmethod
-    def of_scorer(cls, scorer: Scorer) -> "RewardSet":
-        """The RewardSet of one built-in reward's `Scorer` that the caller made (closing either closes it)."""
-        return cls([parse_reward_spec(scorer.name)], scorers={scorer.name: scorer})
+    def of_verifier(cls, verifier: BuiltinVerifier) -> "RewardSet":
+        """The RewardSet of one built-in reward's `BuiltinVerifier` that the caller made (closing either closes it)."""
+        return cls([parse_reward_spec(verifier.name)], verifiers={verifier.name: verifier})
 
     @property
     def pool(self) -> MathVerifierPool | None:
         """The worker pool whose counters (timeouts, crashes, ...) say how scoring went: the built-in math
         verifier's where the set has one, else the user functions'."""
-        return next((s.pool for s in self.scorers.values() if s.pool is not None), self.user_pool)
+        return next((s.pool for s in self.verifiers.values() if s.pool is not None), self.user_pool)
 
     @property
     def name(self) -> str:
@@ -140,7 +140,7 @@ class RewardSet:
         components: dict[str, list[float | None]] = {}
         user = self._score_user(completions, prompts, problems, step) if self.user_pool is not None else {}
         for spec in self.specs:
-            parts = {spec.name: self.scorers[spec.target](completions, answers)} if not spec.is_user_code else \
+            parts = {spec.name: self.verifiers[spec.target](completions, answers)} if not spec.is_user_code else \
                 user[spec.text]
             for name, values in parts.items():
                 if name in components:
@@ -224,14 +224,14 @@ class RewardSet:
 
     def interrupt(self) -> None:
         """Shutting down: the scoring call in progress stops soon and raises `ScoringInterrupted`."""
-        for scorer in self.scorers.values():
-            scorer.interrupt()
+        for verifier in self.verifiers.values():
+            verifier.interrupt()
         if self.user_pool is not None:
             self.user_pool.interrupt()
 
     def close(self) -> None:
-        for scorer in self.scorers.values():
-            scorer.close()
+        for verifier in self.verifiers.values():
+            verifier.close()
         if self.user_pool is not None:
             self.user_pool.close()
 

@@ -205,8 +205,8 @@ def check_prompts_split(prompts_per_step: int, n_processes: int) -> None:
 
 
 def close_workers(trainer) -> None:
-    """Stop the verifier pools (the training and evaluation scorers may be one object) and the engine, each once."""
-    workers = [getattr(trainer, name, None) for name in ("scorer", "eval_scorer", "engine")]
+    """Stop the verifier pools (the training and evaluation rewards may be one object) and the engine, each once."""
+    workers = [getattr(trainer, name, None) for name in ("rewards", "eval_rewards", "engine")]
     for worker in {id(w): w for w in workers if w is not None}.values():
         worker.close()
 
@@ -293,10 +293,10 @@ class Trainer:
         run scored with it is refused before a worker imports it (unless `accept_changed`); then the workers import
         every function and check what it asks for against the data's columns. Returns the run's `reward_files`."""
         if self.resuming and not accept_changed:
-            checked_record(self.run_dir, file_record(self.scorer), self.state.step, accept_changed=False)
-        found = self.scorer.check(data_columns(self.task.train + self.task.heldout))
-        if self.eval_scorer is not self.scorer:
-            self.eval_scorer.check(data_columns(self.eval_problems))
+            checked_record(self.run_dir, file_record(self.rewards), self.state.step, accept_changed=False)
+        found = self.rewards.check(data_columns(self.task.train + self.task.heldout))
+        if self.eval_rewards is not self.rewards:
+            self.eval_rewards.check(data_columns(self.eval_problems))
         return checked_record(self.run_dir, found, self.state.step, accept_changed, self._say)
 
     def _load_models(self) -> None:
@@ -345,9 +345,9 @@ class Trainer:
                                   sharded=ShardedPolicy.of(acc, self.model), rollout_dtype=cfg.rollout_dtype,
                                   sleep=cfg.vllm_sleep, gpu_memory_utilization=cfg.vllm_gpu_memory,
                                   max_model_len=rollout_positions(model, self.codec, data + evals, cfg.max_new_tokens))
-        self.scorer = run_rewards(cfg, self.task.reward)  # (its workers start when it first scores)
-        # one scorer for the whole run (a math verifier pool takes seconds to start): the training one if it fits
-        self.eval_scorer = (self.scorer if cfg.reward or self.eval_task.reward == self.task.reward
+        self.rewards = run_rewards(cfg, self.task.reward)  # (its workers start when it first scores)
+        # one RewardSet for the whole run (a math verifier pool takes seconds to start): the training one if it fits
+        self.eval_rewards = (self.rewards if cfg.reward or self.eval_task.reward == self.task.reward
                             else run_rewards(cfg, self.eval_task.reward))
         self.state = TrainerState(k=None if cfg.k == "auto" else float(cfg.k),
                                   data_fingerprint=self.data_fingerprint, num_processes=acc.num_processes)
@@ -513,7 +513,7 @@ class Trainer:
             rollout_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             fault_point("scoring", step)
-            scored = score_batch(self.scorer, cfg, samples, problems, prompts, step)
+            scored = score_batch(self.rewards, cfg, samples, problems, prompts, step)
             reward_s += time.perf_counter() - t0
             batch = GenerationBatch(
                 index=index, first_group=index * P + offset, problems=problems, prompts=prompts, samples=samples,
@@ -628,7 +628,7 @@ class Trainer:
         if not problems:
             return None
         share = problems[acc.process_index :: acc.num_processes]
-        result = evaluate(self.engine, name, share, [task.prompt(p) for p in share], self.eval_scorer, cfg.eval_k,
+        result = evaluate(self.engine, name, share, [task.prompt(p) for p in share], self.eval_rewards, cfg.eval_k,
                           cfg.temperature, cfg.max_new_tokens, seed=step_seed(cfg.seed, step, acc.process_index) + 7)
         samples, metrics = result.samples, result.metrics
         if acc.num_processes > 1:

@@ -12,7 +12,7 @@ from qae_app.core.names import SMOLLM2_MODEL
 from qae_app.data.tasks import ADD_MAX_OPERAND, ADD_N_HELDOUT, BUILTIN_TASKS, add_task, load_task
 from qae_app.models.policy import PACKAGED_GGUF, CharTokenizer, packaged_gguf, templated_prompt
 from qae_app.rewards.answers import final_number_answer
-from qae_app.rewards.builtin_verifiers import ANSWER_EXTRACTORS, REWARD_FUNCTIONS, Scorer
+from qae_app.rewards.builtin_verifiers import ANSWER_EXTRACTORS, REWARD_FUNCTIONS, BuiltinVerifier
 
 runner = CliRunner()
 
@@ -41,13 +41,13 @@ def test_final_number_on_literal_responses(response, expected):
 
 
 def test_final_number_is_registered_and_scored_with_math_verify():
-    assert REWARD_FUNCTIONS["final_number"] is None  # scored only by a Scorer's verifier pool
+    assert REWARD_FUNCTIONS["final_number"] is None  # scored only by a BuiltinVerifier's verifier pool
     assert ANSWER_EXTRACTORS["final_number"] is final_number_answer
     responses = ["The answer is 25.", "25.0", "Answer: 24\n25", "I think it is 52", "no idea", "25"]
-    with Scorer("final_number", timeout_s=5.0) as scorer:
-        scorer.pool.shortcuts = False  # every answer goes through math-verify itself, none through a string check
-        scores = scorer(responses, ["25"] * len(responses))
-        assert scorer.pool.items_scored >= 4  # math-verify really answered (the None extraction scores 0 at once)
+    with BuiltinVerifier("final_number", timeout_s=5.0) as verifier:
+        verifier.pool.shortcuts = False  # every answer goes through math-verify itself, none through a string check
+        scores = verifier(responses, ["25"] * len(responses))
+        assert verifier.pool.items_scored >= 4  # math-verify really answered (the None extraction scores 0 at once)
     assert scores == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
 
 

@@ -220,7 +220,7 @@ def test_a_benchmark_prompt_longer_than_the_context_is_refused_before_anything_r
 
 class ScriptedEngine:
     """Returns the given responses in order: the texts a policy might sample, so maj@k's vote can be worked out by
-    hand (a stand-in for the model's randomness only; the scorer and the metrics are the real ones)."""
+    hand (a stand-in for the model's randomness only; the verifier and the metrics are the real ones)."""
 
     def __init__(self, texts: list[str]):
         self.texts = texts
@@ -237,11 +237,11 @@ def test_maj_at_k_on_the_chain_task_votes_on_the_final_answer_the_reward_reads()
     different scratchpads reaching 2 lost to two copies of one wrong response (review: 'x so 2' x3 vs 'w so 5' x2)."""
     from qae_app.data.datasets import Problem
     from qae_app.evaluation.evaluate import evaluate
-    from qae_app.rewards.builtin_verifiers import Scorer
+    from qae_app.rewards.builtin_verifiers import BuiltinVerifier
 
     texts = ["1+1=2 so 2", "2+0=2 so 2", "3-1=2 so 2", "4+1=5 so 5", "4+1=5 so 5"]
-    with Scorer("chain_final") as scorer:
-        result = evaluate(ScriptedEngine(texts), "chain", [Problem("p", "q", "2")], ["q"], scorer, k=5,
+    with BuiltinVerifier("chain_final") as verifier:
+        result = evaluate(ScriptedEngine(texts), "chain", [Problem("p", "q", "2")], ["q"], verifier, k=5,
                           temperature=1.0, max_new_tokens=8, seed=0)
     metrics = {row["metric"]: row["value"] for row in result.metrics if row["subset"] == "all"}
     assert metrics["avg@k"] == pytest.approx(3 / 5)

@@ -12,7 +12,7 @@ import pytest
 
 from qae_app.core.errors import QAEUserError
 from qae_app.data.datasets import Problem
-from qae_app.rewards.builtin_verifiers import Scorer, shape_rewards
+from qae_app.rewards.builtin_verifiers import BuiltinVerifier, shape_rewards
 from qae_app.rewards.registry import RewardError, RewardSet, data_columns
 from qae_app.rewards.specs import (
     check_named_again,
@@ -170,9 +170,9 @@ def test_the_default_reward_is_the_verifier_shaped_as_before_bit_for_bit():
     responses, answers = ["2", " 4 ", "5", "x"], ["2", "4", "4", "4"]
     problems = [Problem(f"p{i}", "q", a) for i, a in enumerate(answers)]
     for values in ((0.0, 1.0), (-1.0, 1.0)):
-        with RewardSet.of(None, None, "exact_int", values=values) as rewards, Scorer("exact_int") as scorer:
+        with RewardSet.of(None, None, "exact_int", values=values) as rewards, BuiltinVerifier("exact_int") as verifier:
             totals, components = rewards.score(responses, ["q"] * 4, problems)
-            shaped, correct = shape_rewards(scorer(responses, answers), [1] * 4, values, 8)
+            shaped, correct = shape_rewards(verifier(responses, answers), [1] * 4, values, 8)
         assert totals == shaped and [type(t) for t in totals] == [float] * 4
         assert rewards.correct(components) == correct == [True, True, False, False]
         assert components == {"exact_int": [1.0, 1.0, 0.0, 0.0]}
