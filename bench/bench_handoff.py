@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from harness import alternate, describe, pair_ratios, report, spread
 
-import qae_app.train.trainer as trainer_module
 from qae_app.config import build_config
 from qae_app.store.writer import RunWriter
+from qae_app.train import trainer
 
 
 class SyncedEachStep(RunWriter):
@@ -40,20 +40,20 @@ class SyncedEachStep(RunWriter):
 def real_step_tables(group_size: int, runs_dir: Path) -> dict[str, list[dict]]:
     """The tables `fit` handed the store for step 1 of a real run at vs_trl.py's settings."""
     kept = {}
-    step_tables = trainer_module.step_tables
+    step_tables = trainer.step_tables
 
     def keeping(*args, **kwargs):
         tables = step_tables(*args, **kwargs)
         kept.setdefault("tables", tables)
         return tables
 
-    trainer_module.step_tables = keeping
+    trainer.step_tables = keeping
     try:
         cfg = build_config(run_name="rows", steps=1, prompts_per_step=8, group_size=group_size, max_new_tokens=8,
                            lora_rank=0, eval_every=0, checkpoint_every=0)
-        trainer_module.Trainer(cfg, runs_dir, cpu=True).fit()
+        trainer.Trainer(cfg, runs_dir, cpu=True).fit()
     finally:
-        trainer_module.step_tables = step_tables
+        trainer.step_tables = step_tables
     return kept["tables"]
 
 

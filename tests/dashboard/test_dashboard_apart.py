@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from qae_app.store import run_folder as rundir
+from qae_app.store.run_folder import CONFIG_FILE, DB_FILE
 from tests.dashboard.helpers import frames, make_app, texts
 from tests.synthetic import write_run
 
@@ -31,8 +31,8 @@ def test_a_deleted_folder_leaves_the_runs_page_on_the_next_draw(tmp_path, monkey
         (folder / "notes.txt").write_text("not a run")
     else:
         write_run(runs, "gone", steps=2, prompts_per_step=1, group_size=4)
-        (folder / rundir.CONFIG_FILE).write_text(json.dumps({"steps": 2}))
-        (folder / rundir.DB_FILE).unlink()  # `rm -r` removed the database first
+        (folder / CONFIG_FILE).write_text(json.dumps({"steps": 2}))
+        (folder / DB_FILE).unlink()  # `rm -r` removed the database first
     app = make_app(runs, monkeypatch)
     assert sorted(listed(app())) == ["gone", "kept"]
     shutil.rmtree(folder)

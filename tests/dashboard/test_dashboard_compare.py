@@ -1,4 +1,4 @@
-"""The dashboard's Compare page (AppTest) on real DuckDB run files written through `store_write.RunWriter` with known
+"""The dashboard's Compare page (AppTest) on real DuckDB run files written through `RunWriter` with known
 values: a sweep of 2 estimators x 3 seeds and runs outside it. The table's intervals and paired differences, the
 curves' bands and the URL's choices are checked against hand computations; the curve aggregation on its own too."""
 
@@ -16,10 +16,9 @@ from typer.testing import CliRunner
 from qae_app.analysis import run_comparison
 from qae_app.cli.main import app
 from qae_app.config import TrainConfig
-from qae_app.store import run_folder as rundir
-from qae_app.store import schema as store
-from qae_app.store import writer as store_write
-from qae_app.store.run_folder import CONFIG_FILE
+from qae_app.store.run_folder import CONFIG_FILE, db_path
+from qae_app.store.schema import STEP_METRICS
+from qae_app.store.writer import RunWriter
 from tests.dashboard.helpers import charts, make_app, plotly_specs, texts
 from tests.synthetic import write_run
 
@@ -46,7 +45,7 @@ def write_compare_run(runs_dir: Path, run_id: str, heldout: dict[int, float] | N
     per step (`values(step)` -> entropy, frac_zero_adv), held-out evaluations (`heldout`: step -> avg@k) in `evals` and,
     after step 0, in the steps' heldout_accuracy."""
     cfg = {**TrainConfig().to_dict(), "run_name": run_id, **config}
-    writer = store_write.RunWriter(rundir.db_path(runs_dir, run_id), run_id)
+    writer = RunWriter(db_path(runs_dir, run_id), run_id)
     writer.create_run(run_id, cfg, cfg["estimator"], None, cfg["model"], cfg["data"], cfg["seed"])
     (runs_dir / run_id / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
 
@@ -57,7 +56,7 @@ def write_compare_run(runs_dir: Path, run_id: str, heldout: dict[int, float] | N
     if heldout and 0 in heldout:
         writer.add_step(0, evals=evals(0))
     for step in STEPS:
-        row = {name: None for name in store.STEP_METRICS}
+        row = {name: None for name in STEP_METRICS}
         row.update(step_s=1.0, heldout_accuracy=(heldout or {}).get(step))
         row["entropy"], row["frac_zero_adv"] = values(step)
         writer.add_step(step, steps=[row], evals=evals(step))
@@ -301,7 +300,7 @@ def test_a_run_without_a_training_step_is_left_out_and_said(tmp_path, monkeypatc
     group's final accuracy to the untrained model's (0.2 here)."""
     write_compare_run(tmp_path, "trained", {0: 0.2, 2: 0.5, 4: 0.6}, lambda step: (1.0, 0.5), seed=0)
     cfg = {**TrainConfig().to_dict(), "run_name": "untrained", "seed": 1}
-    writer = store_write.RunWriter(rundir.db_path(tmp_path, "untrained"), "untrained")
+    writer = RunWriter(db_path(tmp_path, "untrained"), "untrained")
     writer.create_run("untrained", cfg, cfg["estimator"], None, cfg["model"], cfg["data"], cfg["seed"])
     writer.add_step(0, evals=[dict(benchmark="heldout", subset="all", metric="avg@k", k=4, value=0.2, n_problems=10,
                                    source="train")])

@@ -7,6 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from qae_app.cli.main import app
+from qae_app.core.errors import QAEUserError
 from qae_app.evaluation.metrics import pass_at_k
 from qae_app.store.reader import query, read_run
 from qae_app.store.run_folder import db_path
@@ -156,7 +157,7 @@ def test_a_run_without_checkpoints_and_a_missing_folder_are_clear_errors_with_no
     not a Hugging Face id: neither may reach the network (HF_HUB_OFFLINE would turn a lookup into another error)."""
     import shutil
 
-    from qae_app.models import policy as models
+    from qae_app.models.policy import load_policy
 
     def no_network(*args, **kwargs):
         raise AssertionError("asked Hugging Face")
@@ -170,8 +171,8 @@ def test_a_run_without_checkpoints_and_a_missing_folder_are_clear_errors_with_no
     assert result.exit_code == 2, result.output
     assert "run 'early' has no checkpoint yet" in " ".join(result.output.split())
     for missing in ("/nonexistent/dir", "./not-here", "a/b/c"):
-        with pytest.raises(models.QAEUserError, match=f"model: '{missing}' is not a folder"):
-            models.load_policy(missing)
+        with pytest.raises(QAEUserError, match=f"model: '{missing}' is not a folder"):
+            load_policy(missing)
 
 
 @pytest.mark.slow
@@ -181,12 +182,12 @@ def test_eval_of_a_training_run_takes_the_newest_checkpoint_again_when_training_
     before eval has loaded it. Here the first load finds its checkpoint deleted, as the trainer would."""
     import shutil
 
-    from qae_app.models import policy as models
+    from qae_app.models.policy import load_policy
 
     shared_runs_dir, run_id = tiny_run
     runs_dir = tmp_path / "runs"
     shutil.copytree(shared_runs_dir / run_id, runs_dir / run_id)
-    loads, load_policy = [], models.load_policy
+    loads = []
 
     def pruned_first(spec, *args, **kwargs):
         loads.append(spec)
@@ -194,7 +195,7 @@ def test_eval_of_a_training_run_takes_the_newest_checkpoint_again_when_training_
             shutil.rmtree(runs_dir / run_id / "checkpoints" / "step-6")
         return load_policy(spec, *args, **kwargs)
 
-    monkeypatch.setattr(models, "load_policy", pruned_first)
+    monkeypatch.setattr("qae_app.models.policy.load_policy", pruned_first)
     out = _eval(runs_dir, "--model", run_id, "--limit", "4", "--samples", "1")
     assert [p.split("/")[-2] for p in loads] == ["step-6", "step-3"]
     steps = query(db_path(runs_dir, run_id), "SELECT DISTINCT step FROM eval_samples WHERE source = 'eval'")["step"]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from qae_app.config import TrainConfig, build_config
-from qae_app.store import schema as store
-from qae_app.store import writer as store_write
+from qae_app.store.schema import STEP_METRICS, row_columns
+from qae_app.store.writer import RunWriter
 
 PACKAGE = Path(__file__).resolve().parents[2] / "qae_app"
 # The layer table. A package imports only from packages in lower layers, never from one beside it or above it; inside
@@ -170,6 +170,47 @@ def test_the_four_nevers(module, never, why):
     assert not import_graph()[module] & never, why
 
 
+def test_no_module_basename_is_used_twice():
+    """A module's name says its job: two modules named preview.py (the command, the library, the page) leave a
+    traceback or an import that says `preview` unsure of which one it means."""
+    files = [*PACKAGE.rglob("*.py"), *DASHBOARD.rglob("*.py")]
+    seen: dict[str, list[str]] = {}
+    for path in files:
+        if path.stem not in ("__init__", "__main__"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def _is_qae_module(dotted: str) -> bool:
+    path = PACKAGE.parent / dotted.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def module_aliases(path: Path) -> list[str]:
+    """`import qae_app.x.y as z` and `from qae_app.x import y as z` (y a module, z not y) in `path`: a module read
+    under another name than its own, which grep for the module does not find."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [f"{a.name} as {a.asname}" for a in node.names
+                      if a.name.startswith("qae_app.") and a.asname and a.asname != a.name.rsplit(".", 1)[-1]]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("qae_app"):
+            found += [f"{node.module}.{a.name} as {a.asname}" for a in node.names
+                      if a.asname and a.asname != a.name and _is_qae_module(f"{node.module}.{a.name}")]
+    return found
+
+
+def test_no_import_reads_a_qae_module_under_another_name():
+    """Product code, tests, benchmarks and scripts import a qae_app module by its own name (or import the names they
+    use from it): `reader as store_read` kept a name from before the store was a package."""
+    root = PACKAGE.parent
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+                            capture_output=True, text=True, check=True, cwd=root).stdout
+    aliased = {name: found for name in listed.split()
+               if (root / name).exists() and (found := module_aliases(root / name))}
+    assert aliased == {}
+
+
 # A function longer than this does more than one thing a reader can hold at once: split it along its steps. Counted
 # from the first statement after the docstring to the end, so a docstring or a long signature costs nothing and
 # packing lines buys nothing (ruff holds lines to 120 characters).
@@ -239,16 +280,16 @@ def test_a_training_step_writes_nothing_and_its_rows_are_the_store_columns(tmp_p
         trainer.close()
     assert out.chosen_k in (0.3, 0.4, 0.5) and out.warnings[0]["kind"] == "auto_k"
     # what only the loop knows (evaluation, write, checkpoint and store times) is added by fit
-    assert set(out.metrics) == set(store.STEP_METRICS) - {"heldout_accuracy", "eval_s", "write_s", "checkpoint_s",
+    assert set(out.metrics) == set(STEP_METRICS) - {"heldout_accuracy", "eval_s", "write_s", "checkpoint_s",
                                                           "store_s"}
-    assert all(set(row) == set(store.row_columns("groups")) for row in out.groups)
-    assert all(set(row) == set(store.row_columns("rollouts")) for row in out.rollouts)
-    assert all(set(row) == set(store.row_columns("warnings")) for row in out.warnings)
+    assert all(set(row) == set(row_columns("groups")) for row in out.groups)
+    assert all(set(row) == set(row_columns("rollouts")) for row in out.rollouts)
+    assert all(set(row) == set(row_columns("warnings")) for row in out.warnings)
     assert read_steps(tmp_path / "pure" / "qae.duckdb").empty
 
 
 def test_the_writer_refuses_rows_that_are_not_the_table_columns(tmp_path):
-    writer = store_write.RunWriter(tmp_path / "x" / "qae.duckdb", "x")
+    writer = RunWriter(tmp_path / "x" / "qae.duckdb", "x")
     with pytest.raises(ValueError, match="groups rows have columns"):
         writer.add_step(1, groups=[{"group_idx": 0, "promt": "1+1="}])
 
