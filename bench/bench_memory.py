@@ -9,7 +9,7 @@
 A transformers Llama or Qwen3 with the given shapes (random weights, float32; depth reduced to --layers) takes two RL
 steps of `update.policy_update`, the function `qae train` runs, as the trainer sets it up: its AdamW
 (`update.optimizer_and_schedule`), its decision on the chunked log-prob head (`update.logprob_chunk_tokens`: the
-chunks by default, the full logits for a LoRA model), `models.enable_gradient_checkpointing`, `lora.apply_lora`. The
+chunks by default, the full logits for a LoRA model), `policy.enable_gradient_checkpointing`, `lora.apply_lora`. The
 batch is `--sequences` synthetic sequences of --tokens tokens in all (half prompt, half response) with advantages
 +1, -1, +1, ... (none gated); `--micro-batch-size` sequences go through each forward (default: all). Two steps,
 so that the second backward runs with AdamW's moments allocated, as every step of a run after its first does.

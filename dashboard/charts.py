@@ -463,7 +463,7 @@ def gate_breakdown(breakdown: pd.DataFrame, totals: pd.DataFrame, step: int | No
 def quantile_bands(frames: dict[str, pd.DataFrame], colors: dict[str, str], title: str, y_title: str,
                    step: int | None = None, log_y: bool = False) -> go.Figure:
     """Per run, over steps: the median (line), the 25-75% band (darker) and the 5-95% band (lighter) of a quantity
-    over each step's responses (frames from store_read.read_quantiles); the step shown in the histogram is marked."""
+    over each step's responses (frames from reader.read_quantiles); the step shown in the histogram is marked."""
     fig = go.Figure()
     for run_id, q in frames.items():
         color = colors[run_id]
@@ -544,10 +544,10 @@ def resolve_band(band: str, n_seeds: int) -> tuple[str, str | None]:
 def across_seeds(curves: list[pd.DataFrame], band: str = "t-interval",
                  bounds: tuple[float | None, float | None] = (None, None)) -> pd.DataFrame:
     """One group's curve: per step, over the runs (frames of step, value) that have a value at that step, `n`, the
-    `mean` and the band [`low`, `high`]: the mean's 95% Student-t interval (the interval `qae compare` gives a
-    metric: compare.mean_interval of those values) or the lowest and highest value. No band (NaN) where fewer than
-    two runs have the step: one seed says nothing about the spread. `bounds` (lower, upper; None: none) are the values
-    the metric can take: the band is cut there (with 3 seeds a fraction's t-interval easily reaches below 0)."""
+    `mean` and the band [`low`, `high`]: the mean's 95% Student-t interval (the interval `qae compare` gives a metric:
+    run_comparison.mean_interval of those values) or the lowest and highest value. No band (NaN) where fewer than two
+    runs have the step: one seed says nothing about the spread. `bounds` (lower, upper; None: none) are the values the
+    metric can take: the band is cut there (with 3 seeds a fraction's t-interval easily reaches below 0)."""
     if band not in SEED_BANDS or band == "auto":  # (auto is resolved per page: one band for every group)
         raise ValueError(f"band: unknown {band!r}; use one of t-interval, min-max")
     parts = [curve[["step", "value"]].dropna() for curve in curves]

@@ -7,7 +7,7 @@ group reports the mean over its runs with a 95% Student-t interval. Against a ba
 difference gets its own interval and a two-sided paired t-test p-value.
 
 Per-run metrics are defined once, in `RUN_METRICS`; each is computed from the run's `steps` frame (columns as
-`store.STEP_METRICS`, one row per step).
+`schema.STEP_METRICS`, one row per step).
 
 "The last 20% of steps" are the last ceil(0.2 n) of the n rows with a value (at least 2 when there are 2, so a slope
 exists). Held-out rows are the rows whose `heldout_accuracy` is not null; with a single one the area is its value. A

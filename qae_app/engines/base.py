@@ -30,7 +30,7 @@ class Sample:
     # measured them while sampling (the trainer then skips a no-grad pass over the responses to report them)
     token_logprobs: list[float] | None = None
     token_entropies: list[float] | None = None
-    # the prompt as the model saw it, chat template included (models.templated_prompt); None without a template
+    # the prompt as the model saw it, chat template included (policy.templated_prompt); None without a template
     model_prompt: str | None = None
 
 

@@ -4,7 +4,7 @@ A preview samples N prompts x G responses from the policy as `qae train` with th
 step: the first N prompts of the run's data stream, in batches of prompts_per_step, each batch with the seed of step
 1's generation batch (engines.sampling.step_seed), the run's engine, temperature and max-new-tokens. So its first
 prompts_per_step groups are the responses step 1 of that run trains on (with the hf engine on one process). It scores
-them as `qae train` does (evaluation/scoring.py: --reward, else the task's own) and works out, from the rewards
+them as `qae train` does (scoring/reward_path.py: --reward, else the task's own) and works out, from the rewards
 [N, G]:
 
 - the reward distribution, and each group's success rate;
@@ -107,7 +107,7 @@ class Sampled:
 def sample_and_score(engine, task: Task, cfg: TrainConfig, n_prompts: int,
                      on_progress: Callable[[str, int], None] | None = None) -> Sampled:
     """The first `n_prompts` prompts of the run's data stream, `cfg.group_size` responses each, sampled a batch of
-    prompts_per_step at a time with step 1's seeds, and scored by the run's rewards (evaluation/scoring.py, as
+    prompts_per_step at a time with step 1's seeds, and scored by the run's rewards (scoring/reward_path.py, as
     `qae train` scores: --reward, else the task's own). `on_progress(phase, prompts_done)`: phase 'sampling' before a
     batch is sampled, 'scoring' before it is scored."""
     problems = [task.train[i] for i in prompts_at(task, cfg.seed, 0, n_prompts)]

@@ -190,7 +190,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @dataclass(frozen=True)
 class DistributedSetup:
     """How a run was launched, stored in its config (key `distributed`) and shown by `qae show`
-    (terminal.setup_label: "fsdp2 x 2 processes")."""
+    (formatting.setup_label: "fsdp2 x 2 processes")."""
 
     sharding: str  # "none" (one process), "ddp", "fsdp1", "fsdp2" or "zero3"
     processes: int

@@ -131,7 +131,7 @@ class RewardSet:
 
     def score(self, completions: list[str], prompts: list, problems: Sequence, step: int = 0) -> RewardScores:
         """Each response's total and components. completions [N], prompts [N] (what the model was asked) and
-        problems [N] (each with `.answer` and `.columns`, the data row: data.Problem) are aligned; step: the RL step
+        problems [N] (each with `.answer` and `.columns`, the data row: datasets.Problem) are aligned; step: the RL step
         (0 outside training). RewardError when a user function fails; `ScoringInterrupted` on shutdown."""
         n = len(completions)
         if not len(prompts) == len(problems) == n:

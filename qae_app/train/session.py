@@ -149,7 +149,7 @@ class RunSession:
         self.resuming = resume
         self.trust_pickles = trust_pickles  # the user vouched for the folder: an older qae's pickles may be read
         self.distributed = distributed  # sharding.DistributedSetup of this launch, stored in the run's config
-        self.reward_files: dict = {}  # the user reward functions' files and sha256s (train/scoring.py), stored too
+        self.reward_files: dict = {}  # the user reward functions' files and sha256s (reward_record.py), stored too
         self.started = time.perf_counter() if started is None else started  # the session's wall_s counts from here
         self._say = say or (lambda message: None)
         self.writer: RunWriter | None = None  # main process only, from open_store on
@@ -457,7 +457,7 @@ class RunSession:
             self._wait_for_store()
 
     def _flush(self) -> None:
-        """Write what is queued when a database write is due (store_write.WRITE_SHARE; until then the rows wait under
+        """Write what is queued when a database write is due (writer.WRITE_SHARE; until then the rows wait under
         pending/); if a reader holds the file, training goes on and the rows wait there too, and the log says so once
         per busy spell."""
         was_busy = self.writer.busy_since is not None

@@ -7,7 +7,7 @@ one the dense computation gives (`update.py`).
 
 One step, for B prompts x G samples (`train_step` reads as these six):
     sample and score -> engine samples G responses per prompt (rollout_s); the run's rewards score each (reward_s):
-                        the task's verifier (1, 0 or None) or --reward's weighted sum (train/scoring.py)
+                        the task's verifier (1, 0 or None) or --reward's weighted sum (scoring/reward_path.py)
     the K in use     -> --k auto chooses K once, from the first step's success rate
     advantages       -> estimator(rewards [B, G]) -> advantages, baseline, regime
     update           -> log-probs/entropy of the sampling policy (no grad), then num_mini_batches optimizer steps, and
@@ -102,7 +102,7 @@ class GenerationBatch:
     first_group: int  # step-wide group_idx of this process's first group: index * prompts_per_step + its offset
     problems: list  # [B] tasks.Problem
     prompts: list  # [B] data.prompt_format.Prompt: text or chat messages, as the engine was given them
-    samples: list  # [B * G] rollout.Sample, sample j of prompt i at i * G + j
+    samples: list  # [B * G] engines.base.Sample, sample j of prompt i at i * G + j
     verified: list[bool]  # [B * G] the verifier gave a verdict
     rewards: torch.Tensor  # (B, G) shaped: reward values plus the overlong penalty
     correct: torch.Tensor  # (B, G) bool, the verifier's verdicts
@@ -119,7 +119,7 @@ class SampledStep:
     n_trained: int  # the groups that train, over every process
     rewards: torch.Tensor  # (B, G) shaped rewards of this process's groups of every batch, in order
     correct: torch.Tensor  # (B, G) bool
-    samples: list  # [B * G] rollout.Sample, sample j of group i at i * G + j
+    samples: list  # [B * G] engines.base.Sample, sample j of group i at i * G + j
     trained_samples: list  # [N] the samples of the trained groups, in order
     # the engine measured every response's token entropies and log-probs while sampling (the filtered ones' too);
     # else the rows take the trained ones' from the update's no-grad pass

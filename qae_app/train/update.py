@@ -136,7 +136,7 @@ class OneProcess:
 
 
 def pack(samples, pad_id: int, device, float_dtype: torch.dtype = torch.float32) -> dict:
-    """Right-padded (prompt + response) tensors of rollout.Samples: input_ids and attention_mask (N, T);
+    """Right-padded (prompt + response) tensors of engines.base.Samples: input_ids and attention_mask (N, T);
     response_mask (N, T-1) marks the positions predicting response tokens; sampler_logp (N, T-1), where every sample
     carries the engine's token log-probs, holds them at those positions (0 elsewhere)."""
     width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
