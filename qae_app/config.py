@@ -21,6 +21,7 @@ import tomllib
 
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
+from qae_app.core.estimators import ESTIMATORS, estimator_help
 from qae_app.core.formatting import clipped
 from qae_app.core.host_faults import check_path_names
 from qae_app.core.trackers_check import report_to_trackers
@@ -265,7 +266,7 @@ class TrainConfig:
     shaping: str = opt("before-baseline", "DAPO overlong reward shaping: where the penalty enters the advantage.",
                        "reward", names.SHAPING)
     # --- advantage estimator
-    estimator: str = opt("qae", "Advantage estimator.", "estimator", names.ESTIMATORS)
+    estimator: str = opt("qae", "Advantage estimator.", "estimator", estimator_help())
     k: str = opt(str(names.DEFAULT_K), f"QAE quantile level K in (0, 1), or 'auto' ({names.AUTO_K_RULE}).",
                  "estimator")
     quantile: str = opt("paper", "QAE quantile.", "estimator", names.QUANTILE_METHODS)
@@ -364,7 +365,19 @@ class TrainConfig:
 
     @property
     def advantage_scale(self) -> str:
-        return names.advantage_scale(self.estimator, self.scale)
+        """The advantage scaling the run uses: --scale, else its estimator's own."""
+        return ESTIMATORS[self.estimator].scale(self.scale)
+
+    @property
+    def k_value(self) -> float | None:
+        """--k as a number; None for 'auto' (chosen at the first step)."""
+        if self.k == "auto":
+            return None
+        try:
+            return float(self.k)
+        except ValueError:
+            raise QAEUserError(f"k: '{clipped(self.k)}' is not a number. Use a value in (0, 1) such as "
+                               f"{names.DEFAULT_K}, or 'auto'.") from None
 
     @property
     def prompt_format(self) -> PromptFormat:
@@ -380,19 +393,7 @@ class TrainConfig:
             if name not in BOUNDED_BY_ANOTHER_OPTION and getattr(self, name) is not None:
                 check_range(name, getattr(self, name))
         # the rules that tie options together
-        if self.estimator == "dr_grpo" and self.scale == "std":
-            raise QAEUserError("scale: dr_grpo is GRPO without the std normalization, so --scale std contradicts it. "
-                               "Use --estimator grpo for the std-normalized mean baseline.")
-        if self.k != "auto":  # (text: a number or 'auto', so not in NUMERIC_RANGES)
-            try:
-                k = float(self.k)
-            except ValueError:
-                raise QAEUserError(f"k: '{clipped(self.k)}' is not a number. Use a value in (0, 1) such as "
-                                   f"{names.DEFAULT_K}, or 'auto'.")
-            if not 0.0 < k < 1.0:
-                raise QAEUserError(f"k: {self.k} is outside (0, 1). QAE's K is a quantile level; the paper uses "
-                                   f"{names.DEFAULT_K} "
-                                   "(lower K pushes entropy up, higher K pushes it down).")
+        ESTIMATORS[self.estimator].validate(self.k_value, self.quantile, self.scale)
         if self.group_size * self.prompts_per_step > MAX_RESPONSES_PER_STEP:
             raise QAEUserError(
                 f"group-size x prompts-per-step: {self.group_size:,} x {self.prompts_per_step:,} = "

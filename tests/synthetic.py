@@ -13,7 +13,7 @@ import math
 import random
 from pathlib import Path
 
-from qae_app.core import names
+from qae_app.core.estimators import ESTIMATORS
 from qae_app.store.rows import GroupResult, group_rows, rollout_rows, step_metrics
 from qae_app.store.run_folder import db_path
 from qae_app.store.schema import STEP_METRICS
@@ -50,7 +50,7 @@ def write_run(runs_dir: Path, run_id: str, steps: int = 20, prompts_per_step: in
                           estimator="qae", model="builtin:tiny", data="arith", eval_every=eval_every, lr=1e-5,
                           entropy_low=0.5, entropy_high=3.0), **(config or {})}
             estimator = cfg["estimator"]  # (a mean baseline's row has no K)
-            writer.create_run(run_id, cfg, estimator, k if names.uses_k(estimator) else None, "builtin:tiny", "arith",
+            writer.create_run(run_id, cfg, estimator, ESTIMATORS[estimator].k_in_use(k), "builtin:tiny", "arith",
                               seed)
     difficulty = [random.Random(seed + i).random() for i in range(n_prompts)]
     total = (config or {}).get("steps", steps + start_step - 1)

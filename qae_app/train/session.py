@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from qae_app.config import FIELDS, RESUMABLE, TrainConfig, coerce_option, given_options, option_flag
-from qae_app.core import names
 from qae_app.core.errors import QAEUserError, SaidByTheMainProcess
+from qae_app.core.estimators import ESTIMATORS
 from qae_app.core.faults import fault_point
 from qae_app.models.lora import is_lora, load_lora_adapter, save_lora_artifacts
 from qae_app.models.sharding import full_state_dict, is_sharded
@@ -340,7 +340,7 @@ class RunSession:
             config["distributed"] = self.distributed.to_dict()
         if self.reward_files:
             config["reward_files"] = self.reward_files
-        k = names.k_in_use(cfg.estimator, state.k)  # (None before --k auto chooses one, and for a mean baseline)
+        k = ESTIMATORS[cfg.estimator].k_in_use(state.k)  # (None before --k auto chooses one, and for a mean baseline)
         if self.resuming:
             db = self.run_dir / DB_FILE
             if not db.exists() and state.step > 0:

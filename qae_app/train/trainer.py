@@ -39,6 +39,7 @@ from qae_app.algo.advantages import EstimatorConfig, step_advantages
 from qae_app.config import TrainConfig, check_launch_mixed_precision
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
+from qae_app.core.estimators import ESTIMATORS
 from qae_app.core.faults import fault_point
 from qae_app.core.formatting import as_float
 from qae_app.core.hashing import file_sha256
@@ -433,20 +434,19 @@ class Trainer:
 
         # ---- the K in use: --k auto chooses it once, at the first step
         auto_k = self._choose_k(sampled.batches[0])  # the `warnings` row that says so, at that step only
-        k = names.k_in_use(cfg.estimator, self.state.k)  # None: a mean baseline reads no K
-        # the K that splits the groups into hard and easy (dH's regimes; the estimator reads it for QAE only): a mean
-        # baseline's is DEFAULT_K, so runs compare
-        regime_k = k or names.DEFAULT_K
+        record = ESTIMATORS[cfg.estimator]
+        k = record.k_in_use(self.state.k)  # None: a mean baseline reads no K
+        split_k = record.split_k(k)  # the K that splits groups into hard and easy (dH's regimes)
 
         # ---- advantages of every group sampled (a filtered group's are stored but never trained)
-        estimator = EstimatorConfig(k=regime_k, quantile=cfg.quantile, scale=cfg.advantage_scale)
+        estimator = EstimatorConfig(k=k, quantile=cfg.quantile, scale=cfg.scale)
         adv = step_advantages(cfg.estimator, sampled.rewards, sampled.correct, names.reward_values(cfg.reward_values),
                               estimator, cfg.shaping)
 
         # ---- the update with its diagnostics, on the trained groups only
         self.engine.release_memory()  # (vLLM's sleep mode: its GPU memory goes to the update until the weight sync)
         t_update = time.perf_counter()
-        update = self._update_with_diagnostics(step, sampled, adv.advantages, regime_k)
+        update = self._update_with_diagnostics(step, sampled, adv.advantages, split_k)
 
         # ---- the weight sync: vLLM holds its own copy of the weights; hf shares the model
         if sampled.n_trained:
@@ -538,7 +538,7 @@ class Trainer:
         """--k auto: K from the success rate of the first step's first generation batch over every process
         (names.AUTO_K_RULE), kept in the trainer state for the rest of the run; returns the `warnings` row that says
         so. None once K is known, and for a mean baseline (it reads no K)."""
-        if self.state.k is not None or not names.uses_k(self.cfg.estimator):
+        if self.state.k is not None or not ESTIMATORS[self.cfg.estimator].reads_k:
             return None
         acc = self.accelerator
         success = acc.reduce(first_batch.correct.float().mean().to(acc.device), reduction="mean").item()
