@@ -41,7 +41,8 @@ import math
 import torch
 
 from qae_app.algo.advantages import EASY, HARD
-from qae_app.train.update import OneProcess, UpdateOptions, logprobs_in_chunks, policy_update, response_regimes
+from qae_app.train.entropy_change import response_regimes
+from qae_app.train.update import OneProcess, UpdateOptions, logprobs_in_chunks, policy_update
 
 SOURCES = ("hard", "easy", "none")  # whose loss the update is made from
 ATTRIBUTION_METRICS = tuple(name for source in SOURCES

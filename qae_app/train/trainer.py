@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from qae_app.algo.advantages import EstimatorConfig, step_advantages
+from qae_app.algo.chunked_head import logprob_chunk_tokens
 from qae_app.config import TrainConfig, check_launch_mixed_precision
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
@@ -63,21 +64,19 @@ from qae_app.scoring.reward_path import run_benchmark, run_rewards, run_task, sc
 from qae_app.store.rows import component_rows, group_rows, rollout_rows, step_metrics, stored_responses
 from qae_app.train.entropy_attribution import ATTRIBUTION_METRICS, entropy_attribution
 from qae_app.train.entropy_band import entropy_warning
+from qae_app.train.entropy_change import ENTROPY_CHANGE_METRICS, entropy_change
+from qae_app.train.optimizer import optimizer_and_schedule
 from qae_app.train.precision import check_updates_move_the_weights
 from qae_app.train.reward_record import checked_record, file_record
 from qae_app.train.session import RunSession
 from qae_app.train.step_results import group_results, sampling_policy_stats
 from qae_app.train.trainer_state import TrainerState
 from qae_app.train.update import (
-    ENTROPY_CHANGE_METRICS,
     MISMATCH_METRICS,
     NO_UPDATE,
     UpdateOptions,
-    entropy_change,
     float_dtype,
     logits_keyword,
-    logprob_chunk_tokens,
-    optimizer_and_schedule,
     pack,
     policy_update,
 )
