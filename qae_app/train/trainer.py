@@ -545,12 +545,12 @@ class Trainer:
         return {"kind": "auto_k", "message": f"--k auto: first-step success rate {success:.3f} -> K = {self.state.k}"}
 
     def _update_with_diagnostics(self, step: int, sampled: SampledStep, advantages: torch.Tensor,
-                                 regime_k: float) -> StepUpdate:
+                                 split_k: float) -> StepUpdate:
         """The policy update on the trained groups (a filtered group enters neither the loss nor its normalizer) and
         the LR schedule's step, with what the step's row reports of them: the update's stats and LR, the entropy
         attribution (--log-entropy-attribution: trial updates from the weights before it), dH (--log-entropy-delta:
         after it) and, where the engine did not measure them, each trained response's mean token entropy and summed
-        log-prob from the update's no-grad pass. `advantages` (B, G) of every group sampled; `regime_k`: the K that
+        log-prob from the update's no-grad pass. `advantages` (B, G) of every group sampled; `split_k`: the K that
         splits dH's groups into hard and easy."""
         cfg, acc = self.cfg, self.accelerator
         lr = self.scheduler.get_last_lr()[0]  # (the row's: the LR this update steps with)
@@ -569,13 +569,13 @@ class Trainer:
             trained_adv = trained_adv.new_zeros(1)  # (the placeholder's)
         options = self.update_options()
         seed = step_seed(cfg.seed, step, 0) + 1  # (the mini-batches: the attribution draws the same)
-        attribution = (entropy_attribution(self.model, self.optimizer, batch, trained_adv, correct, regime_k, G,
+        attribution = (entropy_attribution(self.model, self.optimizer, batch, trained_adv, correct, split_k, G,
                                            options, acc, seed=seed, n_local=n_local)
                        if cfg.log_entropy_attribution else dict.fromkeys(ATTRIBUTION_METRICS))
         updated = policy_update(self.model, self.optimizer, batch, trained_adv, options, acc, seed=seed,
                                 ref_model=self.ref_model, n_local=n_local,
                                 full_pass=not sampled.engine_measured or cfg.log_entropy_delta)
-        dH = (entropy_change(self.model, batch, updated.entropy, correct, regime_k, G, options, acc, n_local)
+        dH = (entropy_change(self.model, batch, updated.entropy, correct, split_k, G, options, acc, n_local)
               if cfg.log_entropy_delta else dict.fromkeys(ENTROPY_CHANGE_METRICS))
         self.scheduler.step()  # once per RL step, on every process (the scheduler is not prepared: see _load_models)
         response_stats = None if sampled.engine_measured else sampling_policy_stats(batch, updated, n_local)

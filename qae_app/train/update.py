@@ -17,8 +17,6 @@ One update, and the seam where each later change plugs in:
     accumulate_gradients  one mini-batch's backward, in micro-batches (gradient checkpointing: the model's own)
     forward_logprobs      one forward of the model (LoRA: the model passed in), through the chunked vocabulary
                           projection (chunked_head) when logprob_chunk_tokens says so
-    entropy_change        after the update, how it changed the responses' token entropy (dH)
-    response_regimes      the QAE regime of each response's group, on the verdicts (dH's and attribution.py's split)
 
 The gated skip (`UpdateOptions.skip_gated`): with QAE about 80% of responses get advantage exactly 0; their policy
 gradient is exactly 0, so when nothing else needs them (no KL term) they are left out of the forward/backward, with

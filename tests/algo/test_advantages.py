@@ -410,3 +410,20 @@ def test_shaping_after_the_baseline_keeps_the_two_regimes_and_adds_the_penalty()
     assert adv.advantages[0].tolist() == pytest.approx([success - 0.5, success] + [0.0] * 6, rel=1e-6)
     with pytest.raises(QAEUserError, match="shaping: unknown value 'late'"):
         step_advantages("qae", shaped, verdicts, (-1.0, 1.0), EstimatorConfig(k=0.4), "late")
+
+
+def test_the_quantile_rule_splits_groups_as_qae_labels_them_on_the_verdicts():
+    """quantile_regimes (dH's and the attribution's hard and easy, for every estimator) is the quantile rule itself:
+    on 0/1 verdicts it labels each group as QAE at that K does, hard while the success rate is <= 1 - K."""
+    from qae_app.algo.advantages import quantile_regimes
+
+    rng = random.Random(1)
+    for G in (2, 4, 5, 8, 16):
+        correct = torch.tensor([[rng.random() < p for _ in range(G)] for p in [rng.random() for _ in range(64)]])
+        for split_k in (0.2, 0.3, 0.4, 0.5, 0.8):
+            by_qae = compute_advantages("qae", correct.float(), EstimatorConfig(k=split_k), correct).regime
+            assert torch.equal(quantile_regimes(correct, split_k), by_qae), (G, split_k)
+            rates = correct.float().mean(dim=1)
+            signal = (rates > 0) & (rates < 1)
+            hard = quantile_regimes(correct, split_k) == REGIMES.index("hard")
+            assert torch.equal(hard[signal], rates[signal] <= 1 - split_k + 1e-9), (G, split_k)
