@@ -237,7 +237,8 @@ class Trainer:
             self._load_data()
             self._load_models()
             if resume:
-                restored = self.session.restore(self.data_fingerprint, self.model, self.optimizer, self.scheduler)
+                restored = self.session.checkpoints.restore(self.data_fingerprint, self.model, self.optimizer,
+                                                            self.scheduler)
                 if restored is not None:
                     self.state = restored
                     self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
@@ -399,7 +400,7 @@ class Trainer:
                                                step_s=time.perf_counter() - t_iteration)
             if self.state.step < cfg.steps:  # stopped by a signal at a step boundary
                 status = "interrupted"
-                if not self.session.has_checkpoint(self.state.step):
+                if not self.session.checkpoints.has_checkpoint(self.state.step):
                     self.session.drain_writes()
                     self.session.save_checkpoint(self.model, self.optimizer, self.scheduler, self.codec, self.state)
             else:
