@@ -388,12 +388,23 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def validate(self) -> "TrainConfig":
+        """Every option checked, each on its own and then the rules that tie options together; a broken one is a
+        QAEUserError naming the option, its value and what to do. Returns the config."""
         _check_choices(self)
         for name in NUMERIC_RANGES:  # each numeric option on its own (before any rule below: nan compares False)
             if name not in BOUNDED_BY_ANOTHER_OPTION and getattr(self, name) is not None:
                 check_range(name, getattr(self, name))
-        # the rules that tie options together
         ESTIMATORS[self.estimator].validate(self.k_value, self.quantile, self.scale)
+        self._check_step_shape()
+        self._check_precision_and_adapters()
+        for name in BOUNDED_BY_ANOTHER_OPTION:  # their own range, now that the tighter bound holds
+            check_range(name, getattr(self, name))
+        self._check_named_inputs()
+        return self
+
+    def _check_step_shape(self) -> None:
+        """The rules between a step's sizes: responses per step, mini-batches, the overlong buffer, the entropy band,
+        the token budget of a micro-batch."""
         if self.group_size * self.prompts_per_step > MAX_RESPONSES_PER_STEP:
             raise QAEUserError(
                 f"group-size x prompts-per-step: {self.group_size:,} x {self.prompts_per_step:,} = "
@@ -416,6 +427,9 @@ class TrainConfig:
                                f"sequence of a prompt and max-new-tokens {self.max_new_tokens} response tokens. Use "
                                "at least the longest prompt plus max-new-tokens, or leave it unset for "
                                "--micro-batch-size sequences per micro-batch.")
+
+    def _check_precision_and_adapters(self) -> None:
+        """Mixed precision against --dtype, and the LoRA options against --lora-rank."""
         if self.mixed_precision == "bf16" and self.dtype != "float32":
             raise QAEUserError(f"mixed-precision: bf16 keeps float32 master weights, but --dtype {self.dtype} loads "
                                "the weights in bfloat16 already. Use --dtype float32 with --mixed-precision bf16, or "
@@ -433,8 +447,10 @@ class TrainConfig:
         if self.lora_targets is not None and not [t for t in self.lora_targets.split(",") if t.strip()]:
             raise QAEUserError(f"lora-targets: '{self.lora_targets}' names no layer. Pass a comma list of linear "
                                "layer names (e.g. q_proj,v_proj), or leave it out for every linear layer.")
-        for name in BOUNDED_BY_ANOTHER_OPTION:  # their own range, now that the tighter bound holds
-            check_range(name, getattr(self, name))
+
+    def _check_named_inputs(self) -> None:
+        """What names a file, a function or a folder: the rewards, the run name, the trackers, the prompt options,
+        --store-responses."""
         check_reward_options(self.reward, self.reward_weights)
         if self.run_name is not None:
             validate_run_name(self.run_name)
@@ -444,7 +460,6 @@ class TrainConfig:
             check_store_responses(str(self.store_responses))
         except ValueError as err:
             raise QAEUserError(str(err)) from None
-        return self
 
 
 def check_launch_mixed_precision(mixed_precision: str) -> None:
