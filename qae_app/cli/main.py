@@ -111,9 +111,6 @@ def train(
     run_training(trainer)
 
 
-app.command(help=train.__doc__)(_with_config_options(train, TrainConfig))
-
-
 def plan(
     config: Annotated[Optional[Path], typer.Option("--config", help="The run's TOML file; its \\[plan] table may give "
                                                    "the options below.")] = None,
@@ -145,9 +142,6 @@ def plan(
         raise typer.Exit(code=1)
 
 
-app.command(help=plan.__doc__)(_with_config_options(plan, TrainConfig))
-app.command("preview", help=preview_command.preview_command.__doc__)(
-    _with_config_options(preview_command.preview_command, TrainConfig))
 
 
 def print_command(command: str) -> None:
@@ -254,7 +248,6 @@ def fail_on_write_fault(trainer, err: Exception) -> None:
 # qae warmstart
 
 
-@app.command()
 def warmstart(
     task: Annotated[str, typer.Option(help="Built-in task to warm-start on: arith (ships as builtin:tiny) or chain "
                                       "(builtin:tiny-chain).")] = "arith",
@@ -300,7 +293,6 @@ def _view_console() -> SafeConsole:
     return SafeConsole(highlight=False)
 
 
-@app.command("runs")
 def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
               sweep: Annotated[Optional[str],
                                typer.Option(help="Only the runs of this sweep (its id or name).")] = None,
@@ -330,11 +322,6 @@ def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
     out.print(runs_view(rows, str(runs_dir), out.width))
 
 
-for managing in (manage.tag, manage.note, manage.stop, manage.rm):
-    app.command()(managing)
-
-
-@app.command()
 def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
          runs_dir: RunsDir = DEFAULT_RUNS_DIR,
          every: Annotated[int, typer.Option(help="Show every N-th step (default: about 15 rows).")] = 0,
@@ -376,7 +363,6 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
         out.print(preview_command.preview_view(run, found))
 
 
-@app.command()
 def rollouts(
     run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
     step: Annotated[Optional[int], typer.Option(help="Step to show (default: the latest).")] = None,
@@ -437,7 +423,6 @@ def rollouts(
 # qae compare and qae sweep
 
 
-@app.command()
 def compare(
     runs: Annotated[Optional[list[str]], typer.Argument(help="Run ids to compare (or --sweep).")] = None,
     sweep: Annotated[Optional[str], typer.Option(help="Compare every run of this sweep (its id or name).")] = None,
@@ -561,9 +546,6 @@ def _sweep_options(command):
     return command
 
 
-app.command("sweep", help=sweep_command.__doc__)(_sweep_options(sweep_command))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # qae eval
 
@@ -601,10 +583,6 @@ def eval_command(
     console.print(f"samples and metrics stored in [cyan]{path}[/] (run {target_run})")
 
 
-app.command("eval", help=eval_command.__doc__)(_with_config_options(eval_command, EvalConfig))
-
-
-@app.command()
 def export(run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
            out: Annotated[Path, typer.Option(help="Folder to write the Hugging Face model to (new or empty).")],
            checkpoint: Annotated[Optional[int], typer.Option(help="Checkpoint step (default: the newest).")] = None,
@@ -622,9 +600,29 @@ def export(run: Annotated[str, typer.Argument(help="Run id: its folder under --r
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# qae dashboard: cli/dashboard_command.py
+# every command, registered here the one way, in the order `qae --help` lists them: the commands of other modules
+# (cli/preview_command.py, cli/manage.py, cli/dashboard_command.py) as those of this one
 
-app.command()(dashboard_command.dashboard)
+COMMANDS = {
+    "train": _with_config_options(train, TrainConfig),
+    "plan": _with_config_options(plan, TrainConfig),
+    "preview": _with_config_options(preview_command.preview_command, TrainConfig),
+    "warmstart": warmstart,
+    "runs": list_runs,
+    "tag": manage.tag,
+    "note": manage.note,
+    "stop": manage.stop,
+    "rm": manage.rm,
+    "show": show,
+    "rollouts": rollouts,
+    "compare": compare,
+    "sweep": _sweep_options(sweep_command),
+    "eval": _with_config_options(eval_command, EvalConfig),
+    "export": export,
+    "dashboard": dashboard_command.dashboard,
+}
+for name, command in COMMANDS.items():
+    app.command(name)(command)
 
 
 def main() -> None:  # pragma: no cover - the `qae` entry point
