@@ -3,16 +3,16 @@ before) against without one (synced before each checkpoint instead), the two sid
 
     python bench/bench_handoff.py [--steps 200] [--group-size 4]
 
-The rows are a real step's: one `qae train` step at the benchmark settings of bench/vs_trl.py (built-in model, 8
-prompts x --group-size, 8 new tokens, 1 thread) is trained and the tables `fit` hands the store are kept. Then two
-writers, each on a run file of its own, take those rows step after step as the store's thread does for `fit`: the
-previous step's late timings (`update_step`), the step's rows (`add_step`), `flush_when_due` (a database write when
-one is due, every few seconds; else the rows are saved under pending/). "synced each step" is the writer as it was:
-every file it saves is synced before its rename (both sides space their database writes by today's rule). A step's
-time is the wall time of those three calls, on this thread (bench/vs_trl.py's qae step also waits for the store's
-thread to wake). Printed: each side's median and mean ms a step (the mean includes the database writes), and the
-per-step ratio (bench/harness.py: the order alternates pair by pair); the median ms a step synced before checkpoints
-and the ratio go to the results log.
+The rows are a real step's: one `qae train` step at the benchmark settings of bench/vs_trl.py (built-in model, 8 prompts
+x --group-size, 8 new tokens, 1 thread) is trained and the tables `fit` hands the store are kept. Then two writers, each
+on a run file of its own, take those rows step after step as the store's thread does for `fit`: the previous step's late
+timings (`update_step`), the step's rows (`add_step`), `flush_when_due` (a database write when one is due, every few
+seconds; else the rows are saved under pending/). "synced each step" is the writer with sync_each_spill on: every file
+it saves is synced before its rename (both sides space their database writes by the same rule). A step's time is the
+wall time of those three calls, on this thread (bench/vs_trl.py's qae step also waits for the store's thread to wake).
+Printed: each side's median and mean ms a step (the mean includes the database writes), and the per-step ratio
+(bench/harness.py: the order alternates pair by pair); the median ms a step synced before checkpoints and the ratio go
+to the results log.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from qae_app.train import trainer
 
 
 class SyncedEachStep(RunWriter):
-    """The writer as it was before pending/ was synced per checkpoint: each saved write synced before its rename."""
+    """The writer with each saved write synced before its rename, instead of pending/ synced once per checkpoint."""
 
     sync_each_spill = True
 

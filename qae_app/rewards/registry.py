@@ -6,7 +6,7 @@ by one object, `RewardSet`, that the trainer, `qae eval` and `qae preview` all u
         totals, components = rewards.score(completions, prompts, problems, step)
         correct, verified = rewards.correct(components), rewards.verified(components)
 
-Without --reward a run's rewards are its task's one built-in verifier, weight 1, scored exactly as before.
+Without --reward a run's rewards are its task's one built-in verifier, weight 1: its verdicts are the rewards.
 
 **The total** of a response is the weighted sum of its components, `sum(weight * value)`:
 
@@ -16,12 +16,12 @@ Without --reward a run's rewards are its task's one built-in verifier, weight 1,
   --verify-timeout-s) counts 0 in the sum. A function returning a dict gives one component per key, each weighted by
   the function's weight.
 
-The overlong penalty (DAPO) is added to the total by the trainer, as before.
+The overlong penalty (DAPO) is not part of the total: the trainer adds it (scoring/reward_path.py score_batch).
 
 **Correct** (the `correct` column, `accuracy`, `n_correct`, avg@k) means full marks: every component with a positive
 weight at its full mark, a built-in's verdict 1 or a user's score >= 1.0 (scale a reward to [0, 1] for this to read
-"solved"). With one binary reward it is the verifier's verdict, as before; with a continuous one, the share of responses
-at the top score. `reward_mean` reports the mean total whatever the rewards. **Verified** means no component is None.
+"solved"). With one binary reward it is the verifier's verdict; with a continuous one, the share of responses at the
+top score. `reward_mean` reports the mean total whatever the rewards. **Verified** means no component is None.
 
 User functions run in a `MathVerifierPool`'s worker processes (user_functions.py), one response per call, each under
 --verify-timeout-s. A response the function does not score in time gets None, counted in `timeout_warning`; a

@@ -155,8 +155,8 @@ class RunWriter:
     deletes their files, and a resumed trainer picks up any that an earlier one left.
     """
 
-    # whether each saved write is synced before its rename (False: `sync_pending` syncs them before a checkpoint;
-    # bench/bench_handoff.py times True, the writer as it was)
+    # whether each saved write is synced before its rename (False: `sync_pending` syncs them before a checkpoint, the
+    # only point a resume needs them durable; bench/bench_handoff.py times what True would cost a step)
     sync_each_spill = False
 
     def __init__(self, path: Path, run_id: str, lock_timeout_s: float = 0.2, open_timeout_s: float = 60.0,

@@ -258,7 +258,8 @@ def test_an_estimator_refuses_a_scale_that_contradicts_it():
 
 
 def test_scale_none_is_honoured_by_the_mean_baselines():
-    """`--scale none` used to be ignored by grpo (always divided by the std)."""
+    """`--scale` is each estimator's to honour: grpo divides by the std unless --scale none, rloo only with --scale
+    std."""
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]])  # mean 0.25, unbiased std 0.5
     grpo_raw = compute_advantages("grpo", rewards, EstimatorConfig(scale="none")).advantages
     assert grpo_raw.tolist() == [[0.75, -0.25, -0.25, -0.25]]

@@ -1,5 +1,5 @@
 """A user's reward file used as is by `qae train`: its components stored and shown, its failures one message with the
-run stopped failed and resumable after the fix, and a run folder made with it never running its code when read.
+run stopped failed and resumable once the file is fixed, and a run folder made with it never running its code when read.
 
 Real training runs (the built-in model), real processes for the commands, the real DuckDB file."""
 
