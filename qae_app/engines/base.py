@@ -2,9 +2,11 @@
 `close()`.
 
 The trainer only sees this protocol, so the vLLM engine (GPU) and the transformers engine (anywhere) are
-interchangeable (engines/factory.py picks one). Log-probs used by the loss are always recomputed by the trainer's own
-forward pass, never taken from the engine, so engines may differ numerically; the distribution they sample from may
-not: it is exactly softmax(logits / T), the one the loss assumes. Every sampling setting is given explicitly, so
+interchangeable (engines/factory.py picks one). The loss's ratio is of the trainer's own log-probs (new and old, both
+from its forward passes); an engine's log-probs (`Sample.token_logprobs`) enter only as the sampler's side of
+`--rollout-correction tis`'s weight min(pi_old / pi_sampler, cap) and the step's mismatch metrics, so engines may
+differ numerically; the distribution they sample from may not: it is exactly softmax(logits / T), the one the loss
+assumes. Every sampling setting is given explicitly, so
 nothing comes from a checkpoint's own generation_config (instruct checkpoints ship repetition_penalty, top_k, top_p,
 ...). Only `qae eval` may truncate the distribution, on request (`SamplingOptions`).
 """
