@@ -575,7 +575,7 @@ FILTERED_REASON = "filtered by dynamic sampling"  # what a response of a group l
 
 
 def filtered_rows(responses: pd.DataFrame) -> pd.Series:
-    """Whether each response's group was left out of the update by dynamic sampling (NULL in older files: trained):
+    """Whether each response's group was left out of the update by dynamic sampling (NULL, never written: trained):
     such a response is neither gated nor kept, whatever its advantage."""
     return responses["filtered"].fillna(False).astype(bool)
 

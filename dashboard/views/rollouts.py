@@ -208,14 +208,14 @@ def page_of_groups(group_ids: list[int]) -> list[int]:
 
 
 def templated_prompts(run_id: str, step: int) -> dict[int, str]:
-    """With its toggle on, a chat model's prompts as it saw them (chat template applied), by group: empty for other
-    models and older files, as a caption says."""
+    """With its toggle on, a chat model's prompts as it saw them (chat template applied), by group: empty for a model
+    without a chat template, as a caption says."""
     if not st.toggle("Show prompts as the model saw them (chat template)", key="model_prompt", bind="query-params"):
         return {}
     model_prompts = board.read(read_model_prompts, run_id, step) or {}
     if not model_prompts:
         st.caption("This run stored no templated prompts: its model has no chat template (it saw the prompt "
-                   "itself), or the run is older than the column.")
+                   "itself).")
     return model_prompts
 
 

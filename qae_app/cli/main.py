@@ -83,10 +83,6 @@ def train(
                                                   "valid checkpoint (options marked resumable may change).")] = None,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
     cpu: Annotated[bool, typer.Option("--cpu/--no-cpu", help="Force CPU even when a GPU is present.")] = False,
-    trust_pickles: Annotated[bool, typer.Option(
-        "--trust-pickles", help="With --resume: read the Python pickles an older qae left in the run folder (its "
-                                "pending writes, converted to JSON once, and its checkpoints' training state). A "
-                                "pickle can run code: only for a folder you made yourself.")] = False,
     accept_changed_reward: Annotated[bool, typer.Option(
         "--accept-changed-reward", help="With --resume: score the rest of the run with a --reward file that changed "
                                         "since the run scored with it (the run records both versions).")] = False,
@@ -99,13 +95,10 @@ def train(
     from qae_app.train.trainer import Trainer
 
     try:
-        if trust_pickles and resume is None:
-            raise QAEUserError("trust-pickles: only a resumed run has files an older qae wrote. Use it with "
-                               "--resume RUN, or drop it.")
         cfg = (resume_config(runs_dir, resume, config, **options) if resume is not None
                else build_config(config, **options))
         trainer = Trainer(cfg, runs_dir, resume=resume is not None, console=console, cpu=True if cpu else None,
-                          trust_pickles=trust_pickles, accept_changed_reward=accept_changed_reward)
+                          accept_changed_reward=accept_changed_reward)
     except QAEUserError as err:
         fail(err)
     run_training(trainer)
@@ -599,6 +592,30 @@ def export(run: Annotated[str, typer.Argument(help="Run id: its folder under --r
     console.print(f"run {run} at step {target.step} exported to [cyan]{out}[/]")
 
 
+def migrate(run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
+            runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+            trust_pickles: Annotated[bool, typer.Option(
+                "--trust-pickles", help="Read the Python pickles an older qae left in the run folder (its pending "
+                                        "writes and its checkpoints' training state) to rewrite them as JSON and "
+                                        "safetensors. A pickle can run code: only for a folder you made yourself.")
+            ] = False) -> None:
+    """Rewrite a run folder an older qae wrote in this version's format (its database, pending writes, checkpoints and
+    config), which every other command then reads; a folder already current is left as it is."""
+    from qae_app.train.run_migration import migrate_run
+
+    try:
+        changes = migrate_run(runs_dir, run, trust_pickles,
+                              say=lambda line: console.print(escape(line), highlight=False))
+    except QAEUserError as err:
+        fail(err)
+    if not changes:
+        console.print(f"run {escape(run)} is in this version's format already: nothing to do")
+        return
+    for change in changes:
+        console.print(f"  {escape(change)}", highlight=False)
+    console.print(f"run {escape(run)} is in this version's format now")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # every command, registered here the one way, in the order `qae --help` lists them: the commands of other modules
 # (cli/preview_command.py, cli/manage.py, cli/dashboard_command.py) as those of this one
@@ -619,6 +636,7 @@ COMMANDS = {
     "sweep": _sweep_options(sweep_command),
     "eval": _with_config_options(eval_command, EvalConfig),
     "export": export,
+    "migrate": migrate,
     "dashboard": dashboard_command.dashboard,
 }
 for name, command in COMMANDS.items():

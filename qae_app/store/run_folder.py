@@ -457,5 +457,4 @@ def effective_status(stored: str | None, folder: Path) -> str:
 def pending_writes(folder: Path) -> int:
     """Writes saved under pending/ and not in the database yet: the steps since the trainer's last database write (see
     writer.WRITE_SHARE), or all of them while a reader holds the file."""
-    # (.pkl: saved by an older qae, converted on a trusted resume; counted, never read, here)
-    return sum(1 for path in (Path(folder) / PENDING_DIR).glob("*") if path.suffix in (".json", ".pkl"))
+    return sum(1 for path in (Path(folder) / PENDING_DIR).glob("*") if path.suffix == ".json")

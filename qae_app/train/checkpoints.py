@@ -12,6 +12,7 @@ rows durable before a checkpoint is saved.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -22,12 +23,14 @@ from qae_app.core.faults import fault_point
 from qae_app.models.lora import is_lora, load_lora_adapter, save_lora_artifacts
 from qae_app.models.sharding import full_state_dict, is_sharded
 from qae_app.store.reader import last_logged_step
+from qae_app.store.run_file import migrate_hint
 from qae_app.store.run_folder import (
     CHECKPOINTS_DIR,
     TRAINER_STATE,
     checkpoint_problem,
     checkpoint_step,
     list_checkpoints,
+    read_run_file,
     write_manifest,
 )
 from qae_app.train.checkpoint_state import (
@@ -40,17 +43,31 @@ from qae_app.train.checkpoint_state import (
 from qae_app.train.trainer_state import TrainerState, data_position_problem
 
 
+def format_problem(ckpt: Path) -> str | None:
+    """What a checkpoint lacks of the current format, or None: its training state as safetensors and JSON
+    (checkpoint_state), and a trainer_state.json that says how many processes trained it. (A damaged one is for the
+    checks of `_newest_valid_checkpoint` to say.)"""
+    if not is_data_checkpoint(ckpt):
+        pickled = ", ".join(p.name for p in pickled_files(ckpt)[:4])
+        return f"its training state is Python pickles ({pickled or 'no state files of this version'})"
+    try:
+        stored = json.loads(read_run_file(Path(ckpt) / TRAINER_STATE))
+    except (OSError, ValueError, RecursionError, QAEUserError):
+        return None
+    if isinstance(stored, dict) and stored.get("num_processes") is None:
+        return f"its {TRAINER_STATE} does not say how many processes trained the run"
+    return None
+
+
 class RunCheckpoints:
     """The checkpoints of one run, for one session of it: `say` prints a line (the trainer's console)."""
 
-    def __init__(self, run_dir: Path, run_id: str, cfg: TrainConfig, accelerator, say=None,
-                 trust_pickles: bool = False):
+    def __init__(self, run_dir: Path, run_id: str, cfg: TrainConfig, accelerator, say=None):
         self.run_dir = Path(run_dir)
         self.run_id = run_id
         self.cfg = cfg
         self.accelerator = accelerator
         self.is_main = accelerator.is_main_process
-        self.trust_pickles = trust_pickles  # the user vouched for the folder: an older qae's pickles may be read
         self._say = say or (lambda message: None)
 
     def restore(self, data_fingerprint: str | None, model, optimizer, scheduler) -> TrainerState | None:
@@ -78,13 +95,17 @@ class RunCheckpoints:
         every process."""
         from accelerate.utils import broadcast_object_list
 
-        chosen = [None, 0]  # the checkpoint, and the newest step whose rows the run kept
+        chosen = [None, 0, None]  # the checkpoint, the newest step whose rows the run kept, a refusal
         if self.is_main:
-            for ckpt in reversed(list_checkpoints(self.run_dir)):
+            old = [(ckpt, problem) for ckpt in list_checkpoints(self.run_dir) if (problem := format_problem(ckpt))]
+            if old:
+                chosen[2] = (f"resume: checkpoint {old[0][0].name} of run '{self.run_id}' was written by an older "
+                             f"qae: {old[0][1]}. {migrate_hint(self.run_dir)}")
+            for ckpt in reversed(list_checkpoints(self.run_dir)) if not old else ():
                 # its files as saved (checksums), then each as what it should hold (a manifest rewritten to match a
                 # damaged or planted file passes the first): every process's, before any process loads one
-                problem = checkpoint_problem(ckpt) or TrainerState.problem(ckpt / TRAINER_STATE) or (
-                    training_state_problem(ckpt) if is_data_checkpoint(ckpt) else None)
+                problem = (checkpoint_problem(ckpt) or TrainerState.problem(ckpt / TRAINER_STATE)
+                           or training_state_problem(ckpt))
                 if problem is None:
                     chosen[0] = str(ckpt)
                     break
@@ -92,6 +113,8 @@ class RunCheckpoints:
             chosen[1] = last_logged_step(self.run_dir)
         if self.accelerator.num_processes > 1:
             broadcast_object_list(chosen)
+        if chosen[2] is not None:
+            raise QAEUserError(chosen[2]) if self.is_main else SaidByTheMainProcess(chosen[2])
         return (Path(chosen[0]) if chosen[0] is not None else None), chosen[1]
 
     def _check_start_over(self, logged: int) -> None:
@@ -115,7 +138,7 @@ class RunCheckpoints:
     def _check_process_count(self, state: TrainerState, ckpt: Path) -> None:
         """Every process samples with its own seed: another process count trains other steps than the logged ones."""
         trained_by = state.num_processes
-        if trained_by not in (None, self.accelerator.num_processes):
+        if trained_by != self.accelerator.num_processes:
             raise QAEUserError(
                 f"resume: run '{self.run_id}' was trained by {trained_by} processes and this resume has "
                 f"{self.accelerator.num_processes}. Each process samples with its own seed, so the steps after "
@@ -200,20 +223,9 @@ class RunCheckpoints:
             raise QAEUserError(refusals[0]) if self.is_main else SaidByTheMainProcess(refusals[0])
 
     def _load_training_state_here(self, ckpt: Path, model, optimizer, scheduler) -> None:
-        """A checkpoint's training state into the prepared model, optimizer and scheduler. One an older qae wrote
-        (accelerate's pickled state) is read only when the user vouched for the folder (--trust-pickles)."""
+        """A checkpoint's training state into the prepared model, optimizer and scheduler."""
         acc = self.accelerator
-        if is_data_checkpoint(ckpt):
-            load_training_state(ckpt, acc.unwrap_model(model), optimizer, scheduler, acc.process_index)
-            return
-        if not self.trust_pickles:
-            pickled = ", ".join(p.name for p in pickled_files(ckpt)[:4])
-            raise QAEUserError(
-                f"resume: checkpoint {ckpt} was written by an older qae, whose training state is Python pickles "
-                f"({pickled}). Reading a pickle can run any code it carries: resume with --trust-pickles if you made "
-                f"this run folder yourself. Its model alone is safe to read: `qae eval --model {ckpt / 'model'}`.")
-        acc.register_for_checkpointing(scheduler)  # (where an older qae kept it: custom_checkpoint_0.pkl)
-        acc.load_state(str(ckpt))
+        load_training_state(ckpt, acc.unwrap_model(model), optimizer, scheduler, acc.process_index)
 
     def has_checkpoint(self, step: int) -> bool:
         """The newest checkpoint is at `step`."""

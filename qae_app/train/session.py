@@ -37,6 +37,7 @@ from qae_app.core.estimators import ESTIMATORS
 from qae_app.core.faults import fault_point
 from qae_app.rewards.specs import check_named_again
 from qae_app.store.reader import logged_steps, read_run, results_only_kind
+from qae_app.store.run_file import migrate_hint
 from qae_app.store.run_folder import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -51,12 +52,14 @@ from qae_app.store.run_folder import (
     run_dir,
     trainer_alive,
 )
-from qae_app.store.writer import RunWriter, convert_legacy_pending
+from qae_app.store.writer import RunWriter
 from qae_app.train.checkpoints import RunCheckpoints
 from qae_app.train.trackers import Trackers, start_trackers
 from qae_app.train.trainer_state import TrainerState
 
 CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from readers until it is renamed into place
+# what a run's config.json holds besides its options: how the session ran, and its reward files (open_store)
+STORED_BESIDE_OPTIONS = ("distributed", "reward_files")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -65,14 +68,19 @@ CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from reader
 
 def stored_config(folder: Path) -> TrainConfig:
     """The config a run was started with (its config.json), checked as a TOML file is: a file edited by hand or
-    damaged is named with the bad value and what to do, not met by a traceback."""
+    damaged is named with the bad value and what to do, not met by a traceback; a setting this version has no option
+    for (a pre-release's) names `qae migrate`."""
     path = Path(folder) / CONFIG_FILE
     source = f"config.json {path}"
     values = {}
     stored = read_run_config(folder)  # (its errors say what to do already)
+    unknown = [key for key in stored if key not in FIELDS and key not in STORED_BESIDE_OPTIONS]
+    if unknown:
+        raise QAEUserError(f"{source}: '{unknown[0]}' is no option of this version (the run was written by an older "
+                           f"qae). {migrate_hint(Path(folder))}")
     try:
         for key, value in stored.items():
-            if key not in FIELDS:  # a key an older qae wrote and this one dropped
+            if key in STORED_BESIDE_OPTIONS:
                 continue
             if value is None and "None" not in str(FIELDS[key].type):
                 raise QAEUserError(f"{source}: '{key}' = null, expected {str(FIELDS[key].type)}. "
@@ -127,7 +135,7 @@ class RunSession:
     its row. `close()` (or leaving `with`) lets go of everything; it may be called more than once."""
 
     def __init__(self, runs_dir: Path, run_id: str, cfg: TrainConfig, accelerator, resume: bool = False,
-                 say=None, started: float | None = None, trust_pickles: bool = False, distributed=None):
+                 say=None, started: float | None = None, distributed=None):
         self.runs_dir = Path(runs_dir)
         self.run_id = run_id
         self.run_dir = run_dir(self.runs_dir, run_id)
@@ -135,7 +143,6 @@ class RunSession:
         self.accelerator = accelerator
         self.is_main = accelerator.is_main_process
         self.resuming = resume
-        self.trust_pickles = trust_pickles  # the user vouched for the folder: an older qae's pickles may be read
         self.distributed = distributed  # sharding.DistributedSetup of this launch, stored in the run's config
         self.reward_files: dict = {}  # the user reward functions' files and sha256s (reward_record.py), stored too
         self.started = time.perf_counter() if started is None else started  # the session's wall_s counts from here
@@ -152,10 +159,10 @@ class RunSession:
         self._previous_handlers: dict = {}
         self.finishing = False  # set by the caller once it writes the final status: late signals are ignored
         self._stop_requested = self._waiting_for_store = False
-        self.checkpoints = RunCheckpoints(self.run_dir, run_id, cfg, accelerator, say, trust_pickles)
+        self.checkpoints = RunCheckpoints(self.run_dir, run_id, cfg, accelerator, say)
         try:
             self._claim_run_folder()
-        except BaseException:  # refused after taking the lock (a linked folder, a legacy pickle): let go of it
+        except BaseException:  # refused after taking the lock (a linked folder): let go of it
             self.close()
             raise
 
@@ -193,9 +200,6 @@ class RunSession:
         if self.resuming:
             self._lock = RunLock(self.run_dir).acquire("resume")
             check_own_folder(self.run_dir / CHECKPOINTS_DIR)  # (checkpoints saved through a link would land outside)
-            converted = convert_legacy_pending(self.run_dir, self.trust_pickles)  # (refused unless trusted)
-            if converted:
-                self._say(f"converted {converted} pending write(s) an older qae pickled to JSON")
             return
         if kind := results_only_kind(self.run_dir):
             raise eval_run_error("run-name", self.run_dir, "Pick another --run-name for the training run.", kind)
@@ -246,7 +250,7 @@ class RunSession:
                     f"resume: run '{self.run_id}' has a checkpoint at step {state.step} but no database: the "
                     f"rows of steps 1-{state.step} are lost. Restore {DB_FILE} from a backup, or start a new "
                     "run.")
-            # (opening brings a file from an older version up to date; it waits up to 60 s for a reader to let go)
+            # (opening refuses a file of an older format, naming `qae migrate`; it waits up to 60 s for a reader)
             self.writer = RunWriter(db, self.run_id, on_wait=lambda holder: self._say(
                 f"[yellow]waiting for {db}: {holder} (a reader left open?). Close it to go on.[/]"))
             earlier = _stored_run(db)

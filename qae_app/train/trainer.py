@@ -219,7 +219,7 @@ class Trainer:
     `with Trainer(...) as trainer:`)."""
 
     def __init__(self, cfg: TrainConfig, runs_dir: Path, resume: bool = False, console=None,
-                 cpu: bool | None = None, trust_pickles: bool = False, accept_changed_reward: bool = False):
+                 cpu: bool | None = None, accept_changed_reward: bool = False):
         self._t_start = time.perf_counter()
         self.cfg = cfg
         self.console = console
@@ -230,7 +230,7 @@ class Trainer:
         self._wall_s_before = self._setup_s_before = 0.0  # time spent by earlier sessions of a resumed run
         self._setup_processes(cpu)
         self.session = RunSession(self.runs_dir, self.run_id, cfg, self.accelerator, resume, say=self._say,
-                                  started=self._t_start, trust_pickles=trust_pickles,
+                                  started=self._t_start,
                                   distributed=describe(self.accelerator, sharding_plan_for(self.accelerator).sharding))
         self.run_dir = self.session.run_dir
         try:

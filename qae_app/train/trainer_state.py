@@ -23,7 +23,8 @@ class TrainerState:
     entropy_start: float | None = None  # step 1's entropy: the default band is relative to it
     data_position: int = 0  # prompts of the data stream consumed so far (every generation batch); a resume checks it
     data_fingerprint: str | None = None  # sha256 of the data file (None for a built-in task); a resume checks it
-    # processes that trained the run (each samples with its own seed); a resume checks it. None: an older checkpoint
+    # processes that trained the run (each samples with its own seed); a resume checks it (set by the trainer; a
+    # pre-release's checkpoint gets it from `qae migrate`)
     num_processes: int | None = None
 
     def save(self, path: Path) -> None:

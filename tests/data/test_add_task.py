@@ -102,9 +102,10 @@ def test_a_model_without_chat_template_stores_no_templated_prompt():
     assert templated_prompt(tokenizer, tokenizer.encode("1+2=")) is None
 
 
-def test_rollouts_show_what_a_chat_model_saw_and_read_older_files(tmp_path):
+def test_rollouts_show_what_a_chat_model_saw_and_read_older_files_once_migrated(tmp_path):
     """`qae rollouts --model-prompt` prints the stored templated prompt under each group's prompt; a file without the
-    column (written before it existed) is read as it is, with no templated prompt."""
+    column (written before it existed) is refused naming `qae migrate`, and once migrated read with no templated
+    prompt."""
     import duckdb
 
     from qae_app.store.reader import read_model_prompts
@@ -126,6 +127,9 @@ def test_rollouts_show_what_a_chat_model_saw_and_read_older_files(tmp_path):
 
     with duckdb.connect(str(path)) as con:  # an older file: the column does not exist
         con.execute("ALTER TABLE groups DROP COLUMN model_prompt")
+    refused = runner.invoke(app, ["rollouts", "chat", "--step", "1", "--runs-dir", str(tmp_path)])
+    assert refused.exit_code == 2 and "qae migrate chat" in " ".join(refused.output.split()), refused.output
+    assert runner.invoke(app, ["migrate", "chat", "--runs-dir", str(tmp_path)]).exit_code == 0
     assert read_model_prompts(path, 1) == {}
     result = runner.invoke(app, ["rollouts", "chat", "--step", "1", "--model-prompt", "--runs-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output

@@ -69,11 +69,13 @@ def test_eval_takes_the_same_reward_options_and_counts_full_marks_as_correct(tmp
     assert out["options"]["reward"] == ["exact_int", f"{tmp_path / 'mine.py'}:short"]
 
 
-def test_samples_stored_before_the_gold_answer_read_as_without_it(tmp_path):
-    """A file from before the `answer` column: readers show it empty, the next writer adds the column."""
+def test_samples_stored_before_the_gold_answer_are_read_once_migrated(tmp_path):
+    """A file from before the `answer` column: readers and writers refuse it naming `qae migrate`, which adds the
+    column (empty for the samples stored without it); then it is read and written as any other."""
     import duckdb
 
     from qae_app.store.reader import read_eval_samples
+    from qae_app.store.run_file import OldRunFormat
     from qae_app.store.writer import RunWriter
 
     path = db_path(tmp_path, "old")
@@ -84,6 +86,11 @@ def test_samples_stored_before_the_gold_answer_read_as_without_it(tmp_path):
         con.execute("INSERT INTO eval_samples (run_id, step, benchmark, problem_id, sample_idx, response, extracted, "
                     "correct, verified, n_tokens, source) VALUES ('old', 0, 'b', 'q', 0, 'r 11', '11', false, true, "
                     "2, 'eval')")
+    for refused in (lambda: read_eval_samples(path, "b", "eval", 0), lambda: RunWriter(path, "old")):
+        with pytest.raises(OldRunFormat, match=r"has no eval_samples.answer column.*`qae migrate old --runs-dir"):
+            refused()
+    result = runner.invoke(app, ["migrate", "old", "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 0 and "added eval_samples.answer" in result.output, result.output
     old = read_eval_samples(path, "b", "eval", 0)
     assert old["extracted"].tolist() == ["11"] and old["answer"].isna().all()
     writer = RunWriter(path, "old")
