@@ -8,7 +8,7 @@ What a pre-release left, and what becomes of it:
   (checkpoint_state.py). Unpickling can run any code a file carries, so this happens only with `--trust-pickles`,
   for a folder its user made; without it a folder holding pickles is refused, nothing changed;
 - a checkpoint's trainer_state.json without the process count: the count its random-state files say;
-- settings a pre-release stored that this version has no option for: dropped from config.json and the runs row.
+- a training run's settings that this version has no option for: dropped from config.json and the runs row.
 
 The run must not be training (its lock is taken). Running it again on a migrated folder changes nothing.
 """
@@ -64,7 +64,8 @@ def migrate_run(runs_dir: Path, run: str, trust_pickles: bool = False,
         _refuse_pickles_untrusted(folder, trust_pickles)
         changes = migrate_database(folder / DB_FILE) if (folder / DB_FILE).exists() else []
         changes += convert_pickled_pending(folder)
-        changes += drop_config_keys(folder, set(FIELDS) | set(STORED_BESIDE_OPTIONS))
+        if (folder / CONFIG_FILE).exists():  # a training run's (eval and preview folders hold other settings)
+            changes += drop_config_keys(folder, set(FIELDS) | set(STORED_BESIDE_OPTIONS))
         for ckpt in list_checkpoints(folder):
             changes += [f"checkpoints/{ckpt.name}: {change}" for change in _migrate_checkpoint(ckpt, folder, say)]
         return changes
