@@ -60,14 +60,15 @@ def _crafted_rows(step: int) -> dict[str, list[dict]]:
         regime = {0: "all_wrong", 4: "all_correct"}.get(n_correct, "hard" if n_correct <= 2 else "easy")
         baseline = {"hard": 0.0, "easy": 1.0, "all_wrong": 0.0, "all_correct": 1.0}[regime]
         groups.append(dict(group_idx=g, prompt_id=prompt_id, prompt=prompt, answer="4", n_correct=n_correct,
-                           group_size=4, baseline=baseline, regime=regime))
+                           group_size=4, baseline=baseline, regime=regime, filtered=False))
         for s in range(4):
             reward = 1.0 if s < n_correct else 0.0
             advantage = 0.0 if regime.startswith("all") else round(reward - baseline, 6)
             response = EVIL_RESPONSE if (step, g, s) == (3, 0, 3) else ("4" if reward else "5")
             rollouts.append(dict(group_idx=g, sample_idx=s, prompt_id=prompt_id, response=response, reward=reward,
-                                 verified=True, advantage=advantage, gated=advantage == 0, regime=regime,
-                                 n_tokens=len(response), truncated=False, entropy=0.4, logprob=-1.0))
+                                 correct=reward == 1.0, verified=True, advantage=advantage, gated=advantage == 0,
+                                 regime=regime, n_tokens=len(response), truncated=False, entropy=0.4, logprob=-1.0,
+                                 filtered=False))
     fractions = pd.Series([g["regime"] for g in groups]).value_counts(normalize=True)
     metrics = {name: None for name in STEP_METRICS}
     metrics.update(reward_mean=sum(r["reward"] for r in rollouts) / 8, accuracy=sum(r["reward"] for r in rollouts) / 8,
