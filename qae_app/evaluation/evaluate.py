@@ -24,7 +24,7 @@ from qae_app.data.prompts import Prompt
 from qae_app.engines.base import RolloutEngine
 from qae_app.engines.sampling import SamplingOptions
 from qae_app.evaluation.metrics import avg_at_k, maj_at_k, pass_at_k, pass_k_values
-from qae_app.evaluation.scoring import run_benchmark
+from qae_app.evaluation.scoring import reward_prompt, run_benchmark
 from qae_app.rewards.registry import RewardSet, data_columns
 from qae_app.rewards.scorer import Scorer
 from qae_app.store.reader import results_only_kind
@@ -67,8 +67,9 @@ def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: li
         samples = engine.generate(prompts[start : start + batch_problems], k, temperature, max_new_tokens,
                                   seed=seed + start)
         texts = [s.text for s in samples]
-        _, components = rewards.score(texts, [prompts[start + s.prompt_index] for s in samples],
-                                      [chunk[s.prompt_index] for s in samples])
+        _, components = rewards.score(texts, [reward_prompt(prompts[start + s.prompt_index], chunk[s.prompt_index])
+                                              for s in samples],
+                                      [chunk[s.prompt_index] for s in samples], 0, [s.response_ids for s in samples])
         counters = defaultdict(int)
         for sample, text, correct, verified in zip(samples, texts, rewards.correct(components),
                                                    rewards.verified(components)):

@@ -255,8 +255,8 @@ def test_a_column_the_function_asks_for_and_the_data_lacks_is_named(rewards_file
         rewards.check(data_columns(PROBLEMS))
     assert str(err.value) == (
         f"reward: {rewards_file}:needs_tests: the function asks for 'unit_tests', which the data does not have. The "
-        "data's columns: question, tests; every reward also gets completions, prompts, answer, step. Give the "
-        "parameter a default, take **kwargs, or use data with that column.")
+        "data's columns: question, tests; every reward also gets completions, prompts, completion_ids, answer, step. "
+        "Give the parameter a default, take **kwargs, or use data with that column.")
 
 
 def test_a_function_that_is_not_in_the_file_is_named_with_those_that_are(rewards_file):
