@@ -213,9 +213,7 @@ def run_training(trainer) -> None:
 
 def _with_reward_resume(trainer, err: QAEUserError) -> QAEUserError:
     """A reward function that failed mid-run (RewardError) said with what is kept and the command that continues the
-    run once the function is fixed; any other error as it is."""
-    import shlex
-
+    run once the cause is fixed; any other error as it is."""
     from qae_app.rewards.registry import RewardError
     from qae_app.store.run_folder import latest_checkpoint
 
@@ -223,12 +221,29 @@ def _with_reward_resume(trainer, err: QAEUserError) -> QAEUserError:
         return err
     newest = latest_checkpoint(Path(trainer.runs_dir) / trainer.run_id)
     kept = f"its newest checkpoint ({newest.name})" if newest is not None else "no checkpoint yet (it restarts at 0)"
-    command = ["qae", "train", "--resume", trainer.run_id, *[part for spec in trainer.cfg.reward or []
-                                                             for part in ("--reward", spec)],
-               "--runs-dir", str(trainer.runs_dir)]
+    command = reward_resume_command(trainer.run_id, trainer.cfg, trainer.runs_dir)
+    if err.spec is not None and err.spec.kind == "module":  # an installed library's function: not the user's to fix
+        cause = (f"{err.spec.target} is an installed module, so the cause is more likely what it was given than its "
+                 "code: docs/rewards.md says what a reward function receives (messages for conversational data, text "
+                 "otherwise) and the data's columns it gets. Once that is settled, continue it with")
+    else:
+        cause = "Once the function is fixed, continue it with"
     return RewardError(f"{err}\nThe run stopped failed at step {trainer.state.step + 1}; the steps before it and "
-                       f"{kept} are kept. Once the function is fixed, continue it with: {shlex.join(command)} (add "
-                       "--accept-changed-reward if the fix changed the reward's file: the run records both versions).")
+                       f"{kept} are kept. {cause}: {command} (add --accept-changed-reward if the fix changed the "
+                       "reward's file: the run records both versions).", err.spec)
+
+
+def reward_resume_command(run_id: str, cfg, runs_dir) -> str:
+    """`qae train --resume RUN` with every option a run that scores with reward code needs named again: its --reward
+    specs and their --reward-weights (a run folder never names code to run)."""
+    import shlex
+
+    from qae_app.rewards.specs import weights_text
+
+    command = ["qae", "train", "--resume", run_id, *[part for spec in cfg.reward or [] for part in ("--reward", spec)]]
+    if cfg.reward and cfg.reward_weights is not None:
+        command += ["--reward-weights", weights_text(cfg.reward_weights)]
+    return shlex.join([*command, "--runs-dir", str(runs_dir)])
 
 
 def fail_on_write_fault(trainer, err: Exception) -> None:
