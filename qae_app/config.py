@@ -209,6 +209,9 @@ class TrainConfig:
                     "JSONL, Parquet or CSV data file (GSM8K, MATH-500, AIME, AMC, DAPO-17k formats, or any columns "
                     "with --prompt-template).", "model")
     heldout_fraction: float = opt(0.0, "For a data file: fraction held out for --eval-every evaluation.", "model")
+    heldout_by: str | None = opt(None, "With --heldout-fraction: hold out whole groups of rows that share this "
+                                 "column's value (e.g. the same problem in several phrasings), that fraction of the "
+                                 "column's distinct values, chosen by --seed.", "model")
     # --- prompt
     prompt_template: str | None = opt(None, _PROMPT_TEMPLATE_HELP, "prompt")
     system_prompt: str | None = opt(None, _SYSTEM_PROMPT_HELP, "prompt")
@@ -599,6 +602,13 @@ def check_given_together(cfg: TrainConfig, given: dict) -> None:
         raise QAEUserError(f"rollout-correction-cap: {cfg.rollout_correction_cap} acts only with --rollout-correction "
                            "tis, and this run's is none, so it would change nothing. Add --rollout-correction tis, or "
                            "drop --rollout-correction-cap.")
+    if cfg.heldout_by is not None and cfg.heldout_fraction == 0:
+        raise QAEUserError(f"heldout-by: '{clipped(cfg.heldout_by)}' groups the held-out rows, and --heldout-fraction "
+                           "is 0, so nothing is held out. Add --heldout-fraction 0.1 (a fraction of the column's "
+                           "values), or drop --heldout-by.")
+    if cfg.heldout_by is not None and builtin_task_name(cfg.data) is not None:
+        raise QAEUserError(f"heldout-by: the built-in task '{cfg.data}' has a fixed held-out split of its own. Use "
+                           "--heldout-by with a data file, or drop it.")
     if given.get("eval_every") and cfg.heldout_fraction == 0 and not cfg.eval_bench and \
             builtin_task_name(cfg.data) is None:
         raise QAEUserError(f"eval-every: {cfg.eval_every}, but the data file '{clipped(cfg.data)}' has no held-out "

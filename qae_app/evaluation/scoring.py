@@ -21,7 +21,7 @@ def run_task(cfg: TrainConfig) -> Task:
     """The run's training task: --data with its held-out split, prompted by --prompt-template / --system-prompt, its
     rows' gold answers required only where the rewards read them."""
     return load_task(cfg.data, cfg.heldout_fraction, cfg.seed, prompt_format=cfg.prompt_format,
-                     require_answer=reads_gold_answer(cfg.reward))
+                     require_answer=reads_gold_answer(cfg.reward), heldout_by=cfg.heldout_by)
 
 
 def run_benchmark(cfg, bench: str, option: str) -> tuple[str, list[Problem], Task]:
