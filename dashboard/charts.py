@@ -48,9 +48,10 @@ GATE_COLORS = {"all_wrong_group": REGIME_COLORS["all_wrong"], "failure_in_hard_g
                "reward_at_baseline": REGIME_COLORS["mixed"], "success_in_easy_group": REGIME_COLORS["easy"],
                "all_correct_group": REGIME_COLORS["all_correct"]}
 REGIME_METRICS = {f"frac_{regime}": regime for regime in REGIMES}  # steps column -> regime
-TIME_METRICS = ("rollout_s", "reward_s", "update_s", "eval_s", "write_s", "checkpoint_s")  # parts of step_s, stacked
-TIME_COLORS = {"rollout_s": "#1f77b4", "reward_s": "#ff7f0e", "update_s": "#2ca02c", "eval_s": "#9467bd",
-               "write_s": "#8c564b", "checkpoint_s": "#7f7f7f"}
+# parts of step_s, stacked
+TIME_METRICS = ("rollout_s", "reward_s", "update_s", "sync_s", "eval_s", "write_s", "checkpoint_s")
+TIME_COLORS = {"rollout_s": "#1f77b4", "reward_s": "#ff7f0e", "update_s": "#2ca02c", "sync_s": "#17becf",
+               "eval_s": "#9467bd", "write_s": "#8c564b", "checkpoint_s": "#7f7f7f"}
 PANELS_PER_ROW = 4  # per-run panels (stacked areas, drawn full width) wrap after this many
 MAX_LEGEND_ENTRIES = 6  # more (run, metric) lines than this: the legend lists runs and the title names the dashes
 # The legend sits at the bottom of the figure (container coordinates), below a margin that holds the x axis's tick

@@ -45,7 +45,7 @@ ID_SEPARATORS = "-_."
 MIN_ID_WIDTH = 24  # optional columns give way before a run id gets narrower than this (default ids: 19-23)
 # `qae show`: the steps columns in order of importance (all of STEP_METRICS, the first ones kept at 80 columns)
 SHOW_METRICS = ["reward_mean", "accuracy", "heldout_accuracy", "entropy", "frac_zero_adv", "frac_hard", "frac_easy",
-                "cov_logp_adv", "kl", "clip_frac", "response_len", "step_s"]
+                "cov_logp_adv", "kl", "clip_frac", "response_len", "step_s", "sync_s"]
 
 
 def metric_header(name: str) -> str:
