@@ -589,19 +589,20 @@ def eval_command(
     **options: Any,
 ) -> None:
     """Evaluate a model: avg@k, pass@k (unbiased) and maj@k on a benchmark; every sample is stored in DuckDB."""
-    from qae_app.config import build_eval_config
+    from qae_app.cli.trained_defaults import eval_config_for
     from qae_app.evaluation.evaluate import run_eval_command
 
     try:
-        cfg = build_eval_config(**options)
-        result, target_run, path = run_eval_command(cfg, runs_dir, console=None if as_json else console)
+        cfg, trained, taken = eval_config_for(runs_dir, **options)
+        result, target_run, path = run_eval_command(cfg, runs_dir, None if as_json else console, trained, taken)
     except QAEUserError as err:
         fail(err)
     if as_json:
         print(json.dumps({"run_id": target_run, "database": str(path), "benchmark": result.benchmark,
                           "samples": result.k, "options": cfg.to_dict(), "metrics": result.metrics}, indent=2))
         return
-    table = Table(title=f"{result.benchmark}: {cfg.model}, k={result.k}")
+    table = Table(title=f"{result.benchmark}: {cfg.model}, k={result.k}, temperature {cfg.temperature:g}, top-p "
+                        f"{cfg.top_p:g}")
     for column in ("subset", "metric", "k", "value", "problems"):
         table.add_column(column, justify="right")
     for row in result.metrics:

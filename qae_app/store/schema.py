@@ -160,6 +160,9 @@ TABLES: dict[str, dict[str, str]] = {
     "evals": {
         "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "subset": "VARCHAR", "metric": "VARCHAR",
         "k": "INTEGER", "value": "DOUBLE", "n_problems": "INTEGER", "source": "VARCHAR",
+        # how the evaluation sampled: temperature, top-p, samples per problem and --limit (--eval-limit; NULL: every
+        # problem); NULL in rows from before these columns
+        "temperature": "DOUBLE", "top_p": "DOUBLE", "samples": "INTEGER", "problem_limit": "INTEGER",
     },
     "eval_samples": {
         "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "problem_id": "VARCHAR",

@@ -642,7 +642,8 @@ class Trainer:
             samples = gather_object(samples)
             metrics = summarize(name, problems, samples, cfg.eval_k)
         accuracy = next(m["value"] for m in metrics if m["metric"] == "avg@k" and m["subset"] == "all")
-        return HeldoutEval(accuracy, [{**m, "source": "train"} for m in metrics],
+        sampled = {"temperature": cfg.temperature, "top_p": 1.0, "samples": cfg.eval_k, "problem_limit": cfg.eval_limit}
+        return HeldoutEval(accuracy, [{**m, "source": "train", **sampled} for m in metrics],
                            [{**s, "benchmark": name, "source": "train"} for s in samples])
 
     # -------------------------------------------------------------------------------------------------------------
