@@ -124,23 +124,31 @@ def plan(
                                                     "weights, gradients and optimizer state split over the GPUs "
                                                     "(default: ddp).")] = None,
     prompt_tokens: Annotated[Optional[int], typer.Option("--prompt-tokens", help="The longest prompt in tokens "
-                                                         "(default: 1024).")] = None,
+                                                         "(default: the task's longest for a built-in model, which "
+                                                         "reads one token a character; else 1024).")] = None,
     **options: Any,
 ) -> None:
     """The per-GPU memory of a training run by component, whether it fits, and what to turn if not. Reads the
     model's config only (a folder, a .gguf file, the HF cache): nothing is loaded or downloaded."""
-    from qae_app.analysis.memory_plan import Hardware, model_shape, plan_run, recipe_hardware, render
+    from qae_app.analysis.memory_plan import (
+        Hardware,
+        builtin_prompt_tokens,
+        model_shape,
+        plan_run,
+        recipe_hardware,
+        render,
+    )
     from qae_app.config import build_config
 
     try:
         cfg = build_config(config, **options)
         given = {"gpus": gpus, "gpu_memory_gb": gpu_memory, "sharding": sharding, "prompt_tokens": prompt_tokens}
-        hardware = Hardware(**{"gpus": 1, "gpu_memory_gb": 80.0, **recipe_hardware(config),
-                               **{k: v for k, v in given.items() if v is not None}})
+        hardware = Hardware(**{"gpus": 1, "gpu_memory_gb": 80.0, **builtin_prompt_tokens(cfg),
+                               **recipe_hardware(config), **{k: v for k, v in given.items() if v is not None}})
         result = plan_run(cfg, model_shape(cfg.model), hardware)
     except QAEUserError as err:
         fail(err)
-    render(result, SafeConsole(highlight=False, width=max(console.width, 120)))
+    render(result, _view_console())
     if not result.fits:
         raise typer.Exit(code=1)
 
