@@ -224,7 +224,7 @@ def pick_runs(all_runs: pd.DataFrame) -> list[str]:
     ids = [str(run_id) for run_id in all_runs["run_id"]]
     st.session_state["_run_ids"] = ids
     if "_link_runs" not in st.session_state:
-        st.session_state["_link_runs"] = st.query_params.get_all("run")  # what the link asked for, read once
+        st.session_state["_link_runs"] = link_runs()  # what the link asked for, read once
     if not st.session_state.get("_run_chosen") and not st.session_state["_link_runs"]:
         wanted = default_runs(all_runs)
         if wanted and st.session_state.get("run") != wanted:
@@ -236,6 +236,18 @@ def pick_runs(all_runs: pd.DataFrame) -> list[str]:
                            help="Curves and evaluations overlay every picked run; rollouts and prompt history show "
                                 "one of them. The choice is in the URL: share it to share the view.")
     return shown_runs()
+
+
+def link_runs() -> list[str]:
+    """The runs a link names, `?run=a&run=b` (or `?run=a,b`), on every page. A link written when the Compare page had
+    a parameter of its own (`?runs=a&runs=b`, `?runs=a,b`) names them the same way, and the address then says
+    `?run=`."""
+    named = [run_id for value in st.query_params.get_all("run") for run_id in value.split(",") if run_id]
+    if not named and "runs" in st.query_params:
+        named = [run_id for value in st.query_params.get_all("runs") for run_id in value.split(",") if run_id]
+        del st.query_params["runs"]
+        seed("run", named)  # (the picker and the address: ?run=)
+    return named
 
 
 def picked_runs() -> list[str]:

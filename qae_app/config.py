@@ -210,6 +210,9 @@ class TrainConfig:
                     "JSONL, Parquet or CSV data file (GSM8K, MATH-500, AIME, AMC, DAPO-17k formats, or any columns "
                     "with --prompt-template).", "model")
     heldout_fraction: float = opt(0.0, "For a data file: fraction held out for --eval-every evaluation.", "model")
+    heldout_by: str | None = opt(None, "With --heldout-fraction: hold out whole groups of rows that share this "
+                                 "column's value (e.g. the same problem in several phrasings), that fraction of the "
+                                 "column's distinct values, chosen by --seed.", "model")
     # --- prompt
     prompt_template: str | None = opt(None, _PROMPT_TEMPLATE_HELP, "prompt")
     system_prompt: str | None = opt(None, _SYSTEM_PROMPT_HELP, "prompt")
@@ -615,6 +618,13 @@ def check_given_together(cfg: TrainConfig, given: dict) -> None:
         raise QAEUserError(f"rollout-correction-cap: {cfg.rollout_correction_cap} acts only with --rollout-correction "
                            "tis, and this run's is none, so it would change nothing. Add --rollout-correction tis, or "
                            "drop --rollout-correction-cap.")
+    if cfg.heldout_by is not None and cfg.heldout_fraction == 0:
+        raise QAEUserError(f"heldout-by: '{clipped(cfg.heldout_by)}' groups the held-out rows, and --heldout-fraction "
+                           "is 0, so nothing is held out. Add --heldout-fraction 0.1 (a fraction of the column's "
+                           "values), or drop --heldout-by.")
+    if cfg.heldout_by is not None and builtin_task_name(cfg.data) is not None:
+        raise QAEUserError(f"heldout-by: the built-in task '{cfg.data}' has a fixed held-out split of its own. Use "
+                           "--heldout-by with a data file, or drop it.")
     if given.get("eval_every") and cfg.heldout_fraction == 0 and not cfg.eval_bench and \
             builtin_task_name(cfg.data) is None:
         raise QAEUserError(f"eval-every: {cfg.eval_every}, but the data file '{clipped(cfg.data)}' has no held-out "
@@ -636,19 +646,24 @@ class EvalConfig:
     dtype: str = opt("float32", "Weights dtype.", "model", names.DTYPES)
     bench: str = opt("arith", "A built-in task's held-out split (arith, builtin:chain, add) or a JSONL, Parquet or "
                      "CSV data file (GSM8K, MATH-500, AIME, AMC, DAPO formats, or any columns with "
-                     "--prompt-template).", "benchmark")
+                     "--prompt-template). With --model RUN: the run's task where it is a built-in one; a run "
+                     "trained on a data file needs --bench or --split.", "benchmark")
+    split: str | None = opt(None, "With --model RUN: 'heldout' evaluates the run's own held-out split (its data split "
+                            "as it trained: --heldout-fraction, --heldout-by, seed); reward code only when named "
+                            "again with --reward.", "benchmark")
     limit: int | None = opt(None, "Only the first N problems.", "benchmark")
     prompt_template: str | None = opt(None, _PROMPT_TEMPLATE_HELP, "prompt")
     system_prompt: str | None = opt(None, _SYSTEM_PROMPT_HELP, "prompt")
     samples: int = opt(4, "Samples per problem (k of avg@k, pass@k, maj@k; the paper's avg@32 uses 32).", "sampling")
-    temperature: float = opt(0.7, _TEMPERATURE_HELP, "sampling")
+    temperature: float = opt(0.7, _TEMPERATURE_HELP + " With --model RUN: the run's (as are --max-new-tokens, "
+                             "--prompt-template and --system-prompt).", "sampling")
     top_p: float = opt(1.0, "Nucleus sampling: keep the most likely tokens up to this total probability (1: off, as "
                        "in training).", "sampling")
     top_k: int = opt(0, "Keep only the k most likely tokens (0: off, as in training).", "sampling")
     min_p: float = opt(0.0, "Drop tokens below this fraction of the top token's probability (0: off, as in "
                        "training).", "sampling")
-    max_new_tokens: int | None = opt(None, "Longest response in tokens (default: 8 for arith, 1024 for math).",
-                                     "sampling")
+    max_new_tokens: int | None = opt(None, "Longest response in tokens (default: the run's with --model RUN, else 8 "
+                                     "for arith, 1024 for math).", "sampling")
     seed: int = opt(0, "Sampling seed.", "sampling")
     engine: str = opt("hf", _ENGINE_HELP, "sampling", names.ENGINES)
     vllm_gpu_memory: float = opt(0.9, "With --engine vllm: the share of the GPU vLLM takes for its weights and KV "

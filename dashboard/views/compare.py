@@ -29,11 +29,11 @@ NO_HELDOUT = ("No held-out evaluation in these runs, so the held-out metrics are
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# which runs: a sweep (`?sweep=`) or runs picked (`?runs=`)
+# which runs: a sweep (`?sweep=`) or the runs picked in the sidebar (`?run=`, the name every page uses)
 #
 # The pickers take a value typed in or given in a link that is not one of their options (a sweep's id where the list
-# shows names, `grpo` for the group `estimator=grpo`, `a,b` for two runs) and resolve it as `qae compare` does: the
-# URL keeps exactly what the link said, and a value that names nothing is reported, not dropped silently.
+# shows names, `grpo` for the group `estimator=grpo`, `a,b` for two runs in the sidebar's picker), and resolve it as
+# `qae compare` does: the URL keeps what the link said, and a value that names nothing is reported, not dropped.
 
 
 def run_configs(readable: pd.DataFrame) -> dict[str, dict]:
@@ -61,21 +61,21 @@ def not_found(what: str) -> None:
 
 
 def pick_compared(readable: pd.DataFrame) -> list[str]:
-    """The sweep picker (`?sweep=NAME` or its id) and, without a sweep, the runs picker (`?runs=a&runs=b`, or
-    `?runs=a,b`). A first visit shows the newest sweep, else the runs picked in the sidebar."""
+    """The sweep picker (`?sweep=NAME` or its id) and, without a sweep, the runs picked in the sidebar (`?run=a&run=b`
+    or `?run=a,b`, as on every page; a link's `?runs=` is read as `?run=`). A first visit without a link shows the
+    newest sweep, else the sidebar's runs."""
     configs = run_configs(readable)
     found = sweeps(configs)
-    if not (st.session_state.get("_compare_chosen") or "sweep" in st.query_params or "runs" in st.query_params):
+    if not (st.session_state.get("_compare_chosen") or "sweep" in st.query_params
+            or st.session_state.get("_link_runs")):
         if found and st.session_state.get("sweep") is None:
             board.seed("sweep", found[0])
-        elif not found and not st.session_state.get("runs"):
-            board.seed("runs", [run_id for run_id in board.shown_runs() if run_id in configs])
     left, right = st.columns(2)
     sweep = left.selectbox("Sweep", found, index=None, key="sweep", bind="query-params", accept_new_options=True,
-                           placeholder="none: compare the runs picked" if found else "no sweep in this runs dir",
-                           on_change=_chosen_by_user,
+                           placeholder="none: compare the runs picked in the sidebar" if found else
+                           "no sweep in this runs dir", on_change=_chosen_by_user,
                            help="Runs started by `qae sweep` carry its id and name in their config: pick its name "
-                                "or type its id. Clear it to compare any runs.")
+                                "or type its id. Clear it to compare the runs picked in the sidebar.")
     if sweep is not None:
         members = [run_id for run_id, config in sorted(configs.items()) if run_comparison.in_sweep(config, sweep)]
         if not members:
@@ -84,11 +84,9 @@ def pick_compared(readable: pd.DataFrame) -> list[str]:
             ids = sorted({str(configs[run_id]["sweep_id"]) for run_id in members})
             right.caption(f"sweep id {', '.join(ids)}: {len(members)} run(s): " + ", ".join(members))
         return members
-    picked = right.multiselect("Runs to compare", list(configs), key="runs", bind="query-params",
-                               accept_new_options=True, placeholder="pick runs", on_change=_chosen_by_user,
-                               help="Runs with the same config but the seed form a group; pick two or more seeds of "
-                                    "a setup for an interval.")
-    run_ids = list(dict.fromkeys(run_id for value in picked for run_id in value.split(",") if run_id))
+    run_ids = list(dict.fromkeys(run_id for value in board.picked_runs() for run_id in value.split(",") if run_id))
+    right.caption("the runs picked in the sidebar: runs with the same config but the seed form a group; pick two or "
+                  "more seeds of a setup for an interval")
     if missing := [run_id for run_id in run_ids if run_id not in configs]:
         not_found(", ".join(f"run {board.literal(run_id)}" for run_id in missing))
     return [run_id for run_id in run_ids if run_id in configs]

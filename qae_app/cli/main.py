@@ -114,23 +114,31 @@ def plan(
                                                     "weights, gradients and optimizer state split over the GPUs "
                                                     "(default: ddp).")] = None,
     prompt_tokens: Annotated[Optional[int], typer.Option("--prompt-tokens", help="The longest prompt in tokens "
-                                                         "(default: 1024).")] = None,
+                                                         "(default: the task's longest for a built-in model, which "
+                                                         "reads one token a character; else 1024).")] = None,
     **options: Any,
 ) -> None:
     """The per-GPU memory of a training run by component, whether it fits, and what to turn if not. Reads the
     model's config only (a folder, a .gguf file, the HF cache): nothing is loaded or downloaded."""
-    from qae_app.analysis.memory_plan import Hardware, model_shape, plan_run, recipe_hardware, render
+    from qae_app.analysis.memory_plan import (
+        Hardware,
+        builtin_prompt_tokens,
+        model_shape,
+        plan_run,
+        recipe_hardware,
+        render,
+    )
     from qae_app.config import build_config
 
     try:
         cfg = build_config(config, **options)
         given = {"gpus": gpus, "gpu_memory_gb": gpu_memory, "sharding": sharding, "prompt_tokens": prompt_tokens}
-        hardware = Hardware(**{"gpus": 1, "gpu_memory_gb": 80.0, **recipe_hardware(config),
-                               **{k: v for k, v in given.items() if v is not None}})
+        hardware = Hardware(**{"gpus": 1, "gpu_memory_gb": 80.0, **builtin_prompt_tokens(cfg),
+                               **recipe_hardware(config), **{k: v for k, v in given.items() if v is not None}})
         result = plan_run(cfg, model_shape(cfg.model), hardware)
     except QAEUserError as err:
         fail(err)
-    render(result, SafeConsole(highlight=False, width=max(console.width, 120)))
+    render(result, _view_console())
     if not result.fits:
         raise typer.Exit(code=1)
 
@@ -200,9 +208,7 @@ def run_training(trainer) -> None:
 
 def _with_reward_resume(trainer, err: QAEUserError) -> QAEUserError:
     """A reward function that failed mid-run (RewardError) said with what is kept and the command that continues the
-    run once the function is fixed; any other error as it is."""
-    import shlex
-
+    run once the cause is fixed; any other error as it is."""
     from qae_app.rewards.registry import RewardError
     from qae_app.store.run_folder import latest_checkpoint
 
@@ -210,12 +216,29 @@ def _with_reward_resume(trainer, err: QAEUserError) -> QAEUserError:
         return err
     newest = latest_checkpoint(Path(trainer.runs_dir) / trainer.run_id)
     kept = f"its newest checkpoint ({newest.name})" if newest is not None else "no checkpoint yet (it restarts at 0)"
-    command = ["qae", "train", "--resume", trainer.run_id, *[part for spec in trainer.cfg.reward or []
-                                                             for part in ("--reward", spec)],
-               "--runs-dir", str(trainer.runs_dir)]
+    command = reward_resume_command(trainer.run_id, trainer.cfg, trainer.runs_dir)
+    if err.spec is not None and err.spec.kind == "module":  # an installed library's function: not the user's to fix
+        cause = (f"{err.spec.target} is an installed module, so the cause is more likely what it was given than its "
+                 "code: docs/rewards.md says what a reward function receives (messages for conversational data, text "
+                 "otherwise) and the data's columns it gets. Once that is settled, continue it with")
+    else:
+        cause = "Once the function is fixed, continue it with"
     return RewardError(f"{err}\nThe run stopped failed at step {trainer.state.step + 1}; the steps before it and "
-                       f"{kept} are kept. Once the function is fixed, continue it with: {shlex.join(command)} (add "
-                       "--accept-changed-reward if the fix changed the reward's file: the run records both versions).")
+                       f"{kept} are kept. {cause}: {command} (add --accept-changed-reward if the fix changed the "
+                       "reward's file: the run records both versions).", err.spec)
+
+
+def reward_resume_command(run_id: str, cfg, runs_dir) -> str:
+    """`qae train --resume RUN` with every option a run that scores with reward code needs named again: its --reward
+    specs and their --reward-weights (a run folder never names code to run)."""
+    import shlex
+
+    from qae_app.rewards.specs import weights_text
+
+    command = ["qae", "train", "--resume", run_id, *[part for spec in cfg.reward or [] for part in ("--reward", spec)]]
+    if cfg.reward and cfg.reward_weights is not None:
+        command += ["--reward-weights", weights_text(cfg.reward_weights)]
+    return shlex.join([*command, "--runs-dir", str(runs_dir)])
 
 
 def fail_on_write_fault(trainer, err: Exception) -> None:
@@ -549,19 +572,20 @@ def eval_command(
     **options: Any,
 ) -> None:
     """Evaluate a model: avg@k, pass@k (unbiased) and maj@k on a benchmark; every sample is stored in DuckDB."""
-    from qae_app.config import build_eval_config
+    from qae_app.cli.trained_defaults import eval_config_for
     from qae_app.evaluation.evaluate import run_eval_command
 
     try:
-        cfg = build_eval_config(**options)
-        result, target_run, path = run_eval_command(cfg, runs_dir, console=None if as_json else console)
+        cfg, trained, taken = eval_config_for(runs_dir, **options)
+        result, target_run, path = run_eval_command(cfg, runs_dir, None if as_json else console, trained, taken)
     except QAEUserError as err:
         fail(err)
     if as_json:
         print(json.dumps({"run_id": target_run, "database": str(path), "benchmark": result.benchmark,
                           "samples": result.k, "options": cfg.to_dict(), "metrics": result.metrics}, indent=2))
         return
-    table = Table(title=f"{result.benchmark}: {cfg.model}, k={result.k}")
+    table = Table(title=f"{result.benchmark}: {cfg.model}, k={result.k}, temperature {cfg.temperature:g}, top-p "
+                        f"{cfg.top_p:g}")
     for column in ("subset", "metric", "k", "value", "problems"):
         table.add_column(column, justify="right")
     for row in result.metrics:

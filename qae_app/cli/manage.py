@@ -142,8 +142,8 @@ def rm(runs: Annotated[Optional[list[str]], typer.Argument(help="Run ids to dele
         fail(err)
     names_text = ", ".join(folder.name for folder in folders)
     if not yes and not typer.confirm(f"Delete {len(folders)} run(s) from {runs_dir}: {names_text}?", default=False):
-        console.print("nothing deleted")
-        raise typer.Exit(code=1)
+        console.print("nothing deleted")  # the user's "no" is an answer, not a failure
+        raise typer.Exit(code=0)
     for folder in folders:
         try:
             remove_run_folder(folder)

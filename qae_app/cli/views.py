@@ -45,7 +45,7 @@ ID_SEPARATORS = "-_."
 MIN_ID_WIDTH = 24  # optional columns give way before a run id gets narrower than this (default ids: 19-23)
 # `qae show`: the steps columns in order of importance (all of STEP_METRICS, the first ones kept at 80 columns)
 SHOW_METRICS = ["reward_mean", "accuracy", "heldout_accuracy", "entropy", "frac_zero_adv", "frac_hard", "frac_easy",
-                "cov_logp_adv", "kl", "clip_frac", "response_len", "step_s"]
+                "cov_logp_adv", "kl", "clip_frac", "response_len", "step_s", "sync_s"]
 
 
 def metric_header(name: str) -> str:
@@ -235,8 +235,6 @@ def _runs_columns(rows: list[dict], readable: list[bool], same: bool, prefix: st
         Column("estimator", [_estimator(row) if ok else "" for row, ok in zip(rows, readable)], priority=1),
         Column("steps", [_progress(row, config) if ok else "" for row, config, ok in zip(rows, configs, readable)],
                justify="right"),
-        *([Column("tags", [str(row.get("tags") or "") for row in rows], priority=2, name="tags")]
-          if any(row.get("tags") for row in rows) else []),  # (`qae tag`: only when a run has some)
         Column(metric_header("reward_mean"), [cell(r, "reward_mean", ok) for r, ok in zip(rows, readable)],
                justify="right", priority=2, name="reward_mean"),
         *([] if same else [Column(metric_header("accuracy"), [cell(r, "accuracy", ok) for r, ok in
@@ -246,9 +244,12 @@ def _runs_columns(rows: list[dict], readable: list[bool], same: bool, prefix: st
                justify="right", priority=3, name="heldout_accuracy"),
         Column(metric_header("entropy"), [cell(r, "entropy", ok) for r, ok in zip(rows, readable)],
                justify="right", priority=4, name="entropy"),
-        Column("model", [str(row.get("model") or "") if ok else "" for row, ok in zip(rows, readable)], priority=5),
-        Column("task", [str(row.get("task") or "") if ok else "" for row, ok in zip(rows, readable)], priority=6),
-        Column("created (UTC)", [_time(row.get("created_at")) for row in rows], priority=7, name="created"),
+        # (`qae tag`: only when a run has some; words of any length, so after the numbers, which never give way to it)
+        *([Column("tags", [str(row.get("tags") or "") for row in rows], priority=5, name="tags")]
+          if any(row.get("tags") for row in rows) else []),
+        Column("model", [str(row.get("model") or "") if ok else "" for row, ok in zip(rows, readable)], priority=6),
+        Column("task", [str(row.get("task") or "") if ok else "" for row, ok in zip(rows, readable)], priority=7),
+        Column("created (UTC)", [_time(row.get("created_at")) for row in rows], priority=8, name="created"),
     ]
 
 

@@ -26,7 +26,7 @@ from qae_app.engines.sampling import SamplingOptions
 from qae_app.evaluation.metrics import avg_at_k, maj_at_k, pass_at_k, pass_k_values
 from qae_app.rewards.builtin_verifiers import BuiltinVerifier
 from qae_app.rewards.registry import RewardSet, data_columns
-from qae_app.scoring.reward_path import run_benchmark
+from qae_app.scoring.reward_path import reward_prompt, run_benchmark
 from qae_app.store.reader import results_only_kind
 from qae_app.store.run_folder import (
     CHECKPOINTS_DIR,
@@ -67,8 +67,9 @@ def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: li
         samples = engine.generate(prompts[start : start + batch_problems], k, temperature, max_new_tokens,
                                   seed=seed + start)
         texts = [s.text for s in samples]
-        _, components = rewards.score(texts, [prompts[start + s.prompt_index] for s in samples],
-                                      [chunk[s.prompt_index] for s in samples])
+        _, components = rewards.score(texts, [reward_prompt(prompts[start + s.prompt_index], chunk[s.prompt_index])
+                                              for s in samples],
+                                      [chunk[s.prompt_index] for s in samples], 0, [s.response_ids for s in samples])
         counters = defaultdict(int)
         for sample, text, correct, verified in zip(samples, texts, rewards.correct(components),
                                                    rewards.verified(components)):
@@ -286,8 +287,8 @@ def _say_target(target: EvalTarget, console) -> None:
 
 
 def _say_trained_options(cfg: EvalConfig, target: EvalTarget, runs_dir, bench_reward: str, console) -> None:
-    """A run evaluated without the rewards or prompt options it trained with: said, as qae eval never takes them from
-    a run folder (its reward code runs only when the user names it)."""
+    """A run evaluated without the rewards it trained with: said, as qae eval never takes reward code from a run
+    folder (it runs only when the user names it)."""
     if console is None or target.run_id is None:
         return
     try:
@@ -296,31 +297,61 @@ def _say_trained_options(cfg: EvalConfig, target: EvalTarget, runs_dir, bench_re
         return  # (the run's own commands say what is wrong with its config.json)
     from rich.markup import escape
 
-    def named(option: str, values) -> list[str]:
-        return [f"--{option} {shlex.quote(v)}" for v in values if isinstance(v, str)]
-
     trained = stored.get("reward") if isinstance(stored.get("reward"), list) else []
-    rewards = named("reward", trained) if cfg.reward is None else []
+    rewards = [f"--reward {shlex.quote(v)}" for v in trained if isinstance(v, str)] if cfg.reward is None else []
     if rewards:
         console.print(f"[yellow]note:[/] run {target.run_id} trained with {escape(' '.join(rewards))}; this "
                       f"evaluation scores with the bench's own reward ({bench_reward}). Pass the same --reward "
                       "options to score as it trained.", highlight=False)
-    prompts = [flag for option in ("prompt_template", "system_prompt") if getattr(cfg, option) is None
-               for flag in named(option.replace("_", "-"), [stored.get(option)])]
-    if prompts:
-        console.print(f"[yellow]note:[/] run {target.run_id} trained with {escape(' '.join(prompts))}; this "
-                      "evaluation prompts without them. Pass them to prompt as it trained.", highlight=False)
 
 
-def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResult, str, Path]:
-    """Everything `qae eval` does; returns (EvalResult, run_id the results were stored under, database path)."""
+def sampling_columns(cfg: EvalConfig) -> dict:
+    """How an evaluation sampled, stored with each of its `evals` rows (docs/store.md)."""
+    return {"temperature": cfg.temperature, "top_p": cfg.top_p, "samples": cfg.samples, "problem_limit": cfg.limit}
+
+
+def sampling_header(cfg: EvalConfig, name: str, n_problems: int, total: int, max_new_tokens: int,
+                    run: str | None = None, taken: tuple[str, ...] = ()) -> str:
+    """What `qae eval` prints before it samples: the benchmark, how many problems and how each is sampled, and which
+    of those settings are the run's own (`taken`: the options it took from run `run`)."""
+    limited = f" (--limit {cfg.limit} of {total})" if cfg.limit and cfg.limit < total else ""
+    extra = "".join(f", {flag} {value:g}" for flag, value, off in (("top-k", cfg.top_k, 0), ("min-p", cfg.min_p, 0.0))
+                    if value != off)
+    text = (f"eval {name}: {n_problems} problems{limited}, {cfg.samples} samples each at temperature "
+            f"{cfg.temperature:g}, top-p {cfg.top_p:g}{extra}, max-new-tokens {max_new_tokens}")
+    if run is not None and taken:
+        text += f"; {', '.join(option.replace('_', '-') for option in taken)} as run {run} trained"
+    return text
+
+
+def eval_problems(cfg: EvalConfig, trained=None) -> tuple[str, list[Problem], object]:
+    """(name, problems, task) that `qae eval` evaluates: --bench, or with --split heldout the held-out split of the
+    run `trained` (its stored TrainConfig)."""
+    if cfg.split is None:
+        return run_benchmark(cfg, cfg.bench, "bench")
+    import dataclasses
+
+    from qae_app.scoring.reward_path import run_task
+
+    # the run's task, its data split as it split it, prompted with the evaluation's options (the run's unless given)
+    task = run_task(dataclasses.replace(trained, prompt_template=cfg.prompt_template, system_prompt=cfg.system_prompt,
+                                        reward=cfg.reward))
+    return f"{task.name}-heldout", task.heldout, task
+
+
+def run_eval_command(cfg: EvalConfig, runs_dir, console=None, trained=None,
+                     taken: tuple[str, ...] = ()) -> tuple[EvalResult, str, Path]:
+    """Everything `qae eval` does; returns (EvalResult, run_id the results were stored under, database path).
+    `trained`: the stored config of the run --model names (cli/trained_defaults.eval_config_for), whose options `taken`
+    are this evaluation's."""
     from qae_app.engines.factory import make_engine
     from qae_app.models.policy import check_prompt_lengths, load_policy, rollout_positions
 
     target = resolve_model(cfg.model, runs_dir, cfg.checkpoint)
     _say_target(target, console)
-    name, problems, task = run_benchmark(cfg, cfg.bench, "bench")
+    name, problems, task = eval_problems(cfg, trained)
     _say_trained_options(cfg, target, runs_dir, task.reward, console)
+    total = len(problems)
     problems = problems[: cfg.limit] if cfg.limit else problems
     max_new_tokens = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task.reward]
     if target.run_id is None:
@@ -333,6 +364,9 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
         # the run's own file takes the results: refused now if it cannot, not after the evaluation
         writer = RunWriter(db_path(runs_dir, run_id), run_id)
 
+    if console is not None:  # (once the run's file took the writer: a damaged one is refused before this)
+        console.print(sampling_header(cfg, name, len(problems), total, max_new_tokens, target.run_id, taken),
+                      highlight=False)
     try:
         policy, codec = load_policy(target.model_path, cfg.dtype)
     except QAEUserError:
@@ -359,7 +393,7 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
     if target.run_id is None:
         options = dict(cfg.to_dict(), max_new_tokens=max_new_tokens)
         writer.create_run(run_id, options, "eval", None, cfg.model, cfg.bench, cfg.seed)
-    writer.add_step(target.step, evals=[{**m, "source": "eval"} for m in result.metrics],
+    writer.add_step(target.step, evals=[{**m, "source": "eval", **sampling_columns(cfg)} for m in result.metrics],
                     eval_samples=[{**s, "benchmark": name, "source": "eval"} for s in result.samples])
     if target.run_id is None:
         writer.update_run(status="finished")

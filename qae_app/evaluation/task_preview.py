@@ -34,6 +34,7 @@ from qae_app.config import TrainConfig
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.data.datasets import Problem
+from qae_app.data.prompt_format import prompt_text
 from qae_app.data.tasks import Task, prompts_at
 from qae_app.engines.base import Sample
 from qae_app.engines.sampling import step_seed
@@ -230,7 +231,7 @@ def _group_results(sampled: Sampled, adv: Advantages, rewards: torch.Tensor, cor
         group = sampled.samples[i * G:(i + 1) * G]
         measured = all(s.token_entropies is not None and s.token_logprobs is not None for s in group)
         results.append(GroupResult(
-            group_idx=i, prompt_id=problem.prompt_id, prompt=sampled.prompts[i], answer=problem.answer,
+            group_idx=i, prompt_id=problem.prompt_id, prompt=prompt_text(sampled.prompts[i]), answer=problem.answer,
             baseline=baselines[i], regime=REGIMES[regimes[i]], responses=[s.text for s in group],
             rewards=rewards_[i], correct=correct_[i],
             verified=sampled.verified[i * G:(i + 1) * G],

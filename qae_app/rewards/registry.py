@@ -3,7 +3,7 @@ by one object, `RewardSet`, that the trainer, `qae eval` and `qae preview` all u
 
     with RewardSet.of(cfg.reward, cfg.reward_weights, task.reward, timeout_s=3.0) as rewards:
         files = rewards.check(columns)                       # user code: importable, asks only for columns there are
-        totals, components = rewards.score(completions, prompts, problems, step)
+        totals, components = rewards.score(completions, prompts, problems, step, completion_ids)
         correct, verified = rewards.correct(components), rewards.verified(components)
 
 Without --reward a run's rewards are its task's one built-in verifier, weight 1: its verdicts are the rewards.
@@ -50,7 +50,23 @@ class RewardScores(NamedTuple):
 
 
 class RewardError(QAEUserError):
-    """A user's reward function failed (raised, returned a bad value, hung): the run stops, failed, with this text."""
+    """A user's reward function failed (raised, returned a bad value, hung): the run stops, failed, with this text.
+    `spec`: the reward that failed, where one did (the resume advice differs for a file of the user's and an installed
+    module's function)."""
+
+    def __init__(self, message: str, spec: RewardSpec | None = None):
+        super().__init__(message)
+        self.spec = spec
+
+
+def reward_inputs(completion: str, prompt) -> tuple[object, object]:
+    """(completion, prompt) as TRL's GRPOTrainer hands them to a reward function: for conversational data (the prompt
+    a list of chat messages: scoring/reward_path.reward_prompt gives one where the model was sent the row's own
+    messages) the completion as a list of one assistant message and the prompt as its messages; otherwise both as the
+    text they are."""
+    if isinstance(prompt, list):
+        return [{"role": "assistant", "content": completion}], [dict(message) for message in prompt]
+    return completion, prompt
 
 
 class RewardSet:
@@ -129,16 +145,20 @@ class RewardSet:
 
     # -- scoring --------------------------------------------------------------------------------------------------
 
-    def score(self, completions: list[str], prompts: list, problems: Sequence, step: int = 0) -> RewardScores:
-        """Each response's total and components. completions [N], prompts [N] (what the model was asked) and
-        problems [N] (each with `.answer` and `.columns`, the data row: datasets.Problem) are aligned; step: the RL step
-        (0 outside training). RewardError when a user function fails; `ScoringInterrupted` on shutdown."""
+    def score(self, completions: list[str], prompts: list, problems: Sequence, step: int = 0,
+              completion_ids: Sequence[list[int]] | None = None) -> RewardScores:
+        """Each response's total and components. completions [N] (text), prompts [N] (as the rewards get them:
+        scoring/reward_path.reward_prompt, chat messages for conversational data, else text), problems [N] (each
+        with `.answer` and `.columns`, the data row: datasets.Problem) and completion_ids [N] (each response's token
+        ids; None: not known, [] each) are aligned; step: the RL step (0 outside training). RewardError when a user
+        function fails; `ScoringInterrupted` on shutdown."""
         n = len(completions)
         if not len(prompts) == len(problems) == n:
             raise ValueError(f"{n} completions, {len(prompts)} prompts and {len(problems)} problems")
         answers = [problem.answer for problem in problems]
         components: dict[str, list[float | None]] = {}
-        user = self._score_user(completions, prompts, problems, step) if self.user_pool is not None else {}
+        user = (self._score_user(completions, prompts, problems, step, completion_ids or [[] for _ in range(n)])
+                if self.user_pool is not None else {})
         for spec in self.specs:
             parts = {spec.name: self.verifiers[spec.target](completions, answers)} if not spec.is_user_code else \
                 user[spec.text]
@@ -161,11 +181,13 @@ class RewardSet:
                 totals[i] += weight * (0.0 if value is None else value)
         return totals
 
-    def _score_user(self, completions: list[str], prompts: list, problems: Sequence, step: int) -> dict[str, dict]:
+    def _score_user(self, completions: list[str], prompts: list, problems: Sequence, step: int,
+                    completion_ids: Sequence[list[int]]) -> dict[str, dict]:
         """spec text -> {component: [N] scores} of each user function, from the workers."""
         n = len(completions)
         rows = _column_rows(problems)
-        items = [("score", u, completions[i], prompts[i], rows[i], step)
+        inputs = [reward_inputs(completions[i], prompts[i]) for i in range(n)]
+        items = [("score", u, *inputs[i], [int(t) for t in completion_ids[i]], rows[i], step)
                  for u in range(len(self.user_specs)) for i in range(n)]
         results = self.user_pool.run_items(items) if items else []
         scored: dict[str, dict[str, list[float | None]]] = {spec.text: {} for spec in self.user_specs}
@@ -179,7 +201,7 @@ class RewardSet:
             status, value = result
             if status == "error":
                 raise RewardError(f"reward: {spec.text} failed at step {step} on response {i + 1} of {n} "
-                                  f"({clipped(repr(completions[i]), 60)}): it {value}")
+                                  f"({clipped(repr(inputs[i][0]), 80)}): it {value}", spec)
             for part, score in value.items():
                 scored[spec.text].setdefault(part or spec.name, [None] * n)[i] = score
         for spec in self.user_specs:

@@ -106,6 +106,9 @@ STEP_METRICS: dict[str, str] = {
     "rollout_s": "seconds sampling responses (every generation batch)",
     "reward_s": "seconds scoring responses",
     "update_s": "seconds in forward/backward/optimizer (including the log-prob pass)",
+    "sync_s": "seconds copying the updated weights into the rollout engine after the update: vLLM's copy (--engine "
+              "vllm), or the hf engine's bfloat16 sampling copy (--rollout-dtype bfloat16); ~0 where the engine "
+              "samples from the trained model itself; 0 when the step trained nothing; not part of update_s",
     "eval_s": "seconds of the held-out evaluation after this step (0 without one)",
     "write_s": "seconds the loop spent handing this step's rows to the store (the store writes on its own thread "
                "while the next step trains) and waiting for it",
@@ -159,6 +162,9 @@ TABLES: dict[str, dict[str, str]] = {
     "evals": {
         "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "subset": "VARCHAR", "metric": "VARCHAR",
         "k": "INTEGER", "value": "DOUBLE", "n_problems": "INTEGER", "source": "VARCHAR",
+        # how the evaluation sampled: temperature, top-p, samples per problem and --limit (--eval-limit; NULL: every
+        # problem); NULL in rows from before these columns
+        "temperature": "DOUBLE", "top_p": "DOUBLE", "samples": "INTEGER", "problem_limit": "INTEGER",
     },
     "eval_samples": {
         "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "problem_id": "VARCHAR",

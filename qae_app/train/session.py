@@ -111,7 +111,7 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
         raise QAEUserError(f"resume: no run '{run}' in {runs_dir} (runs there, last written first: "
                            f"{recent_runs_text(runs_dir)}). See `qae runs`.")
     stored = stored_config(folder)
-    check_named_again(stored.reward, given.get("reward"), run)
+    check_named_again(stored.reward, given.get("reward"), run, stored.reward_weights)
     changes = {}
     for name, value in given.items():
         if name == "run_name" or value == getattr(stored, name):  # (a copied run's stored name is not its own)

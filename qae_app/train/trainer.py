@@ -11,7 +11,7 @@ One step, for B prompts x G samples (`train_step` reads as these six):
     the K in use     -> --k auto chooses K once, from the first step's success rate
     advantages       -> estimator(rewards [B, G]) -> advantages, baseline, regime
     update           -> log-probs/entropy of the sampling policy (no grad), then num_mini_batches optimizer steps, and
-                        its diagnostics (dH, the entropy attribution) (update_s, with the weight sync)
+                        its diagnostics (dH, the entropy attribution) (update_s), then the weight sync (sync_s)
     weight sync      -> the engine takes the new weights (vLLM holds its own copy; hf shares the model)
     output           -> the step's rows and metrics; `fit` hands them to the run's session, which writes them into
                         runs/<run_id>/qae.duckdb
@@ -361,8 +361,8 @@ class Trainer:
         resumed run is exactly the uninterrupted one, and returns status `interrupted`; a second Ctrl-C stops at once
         (rows kept, the newest checkpoint stays the resume point).
 
-        Every second of a step is in its row: rollout_s, reward_s and update_s (train_step), eval_s, write_s (building
-        rows and waiting for the store, which writes on its own thread while the next step trains) and
+        Every second of a step is in its row: rollout_s, reward_s, update_s and sync_s (train_step), eval_s, write_s
+        (building rows and waiting for the store, which writes on its own thread while the next step trains) and
         checkpoint_s; step_s is the whole iteration. store_s is the CPU time the store's thread spent on the step.
         The run's row gets setup_s and wall_s."""
         cfg = self.cfg
@@ -448,15 +448,20 @@ class Trainer:
         t_update = time.perf_counter()
         update = self._update_with_diagnostics(step, sampled, adv.advantages, split_k)
 
-        # ---- the weight sync: vLLM holds its own copy of the weights; hf shares the model
+        update_s = time.perf_counter() - t_update
+
+        # ---- the weight sync: vLLM holds its own copy of the weights (the hf engine a bf16 one with
+        # --rollout-dtype bfloat16; else it samples from the trained model itself and the sync is a no-op)
+        t_sync = time.perf_counter()
         if sampled.n_trained:
             self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
-        update_s = time.perf_counter() - t_update
+        sync_s = time.perf_counter() - t_sync
 
         # ---- the step's output: its rows (every process's groups, gathered on the main one), metrics and warnings
         groups, rollouts, components = self._step_rows(sampled, adv, update)
         metrics = {**step_metrics(groups, rollouts), **update.stats, "k": k, "gen_batches": len(sampled.batches),
-                   "rollout_s": sampled.rollout_s, "reward_s": sampled.reward_s, "update_s": update_s}
+                   "rollout_s": sampled.rollout_s, "reward_s": sampled.reward_s, "update_s": update_s,
+                   "sync_s": sync_s}
         warnings = [row for row in (auto_k, sampled.cap_warning, *(b.reward_warning for b in sampled.batches),
                                     self._entropy_warning(metrics["entropy"])) if row is not None]
         metrics["step_s"] = time.perf_counter() - t_step
@@ -637,7 +642,8 @@ class Trainer:
             samples = gather_object(samples)
             metrics = summarize(name, problems, samples, cfg.eval_k)
         accuracy = next(m["value"] for m in metrics if m["metric"] == "avg@k" and m["subset"] == "all")
-        return HeldoutEval(accuracy, [{**m, "source": "train"} for m in metrics],
+        sampled = {"temperature": cfg.temperature, "top_p": 1.0, "samples": cfg.eval_k, "problem_limit": cfg.eval_limit}
+        return HeldoutEval(accuracy, [{**m, "source": "train", **sampled} for m in metrics],
                            [{**s, "benchmark": name, "source": "train"} for s in samples])
 
     # -------------------------------------------------------------------------------------------------------------

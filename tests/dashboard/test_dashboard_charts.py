@@ -184,3 +184,23 @@ def test_both_evaluation_pages_open_on_the_same_benchmark(tmp_path, monkeypatch)
     assert evals.selectbox(key="benchmark").options == samples.selectbox(key="benchmark").options == [
         "arith-heldout (during training)", "arith-heldout (qae eval)"]
     assert samples.select_slider(key="step").value == 2
+
+
+def test_two_runs_entropy_bands_are_each_labelled_with_their_run():
+    """Two runs with different --entropy-low/--entropy-high: each band's lines carry the run's color and its id in
+    the label; one band shared by every run stays unnamed. Checked to fail before: four dotted lines in two colors,
+    labelled `entropy_low 0.5` and `entropy_low 1` with no run."""
+    import pandas as pd
+
+    chart_module = charts
+    from qae_app.core.formatting import number
+
+    frames = {run: pd.DataFrame({"step": [1, 2], "entropy": [2.5, 2.8]}) for run in ("a", "b")}
+    colors = {"a": "#1f77b4", "b": "#2ca02c"}
+    fig = chart_module.entropy(frames, colors, {"a": (0.5, 2.0), "b": (1.0, 3.0)}, {})
+    lines = {note.text: line.line.color for note, line in zip(fig.layout.annotations, fig.layout.shapes)}
+    assert lines == {f"entropy_low {number(0.5)} · a": "#1f77b4", f"entropy_high {number(2.0)} · a": "#1f77b4",
+                     f"entropy_low {number(1.0)} · b": "#2ca02c", f"entropy_high {number(3.0)} · b": "#2ca02c"}
+    shared = chart_module.entropy(frames, colors, {"a": (0.5, 2.0), "b": (0.5, 2.0)}, {})
+    assert sorted(note.text for note in shared.layout.annotations) == [f"entropy_high {number(2.0)}",
+                                                                       f"entropy_low {number(0.5)}"]

@@ -226,7 +226,11 @@ def test_a_link_names_the_runs(compare_app):
     assert "n=1: one seed, no interval" in table.loc["estimator=grpo", "note"]
     # repeated parameters, as the page writes them; groups of other setups are labelled by what differs
     at = compare_app("compare", runs=["study-qae-s2", "solo"])
-    assert at.multiselect(key="runs").value == ["study-qae-s2", "solo"]
+    assert at.multiselect(key="run").value == ["study-qae-s2", "solo"]  # (an older link: read as ?run=)
+    assert by_group(at)["group"].tolist() == ["lr=5e-05", "lr=0.0001"]
+    # one name on every page: ?run= names the runs Compare compares, as it names those the other pages show
+    at = compare_app("compare", run=["study-qae-s2", "solo"])
+    assert at.multiselect(key="run").value == ["study-qae-s2", "solo"] and "runs" not in at.query_params
     assert by_group(at)["group"].tolist() == ["lr=5e-05", "lr=0.0001"]
 
 

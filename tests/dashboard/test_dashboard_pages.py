@@ -104,8 +104,8 @@ def test_curves_page_plots_every_step_of_each_run(app, runs_dir):
     assert sorted({shape["y0"] for shape in specs["entropy"]["layout"]["shapes"]}) == pytest.approx(
         sorted({0.5, start / 3}))
     notes = [a["text"] for a in specs["entropy"]["layout"]["annotations"]]
-    # (one note for both lines: two at one place overprinted each other)
-    above = ", ".join(number(v) for v in sorted([3.0, start * 3]))
+    # (one note for both lines: two at one place overprinted each other; each value names its run, the bands differ)
+    above = "; ".join(f"{number(v)} · {run}" for v, run in sorted([(3.0, "crafted"), (start * 3, "tiny")]))
     assert [n for n in notes if "(above)" in n] == [f"entropy_high {above} (above)"]
     warning = entropy["crafted · warnings (1)"]
     assert list(warning["x"]) == [2] and "fell below 0.5" in warning["text"][0]

@@ -146,10 +146,14 @@ def test_a_reward_that_raises_stops_the_run_failed_and_it_resumes_after_the_fix(
     runs = str(tmp_path / "runs")
     train = ["train", "--run-name", "r", "--runs-dir", runs, "--steps", "4", "--checkpoint-every", "2",
              "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0"]
-    failed = qae(*train, "--reward", "bad.py:score", cwd=tmp_path)
+    rewards = ["--reward", "bad.py:score", "--reward", "exact_int", "--reward-weights", "1,0.5"]
+    failed = qae(*train, *rewards, cwd=tmp_path)
     out = failed.stdout + failed.stderr
     assert failed.returncode == 2, out
     assert "reward: bad.py:score failed at step 3 on response 1 of 8" in out
+    # the command it offers names every reward and their weights (the run folder names no code to run)
+    assert " ".join(f"Once the function is fixed, continue it with: qae train --resume r {' '.join(rewards)} "
+                    f"--runs-dir {runs}".split()) in " ".join(out.split())
     assert out.count("Traceback (most recent call last)") == 1 and "RuntimeError: scorer bug at step 3" in out
     assert f'File "{tmp_path / "bad.py"}", line 4, in score' in out
     db = db_path(tmp_path / "runs", "r")
@@ -162,10 +166,10 @@ def test_a_reward_that_raises_stops_the_run_failed_and_it_resumes_after_the_fix(
     resume = ["train", "--resume", "r", "--runs-dir", runs]
     unnamed = qae(*resume, cwd=tmp_path)
     assert unnamed.returncode == 2 and "name the rewards again" in unnamed.stdout + unnamed.stderr
-    changed = qae(*resume, "--reward", "bad.py:score", cwd=tmp_path)
+    changed = qae(*resume, *rewards, cwd=tmp_path)
     assert changed.returncode == 2 and "bad.py changed since this run scored with it" in changed.stdout + \
         changed.stderr
-    resumed = qae(*resume, "--reward", "bad.py:score", "--accept-changed-reward", cwd=tmp_path)
+    resumed = qae(*resume, *rewards, "--accept-changed-reward", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert read_run(db)["status"] == "finished"
     assert read_steps(db)["step"].tolist() == [1, 2, 3, 4]
