@@ -583,7 +583,7 @@ def test_runs_told_apart_at_1400_and_1920(dashboard, page, tmp_path, hold_lock):
         page.goto(f"{url}/?" + "&".join(f"run={run_id}" for run_id in seeds))
         table = page.get_by_test_id("stDataFrame").first
         expect(table).to_contain_text("log_entropy_attribution", timeout=60_000)
-        expect(table).to_contain_text("estimator=grpo, seed=2")
+        expect(table).to_contain_text("seed=2, estimator=grpo")
         wait_idle(page)
         scroll = table.evaluate("d => { const s = d.querySelector('.dvn-scroller'); "
                                 "return [s.scrollWidth, s.clientWidth]; }")
