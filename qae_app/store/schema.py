@@ -88,8 +88,8 @@ STEP_METRICS: dict[str, str] = {
     "clip_frac": "fraction of tokens whose ratio was clipped (low + high)",
     "clip_frac_low": "fraction of tokens with negative advantage and ratio < 1 - clip_low (clipped)",
     "clip_frac_high": "fraction of tokens with positive advantage and ratio > 1 + clip_high (clipped)",
-    "mismatch_logp_abs": "mean absolute difference logp_old - logp_sampler over the response tokens the policy loss "
-                         "weighs (trained responses with advantage != 0): logp_old the trainer's log-prob under the "
+    "mismatch_logp_abs": "mean absolute difference logp_old - logp_sampler over the response tokens the loss weighs "
+                         "(responses with advantage != 0; every response under a KL term): logp_old the trainer's log-prob under the "
                          "sampling weights (the ratio's denominator), logp_sampler the engine's while it sampled; "
                          "~1e-7 for the hf engine in the trainer's dtype (float32 rounding: its decode loop sums in "
                          "another order), ~1e-2 for a bfloat16 sampler; NULL where the engine returns none",

@@ -341,7 +341,9 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
                             reduction="sum").tolist()
         totals.update(zip(shares, summed))
     stats = {key: totals[key] / max(n_updates, 1) for key in ("loss", "pg_loss", "kl", "grad_norm")}
-    weighed = forwarded & have_old & (advantages != 0)  # (n_rows,) the responses whose policy-loss terms count
+    # (n_rows,) the responses whose loss terms count: advantage != 0, and every one under a KL term (its penalty
+    # weighs each response's tokens)
+    weighed = forwarded & have_old & ((advantages != 0) | (ref_logp is not None))
     weighed[n_local:] = False  # (not a placeholder)
     stats.update(rollout_mismatch(batch, old_logp, weighed, acc))
     stats.update(clip_frac_low=totals["clipped_low"] / max(tokens, 1),

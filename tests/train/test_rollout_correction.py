@@ -56,6 +56,25 @@ def test_tis_reweights_the_update_when_the_sampler_differs():
         assert stats["mismatch_ratio_max"] == pytest.approx(math.exp(0.1), abs=1e-12)
 
 
+def test_under_a_kl_term_the_mismatch_covers_every_response_even_when_all_are_gated():
+    """A step whose every advantage is 0 (each group all right or all wrong): without a KL term no token is weighed and
+    the mismatch is NaN (stored NULL); with one, every response's tokens carry the penalty and the mismatch is
+    measured over all of them: |d| = 0.1 for a sampler 0.1 nats less sure of every token."""
+    mask = _batch()["response_mask"]
+    sampler = (_trainer_logp() - 0.1) * mask
+    gated = torch.zeros_like(ADVANTAGES)
+    for kl_beta, ref_model, expected in ((0.0, None, None), (0.01, TwoLayerLM(), 0.1)):
+        model = TwoLayerLM()
+        result = update.policy_update(model, torch.optim.AdamW(model.parameters(), lr=0.05),
+                                      {**_batch(), "sampler_logp": sampler}, gated,
+                                      _options(kl_beta=kl_beta), seed=1, ref_model=ref_model)
+        measured = result.stats["mismatch_logp_abs"]
+        if expected is None:
+            assert math.isnan(measured)
+        else:
+            assert measured == pytest.approx(expected, abs=1e-12)
+
+
 def test_tis_without_the_samplers_log_probs_is_refused():
     with pytest.raises(QAEUserError, match="rollout-correction: tis"):
         update.policy_update(TwoLayerLM(), torch.optim.SGD(TwoLayerLM().parameters(), lr=0.1), _batch(), ADVANTAGES,
