@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import NoReturn
 
 from qae_app.config import TrainConfig
 from qae_app.core.errors import QAEUserError, SaidByTheMainProcess
@@ -110,23 +111,24 @@ class RunCheckpoints:
                     chosen[0] = str(ckpt)
                     break
                 self._say(f"[yellow]warning:[/] skipping checkpoint {ckpt.name}: {problem}")
+            else:
+                if not old and list_checkpoints(self.run_dir):
+                    chosen[2] = (f"resume: no checkpoint of run '{self.run_id}' checks out (see the warnings "
+                                 "above). Start a new run.")
             chosen[1] = last_logged_step(self.run_dir)
         if self.accelerator.num_processes > 1:
             broadcast_object_list(chosen)
         if chosen[2] is not None:
-            raise QAEUserError(chosen[2]) if self.is_main else SaidByTheMainProcess(chosen[2])
+            self._refuse(chosen[2])
         return (Path(chosen[0]) if chosen[0] is not None else None), chosen[1]
 
     def _check_start_over(self, logged: int) -> None:
         """A run with no checkpoint starts over from step 0, same run, same seed (the same steps again): refused
-        when its checkpoints all failed their checks, or when --steps would drop steps it logged; said when it
-        replaces logged steps."""
+        when --steps would drop steps it logged; said when it replaces logged steps. (A run whose checkpoints all
+        failed their checks was refused by `_newest_valid_checkpoint`.)"""
         cfg = self.cfg
-        if self.is_main and list_checkpoints(self.run_dir):
-            raise QAEUserError(f"resume: no checkpoint of run '{self.run_id}' checks out (see the warnings "
-                               "above). Start a new run.")
         if cfg.steps < logged:
-            raise QAEUserError(
+            self._refuse(
                 f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged. It has no "
                 f"checkpoint (killed before its first; --checkpoint-every {cfg.checkpoint_every}), so a resume "
                 f"trains it again from step 0 and replaces their rows: pass --steps {logged} or more to keep "
@@ -139,7 +141,7 @@ class RunCheckpoints:
         """Every process samples with its own seed: another process count trains other steps than the logged ones."""
         trained_by = state.num_processes
         if trained_by != self.accelerator.num_processes:
-            raise QAEUserError(
+            self._refuse(
                 f"resume: run '{self.run_id}' was trained by {trained_by} processes and this resume has "
                 f"{self.accelerator.num_processes}. Each process samples with its own seed, so the steps after "
                 f"checkpoint {ckpt.name} would not be the ones logged: resume it as it was launched (accelerate "
@@ -152,20 +154,20 @@ class RunCheckpoints:
         cfg = self.cfg
         problem = data_position_problem(state.data_position, state.step, cfg)
         if problem:
-            raise QAEUserError(f"resume: checkpoint {ckpt} is at prompt {state.data_position} of the data, but "
-                               f"{problem}. The checkpoint does not belong to this run's config; start a new run.")
+            self._refuse(f"resume: checkpoint {ckpt} is at prompt {state.data_position} of the data, but "
+                         f"{problem}. The checkpoint does not belong to this run's config; start a new run.")
         if cfg.steps < state.step:
-            raise QAEUserError(f"steps: {cfg.steps} is below the {state.step} steps run '{self.run_id}' has "
-                               "already done. Pass --steps above that to train further.")
+            self._refuse(f"steps: {cfg.steps} is below the {state.step} steps run '{self.run_id}' has "
+                         "already done. Pass --steps above that to train further.")
         if cfg.steps < logged:
-            raise QAEUserError(f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged (its "
-                               f"newest checkpoint is at step {state.step}; the steps after it are trained "
-                               f"again and replace their rows). Pass --steps {logged} or more to keep every logged "
-                               "step.")
+            self._refuse(f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged (its "
+                         f"newest checkpoint is at step {state.step}; the steps after it are trained "
+                         f"again and replace their rows). Pass --steps {logged} or more to keep every logged "
+                         "step.")
         if state.data_fingerprint != data_fingerprint:
-            raise QAEUserError(f"data: {cfg.data} changed since run '{self.run_id}' was started (its sha256 differs "
-                               "from the one the checkpoint recorded). A resumed run must see the same prompts: "
-                               "restore the file, or start a new run on the new data.")
+            self._refuse(f"data: {cfg.data} changed since run '{self.run_id}' was started (its sha256 differs "
+                         "from the one the checkpoint recorded). A resumed run must see the same prompts: "
+                         "restore the file, or start a new run on the new data.")
 
     def save(self, model, optimizer, scheduler, codec, state: TrainerState) -> Path:
         """checkpoints/step-N: the training state (weights, optimizer, scheduler, each process's random states) as
@@ -220,7 +222,13 @@ class RunCheckpoints:
             refusal = str(err)
         refusals = [r for r in gather_object([refusal]) if r]
         if refusals:
-            raise QAEUserError(refusals[0]) if self.is_main else SaidByTheMainProcess(refusals[0])
+            self._refuse(refusals[0])
+
+    def _refuse(self, message: str) -> NoReturn:
+        """End every process of the launch with a refusal they all reached: the main process says it, the others
+        exit without a word (a user reads it once; a process left running would wait in a collective and die with a
+        gloo traceback when the main one exits)."""
+        raise QAEUserError(message) if self.is_main else SaidByTheMainProcess(message)
 
     def _load_training_state_here(self, ckpt: Path, model, optimizer, scheduler) -> None:
         """A checkpoint's training state into the prepared model, optimizer and scheduler."""
