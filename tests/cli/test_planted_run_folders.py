@@ -96,12 +96,14 @@ def run_in_process(runs: Path, names=READERS) -> list[dict]:
 def test_a_planted_file_breaks_no_reader(base, tmp_path, plant):
     runs = make_case(base, tmp_path, plant)
     before = snapshot(tmp_path, leave_out=(runs / RUN,))
-    found = []
+    found, outputs = [], []
     for result in run_in_process(runs):
         result["ran_payload"] = (tmp_path / MARKER).exists()
+        if problems(plant, result):
+            outputs.append(f"--- {result['command']} (exit {result['exit']}):\n{result['output'][-2000:]}")
         found += problems(plant, result)
     assert snapshot(tmp_path, leave_out=(runs / RUN,)) == before, "a write outside the run folder"
-    assert found == []
+    assert found == [], "\n".join(outputs)
 
 
 def run_driver(cases: list[Path]) -> tuple[list[dict], str | None, str]:
