@@ -116,7 +116,7 @@ def compare(model, codec, prompts: list[str], n: int, max_new_tokens: int, repea
     for index in range(1, repeats + 1):
         response = bare_out[index][:, input_ids.shape[1]:].tolist()
         samples = sampled[index]
-        if not all(r[: len(s.response_ids)] == s.response_ids for r, s in zip(response, samples)):
+        if not all(r[: len(s.response_ids)] == s.response_ids for r, s in zip(response, samples, strict=True)):
             raise SystemExit(f"{label}: the engine and the bare loop sampled different tokens for seed "
                              f"{1000 + index}; the comparison would not be like for like")
         tokens.append(sum(len(s.response_ids) for s in samples))

@@ -52,7 +52,7 @@ class SyntheticVerdicts:
 
     def __call__(self, texts: list[str], answers: list[str]) -> list[float]:
         verdicts = []
-        for place, (text, answer) in enumerate(zip(texts, answers)):
+        for place, (text, answer) in enumerate(zip(texts, answers, strict=True)):
             rate = zlib.crc32(f"rate\0{answer}".encode()) / 2**32
             draw = zlib.crc32(f"draw\0{place}\0{answer}\0{text}".encode()) / 2**32
             verdicts.append(1.0 if draw < rate else 0.0)
@@ -152,7 +152,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as runs_dir:
         record = update_times(args.steps, runs_dir, args.synthetic_success, **options)
     skip, dense = record["skip"], record["dense"]
-    max_diff = max(abs(a - b) for a, b in zip(skip["losses"], dense["losses"]))
+    max_diff = max(abs(a - b) for a, b in zip(skip["losses"], dense["losses"], strict=True))
     kept = slice(args.warmup, None)  # the first steps of each: lazy imports, first generate, optimizer state
     ratios = pair_ratios(skip["times"][kept], dense["times"][kept])
     print(f"{options or 'built-in model and task'}, {torch.get_num_threads()} torch threads"

@@ -61,7 +61,7 @@ def replacement_seconds(context_name: str | None, rounds: int = 3) -> float:
 def hostile_batch(batch_timeout_s: float | None) -> tuple[float, list, MathVerifierPool]:
     towers = [f"\\boxed{{{base}^{{9^{{9^{{9}}}}}}}}" for base in range(2, 18)]
     honest = [f"\\boxed{{\\frac{{{k}}}{{2}}}}" for k in range(1, 17)]
-    responses = [r for pair in zip(towers, honest) for r in pair]  # mixed, as a step's groups would be
+    responses = [r for pair in zip(towers, honest, strict=True) for r in pair]  # mixed, as a step's groups would be
     golds = [g for k in range(1, 17) for g in ("1", str(k / 2))]
     pool = MathVerifierPool(timeout_s=3.0, num_workers=2, shortcuts=False, batch_timeout_s=batch_timeout_s)
     with pool:

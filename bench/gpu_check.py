@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from qae_app.algo.losses import token_logprobs_and_entropy  # noqa: E402
 from qae_app.config import build_config  # noqa: E402
-from qae_app.engines.hf import HFGenerateEngine
+from qae_app.engines.hf import HFGenerateEngine  # noqa: E402
 from qae_app.models.policy import load_policy, local_model_folder  # noqa: E402
 from qae_app.models.sharding import sharding_plan_for  # noqa: E402
 from qae_app.train.trainer import Trainer  # noqa: E402
@@ -242,7 +242,7 @@ def check_vllm(args) -> None:
     # 1.6 a token in one step at lr 1e-4) gives the responses tiny probabilities, whose log-probs bfloat16 rounds
     # far more coarsely than before the step, and the engine's gap after the sync says that, not a stale weight
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.0)
-    for steps in range(1, 41):
+    for steps in range(1, 41):  # noqa: B007 (the steps taken are reported after the loop)
         optimizer.zero_grad()
         torch.cat(trainer_logprobs(model, pairs, device, grad=True)).sum().backward()
         optimizer.step()
@@ -289,12 +289,12 @@ def engine_logprobs(engine, pairs) -> list[torch.Tensor]:
     params = engine.sampling_params(1, 1.0, 1, 0)
     params.prompt_logprobs = 0
     outputs = engine.llm.generate([{"prompt_token_ids": p + r} for p, r in pairs], params, use_tqdm=False)
-    return [torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[len(p):], r)])
-            for out, (p, r) in zip(outputs, pairs)]
+    return [torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[len(p):], r, strict=True)])
+            for out, (p, r) in zip(outputs, pairs, strict=True)]
 
 
 def mean_gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return torch.cat([(x.cpu() - y.detach().cpu()).abs() for x, y in zip(a, b)]).mean().item()
+    return torch.cat([(x.cpu() - y.detach().cpu()).abs() for x, y in zip(a, b, strict=True)]).mean().item()
 
 
 @check("vllm_mismatch")

@@ -73,7 +73,7 @@ def pair_ratios(a_times: Sequence[float], b_times: Sequence[float]) -> list[floa
     if len(a_times) != len(b_times) or not a_times:
         raise ValueError(f"paired timings need the same, non-zero count on both sides: {len(a_times)} and "
                          f"{len(b_times)}")
-    return [a / b for a, b in zip(a_times, b_times)]
+    return [a / b for a, b in zip(a_times, b_times, strict=True)]
 
 
 @dataclass(frozen=True)

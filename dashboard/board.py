@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import FunctionType
-from typing import Callable
 
 import charts
 import duckdb
@@ -398,7 +398,7 @@ def picked_apart(all_runs: pd.DataFrame, shown: list[str]) -> None:
     picked = all_runs.set_index("run_id").loc[shown].reset_index()  # (in the picker's order)
     apart = runs_apart(picked)
     lines = [f"**{literal(run_id)}**: {literal(differences.options_text(options))}"
-             for run_id, options in zip(picked["run_id"], apart.per_run) if options]
+             for run_id, options in zip(picked["run_id"], apart.per_run, strict=True) if options]
     if apart.shared:
         lines.append(f"all: {literal(differences.options_text(apart.shared))} (not the defaults)")
     if lines:

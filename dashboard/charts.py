@@ -233,7 +233,8 @@ def entropy(frames: dict[str, pd.DataFrame], colors: dict[str, str], bands: dict
         fig.add_trace(go.Scatter(
             x=xs, y=ys, mode="markers", name=f"{name} ({len(frame)})", uid=name,
             marker=dict(symbol="triangle-down", size=12, color=colors[run_id], line=dict(color=INK, width=1)),
-            text=[html.escape(f"{kind}: {message}") for kind, message in zip(frame["kind"], frame["message"])],
+            text=[html.escape(f"{kind}: {message}")
+                  for kind, message in zip(frame["kind"], frame["message"], strict=True)],
             hovertemplate="%{text}<extra></extra>"))
     return fig
 

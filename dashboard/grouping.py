@@ -53,7 +53,7 @@ def group_runs(configs: dict[str, dict], keys: list[str] | None = None) -> dict[
     varying = [name for name in names if len({repr(config.get(name)) for config in shared}) > 1]
     varying.sort(key=lambda name: name != "estimator")  # the estimator first, as on Compare
     labels = {}
-    for key, config, run_ids in zip(members, shared, members.values()):
+    for key, config, run_ids in zip(members, shared, members.values(), strict=True):
         first = configs[run_ids[0]]  # the values as the config has them (a picked key's are kept as repr)
         labels[key] = ", ".join(f"{name}={first.get(name, '-')}" for name in varying if name in config) or "all"
     return {labels[key]: run_ids for key, run_ids in members.items()}

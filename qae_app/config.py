@@ -390,7 +390,7 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         """Every option checked, each on its own and then the rules that tie options together; a broken one is a
         QAEUserError naming the option, its value and what to do. Returns the config."""
         _check_choices(self)
@@ -683,7 +683,7 @@ class EvalConfig:
         """--prompt-template and --system-prompt, as `qae train` takes them."""
         return PromptFormat(self.prompt_template, self.system_prompt)
 
-    def validate(self) -> "EvalConfig":
+    def validate(self) -> EvalConfig:
         _check_choices(self)
         # the training options' ranges, under this command's option names
         for name, value, flag in (("eval_k", self.samples, "samples"), ("temperature", self.temperature, None),

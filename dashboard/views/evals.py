@@ -18,7 +18,8 @@ def body(run_ids: list[str]) -> None:
         return
     everything = pd.concat([frame.assign(run=run_id) for run_id, frame in evals.items()], ignore_index=True)
     # `qae eval` of a checkpoint is listed apart from the trainer's own --eval-every results (other k, limit)
-    everything["benchmark"] = [board.eval_label(b, s) for b, s in zip(everything["benchmark"], everything["source"])]
+    everything["benchmark"] = [board.eval_label(b, s)
+                               for b, s in zip(everything["benchmark"], everything["source"], strict=True)]
     colors = board.run_colors(run_ids)  # the picked order, readable or not: a run keeps its color on every page
     benchmarks = list(board.eval_choices(pd.concat(evals.values())))
     first = next(iter(board.eval_choices(evals[run_ids[0]]))) if run_ids[0] in evals else benchmarks[0]

@@ -58,7 +58,7 @@ def side_by_side(prompt_id: str, run_ids: list[str]) -> None:
     if not found:
         return
     columns = st.columns(len(found))
-    for column, (run_id, frame) in zip(columns, found.items()):
+    for column, (run_id, frame) in zip(columns, found.items(), strict=True):
         with column:
             steps = list(dict.fromkeys(frame["step"]))
             st.markdown(f"**{run_id}** · sampled at {len(steps)} step(s)"

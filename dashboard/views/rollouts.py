@@ -131,7 +131,8 @@ def gate_summary(run_id: str, step: int, everything: pd.DataFrame) -> None:
     table["share of the trained"] = table["responses"] / max(len(trained), 1)
     n_filtered = len(everything) - len(trained)
     st.markdown(f"**Why gated** at step {step}: " + (" · ".join(
-        f"{n} {reason.replace('_', ' ')}" for reason, n in zip(table["why gated"], table["responses"]) if n)
+        f"{n} {reason.replace('_', ' ')}"
+        for reason, n in zip(table["why gated"], table["responses"], strict=True) if n)
         or "none gated") + (f" · and {n_filtered} responses in groups filtered by dynamic sampling (not trained)"
                             if n_filtered else ""))
     with st.expander("The breakdown, with what each reason means, and over every step", expanded=False):

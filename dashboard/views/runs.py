@@ -90,7 +90,7 @@ def table(all_runs: pd.DataFrame) -> pd.DataFrame:
     configs = [board.run_config(row) for row in frame.to_dict("records")]
     total = [config.get("steps") for config in configs]
     last = frame["last_step"].astype("Int64").astype("string").fillna("0")
-    frame["progress"] = [f"{step} / {steps}" if steps else step for step, steps in zip(last, total)]
+    frame["progress"] = [f"{step} / {steps}" if steps else step for step, steps in zip(last, total, strict=True)]
     frame.loc[frame["status"].isin(READ_STATUSES), "progress"] = None
     frame["group_size"] = [config.get("group_size") for config in configs]
     frame["seed"] = [config.get("seed") for config in configs]

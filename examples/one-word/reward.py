@@ -44,7 +44,7 @@ def one_word(completions: list, prompts: list | None = None, letter: list[str] |
     if len(letter) != len(completions):
         raise ValueError(f"{len(completions)} completions but {len(letter)} letters")
     scores = []
-    for completion, wanted in zip(completions, letter):
+    for completion, wanted in zip(completions, letter, strict=True):
         word = single_word(reply_text(completion))
         scores.append(1.0 if word is not None and word[0].lower() == str(wanted).strip().lower() else 0.0)
     return scores

@@ -27,9 +27,10 @@ them as they are, as in the paper.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from qae_app.config import FIELDS, TrainConfig
 from qae_app.core.estimators import ESTIMATORS

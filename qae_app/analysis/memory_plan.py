@@ -253,7 +253,7 @@ class Hardware:
     sharding: str = "ddp"  # SHARDINGS
     prompt_tokens: int = 1024  # the longest prompt, in tokens (a micro-batch's sequences are prompt + response)
 
-    def validate(self) -> "Hardware":
+    def validate(self) -> Hardware:
         for name, value in (("gpus", self.gpus), ("gpu-memory", self.gpu_memory_gb),
                             ("prompt-tokens", self.prompt_tokens)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):

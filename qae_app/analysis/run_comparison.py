@@ -364,7 +364,7 @@ assert set(RUN_METRIC_BOUNDS) == set(RUN_METRICS)
 COMPONENT_PREFIX = "reward:"  # a reward component's per-step mean in a run's steps frame: `reward:<name>` (load_run)
 
 
-def component_metrics(runs: list["RunRecord"]) -> dict[str, str]:
+def component_metrics(runs: list[RunRecord]) -> dict[str, str]:
     """The run metric of each reward component the runs have (runs given --reward): its mean over the last 20% of
     steps, named as its column, `reward:<name>`."""
     found = sorted({c for run in runs for c in run.steps.columns if str(c).startswith(COMPONENT_PREFIX)})
@@ -405,7 +405,7 @@ def least_squares_slope(xs: list[float], ys: list[float]) -> float:
     sxx = sum((x - mx) ** 2 for x in xs)
     if sxx == 0:
         return math.nan
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
 
 
 def run_metrics(steps: pd.DataFrame) -> dict[str, float]:

@@ -9,7 +9,7 @@ screen. rich removes only a few control characters, so this console shows every 
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import typer
 from rich.console import Console
@@ -53,4 +53,4 @@ def _clip_long_words(message: str, limit: int = 400) -> str:
     file (a 10 MB model name) is named, not printed whole. Paths and values of ordinary length are kept."""
     from qae_app.core.formatting import clipped
 
-    return re.sub(r"\S{%d,}" % (limit + 1), lambda match: clipped(match.group(0)), message)
+    return re.sub(rf"\S{{{limit + 1},}}", lambda match: clipped(match.group(0)), message)

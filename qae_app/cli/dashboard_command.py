@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -38,7 +38,7 @@ def dashboard(
         help="Seconds between the pages' checks for new steps and runs: " + ", ".join(names.DASHBOARD_REFRESH_S)
              + ". The sidebar changes it in that browser tab; off suits reading finished runs.",
     )] = names.DASHBOARD_REFRESH_DEFAULT,
-    controls: Annotated[Optional[bool], typer.Option(
+    controls: Annotated[bool | None, typer.Option(
         "--controls/--read-only",
         help="Show the controls that change runs (stop a live run, edit tags and notes) or none. Default: controls "
              "on a loopback --host (this machine only), none on any other (anyone who reaches the page could use "

@@ -12,7 +12,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -59,7 +59,7 @@ def _option_parameters(config_class, own_defaults: dict | None = None) -> list[i
         option = typer.Option(flag, help=help_text, show_default=False, metavar="<str>..." if base == "list[str]"
                               else None, rich_help_panel=f.metadata["group"].capitalize())
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                        annotation=Annotated[Optional[_PYTHON_TYPES[base]], option]))
+                                        annotation=Annotated[_PYTHON_TYPES[base] | None, option]))
     return params
 
 
@@ -77,9 +77,9 @@ def _with_config_options(command, config_class):
 
 
 def train(
-    config: Annotated[Optional[Path], typer.Option("--config", help="TOML file with any of the options below; "
+    config: Annotated[Path | None, typer.Option("--config", help="TOML file with any of the options below; "
                                                    "command-line options override it.")] = None,
-    resume: Annotated[Optional[str], typer.Option("--resume", help="Continue the run with this id from its newest "
+    resume: Annotated[str | None, typer.Option("--resume", help="Continue the run with this id from its newest "
                                                   "valid checkpoint (options marked resumable may change).")] = None,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
     cpu: Annotated[bool, typer.Option("--cpu/--no-cpu", help="Force CPU even when a GPU is present.")] = False,
@@ -105,15 +105,15 @@ def train(
 
 
 def plan(
-    config: Annotated[Optional[Path], typer.Option("--config", help="The run's TOML file; its \\[plan] table may give "
+    config: Annotated[Path | None, typer.Option("--config", help="The run's TOML file; its \\[plan] table may give "
                                                    "the options below.")] = None,
-    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Processes, one per GPU (default: 1).")] = None,
-    gpu_memory: Annotated[Optional[float], typer.Option("--gpu-memory", help="Each GPU's memory in GB (default: "
+    gpus: Annotated[int | None, typer.Option("--gpus", help="Processes, one per GPU (default: 1).")] = None,
+    gpu_memory: Annotated[float | None, typer.Option("--gpu-memory", help="Each GPU's memory in GB (default: "
                                                         "80).")] = None,
-    sharding: Annotated[Optional[str], typer.Option("--sharding", help="ddp: every process holds everything; fsdp: "
+    sharding: Annotated[str | None, typer.Option("--sharding", help="ddp: every process holds everything; fsdp: "
                                                     "weights, gradients and optimizer state split over the GPUs "
                                                     "(default: ddp).")] = None,
-    prompt_tokens: Annotated[Optional[int], typer.Option("--prompt-tokens", help="The longest prompt in tokens "
+    prompt_tokens: Annotated[int | None, typer.Option("--prompt-tokens", help="The longest prompt in tokens "
                                                          "(default: the task's longest for a built-in model, which "
                                                          "reads one token a character; else 1024).")] = None,
     **options: Any,
@@ -267,13 +267,13 @@ def fail_on_write_fault(trainer, err: Exception) -> None:
 def warmstart(
     task: Annotated[str, typer.Option(help="Built-in task to warm-start on: arith (ships as builtin:tiny) or chain "
                                       "(builtin:tiny-chain).")] = "arith",
-    out: Annotated[Optional[Path], typer.Option(help="Folder for the checkpoint (default: ./warmstart/<task>). Train "
+    out: Annotated[Path | None, typer.Option(help="Folder for the checkpoint (default: ./warmstart/<task>). Train "
                                                 "from it with `qae train --model FOLDER --data <task>`.")] = None,
     into_package: Annotated[bool, typer.Option(
         "--into-package", help="Overwrite the task's shipped checkpoint inside the installed package (what `qae "
                                "train --data <task>` loads by default) instead of writing ./warmstart/<task>.",
     )] = False,
-    steps: Annotated[Optional[int], typer.Option(help="Supervised steps (default: the shipped recipe's).")] = None,
+    steps: Annotated[int | None, typer.Option(help="Supervised steps (default: the shipped recipe's).")] = None,
     seed: Annotated[int, typer.Option(help="Initialisation and data seed.")] = 0,
 ) -> None:
     """Rebuild a built-in task's starting checkpoint (supervised, deterministic, seconds on 2 cores), into
@@ -310,9 +310,9 @@ def _view_console() -> SafeConsole:
 
 
 def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
-              sweep: Annotated[Optional[str],
+              sweep: Annotated[str | None,
                                typer.Option(help="Only the runs of this sweep (its id or name).")] = None,
-              tag: Annotated[Optional[str], typer.Option(help="Only the runs tagged so (`qae tag`).")] = None) -> None:
+              tag: Annotated[str | None, typer.Option(help="Only the runs tagged so (`qae tag`).")] = None) -> None:
     """List runs: status, estimator, K, steps and the latest reward, accuracy and entropy (model and task when the
     terminal is wide enough). A run is its folder; an unreadable database is listed with the reason."""
     from qae_app.cli.views import runs_view
@@ -341,7 +341,7 @@ def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
 def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
          runs_dir: RunsDir = DEFAULT_RUNS_DIR,
          every: Annotated[int, typer.Option(help="Show every N-th step (default: about 15 rows).")] = 0,
-         metrics: Annotated[Optional[str], typer.Option(
+         metrics: Annotated[str | None, typer.Option(
              help="Comma-separated step metrics to show (default: the most important that fit the terminal).")] = None,
          ) -> None:
     """Summarize a run: status, config, pace while running, per-step metrics, evaluations and warnings."""
@@ -381,14 +381,14 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
 
 def rollouts(
     run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
-    step: Annotated[Optional[int], typer.Option(help="Step to show (default: the latest).")] = None,
+    step: Annotated[int | None, typer.Option(help="Step to show (default: the latest).")] = None,
     gated: Annotated[bool, typer.Option("--gated", help="Only trained responses gated out (advantage 0).")] = False,
     kept: Annotated[bool, typer.Option("--kept", help="Only responses that carried gradient.")] = False,
     filtered: Annotated[bool, typer.Option("--filtered", help="Only responses of groups that dynamic sampling left "
                                            "out of the update.")] = False,
-    regime: Annotated[Optional[str], typer.Option(help="Only groups in this regime.")] = None,
-    why: Annotated[Optional[str], typer.Option(help="Only responses gated for this reason.")] = None,
-    search: Annotated[Optional[str], typer.Option(help="Only responses or prompts containing this text.")] = None,
+    regime: Annotated[str | None, typer.Option(help="Only groups in this regime.")] = None,
+    why: Annotated[str | None, typer.Option(help="Only responses gated for this reason.")] = None,
+    search: Annotated[str | None, typer.Option(help="Only responses or prompts containing this text.")] = None,
     limit: Annotated[int, typer.Option(help="At most this many responses.")] = 64,
     full: Annotated[bool, typer.Option("--full", help="Print prompts and responses whole (wrapped), not cut to "
                                        "one line.")] = False,
@@ -440,11 +440,11 @@ def rollouts(
 
 
 def compare(
-    runs: Annotated[Optional[list[str]], typer.Argument(help="Run ids to compare (or --sweep).")] = None,
-    sweep: Annotated[Optional[str], typer.Option(help="Compare every run of this sweep (its id or name).")] = None,
-    baseline: Annotated[Optional[str], typer.Option(help="A group to compare the others with, paired by seed: its "
+    runs: Annotated[list[str] | None, typer.Argument(help="Run ids to compare (or --sweep).")] = None,
+    sweep: Annotated[str | None, typer.Option(help="Compare every run of this sweep (its id or name).")] = None,
+    baseline: Annotated[str | None, typer.Option(help="A group to compare the others with, paired by seed: its "
                                                     "label or a value only it has (e.g. grpo).")] = None,
-    group_by: Annotated[Optional[str], typer.Option(help="Group by these instead (comma list): tags (the runs' "
+    group_by: Annotated[str | None, typer.Option(help="Group by these instead (comma list): tags (the runs' "
                                                     "`qae tag` tags, e.g. with --baseline baseline) or config keys "
                                                     "(estimator,k).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON (no tables).")] = False,
@@ -482,11 +482,11 @@ def _finite(value):
 
 def sweep_command(
     seeds: Annotated[int, typer.Option(help="Seeds per point, from --seed on (3 or more give intervals).")] = 1,
-    name: Annotated[Optional[str], typer.Option(help="The sweep's name (prefix of its run ids); default: "
+    name: Annotated[str | None, typer.Option(help="The sweep's name (prefix of its run ids); default: "
                                                 "sweep-<hash of the shared options>.")] = None,
     parallel: Annotated[int, typer.Option(help="Runs at a time, each with its share of the cores (at most "
                                                 "the number of cores).")] = 1,
-    config: Annotated[Optional[Path], typer.Option("--config", help="TOML file with train options for every "
+    config: Annotated[Path | None, typer.Option("--config", help="TOML file with train options for every "
                                                    "point; command-line options override it.")] = None,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
     cpu: Annotated[bool, typer.Option("--cpu/--no-cpu", help="Force CPU even when a GPU is present.")] = False,
@@ -602,7 +602,7 @@ def eval_command(
 
 def export(run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
            out: Annotated[Path, typer.Option(help="Folder to write the Hugging Face model to (new or empty).")],
-           checkpoint: Annotated[Optional[int], typer.Option(help="Checkpoint step (default: the newest).")] = None,
+           checkpoint: Annotated[int | None, typer.Option(help="Checkpoint step (default: the newest).")] = None,
            runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
     """Write a run's model as a Hugging Face folder (config, safetensors, tokenizer) for vLLM or the hub."""
     from qae_app.evaluation.evaluate import export_model

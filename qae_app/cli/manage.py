@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -60,8 +60,8 @@ def note(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
     console.print(f"run {escape(run)}: note {'cleared' if not text else 'saved'}", highlight=False)
 
 
-def stop(run: Annotated[Optional[str], typer.Argument(help="Run id (see `qae runs`), or --sweep.")] = None,
-         sweep: Annotated[Optional[str], typer.Option(help="Stop this sweep (its id or name): its `qae sweep` "
+def stop(run: Annotated[str | None, typer.Argument(help="Run id (see `qae runs`), or --sweep.")] = None,
+         sweep: Annotated[str | None, typer.Option(help="Stop this sweep (its id or name): its `qae sweep` "
                                                       "process and every run of it training now.")] = None,
          timeout: Annotated[float, typer.Option(help="Seconds to wait for its checkpoint.")] = 600.0,
          runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
@@ -121,8 +121,8 @@ def _stop_sweep(sweep: str, runs_dir, timeout: float) -> None:
                   "are kept, interrupted ones resume).", highlight=False, soft_wrap=True)
 
 
-def rm(runs: Annotated[Optional[list[str]], typer.Argument(help="Run ids to delete (or --sweep).")] = None,
-       sweep: Annotated[Optional[str], typer.Option(help="Delete every run of this sweep (its id or name).")] = None,
+def rm(runs: Annotated[list[str] | None, typer.Argument(help="Run ids to delete (or --sweep).")] = None,
+       sweep: Annotated[str | None, typer.Option(help="Delete every run of this sweep (its id or name).")] = None,
        yes: Annotated[bool, typer.Option("--yes", help="Delete without asking.")] = False,
        runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
     """Delete runs: their folders, database, checkpoints and all. A run being trained is refused (stop it first)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from itertools import zip_longest
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Group, RenderableType
@@ -29,7 +29,7 @@ TEXT_WIDTH = 100  # a sampled response is cut to this many characters
 
 
 def preview_command(
-    config: Annotated[Optional[Path], typer.Option("--config", help="The run's TOML file (what `qae train --config` "
+    config: Annotated[Path | None, typer.Option("--config", help="The run's TOML file (what `qae train --config` "
                                                    "takes); command-line options override it.")] = None,
     prompts: Annotated[int, typer.Option("--prompts", help="Prompts to sample, each --group-size times: the first "
                                          "ones of the run's data stream.")] = names.PREVIEW_PROMPTS,

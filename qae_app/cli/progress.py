@@ -9,6 +9,7 @@ silent one is a stuck one.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from datetime import timedelta
@@ -49,7 +50,7 @@ class StepPace:
 
     def steps_per_min(self) -> float | None:
         rates = [(b_step - a_step) / (b_time - a_time) * 60 for (a_step, a_time), (b_step, b_time)
-                 in zip(self.times, self.times[1:]) if b_time > a_time and b_step > a_step]
+                 in itertools.pairwise(self.times) if b_time > a_time and b_step > a_step]
         return statistics.median(rates) if rates else None
 
     def eta_s(self) -> float | None:
@@ -115,7 +116,7 @@ class TrainProgress:
         self.bar = Progress(FittedLine(console), console=console, disable=not self.live, transient=False)
         self.task = self.bar.add_task("train", total=total_steps, completed=done, stats={})
 
-    def __enter__(self) -> "TrainProgress":
+    def __enter__(self) -> TrainProgress:
         self.bar.__enter__()
         return self
 
@@ -150,7 +151,7 @@ class PreviewProgress:
                             disable=not console.is_terminal, transient=True)
         self.task = self.bar.add_task("loading", total=total_prompts)
 
-    def __enter__(self) -> "PreviewProgress":
+    def __enter__(self) -> PreviewProgress:
         self.bar.__enter__()
         return self
 

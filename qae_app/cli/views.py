@@ -119,7 +119,7 @@ def fit(columns: list[Column], width: int, title: str | None = None) -> Fitted:
         else:
             table.add_column(column.header, justify=column.justify, no_wrap=True, min_width=column.width(),
                              style=column.style)
-    for row in zip(*(c.cells for c in chosen)) if chosen and chosen[0].cells else []:
+    for row in zip(*(c.cells for c in chosen), strict=True) if chosen and chosen[0].cells else []:
         table.add_row(*[cell if isinstance(cell, (Text, RunCell)) else Text(str(cell)) for cell in row])
     return Fitted(table, [c.name or c.header.replace("\n", "") for c in columns if c not in chosen])
 
@@ -155,7 +155,8 @@ def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
     ids = [str(row["run_id"]) for row in rows]
     readable = [row.get("status") not in READ_STATUSES for row in rows]
     # with 0/1 rewards the mean reward is the accuracy: one column says both, and leaves room for entropy
-    same = all(number(row.get("reward_mean")) == number(row.get("accuracy")) for row, ok in zip(rows, readable) if ok)
+    same = all(number(row.get("reward_mean")) == number(row.get("accuracy"))
+               for row, ok in zip(rows, readable, strict=True) if ok)
 
     # the run ids lose the prefix they all share when the run column cannot show them whole
     fitted, prefix = fit(_runs_columns(rows, readable, same), width), ""
@@ -200,7 +201,7 @@ def _fitted_apart(rows: list[dict], readable: list[bool], same: bool, prefix: st
     leave out (what a shown column says), and those lines which columns fit: settled in a few rounds (each round can
     only drop columns)."""
     configs = [_config(row) if ok and row.get("estimator") not in RESULTS_ONLY_KINDS else None
-               for row, ok in zip(rows, readable)]
+               for row, ok in zip(rows, readable, strict=True)]
     dropped: list[str] | None = None
     while True:
         shown = [name for name in OPTIONS_IN_COLUMNS if dropped is None or name not in dropped]
@@ -220,7 +221,7 @@ def _runs_columns(rows: list[dict], readable: list[bool], same: bool, prefix: st
     configs = [_config(row) for row in rows]
     apart = apart or [[] for _ in rows]
     run_cells = [RunCell(run_id, options_text(options)) if options else Text(run_id)
-                 for run_id, options in zip(shown_ids, apart)]
+                 for run_id, options in zip(shown_ids, apart, strict=True)]
     # (an option wraps between options, never inside one, while the id's room allows)
     longest = max([*map(len, shown_ids), *(len(OPTIONS_INDENT + option_text(*option)) + 1
                                            for options in apart for option in options)], default=0)
@@ -232,23 +233,28 @@ def _runs_columns(rows: list[dict], readable: list[bool], same: bool, prefix: st
         Column("run", run_cells, flexible=True, name="run",
                min_width=max(MIN_ID_WIDTH, min(40, longest)) if whole_ids else MIN_ID_WIDTH),
         Column("status", [status_text(row["status"]) for row in rows]),
-        Column("estimator", [_estimator(row) if ok else "" for row, ok in zip(rows, readable)], priority=1),
-        Column("steps", [_progress(row, config) if ok else "" for row, config, ok in zip(rows, configs, readable)],
+        Column("estimator", [_estimator(row) if ok else "" for row, ok in zip(rows, readable, strict=True)],
+               priority=1),
+        Column("steps", [_progress(row, config) if ok else ""
+                         for row, config, ok in zip(rows, configs, readable, strict=True)],
                justify="right"),
-        Column(metric_header("reward_mean"), [cell(r, "reward_mean", ok) for r, ok in zip(rows, readable)],
+        Column(metric_header("reward_mean"), [cell(r, "reward_mean", ok) for r, ok in zip(rows, readable, strict=True)],
                justify="right", priority=2, name="reward_mean"),
         *([] if same else [Column(metric_header("accuracy"), [cell(r, "accuracy", ok) for r, ok in
-                                                              zip(rows, readable)],
+                                                              zip(rows, readable, strict=True)],
                                   justify="right", priority=2, name="accuracy")]),
-        Column(metric_header("heldout_accuracy"), [cell(r, "heldout_accuracy", ok) for r, ok in zip(rows, readable)],
+        Column(metric_header("heldout_accuracy"),
+               [cell(r, "heldout_accuracy", ok) for r, ok in zip(rows, readable, strict=True)],
                justify="right", priority=3, name="heldout_accuracy"),
-        Column(metric_header("entropy"), [cell(r, "entropy", ok) for r, ok in zip(rows, readable)],
+        Column(metric_header("entropy"), [cell(r, "entropy", ok) for r, ok in zip(rows, readable, strict=True)],
                justify="right", priority=4, name="entropy"),
         # (`qae tag`: only when a run has some; words of any length, so after the numbers, which never give way to it)
         *([Column("tags", [str(row.get("tags") or "") for row in rows], priority=5, name="tags")]
           if any(row.get("tags") for row in rows) else []),
-        Column("model", [str(row.get("model") or "") if ok else "" for row, ok in zip(rows, readable)], priority=6),
-        Column("task", [str(row.get("task") or "") if ok else "" for row, ok in zip(rows, readable)], priority=7),
+        Column("model", [str(row.get("model") or "") if ok else "" for row, ok in zip(rows, readable, strict=True)],
+               priority=6),
+        Column("task", [str(row.get("task") or "") if ok else "" for row, ok in zip(rows, readable, strict=True)],
+               priority=7),
         Column("created (UTC)", [_time(row.get("created_at")) for row in rows], priority=8, name="created"),
     ]
 
@@ -359,7 +365,7 @@ def picked_steps(steps: pd.DataFrame, every: int) -> tuple[list[int], str]:
     numbers = [int(step) for step in steps["step"]]
     last = len(steps) - 1
     evaluated = ([] if every or "heldout_accuracy" not in steps else
-                 [step for step, value in zip(numbers, steps["heldout_accuracy"]) if not missing(value)])
+                 [step for step, value in zip(numbers, steps["heldout_accuracy"], strict=True) if not missing(value)])
     interval = math.gcd(*evaluated) if evaluated else 0
     if interval > 1:
         fitting = [d for d in range(1, interval + 1) if interval % d == 0 and len(steps) / d <= SHOWN_STEPS]
@@ -516,7 +522,7 @@ def rollouts_view(run: str, step: int, frame: pd.DataFrame, everything: pd.DataF
             Column("advantage", [f"{v:+.4f}" for v in rows["advantage"]], justify="right"),
             Column("why gated", [Text("filtered", style="yellow") if f else Text(str(r), style="dim") if g
                                  else Text("kept", style="bold") for r, g, f in
-                                 zip(rows["gate_reason"], rows["gated"], filtered[rows.index].tolist())]),
+                                 zip(rows["gate_reason"], rows["gated"], filtered[rows.index].tolist(), strict=True)]),
             Column("response", responses, flexible=True, overflow="fold" if full else "ellipsis", min_width=16),
         ]
         parts.append(fit(columns, width).table)

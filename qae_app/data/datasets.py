@@ -242,7 +242,7 @@ def _read_csv(path: Path, text: str, require_question: bool) -> list[tuple[int, 
                     f"data: '{path}' line {start} has {len(cells)} cell{'s' * (len(cells) != 1)}, but the header "
                     f"(line 1) names {len(header)} columns ({', '.join(header)}). Give each row one cell per column; "
                     'quote a cell that holds the separator or a newline ("a, b").')
-            rows.append((start, dict(zip(header, cells))))
+            rows.append((start, dict(zip(header, cells, strict=True))))
     except csv.Error as e:
         raise QAEUserError(f"data: '{path}' is not valid CSV ({e} at line {reader.line_num}). Quote a cell that "
                            'holds a comma, quote or newline, doubling the quotes inside it ("say ""hi""").') from None

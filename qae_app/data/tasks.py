@@ -58,7 +58,7 @@ class Task:
         """What the model is sent for `problem`: text, or chat messages (prompt_format.build_prompt)."""
         return build_prompt(problem, self.prompt_template, self.system_prompt, self.row_messages)
 
-    def with_format(self, prompt_format: PromptFormat | None) -> "Task":
+    def with_format(self, prompt_format: PromptFormat | None) -> Task:
         """This task with the user's --prompt-template and --system-prompt, every problem's prompt built once so a
         column a template names and a row lacks is refused now, not mid-run."""
         if prompt_format is None or prompt_format == PromptFormat():
@@ -123,7 +123,7 @@ CHAIN_SEED = 4321  # fixed forever: changing it changes every problem and the he
 def chain_question(operands: list[int], ops: list[str]) -> str:
     """`((7+5)*3)-4=`: brackets make left-to-right evaluation the ordinary reading."""
     text = str(operands[0])
-    for i, (op, b) in enumerate(zip(ops, operands[1:])):
+    for i, (op, b) in enumerate(zip(ops, operands[1:], strict=True)):
         text = f"{text}{op}{b}"
         if i < len(ops) - 1:
             text = f"({text})"
@@ -134,7 +134,7 @@ def chain_response(operands: list[int], ops: list[str]) -> tuple[str, int]:
     """(`7+5=12,12*3=36,36-4=32 so 32`, 32): each intermediate result, then the final answer."""
     value = operands[0]
     steps = []
-    for op, b in zip(ops, operands[1:]):
+    for op, b in zip(ops, operands[1:], strict=True):
         result = _arith_value(value, op, b)
         steps.append(f"{value}{op}{b}={result}")
         value = result

@@ -141,10 +141,11 @@ class _Layers:
         self.kv_heads = config.num_key_value_heads
         self.scaling = first.scaling
         layers = model.model.layers
-        self.qkv = [_fused([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], rows) for l in layers]
-        self.o = [_fused([l.self_attn.o_proj], rows) for l in layers]
-        self.gate_up = [_fused([l.mlp.gate_proj, l.mlp.up_proj], rows) for l in layers]
-        self.down = [_fused([l.mlp.down_proj], rows) for l in layers]
+        self.qkv = [_fused([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], rows)
+                    for layer in layers]
+        self.o = [_fused([layer.self_attn.o_proj], rows) for layer in layers]
+        self.gate_up = [_fused([layer.mlp.gate_proj, layer.mlp.up_proj], rows) for layer in layers]
+        self.down = [_fused([layer.mlp.down_proj], rows) for layer in layers]
         self.lm_head = _fused([model.lm_head], rows)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -230,7 +231,7 @@ def _draw(logits: torch.Tensor, temperature: float, rows: torch.Tensor, batch: i
         if first < last:
             part = noise if last - first == end - begin else noise[rows[first:last] - begin]
             parts.append(_draw_rows(logits[first:last], temperature, part))
-    return tuple(torch.cat(columns) for columns in zip(*parts))
+    return tuple(torch.cat(columns) for columns in zip(*parts, strict=True))
 
 
 def _draw_rows(logits: torch.Tensor, temperature: float, noise: torch.Tensor):
@@ -273,7 +274,7 @@ def sample(model: torch.nn.Module, encoded: list[list[int]], temperature: float,
     for step in range(max_new_tokens):
         tokens, token_logp, entropy = _draw(logits, temperature, rows, batch)
         for row, done, token, lp, ent in zip(rows.tolist(), finished.tolist(), tokens.tolist(), token_logp.tolist(),
-                                             entropy.tolist()):
+                                             entropy.tolist(), strict=True):
             if not done:  # a finished row kept in the batch until the next compaction samples nothing more
                 generated[row].append(token)
                 logprobs[row].append(lp)
@@ -292,7 +293,7 @@ def sample(model: torch.nn.Module, encoded: list[list[int]], temperature: float,
         hidden = layers.forward(tokens[:, None], (lengths + step)[:, None], keys, values, column,
                                 key_mask[:, : column + 1])
         logits = layers.lm_head(hidden[:, -1])  # (rows, vocab)
-    return list(zip(generated, logprobs, entropies))
+    return list(zip(generated, logprobs, entropies, strict=True))
 
 
 def _empty_cache(model: torch.nn.Module, layers: _Layers, batch: int, columns: int,

@@ -181,7 +181,7 @@ class HFGenerateEngine:
             if loop:  # the same samples as generate's below, sooner (qae_app/engines/decode.py)
                 rows = decode.sample(model, [ids for _, ids in chunk], temperature, max_new_tokens,
                                      self.codec.stop_ids)
-                for (i, ids), (generated, logprobs, entropies) in zip(chunk, rows):
+                for (i, ids), (generated, logprobs, entropies) in zip(chunk, rows, strict=True):
                     response, truncated = cut_at_stop(generated, self.codec.stop_ids)
                     samples.append(Sample(i, ids, response, self.codec.decode(response), truncated, logprobs,
                                           entropies, shown[i]))
@@ -205,7 +205,8 @@ class HFGenerateEngine:
                 out = self.sample_batch(input_ids.to(device), attention_mask.to(device), config, repeats)
             token_logprobs, token_entropies = (stats.finish(out[:, -1]) if stats is not None and out.shape[1] > width
                                                else (None, None))
-            for row, ((i, ids), generated) in enumerate(zip(chunk, out[:, width:].tolist())):  # (chunk, new)
+            new_tokens = out[:, width:].tolist()
+            for row, ((i, ids), generated) in enumerate(zip(chunk, new_tokens, strict=True)):
                 response, truncated = cut_at_stop(generated, self.codec.stop_ids)
                 length = len(response)
                 samples.append(Sample(i, ids, response, self.codec.decode(response), truncated,

@@ -21,7 +21,7 @@ class SamplingOptions:
     top_k: int = 0  # keep the k most likely tokens (0: off)
     min_p: float = 0.0  # drop tokens below min_p x the top token's probability (0: off)
 
-    def validate(self) -> "SamplingOptions":
+    def validate(self) -> SamplingOptions:
         if not 0 < self.top_p <= 1:
             raise QAEUserError(f"top-p: {self.top_p}. Use a value in (0, 1]; 1 keeps the whole distribution.")
         if self.top_k < 0:

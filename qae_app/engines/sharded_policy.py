@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -24,7 +24,7 @@ class ShardedPolicy:
         self.wrapped = wrapped
 
     @classmethod
-    def of(cls, accelerator, wrapped: torch.nn.Module) -> "ShardedPolicy":
+    def of(cls, accelerator, wrapped: torch.nn.Module) -> ShardedPolicy:
         return cls(sharding_plan_for(accelerator), wrapped)
 
     def generation_context(self):

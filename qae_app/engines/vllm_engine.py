@@ -296,7 +296,8 @@ def sampled_logprobs(completion, response: list[int]) -> list[float] | None:
     steps = getattr(completion, "logprobs", None)
     if steps is None:
         return None
-    return [step[token].logprob for step, token in zip(steps, response)]
+    # `response` may stop short of the generated tokens (a prefix), so only its own steps are read
+    return [step[token].logprob for step, token in zip(steps, response, strict=False)]
 
 
 def _has_inplace_reload() -> bool:

@@ -72,7 +72,7 @@ def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: li
                                       [chunk[s.prompt_index] for s in samples], 0, [s.response_ids for s in samples])
         counters = defaultdict(int)
         for sample, text, correct, verified in zip(samples, texts, rewards.correct(components),
-                                                   rewards.verified(components)):
+                                                   rewards.verified(components), strict=True):
             problem = chunk[sample.prompt_index]
             rows.append({
                 "problem_id": problem.prompt_id,
@@ -109,7 +109,7 @@ def summarize(benchmark: str, problems: list[Problem], samples: list[dict], k: i
             continue
         n = len(groups)
 
-        def add(metric: str, kk: int, value: float) -> None:
+        def add(metric: str, kk: int, value: float, subset: str = subset, n: int = n) -> None:
             metrics.append({"benchmark": benchmark, "subset": subset, "metric": metric, "k": kk, "value": value,
                             "n_problems": n})
 
@@ -377,7 +377,7 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None, trained=None,
         target = resolve_model(cfg.model, runs_dir)
         policy, codec = load_policy(target.model_path, cfg.dtype)
     prompts = [task.prompt(p) for p in problems]
-    by_id = list(zip([p.prompt_id for p in problems], prompts))
+    by_id = list(zip([p.prompt_id for p in problems], prompts, strict=True))
     check_prompt_lengths(policy, codec, by_id, max_new_tokens, "bench")
     rollout_engine = make_engine(cfg.engine, policy, codec, model_path=target.model_path,
                                  sampling=SamplingOptions(cfg.top_p, cfg.top_k, cfg.min_p),

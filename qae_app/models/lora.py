@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 

@@ -88,7 +88,7 @@ class CharTokenizer:
         )
 
     @classmethod
-    def load(cls, directory: Path) -> "CharTokenizer":
+    def load(cls, directory: Path) -> CharTokenizer:
         spec = json.loads((Path(directory) / CHAR_TOKENIZER_FILE).read_text())
         return cls(spec["chars"], spec["vocab_size"])
 

@@ -66,9 +66,8 @@ def extract_answer(text: str) -> str | None:
                 m = _SPACE_FORM_RE.match(text, box.end())
                 if m:
                     return m.group(1)
-    last = None
-    for last in _FINAL_LINE_RE.finditer(text):
-        pass
+    matches = list(_FINAL_LINE_RE.finditer(text))
+    last = matches[-1] if matches else None
     if last is None:
         return None
     line_end = text.find("\n", last.end())
@@ -104,7 +103,6 @@ def final_number_answer(text: str) -> str | None:
     lines = list(_ANSWER_LINE_RE.finditer(text))
     if lines:
         return lines[-1].group(1).replace(",", "")
-    last = None
-    for last in _NUMBER_RE.finditer(text):
-        pass
+    matches = list(_NUMBER_RE.finditer(text))
+    last = matches[-1] if matches else None
     return last.group(0).replace(",", "") if last is not None else None

@@ -36,7 +36,7 @@ def exact_int_reward(responses: list[str], answers: list[str]) -> list[float | N
     """1.0 when the response, stripped of whitespace, is exactly the gold integer string; else 0.0. Never None."""
     check_lengths(responses, answers)
     return [1.0 if INTEGER_RE.fullmatch(r.strip()) and r.strip() == a.strip() else 0.0
-            for r, a in zip(responses, answers)]
+            for r, a in zip(responses, answers, strict=True)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -50,7 +50,7 @@ def chain_final_reward(responses: list[str], answers: list[str]) -> list[float |
     The scratchpad before the marker is not read: `1+1=3 so 2` scores 1 for gold 2, as outcome rewards do."""
     check_lengths(responses, answers)
     scores: list[float | None] = []
-    for response, answer in zip(responses, answers):
+    for response, answer in zip(responses, answers, strict=True):
         final = chain_final_answer(response)
         scores.append(1.0 if final is not None and INTEGER_RE.fullmatch(final) and final == answer.strip() else 0.0)
     return scores
@@ -113,7 +113,7 @@ class BuiltinVerifier:
         if self.pool is not None:
             self.pool.close()
 
-    def __enter__(self) -> "BuiltinVerifier":
+    def __enter__(self) -> BuiltinVerifier:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -142,5 +142,5 @@ def shape_rewards(scores: list[float | None], lengths: list[int], values: tuple[
     correct = [score == 1.0 for score in scores]
     wrong_value, correct_value = values
     rewards = [(correct_value if ok else wrong_value) + overlong_penalty(length, max_new_tokens, buffer, factor)
-               for ok, length in zip(correct, lengths)]
+               for ok, length in zip(correct, lengths, strict=True)]
     return rewards, correct

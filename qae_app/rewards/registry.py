@@ -88,19 +88,19 @@ class RewardSet:
         self.user_pool = (MathVerifierPool(timeout_s=timeout_s, memory_limit_mb=None, shortcuts=False,
                                            handler=handle_item, init=(load_user_rewards, resolved))
                           if self.user_specs else None)
-        self.weight_of: dict[str, float] = {spec.name: w for spec, w in zip(self.specs, self.weights)}
+        self.weight_of: dict[str, float] = {spec.name: w for spec, w in zip(self.specs, self.weights, strict=True)}
         self.builtin_names = {spec.name for spec in self.specs if not spec.is_user_code}
         self.last_timeouts: dict[str, int] = {}  # spec text -> responses of the last call scored None at the deadline
 
     @classmethod
     def of(cls, reward: list[str] | None, reward_weights: str | None, default: str, timeout_s: float = 3.0,
-           values: tuple[float, float] = (0.0, 1.0)) -> "RewardSet":
+           values: tuple[float, float] = (0.0, 1.0)) -> RewardSet:
         """The rewards the user named (--reward, --reward-weights), else the task's `default` built-in."""
         specs = parse_reward_specs(reward) if reward else [parse_reward_spec(default)]
         return cls(specs, parse_reward_weights(reward_weights, len(specs)), timeout_s, values)
 
     @classmethod
-    def of_verifier(cls, verifier: BuiltinVerifier) -> "RewardSet":
+    def of_verifier(cls, verifier: BuiltinVerifier) -> RewardSet:
         """The RewardSet of one built-in reward's `BuiltinVerifier` that the caller made (closing either closes it)."""
         return cls([parse_reward_spec(verifier.name)], verifiers={verifier.name: verifier})
 
@@ -126,7 +126,7 @@ class RewardSet:
                                       timeout_s=max(self.timeout_s, PROBE_TIMEOUT_S))
         available = sorted(set(columns) - set(PASSED_ALWAYS))
         record = {}
-        for spec, answer in zip(self.user_specs, answers):
+        for spec, answer in zip(self.user_specs, answers, strict=True):
             if answer is None:
                 raise RewardError(f"reward: {spec.text}: its worker did not answer within {PROBE_TIMEOUT_S:g} s of "
                                   "starting. Does importing its module wait on something?")
@@ -257,7 +257,7 @@ class RewardSet:
         if self.user_pool is not None:
             self.user_pool.close()
 
-    def __enter__(self) -> "RewardSet":
+    def __enter__(self) -> RewardSet:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -362,7 +362,7 @@ class MathVerifierPool:
         # identical (answer, gold) pairs are verified once: a group's samples often agree, and a policy stuck on one
         # hostile answer costs one timeout, not one per sample
         unique: dict[tuple[str, str], list[int]] = {}
-        for i, (response, gold) in enumerate(zip(responses, answers)):
+        for i, (response, gold) in enumerate(zip(responses, answers, strict=True)):
             prediction = self.extract(response)
             quick = self._shortcut(prediction, gold)
             if quick is not None:
@@ -373,7 +373,7 @@ class MathVerifierPool:
             return results
         items = list(unique)
         item_results = self.run_items(items)
-        for item, score in zip(items, item_results):
+        for item, score in zip(items, item_results, strict=True):
             for i in unique[item]:
                 results[i] = score
         return results

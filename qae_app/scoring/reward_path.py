@@ -62,6 +62,6 @@ def score_batch(rewards: RewardSet, cfg: TrainConfig, samples: list, problems: l
                                        [reward_prompt(prompts[i], problems[i]) for i in asked],
                                        [problems[i] for i in asked], step, [s.response_ids for s in samples])
     shaped = [total + overlong_penalty(len(s.response_ids), cfg.max_new_tokens, cfg.overlong_buffer,
-                                       cfg.overlong_penalty) for total, s in zip(totals, samples)]
+                                       cfg.overlong_penalty) for total, s in zip(totals, samples, strict=True)]
     return ScoredBatch(shaped, rewards.correct(components), rewards.verified(components),
                        components if cfg.reward is not None else {}, rewards.timeout_warning(step, len(samples)))

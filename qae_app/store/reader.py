@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import duckdb
 
@@ -152,7 +153,7 @@ def _run_summary(path: Path) -> list[dict]:
     with open_reader(path) as cursor:
         result = cursor.execute(SQL_RUN_SUMMARY)
         names = [column[0] for column in result.description]
-        return [_seen_from_folder(dict(zip(names, values)), path) for values in result.fetchall()]
+        return [_seen_from_folder(dict(zip(names, values, strict=True)), path) for values in result.fetchall()]
 
 
 def read_runs(runs_dir: Path) -> pd.DataFrame:

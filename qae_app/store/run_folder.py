@@ -382,7 +382,7 @@ class RunLock:
         self.path = Path(folder) / LOCK_FILE
         self._fd: int | None = None
 
-    def acquire(self, what: str, attempts: int = 40) -> "RunLock":
+    def acquire(self, what: str, attempts: int = 40) -> RunLock:
         from qae_app.core.host_faults import environment_errno, environment_error
 
         try:

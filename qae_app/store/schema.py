@@ -89,10 +89,11 @@ STEP_METRICS: dict[str, str] = {
     "clip_frac_low": "fraction of tokens with negative advantage and ratio < 1 - clip_low (clipped)",
     "clip_frac_high": "fraction of tokens with positive advantage and ratio > 1 + clip_high (clipped)",
     "mismatch_logp_abs": "mean absolute difference logp_old - logp_sampler over the response tokens the loss weighs "
-                         "(responses with advantage != 0; every response under a KL term): logp_old the trainer's log-prob under the "
-                         "sampling weights (the ratio's denominator), logp_sampler the engine's while it sampled; "
-                         "~1e-7 for the hf engine in the trainer's dtype (float32 rounding: its decode loop sums in "
-                         "another order), ~1e-2 for a bfloat16 sampler; NULL where the engine returns none",
+                         "(responses with advantage != 0; every response under a KL term): logp_old the trainer's "
+                         "log-prob under the sampling weights (the ratio's denominator), logp_sampler the engine's "
+                         "while it sampled; ~1e-7 for the hf engine in the trainer's dtype (float32 rounding: its "
+                         "decode loop sums in another order), ~1e-2 for a bfloat16 sampler; NULL where the engine "
+                         "returns none",
     "mismatch_k3_kl": "k3 estimate of KL(pi_sampler, pi_old) over the same tokens, the sampler's distribution first: "
                       "mean of exp(d) - d - 1 with d = logp_old - logp_sampler (verl's mismatch_k3_kl; >= 0)",
     "mismatch_ratio_max": "largest pi_old / pi_sampler = exp(d) over the same tokens (--rollout-correction tis caps "

@@ -21,10 +21,11 @@ import operator
 import os
 import re
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import duckdb
 
@@ -91,7 +92,7 @@ def _storable(value):
     return value
 
 
-def _column(values: list) -> "np.ndarray":
+def _column(values: list) -> np.ndarray:
     """One column of rows as DuckDB's NumPy scan takes it, typed as pandas' `from_records` would type it (so the file
     holds what it held when the rows went in as a frame): numbers as float64 (None and NaN become NULL, ints only when
     none is missing), bools as bool when none is missing, anything else (text with `_storable` text, timestamps) as
@@ -123,7 +124,7 @@ def _column(values: list) -> "np.ndarray":
     return np.fromiter(values, dtype=object, count=len(values))
 
 
-def _storable_columns(records: list[dict]) -> dict[str, "np.ndarray"]:
+def _storable_columns(records: list[dict]) -> dict[str, np.ndarray]:
     """`records` as columns (every key of any record; None where one lacks it), each a `_column`. No pandas: its
     import alone (0.3-0.9 s) cost the trainer's process more than a default run's database writes."""
     if set(map(len, records)) == {len(set().union(*records))}:  # every record has every key (the trainer's rows)
@@ -357,9 +358,9 @@ class RunWriter:
                                 [*write.fields.values(), self.run_id])
                     done = [write]
                 else:
-                    self._in_transaction(con, lambda: [con.execute(f"DELETE FROM {table} WHERE run_id = ? AND "
-                                                                   "step > ?", [self.run_id, write.step])
-                                                       for table in STEP_TABLES])
+                    self._in_transaction(con, lambda after=write.step: [
+                        con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step > ?", [self.run_id, after])
+                        for table in STEP_TABLES])
                     done = [write]
                 del self.pending[: len(done)]
                 for written in done:

@@ -64,7 +64,7 @@ class PolicySnapshot:
 
     def restore(self) -> None:
         with torch.no_grad():
-            for p, saved in zip(self.parameters, self.weights):
+            for p, saved in zip(self.parameters, self.weights, strict=True):
                 p.copy_(saved)
                 p.grad = None
         # (a parameter without state before the trial, as at step 1, gets none after it)
@@ -109,7 +109,7 @@ def entropy_attribution(model, optimizer, batch, advantages: torch.Tensor, corre
     _, before = logprobs_in_chunks(model, batch, rows, options, acc, with_entropy=True)  # (n_rows, T-1)
     out = {}
     try:
-        for source, has_source in zip(SOURCES, present.tolist()):
+        for source, has_source in zip(SOURCES, present.tolist(), strict=True):
             names = (f"dH_from_{source}", f"dH_hard_from_{source}", f"dH_easy_from_{source}")
             if source != "none" and not has_source:
                 out.update(dict.fromkeys(names, math.nan))
@@ -122,7 +122,7 @@ def entropy_attribution(model, optimizer, batch, advantages: torch.Tensor, corre
                                 dtype=torch.float64, device=acc.device)  # (3, 2): change, tokens
             if acc.num_processes > 1:
                 sums = acc.reduce(sums, reduction="sum")
-            out.update({name: (c / t if t else math.nan) for name, (c, t) in zip(names, sums.tolist())})
+            out.update({name: (c / t if t else math.nan) for name, (c, t) in zip(names, sums.tolist(), strict=True)})
             snapshot.restore()
     finally:
         snapshot.restore()

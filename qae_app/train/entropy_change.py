@@ -34,7 +34,7 @@ def entropy_change(model, batch, entropy_before: torch.Tensor, correct: torch.Te
                         dtype=torch.float64, device=acc.device)  # (3, 2): change, tokens
     if acc.num_processes > 1:
         sums = acc.reduce(sums, reduction="sum")
-    return {name: (c / t if t else math.nan) for name, (c, t) in zip(parts, sums.tolist())}
+    return {name: (c / t if t else math.nan) for name, (c, t) in zip(parts, sums.tolist(), strict=True)}
 
 
 def response_regimes(correct: torch.Tensor, split_k: float, group_size: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ the built-in model under `--dtype bfloat16 --lr 1e-6`, 1.5%) while the run looks
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

@@ -16,8 +16,8 @@ The run must not be training (its lock is taken). Running it again on a migrated
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from qae_app.config import FIELDS, TrainConfig
 from qae_app.core.errors import QAEUserError

@@ -166,7 +166,7 @@ class RunSession:
             self.close()
             raise
 
-    def __enter__(self) -> "RunSession":
+    def __enter__(self) -> RunSession:
         return self
 
     def __exit__(self, *exc) -> None:

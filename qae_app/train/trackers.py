@@ -51,7 +51,7 @@ def finite_values(row: dict, columns) -> dict[str, float]:
     return out
 
 
-def start_trackers(report_to: str | None, run_id: str, run_dir: Path, config: dict) -> "Trackers | None":
+def start_trackers(report_to: str | None, run_id: str, run_dir: Path, config: dict) -> Trackers | None:
     """The trackers --report-to names, started with the run's config (None when it names none)."""
     wanted = report_to_trackers(report_to)
     return Trackers(wanted, run_id, run_dir, config) if wanted else None

@@ -666,7 +666,7 @@ class Trainer:
         self.model = self.ref_model = self.optimizer = self.scheduler = self.engine = None
         gc.collect()  # (modules with hooks are cycles: freed by a collection, not by their last reference)
 
-    def __enter__(self) -> "Trainer":
+    def __enter__(self) -> Trainer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -31,7 +31,7 @@ class TrainerState:
         path.write_text(json.dumps(self.__dict__))
 
     @classmethod
-    def load(cls, path: Path) -> "TrainerState":
+    def load(cls, path: Path) -> TrainerState:
         """The state saved at `path`; QAEUserError naming the file when it is not one (`problem` says why)."""
         problem = cls.problem(path)
         if problem is not None:

@@ -77,7 +77,7 @@ class UpdateOptions:
     logprob_chunk_tokens: int = 0  # tokens per chunk of the chunked vocabulary projection; 0: the full logits
 
     @classmethod
-    def from_config(cls, cfg, **how) -> "UpdateOptions":
+    def from_config(cls, cfg, **how) -> UpdateOptions:
         """The update options of a TrainConfig; `how`: skip_gated, lockstep, logits_keyword, logprob_chunk_tokens
         (the trainer decides it once per run: the config's request, if the model allows the chunked head)."""
         return cls(**{name: getattr(cfg, name) for name in CONFIG_OPTIONS}, **how)
@@ -316,7 +316,7 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
                               dtype=torch.float64, device=acc.device)  # (num_mini_batches, 2)
         if acc.num_processes > 1:
             counts = acc.reduce(counts, reduction="sum")
-        for mb, ix, (mb_tokens, mb_forwarded) in zip(mini_batches, mine, counts.tolist()):
+        for mb, ix, (mb_tokens, mb_forwarded) in zip(mini_batches, mine, counts.tolist(), strict=True):
             normalizer = {"tokens": mb_tokens, "sequences": len(mb), "max_len": options.max_new_tokens}
             optimizer.zero_grad(set_to_none=True)
             if mb_forwarded == 0:
@@ -339,7 +339,7 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
         shares = ("loss", "pg_loss", "kl", "clipped_low", "clipped_high")
         summed = acc.reduce(torch.tensor([totals[k] for k in shares], dtype=torch.float64, device=acc.device),
                             reduction="sum").tolist()
-        totals.update(zip(shares, summed))
+        totals.update(zip(shares, summed, strict=True))
     stats = {key: totals[key] / max(n_updates, 1) for key in ("loss", "pg_loss", "kl", "grad_norm")}
     # (n_rows,) the responses whose loss terms count: advantage != 0, and every one under a KL term (its penalty
     # weighs each response's tokens)
@@ -481,7 +481,7 @@ def rollout_mismatch(batch, old_logp: torch.Tensor, rows: torch.Tensor, accelera
     abs_sum, k3_sum, tokens, ratio_max = sums.tolist()
     if not tokens:
         return dict.fromkeys(MISMATCH_METRICS, math.nan)
-    return dict(zip(MISMATCH_METRICS, (abs_sum / tokens, k3_sum / tokens, ratio_max)))
+    return dict(zip(MISMATCH_METRICS, (abs_sum / tokens, k3_sum / tokens, ratio_max), strict=True))
 
 
 # a step with nothing to learn from (dynamic sampling)

@@ -34,7 +34,7 @@ class WarmstartConfig:
     seed: int = 0
     threads: int = 2  # fixed so the result does not depend on the machine's core count
 
-    def resolved(self) -> "WarmstartConfig":
+    def resolved(self) -> WarmstartConfig:
         """A copy with the recipe's steps filled in; checked."""
         warm_startable = [name for name, task in BUILTIN_TASKS.items() if task.warmstart_steps > 0]
         if self.task not in warm_startable:

@@ -369,7 +369,7 @@ def test_every_estimator_labels_regimes_by_the_same_rule():
     for name in ESTIMATOR_FUNCTIONS:
         out = compute_advantages(name, rewards, EstimatorConfig(k=0.4), correct)
         expected = [reference_regime(r.tolist(), b, c.tolist()) for r, b, c in
-                    zip(rewards, out.baseline.tolist(), correct)]
+                    zip(rewards, out.baseline.tolist(), correct, strict=True)]
         assert [REGIMES[i] for i in out.regime.tolist()] == expected, name
     assert "lowest reward" in names.REGIME_RULE and "highest" in names.REGIME_RULE
 

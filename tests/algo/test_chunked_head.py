@@ -69,7 +69,7 @@ def test_float64_values_and_gradients_equal_the_plain_path(chunk_tokens, tempera
     assert ours[0].dtype == ours[1].dtype == torch.float64
     torch.testing.assert_close(ours[0], ref[0], rtol=0, atol=1e-10)
     torch.testing.assert_close(ours[1], ref[1], rtol=0, atol=1e-10)
-    for mine, theirs in zip(ours[2], ref[2]):
+    for mine, theirs in zip(ours[2], ref[2], strict=True):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-10)
 
 
@@ -83,7 +83,7 @@ def test_log_probs_alone_and_no_bias_equal_the_plain_path():
                             (hidden, weight), up_logp)
     assert ours[1] is None
     torch.testing.assert_close(ours[0], ref[0], rtol=0, atol=1e-10)
-    for mine, theirs in zip(ours[2], ref[2]):
+    for mine, theirs in zip(ours[2], ref[2], strict=True):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-10)
 
 
@@ -94,7 +94,7 @@ def test_entropy_alone_has_the_plain_gradient():
     ref = torch.autograd.grad(plain_head_logprobs(hidden, weight, bias, targets, 0.9)[1].sum(), leaves)
     ours = torch.autograd.grad(head_logprobs_and_entropy(hidden, weight, bias, targets, 0.9, chunk_tokens=2)[1].sum(),
                                leaves)
-    for mine, theirs in zip(ours, ref):
+    for mine, theirs in zip(ours, ref, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-10)
 
 
@@ -111,7 +111,7 @@ def test_masked_padding_positions_give_the_plain_gradient():
                             mask)
     torch.testing.assert_close(ours[0], ref[0], rtol=0, atol=1e-10)
     assert ours[2][0][3].abs().max() == 0  # no gradient reaches a fully masked row
-    for mine, theirs in zip(ours[2], ref[2]):
+    for mine, theirs in zip(ours[2], ref[2], strict=True):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-10)
 
 
@@ -126,7 +126,8 @@ def test_float32_equals_the_plain_path_to_float32_rounding():
                            up_entropy)
     ours = values_and_grads(lambda: head_logprobs_and_entropy(hidden, weight, bias, targets, 0.8, chunk_tokens=10),
                             leaves, up_logp, up_entropy)
-    for mine, theirs, bound in zip([ours[0], ours[1], *ours[2]], [ref[0], ref[1], *ref[2]], [1e-6] * 2 + [2e-6] * 3):
+    bounds = [1e-6] * 2 + [2e-6] * 3
+    for mine, theirs, bound in zip([ours[0], ours[1], *ours[2]], [ref[0], ref[1], *ref[2]], bounds, strict=True):
         assert mine.dtype == theirs.dtype == torch.float32
         assert max_relative_gap(mine, theirs) < bound
 
@@ -145,7 +146,7 @@ def test_bf16_weights_give_bf16_gradients_close_to_float32():
     assert [g.dtype for g in ours[2]] == [torch.bfloat16] * 3
     assert (ours[0] - ref[0]).abs().max() < 0.05  # log-probs ~ -6: bf16 logits (8 bits) are off by ~1e-2
     assert (ours[1] - ref[1]).abs().max() < 0.05
-    for mine, theirs in zip(ours[2], ref[2]):
+    for mine, theirs in zip(ours[2], ref[2], strict=True):
         assert max_relative_gap(mine, theirs) < 2e-2
     # and the same numbers as the plain path on the bf16 head (its logits upcast to float32)
     plain_bf16 = plain_head_logprobs(*leaves, targets, 0.9)
@@ -264,7 +265,7 @@ def test_causal_lm_log_probs_and_parameter_gradients_equal_the_trainers_path(bui
     logp, entropy = causal_lm_logprobs(model, input_ids, attention_mask, first, 0.8, False, chunk_tokens=7)
     assert entropy is None
     grads = torch.autograd.grad((weights * logp).sum(), params)
-    for (name, _), mine, theirs in zip(model.named_parameters(), grads, ref_grads):
+    for (name, _), mine, theirs in zip(model.named_parameters(), grads, ref_grads, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-10, msg=name)
 
 
@@ -293,7 +294,7 @@ def test_causal_lm_through_a_ddp_wrapper(one_process_group):
         trainer_plain_logprobs(model, input_ids, attention_mask, 4, 1.0, False)[0].sum(), params)
     wrapped = DistributedDataParallel(model)
     causal_lm_logprobs(wrapped, input_ids, attention_mask, 4, 1.0, False)[0].sum().backward()
-    for p, theirs in zip(params, ref_grads):
+    for p, theirs in zip(params, ref_grads, strict=True):
         torch.testing.assert_close(p.grad, theirs, rtol=0, atol=1e-10)
 
 

@@ -95,7 +95,7 @@ def test_skipping_gated_sequences_leaves_the_gradient_unchanged(aggregation):
     kept_loss, kept = grads((advantages != 0).nonzero().squeeze(1))
     assert kept_loss == pytest.approx(full_loss, abs=1e-7)
     assert any(g.abs().sum() > 0 for g in full)
-    for a, b in zip(full, kept):
+    for a, b in zip(full, kept, strict=True):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
 
 

@@ -185,13 +185,13 @@ def test_rollouts_break_down_why_responses_were_gated(runs_cwd, width):
     text = invoke(runs_cwd, width, "rollouts", LONG_A, "--step", "30", "--limit", "200")
     path = db_path(runs_cwd / "runs", LONG_A)
     breakdown = read_gate_breakdown(path).query("step == 30")
-    for reason, n in zip(breakdown["gate_reason"], breakdown["n"]):
+    for reason, n in zip(breakdown["gate_reason"], breakdown["n"], strict=True):
         assert re.search(rf"^{reason}\s+{n}\s", text, re.MULTILINE), reason
     rows = read_rollouts(path, 30)
     table_rows = [line.split() for line in text.splitlines() if re.match(r"^\d+\s+[01]\s+[+-]\d", line)]
     assert len(table_rows) == len(rows)
     reasons = [cells[3] for cells in table_rows]
-    assert reasons == [r if g else "kept" for r, g in zip(rows["gate_reason"], rows["gated"])]
+    assert reasons == [r if g else "kept" for r, g in zip(rows["gate_reason"], rows["gated"], strict=True)]
     gated_only = invoke(runs_cwd, width, "rollouts", LONG_A, "--step", "30", "--why", "failure_in_hard_group")
     kept = [line.split() for line in gated_only.splitlines() if re.match(r"^\d+\s+[01]\s+[+-]\d", line)]
     assert len(kept) == int((rows["gate_reason"] == "failure_in_hard_group").sum()) and \
@@ -249,7 +249,7 @@ def test_show_at_80_columns_has_the_held_out_steps_and_runs_keeps_entropy(runs_c
     heldout = query(db_path(runs_cwd / "runs", LONG_A),
                                "SELECT step, heldout_accuracy FROM steps WHERE heldout_accuracy IS NOT NULL")
     assert sorted(heldout["step"]) == [10, 20, 30]
-    for step, value in zip(heldout["step"], heldout["heldout_accuracy"]):
+    for step, value in zip(heldout["step"], heldout["heldout_accuracy"], strict=True):
         assert number(value) in rows[str(step)]
     listed = invoke(runs_cwd, 80, "runs")
     header = " ".join(listed.split("─")[0].split())

@@ -198,7 +198,7 @@ def test_two_runs_entropy_bands_are_each_labelled_with_their_run():
     frames = {run: pd.DataFrame({"step": [1, 2], "entropy": [2.5, 2.8]}) for run in ("a", "b")}
     colors = {"a": "#1f77b4", "b": "#2ca02c"}
     fig = chart_module.entropy(frames, colors, {"a": (0.5, 2.0), "b": (1.0, 3.0)}, {})
-    lines = {note.text: line.line.color for note, line in zip(fig.layout.annotations, fig.layout.shapes)}
+    lines = {note.text: line.line.color for note, line in zip(fig.layout.annotations, fig.layout.shapes, strict=True)}
     assert lines == {f"entropy_low {number(0.5)} · a": "#1f77b4", f"entropy_high {number(2.0)} · a": "#1f77b4",
                      f"entropy_low {number(1.0)} · b": "#2ca02c", f"entropy_high {number(3.0)} · b": "#2ca02c"}
     shared = chart_module.entropy(frames, colors, {"a": (0.5, 2.0), "b": (0.5, 2.0)}, {})

@@ -369,7 +369,7 @@ def cli_cells(output: str, table_header: str) -> dict[str, list[str]]:
             cells[name] = [[] for _ in ends]
         elif line[:1] != " " or not cells:
             break
-        for column, (begin, end) in enumerate(zip([len(name)] + ends[:-1], ends)):
+        for column, (begin, end) in enumerate(zip([len(name)] + ends[:-1], ends, strict=True)):
             if text := line[begin:end].strip():
                 cells[next(reversed(cells))][column].append(text)
     return {name: [" ".join(f"({part})" if part[0].isalpha() and not part.startswith("p=") else part

@@ -93,8 +93,8 @@ def test_figures_follow_the_theme_and_keep_the_legend_clear_of_the_axis_title():
     a margin of its own below the x axis title, as tall as its rows."""
     frame = pd.DataFrame({"step": [1, 2, 3], "entropy": [0.5, 0.4, 0.45]})
     names = [f"a-long-run-name-{i}" for i in range(8)]
-    fig = charts.lines({name: frame for name in names}, ["entropy"], dict(zip(names, plotly.colors.qualitative.Plotly)),
-                       "entropy")
+    colors = dict(zip(names, plotly.colors.qualitative.Plotly, strict=False))  # the palette has more colours than runs
+    fig = charts.lines({name: frame for name in names}, ["entropy"], colors, "entropy")
     layout = fig.layout
     assert layout.paper_bgcolor == layout.plot_bgcolor == charts.TRANSPARENT
     assert layout.font.color == charts.INK and layout.xaxis.gridcolor == charts.GRID
@@ -112,7 +112,7 @@ def test_regime_colors_are_not_run_colors():
 
     runs = [rgb(c) for c in plotly.colors.qualitative.Plotly]
     for regime, color in charts.REGIME_COLORS.items():
-        nearest = min(sum((a - b) ** 2 for a, b in zip(rgb(color), run)) ** 0.5 for run in runs)
+        nearest = min(sum((a - b) ** 2 for a, b in zip(rgb(color), run, strict=True)) ** 0.5 for run in runs)
         assert nearest > 60, (regime, color, nearest)
     assert set(charts.GATE_COLORS.values()) == set(charts.REGIME_COLORS.values())
 

@@ -475,7 +475,7 @@ def test_rollouts_say_why_each_response_was_gated(small_app):
     assert shown["gate_reason"].tolist() == ["success_in_easy_group"] * 3 + [""] + [""] * 2 + \
         ["failure_in_hard_group"] * 2
     breakdown = frame_with(at, "why gated", "responses")
-    assert dict(zip(breakdown["why gated"], breakdown["responses"])) == {"success_in_easy_group": 3,
+    assert dict(zip(breakdown["why gated"], breakdown["responses"], strict=True)) == {"success_in_easy_group": 3,
                                                                          "failure_in_hard_group": 2}
     bars = {t["name"]: (list(t["x"]), t["customdata"]) for t in plotly_specs(at)["gate_breakdown"]["data"]}
     assert bars["failure in hard group"][0] == [1, 2, 3]
@@ -531,7 +531,7 @@ def test_rollouts_of_a_dynamic_sampling_run_mark_the_filtered_groups_and_count_t
     headers = [m.value for m in at.markdown if m.value.startswith("**Group")]
     assert ["filtered" in h for h in headers] == [False, False, True]
     breakdown = frame_with(at, "why gated", "responses")
-    assert dict(zip(breakdown["why gated"], breakdown["responses"])) == {"success_in_easy_group": 3,
+    assert dict(zip(breakdown["why gated"], breakdown["responses"], strict=True)) == {"success_in_easy_group": 3,
                                                                          "failure_in_hard_group": 3}
     bars = {t["name"]: list(t["y"]) for t in plotly_specs(at)["gate_breakdown"]["data"]}
     assert bars == {"success in easy group": [3 / 8], "failure in hard group": [3 / 8]}  # of the trained responses
@@ -542,7 +542,7 @@ def test_rollouts_of_a_dynamic_sampling_run_mark_the_filtered_groups_and_count_t
         tables = response_tables(at)
         groups = [int(m.value.split("**Group ")[1].split("**")[0]) for m in at.markdown
                   if m.value.startswith("**Group")]
-        rows = [(g, int(s)) for g, t in zip(groups, tables) for s in t["sample_idx"]]
+        rows = [(g, int(s)) for g, t in zip(groups, tables, strict=True) for s in t["sample_idx"]]
         assert rows == samples, choice
 
 
@@ -582,7 +582,7 @@ def test_prompt_heatmap_leaves_unsampled_steps_blank(small_app, small_dir):
                               "SELECT prompt_id, step, n_correct / group_size AS rate FROM groups")
     row = heat["y"].index(heat["y"][0])
     sampled = groups[groups["prompt_id"] == heat["y"][0]].set_index("step")["rate"]
-    for step, value in zip(heat["x"], z[row]):
+    for step, value in zip(heat["x"], z[row], strict=True):
         assert (np.isnan(value) and step not in sampled.index) or value == pytest.approx(sampled.get(step, np.nan))
     assert not histories.empty
 

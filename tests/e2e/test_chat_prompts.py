@@ -54,5 +54,5 @@ def test_chat_prompts_reach_smollm2_as_they_are(smollm2_gguf, tmp_path):
     with_system = load_task(str(data))
     user_only = load_task(str(write_jsonl(tmp_path / "user.jsonl", chat_rows(with_system=False))),
                           prompt_format=PromptFormat(system_prompt=SYSTEM))
-    for mine, theirs in zip(with_system.train, user_only.train):
+    for mine, theirs in zip(with_system.train, user_only.train, strict=True):
         assert codec.encode(with_system.prompt(mine)) == codec.encode(user_only.prompt(theirs))

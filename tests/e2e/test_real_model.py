@@ -159,15 +159,16 @@ def test_sampled_log_probs_are_what_the_trainer_recomputes_with_the_real_tokeniz
     sampled = out.sequences[:, width:]  # (2, new)
     engine_logp = torch.log_softmax(torch.stack(out.scores, 1), -1).gather(-1, sampled[..., None])[..., 0]
     responses = [cut_at_stop(row, codec.stop_ids)[0] for row in sampled.tolist()]
-    full = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    packed = torch.tensor([p + r + [codec.pad_id] * (full - len(p) - len(r)) for p, r in zip(prompts, responses)])
+    full = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    packed = torch.tensor([p + r + [codec.pad_id] * (full - len(p) - len(r))
+                           for p, r in zip(prompts, responses, strict=True)])
     packed_mask = torch.tensor([[1] * (len(p) + len(r)) + [0] * (full - len(p) - len(r))
-                                for p, r in zip(prompts, responses)])
+                                for p, r in zip(prompts, responses, strict=True)])
     with torch.no_grad():
         logits = model(input_ids=packed, attention_mask=packed_mask).logits[:, :-1]  # (2, T-1, vocab)
     recomputed, _ = token_logprobs_and_entropy(logits, packed[:, 1:], 1.0)
     diffs = [(recomputed[i, len(p) - 1: len(p) - 1 + len(r)] - engine_logp[i, : len(r)]).abs().max().item()
-             for i, (p, r) in enumerate(zip(prompts, responses))]
+             for i, (p, r) in enumerate(zip(prompts, responses, strict=True))]
     print(f"SmolLM2 sampled vs recomputed token log-prob: max |diff| {max(diffs):.2e}")
     assert max(diffs) < 1e-4
 
@@ -228,4 +229,4 @@ def test_train_smollm2_on_gsm8k_resume_equals_uninterrupted(smollm2, math_data, 
     out = qae_eval(tmp_path, "smol", math_data / GSM8K_TEST, limit=2, samples=1, max_new_tokens=32)
     assert out["run_id"] == "smol"
     stored = query(path, "SELECT DISTINCT step, source FROM eval_samples")
-    assert list(zip(stored["step"], stored["source"])) == [(2, "eval")]
+    assert list(zip(stored["step"], stored["source"], strict=True)) == [(2, "eval")]

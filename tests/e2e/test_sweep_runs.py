@@ -141,7 +141,7 @@ def test_a_real_sweep_copied_on_disk_keeps_its_seed_count(tmp_path):
     for folder in [p for p in runs.iterdir() if p.name.startswith("cp-")]:
         subprocess.run(["cp", "-r", str(folder), str(folder) + "-backup"], check=True)
     after = json.loads(subprocess.run(compare, capture_output=True, text=True, timeout=300).stdout)
-    for group, old in zip(after["groups"], before["groups"]):
+    for group, old in zip(after["groups"], before["groups"], strict=True):
         assert group["n"] == old["n"] == 2 and group["seeds"] == [0, 1] and group["metrics"] == old["metrics"]
         assert sorted(group["excluded"]) == sorted(run + "-backup" for run in group["runs"])
     assert after["differences"] == before["differences"]

@@ -35,7 +35,7 @@ def recomputed_logprobs(model, samples) -> list[list[float]]:
 
 def assert_close(got: list[float], expected: list[float], tolerance: float) -> None:
     assert len(got) == len(expected)
-    assert max((abs(a - b) for a, b in zip(got, expected)), default=0.0) < tolerance
+    assert max((abs(a - b) for a, b in zip(got, expected, strict=True)), default=0.0) < tolerance
 
 
 def test_decode_loop_samples_the_tokens_generate_samples_for_a_fixed_seed():
@@ -55,7 +55,7 @@ def test_decode_loop_samples_the_tokens_generate_samples_for_a_fixed_seed():
     expected = reference_generate(model, codec, prompts, 3, 1.0, 6, seed=7, batch_size=5)
     assert [(s.prompt_index, s.prompt_ids, s.response_ids, s.text, s.truncated) for s in got] == expected
     through_generate = engine_samples(engine, False, prompts, 3, 6, seed=7)
-    for loop, gen, (logp, entropy) in zip(got, through_generate, recomputed_logprobs(model, got)):
+    for loop, gen, (logp, entropy) in zip(got, through_generate, recomputed_logprobs(model, got), strict=True):
         assert_close(loop.token_logprobs, gen.token_logprobs, 1e-5)
         assert_close(loop.token_entropies, gen.token_entropies, 1e-5)
         assert_close(loop.token_logprobs, logp, 1e-5)
@@ -81,7 +81,7 @@ def test_finished_rows_leave_the_batch_and_the_rest_sample_as_before():
     assert decode_rows[0] == 24 and min(decode_rows) < 24 and decode_rows == sorted(decode_rows, reverse=True)
     assert [(s.response_ids, s.text, s.truncated) for s in got] == [(s.response_ids, s.text, s.truncated)
                                                                     for s in expected]
-    for loop, gen in zip(got, expected):
+    for loop, gen in zip(got, expected, strict=True):
         assert_close(loop.token_logprobs, gen.token_logprobs, 1e-5)
         assert loop.truncated == (codec.eos_id not in loop.response_ids)
 
@@ -142,9 +142,9 @@ def test_the_bfloat16_loop_samples_what_generate_samples_to_bfloat16s_rounding()
     prompts = ["3+4=", "12*11=", "20-7=", "0*0="]
     got = engine_samples(engine, True, prompts, 3, 6, seed=7)
     expected = engine_samples(engine, False, prompts, 3, 6, seed=7)
-    same = [loop.response_ids == gen.response_ids for loop, gen in zip(got, expected)]
+    same = [loop.response_ids == gen.response_ids for loop, gen in zip(got, expected, strict=True)]
     assert sum(same) >= 11
-    for loop, gen, agree, (logp, _) in zip(got, expected, same, recomputed_logprobs(engine.model, got)):
+    for loop, gen, agree, (logp, _) in zip(got, expected, same, recomputed_logprobs(engine.model, got), strict=True):
         if agree:
             assert_close(loop.token_logprobs, gen.token_logprobs, 0.05)
         assert_close(loop.token_logprobs, logp, 0.05)
@@ -168,7 +168,7 @@ def test_decode_loop_samples_what_generate_samples_on_smollm2(smollm2_gguf):
     assert [(s.response_ids, s.text, s.truncated) for s in got] == [(s.response_ids, s.text, s.truncated)
                                                                     for s in expected]
     assert any(not s.truncated for s in got)  # some rows end their turn (<|im_end|>) before the limit
-    for loop, gen, (logp, _) in zip(got, expected, recomputed_logprobs(model, got)):
+    for loop, gen, (logp, _) in zip(got, expected, recomputed_logprobs(model, got), strict=True):
         assert_close(loop.token_logprobs, gen.token_logprobs, 1e-4)
         assert_close(loop.token_entropies, gen.token_entropies, 1e-3)
         assert_close(loop.token_logprobs, logp, 1e-4)
@@ -182,6 +182,6 @@ def test_decode_loop_samples_what_generate_samples_on_smollm2(smollm2_gguf):
 
 
 def mean_logprob_error(model, samples) -> float:
-    errors = [abs(a - b) for s, (logp, _) in zip(samples, recomputed_logprobs(model, samples))
-              for a, b in zip(s.token_logprobs, logp)]
+    errors = [abs(a - b) for s, (logp, _) in zip(samples, recomputed_logprobs(model, samples), strict=True)
+              for a, b in zip(s.token_logprobs, logp, strict=True)]
     return sum(errors) / len(errors)

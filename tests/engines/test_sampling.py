@@ -164,7 +164,7 @@ def test_generation_stops_at_any_stop_id():
     end_of_turn = row.response_ids[4]
     codec.stop_ids = [codec.eos_id, end_of_turn]
     stopped = engine.generate(["2+2="], n=6, temperature=1.0, max_new_tokens=20, seed=2)
-    for before, after in zip(free, stopped):
+    for before, after in zip(free, stopped, strict=True):
         first = next((i for i, t in enumerate(before.response_ids) if t in codec.stop_ids), None)
         if first is None:
             assert after.response_ids == before.response_ids and after.truncated == before.truncated

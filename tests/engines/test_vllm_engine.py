@@ -53,7 +53,7 @@ class FakeLLM:
         self.events.append("generate")
         self.last = (prompts, params)
         outs = []
-        for p in prompts:
+        for _ in prompts:
             completions = [SimpleNamespace(token_ids=[5, 6, 2], finish_reason="stop"),
                            SimpleNamespace(token_ids=[7, 7, 7], finish_reason="length")][: params.n]
             for c in completions:  # what logprobs=0 returns: one {sampled token: Logprob} per generated token

@@ -110,7 +110,7 @@ def test_a_run_checkpoint_stores_results_in_the_run_at_its_step(tiny_run, tmp_pa
     assert out["run_id"] == run_id
     rows = query(db_path(runs_dir, run_id), "SELECT DISTINCT step, source FROM eval_samples WHERE benchmark = ?",
                  ["arith-heldout"])
-    pairs = set(zip(rows["step"], rows["source"]))
+    pairs = set(zip(rows["step"], rows["source"], strict=True))
     assert (6, "eval") in pairs  # the run's last checkpoint is step-6
     assert (6, "train") in pairs  # and the trainer's own evaluation at step 6 is still there
 

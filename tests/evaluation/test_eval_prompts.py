@@ -34,7 +34,7 @@ def test_train_and_eval_render_the_prompt_alike(chat_folder, tmp_path):
     invoke("eval", "--model", "chat", "--bench", data, "--samples", "1", "--max-new-tokens", "2", "--runs-dir", runs,
            *PROMPTS)
     samples = query(db_path(runs, "chat"), "SELECT source, problem_id, model_prompt FROM eval_samples")
-    by_source = {source: dict(zip(rows["problem_id"], rows["model_prompt"]))
+    by_source = {source: dict(zip(rows["problem_id"], rows["model_prompt"], strict=True))
                  for source, rows in samples.groupby("source")}
     held_out = by_source["train"]
     assert len(held_out) == 3 and len(by_source["eval"]) == 6  # half held out; qae eval reads the whole file

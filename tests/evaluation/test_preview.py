@@ -161,7 +161,7 @@ def test_it_scores_with_the_rewards_the_user_names(tmp_path):
                  "sample_idx) ORDER BY r.group_idx, r.sample_idx")
     assert len(rows) == 32 and set(rows["name"]) == {"parity"}
     want = [1.0 if r.strip() == a else 0.5 if len(r) % 2 == 0 else 0.0 for r, a in zip(rows["response"],
-                                                                                         rows["answer"])]
+                                                                                         rows["answer"], strict=True)]
     assert rows["reward"].tolist() == want and rows["value"].tolist() == want
     assert rows["correct"].tolist() == [w == 1.0 for w in want]
     assert 0.5 in want  # (the check above would pass on the exact-int verifier's 0/1 without it)

@@ -180,7 +180,7 @@ def test_resume_is_exact_with_lora(tmp_path):
     assert_same_metrics(want, got)
     sql = "SELECT step, group_idx, sample_idx, response, advantage FROM rollouts ORDER BY step, group_idx, sample_idx"
     assert query(db_path(tmp_path, "full"), sql).equals(query(db_path(tmp_path, "cut"), sql))
-    for (name, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
+    for (name, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
 
 

@@ -129,7 +129,7 @@ def test_one_step_of_the_recipe_runs_with_its_reward_file(tmp_path, smollm2_gguf
     rows = {row["id"]: row for row in map(json.loads, (EXAMPLE / "data.jsonl").read_text().splitlines())}
     groups = query(path, "SELECT prompt_id, prompt FROM groups")
     assert len(groups) == 4 and all(prompt == rows[i]["question"] for i, prompt in zip(groups["prompt_id"],
-                                                                                      groups["prompt"]))
+                                                                                      groups["prompt"], strict=True))
     rollouts = query(path, "SELECT prompt_id, response, correct FROM rollouts")
     assert len(rollouts) == 32
     expected = reward.one_word(rollouts["response"].tolist(), None,

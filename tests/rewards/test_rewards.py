@@ -154,7 +154,7 @@ def test_gold_answers_verify_and_off_by_one_does_not(strict_pool, name):
     problems = load_math_file(MATH_DATA / name)
     golds = [p.answer for p in problems]
     scores = strict_pool.score([as_model_would_write(g) for g in golds], golds)
-    assert [p.prompt_id for p, s in zip(problems, scores) if s != 1.0] == []
+    assert [p.prompt_id for p, s in zip(problems, scores, strict=True) if s != 1.0] == []
     integers = [g for g in golds if g.lstrip("-").isdigit()]
     assert len(integers) >= 0.95 * len(golds)
     wrong = strict_pool.score([as_model_would_write(str(int(g) + 1)) for g in integers], integers)
@@ -165,12 +165,12 @@ def test_gold_answers_verify_and_off_by_one_does_not(strict_pool, name):
 def test_math500_gold_answers_verify(strict_pool):
     problems = load_math_file(MATH_DATA / "math500.jsonl")
     scores = strict_pool.score([as_model_would_write(p.answer) for p in problems], [p.answer for p in problems])
-    failures = {p.prompt_id for p, s in zip(problems, scores) if s != 1.0}
+    failures = {p.prompt_id for p, s in zip(problems, scores, strict=True) if s != 1.0}
     assert failures <= set(MATH500_KNOWN_FAILURES), sorted(failures - set(MATH500_KNOWN_FAILURES))
     assert len(failures) <= 0.01 * len(problems)
     # the next problem's gold is (almost always) a wrong answer; only math-equivalent pairs such as "5" / "x=5" pass
     shifted = [problems[(i + 1) % len(problems)].answer for i in range(len(problems))]
-    pairs = [(a.answer, b) for a, b in zip(problems, shifted) if a.answer.strip() != b.strip()]
+    pairs = [(a.answer, b) for a, b in zip(problems, shifted, strict=True) if a.answer.strip() != b.strip()]
     accepted = strict_pool.score([as_model_would_write(b) for _, b in pairs], [a for a, _ in pairs])
     assert sum(s == 1.0 for s in accepted) <= 0.01 * len(pairs)
 
@@ -179,7 +179,7 @@ def test_math500_gold_answers_verify(strict_pool):
 def test_dapo_gold_answers_verify_sample(strict_pool):
     problems = load_math_file(MATH_DATA / "dapo17k.parquet")[::60]  # 299 of 17,917
     scores = strict_pool.score([as_model_would_write(p.answer) for p in problems], [p.answer for p in problems])
-    assert [p.prompt_id for p, s in zip(problems, scores) if s != 1.0] == []
+    assert [p.prompt_id for p, s in zip(problems, scores, strict=True) if s != 1.0] == []
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -42,17 +42,17 @@ def engine_logprobs(engine, pairs) -> list[list[float]]:
     params = engine.sampling_params(1, 1.0, 1, 0)
     params.prompt_logprobs = 0
     outputs = engine.llm.generate([{"prompt_token_ids": p + r} for p, r in pairs], params, use_tqdm=False)
-    return [[step[token].logprob for step, token in zip(out.prompt_logprobs[len(p):], r)]
-            for out, (p, r) in zip(outputs, pairs)]
+    return [[step[token].logprob for step, token in zip(out.prompt_logprobs[len(p):], r, strict=True)]
+            for out, (p, r) in zip(outputs, pairs, strict=True)]
 
 
 def gap(a, b) -> float:
     """The largest |a - b| over every token."""
-    return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+    return max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True))
 
 
 def mean_gap(a, b) -> float:
-    diffs = [abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b)]
+    diffs = [abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True)]
     return sum(diffs) / len(diffs)
 
 

@@ -53,11 +53,11 @@ def _by_hand(model, optimizer, batch, advantages, temperature):
     mask = batch["response_mask"]
     loss = -(advantages[:, None] * logp * mask).sum() / mask.sum()
     grads = torch.autograd.grad(loss, params, allow_unused=True)
-    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
     norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
     grads = [g * min(1.0, MAX_GRAD_NORM / (norm.item() + 1e-6)) for g in grads]
     with torch.no_grad():
-        for p, original, g in zip(params, model.parameters(), grads):
+        for p, original, g in zip(params, model.parameters(), grads, strict=True):
             state = optimizer.state[original]
             step = float(state["step"]) + 1
             m = BETA1 * state["exp_avg"] + (1 - BETA1) * g
@@ -104,7 +104,7 @@ def test_each_attribution_is_the_update_made_by_hand_from_its_regime_alone(tmp_p
                 assert got[f"dH_{part}from_{source}"] == pytest.approx(want, rel=1e-7, abs=1e-12), (part, source)
         assert got["dH_from_hard"] != got["dH_from_easy"] and got["dH_from_none"] != 0.0
         # restored exactly, and nothing left behind
-        for p, w in zip(model.parameters(), weights):
+        for p, w in zip(model.parameters(), weights, strict=True):
             assert torch.equal(p, w) and p.grad is None
         state = optimizer.state[next(iter(model.parameters()))]
         assert all(torch.equal(state[k], v) for k, v in moments.items())
@@ -155,7 +155,7 @@ def test_the_default_run_is_unchanged_by_the_attribution(tmp_path):
     rows = [query(db_path(tmp_path, name), "SELECT * EXCLUDE (run_id) FROM rollouts ORDER BY step, group_idx, "
                   "sample_idx") for name in ("plain", "attributed")]
     pd.testing.assert_frame_equal(rows[0], rows[1], check_exact=True)
-    for p, q in zip(plain.model.parameters(), attributed.model.parameters()):
+    for p, q in zip(plain.model.parameters(), attributed.model.parameters(), strict=True):
         assert torch.equal(p, q)
 
 

@@ -178,10 +178,11 @@ def test_filtered_groups_are_absent_from_the_loss(tmp_path):
 
     chosen = [s for g in trained for s in samples[g * G:(g + 1) * G]]
     by_hand = gradient(chosen, advantages, chosen)
-    for got, want in zip(grads[0], by_hand):
+    for got, want in zip(grads[0], by_hand, strict=True):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-7)
     diluted = gradient(chosen, advantages, samples)  # normalized over every sampled response
-    assert any(not torch.allclose(got, want, atol=1e-10, rtol=1e-7) for got, want in zip(grads[0], diluted))
+    assert any(not torch.allclose(got, want, atol=1e-10, rtol=1e-7)
+               for got, want in zip(grads[0], diluted, strict=True))
 
 
 def test_the_cap_trains_on_what_it_found_and_says_so(tmp_path):

@@ -66,7 +66,7 @@ def updated_parameters(opts, checkpointing: bool = False, full_pass: bool = True
 
 def assert_same_update(got, want):
     (got_params, got_result), (want_params, want_result) = got, want
-    for g, w in zip(got_params, want_params):
+    for g, w in zip(got_params, want_params, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
     assert got_result.stats == pytest.approx(want_result.stats, rel=1e-9, abs=1e-12)
     if want_result.old_logp is not None:  # at the response tokens (positions predicting padding: whatever)
@@ -154,9 +154,9 @@ def _rows_after_two_steps(tmp_path, name, float64: bool = False, **opts):
 
 def _assert_same_rows(got, want, atol):
     (got_params, got_outs, _), (want_params, want_outs, _) = got, want
-    for g, w in zip(got_params, want_params):
+    for g, w in zip(got_params, want_params, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=atol)
-    for g, w in zip(got_outs, want_outs):
+    for g, w in zip(got_outs, want_outs, strict=True):
         assert [r["response"] for r in g.rollouts] == [r["response"] for r in w.rollouts]
         for name in ("loss", "pg_loss", "grad_norm", "clip_frac", "entropy", "reward_mean"):
             assert g.metrics[name] == pytest.approx(w.metrics[name], rel=1e-5, abs=1e-7), name
@@ -244,7 +244,7 @@ def test_mixed_precision_no_is_todays_run_and_bf16_trains_float32_weights_on_cpu
         assert trainer.accelerator.mixed_precision == "bf16"
         out = trainer.train_step(1)
         assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
-        assert any(not torch.equal(p, q) for p, q in zip(trainer.model.parameters(), before))
+        assert any(not torch.equal(p, q) for p, q in zip(trainer.model.parameters(), before, strict=True))
         assert all(math.isfinite(out.metrics[name]) for name in ("loss", "grad_norm", "entropy"))
     finally:
         trainer.close()

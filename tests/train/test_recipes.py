@@ -73,11 +73,12 @@ def test_the_cpu_recipe_runs_as_it_is_and_stores_the_new_columns(tmp_path):
     # every stored reward is the -1/1 value of its verdict plus the overlong penalty of its length
     expected = [(1.0 if ok else -1.0) + overlong_penalty(n, cfg.max_new_tokens, cfg.overlong_buffer,
                                                           cfg.overlong_penalty)
-                for ok, n in zip(rollouts["correct"], rollouts["n_tokens"])]
+                for ok, n in zip(rollouts["correct"], rollouts["n_tokens"], strict=True)]
     assert rollouts["reward"].tolist() == pytest.approx(expected, abs=1e-12)
     trained = query(path, "SELECT step, count(*) FILTER (WHERE NOT filtered) AS n FROM groups GROUP BY step")
     capped = set(query(path, "SELECT step FROM warnings WHERE kind = 'dynamic_sampling_cap'")["step"])
-    assert all(n == cfg.prompts_per_step for step, n in zip(trained["step"], trained["n"]) if step not in capped)
+    assert all(n == cfg.prompts_per_step
+               for step, n in zip(trained["step"], trained["n"], strict=True) if step not in capped)
 
 
 def test_the_smollm2_recipe_names_the_packaged_model_and_a_fixed_heldout_set():
@@ -112,7 +113,7 @@ def test_the_smollm2_recipe_runs_as_it_is_and_stores_what_the_model_saw(tmp_path
     rollouts = query(path, "SELECT r.response, r.correct, g.answer FROM rollouts r "
                            "JOIN groups g USING (step, group_idx)")
     assert len(rollouts) == 32
-    for response, correct, answer in zip(rollouts["response"], rollouts["correct"], rollouts["answer"]):
+    for response, correct, answer in zip(rollouts["response"], rollouts["correct"], rollouts["answer"], strict=True):
         extracted = final_number_answer(response)
         assert correct == (extracted is not None and float(extracted) == float(answer))
     for table in ("groups", "eval_samples"):

@@ -36,7 +36,7 @@ def test_tis_with_the_trainers_own_numbers_is_the_uncorrected_update_bit_for_bit
     sampler = _trainer_logp() * _batch()["response_mask"]  # (as pack lays them out: 0 off the response)
     none_params, none_stats = _update_with_sampler_logp("none", sampler)
     tis_params, tis_stats = _update_with_sampler_logp("tis", sampler)
-    assert all(torch.equal(a, b) for a, b in zip(none_params, tis_params))
+    assert all(torch.equal(a, b) for a, b in zip(none_params, tis_params, strict=True))
     assert none_stats == tis_stats
     assert (tis_stats["mismatch_logp_abs"], tis_stats["mismatch_k3_kl"], tis_stats["mismatch_ratio_max"]) == (
         0.0, 0.0, 1.0)
@@ -49,7 +49,7 @@ def test_tis_reweights_the_update_when_the_sampler_differs():
     sampler = (_trainer_logp() - 0.1) * mask
     none_params, none_stats = _update_with_sampler_logp("none", sampler)
     tis_params, tis_stats = _update_with_sampler_logp("tis", sampler)
-    assert not all(torch.equal(a, b) for a, b in zip(none_params, tis_params))
+    assert not all(torch.equal(a, b) for a, b in zip(none_params, tis_params, strict=True))
     for stats in (none_stats, tis_stats):  # measured whether corrected or not
         assert stats["mismatch_logp_abs"] == pytest.approx(0.1, abs=1e-12)
         assert stats["mismatch_k3_kl"] == pytest.approx(math.exp(0.1) - 1.1, abs=1e-12)
@@ -110,7 +110,7 @@ def test_a_bfloat16_hf_sampler_beside_a_float32_trainer_stores_a_mismatch(tmp_pa
         assert next(trainer.model.parameters()).dtype == torch.float32
         metrics = trainer.train_step(1).metrics
         # the sampling copy took the updated weights (rounded to bfloat16)
-        for copy, trained in zip(sampler.parameters(), trainer.model.parameters()):
+        for copy, trained in zip(sampler.parameters(), trainer.model.parameters(), strict=True):
             assert torch.equal(copy, trained.detach().to(torch.bfloat16))
     assert metrics["mismatch_logp_abs"] > 0 and metrics["mismatch_k3_kl"] > 0
     assert metrics["mismatch_ratio_max"] > 1

@@ -53,7 +53,8 @@ def stored(db) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]]
         evals = con.execute("SELECT step, benchmark, subset, metric, value FROM evals").df()
     rows = {}
     for metric in STEP_METRICS:
-        values = {int(s): float(v) for s, v in zip(steps["step"], steps[metric]) if v is not None and math.isfinite(v)}
+        values = {int(s): float(v) for s, v in zip(steps["step"], steps[metric], strict=True)
+                  if v is not None and math.isfinite(v)}
         if values:
             rows[metric] = values
     eval_rows = {}

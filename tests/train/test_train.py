@@ -238,9 +238,9 @@ def test_skipping_gated_sequences_in_the_trainer_gives_the_same_update(tmp_path)
     from qae_app.models.policy import load_policy
 
     builtin_params = [p.detach() for p in load_policy("builtin:tiny")[0].parameters()]
-    moved = sum((a - b).abs().sum().item() for a, b in zip(params[True], builtin_params))
+    moved = sum((a - b).abs().sum().item() for a, b in zip(params[True], builtin_params, strict=True))
     assert moved > 0  # the update did something
-    for a, b in zip(params[True], params[False]):
+    for a, b in zip(params[True], params[False], strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
@@ -332,7 +332,7 @@ def test_micro_batches_accumulate_to_the_same_update(tmp_path):
     (big, m_big), (small, m_small) = params[64], params[2]
     assert m_small["loss"] == pytest.approx(m_big["loss"], abs=1e-6)
     assert m_small["entropy"] == pytest.approx(m_big["entropy"], abs=1e-6)
-    for a, b in zip(big, small):
+    for a, b in zip(big, small, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 

@@ -46,9 +46,9 @@ def test_skipping_gated_sequences_gives_the_dense_update(tmp_path, monkeypatch):
     skip_params, skip_metrics, skip_passes = _two_steps(tmp_path, monkeypatch, True, num_mini_batches=16)
     dense_params, dense_metrics, dense_passes = _two_steps(tmp_path, monkeypatch, False, num_mini_batches=16)
     assert dense_passes == 32 and skip_passes < dense_passes  # all-gated mini-batches happened and were skipped
-    for skip, dense in zip(skip_params, dense_params):
+    for skip, dense in zip(skip_params, dense_params, strict=True):
         torch.testing.assert_close(skip, dense, rtol=1e-12, atol=1e-15)
-    for skip, dense in zip(skip_metrics, dense_metrics):
+    for skip, dense in zip(skip_metrics, dense_metrics, strict=True):
         assert skip["n_updates"] == dense["n_updates"] == 16
         for name in ("loss", "pg_loss", "grad_norm", "clip_frac", "clip_frac_low", "clip_frac_high"):
             assert skip[name] == pytest.approx(dense[name], rel=1e-12, abs=1e-15), name
@@ -221,12 +221,12 @@ def test_the_update_on_tensors_is_a_hand_written_clipped_policy_gradient_step():
         loss = (per_token * mask).sum() / mask.sum()
         grads = torch.autograd.grad(loss, list(reference.parameters()))
         with torch.no_grad():
-            for p, g in zip(reference.parameters(), grads):
+            for p, g in zip(reference.parameters(), grads, strict=True):
                 p -= lr * g
             clipped_tokens += int((((ratio < 0.8) & (A < 0)) | ((ratio > 1.28) & (A > 0)))[mask.bool()].sum())
 
     assert clipped_tokens > 0  # the clip bound in epoch 2: the test checks the clipped branch too
-    for got, want in zip(model.parameters(), reference.parameters()):
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
     assert result.stats["n_updates"] == 2
     assert result.stats["clip_frac"] == pytest.approx(clipped_tokens / (2 * mask.sum().item()))
@@ -249,7 +249,7 @@ def test_the_gated_skip_on_tensors_gives_the_dense_update_and_forwards_fewer_row
         runs[skip] = ([p.detach().clone() for p in model.parameters()], result.stats, model.rows_run)
     (skip_params, skip_stats, skip_rows), (dense_params, dense_stats, dense_rows) = runs[True], runs[False]
     assert skip_rows < dense_rows
-    for got, want in zip(skip_params, dense_params):
+    for got, want in zip(skip_params, dense_params, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
     assert skip_stats == pytest.approx(dense_stats, rel=1e-12, abs=1e-15)
     assert skip_stats["n_updates"] == 6
