@@ -80,15 +80,6 @@ MAX_RESPONSES_PER_STEP = 65_536
 ENTROPY_BAND_FACTOR = 3.0
 
 
-def entropy_band(low: float | None, high: float | None, start: float | None) -> tuple[float, float] | None:
-    """[low, high] for the smoothed entropy: the --entropy-low/--entropy-high values where given, else the starting
-    entropy divided / multiplied by ENTROPY_BAND_FACTOR (None until the start is known)."""
-    if start is None and (low is None or high is None):
-        return None
-    return (low if low is not None else start / ENTROPY_BAND_FACTOR,
-            high if high is not None else start * ENTROPY_BAND_FACTOR)
-
-
 # Options that act only with a switch on: given without it they would do nothing, yet be stored and split
 # `qae compare`'s groups. Their defaults never trigger this (only a value the user gave).
 # a run config file's [plan] table says what hardware it is planned for: read by `qae plan`, ignored by `qae train`
