@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from qae_app.core import names
+from qae_app.core import names, policy_losses
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import missing
 from qae_app.store.labels import read_labels
@@ -60,7 +60,7 @@ IGNORED_CONFIG_KEYS: dict[str, str] = {
     "reward_files": "where the reward code lives and its sha256: `reward` names the rewards",
 }
 # Options added after runs were stored: a run without the key trained as with this value, so the value counts as absent
-SAME_AS_ABSENT = {"reward": None, "reward_weights": None}
+SAME_AS_ABSENT = {"reward": None, "reward_weights": None, **policy_losses.AS_BEFORE_THE_OPTIONS}
 # Options only QAE reads: a mean-baseline run (grpo, rloo, ...) with another K is the same setup.
 QAE_ONLY_KEYS = ("k", "quantile")
 

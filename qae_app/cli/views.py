@@ -30,6 +30,7 @@ from rich.text import Text
 from qae_app.analysis.differences import Differences, option_text, options_text, what_differs
 from qae_app.core.formatting import estimator_label, missing, number, pace_line, run_pace, setup_label
 from qae_app.core.names import GATE_REASONS
+from qae_app.core.policy_losses import DEFAULT_POLICY_LOSS
 from qae_app.store import reader as store_read
 from qae_app.store import schema as store
 from qae_app.store.run_folder import RESULTS_ONLY_KINDS, RUN_NAME_PATTERN, STOPPED
@@ -302,7 +303,7 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
     config = _config(info)
     parts: list[RenderableType] = [
         Text.assemble((str(info["run_id"]), "bold"), "  ", status_text(info["status"])),
-        Text(f"{_estimator(info)} · model {info.get('model')} · task {info.get('task')} · "
+        Text(f"{_estimator(info)}{_policy_loss(info, config)} · model {info.get('model')} · task {info.get('task')} · "
              f"seed {info.get('seed')} · {_progress(info, config)} steps"),
     ]
     launched = setup_label(config.get("distributed"))
@@ -536,6 +537,14 @@ def _config(row: dict) -> dict:
 
 def _estimator(row: dict) -> str:
     return estimator_label(row.get("estimator"), row.get("k"))
+
+
+def _policy_loss(row: dict, config: dict) -> str:
+    """' · loss NAME' for a training run (a config stored before --policy-loss trained with clip); '' for `qae eval`
+    and `qae preview`, which train nothing."""
+    if row.get("estimator") in RESULTS_ONLY_KINDS:
+        return ""
+    return f" · loss {config.get('policy_loss', DEFAULT_POLICY_LOSS)}"
 
 
 def _progress(row: dict, config: dict) -> str:

@@ -164,6 +164,12 @@ OWNERS: dict[str, tuple[str, ...]] = {name: tuple(r.name for r in POLICY_LOSSES.
                                                   if any(o.name == name for o in r.options))
                                       for name in LOSS_OPTIONS}
 OPTIONS: dict[str, LossOption] = {**LOSS_OPTIONS, **{o.name: o for o in ENTROPY_OPTIONS}}
+# the config of a run stored before --policy-loss existed, as it trained: the clip loss, no entropy control
+# (`qae compare` counts these values as the key's absence, so such a run groups with today's clip runs)
+AS_BEFORE_THE_OPTIONS: dict[str, object] = {
+    "policy_loss": DEFAULT_POLICY_LOSS,
+    **{name: None for name in OPTIONS if name not in (CLIP_LOW.name, CLIP_HIGH.name)},
+    TOP_ENTROPY_QUANTILE.name: TOP_ENTROPY_QUANTILE.default, ENTROPY_COEF.name: ENTROPY_COEF.default}
 
 
 def option_help(name: str) -> str:
