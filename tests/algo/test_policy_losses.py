@@ -97,6 +97,26 @@ def test_each_loss_has_the_value_and_gradient_of_its_published_formula(loss, how
         assert out.clip_low_count + out.clip_high_count > 0
 
 
+def test_the_clip_loss_computes_bit_for_bit_what_qae_computed_before_the_registry():
+    """An existing run resumes as `clip` with the very numbers: the clip path against the code it replaced, verbatim
+    (ratio, unclipped and clipped terms, their maximum, the weights, the aggregation, the k3 KL), equal bit for bit."""
+    from qae_app.algo.losses import aggregate
+
+    logp, old, mask, _ = tokens(6)
+    ref = old - 0.1
+    weights = torch.rand(N, T, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    for how in records.POLICY_LOSSES["clip"].aggregations:
+        out = policy_loss(logp, old, ADV, mask, 0.2, 0.28, how, normalizer(mask), ref, 0.05, weights)
+        adv = ADV[:, None]
+        ratio = torch.exp(logp - old)
+        per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - 0.2, 1.0 + 0.28)) * weights
+        delta = ref - logp
+        before = aggregate(per_token, mask, how, normalizer(mask)) + 0.05 * aggregate(
+            torch.exp(delta) - delta - 1.0, mask, how, normalizer(mask))
+        assert torch.equal(out.loss, before)
+        assert torch.equal(torch.autograd.grad(out.loss, logp)[0], torch.autograd.grad(before, logp)[0])
+
+
 def test_a_gated_response_has_no_gradient_under_every_loss_whose_record_says_so():
     """The records' gated_skip_exact: advantage 0 gives a sequence no gradient under clip, clip_cov, gspo and cispo;
     under kl_cov the penalty reaches it wherever a selected token lies in it."""
