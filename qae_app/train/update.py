@@ -1,5 +1,6 @@
-"""The policy update: clipped policy-gradient optimizer steps over one RL step's responses, the same update on one
-process or on many. Plain functions on tensors; no run folder, no trainer:
+"""The policy update: policy-gradient optimizer steps over one RL step's responses with the run's policy loss (by name:
+algo/policy_losses.py), the same update on one process or on many. Plain functions on tensors; no run folder, no
+trainer:
 
     batch  = pack(samples, pad_id, device)              # input_ids, attention_mask, response_mask: (N, T)
     result = policy_update(model, optimizer, batch, advantages, UpdateOptions.from_config(cfg), accelerator,
@@ -14,6 +15,9 @@ One update, and the seam where each later change plugs in:
     rollout_mismatch      by how much the engine's log-probs (pack's sampler_logp) differ from the trainer's old ones;
                           --rollout-correction tis reweights each token's policy-loss term by min(their ratio, cap)
     logprobs_in_chunks    no-grad log-probs, one micro-batch at a time
+    select_tokens         the loss's selections over a whole mini-batch (Clip-Cov, KL-Cov, the entropy quantile):
+                          one no-grad pass over its responses first (algo/token_selection.py: the same for any
+                          micro-batch plan and process count)
     accumulate_gradients  one mini-batch's backward, in micro-batches (gradient checkpointing: the model's own)
     forward_logprobs      one forward of the model (LoRA: the model passed in), through the chunked vocabulary
                           projection (chunked_head) when logprob_chunk_tokens says so
@@ -21,10 +25,10 @@ One update, and the seam where each later change plugs in:
     response_regimes      the QAE regime of each response's group, on the verdicts (dH's and attribution.py's split)
 
 The gated skip (`UpdateOptions.skip_gated`): with QAE about 80% of responses get advantage exactly 0; their policy
-gradient is exactly 0, so when nothing else needs them (no KL term) they are left out of the forward/backward, with
-the loss normalizer of the full mini-batch, so the update is the one the dense computation gives (a mini-batch whose
-advantages are all 0 still steps the optimizer, as the dense one does: AdamW's moments move the weights on a zero
-gradient too).
+gradient is exactly 0, so when nothing else needs them (no KL term; a policy loss whose record says the skip is exact,
+so not kl_cov; no entropy bonus) they are left out of the forward/backward, with the loss normalizer of the full
+mini-batch, so the update is the one the dense computation gives (a mini-batch whose advantages are all 0 still steps
+the optimizer, as the dense one does: AdamW's moments move the weights on a zero gradient too).
 
 Many processes (`accelerator`, an accelerate.Accelerator; None: one process without accelerate): mini-batches are
 drawn over the responses of every process (the same seeded permutation on each), and each process takes its members
