@@ -141,3 +141,19 @@ def test_compare_groups_a_run_from_before_the_option_with_today_s_clip_runs():
     assert group_key(before) == group_key(today)
     assert group_key(json.loads(json.dumps(build_config(policy_loss="kl_cov").to_dict()))) != group_key(today)
     assert group_key({**today, "entropy_coef": 0.001}) != group_key(today)
+
+
+def test_the_adapted_entropy_coefficient_resumes_where_the_run_left_it(tmp_path):
+    """--entropy-target moves the coefficient after each optimizer step (2 a step here, +0.005 each: the entropy stays
+    below 9); the checkpoint's trainer_state.json keeps it, as JSON, so a resumed run goes on from there."""
+    opts = dict(prompts_per_step=2, group_size=4, num_mini_batches=2, eval_every=0, checkpoint_every=1, seed=1,
+                entropy_coef=0.01, entropy_target=9.0)
+    Trainer(build_config(run_name="full", steps=3, **opts), tmp_path, cpu=True).fit()
+    Trainer(build_config(run_name="cut", steps=2, **opts), tmp_path, cpu=True).fit()
+    state = json.loads((tmp_path / "cut" / "checkpoints" / "step-2" / "trainer_state.json").read_text())
+    assert state["entropy_coef"] == pytest.approx(0.03) and 0 < state["entropy_measured"] <= 9
+    Trainer(resume_config(tmp_path, "cut", steps=3), tmp_path, resume=True, cpu=True).fit()
+    full, cut = (read_steps(db_path(tmp_path, name)).set_index("step") for name in ("full", "cut"))
+    assert full["entropy_coef"].tolist() == pytest.approx([0.02, 0.03, 0.04])
+    assert cut["entropy_coef"].tolist() == pytest.approx([0.02, 0.03, 0.04])
+    assert_same_metrics(full, cut)
