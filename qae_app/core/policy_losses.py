@@ -71,7 +71,12 @@ def _share(name: str, default: float, help: str, example: str) -> LossOption:
 ALL_AGGREGATIONS = tuple(LOSS_AGGREGATIONS)  # "token" first: the default
 CUI_2025 = ("Cui et al. 2025, The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models, "
             "arXiv 2505.22617; verl's compute_policy_loss_clip_cov / _kl_cov")
-CUI_7B = "the paper's recipe for Qwen2.5-7B (PRIME-RL/Entropy-Mechanism-of-RL recipe/dapo/7b_*.sh)"
+
+
+def _cui_7b(script: str) -> str:
+    """Where a Clip-Cov or KL-Cov default comes from: Cui et al.'s own recipe for Qwen2.5-7B."""
+    return f"Cui et al. 2025's Qwen2.5-7B recipe, PRIME-RL/Entropy-Mechanism-of-RL recipe/dapo/{script}"
+
 
 CLIP_LOW = LossOption("clip_low", 0.2, "the token ratio's clip below: 1 - clip_low.", 0.0, 1.0, True,
                       "Use 0 <= clip-low < 1 (default 0.2)", high_allowed=False)
@@ -88,11 +93,11 @@ for _record in (
         "whose covariance of centred log-prob and centred advantage lies in (clip_cov_lb, clip_cov_ub) cut (Clip-Cov)",
         (CLIP_LOW, CLIP_HIGH,
          _share("clip_cov_ratio", 2e-4, "the share of the mini-batch's response tokens whose gradient Clip-Cov cuts "
-                f"(the default 2e-4 is {CUI_7B}).", "0.0002"),
-         LossOption("clip_cov_lb", 1.0, f"Clip-Cov picks only tokens whose covariance is above this (default 1, "
-                    f"{CUI_7B}).", -1e6, 1e6, True, "Use a finite bound below clip-cov-ub, e.g. 1"),
-         LossOption("clip_cov_ub", 5.0, f"Clip-Cov picks only tokens whose covariance is below this (default 5, "
-                    f"{CUI_7B}).", -1e6, 1e6, True, "Use a finite bound above clip-cov-lb, e.g. 5")),
+                f"(default 2e-4: {_cui_7b('7b_clip_cov.sh')}).", "0.0002"),
+         LossOption("clip_cov_lb", 1.0, "Clip-Cov picks only tokens whose covariance is above this (default 1: "
+                    f"{_cui_7b('7b_clip_cov.sh')}).", -1e6, 1e6, True, "Use a finite bound below clip-cov-ub, e.g. 1"),
+         LossOption("clip_cov_ub", 5.0, "Clip-Cov picks only tokens whose covariance is below this (default 5: "
+                    f"{_cui_7b('7b_clip_cov.sh')}).", -1e6, 1e6, True, "Use a finite bound above clip-cov-lb, e.g. 5")),
         True, ALL_AGGREGATIONS, CUI_2025,
         selects="covariance centring over every response token of the mini-batch, then a random draw of the cut "
                 "tokens"),
@@ -100,9 +105,10 @@ for _record in (
         "kl_cov", "the unclipped token ratio, plus kl_cov_coef x |logp - old logp| on the kl_cov_ratio share of the "
         "mini-batch's tokens with the largest covariance of centred log-prob and centred advantage (KL-Cov)",
         (_share("kl_cov_ratio", 2e-3, "the share of the mini-batch's response tokens KL-Cov penalises, those of "
-                f"largest covariance (the default 2e-3 is {CUI_7B}, k_percent 0.2; 2e-4 for 32B).", "0.002"),
-         LossOption("kl_cov_coef", 1.0, f"KL-Cov's penalty weight on |logp - old logp| (default 1, {CUI_7B}'s "
-                    "ppo_kl_coef).", 0.0, 100.0, False, "Use a weight in (0, 100], e.g. 1")),
+                f"largest covariance (default 2e-3, k_percent 0.2 in {_cui_7b('7b_kl_cov.sh')}; its 32B recipe "
+                "uses 2e-4).", "0.002"),
+         LossOption("kl_cov_coef", 1.0, "KL-Cov's penalty weight on |logp - old logp| (default 1, ppo_kl_coef in "
+                    f"{_cui_7b('7b_kl_cov.sh')}).", 0.0, 100.0, False, "Use a weight in (0, 100], e.g. 1")),
         False, ALL_AGGREGATIONS, CUI_2025,
         selects="covariance centring and the top kl_cov_ratio share over every response token of the mini-batch"),
     PolicyLossRecord(
