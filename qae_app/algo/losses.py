@@ -1,6 +1,6 @@
-"""Policy loss: the registered loss of each token (algo/policy_losses.py: clip, clip_cov, kl_cov, gspo, cispo), then
-what every loss shares (the top-entropy mask, aggregation, k3 KL, the entropy bonus), token entropy, and the
-sampler-trainer mismatch: truncated importance sampling weights and what the mismatch measures.
+"""Policy loss: the registered loss of each token (algo/policy_loss_registry.py: clip, clip_cov, kl_cov, gspo,
+cispo), then what every loss shares (the top-entropy mask, aggregation, k3 KL, the entropy bonus), token entropy, and
+the sampler-trainer mismatch: truncated importance sampling weights and what the mismatch measures.
 
 Shapes: N sequences (a mini-batch of responses), T response positions. `mask` is 1 on response tokens.
 Advantages are per sequence ([N]) and broadcast over its tokens.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from qae_app.algo.policy_losses import LossTokens, get_policy_loss
+from qae_app.algo.policy_loss_registry import LossTokens, get_policy_loss
 from qae_app.core.errors import QAEUserError
 from qae_app.core.names import LOSS_AGGREGATIONS  # how per-token losses become one number, by name
 
@@ -76,7 +76,7 @@ def policy_loss(
     kl_beta: float = 0.0,
     token_weights: torch.Tensor | None = None,  # (N, T) no grad: each token's policy-loss weight (tis_weights)
     *,
-    loss: str = "clip",  # the policy loss, by name (algo/policy_losses.py)
+    loss: str = "clip",  # the policy loss, by name (algo/policy_loss_registry.py)
     params: dict | None = None,  # its own options beyond the PPO clip (LossSettings.params)
     selected: torch.Tensor | None = None,  # (N, T) bool: the tokens its mini-batch selection picked
     trained: torch.Tensor | None = None,  # (N, T) bool: the tokens the top-entropy quantile kept; None: every one

@@ -3,8 +3,8 @@ them: names, help, options with their defaults and ranges, whether the gated ski
 loss defines, its reference.
 
 Torch-free, so the CLI help, the config's checks and `qae show` read the records without loading torch. The
-implementations register against them: `algo.policy_losses.register_policy_loss("clip_cov")` refuses a name with no
-record here, and a second registration of a name.
+implementations register against them: `algo.policy_loss_registry.register_policy_loss("clip_cov")` refuses a name
+with no record here, and a second registration of a name.
 
 A loss option is named after its loss (`clip_cov_ratio`, `gspo_clip_low`, ...) and acts only with that loss: the
 config leaves it None for any other loss, fills in its default for the run's own (so the stored config says what the

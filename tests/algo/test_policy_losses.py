@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from qae_app.algo import policy_losses as algo_losses
+from qae_app.algo import policy_loss_registry
 from qae_app.algo.losses import policy_loss
 from qae_app.algo.token_selection import (
     SelectionTokens,
@@ -17,7 +17,7 @@ from qae_app.algo.token_selection import (
     linear_quantile,
     top_entropy_mask,
 )
-from qae_app.core import policy_losses as records
+from qae_app.core import policy_losses
 from qae_app.core.errors import QAEUserError
 from qae_app.train.update import OneProcess
 
@@ -79,7 +79,7 @@ def reference(loss: str, logp, old, mask, selected, how):
     return per_seq.mean()
 
 
-CASES = [(name, how) for name, record in records.POLICY_LOSSES.items() for how in record.aggregations]
+CASES = [(name, how) for name, record in policy_losses.POLICY_LOSSES.items() for how in record.aggregations]
 
 
 @pytest.mark.parametrize("loss, how", CASES)
@@ -105,7 +105,7 @@ def test_the_clip_loss_computes_bit_for_bit_what_qae_computed_before_the_registr
     logp, old, mask, _ = tokens(6)
     ref = old - 0.1
     weights = torch.rand(N, T, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    for how in records.POLICY_LOSSES["clip"].aggregations:
+    for how in policy_losses.POLICY_LOSSES["clip"].aggregations:
         out = policy_loss(logp, old, ADV, mask, 0.2, 0.28, how, normalizer(mask), ref, 0.05, weights)
         adv = ADV[:, None]
         ratio = torch.exp(logp - old)
@@ -121,7 +121,7 @@ def test_a_gated_response_has_no_gradient_under_every_loss_whose_record_says_so(
     """The records' gated_skip_exact: advantage 0 gives a sequence no gradient under clip, clip_cov, gspo and cispo;
     under kl_cov the penalty reaches it wherever a selected token lies in it."""
     logp, old, mask, selected = tokens()
-    for name, record in records.POLICY_LOSSES.items():
+    for name, record in policy_losses.POLICY_LOSSES.items():
         out = policy_loss(logp, old, ADV, mask, 0.2, 0.28, record.aggregations[0], normalizer(mask), loss=name,
                           params=PARAMS, selected=selected)
         (grad,) = torch.autograd.grad(out.loss, logp)
@@ -157,20 +157,21 @@ def test_the_entropy_controls_compose_with_a_loss_by_their_formulas():
 
 def test_a_loss_registers_once_and_only_against_a_record():
     with pytest.raises(ValueError, match="registered already"):
-        algo_losses.register_policy_loss("clip")(lambda t, p: None)
+        policy_loss_registry.register_policy_loss("clip")(lambda t, p: None)
     with pytest.raises(ValueError, match="no record"):
-        algo_losses.register_policy_loss("ppo_dual_clip")
+        policy_loss_registry.register_policy_loss("ppo_dual_clip")
     with pytest.raises(ValueError, match="has a record already"):
-        records.add_record(records.POLICY_LOSSES["gspo"])
-    assert set(algo_losses.POLICY_LOSS_FUNCTIONS) == set(records.POLICY_LOSSES)  # every record has its function
+        policy_losses.add_record(policy_losses.POLICY_LOSSES["gspo"])
+    # every record has its function
+    assert set(policy_loss_registry.POLICY_LOSS_FUNCTIONS) == set(policy_losses.POLICY_LOSSES)
     with pytest.raises(QAEUserError, match="policy-loss: unknown value 'vanilla'. Choose one of: clip, clip_cov, "
                                            "kl_cov, gspo, cispo."):
-        algo_losses.get_policy_loss("vanilla")
+        policy_loss_registry.get_policy_loss("vanilla")
 
 
 def test_the_records_say_which_losses_select_over_the_mini_batch():
-    selecting = {name for name, fn in algo_losses.POLICY_LOSS_FUNCTIONS.items() if fn.select is not None}
-    assert selecting == {name for name, record in records.POLICY_LOSSES.items() if record.selects}
+    selecting = {name for name, fn in policy_loss_registry.POLICY_LOSS_FUNCTIONS.items() if fn.select is not None}
+    assert selecting == {name for name, record in policy_losses.POLICY_LOSSES.items() if record.selects}
     assert selecting == {"clip_cov", "kl_cov"}
 
 

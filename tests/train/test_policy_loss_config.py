@@ -134,7 +134,7 @@ def test_show_names_the_run_s_loss_and_its_options(tmp_path):
 
 
 def test_compare_groups_a_run_from_before_the_option_with_today_s_clip_runs():
-    from qae_app.analysis.compare import group_key
+    from qae_app.analysis.run_comparison import group_key
 
     today = json.loads(json.dumps(build_config().to_dict()))  # (as config.json stores it)
     before = {key: value for key, value in today.items() if key not in AS_BEFORE_THE_OPTIONS}

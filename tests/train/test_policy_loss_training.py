@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from qae_app.cli.main import app
-from qae_app.core.names import ESTIMATORS
+from qae_app.core.estimators import ESTIMATORS
 from qae_app.core.policy_losses import POLICY_LOSSES
 from qae_app.store.reader import read_steps
 from qae_app.store.run_folder import db_path

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from qae_app.algo.policy_losses import EntropyCoefficient, LossSettings
+from qae_app.algo.policy_loss_registry import EntropyCoefficient, LossSettings
 from qae_app.core.policy_losses import POLICY_LOSSES
 from qae_app.train import update
 from tests.train.test_update import ADVANTAGES, TwoLayerLM, _batch, _options
