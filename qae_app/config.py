@@ -81,11 +81,6 @@ MAX_ENTROPY_NATS = 20.0  # above ln(vocabulary size) of any tokenizer (ln 1e6 = 
 MAX_RESPONSES_PER_STEP = 65_536
 
 # the entropy band (--entropy-low, --entropy-high): the smoothed token entropy is watched against [low, high]. Token
-# entropy scales differ by model and task (0.46 nats for the built-in model on 1-3 token answers, 1-2 nats for a 7B
-# model on math), so by default the band is relative to the run's starting entropy: [start / FACTOR, start * FACTOR].
-ENTROPY_BAND_FACTOR = 3.0
-
-
 # Options that act only with a switch on: given without it they would do nothing, yet be stored and split
 # `qae compare`'s groups. Their defaults never trigger this (only a value the user gave).
 # a run config file's [plan] table says what hardware it is planned for: read by `qae plan`, ignored by `qae train`
@@ -339,10 +334,10 @@ class TrainConfig:
     # --- monitoring and evaluation
     entropy_low: float | None = opt(None, "Warn when the smoothed token entropy falls below this many nats "
                                     "(collapse): raise K. Default: the starting entropy / "
-                                    f"{ENTROPY_BAND_FACTOR:g}.", "monitor", resumable=True)
+                                    f"{names.ENTROPY_BAND_FACTOR:g}.", "monitor", resumable=True)
     entropy_high: float | None = opt(None, "Warn when the smoothed token entropy rises above this many nats "
                                      "(explosion): lower K. Default: the starting entropy x "
-                                     f"{ENTROPY_BAND_FACTOR:g}.", "monitor", resumable=True)
+                                     f"{names.ENTROPY_BAND_FACTOR:g}.", "monitor", resumable=True)
     eval_every: int = opt(25, "Evaluate every N steps (0: never). Built-in task: sampled held-out accuracy.",
                           "monitor", resumable=True)
     report_to: str | None = opt(None, "Also send every step's metrics and each evaluation to these trackers (a comma "

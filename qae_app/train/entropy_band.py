@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import math
 
-from qae_app.config import ENTROPY_BAND_FACTOR, TrainConfig
+from qae_app.config import TrainConfig
 from qae_app.core import names
+from qae_app.core.names import ENTROPY_BAND_FACTOR, entropy_band
 from qae_app.train.trainer_state import TrainerState
 
 ENTROPY_EMA_ALPHA = 0.1  # smoothing of the entropy that the band warnings watch (about the last 10 steps)
-
-
-def entropy_band(low: float | None, high: float | None, start: float | None) -> tuple[float, float] | None:
-    """[low, high] for the smoothed entropy: the --entropy-low/--entropy-high values where given, else the starting
-    entropy divided / multiplied by ENTROPY_BAND_FACTOR (None until the start is known)."""
-    if start is None and (low is None or high is None):
-        return None
-    return (low if low is not None else start / ENTROPY_BAND_FACTOR,
-            high if high is not None else start * ENTROPY_BAND_FACTOR)
 
 
 def entropy_warning(state: TrainerState, entropy: float, cfg: TrainConfig) -> dict | None:
