@@ -492,8 +492,9 @@ def sweep_command(
     cpu: Annotated[bool, typer.Option("--cpu/--no-cpu", help="Force CPU even when a GPU is present.")] = False,
     **options: Any,
 ) -> None:
-    """Run a grid of training runs: --estimator and --k take comma-separated lists (qae,grpo; 0.3,0.4,0.5), and
-    each point runs --seeds seeds (a mean baseline ignores K: it is not repeated per K). Every point is an ordinary
+    """Run a grid of training runs: --policy-loss, --estimator and --k take comma-separated lists (clip,kl_cov;
+    qae,grpo; 0.3,0.4,0.5), and each point runs --seeds seeds (a mean baseline ignores K: it is not repeated per K; a
+    loss's own options go to its points only). Every point is an ordinary
     run tagged with the sweep (`qae runs --sweep`, `qae compare --sweep`). Re-running the same command resumes:
     finished runs are kept, an interrupted one resumes, the rest start."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -505,7 +506,9 @@ def sweep_command(
         check_parallel(parallel)
         given = given_options(config, **options)
         estimators, ks = str(given.pop("estimator", "qae")), given.pop("k", None)
-        plan = plan_sweep(runs_dir, estimators, None if ks is None else str(ks), seeds, given, name)
+        losses = given.pop("policy_loss", None)
+        plan = plan_sweep(runs_dir, estimators, None if ks is None else str(ks), seeds, given, name,
+                          None if losses is None else str(losses))
     except QAEUserError as err:
         fail(err)
     console.print(f"[bold]qae sweep[/] [cyan]{plan.name}[/] (id {plan.sweep_id}): {len(plan.points)} runs, "

@@ -50,6 +50,30 @@ def test_the_grid_repeats_k_for_qae_only_and_tags_every_point(tmp_path):
     assert plan_sweep(tmp_path, "qae", None, 1, {"steps": 6}, name="study").sweep_id != sweep.sweep_id
 
 
+def test_the_grid_over_policy_losses_names_each_point_by_loss_and_gives_it_its_own_options(tmp_path):
+    """The bake-off: losses x estimators x seeds, a loss's option going to its points alone; an option of a loss
+    outside the sweep is refused, and the same command with another loss extends the same sweep."""
+    sweep = plan_sweep(tmp_path, "grpo,qae", None, 3, {"steps": 5, "seed": 1, "clip_cov_ratio": 0.001},
+                       name="bake", losses="clip,clip_cov,kl_cov,gspo")
+    names = [p.run_name for p in sweep.points]
+    assert len(names) == 4 * 2 * 3
+    assert names[:4] == ["bake-clip-grpo-s1", "bake-clip-grpo-s2", "bake-clip-grpo-s3", "bake-clip-qae-k0.4-s1"]
+    assert names[-1] == "bake-gspo-qae-k0.4-s3"
+    for point in sweep.points:
+        loss = point.run_name.split("-")[1]
+        assert point.options["policy_loss"] == loss
+        assert ("clip_cov_ratio" in point.options) == (loss == "clip_cov")
+    assert {p.options["clip_cov_ratio"] for p in sweep.points if "clip_cov_ratio" in p.options} == {0.001}
+    more = plan_sweep(tmp_path, "grpo,qae", None, 3, {"steps": 5, "seed": 1, "clip_cov_ratio": 0.001},
+                      name="bake", losses="clip,clip_cov,kl_cov,gspo,cispo")
+    assert more.sweep_id == sweep.sweep_id and len(more.points) == 5 * 2 * 3
+    # without --policy-loss the names and the id are a plain sweep's, as before the option
+    plain = plan_sweep(tmp_path, "qae", None, 1, {"steps": 5}, name="plain")
+    assert [p.run_name for p in plain.points] == ["plain-qae-k0.4-s0"] and "policy_loss" not in plain.points[0].options
+    with pytest.raises(QAEUserError, match="clip-cov-ratio: 0.001 is an option of --policy-loss clip_cov"):
+        plan_sweep(tmp_path, "qae", None, 1, {"clip_cov_ratio": 0.001}, name="x", losses="clip,gspo")
+
+
 def test_a_sweep_checks_its_data_files_before_any_run_starts(tmp_path):
     """A bad --data was found by each run in turn (three failed runs, exit 1) and the closing line still advised a
     `qae compare` that then found no run of the sweep."""
@@ -134,6 +158,8 @@ def test_sweep_help_gives_the_sweeps_own_defaults():
     (["--estimator", "grpo", "--k", "0.3"], "k: 0.3 is QAE's quantile level, and the sweep has no qae run"),
     (["--estimator", "qae,ppo"], "estimator: unknown 'ppo'"),
     (["--estimator", "qae,qae"], "estimator: 'qae,qae' repeats a value"),
+    (["--policy-loss", "clip,vanilla"], "policy-loss: unknown 'vanilla'. Choose from: clip, clip_cov, kl_cov"),
+    (["--policy-loss", "gspo", "--loss-agg", "token"], "loss-agg: token is not defined for --policy-loss gspo"),
     (["--seeds", "0"], "seeds: 0. Use 1 or more seeds"),
     (["--lr", "-1"], "lr: -1.0"),
     (["--k", "0.3,1.5"], "(in sweep point"),
