@@ -453,7 +453,8 @@ def compare(
     """Compare runs across seeds: runs with the same config but the seed form a group; per group, the mean over
     seeds of final, best and area-under-curve held-out accuracy, late entropy and its slope, the zero-advantage
     fractions and seconds per step, each with a 95% t-interval; with --baseline, each group's paired difference from
-    it (interval and p-value)."""
+    it (interval and p-value). A grid of policy losses x (grpo, qae), as `qae sweep --policy-loss` makes, is also
+    laid out as the paper's Table 2: a row per loss, base, + QAE and their paired difference."""
     from qae_app.analysis.run_comparison import compare_runs, load_runs
     from qae_app.cli.views import compare_view
 
@@ -463,7 +464,11 @@ def compare(
     except QAEUserError as err:
         fail(err)
     if as_json:
-        print(json.dumps(_finite(comparison.to_dict()), indent=2, default=str))
+        from qae_app.analysis.loss_table import loss_table
+
+        by_loss = loss_table(comparison.groups)
+        print(json.dumps(_finite({**comparison.to_dict(), "by_policy_loss": by_loss and by_loss.to_dict()}),
+                         indent=2, default=str))
         return
     out = _view_console()
     out.print(compare_view(comparison, out.width))

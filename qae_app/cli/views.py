@@ -635,5 +635,29 @@ def compare_view(comparison, width: int) -> RenderableType:
     if comparison.left_out:
         parts.append(Text("left out: " + ", ".join(f"{run_id} ({why})" for run_id, why in comparison.left_out.items()),
                           style="yellow"))
+    parts.extend(loss_table_view(comparison.groups))
     parts.append(Text("; ".join(f"{name}: {text}" for name, text in metrics.items()), style="dim"))
     return Group(*parts)
+
+
+def loss_table_view(groups) -> list[RenderableType]:
+    """The paper's layout where the groups are a grid of policy losses x (a base estimator, qae): per metric a table
+    with a row per loss and the columns base, + QAE and QAE minus base paired by seed; nothing for other groups."""
+    from qae_app.analysis.loss_table import loss_table
+
+    table = loss_table(groups)
+    if table is None:
+        return []
+    parts: list[RenderableType] = [Text(
+        f"by policy loss, as the paper's Table 2: {table.base_estimator}, the same loss with qae, and qae minus "
+        f"{table.base_estimator} paired by seed (mean, 95% t-interval, paired t-test p)", style="bold")]
+    for name in next(iter(table.rows)).cells:
+        rows = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True, title=name,
+                     title_justify="left", title_style="bold")
+        for column in ("policy loss", table.base_estimator, "+ qae", f"qae - {table.base_estimator}"):
+            rows.add_column(column, justify="left" if column == "policy loss" else "right", no_wrap=True)
+        for row in table.rows:
+            base, qae, difference = row.cells[name]
+            rows.add_row(row.policy_loss, _cell(base), _cell(qae), _cell(difference, sign=True))
+        parts.append(rows)
+    return parts

@@ -177,10 +177,10 @@ def test_a_bad_sweep_is_refused_before_any_run_starts(tmp_path, args, message):
 
 
 def _store_run(runs: Path, run_id: str, seed: int, estimator: str, heldout: dict[int, float], entropy: float,
-               sweep: str = "cmp") -> None:
+               sweep: str = "cmp", policy_loss: str = "clip") -> None:
     writer = RunWriter(runs / run_id / "qae.duckdb", run_id)
-    config = {**TrainConfig().to_dict(), "seed": seed, "run_name": run_id, "estimator": estimator,
-              "sweep_id": "id-" + sweep, "sweep_name": sweep}
+    config = {**TrainConfig(policy_loss=policy_loss).to_dict(), "seed": seed, "run_name": run_id,
+              "estimator": estimator, "sweep_id": "id-" + sweep, "sweep_name": sweep}
     writer.create_run(run_id, config, estimator, 0.4, "builtin:tiny", "arith", seed)
     for step in (1, 2, 3, 4):
         row = {name: 0.5 for name in STEP_METRICS}
@@ -279,6 +279,32 @@ def test_compare_prints_groups_intervals_baseline_and_small_n_notes(known_runs):
     assert "G1: 1 seed(s) shared with the baseline are paired (0)" in text
     assert "G2: n=1: one seed, no interval" in " ".join(text.split())
     assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_compare_lays_a_grid_of_policy_losses_out_as_the_paper_s_table(known_runs):
+    """Clip from the known runs plus GSPO, grpo and qae over 3 seeds: `--json` gives a row per loss with base, + QAE
+    and the paired difference (clip's by hand, as above), and the text prints a table per metric in 80 columns."""
+    for seed, (q, g) in enumerate([(0.5, 0.5), (0.6, 0.5), (0.9, 0.6)]):
+        _store_run(known_runs, f"cmp-gspo-qae-s{seed}", seed, "qae", {4: q}, 1.0, policy_loss="gspo")
+        _store_run(known_runs, f"cmp-gspo-grpo-s{seed}", seed, "grpo", {4: g}, 2.0, policy_loss="gspo")
+    out = json.loads(runner.invoke(app, ["compare", "--sweep", "cmp", "--json", "--runs-dir", str(known_runs)]).output)
+    table = out["by_policy_loss"]
+    assert table["base_estimator"] == "grpo" and [row["policy_loss"] for row in table["rows"]] == ["clip", "gspo"]
+    clip = table["rows"][0]["metrics"]["final_heldout"]
+    assert clip["base"]["mean"] == pytest.approx(17 / 30) and clip["qae"]["mean"] == pytest.approx(0.7)
+    assert clip["difference"]["mean"] == pytest.approx(2 / 15)
+    assert clip["difference"]["p_value"] == pytest.approx(1 - 4 / math.sqrt(18), abs=1e-9)
+    gspo = table["rows"][1]["metrics"]["final_heldout"]["difference"]  # 0, 0.1, 0.3
+    assert gspo["mean"] == pytest.approx(0.4 / 3) and gspo["seeds"] == [0, 1, 2]
+    assert table["rows"][1]["metrics"]["entropy_last"]["difference"]["mean"] == pytest.approx(-1.0)
+    text = runner.invoke(app, ["compare", "--sweep", "cmp", "--runs-dir", str(known_runs)],
+                         env={"COLUMNS": "80"}).output
+    assert "by policy loss, as the paper's Table 2" in " ".join(text.split())
+    assert "qae - grpo" in text and "entropy_range" in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    alone = json.loads(runner.invoke(app, ["compare", "cmp-qae-s0", "cmp-qae-s1", "--json", "--runs-dir",
+                                           str(known_runs)]).output)
+    assert alone["by_policy_loss"] is None  # one estimator: no such table
 
 
 @pytest.mark.parametrize("args, message", [
