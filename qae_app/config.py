@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import tomllib
 
-from qae_app.core import names
+from qae_app.core import names, policy_losses
 from qae_app.core.errors import QAEUserError
 from qae_app.core.estimators import ESTIMATORS, estimator_help
 from qae_app.core.formatting import clipped
@@ -66,6 +66,11 @@ def opt(default: Any, help: str, group: str, choices: dict[str, str] | tuple | N
                                             "resumable": resumable})
 
 
+def loss_opt(name: str, default: float | None = None):
+    """A policy loss's option or an entropy control: core/policy_losses.py holds its help, default and range."""
+    return opt(default, policy_losses.option_help(name), "policy loss")
+
+
 INT32_MAX = 2**31 - 1  # steps and seeds are stored in 32-bit INTEGER columns; numpy seeds must be < 2**32
 # alpha / rank: the adapters' output scale; rsLoRA and the usual 2 x rank stay far below, and above it a trained
 # adapter's output overflows (a scale of 1e308 gave inf log-probs at the first sampled step after an update)
@@ -76,20 +81,6 @@ MAX_ENTROPY_NATS = 20.0  # above ln(vocabulary size) of any tokenizer (ln 1e6 = 
 MAX_RESPONSES_PER_STEP = 65_536
 
 # the entropy band (--entropy-low, --entropy-high): the smoothed token entropy is watched against [low, high]. Token
-# entropy scales differ by model and task (0.46 nats for the built-in model on 1-3 token answers, 1-2 nats for a 7B
-# model on math), so by default the band is relative to the run's starting entropy: [start / FACTOR, start * FACTOR].
-ENTROPY_BAND_FACTOR = 3.0
-
-
-def entropy_band(low: float | None, high: float | None, start: float | None) -> tuple[float, float] | None:
-    """[low, high] for the smoothed entropy: the --entropy-low/--entropy-high values where given, else the starting
-    entropy divided / multiplied by ENTROPY_BAND_FACTOR (None until the start is known)."""
-    if start is None and (low is None or high is None):
-        return None
-    return (low if low is not None else start / ENTROPY_BAND_FACTOR,
-            high if high is not None else start * ENTROPY_BAND_FACTOR)
-
-
 # Options that act only with a switch on: given without it they would do nothing, yet be stored and split
 # `qae compare`'s groups. Their defaults never trigger this (only a value the user gave).
 # a run config file's [plan] table says what hardware it is planned for: read by `qae plan`, ignored by `qae train`
@@ -133,8 +124,6 @@ NUMERIC_RANGES: dict[str, Range] = {
     "num_mini_batches": Range(1, INT32_MAX, True, "Use a positive integer"),
     "ppo_epochs": Range(1, INT32_MAX, True, "Use a positive integer"),
     "micro_batch_size": Range(1, INT32_MAX, True, "Use a positive integer"),
-    "clip_low": Range(0.0, 1.0, True, "Use 0 <= clip-low < 1 (default 0.2)", high_allowed=False),
-    "clip_high": Range(0.0, 10.0, True, "Use a clip-high from 0 to 10 (default 0.28)"),
     "kl_beta": Range(0.0, 10.0, True, "Use a KL weight from 0 (no reference model) to 10; 0.001-0.1 is usual"),
     "lora_rank": Range(0, INT32_MAX, True, "Use 0 (no LoRA: every weight trains) or a rank such as 8-64"),
     "lora_alpha": Range(0.0, math.inf, False, "Use an alpha > 0, e.g. 2 x --lora-rank (the default): the adapters' "
@@ -164,6 +153,9 @@ NUMERIC_RANGES: dict[str, Range] = {
     "max_tokens_per_micro_batch": Range(1, INT32_MAX, True, "Use a number of tokens at least the longest prompt plus "
                                                             "max-new-tokens, e.g. 16384, or leave it unset for "
                                                             "--micro-batch-size sequences per micro-batch"),
+    # the policy losses' options and the entropy controls: their records' ranges (core/policy_losses.py)
+    **{o.name: Range(o.low, o.high, o.low_allowed, o.advice, o.high_allowed)
+       for o in policy_losses.OPTIONS.values()},
 }
 
 
@@ -285,11 +277,29 @@ class TrainConfig:
     ppo_epochs: int = opt(1, "Passes over each rollout batch.", "optim")
     micro_batch_size: int = opt(64, "Sequences per forward/backward (gradients accumulate over a mini-batch); "
                                 "lower it when long responses run out of memory.", "optim", resumable=True)
-    clip_low: float = opt(0.2, "Ratio clip below: 1 - clip_low.", "optim")
-    clip_high: float = opt(0.28, "Ratio clip above: 1 + clip_high (clip-higher).", "optim")
-    loss_agg: str = opt("token", "Loss aggregation.", "optim", names.LOSS_AGGREGATIONS)
+    loss_agg: str | None = opt(None, "Loss aggregation. Default: token, or the loss's own where it defines only "
+                               "one (gspo: seq_mean_token_mean).", "optim", names.LOSS_AGGREGATIONS)
     kl_beta: float = opt(0.0, "Weight of the k3 KL to a frozen reference (0: no reference model is loaded).",
                          "optim")
+    # --- policy loss (core/policy_losses.py: each loss's record; docs/algorithm.md: their formulas)
+    policy_loss: str = opt(policy_losses.DEFAULT_POLICY_LOSS, "Policy loss; its own options (below) act only with "
+                           "it.", "policy loss", policy_losses.LOSS_CHOICES)
+    clip_low: float | None = loss_opt("clip_low")
+    clip_high: float | None = loss_opt("clip_high")
+    clip_cov_ratio: float | None = loss_opt("clip_cov_ratio")
+    clip_cov_lb: float | None = loss_opt("clip_cov_lb")
+    clip_cov_ub: float | None = loss_opt("clip_cov_ub")
+    kl_cov_ratio: float | None = loss_opt("kl_cov_ratio")
+    kl_cov_coef: float | None = loss_opt("kl_cov_coef")
+    gspo_clip_low: float | None = loss_opt("gspo_clip_low")
+    gspo_clip_high: float | None = loss_opt("gspo_clip_high")
+    cispo_weight_cap: float | None = loss_opt("cispo_weight_cap")
+    top_entropy_quantile: float = loss_opt("top_entropy_quantile", 1.0)
+    entropy_coef: float = loss_opt("entropy_coef", 0.0)
+    entropy_target: float | None = loss_opt("entropy_target")
+    entropy_coef_delta: float | None = loss_opt("entropy_coef_delta")
+    entropy_coef_min: float | None = loss_opt("entropy_coef_min")
+    entropy_coef_max: float | None = loss_opt("entropy_coef_max")
     # --- memory: the same update, computed in less memory
     logprob_chunk_tokens: int | None = opt(None, "Log-probs through the vocabulary projection this many tokens at a "
                                            "time, never holding the full logits (forward and backward; the same "
@@ -324,10 +334,10 @@ class TrainConfig:
     # --- monitoring and evaluation
     entropy_low: float | None = opt(None, "Warn when the smoothed token entropy falls below this many nats "
                                     "(collapse): raise K. Default: the starting entropy / "
-                                    f"{ENTROPY_BAND_FACTOR:g}.", "monitor", resumable=True)
+                                    f"{names.ENTROPY_BAND_FACTOR:g}.", "monitor", resumable=True)
     entropy_high: float | None = opt(None, "Warn when the smoothed token entropy rises above this many nats "
                                      "(explosion): lower K. Default: the starting entropy x "
-                                     f"{ENTROPY_BAND_FACTOR:g}.", "monitor", resumable=True)
+                                     f"{names.ENTROPY_BAND_FACTOR:g}.", "monitor", resumable=True)
     eval_every: int = opt(25, "Evaluate every N steps (0: never). Built-in task: sampled held-out accuracy.",
                           "monitor", resumable=True)
     report_to: str | None = opt(None, "Also send every step's metrics and each evaluation to these trackers (a comma "
@@ -359,6 +369,8 @@ class TrainConfig:
             object.__setattr__(self, "rollout_dtype", self.dtype if self.engine == "hf" else "bfloat16")
         if self.rollout_correction is None:
             object.__setattr__(self, "rollout_correction", "none" if self.sampler_is_trainer else "tis")
+        for name, value in policy_losses.resolved(self.__dict__).items():  # the loss's options and aggregation
+            object.__setattr__(self, name, value)
 
     @property
     def sampler_is_trainer(self) -> bool:
@@ -394,9 +406,11 @@ class TrainConfig:
         """Every option checked, each on its own and then the rules that tie options together; a broken one is a
         QAEUserError naming the option, its value and what to do. Returns the config."""
         _check_choices(self)
+        policy_losses.check_owned(self.__dict__)  # (before the ranges: a stray option's first problem is that)
         for name in NUMERIC_RANGES:  # each numeric option on its own (before any rule below: nan compares False)
             if name not in BOUNDED_BY_ANOTHER_OPTION and getattr(self, name) is not None:
                 check_range(name, getattr(self, name))
+        policy_losses.check_rules(self.__dict__)
         ESTIMATORS[self.estimator].validate(self.k_value, self.quantile, self.scale)
         self._check_step_shape()
         self._check_precision_and_adapters()

@@ -8,7 +8,7 @@ import grouping
 import pandas as pd
 import streamlit as st
 
-from qae_app.config import entropy_band
+from qae_app.core.names import entropy_band
 from qae_app.store.reader import component_table, read_component_means, read_step_tokens
 from qae_app.store.schema import STEP_METRICS
 

@@ -1,5 +1,6 @@
-"""Policy loss: clipped importance ratio with separate low/high clip, aggregation, k3 KL, token entropy, and the
-sampler-trainer mismatch: truncated importance sampling weights and what the mismatch measures.
+"""Policy loss: the registered loss of each token (algo/policy_loss_registry.py: clip, clip_cov, kl_cov, gspo,
+cispo), then what every loss shares (the top-entropy mask, aggregation, k3 KL, the entropy bonus), token entropy, and
+the sampler-trainer mismatch: truncated importance sampling weights and what the mismatch measures.
 
 Shapes: N sequences (a mini-batch of responses), T response positions. `mask` is 1 on response tokens.
 Advantages are per sequence ([N]) and broadcast over its tokens.
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from qae_app.algo.policy_loss_registry import LossTokens, get_policy_loss
 from qae_app.core.errors import QAEUserError
 from qae_app.core.names import LOSS_AGGREGATIONS  # how per-token losses become one number, by name
 
@@ -22,8 +24,9 @@ class LossOutput:
     loss: torch.Tensor  # scalar, to backpropagate
     pg_loss: torch.Tensor  # scalar, policy-gradient part
     kl: torch.Tensor  # scalar, mean k3 KL over tokens (0 without a reference)
-    clip_low_count: torch.Tensor  # tokens clipped from below (A < 0, ratio < 1 - clip_low)
-    clip_high_count: torch.Tensor  # tokens clipped from above (A > 0, ratio > 1 + clip_high)
+    clip_low_count: torch.Tensor  # tokens the loss clipped from below (clip: A < 0, ratio < 1 - clip_low)
+    clip_high_count: torch.Tensor  # tokens the loss clipped from above (clip: A > 0, ratio > 1 + clip_high)
+    entropy_sum: torch.Tensor | None = None  # no grad: sum of the trained tokens' entropies (with `entropy`)
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -65,37 +68,47 @@ def policy_loss(
     old_logp: torch.Tensor,  # (N, T) policy that sampled (no grad)
     advantages: torch.Tensor,  # (N,)
     mask: torch.Tensor,  # (N, T) float
-    clip_low: float,
-    clip_high: float,
+    clip_low: float | None,
+    clip_high: float | None,
     aggregation: str,
     normalizer: dict,
     ref_logp: torch.Tensor | None = None,  # (N, T) frozen reference, for the KL term
     kl_beta: float = 0.0,
     token_weights: torch.Tensor | None = None,  # (N, T) no grad: each token's policy-loss weight (tis_weights)
+    *,
+    loss: str = "clip",  # the policy loss, by name (algo/policy_loss_registry.py)
+    params: dict | None = None,  # its own options beyond the PPO clip (LossSettings.params)
+    selected: torch.Tensor | None = None,  # (N, T) bool: the tokens its mini-batch selection picked
+    trained: torch.Tensor | None = None,  # (N, T) bool: the tokens the top-entropy quantile kept; None: every one
+    entropy: torch.Tensor | None = None,  # (N, T) the current policy's token entropies, with grad (the bonus)
+    entropy_coef: float = 0.0,  # the bonus: minus entropy_coef x the trained tokens' mean entropy
 ) -> LossOutput:
-    adv = advantages[:, None]  # (N, 1) broadcast over tokens
-    ratio = torch.exp(logp - old_logp)  # (N, T)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)  # pessimistic bound, as PPO
-    if token_weights is not None:  # (the KL term below is not reweighted, as in TRL)
+    """The policy loss `loss` of one micro-batch, and what every loss shares: the top-entropy quantile's mask (a token
+    it drops contributes nothing; the normalizer stays the mini-batch's, as TRL's), the rollout correction's weights
+    (not on the KL term, as in TRL), the aggregation, the k3 KL to the reference, and the entropy bonus, whose mean
+    is over the mini-batch's trained tokens (normalizer["trained_tokens"]) whatever the aggregation (as TRL's)."""
+    terms = get_policy_loss(loss).loss(LossTokens(logp, old_logp, advantages, mask, selected),
+                                       {**(params or {}), "clip_low": clip_low, "clip_high": clip_high})
+    per_token = terms.loss if trained is None else terms.loss * trained
+    if token_weights is not None:
         per_token = per_token * token_weights
     pg_loss = aggregate(per_token, mask, aggregation, normalizer)
-
+    loss_value = pg_loss
+    kl = torch.zeros((), device=logp.device)
     if ref_logp is not None and kl_beta > 0:
         delta = ref_logp - logp
-        kl_per_token = torch.exp(delta) - delta - 1.0  # k3 estimator, >= 0
-        kl = aggregate(kl_per_token, mask, aggregation, normalizer)
-        loss = pg_loss + kl_beta * kl
-    else:
-        kl = torch.zeros((), device=logp.device)
-        loss = pg_loss
-
+        kl = aggregate(torch.exp(delta) - delta - 1.0, mask, aggregation, normalizer)  # k3 estimator, >= 0
+        loss_value = loss_value + kl_beta * kl
+    entropy_sum = None
+    if entropy is not None:
+        weights = mask if trained is None else mask * trained
+        entropy_total = (entropy * weights).sum()
+        loss_value = loss_value - entropy_coef * entropy_total / max(normalizer.get("trained_tokens", 1), 1)
+        entropy_sum = entropy_total.detach()
     with torch.no_grad():
         on = mask.bool()
-        clip_low_count = ((ratio < 1.0 - clip_low) & (adv < 0) & on).sum()
-        clip_high_count = ((ratio > 1.0 + clip_high) & (adv > 0) & on).sum()
-    return LossOutput(loss, pg_loss.detach(), kl.detach(), clip_low_count, clip_high_count)
+        clip_low_count, clip_high_count = (terms.clipped_low & on).sum(), (terms.clipped_high & on).sum()
+    return LossOutput(loss_value, pg_loss.detach(), kl.detach(), clip_low_count, clip_high_count, entropy_sum)
 
 
 # ---------------------------------------------------------------------------------------------------------------

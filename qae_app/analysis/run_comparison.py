@@ -28,6 +28,7 @@ from pathlib import Path
 import pandas as pd
 
 from qae_app.analysis.differences import reads_k
+from qae_app.core import policy_losses
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import missing
 from qae_app.store.labels import read_labels
@@ -60,7 +61,7 @@ IGNORED_CONFIG_KEYS: dict[str, str] = {
     "reward_files": "where the reward code lives and its sha256: `reward` names the rewards",
 }
 # Options added after runs were stored: a run without the key trained as with this value, so the value counts as absent
-SAME_AS_ABSENT = {"reward": None, "reward_weights": None}
+SAME_AS_ABSENT = {"reward": None, "reward_weights": None, **policy_losses.AS_BEFORE_THE_OPTIONS}
 # Options only QAE reads: a mean-baseline run (grpo, rloo, ...) with another K is the same setup.
 QAE_ONLY_KEYS = ("k", "quantile")
 
@@ -337,6 +338,7 @@ RUN_METRICS: dict[str, str] = {
     "auc_heldout": "area under the held-out curve (trapezoid over step) / step span: a mean accuracy",
     "entropy_last": "mean token entropy over the last 20% of steps",
     "entropy_slope": "least-squares slope of entropy against step over the last 20% of steps (nats per step)",
+    "entropy_range": "highest minus lowest step entropy over the run (nats): how far entropy moved",
     "zero_adv": "mean fraction of zero-advantage (gated) responses over all steps",
     "zero_adv_last": "mean fraction of zero-advantage (gated) responses over the last 20% of steps",
     "dH_easy": "mean over steps of the whole update's entropy change on easy groups' responses (needs "
@@ -356,8 +358,9 @@ NON_NEGATIVE: Bounds = (0.0, None)
 # the values each run metric can take: its interval is cut there
 RUN_METRIC_BOUNDS: dict[str, Bounds] = {
     "final_heldout": FRACTION, "best_heldout": FRACTION, "auc_heldout": FRACTION, "entropy_last": NON_NEGATIVE,
-    "entropy_slope": UNBOUNDED, "zero_adv": FRACTION, "zero_adv_last": FRACTION, "dH_easy": UNBOUNDED,
-    "dH_hard": UNBOUNDED, "dH_from_easy": UNBOUNDED, "dH_from_hard": UNBOUNDED, "dH_from_none": UNBOUNDED,
+    "entropy_slope": UNBOUNDED, "entropy_range": NON_NEGATIVE, "zero_adv": FRACTION, "zero_adv_last": FRACTION,
+    "dH_easy": UNBOUNDED, "dH_hard": UNBOUNDED, "dH_from_easy": UNBOUNDED, "dH_from_hard": UNBOUNDED,
+    "dH_from_none": UNBOUNDED,
     "step_s": NON_NEGATIVE,
 }
 assert set(RUN_METRIC_BOUNDS) == set(RUN_METRICS)
@@ -411,6 +414,7 @@ def least_squares_slope(xs: list[float], ys: list[float]) -> float:
 def run_metrics(steps: pd.DataFrame) -> dict[str, float]:
     """Every `RUN_METRICS` value of one run (NaN where the run has no data for it)."""
     heldout = _series(steps, "heldout_accuracy")
+    every_entropy = _series(steps, "entropy")["value"]
     entropy = _last_fraction(_series(steps, "entropy"))
     zero_adv = _series(steps, "frac_zero_adv")
     step_s = _series(steps, "step_s")
@@ -423,6 +427,7 @@ def run_metrics(steps: pd.DataFrame) -> dict[str, float]:
         "auc_heldout": area_under_curve(heldout["step"].tolist(), heldout["value"].tolist()),
         "entropy_last": float(entropy["value"].mean()) if len(entropy) else nan,
         "entropy_slope": least_squares_slope(entropy["step"].tolist(), entropy["value"].tolist()),
+        "entropy_range": float(every_entropy.max() - every_entropy.min()) if len(every_entropy) else nan,
         "zero_adv": float(zero_adv["value"].mean()) if len(zero_adv) else nan,
         "zero_adv_last": float(_last_fraction(zero_adv)["value"].mean()) if len(zero_adv) else nan,
         **{name: float(rows["value"].mean()) if len(rows) else nan for name, rows in delta.items()},

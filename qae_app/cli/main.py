@@ -453,7 +453,8 @@ def compare(
     """Compare runs across seeds: runs with the same config but the seed form a group; per group, the mean over
     seeds of final, best and area-under-curve held-out accuracy, late entropy and its slope, the zero-advantage
     fractions and seconds per step, each with a 95% t-interval; with --baseline, each group's paired difference from
-    it (interval and p-value)."""
+    it (interval and p-value). A grid of policy losses x (grpo, qae), as `qae sweep --policy-loss` makes, is also
+    laid out as the paper's Table 2: a row per loss, base, + QAE and their paired difference."""
     from qae_app.analysis.run_comparison import compare_runs, load_runs
     from qae_app.cli.views import compare_view
 
@@ -463,7 +464,11 @@ def compare(
     except QAEUserError as err:
         fail(err)
     if as_json:
-        print(json.dumps(_finite(comparison.to_dict()), indent=2, default=str))
+        from qae_app.analysis.loss_table import loss_table
+
+        by_loss = loss_table(comparison.groups)
+        print(json.dumps(_finite({**comparison.to_dict(), "by_policy_loss": by_loss and by_loss.to_dict()}),
+                         indent=2, default=str))
         return
     out = _view_console()
     out.print(compare_view(comparison, out.width))
@@ -492,8 +497,9 @@ def sweep_command(
     cpu: Annotated[bool, typer.Option("--cpu/--no-cpu", help="Force CPU even when a GPU is present.")] = False,
     **options: Any,
 ) -> None:
-    """Run a grid of training runs: --estimator and --k take comma-separated lists (qae,grpo; 0.3,0.4,0.5), and
-    each point runs --seeds seeds (a mean baseline ignores K: it is not repeated per K). Every point is an ordinary
+    """Run a grid of training runs: --policy-loss, --estimator and --k take comma-separated lists (clip,kl_cov;
+    qae,grpo; 0.3,0.4,0.5), and each point runs --seeds seeds (a mean baseline ignores K: it is not repeated per K; a
+    loss's own options go to its points only). Every point is an ordinary
     run tagged with the sweep (`qae runs --sweep`, `qae compare --sweep`). Re-running the same command resumes:
     finished runs are kept, an interrupted one resumes, the rest start."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -505,7 +511,9 @@ def sweep_command(
         check_parallel(parallel)
         given = given_options(config, **options)
         estimators, ks = str(given.pop("estimator", "qae")), given.pop("k", None)
-        plan = plan_sweep(runs_dir, estimators, None if ks is None else str(ks), seeds, given, name)
+        losses = given.pop("policy_loss", None)
+        plan = plan_sweep(runs_dir, estimators, None if ks is None else str(ks), seeds, given, name,
+                          None if losses is None else str(losses))
     except QAEUserError as err:
         fail(err)
     console.print(f"[bold]qae sweep[/] [cyan]{plan.name}[/] (id {plan.sweep_id}): {len(plan.points)} runs, "

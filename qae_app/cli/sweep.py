@@ -1,14 +1,15 @@
-"""`qae sweep`: a grid of ordinary training runs (estimators x K x seeds), run one after another or N at a time.
+"""`qae sweep`: a grid of ordinary training runs (policy losses x estimators x K x seeds), run one after another or
+N at a time.
 
 Every point is a plain `qae train` run in the runs dir, started as its own process (so `--parallel 2` trains two at
 once, each with its share of the cores), its config tagged with the sweep's id and name (`qae runs --sweep`,
 `qae compare --sweep`). A mean-baseline estimator ignores K, so it gets one point per seed, not one per K.
 
 The sweep's id is a hash of the options its points share, and its runs are named from the sweep's name and the point
-(`study-qae-k0.4-s1`). So re-running the same command after a kill resumes the sweep: a finished run is kept, an
-interrupted (or killed) one resumes from its newest checkpoint, the rest start; and the same command with more seeds
-or Ks extends it. A run of that name that belongs to another sweep (other options under the same --name) is refused
-rather than mixed in.
+(`study-qae-k0.4-s1`; with --policy-loss, the loss first: `study-kl_cov-qae-k0.4-s1`). So re-running the same command
+after a kill resumes the sweep: a finished run is kept, an interrupted (or killed) one resumes from its newest
+checkpoint, the rest start; and the same command with more seeds, Ks or losses extends it. A run of that name that
+belongs to another sweep (other options under the same --name) is refused rather than mixed in.
 
 Each point's options are written to runs/.sweeps/<name>/<run>.toml (what `qae train --config` reads) with its log
 beside it (the trainer's output, between lines saying when its process started and exited, with the exit code);
@@ -34,6 +35,7 @@ from qae_app.core.errors import QAEUserError
 from qae_app.core.estimators import ESTIMATORS
 from qae_app.core.formatting import clipped
 from qae_app.core.host_faults import environment_errno, environment_error
+from qae_app.core.policy_losses import OWNERS, POLICY_LOSSES
 from qae_app.store.run_folder import (
     CONFIG_FILE,
     DB_FILE,
@@ -73,7 +75,7 @@ class Sweep:
     folder: Path  # runs/.sweeps/<name>
 
 
-LIST_EXAMPLES = {"estimator": "qae,grpo", "k": "0.3,0.4"}
+LIST_EXAMPLES = {"estimator": "qae,grpo", "k": "0.3,0.4", "policy-loss": "clip,kl_cov"}
 
 
 def parse_list(flag: str, text: str) -> list[str]:
@@ -98,11 +100,14 @@ def parse_list(flag: str, text: str) -> list[str]:
 
 
 def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, options: dict,
-               name: str | None = None) -> Sweep:
+               name: str | None = None, losses: str | None = None) -> Sweep:
     """The sweep's points, validated before anything runs: `estimators` 'qae,grpo', `ks` '0.3,0.4' (QAE only;
     default: the options' K or names.DEFAULT_K), `seeds` how many seeds from the options' seed on, `options` the train
-    options the user gave (TOML and command line, not the defaults)."""
+    options the user gave (TOML and command line, not the defaults), `losses` 'clip,kl_cov' (None: the options' own
+    --policy-loss, and run names without it, as a sweep before the option had)."""
     estimator_list, k_list = _grid(estimators, ks, seeds, options)
+    loss_list = _losses(losses, seeds * sum(len(k_list) if ESTIMATORS[estimator].reads_k else 1
+                                            for estimator in estimator_list))
     for key in ("run_name", "sweep_id", "sweep_name", "estimator", "k"):
         options.pop(key, None)
     first_seed = int(options.pop("seed", 0))
@@ -110,9 +115,13 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
         options.setdefault(key, value)
     # the id hashes the options every point shares, not the grid: the same command with more seeds or Ks extends the
     # sweep (its finished points kept), and a point's run name says where in the grid it is
-    sweep_id = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    # (a grid over losses names its runs by loss: it is not the same sweep as one that names none)
+    hashed = options if losses is None else {**options, "policy_loss": "(a grid)"}
+    sweep_id = hashlib.sha256(json.dumps(hashed, sort_keys=True, default=str).encode()).hexdigest()[:10]
     name = validate_run_name(f"sweep-{sweep_id[:6]}" if name is None else name, option="name")
-    points = _points(name, sweep_id, estimator_list, k_list, range(first_seed, first_seed + seeds), options)
+    points = [point for loss in loss_list for point in _points(
+        name, sweep_id, estimator_list, k_list, range(first_seed, first_seed + seeds),
+        _loss_options(options, loss, loss_list), loss)]
     check_data_files(build_config(**points[0].options))  # shared by every point: a bad file fails all of them
     _check_point_folders(runs_dir, points, sweep_id)
     return Sweep(sweep_id, name, points, _sweep_folder(runs_dir, name))
@@ -138,15 +147,41 @@ def _grid(estimators: str, ks: str | None, seeds: int, options: dict) -> tuple[l
     return estimator_list, k_list
 
 
+def _losses(losses: str | None, runs_per_loss: int) -> list[str | None]:
+    """The sweep's policy losses, checked: [None] without --policy-loss (each point takes the options' own loss)."""
+    if losses is None:
+        return [None]
+    loss_list = parse_list("policy-loss", losses)
+    for loss in loss_list:
+        if loss not in POLICY_LOSSES:
+            raise QAEUserError(f"policy-loss: unknown '{loss}'. Choose from: {', '.join(POLICY_LOSSES)}.")
+    if len(loss_list) * runs_per_loss > MAX_SWEEP_RUNS:
+        raise QAEUserError(f"policy-loss: {len(loss_list)} losses make {len(loss_list) * runs_per_loss:,} runs, more "
+                           f"than the {MAX_SWEEP_RUNS} a sweep may have. Use fewer losses, seeds or Ks.")
+    return loss_list
+
+
+def _loss_options(options: dict, loss: str | None, loss_list: list[str | None]) -> dict:
+    """The shared options as one loss's points take them: its name, and without the options that only the sweep's
+    other losses own (--clip-cov-ratio is Clip-Cov's points' alone; an option of a loss outside the sweep stays, and
+    the config refuses it)."""
+    if loss is None:
+        return options
+    others = {name for name, owners in OWNERS.items() if loss not in owners and set(owners) & set(loss_list)}
+    return {**{key: value for key, value in options.items() if key not in others}, "policy_loss": loss}
+
+
 def _points(name: str, sweep_id: str, estimator_list: list[str], k_list: list[str], seeds: range,
-            options: dict) -> list[SweepPoint]:
-    """One point per estimator, K (QAE only) and seed, each with its run name and its options (the shared
-    `options` and its own), built into a config here so that every bad value is refused before any run starts."""
+            options: dict, loss: str | None = None) -> list[SweepPoint]:
+    """One point per estimator, K (QAE only) and seed, each with its run name (`loss` first where the sweep names
+    its losses) and its options (the shared `options` and its own), built into a config here so that every bad
+    value is refused before any run starts."""
     points = []
+    prefix = f"{loss}-" if loss is not None else ""
     for estimator in estimator_list:
         for k in k_list if ESTIMATORS[estimator].reads_k else [None]:  # a mean baseline ignores K: one point per seed
             for seed in seeds:
-                run_name = validate_run_name(f"{name}-{estimator}{f'-k{k}' if k is not None else ''}-s{seed}")
+                run_name = validate_run_name(f"{name}-{prefix}{estimator}{f'-k{k}' if k is not None else ''}-s{seed}")
                 point = dict(options, estimator=estimator, seed=seed, run_name=run_name, sweep_id=sweep_id,
                              sweep_name=name, **({"k": k} if k is not None else {}))
                 try:

@@ -30,6 +30,7 @@ from rich.text import Text
 from qae_app.analysis.differences import Differences, option_text, options_text, what_differs
 from qae_app.core.formatting import estimator_label, missing, number, pace_line, run_pace, setup_label
 from qae_app.core.names import GATE_REASONS
+from qae_app.core.policy_losses import DEFAULT_POLICY_LOSS
 from qae_app.store.reader import BUSY, NOT_A_RUN, READ_STATUSES, UNREADABLE, stored_config
 from qae_app.store.run_folder import RESULTS_ONLY_KINDS, RUN_NAME_PATTERN, STOPPED
 from qae_app.store.schema import STEP_METRICS
@@ -309,7 +310,7 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
     config = _config(info)
     parts: list[RenderableType] = [
         Text.assemble((str(info["run_id"]), "bold"), "  ", status_text(info["status"])),
-        Text(f"{_estimator(info)} · model {info.get('model')} · task {info.get('task')} · "
+        Text(f"{_estimator(info)}{_policy_loss(info, config)} · model {info.get('model')} · task {info.get('task')} · "
              f"seed {info.get('seed')} · {_progress(info, config)} steps"),
     ]
     launched = setup_label(config.get("distributed"))
@@ -545,6 +546,14 @@ def _estimator(row: dict) -> str:
     return estimator_label(row.get("estimator"), row.get("k"))
 
 
+def _policy_loss(row: dict, config: dict) -> str:
+    """' · loss NAME' for a training run (a config stored before --policy-loss trained with clip); '' for `qae eval`
+    and `qae preview`, which train nothing."""
+    if row.get("estimator") in RESULTS_ONLY_KINDS:
+        return ""
+    return f" · loss {config.get('policy_loss', DEFAULT_POLICY_LOSS)}"
+
+
 def _progress(row: dict, config: dict) -> str:
     if row.get("estimator") in RESULTS_ONLY_KINDS:  # `qae eval`, `qae preview`: no steps to count (the config's
         return "-"  # steps are those of the run a preview was made for)
@@ -632,5 +641,29 @@ def compare_view(comparison, width: int) -> RenderableType:
     if comparison.left_out:
         parts.append(Text("left out: " + ", ".join(f"{run_id} ({why})" for run_id, why in comparison.left_out.items()),
                           style="yellow"))
+    parts.extend(loss_table_view(comparison.groups))
     parts.append(Text("; ".join(f"{name}: {text}" for name, text in metrics.items()), style="dim"))
     return Group(*parts)
+
+
+def loss_table_view(groups) -> list[RenderableType]:
+    """The paper's layout where the groups are a grid of policy losses x (a base estimator, qae): per metric a table
+    with a row per loss and the columns base, + QAE and QAE minus base paired by seed; nothing for other groups."""
+    from qae_app.analysis.loss_table import loss_table
+
+    table = loss_table(groups)
+    if table is None:
+        return []
+    parts: list[RenderableType] = [Text(
+        f"by policy loss, as the paper's Table 2: {table.base_estimator}, the same loss with qae, and qae minus "
+        f"{table.base_estimator} paired by seed (mean, 95% t-interval, paired t-test p)", style="bold")]
+    for name in next(iter(table.rows)).cells:
+        rows = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True, title=name,
+                     title_justify="left", title_style="bold")
+        for column in ("policy loss", table.base_estimator, "+ qae", f"qae - {table.base_estimator}"):
+            rows.add_column(column, justify="left" if column == "policy loss" else "right", no_wrap=True)
+        for row in table.rows:
+            base, qae, difference = row.cells[name]
+            rows.add_row(row.policy_loss, _cell(base), _cell(qae), _cell(difference, sign=True))
+        parts.append(rows)
+    return parts

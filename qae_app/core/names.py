@@ -174,6 +174,21 @@ def describe(choices: dict[str, str]) -> str:
     return "; ".join(f"{name}: {text}" for name, text in choices.items())
 
 
+# --- the entropy band (--entropy-low / --entropy-high): the trainer's warning and the dashboard's lines read it.
+# Entropy scales differ by model and task (0.46 nats for the built-in model on 1-3 token answers, 1-2 nats for a 7B
+# model on math), so by default the band is relative to the run's starting entropy: [start / FACTOR, start * FACTOR].
+ENTROPY_BAND_FACTOR = 3.0
+
+
+def entropy_band(low: float | None, high: float | None, start: float | None) -> tuple[float, float] | None:
+    """[low, high] for the smoothed entropy: the --entropy-low/--entropy-high values where given, else the starting
+    entropy divided / multiplied by ENTROPY_BAND_FACTOR (None until the start is known)."""
+    if start is None and (low is None or high is None):
+        return None
+    return (low if low is not None else start / ENTROPY_BAND_FACTOR,
+            high if high is not None else start * ENTROPY_BAND_FACTOR)
+
+
 # --- the dashboard's live refresh (`qae dashboard --refresh`, the sidebar's "Refresh live runs every")
 DASHBOARD_REFRESH_S: dict[str, int | None] = {"off": None, "2": 2, "5": 5, "10": 10, "30": 30}  # seconds between checks
 DASHBOARD_REFRESH_DEFAULT = "5"

@@ -86,14 +86,23 @@ STEP_METRICS: dict[str, str] = {
     "kl": "mean k3 estimate of KL(policy || reference) over response tokens; 0 when kl_beta = 0",
     "grad_norm": "gradient norm before clipping, averaged over the step's optimizer updates",
     "clip_frac": "fraction of tokens whose ratio was clipped (low + high)",
-    "clip_frac_low": "fraction of tokens with negative advantage and ratio < 1 - clip_low (clipped)",
-    "clip_frac_high": "fraction of tokens with positive advantage and ratio > 1 + clip_high (clipped)",
+    "clip_frac_low": "fraction of tokens with negative advantage and ratio < 1 - clip_low (clipped); gspo: the "
+                     "sequence ratio against 1 - gspo_clip_low, counted at each of its tokens; 0 for kl_cov and "
+                     "cispo, which clip nothing below",
+    "clip_frac_high": "fraction of tokens with positive advantage and ratio > 1 + clip_high (clipped); gspo: the "
+                      "sequence ratio against 1 + gspo_clip_high; cispo: the weight capped at cispo_weight_cap (its "
+                      "gradient flows on); 0 for kl_cov",
+    "cov_selected_frac": "fraction of the step's response tokens (summed over its optimizer updates) that the policy "
+                         "loss's covariance rule selected: --policy-loss clip_cov cut their gradient, kl_cov "
+                         "penalised them; 0 for the other losses",
+    "entropy_coef": "the entropy bonus's coefficient after the step's updates: --entropy-coef, or where "
+                    "--entropy-target moved it (0: no bonus)",
     "mismatch_logp_abs": "mean absolute difference logp_old - logp_sampler over the response tokens the loss weighs "
                          "(responses with advantage != 0; every response under a KL term): logp_old the trainer's "
                          "log-prob under the sampling weights (the ratio's denominator), logp_sampler the engine's "
-                         "while it sampled; ~1e-7 for the hf engine in the trainer's dtype (float32 rounding: its "
-                         "decode loop sums in another order), ~1e-2 for a bfloat16 sampler; NULL where the engine "
-                         "returns none",
+                         "while it sampled; "
+                         "~1e-7 for the hf engine in the trainer's dtype (float32 rounding: its decode loop sums in "
+                         "another order), ~1e-2 for a bfloat16 sampler; NULL where the engine returns none",
     "mismatch_k3_kl": "k3 estimate of KL(pi_sampler, pi_old) over the same tokens, the sampler's distribution first: "
                       "mean of exp(d) - d - 1 with d = logp_old - logp_sampler (verl's mismatch_k3_kl; >= 0)",
     "mismatch_ratio_max": "largest pi_old / pi_sampler = exp(d) over the same tokens (--rollout-correction tis caps "

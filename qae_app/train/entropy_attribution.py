@@ -37,11 +37,13 @@ from the restored state, and the RNG state is put back.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 
 from qae_app.algo.advantages import EASY, HARD
+from qae_app.algo.policy_loss_registry import EntropyCoefficient
 from qae_app.train.entropy_change import response_regimes
 from qae_app.train.update import OneProcess, UpdateOptions, logprobs_in_chunks, policy_update
 
@@ -82,13 +84,14 @@ def _cloned(state: dict) -> dict:
 
 def entropy_attribution(model, optimizer, batch, advantages: torch.Tensor, correct: torch.Tensor, split_k: float,
                         group_size: int, options: UpdateOptions, accelerator=None, *, seed: int,
-                        n_local: int | None = None) -> dict:
+                        n_local: int | None = None, entropy_control: EntropyCoefficient | None = None) -> dict:
     """ATTRIBUTION_METRICS of one step, measured from the current policy and optimizer state, which are left exactly
     as they were.
 
     batch: `update.pack` of this process's trained responses (the first `n_local` rows; a process with none packs one
     placeholder); advantages (n_rows,) the real step's; correct (B, G) bool, the verdicts of the n_local responses'
-    groups; seed: the real update's (the same mini-batches)."""
+    groups; seed: the real update's (the same mini-batches); entropy_control: the real update's entropy coefficient
+    (each trial adapts a copy of it)."""
     n_rows = advantages.shape[0]
     acc = accelerator or OneProcess(advantages.device)
     n_local = n_rows if n_local is None else n_local
@@ -115,7 +118,8 @@ def entropy_attribution(model, optimizer, batch, advantages: torch.Tensor, corre
                 out.update(dict.fromkeys(names, math.nan))
                 continue
             trial = torch.where(keeps[source], advantages, torch.zeros_like(advantages))  # (n_rows,)
-            policy_update(model, optimizer, batch, trial, options, acc, seed=seed, n_local=n_local)
+            policy_update(model, optimizer, batch, trial, options, acc, seed=seed, n_local=n_local,
+                          entropy_control=copy.copy(entropy_control))
             _, after = logprobs_in_chunks(model, batch, rows, options, acc, with_entropy=True)
             change = ((after - before) * mask).sum(-1)  # (n_rows,) summed over each response's tokens
             sums = torch.tensor([[change[m].sum().item(), tokens[m].sum().item()] for m in parts],

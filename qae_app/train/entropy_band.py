@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 
-from qae_app.config import ENTROPY_BAND_FACTOR, TrainConfig, entropy_band
+from qae_app.config import TrainConfig
 from qae_app.core import names
+from qae_app.core.names import ENTROPY_BAND_FACTOR, entropy_band
 from qae_app.train.trainer_state import TrainerState
 
 ENTROPY_EMA_ALPHA = 0.1  # smoothing of the entropy that the band warnings watch (about the last 10 steps)

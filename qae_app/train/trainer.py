@@ -37,6 +37,7 @@ import torch
 
 from qae_app.algo.advantages import EstimatorConfig, step_advantages
 from qae_app.algo.chunked_head import logprob_chunk_tokens
+from qae_app.algo.policy_loss_registry import EntropyCoefficient
 from qae_app.config import TrainConfig, check_launch_mixed_precision
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
@@ -575,12 +576,14 @@ class Trainer:
             trained_adv = trained_adv.new_zeros(1)  # (the placeholder's)
         options = self.update_options()
         seed = step_seed(cfg.seed, step, 0) + 1  # (the mini-batches: the attribution draws the same)
+        control = self.entropy_control()
         attribution = (entropy_attribution(self.model, self.optimizer, batch, trained_adv, correct, split_k, G,
-                                           options, acc, seed=seed, n_local=n_local)
+                                           options, acc, seed=seed, n_local=n_local, entropy_control=control)
                        if cfg.log_entropy_attribution else dict.fromkeys(ATTRIBUTION_METRICS))
         updated = policy_update(self.model, self.optimizer, batch, trained_adv, options, acc, seed=seed,
-                                ref_model=self.ref_model, n_local=n_local,
+                                ref_model=self.ref_model, n_local=n_local, entropy_control=control,
                                 full_pass=not sampled.engine_measured or cfg.log_entropy_delta)
+        self.state.entropy_coef, self.state.entropy_measured = control.coef, control.measured
         dH = (entropy_change(self.model, batch, updated.entropy, correct, split_k, G, options, acc, n_local)
               if cfg.log_entropy_delta else dict.fromkeys(ENTROPY_CHANGE_METRICS))
         self.scheduler.step()  # once per RL step, on every process (the scheduler is not prepared: see _load_models)
@@ -609,6 +612,12 @@ class Trainer:
 
     # -------------------------------------------------------------------------------------------------------------
     # the update's options
+
+    def entropy_control(self) -> EntropyCoefficient:
+        """The entropy bonus's coefficient where the run left it (--entropy-target adapts it; the checkpoint keeps
+        it), else --entropy-coef."""
+        coef = self.state.entropy_coef
+        return EntropyCoefficient(self.cfg.entropy_coef if coef is None else coef, self.state.entropy_measured)
 
     def update_options(self) -> UpdateOptions:
         """The config's options and the trainer's attributes that a test or benchmark may switch: skip_gated (the

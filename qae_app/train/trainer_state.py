@@ -26,6 +26,10 @@ class TrainerState:
     # processes that trained the run (each samples with its own seed); a resume checks it (set by the trainer; a
     # pre-release's checkpoint gets it from `qae migrate`)
     num_processes: int | None = None
+    # the entropy bonus's coefficient as --entropy-target adapts it, and the entropy it last measured (policy_losses.
+    # EntropyCoefficient); None: the config's --entropy-coef, nothing measured yet
+    entropy_coef: float | None = None
+    entropy_measured: float | None = None
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.__dict__))
@@ -72,7 +76,8 @@ def _real(value) -> bool:
 _STATE_TYPES = {"step": _count, "k": _real, "entropy_zone": lambda v: v in ("low", "ok", "high"),
                 "entropy_ema": _real, "entropy_start": _real, "data_position": _count,
                 "data_fingerprint": lambda v: v is None or isinstance(v, str),
-                "num_processes": lambda v: v is None or _count(v, 1)}
+                "num_processes": lambda v: v is None or _count(v, 1), "entropy_coef": _real,
+                "entropy_measured": _real}
 
 
 def data_position_problem(position: int, steps: int, cfg: TrainConfig) -> str | None:

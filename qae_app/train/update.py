@@ -1,5 +1,6 @@
-"""The policy update: clipped policy-gradient optimizer steps over one RL step's responses, the same update on one
-process or on many. Plain functions on tensors; no run folder, no trainer:
+"""The policy update: policy-gradient optimizer steps over one RL step's responses with the run's policy loss (by name:
+algo/policy_loss_registry.py), the same update on one process or on many. Plain functions on tensors; no run folder, no
+trainer:
 
     batch  = pack(samples, pad_id, device)              # input_ids, attention_mask, response_mask: (N, T)
     result = policy_update(model, optimizer, batch, advantages, UpdateOptions.from_config(cfg), accelerator,
@@ -14,15 +15,18 @@ One update, and the seam where each later change plugs in:
     rollout_mismatch      by how much the engine's log-probs (pack's sampler_logp) differ from the trainer's old ones;
                           --rollout-correction tis reweights each token's policy-loss term by min(their ratio, cap)
     logprobs_in_chunks    no-grad log-probs, one micro-batch at a time
+    select_tokens         the loss's selections over a whole mini-batch (Clip-Cov, KL-Cov, the entropy quantile):
+                          one no-grad pass over its responses first (algo/token_selection.py: the same for any
+                          micro-batch plan and process count)
     accumulate_gradients  one mini-batch's backward, in micro-batches (gradient checkpointing: the model's own)
     forward_logprobs      one forward of the model (LoRA: the model passed in), through the chunked vocabulary
                           projection (chunked_head) when logprob_chunk_tokens says so
 
 The gated skip (`UpdateOptions.skip_gated`): with QAE about 80% of responses get advantage exactly 0; their policy
-gradient is exactly 0, so when nothing else needs them (no KL term) they are left out of the forward/backward, with
-the loss normalizer of the full mini-batch, so the update is the one the dense computation gives (a mini-batch whose
-advantages are all 0 still steps the optimizer, as the dense one does: AdamW's moments move the weights on a zero
-gradient too).
+gradient is exactly 0, so when nothing else needs them (no KL term; a policy loss whose record says the skip is exact,
+so not kl_cov; no entropy bonus) they are left out of the forward/backward, with the loss normalizer of the full
+mini-batch, so the update is the one the dense computation gives (a mini-batch whose advantages are all 0 still steps
+the optimizer, as the dense one does: AdamW's moments move the weights on a zero gradient too).
 
 Many processes (`accelerator`, an accelerate.Accelerator; None: one process without accelerate): mini-batches are
 drawn over the responses of every process (the same seeded permutation on each), and each process takes its members
@@ -45,6 +49,14 @@ import torch
 
 from qae_app.algo.chunked_head import causal_lm_logprobs
 from qae_app.algo.losses import mismatch_sums, policy_loss, tis_weights, token_logprobs_and_entropy
+from qae_app.algo.policy_loss_registry import (
+    EntropyCoefficient,
+    LossSettings,
+    TokenSelection,
+    select_mini_batch,
+    selection_seed,
+)
+from qae_app.algo.token_selection import SelectionTokens
 from qae_app.core.errors import QAEUserError
 from qae_app.models import sharding
 
@@ -61,8 +73,8 @@ class UpdateOptions:
     num_mini_batches: int  # optimizer steps per pass over the responses
     ppo_epochs: int  # passes over the responses
     micro_batch_size: int  # sequences per forward/backward
-    clip_low: float  # ratio clip below: 1 - clip_low
-    clip_high: float  # ratio clip above: 1 + clip_high
+    clip_low: float | None  # ratio clip below: 1 - clip_low (clip, clip_cov; None for the other losses)
+    clip_high: float | None  # ratio clip above: 1 + clip_high
     loss_agg: str  # names.LOSS_AGGREGATIONS
     kl_beta: float  # weight of the k3 KL to the reference model (policy_update's ref_model)
     max_grad_norm: float
@@ -75,17 +87,20 @@ class UpdateOptions:
     lockstep: bool = False  # sharded weights (FSDP, ZeRO-3): every process runs as many forwards as the busiest
     logits_keyword: str | None = None  # the model's keyword for the last positions' logits (see logits_keyword)
     logprob_chunk_tokens: int = 0  # tokens per chunk of the chunked vocabulary projection; 0: the full logits
+    loss: LossSettings = LossSettings()  # the policy loss by name, its options, the entropy controls
 
     @classmethod
     def from_config(cls, cfg, **how) -> UpdateOptions:
         """The update options of a TrainConfig; `how`: skip_gated, lockstep, logits_keyword, logprob_chunk_tokens
         (the trainer decides it once per run: the config's request, if the model allows the chunked head)."""
-        return cls(**{name: getattr(cfg, name) for name in CONFIG_OPTIONS}, **how)
+        return cls(**{name: getattr(cfg, name) for name in CONFIG_OPTIONS}, loss=LossSettings.from_config(cfg),
+                   **how)
 
 
 @dataclass
 class UpdateResult:
-    stats: dict  # loss, pg_loss, kl, grad_norm, clip_frac, clip_frac_low, clip_frac_high, n_updates, MISMATCH_METRICS
+    stats: dict  # loss, pg_loss, kl, grad_norm, clip_frac(_low, _high), n_updates, cov_selected_frac, entropy_coef,
+    #              MISMATCH_METRICS
     old_logp: torch.Tensor | None  # (N, T-1) the sampling policy's token log-probs, when full_pass ran
     entropy: torch.Tensor | None  # (N, T-1) its token entropies, when full_pass ran
 
@@ -276,7 +291,8 @@ def logprobs_in_chunks(model, batch, rows: torch.Tensor, options: UpdateOptions,
 
 
 def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: UpdateOptions, accelerator=None, *,
-                  seed: int, ref_model=None, full_pass: bool = False, n_local: int | None = None) -> UpdateResult:
+                  seed: int, ref_model=None, full_pass: bool = False, n_local: int | None = None,
+                  entropy_control: EntropyCoefficient | None = None) -> UpdateResult:
     """num_mini_batches x ppo_epochs optimizer steps over the batch's responses, whose advantages are `advantages`
     (N,); `seed` draws the mini-batches (the same on every process). Returns the stats and, when `full_pass` ran
     over every response, their old log-probs and entropies (N, T-1) of the sampling policy.
@@ -285,9 +301,11 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
     filtered all its groups) passes one placeholder row and advantage, used only for its weight-0 passes.
 
     Old log-probs (the sampling policy's, for the ratio) are computed only where the loss needs them: not for
-    gated responses (their loss is 0 whatever the ratio) unless a KL term or the dense reference needs every
-    response, and not for the first mini-batch, whose training forward runs on the sampling weights: its own
-    log-probs, detached, are the old ones (ratio 1, as TRL does with one update per generation).
+    gated responses (their loss is 0 whatever the ratio) unless the KL term, a loss that gives them a gradient
+    (kl_cov, the entropy bonus: options.loss.gated_skip_exact) or the dense reference needs every response, and not
+    for the first mini-batch, whose training forward runs on the sampling weights: its own log-probs, detached, are
+    the old ones (ratio 1, as TRL does with one update per generation). `entropy_control`: the entropy bonus's
+    coefficient, which --entropy-target adapts after each optimizer step (updated in place; default: a fixed one).
     """
     acc = accelerator or OneProcess(advantages.device)
     if options.rollout_correction != "none" and "sampler_logp" not in batch:
@@ -298,44 +316,56 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
     device = advantages.device
     tokens_per_seq = batch["response_mask"].sum(-1)  # (n_local,)
     epochs = mini_batch_plan(n_local, seed, options, acc, device)
-    # the KL term has gradient on gated sequences too; skip_gated=False is the dense reference
-    needs_all = ref_model is not None or not options.skip_gated
+    needs_all = ref_model is not None or not options.skip_gated or not options.loss.gated_skip_exact
     forwarded = torch.ones(n_rows, dtype=torch.bool, device=device) if needs_all else advantages != 0
     old_logp, have_old, entropy = old_logprobs(model, batch, forwarded, epochs[0].mine[0], full_pass, options, acc)
     ref_logp = (logprobs_in_chunks(ref_model, batch, torch.arange(n_rows, device=device), options, acc)[0]
                 if ref_model is not None else None)
+    work = MiniBatchWork(batch, advantages, forwarded, old_logp, have_old, ref_logp, options, acc,
+                         entropy_control or EntropyCoefficient(options.loss.entropy_coef), seed)
 
-    totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "grad_norm": 0.0, "clipped_low": 0.0, "clipped_high": 0.0}
+    totals = dict.fromkeys(("loss", "pg_loss", "kl", "grad_norm", "clipped_low", "clipped_high", "selected"), 0.0)
     tokens = 0.0
     n_updates = 0
     if not all(module.training for module in model.modules()):  # (train() sets every module: ~1 ms a call on CPU)
         model.train()
-    for mini_batches, mine in epochs:
+    for epoch, (mini_batches, mine) in enumerate(epochs):
         # per mini-batch, over all processes: response tokens (the normalizer) and responses forwarded
         counts = torch.tensor([[tokens_per_seq[ix].sum().item(), forwarded[ix].sum().item()] for ix in mine],
                               dtype=torch.float64, device=acc.device)  # (num_mini_batches, 2)
         if acc.num_processes > 1:
             counts = acc.reduce(counts, reduction="sum")
-        for mb, ix, (mb_tokens, mb_forwarded) in zip(mini_batches, mine, counts.tolist(), strict=True):
+        for index, (mb, ix, (mb_tokens, mb_forwarded)) in enumerate(zip(mini_batches, mine, counts.tolist(),
+                                                                        strict=True)):
             normalizer = {"tokens": mb_tokens, "sequences": len(mb), "max_len": options.max_new_tokens}
             optimizer.zero_grad(set_to_none=True)
             if mb_forwarded == 0:
-                # every advantage is 0 on every process: the gradient is exactly 0 without computing it
-                sharding.reshard(model)  # (FSDP2: onto the sharded parameters the optimizer holds)
-                for p in model.parameters():
-                    if p.requires_grad:  # (not a frozen LoRA base weight: it would hold a gradient forever)
-                        p.grad = torch.zeros_like(p)
+                zero_gradients(model)  # every advantage is 0 on every process: the gradient is exactly 0
             else:
-                stats = accumulate_gradients(model, batch, ix[forwarded[ix]], old_logp, have_old, ref_logp,
-                                             advantages, normalizer, ix, options, acc)
-                for key, value in stats.items():
+                for key, value in train_mini_batch(model, work, ix, normalizer, (epoch, index)).items():
                     totals[key] += value
             grad_norm = clip_gradients(model, options.max_grad_norm, acc)
             optimizer.step()  # also on a zero gradient, as the dense update does
             n_updates += 1
             totals["grad_norm"] += grad_norm_value(grad_norm, acc)
             tokens += mb_tokens
-    if acc.num_processes > 1:  # each process holds its share of the sums; grad_norm is the same everywhere
+    return UpdateResult(update_stats(totals, tokens, n_updates, work, batch, n_local), old_logp if full_pass else None,
+                        entropy)
+
+
+def zero_gradients(model) -> None:
+    """A zero gradient without computing it, for an optimizer step on a mini-batch with nothing to learn from."""
+    sharding.reshard(model)  # (FSDP2: onto the sharded parameters the optimizer holds)
+    for p in model.parameters():
+        if p.requires_grad:  # (not a frozen LoRA base weight: it would hold a gradient forever)
+            p.grad = torch.zeros_like(p)
+
+
+def update_stats(totals: dict, tokens: float, n_updates: int, work: MiniBatchWork, batch, n_local: int) -> dict:
+    """The step's update columns: each process held its share of the loss sums and clip counts (grad_norm and the
+    selection counts are the same everywhere)."""
+    acc = work.accelerator
+    if acc.num_processes > 1:
         shares = ("loss", "pg_loss", "kl", "clipped_low", "clipped_high")
         summed = acc.reduce(torch.tensor([totals[k] for k in shares], dtype=torch.float64, device=acc.device),
                             reduction="sum").tolist()
@@ -343,13 +373,15 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
     stats = {key: totals[key] / max(n_updates, 1) for key in ("loss", "pg_loss", "kl", "grad_norm")}
     # (n_rows,) the responses whose loss terms count: advantage != 0, and every one under a KL term (its penalty
     # weighs each response's tokens)
-    weighed = forwarded & have_old & ((advantages != 0) | (ref_logp is not None))
+    weighed = work.forwarded & work.have_old & ((work.advantages != 0) | (work.ref_logp is not None))
     weighed[n_local:] = False  # (not a placeholder)
-    stats.update(rollout_mismatch(batch, old_logp, weighed, acc))
+    stats.update(rollout_mismatch(batch, work.old_logp, weighed, acc))
     stats.update(clip_frac_low=totals["clipped_low"] / max(tokens, 1),
                  clip_frac_high=totals["clipped_high"] / max(tokens, 1),
-                 clip_frac=(totals["clipped_low"] + totals["clipped_high"]) / max(tokens, 1), n_updates=n_updates)
-    return UpdateResult(stats, old_logp if full_pass else None, entropy)
+                 clip_frac=(totals["clipped_low"] + totals["clipped_high"]) / max(tokens, 1), n_updates=n_updates,
+                 cov_selected_frac=totals["selected"] / max(tokens, 1),
+                 entropy_coef=work.entropy_control.coef)
+    return stats
 
 
 def clip_gradients(model, max_norm: float, accelerator) -> torch.Tensor:
@@ -419,23 +451,79 @@ def old_logprobs(model, batch, forwarded: torch.Tensor, first_mini_batch: torch.
     return old_logp, have_old, None
 
 
+class MiniBatchWork(NamedTuple):
+    """What every mini-batch of one policy_update reads: the batch, this process's advantages (N,), which responses
+    its forward/backward passes take (`forwarded` (N,)), the old and reference log-probs (N, T-1), the options, the
+    accelerator, the entropy bonus's coefficient and the seed the selections draw from."""
+
+    batch: dict
+    advantages: torch.Tensor
+    forwarded: torch.Tensor
+    old_logp: torch.Tensor
+    have_old: torch.Tensor
+    ref_logp: torch.Tensor | None
+    options: UpdateOptions
+    accelerator: object
+    entropy_control: EntropyCoefficient
+    seed: int
+
+
+def train_mini_batch(model, work: MiniBatchWork, ix: torch.Tensor, normalizer: dict, where: tuple[int, int]) -> dict:
+    """One mini-batch's gradient (this process's members `ix`, local indices; `where`: (epoch, index)): its token
+    selections first when the loss makes any (select_tokens), then its forward/backward passes; the entropy
+    coefficient adapts to the entropy they measured. Returns the sums the step's stats add up."""
+    options, acc, settings = work.options, work.accelerator, work.options.loss
+    selection = select_tokens(model, work, ix, where) if settings.selects_tokens else TokenSelection()
+    normalizer = {**normalizer, "trained_tokens": (selection.trained_count if selection.trained is not None
+                                                    else normalizer["tokens"])}
+    coef = work.entropy_control.applied(settings)
+    stats = accumulate_gradients(model, work.batch, ix[work.forwarded[ix]], work.old_logp, work.have_old,
+                                 work.ref_logp, work.advantages, normalizer, ix, options, acc, selection=selection,
+                                 entropy_coef=coef)
+    if settings.entropy_target is not None:
+        entropy_sum = torch.tensor([stats.pop("entropy_sum")], dtype=torch.float64, device=acc.device)
+        if acc.num_processes > 1:
+            entropy_sum = acc.reduce(entropy_sum, reduction="sum")
+        work.entropy_control.adapt(entropy_sum.item() / max(normalizer["trained_tokens"], 1), settings)
+    stats.pop("entropy_sum", None)
+    return {**stats, "selected": selection.selected_count}
+
+
+def select_tokens(model, work: MiniBatchWork, ix: torch.Tensor, where: tuple[int, int]) -> TokenSelection:
+    """The loss's selections over the whole mini-batch (this process's members `ix`): one no-grad pass over every
+    member, gated ones too, under the current weights (a response without old log-probs yet, of the first
+    mini-batch, takes these as its old ones, as its training forward will), then policy_losses.select_mini_batch,
+    the same on every process. `where`: (epoch, index), which seeds Clip-Cov's draw."""
+    options, settings, batch = work.options, work.options.loss, work.batch
+    rows = ix.sort().values  # (n,) global order: the canonical token order
+    logp, entropy = logprobs_in_chunks(model, batch, rows, options, work.accelerator,
+                                       with_entropy=settings.top_entropy_quantile < 1.0)
+    if logp is None:  # (no member here: the collectives still run, on no tokens)
+        logp = entropy = batch["response_mask"][:0]
+    tokens = SelectionTokens(logp, torch.where(work.have_old[rows, None], work.old_logp[rows], logp),
+                             work.advantages[rows], batch["response_mask"][rows], entropy)
+    return select_mini_batch(tokens, rows, batch["response_mask"], settings,
+                             settings.parameters(options.clip_low, options.clip_high), work.accelerator,
+                             selection_seed(work.seed, *where))
+
+
 def accumulate_gradients(model, batch, keep, old_logp, have_old, ref_logp, advantages, normalizer, fallback,
-                         options: UpdateOptions, accelerator) -> dict:
+                         options: UpdateOptions, accelerator, selection: TokenSelection = TokenSelection(),
+                         entropy_coef: float = 0.0) -> dict:
     """Backward of this process's share (`keep`) of one mini-batch's loss, in micro-batches.
 
     Each micro-batch's loss uses the mini-batch's normalizer, so their sum is the mini-batch loss exactly; only
     the last backward all-reduces under DDP. A process with nothing to contribute still runs one forward/backward
     (on the first of `fallback`, the mini-batch's members here), weighted 0, because the others wait for its
     gradients. A response without an old log-prob yet (the first mini-batch's) takes its own, detached, and keeps
-    it for later epochs.
+    it for later epochs. `selection`: the mini-batch's token selections; `entropy_coef`: the entropy bonus's.
     """
     acc = accelerator
     weight = float(acc.num_processes)  # DDP averages gradients over processes: undo it
     if len(keep) == 0:
         keep, weight = (fallback[:1] if len(fallback) else torch.zeros(1, dtype=torch.long,
                                                                      device=advantages.device)), 0.0
-    mask = batch["response_mask"]
-    stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipped_low": 0.0, "clipped_high": 0.0}
+    stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipped_low": 0.0, "clipped_high": 0.0, "entropy_sum": 0.0}
     micro_batches = [(keep[positions], width, weight) for positions, width in micro_batch_plan(batch, keep, options)]
     # sharded weights: as many forwards as the busiest process, the extra ones weighted 0 (see lockstep_forwards)
     micro_batches += [(keep[:1], None, 0.0)] * (lockstep_forwards(len(micro_batches), options, acc)
@@ -443,16 +531,8 @@ def accumulate_gradients(model, batch, keep, old_logp, have_old, ref_logp, advan
     for i, (micro, width, weight) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last else acc.no_sync(model):
-            logp, _ = forward_logprobs(model, batch, micro, options, with_entropy=False, width=width)
-            known = have_old[micro][:, None]  # (n, 1)
-            old = torch.where(known, old_logp[micro], logp.detach())
-            if weight and not known.all():
-                old_logp[micro], have_old[micro] = old, True
-            weights = (tis_weights(old, batch["sampler_logp"][micro], options.rollout_correction_cap)
-                       if options.rollout_correction == "tis" else None)  # (n, T-1), or None: no correction
-            out = policy_loss(logp, old, advantages[micro], mask[micro], options.clip_low, options.clip_high,
-                              options.loss_agg, normalizer, ref_logp[micro] if ref_logp is not None else None,
-                              options.kl_beta, weights)
+            out = micro_batch_loss(model, batch, micro, width, old_logp, have_old, ref_logp, advantages, normalizer,
+                                   options, selection, entropy_coef, keep_old=bool(weight))
             acc.backward(out.loss * weight if weight != 1.0 else out.loss)
         if weight:
             stats["loss"] += out.loss.item()
@@ -460,7 +540,29 @@ def accumulate_gradients(model, batch, keep, old_logp, have_old, ref_logp, advan
             stats["kl"] += out.kl.item()
             stats["clipped_low"] += out.clip_low_count.item()
             stats["clipped_high"] += out.clip_high_count.item()
+            stats["entropy_sum"] += out.entropy_sum.item() if out.entropy_sum is not None else 0.0
     return stats
+
+
+def micro_batch_loss(model, batch, micro, width, old_logp, have_old, ref_logp, advantages, normalizer,
+                     options: UpdateOptions, selection: TokenSelection, entropy_coef: float, keep_old: bool):
+    """One forward of the sequences `micro` and their loss (losses.policy_loss, the run's policy loss by name)."""
+    settings = options.loss
+    logp, entropy = forward_logprobs(model, batch, micro, options, with_entropy=settings.with_entropy_bonus,
+                                     width=width)
+    known = have_old[micro][:, None]  # (n, 1)
+    old = torch.where(known, old_logp[micro], logp.detach())
+    if keep_old and not known.all():
+        old_logp[micro], have_old[micro] = old, True
+    weights = (tis_weights(old, batch["sampler_logp"][micro], options.rollout_correction_cap)
+               if options.rollout_correction == "tis" else None)  # (n, T-1), or None: no correction
+    return policy_loss(logp, old, advantages[micro], batch["response_mask"][micro], options.clip_low,
+                       options.clip_high, options.loss_agg, normalizer,
+                       ref_logp[micro] if ref_logp is not None else None, options.kl_beta, weights,
+                       loss=settings.name, params=dict(settings.params),
+                       selected=selection.selected[micro] if selection.selected is not None else None,
+                       trained=selection.trained[micro] if selection.trained is not None else None,
+                       entropy=entropy, entropy_coef=entropy_coef)
 
 
 MISMATCH_METRICS = ("mismatch_logp_abs", "mismatch_k3_kl", "mismatch_ratio_max")  # rollout_mismatch's columns
@@ -486,4 +588,4 @@ def rollout_mismatch(batch, old_logp: torch.Tensor, rows: torch.Tensor, accelera
 
 # a step with nothing to learn from (dynamic sampling)
 NO_UPDATE = {**dict.fromkeys(("loss", "pg_loss", "kl", "grad_norm", "clip_frac", "clip_frac_low", "clip_frac_high",
-                              *MISMATCH_METRICS), math.nan), "n_updates": 0}
+                              "cov_selected_frac", "entropy_coef", *MISMATCH_METRICS), math.nan), "n_updates": 0}

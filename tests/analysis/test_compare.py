@@ -140,6 +140,7 @@ def test_run_metrics_by_hand():
     assert m["auc_heldout"] == pytest.approx(0.375)
     # last 20% of the 10 entropy rows: steps 9 and 10 (1.1 and 1.0)
     assert m["entropy_last"] == pytest.approx(1.05) and m["entropy_slope"] == pytest.approx(-0.1)
+    assert m["entropy_range"] == pytest.approx(1.9 - 1.0)  # every step's entropy, 1.9 at step 1 to 1.0 at step 10
     assert m["zero_adv"] == pytest.approx(0.82) and m["zero_adv_last"] == pytest.approx(0.9)
     assert m["step_s"] == pytest.approx(5.5)
     assert math.isnan(m["dH_easy"]) and math.isnan(m["dH_hard"])  # not measured in this run

@@ -50,6 +50,30 @@ def test_the_grid_repeats_k_for_qae_only_and_tags_every_point(tmp_path):
     assert plan_sweep(tmp_path, "qae", None, 1, {"steps": 6}, name="study").sweep_id != sweep.sweep_id
 
 
+def test_the_grid_over_policy_losses_names_each_point_by_loss_and_gives_it_its_own_options(tmp_path):
+    """The bake-off: losses x estimators x seeds, a loss's option going to its points alone; an option of a loss
+    outside the sweep is refused, and the same command with another loss extends the same sweep."""
+    sweep = plan_sweep(tmp_path, "grpo,qae", None, 3, {"steps": 5, "seed": 1, "clip_cov_ratio": 0.001},
+                       name="bake", losses="clip,clip_cov,kl_cov,gspo")
+    names = [p.run_name for p in sweep.points]
+    assert len(names) == 4 * 2 * 3
+    assert names[:4] == ["bake-clip-grpo-s1", "bake-clip-grpo-s2", "bake-clip-grpo-s3", "bake-clip-qae-k0.4-s1"]
+    assert names[-1] == "bake-gspo-qae-k0.4-s3"
+    for point in sweep.points:
+        loss = point.run_name.split("-")[1]
+        assert point.options["policy_loss"] == loss
+        assert ("clip_cov_ratio" in point.options) == (loss == "clip_cov")
+    assert {p.options["clip_cov_ratio"] for p in sweep.points if "clip_cov_ratio" in p.options} == {0.001}
+    more = plan_sweep(tmp_path, "grpo,qae", None, 3, {"steps": 5, "seed": 1, "clip_cov_ratio": 0.001},
+                      name="bake", losses="clip,clip_cov,kl_cov,gspo,cispo")
+    assert more.sweep_id == sweep.sweep_id and len(more.points) == 5 * 2 * 3
+    # without --policy-loss the names and the id are a plain sweep's, as before the option
+    plain = plan_sweep(tmp_path, "qae", None, 1, {"steps": 5}, name="plain")
+    assert [p.run_name for p in plain.points] == ["plain-qae-k0.4-s0"] and "policy_loss" not in plain.points[0].options
+    with pytest.raises(QAEUserError, match="clip-cov-ratio: 0.001 is an option of --policy-loss clip_cov"):
+        plan_sweep(tmp_path, "qae", None, 1, {"clip_cov_ratio": 0.001}, name="x", losses="clip,gspo")
+
+
 def test_a_sweep_checks_its_data_files_before_any_run_starts(tmp_path):
     """A bad --data was found by each run in turn (three failed runs, exit 1) and the closing line still advised a
     `qae compare` that then found no run of the sweep."""
@@ -134,6 +158,8 @@ def test_sweep_help_gives_the_sweeps_own_defaults():
     (["--estimator", "grpo", "--k", "0.3"], "k: 0.3 is QAE's quantile level, and the sweep has no qae run"),
     (["--estimator", "qae,ppo"], "estimator: unknown 'ppo'"),
     (["--estimator", "qae,qae"], "estimator: 'qae,qae' repeats a value"),
+    (["--policy-loss", "clip,vanilla"], "policy-loss: unknown 'vanilla'. Choose from: clip, clip_cov, kl_cov"),
+    (["--policy-loss", "gspo", "--loss-agg", "token"], "loss-agg: token is not defined for --policy-loss gspo"),
     (["--seeds", "0"], "seeds: 0. Use 1 or more seeds"),
     (["--lr", "-1"], "lr: -1.0"),
     (["--k", "0.3,1.5"], "(in sweep point"),
@@ -151,10 +177,10 @@ def test_a_bad_sweep_is_refused_before_any_run_starts(tmp_path, args, message):
 
 
 def _store_run(runs: Path, run_id: str, seed: int, estimator: str, heldout: dict[int, float], entropy: float,
-               sweep: str = "cmp") -> None:
+               sweep: str = "cmp", policy_loss: str = "clip") -> None:
     writer = RunWriter(runs / run_id / "qae.duckdb", run_id)
-    config = {**TrainConfig().to_dict(), "seed": seed, "run_name": run_id, "estimator": estimator,
-              "sweep_id": "id-" + sweep, "sweep_name": sweep}
+    config = {**TrainConfig(policy_loss=policy_loss).to_dict(), "seed": seed, "run_name": run_id,
+              "estimator": estimator, "sweep_id": "id-" + sweep, "sweep_name": sweep}
     writer.create_run(run_id, config, estimator, 0.4, "builtin:tiny", "arith", seed)
     for step in (1, 2, 3, 4):
         row = {name: 0.5 for name in STEP_METRICS}
@@ -253,6 +279,32 @@ def test_compare_prints_groups_intervals_baseline_and_small_n_notes(known_runs):
     assert "G1: 1 seed(s) shared with the baseline are paired (0)" in text
     assert "G2: n=1: one seed, no interval" in " ".join(text.split())
     assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_compare_lays_a_grid_of_policy_losses_out_as_the_paper_s_table(known_runs):
+    """Clip from the known runs plus GSPO, grpo and qae over 3 seeds: `--json` gives a row per loss with base, + QAE
+    and the paired difference (clip's by hand, as above), and the text prints a table per metric in 80 columns."""
+    for seed, (q, g) in enumerate([(0.5, 0.5), (0.6, 0.5), (0.9, 0.6)]):
+        _store_run(known_runs, f"cmp-gspo-qae-s{seed}", seed, "qae", {4: q}, 1.0, policy_loss="gspo")
+        _store_run(known_runs, f"cmp-gspo-grpo-s{seed}", seed, "grpo", {4: g}, 2.0, policy_loss="gspo")
+    out = json.loads(runner.invoke(app, ["compare", "--sweep", "cmp", "--json", "--runs-dir", str(known_runs)]).output)
+    table = out["by_policy_loss"]
+    assert table["base_estimator"] == "grpo" and [row["policy_loss"] for row in table["rows"]] == ["clip", "gspo"]
+    clip = table["rows"][0]["metrics"]["final_heldout"]
+    assert clip["base"]["mean"] == pytest.approx(17 / 30) and clip["qae"]["mean"] == pytest.approx(0.7)
+    assert clip["difference"]["mean"] == pytest.approx(2 / 15)
+    assert clip["difference"]["p_value"] == pytest.approx(1 - 4 / math.sqrt(18), abs=1e-9)
+    gspo = table["rows"][1]["metrics"]["final_heldout"]["difference"]  # 0, 0.1, 0.3
+    assert gspo["mean"] == pytest.approx(0.4 / 3) and gspo["seeds"] == [0, 1, 2]
+    assert table["rows"][1]["metrics"]["entropy_last"]["difference"]["mean"] == pytest.approx(-1.0)
+    text = runner.invoke(app, ["compare", "--sweep", "cmp", "--runs-dir", str(known_runs)],
+                         env={"COLUMNS": "80"}).output
+    assert "by policy loss, as the paper's Table 2" in " ".join(text.split())
+    assert "qae - grpo" in text and "entropy_range" in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    alone = json.loads(runner.invoke(app, ["compare", "cmp-qae-s0", "cmp-qae-s1", "--json", "--runs-dir",
+                                           str(known_runs)]).output)
+    assert alone["by_policy_loss"] is None  # one estimator: no such table
 
 
 @pytest.mark.parametrize("args, message", [

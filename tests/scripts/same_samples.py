@@ -18,7 +18,11 @@ With `checkpointing`, the run uses --gradient-checkpointing; with `budget`, toke
 adapters of rank 4 with a KL term (the reference: the policy with its adapters off). With `attribution`
 (tests/train/test_attribution.py), the run logs --log-entropy-attribution. With `bf16rollout`
 (tests/train/test_rollout_correction.py), the engine samples from a bfloat16 copy of the weights and the trainer
-corrects for it (--rollout-dtype bfloat16, so --rollout-correction tis).
+corrects for it (--rollout-dtype bfloat16, so --rollout-correction tis). With a policy loss's name
+(tests/e2e/test_policy_loss_processes.py: clip_cov, kl_cov, gspo, cispo), the run trains with it, its selections
+set to pick many tokens; with `entropy`, the entropy controls on too (a top-entropy quantile, an adaptive bonus).
+
+Under FSDP2 (launched with configs/accelerate/fsdp2.yaml) the saved parameters are gathered whole.
 
     accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic][+lockstep][+lora]...
 """
@@ -30,6 +34,7 @@ from pathlib import Path
 import torch
 
 from qae_app.config import build_config
+from qae_app.models.sharding import full_state_dict, is_sharded
 from qae_app.train.trainer import Trainer
 
 OPTIONS = dict(steps=3, prompts_per_step=4, group_size=8, num_mini_batches=4, micro_batch_size=3, eval_every=0,
@@ -68,6 +73,11 @@ DYNAMIC = dict(dynamic_sampling=True, max_gen_batches=6, reward_values="-1,1")
 MEMORY_MODES = {"checkpointing": dict(gradient_checkpointing=True), "budget": dict(max_tokens_per_micro_batch=40)}
 LORA = dict(lora_rank=4, kl_beta=0.1, lr=1e-3)
 BF16_ROLLOUT = dict(rollout_dtype="bfloat16")
+LOSSES = {"clip_cov": dict(policy_loss="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=0.0),
+          "kl_cov": dict(policy_loss="kl_cov", kl_cov_ratio=0.1),
+          "gspo": dict(policy_loss="gspo", gspo_clip_low=0.002, gspo_clip_high=0.002),
+          "cispo": dict(policy_loss="cispo", cispo_weight_cap=1.0001)}
+ENTROPY = dict(top_entropy_quantile=0.5, entropy_coef=0.01, entropy_target=5.0)
 
 
 def main(runs_dir: str, run_name: str, mode: str = "") -> None:
@@ -75,7 +85,7 @@ def main(runs_dir: str, run_name: str, mode: str = "") -> None:
     options = dict(OPTIONS, **(DYNAMIC if "dynamic" in modes else {}), **(LORA if "lora" in modes else {}),
                    **(BF16_ROLLOUT if "bf16rollout" in modes else {}),
                    log_entropy_attribution="attribution" in modes)
-    for mode_name, mode_options in MEMORY_MODES.items():
+    for mode_name, mode_options in {**MEMORY_MODES, **LOSSES, "entropy": ENTROPY}.items():
         if mode_name in modes:
             options.update(mode_options)
     trainer = Trainer(build_config(run_name=run_name, **options), Path(runs_dir), cpu=True)
@@ -106,8 +116,10 @@ def main(runs_dir: str, run_name: str, mode: str = "") -> None:
     trainer.fit()
     if "lockstep" in modes:
         (Path(runs_dir) / f"{run_name}.forwards.{acc.process_index}").write_text(str(forwards[0]))
+    model = acc.unwrap_model(trainer.model)
+    params = (full_state_dict(model) if is_sharded(model)  # (a collective: every process gathers)
+              else {name: p.detach().cpu() for name, p in model.named_parameters()})
     if acc.is_main_process:
-        params = {name: p.detach().cpu() for name, p in acc.unwrap_model(trainer.model).named_parameters()}
         torch.save(params, Path(runs_dir) / f"{run_name}.params.pt")
 
 

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from qae_app.algo.advantages import REGIMES, EstimatorConfig, compute_advantages
 from qae_app.cli.main import app
-from qae_app.config import build_config, entropy_band
+from qae_app.config import build_config
+from qae_app.core.names import entropy_band
 from qae_app.data.tasks import prompts_at
 from qae_app.store.reader import query, read_run, read_steps
 from qae_app.store.rows import step_metrics
