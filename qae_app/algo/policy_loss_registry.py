@@ -21,8 +21,9 @@ tokens. Every formula below is the published one; docs/algorithm.md writes each 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -101,7 +102,7 @@ class LossSettings:
     entropy_coef_max: float = 1.0
 
     @classmethod
-    def from_config(cls, cfg) -> "LossSettings":
+    def from_config(cls, cfg) -> LossSettings:
         record = POLICY_LOSSES[cfg.policy_loss]
         adaptive = ({o.name: getattr(cfg, o.name) for o in ADAPTIVE_OPTIONS} if cfg.entropy_target is not None
                     else {})

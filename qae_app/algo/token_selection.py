@@ -127,7 +127,7 @@ def gather_values(values: torch.Tensor, accelerator) -> torch.Tensor:
     padded = torch.zeros(max(sizes), dtype=values.dtype, device=acc.device)
     padded[: values.numel()] = values
     gathered = acc.gather(padded).view(len(sizes), max(sizes)).to(values.device)  # (P, max M_p)
-    return torch.cat([row[:size] for row, size in zip(gathered, sizes)])
+    return torch.cat([row[:size] for row, size in zip(gathered, sizes, strict=True)])
 
 
 def linear_quantile(values: torch.Tensor, p: float) -> torch.Tensor:

@@ -146,7 +146,7 @@ def test_the_entropy_controls_compose_with_a_loss_by_their_formulas():
     got_grads = torch.autograd.grad(out.loss, (logp, entropy))
     want_grads = torch.autograd.grad(want, (logp, entropy))
     assert out.loss.item() == pytest.approx(want.item(), rel=1e-12)
-    for got, expected in zip(got_grads, want_grads):
+    for got, expected in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-15)
     assert out.entropy_sum.item() == pytest.approx((entropy * mask * kept).sum().item())
 

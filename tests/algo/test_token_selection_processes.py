@@ -70,6 +70,6 @@ def test_two_processes_select_the_tokens_one_process_selects(tmp_path):
     mp.spawn(worker, args=(port, str(tmp_path / "picked")), nprocs=2, join=True)
     parts = [torch.load(tmp_path / f"picked.{rank}") for rank in (0, 1)]
     whole = selections(mini_batch(), OneProcess("cpu"))
-    for name, one, first, second in zip(("clip_cov", "kl_cov", "entropy"), whole, *parts):
+    for name, one, first, second in zip(("clip_cov", "kl_cov", "entropy"), whole, *parts, strict=True):
         assert one.any() and not one.all(), name  # (a selection, not all or nothing)
         assert torch.equal(torch.cat([first, second]), one), name

@@ -45,7 +45,7 @@ def run(name: str, seed: int = 1, control: EntropyCoefficient | None = None, **c
 
 
 def assert_same_update(a, b):
-    for got, want in zip(a[0], b[0]):
+    for got, want in zip(a[0], b[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
     assert a[1] == pytest.approx(b[1], rel=1e-10, abs=1e-14)
 
@@ -73,7 +73,7 @@ def test_the_gated_skip_gives_the_dense_update_or_is_off_for_the_loss(name, monk
     monkeypatch.setattr(LossSettings, "gated_skip_exact", property(lambda self: True))
     forced = run(name)
     assert forced[2] < dense[2]
-    assert not all(torch.allclose(a, b, rtol=0, atol=1e-9) for a, b in zip(forced[0], dense[0]))
+    assert not all(torch.allclose(a, b, rtol=0, atol=1e-9) for a, b in zip(forced[0], dense[0], strict=True))
 
 
 def test_the_skip_is_off_exactly_for_kl_cov_and_the_entropy_bonus():
@@ -165,14 +165,14 @@ def test_the_update_is_the_one_written_from_the_formulas(name):
         loss, measured_now = hand_written_loss(settings, logp, entropy, sampling_logp, mask, applied)
         grads = torch.autograd.grad(loss, list(reference.parameters()))
         with torch.no_grad():
-            for p, g in zip(reference.parameters(), grads):
+            for p, g in zip(reference.parameters(), grads, strict=True):
                 p -= lr * g
         if settings.entropy_target is not None:  # TRL's adaptive rule
             coef = (min(coef + settings.entropy_coef_delta, settings.entropy_coef_max)
                     if measured_now <= settings.entropy_target
                     else max(coef - settings.entropy_coef_delta, settings.entropy_coef_min))
             measured = measured_now
-    for got, want in zip(model.parameters(), reference.parameters()):
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     assert control.coef == pytest.approx(coef) and (control.measured is None) == (measured is None)
     if measured is not None:
