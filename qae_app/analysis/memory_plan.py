@@ -293,8 +293,16 @@ def lora_parameters(shape: ModelShape, rank: int, targets: tuple[str, ...] = ())
 def update_components(shape: ModelShape, update: UpdateShape, processes: int = 1, sharding: str = "ddp",
                       reference_model: bool = False) -> list[tuple[str, float, str]]:
     """(component, bytes, what it is) of one process's memory during the update's backward, the peak."""
+    return (_parameter_rows(shape, update, processes, sharding, reference_model)
+            + _activation_rows(shape, update))
+
+
+def _parameter_rows(shape: ModelShape, update: UpdateShape, processes: int, sharding: str,
+                    reference_model: bool) -> list[tuple[str, float, str]]:
+    """The weights and what is kept per weight: FSDP's gathered layers, autocast copies, gradients, AdamW's moments,
+    DDP's buckets and the reference model."""
     shard = processes if sharding == "fsdp" else 1
-    wb, ab = update.weight_bytes, update.activation_bytes
+    wb = update.weight_bytes
     base = shape.parameters()
     adapters = lora_parameters(shape, update.lora_rank, update.lora_targets) if update.lora_rank else 0
     trainable = adapters if update.lora_rank else base
@@ -316,6 +324,13 @@ def update_components(shape: ModelShape, update: UpdateShape, processes: int = 1
         rows.append(("DDP buckets", trainable * wb, "DDP's all-reduce buckets: a second copy of the gradients"))
     if reference_model:
         rows.append(("reference model", base * wb, "--kl-beta: a frozen copy of the weights on every process"))
+    return rows
+
+
+def _activation_rows(shape: ModelShape, update: UpdateShape) -> list[tuple[str, float, str]]:
+    """The activations a micro-batch's backward keeps, and the log-prob head's logits."""
+    ab = update.activation_bytes
+    rows = []
     tokens = update.micro_tokens
     layer = shape.layer_activation_elements() + (len(update.lora_targets or shape.linear_shapes())
                                                  * update.lora_rank if update.lora_rank else 0)
