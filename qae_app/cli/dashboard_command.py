@@ -46,16 +46,8 @@ def dashboard(
 ) -> None:
     """Start the Streamlit dashboard (live curves, rollouts browser) on 127.0.0.1; Ctrl-C or SIGTERM stops it."""
     import os
-    import signal
-    import subprocess
 
-    if not 0 < port < 65536:
-        fail(QAEUserError(f"port: {port} is not a TCP port. Use 1-65535 (default 8501)."))
-    if refresh not in names.DASHBOARD_REFRESH_S:
-        *most, last = names.DASHBOARD_REFRESH_S
-        fail(QAEUserError(f"refresh: {refresh} is not offered. Use {', '.join(most)} or {last} (seconds between "
-                          f"checks for new steps; default {names.DASHBOARD_REFRESH_DEFAULT})."))
-    _check_host(host)
+    _check_options(port, host, refresh)
     app_path = dashboard_app()
     command = [sys.executable, "-c", STREAMLIT_WITHOUT_WORKING_FOLDER, "run", str(app_path), "--server.address", host,
                "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
@@ -65,6 +57,25 @@ def dashboard(
                **{names.DASHBOARD_REFRESH_ENV: refresh, names.DASHBOARD_CONTROLS_ENV: str(int(controls))})
     console.print(f"qae dashboard for [cyan]{Path(runs_dir).resolve()}[/] at [bold]http://{host}:{port}[/] "
                   f"({'' if controls else 'read-only; '}Ctrl-C to stop)")
+    _serve(command, env)
+
+
+def _check_options(port: int, host: str, refresh: str) -> None:
+    """Refuse a port, host or refresh interval the server could not use, naming the option."""
+    if not 0 < port < 65536:
+        fail(QAEUserError(f"port: {port} is not a TCP port. Use 1-65535 (default 8501)."))
+    if refresh not in names.DASHBOARD_REFRESH_S:
+        *most, last = names.DASHBOARD_REFRESH_S
+        fail(QAEUserError(f"refresh: {refresh} is not offered. Use {', '.join(most)} or {last} (seconds between "
+                          f"checks for new steps; default {names.DASHBOARD_REFRESH_DEFAULT})."))
+    _check_host(host)
+
+
+def _serve(command: list[str], env: dict[str, str]) -> None:
+    """Run the Streamlit server until it exits, Ctrl-C or SIGTERM; a server that fails exits 1."""
+    import signal
+    import subprocess
+
     process = subprocess.Popen(command, env=env)
 
     def stop(signum, frame):  # SIGTERM (systemd, kill) stops the server too, as Ctrl-C does
