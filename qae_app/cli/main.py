@@ -158,10 +158,7 @@ def run_training(trainer) -> None:
     main = trainer.is_main
     if main:
         console.print(banner(cfg, trainer.run_id))
-        if cfg.eval_every and not trainer.eval_problems:  # (given explicitly, config.check_given_together refuses it)
-            console.print(f"[yellow]note:[/] nothing to evaluate every {cfg.eval_every} steps: {cfg.data} has no "
-                          "held-out split. Pass --heldout-fraction 0.1 or --eval-bench FILE to track held-out "
-                          "accuracy, or --eval-every 0 to silence this.", highlight=False)
+        _note_nothing_to_evaluate(cfg, trainer.eval_problems)
     progress = TrainProgress(console, cfg.steps, trainer.state.step, show=main,
                              dynamic_sampling=cfg.dynamic_sampling)
     steps_before = trainer.state.step  # a resumed run's steps already done
@@ -183,27 +180,45 @@ def run_training(trainer) -> None:
                       f"above {cfg.steps} to train further.", highlight=False)
     if result.status == "interrupted":
         if main:
-            from qae_app.store.run_folder import latest_checkpoint
-
-            newest = latest_checkpoint(result.run_dir)
-            start = (f"from its newest checkpoint, {newest.name}," if newest is not None else
-                     "from step 0 (no checkpoint yet; the same seed trains the same steps again)")
-            console.print(f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue it {start} with:",
-                          highlight=False)
-            print_command(f"qae train --resume {result.run_id} --runs-dir {trainer.runs_dir}")
+            _say_how_to_continue(result, trainer.runs_dir)
         trainer.release_models()  # (before the process group: FSDP2's modules hold it)
         launch.end_processes()
         raise typer.Exit(code=130)
     if main:
-        console.print(f"[green]done[/]: {result.steps_done} steps, status {result.status}. "
-                      f"Held-out accuracy {number(progress.heldout)}.")
-        console.print(f"Stored in [cyan]{escape(str(result.run_dir / DB_FILE))}[/]. Inspect it with:", highlight=False)
-        print_command(f"qae show {result.run_id} --runs-dir {trainer.runs_dir}")
-        print_command(f"qae rollouts {result.run_id} --gated --runs-dir {trainer.runs_dir}")
-        print_command(f"qae dashboard --runs-dir {trainer.runs_dir}")
+        _say_done(result, progress.heldout, trainer.runs_dir)
     fault_point("done", result.steps_done)  # (crash tests: a SIGTERM once the run said it is done)
     trainer.release_models()  # (before the process group: FSDP2's modules hold it)
     launch.end_processes()
+
+
+def _note_nothing_to_evaluate(cfg, eval_problems) -> None:
+    """--eval-every with nothing held out (given explicitly, config.check_given_together refuses it): say so once."""
+    if cfg.eval_every and not eval_problems:
+        console.print(f"[yellow]note:[/] nothing to evaluate every {cfg.eval_every} steps: {cfg.data} has no "
+                      "held-out split. Pass --heldout-fraction 0.1 or --eval-bench FILE to track held-out "
+                      "accuracy, or --eval-every 0 to silence this.", highlight=False)
+
+
+def _say_how_to_continue(result, runs_dir) -> None:
+    """An interrupted run: where it stopped and the command that continues it from its newest checkpoint."""
+    from qae_app.store.run_folder import latest_checkpoint
+
+    newest = latest_checkpoint(result.run_dir)
+    start = (f"from its newest checkpoint, {newest.name}," if newest is not None else
+             "from step 0 (no checkpoint yet; the same seed trains the same steps again)")
+    console.print(f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue it {start} with:",
+                  highlight=False)
+    print_command(f"qae train --resume {result.run_id} --runs-dir {runs_dir}")
+
+
+def _say_done(result, heldout: float | None, runs_dir) -> None:
+    """A finished run: its steps, status and held-out accuracy, and the commands that inspect it."""
+    console.print(f"[green]done[/]: {result.steps_done} steps, status {result.status}. "
+                  f"Held-out accuracy {number(heldout)}.")
+    console.print(f"Stored in [cyan]{escape(str(result.run_dir / DB_FILE))}[/]. Inspect it with:", highlight=False)
+    print_command(f"qae show {result.run_id} --runs-dir {runs_dir}")
+    print_command(f"qae rollouts {result.run_id} --gated --runs-dir {runs_dir}")
+    print_command(f"qae dashboard --runs-dir {runs_dir}")
 
 
 def _with_reward_resume(trainer, err: QAEUserError) -> QAEUserError:
@@ -502,22 +517,45 @@ def sweep_command(
     loss's own options go to its points only). Every point is an ordinary
     run tagged with the sweep (`qae runs --sweep`, `qae compare --sweep`). Re-running the same command resumes:
     finished runs are kept, an interrupted one resumes, the rest start."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    from qae_app.cli.sweep import check_parallel, failure_tail, plan_sweep, run_sweep
-    from qae_app.config import given_options
-
     try:
-        check_parallel(parallel)
-        given = given_options(config, **options)
-        estimators, ks = str(given.pop("estimator", "qae")), given.pop("k", None)
-        losses = given.pop("policy_loss", None)
-        plan = plan_sweep(runs_dir, estimators, None if ks is None else str(ks), seeds, given, name,
-                          None if losses is None else str(losses))
+        plan = _plan_sweep_from_options(runs_dir, seeds, name, parallel, config, options)
     except QAEUserError as err:
         fail(err)
     console.print(f"[bold]qae sweep[/] [cyan]{plan.name}[/] (id {plan.sweep_id}): {len(plan.points)} runs, "
                   f"{parallel} at a time, in {escape(str(runs_dir))}", highlight=False)
+    try:
+        states = _run_sweep_with_progress(plan, runs_dir, parallel, cpu)
+    except QAEUserError as err:
+        fail(err)
+    _report_sweep(plan, states, runs_dir)
+    if "interrupted" in states.values():
+        console.print("[yellow]interrupted[/]: re-run the same command to resume the sweep.")
+        raise typer.Exit(code=130)
+    if {"failed", "busy", "taken"} & set(states.values()):
+        raise typer.Exit(code=1)
+
+
+def _plan_sweep_from_options(runs_dir, seeds: int, name: str | None, parallel: int, config: Path | None,
+                             options: dict):
+    """The sweep's plan from the command line and --config: its lists (--policy-loss, --estimator, --k) taken out
+    of the options every point shares."""
+    from qae_app.cli.sweep import check_parallel, plan_sweep
+    from qae_app.config import given_options
+
+    check_parallel(parallel)
+    given = given_options(config, **options)
+    estimators, ks = str(given.pop("estimator", "qae")), given.pop("k", None)
+    losses = given.pop("policy_loss", None)
+    return plan_sweep(runs_dir, estimators, None if ks is None else str(ks), seeds, given, name,
+                      None if losses is None else str(losses))
+
+
+def _run_sweep_with_progress(plan, runs_dir, parallel: int, cpu: bool) -> dict:
+    """Run the sweep's points with a bar each on a terminal, a line per state change elsewhere; their end states."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from qae_app.cli.sweep import run_sweep
+
     progress = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
                         TextColumn("{task.fields[state]}"), console=console, disable=not console.is_terminal)
     bars = {p.run_name: progress.add_task(p.run_name, total=p.steps, state="") for p in plan.points}
@@ -530,11 +568,14 @@ def sweep_command(
                 console.print(f"{run_name}: {state}", highlight=False)
             seen[run_name] = state
 
-    try:
-        with progress:
-            states = run_sweep(plan, runs_dir, parallel, cpu, on_update)
-    except QAEUserError as err:
-        fail(err)
+    with progress:
+        return run_sweep(plan, runs_dir, parallel, cpu, on_update)
+
+
+def _report_sweep(plan, states: dict, runs_dir) -> None:
+    """How many runs ended in each state, the command that compares them, and why each failed or skipped run did."""
+    from qae_app.cli.sweep import failure_tail
+
     counts = {state: sum(1 for s in states.values() if s == state) for state in sorted(set(states.values()))}
     compared = {"done", "kept"} & set(states.values())  # (compare leaves out runs without a step)
     console.print("sweep " + ", ".join(f"{n} {state}" for state, n in counts.items())
@@ -551,11 +592,6 @@ def sweep_command(
             console.print(f"[yellow]skipped[/]: {run_name} was taken by another run (not of this sweep) while the "
                           "sweep ran; that run is left alone. Pass another --name to train this point.",
                           highlight=False)
-    if "interrupted" in states.values():
-        console.print("[yellow]interrupted[/]: re-run the same command to resume the sweep.")
-        raise typer.Exit(code=130)
-    if {"failed", "busy", "taken"} & set(states.values()):
-        raise typer.Exit(code=1)
 
 
 def _sweep_options(command):
