@@ -218,37 +218,16 @@ def _runs_columns(rows: list[dict], readable: list[bool], same: bool, prefix: st
     """The columns of the runs table, the run ids without `prefix`; an unreadable run shows its id and status only.
     `same`: reward_mean is the accuracy in every run (one column says both). `whole_ids`: optional columns give way
     before an id of up to 40 characters is cut. `apart`: each run's options that tell it apart, under its id."""
-    shown_ids = [str(row["run_id"])[len(prefix):] for row in rows]
     configs = [_config(row) for row in rows]
-    apart = apart or [[] for _ in rows]
-    run_cells = [RunCell(run_id, options_text(options)) if options else Text(run_id)
-                 for run_id, options in zip(shown_ids, apart, strict=True)]
-    # (an option wraps between options, never inside one, while the id's room allows)
-    longest = max([*map(len, shown_ids), *(len(OPTIONS_INDENT + option_text(*option)) + 1
-                                           for options in apart for option in options)], default=0)
-
-    def cell(row: dict, key: str, ok: bool) -> str:
-        return number(row.get(key)) if ok else ""
-
     return [
-        Column("run", run_cells, flexible=True, name="run",
-               min_width=max(MIN_ID_WIDTH, min(40, longest)) if whole_ids else MIN_ID_WIDTH),
+        _run_id_column(rows, prefix, whole_ids, apart),
         Column("status", [status_text(row["status"]) for row in rows]),
         Column("estimator", [_estimator(row) if ok else "" for row, ok in zip(rows, readable, strict=True)],
                priority=1),
         Column("steps", [_progress(row, config) if ok else ""
                          for row, config, ok in zip(rows, configs, readable, strict=True)],
                justify="right"),
-        Column(metric_header("reward_mean"), [cell(r, "reward_mean", ok) for r, ok in zip(rows, readable, strict=True)],
-               justify="right", priority=2, name="reward_mean"),
-        *([] if same else [Column(metric_header("accuracy"), [cell(r, "accuracy", ok) for r, ok in
-                                                              zip(rows, readable, strict=True)],
-                                  justify="right", priority=2, name="accuracy")]),
-        Column(metric_header("heldout_accuracy"),
-               [cell(r, "heldout_accuracy", ok) for r, ok in zip(rows, readable, strict=True)],
-               justify="right", priority=3, name="heldout_accuracy"),
-        Column(metric_header("entropy"), [cell(r, "entropy", ok) for r, ok in zip(rows, readable, strict=True)],
-               justify="right", priority=4, name="entropy"),
+        *_metric_columns(rows, readable, same),
         # (`qae tag`: only when a run has some; words of any length, so after the numbers, which never give way to it)
         *([Column("tags", [str(row.get("tags") or "") for row in rows], priority=5, name="tags")]
           if any(row.get("tags") for row in rows) else []),
@@ -258,6 +237,31 @@ def _runs_columns(rows: list[dict], readable: list[bool], same: bool, prefix: st
                priority=7),
         Column("created (UTC)", [_time(row.get("created_at")) for row in rows], priority=8, name="created"),
     ]
+
+
+def _run_id_column(rows: list[dict], prefix: str, whole_ids: bool, apart: list[list] | None) -> Column:
+    """The run ids without `prefix`, each with the options that tell it apart under it."""
+    shown_ids = [str(row["run_id"])[len(prefix):] for row in rows]
+    apart = apart or [[] for _ in rows]
+    run_cells = [RunCell(run_id, options_text(options)) if options else Text(run_id)
+                 for run_id, options in zip(shown_ids, apart, strict=True)]
+    # (an option wraps between options, never inside one, while the id's room allows)
+    longest = max([*map(len, shown_ids), *(len(OPTIONS_INDENT + option_text(*option)) + 1
+                                           for options in apart for option in options)], default=0)
+    return Column("run", run_cells, flexible=True, name="run",
+                  min_width=max(MIN_ID_WIDTH, min(40, longest)) if whole_ids else MIN_ID_WIDTH)
+
+
+def _metric_columns(rows: list[dict], readable: list[bool], same: bool) -> list[Column]:
+    """reward_mean, accuracy (unless `same`: reward_mean is the accuracy), held-out accuracy and entropy; blank for
+    an unreadable run."""
+    def metric(key: str, priority: int) -> Column:
+        return Column(metric_header(key), [number(row.get(key)) if ok else ""
+                                           for row, ok in zip(rows, readable, strict=True)],
+                      justify="right", priority=priority, name=key)
+
+    return [metric("reward_mean", 2), *([] if same else [metric("accuracy", 2)]), metric("heldout_accuracy", 3),
+            metric("entropy", 4)]
 
 
 def _runs_notes(rows: list[dict], readable: list[bool], same: bool) -> list[Text]:
@@ -313,6 +317,23 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
         Text(f"{_estimator(info)}{_policy_loss(info, config)} · model {info.get('model')} · task {info.get('task')} · "
              f"seed {info.get('seed')} · {_progress(info, config)} steps"),
     ]
+    parts += _run_state_lines(info, steps, config)
+    parts += _config_lines(config)
+    if not steps.empty:
+        parts += _steps_table(steps, width, metrics, every)
+    if components is not None and len(components.columns) > 1 and not steps.empty:
+        parts += _components_table(steps, components, width, every)
+    if not evals.empty:
+        parts += _evals_table(evals, width)
+    for row in warnings.to_dict("records"):
+        parts.append(Text.assemble((f"step {row['step']} {row['kind']}: ", "yellow"), str(row["message"])))
+    return Group(*parts)
+
+
+def _run_state_lines(info: dict, steps: pd.DataFrame, config: dict) -> list[RenderableType]:
+    """How the run was launched, its tags and note, whether it was copied, its pace or why it stopped, the writes
+    still pending and its error."""
+    parts: list[RenderableType] = []
     launched = setup_label(config.get("distributed"))
     if launched:
         parts.append(Text(f"ran as {launched}"))
@@ -336,6 +357,12 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
                           style="yellow"))
     if info.get("error"):
         parts.append(Text.assemble(("error: ", "red"), str(info["error"])))
+    return parts
+
+
+def _config_lines(config: dict) -> list[RenderableType]:
+    """The run's config, and the file and hash of each user reward it ran."""
+    parts: list[RenderableType] = []
     if config:
         parts.append(Text("config", style="bold"))
         parts.append(Columns([Text(f"{key} = {json.dumps(value)}") for key, value in config.items()
@@ -345,15 +372,7 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
         parts.append(Text(f"reward {spec}: {entry.get('path')} sha256 {str(entry.get('sha256'))[:16]}"
                           + (f" (changed during the run: {len(entry['earlier'])} earlier version(s))"
                              if entry.get("earlier") else ""), style="dim"))
-    if not steps.empty:
-        parts += _steps_table(steps, width, metrics, every)
-    if components is not None and len(components.columns) > 1 and not steps.empty:
-        parts += _components_table(steps, components, width, every)
-    if not evals.empty:
-        parts += _evals_table(evals, width)
-    for row in warnings.to_dict("records"):
-        parts.append(Text.assemble((f"step {row['step']} {row['kind']}: ", "yellow"), str(row["message"])))
-    return Group(*parts)
+    return parts
 
 
 SHOWN_STEPS = 15  # about this many rows of steps unless --every says otherwise
@@ -475,13 +494,26 @@ def rollouts_view(run: str, step: int, frame: pd.DataFrame, everything: pd.DataF
     values = ({} if components is None or components.empty else
               {(int(g), int(i), str(n)): v for g, i, n, v in components.itertuples(index=False)})
     component_names = list(dict.fromkeys(str(n) for n in components["name"])) if values else []
+    parts = _step_summary(run, step, frame, everything, width)
+    filtered = frame["filtered"].fillna(False).astype(bool)  # left out of the update by dynamic sampling
+    shown = frame.head(limit)
+    for g, rows in shown.groupby("group_idx", sort=False):
+        parts += _group_lines(g, rows, int((frame["group_idx"] == g).sum()), filtered, values, component_names, width,
+                              full, model_prompts)
+    if len(frame) > limit:
+        parts.append(Text(f"showing {limit} of {len(frame)} responses (--limit)", style="dim"))
+    return Group(*parts)
+
+
+def _step_summary(run: str, step: int, frame: pd.DataFrame, everything: pd.DataFrame,
+                  width: int) -> list[RenderableType]:
+    """The step's responses and groups, how many were filtered out of the update or gated, and why they were gated."""
     # a group left out of the update by dynamic sampling is filtered, neither gated nor kept: gated counts are of the
     # trained responses, as frac_zero_adv
     left_out = everything["filtered"].fillna(False).astype(bool)
     trained = everything[~left_out]
     n_gated = int(trained["gated"].sum())
     n_filtered = int(everything.loc[left_out, "group_idx"].nunique())
-    filtered = frame["filtered"].fillna(False).astype(bool)  # left out of the update by dynamic sampling
     parts: list[RenderableType] = [Text(
         f"{run} step {step}: {len(everything)} responses in {everything['group_idx'].nunique()} groups, "
         + (f"{n_filtered} groups ({int(left_out.sum())} responses) filtered out of the update by dynamic sampling, "
@@ -497,41 +529,44 @@ def rollouts_view(run: str, step: int, frame: pd.DataFrame, everything: pd.DataF
         parts.append(fit(breakdown, width).table)
     if len(frame) != len(everything):
         parts.append(Text(f"{len(frame)} of {len(everything)} responses match the filters", style="dim"))
-    shown = frame.head(limit)
-    for g, rows in shown.groupby("group_idx", sort=False):
-        first = rows.iloc[0]
-        total = int((frame["group_idx"] == g).sum())
-        parts.append(Text(""))
-        parts.append(Text.assemble(
-            (f"group {g}", "bold"), f" · {int(first['n_correct'])}/{int(first['group_size'])} correct · ",
-            (str(first["regime"]), "bold"), f" · baseline {number(first['baseline'])} · answer ",
-            (str(first["answer"]), "green")))
-        prompt = Text("prompt: " + str(first["prompt"]).replace("\n", " ⏎ "))
-        if not full:
-            prompt.truncate(width, overflow="ellipsis")
-        parts.append(prompt)
-        if model_prompts is not None:
-            seen = model_prompts.get(int(g))
-            parts.append(Text("model saw: " + seen.replace("\n", " ⏎ ") if seen is not None else
-                              "model saw: the prompt itself (no chat template)", style="dim" if seen is None else ""))
-        responses = [str(r).replace("\n", " ⏎ ") for r in rows["response"]]
-        columns = [
-            Column("#", [str(s) for s in rows["sample_idx"]], justify="right"),
-            Column("reward", [number(v) for v in rows["reward"]], justify="right"),
-            *(Column(name, [number(values.get((int(g), int(i), name))) for i in rows["sample_idx"]], justify="right",
-                     priority=rank) for rank, name in enumerate(component_names, start=1)),
-            Column("advantage", [f"{v:+.4f}" for v in rows["advantage"]], justify="right"),
-            Column("why gated", [Text("filtered", style="yellow") if f else Text(str(r), style="dim") if g
-                                 else Text("kept", style="bold") for r, g, f in
-                                 zip(rows["gate_reason"], rows["gated"], filtered[rows.index].tolist(), strict=True)]),
-            Column("response", responses, flexible=True, overflow="fold" if full else "ellipsis", min_width=16),
-        ]
-        parts.append(fit(columns, width).table)
-        if len(rows) < total:
-            parts.append(Text(f"… {total - len(rows)} more responses of this group (raise --limit)", style="dim"))
-    if len(frame) > limit:
-        parts.append(Text(f"showing {limit} of {len(frame)} responses (--limit)", style="dim"))
-    return Group(*parts)
+    return parts
+
+
+def _group_lines(g, rows: pd.DataFrame, total: int, filtered: pd.Series, values: dict, component_names: list[str],
+                 width: int, full: bool, model_prompts: dict[int, str] | None) -> list[RenderableType]:
+    """One group: its success count, regime, baseline and answer, its prompt (and what the model saw), and a table
+    of its shown `rows` of `total` responses."""
+    parts: list[RenderableType] = []
+    first = rows.iloc[0]
+    parts.append(Text(""))
+    parts.append(Text.assemble(
+        (f"group {g}", "bold"), f" · {int(first['n_correct'])}/{int(first['group_size'])} correct · ",
+        (str(first["regime"]), "bold"), f" · baseline {number(first['baseline'])} · answer ",
+        (str(first["answer"]), "green")))
+    prompt = Text("prompt: " + str(first["prompt"]).replace("\n", " ⏎ "))
+    if not full:
+        prompt.truncate(width, overflow="ellipsis")
+    parts.append(prompt)
+    if model_prompts is not None:
+        seen = model_prompts.get(int(g))
+        parts.append(Text("model saw: " + seen.replace("\n", " ⏎ ") if seen is not None else
+                          "model saw: the prompt itself (no chat template)", style="dim" if seen is None else ""))
+    responses = [str(r).replace("\n", " ⏎ ") for r in rows["response"]]
+    columns = [
+        Column("#", [str(s) for s in rows["sample_idx"]], justify="right"),
+        Column("reward", [number(v) for v in rows["reward"]], justify="right"),
+        *(Column(name, [number(values.get((int(g), int(i), name))) for i in rows["sample_idx"]], justify="right",
+                 priority=rank) for rank, name in enumerate(component_names, start=1)),
+        Column("advantage", [f"{v:+.4f}" for v in rows["advantage"]], justify="right"),
+        Column("why gated", [Text("filtered", style="yellow") if f else Text(str(r), style="dim") if g
+                             else Text("kept", style="bold") for r, g, f in
+                             zip(rows["gate_reason"], rows["gated"], filtered[rows.index].tolist(), strict=True)]),
+        Column("response", responses, flexible=True, overflow="fold" if full else "ellipsis", min_width=16),
+    ]
+    parts.append(fit(columns, width).table)
+    if len(rows) < total:
+        parts.append(Text(f"… {total - len(rows)} more responses of this group (raise --limit)", style="dim"))
+    return parts
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -612,26 +647,7 @@ def compare_view(comparison, width: int) -> RenderableType:
         table.add_row(name, *[_cell(group.metrics.get(name)) for group in groups])
     parts.append(table)
     if comparison.baseline is not None:
-        others = [(i, g) for i, g in enumerate(groups, 1) if g is not comparison.baseline]
-        base_index = groups.index(comparison.baseline) + 1
-        parts.append(Text(f"minus the baseline G{base_index} ({comparison.baseline.label}), paired by seed: mean, "
-                          "95% t-interval, paired t-test p", style="bold"))
-        diff = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
-        diff.add_column("metric", no_wrap=True)
-        for index, _ in others:
-            diff.add_column(f"G{index} - G{base_index}", justify="right", no_wrap=True)
-        for name in metrics:
-            diff.add_row(name, *[_cell(comparison.differences[g.label].get(name), sign=True) for _, g in others])
-        parts.append(diff)
-        for index, group in others:
-            paired = comparison.differences[group.label][next(iter(metrics))]
-            if paired.pairs:
-                parts.append(Text(f"G{index} - G{base_index} pairs: " + ", ".join(
-                    f"seed {seed} {run} - {base_run}" for seed, run, base_run in paired.pairs), style="dim"))
-            if len(paired.seeds) < len(group.runs) or len(paired.seeds) < len(comparison.baseline.runs):
-                parts.append(Text(f"G{index}: {len(paired.seeds)} seed(s) shared with the baseline are paired "
-                                  f"({', '.join(map(str, paired.seeds)) or 'none'}); the others are left out",
-                                  style="yellow"))
+        parts += _differences_view(comparison, metrics)
     for index, group in enumerate(groups, 1):
         if note := group.note():
             parts.append(Text(f"G{index}: {note}", style="yellow"))
@@ -644,6 +660,33 @@ def compare_view(comparison, width: int) -> RenderableType:
     parts.extend(loss_table_view(comparison.groups))
     parts.append(Text("; ".join(f"{name}: {text}" for name, text in metrics.items()), style="dim"))
     return Group(*parts)
+
+
+def _differences_view(comparison, metrics: dict) -> list[RenderableType]:
+    """Each group minus the baseline, paired by seed: one row per metric, which runs were paired, and which seeds
+    were left out for want of a partner."""
+    groups = comparison.groups
+    others = [(i, g) for i, g in enumerate(groups, 1) if g is not comparison.baseline]
+    base_index = groups.index(comparison.baseline) + 1
+    parts: list[RenderableType] = [Text(f"minus the baseline G{base_index} ({comparison.baseline.label}), paired by "
+                                        "seed: mean, 95% t-interval, paired t-test p", style="bold")]
+    diff = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    diff.add_column("metric", no_wrap=True)
+    for index, _ in others:
+        diff.add_column(f"G{index} - G{base_index}", justify="right", no_wrap=True)
+    for name in metrics:
+        diff.add_row(name, *[_cell(comparison.differences[g.label].get(name), sign=True) for _, g in others])
+    parts.append(diff)
+    for index, group in others:
+        paired = comparison.differences[group.label][next(iter(metrics))]
+        if paired.pairs:
+            parts.append(Text(f"G{index} - G{base_index} pairs: " + ", ".join(
+                f"seed {seed} {run} - {base_run}" for seed, run, base_run in paired.pairs), style="dim"))
+        if len(paired.seeds) < len(group.runs) or len(paired.seeds) < len(comparison.baseline.runs):
+            parts.append(Text(f"G{index}: {len(paired.seeds)} seed(s) shared with the baseline are paired "
+                              f"({', '.join(map(str, paired.seeds)) or 'none'}); the others are left out",
+                              style="yellow"))
+    return parts
 
 
 def loss_table_view(groups) -> list[RenderableType]:
