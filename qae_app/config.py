@@ -538,6 +538,21 @@ def coerce_option(name: str, value: Any, source: str) -> Any:
 def load_toml(path: Path) -> dict:
     """Read a run.toml: flat `key = value` pairs, optionally inside [sections] (section names are ignored)."""
     path = Path(path)
+    flat, where = _flat_keys(_parsed_toml(path), path)
+    values = {}
+    for name, value in flat.items():
+        key = where[name].split("] ")[-1].split(" = ")[0]  # as the file spells it
+        if name not in FIELDS:
+            close = difflib.get_close_matches(name, FIELDS, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else f" Known keys: {', '.join(FIELDS)}."
+            raise QAEUserError(f"config: unknown key '{clipped(key)}' in {path}.{hint}")
+        values[name] = coerce_option(name, value, f"config {path}")
+    return values
+
+
+def _parsed_toml(path: Path) -> dict:
+    """The TOML file at `path` parsed, or a QAEUserError that says why it cannot be: missing, not a regular file,
+    unreadable, not UTF-8, not TOML."""
     check_path_names("config", path)
     if not path.exists():
         raise QAEUserError(f"config: file {path} does not exist. Pass an existing TOML file to --config.")
@@ -567,6 +582,12 @@ def load_toml(path: Path) -> dict:
     except RecursionError as err:
         raise QAEUserError(f"config: {path} nests arrays or tables too deeply to parse. Use flat `key = value` "
                            "lines.") from err
+    return raw
+
+
+def _flat_keys(raw: dict, path: Path) -> tuple[dict, dict[str, str]]:
+    """The file's keys with their sections dropped (and - read as _), and each key's line as the file says it; a
+    key set twice is refused."""
     flat: dict = {}
     where: dict[str, str] = {}  # key -> "[section] key = value", for a key set twice
     for section, body in ((None, {k: v for k, v in raw.items() if not isinstance(v, dict)}),
@@ -579,15 +600,7 @@ def load_toml(path: Path) -> dict:
             if name in flat:  # sections only group keys for the reader: one run has one value per key
                 raise QAEUserError(f"config: '{name}' is set twice in {path} ({where[name]}, {shown}). Keep one.")
             flat[name], where[name] = value, shown
-    values = {}
-    for name, value in flat.items():
-        key = where[name].split("] ")[-1].split(" = ")[0]  # as the file spells it
-        if name not in FIELDS:
-            close = difflib.get_close_matches(name, FIELDS, n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else f" Known keys: {', '.join(FIELDS)}."
-            raise QAEUserError(f"config: unknown key '{clipped(key)}' in {path}.{hint}")
-        values[name] = coerce_option(name, value, f"config {path}")
-    return values
+    return flat, where
 
 
 def given_options(toml_path: Path | None = None, **cli_options: Any) -> dict[str, Any]:
