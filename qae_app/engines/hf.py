@@ -179,39 +179,53 @@ class HFGenerateEngine:
         for start in range(0, len(flat), self.batch_size):
             chunk = flat[start : start + self.batch_size]
             if loop:  # the same samples as generate's below, sooner (qae_app/engines/decode.py)
-                rows = decode.sample(model, [ids for _, ids in chunk], temperature, max_new_tokens,
-                                     self.codec.stop_ids)
-                for (i, ids), (generated, logprobs, entropies) in zip(chunk, rows, strict=True):
-                    response, truncated = cut_at_stop(generated, self.codec.stop_ids)
-                    samples.append(Sample(i, ids, response, self.codec.decode(response), truncated, logprobs,
-                                          entropies, shown[i]))
-                continue
-            width = max(len(ids) for _, ids in chunk)
-            # left padding, built as lists and converted once: a tensor write per row costs more than the rest of
-            # the engine's bookkeeping together (bench/bench_generate.py)
-            input_ids = torch.tensor([[self.codec.pad_id] * (width - len(ids)) + ids for _, ids in chunk])
-            attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in chunk])
-            from transformers import LogitsProcessorList
-
-            stats = SamplingStats(temperature) if plain else None
-            # a group's samples share their prompt: its cache is computed once (not under synced generation, where
-            # every process must run the same forwards)
-            repeats = ([len(list(rows)) for _, rows in itertools.groupby(i for i, _ in chunk)]
-                       if n > 1 and self.share_prompts and not self.sharded.plan.synced_generate else None)
-            if stats is not None:
-                out = self.sample_batch(input_ids.to(device), attention_mask.to(device), config, repeats,
-                                        logits_processor=LogitsProcessorList([stats]))
+                samples += self._decode_loop_chunk(chunk, temperature, max_new_tokens, shown)
             else:
-                out = self.sample_batch(input_ids.to(device), attention_mask.to(device), config, repeats)
-            token_logprobs, token_entropies = (stats.finish(out[:, -1]) if stats is not None and out.shape[1] > width
-                                               else (None, None))
-            new_tokens = out[:, width:].tolist()
-            for row, ((i, ids), generated) in enumerate(zip(chunk, new_tokens, strict=True)):
-                response, truncated = cut_at_stop(generated, self.codec.stop_ids)
-                length = len(response)
-                samples.append(Sample(i, ids, response, self.codec.decode(response), truncated,
-                                      token_logprobs[row][:length] if token_logprobs is not None else None,
-                                      token_entropies[row][:length] if token_entropies is not None else None,
-                                      shown[i]))
+                samples += self._generate_chunk(chunk, n, config, temperature, plain, shown, device)
         model.train(was_training)
+        return samples
+
+    def _decode_loop_chunk(self, chunk: list[tuple[int, list[int]]], temperature: float, max_new_tokens: int,
+                           shown: list[str]) -> list[Sample]:
+        """`chunk`'s (prompt index, prompt ids) sampled by the project's own decode loop."""
+        rows = decode.sample(self.model, [ids for _, ids in chunk], temperature, max_new_tokens, self.codec.stop_ids)
+        samples = []
+        for (i, ids), (generated, logprobs, entropies) in zip(chunk, rows, strict=True):
+            response, truncated = cut_at_stop(generated, self.codec.stop_ids)
+            samples.append(Sample(i, ids, response, self.codec.decode(response), truncated, logprobs, entropies,
+                                  shown[i]))
+        return samples
+
+    def _generate_chunk(self, chunk: list[tuple[int, list[int]]], n: int, config, temperature: float, plain: bool,
+                        shown: list[str], device) -> list[Sample]:
+        """`chunk`'s (prompt index, prompt ids) sampled by transformers' generate, left-padded to one width; under
+        plain sampling with each token's log-prob and entropy."""
+        width = max(len(ids) for _, ids in chunk)
+        # left padding, built as lists and converted once: a tensor write per row costs more than the rest of
+        # the engine's bookkeeping together (bench/bench_generate.py)
+        input_ids = torch.tensor([[self.codec.pad_id] * (width - len(ids)) + ids for _, ids in chunk])
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in chunk])
+        from transformers import LogitsProcessorList
+
+        stats = SamplingStats(temperature) if plain else None
+        # a group's samples share their prompt: its cache is computed once (not under synced generation, where
+        # every process must run the same forwards)
+        repeats = ([len(list(rows)) for _, rows in itertools.groupby(i for i, _ in chunk)]
+                   if n > 1 and self.share_prompts and not self.sharded.plan.synced_generate else None)
+        if stats is not None:
+            out = self.sample_batch(input_ids.to(device), attention_mask.to(device), config, repeats,
+                                    logits_processor=LogitsProcessorList([stats]))
+        else:
+            out = self.sample_batch(input_ids.to(device), attention_mask.to(device), config, repeats)
+        token_logprobs, token_entropies = (stats.finish(out[:, -1]) if stats is not None and out.shape[1] > width
+                                           else (None, None))
+        new_tokens = out[:, width:].tolist()
+        samples = []
+        for row, ((i, ids), generated) in enumerate(zip(chunk, new_tokens, strict=True)):
+            response, truncated = cut_at_stop(generated, self.codec.stop_ids)
+            length = len(response)
+            samples.append(Sample(i, ids, response, self.codec.decode(response), truncated,
+                                  token_logprobs[row][:length] if token_logprobs is not None else None,
+                                  token_entropies[row][:length] if token_entropies is not None else None,
+                                  shown[i]))
         return samples
