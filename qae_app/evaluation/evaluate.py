@@ -354,16 +354,7 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None, trained=None,
     total = len(problems)
     problems = problems[: cfg.limit] if cfg.limit else problems
     max_new_tokens = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task.reward]
-    if target.run_id is None:
-        run_id = validate_run_name(cfg.run_name or f"eval-{datetime.now():%Y%m%d-%H%M%S}")
-        if db_path(runs_dir, run_id).parent.exists():  # a run, or what is left of one (checkpoints, config.json)
-            raise QAEUserError(f"run-name: '{run_id}' already exists in {runs_dir}. Pick another --run-name.")
-        writer = None  # the new run's file is made once there are results to put in it
-    else:
-        run_id = target.run_id
-        # the run's own file takes the results: refused now if it cannot, not after the evaluation
-        writer = RunWriter(db_path(runs_dir, run_id), run_id)
-
+    run_id, writer = _results_run(cfg, target, runs_dir)
     if console is not None:  # (once the run's file took the writer: a damaged one is refused before this)
         console.print(sampling_header(cfg, name, len(problems), total, max_new_tokens, target.run_id, taken),
                       highlight=False)
@@ -389,7 +380,26 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None, trained=None,
         rollout_engine.close()  # (vLLM: its engine and process group, before the results are written)
 
     path = db_path(runs_dir, run_id)
-    writer = writer or RunWriter(path, run_id)
+    _store_results(writer or RunWriter(path, run_id), cfg, target, run_id, name, max_new_tokens, result, console)
+    return result, run_id, path
+
+
+def _results_run(cfg: EvalConfig, target, runs_dir) -> tuple[str, RunWriter | None]:
+    """The run the results go to and its writer: the evaluated run's own, or a new eval run (its writer made once
+    there are results to put in it), whose name is refused now if taken."""
+    if target.run_id is None:
+        run_id = validate_run_name(cfg.run_name or f"eval-{datetime.now():%Y%m%d-%H%M%S}")
+        if db_path(runs_dir, run_id).parent.exists():  # a run, or what is left of one (checkpoints, config.json)
+            raise QAEUserError(f"run-name: '{run_id}' already exists in {runs_dir}. Pick another --run-name.")
+        return run_id, None
+    # the run's own file takes the results: refused now if it cannot, not after the evaluation
+    return target.run_id, RunWriter(db_path(runs_dir, target.run_id), target.run_id)
+
+
+def _store_results(writer: RunWriter, cfg: EvalConfig, target, run_id: str, name: str, max_new_tokens: int,
+                   result: EvalResult, console) -> None:
+    """Write the metrics and samples at the evaluated step (a new eval run: created, then finished); a database
+    held by another process gets them under pending/."""
     if target.run_id is None:
         options = dict(cfg.to_dict(), max_new_tokens=max_new_tokens)
         writer.create_run(run_id, options, "eval", None, cfg.model, cfg.bench, cfg.seed)
@@ -400,6 +410,5 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None, trained=None,
     if not writer.wait_until_written(timeout_s=60):
         writer.sync_pending()  # they wait there for the run's next writer, maybe across a reboot
         if console is not None:
-            console.print(f"[yellow]{path} is {writer.holder}: the results are saved under {writer.pending_dir} and "
-                          "written by the run's next writer.[/]")
-    return result, run_id, path
+            console.print(f"[yellow]{writer.path} is {writer.holder}: the results are saved under "
+                          f"{writer.pending_dir} and written by the run's next writer.[/]")
