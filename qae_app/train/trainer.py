@@ -307,30 +307,14 @@ class Trainer:
         disable_dropout(model)  # old log-probs (no grad) and the update must see the same network
         data = [(p.prompt_id, self.task.prompt(p)) for p in self.task.train + self.task.heldout]  # both splits
         evals = [(p.prompt_id, self.eval_task.prompt(p)) for p in self._evaluated_problems()]  # --eval-every's
-        check_prompt_lengths(model, self.codec, data, cfg.max_new_tokens, "data")
-        if cfg.eval_bench and cfg.eval_every:  # the problems --eval-every evaluates, as `qae eval` checks them
-            check_prompt_lengths(model, self.codec, evals, cfg.max_new_tokens, "eval-bench")
-        if cfg.max_tokens_per_micro_batch is not None:  # (the trained prompts: the held-out ones are only sampled)
-            check_token_budget(self.codec, [(p.prompt_id, self.task.prompt(p)) for p in self.task.train],
-                               cfg.max_new_tokens, cfg.max_tokens_per_micro_batch, "the data's")
+        self._check_prompts_fit(model, data, evals)
         if cfg.gradient_checkpointing:  # (only training forwards: the no-grad passes and generate run as they are)
             enable_gradient_checkpointing(model)
         self.logits_keyword = logits_keyword(model)  # (of the Hugging Face model: peft's and DDP's take **kwargs)
         if cfg.log_entropy_attribution and getattr(acc.state, "deepspeed_plugin", None) is not None:
             raise QAEUserError("log-entropy-attribution: DeepSpeed keeps its own master weights inside its optimizer, "
                                "which the trial updates cannot restore. Launch with DDP or FSDP, or drop the option.")
-        if cfg.lora_rank:
-            if sharding_plan_for(acc).sharding != "none":
-                raise QAEUserError(f"lora-rank: LoRA is not supported with sharded weights "
-                                   f"({sharding_plan_for(acc).sharding}). Launch with DDP (accelerate launch "
-                                   "--multi_gpu) or one process, or train every weight (--lora-rank 0).")
-            model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, model_name=cfg.model)
-        self.ref_model = None
-        if cfg.kl_beta > 0 and cfg.lora_rank:  # the base model is the policy with its adapters off: no second copy
-            self.ref_model = AdaptersDisabled(model)
-        elif cfg.kl_beta > 0:
-            self.ref_model, _ = load_policy(cfg.model, cfg.dtype)
-            self.ref_model.requires_grad_(False).eval()
+        model = self._with_lora_and_reference(model)
         # with LoRA only the adapters are trainable: no gradient or moments for the rest. The scheduler is stepped once
         # per RL step on every process; not passed to accelerate.prepare, whose wrapper would step it once per process
         # per call (a warmup num_processes times too fast); checkpointed by the session, as JSON
@@ -353,6 +337,35 @@ class Trainer:
                             else run_rewards(cfg, self.eval_task.reward))
         self.state = TrainerState(k=None if cfg.k == "auto" else float(cfg.k),
                                   data_fingerprint=self.data_fingerprint, num_processes=acc.num_processes)
+
+    def _check_prompts_fit(self, model, data: list, evals: list) -> None:
+        """Refuse prompts (the data's, --eval-bench's) too long for the model's context with the responses, and a
+        --max-tokens-per-micro-batch a single prompt and response overflow."""
+        cfg = self.cfg
+        check_prompt_lengths(model, self.codec, data, cfg.max_new_tokens, "data")
+        if cfg.eval_bench and cfg.eval_every:  # the problems --eval-every evaluates, as `qae eval` checks them
+            check_prompt_lengths(model, self.codec, evals, cfg.max_new_tokens, "eval-bench")
+        if cfg.max_tokens_per_micro_batch is not None:  # (the trained prompts: the held-out ones are only sampled)
+            check_token_budget(self.codec, [(p.prompt_id, self.task.prompt(p)) for p in self.task.train],
+                               cfg.max_new_tokens, cfg.max_tokens_per_micro_batch, "the data's")
+
+    def _with_lora_and_reference(self, model):
+        """The policy with its LoRA adapters (--lora-rank), and self.ref_model for --kl-beta: the policy with its
+        adapters off under LoRA, else a frozen second copy."""
+        cfg, acc = self.cfg, self.accelerator
+        if cfg.lora_rank:
+            if sharding_plan_for(acc).sharding != "none":
+                raise QAEUserError(f"lora-rank: LoRA is not supported with sharded weights "
+                                   f"({sharding_plan_for(acc).sharding}). Launch with DDP (accelerate launch "
+                                   "--multi_gpu) or one process, or train every weight (--lora-rank 0).")
+            model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, model_name=cfg.model)
+        self.ref_model = None
+        if cfg.kl_beta > 0 and cfg.lora_rank:  # the base model is the policy with its adapters off: no second copy
+            self.ref_model = AdaptersDisabled(model)
+        elif cfg.kl_beta > 0:
+            self.ref_model, _ = load_policy(cfg.model, cfg.dtype)
+            self.ref_model.requires_grad_(False).eval()
+        return model
 
     # -------------------------------------------------------------------------------------------------------------
     # the loop
@@ -377,28 +390,7 @@ class Trainer:
                     on_step(0, {"heldout_accuracy": heldout.accuracy if heldout else None})
             self._setup_s = time.perf_counter() - self._t_start
             while self.state.step < cfg.steps and not self.session.should_stop():
-                t_iteration = time.perf_counter()
-                step = self.state.step + 1
-                out = self.train_step(step)
-                t0 = time.perf_counter()
-                heldout = (self.evaluate_heldout(step)
-                           if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps) else None)
-                out.metrics.update(heldout_accuracy=heldout.accuracy if heldout else None,
-                                   eval_s=time.perf_counter() - t0)
-                self.state.step = step  # (train_step advanced state.data_position by the prompts it consumed)
-                write_s = self.session.write_step(step, step_tables(out, heldout, cfg.store_responses, cfg.seed, step),
-                                                   out.chosen_k)
-                checkpoint_s = 0.0
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
-                    t0 = time.perf_counter()
-                    write_s += self.session.drain_writes()  # the rows up to here are stored (or safe under pending/)
-                    self.session.save_checkpoint(self.model, self.optimizer, self.scheduler, self.codec, self.state)
-                    checkpoint_s = time.perf_counter() - t0
-                if on_step is not None:
-                    on_step(step, out.metrics)
-                # (known only now that the step's rows are queued: the session writes them with the next step's)
-                self.session.record_step_times(step, write_s=write_s, checkpoint_s=checkpoint_s,
-                                               step_s=time.perf_counter() - t_iteration)
+                self._fit_step(self.state.step + 1, on_step)
             if self.state.step < cfg.steps:  # stopped by a signal at a step boundary
                 status = "interrupted"
                 if not self.session.checkpoints.has_checkpoint(self.state.step):
@@ -422,6 +414,32 @@ class Trainer:
             finally:
                 self.session.close()  # (the lock, the signal handlers)
         return RunResult(self.run_id, self.run_dir, self.state.step, status)
+
+    def _fit_step(self, step: int, on_step) -> None:
+        """One step of fit: train, evaluate if due, queue the step's rows, checkpoint if due, report; its times go in
+        its row."""
+        cfg = self.cfg
+        t_iteration = time.perf_counter()
+        out = self.train_step(step)
+        t0 = time.perf_counter()
+        heldout = (self.evaluate_heldout(step)
+                   if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps) else None)
+        out.metrics.update(heldout_accuracy=heldout.accuracy if heldout else None,
+                           eval_s=time.perf_counter() - t0)
+        self.state.step = step  # (train_step advanced state.data_position by the prompts it consumed)
+        write_s = self.session.write_step(step, step_tables(out, heldout, cfg.store_responses, cfg.seed, step),
+                                           out.chosen_k)
+        checkpoint_s = 0.0
+        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
+            t0 = time.perf_counter()
+            write_s += self.session.drain_writes()  # the rows up to here are stored (or safe under pending/)
+            self.session.save_checkpoint(self.model, self.optimizer, self.scheduler, self.codec, self.state)
+            checkpoint_s = time.perf_counter() - t0
+        if on_step is not None:
+            on_step(step, out.metrics)
+        # (known only now that the step's rows are queued: the session writes them with the next step's)
+        self.session.record_step_times(step, write_s=write_s, checkpoint_s=checkpoint_s,
+                                       step_s=time.perf_counter() - t_iteration)
 
     def train_step(self, step: int) -> StepOutput:
         """One RL step on this process's share of the step's prompts. Updates the model, optimizer, scheduler and
@@ -453,18 +471,14 @@ class Trainer:
 
         # ---- the weight sync: vLLM holds its own copy of the weights (the hf engine a bf16 one with
         # --rollout-dtype bfloat16; else it samples from the trained model itself and the sync is a no-op)
-        t_sync = time.perf_counter()
-        if sampled.n_trained:
-            self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
-        sync_s = time.perf_counter() - t_sync
+        sync_s = self._sync_engine_weights(sampled.n_trained)
 
         # ---- the step's output: its rows (every process's groups, gathered on the main one), metrics and warnings
         groups, rollouts, components = self._step_rows(sampled, adv, update)
         metrics = {**step_metrics(groups, rollouts), **update.stats, "k": k, "gen_batches": len(sampled.batches),
                    "rollout_s": sampled.rollout_s, "reward_s": sampled.reward_s, "update_s": update_s,
                    "sync_s": sync_s}
-        warnings = [row for row in (auto_k, sampled.cap_warning, *(b.reward_warning for b in sampled.batches),
-                                    self._entropy_warning(metrics["entropy"])) if row is not None]
+        warnings = self._step_warnings(auto_k, sampled, metrics["entropy"])
         metrics["step_s"] = time.perf_counter() - t_step
         return StepOutput(metrics, groups, rollouts, warnings, chosen_k=self.state.k if auto_k else None,
                           components=components)
@@ -591,6 +605,13 @@ class Trainer:
         mismatch = dict.fromkeys(MISMATCH_METRICS)  # (NULL: an engine that returns no log-probs)
         return StepUpdate({**mismatch, **updated.stats, **attribution, **dH, "lr": lr}, response_stats)
 
+    def _sync_engine_weights(self, n_trained: int) -> float:
+        """Give the engine the updated weights if the step trained any group; the seconds it took."""
+        t_sync = time.perf_counter()
+        if n_trained:
+            self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
+        return time.perf_counter() - t_sync
+
     def _step_rows(self, sampled: SampledStep, adv, update: StepUpdate) -> tuple[list[dict], list[dict], list[dict]]:
         """The step's `groups`, `rollouts` and `reward_components` rows: every process's groups, gathered on the
         main process, in group_idx order."""
@@ -602,6 +623,11 @@ class Trainer:
             results = gather_object(results)
         results.sort(key=lambda g: g.group_idx)
         return group_rows(results), rollout_rows(results), component_rows(results)
+
+    def _step_warnings(self, auto_k, sampled: SampledStep, entropy: float) -> list:
+        """The step's `warnings` rows: the K --k auto chose, dynamic sampling's cap, the rewards', the entropy's."""
+        return [row for row in (auto_k, sampled.cap_warning, *(b.reward_warning for b in sampled.batches),
+                                self._entropy_warning(entropy)) if row is not None]
 
     def _entropy_warning(self, entropy: float) -> dict | None:
         """The entropy band's `warnings` row when the smoothed entropy crosses it (entropy_band), said as well."""
