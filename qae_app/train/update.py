@@ -316,13 +316,9 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
     device = advantages.device
     tokens_per_seq = batch["response_mask"].sum(-1)  # (n_local,)
     epochs = mini_batch_plan(n_local, seed, options, acc, device)
-    needs_all = ref_model is not None or not options.skip_gated or not options.loss.gated_skip_exact
-    forwarded = torch.ones(n_rows, dtype=torch.bool, device=device) if needs_all else advantages != 0
-    old_logp, have_old, entropy = old_logprobs(model, batch, forwarded, epochs[0].mine[0], full_pass, options, acc)
-    ref_logp = (logprobs_in_chunks(ref_model, batch, torch.arange(n_rows, device=device), options, acc)[0]
-                if ref_model is not None else None)
-    work = MiniBatchWork(batch, advantages, forwarded, old_logp, have_old, ref_logp, options, acc,
-                         entropy_control or EntropyCoefficient(options.loss.entropy_coef), seed)
+    work, entropy = _mini_batch_work(model, batch, advantages, options, acc, seed, ref_model, full_pass,
+                                     epochs[0].mine[0], entropy_control)
+    forwarded, old_logp = work.forwarded, work.old_logp
 
     totals = dict.fromkeys(("loss", "pg_loss", "kl", "grad_norm", "clipped_low", "clipped_high", "selected"), 0.0)
     tokens = 0.0
@@ -351,6 +347,22 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
             tokens += mb_tokens
     return UpdateResult(update_stats(totals, tokens, n_updates, work, batch, n_local), old_logp if full_pass else None,
                         entropy)
+
+
+def _mini_batch_work(model, batch, advantages: torch.Tensor, options: UpdateOptions, acc, seed: int, ref_model,
+                     full_pass: bool, first_mini_batch, entropy_control: EntropyCoefficient | None):
+    """What every mini-batch reads: which responses are forwarded, their old log-probs (and entropies, on a full
+    pass) and the reference model's log-probs; returned with the entropies."""
+    n_rows = advantages.shape[0]
+    device = advantages.device
+    needs_all = ref_model is not None or not options.skip_gated or not options.loss.gated_skip_exact
+    forwarded = torch.ones(n_rows, dtype=torch.bool, device=device) if needs_all else advantages != 0
+    old_logp, have_old, entropy = old_logprobs(model, batch, forwarded, first_mini_batch, full_pass, options, acc)
+    ref_logp = (logprobs_in_chunks(ref_model, batch, torch.arange(n_rows, device=device), options, acc)[0]
+                if ref_model is not None else None)
+    work = MiniBatchWork(batch, advantages, forwarded, old_logp, have_old, ref_logp, options, acc,
+                         entropy_control or EntropyCoefficient(options.loss.entropy_coef), seed)
+    return work, entropy
 
 
 def zero_gradients(model) -> None:
