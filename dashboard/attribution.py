@@ -73,14 +73,7 @@ def _series(fig: go.Figure, steps: pd.DataFrame, run_id: str, metric: str, row: 
     smoothed line, the line, and the mean over the steps that have the metric as a dotted line across them."""
     color, dash = SERIES[metric]
     uid, at = f"{run_id} · {metric}", dict(row=row, col=1)
-    low, high = metric + charts.BAND_LOW, metric + charts.BAND_HIGH
-    if measured(steps, low):
-        keep = steps[low].notna() & steps[high].notna()
-        xs, lows, highs = steps.loc[keep, x], charts.smooth(steps[low], *smoothing)[keep], \
-            charts.smooth(steps[high], *smoothing)[keep]
-        fig.add_trace(go.Scatter(x=pd.concat([xs, xs[::-1]]), y=pd.concat([highs, lows[::-1]]), fill="toself",
-                                 fillcolor=_rgba(color, 0.2), line=dict(width=0), mode="lines", name=f"{uid} · band",
-                                 uid=f"{uid} · band", legendgroup=metric, showlegend=False, hoverinfo="skip"), **at)
+    _band(fig, steps, metric, uid, at, smoothing, x, color)
     if smoothing[0] != "none":
         fig.add_trace(go.Scatter(x=steps[x], y=steps[metric], mode="lines", name=f"{metric} (raw)",
                                  uid=f"{uid} (raw)", line=dict(color=color, width=1, dash=dash), opacity=0.25,
@@ -90,6 +83,24 @@ def _series(fig: go.Figure, steps: pd.DataFrame, run_id: str, metric: str, row: 
                              customdata=steps["step"],
                              hovertemplate=f"{html.escape(uid)}: %{{y:.4g}} (step %{{customdata}})<extra></extra>"),
                   **at)
+    _mean_line(fig, steps, metric, uid, at, x, color)
+
+
+def _band(fig: go.Figure, steps: pd.DataFrame, metric: str, uid: str, at: dict, smoothing: tuple[str, float], x: str,
+          color: str) -> None:
+    """The band between the lowest and highest of a group's runs (grouped curves; nothing for one run)."""
+    low, high = metric + charts.BAND_LOW, metric + charts.BAND_HIGH
+    if measured(steps, low):
+        keep = steps[low].notna() & steps[high].notna()
+        xs, lows, highs = steps.loc[keep, x], charts.smooth(steps[low], *smoothing)[keep], \
+            charts.smooth(steps[high], *smoothing)[keep]
+        fig.add_trace(go.Scatter(x=pd.concat([xs, xs[::-1]]), y=pd.concat([highs, lows[::-1]]), fill="toself",
+                                 fillcolor=_rgba(color, 0.2), line=dict(width=0), mode="lines", name=f"{uid} · band",
+                                 uid=f"{uid} · band", legendgroup=metric, showlegend=False, hoverinfo="skip"), **at)
+
+
+def _mean_line(fig: go.Figure, steps: pd.DataFrame, metric: str, uid: str, at: dict, x: str, color: str) -> None:
+    """The mean over the steps that have the metric, a dotted line across them."""
     present = steps[metric].notna()
     mean = float(steps.loc[present, metric].mean())
     span = [steps.loc[present, x].min(), steps.loc[present, x].max()]
