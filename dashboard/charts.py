@@ -161,10 +161,7 @@ def lines(frames: dict[str, pd.DataFrame], metrics: list[str], colors: dict[str,
                 _band(fig, steps[x], smooth(steps[metric + BAND_LOW], *smoothing),
                       smooth(steps[metric + BAND_HIGH], *smoothing), colors[run_id], name, group)
             if smoothing[0] != "none":
-                fig.add_trace(go.Scatter(x=steps[x], y=steps[metric], mode="lines", name=f"{name} (raw)",
-                                         uid=f"{name} (raw)",
-                                         line=dict(color=colors[run_id], width=1, dash=DASHES[i % len(DASHES)]),
-                                         opacity=0.25, showlegend=False, hoverinfo="skip", legendgroup=group))
+                _raw_line(fig, steps[x], steps[metric], colors[run_id], DASHES[i % len(DASHES)], name, group)
             fig.add_trace(go.Scatter(x=steps[x], y=smoothed, mode="lines", name=run_id if per_run else name,
                                      legendgroup=group, uid=name, showlegend=not (per_run and shown_in_legend),
                                      line=dict(color=colors[run_id], width=2, dash=DASHES[i % len(DASHES)]),
@@ -172,15 +169,26 @@ def lines(frames: dict[str, pd.DataFrame], metrics: list[str], colors: dict[str,
                                      hovertemplate=f"{html.escape(name)}: %{{y:.4g}} (step %{{customdata}})"
                                                    "<extra></extra>"))
             if metric + BAND_N in steps:  # a group: hover says over how many runs, and the band
-                fig.data[-1].customdata = np.stack([steps["step"], steps[metric + BAND_N],
-                                                    steps[metric + BAND_LOW], steps[metric + BAND_HIGH]], axis=-1)
-                fig.data[-1].hovertemplate = (f"{html.escape(name)}: %{{y:.4g}} [%{{customdata[2]:.4g}}, "
-                                              "%{customdata[3]:.4g}] (%{customdata[1]} runs, step "
-                                              "%{customdata[0]})<extra></extra>")
+                _hover_over_group(fig.data[-1], steps, metric, name)
             shown_in_legend = True
     if per_run:
         title += "<br><sup>" + " · ".join(f"{DASHES[i % len(DASHES)]}: {m}" for i, m in enumerate(metrics)) + "</sup>"
     return apply_layout(fig, title, y_title, x, log_y)
+
+
+def _raw_line(fig: go.Figure, xs: pd.Series, values: pd.Series, color: str, dash: str, name: str, group: str) -> None:
+    """The unsmoothed values, a faint line under the smoothed one."""
+    fig.add_trace(go.Scatter(x=xs, y=values, mode="lines", name=f"{name} (raw)", uid=f"{name} (raw)",
+                             line=dict(color=color, width=1, dash=dash), opacity=0.25, showlegend=False,
+                             hoverinfo="skip", legendgroup=group))
+
+
+def _hover_over_group(trace, steps: pd.DataFrame, metric: str, name: str) -> None:
+    """A group's line: its hover says over how many runs, and the band."""
+    trace.customdata = np.stack([steps["step"], steps[metric + BAND_N], steps[metric + BAND_LOW],
+                                 steps[metric + BAND_HIGH]], axis=-1)
+    trace.hovertemplate = (f"{html.escape(name)}: %{{y:.4g}} [%{{customdata[2]:.4g}}, %{{customdata[3]:.4g}}] "
+                           "(%{customdata[1]} runs, step %{customdata[0]})<extra></extra>")
 
 
 def _band(fig: go.Figure, xs: pd.Series, low: pd.Series, high: pd.Series, color: str, name: str,
@@ -223,6 +231,13 @@ def entropy(frames: dict[str, pd.DataFrame], colors: dict[str, str], bands: dict
                            font=dict(color="#ff7f0e"))
     if not log_y:
         fig.update_yaxes(rangemode="tozero")
+    _warning_markers(fig, frames, warnings, colors, x)
+    return fig
+
+
+def _warning_markers(fig: go.Figure, frames: dict[str, pd.DataFrame], warnings: dict[str, pd.DataFrame],
+                     colors: dict[str, str], x: str) -> None:
+    """Each run's recorded warnings as markers on its entropy line (hover for the message)."""
     for run_id, frame in warnings.items():
         if frame.empty:
             continue
@@ -236,7 +251,6 @@ def entropy(frames: dict[str, pd.DataFrame], colors: dict[str, str], bands: dict
             text=[html.escape(f"{kind}: {message}")
                   for kind, message in zip(frame["kind"], frame["message"], strict=True)],
             hovertemplate="%{text}<extra></extra>"))
-    return fig
 
 
 def accuracy(frames: dict[str, pd.DataFrame], colors: dict[str, str], heldout: dict[str, pd.DataFrame],
