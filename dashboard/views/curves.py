@@ -146,17 +146,7 @@ def policy_charts(frames: dict, colors: dict, bands: dict, warnings: dict, heldo
     """What the policy did: entropy (with its band and the recorded warnings), accuracy, the gated fraction, the
     covariance of log-prob and advantage, the regimes, the entropy of positive and negative responses, response
     length."""
-    left, right = st.columns(2)
-    with left:
-        chart(charts.entropy(frames, colors, bands, warnings, smoothing, **axes), "entropy", ["entropy"])
-        recorded = pd.concat([pd.DataFrame(columns=["step", "kind", "message"])]
-                             + [w.assign(run=run_id) for run_id, w in warnings.items()], ignore_index=True)
-        if not recorded.empty:
-            with st.expander(f"{len(recorded)} recorded warning(s)"):
-                st.dataframe(recorded[["run", "step", "kind", "message"]], hide_index=True, placeholder="")
-    with right:
-        chart(charts.accuracy(frames, colors, heldout, smoothing, **axes), "accuracy",
-              ["accuracy", "reward_mean", "heldout_accuracy"])
+    _entropy_and_accuracy_row(frames, colors, bands, warnings, heldout, smoothing, axes)
     left, right = st.columns(2)
     with left:
         chart(charts.lines(frames, ["frac_zero_adv"], colors, "zero-advantage (gated) fraction", smoothing,
@@ -176,10 +166,33 @@ def policy_charts(frames: dict, colors: dict, bands: dict, warnings: dict, heldo
               "response_len", ["response_len"])
 
 
+def _entropy_and_accuracy_row(frames: dict, colors: dict, bands: dict, warnings: dict, heldout: dict,
+                              smoothing: tuple[str, float], axes: dict) -> None:
+    """Entropy with its band, its recorded warnings in an expander under it; accuracy beside it."""
+    left, right = st.columns(2)
+    with left:
+        chart(charts.entropy(frames, colors, bands, warnings, smoothing, **axes), "entropy", ["entropy"])
+        recorded = pd.concat([pd.DataFrame(columns=["step", "kind", "message"])]
+                             + [w.assign(run=run_id) for run_id, w in warnings.items()], ignore_index=True)
+        if not recorded.empty:
+            with st.expander(f"{len(recorded)} recorded warning(s)"):
+                st.dataframe(recorded[["run", "step", "kind", "message"]], hide_index=True, placeholder="")
+    with right:
+        chart(charts.accuracy(frames, colors, heldout, smoothing, **axes), "accuracy",
+              ["accuracy", "reward_mean", "heldout_accuracy"])
+
+
 def update_charts(frames: dict, colors: dict, smoothing: tuple[str, float], axes: dict) -> None:
     """What the updates did: clip fractions, the entropy change of each regime's responses (--log-entropy-delta)
     and the change each regime's update caused (--log-entropy-attribution), or a line that says how to measure
     them; and, where the engine returned its log-probs, how far the sampler's numbers were from the trainer's."""
+    _clip_and_entropy_change_row(frames, colors, smoothing, axes)
+    _attribution_row(frames, smoothing, axes)
+    _mismatch_row(frames, colors, smoothing, axes)
+
+
+def _clip_and_entropy_change_row(frames: dict, colors: dict, smoothing: tuple[str, float], axes: dict) -> None:
+    """Clip fractions; beside them the entropy change of each regime's responses (--log-entropy-delta)."""
     left, right = st.columns(2)
     with left:
         chart(charts.lines(frames, ["clip_frac_low", "clip_frac_high"], colors, "clip fractions", smoothing,
@@ -194,6 +207,10 @@ def update_charts(frames: dict, colors: dict, smoothing: tuple[str, float], axes
         else:
             st.caption("Entropy change per regime (dH_easy, dH_hard): not measured in these runs. Train with "
                        "--log-entropy-delta (on in `qae sweep`).")
+
+
+def _attribution_row(frames: dict, smoothing: tuple[str, float], axes: dict) -> None:
+    """The entropy change each regime's update caused (--log-entropy-attribution), or how to measure it."""
     if any("dH_from_none" in frame and frame["dH_from_none"].notna().any() for frame in frames.values()):
         left, right = st.columns(2)
         with left:
@@ -208,6 +225,10 @@ def update_charts(frames: dict, colors: dict, smoothing: tuple[str, float], axes
     else:
         st.caption("Entropy change caused by each regime's update (dH_from_hard, dH_from_easy): not measured in "
                    "these runs. Train with --log-entropy-attribution.")
+
+
+def _mismatch_row(frames: dict, colors: dict, smoothing: tuple[str, float], axes: dict) -> None:
+    """Where the engine returned its log-probs: how far the sampler's numbers were from the trainer's."""
     if any("mismatch_k3_kl" in frame and frame["mismatch_k3_kl"].notna().any() for frame in frames.values()):
         # the sampler's numbers against the trainer's (--rollout-dtype, vLLM; --rollout-correction tis corrects)
         left, right = st.columns(2)
