@@ -209,6 +209,36 @@ def curves_section(comparison: run_comparison.Comparison, band: str) -> None:
                        + (f" No values in: {'; '.join(without)}." if without else ""))
 
 
+def _groups_table(comparison) -> None:
+    """Each group's metrics (mean over seeds and interval), the notes on groups, and a line when nothing was
+    evaluated on held-out problems."""
+    table = groups_table(comparison)
+    shown = by_metric(table)
+    st.dataframe(shown, hide_index=True, key="compare_table", placeholder="", height=full_height(shown),
+                 column_config=by_metric_columns(table, "mean over the group's seeds [95% Student-t interval]"))
+    for group in comparison.groups:
+        if note := group_notes(group):
+            st.caption(f":material/info: **{board.literal(group.label)}**: {board.literal(note)}")
+    if all(group.metrics["final_heldout"].mean is None for group in comparison.groups):
+        st.info(NO_HELDOUT)
+
+
+def _differences_table(comparison) -> None:
+    """Each group minus the baseline, paired by seed, and a note where seeds could not be paired."""
+    st.markdown(f"**Minus the baseline {board.literal(comparison.baseline.label)}**, paired by seed: mean "
+                "difference [95% interval] and the two-sided paired t-test p")
+    differences = differences_table(comparison)
+    shown = by_metric(differences)
+    st.dataframe(shown, hide_index=True, key="compare_differences", placeholder="", height=full_height(shown),
+                 column_config=by_metric_columns(differences, "group minus baseline, mean over paired seeds [95% "
+                                                              "interval] and the paired t-test p"))
+    for label, differences in comparison.differences.items():
+        paired = differences[next(iter(run_comparison.RUN_METRICS))]
+        if paired.note:
+            st.caption(f":material/info: **{board.literal(label)}** minus the baseline: "
+                       f"{board.literal(paired.note)}")
+
+
 def body(run_ids: list[str]) -> None:
     records = [record for run_id in run_ids if (record := board.run_record(run_id)) is not None]
     if not records:
@@ -226,28 +256,9 @@ def body(run_ids: list[str]) -> None:
     n_runs = sum(len(group.runs) for group in groups)
     st.caption(f"{n_runs} run(s) in {len(groups)} group(s) (same config but the seed); each metric is the "
                "mean over the group's seeds with its 95% Student-t interval in brackets, as `qae compare` prints it")
-    table = groups_table(comparison)
-    shown = by_metric(table)
-    st.dataframe(shown, hide_index=True, key="compare_table", placeholder="", height=full_height(shown),
-                 column_config=by_metric_columns(table, "mean over the group's seeds [95% Student-t interval]"))
-    for group in comparison.groups:
-        if note := group_notes(group):
-            st.caption(f":material/info: **{board.literal(group.label)}**: {board.literal(note)}")
-    if all(group.metrics["final_heldout"].mean is None for group in groups):
-        st.info(NO_HELDOUT)
+    _groups_table(comparison)
     if comparison.baseline is not None:
-        st.markdown(f"**Minus the baseline {board.literal(comparison.baseline.label)}**, paired by seed: mean "
-                    "difference [95% interval] and the two-sided paired t-test p")
-        differences = differences_table(comparison)
-        shown = by_metric(differences)
-        st.dataframe(shown, hide_index=True, key="compare_differences", placeholder="", height=full_height(shown),
-                     column_config=by_metric_columns(differences, "group minus baseline, mean over paired seeds [95% "
-                                                                  "interval] and the paired t-test p"))
-        for label, differences in comparison.differences.items():
-            paired = differences[next(iter(run_comparison.RUN_METRICS))]
-            if paired.note:
-                st.caption(f":material/info: **{board.literal(label)}** minus the baseline: "
-                           f"{board.literal(paired.note)}")
+        _differences_table(comparison)
     with st.expander("metric definitions"):
         st.markdown("\n".join(f"- **{name}**: {text}" for name, text in run_comparison.RUN_METRICS.items()))
     if all(record.steps.empty for record in records):
