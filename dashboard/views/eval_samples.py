@@ -56,21 +56,37 @@ def body(run_id: str) -> None:
     with cols[1]:
         step = steps[0] if len(steps) == 1 else st.select_slider("Evaluated at step", steps, key="step",
                                                                  bind="query-params")
-    row = part[part["step"] == step].iloc[0]
+    _step_summary(part[part["step"] == step].iloc[0])
+    grid = _problem_grid(run_id, benchmark, source, step, len(steps))
+    if _samples_table(run_id, name, benchmark, source, step, grid):
+        _opened_sample(run_id, name, step)
+
+
+def _step_summary(row: pd.Series) -> None:
+    """The evaluation's accuracy over all samples, and how many problems and samples it had."""
     summary = st.columns(3)
     summary[0].metric("accuracy (all samples)", f"{row['accuracy']:.3f}")
     summary[1].metric("problems", int(row["n_problems"]))
     summary[2].metric("samples", int(row["n_samples"]))
 
+
+def _problem_grid(run_id: str, benchmark: str, source: str, step: int, n_steps: int) -> pd.DataFrame | None:
+    """How many problems were solved at `step` by one sample and by every sample, and each problem across the
+    evaluated checkpoints (open by default when there are several); the grid, or None where it cannot be read."""
     grid = board.read(read_eval_problem_grid, run_id, benchmark, source)
     if grid is not None and not grid.empty:
         at_step = grid[grid["step"] == step]
         solved = int((at_step["n_correct"] > 0).sum())
         st.caption(f"At step {step}: {solved} of {len(at_step)} problems solved by at least one sample, "
                    f"{int((at_step['n_correct'] == at_step['n_samples']).sum())} by every sample.")
-        with st.expander("Each problem across the evaluated checkpoints", expanded=len(steps) > 1):
+        with st.expander("Each problem across the evaluated checkpoints", expanded=n_steps > 1):
             board.plot(charts.eval_problem_grid(grid, f"{benchmark}: fraction of samples correct"), "eval_grid")
+    return grid
 
+
+def _samples_table(run_id: str, name: str, benchmark: str, source: str, step: int, grid: pd.DataFrame | None) -> bool:
+    """The samples at `step` that match the filters (correct or wrong, a problem, a search), one a row; a row
+    picked opens the sample below. False where they cannot be read (board.read said why)."""
     filters = st.columns([1.4, 2, 2])
     correct = filters[0].segmented_control("Samples", list(CORRECT_CHOICES), key="correct", default="all",
                                            bind="query-params", required=True)
@@ -81,11 +97,17 @@ def body(run_id: str) -> None:
     samples = board.read(read_eval_samples, run_id, benchmark, source, step, CORRECT_CHOICES[correct],
                          None if problem == "any" else problem, search or None)
     if samples is None:
-        return
+        return False
     st.caption(f"{len(samples)} samples match")
     st.dataframe(samples[list(SAMPLE_COLUMNS)], hide_index=True, column_config=SAMPLE_COLUMNS,
                  key="eval_samples_table", on_select=partial(open_sample, samples, (run_id, name, step)),
                  selection_mode=["single-row", "single-cell"], placeholder="")
+    return True
+
+
+def _opened_sample(run_id: str, name: str, step: int) -> None:
+    """The sample picked in the table (of this run, benchmark and step): its extracted and gold answers and its
+    response, whole."""
     where, opened = st.session_state.get("_open_sample") or (None, None)
     if opened is not None and where == (run_id, name, step):
         st.caption(f"problem {board.literal(opened['problem_id'])} · sample {opened['sample_idx']} · "
