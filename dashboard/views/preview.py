@@ -14,7 +14,13 @@ SHOWN_RESPONSES = 50
 
 
 def body(view: PreviewView, run_id: str) -> None:
-    s = view.summary
+    _verdict(view.summary)
+    _charts(view, run_id, int(view.summary["group_size"]))
+    _tables(view, run_id)
+
+
+def _verdict(s: dict) -> None:
+    """Whether the task is learnable at this group size, the numbers that say so and the suggested K."""
     learnable = str(s["verdict"]).startswith("learnable")
     (st.success if learnable else st.error)(s["verdict"], icon=":material/check_circle:" if learnable
                                             else ":material/block:")
@@ -26,9 +32,13 @@ def body(view: PreviewView, run_id: str) -> None:
     cols[4].metric("suggested K", "-" if pd.isna(s["suggested_k"]) else f"{s['suggested_k']:g}")
     if not pd.isna(s["suggested_why"]):
         st.caption(s["suggested_why"])
+
+
+def _charts(view: PreviewView, run_id: str, group_size: int) -> None:
+    """Success per group, the gated fraction and the regimes at each K, the response lengths."""
     left, right = st.columns(2)
     with left:
-        board.plot(charts.preview_success(view.groups, int(s["group_size"])), "preview_success")
+        board.plot(charts.preview_success(view.groups, group_size), "preview_success")
     with right:
         board.plot(charts.preview_gating(view.by_k), "preview_gating")
     left, right = st.columns(2)
@@ -37,6 +47,10 @@ def body(view: PreviewView, run_id: str) -> None:
     with right:
         board.plot(charts.histogram({run_id: view.rollouts["n_tokens"]}, board.run_colors([run_id]),
                                     "response lengths", "tokens"), "preview_lengths")
+
+
+def _tables(view: PreviewView, run_id: str) -> None:
+    """The gating at each K, and the first sampled responses."""
     table = view.by_k.assign(k=view.by_k["k"].where(view.by_k["estimator"] == "qae"))
     st.dataframe(table[["estimator", "k", "suggested", "frac_zero_adv", "frac_zero_adv_informative", "n_hard", "n_easy",
                         "n_all_correct", "n_all_wrong", "n_mixed"]], hide_index=True, key="preview_by_k",
