@@ -516,8 +516,8 @@ def _step_summary(run: str, step: int, frame: pd.DataFrame, everything: pd.DataF
     n_filtered = int(everything.loc[left_out, "group_idx"].nunique())
     parts: list[RenderableType] = [Text(
         f"{run} step {step}: {len(everything)} responses in {everything['group_idx'].nunique()} groups, "
-        + (f"{n_filtered} groups ({int(left_out.sum())} responses) filtered out of the update by dynamic sampling, "
-           f"{n_gated} of the {len(trained)} trained gated (advantage 0)" if n_filtered
+        + (f"{n_filtered} groups ({int(left_out.sum())} responses) filtered out of the update by dynamic "
+           f"sampling, {n_gated} of the {len(trained)} trained gated (advantage 0)" if n_filtered
            else f"{n_gated} gated (advantage 0)"), style="bold")]
     counts = trained.loc[trained["gated"], "gate_reason"].value_counts()
     reasons = [reason for reason in GATE_REASONS if counts.get(reason, 0)]

@@ -171,8 +171,8 @@ def verdict(n_signal: int, n_groups: int, group_size: int, regimes: list[str], t
     if all(r == "all_wrong" for r in regimes):
         what = "every group all-wrong"
         hint = NO_SIGNAL_HINT if truncated_frac < 0.5 else (
-            f"{truncated_frac:.0%} of the responses were cut at max-new-tokens: try a longer max-new-tokens, a larger "
-            "G, an easier split, or a warm start")
+            f"{truncated_frac:.0%} of the responses were cut at max-new-tokens: try a longer max-new-tokens, a "
+            "larger G, an easier split, or a warm start")
     elif all(r == "all_correct" for r in regimes):
         what, hint = "every group all-correct", "try a harder split, or a larger G to find the failures"
     else:
