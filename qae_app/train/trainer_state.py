@@ -25,6 +25,8 @@ class TrainerState:
     data_fingerprint: str | None = None  # sha256 of the data file (None for a built-in task); a resume checks it
     # processes that trained the run (each samples with its own seed); a resume checks it. None: an older checkpoint
     num_processes: int | None = None
+    # what the alerts remember of the run (train/alerts.py: recent metrics, streaks, the alerts holding); None: none yet
+    alerts: dict | None = None
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.__dict__))
@@ -71,7 +73,23 @@ def _real(value) -> bool:
 _STATE_TYPES = {"step": _count, "k": _real, "entropy_zone": lambda v: v in ("low", "ok", "high"),
                 "entropy_ema": _real, "entropy_start": _real, "data_position": _count,
                 "data_fingerprint": lambda v: v is None or isinstance(v, str),
-                "num_processes": lambda v: v is None or _count(v, 1)}
+                "num_processes": lambda v: v is None or _count(v, 1),
+                "alerts": lambda v: v is None or _alerts_record(v)}
+
+
+def _numbers(value) -> bool:
+    return isinstance(value, list) and all(_real(v) and v is not None for v in value)
+
+
+def _alerts_record(value) -> bool:
+    """What train/alerts.new_record holds, and nothing else (a planted file is refused, not half read)."""
+    if not isinstance(value, dict) or set(value) != {"history", "first_lengths", "steps", "streaks", "active"}:
+        return False
+    history, streaks, active = value["history"], value["streaks"], value["active"]
+    return (isinstance(history, dict) and all(isinstance(k, str) and _numbers(v) for k, v in history.items())
+            and _numbers(value["first_lengths"]) and _count(value["steps"])
+            and isinstance(streaks, dict) and all(isinstance(k, str) and _count(v) for k, v in streaks.items())
+            and isinstance(active, list) and all(isinstance(name, str) for name in active))
 
 
 def data_position_problem(position: int, steps: int, cfg: TrainConfig) -> str | None:
