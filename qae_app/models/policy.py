@@ -150,6 +150,17 @@ def templated_prompt(codec: TextCodec, ids: list[int]) -> str | None:
     return codec.tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def token_texts(codec: TextCodec, ids: list[int]) -> list[str]:
+    """Each token's own text, special tokens written out (<eos>, <|im_end|>): what the store keeps per token. A
+    byte-level tokenizer's token holding part of a character decodes to U+FFFD."""
+    if isinstance(codec, CharTokenizer):
+        return [codec.SPECIALS[i] if i < len(codec.SPECIALS) else codec._to_char.get(i, f"<{i}>") for i in ids]
+    tokenizer = getattr(codec, "tokenizer", None)
+    if tokenizer is not None:
+        return tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+    return [codec.decode([i]) for i in ids]
+
+
 def plain_ids(encoded) -> list[int]:
     """Token ids as a list of ints from whatever a tokenizer call returned: a list, a batch of one, a tensor, or a
     dict-like encoding (transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True))."""

@@ -91,6 +91,10 @@ class UpdateResult:
     stats: dict  # loss, pg_loss, kl, grad_norm, clip_frac, clip_frac_low, clip_frac_high, n_updates, MISMATCH_METRICS
     old_logp: torch.Tensor | None  # (N, T-1) the sampling policy's token log-probs, when full_pass ran
     entropy: torch.Tensor | None  # (N, T-1) its token entropies, when full_pass ran
+    # (N, T-1) the trainer's old log-probs wherever the update computed them, and (N,) bool the rows it computed them
+    # for (the forwarded responses; every one when full_pass ran): the per-token values the store keeps
+    computed_logp: torch.Tensor | None = None
+    have_old: torch.Tensor | None = None
 
 
 class MiniBatchPlan(NamedTuple):
@@ -350,7 +354,7 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
     stats.update(clip_frac_low=totals["clipped_low"] / max(tokens, 1),
                  clip_frac_high=totals["clipped_high"] / max(tokens, 1),
                  clip_frac=(totals["clipped_low"] + totals["clipped_high"]) / max(tokens, 1), n_updates=n_updates)
-    return UpdateResult(stats, old_logp if full_pass else None, entropy)
+    return UpdateResult(stats, old_logp if full_pass else None, entropy, old_logp, have_old)
 
 
 def clip_gradients(model, max_norm: float, accelerator) -> torch.Tensor:
