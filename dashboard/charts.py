@@ -20,6 +20,7 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from qae_app.analysis.compare import CONFIDENCE, student_t_ppf
+from qae_app.core.alert_levels import ALERT_CHARTS
 from qae_app.core.formatting import as_float, number
 from qae_app.core.names import GATE_REASONS, REGIMES
 
@@ -215,11 +216,26 @@ def entropy(frames: dict[str, pd.DataFrame], colors: dict[str, str], bands: dict
                            font=dict(color="#ff7f0e"))
     if not log_y:
         fig.update_yaxes(rangemode="tozero")
+    # the entropy alerts, and the warnings that belong to no chart of their own (auto_k, dynamic sampling's cap, ...)
+    own = {run_id: frame[frame["kind"].map(ALERT_CHARTS).fillna("entropy") == "entropy"]
+           for run_id, frame in warnings.items()}
+    return mark_warnings(fig, frames, colors, own, ["entropy"], x)
+
+
+def mark_warnings(fig: go.Figure, frames: dict[str, pd.DataFrame], colors: dict[str, str],
+                  warnings: dict[str, pd.DataFrame], metrics: list[str], x: str = "step",
+                  chart: str | None = None) -> go.Figure:
+    """The runs' recorded warnings (step, kind, message) as markers on `fig`, at the highest of `metrics` at their
+    step (hover for the message). `chart`: only the alerts drawn on it (core.alert_levels.ALERT_CHARTS), else every
+    warning given."""
     for run_id, frame in warnings.items():
-        if frame.empty:
+        if chart is not None:
+            frame = frame[frame["kind"].map(ALERT_CHARTS) == chart]
+        if frame.empty or run_id not in frames:
             continue
         by_step = frames[run_id].set_index("step")
-        ys = [by_step["entropy"].get(step, np.nan) for step in frame["step"]]
+        shown = [m for m in metrics if m in by_step]
+        ys = [by_step.loc[step, shown].max() if step in by_step.index and shown else np.nan for step in frame["step"]]
         xs = [by_step[x].get(step, np.nan) if x != "step" else step for step in frame["step"]]
         name = f"{run_id} · warnings"
         fig.add_trace(go.Scatter(
@@ -264,7 +280,7 @@ def accuracy(frames: dict[str, pd.DataFrame], colors: dict[str, str], heldout: d
 UNITS = {"reward_mean": "reward", "gen_batches": "generation batches", "cov_logp_adv": "nats x advantage",
          "adv_abs_mean": "|advantage|", "k": "quantile level", "loss": "advantage x ratio",
          "pg_loss": "advantage x ratio", "kl": "nats / token", "grad_norm": "L2 norm", "lr": "learning rate",
-         "n_updates": "optimizer updates"}
+         "n_updates": "optimizer updates", "mismatch_capped": "tokens"}
 
 
 def metric_unit(metric: str) -> str:
