@@ -405,7 +405,8 @@ def rollouts(
     """Show one step's responses: reward, advantage, why each gated one was gated (with the step's breakdown by
     reason), which groups dynamic sampling filtered out of the update, and each group's prompt, answer, baseline and
     regime."""
-    from qae_app.cli.token_view import COLOR_SCALES, tokens_view
+    from qae_app.cli.console import visible_controls
+    from qae_app.cli.token_view import COLOR_SCALES, tokens_lines, tokens_view
     from qae_app.cli.views import rollouts_view
     from qae_app.core.names import GATE_REASONS, REGIMES
     from qae_app.store.reader import read_components, read_model_prompts, read_rollout_steps, read_rollouts, resolve_run
@@ -443,9 +444,12 @@ def rollouts(
     if why is not None:
         frame = frame[frame["gate_reason"] == why]
     out = _view_console()
-    if stored_tokens is not None:
-        out.print(tokens_view(run, step, frame, stored_tokens, color_by, out.color_system is not None, limit),
-                  soft_wrap=True)  # (a line per token, never cut at the width)
+    if stored_tokens is not None and out.color_system is not None:
+        out.print(tokens_view(run, step, frame, stored_tokens, color_by, limit))
+        return
+    if stored_tokens is not None:  # a pipe, a file: tab-separated numbers, as they are (rich would expand the tabs)
+        for line in tokens_lines(frame, stored_tokens, limit):
+            typer.echo(visible_controls(line))
         return
     out.print(rollouts_view(run, step, frame, everything, out.width, limit, full, shown, components))
 

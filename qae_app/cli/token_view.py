@@ -25,33 +25,51 @@ if TYPE_CHECKING:
 PLAIN_COLUMNS = ("group", "sample", "position", "token", "logprob", "entropy", "old_logprob", "gap")
 
 
-def tokens_view(run: str, step: int, frame: pd.DataFrame, tokens: pd.DataFrame, color_by: str, colour: bool,
+def tokens_view(run: str, step: int, frame: pd.DataFrame, tokens: pd.DataFrame, color_by: str,
                 limit: int) -> RenderableType:
-    """The shown responses of `frame` (rollout rows, up to `limit`) with their stored `tokens` rows."""
-    by_response = {(int(r["group_idx"]), int(r["sample_idx"])): r for r in tokens.to_dict("records")}
+    """For a colour terminal: the shown responses of `frame` (rollout rows, up to `limit`), each token's background
+    showing `color_by`, from their stored `tokens` rows."""
+    by_response = _by_response(tokens)
     shown = frame.head(limit).to_dict("records")
     what, full = COLOR_SCALES[color_by]
-    parts: list[RenderableType] = [Text(f"{run} step {step}: every token of {len(shown)} responses", style="bold")]
-    if colour:
-        parts.append(Text(f"background: {what}, from none (0) to full ({'-' if color_by == 'logprob' else ''}"
-                          f"{full:g} or beyond)", style="dim"))
-    else:
-        parts.append(Text("\t".join(PLAIN_COLUMNS), no_wrap=True, overflow="ignore"))
+    parts: list[RenderableType] = [
+        Text(f"{run} step {step}: every token of {len(shown)} responses", style="bold"),
+        Text(f"background: {what}, from none (0) to full ({'-' if color_by == 'logprob' else ''}{full:g} or beyond)",
+             style="dim")]
     for row in shown:
         key = (int(row["group_idx"]), int(row["sample_idx"]))
+        parts.append(Text(f"\ngroup {key[0]} sample {key[1]} · reward {number(row['reward'])} · advantage "
+                          f"{row['advantage']:+.4f} · {int(row['n_tokens'])} tokens", style="bold"))
         stored = by_response.get(key)
-        if colour:
-            parts.append(Text(f"\ngroup {key[0]} sample {key[1]} · reward {number(row['reward'])} · advantage "
-                              f"{row['advantage']:+.4f} · {int(row['n_tokens'])} tokens", style="bold"))
-        if stored is None:
-            parts.append(Text(f"group {key[0]} sample {key[1]}: its tokens were not stored (--store-tokens)",
-                              style="dim"))
-            continue
-        numbers = token_numbers(stored)
-        parts.append(_coloured(numbers, color_by) if colour else _plain(key, numbers))
+        parts.append(_coloured(token_numbers(stored), color_by) if stored is not None else
+                     Text(NOT_STORED, style="dim"))
     if len(frame) > limit:
         parts.append(Text(f"showing {limit} of {len(frame)} responses (--limit)", style="dim"))
     return Group(*parts)
+
+
+def tokens_lines(frame: pd.DataFrame, tokens: pd.DataFrame, limit: int) -> list[str]:
+    """For a pipe or a file: PLAIN_COLUMNS, tab-separated, a line per token of the shown responses (the token as a
+    JSON string: whitespace and control characters written out)."""
+    by_response = _by_response(tokens)
+    lines = ["\t".join(PLAIN_COLUMNS)]
+    for row in frame.head(limit).to_dict("records"):
+        key = (int(row["group_idx"]), int(row["sample_idx"]))
+        stored = by_response.get(key)
+        if stored is None:
+            lines.append(f"# group {key[0]} sample {key[1]}: {NOT_STORED}")
+            continue
+        lines += ["\t".join([str(key[0]), str(key[1]), str(position), json.dumps(token["token"], ensure_ascii=False),
+                             *(_cell(token[name]) for name in ("logprob", "entropy", "old_logprob", "gap"))])
+                  for position, token in enumerate(token_numbers(stored))]
+    return lines
+
+
+NOT_STORED = "its tokens were not stored (--store-tokens)"
+
+
+def _by_response(tokens: pd.DataFrame) -> dict[tuple[int, int], dict]:
+    return {(int(r["group_idx"]), int(r["sample_idx"])): r for r in tokens.to_dict("records")}
 
 
 def _coloured(numbers: list[dict], color_by: str) -> Text:
@@ -61,13 +79,6 @@ def _coloured(numbers: list[dict], color_by: str) -> Text:
         shade = round(255 * (1 - 0.75 * level))
         text.append(token["token"], style=f"black on rgb(255,{shade},{shade})" if level else "")
     return text
-
-
-def _plain(key: tuple[int, int], numbers: list[dict]) -> Text:
-    lines = ["\t".join([str(key[0]), str(key[1]), str(position), json.dumps(token["token"], ensure_ascii=False),
-                        *(_cell(token[name]) for name in ("logprob", "entropy", "old_logprob", "gap"))])
-             for position, token in enumerate(numbers)]
-    return Text("\n".join(lines), no_wrap=True, overflow="ignore")  # (a line per token: never wrapped)
 
 
 def _cell(value: float | None) -> str:

@@ -113,13 +113,13 @@ def parse_alerts(text: str) -> AlertSettings:
         if not equals or not name or not value:
             raise QAEUserError(f"alerts: '{item}' is not NAME=VALUE. Use on, off, or e.g. window=8,"
                                "length_runaway=off (levels: " + ", ".join(ALERT_LEVELS) + ").")
-        if name in ALERTS:
-            if value not in ("on", "off"):
-                raise QAEUserError(f"alerts: {name}={value}: an alert is on or off. Its levels are set by their own "
-                                   "names (" + ", ".join(ALERT_LEVELS) + ").")
+        if name in ALERTS and value in ("on", "off"):  # (entropy_slope and truncation_jump name a level too)
             (enabled.add if value == "on" else enabled.discard)(name)
         elif name in ALERT_LEVELS:
             levels[name] = _level(name, value)
+        elif name in ALERTS:
+            raise QAEUserError(f"alerts: {name}={value}: this alert is on or off. Its levels are set by their own "
+                               "names (" + ", ".join(ALERT_LEVELS) + ").")
         else:
             raise QAEUserError(f"alerts: unknown name '{name}'. Alerts (on/off): {', '.join(ALERTS)}; levels: "
                                f"{', '.join(ALERT_LEVELS)}.")
