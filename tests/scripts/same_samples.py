@@ -18,7 +18,9 @@ With `checkpointing`, the run uses --gradient-checkpointing; with `budget`, toke
 adapters of rank 4 with a KL term (the reference: the policy with its adapters off). With `attribution`
 (tests/train/test_attribution.py), the run logs --log-entropy-attribution. With `bf16rollout`
 (tests/train/test_rollout_correction.py), the engine samples from a bfloat16 copy of the weights and the trainer
-corrects for it (--rollout-dtype bfloat16, so --rollout-correction tis).
+corrects for it (--rollout-dtype bfloat16, so --rollout-correction tis). With `rewards` (tests/e2e/test_accelerate.py),
+the run scores with the two rewards of tests/hacking_rewards.py (a correctness reward that never fires, a format
+reward of weight 0.2), so its component_signal rows and a reward_signal alert come from groups of both processes.
 
     accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic][+lockstep][+lora]...
 """
@@ -68,12 +70,14 @@ DYNAMIC = dict(dynamic_sampling=True, max_gen_batches=6, reward_values="-1,1")
 MEMORY_MODES = {"checkpointing": dict(gradient_checkpointing=True), "budget": dict(max_tokens_per_micro_batch=40)}
 LORA = dict(lora_rank=4, kl_beta=0.1, lr=1e-3)
 BF16_ROLLOUT = dict(rollout_dtype="bfloat16")
+HACKING = str(Path(__file__).resolve().parents[1] / "hacking_rewards.py")
+REWARDS = dict(reward=[f"{HACKING}:exact_with_unit", f"{HACKING}:one_char"], reward_weights="1,0.2")
 
 
 def main(runs_dir: str, run_name: str, mode: str = "") -> None:
     modes = set(mode.split("+"))
     options = dict(OPTIONS, **(DYNAMIC if "dynamic" in modes else {}), **(LORA if "lora" in modes else {}),
-                   **(BF16_ROLLOUT if "bf16rollout" in modes else {}),
+                   **(BF16_ROLLOUT if "bf16rollout" in modes else {}), **(REWARDS if "rewards" in modes else {}),
                    log_entropy_attribution="attribution" in modes)
     for mode_name, mode_options in MEMORY_MODES.items():
         if mode_name in modes:
