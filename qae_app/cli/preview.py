@@ -20,6 +20,7 @@ from qae_app.cli.options import DEFAULT_RUNS_DIR, RunsDir
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import number
+from qae_app.store.signal import groups_with_signal
 
 if TYPE_CHECKING:
     from qae_app.store.reader import PreviewView
@@ -121,12 +122,6 @@ def _bar(count: int, most: int) -> str:
     return "█" * (round(BAR_CELLS * count / most) if most else 0)
 
 
-def groups_with_signal(view: PreviewView) -> dict[int, bool]:
-    """group_idx -> whether its rewards differ (what the verdict counts), from the stored rewards."""
-    spread = view.rollouts.groupby("group_idx")["reward"].agg(lambda r: r.max() != r.min())
-    return {int(g): bool(has) for g, has in spread.items()}
-
-
 def _bucket_note(c: int, G: int, count: int, with_signal: int) -> str:
     """What a bucket of groups with c correct of G says about their signal, as the verdict counts it (rewards that
     differ): shaped and weighted rewards give signal to groups the verifier calls all wrong or all correct."""
@@ -143,7 +138,7 @@ def _bucket_note(c: int, G: int, count: int, with_signal: int) -> str:
 def _success_histogram(view: PreviewView) -> Table:
     """Groups by their number of correct responses, 0..G, each with a bar and how many have signal."""
     G = int(view.summary["group_size"])
-    signal = groups_with_signal(view)
+    signal = groups_with_signal(view.rollouts["group_idx"], view.rollouts["reward"])
     by_c = {c: [int(g) for g in view.groups.loc[view.groups["n_correct"] == c, "group_idx"]] for c in range(G + 1)}
     table = Table(title="groups by success rate (correct of G)", title_justify="left", box=None, pad_edge=False)
     for name, justify in (("correct", "right"), ("groups", "right"), ("with signal", "right")):

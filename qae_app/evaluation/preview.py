@@ -42,7 +42,7 @@ from qae_app.evaluation.scoring import ScoredBatch, run_rewards, run_task, score
 from qae_app.rewards.registry import data_columns
 from qae_app.store.rows import GroupResult, component_rows, group_rows, rollout_rows
 from qae_app.store.run_folder import db_path, validate_run_name
-from qae_app.store.signal import component_signal_rows, signal_sentence
+from qae_app.store.signal import component_signal_rows, primary_component, signal_sentence
 from qae_app.store.tokens import token_rows
 from qae_app.store.writer import RunWriter
 
@@ -231,7 +231,7 @@ def preview_tables(sampled: Sampled, cfg: TrainConfig, ks: tuple[float, ...],
         "frac_unverified": sampled.verified.count(False) / len(sampled.verified),
         "truncated_frac": truncated_frac, "response_len": sum(lengths) / len(lengths), "suggested_k": suggested_k,
         "verdict": verdict(int((~no_signal).sum()), N, G, [g.regime for g in groups], truncated_frac, signal,
-                           cfg.primary_reward),
+                           primary_component(cfg.primary_reward, signal)),
         "suggested_why": None if suggested_k is None else suggestion_why(accuracy, suggested_k, by_k),
     }
     return {"groups": group_rows(groups), "rollouts": rollout_rows(groups), "previews": [summary], "preview_k": by_k,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from qae_app.core.errors import QAEUserError
 from qae_app.store.rows import GroupResult
 
 SAME_TOLERANCE = 1e-9  # rewards are sums of weighted parts in float: within this (relative) they are equal
@@ -68,6 +69,25 @@ def component_signal_rows(groups: Sequence[GroupResult], weights: dict[str, floa
                      "frac_differs": differs[name] / n_groups, "frac_signal": decisive[name] / n_groups,
                      "adv_share": mass[name] / total_mass if total_mass else None})
     return rows
+
+
+def groups_with_signal(group_idx: Sequence[int], rewards: Sequence[float]) -> dict[int, bool]:
+    """group -> whether its rewards differ (the signal a preview's verdict counts), from its responses' rows."""
+    seen: dict[int, list[float]] = {}
+    for g, reward in zip(group_idx, rewards):
+        seen.setdefault(int(g), []).append(float(reward))
+    return {g: not _equal(values) for g, values in seen.items()}
+
+
+def primary_component(primary: str | None, rows: Sequence[dict]) -> str | None:
+    """The primary reward component of `component_signal` rows: --primary-reward (`primary`), else the first;
+    QAEUserError when --primary-reward names none of them (known only once the rewards scored: a function may return
+    named parts)."""
+    names = [row["name"] for row in rows]
+    if primary is not None and names and primary not in names:
+        raise QAEUserError(f"primary-reward: '{primary}' is not a component of this run's rewards ({', '.join(names)})"
+                           ". Name one of them (a reward's name, or one of a function's named parts).")
+    return primary or (names[0] if names else None)
 
 
 def signal_sentence(rows: Sequence[dict], primary: str | None = None) -> str | None:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 from qae_app.config import TrainConfig
 from qae_app.core.alert_levels import ALERTS, AlertSettings
-from qae_app.core.errors import QAEUserError
 from qae_app.train.entropy_band import entropy_warning
 from qae_app.train.trainer_state import TrainerState
 
@@ -102,17 +101,6 @@ def _remember(record: dict, metrics: dict, window: int) -> None:
 
 def _value(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
-
-
-def primary_component(primary: str | None, rows: list[dict]) -> str | None:
-    """The primary reward component of a step's `component_signal` rows: --primary-reward (`primary`), else the
-    first; QAEUserError when --primary-reward names none of them (known only once the rewards scored: a function may
-    return named parts)."""
-    names = [row["name"] for row in rows]
-    if primary is not None and names and primary not in names:
-        raise QAEUserError(f"primary-reward: '{primary}' is not a component of this run's rewards ({', '.join(names)})"
-                           ". Name one of them (a reward's name, or one of a function's named parts).")
-    return primary or (names[0] if names else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -63,9 +63,10 @@ from qae_app.models.policy import (
 from qae_app.models.sharding import describe, prepare, shard_models
 from qae_app.rewards.registry import data_columns
 from qae_app.store.rows import step_metrics, stored_responses
+from qae_app.store.signal import primary_component
 from qae_app.store.tokens import kept_responses, responses_kept
 from qae_app.train import token_values
-from qae_app.train.alerts import StepFacts, primary_component, watch
+from qae_app.train.alerts import StepFacts, watch
 from qae_app.train.attribution import ATTRIBUTION_METRICS, entropy_attribution
 from qae_app.train.precision import check_updates_move_the_weights
 from qae_app.train.reward_record import checked_record, file_record

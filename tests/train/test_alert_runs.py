@@ -95,3 +95,11 @@ def test_a_bfloat16_sampler_trips_the_mismatch_alert_and_a_moving_entropy_its_sl
     message = next(m for _, kind, m in warnings if kind == "mismatch")
     capped = query(db_path(tmp_path, "bf16"), "SELECT mismatch_capped FROM steps ORDER BY step")["mismatch_capped"]
     assert message.startswith(f"the sampler is not the trainer: {capped.iloc[0]:.0f} tokens capped")
+
+
+def test_the_preview_refuses_a_primary_reward_that_names_no_component(tmp_path):
+    result = runner.invoke(app, ["preview", "--run-name", "p", "--runs-dir", str(tmp_path), "--prompts", "2",
+                                 "--show", "0", *HACKED, "--primary-reward", "exact", "--cpu"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "primary-reward: 'exact' is not a component of this run's rewards (exact_with_unit, one_char)" in said

@@ -9,7 +9,8 @@ import pytest
 from qae_app.config import build_config
 from qae_app.core.alert_levels import ALERT_KINDS, ALERTS, AlertSettings, parse_alerts
 from qae_app.core.errors import QAEUserError
-from qae_app.train.alerts import CHECKS, StepFacts, primary_component, watch
+from qae_app.store.signal import primary_component
+from qae_app.train.alerts import CHECKS, StepFacts, watch
 from qae_app.train.trainer_state import TrainerState
 
 CFG = build_config(entropy_high=1.5)
