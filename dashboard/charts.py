@@ -612,17 +612,26 @@ def seed_bands(groups: dict[str, pd.DataFrame], colors: dict[str, str], title: s
 PREVIEW_MIDDLE = "#1f77b4"  # groups with signal (the two ends, no signal, take the all-wrong / all-correct colors)
 
 
-def preview_success(groups: pd.DataFrame, group_size: int) -> go.Figure:
-    """A preview's groups by their number of correct responses, 0..G (bars); 0 and G are the groups without
-    signal."""
-    counts = groups["n_correct"].value_counts()
+def preview_success(groups: pd.DataFrame, group_size: int, signal: dict[int, bool] | None = None) -> go.Figure:
+    """A preview's groups by their number of correct responses, 0..G (stacked bars): those with signal (their
+    rewards differ, as the verdict counts them: `signal`, group_idx -> bool) and those without. With shaped or
+    weighted rewards a group the verifier calls all wrong (0) or all correct (G) may have signal."""
     xs = list(range(group_size + 1))
+    signal = signal or {}
+    has = groups["group_idx"].map(lambda g: signal.get(int(g), False))
+    with_signal = groups.loc[has, "n_correct"].value_counts()
+    without = groups.loc[~has, "n_correct"].value_counts()
     colors = [REGIME_COLORS["all_wrong"] if c == 0 else REGIME_COLORS["all_correct"] if c == group_size
-              else PREVIEW_MIDDLE for c in xs]
-    fig = go.Figure(go.Bar(x=xs, y=[int(counts.get(c, 0)) for c in xs], marker_color=colors, name="groups",
-                           uid="groups", hovertemplate="%{x} of " + str(group_size) + " correct: %{y} groups"
-                                                       "<extra></extra>"))
+              else REGIME_COLORS["mixed"] for c in xs]
+    fig = go.Figure([
+        go.Bar(x=xs, y=[int(without.get(c, 0)) for c in xs], marker_color=colors, name="no signal (equal rewards)",
+               uid="no_signal", hovertemplate="%{x} of " + str(group_size) + " correct: %{y} groups without signal"
+                                                                             "<extra></extra>"),
+        go.Bar(x=xs, y=[int(with_signal.get(c, 0)) for c in xs], marker_color=PREVIEW_MIDDLE, name="with signal",
+               uid="with_signal", hovertemplate="%{x} of " + str(group_size) + " correct: %{y} groups with signal"
+                                                                               "<extra></extra>")])
     apply_layout(fig, f"groups by success rate (correct of G={group_size})", "groups", bargap=0.1)
+    fig.update_layout(barmode="stack")
     fig.update_xaxes(title_text="correct responses in the group", dtick=1)
     return fig
 

@@ -11,11 +11,12 @@ import pandas as pd
 import pytest
 
 from qae_app.config import build_config
+from qae_app.evaluation.preview import PreviewOptions, run_preview
 from qae_app.store import reader as store_read
 from qae_app.store import run_folder as rundir
 from qae_app.store.signal_reader import read_response_mismatch, read_token_values
 from qae_app.train.trainer import Trainer
-from tests.dashboard.helpers import EVIL_RESPONSE, crafted_tokens, make_app, plotly_specs, response_tables
+from tests.dashboard.helpers import EVIL_RESPONSE, crafted_tokens, make_app, plotly_specs, response_tables, texts
 
 REWARDS = Path(__file__).resolve().parents[1] / "hacking_rewards.py"
 
@@ -32,6 +33,15 @@ def hacked_dir(tmp_path_factory, runs_dir) -> Path:
                        reward=[f"{REWARDS}:exact_with_unit", f"{REWARDS}:one_char"])
     assert Trainer(cfg, runs_dir, cpu=True).fit().status == "finished"
     return runs_dir
+
+
+@pytest.fixture(scope="module")
+def hacked_preview(hacked_dir) -> Path:
+    """hacked_dir with a preview of the hacked task, 16 prompts x 16."""
+    cfg = build_config(run_name="hacked-preview", reward_weights="1,0.2",
+                       reward=[f"{REWARDS}:exact_with_unit", f"{REWARDS}:one_char"])
+    run_preview(cfg, hacked_dir, PreviewOptions(prompts=16), device="cpu")
+    return hacked_dir
 
 
 @pytest.fixture
@@ -98,3 +108,18 @@ def test_token_texts_are_escaped_in_the_token_view(app):
     assert "<script>" not in body and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in body
     assert body.count('class="qae-token"') == len(crafted_tokens(EVIL_RESPONSE))
     assert 'data-tip="#0 &quot;\\u003cscript\\u003ealert(&#x27;x&#x27;)' in body  # (the hover's token, no tag)
+
+
+@pytest.mark.slow
+def test_the_preview_page_agrees_with_its_verdict_on_a_hacked_task(hacked_preview, monkeypatch):
+    view = store_read.read_preview(rundir.db_path(hacked_preview, "hacked-preview"))
+    at = make_app(hacked_preview, monkeypatch)("preview", run="hacked-preview")
+    assert at.success[0].value == view.summary["verdict"]
+    assert "all signal comes from one_char (weight 0.2)" in view.summary["verdict"]
+    without, with_signal = plotly_specs(at)["preview_success"]["data"]
+    n_signal = int(view.summary["verdict"].split("learnable: ")[1].split(" of ")[0])
+    assert with_signal["y"][0] == n_signal > 0 and sum(with_signal["y"]) == n_signal  # all of it at 0 correct
+    assert without["y"][0] == 16 - n_signal
+    table = next(frame for frame in (f.value for f in at.dataframe) if "adv_share" in frame.columns)
+    assert table.set_index("name")["adv_share"].to_dict() == {"exact_with_unit": 0.0, "one_char": 1.0}
+    assert "Which reward carries the signal" in texts(at)
