@@ -153,7 +153,7 @@ def lines(frames: dict[str, pd.DataFrame], metrics: list[str], colors: dict[str,
         for i, metric in enumerate(metrics):
             if metric not in steps or steps[metric].isna().all():
                 continue
-            name = run_id if len(metrics) == 1 else f"{run_id} · {metric}"
+            name = run_id if len(metrics) == 1 else f"{run_id} · {html.escape(metric)}"  # (a component's name)
             group = run_id if per_run else name
             smoothed = smooth(steps[metric], *smoothing)
             if (metric + BAND_LOW in steps and steps[metric + BAND_LOW].notna().any()  # a group's band

@@ -203,8 +203,8 @@ def component_controls(components: pd.DataFrame | None) -> dict[str, float]:
     for i, name in enumerate(names):
         values = sorted(components.loc[components["name"] == name, "value"].dropna().unique().tolist())
         picked = columns[i % len(columns)].selectbox(
-            str(name), ["any", *(f"{v:g}" for v in values)], key=f"comp{i}", bind="query-params",
-            help=f"Only responses whose {name} component has this value")
+            board.literal(name), ["any", *(f"{v:g}" for v in values)], key=f"comp{i}", bind="query-params",
+            help=f"Only responses whose {board.literal(name)} component has this value")
         if picked != "any":
             wanted[name] = float(picked)
     return wanted

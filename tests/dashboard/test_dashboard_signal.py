@@ -67,7 +67,8 @@ def test_curves_draw_which_reward_carries_the_signal_with_the_alert_marked(hacke
 def test_rollouts_filter_by_component_values_and_order_by_entropy_or_mismatch(hacked_app, hacked_dir):
     path = rundir.db_path(hacked_dir, "hacked")
     at = hacked_app("rollouts", run="hacked", step="2")
-    assert [s.label for s in at.selectbox if s.key in ("comp0", "comp1")] == ["exact_with_unit", "one_char"]
+    labels = [s.label.replace("\\", "") for s in at.selectbox if s.key in ("comp0", "comp1")]  # (escaped markdown)
+    assert labels == ["exact_with_unit", "one_char"]
     at.selectbox(key="comp1").set_value("1").run()
     at.selectbox(key="comp0").set_value("0").run()
     components = store_read.read_components(path, 2)
