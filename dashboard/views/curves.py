@@ -9,9 +9,9 @@ import pandas as pd
 import streamlit as st
 
 from qae_app.config import entropy_band
-from qae_app.store import reader as store_read
-from qae_app.store import signal_reader
+from qae_app.store.reader import component_table, read_component_means, read_step_tokens
 from qae_app.store.schema import STEP_METRICS
+from qae_app.store.signal_reader import read_component_signal, signal_table
 
 OTHER_DEFAULT = ["loss", "grad_norm", "adv_abs_mean"]
 # --log-entropy-attribution's columns: the change of all responses per source, and the 2 x 2 regime matrix
@@ -59,7 +59,7 @@ def step_frames(views: dict, x: str) -> dict[str, pd.DataFrame]:
     """Each run's steps with the x axes (charts.X_AXES); a run that recorded no `x` is plotted by step, as the page
     says."""
     frames = {run_id: charts.with_x_axes(with_components(run_id, view.steps), view.run.get("created_at"),
-                                         board.read(store_read.read_step_tokens, run_id) if x == "tokens" else None)
+                                         board.read(read_step_tokens, run_id) if x == "tokens" else None)
               for run_id, view in views.items()}
     missing = [run_id for run_id, frame in frames.items() if not frame.empty and frame[x].isna().all()]
     if missing:
@@ -73,10 +73,10 @@ def step_frames(views: dict, x: str) -> dict[str, pd.DataFrame]:
 def with_components(run_id: str, steps: pd.DataFrame) -> pd.DataFrame:
     """The run's steps with each reward component's mean per step as a column `reward:<name>` and its share of the
     advantage as `signal:<name>` (a run given --reward; the others' steps as they are)."""
-    means = board.read(store_read.read_component_means, run_id)
-    signal = board.read(signal_reader.read_component_signal, run_id)
-    for wide in (store_read.component_table(means) if means is not None else None,
-                 signal_reader.signal_table(signal) if signal is not None else None):
+    means = board.read(read_component_means, run_id)
+    signal = board.read(read_component_signal, run_id)
+    for wide in (component_table(means) if means is not None else None,
+                 signal_table(signal) if signal is not None else None):
         if wide is not None and len(wide.columns) > 1:
             steps = steps.merge(wide, on="step", how="left")
     return steps

@@ -16,16 +16,16 @@ import board
 import charts
 import pandas as pd
 import streamlit as st
-import tokens
+import token_markup
 
 from qae_app.core.names import GATE_REASONS, REGIMES
-from qae_app.store import reader as store_read
-from qae_app.store import signal_reader
+from qae_app.store.reader import read_components, read_gate_breakdown, read_model_prompts, read_step_tokens
+from qae_app.store.signal_reader import read_response_mismatch, read_token_values
 from qae_app.store.tokens import COLOR_SCALES, token_numbers
 
 GROUPS_PER_PAGE = 10
 ROW_PX, MAX_TABLE_PX = 35, 610  # a group's table shows up to ~16 responses without scrolling
-# the Responses control -> (gated, filtered) for store_read.read_rollouts: gated and kept are of the trained groups
+# the Responses control -> (gated, filtered) for read_rollouts: gated and kept are of the trained groups
 GATED_CHOICES = {"all": (None, None), "gated": (True, False), "kept": (False, False), "filtered": (None, True)}
 STATUS = {"kept": "✓ kept", "gated": "⊘ gated", "filtered": "⊘ filtered"}
 # rows without a gradient: grey text on the page's own background, so they read dimmer than the kept rows in the light
@@ -50,7 +50,7 @@ RESPONSE_COLUMNS = {
 
 def accuracy(responses: pd.DataFrame) -> float:
     """The verifier's: a correct answer whose reward is shaped (overlong penalty, -1/1 rewards) is correct. Rows from
-    before the `correct` column: reward 1 was correct (as store_read.GATE_REASON_RULES)."""
+    before the `correct` column: reward 1 was correct (as GATE_REASON_RULES)."""
     correct = responses["correct"].astype("boolean").fillna(responses["reward"].eq(1))
     return float(correct.mean()) if len(correct) else math.nan
 
@@ -133,15 +133,15 @@ def group(step: int, rows: pd.DataFrame, model_prompts: dict[int, str], componen
 
 def token_view(run_id: str, step: int, g: int, sample: int, color_by: str) -> None:
     """One response's tokens, each coloured by `color_by`, every number on hover; a note where the run kept none."""
-    stored = board.read(signal_reader.read_token_values, run_id, step, ((g, sample),))
+    stored = board.read(read_token_values, run_id, step, ((g, sample),))
     if stored is None:
         return
     if stored.empty:
         st.caption("Its per-token numbers were not stored (--store-tokens keeps a sample of a step's responses at "
                    "scale, none with `none`, and runs from before the table have none).")
         return
-    st.html(tokens.token_html(token_numbers(stored.iloc[0].to_dict()), color_by))
-    st.caption(tokens.legend(color_by))
+    st.html(token_markup.token_html(token_numbers(stored.iloc[0].to_dict()), color_by))
+    st.caption(token_markup.legend(color_by))
 
 
 def gate_summary(run_id: str, step: int, everything: pd.DataFrame) -> None:
@@ -160,8 +160,8 @@ def gate_summary(run_id: str, step: int, everything: pd.DataFrame) -> None:
         st.dataframe(table[table["responses"] > 0], hide_index=True, key="gate_table",
                      column_config={"share of the trained": st.column_config.NumberColumn(format="percent")},
                      placeholder="")
-        breakdown = board.read(store_read.read_gate_breakdown, run_id)
-        totals = board.read(store_read.read_step_tokens, run_id)
+        breakdown = board.read(read_gate_breakdown, run_id)
+        totals = board.read(read_step_tokens, run_id)
         if breakdown is not None and totals is not None:
             board.plot(charts.gate_breakdown(breakdown, totals, step), "gate_breakdown")
 
@@ -279,14 +279,14 @@ def page_of_groups(group_ids: list[int]) -> list[int]:
 
 
 def templated_prompts(run_id: str, step: int) -> dict[int, str]:
-    """With its toggle on, a chat model's prompts as it saw them (chat template applied), by group: empty for other
-    models and older files, as a caption says."""
+    """With its toggle on, a chat model's prompts as it saw them (chat template applied), by group: empty for a model
+    without a chat template, as a caption says."""
     if not st.toggle("Show prompts as the model saw them (chat template)", key="model_prompt", bind="query-params"):
         return {}
-    model_prompts = board.read(store_read.read_model_prompts, run_id, step) or {}
+    model_prompts = board.read(read_model_prompts, run_id, step) or {}
     if not model_prompts:
         st.caption("This run stored no templated prompts: its model has no chat template (it saw the prompt "
-                   "itself), or the run is older than the column.")
+                   "itself).")
     return model_prompts
 
 
@@ -304,7 +304,7 @@ def body(run_id: str) -> None:
     if everything is None:
         return
     query, reason = filter_controls(everything)
-    step_components = board.read(store_read.read_components, run_id, step)
+    step_components = board.read(read_components, run_id, step)
     wanted = component_controls(step_components)
     controls = st.columns(2)
     order = controls[0].segmented_control("Order", list(ORDERS), key="order", default="group", bind="query-params",
@@ -312,7 +312,7 @@ def body(run_id: str) -> None:
     color_by = controls[1].segmented_control("Colour tokens by", list(COLOR_SCALES), key="color", default="logprob",
                                              bind="query-params", required=True,
                                              help="; ".join(f"{k}: {v[0]}" for k, v in COLOR_SCALES.items()))
-    mismatch = board.read(signal_reader.read_response_mismatch, run_id, step) if order == "mismatch" else None
+    mismatch = board.read(read_response_mismatch, run_id, step) if order == "mismatch" else None
     shown = matching(run_id, step, query, reason, step_components, wanted, with_text=False)
     if shown is None:
         return

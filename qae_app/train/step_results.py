@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from qae_app.algo.advantages import REGIMES
-from qae_app.data.prompts import prompt_text
+from qae_app.data.prompt_format import prompt_text
 from qae_app.store.rows import GroupResult, component_rows, group_rows, rollout_rows
 from qae_app.store.signal import component_signal_rows
 from qae_app.store.tokens import token_rows

@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 
 from qae_app.config import build_config
-from qae_app.evaluation.preview import PreviewOptions, run_preview
-from qae_app.store import reader as store_read
-from qae_app.store import run_folder as rundir
+from qae_app.evaluation.task_preview import PreviewOptions, run_preview
+from qae_app.store.reader import query, read_components, read_preview, read_rollouts
+from qae_app.store.run_folder import db_path
 from qae_app.store.signal_reader import read_response_mismatch, read_token_values
 from qae_app.train.trainer import Trainer
 from tests.dashboard.helpers import EVIL_RESPONSE, crafted_tokens, make_app, plotly_specs, response_tables, texts
@@ -53,7 +53,7 @@ def hacked_app(hacked_dir, monkeypatch):
 def test_curves_draw_which_reward_carries_the_signal_with_the_alert_marked(hacked_app, hacked_dir):
     specs = plotly_specs(hacked_app("curves", run="hacked"))
     lines = {trace["name"]: trace for trace in specs["reward_signal"]["data"]}
-    signal = store_read.query(rundir.db_path(hacked_dir, "hacked"),
+    signal = query(db_path(hacked_dir, "hacked"),
                               "SELECT step, adv_share FROM component_signal WHERE name = 'one_char' ORDER BY step")
     drawn = lines["hacked · signal:one_char"]
     assert [y for y in drawn["y"] if y == y] == [v for v in signal["adv_share"] if v == v]  # (NaN: a step w/o signal)
@@ -65,13 +65,13 @@ def test_curves_draw_which_reward_carries_the_signal_with_the_alert_marked(hacke
 
 @pytest.mark.slow
 def test_rollouts_filter_by_component_values_and_order_by_entropy_or_mismatch(hacked_app, hacked_dir):
-    path = rundir.db_path(hacked_dir, "hacked")
+    path = db_path(hacked_dir, "hacked")
     at = hacked_app("rollouts", run="hacked", step="2")
     labels = [s.label.replace("\\", "") for s in at.selectbox if s.key in ("comp0", "comp1")]  # (escaped markdown)
     assert labels == ["exact_with_unit", "one_char"]
     at.selectbox(key="comp1").set_value("1").run()
     at.selectbox(key="comp0").set_value("0").run()
-    components = store_read.read_components(path, 2)
+    components = read_components(path, 2)
     wide = components.pivot(index=["group_idx", "sample_idx"], columns="name", values="value")
     want = wide[(wide["one_char"] == 1) & (wide["exact_with_unit"] == 0)]
     shown = pd.concat(response_tables(at))
@@ -79,7 +79,7 @@ def test_rollouts_filter_by_component_values_and_order_by_entropy_or_mismatch(ha
     assert at.metric[0].value.startswith(f"{len(want)} / ")
     # ordered by entropy: the groups in the order of their highest, responses highest first
     at = hacked_app("rollouts", run="hacked", step="2", order="entropy")
-    rows = store_read.read_rollouts(path, 2).sort_values("entropy", ascending=False, kind="stable")
+    rows = read_rollouts(path, 2).sort_values("entropy", ascending=False, kind="stable")
     groups = list(dict.fromkeys(rows["group_idx"]))[:10]
     headers = [m.value for m in at.markdown if m.value.startswith("**Group")]
     assert [int(h.split()[1].strip("*")) for h in headers] == groups
@@ -95,7 +95,7 @@ def test_rollouts_filter_by_component_values_and_order_by_entropy_or_mismatch(ha
 def test_an_opened_response_shows_its_tokens_coloured_with_every_number(hacked_app, hacked_dir):
     at = hacked_app("rollouts", run="hacked", step="1", color="entropy")
     at.selectbox(key="open_1_0").set_value(0).run()
-    stored = read_token_values(rundir.db_path(hacked_dir, "hacked"), 1, [(0, 0)]).iloc[0]
+    stored = read_token_values(db_path(hacked_dir, "hacked"), 1, [(0, 0)]).iloc[0]
     html = token_views(at)
     assert len(html) == 1 and html[0].count('class="qae-token"') == len(stored["tokens"])
     assert f'data-value="{stored["entropy"][0]:.4g}"' in html[0]
@@ -113,7 +113,7 @@ def test_token_texts_are_escaped_in_the_token_view(app):
 
 @pytest.mark.slow
 def test_the_preview_page_agrees_with_its_verdict_on_a_hacked_task(hacked_preview, monkeypatch):
-    view = store_read.read_preview(rundir.db_path(hacked_preview, "hacked-preview"))
+    view = read_preview(db_path(hacked_preview, "hacked-preview"))
     at = make_app(hacked_preview, monkeypatch)("preview", run="hacked-preview")
     assert at.success[0].value == view.summary["verdict"]
     assert "all signal comes from one_char (weight 0.2)" in view.summary["verdict"]
