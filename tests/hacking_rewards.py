@@ -19,3 +19,9 @@ def one_char(completions, **kwargs):
 def anything(completions, **kwargs):
     """Full marks for any reply: every group all correct (reward saturation)."""
     return [1.0 for _ in completions]
+
+
+def longer(completions, **kwargs):
+    """Pays for length up to 8 characters: at a high learning rate the built-in model's replies grow until
+    --max-new-tokens 8 cuts them (length runaway, a truncation jump)."""
+    return [min(len(completion), 8) / 8 for completion in completions]

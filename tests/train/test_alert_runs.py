@@ -2,8 +2,9 @@
 fires (tests/hacking_rewards.py:exact_with_unit) and a format reward of weight 0.2 (one_char). `qae preview` names the
 format component as the only signal, with a histogram that agrees; 4 training steps store a warning naming it, print
 it under the progress line, and store every response's per-token numbers; and the alerts a real run can be built to
-trip (no signal, saturation, the sampler/trainer mismatch, entropy moving fast) trip on such a run and stay quiet on
-one that is not (each alert's own trip/no-trip sequences: tests/train/test_alerts.py)."""
+trip (no signal, saturation, the sampler/trainer mismatch, entropy moving fast, response length collapsing or running
+away, a truncation jump) trip on such a run and stay quiet on one that is not (each alert's own trip/no-trip
+sequences: tests/train/test_alerts.py)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,20 @@ def test_a_bfloat16_sampler_trips_the_mismatch_alert_and_a_moving_entropy_its_sl
     message = next(m for _, kind, m in warnings if kind == "mismatch")
     capped = query(db_path(tmp_path, "bf16"), "SELECT mismatch_capped FROM steps ORDER BY step")["mismatch_capped"]
     assert message.startswith(f"the sampler is not the trainer: {capped.iloc[0]:.0f} tokens capped")
+
+
+def test_length_and_truncation_alerts_trip_on_runs_built_for_them(tmp_path):
+    """A reward that pays for length at a high learning rate: replies grow from ~3 tokens to the cap of 8 in 3 steps.
+    The built-in task as it is: replies shrink a little (3.15 -> 2.96 tokens over two windows of 2 steps). The hacked
+    run above is the one that does not trip them (only reward_signal fires there, at the default levels)."""
+    _, grown = train(tmp_path, "grown", "--steps", "4", "--reward", f"{REWARDS}:longer", "--lr", "0.003",
+                     "--max-new-tokens", "8", "--alerts", "window=2,length_ratio=1.5,entropy_slope=off")
+    assert [(step, kind) for step, kind, _ in grown] == [(2, "truncation_jump"), (4, "length_runaway")], grown
+    _, shrunk = train(tmp_path, "shrunk", "--steps", "4", "--max-new-tokens", "6", "--alerts",
+                      "window=2,length_ratio=1.03,entropy_slope=off")
+    assert [(step, kind) for step, kind, _ in shrunk] == [(4, "length_collapse")], shrunk
+    lengths = query(db_path(tmp_path, "shrunk"), "SELECT response_len FROM steps ORDER BY step")["response_len"]
+    assert lengths.iloc[:2].mean() / lengths.iloc[2:].mean() >= 1.03  # (what the alert compared)
 
 
 def test_the_preview_refuses_a_primary_reward_that_names_no_component(tmp_path):
