@@ -260,6 +260,7 @@ def mark_warnings(fig: go.Figure, frames: dict[str, pd.DataFrame], colors: dict[
             text=[html.escape(f"{kind}: {message}")
                   for kind, message in zip(frame["kind"], frame["message"], strict=True)],
             hovertemplate="%{text}<extra></extra>"))
+    return fig
 
 
 def accuracy(frames: dict[str, pd.DataFrame], colors: dict[str, str], heldout: dict[str, pd.DataFrame],
