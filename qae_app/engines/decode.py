@@ -40,10 +40,11 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from qae_app.engines import decode_kernels
+from qae_app.engines.decode_kernels import Kernels
+
 # the module classes whose forward this loop re-implements; any other model (or a peft-wrapped linear) uses generate
 _LLAMA_CLASSES = {"LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP")}
-_SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa: torch 2.5
-DRAW_ROWS = 4  # batch rows sampled at a time on a CPU (`_draw`): 4 x SmolLM2's 49152 floats fit a core's L2
 COMPACT_FRACTION = 8  # drop finished rows once they are 1/8 of the batch: one cache copy per several finished rows
 
 
@@ -62,30 +63,17 @@ def supports_decode_loop(model: torch.nn.Module) -> bool:
     return type(model.lm_head) is torch.nn.Linear and model.lm_head.bias is None
 
 
-@functools.cache
-def _packing_matches() -> bool:
-    """Whether this torch packs a bfloat16 linear weight for oneDNN (the private ops torch.compile's freezing uses)
-    and the packed product equals F.linear's to the bit; any failure means the loop keeps plain weights."""
-    try:
-        generator = torch.Generator().manual_seed(0)
-        weight = torch.randn(96, 64, generator=generator).bfloat16()
-        x = torch.randn(5, 3, 64, generator=generator).bfloat16()
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
-        return torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), F.linear(x, weight))
-    except (AttributeError, RuntimeError):
-        return False
-
-
 class _Linear:
-    """x @ weight.T (+ bias) as the loop computes it: on a CPU in bfloat16, from the weight packed once into oneDNN's
-    blocked layout, which F.linear would otherwise re-lay out at every call; elsewhere F.linear, or the `module` itself
-    where one is given (its forward hooks run, as generate runs them; a hooked module is never packed)."""
+    """x @ weight.T (+ bias) as the loop computes it: with `pack` on a CPU in bfloat16 where oneDNN packs
+    (decode_kernels.can_pack), from the weight packed once into oneDNN's blocked layout, which F.linear would otherwise
+    re-lay out at every call; elsewhere F.linear, or the `module` itself where one is given (its forward hooks run, as
+    generate runs them; a hooked module is never packed)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
-                 module: torch.nn.Module | None = None):
+                 module: torch.nn.Module | None = None, pack: bool = True):
         self.weight, self.bias, self.module, self.packed = weight, bias, module, None
         hooked = module is not None and bool(module._forward_hooks or module._forward_pre_hooks)
-        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not hooked and _packing_matches():
+        if pack and not hooked and decode_kernels.can_pack(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)  # rows: a hint for the layout
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,13 +82,13 @@ class _Linear:
         return self.module(x) if self.module is not None else F.linear(x, self.weight, self.bias)
 
 
-def _fused(linears: list[torch.nn.Linear], rows: int) -> _Linear:
+def _fused(linears: list[torch.nn.Linear], rows: int, pack: bool) -> _Linear:
     """The linears stacked along their outputs: one matmul computes them all (one linear: the module itself)."""
     if len(linears) == 1:
-        return _Linear(linears[0].weight, linears[0].bias, rows, module=linears[0])
+        return _Linear(linears[0].weight, linears[0].bias, rows, module=linears[0], pack=pack)
     biases = [linear.bias for linear in linears]
     return _Linear(torch.cat([linear.weight for linear in linears]),
-                   torch.cat(biases) if all(b is not None for b in biases) else None, rows)
+                   torch.cat(biases) if all(b is not None for b in biases) else None, rows, pack=pack)
 
 
 @functools.cache
@@ -132,46 +120,34 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class _Layers:
     """The model's weights as the loop uses them, fused once per call (the training model changes between calls)."""
 
-    def __init__(self, model: torch.nn.Module, rows: int):
+    def __init__(self, model: torch.nn.Module, rows: int, kernels: Kernels):
         config = model.config
-        self.model = model
+        self.model, self.kernels = model, kernels
         first = model.model.layers[0].self_attn
         self.head_dim = first.head_dim
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.scaling = first.scaling
         layers = model.model.layers
-        self.qkv = [_fused([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], rows) for l in layers]
-        self.o = [_fused([l.self_attn.o_proj], rows) for l in layers]
-        self.gate_up = [_fused([l.mlp.gate_proj, l.mlp.up_proj], rows) for l in layers]
-        self.down = [_fused([l.mlp.down_proj], rows) for l in layers]
-        self.lm_head = _fused([model.lm_head], rows)
+        pack = kernels.pack
+        self.qkv = [_fused([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], rows, pack) for l in layers]
+        self.o = [_fused([l.self_attn.o_proj], rows, pack) for l in layers]
+        self.gate_up = [_fused([l.mlp.gate_proj, l.mlp.up_proj], rows, pack) for l in layers]
+        self.down = [_fused([l.mlp.down_proj], rows, pack) for l in layers]
+        self.lm_head = _fused([model.lm_head], rows, pack)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Attention of q (rows, heads, seq, head_dim) over k, v (rows, kv_heads, columns, head_dim); query head h
         reads key head h // (heads / kv_heads), as transformers' repeat_kv pairs them. `mask`: for one new token per
         row (seq 1) a (rows, columns) bias, 0 or -inf per column; for a prompt pass a (rows, 1, seq, columns) bool,
         True where a query may read a key, or None for plain causal attention."""
-        rows, heads, seq, head_dim = q.shape
-        if seq > 1 or q.dtype == torch.bfloat16:
-            # one query per row in bfloat16 too: oneDNN's bf16 batched matmul would copy the cache's column slices
-            # (strided rows) at every step, 3x the time; SDPA's CPU kernel reads them where they are
-            causal = mask is None and seq > 1
-            if seq == 1 and mask is not None:
-                mask = mask[:, None, None, :]  # (rows, 1, 1, columns)
-            if self.kv_heads != heads:
-                if _SDPA_GQA:
-                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                          scale=self.scaling, enable_gqa=True)
-                k = k.repeat_interleave(heads // self.kv_heads, dim=1)
-                v = v.repeat_interleave(heads // self.kv_heads, dim=1)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling)
-        # one query per row in float32: two batched matmuls, each key head serving its group of query heads at once
-        # (cheaper on the CPU than scaled_dot_product_attention with a mask, and no copy of the keys per query head)
-        grouped = q.reshape(rows, self.kv_heads, heads // self.kv_heads, head_dim)  # (rows, kv_heads, group, hd)
-        scores = torch.matmul(grouped, k.transpose(-1, -2)) * self.scaling + mask[:, None, None, :]
-        out = torch.matmul(torch.softmax(scores, dim=-1), v)  # (rows, kv_heads, group, head_dim)
-        return out.view(rows, heads, 1, head_dim)
+        seq = q.shape[2]
+        if seq == 1 and not self.kernels.sdpa_per_token:
+            return decode_kernels.grouped_attention(q, k, v, mask, self.kv_heads, self.scaling)
+        causal = mask is None and seq > 1
+        if seq == 1 and mask is not None:
+            mask = mask[:, None, None, :]  # (rows, 1, 1, columns)
+        return decode_kernels.sdpa_attention(q, k, v, mask, causal, self.scaling)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                 values: list[torch.Tensor], start: int, key_mask: torch.Tensor | None) -> torch.Tensor:
@@ -210,17 +186,18 @@ class _Layers:
         return model.norm(hidden)
 
 
-def _draw(logits: torch.Tensor, temperature: float, rows: torch.Tensor, batch: int):
+def draw(logits: torch.Tensor, temperature: float, rows: torch.Tensor, batch: int, chunk_rows: int | None):
     """(tokens, log-probs, entropies) of the rows `rows` (ascending) of a batch of `batch` rows, sampled as generate
     does.
 
     generate samples torch.multinomial(softmax(scores), 1), which draws q ~ Exp(1) of the whole (batch, vocab) batch
     and takes argmax(p / q); finished rows are sampled too. Drawing the same noise and keeping the active rows' part
-    gives the same tokens for the same seed. On a CPU the work goes DRAW_ROWS batch rows at a time: each row's numbers
-    are its own (softmax and logsumexp are per row; the generator draws the noise row after row), so the result is the
-    whole batch's to the bit, while the temporaries stay in the core's cache and in malloc's heap (the whole 32 x
-    49152 batch at once had its ~40 MB of temporaries mapped and faulted in afresh every step)."""
-    chunk = DRAW_ROWS if logits.device.type == "cpu" else batch
+    gives the same tokens for the same seed. With `chunk_rows` the work goes that many batch rows at a time (None: all
+    at once): each row's numbers are its own (softmax and logsumexp are per row; the generator draws the noise row
+    after row), so the result is the whole batch's to the bit, while the temporaries can stay in the core's cache and
+    in malloc's heap (on an Intel Xeon the whole 32 x 49152 batch at once had its ~40 MB of temporaries mapped and
+    faulted in afresh every step; decode_kernels measures which is faster here)."""
+    chunk = chunk_rows or batch
     active = rows.tolist()
     parts = []
     for begin in range(0, batch, chunk):
@@ -248,13 +225,15 @@ def _draw_rows(logits: torch.Tensor, temperature: float, noise: torch.Tensor):
 
 @torch.no_grad()
 def sample(model: torch.nn.Module, encoded: list[list[int]], temperature: float, max_new_tokens: int,
-           stop_ids: list[int]) -> list[tuple[list[int], list[float], list[float]]]:
+           stop_ids: list[int], kernels: Kernels | None = None) -> list[tuple[list[int], list[float], list[float]]]:
     """Per row of `encoded` (token ids; consecutive equal rows are a group sharing its prompt): the generated tokens
     (up to and including the first stop id, or max_new_tokens of them), their log-probs and the entropy at each
-    position, sampled from softmax(logits / T) with torch's global generator."""
+    position, sampled from softmax(logits / T) with torch's global generator. `kernels`: the CPU-specific choices
+    (decode_kernels; by default the fastest here, measured once per process)."""
     device = next(model.parameters()).device
     batch = len(encoded)
-    layers = _Layers(model, batch)
+    kernels = kernels or decode_kernels.for_model(model, draw)
+    layers = _Layers(model, batch, kernels)
     width = max(len(ids) for ids in encoded)
     columns = width + max_new_tokens
     keys, values = _empty_cache(model, layers, batch, columns, device)
@@ -271,7 +250,7 @@ def sample(model: torch.nn.Module, encoded: list[list[int]], temperature: float,
     stops = torch.tensor(sorted(set(stop_ids)), device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)  # per buffer row
     for step in range(max_new_tokens):
-        tokens, token_logp, entropy = _draw(logits, temperature, rows, batch)
+        tokens, token_logp, entropy = draw(logits, temperature, rows, batch, kernels.draw_rows)
         for row, done, token, lp, ent in zip(rows.tolist(), finished.tolist(), tokens.tolist(), token_logp.tolist(),
                                              entropy.tolist()):
             if not done:  # a finished row kept in the batch until the next compaction samples nothing more

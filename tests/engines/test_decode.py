@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from qae_app.algo.losses import token_logprobs_and_entropy
-from qae_app.engines import decode
+from qae_app.engines import decode, decode_kernels
+from qae_app.engines.decode_kernels import Kernels
 from qae_app.engines.hf import HFGenerateEngine
 from qae_app.models.lora import apply_lora
 from qae_app.models.policy import BUILTIN_MODEL, BUILTIN_SCRATCH, load_policy
@@ -87,9 +88,10 @@ def test_finished_rows_leave_the_batch_and_the_rest_sample_as_before():
 
 
 def test_the_noise_is_exponentials_and_the_draw_in_chunks_is_torch_multinomials_for_the_whole_batch():
-    """The loop draws generate's noise vectorised and DRAW_ROWS rows at a time: the tokens of the active rows are
-    what torch.multinomial draws for the whole batch from the same seed, the generator ends where it ends, and the
-    log-probs and entropies are the full log-softmax's."""
+    """The loop draws generate's noise vectorised, DRAW_ROWS rows at a time or the whole batch at once (whichever
+    decode_kernels measured faster): either way the tokens of the active rows are what torch.multinomial draws for the
+    whole batch from the same seed, the generator ends where it ends, and the log-probs and entropies are the full
+    log-softmax's."""
     torch.manual_seed(5)
     expected_noise, expected_after = torch.empty(9, 700).exponential_(1), torch.rand(3)
     torch.manual_seed(5)
@@ -101,13 +103,13 @@ def test_the_noise_is_exponentials_and_the_draw_in_chunks_is_torch_multinomials_
     for dtype in (torch.float32, torch.bfloat16):
         logits = (torch.randn(batch, vocab, generator=generator) * 4).to(dtype)
         rows = torch.tensor([0, 2, 3, 4, 9, 10])  # finished rows 1, 5-8: chunk 2 has none left, chunk 1 one
-        for temperature in (1.0, 0.7):
+        for temperature, chunk_rows in ((1.0, decode_kernels.DRAW_ROWS), (0.7, decode_kernels.DRAW_ROWS), (0.7, None)):
             scores = logits.float() / temperature
             torch.manual_seed(21)
             expected = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)[rows]
             after = torch.rand(2)
             torch.manual_seed(21)
-            tokens, logp, entropy = decode._draw(logits[rows], temperature, rows, batch)
+            tokens, logp, entropy = decode.draw(logits[rows], temperature, rows, batch, chunk_rows)
             assert torch.equal(tokens, expected) and torch.equal(torch.rand(2), after)
             log_softmax = torch.log_softmax(scores[rows], dim=-1)
             assert torch.allclose(logp, log_softmax.gather(-1, tokens[:, None]).squeeze(1), atol=1e-5)
@@ -122,13 +124,14 @@ def test_packed_bfloat16_weights_give_f_linears_products_to_the_bit():
     weight = (torch.randn(160, 96, generator=generator) * 0.05).bfloat16()
     bias = torch.randn(160, generator=generator).bfloat16()
     linear = decode._Linear(weight, bias, rows=32)
-    assert (linear.packed is not None) == decode._packing_matches()
+    assert (linear.packed is not None) == decode_kernels.packing_matches()
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         assert linear.packed is not None
     for shape in [(1, 96), (5, 96), (32, 96), (33, 96), (4, 17, 96)]:
         x = torch.randn(*shape, generator=generator).bfloat16()
         assert torch.equal(linear(x), torch.nn.functional.linear(x, weight, bias))
     assert decode._Linear(weight.float(), None, rows=32).packed is None  # float32 stays with F.linear
+    assert decode._Linear(weight, bias, rows=32, pack=False).packed is None  # where packing measured slower
 
 
 def test_the_bfloat16_loop_samples_what_generate_samples_to_bfloat16s_rounding():
@@ -148,6 +151,60 @@ def test_the_bfloat16_loop_samples_what_generate_samples_to_bfloat16s_rounding()
         if agree:
             assert_close(loop.token_logprobs, gen.token_logprobs, 0.05)
         assert_close(loop.token_logprobs, logp, 0.05)
+
+
+@pytest.mark.parametrize("kernels", [Kernels(pack=False, sdpa_per_token=False, draw_rows=None),
+                                     Kernels(pack=True, sdpa_per_token=True, draw_rows=decode_kernels.DRAW_ROWS),
+                                     Kernels(pack=True, sdpa_per_token=False, draw_rows=decode_kernels.DRAW_ROWS),
+                                     Kernels(pack=False, sdpa_per_token=True, draw_rows=None)],
+                         ids=["plain", "packed-sdpa-chunked", "packed-matmul-chunked", "sdpa-whole-batch"])
+def test_every_kernel_choice_samples_what_generate_samples(kernels, monkeypatch):
+    """Whichever options decode_kernels measures faster on a CPU, the loop samples what generate samples: each
+    combination forced here, in float32 (the same tokens, log-probs to float32 rounding) and from a bfloat16 copy (the
+    tokens of all but a near-tie, log-probs as close to the bfloat16 model's own forward as generate's)."""
+    monkeypatch.setattr(decode_kernels, "for_model", lambda model, draw: kernels)
+    model, codec = load_policy(BUILTIN_MODEL)
+    model.eval()
+    prompts = ["3+4=", "12*11=", "20-7=", "0*0="]
+    engine = HFGenerateEngine(model, codec)
+    got, expected = (engine_samples(engine, loop, prompts, 3, 6, seed=7) for loop in (True, False))
+    assert [s.response_ids for s in got] == [s.response_ids for s in expected]
+    for loop, gen in zip(got, expected):
+        assert_close(loop.token_logprobs, gen.token_logprobs, 1e-5)
+        assert_close(loop.token_entropies, gen.token_entropies, 1e-4)
+    bf16 = HFGenerateEngine(model, codec, rollout_dtype=torch.bfloat16)
+    got, expected = (engine_samples(bf16, loop, prompts, 3, 6, seed=7) for loop in (True, False))
+    assert sum(a.response_ids == b.response_ids for a, b in zip(got, expected)) >= 11
+    assert mean_logprob_error(bf16.model, got) <= 1.5 * mean_logprob_error(bf16.model, expected) + 1e-3
+
+
+def test_the_faster_option_is_chosen_and_a_near_tie_keeps_the_default():
+    """decode_kernels.fastest on a clock the options advance by known amounts: the other option is chosen only when
+    its best run takes less than SWITCH_MARGIN of the default's, whatever a single slow run of either says."""
+    def timeline(costs: dict[str, list[float]]):
+        now = [0.0]
+        runs = {name: iter(values) for name, values in costs.items()}
+
+        def option(name):
+            return lambda: now.__setitem__(0, now[0] + next(runs[name]))
+        return option, (lambda: now[0])
+
+    for default_s, other_s, chosen in (([5, 4, 9, 4, 4, 4], [9, 2, 2, 9, 2, 2], True),  # 2 < 0.9 x 4
+                                       ([5, 4, 4, 4, 4, 4], [9, 3.8, 3.8, 3.8, 3.8, 3.8], False),  # 3.8 > 0.9 x 4
+                                       ([5, 1, 9, 9, 9, 9], [5, 2, 2, 2, 2, 2], False)):  # the default's best: 1
+        option, clock = timeline({"default": default_s, "other": other_s})
+        assert decode_kernels.fastest(option("default"), option("other"), rounds=5, clock=clock) is chosen
+
+
+def test_choosing_the_kernels_draws_nothing_from_the_seeded_generator():
+    """The engine seeds torch's generator and then samples; choosing the kernels on the way (once per process) runs
+    the draw, which must not move the generator, or the first call's samples would depend on whether the choice was
+    cached."""
+    torch.manual_seed(13)
+    expected = torch.rand(4)
+    torch.manual_seed(13)
+    chosen = decode_kernels.choose.__wrapped__("cpu", torch.float32, 32, 64, 4, 2, 8, 300, decode.draw)
+    assert isinstance(chosen, Kernels) and torch.equal(torch.rand(4), expected)
 
 
 def test_models_the_loop_cannot_run_are_left_to_generate():
