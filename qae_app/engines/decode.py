@@ -11,15 +11,18 @@ This loop
 - multiplies by the query/key/value weights as one matrix and by the gate/up weights as one matrix (bigger matmuls
   run nearer the machine's limit; each output equals the separate product to float32 rounding);
 - drops rows that emitted a stop token from the batch and the cache (in batches, so the copy pays back);
-- on a CPU in bfloat16, packs each weight once per call into oneDNN's blocked layout (what torch.compile's freezing
-  does), so a step's matmuls do not re-lay the weight out each time (~25% less matmul time on SmolLM2; each product
-  is F.linear's to the bit, checked once per process by `_packing_matches`), and attends for each new token with
-  SDPA, which reads the cache's column slices in place where oneDNN's bf16 batched matmul copies them;
-- draws the sampling noise the way torch's exponential_ does (a double uniform, -log1p(-u)) but vectorised, 2.5x
-  faster at SmolLM2's vocabulary (the same numbers from the same generator state, checked once per process by
-  `_uniform_gives_exponential`), a few rows at a time so the vocabulary-wide temporaries stay in cache.
-The last two items took the bfloat16 loop from 0.45 to 0.71 of the float32
-FLOP limit on SmolLM2 (bench/bench_generate.py, 2026-12-04).
+- on a CPU in bfloat16 where oneDNN packs weights (AVX512_BF16, AMX), packs each weight once per call into oneDNN's
+  blocked layout (what torch.compile's freezing does), so a step's matmuls do not re-lay the weight out each time
+  (each product is F.linear's to the bit, checked once per process by `decode_kernels.packing_matches`);
+- draws the sampling noise the way torch's exponential_ does (a double uniform, -log1p(-u)) but vectorised (2.5x
+  faster at SmolLM2's vocabulary on an Intel Xeon; the same numbers from the same generator state, checked once per
+  process by `_uniform_gives_exponential`);
+- runs the prompts' common opening (a chat template's system message) through the model once for the whole batch.
+Which kernels run is the CPU's business: packing or F.linear, SDPA or float32 grouped matmuls for each new token's
+attention, the draw a few rows at a time or whole are each timed once per process on the model's shapes and the
+faster kept (`decode_kernels`), since what was fastest on an Intel Xeon with AVX512_BF16 made the loop slower than
+generate on an AMD EPYC with AVX512_BF16 (issue 50). bench/bench_generate.py's roofline part prints the choice and how
+close the loop comes to what the CPU allows in its dtype.
 
 What it samples is what `generate` samples: softmax(logits / T) drawn the way `torch.multinomial` draws one
 sample (argmax of p / q, q ~ Exp(1) over the whole (rows, vocab) batch, every row's noise drawn each step as
@@ -27,8 +30,12 @@ generate draws it for its finished rows too), so with the same seed the tokens e
 agree to the last bit: in float32 (tests/engines/test_decode.py checks tokens and log-probs against generate on the
 built-in model and SmolLM2). In bfloat16 the loop's kernels round otherwise than generate's, so tokens may part ways
 where two are nearly tied; the log-probs agree with the bfloat16 model's own forward as closely as generate's do
-(checked there too). Only plain sampling (no top-k/top-p/min-p) on unsharded, un-adapted (no LoRA) weights takes this
-path.
+(checked there too, and on a sharp policy late in training). Neither cached decode matches a full-sequence bfloat16
+forward more closely than that forward matches float32: bfloat16 rounds every key, value and residual to 8 bits, and
+one token at a time against a cache rounds at other places than all positions at once (SmolLM2 at T 0.7, on an AMD
+EPYC with AVX2, 2026-12-05: mean |dlogp| to the full bf16 forward 0.036 for the loop, 0.033 for generate; of that
+forward to float32, 0.029). Only plain sampling (no top-k/top-p/min-p) on unsharded, un-adapted (no LoRA) weights
+takes this path.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -165,10 +173,10 @@ class _Layers:
         if key_mask is not None and seq == 1:  # (rows, end): 0 where a column holds a token, -inf where it is padding
             mask = torch.zeros(key_mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(~key_mask,
                                                                                                       float("-inf"))
-        elif key_mask is not None:  # a prompt pass (start 0), (rows, 1, seq, seq): causal, a padding query reads itself
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=hidden.device).tril()
-            itself = torch.eye(seq, dtype=torch.bool, device=hidden.device)
-            mask = (causal & key_mask[:, None, None, :]) | itself
+        elif key_mask is not None:  # a prompt pass, (rows, 1, seq, end): causal, a padding query reads itself
+            query_columns = start + torch.arange(seq, device=hidden.device)[:, None]  # (seq, 1)
+            key_columns = torch.arange(end, device=hidden.device)  # (end,)
+            mask = ((key_columns <= query_columns) & key_mask[:, None, None, :]) | (key_columns == query_columns)
         for index, layer in enumerate(model.layers):
             mlp = layer.mlp
             x = layer.input_layernorm(hidden)
@@ -238,9 +246,11 @@ def sample(model: torch.nn.Module, encoded: list[list[int]], temperature: float,
     columns = width + max_new_tokens
     keys, values = _empty_cache(model, layers, batch, columns, device)
     lengths = torch.tensor([len(ids) for ids in encoded], device=device)
-    key_mask = torch.zeros(batch, columns, dtype=torch.bool, device=device)  # True where a column holds a token
-    key_mask[:, :width] = torch.arange(width, device=device) >= (width - lengths)[:, None]
-    logits = _prompt_pass(model, layers, encoded, width, keys, values)  # (batch, vocab)
+    logits, common = _prompt_pass(model, layers, encoded, width, keys, values)  # (batch, vocab)
+    # True where a column holds a token: the prompts' common prefix, then each prompt's rest left-padded to `width`
+    key_mask = torch.zeros(batch, columns, dtype=torch.bool, device=device)
+    key_mask[:, :width] = ((torch.arange(width, device=device) >= (common + width - lengths)[:, None])
+                           | (torch.arange(width, device=device) < common))
 
     # the decode loop: a token for every row still sampling, one forward per step, from the cache
     rows = torch.arange(batch, device=device)  # the batch rows still sampling, in the buffers' order
@@ -284,25 +294,43 @@ def _empty_cache(model: torch.nn.Module, layers: _Layers, batch: int, columns: i
     return keys, [torch.zeros_like(k) for k in keys]
 
 
+COMMON_PREFIX_MIN = 8  # tokens all prompts must share before their common prefix gets a forward of its own
+
+
 def _prompt_pass(model: torch.nn.Module, layers: _Layers, encoded: list[list[int]], width: int,
-                 keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """The prompt pass: each group's prompt once (consecutive equal rows of `encoded`), all groups in one forward
-    (left-padded to `width`), its keys and values then copied into the first `width` columns of the group's rows of
-    `keys` and `values`; returns the logits (batch, vocab) of each row's first token, the LM head run at the last
-    position only."""
+                 keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """The prompt pass: each group's prompt once (consecutive equal rows of `encoded`), all groups in one forward,
+    its keys and values then copied into the first `width` columns of the group's rows of `keys` and `values`.
+    Where the distinct prompts open alike (a chat template's system message: 27 of SmolLM2's ~46 tokens on `add`),
+    that common prefix goes through the model once, into columns 0..common, and each prompt's rest follows it,
+    left-padded to `width`; otherwise (common 0) the prompts are left-padded to `width` whole, as generate pads them.
+    Returns (the logits (batch, vocab) of each row's first token, the LM head run at the last position only; common)."""
     device, dtype = keys[0].device, keys[0].dtype
     prompts = [ids for ids, _ in itertools.groupby(encoded)]
     group = torch.tensor([g for g, (_, rows) in enumerate(itertools.groupby(encoded)) for _ in rows], device=device)
-    prompt_lengths = torch.tensor([len(ids) for ids in prompts], device=device)
-    prompt_mask = torch.arange(width, device=device) >= (width - prompt_lengths)[:, None]  # (prompts, width)
-    prompt_ids = torch.tensor([[0] * (width - len(ids)) + ids for ids in prompts], device=device)
-    positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded positions
+    common = len(os.path.commonprefix(prompts)) if len(prompts) > 1 else 0
+    common = min(common, min(len(ids) for ids in prompts) - 1)  # every prompt keeps a token of its own
+    common = common if common >= COMMON_PREFIX_MIN else 0
     prompt_keys = [torch.zeros(len(prompts), *k.shape[1:2], width, k.shape[3], dtype=dtype, device=device)
                    for k in keys]
     prompt_values = [torch.zeros_like(k) for k in prompt_keys]
-    hidden = layers.forward(prompt_ids, positions, prompt_keys, prompt_values, 0,
-                            None if bool(prompt_mask.all()) else prompt_mask)
+    if common:  # the shared opening once, its keys and values then every prompt's
+        shared = torch.tensor([prompts[0][:common]], device=device)  # (1, common)
+        layers.forward(shared, torch.arange(common, device=device)[None], [k[:1] for k in prompt_keys],
+                       [v[:1] for v in prompt_values], 0, None)  # (into the first prompt's rows of the buffers)
+        for k, v in zip(prompt_keys, prompt_values):
+            k[1:, :, :common], v[1:, :, :common] = k[:1, :, :common], v[:1, :, :common]
+    rest_lengths = torch.tensor([len(ids) - common for ids in prompts], device=device)
+    rest = width - common
+    rest_mask = torch.arange(rest, device=device) >= (rest - rest_lengths)[:, None]  # (prompts, rest)
+    rest_ids = torch.tensor([[0] * (width - len(ids)) + ids[common:] for ids in prompts], device=device)
+    # as generate numbers left-padded positions: the padding's clamped to the first real one's
+    positions = common + (rest_mask.long().cumsum(-1) - 1).clamp(min=0)
+    key_mask = torch.cat([torch.ones(len(prompts), common, dtype=torch.bool, device=device), rest_mask], dim=1)
+    # (no mask: plain causal attention, which SDPA aligns at the first column, so only without a common prefix)
+    hidden = layers.forward(rest_ids, positions, prompt_keys, prompt_values, common,
+                            None if not common and bool(key_mask.all()) else key_mask)
     for index in range(len(keys)):
         keys[index][:, :, :width] = prompt_keys[index][group]
         values[index][:, :, :width] = prompt_values[index][group]
-    return layers.lm_head(hidden[group, -1])  # (batch, vocab)
+    return layers.lm_head(hidden[group, -1]), common  # (batch, vocab)
