@@ -60,14 +60,41 @@ def _cache_keyword(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _prompts_cache(core: torch.nn.Module, prompts: list[list[int]], common: int, device):
+    """(the KV cache of each distinct prompt but its last token, (k, kv_heads, prefix, head_dim) per layer; its
+    attention mask (k, prefix), right-padded; the forward's keyword for it): the common opening once, then each
+    prompt's rest at positions common.., with gradients."""
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=core.config)
+    except TypeError:  # transformers before 4.56 builds its layers as they come
+        cache = DynamicCache()
+    keyword = _cache_keyword(core)
+    keep = next(({name: 1} for name in ("logits_to_keep", "num_logits_to_keep")
+                 if name in inspect.signature(core.forward).parameters), {})  # (its logits are not needed)
+    if common:  # the common opening once, (1, common), its cache then every distinct prompt's
+        core(input_ids=torch.tensor([prompts[0][:common]], device=device), use_cache=True, **keep,
+             **{keyword: cache})
+        cache.batch_select_indices(torch.zeros(len(prompts), dtype=torch.long, device=device))
+    rest = max(len(p) for p in prompts) - 1 - common  # each prompt's rest but its last token, right-padded
+    rest_mask = torch.tensor([[1] * (len(p) - 1 - common) + [0] * (rest - len(p) + 1 + common) for p in prompts],
+                             device=device)  # (k, rest)
+    prefix_mask = torch.cat([torch.ones(len(prompts), common, dtype=torch.long, device=device), rest_mask], dim=1)
+    if rest:
+        rest_ids = torch.tensor([p[common:-1] + [0] * (rest - len(p) + 1 + common) for p in prompts], device=device)
+        positions = common + torch.arange(rest, device=device).expand(len(prompts), rest)
+        core(input_ids=rest_ids, attention_mask=prefix_mask, position_ids=positions, use_cache=True, **keep,
+             **{keyword: cache})
+    return cache, prefix_mask, keyword
+
+
 def shared_prompt_logprobs(model: torch.nn.Module, batch: dict, rows: torch.Tensor, temperature: float,
                            with_entropy: bool, chunk_tokens: int = 0):
     """Token log-probs and (if asked) entropies (n, T-1) of the response tokens of the batch's sequences `rows`, 0 at
     every other position, with each distinct prompt's tokens but the last computed once (see the module's
     docstring); None when sharing saves nothing (`prompt_groups`) or a row has no response token. `chunk_tokens`:
     the vocabulary projection that many tokens at a time (chunked_head), else the full logits."""
-    from transformers import DynamicCache
-
     input_ids = batch["input_ids"][rows]  # (n, T)
     response_mask = batch["response_mask"][rows]  # (n, T-1)
     n, width = input_ids.shape
@@ -83,29 +110,7 @@ def shared_prompt_logprobs(model: torch.nn.Module, batch: dict, rows: torch.Tens
     if spared_tokens(prompts, group, common) * sum(p.numel() for p in core.parameters()) < MIN_SPARED_WORK:
         return None
     device = input_ids.device
-    try:
-        cache = DynamicCache(config=core.config)
-    except TypeError:  # transformers before 4.56 builds its layers as they come
-        cache = DynamicCache()
-    keyword = _cache_keyword(core)
-    keep = next(({name: 1} for name in ("logits_to_keep", "num_logits_to_keep")
-                 if name in inspect.signature(core.forward).parameters), {})  # (its logits are not needed)
-
-    # the common opening once, (1, common), its cache then every distinct prompt's
-    if common:
-        core(input_ids=torch.tensor([prompts[0][:common]], device=device), use_cache=True, **keep,
-             **{keyword: cache})
-        cache.batch_select_indices(torch.zeros(len(prompts), dtype=torch.long, device=device))
-    # each distinct prompt's rest but its last token, once, right-padded: (k, rest) at positions common..
-    rest = max(len(p) for p in prompts) - 1 - common
-    rest_mask = torch.tensor([[1] * (len(p) - 1 - common) + [0] * (rest - len(p) + 1 + common) for p in prompts],
-                             device=device)  # (k, rest)
-    prefix_mask = torch.cat([torch.ones(len(prompts), common, dtype=torch.long, device=device), rest_mask], dim=1)
-    if rest:
-        rest_ids = torch.tensor([p[common:-1] + [0] * (rest - len(p) + 1 + common) for p in prompts], device=device)
-        positions = common + torch.arange(rest, device=device).expand(len(prompts), rest)
-        core(input_ids=rest_ids, attention_mask=prefix_mask, position_ids=positions, use_cache=True, **keep,
-             **{keyword: cache})
+    cache, prefix_mask, keyword = _prompts_cache(core, prompts, common, device)
     group_index = torch.tensor(group, device=device)
     cache.batch_select_indices(group_index)  # (n, kv_heads, prefix, head_dim) per layer: the backward sums the group
 
