@@ -276,14 +276,14 @@ def mean_logprob_error(model, samples) -> float:
 
 @pytest.mark.slow
 def test_the_bfloat16_loop_follows_a_sharp_policy_late_in_training_as_closely_as_generate(tmp_path):
-    """30 RL steps of 4 prompts x 8 on arith at temperature 0.5 sharpen the built-in model (its sampled tokens' mean
+    """15 RL steps of 4 prompts x 8 on arith at temperature 0.5 sharpen the built-in model (its sampled tokens' mean
     log-prob near 0, where a bfloat16 rounding weighs most on the few unlikely tokens still sampled, and the temperature
     scales every logit's rounding by 2): from a bfloat16 copy of the trained weights, the loop's log-probs are no
     further from the bfloat16 model's own forward than generate's, on average and at the worst token, and no further
     from the float32 trainer's. (The built-in model's 4 layers of width 128 round less than SmolLM2's 30 of 576;
     decode.py's docstring gives SmolLM2's figures.)"""
-    cfg = build_config(run_name="sharp", steps=30, prompts_per_step=4, group_size=8, eval_every=0,
-                       checkpoint_every=0, seed=2, lr=1e-4, temperature=0.5)
+    cfg = build_config(run_name="sharp", steps=15, prompts_per_step=4, group_size=8, eval_every=0,
+                       checkpoint_every=0, seed=2, lr=2e-4, temperature=0.5)
     trainer = Trainer(cfg, tmp_path, cpu=True)
     trainer.fit()
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -292,7 +292,7 @@ def test_the_bfloat16_loop_follows_a_sharp_policy_late_in_training_as_closely_as
     bf16 = HFGenerateEngine(model, trainer.codec, rollout_dtype=torch.bfloat16)
     loop, gen = (engine_samples(bf16, use_loop, prompts, 4, 8, seed=5, temperature=0.5) for use_loop in (True, False))
     sampled = [lp for s, (logp, _) in zip(loop, recomputed_logprobs(model, loop, 0.5)) for lp in logp]
-    assert sum(sampled) / len(sampled) > -0.25  # sharp: most sampled tokens nearly certain
+    assert sum(sampled) / len(sampled) > -0.25  # sharp (measured: -0.08): most sampled tokens nearly certain
     for reference in (bf16.model, model):  # the bf16 forward, and the float32 trainer
         loop_errors, gen_errors = logprob_errors(reference, loop, 0.5), logprob_errors(reference, gen, 0.5)
         assert sum(loop_errors) / len(loop_errors) <= 1.5 * sum(gen_errors) / len(gen_errors) + 1e-3
