@@ -21,6 +21,7 @@ adapters of rank 4 with a KL term (the reference: the policy with its adapters o
 corrects for it (--rollout-dtype bfloat16, so --rollout-correction tis).
 
     accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic][+lockstep][+lora]...
+        (+shared: the training forward shares each group's prompt wherever two rows do: train/shared_prompts.py)
 """
 
 import dataclasses
@@ -72,6 +73,10 @@ BF16_ROLLOUT = dict(rollout_dtype="bfloat16")
 
 def main(runs_dir: str, run_name: str, mode: str = "") -> None:
     modes = set(mode.split("+"))
+    if "shared" in modes:  # each group's prompt once in every training forward, however little that spares here
+        from qae_app.train import shared_prompts
+
+        shared_prompts.MIN_SPARED_WORK = 0
     options = dict(OPTIONS, **(DYNAMIC if "dynamic" in modes else {}), **(LORA if "lora" in modes else {}),
                    **(BF16_ROLLOUT if "bf16rollout" in modes else {}),
                    log_entropy_attribution="attribution" in modes)
