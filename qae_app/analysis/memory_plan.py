@@ -21,7 +21,11 @@ What the plan counts, per GPU (one process), and in which phase of a step it is 
                       0): six float32 (tokens, vocab) tensors (FULL_LOGITS_COPIES, from bench/bench_memory.py's
                       measurements)
     vLLM              --engine vllm: its gpu_memory_utilization share of the GPU (--vllm-gpu-memory, 0.35 by
-                      default), which must hold vLLM's bfloat16 copy of the weights and leave room for its KV cache
+                      default), which must hold vLLM's copy of the weights in --rollout-dtype (bfloat16 by default)
+                      and leave room for its KV cache
+    sampling copy     --engine hf with --rollout-dtype other than --dtype: the engine's own copy of every weight in
+                      the rollout dtype (bfloat16 beside float32 weights: half the weights' bytes), held all run and
+                      synced after each update
 
 A step has two phases that do not overlap: the rollouts (vLLM generates; the trainer holds its weights, gradients and
 optimizer state) and the update (the trainer's forward and backward passes). With --vllm-sleep (the default) vLLM's
@@ -30,7 +34,7 @@ rollouts, so the peak is what both phases hold plus the larger of the two phases
 
     peak = persistent + max(update phase, rollout phase)
     persistent    weights, gradients (kept from one update to the next), optimizer, DDP buckets, reference model,
-                  and vLLM with --no-vllm-sleep
+                  the hf engine's sampling copy, and vLLM with --no-vllm-sleep
     update phase  gathered layers and root, bf16 weight copies, activations, log-prob head
     rollout phase vLLM with --vllm-sleep
 
@@ -57,14 +61,14 @@ from qae_app.models.packaged import PACKAGED_GGUF, packaged_gguf
 
 GB = 1e9
 RESERVE_FRACTION = 0.10  # of a GPU's memory, kept free for the CUDA context and the allocator's fragmentation
-VLLM_WEIGHT_BYTES = 2  # vllm_engine.VLLMEngine loads the weights in bfloat16
 SHARDINGS = {"ddp": "every process holds all weights, gradients and optimizer state (DDP, ZeRO-0)",
              "fsdp": "weights, gradients and optimizer state split over the processes (FSDP2)"}
 PERSISTENT, UPDATE_PHASE, ROLLOUT_PHASE = "both", "update", "rollout"
 # the phase of a step in which each component is held (see the module's docstring); vLLM's depends on --vllm-sleep
 PHASES = {"weights": PERSISTENT, "gradients": PERSISTENT, "optimizer": PERSISTENT, "DDP buckets": PERSISTENT,
-          "reference model": PERSISTENT, "gathered layers": UPDATE_PHASE, "gathered root": UPDATE_PHASE,
-          "bf16 weight copies": UPDATE_PHASE, "activations": UPDATE_PHASE, "log-prob head": UPDATE_PHASE}
+          "reference model": PERSISTENT, "sampling copy": PERSISTENT, "gathered layers": UPDATE_PHASE,
+          "gathered root": UPDATE_PHASE, "bf16 weight copies": UPDATE_PHASE, "activations": UPDATE_PHASE,
+          "log-prob head": UPDATE_PHASE}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 SHIPPED_CONFIGS = Path(__file__).parents[1] / "assets" / "model_configs"  # config.json of models nothing can download
 # float32 (tokens, vocab) tensors the full-logits path holds at its peak: the model's logits, logits / T, the
@@ -409,13 +413,19 @@ def _components(cfg, shape: ModelShape, hardware: Hardware) -> tuple[list, list]
     rows = update_components(shape, update, hardware.gpus, hardware.sharding, reference_model=cfg.kl_beta > 0
                              and not cfg.lora_rank)
     phases = dict(PHASES)
+    rollout_bytes = DTYPE_BYTES[cfg.rollout_dtype]  # the engine's weights: hf's copy, or vLLM's own
+    if cfg.engine == "hf" and cfg.rollout_dtype != cfg.dtype:
+        adapters = lora_parameters(shape, update.lora_rank, update.lora_targets) if update.lora_rank else 0
+        rows.append(("sampling copy", (shape.parameters() + adapters) * rollout_bytes,
+                     f"--rollout-dtype {cfg.rollout_dtype}: the engine's copy of the weights, {rollout_bytes} bytes "
+                     "each, synced after each update"))
     if cfg.engine == "vllm":
         share = cfg.vllm_gpu_memory
-        vllm_bytes, vllm_weights = share * hardware.gpu_memory_gb * GB, shape.parameters() * VLLM_WEIGHT_BYTES
+        vllm_bytes, vllm_weights = share * hardware.gpu_memory_gb * GB, shape.parameters() * rollout_bytes
         if vllm_bytes <= vllm_weights:  # vLLM itself would refuse to start on the GPU
             raise QAEUserError(
                 f"vllm-gpu-memory: {share:g} of each {hardware.gpu_memory_gb:g} GB GPU is "
-                f"{vllm_bytes / GB:.1f} GB, no more than vLLM's bfloat16 copy of the weights "
+                f"{vllm_bytes / GB:.1f} GB, no more than vLLM's {cfg.rollout_dtype} copy of the weights "
                 f"({vllm_weights / GB:.1f} GB), so nothing is left for its KV cache and vLLM would not start. Use "
                 f"--vllm-gpu-memory {math.ceil(vllm_weights / (hardware.gpu_memory_gb * GB) * 100) / 100:.2f} or more "
                 "(the KV cache gets the rest of the share), or plan for GPUs with more memory.")

@@ -358,6 +358,9 @@ class Trainer:
                                                            cfg.warmup_steps)
         self.model, self.optimizer = prepare(acc, model, optimizer)
         self.logprob_chunk_tokens = logprob_chunk_tokens(self.model, cfg.logprob_chunk_tokens, self._say)
+        # each group's prompt once per training forward (shared_prompts): not over sharded weights, whose forward
+        # gathers them once per call, nor under gradient checkpointing, which drops the prompt's cache
+        self.share_prompts = sharding_plan_for(acc).sharding == "none" and not cfg.gradient_checkpointing
         if self.ref_model is not None and not cfg.lora_rank:
             self.ref_model.to(acc.device)
         self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
@@ -646,7 +649,8 @@ class Trainer:
         dense reference), lockstep (on one machine), logits_keyword (full forward), logprob_chunk_tokens."""
         return UpdateOptions.from_config(self.cfg, skip_gated=self.skip_gated, lockstep=self.lockstep,
                                          logits_keyword=self.logits_keyword,
-                                         logprob_chunk_tokens=self.logprob_chunk_tokens)
+                                         logprob_chunk_tokens=self.logprob_chunk_tokens,
+                                         share_prompts=self.share_prompts and not self.lockstep)
 
     # -------------------------------------------------------------------------------------------------------------
     # evaluation

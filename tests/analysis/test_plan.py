@@ -15,6 +15,7 @@ from qae_app.analysis.memory_plan import (
     Hardware,
     ModelShape,
     UpdateShape,
+    lora_parameters,
     model_shape,
     plan_run,
     recipe_hardware,
@@ -236,6 +237,33 @@ def test_vllms_share_is_the_one_given_and_one_too_small_for_its_weights_is_refus
         plan_run(build_config(path, vllm_gpu_memory=0.2), shape, hardware)
     result = runner.invoke(app, ["plan", "--config", str(path), "--vllm-gpu-memory", "0.2"])
     assert result.exit_code != 0 and "vllm-gpu-memory: 0.2 of each 80 GB GPU" in " ".join(result.output.split())
+
+
+def test_the_samplers_own_copy_of_the_weights_is_counted_in_its_dtype():
+    """--engine hf --rollout-dtype bfloat16 beside float32 weights: the engine holds a bfloat16 copy of every weight
+    all run (2 bytes a parameter, LoRA's adapters included); in --dtype it samples from the trained weights (no copy).
+    vLLM's weights are counted in --rollout-dtype too: a float32 vLLM needs twice the share for them."""
+    shape = model_shape("builtin:tiny")
+    p = shape.parameters()
+    hardware = Hardware(1, 1.0, prompt_tokens=8)
+
+    def rows(**options):
+        plan = plan_run(build_config(micro_batch_size=1, max_new_tokens=8, **options), shape, hardware)
+        return {name: (size, phase) for name, size, phase, _ in plan.components}, plan.total
+
+    plain, plain_total = rows()
+    copied, copied_total = rows(rollout_dtype="bfloat16")
+    assert "sampling copy" not in plain and copied["sampling copy"] == (2 * p, "both")
+    assert copied_total == plain_total + 2 * p
+    adapters = rows(rollout_dtype="bfloat16", lora_rank=2)[0]
+    assert adapters["sampling copy"][0] == 2 * (p + lora_parameters(shape, 2)) and adapters["sampling copy"][0] > 2 * p
+    assert "sampling copy" not in rows(dtype="bfloat16", rollout_dtype="bfloat16", lr=1e-3)[0]
+    qwen = model_shape("Qwen/Qwen3-8B-Base")
+    with pytest.raises(QAEUserError, match=r"no more than vLLM's float32 copy of the weights \(32\.8 GB\)"):
+        plan_run(build_config(engine="vllm", rollout_dtype="float32", vllm_gpu_memory=0.35), qwen,
+                 Hardware(1, 80.0, prompt_tokens=8))
+    result = runner.invoke(app, ["plan", "--model", "builtin:tiny", "--rollout-dtype", "bfloat16"])
+    assert result.exit_code == 0 and "sampling copy" in result.output
 
 
 def test_the_cpu_recipes_prompt_tokens_cover_its_prompts():
