@@ -19,6 +19,19 @@ clipped to 2-12k characters (median 6.5k, mean ~7k, about 57 MB a step; text mad
 solutions, so it compresses as model text does), handed to the store's writer as the trainer hands them (`add_step`,
 then `flush_when_due`). Prints, per step and overall, the writer's MB/s of response text (wall and CPU of this
 process), what was saved under pending/, and the file's bytes per response. Goal: >= 30 MB/s on 2 cores.
+
+    python bench/bench_store.py --tokens [--steps 3] [--prompts 32] [--median-tokens 4000]
+
+Every token's numbers (`token_values`, --store-tokens): what they cost the store per step at the paper's shape, 512
+prompts x 16 responses of up to 20k tokens. That shape is 164M tokens a step, more than this machine can write in a
+benchmark's time, so it measures a scaled step (--prompts x 16 responses, lengths log-normal around --median-tokens,
+clipped to 200-20k) handed to the writer as the trainer hands it, reads the file's bytes per token and the writer's
+seconds per million tokens, and extrapolates both linearly to the paper's step: every response at 20k tokens (the
+worst case), and --store-tokens auto's sample of 64 responses a step. The extrapolation assumes the cost per token
+does not depend on the step's size (each step is one insert of list columns; the file grows by the same compressed
+blocks), which the two scaled sizes it prints let you check. Token texts are pieces of the MATH-500 solutions cut as a
+BPE tokenizer cuts words (a leading space, ~4 characters); log-probs and entropies float32 draws of the shape a
+policy gives (most log-probs near 0, a long tail), so they compress as real ones do.
 """
 
 from __future__ import annotations
@@ -51,7 +64,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps (default: 300; --paper-scale: 4)")
     parser.add_argument("--paper-scale", action="store_true", help="512 x 16 responses of 2-12k characters a step")
     parser.add_argument("--store-responses", default="all", help="all, N per group, or none (--paper-scale)")
+    parser.add_argument("--tokens", action="store_true", help="per-token values: MB a step at the paper's shape")
+    parser.add_argument("--prompts", type=int, default=32, help="--tokens: prompts of the scaled step (x 16)")
+    parser.add_argument("--median-tokens", type=int, default=4000, help="--tokens: median response length")
     args = parser.parse_args()
+    if args.tokens:
+        tokens_scale(args.steps or 3, args.prompts, args.median_tokens)
+        return
     if args.paper_scale:
         paper_scale(args.steps or 4, args.store_responses)
         return
@@ -178,6 +197,85 @@ def paper_scale(steps: int, store_responses: str) -> None:
            GOAL_MB_S, unit="MB/s", note=note)
     report(f"bench_store: writer at the paper's step size, MB/s per CPU second{which}",
            round(total_chars / 1e6 / total_cpu, 2), None, unit="MB/s", note=note)
+
+
+PAPER_TOKENS, PAPER_MAX_TOKENS = PROMPTS * GROUP_SIZE * 20_000, 20_000  # the paper's step, every response at 20k
+
+
+def token_pieces(words: list[str]) -> list[str]:
+    """The words cut as a BPE tokenizer cuts them: a leading space, then pieces of up to 4 characters."""
+    pieces = []
+    for word in words:
+        word = " " + word
+        pieces += [word[i:i + 4] for i in range(0, len(word), 4)]
+    return pieces
+
+
+def token_rows(rng: random.Random, pieces: list[str], prompts: int, median: int) -> tuple[list[dict], int]:
+    """A scaled step's `token_values` rows (prompts x 16 responses) and its tokens."""
+    import numpy as np
+
+    generator = np.random.default_rng(rng.randrange(2**32))
+    rows, total = [], 0
+    for g in range(prompts):
+        for i in range(GROUP_SIZE):
+            n = int(min(PAPER_MAX_TOKENS, max(200, rng.lognormvariate(math.log(median), 0.6))))
+            start = rng.randrange(0, len(pieces) - n)
+            # most tokens nearly certain, a long tail: -Exp(0.3) log-probs; entropies Exp(0.8) nats
+            logprob = (-generator.exponential(0.3, n)).astype(np.float32)
+            old = (logprob + generator.normal(0, 1e-3, n)).astype(np.float32)
+            entropy = generator.exponential(0.8, n).astype(np.float32)
+            rows.append(dict(group_idx=g, sample_idx=i, tokens=pieces[start:start + n], logprob=logprob.tolist(),
+                             entropy=entropy.tolist(), old_logprob=old.tolist()))
+            total += n
+    return rows, total
+
+
+def tokens_scale(steps: int, prompts: int, median: int) -> None:
+    """--tokens: the writer on scaled steps of per-token values; bytes and seconds per token, extrapolated."""
+    from qae_app.store.tokens import AUTO_SAMPLE
+    from qae_app.store.writer import RunWriter
+
+    solutions = [json.loads(line) for line in (MATH_DATA / "math500.jsonl").read_text().splitlines() if line.strip()]
+    pieces = token_pieces(" ".join(row.get("solution", "") for row in solutions).split() * 3)
+    rng = random.Random(0)
+    print(f"scaled steps: {steps} of {prompts} x {GROUP_SIZE} responses, lengths log-normal around {median} tokens "
+          f"(200-{PAPER_MAX_TOKENS}); the paper's step is {PROMPTS} x {GROUP_SIZE} x up to {PAPER_MAX_TOKENS} tokens")
+    with tempfile.TemporaryDirectory() as runs_dir:
+        path = db_path(Path(runs_dir), "tokens")
+        writer = RunWriter(path, "tokens")
+        writer.create_run("tokens", {"steps": steps}, "qae", 0.4, "bench", "bench", 0)
+        before = path.stat().st_size
+        tokens = wall = cpu = 0.0
+        for step in range(1, steps + 1):
+            rows, n = token_rows(rng, pieces, prompts, median)
+            t_wall, t_cpu = time.perf_counter(), time.process_time()
+            writer.add_step(step, steps=[{"reward_mean": 0.5}], token_values=rows)
+            assert writer.wait_until_written(timeout_s=600)
+            t_wall, t_cpu = time.perf_counter() - t_wall, time.process_time() - t_cpu
+            print(f"step {step}: {n / 1e6:.2f}M tokens in {t_wall:.1f} s wall, {t_cpu:.1f} s CPU")
+            tokens, wall, cpu = tokens + n, wall + t_wall, cpu + t_cpu
+        size = path.stat().st_size - before + (path.with_suffix(".duckdb.wal").stat().st_size
+                                               if path.with_suffix(".duckdb.wal").exists() else 0)
+        stored = query(path, "SELECT sum(len(tokens)) AS n FROM token_values")["n"].item()
+    assert int(stored) == tokens, (stored, tokens)
+    per_token, s_per_m = size / tokens, wall / tokens * 1e6
+    paper_mb, sample_mb = per_token * PAPER_TOKENS / 1e6, per_token * AUTO_SAMPLE * PAPER_MAX_TOKENS / 1e6
+    print(f"file: {size / 1e6:.1f} MB for {tokens / 1e6:.2f}M tokens: {per_token:.2f} bytes a token; writer "
+          f"{s_per_m:.2f} s wall ({cpu / tokens * 1e6:.2f} s CPU) per million tokens")
+    print(f"extrapolated to the paper's step ({PROMPTS} x {GROUP_SIZE} x {PAPER_MAX_TOKENS} tokens, linearly in "
+          f"tokens): {paper_mb:,.0f} MB and {s_per_m * PAPER_TOKENS / 1e6:,.0f} s a step with --store-tokens all; "
+          f"{sample_mb:.1f} MB and {s_per_m * AUTO_SAMPLE * PAPER_MAX_TOKENS / 1e6:.1f} s with auto's {AUTO_SAMPLE} "
+          "responses a step")
+    note = (f"measured on {steps} scaled steps of {prompts} x {GROUP_SIZE} responses around {median} tokens "
+            f"({tokens / 1e6:.2f}M tokens, {per_token:.2f} bytes and {s_per_m:.2f} s wall per million tokens), "
+            f"extrapolated linearly to {PROMPTS} x {GROUP_SIZE} x {PAPER_MAX_TOKENS}")
+    report("bench_store: per-token values, MB a step at the paper's shape (--store-tokens all, extrapolated)",
+           round(paper_mb, 1), None, unit="MB", note=note)
+    report(f"bench_store: per-token values, MB a step at the paper's shape (--store-tokens auto: {AUTO_SAMPLE} "
+           "responses, extrapolated)", round(sample_mb, 2), "<= 50", unit="MB", note=note)
+    report("bench_store: per-token values, file bytes a token", round(per_token, 3), None, unit="bytes",
+           note=note)
 
 
 if __name__ == "__main__":

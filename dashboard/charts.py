@@ -20,6 +20,7 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from qae_app.analysis.run_comparison import CONFIDENCE, student_t_ppf
+from qae_app.core.alert_levels import ALERT_CHARTS
 from qae_app.core.formatting import as_float, number
 from qae_app.core.names import GATE_REASONS, REGIMES
 
@@ -153,7 +154,7 @@ def lines(frames: dict[str, pd.DataFrame], metrics: list[str], colors: dict[str,
         for i, metric in enumerate(metrics):
             if metric not in steps or steps[metric].isna().all():
                 continue
-            name = run_id if len(metrics) == 1 else f"{run_id} · {metric}"
+            name = run_id if len(metrics) == 1 else f"{run_id} · {html.escape(metric)}"  # (a component's name)
             group = run_id if per_run else name
             smoothed = smooth(steps[metric], *smoothing)
             if (metric + BAND_LOW in steps and steps[metric + BAND_LOW].notna().any()  # a group's band
@@ -223,11 +224,26 @@ def entropy(frames: dict[str, pd.DataFrame], colors: dict[str, str], bands: dict
                            font=dict(color="#ff7f0e"))
     if not log_y:
         fig.update_yaxes(rangemode="tozero")
+    # the entropy alerts, and the warnings that belong to no chart of their own (auto_k, dynamic sampling's cap, ...)
+    own = {run_id: frame[frame["kind"].map(ALERT_CHARTS).fillna("entropy") == "entropy"]
+           for run_id, frame in warnings.items()}
+    return mark_warnings(fig, frames, colors, own, ["entropy"], x)
+
+
+def mark_warnings(fig: go.Figure, frames: dict[str, pd.DataFrame], colors: dict[str, str],
+                  warnings: dict[str, pd.DataFrame], metrics: list[str], x: str = "step",
+                  chart: str | None = None) -> go.Figure:
+    """The runs' recorded warnings (step, kind, message) as markers on `fig`, at the highest of `metrics` at their
+    step (hover for the message). `chart`: only the alerts drawn on it (core.alert_levels.ALERT_CHARTS), else every
+    warning given."""
     for run_id, frame in warnings.items():
-        if frame.empty:
+        if chart is not None:
+            frame = frame[frame["kind"].map(ALERT_CHARTS) == chart]
+        if frame.empty or run_id not in frames:
             continue
         by_step = frames[run_id].set_index("step")
-        ys = [by_step["entropy"].get(step, np.nan) for step in frame["step"]]
+        shown = [m for m in metrics if m in by_step]
+        ys = [by_step.loc[step, shown].max() if step in by_step.index and shown else np.nan for step in frame["step"]]
         xs = [by_step[x].get(step, np.nan) if x != "step" else step for step in frame["step"]]
         name = f"{run_id} · warnings"
         fig.add_trace(go.Scatter(
@@ -272,7 +288,7 @@ def accuracy(frames: dict[str, pd.DataFrame], colors: dict[str, str], heldout: d
 UNITS = {"reward_mean": "reward", "gen_batches": "generation batches", "cov_logp_adv": "nats x advantage",
          "adv_abs_mean": "|advantage|", "k": "quantile level", "loss": "advantage x ratio",
          "pg_loss": "advantage x ratio", "kl": "nats / token", "grad_norm": "L2 norm", "lr": "learning rate",
-         "n_updates": "optimizer updates"}
+         "n_updates": "optimizer updates", "mismatch_capped": "tokens"}
 
 
 def metric_unit(metric: str) -> str:
@@ -604,17 +620,26 @@ def seed_bands(groups: dict[str, pd.DataFrame], colors: dict[str, str], title: s
 PREVIEW_MIDDLE = "#1f77b4"  # groups with signal (the two ends, no signal, take the all-wrong / all-correct colors)
 
 
-def preview_success(groups: pd.DataFrame, group_size: int) -> go.Figure:
-    """A preview's groups by their number of correct responses, 0..G (bars); 0 and G are the groups without
-    signal."""
-    counts = groups["n_correct"].value_counts()
+def preview_success(groups: pd.DataFrame, group_size: int, signal: dict[int, bool] | None = None) -> go.Figure:
+    """A preview's groups by their number of correct responses, 0..G (stacked bars): those with signal (their
+    rewards differ, as the verdict counts them: `signal`, group_idx -> bool) and those without. With shaped or
+    weighted rewards a group the verifier calls all wrong (0) or all correct (G) may have signal."""
     xs = list(range(group_size + 1))
+    signal = signal or {}
+    has = groups["group_idx"].map(lambda g: signal.get(int(g), False))
+    with_signal = groups.loc[has, "n_correct"].value_counts()
+    without = groups.loc[~has, "n_correct"].value_counts()
     colors = [REGIME_COLORS["all_wrong"] if c == 0 else REGIME_COLORS["all_correct"] if c == group_size
-              else PREVIEW_MIDDLE for c in xs]
-    fig = go.Figure(go.Bar(x=xs, y=[int(counts.get(c, 0)) for c in xs], marker_color=colors, name="groups",
-                           uid="groups", hovertemplate="%{x} of " + str(group_size) + " correct: %{y} groups"
-                                                       "<extra></extra>"))
+              else REGIME_COLORS["mixed"] for c in xs]
+    fig = go.Figure([
+        go.Bar(x=xs, y=[int(without.get(c, 0)) for c in xs], marker_color=colors, name="no signal (equal rewards)",
+               uid="no_signal", hovertemplate="%{x} of " + str(group_size) + " correct: %{y} groups without signal"
+                                                                             "<extra></extra>"),
+        go.Bar(x=xs, y=[int(with_signal.get(c, 0)) for c in xs], marker_color=PREVIEW_MIDDLE, name="with signal",
+               uid="with_signal", hovertemplate="%{x} of " + str(group_size) + " correct: %{y} groups with signal"
+                                                                               "<extra></extra>")])
     apply_layout(fig, f"groups by success rate (correct of G={group_size})", "groups", bargap=0.1)
+    fig.update_layout(barmode="stack")
     fig.update_xaxes(title_text="correct responses in the group", dtick=1)
     return fig
 

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import tomllib
 
 from qae_app.core import names, policy_losses
+from qae_app.core.alert_levels import ALERTS_HELP, parse_alerts
 from qae_app.core.errors import QAEUserError
 from qae_app.core.estimators import ESTIMATORS, estimator_help
 from qae_app.core.formatting import clipped
@@ -31,6 +32,7 @@ from qae_app.engines.sampling import SamplingOptions
 from qae_app.rewards.specs import SPEC_FORMS, check_reward_options, weights_text
 from qae_app.store.rows import STORE_RESPONSES_HELP, check_store_responses
 from qae_app.store.run_folder import validate_run_name
+from qae_app.store.tokens import STORE_TOKENS_HELP, check_store_tokens
 
 _BUILTIN_TASK_HELP = ", ".join(f"{BUILTIN_PREFIX}{name} (model {t.model}, {t.max_new_tokens} tokens)"
                                for name, t in BUILTIN_TASKS.items())
@@ -192,6 +194,7 @@ class TrainConfig:
                                "`qae compare --sweep`).", "run")
     sweep_name: str | None = opt(None, "Set by `qae sweep`: the sweep's name.", "run")
     store_responses: str = opt("all", STORE_RESPONSES_HELP, "run", resumable=True)
+    store_tokens: str = opt("auto", STORE_TOKENS_HELP, "run", resumable=True)
     # --- model and data
     model: str = opt(names.BUILTIN_MODEL, f"Policy: a built-in model, {_MODEL_SOURCES_HELP}; a built-in task picks "
                      "its own model unless this is given.", "model")
@@ -253,6 +256,9 @@ class TrainConfig:
     reward_weights: str | None = opt(None, _REWARD_WEIGHTS_HELP, "reward")
     reward_values: str = opt("0,1", "Rewards of a wrong and of a correct response (a built-in reward's verdict).",
                              "reward", names.REWARD_VALUES)
+    primary_reward: str | None = opt(None, "With several --reward components: the one that is the task (default: the "
+                                     "first); the reward_signal alert fires when others carry the signal and it none.",
+                                     "reward", resumable=True)
     overlong_buffer: int = opt(0, "DAPO overlong reward shaping: a response longer than max-new-tokens minus this many "
                                "tokens loses reward linearly, down to -overlong-penalty at max-new-tokens. 0: off.",
                                "reward")
@@ -344,6 +350,7 @@ class TrainConfig:
                                 "list; install them with pip install -e '.[trackers]'): "
                                 f"{names.describe(names.TRACKERS)}. Default: none, the run's DuckDB file only.",
                                 "monitor", resumable=True)
+    alerts: str = opt("on", ALERTS_HELP, "monitor", resumable=True)
     eval_bench: str | None = opt(None, "Benchmark for --eval-every: a built-in name or a math file (default: the "
                                  "task's held-out split).", "monitor")
     eval_k: int = opt(1, "Samples per problem in --eval-every evaluations.", "monitor")
@@ -475,8 +482,14 @@ class TrainConfig:
         check_prompt_options(self.prompt_template, self.system_prompt)
         try:
             check_store_responses(str(self.store_responses))
+            check_store_tokens(str(self.store_tokens))
         except ValueError as err:
             raise QAEUserError(str(err)) from None
+        parse_alerts(self.alerts)
+        if self.primary_reward is not None and not self.reward:
+            raise QAEUserError(f"primary-reward: '{self.primary_reward}' names a component of --reward, and no "
+                               "--reward is given (the task's own verifier is the only reward). Drop it, or pass "
+                               "--reward.")
 
 
 def check_launch_mixed_precision(mixed_precision: str) -> None:

@@ -11,6 +11,7 @@ import streamlit as st
 from qae_app.core.names import entropy_band
 from qae_app.store.reader import component_table, read_component_means, read_step_tokens
 from qae_app.store.schema import STEP_METRICS
+from qae_app.store.signal_reader import read_component_signal, signal_table
 
 OTHER_DEFAULT = ["loss", "grad_norm", "adv_abs_mean"]
 # --log-entropy-attribution's columns: the change of all responses per source, and the 2 x 2 regime matrix
@@ -40,7 +41,8 @@ def grouped(views: dict, frames: dict[str, pd.DataFrame], heldout: dict[str, pd.
                for run_id, view in views.items()}  # (the default groups are Compare's: tags not among the keys)
     groups = grouping.group_runs(configs, by or None)
     drawn, why = charts.resolve_band(band, max(len(run_ids) for run_ids in groups.values()))
-    metrics = [m for m in STEP_METRICS if any(m in frame for frame in frames.values())] + component_columns(frames)
+    metrics = ([m for m in STEP_METRICS if any(m in frame for frame in frames.values())] + component_columns(frames)
+               + component_columns(frames, "signal:"))
     held = {run_id: points.rename(columns={"value": "heldout"}) for run_id, points in heldout.items()}
     grouped_held = grouping.group_frames(held, groups, ["heldout"], drawn)
     lines = [f"**{board.literal(label)}**: {len(run_ids)} run(s) ({board.literal(', '.join(run_ids))})"
@@ -69,17 +71,19 @@ def step_frames(views: dict, x: str) -> dict[str, pd.DataFrame]:
 
 
 def with_components(run_id: str, steps: pd.DataFrame) -> pd.DataFrame:
-    """The run's steps with each reward component's mean per step as a column `reward:<name>` (a run given
-    --reward; the others' steps as they are)."""
+    """The run's steps with each reward component's mean per step as a column `reward:<name>` and its share of the
+    advantage as `signal:<name>` (a run given --reward; the others' steps as they are)."""
     means = board.read(read_component_means, run_id)
-    wide = component_table(means) if means is not None else None
-    if wide is None or len(wide.columns) < 2:
-        return steps
-    return steps.merge(wide, on="step", how="left")
+    signal = board.read(read_component_signal, run_id)
+    for wide in (component_table(means) if means is not None else None,
+                 signal_table(signal) if signal is not None else None):
+        if wide is not None and len(wide.columns) > 1:
+            steps = steps.merge(wide, on="step", how="left")
+    return steps
 
 
-def component_columns(frames: dict[str, pd.DataFrame]) -> list[str]:
-    return sorted({str(c) for frame in frames.values() for c in frame.columns if str(c).startswith("reward:")})
+def component_columns(frames: dict[str, pd.DataFrame], prefix: str = "reward:") -> list[str]:
+    return sorted({str(c) for frame in frames.values() for c in frame.columns if str(c).startswith(prefix)})
 
 
 def entropy_bands(views: dict) -> dict[str, tuple[float, float]]:
@@ -127,12 +131,8 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
     axes = dict(x=x, log_y=log_y)
     policy_charts(frames, colors, bands, warnings, heldout, smoothing, axes)
     if components := component_columns(frames):  # runs given --reward: each component's mean per step
-        board.plot(charts.lines(frames, components, colors, "reward components", smoothing, "mean per response",
-                                **axes), "reward_components")
-        st.caption("**reward:NAME**: the mean, over the step's responses it scored, of one reward component (a "
-                   "built-in's verdict, a user function's score or one of its named parts); the reward is their "
-                   "weighted sum (docs/rewards.md)")
-    update_charts(frames, colors, smoothing, axes)
+        component_charts(frames, colors, warnings, components, smoothing, axes)
+    update_charts(frames, colors, warnings, smoothing, axes)
     chart(charts.step_time(frames, smoothing, x), "step_time", list(charts.TIME_METRICS))
     columns = st.columns(2)
     for i, metric in enumerate(other):
@@ -155,12 +155,13 @@ def policy_charts(frames: dict, colors: dict, bands: dict, warnings: dict, heldo
             with st.expander(f"{len(recorded)} recorded warning(s)"):
                 st.dataframe(recorded[["run", "step", "kind", "message"]], hide_index=True, placeholder="")
     with right:
-        chart(charts.accuracy(frames, colors, heldout, smoothing, **axes), "accuracy",
-              ["accuracy", "reward_mean", "heldout_accuracy"])
+        chart(marked(charts.accuracy(frames, colors, heldout, smoothing, **axes), frames, colors, warnings,
+                     ["accuracy"], axes["x"]), "accuracy", ["accuracy", "reward_mean", "heldout_accuracy"])
     left, right = st.columns(2)
     with left:
-        chart(charts.lines(frames, ["frac_zero_adv"], colors, "zero-advantage (gated) fraction", smoothing,
-                           "fraction of responses", **axes), "frac_zero_adv", ["frac_zero_adv"])
+        chart(marked(charts.lines(frames, ["frac_zero_adv"], colors, "zero-advantage (gated) fraction", smoothing,
+                                  "fraction of responses", **axes), frames, colors, warnings, ["frac_zero_adv"],
+                     axes["x"]), "frac_zero_adv", ["frac_zero_adv"])
     with right:
         chart(charts.lines(frames, ["cov_logp_adv"], colors, "covariance of log-prob and advantage", smoothing,
                            "nats x advantage", **axes), "cov_logp_adv", ["cov_logp_adv"])
@@ -172,11 +173,39 @@ def policy_charts(frames: dict, colors: dict, bands: dict, warnings: dict, heldo
                            "responses", smoothing, "nats / token", **axes), "entropy_split",
               ["entropy_pos", "entropy_neg"])
     with right:
-        chart(charts.lines(frames, ["response_len"], colors, "response length", smoothing, "tokens", **axes),
-              "response_len", ["response_len"])
+        chart(marked(charts.lines(frames, ["response_len"], colors, "response length", smoothing, "tokens", **axes),
+                     frames, colors, warnings, ["response_len"], axes["x"]), "response_len", ["response_len"])
 
 
-def update_charts(frames: dict, colors: dict, smoothing: tuple[str, float], axes: dict) -> None:
+def component_charts(frames: dict, colors: dict, warnings: dict, components: list[str], smoothing: tuple[str, float],
+                     axes: dict) -> None:
+    """Each reward component's mean per step and its share of the advantage (which reward carries the signal),
+    with the reward_signal alerts marked."""
+    left, right = st.columns(2)
+    with left:
+        board.plot(charts.lines(frames, components, colors, "reward components", smoothing, "mean per response",
+                                **axes), "reward_components")
+        st.caption("**reward:NAME**: the mean, over the step's responses it scored, of one reward component (a "
+                   "built-in's verdict, a user function's score or one of its named parts); the reward is their "
+                   "weighted sum (docs/rewards.md)")
+    signal = component_columns(frames, "signal:")
+    if signal:
+        with right:
+            fig = charts.lines(frames, signal, colors, "which reward carries the signal", smoothing,
+                               "share of the advantage", **axes)
+            board.plot(charts.mark_warnings(fig, frames, colors, warnings, signal, axes["x"], chart="signal"),
+                       "reward_signal")
+            st.caption("**signal:NAME**: the reward component's share of the step's advantage mass (each group's "
+                       "sum of |advantage| split by the components' share of its reward spread); a component near 1 "
+                       "while the task's reward sits at 0 is a reward being hacked (docs/metrics.md)")
+
+
+def marked(fig, frames: dict, colors: dict, warnings: dict, metrics: list[str], x: str):
+    """`fig` with the alerts that belong on the chart of `metrics[0]` marked (core.alert_levels.ALERT_CHARTS)."""
+    return charts.mark_warnings(fig, frames, colors, warnings, metrics, x, chart=metrics[0])
+
+
+def update_charts(frames: dict, colors: dict, warnings: dict, smoothing: tuple[str, float], axes: dict) -> None:
     """What the updates did: clip fractions, the entropy change of each regime's responses (--log-entropy-delta)
     and the change each regime's update caused (--log-entropy-attribution), or a line that says how to measure
     them; and, where the engine returned its log-probs, how far the sampler's numbers were from the trainer's."""
@@ -212,8 +241,10 @@ def update_charts(frames: dict, colors: dict, smoothing: tuple[str, float], axes
         # the sampler's numbers against the trainer's (--rollout-dtype, vLLM; --rollout-correction tis corrects)
         left, right = st.columns(2)
         with left:
-            chart(charts.lines(frames, ["mismatch_logp_abs", "mismatch_k3_kl"], colors, "sampler-trainer mismatch",
-                               smoothing, "nats / token", **axes), "mismatch", ["mismatch_logp_abs", "mismatch_k3_kl"])
+            chart(marked(charts.lines(frames, ["mismatch_logp_abs", "mismatch_k3_kl"], colors,
+                                      "sampler-trainer mismatch", smoothing, "nats / token", **axes), frames, colors,
+                         warnings, ["mismatch_k3_kl"], axes["x"]),
+                  "mismatch", ["mismatch_logp_abs", "mismatch_k3_kl"])
         with right:
             chart(charts.lines(frames, ["mismatch_ratio_max"], colors, "largest pi_old / pi_sampler", smoothing,
                                "ratio", **axes), "mismatch_ratio_max", ["mismatch_ratio_max"])

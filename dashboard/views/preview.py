@@ -7,6 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from qae_app.store.reader import PreviewView, read_preview
+from qae_app.store.signal import groups_with_signal
 
 EMPTY = ("None of the picked runs is a preview. Run `qae preview` with the options of `qae train` (e.g. `qae preview "
          "--data builtin:chain --group-size 8`) and pick it in the sidebar: it is listed with the runs.")
@@ -28,7 +29,8 @@ def body(view: PreviewView, run_id: str) -> None:
         st.caption(s["suggested_why"])
     left, right = st.columns(2)
     with left:
-        board.plot(charts.preview_success(view.groups, int(s["group_size"])), "preview_success")
+        signal = groups_with_signal(view.rollouts["group_idx"], view.rollouts["reward"])
+        board.plot(charts.preview_success(view.groups, int(s["group_size"]), signal), "preview_success")
     with right:
         board.plot(charts.preview_gating(view.by_k), "preview_gating")
     left, right = st.columns(2)
@@ -37,6 +39,15 @@ def body(view: PreviewView, run_id: str) -> None:
     with right:
         board.plot(charts.histogram({run_id: view.rollouts["n_tokens"]}, board.run_colors([run_id]),
                                     "response lengths", "tokens"), "preview_lengths")
+    if view.signal is not None and not view.signal.empty:  # several reward components: which carries the signal
+        st.markdown("**Which reward carries the signal**")
+        st.dataframe(view.signal[["name", "weight", "value_mean", "frac_differs", "frac_signal", "adv_share"]],
+                     hide_index=True, key="preview_signal",
+                     column_config={"name": "component", "value_mean": "mean",
+                                    **{c: st.column_config.NumberColumn(label, format="percent") for c, label in (
+                                        ("frac_differs", "differs in (groups)"),
+                                        ("frac_signal", "signal because of it (groups)"),
+                                        ("adv_share", "share of the advantage"))}})
     table = view.by_k.assign(k=view.by_k["k"].where(view.by_k["estimator"] == "qae"))
     st.dataframe(table[["estimator", "k", "suggested", "frac_zero_adv", "frac_zero_adv_informative", "n_hard", "n_easy",
                         "n_all_correct", "n_all_wrong", "n_mixed"]], hide_index=True, key="preview_by_k",

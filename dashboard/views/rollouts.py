@@ -1,9 +1,12 @@
 """Rollouts: the groups of one step (prompt, answer, success count, baseline, regime), their responses, and why each
 gated response was gated, with the step's breakdown by reason. A group that dynamic sampling left out of the update
 is "filtered": none of its responses is trained, whatever its advantages, so it is neither gated nor kept, and the
-step's gated count is over the trained responses (as frac_zero_adv).
+step's gated count is over the trained responses (as frac_zero_adv). To find a hacked reward: filter by reward
+component values (one_word = 1 and antonym = 0), order by entropy or by the sampler/trainer mismatch, and open a
+response to see its tokens coloured by their numbers (tokens.py).
 
-Model text is data, never markup: prompts and responses are shown with st.code / st.text and in dataframe cells.
+Model text is data, never markup: prompts and responses are shown with st.code / st.text and in dataframe cells, and
+the token view escapes every token before it is markup.
 """
 
 import math
@@ -13,9 +16,12 @@ import board
 import charts
 import pandas as pd
 import streamlit as st
+import token_markup
 
 from qae_app.core.names import GATE_REASONS, REGIMES
 from qae_app.store.reader import read_components, read_gate_breakdown, read_model_prompts, read_step_tokens
+from qae_app.store.signal_reader import read_response_mismatch, read_token_values
+from qae_app.store.tokens import COLOR_SCALES, token_numbers
 
 GROUPS_PER_PAGE = 10
 ROW_PX, MAX_TABLE_PX = 35, 610  # a group's table shows up to ~16 responses without scrolling
@@ -89,7 +95,8 @@ def open_row(table_key: str, select_key: str, samples: list[int]) -> None:
     st.session_state[select_key] = samples[rows[0]] if rows else None
 
 
-def group(step: int, rows: pd.DataFrame, model_prompts: dict[int, str], components: list[str] = ()) -> None:
+def group(step: int, rows: pd.DataFrame, model_prompts: dict[int, str], components: list[str] = (),
+          run_id: str | None = None, color_by: str = "logprob") -> None:
     first = rows.iloc[0]
     g, regime = int(first["group_idx"]), str(first["regime"])
     with st.container(border=True):
@@ -120,6 +127,21 @@ def group(step: int, rows: pd.DataFrame, model_prompts: dict[int, str], componen
                                                              else "") + f" · entropy {row['entropy']:.3f}"
                        + (" · its group was left out of the update by dynamic sampling" if filtered
                           else f" · gated: {GATE_REASONS[row['gate_reason']]}" if row["gated"] else ""))
+            if run_id is not None:
+                token_view(run_id, step, g, int(chosen), color_by)
+
+
+def token_view(run_id: str, step: int, g: int, sample: int, color_by: str) -> None:
+    """One response's tokens, each coloured by `color_by`, every number on hover; a note where the run kept none."""
+    stored = board.read(read_token_values, run_id, step, ((g, sample),))
+    if stored is None:
+        return
+    if stored.empty:
+        st.caption("Its per-token numbers were not stored (--store-tokens keeps a sample of a step's responses at "
+                   "scale, none with `none`, and runs from before the table have none).")
+        return
+    st.html(token_markup.token_html(token_numbers(stored.iloc[0].to_dict()), color_by))
+    st.caption(token_markup.legend(color_by))
 
 
 def gate_summary(run_id: str, step: int, everything: pd.DataFrame) -> None:
@@ -166,13 +188,62 @@ def filter_controls(everything: pd.DataFrame) -> tuple[dict, str]:
     return query, reason
 
 
-def matching(run_id: str, step: int, query: dict, reason: str, **read) -> pd.DataFrame | None:
-    """The step's rollouts that pass the filters (filter_controls' `query` and `reason`); `read`: with_text or
-    group_ids, as board.rollouts takes them. None when the file cannot be read (a note says why)."""
+ORDERS = {"group": "groups in order, responses by sample", "entropy": "highest mean token entropy first",
+          "mismatch": "largest sampler/trainer gap first (mean |old - sampler| log-prob per token)"}
+
+
+def component_controls(components: pd.DataFrame | None) -> dict[str, float]:
+    """A filter per reward component (a run given --reward): the value its responses must have, bound to the URL
+    (`comp0`, `comp1`, ... in the components' order); {} for 'any' everywhere."""
+    if components is None or components.empty:
+        return {}
+    names = list(dict.fromkeys(components["name"]))
+    columns = st.columns(min(len(names), 4))
+    wanted = {}
+    for i, name in enumerate(names):
+        values = sorted(components.loc[components["name"] == name, "value"].dropna().unique().tolist())
+        picked = columns[i % len(columns)].selectbox(
+            board.literal(name), ["any", *(f"{v:g}" for v in values)], key=f"comp{i}", bind="query-params",
+            help=f"Only responses whose {board.literal(name)} component has this value")
+        if picked != "any":
+            wanted[name] = float(picked)
+    return wanted
+
+
+def with_component_values(rows: pd.DataFrame, components: pd.DataFrame | None, wanted: dict[str, float]):
+    """The rows whose components have the `wanted` values."""
+    if not wanted or rows is None:
+        return rows
+    keep = None
+    for name, value in wanted.items():
+        part = components[(components["name"] == name) & (components["value"] == value)]
+        pairs = set(zip(part["group_idx"].astype(int), part["sample_idx"].astype(int)))
+        keep = pairs if keep is None else keep & pairs
+    return rows[[(int(g), int(i)) in keep for g, i in zip(rows["group_idx"], rows["sample_idx"])]]
+
+
+def ordered(rows: pd.DataFrame, order: str, mismatch: pd.DataFrame | None) -> pd.DataFrame:
+    """`rows` in the chosen ORDERS (groups follow their first response; missing values last)."""
+    if order == "group" or rows.empty:
+        return rows
+    if order == "mismatch":
+        gaps = mismatch.set_index(["group_idx", "sample_idx"])["mismatch"] if mismatch is not None else None
+        rows = rows.assign(mismatch=[gaps.get((g, i)) if gaps is not None else None
+                                     for g, i in zip(rows["group_idx"], rows["sample_idx"])])
+    rows = rows.sort_values(order, ascending=False, na_position="last", kind="stable")
+    first = {g: rank for rank, g in reversed(list(enumerate(rows["group_idx"])))}
+    return rows.assign(_rank=rows["group_idx"].map(first)).sort_values("_rank", kind="stable").drop(columns="_rank")
+
+
+def matching(run_id: str, step: int, query: dict, reason: str, components: pd.DataFrame | None = None,
+             wanted: dict[str, float] | None = None, **read) -> pd.DataFrame | None:
+    """The step's rollouts that pass the filters (filter_controls' `query` and `reason`, and component values
+    `wanted` of `components`); `read`: with_text or group_ids, as board.rollouts takes them. None when the file cannot
+    be read (a note says why)."""
     rows = board.rollouts(run_id, step, **query, **read)
     if rows is not None and reason != "any":
         rows = rows[rows["gate_reason"] == reason]
-    return rows
+    return with_component_values(rows, components, wanted or {})
 
 
 def step_summary(everything: pd.DataFrame, shown: pd.DataFrame) -> None:
@@ -233,9 +304,19 @@ def body(run_id: str) -> None:
     if everything is None:
         return
     query, reason = filter_controls(everything)
-    shown = matching(run_id, step, query, reason, with_text=False)
+    step_components = board.read(read_components, run_id, step)
+    wanted = component_controls(step_components)
+    controls = st.columns(2)
+    order = controls[0].segmented_control("Order", list(ORDERS), key="order", default="group", bind="query-params",
+                                          required=True, help="; ".join(f"{k}: {v}" for k, v in ORDERS.items()))
+    color_by = controls[1].segmented_control("Colour tokens by", list(COLOR_SCALES), key="color", default="logprob",
+                                             bind="query-params", required=True,
+                                             help="; ".join(f"{k}: {v[0]}" for k, v in COLOR_SCALES.items()))
+    mismatch = board.read(read_response_mismatch, run_id, step) if order == "mismatch" else None
+    shown = matching(run_id, step, query, reason, step_components, wanted, with_text=False)
     if shown is None:
         return
+    shown = ordered(shown, order, mismatch)
     step_summary(everything, shown)
     gate_summary(run_id, step, everything)
     if shown.empty:
@@ -243,12 +324,12 @@ def body(run_id: str) -> None:
         return
     page_groups = page_of_groups(list(dict.fromkeys(shown["group_idx"])))
     model_prompts = templated_prompts(run_id, step)
-    page_rows = matching(run_id, step, query, reason, group_ids=tuple(page_groups))
+    page_rows = matching(run_id, step, query, reason, step_components, wanted, group_ids=tuple(page_groups))
     if page_rows is None:
         return
-    page_rows, components = with_components(page_rows, board.read(read_components, run_id, step))
+    page_rows, components = with_components(ordered(page_rows, order, mismatch), step_components)
     for g in page_groups:
-        group(step, page_rows[page_rows["group_idx"] == g], model_prompts, components)
+        group(step, page_rows[page_rows["group_idx"] == g], model_prompts, components, run_id, color_by)
 
 
 [run] = board.start_page("Rollouts", one_run=True)

@@ -357,6 +357,7 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
         resolve_run,
     )
     from qae_app.store.schema import STEP_METRICS
+    from qae_app.store.signal_reader import read_component_signal
 
     try:
         chosen = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else None
@@ -371,10 +372,11 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
         steps, evals, warnings = read_steps(path), read_evals(path), read_warnings(path)
         found = read_preview(path) if info.get("estimator") == "preview" else None
         components = component_table(read_component_means(path))
+        signal = read_component_signal(path)
     except QAEUserError as err:
         fail(err)
     out = _view_console()
-    out.print(show_view(info, steps, evals, warnings, out.width, chosen, every, components))
+    out.print(show_view(info, steps, evals, warnings, out.width, chosen, every, components, signal))
     if found is not None:  # a preview: what it found, as `qae preview` printed it
         out.print(preview_command.preview_view(run, found))
 
@@ -394,14 +396,23 @@ def rollouts(
                                        "one line.")] = False,
     model_prompt: Annotated[bool, typer.Option("--model-prompt", help="Also print each prompt as the model saw "
                                                "it: chat template applied (system message, role markers).")] = False,
+    tokens: Annotated[bool, typer.Option("--tokens", help="Print the shown responses token by token with their "
+                                         "stored numbers (--store-tokens): coloured by --color-by on a colour "
+                                         "terminal, one tab-separated line per token elsewhere.")] = False,
+    color_by: Annotated[str, typer.Option("--color-by", help="With --tokens: the number that colours each token: "
+                                          "logprob, entropy or gap (the trainer's old log-prob minus the "
+                                          "sampler's).")] = "logprob",
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
 ) -> None:
     """Show one step's responses: reward, advantage, why each gated one was gated (with the step's breakdown by
     reason), which groups dynamic sampling filtered out of the update, and each group's prompt, answer, baseline and
     regime."""
+    from qae_app.cli.console import visible_controls
+    from qae_app.cli.token_view import COLOR_SCALES, tokens_lines, tokens_view
     from qae_app.cli.views import rollouts_view
     from qae_app.core.names import GATE_REASONS, REGIMES
     from qae_app.store.reader import read_components, read_model_prompts, read_rollout_steps, read_rollouts, resolve_run
+    from qae_app.store.signal_reader import read_token_values
 
     try:
         if gated + kept + filtered > 1:
@@ -415,6 +426,8 @@ def rollouts(
             raise QAEUserError(f"why: unknown reason '{why}'. Choose one of: {', '.join(GATE_REASONS)}.")
         if limit < 1:
             raise QAEUserError(f"limit: {limit} shows nothing. Use a positive number of responses.")
+        if color_by not in COLOR_SCALES:
+            raise QAEUserError(f"color-by: unknown value '{color_by}'. Choose one of: {', '.join(COLOR_SCALES)}.")
         path = resolve_run(runs_dir, run)
         steps = read_rollout_steps(path)  # (a preview's one step has rollouts and no `steps` row)
         if not steps:
@@ -427,11 +440,19 @@ def rollouts(
                               search=search, filtered=True if filtered else False if gated or kept or why else None)
         shown = read_model_prompts(path, step) if model_prompt else None
         components = read_components(path, step)
+        stored_tokens = read_token_values(path, step) if tokens else None
     except QAEUserError as err:
         fail(err)
     if why is not None:
         frame = frame[frame["gate_reason"] == why]
     out = _view_console()
+    if stored_tokens is not None and out.color_system is not None:
+        out.print(tokens_view(run, step, frame, stored_tokens, color_by, limit))
+        return
+    if stored_tokens is not None:  # a pipe, a file: tab-separated numbers, as they are (rich would expand the tabs)
+        for line in tokens_lines(frame, stored_tokens, limit):
+            typer.echo(visible_controls(line))
+        return
     out.print(rollouts_view(run, step, frame, everything, out.width, limit, full, shown, components))
 
 

@@ -20,6 +20,7 @@ from qae_app.cli.options import DEFAULT_RUNS_DIR, RunsDir
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import number
+from qae_app.store.signal import groups_with_signal
 
 if TYPE_CHECKING:
     from qae_app.store.reader import PreviewView
@@ -81,7 +82,10 @@ def preview_view(run_id: str, view: PreviewView, show: int = 6) -> RenderableTyp
                          f"{s['max_new_tokens']}")
     learnable = str(s["verdict"]).startswith("learnable")
     parts: list[RenderableType] = [head, Text(str(s["verdict"]), style="bold green" if learnable else "bold red")]
-    parts += [Text(""), _rewards(view), Text(""), _success_histogram(view), Text(""), _gating_table(view)]
+    parts += [Text(""), _rewards(view), Text(""), _success_histogram(view)]
+    if (signal := _signal_table(view)) is not None:
+        parts += [Text(""), signal]
+    parts += [Text(""), _gating_table(view)]
     if s.get("suggested_why") is not None and str(s["suggested_why"]) != "nan":
         parts.append(Text.assemble(("suggested K ", "bold"), f"{s['suggested_k']:g}: {s['suggested_why']}"))
     parts += [Text(""), _lengths(view)]
@@ -118,18 +122,52 @@ def _bar(count: int, most: int) -> str:
     return "█" * (round(BAR_CELLS * count / most) if most else 0)
 
 
+def _bucket_note(c: int, G: int, count: int, with_signal: int) -> str:
+    """What a bucket of groups with c correct of G says about their signal, as the verdict counts it (rewards that
+    differ): shaped and weighted rewards give signal to groups the verifier calls all wrong or all correct."""
+    if not count:
+        return ""
+    if c in (0, G):
+        label = "all wrong" if c == 0 else "all correct"
+        if not with_signal:
+            return f" {label}: no signal"
+        return f" {label}, yet {with_signal} with signal (other rewards, shaping)"
+    return f" {count - with_signal} without signal (equal rewards)" if with_signal < count else ""
+
+
 def _success_histogram(view: PreviewView) -> Table:
-    """Groups by their number of correct responses, 0..G, each with a bar."""
+    """Groups by their number of correct responses, 0..G, each with a bar and how many have signal."""
     G = int(view.summary["group_size"])
-    counts = view.groups["n_correct"].value_counts()
-    by_c = {c: int(counts.get(c, 0)) for c in range(G + 1)}
+    signal = groups_with_signal(view.rollouts["group_idx"], view.rollouts["reward"])
+    by_c = {c: [int(g) for g in view.groups.loc[view.groups["n_correct"] == c, "group_idx"]] for c in range(G + 1)}
     table = Table(title="groups by success rate (correct of G)", title_justify="left", box=None, pad_edge=False)
-    for name, justify in (("correct", "right"), ("groups", "right"), ("", "left")):
-        table.add_column(name, justify=justify, no_wrap=True)
-    for c, count in by_c.items():
-        note = " all wrong: no signal" if c == 0 else " all correct: no signal" if c == G else ""
-        table.add_row(f"{c}/{G}", str(count), Text(_bar(count, max(by_c.values())), style="cyan").append(
-            note, style="dim"))
+    for name, justify in (("correct", "right"), ("groups", "right"), ("with signal", "right")):
+        table.add_column(name, justify=justify, no_wrap=True, min_width=len(name))
+    table.add_column("", justify="left", no_wrap=False)
+    most = max(len(groups) for groups in by_c.values())
+    for c, groups in by_c.items():
+        with_signal = sum(signal.get(g, False) for g in groups)
+        table.add_row(f"{c}/{G}", str(len(groups)), str(with_signal), Text(_bar(len(groups), most), style="cyan")
+                      .append(_bucket_note(c, G, len(groups), with_signal), style="dim"))
+    return table
+
+
+def _signal_table(view: PreviewView) -> Table | None:
+    """Each reward component: its weight, mean, the groups where it differs, the groups whose signal exists because
+    of it, and its share of the advantage (store/signal.py); None with one reward."""
+    if view.signal is None or view.signal.empty:
+        return None
+    table = Table(title="which reward carries the signal (differs: share of groups where it differs; signal: of "
+                        "groups whose signal exists because of it; advantage: its share of the advantage)",
+                  title_justify="left", box=None, pad_edge=False, collapse_padding=True)
+    table.add_column("component", justify="left", no_wrap=True, overflow="ellipsis")
+    for name in ("weight", "mean", "differs", "signal", "advantage"):
+        table.add_column(name, justify="right", no_wrap=True, min_width=len(name))
+    for row in view.signal.to_dict("records"):
+        table.add_row(str(row["name"]), number(row["weight"]), number(row["value_mean"]),
+                      f"{row['frac_differs']:.0%}", f"{row['frac_signal']:.0%}",
+                      "-" if row["adv_share"] is None or row["adv_share"] != row["adv_share"]
+                      else f"{row['adv_share']:.0%}")
     return table
 
 

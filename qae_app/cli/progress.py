@@ -18,6 +18,7 @@ from rich.progress import Progress, ProgressColumn, Task
 from rich.table import Column
 from rich.text import Text
 
+from qae_app.core.alert_levels import ALERT_KINDS
 from qae_app.core.estimators import ESTIMATORS
 from qae_app.core.formatting import duration, number
 
@@ -122,7 +123,16 @@ class TrainProgress:
     def __exit__(self, *exc) -> None:
         self.bar.__exit__(*exc)
 
-    def update(self, step: int, metrics: dict) -> None:
+    def update(self, step: int, metrics: dict, warnings: list[dict] = ()) -> None:
+        """After each step: its line (redrawn in place on a terminal), then a line for each alert that fired
+        (`warnings`: the step's `warnings` rows; printed above the live bar, which stays the last line)."""
+        self._update(step, metrics)
+        for row in warnings:
+            if row["kind"] in ALERT_KINDS:
+                self.console.print(Text.assemble(("warning: ", "yellow"), f"{row['kind']}: {row['message']}"),
+                                   soft_wrap=True)
+
+    def _update(self, step: int, metrics: dict) -> None:
         if metrics.get("heldout_accuracy") is not None:
             self.heldout = metrics["heldout_accuracy"]
         if step == 0:

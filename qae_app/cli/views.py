@@ -28,12 +28,14 @@ from rich.table import Table
 from rich.text import Text
 
 from qae_app.analysis.differences import Differences, option_text, options_text, what_differs
-from qae_app.core.formatting import estimator_label, missing, number, pace_line, run_pace, setup_label
+from qae_app.core.formatting import as_float, estimator_label, missing, number, pace_line, run_pace, setup_label
 from qae_app.core.names import GATE_REASONS
 from qae_app.core.policy_losses import DEFAULT_POLICY_LOSS
 from qae_app.store.reader import BUSY, NOT_A_RUN, READ_STATUSES, UNREADABLE, stored_config
 from qae_app.store.run_folder import RESULTS_ONLY_KINDS, RUN_NAME_PATTERN, STOPPED
 from qae_app.store.schema import STEP_METRICS
+from qae_app.store.signal import signal_sentence
+from qae_app.store.signal_reader import signal_table
 
 if TYPE_CHECKING:  # `qae runs` draws from dicts and never imports pandas
     import pandas as pd
@@ -297,10 +299,11 @@ def plain_name(name: str) -> str:
 
 def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd.DataFrame, width: int,
               metrics: list[str] | None = None, every: int = 0,
-              components: pd.DataFrame | None = None) -> RenderableType:
+              components: pd.DataFrame | None = None, signal: pd.DataFrame | None = None) -> RenderableType:
     """A run: its id and status, what it trains, its pace while running, its config, every N-th step's metrics (the
     most important ones that fit, or `metrics`), each reward component's mean on the same steps (`components`:
-    reader.component_table, a run given --reward), its evaluations and its warnings."""
+    reader.component_table, a run given --reward) and its share of the advantage (`signal`: signal_reader's
+    component_signal rows), its evaluations and its warnings."""
     config = _config(info)
     parts: list[RenderableType] = [
         Text.assemble((str(info["run_id"]), "bold"), "  ", status_text(info["status"])),
@@ -343,6 +346,13 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
         parts += _steps_table(steps, width, metrics, every)
     if components is not None and len(components.columns) > 1 and not steps.empty:
         parts += _components_table(steps, components, width, every)
+    if signal is not None and not signal.empty and not steps.empty:
+        parts += _components_table(steps, signal_table(signal), width, every, "which reward carries the signal "
+                                   "(its share of the step's advantage)", "signal:")
+        last = signal[signal["step"] == signal["step"].max()].to_dict("records")
+        if said := signal_sentence([{**row, "adv_share": as_float(row["adv_share"])} for row in last],
+                                   config.get("primary_reward")):
+            parts.append(Text(f"step {int(last[0]['step'])}: {said}"))
     if not evals.empty:
         parts += _evals_table(evals, width)
     for row in warnings.to_dict("records"):
@@ -396,16 +406,18 @@ def _steps_table(steps: pd.DataFrame, width: int, metrics: list[str] | None, eve
     return parts
 
 
-def _components_table(steps: pd.DataFrame, components: pd.DataFrame, width: int,
-                      every: int) -> list[RenderableType]:
-    """Each reward component's mean over the responses it scored, on the steps the steps table shows."""
+def _components_table(steps: pd.DataFrame, components: pd.DataFrame, width: int, every: int,
+                      title: str = "reward components (mean per step)",
+                      prefix: str = "reward:") -> list[RenderableType]:
+    """Each reward component's column of `components` (`<prefix><name>`: its mean over the responses it scored, or
+    its share of the advantage), on the steps the steps table shows."""
     picked, _ = picked_steps(steps, every)
     shown = components.set_index("step").reindex([int(s) for s in steps.iloc[picked]["step"]])
     columns = [Column("step", [str(s) for s in shown.index], justify="right")]
-    columns += [Column(name.removeprefix("reward:"), [number(v) for v in shown[name]], justify="right", priority=rank)
+    columns += [Column(name.removeprefix(prefix), [number(v) for v in shown[name]], justify="right", priority=rank)
                 for rank, name in enumerate(shown.columns, start=1)]
     fitted = fit(columns, width)
-    parts: list[RenderableType] = [Text("reward components (mean per step)", style="bold"), fitted.table]
+    parts: list[RenderableType] = [Text(title, style="bold"), fitted.table]
     if note := dropped_note(fitted.dropped, width, "widen the terminal"):
         parts.append(note)
     return parts

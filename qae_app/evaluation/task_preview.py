@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,6 +43,8 @@ from qae_app.rewards.registry import data_columns
 from qae_app.scoring.reward_path import ScoredBatch, run_rewards, run_task, score_batch
 from qae_app.store.rows import GroupResult, component_rows, group_rows, rollout_rows
 from qae_app.store.run_folder import db_path, validate_run_name
+from qae_app.store.signal import component_signal_rows, primary_component, signal_sentence
+from qae_app.store.tokens import token_rows
 from qae_app.store.writer import RunWriter
 
 PREVIEW_ESTIMATOR = "preview"  # the runs row's estimator: what tells a preview's folder from a training run's
@@ -96,6 +99,8 @@ class Sampled:
     correct: list[bool] = field(default_factory=list)  # [N * G]: full marks
     verified: list[bool] = field(default_factory=list)  # [N * G]: no component None (could not verify)
     components: dict[str, list[float | None]] = field(default_factory=dict)  # name -> [N * G] (with --reward)
+    parts: dict[str, list[float]] = field(default_factory=dict)  # name -> [N * G] its weighted part of the reward
+    weights: dict[str, float] = field(default_factory=dict)  # name -> its weight
 
     def add(self, scored: ScoredBatch) -> None:
         self.rewards += scored.rewards
@@ -103,6 +108,9 @@ class Sampled:
         self.verified += scored.verified
         for name, values in scored.components.items():
             self.components.setdefault(name, []).extend(values)
+        for name, values in scored.parts.items():
+            self.parts.setdefault(name, []).extend(values)
+        self.weights.update(scored.weights)
 
 
 def sample_and_score(engine, task: Task, cfg: TrainConfig, n_prompts: int,
@@ -164,10 +172,15 @@ def gating_rows(rewards: torch.Tensor, correct: torch.Tensor, cfg: TrainConfig, 
     return [*rows, gating_row("grpo", None, adv)]
 
 
-def verdict(n_signal: int, n_groups: int, group_size: int, regimes: list[str], truncated_frac: float) -> str:
-    """One line: 'learnable: 20 of 32 groups (62%) have signal at G=8', or 'no signal: ...' and what to try."""
+def verdict(n_signal: int, n_groups: int, group_size: int, regimes: list[str], truncated_frac: float,
+            signal: list[dict] = (), primary: str | None = None) -> str:
+    """One line: 'learnable: 20 of 32 groups (62%) have signal at G=8', with several reward components which of them
+    carries it ('; all signal comes from one_word (weight 0.2); antonym never differs within a group': `signal`, the
+    component_signal rows, `primary` the task's component), or 'no signal: ...' and what to try."""
     if n_signal:
-        return f"learnable: {n_signal} of {n_groups} groups ({n_signal / n_groups:.0%}) have signal at G={group_size}"
+        said = f"learnable: {n_signal} of {n_groups} groups ({n_signal / n_groups:.0%}) have signal at G={group_size}"
+        by_component = signal_sentence(signal, primary) if signal else None
+        return f"{said}; {by_component}" if by_component else said
     if all(r == "all_wrong" for r in regimes):
         what = "every group all-wrong"
         hint = NO_SIGNAL_HINT if truncated_frac < 0.5 else (
@@ -194,9 +207,11 @@ def suggestion_why(accuracy: float, suggested_k: float, rows: list[dict]) -> str
 # the rows it stores
 
 
-def preview_tables(sampled: Sampled, cfg: TrainConfig, ks: tuple[float, ...]) -> dict[str, list[dict]]:
+def preview_tables(sampled: Sampled, cfg: TrainConfig, ks: tuple[float, ...],
+                   pieces: Callable[[list[int]], list[str]] | None = None) -> dict[str, list[dict]]:
     """The step's tables: `groups` and `rollouts` under the run's own estimator (and K; --k auto: the K it would
-    choose), the `previews` row and the `preview_k` rows."""
+    choose), the `previews` row and the `preview_k` rows; with several reward components their `component_signal`
+    rows, and with `pieces` (token ids -> each token's text) every response's `token_values`."""
     N, G = len(sampled.problems), cfg.group_size
     lengths = [len(s.response_ids) for s in sampled.samples]
     rewards = torch.tensor(sampled.rewards, dtype=torch.float64).view(N, G)  # [N, G]
@@ -208,22 +223,26 @@ def preview_tables(sampled: Sampled, cfg: TrainConfig, ks: tuple[float, ...]) ->
     run_k = names.auto_k(accuracy) if cfg.k == "auto" else float(cfg.k)
     adv = step_advantages(cfg.estimator, rewards, correct, names.reward_values(cfg.reward_values),
                           estimator_config(cfg, run_k), cfg.shaping)
-    groups = _group_results(sampled, adv, rewards, correct, G)
+    groups = _group_results(sampled, adv, rewards, correct, G, pieces)
+    signal = component_signal_rows(groups, sampled.weights)
     truncated_frac = sum(s.truncated for s in sampled.samples) / len(sampled.samples)
     summary = {
         "n_prompts": N, "group_size": G, "max_new_tokens": cfg.max_new_tokens, "accuracy": accuracy,
         "reward_mean": rewards.mean().item(), "frac_no_signal": no_signal.float().mean().item(),
         "frac_unverified": sampled.verified.count(False) / len(sampled.verified),
         "truncated_frac": truncated_frac, "response_len": sum(lengths) / len(lengths), "suggested_k": suggested_k,
-        "verdict": verdict(int((~no_signal).sum()), N, G, [g.regime for g in groups], truncated_frac),
+        "verdict": verdict(int((~no_signal).sum()), N, G, [g.regime for g in groups], truncated_frac, signal,
+                           primary_component(cfg.primary_reward, signal)),
         "suggested_why": None if suggested_k is None else suggestion_why(accuracy, suggested_k, by_k),
     }
     return {"groups": group_rows(groups), "rollouts": rollout_rows(groups), "previews": [summary], "preview_k": by_k,
-            **({"reward_components": component_rows(groups)} if sampled.components else {})}
+            **({"reward_components": component_rows(groups)} if sampled.components else {}),
+            **({"component_signal": signal} if signal else {}),
+            **({"token_values": token_rows(groups)} if pieces is not None else {})}
 
 
 def _group_results(sampled: Sampled, adv: Advantages, rewards: torch.Tensor, correct: torch.Tensor,
-                   G: int) -> list[GroupResult]:
+                   G: int, pieces: Callable[[list[int]], list[str]] | None = None) -> list[GroupResult]:
     baselines, regimes, advantages = adv.baseline.tolist(), adv.regime.tolist(), adv.advantages.tolist()
     rewards_, correct_ = rewards.tolist(), correct.tolist()
     results = []
@@ -240,7 +259,11 @@ def _group_results(sampled: Sampled, adv: Advantages, rewards: torch.Tensor, cor
             entropies=[sum(s.token_entropies) / max(len(s.token_entropies), 1) if measured else None for s in group],
             logprobs=[sum(s.token_logprobs) if measured else None for s in group],
             model_prompt=group[0].model_prompt if group else None,
-            components={name: values[i * G:(i + 1) * G] for name, values in sampled.components.items()}))
+            components={name: values[i * G:(i + 1) * G] for name, values in sampled.components.items()},
+            parts={name: values[i * G:(i + 1) * G] for name, values in sampled.parts.items()},
+            token_values=None if pieces is None else [
+                {"tokens": pieces(s.response_ids), "logprob": s.token_logprobs, "entropy": s.token_entropies,
+                 "old_logprob": None} for s in group]))
     return results
 
 
@@ -260,7 +283,7 @@ def run_preview(cfg: TrainConfig, runs_dir: Path, options: PreviewOptions,
     """Everything `qae preview` does but print: (run id, database path). `device`: where the hf engine samples
     (default: the GPU when there is one, as `qae train`)."""
     from qae_app.engines.factory import make_engine
-    from qae_app.models.policy import check_prompt_lengths, load_policy, rollout_positions
+    from qae_app.models.policy import check_prompt_lengths, load_policy, rollout_positions, token_texts
 
     run_id = preview_run_id(cfg, Path(runs_dir))  # before anything slow
     task = run_task(cfg)
@@ -277,7 +300,7 @@ def run_preview(cfg: TrainConfig, runs_dir: Path, options: PreviewOptions,
         sampled = sample_and_score(engine, task, cfg, options.prompts, on_progress)
     finally:
         engine.close()  # (vLLM: its engine and process group)
-    tables = preview_tables(sampled, cfg, options.ks)
+    tables = preview_tables(sampled, cfg, options.ks, partial(token_texts, codec))
     path = db_path(runs_dir, run_id)
     writer = RunWriter(path, run_id)
     config = {**cfg.to_dict(), "preview_prompts": options.prompts, "preview_ks": list(options.ks)}

@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Protocol
 
@@ -148,6 +149,24 @@ def templated_prompt(codec: TextCodec, ids: list[int]) -> str | None:
     if not getattr(codec, "use_chat_template", False):
         return None
     return codec.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def token_texts(codec: TextCodec, ids: list[int]) -> list[str]:
+    """Each token's own text, special tokens written out (<eos>, <|im_end|>): what the store keeps per token. A
+    byte-level tokenizer's token holding part of a character decodes to U+FFFD."""
+    known = _TOKEN_TEXTS.setdefault(codec, {})  # each id decoded once per codec: a step repeats most of them
+    new = sorted(set(ids) - known.keys())
+    if new and isinstance(codec, CharTokenizer):
+        known.update({i: codec.SPECIALS[i] if i < len(codec.SPECIALS) else codec._to_char.get(i, f"<{i}>")
+                      for i in new})
+    elif new and getattr(codec, "tokenizer", None) is not None:
+        known.update(zip(new, codec.tokenizer.batch_decode([[i] for i in new], skip_special_tokens=False)))
+    elif new:
+        known.update({i: codec.decode([i]) for i in new})
+    return [known[i] for i in ids]
+
+
+_TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # codec -> token id -> its text
 
 
 def plain_ids(encoded) -> list[int]:

@@ -171,15 +171,24 @@ class RewardSet:
         return RewardScores(self._totals(components, n), components)
 
     def _totals(self, components: dict[str, list[float | None]], n: int) -> list[float]:
-        wrong, right = self.values
         totals = [0.0] * n
+        for part in self.parts(components).values():
+            for i, value in enumerate(part):
+                totals[i] += value
+        return totals
+
+    def parts(self, components: dict[str, list[float | None]]) -> dict[str, list[float]]:
+        """Each component's weighted part of each response's total, `weight * value` (a built-in's verdict as its
+        --reward-values reward, None as 0): the total is their sum (store/signal.py reads which one varies)."""
+        wrong, right = self.values
+        parts = {}
         for name, values in components.items():
             weight = self.weight_of[name]
-            for i, value in enumerate(values):
-                if name in self.builtin_names:
-                    value = right if value == 1.0 else wrong
-                totals[i] += weight * (0.0 if value is None else value)
-        return totals
+            if name in self.builtin_names:
+                parts[name] = [weight * (right if value == 1.0 else wrong) for value in values]
+            else:
+                parts[name] = [weight * (0.0 if value is None else value) for value in values]
+        return parts
 
     def _score_user(self, completions: list[str], prompts: list, problems: Sequence, step: int,
                     completion_ids: Sequence[list[int]]) -> dict[str, dict]:

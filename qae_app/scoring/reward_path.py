@@ -5,7 +5,7 @@ generation batch scored into the shaped rewards, verdicts and components a step 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from qae_app.config import TrainConfig
 from qae_app.core import names
@@ -52,6 +52,8 @@ class ScoredBatch:
     verified: list[bool]  # no component None
     components: dict[str, list[float | None]]  # what the store keeps per response (empty: not stored)
     warning: dict | None  # a `warnings` row: responses a user function did not score in time
+    parts: dict[str, list[float]] = field(default_factory=dict)  # each stored component's weighted part of the total
+    weights: dict[str, float] = field(default_factory=dict)  # each stored component's weight
 
 
 def score_batch(rewards: RewardSet, cfg: TrainConfig, samples: list, problems: list, prompts: list,
@@ -63,5 +65,8 @@ def score_batch(rewards: RewardSet, cfg: TrainConfig, samples: list, problems: l
                                        [problems[i] for i in asked], step, [s.response_ids for s in samples])
     shaped = [total + overlong_penalty(len(s.response_ids), cfg.max_new_tokens, cfg.overlong_buffer,
                                        cfg.overlong_penalty) for total, s in zip(totals, samples)]
+    stored = cfg.reward is not None
     return ScoredBatch(shaped, rewards.correct(components), rewards.verified(components),
-                       components if cfg.reward is not None else {}, rewards.timeout_warning(step, len(samples)))
+                       components if stored else {}, rewards.timeout_warning(step, len(samples)),
+                       rewards.parts(components) if stored else {},
+                       {name: rewards.weight_of[name] for name in components} if stored else {})

@@ -418,6 +418,7 @@ class PreviewView:
     groups: pd.DataFrame  # group_idx, prompt, answer, n_correct, group_size, baseline, regime
     rollouts: pd.DataFrame  # group_idx, sample_idx, response, reward, correct, verified, advantage, gated, n_tokens,
     # truncated
+    signal: pd.DataFrame | None = None  # its `component_signal` rows (several reward components), else None
 
 
 SQL_PREVIEW_GROUPS = ("SELECT group_idx, prompt, answer, n_correct, group_size, baseline, regime FROM groups "
@@ -442,7 +443,9 @@ def read_preview(path: Path) -> PreviewView:
             run=_as_seen_from_folder(run, path).iloc[0].to_dict(), summary=summary.iloc[0].to_dict(),
             by_k=con.execute("SELECT * FROM preview_k WHERE step = ? ORDER BY estimator DESC, k", [step]).df(),
             groups=con.execute(SQL_PREVIEW_GROUPS, [step]).df(),
-            rollouts=con.execute(SQL_PREVIEW_ROLLOUTS, [step]).df())
+            rollouts=con.execute(SQL_PREVIEW_ROLLOUTS, [step]).df(),
+            signal=(con.execute("SELECT * FROM component_signal WHERE step = ? ORDER BY rowid", [step]).df()
+                    if con.execute(SQL_HAS_TABLE, ["component_signal"]).fetchone()[0] else None))
 
 
 def read_rollout_steps(path: Path) -> list[int]:

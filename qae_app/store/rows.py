@@ -38,6 +38,13 @@ class GroupResult:
     model_prompt: str | None = None  # the prompt with the chat template applied, as the model saw it; None without one
     # reward component -> [G] each response's value (None: could not verify); empty unless the run stores them
     components: dict[str, list[float | None]] = field(default_factory=dict)
+    # reward component -> [G] its weighted part of each response's reward (what the total sums; store/signal.py)
+    parts: dict[str, list[float]] = field(default_factory=dict)
+    # [G] mean |logp_old - logp_sampler| over each response's tokens; None where either is missing
+    mismatch: list[float | None] | None = None
+    # [G] each response's per-token values (store/tokens.py: tokens, logprob, entropy, old_logprob) where the store
+    # keeps them (--store-tokens), else None
+    token_values: list[dict | None] | None = None
 
 
 def group_rows(groups: Sequence[GroupResult]) -> list[dict]:
@@ -54,6 +61,7 @@ def rollout_rows(groups: Sequence[GroupResult]) -> list[dict]:
         "reward": g.rewards[i], "correct": g.correct[i], "verified": g.verified[i], "advantage": g.advantages[i],
         "gated": g.advantages[i] == 0.0, "regime": g.regime, "n_tokens": g.n_tokens[i],
         "truncated": g.truncated[i], "entropy": g.entropies[i], "logprob": g.logprobs[i], "filtered": g.filtered,
+        "mismatch": g.mismatch[i] if g.mismatch is not None else None,
     } for g in groups for i in range(len(g.rewards))]
 
 

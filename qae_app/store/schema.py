@@ -107,6 +107,10 @@ STEP_METRICS: dict[str, str] = {
                       "mean of exp(d) - d - 1 with d = logp_old - logp_sampler (verl's mismatch_k3_kl; >= 0)",
     "mismatch_ratio_max": "largest pi_old / pi_sampler = exp(d) over the same tokens (--rollout-correction tis caps "
                           "each token's weight at --rollout-correction-cap)",
+    "mismatch_capped": "tokens among the same ones whose pi_old / pi_sampler is above --rollout-correction-cap (the "
+                       "tokens --rollout-correction tis caps, whether or not it is on); NULL where the engine returns "
+                       "no log-probs",
+    "mismatch_capped_frac": "mismatch_capped as a share of the same tokens",
     "lr": "learning rate used for this step's updates",
     "response_len": "mean length in tokens of the responses sampled this step, filtered groups included",
     "truncated_frac": "fraction of the responses sampled this step that hit max_new_tokens before eos",
@@ -164,11 +168,22 @@ TABLES: dict[str, dict[str, str]] = {
         # its group was left out of the update by dynamic sampling (entropy, logprob: NULL unless the engine measured
         # them while sampling, as the hf engine does; the trainer's own pass covers the trained responses only)
         "filtered": "BOOLEAN",
+        # mean |logp_old - logp_sampler| over the response's tokens: how far the sampler's numbers were from the
+        # trainer's; NULL where the update did not forward it or the engine returns no log-probs
+        "mismatch": "DOUBLE",
     },
+    # per-token values of the responses --store-tokens keeps (store/tokens.py), one list element per response token
+    "token_values": {"run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "sample_idx": "INTEGER",
+                     "tokens": "VARCHAR[]", "logprob": "FLOAT[]", "entropy": "FLOAT[]", "old_logprob": "FLOAT[]"},
     # with --reward: each response's value of each reward component (a built-in's verdict, a user function's score
     # or one of its named parts; NULL: could not verify); the response's `reward` is their weighted sum
     "reward_components": {"run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "sample_idx": "INTEGER",
                           "name": "VARCHAR", "value": "DOUBLE"},
+    # with several reward components (--reward): which carries the step's signal (store/signal.py): their mean value,
+    # the share of groups where each differs, where the signal exists because of it, and its share of the advantage
+    "component_signal": {"run_id": "VARCHAR", "step": "INTEGER", "name": "VARCHAR", "weight": "DOUBLE",
+                         "value_mean": "DOUBLE", "frac_differs": "DOUBLE", "frac_signal": "DOUBLE",
+                         "adv_share": "DOUBLE"},
     "evals": {
         "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "subset": "VARCHAR", "metric": "VARCHAR",
         "k": "INTEGER", "value": "DOUBLE", "n_problems": "INTEGER", "source": "VARCHAR",
@@ -200,8 +215,8 @@ TABLES: dict[str, dict[str, str]] = {
         "n_all_wrong": "INTEGER", "n_mixed": "INTEGER", "suggested": "BOOLEAN",
     },
 }
-STEP_TABLES = ("steps", "groups", "rollouts", "reward_components", "evals", "eval_samples", "warnings", "previews",
-               "preview_k")  # rows keyed by step
+STEP_TABLES = ("steps", "groups", "rollouts", "reward_components", "component_signal", "token_values", "evals",
+               "eval_samples", "warnings", "previews", "preview_k")  # rows keyed by step
 EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step, benchmark and source
 
 
@@ -367,7 +382,10 @@ def _check_fields(fields: dict, columns, where: str) -> None:
 
 
 def _column_value(value) -> bool:
-    """What the store's columns hold (TABLES: text, integers, doubles, booleans, timestamps) or null."""
+    """What the store's columns hold (TABLES: text, integers, doubles, booleans, timestamps, and lists of text or
+    numbers: token_values) or null."""
+    if isinstance(value, list):
+        return all(item is None or isinstance(item, (str, int, float)) for item in value)
     return value is None or isinstance(value, (str, int, float, bool, datetime))
 
 

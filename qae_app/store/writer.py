@@ -496,10 +496,13 @@ class RunWriter:
 
 
 def queued_text_chars(writes: list[PendingWrite]) -> int:
-    """Characters of text in the step rows of `writes` not saved under pending/ yet (what a spill would write)."""
-    return sum(len(value) for write in writes if write.spilled is None and write.kind == "step"
+    """Characters of text in the step rows of `writes` not saved under pending/ yet (what a spill would write; a
+    per-token list counts its texts and about 10 characters a number, as JSON writes it)."""
+    return sum(len(value) if isinstance(value, str) else
+               sum(len(item) if isinstance(item, str) else 10 for item in value)
+               for write in writes if write.spilled is None and write.kind == "step"
                for records in write.tables.values() for record in records for value in record.values()
-               if isinstance(value, str))
+               if isinstance(value, (str, list)))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,11 @@ trackers a team watches, through accelerate's tracker classes (`accelerate.track
 What is sent: the run's config as hyperparameters (once a session); at each step the `steps` row's metrics under the
 column names of `schema.STEP_METRICS` (the same values the row holds; NULLs are not sent), the step's times known only
 later (write_s, checkpoint_s, step_s, store_s) with the next step, and each evaluation's values as
-`eval/<benchmark>/<subset>/<metric>` (characters MLflow refuses, such as `@` and `=`, as `_`).
+`eval/<benchmark>/<subset>/<metric>` (characters MLflow refuses, such as `@` and `=`, as `_`). With several reward
+components, each one's `component_signal` values as `reward/<name>/<column>` (value_mean, frac_signal, adv_share, ...).
+Each `warnings` row (an alert that fired, the entropy band, ...) is an event: `warnings/<kind>` = 1 at its step, and
+its message as text (`warnings/<kind>`: TensorBoard's text, W&B's and trackio's logged string; MLflow, which logs
+numbers only, gets it as an artifact `warnings/<kind>/step-<N>.txt`).
 
 Where it goes: TensorBoard writes event files into the run folder (`runs/<run>/tensorboard`, so `tensorboard --logdir
 runs` shows every run); MLflow, W&B and trackio go where their own settings say (MLFLOW_TRACKING_URI, WANDB_MODE,
@@ -82,8 +86,9 @@ class Trackers:
                 tracker.log(values, step=step)
 
     def log_step(self, step: int, tables: dict[str, list[dict]]) -> None:
-        """The step's metrics (its `steps` row, but the times sent later) and its evaluations."""
-        from qae_app.store.schema import STEP_METRICS
+        """The step's metrics (its `steps` row, but the times sent later), its evaluations, each reward component's
+        signal and each warning as an event."""
+        from qae_app.store.schema import STEP_METRICS, TABLES
 
         values = {}
         for row in tables.get("steps", []):
@@ -91,7 +96,25 @@ class Trackers:
         for row in tables.get("evals", []):
             values.update({metric_name("eval", row["benchmark"], row["subset"], row["metric"]): value
                            for value in finite_values(row, ["value"]).values()})
+        signal_columns = [c for c in TABLES["component_signal"] if c not in ("run_id", "step", "name")]
+        for row in tables.get("component_signal", []):
+            values.update({metric_name("reward", row["name"], column): value
+                           for column, value in finite_values(row, signal_columns).items()})
+        warnings = tables.get("warnings", [])
+        values.update({metric_name("warnings", row["kind"]): 1.0 for row in warnings})
         self.log(values, step)
+        for row in warnings:
+            self.event(metric_name("warnings", row["kind"]), f"step {step}: {row['message']}", step)
+
+    def event(self, key: str, text: str, step: int) -> None:
+        """`text` at `step` under `key`, as each tracker keeps text."""
+        for tracker in self.trackers:
+            if tracker.name == "mlflow":
+                import mlflow
+
+                mlflow.log_text(text, f"{key}/step-{step}.txt")
+            else:
+                tracker.log({key: text}, step=step)
 
     def log_times(self, step: int, seconds: dict) -> None:
         self.log(finite_values(seconds, LATE_TIMES), step)

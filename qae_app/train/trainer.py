@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from qae_app.algo.chunked_head import logprob_chunk_tokens
 from qae_app.algo.policy_loss_registry import EntropyCoefficient
 from qae_app.config import TrainConfig, check_launch_mixed_precision
 from qae_app.core import names
+from qae_app.core.alert_levels import parse_alerts
 from qae_app.core.errors import QAEUserError
 from qae_app.core.estimators import ESTIMATORS
 from qae_app.core.faults import fault_point
@@ -58,19 +60,24 @@ from qae_app.models.policy import (
     enable_gradient_checkpointing,
     load_policy,
     rollout_positions,
+    token_texts,
 )
 from qae_app.models.sharding import describe, prepare, shard_models, sharding_plan_for
 from qae_app.rewards.registry import data_columns
 from qae_app.scoring.reward_path import run_benchmark, run_rewards, run_task, score_batch
-from qae_app.store.rows import component_rows, group_rows, rollout_rows, step_metrics, stored_responses
+from qae_app.store.rows import step_metrics, stored_responses
+from qae_app.store.signal import primary_component
+from qae_app.store.tokens import kept_responses, responses_kept
+from qae_app.train import token_values
+from qae_app.train.alerts import StepFacts, watch
 from qae_app.train.entropy_attribution import ATTRIBUTION_METRICS, entropy_attribution
-from qae_app.train.entropy_band import entropy_warning
 from qae_app.train.entropy_change import ENTROPY_CHANGE_METRICS, entropy_change
 from qae_app.train.optimizer import optimizer_and_schedule
 from qae_app.train.precision import check_updates_move_the_weights
 from qae_app.train.reward_record import checked_record, file_record
 from qae_app.train.session import RunSession
-from qae_app.train.step_results import group_results, sampling_policy_stats
+from qae_app.train.step_results import StepRows, TokenSources, group_results, sampling_policy_stats, step_rows
+from qae_app.train.token_values import CAPPED_METRICS, TrainerTokens, capped_tokens, trainer_tokens
 from qae_app.train.trainer_state import TrainerState
 from qae_app.train.update import (
     MISMATCH_METRICS,
@@ -93,6 +100,8 @@ class StepOutput:
     warnings: list[dict] = field(default_factory=list)  # `warnings` rows: kind, message
     components: list[dict] = field(default_factory=list)  # `reward_components` rows (with --reward)
     chosen_k: float | None = None  # the K that --k auto picked at this step, if it did
+    signal: list[dict] = field(default_factory=list)  # `component_signal` rows (with --reward)
+    tokens: list[dict] = field(default_factory=list)  # `token_values` rows (--store-tokens)
 
 
 @dataclass
@@ -109,6 +118,8 @@ class GenerationBatch:
     correct: torch.Tensor  # (B, G) bool, the verifier's verdicts
     components: dict = field(default_factory=dict)  # name -> [B * G] each response's value (stored with --reward)
     reward_warning: dict | None = None  # a user reward left responses unscored at the deadline
+    parts: dict = field(default_factory=dict)  # name -> [B * G] each component's weighted part of the reward
+    weights: dict = field(default_factory=dict)  # name -> its weight
 
 
 @dataclass
@@ -128,6 +139,8 @@ class SampledStep:
     rollout_s: float
     reward_s: float
     cap_warning: dict | None  # the `warnings` row when dynamic sampling found too few groups with signal
+    kept_tokens: set[int] | None = None  # step-wide response indexes whose per-token values are stored (None: all)
+    weights: dict = field(default_factory=dict)  # each reward component's weight (with --reward)
 
 
 @dataclass
@@ -138,6 +151,7 @@ class StepUpdate:
     # per trained response, in order, from the update's no-grad pass: mean token entropy, summed log-prob (None: the
     # engine measured them, or this process trained no response)
     response_stats: tuple[list[float], list[float]] | None = None
+    tokens: TrainerTokens = field(default_factory=TrainerTokens)  # the update's per-token numbers of kept responses
 
 
 @dataclass
@@ -162,7 +176,9 @@ def step_tables(out: StepOutput | None, heldout: HeldoutEval | None, keep: str =
     tables = {}
     if out is not None:
         tables.update(steps=[out.metrics], groups=out.groups, rollouts=stored_responses(out.rollouts, keep, seed, step),
-                      warnings=out.warnings, **({"reward_components": out.components} if out.components else {}))
+                      warnings=out.warnings, **({"reward_components": out.components} if out.components else {}),
+                      **({"component_signal": out.signal} if out.signal else {}),
+                      **({"token_values": out.tokens} if out.tokens else {}))
     if heldout is not None:
         tables.update(evals=heldout.evals, eval_samples=heldout.samples)
     return tables
@@ -227,6 +243,7 @@ class Trainer:
         self.runs_dir = Path(runs_dir)
         self.resuming = resume
         self.skip_gated = True  # leave zero-advantage sequences out of the update (same update; tests turn it off)
+        self.alerts = parse_alerts(cfg.alerts)  # what the alerts watch for (train/alerts.py)
         self._setup_s: float | None = None
         self._wall_s_before = self._setup_s_before = 0.0  # time spent by earlier sessions of a resumed run
         self._setup_processes(cpu)
@@ -395,7 +412,7 @@ class Trainer:
                     self.session.save_checkpoint(self.model, self.optimizer, self.scheduler, self.codec, self.state)
                     checkpoint_s = time.perf_counter() - t0
                 if on_step is not None:
-                    on_step(step, out.metrics)
+                    on_step(step, out.metrics, out.warnings)
                 # (known only now that the step's rows are queued: the session writes them with the next step's)
                 self.session.record_step_times(step, write_s=write_s, checkpoint_s=checkpoint_s,
                                                step_s=time.perf_counter() - t_iteration)
@@ -459,15 +476,17 @@ class Trainer:
         sync_s = time.perf_counter() - t_sync
 
         # ---- the step's output: its rows (every process's groups, gathered on the main one), metrics and warnings
-        groups, rollouts, components = self._step_rows(sampled, adv, update)
-        metrics = {**step_metrics(groups, rollouts), **update.stats, "k": k, "gen_batches": len(sampled.batches),
-                   "rollout_s": sampled.rollout_s, "reward_s": sampled.reward_s, "update_s": update_s,
-                   "sync_s": sync_s}
-        warnings = [row for row in (auto_k, sampled.cap_warning, *(b.reward_warning for b in sampled.batches),
-                                    self._entropy_warning(metrics["entropy"])) if row is not None]
+        rows = self._step_rows(sampled, adv, update)
+        metrics = {**step_metrics(rows.groups, rows.rollouts), **update.stats, "k": k,
+                   "gen_batches": len(sampled.batches), "rollout_s": sampled.rollout_s, "reward_s": sampled.reward_s,
+                   "update_s": update_s, "sync_s": sync_s}
+        facts = StepFacts(step, metrics, rows.signal, primary_component(cfg.primary_reward, rows.signal))
+        alerts = watch(self.state, facts, self.alerts, cfg)
+        warnings = [row for row in (auto_k, sampled.cap_warning, *(b.reward_warning for b in sampled.batches), *alerts)
+                    if row is not None]
         metrics["step_s"] = time.perf_counter() - t_step
-        return StepOutput(metrics, groups, rollouts, warnings, chosen_k=self.state.k if auto_k else None,
-                          components=components)
+        return StepOutput(metrics, rows.groups, rows.rollouts, warnings, chosen_k=self.state.k if auto_k else None,
+                          components=rows.components, signal=rows.signal, tokens=rows.tokens)
 
     # -------------------------------------------------------------------------------------------------------------
     # the step's parts, in the order train_step runs them
@@ -491,7 +510,10 @@ class Trainer:
             samples=samples,
             trained_samples=[s for i, keep in enumerate(trained) if keep for s in samples[i * G:(i + 1) * G]],
             engine_measured=all(s.token_logprobs is not None and s.token_entropies is not None for s in samples),
-            rollout_s=rollout_s, reward_s=reward_s, cap_warning=cap)
+            rollout_s=rollout_s, reward_s=reward_s, cap_warning=cap,
+            kept_tokens=kept_responses(responses_kept(cfg.store_tokens, cfg.prompts_per_step * G * cfg.max_new_tokens),
+                                       len(batches) * cfg.prompts_per_step * G, cfg.seed, step),
+            weights={name: w for b in batches for name, w in b.weights.items()})
 
     def _sample_generation_batches(self, step: int) -> tuple[list[GenerationBatch], list[bool], float, float]:
         """Sample and score batches of prompts_per_step prompts, taken in order from the data stream at
@@ -524,6 +546,7 @@ class Trainer:
             batch = GenerationBatch(
                 index=index, first_group=index * P + offset, problems=problems, prompts=prompts, samples=samples,
                 verified=scored.verified, components=scored.components, reward_warning=scored.warning,
+                parts=scored.parts, weights=scored.weights,
                 rewards=torch.tensor(scored.rewards, dtype=torch.float64).view(len(problems), G),
                 correct=torch.tensor(scored.correct, dtype=torch.bool).view(len(problems), G))
             batches.append(batch)
@@ -563,7 +586,8 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]  # (the row's: the LR this update steps with)
         if not sampled.n_trained:  # dynamic sampling found no group with signal on any process: nothing to learn from
             # (and the schedule counts updates: the warmup stays where it is)
-            return StepUpdate({**NO_UPDATE, **dict.fromkeys((*ENTROPY_CHANGE_METRICS, *ATTRIBUTION_METRICS)), "lr": lr})
+            return StepUpdate({**NO_UPDATE, **dict.fromkeys((*ENTROPY_CHANGE_METRICS, *ATTRIBUTION_METRICS,
+                                                              *CAPPED_METRICS)), "lr": lr})
         G, n_local = cfg.group_size, len(sampled.trained_samples)
         trained = torch.tensor(sampled.trained, dtype=torch.bool)  # (B,)
         correct = sampled.correct[trained]  # (B_trained, G) bool
@@ -589,26 +613,24 @@ class Trainer:
         self.scheduler.step()  # once per RL step, on every process (the scheduler is not prepared: see _load_models)
         response_stats = None if sampled.engine_measured else sampling_policy_stats(batch, updated, n_local)
         mismatch = dict.fromkeys(MISMATCH_METRICS)  # (NULL: an engine that returns no log-probs)
-        return StepUpdate({**mismatch, **updated.stats, **attribution, **dH, "lr": lr}, response_stats)
+        capped = capped_tokens(batch, updated, trained_adv, n_local, cfg.rollout_correction_cap, acc)
+        ids = token_values.trained_response_ids(sampled.batches, sampled.trained, G)
+        kept_rows = [row for row, i in enumerate(ids) if sampled.kept_tokens is None or i in sampled.kept_tokens]
+        return StepUpdate({**mismatch, **updated.stats, **capped, **attribution, **dH, "lr": lr}, response_stats,
+                          trainer_tokens(batch, updated, n_local, kept_rows))
 
-    def _step_rows(self, sampled: SampledStep, adv, update: StepUpdate) -> tuple[list[dict], list[dict], list[dict]]:
-        """The step's `groups`, `rollouts` and `reward_components` rows: every process's groups, gathered on the
-        main process, in group_idx order."""
+    def _step_rows(self, sampled: SampledStep, adv, update: StepUpdate) -> StepRows:
+        """The step's `groups`, `rollouts`, `reward_components`, `component_signal` and `token_values` rows: every
+        process's groups, gathered on the main process, in group_idx order."""
+        sources = TokenSources(update.tokens, sampled.kept_tokens, partial(token_texts, self.codec))
         results = group_results(sampled.batches, sampled.trained, adv, sampled.rewards, sampled.correct,
-                                self.cfg.group_size, sampled.engine_measured, update.response_stats)
+                                self.cfg.group_size, sampled.engine_measured, update.response_stats, sources)
         if self.accelerator.num_processes > 1:
             from accelerate.utils import gather_object
 
             results = gather_object(results)
         results.sort(key=lambda g: g.group_idx)
-        return group_rows(results), rollout_rows(results), component_rows(results)
-
-    def _entropy_warning(self, entropy: float) -> dict | None:
-        """The entropy band's `warnings` row when the smoothed entropy crosses it (entropy_band), said as well."""
-        warning = entropy_warning(self.state, entropy, self.cfg)
-        if warning is not None:
-            self._say(f"[yellow]warning:[/] {warning['message']}")
-        return warning
+        return step_rows(results, sampled.weights)
 
     # -------------------------------------------------------------------------------------------------------------
     # the update's options

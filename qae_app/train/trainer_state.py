@@ -30,6 +30,8 @@ class TrainerState:
     # EntropyCoefficient); None: the config's --entropy-coef, nothing measured yet
     entropy_coef: float | None = None
     entropy_measured: float | None = None
+    # what the alerts remember of the run (train/alerts.py: recent metrics, streaks, the alerts holding); None: none yet
+    alerts: dict | None = None
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.__dict__))
@@ -77,7 +79,23 @@ _STATE_TYPES = {"step": _count, "k": _real, "entropy_zone": lambda v: v in ("low
                 "entropy_ema": _real, "entropy_start": _real, "data_position": _count,
                 "data_fingerprint": lambda v: v is None or isinstance(v, str),
                 "num_processes": lambda v: v is None or _count(v, 1), "entropy_coef": _real,
-                "entropy_measured": _real}
+                "entropy_measured": _real,
+                "alerts": lambda v: v is None or _alerts_record(v)}
+
+
+def _numbers(value) -> bool:
+    return isinstance(value, list) and all(_real(v) and v is not None for v in value)
+
+
+def _alerts_record(value) -> bool:
+    """What train/alerts.new_record holds, and nothing else (a planted file is refused, not half read)."""
+    if not isinstance(value, dict) or set(value) != {"history", "first_lengths", "steps", "streaks", "active"}:
+        return False
+    history, streaks, active = value["history"], value["streaks"], value["active"]
+    return (isinstance(history, dict) and all(isinstance(k, str) and _numbers(v) for k, v in history.items())
+            and _numbers(value["first_lengths"]) and _count(value["steps"])
+            and isinstance(streaks, dict) and all(isinstance(k, str) and _count(v) for k, v in streaks.items())
+            and isinstance(active, list) and all(isinstance(name, str) for name in active))
 
 
 def data_position_problem(position: int, steps: int, cfg: TrainConfig) -> str | None:

@@ -103,6 +103,10 @@ class UpdateResult:
     #              MISMATCH_METRICS
     old_logp: torch.Tensor | None  # (N, T-1) the sampling policy's token log-probs, when full_pass ran
     entropy: torch.Tensor | None  # (N, T-1) its token entropies, when full_pass ran
+    # (N, T-1) the trainer's old log-probs wherever the update computed them, and (N,) bool the rows it computed them
+    # for (the forwarded responses; every one when full_pass ran): the per-token values the store keeps
+    computed_logp: torch.Tensor | None = None
+    have_old: torch.Tensor | None = None
 
 
 class MiniBatchPlan(NamedTuple):
@@ -349,7 +353,7 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
             totals["grad_norm"] += grad_norm_value(grad_norm, acc)
             tokens += mb_tokens
     return UpdateResult(update_stats(totals, tokens, n_updates, work, batch, n_local), old_logp if full_pass else None,
-                        entropy)
+                        entropy, old_logp, have_old)
 
 
 def zero_gradients(model) -> None:

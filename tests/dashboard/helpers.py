@@ -81,6 +81,11 @@ def _crafted_rows(step: int) -> dict[str, list[dict]]:
                    **{f"frac_{regime}": float(fractions.get(regime, 0.0)) for regime in charts.REGIME_COLORS})
     metrics.update(n_updates=1.0)
     tables = dict(steps=[metrics], groups=groups, rollouts=rollouts)
+    if step == 3:  # group 0's tokens, the model text full of markup and a terminal escape among them
+        tables["token_values"] = [dict(group_idx=0, sample_idx=r["sample_idx"], tokens=crafted_tokens(r["response"]),
+                                       logprob=[-0.5 * (i + 1) for i in range(len(crafted_tokens(r["response"])))],
+                                       entropy=[0.25] * len(crafted_tokens(r["response"])), old_logprob=None)
+                                  for r in rollouts if r["group_idx"] == 0]
     if step == 2:
         tables["warnings"] = [dict(kind="entropy_low", message="entropy (smoothed) 0.48 fell below 0.5")]
     if step in (1, 3):
@@ -96,6 +101,13 @@ def _crafted_rows(step: int) -> dict[str, list[dict]]:
                  answer={"q1": "1", "q2": "0"}[problem])
             for problem, s, correct in [("q1", 0, step == 3), ("q1", 1, False), ("q2", 0, True), ("q2", 1, False)]]
     return tables
+
+
+def crafted_tokens(response: str) -> list[str]:
+    """A crafted response's tokens: its words (a leading space each), a terminal escape in the markup one, <eos>."""
+    words = response.split(" ")
+    pieces = [words[0] + ("\x1b[2J" if len(words) > 1 else "")] + [" " + word for word in words[1:]]
+    return [*pieces, "<eos>"]
 
 
 def _write_crafted(out: Path, run_id: str = "crafted") -> None:

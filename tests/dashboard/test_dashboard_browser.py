@@ -602,3 +602,32 @@ def test_runs_told_apart_at_1400_and_1920(dashboard, page, tmp_path, hold_lock):
     expect(table).to_contain_text("log_entropy_attribution", timeout=60_000)
     wait_idle(page)
     assert "half-removed" not in page.get_by_test_id("stMain").inner_text()
+
+
+def test_an_opened_response_shows_every_token_coloured_with_its_numbers_on_hover(dashboard, page, tmp_path):
+    """Issue 49: the token view in a real browser. The crafted run's tokens hold markup and a terminal escape: each
+    token is a span of its own text (no <script> runs, no tag is made), its background the chosen number, and its
+    numbers in the hover title."""
+    from tests.dashboard.helpers import EVIL_RESPONSE, _write_crafted, crafted_tokens
+
+    runs_dir = tmp_path / "runs"
+    _write_crafted(runs_dir)
+    url = dashboard(runs_dir, refresh="off")
+    page.goto(f"{url}/rollouts?run=crafted&step=3&color=logprob")
+    wait_idle(page)
+    expect(page.get_by_test_id("stMetricValue").nth(0)).to_have_text("8 / 8", timeout=60_000)
+    page.get_by_test_id("stSelectbox").filter(has_text="Open a response in full").first.click()
+    page.get_by_role("option", name=re.compile(r"^sample 3 · ")).click()
+    tokens = page.locator(".qae-tokens .qae-token")
+    expected = crafted_tokens(EVIL_RESPONSE)
+    expect(tokens).to_have_count(len(expected), timeout=60_000)
+    assert page.locator(".qae-tokens script, .qae-tokens b, .qae-tokens a").count() == 0
+    assert [tokens.nth(i).text_content() for i in range(len(expected))] == expected
+    first = tokens.nth(0)
+    first.hover()
+    shown = first.evaluate("e => getComputedStyle(e, '::after').content")  # what the hover shows
+    assert shown.startswith('"#0 \\"\\\\u003cscript\\\\u003ealert') and "logprob -0.5 · entropy 0.25" in shown, shown
+    shades = page.evaluate("[...document.querySelectorAll('.qae-tokens .qae-token')].map("
+                           "s => getComputedStyle(s).backgroundColor)")
+    assert shades[0] == "rgba(214, 39, 40, 0.08)" and shades[-1] != shades[0]  # -0.5 of -5: a tenth of the way
+    screenshot(page, tmp_path, "dashboard-token-view.png")

@@ -105,6 +105,13 @@ def test_figures_follow_the_theme_and_keep_the_legend_clear_of_the_axis_title():
     assert layout.height == 400 + charts.LEGEND_ROW_PX * (rows - 1)  # the plot keeps its height
 
 
+def test_a_component_name_in_a_trace_name_is_text_not_markup():
+    """A reward component's name is the user's (a function's named parts): plotly renders trace names as HTML."""
+    frame = pd.DataFrame({"step": [1, 2], "signal:<b>fmt</b>": [0.5, 1.0], "signal:ok": [0.5, 0.0]})
+    fig = charts.lines({"r": frame}, ["signal:<b>fmt</b>", "signal:ok"], {"r": "#1f77b4"}, "signal")
+    assert [trace.name for trace in fig.data] == ["r · signal:&lt;b&gt;fmt&lt;/b&gt;", "r · signal:ok"]
+
+
 def test_regime_colors_are_not_run_colors():
     """Red was the regime `hard` and the second run: no regime color is near any run color."""
     def rgb(color: str) -> tuple[int, ...]:

@@ -47,9 +47,11 @@ def test_the_preview_page_draws_the_stored_rows(preview_app, preview_dir):
     view = read_preview(db_path(preview_dir, "pv"))
     at = preview_app("preview", run="pv")
     specs = plotly_specs(at)
-    bars = specs["preview_success"]["data"][0]
+    without, with_signal = specs["preview_success"]["data"]  # stacked: the verdict's groups with signal on top
     counts = view.groups["n_correct"].value_counts()
-    assert list(bars["y"]) == [int(counts.get(c, 0)) for c in range(9)]
+    assert [a + b for a, b in zip(without["y"], with_signal["y"])] == [int(counts.get(c, 0)) for c in range(9)]
+    n_signal = round((1 - view.summary["frac_no_signal"]) * len(view.groups))
+    assert sum(with_signal["y"]) == n_signal
     qae, grpo, *suggested = specs["preview_gating"]["data"]
     by_k = view.by_k[view.by_k["estimator"] == "qae"].sort_values("k")
     assert list(qae["x"]) == pytest.approx(by_k["k"].tolist())

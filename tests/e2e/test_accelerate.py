@@ -50,6 +50,36 @@ def test_two_processes_give_the_one_process_update_on_the_same_samples(tmp_path)
     pd.testing.assert_frame_equal(rows[0], rows[1])
 
 
+TOKEN_SQL = ("SELECT step, group_idx, sample_idx, tokens, logprob, entropy, old_logprob FROM token_values "
+             "ORDER BY step, group_idx, sample_idx")
+
+
+@pytest.mark.slow
+def test_two_processes_store_the_one_process_token_values_signal_shares_and_alerts(tmp_path):
+    """Issue 49: per-token numbers (the trainer's old log-probs computed in each process's micro-batches), each reward
+    component's signal share (from the groups of both processes) and the alerts are one process's."""
+    for n in (1, 2):
+        result = launch(n, str(SCRIPT), str(tmp_path), f"p{n}", "rewards")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    one, two = (db_path(tmp_path, f"p{n}") for n in (1, 2))
+    tokens = [query(path, TOKEN_SQL) for path in (one, two)]
+    assert len(tokens[0]) == len(tokens[1]) == 3 * 4 * 8  # every response, as many values as tokens
+    for want, got in zip(tokens[0].to_dict("records"), tokens[1].to_dict("records")):
+        assert list(want["tokens"]) == list(got["tokens"]) and want["step"] == got["step"]
+        for column in ("logprob", "entropy", "old_logprob"):
+            if want[column] is None or got[column] is None or not hasattr(want[column], "__len__"):
+                assert not hasattr(got[column], "__len__") and not hasattr(want[column], "__len__"), column
+                continue
+            assert list(got[column]) == pytest.approx(list(want[column]), rel=1e-4, abs=1e-5), column
+    assert tokens[0]["old_logprob"].map(lambda v: hasattr(v, "__len__")).any()  # the trainer's numbers are there
+    signal_sql = "SELECT step, name, weight, value_mean, frac_differs, frac_signal, adv_share FROM component_signal"
+    signal = [query(path, signal_sql + " ORDER BY step, name") for path in (one, two)]
+    pd.testing.assert_frame_equal(signal[0], signal[1], rtol=1e-6)
+    assert (signal[0].loc[signal[0]["name"] == "exact_with_unit", "frac_differs"] == 0).all()
+    warnings = [query(path, "SELECT step, kind, message FROM warnings ORDER BY step, kind") for path in (one, two)]
+    pd.testing.assert_frame_equal(warnings[0], warnings[1])
+
+
 @pytest.mark.slow
 def test_lockstep_forwards_for_sharded_weights_keep_the_update_and_match_in_number(tmp_path):
     """FSDP and ZeRO-3 gather the shards in every forward, so processes that run different numbers of forwards (gated

@@ -172,7 +172,8 @@ def test_a_continuous_reward_without_a_success_has_signal_where_its_scores_diffe
     reward of a group equal, not every verdict, and the preview says learnable, not all-wrong."""
     (tmp_path / "longer.py").write_text("def longer(completions, **kwargs):\n"
                                         "    return [min(0.9, len(c) / 10) for c in completions]\n")
-    preview(tmp_path, "c", "--prompts", "4", "--group-size", "4", "--reward", f"{tmp_path / 'longer.py'}:longer")
+    text = preview(tmp_path, "c", "--prompts", "4", "--group-size", "4", "--reward",
+                   f"{tmp_path / 'longer.py'}:longer")
     path = db_path(tmp_path, "c")
     rewards = query(path, "SELECT group_idx, reward FROM rollouts ORDER BY group_idx, sample_idx")
     groups = [g["reward"].tolist() for _, g in rewards.groupby("group_idx")]
@@ -181,6 +182,11 @@ def test_a_continuous_reward_without_a_success_has_signal_where_its_scores_diffe
     assert summary["accuracy"] == 0.0
     assert summary["frac_no_signal"] == sum(min(g) == max(g) for g in groups) / 4
     assert summary["verdict"].startswith("learnable:"), summary["verdict"]
+    # the histogram agrees: its bucket of 0 correct (all four groups) counts the same groups with signal
+    n_signal = sum(min(g) < max(g) for g in groups)
+    flat = " ".join(text.split())
+    assert f"0/4 4 {n_signal} " in flat and f"all wrong, yet {n_signal} with signal" in flat, flat
+    assert "all wrong: no signal" not in flat
 
 
 def test_a_task_without_signal_says_what_to_try(tmp_path):

@@ -18,9 +18,12 @@ With `checkpointing`, the run uses --gradient-checkpointing; with `budget`, toke
 adapters of rank 4 with a KL term (the reference: the policy with its adapters off). With `attribution`
 (tests/train/test_attribution.py), the run logs --log-entropy-attribution. With `bf16rollout`
 (tests/train/test_rollout_correction.py), the engine samples from a bfloat16 copy of the weights and the trainer
-corrects for it (--rollout-dtype bfloat16, so --rollout-correction tis). With a policy loss's name
-(tests/e2e/test_policy_loss_processes.py: clip_cov, kl_cov, gspo, cispo), the run trains with it, its selections
-set to pick many tokens; with `entropy`, the entropy controls on too (a top-entropy quantile, an adaptive bonus).
+corrects for it (--rollout-dtype bfloat16, so --rollout-correction tis). With `rewards` (tests/e2e/test_accelerate.py),
+the run scores with the two rewards of tests/hacking_rewards.py (a correctness reward that never fires, a format
+reward of weight 0.2), so its component_signal rows and a reward_signal alert come from groups of both processes.
+With a policy loss's name (tests/e2e/test_policy_loss_processes.py: clip_cov,
+kl_cov, gspo, cispo), the run trains with it, its selections set to pick many tokens; with `entropy`, the entropy
+controls on too (a top-entropy quantile, an adaptive bonus).
 
 Under FSDP2 (launched with configs/accelerate/fsdp2.yaml) the saved parameters are gathered whole.
 
@@ -78,12 +81,14 @@ LOSSES = {"clip_cov": dict(policy_loss="clip_cov", clip_cov_ratio=0.1, clip_cov_
           "gspo": dict(policy_loss="gspo", gspo_clip_low=0.002, gspo_clip_high=0.002),
           "cispo": dict(policy_loss="cispo", cispo_weight_cap=1.0001)}
 ENTROPY = dict(top_entropy_quantile=0.5, entropy_coef=0.01, entropy_target=5.0)
+HACKING = str(Path(__file__).resolve().parents[1] / "hacking_rewards.py")
+REWARDS = dict(reward=[f"{HACKING}:exact_with_unit", f"{HACKING}:one_char"], reward_weights="1,0.2")
 
 
 def main(runs_dir: str, run_name: str, mode: str = "") -> None:
     modes = set(mode.split("+"))
     options = dict(OPTIONS, **(DYNAMIC if "dynamic" in modes else {}), **(LORA if "lora" in modes else {}),
-                   **(BF16_ROLLOUT if "bf16rollout" in modes else {}),
+                   **(BF16_ROLLOUT if "bf16rollout" in modes else {}), **(REWARDS if "rewards" in modes else {}),
                    log_entropy_attribution="attribution" in modes)
     for mode_name, mode_options in {**MEMORY_MODES, **LOSSES, "entropy": ENTROPY}.items():
         if mode_name in modes:

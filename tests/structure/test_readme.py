@@ -65,6 +65,16 @@ def test_metrics_page_table_is_step_metrics_row_for_row():
     assert rows == list(STEP_METRICS.items())
 
 
+def test_metrics_page_tables_are_the_alerts_and_their_levels():
+    from qae_app.core.alert_levels import ALERT_LEVELS, ALERTS
+
+    text = (DOCS / "metrics.md").read_text()
+    assert table_rows(text, "| alert | fires when |") == list(ALERTS.items())
+    assert table_rows(text, "| level | default | meaning |") == [
+        (name, f"{level.default:g} | {level.help} (from {level.low:g} to {level.high:g})")
+        for name, level in ALERT_LEVELS.items()]
+
+
 def test_cli_table_names_every_command():
     for command in app.registered_commands:
         name = command.name or command.callback.__name__

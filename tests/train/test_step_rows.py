@@ -11,20 +11,38 @@ from qae_app.train.step_results import group_results
 from qae_app.train.trainer import Trainer
 
 
-def reference_group_results(batches, trained, adv, rewards, correct, G, from_engine, pass_stats):
+def reference_tokens(group_idx, group, first_row, tokens):
+    """Each response's mismatch and per-token values, one response at a time (TokenSources.fill spelled out)."""
+    mismatch, values = [], []
+    for j, sample in enumerate(group):
+        row = None if first_row is None else first_row + j
+        known = row is not None and row < len(tokens.trainer.mismatch)
+        mismatch.append(tokens.trainer.mismatch[row] if known else None)
+        if tokens.kept is not None and group_idx * len(group) + j not in tokens.kept:
+            values.append(None)
+            continue
+        values.append({"tokens": tokens.pieces(sample.response_ids), "logprob": sample.token_logprobs,
+                       "entropy": sample.token_entropies if sample.token_entropies is not None
+                       else tokens.trainer.entropies.get(row),
+                       "old_logprob": tokens.trainer.old_logprobs.get(row)})
+    return mismatch, values
+
+
+def reference_group_results(batches, trained, adv, rewards, correct, G, from_engine, pass_stats, tokens=None):
     """What group_results returns, spelled out one group and one response at a time (item() per value)."""
     results, local, done = [], 0, 0
     for b in batches:
         for i, problem in enumerate(b.problems):
             group = b.samples[i * G:(i + 1) * G]
+            first_row = done * G if trained[local] else None
             if from_engine:
                 entropies = [sum(s.token_entropies) / max(len(s.token_entropies), 1) for s in group]
                 logprobs = [sum(s.token_logprobs) for s in group]
             elif trained[local]:
                 entropies, logprobs = (stats[done * G:(done + 1) * G] for stats in pass_stats)
-                done += 1
             else:
                 entropies = logprobs = [None] * G
+            done += bool(trained[local])  # (the update's rows are the trained groups', in order)
             results.append(GroupResult(
                 group_idx=b.first_group + i, prompt_id=problem.prompt_id, prompt=b.prompts[i], answer=problem.answer,
                 baseline=adv.baseline[local].item(), regime=REGIMES[adv.regime[local].item()],
@@ -33,6 +51,9 @@ def reference_group_results(batches, trained, adv, rewards, correct, G, from_eng
                 advantages=[adv.advantages[local, j].item() for j in range(G)],
                 n_tokens=[len(s.response_ids) for s in group], truncated=[s.truncated for s in group],
                 entropies=entropies, logprobs=logprobs, filtered=not trained[local]))
+            if tokens is not None:
+                results[-1].mismatch, results[-1].token_values = reference_tokens(b.first_group + i, group,
+                                                                                  first_row, tokens)
             local += 1
     return results
 

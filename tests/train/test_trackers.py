@@ -51,7 +51,10 @@ def stored(db) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]]
     with duckdb.connect(str(db), read_only=True) as con:
         steps = con.execute("SELECT * FROM steps ORDER BY step").df()
         evals = con.execute("SELECT step, benchmark, subset, metric, value FROM evals").df()
+        warnings = con.execute("SELECT step, kind FROM warnings").df()
     rows = {}
+    for step, kind in warnings.itertuples(index=False):  # each warning: an event, `warnings/<kind>` = 1 at its step
+        rows.setdefault(metric_name("warnings", kind), {})[int(step)] = 1.0
     for metric in STEP_METRICS:
         values = {int(s): float(v) for s, v in zip(steps["step"], steps[metric]) if v is not None and math.isfinite(v)}
         if values:
@@ -200,3 +203,27 @@ def test_trackio_gets_every_stored_step_metric_and_evaluation(tmp_path):
         assert logged[metric] == pytest.approx(values, rel=1e-12), metric
     config = json.loads(config)
     assert config["steps"] == 3 and config["report_to"] == "trackio"
+
+
+def test_warnings_are_tracker_events_and_signal_shares_metrics(tmp_path):
+    """Issue 49: a fired alert reaches TensorBoard as an event (a 1 at its step, its message as text), and each
+    reward component's component_signal values as `reward/<name>/<column>`."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install -e '.[trackers]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from qae_app.train.trackers import Trackers
+
+    trackers = Trackers(["tensorboard"], "r", tmp_path, {"steps": 4})
+    trackers.log_step(4, {"steps": [{"entropy": 0.5}],
+                          "component_signal": [{"name": "one_word", "weight": 0.2, "value_mean": 0.4,
+                                                "frac_differs": 0.3, "frac_signal": 0.3, "adv_share": 1.0},
+                                               {"name": "antonym", "weight": 1.0, "value_mean": 0.0,
+                                                "frac_differs": 0.0, "frac_signal": 0.0, "adv_share": 0.0}],
+                          "warnings": [{"kind": "reward_signal", "message": "one_word carried 100%"}]})
+    trackers.finish()
+    events = EventAccumulator(str(tmp_path / TENSORBOARD_DIR), size_guidance={"tensors": 0}).Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert scalars["warnings/reward_signal"] == [(4, 1.0)]
+    assert scalars["reward/one_word/adv_share"] == [(4, 1.0)] and scalars["reward/antonym/weight"] == [(4, 1.0)]
+    text = events.Tensors("warnings/reward_signal/text_summary")
+    assert [(e.step, e.tensor_proto.string_val[0].decode()) for e in text] == [(4, "step 4: one_word carried 100%")]
