@@ -34,21 +34,25 @@ from qae_app.config import FIELDS, RESUMABLE, TrainConfig, coerce_option, given_
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError, SaidByTheMainProcess
 from qae_app.core.faults import fault_point
+from qae_app.core.formatting import clipped
 from qae_app.models.lora import is_lora, load_lora_adapter, save_lora_artifacts
 from qae_app.models.sharding import full_state_dict, is_sharded
 from qae_app.rewards.specs import check_named_again
-from qae_app.store.reader import last_logged_step, logged_steps, read_run, results_only_kind
+from qae_app.store.reader import check_run_file, last_logged_step, logged_steps, read_run, results_only_kind
 from qae_app.store.run_folder import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     DB_FILE,
     TRAINER_STATE,
+    NotARegularFile,
     RunLock,
     check_own_folder,
+    check_regular_file,
     checkpoint_problem,
     checkpoint_step,
     config_restore_hint,
     eval_run_error,
+    latest_checkpoint,
     list_checkpoints,
     read_run_config,
     recent_runs_text,
@@ -69,6 +73,7 @@ from qae_app.train.trackers import Trackers, start_trackers
 from qae_app.train.trainer_state import TrainerState, data_position_problem
 
 CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from readers until it is renamed into place
+RECORDED_KEYS = frozenset({"distributed", "reward_files"})  # what open_store records in config.json beside the options
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -82,9 +87,14 @@ def stored_config(folder: Path) -> TrainConfig:
     source = f"config.json {path}"
     values = {}
     stored = read_run_config(folder)  # (its errors say what to do already)
+    unknown = sorted(set(stored) - set(FIELDS) - RECORDED_KEYS)
+    if unknown:  # (no option was ever dropped: a key qae does not know is a newer qae's, or not qae's at all)
+        raise QAEUserError(f"{source} holds {', '.join(repr(clipped(key)) for key in unknown[:5])}, no setting of a "
+                           "qae run: it is not the settings file of a run this qae can resume. Nothing was written. "
+                           f"{config_restore_hint(folder)}")
     try:
         for key, value in stored.items():
-            if key not in FIELDS:  # a key an older qae wrote and this one dropped
+            if key not in FIELDS:  # what the session records beside the options (RECORDED_KEYS)
                 continue
             if value is None and "None" not in str(FIELDS[key].type):
                 raise QAEUserError(f"{source}: '{key}' = null, expected {str(FIELDS[key].type)}. "
@@ -111,9 +121,7 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
     if kind := results_only_kind(folder):
         raise eval_run_error("resume", folder, "There is nothing to resume; start a training run with another "
                                                "--run-name.", kind)
-    if not (folder / CONFIG_FILE).exists():
-        raise QAEUserError(f"resume: no run '{run}' in {runs_dir} (runs there, last written first: "
-                           f"{recent_runs_text(runs_dir)}). See `qae runs`.")
+    check_run_to_resume(runs_dir, run, folder)
     stored = stored_config(folder)
     check_named_again(stored.reward, given.get("reward"), run)
     changes = {}
@@ -127,6 +135,46 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
                 f"may change: {', '.join(option_flag(n) for n in RESUMABLE)}).")
         changes[name] = value
     return dataclasses.replace(stored, run_name=run, **changes).validate()
+
+
+def check_run_to_resume(runs_dir: Path, run: str, folder: Path) -> None:
+    """A resume continues a run, so the folder must hold a run's database (a qae run file, read here, read-only) and
+    its config.json: anything else, a folder of someone's own with a config.json of its own too, is refused by name
+    before anything is written into it (a linked run folder leads outside the runs dir)."""
+    db = folder / DB_FILE
+    try:
+        has_database = folder.is_dir() and check_regular_file(db, writing=True)
+    except NotARegularFile as err:
+        raise QAEUserError(f"resume: {err}") from None
+    if not folder.is_dir():
+        raise QAEUserError(f"resume: no run '{run}' in {runs_dir} (runs there, last written first: "
+                           f"{recent_runs_text(runs_dir)}). See `qae runs`.")
+    if not has_database:
+        raise QAEUserError(_no_database(runs_dir, run, folder))
+    check_run_file(db)  # (a file that is not a run's, damaged or another program's, is named there)
+    if not (folder / CONFIG_FILE).exists():
+        raise QAEUserError(f"resume: run '{run}' in {runs_dir} has no {CONFIG_FILE}, the settings it was started "
+                           f"with. Nothing was written. {config_restore_hint(folder)}")
+
+
+def _no_database(runs_dir: Path, run: str, folder: Path) -> str:
+    """Why a folder without a database is not resumed: a run's (its config.json a run's settings) lost it; any other
+    folder is no run, and what its config.json holds that no run's does is named."""
+    try:
+        unknown = sorted(set(read_run_config(folder)) - set(FIELDS) - RECORDED_KEYS)
+    except QAEUserError:  # (missing, damaged, planted: no run's settings either way)
+        unknown = None
+    if unknown == []:
+        newest = latest_checkpoint(folder)
+        lost = f", and with it the rows of the steps up to its checkpoint {newest.name}" if newest else ""
+        return (f"resume: run '{run}' in {runs_dir} has no {DB_FILE}: it was deleted or moved aside{lost}. Nothing "
+                f"was written. Put the file back (from a backup), or start a new run with another --run-name.")
+    held = ", ".join(sorted(path.name for path in folder.iterdir())[:6]) or "nothing"
+    linked = f" (a link to {os.path.realpath(folder)})" if folder.is_symlink() else ""
+    keys = (f"; its {CONFIG_FILE} holds {', '.join(repr(clipped(key)) for key in unknown[:5])}, no setting of a qae "
+            "run") if unknown else ""
+    return (f"resume: '{run}' in {runs_dir}{linked} is not a run: it holds no {DB_FILE} (it holds {held}{keys}). "
+            "Nothing was written. Start a new run with another --run-name.")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -182,3 +182,41 @@ def test_a_resume_refused_after_taking_the_lock_lets_it_go(runs, tmp_path):
     removed = runner.invoke(app, ["rm", "evil", "--yes", "--runs-dir", str(runs)])
     assert removed.exit_code == 0 and not (runs / "evil").exists(), removed.output
     assert (tmp_path / "checkpoints").is_dir()  # the link was removed, not what it points at
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 48: a resume needs a run
+
+
+@pytest.mark.parametrize("linked", [False, True], ids=["folder", "linked-folder"])
+def test_a_resume_of_a_folder_that_holds_no_run_is_refused_and_writes_nothing(runs, tmp_path, linked):
+    """H1: `qae train --resume exp1` on a folder holding a config.json of someone's own and no database started a new
+    run in it, its config.json overwritten; through a linked run folder, outside the runs dir. A resume needs a run:
+    refused by name, the unknown key named, nothing written."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "config.json").write_text('{"user": "project settings"}\n')
+    if linked:
+        (runs / "exp1").symlink_to(project)
+    else:
+        shutil.copytree(project, runs / "exp1")
+    folder = runs / "exp1"
+    before = sorted((path.name, path.read_bytes()) for path in folder.iterdir())
+    result = qae("train", "--resume", "exp1", "--steps", "2", runs_dir=runs)
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and output.count("error:") == 1 and "Traceback" not in output, output
+    assert "'exp1' in" in output and "is not a run: it holds no qae.duckdb" in output
+    assert "'user', no setting of a qae run" in output and "Nothing was written" in output
+    assert sorted((path.name, path.read_bytes()) for path in folder.iterdir()) == before
+
+
+def test_a_run_whose_config_holds_a_key_no_run_has_is_refused_by_name(runs):
+    """H1's unknown key: every key a run's config.json holds was written by qae (no option was ever dropped), so one
+    it does not know is not a setting it may leave out silently."""
+    config = runs / "evil" / "config.json"
+    config.write_text(config.read_text().replace('{', '{"user": "project settings", ', 1))
+    before = config.read_bytes()
+    result = qae("train", "--resume", "evil", "--steps", "2", runs_dir=runs)
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and "holds 'user', no setting of a qae run" in output, output
+    assert config.read_bytes() == before and not (runs / "evil" / "checkpoints" / "step-2").exists()
