@@ -110,8 +110,8 @@ def check_own_folder(path: Path) -> bool:
 
 
 def _hard_link(path: Path, info: os.stat_result) -> NotARegularFile:
-    return _refusal(path, f"a hard link (one file under {info.st_nlink} names: writing it would change it under "
-                          "its other names too)")
+    return _refusal(path, f"a hard link (one file under {info.st_nlink} names: another file too, which qae must "
+                          "neither write nor take for the run's own)")
 
 
 def check_regular_file(path: Path, writing: bool = False) -> bool:
@@ -433,10 +433,15 @@ def lock_holder_pid(folder: Path) -> int | None:
 
 
 def trainer_alive(folder: Path) -> bool:
-    """Whether a live process holds the run's lock (is training it now)."""
+    """Whether a live process holds the run's lock (is training it now). A lock file that is a link, or a file with
+    other names (a hard link: another run's lock, any process's locked pid file), is no trainer's: RunLock never takes
+    one, so a lock held on it is someone else's."""
     try:
         fd = open_regular_file(Path(folder) / LOCK_FILE)
     except (OSError, QAEUserError):  # no lock file, or a planted one: no trainer of qae's holds it
+        return False
+    if os.fstat(fd).st_nlink > 1:
+        os.close(fd)
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
