@@ -314,8 +314,9 @@ def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
     rows = run_summaries(runs_dir)
     if sweep is not None:
         from qae_app.analysis.compare import in_sweep
+        from qae_app.store.reader import stored_config
 
-        rows = [row for row in rows if in_sweep(json.loads(row.get("config") or "{}"), sweep)]
+        rows = [row for row in rows if in_sweep(stored_config(row), sweep)]
         if not rows:
             out.print(f"no run of sweep '{escape(sweep)}' in {escape(str(runs_dir))}. Start it with `qae sweep`.")
             return

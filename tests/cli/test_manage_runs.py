@@ -67,6 +67,7 @@ def test_runs_lists_tags_and_filters_by_one(runs):
     (["stop"], "name the run to stop"),
     (["stop", "--sweep", "nope"], "no run of sweep 'nope'"),
     (["stop", "--sweep", "base"], "nothing of sweep 'base' is running"),
+    (["rm", "other", "--sweep", "NOPE", "--yes"], "no run of sweep 'NOPE'"),  # issue 48 L8: it deleted `other`
 ])
 def test_a_bad_tag_note_or_rm_is_one_message_and_changes_nothing(runs, args, message):
     before = sorted(p.relative_to(runs) for p in runs.rglob("*"))

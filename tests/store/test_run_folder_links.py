@@ -220,3 +220,20 @@ def test_a_run_whose_config_holds_a_key_no_run_has_is_refused_by_name(runs):
     output = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 2 and "holds 'user', no setting of a qae run" in output, output
     assert config.read_bytes() == before and not (runs / "evil" / "checkpoints" / "step-2").exists()
+
+
+def test_rm_of_a_linked_run_folder_removes_the_link_and_keeps_what_it_points_at(runs, tmp_path):
+    """M3: `qae rm t2`, t2 a link to a run folder outside the runs dir, took the run's lock through the link (a
+    trainer.lock written outside), renamed the link to `.removing-t2-<pid>`, then failed in shutil.rmtree (a traceback,
+    exit 1): the run was hidden from `qae runs` and the dashboard and never restored."""
+    outside = tmp_path / "outside"
+    shutil.copytree(runs / "evil", outside / "t2", symlinks=True)
+    (outside / "t2" / "trainer.lock").unlink(missing_ok=True)
+    (runs / "t2").symlink_to(outside / "t2")
+    before = sorted((path.relative_to(outside), path.stat().st_mtime_ns) for path in outside.rglob("*"))
+    result = qae("rm", "t2", "--yes", runs_dir=runs)
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 0 and "Traceback" not in output, output
+    assert f"t2 was a link to {outside / 't2'}: the link is removed, the folder it points at is kept" in output
+    assert sorted(path.name for path in runs.iterdir()) == ["evil", "victim"]  # nothing hidden, nothing left over
+    assert sorted((path.relative_to(outside), path.stat().st_mtime_ns) for path in outside.rglob("*")) == before
