@@ -12,9 +12,9 @@ A whole `score()` call is bounded too (`batch_timeout_s`): items still unscored 
 towers costs a few timeouts, not one timeout per tower. Every item first gets a quick try (a sixth of its timeout);
 one that needs longer waits until every other item had its quick try, then gets its full timeout: a few hanging
 answers cannot starve the honest ones of the batch's time. Identical answers to the same gold are verified once.
-Workers ignore SIGINT and SIGTERM: a signal sent to the whole process group (Ctrl-C, `kill -TERM -PGID`, systemd,
-Slurm) is the trainer's to handle, and the pool finishes or abandons its call as the trainer decides (`interrupt()`
-makes the call raise `ScoringInterrupted`).
+Workers ignore SIGINT, SIGTERM and SIGHUP: a signal sent to the whole process group (Ctrl-C, `kill -TERM -PGID`,
+systemd, Slurm, a terminal that closes) is the trainer's to handle, and the pool finishes or abandons its call as the
+trainer decides (`interrupt()` makes the call raise `ScoringInterrupted`).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def verify_math(prediction: str, gold: str) -> float | None:
 
 
 _gold_cache: dict[str, list] = {}  # per process; a group of G responses shares one gold
-WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # the trainer's to handle
 
 
 def _worker_main(conn, memory_limit_mb: int | None, number: int = 0, fault_spec: str | None = None,
@@ -92,8 +92,8 @@ def _worker_main(conn, memory_limit_mb: int | None, number: int = 0, fault_spec:
     handler: what scores an item (default: math-verify on (prediction, gold)); init: (function, *args) run once
     before the worker says it is ready (user_functions.load_user_rewards imports the user's rewards here).
     """
-    # Ctrl-C and SIGTERM sent to the process group are the parent's to handle; it closes the pool. The parent started
-    # this process with them blocked, so none could kill it before these lines run.
+    # Ctrl-C, SIGTERM and SIGHUP sent to the process group are the parent's to handle; it closes the pool. The parent
+    # started this process with them blocked, so none could kill it before these lines run.
     for sig in WORKER_IGNORED_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_IGNORED_SIGNALS)
@@ -312,7 +312,7 @@ class MathVerifierPool:
         process = self._context.Process(target=_worker_main, name="qae-math-verify", daemon=True,
                                         args=(child_conn, self.memory_limit_mb, self.workers_started + 1,
                                               os.environ.get("QAE_FAULT"), self.handler, self.init))
-        # Start it with SIGINT/SIGTERM blocked: the new process (and the fork server, the first time) inherits the
+        # Start it with those signals blocked: the new process (and the fork server, the first time) inherits the
         # mask, so a signal to the whole process group cannot kill it before it has set them to be ignored. The fork
         # server never unblocks them, so it survives such a signal too. Start multiprocessing's resource tracker
         # first: starting it unblocks both signals in this thread, which would undo our block.

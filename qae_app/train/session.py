@@ -35,6 +35,7 @@ from qae_app.core import names
 from qae_app.core.errors import QAEUserError, SaidByTheMainProcess
 from qae_app.core.faults import fault_point
 from qae_app.core.formatting import clipped
+from qae_app.core.host_faults import leave_the_terminal
 from qae_app.models.lora import is_lora, load_lora_adapter, save_lora_artifacts
 from qae_app.models.sharding import full_state_dict, is_sharded
 from qae_app.rewards.specs import check_named_again
@@ -73,6 +74,7 @@ from qae_app.train.trackers import Trackers, start_trackers
 from qae_app.train.trainer_state import TrainerState, data_position_problem
 
 CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from readers until it is renamed into place
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops a run after its step, with a checkpoint
 RECORDED_KEYS = frozenset({"distributed", "reward_files"})  # what open_store records in config.json beside the options
 
 
@@ -624,12 +626,15 @@ class RunSession:
     # stopping
 
     def catch_stop_signals(self) -> None:
-        """Ctrl-C or SIGTERM asks to stop at the next step boundary (should_stop); a second Ctrl-C stops at once
-        (KeyboardInterrupt). close() puts the previous handlers back. Only from the main thread (signals reach it)."""
+        """Ctrl-C, SIGTERM or SIGHUP (a closed terminal, a dropped ssh session) asks to stop at the next step boundary
+        (should_stop); a second Ctrl-C stops at once (KeyboardInterrupt). close() puts the previous handlers back.
+        Only from the main thread (signals reach it)."""
         if threading.current_thread() is not threading.main_thread():
             return
 
         def request_stop(signum, frame):
+            if signum == signal.SIGHUP:
+                leave_the_terminal()  # (writing to a terminal that hung up fails: the run must still stop well)
             if self._waiting_for_store:
                 raise KeyboardInterrupt  # give up waiting for a reader: the rows stay safe under pending/
             if self.finishing:
@@ -645,10 +650,11 @@ class RunSession:
             if signum == signal.SIGINT:
                 self._say("[yellow]stopping after this step (checkpoint, then exit); Ctrl-C again to stop at once[/]")
             else:  # a repeated SIGTERM is the same request (above): only SIGKILL stops at once, losing the step
-                self._say("[yellow]SIGTERM: stopping after this step (checkpoint, then exit); sending it again changes "
-                          "nothing, kill -9 stops at once and loses the steps since the last checkpoint[/]")
+                self._say(f"[yellow]{signal.Signals(signum).name}: stopping after this step (checkpoint, then exit); "
+                          "sending it again changes nothing, kill -9 stops at once and loses the steps since the "
+                          "last checkpoint[/]")
 
-        self._previous_handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self._previous_handlers = {sig: signal.signal(sig, request_stop) for sig in STOP_SIGNALS}
 
     def should_stop(self) -> bool:
         """All processes agree to stop at the same step boundary (a signal may reach them at different times)."""
