@@ -399,7 +399,7 @@ class RunSession:
                     f"rows of steps 1-{state.step} are lost. Restore {DB_FILE} from a backup, or start a new "
                     "run.")
             # (opening brings a file from an older version up to date; it waits up to 60 s for a reader to let go)
-            self.writer = RunWriter(db, self.run_id, on_wait=lambda holder: self._say(
+            self.writer = RunWriter(db, self.run_id, resume_from=state.step, on_wait=lambda holder: self._say(
                 f"[yellow]waiting for {db}: {holder} (a reader left open?). Close it to go on.[/]"))
             earlier = _stored_run(db)
             if earlier is None and state.step > 0:
