@@ -15,12 +15,12 @@ from qae_app.core.errors import QAEUserError
 
 def _change_labels(run: str, runs_dir, change):
     """Read the run's labels, apply `change` (which checks its input), write them back; one message on bad input."""
-    from qae_app.store.labels import read_labels, write_labels
+    from qae_app.store.labels import labels_to_change, write_labels
     from qae_app.store.reader import resolve_run
 
     try:
         folder = resolve_run(runs_dir, run).parent
-        labels = read_labels(folder)
+        labels = labels_to_change(folder)
         change(labels)
         write_labels(folder, labels)
     except QAEUserError as err:

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import duckdb
 import pytest
@@ -189,3 +190,39 @@ def test_stop_never_signals_a_process_that_locked_the_lock_file_under_another_na
     said = " ".join(output.split())
     assert code == 2 and "holds the file under the run's own name" in said and "Nothing was signalled" in said, said
     assert process.poll() is None and not (tmp_path / "got-signal").exists()
+
+
+def test_many_tags_are_read_whole_and_a_tag_or_note_never_rewrites_labels_it_could_not_read(runs):
+    """L2: 1,700 tags of 40 characters (70 KB, over the 64 KiB labels reader's limit) read as none, and the next
+    `qae tag` or `qae note` wrote the file back from that: the note and every tag gone. Labels qae writes are read
+    whole; a file that does not read whole is refused by `qae tag` and `qae note`, never rewritten."""
+    tags = [f"t{i:04d}-" + "x" * 33 for i in range(1700)]
+    assert qae("tag", "base-s0", *tags, runs_dir=runs)[0] == 0
+    assert qae("note", "base-s0", "the paper's baseline", runs_dir=runs)[0] == 0
+    assert (runs / "base-s0" / LABELS_FILE).stat().st_size > 64 * 1024
+    assert qae("tag", "base-s0", "one-more", runs_dir=runs)[0] == 0
+    labels = read_labels(runs / "base-s0")
+    assert labels.tags == [*tags, "one-more"] and labels.note == "the paper's baseline"
+    code, shown = qae("show", "base-s0", runs_dir=runs)
+    assert code == 0 and "one-more" in shown and "note the paper's baseline" in shown
+    (runs / "base-s0" / LABELS_FILE).write_text('{"tags": ["kept"], "note": "kept", "colour": "red"}')  # by hand
+    with open(runs / "base-s0" / LABELS_FILE, "ab") as f:  # and a file larger than any qae writes
+        f.truncate(2 << 20)
+    before = (runs / "base-s0" / LABELS_FILE).read_bytes()
+    for args in (["tag", "base-s0", "x"], ["note", "base-s0", "y"]):
+        code, output = qae(*args, runs_dir=runs)
+        said = " ".join(output.split())
+        assert code == 2 and said.count("error:") == 1 and "labels.json is larger than" in said, said
+        assert (runs / "base-s0" / LABELS_FILE).read_bytes() == before
+    (runs / "base-s0" / LABELS_FILE).write_text('{"tags": ["kept", "two words"], "note": "kept"}')
+    code, output = qae("tag", "base-s0", "x", runs_dir=runs)
+    assert code == 2 and "holds tags or a note that qae did not write" in " ".join(output.split()), output
+
+
+def test_labels_larger_than_a_reader_reads_are_never_written():
+    from qae_app.core.errors import QAEUserError
+    from qae_app.store.labels import MAX_LABELS_BYTES, Labels, write_labels
+
+    tags = [f"t{i:06d}-" + "x" * 31 for i in range(MAX_LABELS_BYTES // 40)]
+    with pytest.raises(QAEUserError, match="more than the 1,048,576 a run's labels may"):
+        write_labels(Path("/nonexistent"), Labels(tags=tags))
