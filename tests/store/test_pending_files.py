@@ -28,6 +28,15 @@ PLANTS = {
     "a step that is no number": {"kind": "step_update", "step": "1; DROP TABLE steps", "fields": {"loss": 1.0}},
     "a value no column holds": {"kind": "step_update", "step": 1, "fields": {"loss": {"nested": [1]}}},
     "an unknown key": {"kind": "truncate", "step": 1, "sql": "DROP TABLE steps"},
+    # issue 48 L3: each was a traceback (TypeError in fromisoformat, DuckDB's InvalidInputException, ...)
+    "a timestamp that is a number": {"kind": "step", "step": 1, "tables": {"steps": [{"loss": 0.5}]},
+                                     "logged_at": {"$datetime": 12345}},
+    "a 4,000-digit integer in a row": {"kind": "step", "step": 1, "tables": {"steps": [{"reward_mean": 10 ** 4000}]}},
+    "text in a number column": {"kind": "step", "step": 1, "tables": {"rollouts": [{"reward": "NaN or so"}]}},
+    "text in a flag column": {"kind": "step", "step": 1, "tables": {"rollouts": [{"gated": "yes"}]}},
+    "a count past an INTEGER": {"kind": "step", "step": 1, "tables": {"groups": [{"n_correct": 1e12}]}},
+    "text as a run's timestamp": {"kind": "run", "fields": {"updated_at": "yesterday"}},
+    "a step past any step": {"kind": "step_update", "step": 2 ** 40, "fields": {"loss": 1.0}},
 }
 
 
