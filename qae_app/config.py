@@ -383,16 +383,7 @@ class TrainConfig:
         if self.estimator == "dr_grpo" and self.scale == "std":
             raise QAEUserError("scale: dr_grpo is GRPO without the std normalization, so --scale std contradicts it. "
                                "Use --estimator grpo for the std-normalized mean baseline.")
-        if self.k != "auto":  # (text: a number or 'auto', so not in NUMERIC_RANGES)
-            try:
-                k = float(self.k)
-            except ValueError:
-                raise QAEUserError(f"k: '{clipped(self.k)}' is not a number. Use a value in (0, 1) such as "
-                                   f"{names.DEFAULT_K}, or 'auto'.")
-            if not 0.0 < k < 1.0:
-                raise QAEUserError(f"k: {self.k} is outside (0, 1). QAE's K is a quantile level; the paper uses "
-                                   f"{names.DEFAULT_K} "
-                                   "(lower K pushes entropy up, higher K pushes it down).")
+        check_k(self.k)
         if self.group_size * self.prompts_per_step > MAX_RESPONSES_PER_STEP:
             raise QAEUserError(
                 f"group-size x prompts-per-step: {self.group_size:,} x {self.prompts_per_step:,} = "
@@ -444,6 +435,20 @@ class TrainConfig:
         except ValueError as err:
             raise QAEUserError(str(err)) from None
         return self
+
+
+def check_k(k: str) -> None:
+    """--k: a number in (0, 1) or 'auto' (text, so not in NUMERIC_RANGES)."""
+    if k == "auto":
+        return
+    try:
+        value = float(k)
+    except ValueError:
+        raise QAEUserError(f"k: '{clipped(k)}' is not a number. Use a value in (0, 1) such as {names.DEFAULT_K}, or "
+                           "'auto'.") from None
+    if not 0.0 < value < 1.0:
+        raise QAEUserError(f"k: {k} is outside (0, 1). QAE's K is a quantile level; the paper uses {names.DEFAULT_K} "
+                           "(lower K pushes entropy up, higher K pushes it down).")
 
 
 def check_launch_mixed_precision(mixed_precision: str) -> None:

@@ -89,7 +89,8 @@ class Plant:
 
 FILE_VARIANTS = ("link-out", "hard-link", "link-zero", "fifo", "empty", "truncated", "garbage", "deep", "wrong-types",
                  "huge", "pickle")
-DB_VARIANTS = ("view", "macro", "config-list", "config-bad-types", "config-deep", "column-type", "column-dropped")
+DB_VARIANTS = ("view", "macro", "config-list", "config-bad-types", "config-deep", "column-type", "column-dropped",
+               "config-nan-text", "config-huge-int", "config-bad-records")
 
 
 def all_plants() -> list[Plant]:
@@ -106,7 +107,8 @@ QUICK = [Plant("config.json", "deep"), Plant("trainer.lock", "fifo"), Plant("qae
          Plant("qae.duckdb", "config-deep"), Plant(f"{CHECKPOINT}/manifest.json", "wrong-types"),
          Plant(f"{CHECKPOINT}/trainer_state.json", "pickle"), Plant("labels.json", "link-zero"),
          Plant(PENDING, "deep"), Plant("labels.json", "hard-link"), Plant("qae.duckdb", "column-type"),
-         Plant("qae.duckdb", "column-dropped")]
+         Plant("qae.duckdb", "column-dropped"), Plant("qae.duckdb", "config-nan-text"),
+         Plant("qae.duckdb", "config-huge-int"), Plant("qae.duckdb", "config-bad-records")]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -207,7 +209,13 @@ def _craft_database(path: Path, variant: str, outside: Path) -> None:
         else:
             value = {"config-list": "[1, 2, 3]",
                      "config-bad-types": json.dumps({"steps": "many", "group_size": [4], "k": {"a": 1}}),
-                     "config-deep": DEEP.decode()}[variant]
+                     "config-deep": DEEP.decode(),
+                     # issue 48 L10: `qae compare` met int('NaN'), `qae runs` an int too large for a float, and `qae
+                     # show` compared text with a number
+                     "config-nan-text": json.dumps({"seed": "NaN", "steps": "NaN"}),
+                     "config-huge-int": json.dumps({"seed": 10 ** 4000, "lr": 10 ** 4000}),
+                     "config-bad-records": json.dumps({"distributed": {"machines": "2", "processes": 2},
+                                                       "reward_files": [1]})}[variant]
             con.execute("UPDATE runs SET config = ?", [value])
 
 

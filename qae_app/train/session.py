@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from qae_app.analysis.settings import RECORDED_KEYS, settings_problem
 from qae_app.config import FIELDS, RESUMABLE, TrainConfig, coerce_option, given_options, option_flag
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError, SaidByTheMainProcess
@@ -75,7 +76,6 @@ from qae_app.train.trainer_state import TrainerState, data_position_problem
 
 CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from readers until it is renamed into place
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops a run after its step, with a checkpoint
-RECORDED_KEYS = frozenset({"distributed", "reward_files"})  # what open_store records in config.json beside the options
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -94,6 +94,9 @@ def stored_config(folder: Path) -> TrainConfig:
         raise QAEUserError(f"{source} holds {', '.join(repr(clipped(key)) for key in unknown[:5])}, no setting of a "
                            "qae run: it is not the settings file of a run this qae can resume. Nothing was written. "
                            f"{config_restore_hint(folder)}")
+    problem = settings_problem({key: stored[key] for key in RECORDED_KEYS & set(stored)})
+    if problem:  # (the options are checked below, as a TOML file's are)
+        raise QAEUserError(f"{source}: {problem}. {config_restore_hint(folder)}")
     try:
         for key, value in stored.items():
             if key not in FIELDS:  # what the session records beside the options (RECORDED_KEYS)
