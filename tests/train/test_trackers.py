@@ -8,6 +8,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
 
 import duckdb
 import pytest
@@ -200,3 +203,19 @@ def test_trackio_gets_every_stored_step_metric_and_evaluation(tmp_path):
         assert logged[metric] == pytest.approx(values, rel=1e-12), metric
     config = json.loads(config)
     assert config["steps"] == 3 and config["report_to"] == "trackio"
+
+
+def test_wandb_without_an_api_key_is_refused_in_one_line_before_the_run_is_made(tmp_path):
+    """Issue 48 L6: `--report-to wandb` with no W&B key here ended in wandb's UsageError traceback, exit 1, its run
+    folder made; an MLflow store qae cannot open was already refused in one line. A real `qae train` process with no
+    key: no WANDB_API_KEY, no netrc entry, no wandb settings of this user's."""
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb)")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("WANDB_") and key != "NETRC"}
+    env.update(HOME=str(tmp_path / "home"), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), COLUMNS="300")
+    runs = tmp_path / "runs"
+    result = subprocess.run([sys.executable, "-m", "qae_app.cli", "train", "--run-name", "r", "--report-to", "wandb",
+                             *TINY, "--runs-dir", str(runs)], capture_output=True, text=True, env=env, timeout=600)
+    said = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and said.count("error:") == 1 and "Traceback" not in said, said
+    assert "report-to: wandb has no API key here" in said and "WANDB_MODE=offline" in said, said
+    assert not runs.exists() or not any(runs.iterdir())  # refused before the run was made
