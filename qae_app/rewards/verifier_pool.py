@@ -43,6 +43,15 @@ from qae_app.core.names import MAX_ANSWER_CHARS
 from qae_app.rewards.answers import INTEGER_RE, check_lengths, extract_answer
 
 
+class WorkersDidNotStart(RuntimeError):
+    """The pool's workers could not start: each died before it said it was ready, `max_start_failures` in a row
+    (`exit_codes`: theirs), or one was not ready within `startup_timeout_s` (`exit_codes` empty)."""
+
+    def __init__(self, message: str, exit_codes: tuple = ()):
+        super().__init__(message)
+        self.exit_codes = exit_codes
+
+
 class ScoringInterrupted(Exception):
     """A `score()` call was cut short by shutdown (`interrupt()` or `close()` during the call): its scores are
     incomplete, so the caller must not store them as a finished step."""
@@ -256,6 +265,7 @@ class MathVerifierPool:
         self.workers_started = 0
         self.items_scored = 0  # items a worker answered
         self.peak_busy = 0  # the most items being verified at once (workers verify side by side)
+        self.died_items: dict[int, int | None] = {}  # the last call's items whose worker died on them -> exit code
         self._failed_starts: list[int | None] = []  # exit codes of the workers that died starting, since the last ready
         self._workers: list[_Worker] = []
         self._lock = threading.RLock()
@@ -401,6 +411,7 @@ class MathVerifierPool:
         timeout of those whose quick try ran out. An item that a worker does not finish in time, or that the batch's
         deadline cuts off, scores None."""
         results: list[float | None] = [None] * len(items)
+        self.died_items = {}
         pending = deque((i, True) for i in range(len(items)))  # (item, quick try?): quick tries first, in order
         budget_s = self.batch_timeout_s or default_batch_timeout_s(self.timeout_s, len(items), self.num_workers)
         batch_deadline = None  # set when the first item is sent: starting the workers is not the batch's time
@@ -494,8 +505,8 @@ class MathVerifierPool:
                     self.timeouts += 1
                 self._replace(w)
             elif not w.ready and now >= w.started_at + self.startup_timeout_s:
-                raise RuntimeError(f"a {self.role} worker did not start within {self.startup_timeout_s:.0f} s; "
-                                   f"{self.startup_hint}")
+                raise WorkersDidNotStart(f"a {self.role} worker did not start within {self.startup_timeout_s:.0f} s; "
+                                         f"{self.startup_hint}")
 
     def _on_death(self, w: _Worker, results: list[float | None]) -> None:
         w.process.join()
@@ -508,15 +519,15 @@ class MathVerifierPool:
                 codes = ", ".join(_describe_exit(code) for code in self._failed_starts)
                 killed = all(code is not None and code < 0 for code in self._failed_starts)
                 hint = ("something kills new processes: the out-of-memory killer, or a memory limit below "
-                        f"memory_limit_mb={self.memory_limit_mb}?" if killed else
-                        "check that `python -c 'import math_verify'` works in this environment")
-                self._failed_starts.clear()
-                raise RuntimeError(f"math-verify workers died while starting, {self.max_start_failures} times in a "
-                                   f"row (exit codes {codes}); {hint}")
+                        f"memory_limit_mb={self.memory_limit_mb}?" if killed else self.startup_hint)
+                failed, self._failed_starts = tuple(self._failed_starts), []
+                raise WorkersDidNotStart(f"{self.role} workers died while starting, {self.max_start_failures} times "
+                                         f"in a row (exit codes {codes}); {hint}", failed)
             self._replace(w)
             return
         if w.item is not None:
             results[w.item] = None
+            self.died_items[w.item] = w.process.exitcode
         self.crashes += 1
         self._replace(w)
 
