@@ -31,6 +31,7 @@ response of a call in time, raises `RewardError`: one message, the user's traceb
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -169,6 +170,8 @@ class RewardSet:
         return RewardScores(self._totals(components, n), components)
 
     def _totals(self, components: dict[str, list[float | None]], n: int) -> list[float]:
+        """Each response's weighted sum of its components; RewardError where one is not a finite number (weights
+        times scores past what a float holds): an advantage or a loss computed from it would be NaN."""
         wrong, right = self.values
         totals = [0.0] * n
         for name, values in components.items():
@@ -177,6 +180,12 @@ class RewardSet:
                 if name in self.builtin_names:
                     value = right if value == 1.0 else wrong
                 totals[i] += weight * (0.0 if value is None else value)
+        for i, total in enumerate(totals):
+            if not math.isfinite(total):
+                parts = ", ".join(f"{name} {components[name][i]!r} x {self.weight_of[name]:g}" for name in components)
+                raise RewardError(f"reward-weights: response {i + 1}'s weighted sum of its rewards is {total} "
+                                  f"({parts}), past what a number holds. Use smaller --reward-weights, or scale the "
+                                  "rewards to a range such as [0, 1].")
         return totals
 
     def _score_user(self, completions: list[str], prompts: list, problems: Sequence, step: int) -> dict[str, dict]:

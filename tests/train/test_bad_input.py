@@ -76,6 +76,9 @@ BAD_VALUES = [
                                                    "integer (set in {d}/zero_steps.toml)."),
     (["train", "--config", "{d}/twice.toml"], "config: 'steps' is set twice in {d}/twice.toml ([run] steps = 2, "
                                               "[optim] steps = 0)"),
+    # issue 48 L5: weights whose sum is infinite (the weighted reward was stored as inf, advantages and loss NULL)
+    (["train", "--reward", "exact_int", "--reward", "math", "--reward-weights", "1e308,1e308"],
+     "reward-weights: '1e308,1e308' sum to more than a number holds"),
 ]
 
 
