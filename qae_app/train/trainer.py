@@ -305,7 +305,7 @@ class Trainer:
         disable_dropout(model)  # old log-probs (no grad) and the update must see the same network
         data = [(p.prompt_id, self.task.prompt(p)) for p in self.task.train + self.task.heldout]  # both splits
         evals = [(p.prompt_id, self.eval_task.prompt(p)) for p in self._evaluated_problems()]  # --eval-every's
-        check_prompt_lengths(model, self.codec, data, cfg.max_new_tokens, "data")
+        check_prompt_lengths(model, self.codec, data, cfg.max_new_tokens, "data", cfg.system_prompt)
         if cfg.eval_bench and cfg.eval_every:  # the problems --eval-every evaluates, as `qae eval` checks them
             check_prompt_lengths(model, self.codec, evals, cfg.max_new_tokens, "eval-bench")
         if cfg.max_tokens_per_micro_batch is not None:  # (the trained prompts: the held-out ones are only sampled)
