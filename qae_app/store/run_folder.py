@@ -22,6 +22,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import stat
 import time
 from pathlib import Path
@@ -274,6 +275,26 @@ def list_checkpoints(run_folder: Path) -> list[Path]:
         return []
     found = [p for p in folder.glob("step-*") if checkpoint_step(p) is not None and p.is_dir() and not p.is_symlink()]
     return sorted(found, key=checkpoint_step)
+
+
+def check_checkpoint_entries(run_folder: Path) -> None:
+    """NotARegularFile for an entry of the run's checkpoints/ named as a checkpoint (`step-N`, or `step-N.tmp` left
+    by a killed save) that is a symbolic link or not a folder: a save at that step would remove it first, through a
+    link outside the run folder. (list_checkpoints passes such entries over; a resume refuses them by name here.)"""
+    folder = Path(run_folder) / CHECKPOINTS_DIR
+    for path in sorted(folder.glob("step-*")) if check_own_folder(folder) else []:
+        if checkpoint_step(path.with_name(path.name.removesuffix(".tmp"))) is not None:
+            check_own_folder(path)
+
+
+def remove_entry(path: Path) -> None:
+    """Remove what stands at `path` in a run folder, if anything: a folder of its own with all it holds; a link, a
+    file or a FIFO alone (never what a link points at: shutil.rmtree refuses a link, and following one would empty
+    a folder outside the run)."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
 
 
 def latest_checkpoint(run_folder: Path) -> Path | None:

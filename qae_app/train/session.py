@@ -48,6 +48,7 @@ from qae_app.store.run_folder import (
     TRAINER_STATE,
     NotARegularFile,
     RunLock,
+    check_checkpoint_entries,
     check_own_folder,
     check_regular_file,
     checkpoint_problem,
@@ -58,6 +59,7 @@ from qae_app.store.run_folder import (
     list_checkpoints,
     read_run_config,
     recent_runs_text,
+    remove_entry,
     replace_run_file,
     run_dir,
     trainer_alive,
@@ -257,6 +259,7 @@ class RunSession:
         if self.resuming:
             self._lock = RunLock(self.run_dir).acquire("resume")
             check_own_folder(self.run_dir / CHECKPOINTS_DIR)  # (checkpoints saved through a link would land outside)
+            check_checkpoint_entries(self.run_dir)  # (nor a save replace a linked step-N: it removes the old first)
             converted = convert_legacy_pending(self.run_dir, self.trust_pickles)  # (refused unless trusted)
             if converted:
                 self._say(f"converted {converted} pending write(s) an older qae pickled to JSON")
@@ -558,8 +561,8 @@ class RunSession:
         acc.wait_for_everyone()
         final = self.run_dir / CHECKPOINTS_DIR / f"step-{state.step}"
         tmp = final.with_name(final.name + ".tmp")
-        if self.is_main and tmp.exists():
-            shutil.rmtree(tmp)
+        if self.is_main:
+            remove_entry(tmp)
         acc.wait_for_everyone()
         if self.is_main:
             tmp.mkdir(parents=True)
@@ -578,8 +581,7 @@ class RunSession:
             state.save(tmp / TRAINER_STATE)
             write_manifest(tmp)
             fault_point("checkpoint_rename", state.step)
-            if final.exists():
-                shutil.rmtree(final)
+            remove_entry(final)  # (a link planted there is removed, never followed)
             os.replace(tmp, final)
             for old in list_checkpoints(self.run_dir)[: -self.cfg.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)

@@ -237,3 +237,24 @@ def test_rm_of_a_linked_run_folder_removes_the_link_and_keeps_what_it_points_at(
     assert f"t2 was a link to {outside / 't2'}: the link is removed, the folder it points at is kept" in output
     assert sorted(path.name for path in runs.iterdir()) == ["evil", "victim"]  # nothing hidden, nothing left over
     assert sorted((path.relative_to(outside), path.stat().st_mtime_ns) for path in outside.rglob("*")) == before
+
+
+@pytest.mark.parametrize("planted", ["step-2", "step-2.tmp"])
+def test_a_checkpoint_folder_that_is_a_link_is_refused_before_a_save_removes_it(runs, tmp_path, planted):
+    """L9: `checkpoints/step-2 -> outside` (passed over as no checkpoint of the run's) crashed the resume when it
+    reached step 2: save_checkpoint removes the old step-2 first, and shutil.rmtree refused the link (`OSError:
+    Cannot call rmtree on a symbolic link`). A resume refuses it by name before training, and a save removes only a
+    link, never what it points at."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("kept")
+    (runs / "evil" / "checkpoints" / planted).symlink_to(outside)
+    result = qae("train", "--resume", "evil", "--steps", "2", runs_dir=runs)
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and output.count("error:") == 1 and "Traceback" not in output, output
+    assert f"checkpoints/{planted} is a symbolic link" in output
+    assert sorted(path.name for path in outside.iterdir()) == ["keep.txt"]
+    from qae_app.store.run_folder import remove_entry
+
+    remove_entry(runs / "evil" / "checkpoints" / planted)  # what a save does to the step it replaces
+    assert not (runs / "evil" / "checkpoints" / planted).is_symlink() and (outside / "keep.txt").read_text() == "kept"
