@@ -90,12 +90,13 @@ def entropy_band(low: float | None, high: float | None, start: float | None) -> 
 
 
 # Options that act only with a switch on: given without it they would do nothing, yet be stored and split
-# `qae compare`'s groups. Their defaults never trigger this (only a value the user gave).
+# `qae compare`'s groups. Their defaults never trigger this, given or not (they change nothing).
 # a run config file's [plan] table says what hardware it is planned for: read by `qae plan`, ignored by `qae train`
 PLAN_TABLE = "plan"
 
 NEEDS_SWITCH = {"filter_metric": "dynamic_sampling", "max_gen_batches": "dynamic_sampling",
                 "on_gen_cap": "dynamic_sampling", "overlong_penalty": "overlong_buffer", "shaping": "overlong_buffer"}
+VLLM_ONLY = ("vllm_sleep", "vllm_gpu_memory")  # ... and these only with --engine vllm
 
 class Range(NamedTuple):
     """The sane range of a numeric option, and what to use instead when a value is outside it."""
@@ -593,13 +594,18 @@ def build_config(toml_path: Path | None = None, **cli_options: Any) -> TrainConf
 def check_given_together(cfg: TrainConfig, given: dict) -> None:
     """The rules about what the user gave (not the defaults): an option that acts only with a switch off, and
     --eval-every on data with nothing to evaluate."""
+    changed = {name for name, value in given.items() if name in FIELDS and value != FIELDS[name].default}
     for name, switch in NEEDS_SWITCH.items():
-        if name in given and not getattr(cfg, switch):
+        if name in changed and not getattr(cfg, switch):
             value = getattr(cfg, name)
             raise QAEUserError(f"{option_flag(name)}: {value} acts only with --{option_flag(switch)}, which is off, "
                                f"so it would change nothing (yet split `qae compare`'s groups). Add "
                                f"--{option_flag(switch)}{' N' if switch == 'overlong_buffer' else ''}, or drop "
                                f"--{option_flag(name)}.")
+    for name in sorted(changed.intersection(VLLM_ONLY)) if cfg.engine != "vllm" else []:
+        raise QAEUserError(f"{option_flag(name)}: {getattr(cfg, name)} acts only with --engine vllm, and this run's "
+                           f"engine is {cfg.engine}, so it would change nothing (yet be stored with the run). Add "
+                           "--engine vllm, or drop it.")
     if "rollout_correction_cap" in given and cfg.rollout_correction == "none":
         raise QAEUserError(f"rollout-correction-cap: {cfg.rollout_correction_cap} acts only with --rollout-correction "
                            "tis, and this run's is none, so it would change nothing. Add --rollout-correction tis, or "
