@@ -98,7 +98,8 @@ def _refusal(path: Path, what: str, kind: str = "file") -> NotARegularFile:
 
 def check_own_folder(path: Path) -> bool:
     """True if `path` is a folder (not a symlink to one), False if nothing is there; NotARegularFile otherwise: qae
-    writes into `checkpoints/` and `pending/`, and a link planted there would take those writes out of the folder."""
+    writes into `checkpoints/`, `pending/` and `tensorboard/`, and a link planted there would take those writes out
+    of the folder."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:

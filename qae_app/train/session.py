@@ -73,7 +73,7 @@ from qae_app.train.checkpoint_state import (
     save_training_state,
     training_state_problem,
 )
-from qae_app.train.trackers import Trackers, start_trackers
+from qae_app.train.trackers import TENSORBOARD_DIR, Trackers, start_trackers
 from qae_app.train.trainer_state import TrainerState, data_position_problem
 
 CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from readers until it is renamed into place
@@ -258,7 +258,8 @@ class RunSession:
             return
         if self.resuming:
             self._lock = RunLock(self.run_dir).acquire("resume")
-            check_own_folder(self.run_dir / CHECKPOINTS_DIR)  # (checkpoints saved through a link would land outside)
+            for folder in (CHECKPOINTS_DIR, TENSORBOARD_DIR):  # (saved through a link, they would land outside)
+                check_own_folder(self.run_dir / folder)
             check_checkpoint_entries(self.run_dir)  # (nor a save replace a linked step-N: it removes the old first)
             converted = convert_legacy_pending(self.run_dir, self.trust_pickles)  # (refused unless trusted)
             if converted:

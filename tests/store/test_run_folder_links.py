@@ -139,7 +139,7 @@ def test_a_checkpoint_whose_manifest_lists_nothing_or_a_link_is_not_trusted(runs
     assert "is a symbolic link" in checkpoint_problem(checkpoint)
 
 
-@pytest.mark.parametrize("folder", ["checkpoints", "pending"])
+@pytest.mark.parametrize("folder", ["checkpoints", "pending", "tensorboard"])
 def test_a_folder_of_the_run_linked_outside_is_refused_before_anything_is_written_through_it(runs, tmp_path, folder):
     """The plant harness found it: `checkpoints -> elsewhere` and `qae train --resume` wrote its new checkpoint
     through the link, outside the run folder. Each folder qae writes into is one of the run folder's own."""
@@ -148,7 +148,7 @@ def test_a_folder_of_the_run_linked_outside_is_refused_before_anything_is_writte
     if (runs / "evil" / folder).exists():
         (runs / "evil" / folder).rename(tmp_path / f"{folder}-moved")
     (runs / "evil" / folder).symlink_to(outside)
-    result = qae("train", "--resume", "evil", "--steps", "2", runs_dir=runs)
+    result = qae("train", "--resume", "evil", "--steps", "2", "--report-to", "tensorboard", runs_dir=runs)
     output = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 2 and f"{folder} is a symbolic link" in output, output
     assert list(outside.iterdir()) == []
