@@ -151,7 +151,7 @@ class RunResult:
     run_id: str
     run_dir: Path
     steps_done: int
-    status: str  # finished, interrupted (Ctrl-C / SIGTERM; resumable)
+    status: str  # finished, interrupted (Ctrl-C / SIGTERM / SIGHUP; resumable)
 
 
 def step_tables(out: StepOutput | None, heldout: HeldoutEval | None, keep: str = "all", seed: int = 0,
@@ -356,9 +356,9 @@ class Trainer:
     # the loop
 
     def fit(self, on_step=None) -> RunResult:
-        """Train until cfg.steps. Ctrl-C (or SIGTERM) stops at the end of the current step with a checkpoint, so a
-        resumed run is exactly the uninterrupted one, and returns status `interrupted`; a second Ctrl-C stops at once
-        (rows kept, the newest checkpoint stays the resume point).
+        """Train until cfg.steps. Ctrl-C (or SIGTERM, SIGHUP) stops at the end of the current step with a checkpoint,
+        so a resumed run is exactly the uninterrupted one, and returns status `interrupted`; a second Ctrl-C stops at
+        once (rows kept, the newest checkpoint stays the resume point).
 
         Every second of a step is in its row: rollout_s, reward_s and update_s (train_step), eval_s, write_s (building
         rows and waiting for the store, which writes on its own thread while the next step trains) and
