@@ -93,8 +93,16 @@ DB_VARIANTS = ("view", "macro", "config-list", "config-bad-types", "config-deep"
                "config-nan-text", "config-huge-int", "config-bad-records")
 
 
+# a saved write that parses (issue 48): a truncation planted alone, a timestamp that is a number, a 4,000-digit integer
+PENDING_VARIANTS = {"truncate": {"kind": "truncate", "step": 0},
+                    "timestamp-number": {"kind": "step", "step": 1, "tables": {"steps": [{"loss": 0.5}]},
+                                         "logged_at": {"$datetime": 12345}},
+                    "huge-int": {"kind": "step", "step": 1, "tables": {"steps": [{"reward_mean": 10 ** 4000}]}}}
+
+
 def all_plants() -> list[Plant]:
     plants = [Plant(target, variant) for target in TARGETS for variant in FILE_VARIANTS]
+    plants += [Plant(PENDING, variant) for variant in PENDING_VARIANTS]
     plants += [Plant("qae.duckdb", variant) for variant in DB_VARIANTS]
     plants += [Plant("qae.duckdb.wal", variant) for variant in ("link-out", "fifo", "garbage")]
     plants += [Plant(folder, "link-out-dir") for folder in ("pending", f"{CHECKPOINT}/model", "checkpoints")]
@@ -158,6 +166,8 @@ def plant_file(run_dir: Path, plant: Plant, marker: Path, outside: Path) -> None
     elif variant == "huge":
         with open(path, "wb") as f:
             f.truncate(HUGE_BYTES)
+    elif variant in PENDING_VARIANTS:
+        path.write_text(json.dumps(PENDING_VARIANTS[variant]))
     else:
         contents = {"empty": b"", "truncated": original[: len(original) // 2], "garbage": bytes(range(256)) * 16,
                     "deep": DEEP, "pickle": pickle_payload(marker)}
