@@ -1,7 +1,7 @@
 """Benchmark: the reading commands start at once. `qae --help`, `qae runs`, `qae show` and `qae rollouts` import
 neither torch nor transformers (tests/structure/test_structure.py asserts it); this measures their wall time as a user
 meets it, a fresh `qae` process each time, on a runs dir of 20 runs (synthetic, 300 steps each, written through the real
-store_write.RunWriter), against `python -c "import torch"` for scale.
+store.writer.RunWriter), against `python -c "import torch"` for scale.
 
     python bench/bench_cli.py [--runs 20] [--repeats 5]
 

@@ -3,16 +3,16 @@ before) against without one (synced before each checkpoint instead), the two sid
 
     python bench/bench_handoff.py [--steps 200] [--group-size 4]
 
-The rows are a real step's: one `qae train` step at the benchmark settings of bench/vs_trl.py (built-in model, 8
-prompts x --group-size, 8 new tokens, 1 thread) is trained and the tables `fit` hands the store are kept. Then two
-writers, each on a run file of its own, take those rows step after step as the store's thread does for `fit`: the
-previous step's late timings (`update_step`), the step's rows (`add_step`), `flush_when_due` (a database write when
-one is due, every few seconds; else the rows are saved under pending/). "synced each step" is the writer as it was:
-every file it saves is synced before its rename (both sides space their database writes by today's rule). A step's
-time is the wall time of those three calls, on this thread (bench/vs_trl.py's qae step also waits for the store's
-thread to wake). Printed: each side's median and mean ms a step (the mean includes the database writes), and the
-per-step ratio (bench/harness.py: the order alternates pair by pair); the median ms a step synced before checkpoints
-and the ratio go to the results log.
+The rows are a real step's: one `qae train` step at the benchmark settings of bench/vs_trl.py (built-in model, 8 prompts
+x --group-size, 8 new tokens, 1 thread) is trained and the tables `fit` hands the store are kept. Then two writers, each
+on a run file of its own, take those rows step after step as the store's thread does for `fit`: the previous step's late
+timings (`update_step`), the step's rows (`add_step`), `flush_when_due` (a database write when one is due, every few
+seconds; else the rows are saved under pending/). "synced each step" is the writer with sync_each_spill on: every file
+it saves is synced before its rename (both sides space their database writes by the same rule). A step's time is the
+wall time of those three calls, on this thread (bench/vs_trl.py's qae step also waits for the store's thread to wake).
+Printed: each side's median and mean ms a step (the mean includes the database writes), and the per-step ratio
+(bench/harness.py: the order alternates pair by pair); the median ms a step synced before checkpoints and the ratio go
+to the results log.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 from harness import alternate, describe, pair_ratios, report, spread
 
-import qae_app.train.trainer as trainer_module
 from qae_app.config import build_config
 from qae_app.store.writer import RunWriter
+from qae_app.train import trainer
 
 
 class SyncedEachStep(RunWriter):
-    """The writer as it was before pending/ was synced per checkpoint: each saved write synced before its rename."""
+    """The writer with each saved write synced before its rename, instead of pending/ synced once per checkpoint."""
 
     sync_each_spill = True
 
@@ -40,20 +40,20 @@ class SyncedEachStep(RunWriter):
 def real_step_tables(group_size: int, runs_dir: Path) -> dict[str, list[dict]]:
     """The tables `fit` handed the store for step 1 of a real run at vs_trl.py's settings."""
     kept = {}
-    step_tables = trainer_module.step_tables
+    step_tables = trainer.step_tables
 
     def keeping(*args, **kwargs):
         tables = step_tables(*args, **kwargs)
         kept.setdefault("tables", tables)
         return tables
 
-    trainer_module.step_tables = keeping
+    trainer.step_tables = keeping
     try:
         cfg = build_config(run_name="rows", steps=1, prompts_per_step=8, group_size=group_size, max_new_tokens=8,
                            lora_rank=0, eval_every=0, checkpoint_every=0)
-        trainer_module.Trainer(cfg, runs_dir, cpu=True).fit()
+        trainer.Trainer(cfg, runs_dir, cpu=True).fit()
     finally:
-        trainer_module.step_tables = step_tables
+        trainer.step_tables = step_tables
     return kept["tables"]
 
 

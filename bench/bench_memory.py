@@ -8,11 +8,11 @@
 
 A transformers Llama or Qwen3 with the given shapes (random weights, float32; depth reduced to --layers) takes two RL
 steps of `update.policy_update`, the function `qae train` runs, as the trainer sets it up: its AdamW
-(`update.optimizer_and_schedule`), its decision on the chunked log-prob head (`update.logprob_chunk_tokens`: the
-chunks by default, the full logits for a LoRA model), `models.enable_gradient_checkpointing`, `lora.apply_lora`. The
-batch is `--sequences` synthetic sequences of --tokens tokens in all (half prompt, half response) with advantages
-+1, -1, +1, ... (none gated); `--micro-batch-size` sequences go through each forward (default: all). Two steps,
-so that the second backward runs with AdamW's moments allocated, as every step of a run after its first does.
+(`optimizer.optimizer_and_schedule`), its decision on the chunked log-prob head (`chunked_head.logprob_chunk_tokens`:
+the chunks by default, the full logits for a LoRA model), `policy.enable_gradient_checkpointing`, `lora.apply_lora`. The
+batch is `--sequences` synthetic sequences of --tokens tokens in all (half prompt, half response) with advantages +1,
+-1, +1, ... (none gated); `--micro-batch-size` sequences go through each forward (default: all). Two steps, so that the
+second backward runs with AdamW's moments allocated, as every step of a run after its first does.
 
 Measured from outside: the update runs in a child process (this script with --child) and the parent reads the child's
 peak resident set size from the kernel when it exits (bench/harness.py, as `/usr/bin/time -v`). "measured" is
@@ -93,9 +93,11 @@ def run_update(args) -> None:
     import torch
     import transformers
 
+    from qae_app.algo.chunked_head import logprob_chunk_tokens
     from qae_app.models.lora import apply_lora, trainable_parameters
     from qae_app.models.policy import disable_dropout, enable_gradient_checkpointing, quiet_transformers
     from qae_app.train import update
+    from qae_app.train.optimizer import optimizer_and_schedule
 
     quiet_transformers()
     baseline = current_rss()
@@ -113,8 +115,8 @@ def run_update(args) -> None:
     keyword = update.logits_keyword(model)
     if args.lora_rank:
         model = apply_lora(model, args.lora_rank, None, None)
-    chunk_tokens = update.logprob_chunk_tokens(model, args.logprob_chunk_tokens, print)  # the trainer's decision
-    optimizer, _ = update.optimizer_and_schedule(trainable_parameters(model), 1e-5, 0.0, 0)
+    chunk_tokens = logprob_chunk_tokens(model, args.logprob_chunk_tokens, print)  # the trainer's decision
+    optimizer, _ = optimizer_and_schedule(trainable_parameters(model), 1e-5, 0.0, 0)
     length = args.tokens // args.sequences
     prompt = length // 2
     ids = torch.randint(1, shape.vocab, (args.sequences, length))  # (N, T)

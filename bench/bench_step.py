@@ -67,8 +67,8 @@ def make_trainer(skip: bool, steps: int, runs_dir: str, synthetic_success: bool,
     trainer = Trainer(cfg, runs_dir, cpu=True)
     trainer.skip_gated = skip
     if synthetic_success:
-        trainer.scorer.close()
-        trainer.scorer = SyntheticVerdicts()
+        trainer.rewards.close()
+        trainer.rewards = SyntheticVerdicts()
     return trainer
 
 

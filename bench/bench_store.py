@@ -35,11 +35,11 @@ from pathlib import Path
 
 from harness import report
 
-import qae_app.train.trainer as trainer_module
 from qae_app.config import build_config
 from qae_app.store.reader import query
 from qae_app.store.run_folder import db_path
 from qae_app.store.schema import STEP_METRICS
+from qae_app.train import trainer
 
 GOAL_SHARE = "<= 3"  # % of a run's wall time: store CPU + row building
 GOAL_MB_S = ">= 30"  # the writer's MB/s of response text, wall, at the paper's step size, on 2 cores
@@ -69,11 +69,11 @@ def main() -> None:
         return wrapper
 
     for name in ("group_results", "group_rows", "rollout_rows", "step_metrics"):  # as the trainer module calls them
-        setattr(trainer_module, name, timed(name, getattr(trainer_module, name)))
+        setattr(trainer, name, timed(name, getattr(trainer, name)))
 
     with tempfile.TemporaryDirectory() as runs_dir:
         cfg = build_config(run_name="store", steps=args.steps)
-        trainer_module.Trainer(cfg, Path(runs_dir), cpu=True).fit()
+        trainer.Trainer(cfg, Path(runs_dir), cpu=True).fit()
         path = db_path(Path(runs_dir), "store")
         run = query(path, "SELECT wall_s, setup_s FROM runs").iloc[0]
         steps = query(path, "SELECT count(*) AS n, sum(store_s) AS store, median(store_s) AS median_store, "

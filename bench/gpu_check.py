@@ -34,12 +34,12 @@ from harness import report as report_result
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import qae_app.train.trainer as trainer_module  # noqa: E402
 from qae_app.algo.losses import token_logprobs_and_entropy  # noqa: E402
 from qae_app.config import build_config  # noqa: E402
 from qae_app.engines.hf import HFGenerateEngine
-from qae_app.engines.sharded_policy import sharding_plan_for  # noqa: E402
 from qae_app.models.policy import load_policy, local_model_folder  # noqa: E402
+from qae_app.models.sharding import sharding_plan_for  # noqa: E402
+from qae_app.train.trainer import Trainer  # noqa: E402
 
 FSDP_CONFIG = """compute_environment: LOCAL_MACHINE
 distributed_type: FSDP
@@ -136,7 +136,7 @@ def check_rl_steps(args, runs_dir: str) -> None:
                        run_name="gpu-check", seed=7)
     started = time.perf_counter()
     AcceleratorState._reset_state()  # the Trainer's mixed precision may differ from an earlier check's Accelerator
-    result = trainer_module.Trainer(cfg, runs_dir, cpu=args.cpu).fit()
+    result = Trainer(cfg, runs_dir, cpu=args.cpu).fit()
     elapsed = time.perf_counter() - started
     if not is_main():
         return
@@ -167,7 +167,7 @@ def check_master_weights(args, runs_dir: str) -> None:
                        num_mini_batches=1, eval_every=0, checkpoint_every=0, lr=1e-6, weight_decay=0.1,
                        run_name="gpu-check-masters", seed=5)
     AcceleratorState._reset_state()
-    trainer = trainer_module.Trainer(cfg, runs_dir + "-masters", cpu=args.cpu)
+    trainer = Trainer(cfg, runs_dir + "-masters", cpu=args.cpu)
     model = trainer.accelerator.unwrap_model(trainer.model)
     # whole weights: under FSDP2 each process holds shards, gathered here (a collective, on every process)
     before = {name: w.float().clone() for name, w in full_state_dict(model).items()}
@@ -315,7 +315,7 @@ def check_vllm_mismatch(args, runs_dir: str) -> None:
                        max_new_tokens=args.max_new_tokens, num_mini_batches=1, eval_every=0, checkpoint_every=0,
                        lr=1e-5, kl_beta=0.001, vllm_gpu_memory=0.3, run_name="gpu-check-vllm", seed=11)
     AcceleratorState._reset_state()
-    result = trainer_module.Trainer(cfg, runs_dir + "-vllm", cpu=args.cpu).fit()
+    result = Trainer(cfg, runs_dir + "-vllm", cpu=args.cpu).fit()
     if not is_main():
         return
     steps = read_steps(db_path(runs_dir + "-vllm", result.run_id))
@@ -345,7 +345,7 @@ def check_sharded(args, runs_dir: str) -> None:
                        prompts_per_step=2 * accelerator.num_processes, max_new_tokens=args.max_new_tokens,
                        eval_every=0, checkpoint_every=0, run_name="gpu-check-sharded", seed=3)
     AcceleratorState._reset_state()
-    trainer = trainer_module.Trainer(cfg, runs_dir + "-sharded")
+    trainer = Trainer(cfg, runs_dir + "-sharded")
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     reference, _ = load_policy(args.model, cfg.dtype)
     reference = dict(reference.named_parameters(remove_duplicate=False))  # a tied head by both its names, as sent

@@ -32,7 +32,7 @@ from collections import defaultdict
 import torch
 from harness import describe, pair_order, pair_ratios, report, spread
 
-import qae_app.train.trainer as trainer_module
+import qae_app.train.trainer
 from qae_app.config import build_config
 from qae_app.train import update
 from qae_app.train.trainer import Trainer, step_tables
@@ -146,7 +146,7 @@ def main() -> None:
         acc = trainer.accelerator
         trainer.engine.generate = clock.wrap("rollout", trainer.engine.generate)
         # the update's functions are wrapped where they are looked up: the trainer's names and the update module's
-        trainer_module.pack = clock.wrap("pack", trainer_module.pack)
+        qae_app.train.trainer.pack = clock.wrap("pack", qae_app.train.trainer.pack)
         update.logprobs_in_chunks = clock.wrap("logprob pass (no grad, all)", update.logprobs_in_chunks)
         update.forward_logprobs = clock.wrap(
             lambda: "train forward" if torch.is_grad_enabled() else "(pass forwards)", update.forward_logprobs)
@@ -154,13 +154,13 @@ def main() -> None:
         acc.clip_grad_norm_ = clock.wrap("clip + optimizer step", acc.clip_grad_norm_)
         trainer.optimizer.step = clock.wrap("clip + optimizer step", trainer.optimizer.step)
         captured = {}
-        policy_update = trainer_module.policy_update
+        policy_update = qae_app.train.trainer.policy_update
 
         def capturing_update(model, optimizer, batch, advantages, *args, **kwargs):
             captured.update(batch=batch, seq_adv=advantages)
             return policy_update(model, optimizer, batch, advantages, *args, **kwargs)
 
-        trainer_module.policy_update = clock.wrap("policy_update", capturing_update)
+        qae_app.train.trainer.policy_update = clock.wrap("policy_update", capturing_update)
         options = trainer.update_options()
 
         rows = {"skip": [], "dense": []}

@@ -14,13 +14,13 @@ tokens (arith 8, add 16, chain 48; or --max-new-tokens), temperature 1, LoRA off
 constant, no weight decay, grad-norm clip 1.0), clip 0.2 / 0.28, ONE optimizer update per step (qae:
 num_mini_batches=1, ppo_epochs=1; TRL: per_device_train_batch_size=8 x G, gradient_accumulation_steps=1,
 num_iterations=1), token-level loss (qae loss_agg=token; TRL loss_type="dapo"), no KL (beta 0: neither loads a
-reference model), float32, no gradient checkpointing, the same torch thread count. Both score a response with the
-task's own reward, through the same `qae_app.rewards.scorer.Scorer` (arith: exact integer; add: the final number checked
-with math-verify in its worker pool). For a built-in model TRL gets the character codec wrapped as a transformers
-tokenizer (bench/hf_char_tokenizer.py: same ids, <bos> prepended, no chat template); otherwise both load the folder
-as qae does (float32) and, where its tokenizer has a chat template, TRL gets chat prompts, which its template turns
-into the ids qae's codec gives (checked for every prompt before the run). The HF hub, transformers and datasets are
-set offline, so nothing is downloaded.
+reference model), float32, no gradient checkpointing, the same torch thread count. Both score a response with the task's
+own reward, through the same `qae_app.rewards.builtin_verifiers.BuiltinVerifier` (arith: exact integer; add: the final
+number checked with math-verify in its worker pool). For a built-in model TRL gets the character codec wrapped as a
+transformers tokenizer (bench/hf_char_tokenizer.py: same ids, <bos> prepended, no chat template); otherwise both load
+the folder as qae does (float32) and, where its tokenizer has a chat template, TRL gets chat prompts, which its template
+turns into the ids qae's codec gives (checked for every prompt before the run). The HF hub, transformers and datasets
+are set offline, so nothing is downloaded.
 
 Each system trains in a child process of this one, and in each round the children take turns step by step (the
 parent lets one step of one child run while the others wait at a gate, the order rotated each step: bench/harness.py),
@@ -196,7 +196,7 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: "RunShape") -
     from trl import GRPOConfig, GRPOTrainer
 
     from qae_app.data.tasks import load_task
-    from qae_app.rewards.scorer import Scorer
+    from qae_app.rewards.builtin_verifiers import BuiltinVerifier
 
     task = load_task(shape.task)
     model, tokenizer, chat, codec = trl_model_and_tokenizer(shape.model)
@@ -217,12 +217,12 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: "RunShape") -
                                   "answer": p.answer} for p in task.train])
     counter = WorkCounter()
 
-    scorer = Scorer(task.reward)  # the task's reward as qae's trainer scores it (math-verify: the same worker pool)
+    verifier = BuiltinVerifier(task.reward)  # the task's reward as qae's trainer scores it (math-verify: its pool)
 
     def task_reward(prompts, completions, completion_ids, answer, **kwargs):
         counter.add_responses(len(completions), sum(len(ids) for ids in completion_ids))
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # (chat: the reply's text)
-        rewards = [0.0 if r is None else r for r in scorer(texts, answer)]  # None (unverifiable): 0, as qae scores it
+        rewards = [0.0 if r is None else r for r in verifier(texts, answer)]  # None (unverifiable): 0, as qae scores it
         counter.rewards.append(sum(rewards) / len(rewards))
         return rewards
     task_reward.__name__ = f"{task.name}_reward"  # TRL logs each reward function by its name
@@ -261,7 +261,7 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: "RunShape") -
         return out
 
     trainer._generate_and_score_completions = timed_generate_and_score
-    with scorer:
+    with verifier:
         trainer.train()
     for i, end in enumerate(step_ends):
         phases[i]["update"] = end - resumes[i] - phases[i]["generate_score"]

@@ -5,7 +5,7 @@ A run is its folder: every reader is given `<runs dir>/<folder>/qae.duckdb`, so 
 run of its own on every page (the id stored inside the file is only shown, as `stored_run_id`).
 
 No I/O at import. Every read goes through a `qae_app.store.reader` reader (read-only, opened and closed at once) wrapped
-in `st.cache_data` keyed by the run's file version (`store_read.file_version`: mtime and size, two stat calls): a page
+in `st.cache_data` keyed by the run's file version (`reader.file_version`: mtime and size, two stat calls): a page
 redrawn without a new commit reads nothing from the database, and a new commit is always read.
 """
 
@@ -26,16 +26,33 @@ import plotly.graph_objects as go
 import streamlit as st
 import streamlit.components.v1 as components_v1
 
-from qae_app.analysis import compare, differences
+from qae_app.analysis import differences, run_comparison
 from qae_app.analysis.settings import settings_problem
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import MISSING, missing, pace_line, run_pace
-from qae_app.store import reader as store_read
 from qae_app.store import run_file
-from qae_app.store import run_folder as rundir
-from qae_app.store import stop as run_stop
 from qae_app.store.labels import LABELS_FILE
+from qae_app.store.reader import (
+    READ_STATUSES,
+    RunView,
+    file_version,
+    read_rollout_steps,
+    read_rollouts,
+    read_run_view,
+    read_runs,
+    stored_config,
+)
+from qae_app.store.run_folder import (
+    RESULTS_ONLY_KINDS,
+    db_path,
+    folders_not_runs,
+    list_run_dirs,
+    lock_holder_pid,
+    runs_without_database,
+    trainer_alive,
+)
+from qae_app.store.stop import request_stop, trainer_of
 
 RUNS_DIR_ENV = "QAE_RUNS_DIR"  # set by `qae dashboard --runs-dir`
 REFRESH_CHOICES = {("off" if seconds is None else f"{seconds} s"): seconds  # sidebar label -> seconds
@@ -62,7 +79,7 @@ def runs_dir() -> Path:
 
 
 def run_path(run_id: str) -> Path:
-    return rundir.db_path(runs_dir(), run_id)
+    return db_path(runs_dir(), run_id)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -72,7 +89,7 @@ def run_path(run_id: str) -> Path:
 def run_folders() -> tuple:
     """(folder, trainer alive) of every run: changes when a run appears, disappears, starts or stops (kill -9
     included: the trainer's lock goes with its process)."""
-    return tuple((folder.name, rundir.trainer_alive(folder)) for folder in rundir.list_run_dirs(runs_dir()))
+    return tuple((folder.name, trainer_alive(folder)) for folder in list_run_dirs(runs_dir()))
 
 
 def runs_signature() -> tuple:
@@ -80,8 +97,8 @@ def runs_signature() -> tuple:
     database): changes when any of them appears or disappears. (A folder caught halfway through `rm -r`, its database
     gone, is listed; it must leave the listing when the rest of it goes.)"""
     root = runs_dir()
-    return (run_folders(), tuple(folder.name for folder, _ in rundir.folders_not_runs(root)),
-            tuple(folder.name for folder in rundir.runs_without_database(root)))
+    return (run_folders(), tuple(folder.name for folder, _ in folders_not_runs(root)),
+            tuple(folder.name for folder in runs_without_database(root)))
 
 
 def labels_version(run_id: str) -> tuple:
@@ -97,12 +114,12 @@ def labels_version(run_id: str) -> tuple:
 def run_version(run_id: str) -> tuple:
     """Changes with every commit to the run's database, when its trainer starts or stops, and with its labels."""
     path = run_path(run_id)
-    return (*store_read.file_version(path), rundir.trainer_alive(path.parent), *labels_version(run_id))
+    return (*file_version(path), trainer_alive(path.parent), *labels_version(run_id))
 
 
 def runs_version() -> tuple:
     """What the listing of every run is cached by: every folder it shows, and each run's file and labels."""
-    return (runs_signature(), tuple((store_read.file_version(run_path(name)), labels_version(name))
+    return (runs_signature(), tuple((file_version(run_path(name)), labels_version(name))
                                     for name, _ in run_folders()))
 
 
@@ -112,17 +129,17 @@ def runs_version() -> tuple:
 
 @st.cache_data(max_entries=CACHE_ENTRIES, show_spinner=False)
 def _runs(runs_dir_: str, version: tuple) -> pd.DataFrame:
-    return store_read.read_runs(Path(runs_dir_))
+    return read_runs(Path(runs_dir_))
 
 
 @st.cache_data(max_entries=CACHE_ENTRIES, show_spinner=False)
-def _run_view(path: str, version: tuple) -> store_read.RunView:
-    return store_read.read_run_view(Path(path))
+def _run_view(path: str, version: tuple) -> RunView:
+    return read_run_view(Path(path))
 
 
 @st.cache_data(max_entries=RECORD_CACHE_ENTRIES, show_spinner=False)
-def _run_record(runs_dir_: str, run_id: str, version: tuple) -> compare.RunRecord:
-    return compare.load_run(Path(runs_dir_), run_id)
+def _run_record(runs_dir_: str, run_id: str, version: tuple) -> run_comparison.RunRecord:
+    return run_comparison.load_run(Path(runs_dir_), run_id)
 
 
 def _reader_key(reader: Callable) -> str:
@@ -151,16 +168,16 @@ def _guarded(read: Callable, *args, what: str):
 
 
 def runs() -> pd.DataFrame:
-    """Every run in the runs dir, newest first, with its effective status (see `store_read.read_runs`)."""
+    """Every run in the runs dir, newest first, with its effective status (see `read_runs`)."""
     frame = _guarded(_runs, str(runs_dir()), runs_version(), what="runs")
     return frame if frame is not None else pd.DataFrame(columns=["run_id", "status", "steps"])
 
 
-def run_view(run_id: str) -> store_read.RunView | None:
+def run_view(run_id: str) -> RunView | None:
     return _guarded(_run_view, str(run_path(run_id)), run_version(run_id), what=run_id)
 
 
-def run_record(run_id: str) -> compare.RunRecord | None:
+def run_record(run_id: str) -> run_comparison.RunRecord | None:
     """The run as `qae compare` reads it (config, seed, steps with the step-0 held-out point); None if unreadable."""
     return _guarded(_run_record, str(runs_dir()), run_id, run_version(run_id), what=run_id)
 
@@ -173,14 +190,14 @@ def read(reader: Callable, run_id: str, *args):
 
 def rollout_steps(run_id: str) -> list[int] | None:
     """The steps with rollouts; None (with a note) if the run cannot be read."""
-    return read(store_read.read_rollout_steps, run_id)
+    return read(read_rollout_steps, run_id)
 
 
 def rollouts(run_id: str, step: int, gated: bool | None = None, regime: str | None = None,
              reward: float | None = None, search: str | None = None,
              filtered: bool | None = None, with_text: bool = True,
              group_ids: tuple[int, ...] | None = None) -> pd.DataFrame | None:
-    return read(store_read.read_rollouts, run_id, step, gated, regime, reward, search or None, filtered, with_text,
+    return read(read_rollouts, run_id, step, gated, regime, reward, search or None, filtered, with_text,
                 None if group_ids is None else tuple(group_ids))
 
 
@@ -190,7 +207,7 @@ def rollouts(run_id: str, step: int, gated: bool | None = None, regime: str | No
 
 def default_runs(all_runs: pd.DataFrame) -> list[str]:
     """The run shown on a first visit: the newest run being trained, else the newest run."""
-    readable = all_runs[~all_runs["status"].isin(store_read.READ_STATUSES)]
+    readable = all_runs[~all_runs["status"].isin(READ_STATUSES)]
     live = readable[readable["status"] == "running"]
     pool = live if not live.empty else readable
     return [str(pool["run_id"].iloc[0])] if not pool.empty else []
@@ -208,7 +225,7 @@ def pick_runs(all_runs: pd.DataFrame) -> list[str]:
     ids = [str(run_id) for run_id in all_runs["run_id"]]
     st.session_state["_run_ids"] = ids
     if "_link_runs" not in st.session_state:
-        st.session_state["_link_runs"] = st.query_params.get_all("run")  # what the link asked for, read once
+        st.session_state["_link_runs"] = link_runs()  # what the link asked for, read once
     if not st.session_state.get("_run_chosen") and not st.session_state["_link_runs"]:
         wanted = default_runs(all_runs)
         if wanted and st.session_state.get("run") != wanted:
@@ -220,6 +237,18 @@ def pick_runs(all_runs: pd.DataFrame) -> list[str]:
                            help="Curves and evaluations overlay every picked run; rollouts and prompt history show "
                                 "one of them. The choice is in the URL: share it to share the view.")
     return shown_runs()
+
+
+def link_runs() -> list[str]:
+    """The runs a link names, `?run=a&run=b` (or `?run=a,b`), on every page. A link written when the Compare page had
+    a parameter of its own (`?runs=a&runs=b`, `?runs=a,b`) names them the same way, and the address then says
+    `?run=`."""
+    named = [run_id for value in st.query_params.get_all("run") for run_id in value.split(",") if run_id]
+    if not named and "runs" in st.query_params:
+        named = [run_id for value in st.query_params.get_all("runs") for run_id in value.split(",") if run_id]
+        del st.query_params["runs"]
+        seed("run", named)  # (the picker and the address: ?run=)
+    return named
 
 
 def picked_runs() -> list[str]:
@@ -290,7 +319,7 @@ def refresh_interval() -> float | None:
 
 
 def _snapshot(watched: list[str]) -> tuple:
-    return runs_signature(), tuple((store_read.file_version(run_path(run_id)), labels_version(run_id))
+    return runs_signature(), tuple((file_version(run_path(run_id)), labels_version(run_id))
                                    for run_id in watched)
 
 
@@ -326,7 +355,7 @@ def watch(watched: list[str], all_runs: pd.DataFrame) -> None:
 def run_config(run: dict) -> dict:
     """The run's training config (the `config` JSON of its `runs` row); {} if it is not a JSON object, or holds
     settings qae did not write (analysis.settings: a view would compare or format them)."""
-    config = store_read.stored_config(run)
+    config = stored_config(run)
     return config if settings_problem(config) is None else {}
 
 
@@ -334,7 +363,7 @@ def grouping_config(run: dict) -> dict:
     """The run's config and its tags as one more key (`tags`: its `qae tag` tags, as `qae compare --group-by tags`
     has them): what Training curves can group by."""
     tags = [tag for tag in str(run.get("tags") or "").split(", ") if tag]
-    return {**run_config(run), compare.TAGS_KEY: compare.tags_value(tags)}
+    return {**run_config(run), run_comparison.TAGS_KEY: run_comparison.tags_value(tags)}
 
 
 EVAL_SOURCES = {"train": "during training", "eval": "qae eval"}  # evals.source -> how the pages say it
@@ -356,7 +385,7 @@ def eval_choices(evaluations: pd.DataFrame) -> dict[str, tuple[str, str]]:
 
 def training_config(run: dict) -> dict | None:
     """The run's training config; None for a run without one (unreadable; made by `qae eval` or `qae preview`)."""
-    if run.get("status") in store_read.READ_STATUSES or run.get("estimator") in rundir.RESULTS_ONLY_KINDS:
+    if run.get("status") in READ_STATUSES or run.get("estimator") in RESULTS_ONLY_KINDS:
         return None
     return run_config(run)
 
@@ -380,7 +409,7 @@ def picked_apart(all_runs: pd.DataFrame, shown: list[str]) -> None:
                    "among them (a run picked alone: its options not at their default), as `qae runs` says it.")
 
 
-def progress_line(view: store_read.RunView) -> str:
+def progress_line(view: RunView) -> str:
     """'qae1 · running · step 37 / 400' from the run's row and config."""
     run = view.run
     total = run_config(run).get("steps")
@@ -394,7 +423,7 @@ def controls_on() -> bool:
     return os.environ.get(names.DASHBOARD_CONTROLS_ENV) == "1"
 
 
-def stop_controls(views: dict[str, store_read.RunView]) -> None:
+def stop_controls(views: dict[str, RunView]) -> None:
     """For each shown run that a trainer of this machine is training: a stop button behind a confirmation, which
     stops it as `qae stop` does (store/stop.py: SIGTERM to the process the kernel says holds the run's lock; the run
     stops after its current step, with a checkpoint). Nothing for a run trained elsewhere, or without controls."""
@@ -404,12 +433,12 @@ def stop_controls(views: dict[str, store_read.RunView]) -> None:
         if view.run["status"] != "running":
             continue
         folder = run_path(run_id).parent
-        if st.session_state.get(f"_stop_sent_{run_id}") == rundir.lock_holder_pid(folder):
+        if st.session_state.get(f"_stop_sent_{run_id}") == lock_holder_pid(folder):
             st.caption(f":material/hourglass_top: **{literal(run_id)}**: stop sent; it stops after its current "
                        "step and writes a checkpoint on the way out.")
             continue
         try:
-            run_stop.trainer_of(folder)
+            trainer_of(folder)
         except QAEUserError:  # not training here (another machine's trainer on a shared folder, or just ended)
             continue
         with st.popover(f"Stop {run_id}", icon=":material/stop_circle:", key=f"stop_menu_{run_id}"):
@@ -417,14 +446,14 @@ def stop_controls(views: dict[str, store_read.RunView]) -> None:
                         f"and ends `interrupted`; `qae train --resume {literal(run_id)}` continues it.")
             if st.button(f"Stop {run_id} now", key=f"stop_{run_id}", type="primary"):
                 try:
-                    st.session_state[f"_stop_sent_{run_id}"] = run_stop.request_stop(folder)
+                    st.session_state[f"_stop_sent_{run_id}"] = request_stop(folder)
                 except QAEUserError as err:
                     st.error(literal(str(err)))
                     continue
                 st.rerun()
 
 
-def heartbeat(views: dict[str, store_read.RunView]) -> None:
+def heartbeat(views: dict[str, RunView]) -> None:
     """For each run being trained: its last step's age, steps per minute and ETA, redrawn every few seconds on its
     own (only this line; the data is what the page was drawn with), so a trainer that hangs shows as an age that
     keeps growing."""
@@ -561,7 +590,7 @@ FILTERED_REASON = "filtered by dynamic sampling"  # what a response of a group l
 
 
 def filtered_rows(responses: pd.DataFrame) -> pd.Series:
-    """Whether each response's group was left out of the update by dynamic sampling (NULL in older files: trained):
+    """Whether each response's group was left out of the update by dynamic sampling (NULL, never written: trained):
     such a response is neither gated nor kept, whatever its advantage."""
     return responses["filtered"].fillna(False).astype(bool)
 

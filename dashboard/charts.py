@@ -19,7 +19,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
-from qae_app.analysis.compare import CONFIDENCE, student_t_ppf
+from qae_app.analysis.run_comparison import CONFIDENCE, student_t_ppf
 from qae_app.core.formatting import as_float, number
 from qae_app.core.names import GATE_REASONS, REGIMES
 
@@ -48,9 +48,10 @@ GATE_COLORS = {"all_wrong_group": REGIME_COLORS["all_wrong"], "failure_in_hard_g
                "reward_at_baseline": REGIME_COLORS["mixed"], "success_in_easy_group": REGIME_COLORS["easy"],
                "all_correct_group": REGIME_COLORS["all_correct"]}
 REGIME_METRICS = {f"frac_{regime}": regime for regime in REGIMES}  # steps column -> regime
-TIME_METRICS = ("rollout_s", "reward_s", "update_s", "eval_s", "write_s", "checkpoint_s")  # parts of step_s, stacked
-TIME_COLORS = {"rollout_s": "#1f77b4", "reward_s": "#ff7f0e", "update_s": "#2ca02c", "eval_s": "#9467bd",
-               "write_s": "#8c564b", "checkpoint_s": "#7f7f7f"}
+# parts of step_s, stacked
+TIME_METRICS = ("rollout_s", "reward_s", "update_s", "sync_s", "eval_s", "write_s", "checkpoint_s")
+TIME_COLORS = {"rollout_s": "#1f77b4", "reward_s": "#ff7f0e", "update_s": "#2ca02c", "sync_s": "#17becf",
+               "eval_s": "#9467bd", "write_s": "#8c564b", "checkpoint_s": "#7f7f7f"}
 PANELS_PER_ROW = 4  # per-run panels (stacked areas, drawn full width) wrap after this many
 MAX_LEGEND_ENTRIES = 6  # more (run, metric) lines than this: the legend lists runs and the title names the dashes
 # The legend sits at the bottom of the figure (container coordinates), below a margin that holds the x axis's tick
@@ -200,17 +201,24 @@ def entropy(frames: dict[str, pd.DataFrame], colors: dict[str, str], bands: dict
     fig = lines(frames, ["entropy"], colors, "entropy", smoothing, y_title="nats / token", x=x, log_y=log_y)
     ymax = max([float(s["entropy"].max()) for s in frames.values() if s["entropy"].notna().any()] or [1.0])
     above = []
-    for low, high in sorted({(as_float(low), as_float(high)) for low, high in bands.values()}, key=str):
+    runs_of: dict[tuple, list[str]] = {}  # each distinct band -> the runs that have it
+    for run_id, (low, high) in bands.items():
+        runs_of.setdefault((as_float(low), as_float(high)), []).append(run_id)
+    for (low, high), run_ids in sorted(runs_of.items(), key=lambda item: str(item[0])):
+        # several bands: each line in its run's color and labelled with the runs it is theirs (one color where
+        # several runs share it); a single band is every run's
+        whose = f" · {', '.join(run_ids)}" if len(runs_of) > 1 else ""
+        color = colors.get(run_ids[0]) if len(runs_of) > 1 and len(run_ids) == 1 else None
         if low is not None:
-            fig.add_hline(y=low, line=dict(color="#d62728", dash="dot", width=1),
-                          annotation_text=f"entropy_low {number(low)}", annotation_position="bottom right")
+            fig.add_hline(y=low, line=dict(color=color or "#d62728", dash="dot", width=1),
+                          annotation_text=f"entropy_low {number(low)}{whose}", annotation_position="bottom right")
         if high is not None and high <= 1.5 * ymax:
-            fig.add_hline(y=high, line=dict(color="#ff7f0e", dash="dot", width=1),
-                          annotation_text=f"entropy_high {number(high)}", annotation_position="top right")
+            fig.add_hline(y=high, line=dict(color=color or "#ff7f0e", dash="dot", width=1),
+                          annotation_text=f"entropy_high {number(high)}{whose}", annotation_position="top right")
         elif high is not None:  # a line far above would squash the curve (autorange includes lines): say it
-            above.append(high)
+            above.append((high, f"{number(high)}{whose}"))
     if above:  # one note for every run's line above the plot (several notes at one place overprinted)
-        fig.add_annotation(text=f"entropy_high {', '.join(number(high) for high in sorted(above))} (above)",
+        fig.add_annotation(text=f"entropy_high {'; '.join(text for _, text in sorted(above))} (above)",
                            xref="paper", yref="paper", x=1, y=1, xanchor="right", yanchor="bottom", showarrow=False,
                            font=dict(color="#ff7f0e"))
     if not log_y:
@@ -463,7 +471,7 @@ def gate_breakdown(breakdown: pd.DataFrame, totals: pd.DataFrame, step: int | No
 def quantile_bands(frames: dict[str, pd.DataFrame], colors: dict[str, str], title: str, y_title: str,
                    step: int | None = None, log_y: bool = False) -> go.Figure:
     """Per run, over steps: the median (line), the 25-75% band (darker) and the 5-95% band (lighter) of a quantity
-    over each step's responses (frames from store_read.read_quantiles); the step shown in the histogram is marked."""
+    over each step's responses (frames from reader.read_quantiles); the step shown in the histogram is marked."""
     fig = go.Figure()
     for run_id, q in frames.items():
         color = colors[run_id]
@@ -544,10 +552,10 @@ def resolve_band(band: str, n_seeds: int) -> tuple[str, str | None]:
 def across_seeds(curves: list[pd.DataFrame], band: str = "t-interval",
                  bounds: tuple[float | None, float | None] = (None, None)) -> pd.DataFrame:
     """One group's curve: per step, over the runs (frames of step, value) that have a value at that step, `n`, the
-    `mean` and the band [`low`, `high`]: the mean's 95% Student-t interval (the interval `qae compare` gives a
-    metric: compare.mean_interval of those values) or the lowest and highest value. No band (NaN) where fewer than
-    two runs have the step: one seed says nothing about the spread. `bounds` (lower, upper; None: none) are the values
-    the metric can take: the band is cut there (with 3 seeds a fraction's t-interval easily reaches below 0)."""
+    `mean` and the band [`low`, `high`]: the mean's 95% Student-t interval (the interval `qae compare` gives a metric:
+    run_comparison.mean_interval of those values) or the lowest and highest value. No band (NaN) where fewer than two
+    runs have the step: one seed says nothing about the spread. `bounds` (lower, upper; None: none) are the values the
+    metric can take: the band is cut there (with 3 seeds a fraction's t-interval easily reaches below 0)."""
     if band not in SEED_BANDS or band == "auto":  # (auto is resolved per page: one band for every group)
         raise ValueError(f"band: unknown {band!r}; use one of t-interval, min-max")
     parts = [curve[["step", "value"]].dropna() for curve in curves]

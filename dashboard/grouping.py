@@ -10,7 +10,7 @@ from __future__ import annotations
 import charts
 import pandas as pd
 
-from qae_app.analysis import compare
+from qae_app.analysis import run_comparison
 
 # the values a metric can take: its band is cut there (a fraction's t-interval easily leaves [0, 1] with 3 seeds)
 UNIT_INTERVAL = (0.0, 1.0)
@@ -37,13 +37,13 @@ def config_keys(configs: dict[str, dict]) -> list[str]:
 
 
 def group_runs(configs: dict[str, dict], keys: list[str] | None = None) -> dict[str, list[str]]:
-    """Group label -> its runs (in the given order). `keys`: the config keys whose values make a group; none: every
-    key but the seed and what `qae compare` ignores (compare.group_key). A label names the keys whose values differ
+    """Group label -> its runs (in the given order). `keys`: the config keys whose values make a group; none: every key
+    but the seed and what `qae compare` ignores (run_comparison.group_key). A label names the keys whose values differ
     between the groups ("estimator=qae, k=0.4"), or "all" when there is one group."""
     def key_of(config: dict) -> tuple:
         if keys:
             return tuple((key, repr(config.get(key, "-"))) for key in keys)
-        return compare.group_key(config)
+        return run_comparison.group_key(config)
 
     members: dict[tuple, list[str]] = {}
     for run_id, config in configs.items():

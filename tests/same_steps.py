@@ -6,7 +6,8 @@ while sampling (entropies, and the log-probs in cov_logp_adv): two processes com
 may differ in their last float32 digits there, because CPU kernels choose their reduction order by memory alignment,
 which differs between a process that loaded its weights from a checkpoint and one that trained them in memory.
 Measured: up to 2e-5 relative. Those get rtol 1e-4; a real difference (another sample, another update) moves them by
-far more.
+far more. The sampler-trainer mismatch metrics are differences of those float32 log-probs and the trainer's, so they
+are that rounding itself (about 1e-6 nats, measured up to 1.5e-6 on CI); they get the same atol 1e-5.
 """
 
 from pathlib import Path
@@ -16,8 +17,10 @@ import pandas as pd
 from qae_app.store.reader import read_steps
 from qae_app.store.run_folder import DB_FILE, PENDING_DIR
 from qae_app.store.schema import PENDING_SUFFIX, STEP_METRICS, TIMING_METRICS, pending_write_from_json
+from qae_app.train.update import MISMATCH_METRICS
 
 SAMPLING_STATS = {"entropy", "entropy_pos", "entropy_neg", "cov_logp_adv", "dH", "dH_hard", "dH_easy",
+                  *MISMATCH_METRICS,
                   *(name for name in STEP_METRICS if name.startswith("dH_") and "_from_" in name)}
 COMPARED = sorted(set(STEP_METRICS) - set(TIMING_METRICS))
 

@@ -1,4 +1,4 @@
-"""Synthetic runs written through the real `store_write.RunWriter`, for dashboard and CLI tests and
+"""Synthetic runs written through the real `RunWriter`, for dashboard and CLI tests and
 bench/bench_dashboard.py: big runs (1,000 steps, 128,000 rollouts) without training.
 
 Each prompt has a fixed difficulty; a response is correct with that probability (rising slowly over the run), and
@@ -13,11 +13,11 @@ import math
 import random
 from pathlib import Path
 
-from qae_app.core import names
-from qae_app.store import run_folder as rundir
-from qae_app.store import schema as store
-from qae_app.store import writer as store_write
+from qae_app.core.estimators import ESTIMATORS
 from qae_app.store.rows import GroupResult, group_rows, rollout_rows, step_metrics
+from qae_app.store.run_folder import db_path
+from qae_app.store.schema import STEP_METRICS
+from qae_app.store.writer import RunWriter
 
 EPS = 1e-6
 
@@ -38,19 +38,19 @@ def qae_group(rewards: list[float], k: float) -> tuple[float, str, list[float]]:
 def write_run(runs_dir: Path, run_id: str, steps: int = 20, prompts_per_step: int = 4, group_size: int = 8,
               n_prompts: int = 40, k: float = 0.4, seed: int = 0, eval_every: int = 0, eval_problems: int = 8,
               eval_k: int = 4, status: str | None = "finished", start_step: int = 1,
-              writer: store_write.RunWriter | None = None, config: dict | None = None) -> store_write.RunWriter:
+              writer: RunWriter | None = None, config: dict | None = None) -> RunWriter:
     """Write `steps` steps of a synthetic QAE run into runs_dir/run_id (created if new) and return its writer.
     `status=None` leaves the stored status as it is (`running` for a new run); `start_step` continues a run."""
     rng = random.Random(seed * 1_000_003 + start_step)
-    path = rundir.db_path(runs_dir, run_id)
+    path = db_path(runs_dir, run_id)
     if writer is None:
-        writer = store_write.RunWriter(path, run_id)
+        writer = RunWriter(path, run_id)
         if start_step == 1:
             cfg = {**dict(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, k=k, seed=seed,
                           estimator="qae", model="builtin:tiny", data="arith", eval_every=eval_every, lr=1e-5,
                           entropy_low=0.5, entropy_high=3.0), **(config or {})}
             estimator = cfg["estimator"]  # (a mean baseline's row has no K)
-            writer.create_run(run_id, cfg, estimator, k if names.uses_k(estimator) else None, "builtin:tiny", "arith",
+            writer.create_run(run_id, cfg, estimator, ESTIMATORS[estimator].k_in_use(k), "builtin:tiny", "arith",
                               seed)
     difficulty = [random.Random(seed + i).random() for i in range(n_prompts)]
     total = (config or {}).get("steps", steps + start_step - 1)
@@ -73,7 +73,7 @@ def write_run(runs_dir: Path, run_id: str, steps: int = 20, prompts_per_step: in
                 entropies=[max(0.01, rng.gauss(0.9 - 0.5 * progress, 0.15)) for _ in rewards],
                 logprobs=[-rng.random() * n for n in n_tokens]))
         group_table, rollout_table = group_rows(groups), rollout_rows(groups)
-        metrics = {name: None for name in store.STEP_METRICS}
+        metrics = {name: None for name in STEP_METRICS}
         metrics.update(step_metrics(group_table, rollout_table))
         metrics.update(k=k, loss=0.1 * rng.random(), pg_loss=0.1 * rng.random(), kl=0.0, grad_norm=rng.random(),
                        clip_frac=0.01, clip_frac_low=0.005, clip_frac_high=0.005, lr=1e-5, n_updates=1.0,

@@ -2,15 +2,15 @@
 group the run metrics' means with 95% intervals, the paired differences from a baseline group, and the mean curves of
 held-out accuracy, entropy and the zero-advantage fraction with a band across seeds.
 
-Every number of the table comes from `qae_app.analysis.compare`; this page only picks the runs and lays the numbers
-out."""
+Every number of the table comes from `qae_app.analysis.run_comparison`; this page only picks the runs and lays the
+numbers out."""
 
 import board
 import charts
 import pandas as pd
 import streamlit as st
 
-from qae_app.analysis import compare
+from qae_app.analysis import run_comparison
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import number
 from qae_app.store.reader import READ_STATUSES
@@ -29,11 +29,11 @@ NO_HELDOUT = ("No held-out evaluation in these runs, so the held-out metrics are
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# which runs: a sweep (`?sweep=`) or runs picked (`?runs=`)
+# which runs: a sweep (`?sweep=`) or the runs picked in the sidebar (`?run=`, the name every page uses)
 #
 # The pickers take a value typed in or given in a link that is not one of their options (a sweep's id where the list
-# shows names, `grpo` for the group `estimator=grpo`, `a,b` for two runs) and resolve it as `qae compare` does: the
-# URL keeps exactly what the link said, and a value that names nothing is reported, not dropped silently.
+# shows names, `grpo` for the group `estimator=grpo`, `a,b` for two runs in the sidebar's picker), and resolve it as
+# `qae compare` does: the URL keeps what the link said, and a value that names nothing is reported, not dropped.
 
 
 def run_configs(readable: pd.DataFrame) -> dict[str, dict]:
@@ -61,34 +61,32 @@ def not_found(what: str) -> None:
 
 
 def pick_compared(readable: pd.DataFrame) -> list[str]:
-    """The sweep picker (`?sweep=NAME` or its id) and, without a sweep, the runs picker (`?runs=a&runs=b`, or
-    `?runs=a,b`). A first visit shows the newest sweep, else the runs picked in the sidebar."""
+    """The sweep picker (`?sweep=NAME` or its id) and, without a sweep, the runs picked in the sidebar (`?run=a&run=b`
+    or `?run=a,b`, as on every page; a link's `?runs=` is read as `?run=`). A first visit without a link shows the
+    newest sweep, else the sidebar's runs."""
     configs = run_configs(readable)
     found = sweeps(configs)
-    if not (st.session_state.get("_compare_chosen") or "sweep" in st.query_params or "runs" in st.query_params):
+    if not (st.session_state.get("_compare_chosen") or "sweep" in st.query_params
+            or st.session_state.get("_link_runs")):
         if found and st.session_state.get("sweep") is None:
             board.seed("sweep", found[0])
-        elif not found and not st.session_state.get("runs"):
-            board.seed("runs", [run_id for run_id in board.shown_runs() if run_id in configs])
     left, right = st.columns(2)
     sweep = left.selectbox("Sweep", found, index=None, key="sweep", bind="query-params", accept_new_options=True,
-                           placeholder="none: compare the runs picked" if found else "no sweep in this runs dir",
-                           on_change=_chosen_by_user,
+                           placeholder="none: compare the runs picked in the sidebar" if found else
+                           "no sweep in this runs dir", on_change=_chosen_by_user,
                            help="Runs started by `qae sweep` carry its id and name in their config: pick its name "
-                                "or type its id. Clear it to compare any runs.")
+                                "or type its id. Clear it to compare the runs picked in the sidebar.")
     if sweep is not None:
-        members = [run_id for run_id, config in sorted(configs.items()) if compare.in_sweep(config, sweep)]
+        members = [run_id for run_id, config in sorted(configs.items()) if run_comparison.in_sweep(config, sweep)]
         if not members:
             not_found(f"no run belongs to sweep {board.literal(sweep)}")  # (the link's text, shown as text)
         else:
             ids = sorted({str(configs[run_id]["sweep_id"]) for run_id in members})
             right.caption(f"sweep id {', '.join(ids)}: {len(members)} run(s): " + ", ".join(members))
         return members
-    picked = right.multiselect("Runs to compare", list(configs), key="runs", bind="query-params",
-                               accept_new_options=True, placeholder="pick runs", on_change=_chosen_by_user,
-                               help="Runs with the same config but the seed form a group; pick two or more seeds of "
-                                    "a setup for an interval.")
-    run_ids = list(dict.fromkeys(run_id for value in picked for run_id in value.split(",") if run_id))
+    run_ids = list(dict.fromkeys(run_id for value in board.picked_runs() for run_id in value.split(",") if run_id))
+    right.caption("the runs picked in the sidebar: runs with the same config but the seed form a group; pick two or "
+                  "more seeds of a setup for an interval")
     if missing := [run_id for run_id in run_ids if run_id not in configs]:
         not_found(", ".join(f"run {board.literal(run_id)}" for run_id in missing))
     return [run_id for run_id in run_ids if run_id in configs]
@@ -98,11 +96,11 @@ def pick_compared(readable: pd.DataFrame) -> list[str]:
 # the table
 
 
-def estimate_text(estimate: compare.Estimate | None, sign: bool = False) -> str:
+def estimate_text(estimate: run_comparison.Estimate | None, sign: bool = False) -> str:
     """'0.700 [0.452, 0.948]': the mean over seeds and its 95% interval, '0.700 (n=2: no interval)' below
-    `compare.MIN_SEEDS` seeds, the mean alone with one; for a paired difference '+0.133 [-0.010, 0.277] p=0.0572'.
-    `compare.shown` rules what is printed, as in `qae compare`."""
-    shown = compare.shown(estimate)
+    `run_comparison.MIN_SEEDS` seeds, the mean alone with one; for a paired difference '+0.133 [-0.010, 0.277]
+    p=0.0572'. `run_comparison.shown` rules what is printed, as in `qae compare`."""
+    shown = run_comparison.shown(estimate)
     if shown.mean is None:
         return "-"
     text = ("+" if sign and shown.mean > 0 else "") + number(shown.mean)
@@ -113,33 +111,33 @@ def estimate_text(estimate: compare.Estimate | None, sign: bool = False) -> str:
     return text + (f" p={shown.p_value:.3g}" if shown.p_value is not None else "")
 
 
-def difference_text(difference: compare.PairedDifference | None) -> str:
+def difference_text(difference: run_comparison.PairedDifference | None) -> str:
     """'+0.133 [-0.010, 0.277] p=0.0572': the mean paired difference, its 95% interval and the paired t-test p."""
     return estimate_text(difference, sign=True)
 
 
-def group_notes(group: compare.RunGroup) -> str:
+def group_notes(group: run_comparison.RunGroup) -> str:
     unfinished = [f"{run.run_id} ({run.status})" for run in group.runs if run.status != "finished"]
     notes = [group.note()] + ([f"not finished, numbers so far: {', '.join(unfinished)}"] if unfinished else [])
     return "; ".join(note for note in notes if note)
 
 
-def groups_table(comparison: compare.Comparison) -> pd.DataFrame:
+def groups_table(comparison: run_comparison.Comparison) -> pd.DataFrame:
     rows = []
     for group in comparison.groups:
         rows.append({"group": group.label, "n": len(group.runs), "seeds": ", ".join(map(str, group.seeds)),
-                     **{name: estimate_text(group.metrics.get(name)) for name in compare.RUN_METRICS},
+                     **{name: estimate_text(group.metrics.get(name)) for name in run_comparison.RUN_METRICS},
                      "note": group_notes(group), "runs": ", ".join(run.run_id for run in group.runs)})
     return pd.DataFrame(rows)
 
 
-def differences_table(comparison: compare.Comparison) -> pd.DataFrame:
+def differences_table(comparison: run_comparison.Comparison) -> pd.DataFrame:
     rows = []
     for label, differences in comparison.differences.items():
-        pairs = differences[next(iter(compare.RUN_METRICS))].pairs
+        pairs = differences[next(iter(run_comparison.RUN_METRICS))].pairs
         rows.append({"group": label, "paired seeds": ", ".join(str(seed) for seed, _, _ in pairs) or "none",
                      "paired runs": "; ".join(f"{run} - {base_run}" for _, run, base_run in pairs) or "none",
-                     **{name: difference_text(differences.get(name)) for name in compare.RUN_METRICS}})
+                     **{name: difference_text(differences.get(name)) for name in run_comparison.RUN_METRICS}})
     return pd.DataFrame(rows)
 
 
@@ -161,7 +159,7 @@ def by_metric_columns(table: pd.DataFrame, what: str) -> dict:
             **{label: st.column_config.TextColumn(label, help=what) for label in table["group"]}}
 
 
-def pick_baseline(groups: list[compare.RunGroup]) -> compare.RunGroup | None:
+def pick_baseline(groups: list[run_comparison.RunGroup]) -> run_comparison.RunGroup | None:
     """The baseline selector (`?baseline=LABEL`, or a value only one group has, such as `grpo`, resolved as
     `qae compare --baseline grpo` resolves it)."""
     if len(groups) < 2:
@@ -174,7 +172,7 @@ def pick_baseline(groups: list[compare.RunGroup]) -> compare.RunGroup | None:
     if name is None:
         return None
     try:
-        return compare.find_group(groups, name)
+        return run_comparison.find_group(groups, name)
     except QAEUserError as err:
         st.warning(str(err), icon=":material/link_off:")
         return None
@@ -184,7 +182,7 @@ def pick_baseline(groups: list[compare.RunGroup]) -> compare.RunGroup | None:
 # the page
 
 
-def curves_section(comparison: compare.Comparison, band: str) -> None:
+def curves_section(comparison: run_comparison.Comparison, band: str) -> None:
     colors = {group.label: board.RUN_COLORS[i % len(board.RUN_COLORS)] for i, group in enumerate(comparison.groups)}
     band, why = charts.resolve_band(band, max(len(group.runs) for group in comparison.groups))
     caption = (f"One color per group; the line is the mean over the group's seeds at each step, the band the "
@@ -215,7 +213,7 @@ def body(run_ids: list[str]) -> None:
     records = [record for run_id in run_ids if (record := board.run_record(run_id)) is not None]
     if not records:
         return
-    first = compare.compare_runs(records)
+    first = run_comparison.compare_runs(records)
     if first.left_out:
         st.caption(":material/info: left out: " + board.literal(", ".join(f"{run_id} ({why})" for run_id, why in
                                                                           first.left_out.items())))
@@ -224,7 +222,7 @@ def body(run_ids: list[str]) -> None:
         st.info("No picked run has a training step yet: the comparison appears when they write their first steps.")
         return
     baseline = pick_baseline(groups)
-    comparison = compare.compare_runs(records, baseline.label if baseline else None)
+    comparison = run_comparison.compare_runs(records, baseline.label if baseline else None)
     n_runs = sum(len(group.runs) for group in groups)
     st.caption(f"{n_runs} run(s) in {len(groups)} group(s) (same config but the seed); each metric is the "
                "mean over the group's seeds with its 95% Student-t interval in brackets, as `qae compare` prints it")
@@ -246,12 +244,12 @@ def body(run_ids: list[str]) -> None:
                      column_config=by_metric_columns(differences, "group minus baseline, mean over paired seeds [95% "
                                                                   "interval] and the paired t-test p"))
         for label, differences in comparison.differences.items():
-            paired = differences[next(iter(compare.RUN_METRICS))]
+            paired = differences[next(iter(run_comparison.RUN_METRICS))]
             if paired.note:
                 st.caption(f":material/info: **{board.literal(label)}** minus the baseline: "
                            f"{board.literal(paired.note)}")
     with st.expander("metric definitions"):
-        st.markdown("\n".join(f"- **{name}**: {text}" for name, text in compare.RUN_METRICS.items()))
+        st.markdown("\n".join(f"- **{name}**: {text}" for name, text in run_comparison.RUN_METRICS.items()))
     if all(record.steps.empty for record in records):
         st.info("No step written yet: the curves appear when the runs write their first steps.")
         return

@@ -9,7 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from qae_app.config import entropy_band
-from qae_app.store import reader as store_read
+from qae_app.store.reader import component_table, read_component_means, read_step_tokens
 from qae_app.store.schema import STEP_METRICS
 
 OTHER_DEFAULT = ["loss", "grad_norm", "adv_abs_mean"]
@@ -57,7 +57,7 @@ def step_frames(views: dict, x: str) -> dict[str, pd.DataFrame]:
     """Each run's steps with the x axes (charts.X_AXES); a run that recorded no `x` is plotted by step, as the page
     says."""
     frames = {run_id: charts.with_x_axes(with_components(run_id, view.steps), view.run.get("created_at"),
-                                         board.read(store_read.read_step_tokens, run_id) if x == "tokens" else None)
+                                         board.read(read_step_tokens, run_id) if x == "tokens" else None)
               for run_id, view in views.items()}
     missing = [run_id for run_id, frame in frames.items() if not frame.empty and frame[x].isna().all()]
     if missing:
@@ -71,8 +71,8 @@ def step_frames(views: dict, x: str) -> dict[str, pd.DataFrame]:
 def with_components(run_id: str, steps: pd.DataFrame) -> pd.DataFrame:
     """The run's steps with each reward component's mean per step as a column `reward:<name>` (a run given
     --reward; the others' steps as they are)."""
-    means = board.read(store_read.read_component_means, run_id)
-    wide = store_read.component_table(means) if means is not None else None
+    means = board.read(read_component_means, run_id)
+    wide = component_table(means) if means is not None else None
     if wide is None or len(wide.columns) < 2:
         return steps
     return steps.merge(wide, on="step", how="left")

@@ -5,14 +5,13 @@ import board
 import charts
 import streamlit as st
 
-from qae_app.store import reader as store_read
-from qae_app.store.reader import DISTRIBUTION_COLUMNS, QUANTILES
+from qae_app.store.reader import DISTRIBUTION_COLUMNS, QUANTILES, read_quantiles
 
 
 def body(run_ids: list[str], column: str, log_y: bool) -> None:
     label = DISTRIBUTION_COLUMNS[column]
     readable = {run_id: q for run_id in run_ids
-                if (q := board.read(store_read.read_quantiles, run_id, column)) is not None}
+                if (q := board.read(read_quantiles, run_id, column)) is not None}
     quantiles = {run_id: q for run_id, q in readable.items() if not q.empty}
     if not quantiles:
         if readable:  # (an unreadable run's note says why it shows nothing)

@@ -11,7 +11,7 @@ import charts
 import pandas as pd
 import streamlit as st
 
-from qae_app.store import reader as store_read
+from qae_app.store.reader import read_eval_checkpoints, read_eval_problem_grid, read_eval_samples
 
 CORRECT_CHOICES = {"all": None, "correct": True, "wrong": False}
 SAMPLE_COLUMNS = {
@@ -37,7 +37,7 @@ def open_sample(samples: pd.DataFrame, where: tuple) -> None:
 
 
 def body(run_id: str) -> None:
-    checkpoints = board.read(store_read.read_eval_checkpoints, run_id)
+    checkpoints = board.read(read_eval_checkpoints, run_id)
     if checkpoints is None:
         return
     if checkpoints.empty:
@@ -62,7 +62,7 @@ def body(run_id: str) -> None:
     summary[1].metric("problems", int(row["n_problems"]))
     summary[2].metric("samples", int(row["n_samples"]))
 
-    grid = board.read(store_read.read_eval_problem_grid, run_id, benchmark, source)
+    grid = board.read(read_eval_problem_grid, run_id, benchmark, source)
     if grid is not None and not grid.empty:
         at_step = grid[grid["step"] == step]
         solved = int((at_step["n_correct"] > 0).sum())
@@ -78,7 +78,7 @@ def body(run_id: str) -> None:
     problem = filters[1].selectbox("Problem", ["any", *problems], key="problem", bind="query-params")
     search = filters[2].text_input("Search responses and answers", key="eval_search", bind="query-params",
                                    placeholder="plain text, case-insensitive")
-    samples = board.read(store_read.read_eval_samples, run_id, benchmark, source, step, CORRECT_CHOICES[correct],
+    samples = board.read(read_eval_samples, run_id, benchmark, source, step, CORRECT_CHOICES[correct],
                          None if problem == "any" else problem, search or None)
     if samples is None:
         return

@@ -1,4 +1,4 @@
-"""Preview: what `qae preview` found for a task before training (qae_app/evaluation/preview.py): its verdict, the
+"""Preview: what `qae preview` found for a task before training (qae_app/evaluation/task_preview.py): its verdict, the
 groups by success rate, what QAE at each K would gate against GRPO, the response lengths and some responses."""
 
 import board
@@ -6,14 +6,14 @@ import charts
 import pandas as pd
 import streamlit as st
 
-from qae_app.store import reader as store_read
+from qae_app.store.reader import PreviewView, read_preview
 
 EMPTY = ("None of the picked runs is a preview. Run `qae preview` with the options of `qae train` (e.g. `qae preview "
          "--data builtin:chain --group-size 8`) and pick it in the sidebar: it is listed with the runs.")
 SHOWN_RESPONSES = 50
 
 
-def body(view: store_read.PreviewView, run_id: str) -> None:
+def body(view: PreviewView, run_id: str) -> None:
     s = view.summary
     learnable = str(s["verdict"]).startswith("learnable")
     (st.success if learnable else st.error)(s["verdict"], icon=":material/check_circle:" if learnable
@@ -59,6 +59,6 @@ if not previews:
     st.stop()
 chosen = previews[0] if len(previews) == 1 else st.segmented_control("Preview", previews, key="preview",
                                                                      bind="query-params", default=previews[0])
-view = board.read(store_read.read_preview, chosen)
+view = board.read(read_preview, chosen)
 if view is not None:
     body(view, chosen)

@@ -10,7 +10,7 @@ import charts
 import pandas as pd
 import streamlit as st
 
-from qae_app.store import reader as store_read
+from qae_app.store.reader import read_prompt_histories, read_prompt_rollouts, read_prompts, read_regime_counts
 
 HEATMAP_PROMPTS = 30
 PROMPT_COLUMNS = {
@@ -49,7 +49,7 @@ SAMPLE_COLUMNS = {
 def side_by_side(prompt_id: str, run_ids: list[str]) -> None:
     """The prompt's responses at each step it was sampled, one column per picked run."""
     readable = {run_id: frame for run_id in run_ids
-                if (frame := board.read(store_read.read_prompt_rollouts, run_id, prompt_id)) is not None}
+                if (frame := board.read(read_prompt_rollouts, run_id, prompt_id)) is not None}
     found = {run_id: frame for run_id, frame in readable.items() if not frame.empty}
     st.subheader("Its responses, step by step" + (" and run by run" if len(run_ids) > 1 else ""))
     absent = [run_id for run_id in readable if run_id not in found]  # (an unreadable run's note says why)
@@ -77,7 +77,7 @@ def side_by_side(prompt_id: str, run_ids: list[str]) -> None:
 
 
 def body(run_id: str) -> None:
-    prompts = board.read(store_read.read_prompts, run_id)
+    prompts = board.read(read_prompts, run_id)
     if prompts is None:
         return
     if prompts.empty:
@@ -91,7 +91,7 @@ def body(run_id: str) -> None:
     prompt_id = pick_prompt(prompts)
     row = prompts.set_index("prompt_id").loc[prompt_id]
     board.show_prompt_and_answer(row["prompt"], row["answer"])
-    history = board.read(store_read.read_prompt_histories, run_id, [prompt_id])
+    history = board.read(read_prompt_histories, run_id, [prompt_id])
     if history is not None:
         cols = st.columns([2, 1])
         with cols[0]:
@@ -109,10 +109,10 @@ def body(run_id: str) -> None:
                    "come back once the run has gone through the training set.")
     else:
         top = [str(p) for p in repeated["prompt_id"].head(HEATMAP_PROMPTS)]
-        histories = board.read(store_read.read_prompt_histories, run_id, top)
+        histories = board.read(read_prompt_histories, run_id, top)
         if histories is not None:
             board.plot(charts.prompt_heatmap(histories, top), "prompt_heatmap")
-    counts = board.read(store_read.read_regime_counts, run_id)
+    counts = board.read(read_regime_counts, run_id)
     if counts is not None:
         board.plot(charts.regime_mix(counts), "regime_mix")
 

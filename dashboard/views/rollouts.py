@@ -15,11 +15,11 @@ import pandas as pd
 import streamlit as st
 
 from qae_app.core.names import GATE_REASONS, REGIMES
-from qae_app.store import reader as store_read
+from qae_app.store.reader import read_components, read_gate_breakdown, read_model_prompts, read_step_tokens
 
 GROUPS_PER_PAGE = 10
 ROW_PX, MAX_TABLE_PX = 35, 610  # a group's table shows up to ~16 responses without scrolling
-# the Responses control -> (gated, filtered) for store_read.read_rollouts: gated and kept are of the trained groups
+# the Responses control -> (gated, filtered) for read_rollouts: gated and kept are of the trained groups
 GATED_CHOICES = {"all": (None, None), "gated": (True, False), "kept": (False, False), "filtered": (None, True)}
 STATUS = {"kept": "✓ kept", "gated": "⊘ gated", "filtered": "⊘ filtered"}
 # rows without a gradient: grey text on the page's own background, so they read dimmer than the kept rows in the light
@@ -44,7 +44,7 @@ RESPONSE_COLUMNS = {
 
 def accuracy(responses: pd.DataFrame) -> float:
     """The verifier's: a correct answer whose reward is shaped (overlong penalty, -1/1 rewards) is correct. Rows from
-    before the `correct` column: reward 1 was correct (as store_read.GATE_REASON_RULES)."""
+    before the `correct` column: reward 1 was correct (as GATE_REASON_RULES)."""
     correct = responses["correct"].astype("boolean").fillna(responses["reward"].eq(1))
     return float(correct.mean()) if len(correct) else math.nan
 
@@ -138,8 +138,8 @@ def gate_summary(run_id: str, step: int, everything: pd.DataFrame) -> None:
         st.dataframe(table[table["responses"] > 0], hide_index=True, key="gate_table",
                      column_config={"share of the trained": st.column_config.NumberColumn(format="percent")},
                      placeholder="")
-        breakdown = board.read(store_read.read_gate_breakdown, run_id)
-        totals = board.read(store_read.read_step_tokens, run_id)
+        breakdown = board.read(read_gate_breakdown, run_id)
+        totals = board.read(read_step_tokens, run_id)
         if breakdown is not None and totals is not None:
             board.plot(charts.gate_breakdown(breakdown, totals, step), "gate_breakdown")
 
@@ -208,14 +208,14 @@ def page_of_groups(group_ids: list[int]) -> list[int]:
 
 
 def templated_prompts(run_id: str, step: int) -> dict[int, str]:
-    """With its toggle on, a chat model's prompts as it saw them (chat template applied), by group: empty for other
-    models and older files, as a caption says."""
+    """With its toggle on, a chat model's prompts as it saw them (chat template applied), by group: empty for a model
+    without a chat template, as a caption says."""
     if not st.toggle("Show prompts as the model saw them (chat template)", key="model_prompt", bind="query-params"):
         return {}
-    model_prompts = board.read(store_read.read_model_prompts, run_id, step) or {}
+    model_prompts = board.read(read_model_prompts, run_id, step) or {}
     if not model_prompts:
         st.caption("This run stored no templated prompts: its model has no chat template (it saw the prompt "
-                   "itself), or the run is older than the column.")
+                   "itself).")
     return model_prompts
 
 
@@ -246,7 +246,7 @@ def body(run_id: str) -> None:
     page_rows = matching(run_id, step, query, reason, group_ids=tuple(page_groups))
     if page_rows is None:
         return
-    page_rows, components = with_components(page_rows, board.read(store_read.read_components, run_id, step))
+    page_rows, components = with_components(page_rows, board.read(read_components, run_id, step))
     for g in page_groups:
         group(step, page_rows[page_rows["group_idx"] == g], model_prompts, components)
 

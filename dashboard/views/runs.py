@@ -121,8 +121,10 @@ SETUP = ("estimator", "k")  # (said above the table when every run shares them, 
 
 def differs(runs: pd.DataFrame) -> list[str | None]:
     """The `differs` column: what tells each run apart from the others listed (analysis.differences; the steps are
-    in their own column)."""
-    return [options_text(options) or None for options in board.runs_apart(runs, leave_out=("steps",)).per_run]
+    in their own column), the seed first: the column is cut at its width, and the seed is what tells a sweep's runs of
+    one setup apart."""
+    return [options_text(sorted(options, key=lambda option: option[0] != "seed")) or None
+            for options in board.runs_apart(runs, leave_out=("steps",)).per_run]
 
 
 def shared_note(runs: pd.DataFrame) -> None:

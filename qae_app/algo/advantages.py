@@ -27,7 +27,7 @@ them as they are, as in the paper.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Callable, NamedTuple
 
@@ -35,6 +35,7 @@ import torch
 
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
+from qae_app.core.estimators import ESTIMATORS
 
 # Regime codes: indices into names.REGIMES (the store keeps the names).
 REGIMES = tuple(names.REGIMES)
@@ -44,8 +45,9 @@ HARD, EASY, ALL_CORRECT, ALL_WRONG, MIXED = (REGIMES.index(r) for r in ("hard", 
 
 @dataclass(frozen=True)
 class EstimatorConfig:
-    k: float = names.DEFAULT_K  # QAE quantile level K, in (0, 1)
-    quantile: str = "paper"  # "paper" (lower, inverted-CDF) or "linear" (torch.quantile, as the official code)
+    k: float | None = names.DEFAULT_K  # QAE quantile level K, in (0, 1); an estimator that reads no K gets None
+    quantile: str | None = "paper"  # "paper" (lower, inverted-CDF) or "linear" (torch.quantile, as the official
+    # code); an estimator that reads no K gets None
     scale: str | None = None  # "std" / "none" (names.SCALE_METHODS); None: the estimator's own default
     eps: float = 1e-6
 
@@ -57,16 +59,20 @@ class Advantages(NamedTuple):
 
 
 Estimator = Callable[[torch.Tensor, EstimatorConfig], tuple[torch.Tensor, torch.Tensor]]  # advantages, baseline
-# name -> function; the names and their descriptions live torch-free in names.ESTIMATORS (the CLI help reads them)
+# name -> implementation; what an estimator is (help, K, default scale, option rules) is its record,
+# core.estimators.ESTIMATORS, which every reader asks
 ESTIMATOR_FUNCTIONS: dict[str, Estimator] = {}
 
 
 def register_estimator(name: str):
-    if name not in names.ESTIMATORS:
-        raise ValueError(f"estimator '{name}' has no entry in qae_app.core.names.ESTIMATORS: add its description there")
+    """Register the estimator `name`: it needs a record in core.estimators, and a second registration of a name
+    raises (it would silently replace the first; verl raises too)."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"estimator '{name}' has no record in qae_app.core.estimators.ESTIMATORS: add its record "
+                         "(help, reads_k, default scale, reference) there")
 
     def decorator(fn: Estimator) -> Estimator:
-        if name in ESTIMATOR_FUNCTIONS:  # a second registration would silently replace the first (verl raises too)
+        if name in ESTIMATOR_FUNCTIONS:
             raise ValueError(f"estimator '{name}' is registered already, by {ESTIMATOR_FUNCTIONS[name].__qualname__}")
         ESTIMATOR_FUNCTIONS[name] = fn
         return fn
@@ -84,11 +90,17 @@ def get_estimator(name: str) -> Estimator:
 def compute_advantages(name: str, rewards: torch.Tensor, cfg: EstimatorConfig | None = None,
                        correct: torch.Tensor | None = None) -> Advantages:
     """`rewards` [B, G]; `correct` [B, G] bool, the verifier's verdicts (default: reward > 0, which is right for 0/1
-    and -1/1 rewards without the overlong penalty)."""
+    and -1/1 rewards without the overlong penalty). The options are checked by the estimator's record; an estimator
+    whose record says it reads no K is given none (K None, quantile None), so it cannot read them by mistake."""
     if rewards.ndim != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must have shape [B, G] with G >= 2, got {tuple(rewards.shape)}")
+    estimator = get_estimator(name)
+    cfg = cfg or EstimatorConfig()
+    ESTIMATORS[name].validate(cfg.k, cfg.quantile, cfg.scale)
+    if not ESTIMATORS[name].reads_k:
+        cfg = replace(cfg, k=None, quantile=None)
     rewards = rewards.float()
-    advantages, baseline = get_estimator(name)(rewards, cfg or EstimatorConfig())
+    advantages, baseline = estimator(rewards, cfg)
     correct = rewards > 0 if correct is None else correct.bool()
     return Advantages(advantages, baseline, label_regimes(rewards, baseline, correct))
 
@@ -135,7 +147,7 @@ def label_regimes(rewards: torch.Tensor, baseline: torch.Tensor, correct: torch.
 
 
 def _scale(centered: torch.Tensor, rewards: torch.Tensor, cfg: EstimatorConfig, estimator: str) -> torch.Tensor:
-    if names.advantage_scale(estimator, cfg.scale) == "none":
+    if ESTIMATORS[estimator].scale(cfg.scale) == "none":
         return centered
     std = rewards.std(dim=1, keepdim=True)  # [B, 1], unbiased (G - 1), as GRPO
     return centered / (std + cfg.eps)
@@ -161,15 +173,20 @@ def linear_quantile(rewards: torch.Tensor, k: float) -> torch.Tensor:
     return ordered[:, below] + float(weight) * (ordered[:, below + 1] - ordered[:, below])
 
 
-def validate_estimator_config(cfg: EstimatorConfig) -> None:
-    if not 0.0 < cfg.k < 1.0:
-        raise QAEUserError(f"k: {cfg.k} is outside (0, 1). QAE's K is a quantile level; the paper uses "
-                           f"{names.DEFAULT_K}.")
-    if cfg.quantile not in names.QUANTILE_METHODS:
-        raise QAEUserError(f"quantile: unknown value '{cfg.quantile}'. Choose one of: "
-                           f"{', '.join(names.QUANTILE_METHODS)}.")
-    if cfg.scale is not None and cfg.scale not in names.SCALE_METHODS:
-        raise QAEUserError(f"scale: unknown value '{cfg.scale}'. Choose one of: {', '.join(names.SCALE_METHODS)}.")
+def quantile_baseline(rewards: torch.Tensor, k: float, quantile: str = "paper") -> torch.Tensor:
+    """Each group's K-quantile reward, [B, G] -> [B]: the paper's (the m-th smallest, m = ceil(K * G)) or the
+    linear one (names.QUANTILE_METHODS)."""
+    if quantile == "paper":
+        return rewards.sort(dim=1).values[:, quantile_rank(k, rewards.shape[1]) - 1]
+    return linear_quantile(rewards, k)
+
+
+def quantile_regimes(correct: torch.Tensor, split_k: float) -> torch.Tensor:
+    """[B] each group's regime by the quantile rule on its verdicts `correct` [B, G] bool: `label_regimes` of the 0/1
+    verdicts against their paper `split_k`-quantile, hard while the success rate is <= 1 - K. Whatever the estimator
+    and the rewards, groups split this way into hard and easy (dH's regimes, the entropy attribution's)."""
+    verdicts = correct.float()  # [B, G]
+    return label_regimes(verdicts, quantile_baseline(verdicts, split_k), correct.bool())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -178,33 +195,26 @@ def validate_estimator_config(cfg: EstimatorConfig) -> None:
 
 @register_estimator("qae")
 def qae_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    validate_estimator_config(cfg)
-    B, G = rewards.shape
-    if cfg.quantile == "paper":
-        m = quantile_rank(cfg.k, G)
-        baseline = rewards.sort(dim=1).values[:, m - 1]  # [B], the m-th smallest reward
-    else:
-        baseline = linear_quantile(rewards, cfg.k)  # [B]
+    baseline = quantile_baseline(rewards, cfg.k, cfg.quantile)  # [B]
     return _scale(rewards - baseline[:, None], rewards, cfg, "qae"), baseline  # [B, G], [B]
 
 
 @register_estimator("grpo")
 def grpo_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    validate_estimator_config(cfg)
     baseline = rewards.mean(dim=1)  # [B]
     return _scale(rewards - baseline[:, None], rewards, cfg, "grpo"), baseline
 
 
 @register_estimator("dr_grpo")
 def dr_grpo_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO's mean baseline without the std division, whatever cfg.scale says: that is what defines Dr. GRPO."""
+    """GRPO's mean baseline without the std division: that is what defines Dr. GRPO (its record refuses --scale
+    std)."""
     baseline = rewards.mean(dim=1)  # [B]
     return rewards - baseline[:, None], baseline
 
 
 @register_estimator("rloo")
 def rloo_advantages(rewards: torch.Tensor, cfg: EstimatorConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    validate_estimator_config(cfg)
     B, G = rewards.shape
     leave_one_out = (rewards.sum(dim=1, keepdim=True) - rewards) / (G - 1)  # [B, G]
     return _scale(rewards - leave_one_out, rewards, cfg, "rloo"), rewards.mean(dim=1)

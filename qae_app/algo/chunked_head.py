@@ -372,3 +372,17 @@ def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attentio
         logp = F.pad(logp, (first, 0))  # (n, T-1)
         entropy = F.pad(entropy, (first, 0)) if entropy is not None else None
     return logp, entropy
+
+
+def logprob_chunk_tokens(model, requested: int | None, say) -> int:
+    """The update's logprob_chunk_tokens, decided once for the run: `requested` (None: 256 MiB of float32 logits per
+    chunk), or 0 (the full logits) where the model cannot take the chunked head (a head sharded by FSDP1 or ZeRO-3,
+    soft-capped logits, a peft-wrapped model), which `say` tells once."""
+    if requested == 0:
+        return 0
+    try:
+        vocab = check_chunked_head(model)
+    except QAEUserError as err:
+        say(f"[yellow]note:[/] log-probs from the full logits, not in chunks of tokens: {err}")
+        return 0
+    return requested or default_chunk_tokens(vocab)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from qae_app.config import FIELDS, TrainConfig
-from qae_app.core import names
+from qae_app.core.estimators import ESTIMATORS
 from qae_app.core.formatting import clipped
 from qae_app.data.tasks import task_defaults
 
@@ -82,6 +82,13 @@ def _is_off(value: Any) -> bool:
     return value is None or value is False
 
 
+def reads_k(config: dict) -> bool:
+    """Whether the run of a stored config read K: its estimator's record says (a mean baseline does not); an
+    estimator this qae has no record of counts as reading K, so its K still tells runs apart."""
+    record = ESTIMATORS.get(str(config.get("estimator", "qae")))
+    return record is None or record.reads_k
+
+
 def what_differs(configs: list[dict | None], leave_out: Iterable[str] = ()) -> Differences:
     """For the runs of one view (their stored configs; None for a run without one: unreadable, or not a training
     run), what is shared and not the default, and what tells each run apart. `leave_out`: options the view shows in
@@ -92,7 +99,7 @@ def what_differs(configs: list[dict | None], leave_out: Iterable[str] = ()) -> D
     shared: Options = []
     for key in (key for key in OPTIONS if key not in set(leave_out)):
         using = [(i, config) for i, config in known
-                 if key not in QAE_ONLY or names.uses_k(str(config.get("estimator", "qae")))]
+                 if key not in QAE_ONLY or reads_k(config)]
         values = {i: config.get(key, defaults[i][key]) for i, config in using}
         not_default = {i for i, value in values.items() if _comparable(value) != _comparable(defaults[i][key])}
         if not not_default:

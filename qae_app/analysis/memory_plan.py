@@ -469,6 +469,18 @@ def plan_micro_tokens(cfg, hardware: Hardware) -> int:
     return _update_of(cfg, ModelShape("", "llama", 1, 1, 1, 1, 1, 1, 1, True), hardware)[0].micro_tokens
 
 
+def builtin_prompt_tokens(cfg) -> dict:
+    """{"prompt_tokens": N} for a built-in model (one token a character, after <bos>): its task's longest prompt, as
+    the run would build it; {} for any other model (whose tokenizer qae plan does not load)."""
+    if cfg.model != names.BUILTIN_SCRATCH and cfg.model not in BUILTIN_FOLDERS:
+        return {}
+    from qae_app.data.prompt_format import prompt_text
+    from qae_app.data.tasks import load_task
+
+    task = load_task(cfg.data, prompt_format=cfg.prompt_format, require_answer=False)
+    return {"prompt_tokens": 1 + max(len(prompt_text(task.prompt(p))) for p in task.train + task.heldout)}
+
+
 def recipe_hardware(path: Path | None) -> dict:
     """The [plan] table of a run config file (the hardware it is planned for): gpus, gpu_memory_gb, sharding,
     prompt_tokens; {} without one."""

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qae_app.config import FIELDS, NUMERIC_RANGES, check_k, check_range, coerce_option
+from qae_app.config import FIELDS, NUMERIC_RANGES, check_range, coerce_option, k_number
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import clipped
 from qae_app.store.reader import DB_FILE, READ_STATUSES, UNREADABLE, stored_config
 
 # what a training session records in the settings beside the options: how it was launched (models.sharding's
 # DistributedSetup) and its reward functions' files (train.reward_record)
-RECORDED_KEYS = frozenset({"distributed", "reward_files"})
+STORED_BESIDE_OPTIONS = frozenset({"distributed", "reward_files"})
 
 
 def settings_problem(settings: dict) -> str | None:
@@ -45,8 +45,8 @@ def _option_problem(key: str, value) -> str | None:
         choices = FIELDS[key].metadata.get("choices")
         if choices and value not in choices:
             return f"'{key}' = {clipped(repr(value))}, not one of {', '.join(choices)}"
-        if key == "k":
-            check_k(value)
+        if key == "k" and (k := k_number(value)) is not None and not 0.0 < k < 1.0:  # (nan too)
+            return f"'k' = {clipped(repr(value))}, outside (0, 1)"
     except QAEUserError as err:
         return str(err).removeprefix("settings: ")
     return None

@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from qae_app.cli import dashboard_command, launch, manage, preview
+from qae_app.cli import dashboard_command, launch, manage, preview_command
 from qae_app.cli.console import SafeConsole, console, fail
 from qae_app.cli.options import DEFAULT_RUNS_DIR, RunsDir
 from qae_app.config import EvalConfig, TrainConfig
@@ -83,10 +83,6 @@ def train(
                                                   "valid checkpoint (options marked resumable may change).")] = None,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
     cpu: Annotated[bool, typer.Option("--cpu/--no-cpu", help="Force CPU even when a GPU is present.")] = False,
-    trust_pickles: Annotated[bool, typer.Option(
-        "--trust-pickles", help="With --resume: read the Python pickles an older qae left in the run folder (its "
-                                "pending writes, converted to JSON once, and its checkpoints' training state). A "
-                                "pickle can run code: only for a folder you made yourself.")] = False,
     accept_changed_reward: Annotated[bool, typer.Option(
         "--accept-changed-reward", help="With --resume: score the rest of the run with a --reward file that changed "
                                         "since the run scored with it (the run records both versions).")] = False,
@@ -99,19 +95,13 @@ def train(
     from qae_app.train.trainer import Trainer
 
     try:
-        if trust_pickles and resume is None:
-            raise QAEUserError("trust-pickles: only a resumed run has files an older qae wrote. Use it with "
-                               "--resume RUN, or drop it.")
         cfg = (resume_config(runs_dir, resume, config, **options) if resume is not None
                else build_config(config, **options))
         trainer = Trainer(cfg, runs_dir, resume=resume is not None, console=console, cpu=True if cpu else None,
-                          trust_pickles=trust_pickles, accept_changed_reward=accept_changed_reward)
+                          accept_changed_reward=accept_changed_reward)
     except QAEUserError as err:
         fail(err)
     run_training(trainer)
-
-
-app.command(help=train.__doc__)(_with_config_options(train, TrainConfig))
 
 
 def plan(
@@ -124,30 +114,35 @@ def plan(
                                                     "weights, gradients and optimizer state split over the GPUs "
                                                     "(default: ddp).")] = None,
     prompt_tokens: Annotated[Optional[int], typer.Option("--prompt-tokens", help="The longest prompt in tokens "
-                                                         "(default: 1024).")] = None,
+                                                         "(default: the task's longest for a built-in model, which "
+                                                         "reads one token a character; else 1024).")] = None,
     **options: Any,
 ) -> None:
     """The per-GPU memory of a training run by component, whether it fits, and what to turn if not. Reads the
     model's config only (a folder, a .gguf file, the HF cache): nothing is loaded or downloaded."""
-    from qae_app.analysis.memory_plan import Hardware, model_shape, plan_run, recipe_hardware, render
+    from qae_app.analysis.memory_plan import (
+        Hardware,
+        builtin_prompt_tokens,
+        model_shape,
+        plan_run,
+        recipe_hardware,
+        render,
+    )
     from qae_app.config import build_config
 
     try:
         cfg = build_config(config, **options)
         given = {"gpus": gpus, "gpu_memory_gb": gpu_memory, "sharding": sharding, "prompt_tokens": prompt_tokens}
-        hardware = Hardware(**{"gpus": 1, "gpu_memory_gb": 80.0, **recipe_hardware(config),
-                               **{k: v for k, v in given.items() if v is not None}})
+        hardware = Hardware(**{"gpus": 1, "gpu_memory_gb": 80.0, **builtin_prompt_tokens(cfg),
+                               **recipe_hardware(config), **{k: v for k, v in given.items() if v is not None}})
         result = plan_run(cfg, model_shape(cfg.model), hardware)
     except QAEUserError as err:
         fail(err)
-    render(result, SafeConsole(highlight=False, width=max(console.width, 120)))
+    render(result, _view_console())
     if not result.fits:
         raise typer.Exit(code=1)
 
 
-app.command(help=plan.__doc__)(_with_config_options(plan, TrainConfig))
-app.command("preview", help=preview.preview_command.__doc__)(_with_config_options(preview.preview_command,
-                                                                                  TrainConfig))
 
 
 def print_command(command: str) -> None:
@@ -213,9 +208,7 @@ def run_training(trainer) -> None:
 
 def _with_reward_resume(trainer, err: QAEUserError) -> QAEUserError:
     """A reward function that failed mid-run (RewardError) said with what is kept and the command that continues the
-    run once the function is fixed; any other error as it is."""
-    import shlex
-
+    run once the cause is fixed; any other error as it is."""
     from qae_app.rewards.registry import RewardError
     from qae_app.store.run_folder import latest_checkpoint
 
@@ -223,12 +216,29 @@ def _with_reward_resume(trainer, err: QAEUserError) -> QAEUserError:
         return err
     newest = latest_checkpoint(Path(trainer.runs_dir) / trainer.run_id)
     kept = f"its newest checkpoint ({newest.name})" if newest is not None else "no checkpoint yet (it restarts at 0)"
-    command = ["qae", "train", "--resume", trainer.run_id, *[part for spec in trainer.cfg.reward or []
-                                                             for part in ("--reward", spec)],
-               "--runs-dir", str(trainer.runs_dir)]
+    command = reward_resume_command(trainer.run_id, trainer.cfg, trainer.runs_dir)
+    if err.spec is not None and err.spec.kind == "module":  # an installed library's function: not the user's to fix
+        cause = (f"{err.spec.target} is an installed module, so the cause is more likely what it was given than its "
+                 "code: docs/rewards.md says what a reward function receives (messages for conversational data, text "
+                 "otherwise) and the data's columns it gets. Once that is settled, continue it with")
+    else:
+        cause = "Once the function is fixed, continue it with"
     return RewardError(f"{err}\nThe run stopped failed at step {trainer.state.step + 1}; the steps before it and "
-                       f"{kept} are kept. Once the function is fixed, continue it with: {shlex.join(command)} (add "
-                       "--accept-changed-reward if the fix changed the reward's file: the run records both versions).")
+                       f"{kept} are kept. {cause}: {command} (add --accept-changed-reward if the fix changed the "
+                       "reward's file: the run records both versions).", err.spec)
+
+
+def reward_resume_command(run_id: str, cfg, runs_dir) -> str:
+    """`qae train --resume RUN` with every option a run that scores with reward code needs named again: its --reward
+    specs and their --reward-weights (a run folder never names code to run)."""
+    import shlex
+
+    from qae_app.rewards.specs import weights_text
+
+    command = ["qae", "train", "--resume", run_id, *[part for spec in cfg.reward or [] for part in ("--reward", spec)]]
+    if cfg.reward and cfg.reward_weights is not None:
+        command += ["--reward-weights", weights_text(cfg.reward_weights)]
+    return shlex.join([*command, "--runs-dir", str(runs_dir)])
 
 
 def fail_on_write_fault(trainer, err: Exception) -> None:
@@ -254,7 +264,6 @@ def fail_on_write_fault(trainer, err: Exception) -> None:
 # qae warmstart
 
 
-@app.command()
 def warmstart(
     task: Annotated[str, typer.Option(help="Built-in task to warm-start on: arith (ships as builtin:tiny) or chain "
                                       "(builtin:tiny-chain).")] = "arith",
@@ -300,7 +309,6 @@ def _view_console() -> SafeConsole:
     return SafeConsole(highlight=False)
 
 
-@app.command("runs")
 def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
               sweep: Annotated[Optional[str],
                                typer.Option(help="Only the runs of this sweep (its id or name).")] = None,
@@ -314,7 +322,7 @@ def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
     out = _view_console()
     rows = [listed_with_settings_checked(row, runs_dir) for row in run_summaries(runs_dir)]
     if sweep is not None:
-        from qae_app.analysis.compare import in_sweep
+        from qae_app.analysis.run_comparison import in_sweep
         from qae_app.store.reader import stored_config
 
         rows = [row for row in rows if in_sweep(stored_config(row), sweep)]
@@ -332,11 +340,6 @@ def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
     out.print(runs_view(rows, str(runs_dir), out.width))
 
 
-for managing in (manage.tag, manage.note, manage.stop, manage.rm):
-    app.command()(managing)
-
-
-@app.command()
 def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
          runs_dir: RunsDir = DEFAULT_RUNS_DIR,
          every: Annotated[int, typer.Option(help="Show every N-th step (default: about 15 rows).")] = 0,
@@ -377,10 +380,9 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
     out = _view_console()
     out.print(show_view(info, steps, evals, warnings, out.width, chosen, every, components))
     if found is not None:  # a preview: what it found, as `qae preview` printed it
-        out.print(preview.preview_view(run, found))
+        out.print(preview_command.preview_view(run, found))
 
 
-@app.command()
 def rollouts(
     run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
     step: Annotated[Optional[int], typer.Option(help="Step to show (default: the latest).")] = None,
@@ -441,7 +443,6 @@ def rollouts(
 # qae compare and qae sweep
 
 
-@app.command()
 def compare(
     runs: Annotated[Optional[list[str]], typer.Argument(help="Run ids to compare (or --sweep).")] = None,
     sweep: Annotated[Optional[str], typer.Option(help="Compare every run of this sweep (its id or name).")] = None,
@@ -457,7 +458,7 @@ def compare(
     seeds of final, best and area-under-curve held-out accuracy, late entropy and its slope, the zero-advantage
     fractions and seconds per step, each with a 95% t-interval; with --baseline, each group's paired difference from
     it (interval and p-value)."""
-    from qae_app.analysis.compare import compare_runs, load_runs
+    from qae_app.analysis.run_comparison import compare_runs, load_runs
     from qae_app.cli.views import compare_view
 
     try:
@@ -565,9 +566,6 @@ def _sweep_options(command):
     return command
 
 
-app.command("sweep", help=sweep_command.__doc__)(_sweep_options(sweep_command))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # qae eval
 
@@ -578,19 +576,20 @@ def eval_command(
     **options: Any,
 ) -> None:
     """Evaluate a model: avg@k, pass@k (unbiased) and maj@k on a benchmark; every sample is stored in DuckDB."""
-    from qae_app.config import build_eval_config
+    from qae_app.cli.trained_defaults import eval_config_for
     from qae_app.evaluation.evaluate import run_eval_command
 
     try:
-        cfg = build_eval_config(**options)
-        result, target_run, path = run_eval_command(cfg, runs_dir, console=None if as_json else console)
+        cfg, trained, taken = eval_config_for(runs_dir, **options)
+        result, target_run, path = run_eval_command(cfg, runs_dir, None if as_json else console, trained, taken)
     except QAEUserError as err:
         fail(err)
     if as_json:
         print(json.dumps({"run_id": target_run, "database": str(path), "benchmark": result.benchmark,
                           "samples": result.k, "options": cfg.to_dict(), "metrics": result.metrics}, indent=2))
         return
-    table = Table(title=f"{result.benchmark}: {cfg.model}, k={result.k}")
+    table = Table(title=f"{result.benchmark}: {cfg.model}, k={result.k}, temperature {cfg.temperature:g}, top-p "
+                        f"{cfg.top_p:g}")
     for column in ("subset", "metric", "k", "value", "problems"):
         table.add_column(column, justify="right")
     for row in result.metrics:
@@ -605,10 +604,6 @@ def eval_command(
     console.print(f"samples and metrics stored in [cyan]{path}[/] (run {target_run})")
 
 
-app.command("eval", help=eval_command.__doc__)(_with_config_options(eval_command, EvalConfig))
-
-
-@app.command()
 def export(run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
            out: Annotated[Path, typer.Option(help="Folder to write the Hugging Face model to (new or empty).")],
            checkpoint: Annotated[Optional[int], typer.Option(help="Checkpoint step (default: the newest).")] = None,
@@ -625,10 +620,55 @@ def export(run: Annotated[str, typer.Argument(help="Run id: its folder under --r
     console.print(f"run {run} at step {target.step} exported to [cyan]{out}[/]")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# qae dashboard: cli/dashboard_command.py
+def migrate(run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
+            runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+            trust_pickles: Annotated[bool, typer.Option(
+                "--trust-pickles", help="Read the Python pickles an older qae left in the run folder (its pending "
+                                        "writes and its checkpoints' training state) to rewrite them as JSON and "
+                                        "safetensors. A pickle can run code: only for a folder you made yourself.")
+            ] = False) -> None:
+    """Rewrite a run folder an older qae wrote in this version's format (its database, pending writes, checkpoints and
+    config), which every other command then reads; a folder already current is left as it is."""
+    from qae_app.train.run_migration import migrate_run
 
-app.command()(dashboard_command.dashboard)
+    try:
+        changes = migrate_run(runs_dir, run, trust_pickles,
+                              say=lambda line: console.print(escape(line), highlight=False))
+    except QAEUserError as err:
+        fail(err)
+    if not changes:
+        console.print(f"run {escape(run)} is in this version's format already: nothing to do")
+        return
+    for change in changes:
+        console.print(f"  {escape(change)}", highlight=False)
+    console.print(f"run {escape(run)} is in this version's format now")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every command, registered here the one way, in the order `qae --help` lists them: the commands of other modules
+# (cli/preview_command.py, cli/manage.py, cli/dashboard_command.py) as those of this one
+
+COMMANDS = {
+    "train": _with_config_options(train, TrainConfig),
+    "plan": _with_config_options(plan, TrainConfig),
+    "preview": _with_config_options(preview_command.preview_command, TrainConfig),
+    "warmstart": warmstart,
+    "runs": list_runs,
+    "tag": manage.tag,
+    "note": manage.note,
+    "stop": manage.stop,
+    "rm": manage.rm,
+    "show": show,
+    "rollouts": rollouts,
+    "compare": compare,
+    "sweep": _sweep_options(sweep_command),
+    "eval": _with_config_options(eval_command, EvalConfig),
+    "export": export,
+    "migrate": migrate,
+    "dashboard": dashboard_command.dashboard,
+}
+for name, command in COMMANDS.items():
+    app.command(name)(command)
 
 
 def main() -> None:  # pragma: no cover - the `qae` entry point

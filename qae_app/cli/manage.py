@@ -94,7 +94,7 @@ def stop(run: Annotated[Optional[str], typer.Argument(help="Run id (see `qae run
 
 def _stop_sweep(sweep: str, runs_dir, timeout: float) -> None:
     """`qae stop --sweep`: the sweep's `qae sweep` processes and live runs stopped, each stopped run said."""
-    from qae_app.analysis.compare import in_sweep
+    from qae_app.analysis.run_comparison import in_sweep
     from qae_app.cli.sweep import SWEEPS_DIR
     from qae_app.store.reader import DB_FILE, read_last_step, read_run, run_summaries, stored_config
     from qae_app.store.stop import stop_sweep
@@ -129,7 +129,7 @@ def rm(runs: Annotated[Optional[list[str]], typer.Argument(help="Run ids to dele
 
     try:
         if sweep is not None:
-            from qae_app.analysis.compare import in_sweep
+            from qae_app.analysis.run_comparison import in_sweep
             from qae_app.store.reader import run_summaries, stored_config
 
             of_sweep = [row["run_id"] for row in run_summaries(runs_dir) if in_sweep(stored_config(row), sweep)]
@@ -142,8 +142,8 @@ def rm(runs: Annotated[Optional[list[str]], typer.Argument(help="Run ids to dele
     names_text = ", ".join(folder.name + (" (a link: only the link is removed)" if folder.is_symlink() else "")
                            for folder in folders)
     if not yes and not typer.confirm(f"Delete {len(folders)} run(s) from {runs_dir}: {names_text}?", default=False):
-        console.print("nothing deleted")
-        raise typer.Exit(code=1)
+        console.print("nothing deleted")  # the user's "no" is an answer, not a failure
+        raise typer.Exit(code=0)
     for folder in folders:
         try:
             target = remove_run_folder(folder)

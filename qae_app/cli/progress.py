@@ -18,7 +18,7 @@ from rich.progress import Progress, ProgressColumn, Task
 from rich.table import Column
 from rich.text import Text
 
-from qae_app.core import names
+from qae_app.core.estimators import ESTIMATORS
 from qae_app.core.formatting import duration, number
 
 BAR_WIDTH = 20
@@ -31,7 +31,7 @@ PACE_STEPS = 20  # steps/min is the median pace of the last this many steps (an 
 def banner(cfg, run_id: str) -> str:
     """'qae train run r: qae (K=0.4, quantile paper) on arith ...'; K and the quantile only for an estimator that
     reads them (a GRPO run has neither)."""
-    estimator = cfg.estimator + (f" (K={cfg.k}, quantile {cfg.quantile})" if names.uses_k(cfg.estimator) else "")
+    estimator = cfg.estimator + (f" (K={cfg.k}, quantile {cfg.quantile})" if ESTIMATORS[cfg.estimator].reads_k else "")
     return (f"[bold]qae train[/] run [cyan]{run_id}[/]: {estimator} on {cfg.data} with {cfg.model}, {cfg.steps} "
             f"steps of {cfg.prompts_per_step} prompts x {cfg.group_size} samples")
 
@@ -138,7 +138,7 @@ class TrainProgress:
 
 class PreviewProgress:
     """What `qae preview` prints while it samples and scores: a bar of the prompts done and what it is doing (on a
-    terminal); elsewhere one plain line per batch. `update(phase, prompts_done)` is evaluation.preview's
+    terminal); elsewhere one plain line per batch. `update(phase, prompts_done)` is evaluation.task_preview's
     on_progress. Use as a context manager around the preview."""
 
     def __init__(self, console: Console, total_prompts: int):

@@ -31,6 +31,7 @@ from pathlib import Path
 from qae_app.config import build_config
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
+from qae_app.core.estimators import ESTIMATORS
 from qae_app.core.formatting import clipped
 from qae_app.core.host_faults import environment_errno, environment_error, leave_the_terminal
 from qae_app.store.run_folder import (
@@ -121,15 +122,15 @@ def _grid(estimators: str, ks: str | None, seeds: int, options: dict) -> tuple[l
     """The sweep's estimators and Ks, checked with its seed count before any point is planned."""
     estimator_list = parse_list("estimator", estimators)
     for estimator in estimator_list:
-        if estimator not in names.ESTIMATORS:
-            raise QAEUserError(f"estimator: unknown '{estimator}'. Choose from: {', '.join(names.ESTIMATORS)}.")
-    if ks is not None and not any(names.uses_k(estimator) for estimator in estimator_list):
+        if estimator not in ESTIMATORS:
+            raise QAEUserError(f"estimator: unknown '{estimator}'. Choose from: {', '.join(ESTIMATORS)}.")
+    if ks is not None and not any(ESTIMATORS[estimator].reads_k for estimator in estimator_list):
         raise QAEUserError(f"k: {ks} is QAE's quantile level, and the sweep has no qae run. Drop --k or add qae "
                            "to --estimator.")
     k_list = parse_list("k", ks) if ks is not None else [str(options.get("k", names.DEFAULT_K))]
     if seeds < 1:
         raise QAEUserError(f"seeds: {seeds}. Use 1 or more seeds (3 or more to get a confidence interval).")
-    n_runs = sum(len(k_list) if names.uses_k(estimator) else 1 for estimator in estimator_list) * seeds
+    n_runs = sum(len(k_list) if ESTIMATORS[estimator].reads_k else 1 for estimator in estimator_list) * seeds
     if n_runs > MAX_SWEEP_RUNS:  # counted before any point is planned: a typo like --seeds 1000000 never hangs
         raise QAEUserError(f"seeds: {seeds} makes {n_runs:,} runs, more than the {MAX_SWEEP_RUNS} a sweep may have "
                            "(each run is a full training run). Use fewer seeds or Ks, or split the study into "
@@ -143,7 +144,7 @@ def _points(name: str, sweep_id: str, estimator_list: list[str], k_list: list[st
     `options` and its own), built into a config here so that every bad value is refused before any run starts."""
     points = []
     for estimator in estimator_list:
-        for k in k_list if names.uses_k(estimator) else [None]:  # a mean baseline ignores K: one point per seed
+        for k in k_list if ESTIMATORS[estimator].reads_k else [None]:  # a mean baseline ignores K: one point per seed
             for seed in seeds:
                 run_name = validate_run_name(f"{name}-{estimator}{f'-k{k}' if k is not None else ''}-s{seed}")
                 point = dict(options, estimator=estimator, seed=seed, run_name=run_name, sweep_id=sweep_id,
@@ -271,8 +272,8 @@ def check_data_files(cfg) -> None:
     """Load the training data and the evaluation benchmark as each run will (each run loads its own again), and find
     each --reward file (read, not imported: each run's workers import it): a bad file is refused once, before any run
     starts, not by every run in turn."""
-    from qae_app.evaluation.scoring import run_benchmark, run_task
     from qae_app.rewards.specs import parse_reward_specs
+    from qae_app.scoring.reward_path import run_benchmark, run_task
 
     for spec in parse_reward_specs(cfg.reward):
         spec.resolved()

@@ -30,22 +30,22 @@ from rich.text import Text
 from qae_app.analysis.differences import Differences, option_text, options_text, what_differs
 from qae_app.core.formatting import estimator_label, missing, number, pace_line, run_pace, setup_label
 from qae_app.core.names import GATE_REASONS
-from qae_app.store import reader as store_read
-from qae_app.store import schema as store
+from qae_app.store.reader import BUSY, NOT_A_RUN, READ_STATUSES, UNREADABLE, stored_config
 from qae_app.store.run_folder import RESULTS_ONLY_KINDS, RUN_NAME_PATTERN, STOPPED
+from qae_app.store.schema import STEP_METRICS
 
 if TYPE_CHECKING:  # `qae runs` draws from dicts and never imports pandas
     import pandas as pd
 
 GAP = 2  # characters between two columns (SIMPLE_HEAD box, collapsed padding)
 STATUS_STYLES = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow",
-                 store_read.UNREADABLE: "bold red", store_read.BUSY: "yellow", STOPPED: "magenta",
-                 store_read.NOT_A_RUN: "dim"}
+                 UNREADABLE: "bold red", BUSY: "yellow", STOPPED: "magenta",
+                 NOT_A_RUN: "dim"}
 ID_SEPARATORS = "-_."
 MIN_ID_WIDTH = 24  # optional columns give way before a run id gets narrower than this (default ids: 19-23)
 # `qae show`: the steps columns in order of importance (all of STEP_METRICS, the first ones kept at 80 columns)
 SHOW_METRICS = ["reward_mean", "accuracy", "heldout_accuracy", "entropy", "frac_zero_adv", "frac_hard", "frac_easy",
-                "cov_logp_adv", "kl", "clip_frac", "response_len", "step_s"]
+                "cov_logp_adv", "kl", "clip_frac", "response_len", "step_s", "sync_s"]
 
 
 def metric_header(name: str) -> str:
@@ -148,12 +148,12 @@ def shared_prefix(ids: list[str]) -> str:
 
 
 def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
-    """The runs table (rows: store_read.run_summaries): run, status, estimator and K, progress and the latest metrics;
+    """The runs table (rows: run_summaries): run, status, estimator and K, progress and the latest metrics;
     model, task and creation time when there is room. Under each run id, the options that tell it apart from the
     others listed (`analysis.differences`); above the table, the options they all share that are not the defaults.
     Under it: what `stopped` means and why a run is unreadable."""
     ids = [str(row["run_id"]) for row in rows]
-    readable = [row.get("status") not in store_read.READ_STATUSES for row in rows]
+    readable = [row.get("status") not in READ_STATUSES for row in rows]
     # with 0/1 rewards the mean reward is the accuracy: one column says both, and leaves room for entropy
     same = all(number(row.get("reward_mean")) == number(row.get("accuracy")) for row, ok in zip(rows, readable) if ok)
 
@@ -235,8 +235,6 @@ def _runs_columns(rows: list[dict], readable: list[bool], same: bool, prefix: st
         Column("estimator", [_estimator(row) if ok else "" for row, ok in zip(rows, readable)], priority=1),
         Column("steps", [_progress(row, config) if ok else "" for row, config, ok in zip(rows, configs, readable)],
                justify="right"),
-        *([Column("tags", [str(row.get("tags") or "") for row in rows], priority=2, name="tags")]
-          if any(row.get("tags") for row in rows) else []),  # (`qae tag`: only when a run has some)
         Column(metric_header("reward_mean"), [cell(r, "reward_mean", ok) for r, ok in zip(rows, readable)],
                justify="right", priority=2, name="reward_mean"),
         *([] if same else [Column(metric_header("accuracy"), [cell(r, "accuracy", ok) for r, ok in
@@ -246,9 +244,12 @@ def _runs_columns(rows: list[dict], readable: list[bool], same: bool, prefix: st
                justify="right", priority=3, name="heldout_accuracy"),
         Column(metric_header("entropy"), [cell(r, "entropy", ok) for r, ok in zip(rows, readable)],
                justify="right", priority=4, name="entropy"),
-        Column("model", [str(row.get("model") or "") if ok else "" for row, ok in zip(rows, readable)], priority=5),
-        Column("task", [str(row.get("task") or "") if ok else "" for row, ok in zip(rows, readable)], priority=6),
-        Column("created (UTC)", [_time(row.get("created_at")) for row in rows], priority=7, name="created"),
+        # (`qae tag`: only when a run has some; words of any length, so after the numbers, which never give way to it)
+        *([Column("tags", [str(row.get("tags") or "") for row in rows], priority=5, name="tags")]
+          if any(row.get("tags") for row in rows) else []),
+        Column("model", [str(row.get("model") or "") if ok else "" for row, ok in zip(rows, readable)], priority=6),
+        Column("task", [str(row.get("task") or "") if ok else "" for row, ok in zip(rows, readable)], priority=7),
+        Column("created (UTC)", [_time(row.get("created_at")) for row in rows], priority=8, name="created"),
     ]
 
 
@@ -262,7 +263,7 @@ def _runs_notes(rows: list[dict], readable: list[bool], same: bool) -> list[Text
         notes.append(Text("stopped: stored as running, but no trainer holds the run (killed by kill -9, OOM or a power "
                           "loss). Continue it with `qae train --resume RUN`.", style="dim"))
     for row in rows:
-        if row["status"] in store_read.READ_STATUSES:
+        if row["status"] in READ_STATUSES:
             notes.append(Text.assemble((f"{row['status']}: ", STATUS_STYLES[row["status"]]),
                                        (f"{row['run_id']}: {row.get('error')}", "")))
         elif not RUN_NAME_PATTERN.match(str(row["run_id"])):
@@ -376,7 +377,7 @@ def picked_steps(steps: pd.DataFrame, every: int) -> tuple[list[int], str]:
 def _steps_table(steps: pd.DataFrame, width: int, metrics: list[str] | None, every: int) -> list[RenderableType]:
     picked, title = picked_steps(steps, every)
     shown = steps.iloc[picked]
-    names = metrics or SHOW_METRICS + [m for m in store.STEP_METRICS if m not in SHOW_METRICS]
+    names = metrics or SHOW_METRICS + [m for m in STEP_METRICS if m not in SHOW_METRICS]
     # a metric this run never recorded (dH without --log-entropy-delta) takes no column unless asked for
     empty = [] if metrics else [name for name in names if name in steps and steps[name].isna().all()]
     columns = [Column("step", [str(int(s)) for s in shown["step"]], justify="right")]
@@ -413,7 +414,7 @@ def _components_table(steps: pd.DataFrame, components: pd.DataFrame, width: int,
 # listed one by one hid the line's other names)
 RECORDED_ONLY_WITH = {"--log-entropy-delta": ("dH, dH_hard, dH_easy", ("dH", "dH_hard", "dH_easy")),
                       "--log-entropy-attribution": ("the 9 dH_*from_* columns",
-                                                    tuple(m for m in store.STEP_METRICS if "_from_" in m))}
+                                                    tuple(m for m in STEP_METRICS if "_from_" in m))}
 
 
 def empty_metrics_note(empty: list[str]) -> str:
@@ -531,7 +532,7 @@ def rollouts_view(run: str, step: int, frame: pd.DataFrame, everything: pd.DataF
 
 
 def _config(row: dict) -> dict:
-    return store_read.stored_config(row)
+    return stored_config(row)
 
 
 def _estimator(row: dict) -> str:
@@ -558,9 +559,9 @@ def _time(value) -> str:
 
 def _cell(e, sign: bool = False) -> Text:
     """'0.612' over '[0.581, 0.643]' (the 95% interval) or why there is none ('n=2: no interval'), and for a paired
-    difference its p-value below, as `analysis.compare.shown` rules (the Compare page prints the same); '-' without
-    a value."""
-    from qae_app.analysis.compare import shown
+    difference its p-value below, as `analysis.run_comparison.shown` rules (the Compare page prints the same); '-'
+    without a value."""
+    from qae_app.analysis.run_comparison import shown
 
     s = shown(e)
     if s.mean is None:

@@ -124,7 +124,7 @@ def estimator_label(estimator: Any, k: Any) -> str:
 
 def setup_label(setup: dict | None) -> str | None:
     """How a run was launched (its config's `distributed`, sharding.DistributedSetup): 'fsdp2 x 2 processes',
-    'ddp x 4 processes on 2 machines', '1 process'; None for a run that stored none (an older qae)."""
+    'ddp x 4 processes on 2 machines', '1 process'; None for a run whose config holds none."""
     if not setup:
         return None
     n = setup.get("processes", 1)

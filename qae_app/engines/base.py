@@ -2,9 +2,11 @@
 `close()`.
 
 The trainer only sees this protocol, so the vLLM engine (GPU) and the transformers engine (anywhere) are
-interchangeable (engines/factory.py picks one). Log-probs used by the loss are always recomputed by the trainer's own
-forward pass, never taken from the engine, so engines may differ numerically; the distribution they sample from may
-not: it is exactly softmax(logits / T), the one the loss assumes. Every sampling setting is given explicitly, so
+interchangeable (engines/factory.py picks one). The loss's ratio is of the trainer's own log-probs (new and old, both
+from its forward passes); an engine's log-probs (`Sample.token_logprobs`) enter only as the sampler's side of
+`--rollout-correction tis`'s weight min(pi_old / pi_sampler, cap) and the step's mismatch metrics, so engines may
+differ numerically; the distribution they sample from may not: it is exactly softmax(logits / T), the one the loss
+assumes. Every sampling setting is given explicitly, so
 nothing comes from a checkpoint's own generation_config (instruct checkpoints ship repetition_penalty, top_k, top_p,
 ...). Only `qae eval` may truncate the distribution, on request (`SamplingOptions`).
 """
@@ -16,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from qae_app.data.prompts import Prompt
+from qae_app.data.prompt_format import Prompt
 
 
 @dataclass
@@ -30,7 +32,7 @@ class Sample:
     # measured them while sampling (the trainer then skips a no-grad pass over the responses to report them)
     token_logprobs: list[float] | None = None
     token_entropies: list[float] | None = None
-    # the prompt as the model saw it, chat template included (models.templated_prompt); None without a template
+    # the prompt as the model saw it, chat template included (policy.templated_prompt); None without a template
     model_prompt: str | None = None
 
 

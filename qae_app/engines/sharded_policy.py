@@ -1,60 +1,14 @@
 """Rollouts from a sharded policy (FSDP, DeepSpeed ZeRO-3): every process holds a slice of each weight.
-`sharding_plan` decides what the engines must do about it, and `ShardedPolicy` does it."""
+`models.sharding.sharding_plan` decides what the engines must do about it, and `ShardedPolicy` does it."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
-from qae_app.core.errors import QAEUserError
-
-
-@dataclass(frozen=True)
-class ShardingPlan:
-    sharding: str  # "none", "fsdp1", "fsdp2" or "zero3": how the policy's weights are split over processes
-    synced_generate: bool  # HF generate: every process runs forward until all are done (synced_gpus=True)
-    gather_full_weights: bool  # vLLM sync: gather each full weight from the shards before loading it
-
-
-UNSHARDED = ShardingPlan("none", synced_generate=False, gather_full_weights=False)
-
-
-def sharding_plan(distributed_type, zero_stage: int | None = None, fsdp_version: int | None = None,
-                  num_processes: int = 1) -> ShardingPlan:
-    """What the engines must do for accelerate's `distributed_type` (DistributedType or its name).
-
-    Sharded weights (FSDP, ZeRO-3) are gathered layer by layer inside forward, a collective call: a process that
-    stopped sampling must keep calling forward while another still samples, or both wait forever (TRL passes
-    synced_gpus=True there for the same reason). vLLM keeps a full copy of the weights, so a sync must gather them
-    first. Data parallel (DDP, multi-CPU), ZeRO-1/2 and one process keep full weights everywhere: nothing to do.
-    """
-    kind = str(getattr(distributed_type, "value", distributed_type)).upper()
-    if kind == "MEGATRON_LM":
-        raise QAEUserError("accelerate: Megatron-LM splits layers across processes, which the rollout engines do not "
-                           "support. Use DDP, FSDP or DeepSpeed in your `accelerate config`.")
-    if kind == "FSDP":
-        sharding = "fsdp2" if fsdp_version == 2 else "fsdp1"
-    elif kind == "DEEPSPEED" and (zero_stage or 0) >= 3:
-        sharding = "zero3"
-    else:
-        return UNSHARDED
-    return ShardingPlan(sharding, synced_generate=num_processes > 1, gather_full_weights=True)
-
-
-def sharding_plan_for(accelerator) -> ShardingPlan:
-    """sharding_plan for a live accelerate.Accelerator (FSDP2 that qae applies itself on CPU included)."""
-    from qae_app.models.sharding import shards_itself
-
-    if shards_itself(accelerator):
-        return sharding_plan("FSDP", None, 2, accelerator.num_processes)
-    state = accelerator.state
-    deepspeed = getattr(state, "deepspeed_plugin", None)
-    fsdp = getattr(state, "fsdp_plugin", None)
-    return sharding_plan(accelerator.distributed_type, getattr(deepspeed, "zero_stage", None),
-                         getattr(fsdp, "fsdp_version", None), accelerator.num_processes)
+from qae_app.models.sharding import UNSHARDED, ShardingPlan, sharding_plan_for
 
 
 class ShardedPolicy:

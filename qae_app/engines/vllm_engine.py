@@ -47,7 +47,7 @@ import torch
 
 from qae_app.core.errors import QAEUserError
 from qae_app.core.names import BUILTIN_SCRATCH
-from qae_app.data.prompts import Prompt
+from qae_app.data.prompt_format import Prompt
 from qae_app.engines.base import Sample, cut_at_stop
 from qae_app.engines.sampling import PLAIN_SAMPLING, SamplingOptions
 from qae_app.engines.sharded_policy import ShardedPolicy

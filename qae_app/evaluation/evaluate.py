@@ -20,13 +20,13 @@ from qae_app.config import EvalConfig
 from qae_app.core.errors import QAEUserError
 from qae_app.core.host_faults import check_path_names, environment_errno, environment_error
 from qae_app.data.datasets import Problem
-from qae_app.data.prompts import Prompt
+from qae_app.data.prompt_format import Prompt
 from qae_app.engines.base import RolloutEngine
 from qae_app.engines.sampling import SamplingOptions
 from qae_app.evaluation.metrics import avg_at_k, maj_at_k, pass_at_k, pass_k_values
-from qae_app.evaluation.scoring import run_benchmark
+from qae_app.rewards.builtin_verifiers import BuiltinVerifier
 from qae_app.rewards.registry import RewardSet, data_columns
-from qae_app.rewards.scorer import Scorer
+from qae_app.scoring.reward_path import reward_prompt, run_benchmark
 from qae_app.store.reader import results_only_kind
 from qae_app.store.run_folder import (
     CHECKPOINTS_DIR,
@@ -56,19 +56,20 @@ class EvalResult:
 
 
 def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: list[Prompt],
-                     scorer: RewardSet | Scorer, k: int, temperature: float, max_new_tokens: int, seed: int,
+                     rewards: RewardSet | BuiltinVerifier, k: int, temperature: float, max_new_tokens: int, seed: int,
                      on_batch=None, batch_problems: int = 64) -> list[dict]:
-    """k samples for each problem, scored by the rewards (a RewardSet; a built-in's Scorer is taken as one):
+    """k samples for each problem, scored by the rewards (a RewardSet; a built-in's BuiltinVerifier is taken as one):
     `correct` is full marks (registry.RewardSet.correct). `on_batch(n_done)` is called after each batch."""
-    rewards = scorer if isinstance(scorer, RewardSet) else RewardSet.of_scorer(scorer)
+    rewards = rewards if isinstance(rewards, RewardSet) else RewardSet.of_verifier(rewards)
     rows: list[dict] = []
     for start in range(0, len(problems), batch_problems):
         chunk = problems[start : start + batch_problems]
         samples = engine.generate(prompts[start : start + batch_problems], k, temperature, max_new_tokens,
                                   seed=seed + start)
         texts = [s.text for s in samples]
-        _, components = rewards.score(texts, [prompts[start + s.prompt_index] for s in samples],
-                                      [chunk[s.prompt_index] for s in samples])
+        _, components = rewards.score(texts, [reward_prompt(prompts[start + s.prompt_index], chunk[s.prompt_index])
+                                              for s in samples],
+                                      [chunk[s.prompt_index] for s in samples], 0, [s.response_ids for s in samples])
         counters = defaultdict(int)
         for sample, text, correct, verified in zip(samples, texts, rewards.correct(components),
                                                    rewards.verified(components)):
@@ -120,9 +121,9 @@ def summarize(benchmark: str, problems: list[Problem], samples: list[dict], k: i
 
 
 def evaluate(engine: RolloutEngine, benchmark: str, problems: list[Problem], prompts: list[Prompt],
-             scorer: RewardSet | Scorer, k: int, temperature: float, max_new_tokens: int, seed: int,
+             rewards: RewardSet | BuiltinVerifier, k: int, temperature: float, max_new_tokens: int, seed: int,
              on_batch=None) -> EvalResult:
-    samples = sample_and_score(engine, problems, prompts, scorer, k, temperature, max_new_tokens, seed, on_batch)
+    samples = sample_and_score(engine, problems, prompts, rewards, k, temperature, max_new_tokens, seed, on_batch)
     return EvalResult(benchmark, k, samples, summarize(benchmark, problems, samples, k))
 
 
@@ -267,10 +268,10 @@ def evaluate_with_progress(cfg: EvalConfig, engine, name: str, problems, prompts
 
     progress = Progress(TextColumn(f"[bold]eval {name}"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
                         console=console, disable=console is None)
-    with RewardSet.of(cfg.reward, cfg.reward_weights, task.reward, cfg.verify_timeout_s) as scorer, progress:
-        scorer.check(data_columns(problems))  # (the user's functions imported in its workers, their columns checked)
+    with RewardSet.of(cfg.reward, cfg.reward_weights, task.reward, cfg.verify_timeout_s) as rewards, progress:
+        rewards.check(data_columns(problems))  # (the user's functions imported in its workers, their columns checked)
         bar = progress.add_task("eval", total=len(problems))
-        return evaluate(engine, name, problems, prompts, scorer, cfg.samples, cfg.temperature, max_new_tokens,
+        return evaluate(engine, name, problems, prompts, rewards, cfg.samples, cfg.temperature, max_new_tokens,
                         cfg.seed, on_batch=lambda n: progress.advance(bar, n))
 
 
@@ -286,8 +287,8 @@ def _say_target(target: EvalTarget, console) -> None:
 
 
 def _say_trained_options(cfg: EvalConfig, target: EvalTarget, runs_dir, bench_reward: str, console) -> None:
-    """A run evaluated without the rewards or prompt options it trained with: said, as qae eval never takes them from
-    a run folder (its reward code runs only when the user names it)."""
+    """A run evaluated without the rewards it trained with: said, as qae eval never takes reward code from a run
+    folder (it runs only when the user names it)."""
     if console is None or target.run_id is None:
         return
     try:
@@ -296,31 +297,61 @@ def _say_trained_options(cfg: EvalConfig, target: EvalTarget, runs_dir, bench_re
         return  # (the run's own commands say what is wrong with its config.json)
     from rich.markup import escape
 
-    def named(option: str, values) -> list[str]:
-        return [f"--{option} {shlex.quote(v)}" for v in values if isinstance(v, str)]
-
     trained = stored.get("reward") if isinstance(stored.get("reward"), list) else []
-    rewards = named("reward", trained) if cfg.reward is None else []
+    rewards = [f"--reward {shlex.quote(v)}" for v in trained if isinstance(v, str)] if cfg.reward is None else []
     if rewards:
         console.print(f"[yellow]note:[/] run {target.run_id} trained with {escape(' '.join(rewards))}; this "
                       f"evaluation scores with the bench's own reward ({bench_reward}). Pass the same --reward "
                       "options to score as it trained.", highlight=False)
-    prompts = [flag for option in ("prompt_template", "system_prompt") if getattr(cfg, option) is None
-               for flag in named(option.replace("_", "-"), [stored.get(option)])]
-    if prompts:
-        console.print(f"[yellow]note:[/] run {target.run_id} trained with {escape(' '.join(prompts))}; this "
-                      "evaluation prompts without them. Pass them to prompt as it trained.", highlight=False)
 
 
-def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResult, str, Path]:
-    """Everything `qae eval` does; returns (EvalResult, run_id the results were stored under, database path)."""
+def sampling_columns(cfg: EvalConfig) -> dict:
+    """How an evaluation sampled, stored with each of its `evals` rows (docs/store.md)."""
+    return {"temperature": cfg.temperature, "top_p": cfg.top_p, "samples": cfg.samples, "problem_limit": cfg.limit}
+
+
+def sampling_header(cfg: EvalConfig, name: str, n_problems: int, total: int, max_new_tokens: int,
+                    run: str | None = None, taken: tuple[str, ...] = ()) -> str:
+    """What `qae eval` prints before it samples: the benchmark, how many problems and how each is sampled, and which
+    of those settings are the run's own (`taken`: the options it took from run `run`)."""
+    limited = f" (--limit {cfg.limit} of {total})" if cfg.limit and cfg.limit < total else ""
+    extra = "".join(f", {flag} {value:g}" for flag, value, off in (("top-k", cfg.top_k, 0), ("min-p", cfg.min_p, 0.0))
+                    if value != off)
+    text = (f"eval {name}: {n_problems} problems{limited}, {cfg.samples} samples each at temperature "
+            f"{cfg.temperature:g}, top-p {cfg.top_p:g}{extra}, max-new-tokens {max_new_tokens}")
+    if run is not None and taken:
+        text += f"; {', '.join(option.replace('_', '-') for option in taken)} as run {run} trained"
+    return text
+
+
+def eval_problems(cfg: EvalConfig, trained=None) -> tuple[str, list[Problem], object]:
+    """(name, problems, task) that `qae eval` evaluates: --bench, or with --split heldout the held-out split of the
+    run `trained` (its stored TrainConfig)."""
+    if cfg.split is None:
+        return run_benchmark(cfg, cfg.bench, "bench")
+    import dataclasses
+
+    from qae_app.scoring.reward_path import run_task
+
+    # the run's task, its data split as it split it, prompted with the evaluation's options (the run's unless given)
+    task = run_task(dataclasses.replace(trained, prompt_template=cfg.prompt_template, system_prompt=cfg.system_prompt,
+                                        reward=cfg.reward))
+    return f"{task.name}-heldout", task.heldout, task
+
+
+def run_eval_command(cfg: EvalConfig, runs_dir, console=None, trained=None,
+                     taken: tuple[str, ...] = ()) -> tuple[EvalResult, str, Path]:
+    """Everything `qae eval` does; returns (EvalResult, run_id the results were stored under, database path).
+    `trained`: the stored config of the run --model names (cli/trained_defaults.eval_config_for), whose options `taken`
+    are this evaluation's."""
     from qae_app.engines.factory import make_engine
     from qae_app.models.policy import check_prompt_lengths, load_policy, rollout_positions
 
     target = resolve_model(cfg.model, runs_dir, cfg.checkpoint)
     _say_target(target, console)
-    name, problems, task = run_benchmark(cfg, cfg.bench, "bench")
+    name, problems, task = eval_problems(cfg, trained)
     _say_trained_options(cfg, target, runs_dir, task.reward, console)
+    total = len(problems)
     problems = problems[: cfg.limit] if cfg.limit else problems
     max_new_tokens = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task.reward]
     if target.run_id is None:
@@ -333,6 +364,9 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
         # the run's own file takes the results: refused now if it cannot, not after the evaluation
         writer = RunWriter(db_path(runs_dir, run_id), run_id)
 
+    if console is not None:  # (once the run's file took the writer: a damaged one is refused before this)
+        console.print(sampling_header(cfg, name, len(problems), total, max_new_tokens, target.run_id, taken),
+                      highlight=False)
     try:
         policy, codec = load_policy(target.model_path, cfg.dtype)
     except QAEUserError:
@@ -359,7 +393,7 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None) -> tuple[EvalResul
     if target.run_id is None:
         options = dict(cfg.to_dict(), max_new_tokens=max_new_tokens)
         writer.create_run(run_id, options, "eval", None, cfg.model, cfg.bench, cfg.seed)
-    writer.add_step(target.step, evals=[{**m, "source": "eval"} for m in result.metrics],
+    writer.add_step(target.step, evals=[{**m, "source": "eval", **sampling_columns(cfg)} for m in result.metrics],
                     eval_samples=[{**s, "benchmark": name, "source": "eval"} for s in result.samples])
     if target.run_id is None:
         writer.update_run(status="finished")

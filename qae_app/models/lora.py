@@ -8,7 +8,7 @@
 
 Only the adapters get gradients and optimizer state (the memory it saves: AdamW's two moments and the gradient of
 every base weight). Dropout stays off (`lora_dropout=0`): the old log-probs and the update must see the same network
-(see models.disable_dropout).
+(see policy.disable_dropout).
 """
 
 from __future__ import annotations

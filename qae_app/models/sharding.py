@@ -25,6 +25,49 @@ import torch
 from qae_app.core.errors import QAEUserError
 
 
+@dataclass(frozen=True)
+class ShardingPlan:
+    sharding: str  # "none", "fsdp1", "fsdp2" or "zero3": how the policy's weights are split over processes
+    synced_generate: bool  # HF generate: every process runs forward until all are done (synced_gpus=True)
+    gather_full_weights: bool  # vLLM sync: gather each full weight from the shards before loading it
+
+
+UNSHARDED = ShardingPlan("none", synced_generate=False, gather_full_weights=False)
+
+
+def sharding_plan(distributed_type, zero_stage: int | None = None, fsdp_version: int | None = None,
+                  num_processes: int = 1) -> ShardingPlan:
+    """What the engines must do for accelerate's `distributed_type` (DistributedType or its name).
+
+    Sharded weights (FSDP, ZeRO-3) are gathered layer by layer inside forward, a collective call: a process that
+    stopped sampling must keep calling forward while another still samples, or both wait forever (TRL passes
+    synced_gpus=True there for the same reason). vLLM keeps a full copy of the weights, so a sync must gather them
+    first. Data parallel (DDP, multi-CPU), ZeRO-1/2 and one process keep full weights everywhere: nothing to do.
+    """
+    kind = str(getattr(distributed_type, "value", distributed_type)).upper()
+    if kind == "MEGATRON_LM":
+        raise QAEUserError("accelerate: Megatron-LM splits layers across processes, which the rollout engines do not "
+                           "support. Use DDP, FSDP or DeepSpeed in your `accelerate config`.")
+    if kind == "FSDP":
+        sharding = "fsdp2" if fsdp_version == 2 else "fsdp1"
+    elif kind == "DEEPSPEED" and (zero_stage or 0) >= 3:
+        sharding = "zero3"
+    else:
+        return UNSHARDED
+    return ShardingPlan(sharding, synced_generate=num_processes > 1, gather_full_weights=True)
+
+
+def sharding_plan_for(accelerator) -> ShardingPlan:
+    """sharding_plan for a live accelerate.Accelerator (FSDP2 that qae applies itself on CPU included)."""
+    if shards_itself(accelerator):
+        return sharding_plan("FSDP", None, 2, accelerator.num_processes)
+    state = accelerator.state
+    deepspeed = getattr(state, "deepspeed_plugin", None)
+    fsdp = getattr(state, "fsdp_plugin", None)
+    return sharding_plan(accelerator.distributed_type, getattr(deepspeed, "zero_stage", None),
+                         getattr(fsdp, "fsdp_version", None), accelerator.num_processes)
+
+
 def requested_fsdp_version() -> int | None:
     """The FSDP version the accelerate config asked for (its launcher's environment), None when it asked for none."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
@@ -147,7 +190,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @dataclass(frozen=True)
 class DistributedSetup:
     """How a run was launched, stored in its config (key `distributed`) and shown by `qae show`
-    (terminal.setup_label: "fsdp2 x 2 processes")."""
+    (formatting.setup_label: "fsdp2 x 2 processes")."""
 
     sharding: str  # "none" (one process), "ddp", "fsdp1", "fsdp2" or "zero3"
     processes: int
@@ -160,7 +203,7 @@ class DistributedSetup:
 
 
 def describe(accelerator, sharding: str) -> DistributedSetup:
-    """The setup of this launch; `sharding` is rollout.sharding_plan_for(accelerator).sharding."""
+    """The setup of this launch; `sharding` is sharding_plan_for(accelerator).sharding."""
     n = accelerator.num_processes
     kind = sharding if sharding != "none" else ("ddp" if n > 1 else "none")
     by = None if sharding == "none" else ("qae" if shards_itself(accelerator) else "accelerate")

@@ -1,5 +1,5 @@
-"""The final answer in a policy's response: what the rewards (qae_app/rewards/scorer.py) score and the math verifier's
-workers (qae_app/rewards/verifier_pool.py) check.
+"""The final answer in a policy's response: what the rewards (qae_app/rewards/builtin_verifiers.py) score and the math
+verifier's workers (qae_app/rewards/verifier_pool.py) check.
 
 Pure string work, linear time on any input: extraction runs in the trainer, outside any verifier deadline, so a
 hostile response (deep nesting, thousands of unterminated boxes, a multi-megabyte text) costs milliseconds.

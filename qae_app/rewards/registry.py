@@ -3,10 +3,10 @@ by one object, `RewardSet`, that the trainer, `qae eval` and `qae preview` all u
 
     with RewardSet.of(cfg.reward, cfg.reward_weights, task.reward, timeout_s=3.0) as rewards:
         files = rewards.check(columns)                       # user code: importable, asks only for columns there are
-        totals, components = rewards.score(completions, prompts, problems, step)
+        totals, components = rewards.score(completions, prompts, problems, step, completion_ids)
         correct, verified = rewards.correct(components), rewards.verified(components)
 
-Without --reward a run's rewards are its task's one built-in verifier, weight 1, scored exactly as before.
+Without --reward a run's rewards are its task's one built-in verifier, weight 1: its verdicts are the rewards.
 
 **The total** of a response is the weighted sum of its components, `sum(weight * value)`:
 
@@ -16,12 +16,12 @@ Without --reward a run's rewards are its task's one built-in verifier, weight 1,
   --verify-timeout-s) counts 0 in the sum. A function returning a dict gives one component per key, each weighted by
   the function's weight.
 
-The overlong penalty (DAPO) is added to the total by the trainer, as before.
+The overlong penalty (DAPO) is not part of the total: the trainer adds it (scoring/reward_path.py score_batch).
 
 **Correct** (the `correct` column, `accuracy`, `n_correct`, avg@k) means full marks: every component with a positive
 weight at its full mark, a built-in's verdict 1 or a user's score >= 1.0 (scale a reward to [0, 1] for this to read
-"solved"). With one binary reward it is the verifier's verdict, as before; with a continuous one, the share of responses
-at the top score. `reward_mean` reports the mean total whatever the rewards. **Verified** means no component is None.
+"solved"). With one binary reward it is the verifier's verdict; with a continuous one, the share of responses at the
+top score. `reward_mean` reports the mean total whatever the rewards. **Verified** means no component is None.
 
 User functions run in a `MathVerifierPool`'s worker processes (user_functions.py), one response per call, each under
 --verify-timeout-s. A response the function does not score in time gets None, counted in `timeout_warning`; a
@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import clipped
-from qae_app.rewards.scorer import ANSWER_EXTRACTORS, Scorer
+from qae_app.rewards.builtin_verifiers import ANSWER_EXTRACTORS, BuiltinVerifier
 from qae_app.rewards.specs import RewardSpec, parse_reward_spec, parse_reward_specs, parse_reward_weights
 from qae_app.rewards.user_functions import PASSED_ALWAYS, handle_item, load_user_rewards
 from qae_app.rewards.verifier_pool import MathVerifierPool, WorkersDidNotStart
@@ -52,7 +52,23 @@ class RewardScores(NamedTuple):
 
 
 class RewardError(QAEUserError):
-    """A user's reward function failed (raised, returned a bad value, hung): the run stops, failed, with this text."""
+    """A user's reward function failed (raised, returned a bad value, hung): the run stops, failed, with this text.
+    `spec`: the reward that failed, where one did (the resume advice differs for a file of the user's and an installed
+    module's function)."""
+
+    def __init__(self, message: str, spec: RewardSpec | None = None):
+        super().__init__(message)
+        self.spec = spec
+
+
+def reward_inputs(completion: str, prompt) -> tuple[object, object]:
+    """(completion, prompt) as TRL's GRPOTrainer hands them to a reward function: for conversational data (the prompt
+    a list of chat messages: scoring/reward_path.reward_prompt gives one where the model was sent the row's own
+    messages) the completion as a list of one assistant message and the prompt as its messages; otherwise both as the
+    text they are."""
+    if isinstance(prompt, list):
+        return [{"role": "assistant", "content": completion}], [dict(message) for message in prompt]
+    return completion, prompt
 
 
 class RewardSet:
@@ -63,13 +79,13 @@ class RewardSet:
     verdict is worth in the total (--reward-values)."""
 
     def __init__(self, specs: Sequence[RewardSpec], weights: Sequence[float] | None = None, timeout_s: float = 3.0,
-                 values: tuple[float, float] = (0.0, 1.0), scorers: dict[str, Scorer] | None = None):
+                 values: tuple[float, float] = (0.0, 1.0), verifiers: dict[str, BuiltinVerifier] | None = None):
         self.specs = list(specs)
         self.weights = tuple(weights) if weights is not None else (1.0,) * len(self.specs)
         self.timeout_s, self.values = timeout_s, values
         self.user_specs = [spec for spec in self.specs if spec.is_user_code]
         resolved = [spec.resolved() for spec in self.user_specs]  # (a missing file is named before any worker starts)
-        self.scorers = scorers or {spec.target: Scorer(spec.target, timeout_s) for spec in self.specs
+        self.verifiers = verifiers or {spec.target: BuiltinVerifier(spec.target, timeout_s) for spec in self.specs
                                    if not spec.is_user_code}
         self.user_pool = (MathVerifierPool(timeout_s=timeout_s, memory_limit_mb=None, shortcuts=False,
                                            startup_timeout_s=START_TIMEOUT_S, handler=handle_item,
@@ -87,15 +103,15 @@ class RewardSet:
         return cls(specs, parse_reward_weights(reward_weights, len(specs)), timeout_s, values)
 
     @classmethod
-    def of_scorer(cls, scorer: Scorer) -> "RewardSet":
-        """The RewardSet of one built-in reward's `Scorer` that the caller made (closing either closes it)."""
-        return cls([parse_reward_spec(scorer.name)], scorers={scorer.name: scorer})
+    def of_verifier(cls, verifier: BuiltinVerifier) -> "RewardSet":
+        """The RewardSet of one built-in reward's `BuiltinVerifier` that the caller made (closing either closes it)."""
+        return cls([parse_reward_spec(verifier.name)], verifiers={verifier.name: verifier})
 
     @property
     def pool(self) -> MathVerifierPool | None:
         """The worker pool whose counters (timeouts, crashes, ...) say how scoring went: the built-in math
         verifier's where the set has one, else the user functions'."""
-        return next((s.pool for s in self.scorers.values() if s.pool is not None), self.user_pool)
+        return next((s.pool for s in self.verifiers.values() if s.pool is not None), self.user_pool)
 
     @property
     def name(self) -> str:
@@ -148,18 +164,22 @@ class RewardSet:
 
     # -- scoring --------------------------------------------------------------------------------------------------
 
-    def score(self, completions: list[str], prompts: list, problems: Sequence, step: int = 0) -> RewardScores:
-        """Each response's total and components. completions [N], prompts [N] (what the model was asked) and
-        problems [N] (each with `.answer` and `.columns`, the data row: data.Problem) are aligned; step: the RL step
-        (0 outside training). RewardError when a user function fails; `ScoringInterrupted` on shutdown."""
+    def score(self, completions: list[str], prompts: list, problems: Sequence, step: int = 0,
+              completion_ids: Sequence[list[int]] | None = None) -> RewardScores:
+        """Each response's total and components. completions [N] (text), prompts [N] (as the rewards get them:
+        scoring/reward_path.reward_prompt, chat messages for conversational data, else text), problems [N] (each
+        with `.answer` and `.columns`, the data row: datasets.Problem) and completion_ids [N] (each response's token
+        ids; None: not known, [] each) are aligned; step: the RL step (0 outside training). RewardError when a user
+        function fails; `ScoringInterrupted` on shutdown."""
         n = len(completions)
         if not len(prompts) == len(problems) == n:
             raise ValueError(f"{n} completions, {len(prompts)} prompts and {len(problems)} problems")
         answers = [problem.answer for problem in problems]
         components: dict[str, list[float | None]] = {}
-        user = self._score_user(completions, prompts, problems, step) if self.user_pool is not None else {}
+        user = (self._score_user(completions, prompts, problems, step, completion_ids or [[] for _ in range(n)])
+                if self.user_pool is not None else {})
         for spec in self.specs:
-            parts = {spec.name: self.scorers[spec.target](completions, answers)} if not spec.is_user_code else \
+            parts = {spec.name: self.verifiers[spec.target](completions, answers)} if not spec.is_user_code else \
                 user[spec.text]
             for name, values in parts.items():
                 if name in components:
@@ -188,11 +208,13 @@ class RewardSet:
                                   "rewards to a range such as [0, 1].")
         return totals
 
-    def _score_user(self, completions: list[str], prompts: list, problems: Sequence, step: int) -> dict[str, dict]:
+    def _score_user(self, completions: list[str], prompts: list, problems: Sequence, step: int,
+                    completion_ids: Sequence[list[int]]) -> dict[str, dict]:
         """spec text -> {component: [N] scores} of each user function, from the workers."""
         n = len(completions)
         rows = _column_rows(problems)
-        items = [("score", u, completions[i], prompts[i], rows[i], step)
+        inputs = [reward_inputs(completions[i], prompts[i]) for i in range(n)]
+        items = [("score", u, *inputs[i], [int(t) for t in completion_ids[i]], rows[i], step)
                  for u in range(len(self.user_specs)) for i in range(n)]
         results = self.user_pool.run_items(items) if items else []
         scored: dict[str, dict[str, list[float | None]]] = {spec.text: {} for spec in self.user_specs}
@@ -211,7 +233,7 @@ class RewardSet:
             status, value = result
             if status == "error":
                 raise RewardError(f"reward: {spec.text} failed at step {step} on response {i + 1} of {n} "
-                                  f"({clipped(repr(completions[i]), 60)}): it {value}")
+                                  f"({clipped(repr(inputs[i][0]), 80)}): it {value}", spec)
             for part, score in value.items():
                 scored[spec.text].setdefault(part or spec.name, [None] * n)[i] = score
         for spec in self.user_specs:
@@ -256,14 +278,14 @@ class RewardSet:
 
     def interrupt(self) -> None:
         """Shutting down: the scoring call in progress stops soon and raises `ScoringInterrupted`."""
-        for scorer in self.scorers.values():
-            scorer.interrupt()
+        for verifier in self.verifiers.values():
+            verifier.interrupt()
         if self.user_pool is not None:
             self.user_pool.interrupt()
 
     def close(self) -> None:
-        for scorer in self.scorers.values():
-            scorer.close()
+        for verifier in self.verifiers.values():
+            verifier.close()
         if self.user_pool is not None:
             self.user_pool.close()
 

@@ -136,14 +136,17 @@ def weights_text(value) -> str | None:
     return value
 
 
-def check_named_again(stored: list[str] | None, given: list[str] | None, run: str) -> None:
+def check_named_again(stored: list[str] | None, given: list[str] | None, run: str,
+                      stored_weights: str | None = None) -> None:
     """A resumed run imports reward code only when the user names it again: `stored` is what the run's config.json
-    says, `given` what the user passed now (None: nothing). QAEUserError when the run's rewards run user code and the
-    user did not name them."""
+    says (and `stored_weights` its --reward-weights), `given` what the user passed now (None: nothing). QAEUserError
+    when the run's rewards run user code and the user did not name them."""
     code = [spec for spec in parse_reward_specs(stored) if spec.is_user_code]
     if not code or given is not None:
         return
     flags = " ".join(f"--reward {spec}" for spec in stored or [])
+    if stored_weights is not None:
+        flags += f" --reward-weights {weights_text(stored_weights)}"
     raise QAEUserError(f"resume: run '{run}' scores with reward code ({', '.join(s.text for s in code)}). A run "
                        f"folder never runs code by itself: name the rewards again to resume it, e.g. `qae train "
                        f"--resume {run} {flags}`.")

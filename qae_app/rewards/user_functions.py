@@ -5,15 +5,19 @@ workers run `load_user_rewards` when they start (importing each function named b
 `package.module:function`) and `handle_item` for each item, under the pool's hard deadline per item. Everything a
 worker sends back is plain data (floats, None, text), so no object of the user's can reach the trainer either.
 
-A function is called TRL's way, one response at a time:
+A function is called as TRL's GRPOTrainer calls it, one response at a time:
 
-    fn(completions=[response], prompts=[prompt], **columns)  ->  [score]  or  {"part": [score], ...}
+    fn(prompts=[prompt], completions=[completion], completion_ids=[ids], **columns)  ->  [score]  or  {"part": [score]}
 
-`columns` are the data row's fields (each a one-element list, as TRL passes dataset columns), `answer` (the gold
-answer qae read) and `step` (the RL step; 0 in `qae eval`); a function without `**kwargs` gets only the names it
-declares. A score is a finite number (bool counts as 0/1) or None ("could not verify"); a dict gives named parts,
-each such a list. Anything else (a raise, a list of another length, NaN, a string) comes back as an error whose text
-the trainer shows once.
+What `prompt` and `completion` are depends on the data, as in TRL (registry.reward_inputs): for conversational data
+(the row's `prompt` is a list of chat messages, sent as it is) the prompt is that list of messages (after the
+--system-prompt message, if given) and the completion a list of one message, `[{"role": "assistant", "content":
+text}]`; for plain-text data both are strings, the prompt as the model read it without a chat template (prompts.
+prompt_text). `completion_ids` are the response's token ids. `columns` are the data row's fields (each a one-element
+list, as TRL passes dataset columns), `answer` (the gold answer qae read) and `step` (the RL step; 0 in `qae eval`); a
+function without `**kwargs` gets only the names it declares. A score is a finite number (bool counts as 0/1) or None
+("could not verify"); a dict gives named parts, each such a list. Anything else (a raise, a list of another length,
+NaN, a string) comes back as an error whose text the trainer shows once.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 # what every reward can ask for besides the data row's fields
-PASSED_ALWAYS = ("completions", "prompts", "answer", "step")
+PASSED_ALWAYS = ("completions", "prompts", "completion_ids", "answer", "step")
 
 _loaded: list[Callable | str] = []  # per reward index: the function, or why it could not be imported (text)
 _paths: list[str | None] = []  # per reward index: the file it came from (its sha256 is the run's record)
@@ -92,16 +96,16 @@ class BadReturn(Exception):
 
 
 def handle_item(kind: str, index: int, *args) -> tuple[str, object]:
-    """One pool item: ("probe", index) -> what the function asks for; ("score", index, completion, prompt, columns,
-    step) -> its scores. Returns ("ok", value) or ("error", text); never raises."""
+    """One pool item: ("probe", index) -> what the function asks for; ("score", index, completion, prompt,
+    completion_ids, columns, step) -> its scores. Returns ("ok", value) or ("error", text); never raises."""
     fn = _loaded[index]
     if isinstance(fn, str):
         return "error", fn
     if kind == "probe":
         return "ok", _signature(fn, _paths[index])
-    completion, prompt, columns, step = args
+    completion, prompt, completion_ids, columns, step = args
     try:
-        value = _call(fn, completion, prompt, columns, step)
+        value = _call(fn, completion, prompt, completion_ids, columns, step)
     except BaseException as err:  # noqa: BLE001 - whatever the user's code raises is reported, with its traceback
         return "error", "raised:\n" + _user_traceback(err)
     try:
@@ -123,9 +127,9 @@ def _signature(fn: Callable, path: str | None) -> dict:
             "path": path, "sha256": sha}
 
 
-def _call(fn: Callable, completion: str, prompt, columns: dict, step: int):
+def _call(fn: Callable, completion, prompt, completion_ids: list[int], columns: dict, step: int):
     offered = {**{name: [value] for name, value in columns.items()}, "completions": [completion],
-               "prompts": [prompt], "step": step}
+               "prompts": [prompt], "completion_ids": [completion_ids], "step": step}
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):

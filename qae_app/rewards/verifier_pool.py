@@ -1,7 +1,7 @@
 """The `math` reward's verifier: math-verify in worker processes, with a hard deadline per item and per call.
 
 Math-verify can hang on hostile input (`\\boxed{9^{9^{9^{9}}}}` never returns) and its own timeout uses
-`signal.alarm`, which only works in the main thread. So `math` scoring (rewards.Scorer) runs in a
+`signal.alarm`, which only works in the main thread. So `math` scoring (builtin_verifiers.BuiltinVerifier) runs in a
 `MathVerifierPool`: worker processes (forked from a fork server that has imported and warmed math-verify, or
 spawned; never forked from the parent, which holds torch threads) with math-verify's own timeouts off and a hard
 deadline per item enforced by the parent. A worker that misses the deadline is killed (SIGKILL) and replaced, in

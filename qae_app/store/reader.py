@@ -125,7 +125,7 @@ def resolve_run(runs_dir: Path, run: str) -> Path:
 
 SQL_RUN_SUMMARY = """
     WITH last AS (SELECT step, reward_mean, accuracy, entropy FROM steps ORDER BY step DESC LIMIT 1)
-    SELECT r.*,  -- every column the file has (a file from an older version lacks the newer ones)
+    SELECT r.*,
            (SELECT count(*) FROM steps) AS steps, last.step AS last_step, last.reward_mean, last.accuracy,
            last.entropy,
            (SELECT heldout_accuracy FROM steps WHERE heldout_accuracy IS NOT NULL ORDER BY step DESC LIMIT 1)
@@ -250,9 +250,9 @@ def read_groups(path: Path, step: int) -> pd.DataFrame:
 GATE_REASON_RULES: dict[str, str] = {
     "all_correct_group": "r.regime = 'all_correct'",
     "all_wrong_group": "r.regime = 'all_wrong'",
-    # by the verifier's verdict (-1/1 and shaped rewards); rows from before the `correct` column: reward 1 was correct
-    "success_in_easy_group": "r.regime = 'easy' AND coalesce(r.correct, r.reward = 1)",
-    "failure_in_hard_group": "r.regime = 'hard' AND NOT coalesce(r.correct, r.reward = 1)",
+    # by the verifier's verdict, not the reward (-1/1 and shaped rewards)
+    "success_in_easy_group": "r.regime = 'easy' AND r.correct",
+    "failure_in_hard_group": "r.regime = 'hard' AND NOT r.correct",
     "reward_at_baseline": "TRUE",
 }
 assert list(GATE_REASON_RULES) == list(GATE_REASONS)
@@ -268,7 +268,7 @@ SQL_ROLLOUTS = f"""
     FROM rollouts r JOIN groups g USING (run_id, step, group_idx)
     WHERE r.step = ?
       AND (? IS NULL OR r.gated = ?)
-      AND (? IS NULL OR coalesce(r.filtered, FALSE) = ?)  -- NULL: a row from before the column, trained
+      AND (? IS NULL OR r.filtered = ?)
       AND (? IS NULL OR r.regime = ?)
       AND (? IS NULL OR r.reward = ?)
       AND (? IS NULL OR contains(lower(r.response), lower(?)) OR contains(lower(g.prompt), lower(?)))
@@ -292,19 +292,13 @@ def read_rollouts(path: Path, step: int, gated: bool | None = None, regime: str 
                              search, search, groups, groups])
 
 
-SQL_HAS_MODEL_PROMPT = """
-    SELECT count(*) FROM duckdb_columns()
-    WHERE database_name = current_database() AND table_name = ? AND column_name = 'model_prompt'
-"""
 SQL_MODEL_PROMPTS = "SELECT group_idx, model_prompt FROM groups WHERE step = ? AND model_prompt IS NOT NULL"
 
 
 def read_model_prompts(path: Path, step: int) -> dict[int, str]:
     """group_idx -> the prompt as the model saw it (chat template applied) for the groups of one step; empty for a
-    model without a chat template and for files from before the column (read as they are: a reader never migrates)."""
+    model without a chat template."""
     with open_reader(path) as con:
-        if not con.execute(SQL_HAS_MODEL_PROMPT, ["groups"]).fetchone()[0]:
-            return {}
         return {int(g): str(text) for g, text in con.execute(SQL_MODEL_PROMPTS, [step]).fetchall()}
 
 
@@ -425,7 +419,7 @@ def read_run_view(path: Path) -> RunView:
 
 @dataclass
 class PreviewView:
-    """What `qae preview` found (qae_app/evaluation/preview.py), read in one connection: what it prints and the
+    """What `qae preview` found (qae_app/evaluation/task_preview.py), read in one connection: what it prints and the
     dashboard's Preview page draws."""
 
     run: dict  # one row of SQL_RUN_SUMMARY
@@ -522,7 +516,7 @@ def file_version(path: Path) -> tuple:
 def read_step_tokens(path: Path) -> pd.DataFrame:
     """step, n_responses, n_trained (not filtered out by dynamic sampling), n_tokens (generated tokens of the step's
     responses), by step."""
-    return query(path, "SELECT step, count(*) AS n_responses, count(*) FILTER (WHERE NOT coalesce(filtered, FALSE)) "
+    return query(path, "SELECT step, count(*) AS n_responses, count(*) FILTER (WHERE NOT filtered) "
                        "AS n_trained, sum(n_tokens)::BIGINT AS n_tokens FROM rollouts GROUP BY step ORDER BY step")
 
 
@@ -531,7 +525,7 @@ def read_gate_breakdown(path: Path) -> pd.DataFrame:
     group dynamic sampling left out of the update is not counted (it is filtered, whatever its advantages), so the
     counts add up to frac_zero_adv."""
     return query(path, f"SELECT step, {SQL_GATE_REASON} AS gate_reason, count(*) AS n FROM rollouts r "
-                       "WHERE r.gated AND NOT coalesce(r.filtered, FALSE) GROUP BY ALL ORDER BY step, gate_reason")
+                       "WHERE r.gated AND NOT r.filtered GROUP BY ALL ORDER BY step, gate_reason")
 
 
 # rollouts columns whose distribution over a step's responses the dashboard shows: column -> label
@@ -583,9 +577,8 @@ def read_eval_samples(path: Path, benchmark: str, source: str, step: int, correc
                       problem_id: str | None = None, search: str | None = None) -> pd.DataFrame:
     """The evaluated responses of one benchmark at one step, filtered; `search` is a plain substring (bound)."""
     search = search or None
-    # `SELECT *`: a file written before the gold answer was stored has no `answer` column (read as empty)
-    frame = query(path, """
-        SELECT *
+    return query(path, """
+        SELECT problem_id, sample_idx, response, extracted, answer, correct, verified, n_tokens
         FROM eval_samples
         WHERE benchmark = ? AND source = ? AND step = ?
           AND (? IS NULL OR correct = ?)
@@ -593,6 +586,3 @@ def read_eval_samples(path: Path, benchmark: str, source: str, step: int, correc
           AND (? IS NULL OR contains(lower(response), lower(?)) OR contains(lower(extracted), lower(?)))
         ORDER BY problem_id, sample_idx""",
                  [benchmark, source, step, correct, correct, problem_id, problem_id, search, search, search])
-    if "answer" not in frame:
-        frame["answer"] = None
-    return frame[["problem_id", "sample_idx", "response", "extracted", "answer", "correct", "verified", "n_tokens"]]

@@ -1,5 +1,5 @@
-"""What one RL step stores, built from plain Python values: the `groups` and `rollouts` rows (columns: store.TABLES)
-and the step metrics computed from those rows (names: store.STEP_METRICS).
+"""What one RL step stores, built from plain Python values: the `groups` and `rollouts` rows (columns: schema.TABLES)
+and the step metrics computed from those rows (names: schema.STEP_METRICS).
 
 Pure and torch-free, so the metrics the dashboard or a test recomputes from stored rows are, by construction, the ones
 that were logged.
@@ -95,7 +95,7 @@ def step_metrics(group_rows: list[dict], rollout_rows: list[dict]) -> dict:
     """The metrics of one step that follow from its rows (the rest come from the update and the clock).
 
     What was sampled (reward, accuracy, lengths, regimes, filtered) counts every row; what the update saw (entropy,
-    advantages, covariance) counts the rows that were not filtered out by dynamic sampling (store.STEP_METRICS)."""
+    advantages, covariance) counts the rows that were not filtered out by dynamic sampling (schema.STEP_METRICS)."""
     n = len(rollout_rows)
     trained = [r for r in rollout_rows if not r["filtered"]]
     n_trained = len(trained)

@@ -79,15 +79,53 @@ class RunFileError(QAEUserError):
     """A run's database file cannot be opened or read: damaged, truncated or not a DuckDB file."""
 
 
+class OldRunFormat(RunFileError):
+    """A run folder written by a pre-release of qae, in a format this version does not read: `qae migrate` brings it
+    to the current one."""
+
+
+def migrate_hint(run_dir: Path) -> str:
+    run_dir = Path(run_dir)
+    return (f"Bring it to this version's format with `qae migrate {run_dir.name} --runs-dir {run_dir.parent}`, then "
+            "run the command again.")
+
+
+def format_problem(columns: list[tuple[str, str, str]]) -> str | None:
+    """What a run file lacks of the current format, from its (table, column, type) rows: 'has no previews table' or
+    'has no rollouts.correct column'; None for a current file, and for one with none of qae's tables (a new file, or
+    another program's: the other checks say which)."""
+    found: dict[str, set[str]] = {}
+    for table, column, _ in columns:
+        found.setdefault(table, set()).add(column)
+    if not set(found) & set(TABLES):
+        return None
+    for table, wanted in TABLES.items():
+        if table not in found:
+            return f"has no {table} table"
+        missing = [column for column in wanted if column not in found[table]]
+        if missing:
+            return f"has no {table}.{missing[0]} column"
+    return None
+
+
+def old_format_error(path: Path, problem: str) -> OldRunFormat:
+    path = Path(path)
+    return OldRunFormat(f"run: {path.parent.name} was written by an older qae ({path} {problem}). "
+                        f"{migrate_hint(path.parent)}")
+
+
 _VETTED: dict[tuple, bool] = {}  # (path, inode, size, mtime) of run files found free of views and macros
 
 
-def refuse_crafted_objects(cursor: duckdb.DuckDBPyConnection, alias: str, path: Path) -> None:
+def refuse_crafted_objects(cursor: duckdb.DuckDBPyConnection, alias: str, path: Path,
+                           current_format: bool = True) -> None:
     """qae writes tables only. A view or a macro in a run file runs as SQL when qae names it: a view called `steps`
     could read any file the user can (`read_text('/etc/...')`), a macro could shadow a function qae's queries call.
-    Such a file is refused as crafted, before any query reads it; checked once per version of the file."""
+    Such a file is refused as crafted, before any query reads it; so is one whose columns qae did not write, and (with
+    `current_format`, what every reader and writer asks) one of an older format (OldRunFormat). Checked once per
+    version of the file."""
     info = os.stat(path)
-    version = (str(path), info.st_ino, info.st_size, info.st_mtime_ns)
+    version = (str(path), info.st_ino, info.st_size, info.st_mtime_ns, current_format)
     if version in _VETTED:
         return
     views = [row[0] for row in cursor.execute("SELECT view_name FROM duckdb_views() WHERE database_name = ? AND NOT "
@@ -100,11 +138,14 @@ def refuse_crafted_objects(cursor: duckdb.DuckDBPyConnection, alias: str, path: 
                            "when qae reads the run. It is not a file qae made; it was not read. Remove it, or open it "
                            "with DuckDB yourself if you trust it.")
     # a column of qae's retyped or dropped broke every reader that met it (`qae runs` for the whole folder)
-    problem = column_problem(cursor.execute("SELECT table_name, column_name, data_type FROM duckdb_columns() WHERE "
-                                            "database_name = ? AND schema_name = 'main'", [alias]).fetchall())
+    columns = cursor.execute("SELECT table_name, column_name, data_type FROM duckdb_columns() WHERE "
+                             "database_name = ? AND schema_name = 'main'", [alias]).fetchall()
+    problem = column_problem(columns)
     if problem:
         raise RunFileError(f"run: {path} {problem}: it is not a file qae made, or one edited since; it was not read. "
                            "Move it aside, or restore it from a backup.")
+    if current_format and (old := format_problem(columns)):
+        raise old_format_error(path, old)
     if len(_VETTED) > 4096:
         _VETTED.clear()
     _VETTED[version] = True

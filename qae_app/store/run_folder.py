@@ -7,7 +7,7 @@ status a reader should show. Torch-free, so the CLI's readers and the dashboard 
       trainer.lock           held (flock) by the process training the run; it holds that process's pid
       checkpoints/step-N/    training state (safetensors + JSON), an HF `model/` folder, trainer_state.json,
                              manifest.json (checksums)
-      pending/               rows waiting for the database while a reader holds it (store_write.RunWriter)
+      pending/               rows waiting for the database while a reader holds it (writer.RunWriter)
 
 The folder name is the run's id for every reader and writer: a copied or renamed run folder is that run.
 
@@ -483,6 +483,5 @@ def effective_status(stored: str | None, folder: Path) -> str:
 
 def pending_writes(folder: Path) -> int:
     """Writes saved under pending/ and not in the database yet: the steps since the trainer's last database write (see
-    store_write.WRITE_SHARE), or all of them while a reader holds the file."""
-    # (.pkl: saved by an older qae, converted on a trusted resume; counted, never read, here)
-    return sum(1 for path in (Path(folder) / PENDING_DIR).glob("*") if path.suffix in (".json", ".pkl"))
+    writer.WRITE_SHARE), or all of them while a reader holds the file."""
+    return sum(1 for path in (Path(folder) / PENDING_DIR).glob("*") if path.suffix == ".json")

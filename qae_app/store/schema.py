@@ -1,8 +1,9 @@
 """The run store: one DuckDB file per run, `runs/<run_id>/qae.duckdb`, and what it holds.
 
 `STEP_METRICS` is the single definition of every per-step metric: the `steps` table columns, the README table and the
-dashboard labels all come from it. `TABLES` is the single definition of every table: the writer's DDL, the migration of
-older files and the check of the rows the trainer hands over all come from it. `PendingWrite` is a write the writer
+dashboard labels all come from it. `TABLES` is the single definition of every table: the writer's DDL, the check that a
+file is of the current format (run_file.format_problem) and the check of the rows the trainer hands over all come from
+it. `PendingWrite` is a write the writer
 keeps under `pending/` until the file is free.
 
 Who touches the file: qae_app/store/writer.py (`RunWriter`, the only writer) and qae_app/store/reader.py (the readers:
@@ -105,6 +106,9 @@ STEP_METRICS: dict[str, str] = {
     "rollout_s": "seconds sampling responses (every generation batch)",
     "reward_s": "seconds scoring responses",
     "update_s": "seconds in forward/backward/optimizer (including the log-prob pass)",
+    "sync_s": "seconds copying the updated weights into the rollout engine after the update: vLLM's copy (--engine "
+              "vllm), or the hf engine's bfloat16 sampling copy (--rollout-dtype bfloat16); ~0 where the engine "
+              "samples from the trained model itself; 0 when the step trained nothing; not part of update_s",
     "eval_s": "seconds of the held-out evaluation after this step (0 without one)",
     "write_s": "seconds the loop spent handing this step's rows to the store (the store writes on its own thread "
                "while the next step trains) and waiting for it",
@@ -116,8 +120,9 @@ STEP_METRICS: dict[str, str] = {
 }
 TIMING_METRICS = tuple(name for name in STEP_METRICS if name.endswith("_s"))  # seconds: differ run to run
 
-# The tables: name -> {column: SQL type}, `run_id` first in every table. The DDL, the migration of older files and the
-# check of the rows the trainer produces (`RunWriter.add_step`) all come from here.
+# The tables: name -> {column: SQL type}, `run_id` first in every table. The DDL, the current format a file must have
+# (older ones: store/format_migration.py) and the check of the rows the trainer produces (`RunWriter.add_step`) all come
+# from here.
 TABLES: dict[str, dict[str, str]] = {
     "runs": {
         "run_id": "VARCHAR PRIMARY KEY", "name": "VARCHAR", "created_at": "TIMESTAMP", "updated_at": "TIMESTAMP",
@@ -136,7 +141,7 @@ TABLES: dict[str, dict[str, str]] = {
         "regime": "VARCHAR",
         "filtered": "BOOLEAN",  # left out of the update by dynamic sampling
         # the prompt as a chat model saw it: chat template applied, special tokens written out (system message, role
-        # markers); NULL for a model without a chat template (the prompt is `prompt` itself) and in older files
+        # markers); NULL for a model without a chat template (the prompt is `prompt` itself)
         "model_prompt": "VARCHAR",
     },
     "rollouts": {
@@ -157,13 +162,16 @@ TABLES: dict[str, dict[str, str]] = {
     "evals": {
         "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "subset": "VARCHAR", "metric": "VARCHAR",
         "k": "INTEGER", "value": "DOUBLE", "n_problems": "INTEGER", "source": "VARCHAR",
+        # how the evaluation sampled: temperature, top-p, samples per problem and --limit (--eval-limit; NULL: every
+        # problem); NULL in rows from before these columns
+        "temperature": "DOUBLE", "top_p": "DOUBLE", "samples": "INTEGER", "problem_limit": "INTEGER",
     },
     "eval_samples": {
         "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "problem_id": "VARCHAR",
         "sample_idx": "INTEGER", "response": "VARCHAR", "extracted": "VARCHAR", "correct": "BOOLEAN",
         "verified": "BOOLEAN", "n_tokens": "INTEGER", "source": "VARCHAR",
         "model_prompt": "VARCHAR",  # as in `groups`: the prompt after the chat template; NULL without one
-        "answer": "VARCHAR",  # the problem's gold answer, what `extracted` was checked against; NULL in older files
+        "answer": "VARCHAR",  # the problem's gold answer, what `extracted` was checked against; NULL if unknown
     },
     "warnings": {"run_id": "VARCHAR", "step": "INTEGER", "kind": "VARCHAR", "message": "VARCHAR"},
     # `qae preview` (a run folder of its own, its runs row's estimator 'preview'; its responses are the `groups` and
@@ -182,9 +190,6 @@ TABLES: dict[str, dict[str, str]] = {
         "n_all_wrong": "INTEGER", "n_mixed": "INTEGER", "suggested": "BOOLEAN",
     },
 }
-# What a column added after its table's first version holds in rows written before it existed.
-LEGACY_DEFAULTS = {("evals", "source"): "'train'", ("eval_samples", "source"): "'train'",
-                   ("groups", "filtered"): "FALSE", ("rollouts", "filtered"): "FALSE"}
 STEP_TABLES = ("steps", "groups", "rollouts", "reward_components", "evals", "eval_samples", "warnings", "previews",
                "preview_k")  # rows keyed by step
 EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step, benchmark and source
@@ -192,8 +197,8 @@ EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step, benchmark and sou
 
 WRITER_COLUMNS = ("run_id", "step", "logged_at")  # filled in by RunWriter, not by the rows it is handed
 
-# The columns of qae's tables in its first run files (2026-11-30): every run file has them, and readers rely on them.
-# A column added since may be missing from an older file (the writer adds it); one of these never is.
+# The columns of qae's tables in its first run files (2026-11-30): a file without one of them is no run file of qae's
+# (damaged, or edited), where one without a column added since is of an older format (`qae migrate` adds it).
 FIRST_COLUMNS = {
     "runs": ("run_id", "name", "created_at", "updated_at", "status", "config", "estimator", "k", "model", "task",
              "seed", "error"),
@@ -236,19 +241,10 @@ def row_columns(table: str) -> tuple[str, ...]:
 
 
 def schema_statements() -> list[str]:
-    statements = []
-    for table, columns in TABLES.items():
-        statements.append(f"CREATE TABLE IF NOT EXISTS {table} ("
-                          + ", ".join(f"{name} {sql_type}" for name, sql_type in columns.items()) + ")")
-        # files written by an older version lack the newer columns: add them (a no-op on current files)
-        for name, sql_type in columns.items():
-            if "PRIMARY KEY" in sql_type:
-                continue
-            default = LEGACY_DEFAULTS.get((table, name))
-            sql_type = sql_type.split(" USING ")[0]  # (a column added to an older file: no compression clause)
-            statements.append(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {name} {sql_type}"
-                              + (f" DEFAULT {default}" if default else ""))
-    return statements
+    """The DDL of a new run file (a no-op on a file of the current format)."""
+    return [f"CREATE TABLE IF NOT EXISTS {table} (" + ", ".join(f"{name} {sql_type}" for name, sql_type in
+                                                             columns.items()) + ")"
+            for table, columns in TABLES.items()]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -259,9 +255,8 @@ def schema_statements() -> list[str]:
 class PendingWrite:
     """One write waiting for the file: a step's rows, a change to the run's row, or a truncation (on resume).
 
-    Saved under pending/ as JSON (`pending_write_json`). qae before that pickled it as is, as qae_app.store.PendingWrite
-    (the flat module it lived in then): `qae train --resume RUN --trust-pickles` converts such files
-    (writer.convert_legacy_pending finds the class where it lives now)."""
+    Saved under pending/ as JSON (`pending_write_json`): data only, read without running anything (pre-releases
+    pickled it: store/format_migration.py converts such files)."""
 
     kind: str  # "step", "step_update", "run" or "truncate"
     step: int | None = None
@@ -272,7 +267,6 @@ class PendingWrite:
 
 
 PENDING_SUFFIX = ".json"  # a write saved under pending/: data only, nothing in it runs when read
-LEGACY_PENDING_SUFFIX = ".pkl"  # what qae pickled there before; read only for a folder its user vouches for
 _DATETIME_KEY = "$datetime"  # JSON has no timestamps: {"$datetime": ISO 8601}
 
 

@@ -19,7 +19,6 @@ import json
 import math
 import operator
 import os
-import pickle  # only convert_legacy_pending, for a folder its user vouches for
 import re
 import time
 from contextlib import contextmanager
@@ -34,6 +33,7 @@ if TYPE_CHECKING:  # numpy is imported where rows are written: `qae runs` never 
 
 from qae_app.core.errors import QAEUserError
 from qae_app.core.faults import fault_point
+from qae_app.store.format_migration import pickled_pending_error, pickled_pending_files
 from qae_app.store.run_file import (
     attach,
     damage_reason,
@@ -47,7 +47,6 @@ from qae_app.store.run_file import (
 from qae_app.store.run_folder import PENDING_DIR, STORED_STATUSES, check_own_folder
 from qae_app.store.schema import (
     EVAL_TABLES,
-    LEGACY_PENDING_SUFFIX,
     PENDING_SUFFIX,
     RUN_UPDATE_FIELDS,
     STEP_METRICS,
@@ -155,8 +154,8 @@ class RunWriter:
     deletes their files, and a resumed trainer picks up any that an earlier one left.
     """
 
-    # whether each saved write is synced before its rename (False: `sync_pending` syncs them before a checkpoint;
-    # bench/bench_handoff.py times True, the writer as it was)
+    # whether each saved write is synced before its rename (False: `sync_pending` syncs them before a checkpoint, the
+    # only point a resume needs them durable; bench/bench_handoff.py times what True would cost a step)
     sync_each_spill = False
 
     def __init__(self, path: Path, run_id: str, lock_timeout_s: float = 0.2, open_timeout_s: float = 60.0,
@@ -419,9 +418,9 @@ class RunWriter:
         run's next resume. A resume never drops a step its checkpoint keeps (a saved truncation below `resume_from`
         is raised to it): a real one is followed by every step it drops, saved too, while one planted alone would
         empty the run."""
-        legacy = legacy_pending_files(self.path.parent)
-        if legacy:  # convert_legacy_pending runs first where the user vouched for the folder
-            raise legacy_pending_error(self.path.parent, legacy)
+        pickled = pickled_pending_files(self.path.parent)
+        if pickled:  # (a pre-release's: `qae migrate` converts them)
+            raise pickled_pending_error(self.path.parent, pickled)
         writes = []
         found = sorted(self.pending_dir.glob(f"*{PENDING_SUFFIX}"))
         self._spilled_count = int(found[-1].name.split("-")[0]) if found else 0  # new files are named after these
@@ -464,7 +463,7 @@ class RunWriter:
                 else:
                     late_updates.append(write)
                 continue
-            logged_at[write.step] = getattr(write, "logged_at", None) or _now()  # (None: spilled by an older version)
+            logged_at[write.step] = write.logged_at or _now()
             for table, records in write.tables.items():
                 if table in EVAL_TABLES:
                     for benchmark, source in sorted({(r["benchmark"], r["source"]) for r in records}):
@@ -528,41 +527,3 @@ def _write_atomically(final: Path, text: str, sync: bool = True) -> None:
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, final)
-
-
-def legacy_pending_files(run_dir: Path) -> list[Path]:
-    return sorted((Path(run_dir) / PENDING_DIR).glob(f"*{LEGACY_PENDING_SUFFIX}"))
-
-
-def legacy_pending_error(run_dir: Path, legacy: list[Path]) -> QAEUserError:
-    return QAEUserError(
-        f"store: {Path(run_dir) / PENDING_DIR} holds {len(legacy)} write(s) saved by an older qae as Python pickles "
-        f"({legacy[0].name}{', ...' if len(legacy) > 1 else ''}). Reading a pickle can run any code it carries, so "
-        "qae reads them only for a folder you made yourself: resume it with --trust-pickles (they are converted to "
-        "JSON once). For a folder from someone else, delete those files instead: the steps they held are trained "
-        "again from the newest checkpoint.")
-
-
-class _LegacyUnpickler(pickle.Unpickler):
-    """An older qae pickled `PendingWrite` where it lived then, the flat module `qae_app.store`, now the package
-    holding store.schema: its class is looked up where it lives now."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("qae_app.store", "PendingWrite"):
-            module = "qae_app.store.schema"
-        return super().find_class(module, name)
-
-
-def convert_legacy_pending(run_dir: Path, trusted: bool) -> int:
-    """Rewrite an older qae's pickled pending writes as JSON (each atomically, then the pickle removed), when the user
-    vouched for the folder (`trusted`); refuse otherwise. Returns how many were converted."""
-    legacy = legacy_pending_files(run_dir)
-    if legacy and not trusted:
-        raise legacy_pending_error(run_dir, legacy)
-    for path in legacy:
-        with open(path, "rb") as f:  # the user vouched for this folder (--trust-pickles)
-            write = _LegacyUnpickler(f).load()
-        write.spilled = None
-        _write_atomically(path.with_suffix(PENDING_SUFFIX), pending_write_json(write))
-        path.unlink()
-    return len(legacy)

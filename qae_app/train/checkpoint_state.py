@@ -45,8 +45,8 @@ SCHEDULER_FILE = "scheduler.json"
 RNG_FILE = "rng-{process}.json"
 SHARD_FILE = "rank-{process}.safetensors"
 SHARD_LAYOUT_FILE = "rank-{process}.json"
-# what checkpoints written by qae before this format held (accelerate's save_state): pickles, read only when the user
-# says the folder is theirs
+# what a pre-release's checkpoints held (accelerate's save_state): pickles, which only `qae migrate --trust-pickles`
+# reads (train/run_migration.py)
 PICKLED_SUFFIXES = (".pkl", ".bin", ".pt", ".pth")
 
 
@@ -68,7 +68,12 @@ def save_training_state(folder: Path, model: torch.nn.Module, optimizer: torch.o
         save_file(tensors, str(folder / OPTIMIZER_TENSORS_FILE))
         (folder / OPTIMIZER_FILE).write_text(json.dumps(plain))
         (folder / SCHEDULER_FILE).write_text(json.dumps(scheduler.state_dict()))
-    (folder / RNG_FILE.format(process=process_index)).write_text(json.dumps(_random_states()))
+    save_random_states(folder, process_index)
+
+
+def save_random_states(folder: Path, process_index: int) -> None:
+    """This process's Python, NumPy and torch random states as rng-<process>.json."""
+    (Path(folder) / RNG_FILE.format(process=process_index)).write_text(json.dumps(_random_states()))
 
 
 def load_training_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
@@ -309,12 +314,12 @@ _JSON_SHAPES = {OPTIMIZER_FILE: _optimizer_problem, SCHEDULER_FILE: _scheduler_p
 
 
 def is_data_checkpoint(folder: Path) -> bool:
-    """Whether `folder` holds its training state in this module's formats (not an older pickled one)."""
+    """Whether `folder` holds its training state in this module's formats (not a pre-release's pickles)."""
     return (Path(folder) / POLICY_FILE).is_file() or (Path(folder) / SHARD_LAYOUT_FILE.format(process=0)).is_file()
 
 
 def pickled_files(folder: Path) -> list[Path]:
-    """The files of a checkpoint folder that only an unpickler reads (an older qae's accelerate state)."""
+    """The files of a checkpoint folder that only an unpickler reads (a pre-release's accelerate state)."""
     return sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.suffix in PICKLED_SUFFIXES)
 
 

@@ -28,8 +28,8 @@ def entropy_warning(state: TrainerState, entropy: float, cfg: TrainConfig) -> di
     state.entropy_zone = zone
     if not crossed:
         return None
-    # the --k the advice starts from: for QAE, the K in use (names.k_in_use); a mean baseline reads no K, and its
-    # advice starts from the --k given (DEFAULT_K for auto), as it always has
+    # the K the advice starts from: for QAE, the K in use; a mean baseline reads no K, so its advice starts from the
+    # --k its options give (DEFAULT_K for auto): the K a QAE run on the same options would train with
     k = state.k or names.DEFAULT_K
     start = state.entropy_start
     if zone == "low":

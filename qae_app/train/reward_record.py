@@ -1,4 +1,4 @@
-"""The record of the code a run's rewards run (which rewards, and scoring a batch with them: evaluation/scoring.py).
+"""The record of the code a run's rewards run (which rewards, and scoring a batch with them: scoring/reward_path.py).
 
 A run scored by user functions keeps, in its config.json's `reward_files`, each function's file and the
 sha256 of its content (as the worker that imported it read it). A resume names the functions again (a run folder runs

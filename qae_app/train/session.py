@@ -2,7 +2,8 @@
 
     cfg = resume_config(runs_dir, run_id, **given)   # a resume: the run's stored config, with what may change
     with RunSession(runs_dir, run_id, cfg, accelerator, resume) as session:  # takes the run's lock
-        state = session.restore(data_fingerprint)     # a resume: the newest valid checkpoint, checked against the run
+        state = session.checkpoints.restore(data_fingerprint, ...)  # a resume: the newest valid checkpoint
+                                                                    # (checkpoints.py), checked against the run
         session.open_store(state)                     # the database and config.json; a new run's folder appears
         session.catch_stop_signals()                  # Ctrl-C / SIGTERM: stop at the next step boundary
         ... session.write_step(...), session.record_step_times(...), session.save_checkpoint(...),
@@ -12,7 +13,7 @@
 
 The main process does every file operation; the others take part in the collectives only (checkpoints, the resume
 decision, the stop vote). Rows are written on one thread of the main process's own, so the next step trains while a
-step's rows are stored; only `qae_app.store.schema` touches the database.
+step's rows are stored; only the store's writer (`qae_app.store.writer.RunWriter`) writes the database.
 """
 
 from __future__ import annotations
@@ -30,51 +31,38 @@ from typing import Any
 
 import torch
 
-from qae_app.analysis.settings import RECORDED_KEYS, settings_problem
+from qae_app.analysis.settings import STORED_BESIDE_OPTIONS, settings_problem
 from qae_app.config import FIELDS, RESUMABLE, TrainConfig, coerce_option, given_options, option_flag
-from qae_app.core import names
-from qae_app.core.errors import QAEUserError, SaidByTheMainProcess
+from qae_app.core.errors import QAEUserError
+from qae_app.core.estimators import ESTIMATORS
 from qae_app.core.faults import fault_point
 from qae_app.core.formatting import clipped
 from qae_app.core.host_faults import leave_the_terminal
-from qae_app.models.lora import is_lora, load_lora_adapter, save_lora_artifacts
-from qae_app.models.sharding import full_state_dict, is_sharded
 from qae_app.rewards.specs import check_named_again
-from qae_app.store.reader import check_run_file, last_logged_step, logged_steps, read_run, results_only_kind
+from qae_app.store.reader import check_run_file, logged_steps, read_run, results_only_kind
+from qae_app.store.run_file import migrate_hint
 from qae_app.store.run_folder import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     DB_FILE,
-    TRAINER_STATE,
     NotARegularFile,
     RunLock,
     check_checkpoint_entries,
     check_own_folder,
     check_regular_file,
-    checkpoint_problem,
-    checkpoint_step,
     config_restore_hint,
     eval_run_error,
     latest_checkpoint,
-    list_checkpoints,
     read_run_config,
     recent_runs_text,
-    remove_entry,
     replace_run_file,
     run_dir,
     trainer_alive,
-    write_manifest,
 )
-from qae_app.store.writer import RunWriter, convert_legacy_pending
-from qae_app.train.checkpoint_state import (
-    is_data_checkpoint,
-    load_training_state,
-    pickled_files,
-    save_training_state,
-    training_state_problem,
-)
+from qae_app.store.writer import RunWriter
+from qae_app.train.checkpoints import RunCheckpoints
 from qae_app.train.trackers import TENSORBOARD_DIR, Trackers, start_trackers
-from qae_app.train.trainer_state import TrainerState, data_position_problem
+from qae_app.train.trainer_state import TrainerState
 
 CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from readers until it is renamed into place
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops a run after its step, with a checkpoint
@@ -86,22 +74,24 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops a ru
 
 def stored_config(folder: Path) -> TrainConfig:
     """The config a run was started with (its config.json), checked as a TOML file is: a file edited by hand or
-    damaged is named with the bad value and what to do, not met by a traceback."""
+    damaged is named with the bad value and what to do, not met by a traceback; a setting this version has no option
+    for (a pre-release's) names `qae migrate`."""
     path = Path(folder) / CONFIG_FILE
     source = f"config.json {path}"
     values = {}
     stored = read_run_config(folder)  # (its errors say what to do already)
-    unknown = sorted(set(stored) - set(FIELDS) - RECORDED_KEYS)
-    if unknown:  # (no option was ever dropped: a key qae does not know is a newer qae's, or not qae's at all)
+    unknown = sorted(set(stored) - set(FIELDS) - STORED_BESIDE_OPTIONS)
+    if unknown:
         raise QAEUserError(f"{source} holds {', '.join(repr(clipped(key)) for key in unknown[:5])}, no setting of a "
-                           "qae run: it is not the settings file of a run this qae can resume. Nothing was written. "
+                           "qae run of this version. Nothing was written. If an older qae wrote the run: "
+                           f"{migrate_hint(Path(folder))} Otherwise the file is not a qae run's settings: "
                            f"{config_restore_hint(folder)}")
-    problem = settings_problem({key: stored[key] for key in RECORDED_KEYS & set(stored)})
+    problem = settings_problem({key: stored[key] for key in STORED_BESIDE_OPTIONS & set(stored)})
     if problem:  # (the options are checked below, as a TOML file's are)
         raise QAEUserError(f"{source}: {problem}. {config_restore_hint(folder)}")
     try:
         for key, value in stored.items():
-            if key not in FIELDS:  # what the session records beside the options (RECORDED_KEYS)
+            if key in STORED_BESIDE_OPTIONS:  # (checked above)
                 continue
             if value is None and "None" not in str(FIELDS[key].type):
                 raise QAEUserError(f"{source}: '{key}' = null, expected {str(FIELDS[key].type)}. "
@@ -130,7 +120,7 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
                                                "--run-name.", kind)
     check_run_to_resume(runs_dir, run, folder)
     stored = stored_config(folder)
-    check_named_again(stored.reward, given.get("reward"), run)
+    check_named_again(stored.reward, given.get("reward"), run, stored.reward_weights)
     changes = {}
     for name, value in given.items():
         if name == "run_name" or value == getattr(stored, name):  # (a copied run's stored name is not its own)
@@ -168,7 +158,7 @@ def _no_database(runs_dir: Path, run: str, folder: Path) -> str:
     """Why a folder without a database is not resumed: a run's (its config.json a run's settings) lost it; any other
     folder is no run, and what its config.json holds that no run's does is named."""
     try:
-        unknown = sorted(set(read_run_config(folder)) - set(FIELDS) - RECORDED_KEYS)
+        unknown = sorted(set(read_run_config(folder)) - set(FIELDS) - STORED_BESIDE_OPTIONS)
     except QAEUserError:  # (missing, damaged, planted: no run's settings either way)
         unknown = None
     if unknown == []:
@@ -194,7 +184,7 @@ class RunSession:
     its row. `close()` (or leaving `with`) lets go of everything; it may be called more than once."""
 
     def __init__(self, runs_dir: Path, run_id: str, cfg: TrainConfig, accelerator, resume: bool = False,
-                 say=None, started: float | None = None, trust_pickles: bool = False, distributed=None):
+                 say=None, started: float | None = None, distributed=None):
         self.runs_dir = Path(runs_dir)
         self.run_id = run_id
         self.run_dir = run_dir(self.runs_dir, run_id)
@@ -202,9 +192,8 @@ class RunSession:
         self.accelerator = accelerator
         self.is_main = accelerator.is_main_process
         self.resuming = resume
-        self.trust_pickles = trust_pickles  # the user vouched for the folder: an older qae's pickles may be read
         self.distributed = distributed  # sharding.DistributedSetup of this launch, stored in the run's config
-        self.reward_files: dict = {}  # the user reward functions' files and sha256s (train/scoring.py), stored too
+        self.reward_files: dict = {}  # the user reward functions' files and sha256s (reward_record.py), stored too
         self.started = time.perf_counter() if started is None else started  # the session's wall_s counts from here
         self._say = say or (lambda message: None)
         self.writer: RunWriter | None = None  # main process only, from open_store on
@@ -219,9 +208,10 @@ class RunSession:
         self._previous_handlers: dict = {}
         self.finishing = False  # set by the caller once it writes the final status: late signals are ignored
         self._stop_requested = self._waiting_for_store = False
+        self.checkpoints = RunCheckpoints(self.run_dir, run_id, cfg, accelerator, say)
         try:
             self._claim_run_folder()
-        except BaseException:  # refused after taking the lock (a linked folder, a legacy pickle): let go of it
+        except BaseException:  # refused after taking the lock (a linked folder): let go of it
             self.close()
             raise
 
@@ -261,9 +251,6 @@ class RunSession:
             for folder in (CHECKPOINTS_DIR, TENSORBOARD_DIR):  # (saved through a link, they would land outside)
                 check_own_folder(self.run_dir / folder)
             check_checkpoint_entries(self.run_dir)  # (nor a save replace a linked step-N: it removes the old first)
-            converted = convert_legacy_pending(self.run_dir, self.trust_pickles)  # (refused unless trusted)
-            if converted:
-                self._say(f"converted {converted} pending write(s) an older qae pickled to JSON")
             return
         if kind := results_only_kind(self.run_dir):
             raise eval_run_error("run-name", self.run_dir, "Pick another --run-name for the training run.", kind)
@@ -281,97 +268,6 @@ class RunSession:
             raise QAEUserError(f"runs-dir: cannot create a run in {self.runs_dir} ({err.strerror}). Pass a "
                                "writable --runs-dir.") from err
         self._lock = RunLock(self._staging).acquire("run-name")
-
-    def restore(self, data_fingerprint: str | None, model, optimizer, scheduler) -> TrainerState | None:
-        """Load the newest checkpoint whose files match their checksums into the accelerator's prepared objects and
-        return its trainer state, checked against this run (process count, data position, --steps, the data file's
-        sha256); None when the run has no checkpoint (killed before its first: it trains again from step 0). Says so
-        when a newer checkpoint was skipped."""
-        acc = self.accelerator
-        ckpt, logged = self._newest_valid_checkpoint()
-        if ckpt is None:
-            self._check_start_over(logged)
-            return None
-        state = TrainerState.load(ckpt / TRAINER_STATE)
-        self._check_process_count(state, ckpt)
-        self._load_training_state(ckpt, model, optimizer, scheduler)
-        if is_lora(acc.unwrap_model(model)):  # (a LoRA run's adapter, from its own folder)
-            load_lora_adapter(ckpt, acc.unwrap_model(model))
-        self._say(f"resuming run {self.run_id} from checkpoint {ckpt.name}")
-        self._check_checkpoint_fits_run(state, ckpt, logged, data_fingerprint)
-        return state
-
-    def _newest_valid_checkpoint(self) -> tuple[Path | None, int]:
-        """The newest checkpoint whose files match their checksums (None if none does; each one skipped is said),
-        and the newest step whose rows the run kept (stored or saved): decided by the main process, the same on
-        every process."""
-        from accelerate.utils import broadcast_object_list
-
-        chosen = [None, 0]  # the checkpoint, and the newest step whose rows the run kept
-        if self.is_main:
-            for ckpt in reversed(list_checkpoints(self.run_dir)):
-                # its files as saved (checksums), then each as what it should hold (a manifest rewritten to match a
-                # damaged or planted file passes the first): every process's, before any process loads one
-                problem = checkpoint_problem(ckpt) or TrainerState.problem(ckpt / TRAINER_STATE) or (
-                    training_state_problem(ckpt) if is_data_checkpoint(ckpt) else None)
-                if problem is None:
-                    chosen[0] = str(ckpt)
-                    break
-                self._say(f"[yellow]warning:[/] skipping checkpoint {ckpt.name}: {problem}")
-            chosen[1] = last_logged_step(self.run_dir)
-        if self.accelerator.num_processes > 1:
-            broadcast_object_list(chosen)
-        return (Path(chosen[0]) if chosen[0] is not None else None), chosen[1]
-
-    def _check_start_over(self, logged: int) -> None:
-        """A run with no checkpoint starts over from step 0, same run, same seed (the same steps again): refused
-        when its checkpoints all failed their checks, or when --steps would drop steps it logged; said when it
-        replaces logged steps."""
-        cfg = self.cfg
-        if self.is_main and list_checkpoints(self.run_dir):
-            raise QAEUserError(f"resume: no checkpoint of run '{self.run_id}' checks out (see the warnings "
-                               "above). Start a new run.")
-        if cfg.steps < logged:
-            raise QAEUserError(
-                f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged. It has no "
-                f"checkpoint (killed before its first; --checkpoint-every {cfg.checkpoint_every}), so a resume "
-                f"trains it again from step 0 and replaces their rows: pass --steps {logged} or more to keep "
-                "every logged step, or start a new run.")
-        if logged:
-            self._say(f"[yellow]warning:[/] run {self.run_id} has no checkpoint: training it again from step 0 "
-                      f"(same seed); the {logged} steps it logged are replaced as they are trained again.")
-
-    def _check_process_count(self, state: TrainerState, ckpt: Path) -> None:
-        """Every process samples with its own seed: another process count trains other steps than the logged ones."""
-        trained_by = state.num_processes
-        if trained_by not in (None, self.accelerator.num_processes):
-            raise QAEUserError(
-                f"resume: run '{self.run_id}' was trained by {trained_by} processes and this resume has "
-                f"{self.accelerator.num_processes}. Each process samples with its own seed, so the steps after "
-                f"checkpoint {ckpt.name} would not be the ones logged: resume it as it was launched (accelerate "
-                f"launch --num_processes {trained_by} ...), or start a new run.")
-
-    def _check_checkpoint_fits_run(self, state: TrainerState, ckpt: Path, logged: int,
-                                   data_fingerprint: str | None) -> None:
-        """The checkpoint's trainer state against this run: its data position (the config's prompts per step),
-        --steps (neither below the steps done nor below those logged) and the data file's sha256."""
-        cfg = self.cfg
-        problem = data_position_problem(state.data_position, state.step, cfg)
-        if problem:
-            raise QAEUserError(f"resume: checkpoint {ckpt} is at prompt {state.data_position} of the data, but "
-                               f"{problem}. The checkpoint does not belong to this run's config; start a new run.")
-        if cfg.steps < state.step:
-            raise QAEUserError(f"steps: {cfg.steps} is below the {state.step} steps run '{self.run_id}' has "
-                               "already done. Pass --steps above that to train further.")
-        if cfg.steps < logged:
-            raise QAEUserError(f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged (its "
-                               f"newest checkpoint is at step {state.step}; the steps after it are trained "
-                               f"again and replace their rows). Pass --steps {logged} or more to keep every logged "
-                               "step.")
-        if state.data_fingerprint != data_fingerprint:
-            raise QAEUserError(f"data: {cfg.data} changed since run '{self.run_id}' was started (its sha256 differs "
-                               "from the one the checkpoint recorded). A resumed run must see the same prompts: "
-                               "restore the file, or start a new run on the new data.")
 
     def _say_missing_steps(self, checkpoint_step: int) -> None:
         """A resume replays the steps after its checkpoint; those up to it must be stored already. Say which are not
@@ -397,7 +293,7 @@ class RunSession:
             config["distributed"] = self.distributed.to_dict()
         if self.reward_files:
             config["reward_files"] = self.reward_files
-        k = names.k_in_use(cfg.estimator, state.k)  # (None before --k auto chooses one, and for a mean baseline)
+        k = ESTIMATORS[cfg.estimator].k_in_use(state.k)  # (None before --k auto chooses one, and for a mean baseline)
         if self.resuming:
             db = self.run_dir / DB_FILE
             if not db.exists() and state.step > 0:
@@ -405,7 +301,7 @@ class RunSession:
                     f"resume: run '{self.run_id}' has a checkpoint at step {state.step} but no database: the "
                     f"rows of steps 1-{state.step} are lost. Restore {DB_FILE} from a backup, or start a new "
                     "run.")
-            # (opening brings a file from an older version up to date; it waits up to 60 s for a reader to let go)
+            # (opening refuses a file of an older format, naming `qae migrate`; it waits up to 60 s for a reader)
             self.writer = RunWriter(db, self.run_id, resume_from=state.step, on_wait=lambda holder: self._say(
                 f"[yellow]waiting for {db}: {holder} (a reader left open?). Close it to go on.[/]"))
             earlier = _stored_run(db)
@@ -514,7 +410,7 @@ class RunSession:
             self._wait_for_store()
 
     def _flush(self) -> None:
-        """Write what is queued when a database write is due (store_write.WRITE_SHARE; until then the rows wait under
+        """Write what is queued when a database write is due (writer.WRITE_SHARE; until then the rows wait under
         pending/); if a reader holds the file, training goes on and the rows wait there too, and the log says so once
         per busy spell."""
         was_busy = self.writer.busy_since is not None
@@ -548,85 +444,15 @@ class RunSession:
             self._waiting_for_store = False
 
     # -------------------------------------------------------------------------------------------------------------
-    # checkpoints
+    # checkpoints: saved and restored by self.checkpoints (checkpoints.py); the session makes the rows durable first
 
     def save_checkpoint(self, model, optimizer, scheduler, codec, state: TrainerState) -> Path:
-        """checkpoints/step-N: the training state (weights, optimizer, scheduler, each process's random states) as
-        safetensors and JSON (checkpoint_state), an HF model folder for `qae eval`, the trainer state, and a manifest
-        of checksums. Written to a temporary folder and renamed once every process has written its part, so a kill
-        never leaves half of one."""
-        acc = self.accelerator
-        if self.writer is not None:  # the steps up to this checkpoint are not trained again on resume: their rows
-            self.drain_writes()  # must survive the OS going down too (the writer's thread is idle after this)
+        """The steps up to a checkpoint are not trained again on resume: their rows must survive the OS going down
+        too, so they are written out (or synced under pending/) before `self.checkpoints.save` writes it."""
+        if self.writer is not None:
+            self.drain_writes()  # (the writer's thread is idle after this)
             self.writer.sync_pending()
-        acc.wait_for_everyone()
-        final = self.run_dir / CHECKPOINTS_DIR / f"step-{state.step}"
-        tmp = final.with_name(final.name + ".tmp")
-        if self.is_main:
-            remove_entry(tmp)
-        acc.wait_for_everyone()
-        if self.is_main:
-            tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
-        unwrapped = acc.unwrap_model(model)
-        save_training_state(tmp, unwrapped, optimizer, scheduler, acc.process_index, self.is_main)
-        # sharded weights (FSDP2): model/ needs them whole, gathered once here (every process takes part)
-        full = full_state_dict(unwrapped) if is_sharded(unwrapped) else None
-        acc.wait_for_everyone()  # every process's random states (and shards) are in tmp before it is renamed
-        if self.is_main:
-            if is_lora(unwrapped):  # model/: the merged weights, as a full model folder; adapter/: the adapter
-                save_lora_artifacts(tmp, unwrapped)
-            else:
-                unwrapped.save_pretrained(tmp / "model", state_dict=full, safe_serialization=True)
-            codec.save(tmp / "model")
-            state.save(tmp / TRAINER_STATE)
-            write_manifest(tmp)
-            fault_point("checkpoint_rename", state.step)
-            remove_entry(final)  # (a link planted there is removed, never followed)
-            os.replace(tmp, final)
-            for old in list_checkpoints(self.run_dir)[: -self.cfg.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-        acc.wait_for_everyone()
-        return final
-
-    def _load_training_state(self, ckpt: Path, model, optimizer, scheduler) -> None:
-        """`_load_training_state_here` on every process; under a launch, a refusal any process meets (its own shard
-        not this model's) is said once, by the main process, and every process ends with it."""
-        acc = self.accelerator
-        if acc.num_processes == 1:
-            self._load_training_state_here(ckpt, model, optimizer, scheduler)
-            return
-        from accelerate.utils import gather_object
-
-        refusal = None
-        try:
-            self._load_training_state_here(ckpt, model, optimizer, scheduler)
-        except QAEUserError as err:
-            refusal = str(err)
-        refusals = [r for r in gather_object([refusal]) if r]
-        if refusals:
-            raise QAEUserError(refusals[0]) if self.is_main else SaidByTheMainProcess(refusals[0])
-
-    def _load_training_state_here(self, ckpt: Path, model, optimizer, scheduler) -> None:
-        """A checkpoint's training state into the prepared model, optimizer and scheduler. One an older qae wrote
-        (accelerate's pickled state) is read only when the user vouched for the folder (--trust-pickles)."""
-        acc = self.accelerator
-        if is_data_checkpoint(ckpt):
-            load_training_state(ckpt, acc.unwrap_model(model), optimizer, scheduler, acc.process_index)
-            return
-        if not self.trust_pickles:
-            pickled = ", ".join(p.name for p in pickled_files(ckpt)[:4])
-            raise QAEUserError(
-                f"resume: checkpoint {ckpt} was written by an older qae, whose training state is Python pickles "
-                f"({pickled}). Reading a pickle can run any code it carries: resume with --trust-pickles if you made "
-                f"this run folder yourself. Its model alone is safe to read: `qae eval --model {ckpt / 'model'}`.")
-        acc.register_for_checkpointing(scheduler)  # (where an older qae kept it: custom_checkpoint_0.pkl)
-        acc.load_state(str(ckpt))
-
-    def has_checkpoint(self, step: int) -> bool:
-        """The newest checkpoint is at `step`."""
-        newest = list_checkpoints(self.run_dir)
-        return bool(newest) and checkpoint_step(newest[-1]) == step
+        return self.checkpoints.save(model, optimizer, scheduler, codec, state)
 
     # -------------------------------------------------------------------------------------------------------------
     # stopping

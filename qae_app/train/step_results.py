@@ -4,7 +4,7 @@ update's no-grad pass into one `GroupResult` per group (plain Python values, wha
 from __future__ import annotations
 
 from qae_app.algo.advantages import REGIMES
-from qae_app.data.prompts import prompt_text
+from qae_app.data.prompt_format import prompt_text
 from qae_app.store.rows import GroupResult
 from qae_app.train.update import UpdateResult
 

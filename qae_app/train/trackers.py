@@ -3,7 +3,7 @@ trackers a team watches, through accelerate's tracker classes (`accelerate.track
 ...)` builds), on the main process only. Off by default; the run's DuckDB file stays the record.
 
 What is sent: the run's config as hyperparameters (once a session); at each step the `steps` row's metrics under the
-column names of `store.STEP_METRICS` (the same values the row holds; NULLs are not sent), the step's times known only
+column names of `schema.STEP_METRICS` (the same values the row holds; NULLs are not sent), the step's times known only
 later (write_s, checkpoint_s, step_s, store_s) with the next step, and each evaluation's values as
 `eval/<benchmark>/<subset>/<metric>` (characters MLflow refuses, such as `@` and `=`, as `_`).
 

@@ -7,11 +7,11 @@ one the dense computation gives (`update.py`).
 
 One step, for B prompts x G samples (`train_step` reads as these six):
     sample and score -> engine samples G responses per prompt (rollout_s); the run's rewards score each (reward_s):
-                        the task's verifier (1, 0 or None) or --reward's weighted sum (train/scoring.py)
+                        the task's verifier (1, 0 or None) or --reward's weighted sum (scoring/reward_path.py)
     the K in use     -> --k auto chooses K once, from the first step's success rate
     advantages       -> estimator(rewards [B, G]) -> advantages, baseline, regime
     update           -> log-probs/entropy of the sampling policy (no grad), then num_mini_batches optimizer steps, and
-                        its diagnostics (dH, the entropy attribution) (update_s, with the weight sync)
+                        its diagnostics (dH, the entropy attribution) (update_s), then the weight sync (sync_s)
     weight sync      -> the engine takes the new weights (vLLM holds its own copy; hf shares the model)
     output           -> the step's rows and metrics; `fit` hands them to the run's session, which writes them into
                         runs/<run_id>/qae.duckdb
@@ -36,18 +36,19 @@ from pathlib import Path
 import torch
 
 from qae_app.algo.advantages import EstimatorConfig, step_advantages
+from qae_app.algo.chunked_head import logprob_chunk_tokens
 from qae_app.config import TrainConfig, check_launch_mixed_precision
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
+from qae_app.core.estimators import ESTIMATORS
 from qae_app.core.faults import fault_point
 from qae_app.core.formatting import as_float
 from qae_app.core.hashing import file_sha256
 from qae_app.data.tasks import prompts_at
 from qae_app.engines.factory import make_engine
 from qae_app.engines.sampling import step_seed
-from qae_app.engines.sharded_policy import ShardedPolicy, sharding_plan_for
+from qae_app.engines.sharded_policy import ShardedPolicy
 from qae_app.evaluation.evaluate import evaluate, summarize
-from qae_app.evaluation.scoring import run_benchmark, run_rewards, run_task, score_batch
 from qae_app.models.lora import AdaptersDisabled, apply_lora, trainable_parameters
 from qae_app.models.policy import (
     check_prompt_lengths,
@@ -57,26 +58,25 @@ from qae_app.models.policy import (
     load_policy,
     rollout_positions,
 )
-from qae_app.models.sharding import describe, prepare, shard_models
+from qae_app.models.sharding import describe, prepare, shard_models, sharding_plan_for
 from qae_app.rewards.registry import data_columns
+from qae_app.scoring.reward_path import run_benchmark, run_rewards, run_task, score_batch
 from qae_app.store.rows import component_rows, group_rows, rollout_rows, step_metrics, stored_responses
-from qae_app.train.attribution import ATTRIBUTION_METRICS, entropy_attribution
+from qae_app.train.entropy_attribution import ATTRIBUTION_METRICS, entropy_attribution
 from qae_app.train.entropy_band import entropy_warning
+from qae_app.train.entropy_change import ENTROPY_CHANGE_METRICS, entropy_change
+from qae_app.train.optimizer import optimizer_and_schedule
 from qae_app.train.precision import check_updates_move_the_weights
 from qae_app.train.reward_record import checked_record, file_record
 from qae_app.train.session import RunSession
 from qae_app.train.step_results import group_results, sampling_policy_stats
 from qae_app.train.trainer_state import TrainerState
 from qae_app.train.update import (
-    ENTROPY_CHANGE_METRICS,
     MISMATCH_METRICS,
     NO_UPDATE,
     UpdateOptions,
-    entropy_change,
     float_dtype,
     logits_keyword,
-    logprob_chunk_tokens,
-    optimizer_and_schedule,
     pack,
     policy_update,
 )
@@ -101,8 +101,8 @@ class GenerationBatch:
     index: int  # 0 for a step's first batch; more with dynamic sampling
     first_group: int  # step-wide group_idx of this process's first group: index * prompts_per_step + its offset
     problems: list  # [B] tasks.Problem
-    prompts: list  # [B] data.prompts.Prompt: text or chat messages, as the engine was given them
-    samples: list  # [B * G] rollout.Sample, sample j of prompt i at i * G + j
+    prompts: list  # [B] data.prompt_format.Prompt: text or chat messages, as the engine was given them
+    samples: list  # [B * G] engines.base.Sample, sample j of prompt i at i * G + j
     verified: list[bool]  # [B * G] the verifier gave a verdict
     rewards: torch.Tensor  # (B, G) shaped: reward values plus the overlong penalty
     correct: torch.Tensor  # (B, G) bool, the verifier's verdicts
@@ -119,7 +119,7 @@ class SampledStep:
     n_trained: int  # the groups that train, over every process
     rewards: torch.Tensor  # (B, G) shaped rewards of this process's groups of every batch, in order
     correct: torch.Tensor  # (B, G) bool
-    samples: list  # [B * G] rollout.Sample, sample j of group i at i * G + j
+    samples: list  # [B * G] engines.base.Sample, sample j of group i at i * G + j
     trained_samples: list  # [N] the samples of the trained groups, in order
     # the engine measured every response's token entropies and log-probs while sampling (the filtered ones' too);
     # else the rows take the trained ones' from the update's no-grad pass
@@ -205,8 +205,8 @@ def check_prompts_split(prompts_per_step: int, n_processes: int) -> None:
 
 
 def close_workers(trainer) -> None:
-    """Stop the verifier pools (the training and evaluation scorers may be one object) and the engine, each once."""
-    workers = [getattr(trainer, name, None) for name in ("scorer", "eval_scorer", "engine")]
+    """Stop the verifier pools (the training and evaluation rewards may be one object) and the engine, each once."""
+    workers = [getattr(trainer, name, None) for name in ("rewards", "eval_rewards", "engine")]
     for worker in {id(w): w for w in workers if w is not None}.values():
         worker.close()
 
@@ -219,7 +219,7 @@ class Trainer:
     `with Trainer(...) as trainer:`)."""
 
     def __init__(self, cfg: TrainConfig, runs_dir: Path, resume: bool = False, console=None,
-                 cpu: bool | None = None, trust_pickles: bool = False, accept_changed_reward: bool = False):
+                 cpu: bool | None = None, accept_changed_reward: bool = False):
         self._t_start = time.perf_counter()
         self.cfg = cfg
         self.console = console
@@ -230,14 +230,15 @@ class Trainer:
         self._wall_s_before = self._setup_s_before = 0.0  # time spent by earlier sessions of a resumed run
         self._setup_processes(cpu)
         self.session = RunSession(self.runs_dir, self.run_id, cfg, self.accelerator, resume, say=self._say,
-                                  started=self._t_start, trust_pickles=trust_pickles,
+                                  started=self._t_start,
                                   distributed=describe(self.accelerator, sharding_plan_for(self.accelerator).sharding))
         self.run_dir = self.session.run_dir
         try:
             self._load_data()
             self._load_models()
             if resume:
-                restored = self.session.restore(self.data_fingerprint, self.model, self.optimizer, self.scheduler)
+                restored = self.session.checkpoints.restore(self.data_fingerprint, self.model, self.optimizer,
+                                                            self.scheduler)
                 if restored is not None:
                     self.state = restored
                     self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
@@ -293,10 +294,10 @@ class Trainer:
         run scored with it is refused before a worker imports it (unless `accept_changed`); then the workers import
         every function and check what it asks for against the data's columns. Returns the run's `reward_files`."""
         if self.resuming and not accept_changed:
-            checked_record(self.run_dir, file_record(self.scorer), self.state.step, accept_changed=False)
-        found = self.scorer.check(data_columns(self.task.train + self.task.heldout))
-        if self.eval_scorer is not self.scorer:
-            self.eval_scorer.check(data_columns(self.eval_problems))
+            checked_record(self.run_dir, file_record(self.rewards), self.state.step, accept_changed=False)
+        found = self.rewards.check(data_columns(self.task.train + self.task.heldout))
+        if self.eval_rewards is not self.rewards:
+            self.eval_rewards.check(data_columns(self.eval_problems))
         return checked_record(self.run_dir, found, self.state.step, accept_changed, self._say)
 
     def _load_models(self) -> None:
@@ -345,9 +346,9 @@ class Trainer:
                                   sharded=ShardedPolicy.of(acc, self.model), rollout_dtype=cfg.rollout_dtype,
                                   sleep=cfg.vllm_sleep, gpu_memory_utilization=cfg.vllm_gpu_memory,
                                   max_model_len=rollout_positions(model, self.codec, data + evals, cfg.max_new_tokens))
-        self.scorer = run_rewards(cfg, self.task.reward)  # (its workers start when it first scores)
-        # one scorer for the whole run (a math verifier pool takes seconds to start): the training one if it fits
-        self.eval_scorer = (self.scorer if cfg.reward or self.eval_task.reward == self.task.reward
+        self.rewards = run_rewards(cfg, self.task.reward)  # (its workers start when it first scores)
+        # one RewardSet for the whole run (a math verifier pool takes seconds to start): the training one if it fits
+        self.eval_rewards = (self.rewards if cfg.reward or self.eval_task.reward == self.task.reward
                             else run_rewards(cfg, self.eval_task.reward))
         self.state = TrainerState(k=None if cfg.k == "auto" else float(cfg.k),
                                   data_fingerprint=self.data_fingerprint, num_processes=acc.num_processes)
@@ -360,8 +361,8 @@ class Trainer:
         so a resumed run is exactly the uninterrupted one, and returns status `interrupted`; a second Ctrl-C stops at
         once (rows kept, the newest checkpoint stays the resume point).
 
-        Every second of a step is in its row: rollout_s, reward_s and update_s (train_step), eval_s, write_s (building
-        rows and waiting for the store, which writes on its own thread while the next step trains) and
+        Every second of a step is in its row: rollout_s, reward_s, update_s and sync_s (train_step), eval_s, write_s
+        (building rows and waiting for the store, which writes on its own thread while the next step trains) and
         checkpoint_s; step_s is the whole iteration. store_s is the CPU time the store's thread spent on the step.
         The run's row gets setup_s and wall_s."""
         cfg = self.cfg
@@ -399,7 +400,7 @@ class Trainer:
                                                step_s=time.perf_counter() - t_iteration)
             if self.state.step < cfg.steps:  # stopped by a signal at a step boundary
                 status = "interrupted"
-                if not self.session.has_checkpoint(self.state.step):
+                if not self.session.checkpoints.has_checkpoint(self.state.step):
                     self.session.drain_writes()
                     self.session.save_checkpoint(self.model, self.optimizer, self.scheduler, self.codec, self.state)
             else:
@@ -433,30 +434,34 @@ class Trainer:
 
         # ---- the K in use: --k auto chooses it once, at the first step
         auto_k = self._choose_k(sampled.batches[0])  # the `warnings` row that says so, at that step only
-        k = names.k_in_use(cfg.estimator, self.state.k)  # None: a mean baseline reads no K
-        # the K that splits the groups into hard and easy (dH's regimes; the estimator reads it for QAE only): a mean
-        # baseline's is DEFAULT_K, so runs compare
-        regime_k = k or names.DEFAULT_K
+        record = ESTIMATORS[cfg.estimator]
+        k = record.k_in_use(self.state.k)  # None: a mean baseline reads no K
+        split_k = record.split_k(k)  # the K that splits groups into hard and easy (dH's regimes)
 
         # ---- advantages of every group sampled (a filtered group's are stored but never trained)
-        estimator = EstimatorConfig(k=regime_k, quantile=cfg.quantile, scale=cfg.advantage_scale)
+        estimator = EstimatorConfig(k=k, quantile=cfg.quantile, scale=cfg.scale)
         adv = step_advantages(cfg.estimator, sampled.rewards, sampled.correct, names.reward_values(cfg.reward_values),
                               estimator, cfg.shaping)
 
         # ---- the update with its diagnostics, on the trained groups only
         self.engine.release_memory()  # (vLLM's sleep mode: its GPU memory goes to the update until the weight sync)
         t_update = time.perf_counter()
-        update = self._update_with_diagnostics(step, sampled, adv.advantages, regime_k)
+        update = self._update_with_diagnostics(step, sampled, adv.advantages, split_k)
 
-        # ---- the weight sync: vLLM holds its own copy of the weights; hf shares the model
+        update_s = time.perf_counter() - t_update
+
+        # ---- the weight sync: vLLM holds its own copy of the weights (the hf engine a bf16 one with
+        # --rollout-dtype bfloat16; else it samples from the trained model itself and the sync is a no-op)
+        t_sync = time.perf_counter()
         if sampled.n_trained:
             self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
-        update_s = time.perf_counter() - t_update
+        sync_s = time.perf_counter() - t_sync
 
         # ---- the step's output: its rows (every process's groups, gathered on the main one), metrics and warnings
         groups, rollouts, components = self._step_rows(sampled, adv, update)
         metrics = {**step_metrics(groups, rollouts), **update.stats, "k": k, "gen_batches": len(sampled.batches),
-                   "rollout_s": sampled.rollout_s, "reward_s": sampled.reward_s, "update_s": update_s}
+                   "rollout_s": sampled.rollout_s, "reward_s": sampled.reward_s, "update_s": update_s,
+                   "sync_s": sync_s}
         warnings = [row for row in (auto_k, sampled.cap_warning, *(b.reward_warning for b in sampled.batches),
                                     self._entropy_warning(metrics["entropy"])) if row is not None]
         metrics["step_s"] = time.perf_counter() - t_step
@@ -513,7 +518,7 @@ class Trainer:
             rollout_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             fault_point("scoring", step)
-            scored = score_batch(self.scorer, cfg, samples, problems, prompts, step)
+            scored = score_batch(self.rewards, cfg, samples, problems, prompts, step)
             reward_s += time.perf_counter() - t0
             batch = GenerationBatch(
                 index=index, first_group=index * P + offset, problems=problems, prompts=prompts, samples=samples,
@@ -538,7 +543,7 @@ class Trainer:
         """--k auto: K from the success rate of the first step's first generation batch over every process
         (names.AUTO_K_RULE), kept in the trainer state for the rest of the run; returns the `warnings` row that says
         so. None once K is known, and for a mean baseline (it reads no K)."""
-        if self.state.k is not None or not names.uses_k(self.cfg.estimator):
+        if self.state.k is not None or not ESTIMATORS[self.cfg.estimator].reads_k:
             return None
         acc = self.accelerator
         success = acc.reduce(first_batch.correct.float().mean().to(acc.device), reduction="mean").item()
@@ -546,12 +551,12 @@ class Trainer:
         return {"kind": "auto_k", "message": f"--k auto: first-step success rate {success:.3f} -> K = {self.state.k}"}
 
     def _update_with_diagnostics(self, step: int, sampled: SampledStep, advantages: torch.Tensor,
-                                 regime_k: float) -> StepUpdate:
+                                 split_k: float) -> StepUpdate:
         """The policy update on the trained groups (a filtered group enters neither the loss nor its normalizer) and
         the LR schedule's step, with what the step's row reports of them: the update's stats and LR, the entropy
         attribution (--log-entropy-attribution: trial updates from the weights before it), dH (--log-entropy-delta:
         after it) and, where the engine did not measure them, each trained response's mean token entropy and summed
-        log-prob from the update's no-grad pass. `advantages` (B, G) of every group sampled; `regime_k`: the K that
+        log-prob from the update's no-grad pass. `advantages` (B, G) of every group sampled; `split_k`: the K that
         splits dH's groups into hard and easy."""
         cfg, acc = self.cfg, self.accelerator
         lr = self.scheduler.get_last_lr()[0]  # (the row's: the LR this update steps with)
@@ -570,13 +575,13 @@ class Trainer:
             trained_adv = trained_adv.new_zeros(1)  # (the placeholder's)
         options = self.update_options()
         seed = step_seed(cfg.seed, step, 0) + 1  # (the mini-batches: the attribution draws the same)
-        attribution = (entropy_attribution(self.model, self.optimizer, batch, trained_adv, correct, regime_k, G,
+        attribution = (entropy_attribution(self.model, self.optimizer, batch, trained_adv, correct, split_k, G,
                                            options, acc, seed=seed, n_local=n_local)
                        if cfg.log_entropy_attribution else dict.fromkeys(ATTRIBUTION_METRICS))
         updated = policy_update(self.model, self.optimizer, batch, trained_adv, options, acc, seed=seed,
                                 ref_model=self.ref_model, n_local=n_local,
                                 full_pass=not sampled.engine_measured or cfg.log_entropy_delta)
-        dH = (entropy_change(self.model, batch, updated.entropy, correct, regime_k, G, options, acc, n_local)
+        dH = (entropy_change(self.model, batch, updated.entropy, correct, split_k, G, options, acc, n_local)
               if cfg.log_entropy_delta else dict.fromkeys(ENTROPY_CHANGE_METRICS))
         self.scheduler.step()  # once per RL step, on every process (the scheduler is not prepared: see _load_models)
         response_stats = None if sampled.engine_measured else sampling_policy_stats(batch, updated, n_local)
@@ -628,7 +633,7 @@ class Trainer:
         if not problems:
             return None
         share = problems[acc.process_index :: acc.num_processes]
-        result = evaluate(self.engine, name, share, [task.prompt(p) for p in share], self.eval_scorer, cfg.eval_k,
+        result = evaluate(self.engine, name, share, [task.prompt(p) for p in share], self.eval_rewards, cfg.eval_k,
                           cfg.temperature, cfg.max_new_tokens, seed=step_seed(cfg.seed, step, acc.process_index) + 7)
         samples, metrics = result.samples, result.metrics
         if acc.num_processes > 1:
@@ -637,7 +642,8 @@ class Trainer:
             samples = gather_object(samples)
             metrics = summarize(name, problems, samples, cfg.eval_k)
         accuracy = next(m["value"] for m in metrics if m["metric"] == "avg@k" and m["subset"] == "all")
-        return HeldoutEval(accuracy, [{**m, "source": "train"} for m in metrics],
+        sampled = {"temperature": cfg.temperature, "top_p": 1.0, "samples": cfg.eval_k, "problem_limit": cfg.eval_limit}
+        return HeldoutEval(accuracy, [{**m, "source": "train", **sampled} for m in metrics],
                            [{**s, "benchmark": name, "source": "train"} for s in samples])
 
     # -------------------------------------------------------------------------------------------------------------

@@ -19,11 +19,12 @@ class TrainerState:
     step: int = 0  # RL steps completed
     k: float | None = None  # K in use (set at step 1 when --k auto)
     entropy_zone: str = "ok"  # "low" / "ok" / "high" for the smoothed entropy: warn once per crossing of the band
-    entropy_ema: float | None = None  # moving average of step entropy (alpha trainer.ENTROPY_EMA_ALPHA)
+    entropy_ema: float | None = None  # moving average of step entropy (alpha entropy_band.ENTROPY_EMA_ALPHA)
     entropy_start: float | None = None  # step 1's entropy: the default band is relative to it
     data_position: int = 0  # prompts of the data stream consumed so far (every generation batch); a resume checks it
     data_fingerprint: str | None = None  # sha256 of the data file (None for a built-in task); a resume checks it
-    # processes that trained the run (each samples with its own seed); a resume checks it. None: an older checkpoint
+    # processes that trained the run (each samples with its own seed); a resume checks it (set by the trainer; a
+    # pre-release's checkpoint gets it from `qae migrate`)
     num_processes: int | None = None
 
     def save(self, path: Path) -> None:

@@ -17,8 +17,6 @@ One update, and the seam where each later change plugs in:
     accumulate_gradients  one mini-batch's backward, in micro-batches (gradient checkpointing: the model's own)
     forward_logprobs      one forward of the model (LoRA: the model passed in), through the chunked vocabulary
                           projection (chunked_head) when logprob_chunk_tokens says so
-    entropy_change        after the update, how it changed the responses' token entropy (dH)
-    response_regimes      the QAE regime of each response's group, on the verdicts (dH's and attribution.py's split)
 
 The gated skip (`UpdateOptions.skip_gated`): with QAE about 80% of responses get advantage exactly 0; their policy
 gradient is exactly 0, so when nothing else needs them (no KL term) they are left out of the forward/backward, with
@@ -45,8 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from qae_app.algo.advantages import REGIMES, EstimatorConfig, compute_advantages
-from qae_app.algo.chunked_head import causal_lm_logprobs, check_chunked_head, default_chunk_tokens
+from qae_app.algo.chunked_head import causal_lm_logprobs
 from qae_app.algo.losses import mismatch_sums, policy_loss, tis_weights, token_logprobs_and_entropy
 from qae_app.core.errors import QAEUserError
 from qae_app.models import sharding
@@ -136,7 +133,7 @@ class OneProcess:
 
 
 def pack(samples, pad_id: int, device, float_dtype: torch.dtype = torch.float32) -> dict:
-    """Right-padded (prompt + response) tensors of rollout.Samples: input_ids and attention_mask (N, T);
+    """Right-padded (prompt + response) tensors of engines.base.Samples: input_ids and attention_mask (N, T);
     response_mask (N, T-1) marks the positions predicting response tokens; sampler_logp (N, T-1), where every sample
     carries the engine's token log-probs, holds them at those positions (0 elsewhere)."""
     width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -485,74 +482,6 @@ def rollout_mismatch(batch, old_logp: torch.Tensor, rows: torch.Tensor, accelera
     return dict(zip(MISMATCH_METRICS, (abs_sum / tokens, k3_sum / tokens, ratio_max)))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# after the update
-
-
-ENTROPY_CHANGE_METRICS = ("dH", "dH_hard", "dH_easy")  # what entropy_change measures, by its column names
-
-
-def entropy_change(model, batch, entropy_before: torch.Tensor, correct: torch.Tensor, k: float, group_size: int,
-                   options: UpdateOptions, accelerator=None, n_local: int | None = None) -> dict:
-    """dH, dH_hard, dH_easy: the token-weighted mean change of token entropy over the step's trained responses
-    (the first `n_local` rows of the batch, default all; `correct` (B, G) their verdicts) from before the update
-    (`entropy_before`, the same pass) to after it, over all groups and per QAE regime (the regime QAE with quantile
-    level `k` gives the group's success rate)."""
-    n = batch["input_ids"].shape[0]
-    acc = accelerator or OneProcess(batch["input_ids"].device)
-    n_local = n if n_local is None else n_local
-    _, entropy_after = logprobs_in_chunks(model, batch, torch.arange(n, device=acc.device), options, acc,
-                                          with_entropy=True)
-    mask = batch["response_mask"][:n_local]
-    change = ((entropy_after - entropy_before)[:n_local] * mask).sum(-1)  # (N,) summed over each response
-    tokens = mask.sum(-1)  # (N,)
-    regime = response_regimes(correct, k, group_size).to(acc.device)  # (N,)
-    parts = {"dH": torch.ones_like(tokens, dtype=torch.bool), "dH_hard": regime == REGIMES.index("hard"),
-             "dH_easy": regime == REGIMES.index("easy")}
-    sums = torch.tensor([[change[m].sum().item(), tokens[m].sum().item()] for m in parts.values()],
-                        dtype=torch.float64, device=acc.device)  # (3, 2): change, tokens
-    if acc.num_processes > 1:
-        sums = acc.reduce(sums, reduction="sum")
-    return {name: (c / t if t else math.nan) for name, (c, t) in zip(parts, sums.tolist())}
-
-
-def response_regimes(correct: torch.Tensor, k: float, group_size: int) -> torch.Tensor:
-    """(B * G,) the regime code (advantages.REGIMES) of each response's group: the regime QAE with quantile level `k`
-    gives the group's verdicts `correct` (B, G) bool, so every estimator's groups split the same way."""
-    if correct.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.long)
-    regime = compute_advantages("qae", correct.float(), EstimatorConfig(k=k)).regime  # (B,)
-    return regime.repeat_interleave(group_size)  # (B * G,)
-
-
 # a step with nothing to learn from (dynamic sampling)
 NO_UPDATE = {**dict.fromkeys(("loss", "pg_loss", "kl", "grad_norm", "clip_frac", "clip_frac_low", "clip_frac_high",
                               *MISMATCH_METRICS), math.nan), "n_updates": 0}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# what the update is set up with, once per run
-
-
-def optimizer_and_schedule(trainable: list[torch.nn.Parameter], lr: float, weight_decay: float, warmup_steps: int):
-    """AdamW over `trainable` and its LR schedule: a linear warmup over `warmup_steps` updates, then constant."""
-    # the fused kernel (one pass over all parameters) is several times faster than the per-tensor loop on CPU too
-    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in trainable)
-    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, fused=fused)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
-    return optimizer, schedule
-
-
-def logprob_chunk_tokens(model, requested: int | None, say) -> int:
-    """The update's logprob_chunk_tokens, decided once for the run: `requested` (None: 256 MiB of float32 logits per
-    chunk), or 0 (the full logits) where the model cannot take the chunked head (a head sharded by FSDP1 or ZeRO-3,
-    soft-capped logits, a peft-wrapped model), which `say` tells once."""
-    if requested == 0:
-        return 0
-    try:
-        vocab = check_chunked_head(model)
-    except QAEUserError as err:
-        say(f"[yellow]note:[/] log-probs from the full logits, not in chunks of tokens: {err}")
-        return 0
-    return requested or default_chunk_tokens(vocab)

@@ -15,7 +15,7 @@ from qae_app.algo.advantages import (
     step_advantages,
 )
 from qae_app.core.errors import QAEUserError
-from qae_app.core.names import ESTIMATOR_DEFAULT_SCALE
+from qae_app.core.estimators import ESTIMATORS, EstimatorRecord, add_record
 
 
 def group(n_correct: int, size: int) -> torch.Tensor:
@@ -109,7 +109,7 @@ def reference_advantages(name: str, rewards: list[float], cfg: EstimatorConfig):
     G = len(rewards)
     mean = sum(rewards) / G
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (G - 1))
-    std_scaled = (cfg.scale or ESTIMATOR_DEFAULT_SCALE[name]) == "std"
+    std_scaled = ESTIMATORS[name].scale(cfg.scale) == "std"
     if name == "qae":
         ordered = sorted(rewards)
         if cfg.quantile == "paper":
@@ -144,10 +144,12 @@ def reference_regime(rewards: list[float], baseline: float, correct: list[bool])
 @pytest.mark.parametrize("quantile", ["paper", "linear"])
 @pytest.mark.parametrize("scale", [None, "std", "none"])
 def test_vectorized_equals_reference_loop(name, quantile, scale):
+    if ESTIMATORS[name].scale_fixed and scale not in (None, ESTIMATORS[name].default_scale):
+        pytest.skip(f"{name} refuses --scale {scale} (test_an_estimator_refuses_a_scale_that_contradicts_it)")
     rng = random.Random(0)
     for G in (2, 3, 5, 8, 16, 17):
         for k in (0.1, 0.25, 0.3, 0.4, 0.5, 0.7, 0.9):
-            cfg = EstimatorConfig(k=k, quantile=quantile)
+            cfg = EstimatorConfig(k=k, quantile=quantile, scale=scale)
             groups = []
             for _ in range(40):  # binary groups of every success rate, plus some graded rewards
                 p = rng.random()
@@ -184,38 +186,80 @@ def test_unknown_estimator_lists_the_valid_ones():
         compute_advantages("ppo", group(3, 8))
 
 
-def test_every_named_estimator_has_an_implementation():
-    from qae_app.core import names
+def test_the_registry_and_the_records_agree():
+    """Every record has an implementation and every implementation a record; the CLI's choices are the records'."""
+    from qae_app.config import FIELDS
 
-    assert set(ESTIMATOR_FUNCTIONS) == set(names.ESTIMATORS) == set(ESTIMATOR_DEFAULT_SCALE)
+    assert set(ESTIMATOR_FUNCTIONS) == set(ESTIMATORS)
+    assert all(name == record.name for name, record in ESTIMATORS.items())
+    assert FIELDS["estimator"].metadata["choices"] == {name: record.help for name, record in ESTIMATORS.items()}
 
 
-def test_registering_a_name_twice_or_without_a_description_raises():
+def test_a_second_record_of_a_name_raises():
+    with pytest.raises(ValueError, match="'qae' has a record already"):
+        add_record(EstimatorRecord("qae", "another qae", reads_k=True, default_scale="std", reference="none"))
+    assert ESTIMATORS["qae"].reference.startswith("Quantile Advantage Estimation")
+
+
+def test_registering_a_name_twice_or_without_a_record_raises():
     from qae_app.algo.advantages import register_estimator
 
     qae = ESTIMATOR_FUNCTIONS["qae"]
     with pytest.raises(ValueError, match="'qae' is registered already"):
         register_estimator("qae")(lambda rewards, cfg: (rewards, rewards))
     assert ESTIMATOR_FUNCTIONS["qae"] is qae
-    with pytest.raises(ValueError, match="no entry in qae_app.core.names.ESTIMATORS"):
+    with pytest.raises(ValueError, match="no record in qae_app.core.estimators.ESTIMATORS"):
         register_estimator("ppo")
 
 
 def test_k_applies_to_exactly_the_estimators_that_use_it():
-    """names.uses_k decides where K applies (the stored k, the sweep's grid, compare's groups): exactly the estimators
-    whose advantages change with K. 2 of 5 correct: K=0.2 makes QAE's baseline 0 (hard), K=0.8 makes it 1 (easy)."""
-    from qae_app.core import names
-
+    """A record's reads_k decides where K applies (the stored k, the sweep's grid, compare's groups): exactly the
+    estimators whose advantages change with K. 2 of 5 correct: K=0.2 makes QAE's baseline 0 (hard), K=0.8 makes it 1
+    (easy)."""
     rewards = torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0]])
     for name in ESTIMATOR_FUNCTIONS:
         low = compute_advantages(name, rewards, EstimatorConfig(k=0.2)).advantages
         high = compute_advantages(name, rewards, EstimatorConfig(k=0.8)).advantages
-        assert names.uses_k(name) == (not torch.equal(low, high)), name
-    assert [name for name in names.ESTIMATORS if names.uses_k(name)] == ["qae"]
+        assert ESTIMATORS[name].reads_k == (not torch.equal(low, high)), name
+    assert [name for name, record in ESTIMATORS.items() if record.reads_k] == ["qae"]
+
+
+def test_a_mean_baseline_estimator_cannot_silently_read_k(monkeypatch):
+    """An estimator whose record says it reads no K is handed none: one that reads K anyway fails at its first call,
+    instead of quietly training on whatever --k says."""
+    from qae_app.algo.advantages import register_estimator
+
+    monkeypatch.setitem(ESTIMATORS, "leaky_mean", EstimatorRecord(
+        "leaky_mean", "a mean baseline that reads K by mistake", reads_k=False, default_scale="none",
+        reference="this test"))
+
+    def leaky(rewards, cfg):
+        baseline = rewards.mean(dim=1) * (cfg.k / cfg.k)
+        return rewards - baseline[:, None], baseline
+
+    register_estimator("leaky_mean")(leaky)
+    try:
+        with pytest.raises(TypeError):
+            compute_advantages("leaky_mean", group(2, 5), EstimatorConfig(k=0.3))
+    finally:
+        del ESTIMATOR_FUNCTIONS["leaky_mean"]
+
+
+def test_an_estimator_refuses_a_scale_that_contradicts_it():
+    """dr_grpo is GRPO without the std division: --scale std is refused, by its record, for the config and for the
+    estimator called directly alike."""
+    from qae_app.config import build_config
+
+    with pytest.raises(QAEUserError, match="scale: dr_grpo is GRPO without the std normalization"):
+        compute_advantages("dr_grpo", group(2, 5), EstimatorConfig(scale="std"))
+    with pytest.raises(QAEUserError, match="scale: dr_grpo is GRPO without the std normalization"):
+        build_config(estimator="dr_grpo", scale="std")
+    assert compute_advantages("dr_grpo", group(2, 5), EstimatorConfig(scale="none")).advantages.shape == (1, 5)
 
 
 def test_scale_none_is_honoured_by_the_mean_baselines():
-    """`--scale none` used to be ignored by grpo (always divided by the std)."""
+    """`--scale` is each estimator's to honour: grpo divides by the std unless --scale none, rloo only with --scale
+    std."""
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]])  # mean 0.25, unbiased std 0.5
     grpo_raw = compute_advantages("grpo", rewards, EstimatorConfig(scale="none")).advantages
     assert grpo_raw.tolist() == [[0.75, -0.25, -0.25, -0.25]]
@@ -367,3 +411,20 @@ def test_shaping_after_the_baseline_keeps_the_two_regimes_and_adds_the_penalty()
     assert adv.advantages[0].tolist() == pytest.approx([success - 0.5, success] + [0.0] * 6, rel=1e-6)
     with pytest.raises(QAEUserError, match="shaping: unknown value 'late'"):
         step_advantages("qae", shaped, verdicts, (-1.0, 1.0), EstimatorConfig(k=0.4), "late")
+
+
+def test_the_quantile_rule_splits_groups_as_qae_labels_them_on_the_verdicts():
+    """quantile_regimes (dH's and the attribution's hard and easy, for every estimator) is the quantile rule itself:
+    on 0/1 verdicts it labels each group as QAE at that K does, hard while the success rate is <= 1 - K."""
+    from qae_app.algo.advantages import quantile_regimes
+
+    rng = random.Random(1)
+    for G in (2, 4, 5, 8, 16):
+        correct = torch.tensor([[rng.random() < p for _ in range(G)] for p in [rng.random() for _ in range(64)]])
+        for split_k in (0.2, 0.3, 0.4, 0.5, 0.8):
+            by_qae = compute_advantages("qae", correct.float(), EstimatorConfig(k=split_k), correct).regime
+            assert torch.equal(quantile_regimes(correct, split_k), by_qae), (G, split_k)
+            rates = correct.float().mean(dim=1)
+            signal = (rates > 0) & (rates < 1)
+            hard = quantile_regimes(correct, split_k) == REGIMES.index("hard")
+            assert torch.equal(hard[signal], rates[signal] <= 1 - split_k + 1e-9), (G, split_k)

@@ -6,7 +6,7 @@ import math
 import pandas as pd
 import pytest
 
-from qae_app.analysis.compare import (
+from qae_app.analysis.run_comparison import (
     RUN_METRICS,
     RunRecord,
     area_under_curve,
@@ -257,7 +257,7 @@ def test_a_copy_counts_as_its_original_and_a_copy_picked_alone_counts():
 def test_a_run_without_a_training_step_is_left_out_and_said(tmp_path):
     """A run killed before its first step has at most its step-0 evaluation: counted as a seed, it would pull the
     group's final accuracy towards the untrained model's."""
-    from qae_app.analysis.compare import compare_runs
+    from qae_app.analysis.run_comparison import compare_runs
     from qae_app.cli.views import compare_view
 
     untrained = RunRecord("nosteps", _config(seed=1, run_name="nosteps"), 1,
@@ -275,7 +275,7 @@ def test_a_run_without_a_training_step_is_left_out_and_said(tmp_path):
 
 
 def test_a_run_named_more_than_once_is_refused(tmp_path):
-    from qae_app.analysis.compare import load_runs
+    from qae_app.analysis.run_comparison import load_runs
 
     with pytest.raises(QAEUserError, match="runs: 'a' is named more than once"):
         load_runs(tmp_path, ["a", "b", "a"])
@@ -314,7 +314,7 @@ def test_runs_read_back_from_duckdb(tmp_path):
 def test_intervals_are_cut_at_what_the_metric_can_take():
     """zero_adv_last at 0.98, 0.99, 0.60 over 3 seeds: mean 0.857, sd 0.222, t(2) half-width 0.552 -> [0.305, 1.409]
     by the formula; a fraction's interval stops at 1."""
-    from qae_app.analysis.compare import FRACTION, RUN_METRIC_BOUNDS, interval_missing, mean_interval
+    from qae_app.analysis.run_comparison import FRACTION, RUN_METRIC_BOUNDS, interval_missing, mean_interval
 
     values = [0.98, 0.99, 0.60]
     raw, cut = mean_interval(values), mean_interval(values, FRACTION)
@@ -333,7 +333,7 @@ def test_intervals_are_cut_at_what_the_metric_can_take():
 def test_the_cli_says_plainly_when_there_is_no_interval():
     from rich.console import Console
 
-    from qae_app.analysis.compare import compare_runs
+    from qae_app.analysis.run_comparison import compare_runs
     from qae_app.cli.views import compare_view
 
     runs = [_record("two-0", 0, 0.5), _record("two-1", 1, 0.7)]

@@ -275,3 +275,21 @@ def test_the_plan_predicts_the_measured_peak_of_the_trainers_update_within_20_pe
         measured, predicted, ratio = map(float, re.fullmatch(
             r"measured ([\d.]+) GB predicted ([\d.]+) GB ratio ([\d.]+)", last).groups())
         assert 0.8 <= ratio <= 1.2, out.stdout
+
+
+@pytest.mark.parametrize("width", (80, 100))
+def test_the_plan_fits_the_terminal_and_plans_the_built_in_model_with_its_own_prompts(width):
+    """`qae plan` with no option plans the built-in model on `arith`: its longest prompt is "20*20=", 6 characters
+    after <bos> at one token a character, so 7 prompt tokens (not 1,024); every line fits the terminal's width.
+    Checked to fail before: 13 of 15 lines were 120 columns wide, and the plan read `--prompt-tokens 1,024`."""
+    result = runner.invoke(app, ["plan"], env={"COLUMNS": str(width)})
+    assert result.exit_code == 0, result.output
+    assert [line for line in result.output.splitlines() if len(line) > width] == []
+    assert "(--prompt-tokens 7 + --max-new-tokens 8)" in " ".join(result.output.split())
+    given = runner.invoke(app, ["plan", "--prompt-tokens", "64"], env={"COLUMNS": "200"})
+    assert "(--prompt-tokens 64 + --max-new-tokens 8)" in given.output  # a given length wins
+    chain = runner.invoke(app, ["plan", "--data", "builtin:chain"], env={"COLUMNS": "200"})
+    from qae_app.data.tasks import load_task
+
+    longest = max(len(p.question) for p in load_task("chain").train + load_task("chain").heldout)
+    assert f"(--prompt-tokens {longest + 1} + --max-new-tokens 48)" in chain.output

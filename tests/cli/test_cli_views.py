@@ -20,9 +20,18 @@ from qae_app.cli.main import app
 from qae_app.cli.views import shared_prefix
 from qae_app.core.formatting import number
 from qae_app.core.names import GATE_REASONS
-from qae_app.store import reader as store_read
-from qae_app.store import run_folder as rundir
-from qae_app.store import writer as store_write
+from qae_app.store.reader import (
+    last_logged_step,
+    query,
+    read_gate_breakdown,
+    read_last_step,
+    read_rollouts,
+    read_runs,
+    read_steps,
+    run_summaries,
+)
+from qae_app.store.run_folder import db_path
+from qae_app.store.writer import RunWriter
 from tests.synthetic import write_run
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
@@ -105,7 +114,7 @@ def test_runs_shows_every_run_whole_its_status_and_why_one_is_unreadable(broken_
     text = invoke(broken_cwd, width, "runs")
     check_fits(text, width)
     assert "…" not in text
-    frame = store_read.read_runs(broken_cwd / "runs")
+    frame = read_runs(broken_cwd / "runs")
     for run_id in frame["run_id"]:
         assert run_id in text
     assert re.search(r"killed\s+stopped", text) and re.search(r"broken\s+unreadable", text)
@@ -127,7 +136,7 @@ def test_show_prints_status_config_and_whole_numbers(runs_cwd, width):
     for key, value in [("steps", "30"), ("group_size", "8"), ("k", "0.4"), ("eval_every", "10")]:
         assert f"{key} = {value}" in flat
     assert "…" not in text
-    steps = store_read.read_steps(rundir.db_path(runs_cwd / "runs", LONG_A)).set_index("step")
+    steps = read_steps(db_path(runs_cwd / "runs", LONG_A)).set_index("step")
     rows = {int(line.split()[0]): line.split() for line in lines if re.match(r"^\s*\d+\s+\d", line)}
     assert 30 in rows and 1 in rows
     for step, cells in rows.items():
@@ -174,11 +183,11 @@ def test_show_refuses_an_unknown_metric(runs_cwd):
 @pytest.mark.parametrize("width", WIDTHS)
 def test_rollouts_break_down_why_responses_were_gated(runs_cwd, width):
     text = invoke(runs_cwd, width, "rollouts", LONG_A, "--step", "30", "--limit", "200")
-    path = rundir.db_path(runs_cwd / "runs", LONG_A)
-    breakdown = store_read.read_gate_breakdown(path).query("step == 30")
+    path = db_path(runs_cwd / "runs", LONG_A)
+    breakdown = read_gate_breakdown(path).query("step == 30")
     for reason, n in zip(breakdown["gate_reason"], breakdown["n"]):
         assert re.search(rf"^{reason}\s+{n}\s", text, re.MULTILINE), reason
-    rows = store_read.read_rollouts(path, 30)
+    rows = read_rollouts(path, 30)
     table_rows = [line.split() for line in text.splitlines() if re.match(r"^\d+\s+[01]\s+[+-]\d", line)]
     assert len(table_rows) == len(rows)
     reasons = [cells[3] for cells in table_rows]
@@ -198,7 +207,7 @@ def test_ids_that_share_a_prefix_show_the_part_that_differs(tmp_path):
     for run_id in ids:
         write_run(tmp_path, run_id, steps=2, prompts_per_step=2, group_size=4)
     console = Console(width=80, record=True)
-    console.print(runs_view(store_read.run_summaries(tmp_path), "runs", 80))
+    console.print(runs_view(run_summaries(tmp_path), "runs", 80))
     text = console.export_text()
     check_fits(text, 80)
     assert "every run id below starts with 20261130-" in text
@@ -223,10 +232,10 @@ def test_cli_page_defines_every_gate_reason():
 def test_rollouts_of_a_run_without_steps_say_so(tmp_path):
     """A run created but not past its first step (or an eval-only run): DuckDB's max(step) over no rows comes back as
     pandas' NA, which is neither None nor NaN."""
-    writer = store_write.RunWriter(rundir.db_path(tmp_path, "new"), "new")
+    writer = RunWriter(db_path(tmp_path, "new"), "new")
     writer.create_run("new", {"steps": 10}, "qae", 0.4, "builtin:tiny", "arith", 0)
-    assert store_read.read_last_step(rundir.db_path(tmp_path, "new")) is None
-    assert store_read.last_logged_step(tmp_path / "new") == 0
+    assert read_last_step(db_path(tmp_path, "new")) is None
+    assert last_logged_step(tmp_path / "new") == 0
     result = runner.invoke(app, ["rollouts", "new", "--runs-dir", str(tmp_path)])
     assert result.exit_code == 2, result.output
     assert "run: 'new' has no steps yet." in " ".join(result.output.split())
@@ -237,7 +246,7 @@ def test_show_at_80_columns_has_the_held_out_steps_and_runs_keeps_entropy(runs_c
     and `qae runs` kept reward_mean and accuracy (the same with 0/1 rewards) and dropped entropy."""
     shown = invoke(runs_cwd, 80, "show", LONG_A)
     rows = {line.split()[0]: line.split() for line in shown.splitlines() if re.match(r"^\s+\d+\s+\d", line)}
-    heldout = store_read.query(rundir.db_path(runs_cwd / "runs", LONG_A),
+    heldout = query(db_path(runs_cwd / "runs", LONG_A),
                                "SELECT step, heldout_accuracy FROM steps WHERE heldout_accuracy IS NOT NULL")
     assert sorted(heldout["step"]) == [10, 20, 30]
     for step, value in zip(heldout["step"], heldout["heldout_accuracy"]):
@@ -264,9 +273,9 @@ def test_picked_steps_keep_the_evaluations_of_a_long_run():
 
 def test_no_values_line_names_each_option_once_for_the_columns_it_records():
     from qae_app.cli.views import empty_metrics_note
-    from qae_app.store import schema as store
+    from qae_app.store.schema import STEP_METRICS
 
-    attribution = [m for m in store.STEP_METRICS if "_from_" in m]
+    attribution = [m for m in STEP_METRICS if "_from_" in m]
     assert len(attribution) == 9
     note = empty_metrics_note(["gen_batches", "dH", "dH_hard", "dH_easy", *attribution])
     assert note == ("gen_batches; dH, dH_hard, dH_easy (recorded with --log-entropy-delta); "

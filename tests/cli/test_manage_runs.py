@@ -85,8 +85,8 @@ def test_rm_refuses_a_live_run_asks_first_and_deletes_a_sweeps_runs(runs):
         assert "Stop it first with `qae stop other`" in " ".join(output.split())
     finally:
         lock.release()
-    code, output = qae("rm", "other", runs_dir=runs, input="n\n")
-    assert code == 1 and "nothing deleted" in output and (runs / "other").is_dir()
+    code, output = qae("rm", "other", runs_dir=runs, input="n\n")  # a "no" is an answer: exit 0 (docs/cli.md)
+    assert code == 0 and "nothing deleted" in output and (runs / "other").is_dir()
     code, output = qae("rm", "other", runs_dir=runs, input="y\n")
     assert code == 0 and not (runs / "other").exists()
     assert sorted(p.name for p in runs.iterdir()) == ["base-s0", "base-s1"]

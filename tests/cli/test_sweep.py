@@ -267,9 +267,7 @@ def test_compare_refuses_clearly(known_runs, args, message):
 
 
 def test_the_cli_says_a_taken_point_was_taken_by_another_run(tmp_path, monkeypatch):
-    import qae_app.cli.sweep as sweep_module
-
-    monkeypatch.setattr(sweep_module, "run_sweep", lambda plan, *a, **k: {p.run_name: "taken" for p in plan.points})
+    monkeypatch.setattr("qae_app.cli.sweep.run_sweep", lambda plan, *a, **k: {p.run_name: "taken" for p in plan.points})
     result = runner.invoke(app, ["sweep", *TINY, "--name", "race", "--runs-dir", str(tmp_path)])
     output = " ".join(result.output.split())
     assert result.exit_code == 1, result.output

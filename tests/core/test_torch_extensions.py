@@ -57,3 +57,22 @@ def test_an_extension_that_loads_is_left_as_it_is(tmp_path):
                  "print(hide_unloadable_extensions(), sys.modules['torchvision'].LOADED)", tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["[]", "True"] and "qae:" not in result.stderr
+
+
+CHILD = ("import subprocess, sys; import qae_app.models; "  # qae hides them here, then starts a Python as vLLM does
+         "child = subprocess.run([sys.executable, '-c', 'from transformers import LlamaConfig; import sys; "
+         "print(\"child\", sys.modules[\"torchvision\"], sys.modules[\"sitecustomize\"].MINE)'], capture_output=True, "
+         "text=True); print(child.returncode, child.stdout.strip()); print(child.stderr[-2000:], file=sys.stderr)")
+
+
+def test_they_are_hidden_in_the_python_processes_started_from_qaes_too(tmp_path):
+    """vLLM inspects a model class in a fresh `python -m vllm.model_executor.models.registry` (unless its cache has
+    the answer), which imports transformers' image utilities and so torchvision: hidden in qae's process only, the
+    stand-in broke that child as the real wheel did ("failed to be inspected"). The environment the child inherits
+    hides them there too, and the sitecustomize it shadows (here the stand-in site's own) still runs. Checked to fail
+    without hide_in_subprocesses: the child exits 1 on the stand-in's RuntimeError."""
+    plant(tmp_path, "torchvision", "0.28.0", 'raise RuntimeError("operator torchvision::nms does not exist")\n')
+    (tmp_path / "sitecustomize.py").write_text("MINE = 'the site of the environment ran too'\n")
+    result = run(CHILD, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[-2] == "0 child None the site of the environment ran too", result.stderr

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from qae_app.store import run_folder as rundir
-from qae_app.store import writer as store_write
+from qae_app.store.run_folder import LOCK_FILE, db_path
+from qae_app.store.writer import RunWriter
 from tests.dashboard.helpers import HOLDER, _write_crafted, make_app
 from tests.synthetic import write_run
 
@@ -24,9 +24,9 @@ def runs_dir(tiny_run, tmp_path_factory) -> Path:
     tiny_dir, tiny_id = tiny_run
     out = tmp_path_factory.mktemp("dash_runs")
     (out / tiny_id).mkdir()
-    shutil.copy(rundir.db_path(tiny_dir, tiny_id), rundir.db_path(out, tiny_id))  # the database only, not checkpoints
+    shutil.copy(db_path(tiny_dir, tiny_id), db_path(out, tiny_id))  # the database only, not checkpoints
     _write_crafted(out)
-    empty = store_write.RunWriter(rundir.db_path(out, "empty"), "empty")
+    empty = RunWriter(db_path(out, "empty"), "empty")
     empty.create_run("empty", {"steps": 10}, "grpo", None, "builtin:tiny", "arith", 0)
     return out
 
@@ -57,7 +57,7 @@ def hold_lock(request):
     """hold_lock(run_dir) -> a process holding the run's lock, ended when the test ends."""
 
     def hold(run_dir: Path) -> subprocess.Popen:
-        holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir / rundir.LOCK_FILE)],
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir / LOCK_FILE)],
                                   stdout=subprocess.PIPE, text=True)
         request.addfinalizer(holder.kill)
         assert holder.stdout.readline().strip() == "held"

@@ -17,9 +17,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from qae_app.store import run_folder as rundir
-from qae_app.store import schema as store
-from qae_app.store import writer as store_write
+from qae_app.store.run_folder import db_path
+from qae_app.store.schema import STEP_METRICS
+from qae_app.store.writer import RunWriter
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
 sys.path.insert(0, str(APP.parent))  # `charts` is imported by the app as a sibling module
@@ -60,16 +60,17 @@ def _crafted_rows(step: int) -> dict[str, list[dict]]:
         regime = {0: "all_wrong", 4: "all_correct"}.get(n_correct, "hard" if n_correct <= 2 else "easy")
         baseline = {"hard": 0.0, "easy": 1.0, "all_wrong": 0.0, "all_correct": 1.0}[regime]
         groups.append(dict(group_idx=g, prompt_id=prompt_id, prompt=prompt, answer="4", n_correct=n_correct,
-                           group_size=4, baseline=baseline, regime=regime))
+                           group_size=4, baseline=baseline, regime=regime, filtered=False))
         for s in range(4):
             reward = 1.0 if s < n_correct else 0.0
             advantage = 0.0 if regime.startswith("all") else round(reward - baseline, 6)
             response = EVIL_RESPONSE if (step, g, s) == (3, 0, 3) else ("4" if reward else "5")
             rollouts.append(dict(group_idx=g, sample_idx=s, prompt_id=prompt_id, response=response, reward=reward,
-                                 verified=True, advantage=advantage, gated=advantage == 0, regime=regime,
-                                 n_tokens=len(response), truncated=False, entropy=0.4, logprob=-1.0))
+                                 correct=reward == 1.0, verified=True, advantage=advantage, gated=advantage == 0,
+                                 regime=regime, n_tokens=len(response), truncated=False, entropy=0.4, logprob=-1.0,
+                                 filtered=False))
     fractions = pd.Series([g["regime"] for g in groups]).value_counts(normalize=True)
-    metrics = {name: None for name in store.STEP_METRICS}
+    metrics = {name: None for name in STEP_METRICS}
     metrics.update(reward_mean=sum(r["reward"] for r in rollouts) / 8, accuracy=sum(r["reward"] for r in rollouts) / 8,
                    entropy=0.9 - 0.2 * step, entropy_pos=0.8, entropy_neg=0.6,
                    frac_zero_adv=sum(r["gated"] for r in rollouts) / 8, cov_logp_adv=0.1 * step, response_len=1.5,
@@ -98,7 +99,7 @@ def _crafted_rows(step: int) -> dict[str, list[dict]]:
 
 
 def _write_crafted(out: Path, run_id: str = "crafted") -> None:
-    writer = store_write.RunWriter(rundir.db_path(out, run_id), run_id)
+    writer = RunWriter(db_path(out, run_id), run_id)
     writer.create_run(run_id, {"steps": 3, "group_size": 4, "entropy_low": 0.5, "entropy_high": 3.0}, "qae", 0.5,
                       "builtin:tiny", "arith", 0)
     for step in (1, 2, 3):

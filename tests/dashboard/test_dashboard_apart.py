@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from qae_app.store import run_folder as rundir
+from qae_app.store.run_folder import CONFIG_FILE, DB_FILE
 from tests.dashboard.helpers import frames, make_app, texts
 from tests.synthetic import write_run
 
@@ -31,8 +31,8 @@ def test_a_deleted_folder_leaves_the_runs_page_on_the_next_draw(tmp_path, monkey
         (folder / "notes.txt").write_text("not a run")
     else:
         write_run(runs, "gone", steps=2, prompts_per_step=1, group_size=4)
-        (folder / rundir.CONFIG_FILE).write_text(json.dumps({"steps": 2}))
-        (folder / rundir.DB_FILE).unlink()  # `rm -r` removed the database first
+        (folder / CONFIG_FILE).write_text(json.dumps({"steps": 2}))
+        (folder / DB_FILE).unlink()  # `rm -r` removed the database first
     app = make_app(runs, monkeypatch)
     assert sorted(listed(app())) == ["gone", "kept"]
     shutil.rmtree(folder)
@@ -60,8 +60,10 @@ def test_the_runs_table_says_what_tells_each_run_apart(apart_dir, monkeypatch):
     share and is not the default, once above the table, with the estimator and K they all train with."""
     at = make_app(apart_dir, monkeypatch)()
     table = frames(at)[0].set_index("run_id")
-    assert table.loc[DYNAMIC, "differs"] == "dynamic_sampling, seed=0"
-    assert table.loc[ATTRIBUTION, "differs"] == "log_entropy_attribution, seed=0"
+    # the seed first: the column is cut at its width (190 px), and the seed tells a sweep's runs apart (it was last,
+    # and cut, before)
+    assert table.loc[DYNAMIC, "differs"] == "seed=0, dynamic_sampling"
+    assert table.loc[ATTRIBUTION, "differs"] == "seed=0, log_entropy_attribution"
     assert table.loc["sweep-3f9a1c-qae-k0.4-s1", "differs"] == "seed=1"
     assert ("Every run listed: qae K=0.4; group_size=4, prompts_per_step=2, lr=1e-05, entropy_low=0.5, entropy_high=3, "
             "eval_every=0 (not the defaults)") in texts(at).replace("\\", "")  # (markdown's escapes dropped)

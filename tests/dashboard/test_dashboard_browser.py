@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from qae_app.store import reader as store_read
-from qae_app.store import run_folder as rundir
+from qae_app.store.reader import read_groups, read_last_step, read_rollouts, read_run, read_runs
+from qae_app.store.run_folder import CONFIG_FILE, DB_FILE, db_path
 from tests.dashboard.helpers import free_port, wait_healthy
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -121,15 +121,15 @@ def test_browse_a_finished_run(tiny_run, dashboard, page, tmp_path):
     screenshot(page, tmp_path, "dashboard-curves.png")
 
     # the rollouts of step 3, through the URL the page keeps
-    path = rundir.db_path(runs_dir, run_id)
-    expected = store_read.read_rollouts(path, 3)
+    path = db_path(runs_dir, run_id)
+    expected = read_rollouts(path, 3)
     page.goto(f"{url}/rollouts?run={run_id}&step=3")
     wait_idle(page)
     metrics = page.get_by_test_id("stMetricValue")
     expect(metrics.nth(1)).to_have_text(f"{int(expected['gated'].sum())} / {len(expected)}", timeout=60_000)
     expect(metrics.nth(0)).to_have_text(f"{len(expected)} / {len(expected)}")
     expect(page.get_by_test_id("stSlider").get_by_role("slider")).to_have_attribute("aria-valuetext", "3")
-    groups = store_read.read_groups(path, 3)
+    groups = read_groups(path, 3)
     expect(page.get_by_text(re.compile(r"^Group \d+"))).to_have_count(len(groups))
     body = page.inner_text("body")
     for g, rows in expected.groupby("group_idx"):
@@ -146,9 +146,9 @@ def test_curves_grow_while_qae_train_writes(start, dashboard, page, tmp_path):
     trainer = start([str(QAE), "train", "--runs-dir", str(runs_dir), "--run-name", "live", "--steps", "400",
                      "--prompts-per-step", "4", "--group-size", "8", "--eval-every", "0", "--checkpoint-every", "0"],
                     stdout=open(tmp_path / "train.log", "w"), stderr=subprocess.STDOUT, cwd=tmp_path)
-    path = rundir.db_path(runs_dir, "live")
+    path = db_path(runs_dir, "live")
     deadline = time.monotonic() + 120
-    while not (path.exists() and store_read.read_runs(runs_dir).shape[0]) and time.monotonic() < deadline:
+    while not (path.exists() and read_runs(runs_dir).shape[0]) and time.monotonic() < deadline:
         assert trainer.poll() is None, (tmp_path / "train.log").read_text()
         time.sleep(0.5)
     url = dashboard(runs_dir)
@@ -173,7 +173,7 @@ def test_curves_grow_while_qae_train_writes(start, dashboard, page, tmp_path):
     assert trainer.poll() is None, (tmp_path / "train.log").read_text()
     trainer.send_signal(signal.SIGTERM)
     trainer.wait(timeout=60)
-    run = store_read.read_run(path)
+    run = read_run(path)
     assert run["status"] in ("interrupted", "finished"), run
     assert run["last_step"] >= seen[-1]
 
@@ -202,7 +202,7 @@ def wait_for_steps(path: Path, trainer: subprocess.Popen, log: Path, n: int, tim
         assert trainer.poll() is None, log.read_text()[-3000:]
         if path.exists():
             try:
-                last = store_read.read_last_step(path)
+                last = read_last_step(path)
             except Exception:  # noqa: BLE001 - the trainer holds the file for a moment
                 last = None
             if last is not None and last >= n:
@@ -270,7 +270,7 @@ def test_a_new_run_appears_on_an_open_empty_page(start, dashboard, page, tmp_pat
 def test_zoom_survives_new_steps_and_a_killed_run_stops_redrawing(start, dashboard, page, tmp_path):
     runs_dir = tmp_path / "runs"
     trainer = start_trainer(start, runs_dir, tmp_path, "live")
-    path = rundir.db_path(runs_dir, "live")
+    path = db_path(runs_dir, "live")
     wait_for_steps(path, trainer, tmp_path / "train-live.log", 3)
     url = dashboard(runs_dir)
     page.goto(f"{url}/curves?run=live&smooth=none")
@@ -306,7 +306,7 @@ def test_zoom_survives_new_steps_and_a_killed_run_stops_redrawing(start, dashboa
     time.sleep(15)  # three refresh intervals
     assert page.evaluate("window.qaeRedraws") == 0
     assert page.inner_text("body") == shown
-    assert store_read.read_runs(runs_dir).set_index("run_id").loc["live", "status"] == "stopped"
+    assert read_runs(runs_dir).set_index("run_id").loc["live", "status"] == "stopped"
     screenshot(page, tmp_path, "dashboard-killed.png")
 
 
@@ -328,11 +328,11 @@ def test_zoom_survives_the_run_finishing(hold_lock, dashboard, page, tmp_path):
     """Issue 39: the zoom survived a live run's new steps but reset when the run finished. A run stored as running
     (its lock held by a small process, as a trainer holds it) is zoomed, then finishes: the page is redrawn for the
     new status and the zoom stays."""
-    from qae_app.store import writer as store_write
+    from qae_app.store.writer import RunWriter
     from tests.dashboard.helpers import _crafted_rows
 
     runs_dir = tmp_path / "runs"
-    writer = store_write.RunWriter(rundir.db_path(runs_dir, "live"), "live")
+    writer = RunWriter(db_path(runs_dir, "live"), "live")
     writer.create_run("live", {"steps": 3}, "qae", 0.4, "builtin:tiny", "arith", 0)
     for step in (1, 2, 3):
         writer.add_step(step, **_crafted_rows(step))
@@ -571,8 +571,8 @@ def test_runs_told_apart_at_1400_and_1920(dashboard, page, tmp_path, hold_lock):
               status=None, config={"steps": 300})  # (a live run: its pace and ETA shown)
     hold_lock(runs_dir / "20261203-221500-qae")
     write_run(runs_dir, "half-removed", steps=1, prompts_per_step=1, group_size=4)
-    (runs_dir / "half-removed" / rundir.CONFIG_FILE).write_text(json.dumps({"steps": 1}))
-    (runs_dir / "half-removed" / rundir.DB_FILE).unlink()  # `rm -r` removed the database first
+    (runs_dir / "half-removed" / CONFIG_FILE).write_text(json.dumps({"steps": 1}))
+    (runs_dir / "half-removed" / DB_FILE).unlink()  # `rm -r` removed the database first
     labels = {"sweep-3f9a1c-qae-k0.4-s0": ["tag", "baseline"], "20261130-113105-qae": ["note", "dapo check"]}
     for run_id, (command, value) in labels.items():
         subprocess.run([str(QAE), command, run_id, value, "--runs-dir", str(runs_dir)], check=True, capture_output=True)
@@ -583,7 +583,7 @@ def test_runs_told_apart_at_1400_and_1920(dashboard, page, tmp_path, hold_lock):
         page.goto(f"{url}/?" + "&".join(f"run={run_id}" for run_id in seeds))
         table = page.get_by_test_id("stDataFrame").first
         expect(table).to_contain_text("log_entropy_attribution", timeout=60_000)
-        expect(table).to_contain_text("estimator=grpo, seed=2")
+        expect(table).to_contain_text("seed=2, estimator=grpo")
         wait_idle(page)
         scroll = table.evaluate("d => { const s = d.querySelector('.dvn-scroller'); "
                                 "return [s.scrollWidth, s.clientWidth]; }")

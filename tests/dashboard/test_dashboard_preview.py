@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from qae_app.config import build_config
-from qae_app.evaluation.preview import PreviewOptions, run_preview
-from qae_app.store import reader as store_read
-from qae_app.store import run_folder as rundir
+from qae_app.evaluation.task_preview import PreviewOptions, run_preview
+from qae_app.store.reader import read_preview
+from qae_app.store.run_folder import db_path
 from tests.dashboard.helpers import make_app, plotly_specs, texts
 from tests.synthetic import write_run
 
@@ -44,7 +44,7 @@ def preview_app(preview_dir, monkeypatch):
 
 
 def test_the_preview_page_draws_the_stored_rows(preview_app, preview_dir):
-    view = store_read.read_preview(rundir.db_path(preview_dir, "pv"))
+    view = read_preview(db_path(preview_dir, "pv"))
     at = preview_app("preview", run="pv")
     specs = plotly_specs(at)
     bars = specs["preview_success"]["data"][0]
@@ -71,7 +71,7 @@ def test_a_page_of_no_preview_says_how_to_make_one(preview_app):
 def test_the_preview_page_in_a_real_browser(preview_dir, dashboard, page, tmp_path):  # noqa: F811
     """`qae dashboard` serving the preview to Chromium: the verdict and the four charts appear, and the suggested K
     and the share of groups without signal are the stored ones."""
-    view = store_read.read_preview(rundir.db_path(preview_dir, "pv"))
+    view = read_preview(db_path(preview_dir, "pv"))
     url = dashboard(preview_dir, refresh="off")
     page.goto(f"{url}/preview?run=pv")
     wait_idle(page)

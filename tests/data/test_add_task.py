@@ -12,7 +12,7 @@ from qae_app.core.names import SMOLLM2_MODEL
 from qae_app.data.tasks import ADD_MAX_OPERAND, ADD_N_HELDOUT, BUILTIN_TASKS, add_task, load_task
 from qae_app.models.policy import PACKAGED_GGUF, CharTokenizer, packaged_gguf, templated_prompt
 from qae_app.rewards.answers import final_number_answer
-from qae_app.rewards.scorer import ANSWER_EXTRACTORS, REWARD_FUNCTIONS, Scorer
+from qae_app.rewards.builtin_verifiers import ANSWER_EXTRACTORS, REWARD_FUNCTIONS, BuiltinVerifier
 
 runner = CliRunner()
 
@@ -41,13 +41,13 @@ def test_final_number_on_literal_responses(response, expected):
 
 
 def test_final_number_is_registered_and_scored_with_math_verify():
-    assert REWARD_FUNCTIONS["final_number"] is None  # scored only by a Scorer's verifier pool
+    assert REWARD_FUNCTIONS["final_number"] is None  # scored only by a BuiltinVerifier's verifier pool
     assert ANSWER_EXTRACTORS["final_number"] is final_number_answer
     responses = ["The answer is 25.", "25.0", "Answer: 24\n25", "I think it is 52", "no idea", "25"]
-    with Scorer("final_number", timeout_s=5.0) as scorer:
-        scorer.pool.shortcuts = False  # every answer goes through math-verify itself, none through a string check
-        scores = scorer(responses, ["25"] * len(responses))
-        assert scorer.pool.items_scored >= 4  # math-verify really answered (the None extraction scores 0 at once)
+    with BuiltinVerifier("final_number", timeout_s=5.0) as verifier:
+        verifier.pool.shortcuts = False  # every answer goes through math-verify itself, none through a string check
+        scores = verifier(responses, ["25"] * len(responses))
+        assert verifier.pool.items_scored >= 4  # math-verify really answered (the None extraction scores 0 at once)
     assert scores == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
 
 
@@ -102,9 +102,10 @@ def test_a_model_without_chat_template_stores_no_templated_prompt():
     assert templated_prompt(tokenizer, tokenizer.encode("1+2=")) is None
 
 
-def test_rollouts_show_what_a_chat_model_saw_and_read_older_files(tmp_path):
+def test_rollouts_show_what_a_chat_model_saw_and_read_older_files_once_migrated(tmp_path):
     """`qae rollouts --model-prompt` prints the stored templated prompt under each group's prompt; a file without the
-    column (written before it existed) is read as it is, with no templated prompt."""
+    column (written before it existed) is refused naming `qae migrate`, and once migrated read with no templated
+    prompt."""
     import duckdb
 
     from qae_app.store.reader import read_model_prompts
@@ -126,6 +127,9 @@ def test_rollouts_show_what_a_chat_model_saw_and_read_older_files(tmp_path):
 
     with duckdb.connect(str(path)) as con:  # an older file: the column does not exist
         con.execute("ALTER TABLE groups DROP COLUMN model_prompt")
+    refused = runner.invoke(app, ["rollouts", "chat", "--step", "1", "--runs-dir", str(tmp_path)])
+    assert refused.exit_code == 2 and "qae migrate chat" in " ".join(refused.output.split()), refused.output
+    assert runner.invoke(app, ["migrate", "chat", "--runs-dir", str(tmp_path)]).exit_code == 0
     assert read_model_prompts(path, 1) == {}
     result = runner.invoke(app, ["rollouts", "chat", "--step", "1", "--model-prompt", "--runs-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output

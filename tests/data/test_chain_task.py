@@ -22,7 +22,7 @@ from qae_app.data.tasks import (
     load_task,
 )
 from qae_app.models.policy import BUILTIN_CHECKPOINTS, PACKAGED_GGUF, CharTokenizer, load_policy, tiny_llama_config
-from qae_app.rewards.scorer import REWARD_FUNCTIONS, chain_final_reward
+from qae_app.rewards.builtin_verifiers import REWARD_FUNCTIONS, chain_final_reward
 
 runner = CliRunner()
 

@@ -1,6 +1,6 @@
-"""Prompts as the user writes them (qae_app/data/prompts.py): a template over the row's columns (literal braces such as
-LaTeX's `\\boxed{}` kept), a system prompt, and a `prompt` column of chat messages sent as it is; every error names the
-template (or the row), the column and what the data has."""
+"""Prompts as the user writes them (qae_app/data/prompt_format.py): a template over the row's columns (literal braces
+such as LaTeX's `\\boxed{}` kept), a system prompt, and a `prompt` column of chat messages sent as it is; every error
+names the template (or the row), the column and what the data has."""
 
 import json
 
@@ -8,7 +8,7 @@ import pytest
 
 from qae_app.core.errors import QAEUserError
 from qae_app.data.datasets import Problem, load_math_file
-from qae_app.data.prompts import PromptFormat, fill_template, placeholders, prompt_text
+from qae_app.data.prompt_format import PromptFormat, fill_template, placeholders, prompt_text
 from qae_app.data.tasks import MATH_PROMPT_TEMPLATE, load_benchmark, load_task
 
 

@@ -9,7 +9,7 @@ import json
 from typer.testing import CliRunner
 
 from qae_app.cli.main import app
-from qae_app.data.prompts import PromptFormat
+from qae_app.data.prompt_format import PromptFormat
 from qae_app.data.tasks import load_task
 from qae_app.models.policy import load_policy
 from qae_app.store.reader import query

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from qae_app.algo.losses import token_logprobs_and_entropy
 from qae_app.cli.main import app
 from qae_app.models.policy import gguf_cache_folder, load_policy, local_model_folder
-from qae_app.rewards.scorer import Scorer
+from qae_app.rewards.builtin_verifiers import BuiltinVerifier
 from qae_app.store.reader import query, read_steps
 from qae_app.store.run_folder import db_path
 
@@ -197,8 +197,8 @@ def test_eval_smollm2_on_gsm8k(smollm2, math_data, tmp_path):
     assert samples["verified"].all() and len(problems) == 4
     answers = {f"gsm8k_test-{i + 1}": row["answer"].split("####")[-1].strip().replace(",", "")
                for i, row in enumerate(problems.values())}
-    with Scorer("math", 5.0) as scorer:
-        verdicts = scorer(samples["response"].tolist(), [answers[p] for p in samples["problem_id"]])
+    with BuiltinVerifier("math", 5.0) as verifier:
+        verdicts = verifier(samples["response"].tolist(), [answers[p] for p in samples["problem_id"]])
     assert [v == 1.0 for v in verdicts] == samples["correct"].tolist()
     assert {m["metric"] for m in out["metrics"]} == {"avg@k", "pass@k", "maj@k"}
 

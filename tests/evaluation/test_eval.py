@@ -7,6 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from qae_app.cli.main import app
+from qae_app.core.errors import QAEUserError
 from qae_app.evaluation.metrics import pass_at_k
 from qae_app.store.reader import query, read_run
 from qae_app.store.run_folder import db_path
@@ -68,11 +69,13 @@ def test_eval_takes_the_same_reward_options_and_counts_full_marks_as_correct(tmp
     assert out["options"]["reward"] == ["exact_int", f"{tmp_path / 'mine.py'}:short"]
 
 
-def test_samples_stored_before_the_gold_answer_read_as_without_it(tmp_path):
-    """A file from before the `answer` column: readers show it empty, the next writer adds the column."""
+def test_samples_stored_before_the_gold_answer_are_read_once_migrated(tmp_path):
+    """A file from before the `answer` column: readers and writers refuse it naming `qae migrate`, which adds the
+    column (empty for the samples stored without it); then it is read and written as any other."""
     import duckdb
 
     from qae_app.store.reader import read_eval_samples
+    from qae_app.store.run_file import OldRunFormat
     from qae_app.store.writer import RunWriter
 
     path = db_path(tmp_path, "old")
@@ -83,6 +86,11 @@ def test_samples_stored_before_the_gold_answer_read_as_without_it(tmp_path):
         con.execute("INSERT INTO eval_samples (run_id, step, benchmark, problem_id, sample_idx, response, extracted, "
                     "correct, verified, n_tokens, source) VALUES ('old', 0, 'b', 'q', 0, 'r 11', '11', false, true, "
                     "2, 'eval')")
+    for refused in (lambda: read_eval_samples(path, "b", "eval", 0), lambda: RunWriter(path, "old")):
+        with pytest.raises(OldRunFormat, match=r"has no eval_samples.answer column.*`qae migrate old --runs-dir"):
+            refused()
+    result = runner.invoke(app, ["migrate", "old", "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 0 and "added eval_samples.answer" in result.output, result.output
     old = read_eval_samples(path, "b", "eval", 0)
     assert old["extracted"].tolist() == ["11"] and old["answer"].isna().all()
     writer = RunWriter(path, "old")
@@ -156,7 +164,7 @@ def test_a_run_without_checkpoints_and_a_missing_folder_are_clear_errors_with_no
     not a Hugging Face id: neither may reach the network (HF_HUB_OFFLINE would turn a lookup into another error)."""
     import shutil
 
-    from qae_app.models import policy as models
+    from qae_app.models.policy import load_policy
 
     def no_network(*args, **kwargs):
         raise AssertionError("asked Hugging Face")
@@ -170,8 +178,8 @@ def test_a_run_without_checkpoints_and_a_missing_folder_are_clear_errors_with_no
     assert result.exit_code == 2, result.output
     assert "run 'early' has no checkpoint yet" in " ".join(result.output.split())
     for missing in ("/nonexistent/dir", "./not-here", "a/b/c"):
-        with pytest.raises(models.QAEUserError, match=f"model: '{missing}' is not a folder"):
-            models.load_policy(missing)
+        with pytest.raises(QAEUserError, match=f"model: '{missing}' is not a folder"):
+            load_policy(missing)
 
 
 @pytest.mark.slow
@@ -181,12 +189,12 @@ def test_eval_of_a_training_run_takes_the_newest_checkpoint_again_when_training_
     before eval has loaded it. Here the first load finds its checkpoint deleted, as the trainer would."""
     import shutil
 
-    from qae_app.models import policy as models
+    from qae_app.models.policy import load_policy
 
     shared_runs_dir, run_id = tiny_run
     runs_dir = tmp_path / "runs"
     shutil.copytree(shared_runs_dir / run_id, runs_dir / run_id)
-    loads, load_policy = [], models.load_policy
+    loads = []
 
     def pruned_first(spec, *args, **kwargs):
         loads.append(spec)
@@ -194,7 +202,7 @@ def test_eval_of_a_training_run_takes_the_newest_checkpoint_again_when_training_
             shutil.rmtree(runs_dir / run_id / "checkpoints" / "step-6")
         return load_policy(spec, *args, **kwargs)
 
-    monkeypatch.setattr(models, "load_policy", pruned_first)
+    monkeypatch.setattr("qae_app.models.policy.load_policy", pruned_first)
     out = _eval(runs_dir, "--model", run_id, "--limit", "4", "--samples", "1")
     assert [p.split("/")[-2] for p in loads] == ["step-6", "step-3"]
     steps = query(db_path(runs_dir, run_id), "SELECT DISTINCT step FROM eval_samples WHERE source = 'eval'")["step"]
@@ -220,7 +228,7 @@ def test_a_benchmark_prompt_longer_than_the_context_is_refused_before_anything_r
 
 class ScriptedEngine:
     """Returns the given responses in order: the texts a policy might sample, so maj@k's vote can be worked out by
-    hand (a stand-in for the model's randomness only; the scorer and the metrics are the real ones)."""
+    hand (a stand-in for the model's randomness only; the verifier and the metrics are the real ones)."""
 
     def __init__(self, texts: list[str]):
         self.texts = texts
@@ -237,11 +245,11 @@ def test_maj_at_k_on_the_chain_task_votes_on_the_final_answer_the_reward_reads()
     different scratchpads reaching 2 lost to two copies of one wrong response (review: 'x so 2' x3 vs 'w so 5' x2)."""
     from qae_app.data.datasets import Problem
     from qae_app.evaluation.evaluate import evaluate
-    from qae_app.rewards.scorer import Scorer
+    from qae_app.rewards.builtin_verifiers import BuiltinVerifier
 
     texts = ["1+1=2 so 2", "2+0=2 so 2", "3-1=2 so 2", "4+1=5 so 5", "4+1=5 so 5"]
-    with Scorer("chain_final") as scorer:
-        result = evaluate(ScriptedEngine(texts), "chain", [Problem("p", "q", "2")], ["q"], scorer, k=5,
+    with BuiltinVerifier("chain_final") as verifier:
+        result = evaluate(ScriptedEngine(texts), "chain", [Problem("p", "q", "2")], ["q"], verifier, k=5,
                           temperature=1.0, max_new_tokens=8, seed=0)
     metrics = {row["metric"]: row["value"] for row in result.metrics if row["subset"] == "all"}
     assert metrics["avg@k"] == pytest.approx(3 / 5)

@@ -1,7 +1,8 @@
 """`qae eval` takes `qae train`'s --prompt-template and --system-prompt, and the two render a problem's prompt the
 same way: on a small Llama with a ChatML template (the `chat_folder` fixture), the prompt the model saw
 (`model_prompt`) of each problem is the same in the training run's held-out evaluation and in `qae eval` of its
-checkpoint; and a template's error names the option and the file."""
+checkpoint, given the options or not (a run's are `qae eval --model RUN`'s defaults); and a template's error names the
+option and the file."""
 
 import json
 
@@ -46,11 +47,13 @@ def test_train_and_eval_render_the_prompt_alike(chat_folder, tmp_path):
     [prompt] = groups["prompt"]  # readable: the system message, a blank line, the user message
     assert prompt.startswith("Be terse.\n\nWhat is ") and prompt.endswith(" Count apples; put it in \\boxed{}.")
     assert groups["model_prompt"][0].startswith("<s><|im_start|>system\nBe terse.<|im_end|>")
-    # evaluated without them, qae eval says the run trained with them (it never takes options from a run folder)
+    # evaluated without them, qae eval prompts as the run trained (the run's options are its defaults), and says so
     said = " ".join(invoke("eval", "--model", "chat", "--bench", data, "--samples", "1", "--limit", "1",
-                           "--max-new-tokens", "2", "--runs-dir", runs).split())
-    assert ("run chat trained with --prompt-template '{question} Count {unit}; put it in \\boxed{}.' "
-            "--system-prompt 'Be terse.'; this evaluation prompts without them") in said, said
+                           "--runs-dir", runs).split())
+    assert "prompt-template, system-prompt as run chat trained" in said, said
+    latest = query(db_path(runs, "chat"), "SELECT model_prompt FROM eval_samples WHERE source = 'eval' AND "
+                                          "problem_id = 'p0' ORDER BY step DESC, sample_idx")
+    assert set(latest["model_prompt"]) == {by_source["eval"]["p0"]}
 
 
 def test_eval_refuses_a_template_the_bench_cannot_fill(tmp_path):

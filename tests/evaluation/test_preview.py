@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from qae_app.cli.main import app
 from qae_app.config import build_config
-from qae_app.evaluation.preview import PREVIEW_STEP, PreviewOptions, run_preview
+from qae_app.evaluation.task_preview import PREVIEW_STEP, PreviewOptions, run_preview
 from qae_app.store.reader import query, read_preview
 from qae_app.store.run_folder import db_path
 from tests.conftest import TINY_RUN_OPTIONS
@@ -228,3 +228,21 @@ def test_a_preview_is_listed_and_refused_where_a_training_run_is_needed(paper):
         result = runner.invoke(app, [*args, "--runs-dir", str(runs_dir)], env={"COLUMNS": "200"})
         assert result.exit_code == 2, result.output
         assert "'p' is a preview (qae preview)" in " ".join(result.output.split()), result.output
+
+
+def test_a_chat_prompt_is_stored_as_the_text_training_stores(chat_folder, tmp_path):
+    """A conversational row's messages are stored in `groups.prompt` as `qae train` stores them (prompts.prompt_text:
+    the contents joined by blank lines), not as DuckDB's rendering of a list of structs. Checked to fail before:
+    the column read "[{'role': user, 'content': What is 0 plus 3?}]"."""
+    import json
+
+    from qae_app.store.reader import query as read
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "system", "content": "Be terse."},
+                                                   {"role": "user", "content": f"What is {a} plus 3?"}],
+                                        "answer": str(a + 3)}) + "\n" for a in range(2)))
+    preview(tmp_path, "chat", "--model", str(chat_folder), "--data", str(data), "--prompts", "2", "--group-size", "2",
+            "--max-new-tokens", "2")
+    stored = read(db_path(tmp_path, "chat"), "SELECT prompt FROM groups ORDER BY group_idx")["prompt"].tolist()
+    assert sorted(stored) == [f"Be terse.\n\nWhat is {a} plus 3?" for a in range(2)]

@@ -69,7 +69,7 @@ def test_chat_messages_go_through_the_template_as_they_are(chat_folder):
     assert codec.tokenizer.decode(ids) == ("<s><|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n"
                                            "What is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n")
     assert ids.count(codec.tokenizer.bos_token_id) == 1
-    # a text prompt is one user message, as before
+    # a text prompt is one user message
     assert codec.encode("What is 2 plus 3?") == codec.encode(MESSAGES[1:])
 
 

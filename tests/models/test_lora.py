@@ -18,7 +18,6 @@ from qae_app.cli.main import app
 from qae_app.config import build_config
 from qae_app.core.errors import QAEUserError
 from qae_app.engines.hf import HFGenerateEngine
-from qae_app.engines.sharded_policy import ShardingPlan
 from qae_app.models.lora import (
     ADAPTER_DIR,
     MODEL_DIR,
@@ -29,9 +28,9 @@ from qae_app.models.lora import (
     resolve_targets,
 )
 from qae_app.models.policy import build_tiny_model, load_policy
+from qae_app.models.sharding import ShardingPlan
 from qae_app.store.reader import query, read_steps
 from qae_app.store.run_folder import db_path, latest_checkpoint
-from qae_app.train import trainer as trainer_module
 from qae_app.train.session import resume_config
 from qae_app.train.trainer import Trainer
 from qae_app.train.update import UpdateOptions, logprobs_in_chunks, pack
@@ -121,8 +120,8 @@ def test_the_kl_reference_gives_the_base_models_log_probs():
 
 def test_only_the_adapters_train_and_the_reference_is_no_second_model(tmp_path, monkeypatch):
     loads = []
-    real_load_policy = trainer_module.load_policy
-    monkeypatch.setattr(trainer_module, "load_policy", lambda *a, **k: loads.append(a) or real_load_policy(*a, **k))
+    monkeypatch.setattr("qae_app.train.trainer.load_policy",
+                        lambda *a, **k: loads.append(a) or load_policy(*a, **k))
     cfg = build_config(run_name="lora", **dict(LORA, steps=2, kl_beta=0.1, num_mini_batches=1))
     trainer = Trainer(cfg, tmp_path, cpu=True)
     assert len(loads) == 1  # the policy only: the reference is the policy with its adapters off
@@ -224,7 +223,8 @@ def test_a_target_the_model_lacks_is_refused_with_the_layers_it_has(tmp_path, ta
 
 
 def test_lora_with_sharded_weights_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_module, "sharding_plan_for", lambda accelerator: ShardingPlan("fsdp2", True, True))
+    monkeypatch.setattr("qae_app.train.trainer.sharding_plan_for",
+                        lambda accelerator: ShardingPlan("fsdp2", True, True))
     with pytest.raises(QAEUserError, match=r"lora-rank: LoRA is not supported with sharded weights \(fsdp2\)"):
         Trainer(build_config(run_name="sharded", lora_rank=4), tmp_path, cpu=True)
 

@@ -11,7 +11,7 @@ import pytest
 
 from qae_app.config import build_config
 from qae_app.engines.base import Sample
-from qae_app.rewards.scorer import Scorer
+from qae_app.rewards.builtin_verifiers import BuiltinVerifier
 from qae_app.store.reader import query, read_steps
 from qae_app.store.run_folder import db_path
 from qae_app.train.trainer import Trainer
@@ -76,7 +76,7 @@ def test_hostile_outputs_in_a_training_step(tmp_path, math_file):
     for answer, group in rollouts.groupby("answer"):
         assert group["reward"].tolist() == expected[answer]
     # the two stuck items of each step were cut at their deadline, side by side on the two workers
-    pool = trainer.scorer.pool
+    pool = trainer.rewards.pool
     assert (pool.timeouts, pool.crashes, pool.batch_cutoffs, pool.peak_busy) == (2 * 2, 0, 0, 2)
 
 
@@ -85,9 +85,9 @@ def test_scoring_from_a_worker_thread_keeps_the_deadline():
     results = {}
 
     def score():
-        with Scorer("math", timeout_s=1.0) as scorer:
-            results["rewards"] = scorer([POWER_TOWER, HOSTILE[-1]], ["1", "1"])
-            results["timeouts"] = scorer.pool.timeouts
+        with BuiltinVerifier("math", timeout_s=1.0) as verifier:
+            results["rewards"] = verifier([POWER_TOWER, HOSTILE[-1]], ["1", "1"])
+            results["timeouts"] = verifier.pool.timeouts
 
     thread = threading.Thread(target=score)
     thread.start()

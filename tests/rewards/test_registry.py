@@ -12,8 +12,8 @@ import pytest
 
 from qae_app.core.errors import QAEUserError
 from qae_app.data.datasets import Problem
+from qae_app.rewards.builtin_verifiers import BuiltinVerifier, shape_rewards
 from qae_app.rewards.registry import RewardError, RewardSet, data_columns
-from qae_app.rewards.scorer import Scorer, shape_rewards
 from qae_app.rewards.specs import (
     check_named_again,
     check_reward_options,
@@ -158,6 +158,9 @@ def test_a_resume_names_reward_code_again_before_any_is_imported():
     with pytest.raises(QAEUserError, match="run 'r' scores with reward code \\(r.py:score\\). A run folder never runs "
                                            "code by itself: .*qae train --resume r --reward math --reward r.py:score"):
         check_named_again(["math", "r.py:score"], None, "r")
+    with pytest.raises(QAEUserError, match="qae train --resume r --reward math --reward r.py:score --reward-weights "
+                                           "1,0.5`"):
+        check_named_again(["math", "r.py:score"], None, "r", "1,0.5")
 
 
 def test_a_missing_reward_file_is_named_before_any_worker_starts(tmp_path):
@@ -174,9 +177,9 @@ def test_the_default_reward_is_the_verifier_shaped_as_before_bit_for_bit():
     responses, answers = ["2", " 4 ", "5", "x"], ["2", "4", "4", "4"]
     problems = [Problem(f"p{i}", "q", a) for i, a in enumerate(answers)]
     for values in ((0.0, 1.0), (-1.0, 1.0)):
-        with RewardSet.of(None, None, "exact_int", values=values) as rewards, Scorer("exact_int") as scorer:
+        with RewardSet.of(None, None, "exact_int", values=values) as rewards, BuiltinVerifier("exact_int") as verifier:
             totals, components = rewards.score(responses, ["q"] * 4, problems)
-            shaped, correct = shape_rewards(scorer(responses, answers), [1] * 4, values, 8)
+            shaped, correct = shape_rewards(verifier(responses, answers), [1] * 4, values, 8)
         assert totals == shaped and [type(t) for t in totals] == [float] * 4
         assert rewards.correct(components) == correct == [True, True, False, False]
         assert components == {"exact_int": [1.0, 1.0, 0.0, 0.0]}
@@ -259,8 +262,8 @@ def test_a_column_the_function_asks_for_and_the_data_lacks_is_named(rewards_file
         rewards.check(data_columns(PROBLEMS))
     assert str(err.value) == (
         f"reward: {rewards_file}:needs_tests: the function asks for 'unit_tests', which the data does not have. The "
-        "data's columns: question, tests; every reward also gets completions, prompts, answer, step. Give the "
-        "parameter a default, take **kwargs, or use data with that column.")
+        "data's columns: question, tests; every reward also gets completions, prompts, completion_ids, answer, step. "
+        "Give the parameter a default, take **kwargs, or use data with that column.")
 
 
 def test_a_function_that_is_not_in_the_file_is_named_with_those_that_are(rewards_file):
@@ -308,3 +311,24 @@ def test_a_weighted_sum_past_what_a_number_holds_is_refused_not_stored(rewards_f
         score(rewards, ["2", "4"])
     assert str(err.value).startswith("reward-weights: response 1's weighted sum of its rewards is inf (huge 1e+308 "
                                      "x 2, exact 1.0 x 1), past what a number holds.")
+
+
+def test_a_failing_library_function_is_not_called_the_users_to_fix(tmp_path):
+    """A run stopped by an installed module's function (trl.rewards:...) is told to check what the function was given,
+    not to fix the library, and the command it offers carries every --reward and the --reward-weights. Checked to
+    fail before: "Once the function is fixed" for TRL's own function, and no --reward-weights in the command."""
+    from types import SimpleNamespace
+
+    from qae_app.cli.main import _with_reward_resume
+    from qae_app.config import TrainConfig
+    from qae_app.rewards.registry import RewardError
+    from qae_app.rewards.specs import parse_reward_spec
+
+    rewards = ["trl.rewards:think_format_reward", "math"]
+    trainer = SimpleNamespace(runs_dir=tmp_path, run_id="r", state=SimpleNamespace(step=2),
+                              cfg=TrainConfig(reward=rewards, reward_weights="1,0.5"))
+    failed = RewardError("reward: trl.rewards:think_format_reward failed at step 3", parse_reward_spec(rewards[0]))
+    said = str(_with_reward_resume(trainer, failed))
+    assert "is fixed" not in said and "trl.rewards is an installed module" in said
+    assert (f"continue it with: qae train --resume r --reward trl.rewards:think_format_reward --reward math "
+            f"--reward-weights 1,0.5 --runs-dir {tmp_path} (add") in said

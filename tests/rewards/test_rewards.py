@@ -18,7 +18,7 @@ import pytest
 from qae_app.core.errors import QAEUserError
 from qae_app.data.datasets import load_math_file
 from qae_app.rewards.answers import FINAL_ANSWER_WINDOW, extract_answer
-from qae_app.rewards.scorer import REWARD_FUNCTIONS, Scorer, exact_int_reward, get_reward_function
+from qae_app.rewards.builtin_verifiers import REWARD_FUNCTIONS, BuiltinVerifier, exact_int_reward, get_reward_function
 from qae_app.rewards.verifier_pool import MathVerifierPool, ScoringInterrupted
 
 MATH_DATA = Path(os.environ.get("QAE_MATH_DATA") or Path(__file__).resolve().parents[3] / "shared/data/math")
@@ -113,16 +113,16 @@ def test_registry_names_and_unknown_name():
         get_reward_function("mth")
 
 
-def test_the_math_reward_is_scored_by_the_scorers_own_pool():
-    """A task's `math` reward: the extracted final answer checked by math-verify in the Scorer's own worker processes
-    (no pool shared across scorers, none left running after the Scorer closes)."""
-    assert REWARD_FUNCTIONS["math"] is None  # no inline function: only a Scorer scores it
-    with Scorer("math", timeout_s=3.0) as scorer:
-        scores = scorer(["\\boxed{\\dfrac{2}{4}}", "answer: 3", "nothing"], ["\\frac{1}{2}", "4", "1"])
-        workers = scorer.pool.worker_pids()
+def test_the_math_reward_is_scored_by_the_verifiers_own_pool():
+    """A task's `math` reward: the extracted final answer checked by math-verify in the BuiltinVerifier's own worker
+    processes (no pool shared across verifiers, none left running after the BuiltinVerifier closes)."""
+    assert REWARD_FUNCTIONS["math"] is None  # no inline function: only a BuiltinVerifier scores it
+    with BuiltinVerifier("math", timeout_s=3.0) as verifier:
+        scores = verifier(["\\boxed{\\dfrac{2}{4}}", "answer: 3", "nothing"], ["\\frac{1}{2}", "4", "1"])
+        workers = verifier.pool.worker_pids()
     assert scores == [1.0, 0.0, 0.0]
-    assert workers and scorer.pool.worker_pids() == []
-    for pid in workers:  # closed with the Scorer: joined, so the pid is gone
+    assert workers and verifier.pool.worker_pids() == []
+    for pid in workers:  # closed with the BuiltinVerifier: joined, so the pid is gone
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 
@@ -389,7 +389,7 @@ def test_default_shortcuts_skip_the_workers():
 
 
 def test_overlong_penalty_before_at_inside_and_past_the_buffer():
-    from qae_app.rewards.scorer import overlong_penalty
+    from qae_app.rewards.builtin_verifiers import overlong_penalty
 
     # max_new_tokens 20, buffer 4: the penalty starts after 16 tokens and reaches -F at 20
     assert overlong_penalty(12, 20, 4, 1.0) == 0.0  # before the buffer
@@ -405,7 +405,7 @@ def test_overlong_penalty_before_at_inside_and_past_the_buffer():
 
 
 def test_shaped_rewards_add_the_penalty_to_the_reward_values_and_keep_the_verdict():
-    from qae_app.rewards.scorer import shape_rewards
+    from qae_app.rewards.builtin_verifiers import shape_rewards
 
     scores = [1.0, 0.0, None, 1.0, 0.0]
     lengths = [3, 3, 3, 7, 8]  # max_new_tokens 8, buffer 4: 7 tokens -> -0.75, 8 -> -1

@@ -1,4 +1,4 @@
-"""Run by tests/engines/test_vllm_real.py with the Python of the environment that has vLLM (its own process: vLLM in a
+"""Run by tests/e2e/test_vllm_cpu.py with the Python of the environment that has vLLM (its own process: vLLM in a
 test worker would make torch.set_num_threads a no-op for the whole worker and leave a process group behind). It drives
 the REAL engine (qae_app/engines/vllm_engine.py on vllm-cpu) on SmolLM2 and writes what it measured as JSON; the test
 asserts on it.

@@ -20,7 +20,8 @@ from qae_app.core.errors import QAEUserError
 from qae_app.store.reader import last_logged_step
 from qae_app.store.run_folder import pending_writes
 from qae_app.store.schema import PendingWrite, pending_write_from_json, pending_write_json
-from qae_app.store.writer import RunWriter, convert_legacy_pending
+from qae_app.store.writer import RunWriter
+from qae_app.train.run_migration import migrate_run
 from tests.dashboard.helpers import free_port, wait_healthy
 from tests.launching import ONE_MACHINE
 
@@ -103,18 +104,20 @@ def run_with_planted_pending(tmp_path):
 
 
 def test_an_older_pickled_pending_write_is_refused_by_the_writer_and_never_runs(run_with_planted_pending):
+    """The writer refuses the folder naming `qae migrate`, which refuses the pickle without --trust-pickles and
+    changes nothing; readers never read it."""
     runs_dir, marker = run_with_planted_pending
-    with pytest.raises(QAEUserError, match=r"pickles .*--trust-pickles.*delete those files"):
+    with pytest.raises(QAEUserError, match=r"pickles .*`qae migrate r --runs-dir .*--trust-pickles.*delete those"):
         RunWriter(runs_dir / "r" / "qae.duckdb", "r")
-    with pytest.raises(QAEUserError, match="--trust-pickles"):
-        convert_legacy_pending(runs_dir / "r", trusted=False)
-    assert last_logged_step(runs_dir / "r") == 0  # readers count the file, never read it
-    assert pending_writes(runs_dir / "r") == 1
+    with pytest.raises(QAEUserError, match=r"trust-pickles: .*pending/00000001-step.pkl.*Nothing was changed"):
+        migrate_run(runs_dir, "r")
+    assert (runs_dir / "r" / "pending" / "00000001-step.pkl").exists()
+    assert last_logged_step(runs_dir / "r") == 0 and pending_writes(runs_dir / "r") == 0  # (JSON writes only)
     assert not marker.exists()
 
 
 def test_a_trusted_folder_converts_its_pickled_writes_to_json_once(tmp_path):
-    """`--trust-pickles`: the user's own folder from an older qae; its saved writes are kept, as JSON."""
+    """`qae migrate --trust-pickles`: the user's own folder from an older qae; its saved writes are kept, as JSON."""
     run_dir = tmp_path / "runs" / "r"
     RunWriter(run_dir / "qae.duckdb", "r")
     pending = run_dir / "pending"
@@ -126,8 +129,9 @@ def test_a_trusted_folder_converts_its_pickled_writes_to_json_once(tmp_path):
     pickled = pickle.dumps(old, protocol=0).replace(b"qae_app.store.schema\n", b"qae_app.store\n")
     assert b"cqae_app.store\nPendingWrite" in pickled
     (pending / "00000001-step.pkl").write_bytes(pickled)
-    assert convert_legacy_pending(run_dir, trusted=True) == 1
+    assert migrate_run(run_dir.parent, "r", trust_pickles=True) == ["converted pending/00000001-step.pkl to JSON"]
     assert [p.name for p in pending.iterdir()] == ["00000001-step.json"]
+    assert migrate_run(run_dir.parent, "r") == []  # current now: nothing more to do
     resumed = RunWriter(run_dir / "qae.duckdb", "r")
     assert [(w.kind, w.step, w.tables, w.logged_at) for w in resumed.pending] == [
         ("step", 1, {"steps": [{"reward_mean": 0.25}]}, datetime(2026, 12, 1, 12, 0))]
@@ -226,15 +230,18 @@ def test_a_run_file_cannot_make_duckdb_fetch_or_load_an_extension():
                                ).fetchone()[0]
 
 
-@pytest.mark.slow
-def test_a_checkpoint_an_older_qae_wrote_resumes_only_with_trust_pickles(sent_run, tmp_path):
-    """Checkpoints written before the data format hold accelerate's pickled state: refused by default with the
-    way out, resumed with --trust-pickles (the user's own folder)."""
-    import torch
-    from accelerate import Accelerator
-    from typer.testing import CliRunner
+def make_pre_release_folder(runs_dir: Path) -> dict:
+    """Run 'r' of `runs_dir` as a pre-release left it: its checkpoint's training state as accelerate's pickled
+    save_state (the scheduler registered as a custom object: custom_checkpoint_0.pkl) of the very state it held, its
+    trainer state without the process count, its database without columns and a table added since, a setting this
+    version has no option for. Returns what the checkpoint held, as this version reads it."""
+    import json
 
-    from qae_app.cli.main import app
+    import duckdb
+    from accelerate import Accelerator
+    from safetensors.torch import load_file
+
+    from qae_app.models.lora import trainable_parameters
     from qae_app.models.policy import load_policy
     from qae_app.store.run_folder import write_manifest
     from qae_app.train.checkpoint_state import (
@@ -243,46 +250,119 @@ def test_a_checkpoint_an_older_qae_wrote_resumes_only_with_trust_pickles(sent_ru
         POLICY_FILE,
         RNG_FILE,
         SCHEDULER_FILE,
+        load_training_state,
+    )
+    from qae_app.train.optimizer import optimizer_and_schedule
+    from qae_app.train.session import stored_config
+
+    run_dir = runs_dir / "r"
+    checkpoint = run_dir / "checkpoints" / "step-2"
+    held = {"policy": load_file(str(checkpoint / POLICY_FILE)),
+            "optimizer": load_file(str(checkpoint / OPTIMIZER_TENSORS_FILE)),
+            **{name: json.loads((checkpoint / name).read_text())
+               for name in (OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE.format(process=0))}}
+    cfg = stored_config(run_dir)
+    model, _ = load_policy(str(checkpoint / "model"))
+    optimizer, scheduler = optimizer_and_schedule(trainable_parameters(model), cfg.lr, cfg.weight_decay,
+                                                  cfg.warmup_steps)
+    load_training_state(checkpoint, model, optimizer, scheduler, 0)  # (its random states too: what save_state saves)
+    for name in (POLICY_FILE, OPTIMIZER_TENSORS_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE.format(process=0)):
+        (checkpoint / name).unlink()
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    accelerator.save_state(str(checkpoint))
+    assert (checkpoint / "custom_checkpoint_0.pkl").exists() and (checkpoint / "random_states_0.pkl").exists()
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    del state["num_processes"]
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    write_manifest(checkpoint)
+    with duckdb.connect(str(run_dir / "qae.duckdb")) as con:
+        for table, column in (("rollouts", "correct"), ("groups", "model_prompt"), ("eval_samples", "answer")):
+            con.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+        con.execute("DROP TABLE preview_k")
+    config = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps({**config, "an_older_option": 1}))
+    return held
+
+
+@pytest.mark.slow
+def test_a_folder_an_older_qae_wrote_is_refused_then_migrated_then_read_and_resumed(sent_run, tmp_path):
+    """Readers and writers know one format: a pre-release's folder is refused by each, naming `qae migrate`;
+    migrate refuses its pickles without --trust-pickles, changing nothing; with it, the folder is rewritten (the
+    checkpoint's state exactly what it held), then read and resumed, and a second migrate finds nothing to do."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from qae_app.cli.main import app
+    from qae_app.store.reader import query
+    from qae_app.store.run_folder import checkpoint_problem
+    from qae_app.train.checkpoint_state import (
+        OPTIMIZER_FILE,
+        OPTIMIZER_TENSORS_FILE,
+        POLICY_FILE,
+        RNG_FILE,
+        SCHEDULER_FILE,
+        pickled_files,
     )
 
     runs_dir = tmp_path / "runs"
     shutil.copytree(sent_run, runs_dir)
-    checkpoint = runs_dir / "r" / "checkpoints" / "step-2"
-    for name in (POLICY_FILE, OPTIMIZER_TENSORS_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE.format(process=0)):
-        (checkpoint / name).unlink()
-    # what qae's trainer saved before: accelerate's state with the scheduler registered as a custom object
-    accelerator = Accelerator(cpu=True)
-    model, _ = load_policy(str(checkpoint / "model"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    accelerator.save_state(str(checkpoint))
-    write_manifest(checkpoint)
-    assert (checkpoint / "custom_checkpoint_0.pkl").exists()
-
+    held = make_pre_release_folder(runs_dir)
     runner = CliRunner()
-    refused = runner.invoke(app, ["train", "--resume", "r", "--steps", "3", "--runs-dir", str(runs_dir)])
-    assert refused.exit_code == 2
-    assert "written by an older qae" in " ".join(refused.output.split())
-    assert "--trust-pickles" in refused.output
-    resumed = runner.invoke(app, ["train", "--resume", "r", "--steps", "3", "--trust-pickles", "--runs-dir",
-                                  str(runs_dir)])
-    assert resumed.exit_code == 0, resumed.output
+
+    def run(*args):
+        result = runner.invoke(app, [*args, "--runs-dir", str(runs_dir)])
+        return result.exit_code, " ".join(result.output.split())
+
+    for args in (["show", "r"], ["rollouts", "r", "--step", "2"], ["train", "--resume", "r", "--steps", "3"]):
+        code, output = run(*args)
+        assert code == 2 and "written by an older qae" in output and "qae migrate r" in output, (args, output)
+    code, output = run("runs")
+    assert code == 0 and "qae migrate r" in output, output  # listed, with what to do
+    code, output = run("migrate", "r")
+    assert code == 2 and "trust-pickles: run 'r' holds Python pickles" in output and "Nothing was changed" in output
+    assert run("show", "r")[0] == 2 and (runs_dir / "r" / "checkpoints" / "step-2" / "custom_checkpoint_0.pkl").exists()
+
+    code, output = run("migrate", "r", "--trust-pickles")
+    assert code == 0, output
+    for change in ("added the preview_k table", "added rollouts.correct (earlier rows: reward = 1)",
+                   "added groups.model_prompt", "dropped the setting an_older_option",
+                   "checkpoints/step-2: training state of 1 process(es) rewritten",
+                   "checkpoints/step-2: trainer_state.json says the run was trained by 1 process(es)"):
+        assert change in output, (change, output)
+    checkpoint = runs_dir / "r" / "checkpoints" / "step-2"
+    assert pickled_files(checkpoint) == [] and checkpoint_problem(checkpoint) is None
+    for name, tensors in (("policy", load_file(str(checkpoint / POLICY_FILE))),
+                          ("optimizer", load_file(str(checkpoint / OPTIMIZER_TENSORS_FILE)))):
+        assert tensors.keys() == held[name].keys()
+        assert all(torch.equal(tensors[key], held[name][key]) for key in tensors), name
+    for name in (OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE.format(process=0)):
+        assert json.loads((checkpoint / name).read_text()) == held[name], name
+    assert query(runs_dir / "r" / "qae.duckdb", "SELECT count(*) AS n FROM rollouts WHERE correct IS DISTINCT FROM "
+                                                "(reward = 1)")["n"].item() == 0
+
+    assert run("show", "r")[0] == 0
+    code, output = run("train", "--resume", "r", "--steps", "3")
+    assert code == 0, output
     assert last_logged_step(runs_dir / "r") == 3
-    assert (runs_dir / "r" / "checkpoints" / "step-3" / POLICY_FILE).exists()  # and saved in the data format since
+    assert (runs_dir / "r" / "checkpoints" / "step-3" / POLICY_FILE).exists()
+    assert run("migrate", "r") == (0, "run r is in this version's format already: nothing to do")
 
 
-# every call that can run code from a file it reads, and the only functions allowed to make one: both behind the
-# user's --trust-pickles for a folder an older qae wrote
+# every call that can run code from a file it reads, and the only functions allowed to make one: both behind
+# `qae migrate --trust-pickles`, for a folder an older qae wrote
 UNPICKLING_CALLS = ("pickle.load", "Unpickler(", "torch.load", ".load_state(", "weights_only=False", "joblib.load",
                     "dill.load")
-TRUSTED_ONLY = {("writer.py", "convert_legacy_pending"), ("session.py", "_load_training_state_here")}
+TRUSTED_ONLY = {("format_migration.py", "convert_pickled_pending"), ("run_migration.py", "_convert_pickled_state")}
 
 
 def test_nothing_unpickles_outside_the_trusted_legacy_path():
     """Whatever a command or a dashboard page reads goes through code that cannot run what it reads: the project's
-    only unpickling calls sit in the two functions --trust-pickles guards (checked there by the tests above)."""
+    only unpickling calls sit in the two functions `qae migrate --trust-pickles` runs (checked by the tests above)."""
     import ast
 
     root = Path(__file__).resolve().parents[2]

@@ -270,7 +270,12 @@ def test_unknown_run_lists_the_runs_last_written_first_and_how_many_more(tmp_pat
     assert f"(runs there, last written first: {listed})" in str(err.value)
 
 
-def test_writer_migrates_a_file_from_before_the_source_column(tmp_path):
+def test_qae_migrate_brings_a_file_from_before_the_source_column_to_the_current_format(tmp_path):
+    """The writer refuses a file of an older format, naming `qae migrate`; migrated, its earlier rows hold what
+    they meant (an evaluation from before `source` was the trainer's) and the writer takes it."""
+    from qae_app.store.run_file import OldRunFormat
+    from qae_app.train.run_migration import migrate_run
+
     path = tmp_path / "old" / "qae.duckdb"
     path.parent.mkdir()
     con = duckdb.connect(str(path))
@@ -278,6 +283,11 @@ def test_writer_migrates_a_file_from_before_the_source_column(tmp_path):
                 "metric VARCHAR, k INTEGER, value DOUBLE, n_problems INTEGER)")
     con.execute("INSERT INTO evals VALUES ('old', 3, 'arith-heldout', 'all', 'avg@k', 1, 0.5, 264)")
     con.close()
+    with pytest.raises(OldRunFormat, match=r"written by an older qae .*`qae migrate old --runs-dir"):
+        RunWriter(path, "old")
+    changes = migrate_run(tmp_path, "old")
+    assert "added evals.source (earlier rows: 'train')" in changes and "added the runs table" in changes
+    assert migrate_run(tmp_path, "old") == []
     RunWriter(path, "old")
     rows = query(path, "SELECT step, value, source FROM evals").to_dict("records")
     assert rows == [{"step": 3, "value": 0.5, "source": "train"}]  # kept, and attributed to the trainer

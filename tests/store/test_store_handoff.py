@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-import qae_app.store.writer as store_write
 from qae_app.config import build_config
+from qae_app.store import writer
 from qae_app.store.reader import query
 from qae_app.store.run_folder import CHECKPOINTS_DIR, db_path
 from qae_app.store.schema import TABLES, TIMING_METRICS, pending_write_from_json
@@ -23,8 +23,8 @@ NOT_COMPARED = {"logged_at", *TIMING_METRICS}  # when a row was queued, and seco
 
 def never_due(monkeypatch) -> None:
     """After the run's first database write, no other is due until the run ends: every step goes through pending/."""
-    monkeypatch.setattr(store_write, "WRITE_SHARE", 1e-12)
-    monkeypatch.setattr(store_write, "MAX_ROW_DELAY_S", math.inf)
+    monkeypatch.setattr(writer, "WRITE_SHARE", 1e-12)
+    monkeypatch.setattr(writer, "MAX_ROW_DELAY_S", math.inf)
 
 
 def table_rows(path: Path, table: str) -> pd.DataFrame:
@@ -68,7 +68,7 @@ def test_a_checkpoint_is_saved_after_the_rows_of_its_steps_are_synced(tmp_path, 
 def test_rows_through_pending_equal_rows_written_at_once(tmp_path, monkeypatch):
     """Every table's rows, value for value, whether each step went to the database as it was handed over or waited
     under pending/ (JSON) until the run's end: the hand-off changes no stored value."""
-    monkeypatch.setattr(store_write, "WRITE_SHARE", math.inf)  # every step's write is due at once
+    monkeypatch.setattr(writer, "WRITE_SHARE", math.inf)  # every step's write is due at once
     Trainer(build_config(run_name="at-once", **OPTS), tmp_path, cpu=True).fit()
     never_due(monkeypatch)
     Trainer(build_config(run_name="pending", **OPTS), tmp_path, cpu=True).fit()

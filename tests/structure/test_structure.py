@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from qae_app.config import TrainConfig, build_config
-from qae_app.store import schema as store
-from qae_app.store import writer as store_write
+from qae_app.store.schema import STEP_METRICS, row_columns
+from qae_app.store.writer import RunWriter
 
 PACKAGE = Path(__file__).resolve().parents[2] / "qae_app"
 # The layer table. A package imports only from packages in lower layers, never from one beside it or above it; inside
@@ -27,6 +27,7 @@ LAYERS = [
     {"models"},  # loading policies, packaged models, LoRA, FSDP2 sharding
     {"engines"},  # rollout engines: the protocol, transformers + the decode loop, vLLM, sampling options
     {"config"},  # the options of `qae train` and `qae eval`
+    {"scoring"},  # the training reward path: a run's task and rewards, a generation batch scored into rewards
     {"evaluation", "analysis"},  # `qae eval` and its metrics; comparing runs and the memory plan
     {"train"},  # the RL loop: trainer, update, session, checkpoints, attribution, entropy band, warm start
     {"cli"},  # the commands, their terminal views, training progress, sweeps
@@ -157,7 +158,7 @@ NEVERS = [
      "config is plain options and parsing"),
     ("dashboard.views.compare", {"cli.views"},
      "the dashboard formats through qae_app.core.formatting, not the CLI's text"),
-    ("rewards.scorer", {"data.tasks"},
+    ("rewards.builtin_verifiers", {"data.tasks"},
      "a task names its reward; the reward knows no task (the chain marker lives in names)"),
     ("engines.hf", {"config"},
      "the engines take SamplingOptions from qae_app.engines.sampling, not the training config"),
@@ -169,23 +170,92 @@ def test_the_four_nevers(module, never, why):
     assert not import_graph()[module] & never, why
 
 
+def test_no_module_basename_is_used_twice():
+    """A module's name says its job: two modules named preview.py (the command, the library, the page) leave a
+    traceback or an import that says `preview` unsure of which one it means."""
+    files = [*PACKAGE.rglob("*.py"), *DASHBOARD.rglob("*.py")]
+    seen: dict[str, list[str]] = {}
+    for path in files:
+        if path.stem not in ("__init__", "__main__"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def _is_qae_module(dotted: str) -> bool:
+    path = PACKAGE.parent / dotted.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def module_aliases(path: Path) -> list[str]:
+    """`import qae_app.x.y as z` and `from qae_app.x import y as z` (y a module, z not y) in `path`: a module read
+    under another name than its own, which grep for the module does not find."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [f"{a.name} as {a.asname}" for a in node.names
+                      if a.name.startswith("qae_app.") and a.asname and a.asname != a.name.rsplit(".", 1)[-1]]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("qae_app"):
+            found += [f"{node.module}.{a.name} as {a.asname}" for a in node.names
+                      if a.asname and a.asname != a.name and _is_qae_module(f"{node.module}.{a.name}")]
+    return found
+
+
+def test_no_import_reads_a_qae_module_under_another_name():
+    """Product code, tests, benchmarks and scripts import a qae_app module by its own name (or import the names they
+    use from it): `reader as store_read` kept a name from before the store was a package."""
+    root = PACKAGE.parent
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+                            capture_output=True, text=True, check=True, cwd=root).stdout
+    aliased = {name: found for name in listed.split()
+               if (root / name).exists() and (found := module_aliases(root / name))}
+    assert aliased == {}
+
+
 # A function longer than this does more than one thing a reader can hold at once: split it along its steps. Counted
 # from the first statement after the docstring to the end, so a docstring or a long signature costs nothing and
 # packing lines buys nothing (ruff holds lines to 120 characters).
 MAX_FUNCTION_LINES = 60
 
 
+def _body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+    return node.end_lineno - body[0].lineno + 1 if body else 0
+
+
+def qualified_functions(tree: ast.AST, prefix: str = "") -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Every function under `tree` by its qualified name, as Python's __qualname__ without `<locals>`: `f`,
+    `Class.method`, `outer.inner`, `Class.method.inner`; so two methods of one name in two classes are two entries."""
+    found = {}
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = f"{prefix}{node.name}"
+            if not isinstance(node, ast.ClassDef):
+                found[name] = node
+            found.update(qualified_functions(node, f"{name}."))
+        else:  # a function defined inside an `if` or a `with` at this level
+            found.update(qualified_functions(node, prefix))
+    return found
+
+
 def function_lengths() -> dict[str, int]:
-    """`package.module.function` (methods by their own name) -> the lines of its body, without its docstring."""
+    """`package.module.qualified.name` -> the lines of its body, without its docstring."""
     lengths = {}
     files = {**package_modules(), **{"dashboard." + ".".join(path.relative_to(DASHBOARD).with_suffix("").parts): path
                                      for path in DASHBOARD.rglob("*.py")}}
     for module, path in files.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                body = node.body[1:] if ast.get_docstring(node) is not None else node.body
-                lengths[f"{module}.{node.name}"] = node.end_lineno - body[0].lineno + 1 if body else 0
+        for name, node in qualified_functions(ast.parse(path.read_text())).items():
+            lengths[f"{module}.{name}"] = _body_lines(node)
     return lengths
+
+
+def test_function_lengths_see_every_method_by_its_class():
+    """Two methods of one name (EvalConfig.validate, TrainConfig.validate) are two functions: keyed by the bare name,
+    the shorter hid the longer."""
+    tree = ast.parse("class A:\n    def f(self):\n        x = 1\n\n\nclass B:\n    def f(self):\n        x = 1\n"
+                     "        y = 2\n\n        def g():\n            pass\n")
+    assert {name: _body_lines(node) for name, node in qualified_functions(tree).items()} == {
+        "A.f": 1, "B.f": 5, "B.f.g": 1}
+    assert {"config.TrainConfig.validate", "config.EvalConfig.validate"} <= set(function_lengths())
 
 
 def test_no_function_is_over_the_line_limit():
@@ -238,16 +308,16 @@ def test_a_training_step_writes_nothing_and_its_rows_are_the_store_columns(tmp_p
         trainer.close()
     assert out.chosen_k in (0.3, 0.4, 0.5) and out.warnings[0]["kind"] == "auto_k"
     # what only the loop knows (evaluation, write, checkpoint and store times) is added by fit
-    assert set(out.metrics) == set(store.STEP_METRICS) - {"heldout_accuracy", "eval_s", "write_s", "checkpoint_s",
+    assert set(out.metrics) == set(STEP_METRICS) - {"heldout_accuracy", "eval_s", "write_s", "checkpoint_s",
                                                           "store_s"}
-    assert all(set(row) == set(store.row_columns("groups")) for row in out.groups)
-    assert all(set(row) == set(store.row_columns("rollouts")) for row in out.rollouts)
-    assert all(set(row) == set(store.row_columns("warnings")) for row in out.warnings)
+    assert all(set(row) == set(row_columns("groups")) for row in out.groups)
+    assert all(set(row) == set(row_columns("rollouts")) for row in out.rollouts)
+    assert all(set(row) == set(row_columns("warnings")) for row in out.warnings)
     assert read_steps(tmp_path / "pure" / "qae.duckdb").empty
 
 
 def test_the_writer_refuses_rows_that_are_not_the_table_columns(tmp_path):
-    writer = store_write.RunWriter(tmp_path / "x" / "qae.duckdb", "x")
+    writer = RunWriter(tmp_path / "x" / "qae.duckdb", "x")
     with pytest.raises(ValueError, match="groups rows have columns"):
         writer.add_step(1, groups=[{"group_idx": 0, "promt": "1+1="}])
 

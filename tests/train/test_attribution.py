@@ -15,7 +15,8 @@ from qae_app.store.reader import query, read_steps
 from qae_app.store.run_folder import db_path
 from qae_app.store.schema import STEP_METRICS, TIMING_METRICS
 from qae_app.train import update
-from qae_app.train.attribution import ATTRIBUTION_METRICS, entropy_attribution
+from qae_app.train.entropy_attribution import ATTRIBUTION_METRICS, entropy_attribution
+from qae_app.train.optimizer import optimizer_and_schedule
 from qae_app.train.trainer import Trainer
 
 # 2 prompts x 4 responses; group 0 (1 of 4 correct, p = 0.25 <= 1 - K): hard; group 1 (3 of 4, p = 0.75): easy
@@ -117,7 +118,7 @@ def test_a_regime_with_no_response_gets_null():
     from qae_app.models.policy import load_policy
 
     policy, codec = load_policy("builtin:tiny", "float32")
-    optimizer, _ = update.optimizer_and_schedule(list(policy.parameters()), 1e-3, 0.0, 0)
+    optimizer, _ = optimizer_and_schedule(list(policy.parameters()), 1e-3, 0.0, 0)
     samples = [Sample(0, codec.encode("2*9="), codec.encode(r)[1:] + [codec.eos_id], r, False)
                for r in ("18", "18", "18", "81")]
     batch = update.pack(samples, codec.pad_id, "cpu")

@@ -4,9 +4,9 @@ so the first mini-batch's ratio is exactly 1 even on a checkpoint trained with d
 import pytest
 import torch
 
-import qae_app.train.update as update_module
 from qae_app.config import build_config
 from qae_app.models.policy import load_policy
+from qae_app.train import update
 from qae_app.train.trainer import Trainer
 
 
@@ -63,13 +63,13 @@ def test_every_ratio_is_one_while_the_policy_stands_still_on_a_checkpoint_with_d
     codec.save(folder)
 
     ratios = []
-    real_policy_loss = update_module.policy_loss
+    real_policy_loss = update.policy_loss
 
     def recording_policy_loss(logp, old_logp, advantages, mask, *args, **kwargs):  # a spy: the real loss, unchanged
         ratios.append(torch.exp(logp - old_logp).detach()[mask.bool()])
         return real_policy_loss(logp, old_logp, advantages, mask, *args, **kwargs)
 
-    monkeypatch.setattr(update_module, "policy_loss", recording_policy_loss)
+    monkeypatch.setattr(update, "policy_loss", recording_policy_loss)
     cfg = build_config(model=str(folder), steps=1, prompts_per_step=4, group_size=8, num_mini_batches=4, lr=1e-12,
                        eval_every=0, run_name="dropout", seed=3)
     Trainer(cfg, tmp_path / "runs", cpu=True).fit()

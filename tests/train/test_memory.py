@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from qae_app.algo.chunked_head import logprob_chunk_tokens
 from qae_app.config import build_config
 from qae_app.core.errors import QAEUserError
 from qae_app.models.policy import enable_gradient_checkpointing
 from qae_app.train import update
 from qae_app.train.trainer import Trainer
-from qae_app.train.update import logprob_chunk_tokens
 
 
 def tiny_llama(seed: int = 0):

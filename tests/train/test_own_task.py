@@ -10,7 +10,7 @@ import pytest
 
 from qae_app.config import build_config
 from qae_app.core.errors import QAEUserError
-from qae_app.evaluation.preview import PreviewOptions, run_preview
+from qae_app.evaluation.task_preview import PreviewOptions, run_preview
 from qae_app.store.reader import query
 from qae_app.store.run_folder import db_path
 from qae_app.train.trainer import Trainer

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from qae_app.config import build_config, load_toml
-from qae_app.rewards.scorer import overlong_penalty
+from qae_app.rewards.builtin_verifiers import overlong_penalty
 from qae_app.store.reader import query, read_run, read_steps
 from qae_app.store.run_folder import db_path
 

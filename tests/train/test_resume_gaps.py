@@ -1,5 +1,5 @@
-"""A resume checks that every step up to its checkpoint is stored: a saved write moved aside (or lost) before it
-reached the file used to leave its step's rows missing without a word."""
+"""A resume checks that every step up to its checkpoint is stored, and says which are not: a saved write moved aside (or
+lost) before it reached the file leaves its step's rows missing, and a resume must not keep silent about it."""
 
 import duckdb
 from typer.testing import CliRunner

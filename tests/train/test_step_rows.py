@@ -4,10 +4,10 @@ real training step."""
 
 import pytest
 
-import qae_app.train.trainer as trainer_module
 from qae_app.algo.advantages import REGIMES
 from qae_app.config import build_config
 from qae_app.store.rows import GroupResult
+from qae_app.train.step_results import group_results
 from qae_app.train.trainer import Trainer
 
 
@@ -40,14 +40,14 @@ def reference_group_results(batches, trained, adv, rewards, correct, G, from_eng
 @pytest.mark.slow  # (a Trainer and two steps with dynamic sampling: 36 s on the shared 2-core machine)
 def test_group_results_equal_the_per_value_reference_on_a_real_step(tmp_path, monkeypatch):
     seen = []
-    fast = trainer_module.group_results
+    fast = group_results
 
     def checked(*args):
         got = fast(*args)
         seen.append((got, reference_group_results(*args)))
         return got
 
-    monkeypatch.setattr(trainer_module, "group_results", checked)
+    monkeypatch.setattr("qae_app.train.trainer.group_results", checked)
     # dynamic sampling: groups of several generation batches, some filtered (their entropies and log-probs None)
     cfg = build_config(run_name="rows", steps=2, eval_every=0, checkpoint_every=0, group_size=4, prompts_per_step=4,
                        seed=5, dynamic_sampling=True, max_gen_batches=2)

@@ -378,3 +378,30 @@ def test_a_missing_builtin_checkpoint_names_the_warm_start_that_builds_it(tmp_pa
     monkeypatch.setitem(policy.BUILTIN_CHECKPOINTS, "builtin:tiny-chain", tmp_path / "gone")
     with pytest.raises(QAEUserError, match="qae warmstart --task chain"):
         policy.load_policy("builtin:tiny-chain")
+
+
+def test_the_weight_sync_is_timed_on_its_own(tmp_path):
+    """sync_s is the weight sync into the engine alone, out of update_s: the step's parts (sampling, scoring, update,
+    sync) never add up to more than the whole step. Here the hf engine's bfloat16 sampling copy is synced, made 0.3 s
+    slower by a sleep so that counting it twice (in update_s too, as before sync_s) would exceed step_s."""
+    import time
+
+    cfg = build_config(run_name="sync", steps=2, prompts_per_step=2, group_size=4, eval_every=0, checkpoint_every=0,
+                       rollout_dtype="bfloat16", seed=1)
+    trainer = Trainer(cfg, tmp_path, cpu=True)
+    sync = trainer.engine.sync_weights
+    calls = []
+
+    def slow_sync(model):
+        calls.append(model)
+        time.sleep(0.3)
+        sync(model)
+
+    trainer.engine.sync_weights = slow_sync
+    trainer.fit()
+    steps = read_steps(db_path(tmp_path, "sync"))
+    trained = steps[steps["n_updates"] > 0]
+    assert len(calls) == len(trained) > 0
+    assert (trained["sync_s"] >= 0.3).all()
+    parts = steps[["rollout_s", "reward_s", "update_s", "sync_s"]].sum(axis=1)
+    assert (parts <= steps["step_s"]).all(), steps[["rollout_s", "reward_s", "update_s", "sync_s", "step_s"]]

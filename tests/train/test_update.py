@@ -13,6 +13,7 @@ from qae_app.config import build_config
 from qae_app.core.errors import QAEUserError
 from qae_app.store.rows import step_metrics
 from qae_app.train import update
+from qae_app.train.entropy_change import entropy_change
 from qae_app.train.trainer import Trainer
 
 
@@ -107,7 +108,7 @@ def test_entropy_change_per_regime_against_a_hand_computation(tmp_path):
         with torch.no_grad():  # a visible change of the weights, as an update would make
             for p in trainer.model.parameters():
                 p.mul_(1.05)
-        change = update.entropy_change(trainer.model, batch, before, rewards, 0.4, 4, options)
+        change = entropy_change(trainer.model, batch, before, rewards, 0.4, 4, options)
 
         with torch.no_grad():  # the same by hand: softmax(logits / T) entropy at each response position
             logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

@@ -1,5 +1,5 @@
 """A user's reward file used as is by `qae train`: its components stored and shown, its failures one message with the
-run stopped failed and resumable after the fix, and a run folder made with it never running its code when read.
+run stopped failed and resumable once the file is fixed, and a run folder made with it never running its code when read.
 
 Real training runs (the built-in model), real processes for the commands, the real DuckDB file."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from qae_app.config import build_config
-from qae_app.store import reader as store_read
+from qae_app.store.reader import query, read_run, read_steps, read_warnings
 from qae_app.store.run_folder import db_path
 from qae_app.train.trainer import Trainer
 
@@ -58,8 +58,8 @@ def reward_run(tmp_path_factory) -> tuple[Path, Path, Path]:
 def test_each_component_is_stored_and_the_reward_is_their_weighted_sum(reward_run):
     runs_dir, path, _ = reward_run
     db = db_path(runs_dir, "mine")
-    rollouts = store_read.query(db, "SELECT * FROM rollouts ORDER BY step, group_idx, sample_idx")
-    wide = store_read.query(db, "PIVOT reward_components ON name USING first(value) ORDER BY step, group_idx, "
+    rollouts = query(db, "SELECT * FROM rollouts ORDER BY step, group_idx, sample_idx")
+    wide = query(db, "PIVOT reward_components ON name USING first(value) ORDER BY step, group_idx, "
                                 "sample_idx")
     assert len(wide) == len(rollouts) == 2 * 2 * 4
     assert set(wide.columns) >= {"exact_int", "short", "slow"}
@@ -71,7 +71,7 @@ def test_each_component_is_stored_and_the_reward_is_their_weighted_sum(reward_ru
     full = (wide["exact_int"] >= 1) & (wide["short"] >= 1) & (wide["slow"].fillna(0) >= 1)
     assert rollouts["correct"].tolist() == full.tolist()
     assert rollouts["verified"].tolist() == wide["slow"].notna().tolist()
-    steps = store_read.read_steps(db)
+    steps = read_steps(db)
     assert steps["accuracy"].tolist() == pytest.approx(full.groupby(rollouts["step"]).mean().tolist())
     config = json.loads((runs_dir / "mine" / "config.json").read_text())
     assert config["reward_files"][f"{path}:short"]["path"] == str(path)
@@ -81,15 +81,15 @@ def test_each_component_is_stored_and_the_reward_is_their_weighted_sum(reward_ru
 def test_a_response_past_the_deadline_is_none_and_counted_in_the_steps_warning(reward_run):
     runs_dir, _, _ = reward_run
     db = db_path(runs_dir, "mine")
-    late = store_read.query(db, "SELECT step, count(*) AS n FROM reward_components WHERE name = 'slow' AND value IS "
+    late = query(db, "SELECT step, count(*) AS n FROM reward_components WHERE name = 'slow' AND value IS "
                                 "NULL GROUP BY step")
-    odd = store_read.query(db, "SELECT count(*) AS n FROM rollouts WHERE step = 1 AND length(response) % 2 = 1")
+    odd = query(db, "SELECT count(*) AS n FROM rollouts WHERE step = 1 AND length(response) % 2 = 1")
     assert late["step"].tolist() == [1] and late["n"].tolist() == odd["n"].tolist() and 0 < odd["n"].iloc[0] < 8
-    warnings = store_read.read_warnings(db)
+    warnings = read_warnings(db)
     timeouts = warnings[warnings["kind"] == "reward_timeout"]
     assert timeouts["step"].tolist() == [1]
     assert f":slow: {odd['n'].iloc[0]} of 8" in timeouts["message"].iloc[0]
-    assert store_read.read_steps(db)["frac_unverified"].iloc[0] == pytest.approx(odd["n"].iloc[0] / 8)
+    assert read_steps(db)["frac_unverified"].iloc[0] == pytest.approx(odd["n"].iloc[0] / 8)
 
 
 def test_reading_the_run_never_imports_its_reward_code_and_shows_each_component(reward_run, tmp_path, monkeypatch):
@@ -146,29 +146,33 @@ def test_a_reward_that_raises_stops_the_run_failed_and_it_resumes_after_the_fix(
     runs = str(tmp_path / "runs")
     train = ["train", "--run-name", "r", "--runs-dir", runs, "--steps", "4", "--checkpoint-every", "2",
              "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0"]
-    failed = qae(*train, "--reward", "bad.py:score", cwd=tmp_path)
+    rewards = ["--reward", "bad.py:score", "--reward", "exact_int", "--reward-weights", "1,0.5"]
+    failed = qae(*train, *rewards, cwd=tmp_path)
     out = failed.stdout + failed.stderr
     assert failed.returncode == 2, out
     assert "reward: bad.py:score failed at step 3 on response 1 of 8" in out
+    # the command it offers names every reward and their weights (the run folder names no code to run)
+    assert " ".join(f"Once the function is fixed, continue it with: qae train --resume r {' '.join(rewards)} "
+                    f"--runs-dir {runs}".split()) in " ".join(out.split())
     assert out.count("Traceback (most recent call last)") == 1 and "RuntimeError: scorer bug at step 3" in out
     assert f'File "{tmp_path / "bad.py"}", line 4, in score' in out
     db = db_path(tmp_path / "runs", "r")
-    run = store_read.read_run(db)
+    run = read_run(db)
     assert run["status"] == "failed" and "scorer bug at step 3" in run["error"]
-    assert store_read.read_steps(db)["step"].tolist() == [1, 2]
+    assert read_steps(db)["step"].tolist() == [1, 2]
     assert (tmp_path / "runs" / "r" / "checkpoints" / "step-2").is_dir()
 
     (tmp_path / "bad.py").write_text(textwrap.dedent(FAILING).replace("step == 3", "step == -1"))
     resume = ["train", "--resume", "r", "--runs-dir", runs]
     unnamed = qae(*resume, cwd=tmp_path)
     assert unnamed.returncode == 2 and "name the rewards again" in unnamed.stdout + unnamed.stderr
-    changed = qae(*resume, "--reward", "bad.py:score", cwd=tmp_path)
+    changed = qae(*resume, *rewards, cwd=tmp_path)
     assert changed.returncode == 2 and "bad.py changed since this run scored with it" in changed.stdout + \
         changed.stderr
-    resumed = qae(*resume, "--reward", "bad.py:score", "--accept-changed-reward", cwd=tmp_path)
+    resumed = qae(*resume, *rewards, "--accept-changed-reward", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert store_read.read_run(db)["status"] == "finished"
-    assert store_read.read_steps(db)["step"].tolist() == [1, 2, 3, 4]
+    assert read_run(db)["status"] == "finished"
+    assert read_steps(db)["step"].tolist() == [1, 2, 3, 4]
     record = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())["reward_files"]["bad.py:score"]
     assert record["earlier"][0]["until_step"] == 2 and record["earlier"][0]["sha256"] != record["sha256"]
 
@@ -218,16 +222,16 @@ def test_every_failure_of_a_user_reward_is_one_message_keeps_the_steps_and_resum
         assert f"reward: modes.py:score failed at step {at}" in out or how == "hang"
         assert "Traceback" not in out  # (only an exception has one: the function's own)
         assert "qae train --resume m --reward modes.py:score" in out  # how to go on, once it is fixed
-        run = store_read.read_run(db)
+        run = read_run(db)
         assert run["status"] == "failed" and message in run["error"]
-        assert store_read.read_steps(db)["step"].tolist() == list(range(1, at))
+        assert read_steps(db)["step"].tolist() == list(range(1, at))
         assert (tmp_path / "runs" / "m" / "checkpoints" / f"step-{at - 1}").is_dir()
     (tmp_path / "mode.txt").write_text("none 0")
     done = qae(*resume, "--reward", "modes.py:score", "--runs-dir", runs, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert store_read.read_run(db)["status"] == "finished"
-    assert store_read.read_steps(db)["step"].tolist() == [1, 2, 3, 4, 5, 6]
-    rows = store_read.query(db, "SELECT step, count(*) AS n FROM reward_components GROUP BY step ORDER BY step")
+    assert read_run(db)["status"] == "finished"
+    assert read_steps(db)["step"].tolist() == [1, 2, 3, 4, 5, 6]
+    rows = query(db, "SELECT step, count(*) AS n FROM reward_components GROUP BY step ORDER BY step")
     assert rows["n"].tolist() == [8] * 6  # each step's responses scored once, none twice
 
 

@@ -23,8 +23,9 @@ a regime's update is that drift plus the regime's gradient; dH_*_from_hard - dH_
 regime's gradient caused (up to AdamW's second moment, which the gradient also changes). At step 1 (no moments yet)
 the drift is exactly 0 without weight decay.
 
-Regimes are those of dH_hard/dH_easy: QAE's, with quantile level K, on the verifier's verdicts (K = 0.4 for
-mean-baseline runs), so a GRPO run is attributed over the same split of its groups. A regime with no response in the
+Regimes are those of dH_hard/dH_easy: the quantile rule on the verifier's verdicts at the K that splits groups
+(`split_k`: the run's K, DEFAULT_K for mean-baseline runs), so a GRPO run is attributed over the same split of its
+groups. A regime with no response in the
 step gets NULL. Many processes: each zeroes its own responses' advantages, and policy_update and the entropy sums run
 over all processes, so the numbers are the one-process numbers.
 
@@ -41,7 +42,8 @@ import math
 import torch
 
 from qae_app.algo.advantages import EASY, HARD
-from qae_app.train.update import OneProcess, UpdateOptions, logprobs_in_chunks, policy_update, response_regimes
+from qae_app.train.entropy_change import response_regimes
+from qae_app.train.update import OneProcess, UpdateOptions, logprobs_in_chunks, policy_update
 
 SOURCES = ("hard", "easy", "none")  # whose loss the update is made from
 ATTRIBUTION_METRICS = tuple(name for source in SOURCES
@@ -78,7 +80,7 @@ def _cloned(state: dict) -> dict:
     return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
 
 
-def entropy_attribution(model, optimizer, batch, advantages: torch.Tensor, correct: torch.Tensor, k: float,
+def entropy_attribution(model, optimizer, batch, advantages: torch.Tensor, correct: torch.Tensor, split_k: float,
                         group_size: int, options: UpdateOptions, accelerator=None, *, seed: int,
                         n_local: int | None = None) -> dict:
     """ATTRIBUTION_METRICS of one step, measured from the current policy and optimizer state, which are left exactly
@@ -92,7 +94,7 @@ def entropy_attribution(model, optimizer, batch, advantages: torch.Tensor, corre
     n_local = n_rows if n_local is None else n_local
     rows = torch.arange(n_rows, device=advantages.device)
     regime = torch.full((n_rows,), -1, dtype=torch.long, device=advantages.device)  # (n_rows,) placeholder: none
-    regime[:n_local] = response_regimes(correct, k, group_size).to(advantages.device)
+    regime[:n_local] = response_regimes(correct, split_k, group_size).to(advantages.device)
     mask = batch["response_mask"].clone()
     mask[n_local:] = 0  # (a placeholder row counts nowhere)
     tokens = mask.sum(-1)  # (n_rows,)

@@ -4,7 +4,7 @@ A preview samples N prompts x G responses from the policy as `qae train` with th
 step: the first N prompts of the run's data stream, in batches of prompts_per_step, each batch with the seed of step
 1's generation batch (engines.sampling.step_seed), the run's engine, temperature and max-new-tokens. So its first
 prompts_per_step groups are the responses step 1 of that run trains on (with the hf engine on one process). It scores
-them as `qae train` does (evaluation/scoring.py: --reward, else the task's own) and works out, from the rewards
+them as `qae train` does (scoring/reward_path.py: --reward, else the task's own) and works out, from the rewards
 [N, G]:
 
 - the reward distribution, and each group's success rate;
@@ -34,11 +34,12 @@ from qae_app.config import TrainConfig
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.data.datasets import Problem
+from qae_app.data.prompt_format import prompt_text
 from qae_app.data.tasks import Task, prompts_at
 from qae_app.engines.base import Sample
 from qae_app.engines.sampling import step_seed
-from qae_app.evaluation.scoring import ScoredBatch, run_rewards, run_task, score_batch
 from qae_app.rewards.registry import data_columns
+from qae_app.scoring.reward_path import ScoredBatch, run_rewards, run_task, score_batch
 from qae_app.store.rows import GroupResult, component_rows, group_rows, rollout_rows
 from qae_app.store.run_folder import db_path, validate_run_name
 from qae_app.store.writer import RunWriter
@@ -107,7 +108,7 @@ class Sampled:
 def sample_and_score(engine, task: Task, cfg: TrainConfig, n_prompts: int,
                      on_progress: Callable[[str, int], None] | None = None) -> Sampled:
     """The first `n_prompts` prompts of the run's data stream, `cfg.group_size` responses each, sampled a batch of
-    prompts_per_step at a time with step 1's seeds, and scored by the run's rewards (evaluation/scoring.py, as
+    prompts_per_step at a time with step 1's seeds, and scored by the run's rewards (scoring/reward_path.py, as
     `qae train` scores: --reward, else the task's own). `on_progress(phase, prompts_done)`: phase 'sampling' before a
     batch is sampled, 'scoring' before it is scored."""
     problems = [task.train[i] for i in prompts_at(task, cfg.seed, 0, n_prompts)]
@@ -230,7 +231,7 @@ def _group_results(sampled: Sampled, adv: Advantages, rewards: torch.Tensor, cor
         group = sampled.samples[i * G:(i + 1) * G]
         measured = all(s.token_entropies is not None and s.token_logprobs is not None for s in group)
         results.append(GroupResult(
-            group_idx=i, prompt_id=problem.prompt_id, prompt=sampled.prompts[i], answer=problem.answer,
+            group_idx=i, prompt_id=problem.prompt_id, prompt=prompt_text(sampled.prompts[i]), answer=problem.answer,
             baseline=baselines[i], regime=REGIMES[regimes[i]], responses=[s.text for s in group],
             rewards=rewards_[i], correct=correct_[i],
             verified=sampled.verified[i * G:(i + 1) * G],

@@ -14,8 +14,8 @@ those and never treats them as a silent 0.
 |               | line, else the last number of the response, checked with math-verify                          |
 
 `math` and `final_number` are scored by worker processes (`MathVerifierPool`, qae_app/rewards/verifier_pool.py:
-math-verify can hang, so each item has a hard deadline) that every `Scorer` starts and closes itself; the answers each
-reward reads are extracted in qae_app/rewards/answers.py. """
+math-verify can hang, so each item has a hard deadline) that every `BuiltinVerifier` starts and closes itself; the
+answers each reward reads are extracted in qae_app/rewards/answers.py. """
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def chain_final_reward(responses: list[str], answers: list[str]) -> list[float |
 # Registry
 
 # name -> reward function. `math` and `final_number` have none: worker processes score them (MathVerifierPool), which
-# each Scorer starts and closes itself, so that no pool outlives the run that uses it.
+# each BuiltinVerifier starts and closes itself, so that no pool outlives the run that uses it.
 REWARD_FUNCTIONS: dict[str, RewardFunction | None] = {
     "exact_int": exact_int_reward,
     "chain_final": chain_final_reward,
@@ -79,18 +79,18 @@ ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
 
 
 def get_reward_function(name: str) -> RewardFunction | None:
-    """The reward function of `name` (None for `math` and `final_number`: only a Scorer, with its own pool, scores
-    them)."""
+    """The reward function of `name` (None for `math` and `final_number`: only a BuiltinVerifier, with its own pool,
+    scores them)."""
     if name not in REWARD_FUNCTIONS:
         raise QAEUserError(f"reward: unknown reward function '{name}'. Choose one of: {', '.join(REWARD_FUNCTIONS)}.")
     return REWARD_FUNCTIONS[name]
 
 
-class Scorer:
-    """The reward function of a task, with its own verifier pool when it needs one; use as a context manager.
+class BuiltinVerifier:
+    """A built-in reward function, with its own verifier pool when it needs one; use as a context manager.
 
-    `Scorer("math", timeout_s=3)` owns a `MathVerifierPool` with that per-item deadline, checking the answer that
-    `ANSWER_EXTRACTORS[name]` reads (so does `final_number`); other rewards run inline.
+    `BuiltinVerifier("math", timeout_s=3)` owns a `MathVerifierPool` with that per-item deadline, checking the answer
+    that `ANSWER_EXTRACTORS[name]` reads (so does `final_number`); other rewards run inline.
     """
 
     def __init__(self, name: str, timeout_s: float = 3.0):
@@ -113,7 +113,7 @@ class Scorer:
         if self.pool is not None:
             self.pool.close()
 
-    def __enter__(self) -> "Scorer":
+    def __enter__(self) -> "BuiltinVerifier":
         return self
 
     def __exit__(self, *exc) -> None:

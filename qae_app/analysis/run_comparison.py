@@ -7,7 +7,7 @@ group reports the mean over its runs with a 95% Student-t interval. Against a ba
 difference gets its own interval and a two-sided paired t-test p-value.
 
 Per-run metrics are defined once, in `RUN_METRICS`; each is computed from the run's `steps` frame (columns as
-`store.STEP_METRICS`, one row per step).
+`schema.STEP_METRICS`, one row per step).
 
 "The last 20% of steps" are the last ceil(0.2 n) of the n rows with a value (at least 2 when there are 2, so a slope
 exists). Held-out rows are the rows whose `heldout_accuracy` is not null; with a single one the area is its value. A
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from qae_app.analysis.differences import reads_k
 from qae_app.analysis.settings import checked_settings
-from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import missing
 from qae_app.store.labels import read_labels
@@ -69,7 +69,7 @@ QAE_ONLY_KEYS = ("k", "quantile")
 def group_key(config: dict) -> tuple:
     """The config without ignored keys (and without K and quantile for a mean-baseline estimator), hashable."""
     drop = set(IGNORED_CONFIG_KEYS)
-    if not names.uses_k(config.get("estimator", "qae")):
+    if not reads_k(config):
         drop.update(QAE_ONLY_KEYS)
     return tuple(sorted((key, _hashable(value)) for key, value in config.items()
                         if key not in drop and not (key in SAME_AS_ABSENT and value == SAME_AS_ABSENT[key])))
@@ -518,7 +518,7 @@ def group_runs(runs: list[RunRecord], by: list[str] | None = None) -> list[RunGr
     for key in keys:
         config = dict(key)
         for name in {name for k in keys for name, _ in k}:
-            if name in config or not (name in QAE_ONLY_KEYS and not names.uses_k(config.get("estimator", "qae"))):
+            if name in config or not (name in QAE_ONLY_KEYS and not reads_k(config)):
                 values.setdefault(name, set()).add(config.get(name, "<unset>"))
     varying = sorted(name for name, seen in values.items() if len(seen) > 1)
     varying.sort(key=lambda name: name != "estimator")  # the estimator first: "estimator=qae, k=0.4"

@@ -1,6 +1,6 @@
 """`qae preview`: sample a task with a run's own options and say whether it is learnable at this group size, and at
-which K (qae_app/evaluation/preview.py does the work); and what it prints, read back from the preview's file, so the
-terminal shows exactly what is stored. Registered on the `qae` app by cli/main.py, with one option per
+which K (qae_app/evaluation/task_preview.py does the work); and what it prints, read back from the preview's file, so
+the terminal shows exactly what is stored. Registered on the `qae` app by cli/main.py, with one option per
 `TrainConfig` field, as `qae train` has."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def preview_command(
     dashboard's Preview page)."""
     from qae_app.cli.progress import PreviewProgress
     from qae_app.config import build_config
-    from qae_app.evaluation.preview import PreviewOptions, parse_ks, run_preview
+    from qae_app.evaluation.task_preview import PreviewOptions, parse_ks, run_preview
     from qae_app.store.reader import read_preview
 
     try:

@@ -118,6 +118,15 @@ def prompt_text(prompt: Prompt) -> str:
     return MESSAGE_SEPARATOR.join(m["content"] for m in prompt)
 
 
+def sends_row_messages(prompt: Prompt, problem) -> bool:
+    """Whether `prompt` is `problem`'s own chat messages as the row has them (a --system-prompt message may go first):
+    TRL's conversational format, whose rewards get messages, not text (rewards/registry.reward_inputs)."""
+    messages = getattr(problem, "messages", None)
+    if not messages or not isinstance(prompt, list) or len(prompt) < len(messages):
+        return False
+    return prompt[len(prompt) - len(messages):] == [dict(message) for message in messages]
+
+
 def check_prompt_options(template: str | None, system_prompt: str | None) -> None:
     """Both are text a tokenizer can read (a command line's bytes that are not UTF-8 arrive as lone surrogates,
     which no tokenizer or database takes), and a template names a column: without one every prompt would be the
