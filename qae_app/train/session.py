@@ -136,27 +136,32 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
 
 def check_run_to_resume(runs_dir: Path, run: str, folder: Path) -> None:
     """A resume continues a run, so the folder must hold a run's database (a qae run file, read here, read-only) and
-    its config.json: anything else, a folder of someone's own with a config.json of its own too, is refused by name
-    before anything is written into it (a linked run folder leads outside the runs dir)."""
-    db = folder / DB_FILE
-    try:
-        has_database = folder.is_dir() and check_regular_file(db, writing=True)
-    except NotARegularFile as err:
-        raise QAEUserError(f"resume: {err}") from None
-    if not folder.is_dir():
-        raise QAEUserError(f"resume: no run '{run}' in {runs_dir} (runs there, last written first: "
-                           f"{recent_runs_text(runs_dir)}). See `qae runs`.")
-    if not has_database:
-        raise QAEUserError(_no_database(runs_dir, run, folder))
-    check_run_file(db)  # (a file that is not a run's, damaged or another program's, is named there)
+    its config.json (check_holds_a_database)."""
+    check_holds_a_database(runs_dir, run, folder, "resume")
+    check_run_file(folder / DB_FILE)  # (a file that is not a run's, damaged or another program's, is named there)
     if not (folder / CONFIG_FILE).exists():
         raise QAEUserError(f"resume: run '{run}' in {runs_dir} has no {CONFIG_FILE}, the settings it was started "
                            f"with. Nothing was written. {config_restore_hint(folder)}")
 
 
-def _no_database(runs_dir: Path, run: str, folder: Path) -> str:
-    """Why a folder without a database is not resumed: a run's (its config.json a run's settings) lost it; any other
-    folder is no run, and what its config.json holds that no run's does is named."""
+def check_holds_a_database(runs_dir: Path, run: str, folder: Path, option: str) -> None:
+    """A command that writes into a run (`option`: a resume, `qae migrate`) needs one: a folder without a run's
+    database as a file of its own, a folder of someone's own with a config.json of its own too, is refused by name
+    before anything is written into it (a linked run folder leads outside the runs dir)."""
+    try:
+        has_database = folder.is_dir() and check_regular_file(folder / DB_FILE, writing=True)
+    except NotARegularFile as err:
+        raise QAEUserError(f"{option}: {err}") from None
+    if not folder.is_dir():
+        raise QAEUserError(f"{option}: no run '{run}' in {runs_dir} (runs there, last written first: "
+                           f"{recent_runs_text(runs_dir)}). See `qae runs`.")
+    if not has_database:
+        raise QAEUserError(_no_database(runs_dir, run, folder, option))
+
+
+def _no_database(runs_dir: Path, run: str, folder: Path, option: str) -> str:
+    """Why a folder without a database is not written into: a run's (its config.json a run's settings) lost it; any
+    other folder is no run, and what its config.json holds that no run's does is named."""
     try:
         unknown = sorted(set(read_run_config(folder)) - set(FIELDS) - STORED_BESIDE_OPTIONS)
     except QAEUserError:  # (missing, damaged, planted: no run's settings either way)
@@ -164,14 +169,14 @@ def _no_database(runs_dir: Path, run: str, folder: Path) -> str:
     if unknown == []:
         newest = latest_checkpoint(folder)
         lost = f", and with it the rows of the steps up to its checkpoint {newest.name}" if newest else ""
-        return (f"resume: run '{run}' in {runs_dir} has no {DB_FILE}: it was deleted or moved aside{lost}. Nothing "
+        return (f"{option}: run '{run}' in {runs_dir} has no {DB_FILE}: it was deleted or moved aside{lost}. Nothing "
                 f"was written. Put the file back (from a backup), or start a new run with another --run-name.")
     held = ", ".join(sorted(path.name for path in folder.iterdir())[:6]) or "nothing"
     linked = f" (a link to {os.path.realpath(folder)})" if folder.is_symlink() else ""
     keys = (f"; its {CONFIG_FILE} holds {', '.join(repr(clipped(key)) for key in unknown[:5])}, no setting of a qae "
             "run") if unknown else ""
-    return (f"resume: '{run}' in {runs_dir}{linked} is not a run: it holds no {DB_FILE} (it holds {held}{keys}). "
-            "Nothing was written. Start a new run with another --run-name.")
+    return (f"{option}: '{run}' in {runs_dir}{linked} is not a run: it holds no {DB_FILE} (it holds {held}{keys}). "
+            "Nothing was written." + (" Start a new run with another --run-name." if option == "resume" else ""))
 
 
 # ---------------------------------------------------------------------------------------------------------------

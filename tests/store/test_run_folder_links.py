@@ -189,10 +189,14 @@ def test_a_resume_refused_after_taking_the_lock_lets_it_go(runs, tmp_path):
 
 
 @pytest.mark.parametrize("linked", [False, True], ids=["folder", "linked-folder"])
-def test_a_resume_of_a_folder_that_holds_no_run_is_refused_and_writes_nothing(runs, tmp_path, linked):
+@pytest.mark.parametrize("command", [["train", "--resume", "exp1", "--steps", "2"], ["migrate", "exp1"]],
+                         ids=["resume", "migrate"])
+def test_a_command_writing_a_run_refuses_a_folder_that_holds_no_run_and_writes_nothing(runs, tmp_path, linked,
+                                                                                      command):
     """H1: `qae train --resume exp1` on a folder holding a config.json of someone's own and no database started a new
-    run in it, its config.json overwritten; through a linked run folder, outside the runs dir. A resume needs a run:
-    refused by name, the unknown key named, nothing written."""
+    run in it, its config.json overwritten; through a linked run folder, outside the runs dir. `qae migrate exp1`
+    wrote its lock there and dropped the key it did not know from that config.json. Each needs a run: refused by
+    name, the unknown key named, nothing written."""
     project = tmp_path / "proj"
     project.mkdir()
     (project / "config.json").write_text('{"user": "project settings"}\n')
@@ -202,7 +206,7 @@ def test_a_resume_of_a_folder_that_holds_no_run_is_refused_and_writes_nothing(ru
         shutil.copytree(project, runs / "exp1")
     folder = runs / "exp1"
     before = sorted((path.name, path.read_bytes()) for path in folder.iterdir())
-    result = qae("train", "--resume", "exp1", "--steps", "2", runs_dir=runs)
+    result = qae(*command, runs_dir=runs)
     output = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 2 and output.count("error:") == 1 and "Traceback" not in output, output
     assert "'exp1' in" in output and "is not a run: it holds no qae.duckdb" in output
