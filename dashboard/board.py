@@ -27,6 +27,7 @@ import streamlit as st
 import streamlit.components.v1 as components_v1
 
 from qae_app.analysis import differences, run_comparison
+from qae_app.analysis.settings import settings_problem
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import MISSING, missing, pace_line, run_pace
@@ -352,8 +353,10 @@ def watch(watched: list[str], all_runs: pd.DataFrame) -> None:
 
 
 def run_config(run: dict) -> dict:
-    """The run's training config (the `config` JSON of its `runs` row); {} if it is not a JSON object."""
-    return stored_config(run)
+    """The run's training config (the `config` JSON of its `runs` row); {} if it is not a JSON object, or holds
+    settings qae did not write (analysis.settings: a view would compare or format them)."""
+    config = stored_config(run)
+    return config if settings_problem(config) is None else {}
 
 
 def grouping_config(run: dict) -> dict:

@@ -61,6 +61,7 @@ import tomllib
 from qae_app.config import PLAN_TABLE
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
+from qae_app.core.formatting import clipped
 from qae_app.models.packaged import PACKAGED_GGUF, packaged_gguf
 
 GB = 1e9
@@ -332,7 +333,7 @@ class Hardware:
     def validate(self) -> "Hardware":
         for name, value in (("gpus", self.gpus), ("gpu-memory", self.gpu_memory_gb),
                             ("prompt-tokens", self.prompt_tokens)):
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise QAEUserError(f"{name}: {value} must be a positive number. Pass e.g. --gpus 8 --gpu-memory 80 "
                                    "--prompt-tokens 2048.")
         if self.sharding not in SHARDINGS:
@@ -575,11 +576,16 @@ def recipe_hardware(path: Path | None) -> dict:
         table = tomllib.loads(Path(path).read_text()).get(PLAN_TABLE, {})
     except (OSError, ValueError):  # load_toml, run first, names what is wrong with the file
         return {}
-    known = {"gpus", "gpu_memory_gb", "sharding", "prompt_tokens"}
-    unknown = set(table) - known
+    known = {"gpus": int, "gpu_memory_gb": (int, float), "sharding": str, "prompt_tokens": int}
+    unknown = set(table) - set(known)
     if unknown:
         raise QAEUserError(f"config: unknown key '{sorted(unknown)[0]}' in the [{PLAN_TABLE}] table of {path}. Known: "
                            f"{', '.join(sorted(known))}.")
+    for key, value in table.items():  # (TOML's true is no count of GPUs: planned, it read "True x 80 GB")
+        if isinstance(value, bool) or not isinstance(value, known[key]):
+            wanted = {"sharding": "a name", "gpu_memory_gb": "a number"}.get(key, "a whole number")
+            raise QAEUserError(f"config: [{PLAN_TABLE}] {key} = {clipped(repr(value))} in {path} is not {wanted}. "
+                               "Write e.g. gpus = 8, gpu_memory_gb = 80, sharding = \"fsdp\", prompt_tokens = 2048.")
     return table
 
 

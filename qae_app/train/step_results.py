@@ -96,7 +96,7 @@ class RunResult:
     run_id: str
     run_dir: Path
     steps_done: int
-    status: str  # finished, interrupted (Ctrl-C / SIGTERM; resumable)
+    status: str  # finished, interrupted (Ctrl-C / SIGTERM / SIGHUP; resumable)
 
 
 def step_tables(out: StepOutput | None, heldout: HeldoutEval | None, keep: str = "all", seed: int = 0,

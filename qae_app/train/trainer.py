@@ -241,7 +241,7 @@ class Trainer:
         disable_dropout(model)  # old log-probs (no grad) and the update must see the same network
         data = [(p.prompt_id, self.task.prompt(p)) for p in self.task.train + self.task.heldout]  # both splits
         evals = [(p.prompt_id, self.eval_task.prompt(p)) for p in self._evaluated_problems()]  # --eval-every's
-        check_prompt_lengths(model, self.codec, data, cfg.max_new_tokens, "data")
+        check_prompt_lengths(model, self.codec, data, cfg.max_new_tokens, "data", cfg.system_prompt)
         if cfg.eval_bench and cfg.eval_every:  # the problems --eval-every evaluates, as `qae eval` checks them
             check_prompt_lengths(model, self.codec, evals, cfg.max_new_tokens, "eval-bench")
         if cfg.max_tokens_per_micro_batch is not None:  # (the trained prompts: the held-out ones are only sampled)
@@ -295,9 +295,9 @@ class Trainer:
     # the loop
 
     def fit(self, on_step=None) -> RunResult:
-        """Train until cfg.steps. Ctrl-C (or SIGTERM) stops at the end of the current step with a checkpoint, so a
-        resumed run is exactly the uninterrupted one, and returns status `interrupted`; a second Ctrl-C stops at once
-        (rows kept, the newest checkpoint stays the resume point).
+        """Train until cfg.steps. Ctrl-C (or SIGTERM, SIGHUP) stops at the end of the current step with a checkpoint,
+        so a resumed run is exactly the uninterrupted one, and returns status `interrupted`; a second Ctrl-C stops at
+        once (rows kept, the newest checkpoint stays the resume point).
 
         Every second of a step is in its row: rollout_s, reward_s, update_s and sync_s (train_step), eval_s, write_s
         (building rows and waiting for the store, which writes on its own thread while the next step trains) and
