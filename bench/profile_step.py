@@ -36,7 +36,8 @@ from harness import describe, pair_order, pair_ratios, report, spread
 import qae_app.train.trainer
 from qae_app.config import build_config
 from qae_app.train import update
-from qae_app.train.trainer import Trainer, step_tables
+from qae_app.train.step_results import step_tables
+from qae_app.train.trainer import Trainer
 
 
 class PhaseClock:

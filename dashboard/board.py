@@ -27,8 +27,10 @@ import streamlit as st
 import streamlit.components.v1 as components_v1
 
 from qae_app.analysis import differences, run_comparison
+from qae_app.analysis.settings import settings_problem
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
+from qae_app.core.estimators import ESTIMATORS
 from qae_app.core.formatting import MISSING, missing, pace_line, run_pace
 from qae_app.store import run_file
 from qae_app.store.labels import LABELS_FILE
@@ -57,6 +59,9 @@ RUNS_DIR_ENV = "QAE_RUNS_DIR"  # set by `qae dashboard --runs-dir`
 REFRESH_CHOICES = {("off" if seconds is None else f"{seconds} s"): seconds  # sidebar label -> seconds
                    for seconds in names.DASHBOARD_REFRESH_S.values()}
 RUN_COLORS = plotly.colors.qualitative.Plotly
+# one color per method (the estimator), the same on every page: QAE is blue wherever it is told apart by method, on
+# Training curves, Evals, Distributions and Compare alike (method_colors)
+METHOD_COLORS = {name: RUN_COLORS[i % len(RUN_COLORS)] for i, name in enumerate(ESTIMATORS)}
 CACHE_ENTRIES = 64  # per reader: a few versions of each shown run
 RECORD_CACHE_ENTRIES = 256  # the Compare page reads every run of a sweep: a few versions of each of many runs
 
@@ -304,8 +309,23 @@ def start_page(title: str, caption: str | None = None, one_run: bool = False) ->
 
 
 def run_colors(run_ids: list[str]) -> dict[str, str]:
-    """One fixed color per run, in the order they were picked, on every chart."""
-    return {run_id: RUN_COLORS[i % len(RUN_COLORS)] for i, run_id in enumerate(run_ids)}
+    """One fixed color per run on every chart: its method's where the picked runs are one per method
+    (`method_colors`), else by the order they were picked."""
+    return method_colors({run_id: [run_id] for run_id in run_ids})
+
+
+def method_colors(members: dict[str, list[str]]) -> dict[str, str]:
+    """A color per line (label -> the runs it draws, a run or a group): where each line's runs share one estimator
+    and no two lines share it, that estimator's METHOD_COLORS color, so a method has one color on every page; else
+    (two seeds of one method, a group mixing methods) one color per line in order."""
+    known = runs()
+    estimator_of = (dict(zip(known["run_id"].astype(str), known["estimator"].astype(str), strict=True))
+                    if "estimator" in known else {})
+    methods = {label: {estimator_of.get(run_id) for run_id in run_ids} for label, run_ids in members.items()}
+    single = [next(iter(found)) for found in methods.values() if len(found) == 1]
+    if len(single) == len(members) and len(set(single)) == len(single) and set(single) <= set(METHOD_COLORS):
+        return {label: METHOD_COLORS[next(iter(found))] for label, found in methods.items()}
+    return {label: RUN_COLORS[i % len(RUN_COLORS)] for i, label in enumerate(members)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -352,8 +372,10 @@ def watch(watched: list[str], all_runs: pd.DataFrame) -> None:
 
 
 def run_config(run: dict) -> dict:
-    """The run's training config (the `config` JSON of its `runs` row); {} if it is not a JSON object."""
-    return stored_config(run)
+    """The run's training config (the `config` JSON of its `runs` row); {} if it is not a JSON object, or holds
+    settings qae did not write (analysis.settings: a view would compare or format them)."""
+    config = stored_config(run)
+    return config if settings_problem(config) is None else {}
 
 
 def grouping_config(run: dict) -> dict:

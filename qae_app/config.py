@@ -84,12 +84,13 @@ MAX_RESPONSES_PER_STEP = 65_536
 
 # the entropy band (--entropy-low, --entropy-high): the smoothed token entropy is watched against [low, high]. Token
 # Options that act only with a switch on: given without it they would do nothing, yet be stored and split
-# `qae compare`'s groups. Their defaults never trigger this (only a value the user gave).
+# `qae compare`'s groups. Their defaults never trigger this, given or not (they change nothing).
 # a run config file's [plan] table says what hardware it is planned for: read by `qae plan`, ignored by `qae train`
 PLAN_TABLE = "plan"
 
 NEEDS_SWITCH = {"filter_metric": "dynamic_sampling", "max_gen_batches": "dynamic_sampling",
                 "on_gen_cap": "dynamic_sampling", "overlong_penalty": "overlong_buffer", "shaping": "overlong_buffer"}
+VLLM_ONLY = ("vllm_sleep", "vllm_gpu_memory")  # ... and these only with --engine vllm
 
 class Range(NamedTuple):
     """The sane range of a numeric option, and what to use instead when a value is outside it."""
@@ -393,13 +394,7 @@ class TrainConfig:
     @property
     def k_value(self) -> float | None:
         """--k as a number; None for 'auto' (chosen at the first step)."""
-        if self.k == "auto":
-            return None
-        try:
-            return float(self.k)
-        except ValueError:
-            raise QAEUserError(f"k: '{clipped(self.k)}' is not a number. Use a value in (0, 1) such as "
-                               f"{names.DEFAULT_K}, or 'auto'.") from None
+        return k_number(self.k)
 
     @property
     def prompt_format(self) -> PromptFormat:
@@ -490,6 +485,18 @@ class TrainConfig:
             raise QAEUserError(f"primary-reward: '{self.primary_reward}' names a component of --reward, and no "
                                "--reward is given (the task's own verifier is the only reward). Drop it, or pass "
                                "--reward.")
+
+
+def k_number(k: str) -> float | None:
+    """--k as a number; None for 'auto' (chosen at the first step). Its range is the estimator's rule
+    (core/estimators.py)."""
+    if k == "auto":
+        return None
+    try:
+        return float(k)
+    except ValueError:
+        raise QAEUserError(f"k: '{clipped(k)}' is not a number. Use a value in (0, 1) such as {names.DEFAULT_K}, or "
+                           "'auto'.") from None
 
 
 def check_launch_mixed_precision(mixed_precision: str) -> None:
@@ -647,13 +654,18 @@ def build_config(toml_path: Path | None = None, **cli_options: Any) -> TrainConf
 def check_given_together(cfg: TrainConfig, given: dict) -> None:
     """The rules about what the user gave (not the defaults): an option that acts only with a switch off, and
     --eval-every on data with nothing to evaluate."""
+    changed = {name for name, value in given.items() if name in FIELDS and value != FIELDS[name].default}
     for name, switch in NEEDS_SWITCH.items():
-        if name in given and not getattr(cfg, switch):
+        if name in changed and not getattr(cfg, switch):
             value = getattr(cfg, name)
             raise QAEUserError(f"{option_flag(name)}: {value} acts only with --{option_flag(switch)}, which is off, "
                                f"so it would change nothing (yet split `qae compare`'s groups). Add "
                                f"--{option_flag(switch)}{' N' if switch == 'overlong_buffer' else ''}, or drop "
                                f"--{option_flag(name)}.")
+    for name in sorted(changed.intersection(VLLM_ONLY)) if cfg.engine != "vllm" else []:
+        raise QAEUserError(f"{option_flag(name)}: {getattr(cfg, name)} acts only with --engine vllm, and this run's "
+                           f"engine is {cfg.engine}, so it would change nothing (yet be stored with the run). Add "
+                           "--engine vllm, or drop it.")
     if "rollout_correction_cap" in given and cfg.rollout_correction == "none":
         raise QAEUserError(f"rollout-correction-cap: {cfg.rollout_correction_cap} acts only with --rollout-correction "
                            "tis, and this run's is none, so it would change nothing. Add --rollout-correction tis, or "

@@ -89,11 +89,20 @@ class Plant:
 
 FILE_VARIANTS = ("link-out", "hard-link", "link-zero", "fifo", "empty", "truncated", "garbage", "deep", "wrong-types",
                  "huge", "pickle")
-DB_VARIANTS = ("view", "macro", "config-list", "config-bad-types", "config-deep", "column-type", "column-dropped")
+DB_VARIANTS = ("view", "macro", "config-list", "config-bad-types", "config-deep", "column-type", "column-dropped",
+               "config-nan-text", "config-huge-int", "config-bad-records")
+
+
+# a saved write that parses (issue 48): a truncation planted alone, a timestamp that is a number, a 4,000-digit integer
+PENDING_VARIANTS = {"truncate": {"kind": "truncate", "step": 0},
+                    "timestamp-number": {"kind": "step", "step": 1, "tables": {"steps": [{"loss": 0.5}]},
+                                         "logged_at": {"$datetime": 12345}},
+                    "huge-int": {"kind": "step", "step": 1, "tables": {"steps": [{"reward_mean": 10 ** 4000}]}}}
 
 
 def all_plants() -> list[Plant]:
     plants = [Plant(target, variant) for target in TARGETS for variant in FILE_VARIANTS]
+    plants += [Plant(PENDING, variant) for variant in PENDING_VARIANTS]
     plants += [Plant("qae.duckdb", variant) for variant in DB_VARIANTS]
     plants += [Plant("qae.duckdb.wal", variant) for variant in ("link-out", "fifo", "garbage")]
     plants += [Plant(folder, "link-out-dir") for folder in ("pending", f"{CHECKPOINT}/model", "checkpoints")]
@@ -106,7 +115,8 @@ QUICK = [Plant("config.json", "deep"), Plant("trainer.lock", "fifo"), Plant("qae
          Plant("qae.duckdb", "config-deep"), Plant(f"{CHECKPOINT}/manifest.json", "wrong-types"),
          Plant(f"{CHECKPOINT}/trainer_state.json", "pickle"), Plant("labels.json", "link-zero"),
          Plant(PENDING, "deep"), Plant("labels.json", "hard-link"), Plant("qae.duckdb", "column-type"),
-         Plant("qae.duckdb", "column-dropped")]
+         Plant("qae.duckdb", "column-dropped"), Plant("qae.duckdb", "config-nan-text"),
+         Plant("qae.duckdb", "config-huge-int"), Plant("qae.duckdb", "config-bad-records")]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -156,6 +166,8 @@ def plant_file(run_dir: Path, plant: Plant, marker: Path, outside: Path) -> None
     elif variant == "huge":
         with open(path, "wb") as f:
             f.truncate(HUGE_BYTES)
+    elif variant in PENDING_VARIANTS:
+        path.write_text(json.dumps(PENDING_VARIANTS[variant]))
     else:
         contents = {"empty": b"", "truncated": original[: len(original) // 2], "garbage": bytes(range(256)) * 16,
                     "deep": DEEP, "pickle": pickle_payload(marker)}
@@ -207,7 +219,13 @@ def _craft_database(path: Path, variant: str, outside: Path) -> None:
         else:
             value = {"config-list": "[1, 2, 3]",
                      "config-bad-types": json.dumps({"steps": "many", "group_size": [4], "k": {"a": 1}}),
-                     "config-deep": DEEP.decode()}[variant]
+                     "config-deep": DEEP.decode(),
+                     # issue 48 L10: `qae compare` met int('NaN'), `qae runs` an int too large for a float, and `qae
+                     # show` compared text with a number
+                     "config-nan-text": json.dumps({"seed": "NaN", "steps": "NaN"}),
+                     "config-huge-int": json.dumps({"seed": 10 ** 4000, "lr": 10 ** 4000}),
+                     "config-bad-records": json.dumps({"distributed": {"machines": "2", "processes": 2},
+                                                       "reward_files": [1]})}[variant]
             con.execute("UPDATE runs SET config = ?", [value])
 
 

@@ -7,12 +7,13 @@ numbers out."""
 
 import board
 import charts
+import loss_multiples
 import pandas as pd
 import streamlit as st
 
 from qae_app.analysis import run_comparison
+from qae_app.analysis.loss_table import TABLE_METRICS, loss_table
 from qae_app.core.errors import QAEUserError
-from qae_app.core.formatting import number
 from qae_app.store.reader import READ_STATUSES
 from qae_app.store.schema import STEP_METRICS
 
@@ -100,15 +101,7 @@ def estimate_text(estimate: run_comparison.Estimate | None, sign: bool = False) 
     """'0.700 [0.452, 0.948]': the mean over seeds and its 95% interval, '0.700 (n=2: no interval)' below
     `run_comparison.MIN_SEEDS` seeds, the mean alone with one; for a paired difference '+0.133 [-0.010, 0.277]
     p=0.0572'. `run_comparison.shown` rules what is printed, as in `qae compare`."""
-    shown = run_comparison.shown(estimate)
-    if shown.mean is None:
-        return "-"
-    text = ("+" if sign and shown.mean > 0 else "") + number(shown.mean)
-    if shown.interval is not None:
-        text += f" [{number(shown.interval[0])}, {number(shown.interval[1])}]"
-    elif shown.no_interval is not None:
-        text += f" ({shown.no_interval})"
-    return text + (f" p={shown.p_value:.3g}" if shown.p_value is not None else "")
+    return loss_multiples.cell_text(estimate, sign)
 
 
 def difference_text(difference: run_comparison.PairedDifference | None) -> str:
@@ -183,7 +176,7 @@ def pick_baseline(groups: list[run_comparison.RunGroup]) -> run_comparison.RunGr
 
 
 def curves_section(comparison: run_comparison.Comparison, band: str) -> None:
-    colors = {group.label: board.RUN_COLORS[i % len(board.RUN_COLORS)] for i, group in enumerate(comparison.groups)}
+    colors = board.method_colors({group.label: [run.run_id for run in group.runs] for group in comparison.groups})
     band, why = charts.resolve_band(band, max(len(group.runs) for group in comparison.groups))
     caption = (f"One color per group; the line is the mean over the group's seeds at each step, the band the "
                f"{charts.SEED_BANDS[band]}, cut at the values the metric can take (none where only one seed has the "
@@ -239,6 +232,28 @@ def _differences_table(comparison) -> None:
                        f"{board.literal(paired.note)}")
 
 
+def loss_section(comparison: run_comparison.Comparison, band: str) -> None:
+    """The bake-off in the paper's layout, where the groups are a grid of policy losses x (a base estimator, qae):
+    a table per metric (a row per loss) and the small multiples of entropy and held-out accuracy per loss."""
+    table = loss_table(comparison.groups)
+    if table is None:
+        return
+    st.subheader("By policy loss, as the paper's Table 2")
+    st.caption(f"A row per policy loss: {table.base_estimator}, the same loss with qae, and qae minus "
+               f"{table.base_estimator} paired by seed (mean [95% interval] p; no interval below "
+               f"{run_comparison.MIN_SEEDS} seeds), as `qae compare` prints it")
+    left, right = st.columns(2)
+    for i, metric in enumerate(TABLE_METRICS):
+        with (left, right)[i % 2]:
+            st.markdown(f"**{metric}**: {run_comparison.RUN_METRICS[metric]}")
+            st.dataframe(loss_multiples.metric_frame(table, metric), hide_index=True, key=f"loss_table_{metric}",
+                         placeholder="")
+    colors = {estimator: board.METHOD_COLORS[estimator] for estimator in (table.base_estimator, "qae")}
+    board.plot(loss_multiples.small_multiples(table, colors, band), "compare_loss_multiples")
+    st.caption("Each estimator in its color on every page; the line is the mean over the loss's seeds, the band the "
+               f"{charts.SEED_BANDS[band]}.")
+
+
 def body(run_ids: list[str]) -> None:
     records = [record for run_id in run_ids if (record := board.run_record(run_id)) is not None]
     if not records:
@@ -271,6 +286,7 @@ def body(run_ids: list[str]) -> None:
                                      "seed; auto: min-max up to 3 seeds, where t (12.71 at 2 seeds, 4.30 at 3) "
                                      "makes the interval unreadably wide, the t-interval from 4 seeds on.")
     curves_section(comparison, band)
+    loss_section(comparison, charts.resolve_band(band, max(len(group.runs) for group in comparison.groups))[0])
 
 
 st.header("Compare")

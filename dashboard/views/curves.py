@@ -125,7 +125,7 @@ def body(run_ids: list[str], smoothing: tuple[str, float], x: str, log_y: bool, 
             st.caption(f"Grouped curves are drawn over steps: the runs of a group differ in {x.replace('_', ' ')}.")
             x = "step"
         frames, heldout, groups = grouped(views, frames, heldout, group_by, seed_band)
-        colors = board.run_colors(list(groups))
+        colors = board.method_colors(groups)
         bands = {label: bands[run_ids[0]] for label, run_ids in groups.items() if run_ids[0] in bands}
         warnings = {}  # markers of one run's warnings: ungroup to see them
     axes = dict(x=x, log_y=log_y)

@@ -10,7 +10,7 @@ import streamlit as st
 from qae_app.analysis.differences import options_text
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import ago, duration, estimator_label, run_pace, setup_label
-from qae_app.store.labels import MAX_NOTE_CHARS, check_note, read_labels, tags_from_text, write_labels
+from qae_app.store.labels import MAX_NOTE_CHARS, check_note, labels_to_change, tags_from_text, write_labels
 from qae_app.store.reader import NOT_A_RUN, READ_STATUSES, resolve_run
 from qae_app.store.schema import STEP_METRICS
 
@@ -154,7 +154,7 @@ def save_labels(run_ids: list[str], key: str) -> None:
         run_id = run_ids[int(row)]
         try:
             folder = resolve_run(board.runs_dir(), run_id).parent
-            labels = read_labels(folder)
+            labels = labels_to_change(folder)
             if "tags" in changed:
                 labels.tags = tags_from_text(changed["tags"] or "")
             if "note" in changed:

@@ -334,7 +334,8 @@ def check_chunked_head(model: torch.nn.Module) -> int:
 
 
 def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int,
-                       temperature: float, with_entropy: bool = True, chunk_tokens: int | None = None):
+                       temperature: float, with_entropy: bool = True, chunk_tokens: int | None = None,
+                       **model_kwargs):
     """Log-probs and (if asked) entropies (n, T-1) of each sequence's next tokens, 0 at the positions before `first`:
     what `Trainer._forward_logprobs` computes from the full logits, without building them.
 
@@ -343,6 +344,9 @@ def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     the forward goes through the wrapper (DDP's gradient synchronization needs that), with `logits_to_keep=1`, and a
     hook on the decoder keeps its last hidden state (n, T, H), normalized, as the head reads it. Under FSDP2 the head
     is its gathered weight (`gathered_head`); FSDP1 and ZeRO-3 are refused: use the plain path for them.
+
+    `model_kwargs` go to the model's forward as well (a KV cache of the positions before input_ids, their
+    position_ids: qae_app.train.shared_prompts); attention_mask then covers the cache's columns too.
 
     In `Trainer._forward_logprobs` the model call, `token_logprobs_and_entropy` and the padding are then
     `return causal_lm_logprobs(model, input_ids, batch["attention_mask"][rows], first, self.cfg.temperature,
@@ -360,7 +364,8 @@ def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     hook = core.get_decoder().register_forward_hook(keep_last_hidden_state)
     try:
         # use_cache=False: the model would otherwise build a KV cache (its config says use_cache) that nothing reads
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **{_logits_keyword(core): 1})
+        out = model(input_ids=input_ids, attention_mask=attention_mask,
+                    **{"use_cache": False, **model_kwargs, _logits_keyword(core): 1})
     finally:
         hook.remove()
     hidden = captured["hidden"]  # (n, T, H)

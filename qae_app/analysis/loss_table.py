@@ -3,9 +3,9 @@ base estimator's mean over seeds, the same loss with QAE, and QAE minus the base
 interval under the one statistics rule (`run_comparison.shown`: none below `MIN_SEEDS` seeds).
 
 It applies to groups that form the bake-off grid (`qae sweep --policy-loss clip,clip_cov,kl_cov,gspo --estimator
-grpo,qae`): for each policy loss exactly one QAE group and one group of the base estimator, the same base estimator
-for every loss. Any other set of groups has no such table (`loss_table` gives None) and `qae compare` prints only its
-usual ones.
+grpo,qae`): two or more policy losses, for each exactly one QAE group and one group of the base estimator, the same
+base estimator for every loss. Any other set of groups (one loss among them: the usual tables already are its row)
+has no such table (`loss_table` gives None) and `qae compare` prints only its usual ones.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def group_loss(group: RunGroup) -> str:
 
 
 def loss_table(groups: list[RunGroup]) -> LossTable | None:
-    """The table, or None where the groups are not the grid (a loss without both estimators, two groups of one loss
-    and estimator, or two base estimators). Rows follow the losses' registry order (clip first)."""
+    """The table, or None where the groups are not the grid (one loss, a loss without both estimators, two groups of
+    one loss and estimator, or two base estimators). Rows follow the losses' registry order (clip first)."""
     by_loss: dict[str, dict[str, RunGroup]] = {}
     for group in groups:
         cell = by_loss.setdefault(group_loss(group), {})
@@ -71,7 +71,7 @@ def loss_table(groups: list[RunGroup]) -> LossTable | None:
             return None  # two groups of one loss and estimator (two Ks, or another option apart): no single row
         cell[estimator] = group
     bases = {estimator for cell in by_loss.values() for estimator in cell if estimator != QAE}
-    if len(bases) != 1 or any(set(cell) != {QAE, *bases} for cell in by_loss.values()):
+    if len(by_loss) < 2 or len(bases) != 1 or any(set(cell) != {QAE, *bases} for cell in by_loss.values()):
         return None
     base = bases.pop()
     order = [name for name in POLICY_LOSSES if name in by_loss] + sorted(set(by_loss) - set(POLICY_LOSSES))

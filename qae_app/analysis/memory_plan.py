@@ -21,7 +21,15 @@ What the plan counts, per GPU (one process), and in which phase of a step it is 
                       0): six float32 (tokens, vocab) tensors (FULL_LOGITS_COPIES, from bench/bench_memory.py's
                       measurements)
     vLLM              --engine vllm: its gpu_memory_utilization share of the GPU (--vllm-gpu-memory, 0.35 by
-                      default), which must hold vLLM's bfloat16 copy of the weights and leave room for its KV cache
+                      default), which must hold vLLM's copy of the weights in --rollout-dtype (bfloat16 by default)
+                      and leave room for its KV cache
+    sampling copy     --engine hf with --rollout-dtype other than --dtype: the engine's own copy of every weight in
+                      the rollout dtype (bfloat16 beside float32 weights: half the weights' bytes), held all run and
+                      synced after each update
+
+A mixture of experts (Qwen3MoE, Mixtral) counts every expert in what is stored (weights, gradients, optimizer
+states, the gathered layers, vLLM's copy) and the experts_per_token experts a token goes through in what is computed
+(activations; `ModelShape.active_parameters()` is what a token's compute scales with).
 
 A step has two phases that do not overlap: the rollouts (vLLM generates; the trainer holds its weights, gradients and
 optimizer state) and the update (the trainer's forward and backward passes). With --vllm-sleep (the default) vLLM's
@@ -30,7 +38,7 @@ rollouts, so the peak is what both phases hold plus the larger of the two phases
 
     peak = persistent + max(update phase, rollout phase)
     persistent    weights, gradients (kept from one update to the next), optimizer, DDP buckets, reference model,
-                  and vLLM with --no-vllm-sleep
+                  the hf engine's sampling copy, and vLLM with --no-vllm-sleep
     update phase  gathered layers and root, bf16 weight copies, activations, log-prob head
     rollout phase vLLM with --vllm-sleep
 
@@ -53,18 +61,19 @@ import tomllib
 from qae_app.config import PLAN_TABLE
 from qae_app.core import names
 from qae_app.core.errors import QAEUserError
+from qae_app.core.formatting import clipped
 from qae_app.models.packaged import PACKAGED_GGUF, packaged_gguf
 
 GB = 1e9
 RESERVE_FRACTION = 0.10  # of a GPU's memory, kept free for the CUDA context and the allocator's fragmentation
-VLLM_WEIGHT_BYTES = 2  # vllm_engine.VLLMEngine loads the weights in bfloat16
 SHARDINGS = {"ddp": "every process holds all weights, gradients and optimizer state (DDP, ZeRO-0)",
              "fsdp": "weights, gradients and optimizer state split over the processes (FSDP2)"}
 PERSISTENT, UPDATE_PHASE, ROLLOUT_PHASE = "both", "update", "rollout"
 # the phase of a step in which each component is held (see the module's docstring); vLLM's depends on --vllm-sleep
 PHASES = {"weights": PERSISTENT, "gradients": PERSISTENT, "optimizer": PERSISTENT, "DDP buckets": PERSISTENT,
-          "reference model": PERSISTENT, "gathered layers": UPDATE_PHASE, "gathered root": UPDATE_PHASE,
-          "bf16 weight copies": UPDATE_PHASE, "activations": UPDATE_PHASE, "log-prob head": UPDATE_PHASE}
+          "reference model": PERSISTENT, "sampling copy": PERSISTENT, "gathered layers": UPDATE_PHASE,
+          "gathered root": UPDATE_PHASE, "bf16 weight copies": UPDATE_PHASE, "activations": UPDATE_PHASE,
+          "log-prob head": UPDATE_PHASE}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 SHIPPED_CONFIGS = Path(__file__).parents[1] / "assets" / "model_configs"  # config.json of models nothing can download
 # float32 (tokens, vocab) tensors the full-logits path holds at its peak: the model's logits, logits / T, the
@@ -88,6 +97,13 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     tied_embeddings: bool
+    # a mixture of experts (Qwen3MoE, Mixtral): `moe_layers` of the layers route each token to `experts_per_token` of
+    # their `experts` MLPs of width `expert_intermediate` through a linear router; the other layers are dense MLPs of
+    # width `intermediate`. 0 experts: a dense model.
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    moe_layers: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -102,29 +118,70 @@ class ModelShape:
         """Qwen3 normalizes each head's queries and keys (q_norm, k_norm): more saved activations."""
         return self.model_type.startswith("qwen3")
 
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each decoder layer's linear layers, by name: LoRA's targets."""
+        """(in, out) of each decoder layer's linear layers, by name: LoRA's targets (a dense layer's)."""
         h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
+    def _attention_and_norms(self) -> int:
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        return 2 * h * q + 2 * h * kv + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+
+    def dense_layer_parameters(self) -> int:
+        return self._attention_and_norms() + 3 * self.hidden * self.intermediate
+
+    def moe_layer_parameters(self, active: bool = False) -> int:
+        """A mixture-of-experts layer: attention, norms, the router (hidden x experts) and every expert's gate, up and
+        down projections; `active`: only the experts_per_token experts one token goes through."""
+        experts = self.experts_per_token if active else self.experts
+        return (self._attention_and_norms() + self.hidden * self.experts
+                + experts * 3 * self.hidden * self.expert_intermediate)
+
     def layer_parameters(self) -> int:
-        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
-        return sum(a * b for a, b in self.linear_shapes().values()) + norms
+        """The largest decoder layer's parameters (what FSDP gathers at once: every expert of a MoE layer)."""
+        return max(self.moe_layer_parameters() if self.moe_layers else 0,
+                   self.dense_layer_parameters() if self.layers > self.moe_layers else 0)
+
+    def root_parameters(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
 
     def parameters(self) -> int:
-        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return embeddings + self.layers * self.layer_parameters() + self.hidden
+        """Every parameter: what the weights, gradients, optimizer states and vLLM's copy hold."""
+        return (self.root_parameters() + (self.layers - self.moe_layers) * self.dense_layer_parameters()
+                + self.moe_layers * self.moe_layer_parameters())
+
+    def active_parameters(self) -> int:
+        """The parameters one token goes through (a dense model: all of them): what its compute scales with."""
+        return (self.root_parameters() + (self.layers - self.moe_layers) * self.dense_layer_parameters()
+                + self.moe_layers * self.moe_layer_parameters(active=True))
 
     def layer_activation_elements(self) -> int:
         """Elements autograd keeps per token for one decoder layer's backward (memory-efficient attention: nothing of
         size tokens x tokens). Counted on transformers' Llama and Qwen3 layers with saved_tensors_hooks, parameters
         left out: 6 x hidden (the two RMSNorms' inputs and outputs, the residual sums), 4 x intermediate (gate, up,
         SiLU(gate), their product), 2 x (q_dim + kv_dim) for the projections and rotary embedding (4 x with Qwen3's
-        q_norm/k_norm), one float per head (the attention's log-sum-exp; two with Qwen3), 2 x head_dim (cos, sin)."""
+        q_norm/k_norm), one float per head (the attention's log-sum-exp; two with Qwen3), 2 x head_dim (cos, sin).
+        A mixture-of-experts layer's MLP part is `moe_mlp_activation_elements` instead (the larger of the two where a
+        model has both kinds of layer)."""
         attention = (4 if self.qk_norm else 2) * (self.q_dim + self.kv_dim)
         per_head = (2 if self.qk_norm else 1) * self.heads
-        return 6 * self.hidden + 4 * self.intermediate + attention + per_head + 2 * self.head_dim
+        mlp = 4 * self.intermediate if self.layers > self.moe_layers else 0
+        if self.moe_layers:
+            mlp = max(mlp, self.moe_mlp_activation_elements())
+        return 6 * self.hidden + mlp + attention + per_head + 2 * self.head_dim
+
+    def moe_mlp_activation_elements(self) -> int:
+        """What a mixture-of-experts MLP keeps per token, counted on transformers' Qwen3MoE layer with
+        saved_tensors_hooks: in each of the token's experts_per_token experts its input and output (2 x hidden), gate,
+        up, SiLU(gate) and their product (4 x expert_intermediate) and 9 values of routing indices and weights; the
+        router's softmax (one float per expert) and 4 more. The active experts' width, not every expert's."""
+        per_expert = 2 * self.hidden + 4 * self.expert_intermediate + 9
+        return self.experts_per_token * per_expert + self.experts + 4
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -141,11 +198,31 @@ def shape_from_config(config: dict, source: str) -> ModelShape:
             hidden=hidden, intermediate=int(text["intermediate_size"]), layers=int(text["num_hidden_layers"]),
             heads=heads, kv_heads=int(text.get("num_key_value_heads") or heads),
             head_dim=int(text.get("head_dim") or hidden // heads),
-            tied_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))))
+            tied_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
+            **_experts_of(text, source))
     except (KeyError, TypeError, ValueError) as err:
         raise QAEUserError(f"model: the config of {source} lacks {err} (needs vocab_size, hidden_size, "
                            "intermediate_size, num_hidden_layers, num_attention_heads): qae plan reads decoder-only "
                            "Llama-style configs.") from None
+
+
+def _experts_of(text: dict, source: str) -> dict:
+    """The mixture-of-experts fields of a config: Qwen3MoE's num_experts, moe_intermediate_size, decoder_sparse_step
+    and mlp_only_layers (which layers stay dense), Mixtral's num_local_experts (its experts are intermediate_size
+    wide, in every layer); {} for a dense model."""
+    experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    shared = [key for key in text if key.startswith("shared_expert") or key.startswith("n_shared")]
+    if shared:
+        raise QAEUserError(f"model: the config of {source} has shared experts ('{shared[0]}'), which qae plan does not "
+                           "count: it sizes dense models and Qwen3MoE / Mixtral-style mixtures of routed experts.")
+    step = int(text.get("decoder_sparse_step") or 1)
+    dense = set(text.get("mlp_only_layers") or ())
+    layers = int(text["num_hidden_layers"])
+    moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return {"experts": experts, "experts_per_token": int(text["num_experts_per_tok"]), "moe_layers": moe_layers,
+            "expert_intermediate": int(text.get("moe_intermediate_size") or text["intermediate_size"])}
 
 
 def _read_json(path: Path, source: str) -> dict:
@@ -256,7 +333,7 @@ class Hardware:
     def validate(self) -> Hardware:
         for name, value in (("gpus", self.gpus), ("gpu-memory", self.gpu_memory_gb),
                             ("prompt-tokens", self.prompt_tokens)):
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise QAEUserError(f"{name}: {value} must be a positive number. Pass e.g. --gpus 8 --gpu-memory 80 "
                                    "--prompt-tokens 2048.")
         if self.sharding not in SHARDINGS:
@@ -281,6 +358,10 @@ class UpdateShape:
 
 def lora_parameters(shape: ModelShape, rank: int, targets: tuple[str, ...] = ()) -> int:
     """A and B of every targeted linear layer: rank x (in + out) each."""
+    if shape.is_moe:
+        raise QAEUserError(f"lora-rank: qae plan does not size LoRA on a mixture of experts ({shape.source}: "
+                           f"{shape.experts} experts a layer, each with its own projections). Plan it with "
+                           "--lora-rank 0.")
     linears = shape.linear_shapes()
     chosen = targets or tuple(linears)
     unknown = [t for t in chosen if t not in linears]
@@ -312,7 +393,7 @@ def _parameter_rows(shape: ModelShape, update: UpdateShape, processes: int, shar
     if shard > 1:
         rows.append(("gathered layers", 2 * shape.layer_parameters() * wb,
                      "FSDP: the decoder layer computed and the one prefetched, whole"))
-        root = shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2) + shape.hidden
+        root = shape.root_parameters()
         rows.append(("gathered root", 2 * root * wb, "FSDP: embeddings, final norm, LM head whole, and their "
                      "gradients"))
     if update.autocast_weight_copy:
@@ -424,13 +505,19 @@ def _components(cfg, shape: ModelShape, hardware: Hardware) -> tuple[list, list]
     rows = update_components(shape, update, hardware.gpus, hardware.sharding, reference_model=cfg.kl_beta > 0
                              and not cfg.lora_rank)
     phases = dict(PHASES)
+    rollout_bytes = DTYPE_BYTES[cfg.rollout_dtype]  # the engine's weights: hf's copy, or vLLM's own
+    if cfg.engine == "hf" and cfg.rollout_dtype != cfg.dtype:
+        adapters = lora_parameters(shape, update.lora_rank, update.lora_targets) if update.lora_rank else 0
+        rows.append(("sampling copy", (shape.parameters() + adapters) * rollout_bytes,
+                     f"--rollout-dtype {cfg.rollout_dtype}: the engine's copy of the weights, {rollout_bytes} bytes "
+                     "each, synced after each update"))
     if cfg.engine == "vllm":
         share = cfg.vllm_gpu_memory
-        vllm_bytes, vllm_weights = share * hardware.gpu_memory_gb * GB, shape.parameters() * VLLM_WEIGHT_BYTES
+        vllm_bytes, vllm_weights = share * hardware.gpu_memory_gb * GB, shape.parameters() * rollout_bytes
         if vllm_bytes <= vllm_weights:  # vLLM itself would refuse to start on the GPU
             raise QAEUserError(
                 f"vllm-gpu-memory: {share:g} of each {hardware.gpu_memory_gb:g} GB GPU is "
-                f"{vllm_bytes / GB:.1f} GB, no more than vLLM's bfloat16 copy of the weights "
+                f"{vllm_bytes / GB:.1f} GB, no more than vLLM's {cfg.rollout_dtype} copy of the weights "
                 f"({vllm_weights / GB:.1f} GB), so nothing is left for its KV cache and vLLM would not start. Use "
                 f"--vllm-gpu-memory {math.ceil(vllm_weights / (hardware.gpu_memory_gb * GB) * 100) / 100:.2f} or more "
                 "(the KV cache gets the rest of the share), or plan for GPUs with more memory.")
@@ -504,11 +591,16 @@ def recipe_hardware(path: Path | None) -> dict:
         table = tomllib.loads(Path(path).read_text()).get(PLAN_TABLE, {})
     except (OSError, ValueError):  # load_toml, run first, names what is wrong with the file
         return {}
-    known = {"gpus", "gpu_memory_gb", "sharding", "prompt_tokens"}
-    unknown = set(table) - known
+    known = {"gpus": int, "gpu_memory_gb": (int, float), "sharding": str, "prompt_tokens": int}
+    unknown = set(table) - set(known)
     if unknown:
         raise QAEUserError(f"config: unknown key '{sorted(unknown)[0]}' in the [{PLAN_TABLE}] table of {path}. Known: "
                            f"{', '.join(sorted(known))}.")
+    for key, value in table.items():  # (TOML's true is no count of GPUs: planned, it read "True x 80 GB")
+        if isinstance(value, bool) or not isinstance(value, known[key]):
+            wanted = {"sharding": "a name", "gpu_memory_gb": "a number"}.get(key, "a whole number")
+            raise QAEUserError(f"config: [{PLAN_TABLE}] {key} = {clipped(repr(value))} in {path} is not {wanted}. "
+                               "Write e.g. gpus = 8, gpu_memory_gb = 80, sharding = \"fsdp\", prompt_tokens = 2048.")
     return table
 
 
@@ -520,7 +612,10 @@ def render(plan: Plan, console) -> None:
     from rich.table import Table
 
     hw = plan.hardware
-    console.print(f"[bold]qae plan[/]: {plan.shape.source}: {plan.shape.parameters() / 1e9:.3g}B parameters, "
+    shape = plan.shape
+    experts = (f" ({shape.active_parameters() / 1e9:.3g}B active a token: {shape.experts_per_token} of "
+               f"{shape.experts} experts)" if shape.is_moe else "")
+    console.print(f"[bold]qae plan[/]: {shape.source}: {shape.parameters() / 1e9:.3g}B parameters{experts}, "
                   f"{plan.shape.layers} layers, hidden {plan.shape.hidden:,}, vocab {plan.shape.vocab:,}; "
                   f"{hw.gpus} x {hw.gpu_memory_gb:g} GB, {hw.sharding}", highlight=False)
     table = Table(title="memory per GPU", title_justify="left")

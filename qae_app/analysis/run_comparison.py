@@ -28,11 +28,12 @@ from pathlib import Path
 import pandas as pd
 
 from qae_app.analysis.differences import reads_k
+from qae_app.analysis.settings import checked_settings
 from qae_app.core import policy_losses
 from qae_app.core.errors import QAEUserError
 from qae_app.core.formatting import missing
 from qae_app.store.labels import read_labels
-from qae_app.store.reader import component_table, query, read_component_means, read_run, read_steps, stored_config
+from qae_app.store.reader import component_table, query, read_component_means, read_run, read_steps
 from qae_app.store.run_folder import DB_FILE, list_run_dirs, read_run_file, recent_runs_text, validated_run_dir
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -591,7 +592,7 @@ def load_run(runs_dir: Path, run_id: str) -> RunRecord:
         raise QAEUserError(f"run: no run '{run_id}' in {runs_dir} (runs there, last written first: "
                            f"{recent_runs_text(runs_dir)}). See `qae runs`.")
     row = read_run(path)
-    config = stored_config(row)
+    config = checked_settings(row, path)
     steps = read_steps(path)
     components = component_table(read_component_means(path))  # (a run given --reward: each component's mean)
     if len(components.columns) > 1:

@@ -44,7 +44,9 @@ err_console = SafeConsole(stderr=True)
 
 def fail(err: QAEUserError) -> None:
     if not isinstance(err, SaidByTheMainProcess):  # (another process of the launch says it)
-        err_console.print(f"[bold red]error:[/] {escape(_clip_long_words(str(err)))}")
+        # soft_wrap: the terminal wraps the line; rich would fold a path longer than the width mid-name, and a user
+        # copying it (or a test reading it) would get a broken path
+        err_console.print(f"[bold red]error:[/] {escape(_clip_long_words(str(err)))}", soft_wrap=True)
     raise typer.Exit(code=2)
 
 

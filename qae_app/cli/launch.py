@@ -41,9 +41,10 @@ def end_processes() -> None:
 
 def done_with_the_run() -> None:
     """The run is stored (its final status written, its lock let go): from here the process only says so and exits. A
-    SIGTERM now (a supervisor, or `qae stop` a moment too late) changes nothing; without a handler it killed the
-    process by the signal after "done" (exit -15), which reads as a failed run."""
+    SIGTERM or SIGHUP now (a supervisor, `qae stop` a moment too late, the terminal closing) changes nothing; without a
+    handler it killed the process by the signal after "done" (exit -15), which reads as a failed run."""
     if own_process:
         import signal
 
-        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, lambda signum, frame: None)

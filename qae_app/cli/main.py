@@ -330,15 +330,17 @@ def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
               tag: Annotated[str | None, typer.Option(help="Only the runs tagged so (`qae tag`).")] = None) -> None:
     """List runs: status, estimator, K, steps and the latest reward, accuracy and entropy (model and task when the
     terminal is wide enough). A run is its folder; an unreadable database is listed with the reason."""
+    from qae_app.analysis.settings import listed_with_settings_checked
     from qae_app.cli.views import runs_view
     from qae_app.store.reader import run_summaries
 
     out = _view_console()
-    rows = run_summaries(runs_dir)
+    rows = [listed_with_settings_checked(row, runs_dir) for row in run_summaries(runs_dir)]
     if sweep is not None:
         from qae_app.analysis.run_comparison import in_sweep
+        from qae_app.store.reader import stored_config
 
-        rows = [row for row in rows if in_sweep(json.loads(row.get("config") or "{}"), sweep)]
+        rows = [row for row in rows if in_sweep(stored_config(row), sweep)]
         if not rows:
             out.print(f"no run of sweep '{escape(sweep)}' in {escape(str(runs_dir))}. Start it with `qae sweep`.")
             return
@@ -360,6 +362,7 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
              help="Comma-separated step metrics to show (default: the most important that fit the terminal).")] = None,
          ) -> None:
     """Summarize a run: status, config, pace while running, per-step metrics, evaluations and warnings."""
+    from qae_app.analysis.settings import checked_settings
     from qae_app.cli.views import show_view
     from qae_app.store.reader import (
         component_table,
@@ -384,6 +387,7 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
             raise QAEUserError(f"every: {every} is negative. Use 0 (about 15 rows) or a positive stride.")
         path = resolve_run(runs_dir, run)
         info = read_run(path)  # everything is read before anything is printed: a damaged file gives one message
+        checked_settings(info, path)
         steps, evals, warnings = read_steps(path), read_evals(path), read_warnings(path)
         found = read_preview(path) if info.get("estimator") == "preview" else None
         components = component_table(read_component_means(path))

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
@@ -16,12 +15,12 @@ from qae_app.core.errors import QAEUserError
 
 def _change_labels(run: str, runs_dir, change):
     """Read the run's labels, apply `change` (which checks its input), write them back; one message on bad input."""
-    from qae_app.store.labels import read_labels, write_labels
+    from qae_app.store.labels import labels_to_change, write_labels
     from qae_app.store.reader import resolve_run
 
     try:
         folder = resolve_run(runs_dir, run).parent
-        labels = read_labels(folder)
+        labels = labels_to_change(folder)
         change(labels)
         write_labels(folder, labels)
     except QAEUserError as err:
@@ -97,11 +96,11 @@ def _stop_sweep(sweep: str, runs_dir, timeout: float) -> None:
     """`qae stop --sweep`: the sweep's `qae sweep` processes and live runs stopped, each stopped run said."""
     from qae_app.analysis.run_comparison import in_sweep
     from qae_app.cli.sweep import SWEEPS_DIR
-    from qae_app.store.reader import DB_FILE, read_last_step, read_run, run_summaries
+    from qae_app.store.reader import DB_FILE, read_last_step, read_run, run_summaries, stored_config
     from qae_app.store.stop import stop_sweep
 
     try:
-        configs = {row["run_id"]: json.loads(row.get("config") or "{}") for row in run_summaries(runs_dir)}
+        configs = {row["run_id"]: stored_config(row) for row in run_summaries(runs_dir)}
         runs = [run_id for run_id, config in configs.items() if in_sweep(config, sweep)]
         names = {sweep, *(configs[run_id].get("sweep_name") for run_id in runs)} - {None}
         folders = [runs_dir / SWEEPS_DIR / str(name) for name in sorted(names)]
@@ -131,22 +130,27 @@ def rm(runs: Annotated[list[str] | None, typer.Argument(help="Run ids to delete 
     try:
         if sweep is not None:
             from qae_app.analysis.run_comparison import in_sweep
-            from qae_app.store.reader import run_summaries
+            from qae_app.store.reader import run_summaries, stored_config
 
-            runs = [*(runs or []), *(row["run_id"] for row in run_summaries(runs_dir)
-                                     if in_sweep(json.loads(row.get("config") or "{}"), sweep))]
-            if not runs:
+            of_sweep = [row["run_id"] for row in run_summaries(runs_dir) if in_sweep(stored_config(row), sweep)]
+            if not of_sweep:  # (whatever else is named: a sweep that is not there is a mistake, as `qae stop` says)
                 raise QAEUserError(f"sweep: no run of sweep '{sweep}' in {runs_dir}. Nothing was deleted.")
+            runs = [*(runs or []), *of_sweep]
         folders = folders_to_remove(runs_dir, runs or [])
     except QAEUserError as err:
         fail(err)
-    names_text = ", ".join(folder.name for folder in folders)
+    names_text = ", ".join(folder.name + (" (a link: only the link is removed)" if folder.is_symlink() else "")
+                           for folder in folders)
     if not yes and not typer.confirm(f"Delete {len(folders)} run(s) from {runs_dir}: {names_text}?", default=False):
         console.print("nothing deleted")  # the user's "no" is an answer, not a failure
         raise typer.Exit(code=0)
     for folder in folders:
         try:
-            remove_run_folder(folder)
+            target = remove_run_folder(folder)
         except QAEUserError as err:
             fail(err)
-    console.print(f"deleted {len(folders)} run(s): {escape(names_text)}", highlight=False)
+        if target is not None:
+            console.print(f"{escape(folder.name)} was a link to {escape(target)}: the link is removed, the folder it "
+                          "points at is kept (delete it yourself if you mean to)", highlight=False, soft_wrap=True)
+    console.print(f"deleted {len(folders)} run(s): {escape(', '.join(folder.name for folder in folders))}",
+                  highlight=False)

@@ -95,12 +95,11 @@ def preview_view(run_id: str, view: PreviewView, show: int = 6) -> RenderableTyp
 
 
 def _config(run: dict) -> dict:
-    import json
+    from qae_app.analysis.settings import settings_problem
+    from qae_app.store.reader import stored_config
 
-    try:
-        return json.loads(run.get("config") or "{}")
-    except ValueError:
-        return {}
+    config = stored_config(run)
+    return config if settings_problem(config) is None else {}
 
 
 def _rewards(view: PreviewView) -> Text:

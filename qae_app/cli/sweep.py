@@ -34,7 +34,7 @@ from qae_app.core import names
 from qae_app.core.errors import QAEUserError
 from qae_app.core.estimators import ESTIMATORS
 from qae_app.core.formatting import clipped
-from qae_app.core.host_faults import environment_errno, environment_error
+from qae_app.core.host_faults import environment_errno, environment_error, leave_the_terminal
 from qae_app.core.policy_losses import OWNERS, POLICY_LOSSES
 from qae_app.store.run_folder import (
     CONFIG_FILE,
@@ -327,7 +327,7 @@ def check_parallel(parallel: int) -> None:
 def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False, on_update=None) -> dict:
     """Run every point not yet done, `parallel` at a time. `on_update(states, steps)` is called every POLL_S seconds
     with each point's state ('done', 'kept', 'queued', 'running', 'failed', 'busy', 'interrupted') and its stored
-    step count. Returns {run_name: final state}. Ctrl-C / SIGTERM stop the running points the trainer's way
+    step count. Returns {run_name: final state}. Ctrl-C, SIGTERM or SIGHUP stop the running points the trainer's way
     (checkpoint, status interrupted) and return with them 'interrupted'."""
     check_parallel(parallel)
     states, queue = _starting_states(sweep, runs_dir)
@@ -337,14 +337,16 @@ def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False
     active: list[PointRun] = []
     stopping = False
 
-    def stop(*_):
+    def stop(signum, frame):
         nonlocal stopping
+        if signum == signal.SIGHUP:
+            leave_the_terminal()  # (its points' logs are files: only this process's terminal output goes)
         stopping = True
 
     # `qae stop --sweep` finds this process by its hold on the sweep; taken before the handlers are swapped, so a
     # refused lock file leaves the caller's handlers in place
     held = hold_sweep(sweep.folder)
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         while (queue and not stopping) or active:
             while queue and len(active) < parallel and not stopping:

@@ -1,6 +1,7 @@
 """Fault injection for the crash-safety tests: `QAE_FAULT=<point>@<step>` kills this process with SIGKILL (as
 `kill -9` would) when execution reaches that point at that step, `QAE_FAULT=raise:<point>@<step>` raises there, and
-`QAE_FAULT=term:<point>@<step>` sends SIGTERM to this process's group (as systemd or Slurm do).
+`QAE_FAULT=term:<point>@<step>` sends SIGTERM to this process's group (as systemd or Slurm do), and
+`QAE_FAULT=hup:<point>@<step>` SIGHUP (as a terminal that closes does).
 
 Points: `db_commit` (inside a step's database transaction, before COMMIT), `after_step_rows` (rows queued in the store,
 before they are written), `checkpoint_rename` (checkpoint written to `step-N.tmp`, before the rename), `finishing` (the
@@ -29,7 +30,7 @@ def fault_point(point: str, step: int) -> None:
         return
     if action == "raise":
         raise InjectedFault(f"injected fault at {point}, step {step}")
-    if action == "term":
-        os.killpg(os.getpgrp(), signal.SIGTERM)
+    if action in ("term", "hup"):
+        os.killpg(os.getpgrp(), signal.SIGTERM if action == "term" else signal.SIGHUP)
         return
     os.kill(os.getpid(), signal.SIGKILL)

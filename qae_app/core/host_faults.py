@@ -1,6 +1,7 @@
 """Faults of the machine, not of the user's data: a read-only or full disk, a file-size limit (`ulimit -f`), a
 permission, a name longer than the file system allows. Each is said with its cause and what to do, and told apart from
-a damaged run file (`run_file.is_damage_error`), whose advice (restore from a backup) would be wrong here.
+a damaged run file (`run_file.is_damage_error`), whose advice (restore from a backup) would be wrong here. And a
+terminal that hung up (`leave_the_terminal`).
 
 Torch- and DuckDB-free: config.py and the CLI's option checks use it at start-up.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 from pathlib import Path
 
 from qae_app.core.errors import QAEUserError
@@ -130,3 +132,22 @@ def check_path_names(option: str, path: Path | str) -> None:
     if long is not None:
         raise QAEUserError(f"{option}: '{long}' has a name over {NAME_MAX_BYTES} bytes, longer than the file system "
                            f"allows for one file or folder. Use a shorter name.")
+
+
+def leave_the_terminal() -> None:
+    """After SIGHUP (the terminal closed, an ssh session dropped): this process's standard output and error, where
+    they are a terminal, go to /dev/null from here on. A write to a terminal that hung up fails (EIO), and a run
+    stopping after its step with a checkpoint must not fail on a progress line nobody can see any more; a log file or
+    a pipe stays as it is. Safe in a signal handler."""
+    devnull = None
+    for fd in (1, 2):
+        try:
+            if not stat.S_ISCHR(os.fstat(fd).st_mode):  # a file, a pipe, a socket: its reader is still there
+                continue
+            if devnull is None:
+                devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+            os.dup2(devnull, fd)
+        except OSError:  # (closed already)
+            continue
+    if devnull is not None:
+        os.close(devnull)

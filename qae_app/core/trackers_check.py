@@ -1,5 +1,6 @@
 """What `qae train --report-to` names, checked before the run is made: each tracker known (core.names.TRACKERS),
-installed, and for MLflow a store it can open. The trackers themselves are train/trackers.py's."""
+installed, for MLflow a store it can open, and for W&B an API key (or its offline mode). The trackers themselves are
+train/trackers.py's."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ def report_to_trackers(value: str | None) -> list[str]:
                            "or drop it from --report-to.")
     if "mlflow" in wanted:
         check_mlflow_store()
+    if "wandb" in wanted:
+        check_wandb_login()
     return wanted
 
 
@@ -44,3 +47,22 @@ def check_mlflow_store() -> None:
                            "MLFLOW_TRACKING_URI to your MLflow server (http://HOST:5000) or to a folder (file:./mlruns "
                            "with MLFLOW_ALLOW_FILE_STORE=true), install the full mlflow for its sqlite store, or "
                            "drop mlflow from --report-to.") from None
+
+
+def check_wandb_login() -> None:
+    """W&B logs online only with an API key (WANDB_API_KEY, or `wandb login`'s netrc entry): without one wandb.init
+    stops the run with its own traceback once the run is made. Its offline and disabled modes need none. Read from
+    wandb's own settings and credentials, without contacting a server or prompting."""
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib.wbauth.authenticate import authenticate_session
+    except ImportError:  # (a wandb older than 0.31: wandb.init says it itself)
+        return
+    settings = wandb_setup.singleton().settings
+    if settings.mode in ("offline", "disabled", "dryrun") or settings.api_key:
+        return
+    if authenticate_session(host=settings.base_url, source="qae", prompt=False, update_session=False) is None:
+        raise QAEUserError(f"report-to: wandb has no API key here to log to {clipped(settings.base_url)} "
+                           "(WANDB_API_KEY is unset and `wandb login` was never run). Run `wandb login` or set "
+                           "WANDB_API_KEY, set WANDB_MODE=offline to keep its logs on disk (`wandb sync` later), or "
+                           "drop wandb from --report-to.")

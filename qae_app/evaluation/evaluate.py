@@ -369,7 +369,7 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None, trained=None,
         policy, codec = load_policy(target.model_path, cfg.dtype)
     prompts = [task.prompt(p) for p in problems]
     by_id = list(zip([p.prompt_id for p in problems], prompts, strict=True))
-    check_prompt_lengths(policy, codec, by_id, max_new_tokens, "bench")
+    check_prompt_lengths(policy, codec, by_id, max_new_tokens, "bench", cfg.system_prompt)
     rollout_engine = make_engine(cfg.engine, policy, codec, model_path=target.model_path,
                                  sampling=SamplingOptions(cfg.top_p, cfg.top_k, cfg.min_p),
                                  gpu_memory_utilization=cfg.vllm_gpu_memory, sleep=False,  # (no update to sleep in)

@@ -292,7 +292,7 @@ def run_preview(cfg: TrainConfig, runs_dir: Path, options: PreviewOptions,
     policy.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     by_id = [(p.prompt_id, task.prompt(p)) for p in (task.train[i] for i in prompts_at(task, cfg.seed, 0,
                                                                                           options.prompts))]
-    check_prompt_lengths(policy, codec, by_id, cfg.max_new_tokens, "data")
+    check_prompt_lengths(policy, codec, by_id, cfg.max_new_tokens, "data", cfg.system_prompt)
     engine = make_engine(cfg.engine, policy, codec, model_path=cfg.model, rollout_dtype=cfg.rollout_dtype,
                          sleep=False, gpu_memory_utilization=cfg.vllm_gpu_memory,
                          max_model_len=rollout_positions(policy, codec, by_id, cfg.max_new_tokens))

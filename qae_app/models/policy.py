@@ -495,11 +495,11 @@ def check_token_budget(codec: TextCodec, prompts: list[tuple[str, Prompt]], max_
 
 
 def check_prompt_lengths(model, codec: TextCodec, prompts: list[tuple[str, Prompt]], max_new_tokens: int,
-                         source: str) -> None:
+                         source: str, system_prompt: str | None = None) -> None:
     """QAEUserError, before anything runs, if a prompt (as encoded, chat template included) plus `max_new_tokens`
     does not fit the model's context: past it a model with learned positions crashes and a RoPE model degrades, and a
     megabyte prompt exhausts memory mid-run. `prompts` are (prompt id, text or chat messages); `source` names them
-    ("data").
+    ("data"); `system_prompt` (--system-prompt, which every prompt holds) is measured first, once.
 
     Only prompts that might not fit are encoded: a token covers at least one UTF-8 byte, so a prompt whose bytes plus
     the template's own tokens fit is known to fit.
@@ -511,6 +511,13 @@ def check_prompt_lengths(model, codec: TextCodec, prompts: list[tuple[str, Promp
     if budget < 1:
         raise QAEUserError(f"max-new-tokens: {max_new_tokens} leaves no room for a prompt in the model's context of "
                            f"{context:,} positions. Use --max-new-tokens below {context}.")
+    if system_prompt is not None and most_tokens(system_prompt, template_tokens(codec)) > budget:
+        n_tokens = len(codec.encode(system_prompt))  # (once: measured in each prompt, it took minutes at 1 MB)
+        if n_tokens > budget:
+            raise QAEUserError(f"system-prompt: it is {n_tokens:,} tokens on its own, and every prompt holds it: with "
+                               f"--max-new-tokens {max_new_tokens} a prompt needs {n_tokens + max_new_tokens:,} "
+                               f"positions or more, but the model's context is {context:,}. Shorten the system "
+                               "prompt, lower --max-new-tokens, or use a model with a longer context.")
     too_long = prompts_longer_than(codec, prompts, budget)
     if too_long:
         prompt_id, n_tokens = max(too_long, key=lambda item: item[1])

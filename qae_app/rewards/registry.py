@@ -31,6 +31,7 @@ response of a call in time, raises `RewardError`: one message, the user's traceb
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -39,9 +40,10 @@ from qae_app.core.formatting import clipped
 from qae_app.rewards.builtin_verifiers import ANSWER_EXTRACTORS, BuiltinVerifier
 from qae_app.rewards.specs import RewardSpec, parse_reward_spec, parse_reward_specs, parse_reward_weights
 from qae_app.rewards.user_functions import PASSED_ALWAYS, handle_item, load_user_rewards
-from qae_app.rewards.verifier_pool import MathVerifierPool
+from qae_app.rewards.verifier_pool import MathVerifierPool, WorkersDidNotStart
 
 PROBE_TIMEOUT_S = 30.0  # how long a worker may take to say what a function asks for (its import is the startup's)
+START_TIMEOUT_S = 120.0  # how long a worker may take to import the user's functions (and warm math-verify first)
 
 
 class RewardScores(NamedTuple):
@@ -86,7 +88,8 @@ class RewardSet:
         self.verifiers = verifiers or {spec.target: BuiltinVerifier(spec.target, timeout_s) for spec in self.specs
                                    if not spec.is_user_code}
         self.user_pool = (MathVerifierPool(timeout_s=timeout_s, memory_limit_mb=None, shortcuts=False,
-                                           handler=handle_item, init=(load_user_rewards, resolved))
+                                           startup_timeout_s=START_TIMEOUT_S, handler=handle_item,
+                                           init=(load_user_rewards, resolved))
                           if self.user_specs else None)
         self.weight_of: dict[str, float] = {spec.name: w for spec, w in zip(self.specs, self.weights, strict=True)}
         self.builtin_names = {spec.name for spec in self.specs if not spec.is_user_code}
@@ -122,8 +125,11 @@ class RewardSet:
         column names). Returns spec text -> {"path", "sha256"} of each user function's file: the run's record."""
         if self.user_pool is None:
             return {}
-        answers = self.user_pool.run_items([("probe", i) for i in range(len(self.user_specs))],
-                                      timeout_s=max(self.timeout_s, PROBE_TIMEOUT_S))
+        try:
+            answers = self.user_pool.run_items([("probe", i) for i in range(len(self.user_specs))],
+                                               timeout_s=max(self.timeout_s, PROBE_TIMEOUT_S))
+        except WorkersDidNotStart as err:
+            raise RewardError(self._start_failure(err)) from None
         available = sorted(set(columns) - set(PASSED_ALWAYS))
         record = {}
         for spec, answer in zip(self.user_specs, answers, strict=True):
@@ -142,6 +148,19 @@ class RewardSet:
                     "that column.")
             record[spec.text] = {"path": info["path"], "sha256": info["sha256"]}
         return record
+
+    def _start_failure(self, err: WorkersDidNotStart) -> str:
+        """What it means that the workers importing the user's functions did not start: the import of one of them
+        ends the process, or never finishes."""
+        named = ", ".join(spec.text for spec in self.user_specs)
+        if not err.exit_codes:
+            return (f"reward: {named}: importing it did not finish within {self.user_pool.startup_timeout_s:.0f} s "
+                    "(the worker that imports it never said it was ready): does the module sleep, or wait on "
+                    "something, when it is imported? Fix it and run the command again.")
+        codes = ", ".join(str(code) for code in err.exit_codes)
+        return (f"reward: {named}: the worker process importing it ended before it was ready, {len(err.exit_codes)} "
+                f"times in a row (exit codes {codes}): does the module end the process when it is imported "
+                "(os._exit, a crash in a native library)? Fix it and run the command again.")
 
     # -- scoring --------------------------------------------------------------------------------------------------
 
@@ -171,10 +190,18 @@ class RewardSet:
         return RewardScores(self._totals(components, n), components)
 
     def _totals(self, components: dict[str, list[float | None]], n: int) -> list[float]:
+        """Each response's weighted sum of its components; RewardError where one is not a finite number (weights
+        times scores past what a float holds): an advantage or a loss computed from it would be NaN."""
         totals = [0.0] * n
         for part in self.parts(components).values():
             for i, value in enumerate(part):
                 totals[i] += value
+        for i, total in enumerate(totals):
+            if not math.isfinite(total):
+                parts = ", ".join(f"{name} {components[name][i]!r} x {self.weight_of[name]:g}" for name in components)
+                raise RewardError(f"reward-weights: response {i + 1}'s weighted sum of its rewards is {total} "
+                                  f"({parts}), past what a number holds. Use smaller --reward-weights, or scale the "
+                                  "rewards to a range such as [0, 1].")
         return totals
 
     def parts(self, components: dict[str, list[float | None]]) -> dict[str, list[float]]:
@@ -204,6 +231,11 @@ class RewardSet:
         for k, result in enumerate(results):
             u, i = divmod(k, n)
             spec = self.user_specs[u]
+            if result is None and k in self.user_pool.died_items:  # (not a deadline: the process ended)
+                raise RewardError(f"reward: {spec.text} failed at step {step} on response {i + 1} of {n} "
+                                  f"({clipped(repr(completions[i]), 60)}): the worker process running it ended "
+                                  f"(exit code {self.user_pool.died_items[k]}). Does the function end the process "
+                                  "(os._exit, a crash in a native library)?")
             if result is None:
                 self.last_timeouts[spec.text] += 1
                 continue

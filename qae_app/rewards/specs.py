@@ -106,6 +106,9 @@ def parse_reward_weights(text: str | None, n_rewards: int) -> tuple[float, ...]:
     if not all(math.isfinite(w) for w in weights):
         raise QAEUserError(f"reward-weights: '{clipped(text)}' holds a value that is not a finite number. Pass finite "
                            "numbers, e.g. 1,0.5.")
+    if not math.isfinite(sum(abs(w) for w in weights)):  # (a response's weighted sum could be no number)
+        raise QAEUserError(f"reward-weights: '{clipped(text)}' sum to more than a number holds, so a response's "
+                           "weighted sum of its rewards would be infinite. Pass weights such as 1,0.5.")
     if len(weights) != n_rewards:
         raise QAEUserError(f"reward-weights: {len(weights)} weight{'s' * (len(weights) != 1)} ({clipped(text)}) for "
                            f"{n_rewards} reward{'s' * (n_rewards != 1)}. Pass one weight per --reward, in the same "

@@ -12,9 +12,9 @@ A whole `score()` call is bounded too (`batch_timeout_s`): items still unscored 
 towers costs a few timeouts, not one timeout per tower. Every item first gets a quick try (a sixth of its timeout);
 one that needs longer waits until every other item had its quick try, then gets its full timeout: a few hanging
 answers cannot starve the honest ones of the batch's time. Identical answers to the same gold are verified once.
-Workers ignore SIGINT and SIGTERM: a signal sent to the whole process group (Ctrl-C, `kill -TERM -PGID`, systemd,
-Slurm) is the trainer's to handle, and the pool finishes or abandons its call as the trainer decides (`interrupt()`
-makes the call raise `ScoringInterrupted`).
+Workers ignore SIGINT, SIGTERM and SIGHUP: a signal sent to the whole process group (Ctrl-C, `kill -TERM -PGID`,
+systemd, Slurm, a terminal that closes) is the trainer's to handle, and the pool finishes or abandons its call as the
+trainer decides (`interrupt()` makes the call raise `ScoringInterrupted`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,15 @@ from multiprocessing.connection import wait
 from qae_app.core.faults import fault_point
 from qae_app.core.names import MAX_ANSWER_CHARS
 from qae_app.rewards.answers import INTEGER_RE, check_lengths, extract_answer
+
+
+class WorkersDidNotStart(RuntimeError):
+    """The pool's workers could not start: each died before it said it was ready, `max_start_failures` in a row
+    (`exit_codes`: theirs), or one was not ready within `startup_timeout_s` (`exit_codes` empty)."""
+
+    def __init__(self, message: str, exit_codes: tuple = ()):
+        super().__init__(message)
+        self.exit_codes = exit_codes
 
 
 class ScoringInterrupted(Exception):
@@ -80,7 +89,7 @@ def verify_math(prediction: str, gold: str) -> float | None:
 
 
 _gold_cache: dict[str, list] = {}  # per process; a group of G responses shares one gold
-WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # the trainer's to handle
 
 
 def _worker_main(conn, memory_limit_mb: int | None, number: int = 0, fault_spec: str | None = None,
@@ -92,8 +101,8 @@ def _worker_main(conn, memory_limit_mb: int | None, number: int = 0, fault_spec:
     handler: what scores an item (default: math-verify on (prediction, gold)); init: (function, *args) run once
     before the worker says it is ready (user_functions.load_user_rewards imports the user's rewards here).
     """
-    # Ctrl-C and SIGTERM sent to the process group are the parent's to handle; it closes the pool. The parent started
-    # this process with them blocked, so none could kill it before these lines run.
+    # Ctrl-C, SIGTERM and SIGHUP sent to the process group are the parent's to handle; it closes the pool. The parent
+    # started this process with them blocked, so none could kill it before these lines run.
     for sig in WORKER_IGNORED_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_IGNORED_SIGNALS)
@@ -256,6 +265,7 @@ class MathVerifierPool:
         self.workers_started = 0
         self.items_scored = 0  # items a worker answered
         self.peak_busy = 0  # the most items being verified at once (workers verify side by side)
+        self.died_items: dict[int, int | None] = {}  # the last call's items whose worker died on them -> exit code
         self._failed_starts: list[int | None] = []  # exit codes of the workers that died starting, since the last ready
         self._workers: list[_Worker] = []
         self._lock = threading.RLock()
@@ -312,7 +322,7 @@ class MathVerifierPool:
         process = self._context.Process(target=_worker_main, name="qae-math-verify", daemon=True,
                                         args=(child_conn, self.memory_limit_mb, self.workers_started + 1,
                                               os.environ.get("QAE_FAULT"), self.handler, self.init))
-        # Start it with SIGINT/SIGTERM blocked: the new process (and the fork server, the first time) inherits the
+        # Start it with those signals blocked: the new process (and the fork server, the first time) inherits the
         # mask, so a signal to the whole process group cannot kill it before it has set them to be ignored. The fork
         # server never unblocks them, so it survives such a signal too. Start multiprocessing's resource tracker
         # first: starting it unblocks both signals in this thread, which would undo our block.
@@ -401,6 +411,7 @@ class MathVerifierPool:
         timeout of those whose quick try ran out. An item that a worker does not finish in time, or that the batch's
         deadline cuts off, scores None."""
         results: list[float | None] = [None] * len(items)
+        self.died_items = {}
         pending = deque((i, True) for i in range(len(items)))  # (item, quick try?): quick tries first, in order
         budget_s = self.batch_timeout_s or default_batch_timeout_s(self.timeout_s, len(items), self.num_workers)
         batch_deadline = None  # set when the first item is sent: starting the workers is not the batch's time
@@ -494,8 +505,8 @@ class MathVerifierPool:
                     self.timeouts += 1
                 self._replace(w)
             elif not w.ready and now >= w.started_at + self.startup_timeout_s:
-                raise RuntimeError(f"a {self.role} worker did not start within {self.startup_timeout_s:.0f} s; "
-                                   f"{self.startup_hint}")
+                raise WorkersDidNotStart(f"a {self.role} worker did not start within {self.startup_timeout_s:.0f} s; "
+                                         f"{self.startup_hint}")
 
     def _on_death(self, w: _Worker, results: list[float | None]) -> None:
         w.process.join()
@@ -508,15 +519,15 @@ class MathVerifierPool:
                 codes = ", ".join(_describe_exit(code) for code in self._failed_starts)
                 killed = all(code is not None and code < 0 for code in self._failed_starts)
                 hint = ("something kills new processes: the out-of-memory killer, or a memory limit below "
-                        f"memory_limit_mb={self.memory_limit_mb}?" if killed else
-                        "check that `python -c 'import math_verify'` works in this environment")
-                self._failed_starts.clear()
-                raise RuntimeError(f"math-verify workers died while starting, {self.max_start_failures} times in a "
-                                   f"row (exit codes {codes}); {hint}")
+                        f"memory_limit_mb={self.memory_limit_mb}?" if killed else self.startup_hint)
+                failed, self._failed_starts = tuple(self._failed_starts), []
+                raise WorkersDidNotStart(f"{self.role} workers died while starting, {self.max_start_failures} times "
+                                         f"in a row (exit codes {codes}); {hint}", failed)
             self._replace(w)
             return
         if w.item is not None:
             results[w.item] = None
+            self.died_items[w.item] = w.process.exitcode
         self.crashes += 1
         self._replace(w)
 

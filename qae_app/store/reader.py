@@ -209,6 +209,16 @@ def is_eval_run(folder: Path) -> bool:
     return results_only_kind(folder) == "eval"
 
 
+def check_run_file(path: Path) -> None:
+    """QAEUserError naming `path` unless it opens, read-only, as a qae run's database (damaged, another program's
+    DuckDB file, crafted); a file whose trainer holds it this instant passes (the run's lock says who trains it)."""
+    try:
+        query(path, "SELECT count(*) FROM runs")
+    except duckdb.Error as err:
+        if not is_lock_error(err):
+            raise
+
+
 def read_run(path: Path) -> dict:
     frame = query(path, SQL_RUN_SUMMARY)
     if frame.empty:

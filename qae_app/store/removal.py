@@ -1,6 +1,7 @@
 """`qae rm`: deleting run folders without racing a trainer or a reader. A run being trained is refused; a run
 being deleted is first renamed to a hidden name in one atomic step (so `qae runs` and the dashboard stop listing it at
-once, and a reader holding its file keeps reading what it opened), then removed."""
+once, and a reader holding its file keeps reading what it opened), then removed. A run folder that is a symbolic link
+is the link: it is removed, and the folder it points at, outside the runs dir, is left as it is."""
 
 from __future__ import annotations
 
@@ -31,8 +32,14 @@ def folders_to_remove(runs_dir: Path, runs: list[str]) -> list[Path]:
     return folders
 
 
-def remove_run_folder(folder: Path) -> None:
-    """Delete one run folder: under its lock (a trainer starting now is refused), renamed out of sight, removed."""
+def remove_run_folder(folder: Path) -> str | None:
+    """Delete one run folder: under its lock (a trainer starting now is refused), renamed out of sight, removed. A
+    linked run folder: the link is removed, never what it points at (nothing written there); returns where it
+    pointed (None for a folder of the runs dir's own)."""
+    if folder.is_symlink():
+        target = os.path.realpath(folder)
+        os.unlink(folder)
+        return target
     lock = RunLock(folder).acquire("rm")
     try:
         hidden = folder.with_name(f"{REMOVING_PREFIX}{folder.name}-{os.getpid()}")
@@ -40,3 +47,4 @@ def remove_run_folder(folder: Path) -> None:
     finally:
         lock.release()
     shutil.rmtree(hidden)
+    return None

@@ -22,6 +22,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import stat
 import time
 from pathlib import Path
@@ -97,7 +98,8 @@ def _refusal(path: Path, what: str, kind: str = "file") -> NotARegularFile:
 
 def check_own_folder(path: Path) -> bool:
     """True if `path` is a folder (not a symlink to one), False if nothing is there; NotARegularFile otherwise: qae
-    writes into `checkpoints/` and `pending/`, and a link planted there would take those writes out of the folder."""
+    writes into `checkpoints/`, `pending/` and `tensorboard/`, and a link planted there would take those writes out
+    of the folder."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -110,8 +112,8 @@ def check_own_folder(path: Path) -> bool:
 
 
 def _hard_link(path: Path, info: os.stat_result) -> NotARegularFile:
-    return _refusal(path, f"a hard link (one file under {info.st_nlink} names: writing it would change it under "
-                          "its other names too)")
+    return _refusal(path, f"a hard link (one file under {info.st_nlink} names: another file too, which qae must "
+                          "neither write nor take for the run's own)")
 
 
 def check_regular_file(path: Path, writing: bool = False) -> bool:
@@ -276,6 +278,26 @@ def list_checkpoints(run_folder: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+def check_checkpoint_entries(run_folder: Path) -> None:
+    """NotARegularFile for an entry of the run's checkpoints/ named as a checkpoint (`step-N`, or `step-N.tmp` left
+    by a killed save) that is a symbolic link or not a folder: a save at that step would remove it first, through a
+    link outside the run folder. (list_checkpoints passes such entries over; a resume refuses them by name here.)"""
+    folder = Path(run_folder) / CHECKPOINTS_DIR
+    for path in sorted(folder.glob("step-*")) if check_own_folder(folder) else []:
+        if checkpoint_step(path.with_name(path.name.removesuffix(".tmp"))) is not None:
+            check_own_folder(path)
+
+
+def remove_entry(path: Path) -> None:
+    """Remove what stands at `path` in a run folder, if anything: a folder of its own with all it holds; a link, a
+    file or a FIFO alone (never what a link points at: shutil.rmtree refuses a link, and following one would empty
+    a folder outside the run)."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
 def latest_checkpoint(run_folder: Path) -> Path | None:
     found = list_checkpoints(run_folder)
     return found[-1] if found else None
@@ -433,10 +455,15 @@ def lock_holder_pid(folder: Path) -> int | None:
 
 
 def trainer_alive(folder: Path) -> bool:
-    """Whether a live process holds the run's lock (is training it now)."""
+    """Whether a live process holds the run's lock (is training it now). A lock file that is a link, or a file with
+    other names (a hard link: another run's lock, any process's locked pid file), is no trainer's: RunLock never takes
+    one, so a lock held on it is someone else's."""
     try:
         fd = open_regular_file(Path(folder) / LOCK_FILE)
     except (OSError, QAEUserError):  # no lock file, or a planted one: no trainer of qae's holds it
+        return False
+    if os.fstat(fd).st_nlink > 1:
+        os.close(fd)
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

@@ -343,9 +343,10 @@ def _check_pending(write: PendingWrite) -> None:
     if write.kind == "run":
         step_ok = write.step is None
     else:
-        step_ok = isinstance(write.step, int) and not isinstance(write.step, bool) and write.step >= 0
+        step_ok = (isinstance(write.step, int) and not isinstance(write.step, bool)
+                   and 0 <= write.step < _INTEGER_BOUNDS["INTEGER"])
     if not step_ok:
-        raise ValueError(f"step {write.step!r} is not a step number (a whole number, 0 or more)")
+        raise ValueError(f"step {str(write.step)[:40]!r} is not a step number (a whole number, 0 or more)")
     if write.logged_at is not None and not isinstance(write.logged_at, datetime):
         raise ValueError("logged_at is not a timestamp")
     if write.kind == "step":
@@ -357,7 +358,7 @@ def _check_pending(write: PendingWrite) -> None:
             if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
                 raise ValueError(f"{table}: rows are not a list of objects")
             for row in rows:
-                _check_fields(row, row_columns(table), table)
+                _check_fields(row, {name: TABLES[table][name] for name in row_columns(table)}, table)
         return
     if write.tables is not None:
         raise ValueError(f"a {write.kind} write holds no tables")
@@ -367,26 +368,49 @@ def _check_pending(write: PendingWrite) -> None:
         return
     if not isinstance(write.fields, dict):
         raise ValueError(f"a {write.kind} write's fields are not an object")
-    _check_fields(write.fields, RUN_UPDATE_FIELDS if write.kind == "run" else tuple(STEP_METRICS), write.kind)
+    columns = RUN_UPDATE_FIELDS if write.kind == "run" else tuple(STEP_METRICS)
+    table = TABLES["runs" if write.kind == "run" else "steps"]
+    _check_fields(write.fields, {name: table[name] for name in columns}, write.kind)
     if write.kind == "run" and "status" in write.fields and write.fields["status"] not in STORED_STATUSES:
         raise ValueError(f"status {write.fields['status']!r} is not one of {', '.join(STORED_STATUSES)}")
 
 
-def _check_fields(fields: dict, columns, where: str) -> None:
+def _check_fields(fields: dict, columns: dict[str, str], where: str) -> None:
+    """ValueError unless every name of `fields` is one of `columns` (name -> SQL type) and its value one its column
+    holds."""
     unknown = set(fields) - set(columns)
     if unknown:
         raise ValueError(f"{where}: unknown columns {sorted(unknown)[:5]}")
     for name, value in fields.items():
-        if not _column_value(value):
-            raise ValueError(f"{where}.{name}: a {type(value).__name__} is not a value this column holds")
+        problem = _value_problem(value, columns[name].split()[0])
+        if problem:
+            raise ValueError(f"{where}.{name}: {problem}")
 
 
-def _column_value(value) -> bool:
-    """What the store's columns hold (TABLES: text, integers, doubles, booleans, timestamps, and lists of text or
-    numbers: token_values) or null."""
-    if isinstance(value, list):
-        return all(item is None or isinstance(item, (str, int, float)) for item in value)
-    return value is None or isinstance(value, (str, int, float, bool, datetime))
+_INTEGER_BOUNDS = {"INTEGER": 2 ** 31, "BIGINT": 2 ** 63}
+
+
+def _value_problem(value, sql_type: str) -> str | None:
+    """Why `value` is not one a column of `sql_type` (TABLES: VARCHAR, INTEGER, BIGINT, DOUBLE, BOOLEAN, TIMESTAMP,
+    lists of text or numbers) takes, or None (null always is): a number for a number or a flag (NaN: null), text or a
+    number for text, a timestamp for a timestamp, a list of them for a list, and no integer DuckDB cannot hold."""
+    if value is None:
+        return None
+    if sql_type.endswith("[]"):  # (token_values: lists of text or numbers)
+        if isinstance(value, list) and all(item is None or isinstance(item, (str, int, float)) for item in value):
+            return None
+        return f"a {type(value).__name__} is not a list this column ({sql_type}) holds"
+    if not isinstance(value, (str, int, float, datetime)):
+        return f"a {type(value).__name__} is not a value this column holds"
+    if isinstance(value, int) and not -_INTEGER_BOUNDS["BIGINT"] <= value < _INTEGER_BOUNDS["BIGINT"]:
+        return f"an integer of {len(str(abs(value))):,} digits is past what a column holds"
+    takes = {"TIMESTAMP": datetime, "VARCHAR": (str, int, float)}.get(sql_type, (int, float))
+    if not isinstance(value, takes):
+        return f"a {type(value).__name__} is not a value this column ({sql_type}) holds"
+    bound = _INTEGER_BOUNDS.get(sql_type)
+    if bound and isinstance(value, (int, float)) and value == value and not -bound <= value < bound:  # (NaN: null)
+        return f"{value!r} is past what this column ({sql_type}) holds"
+    return None
 
 
 def _json_value(value):
@@ -399,5 +423,9 @@ def _json_value(value):
 
 def _from_json_object(obj: dict):
     if len(obj) == 1 and _DATETIME_KEY in obj:
-        return datetime.fromisoformat(obj[_DATETIME_KEY])
+        value = obj[_DATETIME_KEY]
+        try:
+            return datetime.fromisoformat(value)
+        except (TypeError, ValueError):  # (a number, an object, text that is no timestamp)
+            raise ValueError(f"{{{_DATETIME_KEY!r}: {str(value)[:40]!r}}} is not a timestamp") from None
     return obj

@@ -160,9 +160,10 @@ class RunWriter:
     sync_each_spill = False
 
     def __init__(self, path: Path, run_id: str, lock_timeout_s: float = 0.2, open_timeout_s: float = 60.0,
-                 clock=time.monotonic, on_wait=None):
+                 clock=time.monotonic, on_wait=None, resume_from: int | None = None):
         """`on_wait(holder)`: called once if opening the file waits on another process for over
-        run_file.WAIT_NOTICE_S."""
+        run_file.WAIT_NOTICE_S. `resume_from`: the checkpoint step of a resume, the only writer that takes up a
+        saved truncation (`_load_spilled`); None for any other writer (`qae eval`, a new run)."""
         self.path = Path(path)
         self.clock = clock  # when writes are due (tests move it by hand)
         self.next_flush_at = -math.inf  # the first write is due at once
@@ -187,7 +188,8 @@ class RunWriter:
             if is_damage_error(err):
                 raise unreadable_run_error(self.path, damage_reason(err)) from err
             raise
-        self.pending: list[PendingWrite] = self._load_spilled()  # left by a trainer that never found the file free
+        # left by a trainer that never found the file free
+        self.pending: list[PendingWrite] = self._load_spilled(resume_from)
 
     @contextmanager
     def _open(self, timeout_s: float | None = None, on_wait=None) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -411,7 +413,12 @@ class RunWriter:
             finally:
                 os.close(fd)
 
-    def _load_spilled(self) -> list[PendingWrite]:
+    def _load_spilled(self, resume_from: int | None) -> list[PendingWrite]:
+        """The writes saved under pending/, in order. A truncation drops rows, and only a resume drops rows: anyone
+        else (`qae eval`) takes up the writes before the first one and leaves it and the rest where they are, for the
+        run's next resume. A resume never drops a step its checkpoint keeps (a saved truncation below `resume_from`
+        is raised to it): a real one is followed by every step it drops, saved too, while one planted alone would
+        empty the run."""
         pickled = pickled_pending_files(self.path.parent)
         if pickled:  # (a pre-release's: `qae migrate` converts them)
             raise pickled_pending_error(self.path.parent, pickled)
@@ -420,6 +427,10 @@ class RunWriter:
         self._spilled_count = int(found[-1].name.split("-")[0]) if found else 0  # new files are named after these
         for path in found:
             write = read_pending_write(path)
+            if write.kind == "truncate":
+                if resume_from is None:
+                    break
+                write.step = max(write.step, resume_from)
             write.spilled = path
             writes.append(write)
         for tmp in self.pending_dir.glob("*.tmp"):  # a spill killed before its rename: the write was not queued yet

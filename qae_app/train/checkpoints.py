@@ -32,6 +32,7 @@ from qae_app.store.run_folder import (
     checkpoint_step,
     list_checkpoints,
     read_run_file,
+    remove_entry,
     write_manifest,
 )
 from qae_app.train.checkpoint_state import (
@@ -178,8 +179,8 @@ class RunCheckpoints:
         acc.wait_for_everyone()
         final = self.run_dir / CHECKPOINTS_DIR / f"step-{state.step}"
         tmp = final.with_name(final.name + ".tmp")
-        if self.is_main and tmp.exists():
-            shutil.rmtree(tmp)
+        if self.is_main:
+            remove_entry(tmp)
         acc.wait_for_everyone()
         if self.is_main:
             tmp.mkdir(parents=True)
@@ -198,8 +199,7 @@ class RunCheckpoints:
             state.save(tmp / TRAINER_STATE)
             write_manifest(tmp)
             fault_point("checkpoint_rename", state.step)
-            if final.exists():
-                shutil.rmtree(final)
+            remove_entry(final)  # (a link planted there is removed, never followed)
             os.replace(tmp, final)
             for old in list_checkpoints(self.run_dir)[: -self.cfg.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)

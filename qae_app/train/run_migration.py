@@ -19,6 +19,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from qae_app.analysis.settings import STORED_BESIDE_OPTIONS
 from qae_app.config import FIELDS, TrainConfig
 from qae_app.core.errors import QAEUserError
 from qae_app.store.format_migration import (
@@ -34,7 +35,6 @@ from qae_app.store.run_folder import (
     RunLock,
     list_checkpoints,
     read_run_file,
-    recent_runs_text,
     validated_run_dir,
     write_manifest,
 )
@@ -47,7 +47,7 @@ from qae_app.train.checkpoint_state import (
     save_random_states,
     save_training_state,
 )
-from qae_app.train.session import STORED_BESIDE_OPTIONS, stored_config
+from qae_app.train.session import check_holds_a_database, stored_config
 
 ACCELERATE_RNG = "random_states_{process}.pkl"  # a pre-release checkpoint's random states, one file per process
 
@@ -56,9 +56,7 @@ def migrate_run(runs_dir: Path, run: str, trust_pickles: bool = False,
                 say: Callable[[str], None] = lambda line: None) -> list[str]:
     """Bring run folder `run` to the current format; returns what changed (empty: it was current already)."""
     folder = validated_run_dir(runs_dir, run)
-    if not (folder / DB_FILE).exists() and not (folder / CONFIG_FILE).exists():
-        raise QAEUserError(f"run: no run '{run}' in {runs_dir} (runs there, last written first: "
-                           f"{recent_runs_text(runs_dir)}). See `qae runs`.")
+    check_holds_a_database(runs_dir, run, folder, "run")  # (someone's folder with a config.json is not rewritten)
     lock = RunLock(folder).acquire("run")
     try:
         _refuse_pickles_untrusted(folder, trust_pickles)

@@ -31,21 +31,28 @@ from typing import Any
 
 import torch
 
+from qae_app.analysis.settings import STORED_BESIDE_OPTIONS, settings_problem
 from qae_app.config import FIELDS, RESUMABLE, TrainConfig, coerce_option, given_options, option_flag
 from qae_app.core.errors import QAEUserError
 from qae_app.core.estimators import ESTIMATORS
 from qae_app.core.faults import fault_point
+from qae_app.core.formatting import clipped
+from qae_app.core.host_faults import leave_the_terminal
 from qae_app.rewards.specs import check_named_again
-from qae_app.store.reader import logged_steps, read_run, results_only_kind
+from qae_app.store.reader import check_run_file, logged_steps, read_run, results_only_kind
 from qae_app.store.run_file import migrate_hint
 from qae_app.store.run_folder import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     DB_FILE,
+    NotARegularFile,
     RunLock,
+    check_checkpoint_entries,
     check_own_folder,
+    check_regular_file,
     config_restore_hint,
     eval_run_error,
+    latest_checkpoint,
     read_run_config,
     recent_runs_text,
     replace_run_file,
@@ -54,12 +61,11 @@ from qae_app.store.run_folder import (
 )
 from qae_app.store.writer import RunWriter
 from qae_app.train.checkpoints import RunCheckpoints
-from qae_app.train.trackers import Trackers, start_trackers
+from qae_app.train.trackers import TENSORBOARD_DIR, Trackers, start_trackers
 from qae_app.train.trainer_state import TrainerState
 
 CREATING_PREFIX = ".creating-"  # a run folder being created: hidden from readers until it is renamed into place
-# what a run's config.json holds besides its options: how the session ran, and its reward files (open_store)
-STORED_BESIDE_OPTIONS = ("distributed", "reward_files")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops a run after its step, with a checkpoint
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -74,13 +80,18 @@ def stored_config(folder: Path) -> TrainConfig:
     source = f"config.json {path}"
     values = {}
     stored = read_run_config(folder)  # (its errors say what to do already)
-    unknown = [key for key in stored if key not in FIELDS and key not in STORED_BESIDE_OPTIONS]
+    unknown = sorted(set(stored) - set(FIELDS) - STORED_BESIDE_OPTIONS)
     if unknown:
-        raise QAEUserError(f"{source}: '{unknown[0]}' is no option of this version (the run was written by an older "
-                           f"qae). {migrate_hint(Path(folder))}")
+        raise QAEUserError(f"{source} holds {', '.join(repr(clipped(key)) for key in unknown[:5])}, no setting of a "
+                           "qae run of this version. Nothing was written. If an older qae wrote the run: "
+                           f"{migrate_hint(Path(folder))} Otherwise the file is not a qae run's settings: "
+                           f"{config_restore_hint(folder)}")
+    problem = settings_problem({key: stored[key] for key in STORED_BESIDE_OPTIONS & set(stored)})
+    if problem:  # (the options are checked below, as a TOML file's are)
+        raise QAEUserError(f"{source}: {problem}. {config_restore_hint(folder)}")
     try:
         for key, value in stored.items():
-            if key in STORED_BESIDE_OPTIONS:
+            if key in STORED_BESIDE_OPTIONS:  # (checked above)
                 continue
             if value is None and "None" not in str(FIELDS[key].type):
                 raise QAEUserError(f"{source}: '{key}' = null, expected {str(FIELDS[key].type)}. "
@@ -107,9 +118,7 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
     if kind := results_only_kind(folder):
         raise eval_run_error("resume", folder, "There is nothing to resume; start a training run with another "
                                                "--run-name.", kind)
-    if not (folder / CONFIG_FILE).exists():
-        raise QAEUserError(f"resume: no run '{run}' in {runs_dir} (runs there, last written first: "
-                           f"{recent_runs_text(runs_dir)}). See `qae runs`.")
+    check_run_to_resume(runs_dir, run, folder)
     stored = stored_config(folder)
     check_named_again(stored.reward, given.get("reward"), run, stored.reward_weights)
     changes = {}
@@ -123,6 +132,51 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
                 f"may change: {', '.join(option_flag(n) for n in RESUMABLE)}).")
         changes[name] = value
     return dataclasses.replace(stored, run_name=run, **changes).validate()
+
+
+def check_run_to_resume(runs_dir: Path, run: str, folder: Path) -> None:
+    """A resume continues a run, so the folder must hold a run's database (a qae run file, read here, read-only) and
+    its config.json (check_holds_a_database)."""
+    check_holds_a_database(runs_dir, run, folder, "resume")
+    check_run_file(folder / DB_FILE)  # (a file that is not a run's, damaged or another program's, is named there)
+    if not (folder / CONFIG_FILE).exists():
+        raise QAEUserError(f"resume: run '{run}' in {runs_dir} has no {CONFIG_FILE}, the settings it was started "
+                           f"with. Nothing was written. {config_restore_hint(folder)}")
+
+
+def check_holds_a_database(runs_dir: Path, run: str, folder: Path, option: str) -> None:
+    """A command that writes into a run (`option`: a resume, `qae migrate`) needs one: a folder without a run's
+    database as a file of its own, a folder of someone's own with a config.json of its own too, is refused by name
+    before anything is written into it (a linked run folder leads outside the runs dir)."""
+    try:
+        has_database = folder.is_dir() and check_regular_file(folder / DB_FILE, writing=True)
+    except NotARegularFile as err:
+        raise QAEUserError(f"{option}: {err}") from None
+    if not folder.is_dir():
+        raise QAEUserError(f"{option}: no run '{run}' in {runs_dir} (runs there, last written first: "
+                           f"{recent_runs_text(runs_dir)}). See `qae runs`.")
+    if not has_database:
+        raise QAEUserError(_no_database(runs_dir, run, folder, option))
+
+
+def _no_database(runs_dir: Path, run: str, folder: Path, option: str) -> str:
+    """Why a folder without a database is not written into: a run's (its config.json a run's settings) lost it; any
+    other folder is no run, and what its config.json holds that no run's does is named."""
+    try:
+        unknown = sorted(set(read_run_config(folder)) - set(FIELDS) - STORED_BESIDE_OPTIONS)
+    except QAEUserError:  # (missing, damaged, planted: no run's settings either way)
+        unknown = None
+    if unknown == []:
+        newest = latest_checkpoint(folder)
+        lost = f", and with it the rows of the steps up to its checkpoint {newest.name}" if newest else ""
+        return (f"{option}: run '{run}' in {runs_dir} has no {DB_FILE}: it was deleted or moved aside{lost}. Nothing "
+                f"was written. Put the file back (from a backup), or start a new run with another --run-name.")
+    held = ", ".join(sorted(path.name for path in folder.iterdir())[:6]) or "nothing"
+    linked = f" (a link to {os.path.realpath(folder)})" if folder.is_symlink() else ""
+    keys = (f"; its {CONFIG_FILE} holds {', '.join(repr(clipped(key)) for key in unknown[:5])}, no setting of a qae "
+            "run") if unknown else ""
+    return (f"{option}: '{run}' in {runs_dir}{linked} is not a run: it holds no {DB_FILE} (it holds {held}{keys}). "
+            "Nothing was written." + (" Start a new run with another --run-name." if option == "resume" else ""))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -199,7 +253,9 @@ class RunSession:
             return
         if self.resuming:
             self._lock = RunLock(self.run_dir).acquire("resume")
-            check_own_folder(self.run_dir / CHECKPOINTS_DIR)  # (checkpoints saved through a link would land outside)
+            for folder in (CHECKPOINTS_DIR, TENSORBOARD_DIR):  # (saved through a link, they would land outside)
+                check_own_folder(self.run_dir / folder)
+            check_checkpoint_entries(self.run_dir)  # (nor a save replace a linked step-N: it removes the old first)
             return
         if kind := results_only_kind(self.run_dir):
             raise eval_run_error("run-name", self.run_dir, "Pick another --run-name for the training run.", kind)
@@ -251,7 +307,7 @@ class RunSession:
                     f"rows of steps 1-{state.step} are lost. Restore {DB_FILE} from a backup, or start a new "
                     "run.")
             # (opening refuses a file of an older format, naming `qae migrate`; it waits up to 60 s for a reader)
-            self.writer = RunWriter(db, self.run_id, on_wait=lambda holder: self._say(
+            self.writer = RunWriter(db, self.run_id, resume_from=state.step, on_wait=lambda holder: self._say(
                 f"[yellow]waiting for {db}: {holder} (a reader left open?). Close it to go on.[/]"))
             earlier = _stored_run(db)
             if earlier is None and state.step > 0:
@@ -407,12 +463,15 @@ class RunSession:
     # stopping
 
     def catch_stop_signals(self) -> None:
-        """Ctrl-C or SIGTERM asks to stop at the next step boundary (should_stop); a second Ctrl-C stops at once
-        (KeyboardInterrupt). close() puts the previous handlers back. Only from the main thread (signals reach it)."""
+        """Ctrl-C, SIGTERM or SIGHUP (a closed terminal, a dropped ssh session) asks to stop at the next step boundary
+        (should_stop); a second Ctrl-C stops at once (KeyboardInterrupt). close() puts the previous handlers back.
+        Only from the main thread (signals reach it)."""
         if threading.current_thread() is not threading.main_thread():
             return
 
         def request_stop(signum, frame):
+            if signum == signal.SIGHUP:
+                leave_the_terminal()  # (writing to a terminal that hung up fails: the run must still stop well)
             if self._waiting_for_store:
                 raise KeyboardInterrupt  # give up waiting for a reader: the rows stay safe under pending/
             if self.finishing:
@@ -428,10 +487,11 @@ class RunSession:
             if signum == signal.SIGINT:
                 self._say("[yellow]stopping after this step (checkpoint, then exit); Ctrl-C again to stop at once[/]")
             else:  # a repeated SIGTERM is the same request (above): only SIGKILL stops at once, losing the step
-                self._say("[yellow]SIGTERM: stopping after this step (checkpoint, then exit); sending it again changes "
-                          "nothing, kill -9 stops at once and loses the steps since the last checkpoint[/]")
+                self._say(f"[yellow]{signal.Signals(signum).name}: stopping after this step (checkpoint, then exit); "
+                          "sending it again changes nothing, kill -9 stops at once and loses the steps since the "
+                          "last checkpoint[/]")
 
-        self._previous_handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self._previous_handlers = {sig: signal.signal(sig, request_stop) for sig in STOP_SIGNALS}
 
     def should_stop(self) -> bool:
         """All processes agree to stop at the same step boundary (a signal may reach them at different times)."""

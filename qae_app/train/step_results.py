@@ -1,18 +1,117 @@
-"""What a step reports of its groups: `group_results` turns the step's generation batches, advantages and the
-update's no-grad pass into one `GroupResult` per group (plain Python values, what the store's rows are made of)."""
+"""What a step produces: its sampled and scored batches (`GenerationBatch`, `SampledStep`), what its update reports
+(`StepUpdate`), its output for the store (`StepOutput`, `step_tables`); and what it reports of its groups:
+`group_results` turns the step's generation batches, advantages and the update's no-grad pass into one `GroupResult`
+per group (plain Python values, what the store's rows are made of)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
 
 from qae_app.algo.advantages import REGIMES
 from qae_app.data.prompt_format import prompt_text
-from qae_app.store.rows import GroupResult, component_rows, group_rows, rollout_rows
+from qae_app.store.rows import GroupResult, component_rows, group_rows, rollout_rows, stored_responses
 from qae_app.store.signal import component_signal_rows
 from qae_app.store.tokens import token_rows
 from qae_app.train.token_values import TrainerTokens
 from qae_app.train.update import UpdateResult
+
+
+@dataclass
+class StepOutput:
+    """Everything one RL step produced; `fit` alone writes it."""
+
+    metrics: dict  # one `steps` row (STEP_METRICS names; heldout_accuracy filled in by fit)
+    groups: list[dict]  # B `groups` rows, gathered from every process
+    rollouts: list[dict]  # B * G `rollouts` rows
+    warnings: list[dict] = field(default_factory=list)  # `warnings` rows: kind, message
+    components: list[dict] = field(default_factory=list)  # `reward_components` rows (with --reward)
+    chosen_k: float | None = None  # the K that --k auto picked at this step, if it did
+    signal: list[dict] = field(default_factory=list)  # `component_signal` rows (with --reward)
+    tokens: list[dict] = field(default_factory=list)  # `token_values` rows (--store-tokens)
+
+
+@dataclass
+class GenerationBatch:
+    """This process's share of one generation batch (prompts_per_step prompts) of a step, sampled and scored."""
+
+    index: int  # 0 for a step's first batch; more with dynamic sampling
+    first_group: int  # step-wide group_idx of this process's first group: index * prompts_per_step + its offset
+    problems: list  # [B] tasks.Problem
+    prompts: list  # [B] data.prompt_format.Prompt: text or chat messages, as the engine was given them
+    samples: list  # [B * G] engines.base.Sample, sample j of prompt i at i * G + j
+    verified: list[bool]  # [B * G] the verifier gave a verdict
+    rewards: torch.Tensor  # (B, G) shaped: reward values plus the overlong penalty
+    correct: torch.Tensor  # (B, G) bool, the verifier's verdicts
+    components: dict = field(default_factory=dict)  # name -> [B * G] each response's value (stored with --reward)
+    reward_warning: dict | None = None  # a user reward left responses unscored at the deadline
+    parts: dict = field(default_factory=dict)  # name -> [B * G] each component's weighted part of the reward
+    weights: dict = field(default_factory=dict)  # name -> its weight
+
+
+@dataclass
+class SampledStep:
+    """This process's share of one step's responses, sampled and scored: every generation batch's, in order."""
+
+    batches: list[GenerationBatch]
+    trained: list[bool]  # [B] which of this process's groups train (dynamic sampling filters out the others)
+    n_trained: int  # the groups that train, over every process
+    rewards: torch.Tensor  # (B, G) shaped rewards of this process's groups of every batch, in order
+    correct: torch.Tensor  # (B, G) bool
+    samples: list  # [B * G] engines.base.Sample, sample j of group i at i * G + j
+    trained_samples: list  # [N] the samples of the trained groups, in order
+    # the engine measured every response's token entropies and log-probs while sampling (the filtered ones' too);
+    # else the rows take the trained ones' from the update's no-grad pass
+    engine_measured: bool
+    rollout_s: float
+    reward_s: float
+    cap_warning: dict | None  # the `warnings` row when dynamic sampling found too few groups with signal
+    kept_tokens: set[int] | None = None  # step-wide response indexes whose per-token values are stored (None: all)
+    weights: dict = field(default_factory=dict)  # each reward component's weight (with --reward)
+
+
+@dataclass
+class StepUpdate:
+    """What the step's update reports for the step's rows."""
+
+    stats: dict  # its columns of the `steps` row: NO_UPDATE's names, dH's, the attribution's, lr
+    # per trained response, in order, from the update's no-grad pass: mean token entropy, summed log-prob (None: the
+    # engine measured them, or this process trained no response)
+    response_stats: tuple[list[float], list[float]] | None = None
+    tokens: TrainerTokens = field(default_factory=TrainerTokens)  # the update's per-token numbers of kept responses
+
+
+@dataclass
+class HeldoutEval:
+    accuracy: float  # avg@k on the whole benchmark
+    evals: list[dict]  # `evals` rows
+    samples: list[dict]  # `eval_samples` rows
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    run_dir: Path
+    steps_done: int
+    status: str  # finished, interrupted (Ctrl-C / SIGTERM / SIGHUP; resumable)
+
+
+def step_tables(out: StepOutput | None, heldout: HeldoutEval | None, keep: str = "all", seed: int = 0,
+                step: int = 0) -> dict[str, list[dict]]:
+    """What `fit` hands the store for one step (step 0: the evaluation before training), by table; the response
+    texts as --store-responses `keep` says (every row stays, so counts are exact)."""
+    tables = {}
+    if out is not None:
+        tables.update(steps=[out.metrics], groups=out.groups, rollouts=stored_responses(out.rollouts, keep, seed, step),
+                      warnings=out.warnings, **({"reward_components": out.components} if out.components else {}),
+                      **({"component_signal": out.signal} if out.signal else {}),
+                      **({"token_values": out.tokens} if out.tokens else {}))
+    if heldout is not None:
+        tables.update(evals=heldout.evals, eval_samples=heldout.samples)
+    return tables
 
 
 @dataclass

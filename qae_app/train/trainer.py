@@ -29,7 +29,6 @@ database (`session.py`: the run folder's life, checkpoints, signals).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -65,7 +64,7 @@ from qae_app.models.policy import (
 from qae_app.models.sharding import describe, prepare, shard_models, sharding_plan_for
 from qae_app.rewards.registry import data_columns
 from qae_app.scoring.reward_path import run_benchmark, run_rewards, run_task, score_batch
-from qae_app.store.rows import step_metrics, stored_responses
+from qae_app.store.rows import step_metrics
 from qae_app.store.signal import primary_component
 from qae_app.store.tokens import kept_responses, responses_kept
 from qae_app.train import token_values
@@ -76,8 +75,21 @@ from qae_app.train.optimizer import optimizer_and_schedule
 from qae_app.train.precision import check_updates_move_the_weights
 from qae_app.train.reward_record import checked_record, file_record
 from qae_app.train.session import RunSession
-from qae_app.train.step_results import StepRows, TokenSources, group_results, sampling_policy_stats, step_rows
-from qae_app.train.token_values import CAPPED_METRICS, TrainerTokens, capped_tokens, trainer_tokens
+from qae_app.train.step_results import (
+    GenerationBatch,
+    HeldoutEval,
+    RunResult,
+    SampledStep,
+    StepOutput,
+    StepRows,
+    StepUpdate,
+    TokenSources,
+    group_results,
+    sampling_policy_stats,
+    step_rows,
+    step_tables,
+)
+from qae_app.train.token_values import CAPPED_METRICS, capped_tokens, trainer_tokens
 from qae_app.train.trainer_state import TrainerState
 from qae_app.train.update import (
     MISMATCH_METRICS,
@@ -88,101 +100,6 @@ from qae_app.train.update import (
     pack,
     policy_update,
 )
-
-
-@dataclass
-class StepOutput:
-    """Everything one RL step produced; `fit` alone writes it."""
-
-    metrics: dict  # one `steps` row (STEP_METRICS names; heldout_accuracy filled in by fit)
-    groups: list[dict]  # B `groups` rows, gathered from every process
-    rollouts: list[dict]  # B * G `rollouts` rows
-    warnings: list[dict] = field(default_factory=list)  # `warnings` rows: kind, message
-    components: list[dict] = field(default_factory=list)  # `reward_components` rows (with --reward)
-    chosen_k: float | None = None  # the K that --k auto picked at this step, if it did
-    signal: list[dict] = field(default_factory=list)  # `component_signal` rows (with --reward)
-    tokens: list[dict] = field(default_factory=list)  # `token_values` rows (--store-tokens)
-
-
-@dataclass
-class GenerationBatch:
-    """This process's share of one generation batch (prompts_per_step prompts) of a step, sampled and scored."""
-
-    index: int  # 0 for a step's first batch; more with dynamic sampling
-    first_group: int  # step-wide group_idx of this process's first group: index * prompts_per_step + its offset
-    problems: list  # [B] tasks.Problem
-    prompts: list  # [B] data.prompt_format.Prompt: text or chat messages, as the engine was given them
-    samples: list  # [B * G] engines.base.Sample, sample j of prompt i at i * G + j
-    verified: list[bool]  # [B * G] the verifier gave a verdict
-    rewards: torch.Tensor  # (B, G) shaped: reward values plus the overlong penalty
-    correct: torch.Tensor  # (B, G) bool, the verifier's verdicts
-    components: dict = field(default_factory=dict)  # name -> [B * G] each response's value (stored with --reward)
-    reward_warning: dict | None = None  # a user reward left responses unscored at the deadline
-    parts: dict = field(default_factory=dict)  # name -> [B * G] each component's weighted part of the reward
-    weights: dict = field(default_factory=dict)  # name -> its weight
-
-
-@dataclass
-class SampledStep:
-    """This process's share of one step's responses, sampled and scored: every generation batch's, in order."""
-
-    batches: list[GenerationBatch]
-    trained: list[bool]  # [B] which of this process's groups train (dynamic sampling filters out the others)
-    n_trained: int  # the groups that train, over every process
-    rewards: torch.Tensor  # (B, G) shaped rewards of this process's groups of every batch, in order
-    correct: torch.Tensor  # (B, G) bool
-    samples: list  # [B * G] engines.base.Sample, sample j of group i at i * G + j
-    trained_samples: list  # [N] the samples of the trained groups, in order
-    # the engine measured every response's token entropies and log-probs while sampling (the filtered ones' too);
-    # else the rows take the trained ones' from the update's no-grad pass
-    engine_measured: bool
-    rollout_s: float
-    reward_s: float
-    cap_warning: dict | None  # the `warnings` row when dynamic sampling found too few groups with signal
-    kept_tokens: set[int] | None = None  # step-wide response indexes whose per-token values are stored (None: all)
-    weights: dict = field(default_factory=dict)  # each reward component's weight (with --reward)
-
-
-@dataclass
-class StepUpdate:
-    """What the step's update reports for the step's rows."""
-
-    stats: dict  # its columns of the `steps` row: NO_UPDATE's names, dH's, the attribution's, lr
-    # per trained response, in order, from the update's no-grad pass: mean token entropy, summed log-prob (None: the
-    # engine measured them, or this process trained no response)
-    response_stats: tuple[list[float], list[float]] | None = None
-    tokens: TrainerTokens = field(default_factory=TrainerTokens)  # the update's per-token numbers of kept responses
-
-
-@dataclass
-class HeldoutEval:
-    accuracy: float  # avg@k on the whole benchmark
-    evals: list[dict]  # `evals` rows
-    samples: list[dict]  # `eval_samples` rows
-
-
-@dataclass
-class RunResult:
-    run_id: str
-    run_dir: Path
-    steps_done: int
-    status: str  # finished, interrupted (Ctrl-C / SIGTERM; resumable)
-
-
-def step_tables(out: StepOutput | None, heldout: HeldoutEval | None, keep: str = "all", seed: int = 0,
-                step: int = 0) -> dict[str, list[dict]]:
-    """What `fit` hands the store for one step (step 0: the evaluation before training), by table; the response
-    texts as --store-responses `keep` says (every row stays, so counts are exact)."""
-    tables = {}
-    if out is not None:
-        tables.update(steps=[out.metrics], groups=out.groups, rollouts=stored_responses(out.rollouts, keep, seed, step),
-                      warnings=out.warnings, **({"reward_components": out.components} if out.components else {}),
-                      **({"component_signal": out.signal} if out.signal else {}),
-                      **({"token_values": out.tokens} if out.tokens else {}))
-    if heldout is not None:
-        tables.update(evals=heldout.evals, eval_samples=heldout.samples)
-    return tables
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # sampling: which groups dynamic sampling keeps (each batch's seed: engines.sampling.step_seed)
@@ -342,6 +259,9 @@ class Trainer:
                                                            cfg.warmup_steps)
         self.model, self.optimizer = prepare(acc, model, optimizer)
         self.logprob_chunk_tokens = logprob_chunk_tokens(self.model, cfg.logprob_chunk_tokens, self._say)
+        # each group's prompt once per training forward (shared_prompts): not over sharded weights, whose forward
+        # gathers them once per call, nor under gradient checkpointing, which drops the prompt's cache
+        self.share_prompts = sharding_plan_for(acc).sharding == "none" and not cfg.gradient_checkpointing
         if self.ref_model is not None and not cfg.lora_rank:
             self.ref_model.to(acc.device)
         self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
@@ -359,7 +279,7 @@ class Trainer:
         """Refuse prompts (the data's, --eval-bench's) too long for the model's context with the responses, and a
         --max-tokens-per-micro-batch a single prompt and response overflow."""
         cfg = self.cfg
-        check_prompt_lengths(model, self.codec, data, cfg.max_new_tokens, "data")
+        check_prompt_lengths(model, self.codec, data, cfg.max_new_tokens, "data", cfg.system_prompt)
         if cfg.eval_bench and cfg.eval_every:  # the problems --eval-every evaluates, as `qae eval` checks them
             check_prompt_lengths(model, self.codec, evals, cfg.max_new_tokens, "eval-bench")
         if cfg.max_tokens_per_micro_batch is not None:  # (the trained prompts: the held-out ones are only sampled)
@@ -388,9 +308,9 @@ class Trainer:
     # the loop
 
     def fit(self, on_step=None) -> RunResult:
-        """Train until cfg.steps. Ctrl-C (or SIGTERM) stops at the end of the current step with a checkpoint, so a
-        resumed run is exactly the uninterrupted one, and returns status `interrupted`; a second Ctrl-C stops at once
-        (rows kept, the newest checkpoint stays the resume point).
+        """Train until cfg.steps. Ctrl-C (or SIGTERM, SIGHUP) stops at the end of the current step with a checkpoint,
+        so a resumed run is exactly the uninterrupted one, and returns status `interrupted`; a second Ctrl-C stops at
+        once (rows kept, the newest checkpoint stays the resume point).
 
         Every second of a step is in its row: rollout_s, reward_s, update_s and sync_s (train_step), eval_s, write_s
         (building rows and waiting for the store, which writes on its own thread while the next step trains) and
@@ -687,7 +607,8 @@ class Trainer:
         dense reference), lockstep (on one machine), logits_keyword (full forward), logprob_chunk_tokens."""
         return UpdateOptions.from_config(self.cfg, skip_gated=self.skip_gated, lockstep=self.lockstep,
                                          logits_keyword=self.logits_keyword,
-                                         logprob_chunk_tokens=self.logprob_chunk_tokens)
+                                         logprob_chunk_tokens=self.logprob_chunk_tokens,
+                                         share_prompts=self.share_prompts and not self.lockstep)
 
     # -------------------------------------------------------------------------------------------------------------
     # evaluation

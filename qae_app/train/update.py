@@ -59,6 +59,7 @@ from qae_app.algo.policy_loss_registry import (
 from qae_app.algo.token_selection import SelectionTokens
 from qae_app.core.errors import QAEUserError
 from qae_app.models import sharding
+from qae_app.train.shared_prompts import shared_prompt_logprobs
 
 # the options TrainConfig gives the update, by the same names
 CONFIG_OPTIONS = ("num_mini_batches", "ppo_epochs", "micro_batch_size", "clip_low", "clip_high", "loss_agg",
@@ -88,6 +89,7 @@ class UpdateOptions:
     logits_keyword: str | None = None  # the model's keyword for the last positions' logits (see logits_keyword)
     logprob_chunk_tokens: int = 0  # tokens per chunk of the chunked vocabulary projection; 0: the full logits
     loss: LossSettings = LossSettings()  # the policy loss by name, its options, the entropy controls
+    share_prompts: bool = False  # each distinct prompt once per forward (shared_prompts): unsharded, no checkpointing
 
     @classmethod
     def from_config(cls, cfg, **how) -> UpdateOptions:
@@ -199,6 +201,11 @@ def forward_logprobs(model, batch, rows: torch.Tensor, options: UpdateOptions, w
     sequence: `pack` pads on the right, so the columns cut are padding, which no real position attends to); every
     position predicting padding is then 0, the columns cut included. None: all T columns, as they are (cutting the
     padding of fixed micro-batches would change the last bit of the update that runs have always made)."""
+    if options.share_prompts:  # the same numbers to float32 rounding, each group's prompt computed once
+        shared = shared_prompt_logprobs(model, batch, rows, options.temperature, with_entropy,
+                                        options.logprob_chunk_tokens)
+        if shared is not None:
+            return shared
     input_ids = batch["input_ids"][rows]  # (n, T)
     attention_mask = batch["attention_mask"][rows]  # (n, T)
     full_width = input_ids.shape[1]

@@ -73,5 +73,7 @@ def test_groups_that_are_not_the_grid_have_no_table():
     assert loss_table(group_runs([run for run in grid if not run.run_id.startswith("kl_cov-qae")])) is None
     another_k = [*grid, _run("clip", "qae", 0, 0.6, [1.0] * 4, 0.8, k="0.3")]
     assert loss_table(group_runs(another_k)) is None  # two QAE groups for clip: which is the row's?
+    clip = [run for run in grid if run.run_id.startswith("clip")]
+    assert loss_table(group_runs(clip)) is None  # one loss: the usual tables are its row
     third = [*grid, *(_run(loss, "rloo", 0, 0.6, [1.0] * 4, 0.3) for loss in ("clip", "kl_cov"))]
     assert loss_table(group_runs(third)) is None  # two base estimators

@@ -15,6 +15,7 @@ from qae_app.analysis.memory_plan import (
     Hardware,
     ModelShape,
     UpdateShape,
+    lora_parameters,
     model_shape,
     plan_run,
     recipe_hardware,
@@ -238,6 +239,33 @@ def test_vllms_share_is_the_one_given_and_one_too_small_for_its_weights_is_refus
     assert result.exit_code != 0 and "vllm-gpu-memory: 0.2 of each 80 GB GPU" in " ".join(result.output.split())
 
 
+def test_the_samplers_own_copy_of_the_weights_is_counted_in_its_dtype():
+    """--engine hf --rollout-dtype bfloat16 beside float32 weights: the engine holds a bfloat16 copy of every weight
+    all run (2 bytes a parameter, LoRA's adapters included); in --dtype it samples from the trained weights (no copy).
+    vLLM's weights are counted in --rollout-dtype too: a float32 vLLM needs twice the share for them."""
+    shape = model_shape("builtin:tiny")
+    p = shape.parameters()
+    hardware = Hardware(1, 1.0, prompt_tokens=8)
+
+    def rows(**options):
+        plan = plan_run(build_config(micro_batch_size=1, max_new_tokens=8, **options), shape, hardware)
+        return {name: (size, phase) for name, size, phase, _ in plan.components}, plan.total
+
+    plain, plain_total = rows()
+    copied, copied_total = rows(rollout_dtype="bfloat16")
+    assert "sampling copy" not in plain and copied["sampling copy"] == (2 * p, "both")
+    assert copied_total == plain_total + 2 * p
+    adapters = rows(rollout_dtype="bfloat16", lora_rank=2)[0]
+    assert adapters["sampling copy"][0] == 2 * (p + lora_parameters(shape, 2)) and adapters["sampling copy"][0] > 2 * p
+    assert "sampling copy" not in rows(dtype="bfloat16", rollout_dtype="bfloat16", lr=1e-3)[0]
+    qwen = model_shape("Qwen/Qwen3-8B-Base")
+    with pytest.raises(QAEUserError, match=r"no more than vLLM's float32 copy of the weights \(32\.8 GB\)"):
+        plan_run(build_config(engine="vllm", rollout_dtype="float32", vllm_gpu_memory=0.35), qwen,
+                 Hardware(1, 80.0, prompt_tokens=8))
+    result = runner.invoke(app, ["plan", "--model", "builtin:tiny", "--rollout-dtype", "bfloat16"])
+    assert result.exit_code == 0 and "sampling copy" in result.output
+
+
 def test_the_cpu_recipes_prompt_tokens_cover_its_prompts():
     from qae_app.data.tasks import load_task
     from qae_app.models.policy import CharTokenizer
@@ -293,3 +321,126 @@ def test_the_plan_fits_the_terminal_and_plans_the_built_in_model_with_its_own_pr
 
     longest = max(len(p.question) for p in load_task("chain").train + load_task("chain").heldout)
     assert f"(--prompt-tokens {longest + 1} + --max-new-tokens 48)" in chain.output
+
+
+# --- a mixture of experts: Qwen3-30B-A3B-Base, the GSPO recipes' model
+
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+                     tie_word_embeddings=False)
+
+
+def test_a_mixture_of_experts_counts_every_expert_and_the_active_ones_as_transformers_builds_them(tmp_path):
+    """Qwen3-30B-A3B-Base's shapes (the model card: 30.5B parameters, 3.3B activated) built by transformers on the meta
+    device (no memory, no download): every parameter is counted, and the active ones are the model less the experts a
+    token does not go through (120 of 128 in each of 48 layers). The shipped config gives the same shape.
+    Checked to fail before: the dense count read intermediate_size 6144 as every layer's MLP, 3.34B parameters."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(**QWEN3_30B_A3B)
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    experts = model.model.layers[0].mlp.experts
+    per_expert = sum(p.numel() for p in experts.parameters()) // config.num_experts
+    active = total - config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * per_expert
+    config.save_pretrained(tmp_path)
+    shape = model_shape(str(tmp_path))
+    assert (shape.experts, shape.experts_per_token, shape.expert_intermediate, shape.moe_layers) == (128, 8, 768, 48)
+    assert shape.parameters() == total and shape.active_parameters() == active
+    assert total == pytest.approx(30.5e9, rel=2e-3) and active == pytest.approx(3.35e9, rel=2e-3)
+    shipped = model_shape("Qwen/Qwen3-30B-A3B-Base")
+    assert "shipped" in shipped.source and dataclasses.replace(shipped, source="") == dataclasses.replace(shape,
+                                                                                                          source="")
+    # FSDP gathers a whole layer, every expert in it
+    assert shape.layer_parameters() == sum(p.numel() for p in model.model.layers[0].parameters())
+
+
+def test_a_mixtral_config_and_dense_layers_among_experts_are_counted_as_transformers_builds_them(tmp_path):
+    """Mixtral's experts are intermediate_size wide in every layer; Qwen3MoE's mlp_only_layers and
+    decoder_sparse_step keep some layers dense."""
+    import torch
+    import transformers
+
+    cases = [transformers.MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2),
+             transformers.Qwen3MoeConfig(**{**QWEN3_30B_A3B, "vocab_size": 300, "hidden_size": 64,
+                                            "intermediate_size": 96, "moe_intermediate_size": 32,
+                                            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                            "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                            "decoder_sparse_step": 2, "mlp_only_layers": [3]})]
+    for index, config in enumerate(cases):
+        config.save_pretrained(tmp_path / str(index))
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        shape = model_shape(str(tmp_path / str(index)))
+        assert shape.parameters() == sum(p.numel() for p in model.parameters()), config.model_type
+    assert shape.moe_layers == 1  # layers 1 and 3 are sparse by the step; 3 is dense by mlp_only_layers
+
+
+def test_shared_experts_are_refused_naming_the_key():
+    from qae_app.analysis.memory_plan import shape_from_config
+
+    config = {"model_type": "qwen2_moe", "vocab_size": 100, "hidden_size": 8, "intermediate_size": 16,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 8, "shared_expert_intermediate_size": 16}
+    with pytest.raises(QAEUserError, match="model: the config of x has shared experts .'shared_expert_intermediate"):
+        shape_from_config(config, "x")
+
+
+def test_the_moe_activation_count_is_what_autograd_keeps_of_a_qwen3_moe_layer():
+    """As for a dense layer: every tensor a Qwen3MoE decoder layer saves for its backward, per token, against
+    layer_activation_elements (the experts a token goes through, not all of them)."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=96, intermediate_size=160, moe_intermediate_size=40,
+                                         num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                                         num_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    for parameter in model.parameters():  # (the router starts at zero: every token would tie)
+        torch.nn.init.normal_(parameter, std=0.02)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    tokens = 64
+    hidden = torch.randn(1, tokens, 96, requires_grad=True)
+    positions = torch.arange(tokens)[None]
+    rotary = model.model.rotary_emb(hidden, positions)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        model.model.layers[0](hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+    shape = tiny_shape(model_type="qwen3_moe", hidden=96, intermediate=160, heads=6, kv_heads=2, head_dim=16,
+                       layers=1, experts=8, experts_per_token=2, expert_intermediate=40, moe_layers=1)
+    assert sum(saved.values()) / 4 / tokens == pytest.approx(shape.layer_activation_elements(), rel=0.01)
+
+
+def test_the_gspo_recipe_does_not_fit_8_x_80_gb_and_says_why():
+    """Qwen3-30B-A3B under FSDP2 with vLLM on 8 x 80 GB: each process's vLLM holds every expert in bfloat16 (61.1 GB,
+    more than the default 0.35 share: refused, naming the share that holds them); given that share, the peak (61.1 GB
+    of sharded float32 state + vLLM's 68 GB) is far above the 72 GB usable. The recipe's own hardware (16 x 141 GB)
+    fits (test_every_recipe_fits_the_hardware_it_is_planned_for)."""
+    path = next(p for p in RECIPES if p.name == "paper-qwen3-30b-a3b-gspo-qae.toml")
+    cfg = build_config(path)
+    shape = model_shape(cfg.model)
+    eight = Hardware(8, 80, "fsdp", recipe_hardware(path)["prompt_tokens"])
+    with pytest.raises(QAEUserError, match=r"vLLM's bfloat16 copy of the weights \(61\.1 GB\).*Use --vllm-gpu-memory "
+                                           r"0\.77 or more"):
+        plan_run(build_config(path, vllm_gpu_memory=0.35), shape, eight)
+    plan = plan_run(build_config(path, vllm_gpu_memory=0.85), shape, eight)
+    assert plan.phase("both") == 16 * shape.parameters() / 8
+    assert not plan.fits and plan.total == pytest.approx(129.1 * GB, rel=1e-3)
+    result = runner.invoke(app, ["plan", "--config", str(path), "--gpus", "8", "--gpu-memory", "80",
+                                 "--vllm-gpu-memory", "0.85"], env={"COLUMNS": "200"})
+    text = " ".join(result.output.split())
+    assert "30.5B parameters (3.35B active a token: 8 of 128 experts)" in text
+    assert "does not fit: 129.1 GB of 72.0 GB usable" in text

@@ -3,13 +3,19 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import duckdb
 import pytest
 from typer.testing import CliRunner
 
 from qae_app.cli.main import app
 from qae_app.store.labels import LABELS_FILE, read_labels
-from qae_app.store.run_folder import RunLock
+from qae_app.store.run_folder import RunLock, trainer_alive
 from tests.synthetic import write_run
 
 runner = CliRunner()
@@ -62,6 +68,7 @@ def test_runs_lists_tags_and_filters_by_one(runs):
     (["stop"], "name the run to stop"),
     (["stop", "--sweep", "nope"], "no run of sweep 'nope'"),
     (["stop", "--sweep", "base"], "nothing of sweep 'base' is running"),
+    (["rm", "other", "--sweep", "NOPE", "--yes"], "no run of sweep 'NOPE'"),  # issue 48 L8: it deleted `other`
 ])
 def test_a_bad_tag_note_or_rm_is_one_message_and_changes_nothing(runs, args, message):
     before = sorted(p.relative_to(runs) for p in runs.rglob("*"))
@@ -122,3 +129,100 @@ def test_rm_under_a_reader_leaves_it_reading_what_it_opened(runs):
     code, listed = qae("runs", runs_dir=runs)
     assert code == 0 and "2 run(s)" in listed and "base-s0" not in listed
     assert sorted(p.name for p in runs.iterdir()) == ["base-s1", "other"]  # nothing left half-deleted
+
+
+# a process that is no trainer: it keeps its own pid file locked, as daemons do, and says when it is signalled (issue
+# 48 M1's reproduction)
+STRANGER = """import fcntl, os, signal, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+os.write(fd, str(os.getpid()).encode())
+fcntl.flock(fd, fcntl.LOCK_EX)
+signal.signal(signal.SIGTERM, lambda s, f: (open(sys.argv[2], 'w').write('15'), sys.exit()))
+print('held', flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def stranger(tmp_path, request):
+    """stranger(pid_file) -> a live non-qae process holding an exclusive flock on `pid_file`; `tmp_path /
+    'got-signal'` appears if it is ever sent SIGTERM."""
+
+    def start(pid_file):
+        process = subprocess.Popen([sys.executable, "-c", STRANGER, str(pid_file), str(tmp_path / "got-signal")],
+                                   stdout=subprocess.PIPE, text=True)
+        request.addfinalizer(process.kill)
+        assert process.stdout.readline().strip() == "held"
+        return process
+
+    return start
+
+
+@pytest.mark.parametrize("holder", ["pid-file", "live-run"])
+def test_stop_never_signals_a_process_holding_a_file_hard_linked_in_as_the_lock(runs, tmp_path, stranger, holder):
+    """M1: `qae stop evil2` signalled whatever process held a flock on a file hard-linked in as evil2's trainer.lock:
+    a daemon's locked pid file (SIGTERM delivered) or another live run's lock (it stopped it). The kernel's lock table
+    names the holder of the inode, which a hard link shares; the holder must hold the run's own lock by its own name.
+    """
+    shutil.copytree(runs / "base-s0", runs / "evil2")
+    (runs / "evil2" / "trainer.lock").unlink(missing_ok=True)
+    shared = tmp_path / "stranger.pid" if holder == "pid-file" else runs / "other" / "trainer.lock"
+    process = stranger(shared)  # (for "live-run": as `other`'s trainer holds its lock, pid recorded)
+    os.link(shared, runs / "evil2" / "trainer.lock")
+    code, output = qae("stop", "evil2", "--timeout", "10", runs_dir=runs)
+    said = " ".join(output.split())
+    assert code == 2 and said.count("error:") == 1 and "trainer.lock is a hard link" in said, said
+    assert "Nothing was signalled" in said and "stopping run" not in said
+    assert process.poll() is None and not (tmp_path / "got-signal").exists()
+    assert not trainer_alive(runs / "evil2")  # a lock of several names is no trainer's: evil2 is not live
+
+
+def test_stop_never_signals_a_process_that_locked_the_lock_file_under_another_name(runs, tmp_path, stranger):
+    """M1, its other name removed: a daemon's locked pid file moved in as evil2's trainer.lock has one name again,
+    records the daemon's pid, and the kernel lists the daemon as its holder; but the daemon opened it as its own pid
+    file, not as the run's lock, so it is not this run's trainer."""
+    shutil.copytree(runs / "base-s0", runs / "evil2")
+    (runs / "evil2" / "trainer.lock").unlink(missing_ok=True)
+    process = stranger(tmp_path / "stranger.pid")
+    os.link(tmp_path / "stranger.pid", runs / "evil2" / "trainer.lock")
+    (tmp_path / "stranger.pid").unlink()
+    code, output = qae("stop", "evil2", "--timeout", "10", runs_dir=runs)
+    said = " ".join(output.split())
+    assert code == 2 and "holds the file under the run's own name" in said and "Nothing was signalled" in said, said
+    assert process.poll() is None and not (tmp_path / "got-signal").exists()
+
+
+def test_many_tags_are_read_whole_and_a_tag_or_note_never_rewrites_labels_it_could_not_read(runs):
+    """L2: 1,700 tags of 40 characters (70 KB, over the 64 KiB labels reader's limit) read as none, and the next
+    `qae tag` or `qae note` wrote the file back from that: the note and every tag gone. Labels qae writes are read
+    whole; a file that does not read whole is refused by `qae tag` and `qae note`, never rewritten."""
+    tags = [f"t{i:04d}-" + "x" * 33 for i in range(1700)]
+    assert qae("tag", "base-s0", *tags, runs_dir=runs)[0] == 0
+    assert qae("note", "base-s0", "the paper's baseline", runs_dir=runs)[0] == 0
+    assert (runs / "base-s0" / LABELS_FILE).stat().st_size > 64 * 1024
+    assert qae("tag", "base-s0", "one-more", runs_dir=runs)[0] == 0
+    labels = read_labels(runs / "base-s0")
+    assert labels.tags == [*tags, "one-more"] and labels.note == "the paper's baseline"
+    code, shown = qae("show", "base-s0", runs_dir=runs)
+    assert code == 0 and "one-more" in shown and "note the paper's baseline" in shown
+    (runs / "base-s0" / LABELS_FILE).write_text('{"tags": ["kept"], "note": "kept", "colour": "red"}')  # by hand
+    with open(runs / "base-s0" / LABELS_FILE, "ab") as f:  # and a file larger than any qae writes
+        f.truncate(2 << 20)
+    before = (runs / "base-s0" / LABELS_FILE).read_bytes()
+    for args in (["tag", "base-s0", "x"], ["note", "base-s0", "y"]):
+        code, output = qae(*args, runs_dir=runs)
+        said = " ".join(output.split())
+        assert code == 2 and said.count("error:") == 1 and "labels.json is larger than" in said, said
+        assert (runs / "base-s0" / LABELS_FILE).read_bytes() == before
+    (runs / "base-s0" / LABELS_FILE).write_text('{"tags": ["kept", "two words"], "note": "kept"}')
+    code, output = qae("tag", "base-s0", "x", runs_dir=runs)
+    assert code == 2 and "holds tags or a note that qae did not write" in " ".join(output.split()), output
+
+
+def test_labels_larger_than_a_reader_reads_are_never_written():
+    from qae_app.core.errors import QAEUserError
+    from qae_app.store.labels import MAX_LABELS_BYTES, Labels, write_labels
+
+    tags = [f"t{i:06d}-" + "x" * 31 for i in range(MAX_LABELS_BYTES // 40)]
+    with pytest.raises(QAEUserError, match="more than the 1,048,576 a run's labels may"):
+        write_labels(Path("/nonexistent"), Labels(tags=tags))

@@ -148,3 +148,19 @@ def test_every_plant_under_every_command(base, tmp_path):
                 found.append(f"{plant.name}: a write outside the run folder")
             shutil.rmtree(case)
     assert found == []
+
+
+@pytest.mark.parametrize("variant", ["config-nan-text", "config-huge-int", "config-bad-records"])
+def test_settings_qae_did_not_write_are_refused_by_name(base, tmp_path, variant):
+    """L10: a crafted `config` column ('NaN' for a count, a 4,000-digit integer, a launch record of text) ended `qae
+    show`, `qae compare` and `qae runs` in tracebacks. The settings are checked as qae writes them: the run is refused
+    in one message naming its database, and listed as unreadable with why beside the other runs."""
+    runs = make_case(base, tmp_path, Plant("qae.duckdb", variant))
+    results = {result["command"]: result for result in run_in_process(runs, names=("runs", "show", "compare"))}
+    for name in ("show", "compare"):
+        said = " ".join(results[name]["output"].split())
+        assert results[name]["exit"] == 2 and said.count("error:") == 1, (name, said)
+        assert f"{runs / RUN / 'qae.duckdb'} holds settings qae did not write" in said, (name, said)
+    listed = results["runs"]["output"]
+    assert results["runs"]["exit"] == 0 and re.search(rf"^{RUN}\s+unreadable", listed, re.M), listed
+    assert re.search(rf"^{OTHER}\s+finished", listed, re.M), listed

@@ -38,3 +38,16 @@ def test_no_escape_from_a_run_folder_reaches_the_terminal(planted, command):
     assert "\x1b]" not in result.output and "\x1b[2J" not in result.output and "\x07" not in result.output
     if command[0] == "rollouts":
         assert "\\x1b]52;c;cHduZWQ=" in result.output  # shown, not dropped: the user sees what the file holds
+
+
+def test_an_error_naming_a_path_wider_than_the_terminal_keeps_the_path_whole(tmp_path):
+    """A refusal is one soft-wrapped line (the terminal wraps it): at 40 columns a 150-character path in it reads
+    whole, not folded mid-name by rich (which made a path copied from the message, or a test's check of it, depend on
+    the temporary folder's length)."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    missing = deep / "words.jsonl"
+    result = CliRunner().invoke(app, ["train", "--data", str(missing), "--steps", "1", "--runs-dir",
+                                      str(tmp_path / "runs")], env={"COLUMNS": "40"})
+    assert result.exit_code == 2, result.output
+    assert str(missing) in result.output, result.output

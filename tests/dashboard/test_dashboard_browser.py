@@ -22,6 +22,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 QAE = Path(sys.executable).parent / "qae"
+PLOTLY_PALETTE = ["#636EFA", "#EF553B", "#00CC96", "#AB63FA"]  # plotly.colors.qualitative.Plotly's first four
 
 pytestmark = [
     pytest.mark.browser,
@@ -443,6 +444,64 @@ def test_the_compare_page_of_a_sweep(dashboard, page, tmp_path):
                                                                      timeout=60_000)
     assert "baseline=estimator%3Dgrpo" in page.url and f"sweep={SWEEP_NAME}" in page.url
     screenshot(page, tmp_path, "dashboard-compare.png")
+
+
+PLOT_COLORS = """(title) => [...document.querySelectorAll('.js-plotly-plot')]
+    .filter(gd => gd.layout.title.text === title || gd.layout.title.text.startsWith(title + ' '))
+    .flatMap(gd => gd.data.filter(t => t.line && t.line.color && t.fill !== 'toself')
+                          .map(t => [t.name, t.line.color]))"""
+
+
+def write_loss_grid(runs_dir: Path) -> Path:
+    """The bake-off `grid`: clip with the estimators and seeds of write_compare_runs' sweep, kl_cov with QAE's seeds
+    0 and 1 only (its row gets no interval)."""
+    from tests.dashboard.test_dashboard_compare import HELDOUT, entropy, frac_zero_adv, write_compare_run
+
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    for loss in ("clip", "kl_cov"):
+        for estimator, by_seed in HELDOUT.items():
+            for seed, heldout in by_seed.items():
+                if loss == "kl_cov" and estimator == "qae" and seed == 2:
+                    continue
+                write_compare_run(runs_dir, f"grid-{loss}-{estimator}-s{seed}", heldout,
+                                  lambda step, e=estimator, s=seed: (entropy(e, s, step), frac_zero_adv(e, s, step)),
+                                  estimator=estimator, seed=seed, eval_every=2, policy_loss=loss,
+                                  sweep_id="0123456789", sweep_name="grid")
+    return runs_dir
+
+
+def test_the_bake_off_in_the_paper_s_layout_and_qae_in_one_color_on_every_page(dashboard, page, tmp_path):
+    """Issue 46: a grid of 2 policy losses x (grpo, qae): the Compare page's table per metric has a row per loss
+    with base, + QAE and the paired difference (clip's as computed by hand in test_dashboard_compare.py, kl_cov's
+    without an interval at 2 seeds), and small multiples per loss with both estimators overlaid; QAE is drawn in
+    one color there and on Training curves, whichever order the runs were picked in."""
+    from qae_app.core.estimators import ESTIMATORS
+
+    qae_color, grpo_color = (PLOTLY_PALETTE[list(ESTIMATORS).index(name)] for name in ("qae", "grpo"))
+    url = dashboard(write_loss_grid(tmp_path / "runs"), refresh="off")
+    page.goto(f"{url}/compare?sweep=grid")
+    wait_idle(page)
+    expect(page.get_by_text("By policy loss, as the paper's Table 2")).to_be_visible(timeout=60_000)
+    final = page.get_by_test_id("stDataFrame").filter(has_text="qae - grpo").first
+    expect(final).to_contain_text("+0.133 [-0.010, 0.277] p=0.0572")  # clip: paired 0.1, 0.2, 0.1
+    expect(final).to_contain_text("+0.150 (n=2: no interval)")  # kl_cov: paired 0.1, 0.2 on seeds 0 and 1
+    page.wait_for_function("[...document.querySelectorAll('.js-plotly-plot')].some(gd => "
+                           "gd.layout.title.text.startsWith('entropy and held-out accuracy per policy loss'))",
+                           timeout=60_000)
+    panels = page.evaluate("Object.keys([...document.querySelectorAll('.js-plotly-plot')].find(gd => "
+                           "gd.layout.title.text.startsWith('entropy and held-out')).layout)"
+                           ".filter(name => /^xaxis/.test(name))")
+    assert len(panels) == 4  # 2 losses x (entropy, held-out accuracy)
+    drawn = page.evaluate(PLOT_COLORS, "entropy and held-out accuracy per policy loss")
+    assert len(drawn) == 8 and {color for name, color in drawn if name == "qae"} == {qae_color}
+    assert {color for name, color in drawn if name == "grpo"} == {grpo_color}
+    screenshot(page, tmp_path, "dashboard-compare-policy-losses.png")
+    # Training curves, grpo picked first: QAE keeps its color
+    page.goto(f"{url}/curves?run=grid-clip-grpo-s0&run=grid-clip-qae-s0&smooth=none")
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 3", timeout=90_000)
+    wait_idle(page)
+    drawn = dict(page.evaluate(PLOT_COLORS, "entropy"))
+    assert drawn["grid-clip-qae-s0"] == qae_color and drawn["grid-clip-grpo-s0"] == grpo_color, drawn
 
 
 # ---------------------------------------------------------------------------------------------------------------

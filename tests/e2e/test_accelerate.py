@@ -81,6 +81,20 @@ def test_two_processes_store_the_one_process_token_values_signal_shares_and_aler
 
 
 @pytest.mark.slow
+def test_two_processes_sharing_prompts_in_the_training_forward_give_the_one_process_update(tmp_path):
+    """The shared-prompt forward (train/shared_prompts.py) runs each group's prompt through the unwrapped model and
+    the responses through the DDP wrapper: one backward still reduces every gradient once, so two processes make
+    the one-process update, and both make the update without sharing (to float32 rounding)."""
+    for n, mode in ((1, "shared"), (2, "shared"), (1, "")):
+        result = launch(n, str(SCRIPT), str(tmp_path), f"p{n}{mode}", mode)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    one, two, plain = (torch.load(tmp_path / f"p{name}.params.pt") for name in ("1shared", "2shared", "1"))
+    for name in one:
+        torch.testing.assert_close(one[name], two[name], atol=1e-6, rtol=0, msg=name)
+        torch.testing.assert_close(one[name], plain[name], atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.slow
 def test_lockstep_forwards_for_sharded_weights_keep_the_update_and_match_in_number(tmp_path):
     """FSDP and ZeRO-3 gather the shards in every forward, so processes that run different numbers of forwards (gated
     responses skip theirs) would hang: in lockstep, every process runs as many as the busiest, the extra ones on a

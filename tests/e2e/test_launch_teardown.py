@@ -103,9 +103,13 @@ def test_kill_9_of_a_launch_ends_every_rank_and_the_run_resumes_into_the_uninter
     pd.testing.assert_frame_equal(want_rollouts, got_rollouts)
 
 
-def test_a_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint_and_the_documented_code(tmp_path):
-    """SIGTERM to `accelerate launch` itself (a supervisor's stop): its code is the launcher's, 143 (docs/cli.md),
-    and every rank stops after its step with a checkpoint, the run interrupted, as one process stops."""
+@pytest.mark.parametrize("signum, row", [(signal.SIGTERM, "SIGTERM sent to the `accelerate launch` process"),
+                                         (signal.SIGHUP, "SIGHUP sent to the `accelerate launch` process")],
+                         ids=["SIGTERM", "SIGHUP"])
+def test_a_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint_and_the_documented_code(tmp_path, signum, row):
+    """SIGTERM to `accelerate launch` itself (a supervisor's stop), or SIGHUP (its terminal closed, issue 48 M2): its
+    code is the launcher's, 143 or 129 (docs/cli.md), and every rank stops after its step with a checkpoint (torch's
+    launcher passes the signal on), the run interrupted, as one process stops."""
     from qae_app.store.reader import read_last_step, read_run
     from tests.e2e.test_stop import first_step_stored
 
@@ -114,8 +118,8 @@ def test_a_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint_and_the_do
                       "--eval-every", "0", "--checkpoint-every", "100")
     try:
         wait_until(lambda: first_step_stored(runs_dir / "k"), launcher, "first step stored")
-        os.kill(launcher.pid, signal.SIGTERM)
-        assert launcher.wait(timeout=300) == documented_exit_code("SIGTERM sent to the `accelerate launch` process")
+        os.kill(launcher.pid, signum)
+        assert launcher.wait(timeout=300) == documented_exit_code(row)
         assert processes_mentioning(str(runs_dir)) == []
     finally:
         if launcher.poll() is None:

@@ -38,7 +38,7 @@ def test_stop_ends_a_live_run_with_a_checkpoint_and_it_resumes(tmp_path):
         result = runner.invoke(app, ["stop", "r", "--runs-dir", str(runs)], env={"COLUMNS": "300"})
         assert result.exit_code == 0, result.output
         # the trainer's own exit for a stop it was asked for, as docs/cli.md says
-        assert trainer.wait(timeout=120) == documented_exit_code("stopped by Ctrl-C, SIGTERM or `qae stop`")
+        assert trainer.wait(timeout=120) == documented_exit_code("stopped by Ctrl-C, SIGTERM, SIGHUP")
     finally:
         if trainer.poll() is None:
             trainer.kill()

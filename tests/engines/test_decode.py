@@ -9,26 +9,30 @@ import pytest
 import torch
 
 from qae_app.algo.losses import token_logprobs_and_entropy
-from qae_app.engines import decode
+from qae_app.config import build_config
+from qae_app.engines import decode, decode_kernels
+from qae_app.engines.decode_kernels import Kernels
 from qae_app.engines.hf import HFGenerateEngine
 from qae_app.models.lora import apply_lora
 from qae_app.models.policy import BUILTIN_MODEL, BUILTIN_SCRATCH, load_policy
+from qae_app.train.trainer import Trainer
 from tests.engines.test_rollout import reference_generate
 
 
-def engine_samples(engine: HFGenerateEngine, use_decode_loop: bool, prompts, n, max_new_tokens, seed):
+def engine_samples(engine: HFGenerateEngine, use_decode_loop: bool, prompts, n, max_new_tokens, seed,
+                   temperature: float = 1.0):
     engine.use_decode_loop = use_decode_loop
-    return engine.generate(prompts, n, 1.0, max_new_tokens, seed)
+    return engine.generate(prompts, n, temperature, max_new_tokens, seed)
 
 
-def recomputed_logprobs(model, samples) -> list[list[float]]:
+def recomputed_logprobs(model, samples, temperature: float = 1.0) -> list[list[float]]:
     """Each response's token log-probs and entropies from one plain forward over its prompt + response."""
     out = []
     with torch.no_grad():
         for s in samples:
             ids = torch.tensor([s.prompt_ids + s.response_ids])
             logits = model(input_ids=ids).logits[:, len(s.prompt_ids) - 1 : -1]  # (1, response, vocab)
-            logp, entropy = token_logprobs_and_entropy(logits, ids[:, len(s.prompt_ids) :], 1.0)
+            logp, entropy = token_logprobs_and_entropy(logits, ids[:, len(s.prompt_ids) :], temperature)
             out.append((logp[0].tolist(), entropy[0].tolist()))
     return out
 
@@ -62,6 +66,29 @@ def test_decode_loop_samples_the_tokens_generate_samples_for_a_fixed_seed():
         assert_close(loop.token_entropies, entropy, 1e-4)
 
 
+def test_the_prompts_common_opening_runs_once_and_the_samples_stay_generates():
+    """Prompts that open alike (a chat template's system message) share that opening: it goes through the model once
+    for the whole batch, each prompt's rest after it (left-padded between the two), and the tokens and log-probs are
+    still generate's for the seed, rows of different prompt lengths included."""
+    model, codec = load_policy(BUILTIN_MODEL)
+    model.eval()
+    prompts = ["1234567+1=", "1234567*23=", "1234567-333="]  # <bos> + 7 shared tokens, then 3 to 5 of their own
+    common = len(codec.encode("1234567"))
+    assert common >= decode.COMMON_PREFIX_MIN
+    engine = HFGenerateEngine(model, codec)
+    forwards = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: forwards.append(out.shape[:2]))
+    try:
+        got = engine_samples(engine, True, prompts, 4, 8, seed=9)
+    finally:
+        hook.remove()
+    assert forwards[:3] == [(1, common), (3, len(codec.encode("1234567-333=")) - common), (12, 1)]
+    expected = engine_samples(engine, False, prompts, 4, 8, seed=9)
+    assert [s.response_ids for s in got] == [s.response_ids for s in expected]
+    for loop, gen in zip(got, expected, strict=True):
+        assert_close(loop.token_logprobs, gen.token_logprobs, 1e-5)
+
+
 def test_finished_rows_leave_the_batch_and_the_rest_sample_as_before():
     """A random model stops at random lengths: the loop drops rows that emitted eos (the batch shrinks), and every
     row's tokens, stop and truncation still equal generate's, which keeps all rows to the end."""
@@ -87,9 +114,10 @@ def test_finished_rows_leave_the_batch_and_the_rest_sample_as_before():
 
 
 def test_the_noise_is_exponentials_and_the_draw_in_chunks_is_torch_multinomials_for_the_whole_batch():
-    """The loop draws generate's noise vectorised and DRAW_ROWS rows at a time: the tokens of the active rows are
-    what torch.multinomial draws for the whole batch from the same seed, the generator ends where it ends, and the
-    log-probs and entropies are the full log-softmax's."""
+    """The loop draws generate's noise vectorised, DRAW_ROWS rows at a time or the whole batch at once (whichever
+    decode_kernels measured faster): either way the tokens of the active rows are what torch.multinomial draws for the
+    whole batch from the same seed, the generator ends where it ends, and the log-probs and entropies are the full
+    log-softmax's."""
     torch.manual_seed(5)
     expected_noise, expected_after = torch.empty(9, 700).exponential_(1), torch.rand(3)
     torch.manual_seed(5)
@@ -101,13 +129,13 @@ def test_the_noise_is_exponentials_and_the_draw_in_chunks_is_torch_multinomials_
     for dtype in (torch.float32, torch.bfloat16):
         logits = (torch.randn(batch, vocab, generator=generator) * 4).to(dtype)
         rows = torch.tensor([0, 2, 3, 4, 9, 10])  # finished rows 1, 5-8: chunk 2 has none left, chunk 1 one
-        for temperature in (1.0, 0.7):
+        for temperature, chunk_rows in ((1.0, decode_kernels.DRAW_ROWS), (0.7, decode_kernels.DRAW_ROWS), (0.7, None)):
             scores = logits.float() / temperature
             torch.manual_seed(21)
             expected = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)[rows]
             after = torch.rand(2)
             torch.manual_seed(21)
-            tokens, logp, entropy = decode._draw(logits[rows], temperature, rows, batch)
+            tokens, logp, entropy = decode.draw(logits[rows], temperature, rows, batch, chunk_rows)
             assert torch.equal(tokens, expected) and torch.equal(torch.rand(2), after)
             log_softmax = torch.log_softmax(scores[rows], dim=-1)
             assert torch.allclose(logp, log_softmax.gather(-1, tokens[:, None]).squeeze(1), atol=1e-5)
@@ -122,13 +150,14 @@ def test_packed_bfloat16_weights_give_f_linears_products_to_the_bit():
     weight = (torch.randn(160, 96, generator=generator) * 0.05).bfloat16()
     bias = torch.randn(160, generator=generator).bfloat16()
     linear = decode._Linear(weight, bias, rows=32)
-    assert (linear.packed is not None) == decode._packing_matches()
+    assert (linear.packed is not None) == decode_kernels.packing_matches()
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         assert linear.packed is not None
     for shape in [(1, 96), (5, 96), (32, 96), (33, 96), (4, 17, 96)]:
         x = torch.randn(*shape, generator=generator).bfloat16()
         assert torch.equal(linear(x), torch.nn.functional.linear(x, weight, bias))
     assert decode._Linear(weight.float(), None, rows=32).packed is None  # float32 stays with F.linear
+    assert decode._Linear(weight, bias, rows=32, pack=False).packed is None  # where packing measured slower
 
 
 def test_the_bfloat16_loop_samples_what_generate_samples_to_bfloat16s_rounding():
@@ -148,6 +177,60 @@ def test_the_bfloat16_loop_samples_what_generate_samples_to_bfloat16s_rounding()
         if agree:
             assert_close(loop.token_logprobs, gen.token_logprobs, 0.05)
         assert_close(loop.token_logprobs, logp, 0.05)
+
+
+@pytest.mark.parametrize("kernels", [Kernels(pack=False, sdpa_per_token=False, draw_rows=None),
+                                     Kernels(pack=True, sdpa_per_token=True, draw_rows=decode_kernels.DRAW_ROWS),
+                                     Kernels(pack=True, sdpa_per_token=False, draw_rows=decode_kernels.DRAW_ROWS),
+                                     Kernels(pack=False, sdpa_per_token=True, draw_rows=None)],
+                         ids=["plain", "packed-sdpa-chunked", "packed-matmul-chunked", "sdpa-whole-batch"])
+def test_every_kernel_choice_samples_what_generate_samples(kernels, monkeypatch):
+    """Whichever options decode_kernels measures faster on a CPU, the loop samples what generate samples: each
+    combination forced here, in float32 (the same tokens, log-probs to float32 rounding) and from a bfloat16 copy (the
+    tokens of all but a near-tie, log-probs as close to the bfloat16 model's own forward as generate's)."""
+    monkeypatch.setattr(decode_kernels, "for_model", lambda model, draw: kernels)
+    model, codec = load_policy(BUILTIN_MODEL)
+    model.eval()
+    prompts = ["3+4=", "12*11=", "20-7=", "0*0="]
+    engine = HFGenerateEngine(model, codec)
+    got, expected = (engine_samples(engine, loop, prompts, 3, 6, seed=7) for loop in (True, False))
+    assert [s.response_ids for s in got] == [s.response_ids for s in expected]
+    for loop, gen in zip(got, expected, strict=True):
+        assert_close(loop.token_logprobs, gen.token_logprobs, 1e-5)
+        assert_close(loop.token_entropies, gen.token_entropies, 1e-4)
+    bf16 = HFGenerateEngine(model, codec, rollout_dtype=torch.bfloat16)
+    got, expected = (engine_samples(bf16, loop, prompts, 3, 6, seed=7) for loop in (True, False))
+    assert sum(a.response_ids == b.response_ids for a, b in zip(got, expected, strict=True)) >= 11
+    assert mean_logprob_error(bf16.model, got) <= 1.5 * mean_logprob_error(bf16.model, expected) + 1e-3
+
+
+def test_the_faster_option_is_chosen_and_a_near_tie_keeps_the_default():
+    """decode_kernels.fastest on a clock the options advance by known amounts: the other option is chosen only when
+    its best run takes less than SWITCH_MARGIN of the default's, whatever a single slow run of either says."""
+    def timeline(costs: dict[str, list[float]]):
+        now = [0.0]
+        runs = {name: iter(values) for name, values in costs.items()}
+
+        def option(name):
+            return lambda: now.__setitem__(0, now[0] + next(runs[name]))
+        return option, (lambda: now[0])
+
+    for default_s, other_s, chosen in (([5, 4, 9, 4, 4, 4], [9, 2, 2, 9, 2, 2], True),  # 2 < 0.9 x 4
+                                       ([5, 4, 4, 4, 4, 4], [9, 3.8, 3.8, 3.8, 3.8, 3.8], False),  # 3.8 > 0.9 x 4
+                                       ([5, 1, 9, 9, 9, 9], [5, 2, 2, 2, 2, 2], False)):  # the default's best: 1
+        option, clock = timeline({"default": default_s, "other": other_s})
+        assert decode_kernels.fastest(option("default"), option("other"), rounds=5, clock=clock) is chosen
+
+
+def test_choosing_the_kernels_draws_nothing_from_the_seeded_generator():
+    """The engine seeds torch's generator and then samples; choosing the kernels on the way (once per process) runs
+    the draw, which must not move the generator, or the first call's samples would depend on whether the choice was
+    cached."""
+    torch.manual_seed(13)
+    expected = torch.rand(4)
+    torch.manual_seed(13)
+    chosen = decode_kernels.choose.__wrapped__("cpu", torch.float32, 32, 64, 4, 2, 8, 300, decode.draw)
+    assert isinstance(chosen, Kernels) and torch.equal(torch.rand(4), expected)
 
 
 def test_models_the_loop_cannot_run_are_left_to_generate():
@@ -181,7 +264,36 @@ def test_decode_loop_samples_what_generate_samples_on_smollm2(smollm2_gguf):
     assert loop_error < 1.5 * generate_error and loop_error < 0.1
 
 
+def logprob_errors(model, samples, temperature: float = 1.0) -> list[float]:
+    return [abs(a - b) for s, (logp, _) in zip(samples, recomputed_logprobs(model, samples, temperature), strict=True)
+            for a, b in zip(s.token_logprobs, logp, strict=True)]
+
+
 def mean_logprob_error(model, samples) -> float:
-    errors = [abs(a - b) for s, (logp, _) in zip(samples, recomputed_logprobs(model, samples), strict=True)
-              for a, b in zip(s.token_logprobs, logp, strict=True)]
+    errors = logprob_errors(model, samples)
     return sum(errors) / len(errors)
+
+
+@pytest.mark.slow
+def test_the_bfloat16_loop_follows_a_sharp_policy_late_in_training_as_closely_as_generate(tmp_path):
+    """15 RL steps of 4 prompts x 8 on arith at temperature 0.5 sharpen the built-in model (its sampled tokens' mean
+    log-prob near 0, where a bfloat16 rounding weighs most on the few unlikely tokens still sampled, and the temperature
+    scales every logit's rounding by 2): from a bfloat16 copy of the trained weights, the loop's log-probs are no
+    further from the bfloat16 model's own forward than generate's, on average and at the worst token, and no further
+    from the float32 trainer's. (The built-in model's 4 layers of width 128 round less than SmolLM2's 30 of 576;
+    decode.py's docstring gives SmolLM2's figures.)"""
+    cfg = build_config(run_name="sharp", steps=15, prompts_per_step=4, group_size=8, eval_every=0,
+                       checkpoint_every=0, seed=2, lr=2e-4, temperature=0.5)
+    trainer = Trainer(cfg, tmp_path, cpu=True)
+    trainer.fit()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model.eval()
+    prompts = [trainer.task.prompt(p) for p in trainer.task.train[:8]]
+    bf16 = HFGenerateEngine(model, trainer.codec, rollout_dtype=torch.bfloat16)
+    loop, gen = (engine_samples(bf16, use_loop, prompts, 4, 8, seed=5, temperature=0.5) for use_loop in (True, False))
+    sampled = [lp for s, (logp, _) in zip(loop, recomputed_logprobs(model, loop, 0.5), strict=True) for lp in logp]
+    assert sum(sampled) / len(sampled) > -0.25  # sharp (measured: -0.08): most sampled tokens nearly certain
+    for reference in (bf16.model, model):  # the bf16 forward, and the float32 trainer
+        loop_errors, gen_errors = logprob_errors(reference, loop, 0.5), logprob_errors(reference, gen, 0.5)
+        assert sum(loop_errors) / len(loop_errors) <= 1.5 * sum(gen_errors) / len(gen_errors) + 1e-3
+        assert max(loop_errors) <= 1.5 * max(gen_errors) + 1e-2

@@ -80,6 +80,9 @@ def slow_on_some(completions, **kwargs):
 def hangs(completions, **kwargs):
     while True:
         time.sleep(1)
+
+def huge(completions, **kwargs):
+    return [1e308]
 '''
 
 PROBLEMS = [Problem("p1", "1+1=", "2", columns={"question": "1+1=", "tests": ["a", "b"]}),
@@ -138,7 +141,8 @@ def test_weights_are_one_finite_number_per_reward():
     assert parse_reward_weights(None, 2) == (1.0, 1.0)
     assert parse_reward_weights("1, 0.5,-2", 3) == (1.0, 0.5, -2.0)
     for text, message in (("1,x", "not a comma list of numbers"), ("1,nan", "not a finite number"),
-                          ("1", "1 weight (1) for 2 rewards")):
+                          ("1", "1 weight (1) for 2 rewards"),
+                          ("1e308,1e308", "sum to more than a number holds")):  # (issue 48 L5: an inf total)
         with pytest.raises(QAEUserError, match="^reward-weights: ") as err:
             parse_reward_weights(text, 2)
         assert message in str(err.value)
@@ -298,6 +302,15 @@ def test_a_file_that_cannot_be_imported_is_refused_with_its_error_before_scoring
             pytest.raises(RewardError, match="ModuleNotFoundError: No module named 'no_such_module'\n\\(a module "
                                              "must be importable here"):
         rewards.check(data_columns(PROBLEMS))
+
+
+def test_a_weighted_sum_past_what_a_number_holds_is_refused_not_stored(rewards_file):
+    """Issue 48 L5: finite weights times finite scores can still sum to infinity; stored, its advantages and loss were
+    NULL. The sum is refused with the components and weights that made it."""
+    with user_set(rewards_file, "huge", "exact", weights=(2.0, 1.0)) as rewards, pytest.raises(RewardError) as err:
+        score(rewards, ["2", "4"])
+    assert str(err.value).startswith("reward-weights: response 1's weighted sum of its rewards is inf (huge 1e+308 "
+                                     "x 2, exact 1.0 x 1), past what a number holds.")
 
 
 def test_a_failing_library_function_is_not_called_the_users_to_fix(tmp_path):

@@ -28,6 +28,7 @@ controls on too (a top-entropy quantile, an adaptive bonus).
 Under FSDP2 (launched with configs/accelerate/fsdp2.yaml) the saved parameters are gathered whole.
 
     accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic][+lockstep][+lora]...
+        (+shared: the training forward shares each group's prompt wherever two rows do: train/shared_prompts.py)
 """
 
 import dataclasses
@@ -87,6 +88,10 @@ REWARDS = dict(reward=[f"{HACKING}:exact_with_unit", f"{HACKING}:one_char"], rew
 
 def main(runs_dir: str, run_name: str, mode: str = "") -> None:
     modes = set(mode.split("+"))
+    if "shared" in modes:  # each group's prompt once in every training forward, however little that spares here
+        from qae_app.train import shared_prompts
+
+        shared_prompts.MIN_SPARED_WORK = 0
     options = dict(OPTIONS, **(DYNAMIC if "dynamic" in modes else {}), **(LORA if "lora" in modes else {}),
                    **(BF16_ROLLOUT if "bf16rollout" in modes else {}), **(REWARDS if "rewards" in modes else {}),
                    log_entropy_attribution="attribution" in modes)

@@ -14,6 +14,7 @@ from qae_app.cli.main import app
 from qae_app.core.errors import QAEUserError
 from qae_app.store.reader import query, read_run
 from qae_app.store.run_folder import PENDING_DIR
+from qae_app.store.schema import PendingWrite
 from qae_app.store.writer import RunWriter
 
 INJECTED = "status = 'x' WHERE 1=1; COPY (SELECT 1) TO '{marker}'; UPDATE runs SET error"
@@ -27,6 +28,15 @@ PLANTS = {
     "a step that is no number": {"kind": "step_update", "step": "1; DROP TABLE steps", "fields": {"loss": 1.0}},
     "a value no column holds": {"kind": "step_update", "step": 1, "fields": {"loss": {"nested": [1]}}},
     "an unknown key": {"kind": "truncate", "step": 1, "sql": "DROP TABLE steps"},
+    # issue 48 L3: each was a traceback (TypeError in fromisoformat, DuckDB's InvalidInputException, ...)
+    "a timestamp that is a number": {"kind": "step", "step": 1, "tables": {"steps": [{"loss": 0.5}]},
+                                     "logged_at": {"$datetime": 12345}},
+    "a 4,000-digit integer in a row": {"kind": "step", "step": 1, "tables": {"steps": [{"reward_mean": 10 ** 4000}]}},
+    "text in a number column": {"kind": "step", "step": 1, "tables": {"rollouts": [{"reward": "NaN or so"}]}},
+    "text in a flag column": {"kind": "step", "step": 1, "tables": {"rollouts": [{"gated": "yes"}]}},
+    "a count past an INTEGER": {"kind": "step", "step": 1, "tables": {"groups": [{"n_correct": 1e12}]}},
+    "text as a run's timestamp": {"kind": "run", "fields": {"updated_at": "yesterday"}},
+    "a step past any step": {"kind": "step_update", "step": 2 ** 40, "fields": {"loss": 1.0}},
 }
 
 
@@ -149,3 +159,61 @@ def test_a_resume_with_a_cut_pending_write_is_one_message(tmp_path):
     assert result.exit_code == 2, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)  # no traceback
     assert result.output.count("error:") == 1 and "00000001-step.json is not a write qae saved" in result.output
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 48 L1: a saved truncation drops rows, and only a resume drops rows
+
+
+def _counts(path) -> list[int]:
+    return query(path, "SELECT (SELECT count(*) FROM steps) AS s, (SELECT count(*) FROM groups) AS g, "
+                       "(SELECT count(*) FROM rollouts) AS r").iloc[0].tolist()
+
+
+def test_a_planted_truncation_empties_no_run_on_eval_and_none_below_a_resumes_checkpoint(tmp_path):
+    """`{"kind": "truncate", "step": 0}` planted in pending/ emptied the run on `qae eval --model r` (its rows -> 0,
+    exit 0, nothing said). Only a resume takes up a saved truncation, and never below the checkpoint it resumes
+    from: the steps that checkpoint holds keep their rows."""
+    runs_dir = tmp_path / "runs"
+    trained = CliRunner().invoke(app, ["train", "--run-name", "r", "--steps", "1", "--prompts-per-step", "2",
+                                       "--group-size", "4", "--eval-every", "0", "--cpu", "--runs-dir", str(runs_dir)])
+    assert trained.exit_code == 0, trained.output
+    db = runs_dir / "r" / "qae.duckdb"
+    before, step_1 = _counts(db), query(db, "SELECT * FROM rollouts WHERE step = 1 ORDER BY ALL")
+    (runs_dir / "r" / PENDING_DIR).mkdir(exist_ok=True)
+    (runs_dir / "r" / PENDING_DIR / "00000001-truncate.json").write_text('{"kind": "truncate", "step": 0}')
+    evaluated = CliRunner().invoke(app, ["eval", "--model", "r", "--limit", "2", "--samples", "1", "--runs-dir",
+                                         str(runs_dir)], env={"COLUMNS": "300"})
+    assert evaluated.exit_code == 0, evaluated.output
+    assert _counts(db) == before and before[0] == 1  # (its evaluation went in too: evals, eval_samples)
+    assert (runs_dir / "r" / PENDING_DIR / "00000001-truncate.json").exists()  # left for a resume
+    resumed = CliRunner().invoke(app, ["train", "--resume", "r", "--steps", "2", "--runs-dir", str(runs_dir)],
+                                 env={"COLUMNS": "300"})
+    assert resumed.exit_code == 0, resumed.output
+    assert query(db, "SELECT step FROM steps ORDER BY step")["step"].tolist() == [1, 2]
+    assert query(db, "SELECT * FROM rollouts WHERE step = 1 ORDER BY ALL").equals(step_1)  # kept, not dropped
+    assert list((runs_dir / "r" / PENDING_DIR).glob("*")) == []
+
+
+def test_a_truncation_a_resume_saved_is_taken_up_by_the_next_resume_alone(run_file):
+    """What a real saved truncation is: a resume from step 2 found the file held and saved its truncation and the
+    steps it trained again (3, 4), then was killed. `qae eval` leaves them all for the next resume; that resume, from
+    a checkpoint at step 4, keeps steps 1-2 as stored, takes 3-4 from pending/ and drops the old step 5."""
+    writer = RunWriter(run_file, "r")
+    for step in (2, 3, 4, 5):  # the first session's steps 1-5, all stored
+        writer.add_step(step, steps=[{"loss": float(step)}])
+    assert writer.flush()
+    killed = RunWriter(run_file, "r", resume_from=2)
+    killed.pending.append(PendingWrite("truncate", step=2))
+    for step in (3, 4):  # trained again, with other values
+        killed.add_step(step, steps=[{"loss": 10.0 + step}])
+    killed._spill()  # as while a reader held the file; then the process dies
+    del killed
+    evaluating = RunWriter(run_file, "r")
+    assert evaluating.pending == [] and evaluating.flush()
+    assert query(run_file, "SELECT loss FROM steps ORDER BY step")["loss"].tolist() == [0.5, 2.0, 3.0, 4.0, 5.0]
+    resumed = RunWriter(run_file, "r", resume_from=4)
+    assert [w.kind for w in resumed.pending] == ["truncate", "step", "step"]
+    assert resumed.truncate_after(4)
+    assert query(run_file, "SELECT loss FROM steps ORDER BY step")["loss"].tolist() == [0.5, 2.0, 13.0, 14.0]
+    assert list(resumed.pending_dir.glob("*")) == []

@@ -190,9 +190,10 @@ def test_resume_without_the_database_refuses_instead_of_losing_steps(finished, t
     folder = copy_run(finished, tmp_path)
     (folder / "qae.duckdb").unlink()
     result = qae("train", "--resume", "r", "--steps", "6", runs_dir=tmp_path)
-    assert result.returncode == 2
-    assert "has a checkpoint at step 4 but no database: the rows of steps 1-4 are lost" in " ".join(
-        result.stderr.split())
+    said = " ".join(result.stderr.split())
+    assert result.returncode == 2 and "run 'r' in" in said, said
+    assert ("has no qae.duckdb: it was deleted or moved aside, and with it the rows of the steps up to its checkpoint "
+            "step-4. Nothing was written") in said
 
 
 def test_resume_of_a_run_killed_before_its_first_checkpoint_without_a_row_starts_it_again(finished, tmp_path):

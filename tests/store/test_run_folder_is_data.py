@@ -78,7 +78,7 @@ def test_a_pending_write_round_trips_through_json_exactly():
     write = PendingWrite("step", step=3, logged_at=datetime(2026, 12, 2, 7, 15, 20, 123456),
                          tables={"rollouts": [{"response": "é\n\\boxed{1}\x00", "reward": float("nan"),
                                                "advantage": -0.0, "n_tokens": 7, "correct": True, "regime": None,
-                                               "sample_idx": 2 ** 62, "entropy": float("inf"),
+                                               "sample_idx": 2 ** 31 - 1, "entropy": float("inf"),
                                                "logprob": 0.1 + 0.2}],
                                  "groups": [{"baseline": 0.4, "filtered": False, "answer": "1"}]})
     back = pending_write_from_json(pending_write_json(write))

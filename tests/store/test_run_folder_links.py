@@ -139,7 +139,7 @@ def test_a_checkpoint_whose_manifest_lists_nothing_or_a_link_is_not_trusted(runs
     assert "is a symbolic link" in checkpoint_problem(checkpoint)
 
 
-@pytest.mark.parametrize("folder", ["checkpoints", "pending"])
+@pytest.mark.parametrize("folder", ["checkpoints", "pending", "tensorboard"])
 def test_a_folder_of_the_run_linked_outside_is_refused_before_anything_is_written_through_it(runs, tmp_path, folder):
     """The plant harness found it: `checkpoints -> elsewhere` and `qae train --resume` wrote its new checkpoint
     through the link, outside the run folder. Each folder qae writes into is one of the run folder's own."""
@@ -148,7 +148,7 @@ def test_a_folder_of_the_run_linked_outside_is_refused_before_anything_is_writte
     if (runs / "evil" / folder).exists():
         (runs / "evil" / folder).rename(tmp_path / f"{folder}-moved")
     (runs / "evil" / folder).symlink_to(outside)
-    result = qae("train", "--resume", "evil", "--steps", "2", runs_dir=runs)
+    result = qae("train", "--resume", "evil", "--steps", "2", "--report-to", "tensorboard", runs_dir=runs)
     output = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 2 and f"{folder} is a symbolic link" in output, output
     assert list(outside.iterdir()) == []
@@ -182,3 +182,83 @@ def test_a_resume_refused_after_taking_the_lock_lets_it_go(runs, tmp_path):
     removed = runner.invoke(app, ["rm", "evil", "--yes", "--runs-dir", str(runs)])
     assert removed.exit_code == 0 and not (runs / "evil").exists(), removed.output
     assert (tmp_path / "checkpoints").is_dir()  # the link was removed, not what it points at
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 48: a resume needs a run
+
+
+@pytest.mark.parametrize("linked", [False, True], ids=["folder", "linked-folder"])
+@pytest.mark.parametrize("command", [["train", "--resume", "exp1", "--steps", "2"], ["migrate", "exp1"]],
+                         ids=["resume", "migrate"])
+def test_a_command_writing_a_run_refuses_a_folder_that_holds_no_run_and_writes_nothing(runs, tmp_path, linked,
+                                                                                      command):
+    """H1: `qae train --resume exp1` on a folder holding a config.json of someone's own and no database started a new
+    run in it, its config.json overwritten; through a linked run folder, outside the runs dir. `qae migrate exp1`
+    wrote its lock there and dropped the key it did not know from that config.json. Each needs a run: refused by
+    name, the unknown key named, nothing written."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "config.json").write_text('{"user": "project settings"}\n')
+    if linked:
+        (runs / "exp1").symlink_to(project)
+    else:
+        shutil.copytree(project, runs / "exp1")
+    folder = runs / "exp1"
+    before = sorted((path.name, path.read_bytes()) for path in folder.iterdir())
+    result = qae(*command, runs_dir=runs)
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and output.count("error:") == 1 and "Traceback" not in output, output
+    assert "'exp1' in" in output and "is not a run: it holds no qae.duckdb" in output
+    assert "'user', no setting of a qae run" in output and "Nothing was written" in output
+    assert sorted((path.name, path.read_bytes()) for path in folder.iterdir()) == before
+
+
+def test_a_run_whose_config_holds_a_key_no_run_has_is_refused_by_name(runs):
+    """H1's unknown key: every key a run's config.json holds was written by qae (no option was ever dropped), so one
+    it does not know is not a setting it may leave out silently."""
+    config = runs / "evil" / "config.json"
+    config.write_text(config.read_text().replace('{', '{"user": "project settings", ', 1))
+    before = config.read_bytes()
+    result = qae("train", "--resume", "evil", "--steps", "2", runs_dir=runs)
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and "holds 'user', no setting of a qae run" in output, output
+    assert config.read_bytes() == before and not (runs / "evil" / "checkpoints" / "step-2").exists()
+
+
+def test_rm_of_a_linked_run_folder_removes_the_link_and_keeps_what_it_points_at(runs, tmp_path):
+    """M3: `qae rm t2`, t2 a link to a run folder outside the runs dir, took the run's lock through the link (a
+    trainer.lock written outside), renamed the link to `.removing-t2-<pid>`, then failed in shutil.rmtree (a traceback,
+    exit 1): the run was hidden from `qae runs` and the dashboard and never restored."""
+    outside = tmp_path / "outside"
+    shutil.copytree(runs / "evil", outside / "t2", symlinks=True)
+    (outside / "t2" / "trainer.lock").unlink(missing_ok=True)
+    (runs / "t2").symlink_to(outside / "t2")
+    before = sorted((path.relative_to(outside), path.stat().st_mtime_ns) for path in outside.rglob("*"))
+    result = qae("rm", "t2", "--yes", runs_dir=runs)
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 0 and "Traceback" not in output, output
+    assert f"t2 was a link to {outside / 't2'}: the link is removed, the folder it points at is kept" in output
+    assert sorted(path.name for path in runs.iterdir()) == ["evil", "victim"]  # nothing hidden, nothing left over
+    assert sorted((path.relative_to(outside), path.stat().st_mtime_ns) for path in outside.rglob("*")) == before
+
+
+@pytest.mark.parametrize("planted", ["step-2", "step-2.tmp"])
+def test_a_checkpoint_folder_that_is_a_link_is_refused_before_a_save_removes_it(runs, tmp_path, planted):
+    """L9: `checkpoints/step-2 -> outside` (passed over as no checkpoint of the run's) crashed the resume when it
+    reached step 2: save_checkpoint removes the old step-2 first, and shutil.rmtree refused the link (`OSError:
+    Cannot call rmtree on a symbolic link`). A resume refuses it by name before training, and a save removes only a
+    link, never what it points at."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("kept")
+    (runs / "evil" / "checkpoints" / planted).symlink_to(outside)
+    result = qae("train", "--resume", "evil", "--steps", "2", runs_dir=runs)
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and output.count("error:") == 1 and "Traceback" not in output, output
+    assert f"checkpoints/{planted} is a symbolic link" in output
+    assert sorted(path.name for path in outside.iterdir()) == ["keep.txt"]
+    from qae_app.store.run_folder import remove_entry
+
+    remove_entry(runs / "evil" / "checkpoints" / planted)  # what a save does to the step it replaces
+    assert not (runs / "evil" / "checkpoints" / planted).is_symlink() and (outside / "keep.txt").read_text() == "kept"

@@ -16,7 +16,7 @@ sys.path.insert(0, str(BENCH))
 import harness  # noqa: E402
 import results  # noqa: E402
 
-HELPERS = {"harness.py", "results.py", "hf_char_tokenizer.py"}  # bench/ modules that are not benchmarks
+HELPERS = {"harness.py", "results.py", "hf_char_tokenizer.py", "roofline.py"}  # bench/ modules that are not benchmarks
 
 
 def test_report_appends_one_well_formed_line(tmp_path):
@@ -125,12 +125,49 @@ def test_the_table_shows_the_latest_line_of_each_name():
     table = results.render_table(entries).splitlines()
     rows = [line for line in table if line.startswith("| bench_x")]
     assert rows == [
-        "| bench_x: size | **1.5 GB** |  |  | not stated | not stated |  |  |  |",
+        "| bench_x: size | **1.5 GB** |  |  | not stated | not stated | not stated |  |  |  |",
         "| bench_x: speed-up | **0.20x (middle half 0.18-0.25, min-max 0.10-0.30, 20 pairs)** | <= 0.5x | yes | "
-        "2026-12-02 09:30 UTC | 1.2 on 2 cores | def5678+dirty | `python bench/bench_x.py --a\\|b` | quiet |"]
+        "2026-12-02 09:30 UTC | 1.2 on 2 cores | c | def5678+dirty | `python bench/bench_x.py --a\\|b` | quiet |"]
     assert "The latest of each of 2 figures, out of 4 lines in the log." in table
     readme_row = results.row(entries[2])
-    assert (readme_row[3], readme_row[5], readme_row[6]) == ("**no**", "machine shared", "README")
+    assert (readme_row[3], readme_row[5], readme_row[7]) == ("**no**", "machine shared", "README")
+
+
+def test_every_line_names_its_cpu_and_the_flags_its_kernels_depend_on(tmp_path):
+    """A figure of a matmul-bound benchmark means little without the CPU: report() records the model name and which
+    of the bf16/AMX/AVX flags /proc/cpuinfo lists, and the page shows them."""
+    cpuinfo = ("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel\t\t: 143\nmodel name\t: Intel(R) Xeon(R) Platinum "
+               "8480+\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile avx512_vnni\n")
+    assert harness.cpu_facts(cpuinfo) == ("Intel(R) Xeon(R) Platinum 8480+",
+                                          ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile",
+                                           "amx_bf16"])
+    assert harness.cpu_facts("processor\t: 0\nFeatures\t: fp asimd bf16 sve\n") == (None, ["asimd", "sve", "bf16"])
+    entry = harness.report("bench_x: speed", 1.0, None, unit="s", command="python bench/bench_x.py",
+                           log=tmp_path / "log.jsonl")
+    assert set(entry["machine"]) == {"cores", "usable_cores", "cpu", "cpu_flags"}
+    assert set(entry["machine"]["cpu_flags"]) <= set(harness.CPU_FLAGS)
+    label = harness.cpu_label({"cpu": "AMD EPYC 9R14", "cpu_flags": ["avx2", "avx512_bf16"]})
+    assert label == "AMD EPYC 9R14 (avx2, avx512_bf16)" and results.row(entry)[6] == harness.cpu_label(
+        entry["machine"])
+
+
+def test_a_withdrawn_figure_keeps_its_value_and_loses_its_verdict_until_measured_again(tmp_path, monkeypatch):
+    log = tmp_path / "results.jsonl"
+    monkeypatch.setenv(harness.RESULTS_ENV, str(log))
+    name = "bench_x: share of the limit"
+    harness.report(name, 0.71, ">= 0.6", unit="of the limit", command="python bench/bench_x.py")
+    assert results.main(["withdraw", "bench_x: no such figure", "--reason", "r", "--command", "c"]) == 2
+    assert results.main(["withdraw", name, "--reason", "judged against the float32 rate", "--command",
+                         "python bench/bench_x.py --roofline"]) == 0
+    entries = harness.read_results(log)
+    assert [e.get("withdrawn") for e in entries] == [None, name] and harness.latest(entries) == entries[:1]
+    cells = results.row(entries[0], harness.withdrawals(entries)[name])
+    assert (cells[1], cells[3]) == ("**0.71 of the limit**", "withdrawn")
+    assert cells[9].startswith(f"withdrawn {entries[1]['date'][:10]}: judged against the float32 rate")
+    table = results.render_table(entries)
+    assert "| withdrawn |" in table and "| yes |" not in table
+    later = dict(entries[0], date="2999-01-01T00:00:00Z", value=0.3, met=False)  # measured again after it
+    assert results.row(later, harness.withdrawals(entries)[name])[3] == "**no**"
 
 
 def test_render_replaces_only_the_generated_block_and_check_sees_a_new_line(tmp_path, monkeypatch):
@@ -157,8 +194,13 @@ def test_a_page_without_its_markers_is_refused():
 
 def test_every_line_of_the_log_is_well_formed_and_names_a_benchmark():
     benchmarks = {path.stem for path in BENCH.glob("*.py") if path.name not in HELPERS} | {"test suite"}
-    for number, entry in enumerate(harness.read_results(harness.RESULTS_LOG), start=1):
+    entries = harness.read_results(harness.RESULTS_LOG)
+    for number, entry in enumerate(entries, start=1):
         where = f"bench/results.jsonl:{number}"
+        if "withdrawn" in entry:  # a withdrawal names a figure logged before it, says why, when and by whom
+            assert set(entry) == {"withdrawn", "reason", "date", "commit", "machine", "command"}, where
+            assert entry["withdrawn"] in {e.get("name") for e in entries[: number - 1]} and entry["reason"], where
+            continue
         assert set(entry) >= {"name", "value", "unit", "goal", "met", "date", "commit", "load", "machine", "command"}, (
             where)
         assert entry["name"].split(":")[0] in benchmarks, where

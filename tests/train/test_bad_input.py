@@ -59,7 +59,8 @@ BAD_VALUES = [
     (["train", "--group-size", "1000000"], "group-size x prompts-per-step: 1,000,000 x 8 = 8,000,000 responses"),
     (["train", "--prompts-per-step", "1000000"], "group-size x prompts-per-step: 16 x 1,000,000 = 16,000,000"),
     # issue 28: nonsense that was accepted silently
-    (["train", "--filter-metric", "correct"], "filter-metric: correct acts only with --dynamic-sampling"),
+    # (not its default, correct: a default given changes nothing and is let through, issue 48 L11)
+    (["train", "--filter-metric", "reward"], "filter-metric: reward acts only with --dynamic-sampling"),
     (["train", "--max-gen-batches", "3"], "max-gen-batches: 3 acts only with --dynamic-sampling"),
     (["train", "--overlong-penalty", "2"], "overlong-penalty: 2.0 acts only with --overlong-buffer"),
     (["train", "--entropy-high", "0"], "entropy-high: 0.0 must be more than 0.0"),
@@ -76,6 +77,9 @@ BAD_VALUES = [
                                                    "integer (set in {d}/zero_steps.toml)."),
     (["train", "--config", "{d}/twice.toml"], "config: 'steps' is set twice in {d}/twice.toml ([run] steps = 2, "
                                               "[optim] steps = 0)"),
+    # issue 48 L5: weights whose sum is infinite (the weighted reward was stored as inf, advantages and loss NULL)
+    (["train", "--reward", "exact_int", "--reward", "math", "--reward-weights", "1e308,1e308"],
+     "reward-weights: '1e308,1e308' sum to more than a number holds"),
 ]
 
 

@@ -231,6 +231,10 @@ BAD_DAPO_INPUT = [
     (["--shaping", "after-baseline"], "shaping: after-baseline acts only with --overlong-buffer, which is off"),
     (["--on-gen-cap", "halt", "--dynamic-sampling"], "on-gen-cap: unknown value 'halt'. Choose one of: train, stop"),
     (["--on-gen-cap", "stop"], "on-gen-cap: stop acts only with --dynamic-sampling, which is off"),
+    # issue 48 L11: options of the vLLM engine given with another engine change nothing, yet were stored
+    (["--vllm-gpu-memory", "0.5"], "vllm-gpu-memory: 0.5 acts only with --engine vllm, and this run's engine is hf"),
+    (["--no-vllm-sleep"], "vllm-sleep: False acts only with --engine vllm, and this run's engine is hf"),
+    (["--vllm-sleep"], "vllm-sleep: True acts only with --engine vllm"),
 ]
 
 
@@ -240,6 +244,21 @@ def test_bad_dapo_options_are_one_clear_message(tmp_path, args, message):
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split()), result.output
     assert not list(tmp_path.glob("*/qae.duckdb"))
+
+
+def test_an_option_given_at_its_default_is_never_refused_for_its_switch(tmp_path):
+    """Issue 48 L11: `--shaping before-baseline` (its default) was refused without --overlong-buffer, though a
+    default changes nothing and docs/training.md says defaults never are; so is every switch's option and the vLLM
+    engine's, given at their defaults."""
+    from qae_app.config import FIELDS, NEEDS_SWITCH, VLLM_ONLY, build_config
+
+    for name in [*NEEDS_SWITCH, *VLLM_ONLY]:
+        default = FIELDS[name].default
+        assert getattr(build_config(**{name: default}), name) == default
+    result = runner.invoke(app, ["train", "--shaping", "before-baseline", "--vllm-gpu-memory", "0.35", "--steps", "1",
+                                 "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0",
+                                 "--runs-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
 
 
 def test_switches_from_the_command_line_and_toml(tmp_path):

@@ -78,3 +78,31 @@ def test_template_checked_before_anything_runs(template, message):
     with pytest.raises(QAEUserError) as e:
         build_config(prompt_template=template)
     assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("size", [100_000, 1_000_000], ids=["100KB-command-line", "1MB-toml"])
+def test_a_system_prompt_longer_than_the_context_is_measured_once_and_refused_as_itself(tmp_path, monkeypatch,
+                                                                                         size):
+    """Issue 48 L7: a 100 KB --system-prompt was refused after 31 s as "prompt 'd-1' is 100,017 tokens ... remove or
+    shorten those problems" (every problem's prompt, which holds it, encoded in turn), and 1 MB (a TOML file's) had
+    no answer in 120 s. The system prompt is measured first, once, and refused as what is too long."""
+    from qae_app.models import policy
+
+    encoded = []
+    real_encode = policy.CharTokenizer.encode
+    monkeypatch.setattr(policy.CharTokenizer, "encode", lambda self, prompt: encoded.append(len(str(prompt))) or
+                        real_encode(self, prompt))
+    text = ("Be brief. " * (size // 10 + 1))[:size]
+    if size > 100_000:  # (a command-line argument holds at most 128 KiB: a megabyte comes from a TOML file)
+        (tmp_path / "run.toml").write_text(f"system_prompt = {json.dumps(text)}\n")
+        given = ["--config", str(tmp_path / "run.toml")]
+    else:
+        given = ["--system-prompt", text]
+    result = runner.invoke(app, ["train", *ONE_STEP, *given, "--runs-dir", str(tmp_path / "runs")],
+                           env={"COLUMNS": "300"})
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and said.count("error:") == 1, said[-2000:]
+    assert f"system-prompt: it is {size + 1:,} tokens on its own, and every prompt holds it" in said
+    assert "the model's context is 128" in said and "Remove or shorten those problems" not in said
+    assert sum(1 for length in encoded if length >= size) == 1  # measured once, not once per problem
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*"))

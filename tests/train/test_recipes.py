@@ -1,6 +1,7 @@
 """recipes/: every file goes through `qae train --config`'s loading and validation as it is, the paper recipes say what
-App. B.1 says, and the CPU recipe runs (slow) and stores what dynamic sampling and reward shaping add. The GPU
-recipes cannot run here (no GPU, no 8B model): only their configs are checked."""
+App. B.1 says and make the eight cells of the paper's Table 2, every recipe trains 2 steps on the built-in model with
+its model swapped (slow), and the CPU recipe runs as it is (slow) and stores what dynamic sampling and reward shaping
+add. The GPU recipes cannot run as they are here (no GPU, no 8B model)."""
 
 import subprocess
 import sys
@@ -9,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from qae_app.config import build_config, load_toml
+from qae_app.core.errors import QAEUserError
 from qae_app.rewards.builtin_verifiers import overlong_penalty
-from qae_app.store.reader import query, read_run, read_steps
+from qae_app.store.reader import query, read_run, read_steps, stored_config
 from qae_app.store.run_folder import db_path
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -18,9 +20,81 @@ RECIPES = sorted(RECIPES_DIR.glob("*.toml"))
 QAE = str(Path(sys.executable).parent / "qae")
 
 
+# the eight cells of the paper's main table (arXiv 2509.22611 v2, Table 2): (file stem, model, policy loss), each
+# with and without QAE (`-qae`)
+PAPER_CELLS = [("paper-qwen3-8b-dapo", "Qwen/Qwen3-8B-Base", "clip"),
+               ("paper-qwen3-8b-clip-cov", "Qwen/Qwen3-8B-Base", "clip_cov"),
+               ("paper-qwen3-8b-kl-cov", "Qwen/Qwen3-8B-Base", "kl_cov"),
+               ("paper-qwen3-30b-a3b-gspo", "Qwen/Qwen3-30B-A3B-Base", "gspo")]
+# what a recipe's model, data and sizes become to train on the built-in model on a CPU: its method (the policy loss and
+# its options, the estimator, the aggregation, the clip, dynamic sampling, the reward values and overlong shaping, the
+# learning rate) stays as the recipe has it
+ON_THE_BUILT_IN_MODEL = dict(model="builtin:tiny", data="arith", engine="hf", dtype="float32", mixed_precision="no",
+                             steps=2, prompts_per_step=4, group_size=8, max_new_tokens=8, num_mini_batches=2,
+                             micro_batch_size=16, max_tokens_per_micro_batch=None, gradient_checkpointing=False,
+                             eval_every=0, checkpoint_every=0, log_entropy_delta=False)
+
+
+def on_the_built_in_model(recipe) -> dict:
+    """ON_THE_BUILT_IN_MODEL, and the recipe's lengths scaled to 8-token responses where it sets them."""
+    scaled = {"overlong_buffer": 4} if recipe.overlong_buffer else {}
+    if recipe.dynamic_sampling:
+        scaled["max_gen_batches"] = 2
+    return {**ON_THE_BUILT_IN_MODEL, **scaled}
+
+
 def test_the_paper_recipes_and_a_cpu_one_are_there():
-    assert {p.name for p in RECIPES} >= {"paper-qwen3-8b-dapo-qae.toml", "paper-qwen3-8b-dapo.toml",
-                                         "cpu-tiny-dapo-qae.toml"}
+    paper = {f"{stem}{qae}.toml" for stem, _, _ in PAPER_CELLS for qae in ("", "-qae")}
+    assert len(paper) == 8 and {p.name for p in RECIPES} >= paper | {"cpu-tiny-dapo-qae.toml"}
+
+
+@pytest.mark.parametrize("stem, model, loss", PAPER_CELLS, ids=[stem for stem, _, _ in PAPER_CELLS])
+def test_each_cell_of_the_papers_table_is_app_b1_with_its_loss_and_its_pair_differs_in_the_baseline(stem, model, loss):
+    """Each pair: the base method with the group mean (grpo), and the same with QAE (K = 0.4); every pair keeps App.
+    B.1's shared settings (the Clip-Higher pair's), and differs from it only in the loss (and, for GSPO, its model,
+    its one aggregation and the vLLM share its weights need)."""
+    base, qae = (build_config(RECIPES_DIR / f"{stem}{suffix}.toml") for suffix in ("", "-qae"))
+    assert (base.model, base.policy_loss, qae.policy_loss) == (model, loss, loss)
+    assert (base.estimator, qae.estimator, qae.k) == ("grpo", "qae", "0.4")
+    assert {name for name, value in qae.to_dict().items() if getattr(base, name) != value} == {"estimator"}
+    reference = build_config(RECIPES_DIR / "paper-qwen3-8b-dapo-qae.toml")
+    differs = {name for name, value in qae.to_dict().items() if getattr(reference, name) != value}
+    loss_options = {"policy_loss", "clip_low", "clip_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
+                    "kl_cov_ratio", "kl_cov_coef", "gspo_clip_low", "gspo_clip_high"}
+    moe = {"model", "loss_agg", "vllm_gpu_memory"} if loss == "gspo" else set()
+    assert differs <= loss_options | moe and ("policy_loss" in differs) == (loss != "clip")
+    assert (qae.lr, qae.dynamic_sampling, qae.overlong_buffer, qae.group_size, qae.prompts_per_step,
+            qae.max_new_tokens) == (1e-6, True, 4096, 16, 512, 20480)
+    assert qae.loss_agg == ("seq_mean_token_mean" if loss == "gspo" else "token")
+
+
+@pytest.mark.slow  # ten real runs of 2 steps: ~9 s of CPU each
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_trains_2_steps_on_the_built_in_model_with_its_method(path, tmp_path):
+    """The recipe as `qae train --config` reads it, its model, data and sizes swapped for the built-in model's
+    (on_the_built_in_model): two real steps train and are stored, under the recipe's own loss and estimator."""
+    from qae_app.train.trainer import Trainer
+
+    recipe = build_config(path)
+    cfg = build_config(path, run_name="swapped", **on_the_built_in_model(recipe))
+    same = ("policy_loss", "estimator", "k", "loss_agg", "clip_low", "clip_high", "dynamic_sampling", "reward_values",
+            "lr", "clip_cov_ratio", "kl_cov_ratio", "gspo_clip_low", "gspo_clip_high")
+    assert {name: getattr(cfg, name) for name in same} == {name: getattr(recipe, name) for name in same}
+    result = Trainer(cfg, tmp_path, cpu=True).fit()
+    assert result.status == "finished"
+    path_db = db_path(tmp_path, "swapped")
+    assert read_steps(path_db)["step"].tolist() == [1, 2]
+    stored = stored_config(read_run(path_db))
+    assert (stored["policy_loss"], stored["estimator"]) == (recipe.policy_loss, recipe.estimator)
+
+
+def test_an_unknown_policy_loss_in_a_recipe_gets_the_registrys_message(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text((RECIPES_DIR / "paper-qwen3-8b-kl-cov-qae.toml").read_text().replace(
+        'policy_loss = "kl_cov"', 'policy_loss = "ppo_foo"'))
+    with pytest.raises(QAEUserError, match=r"^policy-loss: unknown value 'ppo_foo'\. Choose one of: clip, clip_cov, "
+                                           r"kl_cov, gspo, cispo \(set in .*run\.toml\)\.$"):
+        build_config(path)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)

@@ -8,6 +8,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
 
 import duckdb
 import pytest
@@ -228,3 +231,19 @@ def test_warnings_are_tracker_events_and_signal_shares_metrics(tmp_path):
     assert scalars["reward/one_word/adv_share"] == [(4, 1.0)] and scalars["reward/antonym/weight"] == [(4, 1.0)]
     text = events.Tensors("warnings/reward_signal/text_summary")
     assert [(e.step, e.tensor_proto.string_val[0].decode()) for e in text] == [(4, "step 4: one_word carried 100%")]
+
+
+def test_wandb_without_an_api_key_is_refused_in_one_line_before_the_run_is_made(tmp_path):
+    """Issue 48 L6: `--report-to wandb` with no W&B key here ended in wandb's UsageError traceback, exit 1, its run
+    folder made; an MLflow store qae cannot open was already refused in one line. A real `qae train` process with no
+    key: no WANDB_API_KEY, no netrc entry, no wandb settings of this user's."""
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb)")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("WANDB_") and key != "NETRC"}
+    env.update(HOME=str(tmp_path / "home"), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), COLUMNS="300")
+    runs = tmp_path / "runs"
+    result = subprocess.run([sys.executable, "-m", "qae_app.cli", "train", "--run-name", "r", "--report-to", "wandb",
+                             *TINY, "--runs-dir", str(runs)], capture_output=True, text=True, env=env, timeout=600)
+    said = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and said.count("error:") == 1 and "Traceback" not in said, said
+    assert "report-to: wandb has no API key here" in said and "WANDB_MODE=offline" in said, said
+    assert not runs.exists() or not any(runs.iterdir())  # refused before the run was made

@@ -233,3 +233,60 @@ def test_every_failure_of_a_user_reward_is_one_message_keeps_the_steps_and_resum
     assert read_steps(db)["step"].tolist() == [1, 2, 3, 4, 5, 6]
     rows = query(db, "SELECT step, count(*) AS n FROM reward_components GROUP BY step ORDER BY step")
     assert rows["n"].tolist() == [8] * 6  # each step's responses scored once, none twice
+
+
+# issue 48 L4: a reward file whose import, or whose function, ends its worker process or never returns
+ENDS = '''
+import os
+import signal
+import time
+from pathlib import Path
+
+HOW = Path(__file__).with_name("how.txt").read_text().strip()  # data the test writes: what the file does
+if HOW == "import-exits":
+    os._exit(0)
+if HOW == "import-killed":
+    os.kill(os.getpid(), signal.SIGKILL)
+if HOW == "import-sleeps":
+    time.sleep(3600)
+
+
+def score(completions, **kwargs):
+    if HOW == "call-exits":
+        os._exit(3)
+    if HOW == "call-killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [1.0]
+'''
+
+
+@pytest.mark.parametrize("how, message", [
+    ("import-exits", "the worker process importing it ended before it was ready, 3 times in a row (exit codes 0, "
+                     "0, 0): does the module end the process when it is imported"),
+    ("import-killed", "ended before it was ready, 3 times in a row (exit codes -9, -9, -9)"),
+    ("import-sleeps", "importing it did not finish within 20 s (the worker that imports it never said it was "
+                      "ready): does the module sleep"),
+    ("call-exits", "failed at step 1 on response 1 of 8 ('"),
+    ("call-killed", "the worker process running it ended (exit code -9). Does the function end the process"),
+])
+def test_a_reward_file_that_ends_its_worker_or_never_imports_is_said_as_such(tmp_path, monkeypatch, how, message):
+    """L4: a file calling os._exit on import was reported as math-verify's workers dying ("check that `python -c
+    'import math_verify'` works"), in a traceback; one sleeping on import as a RuntimeError traceback after 120 s;
+    one calling os._exit when called as a function that "hangs, or is far slower". Each is said as what it is,
+    naming the file: exit 2, one message, no traceback."""
+    from typer.testing import CliRunner
+
+    from qae_app.cli.main import app
+    from qae_app.rewards import registry
+
+    monkeypatch.setattr(registry, "START_TIMEOUT_S", 20.0, raising=False)  # (the sleeping import: not its limit)
+    (tmp_path / "ends.py").write_text(ENDS)
+    (tmp_path / "how.txt").write_text(how)
+    result = CliRunner().invoke(app, ["train", "--run-name", "r", "--steps", "2", "--prompts-per-step", "2",
+                                      "--group-size", "4", "--eval-every", "0", "--cpu", "--reward",
+                                      f"{tmp_path / 'ends.py'}:score", "--runs-dir", str(tmp_path / "runs")],
+                                env={"COLUMNS": "300"})
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and said.count("error:") == 1, said
+    assert result.exception is None or isinstance(result.exception, SystemExit), said  # no traceback
+    assert f"reward: {tmp_path / 'ends.py'}:score" in said and message in said and "math_verify" not in said, said

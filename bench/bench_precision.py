@@ -1,0 +1,121 @@
+"""Benchmark: the update in bf16 mixed precision (float32 master weights) against float32, on the SmolLM2 CPU recipe.
+
+    python bench/bench_precision.py [--steps 6] [--warmup 1] [--rollout-dtype bfloat16] [--threads 1]
+    python bench/bench_precision.py --accuracy-seeds 3     # the recipe's 40 steps per seed and arm: hours on a CPU
+
+Two trainers of the recipe (recipes/cpu-smollm2-qae.toml) in this process, one with `--mixed-precision bf16` (the
+forward and backward under bf16 autocast, float32 weights and AdamW moments) and one in float32, both sampling from a
+bfloat16 copy (`--rollout-dtype bfloat16`, the sampler a CPU with bf16 matmuls runs), take RL steps in turn (the
+order alternating, bench/harness.py), each step timed by the trainer itself (`update_s`: the forwards, backwards and
+optimizer steps, and the weight sync into the sampling copy). Per step pair: the bf16 update's time over the float32
+one's. Per arm: the sampler/trainer gap the run stores (`mismatch_logp_abs`, `mismatch_k3_kl`, `mismatch_ratio_max`,
+docs/metrics.md): with both sides in bf16 the gap should narrow. The two arms sample alike at step 1 (same weights, same
+seed) and drift apart as their updates differ.
+
+Whether bf16 pays depends on the CPU: where oneDNN has bf16 kernels (AVX512_BF16, AMX: the `cpu` column of the
+results log names the flags) a bf16 matmul runs at several times the float32 rate; without them (AVX2 only) torch
+emulates it, slower than float32. `--accuracy-seeds N` then runs the whole recipe N times per arm (`qae train
+--config ... --seed s`, float32 and `--mixed-precision bf16`, both `--rollout-dtype bfloat16`) and reports the held-out
+accuracy gain of each (step 0 to the last evaluation): whether bf16 learns as well. It needs a quiet machine and, to
+be worth it, a CPU with bf16 kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from harness import ROOT, describe, pair_order, pair_ratios, report, spread
+
+RECIPE = ROOT / "recipes" / "cpu-smollm2-qae.toml"
+GAP = ("mismatch_logp_abs", "mismatch_k3_kl", "mismatch_ratio_max")
+ARMS = {"float32": "no", "bf16 mixed": "bf16"}  # label -> --mixed-precision
+
+
+def bf16_kernels() -> bool:
+    """Whether oneDNN has bf16 matmul kernels for this CPU (what makes bf16 faster than float32 on it)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def paired_steps(steps: int, warmup: int, rollout_dtype: str) -> dict[str, list[dict]]:
+    """Each arm's metrics per step, the arms stepping in turn (trainer.train_step writes nothing)."""
+    from qae_app.config import build_config
+    from qae_app.train.trainer import Trainer
+
+    runs = Path(tempfile.mkdtemp(prefix="bench-precision-"))
+    trainers = [Trainer(build_config(RECIPE, run_name=label.replace(" ", "-"), steps=steps, eval_every=0,
+                                     checkpoint_every=0, mixed_precision=mixed, rollout_dtype=rollout_dtype),
+                        runs, cpu=True) for label, mixed in ARMS.items()]
+    metrics: dict[str, list[dict]] = {label: [] for label in ARMS}
+    for step in range(1, steps + 1):
+        for which in pair_order(step):
+            out = trainers[which].train_step(step)
+            metrics[list(ARMS)[which]].append(out.metrics)
+        print(f"step {step}: " + "; ".join(f"{label} update {m[-1]['update_s']:.1f} s, mismatch |dlogp| "
+                                            f"{m[-1]['mismatch_logp_abs']:.4f}" for label, m in metrics.items()),
+              flush=True)
+    return {label: m[warmup:] for label, m in metrics.items()}
+
+
+def accuracy_gain(seed: int, mixed: str, rollout_dtype: str, runs: Path) -> float:
+    """Held-out accuracy at the last evaluation minus step 0's, of one whole recipe run."""
+    from qae_app.store.reader import query
+    from qae_app.store.run_folder import DB_FILE
+
+    name = f"{mixed}-{seed}"
+    command = [str(Path(sys.executable).parent / "qae"), "train", "--config", str(RECIPE), "--seed", str(seed),
+               "--mixed-precision", mixed, "--rollout-dtype", rollout_dtype, "--runs-dir", str(runs), "--run-name",
+               name]
+    subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
+    curve = query(runs / name / DB_FILE, "SELECT step, avg(value) AS value FROM evals WHERE metric = 'avg_k' AND "
+                                         "subset = 'all' GROUP BY step ORDER BY step")["value"].tolist()
+    return curve[-1] - curve[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6, help="RL steps of each arm, in turn")
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out (allocations, lazy imports)")
+    parser.add_argument("--rollout-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--accuracy-seeds", type=int, default=0, help="also run the whole recipe per seed and arm")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels = "oneDNN bf16 kernels" if bf16_kernels() else "no oneDNN bf16 kernels (bf16 emulated)"
+    metrics = paired_steps(args.steps, args.warmup, args.rollout_dtype)
+    ratios = pair_ratios([m["update_s"] for m in metrics["bf16 mixed"]], [m["update_s"] for m in metrics["float32"]])
+    print(f"update time bf16 mixed / float32 per step pair: {describe(ratios)} ({kernels})")
+    report("bench_precision: update time, bf16 mixed precision / float32, SmolLM2 recipe",
+           round(spread(ratios).median, 4), None, unit="x", spread=spread(ratios),
+           note=f"{kernels}; medians {statistics.median(m['update_s'] for m in metrics['bf16 mixed']):.1f} against "
+                f"{statistics.median(m['update_s'] for m in metrics['float32']):.1f} s; sampler "
+                f"--rollout-dtype {args.rollout_dtype}; {args.threads} threads; {args.steps} steps, "
+                f"{args.warmup} dropped")
+    for label, values in metrics.items():
+        gap = {name: statistics.median(m[name] for m in values) for name in GAP}
+        print(f"{label} trainer, {args.rollout_dtype} sampler: median " + ", ".join(f"{k} {v:.4g}"
+                                                                                 for k, v in gap.items()))
+        report(f"bench_precision: sampler/trainer mean |dlogp|, {label} trainer, {args.rollout_dtype} sampler, "
+               "SmolLM2 recipe", round(gap["mismatch_logp_abs"], 6), None, unit="nats",
+               note=f"medians over {len(values)} steps; k3 KL {gap['mismatch_k3_kl']:.3g}, largest ratio "
+                    f"{gap['mismatch_ratio_max']:.3g}")
+    if args.accuracy_seeds:
+        runs = Path(tempfile.mkdtemp(prefix="bench-precision-runs-"))
+        gains = {label: [accuracy_gain(seed, mixed, args.rollout_dtype, runs) for seed in range(args.accuracy_seeds)]
+                 for label, mixed in ARMS.items()}
+        for label, values in gains.items():
+            print(f"{label}: held-out accuracy gain per seed {', '.join(f'{g:+.3f}' for g in values)}")
+            report(f"bench_precision: held-out accuracy gain, {label} trainer, SmolLM2 recipe",
+                   round(statistics.mean(values), 4), None, unit="accuracy",
+                   note=f"seeds 0-{args.accuracy_seeds - 1}: {', '.join(f'{g:+.3f}' for g in values)}; "
+                        f"--rollout-dtype {args.rollout_dtype}; runs in {runs}")
+    print(f"bf16 mixed / float32 update time: {spread(ratios).median:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
