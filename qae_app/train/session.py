@@ -300,31 +300,7 @@ class RunSession:
             config["reward_files"] = self.reward_files
         k = ESTIMATORS[cfg.estimator].k_in_use(state.k)  # (None before --k auto chooses one, and for a mean baseline)
         if self.resuming:
-            db = self.run_dir / DB_FILE
-            if not db.exists() and state.step > 0:
-                raise QAEUserError(
-                    f"resume: run '{self.run_id}' has a checkpoint at step {state.step} but no database: the "
-                    f"rows of steps 1-{state.step} are lost. Restore {DB_FILE} from a backup, or start a new "
-                    "run.")
-            # (opening refuses a file of an older format, naming `qae migrate`; it waits up to 60 s for a reader)
-            self.writer = RunWriter(db, self.run_id, resume_from=state.step, on_wait=lambda holder: self._say(
-                f"[yellow]waiting for {db}: {holder} (a reader left open?). Close it to go on.[/]"))
-            earlier = _stored_run(db)
-            if earlier is None and state.step > 0:
-                raise QAEUserError(
-                    f"resume: run '{self.run_id}' has a checkpoint at step {state.step} but no run row in {db}: "
-                    f"the rows of steps 1-{state.step} are lost. Restore {DB_FILE} from a backup, or start a "
-                    "new run.")
-            if earlier is None:  # killed while the run was being created (before any checkpoint): create it again
-                self.writer.create_run(self.run_id, config, cfg.estimator, k, cfg.model, cfg.data, cfg.seed)
-            # rows written after the checkpoint are replayed by this run: drop them so each step is stored once
-            self.writer.truncate_after(state.step)
-            self._say_missing_steps(state.step)
-            replace_run_file(self.run_dir / CONFIG_FILE, json.dumps(config, indent=2))  # (never through a link)
-            self.writer.update_run(status="running", error=None, config=config)
-            self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qae-store")
-            self.trackers = start_trackers(cfg.report_to, self.run_id, self.run_dir, config)
-            return earlier or {}
+            return self._reopen_store(state, config, k)
         staging = self._staging
         writer = RunWriter(staging / DB_FILE, self.run_id)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
@@ -341,6 +317,36 @@ class RunSession:
         self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qae-store")
         self.trackers = start_trackers(cfg.report_to, self.run_id, self.run_dir, config)
         return {}
+
+    def _reopen_store(self, state: TrainerState, config: dict, k: float | None) -> dict:
+        """A resumed run's database, its rows after the checkpoint dropped (this run replays them), and its
+        config.json; a run row lost before the first checkpoint is created again. Returns the stored row, or {}."""
+        cfg = self.cfg
+        db = self.run_dir / DB_FILE
+        if not db.exists() and state.step > 0:
+            raise QAEUserError(
+                f"resume: run '{self.run_id}' has a checkpoint at step {state.step} but no database: the "
+                f"rows of steps 1-{state.step} are lost. Restore {DB_FILE} from a backup, or start a new "
+                "run.")
+        # (opening refuses a file of an older format, naming `qae migrate`; it waits up to 60 s for a reader)
+        self.writer = RunWriter(db, self.run_id, resume_from=state.step, on_wait=lambda holder: self._say(
+            f"[yellow]waiting for {db}: {holder} (a reader left open?). Close it to go on.[/]"))
+        earlier = _stored_run(db)
+        if earlier is None and state.step > 0:
+            raise QAEUserError(
+                f"resume: run '{self.run_id}' has a checkpoint at step {state.step} but no run row in {db}: "
+                f"the rows of steps 1-{state.step} are lost. Restore {DB_FILE} from a backup, or start a "
+                "new run.")
+        if earlier is None:  # killed while the run was being created (before any checkpoint): create it again
+            self.writer.create_run(self.run_id, config, cfg.estimator, k, cfg.model, cfg.data, cfg.seed)
+        # rows written after the checkpoint are replayed by this run: drop them so each step is stored once
+        self.writer.truncate_after(state.step)
+        self._say_missing_steps(state.step)
+        replace_run_file(self.run_dir / CONFIG_FILE, json.dumps(config, indent=2))  # (never through a link)
+        self.writer.update_run(status="running", error=None, config=config)
+        self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qae-store")
+        self.trackers = start_trackers(cfg.report_to, self.run_id, self.run_dir, config)
+        return earlier or {}
 
     # -------------------------------------------------------------------------------------------------------------
     # writing: only here, only on the main process, on one writer thread so the next step trains meanwhile
