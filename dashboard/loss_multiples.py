@@ -65,13 +65,7 @@ def small_multiples(table: LossTable, colors: dict[str, str], band: str) -> go.F
                 if curve.empty:
                     continue
                 color = colors[estimator]
-                banded = curve.dropna(subset=["low", "high"])
-                if not banded.empty:
-                    fig.add_trace(go.Scatter(x=pd.concat([banded["step"], banded["step"][::-1]]),
-                                             y=pd.concat([banded["high"], banded["low"][::-1]]), fill="toself",
-                                             fillcolor=_rgba(color, 0.15), line=dict(width=0), mode="lines",
-                                             legendgroup=estimator, showlegend=False, hoverinfo="skip"),
-                                  row=r, col=c)
+                _band(fig, curve.dropna(subset=["low", "high"]), color, estimator, r, c)
                 fig.add_trace(go.Scatter(x=curve["step"], y=curve["mean"], mode="lines", name=estimator,
                                          uid=f"{row.policy_loss} · {metric} · {estimator}", legendgroup=estimator,
                                          showlegend=r == 1 and c == 1, line=dict(color=color, width=2),
@@ -84,6 +78,16 @@ def small_multiples(table: LossTable, colors: dict[str, str], band: str) -> go.F
         fig.update_xaxes(title_text="step", row=len(table.rows), col=c)
     fig.update_annotations(font=dict(size=12))
     return fig
+
+
+def _band(fig: go.Figure, banded: pd.DataFrame, color: str, estimator: str, row: int, col: int) -> None:
+    """The band of one estimator's seeds in one panel (nothing where no step has one)."""
+    if not banded.empty:
+        fig.add_trace(go.Scatter(x=pd.concat([banded["step"], banded["step"][::-1]]),
+                                 y=pd.concat([banded["high"], banded["low"][::-1]]), fill="toself",
+                                 fillcolor=_rgba(color, 0.15), line=dict(width=0), mode="lines",
+                                 legendgroup=estimator, showlegend=False, hoverinfo="skip"),
+                      row=row, col=col)
 
 
 def _rgba(hex_color: str, alpha: float) -> str:
