@@ -62,8 +62,13 @@ def main() -> None:
     runs = results[f"qae runs ({args.runs} runs)"][0]
     print(f"qae runs on {args.runs} runs: {runs:.2f} s against the 1 s goal: ratio {runs / GOAL_S:.2f}")
     for name, (median, low, high) in results.items():
-        report(f"bench_cli: {name}", round(median, 3), f"< {GOAL_S:g}" if name.startswith("qae runs") else None,
-               unit="s", note=f"median of {args.repeats} runs (min {low:.2f}, max {high:.2f}), a fresh process each")
+        report(
+            f"bench_cli: {name}",
+            round(median, 3),
+            f"< {GOAL_S:g}" if name.startswith("qae runs") else None,
+            unit="s",
+            note=f"median of {args.repeats} runs (min {low:.2f}, max {high:.2f}), a fresh process each",
+        )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,18 @@ def build(runs_dir: Path) -> None:
         print(f"reusing {runs_dir / 'big'}")
         return
     t0 = time.perf_counter()
-    write_run(runs_dir, "big", steps=STEPS, prompts_per_step=PROMPTS, group_size=GROUP, n_prompts=2000,
-              eval_every=50, eval_problems=30, eval_k=4, seed=0)
+    write_run(
+        runs_dir,
+        "big",
+        steps=STEPS,
+        prompts_per_step=PROMPTS,
+        group_size=GROUP,
+        n_prompts=2000,
+        eval_every=50,
+        eval_problems=30,
+        eval_k=4,
+        seed=0,
+    )
     print(f"wrote {STEPS} steps x {PROMPTS * GROUP} rollouts in {time.perf_counter() - t0:.0f} s")
 
 
@@ -73,8 +83,10 @@ def build_paper_scale(runs_dir: Path) -> None:
     writer.add_step(1, **tables)
     assert writer.wait_until_written(timeout_s=600)
     writer.update_run(status="finished")
-    print(f"wrote one step of {len(tables['rollouts'])} responses, {chars / 1e6:.0f} MB of text, in "
-          f"{time.perf_counter() - t0:.0f} s")
+    print(
+        f"wrote one step of {len(tables['rollouts'])} responses, {chars / 1e6:.0f} MB of text, in "
+        f"{time.perf_counter() - t0:.0f} s"
+    )
 
 
 def render(page: str, cold: bool) -> float:
@@ -100,8 +112,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", type=Path, help="Folder for the runs (kept, and reused when it holds the run).")
     parser.add_argument("--repeats", type=int, default=3, help="Timed runs per page (the median is printed).")
-    parser.add_argument("--paper-scale", action="store_true",
-                        help="One step of 512 x 16 responses of 2-12k characters; times the pages that read it.")
+    parser.add_argument(
+        "--paper-scale",
+        action="store_true",
+        help="One step of 512 x 16 responses of 2-12k characters; times the pages that read it.",
+    )
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 2:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
@@ -112,7 +127,7 @@ def main() -> None:
     render("runs", cold=True)  # imports and the first run of the app, not counted
     results, warm_s = {}, {}
     print(f"{'page':<15}{'cold s':>8}{'warm s':>8}")
-    for page in (PAPER_SCALE_PAGES if args.paper_scale else PAGES):
+    for page in PAPER_SCALE_PAGES if args.paper_scale else PAGES:
         cold = statistics.median(render(page, cold=True) for _ in range(args.repeats))
         warm = statistics.median(render(page, cold=False) for _ in range(args.repeats))
         results[page], warm_s[page] = cold, warm
@@ -121,9 +136,14 @@ def main() -> None:
     verdict = "under" if results[worst] < GOAL_S else "OVER"
     print(f"worst page: {worst} {results[worst]:.2f} s cold ({verdict} the {GOAL_S:g} s goal)")
     run = "paper-scale step (512 x 16 responses of 2-12k characters)" if args.paper_scale else f"{STEPS:,}-step run"
-    report(f"bench_dashboard: slowest page cold, {run}", round(results[worst], 3), f"< {GOAL_S:g}", unit="s",
-           note=f"{worst}; cold / warm s, medians of {args.repeats}: "
-                + ", ".join(f"{page} {results[page]:.2f} / {warm_s[page]:.2f}" for page in results))
+    report(
+        f"bench_dashboard: slowest page cold, {run}",
+        round(results[worst], 3),
+        f"< {GOAL_S:g}",
+        unit="s",
+        note=f"{worst}; cold / warm s, medians of {args.repeats}: "
+        + ", ".join(f"{page} {results[page]:.2f} / {warm_s[page]:.2f}" for page in results),
+    )
 
 
 if __name__ == "__main__":

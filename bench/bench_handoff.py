@@ -49,8 +49,16 @@ def real_step_tables(group_size: int, runs_dir: Path) -> dict[str, list[dict]]:
 
     trainer.step_tables = keeping
     try:
-        cfg = build_config(run_name="rows", steps=1, prompts_per_step=8, group_size=group_size, max_new_tokens=8,
-                           lora_rank=0, eval_every=0, checkpoint_every=0)
+        cfg = build_config(
+            run_name="rows",
+            steps=1,
+            prompts_per_step=8,
+            group_size=group_size,
+            max_new_tokens=8,
+            lora_rank=0,
+            eval_every=0,
+            checkpoint_every=0,
+        )
         trainer.Trainer(cfg, runs_dir, cpu=True).fit()
     finally:
         trainer.step_tables = step_tables
@@ -81,27 +89,41 @@ def main() -> None:
                 writer.add_step(step, **tables)
                 writer.flush_when_due()
                 return time.perf_counter() - start
+
             return one_step
 
         synced, unsynced = alternate(side("synced"), side("unsynced"), args.steps)
         for writer in writers.values():
             writer.flush()
     rows = sum(len(records) for records in tables.values())
-    print(f"{args.steps} steps each, a real step's rows at G={args.group_size} ({rows} rows), the two writers "
-          "alternating step by step")
+    print(
+        f"{args.steps} steps each, a real step's rows at G={args.group_size} ({rows} rows), the two writers "
+        "alternating step by step"
+    )
     for name, times in (("synced each step (before)", synced), ("synced before checkpoints", unsynced)):
-        print(f"  {name:26s} median {statistics.median(times) * 1e3:.2f} ms a step, mean "
-              f"{statistics.mean(times) * 1e3:.2f} ms (database writes included), max {max(times) * 1e3:.0f} ms")
+        print(
+            f"  {name:26s} median {statistics.median(times) * 1e3:.2f} ms a step, mean "
+            f"{statistics.mean(times) * 1e3:.2f} ms (database writes included), max {max(times) * 1e3:.0f} ms"
+        )
     ratios = pair_ratios(unsynced, synced)
     print(f"after / before per step pair: {describe(ratios)}")
-    report(f"bench_handoff: store work a step, synced before checkpoints, G={args.group_size}",
-           round(statistics.median(unsynced) * 1e3, 3), None, unit="ms",
-           note=f"median of {args.steps} steps; mean {statistics.mean(unsynced) * 1e3:.2f} ms (database writes "
-                f"included); synced each step: median {statistics.median(synced) * 1e3:.2f} ms, mean "
-                f"{statistics.mean(synced) * 1e3:.2f} ms. Issue 29's goal: the work outside the model at TRL's or "
-                "below")
-    report(f"bench_handoff: synced before checkpoints / synced each step, per step pair, G={args.group_size}",
-           round(spread(ratios).median, 4), None, unit="x", spread=spread(ratios))
+    report(
+        f"bench_handoff: store work a step, synced before checkpoints, G={args.group_size}",
+        round(statistics.median(unsynced) * 1e3, 3),
+        None,
+        unit="ms",
+        note=f"median of {args.steps} steps; mean {statistics.mean(unsynced) * 1e3:.2f} ms (database writes "
+        f"included); synced each step: median {statistics.median(synced) * 1e3:.2f} ms, mean "
+        f"{statistics.mean(synced) * 1e3:.2f} ms. Issue 29's goal: the work outside the model at TRL's or "
+        "below",
+    )
+    report(
+        f"bench_handoff: synced before checkpoints / synced each step, per step pair, G={args.group_size}",
+        round(spread(ratios).median, 4),
+        None,
+        unit="x",
+        spread=spread(ratios),
+    )
 
 
 if __name__ == "__main__":

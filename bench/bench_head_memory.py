@@ -56,15 +56,18 @@ def run_passes(args) -> None:
     def logprobs(with_entropy):
         if args.path == "plain":
             return token_logprobs_and_entropy(F.linear(hidden, head.weight), targets, args.temperature, with_entropy)
-        return head_logprobs_and_entropy(hidden, head.weight, None, targets, args.temperature, with_entropy,
-                                         args.chunk_tokens)
+        return head_logprobs_and_entropy(
+            hidden, head.weight, None, targets, args.temperature, with_entropy, args.chunk_tokens
+        )
 
     with torch.no_grad():  # old log-probs and entropies
         old_logp, entropy = logprobs(with_entropy=True)
     logp, _ = logprobs(with_entropy=False)
     logp.mean().backward()
-    print(f"path {args.path}: mean log-prob {old_logp.mean().item():.4f}, mean entropy {entropy.mean().item():.4f}, "
-          f"|grad W| {head.weight.grad.norm().item():.4g}, |grad hidden| {hidden.grad.norm().item():.4g}")
+    print(
+        f"path {args.path}: mean log-prob {old_logp.mean().item():.4f}, mean entropy {entropy.mean().item():.4f}, "
+        f"|grad W| {head.weight.grad.norm().item():.4g}, |grad hidden| {hidden.grad.norm().item():.4g}"
+    )
     print(f"setup_rss {setup_rss / GB:.2f} GB (torch, the head, the hidden states, before the passes)")
 
 
@@ -85,11 +88,15 @@ def main() -> None:
     print(f"{args.tokens} tokens x {args.vocab} vocab: one float32 logits tensor is {logits_bytes / GB:.2f} GB")
     peak, output = peak_rss_of_child(__file__, sys.argv[1:])
     print(output, end="")
-    report(f"bench_head_memory: peak RSS, {args.path} head, {args.tokens} tokens x {args.vocab} vocab, hidden "
-           f"{args.hidden}, {args.dtype}", round(peak / GB, 3),
-           f"< {logits_bytes / GB:.3g}" if args.path == "chunked" else None, unit="GB",
-           note="the child's peak resident set size, torch and the head included; goal (chunked): under one float32 "
-                "logits tensor" + (f"; --chunk-tokens {args.chunk_tokens}" if args.chunk_tokens else ""))
+    report(
+        f"bench_head_memory: peak RSS, {args.path} head, {args.tokens} tokens x {args.vocab} vocab, hidden "
+        f"{args.hidden}, {args.dtype}",
+        round(peak / GB, 3),
+        f"< {logits_bytes / GB:.3g}" if args.path == "chunked" else None,
+        unit="GB",
+        note="the child's peak resident set size, torch and the head included; goal (chunked): under one float32 "
+        "logits tensor" + (f"; --chunk-tokens {args.chunk_tokens}" if args.chunk_tokens else ""),
+    )
     print(f"peak_rss {peak / GB:.2f} GB")
 
 

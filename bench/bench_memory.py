@@ -52,24 +52,40 @@ def model_shape(args):
     if args.model_config:
         return replace(shape_of_model(args.model_config), layers=args.layers)
     heads = args.heads or max(1, args.hidden // 64)
-    return ModelShape(source="bench options", model_type=args.arch, vocab=args.vocab, hidden=args.hidden,
-                      intermediate=args.intermediate or 4 * args.hidden, layers=args.layers, heads=heads,
-                      kv_heads=args.kv_heads or heads, head_dim=args.head_dim or args.hidden // heads,
-                      tied_embeddings=not args.untied)
+    return ModelShape(
+        source="bench options",
+        model_type=args.arch,
+        vocab=args.vocab,
+        hidden=args.hidden,
+        intermediate=args.intermediate or 4 * args.hidden,
+        layers=args.layers,
+        heads=heads,
+        kv_heads=args.kv_heads or heads,
+        head_dim=args.head_dim or args.hidden // heads,
+        tied_embeddings=not args.untied,
+    )
 
 
 def configuration(args, shape) -> str:
     """What the update ran on, in the results log's name: 'llama vocab 151936 hidden 256 x2 layers, 4096 tokens,
     chunked head'."""
     source = f"{Path(args.model_config).name} " if args.model_config else ""
-    head = ("full logits" if args.lora_rank or args.logprob_chunk_tokens == 0 else
-            f"chunks of {args.logprob_chunk_tokens}" if args.logprob_chunk_tokens else "chunked head")
-    return (f"{source}{shape.model_type} vocab {shape.vocab} hidden {shape.hidden} x{shape.layers} layers, "
-            f"{args.tokens} tokens in {args.sequences} sequences"
-            + (f", micro-batches of {args.micro_batch_size}" if args.micro_batch_size else "")
-            + (", checkpointing" if args.gradient_checkpointing else "")
-            + (f", LoRA rank {args.lora_rank}" if args.lora_rank else "")
-            + (", bf16 mixed precision" if args.mixed_precision == "bf16" else "") + f", {head}")
+    head = (
+        "full logits"
+        if args.lora_rank or args.logprob_chunk_tokens == 0
+        else f"chunks of {args.logprob_chunk_tokens}"
+        if args.logprob_chunk_tokens
+        else "chunked head"
+    )
+    return (
+        f"{source}{shape.model_type} vocab {shape.vocab} hidden {shape.hidden} x{shape.layers} layers, "
+        f"{args.tokens} tokens in {args.sequences} sequences"
+        + (f", micro-batches of {args.micro_batch_size}" if args.micro_batch_size else "")
+        + (", checkpointing" if args.gradient_checkpointing else "")
+        + (f", LoRA rank {args.lora_rank}" if args.lora_rank else "")
+        + (", bf16 mixed precision" if args.mixed_precision == "bf16" else "")
+        + f", {head}"
+    )
 
 
 def update_shape(args, shape):
@@ -78,12 +94,19 @@ def update_shape(args, shape):
 
     length = args.tokens // args.sequences
     micro = args.micro_batch_size or args.sequences
-    return UpdateShape(micro_tokens=micro * length, head_tokens=micro * (length - length // 2 + 1),
-                       chunk_tokens=(0 if args.lora_rank or args.logprob_chunk_tokens == 0 else
-                                     args.logprob_chunk_tokens or default_chunk_tokens(shape.vocab)),
-                       gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank,
-                       activation_bytes=2 if args.mixed_precision == "bf16" else 4,
-                       autocast_weight_copy=args.mixed_precision == "bf16")
+    return UpdateShape(
+        micro_tokens=micro * length,
+        head_tokens=micro * (length - length // 2 + 1),
+        chunk_tokens=(
+            0
+            if args.lora_rank or args.logprob_chunk_tokens == 0
+            else args.logprob_chunk_tokens or default_chunk_tokens(shape.vocab)
+        ),
+        gradient_checkpointing=args.gradient_checkpointing,
+        lora_rank=args.lora_rank,
+        activation_bytes=2 if args.mixed_precision == "bf16" else 4,
+        autocast_weight_copy=args.mixed_precision == "bf16",
+    )
 
 
 def run_update(args) -> None:
@@ -102,12 +125,22 @@ def run_update(args) -> None:
     quiet_transformers()
     baseline = current_rss()
     shape = model_shape(args)
-    config_class, model_class = ((transformers.Qwen3Config, transformers.Qwen3ForCausalLM) if shape.qk_norm else
-                                 (transformers.LlamaConfig, transformers.LlamaForCausalLM))
-    config = config_class(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                          num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                          num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-                          max_position_embeddings=max(4096, args.tokens), tie_word_embeddings=shape.tied_embeddings)
+    config_class, model_class = (
+        (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)
+        if shape.qk_norm
+        else (transformers.LlamaConfig, transformers.LlamaForCausalLM)
+    )
+    config = config_class(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=max(4096, args.tokens),
+        tie_word_embeddings=shape.tied_embeddings,
+    )
     torch.manual_seed(0)
     model = disable_dropout(model_class(config))
     if args.gradient_checkpointing:
@@ -120,31 +153,54 @@ def run_update(args) -> None:
     length = args.tokens // args.sequences
     prompt = length // 2
     ids = torch.randint(1, shape.vocab, (args.sequences, length))  # (N, T)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-             "response_mask": torch.cat([torch.zeros(args.sequences, prompt - 1),
-                                         torch.ones(args.sequences, length - prompt)], dim=1)}  # (N, T-1)
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "response_mask": torch.cat(
+            [torch.zeros(args.sequences, prompt - 1), torch.ones(args.sequences, length - prompt)], dim=1
+        ),
+    }  # (N, T-1)
     advantages = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(args.sequences)])  # (N,)
     options = update.UpdateOptions(
-        num_mini_batches=1, ppo_epochs=1, micro_batch_size=args.micro_batch_size or args.sequences, clip_low=0.2,
-        clip_high=0.28, loss_agg="token", kl_beta=0.0, max_grad_norm=1.0, max_new_tokens=length - prompt,
-        temperature=1.0, logits_keyword=keyword, logprob_chunk_tokens=chunk_tokens)
+        num_mini_batches=1,
+        ppo_epochs=1,
+        micro_batch_size=args.micro_batch_size or args.sequences,
+        clip_low=0.2,
+        clip_high=0.28,
+        loss_agg="token",
+        kl_beta=0.0,
+        max_grad_norm=1.0,
+        max_new_tokens=length - prompt,
+        temperature=1.0,
+        logits_keyword=keyword,
+        logprob_chunk_tokens=chunk_tokens,
+    )
     setup = current_rss()
-    precision = (torch.autocast("cpu", dtype=torch.bfloat16) if args.mixed_precision == "bf16"  # what accelerate does
-                 else contextlib.nullcontext())
+    precision = (
+        torch.autocast("cpu", dtype=torch.bfloat16)
+        if args.mixed_precision == "bf16"  # what accelerate does
+        else contextlib.nullcontext()
+    )
     for step in range(2):
         with precision:
             result = update.policy_update(model, optimizer, batch, advantages, options, seed=step, full_pass=True)
         print(f"step {step + 1}: loss {result.stats['loss']:.6f}, grad_norm {result.stats['grad_norm']:.6f}")
-    print(f"log-prob chunk {chunk_tokens or 'off (full logits)'}; {sum(p.numel() for p in model.parameters()):,} "
-          f"parameters")
+    print(
+        f"log-prob chunk {chunk_tokens or 'off (full logits)'}; {sum(p.numel() for p in model.parameters()):,} "
+        f"parameters"
+    )
     print(f"baseline_rss {baseline / GB:.3f} GB (torch and transformers imported); after setup {setup / GB:.3f} GB")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
-    parser.add_argument("--model-config", default=None, help="a model folder, .gguf file or HF id whose shapes to "
-                        "use (qae plan's model_shape); --layers still sets the depth")
+    parser.add_argument(
+        "--model-config",
+        default=None,
+        help="a model folder, .gguf file or HF id whose shapes to "
+        "use (qae plan's model_shape); --layers still sets the depth",
+    )
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--intermediate", type=int, default=None, help="default: 4 x hidden")
@@ -158,10 +214,18 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward (default: all)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--lora-rank", type=int, default=0)
-    parser.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
-                        help="as qae train's: bf16 runs the update under bf16 autocast on float32 weights")
-    parser.add_argument("--logprob-chunk-tokens", type=int, default=None,
-                        help="as qae train's: tokens per chunk of the log-prob head, 0 for the full logits")
+    parser.add_argument(
+        "--mixed-precision",
+        choices=["no", "bf16"],
+        default="no",
+        help="as qae train's: bf16 runs the update under bf16 autocast on float32 weights",
+    )
+    parser.add_argument(
+        "--logprob-chunk-tokens",
+        type=int,
+        default=None,
+        help="as qae train's: tokens per chunk of the log-prob head, 0 for the full logits",
+    )
     add_child_options(parser)
     args = parser.parse_args()
     if ran_as_child(args, run_update):
@@ -178,10 +242,14 @@ def main() -> None:
         print(f"  predicted {name:<16} {size / GB:7.3f} GB  {what}")
     measured = peak - baseline
     print(f"peak_rss {peak / GB:.2f} GB (baseline {baseline / GB:.2f} GB)")
-    report(f"bench_memory: measured / predicted update memory, {configuration(args, shape)}",
-           round(measured / predicted, 4), GOAL_RATIO, unit="x",
-           note=f"measured {measured / GB:.2f} GB (peak {peak / GB:.2f} GB less {baseline / GB:.2f} GB before the "
-                f"model), predicted {predicted / GB:.2f} GB")
+    report(
+        f"bench_memory: measured / predicted update memory, {configuration(args, shape)}",
+        round(measured / predicted, 4),
+        GOAL_RATIO,
+        unit="x",
+        note=f"measured {measured / GB:.2f} GB (peak {peak / GB:.2f} GB less {baseline / GB:.2f} GB before the "
+        f"model), predicted {predicted / GB:.2f} GB",
+    )
     print(f"measured {measured / GB:.2f} GB predicted {predicted / GB:.2f} GB ratio {measured / predicted:.2f}")
 
 

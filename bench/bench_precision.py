@@ -48,17 +48,35 @@ def paired_steps(steps: int, warmup: int, rollout_dtype: str) -> dict[str, list[
     from qae_app.train.trainer import Trainer
 
     runs = Path(tempfile.mkdtemp(prefix="bench-precision-"))
-    trainers = [Trainer(build_config(RECIPE, run_name=label.replace(" ", "-"), steps=steps, eval_every=0,
-                                     checkpoint_every=0, mixed_precision=mixed, rollout_dtype=rollout_dtype),
-                        runs, cpu=True) for label, mixed in ARMS.items()]
+    trainers = [
+        Trainer(
+            build_config(
+                RECIPE,
+                run_name=label.replace(" ", "-"),
+                steps=steps,
+                eval_every=0,
+                checkpoint_every=0,
+                mixed_precision=mixed,
+                rollout_dtype=rollout_dtype,
+            ),
+            runs,
+            cpu=True,
+        )
+        for label, mixed in ARMS.items()
+    ]
     metrics: dict[str, list[dict]] = {label: [] for label in ARMS}
     for step in range(1, steps + 1):
         for which in pair_order(step):
             out = trainers[which].train_step(step)
             metrics[list(ARMS)[which]].append(out.metrics)
-        print(f"step {step}: " + "; ".join(f"{label} update {m[-1]['update_s']:.1f} s, mismatch |dlogp| "
-                                            f"{m[-1]['mismatch_logp_abs']:.4f}" for label, m in metrics.items()),
-              flush=True)
+        print(
+            f"step {step}: "
+            + "; ".join(
+                f"{label} update {m[-1]['update_s']:.1f} s, mismatch |dlogp| {m[-1]['mismatch_logp_abs']:.4f}"
+                for label, m in metrics.items()
+            ),
+            flush=True,
+        )
     return {label: m[warmup:] for label, m in metrics.items()}
 
 
@@ -68,12 +86,28 @@ def accuracy_gain(seed: int, mixed: str, rollout_dtype: str, runs: Path) -> floa
     from qae_app.store.run_folder import DB_FILE
 
     name = f"{mixed}-{seed}"
-    command = [str(Path(sys.executable).parent / "qae"), "train", "--config", str(RECIPE), "--seed", str(seed),
-               "--mixed-precision", mixed, "--rollout-dtype", rollout_dtype, "--runs-dir", str(runs), "--run-name",
-               name]
+    command = [
+        str(Path(sys.executable).parent / "qae"),
+        "train",
+        "--config",
+        str(RECIPE),
+        "--seed",
+        str(seed),
+        "--mixed-precision",
+        mixed,
+        "--rollout-dtype",
+        rollout_dtype,
+        "--runs-dir",
+        str(runs),
+        "--run-name",
+        name,
+    ]
     subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
-    curve = query(runs / name / DB_FILE, "SELECT step, avg(value) AS value FROM evals WHERE metric = 'avg_k' AND "
-                                         "subset = 'all' GROUP BY step ORDER BY step")["value"].tolist()
+    curve = query(
+        runs / name / DB_FILE,
+        "SELECT step, avg(value) AS value FROM evals WHERE metric = 'avg_k' AND "
+        "subset = 'all' GROUP BY step ORDER BY step",
+    )["value"].tolist()
     return curve[-1] - curve[0]
 
 
@@ -90,30 +124,48 @@ def main() -> None:
     metrics = paired_steps(args.steps, args.warmup, args.rollout_dtype)
     ratios = pair_ratios([m["update_s"] for m in metrics["bf16 mixed"]], [m["update_s"] for m in metrics["float32"]])
     print(f"update time bf16 mixed / float32 per step pair: {describe(ratios)} ({kernels})")
-    report("bench_precision: update time, bf16 mixed precision / float32, SmolLM2 recipe",
-           round(spread(ratios).median, 4), None, unit="x", spread=spread(ratios),
-           note=f"{kernels}; medians {statistics.median(m['update_s'] for m in metrics['bf16 mixed']):.1f} against "
-                f"{statistics.median(m['update_s'] for m in metrics['float32']):.1f} s; sampler "
-                f"--rollout-dtype {args.rollout_dtype}; {args.threads} threads; {args.steps} steps, "
-                f"{args.warmup} dropped")
+    report(
+        "bench_precision: update time, bf16 mixed precision / float32, SmolLM2 recipe",
+        round(spread(ratios).median, 4),
+        None,
+        unit="x",
+        spread=spread(ratios),
+        note=f"{kernels}; medians {statistics.median(m['update_s'] for m in metrics['bf16 mixed']):.1f} against "
+        f"{statistics.median(m['update_s'] for m in metrics['float32']):.1f} s; sampler "
+        f"--rollout-dtype {args.rollout_dtype}; {args.threads} threads; {args.steps} steps, "
+        f"{args.warmup} dropped",
+    )
     for label, values in metrics.items():
         gap = {name: statistics.median(m[name] for m in values) for name in GAP}
-        print(f"{label} trainer, {args.rollout_dtype} sampler: median " + ", ".join(f"{k} {v:.4g}"
-                                                                                 for k, v in gap.items()))
-        report(f"bench_precision: sampler/trainer mean |dlogp|, {label} trainer, {args.rollout_dtype} sampler, "
-               "SmolLM2 recipe", round(gap["mismatch_logp_abs"], 6), None, unit="nats",
-               note=f"medians over {len(values)} steps; k3 KL {gap['mismatch_k3_kl']:.3g}, largest ratio "
-                    f"{gap['mismatch_ratio_max']:.3g}")
+        print(
+            f"{label} trainer, {args.rollout_dtype} sampler: median "
+            + ", ".join(f"{k} {v:.4g}" for k, v in gap.items())
+        )
+        report(
+            f"bench_precision: sampler/trainer mean |dlogp|, {label} trainer, {args.rollout_dtype} sampler, "
+            "SmolLM2 recipe",
+            round(gap["mismatch_logp_abs"], 6),
+            None,
+            unit="nats",
+            note=f"medians over {len(values)} steps; k3 KL {gap['mismatch_k3_kl']:.3g}, largest ratio "
+            f"{gap['mismatch_ratio_max']:.3g}",
+        )
     if args.accuracy_seeds:
         runs = Path(tempfile.mkdtemp(prefix="bench-precision-runs-"))
-        gains = {label: [accuracy_gain(seed, mixed, args.rollout_dtype, runs) for seed in range(args.accuracy_seeds)]
-                 for label, mixed in ARMS.items()}
+        gains = {
+            label: [accuracy_gain(seed, mixed, args.rollout_dtype, runs) for seed in range(args.accuracy_seeds)]
+            for label, mixed in ARMS.items()
+        }
         for label, values in gains.items():
             print(f"{label}: held-out accuracy gain per seed {', '.join(f'{g:+.3f}' for g in values)}")
-            report(f"bench_precision: held-out accuracy gain, {label} trainer, SmolLM2 recipe",
-                   round(statistics.mean(values), 4), None, unit="accuracy",
-                   note=f"seeds 0-{args.accuracy_seeds - 1}: {', '.join(f'{g:+.3f}' for g in values)}; "
-                        f"--rollout-dtype {args.rollout_dtype}; runs in {runs}")
+            report(
+                f"bench_precision: held-out accuracy gain, {label} trainer, SmolLM2 recipe",
+                round(statistics.mean(values), 4),
+                None,
+                unit="accuracy",
+                note=f"seeds 0-{args.accuracy_seeds - 1}: {', '.join(f'{g:+.3f}' for g in values)}; "
+                f"--rollout-dtype {args.rollout_dtype}; runs in {runs}",
+            )
     print(f"bf16 mixed / float32 update time: {spread(ratios).median:.2f}x")
 
 

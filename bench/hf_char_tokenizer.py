@@ -29,8 +29,9 @@ class HFCharTokenizer(PreTrainedTokenizer):
         self._ids_to_tokens = {i: t for t, i in self._vocab.items()}
         kwargs.setdefault("clean_up_tokenization_spaces", False)
         kwargs.setdefault("padding_side", "left")
-        super().__init__(pad_token=pad, bos_token=bos, eos_token=eos, unk_token=unk,
-                         special_tokens_pattern="bos", **kwargs)
+        super().__init__(
+            pad_token=pad, bos_token=bos, eos_token=eos, unk_token=unk, special_tokens_pattern="bos", **kwargs
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -52,8 +53,9 @@ class HFCharTokenizer(PreTrainedTokenizer):
         return "".join(t for t in tokens if t not in CharTokenizer.SPECIALS)
 
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str]:
-        path = os.path.join(save_directory, (filename_prefix + "-" if filename_prefix else "")
-                            + self.vocab_files_names["vocab_file"])
+        path = os.path.join(
+            save_directory, (filename_prefix + "-" if filename_prefix else "") + self.vocab_files_names["vocab_file"]
+        )
         with open(path, "w") as f:
             json.dump({"chars": self.codec.chars, "vocab_size": self.codec.vocab_size}, f)
         return (path,)

@@ -53,6 +53,7 @@ class PhaseClock:
                 return fn(*args, **kwargs)
             finally:
                 self.current[name_of() if callable(name_of) else name_of] += time.perf_counter() - start
+
         return timed
 
     def take(self) -> dict[str, float]:
@@ -65,8 +66,11 @@ def kept_subset(batch: dict, seq_adv: torch.Tensor, trim: bool) -> dict:
     sub = {key: value[keep] for key, value in batch.items()}
     if trim:  # right padding: cut the columns that no kept sequence reaches
         width = int(sub["attention_mask"].sum(-1).max().item())
-        sub = {"input_ids": sub["input_ids"][:, :width], "attention_mask": sub["attention_mask"][:, :width],
-               "response_mask": sub["response_mask"][:, : width - 1]}
+        sub = {
+            "input_ids": sub["input_ids"][:, :width],
+            "attention_mask": sub["attention_mask"][:, :width],
+            "response_mask": sub["response_mask"][:, : width - 1],
+        }
     return sub
 
 
@@ -84,9 +88,17 @@ def generate_with_and_without_logits(trainer: Trainer, prompts: list[str], seed:
     width = max(len(ids) for ids in encoded)
     input_ids = torch.tensor([[codec.pad_id] * (width - len(ids)) + ids for ids in encoded])
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=cfg.temperature,
-                  top_k=0, top_p=1.0, max_new_tokens=cfg.max_new_tokens, pad_token_id=codec.pad_id,
-                  eos_token_id=codec.eos_id)
+    kwargs = dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        do_sample=True,
+        temperature=cfg.temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=cfg.max_new_tokens,
+        pad_token_id=codec.pad_id,
+        eos_token_id=codec.eos_id,
+    )
     model.eval()
 
     @torch.no_grad()
@@ -141,8 +153,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as runs_dir:
-        cfg = build_config(run_name="profile", steps=args.steps, eval_every=0, checkpoint_every=0,
-                           num_mini_batches=args.num_mini_batches, group_size=args.group_size)
+        cfg = build_config(
+            run_name="profile",
+            steps=args.steps,
+            eval_every=0,
+            checkpoint_every=0,
+            num_mini_batches=args.num_mini_batches,
+            group_size=args.group_size,
+        )
         trainer = Trainer(cfg, runs_dir, cpu=True)
         clock = PhaseClock()
         acc = trainer.accelerator
@@ -151,7 +169,8 @@ def main() -> None:
         qae_app.train.trainer.pack = clock.wrap("pack", qae_app.train.trainer.pack)
         update.logprobs_in_chunks = clock.wrap("logprob pass (no grad, all)", update.logprobs_in_chunks)
         update.forward_logprobs = clock.wrap(
-            lambda: "train forward" if torch.is_grad_enabled() else "(pass forwards)", update.forward_logprobs)
+            lambda: "train forward" if torch.is_grad_enabled() else "(pass forwards)", update.forward_logprobs
+        )
         acc.backward = clock.wrap("backward", acc.backward)
         acc.clip_grad_norm_ = clock.wrap("clip + optimizer step", acc.clip_grad_norm_)
         trainer.optimizer.step = clock.wrap("clip + optimizer step", trainer.optimizer.step)
@@ -184,11 +203,15 @@ def main() -> None:
             phases["reward"] = m["reward_s"]
             phases["update_s"] = m["update_s"]
             phases["step_s"] = m["step_s"]
-            phases["other update (loss, sync)"] = (m["update_s"] - phases.get("pack", 0)
-                                                   - phases.get("logprob pass (no grad, all)", 0.0)
-                                                   - phases["train forward"] - phases["backward"]
-                                                   - phases["clip + optimizer step"])
-            phases["rows, advantages, metrics"] = (m["step_s"] - m["rollout_s"] - m["reward_s"] - m["update_s"])
+            phases["other update (loss, sync)"] = (
+                m["update_s"]
+                - phases.get("pack", 0)
+                - phases.get("logprob pass (no grad, all)", 0.0)
+                - phases["train forward"]
+                - phases["backward"]
+                - phases["clip + optimizer step"]
+            )
+            phases["rows, advantages, metrics"] = m["step_s"] - m["rollout_s"] - m["reward_s"] - m["update_s"]
             phases["frac_gated"] = m["frac_zero_adv"]
             phases["n_updates"] = m["n_updates"]
             if step <= args.warmup:
@@ -200,13 +223,19 @@ def main() -> None:
             kept_rows = (seq_adv != 0).nonzero().squeeze(-1).cpu()
             kept_trim = kept_subset(batch, seq_adv, trim=True)
             whatif["pass, all, + entropy"].append(
-                timed(partial(update.logprobs_in_chunks, trainer.model, batch, all_rows, options, with_entropy=True)))
+                timed(partial(update.logprobs_in_chunks, trainer.model, batch, all_rows, options, with_entropy=True))
+            )
             whatif["pass, all"].append(
-                timed(partial(update.logprobs_in_chunks, trainer.model, batch, all_rows, options)))
+                timed(partial(update.logprobs_in_chunks, trainer.model, batch, all_rows, options))
+            )
             whatif["pass, kept only"].append(
-                timed(partial(update.logprobs_in_chunks, trainer.model, batch, kept_rows, options)))
-            whatif["pass, kept only, trimmed"].append(timed(partial(
-                update.logprobs_in_chunks, trainer.model, kept_trim, torch.arange(len(kept_rows)), options)))
+                timed(partial(update.logprobs_in_chunks, trainer.model, batch, kept_rows, options))
+            )
+            whatif["pass, kept only, trimmed"].append(
+                timed(
+                    partial(update.logprobs_in_chunks, trainer.model, kept_trim, torch.arange(len(kept_rows)), options)
+                )
+            )
             prompts = sorted({g["prompt"] for g in out.groups})
             plain, with_logits = generate_with_and_without_logits(trainer, prompts, step)
             whatif["generate, plain"].append(plain)
@@ -218,15 +247,30 @@ def main() -> None:
     def med(values):
         return statistics.median(values) * 1e3
 
-    print(f"{args.steps - args.warmup} steps after {args.warmup} warm-up, alternating skip/dense; "
-          f"num_mini_batches {args.num_mini_batches}, micro_batch_size {cfg.micro_batch_size}, torch threads "
-          f"{torch.get_num_threads()} (shared machine: noisy; medians, min-max in brackets)")
+    print(
+        f"{args.steps - args.warmup} steps after {args.warmup} warm-up, alternating skip/dense; "
+        f"num_mini_batches {args.num_mini_batches}, micro_batch_size {cfg.micro_batch_size}, torch threads "
+        f"{torch.get_num_threads()} (shared machine: noisy; medians, min-max in brackets)"
+    )
     gated = statistics.mean(r["frac_gated"] for r in rows["skip"] + rows["dense"])
-    print(f"mean gated fraction {gated:.2f}; optimizer updates per step (skip) "
-          f"{sorted({r['n_updates'] for r in rows['skip']})}")
-    names = ["rollout", "reward", "pack", "logprob pass (no grad, all)", "train forward", "backward",
-             "clip + optimizer step", "other update (loss, sync)", "update_s", "rows, advantages, metrics", "step_s",
-             "store write"]
+    print(
+        f"mean gated fraction {gated:.2f}; optimizer updates per step (skip) "
+        f"{sorted({r['n_updates'] for r in rows['skip']})}"
+    )
+    names = [
+        "rollout",
+        "reward",
+        "pack",
+        "logprob pass (no grad, all)",
+        "train forward",
+        "backward",
+        "clip + optimizer step",
+        "other update (loss, sync)",
+        "update_s",
+        "rows, advantages, metrics",
+        "step_s",
+        "store write",
+    ]
     print(f"{'phase (ms)':32s} {'gated skip':>22s} {'dense':>22s}")
     for name in names:
         cells = []
@@ -238,8 +282,10 @@ def main() -> None:
     for name, values in whatif.items():
         print(f"  {name:42s} {med(values):7.1f} [{min(values) * 1e3:5.1f}-{max(values) * 1e3:6.1f}]")
 
-    print("one training forward / its backward on n sequences of the last step's batch (ms; the fixed part is what "
-          "the gated update pays per mini-batch):")
+    print(
+        "one training forward / its backward on n sequences of the last step's batch (ms; the fixed part is what "
+        "the gated update pays per mini-batch):"
+    )
     for n, (forward_s, backward_s) in per_size.items():
         print(f"  n = {n:3d}: {forward_s * 1e3:6.1f} / {backward_s * 1e3:6.1f}")
 
@@ -247,23 +293,42 @@ def main() -> None:
     update_dense = statistics.median(r["update_s"] for r in rows["dense"])
     pass_all = statistics.median(r.get("logprob pass (no grad, all)", 0.0) for r in rows["skip"])
     pass_kept = statistics.median(whatif["pass, kept only, trimmed"])
-    print(f"update, gated skip / dense (measured): {update_skip * 1e3:.1f} / {update_dense * 1e3:.1f} ms = "
-          f"{update_skip / update_dense:.2f}x")
-    print(f"  with the pass over kept sequences only (estimate: skip - pass(all) + pass(kept)): "
-          f"{(update_skip - pass_all + pass_kept) / update_dense:.2f}x")
+    print(
+        f"update, gated skip / dense (measured): {update_skip * 1e3:.1f} / {update_dense * 1e3:.1f} ms = "
+        f"{update_skip / update_dense:.2f}x"
+    )
+    print(
+        f"  with the pass over kept sequences only (estimate: skip - pass(all) + pass(kept)): "
+        f"{(update_skip - pass_all + pass_kept) / update_dense:.2f}x"
+    )
     if args.num_mini_batches == 1 and cfg.ppo_epochs == 1:
-        print(f"  with no separate pass (old log-prob = training forward, detached): "
-              f"{(update_skip - pass_all) / update_dense:.2f}x")
+        print(
+            f"  with no separate pass (old log-prob = training forward, detached): "
+            f"{(update_skip - pass_all) / update_dense:.2f}x"
+        )
     complete = [p for p in pairs.values() if len(p) == 2]
     ratios = pair_ratios([p["skip"] for p in complete], [p["dense"] for p in complete])
     print(f"update ratio gated/dense, per pair of consecutive steps: {describe(ratios)}")
     shape = f"builtin:tiny G={args.group_size}, {args.num_mini_batches} mini-batches"
-    note = (f"{gated:.0%} gated, {torch.get_num_threads()} threads; medians {update_skip * 1e3:.0f} against "
-            f"{update_dense * 1e3:.0f} ms")
-    report(f"profile_step: update time, gated skip / dense, {shape}", round(update_skip / update_dense, 4), None,
-           unit="x", note=f"ratio of the medians; {note}")
-    report(f"profile_step: update time, gated skip / dense per pair, {shape}", round(spread(ratios).median, 4), None,
-           unit="x", spread=spread(ratios), note=note)
+    note = (
+        f"{gated:.0%} gated, {torch.get_num_threads()} threads; medians {update_skip * 1e3:.0f} against "
+        f"{update_dense * 1e3:.0f} ms"
+    )
+    report(
+        f"profile_step: update time, gated skip / dense, {shape}",
+        round(update_skip / update_dense, 4),
+        None,
+        unit="x",
+        note=f"ratio of the medians; {note}",
+    )
+    report(
+        f"profile_step: update time, gated skip / dense per pair, {shape}",
+        round(spread(ratios).median, 4),
+        None,
+        unit="x",
+        spread=spread(ratios),
+        note=note,
+    )
 
 
 if __name__ == "__main__":

@@ -44,9 +44,11 @@ def value_cell(entry: dict) -> str:
     text = with_unit(number(entry["value"], unit), unit)
     spread = entry.get("spread")
     if spread:
-        parts = [f"{label} {number(pair[0], unit)}-{number(pair[1], unit)}"
-                 for label, pair in (("middle half", spread.get("middle_half")), ("min-max", spread.get("min_max")))
-                 if pair]
+        parts = [
+            f"{label} {number(pair[0], unit)}-{number(pair[1], unit)}"
+            for label, pair in (("middle half", spread.get("middle_half")), ("min-max", spread.get("min_max")))
+            if pair
+        ]
         if spread.get("pairs"):
             parts.append(f"{spread['pairs']} pairs")
         text += f" ({', '.join(parts)})" if parts else ""
@@ -76,9 +78,18 @@ def row(entry: dict, withdrawal: dict | None = None) -> list[str]:
     date = entry.get("date") or "not stated"
     date = f"{date[:16].replace('T', ' ')} UTC" if "T" in date else date  # to the minute
     commit = entry.get("commit") or ("README" if entry.get("source") else "")
-    return [entry["name"], value_cell(entry), with_unit(goal, entry["unit"]) if goal else "", met, date,
-            load_cell(entry), cpu_label(entry.get("machine")) or "not stated", commit,
-            f"`{entry['command']}`" if entry.get("command") else "", note]
+    return [
+        entry["name"],
+        value_cell(entry),
+        with_unit(goal, entry["unit"]) if goal else "",
+        met,
+        date,
+        load_cell(entry),
+        cpu_label(entry.get("machine")) or "not stated",
+        commit,
+        f"`{entry['command']}`" if entry.get("command") else "",
+        note,
+    ]
 
 
 def natural(name: str) -> list:
@@ -100,8 +111,14 @@ def render_table(entries: Sequence[dict]) -> str:
     """The generated block: the markers, a line on what it holds, and one table row per name."""
     shown = grouped(entries)
     withdrawn = withdrawals(entries)
-    lines = [BEGIN, "", f"The latest of each of {len(shown)} figures, out of {len(entries)} lines in the log.", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines = [
+        BEGIN,
+        "",
+        f"The latest of each of {len(shown)} figures, out of {len(entries)} lines in the log.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
     for entry in shown:
         cells = row(entry, withdrawn.get(entry["name"]))
         lines.append("| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in cells) + " |")
@@ -111,8 +128,10 @@ def render_table(entries: Sequence[dict]) -> str:
 def render_page(page: str, entries: Sequence[dict]) -> str:
     """`page` with its generated block replaced by render_table(entries)."""
     if page.count(BEGIN) != 1 or page.count(END) != 1 or page.index(BEGIN) > page.index(END):
-        raise SystemExit(f"{PAGE.relative_to(ROOT)}: the generated block's markers are missing or out of order. Put "
-                         f"these two lines, in this order, where the table goes:\n{BEGIN}\n{END}")
+        raise SystemExit(
+            f"{PAGE.relative_to(ROOT)}: the generated block's markers are missing or out of order. Put "
+            f"these two lines, in this order, where the table goes:\n{BEGIN}\n{END}"
+        )
     before, rest = page.split(BEGIN)
     _, after = rest.split(END)
     return before + render_table(entries) + after
@@ -120,8 +139,12 @@ def render_page(page: str, entries: Sequence[dict]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--log", type=Path, default=None, help="the results log (default bench/results.jsonl; "
-                        "record: $QAE_BENCH_RESULTS if set)")
+    parser.add_argument(
+        "--log",
+        type=Path,
+        default=None,
+        help="the results log (default bench/results.jsonl; record: $QAE_BENCH_RESULTS if set)",
+    )
     parser.add_argument("--page", type=Path, default=PAGE, help="the page (default docs/performance.md)")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("render", help="rewrite the page's table from the log")
@@ -133,22 +156,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     record.add_argument("--goal", default=None, help="'<= 0.8', '>= 30', 'between 0.8 and 1.2', in the unit")
     record.add_argument("--command", required=True, dest="measured_by", help="what was run to measure it")
     record.add_argument("--note", default=None)
-    retire = commands.add_parser("withdraw", help="mark a name's figures withdrawn (judged against the wrong goal "
-                                 "or limit); the log keeps them")
+    retire = commands.add_parser(
+        "withdraw", help="mark a name's figures withdrawn (judged against the wrong goal or limit); the log keeps them"
+    )
     retire.add_argument("name", help="the figure's name, as the log spells it")
     retire.add_argument("--reason", required=True, help="what was wrong, shown beside the figure")
     retire.add_argument("--command", required=True, dest="measured_by", help="what measures it rightly now")
     args = parser.parse_args(argv)
 
     if args.command == "record":
-        report(args.name, args.value, args.goal, unit=args.unit, command=args.measured_by, note=args.note,
-               log=args.log)
+        report(args.name, args.value, args.goal, unit=args.unit, command=args.measured_by, note=args.note, log=args.log)
         return 0
     if args.command == "withdraw":
         known = {entry.get("name") for entry in read_results(args.log or results_log())}
         if args.name not in known:
-            print(f"withdraw: no figure named '{args.name}' in the log. Copy the name from the page's 'what' column",
-                  file=sys.stderr)
+            print(
+                f"withdraw: no figure named '{args.name}' in the log. Copy the name from the page's 'what' column",
+                file=sys.stderr,
+            )
             return 2
         withdraw(args.name, args.reason, command=args.measured_by, log=args.log)
         return 0

@@ -84,19 +84,24 @@ class Roofline:
     @property
     def bound(self) -> str:
         """'compute' or 'memory': which of the two limits the step's time mostly is."""
-        memory = sum(m.count * m.weight_bytes / self.bandwidth for m in self.matmuls
-                     if m.weight_bytes / self.bandwidth >= m.compute_s)
+        memory = sum(
+            m.count * m.weight_bytes / self.bandwidth
+            for m in self.matmuls
+            if m.weight_bytes / self.bandwidth >= m.compute_s
+        )
         return "memory" if memory > self.step_s / 2 else "compute"
 
     def describe(self) -> str:
         flops = sum(m.count * 2 * m.shape[0] * m.shape[1] * m.shape[2] for m in self.matmuls)
         weights = sum(m.count * m.weight_bytes for m in self.matmuls)
         parts = ", ".join(f"{m.name} {m.shape[1]}x{m.shape[2]} {m.compute_s * 1e6:.0f} us" for m in self.matmuls)
-        return (f"{self.dtype} roofline at {self.rows} rows: {self.tokens_per_s:,.0f} tokens per {self.clock} second "
-                f"({self.bound}-bound); "
-                f"matmuls {flops / sum(m.count * m.compute_s for m in self.matmuls) / 1e9:.1f} GFLOP/s at the loop's "
-                f"shapes ({parts}); memory {self.bandwidth / 1e9:.1f} GB/s for {weights / 1e6:.0f} MB of weights a "
-                f"step")
+        return (
+            f"{self.dtype} roofline at {self.rows} rows: {self.tokens_per_s:,.0f} tokens per {self.clock} second "
+            f"({self.bound}-bound); "
+            f"matmuls {flops / sum(m.count * m.compute_s for m in self.matmuls) / 1e9:.1f} GFLOP/s at the loop's "
+            f"shapes ({parts}); memory {self.bandwidth / 1e9:.1f} GB/s for {weights / 1e6:.0f} MB of weights a "
+            f"step"
+        )
 
 
 def measure_roofline(model: torch.nn.Module, rows: int, seconds: float = 0.2) -> dict[str, Roofline]:
@@ -108,15 +113,32 @@ def measure_roofline(model: torch.nn.Module, rows: int, seconds: float = 0.2) ->
     count = len(model.model.layers)
     matmuls = []
     with torch.no_grad():
-        for name, linear, times in (("qkv", layers.qkv[0], count), ("o", layers.o[0], count),
-                                    ("gate_up", layers.gate_up[0], count), ("down", layers.down[0], count),
-                                    ("lm_head", layers.lm_head, 1)):
+        for name, linear, times in (
+            ("qkv", layers.qkv[0], count),
+            ("o", layers.o[0], count),
+            ("gate_up", layers.gate_up[0], count),
+            ("down", layers.down[0], count),
+            ("lm_head", layers.lm_head, 1),
+        ):
             out_features, in_features = linear.weight.shape
             x = torch.randn(rows, in_features).to(dtype)
-            matmuls.append((name, times, (rows, in_features, out_features),
-                            linear.weight.numel() * linear.weight.element_size(),
-                            seconds_per_call(lambda linear=linear, x=x: linear(x), seconds)))
+            matmuls.append(
+                (
+                    name,
+                    times,
+                    (rows, in_features, out_features),
+                    linear.weight.numel() * linear.weight.element_size(),
+                    seconds_per_call(lambda linear=linear, x=x: linear(x), seconds),
+                )
+            )
     bandwidth = read_bandwidth()
-    return {clock: Roofline(str(dtype).removeprefix("torch."), rows, clock, bandwidth[clock],
-                            tuple(Matmul(*fields, compute_s=times[clock]) for *fields, times in matmuls))
-            for clock in CLOCKS}
+    return {
+        clock: Roofline(
+            str(dtype).removeprefix("torch."),
+            rows,
+            clock,
+            bandwidth[clock],
+            tuple(Matmul(*fields, compute_s=times[clock]) for *fields, times in matmuls),
+        )
+        for clock in CLOCKS
+    }

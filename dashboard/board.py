@@ -56,8 +56,10 @@ from qae_app.store.run_folder import (
 from qae_app.store.stop import request_stop, trainer_of
 
 RUNS_DIR_ENV = "QAE_RUNS_DIR"  # set by `qae dashboard --runs-dir`
-REFRESH_CHOICES = {("off" if seconds is None else f"{seconds} s"): seconds  # sidebar label -> seconds
-                   for seconds in names.DASHBOARD_REFRESH_S.values()}
+REFRESH_CHOICES = {
+    ("off" if seconds is None else f"{seconds} s"): seconds  # sidebar label -> seconds
+    for seconds in names.DASHBOARD_REFRESH_S.values()
+}
 RUN_COLORS = plotly.colors.qualitative.Plotly
 # one color per method (the estimator), the same on every page: QAE is blue wherever it is told apart by method, on
 # Training curves, Evals, Distributions and Compare alike (method_colors)
@@ -71,8 +73,10 @@ def starting_refresh() -> tuple[str, str | None]:
     (a hand-set environment variable: `qae dashboard` refuses a bad value before starting)."""
     asked, problem = os.environ.get(names.DASHBOARD_REFRESH_ENV, names.DASHBOARD_REFRESH_DEFAULT), None
     if asked not in names.DASHBOARD_REFRESH_S:
-        problem = (f"{names.DASHBOARD_REFRESH_ENV}={asked} is not offered ({', '.join(names.DASHBOARD_REFRESH_S)}): "
-                   f"refreshing every {names.DASHBOARD_REFRESH_DEFAULT} s.")
+        problem = (
+            f"{names.DASHBOARD_REFRESH_ENV}={asked} is not offered ({', '.join(names.DASHBOARD_REFRESH_S)}): "
+            f"refreshing every {names.DASHBOARD_REFRESH_DEFAULT} s."
+        )
         asked = names.DASHBOARD_REFRESH_DEFAULT
     label = {seconds: label for label, seconds in REFRESH_CHOICES.items()}[names.DASHBOARD_REFRESH_S[asked]]
     return label, problem
@@ -101,8 +105,11 @@ def runs_signature() -> tuple:
     database): changes when any of them appears or disappears. (A folder caught halfway through `rm -r`, its database
     gone, is listed; it must leave the listing when the rest of it goes.)"""
     root = runs_dir()
-    return (run_folders(), tuple(folder.name for folder, _ in folders_not_runs(root)),
-            tuple(folder.name for folder in runs_without_database(root)))
+    return (
+        run_folders(),
+        tuple(folder.name for folder, _ in folders_not_runs(root)),
+        tuple(folder.name for folder in runs_without_database(root)),
+    )
 
 
 def labels_version(run_id: str) -> tuple:
@@ -123,8 +130,7 @@ def run_version(run_id: str) -> tuple:
 
 def runs_version() -> tuple:
     """What the listing of every run is cached by: every folder it shows, and each run's file and labels."""
-    return (runs_signature(), tuple((file_version(run_path(name)), labels_version(name))
-                                    for name, _ in run_folders()))
+    return (runs_signature(), tuple((file_version(run_path(name)), labels_version(name)) for name, _ in run_folders()))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -197,12 +203,29 @@ def rollout_steps(run_id: str) -> list[int] | None:
     return read(read_rollout_steps, run_id)
 
 
-def rollouts(run_id: str, step: int, gated: bool | None = None, regime: str | None = None,
-             reward: float | None = None, search: str | None = None,
-             filtered: bool | None = None, with_text: bool = True,
-             group_ids: tuple[int, ...] | None = None) -> pd.DataFrame | None:
-    return read(read_rollouts, run_id, step, gated, regime, reward, search or None, filtered, with_text,
-                None if group_ids is None else tuple(group_ids))
+def rollouts(
+    run_id: str,
+    step: int,
+    gated: bool | None = None,
+    regime: str | None = None,
+    reward: float | None = None,
+    search: str | None = None,
+    filtered: bool | None = None,
+    with_text: bool = True,
+    group_ids: tuple[int, ...] | None = None,
+) -> pd.DataFrame | None:
+    return read(
+        read_rollouts,
+        run_id,
+        step,
+        gated,
+        regime,
+        reward,
+        search or None,
+        filtered,
+        with_text,
+        None if group_ids is None else tuple(group_ids),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -236,10 +259,17 @@ def pick_runs(all_runs: pd.DataFrame) -> list[str]:
             seed("run", wanted)
     # no format_func: a bound widget reads the URL as formatted options, and run ids make plain URLs; new options:
     # a link's run that is not here yet stays in the URL (Streamlit drops a value that is not an option)
-    st.sidebar.multiselect("Runs", ids, key="run", bind="query-params", placeholder="pick runs",
-                           on_change=_picked_by_user, accept_new_options=True,
-                           help="Curves and evaluations overlay every picked run; rollouts and prompt history show "
-                                "one of them. The choice is in the URL: share it to share the view.")
+    st.sidebar.multiselect(
+        "Runs",
+        ids,
+        key="run",
+        bind="query-params",
+        placeholder="pick runs",
+        on_change=_picked_by_user,
+        accept_new_options=True,
+        help="Curves and evaluations overlay every picked run; rollouts and prompt history show "
+        "one of them. The choice is in the URL: share it to share the view.",
+    )
     return shown_runs()
 
 
@@ -271,9 +301,13 @@ def unknown_notice() -> bool:
     page then draws nothing else: it never shows another run in their place)."""
     unknown = [run_id for run_id in picked_runs() if run_id not in set(shown_runs())]
     if unknown:
-        st.warning(f"Not in `{literal(runs_dir())}`: " + ", ".join(f"**{literal(r)}**" for r in unknown)
-                   + ". The link names runs this folder does not have (not started yet, renamed, moved or deleted): "
-                     "they are shown as soon as they appear; or pick runs in the sidebar.", icon=":material/link_off:")
+        st.warning(
+            f"Not in `{literal(runs_dir())}`: "
+            + ", ".join(f"**{literal(r)}**" for r in unknown)
+            + ". The link names runs this folder does not have (not started yet, renamed, moved or deleted): "
+            "they are shown as soon as they appear; or pick runs in the sidebar.",
+            icon=":material/link_off:",
+        )
     return bool(unknown) and not shown_runs()
 
 
@@ -319,8 +353,11 @@ def method_colors(members: dict[str, list[str]]) -> dict[str, str]:
     and no two lines share it, that estimator's METHOD_COLORS color, so a method has one color on every page; else
     (two seeds of one method, a group mixing methods) one color per line in order."""
     known = runs()
-    estimator_of = (dict(zip(known["run_id"].astype(str), known["estimator"].astype(str), strict=True))
-                    if "estimator" in known else {})
+    estimator_of = (
+        dict(zip(known["run_id"].astype(str), known["estimator"].astype(str), strict=True))
+        if "estimator" in known
+        else {}
+    )
     methods = {label: {estimator_of.get(run_id) for run_id in run_ids} for label, run_ids in members.items()}
     single = [next(iter(found)) for found in methods.values() if len(found) == 1]
     if len(single) == len(members) and len(set(single)) == len(single) and set(single) <= set(METHOD_COLORS):
@@ -338,8 +375,7 @@ def refresh_interval() -> float | None:
 
 
 def _snapshot(watched: list[str]) -> tuple:
-    return runs_signature(), tuple((file_version(run_path(run_id)), labels_version(run_id))
-                                   for run_id in watched)
+    return runs_signature(), tuple((file_version(run_path(run_id)), labels_version(run_id)) for run_id in watched)
 
 
 def watch(watched: list[str], all_runs: pd.DataFrame) -> None:
@@ -354,11 +390,15 @@ def watch(watched: list[str], all_runs: pd.DataFrame) -> None:
     if interval is None:
         st.caption(":material/pause_circle: live updates off")
     elif live:
-        st.caption(f":material/radio_button_checked: live: {', '.join(live)} training; the page redraws when new "
-                   f"steps are stored (the trainer writes every few seconds; checked every {interval:g} s)")
+        st.caption(
+            f":material/radio_button_checked: live: {', '.join(live)} training; the page redraws when new "
+            f"steps are stored (the trainer writes every few seconds; checked every {interval:g} s)"
+        )
     else:
-        st.caption(f":material/radio_button_unchecked: no shown run is training: the page is not redrawn (new runs "
-                   f"are picked up within {interval:g} s)")
+        st.caption(
+            f":material/radio_button_unchecked: no shown run is training: the page is not redrawn (new runs "
+            f"are picked up within {interval:g} s)"
+        )
 
     def check() -> None:
         if _snapshot(watched) != drawn:
@@ -419,13 +459,19 @@ def picked_apart(all_runs: pd.DataFrame, shown: list[str]) -> None:
     picked alone, its options not at their default); what they all share and is not the default, once."""
     picked = all_runs.set_index("run_id").loc[shown].reset_index()  # (in the picker's order)
     apart = runs_apart(picked)
-    lines = [f"**{literal(run_id)}**: {literal(differences.options_text(options))}"
-             for run_id, options in zip(picked["run_id"], apart.per_run, strict=True) if options]
+    lines = [
+        f"**{literal(run_id)}**: {literal(differences.options_text(options))}"
+        for run_id, options in zip(picked["run_id"], apart.per_run, strict=True)
+        if options
+    ]
     if apart.shared:
         lines.append(f"all: {literal(differences.options_text(apart.shared))} (not the defaults)")
     if lines:
-        st.caption("  \n".join(lines), help="What tells the picked runs apart: the options whose value varies "
-                   "among them (a run picked alone: its options not at their default), as `qae runs` says it.")
+        st.caption(
+            "  \n".join(lines),
+            help="What tells the picked runs apart: the options whose value varies "
+            "among them (a run picked alone: its options not at their default), as `qae runs` says it.",
+        )
 
 
 def progress_line(view: RunView) -> str:
@@ -453,16 +499,20 @@ def stop_controls(views: dict[str, RunView]) -> None:
             continue
         folder = run_path(run_id).parent
         if st.session_state.get(f"_stop_sent_{run_id}") == lock_holder_pid(folder):
-            st.caption(f":material/hourglass_top: **{literal(run_id)}**: stop sent; it stops after its current "
-                       "step and writes a checkpoint on the way out.")
+            st.caption(
+                f":material/hourglass_top: **{literal(run_id)}**: stop sent; it stops after its current "
+                "step and writes a checkpoint on the way out."
+            )
             continue
         try:
             trainer_of(folder)
         except QAEUserError:  # not training here (another machine's trainer on a shared folder, or just ended)
             continue
         with st.popover(f"Stop {run_id}", icon=":material/stop_circle:", key=f"stop_menu_{run_id}"):
-            st.markdown(f"Stop **{literal(run_id)}** after its current step? It writes a checkpoint on the way out "
-                        f"and ends `interrupted`; `qae train --resume {literal(run_id)}` continues it.")
+            st.markdown(
+                f"Stop **{literal(run_id)}** after its current step? It writes a checkpoint on the way out "
+                f"and ends `interrupted`; `qae train --resume {literal(run_id)}` continues it."
+            )
             if st.button(f"Stop {run_id} now", key=f"stop_{run_id}", type="primary"):
                 try:
                     st.session_state[f"_stop_sent_{run_id}"] = request_stop(folder)
@@ -500,8 +550,10 @@ def step_slider(steps: list[int], label: str, what: str) -> int:
             target = min(steps, key=lambda s: (abs(s - int(requested)), -s))
         except ValueError:
             target = latest
-        st.session_state["_step_note"] = (f"Step {literal(requested)} from the link has no {what}; showing step "
-                                          f"{target}, the nearest (steps {steps[0]}..{latest}).")
+        st.session_state["_step_note"] = (
+            f"Step {literal(requested)} from the link has no {what}; showing step "
+            f"{target}, the nearest (steps {steps[0]}..{latest})."
+        )
         seed("step", target)
     elif "step" not in st.session_state and requested is None:
         seed("step", latest)
@@ -513,8 +565,14 @@ def step_slider(steps: list[int], label: str, what: str) -> int:
     if len(steps) == 1:
         st.caption(f"step {latest} (the only step with {what} so far)")
         return latest
-    return st.select_slider(label, steps, key="step", bind="query-params", on_change=_clear_step_note,
-                            help="Stays on the newest step while you are on it; pick an older one to stay there.")
+    return st.select_slider(
+        label,
+        steps,
+        key="step",
+        bind="query-params",
+        on_change=_clear_step_note,
+        help="Stays on the newest step while you are on it; pick an older one to stay there.",
+    )
 
 
 def _clear_step_note() -> None:
@@ -599,10 +657,17 @@ def _plotly_library_url() -> str:
 
 def plot(fig: go.Figure, key: str) -> None:
     """Draw `fig` as the chart named `key`; redrawn with new data, it keeps the user's zoom and hidden traces."""
-    _plot_component()(key=key, data={"figure": fig.to_json(remove_uids=False), "library": _plotly_library_url(),
-                                     "config": json.dumps(PLOTLY_CONFIG), "themed": json.dumps(charts.THEMED),
-                                     # a new theme reruns the page: new data, so the chart is drawn in its ink
-                                     "theme": st.context.theme.type})
+    _plot_component()(
+        key=key,
+        data={
+            "figure": fig.to_json(remove_uids=False),
+            "library": _plotly_library_url(),
+            "config": json.dumps(PLOTLY_CONFIG),
+            "themed": json.dumps(charts.THEMED),
+            # a new theme reruns the page: new data, so the chart is drawn in its ink
+            "theme": st.context.theme.type,
+        },
+    )
 
 
 FILTERED_REASON = "filtered by dynamic sampling"  # what a response of a group left out of the update shows

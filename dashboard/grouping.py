@@ -20,8 +20,11 @@ NON_NEGATIVE = (0.0, None)
 def metric_bounds(metric: str) -> tuple[float | None, float | None]:
     if metric.startswith(("frac_", "clip_frac")) or metric in ("accuracy", "heldout_accuracy"):
         return UNIT_INTERVAL
-    if metric.startswith("entropy") or metric.endswith("_s") or metric in ("response_len", "grad_norm",
-                                                                              "adv_abs_mean", "n_tokens"):
+    if (
+        metric.startswith("entropy")
+        or metric.endswith("_s")
+        or metric in ("response_len", "grad_norm", "adv_abs_mean", "n_tokens")
+    ):
         return NON_NEGATIVE
     return (None, None)
 
@@ -40,6 +43,7 @@ def group_runs(configs: dict[str, dict], keys: list[str] | None = None) -> dict[
     """Group label -> its runs (in the given order). `keys`: the config keys whose values make a group; none: every key
     but the seed and what `qae compare` ignores (run_comparison.group_key). A label names the keys whose values differ
     between the groups ("estimator=qae, k=0.4"), or "all" when there is one group."""
+
     def key_of(config: dict) -> tuple:
         if keys:
             return tuple((key, repr(config.get(key, "-"))) for key in keys)
@@ -59,8 +63,9 @@ def group_runs(configs: dict[str, dict], keys: list[str] | None = None) -> dict[
     return {labels[key]: run_ids for key, run_ids in members.items()}
 
 
-def group_frames(frames: dict[str, pd.DataFrame], groups: dict[str, list[str]], metrics: list[str],
-                 band: str) -> dict[str, pd.DataFrame]:
+def group_frames(
+    frames: dict[str, pd.DataFrame], groups: dict[str, list[str]], metrics: list[str], band: str
+) -> dict[str, pd.DataFrame]:
     """Per group, one steps frame: `step`, and for each metric its mean over the group's runs that have the step,
     the band (charts.BAND_LOW / BAND_HIGH: `band`, charts.across_seeds, cut at the metric's bounds) and how many runs
     have it (charts.BAND_N). Drawn by charts.lines as one line and band per group."""
@@ -71,8 +76,7 @@ def group_frames(frames: dict[str, pd.DataFrame], groups: dict[str, list[str]], 
         step = pd.Series(steps, name="step")
         columns = {"step": step}  # built apart and joined once (a column inserted at a time fragments the frame)
         for metric in metrics:
-            curves = [frame[["step", metric]].rename(columns={metric: "value"}) for frame in members
-                      if metric in frame]
+            curves = [frame[["step", metric]].rename(columns={metric: "value"}) for frame in members if metric in frame]
             if not curves:
                 continue
             curve = charts.across_seeds(curves, band, metric_bounds(metric)).set_index("step")

@@ -38,16 +38,23 @@ def token_html(numbers: list[dict], color_by: str) -> str:
     spans = []
     for position, token in enumerate(numbers):
         level = strength(token[color_by], color_by)
-        hover = f"#{position} {_quoted(token['token'])}: " + " · ".join(f"{name} {_value(token[name])}"
-                                                                       for name in NUMBERS)
-        spans.append(f'<span class="qae-token" data-value="{_value(token[color_by])}" '
-                     f'data-tip="{html.escape(hover, quote=True)}" '
-                     f'style="background: rgba({RED}, {0.8 * level:.3f})">{html.escape(token["token"])}</span>')
-    return (HOVER_CSS + '<div class="qae-tokens" style="font-family: monospace; white-space: pre-wrap; '
-            'line-height: 1.9">' + "".join(spans) + "</div>")
+        hover = f"#{position} {_quoted(token['token'])}: " + " · ".join(
+            f"{name} {_value(token[name])}" for name in NUMBERS
+        )
+        spans.append(
+            f'<span class="qae-token" data-value="{_value(token[color_by])}" '
+            f'data-tip="{html.escape(hover, quote=True)}" '
+            f'style="background: rgba({RED}, {0.8 * level:.3f})">{html.escape(token["token"])}</span>'
+        )
+    return (
+        HOVER_CSS + '<div class="qae-tokens" style="font-family: monospace; white-space: pre-wrap; '
+        'line-height: 1.9">' + "".join(spans) + "</div>"
+    )
 
 
 def legend(color_by: str) -> str:
     what, full = COLOR_SCALES[color_by]
-    return (f"Each token's background: {what}, from none (0) to full ({'-' if color_by == 'logprob' else ''}{full:g} "
-            "or beyond); hover a token for all its numbers.")
+    return (
+        f"Each token's background: {what}, from none (0) to full ({'-' if color_by == 'logprob' else ''}{full:g} "
+        "or beyond); hover a token for all its numbers."
+    )

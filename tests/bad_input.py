@@ -18,11 +18,20 @@ HUGE = "1" + "0" * 30  # an integer no 32-bit column, seed or tensor size can ho
 
 def bad_files(d):
     """The bad files the tables refer to as {d}/name."""
-    toml = {"seed_big": "seed = 2147483648", "seed_negative": "seed = -1", "kl_nan": "kl_beta = nan",
-            "lr_inf": "lr = inf", "lr_huge_int": "lr = " + "9" * 400, "wd_inf": "weight_decay = inf",
-            "temperature_tiny": "temperature = 1e-300", "timeout_nan": "verify_timeout_s = nan",
-            "timeout_inf": "verify_timeout_s = inf", "mini_batches_huge": f"num_mini_batches = {10 ** 18}",
-            "micro_float": "micro_batch_size = 1e30", "deep": "a = " + "[" * 100_000 + "]" * 100_000}
+    toml = {
+        "seed_big": "seed = 2147483648",
+        "seed_negative": "seed = -1",
+        "kl_nan": "kl_beta = nan",
+        "lr_inf": "lr = inf",
+        "lr_huge_int": "lr = " + "9" * 400,
+        "wd_inf": "weight_decay = inf",
+        "temperature_tiny": "temperature = 1e-300",
+        "timeout_nan": "verify_timeout_s = nan",
+        "timeout_inf": "verify_timeout_s = inf",
+        "mini_batches_huge": f"num_mini_batches = {10**18}",
+        "micro_float": "micro_batch_size = 1e30",
+        "deep": "a = " + "[" * 100_000 + "]" * 100_000,
+    }
     for name, body in toml.items():
         (d / f"{name}.toml").write_text(body + "\n")
     (d / "number_question.jsonl").write_text('{"question": 5, "answer": 3}\n')
@@ -47,8 +56,9 @@ def bad_files(d):
     # issue 37: data and prompts as the user writes them
     (d / "ragged.csv").write_text("question,answer\n1+1?,2\n2+2?,4,5\n")
     (d / "headless.csv").write_text("1+1?,2\n2+2?,4\n")
-    (d / "hint.jsonl").write_text('{"question": "1+1?", "answer": 2, "hint": "add"}\n'
-                                  '{"question": "2+2?", "answer": 4}\n')  # the second row has no hint
+    (d / "hint.jsonl").write_text(
+        '{"question": "1+1?", "answer": 2, "hint": "add"}\n{"question": "2+2?", "answer": 4}\n'
+    )  # the second row has no hint
     (d / "hints.jsonl").write_text('{"question": "1+1?", "answer": 2, "hint": "add"}\n')
     chat = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "1+1?"}]
     (d / "chat_system.jsonl").write_text(json.dumps({"prompt": chat, "answer": 2}) + "\n")

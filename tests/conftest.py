@@ -17,8 +17,9 @@ import pytest
 # under pytest-xdist each worker gets its share of the cores for torch, and so do the trainers the tests start (they
 # inherit it): several workers each running torch on every core would oversubscribe them
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    os.environ.setdefault("OMP_NUM_THREADS",
-                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    )
 
 # the benchmarks some tests run (bench/bench_memory.py, bench_head_memory.py) report their figures: not into the
 # repository's results log (bench/harness.py), whose lines are measurements someone chose to record
@@ -34,8 +35,15 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 # the longest files first (as measured): under pytest-xdist each worker takes whole files, and a long one started last
 # would run alone at the end while the other cores idle
-LONGEST_FIRST = ("test_real_model.py", "test_vllm_cpu.py", "test_crash_safety.py", "test_dashboard_browser.py",
-                 "test_accelerate.py", "test_sweep_runs.py", "test_dapo.py")
+LONGEST_FIRST = (
+    "test_real_model.py",
+    "test_vllm_cpu.py",
+    "test_crash_safety.py",
+    "test_dashboard_browser.py",
+    "test_accelerate.py",
+    "test_sweep_runs.py",
+    "test_dapo.py",
+)
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
@@ -91,9 +99,11 @@ def smollm2_gguf() -> Path:
 
 
 # a ChatML template (Qwen, SmolLM2) that also writes the BOS token itself, as Llama-3's and Gemma's do
-CHATML_WITH_BOS = ("{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
-                   "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-                   "{% endif %}")
+CHATML_WITH_BOS = (
+    "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
 SPECIALS = ["<pad>", "<unk>", "<s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -109,20 +119,36 @@ def chat_folder(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     corpus = ["What is 2 plus 3? Please reason step by step.", "The answer is \\boxed{5}.", "user assistant system"]
-    tok.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus * 20,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 2)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|endoftext|>",
-                                   pad_token="<pad>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="<|endoftext|>", pad_token="<pad>", unk_token="<unk>"
+    )
     fast.chat_template = CHATML_WITH_BOS
     fast.save_pretrained(folder)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-                         pad_token_id=fast.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+    )
     model = LlamaForCausalLM(config)
     ids = fast.convert_tokens_to_ids
-    model.generation_config = GenerationConfig(bos_token_id=fast.bos_token_id, pad_token_id=fast.pad_token_id,
-                                               eos_token_id=[ids("<|im_end|>"), ids("<|endoftext|>")])
+    model.generation_config = GenerationConfig(
+        bos_token_id=fast.bos_token_id,
+        pad_token_id=fast.pad_token_id,
+        eos_token_id=[ids("<|im_end|>"), ids("<|endoftext|>")],
+    )
     model.save_pretrained(folder)
     return folder

@@ -9,8 +9,10 @@ reward `one_char` pays 1 for a reply of one character, which the model gives to 
 
 
 def exact_with_unit(completions, answer, **kwargs):
-    return [1.0 if completion.strip() == f"{gold} apples!" else 0.0
-            for completion, gold in zip(completions, answer, strict=True)]
+    return [
+        1.0 if completion.strip() == f"{gold} apples!" else 0.0
+        for completion, gold in zip(completions, answer, strict=True)
+    ]
 
 
 def one_char(completions, **kwargs):

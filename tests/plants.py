@@ -33,10 +33,22 @@ CHECKPOINT = "checkpoints/step-2"
 
 
 def checkpoint_files() -> list[str]:
-    return [f"{CHECKPOINT}/{name}" for name in (
-        "manifest.json", "trainer_state.json", "policy.safetensors", "optimizer.safetensors", "optimizer.json",
-        "scheduler.json", "rng-0.json", "model/config.json", "model/model.safetensors",
-        "model/qae_char_tokenizer.json", "model/generation_config.json")]
+    return [
+        f"{CHECKPOINT}/{name}"
+        for name in (
+            "manifest.json",
+            "trainer_state.json",
+            "policy.safetensors",
+            "optimizer.safetensors",
+            "optimizer.json",
+            "scheduler.json",
+            "rng-0.json",
+            "model/config.json",
+            "model/model.safetensors",
+            "model/qae_char_tokenizer.json",
+            "model/generation_config.json",
+        )
+    ]
 
 
 TARGETS = ["qae.duckdb", "config.json", "labels.json", "trainer.lock", PENDING, *checkpoint_files()]
@@ -87,17 +99,44 @@ class Plant:
         return f"{self.target.replace('/', '~')}:{self.variant}"
 
 
-FILE_VARIANTS = ("link-out", "hard-link", "link-zero", "fifo", "empty", "truncated", "garbage", "deep", "wrong-types",
-                 "huge", "pickle")
-DB_VARIANTS = ("view", "macro", "config-list", "config-bad-types", "config-deep", "column-type", "column-dropped",
-               "config-nan-text", "config-huge-int", "config-bad-records")
+FILE_VARIANTS = (
+    "link-out",
+    "hard-link",
+    "link-zero",
+    "fifo",
+    "empty",
+    "truncated",
+    "garbage",
+    "deep",
+    "wrong-types",
+    "huge",
+    "pickle",
+)
+DB_VARIANTS = (
+    "view",
+    "macro",
+    "config-list",
+    "config-bad-types",
+    "config-deep",
+    "column-type",
+    "column-dropped",
+    "config-nan-text",
+    "config-huge-int",
+    "config-bad-records",
+)
 
 
 # a saved write that parses (issue 48): a truncation planted alone, a timestamp that is a number, a 4,000-digit integer
-PENDING_VARIANTS = {"truncate": {"kind": "truncate", "step": 0},
-                    "timestamp-number": {"kind": "step", "step": 1, "tables": {"steps": [{"loss": 0.5}]},
-                                         "logged_at": {"$datetime": 12345}},
-                    "huge-int": {"kind": "step", "step": 1, "tables": {"steps": [{"reward_mean": 10 ** 4000}]}}}
+PENDING_VARIANTS = {
+    "truncate": {"kind": "truncate", "step": 0},
+    "timestamp-number": {
+        "kind": "step",
+        "step": 1,
+        "tables": {"steps": [{"loss": 0.5}]},
+        "logged_at": {"$datetime": 12345},
+    },
+    "huge-int": {"kind": "step", "step": 1, "tables": {"steps": [{"reward_mean": 10**4000}]}},
+}
 
 
 def all_plants() -> list[Plant]:
@@ -110,13 +149,24 @@ def all_plants() -> list[Plant]:
 
 
 # a quick subset for the quick test set: one of each kind of harm, on the files every command reads
-QUICK = [Plant("config.json", "deep"), Plant("trainer.lock", "fifo"), Plant("qae.duckdb", "view"),
-         Plant("qae.duckdb", "config-bad-types"), Plant("qae.duckdb", "config-list"),
-         Plant("qae.duckdb", "config-deep"), Plant(f"{CHECKPOINT}/manifest.json", "wrong-types"),
-         Plant(f"{CHECKPOINT}/trainer_state.json", "pickle"), Plant("labels.json", "link-zero"),
-         Plant(PENDING, "deep"), Plant("labels.json", "hard-link"), Plant("qae.duckdb", "column-type"),
-         Plant("qae.duckdb", "column-dropped"), Plant("qae.duckdb", "config-nan-text"),
-         Plant("qae.duckdb", "config-huge-int"), Plant("qae.duckdb", "config-bad-records")]
+QUICK = [
+    Plant("config.json", "deep"),
+    Plant("trainer.lock", "fifo"),
+    Plant("qae.duckdb", "view"),
+    Plant("qae.duckdb", "config-bad-types"),
+    Plant("qae.duckdb", "config-list"),
+    Plant("qae.duckdb", "config-deep"),
+    Plant(f"{CHECKPOINT}/manifest.json", "wrong-types"),
+    Plant(f"{CHECKPOINT}/trainer_state.json", "pickle"),
+    Plant("labels.json", "link-zero"),
+    Plant(PENDING, "deep"),
+    Plant("labels.json", "hard-link"),
+    Plant("qae.duckdb", "column-type"),
+    Plant("qae.duckdb", "column-dropped"),
+    Plant("qae.duckdb", "config-nan-text"),
+    Plant("qae.duckdb", "config-huge-int"),
+    Plant("qae.duckdb", "config-bad-records"),
+]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -169,8 +219,13 @@ def plant_file(run_dir: Path, plant: Plant, marker: Path, outside: Path) -> None
     elif variant in PENDING_VARIANTS:
         path.write_text(json.dumps(PENDING_VARIANTS[variant]))
     else:
-        contents = {"empty": b"", "truncated": original[: len(original) // 2], "garbage": bytes(range(256)) * 16,
-                    "deep": DEEP, "pickle": pickle_payload(marker)}
+        contents = {
+            "empty": b"",
+            "truncated": original[: len(original) // 2],
+            "garbage": bytes(range(256)) * 16,
+            "deep": DEEP,
+            "pickle": pickle_payload(marker),
+        }
         path.write_bytes(contents[variant] if variant in contents else wrong_types(plant.target))
     parts = Path(plant.target).parts
     if parts[0] == "checkpoints" and len(parts) > 2 and parts[-1] != "manifest.json":
@@ -205,8 +260,10 @@ def _craft_database(path: Path, variant: str, outside: Path) -> None:
         if variant == "view":  # qae's `runs` table replaced by a view reading a file outside the folder
             con.execute("CREATE TABLE runs_kept AS SELECT * FROM runs")
             con.execute("DROP TABLE runs")
-            con.execute(f"CREATE VIEW runs AS SELECT k.* EXCLUDE (error), t.content AS error FROM runs_kept k, "
-                        f"read_text('{secret}') t")
+            con.execute(
+                f"CREATE VIEW runs AS SELECT k.* EXCLUDE (error), t.content AS error FROM runs_kept k, "
+                f"read_text('{secret}') t"
+            )
         elif variant == "macro":
             con.execute("CREATE MACRO coalesce_secret(x) AS x")
             con.execute(f"CREATE MACRO secret() AS TABLE SELECT * FROM read_text('{secret}')")
@@ -217,15 +274,18 @@ def _craft_database(path: Path, variant: str, outside: Path) -> None:
         elif variant == "column-dropped":
             con.execute("ALTER TABLE runs DROP COLUMN status")
         else:
-            value = {"config-list": "[1, 2, 3]",
-                     "config-bad-types": json.dumps({"steps": "many", "group_size": [4], "k": {"a": 1}}),
-                     "config-deep": DEEP.decode(),
-                     # issue 48 L10: `qae compare` met int('NaN'), `qae runs` an int too large for a float, and `qae
-                     # show` compared text with a number
-                     "config-nan-text": json.dumps({"seed": "NaN", "steps": "NaN"}),
-                     "config-huge-int": json.dumps({"seed": 10 ** 4000, "lr": 10 ** 4000}),
-                     "config-bad-records": json.dumps({"distributed": {"machines": "2", "processes": 2},
-                                                       "reward_files": [1]})}[variant]
+            value = {
+                "config-list": "[1, 2, 3]",
+                "config-bad-types": json.dumps({"steps": "many", "group_size": [4], "k": {"a": 1}}),
+                "config-deep": DEEP.decode(),
+                # issue 48 L10: `qae compare` met int('NaN'), `qae runs` an int too large for a float, and `qae
+                # show` compared text with a number
+                "config-nan-text": json.dumps({"seed": "NaN", "steps": "NaN"}),
+                "config-huge-int": json.dumps({"seed": 10**4000, "lr": 10**4000}),
+                "config-bad-records": json.dumps(
+                    {"distributed": {"machines": "2", "processes": 2}, "reward_files": [1]}
+                ),
+            }[variant]
             con.execute("UPDATE runs SET config = ?", [value])
 
 
@@ -257,8 +317,12 @@ def snapshot(folder: Path, leave_out: tuple[Path, ...]) -> dict[str, tuple]:
         for name in files:
             path = Path(root, name)
             info = os.lstat(path)
-            seen[str(path.relative_to(folder))] = (info.st_mode, info.st_size, info.st_mtime_ns,
-                                                   os.readlink(path) if path.is_symlink() else None)
+            seen[str(path.relative_to(folder))] = (
+                info.st_mode,
+                info.st_size,
+                info.st_mtime_ns,
+                os.readlink(path) if path.is_symlink() else None,
+            )
     return seen
 
 

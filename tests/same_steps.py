@@ -19,9 +19,17 @@ from qae_app.store.run_folder import DB_FILE, PENDING_DIR
 from qae_app.store.schema import PENDING_SUFFIX, STEP_METRICS, TIMING_METRICS, pending_write_from_json
 from qae_app.train.update import MISMATCH_METRICS
 
-SAMPLING_STATS = {"entropy", "entropy_pos", "entropy_neg", "cov_logp_adv", "dH", "dH_hard", "dH_easy",
-                  *MISMATCH_METRICS,
-                  *(name for name in STEP_METRICS if name.startswith("dH_") and "_from_" in name)}
+SAMPLING_STATS = {
+    "entropy",
+    "entropy_pos",
+    "entropy_neg",
+    "cov_logp_adv",
+    "dH",
+    "dH_hard",
+    "dH_easy",
+    *MISMATCH_METRICS,
+    *(name for name in STEP_METRICS if name.startswith("dH_") and "_from_" in name),
+}
 COMPARED = sorted(set(STEP_METRICS) - set(TIMING_METRICS))
 
 
@@ -35,8 +43,9 @@ def assert_same_metrics(want: pd.DataFrame, got: pd.DataFrame) -> None:
 def saved_steps(run_dir: Path) -> list[int]:
     """Steps whose rows wait under pending/ for the database (the trainer writes steps together every few seconds;
     the next writer of a killed run writes them)."""
-    writes = [pending_write_from_json(path.read_text())
-              for path in sorted((run_dir / PENDING_DIR).glob(f"*{PENDING_SUFFIX}"))]
+    writes = [
+        pending_write_from_json(path.read_text()) for path in sorted((run_dir / PENDING_DIR).glob(f"*{PENDING_SUFFIX}"))
+    ]
     return [write.step for write in writes if write.kind == "step"]
 
 

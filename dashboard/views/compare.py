@@ -25,8 +25,10 @@ CURVES = {
 }
 # the values each curve can take: its band is cut there
 CURVE_BOUNDS = {"heldout_accuracy": (0.0, 1.0), "entropy": (0.0, None), "frac_zero_adv": (0.0, 1.0)}
-NO_HELDOUT = ("No held-out evaluation in these runs, so the held-out metrics are empty. Train with `--eval-every N` "
-              "(`qae sweep` passes it on to every run) to evaluate on the held-out split every N steps and at step 0.")
+NO_HELDOUT = (
+    "No held-out evaluation in these runs, so the held-out metrics are empty. Train with `--eval-every N` "
+    "(`qae sweep` passes it on to every run) to evaluate on the held-out split every N steps and at step 0."
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -57,8 +59,11 @@ def _chosen_by_user() -> None:
 
 
 def not_found(what: str) -> None:
-    st.warning(f"Not in `{board.runs_dir()}`: {what}. The link names what this folder does not have (renamed, moved "
-               "or deleted); pick above.", icon=":material/link_off:")
+    st.warning(
+        f"Not in `{board.runs_dir()}`: {what}. The link names what this folder does not have (renamed, moved "
+        "or deleted); pick above.",
+        icon=":material/link_off:",
+    )
 
 
 def pick_compared(readable: pd.DataFrame) -> list[str]:
@@ -67,16 +72,24 @@ def pick_compared(readable: pd.DataFrame) -> list[str]:
     newest sweep, else the sidebar's runs."""
     configs = run_configs(readable)
     found = sweeps(configs)
-    if not (st.session_state.get("_compare_chosen") or "sweep" in st.query_params
-            or st.session_state.get("_link_runs")):
+    if not (
+        st.session_state.get("_compare_chosen") or "sweep" in st.query_params or st.session_state.get("_link_runs")
+    ):
         if found and st.session_state.get("sweep") is None:
             board.seed("sweep", found[0])
     left, right = st.columns(2)
-    sweep = left.selectbox("Sweep", found, index=None, key="sweep", bind="query-params", accept_new_options=True,
-                           placeholder="none: compare the runs picked in the sidebar" if found else
-                           "no sweep in this runs dir", on_change=_chosen_by_user,
-                           help="Runs started by `qae sweep` carry its id and name in their config: pick its name "
-                                "or type its id. Clear it to compare the runs picked in the sidebar.")
+    sweep = left.selectbox(
+        "Sweep",
+        found,
+        index=None,
+        key="sweep",
+        bind="query-params",
+        accept_new_options=True,
+        placeholder="none: compare the runs picked in the sidebar" if found else "no sweep in this runs dir",
+        on_change=_chosen_by_user,
+        help="Runs started by `qae sweep` carry its id and name in their config: pick its name "
+        "or type its id. Clear it to compare the runs picked in the sidebar.",
+    )
     if sweep is not None:
         members = [run_id for run_id, config in sorted(configs.items()) if run_comparison.in_sweep(config, sweep)]
         if not members:
@@ -86,8 +99,10 @@ def pick_compared(readable: pd.DataFrame) -> list[str]:
             right.caption(f"sweep id {', '.join(ids)}: {len(members)} run(s): " + ", ".join(members))
         return members
     run_ids = list(dict.fromkeys(run_id for value in board.picked_runs() for run_id in value.split(",") if run_id))
-    right.caption("the runs picked in the sidebar: runs with the same config but the seed form a group; pick two or "
-                  "more seeds of a setup for an interval")
+    right.caption(
+        "the runs picked in the sidebar: runs with the same config but the seed form a group; pick two or "
+        "more seeds of a setup for an interval"
+    )
     if missing := [run_id for run_id in run_ids if run_id not in configs]:
         not_found(", ".join(f"run {board.literal(run_id)}" for run_id in missing))
     return [run_id for run_id in run_ids if run_id in configs]
@@ -118,9 +133,16 @@ def group_notes(group: run_comparison.RunGroup) -> str:
 def groups_table(comparison: run_comparison.Comparison) -> pd.DataFrame:
     rows = []
     for group in comparison.groups:
-        rows.append({"group": group.label, "n": len(group.runs), "seeds": ", ".join(map(str, group.seeds)),
-                     **{name: estimate_text(group.metrics.get(name)) for name in run_comparison.RUN_METRICS},
-                     "note": group_notes(group), "runs": ", ".join(run.run_id for run in group.runs)})
+        rows.append(
+            {
+                "group": group.label,
+                "n": len(group.runs),
+                "seeds": ", ".join(map(str, group.seeds)),
+                **{name: estimate_text(group.metrics.get(name)) for name in run_comparison.RUN_METRICS},
+                "note": group_notes(group),
+                "runs": ", ".join(run.run_id for run in group.runs),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -128,9 +150,14 @@ def differences_table(comparison: run_comparison.Comparison) -> pd.DataFrame:
     rows = []
     for label, differences in comparison.differences.items():
         pairs = differences[next(iter(run_comparison.RUN_METRICS))].pairs
-        rows.append({"group": label, "paired seeds": ", ".join(str(seed) for seed, _, _ in pairs) or "none",
-                     "paired runs": "; ".join(f"{run} - {base_run}" for _, run, base_run in pairs) or "none",
-                     **{name: difference_text(differences.get(name)) for name in run_comparison.RUN_METRICS}})
+        rows.append(
+            {
+                "group": label,
+                "paired seeds": ", ".join(str(seed) for seed, _, _ in pairs) or "none",
+                "paired runs": "; ".join(f"{run} - {base_run}" for _, run, base_run in pairs) or "none",
+                **{name: difference_text(differences.get(name)) for name in run_comparison.RUN_METRICS},
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -147,9 +174,12 @@ def full_height(table: pd.DataFrame) -> int:
 
 
 def by_metric_columns(table: pd.DataFrame, what: str) -> dict:
-    return {"metric": st.column_config.TextColumn("metric", pinned=True, width=120,
-                                                  help="each metric is defined under 'metric definitions' below"),
-            **{label: st.column_config.TextColumn(label, help=what) for label in table["group"]}}
+    return {
+        "metric": st.column_config.TextColumn(
+            "metric", pinned=True, width=120, help="each metric is defined under 'metric definitions' below"
+        ),
+        **{label: st.column_config.TextColumn(label, help=what) for label in table["group"]},
+    }
 
 
 def pick_baseline(groups: list[run_comparison.RunGroup]) -> run_comparison.RunGroup | None:
@@ -157,11 +187,18 @@ def pick_baseline(groups: list[run_comparison.RunGroup]) -> run_comparison.RunGr
     `qae compare --baseline grpo` resolves it)."""
     if len(groups) < 2:
         return None
-    name = st.selectbox("Baseline", [group.label for group in groups], index=None, key="baseline",
-                        bind="query-params", accept_new_options=True, placeholder="none: no differences",
-                        help="Adds each group's difference from this one, paired by seed (the same seed gives both "
-                             "runs the same prompt order), with its 95% interval and the paired t-test p-value. "
-                             "Pick a group, or type a value only it has (grpo).")
+    name = st.selectbox(
+        "Baseline",
+        [group.label for group in groups],
+        index=None,
+        key="baseline",
+        bind="query-params",
+        accept_new_options=True,
+        placeholder="none: no differences",
+        help="Adds each group's difference from this one, paired by seed (the same seed gives both "
+        "runs the same prompt order), with its 95% interval and the paired t-test p-value. "
+        "Pick a group, or type a value only it has (grpo).",
+    )
     if name is None:
         return None
     try:
@@ -178,16 +215,23 @@ def pick_baseline(groups: list[run_comparison.RunGroup]) -> run_comparison.RunGr
 def curves_section(comparison: run_comparison.Comparison, band: str) -> None:
     colors = board.method_colors({group.label: [run.run_id for run in group.runs] for group in comparison.groups})
     band, why = charts.resolve_band(band, max(len(group.runs) for group in comparison.groups))
-    caption = (f"One color per group; the line is the mean over the group's seeds at each step, the band the "
-               f"{charts.SEED_BANDS[band]}, cut at the values the metric can take (none where only one seed has the "
-               "step; hover for how many do)")
+    caption = (
+        f"One color per group; the line is the mean over the group's seeds at each step, the band the "
+        f"{charts.SEED_BANDS[band]}, cut at the values the metric can take (none where only one seed has the "
+        "step; hover for how many do)"
+    )
     if why:  # once for the three charts
         st.caption(f":material/info: {why[0].upper()}{why[1:]}.")
     left, right = st.columns(2)
     for i, (metric, (title, y_title)) in enumerate(CURVES.items()):
-        curves = {group.label: charts.across_seeds([run.steps.rename(columns={metric: "value"}) for run in group.runs
-                                                    if metric in run.steps], band, CURVE_BOUNDS[metric])
-                  for group in comparison.groups}
+        curves = {
+            group.label: charts.across_seeds(
+                [run.steps.rename(columns={metric: "value"}) for run in group.runs if metric in run.steps],
+                band,
+                CURVE_BOUNDS[metric],
+            )
+            for group in comparison.groups
+        }
         with (left, right)[i % 2]:
             if metric == "heldout_accuracy" and all(curve.empty for curve in curves.values()):
                 st.subheader(title)
@@ -198,8 +242,10 @@ def curves_section(comparison: run_comparison.Comparison, band: str) -> None:
                 fig.update_yaxes(range=[0, 1.05])
             board.plot(fig, f"compare_{metric}")
             without = [label for label, curve in curves.items() if curve.empty]
-            st.caption(f"**{metric}**: {STEP_METRICS[metric]}. {caption}."
-                       + (f" No values in: {'; '.join(without)}." if without else ""))
+            st.caption(
+                f"**{metric}**: {STEP_METRICS[metric]}. {caption}."
+                + (f" No values in: {'; '.join(without)}." if without else "")
+            )
 
 
 def _groups_table(comparison) -> None:
@@ -207,8 +253,14 @@ def _groups_table(comparison) -> None:
     evaluated on held-out problems."""
     table = groups_table(comparison)
     shown = by_metric(table)
-    st.dataframe(shown, hide_index=True, key="compare_table", placeholder="", height=full_height(shown),
-                 column_config=by_metric_columns(table, "mean over the group's seeds [95% Student-t interval]"))
+    st.dataframe(
+        shown,
+        hide_index=True,
+        key="compare_table",
+        placeholder="",
+        height=full_height(shown),
+        column_config=by_metric_columns(table, "mean over the group's seeds [95% Student-t interval]"),
+    )
     for group in comparison.groups:
         if note := group_notes(group):
             st.caption(f":material/info: **{board.literal(group.label)}**: {board.literal(note)}")
@@ -218,18 +270,26 @@ def _groups_table(comparison) -> None:
 
 def _differences_table(comparison) -> None:
     """Each group minus the baseline, paired by seed, and a note where seeds could not be paired."""
-    st.markdown(f"**Minus the baseline {board.literal(comparison.baseline.label)}**, paired by seed: mean "
-                "difference [95% interval] and the two-sided paired t-test p")
+    st.markdown(
+        f"**Minus the baseline {board.literal(comparison.baseline.label)}**, paired by seed: mean "
+        "difference [95% interval] and the two-sided paired t-test p"
+    )
     differences = differences_table(comparison)
     shown = by_metric(differences)
-    st.dataframe(shown, hide_index=True, key="compare_differences", placeholder="", height=full_height(shown),
-                 column_config=by_metric_columns(differences, "group minus baseline, mean over paired seeds [95% "
-                                                              "interval] and the paired t-test p"))
+    st.dataframe(
+        shown,
+        hide_index=True,
+        key="compare_differences",
+        placeholder="",
+        height=full_height(shown),
+        column_config=by_metric_columns(
+            differences, "group minus baseline, mean over paired seeds [95% interval] and the paired t-test p"
+        ),
+    )
     for label, differences in comparison.differences.items():
         paired = differences[next(iter(run_comparison.RUN_METRICS))]
         if paired.note:
-            st.caption(f":material/info: **{board.literal(label)}** minus the baseline: "
-                       f"{board.literal(paired.note)}")
+            st.caption(f":material/info: **{board.literal(label)}** minus the baseline: {board.literal(paired.note)}")
 
 
 def loss_section(comparison: run_comparison.Comparison, band: str) -> None:
@@ -239,19 +299,24 @@ def loss_section(comparison: run_comparison.Comparison, band: str) -> None:
     if table is None:
         return
     st.subheader("By policy loss, as the paper's Table 2")
-    st.caption(f"A row per policy loss: {table.base_estimator}, the same loss with qae, and qae minus "
-               f"{table.base_estimator} paired by seed (mean [95% interval] p; no interval below "
-               f"{run_comparison.MIN_SEEDS} seeds), as `qae compare` prints it")
+    st.caption(
+        f"A row per policy loss: {table.base_estimator}, the same loss with qae, and qae minus "
+        f"{table.base_estimator} paired by seed (mean [95% interval] p; no interval below "
+        f"{run_comparison.MIN_SEEDS} seeds), as `qae compare` prints it"
+    )
     left, right = st.columns(2)
     for i, metric in enumerate(TABLE_METRICS):
         with (left, right)[i % 2]:
             st.markdown(f"**{metric}**: {run_comparison.RUN_METRICS[metric]}")
-            st.dataframe(loss_multiples.metric_frame(table, metric), hide_index=True, key=f"loss_table_{metric}",
-                         placeholder="")
+            st.dataframe(
+                loss_multiples.metric_frame(table, metric), hide_index=True, key=f"loss_table_{metric}", placeholder=""
+            )
     colors = {estimator: board.METHOD_COLORS[estimator] for estimator in (table.base_estimator, "qae")}
     board.plot(loss_multiples.small_multiples(table, colors, band), "compare_loss_multiples")
-    st.caption("Each estimator in its color on every page; the line is the mean over the loss's seeds, the band the "
-               f"{charts.SEED_BANDS[band]}.")
+    st.caption(
+        "Each estimator in its color on every page; the line is the mean over the loss's seeds, the band the "
+        f"{charts.SEED_BANDS[band]}."
+    )
 
 
 def body(run_ids: list[str]) -> None:
@@ -260,8 +325,10 @@ def body(run_ids: list[str]) -> None:
         return
     first = run_comparison.compare_runs(records)
     if first.left_out:
-        st.caption(":material/info: left out: " + board.literal(", ".join(f"{run_id} ({why})" for run_id, why in
-                                                                          first.left_out.items())))
+        st.caption(
+            ":material/info: left out: "
+            + board.literal(", ".join(f"{run_id} ({why})" for run_id, why in first.left_out.items()))
+        )
     groups = first.groups
     if not groups:
         st.info("No picked run has a training step yet: the comparison appears when they write their first steps.")
@@ -269,8 +336,10 @@ def body(run_ids: list[str]) -> None:
     baseline = pick_baseline(groups)
     comparison = run_comparison.compare_runs(records, baseline.label if baseline else None)
     n_runs = sum(len(group.runs) for group in groups)
-    st.caption(f"{n_runs} run(s) in {len(groups)} group(s) (same config but the seed); each metric is the "
-               "mean over the group's seeds with its 95% Student-t interval in brackets, as `qae compare` prints it")
+    st.caption(
+        f"{n_runs} run(s) in {len(groups)} group(s) (same config but the seed); each metric is the "
+        "mean over the group's seeds with its 95% Student-t interval in brackets, as `qae compare` prints it"
+    )
     _groups_table(comparison)
     if comparison.baseline is not None:
         _differences_table(comparison)
@@ -279,24 +348,34 @@ def body(run_ids: list[str]) -> None:
     if all(record.steps.empty for record in records):
         st.info("No step written yet: the curves appear when the runs write their first steps.")
         return
-    band = st.segmented_control("Band", list(charts.SEED_BANDS), key="band", default="auto", required=True,
-                                bind="query-params",
-                                help="t-interval: the 95% Student-t interval of the mean over seeds (the table's "
-                                     "interval, step by step; wide with few seeds); min-max: the lowest to highest "
-                                     "seed; auto: min-max up to 3 seeds, where t (12.71 at 2 seeds, 4.30 at 3) "
-                                     "makes the interval unreadably wide, the t-interval from 4 seeds on.")
+    band = st.segmented_control(
+        "Band",
+        list(charts.SEED_BANDS),
+        key="band",
+        default="auto",
+        required=True,
+        bind="query-params",
+        help="t-interval: the 95% Student-t interval of the mean over seeds (the table's "
+        "interval, step by step; wide with few seeds); min-max: the lowest to highest "
+        "seed; auto: min-max up to 3 seeds, where t (12.71 at 2 seeds, 4.30 at 3) "
+        "makes the interval unreadably wide, the t-interval from 4 seeds on.",
+    )
     curves_section(comparison, band)
     loss_section(comparison, charts.resolve_band(band, max(len(group.runs) for group in comparison.groups))[0])
 
 
 st.header("Compare")
-st.caption("Runs that differ only in seed form a group; each group's metrics are means over its seeds with 95% "
-           "intervals. Pick a sweep or any runs; the choice is in the URL.")
+st.caption(
+    "Runs that differ only in seed form a group; each group's metrics are means over its seeds with 95% "
+    "intervals. Pick a sweep or any runs; the choice is in the URL."
+)
 runs_now = board.runs()
 readable_runs = runs_now[~runs_now["status"].isin(READ_STATUSES)]
 if readable_runs.empty:
-    st.info(f"No runs in `{board.runs_dir()}` yet. Start a sweep with `qae sweep --estimator qae,grpo --seeds 3 "
-            f"--runs-dir {board.runs_dir()}`; its runs appear here.")
+    st.info(
+        f"No runs in `{board.runs_dir()}` yet. Start a sweep with `qae sweep --estimator qae,grpo --seeds 3 "
+        f"--runs-dir {board.runs_dir()}`; its runs appear here."
+    )
     st.stop()
 compared = pick_compared(readable_runs)
 if not compared:

@@ -32,8 +32,13 @@ def pick_prompt(prompts: pd.DataFrame) -> str:
     ids = [str(p) for p in prompts["prompt_id"]]
     if st.session_state.get("prompt") not in ids and ("prompt" in st.session_state or "prompt" not in st.query_params):
         st.session_state["prompt"] = ids[0]
-    return st.selectbox("Prompt", ids, key="prompt", bind="query-params",
-                        help="Sorted by how often the prompt was sampled. Type to search prompt ids.")
+    return st.selectbox(
+        "Prompt",
+        ids,
+        key="prompt",
+        bind="query-params",
+        help="Sorted by how often the prompt was sampled. Type to search prompt ids.",
+    )
 
 
 SIDE_BY_SIDE_STEPS = 8  # samplings of the prompt shown per run (the most recent)
@@ -48,8 +53,11 @@ SAMPLE_COLUMNS = {
 
 def side_by_side(prompt_id: str, run_ids: list[str]) -> None:
     """The prompt's responses at each step it was sampled, one column per picked run."""
-    readable = {run_id: frame for run_id in run_ids
-                if (frame := board.read(read_prompt_rollouts, run_id, prompt_id)) is not None}
+    readable = {
+        run_id: frame
+        for run_id in run_ids
+        if (frame := board.read(read_prompt_rollouts, run_id, prompt_id)) is not None
+    }
     found = {run_id: frame for run_id, frame in readable.items() if not frame.empty}
     st.subheader("Its responses, step by step" + (" and run by run" if len(run_ids) > 1 else ""))
     absent = [run_id for run_id in readable if run_id not in found]  # (an unreadable run's note says why)
@@ -61,19 +69,28 @@ def side_by_side(prompt_id: str, run_ids: list[str]) -> None:
     for column, (run_id, frame) in zip(columns, found.items(), strict=True):
         with column:
             steps = list(dict.fromkeys(frame["step"]))
-            st.markdown(f"**{run_id}** · sampled at {len(steps)} step(s)"
-                        + (f", the last {SIDE_BY_SIDE_STEPS} shown" if len(steps) > SIDE_BY_SIDE_STEPS else ""))
+            st.markdown(
+                f"**{run_id}** · sampled at {len(steps)} step(s)"
+                + (f", the last {SIDE_BY_SIDE_STEPS} shown" if len(steps) > SIDE_BY_SIDE_STEPS else "")
+            )
             for step in steps[-SIDE_BY_SIDE_STEPS:][::-1]:
                 rows = frame[frame["step"] == step]
                 first = rows.iloc[0]
                 filtered = bool(board.filtered_rows(rows).iloc[0])  # as the Rollouts page: not trained, not gated
                 outcome = f"{board.FILTERED_REASON} · not trained" if filtered else f"{int(rows['gated'].sum())} gated"
-                st.caption(f"step {step} · {int(first['n_correct'])}/{int(first['group_size'])} correct · "
-                           f"{first['regime']} · baseline {first['baseline']:.3g} · {outcome}")
+                st.caption(
+                    f"step {step} · {int(first['n_correct'])}/{int(first['group_size'])} correct · "
+                    f"{first['regime']} · baseline {first['baseline']:.3g} · {outcome}"
+                )
                 if filtered:
                     rows = rows.assign(gate_reason=board.FILTERED_REASON)
-                st.dataframe(rows[list(SAMPLE_COLUMNS)], hide_index=True, column_config=SAMPLE_COLUMNS,
-                             key=f"side_{run_id}_{step}_{int(first['group_idx'])}", placeholder="")
+                st.dataframe(
+                    rows[list(SAMPLE_COLUMNS)],
+                    hide_index=True,
+                    column_config=SAMPLE_COLUMNS,
+                    key=f"side_{run_id}_{step}_{int(first['group_idx'])}",
+                    placeholder="",
+                )
 
 
 def body(run_id: str) -> None:
@@ -86,8 +103,10 @@ def body(run_id: str) -> None:
     view = board.run_view(run_id)
     k = view.run.get("k") if view is not None else None
     moved = prompts[(prompts["times_sampled"] > 1) & (prompts["first_regime"] != prompts["last_regime"])]
-    st.caption(f"{len(prompts)} prompts sampled · {int((prompts['times_sampled'] > 1).sum())} more than once · "
-               f"{len(moved)} changed regime between their first and last sampling")
+    st.caption(
+        f"{len(prompts)} prompts sampled · {int((prompts['times_sampled'] > 1).sum())} more than once · "
+        f"{len(moved)} changed regime between their first and last sampling"
+    )
     prompt_id = pick_prompt(prompts)
     row = prompts.set_index("prompt_id").loc[prompt_id]
     board.show_prompt_and_answer(row["prompt"], row["answer"])
@@ -97,16 +116,23 @@ def body(run_id: str) -> None:
         with cols[0]:
             board.plot(charts.prompt_history(history, k), "prompt_history")
         with cols[1]:
-            st.dataframe(history[["step", "n_correct", "group_size", "baseline", "regime"]], hide_index=True,
-                         key="prompt_history_table", placeholder="")
+            st.dataframe(
+                history[["step", "n_correct", "group_size", "baseline", "regime"]],
+                hide_index=True,
+                key="prompt_history_table",
+                placeholder="",
+            )
     side_by_side(prompt_id, board.shown_runs())
     with st.expander("All prompts", expanded=False):
-        st.dataframe(prompts[list(PROMPT_COLUMNS)], hide_index=True, column_config=PROMPT_COLUMNS, key="prompts",
-                     placeholder="")
+        st.dataframe(
+            prompts[list(PROMPT_COLUMNS)], hide_index=True, column_config=PROMPT_COLUMNS, key="prompts", placeholder=""
+        )
     repeated = prompts[prompts["times_sampled"] > 1]
     if repeated.empty:
-        st.caption("No prompt has been sampled twice yet, so there is no history to compare across steps: prompts "
-                   "come back once the run has gone through the training set.")
+        st.caption(
+            "No prompt has been sampled twice yet, so there is no history to compare across steps: prompts "
+            "come back once the run has gone through the training set."
+        )
     else:
         top = [str(p) for p in repeated["prompt_id"].head(HEATMAP_PROMPTS)]
         histories = board.read(read_prompt_histories, run_id, top)

@@ -34,11 +34,15 @@ DIMMED = "color: #8a8a8a"
 REGIME_BADGE = {"hard": "red", "easy": "green", "all_correct": "blue", "all_wrong": "gray", "mixed": "violet"}
 RESPONSE_COLUMNS = {
     "sample_idx": st.column_config.NumberColumn("sample", width="small"),
-    "status": st.column_config.TextColumn("gated", width="small",
-                                          help="gated: advantage exactly 0, no policy gradient from this response; "
-                                               "filtered: its group was left out of the update by dynamic sampling"),
-    "gate_reason": st.column_config.TextColumn("why gated", width="medium",
-                                               help="; ".join(f"{k}: {v}" for k, v in GATE_REASONS.items())),
+    "status": st.column_config.TextColumn(
+        "gated",
+        width="small",
+        help="gated: advantage exactly 0, no policy gradient from this response; "
+        "filtered: its group was left out of the update by dynamic sampling",
+    ),
+    "gate_reason": st.column_config.TextColumn(
+        "why gated", width="medium", help="; ".join(f"{k}: {v}" for k, v in GATE_REASONS.items())
+    ),
     "reward": st.column_config.NumberColumn("reward", format="%.2f", width="small"),
     "advantage": st.column_config.NumberColumn("advantage", format="%+.3f", width="small"),
     "response": st.column_config.TextColumn("response (click a row to open it)", width="large"),
@@ -61,10 +65,17 @@ def response_columns(components: list[str]) -> dict:
     for name, column in RESPONSE_COLUMNS.items():
         columns[name] = column
         if name == "reward":
-            columns.update({c: st.column_config.NumberColumn(c, format="%.3g", width="small",
-                                                             help="this reward component's value (None: could not "
-                                                                  "verify); the reward is their weighted sum")
-                            for c in components})
+            columns.update(
+                {
+                    c: st.column_config.NumberColumn(
+                        c,
+                        format="%.3g",
+                        width="small",
+                        help="this reward component's value (None: could not verify); the reward is their weighted sum",
+                    )
+                    for c in components
+                }
+            )
     return columns
 
 
@@ -80,10 +91,10 @@ def with_components(rows: pd.DataFrame, components: pd.DataFrame | None) -> tupl
 def styled(responses: pd.DataFrame, components: list[str] = ()):
     """Responses of one group, the ones without a gradient (gated, filtered) greyed out."""
     filtered = board.filtered_rows(responses)
-    status = responses["gated"].map({True: STATUS["gated"], False: STATUS["kept"]}).where(~filtered,
-                                                                                          STATUS["filtered"])
-    frame = responses.assign(status=status,
-                             gate_reason=responses["gate_reason"].fillna("").where(~filtered, board.FILTERED_REASON))
+    status = responses["gated"].map({True: STATUS["gated"], False: STATUS["kept"]}).where(~filtered, STATUS["filtered"])
+    frame = responses.assign(
+        status=status, gate_reason=responses["gate_reason"].fillna("").where(~filtered, board.FILTERED_REASON)
+    )
     frame = frame[list(response_columns(list(components)))].reset_index(drop=True)
     return frame.style.apply(lambda row: [DIMMED if row["status"] != STATUS["kept"] else ""] * len(row), axis=1)
 
@@ -95,38 +106,71 @@ def open_row(table_key: str, select_key: str, samples: list[int]) -> None:
     st.session_state[select_key] = samples[rows[0]] if rows else None
 
 
-def group(step: int, rows: pd.DataFrame, model_prompts: dict[int, str], components: list[str] = (),
-          run_id: str | None = None, color_by: str = "logprob") -> None:
+def group(
+    step: int,
+    rows: pd.DataFrame,
+    model_prompts: dict[int, str],
+    components: list[str] = (),
+    run_id: str | None = None,
+    color_by: str = "logprob",
+) -> None:
     first = rows.iloc[0]
     g, regime = int(first["group_idx"]), str(first["regime"])
     with st.container(border=True):
         badge = f":{REGIME_BADGE[regime]}-badge[{regime}]" if regime in REGIME_BADGE else ""
         filtered = bool(board.filtered_rows(rows).iloc[0])
-        status = (":orange-badge[filtered by dynamic sampling] · not trained" if filtered
-                  else f"{int(rows['gated'].sum())} of {len(rows)} shown gated")
-        st.markdown(f"**Group {g}** {badge} · **{int(first['n_correct'])}/{int(first['group_size'])}** correct · "
-                    f"baseline **{first['baseline']:.3g}** · {status}")
+        status = (
+            ":orange-badge[filtered by dynamic sampling] · not trained"
+            if filtered
+            else f"{int(rows['gated'].sum())} of {len(rows)} shown gated"
+        )
+        st.markdown(
+            f"**Group {g}** {badge} · **{int(first['n_correct'])}/{int(first['group_size'])}** correct · "
+            f"baseline **{first['baseline']:.3g}** · {status}"
+        )
         board.show_prompt_and_answer(first["prompt"], first["answer"], model_prompts.get(g))
         samples = [int(s) for s in rows["sample_idx"]]
         table_key, select_key = f"table_{step}_{g}", f"open_{step}_{g}"
-        st.dataframe(styled(rows, components), hide_index=True, column_config=response_columns(list(components)),
-                     key=table_key,
-                     height=min(ROW_PX * (len(rows) + 1) + 8, MAX_TABLE_PX),
-                     on_select=partial(open_row, table_key, select_key, samples),
-                     selection_mode=["single-row", "single-cell"], placeholder="")
+        st.dataframe(
+            styled(rows, components),
+            hide_index=True,
+            column_config=response_columns(list(components)),
+            key=table_key,
+            height=min(ROW_PX * (len(rows) + 1) + 8, MAX_TABLE_PX),
+            on_select=partial(open_row, table_key, select_key, samples),
+            selection_mode=["single-row", "single-cell"],
+            placeholder="",
+        )
         by_sample = rows.set_index("sample_idx")
-        chosen = st.selectbox("Open a response in full", [None, *samples], key=select_key,
-                              format_func=lambda s: "—" if s is None else (
-                                  f"sample {s} · reward {by_sample.at[s, 'reward']:.2f} · "
-                                  f"advantage {by_sample.at[s, 'advantage']:+.3f}"
-                                  + (" · filtered" if filtered else " · gated" if by_sample.at[s, 'gated'] else "")))
+        chosen = st.selectbox(
+            "Open a response in full",
+            [None, *samples],
+            key=select_key,
+            format_func=lambda s: (
+                "—"
+                if s is None
+                else (
+                    f"sample {s} · reward {by_sample.at[s, 'reward']:.2f} · "
+                    f"advantage {by_sample.at[s, 'advantage']:+.3f}"
+                    + (" · filtered" if filtered else " · gated" if by_sample.at[s, "gated"] else "")
+                )
+            ),
+        )
         if chosen is not None:
             row = by_sample.loc[chosen]
             st.code(row["response"], language=None, wrap_lines=True)
-            st.caption(f"{int(row['n_tokens'])} tokens" + (" · truncated at max_new_tokens" if row["truncated"]
-                                                             else "") + f" · entropy {row['entropy']:.3f}"
-                       + (" · its group was left out of the update by dynamic sampling" if filtered
-                          else f" · gated: {GATE_REASONS[row['gate_reason']]}" if row["gated"] else ""))
+            st.caption(
+                f"{int(row['n_tokens'])} tokens"
+                + (" · truncated at max_new_tokens" if row["truncated"] else "")
+                + f" · entropy {row['entropy']:.3f}"
+                + (
+                    " · its group was left out of the update by dynamic sampling"
+                    if filtered
+                    else f" · gated: {GATE_REASONS[row['gate_reason']]}"
+                    if row["gated"]
+                    else ""
+                )
+            )
             if run_id is not None:
                 token_view(run_id, step, g, int(chosen), color_by)
 
@@ -137,8 +181,10 @@ def token_view(run_id: str, step: int, g: int, sample: int, color_by: str) -> No
     if stored is None:
         return
     if stored.empty:
-        st.caption("Its per-token numbers were not stored (--store-tokens keeps a sample of a step's responses at "
-                   "scale, none with `none`, and runs from before the table have none).")
+        st.caption(
+            "Its per-token numbers were not stored (--store-tokens keeps a sample of a step's responses at "
+            "scale, none with `none`, and runs from before the table have none)."
+        )
         return
     st.html(token_markup.token_html(token_numbers(stored.iloc[0].to_dict()), color_by))
     st.caption(token_markup.legend(color_by))
@@ -148,19 +194,35 @@ def gate_summary(run_id: str, step: int, everything: pd.DataFrame) -> None:
     """Why this step's gated (trained) responses were gated (a table), and the same over every step (a chart)."""
     trained = everything[~board.filtered_rows(everything)]
     counts = trained.loc[trained["gated"], "gate_reason"].value_counts()
-    table = pd.DataFrame({"why gated": list(GATE_REASONS), "responses": [int(counts.get(r, 0)) for r in GATE_REASONS],
-                          "meaning": list(GATE_REASONS.values())})
+    table = pd.DataFrame(
+        {
+            "why gated": list(GATE_REASONS),
+            "responses": [int(counts.get(r, 0)) for r in GATE_REASONS],
+            "meaning": list(GATE_REASONS.values()),
+        }
+    )
     table["share of the trained"] = table["responses"] / max(len(trained), 1)
     n_filtered = len(everything) - len(trained)
-    st.markdown(f"**Why gated** at step {step}: " + (" · ".join(
-        f"{n} {reason.replace('_', ' ')}"
-        for reason, n in zip(table["why gated"], table["responses"], strict=True) if n)
-        or "none gated") + (f" · and {n_filtered} responses in groups filtered by dynamic sampling (not trained)"
-                            if n_filtered else ""))
+    st.markdown(
+        f"**Why gated** at step {step}: "
+        + (
+            " · ".join(
+                f"{n} {reason.replace('_', ' ')}"
+                for reason, n in zip(table["why gated"], table["responses"], strict=True)
+                if n
+            )
+            or "none gated"
+        )
+        + (f" · and {n_filtered} responses in groups filtered by dynamic sampling (not trained)" if n_filtered else "")
+    )
     with st.expander("The breakdown, with what each reason means, and over every step", expanded=False):
-        st.dataframe(table[table["responses"] > 0], hide_index=True, key="gate_table",
-                     column_config={"share of the trained": st.column_config.NumberColumn(format="percent")},
-                     placeholder="")
+        st.dataframe(
+            table[table["responses"] > 0],
+            hide_index=True,
+            key="gate_table",
+            column_config={"share of the trained": st.column_config.NumberColumn(format="percent")},
+            placeholder="",
+        )
         breakdown = board.read(read_gate_breakdown, run_id)
         totals = board.read(read_step_tokens, run_id)
         if breakdown is not None and totals is not None:
@@ -172,25 +234,43 @@ def filter_controls(everything: pd.DataFrame) -> tuple[dict, str]:
     `matching`). `everything`: the step's rollouts, whose rewards the Reward control offers."""
     filters = st.columns([1.1, 1.6, 0.8, 1.5])
     regime = filters[0].selectbox("Regime", ["any", *REGIMES], key="regime", bind="query-params")
-    gated = filters[1].segmented_control("Responses", list(GATED_CHOICES), key="gated", default="all",
-                                         bind="query-params", required=True,
-                                         help="gated and kept: of the trained groups; filtered: the groups dynamic "
-                                              "sampling left out of the update")
+    gated = filters[1].segmented_control(
+        "Responses",
+        list(GATED_CHOICES),
+        key="gated",
+        default="all",
+        bind="query-params",
+        required=True,
+        help="gated and kept: of the trained groups; filtered: the groups dynamic sampling left out of the update",
+    )
     rewards = [f"{r:g}" for r in sorted(everything["reward"].dropna().unique().tolist())]
     reward = filters[2].selectbox("Reward", ["any", *rewards], key="reward", bind="query-params")
-    reason = filters[3].selectbox("Why gated", ["any", *GATE_REASONS], key="why", bind="query-params",
-                                  help="; ".join(f"{k}: {v}" for k, v in GATE_REASONS.items()))
-    search = st.text_input("Search prompts and responses", key="search", bind="query-params",
-                           placeholder="plain text, case-insensitive")
+    reason = filters[3].selectbox(
+        "Why gated",
+        ["any", *GATE_REASONS],
+        key="why",
+        bind="query-params",
+        help="; ".join(f"{k}: {v}" for k, v in GATE_REASONS.items()),
+    )
+    search = st.text_input(
+        "Search prompts and responses", key="search", bind="query-params", placeholder="plain text, case-insensitive"
+    )
     gated_only, filtered_only = GATED_CHOICES[gated]
-    query = dict(gated=gated_only, regime=None if regime == "any" else regime,
-                 reward=None if reward == "any" else float(reward), search=search,
-                 filtered=False if reason != "any" and filtered_only is None else filtered_only)
+    query = dict(
+        gated=gated_only,
+        regime=None if regime == "any" else regime,
+        reward=None if reward == "any" else float(reward),
+        search=search,
+        filtered=False if reason != "any" and filtered_only is None else filtered_only,
+    )
     return query, reason
 
 
-ORDERS = {"group": "groups in order, responses by sample", "entropy": "highest mean token entropy first",
-          "mismatch": "largest sampler/trainer gap first (mean |old - sampler| log-prob per token)"}
+ORDERS = {
+    "group": "groups in order, responses by sample",
+    "entropy": "highest mean token entropy first",
+    "mismatch": "largest sampler/trainer gap first (mean |old - sampler| log-prob per token)",
+}
 
 
 def component_controls(components: pd.DataFrame | None) -> dict[str, float]:
@@ -204,8 +284,12 @@ def component_controls(components: pd.DataFrame | None) -> dict[str, float]:
     for i, name in enumerate(names):
         values = sorted(components.loc[components["name"] == name, "value"].dropna().unique().tolist())
         picked = columns[i % len(columns)].selectbox(
-            board.literal(name), ["any", *(f"{v:g}" for v in values)], key=f"comp{i}", bind="query-params",
-            help=f"Only responses whose {board.literal(name)} component has this value")
+            board.literal(name),
+            ["any", *(f"{v:g}" for v in values)],
+            key=f"comp{i}",
+            bind="query-params",
+            help=f"Only responses whose {board.literal(name)} component has this value",
+        )
         if picked != "any":
             wanted[name] = float(picked)
     return wanted
@@ -229,15 +313,26 @@ def ordered(rows: pd.DataFrame, order: str, mismatch: pd.DataFrame | None) -> pd
         return rows
     if order == "mismatch":
         gaps = mismatch.set_index(["group_idx", "sample_idx"])["mismatch"] if mismatch is not None else None
-        rows = rows.assign(mismatch=[gaps.get((g, i)) if gaps is not None else None
-                                     for g, i in zip(rows["group_idx"], rows["sample_idx"], strict=True)])
+        rows = rows.assign(
+            mismatch=[
+                gaps.get((g, i)) if gaps is not None else None
+                for g, i in zip(rows["group_idx"], rows["sample_idx"], strict=True)
+            ]
+        )
     rows = rows.sort_values(order, ascending=False, na_position="last", kind="stable")
     first = {g: rank for rank, g in reversed(list(enumerate(rows["group_idx"])))}
     return rows.assign(_rank=rows["group_idx"].map(first)).sort_values("_rank", kind="stable").drop(columns="_rank")
 
 
-def matching(run_id: str, step: int, query: dict, reason: str, components: pd.DataFrame | None = None,
-             wanted: dict[str, float] | None = None, **read) -> pd.DataFrame | None:
+def matching(
+    run_id: str,
+    step: int,
+    query: dict,
+    reason: str,
+    components: pd.DataFrame | None = None,
+    wanted: dict[str, float] | None = None,
+    **read,
+) -> pd.DataFrame | None:
     """The step's rollouts that pass the filters (filter_controls' `query` and `reason`, and component values
     `wanted` of `components`); `read`: with_text or group_ids, as board.rollouts takes them. None when the file cannot
     be read (a note says why)."""
@@ -254,17 +349,26 @@ def step_summary(everything: pd.DataFrame, shown: pd.DataFrame) -> None:
     trained = everything[~filtered]
     summary = st.columns(5 if filtered.any() else 4)
     summary[0].metric("responses shown", f"{len(shown)} / {len(everything)}")
-    summary[1].metric("gated (advantage 0)", f"{int(trained['gated'].sum())} / {len(trained)}",
-                      help="of the step's trained responses (frac_zero_adv), before filters")
+    summary[1].metric(
+        "gated (advantage 0)",
+        f"{int(trained['gated'].sum())} / {len(trained)}",
+        help="of the step's trained responses (frac_zero_adv), before filters",
+    )
     summary[2].metric("groups shown", f"{shown['group_idx'].nunique()} / {n_groups}")
-    summary[3].metric("accuracy", f"{accuracy(everything):.3f}",
-                      help="the verifier's verdicts over every response of the step (filtered groups included), as "
-                           "the step's accuracy metric")
+    summary[3].metric(
+        "accuracy",
+        f"{accuracy(everything):.3f}",
+        help="the verifier's verdicts over every response of the step (filtered groups included), as "
+        "the step's accuracy metric",
+    )
     if filtered.any():
-        summary[4].metric("filtered out", f"{int(filtered.sum())} / {len(everything)}",
-                          help=f"responses of the {everything.loc[filtered, 'group_idx'].nunique()} groups that "
-                               "dynamic sampling left out of the update: no signal, or informative beyond the first "
-                               "prompts_per_step")
+        summary[4].metric(
+            "filtered out",
+            f"{int(filtered.sum())} / {len(everything)}",
+            help=f"responses of the {everything.loc[filtered, 'group_idx'].nunique()} groups that "
+            "dynamic sampling left out of the update: no signal, or informative beyond the first "
+            "prompts_per_step",
+        )
 
 
 def page_of_groups(group_ids: list[int]) -> list[int]:
@@ -276,7 +380,7 @@ def page_of_groups(group_ids: list[int]) -> list[int]:
         if st.session_state.get("page", 1) > pages:
             st.session_state["page"] = pages
         page = st.pagination(pages, key="page", bind="query-params")
-    return group_ids[(page - 1) * GROUPS_PER_PAGE: page * GROUPS_PER_PAGE]
+    return group_ids[(page - 1) * GROUPS_PER_PAGE : page * GROUPS_PER_PAGE]
 
 
 def templated_prompts(run_id: str, step: int) -> dict[int, str]:
@@ -286,8 +390,7 @@ def templated_prompts(run_id: str, step: int) -> dict[int, str]:
         return {}
     model_prompts = board.read(read_model_prompts, run_id, step) or {}
     if not model_prompts:
-        st.caption("This run stored no templated prompts: its model has no chat template (it saw the prompt "
-                   "itself).")
+        st.caption("This run stored no templated prompts: its model has no chat template (it saw the prompt itself).")
     return model_prompts
 
 
@@ -308,11 +411,24 @@ def body(run_id: str) -> None:
     step_components = board.read(read_components, run_id, step)
     wanted = component_controls(step_components)
     controls = st.columns(2)
-    order = controls[0].segmented_control("Order", list(ORDERS), key="order", default="group", bind="query-params",
-                                          required=True, help="; ".join(f"{k}: {v}" for k, v in ORDERS.items()))
-    color_by = controls[1].segmented_control("Colour tokens by", list(COLOR_SCALES), key="color", default="logprob",
-                                             bind="query-params", required=True,
-                                             help="; ".join(f"{k}: {v[0]}" for k, v in COLOR_SCALES.items()))
+    order = controls[0].segmented_control(
+        "Order",
+        list(ORDERS),
+        key="order",
+        default="group",
+        bind="query-params",
+        required=True,
+        help="; ".join(f"{k}: {v}" for k, v in ORDERS.items()),
+    )
+    color_by = controls[1].segmented_control(
+        "Colour tokens by",
+        list(COLOR_SCALES),
+        key="color",
+        default="logprob",
+        bind="query-params",
+        required=True,
+        help="; ".join(f"{k}: {v[0]}" for k, v in COLOR_SCALES.items()),
+    )
     mismatch = board.read(read_response_mismatch, run_id, step) if order == "mismatch" else None
     shown = matching(run_id, step, query, reason, step_components, wanted, with_text=False)
     if shown is None:

@@ -30,9 +30,16 @@ PHRASINGS = (
 
 
 def rows() -> list[dict]:
-    return [{"id": f"{letter}-{i:02d}", "question": phrasing.replace("{L}", letter.upper()), "letter": letter,
-             "answer": letter}
-            for letter in LETTERS for i, phrasing in enumerate(PHRASINGS)]
+    return [
+        {
+            "id": f"{letter}-{i:02d}",
+            "question": phrasing.replace("{L}", letter.upper()),
+            "letter": letter,
+            "answer": letter,
+        }
+        for letter in LETTERS
+        for i, phrasing in enumerate(PHRASINGS)
+    ]
 
 
 if __name__ == "__main__":

@@ -29,15 +29,14 @@ def single_word(text: str) -> str | None:
     text = text.strip()
     for mark in _WRAPPERS:
         if len(text) > 2 * len(mark) and text.startswith(mark) and text.endswith(mark):
-            text = text[len(mark):-len(mark)].strip()
+            text = text[len(mark) : -len(mark)].strip()
             break
     if text[-1:] in (".", "!"):
         text = text[:-1]
     return text if _WORD.fullmatch(text) else None
 
 
-def one_word(completions: list, prompts: list | None = None, letter: list[str] | None = None,
-             **columns) -> list[float]:
+def one_word(completions: list, prompts: list | None = None, letter: list[str] | None = None, **columns) -> list[float]:
     """1.0 when a completion is one word of 3+ letters that starts with its row's `letter`, else 0.0."""
     if letter is None:
         raise ValueError("one_word reads the data column 'letter'; the data has no such column")

@@ -40,8 +40,9 @@ from qae_app.core.estimators import ESTIMATORS
 
 # Regime codes: indices into names.REGIMES (the store keeps the names).
 REGIMES = tuple(names.REGIMES)
-HARD, EASY, ALL_CORRECT, ALL_WRONG, MIXED = (REGIMES.index(r) for r in ("hard", "easy", "all_correct", "all_wrong",
-                                                                       "mixed"))
+HARD, EASY, ALL_CORRECT, ALL_WRONG, MIXED = (
+    REGIMES.index(r) for r in ("hard", "easy", "all_correct", "all_wrong", "mixed")
+)
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,10 @@ def register_estimator(name: str):
     """Register the estimator `name`: it needs a record in core.estimators, and a second registration of a name
     raises (it would silently replace the first; verl raises too)."""
     if name not in ESTIMATORS:
-        raise ValueError(f"estimator '{name}' has no record in qae_app.core.estimators.ESTIMATORS: add its record "
-                         "(help, reads_k, default scale, reference) there")
+        raise ValueError(
+            f"estimator '{name}' has no record in qae_app.core.estimators.ESTIMATORS: add its record "
+            "(help, reads_k, default scale, reference) there"
+        )
 
     def decorator(fn: Estimator) -> Estimator:
         if name in ESTIMATOR_FUNCTIONS:
@@ -88,8 +91,9 @@ def get_estimator(name: str) -> Estimator:
 
 
 @torch.no_grad()
-def compute_advantages(name: str, rewards: torch.Tensor, cfg: EstimatorConfig | None = None,
-                       correct: torch.Tensor | None = None) -> Advantages:
+def compute_advantages(
+    name: str, rewards: torch.Tensor, cfg: EstimatorConfig | None = None, correct: torch.Tensor | None = None
+) -> Advantages:
     """`rewards` [B, G]; `correct` [B, G] bool, the verifier's verdicts (default: reward > 0, which is right for 0/1
     and -1/1 rewards without the overlong penalty). The options are checked by the estimator's record; an estimator
     whose record says it reads no K is given none (K None, quantile None), so it cannot read them by mistake."""
@@ -107,8 +111,14 @@ def compute_advantages(name: str, rewards: torch.Tensor, cfg: EstimatorConfig | 
 
 
 @torch.no_grad()
-def step_advantages(name: str, rewards: torch.Tensor, correct: torch.Tensor, values: tuple[float, float],
-                    cfg: EstimatorConfig, shaping: str = "before-baseline") -> Advantages:
+def step_advantages(
+    name: str,
+    rewards: torch.Tensor,
+    correct: torch.Tensor,
+    values: tuple[float, float],
+    cfg: EstimatorConfig,
+    shaping: str = "before-baseline",
+) -> Advantages:
     """A step's advantages by names.SHAPING. `rewards` [B, G] shaped (the reward values plus the overlong penalty),
     `correct` [B, G] bool, `values` (wrong, correct) the reward values.
 

@@ -115,8 +115,9 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
             grad_z = probs.mul_(per_prob).neg_()  # (c, V)
             del logp_all, per_prob
             if grad_logp is not None:
-                grad_z[torch.arange(end - start, device=grad_z.device), targets[start:end]] += \
-                    grad_logp[start:end].to(compute_dtype)
+                grad_z[torch.arange(end - start, device=grad_z.device), targets[start:end]] += grad_logp[start:end].to(
+                    compute_dtype
+                )
             grad_logits = grad_z.div_(temperature)  # through z = logits / temperature
             if want_hidden:
                 # in the weight's dtype, as autograd does on the plain path (the upcast's backward casts back)
@@ -126,15 +127,26 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
             if want_bias:
                 grad_bias += grad_logits.sum(0)
             del grad_z, grad_logits
-        return (grad_hidden,
-                grad_weight.to(weight.dtype) if want_weight else None,
-                grad_bias.to(bias.dtype) if want_bias else None,
-                None, None, None, None)
+        return (
+            grad_hidden,
+            grad_weight.to(weight.dtype) if want_weight else None,
+            grad_bias.to(bias.dtype) if want_bias else None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def head_logprobs_and_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, head_bias: torch.Tensor | None,
-                              targets: torch.Tensor, temperature: float, with_entropy: bool = True,
-                              chunk_tokens: int | None = None):
+def head_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    head_bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = True,
+    chunk_tokens: int | None = None,
+):
     """Log-prob of each target token and the entropy of each position's distribution, both shaped like `targets`.
 
     hidden (..., H) are the states the LM head reads, head_weight (vocab, H) and head_bias (vocab,) | None the head,
@@ -143,21 +155,29 @@ def head_logprobs_and_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, h
     logits at a time (default: `default_chunk_tokens(vocab)`). Float32 outputs (float64 for float64 weights).
     """
     if hidden.shape[:-1] != targets.shape:
-        raise ValueError(f"targets: shape {tuple(targets.shape)} does not match the hidden states' "
-                         f"{tuple(hidden.shape)} without their last dimension; pass one target per position.")
+        raise ValueError(
+            f"targets: shape {tuple(targets.shape)} does not match the hidden states' "
+            f"{tuple(hidden.shape)} without their last dimension; pass one target per position."
+        )
     if head_weight.dim() != 2 or head_weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"head_weight: shape {tuple(head_weight.shape)} is not (vocab, {hidden.shape[-1]}) for hidden "
-                         f"states of width {hidden.shape[-1]}. A sharded weight (FSDP, ZeRO-3) cannot be used here: "
-                         "compute the full logits and use losses.token_logprobs_and_entropy.")
+        raise ValueError(
+            f"head_weight: shape {tuple(head_weight.shape)} is not (vocab, {hidden.shape[-1]}) for hidden "
+            f"states of width {hidden.shape[-1]}. A sharded weight (FSDP, ZeRO-3) cannot be used here: "
+            "compute the full logits and use losses.token_logprobs_and_entropy."
+        )
     if hidden.dtype != head_weight.dtype:
-        raise ValueError(f"hidden: dtype {hidden.dtype} differs from head_weight's {head_weight.dtype}; cast one to "
-                         "the other (autocast is not supported here).")
+        raise ValueError(
+            f"hidden: dtype {hidden.dtype} differs from head_weight's {head_weight.dtype}; cast one to "
+            "the other (autocast is not supported here)."
+        )
     vocab = head_weight.shape[0]
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(vocab)
     if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens: {chunk_tokens} must be at least 1 (or None for the default, "
-                         f"{default_chunk_tokens(vocab)} here).")
+        raise ValueError(
+            f"chunk_tokens: {chunk_tokens} must be at least 1 (or None for the default, "
+            f"{default_chunk_tokens(vocab)} here)."
+        )
     if temperature <= 0:
         raise ValueError(f"temperature: {temperature} must be positive.")
     flat_targets = targets.reshape(-1)  # (M,)
@@ -165,8 +185,9 @@ def head_logprobs_and_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, h
         bad = flat_targets[(flat_targets < 0) | (flat_targets >= vocab)][0].item()
         raise ValueError(f"targets: token id {bad} is outside the head's vocabulary [0, {vocab}).")
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (M, H)
-    logp, entropy = _ChunkedHeadLogprobs.apply(flat_hidden, head_weight, head_bias, flat_targets, float(temperature),
-                                               with_entropy, int(chunk_tokens))
+    logp, entropy = _ChunkedHeadLogprobs.apply(
+        flat_hidden, head_weight, head_bias, flat_targets, float(temperature), with_entropy, int(chunk_tokens)
+    )
     return logp.view(targets.shape), entropy.view(targets.shape) if entropy is not None else None
 
 
@@ -174,8 +195,12 @@ def head_logprobs_and_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, h
 
 # config fields with which a model changes its logits after the head, each with the value that leaves them unchanged
 # (Gemma 2/3 soft-capping, RecurrentGemma's, Cohere's logit scale, Granite's logits scaling)
-LOGIT_TRANSFORM_FIELDS = {"final_logit_softcapping": None, "logits_soft_cap": None, "logit_scale": 1.0,
-                          "logits_scaling": 1.0}
+LOGIT_TRANSFORM_FIELDS = {
+    "final_logit_softcapping": None,
+    "logits_soft_cap": None,
+    "logit_scale": 1.0,
+    "logits_scaling": 1.0,
+}
 
 
 def wrapper_chain(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -240,8 +265,10 @@ def gathered_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | 
         owner.unshard()  # (waits for the all-gather; nothing to do when already gathered)
         weight, bias = plain_head(core)
     if isinstance(weight, DTensor):
-        raise QAEUserError("model: its LM head weight is sharded (a DTensor) and no FSDP2 unit gathers it; the chunked "
-                           "log-probs need the whole weight. Use --logprob-chunk-tokens 0 for the full logits.")
+        raise QAEUserError(
+            "model: its LM head weight is sharded (a DTensor) and no FSDP2 unit gathers it; the chunked "
+            "log-probs need the whole weight. Use --logprob-chunk-tokens 0 for the full logits."
+        )
     return weight, bias
 
 
@@ -257,12 +284,15 @@ def plain_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | Non
                 raise QAEUserError(
                     f"model: its config sets {field}={value}, so its logits are not the LM head's output and the "
                     "chunked log-probs (qae_app.algo.chunked_head) would be wrong for it. Compute the full logits "
-                    "and use losses.token_logprobs_and_entropy instead.")
+                    "and use losses.token_logprobs_and_entropy instead."
+                )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear):
-        raise QAEUserError(f"model: {type(model).__name__} has no nn.Linear output embedding (get_output_embeddings() "
-                           f"gave {type(head).__name__}); the chunked log-probs need one. Compute the full logits and "
-                           "use losses.token_logprobs_and_entropy instead.")
+        raise QAEUserError(
+            f"model: {type(model).__name__} has no nn.Linear output embedding (get_output_embeddings() "
+            f"gave {type(head).__name__}); the chunked log-probs need one. Compute the full logits and "
+            "use losses.token_logprobs_and_entropy instead."
+        )
     return head.weight, head.bias
 
 
@@ -271,8 +301,10 @@ def _logits_keyword(model: torch.nn.Module) -> str:
     parameters = inspect.signature(model.forward).parameters
     keyword = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in parameters), None)
     if keyword is None:
-        raise QAEUserError(f"model: {type(model).__name__}.forward takes no logits_to_keep, so it would build the full "
-                           "logits anyway; use losses.token_logprobs_and_entropy on them instead.")
+        raise QAEUserError(
+            f"model: {type(model).__name__}.forward takes no logits_to_keep, so it would build the full "
+            "logits anyway; use losses.token_logprobs_and_entropy on them instead."
+        )
     return keyword
 
 
@@ -281,9 +313,11 @@ def _check_logits_are_the_head_of_hidden(model_name: str, model_logits, last_hid
     (n, 1, H): this catches a model that transforms its logits (or its head's input) in a way no config field says."""
     with torch.no_grad():
         if model_logits.shape[-1] != weight.shape[0]:
-            raise QAEUserError(f"model: its logits have {model_logits.shape[-1]} entries per position but its LM head "
-                               f"{weight.shape[0]} rows (a padded vocabulary the model cuts?); the chunked log-probs "
-                               "cannot be used. Use losses.token_logprobs_and_entropy on the full logits instead.")
+            raise QAEUserError(
+                f"model: its logits have {model_logits.shape[-1]} entries per position but its LM head "
+                f"{weight.shape[0]} rows (a padded vocabulary the model cuts?); the chunked log-probs "
+                "cannot be used. Use losses.token_logprobs_and_entropy on the full logits instead."
+            )
         ours = F.linear(last_hidden, weight, bias).double()
         theirs = model_logits.double()
         tolerance = 4 * torch.finfo(weight.dtype).eps * (1 + theirs.abs().max())
@@ -292,7 +326,8 @@ def _check_logits_are_the_head_of_hidden(model_name: str, model_logits, last_hid
             raise QAEUserError(
                 f"model: {model_name}'s logits differ from its LM head applied to its last hidden state "
                 f"(by up to {gap.item():.3g}): it transforms them (a logit scale, soft-capping, ...), so the chunked "
-                "log-probs would be wrong for it. Use losses.token_logprobs_and_entropy on the full logits instead.")
+                "log-probs would be wrong for it. Use losses.token_logprobs_and_entropy on the full logits instead."
+            )
 
 
 def whole_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]:
@@ -304,11 +339,13 @@ def whole_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor, t
     weight, bias = plain_head(core)
     sharding = _sharding_of(chain, weight)
     if sharding not in (None, "FSDP2"):
-        raise QAEUserError(f"model: its LM head is sharded by {sharding}; the chunked log-probs "
-                           "(qae_app.algo.chunked_head) need the whole weight on this process, which they get from "
-                           "FSDP2 (fully_shard) only. "
-                           "Use FSDP2 (configs/accelerate/fsdp2.yaml), or --logprob-chunk-tokens 0 for the full "
-                           "logits.")
+        raise QAEUserError(
+            f"model: its LM head is sharded by {sharding}; the chunked log-probs "
+            "(qae_app.algo.chunked_head) need the whole weight on this process, which they get from "
+            "FSDP2 (fully_shard) only. "
+            "Use FSDP2 (configs/accelerate/fsdp2.yaml), or --logprob-chunk-tokens 0 for the full "
+            "logits."
+        )
     return core, weight, bias
 
 
@@ -333,9 +370,16 @@ def check_chunked_head(model: torch.nn.Module) -> int:
     return weight.shape[0]
 
 
-def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int,
-                       temperature: float, with_entropy: bool = True, chunk_tokens: int | None = None,
-                       **model_kwargs):
+def causal_lm_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    first: int,
+    temperature: float,
+    with_entropy: bool = True,
+    chunk_tokens: int | None = None,
+    **model_kwargs,
+):
     """Log-probs and (if asked) entropies (n, T-1) of each sequence's next tokens, 0 at the positions before `first`:
     what `Trainer._forward_logprobs` computes from the full logits, without building them.
 
@@ -364,15 +408,19 @@ def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     hook = core.get_decoder().register_forward_hook(keep_last_hidden_state)
     try:
         # use_cache=False: the model would otherwise build a KV cache (its config says use_cache) that nothing reads
-        out = model(input_ids=input_ids, attention_mask=attention_mask,
-                    **{"use_cache": False, **model_kwargs, _logits_keyword(core): 1})
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            **{"use_cache": False, **model_kwargs, _logits_keyword(core): 1},
+        )
     finally:
         hook.remove()
     hidden = captured["hidden"]  # (n, T, H)
     weight, bias = gathered_head(model)  # (after the forward: under FSDP2 the gathered weight it used)
     _check_logits_are_the_head_of_hidden(type(core).__name__, out.logits[:, -1:], hidden[:, -1:], weight, bias)
-    logp, entropy = head_logprobs_and_entropy(hidden[:, first:-1], weight, bias, input_ids[:, first + 1:],
-                                              temperature, with_entropy, chunk_tokens)  # (n, T-1-first) each
+    logp, entropy = head_logprobs_and_entropy(
+        hidden[:, first:-1], weight, bias, input_ids[:, first + 1 :], temperature, with_entropy, chunk_tokens
+    )  # (n, T-1-first) each
     if first:
         logp = F.pad(logp, (first, 0))  # (n, T-1)
         entropy = F.pad(entropy, (first, 0)) if entropy is not None else None

@@ -29,8 +29,9 @@ class LossOutput:
     entropy_sum: torch.Tensor | None = None  # no grad: sum of the trained tokens' entropies (with `entropy`)
 
 
-def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                               with_entropy: bool = True):
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = True
+):
     """Log-prob of each target token and the entropy of each position's distribution, both (N, T).
 
     logits (N, T, vocab) are divided by the sampling temperature, so both describe the distribution sampled from;
@@ -87,8 +88,10 @@ def policy_loss(
     it drops contributes nothing; the normalizer stays the mini-batch's, as TRL's), the rollout correction's weights
     (not on the KL term, as in TRL), the aggregation, the k3 KL to the reference, and the entropy bonus, whose mean
     is over the mini-batch's trained tokens (normalizer["trained_tokens"]) whatever the aggregation (as TRL's)."""
-    terms = get_policy_loss(loss).loss(LossTokens(logp, old_logp, advantages, mask, selected),
-                                       {**(params or {}), "clip_low": clip_low, "clip_high": clip_high})
+    terms = get_policy_loss(loss).loss(
+        LossTokens(logp, old_logp, advantages, mask, selected),
+        {**(params or {}), "clip_low": clip_low, "clip_high": clip_high},
+    )
     per_token = terms.loss if trained is None else terms.loss * trained
     if token_weights is not None:
         per_token = per_token * token_weights
@@ -133,5 +136,11 @@ def mismatch_sums(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torc
     on = mask.bool()
     d = (old_logp - sampler_logp)[on].double()  # (tokens,)
     ratio_max = d.exp().max() if d.numel() else torch.tensor(-math.inf, dtype=torch.float64, device=d.device)
-    return torch.stack([d.abs().sum(), (d.exp() - d - 1.0).sum(),
-                        torch.tensor(float(d.numel()), dtype=torch.float64, device=d.device), ratio_max])
+    return torch.stack(
+        [
+            d.abs().sum(),
+            (d.exp() - d - 1.0).sum(),
+            torch.tensor(float(d.numel()), dtype=torch.float64, device=d.device),
+            ratio_max,
+        ]
+    )

@@ -64,13 +64,16 @@ def register_policy_loss(name: str, select: Select | None = None):
     """Register the loss `name` (and its mini-batch selection): it needs a record in core.policy_losses, and a
     second registration of a name raises (it would silently replace the first; verl raises too)."""
     if name not in POLICY_LOSSES:
-        raise ValueError(f"policy loss '{name}' has no record in qae_app.core.policy_losses.POLICY_LOSSES: add its "
-                         "record (help, options, references) there")
+        raise ValueError(
+            f"policy loss '{name}' has no record in qae_app.core.policy_losses.POLICY_LOSSES: add its "
+            "record (help, options, references) there"
+        )
 
     def decorator(fn: Loss) -> Loss:
         if name in POLICY_LOSS_FUNCTIONS:
-            raise ValueError(f"policy loss '{name}' is registered already, by "
-                             f"{POLICY_LOSS_FUNCTIONS[name].loss.__qualname__}")
+            raise ValueError(
+                f"policy loss '{name}' is registered already, by {POLICY_LOSS_FUNCTIONS[name].loss.__qualname__}"
+            )
         POLICY_LOSS_FUNCTIONS[name] = RegisteredLoss(fn, select)
         return fn
 
@@ -104,11 +107,15 @@ class LossSettings:
     @classmethod
     def from_config(cls, cfg) -> LossSettings:
         record = POLICY_LOSSES[cfg.policy_loss]
-        adaptive = ({o.name: getattr(cfg, o.name) for o in ADAPTIVE_OPTIONS} if cfg.entropy_target is not None
-                    else {})
-        return cls(cfg.policy_loss, tuple((o.name, getattr(cfg, o.name)) for o in record.options
-                                          if o.name not in PPO_CLIP),
-                   cfg.top_entropy_quantile, cfg.entropy_coef, cfg.entropy_target, **adaptive)
+        adaptive = {o.name: getattr(cfg, o.name) for o in ADAPTIVE_OPTIONS} if cfg.entropy_target is not None else {}
+        return cls(
+            cfg.policy_loss,
+            tuple((o.name, getattr(cfg, o.name)) for o in record.options if o.name not in PPO_CLIP),
+            cfg.top_entropy_quantile,
+            cfg.entropy_coef,
+            cfg.entropy_target,
+            **adaptive,
+        )
 
     def parameters(self, clip_low: float | None, clip_high: float | None) -> dict[str, float]:
         """The loss's `params`: its own options and the PPO clip."""
@@ -164,8 +171,15 @@ class TokenSelection(NamedTuple):
     trained_count: int = 0  # over every process
 
 
-def select_mini_batch(tokens: SelectionTokens, rows: torch.Tensor, like: torch.Tensor, settings: LossSettings,
-                      params: dict, accelerator, seed: int) -> TokenSelection:
+def select_mini_batch(
+    tokens: SelectionTokens,
+    rows: torch.Tensor,
+    like: torch.Tensor,
+    settings: LossSettings,
+    params: dict,
+    accelerator,
+    seed: int,
+) -> TokenSelection:
     """The loss's selection and the top-entropy quantile over one mini-batch, from its selection pass (`tokens`, of
     this process's rows `rows` (n,), in global order; token_selection.py says how every process agrees), as masks
     shaped like `like` (N, T). `seed`: Clip-Cov's draw (selection_seed)."""

@@ -55,8 +55,9 @@ def covariance(t: SelectionTokens, accelerator) -> tuple[torch.Tensor, int]:
     on = t.mask.bool()
     adv = t.advantages[:, None].expand_as(t.logp)[on].double()  # (M,)
     logp = t.logp[on].double()  # (M,)
-    sums = torch.stack([adv.sum(), logp.sum(), torch.tensor(float(adv.numel()), dtype=torch.float64,
-                                                            device=adv.device)])
+    sums = torch.stack(
+        [adv.sum(), logp.sum(), torch.tensor(float(adv.numel()), dtype=torch.float64, device=adv.device)]
+    )
     if accelerator.num_processes > 1:
         sums = accelerator.reduce(sums.to(accelerator.device), reduction="sum").to(adv.device)
     count = int(sums[2])
@@ -89,7 +90,7 @@ def clip_cov_selection(t: SelectionTokens, params: dict, accelerator, generator:
         share = max(int(params["clip_cov_ratio"] * total_tokens), 1)
         drawn[torch.randperm(total, generator=generator)[:share]] = True
     flat = torch.zeros_like(candidate)
-    flat[candidate] = drawn[start: start + int(candidate.sum())].to(flat.device)
+    flat[candidate] = drawn[start : start + int(candidate.sum())].to(flat.device)
     return _scatter(flat, t.mask), int(drawn.sum())
 
 

@@ -47,8 +47,11 @@ class Differences:
 
 def _order(keys: Iterable[str]) -> list[str]:
     keys = list(keys)
-    return ([k for k in FIRST if k in keys] + [k for k in keys if k not in FIRST and k not in LAST]
-            + [k for k in LAST if k in keys])
+    return (
+        [k for k in FIRST if k in keys]
+        + [k for k in keys if k not in FIRST and k not in LAST]
+        + [k for k in LAST if k in keys]
+    )
 
 
 OPTIONS = _order(name for name in FIELDS if name not in LABELS)
@@ -99,14 +102,16 @@ def what_differs(configs: list[dict | None], leave_out: Iterable[str] = ()) -> D
     per_run: list[Options] = [[] for _ in configs]
     shared: Options = []
     for key in (key for key in OPTIONS if key not in set(leave_out)):
-        using = [(i, config) for i, config in known
-                 if key not in QAE_ONLY or reads_k(config)]
+        using = [(i, config) for i, config in known if key not in QAE_ONLY or reads_k(config)]
         values = {i: config.get(key, defaults[i][key]) for i, config in using}
         not_default = {i for i, value in values.items() if _comparable(value) != _comparable(defaults[i][key])}
         if not not_default:
             continue
-        if len(using) > 1 and len({_comparable(value) for value in values.values()}) == 1 and \
-                len(not_default) == len(using):
+        if (
+            len(using) > 1
+            and len({_comparable(value) for value in values.values()}) == 1
+            and len(not_default) == len(using)
+        ):
             shared.append((key, values[using[0][0]]))
             continue
         for i, value in values.items():
@@ -140,4 +145,3 @@ def option_text(key: str, value: Any) -> str:
 def options_text(options: Options) -> str:
     """'dynamic_sampling, lr=1e-05'."""
     return ", ".join(option_text(key, value) for key, value in options)
-

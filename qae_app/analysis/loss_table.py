@@ -38,10 +38,15 @@ class LossRow:
     cells: dict[str, tuple[Estimate, Estimate, PairedDifference]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"policy_loss": self.policy_loss, "base": self.base.label, "qae": self.qae.label,
-                "metrics": {name: {"base": estimate_json(base), "qae": estimate_json(qae),
-                                   "difference": estimate_json(difference)}
-                            for name, (base, qae, difference) in self.cells.items()}}
+        return {
+            "policy_loss": self.policy_loss,
+            "base": self.base.label,
+            "qae": self.qae.label,
+            "metrics": {
+                name: {"base": estimate_json(base), "qae": estimate_json(qae), "difference": estimate_json(difference)}
+                for name, (base, qae, difference) in self.cells.items()
+            },
+        }
 
 
 @dataclass
@@ -50,8 +55,11 @@ class LossTable:
     rows: list[LossRow]
 
     def to_dict(self) -> dict:
-        return {"base_estimator": self.base_estimator, "metrics": {name: RUN_METRICS[name] for name in TABLE_METRICS},
-                "rows": [row.to_dict() for row in self.rows]}
+        return {
+            "base_estimator": self.base_estimator,
+            "metrics": {name: RUN_METRICS[name] for name in TABLE_METRICS},
+            "rows": [row.to_dict() for row in self.rows],
+        }
 
 
 def group_loss(group: RunGroup) -> str:
@@ -79,8 +87,10 @@ def loss_table(groups: list[RunGroup]) -> LossTable | None:
     for loss in order:
         row = LossRow(loss, by_loss[loss][base], by_loss[loss][QAE])
         for name in TABLE_METRICS:
-            row.cells[name] = (row.base.metrics[name], row.qae.metrics[name],
-                               paired_difference(row.qae.per_run[name], row.base.per_run[name],
-                                                 RUN_METRIC_BOUNDS[name]))
+            row.cells[name] = (
+                row.base.metrics[name],
+                row.qae.metrics[name],
+                paired_difference(row.qae.per_run[name], row.base.per_run[name], RUN_METRIC_BOUNDS[name]),
+            )
         rows.append(row)
     return LossTable(base, rows)

@@ -66,14 +66,25 @@ from qae_app.models.packaged import PACKAGED_GGUF, packaged_gguf
 
 GB = 1e9
 RESERVE_FRACTION = 0.10  # of a GPU's memory, kept free for the CUDA context and the allocator's fragmentation
-SHARDINGS = {"ddp": "every process holds all weights, gradients and optimizer state (DDP, ZeRO-0)",
-             "fsdp": "weights, gradients and optimizer state split over the processes (FSDP2)"}
+SHARDINGS = {
+    "ddp": "every process holds all weights, gradients and optimizer state (DDP, ZeRO-0)",
+    "fsdp": "weights, gradients and optimizer state split over the processes (FSDP2)",
+}
 PERSISTENT, UPDATE_PHASE, ROLLOUT_PHASE = "both", "update", "rollout"
 # the phase of a step in which each component is held (see the module's docstring); vLLM's depends on --vllm-sleep
-PHASES = {"weights": PERSISTENT, "gradients": PERSISTENT, "optimizer": PERSISTENT, "DDP buckets": PERSISTENT,
-          "reference model": PERSISTENT, "sampling copy": PERSISTENT, "gathered layers": UPDATE_PHASE,
-          "gathered root": UPDATE_PHASE, "bf16 weight copies": UPDATE_PHASE, "activations": UPDATE_PHASE,
-          "log-prob head": UPDATE_PHASE}
+PHASES = {
+    "weights": PERSISTENT,
+    "gradients": PERSISTENT,
+    "optimizer": PERSISTENT,
+    "DDP buckets": PERSISTENT,
+    "reference model": PERSISTENT,
+    "sampling copy": PERSISTENT,
+    "gathered layers": UPDATE_PHASE,
+    "gathered root": UPDATE_PHASE,
+    "bf16 weight copies": UPDATE_PHASE,
+    "activations": UPDATE_PHASE,
+    "log-prob head": UPDATE_PHASE,
+}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 SHIPPED_CONFIGS = Path(__file__).parents[1] / "assets" / "model_configs"  # config.json of models nothing can download
 # float32 (tokens, vocab) tensors the full-logits path holds at its peak: the model's logits, logits / T, the
@@ -125,8 +136,15 @@ class ModelShape:
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each decoder layer's linear layers, by name: LoRA's targets (a dense layer's)."""
         h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
 
     def _attention_and_norms(self) -> int:
         h, q, kv = self.hidden, self.q_dim, self.kv_dim
@@ -139,26 +157,37 @@ class ModelShape:
         """A mixture-of-experts layer: attention, norms, the router (hidden x experts) and every expert's gate, up and
         down projections; `active`: only the experts_per_token experts one token goes through."""
         experts = self.experts_per_token if active else self.experts
-        return (self._attention_and_norms() + self.hidden * self.experts
-                + experts * 3 * self.hidden * self.expert_intermediate)
+        return (
+            self._attention_and_norms()
+            + self.hidden * self.experts
+            + experts * 3 * self.hidden * self.expert_intermediate
+        )
 
     def layer_parameters(self) -> int:
         """The largest decoder layer's parameters (what FSDP gathers at once: every expert of a MoE layer)."""
-        return max(self.moe_layer_parameters() if self.moe_layers else 0,
-                   self.dense_layer_parameters() if self.layers > self.moe_layers else 0)
+        return max(
+            self.moe_layer_parameters() if self.moe_layers else 0,
+            self.dense_layer_parameters() if self.layers > self.moe_layers else 0,
+        )
 
     def root_parameters(self) -> int:
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
 
     def parameters(self) -> int:
         """Every parameter: what the weights, gradients, optimizer states and vLLM's copy hold."""
-        return (self.root_parameters() + (self.layers - self.moe_layers) * self.dense_layer_parameters()
-                + self.moe_layers * self.moe_layer_parameters())
+        return (
+            self.root_parameters()
+            + (self.layers - self.moe_layers) * self.dense_layer_parameters()
+            + self.moe_layers * self.moe_layer_parameters()
+        )
 
     def active_parameters(self) -> int:
         """The parameters one token goes through (a dense model: all of them): what its compute scales with."""
-        return (self.root_parameters() + (self.layers - self.moe_layers) * self.dense_layer_parameters()
-                + self.moe_layers * self.moe_layer_parameters(active=True))
+        return (
+            self.root_parameters()
+            + (self.layers - self.moe_layers) * self.dense_layer_parameters()
+            + self.moe_layers * self.moe_layer_parameters(active=True)
+        )
 
     def layer_activation_elements(self) -> int:
         """Elements autograd keeps per token for one decoder layer's backward (memory-efficient attention: nothing of
@@ -194,16 +223,24 @@ def shape_from_config(config: dict, source: str) -> ModelShape:
     try:
         hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
         return ModelShape(
-            source=source, model_type=str(text.get("model_type", "llama")), vocab=int(text["vocab_size"]),
-            hidden=hidden, intermediate=int(text["intermediate_size"]), layers=int(text["num_hidden_layers"]),
-            heads=heads, kv_heads=int(text.get("num_key_value_heads") or heads),
+            source=source,
+            model_type=str(text.get("model_type", "llama")),
+            vocab=int(text["vocab_size"]),
+            hidden=hidden,
+            intermediate=int(text["intermediate_size"]),
+            layers=int(text["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(text.get("num_key_value_heads") or heads),
             head_dim=int(text.get("head_dim") or hidden // heads),
             tied_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
-            **_experts_of(text, source))
+            **_experts_of(text, source),
+        )
     except (KeyError, TypeError, ValueError) as err:
-        raise QAEUserError(f"model: the config of {source} lacks {err} (needs vocab_size, hidden_size, "
-                           "intermediate_size, num_hidden_layers, num_attention_heads): qae plan reads decoder-only "
-                           "Llama-style configs.") from None
+        raise QAEUserError(
+            f"model: the config of {source} lacks {err} (needs vocab_size, hidden_size, "
+            "intermediate_size, num_hidden_layers, num_attention_heads): qae plan reads decoder-only "
+            "Llama-style configs."
+        ) from None
 
 
 def _experts_of(text: dict, source: str) -> dict:
@@ -215,14 +252,20 @@ def _experts_of(text: dict, source: str) -> dict:
         return {}
     shared = [key for key in text if key.startswith("shared_expert") or key.startswith("n_shared")]
     if shared:
-        raise QAEUserError(f"model: the config of {source} has shared experts ('{shared[0]}'), which qae plan does not "
-                           "count: it sizes dense models and Qwen3MoE / Mixtral-style mixtures of routed experts.")
+        raise QAEUserError(
+            f"model: the config of {source} has shared experts ('{shared[0]}'), which qae plan does not "
+            "count: it sizes dense models and Qwen3MoE / Mixtral-style mixtures of routed experts."
+        )
     step = int(text.get("decoder_sparse_step") or 1)
     dense = set(text.get("mlp_only_layers") or ())
     layers = int(text["num_hidden_layers"])
     moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
-    return {"experts": experts, "experts_per_token": int(text["num_experts_per_tok"]), "moe_layers": moe_layers,
-            "expert_intermediate": int(text.get("moe_intermediate_size") or text["intermediate_size"])}
+    return {
+        "experts": experts,
+        "experts_per_token": int(text["num_experts_per_tok"]),
+        "moe_layers": moe_layers,
+        "expert_intermediate": int(text.get("moe_intermediate_size") or text["intermediate_size"]),
+    }
 
 
 def _read_json(path: Path, source: str) -> dict:
@@ -232,8 +275,10 @@ def _read_json(path: Path, source: str) -> dict:
         reason = "nested deeper than any model config" if isinstance(err, RecursionError) else str(err)[:200]
         raise QAEUserError(f"model: cannot read {path} ({reason}). Pass a folder with a valid config.json.") from None
     if not isinstance(config, dict):
-        raise QAEUserError(f"model: {path} holds a {type(config).__name__}, not a model config (a JSON object). Pass "
-                           "a folder with a valid config.json.")
+        raise QAEUserError(
+            f"model: {path} holds a {type(config).__name__}, not a model config (a JSON object). Pass "
+            "a folder with a valid config.json."
+        )
     return config
 
 
@@ -244,8 +289,10 @@ def _gguf_shape(path: Path) -> ModelShape:
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError) as err:  # gguf raises ValueError('GGUF magic invalid') & co
-        raise QAEUserError(f"model: {path} is not a GGUF file gguf can read ({str(err)[:200]}). Pass a .gguf model "
-                           "file (llama.cpp's format) or a Hugging Face model folder.") from None
+        raise QAEUserError(
+            f"model: {path} is not a GGUF file gguf can read ({str(err)[:200]}). Pass a .gguf model "
+            "file (llama.cpp's format) or a Hugging Face model folder."
+        ) from None
 
     def value(key, default=None):
         field = reader.fields.get(key)
@@ -260,12 +307,18 @@ def _gguf_shape(path: Path) -> ModelShape:
     heads = value(f"{arch}.attention.head_count")
     hidden = value(f"{arch}.embedding_length")
     tensors = {t.name for t in reader.tensors}
-    return ModelShape(source=f"{path} (GGUF metadata)", model_type=arch,
-                      vocab=len(reader.fields["tokenizer.ggml.tokens"].data), hidden=hidden,
-                      intermediate=value(f"{arch}.feed_forward_length"), layers=value(f"{arch}.block_count"),
-                      heads=heads, kv_heads=value(f"{arch}.attention.head_count_kv", heads),
-                      head_dim=value(f"{arch}.attention.key_length", hidden // heads),
-                      tied_embeddings="output.weight" not in tensors)
+    return ModelShape(
+        source=f"{path} (GGUF metadata)",
+        model_type=arch,
+        vocab=len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden=hidden,
+        intermediate=value(f"{arch}.feed_forward_length"),
+        layers=value(f"{arch}.block_count"),
+        heads=heads,
+        kv_heads=value(f"{arch}.attention.head_count_kv", heads),
+        head_dim=value(f"{arch}.attention.key_length", hidden // heads),
+        tied_embeddings="output.weight" not in tensors,
+    )
 
 
 def _hf_cache_config(repo_id: str) -> Path | None:
@@ -304,17 +357,22 @@ def model_shape(spec: str) -> ModelShape:
     if looks_like_id:
         for found in (_hf_cache_config(spec), shipped_config(spec)):
             if found is not None and found.is_file():
-                where = (f"shipped: qae_app/assets/model_configs/{found.name}" if found.parent == SHIPPED_CONFIGS
-                         else found)
+                where = (
+                    f"shipped: qae_app/assets/model_configs/{found.name}" if found.parent == SHIPPED_CONFIGS else found
+                )
                 return shape_from_config(_read_json(found, spec), f"{spec} ({where})")
-    raise QAEUserError(f"model: cannot find the shapes of '{spec}' on this machine (qae plan downloads nothing). "
-                       "Pass a local folder with config.json, a .gguf file, a built-in model, or a Hugging Face id "
-                       "whose config.json is in the local cache (e.g. after `huggingface-cli download ID "
-                       "config.json`).")
+    raise QAEUserError(
+        f"model: cannot find the shapes of '{spec}' on this machine (qae plan downloads nothing). "
+        "Pass a local folder with config.json, a .gguf file, a built-in model, or a Hugging Face id "
+        "whose config.json is in the local cache (e.g. after `huggingface-cli download ID "
+        "config.json`)."
+    )
 
 
-BUILTIN_FOLDERS = {names.BUILTIN_MODEL: Path(__file__).parents[1] / "assets" / "tiny",
-                   "builtin:tiny-chain": Path(__file__).parents[1] / "assets" / "tiny-chain"}
+BUILTIN_FOLDERS = {
+    names.BUILTIN_MODEL: Path(__file__).parents[1] / "assets" / "tiny",
+    "builtin:tiny-chain": Path(__file__).parents[1] / "assets" / "tiny-chain",
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -331,11 +389,16 @@ class Hardware:
     prompt_tokens: int = 1024  # the longest prompt, in tokens (a micro-batch's sequences are prompt + response)
 
     def validate(self) -> Hardware:
-        for name, value in (("gpus", self.gpus), ("gpu-memory", self.gpu_memory_gb),
-                            ("prompt-tokens", self.prompt_tokens)):
+        for name, value in (
+            ("gpus", self.gpus),
+            ("gpu-memory", self.gpu_memory_gb),
+            ("prompt-tokens", self.prompt_tokens),
+        ):
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise QAEUserError(f"{name}: {value} must be a positive number. Pass e.g. --gpus 8 --gpu-memory 80 "
-                                   "--prompt-tokens 2048.")
+                raise QAEUserError(
+                    f"{name}: {value} must be a positive number. Pass e.g. --gpus 8 --gpu-memory 80 "
+                    "--prompt-tokens 2048."
+                )
         if self.sharding not in SHARDINGS:
             raise QAEUserError(f"sharding: unknown value '{self.sharding}'. Choose one of: {', '.join(SHARDINGS)}.")
         return self
@@ -359,27 +422,32 @@ class UpdateShape:
 def lora_parameters(shape: ModelShape, rank: int, targets: tuple[str, ...] = ()) -> int:
     """A and B of every targeted linear layer: rank x (in + out) each."""
     if shape.is_moe:
-        raise QAEUserError(f"lora-rank: qae plan does not size LoRA on a mixture of experts ({shape.source}: "
-                           f"{shape.experts} experts a layer, each with its own projections). Plan it with "
-                           "--lora-rank 0.")
+        raise QAEUserError(
+            f"lora-rank: qae plan does not size LoRA on a mixture of experts ({shape.source}: "
+            f"{shape.experts} experts a layer, each with its own projections). Plan it with "
+            "--lora-rank 0."
+        )
     linears = shape.linear_shapes()
     chosen = targets or tuple(linears)
     unknown = [t for t in chosen if t not in linears]
     if unknown:
-        raise QAEUserError(f"lora-targets: {shape.source} has no linear layer named '{unknown[0]}'. Its linear "
-                           f"layers: {', '.join(linears)}.")
+        raise QAEUserError(
+            f"lora-targets: {shape.source} has no linear layer named '{unknown[0]}'. Its linear "
+            f"layers: {', '.join(linears)}."
+        )
     return shape.layers * sum(rank * sum(linears[t]) for t in chosen)
 
 
-def update_components(shape: ModelShape, update: UpdateShape, processes: int = 1, sharding: str = "ddp",
-                      reference_model: bool = False) -> list[tuple[str, float, str]]:
+def update_components(
+    shape: ModelShape, update: UpdateShape, processes: int = 1, sharding: str = "ddp", reference_model: bool = False
+) -> list[tuple[str, float, str]]:
     """(component, bytes, what it is) of one process's memory during the update's backward, the peak."""
-    return (_parameter_rows(shape, update, processes, sharding, reference_model)
-            + _activation_rows(shape, update))
+    return _parameter_rows(shape, update, processes, sharding, reference_model) + _activation_rows(shape, update)
 
 
-def _parameter_rows(shape: ModelShape, update: UpdateShape, processes: int, sharding: str,
-                    reference_model: bool) -> list[tuple[str, float, str]]:
+def _parameter_rows(
+    shape: ModelShape, update: UpdateShape, processes: int, sharding: str, reference_model: bool
+) -> list[tuple[str, float, str]]:
     """The weights and what is kept per weight: FSDP's gathered layers, autocast copies, gradients, AdamW's moments,
     DDP's buckets and the reference model."""
     shard = processes if sharding == "fsdp" else 1
@@ -388,14 +456,27 @@ def _parameter_rows(shape: ModelShape, update: UpdateShape, processes: int, shar
     adapters = lora_parameters(shape, update.lora_rank, update.lora_targets) if update.lora_rank else 0
     trainable = adapters if update.lora_rank else base
     sharded = f" / {shard} processes" if shard > 1 else ""
-    rows = [("weights", (base + adapters) * wb / shard, f"{(base + adapters) / 1e9:.3g}B parameters x {wb} bytes"
-             + sharded + (f" ({adapters / 1e6:.3g}M of them LoRA adapters)" if adapters else ""))]
+    rows = [
+        (
+            "weights",
+            (base + adapters) * wb / shard,
+            f"{(base + adapters) / 1e9:.3g}B parameters x {wb} bytes"
+            + sharded
+            + (f" ({adapters / 1e6:.3g}M of them LoRA adapters)" if adapters else ""),
+        )
+    ]
     if shard > 1:
-        rows.append(("gathered layers", 2 * shape.layer_parameters() * wb,
-                     "FSDP: the decoder layer computed and the one prefetched, whole"))
+        rows.append(
+            (
+                "gathered layers",
+                2 * shape.layer_parameters() * wb,
+                "FSDP: the decoder layer computed and the one prefetched, whole",
+            )
+        )
         root = shape.root_parameters()
-        rows.append(("gathered root", 2 * root * wb, "FSDP: embeddings, final norm, LM head whole, and their "
-                     "gradients"))
+        rows.append(
+            ("gathered root", 2 * root * wb, "FSDP: embeddings, final norm, LM head whole, and their gradients")
+        )
     if update.autocast_weight_copy:
         rows.append(("bf16 weight copies", (base + adapters) * 2 / shard, "autocast's bf16 copy of each weight"))
     what = "the LoRA adapters'" if update.lora_rank else "every parameter's"
@@ -413,8 +494,9 @@ def _activation_rows(shape: ModelShape, update: UpdateShape) -> list[tuple[str, 
     ab = update.activation_bytes
     rows = []
     tokens = update.micro_tokens
-    layer = shape.layer_activation_elements() + (len(update.lora_targets or shape.linear_shapes())
-                                                 * update.lora_rank if update.lora_rank else 0)
+    layer = shape.layer_activation_elements() + (
+        len(update.lora_targets or shape.linear_shapes()) * update.lora_rank if update.lora_rank else 0
+    )
     model_level = 3 * shape.hidden  # the embeddings' output, the final norm's input and output
     if update.gradient_checkpointing:
         kept = shape.layers * shape.hidden + layer  # each layer's input, and one layer recomputed in the backward
@@ -422,16 +504,27 @@ def _activation_rows(shape: ModelShape, update: UpdateShape) -> list[tuple[str, 
     else:
         kept = shape.layers * layer
         how = f"{shape.layers} layers x {layer:,} values a token"
-    rows.append(("activations", tokens * (kept + model_level) * ab,
-                 f"{tokens:,} tokens a micro-batch, {how}, {ab} bytes each"))
+    rows.append(
+        ("activations", tokens * (kept + model_level) * ab, f"{tokens:,} tokens a micro-batch, {how}, {ab} bytes each")
+    )
     if update.chunk_tokens:
         chunk = min(update.chunk_tokens, update.head_tokens)
-        rows.append(("log-prob head", (CHUNK_COPIES * chunk * shape.vocab + shape.vocab * shape.hidden) * 4,
-                     f"chunks of {chunk:,} tokens x {shape.vocab:,} vocab, and the head's float32 gradient"))
+        rows.append(
+            (
+                "log-prob head",
+                (CHUNK_COPIES * chunk * shape.vocab + shape.vocab * shape.hidden) * 4,
+                f"chunks of {chunk:,} tokens x {shape.vocab:,} vocab, and the head's float32 gradient",
+            )
+        )
     else:
-        rows.append(("log-prob head", FULL_LOGITS_COPIES * update.head_tokens * shape.vocab * 4,
-                     f"the full logits: {update.head_tokens:,} tokens x {shape.vocab:,} vocab, float32, "
-                     f"{FULL_LOGITS_COPIES} copies"))
+        rows.append(
+            (
+                "log-prob head",
+                FULL_LOGITS_COPIES * update.head_tokens * shape.vocab * 4,
+                f"the full logits: {update.head_tokens:,} tokens x {shape.vocab:,} vocab, float32, "
+                f"{FULL_LOGITS_COPIES} copies",
+            )
+        )
     return rows
 
 
@@ -475,10 +568,16 @@ def _update_of(cfg, shape: ModelShape, hardware: Hardware) -> tuple[UpdateShape,
     sequence = hardware.prompt_tokens + cfg.max_new_tokens
     budget = cfg.max_tokens_per_micro_batch
     micro_tokens = budget if budget is not None else cfg.micro_batch_size * sequence
-    notes = [f"a micro-batch: {micro_tokens:,} tokens ("
-             + (f"--max-tokens-per-micro-batch {budget:,}" if budget is not None else
-                f"--micro-batch-size {cfg.micro_batch_size} x (--prompt-tokens {hardware.prompt_tokens:,} + "
-                f"--max-new-tokens {cfg.max_new_tokens:,})") + ")"]
+    notes = [
+        f"a micro-batch: {micro_tokens:,} tokens ("
+        + (
+            f"--max-tokens-per-micro-batch {budget:,}"
+            if budget is not None
+            else f"--micro-batch-size {cfg.micro_batch_size} x (--prompt-tokens {hardware.prompt_tokens:,} + "
+            f"--max-new-tokens {cfg.max_new_tokens:,})"
+        )
+        + ")"
+    ]
     chunk = cfg.logprob_chunk_tokens if cfg.logprob_chunk_tokens is not None else default_chunk_tokens(shape.vocab)
     if chunk and cfg.lora_rank:
         chunk = 0
@@ -487,30 +586,46 @@ def _update_of(cfg, shape: ModelShape, hardware: Hardware) -> tuple[UpdateShape,
         notes.append("the log-probs in chunks of tokens on the LM head's weight as FSDP2 gathers it for the forward")
     mixed = cfg.mixed_precision == "bf16"
     weight_bytes = DTYPE_BYTES[cfg.dtype]
-    return UpdateShape(micro_tokens=micro_tokens, head_tokens=micro_tokens, chunk_tokens=chunk,
-                       gradient_checkpointing=cfg.gradient_checkpointing, lora_rank=cfg.lora_rank,
-                       lora_targets=tuple(t.strip() for t in (cfg.lora_targets or "").split(",") if t.strip()),
-                       weight_bytes=weight_bytes, activation_bytes=2 if mixed or weight_bytes == 2 else 4,
-                       autocast_weight_copy=mixed and weight_bytes == 4), notes
+    return UpdateShape(
+        micro_tokens=micro_tokens,
+        head_tokens=micro_tokens,
+        chunk_tokens=chunk,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        lora_rank=cfg.lora_rank,
+        lora_targets=tuple(t.strip() for t in (cfg.lora_targets or "").split(",") if t.strip()),
+        weight_bytes=weight_bytes,
+        activation_bytes=2 if mixed or weight_bytes == 2 else 4,
+        autocast_weight_copy=mixed and weight_bytes == 4,
+    ), notes
 
 
 def _components(cfg, shape: ModelShape, hardware: Hardware) -> tuple[list, list]:
     if cfg.lora_rank and hardware.sharding == "fsdp" and hardware.gpus > 1:
-        raise QAEUserError("lora-rank: LoRA is not supported with sharded weights (FSDP). Plan it with --sharding ddp, "
-                           "or train every weight (--lora-rank 0).")
+        raise QAEUserError(
+            "lora-rank: LoRA is not supported with sharded weights (FSDP). Plan it with --sharding ddp, "
+            "or train every weight (--lora-rank 0)."
+        )
     if cfg.prompts_per_step % hardware.gpus:
-        raise QAEUserError(f"gpus: {hardware.gpus} processes cannot split --prompts-per-step {cfg.prompts_per_step}. "
-                           "Use a GPU count that divides it.")
+        raise QAEUserError(
+            f"gpus: {hardware.gpus} processes cannot split --prompts-per-step {cfg.prompts_per_step}. "
+            "Use a GPU count that divides it."
+        )
     update, notes = _update_of(cfg, shape, hardware)
-    rows = update_components(shape, update, hardware.gpus, hardware.sharding, reference_model=cfg.kl_beta > 0
-                             and not cfg.lora_rank)
+    rows = update_components(
+        shape, update, hardware.gpus, hardware.sharding, reference_model=cfg.kl_beta > 0 and not cfg.lora_rank
+    )
     phases = dict(PHASES)
     rollout_bytes = DTYPE_BYTES[cfg.rollout_dtype]  # the engine's weights: hf's copy, or vLLM's own
     if cfg.engine == "hf" and cfg.rollout_dtype != cfg.dtype:
         adapters = lora_parameters(shape, update.lora_rank, update.lora_targets) if update.lora_rank else 0
-        rows.append(("sampling copy", (shape.parameters() + adapters) * rollout_bytes,
-                     f"--rollout-dtype {cfg.rollout_dtype}: the engine's copy of the weights, {rollout_bytes} bytes "
-                     "each, synced after each update"))
+        rows.append(
+            (
+                "sampling copy",
+                (shape.parameters() + adapters) * rollout_bytes,
+                f"--rollout-dtype {cfg.rollout_dtype}: the engine's copy of the weights, {rollout_bytes} bytes "
+                "each, synced after each update",
+            )
+        )
     if cfg.engine == "vllm":
         share = cfg.vllm_gpu_memory
         vllm_bytes, vllm_weights = share * hardware.gpu_memory_gb * GB, shape.parameters() * rollout_bytes
@@ -520,7 +635,8 @@ def _components(cfg, shape: ModelShape, hardware: Hardware) -> tuple[list, list]
                 f"{vllm_bytes / GB:.1f} GB, no more than vLLM's {cfg.rollout_dtype} copy of the weights "
                 f"({vllm_weights / GB:.1f} GB), so nothing is left for its KV cache and vLLM would not start. Use "
                 f"--vllm-gpu-memory {math.ceil(vllm_weights / (hardware.gpu_memory_gb * GB) * 100) / 100:.2f} or more "
-                "(the KV cache gets the rest of the share), or plan for GPUs with more memory.")
+                "(the KV cache gets the rest of the share), or plan for GPUs with more memory."
+            )
         asleep = cfg.vllm_sleep is not False  # (not given: on, as on every GPU build with sleep mode)
         held = "asleep in updates (--vllm-sleep)" if asleep else "held all run (--no-vllm-sleep)"
         rows.append(("vLLM", vllm_bytes, f"{share:g} of the GPU (--vllm-gpu-memory), {held}"))
@@ -544,8 +660,13 @@ def plan_run(cfg, shape: ModelShape, hardware: Hardware, advise: bool = True) ->
         knobs.append(("--gradient-checkpointing", replace(cfg, gradient_checkpointing=True), hardware))
     micro = plan_micro_tokens(cfg, hardware)
     if micro > sequence:
-        knobs.append((f"--max-tokens-per-micro-batch {sequence} (one longest sequence)",
-                      replace(cfg, max_tokens_per_micro_batch=sequence), hardware))
+        knobs.append(
+            (
+                f"--max-tokens-per-micro-batch {sequence} (one longest sequence)",
+                replace(cfg, max_tokens_per_micro_batch=sequence),
+                hardware,
+            )
+        )
     if hardware.sharding == "ddp" and not cfg.lora_rank and hardware.gpus > 1:
         knobs.append(("--sharding fsdp", cfg, replace(hardware, sharding="fsdp")))
     if cfg.engine == "vllm" and cfg.vllm_sleep is False:
@@ -594,13 +715,17 @@ def recipe_hardware(path: Path | None) -> dict:
     known = {"gpus": int, "gpu_memory_gb": (int, float), "sharding": str, "prompt_tokens": int}
     unknown = set(table) - set(known)
     if unknown:
-        raise QAEUserError(f"config: unknown key '{sorted(unknown)[0]}' in the [{PLAN_TABLE}] table of {path}. Known: "
-                           f"{', '.join(sorted(known))}.")
+        raise QAEUserError(
+            f"config: unknown key '{sorted(unknown)[0]}' in the [{PLAN_TABLE}] table of {path}. Known: "
+            f"{', '.join(sorted(known))}."
+        )
     for key, value in table.items():  # (TOML's true is no count of GPUs: planned, it read "True x 80 GB")
         if isinstance(value, bool) or not isinstance(value, known[key]):
             wanted = {"sharding": "a name", "gpu_memory_gb": "a number"}.get(key, "a whole number")
-            raise QAEUserError(f"config: [{PLAN_TABLE}] {key} = {clipped(repr(value))} in {path} is not {wanted}. "
-                               "Write e.g. gpus = 8, gpu_memory_gb = 80, sharding = \"fsdp\", prompt_tokens = 2048.")
+            raise QAEUserError(
+                f"config: [{PLAN_TABLE}] {key} = {clipped(repr(value))} in {path} is not {wanted}. "
+                'Write e.g. gpus = 8, gpu_memory_gb = 80, sharding = "fsdp", prompt_tokens = 2048.'
+            )
     return table
 
 
@@ -613,11 +738,18 @@ def render(plan: Plan, console) -> None:
 
     hw = plan.hardware
     shape = plan.shape
-    experts = (f" ({shape.active_parameters() / 1e9:.3g}B active a token: {shape.experts_per_token} of "
-               f"{shape.experts} experts)" if shape.is_moe else "")
-    console.print(f"[bold]qae plan[/]: {shape.source}: {shape.parameters() / 1e9:.3g}B parameters{experts}, "
-                  f"{plan.shape.layers} layers, hidden {plan.shape.hidden:,}, vocab {plan.shape.vocab:,}; "
-                  f"{hw.gpus} x {hw.gpu_memory_gb:g} GB, {hw.sharding}", highlight=False)
+    experts = (
+        f" ({shape.active_parameters() / 1e9:.3g}B active a token: {shape.experts_per_token} of "
+        f"{shape.experts} experts)"
+        if shape.is_moe
+        else ""
+    )
+    console.print(
+        f"[bold]qae plan[/]: {shape.source}: {shape.parameters() / 1e9:.3g}B parameters{experts}, "
+        f"{plan.shape.layers} layers, hidden {plan.shape.hidden:,}, vocab {plan.shape.vocab:,}; "
+        f"{hw.gpus} x {hw.gpu_memory_gb:g} GB, {hw.sharding}",
+        highlight=False,
+    )
     table = Table(title="memory per GPU", title_justify="left")
     table.add_column("component")
     table.add_column("GB", justify="right")
@@ -626,8 +758,12 @@ def render(plan: Plan, console) -> None:
     for name, size, phase, what in plan.components:
         table.add_row(name, f"{size / GB:.2f}", PHASE_LABELS[phase], what)
     persistent, update, rollout = (plan.phase(p) for p in (PERSISTENT, UPDATE_PHASE, ROLLOUT_PHASE))
-    table.add_row("[bold]peak[/]", f"[bold]{plan.total / GB:.2f}[/]", "",
-                  f"{persistent / GB:.2f} always + max(update {update / GB:.2f}, rollouts {rollout / GB:.2f})")
+    table.add_row(
+        "[bold]peak[/]",
+        f"[bold]{plan.total / GB:.2f}[/]",
+        "",
+        f"{persistent / GB:.2f} always + max(update {update / GB:.2f}, rollouts {rollout / GB:.2f})",
+    )
     console.print(table)
     for note in plan.notes:
         console.print(f"  {note}", highlight=False)

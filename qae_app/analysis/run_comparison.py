@@ -75,8 +75,13 @@ def group_key(config: dict) -> tuple:
     drop = set(IGNORED_CONFIG_KEYS)
     if not reads_k(config):
         drop.update(QAE_ONLY_KEYS)
-    return tuple(sorted((key, _hashable(value)) for key, value in config.items()
-                        if key not in drop and not (key in SAME_AS_ABSENT and value == SAME_AS_ABSENT[key])))
+    return tuple(
+        sorted(
+            (key, _hashable(value))
+            for key, value in config.items()
+            if key not in drop and not (key in SAME_AS_ABSENT and value == SAME_AS_ABSENT[key])
+        )
+    )
 
 
 # `--group-by tags` (and the Training curves page's "Group by" tags): the runs' `qae tag` tags as a grouping key, one
@@ -99,9 +104,11 @@ def check_group_by(configs: list[dict], by: list[str]) -> None:
     known = {TAGS_KEY} | {key for config in configs for key in config}
     for key in by:
         if key not in known:
-            raise QAEUserError(f"group-by: '{key}' is neither {TAGS_KEY} nor a config key of these runs. Use "
-                               f"{TAGS_KEY} (the runs' `qae tag` tags) or config keys, e.g. {TAGS_KEY} or "
-                               "estimator,k (`qae show RUN` lists a run's config).")
+            raise QAEUserError(
+                f"group-by: '{key}' is neither {TAGS_KEY} nor a config key of these runs. Use "
+                f"{TAGS_KEY} (the runs' `qae tag` tags) or config keys, e.g. {TAGS_KEY} or "
+                "estimator,k (`qae show RUN` lists a run's config)."
+            )
 
 
 def _hashable(value):
@@ -207,13 +214,17 @@ FEW_SEEDS = 5  # below this a 95% t-interval is wide (t_{0.975, 3} = 3.18 vs 1.9
 def sample_size_note(n: int) -> str | None:
     """What to tell the reader about n seeds: nothing from 5 on."""
     if n == 0:
-        return ("n=0: nothing to estimate from (for a difference: no seed shared with the baseline; for a held-out "
-                "metric: no evaluation)")
+        return (
+            "n=0: nothing to estimate from (for a difference: no seed shared with the baseline; for a held-out "
+            "metric: no evaluation)"
+        )
     if n < 2:
         return f"n={n}: one seed, no interval; run more seeds (--seeds 3 or more) to tell a difference from noise"
     if n < MIN_SEEDS:
-        return (f"n={n}: no interval (from 2 seeds a 95% t-interval spans +-{student_t_ppf(0.975, 1):.1f} standard "
-                f"errors, wider than the metric can take); run {MIN_SEEDS} or more seeds")
+        return (
+            f"n={n}: no interval (from 2 seeds a 95% t-interval spans +-{student_t_ppf(0.975, 1):.1f} standard "
+            f"errors, wider than the metric can take); run {MIN_SEEDS} or more seeds"
+        )
     if n < FEW_SEEDS:
         return f"n={n}: few seeds, the 95% interval is wide (t quantile {student_t_ppf(0.975, n - 1):.2f})"
     return None
@@ -312,12 +323,12 @@ class PairedDifference(Estimate):
     pairs: list[tuple[int, str, str]] = field(default_factory=list)  # (seed, run, baseline run) for each pair
 
 
-def paired_difference(values: dict[int, float], baseline: dict[int, float],
-                      bounds: Bounds = UNBOUNDED) -> PairedDifference:
+def paired_difference(
+    values: dict[int, float], baseline: dict[int, float], bounds: Bounds = UNBOUNDED
+) -> PairedDifference:
     """`values` and `baseline` map seed -> one run's metric (which takes values in `bounds`); only seeds present
     (and not NaN) in both are paired."""
-    seeds = sorted(s for s in values.keys() & baseline.keys()
-                   if not missing(values[s]) and not missing(baseline[s]))
+    seeds = sorted(s for s in values.keys() & baseline.keys() if not missing(values[s]) and not missing(baseline[s]))
     diffs = [values[s] - baseline[s] for s in seeds]
     low, high = bounds
     spread = high - low if low is not None and high is not None else None  # a difference lies in [-spread, spread]
@@ -346,24 +357,33 @@ RUN_METRICS: dict[str, str] = {
     "zero_adv": "mean fraction of zero-advantage (gated) responses over all steps",
     "zero_adv_last": "mean fraction of zero-advantage (gated) responses over the last 20% of steps",
     "dH_easy": "mean over steps of the whole update's entropy change on easy groups' responses (needs "
-               "--log-entropy-delta; every group's gradient moves them: not which regime caused it)",
+    "--log-entropy-delta; every group's gradient moves them: not which regime caused it)",
     "dH_hard": "mean over steps of the whole update's entropy change on hard groups' responses (needs "
-               "--log-entropy-delta; as dH_easy)",
+    "--log-entropy-delta; as dH_easy)",
     "dH_from_easy": "mean over steps of the entropy change of all responses caused by the easy groups' update alone "
-                    "(needs --log-entropy-attribution; QAE: Prop. 4.2 predicts above dH_from_none)",
+    "(needs --log-entropy-attribution; QAE: Prop. 4.2 predicts above dH_from_none)",
     "dH_from_hard": "mean over steps of the entropy change of all responses caused by the hard groups' update alone "
-                    "(needs --log-entropy-attribution; QAE: Prop. 4.2 predicts below dH_from_none)",
+    "(needs --log-entropy-attribution; QAE: Prop. 4.2 predicts below dH_from_none)",
     "dH_from_none": "mean over steps of the entropy change of AdamW's drift alone (every advantage 0; needs "
-                    "--log-entropy-attribution): part of both regimes' updates",
+    "--log-entropy-attribution): part of both regimes' updates",
     "step_s": "mean wall seconds per step",
 }
 FRACTION: Bounds = (0.0, 1.0)
 NON_NEGATIVE: Bounds = (0.0, None)
 # the values each run metric can take: its interval is cut there
 RUN_METRIC_BOUNDS: dict[str, Bounds] = {
-    "final_heldout": FRACTION, "best_heldout": FRACTION, "auc_heldout": FRACTION, "entropy_last": NON_NEGATIVE,
-    "entropy_slope": UNBOUNDED, "entropy_range": NON_NEGATIVE, "zero_adv": FRACTION, "zero_adv_last": FRACTION,
-    "dH_easy": UNBOUNDED, "dH_hard": UNBOUNDED, "dH_from_easy": UNBOUNDED, "dH_from_hard": UNBOUNDED,
+    "final_heldout": FRACTION,
+    "best_heldout": FRACTION,
+    "auc_heldout": FRACTION,
+    "entropy_last": NON_NEGATIVE,
+    "entropy_slope": UNBOUNDED,
+    "entropy_range": NON_NEGATIVE,
+    "zero_adv": FRACTION,
+    "zero_adv_last": FRACTION,
+    "dH_easy": UNBOUNDED,
+    "dH_hard": UNBOUNDED,
+    "dH_from_easy": UNBOUNDED,
+    "dH_from_hard": UNBOUNDED,
     "dH_from_none": UNBOUNDED,
     "step_s": NON_NEGATIVE,
 }
@@ -375,8 +395,11 @@ def component_metrics(runs: list[RunRecord]) -> dict[str, str]:
     """The run metric of each reward component the runs have (runs given --reward): its mean over the last 20% of
     steps, named as its column, `reward:<name>`."""
     found = sorted({c for run in runs for c in run.steps.columns if str(c).startswith(COMPONENT_PREFIX)})
-    return {name: f"the reward component {name.removeprefix(COMPONENT_PREFIX)}: its mean per response over the last "
-                  "20% of steps" for name in found}
+    return {
+        name: f"the reward component {name.removeprefix(COMPONENT_PREFIX)}: its mean per response over the last "
+        "20% of steps"
+        for name in found
+    }
 
 
 def _series(steps: pd.DataFrame, column: str) -> pd.DataFrame:
@@ -422,8 +445,9 @@ def run_metrics(steps: pd.DataFrame) -> dict[str, float]:
     entropy = _last_fraction(_series(steps, "entropy"))
     zero_adv = _series(steps, "frac_zero_adv")
     step_s = _series(steps, "step_s")
-    delta = {name: _series(steps, name) for name in ("dH_easy", "dH_hard", "dH_from_easy", "dH_from_hard",
-                                                     "dH_from_none")}
+    delta = {
+        name: _series(steps, name) for name in ("dH_easy", "dH_hard", "dH_from_easy", "dH_from_hard", "dH_from_none")
+    }
     nan = math.nan
     return {
         "final_heldout": float(heldout["value"].iloc[-1]) if len(heldout) else nan,
@@ -436,9 +460,14 @@ def run_metrics(steps: pd.DataFrame) -> dict[str, float]:
         "zero_adv_last": float(_last_fraction(zero_adv)["value"].mean()) if len(zero_adv) else nan,
         **{name: float(rows["value"].mean()) if len(rows) else nan for name, rows in delta.items()},
         "step_s": float(step_s["value"].mean()) if len(step_s) else nan,
-        **{name: float(rows["value"].mean()) if len(rows) else nan for name, rows in (
-            (name, _last_fraction(_series(steps, name))) for name in steps.columns
-            if str(name).startswith(COMPONENT_PREFIX))},
+        **{
+            name: float(rows["value"].mean()) if len(rows) else nan
+            for name, rows in (
+                (name, _last_fraction(_series(steps, name)))
+                for name in steps.columns
+                if str(name).startswith(COMPONENT_PREFIX)
+            )
+        },
     }
 
 
@@ -480,15 +509,26 @@ class RunGroup:
         return {run.seed: run.run_id for run in self.runs}
 
     def note(self) -> str | None:
-        notes = [f"not counted: {', '.join(f'{run_id} ({why})' for run_id, why in self.excluded.items())}"
-                 if self.excluded else None, sample_size_note(len(self.runs))]
+        notes = [
+            f"not counted: {', '.join(f'{run_id} ({why})' for run_id, why in self.excluded.items())}"
+            if self.excluded
+            else None,
+            sample_size_note(len(self.runs)),
+        ]
         return "; ".join(note for note in notes if note) or None
 
     def to_dict(self) -> dict:
-        return {"label": self.label, "config": self.config, "n": len(self.runs), "seeds": self.seeds,
-                "runs": [r.run_id for r in self.runs], "statuses": {r.run_id: r.status for r in self.runs},
-                "excluded": self.excluded, "note": self.note(),
-                "metrics": {name: estimate_json(e) for name, e in self.metrics.items()}}
+        return {
+            "label": self.label,
+            "config": self.config,
+            "n": len(self.runs),
+            "seeds": self.seeds,
+            "runs": [r.run_id for r in self.runs],
+            "statuses": {r.run_id: r.status for r in self.runs},
+            "excluded": self.excluded,
+            "note": self.note(),
+            "metrics": {name: estimate_json(e) for name, e in self.metrics.items()},
+        }
 
 
 def one_run_per_seed(runs: list[RunRecord]) -> tuple[list[RunRecord], dict[str, str]]:
@@ -533,8 +573,12 @@ def group_runs(runs: list[RunRecord], by: list[str] | None = None) -> list[RunGr
     groups = []
     for key in keys:
         config = dict(key)
-        label = ", ".join(f"{name}={config.get(name, '-')}" for name in varying
-                          if name in config or name not in QAE_ONLY_KEYS) or "all"
+        label = (
+            ", ".join(
+                f"{name}={config.get(name, '-')}" for name in varying if name in config or name not in QAE_ONLY_KEYS
+            )
+            or "all"
+        )
         counted, excluded = one_run_per_seed(by_key[key])
         group = RunGroup(label=label, config=config, runs=counted, excluded=excluded)
         per_run_rows = [(run.seed, run_metrics(run.steps)) for run in group.runs]
@@ -568,8 +612,9 @@ def compare_to_baseline(groups: list[RunGroup], baseline: RunGroup) -> dict[str,
         differences[group.label] = {}
         runs, base_runs = group.run_of_seed(), baseline.run_of_seed()
         for name in group.metrics:
-            difference = paired_difference(group.per_run[name], baseline.per_run[name],
-                                           RUN_METRIC_BOUNDS.get(name, UNBOUNDED))
+            difference = paired_difference(
+                group.per_run[name], baseline.per_run[name], RUN_METRIC_BOUNDS.get(name, UNBOUNDED)
+            )
             difference.pairs = [(seed, runs[seed], base_runs[seed]) for seed in difference.seeds]
             differences[group.label][name] = difference
     return differences
@@ -589,21 +634,33 @@ def load_run(runs_dir: Path, run_id: str) -> RunRecord:
     added as a step-0 row so curves start where training did."""
     path = validated_run_dir(runs_dir, run_id) / DB_FILE
     if not path.exists():
-        raise QAEUserError(f"run: no run '{run_id}' in {runs_dir} (runs there, last written first: "
-                           f"{recent_runs_text(runs_dir)}). See `qae runs`.")
+        raise QAEUserError(
+            f"run: no run '{run_id}' in {runs_dir} (runs there, last written first: "
+            f"{recent_runs_text(runs_dir)}). See `qae runs`."
+        )
     row = read_run(path)
     config = checked_settings(row, path)
     steps = read_steps(path)
     components = component_table(read_component_means(path))  # (a run given --reward: each component's mean)
     if len(components.columns) > 1:
         steps = steps.merge(components, on="step", how="left")
-    start = query(path, "SELECT value FROM evals WHERE step = 0 AND metric = 'avg@k' AND subset = 'all' "
-                        "AND source = 'train' LIMIT 1")
+    start = query(
+        path,
+        "SELECT value FROM evals WHERE step = 0 AND metric = 'avg@k' AND subset = 'all' AND source = 'train' LIMIT 1",
+    )
     if len(start) and (steps.empty or 0 not in set(steps["step"])):
-        steps = pd.concat([pd.DataFrame({"step": [0], "heldout_accuracy": [float(start["value"].iloc[0])]}), steps],
-                          ignore_index=True)
-    return RunRecord(run_id=run_id, config=config, seed=int(config.get("seed", row.get("seed") or 0)), steps=steps,
-                     status=row["status"], stored_run_id=row.get("stored_run_id"), tags=read_labels(path.parent).tags)
+        steps = pd.concat(
+            [pd.DataFrame({"step": [0], "heldout_accuracy": [float(start["value"].iloc[0])]}), steps], ignore_index=True
+        )
+    return RunRecord(
+        run_id=run_id,
+        config=config,
+        seed=int(config.get("seed", row.get("seed") or 0)),
+        steps=steps,
+        status=row["status"],
+        stored_run_id=row.get("stored_run_id"),
+        tags=read_labels(path.parent).tags,
+    )
 
 
 def load_runs(runs_dir: Path, run_ids: list[str] | None = None, sweep: str | None = None) -> list[RunRecord]:
@@ -612,8 +669,10 @@ def load_runs(runs_dir: Path, run_ids: list[str] | None = None, sweep: str | Non
         raise QAEUserError("compare: pass run ids or --sweep ID (one of them), e.g. `qae compare --sweep study`.")
     repeated = sorted({run_id for run_id in run_ids or [] if run_ids.count(run_id) > 1})
     if repeated:
-        raise QAEUserError(f"runs: {', '.join(repr(r) for r in repeated)} is named more than once. Name each run "
-                           "once: a group's seeds are different runs (same config, another --seed).")
+        raise QAEUserError(
+            f"runs: {', '.join(repr(r) for r in repeated)} is named more than once. Name each run "
+            "once: a group's seeds are different runs (same config, another --seed)."
+        )
     if sweep:
         run_ids = []
         for folder in list_run_dirs(runs_dir):
@@ -627,8 +686,10 @@ def load_runs(runs_dir: Path, run_ids: list[str] | None = None, sweep: str | Non
             if in_sweep(config, sweep):
                 run_ids.append(folder.name)
         if not run_ids:
-            raise QAEUserError(f"sweep: no run in {runs_dir} belongs to sweep '{sweep}'. `qae runs` lists the runs; "
-                               "a sweep's runs carry its id and name.")
+            raise QAEUserError(
+                f"sweep: no run in {runs_dir} belongs to sweep '{sweep}'. `qae runs` lists the runs; "
+                "a sweep's runs carry its id and name."
+            )
     return [load_run(runs_dir, run_id) for run_id in run_ids]
 
 
@@ -647,8 +708,10 @@ class Comparison:
             "metrics": self.metrics,
             "groups": [group.to_dict() for group in self.groups],
             "baseline": self.baseline.label if self.baseline else None,
-            "differences": {label: {name: estimate_json(d) for name, d in diffs.items()}
-                            for label, diffs in self.differences.items()},
+            "differences": {
+                label: {name: estimate_json(d) for name, d in diffs.items()}
+                for label, diffs in self.differences.items()
+            },
             "left_out": self.left_out,
         }
 

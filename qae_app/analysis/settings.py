@@ -72,18 +72,23 @@ def _reward_files_problem(value) -> str | None:
         return f"'reward_files' = {clipped(repr(value))} is not a record of the reward functions' files"
     for spec, entry in value.items():
         earlier = entry.get("earlier", []) if isinstance(entry, dict) else None
-        if not isinstance(entry, dict) or not all(isinstance(entry.get(name), (str, type(None)))
-                                                  for name in ("path", "sha256")) \
-                or not isinstance(earlier, list) or not all(isinstance(e, dict) for e in earlier):
+        if (
+            not isinstance(entry, dict)
+            or not all(isinstance(entry.get(name), (str, type(None))) for name in ("path", "sha256"))
+            or not isinstance(earlier, list)
+            or not all(isinstance(e, dict) for e in earlier)
+        ):
             return f"'reward_files' holds {clipped(repr(spec))}: {clipped(repr(entry))}, not a file's path and sha256"
     return None
 
 
 def settings_error(path: Path, problem: str) -> QAEUserError:
     """The refusal of a run whose database (`path`) holds settings qae did not write."""
-    return QAEUserError(f"run: {path} holds settings qae did not write ({problem.rstrip('.')}): the file was edited or "
-                        "crafted. "
-                        "Restore it from a backup, or move the run's folder out of the runs dir.")
+    return QAEUserError(
+        f"run: {path} holds settings qae did not write ({problem.rstrip('.')}): the file was edited or "
+        "crafted. "
+        "Restore it from a backup, or move the run's folder out of the runs dir."
+    )
 
 
 def checked_settings(row: dict, path: Path) -> dict:
@@ -103,5 +108,11 @@ def listed_with_settings_checked(row: dict, runs_dir: Path) -> dict:
     if problem is None:
         return row
     error = str(settings_error(Path(runs_dir) / str(row["run_id"]) / DB_FILE, problem))
-    return {"run_id": row["run_id"], "name": row["run_id"], "status": UNREADABLE, "error": error,
-            "created_at": row.get("created_at"), "steps": None}
+    return {
+        "run_id": row["run_id"],
+        "name": row["run_id"],
+        "status": UNREADABLE,
+        "error": error,
+        "created_at": row.get("created_at"),
+        "steps": None,
+    }

@@ -32,14 +32,13 @@ class SafeConsole(Console):
 
     def _render_buffer(self, buffer: Iterable[Segment]) -> str:
         # rich's own styles and cursor movements are not in the segments' text: they stay as they are
-        return super()._render_buffer(segment if segment.control else
-                                      Segment(visible_controls(segment.text), segment.style)
-                                      for segment in buffer)
+        return super()._render_buffer(
+            segment if segment.control else Segment(visible_controls(segment.text), segment.style) for segment in buffer
+        )
 
 
 console = SafeConsole()
 err_console = SafeConsole(stderr=True)
-
 
 
 def fail(err: QAEUserError) -> None:

@@ -16,10 +16,12 @@ from qae_app.core.errors import QAEUserError
 # `python -m streamlit` puts the working folder first on sys.path, so a `click.py` or `streamlit.py` in the folder the
 # dashboard is started from (a download folder, a shared run folder) would run as the user: start Streamlit's CLI with
 # that entry dropped (it is '' under `python -c`, and absent where PYTHONSAFEPATH is set)
-STREAMLIT_WITHOUT_WORKING_FOLDER = ("import sys\n"
-                                    "if sys.path and sys.path[0] == '': del sys.path[0]\n"
-                                    "from streamlit.web.cli import main\n"
-                                    "sys.exit(main(prog_name='streamlit'))")
+STREAMLIT_WITHOUT_WORKING_FOLDER = (
+    "import sys\n"
+    "if sys.path and sys.path[0] == '': del sys.path[0]\n"
+    "from streamlit.web.cli import main\n"
+    "sys.exit(main(prog_name='streamlit'))"
+)
 
 
 def dashboard_app() -> Path:
@@ -32,31 +34,64 @@ def dashboard_app() -> Path:
 def dashboard(
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
     port: Annotated[int, typer.Option(help="Port to serve on.")] = 8501,
-    host: Annotated[str, typer.Option(help="Address to bind. The default keeps it on this machine; 0.0.0.0 "
-                                      "exposes every run to your network.")] = "127.0.0.1",
-    refresh: Annotated[str, typer.Option(
-        help="Seconds between the pages' checks for new steps and runs: " + ", ".join(names.DASHBOARD_REFRESH_S)
-             + ". The sidebar changes it in that browser tab; off suits reading finished runs.",
-    )] = names.DASHBOARD_REFRESH_DEFAULT,
-    controls: Annotated[bool | None, typer.Option(
-        "--controls/--read-only",
-        help="Show the controls that change runs (stop a live run, edit tags and notes) or none. Default: controls "
-             "on a loopback --host (this machine only), none on any other (anyone who reaches the page could use "
-             "them).")] = None,
+    host: Annotated[
+        str,
+        typer.Option(
+            help="Address to bind. The default keeps it on this machine; 0.0.0.0 exposes every run to your network."
+        ),
+    ] = "127.0.0.1",
+    refresh: Annotated[
+        str,
+        typer.Option(
+            help="Seconds between the pages' checks for new steps and runs: "
+            + ", ".join(names.DASHBOARD_REFRESH_S)
+            + ". The sidebar changes it in that browser tab; off suits reading finished runs.",
+        ),
+    ] = names.DASHBOARD_REFRESH_DEFAULT,
+    controls: Annotated[
+        bool | None,
+        typer.Option(
+            "--controls/--read-only",
+            help="Show the controls that change runs (stop a live run, edit tags and notes) or none. Default: controls "
+            "on a loopback --host (this machine only), none on any other (anyone who reaches the page could use "
+            "them).",
+        ),
+    ] = None,
 ) -> None:
     """Start the Streamlit dashboard (live curves, rollouts browser) on 127.0.0.1; Ctrl-C or SIGTERM stops it."""
     import os
 
     _check_options(port, host, refresh)
     app_path = dashboard_app()
-    command = [sys.executable, "-c", STREAMLIT_WITHOUT_WORKING_FOLDER, "run", str(app_path), "--server.address", host,
-               "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
-               "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal"]
+    command = [
+        sys.executable,
+        "-c",
+        STREAMLIT_WITHOUT_WORKING_FOLDER,
+        "run",
+        str(app_path),
+        "--server.address",
+        host,
+        "--server.port",
+        str(port),
+        "--server.headless",
+        "true",
+        "--browser.gatherUsageStats",
+        "false",
+        "--server.fileWatcherType",
+        "none",
+        "--client.toolbarMode",
+        "minimal",
+    ]
     controls = dashboard_controls(host, controls)
-    env = dict(os.environ, QAE_RUNS_DIR=str(Path(runs_dir).resolve()),
-               **{names.DASHBOARD_REFRESH_ENV: refresh, names.DASHBOARD_CONTROLS_ENV: str(int(controls))})
-    console.print(f"qae dashboard for [cyan]{Path(runs_dir).resolve()}[/] at [bold]http://{host}:{port}[/] "
-                  f"({'' if controls else 'read-only; '}Ctrl-C to stop)")
+    env = dict(
+        os.environ,
+        QAE_RUNS_DIR=str(Path(runs_dir).resolve()),
+        **{names.DASHBOARD_REFRESH_ENV: refresh, names.DASHBOARD_CONTROLS_ENV: str(int(controls))},
+    )
+    console.print(
+        f"qae dashboard for [cyan]{Path(runs_dir).resolve()}[/] at [bold]http://{host}:{port}[/] "
+        f"({'' if controls else 'read-only; '}Ctrl-C to stop)"
+    )
     _serve(command, env)
 
 
@@ -66,8 +101,12 @@ def _check_options(port: int, host: str, refresh: str) -> None:
         fail(QAEUserError(f"port: {port} is not a TCP port. Use 1-65535 (default 8501)."))
     if refresh not in names.DASHBOARD_REFRESH_S:
         *most, last = names.DASHBOARD_REFRESH_S
-        fail(QAEUserError(f"refresh: {refresh} is not offered. Use {', '.join(most)} or {last} (seconds between "
-                          f"checks for new steps; default {names.DASHBOARD_REFRESH_DEFAULT})."))
+        fail(
+            QAEUserError(
+                f"refresh: {refresh} is not offered. Use {', '.join(most)} or {last} (seconds between "
+                f"checks for new steps; default {names.DASHBOARD_REFRESH_DEFAULT})."
+            )
+        )
     _check_host(host)
 
 
@@ -120,8 +159,10 @@ def _check_host(host: str) -> None:
     address, or an address this machine does not have. Whether the port is free is for the server to say."""
     import socket
 
-    advice = "Use 127.0.0.1 (this machine only, the default), 0.0.0.0 (every network interface) or an address of " \
-             "this machine."
+    advice = (
+        "Use 127.0.0.1 (this machine only, the default), 0.0.0.0 (every network interface) or an address of "
+        "this machine."
+    )
     try:
         family, _, _, _, address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError) as err:

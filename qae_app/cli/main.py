@@ -28,8 +28,12 @@ from qae_app.core.faults import fault_point
 from qae_app.core.formatting import number
 from qae_app.store.run_folder import DB_FILE
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
-                  help="RL from verifiable rewards with Quantile Advantage Estimation (QAE).")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    help="RL from verifiable rewards with Quantile Advantage Estimation (QAE).",
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # options generated from the config dataclasses (config.TrainConfig, config.EvalConfig)
@@ -56,19 +60,34 @@ def _option_parameters(config_class, own_defaults: dict | None = None) -> list[i
         flag = f"--{f.name.replace('_', '-')}"
         if base == "bool":  # a switch: --x / --no-x (not given: keep the TOML value or default)
             flag = f"{flag}/--no-{f.name.replace('_', '-')}"
-        option = typer.Option(flag, help=help_text, show_default=False, metavar="<str>..." if base == "list[str]"
-                              else None, rich_help_panel=f.metadata["group"].capitalize())
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                        annotation=Annotated[_PYTHON_TYPES[base] | None, option]))
+        option = typer.Option(
+            flag,
+            help=help_text,
+            show_default=False,
+            metavar="<str>..." if base == "list[str]" else None,
+            rich_help_panel=f.metadata["group"].capitalize(),
+        )
+        params.append(
+            inspect.Parameter(
+                f.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=None,
+                annotation=Annotated[_PYTHON_TYPES[base] | None, option],
+            )
+        )
     return params
 
 
 def _with_config_options(command, config_class):
     """Give `command` (which takes **options) one option per field of `config_class`, and register it."""
     command.__signature__ = inspect.Signature(
-        [p for p in inspect.signature(command, eval_str=True).parameters.values()
-         if p.kind != inspect.Parameter.VAR_KEYWORD]
-        + _option_parameters(config_class))
+        [
+            p
+            for p in inspect.signature(command, eval_str=True).parameters.values()
+            if p.kind != inspect.Parameter.VAR_KEYWORD
+        ]
+        + _option_parameters(config_class)
+    )
     return command
 
 
@@ -77,15 +96,28 @@ def _with_config_options(command, config_class):
 
 
 def train(
-    config: Annotated[Path | None, typer.Option("--config", help="TOML file with any of the options below; "
-                                                   "command-line options override it.")] = None,
-    resume: Annotated[str | None, typer.Option("--resume", help="Continue the run with this id from its newest "
-                                                  "valid checkpoint (options marked resumable may change).")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help="TOML file with any of the options below; command-line options override it."),
+    ] = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            "--resume",
+            help="Continue the run with this id from its newest "
+            "valid checkpoint (options marked resumable may change).",
+        ),
+    ] = None,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
     cpu: Annotated[bool, typer.Option("--cpu/--no-cpu", help="Force CPU even when a GPU is present.")] = False,
-    accept_changed_reward: Annotated[bool, typer.Option(
-        "--accept-changed-reward", help="With --resume: score the rest of the run with a --reward file that changed "
-                                        "since the run scored with it (the run records both versions).")] = False,
+    accept_changed_reward: Annotated[
+        bool,
+        typer.Option(
+            "--accept-changed-reward",
+            help="With --resume: score the rest of the run with a --reward file that changed "
+            "since the run scored with it (the run records both versions).",
+        ),
+    ] = False,
     **options: Any,
 ) -> None:
     """Train a policy with QAE (or a mean-baseline estimator) and log every rollout to DuckDB."""
@@ -95,27 +127,51 @@ def train(
     from qae_app.train.trainer import Trainer
 
     try:
-        cfg = (resume_config(runs_dir, resume, config, **options) if resume is not None
-               else build_config(config, **options))
-        trainer = Trainer(cfg, runs_dir, resume=resume is not None, console=console, cpu=True if cpu else None,
-                          accept_changed_reward=accept_changed_reward)
+        cfg = (
+            resume_config(runs_dir, resume, config, **options)
+            if resume is not None
+            else build_config(config, **options)
+        )
+        trainer = Trainer(
+            cfg,
+            runs_dir,
+            resume=resume is not None,
+            console=console,
+            cpu=True if cpu else None,
+            accept_changed_reward=accept_changed_reward,
+        )
     except QAEUserError as err:
         fail(err)
     run_training(trainer)
 
 
 def plan(
-    config: Annotated[Path | None, typer.Option("--config", help="The run's TOML file; its \\[plan] table may give "
-                                                   "the options below.")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help="The run's TOML file; its \\[plan] table may give the options below."),
+    ] = None,
     gpus: Annotated[int | None, typer.Option("--gpus", help="Processes, one per GPU (default: 1).")] = None,
-    gpu_memory: Annotated[float | None, typer.Option("--gpu-memory", help="Each GPU's memory in GB (default: "
-                                                        "80).")] = None,
-    sharding: Annotated[str | None, typer.Option("--sharding", help="ddp: every process holds everything; fsdp: "
-                                                    "weights, gradients and optimizer state split over the GPUs "
-                                                    "(default: ddp).")] = None,
-    prompt_tokens: Annotated[int | None, typer.Option("--prompt-tokens", help="The longest prompt in tokens "
-                                                         "(default: the task's longest for a built-in model, which "
-                                                         "reads one token a character; else 1024).")] = None,
+    gpu_memory: Annotated[
+        float | None, typer.Option("--gpu-memory", help="Each GPU's memory in GB (default: 80).")
+    ] = None,
+    sharding: Annotated[
+        str | None,
+        typer.Option(
+            "--sharding",
+            help="ddp: every process holds everything; fsdp: "
+            "weights, gradients and optimizer state split over the GPUs "
+            "(default: ddp).",
+        ),
+    ] = None,
+    prompt_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--prompt-tokens",
+            help="The longest prompt in tokens "
+            "(default: the task's longest for a built-in model, which "
+            "reads one token a character; else 1024).",
+        ),
+    ] = None,
     **options: Any,
 ) -> None:
     """The per-GPU memory of a training run by component, whether it fits, and what to turn if not. Reads the
@@ -133,16 +189,21 @@ def plan(
     try:
         cfg = build_config(config, **options)
         given = {"gpus": gpus, "gpu_memory_gb": gpu_memory, "sharding": sharding, "prompt_tokens": prompt_tokens}
-        hardware = Hardware(**{"gpus": 1, "gpu_memory_gb": 80.0, **builtin_prompt_tokens(cfg),
-                               **recipe_hardware(config), **{k: v for k, v in given.items() if v is not None}})
+        hardware = Hardware(
+            **{
+                "gpus": 1,
+                "gpu_memory_gb": 80.0,
+                **builtin_prompt_tokens(cfg),
+                **recipe_hardware(config),
+                **{k: v for k, v in given.items() if v is not None},
+            }
+        )
         result = plan_run(cfg, model_shape(cfg.model), hardware)
     except QAEUserError as err:
         fail(err)
     render(result, _view_console())
     if not result.fits:
         raise typer.Exit(code=1)
-
-
 
 
 def print_command(command: str) -> None:
@@ -159,8 +220,7 @@ def run_training(trainer) -> None:
     if main:
         console.print(banner(cfg, trainer.run_id))
         _note_nothing_to_evaluate(cfg, trainer.eval_problems)
-    progress = TrainProgress(console, cfg.steps, trainer.state.step, show=main,
-                             dynamic_sampling=cfg.dynamic_sampling)
+    progress = TrainProgress(console, cfg.steps, trainer.state.step, show=main, dynamic_sampling=cfg.dynamic_sampling)
     steps_before = trainer.state.step  # a resumed run's steps already done
     try:
         with progress:
@@ -176,8 +236,11 @@ def run_training(trainer) -> None:
 
         progress.heldout = read_last_heldout_accuracy(result.run_dir / DB_FILE)
     if main and result.steps_done == steps_before and steps_before >= cfg.steps:
-        console.print(f"run {result.run_id} had already done its {cfg.steps} steps: nothing to train. Pass --steps "
-                      f"above {cfg.steps} to train further.", highlight=False)
+        console.print(
+            f"run {result.run_id} had already done its {cfg.steps} steps: nothing to train. Pass --steps "
+            f"above {cfg.steps} to train further.",
+            highlight=False,
+        )
     if result.status == "interrupted":
         if main:
             _say_how_to_continue(result, trainer.runs_dir)
@@ -194,9 +257,12 @@ def run_training(trainer) -> None:
 def _note_nothing_to_evaluate(cfg, eval_problems) -> None:
     """--eval-every with nothing held out (given explicitly, config.check_given_together refuses it): say so once."""
     if cfg.eval_every and not eval_problems:
-        console.print(f"[yellow]note:[/] nothing to evaluate every {cfg.eval_every} steps: {cfg.data} has no "
-                      "held-out split. Pass --heldout-fraction 0.1 or --eval-bench FILE to track held-out "
-                      "accuracy, or --eval-every 0 to silence this.", highlight=False)
+        console.print(
+            f"[yellow]note:[/] nothing to evaluate every {cfg.eval_every} steps: {cfg.data} has no "
+            "held-out split. Pass --heldout-fraction 0.1 or --eval-bench FILE to track held-out "
+            "accuracy, or --eval-every 0 to silence this.",
+            highlight=False,
+        )
 
 
 def _say_how_to_continue(result, runs_dir) -> None:
@@ -204,17 +270,22 @@ def _say_how_to_continue(result, runs_dir) -> None:
     from qae_app.store.run_folder import latest_checkpoint
 
     newest = latest_checkpoint(result.run_dir)
-    start = (f"from its newest checkpoint, {newest.name}," if newest is not None else
-             "from step 0 (no checkpoint yet; the same seed trains the same steps again)")
-    console.print(f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue it {start} with:",
-                  highlight=False)
+    start = (
+        f"from its newest checkpoint, {newest.name},"
+        if newest is not None
+        else "from step 0 (no checkpoint yet; the same seed trains the same steps again)"
+    )
+    console.print(
+        f"\n[yellow]interrupted[/] after step {result.steps_done}. Continue it {start} with:", highlight=False
+    )
     print_command(f"qae train --resume {result.run_id} --runs-dir {runs_dir}")
 
 
 def _say_done(result, heldout: float | None, runs_dir) -> None:
     """A finished run: its steps, status and held-out accuracy, and the commands that inspect it."""
-    console.print(f"[green]done[/]: {result.steps_done} steps, status {result.status}. "
-                  f"Held-out accuracy {number(heldout)}.")
+    console.print(
+        f"[green]done[/]: {result.steps_done} steps, status {result.status}. Held-out accuracy {number(heldout)}."
+    )
     console.print(f"Stored in [cyan]{escape(str(result.run_dir / DB_FILE))}[/]. Inspect it with:", highlight=False)
     print_command(f"qae show {result.run_id} --runs-dir {runs_dir}")
     print_command(f"qae rollouts {result.run_id} --gated --runs-dir {runs_dir}")
@@ -233,14 +304,19 @@ def _with_reward_resume(trainer, err: QAEUserError) -> QAEUserError:
     kept = f"its newest checkpoint ({newest.name})" if newest is not None else "no checkpoint yet (it restarts at 0)"
     command = reward_resume_command(trainer.run_id, trainer.cfg, trainer.runs_dir)
     if err.spec is not None and err.spec.kind == "module":  # an installed library's function: not the user's to fix
-        cause = (f"{err.spec.target} is an installed module, so the cause is more likely what it was given than its "
-                 "code: docs/rewards.md says what a reward function receives (messages for conversational data, text "
-                 "otherwise) and the data's columns it gets. Once that is settled, continue it with")
+        cause = (
+            f"{err.spec.target} is an installed module, so the cause is more likely what it was given than its "
+            "code: docs/rewards.md says what a reward function receives (messages for conversational data, text "
+            "otherwise) and the data's columns it gets. Once that is settled, continue it with"
+        )
     else:
         cause = "Once the function is fixed, continue it with"
-    return RewardError(f"{err}\nThe run stopped failed at step {trainer.state.step + 1}; the steps before it and "
-                       f"{kept} are kept. {cause}: {command} (add --accept-changed-reward if the fix changed the "
-                       "reward's file: the run records both versions).", err.spec)
+    return RewardError(
+        f"{err}\nThe run stopped failed at step {trainer.state.step + 1}; the steps before it and "
+        f"{kept} are kept. {cause}: {command} (add --accept-changed-reward if the fix changed the "
+        "reward's file: the run records both versions).",
+        err.spec,
+    )
 
 
 def reward_resume_command(run_id: str, cfg, runs_dir) -> str:
@@ -267,12 +343,18 @@ def fail_on_write_fault(trainer, err: Exception) -> None:
         return
     checkpoint_bytes = 3 * sum(p.numel() * p.element_size() for p in trainer.model.parameters())  # weights, Adam x2
     free = free_space_text(folder)
-    fail(environment_error(
-        f"run {trainer.run_id}: cannot write its files", err,
-        f"The data is safe: the steps stored so far and its complete checkpoints are kept (a partial checkpoint is "
-        f"never resumed from). A checkpoint of this run needs about {checkpoint_bytes / 1e6:,.1f} MB"
-        + (f"; {free}" if free else "") + ".", number,
-        then=f"continue it with: qae train --resume {trainer.run_id} --runs-dir {trainer.runs_dir}"))
+    fail(
+        environment_error(
+            f"run {trainer.run_id}: cannot write its files",
+            err,
+            f"The data is safe: the steps stored so far and its complete checkpoints are kept (a partial checkpoint is "
+            f"never resumed from). A checkpoint of this run needs about {checkpoint_bytes / 1e6:,.1f} MB"
+            + (f"; {free}" if free else "")
+            + ".",
+            number,
+            then=f"continue it with: qae train --resume {trainer.run_id} --runs-dir {trainer.runs_dir}",
+        )
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -280,14 +362,27 @@ def fail_on_write_fault(trainer, err: Exception) -> None:
 
 
 def warmstart(
-    task: Annotated[str, typer.Option(help="Built-in task to warm-start on: arith (ships as builtin:tiny) or chain "
-                                      "(builtin:tiny-chain).")] = "arith",
-    out: Annotated[Path | None, typer.Option(help="Folder for the checkpoint (default: ./warmstart/<task>). Train "
-                                                "from it with `qae train --model FOLDER --data <task>`.")] = None,
-    into_package: Annotated[bool, typer.Option(
-        "--into-package", help="Overwrite the task's shipped checkpoint inside the installed package (what `qae "
-                               "train --data <task>` loads by default) instead of writing ./warmstart/<task>.",
-    )] = False,
+    task: Annotated[
+        str,
+        typer.Option(
+            help="Built-in task to warm-start on: arith (ships as builtin:tiny) or chain (builtin:tiny-chain)."
+        ),
+    ] = "arith",
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder for the checkpoint (default: ./warmstart/<task>). Train "
+            "from it with `qae train --model FOLDER --data <task>`."
+        ),
+    ] = None,
+    into_package: Annotated[
+        bool,
+        typer.Option(
+            "--into-package",
+            help="Overwrite the task's shipped checkpoint inside the installed package (what `qae "
+            "train --data <task>` loads by default) instead of writing ./warmstart/<task>.",
+        ),
+    ] = False,
     steps: Annotated[int | None, typer.Option(help="Supervised steps (default: the shipped recipe's).")] = None,
     seed: Annotated[int, typer.Option(help="Initialisation and data seed.")] = 0,
 ) -> None:
@@ -302,15 +397,20 @@ def warmstart(
     try:
         cfg = WarmstartConfig(task=builtin_task_name(task) or task, steps=steps, seed=seed).resolved()
         if into_package and out is not None:
-            raise QAEUserError(f"out: --out {out} and --into-package name two folders. Pass one: --into-package "
-                               f"writes {shipped_dir(cfg.task)}.")
+            raise QAEUserError(
+                f"out: --out {out} and --into-package name two folders. Pass one: --into-package "
+                f"writes {shipped_dir(cfg.task)}."
+            )
         out = check_out_dir(shipped_dir(cfg.task) if into_package else out or default_out_dir(cfg.task))
     except QAEUserError as err:
         fail(err)
     with Progress(console=console) as progress:
         bar = progress.add_task("warm start", total=cfg.steps)
-        run_warmstart(out, cfg, on_step=lambda step, loss, *_: progress.update(bar, completed=step + 1,
-                                                                               description=f"loss {loss:.3f}"))
+        run_warmstart(
+            out,
+            cfg,
+            on_step=lambda step, loss, *_: progress.update(bar, completed=step + 1, description=f"loss {loss:.3f}"),
+        )
     console.print(Text.assemble("saved to ", (str(out), "cyan"), ". Train from it with:"), highlight=False)
     print_command(f"qae train --model {out} --data {cfg.task}")
 
@@ -324,10 +424,11 @@ def _view_console() -> SafeConsole:
     return SafeConsole(highlight=False)
 
 
-def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
-              sweep: Annotated[str | None,
-                               typer.Option(help="Only the runs of this sweep (its id or name).")] = None,
-              tag: Annotated[str | None, typer.Option(help="Only the runs tagged so (`qae tag`).")] = None) -> None:
+def list_runs(
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+    sweep: Annotated[str | None, typer.Option(help="Only the runs of this sweep (its id or name).")] = None,
+    tag: Annotated[str | None, typer.Option(help="Only the runs tagged so (`qae tag`).")] = None,
+) -> None:
     """List runs: status, estimator, K, steps and the latest reward, accuracy and entropy (model and task when the
     terminal is wide enough). A run is its folder; an unreadable database is listed with the reason."""
     from qae_app.analysis.settings import listed_with_settings_checked
@@ -355,12 +456,15 @@ def list_runs(runs_dir: RunsDir = DEFAULT_RUNS_DIR,
     out.print(runs_view(rows, str(runs_dir), out.width))
 
 
-def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
-         runs_dir: RunsDir = DEFAULT_RUNS_DIR,
-         every: Annotated[int, typer.Option(help="Show every N-th step (default: about 15 rows).")] = 0,
-         metrics: Annotated[str | None, typer.Option(
-             help="Comma-separated step metrics to show (default: the most important that fit the terminal).")] = None,
-         ) -> None:
+def show(
+    run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+    every: Annotated[int, typer.Option(help="Show every N-th step (default: about 15 rows).")] = 0,
+    metrics: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated step metrics to show (default: the most important that fit the terminal)."),
+    ] = None,
+) -> None:
     """Summarize a run: status, config, pace while running, per-step metrics, evaluations and warnings."""
     from qae_app.analysis.settings import checked_settings
     from qae_app.cli.views import show_view
@@ -381,8 +485,9 @@ def show(run: Annotated[str, typer.Argument(help="Run id: its folder under --run
         chosen = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else None
         unknown = [m for m in chosen or [] if m not in STEP_METRICS]
         if unknown:
-            raise QAEUserError(f"metrics: {', '.join(unknown)} not a step metric. Choose from: "
-                               f"{', '.join(STEP_METRICS)}.")
+            raise QAEUserError(
+                f"metrics: {', '.join(unknown)} not a step metric. Choose from: {', '.join(STEP_METRICS)}."
+            )
         if every < 0:
             raise QAEUserError(f"every: {every} is negative. Use 0 (about 15 rows) or a positive stride.")
         path = resolve_run(runs_dir, run)
@@ -405,22 +510,41 @@ def rollouts(
     step: Annotated[int | None, typer.Option(help="Step to show (default: the latest).")] = None,
     gated: Annotated[bool, typer.Option("--gated", help="Only trained responses gated out (advantage 0).")] = False,
     kept: Annotated[bool, typer.Option("--kept", help="Only responses that carried gradient.")] = False,
-    filtered: Annotated[bool, typer.Option("--filtered", help="Only responses of groups that dynamic sampling left "
-                                           "out of the update.")] = False,
+    filtered: Annotated[
+        bool, typer.Option("--filtered", help="Only responses of groups that dynamic sampling left out of the update.")
+    ] = False,
     regime: Annotated[str | None, typer.Option(help="Only groups in this regime.")] = None,
     why: Annotated[str | None, typer.Option(help="Only responses gated for this reason.")] = None,
     search: Annotated[str | None, typer.Option(help="Only responses or prompts containing this text.")] = None,
     limit: Annotated[int, typer.Option(help="At most this many responses.")] = 64,
-    full: Annotated[bool, typer.Option("--full", help="Print prompts and responses whole (wrapped), not cut to "
-                                       "one line.")] = False,
-    model_prompt: Annotated[bool, typer.Option("--model-prompt", help="Also print each prompt as the model saw "
-                                               "it: chat template applied (system message, role markers).")] = False,
-    tokens: Annotated[bool, typer.Option("--tokens", help="Print the shown responses token by token with their "
-                                         "stored numbers (--store-tokens): coloured by --color-by on a colour "
-                                         "terminal, one tab-separated line per token elsewhere.")] = False,
-    color_by: Annotated[str, typer.Option("--color-by", help="With --tokens: the number that colours each token: "
-                                          "logprob, entropy or gap (the trainer's old log-prob minus the "
-                                          "sampler's).")] = "logprob",
+    full: Annotated[
+        bool, typer.Option("--full", help="Print prompts and responses whole (wrapped), not cut to one line.")
+    ] = False,
+    model_prompt: Annotated[
+        bool,
+        typer.Option(
+            "--model-prompt",
+            help="Also print each prompt as the model saw it: chat template applied (system message, role markers).",
+        ),
+    ] = False,
+    tokens: Annotated[
+        bool,
+        typer.Option(
+            "--tokens",
+            help="Print the shown responses token by token with their "
+            "stored numbers (--store-tokens): coloured by --color-by on a colour "
+            "terminal, one tab-separated line per token elsewhere.",
+        ),
+    ] = False,
+    color_by: Annotated[
+        str,
+        typer.Option(
+            "--color-by",
+            help="With --tokens: the number that colours each token: "
+            "logprob, entropy or gap (the trainer's old log-prob minus the "
+            "sampler's).",
+        ),
+    ] = "logprob",
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
 ) -> None:
     """Show one step's responses: reward, advantage, why each gated one was gated (with the step's breakdown by
@@ -435,8 +559,9 @@ def rollouts(
 
     try:
         if gated + kept + filtered > 1:
-            raise QAEUserError("--gated, --kept and --filtered exclude each other. Pass one of them, or none for "
-                               "every response.")
+            raise QAEUserError(
+                "--gated, --kept and --filtered exclude each other. Pass one of them, or none for every response."
+            )
         if regime is not None and regime not in REGIMES:
             raise QAEUserError(f"regime: unknown value '{regime}'. Choose one of: {', '.join(REGIMES)}.")
         if why is not None and kept:
@@ -455,8 +580,14 @@ def rollouts(
         if step not in steps:
             raise QAEUserError(f"step: {step} is not a step of '{run}'. Use {steps[0]}..{steps[-1]}.")
         everything = read_rollouts(path, step, with_text=False)  # first: a damaged file gives one message
-        frame = read_rollouts(path, step, gated=True if gated or why else False if kept else None, regime=regime,
-                              search=search, filtered=True if filtered else False if gated or kept or why else None)
+        frame = read_rollouts(
+            path,
+            step,
+            gated=True if gated or why else False if kept else None,
+            regime=regime,
+            search=search,
+            filtered=True if filtered else False if gated or kept or why else None,
+        )
         shown = read_model_prompts(path, step) if model_prompt else None
         components = read_components(path, step)
         stored_tokens = read_token_values(path, step) if tokens else None
@@ -482,11 +613,20 @@ def rollouts(
 def compare(
     runs: Annotated[list[str] | None, typer.Argument(help="Run ids to compare (or --sweep).")] = None,
     sweep: Annotated[str | None, typer.Option(help="Compare every run of this sweep (its id or name).")] = None,
-    baseline: Annotated[str | None, typer.Option(help="A group to compare the others with, paired by seed: its "
-                                                    "label or a value only it has (e.g. grpo).")] = None,
-    group_by: Annotated[str | None, typer.Option(help="Group by these instead (comma list): tags (the runs' "
-                                                    "`qae tag` tags, e.g. with --baseline baseline) or config keys "
-                                                    "(estimator,k).")] = None,
+    baseline: Annotated[
+        str | None,
+        typer.Option(
+            help="A group to compare the others with, paired by seed: its label or a value only it has (e.g. grpo)."
+        ),
+    ] = None,
+    group_by: Annotated[
+        str | None,
+        typer.Option(
+            help="Group by these instead (comma list): tags (the runs' "
+            "`qae tag` tags, e.g. with --baseline baseline) or config keys "
+            "(estimator,k)."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON (no tables).")] = False,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
 ) -> None:
@@ -507,8 +647,13 @@ def compare(
         from qae_app.analysis.loss_table import loss_table
 
         by_loss = loss_table(comparison.groups)
-        print(json.dumps(_finite({**comparison.to_dict(), "by_policy_loss": by_loss and by_loss.to_dict()}),
-                         indent=2, default=str))
+        print(
+            json.dumps(
+                _finite({**comparison.to_dict(), "by_policy_loss": by_loss and by_loss.to_dict()}),
+                indent=2,
+                default=str,
+            )
+        )
         return
     out = _view_console()
     out.print(compare_view(comparison, out.width))
@@ -527,12 +672,19 @@ def _finite(value):
 
 def sweep_command(
     seeds: Annotated[int, typer.Option(help="Seeds per point, from --seed on (3 or more give intervals).")] = 1,
-    name: Annotated[str | None, typer.Option(help="The sweep's name (prefix of its run ids); default: "
-                                                "sweep-<hash of the shared options>.")] = None,
-    parallel: Annotated[int, typer.Option(help="Runs at a time, each with its share of the cores (at most "
-                                                "the number of cores).")] = 1,
-    config: Annotated[Path | None, typer.Option("--config", help="TOML file with train options for every "
-                                                   "point; command-line options override it.")] = None,
+    name: Annotated[
+        str | None,
+        typer.Option(help="The sweep's name (prefix of its run ids); default: sweep-<hash of the shared options>."),
+    ] = None,
+    parallel: Annotated[
+        int, typer.Option(help="Runs at a time, each with its share of the cores (at most the number of cores).")
+    ] = 1,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config", help="TOML file with train options for every point; command-line options override it."
+        ),
+    ] = None,
     runs_dir: RunsDir = DEFAULT_RUNS_DIR,
     cpu: Annotated[bool, typer.Option("--cpu/--no-cpu", help="Force CPU even when a GPU is present.")] = False,
     **options: Any,
@@ -546,8 +698,11 @@ def sweep_command(
         plan = _plan_sweep_from_options(runs_dir, seeds, name, parallel, config, options)
     except QAEUserError as err:
         fail(err)
-    console.print(f"[bold]qae sweep[/] [cyan]{plan.name}[/] (id {plan.sweep_id}): {len(plan.points)} runs, "
-                  f"{parallel} at a time, in {escape(str(runs_dir))}", highlight=False)
+    console.print(
+        f"[bold]qae sweep[/] [cyan]{plan.name}[/] (id {plan.sweep_id}): {len(plan.points)} runs, "
+        f"{parallel} at a time, in {escape(str(runs_dir))}",
+        highlight=False,
+    )
     try:
         states = _run_sweep_with_progress(plan, runs_dir, parallel, cpu)
     except QAEUserError as err:
@@ -560,8 +715,7 @@ def sweep_command(
         raise typer.Exit(code=1)
 
 
-def _plan_sweep_from_options(runs_dir, seeds: int, name: str | None, parallel: int, config: Path | None,
-                             options: dict):
+def _plan_sweep_from_options(runs_dir, seeds: int, name: str | None, parallel: int, config: Path | None, options: dict):
     """The sweep's plan from the command line and --config: its lists (--policy-loss, --estimator, --k) taken out
     of the options every point shares."""
     from qae_app.cli.sweep import check_parallel, plan_sweep
@@ -571,8 +725,15 @@ def _plan_sweep_from_options(runs_dir, seeds: int, name: str | None, parallel: i
     given = given_options(config, **options)
     estimators, ks = str(given.pop("estimator", "qae")), given.pop("k", None)
     losses = given.pop("policy_loss", None)
-    return plan_sweep(runs_dir, estimators, None if ks is None else str(ks), seeds, given, name,
-                      None if losses is None else str(losses))
+    return plan_sweep(
+        runs_dir,
+        estimators,
+        None if ks is None else str(ks),
+        seeds,
+        given,
+        name,
+        None if losses is None else str(losses),
+    )
 
 
 def _run_sweep_with_progress(plan, runs_dir, parallel: int, cpu: bool) -> dict:
@@ -581,8 +742,14 @@ def _run_sweep_with_progress(plan, runs_dir, parallel: int, cpu: bool) -> dict:
 
     from qae_app.cli.sweep import run_sweep
 
-    progress = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
-                        TextColumn("{task.fields[state]}"), console=console, disable=not console.is_terminal)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(bar_width=20),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[state]}"),
+        console=console,
+        disable=not console.is_terminal,
+    )
     bars = {p.run_name: progress.add_task(p.run_name, total=p.steps, state="") for p in plan.points}
     seen: dict[str, str] = {}
 
@@ -603,8 +770,12 @@ def _report_sweep(plan, states: dict, runs_dir) -> None:
 
     counts = {state: sum(1 for s in states.values() if s == state) for state in sorted(set(states.values()))}
     compared = {"done", "kept"} & set(states.values())  # (compare leaves out runs without a step)
-    console.print("sweep " + ", ".join(f"{n} {state}" for state, n in counts.items())
-                  + (". Compare them with:" if compared else ""), highlight=False)
+    console.print(
+        "sweep "
+        + ", ".join(f"{n} {state}" for state, n in counts.items())
+        + (". Compare them with:" if compared else ""),
+        highlight=False,
+    )
     if compared:
         print_command(f"qae compare --sweep {plan.name} --runs-dir {runs_dir}")
     for run_name, state in states.items():
@@ -614,9 +785,11 @@ def _report_sweep(plan, states: dict, runs_dir) -> None:
         elif state == "busy":
             console.print(f"[yellow]skipped[/]: {run_name} is being trained by another process.")
         elif state == "taken":
-            console.print(f"[yellow]skipped[/]: {run_name} was taken by another run (not of this sweep) while the "
-                          "sweep ran; that run is left alone. Pass another --name to train this point.",
-                          highlight=False)
+            console.print(
+                f"[yellow]skipped[/]: {run_name} was taken by another run (not of this sweep) while the "
+                "sweep ran; that run is left alone. Pass another --name to train this point.",
+                highlight=False,
+            )
 
 
 def _sweep_options(command):
@@ -625,9 +798,13 @@ def _sweep_options(command):
 
     own = {"run_name", "sweep_id", "sweep_name"}
     command.__signature__ = inspect.Signature(
-        [p for p in inspect.signature(command, eval_str=True).parameters.values()
-         if p.kind != inspect.Parameter.VAR_KEYWORD]
-        + [p for p in _option_parameters(TrainConfig, SWEEP_DEFAULTS) if p.name not in own])
+        [
+            p
+            for p in inspect.signature(command, eval_str=True).parameters.values()
+            if p.kind != inspect.Parameter.VAR_KEYWORD
+        ]
+        + [p for p in _option_parameters(TrainConfig, SWEEP_DEFAULTS) if p.name not in own]
+    )
     return command
 
 
@@ -650,11 +827,23 @@ def eval_command(
     except QAEUserError as err:
         fail(err)
     if as_json:
-        print(json.dumps({"run_id": target_run, "database": str(path), "benchmark": result.benchmark,
-                          "samples": result.k, "options": cfg.to_dict(), "metrics": result.metrics}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "run_id": target_run,
+                    "database": str(path),
+                    "benchmark": result.benchmark,
+                    "samples": result.k,
+                    "options": cfg.to_dict(),
+                    "metrics": result.metrics,
+                },
+                indent=2,
+            )
+        )
         return
-    table = Table(title=f"{result.benchmark}: {cfg.model}, k={result.k}, temperature {cfg.temperature:g}, top-p "
-                        f"{cfg.top_p:g}")
+    table = Table(
+        title=f"{result.benchmark}: {cfg.model}, k={result.k}, temperature {cfg.temperature:g}, top-p {cfg.top_p:g}"
+    )
     for column in ("subset", "metric", "k", "value", "problems"):
         table.add_column(column, justify="right")
     for row in result.metrics:
@@ -662,17 +851,22 @@ def eval_command(
     console.print(table)
     # a few answers a reader can check by eye, wrong ones first: what was read from the response, and the gold answer
     for sample in sorted(result.samples, key=lambda sample: bool(sample["correct"]))[:3]:
-        console.print(Text(f"problem {sample['problem_id']} sample {sample['sample_idx']}: extracted "
-                           f"{sample['extracted']!r}, gold {sample['answer']!r}, "
-                           + ("correct" if sample["correct"] else "wrong")))
+        console.print(
+            Text(
+                f"problem {sample['problem_id']} sample {sample['sample_idx']}: extracted "
+                f"{sample['extracted']!r}, gold {sample['answer']!r}, " + ("correct" if sample["correct"] else "wrong")
+            )
+        )
     console.print("every sample, with its gold answer: the dashboard's Eval samples page")
     console.print(f"samples and metrics stored in [cyan]{path}[/] (run {target_run})")
 
 
-def export(run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
-           out: Annotated[Path, typer.Option(help="Folder to write the Hugging Face model to (new or empty).")],
-           checkpoint: Annotated[int | None, typer.Option(help="Checkpoint step (default: the newest).")] = None,
-           runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+def export(
+    run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
+    out: Annotated[Path, typer.Option(help="Folder to write the Hugging Face model to (new or empty).")],
+    checkpoint: Annotated[int | None, typer.Option(help="Checkpoint step (default: the newest).")] = None,
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+) -> None:
     """Write a run's model as a Hugging Face folder (config, safetensors, tokenizer) for vLLM or the hub."""
     from qae_app.evaluation.evaluate import export_model
 
@@ -685,20 +879,27 @@ def export(run: Annotated[str, typer.Argument(help="Run id: its folder under --r
     console.print(f"run {run} at step {target.step} exported to [cyan]{out}[/]")
 
 
-def migrate(run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
-            runs_dir: RunsDir = DEFAULT_RUNS_DIR,
-            trust_pickles: Annotated[bool, typer.Option(
-                "--trust-pickles", help="Read the Python pickles an older qae left in the run folder (its pending "
-                                        "writes and its checkpoints' training state) to rewrite them as JSON and "
-                                        "safetensors. A pickle can run code: only for a folder you made yourself.")
-            ] = False) -> None:
+def migrate(
+    run: Annotated[str, typer.Argument(help="Run id: its folder under --runs-dir (see `qae runs`).")],
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+    trust_pickles: Annotated[
+        bool,
+        typer.Option(
+            "--trust-pickles",
+            help="Read the Python pickles an older qae left in the run folder (its pending "
+            "writes and its checkpoints' training state) to rewrite them as JSON and "
+            "safetensors. A pickle can run code: only for a folder you made yourself.",
+        ),
+    ] = False,
+) -> None:
     """Rewrite a run folder an older qae wrote in this version's format (its database, pending writes, checkpoints and
     config), which every other command then reads; a folder already current is left as it is."""
     from qae_app.train.run_migration import migrate_run
 
     try:
-        changes = migrate_run(runs_dir, run, trust_pickles,
-                              say=lambda line: console.print(escape(line), highlight=False))
+        changes = migrate_run(
+            runs_dir, run, trust_pickles, say=lambda line: console.print(escape(line), highlight=False)
+        )
     except QAEUserError as err:
         fail(err)
     if not changes:

@@ -28,26 +28,33 @@ def _change_labels(run: str, runs_dir, change):
     return labels
 
 
-def tag(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
-        tags: Annotated[list[str], typer.Argument(help="Tags to add (letters, digits, '.', '_', '-').")],
-        remove: Annotated[bool, typer.Option("--remove", help="Remove these tags instead.")] = False,
-        runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+def tag(
+    run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
+    tags: Annotated[list[str], typer.Argument(help="Tags to add (letters, digits, '.', '_', '-').")],
+    remove: Annotated[bool, typer.Option("--remove", help="Remove these tags instead.")] = False,
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+) -> None:
     """Tag a run (e.g. baseline, lr-too-high): shown by `qae runs` and `qae show`, filtered by `qae runs --tag`.
     Works while the run trains: tags live beside its database, not in it."""
     from qae_app.store.labels import check_tag
 
     def change(labels) -> None:
         given = [check_tag(t) for t in tags]
-        labels.tags = ([t for t in labels.tags if t not in given] if remove
-                       else labels.tags + [t for t in dict.fromkeys(given) if t not in labels.tags])
+        labels.tags = (
+            [t for t in labels.tags if t not in given]
+            if remove
+            else labels.tags + [t for t in dict.fromkeys(given) if t not in labels.tags]
+        )
 
     labels = _change_labels(run, runs_dir, change)
     console.print(f"run {escape(run)}: tags {escape(', '.join(labels.tags)) or '(none)'}", highlight=False)
 
 
-def note(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
-         text: Annotated[str, typer.Argument(help="The note; \"\" clears it.")],
-         runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+def note(
+    run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
+    text: Annotated[str, typer.Argument(help='The note; "" clears it.')],
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+) -> None:
     """Write a run's note ("lr too high", "the paper's baseline"), shown by `qae runs` and `qae show`. Works while
     the run trains."""
     from qae_app.store.labels import check_note
@@ -59,11 +66,17 @@ def note(run: Annotated[str, typer.Argument(help="Run id (see `qae runs`).")],
     console.print(f"run {escape(run)}: note {'cleared' if not text else 'saved'}", highlight=False)
 
 
-def stop(run: Annotated[str | None, typer.Argument(help="Run id (see `qae runs`), or --sweep.")] = None,
-         sweep: Annotated[str | None, typer.Option(help="Stop this sweep (its id or name): its `qae sweep` "
-                                                      "process and every run of it training now.")] = None,
-         timeout: Annotated[float, typer.Option(help="Seconds to wait for its checkpoint.")] = 600.0,
-         runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+def stop(
+    run: Annotated[str | None, typer.Argument(help="Run id (see `qae runs`), or --sweep.")] = None,
+    sweep: Annotated[
+        str | None,
+        typer.Option(
+            help="Stop this sweep (its id or name): its `qae sweep` process and every run of it training now."
+        ),
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for its checkpoint.")] = 600.0,
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+) -> None:
     """Stop a live run as Ctrl-C does: after its current step, with a checkpoint; it resumes with --resume. Only the
     process the kernel says holds the run's lock is signalled (every rank of a launch stops with it)."""
     from qae_app.store.reader import read_last_step, read_run, resolve_run
@@ -77,19 +90,27 @@ def stop(run: Annotated[str | None, typer.Argument(help="Run id (see `qae runs`)
         return
 
     def signalled() -> None:  # (said once the trainer was found: a run nobody trains is only said to be so)
-        console.print(f"stopping run {escape(run)} after its current step (its checkpoint is written on the way "
-                      "out)...", highlight=False)
+        console.print(
+            f"stopping run {escape(run)} after its current step (its checkpoint is written on the way out)...",
+            highlight=False,
+        )
 
     try:
         path = resolve_run(runs_dir, run)
         if not stop_run(path.parent, timeout, on_signalled=signalled):
-            raise QAEUserError(f"stop: run '{run}' is still running after {timeout:g} s (a long step, or a large "
-                               "checkpoint). It will stop on its own; check with `qae runs`.")
+            raise QAEUserError(
+                f"stop: run '{run}' is still running after {timeout:g} s (a long step, or a large "
+                "checkpoint). It will stop on its own; check with `qae runs`."
+            )
         status, step = read_run(path).get("status"), read_last_step(path)
     except QAEUserError as err:
         fail(err)
-    console.print(f"run {escape(run)} {status} at step {step}. Continue it with: qae train --resume {escape(run)} "
-                  f"--runs-dir {escape(str(runs_dir))}", highlight=False, soft_wrap=True)
+    console.print(
+        f"run {escape(run)} {status} at step {step}. Continue it with: qae train --resume {escape(run)} "
+        f"--runs-dir {escape(str(runs_dir))}",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def _stop_sweep(sweep: str, runs_dir, timeout: float) -> None:
@@ -107,23 +128,38 @@ def _stop_sweep(sweep: str, runs_dir, timeout: float) -> None:
         folders = [folder for folder in folders if folder.is_dir()]
         if not runs and not folders:
             raise QAEUserError(f"sweep: no run of sweep '{sweep}' in {runs_dir}. Nothing was signalled.")
-        stopped = stop_sweep(sweep, folders, [runs_dir / run_id for run_id in runs], timeout, on_signalled=lambda:
-                             console.print(f"stopping sweep {escape(sweep)}: each run after its current step...",
-                                           highlight=False))
+        stopped = stop_sweep(
+            sweep,
+            folders,
+            [runs_dir / run_id for run_id in runs],
+            timeout,
+            on_signalled=lambda: console.print(
+                f"stopping sweep {escape(sweep)}: each run after its current step...", highlight=False
+            ),
+        )
     except QAEUserError as err:
         fail(err)
     for folder in stopped:
         db = folder / DB_FILE
-        console.print(f"run {escape(folder.name)} {read_run(db).get('status')} at step {read_last_step(db)}",
-                      highlight=False, soft_wrap=True)
-    console.print(f"sweep {escape(sweep)} stopped. Continue it by re-running its `qae sweep` command (finished runs "
-                  "are kept, interrupted ones resume).", highlight=False, soft_wrap=True)
+        console.print(
+            f"run {escape(folder.name)} {read_run(db).get('status')} at step {read_last_step(db)}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    console.print(
+        f"sweep {escape(sweep)} stopped. Continue it by re-running its `qae sweep` command (finished runs "
+        "are kept, interrupted ones resume).",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
-def rm(runs: Annotated[list[str] | None, typer.Argument(help="Run ids to delete (or --sweep).")] = None,
-       sweep: Annotated[str | None, typer.Option(help="Delete every run of this sweep (its id or name).")] = None,
-       yes: Annotated[bool, typer.Option("--yes", help="Delete without asking.")] = False,
-       runs_dir: RunsDir = DEFAULT_RUNS_DIR) -> None:
+def rm(
+    runs: Annotated[list[str] | None, typer.Argument(help="Run ids to delete (or --sweep).")] = None,
+    sweep: Annotated[str | None, typer.Option(help="Delete every run of this sweep (its id or name).")] = None,
+    yes: Annotated[bool, typer.Option("--yes", help="Delete without asking.")] = False,
+    runs_dir: RunsDir = DEFAULT_RUNS_DIR,
+) -> None:
     """Delete runs: their folders, database, checkpoints and all. A run being trained is refused (stop it first)."""
     from qae_app.store.removal import folders_to_remove, remove_run_folder
 
@@ -139,8 +175,9 @@ def rm(runs: Annotated[list[str] | None, typer.Argument(help="Run ids to delete 
         folders = folders_to_remove(runs_dir, runs or [])
     except QAEUserError as err:
         fail(err)
-    names_text = ", ".join(folder.name + (" (a link: only the link is removed)" if folder.is_symlink() else "")
-                           for folder in folders)
+    names_text = ", ".join(
+        folder.name + (" (a link: only the link is removed)" if folder.is_symlink() else "") for folder in folders
+    )
     if not yes and not typer.confirm(f"Delete {len(folders)} run(s) from {runs_dir}: {names_text}?", default=False):
         console.print("nothing deleted")  # the user's "no" is an answer, not a failure
         raise typer.Exit(code=0)
@@ -150,7 +187,12 @@ def rm(runs: Annotated[list[str] | None, typer.Argument(help="Run ids to delete 
         except QAEUserError as err:
             fail(err)
         if target is not None:
-            console.print(f"{escape(folder.name)} was a link to {escape(target)}: the link is removed, the folder it "
-                          "points at is kept (delete it yourself if you mean to)", highlight=False, soft_wrap=True)
-    console.print(f"deleted {len(folders)} run(s): {escape(', '.join(folder.name for folder in folders))}",
-                  highlight=False)
+            console.print(
+                f"{escape(folder.name)} was a link to {escape(target)}: the link is removed, the folder it "
+                "points at is kept (delete it yourself if you mean to)",
+                highlight=False,
+                soft_wrap=True,
+            )
+    console.print(
+        f"deleted {len(folders)} run(s): {escape(', '.join(folder.name for folder in folders))}", highlight=False
+    )

@@ -13,14 +13,19 @@ def _runs_dir_is_a_folder(value: Path) -> Path:
 
     long = name_too_long(value)
     if long is not None:
-        raise typer.BadParameter(f"'{long}' has a name over 255 bytes, longer than the file system allows for one "
-                                 "folder. Use a shorter name.")
+        raise typer.BadParameter(
+            f"'{long}' has a name over 255 bytes, longer than the file system allows for one "
+            "folder. Use a shorter name."
+        )
     if value.exists() and not value.is_dir():
-        raise typer.BadParameter(f"'{value}' is a file, not a folder. Pass the folder that holds one sub-folder per "
-                                 "run (it is created by the first `qae train`).")
+        raise typer.BadParameter(
+            f"'{value}' is a file, not a folder. Pass the folder that holds one sub-folder per "
+            "run (it is created by the first `qae train`)."
+        )
     return value
 
 
-RunsDir = Annotated[Path, typer.Option("--runs-dir", help="Folder holding one sub-folder per run.",
-                                       callback=_runs_dir_is_a_folder)]
+RunsDir = Annotated[
+    Path, typer.Option("--runs-dir", help="Folder holding one sub-folder per run.", callback=_runs_dir_is_a_folder)
+]
 DEFAULT_RUNS_DIR = Path("runs")

@@ -34,8 +34,10 @@ def banner(cfg, run_id: str) -> str:
     """'qae train run r: qae (K=0.4, quantile paper) on arith ...'; K and the quantile only for an estimator that
     reads them (a GRPO run has neither)."""
     estimator = cfg.estimator + (f" (K={cfg.k}, quantile {cfg.quantile})" if ESTIMATORS[cfg.estimator].reads_k else "")
-    return (f"[bold]qae train[/] run [cyan]{run_id}[/]: {estimator} on {cfg.data} with {cfg.model}, {cfg.steps} "
-            f"steps of {cfg.prompts_per_step} prompts x {cfg.group_size} samples")
+    return (
+        f"[bold]qae train[/] run [cyan]{run_id}[/]: {estimator} on {cfg.data} with {cfg.model}, {cfg.steps} "
+        f"steps of {cfg.prompts_per_step} prompts x {cfg.group_size} samples"
+    )
 
 
 class StepPace:
@@ -50,8 +52,11 @@ class StepPace:
         self.times = [*self.times[-PACE_STEPS:], (step, self.clock())]
 
     def steps_per_min(self) -> float | None:
-        rates = [(b_step - a_step) / (b_time - a_time) * 60 for (a_step, a_time), (b_step, b_time)
-                 in itertools.pairwise(self.times) if b_time > a_time and b_step > a_step]
+        rates = [
+            (b_step - a_step) / (b_time - a_time) * 60
+            for (a_step, a_time), (b_step, b_time) in itertools.pairwise(self.times)
+            if b_time > a_time and b_step > a_step
+        ]
         return statistics.median(rates) if rates else None
 
     def eta_s(self) -> float | None:
@@ -64,9 +69,12 @@ class StepPace:
 def stat_fields(metrics: dict, heldout: float | None, pace: StepPace, dynamic_sampling: bool = False) -> dict[str, str]:
     """The step's fields in the order printed, each named as in `DROP_ORDER` (and "eta")."""
     rate = pace.steps_per_min()
-    fields = {"reward": f"reward {number(metrics.get('reward_mean'))}",
-              "entropy": f"H {number(metrics.get('entropy'))}",
-              "gated": f"gated {number(metrics.get('frac_zero_adv'))}", "heldout": f"held-out {number(heldout)}"}
+    fields = {
+        "reward": f"reward {number(metrics.get('reward_mean'))}",
+        "entropy": f"H {number(metrics.get('entropy'))}",
+        "gated": f"gated {number(metrics.get('frac_zero_adv'))}",
+        "heldout": f"held-out {number(heldout)}",
+    }
     if dynamic_sampling:
         fields["filtered"] = f"filtered {number(metrics.get('frac_filtered'))}"
     return {**fields, "pace": f"· {f'{rate:.3g}' if rate else '-'} steps/min", "eta": f"· ETA {duration(pace.eta_s())}"}
@@ -98,9 +106,12 @@ class FittedLine(ProgressColumn):
 
     def render(self, task: Task) -> Text:
         elapsed = "-:--:--" if task.elapsed is None else str(timedelta(seconds=max(0, int(task.elapsed))))
-        fields = {"step": Text.assemble(("step", "bold"), f" {int(task.completed)}/{int(task.total or 0)}"),
-                  "bar": bar(task.completed, task.total), "elapsed": Text(elapsed, style="progress.elapsed"),
-                  **{name: Text(text) for name, text in task.fields["stats"].items()}}
+        fields = {
+            "step": Text.assemble(("step", "bold"), f" {int(task.completed)}/{int(task.total or 0)}"),
+            "bar": bar(task.completed, task.total),
+            "elapsed": Text(elapsed, style="progress.elapsed"),
+            **{name: Text(text) for name, text in task.fields["stats"].items()},
+        }
         return fit_line(fields, self.console.width)
 
 
@@ -130,8 +141,9 @@ class TrainProgress:
         self._update(step, metrics)
         for row in warnings:
             if row["kind"] in ALERT_KINDS:
-                self.console.print(Text.assemble(("warning: ", "yellow"), f"{row['kind']}: {row['message']}"),
-                                   soft_wrap=True)
+                self.console.print(
+                    Text.assemble(("warning: ", "yellow"), f"{row['kind']}: {row['message']}"), soft_wrap=True
+                )
 
     def _update(self, step: int, metrics: dict) -> None:
         if metrics.get("heldout_accuracy") is not None:
@@ -143,8 +155,9 @@ class TrainProgress:
             stats = stat_fields(metrics, self.heldout, self.pace, self.dynamic_sampling)
         self.bar.update(self.task, completed=step, stats=stats)
         if self.show and not self.live:
-            self.console.print(f"step {step}/{self.total_steps} {' '.join(stats.values())}", highlight=False,
-                               soft_wrap=True)
+            self.console.print(
+                f"step {step}/{self.total_steps} {' '.join(stats.values())}", highlight=False, soft_wrap=True
+            )
 
 
 class PreviewProgress:
@@ -156,9 +169,16 @@ class PreviewProgress:
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
         self.console, self.total = console, total_prompts
-        self.bar = Progress(TextColumn("[bold]preview[/] {task.description}"), BarColumn(bar_width=BAR_WIDTH),
-                            MofNCompleteColumn(), TextColumn("prompts"), TimeElapsedColumn(), console=console,
-                            disable=not console.is_terminal, transient=True)
+        self.bar = Progress(
+            TextColumn("[bold]preview[/] {task.description}"),
+            BarColumn(bar_width=BAR_WIDTH),
+            MofNCompleteColumn(),
+            TextColumn("prompts"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=not console.is_terminal,
+            transient=True,
+        )
         self.task = self.bar.add_task("loading", total=total_prompts)
 
     def __enter__(self) -> PreviewProgress:

@@ -81,8 +81,9 @@ LIST_EXAMPLES = {"estimator": "qae,grpo", "k": "0.3,0.4", "policy-loss": "clip,k
 def parse_list(flag: str, text: str) -> list[str]:
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
-        raise QAEUserError(f"{flag}: '{text}' names nothing. Give a comma-separated list, e.g. "
-                           f"{LIST_EXAMPLES.get(flag, 'a,b')}.")
+        raise QAEUserError(
+            f"{flag}: '{text}' names nothing. Give a comma-separated list, e.g. {LIST_EXAMPLES.get(flag, 'a,b')}."
+        )
     if len(set(items)) != len(items):
         raise QAEUserError(f"{flag}: '{text}' repeats a value. Give each once.")
     if flag == "k":  # 0.4 and 0.40 are one K: it would train one point twice, under two names
@@ -93,21 +94,30 @@ def parse_list(flag: str, text: str) -> list[str]:
             except ValueError:
                 continue  # 'auto', or a bad value that the config check names
             if value in seen:
-                raise QAEUserError(f"k: '{clipped(text)}' gives the same K twice ({seen[value]} and {item}). Give "
-                                   "each once.")
+                raise QAEUserError(
+                    f"k: '{clipped(text)}' gives the same K twice ({seen[value]} and {item}). Give each once."
+                )
             seen[value] = item
     return items
 
 
-def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, options: dict,
-               name: str | None = None, losses: str | None = None) -> Sweep:
+def plan_sweep(
+    runs_dir: Path,
+    estimators: str,
+    ks: str | None,
+    seeds: int,
+    options: dict,
+    name: str | None = None,
+    losses: str | None = None,
+) -> Sweep:
     """The sweep's points, validated before anything runs: `estimators` 'qae,grpo', `ks` '0.3,0.4' (QAE only;
     default: the options' K or names.DEFAULT_K), `seeds` how many seeds from the options' seed on, `options` the train
     options the user gave (TOML and command line, not the defaults), `losses` 'clip,kl_cov' (None: the options' own
     --policy-loss, and run names without it, as a sweep before the option had)."""
     estimator_list, k_list = _grid(estimators, ks, seeds, options)
-    loss_list = _losses(losses, seeds * sum(len(k_list) if ESTIMATORS[estimator].reads_k else 1
-                                            for estimator in estimator_list))
+    loss_list = _losses(
+        losses, seeds * sum(len(k_list) if ESTIMATORS[estimator].reads_k else 1 for estimator in estimator_list)
+    )
     for key in ("run_name", "sweep_id", "sweep_name", "estimator", "k"):
         options.pop(key, None)
     first_seed = int(options.pop("seed", 0))
@@ -119,9 +129,19 @@ def plan_sweep(runs_dir: Path, estimators: str, ks: str | None, seeds: int, opti
     hashed = options if losses is None else {**options, "policy_loss": "(a grid)"}
     sweep_id = hashlib.sha256(json.dumps(hashed, sort_keys=True, default=str).encode()).hexdigest()[:10]
     name = validate_run_name(f"sweep-{sweep_id[:6]}" if name is None else name, option="name")
-    points = [point for loss in loss_list for point in _points(
-        name, sweep_id, estimator_list, k_list, range(first_seed, first_seed + seeds),
-        _loss_options(options, loss, loss_list), loss)]
+    points = [
+        point
+        for loss in loss_list
+        for point in _points(
+            name,
+            sweep_id,
+            estimator_list,
+            k_list,
+            range(first_seed, first_seed + seeds),
+            _loss_options(options, loss, loss_list),
+            loss,
+        )
+    ]
     check_data_files(build_config(**points[0].options))  # shared by every point: a bad file fails all of them
     _check_point_folders(runs_dir, points, sweep_id)
     return Sweep(sweep_id, name, points, _sweep_folder(runs_dir, name))
@@ -134,16 +154,19 @@ def _grid(estimators: str, ks: str | None, seeds: int, options: dict) -> tuple[l
         if estimator not in ESTIMATORS:
             raise QAEUserError(f"estimator: unknown '{estimator}'. Choose from: {', '.join(ESTIMATORS)}.")
     if ks is not None and not any(ESTIMATORS[estimator].reads_k for estimator in estimator_list):
-        raise QAEUserError(f"k: {ks} is QAE's quantile level, and the sweep has no qae run. Drop --k or add qae "
-                           "to --estimator.")
+        raise QAEUserError(
+            f"k: {ks} is QAE's quantile level, and the sweep has no qae run. Drop --k or add qae to --estimator."
+        )
     k_list = parse_list("k", ks) if ks is not None else [str(options.get("k", names.DEFAULT_K))]
     if seeds < 1:
         raise QAEUserError(f"seeds: {seeds}. Use 1 or more seeds (3 or more to get a confidence interval).")
     n_runs = sum(len(k_list) if ESTIMATORS[estimator].reads_k else 1 for estimator in estimator_list) * seeds
     if n_runs > MAX_SWEEP_RUNS:  # counted before any point is planned: a typo like --seeds 1000000 never hangs
-        raise QAEUserError(f"seeds: {seeds} makes {n_runs:,} runs, more than the {MAX_SWEEP_RUNS} a sweep may have "
-                           "(each run is a full training run). Use fewer seeds or Ks, or split the study into "
-                           "several sweeps.")
+        raise QAEUserError(
+            f"seeds: {seeds} makes {n_runs:,} runs, more than the {MAX_SWEEP_RUNS} a sweep may have "
+            "(each run is a full training run). Use fewer seeds or Ks, or split the study into "
+            "several sweeps."
+        )
     return estimator_list, k_list
 
 
@@ -156,8 +179,10 @@ def _losses(losses: str | None, runs_per_loss: int) -> list[str | None]:
         if loss not in POLICY_LOSSES:
             raise QAEUserError(f"policy-loss: unknown '{loss}'. Choose from: {', '.join(POLICY_LOSSES)}.")
     if len(loss_list) * runs_per_loss > MAX_SWEEP_RUNS:
-        raise QAEUserError(f"policy-loss: {len(loss_list)} losses make {len(loss_list) * runs_per_loss:,} runs, more "
-                           f"than the {MAX_SWEEP_RUNS} a sweep may have. Use fewer losses, seeds or Ks.")
+        raise QAEUserError(
+            f"policy-loss: {len(loss_list)} losses make {len(loss_list) * runs_per_loss:,} runs, more "
+            f"than the {MAX_SWEEP_RUNS} a sweep may have. Use fewer losses, seeds or Ks."
+        )
     return loss_list
 
 
@@ -171,8 +196,15 @@ def _loss_options(options: dict, loss: str | None, loss_list: list[str | None]) 
     return {**{key: value for key, value in options.items() if key not in others}, "policy_loss": loss}
 
 
-def _points(name: str, sweep_id: str, estimator_list: list[str], k_list: list[str], seeds: range,
-            options: dict, loss: str | None = None) -> list[SweepPoint]:
+def _points(
+    name: str,
+    sweep_id: str,
+    estimator_list: list[str],
+    k_list: list[str],
+    seeds: range,
+    options: dict,
+    loss: str | None = None,
+) -> list[SweepPoint]:
     """One point per estimator, K (QAE only) and seed, each with its run name (`loss` first where the sweep names
     its losses) and its options (the shared `options` and its own), built into a config here so that every bad
     value is refused before any run starts."""
@@ -182,8 +214,15 @@ def _points(name: str, sweep_id: str, estimator_list: list[str], k_list: list[st
         for k in k_list if ESTIMATORS[estimator].reads_k else [None]:  # a mean baseline ignores K: one point per seed
             for seed in seeds:
                 run_name = validate_run_name(f"{name}-{prefix}{estimator}{f'-k{k}' if k is not None else ''}-s{seed}")
-                point = dict(options, estimator=estimator, seed=seed, run_name=run_name, sweep_id=sweep_id,
-                             sweep_name=name, **({"k": k} if k is not None else {}))
+                point = dict(
+                    options,
+                    estimator=estimator,
+                    seed=seed,
+                    run_name=run_name,
+                    sweep_id=sweep_id,
+                    sweep_name=name,
+                    **({"k": k} if k is not None else {}),
+                )
                 try:
                     build_config(**point)  # every bad value is refused here, before any run starts
                 except QAEUserError as err:
@@ -202,19 +241,22 @@ def _check_point_folders(runs_dir: Path, points: list[SweepPoint], sweep_id: str
             raise QAEUserError(
                 f"name: run '{point.run_name}' already exists in {runs_dir} and is not a training run (no "
                 f"{CONFIG_FILE}: an eval run, or what is left of a run). Pass another --name, or move the folder "
-                "aside.")
+                "aside."
+            )
         if lost_its_database(stored.parent):
             raise QAEUserError(
                 f"name: run '{point.run_name}' of this sweep has lost its database ({stored.parent / DB_FILE} was "
                 "deleted or moved aside), so it can neither be resumed nor started again under its name. Restore "
-                "the file, or move the run's folder aside to train that point anew.")
+                "the file, or move the run's folder aside to train that point anew."
+            )
         if stored.exists():
             other = read_run_config(stored.parent).get("sweep_id")
             if other != sweep_id:
                 raise QAEUserError(
                     f"name: run '{point.run_name}' already exists in {runs_dir} and belongs to "
                     f"{'sweep ' + other if other else 'no sweep'}, not to this one (other options). "
-                    "Pass another --name, or the same options as that sweep to resume it.")
+                    "Pass another --name, or the same options as that sweep to resume it."
+                )
 
 
 def _sweep_folder(runs_dir: Path, name: str) -> Path:
@@ -226,8 +268,9 @@ def _sweep_folder(runs_dir: Path, name: str) -> Path:
     except OSError as err:
         if environment_errno(err) is None:
             raise
-        raise environment_error(f"runs-dir: cannot write the sweep's files in {runs_dir}", err,
-                                "Its runs are intact.") from None
+        raise environment_error(
+            f"runs-dir: cannot write the sweep's files in {runs_dir}", err, "Its runs are intact."
+        ) from None
     return folder
 
 
@@ -249,8 +292,9 @@ def _toml_value(value) -> str:
 
 def write_point_file(path: Path, options: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(f"{key} = {_toml_value(value)}\n" for key, value in sorted(options.items())),
-                    encoding="utf-8")
+    path.write_text(
+        "".join(f"{key} = {_toml_value(value)}\n" for key, value in sorted(options.items())), encoding="utf-8"
+    )
     return path
 
 
@@ -267,8 +311,10 @@ def point_state(runs_dir: Path, point: SweepPoint) -> str:
     from qae_app.store.reader import read_last_step, read_run
 
     try:
-        status, last = read_run(db_path(runs_dir, point.run_name))["status"], read_last_step(
-            db_path(runs_dir, point.run_name))
+        status, last = (
+            read_run(db_path(runs_dir, point.run_name))["status"],
+            read_last_step(db_path(runs_dir, point.run_name)),
+        )
     except QAEUserError:
         return "resume"
     return "done" if status == "finished" and (last or 0) >= point.steps else "resume"
@@ -320,8 +366,10 @@ def check_data_files(cfg) -> None:
 def check_parallel(parallel: int) -> None:
     cores = os.cpu_count() or 1
     if not 1 <= parallel <= cores:
-        raise QAEUserError(f"parallel: {parallel}. Use 1 to {cores} runs at a time (this machine has {cores} cores; "
-                           "each run gets its share of them).")
+        raise QAEUserError(
+            f"parallel: {parallel}. Use 1 to {cores} runs at a time (this machine has {cores} cores; "
+            "each run gets its share of them)."
+        )
 
 
 def run_sweep(sweep: Sweep, runs_dir: Path, parallel: int = 1, cpu: bool = False, on_update=None) -> dict:
@@ -393,9 +441,14 @@ def _start_point(sweep: Sweep, point: SweepPoint, action: str, runs_dir: Path, c
     with log.open("a") as out:
         out.write(f"\n# qae sweep {sweep.name}: {action} {point.run_name} at {_now()}\n")
         out.flush()
-        process = subprocess.Popen(_command(sweep, point, action, runs_dir, cpu), stdout=out,
-                                   stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                   preexec_fn=_stop_with_parent)
+        process = subprocess.Popen(
+            _command(sweep, point, action, runs_dir, cpu),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_stop_with_parent,
+        )
     return PointRun(point, action, process, log)
 
 
@@ -417,12 +470,20 @@ def _collect_exited(sweep: Sweep, runs_dir: Path, active: list[PointRun], stoppi
             continue
         active.remove(run)
         with run.log.open("a") as out:  # the trainer has exited: nothing else writes to its log now
-            out.write(f"# qae sweep {sweep.name}: {run.point.run_name} exited with code {code} at {_now()} "
-                      f"after {time.monotonic() - run.started:.1f} s\n")
+            out.write(
+                f"# qae sweep {sweep.name}: {run.point.run_name} exited with code {code} at {_now()} "
+                f"after {time.monotonic() - run.started:.1f} s\n"
+            )
         final = point_state(runs_dir, run.point)  # (the name may have been taken as the point started)
-        exited[run.point.run_name] = ("done" if code == 0 and final == "done"
-                                      else "taken" if code != 0 and final == "taken"
-                                      else "interrupted" if stopping or code == 130 else "failed")
+        exited[run.point.run_name] = (
+            "done"
+            if code == 0 and final == "done"
+            else "taken"
+            if code != 0 and final == "taken"
+            else "interrupted"
+            if stopping or code == 130
+            else "failed"
+        )
     return exited
 
 

@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 PLAIN_COLUMNS = ("group", "sample", "position", "token", "logprob", "entropy", "old_logprob", "gap")
 
 
-def tokens_view(run: str, step: int, frame: pd.DataFrame, tokens: pd.DataFrame, color_by: str,
-                limit: int) -> RenderableType:
+def tokens_view(
+    run: str, step: int, frame: pd.DataFrame, tokens: pd.DataFrame, color_by: str, limit: int
+) -> RenderableType:
     """For a colour terminal: the shown responses of `frame` (rollout rows, up to `limit`), each token's background
     showing `color_by`, from their stored `tokens` rows."""
     by_response = _by_response(tokens)
@@ -34,15 +35,24 @@ def tokens_view(run: str, step: int, frame: pd.DataFrame, tokens: pd.DataFrame, 
     what, full = COLOR_SCALES[color_by]
     parts: list[RenderableType] = [
         Text(f"{run} step {step}: every token of {len(shown)} responses", style="bold"),
-        Text(f"background: {what}, from none (0) to full ({'-' if color_by == 'logprob' else ''}{full:g} or beyond)",
-             style="dim")]
+        Text(
+            f"background: {what}, from none (0) to full ({'-' if color_by == 'logprob' else ''}{full:g} or beyond)",
+            style="dim",
+        ),
+    ]
     for row in shown:
         key = (int(row["group_idx"]), int(row["sample_idx"]))
-        parts.append(Text(f"\ngroup {key[0]} sample {key[1]} · reward {number(row['reward'])} · advantage "
-                          f"{row['advantage']:+.4f} · {int(row['n_tokens'])} tokens", style="bold"))
+        parts.append(
+            Text(
+                f"\ngroup {key[0]} sample {key[1]} · reward {number(row['reward'])} · advantage "
+                f"{row['advantage']:+.4f} · {int(row['n_tokens'])} tokens",
+                style="bold",
+            )
+        )
         stored = by_response.get(key)
-        parts.append(_coloured(token_numbers(stored), color_by) if stored is not None else
-                     Text(NOT_STORED, style="dim"))
+        parts.append(
+            _coloured(token_numbers(stored), color_by) if stored is not None else Text(NOT_STORED, style="dim")
+        )
     if len(frame) > limit:
         parts.append(Text(f"showing {limit} of {len(frame)} responses (--limit)", style="dim"))
     return Group(*parts)
@@ -59,9 +69,18 @@ def tokens_lines(frame: pd.DataFrame, tokens: pd.DataFrame, limit: int) -> list[
         if stored is None:
             lines.append(f"# group {key[0]} sample {key[1]}: {NOT_STORED}")
             continue
-        lines += ["\t".join([str(key[0]), str(key[1]), str(position), json.dumps(token["token"], ensure_ascii=False),
-                             *(_cell(token[name]) for name in ("logprob", "entropy", "old_logprob", "gap"))])
-                  for position, token in enumerate(token_numbers(stored))]
+        lines += [
+            "\t".join(
+                [
+                    str(key[0]),
+                    str(key[1]),
+                    str(position),
+                    json.dumps(token["token"], ensure_ascii=False),
+                    *(_cell(token[name]) for name in ("logprob", "entropy", "old_logprob", "gap")),
+                ]
+            )
+            for position, token in enumerate(token_numbers(stored))
+        ]
     return lines
 
 

@@ -64,25 +64,34 @@ def eval_config_for(runs_dir, **options) -> tuple[EvalConfig, TrainConfig | None
                 f"bench: run '{run}' trained on the data file {trained.data}, so its evaluation is yours to "
                 f"name: --split heldout (the run's own held-out split"
                 + (")" if trained.heldout_fraction else ", which this run does not have: it held nothing out)")
-                + f", or --bench FILE (a whole file; --bench {trained.data} is the data it trained on).")
+                + f", or --bench FILE (a whole file; --bench {trained.data} is the data it trained on)."
+            )
         given["bench"] = trained.data
     return build_eval_config(**given), trained, taken
 
 
 def _check_split(split: str, given: dict, trained: TrainConfig | None) -> None:
     if split not in SPLITS:
-        raise QAEUserError(f"split: unknown value '{clipped(split)}'. Choose one of: {', '.join(SPLITS)} (the run's "
-                           "own held-out split).")
+        raise QAEUserError(
+            f"split: unknown value '{clipped(split)}'. Choose one of: {', '.join(SPLITS)} (the run's "
+            "own held-out split)."
+        )
     if trained is None:
-        raise QAEUserError(f"split: --split {split} evaluates a training run's own held-out split, and --model "
-                           f"'{clipped(str(given.get('model')))}' is no training run here (see `qae runs`). Pass "
-                           "--model RUN, or --bench FILE for a model that is not a run.")
+        raise QAEUserError(
+            f"split: --split {split} evaluates a training run's own held-out split, and --model "
+            f"'{clipped(str(given.get('model')))}' is no training run here (see `qae runs`). Pass "
+            "--model RUN, or --bench FILE for a model that is not a run."
+        )
     if "bench" in given:
-        raise QAEUserError(f"split: --split {split} and --bench {clipped(str(given['bench']))} name two things to "
-                           "evaluate. Pass one of them.")
+        raise QAEUserError(
+            f"split: --split {split} and --bench {clipped(str(given['bench']))} name two things to "
+            "evaluate. Pass one of them."
+        )
     if builtin_task_name(trained.data) is None and not trained.heldout_fraction:
-        raise QAEUserError(f"split: run '{given['model']}' held nothing out of {trained.data} "
-                           "(--heldout-fraction 0). Evaluate it on another file with --bench FILE.")
+        raise QAEUserError(
+            f"split: run '{given['model']}' held nothing out of {trained.data} "
+            "(--heldout-fraction 0). Evaluate it on another file with --bench FILE."
+        )
 
 
 def _split_rewards(run: str, trained: TrainConfig, given: dict) -> dict:
@@ -95,7 +104,9 @@ def _split_rewards(run: str, trained: TrainConfig, given: dict) -> dict:
         flags = " ".join(f"--reward {spec}" for spec in trained.reward)
         if trained.reward_weights is not None:
             flags += f" --reward-weights {weights_text(trained.reward_weights)}"
-        raise QAEUserError(f"reward: run '{run}' scored with reward code ({', '.join(code)}), which a run folder never "
-                           f"runs by itself. Name the rewards again to evaluate its held-out split as it trained: "
-                           f"qae eval --model {run} --split heldout {flags}")
+        raise QAEUserError(
+            f"reward: run '{run}' scored with reward code ({', '.join(code)}), which a run folder never "
+            f"runs by itself. Name the rewards again to evaluate its held-out split as it trained: "
+            f"qae eval --model {run} --split heldout {flags}"
+        )
     return {"reward": list(trained.reward), "reward_weights": trained.reward_weights}

@@ -41,14 +41,34 @@ if TYPE_CHECKING:  # `qae runs` draws from dicts and never imports pandas
     import pandas as pd
 
 GAP = 2  # characters between two columns (SIMPLE_HEAD box, collapsed padding)
-STATUS_STYLES = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow",
-                 UNREADABLE: "bold red", BUSY: "yellow", STOPPED: "magenta",
-                 NOT_A_RUN: "dim"}
+STATUS_STYLES = {
+    "finished": "green",
+    "running": "cyan",
+    "failed": "red",
+    "interrupted": "yellow",
+    UNREADABLE: "bold red",
+    BUSY: "yellow",
+    STOPPED: "magenta",
+    NOT_A_RUN: "dim",
+}
 ID_SEPARATORS = "-_."
 MIN_ID_WIDTH = 24  # optional columns give way before a run id gets narrower than this (default ids: 19-23)
 # `qae show`: the steps columns in order of importance (all of STEP_METRICS, the first ones kept at 80 columns)
-SHOW_METRICS = ["reward_mean", "accuracy", "heldout_accuracy", "entropy", "frac_zero_adv", "frac_hard", "frac_easy",
-                "cov_logp_adv", "kl", "clip_frac", "response_len", "step_s", "sync_s"]
+SHOW_METRICS = [
+    "reward_mean",
+    "accuracy",
+    "heldout_accuracy",
+    "entropy",
+    "frac_zero_adv",
+    "frac_hard",
+    "frac_easy",
+    "cov_logp_adv",
+    "kl",
+    "clip_frac",
+    "response_len",
+    "step_s",
+    "sync_s",
+]
 
 
 def metric_header(name: str) -> str:
@@ -112,16 +132,30 @@ def fit(columns: list[Column], width: int, title: str | None = None) -> Fitted:
         if not fits:
             break  # in order of importance: a less important column never takes the place of a more important one
         chosen = trial
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True, title=title,
-                  title_justify="left", title_style="bold")
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+        title=title,
+        title_justify="left",
+        title_style="bold",
+    )
     for column in chosen:
         if column is flexible:
             room = max(room_for_flexible([c for c in chosen if c is not flexible]), 1)
-            table.add_column(column.header, justify=column.justify, overflow=column.overflow,
-                             no_wrap=column.overflow == "ellipsis", max_width=room, style=column.style)
+            table.add_column(
+                column.header,
+                justify=column.justify,
+                overflow=column.overflow,
+                no_wrap=column.overflow == "ellipsis",
+                max_width=room,
+                style=column.style,
+            )
         else:
-            table.add_column(column.header, justify=column.justify, no_wrap=True, min_width=column.width(),
-                             style=column.style)
+            table.add_column(
+                column.header, justify=column.justify, no_wrap=True, min_width=column.width(), style=column.style
+            )
     for row in zip(*(c.cells for c in chosen), strict=True) if chosen and chosen[0].cells else []:
         table.add_row(*[cell if isinstance(cell, (Text, RunCell)) else Text(str(cell)) for cell in row])
     return Fitted(table, [c.name or c.header.replace("\n", "") for c in columns if c not in chosen])
@@ -158,8 +192,11 @@ def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
     ids = [str(row["run_id"]) for row in rows]
     readable = [row.get("status") not in READ_STATUSES for row in rows]
     # with 0/1 rewards the mean reward is the accuracy: one column says both, and leaves room for entropy
-    same = all(number(row.get("reward_mean")) == number(row.get("accuracy"))
-               for row, ok in zip(rows, readable, strict=True) if ok)
+    same = all(
+        number(row.get("reward_mean")) == number(row.get("accuracy"))
+        for row, ok in zip(rows, readable, strict=True)
+        if ok
+    )
 
     # the run ids lose the prefix they all share when the run column cannot show them whole
     fitted, prefix = fit(_runs_columns(rows, readable, same), width), ""
@@ -182,6 +219,7 @@ def runs_view(rows: list[dict], runs_dir: str, width: int) -> RenderableType:
 @dataclass
 class RunCell:
     """A run id and under it, indented and wrapped between options, what tells the run apart."""
+
     run_id: str
     options: str
 
@@ -198,13 +236,16 @@ OPTIONS_INDENT = "  "  # the line under a run id that says what tells it apart
 OPTIONS_IN_COLUMNS = {"estimator": ("estimator", "k"), "steps": ("steps",), "model": ("model",), "task": ("data",)}
 
 
-def _fitted_apart(rows: list[dict], readable: list[bool], same: bool, prefix: str,
-                  width: int) -> tuple[Fitted, Differences]:
+def _fitted_apart(
+    rows: list[dict], readable: list[bool], same: bool, prefix: str, width: int
+) -> tuple[Fitted, Differences]:
     """The runs table with what tells each run apart under its id. Which columns fit decides what the ids' lines
     leave out (what a shown column says), and those lines which columns fit: settled in a few rounds (each round can
     only drop columns)."""
-    configs = [_config(row) if ok and row.get("estimator") not in RESULTS_ONLY_KINDS else None
-               for row, ok in zip(rows, readable, strict=True)]
+    configs = [
+        _config(row) if ok and row.get("estimator") not in RESULTS_ONLY_KINDS else None
+        for row, ok in zip(rows, readable, strict=True)
+    ]
     dropped: list[str] | None = None
     while True:
         shown = [name for name in OPTIONS_IN_COLUMNS if dropped is None or name not in dropped]
@@ -215,8 +256,14 @@ def _fitted_apart(rows: list[dict], readable: list[bool], same: bool, prefix: st
         dropped = fitted.dropped
 
 
-def _runs_columns(rows: list[dict], readable: list[bool], same: bool, prefix: str = "",
-                  whole_ids: bool = False, apart: list[list] | None = None) -> list[Column]:
+def _runs_columns(
+    rows: list[dict],
+    readable: list[bool],
+    same: bool,
+    prefix: str = "",
+    whole_ids: bool = False,
+    apart: list[list] | None = None,
+) -> list[Column]:
     """The columns of the runs table, the run ids without `prefix`; an unreadable run shows its id and status only.
     `same`: reward_mean is the accuracy in every run (one column says both). `whole_ids`: optional columns give way
     before an id of up to 40 characters is cut. `apart`: each run's options that tell it apart, under its id."""
@@ -224,46 +271,79 @@ def _runs_columns(rows: list[dict], readable: list[bool], same: bool, prefix: st
     return [
         _run_id_column(rows, prefix, whole_ids, apart),
         Column("status", [status_text(row["status"]) for row in rows]),
-        Column("estimator", [_estimator(row) if ok else "" for row, ok in zip(rows, readable, strict=True)],
-               priority=1),
-        Column("steps", [_progress(row, config) if ok else ""
-                         for row, config, ok in zip(rows, configs, readable, strict=True)],
-               justify="right"),
+        Column(
+            "estimator", [_estimator(row) if ok else "" for row, ok in zip(rows, readable, strict=True)], priority=1
+        ),
+        Column(
+            "steps",
+            [_progress(row, config) if ok else "" for row, config, ok in zip(rows, configs, readable, strict=True)],
+            justify="right",
+        ),
         *_metric_columns(rows, readable, same),
         # (`qae tag`: only when a run has some; words of any length, so after the numbers, which never give way to it)
-        *([Column("tags", [str(row.get("tags") or "") for row in rows], priority=5, name="tags")]
-          if any(row.get("tags") for row in rows) else []),
-        Column("model", [str(row.get("model") or "") if ok else "" for row, ok in zip(rows, readable, strict=True)],
-               priority=6),
-        Column("task", [str(row.get("task") or "") if ok else "" for row, ok in zip(rows, readable, strict=True)],
-               priority=7),
+        *(
+            [Column("tags", [str(row.get("tags") or "") for row in rows], priority=5, name="tags")]
+            if any(row.get("tags") for row in rows)
+            else []
+        ),
+        Column(
+            "model",
+            [str(row.get("model") or "") if ok else "" for row, ok in zip(rows, readable, strict=True)],
+            priority=6,
+        ),
+        Column(
+            "task",
+            [str(row.get("task") or "") if ok else "" for row, ok in zip(rows, readable, strict=True)],
+            priority=7,
+        ),
         Column("created (UTC)", [_time(row.get("created_at")) for row in rows], priority=8, name="created"),
     ]
 
 
 def _run_id_column(rows: list[dict], prefix: str, whole_ids: bool, apart: list[list] | None) -> Column:
     """The run ids without `prefix`, each with the options that tell it apart under it."""
-    shown_ids = [str(row["run_id"])[len(prefix):] for row in rows]
+    shown_ids = [str(row["run_id"])[len(prefix) :] for row in rows]
     apart = apart or [[] for _ in rows]
-    run_cells = [RunCell(run_id, options_text(options)) if options else Text(run_id)
-                 for run_id, options in zip(shown_ids, apart, strict=True)]
+    run_cells = [
+        RunCell(run_id, options_text(options)) if options else Text(run_id)
+        for run_id, options in zip(shown_ids, apart, strict=True)
+    ]
     # (an option wraps between options, never inside one, while the id's room allows)
-    longest = max([*map(len, shown_ids), *(len(OPTIONS_INDENT + option_text(*option)) + 1
-                                           for options in apart for option in options)], default=0)
-    return Column("run", run_cells, flexible=True, name="run",
-                  min_width=max(MIN_ID_WIDTH, min(40, longest)) if whole_ids else MIN_ID_WIDTH)
+    longest = max(
+        [
+            *map(len, shown_ids),
+            *(len(OPTIONS_INDENT + option_text(*option)) + 1 for options in apart for option in options),
+        ],
+        default=0,
+    )
+    return Column(
+        "run",
+        run_cells,
+        flexible=True,
+        name="run",
+        min_width=max(MIN_ID_WIDTH, min(40, longest)) if whole_ids else MIN_ID_WIDTH,
+    )
 
 
 def _metric_columns(rows: list[dict], readable: list[bool], same: bool) -> list[Column]:
     """reward_mean, accuracy (unless `same`: reward_mean is the accuracy), held-out accuracy and entropy; blank for
     an unreadable run."""
-    def metric(key: str, priority: int) -> Column:
-        return Column(metric_header(key), [number(row.get(key)) if ok else ""
-                                           for row, ok in zip(rows, readable, strict=True)],
-                      justify="right", priority=priority, name=key)
 
-    return [metric("reward_mean", 2), *([] if same else [metric("accuracy", 2)]), metric("heldout_accuracy", 3),
-            metric("entropy", 4)]
+    def metric(key: str, priority: int) -> Column:
+        return Column(
+            metric_header(key),
+            [number(row.get(key)) if ok else "" for row, ok in zip(rows, readable, strict=True)],
+            justify="right",
+            priority=priority,
+            name=key,
+        )
+
+    return [
+        metric("reward_mean", 2),
+        *([] if same else [metric("accuracy", 2)]),
+        metric("heldout_accuracy", 3),
+        metric("entropy", 4),
+    ]
 
 
 def _runs_notes(rows: list[dict], readable: list[bool], same: bool) -> list[Text]:
@@ -273,16 +353,28 @@ def _runs_notes(rows: list[dict], readable: list[bool], same: bool) -> list[Text
     if same and any(readable):
         notes.append(Text("reward_mean is also the accuracy here (0/1 rewards: the same in every run)", style="dim"))
     if any(row["status"] == STOPPED for row in rows):
-        notes.append(Text("stopped: stored as running, but no trainer holds the run (killed by kill -9, OOM or a power "
-                          "loss). Continue it with `qae train --resume RUN`.", style="dim"))
+        notes.append(
+            Text(
+                "stopped: stored as running, but no trainer holds the run (killed by kill -9, OOM or a power "
+                "loss). Continue it with `qae train --resume RUN`.",
+                style="dim",
+            )
+        )
     for row in rows:
         if row["status"] in READ_STATUSES:
-            notes.append(Text.assemble((f"{row['status']}: ", STATUS_STYLES[row["status"]]),
-                                       (f"{row['run_id']}: {row.get('error')}", "")))
+            notes.append(
+                Text.assemble(
+                    (f"{row['status']}: ", STATUS_STYLES[row["status"]]), (f"{row['run_id']}: {row.get('error')}", "")
+                )
+            )
         elif not RUN_NAME_PATTERN.match(str(row["run_id"])):
-            notes.append(Text(f"{row['run_id']}: read as a run, but not a plain name, so `qae train --resume` cannot "
-                              f"continue it: rename it (mv '{row['run_id']}' {plain_name(str(row['run_id']))}).",
-                              style="dim"))
+            notes.append(
+                Text(
+                    f"{row['run_id']}: read as a run, but not a plain name, so `qae train --resume` cannot "
+                    f"continue it: rename it (mv '{row['run_id']}' {plain_name(str(row['run_id']))}).",
+                    style="dim",
+                )
+            )
     notes.extend(_note_line(row) for row in rows if row.get("note"))
     return notes
 
@@ -307,9 +399,17 @@ def plain_name(name: str) -> str:
 # qae show
 
 
-def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd.DataFrame, width: int,
-              metrics: list[str] | None = None, every: int = 0,
-              components: pd.DataFrame | None = None, signal: pd.DataFrame | None = None) -> RenderableType:
+def show_view(
+    info: dict,
+    steps: pd.DataFrame,
+    evals: pd.DataFrame,
+    warnings: pd.DataFrame,
+    width: int,
+    metrics: list[str] | None = None,
+    every: int = 0,
+    components: pd.DataFrame | None = None,
+    signal: pd.DataFrame | None = None,
+) -> RenderableType:
     """A run: its id and status, what it trains, its pace while running, its config, every N-th step's metrics (the
     most important ones that fit, or `metrics`), each reward component's mean on the same steps (`components`:
     reader.component_table, a run given --reward) and its share of the advantage (`signal`: signal_reader's
@@ -317,8 +417,10 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
     config = _config(info)
     parts: list[RenderableType] = [
         Text.assemble((str(info["run_id"]), "bold"), "  ", status_text(info["status"])),
-        Text(f"{_estimator(info)}{_policy_loss(info, config)} · model {info.get('model')} · task {info.get('task')} · "
-             f"seed {info.get('seed')} · {_progress(info, config)} steps"),
+        Text(
+            f"{_estimator(info)}{_policy_loss(info, config)} · model {info.get('model')} · task {info.get('task')} · "
+            f"seed {info.get('seed')} · {_progress(info, config)} steps"
+        ),
     ]
     parts += _run_state_lines(info, steps, config)
     parts += _config_lines(config)
@@ -335,14 +437,22 @@ def show_view(info: dict, steps: pd.DataFrame, evals: pd.DataFrame, warnings: pd
     return Group(*parts)
 
 
-def _signal_lines(steps: pd.DataFrame, signal: pd.DataFrame, config: dict, width: int,
-                  every: int) -> list[RenderableType]:
+def _signal_lines(
+    steps: pd.DataFrame, signal: pd.DataFrame, config: dict, width: int, every: int
+) -> list[RenderableType]:
     """Each reward component's share of the advantage on the shown steps, and the last step's in a sentence."""
-    parts = _components_table(steps, signal_table(signal), width, every, "which reward carries the signal "
-                              "(its share of the step's advantage)", "signal:")
+    parts = _components_table(
+        steps,
+        signal_table(signal),
+        width,
+        every,
+        "which reward carries the signal (its share of the step's advantage)",
+        "signal:",
+    )
     last = signal[signal["step"] == signal["step"].max()].to_dict("records")
-    if said := signal_sentence([{**row, "adv_share": as_float(row["adv_share"])} for row in last],
-                               config.get("primary_reward")):
+    if said := signal_sentence(
+        [{**row, "adv_share": as_float(row["adv_share"])} for row in last], config.get("primary_reward")
+    ):
         parts.append(Text(f"step {int(last[0]['step'])}: {said}"))
     return parts
 
@@ -364,14 +474,21 @@ def _run_state_lines(info: dict, steps: pd.DataFrame, config: dict) -> list[Rend
     if info["status"] == "running":
         parts.append(Text(pace_line(run_pace(steps, config.get("steps")))))
     elif info["status"] == STOPPED:
-        parts.append(Text("stopped: no trainer holds this run (it was killed). Continue it with "
-                          f"`qae train --resume {info['run_id']}`.", style="magenta"))
+        parts.append(
+            Text(
+                "stopped: no trainer holds this run (it was killed). Continue it with "
+                f"`qae train --resume {info['run_id']}`.",
+                style="magenta",
+            )
+        )
     pending = info.get("pending_writes") or 0
     if pending:  # rows saved by the trainer that the database does not have yet (see the README's store section)
-        who = ("the trainer writes them within seconds" if info["status"] == "running" else
-               f"`qae train --resume {info['run_id']}` writes them")
-        parts.append(Text(f"{pending} writes saved under pending/ are not in the database yet: {who}.",
-                          style="yellow"))
+        who = (
+            "the trainer writes them within seconds"
+            if info["status"] == "running"
+            else f"`qae train --resume {info['run_id']}` writes them"
+        )
+        parts.append(Text(f"{pending} writes saved under pending/ are not in the database yet: {who}.", style="yellow"))
     if info.get("error"):
         parts.append(Text.assemble(("error: ", "red"), str(info["error"])))
     return parts
@@ -382,13 +499,30 @@ def _config_lines(config: dict) -> list[RenderableType]:
     parts: list[RenderableType] = []
     if config:
         parts.append(Text("config", style="bold"))
-        parts.append(Columns([Text(f"{key} = {json.dumps(value)}") for key, value in config.items()
-                              if key not in ("distributed", "reward_files")],
-                             padding=(0, 3), column_first=True, equal=True))
+        parts.append(
+            Columns(
+                [
+                    Text(f"{key} = {json.dumps(value)}")
+                    for key, value in config.items()
+                    if key not in ("distributed", "reward_files")
+                ],
+                padding=(0, 3),
+                column_first=True,
+                equal=True,
+            )
+        )
     for spec, entry in (config.get("reward_files") or {}).items():  # the code a user reward ran, by its content
-        parts.append(Text(f"reward {spec}: {entry.get('path')} sha256 {str(entry.get('sha256'))[:16]}"
-                          + (f" (changed during the run: {len(entry['earlier'])} earlier version(s))"
-                             if entry.get("earlier") else ""), style="dim"))
+        parts.append(
+            Text(
+                f"reward {spec}: {entry.get('path')} sha256 {str(entry.get('sha256'))[:16]}"
+                + (
+                    f" (changed during the run: {len(entry['earlier'])} earlier version(s))"
+                    if entry.get("earlier")
+                    else ""
+                ),
+                style="dim",
+            )
+        )
     return parts
 
 
@@ -401,8 +535,11 @@ def picked_steps(steps: pd.DataFrame, every: int) -> tuple[list[int], str]:
     accuracy is in the table (a stride of 2 from step 1 showed steps 1, 3, 5, ... and never step 10)."""
     numbers = [int(step) for step in steps["step"]]
     last = len(steps) - 1
-    evaluated = ([] if every or "heldout_accuracy" not in steps else
-                 [step for step, value in zip(numbers, steps["heldout_accuracy"], strict=True) if not missing(value)])
+    evaluated = (
+        []
+        if every or "heldout_accuracy" not in steps
+        else [step for step, value in zip(numbers, steps["heldout_accuracy"], strict=True) if not missing(value)]
+    )
     interval = math.gcd(*evaluated) if evaluated else 0
     if interval > 1:
         fitting = [d for d in range(1, interval + 1) if interval % d == 0 and len(steps) / d <= SHOWN_STEPS]
@@ -427,8 +564,15 @@ def _steps_table(steps: pd.DataFrame, width: int, metrics: list[str] | None, eve
     for rank, name in enumerate(names, start=1):
         if name not in shown or name in empty:
             continue
-        columns.append(Column(metric_header(name), [number(v) for v in shown[name]], justify="right",
-                              priority=0 if metrics else rank, name=name))
+        columns.append(
+            Column(
+                metric_header(name),
+                [number(v) for v in shown[name]],
+                justify="right",
+                priority=0 if metrics else rank,
+                name=name,
+            )
+        )
     fitted = fit(columns, width)
     parts: list[RenderableType] = [Text(title, style="bold"), fitted.table]
     if note := dropped_note(fitted.dropped, width, "widen the terminal or pick with --metrics"):
@@ -438,16 +582,23 @@ def _steps_table(steps: pd.DataFrame, width: int, metrics: list[str] | None, eve
     return parts
 
 
-def _components_table(steps: pd.DataFrame, components: pd.DataFrame, width: int, every: int,
-                      title: str = "reward components (mean per step)",
-                      prefix: str = "reward:") -> list[RenderableType]:
+def _components_table(
+    steps: pd.DataFrame,
+    components: pd.DataFrame,
+    width: int,
+    every: int,
+    title: str = "reward components (mean per step)",
+    prefix: str = "reward:",
+) -> list[RenderableType]:
     """Each reward component's column of `components` (`<prefix><name>`: its mean over the responses it scored, or
     its share of the advantage), on the steps the steps table shows."""
     picked, _ = picked_steps(steps, every)
     shown = components.set_index("step").reindex([int(s) for s in steps.iloc[picked]["step"]])
     columns = [Column("step", [str(s) for s in shown.index], justify="right")]
-    columns += [Column(name.removeprefix(prefix), [number(v) for v in shown[name]], justify="right", priority=rank)
-                for rank, name in enumerate(shown.columns, start=1)]
+    columns += [
+        Column(name.removeprefix(prefix), [number(v) for v in shown[name]], justify="right", priority=rank)
+        for rank, name in enumerate(shown.columns, start=1)
+    ]
     fitted = fit(columns, width)
     parts: list[RenderableType] = [Text(title, style="bold"), fitted.table]
     if note := dropped_note(fitted.dropped, width, "widen the terminal"):
@@ -457,9 +608,10 @@ def _components_table(steps: pd.DataFrame, components: pd.DataFrame, width: int,
 
 # columns only an option records: named once, with the option, in the "no values" line (nine attribution columns
 # listed one by one hid the line's other names)
-RECORDED_ONLY_WITH = {"--log-entropy-delta": ("dH, dH_hard, dH_easy", ("dH", "dH_hard", "dH_easy")),
-                      "--log-entropy-attribution": ("the 9 dH_*from_* columns",
-                                                    tuple(m for m in STEP_METRICS if "_from_" in m))}
+RECORDED_ONLY_WITH = {
+    "--log-entropy-delta": ("dH, dH_hard, dH_easy", ("dH", "dH_hard", "dH_easy")),
+    "--log-entropy-attribution": ("the 9 dH_*from_* columns", tuple(m for m in STEP_METRICS if "_from_" in m)),
+}
 
 
 def empty_metrics_note(empty: list[str]) -> str:
@@ -482,18 +634,28 @@ def _evals_table(evals: pd.DataFrame, width: int) -> list[RenderableType]:
     wide = whole.pivot_table(index=keys, columns="name", values="value", sort=False).reset_index()
     names = [c for c in wide.columns if c not in keys]
     # avg@k and maj@k first, then pass@k from the largest k down
-    order = sorted(names, key=lambda n: (not n.startswith("avg@"), not n.startswith("maj@"),
-                                         -int(n.split("@")[1]) if n.split("@")[1].isdigit() else 0))
+    order = sorted(
+        names,
+        key=lambda n: (
+            not n.startswith("avg@"),
+            not n.startswith("maj@"),
+            -int(n.split("@")[1]) if n.split("@")[1].isdigit() else 0,
+        ),
+    )
     rows = wide.to_dict("records")
-    columns = [Column("benchmark", [str(r["benchmark"]) for r in rows], flexible=True, min_width=8),
-               Column("by", [str(r["source"]) for r in rows]),
-               Column("step", [str(r["step"]) for r in rows], justify="right"),
-               Column("problems", [str(r["n_problems"]) for r in rows], justify="right", priority=len(order) + 1)]
+    columns = [
+        Column("benchmark", [str(r["benchmark"]) for r in rows], flexible=True, min_width=8),
+        Column("by", [str(r["source"]) for r in rows]),
+        Column("step", [str(r["step"]) for r in rows], justify="right"),
+        Column("problems", [str(r["n_problems"]) for r in rows], justify="right", priority=len(order) + 1),
+    ]
     for rank, name in enumerate(order, start=1):
         columns.append(Column(name, [number(r[name]) for r in rows], justify="right", priority=rank))
     fitted = fit(columns, width)
-    parts: list[RenderableType] = [Text.assemble(("evaluations", "bold"), (" (subset all; per subject and level in the "
-                                                                          "dashboard)", "dim")), fitted.table]
+    parts: list[RenderableType] = [
+        Text.assemble(("evaluations", "bold"), (" (subset all; per subject and level in the dashboard)", "dim")),
+        fitted.table,
+    ]
     if note := dropped_note(fitted.dropped, width, "widen the terminal, or see them in the dashboard"):
         parts.append(note)
     return parts
@@ -503,29 +665,42 @@ def _evals_table(evals: pd.DataFrame, width: int) -> list[RenderableType]:
 # qae rollouts
 
 
-def rollouts_view(run: str, step: int, frame: pd.DataFrame, everything: pd.DataFrame, width: int, limit: int,
-                  full: bool = False, model_prompts: dict[int, str] | None = None,
-                  components: pd.DataFrame | None = None) -> RenderableType:
+def rollouts_view(
+    run: str,
+    step: int,
+    frame: pd.DataFrame,
+    everything: pd.DataFrame,
+    width: int,
+    limit: int,
+    full: bool = False,
+    model_prompts: dict[int, str] | None = None,
+    components: pd.DataFrame | None = None,
+) -> RenderableType:
     """One step: why its gated responses were gated (the step's breakdown), then each group (prompt, answer, success
     count, regime, baseline) with its responses (reward, each reward component's value, advantage, why gated, the
     text). `model_prompts` (group -> the prompt after the chat template; `qae rollouts --model-prompt`): printed under
     each prompt, whole. `components` (group_idx, sample_idx, name, value; a run given --reward): one column each."""
-    values = ({} if components is None or components.empty else
-              {(int(g), int(i), str(n)): v for g, i, n, v in components.itertuples(index=False)})
+    values = (
+        {}
+        if components is None or components.empty
+        else {(int(g), int(i), str(n)): v for g, i, n, v in components.itertuples(index=False)}
+    )
     component_names = list(dict.fromkeys(str(n) for n in components["name"])) if values else []
     parts = _step_summary(run, step, frame, everything, width)
     filtered = frame["filtered"].fillna(False).astype(bool)  # left out of the update by dynamic sampling
     shown = frame.head(limit)
     for g, rows in shown.groupby("group_idx", sort=False):
-        parts += _group_lines(g, rows, int((frame["group_idx"] == g).sum()), filtered, values, component_names, width,
-                              full, model_prompts)
+        parts += _group_lines(
+            g, rows, int((frame["group_idx"] == g).sum()), filtered, values, component_names, width, full, model_prompts
+        )
     if len(frame) > limit:
         parts.append(Text(f"showing {limit} of {len(frame)} responses (--limit)", style="dim"))
     return Group(*parts)
 
 
-def _step_summary(run: str, step: int, frame: pd.DataFrame, everything: pd.DataFrame,
-                  width: int) -> list[RenderableType]:
+def _step_summary(
+    run: str, step: int, frame: pd.DataFrame, everything: pd.DataFrame, width: int
+) -> list[RenderableType]:
     """The step's responses and groups, how many were filtered out of the update or gated, and why they were gated."""
     # a group left out of the update by dynamic sampling is filtered, neither gated nor kept: gated counts are of the
     # trained responses, as frac_zero_adv
@@ -533,53 +708,97 @@ def _step_summary(run: str, step: int, frame: pd.DataFrame, everything: pd.DataF
     trained = everything[~left_out]
     n_gated = int(trained["gated"].sum())
     n_filtered = int(everything.loc[left_out, "group_idx"].nunique())
-    parts: list[RenderableType] = [Text(
-        f"{run} step {step}: {len(everything)} responses in {everything['group_idx'].nunique()} groups, "
-        + (f"{n_filtered} groups ({int(left_out.sum())} responses) filtered out of the update by dynamic "
-           f"sampling, {n_gated} of the {len(trained)} trained gated (advantage 0)" if n_filtered
-           else f"{n_gated} gated (advantage 0)"), style="bold")]
+    parts: list[RenderableType] = [
+        Text(
+            f"{run} step {step}: {len(everything)} responses in {everything['group_idx'].nunique()} groups, "
+            + (
+                f"{n_filtered} groups ({int(left_out.sum())} responses) filtered out of the update by dynamic "
+                f"sampling, {n_gated} of the {len(trained)} trained gated (advantage 0)"
+                if n_filtered
+                else f"{n_gated} gated (advantage 0)"
+            ),
+            style="bold",
+        )
+    ]
     counts = trained.loc[trained["gated"], "gate_reason"].value_counts()
     reasons = [reason for reason in GATE_REASONS if counts.get(reason, 0)]
     if reasons:
-        breakdown = [Column("why gated", reasons),
-                     Column("responses", [str(int(counts[r])) for r in reasons], justify="right"),
-                     Column("share", [f"{counts[r] / max(len(trained), 1):.1%}" for r in reasons], justify="right"),
-                     Column("meaning", [GATE_REASONS[r] for r in reasons], flexible=True, min_width=20)]
+        breakdown = [
+            Column("why gated", reasons),
+            Column("responses", [str(int(counts[r])) for r in reasons], justify="right"),
+            Column("share", [f"{counts[r] / max(len(trained), 1):.1%}" for r in reasons], justify="right"),
+            Column("meaning", [GATE_REASONS[r] for r in reasons], flexible=True, min_width=20),
+        ]
         parts.append(fit(breakdown, width).table)
     if len(frame) != len(everything):
         parts.append(Text(f"{len(frame)} of {len(everything)} responses match the filters", style="dim"))
     return parts
 
 
-def _group_lines(g, rows: pd.DataFrame, total: int, filtered: pd.Series, values: dict, component_names: list[str],
-                 width: int, full: bool, model_prompts: dict[int, str] | None) -> list[RenderableType]:
+def _group_lines(
+    g,
+    rows: pd.DataFrame,
+    total: int,
+    filtered: pd.Series,
+    values: dict,
+    component_names: list[str],
+    width: int,
+    full: bool,
+    model_prompts: dict[int, str] | None,
+) -> list[RenderableType]:
     """One group: its success count, regime, baseline and answer, its prompt (and what the model saw), and a table
     of its shown `rows` of `total` responses."""
     parts: list[RenderableType] = []
     first = rows.iloc[0]
     parts.append(Text(""))
-    parts.append(Text.assemble(
-        (f"group {g}", "bold"), f" · {int(first['n_correct'])}/{int(first['group_size'])} correct · ",
-        (str(first["regime"]), "bold"), f" · baseline {number(first['baseline'])} · answer ",
-        (str(first["answer"]), "green")))
+    parts.append(
+        Text.assemble(
+            (f"group {g}", "bold"),
+            f" · {int(first['n_correct'])}/{int(first['group_size'])} correct · ",
+            (str(first["regime"]), "bold"),
+            f" · baseline {number(first['baseline'])} · answer ",
+            (str(first["answer"]), "green"),
+        )
+    )
     prompt = Text("prompt: " + str(first["prompt"]).replace("\n", " ⏎ "))
     if not full:
         prompt.truncate(width, overflow="ellipsis")
     parts.append(prompt)
     if model_prompts is not None:
         seen = model_prompts.get(int(g))
-        parts.append(Text("model saw: " + seen.replace("\n", " ⏎ ") if seen is not None else
-                          "model saw: the prompt itself (no chat template)", style="dim" if seen is None else ""))
+        parts.append(
+            Text(
+                "model saw: " + seen.replace("\n", " ⏎ ")
+                if seen is not None
+                else "model saw: the prompt itself (no chat template)",
+                style="dim" if seen is None else "",
+            )
+        )
     responses = [str(r).replace("\n", " ⏎ ") for r in rows["response"]]
     columns = [
         Column("#", [str(s) for s in rows["sample_idx"]], justify="right"),
         Column("reward", [number(v) for v in rows["reward"]], justify="right"),
-        *(Column(name, [number(values.get((int(g), int(i), name))) for i in rows["sample_idx"]], justify="right",
-                 priority=rank) for rank, name in enumerate(component_names, start=1)),
+        *(
+            Column(
+                name,
+                [number(values.get((int(g), int(i), name))) for i in rows["sample_idx"]],
+                justify="right",
+                priority=rank,
+            )
+            for rank, name in enumerate(component_names, start=1)
+        ),
         Column("advantage", [f"{v:+.4f}" for v in rows["advantage"]], justify="right"),
-        Column("why gated", [Text("filtered", style="yellow") if f else Text(str(r), style="dim") if g
-                             else Text("kept", style="bold") for r, g, f in
-                             zip(rows["gate_reason"], rows["gated"], filtered[rows.index].tolist(), strict=True)]),
+        Column(
+            "why gated",
+            [
+                Text("filtered", style="yellow")
+                if f
+                else Text(str(r), style="dim")
+                if g
+                else Text("kept", style="bold")
+                for r, g, f in zip(rows["gate_reason"], rows["gated"], filtered[rows.index].tolist(), strict=True)
+            ],
+        ),
         Column("response", responses, flexible=True, overflow="fold" if full else "ellipsis", min_width=16),
     ]
     parts.append(fit(columns, width).table)
@@ -651,13 +870,18 @@ def compare_view(comparison, width: int) -> RenderableType:
     minus baseline, seeds matched) with interval and p-value. Notes say when n is too small to mean much."""
     metrics = comparison.metrics  # RUN_METRICS, then each reward component the runs have
     groups = comparison.groups
-    parts: list[RenderableType] = [Text(
-        f"{sum(len(g.runs) for g in groups)} run(s) in {len(groups)} group(s) (same config but the seed); "
-        "mean over seeds, 95% t-interval below it", style="bold")]
+    parts: list[RenderableType] = [
+        Text(
+            f"{sum(len(g.runs) for g in groups)} run(s) in {len(groups)} group(s) (same config but the seed); "
+            "mean over seeds, 95% t-interval below it",
+            style="bold",
+        )
+    ]
     for index, group in enumerate(groups, 1):
         seeds = ", ".join(map(str, group.seeds))
-        parts.append(Text.assemble((f"G{index} ", "bold"), (group.label, "cyan"),
-                                   f": n={len(group.runs)} (seeds {seeds})"))
+        parts.append(
+            Text.assemble((f"G{index} ", "bold"), (group.label, "cyan"), f": n={len(group.runs)} (seeds {seeds})")
+        )
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
     table.add_column("metric", no_wrap=True)
     for index, _ in enumerate(groups, 1):
@@ -674,8 +898,12 @@ def compare_view(comparison, width: int) -> RenderableType:
         if unfinished:
             parts.append(Text(f"G{index}: not finished, numbers so far: {', '.join(unfinished)}", style="yellow"))
     if comparison.left_out:
-        parts.append(Text("left out: " + ", ".join(f"{run_id} ({why})" for run_id, why in comparison.left_out.items()),
-                          style="yellow"))
+        parts.append(
+            Text(
+                "left out: " + ", ".join(f"{run_id} ({why})" for run_id, why in comparison.left_out.items()),
+                style="yellow",
+            )
+        )
     parts.extend(loss_table_view(comparison.groups))
     parts.append(Text("; ".join(f"{name}: {text}" for name, text in metrics.items()), style="dim"))
     return Group(*parts)
@@ -687,8 +915,13 @@ def _differences_view(comparison, metrics: dict) -> list[RenderableType]:
     groups = comparison.groups
     others = [(i, g) for i, g in enumerate(groups, 1) if g is not comparison.baseline]
     base_index = groups.index(comparison.baseline) + 1
-    parts: list[RenderableType] = [Text(f"minus the baseline G{base_index} ({comparison.baseline.label}), paired by "
-                                        "seed: mean, 95% t-interval, paired t-test p", style="bold")]
+    parts: list[RenderableType] = [
+        Text(
+            f"minus the baseline G{base_index} ({comparison.baseline.label}), paired by "
+            "seed: mean, 95% t-interval, paired t-test p",
+            style="bold",
+        )
+    ]
     diff = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
     diff.add_column("metric", no_wrap=True)
     for index, _ in others:
@@ -699,12 +932,21 @@ def _differences_view(comparison, metrics: dict) -> list[RenderableType]:
     for index, group in others:
         paired = comparison.differences[group.label][next(iter(metrics))]
         if paired.pairs:
-            parts.append(Text(f"G{index} - G{base_index} pairs: " + ", ".join(
-                f"seed {seed} {run} - {base_run}" for seed, run, base_run in paired.pairs), style="dim"))
+            parts.append(
+                Text(
+                    f"G{index} - G{base_index} pairs: "
+                    + ", ".join(f"seed {seed} {run} - {base_run}" for seed, run, base_run in paired.pairs),
+                    style="dim",
+                )
+            )
         if len(paired.seeds) < len(group.runs) or len(paired.seeds) < len(comparison.baseline.runs):
-            parts.append(Text(f"G{index}: {len(paired.seeds)} seed(s) shared with the baseline are paired "
-                              f"({', '.join(map(str, paired.seeds)) or 'none'}); the others are left out",
-                              style="yellow"))
+            parts.append(
+                Text(
+                    f"G{index}: {len(paired.seeds)} seed(s) shared with the baseline are paired "
+                    f"({', '.join(map(str, paired.seeds)) or 'none'}); the others are left out",
+                    style="yellow",
+                )
+            )
     return parts
 
 
@@ -716,12 +958,23 @@ def loss_table_view(groups) -> list[RenderableType]:
     table = loss_table(groups)
     if table is None:
         return []
-    parts: list[RenderableType] = [Text(
-        f"by policy loss, as the paper's Table 2: {table.base_estimator}, the same loss with qae, and qae minus "
-        f"{table.base_estimator} paired by seed (mean, 95% t-interval, paired t-test p)", style="bold")]
+    parts: list[RenderableType] = [
+        Text(
+            f"by policy loss, as the paper's Table 2: {table.base_estimator}, the same loss with qae, and qae minus "
+            f"{table.base_estimator} paired by seed (mean, 95% t-interval, paired t-test p)",
+            style="bold",
+        )
+    ]
     for name in next(iter(table.rows)).cells:
-        rows = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True, title=name,
-                     title_justify="left", title_style="bold")
+        rows = Table(
+            box=box.SIMPLE_HEAD,
+            show_edge=False,
+            pad_edge=False,
+            collapse_padding=True,
+            title=name,
+            title_justify="left",
+            title_style="bold",
+        )
         for column in ("policy loss", table.base_estimator, "+ qae", f"qae - {table.base_estimator}"):
             rows.add_column(column, justify="left" if column == "policy loss" else "right", no_wrap=True)
         for row in table.rows:

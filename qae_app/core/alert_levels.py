@@ -23,35 +23,44 @@ from qae_app.core.errors import QAEUserError
 # name -> when it fires. The `warnings` row's kind is the name (entropy_band's: entropy_low or entropy_high).
 ALERTS: dict[str, str] = {
     "reward_signal": "a reward component other than the primary one (the first --reward's, or --primary-reward) "
-                     "carries at least `signal_share` of the step's advantage mass while the primary carries none, "
-                     "`streak` steps in a row: the policy is taught that component, not the task (reward hacking)",
+    "carries at least `signal_share` of the step's advantage mass while the primary carries none, "
+    "`streak` steps in a row: the policy is taught that component, not the task (reward hacking)",
     "entropy_band": "the smoothed token entropy leaves the band --entropy-low / --entropy-high (default: the "
-                    "starting entropy / 3 and x 3): kinds entropy_low and entropy_high, with the way K steers back",
+    "starting entropy / 3 and x 3): kinds entropy_low and entropy_high, with the way K steers back",
     "entropy_slope": "the least-squares slope of the step entropy over the last `window` steps, as a share of its "
-                     "mean there, is at least `entropy_slope` per step, up or down: entropy moving fast while still "
-                     "inside its band",
+    "mean there, is at least `entropy_slope` per step, up or down: entropy moving fast while still "
+    "inside its band",
     "length_collapse": "the mean response length over the last `window` steps fell to the run's first `window` "
-                       "steps' mean / `length_ratio` or below",
+    "steps' mean / `length_ratio` or below",
     "length_runaway": "the mean response length over the last `window` steps rose to the run's first `window` "
-                      "steps' mean x `length_ratio` or above",
+    "steps' mean x `length_ratio` or above",
     "truncation_jump": "truncated_frac is at least `truncation_jump` above its mean over the `window` steps before",
     "mismatch": "the sampler is not the trainer: at least `mismatch_capped` of the tokens the policy loss weighs have "
-                "pi_old / pi_sampler above --rollout-correction-cap (the tokens tis caps: mismatch_capped_frac), or "
-                "mismatch_k3_kl is at least `mismatch_k3` x its median over the run's earlier steps (from the "
-                "`window`-th step on)",
+    "pi_old / pi_sampler above --rollout-correction-cap (the tokens tis caps: mismatch_capped_frac), or "
+    "mismatch_k3_kl is at least `mismatch_k3` x its median over the run's earlier steps (from the "
+    "`window`-th step on)",
     "reward_saturation": "at least `saturation` of the step's groups are all correct (no signal left), `streak` "
-                         "steps in a row",
+    "steps in a row",
     "no_signal": "no group of the step has signal (every trained advantage is 0), `streak` steps in a row",
 }
 
 # the `warnings` kinds the alerts write (entropy_band writes two)
-ALERT_KINDS = tuple(kind for name in ALERTS for kind in (("entropy_low", "entropy_high") if name == "entropy_band"
-                                                          else (name,)))
+ALERT_KINDS = tuple(
+    kind for name in ALERTS for kind in (("entropy_low", "entropy_high") if name == "entropy_band" else (name,))
+)
 # the `steps` column each alert's marks are drawn on in the dashboard's Training curves
-ALERT_CHARTS = {"reward_signal": "signal", "entropy_low": "entropy", "entropy_high": "entropy",
-                "entropy_slope": "entropy", "length_collapse": "response_len", "length_runaway": "response_len",
-                "truncation_jump": "response_len", "mismatch": "mismatch_k3_kl", "reward_saturation": "accuracy",
-                "no_signal": "frac_zero_adv"}
+ALERT_CHARTS = {
+    "reward_signal": "signal",
+    "entropy_low": "entropy",
+    "entropy_high": "entropy",
+    "entropy_slope": "entropy",
+    "length_collapse": "response_len",
+    "length_runaway": "response_len",
+    "truncation_jump": "response_len",
+    "mismatch": "mismatch_k3_kl",
+    "reward_saturation": "accuracy",
+    "no_signal": "frac_zero_adv",
+}
 
 
 class Level(NamedTuple):
@@ -63,18 +72,24 @@ class Level(NamedTuple):
 
 
 ALERT_LEVELS: dict[str, Level] = {
-    "window": Level(5, "steps the windowed alerts look back over (entropy_slope, length_*, truncation_jump)", True,
-                    2, 10_000),
-    "streak": Level(3, "steps in a row a streak alert waits for (reward_signal, reward_saturation, no_signal)", True,
-                    1, 10_000),
-    "signal_share": Level(0.9, "reward_signal: the share of the advantage mass one non-primary component carries",
-                          False, 0.5, 1.0),
-    "entropy_slope": Level(0.1, "entropy_slope: the slope's size / the mean entropy over the window, per step",
-                           False, 1e-6, 10.0),
-    "length_ratio": Level(2.0, "length_collapse / length_runaway: the factor from the first window's mean length",
-                          False, 1.01, 1e6),
-    "truncation_jump": Level(0.2, "truncation_jump: the rise of truncated_frac over the window's mean", False, 1e-6,
-                             1.0),
+    "window": Level(
+        5, "steps the windowed alerts look back over (entropy_slope, length_*, truncation_jump)", True, 2, 10_000
+    ),
+    "streak": Level(
+        3, "steps in a row a streak alert waits for (reward_signal, reward_saturation, no_signal)", True, 1, 10_000
+    ),
+    "signal_share": Level(
+        0.9, "reward_signal: the share of the advantage mass one non-primary component carries", False, 0.5, 1.0
+    ),
+    "entropy_slope": Level(
+        0.1, "entropy_slope: the slope's size / the mean entropy over the window, per step", False, 1e-6, 10.0
+    ),
+    "length_ratio": Level(
+        2.0, "length_collapse / length_runaway: the factor from the first window's mean length", False, 1.01, 1e6
+    ),
+    "truncation_jump": Level(
+        0.2, "truncation_jump: the rise of truncated_frac over the window's mean", False, 1e-6, 1.0
+    ),
     "mismatch_capped": Level(0.01, "mismatch: the share of loss tokens above the cap", False, 1e-9, 1.0),
     "mismatch_k3": Level(10.0, "mismatch: mismatch_k3_kl over its median so far", False, 1.0, 1e9),
     "saturation": Level(0.95, "reward_saturation: the share of all-correct groups", False, 1e-6, 1.0),
@@ -92,12 +107,15 @@ class AlertSettings:
         return self.levels[level]
 
 
-ALERTS_HELP = ("The alerts the trainer watches for (each a `warnings` row, a line under the progress line, a mark on "
-               "the dashboard's charts, a tracker event): on (the default), off, or a comma list of LEVEL=NUMBER and "
-               "ALERT=off, e.g. window=8,entropy_slope=0.2,length_runaway=off. Alerts: "
-               + ", ".join(ALERTS) + ". Levels (default): "
-               + ", ".join(f"{name} ({lv.default:g})" for name, lv in ALERT_LEVELS.items())
-               + ". What each means: docs/metrics.md#alerts.")
+ALERTS_HELP = (
+    "The alerts the trainer watches for (each a `warnings` row, a line under the progress line, a mark on "
+    "the dashboard's charts, a tracker event): on (the default), off, or a comma list of LEVEL=NUMBER and "
+    "ALERT=off, e.g. window=8,entropy_slope=0.2,length_runaway=off. Alerts: "
+    + ", ".join(ALERTS)
+    + ". Levels (default): "
+    + ", ".join(f"{name} ({lv.default:g})" for name, lv in ALERT_LEVELS.items())
+    + ". What each means: docs/metrics.md#alerts."
+)
 
 
 def parse_alerts(text: str) -> AlertSettings:
@@ -111,18 +129,24 @@ def parse_alerts(text: str) -> AlertSettings:
     for item in (part.strip() for part in text.split(",")):
         name, equals, value = (part.strip() for part in item.partition("="))
         if not equals or not name or not value:
-            raise QAEUserError(f"alerts: '{item}' is not NAME=VALUE. Use on, off, or e.g. window=8,"
-                               "length_runaway=off (levels: " + ", ".join(ALERT_LEVELS) + ").")
+            raise QAEUserError(
+                f"alerts: '{item}' is not NAME=VALUE. Use on, off, or e.g. window=8,"
+                "length_runaway=off (levels: " + ", ".join(ALERT_LEVELS) + ")."
+            )
         if name in ALERTS and value in ("on", "off"):  # (entropy_slope and truncation_jump name a level too)
             (enabled.add if value == "on" else enabled.discard)(name)
         elif name in ALERT_LEVELS:
             levels[name] = _level(name, value)
         elif name in ALERTS:
-            raise QAEUserError(f"alerts: {name}={value}: this alert is on or off. Its levels are set by their own "
-                               "names (" + ", ".join(ALERT_LEVELS) + ").")
+            raise QAEUserError(
+                f"alerts: {name}={value}: this alert is on or off. Its levels are set by their own "
+                "names (" + ", ".join(ALERT_LEVELS) + ")."
+            )
         else:
-            raise QAEUserError(f"alerts: unknown name '{name}'. Alerts (on/off): {', '.join(ALERTS)}; levels: "
-                               f"{', '.join(ALERT_LEVELS)}.")
+            raise QAEUserError(
+                f"alerts: unknown name '{name}'. Alerts (on/off): {', '.join(ALERTS)}; levels: "
+                f"{', '.join(ALERT_LEVELS)}."
+            )
     return AlertSettings(frozenset(enabled), levels)
 
 
@@ -135,6 +159,8 @@ def _level(name: str, value: str) -> float:
     whole = number.is_integer() if math.isfinite(number) else False
     if not (level.low <= number <= level.high) or (level.whole and not whole):
         kind = "a whole number" if level.whole else "a number"
-        raise QAEUserError(f"alerts: {name}={value} is not {kind} from {level.low:g} to {level.high:g} ({level.help}). "
-                           f"The default is {level.default:g}.")
+        raise QAEUserError(
+            f"alerts: {name}={value} is not {kind} from {level.low:g} to {level.high:g} ({level.help}). "
+            f"The default is {level.default:g}."
+        )
     return int(number) if level.whole else number

@@ -31,8 +31,10 @@ class EstimatorRecord:
         (0, 1) (`k` None: not chosen yet, --k auto), a known --quantile and --scale, and a --scale that does not
         contradict its definition."""
         if k is not None and not 0.0 < k < 1.0:  # (nan too: it compares False)
-            raise QAEUserError(f"k: {k} is outside (0, 1). QAE's K is a quantile level; the paper uses {DEFAULT_K} "
-                               "(lower K pushes entropy up, higher K pushes it down).")
+            raise QAEUserError(
+                f"k: {k} is outside (0, 1). QAE's K is a quantile level; the paper uses {DEFAULT_K} "
+                "(lower K pushes entropy up, higher K pushes it down)."
+            )
         if quantile not in QUANTILE_METHODS:
             raise QAEUserError(f"quantile: unknown value '{quantile}'. Choose one of: {', '.join(QUANTILE_METHODS)}.")
         if scale is not None and scale not in SCALE_METHODS:
@@ -65,31 +67,47 @@ def add_record(record: EstimatorRecord) -> EstimatorRecord:
     if record.name in ESTIMATORS:
         raise ValueError(f"estimator '{record.name}' has a record already: {ESTIMATORS[record.name].help}")
     if record.default_scale not in SCALE_METHODS:
-        raise ValueError(f"estimator '{record.name}': default scale '{record.default_scale}' is not one of "
-                         f"{', '.join(SCALE_METHODS)}")
+        raise ValueError(
+            f"estimator '{record.name}': default scale '{record.default_scale}' is not one of "
+            f"{', '.join(SCALE_METHODS)}"
+        )
     ESTIMATORS[record.name] = record
     return record
 
 
 for _record in (
     EstimatorRecord(
-        "qae", "group K-quantile baseline (paper rule by default), std-normalized; gates ~80% of responses to zero",
-        reads_k=True, default_scale="std",
+        "qae",
+        "group K-quantile baseline (paper rule by default), std-normalized; gates ~80% of responses to zero",
+        reads_k=True,
+        default_scale="std",
         reference="Quantile Advantage Estimation, arXiv 2509.22611 (the paper's lower quantile; its official code's "
-                  "linear one as --quantile linear)"),
+        "linear one as --quantile linear)",
+    ),
     EstimatorRecord(
-        "grpo", "group mean baseline, std-normalized (DeepSeekMath GRPO, DAPO)", reads_k=False, default_scale="std",
-        reference="Shao et al. 2024, DeepSeekMath, arXiv 2402.03300; verl's compute_grpo_outcome_advantage"),
+        "grpo",
+        "group mean baseline, std-normalized (DeepSeekMath GRPO, DAPO)",
+        reads_k=False,
+        default_scale="std",
+        reference="Shao et al. 2024, DeepSeekMath, arXiv 2402.03300; verl's compute_grpo_outcome_advantage",
+    ),
     EstimatorRecord(
-        "dr_grpo", "group mean baseline, no std normalization (Dr. GRPO)", reads_k=False, default_scale="none",
+        "dr_grpo",
+        "group mean baseline, no std normalization (Dr. GRPO)",
+        reads_k=False,
+        default_scale="none",
         reference="Liu et al. 2025, Understanding R1-Zero-Like Training, arXiv 2503.20783 (verl: grpo with "
-                  "norm_adv_by_std_in_grpo=False)",
+        "norm_adv_by_std_in_grpo=False)",
         scale_fixed="dr_grpo is GRPO without the std normalization, so --scale std contradicts it. Use --estimator "
-                    "grpo for the std-normalized mean baseline."),
+        "grpo for the std-normalized mean baseline.",
+    ),
     EstimatorRecord(
-        "rloo", "leave-one-out mean of the other G-1 rewards (RLOO); the baseline column shows the group mean",
-        reads_k=False, default_scale="none",
-        reference="Ahmadian et al. 2024, Back to Basics, arXiv 2402.14740; verl's compute_rloo_outcome_advantage"),
+        "rloo",
+        "leave-one-out mean of the other G-1 rewards (RLOO); the baseline column shows the group mean",
+        reads_k=False,
+        default_scale="none",
+        reference="Ahmadian et al. 2024, Back to Basics, arXiv 2402.14740; verl's compute_rloo_outcome_advantage",
+    ),
 ):
     add_record(_record)
 

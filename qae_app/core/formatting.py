@@ -102,8 +102,11 @@ def run_pace(steps: pd.DataFrame, total_steps: int | None, now: datetime | None 
 def pace_line(pace: dict) -> str:
     """'last step 12 s ago · 3.1 steps/min · ETA 5 min' from a `run_pace` ('-' for what is unknown)."""
     rate = pace["steps_per_min"]
-    return (f"last step {ago(pace['age_s'])} · " + (f"{rate:.3g} steps/min" if rate else f"{MISSING} steps/min")
-            + f" · ETA {duration(pace['eta_s'])}")
+    return (
+        f"last step {ago(pace['age_s'])} · "
+        + (f"{rate:.3g} steps/min" if rate else f"{MISSING} steps/min")
+        + f" · ETA {duration(pace['eta_s'])}"
+    )
 
 
 ECHO_CHARS = 80  # a value a message repeats is cut to this many characters

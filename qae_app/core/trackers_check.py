@@ -14,18 +14,24 @@ from qae_app.core.formatting import clipped
 def report_to_trackers(value: str | None) -> list[str]:
     """The trackers --report-to names ("tensorboard,mlflow"; none or "": none), each known and installed, checked
     before anything runs; one QAEUserError naming the option, the value and the fix otherwise."""
-    wanted = list(dict.fromkeys(name.strip() for name in (value or "").split(",")
-                                if name.strip() and name.strip() != "none"))
+    wanted = list(
+        dict.fromkeys(name.strip() for name in (value or "").split(",") if name.strip() and name.strip() != "none")
+    )
     for name in wanted:
         if name not in names.TRACKERS:
-            raise QAEUserError(f"report-to: '{clipped(name)}' is not a tracker qae sends metrics to. Use a comma list "
-                               f"of {', '.join(names.TRACKERS)}, or leave it out (the run's DuckDB file only).")
-    missing = [name for name in wanted
-               if not any(importlib.util.find_spec(module) for module in names.TRACKER_MODULES[name])]
+            raise QAEUserError(
+                f"report-to: '{clipped(name)}' is not a tracker qae sends metrics to. Use a comma list "
+                f"of {', '.join(names.TRACKERS)}, or leave it out (the run's DuckDB file only)."
+            )
+    missing = [
+        name for name in wanted if not any(importlib.util.find_spec(module) for module in names.TRACKER_MODULES[name])
+    ]
     if missing:
-        raise QAEUserError(f"report-to: {', '.join(missing)} is not installed. Install it (pip install -e "
-                           f"'.[trackers]' brings tensorboard and mlflow-skinny; or pip install {' '.join(missing)}), "
-                           "or drop it from --report-to.")
+        raise QAEUserError(
+            f"report-to: {', '.join(missing)} is not installed. Install it (pip install -e "
+            f"'.[trackers]' brings tensorboard and mlflow-skinny; or pip install {' '.join(missing)}), "
+            "or drop it from --report-to."
+        )
     if "mlflow" in wanted:
         check_mlflow_store()
     if "wandb" in wanted:
@@ -43,10 +49,12 @@ def check_mlflow_store() -> None:
     except Exception as err:  # MLflow raises its own kinds (an unsupported scheme, a store it cannot build)
         uri = mlflow.get_tracking_uri()
         said = " ".join(str(err).split())
-        raise QAEUserError(f"report-to: mlflow cannot keep runs at {clipped(uri)} ({clipped(said, 200)}). Set "
-                           "MLFLOW_TRACKING_URI to your MLflow server (http://HOST:5000) or to a folder (file:./mlruns "
-                           "with MLFLOW_ALLOW_FILE_STORE=true), install the full mlflow for its sqlite store, or "
-                           "drop mlflow from --report-to.") from None
+        raise QAEUserError(
+            f"report-to: mlflow cannot keep runs at {clipped(uri)} ({clipped(said, 200)}). Set "
+            "MLFLOW_TRACKING_URI to your MLflow server (http://HOST:5000) or to a folder (file:./mlruns "
+            "with MLFLOW_ALLOW_FILE_STORE=true), install the full mlflow for its sqlite store, or "
+            "drop mlflow from --report-to."
+        ) from None
 
 
 def check_wandb_login() -> None:
@@ -62,7 +70,9 @@ def check_wandb_login() -> None:
     if settings.mode in ("offline", "disabled", "dryrun") or settings.api_key:
         return
     if authenticate_session(host=settings.base_url, source="qae", prompt=False, update_session=False) is None:
-        raise QAEUserError(f"report-to: wandb has no API key here to log to {clipped(settings.base_url)} "
-                           "(WANDB_API_KEY is unset and `wandb login` was never run). Run `wandb login` or set "
-                           "WANDB_API_KEY, set WANDB_MODE=offline to keep its logs on disk (`wandb sync` later), or "
-                           "drop wandb from --report-to.")
+        raise QAEUserError(
+            f"report-to: wandb has no API key here to log to {clipped(settings.base_url)} "
+            "(WANDB_API_KEY is unset and `wandb login` was never run). Run `wandb login` or set "
+            "WANDB_API_KEY, set WANDB_MODE=offline to keep its logs on disk (`wandb sync` later), or "
+            "drop wandb from --report-to."
+        )

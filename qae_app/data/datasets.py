@@ -79,8 +79,12 @@ _MANGLED_ESCAPES = {
 }
 _CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 (except \t, \n) and C1 controls
 _LONE_SURROGATE_RE = re.compile("[\ud800-\udfff]")  # json.loads pairs valid surrogates, so any left is alone
-_BYTE_ORDER_MARKS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16",
-                     b"\xfe\xff": "UTF-16"}  # longest first: the UTF-32 LE mark starts like UTF-16 LE's
+_BYTE_ORDER_MARKS = {
+    b"\xff\xfe\x00\x00": "UTF-32",
+    b"\x00\x00\xfe\xff": "UTF-32",
+    b"\xff\xfe": "UTF-16",
+    b"\xfe\xff": "UTF-16",
+}  # longest first: the UTF-32 LE mark starts like UTF-16 LE's
 _INT_RE = re.compile(r"[+-]?\d+")
 
 
@@ -166,16 +170,20 @@ def _decode_text(path: Path, kind: str = "JSONL") -> str:
         raise QAEUserError(f"data: cannot read '{path}' ({e.strerror}). Check the path and its permissions.") from e
     for mark, encoding in _BYTE_ORDER_MARKS.items():
         if raw.startswith(mark):
-            raise QAEUserError(f"data: '{path}' is {encoding} text; {kind} must be UTF-8. Convert it, e.g. "
-                               f"`iconv -f {encoding} -t UTF-8 '{path}' > fixed{path.suffix.lower()}`.")
+            raise QAEUserError(
+                f"data: '{path}' is {encoding} text; {kind} must be UTF-8. Convert it, e.g. "
+                f"`iconv -f {encoding} -t UTF-8 '{path}' > fixed{path.suffix.lower()}`."
+            )
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         what = "a UTF-8 JSONL file (one JSON object per line)" if kind == "JSONL" else f"the {kind} file saved as UTF-8"
-        raise QAEUserError(f"data: '{path}' is not UTF-8 text (byte 0x{raw[e.start]:02x} at line {line}, offset "
-                           f"{e.start}); is it a binary file, or saved in another encoding? Pass {what}, or a "
-                           "Parquet file.") from e
+        raise QAEUserError(
+            f"data: '{path}' is not UTF-8 text (byte 0x{raw[e.start]:02x} at line {line}, offset "
+            f"{e.start}); is it a binary file, or saved in another encoding? Pass {what}, or a "
+            "Parquet file."
+        ) from e
 
 
 def _parse_json(text: str, where: str) -> object:
@@ -183,11 +191,15 @@ def _parse_json(text: str, where: str) -> object:
     try:
         return json.loads(text, parse_int=_json_int)
     except json.JSONDecodeError as e:
-        raise QAEUserError(f"data: {where} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): "
-                           f"{text[:80]!r}. Each line must be one JSON object.") from e
+        raise QAEUserError(
+            f"data: {where} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): "
+            f"{text[:80]!r}. Each line must be one JSON object."
+        ) from e
     except RecursionError as e:
-        raise QAEUserError(f"data: {where} nests JSON arrays or objects too deeply to parse. A problem record is a "
-                           "flat object; fix or remove it.") from e
+        raise QAEUserError(
+            f"data: {where} nests JSON arrays or objects too deeply to parse. A problem record is a "
+            "flat object; fix or remove it."
+        ) from e
 
 
 def _read_rows(path: Path, require_question: bool = True) -> tuple[list[tuple[int, dict]], str]:
@@ -222,8 +234,9 @@ def _read_rows(path: Path, require_question: bool = True) -> tuple[list[tuple[in
 
 def _read_csv(path: Path, text: str, require_question: bool) -> list[tuple[int, dict]]:
     """(first line of the record, {column: cell}) for each row of a CSV file's text; its first line is the header."""
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t" if path.suffix.lower() == ".tsv" else ",",
-                        strict=True)
+    reader = csv.reader(
+        io.StringIO(text, newline=""), delimiter="\t" if path.suffix.lower() == ".tsv" else ",", strict=True
+    )
     rows: list[tuple[int, dict]] = []
     try:
         header = next(reader, None)
@@ -241,11 +254,14 @@ def _read_csv(path: Path, text: str, require_question: bool) -> list[tuple[int, 
                 raise QAEUserError(
                     f"data: '{path}' line {start} has {len(cells)} cell{'s' * (len(cells) != 1)}, but the header "
                     f"(line 1) names {len(header)} columns ({', '.join(header)}). Give each row one cell per column; "
-                    'quote a cell that holds the separator or a newline ("a, b").')
+                    'quote a cell that holds the separator or a newline ("a, b").'
+                )
             rows.append((start, dict(zip(header, cells, strict=True))))
     except csv.Error as e:
-        raise QAEUserError(f"data: '{path}' is not valid CSV ({e} at line {reader.line_num}). Quote a cell that "
-                           'holds a comma, quote or newline, doubling the quotes inside it ("say ""hi""").') from None
+        raise QAEUserError(
+            f"data: '{path}' is not valid CSV ({e} at line {reader.line_num}). Quote a cell that "
+            'holds a comma, quote or newline, doubling the quotes inside it ("say ""hi""").'
+        ) from None
 
 
 def _check_csv_header(path: Path, header: list[str], require_question: bool) -> None:
@@ -254,8 +270,10 @@ def _check_csv_header(path: Path, header: list[str], require_question: bool) -> 
     seen = set()
     for number, name in enumerate(header, start=1):
         if not name.strip():
-            raise QAEUserError(f"data: '{path}' line 1 has an empty column name (column {number}). The first line "
-                               "of a CSV file names every column: name it, or remove the empty column.")
+            raise QAEUserError(
+                f"data: '{path}' line 1 has an empty column name (column {number}). The first line "
+                "of a CSV file names every column: name it, or remove the empty column."
+            )
         if name in seen:
             raise QAEUserError(f"data: '{path}' line 1 names column '{name}' twice. Give each column its own name.")
         seen.add(name)
@@ -264,7 +282,8 @@ def _check_csv_header(path: Path, header: list[str], require_question: bool) -> 
         raise QAEUserError(
             f"data: '{path}' has no question column in its header (its first line: {shown}). A CSV file's first line "
             f"names its columns, e.g. `question,answer`: add that line, or name the problem's column one of: "
-            f"{', '.join(QUESTION_COLUMNS)} (or write a --prompt-template of your columns).")
+            f"{', '.join(QUESTION_COLUMNS)} (or write a --prompt-template of your columns)."
+        )
 
 
 def load_math_file(path: Path, require_answer: bool = True, require_question: bool = True) -> list[Problem]:
@@ -302,8 +321,17 @@ def load_math_file(path: Path, require_answer: bool = True, require_question: bo
                 "Ids must be unique within a file; fix or remove the id column."
             )
         seen_ids[prompt_id] = number
-        problems.append(Problem(prompt_id=prompt_id, question=question, answer=answer, meta=_row_meta(row),
-                                columns=_row_columns(row), messages=messages, origin=where))
+        problems.append(
+            Problem(
+                prompt_id=prompt_id,
+                question=question,
+                answer=answer,
+                meta=_row_meta(row),
+                columns=_row_columns(row),
+                messages=messages,
+                origin=where,
+            )
+        )
     _check_final_answer_markers(path, unit, len(rows), after_marker, without_marker)
     return problems
 
@@ -316,13 +344,16 @@ def _row_question(row: dict, where: str, required: bool = True) -> str:
     given = _get(row, question_column) if question_column else None
     if not question and not required:
         return ""
-    if not question and given is not None and not isinstance(given, (str, list, tuple)) \
-            and not hasattr(given, "tolist"):
-        kind = {bool: "true/false", int: "a number", float: "a number", dict: "an object"}.get(type(given),
-                                                                                              "not text")
+    if (
+        not question
+        and given is not None
+        and not isinstance(given, (str, list, tuple))
+        and not hasattr(given, "tolist")
+    ):
+        kind = {bool: "true/false", int: "a number", float: "a number", dict: "an object"}.get(type(given), "not text")
         raise QAEUserError(
             f"data: {where} gives its question as {kind} ({question_column} = {given!r:.40}), not text. Write "
-            "the problem as a string (a number too: \"5\")."
+            'the problem as a string (a number too: "5").'
         )
     if not question:
         raise QAEUserError(
@@ -343,22 +374,30 @@ def _row_messages(row: dict, where: str) -> list | None:
     if not isinstance(value, (list, tuple)):
         return None
     if not value:
-        raise QAEUserError(f"data: {where} gives `prompt` as an empty list. Give chat messages "
-                           '([{"role": "user", "content": "..."}]) or the prompt as text.')
+        raise QAEUserError(
+            f"data: {where} gives `prompt` as an empty list. Give chat messages "
+            '([{"role": "user", "content": "..."}]) or the prompt as text.'
+        )
     messages = []
     for number, message in enumerate(value, start=1):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise QAEUserError(f"data: {where} gives `prompt` as a list, but item {number} is not a chat message "
-                               f"({clipped(repr(message), 60)}). Each item is "
-                               '{"role": "system" | "user" | "assistant", "content": "..."}.')
+            raise QAEUserError(
+                f"data: {where} gives `prompt` as a list, but item {number} is not a chat message "
+                f"({clipped(repr(message), 60)}). Each item is "
+                '{"role": "system" | "user" | "assistant", "content": "..."}.'
+            )
         if not isinstance(message.get("content"), str):
-            raise QAEUserError(f"data: {where}: chat message {number} has no text content "
-                               f"({clipped(repr(message), 60)}). Give each message's `content` as text.")
+            raise QAEUserError(
+                f"data: {where}: chat message {number} has no text content "
+                f"({clipped(repr(message), 60)}). Give each message's `content` as text."
+            )
         messages.append({str(k): clean_text(v) if k == "content" else v for k, v in message.items() if v is not None})
     if messages[-1]["role"] == "assistant":
-        raise QAEUserError(f"data: {where}: its chat messages end with an assistant message; the model writes the "
-                           "next assistant turn, so the last message is the user's. Drop the trailing answer (a "
-                           "reward reads the gold answer from its own column).")
+        raise QAEUserError(
+            f"data: {where}: its chat messages end with an assistant message; the model writes the "
+            "next assistant turn, so the last message is the user's. Drop the trailing answer (a "
+            "reward reads the gold answer from its own column)."
+        )
     return messages
 
 
@@ -376,7 +415,8 @@ def _row_answer(row: dict, where: str, required: bool = True) -> tuple[str, str 
                 raise QAEUserError(
                     f"data: {where} gives its answer as {err} ({column}), which is not a number a response "
                     "can match (it would be stored as the text 'nan'). Give the gold answer, or remove the "
-                    "row.") from None
+                    "row."
+                ) from None
             if answer:
                 break
     if not answer and not required:
@@ -404,6 +444,7 @@ def _row_id(row: dict, path: Path, number: int) -> str:
 
 def _row_columns(row: dict) -> dict:
     """The row's fields with lone surrogates replaced in its text, so they can be stored and passed on as JSON."""
+
     def clean(value):
         if isinstance(value, str):
             return replace_lone_surrogates(value)
@@ -412,21 +453,26 @@ def _row_columns(row: dict) -> dict:
         if isinstance(value, (list, tuple)) or hasattr(value, "tolist"):
             return [clean(v) for v in (value.tolist() if hasattr(value, "tolist") else value)]
         return value
+
     return {str(key): clean(value) for key, value in row.items()}
 
 
 def _row_meta(row: dict) -> dict:
     """What a problem keeps of its row besides the question, answer and id: subject, level and source."""
-    meta = {key: replace_lone_surrogates(row[key]) if isinstance(row[key], str) else row[key]
-            for key in ("subject", "level") if row.get(key) is not None}
+    meta = {
+        key: replace_lone_surrogates(row[key]) if isinstance(row[key], str) else row[key]
+        for key in ("subject", "level")
+        if row.get(key) is not None
+    }
     source = next((_get(row, c) for c in SOURCE_COLUMNS if _get(row, c) is not None), None)
     if source is not None:
         meta["source"] = replace_lone_surrogates(str(source))
     return meta
 
 
-def _check_final_answer_markers(path: Path, unit: str, n_rows: int, after_marker: list[tuple[int, str]],
-                                without_marker: list[tuple[int, str]]) -> None:
+def _check_final_answer_markers(
+    path: Path, unit: str, n_rows: int, after_marker: list[tuple[int, str]], without_marker: list[tuple[int, str]]
+) -> None:
     """Refuse a file where some rows give their answer after GSM8K's '####' and others without it (`after_marker`,
     `without_marker`: (row number, answer as given) each): a GSM8K solution whose '#### N' line was lost would be
     taken whole as the gold answer, which nothing matches."""

@@ -85,26 +85,34 @@ def fill_template(template: str, problem: Problem, option: str = "prompt-templat
         found, value = _lookup(columns, name)
         if not found or value is None:
             row = where or problem.origin or f"problem '{problem.prompt_id}'"
-            said = (f"{row} has no value for it (null)" if found else
-                    f"{row} has no such column (its columns: {describe_columns(columns)})")
-            raise QAEUserError(f"{option}: '{clipped(template)}' names column '{name}', but {said}. Use a column "
-                               f"every row has, or write {{{{{name}}}}} for the literal text {{{name}}}.")
+            said = (
+                f"{row} has no value for it (null)"
+                if found
+                else f"{row} has no such column (its columns: {describe_columns(columns)})"
+            )
+            raise QAEUserError(
+                f"{option}: '{clipped(template)}' names column '{name}', but {said}. Use a column "
+                f"every row has, or write {{{{{name}}}}} for the literal text {{{name}}}."
+            )
         return clean_text(value) if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
     return _PLACEHOLDER_RE.sub(replace, template)
 
 
-def build_prompt(problem: Problem, template: str, system_prompt: str | None = None,
-                 row_messages: bool = True) -> Prompt:
+def build_prompt(
+    problem: Problem, template: str, system_prompt: str | None = None, row_messages: bool = True
+) -> Prompt:
     """What the model is sent for `problem`: the row's chat messages where it has them and `row_messages` (no user
     template), else `template` filled from the row; `system_prompt` before either (module docstring)."""
     system = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
     if row_messages and problem.messages is not None:
         if system and problem.messages[0]["role"] == "system":
             row = problem.origin or f"problem '{problem.prompt_id}'"
-            raise QAEUserError(f"system-prompt: {row} has a system message of its own "
-                               f"('{clipped(problem.messages[0]['content'], 60)}'), which --system-prompt would "
-                               "contradict. Drop --system-prompt, or the rows' own system messages.")
+            raise QAEUserError(
+                f"system-prompt: {row} has a system message of its own "
+                f"('{clipped(problem.messages[0]['content'], 60)}'), which --system-prompt would "
+                "contradict. Drop --system-prompt, or the rows' own system messages."
+            )
         return system + [dict(m) for m in problem.messages]
     text = fill_template(template, problem)
     return system + [{"role": "user", "content": text}] if system else text
@@ -124,7 +132,7 @@ def sends_row_messages(prompt: Prompt, problem) -> bool:
     messages = getattr(problem, "messages", None)
     if not messages or not isinstance(prompt, list) or len(prompt) < len(messages):
         return False
-    return prompt[len(prompt) - len(messages):] == [dict(message) for message in messages]
+    return prompt[len(prompt) - len(messages) :] == [dict(message) for message in messages]
 
 
 def check_prompt_options(template: str | None, system_prompt: str | None) -> None:
@@ -134,9 +142,13 @@ def check_prompt_options(template: str | None, system_prompt: str | None) -> Non
     for flag, value in (("prompt-template", template), ("system-prompt", system_prompt)):
         bad = next((i for i, ch in enumerate(value or "") if "\ud800" <= ch <= "\udfff"), None)
         if bad is not None:
-            raise QAEUserError(f"{flag}: '{clipped(value)}' is not UTF-8 text (character {bad + 1} is a byte that no "
-                               "UTF-8 character starts with). Write it in UTF-8.")
+            raise QAEUserError(
+                f"{flag}: '{clipped(value)}' is not UTF-8 text (character {bad + 1} is a byte that no "
+                "UTF-8 character starts with). Write it in UTF-8."
+            )
     if template is not None and not placeholders(template):
-        raise QAEUserError(f"prompt-template: '{clipped(template)}' names no column, so every prompt would be this "
-                           "same text. Put the row's text in it with a placeholder such as {question} (or any column "
-                           "of the data: {name}).")
+        raise QAEUserError(
+            f"prompt-template: '{clipped(template)}' names no column, so every prompt would be this "
+            "same text. Put the row's text in it with a placeholder such as {question} (or any column "
+            "of the data: {name})."
+        )

@@ -64,8 +64,12 @@ class Task:
         if prompt_format is None or prompt_format == PromptFormat():
             return self
         given = prompt_format.template is not None
-        task = dataclasses.replace(self, prompt_template=prompt_format.template if given else self.prompt_template,
-                                   system_prompt=prompt_format.system_prompt, row_messages=not given)
+        task = dataclasses.replace(
+            self,
+            prompt_template=prompt_format.template if given else self.prompt_template,
+            system_prompt=prompt_format.system_prompt,
+            row_messages=not given,
+        )
         for problem in task.train + task.heldout:
             task.prompt(problem)
         return task
@@ -79,9 +83,7 @@ ARITH_MAX_OPERAND = 20
 ARITH_HELDOUT_FRACTION = 0.2
 ARITH_SPLIT_SEED = 1234  # fixed forever: changing it changes which problems are held out
 
-MATH_PROMPT_TEMPLATE = (
-    "{question}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
-)
+MATH_PROMPT_TEMPLATE = "{question}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
 def _arith_value(a: int, op: str, b: int) -> int:
@@ -95,8 +97,9 @@ def arith_problems() -> list[Problem]:
         for a in range(ARITH_MAX_OPERAND + 1):
             for b in range(ARITH_MAX_OPERAND + 1):
                 question = f"{a}{op}{b}="
-                problems.append(Problem(prompt_id=question, question=question, answer=str(_arith_value(a, op, b)),
-                                        meta={"op": op}))
+                problems.append(
+                    Problem(prompt_id=question, question=question, answer=str(_arith_value(a, op, b)), meta={"op": op})
+                )
     return problems
 
 
@@ -161,8 +164,14 @@ def _chain_problem_pool() -> tuple[Problem, ...]:  # drawn once per process: ~0.
             continue
         seen.add(question)
         response, value = chain_response(operands, ops)
-        problems.append(Problem(prompt_id=question, question=question, answer=str(value),
-                                meta={"operands": n, "ops": "".join(ops), "gold_response": response}))
+        problems.append(
+            Problem(
+                prompt_id=question,
+                question=question,
+                answer=str(value),
+                meta={"operands": n, "ops": "".join(ops), "gold_response": response},
+            )
+        )
     return tuple(problems)
 
 
@@ -186,8 +195,11 @@ ADD_PROMPT_TEMPLATE = "{question} Reply with just the number."
 
 def add_problems() -> list[Problem]:
     """All (ADD_MAX_OPERAND + 1) ** 2 additions, in a fixed order."""
-    return [Problem(prompt_id=f"{a}+{b}", question=f"What is {a} + {b}?", answer=str(a + b), meta={"op": "+"})
-            for a in range(ADD_MAX_OPERAND + 1) for b in range(ADD_MAX_OPERAND + 1)]
+    return [
+        Problem(prompt_id=f"{a}+{b}", question=f"What is {a} + {b}?", answer=str(a + b), meta={"op": "+"})
+        for a in range(ADD_MAX_OPERAND + 1)
+        for b in range(ADD_MAX_OPERAND + 1)
+    ]
 
 
 def add_task() -> Task:
@@ -226,7 +238,7 @@ BUILTIN_TASKS = {
 
 def builtin_task_name(data: str) -> str | None:
     """'chain' for `chain` or `builtin:chain`; None for anything that is not a built-in task's name."""
-    name = data[len(BUILTIN_PREFIX):] if data.startswith(BUILTIN_PREFIX) else data
+    name = data[len(BUILTIN_PREFIX) :] if data.startswith(BUILTIN_PREFIX) else data
     return name if name in BUILTIN_TASKS else None
 
 
@@ -238,9 +250,15 @@ def task_defaults(data: str) -> dict:
     return {"model": BUILTIN_TASKS[name].model, "max_new_tokens": BUILTIN_TASKS[name].max_new_tokens}
 
 
-def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0, option: str = "data",
-              prompt_format: PromptFormat | None = None, require_answer: bool = True,
-              heldout_by: str | None = None) -> Task:
+def load_task(
+    name_or_path: str,
+    heldout_fraction: float = 0.0,
+    seed: int = 0,
+    option: str = "data",
+    prompt_format: PromptFormat | None = None,
+    require_answer: bool = True,
+    heldout_by: str | None = None,
+) -> Task:
     """A built-in task by name, or a data file (all of it trains unless `heldout_fraction` > 0); `option`: the
     command-line option that named it, for the error messages. `prompt_format`: the user's template and system
     prompt (checked against every problem here). `require_answer`: refuse a file's row without a gold answer (a
@@ -262,13 +280,15 @@ def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0, o
             "columns with --prompt-template)."
         )
     try:  # (a user's template that does not show the question reads files without one)
-        problems = load_math_file(path, require_answer=require_answer,
-                                  require_question=prompt_format.template is None
-                                  or "question" in placeholders(prompt_format.template))
+        problems = load_math_file(
+            path,
+            require_answer=require_answer,
+            require_question=prompt_format.template is None or "question" in placeholders(prompt_format.template),
+        )
     except QAEUserError as err:  # the file's problem, said of the option that named it (--eval-bench, --bench)
         if option == "data" or not str(err).startswith("data: "):
             raise
-        raise QAEUserError(f"{option}: {str(err)[len('data: '):]}") from None
+        raise QAEUserError(f"{option}: {str(err)[len('data: ') :]}") from None
     held = heldout_split(problems, heldout_fraction, seed, heldout_by, str(path))
     heldout = [problem for i, problem in enumerate(problems) if i in held]
     train = [problem for i, problem in enumerate(problems) if i not in held]
@@ -276,8 +296,9 @@ def load_task(name_or_path: str, heldout_fraction: float = 0.0, seed: int = 0, o
     return task.with_format(prompt_format)
 
 
-def heldout_split(problems: list[Problem], fraction: float, seed: int, by: str | None = None,
-                  origin: str = "the data") -> set[int]:
+def heldout_split(
+    problems: list[Problem], fraction: float, seed: int, by: str | None = None, origin: str = "the data"
+) -> set[int]:
     """Indices of the held-out rows: int(fraction * rows) rows in a seeded shuffle, or with `by` (a column name) every
     row of int(fraction * distinct values) of that column's values in a seeded shuffle, so rows that share a value
     (one problem in several phrasings) are held out together or not at all. QAEUserError naming the first row that
@@ -285,23 +306,26 @@ def heldout_split(problems: list[Problem], fraction: float, seed: int, by: str |
     if by is None:
         order = list(range(len(problems)))
         random.Random(seed).shuffle(order)
-        return set(order[:int(len(problems) * fraction)])
+        return set(order[: int(len(problems) * fraction)])
     keys = []
     for problem in problems:
         if by not in problem.columns:
             row = problem.origin or f"problem '{problem.prompt_id}' of {origin}"
-            raise QAEUserError(f"heldout-by: {row} has no column '{clipped(by)}' (its columns: "
-                               f"{describe_columns(problem.columns)}). Name a column every row has.")
+            raise QAEUserError(
+                f"heldout-by: {row} has no column '{clipped(by)}' (its columns: "
+                f"{describe_columns(problem.columns)}). Name a column every row has."
+            )
         value = problem.columns[by]
         keys.append(value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False))
     values = list(dict.fromkeys(keys))  # distinct, in the file's order
     random.Random(seed).shuffle(values)
-    held = set(values[:int(len(values) * fraction)])
+    held = set(values[: int(len(values) * fraction)])
     return {i for i, key in enumerate(keys) if key in held}
 
 
-def load_benchmark(bench: str, option: str = "bench", prompt_format: PromptFormat | None = None,
-                   require_answer: bool = True) -> tuple[str, list[Problem], Task]:
+def load_benchmark(
+    bench: str, option: str = "bench", prompt_format: PromptFormat | None = None, require_answer: bool = True
+) -> tuple[str, list[Problem], Task]:
     """(name, problems, task) of what `qae eval --bench` and `qae train --eval-bench` evaluate: a built-in task's
     held-out split (named `<task>-heldout`) or a whole data file (named by its stem), prompted as `prompt_format`
     says (the same for both commands); `require_answer` as for `load_task`."""

@@ -37,8 +37,9 @@ class Sample:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_new_tokens: int,
-                 seed: int) -> list[Sample]: ...
+    def generate(
+        self, prompts: list[Prompt], n: int, temperature: float, max_new_tokens: int, seed: int
+    ) -> list[Sample]: ...
 
     def sync_weights(self, model: torch.nn.Module) -> None: ...
 

@@ -77,8 +77,14 @@ class _Linear:
     re-lay out at every call; elsewhere F.linear, or the `module` itself where one is given (its forward hooks run, as
     generate runs them; a hooked module is never packed)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
-                 module: torch.nn.Module | None = None, pack: bool = True):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        rows: int,
+        module: torch.nn.Module | None = None,
+        pack: bool = True,
+    ):
         self.weight, self.bias, self.module, self.packed = weight, bias, module, None
         hooked = module is not None and bool(module._forward_hooks or module._forward_pre_hooks)
         if pack and not hooked and decode_kernels.can_pack(weight):
@@ -95,8 +101,12 @@ def _fused(linears: list[torch.nn.Linear], rows: int, pack: bool) -> _Linear:
     if len(linears) == 1:
         return _Linear(linears[0].weight, linears[0].bias, rows, module=linears[0], pack=pack)
     biases = [linear.bias for linear in linears]
-    return _Linear(torch.cat([linear.weight for linear in linears]),
-                   torch.cat(biases) if all(b is not None for b in biases) else None, rows, pack=pack)
+    return _Linear(
+        torch.cat([linear.weight for linear in linears]),
+        torch.cat(biases) if all(b is not None for b in biases) else None,
+        rows,
+        pack=pack,
+    )
 
 
 @functools.cache
@@ -104,8 +114,10 @@ def _uniform_gives_exponential() -> bool:
     """Whether -log1p(-u), u a float64 torch.rand, is what this torch's CPU exponential_ draws from the same
     generator state, to the bit (torch draws a double uniform per number and transforms it one at a time)."""
     draws = []
-    for draw in (lambda g: torch.empty(4096).exponential_(1, generator=g),
-                 lambda g: torch.rand(4096, dtype=torch.float64, generator=g).neg_().log1p_().neg_().float()):
+    for draw in (
+        lambda g: torch.empty(4096).exponential_(1, generator=g),
+        lambda g: torch.rand(4096, dtype=torch.float64, generator=g).neg_().log1p_().neg_().float(),
+    ):
         generator = torch.Generator().manual_seed(1)
         draws.append((draw(generator), torch.rand(8, generator=generator)))  # the generator's state after
     (exponential, after), (uniform, uniform_after) = draws
@@ -138,8 +150,10 @@ class _Layers:
         self.scaling = first.scaling
         layers = model.model.layers
         pack = kernels.pack
-        self.qkv = [_fused([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], rows, pack)
-                    for layer in layers]
+        self.qkv = [
+            _fused([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], rows, pack)
+            for layer in layers
+        ]
         self.o = [_fused([layer.self_attn.o_proj], rows, pack) for layer in layers]
         self.gate_up = [_fused([layer.mlp.gate_proj, layer.mlp.up_proj], rows, pack) for layer in layers]
         self.down = [_fused([layer.mlp.down_proj], rows, pack) for layer in layers]
@@ -158,8 +172,15 @@ class _Layers:
             mask = mask[:, None, None, :]  # (rows, 1, 1, columns)
         return decode_kernels.sdpa_attention(q, k, v, mask, causal, self.scaling)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
-                values: list[torch.Tensor], start: int, key_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        start: int,
+        key_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Hidden states after the final norm, (rows, seq, hidden), for `tokens` (rows, seq) at `positions`
         (rows, seq), writing their keys and values into columns start..start+seq of the per-layer buffers
         (rows, kv_heads, columns, head_dim) and attending to columns 0..start+seq. `key_mask` (rows, start+seq) is
@@ -172,8 +193,9 @@ class _Layers:
         heads, kv_heads, end = self.heads, self.kv_heads, start + seq
         mask = None
         if key_mask is not None and seq == 1:  # (rows, end): 0 where a column holds a token, -inf where it is padding
-            mask = torch.zeros(key_mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(~key_mask,
-                                                                                                      float("-inf"))
+            mask = torch.zeros(key_mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
+                ~key_mask, float("-inf")
+            )
         elif key_mask is not None:  # a prompt pass, (rows, 1, seq, end): causal, a padding query reads itself
             query_columns = start + torch.arange(seq, device=hidden.device)[:, None]  # (seq, 1)
             key_columns = torch.arange(end, device=hidden.device)  # (end,)
@@ -233,8 +255,14 @@ def _draw_rows(logits: torch.Tensor, temperature: float, noise: torch.Tensor):
 
 
 @torch.no_grad()
-def sample(model: torch.nn.Module, encoded: list[list[int]], temperature: float, max_new_tokens: int,
-           stop_ids: list[int], kernels: Kernels | None = None) -> list[tuple[list[int], list[float], list[float]]]:
+def sample(
+    model: torch.nn.Module,
+    encoded: list[list[int]],
+    temperature: float,
+    max_new_tokens: int,
+    stop_ids: list[int],
+    kernels: Kernels | None = None,
+) -> list[tuple[list[int], list[float], list[float]]]:
     """Per row of `encoded` (token ids; consecutive equal rows are a group sharing its prompt): the generated tokens
     (up to and including the first stop id, or max_new_tokens of them), their log-probs and the entropy at each
     position, sampled from softmax(logits / T) with torch's global generator. `kernels`: the CPU-specific choices
@@ -250,8 +278,9 @@ def sample(model: torch.nn.Module, encoded: list[list[int]], temperature: float,
     logits, common = _prompt_pass(model, layers, encoded, width, keys, values)  # (batch, vocab)
     # True where a column holds a token: the prompts' common prefix, then each prompt's rest left-padded to `width`
     key_mask = torch.zeros(batch, columns, dtype=torch.bool, device=device)
-    key_mask[:, :width] = ((torch.arange(width, device=device) >= (common + width - lengths)[:, None])
-                           | (torch.arange(width, device=device) < common))
+    key_mask[:, :width] = (torch.arange(width, device=device) >= (common + width - lengths)[:, None]) | (
+        torch.arange(width, device=device) < common
+    )
 
     # the decode loop: a token for every row still sampling, one forward per step, from the cache
     rows = torch.arange(batch, device=device)  # the batch rows still sampling, in the buffers' order
@@ -262,8 +291,9 @@ def sample(model: torch.nn.Module, encoded: list[list[int]], temperature: float,
     finished = torch.zeros(batch, dtype=torch.bool, device=device)  # per buffer row
     for step in range(max_new_tokens):
         tokens, token_logp, entropy = draw(logits, temperature, rows, batch, kernels.draw_rows)
-        for row, done, token, lp, ent in zip(rows.tolist(), finished.tolist(), tokens.tolist(), token_logp.tolist(),
-                                             entropy.tolist(), strict=True):
+        for row, done, token, lp, ent in zip(
+            rows.tolist(), finished.tolist(), tokens.tolist(), token_logp.tolist(), entropy.tolist(), strict=True
+        ):
             if not done:  # a finished row kept in the batch until the next compaction samples nothing more
                 generated[row].append(token)
                 logprobs[row].append(lp)
@@ -279,27 +309,37 @@ def sample(model: torch.nn.Module, encoded: list[list[int]], temperature: float,
             finished = finished[keep]
         column = width + step
         key_mask[:, column] = True
-        hidden = layers.forward(tokens[:, None], (lengths + step)[:, None], keys, values, column,
-                                key_mask[:, : column + 1])
+        hidden = layers.forward(
+            tokens[:, None], (lengths + step)[:, None], keys, values, column, key_mask[:, : column + 1]
+        )
         logits = layers.lm_head(hidden[:, -1])  # (rows, vocab)
     return list(zip(generated, logprobs, entropies, strict=True))
 
 
-def _empty_cache(model: torch.nn.Module, layers: _Layers, batch: int, columns: int,
-                 device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _empty_cache(
+    model: torch.nn.Module, layers: _Layers, batch: int, columns: int, device
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer, the keys and the values (batch, kv_heads, columns, head_dim) of a decode of `columns` positions."""
     dtype = model.model.embed_tokens.weight.dtype
     # zeros, not empty: a masked column's score is dropped, but 0 x (a NaN value) would still reach the output
-    keys = [torch.zeros(batch, layers.kv_heads, columns, layers.head_dim, dtype=dtype, device=device)
-            for _ in model.model.layers]
+    keys = [
+        torch.zeros(batch, layers.kv_heads, columns, layers.head_dim, dtype=dtype, device=device)
+        for _ in model.model.layers
+    ]
     return keys, [torch.zeros_like(k) for k in keys]
 
 
 COMMON_PREFIX_MIN = 8  # tokens all prompts must share before their common prefix gets a forward of its own
 
 
-def _prompt_pass(model: torch.nn.Module, layers: _Layers, encoded: list[list[int]], width: int,
-                 keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+def _prompt_pass(
+    model: torch.nn.Module,
+    layers: _Layers,
+    encoded: list[list[int]],
+    width: int,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> tuple[torch.Tensor, int]:
     """The prompt pass: each group's prompt once (consecutive equal rows of `encoded`), all groups in one forward,
     its keys and values then copied into the first `width` columns of the group's rows of `keys` and `values`.
     Where the distinct prompts open alike (a chat template's system message: 27 of SmolLM2's ~46 tokens on `add`),
@@ -312,13 +352,20 @@ def _prompt_pass(model: torch.nn.Module, layers: _Layers, encoded: list[list[int
     common = len(os.path.commonprefix(prompts)) if len(prompts) > 1 else 0
     common = min(common, min(len(ids) for ids in prompts) - 1)  # every prompt keeps a token of its own
     common = common if common >= COMMON_PREFIX_MIN else 0
-    prompt_keys = [torch.zeros(len(prompts), *k.shape[1:2], width, k.shape[3], dtype=dtype, device=device)
-                   for k in keys]
+    prompt_keys = [
+        torch.zeros(len(prompts), *k.shape[1:2], width, k.shape[3], dtype=dtype, device=device) for k in keys
+    ]
     prompt_values = [torch.zeros_like(k) for k in prompt_keys]
     if common:  # the shared opening once, its keys and values then every prompt's
         shared = torch.tensor([prompts[0][:common]], device=device)  # (1, common)
-        layers.forward(shared, torch.arange(common, device=device)[None], [k[:1] for k in prompt_keys],
-                       [v[:1] for v in prompt_values], 0, None)  # (into the first prompt's rows of the buffers)
+        layers.forward(
+            shared,
+            torch.arange(common, device=device)[None],
+            [k[:1] for k in prompt_keys],
+            [v[:1] for v in prompt_values],
+            0,
+            None,
+        )  # (into the first prompt's rows of the buffers)
         for k, v in zip(prompt_keys, prompt_values, strict=True):
             k[1:, :, :common], v[1:, :, :common] = k[:1, :, :common], v[:1, :, :common]
     rest_lengths = torch.tensor([len(ids) - common for ids in prompts], device=device)
@@ -329,8 +376,14 @@ def _prompt_pass(model: torch.nn.Module, layers: _Layers, encoded: list[list[int
     positions = common + (rest_mask.long().cumsum(-1) - 1).clamp(min=0)
     key_mask = torch.cat([torch.ones(len(prompts), common, dtype=torch.bool, device=device), rest_mask], dim=1)
     # (no mask: plain causal attention, which SDPA aligns at the first column, so only without a common prefix)
-    hidden = layers.forward(rest_ids, positions, prompt_keys, prompt_values, common,
-                            None if not common and bool(key_mask.all()) else key_mask)
+    hidden = layers.forward(
+        rest_ids,
+        positions,
+        prompt_keys,
+        prompt_values,
+        common,
+        None if not common and bool(key_mask.all()) else key_mask,
+    )
     for index in range(len(keys)):
         keys[index][:, :, :width] = prompt_keys[index][group]
         values[index][:, :, :width] = prompt_values[index][group]

@@ -50,14 +50,18 @@ class Kernels:
     draw_rows: int | None = DRAW_ROWS  # rows per sampling chunk (None: the whole batch at once)
 
 
-def fastest(default: Callable[[], object], other: Callable[[], object], rounds: int = ROUNDS,
-            clock: Callable[[], float] = time.perf_counter) -> bool:
+def fastest(
+    default: Callable[[], object],
+    other: Callable[[], object],
+    rounds: int = ROUNDS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> bool:
     """Whether `other` is faster than `default` by SWITCH_MARGIN: each run `rounds` times, alternating (after one
     untimed run each), each one's fastest run compared."""
     default(), other()
     best = [float("inf"), float("inf")]
     for index in range(rounds):
-        for which in ((0, 1) if index % 2 == 0 else (1, 0)):
+        for which in (0, 1) if index % 2 == 0 else (1, 0):
             start = clock()
             (default, other)[which]()
             best[which] = min(best[which], clock() - start)
@@ -84,8 +88,9 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and packing_matches()
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, kv_heads: int,
-                      scaling: float) -> torch.Tensor:
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, kv_heads: int, scaling: float
+) -> torch.Tensor:
     """Attention of one query per row, q (rows, heads, 1, head_dim), over k, v (rows, kv_heads, columns, head_dim)
     with `bias` (rows, columns), 0 or -inf per column: two batched matmuls, each key head serving its group of query
     heads at once (query head h reads key head h // (heads / kv_heads), as transformers' repeat_kv pairs them). In
@@ -99,14 +104,16 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
     return out.to(q.dtype).view(rows, heads, 1, head_dim)
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, causal: bool,
-                   scaling: float) -> torch.Tensor:
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, causal: bool, scaling: float
+) -> torch.Tensor:
     """scaled_dot_product_attention with grouped key heads (enable_gqa where torch has it, torch >= 2.5)."""
     heads, kv_heads = q.shape[1], k.shape[1]
     if kv_heads != heads:
         if _SDPA_GQA:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=causal, scale=scaling,
-                                                  enable_gqa=True)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, is_causal=causal, scale=scaling, enable_gqa=True
+            )
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=causal, scale=scaling)
@@ -116,8 +123,17 @@ _SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2,
 
 
 @functools.cache
-def choose(device_type: str, dtype: torch.dtype, hidden: int, intermediate: int, heads: int, kv_heads: int,
-           head_dim: int, vocab: int, draw: Callable) -> Kernels:
+def choose(
+    device_type: str,
+    dtype: torch.dtype,
+    hidden: int,
+    intermediate: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    vocab: int,
+    draw: Callable,
+) -> Kernels:
     """The faster option of each choice for a model of these shapes, in `dtype` on `device_type` (see the module's
     docstring), `draw` being the loop's sampling draw (decode.draw); off a CPU, the defaults."""
     sdpa_first = dtype == torch.bfloat16  # the option kept unless the other is clearly faster
@@ -131,20 +147,26 @@ def choose(device_type: str, dtype: torch.dtype, hidden: int, intermediate: int,
         if can_pack(weight):
             x = torch.randn(PROBE_ROWS, hidden, generator=generator).to(dtype)
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, PROBE_ROWS)
-            pack = not fastest(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-                               lambda: F.linear(x, weight))
+            pack = not fastest(
+                lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), lambda: F.linear(x, weight)
+            )
         q = torch.randn(PROBE_ROWS, heads, 1, head_dim, generator=generator).to(dtype)
         cache = torch.randn(PROBE_ROWS, kv_heads, 2 * PROBE_COLUMNS, head_dim, generator=generator).to(dtype)
         k, v = cache[:, :, :PROBE_COLUMNS], cache[:, :, PROBE_COLUMNS:]  # column slices, as the loop reads them
         bias = torch.zeros(PROBE_ROWS, PROBE_COLUMNS, dtype=dtype)
-        scaling = head_dim ** -0.5
-        options = (lambda: sdpa_attention(q, k, v, bias[:, None, None, :], False, scaling),
-                   lambda: grouped_attention(q, k, v, bias, kv_heads, scaling))
+        scaling = head_dim**-0.5
+        options = (
+            lambda: sdpa_attention(q, k, v, bias[:, None, None, :], False, scaling),
+            lambda: grouped_attention(q, k, v, bias, kv_heads, scaling),
+        )
         sdpa = sdpa_first != fastest(*(options if sdpa_first else options[::-1]))
         logits = torch.randn(PROBE_ROWS, vocab, generator=generator).to(dtype)
         rows = torch.arange(PROBE_ROWS)
-        chunked = not fastest(lambda: draw(logits, 1.0, rows, PROBE_ROWS, DRAW_ROWS),
-                              lambda: draw(logits, 1.0, rows, PROBE_ROWS, None), rounds=3)
+        chunked = not fastest(
+            lambda: draw(logits, 1.0, rows, PROBE_ROWS, DRAW_ROWS),
+            lambda: draw(logits, 1.0, rows, PROBE_ROWS, None),
+            rounds=3,
+        )
     return Kernels(pack=pack, sdpa_per_token=sdpa, draw_rows=DRAW_ROWS if chunked else None)
 
 
@@ -154,5 +176,14 @@ def for_model(model: torch.nn.Module, draw: Callable) -> Kernels:
     config = model.config
     attention = model.model.layers[0].self_attn
     weight = model.lm_head.weight
-    return choose(weight.device.type, weight.dtype, config.hidden_size, config.intermediate_size,
-                  config.num_attention_heads, config.num_key_value_heads, attention.head_dim, weight.shape[0], draw)
+    return choose(
+        weight.device.type,
+        weight.dtype,
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        attention.head_dim,
+        weight.shape[0],
+        draw,
+    )

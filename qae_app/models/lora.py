@@ -65,29 +65,40 @@ def resolve_targets(model: torch.nn.Module, text: str | None, model_name: str = 
     head = output_layer_names(model)
     for name in wanted:
         if name in head:
-            raise QAEUserError(f"lora-targets: '{name}' is the output layer of {model_name}; qae does not put an "
-                               "adapter on it (it is tied to the input embeddings in many models). Use some of: "
-                               f"{', '.join(available)}.")
+            raise QAEUserError(
+                f"lora-targets: '{name}' is the output layer of {model_name}; qae does not put an "
+                "adapter on it (it is tied to the input embeddings in many models). Use some of: "
+                f"{', '.join(available)}."
+            )
         if name not in available:
-            raise QAEUserError(f"lora-targets: {model_name} has no linear layer named '{name}'. Its linear layers: "
-                               f"{', '.join(available)}. Pass a comma list of those, or leave --lora-targets out "
-                               "for all of them.")
+            raise QAEUserError(
+                f"lora-targets: {model_name} has no linear layer named '{name}'. Its linear layers: "
+                f"{', '.join(available)}. Pass a comma list of those, or leave --lora-targets out "
+                "for all of them."
+            )
     if not wanted:
-        raise QAEUserError(f"lora-rank: {model_name} has no linear layers besides its output layer to put adapters "
-                           "on. Train it without LoRA (--lora-rank 0).")
+        raise QAEUserError(
+            f"lora-rank: {model_name} has no linear layers besides its output layer to put adapters "
+            "on. Train it without LoRA (--lora-rank 0)."
+        )
     return wanted
 
 
 def check_rank_fits(model: torch.nn.Module, rank: int, targets: list[str], model_name: str) -> None:
     """Refuse, before any adapter is allocated, a rank above the narrowest adapted layer's width: past it an adapter
     is no longer low-rank (it adds parameters, not capacity), and a huge one asks the allocator for gigabytes."""
-    widths = {name: min(module.in_features, module.out_features) for name, module in model.named_modules()
-              if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets}
+    widths = {
+        name: min(module.in_features, module.out_features)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    }
     narrowest = min(widths, key=widths.get)
     if rank > widths[narrowest]:
-        raise QAEUserError(f"lora-rank: {rank} is more than the narrowest adapted layer of {model_name} is wide "
-                           f"({narrowest}: {widths[narrowest]}). Use a rank of at most {widths[narrowest]} (8-64 "
-                           "is usual).")
+        raise QAEUserError(
+            f"lora-rank: {rank} is more than the narrowest adapted layer of {model_name} is wide "
+            f"({narrowest}: {widths[narrowest]}). Use a rank of at most {widths[narrowest]} (8-64 "
+            "is usual)."
+        )
 
 
 def lora_alpha(rank: int, alpha: float | None) -> float:
@@ -95,8 +106,13 @@ def lora_alpha(rank: int, alpha: float | None) -> float:
     return float(alpha) if alpha is not None else 2.0 * rank
 
 
-def apply_lora(model: torch.nn.Module, rank: int, alpha: float | None = None, targets: str | None = None,
-               model_name: str = "the model") -> torch.nn.Module:
+def apply_lora(
+    model: torch.nn.Module,
+    rank: int,
+    alpha: float | None = None,
+    targets: str | None = None,
+    model_name: str = "the model",
+) -> torch.nn.Module:
     """`model` with LoRA adapters of `rank` on `targets` (a comma list; default: every linear layer but the output
     layer): a peft model whose base weights are frozen. B starts at 0, so the adapted model starts as the base model;
     A's initialisation draws from torch's global generator (seeded by the trainer)."""
@@ -104,8 +120,14 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float | None = None, ta
 
     target_modules = resolve_targets(model, targets, model_name)
     check_rank_fits(model, rank, target_modules, model_name)
-    config = LoraConfig(r=rank, lora_alpha=lora_alpha(rank, alpha), lora_dropout=0.0, bias="none",
-                        target_modules=target_modules, task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=lora_alpha(rank, alpha),
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=target_modules,
+        task_type="CAUSAL_LM",
+    )
     with warnings.catch_warnings():  # peft reads a property transformers 5 deprecated: nothing a user can act on
         warnings.filterwarnings("ignore", r"`is_gradient_checkpointing` is deprecated", FutureWarning)
         return get_peft_model(model, config, adapter_name=ADAPTER_NAME)
@@ -193,6 +215,8 @@ def load_lora_adapter(folder: Path, model: torch.nn.Module) -> None:
     result = set_peft_model_state_dict(model, load_peft_weights(str(path), device="cpu"), adapter_name=ADAPTER_NAME)
     unexpected = getattr(result, "unexpected_keys", None)
     if unexpected:
-        raise QAEUserError(f"resume: checkpoint {folder} holds adapter weights this model lacks "
-                           f"({', '.join(unexpected[:3])}): it was trained with other --lora-targets. Start a new "
-                           "run.")
+        raise QAEUserError(
+            f"resume: checkpoint {folder} holds adapter weights this model lacks "
+            f"({', '.join(unexpected[:3])}): it was trained with other --lora-targets. Start a new "
+            "run."
+        )

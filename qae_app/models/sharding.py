@@ -35,8 +35,9 @@ class ShardingPlan:
 UNSHARDED = ShardingPlan("none", synced_generate=False, gather_full_weights=False)
 
 
-def sharding_plan(distributed_type, zero_stage: int | None = None, fsdp_version: int | None = None,
-                  num_processes: int = 1) -> ShardingPlan:
+def sharding_plan(
+    distributed_type, zero_stage: int | None = None, fsdp_version: int | None = None, num_processes: int = 1
+) -> ShardingPlan:
     """What the engines must do for accelerate's `distributed_type` (DistributedType or its name).
 
     Sharded weights (FSDP, ZeRO-3) are gathered layer by layer inside forward, a collective call: a process that
@@ -46,8 +47,10 @@ def sharding_plan(distributed_type, zero_stage: int | None = None, fsdp_version:
     """
     kind = str(getattr(distributed_type, "value", distributed_type)).upper()
     if kind == "MEGATRON_LM":
-        raise QAEUserError("accelerate: Megatron-LM splits layers across processes, which the rollout engines do not "
-                           "support. Use DDP, FSDP or DeepSpeed in your `accelerate config`.")
+        raise QAEUserError(
+            "accelerate: Megatron-LM splits layers across processes, which the rollout engines do not "
+            "support. Use DDP, FSDP or DeepSpeed in your `accelerate config`."
+        )
     if kind == "FSDP":
         sharding = "fsdp2" if fsdp_version == 2 else "fsdp1"
     elif kind == "DEEPSPEED" and (zero_stage or 0) >= 3:
@@ -64,8 +67,12 @@ def sharding_plan_for(accelerator) -> ShardingPlan:
     state = accelerator.state
     deepspeed = getattr(state, "deepspeed_plugin", None)
     fsdp = getattr(state, "fsdp_plugin", None)
-    return sharding_plan(accelerator.distributed_type, getattr(deepspeed, "zero_stage", None),
-                         getattr(fsdp, "fsdp_version", None), accelerator.num_processes)
+    return sharding_plan(
+        accelerator.distributed_type,
+        getattr(deepspeed, "zero_stage", None),
+        getattr(fsdp, "fsdp_version", None),
+        accelerator.num_processes,
+    )
 
 
 def requested_fsdp_version() -> int | None:
@@ -82,9 +89,11 @@ def shards_itself(accelerator) -> bool:
         return False
     version = requested_fsdp_version()
     if version == 1:
-        raise QAEUserError("accelerate: the config asks for FSDP version 1, which accelerate does not set up on CPU "
-                           "(it trains unsharded). Use fsdp_version: 2 (configs/accelerate/fsdp2.yaml), which qae "
-                           "applies itself on CPU.")
+        raise QAEUserError(
+            "accelerate: the config asks for FSDP version 1, which accelerate does not set up on CPU "
+            "(it trains unsharded). Use fsdp_version: 2 (configs/accelerate/fsdp2.yaml), which qae "
+            "applies itself on CPU."
+        )
     return version == 2
 
 
@@ -94,8 +103,10 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     kinds = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in kinds]
     if not layers:
-        raise QAEUserError(f"model: {type(model).__name__} names no decoder layer class (_no_split_modules), so FSDP2 "
-                           "cannot shard it per layer. Launch with DDP (configs/accelerate/ddp.yaml).")
+        raise QAEUserError(
+            f"model: {type(model).__name__} names no decoder layer class (_no_split_modules), so FSDP2 "
+            "cannot shard it per layer. Launch with DDP (configs/accelerate/ddp.yaml)."
+        )
     return layers
 
 
@@ -106,8 +117,11 @@ def shard_model(model: torch.nn.Module, mesh, mixed_precision: str = "no") -> to
     (the model never reaches accelerate's autocast here: accelerate does not prepare it)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if mixed_precision == "bf16" else MixedPrecisionPolicy())
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -60,8 +60,8 @@ def extract_answer(text: str) -> str | None:
                 start += 1
             if start < len(text) and text[start] == "{":
                 end = pairs.get(start)
-                if end is not None and text[start + 1:end].strip():
-                    return text[start + 1:end].strip()
+                if end is not None and text[start + 1 : end].strip():
+                    return text[start + 1 : end].strip()
             else:
                 m = _SPACE_FORM_RE.match(text, box.end())
                 if m:
@@ -71,7 +71,7 @@ def extract_answer(text: str) -> str | None:
     if last is None:
         return None
     line_end = text.find("\n", last.end())
-    return _clean_final(text[last.end():line_end if line_end >= 0 else len(text)].lstrip(" \t:"))
+    return _clean_final(text[last.end() : line_end if line_end >= 0 else len(text)].lstrip(" \t:"))
 
 
 def chain_final_answer(response: str) -> str | None:

@@ -15,7 +15,7 @@ those and never treats them as a silent 0.
 
 `math` and `final_number` are scored by worker processes (`MathVerifierPool`, qae_app/rewards/verifier_pool.py:
 math-verify can hang, so each item has a hard deadline) that every `BuiltinVerifier` starts and closes itself; the
-answers each reward reads are extracted in qae_app/rewards/answers.py. """
+answers each reward reads are extracted in qae_app/rewards/answers.py."""
 
 from __future__ import annotations
 
@@ -35,8 +35,10 @@ RewardFunction = Callable[[list[str], list[str]], list[float | None]]
 def exact_int_reward(responses: list[str], answers: list[str]) -> list[float | None]:
     """1.0 when the response, stripped of whitespace, is exactly the gold integer string; else 0.0. Never None."""
     check_lengths(responses, answers)
-    return [1.0 if INTEGER_RE.fullmatch(r.strip()) and r.strip() == a.strip() else 0.0
-            for r, a in zip(responses, answers, strict=True)]
+    return [
+        1.0 if INTEGER_RE.fullmatch(r.strip()) and r.strip() == a.strip() else 0.0
+        for r, a in zip(responses, answers, strict=True)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -95,8 +97,11 @@ class BuiltinVerifier:
 
     def __init__(self, name: str, timeout_s: float = 3.0):
         self.name = name
-        self.pool = (MathVerifierPool(timeout_s=timeout_s, extract=ANSWER_EXTRACTORS[name])
-                     if name in REWARD_FUNCTIONS and REWARD_FUNCTIONS[name] is None else None)
+        self.pool = (
+            MathVerifierPool(timeout_s=timeout_s, extract=ANSWER_EXTRACTORS[name])
+            if name in REWARD_FUNCTIONS and REWARD_FUNCTIONS[name] is None
+            else None
+        )
         self.fn = self.pool.score if self.pool is not None else get_reward_function(name)
 
     def __call__(self, responses: list[str], answers: list[str]) -> list[float | None]:
@@ -133,14 +138,22 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int, factor: floa
     return min(0.0, -(length - (max_new_tokens - buffer)) / buffer * factor)
 
 
-def shape_rewards(scores: list[float | None], lengths: list[int], values: tuple[float, float], max_new_tokens: int,
-                  buffer: int = 0, factor: float = 1.0) -> tuple[list[float], list[bool]]:
+def shape_rewards(
+    scores: list[float | None],
+    lengths: list[int],
+    values: tuple[float, float],
+    max_new_tokens: int,
+    buffer: int = 0,
+    factor: float = 1.0,
+) -> tuple[list[float], list[bool]]:
     """(rewards, correct) of responses from the verifier's scores (1.0, 0.0, or None: unverifiable, counted wrong)
     and their lengths in tokens: `values` = (wrong, correct) reward, plus the overlong penalty."""
     if len(scores) != len(lengths):
         raise ValueError(f"{len(scores)} scores for {len(lengths)} lengths")
     correct = [score == 1.0 for score in scores]
     wrong_value, correct_value = values
-    rewards = [(correct_value if ok else wrong_value) + overlong_penalty(length, max_new_tokens, buffer, factor)
-               for ok, length in zip(correct, lengths, strict=True)]
+    rewards = [
+        (correct_value if ok else wrong_value) + overlong_penalty(length, max_new_tokens, buffer, factor)
+        for ok, length in zip(correct, lengths, strict=True)
+    ]
     return rewards, correct

@@ -78,26 +78,47 @@ class RewardSet:
     deadline in a verifier or user-function worker (--verify-timeout-s); values: (wrong, correct), what a built-in
     verdict is worth in the total (--reward-values)."""
 
-    def __init__(self, specs: Sequence[RewardSpec], weights: Sequence[float] | None = None, timeout_s: float = 3.0,
-                 values: tuple[float, float] = (0.0, 1.0), verifiers: dict[str, BuiltinVerifier] | None = None):
+    def __init__(
+        self,
+        specs: Sequence[RewardSpec],
+        weights: Sequence[float] | None = None,
+        timeout_s: float = 3.0,
+        values: tuple[float, float] = (0.0, 1.0),
+        verifiers: dict[str, BuiltinVerifier] | None = None,
+    ):
         self.specs = list(specs)
         self.weights = tuple(weights) if weights is not None else (1.0,) * len(self.specs)
         self.timeout_s, self.values = timeout_s, values
         self.user_specs = [spec for spec in self.specs if spec.is_user_code]
         resolved = [spec.resolved() for spec in self.user_specs]  # (a missing file is named before any worker starts)
-        self.verifiers = verifiers or {spec.target: BuiltinVerifier(spec.target, timeout_s) for spec in self.specs
-                                   if not spec.is_user_code}
-        self.user_pool = (MathVerifierPool(timeout_s=timeout_s, memory_limit_mb=None, shortcuts=False,
-                                           startup_timeout_s=START_TIMEOUT_S, handler=handle_item,
-                                           init=(load_user_rewards, resolved))
-                          if self.user_specs else None)
+        self.verifiers = verifiers or {
+            spec.target: BuiltinVerifier(spec.target, timeout_s) for spec in self.specs if not spec.is_user_code
+        }
+        self.user_pool = (
+            MathVerifierPool(
+                timeout_s=timeout_s,
+                memory_limit_mb=None,
+                shortcuts=False,
+                startup_timeout_s=START_TIMEOUT_S,
+                handler=handle_item,
+                init=(load_user_rewards, resolved),
+            )
+            if self.user_specs
+            else None
+        )
         self.weight_of: dict[str, float] = {spec.name: w for spec, w in zip(self.specs, self.weights, strict=True)}
         self.builtin_names = {spec.name for spec in self.specs if not spec.is_user_code}
         self.last_timeouts: dict[str, int] = {}  # spec text -> responses of the last call scored None at the deadline
 
     @classmethod
-    def of(cls, reward: list[str] | None, reward_weights: str | None, default: str, timeout_s: float = 3.0,
-           values: tuple[float, float] = (0.0, 1.0)) -> RewardSet:
+    def of(
+        cls,
+        reward: list[str] | None,
+        reward_weights: str | None,
+        default: str,
+        timeout_s: float = 3.0,
+        values: tuple[float, float] = (0.0, 1.0),
+    ) -> RewardSet:
         """The rewards the user named (--reward, --reward-weights), else the task's `default` built-in."""
         specs = parse_reward_specs(reward) if reward else [parse_reward_spec(default)]
         return cls(specs, parse_reward_weights(reward_weights, len(specs)), timeout_s, values)
@@ -126,16 +147,19 @@ class RewardSet:
         if self.user_pool is None:
             return {}
         try:
-            answers = self.user_pool.run_items([("probe", i) for i in range(len(self.user_specs))],
-                                               timeout_s=max(self.timeout_s, PROBE_TIMEOUT_S))
+            answers = self.user_pool.run_items(
+                [("probe", i) for i in range(len(self.user_specs))], timeout_s=max(self.timeout_s, PROBE_TIMEOUT_S)
+            )
         except WorkersDidNotStart as err:
             raise RewardError(self._start_failure(err)) from None
         available = sorted(set(columns) - set(PASSED_ALWAYS))
         record = {}
         for spec, answer in zip(self.user_specs, answers, strict=True):
             if answer is None:
-                raise RewardError(f"reward: {spec.text}: its worker did not answer within {PROBE_TIMEOUT_S:g} s of "
-                                  "starting. Does importing its module wait on something?")
+                raise RewardError(
+                    f"reward: {spec.text}: its worker did not answer within {PROBE_TIMEOUT_S:g} s of "
+                    "starting. Does importing its module wait on something?"
+                )
             status, info = answer
             if status == "error":
                 raise RewardError(f"reward: {spec.text}: {info}\nFix it and run the command again.")
@@ -145,7 +169,8 @@ class RewardSet:
                     f"reward: {spec.text}: the function asks for {', '.join(repr(m) for m in missing)}, which the "
                     f"data does not have. The data's columns: {', '.join(available) or 'none'}; every reward also "
                     f"gets {', '.join(PASSED_ALWAYS)}. Give the parameter a default, take **kwargs, or use data with "
-                    "that column.")
+                    "that column."
+                )
             record[spec.text] = {"path": info["path"], "sha256": info["sha256"]}
         return record
 
@@ -154,18 +179,28 @@ class RewardSet:
         ends the process, or never finishes."""
         named = ", ".join(spec.text for spec in self.user_specs)
         if not err.exit_codes:
-            return (f"reward: {named}: importing it did not finish within {self.user_pool.startup_timeout_s:.0f} s "
-                    "(the worker that imports it never said it was ready): does the module sleep, or wait on "
-                    "something, when it is imported? Fix it and run the command again.")
+            return (
+                f"reward: {named}: importing it did not finish within {self.user_pool.startup_timeout_s:.0f} s "
+                "(the worker that imports it never said it was ready): does the module sleep, or wait on "
+                "something, when it is imported? Fix it and run the command again."
+            )
         codes = ", ".join(str(code) for code in err.exit_codes)
-        return (f"reward: {named}: the worker process importing it ended before it was ready, {len(err.exit_codes)} "
-                f"times in a row (exit codes {codes}): does the module end the process when it is imported "
-                "(os._exit, a crash in a native library)? Fix it and run the command again.")
+        return (
+            f"reward: {named}: the worker process importing it ended before it was ready, {len(err.exit_codes)} "
+            f"times in a row (exit codes {codes}): does the module end the process when it is imported "
+            "(os._exit, a crash in a native library)? Fix it and run the command again."
+        )
 
     # -- scoring --------------------------------------------------------------------------------------------------
 
-    def score(self, completions: list[str], prompts: list, problems: Sequence, step: int = 0,
-              completion_ids: Sequence[list[int]] | None = None) -> RewardScores:
+    def score(
+        self,
+        completions: list[str],
+        prompts: list,
+        problems: Sequence,
+        step: int = 0,
+        completion_ids: Sequence[list[int]] | None = None,
+    ) -> RewardScores:
         """Each response's total and components. completions [N] (text), prompts [N] (as the rewards get them:
         scoring/reward_path.reward_prompt, chat messages for conversational data, else text), problems [N] (each
         with `.answer` and `.columns`, the data row: datasets.Problem) and completion_ids [N] (each response's token
@@ -176,15 +211,23 @@ class RewardSet:
             raise ValueError(f"{n} completions, {len(prompts)} prompts and {len(problems)} problems")
         answers = [problem.answer for problem in problems]
         components: dict[str, list[float | None]] = {}
-        user = (self._score_user(completions, prompts, problems, step, completion_ids or [[] for _ in range(n)])
-                if self.user_pool is not None else {})
+        user = (
+            self._score_user(completions, prompts, problems, step, completion_ids or [[] for _ in range(n)])
+            if self.user_pool is not None
+            else {}
+        )
         for spec in self.specs:
-            parts = {spec.name: self.verifiers[spec.target](completions, answers)} if not spec.is_user_code else \
-                user[spec.text]
+            parts = (
+                {spec.name: self.verifiers[spec.target](completions, answers)}
+                if not spec.is_user_code
+                else user[spec.text]
+            )
             for name, values in parts.items():
                 if name in components:
-                    raise RewardError(f"reward: {spec.text}: its part '{name}' has the name of another component. "
-                                      "Name each part and reward apart.")
+                    raise RewardError(
+                        f"reward: {spec.text}: its part '{name}' has the name of another component. "
+                        "Name each part and reward apart."
+                    )
                 components[name] = values
                 self.weight_of.setdefault(name, self.weight_of[spec.name])
         return RewardScores(self._totals(components, n), components)
@@ -199,9 +242,11 @@ class RewardSet:
         for i, total in enumerate(totals):
             if not math.isfinite(total):
                 parts = ", ".join(f"{name} {components[name][i]!r} x {self.weight_of[name]:g}" for name in components)
-                raise RewardError(f"reward-weights: response {i + 1}'s weighted sum of its rewards is {total} "
-                                  f"({parts}), past what a number holds. Use smaller --reward-weights, or scale the "
-                                  "rewards to a range such as [0, 1].")
+                raise RewardError(
+                    f"reward-weights: response {i + 1}'s weighted sum of its rewards is {total} "
+                    f"({parts}), past what a number holds. Use smaller --reward-weights, or scale the "
+                    "rewards to a range such as [0, 1]."
+                )
         return totals
 
     def parts(self, components: dict[str, list[float | None]]) -> dict[str, list[float]]:
@@ -217,14 +262,18 @@ class RewardSet:
                 parts[name] = [weight * (0.0 if value is None else value) for value in values]
         return parts
 
-    def _score_user(self, completions: list[str], prompts: list, problems: Sequence, step: int,
-                    completion_ids: Sequence[list[int]]) -> dict[str, dict]:
+    def _score_user(
+        self, completions: list[str], prompts: list, problems: Sequence, step: int, completion_ids: Sequence[list[int]]
+    ) -> dict[str, dict]:
         """spec text -> {component: [N] scores} of each user function, from the workers."""
         n = len(completions)
         rows = _column_rows(problems)
         inputs = [reward_inputs(completions[i], prompts[i]) for i in range(n)]
-        items = [("score", u, *inputs[i], [int(t) for t in completion_ids[i]], rows[i], step)
-                 for u in range(len(self.user_specs)) for i in range(n)]
+        items = [
+            ("score", u, *inputs[i], [int(t) for t in completion_ids[i]], rows[i], step)
+            for u in range(len(self.user_specs))
+            for i in range(n)
+        ]
         results = self.user_pool.run_items(items) if items else []
         scored: dict[str, dict[str, list[float | None]]] = {spec.text: {} for spec in self.user_specs}
         self.last_timeouts = {spec.text: 0 for spec in self.user_specs}
@@ -232,40 +281,52 @@ class RewardSet:
             u, i = divmod(k, n)
             spec = self.user_specs[u]
             if result is None and k in self.user_pool.died_items:  # (not a deadline: the process ended)
-                raise RewardError(f"reward: {spec.text} failed at step {step} on response {i + 1} of {n} "
-                                  f"({clipped(repr(completions[i]), 60)}): the worker process running it ended "
-                                  f"(exit code {self.user_pool.died_items[k]}). Does the function end the process "
-                                  "(os._exit, a crash in a native library)?")
+                raise RewardError(
+                    f"reward: {spec.text} failed at step {step} on response {i + 1} of {n} "
+                    f"({clipped(repr(completions[i]), 60)}): the worker process running it ended "
+                    f"(exit code {self.user_pool.died_items[k]}). Does the function end the process "
+                    "(os._exit, a crash in a native library)?"
+                )
             if result is None:
                 self.last_timeouts[spec.text] += 1
                 continue
             status, value = result
             if status == "error":
-                raise RewardError(f"reward: {spec.text} failed at step {step} on response {i + 1} of {n} "
-                                  f"({clipped(repr(inputs[i][0]), 80)}): it {value}", spec)
+                raise RewardError(
+                    f"reward: {spec.text} failed at step {step} on response {i + 1} of {n} "
+                    f"({clipped(repr(inputs[i][0]), 80)}): it {value}",
+                    spec,
+                )
             for part, score in value.items():
                 scored[spec.text].setdefault(part or spec.name, [None] * n)[i] = score
         for spec in self.user_specs:
             if n and self.last_timeouts[spec.text] == n:
-                raise RewardError(f"reward: {spec.text} scored none of the {n} responses of step {step} within "
-                                  f"--verify-timeout-s {self.timeout_s:g} s: it hangs, or is far slower than that. "
-                                  "Fix it (or raise --verify-timeout-s) and resume the run.")
+                raise RewardError(
+                    f"reward: {spec.text} scored none of the {n} responses of step {step} within "
+                    f"--verify-timeout-s {self.timeout_s:g} s: it hangs, or is far slower than that. "
+                    "Fix it (or raise --verify-timeout-s) and resume the run."
+                )
             if not scored[spec.text]:
                 scored[spec.text][spec.name] = [None] * n
         return scored
 
     def correct(self, components: dict[str, list[float | None]]) -> list[bool]:
         """Full marks: every component of positive weight at 1 or more (a built-in's verdict 1)."""
-        marked = [values for name, values in components.items() if self.weight_of[name] > 0] or \
-            list(components.values())
-        return [all(values[i] is not None and values[i] >= 1.0 for values in marked)
-                for i in range(len(next(iter(components.values()), [])))]
+        marked = [values for name, values in components.items() if self.weight_of[name] > 0] or list(
+            components.values()
+        )
+        return [
+            all(values[i] is not None and values[i] >= 1.0 for values in marked)
+            for i in range(len(next(iter(components.values()), [])))
+        ]
 
     @staticmethod
     def verified(components: dict[str, list[float | None]]) -> list[bool]:
         """No component is None."""
-        return [all(values[i] is not None for values in components.values())
-                for i in range(len(next(iter(components.values()), [])))]
+        return [
+            all(values[i] is not None for values in components.values())
+            for i in range(len(next(iter(components.values()), [])))
+        ]
 
     def extract(self, response: str) -> str | None:
         """What maj@k votes on: the first built-in reward's extracted answer, else the whole response, stripped."""
@@ -278,10 +339,12 @@ class RewardSet:
         if not late:
             return None
         said = "; ".join(f"{text}: {count} of {n}" for text, count in late.items())
-        return {"kind": "reward_timeout",
-                "message": f"step {step}: responses not scored within --verify-timeout-s {self.timeout_s:g} s ({said})"
-                           ": each scored None (could not verify, counted wrong). Is the function slow on some "
-                           "inputs? Raise --verify-timeout-s if so."}
+        return {
+            "kind": "reward_timeout",
+            "message": f"step {step}: responses not scored within --verify-timeout-s {self.timeout_s:g} s ({said})"
+            ": each scored None (could not verify, counted wrong). Is the function slow on some "
+            "inputs? Raise --verify-timeout-s if so.",
+        }
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
@@ -310,8 +373,13 @@ def _column_rows(problems: Sequence) -> list[dict]:
     and `answer`, the gold answer qae read."""
     names = sorted({name for problem in problems for name in (getattr(problem, "columns", None) or {})})
     reserved = set(PASSED_ALWAYS)
-    return [{**{name: (problem.columns or {}).get(name) for name in names if name not in reserved},
-             "answer": problem.answer} for problem in problems]
+    return [
+        {
+            **{name: (problem.columns or {}).get(name) for name in names if name not in reserved},
+            "answer": problem.answer,
+        }
+        for problem in problems
+    ]
 
 
 def data_columns(problems: Iterable) -> set[str]:

@@ -49,8 +49,10 @@ class RewardSpec:
             path = Path(self.target).expanduser()
             if not path.is_file():
                 why = "is a folder" if path.is_dir() else "does not exist"
-                raise QAEUserError(f"reward: {self.text}: {path} {why}. Pass PATH.py:FUNCTION with the path of a "
-                                   "Python file (relative to the folder you run qae from).")
+                raise QAEUserError(
+                    f"reward: {self.text}: {path} {why}. Pass PATH.py:FUNCTION with the path of a "
+                    "Python file (relative to the folder you run qae from)."
+                )
             return self.kind, str(path.resolve()), str(self.function)
         return self.kind, self.target, str(self.function)
 
@@ -64,14 +66,18 @@ def parse_reward_spec(text: str, option: str = "reward") -> RewardSpec:
         raise QAEUserError(f"{option}: '{clipped(text)}' is not a built-in reward. Pass {SPEC_FORMS}.")
     target, function = text.rsplit(":", 1)
     if not function.isidentifier():
-        raise QAEUserError(f"{option}: '{clipped(text)}' names no function after the last ':' ('{clipped(function)}'"
-                           f" is not a Python name). Pass {SPEC_FORMS}.")
+        raise QAEUserError(
+            f"{option}: '{clipped(text)}' names no function after the last ':' ('{clipped(function)}'"
+            f" is not a Python name). Pass {SPEC_FORMS}."
+        )
     if target.endswith(".py") or "/" in target or "\\" in target:
         return RewardSpec(text, "file", target, function)
     if target and all(part.isidentifier() for part in target.split(".")):
         return RewardSpec(text, "module", target, function)
-    raise QAEUserError(f"{option}: '{clipped(text)}': '{clipped(target)}' is neither a .py file nor a dotted module "
-                       f"name. Pass {SPEC_FORMS}.")
+    raise QAEUserError(
+        f"{option}: '{clipped(text)}': '{clipped(target)}' is neither a .py file nor a dotted module "
+        f"name. Pass {SPEC_FORMS}."
+    )
 
 
 def reads_gold_answer(reward: list[str] | None) -> bool:
@@ -87,9 +93,11 @@ def parse_reward_specs(texts: list[str] | None, option: str = "reward") -> list[
     names = [spec.name for spec in specs]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
-        raise QAEUserError(f"{option}: two rewards are named {', '.join(twice)} (a built-in's name or the function's "
-                           "name names its component). Give each function its own name, or weight one reward with "
-                           "--reward-weights instead of naming it twice.")
+        raise QAEUserError(
+            f"{option}: two rewards are named {', '.join(twice)} (a built-in's name or the function's "
+            "name names its component). Give each function its own name, or weight one reward with "
+            "--reward-weights instead of naming it twice."
+        )
     return specs
 
 
@@ -101,18 +109,26 @@ def parse_reward_weights(text: str | None, n_rewards: int) -> tuple[float, ...]:
     try:
         weights = tuple(float(part) for part in parts)
     except ValueError:
-        raise QAEUserError(f"reward-weights: '{clipped(text)}' is not a comma list of numbers. Pass one number per "
-                           "--reward, e.g. --reward-weights 1,0.5.") from None
+        raise QAEUserError(
+            f"reward-weights: '{clipped(text)}' is not a comma list of numbers. Pass one number per "
+            "--reward, e.g. --reward-weights 1,0.5."
+        ) from None
     if not all(math.isfinite(w) for w in weights):
-        raise QAEUserError(f"reward-weights: '{clipped(text)}' holds a value that is not a finite number. Pass finite "
-                           "numbers, e.g. 1,0.5.")
+        raise QAEUserError(
+            f"reward-weights: '{clipped(text)}' holds a value that is not a finite number. Pass finite "
+            "numbers, e.g. 1,0.5."
+        )
     if not math.isfinite(sum(abs(w) for w in weights)):  # (a response's weighted sum could be no number)
-        raise QAEUserError(f"reward-weights: '{clipped(text)}' sum to more than a number holds, so a response's "
-                           "weighted sum of its rewards would be infinite. Pass weights such as 1,0.5.")
+        raise QAEUserError(
+            f"reward-weights: '{clipped(text)}' sum to more than a number holds, so a response's "
+            "weighted sum of its rewards would be infinite. Pass weights such as 1,0.5."
+        )
     if len(weights) != n_rewards:
-        raise QAEUserError(f"reward-weights: {len(weights)} weight{'s' * (len(weights) != 1)} ({clipped(text)}) for "
-                           f"{n_rewards} reward{'s' * (n_rewards != 1)}. Pass one weight per --reward, in the same "
-                           "order.")
+        raise QAEUserError(
+            f"reward-weights: {len(weights)} weight{'s' * (len(weights) != 1)} ({clipped(text)}) for "
+            f"{n_rewards} reward{'s' * (n_rewards != 1)}. Pass one weight per --reward, in the same "
+            "order."
+        )
     return weights
 
 
@@ -120,12 +136,15 @@ def check_reward_options(reward: list[str] | None, reward_weights: str | None) -
     """--reward and --reward-weights as a config checks them: the specs' syntax, one weight per reward (no file is
     read, nothing imported)."""
     if reward_weights is not None and not reward:
-        raise QAEUserError(f"reward-weights: {clipped(str(reward_weights))} weighs the rewards of --reward, and "
-                           "none is given (the task's own reward needs no weight). Add --reward NAME for each weight, "
-                           "or drop --reward-weights.")
+        raise QAEUserError(
+            f"reward-weights: {clipped(str(reward_weights))} weighs the rewards of --reward, and "
+            "none is given (the task's own reward needs no weight). Add --reward NAME for each weight, "
+            "or drop --reward-weights."
+        )
     if reward is not None and not reward:
-        raise QAEUserError("reward: an empty list names no reward. Name one or more, or leave it out for the task's "
-                           "own.")
+        raise QAEUserError(
+            "reward: an empty list names no reward. Name one or more, or leave it out for the task's own."
+        )
     parse_reward_weights(reward_weights, len(parse_reward_specs(reward)))
 
 
@@ -136,8 +155,9 @@ def weights_text(value) -> str | None:
     return value
 
 
-def check_named_again(stored: list[str] | None, given: list[str] | None, run: str,
-                      stored_weights: str | None = None) -> None:
+def check_named_again(
+    stored: list[str] | None, given: list[str] | None, run: str, stored_weights: str | None = None
+) -> None:
     """A resumed run imports reward code only when the user names it again: `stored` is what the run's config.json
     says (and `stored_weights` its --reward-weights), `given` what the user passed now (None: nothing). QAEUserError
     when the run's rewards run user code and the user did not name them."""
@@ -147,6 +167,8 @@ def check_named_again(stored: list[str] | None, given: list[str] | None, run: st
     flags = " ".join(f"--reward {spec}" for spec in stored or [])
     if stored_weights is not None:
         flags += f" --reward-weights {weights_text(stored_weights)}"
-    raise QAEUserError(f"resume: run '{run}' scores with reward code ({', '.join(s.text for s in code)}). A run "
-                       f"folder never runs code by itself: name the rewards again to resume it, e.g. `qae train "
-                       f"--resume {run} {flags}`.")
+    raise QAEUserError(
+        f"resume: run '{run}' scores with reward code ({', '.join(s.text for s in code)}). A run "
+        f"folder never runs code by itself: name the rewards again to resume it, e.g. `qae train "
+        f"--resume {run} {flags}`."
+    )

@@ -50,10 +50,12 @@ def load_user_rewards(specs: list[tuple[str, str, str]]) -> None:
             module = _import(kind, target)
             fn = getattr(module, function, None)
             if fn is None or not callable(fn):
-                have = sorted(name for name, value in vars(module).items() if inspect.isfunction(value)
-                              and value.__module__ == module.__name__ and not name.startswith("_"))
-                raise LookupError(f"{target} has no function '{function}' (its functions: "
-                                  f"{', '.join(have) or 'none'})")
+                have = sorted(
+                    name
+                    for name, value in vars(module).items()
+                    if inspect.isfunction(value) and value.__module__ == module.__name__ and not name.startswith("_")
+                )
+                raise LookupError(f"{target} has no function '{function}' (its functions: {', '.join(have) or 'none'})")
             _loaded.append(fn)
             _paths.append(getattr(module, "__file__", None))
         except LookupError as err:
@@ -85,8 +87,10 @@ def _import(kind: str, target: str):
 def _user_traceback(err: BaseException) -> str:
     """The traceback from the user's code on (this module's frames left out)."""
     tb = err.__traceback__
-    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, importlib.__file__)
-                              or tb.tb_frame.f_code.co_filename.startswith("<frozen importlib")):
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename in (__file__, importlib.__file__)
+        or tb.tb_frame.f_code.co_filename.startswith("<frozen importlib")
+    ):
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(err), err, tb)).rstrip()
 
@@ -120,16 +124,28 @@ def _signature(fn: Callable, path: str | None) -> dict:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin or C function: assume TRL's (completions, **kwargs)
         parameters = []
-    required = [p.name for p in parameters if p.default is inspect.Parameter.empty
-                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    required = [
+        p.name
+        for p in parameters
+        if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
     sha = hashlib.sha256(Path(path).read_bytes()).hexdigest() if path and Path(path).is_file() else None
-    return {"required": required, "var_keyword": any(p.kind == p.VAR_KEYWORD for p in parameters),
-            "path": path, "sha256": sha}
+    return {
+        "required": required,
+        "var_keyword": any(p.kind == p.VAR_KEYWORD for p in parameters),
+        "path": path,
+        "sha256": sha,
+    }
 
 
 def _call(fn: Callable, completion, prompt, completion_ids: list[int], columns: dict, step: int):
-    offered = {**{name: [value] for name, value in columns.items()}, "completions": [completion],
-               "prompts": [prompt], "completion_ids": [completion_ids], "step": step}
+    offered = {
+        **{name: [value] for name, value in columns.items()},
+        "completions": [completion],
+        "prompts": [prompt],
+        "completion_ids": [completion_ids],
+        "step": step,
+    }
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -153,22 +169,30 @@ def _checked(value) -> dict[str, float | None]:
 
 def _one(values, where: str = "") -> float | None:
     if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
-        raise BadReturn(f"returned {_shown(values)} (a {type(values).__name__}){where} where a list of scores goes, "
-                        "one per completion: return e.g. [1.0] for one completion")
+        raise BadReturn(
+            f"returned {_shown(values)} (a {type(values).__name__}){where} where a list of scores goes, "
+            "one per completion: return e.g. [1.0] for one completion"
+        )
     values = list(values)
     if len(values) != 1:
-        raise BadReturn(f"returned {len(values)} scores for 1 completion{where}: {_shown(values)}. Return one score "
-                        "per completion, a list as long as `completions`")
+        raise BadReturn(
+            f"returned {len(values)} scores for 1 completion{where}: {_shown(values)}. Return one score "
+            "per completion, a list as long as `completions`"
+        )
     score = values[0]
     if score is None:
         return None
     if not isinstance(score, numbers.Real):
-        raise BadReturn(f"returned {_shown(score)} (a {type(score).__name__}) as a score{where}: a score is a number "
-                        "(float, int or bool), or None when the response cannot be verified")
+        raise BadReturn(
+            f"returned {_shown(score)} (a {type(score).__name__}) as a score{where}: a score is a number "
+            "(float, int or bool), or None when the response cannot be verified"
+        )
     score = float(score)
     if not math.isfinite(score):
-        raise BadReturn(f"returned {score} as a score{where}: a score must be a finite number, or None when the "
-                        "response cannot be verified")
+        raise BadReturn(
+            f"returned {score} as a score{where}: a score must be a finite number, or None when the "
+            "response cannot be verified"
+        )
     return score
 
 

@@ -92,8 +92,14 @@ _gold_cache: dict[str, list] = {}  # per process; a group of G responses shares 
 WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # the trainer's to handle
 
 
-def _worker_main(conn, memory_limit_mb: int | None, number: int = 0, fault_spec: str | None = None,
-                 handler: Callable | None = None, init: tuple | None = None) -> None:
+def _worker_main(
+    conn,
+    memory_limit_mb: int | None,
+    number: int = 0,
+    fault_spec: str | None = None,
+    handler: Callable | None = None,
+    init: tuple | None = None,
+) -> None:
     """Worker loop: receive (item_id, *payload), send (item_id, handler(*payload)). Exits when the pipe closes.
 
     number: this worker's start number in its pool (1, 2, ...); fault_spec: the parent's QAE_FAULT (a worker forked
@@ -198,7 +204,7 @@ class _Worker:
 
 
 def _canonical_int(digits: str) -> str:
-    """"-007" -> "-7", "-0" -> "0", without int() (which refuses more than 4,300 digits)."""
+    """ "-007" -> "-7", "-0" -> "0", without int() (which refuses more than 4,300 digits)."""
     magnitude = digits.lstrip("-").lstrip("0") or "0"
     return "-" + magnitude if digits.startswith("-") and magnitude != "0" else magnitude
 
@@ -219,11 +225,20 @@ class MathVerifierPool:
     import the program's `__main__`, so any script (or code piped to `python -`) can use a pool.
     """
 
-    def __init__(self, timeout_s: float = 3.0, num_workers: int = 2, max_answer_chars: int | None = MAX_ANSWER_CHARS,
-                 shortcuts: bool = True, memory_limit_mb: int | None = 4096, startup_timeout_s: float = 120.0,
-                 batch_timeout_s: float | None = None, max_start_failures: int = 3,
-                 extract: Callable[[str], str | None] = extract_answer, handler: Callable | None = None,
-                 init: tuple | None = None):
+    def __init__(
+        self,
+        timeout_s: float = 3.0,
+        num_workers: int = 2,
+        max_answer_chars: int | None = MAX_ANSWER_CHARS,
+        shortcuts: bool = True,
+        memory_limit_mb: int | None = 4096,
+        startup_timeout_s: float = 120.0,
+        batch_timeout_s: float | None = None,
+        max_start_failures: int = 3,
+        extract: Callable[[str], str | None] = extract_answer,
+        handler: Callable | None = None,
+        init: tuple | None = None,
+    ):
         """
         timeout_s: seconds one item may take in a worker, counted from when it is sent; then it scores None.
         num_workers: worker processes scoring concurrently.
@@ -255,9 +270,11 @@ class MathVerifierPool:
         self.max_start_failures = max_start_failures
         self.extract = extract
         self.handler, self.init = handler, init
-        self.role, self.startup_hint = ("math-verify", "check that `python -c 'import math_verify'` works in this "
-                                        "environment") if handler is None else (
-            "reward", "does importing a reward's module hang or take minutes?")
+        self.role, self.startup_hint = (
+            ("math-verify", "check that `python -c 'import math_verify'` works in this environment")
+            if handler is None
+            else ("reward", "does importing a reward's module hang or take minutes?")
+        )
         self.timeouts = 0  # items whose worker was killed at the item deadline
         self.batch_cutoffs = 0  # items left unscored when a call reached its batch bound
         self.crashes = 0  # workers that died while scoring
@@ -319,9 +336,19 @@ class MathVerifierPool:
 
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._context.Pipe(duplex=True)
-        process = self._context.Process(target=_worker_main, name="qae-math-verify", daemon=True,
-                                        args=(child_conn, self.memory_limit_mb, self.workers_started + 1,
-                                              os.environ.get("QAE_FAULT"), self.handler, self.init))
+        process = self._context.Process(
+            target=_worker_main,
+            name="qae-math-verify",
+            daemon=True,
+            args=(
+                child_conn,
+                self.memory_limit_mb,
+                self.workers_started + 1,
+                os.environ.get("QAE_FAULT"),
+                self.handler,
+                self.init,
+            ),
+        )
         # Start it with those signals blocked: the new process (and the fork server, the first time) inherits the
         # mask, so a signal to the whole process group cannot kill it before it has set them to be ignored. The fork
         # server never unblocks them, so it survives such a signal too. Start multiprocessing's resource tracker
@@ -420,8 +447,10 @@ class MathVerifierPool:
         while pending or any(w.item is not None for w in self._workers):
             if self._interrupted.is_set():
                 self._interrupted.clear()
-                raise ScoringInterrupted(f"math scoring was interrupted by shutdown after {len(items) - len(pending)}"
-                                         f" of {len(items)} distinct answers were sent to the verifier")
+                raise ScoringInterrupted(
+                    f"math scoring was interrupted by shutdown after {len(items) - len(pending)}"
+                    f" of {len(items)} distinct answers were sent to the verifier"
+                )
             now = time.monotonic()
             if batch_deadline is not None and now >= batch_deadline:
                 self._cut_off_batch(len(pending))
@@ -505,8 +534,9 @@ class MathVerifierPool:
                     self.timeouts += 1
                 self._replace(w)
             elif not w.ready and now >= w.started_at + self.startup_timeout_s:
-                raise WorkersDidNotStart(f"a {self.role} worker did not start within {self.startup_timeout_s:.0f} s; "
-                                         f"{self.startup_hint}")
+                raise WorkersDidNotStart(
+                    f"a {self.role} worker did not start within {self.startup_timeout_s:.0f} s; {self.startup_hint}"
+                )
 
     def _on_death(self, w: _Worker, results: list[float | None]) -> None:
         w.process.join()
@@ -518,11 +548,18 @@ class MathVerifierPool:
             if len(self._failed_starts) >= self.max_start_failures:
                 codes = ", ".join(_describe_exit(code) for code in self._failed_starts)
                 killed = all(code is not None and code < 0 for code in self._failed_starts)
-                hint = ("something kills new processes: the out-of-memory killer, or a memory limit below "
-                        f"memory_limit_mb={self.memory_limit_mb}?" if killed else self.startup_hint)
+                hint = (
+                    "something kills new processes: the out-of-memory killer, or a memory limit below "
+                    f"memory_limit_mb={self.memory_limit_mb}?"
+                    if killed
+                    else self.startup_hint
+                )
                 failed, self._failed_starts = tuple(self._failed_starts), []
-                raise WorkersDidNotStart(f"{self.role} workers died while starting, {self.max_start_failures} times "
-                                         f"in a row (exit codes {codes}); {hint}", failed)
+                raise WorkersDidNotStart(
+                    f"{self.role} workers died while starting, {self.max_start_failures} times "
+                    f"in a row (exit codes {codes}); {hint}",
+                    failed,
+                )
             self._replace(w)
             return
         if w.item is not None:

@@ -20,8 +20,14 @@ from qae_app.rewards.specs import reads_gold_answer
 def run_task(cfg: TrainConfig) -> Task:
     """The run's training task: --data with its held-out split, prompted by --prompt-template / --system-prompt, its
     rows' gold answers required only where the rewards read them."""
-    return load_task(cfg.data, cfg.heldout_fraction, cfg.seed, prompt_format=cfg.prompt_format,
-                     require_answer=reads_gold_answer(cfg.reward), heldout_by=cfg.heldout_by)
+    return load_task(
+        cfg.data,
+        cfg.heldout_fraction,
+        cfg.seed,
+        prompt_format=cfg.prompt_format,
+        require_answer=reads_gold_answer(cfg.reward),
+        heldout_by=cfg.heldout_by,
+    )
 
 
 def run_benchmark(cfg, bench: str, option: str) -> tuple[str, list[Problem], Task]:
@@ -32,8 +38,9 @@ def run_benchmark(cfg, bench: str, option: str) -> tuple[str, list[Problem], Tas
 
 def run_rewards(cfg: TrainConfig, reward: str) -> RewardSet:
     """The rewards a run (or its --eval-every evaluation, whose task may name another `reward`) scores with."""
-    return RewardSet.of(cfg.reward, cfg.reward_weights, reward, cfg.verify_timeout_s,
-                        names.reward_values(cfg.reward_values))
+    return RewardSet.of(
+        cfg.reward, cfg.reward_weights, reward, cfg.verify_timeout_s, names.reward_values(cfg.reward_values)
+    )
 
 
 def reward_prompt(prompt: Prompt, problem) -> Prompt:
@@ -56,17 +63,29 @@ class ScoredBatch:
     weights: dict[str, float] = field(default_factory=dict)  # each stored component's weight
 
 
-def score_batch(rewards: RewardSet, cfg: TrainConfig, samples: list, problems: list, prompts: list,
-                step: int) -> ScoredBatch:
+def score_batch(
+    rewards: RewardSet, cfg: TrainConfig, samples: list, problems: list, prompts: list, step: int
+) -> ScoredBatch:
     """Score a batch's `samples` (each with prompt_index into `problems` and `prompts`, its text and token ids)."""
     asked = [s.prompt_index for s in samples]
-    totals, components = rewards.score([s.text for s in samples],
-                                       [reward_prompt(prompts[i], problems[i]) for i in asked],
-                                       [problems[i] for i in asked], step, [s.response_ids for s in samples])
-    shaped = [total + overlong_penalty(len(s.response_ids), cfg.max_new_tokens, cfg.overlong_buffer,
-                                       cfg.overlong_penalty) for total, s in zip(totals, samples, strict=True)]
+    totals, components = rewards.score(
+        [s.text for s in samples],
+        [reward_prompt(prompts[i], problems[i]) for i in asked],
+        [problems[i] for i in asked],
+        step,
+        [s.response_ids for s in samples],
+    )
+    shaped = [
+        total + overlong_penalty(len(s.response_ids), cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+        for total, s in zip(totals, samples, strict=True)
+    ]
     stored = cfg.reward is not None
-    return ScoredBatch(shaped, rewards.correct(components), rewards.verified(components),
-                       components if stored else {}, rewards.timeout_warning(step, len(samples)),
-                       rewards.parts(components) if stored else {},
-                       {name: rewards.weight_of[name] for name in components} if stored else {})
+    return ScoredBatch(
+        shaped,
+        rewards.correct(components),
+        rewards.verified(components),
+        components if stored else {},
+        rewards.timeout_warning(step, len(samples)),
+        rewards.parts(components) if stored else {},
+        {name: rewards.weight_of[name] for name in components} if stored else {},
+    )

@@ -23,8 +23,13 @@ from qae_app.store.run_folder import CONFIG_FILE, DB_FILE, PENDING_DIR, read_run
 from qae_app.store.schema import PENDING_SUFFIX, TABLES, pending_write_json
 
 # the value, as SQL over the row, of a column added after its table's first version, in the rows written before it
-FILLED = {("evals", "source"): "'train'", ("eval_samples", "source"): "'train'", ("groups", "filtered"): "FALSE",
-          ("rollouts", "filtered"): "FALSE", ("rollouts", "correct"): "reward = 1"}
+FILLED = {
+    ("evals", "source"): "'train'",
+    ("eval_samples", "source"): "'train'",
+    ("groups", "filtered"): "FALSE",
+    ("rollouts", "filtered"): "FALSE",
+    ("rollouts", "correct"): "reward = 1",
+}
 PICKLED_PENDING_SUFFIX = ".pkl"  # how pre-releases saved a pending write (a pickled PendingWrite)
 
 
@@ -37,15 +42,19 @@ def migrate_database(path: Path) -> list[str]:
         refuse_crafted_objects(con, "run", Path(path), current_format=False)
         con.execute("USE run")
         have: dict[str, set[str]] = {}
-        for table, column in con.execute("SELECT table_name, column_name FROM duckdb_columns() WHERE database_name = "
-                                         "'run' AND schema_name = 'main'").fetchall():
+        for table, column in con.execute(
+            "SELECT table_name, column_name FROM duckdb_columns() WHERE database_name = 'run' AND schema_name = 'main'"
+        ).fetchall():
             have.setdefault(table, set()).add(column)
         changes = []
         con.execute("BEGIN TRANSACTION")
         for table, columns in TABLES.items():
             if table not in have:
-                con.execute(f"CREATE TABLE {table} ("
-                            + ", ".join(f"{name} {sql_type}" for name, sql_type in columns.items()) + ")")
+                con.execute(
+                    f"CREATE TABLE {table} ("
+                    + ", ".join(f"{name} {sql_type}" for name, sql_type in columns.items())
+                    + ")"
+                )
                 changes.append(f"added the {table} table")
                 continue
             for name, sql_type in columns.items():
@@ -54,8 +63,10 @@ def migrate_database(path: Path) -> list[str]:
                 con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {sql_type.split(' USING ')[0]}")
                 if (table, name) in FILLED:
                     con.execute(f"UPDATE {table} SET {name} = {FILLED[table, name]}")
-                changes.append(f"added {table}.{name}" + (f" (earlier rows: {FILLED[table, name]})"
-                                                          if (table, name) in FILLED else ""))
+                changes.append(
+                    f"added {table}.{name}"
+                    + (f" (earlier rows: {FILLED[table, name]})" if (table, name) in FILLED else "")
+                )
         con.execute("COMMIT")
         return changes
     finally:
@@ -77,7 +88,8 @@ def pickled_pending_error(run_dir: Path, pickled: list[Path]) -> QAEUserError:
         f"({pickled[0].name}{', ...' if len(pickled) > 1 else ''}); this version reads JSON only. "
         f"{migrate_hint(run_dir)} (`qae migrate` reads pickles only with --trust-pickles, for a folder you made "
         "yourself; for one from someone else, delete those files: the steps they held are trained again from the "
-        "newest checkpoint.)")
+        "newest checkpoint.)"
+    )
 
 
 class _PendingUnpickler(pickle.Unpickler):
@@ -130,8 +142,10 @@ def drop_config_keys(run_dir: Path, known: set[str]) -> list[str]:
                 config = json.loads(text) if text else {}
                 extra = sorted(set(config) - known) if isinstance(config, dict) else []
                 if extra:
-                    con.execute("UPDATE run.runs SET config = ? WHERE run_id = ?",
-                                [json.dumps({k: v for k, v in config.items() if k in known}), run_id])
+                    con.execute(
+                        "UPDATE run.runs SET config = ? WHERE run_id = ?",
+                        [json.dumps({k: v for k, v in config.items() if k in known}), run_id],
+                    )
                     dropped = sorted(set(dropped) | set(extra))
         finally:
             con.close()

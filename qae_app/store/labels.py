@@ -27,8 +27,10 @@ class Labels:
 
 def check_tag(tag: str) -> str:
     if not TAG_PATTERN.match(tag):
-        raise QAEUserError(f"tag: '{tag[:60]}' is not a tag. Use letters, digits, '.', '_' and '-' (at most 40, "
-                           "starting with a letter or digit), e.g. baseline or lr-too-high.")
+        raise QAEUserError(
+            f"tag: '{tag[:60]}' is not a tag. Use letters, digits, '.', '_' and '-' (at most 40, "
+            "starting with a letter or digit), e.g. baseline or lr-too-high."
+        )
     return tag
 
 
@@ -40,8 +42,10 @@ def tags_from_text(text: str) -> list[str]:
 
 def check_note(note: str) -> str:
     if len(note) > MAX_NOTE_CHARS:
-        raise QAEUserError(f"note: {len(note):,} characters, more than {MAX_NOTE_CHARS:,}. Keep a note short; put "
-                           "longer text in a file beside the run.")
+        raise QAEUserError(
+            f"note: {len(note):,} characters, more than {MAX_NOTE_CHARS:,}. Keep a note short; put "
+            "longer text in a file beside the run."
+        )
     return note
 
 
@@ -67,8 +71,10 @@ def labels_to_change(run_dir: Path) -> Labels:
     try:
         return _stored_labels(Path(run_dir), whole=True)
     except QAEUserError as err:
-        raise QAEUserError(f"labels: {err} Changing the run's labels would write them back without what could not "
-                           f"be read: fix {LABELS_FILE} or move it aside, then run the command again.") from None
+        raise QAEUserError(
+            f"labels: {err} Changing the run's labels would write them back without what could not "
+            f"be read: fix {LABELS_FILE} or move it aside, then run the command again."
+        ) from None
 
 
 def _stored_labels(run_dir: Path, whole: bool = False) -> Labels:
@@ -87,10 +93,17 @@ def _stored_labels(run_dir: Path, whole: bool = False) -> Labels:
         raise QAEUserError(f"{path} is not a JSON object of tags and a note.")
     tags, note = stored.get("tags", []), stored.get("note", "")
     kept = [tag for tag in tags if isinstance(tag, str) and TAG_PATTERN.match(tag)] if isinstance(tags, list) else []
-    if whole and (not isinstance(tags, list) or len(kept) != len(tags) or not isinstance(note, str)
-                  or len(note) > MAX_NOTE_CHARS or set(stored) - {"tags", "note"}):
-        raise QAEUserError(f"{path} holds tags or a note that qae did not write (a tag that is not one, a note over "
-                           f"{MAX_NOTE_CHARS:,} characters, another key).")
+    if whole and (
+        not isinstance(tags, list)
+        or len(kept) != len(tags)
+        or not isinstance(note, str)
+        or len(note) > MAX_NOTE_CHARS
+        or set(stored) - {"tags", "note"}
+    ):
+        raise QAEUserError(
+            f"{path} holds tags or a note that qae did not write (a tag that is not one, a note over "
+            f"{MAX_NOTE_CHARS:,} characters, another key)."
+        )
     return Labels(tags=kept, note=note[:MAX_NOTE_CHARS] if isinstance(note, str) else "")
 
 
@@ -101,9 +114,11 @@ def write_labels(run_dir: Path, labels: Labels) -> None:
     text = json.dumps({"tags": labels.tags, "note": labels.note}, ensure_ascii=False)
     size = len(text.encode("utf-8"))
     if size > MAX_LABELS_BYTES:
-        raise QAEUserError(f"labels: {len(labels.tags):,} tags and the note take {size:,} bytes, more than the "
-                           f"{MAX_LABELS_BYTES:,} a run's labels may. Remove some tags (`qae tag RUN TAG... "
-                           "--remove`); a few tags tell runs apart best.")
+        raise QAEUserError(
+            f"labels: {len(labels.tags):,} tags and the note take {size:,} bytes, more than the "
+            f"{MAX_LABELS_BYTES:,} a run's labels may. Remove some tags (`qae tag RUN TAG... "
+            "--remove`); a few tags tell runs apart best."
+        )
     path = Path(run_dir) / LABELS_FILE
     tmp = path.with_name(f".{LABELS_FILE}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)

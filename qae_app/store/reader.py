@@ -119,8 +119,10 @@ def resolve_run(runs_dir: Path, run: str) -> Path:
     path = validated_run_dir(runs_dir, run) / DB_FILE
     refuse_missing_file_of_training_run(path)
     if not path.exists():
-        raise QAEUserError(f"run: no run '{run}' in {runs_dir} (runs there, last written first: "
-                           f"{recent_runs_text(runs_dir)}). See `qae runs`.")
+        raise QAEUserError(
+            f"run: no run '{run}' in {runs_dir} (runs there, last written first: "
+            f"{recent_runs_text(runs_dir)}). See `qae runs`."
+        )
     return path
 
 
@@ -140,9 +142,16 @@ def _seen_from_folder(row: dict, path: Path) -> dict:
     (`stopped` when stored as running but no trainer holds it); what the file says stays in stored_*."""
     folder = Path(path).parent
     labels = read_labels(folder)  # (beside the database: `qae tag` and `qae note` write them while the run trains)
-    return {**row, "run_id": folder.name, "stored_run_id": row["run_id"], "stored_status": row["status"],
-            "status": effective_status(row["status"], folder), "pending_writes": pending_writes(folder),
-            "tags": ", ".join(labels.tags), "note": labels.note}
+    return {
+        **row,
+        "run_id": folder.name,
+        "stored_run_id": row["run_id"],
+        "stored_status": row["status"],
+        "status": effective_status(row["status"], folder),
+        "pending_writes": pending_writes(folder),
+        "tags": ", ".join(labels.tags),
+        "note": labels.note,
+    }
 
 
 def _as_seen_from_folder(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
@@ -171,23 +180,53 @@ def run_summaries(runs_dir: Path) -> list[dict]:
     rows = []
     for folder in runs_without_database(runs_dir):  # a training run whose file was deleted or moved aside
         modified = datetime.fromtimestamp((folder / CONFIG_FILE).stat().st_mtime, timezone.utc).replace(tzinfo=None)
-        rows.append({"run_id": folder.name, "name": folder.name, "status": UNREADABLE, "created_at": modified,
-                     "error": str(unreadable_run_error(folder / DB_FILE, "")), "steps": None})
+        rows.append(
+            {
+                "run_id": folder.name,
+                "name": folder.name,
+                "status": UNREADABLE,
+                "created_at": modified,
+                "error": str(unreadable_run_error(folder / DB_FILE, "")),
+                "steps": None,
+            }
+        )
     for folder, reason in folders_not_runs(runs_dir):
         modified = datetime.fromtimestamp(folder.stat().st_mtime, timezone.utc).replace(tzinfo=None)
-        rows.append({"run_id": folder.name, "name": folder.name, "status": NOT_A_RUN, "created_at": modified,
-                     "error": reason, "steps": None})
+        rows.append(
+            {
+                "run_id": folder.name,
+                "name": folder.name,
+                "status": NOT_A_RUN,
+                "created_at": modified,
+                "error": reason,
+                "steps": None,
+            }
+        )
     for run_dir in list_run_dirs(runs_dir):
         try:
             rows += _run_summary(run_dir / DB_FILE)
         except (QAEUserError, duckdb.Error) as err:  # (a damaged file; a link or a FIFO in its place: NotARegularFile)
             status = BUSY if is_lock_error(err) else UNREADABLE
-            reason = str(err) if status == UNREADABLE else (f"run: {run_dir / DB_FILE} is held by another process "
-                                                              f"({str(err).splitlines()[0]}); try again later.")
+            reason = (
+                str(err)
+                if status == UNREADABLE
+                else (
+                    f"run: {run_dir / DB_FILE} is held by another process "
+                    f"({str(err).splitlines()[0]}); try again later."
+                )
+            )
             # (lstat: the planted link itself, never what it points at, which may be gone)
             modified = datetime.fromtimestamp(os.lstat(run_dir / DB_FILE).st_mtime, timezone.utc).replace(tzinfo=None)
-            rows.append({"run_id": run_dir.name, "name": run_dir.name, "status": status, "error": reason,
-                         "created_at": modified, "steps": None})
+            rows.append(
+                {
+                    "run_id": run_dir.name,
+                    "name": run_dir.name,
+                    "status": status,
+                    "error": reason,
+                    "created_at": modified,
+                    "steps": None,
+                }
+            )
     return sorted(rows, key=lambda row: row["created_at"] or datetime.min, reverse=True)
 
 
@@ -257,9 +296,11 @@ GATE_REASON_RULES: dict[str, str] = {
     "reward_at_baseline": "TRUE",
 }
 assert list(GATE_REASON_RULES) == list(GATE_REASONS)
-SQL_GATE_REASON = ("CASE WHEN NOT r.gated THEN NULL "
-                   + " ".join(f"WHEN {condition} THEN '{reason}'" for reason, condition in GATE_REASON_RULES.items())
-                   + " END")
+SQL_GATE_REASON = (
+    "CASE WHEN NOT r.gated THEN NULL "
+    + " ".join(f"WHEN {condition} THEN '{reason}'" for reason, condition in GATE_REASON_RULES.items())
+    + " END"
+)
 
 ROLLOUT_TEXT_COLUMNS = "g.prompt, r.response"  # the bulk of a step's bytes: read for the groups a page shows
 SQL_ROLLOUTS = f"""
@@ -278,10 +319,17 @@ SQL_ROLLOUTS = f"""
 """
 
 
-def read_rollouts(path: Path, step: int, gated: bool | None = None, regime: str | None = None,
-                  reward: float | None = None, search: str | None = None,
-                  filtered: bool | None = None, with_text: bool = True,
-                  group_ids: list[int] | None = None) -> pd.DataFrame:
+def read_rollouts(
+    path: Path,
+    step: int,
+    gated: bool | None = None,
+    regime: str | None = None,
+    reward: float | None = None,
+    search: str | None = None,
+    filtered: bool | None = None,
+    with_text: bool = True,
+    group_ids: list[int] | None = None,
+) -> pd.DataFrame:
     """Rollouts of one step joined with their group, filtered; `search` is a plain substring (bound, no SQL);
     `filtered`: only the groups dynamic sampling left out of the update (True) or only the trained ones (False).
     `with_text=False` leaves out the prompt and response texts (at the paper's step size, 512 x 16 responses of
@@ -289,8 +337,26 @@ def read_rollouts(path: Path, step: int, gated: bool | None = None, regime: str 
     search = search or None
     groups = None if group_ids is None else [int(g) for g in group_ids]
     sql = SQL_ROLLOUTS.format(text=f"{ROLLOUT_TEXT_COLUMNS}," if with_text else "")
-    return query(path, sql, [step, gated, gated, filtered, filtered, regime, regime, reward, reward, search,
-                             search, search, groups, groups])
+    return query(
+        path,
+        sql,
+        [
+            step,
+            gated,
+            gated,
+            filtered,
+            filtered,
+            regime,
+            regime,
+            reward,
+            reward,
+            search,
+            search,
+            search,
+            groups,
+            groups,
+        ],
+    )
 
 
 SQL_MODEL_PROMPTS = "SELECT group_idx, model_prompt FROM groups WHERE step = ? AND model_prompt IS NOT NULL"
@@ -361,8 +427,9 @@ def read_last_step(path: Path) -> int | None:
 
 def read_last_heldout_accuracy(path: Path) -> float | None:
     """The run's newest held-out accuracy, or None when it has never evaluated."""
-    frame = query(path, "SELECT heldout_accuracy FROM steps WHERE heldout_accuracy IS NOT NULL ORDER BY step DESC "
-                        "LIMIT 1")
+    frame = query(
+        path, "SELECT heldout_accuracy FROM steps WHERE heldout_accuracy IS NOT NULL ORDER BY step DESC LIMIT 1"
+    )
     return float(frame["heldout_accuracy"].iloc[0]) if len(frame) else None
 
 
@@ -413,8 +480,10 @@ def read_run_view(path: Path) -> RunView:
             run=_as_seen_from_folder(run, path).iloc[0].to_dict(),
             steps=con.execute("SELECT * FROM steps ORDER BY step").df(),
             warnings=con.execute("SELECT step, kind, message FROM warnings ORDER BY step").df(),
-            evals=con.execute("SELECT step, benchmark, subset, metric, k, value, n_problems, source FROM evals "
-                              "ORDER BY benchmark, subset, metric, k, step").df(),
+            evals=con.execute(
+                "SELECT step, benchmark, subset, metric, k, value, n_problems, source FROM evals "
+                "ORDER BY benchmark, subset, metric, k, step"
+            ).df(),
         )
 
 
@@ -432,10 +501,14 @@ class PreviewView:
     signal: pd.DataFrame | None = None  # its `component_signal` rows (several reward components), else None
 
 
-SQL_PREVIEW_GROUPS = ("SELECT group_idx, prompt, answer, n_correct, group_size, baseline, regime FROM groups "
-                      "WHERE step = ? ORDER BY group_idx")
-SQL_PREVIEW_ROLLOUTS = ("SELECT group_idx, sample_idx, response, reward, correct, verified, advantage, gated, "
-                        "n_tokens, truncated FROM rollouts WHERE step = ? ORDER BY group_idx, sample_idx")
+SQL_PREVIEW_GROUPS = (
+    "SELECT group_idx, prompt, answer, n_correct, group_size, baseline, regime FROM groups "
+    "WHERE step = ? ORDER BY group_idx"
+)
+SQL_PREVIEW_ROLLOUTS = (
+    "SELECT group_idx, sample_idx, response, reward, correct, verified, advantage, gated, "
+    "n_tokens, truncated FROM rollouts WHERE step = ? ORDER BY group_idx, sample_idx"
+)
 
 
 def read_preview(path: Path) -> PreviewView:
@@ -443,20 +516,29 @@ def read_preview(path: Path) -> PreviewView:
     with open_reader(path) as con:
         run = con.execute(SQL_RUN_SUMMARY).df()
         if run.empty or run["estimator"].iloc[0] != "preview":
-            raise QAEUserError(f"run: '{Path(path).parent.name}' is not a preview. Make one with `qae preview` (the "
-                               "options of `qae train`), or look at a training run with `qae show`.")
+            raise QAEUserError(
+                f"run: '{Path(path).parent.name}' is not a preview. Make one with `qae preview` (the "
+                "options of `qae train`), or look at a training run with `qae show`."
+            )
         summary = con.execute("SELECT * FROM previews ORDER BY step DESC LIMIT 1").df()
         if summary.empty:
-            raise QAEUserError(f"run: the preview '{Path(path).parent.name}' holds no findings: it stopped before "
-                               "they were written. Run `qae preview` again.")
+            raise QAEUserError(
+                f"run: the preview '{Path(path).parent.name}' holds no findings: it stopped before "
+                "they were written. Run `qae preview` again."
+            )
         step = int(summary["step"].iloc[0])
         return PreviewView(
-            run=_as_seen_from_folder(run, path).iloc[0].to_dict(), summary=summary.iloc[0].to_dict(),
+            run=_as_seen_from_folder(run, path).iloc[0].to_dict(),
+            summary=summary.iloc[0].to_dict(),
             by_k=con.execute("SELECT * FROM preview_k WHERE step = ? ORDER BY estimator DESC, k", [step]).df(),
             groups=con.execute(SQL_PREVIEW_GROUPS, [step]).df(),
             rollouts=con.execute(SQL_PREVIEW_ROLLOUTS, [step]).df(),
-            signal=(con.execute("SELECT * FROM component_signal WHERE step = ? ORDER BY rowid", [step]).df()
-                    if con.execute(SQL_HAS_TABLE, ["component_signal"]).fetchone()[0] else None))
+            signal=(
+                con.execute("SELECT * FROM component_signal WHERE step = ? ORDER BY rowid", [step]).df()
+                if con.execute(SQL_HAS_TABLE, ["component_signal"]).fetchone()[0]
+                else None
+            ),
+        )
 
 
 def read_rollout_steps(path: Path) -> list[int]:
@@ -495,8 +577,9 @@ def read_prompt_histories(path: Path, prompt_ids: list[str]) -> pd.DataFrame:
 
 def read_regime_counts(path: Path) -> pd.DataFrame:
     """step, regime, n_groups: the regime mix of every step."""
-    return query(path, "SELECT step, regime, count(*) AS n_groups FROM groups GROUP BY step, regime "
-                       "ORDER BY step, regime")
+    return query(
+        path, "SELECT step, regime, count(*) AS n_groups FROM groups GROUP BY step, regime ORDER BY step, regime"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -520,16 +603,22 @@ def file_version(path: Path) -> tuple:
 def read_step_tokens(path: Path) -> pd.DataFrame:
     """step, n_responses, n_trained (not filtered out by dynamic sampling), n_tokens (generated tokens of the step's
     responses), by step."""
-    return query(path, "SELECT step, count(*) AS n_responses, count(*) FILTER (WHERE NOT filtered) "
-                       "AS n_trained, sum(n_tokens)::BIGINT AS n_tokens FROM rollouts GROUP BY step ORDER BY step")
+    return query(
+        path,
+        "SELECT step, count(*) AS n_responses, count(*) FILTER (WHERE NOT filtered) "
+        "AS n_trained, sum(n_tokens)::BIGINT AS n_tokens FROM rollouts GROUP BY step ORDER BY step",
+    )
 
 
 def read_gate_breakdown(path: Path) -> pd.DataFrame:
     """step, gate_reason, n: how many trained responses of each step were gated, and why (names.GATE_REASONS); a
     group dynamic sampling left out of the update is not counted (it is filtered, whatever its advantages), so the
     counts add up to frac_zero_adv."""
-    return query(path, f"SELECT step, {SQL_GATE_REASON} AS gate_reason, count(*) AS n FROM rollouts r "
-                       "WHERE r.gated AND NOT r.filtered GROUP BY ALL ORDER BY step, gate_reason")
+    return query(
+        path,
+        f"SELECT step, {SQL_GATE_REASON} AS gate_reason, count(*) AS n FROM rollouts r "
+        "WHERE r.gated AND NOT r.filtered GROUP BY ALL ORDER BY step, gate_reason",
+    )
 
 
 # rollouts columns whose distribution over a step's responses the dashboard shows: column -> label
@@ -546,8 +635,12 @@ def read_quantiles(path: Path, column: str, quantiles: tuple[float, ...] = QUANT
     """step, mean, q0.05, ..., q0.95 of one rollouts column over each step's responses (linear quantiles)."""
     if column not in DISTRIBUTION_COLUMNS:
         raise ValueError(f"column: {column!r} is not one of {list(DISTRIBUTION_COLUMNS)}")
-    frame = query(path, f"SELECT step, avg({column}) AS mean, quantile_cont({column}, ?) AS q FROM rollouts "
-                        f"WHERE {column} IS NOT NULL GROUP BY step ORDER BY step", [list(quantiles)])
+    frame = query(
+        path,
+        f"SELECT step, avg({column}) AS mean, quantile_cont({column}, ?) AS q FROM rollouts "
+        f"WHERE {column} IS NOT NULL GROUP BY step ORDER BY step",
+        [list(quantiles)],
+    )
     pd = pandas()
     values = pd.DataFrame(frame.pop("q").tolist(), columns=[f"q{q:g}" for q in quantiles], index=frame.index)
     return pd.concat([frame, values], axis=1)
@@ -555,33 +648,52 @@ def read_quantiles(path: Path, column: str, quantiles: tuple[float, ...] = QUANT
 
 def read_prompt_rollouts(path: Path, prompt_id: str) -> pd.DataFrame:
     """Every response to one prompt, at every step it was sampled, with its group's outcome and why it was gated."""
-    return query(path, f"""
+    return query(
+        path,
+        f"""
         SELECT r.step, r.group_idx, r.sample_idx, g.n_correct, g.group_size, g.baseline, r.regime, r.response,
                r.reward, r.advantage, r.gated, {SQL_GATE_REASON} AS gate_reason, r.n_tokens, r.truncated, r.filtered
         FROM rollouts r JOIN groups g USING (run_id, step, group_idx)
         WHERE r.prompt_id = ?
-        ORDER BY r.step, r.group_idx, r.sample_idx""", [prompt_id])
+        ORDER BY r.step, r.group_idx, r.sample_idx""",
+        [prompt_id],
+    )
 
 
 def read_eval_checkpoints(path: Path) -> pd.DataFrame:
     """benchmark, source, step, n_problems, n_samples, accuracy: every evaluation that stored its samples."""
-    return query(path, "SELECT benchmark, source, step, count(DISTINCT problem_id) AS n_problems, "
-                       "count(*) AS n_samples, avg(correct::INT) AS accuracy FROM eval_samples "
-                       "GROUP BY ALL ORDER BY benchmark, source, step")
+    return query(
+        path,
+        "SELECT benchmark, source, step, count(DISTINCT problem_id) AS n_problems, "
+        "count(*) AS n_samples, avg(correct::INT) AS accuracy FROM eval_samples "
+        "GROUP BY ALL ORDER BY benchmark, source, step",
+    )
 
 
 def read_eval_problem_grid(path: Path, benchmark: str, source: str) -> pd.DataFrame:
     """problem_id, step, n_correct, n_samples: each problem's result at each evaluated step of one benchmark."""
-    return query(path, "SELECT problem_id, step, sum(correct::INT)::INTEGER AS n_correct, count(*) AS n_samples "
-                       "FROM eval_samples WHERE benchmark = ? AND source = ? GROUP BY ALL ORDER BY problem_id, step",
-                 [benchmark, source])
+    return query(
+        path,
+        "SELECT problem_id, step, sum(correct::INT)::INTEGER AS n_correct, count(*) AS n_samples "
+        "FROM eval_samples WHERE benchmark = ? AND source = ? GROUP BY ALL ORDER BY problem_id, step",
+        [benchmark, source],
+    )
 
 
-def read_eval_samples(path: Path, benchmark: str, source: str, step: int, correct: bool | None = None,
-                      problem_id: str | None = None, search: str | None = None) -> pd.DataFrame:
+def read_eval_samples(
+    path: Path,
+    benchmark: str,
+    source: str,
+    step: int,
+    correct: bool | None = None,
+    problem_id: str | None = None,
+    search: str | None = None,
+) -> pd.DataFrame:
     """The evaluated responses of one benchmark at one step, filtered; `search` is a plain substring (bound)."""
     search = search or None
-    return query(path, """
+    return query(
+        path,
+        """
         SELECT problem_id, sample_idx, response, extracted, answer, correct, verified, n_tokens
         FROM eval_samples
         WHERE benchmark = ? AND source = ? AND step = ?
@@ -589,4 +701,5 @@ def read_eval_samples(path: Path, benchmark: str, source: str, step: int, correc
           AND (? IS NULL OR problem_id = ?)
           AND (? IS NULL OR contains(lower(response), lower(?)) OR contains(lower(extracted), lower(?)))
         ORDER BY problem_id, sample_idx""",
-                 [benchmark, source, step, correct, correct, problem_id, problem_id, search, search, search])
+        [benchmark, source, step, correct, correct, problem_id, problem_id, search, search, search],
+    )

@@ -26,8 +26,10 @@ def folders_to_remove(runs_dir: Path, runs: list[str]) -> list[Path]:
         if not folder.is_dir() or not ((folder / DB_FILE).exists() or (folder / CONFIG_FILE).exists()):
             raise QAEUserError(f"run: no run '{run}' in {runs_dir}. Nothing was deleted. See `qae runs`.")
         if trainer_alive(folder):
-            raise QAEUserError(f"run: '{run}' is being trained right now. Stop it first with `qae stop {run}` (it "
-                               "stops after its current step), then delete it. Nothing was deleted.")
+            raise QAEUserError(
+                f"run: '{run}' is being trained right now. Stop it first with `qae stop {run}` (it "
+                "stops after its current step), then delete it. Nothing was deleted."
+            )
         folders.append(folder)
     return folders
 

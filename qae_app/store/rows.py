@@ -48,40 +48,73 @@ class GroupResult:
 
 
 def group_rows(groups: Sequence[GroupResult]) -> list[dict]:
-    return [{
-        "group_idx": g.group_idx, "prompt_id": g.prompt_id, "prompt": g.prompt, "answer": g.answer,
-        "n_correct": sum(g.correct), "group_size": len(g.rewards), "baseline": g.baseline, "regime": g.regime,
-        "filtered": g.filtered, "model_prompt": g.model_prompt,
-    } for g in groups]
+    return [
+        {
+            "group_idx": g.group_idx,
+            "prompt_id": g.prompt_id,
+            "prompt": g.prompt,
+            "answer": g.answer,
+            "n_correct": sum(g.correct),
+            "group_size": len(g.rewards),
+            "baseline": g.baseline,
+            "regime": g.regime,
+            "filtered": g.filtered,
+            "model_prompt": g.model_prompt,
+        }
+        for g in groups
+    ]
 
 
 def rollout_rows(groups: Sequence[GroupResult]) -> list[dict]:
-    return [{
-        "group_idx": g.group_idx, "sample_idx": i, "prompt_id": g.prompt_id, "response": g.responses[i],
-        "reward": g.rewards[i], "correct": g.correct[i], "verified": g.verified[i], "advantage": g.advantages[i],
-        "gated": g.advantages[i] == 0.0, "regime": g.regime, "n_tokens": g.n_tokens[i],
-        "truncated": g.truncated[i], "entropy": g.entropies[i], "logprob": g.logprobs[i], "filtered": g.filtered,
-        "mismatch": g.mismatch[i] if g.mismatch is not None else None,
-    } for g in groups for i in range(len(g.rewards))]
+    return [
+        {
+            "group_idx": g.group_idx,
+            "sample_idx": i,
+            "prompt_id": g.prompt_id,
+            "response": g.responses[i],
+            "reward": g.rewards[i],
+            "correct": g.correct[i],
+            "verified": g.verified[i],
+            "advantage": g.advantages[i],
+            "gated": g.advantages[i] == 0.0,
+            "regime": g.regime,
+            "n_tokens": g.n_tokens[i],
+            "truncated": g.truncated[i],
+            "entropy": g.entropies[i],
+            "logprob": g.logprobs[i],
+            "filtered": g.filtered,
+            "mismatch": g.mismatch[i] if g.mismatch is not None else None,
+        }
+        for g in groups
+        for i in range(len(g.rewards))
+    ]
 
 
 def component_rows(groups: Sequence[GroupResult]) -> list[dict]:
     """The `reward_components` rows: one per response and component."""
-    return [{"group_idx": g.group_idx, "sample_idx": i, "name": name, "value": values[i]}
-            for g in groups for name, values in g.components.items() for i in range(len(values))]
+    return [
+        {"group_idx": g.group_idx, "sample_idx": i, "name": name, "value": values[i]}
+        for g in groups
+        for name, values in g.components.items()
+        for i in range(len(values))
+    ]
 
 
-STORE_RESPONSES_HELP = ("What the store keeps of the responses' text: all, N per group (chosen by a seeded draw, "
-                        "the same on a rerun), or none. Every response's row (reward, advantage, gated, tokens) is "
-                        "kept either way, so counts stay exact; a text not kept is NULL.")
+STORE_RESPONSES_HELP = (
+    "What the store keeps of the responses' text: all, N per group (chosen by a seeded draw, "
+    "the same on a rerun), or none. Every response's row (reward, advantage, gated, tokens) is "
+    "kept either way, so counts stay exact; a text not kept is NULL."
+)
 
 
 def check_store_responses(value: str) -> str:
     """`value` if --store-responses can take it (all, none, or a whole number >= 1); else an error's text."""
     if value in ("all", "none") or (value.isdigit() and int(value) >= 1):
         return value
-    raise ValueError(f"store-responses: '{value}' is not all, none or a whole number of responses per group (>= 1). "
-                     "Use all (the default), e.g. 4 to keep 4 texts a group, or none.")
+    raise ValueError(
+        f"store-responses: '{value}' is not all, none or a whole number of responses per group (>= 1). "
+        "Use all (the default), e.g. 4 to keep 4 texts a group, or none."
+    )
 
 
 def stored_responses(rollouts: list[dict], keep: str, seed: int, step: int) -> list[dict]:
@@ -94,8 +127,11 @@ def stored_responses(rollouts: list[dict], keep: str, seed: int, step: int) -> l
     samples: dict[int, list[int]] = {}
     for row in rollouts:
         samples.setdefault(row["group_idx"], []).append(row["sample_idx"])
-    kept = {(group, i) for group, indexes in samples.items()
-            for i in random.Random(f"{seed}:{step}:{group}").sample(sorted(indexes), min(per_group, len(indexes)))}
+    kept = {
+        (group, i)
+        for group, indexes in samples.items()
+        for i in random.Random(f"{seed}:{step}:{group}").sample(sorted(indexes), min(per_group, len(indexes)))
+    }
     return [row if (row["group_idx"], row["sample_idx"]) in kept else {**row, "response": None} for row in rollouts]
 
 

@@ -26,8 +26,11 @@ _LOCK_ERROR = re.compile(r"lock|being used by another process|Conflicting lock",
 # A run file may come from anyone, and a view or macro in it runs as SQL when a table of that name is read: nothing it
 # names may install or load a DuckDB extension (httpfs would reach the network; an extension is native code). Every
 # connection qae opens to attach run files is made with these settings.
-SAFE_CONNECTION_CONFIG = {"autoinstall_known_extensions": False, "autoload_known_extensions": False,
-                          "allow_community_extensions": False}
+SAFE_CONNECTION_CONFIG = {
+    "autoinstall_known_extensions": False,
+    "autoload_known_extensions": False,
+    "allow_community_extensions": False,
+}
 
 
 def run_file_database() -> duckdb.DuckDBPyConnection:
@@ -48,8 +51,9 @@ def is_lock_error(err: Exception) -> bool:
     return isinstance(err, (duckdb.IOException, duckdb.ConnectionException)) and bool(_LOCK_ERROR.search(str(err)))
 
 
-def attach(cursor: duckdb.DuckDBPyConnection, path: Path, alias: str, timeout_s: float,
-            read_only: bool = True, on_wait=None) -> None:
+def attach(
+    cursor: duckdb.DuckDBPyConnection, path: Path, alias: str, timeout_s: float, read_only: bool = True, on_wait=None
+) -> None:
     """ATTACH the file (read-only unless told), retrying while another process holds its lock; `on_wait(holder)` is
     called once if that lasts more than WAIT_NOTICE_S (a long wait says why)."""
     # a planted link would point the writer at another run's file (or anything the user can write): the file and
@@ -86,8 +90,10 @@ class OldRunFormat(RunFileError):
 
 def migrate_hint(run_dir: Path) -> str:
     run_dir = Path(run_dir)
-    return (f"Bring it to this version's format with `qae migrate {run_dir.name} --runs-dir {run_dir.parent}`, then "
-            "run the command again.")
+    return (
+        f"Bring it to this version's format with `qae migrate {run_dir.name} --runs-dir {run_dir.parent}`, then "
+        "run the command again."
+    )
 
 
 def format_problem(columns: list[tuple[str, str, str]]) -> str | None:
@@ -110,15 +116,17 @@ def format_problem(columns: list[tuple[str, str, str]]) -> str | None:
 
 def old_format_error(path: Path, problem: str) -> OldRunFormat:
     path = Path(path)
-    return OldRunFormat(f"run: {path.parent.name} was written by an older qae ({path} {problem}). "
-                        f"{migrate_hint(path.parent)}")
+    return OldRunFormat(
+        f"run: {path.parent.name} was written by an older qae ({path} {problem}). {migrate_hint(path.parent)}"
+    )
 
 
 _VETTED: dict[tuple, bool] = {}  # (path, inode, size, mtime) of run files found free of views and macros
 
 
-def refuse_crafted_objects(cursor: duckdb.DuckDBPyConnection, alias: str, path: Path,
-                           current_format: bool = True) -> None:
+def refuse_crafted_objects(
+    cursor: duckdb.DuckDBPyConnection, alias: str, path: Path, current_format: bool = True
+) -> None:
     """qae writes tables only. A view or a macro in a run file runs as SQL when qae names it: a view called `steps`
     could read any file the user can (`read_text('/etc/...')`), a macro could shadow a function qae's queries call.
     Such a file is refused as crafted, before any query reads it; so is one whose columns qae did not write, and (with
@@ -128,22 +136,37 @@ def refuse_crafted_objects(cursor: duckdb.DuckDBPyConnection, alias: str, path: 
     version = (str(path), info.st_ino, info.st_size, info.st_mtime_ns, current_format)
     if version in _VETTED:
         return
-    views = [row[0] for row in cursor.execute("SELECT view_name FROM duckdb_views() WHERE database_name = ? AND NOT "
-                                              "internal", [alias]).fetchall()]
-    macros = [row[0] for row in cursor.execute("SELECT function_name FROM duckdb_functions() WHERE database_name = ? "
-                                               "AND NOT internal", [alias]).fetchall()]
+    views = [
+        row[0]
+        for row in cursor.execute(
+            "SELECT view_name FROM duckdb_views() WHERE database_name = ? AND NOT internal", [alias]
+        ).fetchall()
+    ]
+    macros = [
+        row[0]
+        for row in cursor.execute(
+            "SELECT function_name FROM duckdb_functions() WHERE database_name = ? AND NOT internal", [alias]
+        ).fetchall()
+    ]
     if views or macros:
         named = ", ".join(repr(name) for name in [*views, *macros][:5])
-        raise RunFileError(f"run: {path} holds views or macros ({named}), which qae never writes: SQL in it would run "
-                           "when qae reads the run. It is not a file qae made; it was not read. Remove it, or open it "
-                           "with DuckDB yourself if you trust it.")
+        raise RunFileError(
+            f"run: {path} holds views or macros ({named}), which qae never writes: SQL in it would run "
+            "when qae reads the run. It is not a file qae made; it was not read. Remove it, or open it "
+            "with DuckDB yourself if you trust it."
+        )
     # a column of qae's retyped or dropped broke every reader that met it (`qae runs` for the whole folder)
-    columns = cursor.execute("SELECT table_name, column_name, data_type FROM duckdb_columns() WHERE "
-                             "database_name = ? AND schema_name = 'main'", [alias]).fetchall()
+    columns = cursor.execute(
+        "SELECT table_name, column_name, data_type FROM duckdb_columns() WHERE "
+        "database_name = ? AND schema_name = 'main'",
+        [alias],
+    ).fetchall()
     problem = column_problem(columns)
     if problem:
-        raise RunFileError(f"run: {path} {problem}: it is not a file qae made, or one edited since; it was not read. "
-                           "Move it aside, or restore it from a backup.")
+        raise RunFileError(
+            f"run: {path} {problem}: it is not a file qae made, or one edited since; it was not read. "
+            "Move it aside, or restore it from a backup."
+        )
     if current_format and (old := format_problem(columns)):
         raise old_format_error(path, old)
     if len(_VETTED) > 4096:
@@ -157,26 +180,45 @@ def unreadable_run_error(path: Path, err: Exception | str) -> RunFileError:
     path = Path(path)
     if isinstance(err, BaseException) and environment_errno(err) is not None:  # the machine's fault, not the file's
         if path.parent.name.startswith(".creating-"):  # a new run's staging folder (session.CREATING_PREFIX)
-            return RunFileError(str(environment_error(
-                f"run-name: cannot create the run in {path.parent.parent}", err,
-                "Nothing was kept: the run does not exist yet.", then="run the command again")))
-        return RunFileError(str(environment_error(
-            f"run: cannot open {path}", err, "The file is not damaged: nothing logged in it is lost. qae needs to "
-                                             "write it (a training run, or qae eval storing its samples).")))
+            return RunFileError(
+                str(
+                    environment_error(
+                        f"run-name: cannot create the run in {path.parent.parent}",
+                        err,
+                        "Nothing was kept: the run does not exist yet.",
+                        then="run the command again",
+                    )
+                )
+            )
+        return RunFileError(
+            str(
+                environment_error(
+                    f"run: cannot open {path}",
+                    err,
+                    "The file is not damaged: nothing logged in it is lost. qae needs to "
+                    "write it (a training run, or qae eval storing its samples).",
+                )
+            )
+        )
     if not path.exists():
         err = "the file is missing (deleted or moved aside)"
     reason = str(err).strip().splitlines()[0].rstrip(".!") if str(err).strip() else type(err).__name__
     checkpoints = list_checkpoints(path.parent)
     if checkpoints:
-        kept = (f"The model is safe in its checkpoints ({', '.join(p.name for p in checkpoints)}): evaluate the newest "
-                f"with `qae eval --model {checkpoints[-1] / 'model'}`.")
+        kept = (
+            f"The model is safe in its checkpoints ({', '.join(p.name for p in checkpoints)}): evaluate the newest "
+            f"with `qae eval --model {checkpoints[-1] / 'model'}`."
+        )
     else:
         kept = "The run has no checkpoint to recover a model from."
     config = f" Its settings are in {CONFIG_FILE}." if (path.parent / CONFIG_FILE).exists() else ""
-    silence = ("Move the file aside to silence this." if path.exists() else
-               "Move the run's folder aside to silence this.")
-    return RunFileError(f"run: cannot read {path}: {reason}. The steps logged in this file are lost unless you restore "
-                        f"it from a backup. {kept}{config} {silence}")
+    silence = (
+        "Move the file aside to silence this." if path.exists() else "Move the run's folder aside to silence this."
+    )
+    return RunFileError(
+        f"run: cannot read {path}: {reason}. The steps logged in this file are lost unless you restore "
+        f"it from a backup. {kept}{config} {silence}"
+    )
 
 
 def refuse_missing_file_of_training_run(path: Path) -> None:
@@ -191,20 +233,26 @@ def is_damage_error(err: BaseException) -> bool:
     run database (a DuckDB file without qae's tables)."""
     if not isinstance(err, duckdb.Error) or is_lock_error(err):
         return False
-    return (type(err) is duckdb.Error or _missing_table(err) is not None
-            or isinstance(err, (duckdb.IOException, duckdb.SerializationException, duckdb.InternalException,
-                                duckdb.FatalException)))
+    return (
+        type(err) is duckdb.Error
+        or _missing_table(err) is not None
+        or isinstance(
+            err, (duckdb.IOException, duckdb.SerializationException, duckdb.InternalException, duckdb.FatalException)
+        )
+    )
 
 
 def _missing_table(err: BaseException) -> str | None:
     """The qae table a query found missing from the file, if that is what `err` says."""
     match = re.search(r"Table with name (\w+) does not exist", str(err))
-    return match.group(1) if isinstance(err, duckdb.CatalogException) and match and match.group(1) in TABLES \
-        else None
+    return match.group(1) if isinstance(err, duckdb.CatalogException) and match and match.group(1) in TABLES else None
 
 
 def damage_reason(err: BaseException) -> Exception | str:
     """What unreadable_run_error says of `err`."""
     table = _missing_table(err)
-    return (f"it is not a qae run database (it has no {table} table): another program's DuckDB file, or one emptied"
-            if table else err)
+    return (
+        f"it is not a qae run database (it has no {table} table): another program's DuckDB file, or one emptied"
+        if table
+        else err
+    )

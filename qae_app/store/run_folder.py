@@ -66,15 +66,19 @@ def validate_run_name(name: str, option: str = "run-name", runs_dir: Path | None
 
 
 # the runs row's estimator of a folder that holds results only (no model, no training run's settings) -> what it is
-RESULTS_ONLY_KINDS = {"eval": "an eval run (qae eval): it holds evaluation results",
-                      "preview": "a preview (qae preview): it holds a task's sampled responses and what they say"}
+RESULTS_ONLY_KINDS = {
+    "eval": "an eval run (qae eval): it holds evaluation results",
+    "preview": "a preview (qae preview): it holds a task's sampled responses and what they say",
+}
 
 
 def eval_run_error(option: str, folder: Path, what: str, kind: str = "eval") -> QAEUserError:
     """The error for a results-only run (`kind`: a RESULTS_ONLY_KINDS key) given where a training run is needed;
     `what`: what to do instead."""
-    return QAEUserError(f"{option}: '{Path(folder).name}' is {RESULTS_ONLY_KINDS[kind]}, not a model or a training "
-                        f"run's settings. {what}")
+    return QAEUserError(
+        f"{option}: '{Path(folder).name}' is {RESULTS_ONLY_KINDS[kind]}, not a model or a training "
+        f"run's settings. {what}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -91,9 +95,11 @@ class NotARegularFile(QAEUserError):
 
 
 def _refusal(path: Path, what: str, kind: str = "file") -> NotARegularFile:
-    return NotARegularFile(f"run folder: {path} is {what}, where qae keeps a {kind} of its own. A run folder holds "
-                           f"only qae's files: move it out of {path.parent} (the run then reads as if it were "
-                           "missing).")
+    return NotARegularFile(
+        f"run folder: {path} is {what}, where qae keeps a {kind} of its own. A run folder holds "
+        f"only qae's files: move it out of {path.parent} (the run then reads as if it were "
+        "missing)."
+    )
 
 
 def check_own_folder(path: Path) -> bool:
@@ -112,8 +118,11 @@ def check_own_folder(path: Path) -> bool:
 
 
 def _hard_link(path: Path, info: os.stat_result) -> NotARegularFile:
-    return _refusal(path, f"a hard link (one file under {info.st_nlink} names: another file too, which qae must "
-                          "neither write nor take for the run's own)")
+    return _refusal(
+        path,
+        f"a hard link (one file under {info.st_nlink} names: another file too, which qae must "
+        "neither write nor take for the run's own)",
+    )
 
 
 def check_regular_file(path: Path, writing: bool = False) -> bool:
@@ -171,8 +180,10 @@ def read_run_file(path: Path, max_bytes: int = MAX_JSON_BYTES) -> bytes:
     with os.fdopen(fd, "rb") as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
-        raise QAEUserError(f"run folder: {path} is larger than {max_bytes:,} bytes, more than qae ever writes there. "
-                           f"Move it out of {path.parent}.")
+        raise QAEUserError(
+            f"run folder: {path} is larger than {max_bytes:,} bytes, more than qae ever writes there. "
+            f"Move it out of {path.parent}."
+        )
     return data
 
 
@@ -187,15 +198,19 @@ def read_run_config(folder: Path) -> dict:
     except (UnicodeDecodeError, ValueError, RecursionError) as err:  # (JSONDecodeError is a ValueError)
         raise QAEUserError(f"config.json: {path} is not valid JSON ({str(err)[:200]}). {fix}") from err
     if not isinstance(stored, dict):
-        raise QAEUserError(f"config.json: {path} is not a JSON object of the run's settings (it holds a "
-                           f"{type(stored).__name__}). {fix}")
+        raise QAEUserError(
+            f"config.json: {path} is not a JSON object of the run's settings (it holds a "
+            f"{type(stored).__name__}). {fix}"
+        )
     return stored
 
 
 def config_restore_hint(folder: Path) -> str:
     """What to do about a damaged config.json: its settings are also in the run's database."""
-    return (f"Restore it from a backup, or write the settings `qae show {Path(folder).name}` prints (from the run's "
-            "database) back into it as JSON; nothing else in the run was changed.")
+    return (
+        f"Restore it from a backup, or write the settings `qae show {Path(folder).name}` prints (from the run's "
+        "database) back into it as JSON; nothing else in the run was changed."
+    )
 
 
 def run_dir(runs_dir: Path, run_id: str) -> Path:
@@ -226,11 +241,18 @@ def folders_not_runs(runs_dir: Path) -> list[tuple[Path, str]]:
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         return []
-    return [(folder, f"not a run: no {DB_FILE} in it (a run folder holds its database; `qae train` and `qae eval` "
-                     "make one). Move it out of the runs dir, or copy a whole run folder here.")
-            for folder in sorted(runs_dir.iterdir())
-            if listed_folder_name(folder.name) and folder.is_dir() and not (folder / DB_FILE).exists()
-            and not (folder / CONFIG_FILE).exists()]
+    return [
+        (
+            folder,
+            f"not a run: no {DB_FILE} in it (a run folder holds its database; `qae train` and `qae eval` "
+            "make one). Move it out of the runs dir, or copy a whole run folder here.",
+        )
+        for folder in sorted(runs_dir.iterdir())
+        if listed_folder_name(folder.name)
+        and folder.is_dir()
+        and not (folder / DB_FILE).exists()
+        and not (folder / CONFIG_FILE).exists()
+    ]
 
 
 def lost_its_database(folder: Path) -> bool:
@@ -245,8 +267,11 @@ def runs_without_database(runs_dir: Path) -> list[Path]:
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         return []
-    return sorted(p.parent for p in runs_dir.glob(f"*/{CONFIG_FILE}")
-                  if listed_folder_name(p.parent.name) and lost_its_database(p.parent))
+    return sorted(
+        p.parent
+        for p in runs_dir.glob(f"*/{CONFIG_FILE}")
+        if listed_folder_name(p.parent.name) and lost_its_database(p.parent)
+    )
 
 
 def recent_runs_text(runs_dir: Path, limit: int = 10) -> str:
@@ -327,8 +352,11 @@ def checkpoint_problem(folder: Path) -> str | None:
         return f"{MANIFEST} lists no files"
     for name, entry in entries.items():
         path = folder / name
-        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) or \
-                not isinstance(entry.get("sha256"), str):
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("bytes"), int)
+            or not isinstance(entry.get("sha256"), str)
+        ):
             return f"{MANIFEST} holds no size and checksum for {name!r}"
         if Path(name).is_absolute() or ".." in Path(name).parts:
             return f"{MANIFEST} names {name!r}, outside the checkpoint"
@@ -377,8 +405,9 @@ def model_folder_problem(folder: Path) -> str | None:
             problem = safetensors_problem(path)
         elif path.suffix == ".json":
             try:
-                problem = (None if isinstance(json.loads(read_run_file(path)), dict) else
-                           f"{path.name} is not a JSON object")
+                problem = (
+                    None if isinstance(json.loads(read_run_file(path)), dict) else f"{path.name} is not a JSON object"
+                )
             except (OSError, ValueError, RecursionError, QAEUserError) as err:
                 problem = f"{path.name} is not JSON this qae wrote ({_first_line(err)})"
         else:
@@ -413,8 +442,9 @@ class RunLock:
         except OSError as err:  # a read-only file system, a permission: the run is intact but cannot be trained here
             if environment_errno(err) is None:
                 raise
-            raise environment_error(f"{what}: cannot lock run '{self.path.parent.name}' to train it", err,
-                                    "The run is intact.") from None
+            raise environment_error(
+                f"{what}: cannot lock run '{self.path.parent.name}' to train it", err, "The run is intact."
+            ) from None
         # a reader checking liveness holds a shared lock for microseconds: retry briefly before calling it taken
         for attempt in range(attempts):
             try:
@@ -428,7 +458,8 @@ class RunLock:
                         raise QAEUserError(
                             f"{what}: run '{self.path.parent.name}' is being trained right now"
                             + (f" by process {holder}" if holder else "")
-                            + ". Stop it first (Ctrl-C or kill -TERM), then resume it.") from None
+                            + ". Stop it first (Ctrl-C or kill -TERM), then resume it."
+                        ) from None
                     raise
                 time.sleep(0.05)
         os.ftruncate(fd, 0)

@@ -28,57 +28,56 @@ from qae_app.store.run_folder import STORED_STATUSES, read_run_file
 # groups only (each definition says which). Without dynamic sampling every sampled group is trained.
 STEP_METRICS: dict[str, str] = {
     "reward_mean": "mean reward of the responses sampled this step, filtered groups included (after the overlong "
-                   "penalty; unverifiable responses count as wrong)",
-    "accuracy": "fraction of the responses sampled this step that the verifier found correct, filtered groups "
-                "included",
+    "penalty; unverifiable responses count as wrong)",
+    "accuracy": "fraction of the responses sampled this step that the verifier found correct, filtered groups included",
     "heldout_accuracy": "sampled (temperature as training) accuracy on the held-out split; NULL on steps without eval",
     "entropy": "mean per-token entropy (nats) of the policy over the response tokens of the trained groups, before "
-               "the update",
+    "the update",
     "entropy_pos": "mean token entropy of trained responses with advantage > 0",
     "entropy_neg": "mean token entropy of trained responses with advantage < 0",
     "frac_zero_adv": "fraction of trained responses whose advantage is exactly 0 (gated out: no policy gradient)",
     "frac_zero_adv_informative": "frac_zero_adv over the trained responses of informative groups only (neither all "
-                                 "correct nor all wrong): the paper's ~80% (Fig. 5c); NULL when no group is "
-                                 "informative",
+    "correct nor all wrong): the paper's ~80% (Fig. 5c); NULL when no group is "
+    "informative",
     "frac_hard": "fraction of the groups sampled this step (filtered included) in the hard regime (baseline = the "
-                 "group's lowest reward: only responses above it are pushed up)",
+    "group's lowest reward: only responses above it are pushed up)",
     "frac_easy": "fraction of the groups sampled this step (filtered included) in the easy regime (baseline = the "
-                 "group's highest reward: only responses below it are pushed down)",
+    "group's highest reward: only responses below it are pushed down)",
     "frac_all_correct": "fraction of the groups sampled this step where every response is correct with equal "
-                        "rewards (no signal)",
+    "rewards (no signal)",
     "frac_all_wrong": "fraction of the groups sampled this step where every response is wrong with equal rewards "
-                      "(no signal)",
+    "(no signal)",
     "frac_mixed": "fraction of the groups sampled this step whose baseline lies strictly between their lowest and "
-                  "highest reward (mean-baseline estimators, linear quantile, QAE on shaped rewards)",
+    "highest reward (mean-baseline estimators, linear quantile, QAE on shaped rewards)",
     "frac_unverified": "fraction of the responses sampled this step that the verifier could not score in time "
-                       "(counted wrong)",
+    "(counted wrong)",
     "gen_batches": "generation batches of prompts_per_step prompts sampled this step (always 1 without "
-                   "--dynamic-sampling)",
+    "--dynamic-sampling)",
     "frac_filtered": "fraction of the groups sampled this step that dynamic sampling left out of the update (no "
-                     "signal, or informative beyond the first prompts_per_step); 0 without it",
+    "signal, or informative beyond the first prompts_per_step); 0 without it",
     "dH": "with --log-entropy-delta: how the step's update changed the mean token entropy of the step's own "
-          "trained responses (after minus before, nats); NULL without it",
+    "trained responses (after minus before, nats); NULL without it",
     "dH_hard": f"dH over the responses of hard groups (success rate <= 1 - K; K = {DEFAULT_K} for mean-baseline "
-               "runs), under the whole update (every group's gradient): not which regime's update moved it (that is "
-               "dH_hard_from_hard / dH_hard_from_easy)",
+    "runs), under the whole update (every group's gradient): not which regime's update moved it (that is "
+    "dH_hard_from_hard / dH_hard_from_easy)",
     "dH_easy": "dH over the responses of easy groups (success rate > 1 - K, not all correct), under the whole update, "
-               "as dH_hard",
+    "as dH_hard",
     "dH_from_hard": "with --log-entropy-attribution: how the update made from the hard groups' loss alone (every "
-                    "other advantage 0, the real step's normalizer, from the policy and optimizer state before the "
-                    "update, then undone) changes the mean token entropy of all the step's trained responses; "
-                    "regimes as dH_hard's; NULL without it or when the step has no hard group",
+    "other advantage 0, the real step's normalizer, from the policy and optimizer state before the "
+    "update, then undone) changes the mean token entropy of all the step's trained responses; "
+    "regimes as dH_hard's; NULL without it or when the step has no hard group",
     "dH_hard_from_hard": "dH_from_hard over the hard groups' responses only",
     "dH_easy_from_hard": "dH_from_hard over the easy groups' responses only",
     "dH_from_easy": "as dH_from_hard, for the update made from the easy groups' loss alone",
     "dH_hard_from_easy": "dH_from_easy over the hard groups' responses only",
     "dH_easy_from_easy": "dH_from_easy over the easy groups' responses only",
     "dH_from_none": "as dH_from_hard, for the update with every advantage 0: AdamW's drift (its first moment from "
-                    "earlier steps, weight decay), part of both regimes' updates; dH_from_hard - dH_from_none is "
-                    "the hard gradient's own part",
+    "earlier steps, weight decay), part of both regimes' updates; dH_from_hard - dH_from_none is "
+    "the hard gradient's own part",
     "dH_hard_from_none": "dH_from_none over the hard groups' responses only",
     "dH_easy_from_none": "dH_from_none over the easy groups' responses only",
     "cov_logp_adv": "covariance over trained response tokens of token log-prob and advantage; entropy falls when it "
-                    "is > 0",
+    "is > 0",
     "adv_abs_mean": "mean |advantage| over trained responses",
     "k": "the QAE quantile level K used this step (NULL for mean-baseline estimators)",
     "loss": "policy loss (plus KL term) averaged over the step's optimizer updates",
@@ -87,49 +86,49 @@ STEP_METRICS: dict[str, str] = {
     "grad_norm": "gradient norm before clipping, averaged over the step's optimizer updates",
     "clip_frac": "fraction of tokens whose ratio was clipped (low + high)",
     "clip_frac_low": "fraction of tokens with negative advantage and ratio < 1 - clip_low (clipped); gspo: the "
-                     "sequence ratio against 1 - gspo_clip_low, counted at each of its tokens; 0 for kl_cov and "
-                     "cispo, which clip nothing below",
+    "sequence ratio against 1 - gspo_clip_low, counted at each of its tokens; 0 for kl_cov and "
+    "cispo, which clip nothing below",
     "clip_frac_high": "fraction of tokens with positive advantage and ratio > 1 + clip_high (clipped); gspo: the "
-                      "sequence ratio against 1 + gspo_clip_high; cispo: the weight capped at cispo_weight_cap (its "
-                      "gradient flows on); 0 for kl_cov",
+    "sequence ratio against 1 + gspo_clip_high; cispo: the weight capped at cispo_weight_cap (its "
+    "gradient flows on); 0 for kl_cov",
     "cov_selected_frac": "fraction of the step's response tokens (summed over its optimizer updates) that the policy "
-                         "loss's covariance rule selected: --policy-loss clip_cov cut their gradient, kl_cov "
-                         "penalised them; 0 for the other losses",
+    "loss's covariance rule selected: --policy-loss clip_cov cut their gradient, kl_cov "
+    "penalised them; 0 for the other losses",
     "entropy_coef": "the entropy bonus's coefficient after the step's updates: --entropy-coef, or where "
-                    "--entropy-target moved it (0: no bonus)",
+    "--entropy-target moved it (0: no bonus)",
     "mismatch_logp_abs": "mean absolute difference logp_old - logp_sampler over the response tokens the loss weighs "
-                         "(responses with advantage != 0; every response under a KL term): logp_old the trainer's "
-                         "log-prob under the sampling weights (the ratio's denominator), logp_sampler the engine's "
-                         "while it sampled; "
-                         "~1e-7 for the hf engine in the trainer's dtype (float32 rounding: its decode loop sums in "
-                         "another order), ~1e-2 for a bfloat16 sampler; NULL where the engine returns none",
+    "(responses with advantage != 0; every response under a KL term): logp_old the trainer's "
+    "log-prob under the sampling weights (the ratio's denominator), logp_sampler the engine's "
+    "while it sampled; "
+    "~1e-7 for the hf engine in the trainer's dtype (float32 rounding: its decode loop sums in "
+    "another order), ~1e-2 for a bfloat16 sampler; NULL where the engine returns none",
     "mismatch_k3_kl": "k3 estimate of KL(pi_sampler, pi_old) over the same tokens, the sampler's distribution first: "
-                      "mean of exp(d) - d - 1 with d = logp_old - logp_sampler (verl's mismatch_k3_kl; >= 0)",
+    "mean of exp(d) - d - 1 with d = logp_old - logp_sampler (verl's mismatch_k3_kl; >= 0)",
     "mismatch_ratio_max": "largest pi_old / pi_sampler = exp(d) over the same tokens (--rollout-correction tis caps "
-                          "each token's weight at --rollout-correction-cap)",
+    "each token's weight at --rollout-correction-cap)",
     "mismatch_capped": "tokens among the same ones whose pi_old / pi_sampler is above --rollout-correction-cap (the "
-                       "tokens --rollout-correction tis caps, whether or not it is on); NULL where the engine returns "
-                       "no log-probs",
+    "tokens --rollout-correction tis caps, whether or not it is on); NULL where the engine returns "
+    "no log-probs",
     "mismatch_capped_frac": "mismatch_capped as a share of the same tokens",
     "lr": "learning rate used for this step's updates",
     "response_len": "mean length in tokens of the responses sampled this step, filtered groups included",
     "truncated_frac": "fraction of the responses sampled this step that hit max_new_tokens before eos",
     "n_updates": "optimizer updates this step (num_mini_batches x ppo_epochs, including mini-batches whose "
-                 "advantages are all 0: AdamW still moves the weights on them, as a dense update would; fewer when "
-                 "dynamic sampling's cap left fewer trained responses than mini-batches, 0 when it left none)",
+    "advantages are all 0: AdamW still moves the weights on them, as a dense update would; fewer when "
+    "dynamic sampling's cap left fewer trained responses than mini-batches, 0 when it left none)",
     "rollout_s": "seconds sampling responses (every generation batch)",
     "reward_s": "seconds scoring responses",
     "update_s": "seconds in forward/backward/optimizer (including the log-prob pass)",
     "sync_s": "seconds copying the updated weights into the rollout engine after the update: vLLM's copy (--engine "
-              "vllm), or the hf engine's bfloat16 sampling copy (--rollout-dtype bfloat16); ~0 where the engine "
-              "samples from the trained model itself; 0 when the step trained nothing; not part of update_s",
+    "vllm), or the hf engine's bfloat16 sampling copy (--rollout-dtype bfloat16); ~0 where the engine "
+    "samples from the trained model itself; 0 when the step trained nothing; not part of update_s",
     "eval_s": "seconds of the held-out evaluation after this step (0 without one)",
     "write_s": "seconds the loop spent handing this step's rows to the store (the store writes on its own thread "
-               "while the next step trains) and waiting for it",
+    "while the next step trains) and waiting for it",
     "checkpoint_s": "seconds saving the checkpoint after this step (0 without one)",
     "store_s": "CPU seconds the store's thread spent on this step's rows while the next step trained: saving them "
-               "under pending/, plus the database write (of the steps since the last one) when one was due; not part "
-               "of step_s",
+    "under pending/, plus the database write (of the steps since the last one) when one was due; not part "
+    "of step_s",
     "step_s": "wall seconds of the whole step: the above plus advantages and row building",
 }
 TIMING_METRICS = tuple(name for name in STEP_METRICS if name.endswith("_s"))  # seconds: differ run to run
@@ -139,19 +138,39 @@ TIMING_METRICS = tuple(name for name in STEP_METRICS if name.endswith("_s"))  # 
 # from here.
 TABLES: dict[str, dict[str, str]] = {
     "runs": {
-        "run_id": "VARCHAR PRIMARY KEY", "name": "VARCHAR", "created_at": "TIMESTAMP", "updated_at": "TIMESTAMP",
-        "status": "VARCHAR", "config": "VARCHAR", "estimator": "VARCHAR", "k": "DOUBLE", "model": "VARCHAR",
-        "task": "VARCHAR", "seed": "BIGINT", "error": "VARCHAR",
+        "run_id": "VARCHAR PRIMARY KEY",
+        "name": "VARCHAR",
+        "created_at": "TIMESTAMP",
+        "updated_at": "TIMESTAMP",
+        "status": "VARCHAR",
+        "config": "VARCHAR",
+        "estimator": "VARCHAR",
+        "k": "DOUBLE",
+        "model": "VARCHAR",
+        "task": "VARCHAR",
+        "seed": "BIGINT",
+        "error": "VARCHAR",
         "setup_s": "DOUBLE",  # seconds from the trainer's start to its first step (loading, step-0 evaluation)
         "wall_s": "DOUBLE",  # seconds the run has trained, summed over its sessions (resumes)
     },
     # logged_at: when the step's rows were handed to RunWriter (UTC), stamped by it: the dashboard's wall-time axis,
     # heartbeat, rate and ETA
-    "steps": {"run_id": "VARCHAR", "step": "INTEGER", "logged_at": "TIMESTAMP",
-              **{name: "DOUBLE" for name in STEP_METRICS}},
+    "steps": {
+        "run_id": "VARCHAR",
+        "step": "INTEGER",
+        "logged_at": "TIMESTAMP",
+        **{name: "DOUBLE" for name in STEP_METRICS},
+    },
     "groups": {
-        "run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "prompt_id": "VARCHAR", "prompt": "VARCHAR",
-        "answer": "VARCHAR", "n_correct": "INTEGER", "group_size": "INTEGER", "baseline": "DOUBLE",
+        "run_id": "VARCHAR",
+        "step": "INTEGER",
+        "group_idx": "INTEGER",
+        "prompt_id": "VARCHAR",
+        "prompt": "VARCHAR",
+        "answer": "VARCHAR",
+        "n_correct": "INTEGER",
+        "group_size": "INTEGER",
+        "baseline": "DOUBLE",
         "regime": "VARCHAR",
         "filtered": "BOOLEAN",  # left out of the update by dynamic sampling
         # the prompt as a chat model saw it: chat template applied, special tokens written out (system message, role
@@ -159,11 +178,22 @@ TABLES: dict[str, dict[str, str]] = {
         "model_prompt": "VARCHAR",
     },
     "rollouts": {
-        "run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "sample_idx": "INTEGER",
+        "run_id": "VARCHAR",
+        "step": "INTEGER",
+        "group_idx": "INTEGER",
+        "sample_idx": "INTEGER",
         # zstd: the file holds response text at about a third of its size (FSST, DuckDB's default, about half)
-        "prompt_id": "VARCHAR", "response": "VARCHAR USING COMPRESSION zstd", "reward": "DOUBLE", "verified": "BOOLEAN",
-        "advantage": "DOUBLE", "gated": "BOOLEAN", "regime": "VARCHAR", "n_tokens": "INTEGER",
-        "truncated": "BOOLEAN", "entropy": "DOUBLE", "logprob": "DOUBLE",
+        "prompt_id": "VARCHAR",
+        "response": "VARCHAR USING COMPRESSION zstd",
+        "reward": "DOUBLE",
+        "verified": "BOOLEAN",
+        "advantage": "DOUBLE",
+        "gated": "BOOLEAN",
+        "regime": "VARCHAR",
+        "n_tokens": "INTEGER",
+        "truncated": "BOOLEAN",
+        "entropy": "DOUBLE",
+        "logprob": "DOUBLE",
         "correct": "BOOLEAN",  # the verifier's verdict (reward is shaped); NULL in rows from before the column
         # its group was left out of the update by dynamic sampling (entropy, logprob: NULL unless the engine measured
         # them while sampling, as the hf engine does; the trainer's own pass covers the trained responses only)
@@ -173,28 +203,67 @@ TABLES: dict[str, dict[str, str]] = {
         "mismatch": "DOUBLE",
     },
     # per-token values of the responses --store-tokens keeps (store/tokens.py), one list element per response token
-    "token_values": {"run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "sample_idx": "INTEGER",
-                     "tokens": "VARCHAR[]", "logprob": "FLOAT[]", "entropy": "FLOAT[]", "old_logprob": "FLOAT[]"},
+    "token_values": {
+        "run_id": "VARCHAR",
+        "step": "INTEGER",
+        "group_idx": "INTEGER",
+        "sample_idx": "INTEGER",
+        "tokens": "VARCHAR[]",
+        "logprob": "FLOAT[]",
+        "entropy": "FLOAT[]",
+        "old_logprob": "FLOAT[]",
+    },
     # with --reward: each response's value of each reward component (a built-in's verdict, a user function's score
     # or one of its named parts; NULL: could not verify); the response's `reward` is their weighted sum
-    "reward_components": {"run_id": "VARCHAR", "step": "INTEGER", "group_idx": "INTEGER", "sample_idx": "INTEGER",
-                          "name": "VARCHAR", "value": "DOUBLE"},
+    "reward_components": {
+        "run_id": "VARCHAR",
+        "step": "INTEGER",
+        "group_idx": "INTEGER",
+        "sample_idx": "INTEGER",
+        "name": "VARCHAR",
+        "value": "DOUBLE",
+    },
     # with several reward components (--reward): which carries the step's signal (store/signal.py): their mean value,
     # the share of groups where each differs, where the signal exists because of it, and its share of the advantage
-    "component_signal": {"run_id": "VARCHAR", "step": "INTEGER", "name": "VARCHAR", "weight": "DOUBLE",
-                         "value_mean": "DOUBLE", "frac_differs": "DOUBLE", "frac_signal": "DOUBLE",
-                         "adv_share": "DOUBLE"},
+    "component_signal": {
+        "run_id": "VARCHAR",
+        "step": "INTEGER",
+        "name": "VARCHAR",
+        "weight": "DOUBLE",
+        "value_mean": "DOUBLE",
+        "frac_differs": "DOUBLE",
+        "frac_signal": "DOUBLE",
+        "adv_share": "DOUBLE",
+    },
     "evals": {
-        "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "subset": "VARCHAR", "metric": "VARCHAR",
-        "k": "INTEGER", "value": "DOUBLE", "n_problems": "INTEGER", "source": "VARCHAR",
+        "run_id": "VARCHAR",
+        "step": "INTEGER",
+        "benchmark": "VARCHAR",
+        "subset": "VARCHAR",
+        "metric": "VARCHAR",
+        "k": "INTEGER",
+        "value": "DOUBLE",
+        "n_problems": "INTEGER",
+        "source": "VARCHAR",
         # how the evaluation sampled: temperature, top-p, samples per problem and --limit (--eval-limit; NULL: every
         # problem); NULL in rows from before these columns
-        "temperature": "DOUBLE", "top_p": "DOUBLE", "samples": "INTEGER", "problem_limit": "INTEGER",
+        "temperature": "DOUBLE",
+        "top_p": "DOUBLE",
+        "samples": "INTEGER",
+        "problem_limit": "INTEGER",
     },
     "eval_samples": {
-        "run_id": "VARCHAR", "step": "INTEGER", "benchmark": "VARCHAR", "problem_id": "VARCHAR",
-        "sample_idx": "INTEGER", "response": "VARCHAR", "extracted": "VARCHAR", "correct": "BOOLEAN",
-        "verified": "BOOLEAN", "n_tokens": "INTEGER", "source": "VARCHAR",
+        "run_id": "VARCHAR",
+        "step": "INTEGER",
+        "benchmark": "VARCHAR",
+        "problem_id": "VARCHAR",
+        "sample_idx": "INTEGER",
+        "response": "VARCHAR",
+        "extracted": "VARCHAR",
+        "correct": "BOOLEAN",
+        "verified": "BOOLEAN",
+        "n_tokens": "INTEGER",
+        "source": "VARCHAR",
         "model_prompt": "VARCHAR",  # as in `groups`: the prompt after the chat template; NULL without one
         "answer": "VARCHAR",  # the problem's gold answer, what `extracted` was checked against; NULL if unknown
     },
@@ -202,21 +271,50 @@ TABLES: dict[str, dict[str, str]] = {
     # `qae preview` (a run folder of its own, its runs row's estimator 'preview'; its responses are the `groups` and
     # `rollouts` rows of step 0, under the run's own estimator): what it found, one row
     "previews": {
-        "run_id": "VARCHAR", "step": "INTEGER", "n_prompts": "INTEGER", "group_size": "INTEGER",
-        "max_new_tokens": "INTEGER", "accuracy": "DOUBLE", "reward_mean": "DOUBLE", "frac_no_signal": "DOUBLE",
-        "frac_unverified": "DOUBLE", "truncated_frac": "DOUBLE", "response_len": "DOUBLE",
+        "run_id": "VARCHAR",
+        "step": "INTEGER",
+        "n_prompts": "INTEGER",
+        "group_size": "INTEGER",
+        "max_new_tokens": "INTEGER",
+        "accuracy": "DOUBLE",
+        "reward_mean": "DOUBLE",
+        "frac_no_signal": "DOUBLE",
+        "frac_unverified": "DOUBLE",
+        "truncated_frac": "DOUBLE",
+        "response_len": "DOUBLE",
         "suggested_k": "DOUBLE",  # NULL when no group has signal: no K helps
-        "verdict": "VARCHAR", "suggested_why": "VARCHAR",
+        "verdict": "VARCHAR",
+        "suggested_why": "VARCHAR",
     },
     # ... and what each estimator would make of its rewards: QAE at each K of --ks, and GRPO (k NULL)
     "preview_k": {
-        "run_id": "VARCHAR", "step": "INTEGER", "estimator": "VARCHAR", "k": "DOUBLE", "frac_zero_adv": "DOUBLE",
-        "frac_zero_adv_informative": "DOUBLE", "n_hard": "INTEGER", "n_easy": "INTEGER", "n_all_correct": "INTEGER",
-        "n_all_wrong": "INTEGER", "n_mixed": "INTEGER", "suggested": "BOOLEAN",
+        "run_id": "VARCHAR",
+        "step": "INTEGER",
+        "estimator": "VARCHAR",
+        "k": "DOUBLE",
+        "frac_zero_adv": "DOUBLE",
+        "frac_zero_adv_informative": "DOUBLE",
+        "n_hard": "INTEGER",
+        "n_easy": "INTEGER",
+        "n_all_correct": "INTEGER",
+        "n_all_wrong": "INTEGER",
+        "n_mixed": "INTEGER",
+        "suggested": "BOOLEAN",
     },
 }
-STEP_TABLES = ("steps", "groups", "rollouts", "reward_components", "component_signal", "token_values", "evals",
-               "eval_samples", "warnings", "previews", "preview_k")  # rows keyed by step
+STEP_TABLES = (
+    "steps",
+    "groups",
+    "rollouts",
+    "reward_components",
+    "component_signal",
+    "token_values",
+    "evals",
+    "eval_samples",
+    "warnings",
+    "previews",
+    "preview_k",
+)  # rows keyed by step
 EVAL_TABLES = ("evals", "eval_samples")  # rows keyed by step, benchmark and source
 
 
@@ -225,16 +323,63 @@ WRITER_COLUMNS = ("run_id", "step", "logged_at")  # filled in by RunWriter, not 
 # The columns of qae's tables in its first run files (2026-11-30): a file without one of them is no run file of qae's
 # (damaged, or edited), where one without a column added since is of an older format (`qae migrate` adds it).
 FIRST_COLUMNS = {
-    "runs": ("run_id", "name", "created_at", "updated_at", "status", "config", "estimator", "k", "model", "task",
-             "seed", "error"),
+    "runs": (
+        "run_id",
+        "name",
+        "created_at",
+        "updated_at",
+        "status",
+        "config",
+        "estimator",
+        "k",
+        "model",
+        "task",
+        "seed",
+        "error",
+    ),
     "steps": ("run_id", "step"),
-    "groups": ("run_id", "step", "group_idx", "prompt_id", "prompt", "answer", "n_correct", "group_size", "baseline",
-               "regime"),
-    "rollouts": ("run_id", "step", "group_idx", "sample_idx", "prompt_id", "response", "reward", "verified",
-                 "advantage", "gated", "regime", "n_tokens", "truncated", "entropy", "logprob"),
+    "groups": (
+        "run_id",
+        "step",
+        "group_idx",
+        "prompt_id",
+        "prompt",
+        "answer",
+        "n_correct",
+        "group_size",
+        "baseline",
+        "regime",
+    ),
+    "rollouts": (
+        "run_id",
+        "step",
+        "group_idx",
+        "sample_idx",
+        "prompt_id",
+        "response",
+        "reward",
+        "verified",
+        "advantage",
+        "gated",
+        "regime",
+        "n_tokens",
+        "truncated",
+        "entropy",
+        "logprob",
+    ),
     "evals": ("run_id", "step", "benchmark", "subset", "metric", "k", "value", "n_problems"),
-    "eval_samples": ("run_id", "step", "benchmark", "problem_id", "sample_idx", "response", "extracted", "correct",
-                     "verified", "n_tokens"),
+    "eval_samples": (
+        "run_id",
+        "step",
+        "benchmark",
+        "problem_id",
+        "sample_idx",
+        "response",
+        "extracted",
+        "correct",
+        "verified",
+        "n_tokens",
+    ),
     "warnings": ("run_id", "step", "kind", "message"),
 }
 
@@ -267,9 +412,12 @@ def row_columns(table: str) -> tuple[str, ...]:
 
 def schema_statements() -> list[str]:
     """The DDL of a new run file (a no-op on a file of the current format)."""
-    return [f"CREATE TABLE IF NOT EXISTS {table} (" + ", ".join(f"{name} {sql_type}" for name, sql_type in
-                                                             columns.items()) + ")"
-            for table, columns in TABLES.items()]
+    return [
+        f"CREATE TABLE IF NOT EXISTS {table} ("
+        + ", ".join(f"{name} {sql_type}" for name, sql_type in columns.items())
+        + ")"
+        for table, columns in TABLES.items()
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -299,8 +447,13 @@ def pending_write_json(write: PendingWrite) -> str:
     """A pending write as JSON text (without `spilled`, which is where it was read from). Row values are what the
     store's columns hold: text, numbers (NaN and infinities as Python's json writes them), booleans, null, nested
     lists/objects, and timestamps."""
-    record = {"kind": write.kind, "step": write.step, "tables": write.tables, "fields": write.fields,
-              "logged_at": write.logged_at}
+    record = {
+        "kind": write.kind,
+        "step": write.step,
+        "tables": write.tables,
+        "fields": write.fields,
+        "logged_at": write.logged_at,
+    }
     return json.dumps(record, default=_json_value, ensure_ascii=False)
 
 
@@ -317,8 +470,13 @@ def pending_write_from_json(text: str) -> PendingWrite:
     unknown = set(record) - {"kind", "step", "tables", "fields", "logged_at"}
     if unknown:
         raise ValueError(f"unknown keys {sorted(unknown)}")
-    write = PendingWrite(kind=record["kind"], step=record.get("step"), tables=record.get("tables"),
-                         fields=record.get("fields"), logged_at=record.get("logged_at"))
+    write = PendingWrite(
+        kind=record["kind"],
+        step=record.get("step"),
+        tables=record.get("tables"),
+        fields=record.get("fields"),
+        logged_at=record.get("logged_at"),
+    )
     _check_pending(write)
     return write
 
@@ -328,9 +486,11 @@ def read_pending_write(path: Path) -> PendingWrite:
     try:
         return pending_write_from_json(read_run_file(path).decode("utf-8"))
     except (OSError, ValueError) as err:
-        raise QAEUserError(f"store: {path} is not a write qae saved ({err}). Move it out of {path.parent} to go on "
-                           "without it (the step it held is trained again on resume if its checkpoint is older, "
-                           "else it is missing from the database).") from err
+        raise QAEUserError(
+            f"store: {path} is not a write qae saved ({err}). Move it out of {path.parent} to go on "
+            "without it (the step it held is trained again on resume if its checkpoint is older, "
+            "else it is missing from the database)."
+        ) from err
 
 
 PENDING_KINDS = ("step", "step_update", "run", "truncate")
@@ -343,8 +503,11 @@ def _check_pending(write: PendingWrite) -> None:
     if write.kind == "run":
         step_ok = write.step is None
     else:
-        step_ok = (isinstance(write.step, int) and not isinstance(write.step, bool)
-                   and 0 <= write.step < _INTEGER_BOUNDS["INTEGER"])
+        step_ok = (
+            isinstance(write.step, int)
+            and not isinstance(write.step, bool)
+            and 0 <= write.step < _INTEGER_BOUNDS["INTEGER"]
+        )
     if not step_ok:
         raise ValueError(f"step {str(write.step)[:40]!r} is not a step number (a whole number, 0 or more)")
     if write.logged_at is not None and not isinstance(write.logged_at, datetime):
@@ -387,7 +550,7 @@ def _check_fields(fields: dict, columns: dict[str, str], where: str) -> None:
             raise ValueError(f"{where}.{name}: {problem}")
 
 
-_INTEGER_BOUNDS = {"INTEGER": 2 ** 31, "BIGINT": 2 ** 63}
+_INTEGER_BOUNDS = {"INTEGER": 2**31, "BIGINT": 2**63}
 
 
 def _value_problem(value, sql_type: str) -> str | None:

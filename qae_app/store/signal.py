@@ -64,10 +64,16 @@ def component_signal_rows(groups: Sequence[GroupResult], weights: dict[str, floa
     rows = []
     for name in names:
         values = [v for g in groups for v in g.components.get(name, ()) if v is not None]
-        rows.append({"name": name, "weight": weights.get(name),
-                     "value_mean": sum(values) / len(values) if values else None,
-                     "frac_differs": differs[name] / n_groups, "frac_signal": decisive[name] / n_groups,
-                     "adv_share": mass[name] / total_mass if total_mass else None})
+        rows.append(
+            {
+                "name": name,
+                "weight": weights.get(name),
+                "value_mean": sum(values) / len(values) if values else None,
+                "frac_differs": differs[name] / n_groups,
+                "frac_signal": decisive[name] / n_groups,
+                "adv_share": mass[name] / total_mass if total_mass else None,
+            }
+        )
     return rows
 
 
@@ -85,8 +91,10 @@ def primary_component(primary: str | None, rows: Sequence[dict]) -> str | None:
     named parts)."""
     names = [row["name"] for row in rows]
     if primary is not None and names and primary not in names:
-        raise QAEUserError(f"primary-reward: '{primary}' is not a component of this run's rewards ({', '.join(names)})"
-                           ". Name one of them (a reward's name, or one of a function's named parts).")
+        raise QAEUserError(
+            f"primary-reward: '{primary}' is not a component of this run's rewards ({', '.join(names)})"
+            ". Name one of them (a reward's name, or one of a function's named parts)."
+        )
     return primary or (names[0] if names else None)
 
 
@@ -105,10 +113,12 @@ def signal_sentence(rows: Sequence[dict], primary: str | None = None) -> str | N
         said = f"all signal comes from {only['name']} (weight {only['weight']:g})"
     else:
         said = "signal by component (share of the advantage): " + ", ".join(
-            f"{row['name']} {row['adv_share']:.0%}" for row in sorted(carrying, key=lambda r: -r["adv_share"]))
+            f"{row['name']} {row['adv_share']:.0%}" for row in sorted(carrying, key=lambda r: -r["adv_share"])
+        )
     if silent:
-        said += "; " + ", ".join(silent) + (" never differs" if len(silent) == 1 else " never differ") + \
-            " within a group"
+        said += (
+            "; " + ", ".join(silent) + (" never differs" if len(silent) == 1 else " never differ") + " within a group"
+        )
     if primary not in silent and all(row["name"] != primary for row in carrying):
         said += f"; {primary} carries none of it"
     return said

@@ -20,7 +20,7 @@ SQL_HAS_COLUMN = """
 """
 TOKEN_COLUMNS = ["group_idx", "sample_idx", "tokens", "logprob", "entropy", "old_logprob"]
 SQL_TOKENS = f"""
-    SELECT {', '.join(TOKEN_COLUMNS)} FROM token_values
+    SELECT {", ".join(TOKEN_COLUMNS)} FROM token_values
     WHERE step = ? AND (? IS NULL OR list_contains(?, group_idx::BIGINT * 1000000 + sample_idx))
     ORDER BY group_idx, sample_idx
 """

@@ -81,17 +81,22 @@ def trainer_of(folder: Path) -> int:
     try:
         holders = holders_by_its_name(folder / LOCK_FILE)
     except NotARegularFile as err:
-        raise QAEUserError(f"stop: {err} Nothing was signalled: no process holding it is proven to be the trainer "
-                           f"of '{folder.name}'.") from None
+        raise QAEUserError(
+            f"stop: {err} Nothing was signalled: no process holding it is proven to be the trainer of '{folder.name}'."
+        ) from None
     if not trainer_alive(folder):
-        raise QAEUserError(f"run: '{folder.name}' is not running (no trainer holds it). Nothing was signalled; "
-                           f"continue it with `qae train --resume {folder.name}`.")
+        raise QAEUserError(
+            f"run: '{folder.name}' is not running (no trainer holds it). Nothing was signalled; "
+            f"continue it with `qae train --resume {folder.name}`."
+        )
     recorded = lock_holder_pid(folder)
     if recorded is None or recorded not in holders:
-        raise QAEUserError(f"run: '{folder.name}' is held by a process this machine's lock table does not name as "
-                           f"the one its lock file records ({recorded}) and that holds the file under the run's own "
-                           "name: another machine's trainer on a shared folder, or a record that is not qae's. "
-                           "Nothing was signalled; stop it where it runs.")
+        raise QAEUserError(
+            f"run: '{folder.name}' is held by a process this machine's lock table does not name as "
+            f"the one its lock file records ({recorded}) and that holds the file under the run's own "
+            "name: another machine's trainer on a shared folder, or a record that is not qae's. "
+            "Nothing was signalled; stop it where it runs."
+        )
     return recorded
 
 
@@ -137,20 +142,24 @@ def _sweep_holders(sweep_folder: Path) -> set[int]:
 
 def sweep_running(sweep_folders: list[Path], run_folders: list[Path]) -> bool:
     """Whether a `qae sweep` process holds one of the sweeps or a trainer holds one of their runs."""
-    return (any(_sweep_holders(folder) for folder in sweep_folders)
-            or any(trainer_alive(folder) for folder in run_folders))
+    return any(_sweep_holders(folder) for folder in sweep_folders) or any(
+        trainer_alive(folder) for folder in run_folders
+    )
 
 
-def stop_sweep(name: str, sweep_folders: list[Path], run_folders: list[Path], timeout_s: float,
-               on_signalled=None) -> list[Path]:
+def stop_sweep(
+    name: str, sweep_folders: list[Path], run_folders: list[Path], timeout_s: float, on_signalled=None
+) -> list[Path]:
     """SIGTERM every `qae sweep` process holding one of `sweep_folders` and the trainer of every live run among
     `run_folders`, then wait up to `timeout_s` for all of them to let go. Returns the runs that were live; raises
     QAEUserError when nothing was running, or still runs after the wait. `on_signalled()`: once all were signalled."""
     sweeps = {pid for folder in sweep_folders for pid in _sweep_holders(folder)}
     live = [folder for folder in run_folders if trainer_alive(folder)]
     if not sweeps and not live:
-        raise QAEUserError(f"sweep: nothing of sweep '{name}' is running (no `qae sweep` process, no trainer of its "
-                           "runs). Nothing was signalled; re-run the sweep's command to continue it.")
+        raise QAEUserError(
+            f"sweep: nothing of sweep '{name}' is running (no `qae sweep` process, no trainer of its "
+            "runs). Nothing was signalled; re-run the sweep's command to continue it."
+        )
     for pid in sweeps:  # first: a stopping sweep starts no other point
         try:
             os.kill(pid, signal.SIGTERM)
@@ -166,7 +175,9 @@ def stop_sweep(name: str, sweep_folders: list[Path], run_folders: list[Path], ti
     deadline = time.monotonic() + timeout_s
     while sweep_running(sweep_folders, run_folders):
         if time.monotonic() > deadline:
-            raise QAEUserError(f"stop: sweep '{name}' is still running after {timeout_s:g} s (a long step, or a "
-                               "large checkpoint). It will stop on its own; check with `qae runs`.")
+            raise QAEUserError(
+                f"stop: sweep '{name}' is still running after {timeout_s:g} s (a long step, or a "
+                "large checkpoint). It will stop on its own; check with `qae runs`."
+            )
         time.sleep(0.5)
     return live

@@ -27,18 +27,22 @@ AUTO_ALL_TOKENS = 1 << 20  # prompts_per_step x group_size x max_new_tokens up t
 AUTO_SAMPLE = 64  # responses a step whose tokens `auto` keeps above it
 TOKEN_COLUMNS = ("tokens", "logprob", "entropy", "old_logprob")
 
-STORE_TOKENS_HELP = ("Which responses' per-token values the store keeps (each token's text, the sampler's log-prob "
-                     "and entropy, the trainer's old log-prob): auto (every response where a step samples at most "
-                     f"{AUTO_ALL_TOKENS:,} tokens, prompts-per-step x group-size x max-new-tokens, else {AUTO_SAMPLE} "
-                     "a step), all, N responses a step (a seeded draw, the same on a rerun), or none.")
+STORE_TOKENS_HELP = (
+    "Which responses' per-token values the store keeps (each token's text, the sampler's log-prob "
+    "and entropy, the trainer's old log-prob): auto (every response where a step samples at most "
+    f"{AUTO_ALL_TOKENS:,} tokens, prompts-per-step x group-size x max-new-tokens, else {AUTO_SAMPLE} "
+    "a step), all, N responses a step (a seeded draw, the same on a rerun), or none."
+)
 
 
 def check_store_tokens(value: str) -> str:
     """`value` if --store-tokens can take it; else ValueError with the fix."""
     if value in ("auto", "all", "none") or (value.isdigit() and int(value) >= 1):
         return value
-    raise ValueError(f"store-tokens: '{value}' is not auto, all, none or a whole number of responses a step (>= 1). "
-                     f"Use auto (the default), all, e.g. {AUTO_SAMPLE}, or none.")
+    raise ValueError(
+        f"store-tokens: '{value}' is not auto, all, none or a whole number of responses a step (>= 1). "
+        f"Use auto (the default), all, e.g. {AUTO_SAMPLE}, or none."
+    )
 
 
 def responses_kept(keep: str, tokens_per_step: int) -> int | None:
@@ -74,22 +78,32 @@ def token_rows(groups: Sequence[GroupResult]) -> list[dict]:
 
 # --color-by -> (what it shows, the value at which the colour is full): 0 is no colour; a log-prob is coloured by
 # how far below 0 it is, the gap by its size either way
-COLOR_SCALES = {"logprob": ("the sampler's log-prob of the token", 5.0),
-                "entropy": ("the sampling distribution's entropy at the token, nats", 3.0),
-                "gap": ("old_logprob - logprob: the trainer's log-prob minus the sampler's", 0.5)}
+COLOR_SCALES = {
+    "logprob": ("the sampler's log-prob of the token", 5.0),
+    "entropy": ("the sampling distribution's entropy at the token, nats", 3.0),
+    "gap": ("old_logprob - logprob: the trainer's log-prob minus the sampler's", 0.5),
+}
 
 
 def token_numbers(row: dict) -> list[dict]:
     """One dict per token of a `token_values` row: token, logprob, entropy, old_logprob, gap (None where missing)."""
+
     def values(name: str) -> list:
         stored = row.get(name)
         return [None] * len(row["tokens"]) if _missing(stored) else [_number(v) for v in stored]
 
     logprob, entropy, old = values("logprob"), values("entropy"), values("old_logprob")
     # a row read from the run folder as it is: a damaged one shows the tokens it has values for
-    return [{"token": str(token), "logprob": lp, "entropy": h, "old_logprob": o,
-             "gap": o - lp if o is not None and lp is not None else None}
-            for token, lp, h, o in zip(row["tokens"], logprob, entropy, old, strict=False)]
+    return [
+        {
+            "token": str(token),
+            "logprob": lp,
+            "entropy": h,
+            "old_logprob": o,
+            "gap": o - lp if o is not None and lp is not None else None,
+        }
+        for token, lp, h, o in zip(row["tokens"], logprob, entropy, old, strict=False)
+    ]
 
 
 def strength(value: float | None, color_by: str) -> float:

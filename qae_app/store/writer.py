@@ -159,8 +159,16 @@ class RunWriter:
     # only point a resume needs them durable; bench/bench_handoff.py times what True would cost a step)
     sync_each_spill = False
 
-    def __init__(self, path: Path, run_id: str, lock_timeout_s: float = 0.2, open_timeout_s: float = 60.0,
-                 clock=time.monotonic, on_wait=None, resume_from: int | None = None):
+    def __init__(
+        self,
+        path: Path,
+        run_id: str,
+        lock_timeout_s: float = 0.2,
+        open_timeout_s: float = 60.0,
+        clock=time.monotonic,
+        on_wait=None,
+        resume_from: int | None = None,
+    ):
         """`on_wait(holder)`: called once if opening the file waits on another process for over
         run_file.WAIT_NOTICE_S. `resume_from`: the checkpoint step of a resume, the only writer that takes up a
         saved truncation (`_load_spilled`); None for any other writer (`qae eval`, a new run)."""
@@ -182,9 +190,11 @@ class RunWriter:
                 self._check_and_prepare(con, existed)
         except duckdb.Error as err:
             if is_lock_error(err):
-                raise QAEUserError(f"store: {self.path} is held by another process for more than "
-                                   f"{open_timeout_s:.0f} s ({holder(err)}). Close that connection and retry; "
-                                   "read live runs with `qae show` or the dashboard, which let go at once.") from err
+                raise QAEUserError(
+                    f"store: {self.path} is held by another process for more than "
+                    f"{open_timeout_s:.0f} s ({holder(err)}). Close that connection and retry; "
+                    "read live runs with `qae show` or the dashboard, which let go at once."
+                ) from err
             if is_damage_error(err):
                 raise unreadable_run_error(self.path, damage_reason(err)) from err
             raise
@@ -199,13 +209,21 @@ class RunWriter:
             self._instance = run_file_database()
             # this database reaches the run file and nothing else: no COPY ... TO, no ATTACH or read of another path,
             # whatever SQL a crafted name might slip in (its names are checked too: schema.pending_write_from_json)
-            self._instance.execute("SET allowed_paths = ?", [[str(self.path), *(f"{self.path}{suffix}" for suffix in
-                                                                  (".wal", ".wal.checkpoint"))]])
+            self._instance.execute(
+                "SET allowed_paths = ?",
+                [[str(self.path), *(f"{self.path}{suffix}" for suffix in (".wal", ".wal.checkpoint"))]],
+            )
             self._instance.execute("SET enable_external_access = false")
         con = self._instance
         try:
-            attach(con, self.path, "run", self.lock_timeout_s if timeout_s is None else timeout_s, read_only=False,
-                    on_wait=on_wait)
+            attach(
+                con,
+                self.path,
+                "run",
+                self.lock_timeout_s if timeout_s is None else timeout_s,
+                read_only=False,
+                on_wait=on_wait,
+            )
         except duckdb.Error as err:
             if is_damage_error(err) and self.path.exists() and self.path.stat().st_size > 0:
                 raise unreadable_run_error(self.path, err) from err
@@ -231,18 +249,32 @@ class RunWriter:
         writing to it; then qae's tables, and the folder's run id on every row."""
         # a truncated file opens and takes writes; it fails only when a reader reaches the missing blocks. DuckDB
         # itself drops free blocks from the end of the file, so only the blocks in use must all be there
-        block_size, blocks = con.execute("SELECT block_size, used_blocks FROM pragma_database_size() "
-                                         "WHERE database_name = current_database()").fetchone()
+        block_size, blocks = con.execute(
+            "SELECT block_size, used_blocks FROM pragma_database_size() WHERE database_name = current_database()"
+        ).fetchone()
         if self.path.stat().st_size < block_size * blocks:
-            raise unreadable_run_error(self.path, f"it is {self.path.stat().st_size:,} bytes, shorter than the "
-                                                  f"{block_size * blocks:,} bytes of the blocks its header says "
-                                                  "are in use")
-        tables = {row[0] for row in con.execute("SELECT table_name FROM duckdb_tables() "
-                                                "WHERE database_name = current_database()").fetchall()}
+            raise unreadable_run_error(
+                self.path,
+                f"it is {self.path.stat().st_size:,} bytes, shorter than the "
+                f"{block_size * blocks:,} bytes of the blocks its header says "
+                "are in use",
+            )
+        tables = {
+            row[0]
+            for row in con.execute(
+                "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database()"
+            ).fetchall()
+        }
         if not tables & set(TABLES) and (tables or existed):  # another program's file, or one emptied: left alone
-            raise unreadable_run_error(self.path, "it is not a qae run database (it has none of qae's tables"
-                                                  + (f"; its own: {', '.join(sorted(tables)[:5])})" if tables
-                                                     else "): another program's DuckDB file, or one emptied"))
+            raise unreadable_run_error(
+                self.path,
+                "it is not a qae run database (it has none of qae's tables"
+                + (
+                    f"; its own: {', '.join(sorted(tables)[:5])})"
+                    if tables
+                    else "): another program's DuckDB file, or one emptied"
+                ),
+            )
         for statement in schema_statements():
             con.execute(statement)
         # a copied or renamed run folder is the run named by the folder: its rows take that id
@@ -263,15 +295,26 @@ class RunWriter:
             self._instance = None
 
     # run-level rows ------------------------------------------------------------------------------------------
-    def create_run(self, name: str, config: dict, estimator: str, k: float | None, model: str, task: str,
-                   seed: int) -> None:
+    def create_run(
+        self, name: str, config: dict, estimator: str, k: float | None, model: str, task: str, seed: int
+    ) -> None:
         """The run's row, written at once (a new run's database is in a folder no reader can see yet)."""
         with self._open(timeout_s=30) as con:
             con.execute(
                 "INSERT INTO runs (run_id, name, created_at, updated_at, status, config, estimator, k, model, task, "
                 "seed) VALUES (?, ?, ?, ?, 'running', ?, ?, ?, ?, ?, ?)",
-                [self.run_id, _storable(name), _now(), _now(), json.dumps(config), estimator, k, _storable(model),
-                 _storable(task), seed],
+                [
+                    self.run_id,
+                    _storable(name),
+                    _now(),
+                    _now(),
+                    json.dumps(config),
+                    estimator,
+                    k,
+                    _storable(model),
+                    _storable(task),
+                    seed,
+                ],
             )
 
     def update_run(self, first: bool = False, **fields) -> bool:
@@ -300,8 +343,10 @@ class RunWriter:
             raise ValueError(f"unknown step tables {unknown}")
         for table, records in tables.items():  # a column the table lacks is a bug (a missing one is NULL)
             if records and not set(records[0]) <= set(row_columns(table)):
-                raise ValueError(f"{table} rows have columns {sorted(set(records[0]) - set(row_columns(table)))} "
-                                 f"that the table lacks (it has {', '.join(row_columns(table))})")
+                raise ValueError(
+                    f"{table} rows have columns {sorted(set(records[0]) - set(row_columns(table)))} "
+                    f"that the table lacks (it has {', '.join(row_columns(table))})"
+                )
         self.pending.append(PendingWrite("step", step=step, tables=tables, logged_at=_now()))
 
     def update_step(self, step: int, **metrics: float) -> None:
@@ -350,19 +395,26 @@ class RunWriter:
             while self.pending:
                 write = self.pending[0]
                 if write.kind in ("step", "step_update"):
-                    count = next((i for i, w in enumerate(self.pending) if w.kind not in ("step", "step_update")),
-                                 len(self.pending))
+                    count = next(
+                        (i for i, w in enumerate(self.pending) if w.kind not in ("step", "step_update")),
+                        len(self.pending),
+                    )
                     done = self.pending[:count]
                     self._write_steps(con, done)
                 elif write.kind == "run":
                     assignments = ", ".join(f"{name} = ?" for name in write.fields)  # allow-listed names
-                    con.execute(f"UPDATE runs SET {assignments} WHERE run_id = ?",
-                                [*write.fields.values(), self.run_id])
+                    con.execute(
+                        f"UPDATE runs SET {assignments} WHERE run_id = ?", [*write.fields.values(), self.run_id]
+                    )
                     done = [write]
                 else:
-                    self._in_transaction(con, lambda after=write.step: [
-                        con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step > ?", [self.run_id, after])
-                        for table in STEP_TABLES])
+                    self._in_transaction(
+                        con,
+                        lambda after=write.step: [
+                            con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step > ?", [self.run_id, after])
+                            for table in STEP_TABLES
+                        ],
+                    )
                     done = [write]
                 del self.pending[: len(done)]
                 for written in done:
@@ -469,7 +521,8 @@ class RunWriter:
                 if table in EVAL_TABLES:
                     for benchmark, source in sorted({(r["benchmark"], r["source"]) for r in records}):
                         rows[table][(write.step, benchmark, source)] = [
-                            r for r in records if (r["benchmark"], r["source"]) == (benchmark, source)]
+                            r for r in records if (r["benchmark"], r["source"]) == (benchmark, source)
+                        ]
                 else:
                     rows[table][(write.step,)] = records
 
@@ -479,11 +532,15 @@ class RunWriter:
                     continue
                 if table in EVAL_TABLES:
                     for step, benchmark, source in by_key:
-                        con.execute(f"DELETE FROM {table} WHERE run_id = ? AND step = ? AND benchmark = ? "
-                                    "AND source = ?", [self.run_id, step, benchmark, source])
+                        con.execute(
+                            f"DELETE FROM {table} WHERE run_id = ? AND step = ? AND benchmark = ? AND source = ?",
+                            [self.run_id, step, benchmark, source],
+                        )
                 else:
-                    con.execute(f"DELETE FROM {table} WHERE run_id = ? AND list_contains(?, step)",
-                                [self.run_id, [key[0] for key in by_key]])
+                    con.execute(
+                        f"DELETE FROM {table} WHERE run_id = ? AND list_contains(?, step)",
+                        [self.run_id, [key[0] for key in by_key]],
+                    )
                 records = [record for group in by_key.values() for record in group]
                 if not records:
                     continue
@@ -498,8 +555,10 @@ class RunWriter:
                 con.unregister("_batch")
             for update in late_updates:
                 assignments = ", ".join(f"{name} = ?" for name in update.fields)  # STEP_METRICS names
-                con.execute(f"UPDATE steps SET {assignments} WHERE run_id = ? AND step = ?",
-                            [*update.fields.values(), self.run_id, update.step])
+                con.execute(
+                    f"UPDATE steps SET {assignments} WHERE run_id = ? AND step = ?",
+                    [*update.fields.values(), self.run_id, update.step],
+                )
             for write in writes:  # crash tests: a kill here loses nothing (these steps are in pending/ or in flight)
                 if write.kind == "step":
                     fault_point("db_commit", write.step)
@@ -510,11 +569,15 @@ class RunWriter:
 def queued_text_chars(writes: list[PendingWrite]) -> int:
     """Characters of text in the step rows of `writes` not saved under pending/ yet (what a spill would write; a
     per-token list counts its texts and about 10 characters a number, as JSON writes it)."""
-    return sum(len(value) if isinstance(value, str) else
-               sum(len(item) if isinstance(item, str) else 10 for item in value)
-               for write in writes if write.spilled is None and write.kind == "step"
-               for records in write.tables.values() for record in records for value in record.values()
-               if isinstance(value, (str, list)))
+    return sum(
+        len(value) if isinstance(value, str) else sum(len(item) if isinstance(item, str) else 10 for item in value)
+        for write in writes
+        if write.spilled is None and write.kind == "step"
+        for records in write.tables.values()
+        for record in records
+        for value in record.values()
+        if isinstance(value, (str, list))
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -80,8 +80,7 @@ def watch(state: TrainerState, facts: StepFacts, settings: AlertSettings, cfg: T
         elif alert.edge:
             holding = said is not None
             said = said if holding and name not in record["active"] else None
-            record["active"] = sorted((set(record["active"]) | {name}) if holding else
-                                      (set(record["active"]) - {name}))
+            record["active"] = sorted((set(record["active"]) | {name}) if holding else (set(record["active"]) - {name}))
         if said is not None and name in settings.enabled:
             fired.append(said if isinstance(said, dict) else {"kind": name, "message": said})
     _remember(record, facts.metrics, settings["window"])
@@ -117,17 +116,20 @@ def _reward_signal(facts: StepFacts, record: dict, settings: AlertSettings, cfg,
         return NEUTRAL  # no signal at all this step: no_signal's business
     if (primary["adv_share"] or 0) > 0:
         return None
-    carriers = [row for row in facts.signal
-                if row is not primary and (row["adv_share"] or 0) >= settings["signal_share"]]
+    carriers = [
+        row for row in facts.signal if row is not primary and (row["adv_share"] or 0) >= settings["signal_share"]
+    ]
     if not carriers:
         return None
     row = max(carriers, key=lambda r: r["adv_share"])
-    return (f"{row['name']} (weight {row['weight']:g}) carried {row['adv_share']:.0%} of the advantage, and "
-            f"{facts.primary}, the primary reward, none of it, in {settings['streak']} steps with signal in a row: "
-            f"the policy is taught {row['name']}, not the task (reward hacking). See the responses where "
-            f"{row['name']} scores and {facts.primary} does not (the dashboard's Rollouts page filters by component); "
-            f"lower {row['name']}'s weight, or make {facts.primary} reachable (a warm start, an easier split, a "
-            "larger G).")
+    return (
+        f"{row['name']} (weight {row['weight']:g}) carried {row['adv_share']:.0%} of the advantage, and "
+        f"{facts.primary}, the primary reward, none of it, in {settings['streak']} steps with signal in a row: "
+        f"the policy is taught {row['name']}, not the task (reward hacking). See the responses where "
+        f"{row['name']} scores and {facts.primary} does not (the dashboard's Rollouts page filters by component); "
+        f"lower {row['name']}'s weight, or make {facts.primary} reachable (a warm start, an easier split, a "
+        "larger G)."
+    )
 
 
 @register("entropy_band", edge=False)
@@ -147,15 +149,19 @@ def _entropy_slope(facts: StepFacts, record: dict, settings: AlertSettings, cfg,
     if len(values) < window or mean <= 0:
         return None
     x_mean = (window - 1) / 2
-    slope = sum((x - x_mean) * (v - mean) for x, v in enumerate(values)) / sum((x - x_mean) ** 2 for x in
-                                                                              range(window))
+    slope = sum((x - x_mean) * (v - mean) for x, v in enumerate(values)) / sum((x - x_mean) ** 2 for x in range(window))
     if abs(slope) / mean < settings["entropy_slope"]:
         return None
-    how = ("rising: lower --k so more prompts are hard, or check whether a reward pays for anything the model says "
-           "(a format reward the policy games raises entropy)" if slope > 0 else
-           "falling: raise --k so more prompts are easy (collapse risk)")
-    return (f"entropy moved {slope / mean:+.0%} of its mean a step over the last {window} steps ({values[0]:.3f} -> "
-            f"{values[-1]:.3f} nats), faster than --alerts entropy_slope={settings['entropy_slope']:g}: {how}.")
+    how = (
+        "rising: lower --k so more prompts are hard, or check whether a reward pays for anything the model says "
+        "(a format reward the policy games raises entropy)"
+        if slope > 0
+        else "falling: raise --k so more prompts are easy (collapse risk)"
+    )
+    return (
+        f"entropy moved {slope / mean:+.0%} of its mean a step over the last {window} steps ({values[0]:.3f} -> "
+        f"{values[-1]:.3f} nats), faster than --alerts entropy_slope={settings['entropy_slope']:g}: {how}."
+    )
 
 
 def _lengths(facts: StepFacts, record: dict, window: int) -> tuple[float, float] | None:
@@ -172,9 +178,11 @@ def _length_collapse(facts: StepFacts, record: dict, settings: AlertSettings, cf
     lengths = _lengths(facts, record, settings["window"])
     if lengths is None or lengths[1] > lengths[0] / settings["length_ratio"]:
         return None
-    return (f"responses shrank to {lengths[1]:.1f} tokens (the last {settings['window']} steps' mean) from "
-            f"{lengths[0]:.1f} (the first {settings['window']}'s): is a reward paying for short answers, or is the "
-            "policy dropping its reasoning? Read the shortest responses (`qae rollouts RUN`).")
+    return (
+        f"responses shrank to {lengths[1]:.1f} tokens (the last {settings['window']} steps' mean) from "
+        f"{lengths[0]:.1f} (the first {settings['window']}'s): is a reward paying for short answers, or is the "
+        "policy dropping its reasoning? Read the shortest responses (`qae rollouts RUN`)."
+    )
 
 
 @register("length_runaway")
@@ -182,23 +190,30 @@ def _length_runaway(facts: StepFacts, record: dict, settings: AlertSettings, cfg
     lengths = _lengths(facts, record, settings["window"])
     if lengths is None or lengths[1] < lengths[0] * settings["length_ratio"]:
         return None
-    return (f"responses grew to {lengths[1]:.1f} tokens (the last {settings['window']} steps' mean) from "
-            f"{lengths[0]:.1f} (the first {settings['window']}'s), truncated_frac "
-            f"{facts.metrics.get('truncated_frac', math.nan):.2f}: raise --max-new-tokens, or shape long answers "
-            "down (--overlong-buffer).")
+    return (
+        f"responses grew to {lengths[1]:.1f} tokens (the last {settings['window']} steps' mean) from "
+        f"{lengths[0]:.1f} (the first {settings['window']}'s), truncated_frac "
+        f"{facts.metrics.get('truncated_frac', math.nan):.2f}: raise --max-new-tokens, or shape long answers "
+        "down (--overlong-buffer)."
+    )
 
 
 @register("truncation_jump")
 def _truncation_jump(facts: StepFacts, record: dict, settings: AlertSettings, cfg, state) -> str | None:
-    now, before = _value(facts.metrics.get("truncated_frac")), record["history"]["truncated_frac"][-settings["window"]:]
+    now, before = (
+        _value(facts.metrics.get("truncated_frac")),
+        record["history"]["truncated_frac"][-settings["window"] :],
+    )
     if now is None or not before:
         return None
     mean = sum(before) / len(before)
     if now - mean < settings["truncation_jump"]:
         return None
-    return (f"{now:.0%} of the responses hit --max-new-tokens {cfg.max_new_tokens}, up from {mean:.0%} over the "
-            f"{len(before)} steps before: they are cut before an answer. Raise --max-new-tokens, or shape long answers "
-            "down (--overlong-buffer).")
+    return (
+        f"{now:.0%} of the responses hit --max-new-tokens {cfg.max_new_tokens}, up from {mean:.0%} over the "
+        f"{len(before)} steps before: they are cut before an answer. Raise --max-new-tokens, or shape long answers "
+        "down (--overlong-buffer)."
+    )
 
 
 @register("mismatch")
@@ -206,19 +221,25 @@ def _mismatch(facts: StepFacts, record: dict, settings: AlertSettings, cfg, stat
     metrics = facts.metrics
     capped, share = _value(metrics.get("mismatch_capped")), _value(metrics.get("mismatch_capped_frac"))
     k3, earlier = _value(metrics.get("mismatch_k3_kl")), record["history"]["mismatch_k3_kl"]
-    advice = ("compare --rollout-dtype with --dtype (a bfloat16 sampler beside a float32 trainer), keep "
-              "--rollout-correction tis on, and check the engine's weight sync")
+    advice = (
+        "compare --rollout-dtype with --dtype (a bfloat16 sampler beside a float32 trainer), keep "
+        "--rollout-correction tis on, and check the engine's weight sync"
+    )
     if capped is not None and share is not None and share >= settings["mismatch_capped"]:
-        return (f"the sampler is not the trainer: {capped:.0f} tokens capped ({share:.1%} of the tokens the loss "
-                f"weighs have pi_old / pi_sampler above --rollout-correction-cap {cfg.rollout_correction_cap:g}; "
-                f"mismatch_k3_kl {metrics.get('mismatch_k3_kl', math.nan):.3g}): {advice}.")
+        return (
+            f"the sampler is not the trainer: {capped:.0f} tokens capped ({share:.1%} of the tokens the loss "
+            f"weighs have pi_old / pi_sampler above --rollout-correction-cap {cfg.rollout_correction_cap:g}; "
+            f"mismatch_k3_kl {metrics.get('mismatch_k3_kl', math.nan):.3g}): {advice}."
+        )
     if k3 is None or len(earlier) < settings["window"]:
         return None
     median = statistics.median(earlier)
     if median <= 0 or k3 < settings["mismatch_k3"] * median:
         return None
-    return (f"the sampler is not the trainer: mismatch_k3_kl {k3:.3g} is {k3 / median:.0f}x the run's median "
-            f"{median:.3g}" + (f", {capped:.0f} tokens capped" if capped is not None else "") + f": {advice}.")
+    return (
+        f"the sampler is not the trainer: mismatch_k3_kl {k3:.3g} is {k3 / median:.0f}x the run's median "
+        f"{median:.3g}" + (f", {capped:.0f} tokens capped" if capped is not None else "") + f": {advice}."
+    )
 
 
 @register("reward_saturation", streak=True)
@@ -226,9 +247,11 @@ def _saturation(facts: StepFacts, record: dict, settings: AlertSettings, cfg, st
     share = _value(facts.metrics.get("frac_all_correct"))
     if share is None or share < settings["saturation"]:
         return None
-    return (f"{share:.0%} of the groups were all correct, {settings['streak']} steps in a row: they carry no signal "
-            "and the run is spending its steps on solved prompts. Move to a harder split, or stop here (held-out "
-            "accuracy says whether it generalised).")
+    return (
+        f"{share:.0%} of the groups were all correct, {settings['streak']} steps in a row: they carry no signal "
+        "and the run is spending its steps on solved prompts. Move to a harder split, or stop here (held-out "
+        "accuracy says whether it generalised)."
+    )
 
 
 @register("no_signal", streak=True)
@@ -236,6 +259,8 @@ def _no_signal(facts: StepFacts, record: dict, settings: AlertSettings, cfg, sta
     gated = facts.metrics.get("frac_zero_adv")
     if gated is not None and not (isinstance(gated, float) and math.isnan(gated)) and gated < 1.0:
         return None
-    return (f"no group had signal for {settings['streak']} steps in a row: every response of each group got the same "
-            "reward, so nothing is learned. Try a larger --group-size, an easier split, a longer --max-new-tokens or "
-            "a warm start (`qae preview` shows which helps).")
+    return (
+        f"no group had signal for {settings['streak']} steps in a row: every response of each group got the same "
+        "reward, so nothing is learned. Try a larger --group-size, an easier split, a longer --max-new-tokens or "
+        "a warm start (`qae preview` shows which helps)."
+    )

@@ -50,8 +50,9 @@ SHARD_LAYOUT_FILE = "rank-{process}.json"
 PICKLED_SUFFIXES = (".pkl", ".bin", ".pt", ".pth")
 
 
-def save_training_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-                        process_index: int, is_main: bool) -> None:
+def save_training_state(
+    folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, process_index: int, is_main: bool
+) -> None:
     """Write this process's share of the training state into `folder` (which exists). Under DDP the weights, the
     optimizer and the scheduler are the same on every process, so the main process writes them; each process writes
     its own random states."""
@@ -76,8 +77,9 @@ def save_random_states(folder: Path, process_index: int) -> None:
     (Path(folder) / RNG_FILE.format(process=process_index)).write_text(json.dumps(_random_states()))
 
 
-def load_training_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-                        process_index: int) -> None:
+def load_training_state(
+    folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, process_index: int
+) -> None:
     """Restore what `save_training_state` wrote: the weights into `model` (unwrapped), the optimizer, the scheduler
     and this process's random states. A file that is not what it should be raises QAEUserError naming it."""
     folder = Path(folder)
@@ -103,8 +105,11 @@ def _load_whole(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise _unreadable(folder, POLICY_FILE, err) from err
     if missing or unexpected:
-        raise _unreadable(folder, POLICY_FILE, f"its tensors are not this model's (missing {sorted(missing)[:3]}, "
-                                               f"unexpected {sorted(unexpected)[:3]})")
+        raise _unreadable(
+            folder,
+            POLICY_FILE,
+            f"its tensors are not this model's (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})",
+        )
     try:
         tensors = load_file(str(folder / OPTIMIZER_TENSORS_FILE))
     except (SafetensorError, OSError) as err:
@@ -117,8 +122,13 @@ def _load_whole(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
 
 
 def _layout(tensor: torch.Tensor, world: int) -> dict:
-    return {"shape": list(tensor.shape), "placements": [str(p) for p in tensor.placements],
-            "local_shape": list(tensor.to_local().shape), "mesh": list(tensor.device_mesh.shape), "processes": world}
+    return {
+        "shape": list(tensor.shape),
+        "placements": [str(p) for p in tensor.placements],
+        "local_shape": list(tensor.to_local().shape),
+        "mesh": list(tensor.device_mesh.shape),
+        "processes": world,
+    }
 
 
 def _save_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, process_index: int) -> None:
@@ -138,7 +148,8 @@ def _save_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
         local[key] = value.detach().contiguous().cpu()
     save_file(local, str(folder / SHARD_FILE.format(process=process_index)))
     (folder / SHARD_LAYOUT_FILE.format(process=process_index)).write_text(
-        json.dumps({"processes": world, "tensors": layout}))
+        json.dumps({"processes": world, "tensors": layout})
+    )
 
 
 def _load_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, process_index: int) -> None:
@@ -151,16 +162,20 @@ def _load_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     if written_sharded != is_sharded(model) or not (folder / layout_name).is_file():
         written = "sharded (FSDP2)" if written_sharded else "unsharded"
         launch = "sharded (FSDP2)" if is_sharded(model) else "unsharded"
-        raise QAEUserError(f"resume: checkpoint {folder} was written {written} and this launch trains {launch} "
-                           f"(process {process_index}). Resume it with the accelerate config it was trained with "
-                           "(configs/accelerate/fsdp2.yaml for a sharded run) and as many processes, or start a new "
-                           "run.")
+        raise QAEUserError(
+            f"resume: checkpoint {folder} was written {written} and this launch trains {launch} "
+            f"(process {process_index}). Resume it with the accelerate config it was trained with "
+            "(configs/accelerate/fsdp2.yaml for a sharded run) and as many processes, or start a new "
+            "run."
+        )
     layout = _read_json(folder, layout_name)
     world = torch.distributed.get_world_size() if is_sharded(model) else 1
     if layout.get("processes") != world:
-        raise QAEUserError(f"resume: checkpoint {folder} holds shards for {layout.get('processes')} processes and "
-                           f"this launch has {world}. Its shards lie where that many processes put them: resume with "
-                           f"--num_processes {layout.get('processes')}, or start a new run.")
+        raise QAEUserError(
+            f"resume: checkpoint {folder} holds shards for {layout.get('processes')} processes and "
+            f"this launch has {world}. Its shards lie where that many processes put them: resume with "
+            f"--num_processes {layout.get('processes')}, or start a new run."
+        )
     try:
         tensors = load_file(str(folder / name))
     except (SafetensorError, OSError) as err:
@@ -181,12 +196,14 @@ def _load_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
         key = key.removeprefix("optimizer.")
         index = int(key.split(".")[1])
         if index >= len(params):
-            raise _unreadable(folder, name, f"it holds optimizer state of parameter {index}; this optimizer has "
-                                            f"{len(params)}")
+            raise _unreadable(
+                folder, name, f"it holds optimizer state of parameter {index}; this optimizer has {len(params)}"
+            )
         param = params[index]
         if f"optimizer.{key}" in placed:  # a moment sharded as its parameter is
-            value = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
-                                       shape=param.shape, stride=param.stride())
+            value = DTensor.from_local(
+                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
         optimizer_tensors[key] = value
     try:
         optimizer.load_state_dict(_join_optimizer_state(optimizer_tensors, _read_json(folder, OPTIMIZER_FILE)))
@@ -218,8 +235,11 @@ def training_state_problem(folder: Path) -> str | None:
     names += [OPTIMIZER_FILE, SCHEDULER_FILE, *(RNG_FILE.format(process=i) for i in range(processes))]
     names += sorted({p.name for p in folder.glob("rng-*.json")} - set(names))  # another process count's, too
     for name in names:
-        problem = (safetensors_problem(folder / name) if name.endswith(".safetensors") else
-                   _json_file(folder, name, _JSON_SHAPES[name.split("-")[0] if "-" in name else name])[1])
+        problem = (
+            safetensors_problem(folder / name)
+            if name.endswith(".safetensors")
+            else _json_file(folder, name, _JSON_SHAPES[name.split("-")[0] if "-" in name else name])[1]
+        )
         if problem:
             return problem
     return None
@@ -242,8 +262,9 @@ def _short(err: BaseException) -> str:
 
 
 def _ints(value, low: int = 0, high: int | None = None) -> bool:
-    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= low and
-                                           (high is None or v <= high) for v in value)
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high) for v in value
+    )
 
 
 def _number(value, none: bool = False) -> bool:
@@ -254,11 +275,24 @@ def _rng_problem(states) -> str | None:
     if not isinstance(states, dict):
         return "not an object"
     python, numpy, torch_state = states.get("python"), states.get("numpy"), states.get("torch")
-    if not (isinstance(python, list) and len(python) == 3 and isinstance(python[0], int) and _ints(python[1]) and
-            len(python[1]) == 625 and _number(python[2], none=True)):
+    if not (
+        isinstance(python, list)
+        and len(python) == 3
+        and isinstance(python[0], int)
+        and _ints(python[1])
+        and len(python[1]) == 625
+        and _number(python[2], none=True)
+    ):
         return "python: not Python's random state"
-    if not (isinstance(numpy, list) and len(numpy) == 5 and numpy[0] == "MT19937" and _ints(numpy[1]) and
-            len(numpy[1]) == 624 and all(isinstance(v, int) for v in numpy[2:4]) and _number(numpy[4])):
+    if not (
+        isinstance(numpy, list)
+        and len(numpy) == 5
+        and numpy[0] == "MT19937"
+        and _ints(numpy[1])
+        and len(numpy[1]) == 624
+        and all(isinstance(v, int) for v in numpy[2:4])
+        and _number(numpy[4])
+    ):
         return "numpy: not NumPy's random state"
     if not (_ints(torch_state, 0, 255) and torch_state):
         return "torch: not torch's random state (bytes)"
@@ -272,8 +306,9 @@ def _optimizer_problem(plain) -> str | None:
     if not isinstance(plain, dict):
         return "not an object"
     groups, scalars, tuple_keys = plain.get("param_groups"), plain.get("scalars"), plain.get("tuple_keys")
-    if not (isinstance(groups, list) and groups and all(isinstance(g, dict) and _ints(g.get("params"))
-                                                        for g in groups)):
+    if not (
+        isinstance(groups, list) and groups and all(isinstance(g, dict) and _ints(g.get("params")) for g in groups)
+    ):
         return "param_groups: not a list of parameter groups"
     if not (isinstance(scalars, dict) and all(k.isdigit() and isinstance(v, dict) for k, v in scalars.items())):
         return "scalars: not per-parameter values"
@@ -285,8 +320,9 @@ def _optimizer_problem(plain) -> str | None:
 def _scheduler_problem(state) -> str | None:
     if not isinstance(state, dict):
         return "not an object"
-    if not isinstance(state.get("last_epoch"), int) or not (isinstance(state.get("base_lrs"), list) and
-                                                           all(_number(v) for v in state["base_lrs"])):
+    if not isinstance(state.get("last_epoch"), int) or not (
+        isinstance(state.get("base_lrs"), list) and all(_number(v) for v in state["base_lrs"])
+    ):
         return "last_epoch and base_lrs: not a scheduler's step and learning rates"
     for name in ("_step_count", "_last_lr", "lr_lambdas"):
         value = state.get(name)
@@ -302,15 +338,24 @@ def _shard_layout_problem(layout) -> str | None:
     if not (isinstance(processes, int) and not isinstance(processes, bool) and 1 <= processes <= 1 << 16):
         return f"processes: {str(processes)[:40]} is not a process count"
     for key, placed in layout["tensors"].items():
-        if not (isinstance(placed, dict) and _ints(placed.get("shape")) and _ints(placed.get("local_shape")) and
-                _ints(placed.get("mesh")) and isinstance(placed.get("placements"), list) and
-                all(isinstance(p, str) for p in placed["placements"])):
+        if not (
+            isinstance(placed, dict)
+            and _ints(placed.get("shape"))
+            and _ints(placed.get("local_shape"))
+            and _ints(placed.get("mesh"))
+            and isinstance(placed.get("placements"), list)
+            and all(isinstance(p, str) for p in placed["placements"])
+        ):
             return f"{key[:80]}: not a shard's layout"
     return None
 
 
-_JSON_SHAPES = {OPTIMIZER_FILE: _optimizer_problem, SCHEDULER_FILE: _scheduler_problem, "rng": _rng_problem,
-                "rank": _shard_layout_problem}
+_JSON_SHAPES = {
+    OPTIMIZER_FILE: _optimizer_problem,
+    SCHEDULER_FILE: _scheduler_problem,
+    "rng": _rng_problem,
+    "rank": _shard_layout_problem,
+}
 
 
 def is_data_checkpoint(folder: Path) -> bool:
@@ -337,15 +382,18 @@ def _split_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], d
                 tensors[f"state.{index}.{name}"] = value.detach().contiguous().cpu()
             else:
                 scalars.setdefault(str(index), {})[name] = value
-    groups = [{key: list(value) if isinstance(value, tuple) else value for key, value in group.items()}
-              for group in state_dict["param_groups"]]
+    groups = [
+        {key: list(value) if isinstance(value, tuple) else value for key, value in group.items()}
+        for group in state_dict["param_groups"]
+    ]
     return tensors, {"param_groups": groups, "scalars": scalars, "tuple_keys": _tuple_keys(state_dict)}
 
 
 def _tuple_keys(state_dict: dict) -> list[str]:
     """Param-group keys whose values are tuples (AdamW's betas): JSON has lists only, and they are given back."""
-    return sorted({key for group in state_dict["param_groups"] for key, value in group.items()
-                   if isinstance(value, tuple)})
+    return sorted(
+        {key for group in state_dict["param_groups"] for key, value in group.items() if isinstance(value, tuple)}
+    )
 
 
 def _join_optimizer_state(tensors: dict[str, torch.Tensor], plain: dict) -> dict:
@@ -356,17 +404,21 @@ def _join_optimizer_state(tensors: dict[str, torch.Tensor], plain: dict) -> dict
     for index, values in plain["scalars"].items():
         state.setdefault(int(index), {}).update(values)
     tuple_keys = set(plain["tuple_keys"])
-    groups = [{key: tuple(value) if key in tuple_keys else value for key, value in group.items()}
-              for group in plain["param_groups"]]
+    groups = [
+        {key: tuple(value) if key in tuple_keys else value for key, value in group.items()}
+        for group in plain["param_groups"]
+    ]
     return {"state": state, "param_groups": groups}
 
 
 def _random_states() -> dict:
     version, words, gauss = random.getstate()
     kind, keys, position, has_gauss, cached = np.random.get_state()
-    states = {"python": [version, list(words), gauss],
-              "numpy": [kind, keys.tolist(), int(position), int(has_gauss), float(cached)],
-              "torch": torch.get_rng_state().tolist()}
+    states = {
+        "python": [version, list(words), gauss],
+        "numpy": [kind, keys.tolist(), int(position), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state().tolist(),
+    }
     if torch.cuda.is_available():
         states["cuda"] = [state.tolist() for state in torch.cuda.get_rng_state_all()]
     return states
@@ -390,5 +442,7 @@ def _read_json(folder: Path, name: str):
 
 
 def _unreadable(folder: Path, name: str, why) -> QAEUserError:
-    return QAEUserError(f"checkpoint {folder}: {name} cannot be read ({why}). Resume from another checkpoint (remove "
-                        f"this folder) or start a new run.")
+    return QAEUserError(
+        f"checkpoint {folder}: {name} cannot be read ({why}). Resume from another checkpoint (remove "
+        f"this folder) or start a new run."
+    )

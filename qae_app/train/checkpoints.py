@@ -101,21 +101,28 @@ class RunCheckpoints:
         if self.is_main:
             old = [(ckpt, problem) for ckpt in list_checkpoints(self.run_dir) if (problem := format_problem(ckpt))]
             if old:
-                chosen[2] = (f"resume: checkpoint {old[0][0].name} of run '{self.run_id}' was written by an older "
-                             f"qae: {old[0][1]}. {migrate_hint(self.run_dir)}")
+                chosen[2] = (
+                    f"resume: checkpoint {old[0][0].name} of run '{self.run_id}' was written by an older "
+                    f"qae: {old[0][1]}. {migrate_hint(self.run_dir)}"
+                )
             for ckpt in reversed(list_checkpoints(self.run_dir)) if not old else ():
                 # its files as saved (checksums), then each as what it should hold (a manifest rewritten to match a
                 # damaged or planted file passes the first): every process's, before any process loads one
-                problem = (checkpoint_problem(ckpt) or TrainerState.problem(ckpt / TRAINER_STATE)
-                           or training_state_problem(ckpt))
+                problem = (
+                    checkpoint_problem(ckpt)
+                    or TrainerState.problem(ckpt / TRAINER_STATE)
+                    or training_state_problem(ckpt)
+                )
                 if problem is None:
                     chosen[0] = str(ckpt)
                     break
                 self._say(f"[yellow]warning:[/] skipping checkpoint {ckpt.name}: {problem}")
             else:
                 if not old and list_checkpoints(self.run_dir):
-                    chosen[2] = (f"resume: no checkpoint of run '{self.run_id}' checks out (see the warnings "
-                                 "above). Start a new run.")
+                    chosen[2] = (
+                        f"resume: no checkpoint of run '{self.run_id}' checks out (see the warnings "
+                        "above). Start a new run."
+                    )
             chosen[1] = last_logged_step(self.run_dir)
         if self.accelerator.num_processes > 1:
             broadcast_object_list(chosen)
@@ -133,10 +140,13 @@ class RunCheckpoints:
                 f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged. It has no "
                 f"checkpoint (killed before its first; --checkpoint-every {cfg.checkpoint_every}), so a resume "
                 f"trains it again from step 0 and replaces their rows: pass --steps {logged} or more to keep "
-                "every logged step, or start a new run.")
+                "every logged step, or start a new run."
+            )
         if logged:
-            self._say(f"[yellow]warning:[/] run {self.run_id} has no checkpoint: training it again from step 0 "
-                      f"(same seed); the {logged} steps it logged are replaced as they are trained again.")
+            self._say(
+                f"[yellow]warning:[/] run {self.run_id} has no checkpoint: training it again from step 0 "
+                f"(same seed); the {logged} steps it logged are replaced as they are trained again."
+            )
 
     def _check_process_count(self, state: TrainerState, ckpt: Path) -> None:
         """Every process samples with its own seed: another process count trains other steps than the logged ones."""
@@ -146,29 +156,39 @@ class RunCheckpoints:
                 f"resume: run '{self.run_id}' was trained by {trained_by} processes and this resume has "
                 f"{self.accelerator.num_processes}. Each process samples with its own seed, so the steps after "
                 f"checkpoint {ckpt.name} would not be the ones logged: resume it as it was launched (accelerate "
-                f"launch --num_processes {trained_by} ...), or start a new run.")
+                f"launch --num_processes {trained_by} ...), or start a new run."
+            )
 
-    def _check_checkpoint_fits_run(self, state: TrainerState, ckpt: Path, logged: int,
-                                   data_fingerprint: str | None) -> None:
+    def _check_checkpoint_fits_run(
+        self, state: TrainerState, ckpt: Path, logged: int, data_fingerprint: str | None
+    ) -> None:
         """The checkpoint's trainer state against this run: its data position (the config's prompts per step),
         --steps (neither below the steps done nor below those logged) and the data file's sha256."""
         cfg = self.cfg
         problem = data_position_problem(state.data_position, state.step, cfg)
         if problem:
-            self._refuse(f"resume: checkpoint {ckpt} is at prompt {state.data_position} of the data, but "
-                         f"{problem}. The checkpoint does not belong to this run's config; start a new run.")
+            self._refuse(
+                f"resume: checkpoint {ckpt} is at prompt {state.data_position} of the data, but "
+                f"{problem}. The checkpoint does not belong to this run's config; start a new run."
+            )
         if cfg.steps < state.step:
-            self._refuse(f"steps: {cfg.steps} is below the {state.step} steps run '{self.run_id}' has "
-                         "already done. Pass --steps above that to train further.")
+            self._refuse(
+                f"steps: {cfg.steps} is below the {state.step} steps run '{self.run_id}' has "
+                "already done. Pass --steps above that to train further."
+            )
         if cfg.steps < logged:
-            self._refuse(f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged (its "
-                         f"newest checkpoint is at step {state.step}; the steps after it are trained "
-                         f"again and replace their rows). Pass --steps {logged} or more to keep every logged "
-                         "step.")
+            self._refuse(
+                f"steps: {cfg.steps} is below the {logged} steps run '{self.run_id}' has logged (its "
+                f"newest checkpoint is at step {state.step}; the steps after it are trained "
+                f"again and replace their rows). Pass --steps {logged} or more to keep every logged "
+                "step."
+            )
         if state.data_fingerprint != data_fingerprint:
-            self._refuse(f"data: {cfg.data} changed since run '{self.run_id}' was started (its sha256 differs "
-                         "from the one the checkpoint recorded). A resumed run must see the same prompts: "
-                         "restore the file, or start a new run on the new data.")
+            self._refuse(
+                f"data: {cfg.data} changed since run '{self.run_id}' was started (its sha256 differs "
+                "from the one the checkpoint recorded). A resumed run must see the same prompts: "
+                "restore the file, or start a new run on the new data."
+            )
 
     def save(self, model, optimizer, scheduler, codec, state: TrainerState) -> Path:
         """checkpoints/step-N: the training state (weights, optimizer, scheduler, each process's random states) as

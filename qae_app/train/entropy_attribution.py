@@ -48,8 +48,9 @@ from qae_app.train.entropy_change import response_regimes
 from qae_app.train.update import OneProcess, UpdateOptions, logprobs_in_chunks, policy_update
 
 SOURCES = ("hard", "easy", "none")  # whose loss the update is made from
-ATTRIBUTION_METRICS = tuple(name for source in SOURCES
-                            for name in (f"dH_from_{source}", f"dH_hard_from_{source}", f"dH_easy_from_{source}"))
+ATTRIBUTION_METRICS = tuple(
+    name for source in SOURCES for name in (f"dH_from_{source}", f"dH_hard_from_{source}", f"dH_easy_from_{source}")
+)
 
 
 class PolicySnapshot:
@@ -82,9 +83,21 @@ def _cloned(state: dict) -> dict:
     return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
 
 
-def entropy_attribution(model, optimizer, batch, advantages: torch.Tensor, correct: torch.Tensor, split_k: float,
-                        group_size: int, options: UpdateOptions, accelerator=None, *, seed: int,
-                        n_local: int | None = None, entropy_control: EntropyCoefficient | None = None) -> dict:
+def entropy_attribution(
+    model,
+    optimizer,
+    batch,
+    advantages: torch.Tensor,
+    correct: torch.Tensor,
+    split_k: float,
+    group_size: int,
+    options: UpdateOptions,
+    accelerator=None,
+    *,
+    seed: int,
+    n_local: int | None = None,
+    entropy_control: EntropyCoefficient | None = None,
+) -> dict:
     """ATTRIBUTION_METRICS of one step, measured from the current policy and optimizer state, which are left exactly
     as they were.
 
@@ -118,12 +131,24 @@ def entropy_attribution(model, optimizer, batch, advantages: torch.Tensor, corre
                 out.update(dict.fromkeys(names, math.nan))
                 continue
             trial = torch.where(keeps[source], advantages, torch.zeros_like(advantages))  # (n_rows,)
-            policy_update(model, optimizer, batch, trial, options, acc, seed=seed, n_local=n_local,
-                          entropy_control=copy.copy(entropy_control))
+            policy_update(
+                model,
+                optimizer,
+                batch,
+                trial,
+                options,
+                acc,
+                seed=seed,
+                n_local=n_local,
+                entropy_control=copy.copy(entropy_control),
+            )
             _, after = logprobs_in_chunks(model, batch, rows, options, acc, with_entropy=True)
             change = ((after - before) * mask).sum(-1)  # (n_rows,) summed over each response's tokens
-            sums = torch.tensor([[change[m].sum().item(), tokens[m].sum().item()] for m in parts],
-                                dtype=torch.float64, device=acc.device)  # (3, 2): change, tokens
+            sums = torch.tensor(
+                [[change[m].sum().item(), tokens[m].sum().item()] for m in parts],
+                dtype=torch.float64,
+                device=acc.device,
+            )  # (3, 2): change, tokens
             if acc.num_processes > 1:
                 sums = acc.reduce(sums, reduction="sum")
             out.update({name: (c / t if t else math.nan) for name, (c, t) in zip(names, sums.tolist(), strict=True)})

@@ -20,8 +20,11 @@ def entropy_warning(state: TrainerState, entropy: float, cfg: TrainConfig) -> di
         return None
     if state.entropy_start is None:
         state.entropy_start = entropy
-    ema = entropy if state.entropy_ema is None else (
-        ENTROPY_EMA_ALPHA * entropy + (1 - ENTROPY_EMA_ALPHA) * state.entropy_ema)
+    ema = (
+        entropy
+        if state.entropy_ema is None
+        else (ENTROPY_EMA_ALPHA * entropy + (1 - ENTROPY_EMA_ALPHA) * state.entropy_ema)
+    )
     state.entropy_ema = ema
     low, high = entropy_band(cfg.entropy_low, cfg.entropy_high, state.entropy_start)
     zone = "low" if ema < low else "high" if ema > high else "ok"
@@ -34,16 +37,21 @@ def entropy_warning(state: TrainerState, entropy: float, cfg: TrainConfig) -> di
     k = state.k or names.DEFAULT_K
     start = state.entropy_start
     if zone == "low":
-        bound = f"{low:.3g}" + ("" if cfg.entropy_low is not None else
-                                f" (the starting {start:.3g} / {ENTROPY_BAND_FACTOR:g})")
-        message = (f"entropy (smoothed) {ema:.3f} fell below {bound}: collapse risk. Raise --k (e.g. "
-                   f"{min(k + 0.1, 0.9):.1f}) so more prompts are 'easy' and failures are pushed down, which "
-                   "raises entropy.")
+        bound = f"{low:.3g}" + (
+            "" if cfg.entropy_low is not None else f" (the starting {start:.3g} / {ENTROPY_BAND_FACTOR:g})"
+        )
+        message = (
+            f"entropy (smoothed) {ema:.3f} fell below {bound}: collapse risk. Raise --k (e.g. "
+            f"{min(k + 0.1, 0.9):.1f}) so more prompts are 'easy' and failures are pushed down, which "
+            "raises entropy."
+        )
     else:
-        bound = f"{high:.3g}" + ("" if cfg.entropy_high is not None else
-                                 f" (the starting {start:.3g} x {ENTROPY_BAND_FACTOR:g})")
-        message = (f"entropy (smoothed) {ema:.3f} rose above {bound}: explosion risk. Lower --k (e.g. "
-                   f"{max(k - 0.1, 0.1):.1f}) so more prompts are 'hard' and only successes are reinforced, "
-                   "which lowers entropy.")
+        bound = f"{high:.3g}" + (
+            "" if cfg.entropy_high is not None else f" (the starting {start:.3g} x {ENTROPY_BAND_FACTOR:g})"
+        )
+        message = (
+            f"entropy (smoothed) {ema:.3f} rose above {bound}: explosion risk. Lower --k (e.g. "
+            f"{max(k - 0.1, 0.1):.1f}) so more prompts are 'hard' and only successes are reinforced, "
+            "which lowers entropy."
+        )
     return {"kind": f"entropy_{zone}", "message": message}
-

@@ -11,5 +11,6 @@ def optimizer_and_schedule(trainable: list[torch.nn.Parameter], lr: float, weigh
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in trainable)
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, fused=fused)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
+        optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0
+    )
     return optimizer, schedule

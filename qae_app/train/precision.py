@@ -47,4 +47,5 @@ def check_updates_move_the_weights(parameters: Iterable[torch.Tensor], lr: float
             f"lr: with --dtype {dtype} the optimizer updates {dtype} weights in place, and a step of --lr {lr:g} "
             f"changes only {moved:.1%} of them ({dtype} keeps 8 significant bits: a weight of 0.02 moves in steps of "
             "1.2e-4), so most of the model would never train. Keep float32 master weights: --dtype float32 "
-            "--mixed-precision bf16 (bf16 compute, float32 weights and AdamW moments), or raise --lr.")
+            "--mixed-precision bf16 (bf16 compute, float32 weights and AdamW moments), or raise --lr."
+        )

@@ -46,12 +46,15 @@ def checked_record(run_dir: Path, now: dict[str, dict], step: int, accept_change
                 f"reward: {text}: {entry['path']} changed since this run scored with it (sha256 "
                 f"{str(before.get('sha256'))[:12]}... then, {str(entry['sha256'])[:12]}... now), so its remaining "
                 "steps would score with other code. Restore the file, or pass --accept-changed-reward to resume "
-                "with it as it is now (the run records both versions).")
+                "with it as it is now (the run records both versions)."
+            )
         earlier = [*before.get("earlier", []), {"sha256": before.get("sha256"), "until_step": step}]
         record[text] = {**entry, "earlier": earlier}
         if say is not None:
-            say(f"[yellow]note:[/] reward {text} changed since the run scored with it; steps after {step} score with "
-                "the file as it is now (recorded in the run's config.json).")
+            say(
+                f"[yellow]note:[/] reward {text} changed since the run scored with it; steps after {step} score with "
+                "the file as it is now (recorded in the run's config.json)."
+            )
     return record
 
 
@@ -60,4 +63,3 @@ def _stored_record(run_dir: Path) -> dict:
         return {}
     record = read_run_config(run_dir).get("reward_files") or {}
     return record if isinstance(record, dict) else {}
-

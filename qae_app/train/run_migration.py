@@ -52,8 +52,9 @@ from qae_app.train.session import check_holds_a_database, stored_config
 ACCELERATE_RNG = "random_states_{process}.pkl"  # a pre-release checkpoint's random states, one file per process
 
 
-def migrate_run(runs_dir: Path, run: str, trust_pickles: bool = False,
-                say: Callable[[str], None] = lambda line: None) -> list[str]:
+def migrate_run(
+    runs_dir: Path, run: str, trust_pickles: bool = False, say: Callable[[str], None] = lambda line: None
+) -> list[str]:
     """Bring run folder `run` to the current format; returns what changed (empty: it was current already)."""
     folder = validated_run_dir(runs_dir, run)
     check_holds_a_database(runs_dir, run, folder, "run")  # (someone's folder with a config.json is not rewritten)
@@ -75,15 +76,20 @@ def _refuse_pickles_untrusted(folder: Path, trust_pickles: bool) -> None:
     """A folder holding a pre-release's pickles is converted only when its user vouches for it; else nothing changes
     and the message says what to do."""
     pickled = [p.relative_to(folder) for p in pickled_pending_files(folder)]
-    pickled += [p.relative_to(folder) for ckpt in list_checkpoints(folder) if not is_data_checkpoint(ckpt)
-                for p in pickled_files(ckpt)]
+    pickled += [
+        p.relative_to(folder)
+        for ckpt in list_checkpoints(folder)
+        if not is_data_checkpoint(ckpt)
+        for p in pickled_files(ckpt)
+    ]
     if pickled and not trust_pickles:
         named = ", ".join(map(str, pickled[:3])) + (", ..." if len(pickled) > 3 else "")
         raise QAEUserError(
             f"trust-pickles: run '{folder.name}' holds Python pickles an older qae wrote ({named}). Reading a pickle "
             f"can run any code it carries: if you made this run folder yourself, run `qae migrate {folder.name} "
             "--trust-pickles`; for one from someone else, delete those files instead (its checkpoints' model/ folders "
-            "are safetensors: `qae eval --model` reads them). Nothing was changed.")
+            "are safetensors: `qae eval --model` reads them). Nothing was changed."
+        )
 
 
 def _migrate_checkpoint(ckpt: Path, folder: Path, say) -> list[str]:
@@ -108,8 +114,9 @@ def _migrate_checkpoint(ckpt: Path, folder: Path, say) -> list[str]:
 
 def _process_count(ckpt: Path) -> int:
     """How many processes trained up to `ckpt`: one random-state file each (a sharded checkpoint: one layout each)."""
-    counts = [len(list(ckpt.glob(pattern.format(process="*"))))
-              for pattern in (RNG_FILE, SHARD_LAYOUT_FILE, ACCELERATE_RNG)]
+    counts = [
+        len(list(ckpt.glob(pattern.format(process="*")))) for pattern in (RNG_FILE, SHARD_LAYOUT_FILE, ACCELERATE_RNG)
+    ]
     return max(counts) or 1
 
 
@@ -130,8 +137,9 @@ def _convert_pickled_state(ckpt: Path, cfg: TrainConfig, processes: int) -> None
     model, _ = load_policy(str(ckpt / "model"), cfg.dtype)  # (the checkpoint's own weights: no download)
     if cfg.lora_rank:
         model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, model_name=cfg.model)
-    optimizer, scheduler = optimizer_and_schedule(trainable_parameters(model), cfg.lr, cfg.weight_decay,
-                                                  cfg.warmup_steps)
+    optimizer, scheduler = optimizer_and_schedule(
+        trainable_parameters(model), cfg.lr, cfg.weight_decay, cfg.warmup_steps
+    )
     accelerator = Accelerator(cpu=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)

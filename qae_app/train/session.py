@@ -82,10 +82,12 @@ def stored_config(folder: Path) -> TrainConfig:
     stored = read_run_config(folder)  # (its errors say what to do already)
     unknown = sorted(set(stored) - set(FIELDS) - STORED_BESIDE_OPTIONS)
     if unknown:
-        raise QAEUserError(f"{source} holds {', '.join(repr(clipped(key)) for key in unknown[:5])}, no setting of a "
-                           "qae run of this version. Nothing was written. If an older qae wrote the run: "
-                           f"{migrate_hint(Path(folder))} Otherwise the file is not a qae run's settings: "
-                           f"{config_restore_hint(folder)}")
+        raise QAEUserError(
+            f"{source} holds {', '.join(repr(clipped(key)) for key in unknown[:5])}, no setting of a "
+            "qae run of this version. Nothing was written. If an older qae wrote the run: "
+            f"{migrate_hint(Path(folder))} Otherwise the file is not a qae run's settings: "
+            f"{config_restore_hint(folder)}"
+        )
     problem = settings_problem({key: stored[key] for key in STORED_BESIDE_OPTIONS & set(stored)})
     if problem:  # (the options are checked below, as a TOML file's are)
         raise QAEUserError(f"{source}: {problem}. {config_restore_hint(folder)}")
@@ -94,8 +96,9 @@ def stored_config(folder: Path) -> TrainConfig:
             if key in STORED_BESIDE_OPTIONS:  # (checked above)
                 continue
             if value is None and "None" not in str(FIELDS[key].type):
-                raise QAEUserError(f"{source}: '{key}' = null, expected {str(FIELDS[key].type)}. "
-                                   f"{FIELDS[key].metadata['help']}")
+                raise QAEUserError(
+                    f"{source}: '{key}' = null, expected {str(FIELDS[key].type)}. {FIELDS[key].metadata['help']}"
+                )
             values[key] = coerce_option(key, value, source)
     except QAEUserError as err:
         raise QAEUserError(f"{err} {config_restore_hint(folder)}") from None
@@ -112,12 +115,15 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
     given = given_options(toml_path, **cli_options)  # the TOML file's, then the command line's
     given_name = given.get("run_name")
     if given_name is not None and given_name != run:
-        raise QAEUserError(f"run-name: '{given_name}' is not the run --resume continues ('{run}'). Drop --run-name "
-                           "(and run_name from the --config file) to resume it, or drop --resume to start a new run "
-                           "of that name.")
+        raise QAEUserError(
+            f"run-name: '{given_name}' is not the run --resume continues ('{run}'). Drop --run-name "
+            "(and run_name from the --config file) to resume it, or drop --resume to start a new run "
+            "of that name."
+        )
     if kind := results_only_kind(folder):
-        raise eval_run_error("resume", folder, "There is nothing to resume; start a training run with another "
-                                               "--run-name.", kind)
+        raise eval_run_error(
+            "resume", folder, "There is nothing to resume; start a training run with another --run-name.", kind
+        )
     check_run_to_resume(runs_dir, run, folder)
     stored = stored_config(folder)
     check_named_again(stored.reward, given.get("reward"), run, stored.reward_weights)
@@ -129,7 +135,8 @@ def resume_config(runs_dir: Path, run: str, toml_path: Path | None = None, **cli
             raise QAEUserError(
                 f"resume: --{option_flag(name)} {value} conflicts with run '{run}', which was started with "
                 f"{getattr(stored, name)}. A resumed run keeps its config; start a new run to change it (resume "
-                f"may change: {', '.join(option_flag(n) for n in RESUMABLE)}).")
+                f"may change: {', '.join(option_flag(n) for n in RESUMABLE)})."
+            )
         changes[name] = value
     return dataclasses.replace(stored, run_name=run, **changes).validate()
 
@@ -140,8 +147,10 @@ def check_run_to_resume(runs_dir: Path, run: str, folder: Path) -> None:
     check_holds_a_database(runs_dir, run, folder, "resume")
     check_run_file(folder / DB_FILE)  # (a file that is not a run's, damaged or another program's, is named there)
     if not (folder / CONFIG_FILE).exists():
-        raise QAEUserError(f"resume: run '{run}' in {runs_dir} has no {CONFIG_FILE}, the settings it was started "
-                           f"with. Nothing was written. {config_restore_hint(folder)}")
+        raise QAEUserError(
+            f"resume: run '{run}' in {runs_dir} has no {CONFIG_FILE}, the settings it was started "
+            f"with. Nothing was written. {config_restore_hint(folder)}"
+        )
 
 
 def check_holds_a_database(runs_dir: Path, run: str, folder: Path, option: str) -> None:
@@ -153,8 +162,10 @@ def check_holds_a_database(runs_dir: Path, run: str, folder: Path, option: str) 
     except NotARegularFile as err:
         raise QAEUserError(f"{option}: {err}") from None
     if not folder.is_dir():
-        raise QAEUserError(f"{option}: no run '{run}' in {runs_dir} (runs there, last written first: "
-                           f"{recent_runs_text(runs_dir)}). See `qae runs`.")
+        raise QAEUserError(
+            f"{option}: no run '{run}' in {runs_dir} (runs there, last written first: "
+            f"{recent_runs_text(runs_dir)}). See `qae runs`."
+        )
     if not has_database:
         raise QAEUserError(_no_database(runs_dir, run, folder, option))
 
@@ -169,14 +180,21 @@ def _no_database(runs_dir: Path, run: str, folder: Path, option: str) -> str:
     if unknown == []:
         newest = latest_checkpoint(folder)
         lost = f", and with it the rows of the steps up to its checkpoint {newest.name}" if newest else ""
-        return (f"{option}: run '{run}' in {runs_dir} has no {DB_FILE}: it was deleted or moved aside{lost}. Nothing "
-                f"was written. Put the file back (from a backup), or start a new run with another --run-name.")
+        return (
+            f"{option}: run '{run}' in {runs_dir} has no {DB_FILE}: it was deleted or moved aside{lost}. Nothing "
+            f"was written. Put the file back (from a backup), or start a new run with another --run-name."
+        )
     held = ", ".join(sorted(path.name for path in folder.iterdir())[:6]) or "nothing"
     linked = f" (a link to {os.path.realpath(folder)})" if folder.is_symlink() else ""
-    keys = (f"; its {CONFIG_FILE} holds {', '.join(repr(clipped(key)) for key in unknown[:5])}, no setting of a qae "
-            "run") if unknown else ""
-    return (f"{option}: '{run}' in {runs_dir}{linked} is not a run: it holds no {DB_FILE} (it holds {held}{keys}). "
-            "Nothing was written." + (" Start a new run with another --run-name." if option == "resume" else ""))
+    keys = (
+        (f"; its {CONFIG_FILE} holds {', '.join(repr(clipped(key)) for key in unknown[:5])}, no setting of a qae run")
+        if unknown
+        else ""
+    )
+    return (
+        f"{option}: '{run}' in {runs_dir}{linked} is not a run: it holds no {DB_FILE} (it holds {held}{keys}). "
+        "Nothing was written." + (" Start a new run with another --run-name." if option == "resume" else "")
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -188,8 +206,17 @@ class RunSession:
     one rename once its database holds the run's row (open_store), so every command sees either no run or one with
     its row. `close()` (or leaving `with`) lets go of everything; it may be called more than once."""
 
-    def __init__(self, runs_dir: Path, run_id: str, cfg: TrainConfig, accelerator, resume: bool = False,
-                 say=None, started: float | None = None, distributed=None):
+    def __init__(
+        self,
+        runs_dir: Path,
+        run_id: str,
+        cfg: TrainConfig,
+        accelerator,
+        resume: bool = False,
+        say=None,
+        started: float | None = None,
+        distributed=None,
+    ):
         self.runs_dir = Path(runs_dir)
         self.run_id = run_id
         self.run_dir = run_dir(self.runs_dir, run_id)
@@ -260,8 +287,10 @@ class RunSession:
         if kind := results_only_kind(self.run_dir):
             raise eval_run_error("run-name", self.run_dir, "Pick another --run-name for the training run.", kind)
         if (self.run_dir / DB_FILE).exists() or (self.run_dir / CONFIG_FILE).exists():
-            raise QAEUserError(f"run-name: a run '{self.run_id}' already exists in {self.runs_dir}. Continue it "
-                               f"with --resume {self.run_id}, or pick another --run-name.")
+            raise QAEUserError(
+                f"run-name: a run '{self.run_id}' already exists in {self.runs_dir}. Continue it "
+                f"with --resume {self.run_id}, or pick another --run-name."
+            )
         try:
             self.runs_dir.mkdir(parents=True, exist_ok=True)
             for stale in self.runs_dir.glob(f"{CREATING_PREFIX}{self.run_id}-*"):  # left by a kill mid-creation
@@ -270,8 +299,9 @@ class RunSession:
             self._staging = self.runs_dir / f"{CREATING_PREFIX}{self.run_id}-{os.getpid()}"
             self._staging.mkdir()
         except OSError as err:
-            raise QAEUserError(f"runs-dir: cannot create a run in {self.runs_dir} ({err.strerror}). Pass a "
-                               "writable --runs-dir.") from err
+            raise QAEUserError(
+                f"runs-dir: cannot create a run in {self.runs_dir} ({err.strerror}). Pass a writable --runs-dir."
+            ) from err
         self._lock = RunLock(self._staging).acquire("run-name")
 
     def _say_missing_steps(self, checkpoint_step: int) -> None:
@@ -281,10 +311,12 @@ class RunSession:
         missing = sorted(set(range(1, checkpoint_step + 1)) - logged_steps(self.run_dir) - queued)
         if missing:
             spans = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in _spans(missing))
-            self._say(f"[yellow]warning:[/] run '{self.run_id}' resumes after its checkpoint at step "
-                      f"{checkpoint_step}, but the rows of step(s) {spans} are in neither {DB_FILE} nor pending/ (a "
-                      "saved write moved aside or lost before it was written). The checkpoint's weights include "
-                      "those steps; their rows stay missing from `qae show` and the dashboard.")
+            self._say(
+                f"[yellow]warning:[/] run '{self.run_id}' resumes after its checkpoint at step "
+                f"{checkpoint_step}, but the rows of step(s) {spans} are in neither {DB_FILE} nor pending/ (a "
+                "saved write moved aside or lost before it was written). The checkpoint's weights include "
+                "those steps; their rows stay missing from `qae show` and the dashboard."
+            )
 
     def open_store(self, state: TrainerState) -> dict:
         """The run's database and config.json (main process), and the writer's thread. A new run's staging folder is
@@ -308,8 +340,10 @@ class RunSession:
         try:
             os.rename(staging, self.run_dir)
         except OSError as err:  # another `qae train --run-name` of the same name got there first
-            raise QAEUserError(f"run-name: a run '{self.run_id}' already exists in {self.runs_dir} ({err.strerror})."
-                               f" Continue it with --resume {self.run_id}, or pick another --run-name.") from err
+            raise QAEUserError(
+                f"run-name: a run '{self.run_id}' already exists in {self.runs_dir} ({err.strerror})."
+                f" Continue it with --resume {self.run_id}, or pick another --run-name."
+            ) from err
         self._staging = None
         # the same writer, not a new one: a new writer opens the file, which a reader may hold from the rename on
         writer.moved_to(self.run_dir / DB_FILE)
@@ -327,16 +361,24 @@ class RunSession:
             raise QAEUserError(
                 f"resume: run '{self.run_id}' has a checkpoint at step {state.step} but no database: the "
                 f"rows of steps 1-{state.step} are lost. Restore {DB_FILE} from a backup, or start a new "
-                "run.")
+                "run."
+            )
         # (opening refuses a file of an older format, naming `qae migrate`; it waits up to 60 s for a reader)
-        self.writer = RunWriter(db, self.run_id, resume_from=state.step, on_wait=lambda holder: self._say(
-            f"[yellow]waiting for {db}: {holder} (a reader left open?). Close it to go on.[/]"))
+        self.writer = RunWriter(
+            db,
+            self.run_id,
+            resume_from=state.step,
+            on_wait=lambda holder: self._say(
+                f"[yellow]waiting for {db}: {holder} (a reader left open?). Close it to go on.[/]"
+            ),
+        )
         earlier = _stored_run(db)
         if earlier is None and state.step > 0:
             raise QAEUserError(
                 f"resume: run '{self.run_id}' has a checkpoint at step {state.step} but no run row in {db}: "
                 f"the rows of steps 1-{state.step} are lost. Restore {DB_FILE} from a backup, or start a "
-                "new run.")
+                "new run."
+            )
         if earlier is None:  # killed while the run was being created (before any checkpoint): create it again
             self.writer.create_run(self.run_id, config, cfg.estimator, k, cfg.model, cfg.data, cfg.seed)
         # rows written after the checkpoint are replayed by this run: drop them so each step is stored once
@@ -416,8 +458,7 @@ class RunSession:
             wall_s = wall_s_before + time.perf_counter() - self.started
             # a failed run's status goes ahead of rows still queued: if the failure was writing them (a full disk),
             # the small update of the run's row may still fit, and `qae runs` says why it failed
-            self.writer.update_run(status=status, error=error, wall_s=wall_s, setup_s=setup_s,
-                                   first=status == "failed")
+            self.writer.update_run(status=status, error=error, wall_s=wall_s, setup_s=setup_s, first=status == "failed")
             self._wait_for_store()
 
     def _flush(self) -> None:
@@ -429,9 +470,11 @@ class RunSession:
             if was_busy:
                 self._say("the database is free again: the waiting rows are written")
         elif not was_busy:
-            self._say(f"[yellow]note:[/] {self.writer.path} is {self.writer.holder}; training goes on and the rows "
-                      f"wait, safe on disk, in {self.writer.pending_dir} until it is free. Read live runs with "
-                      "`qae show`, `qae rollouts` or the dashboard, which let go of the file at once.")
+            self._say(
+                f"[yellow]note:[/] {self.writer.path} is {self.writer.holder}; training goes on and the rows "
+                f"wait, safe on disk, in {self.writer.pending_dir} until it is free. Read live runs with "
+                "`qae show`, `qae rollouts` or the dashboard, which let go of the file at once."
+            )
 
     def _wait_for_store(self) -> None:
         """At the end of the run every row must reach the database: wait for a reader that still holds it."""
@@ -439,9 +482,11 @@ class RunSession:
             return
 
         def say(waited: float) -> None:
-            self._say(f"waiting {waited:.0f} s for {self.writer.path} ({self.writer.holder}) to write the last rows;"
-                      f" they are safe in {self.writer.pending_dir}. Ctrl-C leaves them there: `qae train --resume "
-                      f"{self.run_id}` writes them later.")
+            self._say(
+                f"waiting {waited:.0f} s for {self.writer.path} ({self.writer.holder}) to write the last rows;"
+                f" they are safe in {self.writer.pending_dir}. Ctrl-C leaves them there: `qae train --resume "
+                f"{self.run_id}` writes them later."
+            )
 
         say(0)
         self._waiting_for_store = True
@@ -449,8 +494,10 @@ class RunSession:
             self.writer.wait_until_written(on_wait=say)
         except KeyboardInterrupt:
             self.writer.sync_pending()  # (the run is over: they stay there, maybe across a reboot)
-            self._say(f"[yellow]stopped waiting:[/] the last rows stay in {self.writer.pending_dir}; "
-                      f"`qae train --resume {self.run_id}` writes them.")
+            self._say(
+                f"[yellow]stopped waiting:[/] the last rows stay in {self.writer.pending_dir}; "
+                f"`qae train --resume {self.run_id}` writes them."
+            )
         finally:
             self._waiting_for_store = False
 
@@ -493,9 +540,11 @@ class RunSession:
             if signum == signal.SIGINT:
                 self._say("[yellow]stopping after this step (checkpoint, then exit); Ctrl-C again to stop at once[/]")
             else:  # a repeated SIGTERM is the same request (above): only SIGKILL stops at once, losing the step
-                self._say(f"[yellow]{signal.Signals(signum).name}: stopping after this step (checkpoint, then exit); "
-                          "sending it again changes nothing, kill -9 stops at once and loses the steps since the "
-                          "last checkpoint[/]")
+                self._say(
+                    f"[yellow]{signal.Signals(signum).name}: stopping after this step (checkpoint, then exit); "
+                    "sending it again changes nothing, kill -9 stops at once and loses the steps since the "
+                    "last checkpoint[/]"
+                )
 
         self._previous_handlers = {sig: signal.signal(sig, request_stop) for sig in STOP_SIGNALS}
 

@@ -34,8 +34,10 @@ def prompt_groups(input_ids: torch.Tensor, prompt_lengths: torch.Tensor) -> tupl
     """(the distinct prompts, in order of first appearance; each row's index into them) of rows whose first
     `prompt_lengths` (n,) tokens of `input_ids` (n, T) are their prompt."""
     index: dict[tuple[int, ...], int] = {}
-    group = [index.setdefault(tuple(ids[:length]), len(index))
-             for ids, length in zip(input_ids.tolist(), prompt_lengths.tolist(), strict=True)]
+    group = [
+        index.setdefault(tuple(ids[:length]), len(index))
+        for ids, length in zip(input_ids.tolist(), prompt_lengths.tolist(), strict=True)
+    ]
     return [list(prompt) for prompt in index], group
 
 
@@ -51,8 +53,7 @@ def common_opening(prompts: list[list[int]]) -> int:
 def spared_tokens(prompts: list[list[int]], group: list[int], common: int) -> int:
     """Prompt tokens the shared forward does not compute again: each row's prompt but its last token (which starts
     the row's own span), less the common opening once and each distinct prompt's rest once."""
-    return (sum(len(prompts[g]) - 1 for g in group)
-            - common - sum(len(p) - 1 - common for p in prompts))
+    return sum(len(prompts[g]) - 1 for g in group) - common - sum(len(p) - 1 - common for p in prompts)
 
 
 def _cache_keyword(model: torch.nn.Module) -> str:
@@ -71,26 +72,44 @@ def _prompts_cache(core: torch.nn.Module, prompts: list[list[int]], common: int,
     except TypeError:  # transformers before 4.56 builds its layers as they come
         cache = DynamicCache()
     keyword = _cache_keyword(core)
-    keep = next(({name: 1} for name in ("logits_to_keep", "num_logits_to_keep")
-                 if name in inspect.signature(core.forward).parameters), {})  # (its logits are not needed)
+    keep = next(
+        (
+            {name: 1}
+            for name in ("logits_to_keep", "num_logits_to_keep")
+            if name in inspect.signature(core.forward).parameters
+        ),
+        {},
+    )  # (its logits are not needed)
     if common:  # the common opening once, (1, common), its cache then every distinct prompt's
-        core(input_ids=torch.tensor([prompts[0][:common]], device=device), use_cache=True, **keep,
-             **{keyword: cache})
+        core(input_ids=torch.tensor([prompts[0][:common]], device=device), use_cache=True, **keep, **{keyword: cache})
         cache.batch_select_indices(torch.zeros(len(prompts), dtype=torch.long, device=device))
     rest = max(len(p) for p in prompts) - 1 - common  # each prompt's rest but its last token, right-padded
-    rest_mask = torch.tensor([[1] * (len(p) - 1 - common) + [0] * (rest - len(p) + 1 + common) for p in prompts],
-                             device=device)  # (k, rest)
+    rest_mask = torch.tensor(
+        [[1] * (len(p) - 1 - common) + [0] * (rest - len(p) + 1 + common) for p in prompts], device=device
+    )  # (k, rest)
     prefix_mask = torch.cat([torch.ones(len(prompts), common, dtype=torch.long, device=device), rest_mask], dim=1)
     if rest:
         rest_ids = torch.tensor([p[common:-1] + [0] * (rest - len(p) + 1 + common) for p in prompts], device=device)
         positions = common + torch.arange(rest, device=device).expand(len(prompts), rest)
-        core(input_ids=rest_ids, attention_mask=prefix_mask, position_ids=positions, use_cache=True, **keep,
-             **{keyword: cache})
+        core(
+            input_ids=rest_ids,
+            attention_mask=prefix_mask,
+            position_ids=positions,
+            use_cache=True,
+            **keep,
+            **{keyword: cache},
+        )
     return cache, prefix_mask, keyword
 
 
-def shared_prompt_logprobs(model: torch.nn.Module, batch: dict, rows: torch.Tensor, temperature: float,
-                           with_entropy: bool, chunk_tokens: int = 0):
+def shared_prompt_logprobs(
+    model: torch.nn.Module,
+    batch: dict,
+    rows: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    chunk_tokens: int = 0,
+):
     """Token log-probs and (if asked) entropies (n, T-1) of the response tokens of the batch's sequences `rows`, 0 at
     every other position, with each distinct prompt's tokens but the last computed once (see the module's
     docstring); None when sharing saves nothing (`prompt_groups`) or a row has no response token. `chunk_tokens`:
@@ -123,8 +142,9 @@ def shared_prompt_logprobs(model: torch.nn.Module, batch: dict, rows: torch.Tens
     attention_mask = torch.cat([prefix_mask[group_index], span_mask], dim=1)  # (n, prefix + span)
     extra = {"position_ids": columns, keyword: cache, "use_cache": True}
     if chunk_tokens:
-        logp, entropy = causal_lm_logprobs(model, span_ids, attention_mask, 0, temperature, with_entropy,
-                                           chunk_tokens, **extra)  # (n, span-1) each
+        logp, entropy = causal_lm_logprobs(
+            model, span_ids, attention_mask, 0, temperature, with_entropy, chunk_tokens, **extra
+        )  # (n, span-1) each
     else:
         logits = model(input_ids=span_ids, attention_mask=attention_mask, **extra).logits[:, :-1]
         logp, entropy = token_logprobs_and_entropy(logits, span_ids[:, 1:], temperature, with_entropy)
@@ -133,6 +153,11 @@ def shared_prompt_logprobs(model: torch.nn.Module, batch: dict, rows: torch.Tens
     predicts = torch.arange(span - 1, device=device) < response_lengths[:, None]  # (n, span-1)
     target = columns[:, :-1].clamp(max=width - 2)
     # (scatter_add: the positions past a row's response may share a column, each adding 0)
-    out = [torch.zeros(n, width - 1, dtype=logp.dtype, device=device).scatter_add(
-        1, target, torch.where(predicts, values, 0.0)) for values in (logp, entropy) if values is not None]
+    out = [
+        torch.zeros(n, width - 1, dtype=logp.dtype, device=device).scatter_add(
+            1, target, torch.where(predicts, values, 0.0)
+        )
+        for values in (logp, entropy)
+        if values is not None
+    ]
     return out[0], (out[1] if entropy is not None else None)

@@ -99,16 +99,22 @@ class RunResult:
     status: str  # finished, interrupted (Ctrl-C / SIGTERM / SIGHUP; resumable)
 
 
-def step_tables(out: StepOutput | None, heldout: HeldoutEval | None, keep: str = "all", seed: int = 0,
-                step: int = 0) -> dict[str, list[dict]]:
+def step_tables(
+    out: StepOutput | None, heldout: HeldoutEval | None, keep: str = "all", seed: int = 0, step: int = 0
+) -> dict[str, list[dict]]:
     """What `fit` hands the store for one step (step 0: the evaluation before training), by table; the response
     texts as --store-responses `keep` says (every row stays, so counts are exact)."""
     tables = {}
     if out is not None:
-        tables.update(steps=[out.metrics], groups=out.groups, rollouts=stored_responses(out.rollouts, keep, seed, step),
-                      warnings=out.warnings, **({"reward_components": out.components} if out.components else {}),
-                      **({"component_signal": out.signal} if out.signal else {}),
-                      **({"token_values": out.tokens} if out.tokens else {}))
+        tables.update(
+            steps=[out.metrics],
+            groups=out.groups,
+            rollouts=stored_responses(out.rollouts, keep, seed, step),
+            warnings=out.warnings,
+            **({"reward_components": out.components} if out.components else {}),
+            **({"component_signal": out.signal} if out.signal else {}),
+            **({"token_values": out.tokens} if out.tokens else {}),
+        )
     if heldout is not None:
         tables.update(evals=heldout.evals, eval_samples=heldout.samples)
     return tables
@@ -127,12 +133,26 @@ class StepRows:
 
 def step_rows(results: list[GroupResult], weights: dict[str, float]) -> StepRows:
     """The rows of a step's groups (`weights`: each reward component's)."""
-    return StepRows(group_rows(results), rollout_rows(results), component_rows(results),
-                    component_signal_rows(results, weights), token_rows(results))
+    return StepRows(
+        group_rows(results),
+        rollout_rows(results),
+        component_rows(results),
+        component_signal_rows(results, weights),
+        token_rows(results),
+    )
 
 
-def group_results(batches: list, trained: list[bool], adv, rewards, correct, group_size: int,
-                  from_engine: bool, pass_stats, tokens: TokenSources | None = None) -> list[GroupResult]:
+def group_results(
+    batches: list,
+    trained: list[bool],
+    adv,
+    rewards,
+    correct,
+    group_size: int,
+    from_engine: bool,
+    pass_stats,
+    tokens: TokenSources | None = None,
+) -> list[GroupResult]:
     """This process's groups of every generation batch, in order (`trained` (B,), `adv`, `rewards` and `correct`
     (B, G): one entry per group). A response's mean token entropy and summed log-prob come from the engine when it
     measured them while sampling (`from_engine`), else from the no-grad pass over the trained responses
@@ -147,27 +167,37 @@ def group_results(batches: list, trained: list[bool], adv, rewards, correct, gro
     results, local, done = [], 0, 0  # local: group index over all batches; done: trained groups seen
     for b in batches:
         for i, problem in enumerate(b.problems):
-            group = b.samples[i * G:(i + 1) * G]
+            group = b.samples[i * G : (i + 1) * G]
             first_trained = done * G if trained[local] else None  # its first response's row in the update
             if from_engine:
                 entropies = [sum(s.token_entropies) / max(len(s.token_entropies), 1) for s in group]
                 logprobs = [sum(s.token_logprobs) for s in group]
             elif trained[local]:
-                entropies, logprobs = (stats[done * G:(done + 1) * G] for stats in pass_stats)
+                entropies, logprobs = (stats[done * G : (done + 1) * G] for stats in pass_stats)
             else:
                 entropies = logprobs = [None] * G
             done += trained[local]
             result = GroupResult(
-                group_idx=b.first_group + i, prompt_id=problem.prompt_id, prompt=prompt_text(b.prompts[i]),
-                answer=problem.answer, baseline=baselines[local],
-                regime=REGIMES[regimes[local]], responses=[s.text for s in group],
-                rewards=rewards[local], correct=correct[local],
-                verified=b.verified[i * G:(i + 1) * G], advantages=advantages[local],
-                n_tokens=[len(s.response_ids) for s in group], truncated=[s.truncated for s in group],
-                entropies=entropies, logprobs=logprobs, filtered=not trained[local],
+                group_idx=b.first_group + i,
+                prompt_id=problem.prompt_id,
+                prompt=prompt_text(b.prompts[i]),
+                answer=problem.answer,
+                baseline=baselines[local],
+                regime=REGIMES[regimes[local]],
+                responses=[s.text for s in group],
+                rewards=rewards[local],
+                correct=correct[local],
+                verified=b.verified[i * G : (i + 1) * G],
+                advantages=advantages[local],
+                n_tokens=[len(s.response_ids) for s in group],
+                truncated=[s.truncated for s in group],
+                entropies=entropies,
+                logprobs=logprobs,
+                filtered=not trained[local],
                 model_prompt=group[0].model_prompt,
-                components={name: values[i * G:(i + 1) * G] for name, values in b.components.items()},
-                parts={name: values[i * G:(i + 1) * G] for name, values in b.parts.items()})
+                components={name: values[i * G : (i + 1) * G] for name, values in b.components.items()},
+                parts={name: values[i * G : (i + 1) * G] for name, values in b.parts.items()},
+            )
             if tokens is not None:
                 tokens.fill(result, group, first_trained)
             results.append(result)
@@ -197,10 +227,15 @@ class TokenSources:
             if self.kept is not None and result.group_idx * G + j not in self.kept:
                 values.append(None)
                 continue
-            entropy = sample.token_entropies if sample.token_entropies is not None else \
-                self.trainer.entropies.get(row)
-            values.append({"tokens": self.pieces(sample.response_ids), "logprob": sample.token_logprobs,
-                           "entropy": entropy, "old_logprob": self.trainer.old_logprobs.get(row)})
+            entropy = sample.token_entropies if sample.token_entropies is not None else self.trainer.entropies.get(row)
+            values.append(
+                {
+                    "tokens": self.pieces(sample.response_ids),
+                    "logprob": sample.token_logprobs,
+                    "entropy": entropy,
+                    "old_logprob": self.trainer.old_logprobs.get(row),
+                }
+            )
         result.token_values = values
 
 
@@ -210,5 +245,7 @@ def sampling_policy_stats(batch: dict, updated: UpdateResult, n: int) -> tuple[l
     if not n:
         return None
     mask = batch["response_mask"][:n]
-    return (((updated.entropy[:n] * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist(),  # (N,)
-            (updated.old_logp[:n] * mask).sum(-1).tolist())  # (N,)
+    return (
+        ((updated.entropy[:n] * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist(),  # (N,)
+        (updated.old_logp[:n] * mask).sum(-1).tolist(),
+    )  # (N,)

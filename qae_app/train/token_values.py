@@ -50,8 +50,9 @@ def trainer_tokens(batch: dict, updated, n_local: int, kept_rows: list[int]) -> 
     if "sampler_logp" in batch:
         gap = (old - batch["sampler_logp"][:n_local]).abs() * mask  # (N, T-1)
         per_row = gap.sum(-1) / mask.sum(-1).clamp(min=1)  # (N,)
-        out.mismatch = [value if known else None
-                        for value, known in zip(per_row.tolist(), have_old.tolist(), strict=True)]
+        out.mismatch = [
+            value if known else None for value, known in zip(per_row.tolist(), have_old.tolist(), strict=True)
+        ]
     for row in kept_rows:
         on = mask[row]
         if bool(have_old[row]):
@@ -71,8 +72,9 @@ def capped_tokens(batch: dict, updated, advantages: torch.Tensor, n_local: int, 
     weighed[n_local:] = False  # (not a placeholder)
     on = batch["response_mask"].bool() & weighed[:, None]  # (N, T-1)
     ratio = torch.exp(updated.computed_logp - batch["sampler_logp"])  # (N, T-1)
-    counts = torch.tensor([float(((ratio > cap) & on).sum()), float(on.sum())], dtype=torch.float64,
-                          device=accelerator.device)  # (2,): capped, weighed
+    counts = torch.tensor(
+        [float(((ratio > cap) & on).sum()), float(on.sum())], dtype=torch.float64, device=accelerator.device
+    )  # (2,): capped, weighed
     if accelerator.num_processes > 1:
         counts = accelerator.reduce(counts, reduction="sum")
     capped, tokens = counts.tolist()

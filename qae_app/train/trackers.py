@@ -37,8 +37,9 @@ NOT_A_METRIC_NAME = re.compile(r"[^A-Za-z0-9_\-./ ]")
 def hyperparameters(config: dict) -> dict:
     """The config as trackers take hyperparameters: numbers, text and booleans as they are, anything else (None, a
     list, the launch's description) as JSON text."""
-    return {key: value if isinstance(value, (bool, int, float, str)) else json.dumps(value)
-            for key, value in config.items()}
+    return {
+        key: value if isinstance(value, (bool, int, float, str)) else json.dumps(value) for key, value in config.items()
+    }
 
 
 def metric_name(*parts: str) -> str:
@@ -69,10 +70,12 @@ class Trackers:
         from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 
         project = os.environ.get(PROJECT_ENV, DEFAULT_PROJECT)
-        made = {"tensorboard": lambda cls: cls(TENSORBOARD_DIR, run_dir),
-                "mlflow": lambda cls: cls(experiment_name=project, run_name=run_id),
-                "wandb": lambda cls: cls(project, name=run_id),
-                "trackio": lambda cls: cls(project, name=run_id)}
+        made = {
+            "tensorboard": lambda cls: cls(TENSORBOARD_DIR, run_dir),
+            "mlflow": lambda cls: cls(experiment_name=project, run_name=run_id),
+            "wandb": lambda cls: cls(project, name=run_id),
+            "trackio": lambda cls: cls(project, name=run_id),
+        }
         self.trackers = []
         for name in wanted:
             tracker = made[name](LOGGER_TYPE_TO_CLASS[name])
@@ -94,12 +97,20 @@ class Trackers:
         for row in tables.get("steps", []):
             values.update(finite_values(row, [name for name in STEP_METRICS if name not in LATE_TIMES]))
         for row in tables.get("evals", []):
-            values.update({metric_name("eval", row["benchmark"], row["subset"], row["metric"]): value
-                           for value in finite_values(row, ["value"]).values()})
+            values.update(
+                {
+                    metric_name("eval", row["benchmark"], row["subset"], row["metric"]): value
+                    for value in finite_values(row, ["value"]).values()
+                }
+            )
         signal_columns = [c for c in TABLES["component_signal"] if c not in ("run_id", "step", "name")]
         for row in tables.get("component_signal", []):
-            values.update({metric_name("reward", row["name"], column): value
-                           for column, value in finite_values(row, signal_columns).items()})
+            values.update(
+                {
+                    metric_name("reward", row["name"], column): value
+                    for column, value in finite_values(row, signal_columns).items()
+                }
+            )
         warnings = tables.get("warnings", [])
         values.update({metric_name("warnings", row["kind"]): 1.0 for row in warnings})
         self.log(values, step)

@@ -118,15 +118,21 @@ def generation_cap_warning(cfg: TrainConfig, step: int, n_trained: int, n_batche
     QAEUserError that ends the run failed, the reason as its error, before the step trains (as verl raises)."""
     if not cfg.dynamic_sampling or n_trained >= cfg.prompts_per_step:
         return None
-    found = (f"dynamic sampling found {n_trained} of the {cfg.prompts_per_step} groups with signal it wanted in "
-             f"{n_batches} generation batches (--max-gen-batches {cfg.max_gen_batches})")
+    found = (
+        f"dynamic sampling found {n_trained} of the {cfg.prompts_per_step} groups with signal it wanted in "
+        f"{n_batches} generation batches (--max-gen-batches {cfg.max_gen_batches})"
+    )
     if cfg.on_gen_cap == "stop":
-        raise QAEUserError(f"on-gen-cap: stop: at step {step}, {found}; the step was not trained. Raise "
-                           "--max-gen-batches (0: no cap), or use --on-gen-cap train to train on the groups found.")
-    return {"kind": "dynamic_sampling_cap",
-            "message": f"{found}; this step trains on those {n_trained}. Raise --max-gen-batches, or check the data: "
-                       "the policy solves all or none of the responses to most prompts (frac_all_correct, "
-                       "frac_all_wrong)."}
+        raise QAEUserError(
+            f"on-gen-cap: stop: at step {step}, {found}; the step was not trained. Raise "
+            "--max-gen-batches (0: no cap), or use --on-gen-cap train to train on the groups found."
+        )
+    return {
+        "kind": "dynamic_sampling_cap",
+        "message": f"{found}; this step trains on those {n_trained}. Raise --max-gen-batches, or check the data: "
+        "the policy solves all or none of the responses to most prompts (frac_all_correct, "
+        "frac_all_wrong).",
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -134,8 +140,10 @@ def generation_cap_warning(cfg: TrainConfig, step: int, n_trained: int, n_batche
 
 def check_prompts_split(prompts_per_step: int, n_processes: int) -> None:
     if n_processes > 1 and prompts_per_step % n_processes:
-        raise QAEUserError(f"prompts-per-step: {prompts_per_step} does not split over {n_processes} processes. Use a "
-                           "multiple of the process count.")
+        raise QAEUserError(
+            f"prompts-per-step: {prompts_per_step} does not split over {n_processes} processes. Use a "
+            "multiple of the process count."
+        )
 
 
 def close_workers(trainer) -> None:
@@ -152,8 +160,15 @@ class Trainer:
     train. `fit` lets go of the run folder when it ends; a caller that only runs train_step calls close() (or uses
     `with Trainer(...) as trainer:`)."""
 
-    def __init__(self, cfg: TrainConfig, runs_dir: Path, resume: bool = False, console=None,
-                 cpu: bool | None = None, accept_changed_reward: bool = False):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        runs_dir: Path,
+        resume: bool = False,
+        console=None,
+        cpu: bool | None = None,
+        accept_changed_reward: bool = False,
+    ):
         self._t_start = time.perf_counter()
         self.cfg = cfg
         self.console = console
@@ -164,16 +179,24 @@ class Trainer:
         self._setup_s: float | None = None
         self._wall_s_before = self._setup_s_before = 0.0  # time spent by earlier sessions of a resumed run
         self._setup_processes(cpu)
-        self.session = RunSession(self.runs_dir, self.run_id, cfg, self.accelerator, resume, say=self._say,
-                                  started=self._t_start,
-                                  distributed=describe(self.accelerator, sharding_plan_for(self.accelerator).sharding))
+        self.session = RunSession(
+            self.runs_dir,
+            self.run_id,
+            cfg,
+            self.accelerator,
+            resume,
+            say=self._say,
+            started=self._t_start,
+            distributed=describe(self.accelerator, sharding_plan_for(self.accelerator).sharding),
+        )
         self.run_dir = self.session.run_dir
         try:
             self._load_data()
             self._load_models()
             if resume:
-                restored = self.session.checkpoints.restore(self.data_fingerprint, self.model, self.optimizer,
-                                                            self.scheduler)
+                restored = self.session.checkpoints.restore(
+                    self.data_fingerprint, self.model, self.optimizer, self.scheduler
+                )
                 if restored is not None:
                     self.state = restored
                     self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
@@ -197,9 +220,11 @@ class Trainer:
         check_launch_mixed_precision(cfg.mixed_precision)
         # no buffer broadcast at each DDP forward: it is a collective, and processes run different numbers of
         # forwards (gated responses skip theirs); the models' buffers (rotary tables) are constants anyway
-        self.accelerator = Accelerator(cpu=cpu if cpu is not None else not torch.cuda.is_available(),
-                                       mixed_precision=cfg.mixed_precision,  # bf16: autocast, float32 weights
-                                       kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+        self.accelerator = Accelerator(
+            cpu=cpu if cpu is not None else not torch.cuda.is_available(),
+            mixed_precision=cfg.mixed_precision,  # bf16: autocast, float32 weights
+            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
+        )
         # sharded weights (FSDP, ZeRO-3): every forward is a collective, so processes run them in lockstep
         self.lockstep = self.accelerator.num_processes > 1 and sharding_plan_for(self.accelerator).sharding != "none"
         self.is_main = self.accelerator.is_main_process
@@ -221,8 +246,10 @@ class Trainer:
         # what --eval-every evaluates: the task's held-out split, or --eval-bench named as `qae eval` names it;
         # loaded now so a bad path fails before anything is written
         self.eval_name, self.eval_problems, self.eval_task = (
-            run_benchmark(cfg, cfg.eval_bench, "eval-bench") if cfg.eval_bench
-            else (f"{self.task.name}-heldout", self.task.heldout, self.task))
+            run_benchmark(cfg, cfg.eval_bench, "eval-bench")
+            if cfg.eval_bench
+            else (f"{self.task.name}-heldout", self.task.heldout, self.task)
+        )
 
     def _check_rewards(self, accept_changed: bool) -> dict:
         """The rewards' code, checked before it runs: on a resume a `PATH.py:FUNCTION` file that changed since the
@@ -246,8 +273,10 @@ class Trainer:
             enable_gradient_checkpointing(model)
         self.logits_keyword = logits_keyword(model)  # (of the Hugging Face model: peft's and DDP's take **kwargs)
         if cfg.log_entropy_attribution and getattr(acc.state, "deepspeed_plugin", None) is not None:
-            raise QAEUserError("log-entropy-attribution: DeepSpeed keeps its own master weights inside its optimizer, "
-                               "which the trial updates cannot restore. Launch with DDP or FSDP, or drop the option.")
+            raise QAEUserError(
+                "log-entropy-attribution: DeepSpeed keeps its own master weights inside its optimizer, "
+                "which the trial updates cannot restore. Launch with DDP or FSDP, or drop the option."
+            )
         model = self._with_lora_and_reference(model)
         # with LoRA only the adapters are trainable: no gradient or moments for the rest. The scheduler is stepped once
         # per RL step on every process; not passed to accelerate.prepare, whose wrapper would step it once per process
@@ -255,8 +284,9 @@ class Trainer:
         # FSDP2 where accelerate falls back to DDP (CPUs): sharded here, before the optimizer takes the parameters
         check_updates_move_the_weights(trainable_parameters(model), cfg.lr, cfg.dtype)
         model, self.ref_model = shard_models(acc, model, self.ref_model)
-        optimizer, self.scheduler = optimizer_and_schedule(trainable_parameters(model), cfg.lr, cfg.weight_decay,
-                                                           cfg.warmup_steps)
+        optimizer, self.scheduler = optimizer_and_schedule(
+            trainable_parameters(model), cfg.lr, cfg.weight_decay, cfg.warmup_steps
+        )
         self.model, self.optimizer = prepare(acc, model, optimizer)
         self.logprob_chunk_tokens = logprob_chunk_tokens(self.model, cfg.logprob_chunk_tokens, self._say)
         # each group's prompt once per training forward (shared_prompts): not over sharded weights, whose forward
@@ -264,16 +294,29 @@ class Trainer:
         self.share_prompts = sharding_plan_for(acc).sharding == "none" and not cfg.gradient_checkpointing
         if self.ref_model is not None and not cfg.lora_rank:
             self.ref_model.to(acc.device)
-        self.engine = make_engine(cfg.engine, acc.unwrap_model(self.model), self.codec, model_path=cfg.model,
-                                  sharded=ShardedPolicy.of(acc, self.model), rollout_dtype=cfg.rollout_dtype,
-                                  sleep=cfg.vllm_sleep, gpu_memory_utilization=cfg.vllm_gpu_memory,
-                                  max_model_len=rollout_positions(model, self.codec, data + evals, cfg.max_new_tokens))
+        self.engine = make_engine(
+            cfg.engine,
+            acc.unwrap_model(self.model),
+            self.codec,
+            model_path=cfg.model,
+            sharded=ShardedPolicy.of(acc, self.model),
+            rollout_dtype=cfg.rollout_dtype,
+            sleep=cfg.vllm_sleep,
+            gpu_memory_utilization=cfg.vllm_gpu_memory,
+            max_model_len=rollout_positions(model, self.codec, data + evals, cfg.max_new_tokens),
+        )
         self.rewards = run_rewards(cfg, self.task.reward)  # (its workers start when it first scores)
         # one RewardSet for the whole run (a math verifier pool takes seconds to start): the training one if it fits
-        self.eval_rewards = (self.rewards if cfg.reward or self.eval_task.reward == self.task.reward
-                            else run_rewards(cfg, self.eval_task.reward))
-        self.state = TrainerState(k=None if cfg.k == "auto" else float(cfg.k),
-                                  data_fingerprint=self.data_fingerprint, num_processes=acc.num_processes)
+        self.eval_rewards = (
+            self.rewards
+            if cfg.reward or self.eval_task.reward == self.task.reward
+            else run_rewards(cfg, self.eval_task.reward)
+        )
+        self.state = TrainerState(
+            k=None if cfg.k == "auto" else float(cfg.k),
+            data_fingerprint=self.data_fingerprint,
+            num_processes=acc.num_processes,
+        )
 
     def _check_prompts_fit(self, model, data: list, evals: list) -> None:
         """Refuse prompts (the data's, --eval-bench's) too long for the model's context with the responses, and a
@@ -283,8 +326,13 @@ class Trainer:
         if cfg.eval_bench and cfg.eval_every:  # the problems --eval-every evaluates, as `qae eval` checks them
             check_prompt_lengths(model, self.codec, evals, cfg.max_new_tokens, "eval-bench")
         if cfg.max_tokens_per_micro_batch is not None:  # (the trained prompts: the held-out ones are only sampled)
-            check_token_budget(self.codec, [(p.prompt_id, self.task.prompt(p)) for p in self.task.train],
-                               cfg.max_new_tokens, cfg.max_tokens_per_micro_batch, "the data's")
+            check_token_budget(
+                self.codec,
+                [(p.prompt_id, self.task.prompt(p)) for p in self.task.train],
+                cfg.max_new_tokens,
+                cfg.max_tokens_per_micro_batch,
+                "the data's",
+            )
 
     def _with_lora_and_reference(self, model):
         """The policy with its LoRA adapters (--lora-rank), and self.ref_model for --kl-beta: the policy with its
@@ -292,9 +340,11 @@ class Trainer:
         cfg, acc = self.cfg, self.accelerator
         if cfg.lora_rank:
             if sharding_plan_for(acc).sharding != "none":
-                raise QAEUserError(f"lora-rank: LoRA is not supported with sharded weights "
-                                   f"({sharding_plan_for(acc).sharding}). Launch with DDP (accelerate launch "
-                                   "--multi_gpu) or one process, or train every weight (--lora-rank 0).")
+                raise QAEUserError(
+                    f"lora-rank: LoRA is not supported with sharded weights "
+                    f"({sharding_plan_for(acc).sharding}). Launch with DDP (accelerate launch "
+                    "--multi_gpu) or one process, or train every weight (--lora-rank 0)."
+                )
             model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, model_name=cfg.model)
         self.ref_model = None
         if cfg.kl_beta > 0 and cfg.lora_rank:  # the base model is the policy with its adapters off: no second copy
@@ -346,8 +396,12 @@ class Trainer:
             try:
                 fault_point("finishing", self.state.step)
                 close_workers(self)
-                self.session.finish(status, error, wall_s_before=self._wall_s_before,
-                                    setup_s=self._setup_s_before + (self._setup_s or 0.0))
+                self.session.finish(
+                    status,
+                    error,
+                    wall_s_before=self._wall_s_before,
+                    setup_s=self._setup_s_before + (self._setup_s or 0.0),
+                )
             finally:
                 self.session.close()  # (the lock, the signal handlers)
         return RunResult(self.run_id, self.run_dir, self.state.step, status)
@@ -359,13 +413,16 @@ class Trainer:
         t_iteration = time.perf_counter()
         out = self.train_step(step)
         t0 = time.perf_counter()
-        heldout = (self.evaluate_heldout(step)
-                   if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps) else None)
-        out.metrics.update(heldout_accuracy=heldout.accuracy if heldout else None,
-                           eval_s=time.perf_counter() - t0)
+        heldout = (
+            self.evaluate_heldout(step)
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
+            else None
+        )
+        out.metrics.update(heldout_accuracy=heldout.accuracy if heldout else None, eval_s=time.perf_counter() - t0)
         self.state.step = step  # (train_step advanced state.data_position by the prompts it consumed)
-        write_s = self.session.write_step(step, step_tables(out, heldout, cfg.store_responses, cfg.seed, step),
-                                           out.chosen_k)
+        write_s = self.session.write_step(
+            step, step_tables(out, heldout, cfg.store_responses, cfg.seed, step), out.chosen_k
+        )
         checkpoint_s = 0.0
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
             t0 = time.perf_counter()
@@ -375,8 +432,9 @@ class Trainer:
         if on_step is not None:
             on_step(step, out.metrics, out.warnings)
         # (known only now that the step's rows are queued: the session writes them with the next step's)
-        self.session.record_step_times(step, write_s=write_s, checkpoint_s=checkpoint_s,
-                                       step_s=time.perf_counter() - t_iteration)
+        self.session.record_step_times(
+            step, write_s=write_s, checkpoint_s=checkpoint_s, step_s=time.perf_counter() - t_iteration
+        )
 
     def train_step(self, step: int) -> StepOutput:
         """One RL step on this process's share of the step's prompts. Updates the model, optimizer, scheduler and
@@ -396,8 +454,14 @@ class Trainer:
 
         # ---- advantages of every group sampled (a filtered group's are stored but never trained)
         estimator = EstimatorConfig(k=k, quantile=cfg.quantile, scale=cfg.scale)
-        adv = step_advantages(cfg.estimator, sampled.rewards, sampled.correct, names.reward_values(cfg.reward_values),
-                              estimator, cfg.shaping)
+        adv = step_advantages(
+            cfg.estimator,
+            sampled.rewards,
+            sampled.correct,
+            names.reward_values(cfg.reward_values),
+            estimator,
+            cfg.shaping,
+        )
 
         # ---- the update with its diagnostics, on the trained groups only
         self.engine.release_memory()  # (vLLM's sleep mode: its GPU memory goes to the update until the weight sync)
@@ -412,13 +476,28 @@ class Trainer:
 
         # ---- the step's output: its rows (every process's groups, gathered on the main one), metrics and warnings
         rows = self._step_rows(sampled, adv, update)
-        metrics = {**step_metrics(rows.groups, rows.rollouts), **update.stats, "k": k,
-                   "gen_batches": len(sampled.batches), "rollout_s": sampled.rollout_s, "reward_s": sampled.reward_s,
-                   "update_s": update_s, "sync_s": sync_s}
+        metrics = {
+            **step_metrics(rows.groups, rows.rollouts),
+            **update.stats,
+            "k": k,
+            "gen_batches": len(sampled.batches),
+            "rollout_s": sampled.rollout_s,
+            "reward_s": sampled.reward_s,
+            "update_s": update_s,
+            "sync_s": sync_s,
+        }
         warnings = self._step_warnings(step, auto_k, sampled, rows, metrics)
         metrics["step_s"] = time.perf_counter() - t_step
-        return StepOutput(metrics, rows.groups, rows.rollouts, warnings, chosen_k=self.state.k if auto_k else None,
-                          components=rows.components, signal=rows.signal, tokens=rows.tokens)
+        return StepOutput(
+            metrics,
+            rows.groups,
+            rows.rollouts,
+            warnings,
+            chosen_k=self.state.k if auto_k else None,
+            components=rows.components,
+            signal=rows.signal,
+            tokens=rows.tokens,
+        )
 
     # -------------------------------------------------------------------------------------------------------------
     # the step's parts, in the order train_step runs them
@@ -437,15 +516,25 @@ class Trainer:
         samples = [s for b in batches for s in b.samples]  # (B * G): sample j of group i at i * G + j
         trained = [trained_global[b.first_group + i] for b in batches for i in range(len(b.problems))]  # (B,)
         return SampledStep(
-            batches=batches, trained=trained, n_trained=n_trained,
-            rewards=torch.cat([b.rewards for b in batches]), correct=torch.cat([b.correct for b in batches]),
+            batches=batches,
+            trained=trained,
+            n_trained=n_trained,
+            rewards=torch.cat([b.rewards for b in batches]),
+            correct=torch.cat([b.correct for b in batches]),
             samples=samples,
-            trained_samples=[s for i, keep in enumerate(trained) if keep for s in samples[i * G:(i + 1) * G]],
+            trained_samples=[s for i, keep in enumerate(trained) if keep for s in samples[i * G : (i + 1) * G]],
             engine_measured=all(s.token_logprobs is not None and s.token_entropies is not None for s in samples),
-            rollout_s=rollout_s, reward_s=reward_s, cap_warning=cap,
-            kept_tokens=kept_responses(responses_kept(cfg.store_tokens, cfg.prompts_per_step * G * cfg.max_new_tokens),
-                                       len(batches) * cfg.prompts_per_step * G, cfg.seed, step),
-            weights={name: w for b in batches for name, w in b.weights.items()})
+            rollout_s=rollout_s,
+            reward_s=reward_s,
+            cap_warning=cap,
+            kept_tokens=kept_responses(
+                responses_kept(cfg.store_tokens, cfg.prompts_per_step * G * cfg.max_new_tokens),
+                len(batches) * cfg.prompts_per_step * G,
+                cfg.seed,
+                step,
+            ),
+            weights={name: w for b in batches for name, w in b.weights.items()},
+        )
 
     def _sample_generation_batches(self, step: int) -> tuple[list[GenerationBatch], list[bool], float, float]:
         """Sample and score batches of prompts_per_step prompts, taken in order from the data stream at
@@ -465,28 +554,36 @@ class Trainer:
         while True:
             index = len(batches)
             stream = prompts_at(self.task, cfg.seed, self.state.data_position + index * P, P)
-            problems = [self.task.train[i] for i in stream[offset:offset + per_process]]
+            problems = [self.task.train[i] for i in stream[offset : offset + per_process]]
             prompts = [self.task.prompt(p) for p in problems]
             t0 = time.perf_counter()
-            samples = self.engine.generate(prompts, G, cfg.temperature, cfg.max_new_tokens,
-                                           step_seed(cfg.seed, step, acc.process_index, index))
+            samples = self.engine.generate(
+                prompts, G, cfg.temperature, cfg.max_new_tokens, step_seed(cfg.seed, step, acc.process_index, index)
+            )
             rollout_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             fault_point("scoring", step)
             scored = score_batch(self.rewards, cfg, samples, problems, prompts, step)
             reward_s += time.perf_counter() - t0
             batch = GenerationBatch(
-                index=index, first_group=index * P + offset, problems=problems, prompts=prompts, samples=samples,
-                verified=scored.verified, components=scored.components, reward_warning=scored.warning,
-                parts=scored.parts, weights=scored.weights,
+                index=index,
+                first_group=index * P + offset,
+                problems=problems,
+                prompts=prompts,
+                samples=samples,
+                verified=scored.verified,
+                components=scored.components,
+                reward_warning=scored.warning,
+                parts=scored.parts,
+                weights=scored.weights,
                 rewards=torch.tensor(scored.rewards, dtype=torch.float64).view(len(problems), G),
-                correct=torch.tensor(scored.correct, dtype=torch.bool).view(len(problems), G))
+                correct=torch.tensor(scored.correct, dtype=torch.bool).view(len(problems), G),
+            )
             batches.append(batch)
             if not cfg.dynamic_sampling:
                 return batches, [True] * P, rollout_s, reward_s
             mine = groups_with_signal(batch.rewards, batch.correct, cfg.filter_metric)  # (per_process,)
-            signal += (acc.gather(mine.long().to(acc.device)).bool().tolist() if acc.num_processes > 1
-                       else mine.tolist())
+            signal += acc.gather(mine.long().to(acc.device)).bool().tolist() if acc.num_processes > 1 else mine.tolist()
             if sum(signal) >= P or (cfg.max_gen_batches and len(batches) >= cfg.max_gen_batches):
                 break
         trained, count = [], 0
@@ -506,8 +603,9 @@ class Trainer:
         self.state.k = names.auto_k(success)
         return {"kind": "auto_k", "message": f"--k auto: first-step success rate {success:.3f} -> K = {self.state.k}"}
 
-    def _update_with_diagnostics(self, step: int, sampled: SampledStep, advantages: torch.Tensor,
-                                 split_k: float) -> StepUpdate:
+    def _update_with_diagnostics(
+        self, step: int, sampled: SampledStep, advantages: torch.Tensor, split_k: float
+    ) -> StepUpdate:
         """The policy update on the trained groups (a filtered group enters neither the loss nor its normalizer) and
         the LR schedule's step, with what the step's row reports of them: the update's stats and LR, the entropy
         attribution (--log-entropy-attribution: trial updates from the weights before it), dH (--log-entropy-delta:
@@ -525,35 +623,68 @@ class Trainer:
         options = self.update_options()
         seed = step_seed(cfg.seed, step, 0) + 1  # (the mini-batches: the attribution draws the same)
         control = self.entropy_control()
-        attribution = (entropy_attribution(self.model, self.optimizer, batch, trained_adv, correct, split_k, G,
-                                           options, acc, seed=seed, n_local=n_local, entropy_control=control)
-                       if cfg.log_entropy_attribution else dict.fromkeys(ATTRIBUTION_METRICS))
-        updated = policy_update(self.model, self.optimizer, batch, trained_adv, options, acc, seed=seed,
-                                ref_model=self.ref_model, n_local=n_local, entropy_control=control,
-                                full_pass=not sampled.engine_measured or cfg.log_entropy_delta)
+        attribution = (
+            entropy_attribution(
+                self.model,
+                self.optimizer,
+                batch,
+                trained_adv,
+                correct,
+                split_k,
+                G,
+                options,
+                acc,
+                seed=seed,
+                n_local=n_local,
+                entropy_control=control,
+            )
+            if cfg.log_entropy_attribution
+            else dict.fromkeys(ATTRIBUTION_METRICS)
+        )
+        updated = policy_update(
+            self.model,
+            self.optimizer,
+            batch,
+            trained_adv,
+            options,
+            acc,
+            seed=seed,
+            ref_model=self.ref_model,
+            n_local=n_local,
+            entropy_control=control,
+            full_pass=not sampled.engine_measured or cfg.log_entropy_delta,
+        )
         self.state.entropy_coef, self.state.entropy_measured = control.coef, control.measured
-        dH = (entropy_change(self.model, batch, updated.entropy, correct, split_k, G, options, acc, n_local)
-              if cfg.log_entropy_delta else dict.fromkeys(ENTROPY_CHANGE_METRICS))
+        dH = (
+            entropy_change(self.model, batch, updated.entropy, correct, split_k, G, options, acc, n_local)
+            if cfg.log_entropy_delta
+            else dict.fromkeys(ENTROPY_CHANGE_METRICS)
+        )
         self.scheduler.step()  # once per RL step, on every process (the scheduler is not prepared: see _load_models)
         response_stats = None if sampled.engine_measured else sampling_policy_stats(batch, updated, n_local)
         mismatch = dict.fromkeys(MISMATCH_METRICS)  # (NULL: an engine that returns no log-probs)
         capped = capped_tokens(batch, updated, trained_adv, n_local, cfg.rollout_correction_cap, acc)
-        return StepUpdate({**mismatch, **updated.stats, **capped, **attribution, **dH, "lr": lr}, response_stats,
-                          self._trained_tokens(sampled, batch, updated))
+        return StepUpdate(
+            {**mismatch, **updated.stats, **capped, **attribution, **dH, "lr": lr},
+            response_stats,
+            self._trained_tokens(sampled, batch, updated),
+        )
 
     @staticmethod
     def _no_update(lr: float) -> StepUpdate:
         """The row of a step that trained nothing: no update's numbers, the LR it would have used."""
-        return StepUpdate({**NO_UPDATE, **dict.fromkeys((*ENTROPY_CHANGE_METRICS, *ATTRIBUTION_METRICS,
-                                                          *CAPPED_METRICS)), "lr": lr})
+        return StepUpdate(
+            {**NO_UPDATE, **dict.fromkeys((*ENTROPY_CHANGE_METRICS, *ATTRIBUTION_METRICS, *CAPPED_METRICS)), "lr": lr}
+        )
 
     def _trained_batch(self, sampled: SampledStep, trained_advantages: torch.Tensor) -> tuple[dict, torch.Tensor]:
         """This process's trained responses packed on its device, and their advantages (N,). A process whose groups
         were all filtered packs one placeholder sequence with advantage 0: it still takes part in the collective
         forward/backward passes, weighted 0 (see update.accumulate_gradients), and contributes nothing."""
         acc = self.accelerator
-        batch = pack(sampled.trained_samples or sampled.samples[:1], self.codec.pad_id, acc.device,
-                     float_dtype(self.model))
+        batch = pack(
+            sampled.trained_samples or sampled.samples[:1], self.codec.pad_id, acc.device, float_dtype(self.model)
+        )
         trained_adv = trained_advantages.reshape(-1).to(acc.device)  # (N,) the trained responses
         if not sampled.trained_samples:
             trained_adv = trained_adv.new_zeros(1)  # (the placeholder's)
@@ -576,8 +707,17 @@ class Trainer:
         """The step's `groups`, `rollouts`, `reward_components`, `component_signal` and `token_values` rows: every
         process's groups, gathered on the main process, in group_idx order."""
         sources = TokenSources(update.tokens, sampled.kept_tokens, partial(token_texts, self.codec))
-        results = group_results(sampled.batches, sampled.trained, adv, sampled.rewards, sampled.correct,
-                                self.cfg.group_size, sampled.engine_measured, update.response_stats, sources)
+        results = group_results(
+            sampled.batches,
+            sampled.trained,
+            adv,
+            sampled.rewards,
+            sampled.correct,
+            self.cfg.group_size,
+            sampled.engine_measured,
+            update.response_stats,
+            sources,
+        )
         if self.accelerator.num_processes > 1:
             from accelerate.utils import gather_object
 
@@ -590,8 +730,11 @@ class Trainer:
         the step's numbers raise (core.alert_levels)."""
         facts = StepFacts(step, metrics, rows.signal, primary_component(self.cfg.primary_reward, rows.signal))
         alerts = watch(self.state, facts, self.alerts, self.cfg)
-        return [row for row in (auto_k, sampled.cap_warning, *(b.reward_warning for b in sampled.batches), *alerts)
-                if row is not None]
+        return [
+            row
+            for row in (auto_k, sampled.cap_warning, *(b.reward_warning for b in sampled.batches), *alerts)
+            if row is not None
+        ]
 
     # -------------------------------------------------------------------------------------------------------------
     # the update's options
@@ -605,10 +748,14 @@ class Trainer:
     def update_options(self) -> UpdateOptions:
         """The config's options and the trainer's attributes that a test or benchmark may switch: skip_gated (the
         dense reference), lockstep (on one machine), logits_keyword (full forward), logprob_chunk_tokens."""
-        return UpdateOptions.from_config(self.cfg, skip_gated=self.skip_gated, lockstep=self.lockstep,
-                                         logits_keyword=self.logits_keyword,
-                                         logprob_chunk_tokens=self.logprob_chunk_tokens,
-                                         share_prompts=self.share_prompts and not self.lockstep)
+        return UpdateOptions.from_config(
+            self.cfg,
+            skip_gated=self.skip_gated,
+            lockstep=self.lockstep,
+            logits_keyword=self.logits_keyword,
+            logprob_chunk_tokens=self.logprob_chunk_tokens,
+            share_prompts=self.share_prompts and not self.lockstep,
+        )
 
     # -------------------------------------------------------------------------------------------------------------
     # evaluation
@@ -626,8 +773,17 @@ class Trainer:
         if not problems:
             return None
         share = problems[acc.process_index :: acc.num_processes]
-        result = evaluate(self.engine, name, share, [task.prompt(p) for p in share], self.eval_rewards, cfg.eval_k,
-                          cfg.temperature, cfg.max_new_tokens, seed=step_seed(cfg.seed, step, acc.process_index) + 7)
+        result = evaluate(
+            self.engine,
+            name,
+            share,
+            [task.prompt(p) for p in share],
+            self.eval_rewards,
+            cfg.eval_k,
+            cfg.temperature,
+            cfg.max_new_tokens,
+            seed=step_seed(cfg.seed, step, acc.process_index) + 7,
+        )
         samples, metrics = result.samples, result.metrics
         if acc.num_processes > 1:
             from accelerate.utils import gather_object
@@ -636,8 +792,11 @@ class Trainer:
             metrics = summarize(name, problems, samples, cfg.eval_k)
         accuracy = next(m["value"] for m in metrics if m["metric"] == "avg@k" and m["subset"] == "all")
         sampled = {"temperature": cfg.temperature, "top_p": 1.0, "samples": cfg.eval_k, "problem_limit": cfg.eval_limit}
-        return HeldoutEval(accuracy, [{**m, "source": "train", **sampled} for m in metrics],
-                           [{**s, "benchmark": name, "source": "train"} for s in samples])
+        return HeldoutEval(
+            accuracy,
+            [{**m, "source": "train", **sampled} for m in metrics],
+            [{**s, "benchmark": name, "source": "train"} for s in samples],
+        )
 
     # -------------------------------------------------------------------------------------------------------------
     # teardown

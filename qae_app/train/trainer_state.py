@@ -41,8 +41,10 @@ class TrainerState:
         """The state saved at `path`; QAEUserError naming the file when it is not one (`problem` says why)."""
         problem = cls.problem(path)
         if problem is not None:
-            raise QAEUserError(f"checkpoint {Path(path).parent}: {problem}. Resume from another checkpoint (remove "
-                               "this folder) or start a new run.")
+            raise QAEUserError(
+                f"checkpoint {Path(path).parent}: {problem}. Resume from another checkpoint (remove "
+                "this folder) or start a new run."
+            )
         return cls(**json.loads(read_run_file(path)))
 
     @classmethod
@@ -75,12 +77,19 @@ def _real(value) -> bool:
 
 
 # what each key of trainer_state.json may hold (TrainerState's fields)
-_STATE_TYPES = {"step": _count, "k": _real, "entropy_zone": lambda v: v in ("low", "ok", "high"),
-                "entropy_ema": _real, "entropy_start": _real, "data_position": _count,
-                "data_fingerprint": lambda v: v is None or isinstance(v, str),
-                "num_processes": lambda v: v is None or _count(v, 1), "entropy_coef": _real,
-                "entropy_measured": _real,
-                "alerts": lambda v: v is None or _alerts_record(v)}
+_STATE_TYPES = {
+    "step": _count,
+    "k": _real,
+    "entropy_zone": lambda v: v in ("low", "ok", "high"),
+    "entropy_ema": _real,
+    "entropy_start": _real,
+    "data_position": _count,
+    "data_fingerprint": lambda v: v is None or isinstance(v, str),
+    "num_processes": lambda v: v is None or _count(v, 1),
+    "entropy_coef": _real,
+    "entropy_measured": _real,
+    "alerts": lambda v: v is None or _alerts_record(v),
+}
 
 
 def _numbers(value) -> bool:
@@ -92,10 +101,16 @@ def _alerts_record(value) -> bool:
     if not isinstance(value, dict) or set(value) != {"history", "first_lengths", "steps", "streaks", "active"}:
         return False
     history, streaks, active = value["history"], value["streaks"], value["active"]
-    return (isinstance(history, dict) and all(isinstance(k, str) and _numbers(v) for k, v in history.items())
-            and _numbers(value["first_lengths"]) and _count(value["steps"])
-            and isinstance(streaks, dict) and all(isinstance(k, str) and _count(v) for k, v in streaks.items())
-            and isinstance(active, list) and all(isinstance(name, str) for name in active))
+    return (
+        isinstance(history, dict)
+        and all(isinstance(k, str) and _numbers(v) for k, v in history.items())
+        and _numbers(value["first_lengths"])
+        and _count(value["steps"])
+        and isinstance(streaks, dict)
+        and all(isinstance(k, str) and _count(v) for k, v in streaks.items())
+        and isinstance(active, list)
+        and all(isinstance(name, str) for name in active)
+    )
 
 
 def data_position_problem(position: int, steps: int, cfg: TrainConfig) -> str | None:
@@ -107,5 +122,7 @@ def data_position_problem(position: int, steps: int, cfg: TrainConfig) -> str | 
     most = steps * P * cfg.max_gen_batches if cfg.max_gen_batches else None
     if position % P == 0 and steps * P <= position and (most is None or position <= most):
         return None
-    return (f"{steps} steps of 1 to {cfg.max_gen_batches or 'any number of'} generation batches of {P} prompts end "
-            f"at a multiple of {P} from {steps * P}" + (f" to {most}" if most is not None else " on"))
+    return (
+        f"{steps} steps of 1 to {cfg.max_gen_batches or 'any number of'} generation batches of {P} prompts end "
+        f"at a multiple of {P} from {steps * P}" + (f" to {most}" if most is not None else " on")
+    )

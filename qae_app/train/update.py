@@ -62,9 +62,21 @@ from qae_app.models import sharding
 from qae_app.train.shared_prompts import shared_prompt_logprobs
 
 # the options TrainConfig gives the update, by the same names
-CONFIG_OPTIONS = ("num_mini_batches", "ppo_epochs", "micro_batch_size", "clip_low", "clip_high", "loss_agg",
-                  "kl_beta", "max_grad_norm", "max_new_tokens", "temperature", "max_tokens_per_micro_batch",
-                  "rollout_correction", "rollout_correction_cap")
+CONFIG_OPTIONS = (
+    "num_mini_batches",
+    "ppo_epochs",
+    "micro_batch_size",
+    "clip_low",
+    "clip_high",
+    "loss_agg",
+    "kl_beta",
+    "max_grad_norm",
+    "max_new_tokens",
+    "temperature",
+    "max_tokens_per_micro_batch",
+    "rollout_correction",
+    "rollout_correction_cap",
+)
 
 
 @dataclass(frozen=True)
@@ -95,8 +107,7 @@ class UpdateOptions:
     def from_config(cls, cfg, **how) -> UpdateOptions:
         """The update options of a TrainConfig; `how`: skip_gated, lockstep, logits_keyword, logprob_chunk_tokens
         (the trainer decides it once per run: the config's request, if the model allows the chunked head)."""
-        return cls(**{name: getattr(cfg, name) for name in CONFIG_OPTIONS}, loss=LossSettings.from_config(cfg),
-                   **how)
+        return cls(**{name: getattr(cfg, name) for name in CONFIG_OPTIONS}, loss=LossSettings.from_config(cfg), **how)
 
 
 @dataclass
@@ -169,9 +180,11 @@ def pack(samples, pad_id: int, device, float_dtype: torch.dtype = torch.float32)
         response_mask.append([0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) + [0] * (width - length))
         if with_sampler:
             sampler_logp.append([0.0] * (len(s.prompt_ids) - 1) + list(s.token_logprobs) + [0.0] * (width - length))
-    batch = {"input_ids": torch.tensor(input_ids, device=device),
-             "attention_mask": torch.tensor(attention_mask, device=device),
-             "response_mask": torch.tensor(response_mask, dtype=float_dtype, device=device)}
+    batch = {
+        "input_ids": torch.tensor(input_ids, device=device),
+        "attention_mask": torch.tensor(attention_mask, device=device),
+        "response_mask": torch.tensor(response_mask, dtype=float_dtype, device=device),
+    }
     if with_sampler:
         batch["sampler_logp"] = torch.tensor(sampler_logp, dtype=float_dtype, device=device)  # (N, T-1)
     return batch
@@ -189,8 +202,9 @@ def logits_keyword(model) -> str | None:
     return next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in parameters), None)
 
 
-def forward_logprobs(model, batch, rows: torch.Tensor, options: UpdateOptions, with_entropy: bool = True,
-                     width: int | None = None):
+def forward_logprobs(
+    model, batch, rows: torch.Tensor, options: UpdateOptions, with_entropy: bool = True, width: int | None = None
+):
     """Token log-probs and (if asked) entropies (n, T-1) of the next tokens of the batch's sequences `rows`, under
     `model`; 0 at the positions before the earliest response of them. The vocabulary projection and softmax run
     from there on only (`logits_to_keep`, as TRL and verl do): on a real model with a long prompt they are most of
@@ -202,8 +216,9 @@ def forward_logprobs(model, batch, rows: torch.Tensor, options: UpdateOptions, w
     position predicting padding is then 0, the columns cut included. None: all T columns, as they are (cutting the
     padding of fixed micro-batches would change the last bit of the update that runs have always made)."""
     if options.share_prompts:  # the same numbers to float32 rounding, each group's prompt computed once
-        shared = shared_prompt_logprobs(model, batch, rows, options.temperature, with_entropy,
-                                        options.logprob_chunk_tokens)
+        shared = shared_prompt_logprobs(
+            model, batch, rows, options.temperature, with_entropy, options.logprob_chunk_tokens
+        )
         if shared is not None:
             return shared
     input_ids = batch["input_ids"][rows]  # (n, T)
@@ -212,18 +227,20 @@ def forward_logprobs(model, batch, rows: torch.Tensor, options: UpdateOptions, w
     if width is not None:
         input_ids, attention_mask = input_ids[:, :width], attention_mask[:, :width]  # (n, width)
     # logits at position t predict token t + 1: the first response token is predicted at its prompt's last one
-    first = (int(batch["response_mask"][rows].argmax(-1).min())
-             if options.logits_keyword or options.logprob_chunk_tokens else 0)
+    first = (
+        int(batch["response_mask"][rows].argmax(-1).min())
+        if options.logits_keyword or options.logprob_chunk_tokens
+        else 0
+    )
     if options.logprob_chunk_tokens:
-        logp, entropy = causal_lm_logprobs(model, input_ids, attention_mask, first, options.temperature,
-                                           with_entropy, options.logprob_chunk_tokens)  # (n, width-1) each
+        logp, entropy = causal_lm_logprobs(
+            model, input_ids, attention_mask, first, options.temperature, with_entropy, options.logprob_chunk_tokens
+        )  # (n, width-1) each
     else:
         keep = {options.logits_keyword: input_ids.shape[1] - first} if first else {}
         # use_cache=False: the model would otherwise build a KV cache (its config says use_cache) that nothing reads
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                       **keep).logits[:, :-1]
-        logp, entropy = token_logprobs_and_entropy(logits, input_ids[:, first + 1:], options.temperature,
-                                                   with_entropy)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **keep).logits[:, :-1]
+        logp, entropy = token_logprobs_and_entropy(logits, input_ids[:, first + 1 :], options.temperature, with_entropy)
         if first:
             logp = torch.nn.functional.pad(logp, (first, 0))
             entropy = torch.nn.functional.pad(entropy, (first, 0)) if entropy is not None else None
@@ -271,8 +288,9 @@ def lockstep_forwards(count: int, options: UpdateOptions, accelerator) -> int:
     return int(accelerator.gather(torch.tensor([count], device=accelerator.device)).max())
 
 
-def logprobs_in_chunks(model, batch, rows: torch.Tensor, options: UpdateOptions, accelerator=None,
-                       with_entropy: bool = False):
+def logprobs_in_chunks(
+    model, batch, rows: torch.Tensor, options: UpdateOptions, accelerator=None, with_entropy: bool = False
+):
     """No-grad token log-probs (and entropies) (len(rows), T-1) of the sequences `rows`, one micro-batch
     (micro_batch_plan) at a time; (None, None) for no rows."""
     acc = accelerator or OneProcess(rows.device)
@@ -301,9 +319,20 @@ def logprobs_in_chunks(model, batch, rows: torch.Tensor, options: UpdateOptions,
 # the update
 
 
-def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: UpdateOptions, accelerator=None, *,
-                  seed: int, ref_model=None, full_pass: bool = False, n_local: int | None = None,
-                  entropy_control: EntropyCoefficient | None = None) -> UpdateResult:
+def policy_update(
+    model,
+    optimizer,
+    batch,
+    advantages: torch.Tensor,
+    options: UpdateOptions,
+    accelerator=None,
+    *,
+    seed: int,
+    ref_model=None,
+    full_pass: bool = False,
+    n_local: int | None = None,
+    entropy_control: EntropyCoefficient | None = None,
+) -> UpdateResult:
     """num_mini_batches x ppo_epochs optimizer steps over the batch's responses, whose advantages are `advantages`
     (N,); `seed` draws the mini-batches (the same on every process). Returns the stats and, when `full_pass` ran
     over every response, their old log-probs and entropies (N, T-1) of the sampling policy.
@@ -320,15 +349,18 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
     """
     acc = accelerator or OneProcess(advantages.device)
     if options.rollout_correction != "none" and "sampler_logp" not in batch:
-        raise QAEUserError(f"rollout-correction: {options.rollout_correction} reweights by the sampler's token "
-                           "log-probs, which this engine did not return. Use --rollout-correction none.")
+        raise QAEUserError(
+            f"rollout-correction: {options.rollout_correction} reweights by the sampler's token "
+            "log-probs, which this engine did not return. Use --rollout-correction none."
+        )
     n_rows = advantages.shape[0]  # this process's responses, or one placeholder
     n_local = n_rows if n_local is None else n_local
     device = advantages.device
     tokens_per_seq = batch["response_mask"].sum(-1)  # (n_local,)
     epochs = mini_batch_plan(n_local, seed, options, acc, device)
-    work, entropy = _mini_batch_work(model, batch, advantages, options, acc, seed, ref_model, full_pass,
-                                     epochs[0].mine[0], entropy_control)
+    work, entropy = _mini_batch_work(
+        model, batch, advantages, options, acc, seed, ref_model, full_pass, epochs[0].mine[0], entropy_control
+    )
     forwarded, old_logp = work.forwarded, work.old_logp
 
     totals = dict.fromkeys(("loss", "pg_loss", "kl", "grad_norm", "clipped_low", "clipped_high", "selected"), 0.0)
@@ -338,12 +370,16 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
         model.train()
     for epoch, (mini_batches, mine) in enumerate(epochs):
         # per mini-batch, over all processes: response tokens (the normalizer) and responses forwarded
-        counts = torch.tensor([[tokens_per_seq[ix].sum().item(), forwarded[ix].sum().item()] for ix in mine],
-                              dtype=torch.float64, device=acc.device)  # (num_mini_batches, 2)
+        counts = torch.tensor(
+            [[tokens_per_seq[ix].sum().item(), forwarded[ix].sum().item()] for ix in mine],
+            dtype=torch.float64,
+            device=acc.device,
+        )  # (num_mini_batches, 2)
         if acc.num_processes > 1:
             counts = acc.reduce(counts, reduction="sum")
-        for index, (mb, ix, (mb_tokens, mb_forwarded)) in enumerate(zip(mini_batches, mine, counts.tolist(),
-                                                                        strict=True)):
+        for index, (mb, ix, (mb_tokens, mb_forwarded)) in enumerate(
+            zip(mini_batches, mine, counts.tolist(), strict=True)
+        ):
             normalizer = {"tokens": mb_tokens, "sequences": len(mb), "max_len": options.max_new_tokens}
             optimizer.zero_grad(set_to_none=True)
             if mb_forwarded == 0:
@@ -356,12 +392,27 @@ def policy_update(model, optimizer, batch, advantages: torch.Tensor, options: Up
             n_updates += 1
             totals["grad_norm"] += grad_norm_value(grad_norm, acc)
             tokens += mb_tokens
-    return UpdateResult(update_stats(totals, tokens, n_updates, work, batch, n_local), old_logp if full_pass else None,
-                        entropy, old_logp, work.have_old)
+    return UpdateResult(
+        update_stats(totals, tokens, n_updates, work, batch, n_local),
+        old_logp if full_pass else None,
+        entropy,
+        old_logp,
+        work.have_old,
+    )
 
 
-def _mini_batch_work(model, batch, advantages: torch.Tensor, options: UpdateOptions, acc, seed: int, ref_model,
-                     full_pass: bool, first_mini_batch, entropy_control: EntropyCoefficient | None):
+def _mini_batch_work(
+    model,
+    batch,
+    advantages: torch.Tensor,
+    options: UpdateOptions,
+    acc,
+    seed: int,
+    ref_model,
+    full_pass: bool,
+    first_mini_batch,
+    entropy_control: EntropyCoefficient | None,
+):
     """What every mini-batch reads: which responses are forwarded, their old log-probs (and entropies, on a full
     pass) and the reference model's log-probs; returned with the entropies."""
     n_rows = advantages.shape[0]
@@ -369,10 +420,23 @@ def _mini_batch_work(model, batch, advantages: torch.Tensor, options: UpdateOpti
     needs_all = ref_model is not None or not options.skip_gated or not options.loss.gated_skip_exact
     forwarded = torch.ones(n_rows, dtype=torch.bool, device=device) if needs_all else advantages != 0
     old_logp, have_old, entropy = old_logprobs(model, batch, forwarded, first_mini_batch, full_pass, options, acc)
-    ref_logp = (logprobs_in_chunks(ref_model, batch, torch.arange(n_rows, device=device), options, acc)[0]
-                if ref_model is not None else None)
-    work = MiniBatchWork(batch, advantages, forwarded, old_logp, have_old, ref_logp, options, acc,
-                         entropy_control or EntropyCoefficient(options.loss.entropy_coef), seed)
+    ref_logp = (
+        logprobs_in_chunks(ref_model, batch, torch.arange(n_rows, device=device), options, acc)[0]
+        if ref_model is not None
+        else None
+    )
+    work = MiniBatchWork(
+        batch,
+        advantages,
+        forwarded,
+        old_logp,
+        have_old,
+        ref_logp,
+        options,
+        acc,
+        entropy_control or EntropyCoefficient(options.loss.entropy_coef),
+        seed,
+    )
     return work, entropy
 
 
@@ -390,8 +454,9 @@ def update_stats(totals: dict, tokens: float, n_updates: int, work: MiniBatchWor
     acc = work.accelerator
     if acc.num_processes > 1:
         shares = ("loss", "pg_loss", "kl", "clipped_low", "clipped_high")
-        summed = acc.reduce(torch.tensor([totals[k] for k in shares], dtype=torch.float64, device=acc.device),
-                            reduction="sum").tolist()
+        summed = acc.reduce(
+            torch.tensor([totals[k] for k in shares], dtype=torch.float64, device=acc.device), reduction="sum"
+        ).tolist()
         totals.update(zip(shares, summed, strict=True))
     stats = {key: totals[key] / max(n_updates, 1) for key in ("loss", "pg_loss", "kl", "grad_norm")}
     # (n_rows,) the responses whose loss terms count: advantage != 0, and every one under a KL term (its penalty
@@ -399,11 +464,14 @@ def update_stats(totals: dict, tokens: float, n_updates: int, work: MiniBatchWor
     weighed = work.forwarded & work.have_old & ((work.advantages != 0) | (work.ref_logp is not None))
     weighed[n_local:] = False  # (not a placeholder)
     stats.update(rollout_mismatch(batch, work.old_logp, weighed, acc))
-    stats.update(clip_frac_low=totals["clipped_low"] / max(tokens, 1),
-                 clip_frac_high=totals["clipped_high"] / max(tokens, 1),
-                 clip_frac=(totals["clipped_low"] + totals["clipped_high"]) / max(tokens, 1), n_updates=n_updates,
-                 cov_selected_frac=totals["selected"] / max(tokens, 1),
-                 entropy_coef=work.entropy_control.coef)
+    stats.update(
+        clip_frac_low=totals["clipped_low"] / max(tokens, 1),
+        clip_frac_high=totals["clipped_high"] / max(tokens, 1),
+        clip_frac=(totals["clipped_low"] + totals["clipped_high"]) / max(tokens, 1),
+        n_updates=n_updates,
+        cov_selected_frac=totals["selected"] / max(tokens, 1),
+        entropy_coef=work.entropy_control.coef,
+    )
     return stats
 
 
@@ -436,23 +504,33 @@ def mini_batch_plan(n_local: int, seed: int, options: UpdateOptions, accelerator
     indices."""
     acc = accelerator
     # processes may hold different numbers of responses: number them globally, process by process
-    counts_per_process = (acc.gather(torch.tensor([n_local], device=acc.device)).tolist()
-                          if acc.num_processes > 1 else [n_local])
+    counts_per_process = (
+        acc.gather(torch.tensor([n_local], device=acc.device)).tolist() if acc.num_processes > 1 else [n_local]
+    )
     first = sum(counts_per_process[: acc.process_index])  # global index of this process's first response
     generator = torch.Generator().manual_seed(seed)  # the same on every process
     epochs = []
     n_total = sum(counts_per_process)
     for _ in range(options.ppo_epochs):
         # fewer responses than mini-batches happens only when dynamic sampling's cap left few groups
-        mini_batches = torch.randperm(n_total, generator=generator).tensor_split(min(options.num_mini_batches,
-                                                                                      n_total))
-        epochs.append(MiniBatchPlan(mini_batches, [(mb[(mb >= first) & (mb < first + n_local)] - first).to(device)
-                                                   for mb in mini_batches]))
+        mini_batches = torch.randperm(n_total, generator=generator).tensor_split(min(options.num_mini_batches, n_total))
+        epochs.append(
+            MiniBatchPlan(
+                mini_batches, [(mb[(mb >= first) & (mb < first + n_local)] - first).to(device) for mb in mini_batches]
+            )
+        )
     return epochs
 
 
-def old_logprobs(model, batch, forwarded: torch.Tensor, first_mini_batch: torch.Tensor, full_pass: bool,
-                 options: UpdateOptions, accelerator=None):
+def old_logprobs(
+    model,
+    batch,
+    forwarded: torch.Tensor,
+    first_mini_batch: torch.Tensor,
+    full_pass: bool,
+    options: UpdateOptions,
+    accelerator=None,
+):
     """(old_logp (N, T-1), have_old (N,), entropy (N, T-1) or None), before any optimizer step.
 
     `full_pass`: every response (the entropies and log-probs the rows report come from it). Otherwise only the
@@ -460,8 +538,9 @@ def old_logprobs(model, batch, forwarded: torch.Tensor, first_mini_batch: torch.
     n = forwarded.shape[0]
     device = forwarded.device
     if full_pass:
-        old_logp, entropy = logprobs_in_chunks(model, batch, torch.arange(n, device=device), options, accelerator,
-                                               with_entropy=True)
+        old_logp, entropy = logprobs_in_chunks(
+            model, batch, torch.arange(n, device=device), options, accelerator, with_entropy=True
+        )
         return old_logp, torch.ones(n, dtype=torch.bool, device=device), entropy
     old_logp = torch.zeros_like(batch["response_mask"])
     have_old = forwarded.clone()
@@ -497,12 +576,26 @@ def train_mini_batch(model, work: MiniBatchWork, ix: torch.Tensor, normalizer: d
     coefficient adapts to the entropy they measured. Returns the sums the step's stats add up."""
     options, acc, settings = work.options, work.accelerator, work.options.loss
     selection = select_tokens(model, work, ix, where) if settings.selects_tokens else TokenSelection()
-    normalizer = {**normalizer, "trained_tokens": (selection.trained_count if selection.trained is not None
-                                                    else normalizer["tokens"])}
+    normalizer = {
+        **normalizer,
+        "trained_tokens": (selection.trained_count if selection.trained is not None else normalizer["tokens"]),
+    }
     coef = work.entropy_control.applied(settings)
-    stats = accumulate_gradients(model, work.batch, ix[work.forwarded[ix]], work.old_logp, work.have_old,
-                                 work.ref_logp, work.advantages, normalizer, ix, options, acc, selection=selection,
-                                 entropy_coef=coef)
+    stats = accumulate_gradients(
+        model,
+        work.batch,
+        ix[work.forwarded[ix]],
+        work.old_logp,
+        work.have_old,
+        work.ref_logp,
+        work.advantages,
+        normalizer,
+        ix,
+        options,
+        acc,
+        selection=selection,
+        entropy_coef=coef,
+    )
     if settings.entropy_target is not None:
         entropy_sum = torch.tensor([stats.pop("entropy_sum")], dtype=torch.float64, device=acc.device)
         if acc.num_processes > 1:
@@ -519,20 +612,44 @@ def select_tokens(model, work: MiniBatchWork, ix: torch.Tensor, where: tuple[int
     the same on every process. `where`: (epoch, index), which seeds Clip-Cov's draw."""
     options, settings, batch = work.options, work.options.loss, work.batch
     rows = ix.sort().values  # (n,) global order: the canonical token order
-    logp, entropy = logprobs_in_chunks(model, batch, rows, options, work.accelerator,
-                                       with_entropy=settings.top_entropy_quantile < 1.0)
+    logp, entropy = logprobs_in_chunks(
+        model, batch, rows, options, work.accelerator, with_entropy=settings.top_entropy_quantile < 1.0
+    )
     if logp is None:  # (no member here: the collectives still run, on no tokens)
         logp = entropy = batch["response_mask"][:0]
-    tokens = SelectionTokens(logp, torch.where(work.have_old[rows, None], work.old_logp[rows], logp),
-                             work.advantages[rows], batch["response_mask"][rows], entropy)
-    return select_mini_batch(tokens, rows, batch["response_mask"], settings,
-                             settings.parameters(options.clip_low, options.clip_high), work.accelerator,
-                             selection_seed(work.seed, *where))
+    tokens = SelectionTokens(
+        logp,
+        torch.where(work.have_old[rows, None], work.old_logp[rows], logp),
+        work.advantages[rows],
+        batch["response_mask"][rows],
+        entropy,
+    )
+    return select_mini_batch(
+        tokens,
+        rows,
+        batch["response_mask"],
+        settings,
+        settings.parameters(options.clip_low, options.clip_high),
+        work.accelerator,
+        selection_seed(work.seed, *where),
+    )
 
 
-def accumulate_gradients(model, batch, keep, old_logp, have_old, ref_logp, advantages, normalizer, fallback,
-                         options: UpdateOptions, accelerator, selection: TokenSelection = TokenSelection(),
-                         entropy_coef: float = 0.0) -> dict:
+def accumulate_gradients(
+    model,
+    batch,
+    keep,
+    old_logp,
+    have_old,
+    ref_logp,
+    advantages,
+    normalizer,
+    fallback,
+    options: UpdateOptions,
+    accelerator,
+    selection: TokenSelection = TokenSelection(),
+    entropy_coef: float = 0.0,
+) -> dict:
     """Backward of this process's share (`keep`) of one mini-batch's loss, in micro-batches.
 
     Each micro-batch's loss uses the mini-batch's normalizer, so their sum is the mini-batch loss exactly; only
@@ -544,18 +661,34 @@ def accumulate_gradients(model, batch, keep, old_logp, have_old, ref_logp, advan
     acc = accelerator
     weight = float(acc.num_processes)  # DDP averages gradients over processes: undo it
     if len(keep) == 0:
-        keep, weight = (fallback[:1] if len(fallback) else torch.zeros(1, dtype=torch.long,
-                                                                     device=advantages.device)), 0.0
+        keep, weight = (
+            (fallback[:1] if len(fallback) else torch.zeros(1, dtype=torch.long, device=advantages.device)),
+            0.0,
+        )
     stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipped_low": 0.0, "clipped_high": 0.0, "entropy_sum": 0.0}
     micro_batches = [(keep[positions], width, weight) for positions, width in micro_batch_plan(batch, keep, options)]
     # sharded weights: as many forwards as the busiest process, the extra ones weighted 0 (see lockstep_forwards)
-    micro_batches += [(keep[:1], None, 0.0)] * (lockstep_forwards(len(micro_batches), options, acc)
-                                                - len(micro_batches))
+    micro_batches += [(keep[:1], None, 0.0)] * (
+        lockstep_forwards(len(micro_batches), options, acc) - len(micro_batches)
+    )
     for i, (micro, width, weight) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last else acc.no_sync(model):
-            out = micro_batch_loss(model, batch, micro, width, old_logp, have_old, ref_logp, advantages, normalizer,
-                                   options, selection, entropy_coef, keep_old=bool(weight))
+            out = micro_batch_loss(
+                model,
+                batch,
+                micro,
+                width,
+                old_logp,
+                have_old,
+                ref_logp,
+                advantages,
+                normalizer,
+                options,
+                selection,
+                entropy_coef,
+                keep_old=bool(weight),
+            )
             acc.backward(out.loss * weight if weight != 1.0 else out.loss)
         if weight:
             stats["loss"] += out.loss.item()
@@ -567,25 +700,54 @@ def accumulate_gradients(model, batch, keep, old_logp, have_old, ref_logp, advan
     return stats
 
 
-def micro_batch_loss(model, batch, micro, width, old_logp, have_old, ref_logp, advantages, normalizer,
-                     options: UpdateOptions, selection: TokenSelection, entropy_coef: float, keep_old: bool):
+def micro_batch_loss(
+    model,
+    batch,
+    micro,
+    width,
+    old_logp,
+    have_old,
+    ref_logp,
+    advantages,
+    normalizer,
+    options: UpdateOptions,
+    selection: TokenSelection,
+    entropy_coef: float,
+    keep_old: bool,
+):
     """One forward of the sequences `micro` and their loss (losses.policy_loss, the run's policy loss by name)."""
     settings = options.loss
-    logp, entropy = forward_logprobs(model, batch, micro, options, with_entropy=settings.with_entropy_bonus,
-                                     width=width)
+    logp, entropy = forward_logprobs(
+        model, batch, micro, options, with_entropy=settings.with_entropy_bonus, width=width
+    )
     known = have_old[micro][:, None]  # (n, 1)
     old = torch.where(known, old_logp[micro], logp.detach())
     if keep_old and not known.all():
         old_logp[micro], have_old[micro] = old, True
-    weights = (tis_weights(old, batch["sampler_logp"][micro], options.rollout_correction_cap)
-               if options.rollout_correction == "tis" else None)  # (n, T-1), or None: no correction
-    return policy_loss(logp, old, advantages[micro], batch["response_mask"][micro], options.clip_low,
-                       options.clip_high, options.loss_agg, normalizer,
-                       ref_logp[micro] if ref_logp is not None else None, options.kl_beta, weights,
-                       loss=settings.name, params=dict(settings.params),
-                       selected=selection.selected[micro] if selection.selected is not None else None,
-                       trained=selection.trained[micro] if selection.trained is not None else None,
-                       entropy=entropy, entropy_coef=entropy_coef)
+    weights = (
+        tis_weights(old, batch["sampler_logp"][micro], options.rollout_correction_cap)
+        if options.rollout_correction == "tis"
+        else None
+    )  # (n, T-1), or None: no correction
+    return policy_loss(
+        logp,
+        old,
+        advantages[micro],
+        batch["response_mask"][micro],
+        options.clip_low,
+        options.clip_high,
+        options.loss_agg,
+        normalizer,
+        ref_logp[micro] if ref_logp is not None else None,
+        options.kl_beta,
+        weights,
+        loss=settings.name,
+        params=dict(settings.params),
+        selected=selection.selected[micro] if selection.selected is not None else None,
+        trained=selection.trained[micro] if selection.trained is not None else None,
+        entropy=entropy,
+        entropy_coef=entropy_coef,
+    )
 
 
 MISMATCH_METRICS = ("mismatch_logp_abs", "mismatch_k3_kl", "mismatch_ratio_max")  # rollout_mismatch's columns
@@ -601,8 +763,9 @@ def rollout_mismatch(batch, old_logp: torch.Tensor, rows: torch.Tensor, accelera
         return {}
     sums = mismatch_sums(old_logp[rows], batch["sampler_logp"][rows], batch["response_mask"][rows])  # (4,)
     if acc.num_processes > 1:
-        sums = torch.cat([acc.reduce(sums[:3].to(acc.device), reduction="sum"),
-                          acc.gather(sums[3:].to(acc.device)).max()[None]])
+        sums = torch.cat(
+            [acc.reduce(sums[:3].to(acc.device), reduction="sum"), acc.gather(sums[3:].to(acc.device)).max()[None]]
+        )
     abs_sum, k3_sum, tokens, ratio_max = sums.tolist()
     if not tokens:
         return dict.fromkeys(MISMATCH_METRICS, math.nan)
@@ -610,5 +773,21 @@ def rollout_mismatch(batch, old_logp: torch.Tensor, rows: torch.Tensor, accelera
 
 
 # a step with nothing to learn from (dynamic sampling)
-NO_UPDATE = {**dict.fromkeys(("loss", "pg_loss", "kl", "grad_norm", "clip_frac", "clip_frac_low", "clip_frac_high",
-                              "cov_selected_frac", "entropy_coef", *MISMATCH_METRICS), math.nan), "n_updates": 0}
+NO_UPDATE = {
+    **dict.fromkeys(
+        (
+            "loss",
+            "pg_loss",
+            "kl",
+            "grad_norm",
+            "clip_frac",
+            "clip_frac_low",
+            "clip_frac_high",
+            "cov_selected_frac",
+            "entropy_coef",
+            *MISMATCH_METRICS,
+        ),
+        math.nan,
+    ),
+    "n_updates": 0,
+}

@@ -38,8 +38,12 @@ class WarmstartConfig:
         """A copy with the recipe's steps filled in; checked."""
         warm_startable = [name for name, task in BUILTIN_TASKS.items() if task.warmstart_steps > 0]
         if self.task not in warm_startable:
-            reason = (f"'{self.task}' starts RL from the pretrained {BUILTIN_TASKS[self.task].model} as it is, with no "
-                      "warm start" if self.task in BUILTIN_TASKS else f"unknown built-in task '{self.task}'")
+            reason = (
+                f"'{self.task}' starts RL from the pretrained {BUILTIN_TASKS[self.task].model} as it is, with no "
+                "warm start"
+                if self.task in BUILTIN_TASKS
+                else f"unknown built-in task '{self.task}'"
+            )
             raise QAEUserError(f"task: {reason}. Choose one of: {', '.join(warm_startable)}.")
         steps = BUILTIN_TASKS[self.task].warmstart_steps if self.steps is None else self.steps
         if steps < 1:
@@ -52,8 +56,9 @@ def check_out_dir(out_dir: Path) -> Path:
     """`out_dir` if the checkpoint can be saved there (checked before training, not after)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
-        raise QAEUserError(f"out: {out_dir} is a file, not a folder. Pass a folder for the checkpoint (it is made if "
-                           "missing).")
+        raise QAEUserError(
+            f"out: {out_dir} is a file, not a folder. Pass a folder for the checkpoint (it is made if missing)."
+        )
     return out_dir
 
 

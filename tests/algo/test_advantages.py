@@ -229,9 +229,17 @@ def test_a_mean_baseline_estimator_cannot_silently_read_k(monkeypatch):
     instead of quietly training on whatever --k says."""
     from qae_app.algo.advantages import register_estimator
 
-    monkeypatch.setitem(ESTIMATORS, "leaky_mean", EstimatorRecord(
-        "leaky_mean", "a mean baseline that reads K by mistake", reads_k=False, default_scale="none",
-        reference="this test"))
+    monkeypatch.setitem(
+        ESTIMATORS,
+        "leaky_mean",
+        EstimatorRecord(
+            "leaky_mean",
+            "a mean baseline that reads K by mistake",
+            reads_k=False,
+            default_scale="none",
+            reference="this test",
+        ),
+    )
 
     def leaky(rewards, cfg):
         baseline = rewards.mean(dim=1) * (cfg.k / cfg.k)
@@ -331,13 +339,15 @@ def test_shaped_rewards_quantile_and_regime_by_hand():
     assert adv[0].tolist() == pytest.approx([2 / std, 1.75 / std, 0.0, -0.25 / std], abs=1e-5)
     # every response correct, one penalized for length: baseline 1 (sorted [0.5, 1, 1, 1], m = 2) = the highest
     # reward -> easy: only the long response is pushed down
-    adv, baseline, regime = compute_advantages("qae", torch.tensor([[1.0, 0.5, 1.0, 1.0]]), EstimatorConfig(k=0.4),
-                                               torch.tensor([[True] * 4]))
+    adv, baseline, regime = compute_advantages(
+        "qae", torch.tensor([[1.0, 0.5, 1.0, 1.0]]), EstimatorConfig(k=0.4), torch.tensor([[True] * 4])
+    )
     assert baseline.item() == 1.0 and REGIMES[regime.item()] == "easy"
     assert adv[0, 1].item() < 0 and adv[0, [0, 2, 3]].tolist() == [0.0, 0.0, 0.0]
     # equal rewards from a correct-but-long and a wrong response (penalty 2 at max length): no signal, mixed verdicts
-    _, _, regime = compute_advantages("qae", torch.tensor([[-1.0, -1.0]]), EstimatorConfig(k=0.4),
-                                      torch.tensor([[True, False]]))
+    _, _, regime = compute_advantages(
+        "qae", torch.tensor([[-1.0, -1.0]]), EstimatorConfig(k=0.4), torch.tensor([[True, False]])
+    )
     assert REGIMES[regime.item()] == "mixed"
 
 
@@ -355,8 +365,9 @@ def test_continuous_and_weighted_rewards_quantile_and_regime_by_hand():
     assert adv[0].tolist() == pytest.approx([-0.2 / std, 0.4 / std, 0.0, 0.7 / std, 0.0], abs=1e-5)
     # a weighted sum (1 x correct + 0.5 x format): [0, 0, 0.5, 1.5], G=4, m=2 -> baseline 0, the lowest -> hard: only
     # the responses above it are pushed up. mean 0.5, squares 0.25 + 0.25 + 0 + 1 = 1.5, / 3 -> std sqrt(0.5)
-    adv, baseline, regime = compute_advantages("qae", torch.tensor([[0.0, 0.0, 0.5, 1.5]]), EstimatorConfig(k=0.4),
-                                               torch.tensor([[False, False, False, True]]))
+    adv, baseline, regime = compute_advantages(
+        "qae", torch.tensor([[0.0, 0.0, 0.5, 1.5]]), EstimatorConfig(k=0.4), torch.tensor([[False, False, False, True]])
+    )
     assert baseline.item() == 0.0 and REGIMES[regime.item()] == "hard"
     assert adv[0].tolist() == pytest.approx([0.0, 0.0, 0.5 / math.sqrt(0.5), 1.5 / math.sqrt(0.5)], abs=1e-5)
 
@@ -368,8 +379,10 @@ def test_every_estimator_labels_regimes_by_the_same_rule():
     correct = rewards > 0
     for name in ESTIMATOR_FUNCTIONS:
         out = compute_advantages(name, rewards, EstimatorConfig(k=0.4), correct)
-        expected = [reference_regime(r.tolist(), b, c.tolist()) for r, b, c in
-                    zip(rewards, out.baseline.tolist(), correct, strict=True)]
+        expected = [
+            reference_regime(r.tolist(), b, c.tolist())
+            for r, b, c in zip(rewards, out.baseline.tolist(), correct, strict=True)
+        ]
         assert [REGIMES[i] for i in out.regime.tolist()] == expected, name
     assert "lowest reward" in names.REGIME_RULE and "highest" in names.REGIME_RULE
 

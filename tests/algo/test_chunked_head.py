@@ -47,8 +47,9 @@ def test_zero_weights_give_the_uniform_distribution():
     """Hand-computed: all logits 0 -> every token has log-prob -log V, every position entropy log V."""
     vocab = 64
     hidden = torch.randn(2, 3, 4)
-    logp, entropy = head_logprobs_and_entropy(hidden, torch.zeros(vocab, 4), None, torch.zeros(2, 3, dtype=torch.long),
-                                              temperature=0.5, chunk_tokens=4)
+    logp, entropy = head_logprobs_and_entropy(
+        hidden, torch.zeros(vocab, 4), None, torch.zeros(2, 3, dtype=torch.long), temperature=0.5, chunk_tokens=4
+    )
     assert logp.shape == entropy.shape == (2, 3)
     assert torch.allclose(logp, torch.full((2, 3), -math.log(vocab)))
     assert torch.allclose(entropy, torch.full((2, 3), math.log(vocab)))
@@ -62,10 +63,15 @@ def test_float64_values_and_gradients_equal_the_plain_path(chunk_tokens, tempera
     leaves = (hidden, weight, bias)
     gen = torch.Generator().manual_seed(1)
     up_logp, up_entropy = torch.randn(2, 3, 5, generator=gen, dtype=torch.float64)
-    ref = values_and_grads(lambda: plain_head_logprobs(hidden, weight, bias, targets, temperature), leaves, up_logp,
-                           up_entropy)
-    ours = values_and_grads(lambda: head_logprobs_and_entropy(hidden, weight, bias, targets, temperature,
-                                                              chunk_tokens=chunk_tokens), leaves, up_logp, up_entropy)
+    ref = values_and_grads(
+        lambda: plain_head_logprobs(hidden, weight, bias, targets, temperature), leaves, up_logp, up_entropy
+    )
+    ours = values_and_grads(
+        lambda: head_logprobs_and_entropy(hidden, weight, bias, targets, temperature, chunk_tokens=chunk_tokens),
+        leaves,
+        up_logp,
+        up_entropy,
+    )
     assert ours[0].dtype == ours[1].dtype == torch.float64
     torch.testing.assert_close(ours[0], ref[0], rtol=0, atol=1e-10)
     torch.testing.assert_close(ours[1], ref[1], rtol=0, atol=1e-10)
@@ -77,10 +83,12 @@ def test_log_probs_alone_and_no_bias_equal_the_plain_path():
     """The trainer's grad pass: log-probs only (no entropy computed), a head without bias."""
     hidden, weight, _, targets = head_inputs(vocab=37)
     up_logp = torch.randn(3, 5, dtype=torch.float64)
-    ref = values_and_grads(lambda: plain_head_logprobs(hidden, weight, None, targets, 1.3, False), (hidden, weight),
-                           up_logp)
-    ours = values_and_grads(lambda: head_logprobs_and_entropy(hidden, weight, None, targets, 1.3, False, 6),
-                            (hidden, weight), up_logp)
+    ref = values_and_grads(
+        lambda: plain_head_logprobs(hidden, weight, None, targets, 1.3, False), (hidden, weight), up_logp
+    )
+    ours = values_and_grads(
+        lambda: head_logprobs_and_entropy(hidden, weight, None, targets, 1.3, False, 6), (hidden, weight), up_logp
+    )
     assert ours[1] is None
     torch.testing.assert_close(ours[0], ref[0], rtol=0, atol=1e-10)
     for mine, theirs in zip(ours[2], ref[2], strict=True):
@@ -92,8 +100,9 @@ def test_entropy_alone_has_the_plain_gradient():
     hidden, weight, bias, targets = head_inputs(vocab=20)
     leaves = (hidden, weight, bias)
     ref = torch.autograd.grad(plain_head_logprobs(hidden, weight, bias, targets, 0.9)[1].sum(), leaves)
-    ours = torch.autograd.grad(head_logprobs_and_entropy(hidden, weight, bias, targets, 0.9, chunk_tokens=2)[1].sum(),
-                               leaves)
+    ours = torch.autograd.grad(
+        head_logprobs_and_entropy(hidden, weight, bias, targets, 0.9, chunk_tokens=2)[1].sum(), leaves
+    )
     for mine, theirs in zip(ours, ref, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-10)
 
@@ -107,8 +116,9 @@ def test_masked_padding_positions_give_the_plain_gradient():
     targets = torch.where(mask.bool(), targets, torch.zeros_like(targets))  # pad id 0 after the end
     leaves = (hidden, weight, bias)
     ref = values_and_grads(lambda: plain_head_logprobs(hidden, weight, bias, targets, 1.0, False), leaves, mask)
-    ours = values_and_grads(lambda: head_logprobs_and_entropy(hidden, weight, bias, targets, 1.0, False, 5), leaves,
-                            mask)
+    ours = values_and_grads(
+        lambda: head_logprobs_and_entropy(hidden, weight, bias, targets, 1.0, False, 5), leaves, mask
+    )
     torch.testing.assert_close(ours[0], ref[0], rtol=0, atol=1e-10)
     assert ours[2][0][3].abs().max() == 0  # no gradient reaches a fully masked row
     for mine, theirs in zip(ours[2], ref[2], strict=True):
@@ -122,10 +132,13 @@ def test_float32_equals_the_plain_path_to_float32_rounding():
     hidden, weight, bias, targets = head_inputs(n=4, t=33, width=32, vocab=1000, dtype=torch.float32, scale=0.5)
     leaves = (hidden, weight, bias)
     up_logp, up_entropy = torch.randn(2, 4, 33, generator=torch.Generator().manual_seed(2))
-    ref = values_and_grads(lambda: plain_head_logprobs(hidden, weight, bias, targets, 0.8), leaves, up_logp,
-                           up_entropy)
-    ours = values_and_grads(lambda: head_logprobs_and_entropy(hidden, weight, bias, targets, 0.8, chunk_tokens=10),
-                            leaves, up_logp, up_entropy)
+    ref = values_and_grads(lambda: plain_head_logprobs(hidden, weight, bias, targets, 0.8), leaves, up_logp, up_entropy)
+    ours = values_and_grads(
+        lambda: head_logprobs_and_entropy(hidden, weight, bias, targets, 0.8, chunk_tokens=10),
+        leaves,
+        up_logp,
+        up_entropy,
+    )
     bounds = [1e-6] * 2 + [2e-6] * 3
     for mine, theirs, bound in zip([ours[0], ours[1], *ours[2]], [ref[0], ref[1], *ref[2]], bounds, strict=True):
         assert mine.dtype == theirs.dtype == torch.float32
@@ -138,8 +151,12 @@ def test_bf16_weights_give_bf16_gradients_close_to_float32():
     hidden, weight, bias, targets = head_inputs(n=2, t=40, width=32, vocab=500, dtype=torch.bfloat16, scale=0.3)
     leaves = (hidden, weight, bias)
     up_logp, up_entropy = torch.randn(2, 2, 40, generator=torch.Generator().manual_seed(3))
-    ours = values_and_grads(lambda: head_logprobs_and_entropy(hidden, weight, bias, targets, 0.9, chunk_tokens=7),
-                            leaves, up_logp, up_entropy)
+    ours = values_and_grads(
+        lambda: head_logprobs_and_entropy(hidden, weight, bias, targets, 0.9, chunk_tokens=7),
+        leaves,
+        up_logp,
+        up_entropy,
+    )
     as_float32 = [x.detach().float().requires_grad_() for x in leaves]
     ref = values_and_grads(lambda: plain_head_logprobs(*as_float32, targets, 0.9), as_float32, up_logp, up_entropy)
     assert ours[0].dtype == ours[1].dtype == torch.float32
@@ -200,7 +217,7 @@ def trainer_plain_logprobs(model, input_ids, attention_mask, first, temperature,
     width = input_ids.shape[1]
     keep = {"logits_to_keep": width - first} if first else {}
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **keep).logits[:, :-1]
-    logp, entropy = token_logprobs_and_entropy(logits, input_ids[:, first + 1:], temperature, with_entropy)
+    logp, entropy = token_logprobs_and_entropy(logits, input_ids[:, first + 1 :], temperature, with_entropy)
     if first:
         logp = F.pad(logp, (first, 0))
         entropy = F.pad(entropy, (first, 0)) if entropy is not None else None
@@ -217,16 +234,34 @@ def tiny_llama_untied():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=90,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def tiny_qwen3():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    return Qwen3ForCausalLM(Qwen3Config(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=120,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+    )
 
 
 def left_padded_batch(vocab, n=3, width=14, seed=0):
@@ -261,7 +296,8 @@ def test_causal_lm_log_probs_and_parameter_gradients_equal_the_trainers_path(bui
     weights = torch.randn(3, 13, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     weights[:, :first] = 0
     ref_grads = torch.autograd.grad(
-        (weights * trainer_plain_logprobs(model, input_ids, attention_mask, first, 0.8, False)[0]).sum(), params)
+        (weights * trainer_plain_logprobs(model, input_ids, attention_mask, first, 0.8, False)[0]).sum(), params
+    )
     logp, entropy = causal_lm_logprobs(model, input_ids, attention_mask, first, 0.8, False, chunk_tokens=7)
     assert entropy is None
     grads = torch.autograd.grad((weights * logp).sum(), params)
@@ -291,7 +327,8 @@ def test_causal_lm_through_a_ddp_wrapper(one_process_group):
     input_ids, attention_mask = left_padded_batch(90, seed=1)
     params = list(model.parameters())
     ref_grads = torch.autograd.grad(
-        trainer_plain_logprobs(model, input_ids, attention_mask, 4, 1.0, False)[0].sum(), params)
+        trainer_plain_logprobs(model, input_ids, attention_mask, 4, 1.0, False)[0].sum(), params
+    )
     wrapped = DistributedDataParallel(model)
     causal_lm_logprobs(wrapped, input_ids, attention_mask, 4, 1.0, False)[0].sum().backward()
     for p, theirs in zip(params, ref_grads, strict=True):
@@ -311,8 +348,12 @@ def test_an_fsdp1_model_is_refused(one_process_group):
     from qae_app.algo.chunked_head import causal_lm_logprobs
     from qae_app.core.errors import QAEUserError
 
-    model = FullyShardedDataParallel(tiny_builtin(), auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
-                                     use_orig_params=True, device_id=torch.device("cpu"))
+    model = FullyShardedDataParallel(
+        tiny_builtin(),
+        auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+        use_orig_params=True,
+        device_id=torch.device("cpu"),
+    )
     input_ids, attention_mask = left_padded_batch(64)
     with pytest.raises(QAEUserError, match="sharded by FSDP1.*--logprob-chunk-tokens 0"):
         causal_lm_logprobs(model, input_ids, attention_mask, 2, 1.0)
@@ -368,8 +409,9 @@ def test_fsdp2_chunked_head_gradients_reach_the_shards_as_the_full_logits_do(one
     assert mine.keys() == theirs.keys() and any("lm_head" in n or "embed" in n for n in mine)
     for name, param in mine.items():
         assert isinstance(param, DTensor) and isinstance(param.grad, DTensor), name  # (resharded after the backward)
-        torch.testing.assert_close(param.grad.full_tensor(), theirs[name].grad.full_tensor(), rtol=0, atol=1e-10,
-                                   msg=name)
+        torch.testing.assert_close(
+            param.grad.full_tensor(), theirs[name].grad.full_tensor(), rtol=0, atol=1e-10, msg=name
+        )
 
 
 def test_a_model_with_soft_capped_logits_is_refused():
@@ -378,8 +420,17 @@ def test_a_model_with_soft_capped_logits_is_refused():
     from qae_app.algo.chunked_head import causal_lm_logprobs
     from qae_app.core.errors import QAEUserError
 
-    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    model = Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=50,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+        )
+    )
     input_ids, attention_mask = left_padded_batch(50)
     with pytest.raises(QAEUserError, match="final_logit_softcapping=30.0"):
         causal_lm_logprobs(model, input_ids, attention_mask, 2, 1.0)
@@ -420,7 +471,22 @@ def test_chunked_head_peak_memory_at_4096_tokens_of_a_151936_vocabulary_is_under
     tokens, vocab = 4096, 151936
     one_logits_tensor = tokens * vocab * 4
     script = Path(__file__).resolve().parents[2] / "bench" / "bench_head_memory.py"
-    out = subprocess.run([sys.executable, str(script), "--tokens", str(tokens), "--vocab", str(vocab), "--hidden",
-                          "256", "--path", "chunked"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--tokens",
+            str(tokens),
+            "--vocab",
+            str(vocab),
+            "--hidden",
+            "256",
+            "--path",
+            "chunked",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     peak_gb = float(re.fullmatch(r"peak_rss ([\d.]+) GB", out.stdout.strip().splitlines()[-1]).group(1))
     assert peak_gb * 1e9 < one_logits_tensor, out.stdout

@@ -33,8 +33,16 @@ def test_temperature_scales_logits():
 
 def _loss(ratio: float, adv: float):
     logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
-    out = policy_loss(logp, torch.zeros(1, 1), torch.tensor([adv]), torch.ones(1, 1), 0.2, 0.28, "token",
-                      {"tokens": 1, "sequences": 1, "max_len": 1})
+    out = policy_loss(
+        logp,
+        torch.zeros(1, 1),
+        torch.tensor([adv]),
+        torch.ones(1, 1),
+        0.2,
+        0.28,
+        "token",
+        {"tokens": 1, "sequences": 1, "max_len": 1},
+    )
     out.loss.backward()
     return out, logp.grad.item()
 
@@ -57,8 +65,16 @@ def test_clip_higher_bounds():
 
 def test_k3_kl_is_zero_at_reference_and_positive_away_from_it():
     logp = torch.log(torch.tensor([[0.5, 0.25]]))
-    kw = dict(old_logp=logp, advantages=torch.zeros(1), mask=torch.ones(1, 2), clip_low=0.2, clip_high=0.28,
-              aggregation="token", normalizer={"tokens": 2, "sequences": 1, "max_len": 2}, kl_beta=1.0)
+    kw = dict(
+        old_logp=logp,
+        advantages=torch.zeros(1),
+        mask=torch.ones(1, 2),
+        clip_low=0.2,
+        clip_high=0.28,
+        aggregation="token",
+        normalizer={"tokens": 2, "sequences": 1, "max_len": 2},
+        kl_beta=1.0,
+    )
     assert policy_loss(logp, ref_logp=logp, **kw).kl.item() == pytest.approx(0.0)
     ref = torch.log(torch.tensor([[0.25, 0.5]]))
     kl = policy_loss(logp, ref_logp=ref, **kw).kl.item()
@@ -119,8 +135,16 @@ def test_identical_log_probs_give_weights_of_exactly_1_and_the_same_loss_bit_for
     weights = tis_weights(logp, logp.clone(), cap=2.0)
     assert torch.equal(weights, torch.ones_like(logp))
     current = logp + 0.01
-    args = (current, logp, torch.tensor([1.0, -0.5, 0.0], dtype=torch.float64), torch.ones_like(logp), 0.2, 0.28,
-            "token", {"tokens": 15, "sequences": 3, "max_len": 5})
+    args = (
+        current,
+        logp,
+        torch.tensor([1.0, -0.5, 0.0], dtype=torch.float64),
+        torch.ones_like(logp),
+        0.2,
+        0.28,
+        "token",
+        {"tokens": 15, "sequences": 3, "max_len": 5},
+    )
     assert torch.equal(policy_loss(*args, token_weights=weights).loss, policy_loss(*args).loss)
 
 
@@ -128,8 +152,17 @@ def test_token_weights_scale_each_tokens_policy_loss_term():
     """Ratio 1 everywhere (logp = old), advantage 1, token aggregation over 3 tokens: loss = -(w1 + w2 + w3) / 3."""
     logp = torch.full((1, 3), -1.0, dtype=torch.float64)
     weights = torch.tensor([[1.0, 0.5, 2.0]], dtype=torch.float64)
-    out = policy_loss(logp, logp.clone(), torch.tensor([1.0], dtype=torch.float64), torch.ones_like(logp), 0.2, 0.28,
-                      "token", {"tokens": 3, "sequences": 1, "max_len": 3}, token_weights=weights)
+    out = policy_loss(
+        logp,
+        logp.clone(),
+        torch.tensor([1.0], dtype=torch.float64),
+        torch.ones_like(logp),
+        0.2,
+        0.28,
+        "token",
+        {"tokens": 3, "sequences": 1, "max_len": 3},
+        token_weights=weights,
+    )
     assert out.loss.item() == -3.5 / 3
 
 

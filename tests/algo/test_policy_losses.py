@@ -25,9 +25,18 @@ ONE = OneProcess("cpu")
 N, T = 5, 6
 LENGTHS = [6, 3, 1, 4, 5]  # response tokens of each sequence (the rest is padding)
 ADV = torch.tensor([1.3, 0.0, -0.7, 2.1, -1.6], dtype=torch.float64)
-PARAMS = {"clip_low": 0.2, "clip_high": 0.28, "clip_cov_ratio": 0.3, "clip_cov_lb": -0.5, "clip_cov_ub": 3.0,
-          "kl_cov_ratio": 0.25, "kl_cov_coef": 0.7, "gspo_clip_low": 0.05, "gspo_clip_high": 0.08,
-          "cispo_weight_cap": 1.15}
+PARAMS = {
+    "clip_low": 0.2,
+    "clip_high": 0.28,
+    "clip_cov_ratio": 0.3,
+    "clip_cov_lb": -0.5,
+    "clip_cov_ub": 3.0,
+    "kl_cov_ratio": 0.25,
+    "kl_cov_coef": 0.7,
+    "gspo_clip_low": 0.05,
+    "gspo_clip_high": 0.08,
+    "cispo_weight_cap": 1.15,
+}
 MAX_LEN = 8
 
 
@@ -85,8 +94,19 @@ CASES = [(name, how) for name, record in policy_losses.POLICY_LOSSES.items() for
 @pytest.mark.parametrize("loss, how", CASES)
 def test_each_loss_has_the_value_and_gradient_of_its_published_formula(loss, how):
     logp, old, mask, selected = tokens()
-    out = policy_loss(logp, old, ADV, mask, PARAMS["clip_low"], PARAMS["clip_high"], how, normalizer(mask),
-                      loss=loss, params=PARAMS, selected=selected)
+    out = policy_loss(
+        logp,
+        old,
+        ADV,
+        mask,
+        PARAMS["clip_low"],
+        PARAMS["clip_high"],
+        how,
+        normalizer(mask),
+        loss=loss,
+        params=PARAMS,
+        selected=selected,
+    )
     (grad,) = torch.autograd.grad(out.loss, logp)
     want = reference(loss, logp, old, mask, selected, how)
     (want_grad,) = torch.autograd.grad(want, logp)
@@ -112,7 +132,8 @@ def test_the_clip_loss_computes_bit_for_bit_what_qae_computed_before_the_registr
         per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - 0.2, 1.0 + 0.28)) * weights
         delta = ref - logp
         before = aggregate(per_token, mask, how, normalizer(mask)) + 0.05 * aggregate(
-            torch.exp(delta) - delta - 1.0, mask, how, normalizer(mask))
+            torch.exp(delta) - delta - 1.0, mask, how, normalizer(mask)
+        )
         assert torch.equal(out.loss, before)
         assert torch.equal(torch.autograd.grad(out.loss, logp)[0], torch.autograd.grad(before, logp)[0])
 
@@ -122,8 +143,19 @@ def test_a_gated_response_has_no_gradient_under_every_loss_whose_record_says_so(
     under kl_cov the penalty reaches it wherever a selected token lies in it."""
     logp, old, mask, selected = tokens()
     for name, record in policy_losses.POLICY_LOSSES.items():
-        out = policy_loss(logp, old, ADV, mask, 0.2, 0.28, record.aggregations[0], normalizer(mask), loss=name,
-                          params=PARAMS, selected=selected)
+        out = policy_loss(
+            logp,
+            old,
+            ADV,
+            mask,
+            0.2,
+            0.28,
+            record.aggregations[0],
+            normalizer(mask),
+            loss=name,
+            params=PARAMS,
+            selected=selected,
+        )
         (grad,) = torch.autograd.grad(out.loss, logp)
         gated_grad = grad[1].abs().sum().item()  # (sequence 1 has advantage 0, and a selected token)
         assert selected[1].any()
@@ -137,12 +169,26 @@ def test_the_entropy_controls_compose_with_a_loss_by_their_formulas():
     entropy = (torch.rand(N, T, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 2).requires_grad_()
     kept = torch.rand(N, T, generator=torch.Generator().manual_seed(3)) < 0.5
     norm = {**normalizer(mask), "trained_tokens": (kept * mask).sum().item()}
-    out = policy_loss(logp, old, ADV, mask, 0.2, 0.28, "seq_mean_token_mean", norm, loss="cispo", params=PARAMS,
-                      trained=kept, entropy=entropy, entropy_coef=0.05)
+    out = policy_loss(
+        logp,
+        old,
+        ADV,
+        mask,
+        0.2,
+        0.28,
+        "seq_mean_token_mean",
+        norm,
+        loss="cispo",
+        params=PARAMS,
+        trained=kept,
+        entropy=entropy,
+        entropy_coef=0.05,
+    )
     r = torch.exp(logp - old)
     per_token = -torch.clamp(r, max=PARAMS["cispo_weight_cap"]).detach() * ADV[:, None] * logp * kept
-    want = aggregated(per_token, mask, "seq_mean_token_mean") - 0.05 * (entropy * mask * kept).sum() / (
-        mask * kept).sum()
+    want = (
+        aggregated(per_token, mask, "seq_mean_token_mean") - 0.05 * (entropy * mask * kept).sum() / (mask * kept).sum()
+    )
     got_grads = torch.autograd.grad(out.loss, (logp, entropy))
     want_grads = torch.autograd.grad(want, (logp, entropy))
     assert out.loss.item() == pytest.approx(want.item(), rel=1e-12)
@@ -164,8 +210,9 @@ def test_a_loss_registers_once_and_only_against_a_record():
         policy_losses.add_record(policy_losses.POLICY_LOSSES["gspo"])
     # every record has its function
     assert set(policy_loss_registry.POLICY_LOSS_FUNCTIONS) == set(policy_losses.POLICY_LOSSES)
-    with pytest.raises(QAEUserError, match="policy-loss: unknown value 'vanilla'. Choose one of: clip, clip_cov, "
-                                           "kl_cov, gspo, cispo."):
+    with pytest.raises(
+        QAEUserError, match="policy-loss: unknown value 'vanilla'. Choose one of: clip, clip_cov, kl_cov, gspo, cispo."
+    ):
         policy_loss_registry.get_policy_loss("vanilla")
 
 
@@ -224,9 +271,13 @@ def test_kl_cov_penalises_the_top_share_by_covariance_ties_in_token_order():
     assert cov[picked[t.mask.bool()]].min() > cov[~picked[t.mask.bool()]].max()
     # equal covariances: two sequences with the same advantage and log-probs tie token for token
     # (A - 1/3)(logp + 4/3): the second tokens of sequences 0 and 1 tie at 2/9, the largest; k = 1 of 6 takes the first
-    same = SelectionTokens(torch.tensor([[-2.0, -1.0], [-2.0, -1.0], [-1.0, -1.0]], dtype=torch.float64),
-                           torch.zeros(3, 2, dtype=torch.float64), torch.tensor([1.0, 1.0, -1.0]),
-                           torch.ones(3, 2, dtype=torch.float64), None)
+    same = SelectionTokens(
+        torch.tensor([[-2.0, -1.0], [-2.0, -1.0], [-1.0, -1.0]], dtype=torch.float64),
+        torch.zeros(3, 2, dtype=torch.float64),
+        torch.tensor([1.0, 1.0, -1.0]),
+        torch.ones(3, 2, dtype=torch.float64),
+        None,
+    )
     picked, _ = kl_cov_selection(same, {"kl_cov_ratio": 0.2}, ONE)
     assert picked.tolist() == [[False, True], [False, False], [False, False]]
 

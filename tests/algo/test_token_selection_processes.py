@@ -16,8 +16,14 @@ from qae_app.train.update import OneProcess
 
 N, T = 9, 7
 SPLIT = 4  # process 0 holds responses 0-3, process 1 responses 4-8
-PARAMS = {"clip_low": 0.2, "clip_high": 0.28, "clip_cov_ratio": 0.2, "clip_cov_lb": -0.3, "clip_cov_ub": 2.0,
-          "kl_cov_ratio": 0.67}  # k = 20 of 30 tokens: the 20th and 21st largest tie, on the two processes
+PARAMS = {
+    "clip_low": 0.2,
+    "clip_high": 0.28,
+    "clip_cov_ratio": 0.2,
+    "clip_cov_lb": -0.3,
+    "clip_cov_ub": 2.0,
+    "kl_cov_ratio": 0.67,
+}  # k = 20 of 30 tokens: the 20th and 21st largest tie, on the two processes
 
 
 def mini_batch() -> SelectionTokens:
@@ -49,8 +55,11 @@ class Collectives:
 
 
 def selections(t: SelectionTokens, acc) -> list[torch.Tensor]:
-    return [clip_cov_selection(t, PARAMS, acc, torch.Generator().manual_seed(3))[0],
-            kl_cov_selection(t, PARAMS, acc)[0], top_entropy_mask(t, 0.3, acc)[0]]
+    return [
+        clip_cov_selection(t, PARAMS, acc, torch.Generator().manual_seed(3))[0],
+        kl_cov_selection(t, PARAMS, acc)[0],
+        top_entropy_mask(t, 0.3, acc)[0],
+    ]
 
 
 def worker(rank: int, port: int, out: str) -> None:

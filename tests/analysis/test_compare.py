@@ -31,8 +31,9 @@ from qae_app.core.errors import QAEUserError
 # Student t
 
 
-@pytest.mark.parametrize("df, quantile", [(1, 12.7062047), (2, 4.3026527), (4, 2.7764451), (10, 2.2281389),
-                                          (30, 2.0422725)])
+@pytest.mark.parametrize(
+    "df, quantile", [(1, 12.7062047), (2, 4.3026527), (4, 2.7764451), (10, 2.2281389), (30, 2.0422725)]
+)
 def test_t_quantiles_match_the_table(df, quantile):
     assert student_t_ppf(0.975, df) == pytest.approx(quantile, abs=1e-6)
     assert student_t_ppf(0.025, df) == pytest.approx(-quantile, abs=1e-6)
@@ -130,8 +131,12 @@ def _steps(n=10, heldout=None, entropy=None, zero_adv=None, step_s=None):
 
 
 def test_run_metrics_by_hand():
-    steps = _steps(heldout={5: 0.5, 10: 0.4}, entropy=[2 - 0.1 * s for s in range(1, 11)],
-                   zero_adv=[0.8] * 8 + [0.9, 0.9], step_s=list(range(1, 11)))
+    steps = _steps(
+        heldout={5: 0.5, 10: 0.4},
+        entropy=[2 - 0.1 * s for s in range(1, 11)],
+        zero_adv=[0.8] * 8 + [0.9, 0.9],
+        step_s=list(range(1, 11)),
+    )
     steps = pd.concat([pd.DataFrame({"step": [0], "heldout_accuracy": [0.1]}), steps], ignore_index=True)
     m = run_metrics(steps)
     assert set(m) == set(RUN_METRICS)
@@ -155,8 +160,11 @@ def test_entropy_change_per_regime_is_averaged_over_the_steps_that_have_it():
 
 def test_entropy_attribution_is_averaged_over_the_steps_that_have_it():
     """A step without both regimes leaves a regime's column NULL: the mean is over the steps that measured it."""
-    steps = _steps().assign(dH_from_easy=[0.03, None, 0.05] + [None] * 7, dH_from_hard=[-0.02] * 10,
-                            dH_from_none=[0.001, 0.003] + [None] * 8)
+    steps = _steps().assign(
+        dH_from_easy=[0.03, None, 0.05] + [None] * 7,
+        dH_from_hard=[-0.02] * 10,
+        dH_from_none=[0.001, 0.003] + [None] * 8,
+    )
     m = run_metrics(steps)
     assert m["dH_from_easy"] == pytest.approx(0.04) and m["dH_from_hard"] == pytest.approx(-0.02)
     assert m["dH_from_none"] == pytest.approx(0.002)
@@ -195,8 +203,9 @@ def test_group_key_ignores_the_seed_and_bookkeeping_and_k_for_mean_baselines():
 
 
 def _record(run_id, seed, final, **config):
-    return RunRecord(run_id, _config(seed=seed, run_name=run_id, **config), seed,
-                     _steps(heldout={5: final - 0.1, 10: final}))
+    return RunRecord(
+        run_id, _config(seed=seed, run_name=run_id, **config), seed, _steps(heldout={5: final - 0.1, 10: final})
+    )
 
 
 def test_groups_labels_and_paired_comparison_by_hand():
@@ -217,8 +226,14 @@ def test_groups_labels_and_paired_comparison_by_hand():
 
 
 def test_labels_name_k_only_for_qae_groups():
-    groups = group_runs([_record("a", 0, 0.5, k="0.3"), _record("b", 0, 0.5, k="0.5"),
-                         _record("c", 0, 0.5, estimator="grpo", k="0.3"), _record("d", 1, 0.5, estimator="grpo")])
+    groups = group_runs(
+        [
+            _record("a", 0, 0.5, k="0.3"),
+            _record("b", 0, 0.5, k="0.5"),
+            _record("c", 0, 0.5, estimator="grpo", k="0.3"),
+            _record("d", 1, 0.5, estimator="grpo"),
+        ]
+    )
     assert [g.label for g in groups] == ["estimator=qae, k=0.3", "estimator=qae, k=0.5", "estimator=grpo"]
     assert [len(g.runs) for g in groups] == [1, 1, 2]
     with pytest.raises(QAEUserError, match="matches several groups"):
@@ -238,7 +253,8 @@ def test_a_seed_run_twice_counts_once_and_is_said():
     assert len(groups) == 1 and groups[0].label == "all"
     assert groups[0].metrics["final_heldout"].n == 2 and groups[0].metrics["final_heldout"].mean == pytest.approx(0.7)
     assert [r.run_id for r in groups[0].runs] == ["a", "c"] and groups[0].excluded == {
-        "b": "seed 0 again: a is counted for it"}
+        "b": "seed 0 again: a is counted for it"
+    }
     assert "not counted: b (seed 0 again: a is counted for it)" in groups[0].note()
     assert groups[0].per_run["final_heldout"] == {0: 0.5, 1: 0.9}
 
@@ -261,8 +277,13 @@ def test_a_run_without_a_training_step_is_left_out_and_said(tmp_path):
     from qae_app.analysis.run_comparison import compare_runs
     from qae_app.cli.views import compare_view
 
-    untrained = RunRecord("nosteps", _config(seed=1, run_name="nosteps"), 1,
-                          pd.DataFrame({"step": [0], "heldout_accuracy": [0.371]}), status="stopped")
+    untrained = RunRecord(
+        "nosteps",
+        _config(seed=1, run_name="nosteps"),
+        1,
+        pd.DataFrame({"step": [0], "heldout_accuracy": [0.371]}),
+        status="stopped",
+    )
     comparison = compare_runs([_record("a", 0, 0.5), untrained])
     assert [[r.run_id for r in g.runs] for g in comparison.groups] == [["a"]]
     assert comparison.groups[0].metrics["final_heldout"].mean == pytest.approx(0.5)

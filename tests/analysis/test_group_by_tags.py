@@ -15,8 +15,12 @@ from tests.synthetic import write_run
 
 runner = CliRunner()
 # four runs of two configs (K 0.4 and K 0.6, seeds 0 and 1); the tags cut across the configs
-TAGGED = {"a-s0": (0.4, 0, ["baseline"]), "a-s1": (0.4, 1, ["baseline"]),
-          "b-s0": (0.6, 0, ["idea", "lr-high"]), "b-s1": (0.4, 1, ["idea", "lr-high"])}
+TAGGED = {
+    "a-s0": (0.4, 0, ["baseline"]),
+    "a-s1": (0.4, 1, ["baseline"]),
+    "b-s0": (0.6, 0, ["idea", "lr-high"]),
+    "b-s1": (0.4, 1, ["idea", "lr-high"]),
+}
 
 
 def qae(*args, runs_dir):
@@ -44,13 +48,17 @@ def mean_gated_fraction(runs_dir, run_ids) -> float:
 
 
 def test_compare_groups_by_tags_and_takes_a_tag_as_the_baseline(runs):
-    code, out = qae("compare", *TAGGED, "untagged", "--group-by", "tags", "--baseline", "baseline", "--json",
-                    runs_dir=runs)
+    code, out = qae(
+        "compare", *TAGGED, "untagged", "--group-by", "tags", "--baseline", "baseline", "--json", runs_dir=runs
+    )
     assert code == 0, out
     result = json.loads(out)
     groups = {group["label"]: group for group in result["groups"]}
     assert {label: sorted(group["runs"]) for label, group in groups.items()} == {
-        "tags=baseline": ["a-s0", "a-s1"], "tags=idea+lr-high": ["b-s0", "b-s1"], "tags=(none)": ["untagged"]}
+        "tags=baseline": ["a-s0", "a-s1"],
+        "tags=idea+lr-high": ["b-s0", "b-s1"],
+        "tags=(none)": ["untagged"],
+    }
     for label, run_ids in (("tags=baseline", ["a-s0", "a-s1"]), ("tags=idea+lr-high", ["b-s0", "b-s1"])):
         assert groups[label]["metrics"]["zero_adv"]["mean"] == pytest.approx(mean_gated_fraction(runs, run_ids))
     assert result["baseline"] == "tags=baseline"

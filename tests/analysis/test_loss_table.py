@@ -13,8 +13,9 @@ from tests.analysis.test_compare import _steps
 T_975_2 = 4.302652729911275  # t(0.975, 2 degrees of freedom)
 
 
-def _run(loss: str, estimator: str, seed: int, final: float, entropy: list[float], zero_adv: float,
-         k: str = "0.4") -> RunRecord:
+def _run(
+    loss: str, estimator: str, seed: int, final: float, entropy: list[float], zero_adv: float, k: str = "0.4"
+) -> RunRecord:
     config = {**TrainConfig(policy_loss=loss, estimator=estimator, k=k).to_dict(), "seed": seed}
     steps = _steps(n=4, heldout={2: final - 0.2, 4: final}, entropy=entropy, zero_adv=[zero_adv] * 4)
     return RunRecord(f"{loss}-{estimator}-s{seed}", config, seed, steps)

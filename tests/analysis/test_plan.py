@@ -31,8 +31,18 @@ runner = CliRunner()
 
 
 def tiny_shape(**changes) -> ModelShape:
-    values = dict(source="test", model_type="llama", vocab=100, hidden=8, intermediate=16, layers=2, heads=2,
-                  kv_heads=1, head_dim=4, tied_embeddings=True)
+    values = dict(
+        source="test",
+        model_type="llama",
+        vocab=100,
+        hidden=8,
+        intermediate=16,
+        layers=2,
+        heads=2,
+        kv_heads=1,
+        head_dim=4,
+        tied_embeddings=True,
+    )
     return ModelShape(**{**values, **changes})
 
 
@@ -43,27 +53,52 @@ def test_the_plan_of_a_tiny_case_is_the_arithmetic_by_hand():
     assert shape.parameters() == 100 * 8 + 2 * 592 + 8 == 1992
     # per token and layer: 6h + 4I + 2(q + kv) + heads + 2 head_dim = 48 + 64 + 24 + 2 + 8
     assert shape.layer_activation_elements() == 146
-    rows = dict((name, size) for name, size, _ in update_components(
-        shape, UpdateShape(micro_tokens=10, head_tokens=6, chunk_tokens=4)))
-    assert rows == {"weights": 1992 * 4, "gradients": 1992 * 4, "optimizer": 2 * 1992 * 4,
-                    "activations": 10 * (2 * 146 + 3 * 8) * 4,
-                    "log-prob head": (3 * 4 * 100 + 100 * 8) * 4}
+    rows = dict(
+        (name, size)
+        for name, size, _ in update_components(shape, UpdateShape(micro_tokens=10, head_tokens=6, chunk_tokens=4))
+    )
+    assert rows == {
+        "weights": 1992 * 4,
+        "gradients": 1992 * 4,
+        "optimizer": 2 * 1992 * 4,
+        "activations": 10 * (2 * 146 + 3 * 8) * 4,
+        "log-prob head": (3 * 4 * 100 + 100 * 8) * 4,
+    }
     # checkpointing: each layer's input and one layer; LoRA rank 2 on q_proj: 2 x (8 + 8) per layer, adapters only
-    rows = dict((name, size) for name, size, _ in update_components(
-        shape, UpdateShape(micro_tokens=10, head_tokens=6, chunk_tokens=0, gradient_checkpointing=True,
-                           lora_rank=2, lora_targets=("q_proj",))))
+    rows = dict(
+        (name, size)
+        for name, size, _ in update_components(
+            shape,
+            UpdateShape(
+                micro_tokens=10,
+                head_tokens=6,
+                chunk_tokens=0,
+                gradient_checkpointing=True,
+                lora_rank=2,
+                lora_targets=("q_proj",),
+            ),
+        )
+    )
     assert rows["weights"] == (1992 + 64) * 4 and rows["gradients"] == 64 * 4 and rows["optimizer"] == 2 * 64 * 4
     assert rows["activations"] == 10 * (2 * 8 + (146 + 2) + 3 * 8) * 4
     assert rows["log-prob head"] == 6 * 6 * 100 * 4  # the full logits: six float32 copies
     # FSDP over 4 processes: a quarter of the state, plus two whole layers
-    rows = dict((name, size) for name, size, _ in update_components(
-        shape, UpdateShape(micro_tokens=10, head_tokens=6, chunk_tokens=4), processes=4, sharding="fsdp"))
+    rows = dict(
+        (name, size)
+        for name, size, _ in update_components(
+            shape, UpdateShape(micro_tokens=10, head_tokens=6, chunk_tokens=4), processes=4, sharding="fsdp"
+        )
+    )
     assert rows["weights"] == 1992 * 4 / 4 and rows["optimizer"] == 2 * 1992 * 4 / 4
     assert rows["gathered layers"] == 2 * 592 * 4
     assert rows["gathered root"] == 2 * (100 * 8 + 8) * 4  # (tied: the embedding is the head) and its gradient
     # DDP over 4 processes: everything whole, and the all-reduce buckets copy the gradients
-    rows = dict((name, size) for name, size, _ in update_components(
-        shape, UpdateShape(micro_tokens=10, head_tokens=6, chunk_tokens=4), processes=4, sharding="ddp"))
+    rows = dict(
+        (name, size)
+        for name, size, _ in update_components(
+            shape, UpdateShape(micro_tokens=10, head_tokens=6, chunk_tokens=4), processes=4, sharding="ddp"
+        )
+    )
     assert rows["weights"] == rows["gradients"] == rows["DDP buckets"] == 1992 * 4
 
 
@@ -74,9 +109,16 @@ def test_the_shapes_give_the_parameters_transformers_builds(tmp_path):
 
     model, _ = build_tiny_model()
     assert model_shape("builtin:tiny").parameters() == sum(p.numel() for p in model.parameters())
-    config = transformers.Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      tie_word_embeddings=False)
+    config = transformers.Qwen3Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
     config.save_pretrained(tmp_path)
     shape = model_shape(str(tmp_path))
     assert (shape.model_type, shape.kv_heads, shape.tied_embeddings) == ("qwen3", 2, False)
@@ -85,8 +127,13 @@ def test_the_shapes_give_the_parameters_transformers_builds(tmp_path):
 
 def test_the_qwen3_8b_shapes_ship_and_count_8b_parameters():
     shape = model_shape("Qwen/Qwen3-8B-Base")
-    assert (shape.hidden, shape.layers, shape.vocab, shape.kv_heads, shape.tied_embeddings) == (4096, 36, 151936, 8,
-                                                                                                False)
+    assert (shape.hidden, shape.layers, shape.vocab, shape.kv_heads, shape.tied_embeddings) == (
+        4096,
+        36,
+        151936,
+        8,
+        False,
+    )
     assert shape.parameters() == pytest.approx(8.19e9, rel=1e-3)  # the model card's 8.2B
 
 
@@ -94,8 +141,15 @@ def test_the_qwen3_8b_shapes_ship_and_count_8b_parameters():
 def test_the_gguf_fixtures_shapes_come_from_its_metadata(smollm2_gguf):
     shape = model_shape(str(smollm2_gguf))
     # SmolLM2-135M's config.json: hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, vocab 49,152, tied
-    assert (shape.hidden, shape.intermediate, shape.layers, shape.heads, shape.kv_heads, shape.vocab,
-            shape.tied_embeddings) == (576, 1536, 30, 9, 3, 49152, True)
+    assert (
+        shape.hidden,
+        shape.intermediate,
+        shape.layers,
+        shape.heads,
+        shape.kv_heads,
+        shape.vocab,
+        shape.tied_embeddings,
+    ) == (576, 1536, 30, 9, 3, 49152, True)
     assert shape.parameters() == 134_515_008
 
 
@@ -105,10 +159,19 @@ def test_the_activation_count_is_what_autograd_keeps_of_a_layer(arch):
     import torch
     import transformers
 
-    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                                 "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
-    config = config_class(vocab_size=64, hidden_size=96, intermediate_size=160, num_hidden_layers=1,
-                          num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    config = config_class(
+        vocab_size=64,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     model = model_class(config)
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
@@ -129,13 +192,16 @@ def test_the_activation_count_is_what_autograd_keeps_of_a_layer(arch):
     assert sum(saved.values()) / 4 / tokens == pytest.approx(shape.layer_activation_elements(), rel=0.01)
 
 
-@pytest.mark.parametrize("hardware, message", [
-    (dict(gpus=-1, gpu_memory_gb=80), "gpus: -1 must be a positive number"),
-    (dict(gpus=8, gpu_memory_gb=0), "gpu-memory: 0 must be a positive number"),
-    (dict(gpus=8, gpu_memory_gb=float("nan")), "gpu-memory: nan must be a positive number"),
-    (dict(gpus=8, gpu_memory_gb=80, sharding="zero9"), "sharding: unknown value 'zero9'"),
-    (dict(gpus=3, gpu_memory_gb=80), "gpus: 3 processes cannot split --prompts-per-step 8"),
-])
+@pytest.mark.parametrize(
+    "hardware, message",
+    [
+        (dict(gpus=-1, gpu_memory_gb=80), "gpus: -1 must be a positive number"),
+        (dict(gpus=8, gpu_memory_gb=0), "gpu-memory: 0 must be a positive number"),
+        (dict(gpus=8, gpu_memory_gb=float("nan")), "gpu-memory: nan must be a positive number"),
+        (dict(gpus=8, gpu_memory_gb=80, sharding="zero9"), "sharding: unknown value 'zero9'"),
+        (dict(gpus=3, gpu_memory_gb=80), "gpus: 3 processes cannot split --prompts-per-step 8"),
+    ],
+)
 def test_bad_hardware_is_refused_naming_the_option(hardware, message):
     with pytest.raises(QAEUserError, match=message.replace("(", r"\(")):
         plan_run(build_config(), model_shape("builtin:tiny"), Hardware(**hardware))
@@ -196,8 +262,9 @@ def test_the_paper_recipe_fits_80_gb_under_fsdp_and_says_why_not_under_ddp():
     awake = plan_run(dataclasses.replace(cfg, vllm_sleep=False), shape, Hardware(**recipe_hardware(path)))
     assert awake.total == always + update + 0.35 * 80 * GB and awake.total > fsdp.total
     ddp = plan_run(cfg, shape, Hardware(**{**recipe_hardware(path), "sharding": "ddp"}))
-    state = sum(size for name, size, _, _ in ddp.components if name in ("weights", "gradients", "DDP buckets",
-                                                                         "optimizer"))
+    state = sum(
+        size for name, size, _, _ in ddp.components if name in ("weights", "gradients", "DDP buckets", "optimizer")
+    )
     assert state == 5 * 4 * shape.parameters() and state > 72 * GB and not ddp.fits
     assert [knob for knob, _, fits in ddp.advice if fits] == ["--sharding fsdp"]
 
@@ -211,8 +278,13 @@ def test_the_peak_is_what_both_phases_hold_plus_the_larger_phase():
     p = shape.parameters()
     rows = {name: (size, phase) for name, size, phase, _ in plan.components}
     assert {name: phase for name, (_, phase) in rows.items()} == {
-        "weights": "both", "gradients": "both", "optimizer": "both", "activations": "update",
-        "log-prob head": "update", "vLLM": "rollout"}
+        "weights": "both",
+        "gradients": "both",
+        "optimizer": "both",
+        "activations": "update",
+        "log-prob head": "update",
+        "vLLM": "rollout",
+    }
     assert plan.phase("both") == 4 * p * 4  # float32 weights, gradients and two moments
     update = rows["activations"][0] + rows["log-prob head"][0]
     assert plan.phase("update") == update and update < 0.35 * GB
@@ -232,8 +304,11 @@ def test_vllms_share_is_the_one_given_and_one_too_small_for_its_weights_is_refus
     rows = {name: (size, phase, what) for name, size, phase, what in half.components}
     assert rows["vLLM"][:2] == (0.5 * 80 * GB, "rollout") and "0.5 of the GPU (--vllm-gpu-memory)" in rows["vLLM"][2]
     assert 2 * shape.parameters() / (80 * GB) == pytest.approx(0.2048, abs=1e-4)
-    with pytest.raises(QAEUserError, match=r"vllm-gpu-memory: 0\.2 of each 80 GB GPU is 16\.0 GB, .*16\.4 GB.*Use "
-                                           r"--vllm-gpu-memory 0\.21 or more"):
+    with pytest.raises(
+        QAEUserError,
+        match=r"vllm-gpu-memory: 0\.2 of each 80 GB GPU is 16\.0 GB, .*16\.4 GB.*Use "
+        r"--vllm-gpu-memory 0\.21 or more",
+    ):
         plan_run(build_config(path, vllm_gpu_memory=0.2), shape, hardware)
     result = runner.invoke(app, ["plan", "--config", str(path), "--vllm-gpu-memory", "0.2"])
     assert result.exit_code != 0 and "vllm-gpu-memory: 0.2 of each 80 GB GPU" in " ".join(result.output.split())
@@ -260,8 +335,11 @@ def test_the_samplers_own_copy_of_the_weights_is_counted_in_its_dtype():
     assert "sampling copy" not in rows(dtype="bfloat16", rollout_dtype="bfloat16", lr=1e-3)[0]
     qwen = model_shape("Qwen/Qwen3-8B-Base")
     with pytest.raises(QAEUserError, match=r"no more than vLLM's float32 copy of the weights \(32\.8 GB\)"):
-        plan_run(build_config(engine="vllm", rollout_dtype="float32", vllm_gpu_memory=0.35), qwen,
-                 Hardware(1, 80.0, prompt_tokens=8))
+        plan_run(
+            build_config(engine="vllm", rollout_dtype="float32", vllm_gpu_memory=0.35),
+            qwen,
+            Hardware(1, 80.0, prompt_tokens=8),
+        )
     result = runner.invoke(app, ["plan", "--model", "builtin:tiny", "--rollout-dtype", "bfloat16"])
     assert result.exit_code == 0 and "sampling copy" in result.output
 
@@ -297,11 +375,28 @@ def test_the_plan_predicts_the_measured_peak_of_the_trainers_update_within_20_pe
 
     script = Path(__file__).resolve().parents[2] / "bench" / "bench_memory.py"
     for head in ([], ["--logprob-chunk-tokens", "0"]):
-        out = subprocess.run([sys.executable, str(script), "--vocab", "151936", "--hidden", "64", "--layers", "1",
-                              "--tokens", "1024", *head], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                str(script),
+                "--vocab",
+                "151936",
+                "--hidden",
+                "64",
+                "--layers",
+                "1",
+                "--tokens",
+                "1024",
+                *head,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         last = out.stdout.strip().splitlines()[-1]
-        measured, predicted, ratio = map(float, re.fullmatch(
-            r"measured ([\d.]+) GB predicted ([\d.]+) GB ratio ([\d.]+)", last).groups())
+        measured, predicted, ratio = map(
+            float, re.fullmatch(r"measured ([\d.]+) GB predicted ([\d.]+) GB ratio ([\d.]+)", last).groups()
+        )
         assert 0.8 <= ratio <= 1.2, out.stdout
 
 
@@ -325,10 +420,21 @@ def test_the_plan_fits_the_terminal_and_plans_the_built_in_model_with_its_own_pr
 
 # --- a mixture of experts: Qwen3-30B-A3B-Base, the GSPO recipes' model
 
-QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                     num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
-                     tie_word_embeddings=False)
+QWEN3_30B_A3B = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    tie_word_embeddings=False,
+)
 
 
 def test_a_mixture_of_experts_counts_every_expert_and_the_active_ones_as_transformers_builds_them(tmp_path):
@@ -352,8 +458,9 @@ def test_a_mixture_of_experts_counts_every_expert_and_the_active_ones_as_transfo
     assert shape.parameters() == total and shape.active_parameters() == active
     assert total == pytest.approx(30.5e9, rel=2e-3) and active == pytest.approx(3.35e9, rel=2e-3)
     shipped = model_shape("Qwen/Qwen3-30B-A3B-Base")
-    assert "shipped" in shipped.source and dataclasses.replace(shipped, source="") == dataclasses.replace(shape,
-                                                                                                          source="")
+    assert "shipped" in shipped.source and dataclasses.replace(shipped, source="") == dataclasses.replace(
+        shape, source=""
+    )
     # FSDP gathers a whole layer, every expert in it
     assert shape.layer_parameters() == sum(p.numel() for p in model.model.layers[0].parameters())
 
@@ -364,14 +471,35 @@ def test_a_mixtral_config_and_dense_layers_among_experts_are_counted_as_transfor
     import torch
     import transformers
 
-    cases = [transformers.MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                        num_experts_per_tok=2),
-             transformers.Qwen3MoeConfig(**{**QWEN3_30B_A3B, "vocab_size": 300, "hidden_size": 64,
-                                            "intermediate_size": 96, "moe_intermediate_size": 32,
-                                            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                            "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-                                            "decoder_sparse_step": 2, "mlp_only_layers": [3]})]
+    cases = [
+        transformers.MixtralConfig(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        transformers.Qwen3MoeConfig(
+            **{
+                **QWEN3_30B_A3B,
+                "vocab_size": 300,
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "moe_intermediate_size": 32,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "decoder_sparse_step": 2,
+                "mlp_only_layers": [3],
+            }
+        ),
+    ]
     for index, config in enumerate(cases):
         config.save_pretrained(tmp_path / str(index))
         with torch.device("meta"):
@@ -384,9 +512,18 @@ def test_a_mixtral_config_and_dense_layers_among_experts_are_counted_as_transfor
 def test_shared_experts_are_refused_naming_the_key():
     from qae_app.analysis.memory_plan import shape_from_config
 
-    config = {"model_type": "qwen2_moe", "vocab_size": 100, "hidden_size": 8, "intermediate_size": 16,
-              "num_hidden_layers": 2, "num_attention_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
-              "moe_intermediate_size": 8, "shared_expert_intermediate_size": 16}
+    config = {
+        "model_type": "qwen2_moe",
+        "vocab_size": 100,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 8,
+        "shared_expert_intermediate_size": 16,
+    }
     with pytest.raises(QAEUserError, match="model: the config of x has shared experts .'shared_expert_intermediate"):
         shape_from_config(config, "x")
 
@@ -397,9 +534,18 @@ def test_the_moe_activation_count_is_what_autograd_keeps_of_a_qwen3_moe_layer():
     import torch
     import transformers
 
-    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=96, intermediate_size=160, moe_intermediate_size=40,
-                                         num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                                         num_experts=8, num_experts_per_tok=2)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=96,
+        intermediate_size=160,
+        moe_intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config)
     for parameter in model.parameters():  # (the router starts at zero: every token would tie)
@@ -419,8 +565,19 @@ def test_the_moe_activation_count_is_what_autograd_keeps_of_a_qwen3_moe_layer():
     rotary = model.model.rotary_emb(hidden, positions)
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
         model.model.layers[0](hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary)
-    shape = tiny_shape(model_type="qwen3_moe", hidden=96, intermediate=160, heads=6, kv_heads=2, head_dim=16,
-                       layers=1, experts=8, experts_per_token=2, expert_intermediate=40, moe_layers=1)
+    shape = tiny_shape(
+        model_type="qwen3_moe",
+        hidden=96,
+        intermediate=160,
+        heads=6,
+        kv_heads=2,
+        head_dim=16,
+        layers=1,
+        experts=8,
+        experts_per_token=2,
+        expert_intermediate=40,
+        moe_layers=1,
+    )
     assert sum(saved.values()) / 4 / tokens == pytest.approx(shape.layer_activation_elements(), rel=0.01)
 
 
@@ -433,14 +590,20 @@ def test_the_gspo_recipe_does_not_fit_8_x_80_gb_and_says_why():
     cfg = build_config(path)
     shape = model_shape(cfg.model)
     eight = Hardware(8, 80, "fsdp", recipe_hardware(path)["prompt_tokens"])
-    with pytest.raises(QAEUserError, match=r"vLLM's bfloat16 copy of the weights \(61\.1 GB\).*Use --vllm-gpu-memory "
-                                           r"0\.77 or more"):
+    with pytest.raises(
+        QAEUserError,
+        match=r"vLLM's bfloat16 copy of the weights \(61\.1 GB\).*Use --vllm-gpu-memory "
+        r"0\.77 or more",
+    ):
         plan_run(build_config(path, vllm_gpu_memory=0.35), shape, eight)
     plan = plan_run(build_config(path, vllm_gpu_memory=0.85), shape, eight)
     assert plan.phase("both") == 16 * shape.parameters() / 8
     assert not plan.fits and plan.total == pytest.approx(129.1 * GB, rel=1e-3)
-    result = runner.invoke(app, ["plan", "--config", str(path), "--gpus", "8", "--gpu-memory", "80",
-                                 "--vllm-gpu-memory", "0.85"], env={"COLUMNS": "200"})
+    result = runner.invoke(
+        app,
+        ["plan", "--config", str(path), "--gpus", "8", "--gpu-memory", "80", "--vllm-gpu-memory", "0.85"],
+        env={"COLUMNS": "200"},
+    )
     text = " ".join(result.output.split())
     assert "30.5B parameters (3.35B active a token: 8 of 128 experts)" in text
     assert "does not fit: 129.1 GB of 72.0 GB usable" in text

@@ -165,8 +165,9 @@ def test_show_counts_the_steps_still_under_pending(runs_cwd, tmp_path):
     for step in (6, 7):
         (pending / f"{step:08d}-step.json").write_text("{}")
     text = " ".join(invoke(cwd, 80, "show", "killed").split())
-    assert "2 writes saved under pending/ are not in the database yet: `qae train --resume killed` writes them" \
-        in text, text
+    assert (
+        "2 writes saved under pending/ are not in the database yet: `qae train --resume killed` writes them" in text
+    ), text
 
 
 def test_show_refuses_an_unknown_metric(runs_cwd):
@@ -194,8 +195,9 @@ def test_rollouts_break_down_why_responses_were_gated(runs_cwd, width):
     assert reasons == [r if g else "kept" for r, g in zip(rows["gate_reason"], rows["gated"], strict=True)]
     gated_only = invoke(runs_cwd, width, "rollouts", LONG_A, "--step", "30", "--why", "failure_in_hard_group")
     kept = [line.split() for line in gated_only.splitlines() if re.match(r"^\d+\s+[01]\s+[+-]\d", line)]
-    assert len(kept) == int((rows["gate_reason"] == "failure_in_hard_group").sum()) and \
-        {cells[3] for cells in kept} == {"failure_in_hard_group"}
+    assert len(kept) == int((rows["gate_reason"] == "failure_in_hard_group").sum()) and {
+        cells[3] for cells in kept
+    } == {"failure_in_hard_group"}
 
 
 def test_ids_that_share_a_prefix_show_the_part_that_differs(tmp_path):
@@ -246,8 +248,10 @@ def test_show_at_80_columns_has_the_held_out_steps_and_runs_keeps_entropy(runs_c
     and `qae runs` kept reward_mean and accuracy (the same with 0/1 rewards) and dropped entropy."""
     shown = invoke(runs_cwd, 80, "show", LONG_A)
     rows = {line.split()[0]: line.split() for line in shown.splitlines() if re.match(r"^\s+\d+\s+\d", line)}
-    heldout = query(db_path(runs_cwd / "runs", LONG_A),
-                               "SELECT step, heldout_accuracy FROM steps WHERE heldout_accuracy IS NOT NULL")
+    heldout = query(
+        db_path(runs_cwd / "runs", LONG_A),
+        "SELECT step, heldout_accuracy FROM steps WHERE heldout_accuracy IS NOT NULL",
+    )
     assert sorted(heldout["step"]) == [10, 20, 30]
     for step, value in zip(heldout["step"], heldout["heldout_accuracy"], strict=True):
         assert number(value) in rows[str(step)]
@@ -262,8 +266,9 @@ def test_picked_steps_keep_the_evaluations_of_a_long_run():
 
     from qae_app.cli.views import picked_steps
 
-    steps = pd.DataFrame({"step": range(1, 1001), "heldout_accuracy": [0.5 if s % 10 == 0 else None
-                                                                     for s in range(1, 1001)]})
+    steps = pd.DataFrame(
+        {"step": range(1, 1001), "heldout_accuracy": [0.5 if s % 10 == 0 else None for s in range(1, 1001)]}
+    )
     picked, title = picked_steps(steps, 0)
     shown = [int(steps["step"].iloc[i]) for i in picked]
     assert shown == [1, *range(70, 1001, 70), 1000] and "every 70" in title  # 70 = 10 x ceil(1000 / 150)
@@ -278,7 +283,9 @@ def test_no_values_line_names_each_option_once_for_the_columns_it_records():
     attribution = [m for m in STEP_METRICS if "_from_" in m]
     assert len(attribution) == 9
     note = empty_metrics_note(["gen_batches", "dH", "dH_hard", "dH_easy", *attribution])
-    assert note == ("gen_batches; dH, dH_hard, dH_easy (recorded with --log-entropy-delta); "
-                    "the 9 dH_*from_* columns (recorded with --log-entropy-attribution)")
+    assert note == (
+        "gen_batches; dH, dH_hard, dH_easy (recorded with --log-entropy-delta); "
+        "the 9 dH_*from_* columns (recorded with --log-entropy-attribution)"
+    )
     # a family only partly empty is not folded: each empty column keeps its own name
     assert empty_metrics_note(["dH_easy", "dH_from_none"]) == "dH_easy, dH_from_none"

@@ -59,17 +59,20 @@ def test_runs_lists_tags_and_filters_by_one(runs):
     assert code == 0 and "no run tagged 'nope'" in none
 
 
-@pytest.mark.parametrize("args, message", [
-    (["tag", "base-s0", "two words"], "tag: 'two words' is not a tag"),
-    (["tag", "nope", "x"], "no run 'nope'"),
-    (["note", "base-s0", "x" * 2001], "note: 2,001 characters, more than 2,000"),
-    (["rm", "nope", "--yes"], "no run 'nope'"),
-    (["rm", "--yes"], "name the runs to delete"),
-    (["stop"], "name the run to stop"),
-    (["stop", "--sweep", "nope"], "no run of sweep 'nope'"),
-    (["stop", "--sweep", "base"], "nothing of sweep 'base' is running"),
-    (["rm", "other", "--sweep", "NOPE", "--yes"], "no run of sweep 'NOPE'"),  # issue 48 L8: it deleted `other`
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["tag", "base-s0", "two words"], "tag: 'two words' is not a tag"),
+        (["tag", "nope", "x"], "no run 'nope'"),
+        (["note", "base-s0", "x" * 2001], "note: 2,001 characters, more than 2,000"),
+        (["rm", "nope", "--yes"], "no run 'nope'"),
+        (["rm", "--yes"], "name the runs to delete"),
+        (["stop"], "name the run to stop"),
+        (["stop", "--sweep", "nope"], "no run of sweep 'nope'"),
+        (["stop", "--sweep", "base"], "nothing of sweep 'base' is running"),
+        (["rm", "other", "--sweep", "NOPE", "--yes"], "no run of sweep 'NOPE'"),  # issue 48 L8: it deleted `other`
+    ],
+)
 def test_a_bad_tag_note_or_rm_is_one_message_and_changes_nothing(runs, args, message):
     before = sorted(p.relative_to(runs) for p in runs.rglob("*"))
     code, output = qae(*args, runs_dir=runs)
@@ -149,8 +152,11 @@ def stranger(tmp_path, request):
     'got-signal'` appears if it is ever sent SIGTERM."""
 
     def start(pid_file):
-        process = subprocess.Popen([sys.executable, "-c", STRANGER, str(pid_file), str(tmp_path / "got-signal")],
-                                   stdout=subprocess.PIPE, text=True)
+        process = subprocess.Popen(
+            [sys.executable, "-c", STRANGER, str(pid_file), str(tmp_path / "got-signal")],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         request.addfinalizer(process.kill)
         assert process.stdout.readline().strip() == "held"
         return process

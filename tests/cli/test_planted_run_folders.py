@@ -91,8 +91,9 @@ def run_in_process(runs: Path, names=READERS) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("plant", QUICK + [Plant("qae.duckdb", "link-out"), Plant("qae.duckdb", "fifo")],
-                         ids=lambda plant: plant.name)
+@pytest.mark.parametrize(
+    "plant", QUICK + [Plant("qae.duckdb", "link-out"), Plant("qae.duckdb", "fifo")], ids=lambda plant: plant.name
+)
 def test_a_planted_file_breaks_no_reader(base, tmp_path, plant):
     runs = make_case(base, tmp_path, plant)
     before = snapshot(tmp_path, leave_out=(runs / RUN,))
@@ -108,8 +109,13 @@ def test_a_planted_file_breaks_no_reader(base, tmp_path, plant):
 
 def run_driver(cases: list[Path]) -> tuple[list[dict], str | None, str]:
     """Each case's command results from one driver process; the (case, command) it hung on, if it did."""
-    process = subprocess.run([sys.executable, str(DRIVER), *map(str, cases)], capture_output=True, text=True,
-                             timeout=DRIVER_TIMEOUT_S, env=dict(os.environ, COLUMNS="300"))
+    process = subprocess.run(
+        [sys.executable, str(DRIVER), *map(str, cases)],
+        capture_output=True,
+        text=True,
+        timeout=DRIVER_TIMEOUT_S,
+        env=dict(os.environ, COLUMNS="300"),
+    )
     results, started = [], None
     for line in process.stdout.splitlines():
         record = json.loads(line)
@@ -129,7 +135,7 @@ def test_every_plant_under_every_command(base, tmp_path):
     plants, found = all_plants(), []
     for start in range(0, len(plants), BATCH):
         batch = {}
-        for i, plant in enumerate(plants[start:start + BATCH], start):
+        for i, plant in enumerate(plants[start : start + BATCH], start):
             case = tmp_path / f"case-{i:03d}"
             case.mkdir()
             runs = make_case(base, case, plant)
@@ -142,7 +148,7 @@ def test_every_plant_under_every_command(base, tmp_path):
             if hung is None:
                 break
             found.append(f"hung: {hung}\n{stderr}")
-            pending = pending[pending.index(tmp_path / hung.split(" / ")[0]) + 1:]
+            pending = pending[pending.index(tmp_path / hung.split(" / ")[0]) + 1 :]
         for case, (plant, runs, before) in batch.items():
             if snapshot(case, leave_out=(runs / RUN, case / "export")) != before:
                 found.append(f"{plant.name}: a write outside the run folder")

@@ -36,8 +36,9 @@ def test_a_runs_dir_with_a_name_over_255_bytes_is_refused(tmp_path, command):
 def test_a_huge_string_in_a_toml_file_is_echoed_capped(tmp_path, key):
     """A 10 MB string in a TOML file was echoed whole to stderr."""
     (tmp_path / "huge.toml").write_text(f'{key} = "{"x" * 10_000_000}"\n')
-    result = runner.invoke(app, ["train", "--config", str(tmp_path / "huge.toml"), "--runs-dir",
-                                 str(tmp_path / "runs")])
+    result = runner.invoke(
+        app, ["train", "--config", str(tmp_path / "huge.toml"), "--runs-dir", str(tmp_path / "runs")]
+    )
     assert result.exit_code == 2, result.output[:2000]
     assert len(result.output) < 3000, result.output[:2000]
     assert re.search(r"x…\(10,000,00\dcharacters\)", "".join(result.output.split())), result.output  # (quotes too)
@@ -57,9 +58,16 @@ def test_a_toml_file_with_a_utf8_bom_is_read(tmp_path):
     assert (cfg.steps, cfg.group_size) == (3, 4)
 
 
-@pytest.mark.parametrize("options", [{}, {"dynamic_sampling": True, "filter_metric": "correct", "max_gen_batches": 3},
-                                     {"overlong_buffer": 2, "overlong_penalty": 0.5, "max_new_tokens": 8},
-                                     {"dynamic_sampling": False}, {"overlong_buffer": 0}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"dynamic_sampling": True, "filter_metric": "correct", "max_gen_batches": 3},
+        {"overlong_buffer": 2, "overlong_penalty": 0.5, "max_new_tokens": 8},
+        {"dynamic_sampling": False},
+        {"overlong_buffer": 0},
+    ],
+)
 def test_options_that_need_a_switch_are_taken_with_it_and_their_defaults_never_trigger(options):
     from qae_app.config import build_config
 
@@ -71,10 +79,30 @@ def test_options_that_need_a_switch_are_taken_with_it_and_their_defaults_never_t
 def test_a_lone_surrogate_in_a_data_file_is_stored_as_a_replacement_character(tmp_path):
     data = tmp_path / "surrogate.jsonl"
     data.write_text('{"problem": "What is 1+1? \\ud800", "answer": "2", "id": "p\\udfff"}\n')
-    result = runner.invoke(app, ["train", "--data", str(data), "--steps", "1", "--prompts-per-step", "1",
-                                 "--group-size", "2", "--num-mini-batches", "1", "--eval-every", "0",
-                                 "--max-new-tokens", "4",
-                                 "--run-name", "s", "--runs-dir", str(tmp_path / "runs")])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--data",
+            str(data),
+            "--steps",
+            "1",
+            "--prompts-per-step",
+            "1",
+            "--group-size",
+            "2",
+            "--num-mini-batches",
+            "1",
+            "--eval-every",
+            "0",
+            "--max-new-tokens",
+            "4",
+            "--run-name",
+            "s",
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     groups = query(db_path(tmp_path / "runs", "s"), "SELECT prompt_id, prompt FROM groups")
     assert groups["prompt_id"].tolist() == ["p\ufffd"]
@@ -88,9 +116,28 @@ def test_the_default_eval_every_on_data_without_a_held_out_split_says_so_once(tm
     explicitly it is refused (the table above)."""
     data = tmp_path / "one.jsonl"
     data.write_text('{"problem": "What is 1+1?", "answer": "2"}\n')
-    result = runner.invoke(app, ["train", "--data", str(data), "--steps", "2", "--prompts-per-step", "1",
-                                 "--group-size", "2", "--num-mini-batches", "1", "--max-new-tokens", "4",
-                                 "--run-name", "n", "--runs-dir", str(tmp_path / "runs")])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--data",
+            str(data),
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "1",
+            "--group-size",
+            "2",
+            "--num-mini-batches",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--run-name",
+            "n",
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        ],
+    )
     output = " ".join(result.output.split())
     assert result.exit_code == 0, result.output
     assert output.count("note: nothing to evaluate every 25 steps: ") == 1, output
@@ -115,8 +162,9 @@ def test_a_damaged_run_file_is_named_by_every_command(tmp_path):
     assert f"unreadable:broken:run:cannotread{path}" in output  # listed, with the reason under the table
 
 
-@pytest.mark.parametrize("command", [["runs"], ["show", "r"], ["rollouts", "r"], ["compare", "r"], ["train"],
-                                     ["eval"], ["dashboard"]])
+@pytest.mark.parametrize(
+    "command", [["runs"], ["show", "r"], ["rollouts", "r"], ["compare", "r"], ["train"], ["eval"], ["dashboard"]]
+)
 def test_a_runs_dir_that_is_a_file_is_refused_by_every_command(tmp_path, command):
     (tmp_path / "f").write_text("x")
     result = runner.invoke(app, [*command, "--runs-dir", str(tmp_path / "f")])
@@ -129,8 +177,22 @@ def test_a_runs_dir_that_is_a_file_is_refused_by_every_command(tmp_path, command
 def trained_run(tmp_path_factory):
     """A real two-step run with a checkpoint per step (its database spans several blocks)."""
     runs = tmp_path_factory.mktemp("damaged") / "runs"
-    result = runner.invoke(app, ["train", "--steps", "2", "--eval-every", "0", "--checkpoint-every", "1",
-                                 "--run-name", "base", "--runs-dir", str(runs)])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--steps",
+            "2",
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "1",
+            "--run-name",
+            "base",
+            "--runs-dir",
+            str(runs),
+        ],
+    )
     assert result.exit_code == 0, result.output
     return runs
 
@@ -152,9 +214,16 @@ def _damaged_copies(runs, tmp_path):
     return copies
 
 
-@pytest.mark.parametrize("command", [["train", "--resume", "{run}", "--steps", "3"],
-                                     ["eval", "--model", "{run}", "--limit", "2", "--samples", "1"],
-                                     ["show", "{run}"], ["rollouts", "{run}"], ["compare", "{run}"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train", "--resume", "{run}", "--steps", "3"],
+        ["eval", "--model", "{run}", "--limit", "2", "--samples", "1"],
+        ["show", "{run}"],
+        ["rollouts", "{run}"],
+        ["compare", "{run}"],
+    ],
+)
 @pytest.mark.parametrize("run", ["trunc", "notables"])
 def test_a_damaged_database_in_a_copied_run_is_named_by_every_command(trained_run, tmp_path, command, run):
     """A truncated file in a copied folder failed while the writer renamed the stored run id, and the aborted
@@ -192,8 +261,9 @@ def test_eval_run_name_refuses_what_is_left_of_a_training_run(trained_run, tmp_p
     runs = tmp_path / "runs"
     shutil.copytree(trained_run / "base", runs / "nodb")
     db_path(runs, "nodb").rename(tmp_path / "aside.duckdb")
-    result = runner.invoke(app, ["eval", "--run-name", "nodb", "--limit", "2", "--samples", "1",
-                                 "--runs-dir", str(runs)])
+    result = runner.invoke(
+        app, ["eval", "--run-name", "nodb", "--limit", "2", "--samples", "1", "--runs-dir", str(runs)]
+    )
     assert result.exit_code == 2, result.output
     assert "run-name: 'nodb' already exists" in " ".join(result.output.split())
     assert not db_path(runs, "nodb").exists()
@@ -203,12 +273,19 @@ TRAIN_RESUME = ["train", "--resume", "cfg", "--steps", "3"]
 SWEEP_RESUME = ["sweep", "--name", "cfg"]  # its first point is the damaged run (a sweep reads only its sweep id)
 
 
-@pytest.mark.parametrize("content, reason, command", [
-    ("{oops", "isnotvalidJSON", TRAIN_RESUME), ("", "isnotvalidJSON", TRAIN_RESUME),
-    ("[1, 2]", "isnotaJSONobject", TRAIN_RESUME), ('{"group_size": "x"}', "'group_size'='x'isastr", TRAIN_RESUME),
-    ('{"steps": -4}', "holdsabadvalue:steps:-4", TRAIN_RESUME), ('{"steps": null}', "'steps'=null", TRAIN_RESUME),
-    ("{oops", "isnotvalidJSON", SWEEP_RESUME), ("[1, 2]", "isnotaJSONobject", SWEEP_RESUME),
-])
+@pytest.mark.parametrize(
+    "content, reason, command",
+    [
+        ("{oops", "isnotvalidJSON", TRAIN_RESUME),
+        ("", "isnotvalidJSON", TRAIN_RESUME),
+        ("[1, 2]", "isnotaJSONobject", TRAIN_RESUME),
+        ('{"group_size": "x"}', "'group_size'='x'isastr", TRAIN_RESUME),
+        ('{"steps": -4}', "holdsabadvalue:steps:-4", TRAIN_RESUME),
+        ('{"steps": null}', "'steps'=null", TRAIN_RESUME),
+        ("{oops", "isnotvalidJSON", SWEEP_RESUME),
+        ("[1, 2]", "isnotaJSONobject", SWEEP_RESUME),
+    ],
+)
 def test_a_damaged_config_json_is_named_on_resume(trained_run, tmp_path, content, reason, command):
     """A run's config.json edited by hand or damaged: a traceback (JSONDecodeError, TypeError, AttributeError) on
     resume; now the file, what is wrong with it and what to do."""
@@ -232,10 +309,14 @@ def test_a_damaged_config_json_is_named_on_resume(trained_run, tmp_path, content
     assert config.read_text() == content and db_path(runs, config.parent.name).read_bytes() == before
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--seed", HUGE], f"seed: {HUGE}"), (["--seed", "-1"], "seed: -1"),
-    (["--out", "{file}"], "out: {file} is a file, not a folder"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--seed", HUGE], f"seed: {HUGE}"),
+        (["--seed", "-1"], "seed: -1"),
+        (["--out", "{file}"], "out: {file} is a file, not a folder"),
+    ],
+)
 def test_warmstart_refuses_bad_values_before_training(tmp_path, args, message):
     """A bad --out was found only when saving, after the training (a FileExistsError traceback); a seed too large
     for torch gave a traceback; a negative one was taken although `qae train` refuses it."""
@@ -252,17 +333,19 @@ def test_warmstart_refuses_bad_values_before_training(tmp_path, args, message):
 @pytest.fixture(scope="module")
 def eval_run(tmp_path_factory):
     runs = tmp_path_factory.mktemp("evalrun") / "runs"
-    result = runner.invoke(app, ["eval", "--run-name", "ev", "--limit", "2", "--samples", "1", "--runs-dir",
-                                 str(runs)])
+    result = runner.invoke(app, ["eval", "--run-name", "ev", "--limit", "2", "--samples", "1", "--runs-dir", str(runs)])
     assert result.exit_code == 0, result.output
     return runs
 
 
-@pytest.mark.parametrize("command, message", [
-    (["train", "--run-name", "ev", "--steps", "1"], "run-name: 'ev' is an eval run (qae eval)"),
-    (["train", "--resume", "ev", "--steps", "1"], "resume: 'ev' is an eval run (qae eval)"),
-    (["eval", "--model", "ev", "--limit", "1", "--samples", "1"], "model: 'ev' is an eval run (qae eval)"),
-])
+@pytest.mark.parametrize(
+    "command, message",
+    [
+        (["train", "--run-name", "ev", "--steps", "1"], "run-name: 'ev' is an eval run (qae eval)"),
+        (["train", "--resume", "ev", "--steps", "1"], "resume: 'ev' is an eval run (qae eval)"),
+        (["eval", "--model", "ev", "--limit", "1", "--samples", "1"], "model: 'ev' is an eval run (qae eval)"),
+    ],
+)
 def test_an_eval_run_is_called_one(eval_run, command, message):
     """An eval run's folder holds results, not a model or a training config: `train --run-name` advised --resume,
     which then said 'no run ev (runs there: ev)'; `eval --model` advised waiting for checkpoints."""
@@ -280,8 +363,9 @@ def test_resume_refuses_another_run_name(trained_run, tmp_path):
 
     runs = tmp_path / "runs"
     shutil.copytree(trained_run / "base", runs / "base")
-    result = runner.invoke(app, ["train", "--resume", "base", "--run-name", "other", "--steps", "3",
-                                 "--runs-dir", str(runs)])
+    result = runner.invoke(
+        app, ["train", "--resume", "base", "--run-name", "other", "--steps", "3", "--runs-dir", str(runs)]
+    )
     assert result.exit_code == 2, result.output
     output = " ".join(result.output.split())
     assert "run-name: 'other' is not the run --resume continues ('base')" in output, result.output

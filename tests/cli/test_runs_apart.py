@@ -23,8 +23,7 @@ def apart_cwd(tmp_path_factory) -> Path:
     cwd = tmp_path_factory.mktemp("apart")
     runs = cwd / "runs"
     write_run(runs, DYNAMIC, steps=20, prompts_per_step=2, group_size=4, config={"dynamic_sampling": True})
-    write_run(runs, ATTRIBUTION, steps=20, prompts_per_step=2, group_size=4,
-              config={"log_entropy_attribution": True})
+    write_run(runs, ATTRIBUTION, steps=20, prompts_per_step=2, group_size=4, config={"log_entropy_attribution": True})
     for run_id, seed in SEEDS.items():
         write_run(runs, run_id, steps=4, prompts_per_step=2, group_size=4, seed=seed, config=SWEEP)
     return cwd
@@ -34,7 +33,7 @@ def under(text: str, run_id: str, others: list[str]) -> str:
     """What the listing prints from `run_id` up to the next run's id (its row and the lines under it)."""
     start = text.index(run_id) + len(run_id)
     ends = [text.index(other, start) for other in others if other != run_id and other in text[start:]]
-    block = text[start:min(ends, default=len(text))]
+    block = text[start : min(ends, default=len(text))]
     return " ".join(block.split())
 
 
@@ -52,7 +51,9 @@ def test_runs_says_what_tells_each_run_apart(apart_cwd, width):
     assert "sweep_" not in text
     # what every run shares and is not the default, once: write_run's sizes, lr, entropy band and evaluations
     flat = " ".join(text.split())
-    assert ("every run below: group_size=4, prompts_per_step=2, lr=1e-05, entropy_low=0.5, entropy_high=3, "
-            "eval_every=0 (not the defaults)") in flat
+    assert (
+        "every run below: group_size=4, prompts_per_step=2, lr=1e-05, entropy_low=0.5, entropy_high=3, "
+        "eval_every=0 (not the defaults)"
+    ) in flat
     assert flat.count("lr=1e-05") == 1
     assert "…" not in text

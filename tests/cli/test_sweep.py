@@ -18,8 +18,7 @@ from qae_app.store.schema import STEP_METRICS
 from qae_app.store.writer import RunWriter
 
 runner = CliRunner()
-TINY = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0", "--checkpoint-every",
-        "1"]
+TINY = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0", "--checkpoint-every", "1"]
 
 
 def test_a_point_file_gives_each_run_the_prompt_as_written(tmp_path):
@@ -28,8 +27,13 @@ def test_a_point_file_gives_each_run_the_prompt_as_written(tmp_path):
     from qae_app.cli.sweep import write_point_file
     from qae_app.config import load_toml
 
-    options = {"prompt_template": 'Say "hi".\n\n{question}\tput it in \\boxed{}',
-               "system_prompt": "Be kind \U0001F600\x7f", "steps": 3, "lr": 1e-05, "dynamic_sampling": True}
+    options = {
+        "prompt_template": 'Say "hi".\n\n{question}\tput it in \\boxed{}',
+        "system_prompt": "Be kind \U0001f600\x7f",
+        "steps": 3,
+        "lr": 1e-05,
+        "dynamic_sampling": True,
+    }
     assert load_toml(write_point_file(tmp_path / "p.toml", options)) == options
 
 
@@ -53,8 +57,15 @@ def test_the_grid_repeats_k_for_qae_only_and_tags_every_point(tmp_path):
 def test_the_grid_over_policy_losses_names_each_point_by_loss_and_gives_it_its_own_options(tmp_path):
     """The bake-off: losses x estimators x seeds, a loss's option going to its points alone; an option of a loss
     outside the sweep is refused, and the same command with another loss extends the same sweep."""
-    sweep = plan_sweep(tmp_path, "grpo,qae", None, 3, {"steps": 5, "seed": 1, "clip_cov_ratio": 0.001},
-                       name="bake", losses="clip,clip_cov,kl_cov,gspo")
+    sweep = plan_sweep(
+        tmp_path,
+        "grpo,qae",
+        None,
+        3,
+        {"steps": 5, "seed": 1, "clip_cov_ratio": 0.001},
+        name="bake",
+        losses="clip,clip_cov,kl_cov,gspo",
+    )
     names = [p.run_name for p in sweep.points]
     assert len(names) == 4 * 2 * 3
     assert names[:4] == ["bake-clip-grpo-s1", "bake-clip-grpo-s2", "bake-clip-grpo-s3", "bake-clip-qae-k0.4-s1"]
@@ -64,8 +75,15 @@ def test_the_grid_over_policy_losses_names_each_point_by_loss_and_gives_it_its_o
         assert point.options["policy_loss"] == loss
         assert ("clip_cov_ratio" in point.options) == (loss == "clip_cov")
     assert {p.options["clip_cov_ratio"] for p in sweep.points if "clip_cov_ratio" in p.options} == {0.001}
-    more = plan_sweep(tmp_path, "grpo,qae", None, 3, {"steps": 5, "seed": 1, "clip_cov_ratio": 0.001},
-                      name="bake", losses="clip,clip_cov,kl_cov,gspo,cispo")
+    more = plan_sweep(
+        tmp_path,
+        "grpo,qae",
+        None,
+        3,
+        {"steps": 5, "seed": 1, "clip_cov_ratio": 0.001},
+        name="bake",
+        losses="clip,clip_cov,kl_cov,gspo,cispo",
+    )
     assert more.sweep_id == sweep.sweep_id and len(more.points) == 5 * 2 * 3
     # without --policy-loss the names and the id are a plain sweep's, as before the option
     plain = plan_sweep(tmp_path, "qae", None, 1, {"steps": 5}, name="plain")
@@ -80,8 +98,9 @@ def test_a_sweep_checks_its_data_files_before_any_run_starts(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "1+1?"}\n')  # no answer
     for option in ("--data", "--eval-bench"):
-        result = runner.invoke(app, ["sweep", option, str(bad), "--seeds", "3", *TINY[:2],
-                                     "--runs-dir", str(tmp_path / "runs")])
+        result = runner.invoke(
+            app, ["sweep", option, str(bad), "--seeds", "3", *TINY[:2], "--runs-dir", str(tmp_path / "runs")]
+        )
         output = "".join(result.output.split())  # the console wraps long paths anywhere
         assert result.exit_code == 2, result.output
         assert "".join(f"{option[2:]}: '{bad}' line 1 has no answer".split()) in output, result.output
@@ -106,8 +125,9 @@ def test_a_sweep_takes_the_reward_options_and_names_the_reward_code_again_on_res
     assert build_config(tmp_path / "p.toml").reward == ["exact_int", spec]
     resume = _command(sweep, point, "resume", tmp_path, cpu=False)
     assert resume[-4:] == ["--reward", "exact_int", "--reward", spec]
-    missing = runner.invoke(app, ["sweep", "--reward", str(tmp_path / "none.py:score"), *TINY[:2],
-                                  "--runs-dir", str(tmp_path / "runs")])
+    missing = runner.invoke(
+        app, ["sweep", "--reward", str(tmp_path / "none.py:score"), *TINY[:2], "--runs-dir", str(tmp_path / "runs")]
+    )
     assert missing.exit_code == 2 and "none.pydoesnotexist" in "".join(missing.output.split())
     assert not (tmp_path / "runs").exists()
 
@@ -115,8 +135,9 @@ def test_a_sweep_takes_the_reward_options_and_names_the_reward_code_again_on_res
 def test_a_sweep_point_named_like_an_eval_run_is_refused(tmp_path):
     """An eval run took the name of the sweep's first point: the sweep tried to resume it and failed with 'no run'."""
     runs = tmp_path / "runs"
-    result = runner.invoke(app, ["eval", "--run-name", "foo-qae-k0.4-s0", "--limit", "2", "--samples", "1",
-                                 "--runs-dir", str(runs)])
+    result = runner.invoke(
+        app, ["eval", "--run-name", "foo-qae-k0.4-s0", "--limit", "2", "--samples", "1", "--runs-dir", str(runs)]
+    )
     assert result.exit_code == 0, result.output
     result = runner.invoke(app, ["sweep", "--name", "foo", *TINY, "--runs-dir", str(runs)])
     output = " ".join(result.output.split())
@@ -154,17 +175,20 @@ def test_sweep_help_gives_the_sweeps_own_defaults():
     assert "(default: False)" in next(line for line in train_help.splitlines() if "--log-entropy-delta" in line)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--estimator", "grpo", "--k", "0.3"], "k: 0.3 is QAE's quantile level, and the sweep has no qae run"),
-    (["--estimator", "qae,ppo"], "estimator: unknown 'ppo'"),
-    (["--estimator", "qae,qae"], "estimator: 'qae,qae' repeats a value"),
-    (["--policy-loss", "clip,vanilla"], "policy-loss: unknown 'vanilla'. Choose from: clip, clip_cov, kl_cov"),
-    (["--policy-loss", "gspo", "--loss-agg", "token"], "loss-agg: token is not defined for --policy-loss gspo"),
-    (["--seeds", "0"], "seeds: 0. Use 1 or more seeds"),
-    (["--lr", "-1"], "lr: -1.0"),
-    (["--k", "0.3,1.5"], "(in sweep point"),
-    (["--parallel", "0"], "parallel: 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--estimator", "grpo", "--k", "0.3"], "k: 0.3 is QAE's quantile level, and the sweep has no qae run"),
+        (["--estimator", "qae,ppo"], "estimator: unknown 'ppo'"),
+        (["--estimator", "qae,qae"], "estimator: 'qae,qae' repeats a value"),
+        (["--policy-loss", "clip,vanilla"], "policy-loss: unknown 'vanilla'. Choose from: clip, clip_cov, kl_cov"),
+        (["--policy-loss", "gspo", "--loss-agg", "token"], "loss-agg: token is not defined for --policy-loss gspo"),
+        (["--seeds", "0"], "seeds: 0. Use 1 or more seeds"),
+        (["--lr", "-1"], "lr: -1.0"),
+        (["--k", "0.3,1.5"], "(in sweep point"),
+        (["--parallel", "0"], "parallel: 0"),
+    ],
+)
 def test_a_bad_sweep_is_refused_before_any_run_starts(tmp_path, args, message):
     result = runner.invoke(app, ["sweep", *args, "--runs-dir", str(tmp_path / "runs")])
     assert result.exit_code == 2, result.output
@@ -176,11 +200,25 @@ def test_a_bad_sweep_is_refused_before_any_run_starts(tmp_path, args, message):
 # qae compare on stored runs with known values
 
 
-def _store_run(runs: Path, run_id: str, seed: int, estimator: str, heldout: dict[int, float], entropy: float,
-               sweep: str = "cmp", policy_loss: str = "clip") -> None:
+def _store_run(
+    runs: Path,
+    run_id: str,
+    seed: int,
+    estimator: str,
+    heldout: dict[int, float],
+    entropy: float,
+    sweep: str = "cmp",
+    policy_loss: str = "clip",
+) -> None:
     writer = RunWriter(runs / run_id / "qae.duckdb", run_id)
-    config = {**TrainConfig(policy_loss=policy_loss).to_dict(), "seed": seed, "run_name": run_id,
-              "estimator": estimator, "sweep_id": "id-" + sweep, "sweep_name": sweep}
+    config = {
+        **TrainConfig(policy_loss=policy_loss).to_dict(),
+        "seed": seed,
+        "run_name": run_id,
+        "estimator": estimator,
+        "sweep_id": "id-" + sweep,
+        "sweep_name": sweep,
+    }
     writer.create_run(run_id, config, estimator, 0.4, "builtin:tiny", "arith", seed)
     for step in (1, 2, 3, 4):
         row = {name: 0.5 for name in STEP_METRICS}
@@ -206,31 +244,36 @@ def test_copied_run_folders_do_not_count_as_seeds(known_runs):
     named as not counted, the interval is the one without them, and the pairing names the runs it used."""
     import shutil
 
-    before = json.loads(runner.invoke(app, ["compare", "--sweep", "cmp", "--json", "--runs-dir",
-                                            str(known_runs)]).output)
+    before = json.loads(
+        runner.invoke(app, ["compare", "--sweep", "cmp", "--json", "--runs-dir", str(known_runs)]).output
+    )
     for seed in (0, 1):
         shutil.copytree(known_runs / f"cmp-grpo-s{seed}", known_runs / f"cmp-grpo-s{seed}.bak")
-    result = runner.invoke(app, ["compare", "--sweep", "cmp", "--baseline", "grpo", "--json", "--runs-dir",
-                                 str(known_runs)])
+    result = runner.invoke(
+        app, ["compare", "--sweep", "cmp", "--baseline", "grpo", "--json", "--runs-dir", str(known_runs)]
+    )
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
     grpo = {g["label"]: g for g in out["groups"]}["estimator=grpo"]
     assert grpo["n"] == 3 and grpo["seeds"] == [0, 1, 2]
     assert grpo["runs"] == ["cmp-grpo-s0", "cmp-grpo-s1", "cmp-grpo-s2"]
-    assert grpo["excluded"] == {f"cmp-grpo-s{s}.bak": f"a copy of cmp-grpo-s{s}, seed {s}: counted once"
-                                for s in (0, 1)}
+    assert grpo["excluded"] == {
+        f"cmp-grpo-s{s}.bak": f"a copy of cmp-grpo-s{s}, seed {s}: counted once" for s in (0, 1)
+    }
     assert grpo["metrics"] == {g["label"]: g for g in before["groups"]}["estimator=grpo"]["metrics"]
     pairs = out["differences"]["estimator=qae"]["final_heldout"]["pairs"]
     assert pairs == [[s, f"cmp-qae-s{s}", f"cmp-grpo-s{s}"] for s in range(3)]
-    text = runner.invoke(app, ["compare", "--sweep", "cmp", "--baseline", "grpo", "--runs-dir", str(known_runs)],
-                         env={"COLUMNS": "200"}).output
+    text = runner.invoke(
+        app, ["compare", "--sweep", "cmp", "--baseline", "grpo", "--runs-dir", str(known_runs)], env={"COLUMNS": "200"}
+    ).output
     assert "n=3 (seeds 0, 1, 2)" in text and "cmp-grpo-s0.bak (a copy of cmp-grpo-s0, seed 0: counted once)" in text
     assert "seed 0 cmp-qae-s0 - cmp-grpo-s0" in text
 
 
 def test_compare_json_gives_the_hand_computed_intervals_and_paired_differences(known_runs):
-    result = runner.invoke(app, ["compare", "--sweep", "cmp", "--baseline", "grpo", "--json", "--runs-dir",
-                                 str(known_runs)])
+    result = runner.invoke(
+        app, ["compare", "--sweep", "cmp", "--baseline", "grpo", "--json", "--runs-dir", str(known_runs)]
+    )
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
     groups = {g["label"]: g for g in out["groups"]}
@@ -252,8 +295,21 @@ def test_compare_json_gives_the_hand_computed_intervals_and_paired_differences(k
 def test_compare_json_follows_the_one_statistics_rule_below_three_seeds(known_runs):
     """`--json` is read by scripts that quote it: below 3 paired seeds it gives no interval and no p-value (null,
     with the reason), as the tables and the Compare page do; the mean and sd stay."""
-    result = runner.invoke(app, ["compare", "cmp-qae-s0", "cmp-qae-s1", "cmp-grpo-s0", "cmp-grpo-s1", "--baseline",
-                                 "grpo", "--json", "--runs-dir", str(known_runs)])
+    result = runner.invoke(
+        app,
+        [
+            "compare",
+            "cmp-qae-s0",
+            "cmp-qae-s1",
+            "cmp-grpo-s0",
+            "cmp-grpo-s1",
+            "--baseline",
+            "grpo",
+            "--json",
+            "--runs-dir",
+            str(known_runs),
+        ],
+    )
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
     final = {g["label"]: g for g in out["groups"]}["estimator=qae"]["metrics"]["final_heldout"]
@@ -263,15 +319,21 @@ def test_compare_json_follows_the_one_statistics_rule_below_three_seeds(known_ru
     assert diff["mean"] == pytest.approx(0.15) and diff["seeds"] == [0, 1]
     assert (diff["low"], diff["high"], diff["p_value"]) == (None, None, None)
     assert diff["no_interval"] == "n=2: no interval"
-    three = json.loads(runner.invoke(app, ["compare", "--sweep", "cmp", "--baseline", "grpo", "--json",
-                                           "--runs-dir", str(known_runs)]).output)
+    three = json.loads(
+        runner.invoke(
+            app, ["compare", "--sweep", "cmp", "--baseline", "grpo", "--json", "--runs-dir", str(known_runs)]
+        ).output
+    )
     diff = three["differences"]["estimator=qae"]["final_heldout"]
     assert diff["low"] is not None and diff["p_value"] is not None and diff["no_interval"] is None
 
 
 def test_compare_prints_groups_intervals_baseline_and_small_n_notes(known_runs):
-    result = runner.invoke(app, ["compare", "cmp-qae-s0", "cmp-qae-s1", "cmp-grpo-s0", "--baseline", "grpo",
-                                 "--runs-dir", str(known_runs)], env={"COLUMNS": "80"})
+    result = runner.invoke(
+        app,
+        ["compare", "cmp-qae-s0", "cmp-qae-s1", "cmp-grpo-s0", "--baseline", "grpo", "--runs-dir", str(known_runs)],
+        env={"COLUMNS": "80"},
+    )
     assert result.exit_code == 0, result.output
     text = result.output
     assert "G1 estimator=qae: n=2 (seeds 0, 1)" in text and "G2 estimator=grpo: n=1 (seeds 0)" in text
@@ -297,22 +359,27 @@ def test_compare_lays_a_grid_of_policy_losses_out_as_the_paper_s_table(known_run
     gspo = table["rows"][1]["metrics"]["final_heldout"]["difference"]  # 0, 0.1, 0.3
     assert gspo["mean"] == pytest.approx(0.4 / 3) and gspo["seeds"] == [0, 1, 2]
     assert table["rows"][1]["metrics"]["entropy_last"]["difference"]["mean"] == pytest.approx(-1.0)
-    text = runner.invoke(app, ["compare", "--sweep", "cmp", "--runs-dir", str(known_runs)],
-                         env={"COLUMNS": "80"}).output
+    text = runner.invoke(
+        app, ["compare", "--sweep", "cmp", "--runs-dir", str(known_runs)], env={"COLUMNS": "80"}
+    ).output
     assert "by policy loss, as the paper's Table 2" in " ".join(text.split())
     assert "qae - grpo" in text and "entropy_range" in text
     assert max(len(line) for line in text.splitlines()) <= 80
-    alone = json.loads(runner.invoke(app, ["compare", "cmp-qae-s0", "cmp-qae-s1", "--json", "--runs-dir",
-                                           str(known_runs)]).output)
+    alone = json.loads(
+        runner.invoke(app, ["compare", "cmp-qae-s0", "cmp-qae-s1", "--json", "--runs-dir", str(known_runs)]).output
+    )
     assert alone["by_policy_loss"] is None  # one estimator: no such table
 
 
-@pytest.mark.parametrize("args, message", [
-    (["compare"], "compare: pass run ids or --sweep ID"),
-    (["compare", "--sweep", "nope"], "sweep: no run in"),
-    (["compare", "missing-run"], "run: no run 'missing-run'"),
-    (["compare", "--sweep", "cmp", "--baseline", "ppo"], "baseline: 'ppo' matches no group"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["compare"], "compare: pass run ids or --sweep ID"),
+        (["compare", "--sweep", "nope"], "sweep: no run in"),
+        (["compare", "missing-run"], "run: no run 'missing-run'"),
+        (["compare", "--sweep", "cmp", "--baseline", "ppo"], "baseline: 'ppo' matches no group"),
+    ],
+)
 def test_compare_refuses_clearly(known_runs, args, message):
     result = runner.invoke(app, [*args, "--runs-dir", str(known_runs)])
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output

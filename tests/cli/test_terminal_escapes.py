@@ -16,8 +16,7 @@ CLEAR = "\x1b[2J\x1b[H"
 
 
 def test_control_characters_become_visible_escapes():
-    assert visible_controls(f"a{CLIPBOARD}b{CLEAR}\tc\nd\x9b") == \
-        "a\\x1b]52;c;cHduZWQ=\\x07b\\x1b[2J\\x1b[H\tc\nd\\x9b"
+    assert visible_controls(f"a{CLIPBOARD}b{CLEAR}\tc\nd\x9b") == "a\\x1b]52;c;cHduZWQ=\\x07b\\x1b[2J\\x1b[H\tc\nd\\x9b"
 
 
 @pytest.fixture
@@ -47,7 +46,10 @@ def test_an_error_naming_a_path_wider_than_the_terminal_keeps_the_path_whole(tmp
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
     missing = deep / "words.jsonl"
-    result = CliRunner().invoke(app, ["train", "--data", str(missing), "--steps", "1", "--runs-dir",
-                                      str(tmp_path / "runs")], env={"COLUMNS": "40"})
+    result = CliRunner().invoke(
+        app,
+        ["train", "--data", str(missing), "--steps", "1", "--runs-dir", str(tmp_path / "runs")],
+        env={"COLUMNS": "40"},
+    )
     assert result.exit_code == 2, result.output
     assert str(missing) in result.output, result.output

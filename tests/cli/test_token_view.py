@@ -13,8 +13,11 @@ runner = CliRunner()
 
 
 def rollouts(runs, *options, env=None):
-    result = runner.invoke(app, ["rollouts", "crafted", "--runs-dir", str(runs), "--step", "3", "--tokens",
-                                 *options], env={"COLUMNS": "100", **(env or {})})
+    result = runner.invoke(
+        app,
+        ["rollouts", "crafted", "--runs-dir", str(runs), "--step", "3", "--tokens", *options],
+        env={"COLUMNS": "100", **(env or {})},
+    )
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -35,8 +38,14 @@ def test_piped_every_token_is_a_line_of_plain_numbers(tmp_path):
 
 def test_on_a_colour_terminal_tokens_are_coloured_and_control_characters_escaped(tmp_path):
     _write_crafted(tmp_path)
-    out = rollouts(tmp_path, "--regime", "easy", "--color-by", "logprob",
-                   env={"FORCE_COLOR": "1", "TERM": "xterm-256color", "COLORTERM": "truecolor"})
+    out = rollouts(
+        tmp_path,
+        "--regime",
+        "easy",
+        "--color-by",
+        "logprob",
+        env={"FORCE_COLOR": "1", "TERM": "xterm-256color", "COLORTERM": "truecolor"},
+    )
     assert "background: the sampler's log-prob of the token" in out
     assert "\x1b[2J" not in out and "\\x1b[2J" in out
     assert "48;2;" in out  # a truecolor background on the tokens
@@ -45,9 +54,13 @@ def test_on_a_colour_terminal_tokens_are_coloured_and_control_characters_escaped
 
 def test_a_response_without_stored_tokens_says_so_and_a_bad_color_by_is_refused(tmp_path):
     _write_crafted(tmp_path)
-    result = runner.invoke(app, ["rollouts", "crafted", "--runs-dir", str(tmp_path), "--step", "1", "--tokens",
-                                 "--limit", "1"], env={"COLUMNS": "100"})
+    result = runner.invoke(
+        app,
+        ["rollouts", "crafted", "--runs-dir", str(tmp_path), "--step", "1", "--tokens", "--limit", "1"],
+        env={"COLUMNS": "100"},
+    )
     assert "its tokens were not stored (--store-tokens)" in result.output
     result = runner.invoke(app, ["rollouts", "crafted", "--runs-dir", str(tmp_path), "--tokens", "--color-by", "hue"])
-    assert result.exit_code == 2 and "color-by: unknown value 'hue'. Choose one of: logprob, entropy, gap" in \
-        " ".join(result.output.split())
+    assert result.exit_code == 2 and "color-by: unknown value 'hue'. Choose one of: logprob, entropy, gap" in " ".join(
+        result.output.split()
+    )

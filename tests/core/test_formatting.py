@@ -18,12 +18,28 @@ def test_missing_is_every_kind_of_never_recorded_and_nothing_else():
 
 
 def test_numbers_keep_their_digits():
-    assert [number(v) for v in (None, float("nan"), 3, 3.0, 0.12345, -0.0456, 123.456, 1.5e-05, 2.5e7)] == \
-        ["-", "-", "3", "3", "0.123", "-0.046", "123.5", "1.5e-05", "2.5e+07"]
+    assert [number(v) for v in (None, float("nan"), 3, 3.0, 0.12345, -0.0456, 123.456, 1.5e-05, 2.5e7)] == [
+        "-",
+        "-",
+        "3",
+        "3",
+        "0.123",
+        "-0.046",
+        "123.5",
+        "1.5e-05",
+        "2.5e+07",
+    ]
     assert [number(v) for v in (pd.NA, True, 1.0, 0.875)] == ["-", "True", "1", "0.875"]
     # one precision from 1 on: 4 significant digits (50.859 beside 135.7 read as two precisions)
-    assert [number(v) for v in (5.1234, 50.859, 135.74, 1357.6, 99.99, -12.345, 9.9996)] == \
-        ["5.123", "50.86", "135.7", "1358", "99.99", "-12.35", "10.00"]
+    assert [number(v) for v in (5.1234, 50.859, 135.74, 1357.6, 99.99, -12.345, 9.9996)] == [
+        "5.123",
+        "50.86",
+        "135.7",
+        "1358",
+        "99.99",
+        "-12.35",
+        "10.00",
+    ]
 
 
 def test_as_float_gives_none_for_what_is_not_a_number():
@@ -31,8 +47,14 @@ def test_as_float_gives_none_for_what_is_not_a_number():
 
 
 def test_durations():
-    assert [duration(s) for s in (None, float("nan"), 45, 600, 3 * 3600, 3 * 86400)] == \
-        ["-", "-", "45 s", "10 min", "3.0 h", "3.0 d"]
+    assert [duration(s) for s in (None, float("nan"), 45, 600, 3 * 3600, 3 * 86400)] == [
+        "-",
+        "-",
+        "45 s",
+        "10 min",
+        "3.0 h",
+        "3.0 d",
+    ]
     assert ago(45) == "45 s ago" and ago(None) == "- ago"
 
 
@@ -55,7 +77,11 @@ def test_setup_labels():
 
     assert setup_label(None) is None
     assert setup_label({"sharding": "none", "processes": 1, "machines": 1, "mixed_precision": "no"}) == "1 process"
-    assert setup_label({"sharding": "fsdp2", "processes": 2, "machines": 1, "mixed_precision": "no"}) == \
-        "fsdp2 x 2 processes"
-    assert setup_label({"sharding": "ddp", "processes": 4, "machines": 2, "mixed_precision": "bf16"}) == \
-        "ddp x 4 processes on 2 machines, bf16 mixed precision"
+    assert (
+        setup_label({"sharding": "fsdp2", "processes": 2, "machines": 1, "mixed_precision": "no"})
+        == "fsdp2 x 2 processes"
+    )
+    assert (
+        setup_label({"sharding": "ddp", "processes": 4, "machines": 2, "mixed_precision": "bf16"})
+        == "ddp x 4 processes on 2 machines, bf16 mixed precision"
+    )

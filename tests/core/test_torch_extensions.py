@@ -15,8 +15,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LOAD_A_MODEL = ("from qae_app.models.policy import load_policy; model, _ = load_policy('builtin:tiny'); "
-                "print('loaded', type(model).__name__)")
+LOAD_A_MODEL = (
+    "from qae_app.models.policy import load_policy; model, _ = load_policy('builtin:tiny'); "
+    "print('loaded', type(model).__name__)"
+)
 
 
 def plant(folder: Path, name: str, version: str, body: str) -> None:
@@ -53,16 +55,21 @@ def test_extensions_that_cannot_load_are_hidden_and_named_and_a_model_loads(tmp_
 
 def test_an_extension_that_loads_is_left_as_it_is(tmp_path):
     plant(tmp_path, "torchvision", "0.28.0", "LOADED = True\n")
-    result = run("import sys; from qae_app.core.torch_extensions import hide_unloadable_extensions; "
-                 "print(hide_unloadable_extensions(), sys.modules['torchvision'].LOADED)", tmp_path)
+    result = run(
+        "import sys; from qae_app.core.torch_extensions import hide_unloadable_extensions; "
+        "print(hide_unloadable_extensions(), sys.modules['torchvision'].LOADED)",
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["[]", "True"] and "qae:" not in result.stderr
 
 
-CHILD = ("import subprocess, sys; import qae_app.models; "  # qae hides them here, then starts a Python as vLLM does
-         "child = subprocess.run([sys.executable, '-c', 'from transformers import LlamaConfig; import sys; "
-         "print(\"child\", sys.modules[\"torchvision\"], sys.modules[\"sitecustomize\"].MINE)'], capture_output=True, "
-         "text=True); print(child.returncode, child.stdout.strip()); print(child.stderr[-2000:], file=sys.stderr)")
+CHILD = (
+    "import subprocess, sys; import qae_app.models; "  # qae hides them here, then starts a Python as vLLM does
+    "child = subprocess.run([sys.executable, '-c', 'from transformers import LlamaConfig; import sys; "
+    'print("child", sys.modules["torchvision"], sys.modules["sitecustomize"].MINE)\'], capture_output=True, '
+    "text=True); print(child.returncode, child.stdout.strip()); print(child.stderr[-2000:], file=sys.stderr)"
+)
 
 
 def test_they_are_hidden_in_the_python_processes_started_from_qaes_too(tmp_path):

@@ -57,8 +57,9 @@ def hold_lock(request):
     """hold_lock(run_dir) -> a process holding the run's lock, ended when the test ends."""
 
     def hold(run_dir: Path) -> subprocess.Popen:
-        holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir / LOCK_FILE)],
-                                  stdout=subprocess.PIPE, text=True)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(run_dir / LOCK_FILE)], stdout=subprocess.PIPE, text=True
+        )
         request.addfinalizer(holder.kill)
         assert holder.stdout.readline().strip() == "held"
         return holder

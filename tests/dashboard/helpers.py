@@ -55,51 +55,118 @@ def _crafted_rows(step: int) -> dict[str, list[dict]]:
     moving_correct = {1: 1, 2: 1, 3: 3}[step]
     other_correct = {1: 0, 2: 4, 3: 2}[step]
     groups, rollouts = [], []
-    for g, (prompt_id, prompt, n_correct) in enumerate([(MOVING_PROMPT, EVIL_PROMPT, moving_correct),
-                                                        (f"p-other-{step}", f"1+{step}=", other_correct)]):
+    for g, (prompt_id, prompt, n_correct) in enumerate(
+        [(MOVING_PROMPT, EVIL_PROMPT, moving_correct), (f"p-other-{step}", f"1+{step}=", other_correct)]
+    ):
         regime = {0: "all_wrong", 4: "all_correct"}.get(n_correct, "hard" if n_correct <= 2 else "easy")
         baseline = {"hard": 0.0, "easy": 1.0, "all_wrong": 0.0, "all_correct": 1.0}[regime]
-        groups.append(dict(group_idx=g, prompt_id=prompt_id, prompt=prompt, answer="4", n_correct=n_correct,
-                           group_size=4, baseline=baseline, regime=regime, filtered=False))
+        groups.append(
+            dict(
+                group_idx=g,
+                prompt_id=prompt_id,
+                prompt=prompt,
+                answer="4",
+                n_correct=n_correct,
+                group_size=4,
+                baseline=baseline,
+                regime=regime,
+                filtered=False,
+            )
+        )
         for s in range(4):
             reward = 1.0 if s < n_correct else 0.0
             advantage = 0.0 if regime.startswith("all") else round(reward - baseline, 6)
             response = EVIL_RESPONSE if (step, g, s) == (3, 0, 3) else ("4" if reward else "5")
-            rollouts.append(dict(group_idx=g, sample_idx=s, prompt_id=prompt_id, response=response, reward=reward,
-                                 correct=reward == 1.0, verified=True, advantage=advantage, gated=advantage == 0,
-                                 regime=regime, n_tokens=len(response), truncated=False, entropy=0.4, logprob=-1.0,
-                                 filtered=False))
+            rollouts.append(
+                dict(
+                    group_idx=g,
+                    sample_idx=s,
+                    prompt_id=prompt_id,
+                    response=response,
+                    reward=reward,
+                    correct=reward == 1.0,
+                    verified=True,
+                    advantage=advantage,
+                    gated=advantage == 0,
+                    regime=regime,
+                    n_tokens=len(response),
+                    truncated=False,
+                    entropy=0.4,
+                    logprob=-1.0,
+                    filtered=False,
+                )
+            )
     fractions = pd.Series([g["regime"] for g in groups]).value_counts(normalize=True)
     metrics = {name: None for name in STEP_METRICS}
-    metrics.update(reward_mean=sum(r["reward"] for r in rollouts) / 8, accuracy=sum(r["reward"] for r in rollouts) / 8,
-                   entropy=0.9 - 0.2 * step, entropy_pos=0.8, entropy_neg=0.6,
-                   frac_zero_adv=sum(r["gated"] for r in rollouts) / 8, cov_logp_adv=0.1 * step, response_len=1.5,
-                   clip_frac_low=0.0, clip_frac_high=0.01, rollout_s=0.2, reward_s=0.01, update_s=0.3, step_s=0.51,
-                   loss=0.1, grad_norm=1.0, adv_abs_mean=0.5, dH=0.01 * step, dH_easy=0.02, dH_hard=-0.03,
-                   dH_from_hard=-0.04, dH_from_easy=0.01 * step, dH_from_none=0.001, dH_hard_from_hard=-0.05,
-                   dH_easy_from_hard=-0.02, dH_hard_from_easy=0.005, dH_easy_from_easy=0.03,
-                   **{f"frac_{regime}": float(fractions.get(regime, 0.0)) for regime in charts.REGIME_COLORS})
+    metrics.update(
+        reward_mean=sum(r["reward"] for r in rollouts) / 8,
+        accuracy=sum(r["reward"] for r in rollouts) / 8,
+        entropy=0.9 - 0.2 * step,
+        entropy_pos=0.8,
+        entropy_neg=0.6,
+        frac_zero_adv=sum(r["gated"] for r in rollouts) / 8,
+        cov_logp_adv=0.1 * step,
+        response_len=1.5,
+        clip_frac_low=0.0,
+        clip_frac_high=0.01,
+        rollout_s=0.2,
+        reward_s=0.01,
+        update_s=0.3,
+        step_s=0.51,
+        loss=0.1,
+        grad_norm=1.0,
+        adv_abs_mean=0.5,
+        dH=0.01 * step,
+        dH_easy=0.02,
+        dH_hard=-0.03,
+        dH_from_hard=-0.04,
+        dH_from_easy=0.01 * step,
+        dH_from_none=0.001,
+        dH_hard_from_hard=-0.05,
+        dH_easy_from_hard=-0.02,
+        dH_hard_from_easy=0.005,
+        dH_easy_from_easy=0.03,
+        **{f"frac_{regime}": float(fractions.get(regime, 0.0)) for regime in charts.REGIME_COLORS},
+    )
     metrics.update(n_updates=1.0)
     tables = dict(steps=[metrics], groups=groups, rollouts=rollouts)
     if step == 3:  # group 0's tokens, the model text full of markup and a terminal escape among them
-        tables["token_values"] = [dict(group_idx=0, sample_idx=r["sample_idx"], tokens=crafted_tokens(r["response"]),
-                                       logprob=[-0.5 * (i + 1) for i in range(len(crafted_tokens(r["response"])))],
-                                       entropy=[0.25] * len(crafted_tokens(r["response"])), old_logprob=None)
-                                  for r in rollouts if r["group_idx"] == 0]
+        tables["token_values"] = [
+            dict(
+                group_idx=0,
+                sample_idx=r["sample_idx"],
+                tokens=crafted_tokens(r["response"]),
+                logprob=[-0.5 * (i + 1) for i in range(len(crafted_tokens(r["response"])))],
+                entropy=[0.25] * len(crafted_tokens(r["response"])),
+                old_logprob=None,
+            )
+            for r in rollouts
+            if r["group_idx"] == 0
+        ]
     if step == 2:
         tables["warnings"] = [dict(kind="entropy_low", message="entropy (smoothed) 0.48 fell below 0.5")]
     if step in (1, 3):
-        tables["evals"] = [dict(benchmark="mini", subset=subset, metric=metric, k=4, value=value, n_problems=10,
-                                   source="eval")
-                           for subset, value in [("all", 0.1 * step), ("level=1", 0.2 * step)]
-                           for metric in ("avg@k", "pass@k", "maj@k")]
+        tables["evals"] = [
+            dict(benchmark="mini", subset=subset, metric=metric, k=4, value=value, n_problems=10, source="eval")
+            for subset, value in [("all", 0.1 * step), ("level=1", 0.2 * step)]
+            for metric in ("avg@k", "pass@k", "maj@k")
+        ]
         # problem q1 is solved at step 3 only; q2's second sample is model text full of markup
         tables["eval_samples"] = [
-            dict(benchmark="mini", problem_id=problem, sample_idx=s, source="eval", verified=True, n_tokens=3,
-                 response=EVIL_RESPONSE if (problem, s) == ("q2", 1) else f"answer {problem}-{s}",
-                 extracted="**7**" if (problem, s) == ("q2", 1) else str(s), correct=correct,
-                 answer={"q1": "1", "q2": "0"}[problem])
-            for problem, s, correct in [("q1", 0, step == 3), ("q1", 1, False), ("q2", 0, True), ("q2", 1, False)]]
+            dict(
+                benchmark="mini",
+                problem_id=problem,
+                sample_idx=s,
+                source="eval",
+                verified=True,
+                n_tokens=3,
+                response=EVIL_RESPONSE if (problem, s) == ("q2", 1) else f"answer {problem}-{s}",
+                extracted="**7**" if (problem, s) == ("q2", 1) else str(s),
+                correct=correct,
+                answer={"q1": "1", "q2": "0"}[problem],
+            )
+            for problem, s, correct in [("q1", 0, step == 3), ("q1", 1, False), ("q2", 0, True), ("q2", 1, False)]
+        ]
     return tables
 
 
@@ -112,8 +179,15 @@ def crafted_tokens(response: str) -> list[str]:
 
 def _write_crafted(out: Path, run_id: str = "crafted") -> None:
     writer = RunWriter(db_path(out, run_id), run_id)
-    writer.create_run(run_id, {"steps": 3, "group_size": 4, "entropy_low": 0.5, "entropy_high": 3.0}, "qae", 0.5,
-                      "builtin:tiny", "arith", 0)
+    writer.create_run(
+        run_id,
+        {"steps": 3, "group_size": 4, "entropy_low": 0.5, "entropy_high": 3.0},
+        "qae",
+        0.5,
+        "builtin:tiny",
+        "arith",
+        0,
+    )
     for step in (1, 2, 3):
         writer.add_step(step, **_crafted_rows(step))
     assert writer.flush()

@@ -50,8 +50,15 @@ def apart_dir(tmp_path_factory):
     write_run(runs, DYNAMIC, steps=20, prompts_per_step=2, group_size=4, config={"dynamic_sampling": True})
     write_run(runs, ATTRIBUTION, steps=20, prompts_per_step=2, group_size=4, config={"log_entropy_attribution": True})
     for run_id, seed in SEEDS.items():
-        write_run(runs, run_id, steps=4, prompts_per_step=2, group_size=4, seed=seed,
-                  config={"sweep_id": "3f9a1c77aa", "sweep_name": "sweep-3f9a1c"})
+        write_run(
+            runs,
+            run_id,
+            steps=4,
+            prompts_per_step=2,
+            group_size=4,
+            seed=seed,
+            config={"sweep_id": "3f9a1c77aa", "sweep_name": "sweep-3f9a1c"},
+        )
     return runs
 
 
@@ -65,8 +72,10 @@ def test_the_runs_table_says_what_tells_each_run_apart(apart_dir, monkeypatch):
     assert table.loc[DYNAMIC, "differs"] == "seed=0, dynamic_sampling"
     assert table.loc[ATTRIBUTION, "differs"] == "seed=0, log_entropy_attribution"
     assert table.loc["sweep-3f9a1c-qae-k0.4-s1", "differs"] == "seed=1"
-    assert ("Every run listed: qae K=0.4; group_size=4, prompts_per_step=2, lr=1e-05, entropy_low=0.5, entropy_high=3, "
-            "eval_every=0 (not the defaults)") in texts(at).replace("\\", "")  # (markdown's escapes dropped)
+    assert (
+        "Every run listed: qae K=0.4; group_size=4, prompts_per_step=2, lr=1e-05, entropy_low=0.5, entropy_high=3, "
+        "eval_every=0 (not the defaults)"
+    ) in texts(at).replace("\\", "")  # (markdown's escapes dropped)
 
 
 def sidebar_text(at) -> str:

@@ -19,8 +19,16 @@ from qae_app.store.run_folder import CONFIG_FILE, DB_FILE, db_path
 from tests.dashboard.helpers import free_port, wait_healthy
 
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 QAE = Path(sys.executable).parent / "qae"
 PLOTLY_PALETTE = ["#636EFA", "#EF553B", "#00CC96", "#AB63FA"]  # plotly.colors.qualitative.Plotly's first four
 
@@ -69,8 +77,19 @@ def dashboard(start, tmp_path):
     def run(runs_dir: Path, refresh: str | None = None) -> str:
         port = free_port()
         log = open(tmp_path / f"dashboard-{port}.log", "w")
-        process = start([str(QAE), "dashboard", "--runs-dir", str(runs_dir), "--port", str(port),
-                         *(["--refresh", refresh] if refresh else [])], stdout=log, stderr=subprocess.STDOUT)
+        process = start(
+            [
+                str(QAE),
+                "dashboard",
+                "--runs-dir",
+                str(runs_dir),
+                "--port",
+                str(port),
+                *(["--refresh", refresh] if refresh else []),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         wait_healthy(port, process)
         return f"http://127.0.0.1:{port}"
 
@@ -144,9 +163,29 @@ def test_browse_a_finished_run(tiny_run, dashboard, page, tmp_path):
 
 def test_curves_grow_while_qae_train_writes(start, dashboard, page, tmp_path):
     runs_dir = tmp_path / "runs"
-    trainer = start([str(QAE), "train", "--runs-dir", str(runs_dir), "--run-name", "live", "--steps", "400",
-                     "--prompts-per-step", "4", "--group-size", "8", "--eval-every", "0", "--checkpoint-every", "0"],
-                    stdout=open(tmp_path / "train.log", "w"), stderr=subprocess.STDOUT, cwd=tmp_path)
+    trainer = start(
+        [
+            str(QAE),
+            "train",
+            "--runs-dir",
+            str(runs_dir),
+            "--run-name",
+            "live",
+            "--steps",
+            "400",
+            "--prompts-per-step",
+            "4",
+            "--group-size",
+            "8",
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "0",
+        ],
+        stdout=open(tmp_path / "train.log", "w"),
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
+    )
     path = db_path(runs_dir, "live")
     deadline = time.monotonic() + 120
     while not (path.exists() and read_runs(runs_dir).shape[0]) and time.monotonic() < deadline:
@@ -191,9 +230,29 @@ COUNT_REDRAWS = """() => { window.qaeRedraws = 0; document.querySelectorAll('.js
 
 def start_trainer(start, runs_dir: Path, tmp_path: Path, name: str) -> subprocess.Popen:
     """A real `qae train` of the built-in model, long enough to outlive the test; returns once its run exists."""
-    trainer = start([str(QAE), "train", "--runs-dir", str(runs_dir), "--run-name", name, "--steps", "5000",
-                     "--prompts-per-step", "4", "--group-size", "8", "--eval-every", "0", "--checkpoint-every", "0"],
-                    stdout=open(tmp_path / f"train-{name}.log", "w"), stderr=subprocess.STDOUT, cwd=tmp_path)
+    trainer = start(
+        [
+            str(QAE),
+            "train",
+            "--runs-dir",
+            str(runs_dir),
+            "--run-name",
+            name,
+            "--steps",
+            "5000",
+            "--prompts-per-step",
+            "4",
+            "--group-size",
+            "8",
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "0",
+        ],
+        stdout=open(tmp_path / f"train-{name}.log", "w"),
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
+    )
     return trainer
 
 
@@ -242,8 +301,7 @@ def test_a_copied_run_folder_is_its_own_run_and_a_click_opens_a_response(dashboa
     page.mouse.move(*cell)  # as a hand does: the grid ignores a click that no pointer move led to the cell
     time.sleep(0.5)
     page.mouse.click(*cell)
-    expect(page.get_by_test_id("stCode").filter(has_text="<script>alert('x')</script>")).to_be_visible(
-        timeout=30_000)
+    expect(page.get_by_test_id("stCode").filter(has_text="<script>alert('x')</script>")).to_be_visible(timeout=30_000)
     assert EVIL_RESPONSE.split(" ")[0] in page.inner_text("body")
     screenshot(page, tmp_path, "dashboard-copied-rollouts.png")
 
@@ -282,14 +340,17 @@ def test_zoom_survives_new_steps_and_a_killed_run_stops_redrawing(start, dashboa
     zoomed = zoom(page, 0)
     page.locator(".js-plotly-plot").nth(1).locator(".legendtoggle").first.click()
     # plotly waits out a possible double click before it hides the trace
-    page.wait_for_function("document.querySelectorAll('.js-plotly-plot')[1].data[0].visible === 'legendonly'",
-                           timeout=10_000)
+    page.wait_for_function(
+        "document.querySelectorAll('.js-plotly-plot')[1].data[0].visible === 'legendonly'", timeout=10_000
+    )
     hidden = page.evaluate(PLOT_STATE, 1)
     assert zoomed["range"] is not None
 
     # new steps arrive and are drawn into the same charts: the zoom and the hidden trace stay
-    page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot')[0]._fullData[0].x.length >= "
-                           f"{zoomed['points'] + 2}", timeout=120_000)
+    page.wait_for_function(
+        f"document.querySelectorAll('.js-plotly-plot')[0]._fullData[0].x.length >= {zoomed['points'] + 2}",
+        timeout=120_000,
+    )
     after, after_hidden = page.evaluate(PLOT_STATE, 0), page.evaluate(PLOT_STATE, 1)
     assert after["points"] > zoomed["points"]
     assert after["range"] == zoomed["range"]
@@ -320,8 +381,9 @@ def zoom(page, index: int) -> dict:
     page.mouse.down()
     page.mouse.move(area["x"] + area["width"] * 0.6, area["y"] + area["height"] * 0.8, steps=8)
     page.mouse.up()
-    page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot')[{index}].layout.xaxis.autorange === false",
-                           timeout=10_000)
+    page.wait_for_function(
+        f"document.querySelectorAll('.js-plotly-plot')[{index}].layout.xaxis.autorange === false", timeout=10_000
+    )
     return page.evaluate(PLOT_STATE, index)
 
 
@@ -376,9 +438,11 @@ def test_entropy_change_charts_draw_a_color_per_regime_and_the_sign(dashboard, p
     page.goto(f"{url}/curves?run=crafted&smooth=none")
     page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 12", timeout=90_000)
     wait_idle(page)
-    for title, n_series in (("entropy change caused by one regime's update alone", 3),
-                            ("which regime's update moved which regime's responses", 4),
-                            ("entropy change of each regime's responses", 3)):
+    for title, n_series in (
+        ("entropy change caused by one regime's update alone", 3),
+        ("which regime's update moved which regime's responses", 4),
+        ("entropy change of each regime's responses", 3),
+    ):
         drawn = page.evaluate(ENTROPY_CHANGE_CHART, title)
         colors = set(drawn["strokes"])
         assert len(colors) == n_series and all(drawn["strokes"].count(c) == 2 for c in colors), (title, drawn)
@@ -407,8 +471,9 @@ def test_evaluations_at_k_1_draw_one_panel_and_open_where_eval_samples_opens(das
         opened[view] = box.input_value()
         if view == "evals":
             page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length === 1", timeout=60_000)
-            panels = page.evaluate("Object.keys(document.querySelector('.js-plotly-plot')._fullLayout)"
-                                   ".filter(name => /^xaxis/.test(name))")
+            panels = page.evaluate(
+                "Object.keys(document.querySelector('.js-plotly-plot')._fullLayout).filter(name => /^xaxis/.test(name))"
+            )
             assert panels == ["xaxis"]
             screenshot(page, tmp_path, "dashboard-evals-k1.png")
     assert opened["evals"] == opened["eval-samples"] and "(during training)" in opened["evals"], opened
@@ -431,17 +496,20 @@ def test_the_compare_page_of_a_sweep(dashboard, page, tmp_path):
     assert table.bounding_box()["height"] >= 35 * 15
     expect(table).to_contain_text("step_s")
     titles = page.evaluate("[...document.querySelectorAll('.js-plotly-plot')].map(gd => gd.layout.title.text)")
-    assert sorted(title.split(" · ")[0] for title in titles) == ["entropy", "held-out accuracy",
-                                                                "zero-advantage (gated) fraction"]
-    bands = page.evaluate("[...document.querySelectorAll('.js-plotly-plot')].map(gd => gd.data.filter("
-                          "t => t.fill === 'toself').length)")
+    assert sorted(title.split(" · ")[0] for title in titles) == [
+        "entropy",
+        "held-out accuracy",
+        "zero-advantage (gated) fraction",
+    ]
+    bands = page.evaluate(
+        "[...document.querySelectorAll('.js-plotly-plot')].map(gd => gd.data.filter(t => t.fill === 'toself').length)"
+    )
     assert bands == [2, 2, 2]  # one band per group on each chart
     expect(page.get_by_test_id("stDataFrame")).to_have_count(1)  # no baseline yet: no differences
 
     page.get_by_test_id("stSelectbox").filter(has_text="Baseline").click()
     page.get_by_role("option", name="estimator=grpo").click()
-    expect(page.get_by_test_id("stDataFrame").nth(1)).to_contain_text("+0.133 [-0.010, 0.277] p=0.0572",
-                                                                     timeout=60_000)
+    expect(page.get_by_test_id("stDataFrame").nth(1)).to_contain_text("+0.133 [-0.010, 0.277] p=0.0572", timeout=60_000)
     assert "baseline=estimator%3Dgrpo" in page.url and f"sweep={SWEEP_NAME}" in page.url
     screenshot(page, tmp_path, "dashboard-compare.png")
 
@@ -463,10 +531,18 @@ def write_loss_grid(runs_dir: Path) -> Path:
             for seed, heldout in by_seed.items():
                 if loss == "kl_cov" and estimator == "qae" and seed == 2:
                     continue
-                write_compare_run(runs_dir, f"grid-{loss}-{estimator}-s{seed}", heldout,
-                                  lambda step, e=estimator, s=seed: (entropy(e, s, step), frac_zero_adv(e, s, step)),
-                                  estimator=estimator, seed=seed, eval_every=2, policy_loss=loss,
-                                  sweep_id="0123456789", sweep_name="grid")
+                write_compare_run(
+                    runs_dir,
+                    f"grid-{loss}-{estimator}-s{seed}",
+                    heldout,
+                    lambda step, e=estimator, s=seed: (entropy(e, s, step), frac_zero_adv(e, s, step)),
+                    estimator=estimator,
+                    seed=seed,
+                    eval_every=2,
+                    policy_loss=loss,
+                    sweep_id="0123456789",
+                    sweep_name="grid",
+                )
     return runs_dir
 
 
@@ -485,12 +561,16 @@ def test_the_bake_off_in_the_paper_s_layout_and_qae_in_one_color_on_every_page(d
     final = page.get_by_test_id("stDataFrame").filter(has_text="qae - grpo").first
     expect(final).to_contain_text("+0.133 [-0.010, 0.277] p=0.0572")  # clip: paired 0.1, 0.2, 0.1
     expect(final).to_contain_text("+0.150 (n=2: no interval)")  # kl_cov: paired 0.1, 0.2 on seeds 0 and 1
-    page.wait_for_function("[...document.querySelectorAll('.js-plotly-plot')].some(gd => "
-                           "gd.layout.title.text.startsWith('entropy and held-out accuracy per policy loss'))",
-                           timeout=60_000)
-    panels = page.evaluate("Object.keys([...document.querySelectorAll('.js-plotly-plot')].find(gd => "
-                           "gd.layout.title.text.startsWith('entropy and held-out')).layout)"
-                           ".filter(name => /^xaxis/.test(name))")
+    page.wait_for_function(
+        "[...document.querySelectorAll('.js-plotly-plot')].some(gd => "
+        "gd.layout.title.text.startsWith('entropy and held-out accuracy per policy loss'))",
+        timeout=60_000,
+    )
+    panels = page.evaluate(
+        "Object.keys([...document.querySelectorAll('.js-plotly-plot')].find(gd => "
+        "gd.layout.title.text.startsWith('entropy and held-out')).layout)"
+        ".filter(name => /^xaxis/.test(name))"
+    )
     assert len(panels) == 4  # 2 losses x (entropy, held-out accuracy)
     drawn = page.evaluate(PLOT_COLORS, "entropy and held-out accuracy per policy loss")
     assert len(drawn) == 8 and {color for name, color in drawn if name == "qae"} == {qae_color}
@@ -620,14 +700,44 @@ def test_runs_told_apart_at_1400_and_1920(dashboard, page, tmp_path, hold_lock):
     for estimator in ("qae", "grpo"):
         for seed in (0, 1, 2):
             name = f"sweep-3f9a1c-{estimator}{'-k0.4' if estimator == 'qae' else ''}-s{seed}"
-            write_run(runs_dir, name, steps=3, prompts_per_step=2, group_size=4, seed=seed, eval_every=3,
-                      config={**sweep, "estimator": estimator})
-    write_run(runs_dir, "20261130-113105-qae", steps=3, prompts_per_step=2, group_size=4, eval_every=3,
-              config={"dynamic_sampling": True})
-    write_run(runs_dir, "20261130-113512-qae", steps=3, prompts_per_step=2, group_size=4, eval_every=3,
-              config={"log_entropy_attribution": True})
-    write_run(runs_dir, "20261203-221500-qae", steps=3, prompts_per_step=2, group_size=4, eval_every=3,
-              status=None, config={"steps": 300})  # (a live run: its pace and ETA shown)
+            write_run(
+                runs_dir,
+                name,
+                steps=3,
+                prompts_per_step=2,
+                group_size=4,
+                seed=seed,
+                eval_every=3,
+                config={**sweep, "estimator": estimator},
+            )
+    write_run(
+        runs_dir,
+        "20261130-113105-qae",
+        steps=3,
+        prompts_per_step=2,
+        group_size=4,
+        eval_every=3,
+        config={"dynamic_sampling": True},
+    )
+    write_run(
+        runs_dir,
+        "20261130-113512-qae",
+        steps=3,
+        prompts_per_step=2,
+        group_size=4,
+        eval_every=3,
+        config={"log_entropy_attribution": True},
+    )
+    write_run(
+        runs_dir,
+        "20261203-221500-qae",
+        steps=3,
+        prompts_per_step=2,
+        group_size=4,
+        eval_every=3,
+        status=None,
+        config={"steps": 300},
+    )  # (a live run: its pace and ETA shown)
     hold_lock(runs_dir / "20261203-221500-qae")
     write_run(runs_dir, "half-removed", steps=1, prompts_per_step=1, group_size=4)
     (runs_dir / "half-removed" / CONFIG_FILE).write_text(json.dumps({"steps": 1}))
@@ -644,8 +754,9 @@ def test_runs_told_apart_at_1400_and_1920(dashboard, page, tmp_path, hold_lock):
         expect(table).to_contain_text("log_entropy_attribution", timeout=60_000)
         expect(table).to_contain_text("seed=2, estimator=grpo")
         wait_idle(page)
-        scroll = table.evaluate("d => { const s = d.querySelector('.dvn-scroller'); "
-                                "return [s.scrollWidth, s.clientWidth]; }")
+        scroll = table.evaluate(
+            "d => { const s = d.querySelector('.dvn-scroller'); return [s.scrollWidth, s.clientWidth]; }"
+        )
         assert scroll[0] <= scroll[1], (width, scroll)  # no scrolling sideways
         chips = page.get_by_test_id("stSidebar").locator("[data-tag] span[title]")
         expect(chips).to_have_count(2)
@@ -686,7 +797,8 @@ def test_an_opened_response_shows_every_token_coloured_with_its_numbers_on_hover
     first.hover()
     shown = first.evaluate("e => getComputedStyle(e, '::after').content")  # what the hover shows
     assert shown.startswith('"#0 \\"\\\\u003cscript\\\\u003ealert') and "logprob -0.5 · entropy 0.25" in shown, shown
-    shades = page.evaluate("[...document.querySelectorAll('.qae-tokens .qae-token')].map("
-                           "s => getComputedStyle(s).backgroundColor)")
+    shades = page.evaluate(
+        "[...document.querySelectorAll('.qae-tokens .qae-token')].map(s => getComputedStyle(s).backgroundColor)"
+    )
     assert shades[0] == "rgba(214, 39, 40, 0.08)" and shades[-1] != shades[0]  # -0.5 of -5: a tenth of the way
     screenshot(page, tmp_path, "dashboard-token-view.png")

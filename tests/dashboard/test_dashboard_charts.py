@@ -47,8 +47,12 @@ def test_a_run_that_finishes_leaves_every_chart_in_its_place(tmp_path, hold_lock
 CRAFTED_MEANS = {
     "entropy_delta": {"dH_easy": 0.02, "dH_hard": -0.03, "dH": (0.01 + 0.02 + 0.03) / 3},
     "entropy_attribution": {"dH_from_hard": -0.04, "dH_from_easy": (0.01 + 0.02 + 0.03) / 3, "dH_from_none": 0.001},
-    "entropy_attribution_matrix": {"dH_hard_from_hard": -0.05, "dH_easy_from_hard": -0.02,
-                                   "dH_hard_from_easy": 0.005, "dH_easy_from_easy": 0.03},
+    "entropy_attribution_matrix": {
+        "dH_hard_from_hard": -0.05,
+        "dH_easy_from_hard": -0.02,
+        "dH_hard_from_easy": 0.005,
+        "dH_easy_from_easy": 0.03,
+    },
 }
 
 
@@ -86,9 +90,14 @@ def test_entropy_change_charts_color_each_regime_and_draw_its_mean_and_sign(smal
         assert "above 0: the update raised entropy" in layout["title"]["subtitle"]["text"]
         assert layout["yaxis"]["title"]["text"] == "nats / token" and layout["yaxis"]["zeroline"] is True
     # the regimes keep their colors from chart to chart: the hard groups' update, the hard groups' responses
-    hard = {series(specs[key], "crafted")[0][metric]["line"]["color"]
-            for key, metric in [("entropy_delta", "dH_hard"), ("entropy_attribution", "dH_from_hard"),
-                                ("entropy_attribution_matrix", "dH_hard_from_hard")]}
+    hard = {
+        series(specs[key], "crafted")[0][metric]["line"]["color"]
+        for key, metric in [
+            ("entropy_delta", "dH_hard"),
+            ("entropy_attribution", "dH_from_hard"),
+            ("entropy_attribution_matrix", "dH_hard_from_hard"),
+        ]
+    }
     assert hard == {charts.REGIME_COLORS["hard"]}
 
 
@@ -111,8 +120,9 @@ def test_entropy_change_charts_give_each_run_a_panel(small_app):
 
 
 def y_titles(spec: dict) -> list[str]:
-    return [(axis.get("title") or {}).get("text") or "" for name, axis in spec["layout"].items()
-            if name.startswith("yaxis")]
+    return [
+        (axis.get("title") or {}).get("text") or "" for name, axis in spec["layout"].items() if name.startswith("yaxis")
+    ]
 
 
 def test_every_training_curve_titles_its_y_axis_with_a_unit_not_a_name(small_app):
@@ -122,8 +132,11 @@ def test_every_training_curve_titles_its_y_axis_with_a_unit_not_a_name(small_app
     others = [metric for metric in STEP_METRICS if metric not in charts.TIME_METRICS]
     specs = plotly_specs(small_app("curves", run="crafted", other=others))
     assert {f"other_{metric}" for metric in others} <= set(specs)
-    bare = {key: y_titles(spec) for key, spec in specs.items()
-            if not any(y_titles(spec)) or key.removeprefix("other_") in y_titles(spec)}
+    bare = {
+        key: y_titles(spec)
+        for key, spec in specs.items()
+        if not any(y_titles(spec)) or key.removeprefix("other_") in y_titles(spec)
+    }
     assert bare == {}
     assert {metric: charts.metric_unit(metric) for metric in STEP_METRICS if charts.metric_unit(metric) == metric} == {}
 
@@ -141,11 +154,25 @@ def write_k1_run(runs_dir, maj_at_step_2: float = 0.5) -> None:
         evals, samples = [], []
         for source, score in [("train", value), *extra]:
             maj = maj_at_step_2 if (step, source) == (2, "train") else score
-            evals += [dict(benchmark="arith-heldout", subset="all", metric=metric, k=1, value=v, n_problems=4,
-                           source=source) for metric, v in (("avg@k", score), ("pass@k", score), ("maj@k", maj))]
-            samples += [dict(benchmark="arith-heldout", problem_id=f"q{i}", sample_idx=0, source=source, verified=True,
-                             n_tokens=2, response=str(i), extracted=str(i), correct=i < 4 * score, answer=str(i))
-                        for i in range(4)]
+            evals += [
+                dict(benchmark="arith-heldout", subset="all", metric=metric, k=1, value=v, n_problems=4, source=source)
+                for metric, v in (("avg@k", score), ("pass@k", score), ("maj@k", maj))
+            ]
+            samples += [
+                dict(
+                    benchmark="arith-heldout",
+                    problem_id=f"q{i}",
+                    sample_idx=0,
+                    source=source,
+                    verified=True,
+                    n_tokens=2,
+                    response=str(i),
+                    extracted=str(i),
+                    correct=i < 4 * score,
+                    answer=str(i),
+                )
+                for i in range(4)
+            ]
         writer.add_step(step, steps=[{name: None for name in STEP_METRICS}], evals=evals, eval_samples=samples)
     assert writer.flush()
     writer.update_run(status="finished")
@@ -181,8 +208,11 @@ def test_both_evaluation_pages_open_on_the_same_benchmark(tmp_path, monkeypatch)
     app = make_app(tmp_path, monkeypatch)
     evals, samples = app("evals", run="k1"), app("eval_samples", run="k1")
     assert evals.selectbox(key="benchmark").value == samples.selectbox(key="benchmark").value
-    assert evals.selectbox(key="benchmark").options == samples.selectbox(key="benchmark").options == [
-        "arith-heldout (during training)", "arith-heldout (qae eval)"]
+    assert (
+        evals.selectbox(key="benchmark").options
+        == samples.selectbox(key="benchmark").options
+        == ["arith-heldout (during training)", "arith-heldout (qae eval)"]
+    )
     assert samples.select_slider(key="step").value == 2
 
 
@@ -199,8 +229,14 @@ def test_two_runs_entropy_bands_are_each_labelled_with_their_run():
     colors = {"a": "#1f77b4", "b": "#2ca02c"}
     fig = chart_module.entropy(frames, colors, {"a": (0.5, 2.0), "b": (1.0, 3.0)}, {})
     lines = {note.text: line.line.color for note, line in zip(fig.layout.annotations, fig.layout.shapes, strict=True)}
-    assert lines == {f"entropy_low {number(0.5)} · a": "#1f77b4", f"entropy_high {number(2.0)} · a": "#1f77b4",
-                     f"entropy_low {number(1.0)} · b": "#2ca02c", f"entropy_high {number(3.0)} · b": "#2ca02c"}
+    assert lines == {
+        f"entropy_low {number(0.5)} · a": "#1f77b4",
+        f"entropy_high {number(2.0)} · a": "#1f77b4",
+        f"entropy_low {number(1.0)} · b": "#2ca02c",
+        f"entropy_high {number(3.0)} · b": "#2ca02c",
+    }
     shared = chart_module.entropy(frames, colors, {"a": (0.5, 2.0), "b": (0.5, 2.0)}, {})
-    assert sorted(note.text for note in shared.layout.annotations) == [f"entropy_high {number(2.0)}",
-                                                                       f"entropy_low {number(0.5)}"]
+    assert sorted(note.text for note in shared.layout.annotations) == [
+        f"entropy_high {number(2.0)}",
+        f"entropy_low {number(0.5)}",
+    ]

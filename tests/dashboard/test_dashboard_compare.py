@@ -50,8 +50,21 @@ def write_compare_run(runs_dir: Path, run_id: str, heldout: dict[int, float] | N
     (runs_dir / run_id / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
 
     def evals(step: int) -> list[dict]:
-        return [dict(benchmark="heldout", subset="all", metric="avg@k", k=4, value=heldout[step], n_problems=10,
-                     source="train")] if heldout and step in heldout else []
+        return (
+            [
+                dict(
+                    benchmark="heldout",
+                    subset="all",
+                    metric="avg@k",
+                    k=4,
+                    value=heldout[step],
+                    n_problems=10,
+                    source="train",
+                )
+            ]
+            if heldout and step in heldout
+            else []
+        )
 
     if heldout and 0 in heldout:
         writer.add_step(0, evals=evals(0))
@@ -70,11 +83,20 @@ def write_compare_runs(runs_dir: Path) -> Path:
     runs_dir.mkdir(parents=True, exist_ok=True)
     for estimator, by_seed in HELDOUT.items():
         for seed, heldout in by_seed.items():
-            write_compare_run(runs_dir, f"study-{estimator}-s{seed}", heldout,
-                              lambda step, e=estimator, s=seed: (entropy(e, s, step), frac_zero_adv(e, s, step)),
-                              estimator=estimator, seed=seed, eval_every=2, sweep_id=SWEEP_ID, sweep_name=SWEEP_NAME)
-    write_compare_run(runs_dir, "solo", None, lambda step: (1.0 - 0.1 * step, 0.4), lr=1e-4, sweep_id="ffffffffff",
-                      sweep_name="other")
+            write_compare_run(
+                runs_dir,
+                f"study-{estimator}-s{seed}",
+                heldout,
+                lambda step, e=estimator, s=seed: (entropy(e, s, step), frac_zero_adv(e, s, step)),
+                estimator=estimator,
+                seed=seed,
+                eval_every=2,
+                sweep_id=SWEEP_ID,
+                sweep_name=SWEEP_NAME,
+            )
+    write_compare_run(
+        runs_dir, "solo", None, lambda step: (1.0 - 0.1 * step, 0.4), lr=1e-4, sweep_id="ffffffffff", sweep_name="other"
+    )
     return runs_dir
 
 
@@ -98,8 +120,14 @@ def interval_text(values: list[float]) -> str:
 def by_metric(at, first_row: str = "n") -> pd.DataFrame | None:
     """The page's table as shown (a row per metric, a column per group) whose first row is `first_row`: n for the
     groups, paired seeds for the differences from the baseline; None if there is none."""
-    return next((frame.value for frame in at.dataframe if list(frame.value.columns)[:1] == ["metric"]
-                 and frame.value["metric"].iloc[0] == first_row), None)
+    return next(
+        (
+            frame.value
+            for frame in at.dataframe
+            if list(frame.value.columns)[:1] == ["metric"] and frame.value["metric"].iloc[0] == first_row
+        ),
+        None,
+    )
 
 
 def by_group(at, first_row: str = "n") -> pd.DataFrame:
@@ -118,9 +146,11 @@ def finals(estimator: str) -> list[float]:
 
 
 def test_across_seeds_by_hand():
-    curves = [pd.DataFrame({"step": [0, 1, 2], "value": [0.2, 0.8, 1.0]}),
-              pd.DataFrame({"step": [0, 1, 2], "value": [0.2, 0.9, None]}),  # no value at step 2
-              pd.DataFrame({"step": [0, 1], "value": [0.2, 1.0]})]
+    curves = [
+        pd.DataFrame({"step": [0, 1, 2], "value": [0.2, 0.8, 1.0]}),
+        pd.DataFrame({"step": [0, 1, 2], "value": [0.2, 0.9, None]}),  # no value at step 2
+        pd.DataFrame({"step": [0, 1], "value": [0.2, 1.0]}),
+    ]
     out = charts.across_seeds(curves).set_index("step")
     assert out["n"].tolist() == [3, 3, 1]
     assert out["mean"].tolist() == pytest.approx([0.2, 0.9, 1.0])
@@ -134,8 +164,9 @@ def test_across_seeds_by_hand():
     assert spread.loc[1, ["low", "high"]].tolist() == pytest.approx([0.8, 1.0])
     assert math.isnan(spread.loc[2, "low"])
     # two runs: t_{0.975,1} = 12.706: values 1 and 2 give 1.5 +- 12.706 * 0.7071 / 1.4142
-    two = charts.across_seeds([pd.DataFrame({"step": [5], "value": [1.0]}), pd.DataFrame({"step": [5],
-                                                                                           "value": [2.0]})])
+    two = charts.across_seeds(
+        [pd.DataFrame({"step": [5], "value": [1.0]}), pd.DataFrame({"step": [5], "value": [2.0]})]
+    )
     assert two["low"].iloc[0] == pytest.approx(1.5 - 12.7062047 * 0.5, abs=1e-6)
     assert charts.across_seeds([]).empty
     with pytest.raises(ValueError, match="band"):
@@ -146,9 +177,11 @@ def test_a_band_stays_within_the_values_the_metric_can_take():
     """A fraction's mean lies in [0, 1] whatever its interval says: with 3 seeds the t quantile is 4.3 and the
     interval of a gated fraction reached -0.5 on the study's chain sweep. The band is cut at the bounds; the mean
     and the rows without a band are unchanged."""
-    curves = [pd.DataFrame({"step": [0, 1, 2], "value": [0.2, 0.8, 1.0]}),
-              pd.DataFrame({"step": [0, 1, 2], "value": [0.0, 0.9, None]}),
-              pd.DataFrame({"step": [0, 1], "value": [0.1, 1.0]})]
+    curves = [
+        pd.DataFrame({"step": [0, 1, 2], "value": [0.2, 0.8, 1.0]}),
+        pd.DataFrame({"step": [0, 1, 2], "value": [0.0, 0.9, None]}),
+        pd.DataFrame({"step": [0, 1], "value": [0.1, 1.0]}),
+    ]
     free = charts.across_seeds(curves).set_index("step")
     bounded = charts.across_seeds(curves, bounds=(0.0, 1.0)).set_index("step")
     assert free.loc[1, "high"] > 1 and free.loc[0, "low"] < 0  # the case: both ends leave [0, 1]
@@ -245,8 +278,9 @@ def test_curves_are_the_mean_with_a_band_across_seeds(compare_app):
     band = entropy_traces["estimator=qae · band"]
     half = T_975_2 * 0.1 / math.sqrt(3)  # sd of the three seeds is 0.1 at every step
     assert list(band["x"]) == list(STEPS) + list(reversed(STEPS))
-    assert band["y"] == pytest.approx([entropy("qae", 1, s) + half for s in STEPS]
-                                      + [entropy("qae", 1, s) - half for s in reversed(STEPS)], abs=1e-6)
+    assert band["y"] == pytest.approx(
+        [entropy("qae", 1, s) + half for s in STEPS] + [entropy("qae", 1, s) - half for s in reversed(STEPS)], abs=1e-6
+    )
     assert band["fill"] == "toself" and band["fillcolor"].startswith("rgba(")
     assert band["fillcolor"][5:].split(",")[:3] != ["0", "0", "0"]
     # held-out: the step-0 evaluation (from the evals table) starts each curve; grpo at step 2: 0.4, 0.5, 0.5
@@ -306,8 +340,10 @@ def test_a_run_without_a_training_step_is_left_out_and_said(tmp_path, monkeypatc
     cfg = {**TrainConfig().to_dict(), "run_name": "untrained", "seed": 1}
     writer = RunWriter(db_path(tmp_path, "untrained"), "untrained")
     writer.create_run("untrained", cfg, cfg["estimator"], None, cfg["model"], cfg["data"], cfg["seed"])
-    writer.add_step(0, evals=[dict(benchmark="heldout", subset="all", metric="avg@k", k=4, value=0.2, n_problems=10,
-                                   source="train")])
+    writer.add_step(
+        0,
+        evals=[dict(benchmark="heldout", subset="all", metric="avg@k", k=4, value=0.2, n_problems=10, source="train")],
+    )
     assert writer.flush()
     at = make_app(tmp_path, monkeypatch)("compare", runs="trained,untrained")
     table = by_group(at)
@@ -324,8 +360,9 @@ def test_the_default_band_of_three_seeds_is_their_range_and_says_why(compare_app
     at = compare_app("compare", sweep=SWEEP_NAME)
     assert at.segmented_control(key="band").value == "auto"
     band = {t["uid"]: t for t in plotly_specs(at)["compare_entropy"]["data"]}["estimator=qae · band"]
-    assert band["y"] == pytest.approx([entropy("qae", 2, s) for s in STEPS] + [entropy("qae", 0, s)
-                                                                             for s in reversed(STEPS)])
+    assert band["y"] == pytest.approx(
+        [entropy("qae", 2, s) for s in STEPS] + [entropy("qae", 0, s) for s in reversed(STEPS)]
+    )
     assert "no group has more than 3 seeds" in texts(at) and "4.30 standard errors" in texts(at)
     assert charts.resolve_band("auto", 4) == ("t-interval", None)
     assert charts.resolve_band("auto", 2)[0] == "min-max" and "12.71" in charts.resolve_band("auto", 2)[1]
@@ -343,11 +380,14 @@ def test_a_copied_run_folder_is_shown_and_not_counted_as_a_seed(tmp_path, monkey
     table = by_group(at).set_index("group")
     assert table["n"].to_dict() == {"estimator=grpo": 3, "estimator=qae": 3}
     assert table.loc["estimator=grpo", "final_heldout"] == interval_text(finals("grpo"))  # as without the copy
-    assert ("not counted: study-grpo-s0 (copy) (a copy of study-grpo-s0, seed 0: counted once)"
-            in table.loc["estimator=grpo", "note"])
+    assert (
+        "not counted: study-grpo-s0 (copy) (a copy of study-grpo-s0, seed 0: counted once)"
+        in table.loc["estimator=grpo", "note"]
+    )
     differences = by_group(at, "paired seeds")
     assert differences["paired runs"].tolist() == [
-        "study-qae-s0 - study-grpo-s0; study-qae-s1 - study-grpo-s1; study-qae-s2 - study-grpo-s2"]
+        "study-qae-s0 - study-grpo-s0; study-qae-s1 - study-grpo-s1; study-qae-s2 - study-grpo-s2"
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -363,7 +403,7 @@ def cli_cells(output: str, table_header: str) -> dict[str, list[str]]:
     header = lines[start]
     ends = [match.end() for match in re.finditer(r"\S+(?: - \S+)?", header)][1:]  # right-justified columns
     cells: dict[str, list[list[str]]] = {}
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         name = line.split(" ", 1)[0]
         if name in run_comparison.RUN_METRICS:
             cells[name] = [[] for _ in ends]
@@ -372,8 +412,13 @@ def cli_cells(output: str, table_header: str) -> dict[str, list[str]]:
         for column, (begin, end) in enumerate(zip([len(name)] + ends[:-1], ends, strict=True)):
             if text := line[begin:end].strip():
                 cells[next(reversed(cells))][column].append(text)
-    return {name: [" ".join(f"({part})" if part[0].isalpha() and not part.startswith("p=") else part
-                            for part in parts) for parts in by_column] for name, by_column in cells.items()}
+    return {
+        name: [
+            " ".join(f"({part})" if part[0].isalpha() and not part.startswith("p=") else part for part in parts)
+            for parts in by_column
+        ]
+        for name, by_column in cells.items()
+    }
 
 
 def page_cells(at, first_row: str) -> dict[str, list[str]]:
@@ -392,13 +437,18 @@ def test_the_cli_and_the_page_print_the_same_intervals_and_p_values(tmp_path, mo
     for run_id in ids:
         size, seed = (int(part[1:]) for part in run_id.split("-"))
         write_run(runs_dir, run_id, steps=6, group_size=size, seed=seed, eval_every=3)
-    result = CliRunner().invoke(app, ["compare", *ids, "--baseline", "group_size=6", "--runs-dir", str(runs_dir)],
-                                env={"COLUMNS": "250"})
+    result = CliRunner().invoke(
+        app, ["compare", *ids, "--baseline", "group_size=6", "--runs-dir", str(runs_dir)], env={"COLUMNS": "250"}
+    )
     assert result.exit_code == 0, result.output
     at = make_app(runs_dir, monkeypatch)("compare", runs=",".join(ids), baseline="group_size=6")
-    cli = {**cli_cells(result.output, "metric "),
-           **{f"diff {name}": cells for name, cells in cli_cells(result.output.split("minus the baseline")[1],
-                                                                   "metric ").items()}}
+    cli = {
+        **cli_cells(result.output, "metric "),
+        **{
+            f"diff {name}": cells
+            for name, cells in cli_cells(result.output.split("minus the baseline")[1], "metric ").items()
+        },
+    }
     page = {**page_cells(at, "n"), **{f"diff {name}": cells for name, cells in page_cells(at, "paired seeds").items()}}
     assert cli == page
     shown = " ".join(cell for cells in cli.values() for cell in cells)

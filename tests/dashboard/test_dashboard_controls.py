@@ -37,10 +37,20 @@ def test_tags_typed_in_a_cell_are_checked_and_kept_once_in_order():
         tags_from_text("ok lr/high")
 
 
-@pytest.mark.parametrize("host, asked, shown", [
-    ("127.0.0.1", None, True), ("localhost", None, True), ("::1", None, True), ("127.0.0.2", None, True),
-    ("0.0.0.0", None, False), ("192.168.1.20", None, False), ("myhost", None, False),
-    ("0.0.0.0", True, True), ("127.0.0.1", False, False)])
+@pytest.mark.parametrize(
+    "host, asked, shown",
+    [
+        ("127.0.0.1", None, True),
+        ("localhost", None, True),
+        ("::1", None, True),
+        ("127.0.0.2", None, True),
+        ("0.0.0.0", None, False),
+        ("192.168.1.20", None, False),
+        ("myhost", None, False),
+        ("0.0.0.0", True, True),
+        ("127.0.0.1", False, False),
+    ],
+)
 def test_controls_only_on_loopback_unless_asked(host, asked, shown):
     """`qae dashboard`: controls on a loopback --host; none elsewhere unless --controls; none with --read-only."""
     assert dashboard_controls(host, asked) is shown
@@ -61,8 +71,9 @@ def test_the_header_stops_a_live_run_of_this_machine(tmp_path, hold_lock, monkey
 
 
 @pytest.mark.parametrize("controls", [None, "0"])
-def test_without_controls_a_live_run_has_no_stop_and_the_runs_table_no_edits(tmp_path, hold_lock, monkeypatch,
-                                                                              controls):
+def test_without_controls_a_live_run_has_no_stop_and_the_runs_table_no_edits(
+    tmp_path, hold_lock, monkeypatch, controls
+):
     runs_dir = tmp_path / "runs"
     write_live_run(runs_dir)
     holder = hold_lock(runs_dir / "live")
@@ -94,6 +105,7 @@ def test_with_controls_the_runs_table_edits_tags_and_notes_only(tmp_path, monkey
 # ---------------------------------------------------------------------------------------------------------------
 # a real browser on a real `qae train`
 
+
 @pytest.fixture
 def browser_page():
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[dev])")
@@ -116,8 +128,11 @@ def serve(start, tmp_path):
     def run(runs_dir: Path, *options: str) -> str:
         port = free_port()
         log = open(tmp_path / f"dashboard-{port}.log", "w")
-        process = start([str(QAE), "dashboard", "--runs-dir", str(runs_dir), "--port", str(port), "--refresh", "off",
-                         *options], stdout=log, stderr=subprocess.STDOUT)
+        process = start(
+            [str(QAE), "dashboard", "--runs-dir", str(runs_dir), "--port", str(port), "--refresh", "off", *options],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         wait_healthy(port, process)
         return f"http://127.0.0.1:{port}"
 
@@ -214,8 +229,10 @@ def edit_until_kept(page, table, column: str, text: str, kept, tmp_path: Path, t
             return
         page.screenshot(path=str(tmp_path / f"edit-{column}-{attempt}.png"))
     logs = "".join(path.read_text()[-2000:] for path in tmp_path.glob("dashboard-*.log"))
-    raise AssertionError(f"{text!r} typed {tries} times, never kept in labels.json; the grid's cell after each "
-                         f"try: {seen}; screenshots in {tmp_path}; the dashboard's log: {logs}")
+    raise AssertionError(
+        f"{text!r} typed {tries} times, never kept in labels.json; the grid's cell after each "
+        f"try: {seen}; screenshots in {tmp_path}; the dashboard's log: {logs}"
+    )
 
 
 @pytest.mark.browser
@@ -238,14 +255,25 @@ def test_edit_tags_and_a_note_then_stop_a_training_run_from_the_browser(start, s
     expect(table).to_contain_text("live", timeout=90_000)
     expect(page.get_by_text("Edit a run's")).to_be_visible()
     # columns: shown, run, tags, note, ...
-    edit_until_kept(page, table, "tags", "baseline lr-too-high",
-                    lambda: read_labels(runs_dir / "live").tags == ["baseline", "lr-too-high"], tmp_path)
+    edit_until_kept(
+        page,
+        table,
+        "tags",
+        "baseline lr-too-high",
+        lambda: read_labels(runs_dir / "live").tags == ["baseline", "lr-too-high"],
+        tmp_path,
+    )
     expect(table).to_contain_text("baseline, lr-too-high", timeout=60_000)
-    edit_until_kept(page, table, "note", "lr too high?", lambda: read_labels(runs_dir / "live").note == "lr too high?",
-                    tmp_path)
+    edit_until_kept(
+        page, table, "note", "lr too high?", lambda: read_labels(runs_dir / "live").note == "lr too high?", tmp_path
+    )
     assert trainer.poll() is None  # the run trained on through both edits
-    listed = subprocess.run([str(QAE), "runs", "--runs-dir", str(runs_dir), "--tag", "lr-too-high"],
-                            capture_output=True, text=True, env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"})
+    listed = subprocess.run(
+        [str(QAE), "runs", "--runs-dir", str(runs_dir), "--tag", "lr-too-high"],
+        capture_output=True,
+        text=True,
+        env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"},
+    )
     assert listed.returncode == 0 and re.search(r"live .*baseline, lr-too-high", listed.stdout), listed.stdout
 
     page.goto(f"{url}/curves?run=live")
@@ -308,8 +336,11 @@ def test_curves_grouped_by_tags(tmp_path, monkeypatch):
         write_labels(runs_dir / run_id, Labels(tags=tags[run_id]))
     at = make_app(runs_dir, monkeypatch)("curves", run=list(tags), smooth="none", group="true", group_by="tags")
     assert set(at.multiselect(key="group_by").options[:3]) == {"k", "seed", "tags"}  # those that differ, first
-    lines = {t["uid"]: t for t in plotly_specs(at)["entropy"]["data"] if not t["uid"].endswith("band")
-             and "warning" not in t["uid"]}
+    lines = {
+        t["uid"]: t
+        for t in plotly_specs(at)["entropy"]["data"]
+        if not t["uid"].endswith("band") and "warning" not in t["uid"]
+    }
     assert set(lines) == {"tags=baseline", "tags=idea"}
     entropy = {run_id: read_steps(db_path(runs_dir, run_id))["entropy"] for run_id in tags}
     assert lines["tags=baseline"]["y"] == pytest.approx(((entropy["r-a"] + entropy["r-b"]) / 2).tolist())

@@ -25,8 +25,9 @@ def grid_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("grid_runs")
     for k, seeds in ((0.4, (0, 1, 2)), (0.6, (0, 1))):
         for seed in seeds:
-            write_run(out, f"grid-k{k}-s{seed}", steps=4, prompts_per_step=2, group_size=4, k=k, seed=seed,
-                      config=SWEEP)
+            write_run(
+                out, f"grid-k{k}-s{seed}", steps=4, prompts_per_step=2, group_size=4, k=k, seed=seed, config=SWEEP
+            )
     for i in range(6):
         write_run(out, f"other-{i}", steps=1, prompts_per_step=1, group_size=4, seed=10 + i)
     return out
@@ -114,8 +115,9 @@ def test_a_component_name_in_a_trace_name_is_text_not_markup():
 
 def test_regime_colors_are_not_run_colors():
     """Red was the regime `hard` and the second run: no regime color is near any run color."""
+
     def rgb(color: str) -> tuple[int, ...]:
-        return tuple(int(color.lstrip("#")[i:i + 2], 16) for i in (0, 2, 4))
+        return tuple(int(color.lstrip("#")[i : i + 2], 16) for i in (0, 2, 4))
 
     runs = [rgb(c) for c in plotly.colors.qualitative.Plotly]
     for regime, color in charts.REGIME_COLORS.items():

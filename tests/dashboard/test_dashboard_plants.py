@@ -27,8 +27,11 @@ from tests.plants import (
     plant_file,
 )
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow,
-              pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing")]
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.slow,
+    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing"),
+]
 
 PAGES = ("", "curves", "distributions", "rollouts", "prompts", "evals", "eval_samples", "compare")
 DASHBOARD_FILES = ("qae.duckdb", "config.json", "labels.json", "trainer.lock", PENDING)
@@ -64,14 +67,18 @@ def test_every_page_draws_over_a_folder_of_plants(planted_runs, tmp_path):
     runs, case, ids = planted_runs
     port = free_port()
     log = open(tmp_path / "dashboard.log", "w")
-    server = subprocess.Popen([str(QAE), "dashboard", "--runs-dir", str(runs), "--port", str(port), "--refresh",
-                               "off"], stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [str(QAE), "dashboard", "--runs-dir", str(runs), "--port", str(port), "--refresh", "off"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     found = []
     try:
         wait_healthy(port, server)
         with sync_api.sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=str(CHROMIUM),
-                                                 args=["--headless", "--no-sandbox", "--disable-gpu"])
+            browser = playwright.chromium.launch(
+                executable_path=str(CHROMIUM), args=["--headless", "--no-sandbox", "--disable-gpu"]
+            )
             page = browser.new_page(viewport={"width": 1400, "height": 2400})
             for view in PAGES:
                 page.goto(f"http://127.0.0.1:{port}/{view}?" + urlencode([("run", run) for run in ids]))

@@ -32,8 +32,12 @@ except pytest.skip.Exception:  # playwright is not installed
 def preview_dir(tmp_path_factory) -> Path:
     """A runs dir with a preview of the built-in task (12 prompts x G=8) and a synthetic training run."""
     out = tmp_path_factory.mktemp("preview_runs")
-    run_preview(build_config(run_name="pv", group_size=8, seed=2), out, PreviewOptions(prompts=12, ks=(0.25, 0.75)),
-                device="cpu")
+    run_preview(
+        build_config(run_name="pv", group_size=8, seed=2),
+        out,
+        PreviewOptions(prompts=12, ks=(0.25, 0.75)),
+        device="cpu",
+    )
     write_run(out, "trained", steps=3, prompts_per_step=2, group_size=4, n_prompts=4)
     return out
 

@@ -51,25 +51,34 @@ def test_round_two_readers_by_hand(small_dir):
     # step 3: group 0 easy (successes 0-2 gated), group 1 hard (failures 2-3 gated); step 1: hard 1/4 + all wrong
     breakdown = read_gate_breakdown(path)
     assert breakdown.query("step == 3").set_index("gate_reason")["n"].to_dict() == {
-        "failure_in_hard_group": 2, "success_in_easy_group": 3}
+        "failure_in_hard_group": 2,
+        "success_in_easy_group": 3,
+    }
     assert breakdown.query("step == 1").set_index("gate_reason")["n"].to_dict() == {
-        "all_wrong_group": 4, "failure_in_hard_group": 3}
+        "all_wrong_group": 4,
+        "failure_in_hard_group": 3,
+    }
     quantiles = read_quantiles(path, "advantage").set_index("step")
     assert quantiles.loc[1, "mean"] == pytest.approx(1 / 8) and quantiles.loc[1, "q0.95"] == pytest.approx(0.65)
     with pytest.raises(ValueError, match="not one of"):
         read_quantiles(path, "response; DROP TABLE rollouts")
     tokens = read_step_tokens(path)
     assert tokens["n_responses"].tolist() == [8, 8, 8]
-    assert tokens["n_tokens"].tolist() == [sum(len(r["response"]) for r in _crafted_rows(s)["rollouts"])
-                                           for s in (1, 2, 3)]
+    assert tokens["n_tokens"].tolist() == [
+        sum(len(r["response"]) for r in _crafted_rows(s)["rollouts"]) for s in (1, 2, 3)
+    ]
     moving = read_prompt_rollouts(path, MOVING_PROMPT)
     assert moving["step"].tolist() == [1] * 4 + [2] * 4 + [3] * 4 and moving["regime"].tolist()[-1] == "easy"
     checkpoints = read_eval_checkpoints(path)
     assert checkpoints[["step", "n_problems", "n_samples"]].values.tolist() == [[1, 2, 4], [3, 2, 4]]
     assert checkpoints["accuracy"].tolist() == [0.25, 0.5]
     grid = read_eval_problem_grid(path, "mini", "eval")
-    assert grid[["problem_id", "step", "n_correct"]].values.tolist() == [["q1", 1, 0], ["q1", 3, 1], ["q2", 1, 1],
-                                                                         ["q2", 3, 1]]
+    assert grid[["problem_id", "step", "n_correct"]].values.tolist() == [
+        ["q1", 1, 0],
+        ["q1", 3, 1],
+        ["q2", 1, 1],
+        ["q2", 3, 1],
+    ]
     assert read_eval_samples(path, "mini", "eval", 3, search="SCRIPT")["problem_id"].tolist() == ["q2"]
     steps = read_steps(path)
     assert steps["logged_at"].notna().all() and steps["logged_at"].is_monotonic_increasing
@@ -96,5 +105,3 @@ def test_smoothing_by_hand():
     assert rolling.tolist()[2:] == [2.0, 4.0] and pd.isna(rolling[1])
     with pytest.raises(ValueError, match="EMA weight"):
         charts.smooth(values, "ema", 1.0)
-
-

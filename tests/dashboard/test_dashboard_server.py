@@ -34,7 +34,7 @@ def listening_addresses(port: int) -> set[str]:
                 found.add(socket.inet_ntop(socket.AF_INET, bytes.fromhex(address)[::-1]))
             else:
                 words = bytes.fromhex(address)
-                found.add(socket.inet_ntop(socket.AF_INET6, b"".join(words[i:i + 4][::-1] for i in range(0, 16, 4))))
+                found.add(socket.inet_ntop(socket.AF_INET6, b"".join(words[i : i + 4][::-1] for i in range(0, 16, 4))))
     return found
 
 
@@ -49,9 +49,14 @@ def test_qae_dashboard_stops_cleanly_on_ctrl_c(runs_dir):
     port = free_port()
     qae = Path(sys.executable).parent / "qae"
     # started with SIGINT ignored, as from a script's `&` or a test runner's worker: Ctrl-C must still stop it whole
-    process = subprocess.Popen([str(qae), "dashboard", "--runs-dir", str(runs_dir), "--port", str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    process = subprocess.Popen(
+        [str(qae), "dashboard", "--runs-dir", str(runs_dir), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     try:
         wait_healthy(port, process)
         assert listening_addresses(port) == {"127.0.0.1"}  # nobody else on the network can reach the runs
@@ -67,8 +72,13 @@ def test_qae_dashboard_stops_cleanly_on_ctrl_c(runs_dir):
 
 def _start_dashboard(runs_dir: Path, port: int) -> subprocess.Popen:
     qae = Path(sys.executable).parent / "qae"
-    return subprocess.Popen([str(qae), "dashboard", "--runs-dir", str(runs_dir), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [str(qae), "dashboard", "--runs-dir", str(runs_dir), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _children(pid: int) -> list[int]:
@@ -98,8 +108,12 @@ def test_qae_dashboard_stops_the_server_on_sigterm(small_dir):
         kill_group_if_running(process)
     assert process.returncode == 0, output
     assert "dashboard stopped" in output and "Traceback" not in output
-    assert not [pid for pid in servers if Path(f"/proc/{pid}").exists()
-                and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+    assert not [
+        pid
+        for pid in servers
+        if Path(f"/proc/{pid}").exists()
+        and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    ]
     assert not listening_addresses(port)
 
 
@@ -140,5 +154,3 @@ print("torch loaded:", "torch" in sys.modules)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "torch loaded: False" in result.stdout
-
-

@@ -29,8 +29,14 @@ def token_views(at) -> list[str]:
 @pytest.fixture(scope="module")
 def hacked_dir(tmp_path_factory, runs_dir) -> Path:
     """runs_dir (the crafted runs, the tiny run) and a real 4-step run of the hacked task."""
-    cfg = build_config(run_name="hacked", steps=4, eval_every=0, checkpoint_every=0, reward_weights="1,0.2",
-                       reward=[f"{REWARDS}:exact_with_unit", f"{REWARDS}:one_char"])
+    cfg = build_config(
+        run_name="hacked",
+        steps=4,
+        eval_every=0,
+        checkpoint_every=0,
+        reward_weights="1,0.2",
+        reward=[f"{REWARDS}:exact_with_unit", f"{REWARDS}:one_char"],
+    )
     assert Trainer(cfg, runs_dir, cpu=True).fit().status == "finished"
     return runs_dir
 
@@ -38,8 +44,9 @@ def hacked_dir(tmp_path_factory, runs_dir) -> Path:
 @pytest.fixture(scope="module")
 def hacked_preview(hacked_dir) -> Path:
     """hacked_dir with a preview of the hacked task, 16 prompts x 16."""
-    cfg = build_config(run_name="hacked-preview", reward_weights="1,0.2",
-                       reward=[f"{REWARDS}:exact_with_unit", f"{REWARDS}:one_char"])
+    cfg = build_config(
+        run_name="hacked-preview", reward_weights="1,0.2", reward=[f"{REWARDS}:exact_with_unit", f"{REWARDS}:one_char"]
+    )
     run_preview(cfg, hacked_dir, PreviewOptions(prompts=16), device="cpu")
     return hacked_dir
 
@@ -53,14 +60,17 @@ def hacked_app(hacked_dir, monkeypatch):
 def test_curves_draw_which_reward_carries_the_signal_with_the_alert_marked(hacked_app, hacked_dir):
     specs = plotly_specs(hacked_app("curves", run="hacked"))
     lines = {trace["name"]: trace for trace in specs["reward_signal"]["data"]}
-    signal = query(db_path(hacked_dir, "hacked"),
-                              "SELECT step, adv_share FROM component_signal WHERE name = 'one_char' ORDER BY step")
+    signal = query(
+        db_path(hacked_dir, "hacked"),
+        "SELECT step, adv_share FROM component_signal WHERE name = 'one_char' ORDER BY step",
+    )
     drawn = lines["hacked · signal:one_char"]
     assert [y for y in drawn["y"] if y == y] == [v for v in signal["adv_share"] if v == v]  # (NaN: a step w/o signal)
     marks = [trace for name, trace in lines.items() if name.startswith("hacked · warnings")]
     assert len(marks) == 1 and marks[0]["text"][0].startswith("reward_signal: one_char (weight 0.2)")
     assert {"hacked · reward:one_char", "hacked · reward:exact_with_unit"} <= {
-        t["name"] for t in specs["reward_components"]["data"]}
+        t["name"] for t in specs["reward_components"]["data"]
+    }
 
 
 @pytest.mark.slow

@@ -21,21 +21,24 @@ runner = CliRunner()
 # the extractor: how instruct models answer
 
 
-@pytest.mark.parametrize("response, expected", [
-    ("14", "14"),
-    ("14.", "14"),  # a sentence's period is not a decimal point
-    ("The answer is 14.", "14"),
-    ("7 + 7 = 14", "14"),
-    ("The answer is 14. To calculate 7 + 7, add them.", "7"),  # the last number, as the rule says
-    ("Answer: 14\nTo check: 7 + 7 = 14 and 2 + 3 = 5", "14"),  # a requested Answer line wins over later numbers
-    ("**Answer:** 1,234", "1234"),
-    ("answer: 12\nAnswer: 13", "13"),  # the last Answer line
-    ("It is 2.5 units", "2.5"),
-    ("The result is -3.", "-3"),
-    ("I have 1,000,000 reasons", "1000000"),
-    ("twelve", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("14", "14"),
+        ("14.", "14"),  # a sentence's period is not a decimal point
+        ("The answer is 14.", "14"),
+        ("7 + 7 = 14", "14"),
+        ("The answer is 14. To calculate 7 + 7, add them.", "7"),  # the last number, as the rule says
+        ("Answer: 14\nTo check: 7 + 7 = 14 and 2 + 3 = 5", "14"),  # a requested Answer line wins over later numbers
+        ("**Answer:** 1,234", "1234"),
+        ("answer: 12\nAnswer: 13", "13"),  # the last Answer line
+        ("It is 2.5 units", "2.5"),
+        ("The result is -3.", "-3"),
+        ("I have 1,000,000 reasons", "1000000"),
+        ("twelve", None),
+        ("", None),
+    ],
+)
 def test_final_number_on_literal_responses(response, expected):
     assert final_number_answer(response) == expected
 
@@ -148,6 +151,7 @@ def test_a_chat_models_templated_prompt_is_what_its_tokens_say(smollm2_gguf):
     ids = codec.encode("What is 2 + 3? Reply with just the number.")
     shown = templated_prompt(codec, ids)
     assert shown.startswith("<|im_start|>system\n") and shown.endswith(
-        "<|im_start|>user\nWhat is 2 + 3? Reply with just the number.<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nWhat is 2 + 3? Reply with just the number.<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert tokenizer(shown, add_special_tokens=False)["input_ids"] == ids
     assert templated_prompt(HFTokenizerCodec(tokenizer, use_chat_template=False), ids) is None

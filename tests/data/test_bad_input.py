@@ -16,9 +16,12 @@ BAD_VALUES = [
     (["train", "--data", "{d}/bigint.jsonl"], "bigint.jsonl' line 1 has a 5,000-character answer (7777"),
     (["train", "--data", "{d}/bigint_text.jsonl"], "bigint_text.jsonl' line 1 has a 5,000-character answer (7777"),
     (["train", "--data", "{d}/folder.jsonl"], "folder.jsonl' is a directory"),
-    (["train", "--data", "{d}/big_prompt.jsonl"], "data: prompt 'big_prompt-1' is 1,000,073 tokens, and with "
-                                                  "--max-new-tokens 8 it needs 1,000,081 positions, but the model's "
-                                                  "context is 128"),
+    (
+        ["train", "--data", "{d}/big_prompt.jsonl"],
+        "data: prompt 'big_prompt-1' is 1,000,073 tokens, and with "
+        "--max-new-tokens 8 it needs 1,000,081 positions, but the model's "
+        "context is 128",
+    ),
     # issue 28: nonsense that was accepted silently
     (["train", "--data", "{d}/no_heldout.jsonl", "--eval-every", "1"], "eval-every: 1, but"),
     (["train", "--data", "{d}/nan_answer.jsonl"], "nan_answer.jsonl' line 2 gives its answer as NaN"),
@@ -28,24 +31,33 @@ BAD_VALUES = [
     (["train", "--eval-bench", "nofile.jsonl"], "eval-bench: 'nofile.jsonl' is neither a built-in task"),
     (["eval", "--bench", "nofile.jsonl"], "bench: 'nofile.jsonl' is neither a built-in task"),
     (["train", "--data", "nofile.jsonl"], "data: 'nofile.jsonl' is neither a built-in task"),
-    (["train", "--data", "{d}/number_question.jsonl"],
-     "line 1 gives its question as a number (question = 5), not text"),
+    (
+        ["train", "--data", "{d}/number_question.jsonl"],
+        "line 1 gives its question as a number (question = 5), not text",
+    ),
     (["eval", "--bench", "{d}/binary.jsonl"], "bench: '{d}/binary.jsonl' is not UTF-8 text"),  # the file's error too
     (["train", "--eval-bench", "{d}/binary.jsonl"], "eval-bench: '{d}/binary.jsonl' is not UTF-8 text"),
     # issue 37: CSV files, templates and system prompts
     (["train", "--data", "{d}/ragged.csv"], "ragged.csv' line 3 has 3 cells, but the header (line 1) names 2 columns"),
-    (["train", "--data", "{d}/headless.csv"], "headless.csv' has no question column in its header (its first line: "
-                                              "1+1?, 2)"),
+    (
+        ["train", "--data", "{d}/headless.csv"],
+        "headless.csv' has no question column in its header (its first line: 1+1?, 2)",
+    ),
     (["eval", "--bench", "{d}/ragged.csv"], "bench: '{d}/ragged.csv' line 3 has 3 cells"),
-    (["train", "--data", "{d}/hint.jsonl", "--prompt-template", "{{question}} {{hint}}"],
-     "prompt-template: '{{question}} {{hint}}' names column 'hint', but '{d}/hint.jsonl' line 2 has no such column"),
-    (["train", "--data", "{d}/hint.jsonl", "--prompt-template", "Think."],
-     "prompt-template: 'Think.' names no column"),
+    (
+        ["train", "--data", "{d}/hint.jsonl", "--prompt-template", "{{question}} {{hint}}"],
+        "prompt-template: '{{question}} {{hint}}' names column 'hint', but '{d}/hint.jsonl' line 2 has no such column",
+    ),
+    (["train", "--data", "{d}/hint.jsonl", "--prompt-template", "Think."], "prompt-template: 'Think.' names no column"),
     (["eval", "--bench", "{d}/hint.jsonl", "--prompt-template", "Think."], "prompt-template: 'Think.' names no column"),
-    (["train", "--data", "{d}/hints.jsonl", "--eval-bench", "{d}/hint.jsonl", "--prompt-template", "{{hint}}"],
-     "prompt-template: '{{hint}}' names column 'hint', but '{d}/hint.jsonl' line 2 has no such column"),
-    (["train", "--data", "{d}/chat_system.jsonl", "--system-prompt", "Be brief."],
-     "system-prompt: '{d}/chat_system.jsonl' line 1 has a system message of its own ('Be kind.')"),
+    (
+        ["train", "--data", "{d}/hints.jsonl", "--eval-bench", "{d}/hint.jsonl", "--prompt-template", "{{hint}}"],
+        "prompt-template: '{{hint}}' names column 'hint', but '{d}/hint.jsonl' line 2 has no such column",
+    ),
+    (
+        ["train", "--data", "{d}/chat_system.jsonl", "--system-prompt", "Be brief."],
+        "system-prompt: '{d}/chat_system.jsonl' line 1 has a system message of its own ('Be kind.')",
+    ),
 ]
 
 

@@ -87,21 +87,24 @@ def test_builtin_names():
 # reward: the final answer only
 
 
-@pytest.mark.parametrize("response, score", [
-    ("7+5=12,12*3=36,36-4=32 so 32", 1.0),  # the gold response
-    ("7+5=13,13*3=38,38-4=31 so 32", 1.0),  # wrong scratchpad, right final answer: final answer only
-    (" so 32", 1.0),  # no scratchpad at all: still only the final answer counts
-    ("1 so 5 so 32", 1.0),  # the last marker holds the answer
-    ("7+5=12,12*3=36,36-4=32 so 32 ", 1.0),  # surrounding whitespace is not part of the answer
-    ("7+5=12,12*3=36,36-4=32 so 31", 0.0),  # wrong final answer, right scratchpad
-    ("7+5=12,12*3=36,36-4=32", 0.0),  # malformed: no marker
-    ("32", 0.0),  # malformed: no marker
-    ("7+5=12 so ", 0.0),  # malformed: nothing after the marker
-    ("7+5=12 so 32x", 0.0),  # malformed: not an integer
-    ("7+5=12 so 032", 0.0),  # not the gold integer as written
-    ("7+5=12 so 3 2", 0.0),
-    ("", 0.0),
-])
+@pytest.mark.parametrize(
+    "response, score",
+    [
+        ("7+5=12,12*3=36,36-4=32 so 32", 1.0),  # the gold response
+        ("7+5=13,13*3=38,38-4=31 so 32", 1.0),  # wrong scratchpad, right final answer: final answer only
+        (" so 32", 1.0),  # no scratchpad at all: still only the final answer counts
+        ("1 so 5 so 32", 1.0),  # the last marker holds the answer
+        ("7+5=12,12*3=36,36-4=32 so 32 ", 1.0),  # surrounding whitespace is not part of the answer
+        ("7+5=12,12*3=36,36-4=32 so 31", 0.0),  # wrong final answer, right scratchpad
+        ("7+5=12,12*3=36,36-4=32", 0.0),  # malformed: no marker
+        ("32", 0.0),  # malformed: no marker
+        ("7+5=12 so ", 0.0),  # malformed: nothing after the marker
+        ("7+5=12 so 32x", 0.0),  # malformed: not an integer
+        ("7+5=12 so 032", 0.0),  # not the gold integer as written
+        ("7+5=12 so 3 2", 0.0),
+        ("", 0.0),
+    ],
+)
 def test_chain_final_reward_on_literal_responses(response, score):
     assert chain_final_reward([response], ["32"]) == [score]
 
@@ -121,7 +124,9 @@ def test_a_builtin_task_picks_its_model_and_response_length(tmp_path):
     default = build_config()
     assert (default.data, default.model, default.max_new_tokens) == ("arith", "builtin:tiny", 8)
     assert (build_config(data="builtin:arith").model, build_config(data="builtin:arith").max_new_tokens) == (
-        "builtin:tiny", 8)
+        "builtin:tiny",
+        8,
+    )
     chain = build_config(data="builtin:chain")
     assert (chain.model, chain.max_new_tokens) == ("builtin:tiny-chain", 48)
     explicit = build_config(data="builtin:chain", model="builtin:tiny", max_new_tokens=20)
@@ -147,8 +152,9 @@ def test_shipped_checkpoint_writes_scratchpads_of_the_promised_length():
     assert isinstance(codec, CharTokenizer)
     task = chain_task()
     problems = task.heldout[:64]
-    samples = HFGenerateEngine(model, codec).generate([task.prompt(p) for p in problems], 1, 1.0,
-                                                      BUILTIN_TASKS["chain"].max_new_tokens, seed=0)
+    samples = HFGenerateEngine(model, codec).generate(
+        [task.prompt(p) for p in problems], 1, 1.0, BUILTIN_TASKS["chain"].max_new_tokens, seed=0
+    )
     lengths = [len(s.response_ids) for s in samples]
     assert 10 <= sum(lengths) / len(lengths) <= 40
     assert sum(s.truncated for s in samples) <= 2  # it stops by itself
@@ -183,17 +189,38 @@ def test_train_on_chain_end_to_end(tmp_path):
     from qae_app.store.reader import query, read_run, read_steps
     from qae_app.store.run_folder import db_path
 
-    result = runner.invoke(app, ["train", "--data", "builtin:chain", "--steps", "2", "--prompts-per-step", "2",
-                                 "--group-size", "4", "--eval-every", "2", "--eval-limit", "8", "--run-name", "c",
-                                 "--runs-dir", str(tmp_path)])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--data",
+            "builtin:chain",
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "2",
+            "--eval-limit",
+            "8",
+            "--run-name",
+            "c",
+            "--runs-dir",
+            str(tmp_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     path = db_path(tmp_path, "c")
     run = read_run(path)
     config = json.loads(run["config"])
     assert (run["model"], run["task"], config["max_new_tokens"]) == ("builtin:tiny-chain", "builtin:chain", 48)
     assert read_steps(path)["step"].tolist() == [1, 2]
-    rows = query(path, "SELECT r.response, r.reward, g.answer, g.prompt FROM rollouts r JOIN groups g "
-                       "USING (run_id, step, group_idx)")
+    rows = query(
+        path,
+        "SELECT r.response, r.reward, g.answer, g.prompt FROM rollouts r JOIN groups g USING (run_id, step, group_idx)",
+    )
     assert len(rows) == 2 * 2 * 4
     assert rows["reward"].tolist() == chain_final_reward(rows["response"].tolist(), rows["answer"].tolist())
     assert rows["response"].str.contains(" so ").mean() > 0.8  # the warm-started scratchpad format

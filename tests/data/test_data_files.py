@@ -40,12 +40,17 @@ def test_each_format_loads_the_same_problems_with_extra_columns(tmp_path, suffix
         pq.write_table(pa.Table.from_pylist(ROWS), path)
         tests = [["11", "13"], ["tac"]]
     else:  # a CSV cell is text: a list is written as the user wrote it
-        write_csv(path, 'id,question,answer,hint,tests\nr1,Name a prime above 10.,11,try 11,"11,13"\n'
-                        "r2,Spell 'cat' backwards.,tac,t first,tac\n")
+        write_csv(
+            path,
+            'id,question,answer,hint,tests\nr1,Name a prime above 10.,11,try 11,"11,13"\n'
+            "r2,Spell 'cat' backwards.,tac,t first,tac\n",
+        )
         tests = ["11,13", "tac"]
     problems = load_math_file(path)
     assert [(p.prompt_id, p.question, p.answer) for p in problems] == [
-        ("r1", "Name a prime above 10.", "11"), ("r2", "Spell 'cat' backwards.", "tac")]
+        ("r1", "Name a prime above 10.", "11"),
+        ("r2", "Spell 'cat' backwards.", "tac"),
+    ]
     assert [p.columns["hint"] for p in problems] == ["try 11", "t first"]
     assert [p.columns["tests"] for p in problems] == tests
     assert list(problems[0].columns) == ["id", "question", "answer", "hint", "tests"]
@@ -54,27 +59,38 @@ def test_each_format_loads_the_same_problems_with_extra_columns(tmp_path, suffix
 def test_csv_quoting_newlines_bom_and_gsm8k_answers(tmp_path):
     """The csv module's dialect (RFC 4180): quoted commas, doubled quotes, a newline inside a quoted cell; a UTF-8
     byte-order mark (Excel writes one) is not part of the first column's name; GSM8K's '####' works as in JSONL."""
-    path = write_csv(tmp_path / "gsm.csv",
-                     '\ufeffquestion,answer\n"Tom has 2 apples, buys 3. ""How many?""","2 + 3 = 5\n#### 5"\n'
-                     '"What is 1,000 + 1?","1,000 + 1\n#### 1,001"\n')
+    path = write_csv(
+        tmp_path / "gsm.csv",
+        '\ufeffquestion,answer\n"Tom has 2 apples, buys 3. ""How many?""","2 + 3 = 5\n#### 5"\n'
+        '"What is 1,000 + 1?","1,000 + 1\n#### 1,001"\n',
+    )
     problems = load_math_file(path)
     assert [(p.prompt_id, p.question, p.answer) for p in problems] == [
-        ("gsm-2", 'Tom has 2 apples, buys 3. "How many?"', "5"), ("gsm-4", "What is 1,000 + 1?", "1001")]
+        ("gsm-2", 'Tom has 2 apples, buys 3. "How many?"', "5"),
+        ("gsm-4", "What is 1,000 + 1?", "1001"),
+    ]
     assert list(problems[0].columns) == ["question", "answer"]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("What is 2+2?,4\nWhat is 3+3?,6\n",
-     "no-header.csv' has no question column in its header (its first line: What is 2+2?, 4). A CSV file's first "
-     "line names its columns"),
-    ("question,answer,\n1+1?,2,\n", "no-header.csv' line 1 has an empty column name (column 3)"),
-    ("question,answer,question\n1+1?,2,x\n", "no-header.csv' line 1 names column 'question' twice"),
-    ("question,answer\n1+1?,2\n2+2?,4,extra\n", "no-header.csv' line 3 has 3 cells, but the header (line 1) names "
-                                                "2 columns"),
-    ("question,answer\n1+1?\n", "no-header.csv' line 2 has 1 cell, but the header (line 1) names 2 columns"),
-    ('question,answer\n"1+1?,2\n', "no-header.csv' is not valid CSV (unexpected end of data at line 2)"),
-    ("question,answer\n", "no-header.csv' is empty"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "What is 2+2?,4\nWhat is 3+3?,6\n",
+            "no-header.csv' has no question column in its header (its first line: What is 2+2?, 4). A CSV file's first "
+            "line names its columns",
+        ),
+        ("question,answer,\n1+1?,2,\n", "no-header.csv' line 1 has an empty column name (column 3)"),
+        ("question,answer,question\n1+1?,2,x\n", "no-header.csv' line 1 names column 'question' twice"),
+        (
+            "question,answer\n1+1?,2\n2+2?,4,extra\n",
+            "no-header.csv' line 3 has 3 cells, but the header (line 1) names 2 columns",
+        ),
+        ("question,answer\n1+1?\n", "no-header.csv' line 2 has 1 cell, but the header (line 1) names 2 columns"),
+        ('question,answer\n"1+1?,2\n', "no-header.csv' is not valid CSV (unexpected end of data at line 2)"),
+        ("question,answer\n", "no-header.csv' is empty"),
+    ],
+)
 def test_bad_csv_is_one_message_naming_the_file_and_line(tmp_path, text, message):
     path = write_csv(tmp_path / "no-header.csv", text)
     with pytest.raises(QAEUserError) as e:
@@ -102,8 +118,10 @@ def test_tsv_is_tab_separated(tmp_path):
 
 
 def test_a_file_without_answers_loads_when_none_is_required(tmp_path):
-    path = write_jsonl(tmp_path / "open.jsonl", [{"question": "Write a haiku.", "min_lines": 3},
-                                                 {"question": "Write a limerick.", "answer": ""}])
+    path = write_jsonl(
+        tmp_path / "open.jsonl",
+        [{"question": "Write a haiku.", "min_lines": 3}, {"question": "Write a limerick.", "answer": ""}],
+    )
     with pytest.raises(QAEUserError, match=r"open\.jsonl' line 1 has no answer"):
         load_math_file(path)  # today's default: every row needs one
     problems = load_math_file(path, require_answer=False)

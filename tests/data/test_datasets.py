@@ -75,16 +75,22 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 def test_generic_jsonl_formats_and_fallback_ids(tmp_path):
-    path = write_jsonl(tmp_path / "mine.jsonl", [
-        {"question": "1+1?", "answer": 2},
-        "",  # blank lines are skipped but still counted
-        {"prompt": "2+2?", "ground_truth": "4", "level": 1},
-        {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "3+3?"}], "answer": 6.0},
-        {"problem": "half?", "answer": "\\frac{1}{2}", "id": "h"},
-    ])
+    path = write_jsonl(
+        tmp_path / "mine.jsonl",
+        [
+            {"question": "1+1?", "answer": 2},
+            "",  # blank lines are skipped but still counted
+            {"prompt": "2+2?", "ground_truth": "4", "level": 1},
+            {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "3+3?"}], "answer": 6.0},
+            {"problem": "half?", "answer": "\\frac{1}{2}", "id": "h"},
+        ],
+    )
     problems = load_math_file(path)
     assert [(p.prompt_id, p.question, p.answer) for p in problems] == [
-        ("mine-1", "1+1?", "2"), ("mine-3", "2+2?", "4"), ("mine-4", "3+3?", "6"), ("h", "half?", "\\frac{1}{2}"),
+        ("mine-1", "1+1?", "2"),
+        ("mine-3", "2+2?", "4"),
+        ("mine-4", "3+3?", "6"),
+        ("h", "half?", "\\frac{1}{2}"),
     ]
     assert problems[1].meta == {"level": 1}
 
@@ -127,9 +133,11 @@ def test_missing_empty_and_unsupported_files(tmp_path):
 def test_gsm8k_row_without_its_final_answer_marker_is_refused(tmp_path):
     """In a GSM8K file a solution whose '#### N' was lost would be taken whole as the gold answer, which no response
     matches: that prompt would score 0 forever. A file that gives its answers after '####' must do so on every row."""
-    rows = [{"question": "Tom has 2 apples and buys 3. How many?", "answer": "2 + 3 = <<2+3=5>>5\n#### 5"},
-            {"question": "Ann has 4 pens and loses 1. How many?", "answer": "4 - 1 = <<4-1=3>>3 pens are left."},
-            {"question": "What is 6 times 7?", "answer": "6 * 7 = 42\n#### 42"}]
+    rows = [
+        {"question": "Tom has 2 apples and buys 3. How many?", "answer": "2 + 3 = <<2+3=5>>5\n#### 5"},
+        {"question": "Ann has 4 pens and loses 1. How many?", "answer": "4 - 1 = <<4-1=3>>3 pens are left."},
+        {"question": "What is 6 times 7?", "answer": "6 * 7 = 42\n#### 42"},
+    ]
     path = write_jsonl(tmp_path / "gsm.jsonl", rows)
     with pytest.raises(QAEUserError) as e:
         load_math_file(path)
@@ -137,8 +145,9 @@ def test_gsm8k_row_without_its_final_answer_marker_is_refused(tmp_path):
     assert "gsm.jsonl' line 2" in message and "4 - 1 = <<4-1=3>>3 pens" in message
     assert "'####'" in message and "2 of 3 rows" in message and "line 1" in message
     # a file of plain short answers (no row with '####') is the generic format and loads as before
-    plain = write_jsonl(tmp_path / "plain.jsonl", [{"question": "1+1?", "answer": "2"}, {"question": "2+2?",
-                                                                                          "answer": "4"}])
+    plain = write_jsonl(
+        tmp_path / "plain.jsonl", [{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": "4"}]
+    )
     assert [p.answer for p in load_math_file(plain)] == ["2", "4"]
 
 
@@ -153,10 +162,16 @@ def test_parquet_in_verl_format(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.Table.from_pylist([
-        {"data_source": "toy", "prompt": [{"content": "x\x0crac{1}{2}?", "role": "user"}],
-         "reward_model": {"ground_truth": "7", "style": "rule"}, "extra_info": {"answer": "", "index": 41}},
-    ])
+    table = pa.Table.from_pylist(
+        [
+            {
+                "data_source": "toy",
+                "prompt": [{"content": "x\x0crac{1}{2}?", "role": "user"}],
+                "reward_model": {"ground_truth": "7", "style": "rule"},
+                "extra_info": {"answer": "", "index": 41},
+            },
+        ]
+    )
     pq.write_table(table, tmp_path / "toy.parquet")
     [p] = load_math_file(tmp_path / "toy.parquet")
     assert (p.prompt_id, p.question, p.answer, p.meta) == ("41", "x\\frac{1}{2}?", "7", {"source": "toy"})
@@ -164,11 +179,12 @@ def test_parquet_in_verl_format(tmp_path):
 
 def test_lone_surrogates_become_replacement_characters(tmp_path):
     """json.loads keeps a lone "\\ud800" escape as a code point no encoder (or database) accepts."""
-    (tmp_path / "s.jsonl").write_text('{"id": "a\\ud800", "problem": "x\\udfffy", "answer": "\\ud83d\\ude00 1", '
-                                      '"subject": "s\\ud800"}\n')
+    (tmp_path / "s.jsonl").write_text(
+        '{"id": "a\\ud800", "problem": "x\\udfffy", "answer": "\\ud83d\\ude00 1", "subject": "s\\ud800"}\n'
+    )
     [problem] = load_math_file(tmp_path / "s.jsonl")
     assert (problem.prompt_id, problem.question, problem.meta["subject"]) == ("a\ufffd", "x\ufffdy", "s\ufffd")
-    assert problem.answer == "\U0001F600 1"  # a valid surrogate pair is one character, kept
+    assert problem.answer == "\U0001f600 1"  # a valid surrogate pair is one character, kept
     problem.question.encode("utf-8")  # storable
 
 

@@ -23,8 +23,10 @@ def write_rows(path, rows):
 
 @pytest.fixture
 def phrased(tmp_path) -> str:
-    return write_rows(tmp_path / "words.jsonl", [{"question": p.format(w=w), "answer": w[::-1], "word": w}
-                                                 for p in PHRASINGS for w in WORDS])
+    return write_rows(
+        tmp_path / "words.jsonl",
+        [{"question": p.format(w=w), "answer": w[::-1], "word": w} for p in PHRASINGS for w in WORDS],
+    )
 
 
 def words(problems) -> set[str]:
@@ -56,19 +58,28 @@ def test_without_it_rows_are_split_as_they_always_were(phrased):
 
 
 def test_a_row_without_the_column_is_named(tmp_path):
-    data = write_rows(tmp_path / "some.jsonl", [{"question": "a?", "answer": "1", "word": "a"},
-                                                {"question": "b?", "answer": "2"}])
-    with pytest.raises(QAEUserError, match="heldout-by: '.*some.jsonl' line 2 has no column 'word' "
-                                           "\\(its columns: question, answer\\). Name a column every row has."):
+    data = write_rows(
+        tmp_path / "some.jsonl", [{"question": "a?", "answer": "1", "word": "a"}, {"question": "b?", "answer": "2"}]
+    )
+    with pytest.raises(
+        QAEUserError,
+        match="heldout-by: '.*some.jsonl' line 2 has no column 'word' "
+        "\\(its columns: question, answer\\). Name a column every row has.",
+    ):
         load_task(data, 0.5, 0, heldout_by="word")
 
 
-@pytest.mark.parametrize("args, said", [
-    (["--heldout-by", "word"], "heldout-by: 'word' groups the held-out rows, and --heldout-fraction is 0"),
-    (["--heldout-by", "word", "--heldout-fraction", "0.2", "--data", "arith"],
-     "heldout-by: the built-in task 'arith' has a fixed held-out split of its own"),
-    (["--heldout-by", "wrd", "--heldout-fraction", "0.2"], "words.jsonl' line 1 has no column 'wrd'"),
-])
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--heldout-by", "word"], "heldout-by: 'word' groups the held-out rows, and --heldout-fraction is 0"),
+        (
+            ["--heldout-by", "word", "--heldout-fraction", "0.2", "--data", "arith"],
+            "heldout-by: the built-in task 'arith' has a fixed held-out split of its own",
+        ),
+        (["--heldout-by", "wrd", "--heldout-fraction", "0.2"], "words.jsonl' line 1 has no column 'wrd'"),
+    ],
+)
 def test_train_refuses_each_with_one_message(phrased, tmp_path, args, said):
     data = [] if "--data" in args else ["--data", phrased]
     result = CliRunner().invoke(app, ["train", *data, *args, "--steps", "1", "--runs-dir", str(tmp_path / "runs")])

@@ -34,8 +34,10 @@ def test_fill_template_by_hand():
     assert fill_template("{level}|{tests}|{meta.source}", p, "t") == '3|["4", "four"]|mine'
     assert fill_template("Put it in \\boxed{}: {question}", p, "t") == "Put it in \\boxed{}: What is 2+2?"
     assert fill_template("\\boxed{\\frac{1}{2}} {question}", p, "t") == "\\boxed{\\frac{1}{2}} What is 2+2?"
-    assert fill_template("{{question}} is {question}; \\frac{{a}}{{b}}", p, "t") == \
-        "{question} is What is 2+2?; \\frac{a}{b}"
+    assert (
+        fill_template("{{question}} is {question}; \\frac{{a}}{{b}}", p, "t")
+        == "{question} is What is 2+2?; \\frac{a}{b}"
+    )
     # a value is inserted as it is: braces in the data are not read again
     assert fill_template("{question}", problem(question="Is {hint} a set?", hint="x"), "t") == "Is {hint} a set?"
 
@@ -76,8 +78,10 @@ def write_jsonl(path, rows):
 
 
 def test_a_chat_prompt_column_is_sent_as_it_is(tmp_path):
-    path = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": CHAT, "answer": "5", "topic": "poems"},
-                                                 {"question": "2+2?", "answer": "4"}])
+    path = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [{"prompt": CHAT, "answer": "5", "topic": "poems"}, {"question": "2+2?", "answer": "4"}],
+    )
     task = load_task(str(path))
     chat, text = task.train
     assert task.prompt(chat) == CHAT  # system message and all, no template added
@@ -90,8 +94,10 @@ def test_system_prompt_goes_before_the_user_message_and_a_template_replaces_the_
     path = write_jsonl(tmp_path / "t.jsonl", [{"question": "2+2?", "answer": "4", "hint": "add"}])
     task = load_task(str(path), prompt_format=PromptFormat(system_prompt="Be brief."))
     [p] = task.train
-    assert task.prompt(p) == [{"role": "system", "content": "Be brief."},
-                              {"role": "user", "content": MATH_PROMPT_TEMPLATE.replace("{question}", "2+2?")}]
+    assert task.prompt(p) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": MATH_PROMPT_TEMPLATE.replace("{question}", "2+2?")},
+    ]
     task = load_task(str(path), prompt_format=PromptFormat(template="{question} ({hint})"))
     assert task.prompt(p) == "2+2? (add)"
     # a built-in task takes a template too (its problems have a question and an answer)
@@ -106,20 +112,23 @@ def test_system_prompt_with_chat_rows(tmp_path):
     with_system = write_jsonl(tmp_path / "s.jsonl", [{"prompt": CHAT, "answer": "5"}])
     with pytest.raises(QAEUserError) as e:
         load_task(str(with_system), prompt_format=PromptFormat(system_prompt="Other."))
-    assert "system-prompt: 's.jsonl' line 1 has a system message of its own ('You grade poems.')" in \
-        str(e.value).replace(str(tmp_path) + "/", "")
+    assert "system-prompt: 's.jsonl' line 1 has a system message of its own ('You grade poems.')" in str(
+        e.value
+    ).replace(str(tmp_path) + "/", "")
     # a template builds one user message from the columns instead of the row's messages
     task = load_task(str(with_system), prompt_format=PromptFormat(template="Q: {question}"))
     assert task.prompt(task.train[0]) == "Q: Rate: roses are red"
 
 
 def test_template_errors_are_found_when_the_task_loads(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "a", "answer": "1", "hint": "h"},
-                                              {"question": "b", "answer": "2"}])
+    path = write_jsonl(
+        tmp_path / "d.jsonl", [{"question": "a", "answer": "1", "hint": "h"}, {"question": "b", "answer": "2"}]
+    )
     with pytest.raises(QAEUserError) as e:
         load_task(str(path), prompt_format=PromptFormat(template="{question} {hint}"))
-    assert "prompt-template: '{question} {hint}' names column 'hint', but 'd.jsonl' line 2 has no such column" \
-        in str(e.value).replace(str(tmp_path) + "/", "")
+    assert "prompt-template: '{question} {hint}' names column 'hint', but 'd.jsonl' line 2 has no such column" in str(
+        e.value
+    ).replace(str(tmp_path) + "/", "")
     expected = r"^prompt-template: '\{hint\}' names column 'hint', but '.*d\.jsonl' line 2"
     with pytest.raises(QAEUserError, match=expected):
         load_benchmark(str(path), option="eval-bench", prompt_format=PromptFormat(template="{hint}"))
@@ -129,14 +138,19 @@ def test_template_errors_are_found_when_the_task_loads(tmp_path):
     assert task.prompt(task.train[0]) == "Echo: hello"
 
 
-@pytest.mark.parametrize("messages, message", [
-    ([], "'bad.jsonl' line 1 gives `prompt` as an empty list"),
-    (["hi"], "'bad.jsonl' line 1 gives `prompt` as a list, but item 1 is not a chat message"),
-    ([{"role": "user"}], "'bad.jsonl' line 1: chat message 1 has no text content"),
-    ([{"role": "user", "content": [{"type": "image"}]}], "'bad.jsonl' line 1: chat message 1 has no text content"),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}],
-     "'bad.jsonl' line 1: its chat messages end with an assistant message"),
-])
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ([], "'bad.jsonl' line 1 gives `prompt` as an empty list"),
+        (["hi"], "'bad.jsonl' line 1 gives `prompt` as a list, but item 1 is not a chat message"),
+        ([{"role": "user"}], "'bad.jsonl' line 1: chat message 1 has no text content"),
+        ([{"role": "user", "content": [{"type": "image"}]}], "'bad.jsonl' line 1: chat message 1 has no text content"),
+        (
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}],
+            "'bad.jsonl' line 1: its chat messages end with an assistant message",
+        ),
+    ],
+)
 def test_malformed_chat_messages_are_refused_by_row(tmp_path, messages, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": messages, "answer": "1"}])
     with pytest.raises(QAEUserError) as e:
@@ -150,9 +164,12 @@ def test_parquet_chat_rows_keep_their_messages(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "U", "name": "ann"}],
-             "answer": "1"}]
+    rows = [
+        {"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "U", "name": "ann"}], "answer": "1"}
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet")
     task = load_task(str(tmp_path / "c.parquet"))
-    assert task.prompt(task.train[0]) == [{"role": "system", "content": "S"},
-                                          {"role": "user", "content": "U", "name": "ann"}]
+    assert task.prompt(task.train[0]) == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U", "name": "ann"},
+    ]

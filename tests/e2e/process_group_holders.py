@@ -28,8 +28,7 @@ def holders_of_process_groups() -> list[str]:
                 items = vars(holder).items()
             else:
                 continue
-            found += [f"{type(holder).__name__}.{key}" for key, value in items
-                      if isinstance(value, dist.ProcessGroup)]
+            found += [f"{type(holder).__name__}.{key}" for key, value in items if isinstance(value, dist.ProcessGroup)]
         except Exception:  # (an object whose attributes cannot be listed holds nothing we can see)
             continue
     return found

@@ -21,14 +21,24 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "same_samples.py"
 
 
 def launch(n: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    command = [ACCELERATE, "launch", "--num_processes", str(n), *ONE_MACHINE, "--mixed_precision", "no",
-               "--dynamo_backend", "no", *(["--multi_gpu"] if n > 1 else ["--cpu"]), *args]
+    command = [
+        ACCELERATE,
+        "launch",
+        "--num_processes",
+        str(n),
+        *ONE_MACHINE,
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        *(["--multi_gpu"] if n > 1 else ["--cpu"]),
+        *args,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=900, env=dict(os.environ, **(env or {})))
 
 
 def train(n: int, runs_dir: Path, name: str, *options: str, env: dict | None = None):
-    return launch(n, "-m", "qae_app.cli", "train", "--run-name", name, "--runs-dir", str(runs_dir), *options,
-                  env=env)
+    return launch(n, "-m", "qae_app.cli", "train", "--run-name", name, "--runs-dir", str(runs_dir), *options, env=env)
 
 
 @pytest.mark.slow
@@ -45,13 +55,20 @@ def test_two_processes_give_the_one_process_update_on_the_same_samples(tmp_path)
     steps1, steps2 = (read_steps(db_path(tmp_path, f"p{n}")).set_index("step") for n in (1, 2))
     assert steps2["lr"].tolist() == pytest.approx([1.25e-5, 2.5e-5, 3.75e-5])  # --warmup-steps 4, lr 5e-5
     assert_same_metrics(steps1, steps2)
-    rows = [query(db_path(tmp_path, f"p{n}"), "SELECT step, group_idx, sample_idx, response, reward, advantage "
-                  "FROM rollouts ORDER BY ALL") for n in (1, 2)]
+    rows = [
+        query(
+            db_path(tmp_path, f"p{n}"),
+            "SELECT step, group_idx, sample_idx, response, reward, advantage FROM rollouts ORDER BY ALL",
+        )
+        for n in (1, 2)
+    ]
     pd.testing.assert_frame_equal(rows[0], rows[1])
 
 
-TOKEN_SQL = ("SELECT step, group_idx, sample_idx, tokens, logprob, entropy, old_logprob FROM token_values "
-             "ORDER BY step, group_idx, sample_idx")
+TOKEN_SQL = (
+    "SELECT step, group_idx, sample_idx, tokens, logprob, entropy, old_logprob FROM token_values "
+    "ORDER BY step, group_idx, sample_idx"
+)
 
 
 @pytest.mark.slow
@@ -132,8 +149,24 @@ def test_two_processes_with_the_memory_options_give_the_one_process_update(tmp_p
 
 @pytest.mark.slow
 def test_two_process_run_checkpoints_whole_and_resumes_after_kill_9(tmp_path):
-    options = ["--steps", "4", "--prompts-per-step", "4", "--group-size", "8", "--checkpoint-every", "2",
-               "--eval-every", "4", "--eval-limit", "20", "--micro-batch-size", "2", "--seed", "2"]
+    options = [
+        "--steps",
+        "4",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "8",
+        "--checkpoint-every",
+        "2",
+        "--eval-every",
+        "4",
+        "--eval-limit",
+        "20",
+        "--micro-batch-size",
+        "2",
+        "--seed",
+        "2",
+    ]
     reference = train(2, tmp_path, "ref", *options)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
     ref = db_path(tmp_path, "ref")
@@ -172,8 +205,23 @@ def test_report_to_tensorboard_under_two_processes_logs_once_what_the_rows_hold(
     from tests.train.test_trackers import stored
 
     runs = tmp_path / "runs"
-    result = train(2, runs, "tb", "--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--eval-every",
-                   "2", "--checkpoint-every", "0", "--report-to", "tensorboard")
+    result = train(
+        2,
+        runs,
+        "tb",
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "2",
+        "--checkpoint-every",
+        "0",
+        "--report-to",
+        "tensorboard",
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     logdir = runs / "tb" / TENSORBOARD_DIR
     event_files = list(logdir.rglob("events.out.tfevents.*"))  # events.out.tfevents.<time>.<host>.<pid>.<n>

@@ -21,8 +21,15 @@ SYSTEM = "You are a calculator. Reply with just the number."
 
 def chat_rows(with_system: bool) -> list[dict]:
     system = [{"role": "system", "content": SYSTEM}] if with_system else []
-    return [{"id": f"add-{a}", "prompt": system + [{"role": "user", "content": f"What is {a} + 3?"}],
-             "answer": a + 3, "difficulty": "easy"} for a in range(4)]
+    return [
+        {
+            "id": f"add-{a}",
+            "prompt": system + [{"role": "user", "content": f"What is {a} + 3?"}],
+            "answer": a + 3,
+            "difficulty": "easy",
+        }
+        for a in range(4)
+    ]
 
 
 def write_jsonl(path, rows):
@@ -33,26 +40,54 @@ def write_jsonl(path, rows):
 def test_chat_prompts_reach_smollm2_as_they_are(smollm2_gguf, tmp_path):
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(with_system=True))
     runs = tmp_path / "runs"
-    result = runner.invoke(app, ["train", "--model", str(smollm2_gguf), "--data", str(data), "--steps", "1",
-                                 "--prompts-per-step", "2", "--group-size", "2", "--num-mini-batches", "1",
-                                 "--max-new-tokens", "8", "--eval-every", "0", "--checkpoint-every", "1",
-                                 "--run-name", "chat", "--runs-dir", str(runs)])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--model",
+            str(smollm2_gguf),
+            "--data",
+            str(data),
+            "--steps",
+            "1",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "2",
+            "--num-mini-batches",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "1",
+            "--run-name",
+            "chat",
+            "--runs-dir",
+            str(runs),
+        ],
+    )
     assert result.exit_code == 0, result.output
     groups = query(db_path(runs, "chat"), "SELECT prompt_id, prompt, model_prompt FROM groups ORDER BY group_idx")
     assert len(groups) == 2
     for row in groups.itertuples():
         question = f"What is {row.prompt_id.removeprefix('add-')} + 3?"
-        assert row.model_prompt == (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{question}"
-                                    "<|im_end|>\n<|im_start|>assistant\n")  # SmolLM2's default system message gone
+        assert row.model_prompt == (
+            f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+        )  # SmolLM2's default system message gone
         assert row.prompt == f"{SYSTEM}\n\n{question}"
-    shown = runner.invoke(app, ["rollouts", "chat", "--step", "1", "--model-prompt", "--runs-dir", str(runs)],
-                          env={"COLUMNS": "200"})
+    shown = runner.invoke(
+        app, ["rollouts", "chat", "--step", "1", "--model-prompt", "--runs-dir", str(runs)], env={"COLUMNS": "200"}
+    )
     assert shown.exit_code == 0 and "<|im_start|>system" in shown.output and SYSTEM in shown.output
 
     # a user-only file with --system-prompt is the same conversation, token for token
     _, codec = load_policy(str(smollm2_gguf))
     with_system = load_task(str(data))
-    user_only = load_task(str(write_jsonl(tmp_path / "user.jsonl", chat_rows(with_system=False))),
-                          prompt_format=PromptFormat(system_prompt=SYSTEM))
+    user_only = load_task(
+        str(write_jsonl(tmp_path / "user.jsonl", chat_rows(with_system=False))),
+        prompt_format=PromptFormat(system_prompt=SYSTEM),
+    )
     for mine, theirs in zip(with_system.train, user_only.train, strict=True):
         assert codec.encode(with_system.prompt(mine)) == codec.encode(user_only.prompt(theirs))

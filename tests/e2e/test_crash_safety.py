@@ -33,9 +33,14 @@ def cli_args(**opts) -> list[str]:
 
 def start_train(runs_dir: Path, name: str, env_extra: dict | None = None, **opts) -> subprocess.Popen:
     env = dict(WIDE, **(env_extra or {}))
-    return subprocess.Popen([QAE, "train", "--run-name", name, "--runs-dir", str(runs_dir), *cli_args(**opts)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)  # its own process group: a group SIGTERM spares pytest
+    return subprocess.Popen(
+        [QAE, "train", "--run-name", name, "--runs-dir", str(runs_dir), *cli_args(**opts)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )  # its own process group: a group SIGTERM spares pytest
 
 
 def assert_same_steps(reference: Path, run: Path, n_steps: int) -> None:
@@ -96,8 +101,9 @@ def test_kill_9_at_a_chosen_point_then_resume_equals_the_uninterrupted_run(tmp_p
     listed = subprocess.run([QAE, "runs", "--runs-dir", str(tmp_path)], capture_output=True, text=True, env=WIDE)
     assert "stopped" in listed.stdout  # a dead trainer is not shown as running
 
-    resumed = subprocess.run([QAE, "train", "--resume", "cut", "--runs-dir", str(tmp_path)],
-                             capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        [QAE, "train", "--resume", "cut", "--runs-dir", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert_same_steps(reference, db_path(tmp_path, "cut"), OPTS["steps"])
     assert read_run(db_path(tmp_path, "cut"))["status"] == "finished"
@@ -114,14 +120,24 @@ def test_resuming_a_run_killed_before_its_first_checkpoint_replays_it_and_drops_
     assert not (tmp_path / "nock" / "checkpoints").exists() or latest_checkpoint(tmp_path / "nock") is None
     kept = kept_steps(tmp_path / "nock")
     assert kept == [1, 2, 3, 4]  # step 5 was in flight
-    refused = subprocess.run([QAE, "train", "--resume", "nock", "--steps", "3", "--runs-dir", str(tmp_path)],
-                             capture_output=True, text=True, timeout=600, env=WIDE)
+    refused = subprocess.run(
+        [QAE, "train", "--resume", "nock", "--steps", "3", "--runs-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=WIDE,
+    )
     message = " ".join((refused.stdout + refused.stderr).split())
     assert refused.returncode == 2, message
     assert "steps: 3 is below the 4 steps run 'nock' has logged" in message
     assert kept_steps(tmp_path / "nock") == kept  # nothing dropped
-    resumed = subprocess.run([QAE, "train", "--resume", "nock", "--runs-dir", str(tmp_path)], capture_output=True,
-                             text=True, timeout=600, env=WIDE)
+    resumed = subprocess.run(
+        [QAE, "train", "--resume", "nock", "--runs-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=WIDE,
+    )
     said = " ".join((resumed.stdout + resumed.stderr).split())
     assert resumed.returncode == 0, said
     assert "has no checkpoint: training it again from step 0" in said and "4 steps it logged" in said
@@ -143,8 +159,9 @@ def test_kill_9_at_an_arbitrary_moment_then_resume(tmp_path, tmp_path_factory):
     time.sleep(0.137)  # an arbitrary point inside a later step
     proc.kill()
     proc.wait()
-    resumed = subprocess.run([QAE, "train", "--resume", "cut", "--runs-dir", str(tmp_path)],
-                             capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        [QAE, "train", "--resume", "cut", "--runs-dir", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     ref = read_steps(db_path(ref_dir, "ref30")).set_index("step")
     got = read_steps(db_path(tmp_path, "cut")).set_index("step")
@@ -169,8 +186,21 @@ def test_ctrl_c_checkpoints_marks_interrupted_and_resumes(tmp_path, reference):
     listed = subprocess.run([QAE, "runs", "--runs-dir", str(tmp_path)], capture_output=True, text=True, env=WIDE)
     assert "interrupted" in listed.stdout
     # the resumed run equals the uninterrupted reference wherever they overlap (same seed, same options but steps)
-    subprocess.run([QAE, "train", "--resume", "cc", "--steps", str(OPTS["steps"] if last < 6 else last + 1),
-                    "--runs-dir", str(tmp_path)], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            QAE,
+            "train",
+            "--resume",
+            "cc",
+            "--steps",
+            str(OPTS["steps"] if last < 6 else last + 1),
+            "--runs-dir",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     got = read_steps(path).set_index("step")
     assert got.index.tolist() == list(range(1, len(got) + 1))
     if last < 6:
@@ -212,14 +242,18 @@ def test_a_crash_marks_the_run_failed_with_the_error(tmp_path):
 @pytest.mark.slow
 def test_resume_refuses_a_conflicting_config_and_a_live_trainer(tmp_path):
     Trainer(build_config(run_name="r", **dict(OPTS, steps=2)), tmp_path, cpu=True).fit()
-    result = subprocess.run([QAE, "train", "--resume", "r", "--group-size", "4", "--runs-dir", str(tmp_path)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [QAE, "train", "--resume", "r", "--group-size", "4", "--runs-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2
     assert "--group-size 4 conflicts with run 'r', which was started with 8" in " ".join(result.stderr.split())
     lock = RunLock(tmp_path / "r").acquire("test")  # this test process stands in for a live trainer
     try:
-        result = subprocess.run([QAE, "train", "--resume", "r", "--runs-dir", str(tmp_path)], capture_output=True,
-                                text=True)
+        result = subprocess.run(
+            [QAE, "train", "--resume", "r", "--runs-dir", str(tmp_path)], capture_output=True, text=True
+        )
     finally:
         lock.release()
     message = " ".join(result.stderr.split())
@@ -274,8 +308,9 @@ def test_resume_checks_the_checkpoint_data_position(tmp_path):
     state = tmp_path / "dp" / "checkpoints" / "step-2" / "trainer_state.json"
     state.write_text(state.read_text().replace('"data_position": 8', '"data_position": 5'))
     write_manifest(state.parent)  # an intact checkpoint that belongs to another config, not a corrupted one
-    result = subprocess.run([QAE, "train", "--resume", "dp", "--runs-dir", str(tmp_path)], capture_output=True,
-                            text=True, env=WIDE)
+    result = subprocess.run(
+        [QAE, "train", "--resume", "dp", "--runs-dir", str(tmp_path)], capture_output=True, text=True, env=WIDE
+    )
     assert result.returncode == 2, result.stdout + result.stderr
     assert "is at prompt 5 of the data, but 2 steps of 4 prompts end at 8" in " ".join(result.stderr.split())
 
@@ -289,8 +324,12 @@ def test_resume_refuses_another_number_of_processes(tmp_path):
     assert json.loads(state.read_text())["num_processes"] == 1
     state.write_text(state.read_text().replace('"num_processes": 1', '"num_processes": 2'))
     write_manifest(state.parent)  # an intact checkpoint of a 2-process run
-    result = subprocess.run([QAE, "train", "--resume", "np", "--steps", "4", "--runs-dir", str(tmp_path)],
-                            capture_output=True, text=True, env=WIDE)
+    result = subprocess.run(
+        [QAE, "train", "--resume", "np", "--steps", "4", "--runs-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=WIDE,
+    )
     message = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 2, message
     assert "resume: run 'np' was trained by 2 processes and this resume has 1" in message
@@ -313,9 +352,14 @@ def test_a_sigterm_after_the_run_said_done_is_not_its_death(tmp_path, entry):
     ago): the process died by the signal (exit -15), reading as a failed run; it now exits 0, the run stored whole."""
     command = [QAE] if entry == "qae" else [sys.executable, "-m", "qae_app.cli"]
     opts = dict(OPTS, steps=2)
-    proc = subprocess.Popen([*command, "train", "--run-name", "done", "--runs-dir", str(tmp_path), *cli_args(**opts)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=dict(WIDE, QAE_FAULT="term:done@2"))
+    proc = subprocess.Popen(
+        [*command, "train", "--run-name", "done", "--runs-dir", str(tmp_path), *cli_args(**opts)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=dict(WIDE, QAE_FAULT="term:done@2"),
+    )
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == documented_exit_code('a SIGTERM once it printed "done"') == 0, out
     assert "done: 2 steps, status finished" in out
@@ -343,8 +387,7 @@ def test_a_reader_holding_the_database_neither_fails_nor_blocks_the_run(tmp_path
         while len(list((tmp_path / "held" / "pending").glob("*-step.json"))) < 5 and proc.poll() is None:
             time.sleep(0.2)
         assert proc.poll() is None and latest_checkpoint(tmp_path / "held").name == "step-4"
-        listed = subprocess.run([QAE, "runs", "--runs-dir", str(tmp_path)], capture_output=True, text=True,
-                                env=WIDE)
+        listed = subprocess.run([QAE, "runs", "--runs-dir", str(tmp_path)], capture_output=True, text=True, env=WIDE)
         assert listed.returncode == 0
     finally:
         con.close()
@@ -367,7 +410,8 @@ def test_sigterm_to_the_process_group_while_scoring_finishes_the_step_then_stops
     assert read_run(db_path(tmp_path, "term"))["status"] == "interrupted"
     assert read_steps(db_path(tmp_path, "term"))["step"].tolist() == [1, 2, 3]
     assert latest_checkpoint(tmp_path / "term").name == "step-3"
-    resumed = subprocess.run([QAE, "train", "--resume", "term", "--runs-dir", str(tmp_path)], capture_output=True,
-                             text=True, timeout=600)
+    resumed = subprocess.run(
+        [QAE, "train", "--resume", "term", "--runs-dir", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert_same_steps(reference, db_path(tmp_path, "term"), OPTS["steps"])

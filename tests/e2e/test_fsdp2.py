@@ -28,22 +28,63 @@ from tests.same_steps import assert_same_metrics, kept_steps
 ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent))
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "accelerate"
 # with a KL term, so the reference model is sharded and compared too
-OPTIONS = ["--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0", "--micro-batch-size", "2",
-           "--num-mini-batches", "2", "--seed", "3", "--keep-checkpoints", "4", "--kl-beta", "0.05"]
+OPTIONS = [
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--eval-every",
+    "0",
+    "--micro-batch-size",
+    "2",
+    "--num-mini-batches",
+    "2",
+    "--seed",
+    "3",
+    "--keep-checkpoints",
+    "4",
+    "--kl-beta",
+    "0.05",
+]
 # what the issue asks to agree to 1e-4 between FSDP2 and DDP (the other step metrics are compared too)
 KEY_METRICS = ("reward_mean", "entropy", "loss", "grad_norm", "kl")
 
 
 def launch(config: str, n: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    command = [ACCELERATE, "launch", "--config_file", str(CONFIGS / f"{config}.yaml"), "--num_processes", str(n),
-               *ONE_MACHINE, "--mixed_precision", "no", "--dynamo_backend", "no", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, COLUMNS="300", **(env or {})))
+    command = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        str(CONFIGS / f"{config}.yaml"),
+        "--num_processes",
+        str(n),
+        *ONE_MACHINE,
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        *args,
+    ]
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=900, env=dict(os.environ, COLUMNS="300", **(env or {}))
+    )
 
 
 def train(config: str, runs_dir: Path, name: str, *options: str, n: int = 2, env: dict | None = None):
-    return launch(config, n, "-m", "qae_app.cli", "train", "--run-name", name, "--runs-dir", str(runs_dir),
-                  *OPTIONS, *options, env=env)
+    return launch(
+        config,
+        n,
+        "-m",
+        "qae_app.cli",
+        "train",
+        "--run-name",
+        name,
+        "--runs-dir",
+        str(runs_dir),
+        *OPTIONS,
+        *options,
+        env=env,
+    )
 
 
 def resume(config: str, runs_dir: Path, name: str, n: int = 2):
@@ -55,8 +96,10 @@ def ok(result: subprocess.CompletedProcess) -> None:
 
 
 def rollouts(runs_dir: Path, name: str) -> pd.DataFrame:
-    return query(db_path(runs_dir, name), "SELECT step, group_idx, sample_idx, response, reward, advantage "
-                                          "FROM rollouts ORDER BY ALL")
+    return query(
+        db_path(runs_dir, name),
+        "SELECT step, group_idx, sample_idx, response, reward, advantage FROM rollouts ORDER BY ALL",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +116,12 @@ def test_fsdp2_shards_and_updates_as_ddp_does_on_the_same_samples(fsdp2_run, tmp
     ref = fsdp2_run / "ref"
     # the run says how it ran
     assert json.loads((ref / "config.json").read_text())["distributed"] == {
-        "sharding": "fsdp2", "processes": 2, "machines": 1, "mixed_precision": "no", "sharded_by": "qae"}
+        "sharding": "fsdp2",
+        "processes": 2,
+        "machines": 1,
+        "mixed_precision": "no",
+        "sharded_by": "qae",
+    }
     assert json.loads((tmp_path / "ddp" / "config.json").read_text())["distributed"]["sharding"] == "ddp"
     # sharded for real: each process wrote its half of the weights and of the optimizer moments, nobody the whole
     step1 = ref / "checkpoints" / "step-1"
@@ -98,8 +146,10 @@ def test_fsdp2_shards_and_updates_as_ddp_does_on_the_same_samples(fsdp2_run, tmp
     for name in whole:
         torch.testing.assert_close(whole[name], ddp_weights[name], atol=1e-5, rtol=0, msg=name)
     start = load_file(step1 / "model" / "model.safetensors")  # (the update moved them: not a vacuous equality)
-    assert any(not torch.equal(start[n], load_file(ref / "checkpoints" / "step-2" / "model" / "model.safetensors")[n])
-               for n in start)
+    assert any(
+        not torch.equal(start[n], load_file(ref / "checkpoints" / "step-2" / "model" / "model.safetensors")[n])
+        for n in start
+    )
 
 
 @pytest.mark.slow
@@ -119,8 +169,10 @@ def test_fsdp2_chunked_head_updates_as_the_full_logits_do(tmp_path):
         assert got[name].tolist() == pytest.approx(want[name].tolist(), rel=1e-4, abs=1e-6), name
     assert_same_metrics(want, got)
     pd.testing.assert_frame_equal(rollouts(tmp_path, "full"), rollouts(tmp_path, "chunked"))
-    full_weights, chunked_weights = (load_file(tmp_path / name / "checkpoints" / "step-1" / "model" /
-                                               "model.safetensors") for name in ("full", "chunked"))
+    full_weights, chunked_weights = (
+        load_file(tmp_path / name / "checkpoints" / "step-1" / "model" / "model.safetensors")
+        for name in ("full", "chunked")
+    )
     assert chunked_weights.keys() == full_weights.keys()
     for name in full_weights:
         torch.testing.assert_close(chunked_weights[name], full_weights[name], atol=1e-5, rtol=0, msg=name)
@@ -136,8 +188,9 @@ def test_fsdp2_run_killed_then_resumed_gives_the_uninterrupted_rows(fsdp2_run, t
     assert kept_steps(tmp_path / "cut")[:1] == [1]
     ok(resume("fsdp2", tmp_path, "cut"))
     assert read_run(db_path(tmp_path, "cut"))["status"] == "finished"
-    want, got = (read_steps(db_path(runs, name)).set_index("step") for runs, name in
-                 ((fsdp2_run, "ref"), (tmp_path, "cut")))
+    want, got = (
+        read_steps(db_path(runs, name)).set_index("step") for runs, name in ((fsdp2_run, "ref"), (tmp_path, "cut"))
+    )
     assert got.index.tolist() == [1, 2, 3, 4]
     assert_same_metrics(want, got)
     pd.testing.assert_frame_equal(rollouts(fsdp2_run, "ref"), rollouts(tmp_path, "cut"))
@@ -175,8 +228,9 @@ def test_a_sharded_run_exports_evaluates_and_says_how_it_ran(fsdp2_run, tmp_path
         assert torch.equal(state[name], tensor), name
     again = runner.invoke(app, ["export", "ref", "--out", str(out), "--runs-dir", str(runs_dir)])
     assert again.exit_code == 2 and "is not empty" in " ".join(again.output.split())
-    evaluated = runner.invoke(app, ["eval", "--model", "ref", "--limit", "2", "--samples", "2", "--runs-dir",
-                                    str(runs_dir)])
+    evaluated = runner.invoke(
+        app, ["eval", "--model", "ref", "--limit", "2", "--samples", "2", "--runs-dir", str(runs_dir)]
+    )
     assert evaluated.exit_code == 0, evaluated.output
     shown = runner.invoke(app, ["show", "ref", "--runs-dir", str(runs_dir)])
     assert "ran as fsdp2 x 2 processes" in shown.output
@@ -192,14 +246,53 @@ def test_two_machines_on_localhost_store_every_ranks_groups_once(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [ACCELERATE, "launch", "--config_file", str(CONFIGS / "fsdp2.yaml"), "--num_machines", "2",
-               "--num_processes", "4", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-               "--mixed_precision", "no", "--dynamo_backend", "no"]
-    train_args = ["-m", "qae_app.cli", "train", "--run-name", "two", "--runs-dir", str(tmp_path), "--steps", "2",
-                  "--prompts-per-step", "4", "--group-size", "2", "--eval-every", "0", "--seed", "1"]
-    machines = [subprocess.Popen([*command, "--machine_rank", str(rank), *train_args], stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, env=dict(os.environ, COLUMNS="300"))
-                for rank in (0, 1)]
+    command = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        str(CONFIGS / "fsdp2.yaml"),
+        "--num_machines",
+        "2",
+        "--num_processes",
+        "4",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(port),
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
+    train_args = [
+        "-m",
+        "qae_app.cli",
+        "train",
+        "--run-name",
+        "two",
+        "--runs-dir",
+        str(tmp_path),
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "2",
+        "--eval-every",
+        "0",
+        "--seed",
+        "1",
+    ]
+    machines = [
+        subprocess.Popen(
+            [*command, "--machine_rank", str(rank), *train_args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ, COLUMNS="300"),
+        )
+        for rank in (0, 1)
+    ]
     outputs = []
     try:
         for machine in machines:
@@ -215,14 +308,21 @@ def test_two_machines_on_localhost_store_every_ranks_groups_once(tmp_path):
     assert len(query(ref, "SELECT * FROM rollouts")) == 2 * 4 * 2
     setup = json.loads((tmp_path / "two" / "config.json").read_text())["distributed"]
     assert (setup["sharding"], setup["processes"], setup["machines"]) == ("fsdp2", 4, 2)
-    assert {p.name for p in (tmp_path / "two" / "checkpoints" / "step-2").glob("rank-*.safetensors")} == \
-        {f"rank-{i}.safetensors" for i in range(4)}
+    assert {p.name for p in (tmp_path / "two" / "checkpoints" / "step-2").glob("rank-*.safetensors")} == {
+        f"rank-{i}.safetensors" for i in range(4)
+    }
 
 
 # issue 39: a damaged sharded checkpoint, as each file of it can be damaged (its manifest rewritten to match, so the
 # checksums pass and the check of what each file holds is under test)
-DAMAGED = {"rank-0.safetensors": "truncated", "rank-1.json": "wrong-types", "rank-0.json": "deep",
-           "rank-1.safetensors": "pickle", "rng-1.json": "garbage", "optimizer.json": "wrong-types"}
+DAMAGED = {
+    "rank-0.safetensors": "truncated",
+    "rank-1.json": "wrong-types",
+    "rank-0.json": "deep",
+    "rank-1.safetensors": "pickle",
+    "rng-1.json": "garbage",
+    "optimizer.json": "wrong-types",
+}
 
 
 @pytest.mark.slow
@@ -235,10 +335,12 @@ def test_a_sharded_resume_passes_over_a_damaged_checkpoint_as_one_process_does(f
     runs_dir = tmp_path / "runs"
     shutil.copytree(fsdp2_run / "ref", runs_dir / "ref")
     (tmp_path / "outside").mkdir()
-    plant_file(runs_dir / "ref", Plant(f"checkpoints/step-4/{name}", DAMAGED[name]), tmp_path / "ran",
-               tmp_path / "outside")
-    resumed = launch("fsdp2", 2, "-m", "qae_app.cli", "train", "--resume", "ref", "--steps", "5", "--runs-dir",
-                     str(runs_dir))
+    plant_file(
+        runs_dir / "ref", Plant(f"checkpoints/step-4/{name}", DAMAGED[name]), tmp_path / "ran", tmp_path / "outside"
+    )
+    resumed = launch(
+        "fsdp2", 2, "-m", "qae_app.cli", "train", "--resume", "ref", "--steps", "5", "--runs-dir", str(runs_dir)
+    )
     output = " ".join((resumed.stdout + resumed.stderr).split())
     assert resumed.returncode == 0, output[-3000:]
     assert output.count(f"skipping checkpoint step-4: {name}") == 1, output[-3000:]
@@ -262,8 +364,9 @@ def test_shards_that_are_not_this_models_are_said_once_not_once_per_process(fsdp
                 placed["shape"] = [n + 1 for n in placed["shape"]]
             (checkpoint / f"rank-{rank}.json").write_text(json.dumps(layout))
         rewrite_manifest(checkpoint)
-    refused = launch("fsdp2", 2, "-m", "qae_app.cli", "train", "--resume", "ref", "--steps", "5", "--runs-dir",
-                     str(runs_dir))
+    refused = launch(
+        "fsdp2", 2, "-m", "qae_app.cli", "train", "--resume", "ref", "--steps", "5", "--runs-dir", str(runs_dir)
+    )
     output = refused.stdout + refused.stderr
     assert refused.returncode == documented_exit_code("`ChildFailedError` report"), output[-3000:]
     assert output.count("error:") == 1 and "cannot be read (its shard of" in output, output[-3000:]

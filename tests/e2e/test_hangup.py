@@ -43,9 +43,14 @@ def test_sighup_stops_a_run_after_its_step_with_a_checkpoint_and_it_resumes(tmp_
     """The issue's `qae train --steps 300 ... & kill -HUP $!`: the documented exit, the run interrupted at a step
     boundary with that step's checkpoint, and a resume continues from it."""
     runs = tmp_path / "runs"
-    trainer = subprocess.Popen([QAE, "train", "--run-name", "h", "--steps", "300", *TRAIN, "--runs-dir", str(runs)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=WIDE,
-                               start_new_session=True)
+    trainer = subprocess.Popen(
+        [QAE, "train", "--run-name", "h", "--steps", "300", *TRAIN, "--runs-dir", str(runs)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=WIDE,
+        start_new_session=True,
+    )
     try:
         wait_until(lambda: first_step_stored(runs / "h"), trainer, "first step stored")
         trainer.send_signal(signal.SIGHUP)
@@ -57,8 +62,13 @@ def test_sighup_stops_a_run_after_its_step_with_a_checkpoint_and_it_resumes(tmp_
     said = " ".join(out.split())
     assert "SIGHUP: stopping after this step" in said and "qae train --resume h" in said, said
     stopped_at = assert_stopped_at_a_step_with_its_checkpoint(runs / "h")
-    resumed = subprocess.run([QAE, "train", "--resume", "h", "--steps", str(stopped_at + 1), "--runs-dir", str(runs)],
-                             capture_output=True, text=True, timeout=600, env=WIDE)
+    resumed = subprocess.run(
+        [QAE, "train", "--resume", "h", "--steps", str(stopped_at + 1), "--runs-dir", str(runs)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=WIDE,
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resuming run h from checkpoint step-{stopped_at}" in " ".join(resumed.stdout.split())
     assert read_last_step(runs / "h" / "qae.duckdb") == stopped_at + 1
@@ -86,10 +96,27 @@ def test_a_closed_terminal_stops_the_run_with_a_checkpoint(tmp_path):
     def own_terminal() -> None:  # (after start_new_session's setsid: the pseudo-terminal becomes its terminal)
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
-    trainer = subprocess.Popen([QAE, "train", "--run-name", "t", "--steps", "300", *TRAIN, "--reward",
-                                f"{reward}:ends_with_answer", "--runs-dir", str(runs)],
-                               stdin=slave, stdout=slave, stderr=slave, env=dict(WIDE, TERM="xterm"),
-                               start_new_session=True, preexec_fn=own_terminal)
+    trainer = subprocess.Popen(
+        [
+            QAE,
+            "train",
+            "--run-name",
+            "t",
+            "--steps",
+            "300",
+            *TRAIN,
+            "--reward",
+            f"{reward}:ends_with_answer",
+            "--runs-dir",
+            str(runs),
+        ],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=dict(WIDE, TERM="xterm"),
+        start_new_session=True,
+        preexec_fn=own_terminal,
+    )
     os.close(slave)
     reader = threading.Thread(target=_drain, args=(master,), daemon=True)
     reader.start()
@@ -108,9 +135,29 @@ def test_sighup_stops_a_sweep_as_qae_stop_does(tmp_path):
     """`qae sweep` hung up: its running point stops after its step with a checkpoint, no other point starts, and the
     sweep exits as an interrupted one (re-running it resumes)."""
     runs = tmp_path / "runs"
-    sweep = subprocess.Popen([sys.executable, "-m", "qae_app.cli", "sweep", "--estimator", "qae", "--seeds", "2",
-                              "--name", "sw", "--runs-dir", str(runs), "--steps", "300", *TRAIN],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    sweep = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "qae_app.cli",
+            "sweep",
+            "--estimator",
+            "qae",
+            "--seeds",
+            "2",
+            "--name",
+            "sw",
+            "--runs-dir",
+            str(runs),
+            "--steps",
+            "300",
+            *TRAIN,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     first = runs / "sw-qae-k0.4-s0"
     try:
         wait_until(lambda: first_step_stored(first), sweep, "the first point's first step stored")

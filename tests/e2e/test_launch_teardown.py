@@ -59,25 +59,48 @@ def documented_exit_code(phrase: str) -> int:
 
 
 def launch(runs_dir: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"),
-                             "--num_processes", "2", *ONE_MACHINE, "--mixed_precision", "no",
-                             "--dynamo_backend", "no", "-m", "qae_app.cli", "train", "--runs-dir", str(runs_dir),
-                             *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.Popen(
+        [
+            ACCELERATE,
+            "launch",
+            "--config_file",
+            str(ROOT / "configs/accelerate/fsdp2.yaml"),
+            "--num_processes",
+            "2",
+            *ONE_MACHINE,
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "-m",
+            "qae_app.cli",
+            "train",
+            "--runs-dir",
+            str(runs_dir),
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def stored_rows(runs_dir: Path, run: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The run's steps (indexed by step) and its rollouts, as the database holds them."""
     db = runs_dir / run / "qae.duckdb"
-    return read_steps(db).set_index("step"), query(db, "SELECT step, group_idx, sample_idx, response, reward, "
-                                                       "advantage FROM rollouts ORDER BY ALL")
+    return read_steps(db).set_index("step"), query(
+        db, "SELECT step, group_idx, sample_idx, response, reward, advantage FROM rollouts ORDER BY ALL"
+    )
 
 
 @pytest.mark.slow
 def test_kill_9_of_a_launch_ends_every_rank_and_the_run_resumes_into_the_uninterrupted_one(tmp_path):
     """kill -9 of the launch's process group, wherever the run is: no rank trains on, and the resume gives the rows
     of an uninterrupted launch of as many steps (the learning rate does not depend on the step count)."""
-    runs_dir, options = tmp_path / "runs", ["--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0",
-                                            "--checkpoint-every", "1"]
+    runs_dir, options = (
+        tmp_path / "runs",
+        ["--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0", "--checkpoint-every", "1"],
+    )
     launcher = launch(runs_dir, "--run-name", "k", "--steps", "500", *options)
     try:
         wait_until(lambda: latest_checkpoint(runs_dir / "k") is not None, launcher, "first checkpoint")
@@ -103,9 +126,14 @@ def test_kill_9_of_a_launch_ends_every_rank_and_the_run_resumes_into_the_uninter
     pd.testing.assert_frame_equal(want_rollouts, got_rollouts)
 
 
-@pytest.mark.parametrize("signum, row", [(signal.SIGTERM, "SIGTERM sent to the `accelerate launch` process"),
-                                         (signal.SIGHUP, "SIGHUP sent to the `accelerate launch` process")],
-                         ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize(
+    "signum, row",
+    [
+        (signal.SIGTERM, "SIGTERM sent to the `accelerate launch` process"),
+        (signal.SIGHUP, "SIGHUP sent to the `accelerate launch` process"),
+    ],
+    ids=["SIGTERM", "SIGHUP"],
+)
 def test_a_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint_and_the_documented_code(tmp_path, signum, row):
     """SIGTERM to `accelerate launch` itself (a supervisor's stop), or SIGHUP (its terminal closed, issue 48 M2): its
     code is the launcher's, 143 or 129 (docs/cli.md), and every rank stops after its step with a checkpoint (torch's
@@ -114,8 +142,21 @@ def test_a_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint_and_the_do
     from tests.e2e.test_stop import first_step_stored
 
     runs_dir = tmp_path / "runs"
-    launcher = launch(runs_dir, "--run-name", "k", "--steps", "500", "--prompts-per-step", "2", "--group-size", "4",
-                      "--eval-every", "0", "--checkpoint-every", "100")
+    launcher = launch(
+        runs_dir,
+        "--run-name",
+        "k",
+        "--steps",
+        "500",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "0",
+        "--checkpoint-every",
+        "100",
+    )
     try:
         wait_until(lambda: first_step_stored(runs_dir / "k"), launcher, "first step stored")
         os.kill(launcher.pid, signum)
@@ -133,15 +174,49 @@ def test_a_second_launch_on_a_live_run_is_refused_before_any_collective(tmp_path
     """A resume launched beside a live launch of the same run: refused by the run's lock with one message (the main
     process's), no rank left waiting in a collective, and the live run trains on."""
     runs_dir = tmp_path / "runs"
-    first = launch(runs_dir, "--run-name", "k", "--steps", "500", "--prompts-per-step", "2", "--group-size", "4",
-                   "--eval-every", "0", "--checkpoint-every", "1")
+    first = launch(
+        runs_dir,
+        "--run-name",
+        "k",
+        "--steps",
+        "500",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "0",
+        "--checkpoint-every",
+        "1",
+    )
     try:
         wait_until(lambda: latest_checkpoint(runs_dir / "k") is not None, first, "first checkpoint")
-        second = subprocess.run([ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"),
-                                 "--num_processes", "2", *ONE_MACHINE, "--mixed_precision", "no",
-                                 "--dynamo_backend", "no", "-m", "qae_app.cli", "train", "--resume", "k",
-                                 "--runs-dir", str(runs_dir)], capture_output=True, text=True, timeout=300,
-                                env=dict(os.environ, COLUMNS="300"))
+        second = subprocess.run(
+            [
+                ACCELERATE,
+                "launch",
+                "--config_file",
+                str(ROOT / "configs/accelerate/fsdp2.yaml"),
+                "--num_processes",
+                "2",
+                *ONE_MACHINE,
+                "--mixed_precision",
+                "no",
+                "--dynamo_backend",
+                "no",
+                "-m",
+                "qae_app.cli",
+                "train",
+                "--resume",
+                "k",
+                "--runs-dir",
+                str(runs_dir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(os.environ, COLUMNS="300"),
+        )
         output = second.stdout + second.stderr
         assert second.returncode != 0
         assert output.count("is being trained right now") == 1, output[-3000:]
@@ -159,13 +234,42 @@ def test_a_finished_sharded_run_lets_go_of_its_process_groups_before_the_interpr
     import json
 
     out = tmp_path / "holders"
-    finished = subprocess.run([ACCELERATE, "launch", "--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"),
-                               "--num_processes", "2", *ONE_MACHINE, "--mixed_precision", "no", "--dynamo_backend",
-                               "no", str(ROOT / "tests/e2e/process_group_holders.py"), str(out), "train",
-                               "--runs-dir", str(tmp_path / "runs"), "--run-name", "k", "--steps", "1",
-                               "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0",
-                               "--kl-beta", "0.05"],  # (a sharded reference model too)
-                              capture_output=True, text=True, timeout=600, env=dict(os.environ, COLUMNS="300"))
+    finished = subprocess.run(
+        [
+            ACCELERATE,
+            "launch",
+            "--config_file",
+            str(ROOT / "configs/accelerate/fsdp2.yaml"),
+            "--num_processes",
+            "2",
+            *ONE_MACHINE,
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            str(ROOT / "tests/e2e/process_group_holders.py"),
+            str(out),
+            "train",
+            "--runs-dir",
+            str(tmp_path / "runs"),
+            "--run-name",
+            "k",
+            "--steps",
+            "1",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "0",
+            "--kl-beta",
+            "0.05",
+        ],  # (a sharded reference model too)
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, COLUMNS="300"),
+    )
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     for rank in (0, 1):
         assert json.loads(Path(f"{out}.{rank}.json").read_text()) == [], f"rank {rank}"

@@ -24,9 +24,11 @@ MODES = ["clip_cov+entropy", "kl_cov", "gspo", "cispo"]
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_two_processes_under_ddp_and_fsdp2_give_the_one_process_update(tmp_path, mode):
-    runs = {"one": launch_ddp(1, str(SCRIPT), str(tmp_path), "one", mode),
-            "ddp": launch_ddp(2, str(SCRIPT), str(tmp_path), "ddp", mode),
-            "fsdp2": launch_with_config("fsdp2", 2, str(SCRIPT), str(tmp_path), "fsdp2", mode)}
+    runs = {
+        "one": launch_ddp(1, str(SCRIPT), str(tmp_path), "one", mode),
+        "ddp": launch_ddp(2, str(SCRIPT), str(tmp_path), "ddp", mode),
+        "fsdp2": launch_with_config("fsdp2", 2, str(SCRIPT), str(tmp_path), "fsdp2", mode),
+    }
     for name, result in runs.items():
         assert result.returncode == 0, f"{name}: " + result.stdout[-3000:] + result.stderr[-3000:]
     one = torch.load(tmp_path / "one.params.pt")

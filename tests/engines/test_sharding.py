@@ -30,20 +30,23 @@ def expected_plan(kind: DistributedType, zero_stage, fsdp_version) -> ShardingPl
     return UNSHARDED  # DDP-style (every weight whole on every process), ZeRO-1/2, XLA, one process
 
 
-@pytest.mark.parametrize("kind", [k for k in DistributedType if k != DistributedType.MEGATRON_LM],
-                         ids=lambda k: k.value)
+@pytest.mark.parametrize(
+    "kind", [k for k in DistributedType if k != DistributedType.MEGATRON_LM], ids=lambda k: k.value
+)
 def test_plan_for_each_distributed_type(kind):
     for zero_stage in (None, 0, 1, 2, 3):
         for fsdp_version in (None, 1, 2):
-            assert sharding_plan(kind, zero_stage, fsdp_version, num_processes=2) == \
-                expected_plan(kind, zero_stage, fsdp_version), (zero_stage, fsdp_version)
+            assert sharding_plan(kind, zero_stage, fsdp_version, num_processes=2) == expected_plan(
+                kind, zero_stage, fsdp_version
+            ), (zero_stage, fsdp_version)
     assert sharding_plan(kind.value, 3, 2, 2) == sharding_plan(kind, 3, 2, 2)  # the name works as well as the enum
 
 
 def test_one_process_never_syncs_generate_but_still_gathers():
     # synced_gpus all-reduces a flag at every token: with one process there is nobody to wait for
-    assert sharding_plan(DistributedType.FSDP, None, 2, num_processes=1) == \
-        ShardingPlan("fsdp2", synced_generate=False, gather_full_weights=True)
+    assert sharding_plan(DistributedType.FSDP, None, 2, num_processes=1) == ShardingPlan(
+        "fsdp2", synced_generate=False, gather_full_weights=True
+    )
     assert sharding_plan(DistributedType.DEEPSPEED, 3, None, num_processes=1).synced_generate is False
 
 
@@ -115,18 +118,30 @@ def _fsdp_worker(rank: int, world: int, port: int, version: int, out_dir: str) -
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-        wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), use_orig_params=True,
-                       device_id=torch.device("cpu"))
+        wrapped = FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+            use_orig_params=True,
+            device_id=torch.device("cpu"),
+        )
         unwrapped = wrapped.module
     sharded = ShardedPolicy(sharding_plan("FSDP", None, version, world), wrapped)
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in unwrapped.parameters())  # DTensor
     # process 0 stops sampling after 3 tokens, process 1 goes on to 12: without synced_gpus process 1's forward
     # waits for shards that process 0 never sends
     samples = HFGenerateEngine(unwrapped, codec, sharded=sharded).generate(
-        ["1+1=" if rank == 0 else "17*3="], n=2, temperature=1.0, max_new_tokens=3 if rank == 0 else 12, seed=rank)
+        ["1+1=" if rank == 0 else "17*3="], n=2, temperature=1.0, max_new_tokens=3 if rank == 0 else 12, seed=rank
+    )
     full = dict(sharded.full_weights(unwrapped))
-    torch.save({"lengths": [len(s.response_ids) for s in samples],
-                "local_params": local, "reference": reference, "full": full}, f"{out_dir}/rank{rank}.pt")
+    torch.save(
+        {
+            "lengths": [len(s.response_ids) for s in samples],
+            "local_params": local,
+            "reference": reference,
+            "full": full,
+        },
+        f"{out_dir}/rank{rank}.pt",
+    )
     dist.destroy_process_group()
 
 
@@ -135,8 +150,9 @@ def _fsdp_worker(rank: int, world: int, port: int, version: int, out_dir: str) -
 def test_fsdp_generates_when_processes_stop_at_different_steps_and_gathers_full_weights(tmp_path, version):
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(_fsdp_worker, args=(2, _free_port(), version, str(tmp_path)), nprocs=2,
-                                 join=False, start_method="spawn")
+    context = mp.start_processes(
+        _fsdp_worker, args=(2, _free_port(), version, str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+    )
     finished = False
     for _ in range(60):  # a deadlock shows up as no progress: give up after 60 x 5 s instead of hanging the suite
         if context.join(timeout=5):

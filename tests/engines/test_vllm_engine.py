@@ -54,11 +54,16 @@ class FakeLLM:
         self.last = (prompts, params)
         outs = []
         for _ in prompts:
-            completions = [SimpleNamespace(token_ids=[5, 6, 2], finish_reason="stop"),
-                           SimpleNamespace(token_ids=[7, 7, 7], finish_reason="length")][: params.n]
+            completions = [
+                SimpleNamespace(token_ids=[5, 6, 2], finish_reason="stop"),
+                SimpleNamespace(token_ids=[7, 7, 7], finish_reason="length"),
+            ][: params.n]
             for c in completions:  # what logprobs=0 returns: one {sampled token: Logprob} per generated token
-                c.logprobs = ([{t: SimpleNamespace(logprob=-0.25 * (k + 1))} for k, t in enumerate(c.token_ids)]
-                              if params.logprobs is not None else None)
+                c.logprobs = (
+                    [{t: SimpleNamespace(logprob=-0.25 * (k + 1))} for k, t in enumerate(c.token_ids)]
+                    if params.logprobs is not None
+                    else None
+                )
             outs.append(SimpleNamespace(outputs=completions))
         return outs
 
@@ -76,8 +81,11 @@ class FakeLLMWithoutPartialWake(FakeLLM):
 
 
 # MOCK of a vLLM from before sleep mode (< 0.7.3): FakeLLM without sleep and wake_up
-FakeLLMWithoutSleep = type("FakeLLMWithoutSleep", (), {k: v for k, v in vars(FakeLLM).items()
-                                                       if k not in ("sleep", "wake_up", "__dict__", "__weakref__")})
+FakeLLMWithoutSleep = type(
+    "FakeLLMWithoutSleep",
+    (),
+    {k: v for k, v in vars(FakeLLM).items() if k not in ("sleep", "wake_up", "__dict__", "__weakref__")},
+)
 
 
 @pytest.fixture
@@ -112,8 +120,15 @@ def test_sampling_params_are_plain_softmax_with_the_codecs_stop_ids(fake_vllm):
     samples = engine.generate(["1+1="], n=2, temperature=0.9, max_new_tokens=3, seed=11)
     params = engine.llm.last[1]
     # nothing left for vLLM to fill from the checkpoint's generation_config
-    assert (params.top_p, params.top_k, params.min_p, params.repetition_penalty, params.presence_penalty,
-            params.frequency_penalty, params.min_tokens) == (1.0, -1, 0.0, 1.0, 0.0, 0.0, 0)
+    assert (
+        params.top_p,
+        params.top_k,
+        params.min_p,
+        params.repetition_penalty,
+        params.presence_penalty,
+        params.frequency_penalty,
+        params.min_tokens,
+    ) == (1.0, -1, 0.0, 1.0, 0.0, 0.0, 0)
     assert params.stop_token_ids == [codec.eos_id, 6] and params.ignore_eos is False
     assert samples[0].response_ids == [5, 6] and not samples[0].truncated  # cut at the first stop id
     eval_engine = VLLMEngine("some/model", codec, sampling=SamplingOptions(top_p=0.95, top_k=20, min_p=0.05))
@@ -135,8 +150,9 @@ def test_sync_gathers_full_weights_when_the_plan_says_so(fake_vllm):
             yield from [("weight", torch.zeros(2, 2))]
 
     model = torch.nn.Linear(2, 2)
-    engine = VLLMEngine("some/model", CharTokenizer(),
-                        sharded=RecordingShardedPolicy(ShardingPlan("fsdp2", True, True)))
+    engine = VLLMEngine(
+        "some/model", CharTokenizer(), sharded=RecordingShardedPolicy(ShardingPlan("fsdp2", True, True))
+    )
     engine.sync_weights(model)
     assert gathered == [model] and engine.llm.loaded == ["weight"]
 
@@ -161,10 +177,15 @@ def test_sync_of_a_lora_model_loads_the_merged_weights(fake_vllm):
     assert list(weights) == list(plain)
     layer = model.get_base_model().model.layers[0].self_attn.q_proj
     A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight  # (r, in), (out, r)
-    torch.testing.assert_close(weights["model.layers.0.self_attn.q_proj.weight"],
-                               plain["model.layers.0.self_attn.q_proj.weight"] + B @ A * (6.0 / 4), rtol=0, atol=1e-7)
-    assert torch.equal(weights["model.layers.0.self_attn.k_proj.weight"],
-                       plain["model.layers.0.self_attn.k_proj.weight"])
+    torch.testing.assert_close(
+        weights["model.layers.0.self_attn.q_proj.weight"],
+        plain["model.layers.0.self_attn.q_proj.weight"] + B @ A * (6.0 / 4),
+        rtol=0,
+        atol=1e-7,
+    )
+    assert torch.equal(
+        weights["model.layers.0.self_attn.k_proj.weight"], plain["model.layers.0.self_attn.k_proj.weight"]
+    )
     assert engine.llm.prefix_resets == 1
 
 
@@ -186,8 +207,10 @@ def test_sleep_mode_releases_the_engine_through_the_update_and_wakes_it_for_the_
     model = torch.nn.Linear(2, 2)
     one_step(engine, model)
     one_step(engine, model)
-    assert engine.llm.events == ["generate", "sleep(1)", "wake_up(weights)", "load_weights", "wake_up(kv_cache)",
-                                 "reset_prefix_cache"] * 2
+    assert (
+        engine.llm.events
+        == ["generate", "sleep(1)", "wake_up(weights)", "load_weights", "wake_up(kv_cache)", "reset_prefix_cache"] * 2
+    )
     # a step that trained nothing (dynamic sampling found no signal) syncs nothing: the next generate wakes it all,
     # and the prefix cache is forgotten with the KV cache it pointed into
     engine.release_memory()
@@ -208,8 +231,14 @@ def test_sleep_mode_wakes_everything_at_once_where_vllm_cannot_wake_parts(fake_v
     fake_vllm.LLM = FakeLLMWithoutPartialWake
     engine = VLLMEngine("some/model", CharTokenizer())
     one_step(engine, torch.nn.Linear(2, 2))
-    assert engine.llm.events == ["generate", "sleep(1)", "wake_up(kv_cache,weights)", "reset_prefix_cache",
-                                 "load_weights", "reset_prefix_cache"]
+    assert engine.llm.events == [
+        "generate",
+        "sleep(1)",
+        "wake_up(kv_cache,weights)",
+        "reset_prefix_cache",
+        "load_weights",
+        "reset_prefix_cache",
+    ]
 
 
 def test_sleep_mode_where_vllm_has_none_is_off_by_default_and_refused_when_asked_for(fake_vllm):
@@ -249,8 +278,9 @@ def test_vllm_gpu_memory_and_max_model_len_reach_the_engine_from_train_and_eval(
             trainer.close()
 
     seen = []
-    fake_vllm.LLM = type("RecordingLLM", (FakeLLM,), {"__init__": lambda self, **kw: (seen.append(kw),
-                                                                                      FakeLLM.__init__(self, **kw))[1]})
+    fake_vllm.LLM = type(
+        "RecordingLLM", (FakeLLM,), {"__init__": lambda self, **kw: (seen.append(kw), FakeLLM.__init__(self, **kw))[1]}
+    )
     for given, expected in ((None, 0.9), (0.5, 0.5)):
         options = {} if given is None else {"vllm_gpu_memory": given}
         cfg = EvalConfig(model=folder, engine="vllm", limit=1, samples=1, run_name=f"e{expected}", **options)
@@ -277,10 +307,14 @@ def test_qae_eval_runs_vllm_without_sleep_mode_which_it_never_uses(fake_vllm, tm
 
     folder = str(BUILTIN_CHECKPOINTS["builtin:tiny"])
     built = []
-    fake_vllm.LLM = type("RecordingLLMWithoutSleep", (FakeLLMWithoutSleep,),
-                         {"__init__": lambda self, **kw: (built.append(kw), FakeLLM.__init__(self, **kw))[1]})
-    run_eval_command(EvalConfig(model=folder, engine="vllm", limit=2, samples=2, run_name="old-vllm").validate(),
-                     tmp_path / "runs")
+    fake_vllm.LLM = type(
+        "RecordingLLMWithoutSleep",
+        (FakeLLMWithoutSleep,),
+        {"__init__": lambda self, **kw: (built.append(kw), FakeLLM.__init__(self, **kw))[1]},
+    )
+    run_eval_command(
+        EvalConfig(model=folder, engine="vllm", limit=2, samples=2, run_name="old-vllm").validate(), tmp_path / "runs"
+    )
     assert len(built) == 1 and "enable_sleep_mode" not in built[0]
 
 

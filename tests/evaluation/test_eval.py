@@ -57,10 +57,24 @@ def result_text(tmp_path, *args) -> str:
 def test_eval_takes_the_same_reward_options_and_counts_full_marks_as_correct(tmp_path):
     """`qae eval --reward exact_int --reward FILE:short`: a sample is correct when it has full marks on both (the
     exact integer, at most 2 characters), and avg@k is their share; maj@k still votes on exact_int's answer."""
-    (tmp_path / "mine.py").write_text("def short(completions, **kwargs):\n"
-                                      "    return [1.0 if len(c.strip()) <= 2 else 0.0 for c in completions]\n")
-    out = _eval(tmp_path, "--limit", "6", "--samples", "2", "--run-name", "rw", "--reward", "exact_int",
-                "--reward", f"{tmp_path / 'mine.py'}:short", "--reward-weights", "1,0.5")
+    (tmp_path / "mine.py").write_text(
+        "def short(completions, **kwargs):\n    return [1.0 if len(c.strip()) <= 2 else 0.0 for c in completions]\n"
+    )
+    out = _eval(
+        tmp_path,
+        "--limit",
+        "6",
+        "--samples",
+        "2",
+        "--run-name",
+        "rw",
+        "--reward",
+        "exact_int",
+        "--reward",
+        f"{tmp_path / 'mine.py'}:short",
+        "--reward-weights",
+        "1,0.5",
+    )
     samples = query(db_path(tmp_path, "rw"), "SELECT * FROM eval_samples")
     full = (samples["extracted"] == samples["answer"]) & samples["response"].str.strip().str.len().le(2)
     assert samples["correct"].tolist() == full.tolist()
@@ -83,9 +97,11 @@ def test_samples_stored_before_the_gold_answer_are_read_once_migrated(tmp_path):
     writer.create_run("old", {}, "eval", None, "builtin:tiny", "arith", 0)
     with duckdb.connect(str(path)) as con:  # the table as qae wrote it before
         con.execute("ALTER TABLE eval_samples DROP COLUMN answer")
-        con.execute("INSERT INTO eval_samples (run_id, step, benchmark, problem_id, sample_idx, response, extracted, "
-                    "correct, verified, n_tokens, source) VALUES ('old', 0, 'b', 'q', 0, 'r 11', '11', false, true, "
-                    "2, 'eval')")
+        con.execute(
+            "INSERT INTO eval_samples (run_id, step, benchmark, problem_id, sample_idx, response, extracted, "
+            "correct, verified, n_tokens, source) VALUES ('old', 0, 'b', 'q', 0, 'r 11', '11', false, true, "
+            "2, 'eval')"
+        )
     for refused in (lambda: read_eval_samples(path, "b", "eval", 0), lambda: RunWriter(path, "old")):
         with pytest.raises(OldRunFormat, match=r"has no eval_samples.answer column.*`qae migrate old --runs-dir"):
             refused()
@@ -94,8 +110,23 @@ def test_samples_stored_before_the_gold_answer_are_read_once_migrated(tmp_path):
     old = read_eval_samples(path, "b", "eval", 0)
     assert old["extracted"].tolist() == ["11"] and old["answer"].isna().all()
     writer = RunWriter(path, "old")
-    writer.add_step(1, eval_samples=[dict(benchmark="b", problem_id="q", sample_idx=0, response="12", extracted="12",
-                                          answer="12", correct=True, verified=True, n_tokens=1, source="eval")])
+    writer.add_step(
+        1,
+        eval_samples=[
+            dict(
+                benchmark="b",
+                problem_id="q",
+                sample_idx=0,
+                response="12",
+                extracted="12",
+                answer="12",
+                correct=True,
+                verified=True,
+                n_tokens=1,
+                source="eval",
+            )
+        ],
+    )
     assert writer.flush()
     assert read_eval_samples(path, "b", "eval", 1)["answer"].tolist() == ["12"]
 
@@ -108,8 +139,11 @@ def test_a_run_checkpoint_stores_results_in_the_run_at_its_step(tiny_run, tmp_pa
     shutil.copytree(shared_runs_dir / run_id, runs_dir / run_id)
     out = _eval(runs_dir, "--model", run_id, "--limit", "8", "--samples", "2")
     assert out["run_id"] == run_id
-    rows = query(db_path(runs_dir, run_id), "SELECT DISTINCT step, source FROM eval_samples WHERE benchmark = ?",
-                 ["arith-heldout"])
+    rows = query(
+        db_path(runs_dir, run_id),
+        "SELECT DISTINCT step, source FROM eval_samples WHERE benchmark = ?",
+        ["arith-heldout"],
+    )
     pairs = set(zip(rows["step"], rows["source"], strict=True))
     assert (6, "eval") in pairs  # the run's last checkpoint is step-6
     assert (6, "train") in pairs  # and the trainer's own evaluation at step 6 is still there
@@ -136,8 +170,17 @@ def shortest_problems(math_data, name: str, n: int, folder) -> str:
 
 
 def test_real_math_file_is_scored_with_math_verify(tmp_path, math_data):
-    out = _eval(tmp_path, "--bench", shortest_problems(math_data, "math500", 3, tmp_path), "--samples", "2",
-                "--max-new-tokens", "4", "--run-name", "m500")
+    out = _eval(
+        tmp_path,
+        "--bench",
+        shortest_problems(math_data, "math500", 3, tmp_path),
+        "--samples",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--run-name",
+        "m500",
+    )
     assert out["benchmark"] == "math500"
     subsets = {m["subset"] for m in out["metrics"]}
     assert "all" in subsets and any(s.startswith("subject=") for s in subsets)
@@ -147,10 +190,28 @@ def test_real_math_file_is_scored_with_math_verify(tmp_path, math_data):
 
 
 def test_train_with_eval_bench_logs_results_with_the_step(tmp_path, math_data):
-    result = runner.invoke(app, ["train", "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
-                                 "--eval-every", "2", "--eval-bench",
-                                 shortest_problems(math_data, "math500", 3, tmp_path),
-                                 "--eval-k", "2", "--run-name", "tb", "--runs-dir", str(tmp_path / "runs")])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "2",
+            "--eval-bench",
+            shortest_problems(math_data, "math500", 3, tmp_path),
+            "--eval-k",
+            "2",
+            "--run-name",
+            "tb",
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     evals = query(db_path(tmp_path / "runs", "tb"), "SELECT * FROM evals WHERE subset = 'all' ORDER BY step")
     assert set(evals["step"]) == {0, 2}
@@ -158,8 +219,9 @@ def test_train_with_eval_bench_logs_results_with_the_step(tmp_path, math_data):
     assert evals[evals["metric"] == "pass@k"]["k"].max() == 2
 
 
-def test_a_run_without_checkpoints_and_a_missing_folder_are_clear_errors_with_no_network(tiny_run, tmp_path,
-                                                                                           monkeypatch):
+def test_a_run_without_checkpoints_and_a_missing_folder_are_clear_errors_with_no_network(
+    tiny_run, tmp_path, monkeypatch
+):
     """A run killed before its first checkpoint has no checkpoints/ folder at all, and a path that does not exist is
     not a Hugging Face id: neither may reach the network (HF_HUB_OFFLINE would turn a lookup into another error)."""
     import shutil
@@ -184,7 +246,8 @@ def test_a_run_without_checkpoints_and_a_missing_folder_are_clear_errors_with_no
 
 @pytest.mark.slow
 def test_eval_of_a_training_run_takes_the_newest_checkpoint_again_when_training_prunes_the_one_it_chose(
-        tiny_run, tmp_path, monkeypatch):
+    tiny_run, tmp_path, monkeypatch
+):
     """`qae eval --model RUN` while RUN trains: the trainer may delete the checkpoint eval chose (--keep-checkpoints)
     before eval has loaded it. Here the first load finds its checkpoint deleted, as the trainer would."""
     import shutil
@@ -209,15 +272,23 @@ def test_eval_of_a_training_run_takes_the_newest_checkpoint_again_when_training_
     assert steps.tolist() == [3] and out["run_id"] == run_id
 
 
-@pytest.mark.parametrize("command, option", [(["eval", "--max-new-tokens", "16", "--bench"], "bench"),
-                                             (["train", "--steps", "1", "--eval-every", "1", "--eval-bench"],
-                                              "eval-bench")])
+@pytest.mark.parametrize(
+    "command, option",
+    [
+        (["eval", "--max-new-tokens", "16", "--bench"], "bench"),
+        (["train", "--steps", "1", "--eval-every", "1", "--eval-bench"], "eval-bench"),
+    ],
+)
 def test_a_benchmark_prompt_longer_than_the_context_is_refused_before_anything_runs(tmp_path, command, option):
     """As `qae train --data` refuses it: past the context a RoPE model degrades (the built-in model, 128 positions,
     answered every such prompt with an empty response, stored as a real evaluation scored 0)."""
     bench = tmp_path / "long.jsonl"
-    bench.write_text(json.dumps({"problem": "1+" * 100 + "1", "answer": "101"}) + "\n"
-                     + json.dumps({"problem": "1+1", "answer": "2"}) + "\n")
+    bench.write_text(
+        json.dumps({"problem": "1+" * 100 + "1", "answer": "101"})
+        + "\n"
+        + json.dumps({"problem": "1+1", "answer": "2"})
+        + "\n"
+    )
     runs = tmp_path / "runs"
     result = runner.invoke(app, [*command, str(bench), "--runs-dir", str(runs)])
     message = " ".join(result.output.split())
@@ -236,8 +307,10 @@ class ScriptedEngine:
     def generate(self, prompts, n, temperature, max_new_tokens, seed=0):
         from qae_app.engines.base import Sample
 
-        return [Sample(prompt_index=0, prompt_ids=[1], response_ids=[1] * len(text), text=text, truncated=False)
-                for text in self.texts[:n]]
+        return [
+            Sample(prompt_index=0, prompt_ids=[1], response_ids=[1] * len(text), text=text, truncated=False)
+            for text in self.texts[:n]
+        ]
 
 
 def test_maj_at_k_on_the_chain_task_votes_on_the_final_answer_the_reward_reads():
@@ -249,16 +322,31 @@ def test_maj_at_k_on_the_chain_task_votes_on_the_final_answer_the_reward_reads()
 
     texts = ["1+1=2 so 2", "2+0=2 so 2", "3-1=2 so 2", "4+1=5 so 5", "4+1=5 so 5"]
     with BuiltinVerifier("chain_final") as verifier:
-        result = evaluate(ScriptedEngine(texts), "chain", [Problem("p", "q", "2")], ["q"], verifier, k=5,
-                          temperature=1.0, max_new_tokens=8, seed=0)
+        result = evaluate(
+            ScriptedEngine(texts),
+            "chain",
+            [Problem("p", "q", "2")],
+            ["q"],
+            verifier,
+            k=5,
+            temperature=1.0,
+            max_new_tokens=8,
+            seed=0,
+        )
     metrics = {row["metric"]: row["value"] for row in result.metrics if row["subset"] == "all"}
     assert metrics["avg@k"] == pytest.approx(3 / 5)
     assert metrics["maj@k"] == 1.0  # the answer 2 has three votes, 5 has two
     assert [s["extracted"] for s in result.samples] == ["2", "2", "2", "5", "5"]
 
 
-@pytest.mark.parametrize("name, plant", [("model/model.safetensors", "garbage"), ("model/config.json", "deep"),
-                                         ("model/qae_char_tokenizer.json", "link-zero")])
+@pytest.mark.parametrize(
+    "name, plant",
+    [
+        ("model/model.safetensors", "garbage"),
+        ("model/config.json", "deep"),
+        ("model/qae_char_tokenizer.json", "link-zero"),
+    ],
+)
 def test_eval_of_a_run_passes_over_a_checkpoint_whose_model_is_damaged(tiny_run, tmp_path, name, plant):
     """A file of the newest checkpoint's model/ damaged (its manifest rewritten to match) or a link planted there:
     `qae eval --model RUN` evaluates the newest checkpoint that checks out and says which it passed over (a
@@ -272,12 +360,16 @@ def test_eval_of_a_run_passes_over_a_checkpoint_whose_model_is_damaged(tiny_run,
     shutil.copytree(shared_runs_dir / run_id, runs_dir / run_id)
     (tmp_path / "outside").mkdir()
     plant_file(runs_dir / run_id, Plant(f"checkpoints/step-6/{name}", plant), tmp_path / "ran", tmp_path / "outside")
-    result = runner.invoke(app, ["eval", "--model", run_id, "--limit", "2", "--samples", "1", "--runs-dir",
-                                 str(runs_dir)], env={"COLUMNS": "300"})
+    result = runner.invoke(
+        app,
+        ["eval", "--model", run_id, "--limit", "2", "--samples", "1", "--runs-dir", str(runs_dir)],
+        env={"COLUMNS": "300"},
+    )
     output = " ".join(result.output.split())
     assert result.exit_code == 0, result.output
     assert "passing over checkpoint step-6: " in output and Path(name).name in output, output
     assert "(run tiny)" in output and "step 3" in output
-    refused = runner.invoke(app, ["eval", "--model", run_id, "--checkpoint", "6", "--runs-dir", str(runs_dir)],
-                            env={"COLUMNS": "300"})
+    refused = runner.invoke(
+        app, ["eval", "--model", run_id, "--checkpoint", "6", "--runs-dir", str(runs_dir)], env={"COLUMNS": "300"}
+    )
     assert refused.exit_code == 2 and Path(name).name in refused.output, refused.output

@@ -12,8 +12,25 @@ def test_a_mistyped_run_id_is_named_at_once(tmp_path, monkeypatch, existing_runs
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty Hugging Face cache
     runs = tmp_path / "runs"
     if existing_runs:
-        trained = CliRunner().invoke(app, ["train", "--run-name", "mine", "--steps", "1", "--prompts-per-step", "2",
-                                           "--group-size", "4", "--eval-every", "0", "--cpu", "--runs-dir", str(runs)])
+        trained = CliRunner().invoke(
+            app,
+            [
+                "train",
+                "--run-name",
+                "mine",
+                "--steps",
+                "1",
+                "--prompts-per-step",
+                "2",
+                "--group-size",
+                "4",
+                "--eval-every",
+                "0",
+                "--cpu",
+                "--runs-dir",
+                str(runs),
+            ],
+        )
         assert trained.exit_code == 0, trained.output
     result = CliRunner().invoke(app, ["eval", "--model", "nope", "--runs-dir", str(runs)], env={"COLUMNS": "300"})
     output = " ".join(result.output.split())

@@ -18,8 +18,25 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     runs_dir = tmp_path_factory.mktemp("runs")
-    result = runner.invoke(app, ["train", "--run-name", "r", "--steps", "1", "--prompts-per-step", "2",
-                                 "--group-size", "4", "--eval-every", "0", "--cpu", "--runs-dir", str(runs_dir)])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--run-name",
+            "r",
+            "--steps",
+            "1",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "0",
+            "--cpu",
+            "--runs-dir",
+            str(runs_dir),
+        ],
+    )
     assert result.exit_code == 0, result.output
     return runs_dir
 
@@ -37,11 +54,12 @@ def export(runs, out) -> tuple[int, str]:
 
 BAD_OUT = {
     "an existing file": (lambda tmp: (tmp / "file").write_text("x") and tmp / "file", "is a file, not a folder"),
-    "a path under a file": (lambda tmp: (tmp / "file").write_text("x") and tmp / "file" / "sub",
-                            "is a file, so"),
+    "a path under a file": (lambda tmp: (tmp / "file").write_text("x") and tmp / "file" / "sub", "is a file, so"),
     "/dev/null": (lambda tmp: "/dev/null", "is a file, not a folder"),
-    "a folder inside the checkpoint": (lambda tmp: latest_checkpoint(tmp / "runs" / "r") / "model" / "again",
-                                       "is inside the run's own folder"),
+    "a folder inside the checkpoint": (
+        lambda tmp: latest_checkpoint(tmp / "runs" / "r") / "model" / "again",
+        "is inside the run's own folder",
+    ),
     "a name over 255 bytes": (lambda tmp: tmp / ("x" * 300), "has a name over 255 bytes"),
 }
 
@@ -65,9 +83,14 @@ def test_an_export_past_the_file_size_limit_says_so_and_leaves_the_run(runs, tmp
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
 
-    result = subprocess.run([sys.executable, "-m", "qae_app.cli", "export", "r", "--out", str(tmp_path / "out"),
-                             "--runs-dir", str(runs)], capture_output=True, text=True, timeout=300,
-                            preexec_fn=limit_file_size, env=dict(os.environ, COLUMNS="300"))
+    result = subprocess.run(
+        [sys.executable, "-m", "qae_app.cli", "export", "r", "--out", str(tmp_path / "out"), "--runs-dir", str(runs)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit_file_size,
+        env=dict(os.environ, COLUMNS="300"),
+    )
     output = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 2 and "cannot write the export" in output and "Traceback" not in output, output
     assert "The run is unchanged" in output
@@ -84,7 +107,6 @@ def test_only_the_files_the_manifest_lists_are_exported(runs, tmp_path):
     assert "planted.txt" not in exported and {"config.json", "model.safetensors"} <= exported
 
 
-
 def test_a_run_without_a_sound_checkpoint_is_said_in_exports_words(runs, tmp_path):
     """Every checkpoint damaged: one message, exit 2, naming what `qae export` takes (not `qae eval`'s model folder),
     with no export written; so with --checkpoint N naming the damaged one."""
@@ -94,8 +116,11 @@ def test_a_run_without_a_sound_checkpoint_is_said_in_exports_words(runs, tmp_pat
     assert code == 2 and "run: no checkpoint of run 'r' checks out" in said, said
     assert "Evaluate" not in said and "model folder" not in said and not (tmp_path / "out").exists()
     step = int(latest_checkpoint(runs / "r").name.split("-")[1])
-    result = runner.invoke(app, ["export", "r", "--out", str(tmp_path / "out"), "--checkpoint", str(step),
-                                 "--runs-dir", str(runs)], env={"COLUMNS": "300"})
+    result = runner.invoke(
+        app,
+        ["export", "r", "--out", str(tmp_path / "out"), "--checkpoint", str(step), "--runs-dir", str(runs)],
+        env={"COLUMNS": "300"},
+    )
     said = " ".join(result.output.split())
     assert result.exit_code == 2 and "does not check out" in said and "Export another one" in said, said
     assert "Evaluate" not in said

@@ -25,8 +25,9 @@ G, N = 8, 16
 
 
 def preview(runs_dir, name, *args):
-    result = runner.invoke(app, ["preview", "--runs-dir", str(runs_dir), "--run-name", name, *args],
-                           env={"COLUMNS": "120"})
+    result = runner.invoke(
+        app, ["preview", "--runs-dir", str(runs_dir), "--run-name", name, *args], env={"COLUMNS": "120"}
+    )
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -35,8 +36,20 @@ def preview(runs_dir, name, *args):
 def paper(tmp_path_factory):
     """(runs_dir, printed text) of a preview of the built-in task: 16 prompts in 2 batches of 8, G=8."""
     runs_dir = tmp_path_factory.mktemp("preview")
-    text = preview(runs_dir, "p", "--prompts", str(N), "--group-size", str(G), "--prompts-per-step", "8",
-                   "--ks", "0.2,0.5,0.8", "--seed", "3")
+    text = preview(
+        runs_dir,
+        "p",
+        "--prompts",
+        str(N),
+        "--group-size",
+        str(G),
+        "--prompts-per-step",
+        "8",
+        "--ks",
+        "0.2,0.5,0.8",
+        "--seed",
+        "3",
+    )
     return runs_dir, text
 
 
@@ -44,8 +57,10 @@ def stored_rewards(path) -> tuple[torch.Tensor, torch.Tensor]:
     """rewards [N, G] and verdicts [N, G] as the rollouts table holds them."""
     rows = query(path, "SELECT group_idx, sample_idx, reward, correct FROM rollouts ORDER BY group_idx, sample_idx")
     n = rows["group_idx"].nunique()
-    return (torch.tensor(rows["reward"].tolist()).view(n, -1),  # [N, G]
-            torch.tensor(rows["correct"].tolist()).view(n, -1))  # [N, G]
+    return (
+        torch.tensor(rows["reward"].tolist()).view(n, -1),  # [N, G]
+        torch.tensor(rows["correct"].tolist()).view(n, -1),
+    )  # [N, G]
 
 
 def by_count_rule(correct: torch.Tensor, k: float) -> tuple[float, int, int]:
@@ -83,7 +98,7 @@ def test_printed_numbers_equal_the_count_rule_on_the_stored_rows(paper):
         line = f"qae {k:g}{'*' if k == suggested else ''} {share:.1%}"
         assert line in flat, line
     # GRPO's baseline is the mean: with 0/1 rewards only the groups without signal are gated
-    no_signal = (correct.all(dim=1) | ~correct.any(dim=1))  # [N]
+    no_signal = correct.all(dim=1) | ~correct.any(dim=1)  # [N]
     grpo = view.by_k[view.by_k["estimator"] == "grpo"].iloc[0]
     assert grpo["frac_zero_adv"] == pytest.approx(no_signal.float().mean().item())
     n_signal = int((~no_signal).sum())
@@ -110,8 +125,9 @@ def test_the_linear_quantile_gates_what_torch_quantile_says(tmp_path):
         differ = rewards.amax(dim=1) != rewards.amin(dim=1)  # [N]
         assert row["n_hard"] == int((differ & (baseline[:, 0] == rewards.amin(dim=1))).sum())
         assert row["n_easy"] == int((differ & (baseline[:, 0] == rewards.amax(dim=1))).sum())
-        assert row["n_mixed"] == int((differ & (baseline[:, 0] > rewards.amin(dim=1))
-                                      & (baseline[:, 0] < rewards.amax(dim=1))).sum())
+        assert row["n_mixed"] == int(
+            (differ & (baseline[:, 0] > rewards.amin(dim=1)) & (baseline[:, 0] < rewards.amax(dim=1))).sum()
+        )
 
 
 def test_the_stored_responses_are_the_run_estimators(paper):
@@ -134,8 +150,10 @@ def test_its_first_groups_are_the_responses_train_samples_at_step_one(tiny_run, 
     runs_dir, run_id = tiny_run
     cfg = build_config(**{**TINY_RUN_OPTIONS, "run_name": "same"})
     run_preview(cfg, tmp_path, PreviewOptions(prompts=cfg.prompts_per_step), device="cpu")
-    sql = ("SELECT group_idx, sample_idx, prompt_id, response, reward FROM rollouts WHERE step = 1 "
-           "ORDER BY group_idx, sample_idx")
+    sql = (
+        "SELECT group_idx, sample_idx, prompt_id, response, reward FROM rollouts WHERE step = 1 "
+        "ORDER BY group_idx, sample_idx"
+    )
     trained = query(db_path(runs_dir, run_id), sql)
     previewed = query(db_path(tmp_path, "same"), sql)
     assert len(previewed) == cfg.prompts_per_step * cfg.group_size
@@ -156,12 +174,17 @@ def test_it_scores_with_the_rewards_the_user_names(tmp_path):
     reward_file.write_text(USER_REWARD)
     preview(tmp_path, "u", "--prompts", "8", "--group-size", "4", "--reward", f"{reward_file}:parity")
     path = db_path(tmp_path, "u")
-    rows = query(path, "SELECT r.response, g.answer, r.reward, r.correct, c.name, c.value FROM rollouts r "
-                 "JOIN groups g USING (step, group_idx) LEFT JOIN reward_components c USING (step, group_idx, "
-                 "sample_idx) ORDER BY r.group_idx, r.sample_idx")
+    rows = query(
+        path,
+        "SELECT r.response, g.answer, r.reward, r.correct, c.name, c.value FROM rollouts r "
+        "JOIN groups g USING (step, group_idx) LEFT JOIN reward_components c USING (step, group_idx, "
+        "sample_idx) ORDER BY r.group_idx, r.sample_idx",
+    )
     assert len(rows) == 32 and set(rows["name"]) == {"parity"}
-    want = [1.0 if r.strip() == a else 0.5 if len(r) % 2 == 0 else 0.0 for r, a in zip(rows["response"],
-                                                                                         rows["answer"], strict=True)]
+    want = [
+        1.0 if r.strip() == a else 0.5 if len(r) % 2 == 0 else 0.0
+        for r, a in zip(rows["response"], rows["answer"], strict=True)
+    ]
     assert rows["reward"].tolist() == want and rows["value"].tolist() == want
     assert rows["correct"].tolist() == [w == 1.0 for w in want]
     assert 0.5 in want  # (the check above would pass on the exact-int verifier's 0/1 without it)
@@ -170,10 +193,10 @@ def test_it_scores_with_the_rewards_the_user_names(tmp_path):
 def test_a_continuous_reward_without_a_success_has_signal_where_its_scores_differ(tmp_path):
     """No response gets full marks (success rate 0), yet a group whose scores differ has signal: no signal is every
     reward of a group equal, not every verdict, and the preview says learnable, not all-wrong."""
-    (tmp_path / "longer.py").write_text("def longer(completions, **kwargs):\n"
-                                        "    return [min(0.9, len(c) / 10) for c in completions]\n")
-    text = preview(tmp_path, "c", "--prompts", "4", "--group-size", "4", "--reward",
-                   f"{tmp_path / 'longer.py'}:longer")
+    (tmp_path / "longer.py").write_text(
+        "def longer(completions, **kwargs):\n    return [min(0.9, len(c) / 10) for c in completions]\n"
+    )
+    text = preview(tmp_path, "c", "--prompts", "4", "--group-size", "4", "--reward", f"{tmp_path / 'longer.py'}:longer")
     path = db_path(tmp_path, "c")
     rewards = query(path, "SELECT group_idx, reward FROM rollouts ORDER BY group_idx, sample_idx")
     groups = [g["reward"].tolist() for _, g in rewards.groupby("group_idx")]
@@ -191,13 +214,16 @@ def test_a_continuous_reward_without_a_success_has_signal_where_its_scores_diffe
 
 def test_a_task_without_signal_says_what_to_try(tmp_path):
     """One token cannot hold the chain task's ' so N': every group all-wrong."""
-    text = preview(tmp_path, "none", "--data", "builtin:chain", "--max-new-tokens", "1", "--prompts", "4",
-                   "--group-size", "4")
+    text = preview(
+        tmp_path, "none", "--data", "builtin:chain", "--max-new-tokens", "1", "--prompts", "4", "--group-size", "4"
+    )
     view = read_preview(db_path(tmp_path, "none"))
     assert view.summary["frac_no_signal"] == 1.0 and view.summary["truncated_frac"] == 1.0
     assert math.isnan(view.summary["suggested_k"])
-    assert "no signal: every group all-wrong at G=4; 100% of the responses were cut at max-new-tokens: try a " \
-           "longer max-new-tokens, a larger G, an easier split, or a warm start" in " ".join(text.split())
+    assert (
+        "no signal: every group all-wrong at G=4; 100% of the responses were cut at max-new-tokens: try a "
+        "longer max-new-tokens, a larger G, an easier split, or a warm start" in " ".join(text.split())
+    )
     assert "suggested" not in text and not re.search(r"^qae +[\d.]+\*", text, re.M)  # no K marked
 
 
@@ -245,10 +271,34 @@ def test_a_chat_prompt_is_stored_as_the_text_training_stores(chat_folder, tmp_pa
     from qae_app.store.reader import query as read
 
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"prompt": [{"role": "system", "content": "Be terse."},
-                                                   {"role": "user", "content": f"What is {a} plus 3?"}],
-                                        "answer": str(a + 3)}) + "\n" for a in range(2)))
-    preview(tmp_path, "chat", "--model", str(chat_folder), "--data", str(data), "--prompts", "2", "--group-size", "2",
-            "--max-new-tokens", "2")
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": [
+                        {"role": "system", "content": "Be terse."},
+                        {"role": "user", "content": f"What is {a} plus 3?"},
+                    ],
+                    "answer": str(a + 3),
+                }
+            )
+            + "\n"
+            for a in range(2)
+        )
+    )
+    preview(
+        tmp_path,
+        "chat",
+        "--model",
+        str(chat_folder),
+        "--data",
+        str(data),
+        "--prompts",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "2",
+    )
     stored = read(db_path(tmp_path, "chat"), "SELECT prompt FROM groups ORDER BY group_idx")["prompt"].tolist()
     assert sorted(stored) == [f"Be terse.\n\nWhat is {a} plus 3?" for a in range(2)]

@@ -106,8 +106,18 @@ def test_the_kl_reference_gives_the_base_models_log_probs():
     plain, _ = build_tiny_model()
     samples = HFGenerateEngine(model, codec).generate(["3+4=", "9*2="], n=2, temperature=1.0, max_new_tokens=4, seed=1)
     batch = pack(samples, codec.pad_id, "cpu")
-    options = UpdateOptions(num_mini_batches=1, ppo_epochs=1, micro_batch_size=64, clip_low=0.2, clip_high=0.28,
-                            loss_agg="token", kl_beta=0.1, max_grad_norm=1.0, max_new_tokens=4, temperature=1.0)
+    options = UpdateOptions(
+        num_mini_batches=1,
+        ppo_epochs=1,
+        micro_batch_size=64,
+        clip_low=0.2,
+        clip_high=0.28,
+        loss_agg="token",
+        kl_beta=0.1,
+        max_grad_norm=1.0,
+        max_new_tokens=4,
+        temperature=1.0,
+    )
     rows = torch.arange(len(samples))
     reference = logprobs_in_chunks(AdaptersDisabled(model), batch, rows, options)[0]
     assert torch.equal(reference, logprobs_in_chunks(plain, batch, rows, options)[0])
@@ -120,8 +130,7 @@ def test_the_kl_reference_gives_the_base_models_log_probs():
 
 def test_only_the_adapters_train_and_the_reference_is_no_second_model(tmp_path, monkeypatch):
     loads = []
-    monkeypatch.setattr("qae_app.train.trainer.load_policy",
-                        lambda *a, **k: loads.append(a) or load_policy(*a, **k))
+    monkeypatch.setattr("qae_app.train.trainer.load_policy", lambda *a, **k: loads.append(a) or load_policy(*a, **k))
     cfg = build_config(run_name="lora", **dict(LORA, steps=2, kl_beta=0.1, num_mini_batches=1))
     trainer = Trainer(cfg, tmp_path, cpu=True)
     assert len(loads) == 1  # the policy only: the reference is the policy with its adapters off
@@ -134,8 +143,11 @@ def test_only_the_adapters_train_and_the_reference_is_no_second_model(tmp_path, 
     assert trainer.fit().status == "finished"
     assert all(torch.equal(p, frozen[n]) for n, p in trainer.model.named_parameters() if n in frozen)
     assert all(p.grad is None for n, p in trainer.model.named_parameters() if n in frozen)
-    moved = [n for n, p in trainer.model.named_parameters() if n in adapters_before
-             and not torch.equal(p, adapters_before[n])]
+    moved = [
+        n
+        for n, p in trainer.model.named_parameters()
+        if n in adapters_before and not torch.equal(p, adapters_before[n])
+    ]
     assert any("lora_B" in n for n in moved)
     steps = read_steps(db_path(tmp_path, "lora"))
     # step 1's one update starts at the base model (B = 0 adds exactly 0); step 2's policy has left it
@@ -159,8 +171,9 @@ def test_checkpoint_holds_the_merged_model_and_the_adapter_and_eval_loads_it(tmp
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         assert torch.equal(adapter(ids).logits, trainer.model(ids).logits)
-    result = runner.invoke(app, ["eval", "--model", "lora", "--limit", "4", "--samples", "2",
-                                 "--runs-dir", str(tmp_path), "--json"])
+    result = runner.invoke(
+        app, ["eval", "--model", "lora", "--limit", "4", "--samples", "2", "--runs-dir", str(tmp_path), "--json"]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)
 
@@ -185,9 +198,30 @@ def test_resume_is_exact_with_lora(tmp_path):
 
 
 def test_train_command_takes_the_lora_options(tmp_path):
-    result = runner.invoke(app, ["train", "--lora-rank", "2", "--lora-alpha", "3", "--lora-targets", "q_proj,v_proj",
-                                 "--steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0",
-                                 "--run-name", "cli", "--runs-dir", str(tmp_path)])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--lora-rank",
+            "2",
+            "--lora-alpha",
+            "3",
+            "--lora-targets",
+            "q_proj,v_proj",
+            "--steps",
+            "1",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "0",
+            "--run-name",
+            "cli",
+            "--runs-dir",
+            str(tmp_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     adapter = json.loads((latest_checkpoint(tmp_path / "cli") / ADAPTER_DIR / "adapter_config.json").read_text())
     assert (adapter["r"], adapter["lora_alpha"], sorted(adapter["target_modules"])) == (2, 3, ["q_proj", "v_proj"])
@@ -197,25 +231,34 @@ def test_train_command_takes_the_lora_options(tmp_path):
 # bad values: refused before the run starts, naming the option and the fix
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(lora_rank=-1), "lora-rank: -1 is less than 0"),
-    (dict(lora_rank=4, lora_alpha=0.0), "lora-alpha: 0.0 must be more than 0"),
-    (dict(lora_rank=4, lora_alpha=float("nan")), "lora-alpha: nan is not a finite number"),
-    (dict(lora_rank=4, lora_dropout=0.05), "lora-dropout: 0.05 is more than 0.0.*same network"),
-    (dict(lora_alpha=16.0), "lora-alpha: 16.0 does nothing without LoRA. Set --lora-rank"),
-    (dict(lora_targets="q_proj"), "lora-targets: q_proj does nothing without LoRA"),
-    (dict(lora_rank=4, lora_targets=" , "), "lora-targets: ' , ' names no layer"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(lora_rank=-1), "lora-rank: -1 is less than 0"),
+        (dict(lora_rank=4, lora_alpha=0.0), "lora-alpha: 0.0 must be more than 0"),
+        (dict(lora_rank=4, lora_alpha=float("nan")), "lora-alpha: nan is not a finite number"),
+        (dict(lora_rank=4, lora_dropout=0.05), "lora-dropout: 0.05 is more than 0.0.*same network"),
+        (dict(lora_alpha=16.0), "lora-alpha: 16.0 does nothing without LoRA. Set --lora-rank"),
+        (dict(lora_targets="q_proj"), "lora-targets: q_proj does nothing without LoRA"),
+        (dict(lora_rank=4, lora_targets=" , "), "lora-targets: ' , ' names no layer"),
+    ],
+)
 def test_bad_lora_options_are_refused(options, message):
     with pytest.raises(QAEUserError, match=message):
         build_config(**options)
 
 
-@pytest.mark.parametrize("targets, message", [
-    ("q_proj,qkv", "lora-targets: builtin:tiny has no linear layer named 'qkv'. Its linear layers: "
-                   "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
-    ("lm_head", "lora-targets: 'lm_head' is the output layer"),
-])
+@pytest.mark.parametrize(
+    "targets, message",
+    [
+        (
+            "q_proj,qkv",
+            "lora-targets: builtin:tiny has no linear layer named 'qkv'. Its linear layers: "
+            "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj",
+        ),
+        ("lm_head", "lora-targets: 'lm_head' is the output layer"),
+    ],
+)
 def test_a_target_the_model_lacks_is_refused_with_the_layers_it_has(tmp_path, targets, message):
     with pytest.raises(QAEUserError, match=message):
         Trainer(build_config(run_name="bad", lora_rank=4, lora_targets=targets), tmp_path, cpu=True)
@@ -223,8 +266,9 @@ def test_a_target_the_model_lacks_is_refused_with_the_layers_it_has(tmp_path, ta
 
 
 def test_lora_with_sharded_weights_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr("qae_app.train.trainer.sharding_plan_for",
-                        lambda accelerator: ShardingPlan("fsdp2", True, True))
+    monkeypatch.setattr(
+        "qae_app.train.trainer.sharding_plan_for", lambda accelerator: ShardingPlan("fsdp2", True, True)
+    )
     with pytest.raises(QAEUserError, match=r"lora-rank: LoRA is not supported with sharded weights \(fsdp2\)"):
         Trainer(build_config(run_name="sharded", lora_rank=4), tmp_path, cpu=True)
 
@@ -238,21 +282,51 @@ def test_lora_with_sharded_weights_is_refused(tmp_path, monkeypatch):
 def test_lora_on_smollm2_trains_only_adapters_and_eval_loads_the_checkpoint(smollm2_gguf, tmp_path):
     """SmolLM2-135M (GGUF), 2 steps with --lora-rank 8. Overlong shaping gives the groups signal whatever the
     answers (a shorter response earns more), so the adapters move."""
-    cfg = build_config(run_name="smol", model=str(smollm2_gguf), data="arith", lora_rank=8, steps=2,
-                       prompts_per_step=2, group_size=4, max_new_tokens=16, overlong_buffer=12, num_mini_batches=1,
-                       lr=1e-3, eval_every=0, seed=3)
+    cfg = build_config(
+        run_name="smol",
+        model=str(smollm2_gguf),
+        data="arith",
+        lora_rank=8,
+        steps=2,
+        prompts_per_step=2,
+        group_size=4,
+        max_new_tokens=16,
+        overlong_buffer=12,
+        num_mini_batches=1,
+        lr=1e-3,
+        eval_every=0,
+        seed=3,
+    )
     trainer = Trainer(cfg, tmp_path, cpu=True)
     assert trainer.model.peft_config["default"].target_modules == set(LLAMA_LINEARS)  # the default targets
     frozen = base_weights(trainer.model)
     adapters = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} == \
-        {id(p) for n, p in trainer.model.named_parameters() if n in adapters}
+    assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} == {
+        id(p) for n, p in trainer.model.named_parameters() if n in adapters
+    }
     assert trainer.fit().status == "finished"
     params = dict(trainer.model.named_parameters())
     assert all(torch.equal(params[n], w) for n, w in frozen.items())
     assert any(not torch.equal(params[n], w) for n, w in adapters.items() if "lora_B" in n)
-    result = runner.invoke(app, ["eval", "--model", "smol", "--bench", "arith", "--limit", "2", "--samples", "1",
-                                 "--max-new-tokens", "8", "--runs-dir", str(tmp_path), "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            "smol",
+            "--bench",
+            "arith",
+            "--limit",
+            "2",
+            "--samples",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--runs-dir",
+            str(tmp_path),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
 
 
@@ -263,9 +337,22 @@ def test_two_processes_train_the_one_process_adapters(tmp_path):
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
     script = Path(__file__).parents[1] / "scripts" / "same_samples.py"
     for n in (1, 2):
-        command = [accelerate, "launch", "--num_processes", str(n), *ONE_MACHINE, "--mixed_precision", "no",
-                   "--dynamo_backend", "no", *(["--multi_gpu"] if n > 1 else ["--cpu"]), str(script), str(tmp_path),
-                   f"p{n}", "lora"]
+        command = [
+            accelerate,
+            "launch",
+            "--num_processes",
+            str(n),
+            *ONE_MACHINE,
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            *(["--multi_gpu"] if n > 1 else ["--cpu"]),
+            str(script),
+            str(tmp_path),
+            f"p{n}",
+            "lora",
+        ]
         result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=dict(os.environ))
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     one, two = (torch.load(tmp_path / f"p{n}.params.pt") for n in (1, 2))

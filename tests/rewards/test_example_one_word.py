@@ -28,35 +28,44 @@ def load_module(name: str):
 reward = load_module("reward")
 
 
-@pytest.mark.parametrize("reply, letter, expected", [
-    ("Banana", "b", 1.0),
-    ("banana.", "b", 1.0),  # lowercase, one trailing period
-    ("Bread!", "B", 1.0),  # the letter in either case
-    ("  **Bread**\n", "b", 1.0),  # markdown bold and whitespace around it
-    ('"Bicycle"', "b", 1.0),
-    ("Bzzt", "b", 1.0),  # the form, not a dictionary
-    ("Apple", "b", 0.0),  # the wrong letter
-    ("B", "b", 0.0),  # the letter alone
-    ("Be", "b", 0.0),  # under 3 letters
-    ("Big cat", "b", 0.0),  # two words
-    ("B-52", "b", 0.0),
-    ("Banana..", "b", 0.0),  # one trailing mark only
-    ("Sure! Banana", "b", 0.0),
-    ('One word that begins with B is "Bread"', "b", 0.0),
-    ("", "b", 0.0),
-    ("**", "b", 0.0),
-])
+@pytest.mark.parametrize(
+    "reply, letter, expected",
+    [
+        ("Banana", "b", 1.0),
+        ("banana.", "b", 1.0),  # lowercase, one trailing period
+        ("Bread!", "B", 1.0),  # the letter in either case
+        ("  **Bread**\n", "b", 1.0),  # markdown bold and whitespace around it
+        ('"Bicycle"', "b", 1.0),
+        ("Bzzt", "b", 1.0),  # the form, not a dictionary
+        ("Apple", "b", 0.0),  # the wrong letter
+        ("B", "b", 0.0),  # the letter alone
+        ("Be", "b", 0.0),  # under 3 letters
+        ("Big cat", "b", 0.0),  # two words
+        ("B-52", "b", 0.0),
+        ("Banana..", "b", 0.0),  # one trailing mark only
+        ("Sure! Banana", "b", 0.0),
+        ('One word that begins with B is "Bread"', "b", 0.0),
+        ("", "b", 0.0),
+        ("**", "b", 0.0),
+    ],
+)
 def test_the_reward_scores_a_reply_by_its_rule(reply, letter, expected):
-    assert reward.one_word([reply], [f"Give me one word that begins with {letter.upper()}."], letter=[letter]) \
-        == [expected]
+    assert reward.one_word([reply], [f"Give me one word that begins with {letter.upper()}."], letter=[letter]) == [
+        expected
+    ]
 
 
 def test_the_reward_takes_trl_columns_and_chat_completions():
     """Each column a list aligned with the completions, extra columns ignored; a chat completion's last message is
     the reply, as TRL passes conversational completions."""
     completions = ["Moon", [{"role": "assistant", "content": "Moon."}], "moon", "Sun"]
-    scores = reward.one_word(completions, prompts=["p"] * 4, letter=["m", "m", "s", "s"], answer=["m", "m", "s", "s"],
-                             id=["m-00", "m-01", "s-00", "s-01"])
+    scores = reward.one_word(
+        completions,
+        prompts=["p"] * 4,
+        letter=["m", "m", "s", "s"],
+        answer=["m", "m", "s", "s"],
+        id=["m-00", "m-01", "s-00", "s-01"],
+    )
     assert scores == [1.0, 1.0, 0.0, 1.0]
 
 
@@ -88,8 +97,10 @@ def test_the_data_file_loads_with_the_column_the_reward_reads():
     # the gold replies of a few rows score 1 under their own columns
     problems = task.train[:5]
     replies = [f"{p.columns['letter'].upper()}ottle" for p in problems]
-    assert reward.one_word(replies, [p.question for p in problems],
-                           letter=[p.columns["letter"] for p in problems]) == [1.0] * 5
+    assert (
+        reward.one_word(replies, [p.question for p in problems], letter=[p.columns["letter"] for p in problems])
+        == [1.0] * 5
+    )
 
 
 def test_the_recipe_loads_as_qae_train_loads_it(monkeypatch):
@@ -118,20 +129,43 @@ def test_one_step_of_the_recipe_runs_with_its_reward_file(tmp_path, smollm2_gguf
     if not {"reward", "prompt_template"} <= set(TrainConfig.__dataclass_fields__):
         pytest.skip("qae train has no --reward or --prompt-template yet (issue 37)")
     qae = str(Path(sys.executable).parent / "qae")
-    result = subprocess.run([qae, "train", "--config", "examples/one-word/recipe.toml",
-                             "--reward", "examples/one-word/reward.py:one_word", "--prompt-template", "{question}",
-                             "--steps", "1", "--eval-every", "1", "--eval-limit", "8", "--run-name", "one-word",
-                             "--runs-dir", str(tmp_path)],
-                            cwd=EXAMPLE.parents[1], capture_output=True, text=True, timeout=3600)
+    result = subprocess.run(
+        [
+            qae,
+            "train",
+            "--config",
+            "examples/one-word/recipe.toml",
+            "--reward",
+            "examples/one-word/reward.py:one_word",
+            "--prompt-template",
+            "{question}",
+            "--steps",
+            "1",
+            "--eval-every",
+            "1",
+            "--eval-limit",
+            "8",
+            "--run-name",
+            "one-word",
+            "--runs-dir",
+            str(tmp_path),
+        ],
+        cwd=EXAMPLE.parents[1],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     path = db_path(tmp_path, "one-word")
     assert read_run(path)["status"] == "finished"
     rows = {row["id"]: row for row in map(json.loads, (EXAMPLE / "data.jsonl").read_text().splitlines())}
     groups = query(path, "SELECT prompt_id, prompt FROM groups")
-    assert len(groups) == 4 and all(prompt == rows[i]["question"] for i, prompt in zip(groups["prompt_id"],
-                                                                                      groups["prompt"], strict=True))
+    assert len(groups) == 4 and all(
+        prompt == rows[i]["question"] for i, prompt in zip(groups["prompt_id"], groups["prompt"], strict=True)
+    )
     rollouts = query(path, "SELECT prompt_id, response, correct FROM rollouts")
     assert len(rollouts) == 32
-    expected = reward.one_word(rollouts["response"].tolist(), None,
-                               letter=[rows[i]["letter"] for i in rollouts["prompt_id"]])
+    expected = reward.one_word(
+        rollouts["response"].tolist(), None, letter=[rows[i]["letter"] for i in rollouts["prompt_id"]]
+    )
     assert rollouts["correct"].tolist() == [score == 1.0 for score in expected]

@@ -59,8 +59,16 @@ def math_file(tmp_path):
 
 @pytest.mark.slow
 def test_hostile_outputs_in_a_training_step(tmp_path, math_file):
-    cfg = build_config(data=str(math_file), steps=2, group_size=len(HOSTILE), prompts_per_step=2, eval_every=0,
-                       max_new_tokens=4, verify_timeout_s=1.5, run_name="hostile")
+    cfg = build_config(
+        data=str(math_file),
+        steps=2,
+        group_size=len(HOSTILE),
+        prompts_per_step=2,
+        eval_every=0,
+        max_new_tokens=4,
+        verify_timeout_s=1.5,
+        run_name="hostile",
+    )
     trainer = Trainer(cfg, tmp_path, cpu=True)
     trainer.engine = HostileEngine(trainer.codec)
     trainer.fit()
@@ -68,11 +76,16 @@ def test_hostile_outputs_in_a_training_step(tmp_path, math_file):
     assert steps["step"].tolist() == [1, 2]  # the run went on after the killed workers
     # 2 of 12 responses per step are power towers that time out; the rest are scored
     assert steps["frac_unverified"].tolist() == pytest.approx([2 / 12, 2 / 12])
-    rollouts = query(db_path(tmp_path, "hostile"), "SELECT r.*, g.answer FROM rollouts r JOIN groups g "
-                     "USING (run_id, step, group_idx) WHERE step = 2 ORDER BY group_idx, sample_idx")
+    rollouts = query(
+        db_path(tmp_path, "hostile"),
+        "SELECT r.*, g.answer FROM rollouts r JOIN groups g "
+        "USING (run_id, step, group_idx) WHERE step = 2 ORDER BY group_idx, sample_idx",
+    )
     assert rollouts["verified"].tolist() == [False, True, True, True, True, True] * 2
-    expected = {"1": [0, 1, 1, 0, 0, 1],  # long padding or deep braces around a final \boxed{1} are still right
-                "7": [0, 0, 0, 0, 0, 0]}  # 10,000 sevens are not 7
+    expected = {
+        "1": [0, 1, 1, 0, 0, 1],  # long padding or deep braces around a final \boxed{1} are still right
+        "7": [0, 0, 0, 0, 0, 0],
+    }  # 10,000 sevens are not 7
     for answer, group in rollouts.groupby("answer"):
         assert group["reward"].tolist() == expected[answer]
     # the two stuck items of each step were cut at their deadline, side by side on the two workers

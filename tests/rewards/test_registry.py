@@ -22,7 +22,7 @@ from qae_app.rewards.specs import (
     parse_reward_weights,
 )
 
-USER_REWARDS = '''
+USER_REWARDS = """
 import os, time
 from pathlib import Path
 
@@ -83,10 +83,12 @@ def hangs(completions, **kwargs):
 
 def huge(completions, **kwargs):
     return [1e308]
-'''
+"""
 
-PROBLEMS = [Problem("p1", "1+1=", "2", columns={"question": "1+1=", "tests": ["a", "b"]}),
-            Problem("p2", "2+2=", "4", columns={"question": "2+2=", "tests": ["c"]})]
+PROBLEMS = [
+    Problem("p1", "1+1=", "2", columns={"question": "1+1=", "tests": ["a", "b"]}),
+    Problem("p2", "2+2=", "4", columns={"question": "2+2=", "tests": ["c"]}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -111,26 +113,32 @@ def score(rewards: RewardSet, completions: list[str], step: int = 0):
 # specs
 
 
-@pytest.mark.parametrize("text, kind, target, function", [
-    ("math", "builtin", "math", None),
-    ("exact_int", "builtin", "exact_int", None),
-    ("rewards.py:score", "file", "rewards.py", "score"),
-    ("tasks/fmt/r.py:check_format", "file", "tasks/fmt/r.py", "check_format"),
-    ("C:\\work\\r.py:score", "file", "C:\\work\\r.py", "score"),  # the function is after the last colon
-    ("mypkg.rewards:score", "module", "mypkg.rewards", "score"),
-])
+@pytest.mark.parametrize(
+    "text, kind, target, function",
+    [
+        ("math", "builtin", "math", None),
+        ("exact_int", "builtin", "exact_int", None),
+        ("rewards.py:score", "file", "rewards.py", "score"),
+        ("tasks/fmt/r.py:check_format", "file", "tasks/fmt/r.py", "check_format"),
+        ("C:\\work\\r.py:score", "file", "C:\\work\\r.py", "score"),  # the function is after the last colon
+        ("mypkg.rewards:score", "module", "mypkg.rewards", "score"),
+    ],
+)
 def test_a_spec_names_a_builtin_a_file_or_a_module(text, kind, target, function):
     spec = parse_reward_spec(text)
     assert (spec.kind, spec.target, spec.function) == (kind, target, function)
     assert spec.name == (function or target)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("mth", "'mth' is not a built-in reward. Pass a built-in reward (exact_int, chain_final, math, final_number)"),
-    ("r.py:", "names no function after the last ':'"),
-    ("r.py:2fast", "'2fast' is not a Python name"),
-    ("my-pkg:score", "'my-pkg' is neither a .py file nor a dotted module name"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("mth", "'mth' is not a built-in reward. Pass a built-in reward (exact_int, chain_final, math, final_number)"),
+        ("r.py:", "names no function after the last ':'"),
+        ("r.py:2fast", "'2fast' is not a Python name"),
+        ("my-pkg:score", "'my-pkg' is neither a .py file nor a dotted module name"),
+    ],
+)
 def test_a_bad_spec_is_named_with_the_forms_it_may_take(text, message):
     with pytest.raises(QAEUserError, match="^reward: ") as err:
         parse_reward_spec(text)
@@ -140,9 +148,12 @@ def test_a_bad_spec_is_named_with_the_forms_it_may_take(text, message):
 def test_weights_are_one_finite_number_per_reward():
     assert parse_reward_weights(None, 2) == (1.0, 1.0)
     assert parse_reward_weights("1, 0.5,-2", 3) == (1.0, 0.5, -2.0)
-    for text, message in (("1,x", "not a comma list of numbers"), ("1,nan", "not a finite number"),
-                          ("1", "1 weight (1) for 2 rewards"),
-                          ("1e308,1e308", "sum to more than a number holds")):  # (issue 48 L5: an inf total)
+    for text, message in (
+        ("1,x", "not a comma list of numbers"),
+        ("1,nan", "not a finite number"),
+        ("1", "1 weight (1) for 2 rewards"),
+        ("1e308,1e308", "sum to more than a number holds"),
+    ):  # (issue 48 L5: an inf total)
         with pytest.raises(QAEUserError, match="^reward-weights: ") as err:
             parse_reward_weights(text, 2)
         assert message in str(err.value)
@@ -155,11 +166,15 @@ def test_weights_are_one_finite_number_per_reward():
 def test_a_resume_names_reward_code_again_before_any_is_imported():
     check_named_again(["math"], None, "r")  # a built-in runs no user code: nothing to name
     check_named_again(["r.py:score"], ["r.py:score"], "r")
-    with pytest.raises(QAEUserError, match="run 'r' scores with reward code \\(r.py:score\\). A run folder never runs "
-                                           "code by itself: .*qae train --resume r --reward math --reward r.py:score"):
+    with pytest.raises(
+        QAEUserError,
+        match="run 'r' scores with reward code \\(r.py:score\\). A run folder never runs "
+        "code by itself: .*qae train --resume r --reward math --reward r.py:score",
+    ):
         check_named_again(["math", "r.py:score"], None, "r")
-    with pytest.raises(QAEUserError, match="qae train --resume r --reward math --reward r.py:score --reward-weights "
-                                           "1,0.5`"):
+    with pytest.raises(
+        QAEUserError, match="qae train --resume r --reward math --reward r.py:score --reward-weights 1,0.5`"
+    ):
         check_named_again(["math", "r.py:score"], None, "r", "1,0.5")
 
 
@@ -232,18 +247,22 @@ def test_user_code_runs_in_a_worker_process_never_in_this_one(rewards_file):
 # failures: one message each
 
 
-@pytest.mark.parametrize("function, message", [
-    ("too_many", "returned 2 scores for 1 completion: [1.0, 0.0]. Return one score per completion"),
-    ("not_a_list", "returned 1.0 (a float) where a list of scores goes"),
-    ("nan", "returned nan as a score: a score must be a finite number, or None"),
-    ("infinite", "returned -inf as a score: a score must be a finite number"),
-    ("words", "returned 'correct' (a str) as a score: a score is a number (float, int or bool), or None"),
-])
+@pytest.mark.parametrize(
+    "function, message",
+    [
+        ("too_many", "returned 2 scores for 1 completion: [1.0, 0.0]. Return one score per completion"),
+        ("not_a_list", "returned 1.0 (a float) where a list of scores goes"),
+        ("nan", "returned nan as a score: a score must be a finite number, or None"),
+        ("infinite", "returned -inf as a score: a score must be a finite number"),
+        ("words", "returned 'correct' (a str) as a score: a score is a number (float, int or bool), or None"),
+    ],
+)
 def test_a_bad_return_value_is_one_message_naming_it(rewards_file, function, message):
     with user_set(rewards_file, function) as rewards, pytest.raises(RewardError) as err:
         score(rewards, ["2"], step=3)
-    assert str(err.value).startswith(f"reward: {rewards_file}:{function} failed at step 3 on response 1 of 1 ('2'): "
-                                     "it ")
+    assert str(err.value).startswith(
+        f"reward: {rewards_file}:{function} failed at step 3 on response 1 of 1 ('2'): it "
+    )
     assert message in str(err.value)
 
 
@@ -263,12 +282,15 @@ def test_a_column_the_function_asks_for_and_the_data_lacks_is_named(rewards_file
     assert str(err.value) == (
         f"reward: {rewards_file}:needs_tests: the function asks for 'unit_tests', which the data does not have. The "
         "data's columns: question, tests; every reward also gets completions, prompts, completion_ids, answer, step. "
-        "Give the parameter a default, take **kwargs, or use data with that column.")
+        "Give the parameter a default, take **kwargs, or use data with that column."
+    )
 
 
 def test_a_function_that_is_not_in_the_file_is_named_with_those_that_are(rewards_file):
-    with user_set(rewards_file, "scroe") as rewards, pytest.raises(RewardError, match="has no function 'scroe' "
-                                                                                      "\\(its functions: boom, "):
+    with (
+        user_set(rewards_file, "scroe") as rewards,
+        pytest.raises(RewardError, match="has no function 'scroe' \\(its functions: boom, "),
+    ):
         rewards.check(data_columns(PROBLEMS))
 
 
@@ -278,29 +300,36 @@ def test_a_response_past_the_deadline_scores_none_and_is_counted(rewards_file):
         warning = rewards.timeout_warning(2, 3)
     assert components == {"slow_on_some": [1.0, None, 1.0]}
     assert warning["kind"] == "reward_timeout"
-    assert f"{rewards_file}:slow_on_some: 1 of 3" in warning["message"] and "--verify-timeout-s 0.6 s" in \
-        warning["message"]
+    assert (
+        f"{rewards_file}:slow_on_some: 1 of 3" in warning["message"]
+        and "--verify-timeout-s 0.6 s" in warning["message"]
+    )
 
 
 def test_a_function_that_hangs_on_every_response_stops_with_one_message(rewards_file):
     with user_set(rewards_file, "hangs", timeout_s=0.3) as rewards, pytest.raises(RewardError) as err:
         score(rewards, ["a", "b"], step=4)
-    assert str(err.value) == (f"reward: {rewards_file}:hangs scored none of the 2 responses of step 4 within "
-                              "--verify-timeout-s 0.3 s: it hangs, or is far slower than that. Fix it (or raise "
-                              "--verify-timeout-s) and resume the run.")
+    assert str(err.value) == (
+        f"reward: {rewards_file}:hangs scored none of the 2 responses of step 4 within "
+        "--verify-timeout-s 0.3 s: it hangs, or is far slower than that. Fix it (or raise "
+        "--verify-timeout-s) and resume the run."
+    )
 
 
 def test_a_file_that_cannot_be_imported_is_refused_with_its_error_before_scoring(tmp_path):
     (tmp_path / "broken.py").write_text("def score(completions, **kwargs)\n    return [1.0]\n")
-    with RewardSet(parse_reward_specs([f"{tmp_path}/broken.py:score"])) as rewards, \
-            pytest.raises(RewardError) as err:
+    with RewardSet(parse_reward_specs([f"{tmp_path}/broken.py:score"])) as rewards, pytest.raises(RewardError) as err:
         rewards.check(data_columns(PROBLEMS))
     text = str(err.value)
     assert text.startswith(f"reward: {tmp_path}/broken.py:score: importing it raised:\n")
     assert f'File "{tmp_path}/broken.py", line 1' in text and "SyntaxError: expected ':'" in text
-    with RewardSet(parse_reward_specs(["no_such_module.rewards:score"])) as rewards, \
-            pytest.raises(RewardError, match="ModuleNotFoundError: No module named 'no_such_module'\n\\(a module "
-                                             "must be importable here"):
+    with (
+        RewardSet(parse_reward_specs(["no_such_module.rewards:score"])) as rewards,
+        pytest.raises(
+            RewardError,
+            match="ModuleNotFoundError: No module named 'no_such_module'\n\\(a module must be importable here",
+        ),
+    ):
         rewards.check(data_columns(PROBLEMS))
 
 
@@ -309,8 +338,10 @@ def test_a_weighted_sum_past_what_a_number_holds_is_refused_not_stored(rewards_f
     NULL. The sum is refused with the components and weights that made it."""
     with user_set(rewards_file, "huge", "exact", weights=(2.0, 1.0)) as rewards, pytest.raises(RewardError) as err:
         score(rewards, ["2", "4"])
-    assert str(err.value).startswith("reward-weights: response 1's weighted sum of its rewards is inf (huge 1e+308 "
-                                     "x 2, exact 1.0 x 1), past what a number holds.")
+    assert str(err.value).startswith(
+        "reward-weights: response 1's weighted sum of its rewards is inf (huge 1e+308 "
+        "x 2, exact 1.0 x 1), past what a number holds."
+    )
 
 
 def test_a_failing_library_function_is_not_called_the_users_to_fix(tmp_path):
@@ -325,10 +356,16 @@ def test_a_failing_library_function_is_not_called_the_users_to_fix(tmp_path):
     from qae_app.rewards.specs import parse_reward_spec
 
     rewards = ["trl.rewards:think_format_reward", "math"]
-    trainer = SimpleNamespace(runs_dir=tmp_path, run_id="r", state=SimpleNamespace(step=2),
-                              cfg=TrainConfig(reward=rewards, reward_weights="1,0.5"))
+    trainer = SimpleNamespace(
+        runs_dir=tmp_path,
+        run_id="r",
+        state=SimpleNamespace(step=2),
+        cfg=TrainConfig(reward=rewards, reward_weights="1,0.5"),
+    )
     failed = RewardError("reward: trl.rewards:think_format_reward failed at step 3", parse_reward_spec(rewards[0]))
     said = str(_with_reward_resume(trainer, failed))
     assert "is fixed" not in said and "trl.rewards is an installed module" in said
-    assert (f"continue it with: qae train --resume r --reward trl.rewards:think_format_reward --reward math "
-            f"--reward-weights 1,0.5 --runs-dir {tmp_path} (add") in said
+    assert (
+        f"continue it with: qae train --resume r --reward trl.rewards:think_format_reward --reward math "
+        f"--reward-weights 1,0.5 --runs-dir {tmp_path} (add"
+    ) in said

@@ -48,35 +48,41 @@ def strict_pool():
 # extract_answer
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("so the answer is \\boxed{42}.", "42"),
-    ("first \\boxed{1}, then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # the last box
-    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),  # balanced braces inside
-    ("\\boxed{\\boxed{7}}", "7"),
-    ("$\\fbox{12}$", "12"),
-    ("hence \\boxed 5 is it", "5"),
-    ("\\boxed {3}", "3"),
-    ("\\boxed{8} and then an unterminated \\boxed{9", "8"),  # the last *complete* box
-    ("The answer is $\\frac{3}{4}$.", "\\frac{3}{4}"),
-    ("blah\nAnswer: 17\n", "17"),
-    ("the answer is 1, no wait\nthe final answer is 2.", "2"),
-    ("step\n#### 1,000", "1,000"),
-    ("no final answer here", None),
-    ("\\boxed{}", None),
-    ("\\boxedx{3}", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("so the answer is \\boxed{42}.", "42"),
+        ("first \\boxed{1}, then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # the last box
+        ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),  # balanced braces inside
+        ("\\boxed{\\boxed{7}}", "7"),
+        ("$\\fbox{12}$", "12"),
+        ("hence \\boxed 5 is it", "5"),
+        ("\\boxed {3}", "3"),
+        ("\\boxed{8} and then an unterminated \\boxed{9", "8"),  # the last *complete* box
+        ("The answer is $\\frac{3}{4}$.", "\\frac{3}{4}"),
+        ("blah\nAnswer: 17\n", "17"),
+        ("the answer is 1, no wait\nthe final answer is 2.", "2"),
+        ("step\n#### 1,000", "1,000"),
+        ("no final answer here", None),
+        ("\\boxed{}", None),
+        ("\\boxedx{3}", None),
+    ],
+)
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
 
-@pytest.mark.parametrize("hostile, expected", [
-    ("x" * 100_000 + "\\boxed{1}", "1"),
-    ("{" * 5000 + "\\boxed{" + "{" * 5000 + "1" + "}" * 4000, None),  # the box never closes
-    ("\\boxed{" * 20_000, None),  # thousands of unterminated boxes: each must not rescan the rest
-    ("answer is " * 20_000, None),
-    ("\\boxed{" + "9" * 10_000 + "}", "9" * 10_000),
-    ("}" * 50_000 + "{" * 50_000, None),
-])
+@pytest.mark.parametrize(
+    "hostile, expected",
+    [
+        ("x" * 100_000 + "\\boxed{1}", "1"),
+        ("{" * 5000 + "\\boxed{" + "{" * 5000 + "1" + "}" * 4000, None),  # the box never closes
+        ("\\boxed{" * 20_000, None),  # thousands of unterminated boxes: each must not rescan the rest
+        ("answer is " * 20_000, None),
+        ("\\boxed{" + "9" * 10_000 + "}", "9" * 10_000),
+        ("}" * 50_000 + "{" * 50_000, None),
+    ],
+)
 def test_extract_answer_on_hostile_text(hostile, expected):
     """What each hostile text gives. How long it takes is measured by `python bench/bench_verifier.py` (slowest of
     these 4.0 ms on 2 cores; 10x more nested boxes cost about 10x, not 100x), not bounded here."""
@@ -195,15 +201,18 @@ def deadline_pool():
         yield pool
 
 
-@pytest.mark.parametrize("response, gold", [
-    (NEVER_RETURNS, "1"),
-    ("So the answer is \\boxed{" + "1+" * 50_000 + "1}", "1"),  # 100k characters inside the box
-    ("x" * 100_000, "1"),
-    ("\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}", "2"),
-    ("\\boxed{" * 3 + "1", "1"),
-    ("\\boxed{" + "7" * 10_000 + "}", "7"),
-    ("\\boxed{" + "7" * 10_000 + "}", "7" * 9_999 + "8"),
-])
+@pytest.mark.parametrize(
+    "response, gold",
+    [
+        (NEVER_RETURNS, "1"),
+        ("So the answer is \\boxed{" + "1+" * 50_000 + "1}", "1"),  # 100k characters inside the box
+        ("x" * 100_000, "1"),
+        ("\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}", "2"),
+        ("\\boxed{" * 3 + "1", "1"),
+        ("\\boxed{" + "7" * 10_000 + "}", "7"),
+        ("\\boxed{" + "7" * 10_000 + "}", "7" * 9_999 + "8"),
+    ],
+)
 def test_hostile_answers_are_scored_in_bounded_time(deadline_pool, response, gold):
     scored, timeouts = deadline_pool.items_scored, deadline_pool.timeouts
     [score] = deadline_pool.score([response], [gold])
@@ -258,7 +267,6 @@ def test_crashed_worker_scores_none_and_is_replaced():
         assert pool.worker_pids() != [pid]
 
 
-
 def test_a_batch_of_hanging_answers_is_bounded_and_honest_answers_are_scored_first():
     """Towers first in the batch: each gets a quick try, the honest answers are scored, then the towers' full tries
     run until the batch bound cuts the rest off (None, counted)."""
@@ -284,9 +292,12 @@ def test_a_worker_that_dies_while_starting_is_replaced(monkeypatch):
 def test_workers_that_keep_dying_while_starting_give_a_message_that_says_so(monkeypatch):
     monkeypatch.setenv("QAE_FAULT", "verifier_start@*")
     with MathVerifierPool(timeout_s=1.0, num_workers=2, shortcuts=False, max_start_failures=3) as pool:
-        with pytest.raises(RuntimeError, match=r"died while starting, 3 times in a row \(exit codes -9 \(killed by "
-                                               r"SIGKILL\), -9 \(killed by SIGKILL\), -9 \(killed by SIGKILL\)\); "
-                                               "something kills new processes"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"died while starting, 3 times in a row \(exit codes -9 \(killed by "
+            r"SIGKILL\), -9 \(killed by SIGKILL\), -9 \(killed by SIGKILL\)\); "
+            "something kills new processes",
+        ):
             pool.score(["\\boxed{1}"], ["1"])
         assert pool.start_failures == 3 and pool.worker_pids() == []
         monkeypatch.delenv("QAE_FAULT")
@@ -341,8 +352,9 @@ def _signal_the_group_mid_batch(tmp_path, signum, mode, n=400):
     whole group once it is scoring, and return what it reported."""
     script = tmp_path / "score_then_signal.py"
     script.write_text(SIGNAL_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), mode, str(n)], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group, with its workers in it
+    proc = subprocess.Popen(
+        [sys.executable, str(script), mode, str(n)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )  # its own process group, with its workers in it
     try:
         assert proc.stdout.readline().strip() == "scoring"
         os.killpg(proc.pid, signum)

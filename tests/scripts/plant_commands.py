@@ -40,10 +40,19 @@ def run_case(case: Path) -> None:
         ran = (case / MARKER).exists()
         if ran:
             (case / MARKER).unlink()
-        print(json.dumps({"case": str(case), "command": name, "exit": result.exit_code,
-                          "exception": None if exception is None else
-                          "".join(traceback.format_exception(exception))[-3000:],
-                          "ran_payload": ran, "output": result.output[-4000:]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "case": str(case),
+                    "command": name,
+                    "exit": result.exit_code,
+                    "exception": None if exception is None else "".join(traceback.format_exception(exception))[-3000:],
+                    "ran_payload": ran,
+                    "output": result.output[-4000:],
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,17 @@ from qae_app.config import build_config
 from qae_app.models.sharding import full_state_dict, is_sharded
 from qae_app.train.trainer import Trainer
 
-OPTIONS = dict(steps=3, prompts_per_step=4, group_size=8, num_mini_batches=4, micro_batch_size=3, eval_every=0,
-               checkpoint_every=0, warmup_steps=4, seed=5)
+OPTIONS = dict(
+    steps=3,
+    prompts_per_step=4,
+    group_size=8,
+    num_mini_batches=4,
+    micro_batch_size=3,
+    eval_every=0,
+    checkpoint_every=0,
+    warmup_steps=4,
+    seed=5,
+)
 
 
 class SeededPerPrompt:
@@ -57,9 +66,14 @@ class SeededPerPrompt:
         samples = []
         for i, prompt in enumerate(prompts):
             uniform = self.uniform_from is not None and self.first_prompt + i >= self.uniform_from
-            drawn = self.engine.generate([prompt], 1 if uniform else n, temperature, max_new_tokens,
-                                         seed=1000 * self.step + self.first_prompt + i)
-            for sample in (drawn * n if uniform else drawn):
+            drawn = self.engine.generate(
+                [prompt],
+                1 if uniform else n,
+                temperature,
+                max_new_tokens,
+                seed=1000 * self.step + self.first_prompt + i,
+            )
+            for sample in drawn * n if uniform else drawn:
                 samples.append(dataclasses.replace(sample, prompt_index=i))
         return samples
 
@@ -77,10 +91,12 @@ DYNAMIC = dict(dynamic_sampling=True, max_gen_batches=6, reward_values="-1,1")
 MEMORY_MODES = {"checkpointing": dict(gradient_checkpointing=True), "budget": dict(max_tokens_per_micro_batch=40)}
 LORA = dict(lora_rank=4, kl_beta=0.1, lr=1e-3)
 BF16_ROLLOUT = dict(rollout_dtype="bfloat16")
-LOSSES = {"clip_cov": dict(policy_loss="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=0.0),
-          "kl_cov": dict(policy_loss="kl_cov", kl_cov_ratio=0.1),
-          "gspo": dict(policy_loss="gspo", gspo_clip_low=0.002, gspo_clip_high=0.002),
-          "cispo": dict(policy_loss="cispo", cispo_weight_cap=1.0001)}
+LOSSES = {
+    "clip_cov": dict(policy_loss="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=0.0),
+    "kl_cov": dict(policy_loss="kl_cov", kl_cov_ratio=0.1),
+    "gspo": dict(policy_loss="gspo", gspo_clip_low=0.002, gspo_clip_high=0.002),
+    "cispo": dict(policy_loss="cispo", cispo_weight_cap=1.0001),
+}
 ENTROPY = dict(top_entropy_quantile=0.5, entropy_coef=0.01, entropy_target=5.0)
 HACKING = str(Path(__file__).resolve().parents[1] / "hacking_rewards.py")
 REWARDS = dict(reward=[f"{HACKING}:exact_with_unit", f"{HACKING}:one_char"], reward_weights="1,0.2")
@@ -92,17 +108,25 @@ def main(runs_dir: str, run_name: str, mode: str = "") -> None:
         from qae_app.train import shared_prompts
 
         shared_prompts.MIN_SPARED_WORK = 0
-    options = dict(OPTIONS, **(DYNAMIC if "dynamic" in modes else {}), **(LORA if "lora" in modes else {}),
-                   **(BF16_ROLLOUT if "bf16rollout" in modes else {}), **(REWARDS if "rewards" in modes else {}),
-                   log_entropy_attribution="attribution" in modes)
+    options = dict(
+        OPTIONS,
+        **(DYNAMIC if "dynamic" in modes else {}),
+        **(LORA if "lora" in modes else {}),
+        **(BF16_ROLLOUT if "bf16rollout" in modes else {}),
+        **(REWARDS if "rewards" in modes else {}),
+        log_entropy_attribution="attribution" in modes,
+    )
     for mode_name, mode_options in {**MEMORY_MODES, **LOSSES, "entropy": ENTROPY}.items():
         if mode_name in modes:
             options.update(mode_options)
     trainer = Trainer(build_config(run_name=run_name, **options), Path(runs_dir), cpu=True)
     acc = trainer.accelerator
     per_step = options["prompts_per_step"]
-    trainer.engine = SeededPerPrompt(trainer.engine, acc.process_index * per_step // acc.num_processes,
-                                     uniform_from=per_step // 2 if "dynamic" in modes else None)
+    trainer.engine = SeededPerPrompt(
+        trainer.engine,
+        acc.process_index * per_step // acc.num_processes,
+        uniform_from=per_step // 2 if "dynamic" in modes else None,
+    )
     forwards = [0]
     if "lockstep" in modes:
         trainer.lockstep = True
@@ -127,8 +151,11 @@ def main(runs_dir: str, run_name: str, mode: str = "") -> None:
     if "lockstep" in modes:
         (Path(runs_dir) / f"{run_name}.forwards.{acc.process_index}").write_text(str(forwards[0]))
     model = acc.unwrap_model(trainer.model)
-    params = (full_state_dict(model) if is_sharded(model)  # (a collective: every process gathers)
-              else {name: p.detach().cpu() for name, p in model.named_parameters()})
+    params = (
+        full_state_dict(model)
+        if is_sharded(model)  # (a collective: every process gathers)
+        else {name: p.detach().cpu() for name, p in model.named_parameters()}
+    )
     if acc.is_main_process:
         torch.save(params, Path(runs_dir) / f"{run_name}.params.pt")
 

@@ -31,7 +31,7 @@ def trainer_logprobs(model, pairs, temperature: float = 1.0) -> list[list[float]
     out = []
     for prompt, response in pairs:
         ids = torch.tensor([prompt + response])
-        logits = model(ids).logits[0, len(prompt) - 1: -1].float() / temperature  # (response tokens, vocab)
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature  # (response tokens, vocab)
         out.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0].tolist())
     return out
 
@@ -42,8 +42,10 @@ def engine_logprobs(engine, pairs) -> list[list[float]]:
     params = engine.sampling_params(1, 1.0, 1, 0)
     params.prompt_logprobs = 0
     outputs = engine.llm.generate([{"prompt_token_ids": p + r} for p, r in pairs], params, use_tqdm=False)
-    return [[step[token].logprob for step, token in zip(out.prompt_logprobs[len(p):], r, strict=True)]
-            for out, (p, r) in zip(outputs, pairs, strict=True)]
+    return [
+        [step[token].logprob for step, token in zip(out.prompt_logprobs[len(p) :], r, strict=True)]
+        for out, (p, r) in zip(outputs, pairs, strict=True)
+    ]
 
 
 def gap(a, b) -> float:
@@ -61,8 +63,16 @@ def sampling_checks(engine, model, codec, report: dict) -> list[tuple[list[int],
     samples = engine.generate(PROMPTS, n=4, temperature=0.7, max_new_tokens=MAX_NEW_TOKENS, seed=3)
     again = engine.generate(PROMPTS, n=4, temperature=0.7, max_new_tokens=MAX_NEW_TOKENS, seed=3)
     pairs = [(s.prompt_ids, s.response_ids) for s in samples]
-    report["samples"] = [{"prompt_index": s.prompt_index, "response_ids": s.response_ids, "text": s.text,
-                          "truncated": s.truncated, "token_logprobs": s.token_logprobs} for s in samples]
+    report["samples"] = [
+        {
+            "prompt_index": s.prompt_index,
+            "response_ids": s.response_ids,
+            "text": s.text,
+            "truncated": s.truncated,
+            "token_logprobs": s.token_logprobs,
+        }
+        for s in samples
+    ]
     report["stop_ids"] = list(codec.stop_ids)
     report["prompt_ids"] = [codec.encode(p) for p in PROMPTS]
     report["repeat_same"] = [s.response_ids for s in again] == [s.response_ids for s in samples]
@@ -73,9 +83,14 @@ def sampling_checks(engine, model, codec, report: dict) -> list[tuple[list[int],
     greedy = engine.generate(PROMPTS[:1], n=1, temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=0)
     engine.sampling = SamplingOptions()
     report["greedy_top_k1"] = greedy[0].response_ids
-    hf = model.generate(torch.tensor([report["prompt_ids"][0]]), do_sample=False, max_new_tokens=MAX_NEW_TOKENS,
-                        eos_token_id=list(codec.stop_ids), pad_token_id=codec.pad_id)
-    report["greedy_hf"] = hf[0, len(report["prompt_ids"][0]):].tolist()
+    hf = model.generate(
+        torch.tensor([report["prompt_ids"][0]]),
+        do_sample=False,
+        max_new_tokens=MAX_NEW_TOKENS,
+        eos_token_id=list(codec.stop_ids),
+        pad_token_id=codec.pad_id,
+    )
+    report["greedy_hf"] = hf[0, len(report["prompt_ids"][0]) :].tolist()
     return pairs
 
 
@@ -107,14 +122,16 @@ def sync_checks(engine, model, pairs, report: dict) -> None:
     report["lora_moved"] = mean_gap(lora_logprobs, new)
     engine.sync_weights(lora)
     lora_engine = engine_logprobs(engine, pairs)
-    report["engine_vs_lora"], report["engine_vs_lora_mean"] = gap(lora_engine, lora_logprobs), mean_gap(lora_engine,
-                                                                                                        lora_logprobs)
+    report["engine_vs_lora"], report["engine_vs_lora_mean"] = (
+        gap(lora_engine, lora_logprobs),
+        mean_gap(lora_engine, lora_logprobs),
+    )
 
 
 def trainer_logprobs_grad(model, pairs):
     rows = []
     for prompt, response in pairs:
-        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1: -1]
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
         rows.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0])
     return rows
 
@@ -128,8 +145,15 @@ def main(gguf: str, out: str) -> None:
     except QAEUserError as err:
         report["sleep_error"] = str(err)
     rng = torch.get_rng_state()
-    engine = make_engine("vllm", model, codec, model_path=gguf, rollout_dtype="float32", max_model_len=MAX_MODEL_LEN,
-                         gpu_memory_utilization=0.35)
+    engine = make_engine(
+        "vllm",
+        model,
+        codec,
+        model_path=gguf,
+        rollout_dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        gpu_memory_utilization=0.35,
+    )
     report["rng_kept"] = torch.equal(rng, torch.get_rng_state())
     report["threads_after"] = torch.get_num_threads()
     report["sleeps"] = engine.sleeps

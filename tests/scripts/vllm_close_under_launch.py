@@ -28,8 +28,10 @@ def main() -> None:
     total = torch.tensor([float(state.process_index)])
     torch.distributed.all_reduce(total)  # on the default group, after an engine closed
     second = sample_once(model, codec)
-    print(json.dumps({"rank": state.process_index, "sum_after_close": total.item(), "second_engine_samples": second}),
-          flush=True)
+    print(
+        json.dumps({"rank": state.process_index, "sum_after_close": total.item(), "second_engine_samples": second}),
+        flush=True,
+    )
     torch.distributed.destroy_process_group()  # still there to destroy: the engines left it
     sys.exit(0)
 

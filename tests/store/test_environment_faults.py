@@ -33,8 +33,9 @@ def _flat(output: str) -> str:
 def trained_run(tmp_path_factory):
     """A finished two-step run with a checkpoint per step."""
     runs = tmp_path_factory.mktemp("envfaults") / "runs"
-    result = runner.invoke(app, ["train", *TINY, "--checkpoint-every", "1", "--run-name", "base", "--runs-dir",
-                                 str(runs)])
+    result = runner.invoke(
+        app, ["train", *TINY, "--checkpoint-every", "1", "--run-name", "base", "--runs-dir", str(runs)]
+    )
     assert result.exit_code == 0, result.output
     return runs
 
@@ -45,8 +46,10 @@ def read_only_copy(trained_run, tmp_path):
     source, mounted = tmp_path / "source", tmp_path / "ro"
     shutil.copytree(trained_run, source)
     mounted.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "--bind", str(source), str(mounted)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "--bind", str(source), str(mounted)], capture_output=True).returncode != 0
+    ):
         pytest.skip("this process may not mount a read-only file system")
     try:
         subprocess.run(["mount", "-o", "remount,ro,bind", str(mounted)], check=True, capture_output=True)
@@ -55,10 +58,15 @@ def read_only_copy(trained_run, tmp_path):
         subprocess.run(["umount", str(mounted)], capture_output=True)
 
 
-@pytest.mark.parametrize("command", [["train", "--resume", "base", "--steps", "3"],
-                                     ["sweep", "--steps", "1", "--name", "study"],
-                                     ["eval", "--model", "base", "--limit", "2", "--samples", "1"],
-                                     ["train", "--run-name", "new", "--steps", "1"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train", "--resume", "base", "--steps", "3"],
+        ["sweep", "--steps", "1", "--name", "study"],
+        ["eval", "--model", "base", "--limit", "2", "--samples", "1"],
+        ["train", "--run-name", "new", "--steps", "1"],
+    ],
+)
 def test_a_read_only_runs_dir_is_named_as_such(read_only_copy, command):
     """`train --resume` and `sweep` ended in an OSError traceback; `eval --model RUN` called a healthy file damaged
     ("the steps logged in this file are lost unless you restore it from a backup")."""
@@ -76,12 +84,19 @@ def _limited(max_bytes: int):
     def limit() -> None:  # in the child: a real file-size limit, and SIGXFSZ ignored so a write fails with EFBIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
     return limit
 
 
 def _qae(args: list[str], max_bytes: int) -> subprocess.CompletedProcess:
-    return subprocess.run([QAE, *args], capture_output=True, text=True, preexec_fn=_limited(max_bytes),
-                          env=dict(os.environ, COLUMNS="200"), timeout=600)
+    return subprocess.run(
+        [QAE, *args],
+        capture_output=True,
+        text=True,
+        preexec_fn=_limited(max_bytes),
+        env=dict(os.environ, COLUMNS="200"),
+        timeout=600,
+    )
 
 
 @pytest.mark.slow
@@ -100,8 +115,9 @@ def test_a_checkpoint_past_a_file_size_limit_says_the_data_is_safe_and_resumes(t
     """A checkpoint larger than `ulimit -f` allows (the optimizer state, 6 MB) was a Python traceback, exit 1. Now:
     the cause, that the steps stored are safe, and the resume that continues once the limit is raised."""
     runs = tmp_path / "runs"
-    done = _qae(["train", *TINY, "--checkpoint-every", "1", "--run-name", "cut", "--runs-dir", str(runs)],
-                4 * 1024 * 1024)
+    done = _qae(
+        ["train", *TINY, "--checkpoint-every", "1", "--run-name", "cut", "--runs-dir", str(runs)], 4 * 1024 * 1024
+    )
     output = _flat(done.stdout + done.stderr)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "file-sizelimit" in output and "Traceback" not in output, output
@@ -117,13 +133,20 @@ def test_a_full_disk_during_a_checkpoint_names_the_space_needed_and_resumes(tmp_
     """A real full disk: a 6 MB tmpfs holds the run's database and first files but not a checkpoint (13 MB)."""
     small = tmp_path / "small"
     small.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(small)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(small)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("this process may not mount a small file system")
     try:
         runs = small / "runs"
-        done = _qae(["train", *TINY, "--checkpoint-every", "1", "--run-name", "full", "--runs-dir", str(runs)],
-                    resource.RLIM_INFINITY)
+        done = _qae(
+            ["train", *TINY, "--checkpoint-every", "1", "--run-name", "full", "--runs-dir", str(runs)],
+            resource.RLIM_INFINITY,
+        )
         output = _flat(done.stdout + done.stderr)
         assert done.returncode == 2, done.stdout + done.stderr
         assert "thediskisfull" in output and "Traceback" not in output, output
@@ -146,13 +169,21 @@ def test_an_export_to_a_read_only_or_full_disk_is_one_message(trained_run, tmp_p
     mounted = tmp_path / "disk"
     mounted.mkdir()
     options = "size=1m" if disk == "full" else "size=1m,ro"
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mounted)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mounted)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("this process may not mount a file system")
     try:
         before = db_path(trained_run, "base").read_bytes()
-        result = runner.invoke(app, ["export", "base", "--out", str(mounted / "hf"), "--runs-dir", str(trained_run)],
-                               env={"COLUMNS": "300"})
+        result = runner.invoke(
+            app,
+            ["export", "base", "--out", str(mounted / "hf"), "--runs-dir", str(trained_run)],
+            env={"COLUMNS": "300"},
+        )
         output = " ".join(result.output.split())
         assert result.exit_code == 2, result.output
         assert output.count("error:") == 1 and isinstance(result.exception, SystemExit)  # (no traceback)

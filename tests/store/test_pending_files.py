@@ -29,14 +29,18 @@ PLANTS = {
     "a value no column holds": {"kind": "step_update", "step": 1, "fields": {"loss": {"nested": [1]}}},
     "an unknown key": {"kind": "truncate", "step": 1, "sql": "DROP TABLE steps"},
     # issue 48 L3: each was a traceback (TypeError in fromisoformat, DuckDB's InvalidInputException, ...)
-    "a timestamp that is a number": {"kind": "step", "step": 1, "tables": {"steps": [{"loss": 0.5}]},
-                                     "logged_at": {"$datetime": 12345}},
-    "a 4,000-digit integer in a row": {"kind": "step", "step": 1, "tables": {"steps": [{"reward_mean": 10 ** 4000}]}},
+    "a timestamp that is a number": {
+        "kind": "step",
+        "step": 1,
+        "tables": {"steps": [{"loss": 0.5}]},
+        "logged_at": {"$datetime": 12345},
+    },
+    "a 4,000-digit integer in a row": {"kind": "step", "step": 1, "tables": {"steps": [{"reward_mean": 10**4000}]}},
     "text in a number column": {"kind": "step", "step": 1, "tables": {"rollouts": [{"reward": "NaN or so"}]}},
     "text in a flag column": {"kind": "step", "step": 1, "tables": {"rollouts": [{"gated": "yes"}]}},
     "a count past an INTEGER": {"kind": "step", "step": 1, "tables": {"groups": [{"n_correct": 1e12}]}},
     "text as a run's timestamp": {"kind": "run", "fields": {"updated_at": "yesterday"}},
-    "a step past any step": {"kind": "step_update", "step": 2 ** 40, "fields": {"loss": 1.0}},
+    "a step past any step": {"kind": "step_update", "step": 2**40, "fields": {"loss": 1.0}},
 }
 
 
@@ -80,21 +84,43 @@ def test_a_pending_write_nested_past_the_parser_is_named_not_a_traceback(run_fil
 def test_resume_and_eval_on_a_planted_run_name_the_file_and_run_nothing(tmp_path):
     """The reproduction: `qae train --resume` and `qae eval --model RUN` applied the planted statement (exit 0)."""
     runs_dir, marker = tmp_path / "runs", tmp_path / "marker"
-    trained = CliRunner().invoke(app, ["train", "--run-name", "r", "--steps", "1", "--prompts-per-step", "2",
-                                       "--group-size", "4", "--eval-every", "0", "--cpu", "--runs-dir", str(runs_dir)])
+    trained = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--run-name",
+            "r",
+            "--steps",
+            "1",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "0",
+            "--cpu",
+            "--runs-dir",
+            str(runs_dir),
+        ],
+    )
     assert trained.exit_code == 0, trained.output
     plant(runs_dir / "r" / "qae.duckdb", PLANTS["sql in a run field"], marker)
-    for args in (["train", "--resume", "r", "--steps", "2"],
-                 ["eval", "--model", "r", "--limit", "2", "--samples", "1"]):
+    for args in (
+        ["train", "--resume", "r", "--steps", "2"],
+        ["eval", "--model", "r", "--limit", "2", "--samples", "1"],
+    ):
         result = CliRunner().invoke(app, [*args, "--runs-dir", str(runs_dir)], env={"COLUMNS": "300"})
         assert result.exit_code == 2 and "is not a write qae saved" in result.output, (args, result.output)
         assert not marker.exists()
 
 
-@pytest.mark.parametrize("crafted", [
-    "DROP TABLE steps; CREATE VIEW steps AS SELECT 1 AS step, content AS loss FROM read_text('{secret}')",
-    "CREATE MACRO count(x) AS 0",
-])
+@pytest.mark.parametrize(
+    "crafted",
+    [
+        "DROP TABLE steps; CREATE VIEW steps AS SELECT 1 AS step, content AS loss FROM read_text('{secret}')",
+        "CREATE MACRO count(x) AS 0",
+    ],
+)
 def test_a_run_file_holding_views_or_macros_is_refused_before_any_query(run_file, tmp_path, crafted):
     """qae writes tables only: a view named like its table ran as SQL (`qae show` printed a file from outside the
     folder), and a macro can shadow a function qae's queries call."""
@@ -104,8 +130,7 @@ def test_a_run_file_holding_views_or_macros_is_refused_before_any_query(run_file
     secret.write_text("the secret")
     with duckdb.connect(str(run_file)) as con:
         con.execute(crafted.format(secret=secret))
-    result = CliRunner().invoke(app, ["show", "r", "--runs-dir", str(run_file.parent.parent)],
-                                env={"COLUMNS": "300"})
+    result = CliRunner().invoke(app, ["show", "r", "--runs-dir", str(run_file.parent.parent)], env={"COLUMNS": "300"})
     assert result.exit_code == 2 and "holds views or macros" in result.output, result.output
     assert "the secret" not in result.output
     with pytest.raises(QAEUserError, match="holds views or macros"):
@@ -149,13 +174,31 @@ def test_a_damaged_pending_write_is_named_with_what_to_do(run_file, damage):
 
 def test_a_resume_with_a_cut_pending_write_is_one_message(tmp_path):
     runs_dir = tmp_path / "runs"
-    trained = CliRunner().invoke(app, ["train", "--run-name", "r", "--steps", "1", "--prompts-per-step", "2",
-                                       "--group-size", "4", "--eval-every", "0", "--cpu", "--runs-dir", str(runs_dir)])
+    trained = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--run-name",
+            "r",
+            "--steps",
+            "1",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "0",
+            "--cpu",
+            "--runs-dir",
+            str(runs_dir),
+        ],
+    )
     assert trained.exit_code == 0, trained.output
     (runs_dir / "r" / PENDING_DIR).mkdir(exist_ok=True)
     (runs_dir / "r" / PENDING_DIR / "00000001-step.json").write_bytes(DAMAGED["cut"])
-    result = CliRunner().invoke(app, ["train", "--resume", "r", "--steps", "2", "--runs-dir", str(runs_dir)],
-                                env={"COLUMNS": "300"})
+    result = CliRunner().invoke(
+        app, ["train", "--resume", "r", "--steps", "2", "--runs-dir", str(runs_dir)], env={"COLUMNS": "300"}
+    )
     assert result.exit_code == 2, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)  # no traceback
     assert result.output.count("error:") == 1 and "00000001-step.json is not a write qae saved" in result.output
@@ -166,8 +209,15 @@ def test_a_resume_with_a_cut_pending_write_is_one_message(tmp_path):
 
 
 def _counts(path) -> list[int]:
-    return query(path, "SELECT (SELECT count(*) FROM steps) AS s, (SELECT count(*) FROM groups) AS g, "
-                       "(SELECT count(*) FROM rollouts) AS r").iloc[0].tolist()
+    return (
+        query(
+            path,
+            "SELECT (SELECT count(*) FROM steps) AS s, (SELECT count(*) FROM groups) AS g, "
+            "(SELECT count(*) FROM rollouts) AS r",
+        )
+        .iloc[0]
+        .tolist()
+    )
 
 
 def test_a_planted_truncation_empties_no_run_on_eval_and_none_below_a_resumes_checkpoint(tmp_path):
@@ -175,20 +225,41 @@ def test_a_planted_truncation_empties_no_run_on_eval_and_none_below_a_resumes_ch
     exit 0, nothing said). Only a resume takes up a saved truncation, and never below the checkpoint it resumes
     from: the steps that checkpoint holds keep their rows."""
     runs_dir = tmp_path / "runs"
-    trained = CliRunner().invoke(app, ["train", "--run-name", "r", "--steps", "1", "--prompts-per-step", "2",
-                                       "--group-size", "4", "--eval-every", "0", "--cpu", "--runs-dir", str(runs_dir)])
+    trained = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--run-name",
+            "r",
+            "--steps",
+            "1",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "0",
+            "--cpu",
+            "--runs-dir",
+            str(runs_dir),
+        ],
+    )
     assert trained.exit_code == 0, trained.output
     db = runs_dir / "r" / "qae.duckdb"
     before, step_1 = _counts(db), query(db, "SELECT * FROM rollouts WHERE step = 1 ORDER BY ALL")
     (runs_dir / "r" / PENDING_DIR).mkdir(exist_ok=True)
     (runs_dir / "r" / PENDING_DIR / "00000001-truncate.json").write_text('{"kind": "truncate", "step": 0}')
-    evaluated = CliRunner().invoke(app, ["eval", "--model", "r", "--limit", "2", "--samples", "1", "--runs-dir",
-                                         str(runs_dir)], env={"COLUMNS": "300"})
+    evaluated = CliRunner().invoke(
+        app,
+        ["eval", "--model", "r", "--limit", "2", "--samples", "1", "--runs-dir", str(runs_dir)],
+        env={"COLUMNS": "300"},
+    )
     assert evaluated.exit_code == 0, evaluated.output
     assert _counts(db) == before and before[0] == 1  # (its evaluation went in too: evals, eval_samples)
     assert (runs_dir / "r" / PENDING_DIR / "00000001-truncate.json").exists()  # left for a resume
-    resumed = CliRunner().invoke(app, ["train", "--resume", "r", "--steps", "2", "--runs-dir", str(runs_dir)],
-                                 env={"COLUMNS": "300"})
+    resumed = CliRunner().invoke(
+        app, ["train", "--resume", "r", "--steps", "2", "--runs-dir", str(runs_dir)], env={"COLUMNS": "300"}
+    )
     assert resumed.exit_code == 0, resumed.output
     assert query(db, "SELECT step FROM steps ORDER BY step")["step"].tolist() == [1, 2]
     assert query(db, "SELECT * FROM rollouts WHERE step = 1 ORDER BY ALL").equals(step_1)  # kept, not dropped

@@ -37,8 +37,9 @@ def run(runs_dir, name, **opts):
 
 
 def qae(*args, runs_dir):
-    return subprocess.run([QAE, *args, "--runs-dir", str(runs_dir)], capture_output=True, text=True,
-                          env=dict(os.environ, COLUMNS="200"))
+    return subprocess.run(
+        [QAE, *args, "--runs-dir", str(runs_dir)], capture_output=True, text=True, env=dict(os.environ, COLUMNS="200")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +193,10 @@ def test_resume_without_the_database_refuses_instead_of_losing_steps(finished, t
     result = qae("train", "--resume", "r", "--steps", "6", runs_dir=tmp_path)
     said = " ".join(result.stderr.split())
     assert result.returncode == 2 and "run 'r' in" in said, said
-    assert ("has no qae.duckdb: it was deleted or moved aside, and with it the rows of the steps up to its checkpoint "
-            "step-4. Nothing was written") in said
+    assert (
+        "has no qae.duckdb: it was deleted or moved aside, and with it the rows of the steps up to its checkpoint "
+        "step-4. Nothing was written"
+    ) in said
 
 
 def test_resume_of_a_run_killed_before_its_first_checkpoint_without_a_row_starts_it_again(finished, tmp_path):

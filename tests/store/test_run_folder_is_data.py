@@ -45,8 +45,14 @@ def test_qae_dashboard_imports_no_module_from_the_working_folder(tmp_path):
     plant_modules(start, marker)
     port = free_port()
     qae = Path(sys.executable).parent / "qae"
-    process = subprocess.Popen([str(qae), "dashboard", "--runs-dir", str(runs_dir), "--port", str(port)], cwd=start,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        [str(qae), "dashboard", "--runs-dir", str(runs_dir), "--port", str(port)],
+        cwd=start,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_healthy(port, process)
     finally:
@@ -75,12 +81,27 @@ def planted_pickle(marker: Path) -> bytes:
 
 
 def test_a_pending_write_round_trips_through_json_exactly():
-    write = PendingWrite("step", step=3, logged_at=datetime(2026, 12, 2, 7, 15, 20, 123456),
-                         tables={"rollouts": [{"response": "é\n\\boxed{1}\x00", "reward": float("nan"),
-                                               "advantage": -0.0, "n_tokens": 7, "correct": True, "regime": None,
-                                               "sample_idx": 2 ** 31 - 1, "entropy": float("inf"),
-                                               "logprob": 0.1 + 0.2}],
-                                 "groups": [{"baseline": 0.4, "filtered": False, "answer": "1"}]})
+    write = PendingWrite(
+        "step",
+        step=3,
+        logged_at=datetime(2026, 12, 2, 7, 15, 20, 123456),
+        tables={
+            "rollouts": [
+                {
+                    "response": "é\n\\boxed{1}\x00",
+                    "reward": float("nan"),
+                    "advantage": -0.0,
+                    "n_tokens": 7,
+                    "correct": True,
+                    "regime": None,
+                    "sample_idx": 2**31 - 1,
+                    "entropy": float("inf"),
+                    "logprob": 0.1 + 0.2,
+                }
+            ],
+            "groups": [{"baseline": 0.4, "filtered": False, "answer": "1"}],
+        },
+    )
     back = pending_write_from_json(pending_write_json(write))
     assert back.kind == "step" and back.step == 3 and back.logged_at == write.logged_at
     row, again = write.tables["rollouts"][0], back.tables["rollouts"][0]
@@ -122,8 +143,9 @@ def test_a_trusted_folder_converts_its_pickled_writes_to_json_once(tmp_path):
     RunWriter(run_dir / "qae.duckdb", "r")
     pending = run_dir / "pending"
     pending.mkdir(exist_ok=True)
-    old = PendingWrite("step", step=1, tables={"steps": [{"reward_mean": 0.25}]},
-                       logged_at=datetime(2026, 12, 1, 12, 0))
+    old = PendingWrite(
+        "step", step=1, tables={"steps": [{"reward_mean": 0.25}]}, logged_at=datetime(2026, 12, 1, 12, 0)
+    )
     # as an older qae pickled it: the class named where it lived then, the flat module qae_app.store (protocol 0
     # spells the names out, so they can be written as they were)
     pickled = pickle.dumps(old, protocol=0).replace(b"qae_app.store.schema\n", b"qae_app.store\n")
@@ -134,7 +156,8 @@ def test_a_trusted_folder_converts_its_pickled_writes_to_json_once(tmp_path):
     assert migrate_run(run_dir.parent, "r") == []  # current now: nothing more to do
     resumed = RunWriter(run_dir / "qae.duckdb", "r")
     assert [(w.kind, w.step, w.tables, w.logged_at) for w in resumed.pending] == [
-        ("step", 1, {"steps": [{"reward_mean": 0.25}]}, datetime(2026, 12, 1, 12, 0))]
+        ("step", 1, {"steps": [{"reward_mean": 0.25}]}, datetime(2026, 12, 1, 12, 0))
+    ]
     assert last_logged_step(run_dir) == 1
 
 
@@ -168,8 +191,14 @@ def run_folder_files(run_dir: Path) -> list[str]:
     return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file() and p.name != "trainer.lock")
 
 
-COMMANDS = (["runs"], ["show", "r"], ["rollouts", "r", "--step", "2"], ["compare", "r"],
-            ["train", "--resume", "r", "--steps", "3"], ["eval", "--model", "r", "--limit", "2", "--samples", "2"])
+COMMANDS = (
+    ["runs"],
+    ["show", "r"],
+    ["rollouts", "r", "--step", "2"],
+    ["compare", "r"],
+    ["train", "--resume", "r", "--steps", "3"],
+    ["eval", "--model", "r", "--limit", "2", "--samples", "2"],
+)
 
 
 @pytest.mark.slow
@@ -185,8 +214,9 @@ def test_a_payload_planted_in_any_file_of_a_run_folder_runs_under_no_command(sen
 
     files = run_folder_files(sent_run / "r")
     assert "qae.duckdb" in files and any(f.endswith("policy.safetensors") for f in files)
-    plants = [(name, None) for name in files] + [("checkpoints/step-2/model/pytorch_model.bin",
-                                                  "checkpoints/step-2/model/model.safetensors")]
+    plants = [(name, None) for name in files] + [
+        ("checkpoints/step-2/model/pytorch_model.bin", "checkpoints/step-2/model/model.safetensors")
+    ]
     runner = CliRunner()
     control = tmp_path / "control"  # the untouched folder: every command works on it, so a refusal below is the plant's
     shutil.copytree(sent_run, control)
@@ -221,13 +251,16 @@ def test_a_run_file_cannot_make_duckdb_fetch_or_load_an_extension():
     from qae_app.store.run_file import run_file_database
 
     with run_file_database() as con:
-        assert con.execute("SELECT current_setting('autoinstall_known_extensions'), "
-                           "current_setting('autoload_known_extensions'), "
-                           "current_setting('allow_community_extensions')").fetchone() == (False, False, False)
+        assert con.execute(
+            "SELECT current_setting('autoinstall_known_extensions'), "
+            "current_setting('autoload_known_extensions'), "
+            "current_setting('allow_community_extensions')"
+        ).fetchone() == (False, False, False)
         with pytest.raises(duckdb.Error, match="requires the extension httpfs to be loaded"):
             con.execute("SELECT * FROM read_csv('https://127.0.0.1:9/steps.csv')")
-        assert not con.execute("SELECT count(*) FROM duckdb_extensions() WHERE loaded AND extension_name = 'httpfs'"
-                               ).fetchone()[0]
+        assert not con.execute(
+            "SELECT count(*) FROM duckdb_extensions() WHERE loaded AND extension_name = 'httpfs'"
+        ).fetchone()[0]
 
 
 def make_pre_release_folder(runs_dir: Path) -> dict:
@@ -257,14 +290,19 @@ def make_pre_release_folder(runs_dir: Path) -> dict:
 
     run_dir = runs_dir / "r"
     checkpoint = run_dir / "checkpoints" / "step-2"
-    held = {"policy": load_file(str(checkpoint / POLICY_FILE)),
-            "optimizer": load_file(str(checkpoint / OPTIMIZER_TENSORS_FILE)),
-            **{name: json.loads((checkpoint / name).read_text())
-               for name in (OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE.format(process=0))}}
+    held = {
+        "policy": load_file(str(checkpoint / POLICY_FILE)),
+        "optimizer": load_file(str(checkpoint / OPTIMIZER_TENSORS_FILE)),
+        **{
+            name: json.loads((checkpoint / name).read_text())
+            for name in (OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE.format(process=0))
+        },
+    }
     cfg = stored_config(run_dir)
     model, _ = load_policy(str(checkpoint / "model"))
-    optimizer, scheduler = optimizer_and_schedule(trainable_parameters(model), cfg.lr, cfg.weight_decay,
-                                                  cfg.warmup_steps)
+    optimizer, scheduler = optimizer_and_schedule(
+        trainable_parameters(model), cfg.lr, cfg.weight_decay, cfg.warmup_steps
+    )
     load_training_state(checkpoint, model, optimizer, scheduler, 0)  # (its random states too: what save_state saves)
     for name in (POLICY_FILE, OPTIMIZER_TENSORS_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE.format(process=0)):
         (checkpoint / name).unlink()
@@ -329,21 +367,32 @@ def test_a_folder_an_older_qae_wrote_is_refused_then_migrated_then_read_and_resu
 
     code, output = run("migrate", "r", "--trust-pickles")
     assert code == 0, output
-    for change in ("added the preview_k table", "added rollouts.correct (earlier rows: reward = 1)",
-                   "added groups.model_prompt", "dropped the setting an_older_option",
-                   "checkpoints/step-2: training state of 1 process(es) rewritten",
-                   "checkpoints/step-2: trainer_state.json says the run was trained by 1 process(es)"):
+    for change in (
+        "added the preview_k table",
+        "added rollouts.correct (earlier rows: reward = 1)",
+        "added groups.model_prompt",
+        "dropped the setting an_older_option",
+        "checkpoints/step-2: training state of 1 process(es) rewritten",
+        "checkpoints/step-2: trainer_state.json says the run was trained by 1 process(es)",
+    ):
         assert change in output, (change, output)
     checkpoint = runs_dir / "r" / "checkpoints" / "step-2"
     assert pickled_files(checkpoint) == [] and checkpoint_problem(checkpoint) is None
-    for name, tensors in (("policy", load_file(str(checkpoint / POLICY_FILE))),
-                          ("optimizer", load_file(str(checkpoint / OPTIMIZER_TENSORS_FILE)))):
+    for name, tensors in (
+        ("policy", load_file(str(checkpoint / POLICY_FILE))),
+        ("optimizer", load_file(str(checkpoint / OPTIMIZER_TENSORS_FILE))),
+    ):
         assert tensors.keys() == held[name].keys()
         assert all(torch.equal(tensors[key], held[name][key]) for key in tensors), name
     for name in (OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE.format(process=0)):
         assert json.loads((checkpoint / name).read_text()) == held[name], name
-    assert query(runs_dir / "r" / "qae.duckdb", "SELECT count(*) AS n FROM rollouts WHERE correct IS DISTINCT FROM "
-                                                "(reward = 1)")["n"].item() == 0
+    assert (
+        query(
+            runs_dir / "r" / "qae.duckdb",
+            "SELECT count(*) AS n FROM rollouts WHERE correct IS DISTINCT FROM (reward = 1)",
+        )["n"].item()
+        == 0
+    )
 
     assert run("show", "r")[0] == 0
     code, output = run("train", "--resume", "r", "--steps", "3")
@@ -355,8 +404,15 @@ def test_a_folder_an_older_qae_wrote_is_refused_then_migrated_then_read_and_resu
 
 # every call that can run code from a file it reads, and the only functions allowed to make one: both behind
 # `qae migrate --trust-pickles`, for a folder an older qae wrote
-UNPICKLING_CALLS = ("pickle.load", "Unpickler(", "torch.load", ".load_state(", "weights_only=False", "joblib.load",
-                    "dill.load")
+UNPICKLING_CALLS = (
+    "pickle.load",
+    "Unpickler(",
+    "torch.load",
+    ".load_state(",
+    "weights_only=False",
+    "joblib.load",
+    "dill.load",
+)
 TRUSTED_ONLY = {("format_migration.py", "convert_pickled_pending"), ("run_migration.py", "_convert_pickled_state")}
 
 
@@ -411,8 +467,13 @@ def test_no_module_uses_torch_distributed_checkpoint():
     root = Path(__file__).resolve().parents[2]
     for path in [*(root / "qae_app").rglob("*.py"), *(root / "dashboard").rglob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
-                     [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
             assert not [n for n in names if n.startswith("torch.distributed.checkpoint")], path
 
 
@@ -431,13 +492,41 @@ def test_a_payload_planted_in_a_sharded_checkpoint_never_runs(tmp_path):
     config = Path(__file__).resolve().parents[2] / "configs" / "accelerate" / "fsdp2.yaml"
 
     def launch(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([accelerate, "launch", "--config_file", str(config), "--num_processes", "2", *ONE_MACHINE,
-                               "-m", "qae_app.cli", "train", *args], capture_output=True, text=True, timeout=900,
-                              env=dict(os.environ, COLUMNS="300"))
+        return subprocess.run(
+            [
+                accelerate,
+                "launch",
+                "--config_file",
+                str(config),
+                "--num_processes",
+                "2",
+                *ONE_MACHINE,
+                "-m",
+                "qae_app.cli",
+                "train",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=dict(os.environ, COLUMNS="300"),
+        )
 
     runs_dir = tmp_path / "runs"
-    made = launch("--run-name", "r", "--runs-dir", str(runs_dir), "--steps", "1", "--prompts-per-step", "2",
-                  "--group-size", "2", "--eval-every", "0")
+    made = launch(
+        "--run-name",
+        "r",
+        "--runs-dir",
+        str(runs_dir),
+        "--steps",
+        "1",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--eval-every",
+        "0",
+    )
     assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
     checkpoint = runs_dir / "r" / "checkpoints" / "step-1"
     assert (checkpoint / "rank-1.safetensors").exists()

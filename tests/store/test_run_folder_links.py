@@ -38,8 +38,13 @@ def runs(two_runs, tmp_path):
 
 def qae(*args, runs_dir) -> subprocess.CompletedProcess:
     """The command in a process of its own: a hang fails the test after 120 s instead of holding the suite."""
-    return subprocess.run([sys.executable, "-m", "qae_app.cli", *args, "--runs-dir", str(runs_dir)],
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ, COLUMNS="300"))
+    return subprocess.run(
+        [sys.executable, "-m", "qae_app.cli", *args, "--runs-dir", str(runs_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, COLUMNS="300"),
+    )
 
 
 def test_a_database_linked_to_another_run_is_refused_and_the_other_run_untouched(runs):
@@ -189,10 +194,10 @@ def test_a_resume_refused_after_taking_the_lock_lets_it_go(runs, tmp_path):
 
 
 @pytest.mark.parametrize("linked", [False, True], ids=["folder", "linked-folder"])
-@pytest.mark.parametrize("command", [["train", "--resume", "exp1", "--steps", "2"], ["migrate", "exp1"]],
-                         ids=["resume", "migrate"])
-def test_a_command_writing_a_run_refuses_a_folder_that_holds_no_run_and_writes_nothing(runs, tmp_path, linked,
-                                                                                      command):
+@pytest.mark.parametrize(
+    "command", [["train", "--resume", "exp1", "--steps", "2"], ["migrate", "exp1"]], ids=["resume", "migrate"]
+)
+def test_a_command_writing_a_run_refuses_a_folder_that_holds_no_run_and_writes_nothing(runs, tmp_path, linked, command):
     """H1: `qae train --resume exp1` on a folder holding a config.json of someone's own and no database started a new
     run in it, its config.json overwritten; through a linked run folder, outside the runs dir. `qae migrate exp1`
     wrote its lock there and dropped the key it did not know from that config.json. Each needs a run: refused by
@@ -218,7 +223,7 @@ def test_a_run_whose_config_holds_a_key_no_run_has_is_refused_by_name(runs):
     """H1's unknown key: every key a run's config.json holds was written by qae (no option was ever dropped), so one
     it does not know is not a setting it may leave out silently."""
     config = runs / "evil" / "config.json"
-    config.write_text(config.read_text().replace('{', '{"user": "project settings", ', 1))
+    config.write_text(config.read_text().replace("{", '{"user": "project settings", ', 1))
     before = config.read_bytes()
     result = qae("train", "--resume", "evil", "--steps", "2", runs_dir=runs)
     output = " ".join((result.stdout + result.stderr).split())

@@ -24,12 +24,36 @@ from qae_app.store.writer import MAX_ROW_DELAY_S, RunWriter, read_pending_write
 
 def _rows(step: int, n: int = 4):
     steps = [{name: float(step) for name in STEP_METRICS}]
-    groups = [{"group_idx": 0, "prompt_id": "p", "prompt": "1+1=", "answer": "2", "n_correct": 1, "group_size": n,
-               "baseline": 0.0, "regime": "hard"}]
-    rollouts = [{"group_idx": 0, "sample_idx": i, "prompt_id": "p", "response": "<b>2</b>" if i == 0 else "3",
-                 "reward": float(i == 0), "verified": True, "advantage": 1.5 if i == 0 else 0.0, "gated": i != 0,
-                 "regime": "hard", "n_tokens": 2, "truncated": False, "entropy": 0.1, "logprob": -0.5}
-                for i in range(n)]
+    groups = [
+        {
+            "group_idx": 0,
+            "prompt_id": "p",
+            "prompt": "1+1=",
+            "answer": "2",
+            "n_correct": 1,
+            "group_size": n,
+            "baseline": 0.0,
+            "regime": "hard",
+        }
+    ]
+    rollouts = [
+        {
+            "group_idx": 0,
+            "sample_idx": i,
+            "prompt_id": "p",
+            "response": "<b>2</b>" if i == 0 else "3",
+            "reward": float(i == 0),
+            "verified": True,
+            "advantage": 1.5 if i == 0 else 0.0,
+            "gated": i != 0,
+            "regime": "hard",
+            "n_tokens": 2,
+            "truncated": False,
+            "entropy": 0.1,
+            "logprob": -0.5,
+        }
+        for i in range(n)
+    ]
     return dict(steps=steps, groups=groups, rollouts=rollouts)
 
 
@@ -102,13 +126,16 @@ class ReadLock:
     process has (Streamlit's AppTest leaves it pointing at the dashboard's app.py)."""
 
     def __init__(self, path: Path, seconds: float):
-        code = ("import sys, time, duckdb\n"
-                "con = duckdb.connect(sys.argv[1], read_only=True)\n"
-                "print('ready', flush=True)\n"
-                "time.sleep(float(sys.argv[2]))\n"
-                "con.close()\n")
-        self.process = subprocess.Popen([sys.executable, "-c", code, str(path), str(seconds)],
-                                        stdout=subprocess.PIPE, text=True)
+        code = (
+            "import sys, time, duckdb\n"
+            "con = duckdb.connect(sys.argv[1], read_only=True)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(float(sys.argv[2]))\n"
+            "con.close()\n"
+        )
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code, str(path), str(seconds)], stdout=subprocess.PIPE, text=True
+        )
         assert self.process.stdout.readline().strip() == "ready"  # the file is held from here on
 
     def join(self) -> None:
@@ -279,8 +306,10 @@ def test_qae_migrate_brings_a_file_from_before_the_source_column_to_the_current_
     path = tmp_path / "old" / "qae.duckdb"
     path.parent.mkdir()
     con = duckdb.connect(str(path))
-    con.execute("CREATE TABLE evals (run_id VARCHAR, step INTEGER, benchmark VARCHAR, subset VARCHAR, "
-                "metric VARCHAR, k INTEGER, value DOUBLE, n_problems INTEGER)")
+    con.execute(
+        "CREATE TABLE evals (run_id VARCHAR, step INTEGER, benchmark VARCHAR, subset VARCHAR, "
+        "metric VARCHAR, k INTEGER, value DOUBLE, n_problems INTEGER)"
+    )
     con.execute("INSERT INTO evals VALUES ('old', 3, 'arith-heldout', 'all', 'avg@k', 1, 0.5, 264)")
     con.close()
     with pytest.raises(OldRunFormat, match=r"written by an older qae .*`qae migrate old --runs-dir"):
@@ -329,30 +358,51 @@ def _fill_on_tmpfs(tmp_path) -> subprocess.CompletedProcess:
     mount = tmp_path / "mnt"
     mount.mkdir()
     (tmp_path / "fill.py").write_text(FILL_SCRIPT)
-    return subprocess.run(["unshare", "--map-root-user", "--mount", "sh", "-c",
-                           f'mount -t tmpfs -o size=3m tmpfs "{mount}" && exec "{sys.executable}" '
-                           f'"{tmp_path / "fill.py"}" "{mount}"'], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            "unshare",
+            "--map-root-user",
+            "--mount",
+            "sh",
+            "-c",
+            f'mount -t tmpfs -o size=3m tmpfs "{mount}" && exec "{sys.executable}" "{tmp_path / "fill.py"}" "{mount}"',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _fill_under_a_file_size_limit(tmp_path) -> subprocess.CompletedProcess:
     """Where namespaces are not allowed: RLIMIT_FSIZE makes writes past 3 MB fail (EFBIG) as a full disk would."""
+
     def limit():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
         resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 20, 3 << 20))
 
     (tmp_path / "fill.py").write_text(FILL_SCRIPT)
-    return subprocess.run([sys.executable, str(tmp_path / "fill.py"), str(tmp_path)], preexec_fn=limit,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(tmp_path / "fill.py"), str(tmp_path)],
+        preexec_fn=limit,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fill, cause", [(_fill_on_tmpfs, "No space left on device"),
-                                         (_fill_under_a_file_size_limit, "File too large")], ids=["tmpfs", "rlimit"])
+@pytest.mark.parametrize(
+    "fill, cause",
+    [(_fill_on_tmpfs, "No space left on device"), (_fill_under_a_file_size_limit, "File too large")],
+    ids=["tmpfs", "rlimit"],
+)
 def test_a_full_disk_is_reported_as_itself(tmp_path, fill, cause):
     """A failed COMMIT has already ended DuckDB's transaction; the ROLLBACK after it used to fail with "cannot
     rollback - no transaction is active", which replaced the real cause in the raised and the stored error."""
-    if fill is _fill_on_tmpfs and (shutil.which("unshare") is None or subprocess.run(
-            ["unshare", "--map-root-user", "--mount", "true"], capture_output=True).returncode != 0):
+    if fill is _fill_on_tmpfs and (
+        shutil.which("unshare") is None
+        or subprocess.run(["unshare", "--map-root-user", "--mount", "true"], capture_output=True).returncode != 0
+    ):
         pytest.skip("user namespaces are not available here; the rlimit case covers the same path")
     result = fill(tmp_path)
     assert result.returncode == 0, result.stderr
@@ -372,9 +422,14 @@ def _damage(path, how: str) -> None:
         path.write_bytes(data)
 
 
-@pytest.mark.parametrize("how, reason", [("truncated", "Could not read enough bytes"),
-                                         ("header", "not a valid DuckDB database file"),
-                                         ("flipped", "Corrupt database file")])
+@pytest.mark.parametrize(
+    "how, reason",
+    [
+        ("truncated", "Could not read enough bytes"),
+        ("header", "not a valid DuckDB database file"),
+        ("flipped", "Corrupt database file"),
+    ],
+)
 def test_a_damaged_file_is_named_with_what_can_be_recovered(writer, tmp_path, how, reason):
     for step in (1, 2):  # 1.6 MB of responses: a file of several 256 KiB blocks, so cutting it in half loses some
         rows = _rows(step, 400)
@@ -423,8 +478,9 @@ def test_a_file_whose_free_blocks_duckdb_dropped_is_not_damaged(writer):
         writer.add_step(step, **rows)
     assert writer.flush() and writer.truncate_after(0)
     with duckdb.connect(str(writer.path), read_only=True) as con:
-        block_size, total, used = con.execute("SELECT block_size, total_blocks, used_blocks "
-                                              "FROM pragma_database_size()").fetchone()
+        block_size, total, used = con.execute(
+            "SELECT block_size, total_blocks, used_blocks FROM pragma_database_size()"
+        ).fetchone()
     assert writer.path.stat().st_size < block_size * total  # blocks listed but not in the file: they are free
     RunWriter(writer.path, "r1").add_step(3, **_rows(3))  # opens as the healthy file it is
 
@@ -438,16 +494,20 @@ def _awkward_rows(step: int) -> dict:
     rows["rollouts"][1].update(response="∑ é 😀", entropy=float("nan"), logprob=None, correct=None, n_tokens=None)
     rows["rollouts"][2].update(verified=None, reward=float("inf"))
     rows["rollouts"][3].update(entropy=np.float32(0.25), n_tokens=np.int64(7))  # numpy scalars too
-    rows["evals"] = [{"benchmark": b, "subset": "all", "metric": "pass@1", "k": 1, "value": v, "n_problems": 3,
-                      "source": "train"} for b, v in (("arith", 0.5), ("gsm8k", float("nan")))]
+    rows["evals"] = [
+        {"benchmark": b, "subset": "all", "metric": "pass@1", "k": 1, "value": v, "n_problems": 3, "source": "train"}
+        for b, v in (("arith", 0.5), ("gsm8k", float("nan")))
+    ]
     rows["warnings"] = [{"kind": "entropy", "message": "low \udfff"}]
     return rows
 
 
 def _table_contents(path: Path) -> dict[str, list[tuple]]:
     with duckdb.connect(str(path), read_only=True) as con:
-        return {table: con.execute(f"SELECT * EXCLUDE (run_id) FROM {table} ORDER BY ALL").fetchall()
-                for table in ("steps", "groups", "rollouts", "evals", "warnings")}
+        return {
+            table: con.execute(f"SELECT * EXCLUDE (run_id) FROM {table} ORDER BY ALL").fetchall()
+            for table in ("steps", "groups", "rollouts", "evals", "warnings")
+        }
 
 
 def test_rows_are_stored_as_a_pandas_frame_of_them_would_be(tmp_path):
@@ -468,9 +528,17 @@ def test_rows_are_stored_as_a_pandas_frame_of_them_would_be(tmp_path):
         for table, stored in contents.items():
             con.execute(f"DELETE FROM {table}")
             for step in (1, 2):
-                records = [{name: (value.replace("\ud800", "\ufffd").replace("\udfff", "\ufffd")
-                                   if isinstance(value, str) else value) for name, value in record.items()}
-                           for record in _awkward_rows(step)[table]]
+                records = [
+                    {
+                        name: (
+                            value.replace("\ud800", "\ufffd").replace("\udfff", "\ufffd")
+                            if isinstance(value, str)
+                            else value
+                        )
+                        for name, value in record.items()
+                    }
+                    for record in _awkward_rows(step)[table]
+                ]
                 frame = pd.DataFrame.from_records(records)
                 frame.insert(0, "run_id", "r")
                 frame["step"] = step
@@ -486,19 +554,26 @@ def test_rows_are_stored_as_a_pandas_frame_of_them_would_be(tmp_path):
 def test_writing_rows_does_not_import_pandas(tmp_path):
     """The trainer's process writes its rows without pandas (its import, about 0.3-0.9 s, was most of the store's
     cost in a default run); readers still get frames."""
-    code = ("import sys\n"
-            "from pathlib import Path\n"
-            "from tests.store.test_store import _awkward_rows\n"
-            "from qae_app.store.writer import RunWriter\n"
-            "w = RunWriter(Path(sys.argv[1]), 'r')\n"
-            "w.create_run('r', {}, 'qae', 0.4, 'builtin:tiny', 'arith', 0)\n"
-            "w.add_step(1, **_awkward_rows(1))\n"
-            "w.update_step(1, eval_s=0.5)\n"
-            "assert w.flush()\n"
-            "w.update_run(status='finished', wall_s=1.0)\n"
-            "print(sorted(m for m in ('pandas', 'pyarrow') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r" / "qae.duckdb")], capture_output=True,
-                         text=True, cwd=Path(__file__).resolve().parents[2], timeout=120)
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from tests.store.test_store import _awkward_rows\n"
+        "from qae_app.store.writer import RunWriter\n"
+        "w = RunWriter(Path(sys.argv[1]), 'r')\n"
+        "w.create_run('r', {}, 'qae', 0.4, 'builtin:tiny', 'arith', 0)\n"
+        "w.add_step(1, **_awkward_rows(1))\n"
+        "w.update_step(1, eval_s=0.5)\n"
+        "assert w.flush()\n"
+        "w.update_run(status='finished', wall_s=1.0)\n"
+        "print(sorted(m for m in ('pandas', 'pyarrow') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "r" / "qae.duckdb")],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
     # the value the subprocess set by hand (update_step(1, eval_s=0.5)) reached the file: a stored value, not a timing
@@ -527,16 +602,17 @@ def test_a_paper_sized_step_goes_to_the_database_at_once_not_to_pending(tmp_path
     assert query(path, "SELECT sum(length(response)) AS n FROM rollouts WHERE step = 3")["n"].item() == 8 * len(text)
     del writer  # (the writer detaches after each write: the file is checkpointed)
     with duckdb.connect(str(path), read_only=True) as con:
-        compression = con.execute("SELECT DISTINCT compression FROM pragma_storage_info('rollouts') WHERE "
-                                  "column_name = 'response' AND segment_type = 'VARCHAR'").fetchall()
+        compression = con.execute(
+            "SELECT DISTINCT compression FROM pragma_storage_info('rollouts') WHERE "
+            "column_name = 'response' AND segment_type = 'VARCHAR'"
+        ).fetchall()
     assert ("ZSTD",) in compression, compression
 
 
 def test_store_responses_keeps_n_texts_a_group_by_a_seeded_draw_and_every_row():
     from qae_app.store.rows import check_store_responses, stored_responses
 
-    rows = [dict(group_idx=g, sample_idx=i, response=f"r{g}-{i}", gated=i % 2 == 0) for g in range(3)
-            for i in range(8)]
+    rows = [dict(group_idx=g, sample_idx=i, response=f"r{g}-{i}", gated=i % 2 == 0) for g in range(3) for i in range(8)]
     kept = stored_responses(rows, "2", seed=5, step=7)
     assert len(kept) == len(rows) and [r["gated"] for r in kept] == [r["gated"] for r in rows]  # counts exact
     texts = {g: [r["sample_idx"] for r in kept if r["group_idx"] == g and r["response"] is not None] for g in range(3)}

@@ -18,8 +18,8 @@ SECTION = "## Querying runs yourself"
 def doc_queries() -> list[tuple[str, str]]:
     """(code, shown output) of each ```python block of the section and the ```text block after it."""
     text = DOC.read_text()
-    section = text[text.index(SECTION):]
-    section = section[:section.find("\n## ", len(SECTION))]
+    section = text[text.index(SECTION) :]
+    section = section[: section.find("\n## ", len(SECTION))]
     pairs = re.findall(r"```python\n(.*?)```\n+(?:.*?\n)*?```text\n(.*?)```", section, flags=re.S)
     return pairs
 

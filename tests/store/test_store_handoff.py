@@ -56,10 +56,16 @@ def test_a_checkpoint_is_saved_after_the_rows_of_its_steps_are_synced(tmp_path, 
     # step 0's evaluation went to the database at once (the first write is due at once); every later step waited
     # under pending/, and was synced before the first checkpoint after it (step 2, and the last step's, step 3)
     first_sync = {what: existed for what, existed in reversed(synced)}
-    assert {what: first_sync.get(what) for what in [("step", 1), ("step_update", 1), ("step", 2), ("step", 3),
-                                                     ("step_update", 2)]} == {
-        ("step", 1): [], ("step_update", 1): [], ("step", 2): [], ("step", 3): ["step-2"],
-        ("step_update", 2): ["step-2"]}
+    assert {
+        what: first_sync.get(what)
+        for what in [("step", 1), ("step_update", 1), ("step", 2), ("step", 3), ("step_update", 2)]
+    } == {
+        ("step", 1): [],
+        ("step_update", 1): [],
+        ("step", 2): [],
+        ("step", 3): ["step-2"],
+        ("step_update", 2): ["step-2"],
+    }
     assert "pending" in first_sync  # the folder too: it holds their names
     assert query(db_path(tmp_path, "sync"), "SELECT step FROM steps ORDER BY step")["step"].tolist() == [1, 2, 3]
 

@@ -26,7 +26,7 @@ def test_auto_keeps_every_response_of_a_cpu_sized_step_and_a_sample_at_scale():
     assert responses_kept("auto", AUTO_ALL_TOKENS) is None
     assert responses_kept("auto", 512 * 16 * 20_000) == AUTO_SAMPLE  # the paper's step
     assert responses_kept("all", 512 * 16 * 20_000) is None
-    assert responses_kept("none", 10) == 0 and responses_kept("7", 10 ** 9) == 7
+    assert responses_kept("none", 10) == 0 and responses_kept("7", 10**9) == 7
 
 
 def test_the_sample_is_a_seeded_draw_the_same_on_every_process_and_rerun():
@@ -46,8 +46,14 @@ def test_a_bad_store_tokens_is_one_clear_error(value):
 
 
 def test_list_columns_go_through_pending_and_the_database_as_they_were(tmp_path):
-    row = {"group_idx": 0, "sample_idx": 1, "tokens": ["4", "<eos>", "\x1b[2J"], "logprob": [-0.5, -0.01, -3.25],
-           "entropy": [0.5, 0.25, 1.0], "old_logprob": None}
+    row = {
+        "group_idx": 0,
+        "sample_idx": 1,
+        "tokens": ["4", "<eos>", "\x1b[2J"],
+        "logprob": [-0.5, -0.01, -3.25],
+        "entropy": [0.5, 0.25, 1.0],
+        "old_logprob": None,
+    }
     write = PendingWrite("step", step=2, tables={"token_values": [row]})
     assert pending_write_from_json(pending_write_json(write)).tables == write.tables
     writer = RunWriter(tmp_path / "r" / "qae.duckdb", "r")
@@ -62,8 +68,24 @@ def test_list_columns_go_through_pending_and_the_database_as_they_were(tmp_path)
 
 
 def test_a_planted_pending_list_of_objects_is_refused():
-    text = pending_write_json(PendingWrite("step", step=1, tables={"token_values": [
-        {"group_idx": 0, "sample_idx": 0, "tokens": ["a"], "logprob": [-1.0], "entropy": None, "old_logprob": None}]}))
+    text = pending_write_json(
+        PendingWrite(
+            "step",
+            step=1,
+            tables={
+                "token_values": [
+                    {
+                        "group_idx": 0,
+                        "sample_idx": 0,
+                        "tokens": ["a"],
+                        "logprob": [-1.0],
+                        "entropy": None,
+                        "old_logprob": None,
+                    }
+                ]
+            },
+        )
+    )
     with pytest.raises(ValueError, match="token_values.tokens"):
         pending_write_from_json(text.replace('["a"]', '[{"x": 1}]'))
 
@@ -73,6 +95,7 @@ def test_a_token_is_coloured_by_how_far_its_number_is_from_nothing():
     assert strength(-1.0, "logprob") == pytest.approx(0.2)
     assert strength(1.5, "entropy") == pytest.approx(0.5) and strength(-0.25, "gap") == pytest.approx(0.5)
     assert strength(None, "gap") == 0
-    numbers = token_numbers({"tokens": ["a", "b"], "logprob": [-1.0, math.nan], "entropy": [0.1, 0.2],
-                             "old_logprob": [-0.75, -2.0]})
+    numbers = token_numbers(
+        {"tokens": ["a", "b"], "logprob": [-1.0, math.nan], "entropy": [0.1, 0.2], "old_logprob": [-0.75, -2.0]}
+    )
     assert numbers[0]["gap"] == pytest.approx(0.25) and numbers[1]["logprob"] is None and numbers[1]["gap"] is None

@@ -13,8 +13,9 @@ import harness  # noqa: E402
 
 def test_sides_alternate_which_runs_first():
     calls = []
-    a, b = harness.alternate(lambda i: calls.append(("a", i)) or 2.0 * (i + 1),
-                            lambda i: calls.append(("b", i)) or 4.0 * (i + 1), 3)
+    a, b = harness.alternate(
+        lambda i: calls.append(("a", i)) or 2.0 * (i + 1), lambda i: calls.append(("b", i)) or 4.0 * (i + 1), 3
+    )
     assert calls == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]
     assert (a, b) == ([2.0, 4.0, 6.0], [4.0, 8.0, 12.0])
     assert harness.pair_ratios(a, b) == [0.5, 0.5, 0.5]

@@ -51,7 +51,7 @@ def table_rows(text: str, header: str) -> list[tuple[str, str]]:
     lines = text.splitlines()
     assert lines.count(header) == 1, f"{header!r} heads {lines.count(header)} tables"
     rows = []
-    for line in lines[lines.index(header) + 2:]:  # past the header and its |---| line
+    for line in lines[lines.index(header) + 2 :]:  # past the header and its |---| line
         if not line.startswith("|"):
             break
         row = re.fullmatch(r"\| `(\w+)` \| (.+?) \|", line)
@@ -72,7 +72,8 @@ def test_metrics_page_tables_are_the_alerts_and_their_levels():
     assert table_rows(text, "| alert | fires when |") == list(ALERTS.items())
     assert table_rows(text, "| level | default | meaning |") == [
         (name, f"{level.default:g} | {level.help} (from {level.low:g} to {level.high:g})")
-        for name, level in ALERT_LEVELS.items()]
+        for name, level in ALERT_LEVELS.items()
+    ]
 
 
 def test_cli_table_names_every_command():
@@ -90,13 +91,17 @@ def test_architecture_page_names_every_package_and_module():
     `dashboard/...py`; packages as `qae_app/package/`. A .py path the page names must exist (under qae_app/ or the
     repository), so a module that is renamed or removed cannot linger there."""
     named = code_spans((DOCS / "architecture.md").read_text())
-    modules = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
-               if path.stem not in ("__init__", "__main__")}
+    modules = {
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        if path.stem not in ("__init__", "__main__")
+    }
     dashboard = {path.relative_to(ROOT).as_posix() for path in DASHBOARD.rglob("*.py") if path.stem != "__init__"}
     packages = {f"qae_app/{path.parent.name}/" for path in PACKAGE.glob("*/__init__.py")}
     assert sorted((modules | dashboard | packages) - named) == []
-    gone = [name for name in named if name.endswith(".py") and not (PACKAGE / name).exists()
-            and not (ROOT / name).exists()]
+    gone = [
+        name for name in named if name.endswith(".py") and not (PACKAGE / name).exists() and not (ROOT / name).exists()
+    ]
     assert gone == []
 
 
@@ -155,8 +160,30 @@ def test_every_relative_link_resolves():
 # ---------------------------------------------------------------------------------------------------------------
 # every name a page writes as code is one the code has
 
-FILE_SUFFIXES = (".lock", ".json", ".jsonl", ".duckdb", ".toml", ".yaml", ".yml", ".md", ".safetensors", ".parquet",
-                 ".csv", ".txt", ".gguf", ".pkl", ".pt", ".sh", ".png", ".log", ".bin", ".html", ".wandb", ".db")
+FILE_SUFFIXES = (
+    ".lock",
+    ".json",
+    ".jsonl",
+    ".duckdb",
+    ".toml",
+    ".yaml",
+    ".yml",
+    ".md",
+    ".safetensors",
+    ".parquet",
+    ".csv",
+    ".txt",
+    ".gguf",
+    ".pkl",
+    ".pt",
+    ".sh",
+    ".png",
+    ".log",
+    ".bin",
+    ".html",
+    ".wandb",
+    ".db",
+)
 # a table whose header's first cell names another project: that column holds the other project's names
 OTHER_PROJECTS = ("verl", "TRL")
 # "TRL's `log_extra` and `log_metric`": names another project's, up to the end of the clause
@@ -176,7 +203,7 @@ def page_code_spans(text: str) -> list[str]:
         else:
             foreign_table = False
         for match in re.finditer(r"`([^`\n]+)`", line):
-            if not FOREIGN_NAMES.search(line[:match.start()]):
+            if not FOREIGN_NAMES.search(line[: match.start()]):
                 found.append(match.group(1).strip().removesuffix("()"))
     return found
 
@@ -196,8 +223,14 @@ def _top_names(node) -> dict:
         elif isinstance(child, (ast.If, ast.Try, ast.With)):
             names.update(_top_names(child))
     if isinstance(node, ast.ClassDef):
-        names.update((n.attr, None) for n in ast.walk(node) if isinstance(n, ast.Attribute)
-                     and isinstance(n.value, ast.Name) and n.value.id == "self" and n.attr not in names)
+        names.update(
+            (n.attr, None)
+            for n in ast.walk(node)
+            if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name)
+            and n.value.id == "self"
+            and n.attr not in names
+        )
     return names
 
 
@@ -254,8 +287,12 @@ def test_every_name_a_page_writes_as_code_is_in_the_code():
     import importlib.util
 
     modules = our_module_files()
-    tracked = [path for folder in SOURCE_DIRS for path in (ROOT / folder).rglob("*") if path.is_file()
-               and path.suffix in (".py", ".toml", ".yaml", ".yml")]
+    tracked = [
+        path
+        for folder in SOURCE_DIRS
+        for path in (ROOT / folder).rglob("*")
+        if path.is_file() and path.suffix in (".py", ".toml", ".yaml", ".yml")
+    ]
     words = {word for path in tracked for word in re.findall(r"\w+", path.read_text(errors="replace"))}
     files = {path.relative_to(ROOT).as_posix() for path in ROOT.rglob("*.py") if ".venv" not in path.parts}
     unknown = []

@@ -71,8 +71,11 @@ def _imports_of(path: Path, local: set[str] = frozenset()) -> set[str]:
 
 def package_modules() -> dict[str, Path]:
     """`package.module` (or `config`) -> its file, for every module of qae_app."""
-    return {".".join(path.relative_to(PACKAGE).with_suffix("").parts): path for path in PACKAGE.rglob("*.py")
-            if path.stem not in ("__init__", "__main__")}
+    return {
+        ".".join(path.relative_to(PACKAGE).with_suffix("").parts): path
+        for path in PACKAGE.rglob("*.py")
+        if path.stem not in ("__init__", "__main__")
+    }
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -129,10 +132,17 @@ def test_ls_shows_the_layer_table():
 
 def test_no_package_imports_one_beside_or_above_it():
     layer_of = {package: i for i, layer in enumerate(LAYERS) for package in layer}
-    arrows = [(module, other) for module, imports in import_graph().items() for other in imports
-              if not other.startswith("dashboard.") or not module.startswith("dashboard.")]
-    bad = [(module, other) for module, other in arrows if package_of(module) != package_of(other)
-           and layer_of[package_of(other)] >= layer_of[package_of(module)]]
+    arrows = [
+        (module, other)
+        for module, imports in import_graph().items()
+        for other in imports
+        if not other.startswith("dashboard.") or not module.startswith("dashboard.")
+    ]
+    bad = [
+        (module, other)
+        for module, other in arrows
+        if package_of(module) != package_of(other) and layer_of[package_of(other)] >= layer_of[package_of(module)]
+    ]
     assert bad == []
 
 
@@ -146,22 +156,39 @@ def test_the_dashboard_imports_only_torch_free_readers():
     graph = import_graph()
     dashboard = {name: imports for name, imports in graph.items() if name.startswith("dashboard.")}
     assert {"dashboard.app", "dashboard.board", "dashboard.charts", "dashboard.views.compare"} <= set(dashboard)
-    reaching = {name: sorted(other for other in imports if not other.startswith("dashboard.")
-                             and package_of(other) not in DASHBOARD_MAY_IMPORT)
-                for name, imports in dashboard.items()}
+    reaching = {
+        name: sorted(
+            other
+            for other in imports
+            if not other.startswith("dashboard.") and package_of(other) not in DASHBOARD_MAY_IMPORT
+        )
+        for name, imports in dashboard.items()
+    }
     assert {name: bad for name, bad in reaching.items() if bad} == {}
 
 
 # each was broken once; named here so the layers cannot drift back into allowing it
 NEVERS = [
-    ("config", {"store.schema", "store.reader", "store.writer", "store.run_file", "train.session"},
-     "config is plain options and parsing"),
-    ("dashboard.views.compare", {"cli.views"},
-     "the dashboard formats through qae_app.core.formatting, not the CLI's text"),
-    ("rewards.builtin_verifiers", {"data.tasks"},
-     "a task names its reward; the reward knows no task (the chain marker lives in names)"),
-    ("engines.hf", {"config"},
-     "the engines take SamplingOptions from qae_app.engines.sampling, not the training config"),
+    (
+        "config",
+        {"store.schema", "store.reader", "store.writer", "store.run_file", "train.session"},
+        "config is plain options and parsing",
+    ),
+    (
+        "dashboard.views.compare",
+        {"cli.views"},
+        "the dashboard formats through qae_app.core.formatting, not the CLI's text",
+    ),
+    (
+        "rewards.builtin_verifiers",
+        {"data.tasks"},
+        "a task names its reward; the reward knows no task (the chain marker lives in names)",
+    ),
+    (
+        "engines.hf",
+        {"config"},
+        "the engines take SamplingOptions from qae_app.engines.sampling, not the training config",
+    ),
 ]
 
 
@@ -192,11 +219,17 @@ def module_aliases(path: Path) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found += [f"{a.name} as {a.asname}" for a in node.names
-                      if a.name.startswith("qae_app.") and a.asname and a.asname != a.name.rsplit(".", 1)[-1]]
+            found += [
+                f"{a.name} as {a.asname}"
+                for a in node.names
+                if a.name.startswith("qae_app.") and a.asname and a.asname != a.name.rsplit(".", 1)[-1]
+            ]
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("qae_app"):
-            found += [f"{node.module}.{a.name} as {a.asname}" for a in node.names
-                      if a.asname and a.asname != a.name and _is_qae_module(f"{node.module}.{a.name}")]
+            found += [
+                f"{node.module}.{a.name} as {a.asname}"
+                for a in node.names
+                if a.asname and a.asname != a.name and _is_qae_module(f"{node.module}.{a.name}")
+            ]
     return found
 
 
@@ -204,10 +237,16 @@ def test_no_import_reads_a_qae_module_under_another_name():
     """Product code, tests, benchmarks and scripts import a qae_app module by its own name (or import the names they
     use from it): `reader as store_read` kept a name from before the store was a package."""
     root = PACKAGE.parent
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
-                            capture_output=True, text=True, check=True, cwd=root).stdout
-    aliased = {name: found for name in listed.split()
-               if (root / name).exists() and (found := module_aliases(root / name))}
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
+    ).stdout
+    aliased = {
+        name: found for name in listed.split() if (root / name).exists() and (found := module_aliases(root / name))
+    }
     assert aliased == {}
 
 
@@ -240,8 +279,13 @@ def qualified_functions(tree: ast.AST, prefix: str = "") -> dict[str, ast.Functi
 def function_lengths() -> dict[str, int]:
     """`package.module.qualified.name` -> the lines of its body, without its docstring."""
     lengths = {}
-    files = {**package_modules(), **{"dashboard." + ".".join(path.relative_to(DASHBOARD).with_suffix("").parts): path
-                                     for path in DASHBOARD.rglob("*.py")}}
+    files = {
+        **package_modules(),
+        **{
+            "dashboard." + ".".join(path.relative_to(DASHBOARD).with_suffix("").parts): path
+            for path in DASHBOARD.rglob("*.py")
+        },
+    }
     for module, path in files.items():
         for name, node in qualified_functions(ast.parse(path.read_text())).items():
             lengths[f"{module}.{name}"] = _body_lines(node)
@@ -251,10 +295,15 @@ def function_lengths() -> dict[str, int]:
 def test_function_lengths_see_every_method_by_its_class():
     """Two methods of one name (EvalConfig.validate, TrainConfig.validate) are two functions: keyed by the bare name,
     the shorter hid the longer."""
-    tree = ast.parse("class A:\n    def f(self):\n        x = 1\n\n\nclass B:\n    def f(self):\n        x = 1\n"
-                     "        y = 2\n\n        def g():\n            pass\n")
+    tree = ast.parse(
+        "class A:\n    def f(self):\n        x = 1\n\n\nclass B:\n    def f(self):\n        x = 1\n"
+        "        y = 2\n\n        def g():\n            pass\n"
+    )
     assert {name: _body_lines(node) for name, node in qualified_functions(tree).items()} == {
-        "A.f": 1, "B.f": 5, "B.f.g": 1}
+        "A.f": 1,
+        "B.f": 5,
+        "B.f.g": 1,
+    }
     assert {"config.TrainConfig.validate", "config.EvalConfig.validate"} <= set(function_lengths())
 
 
@@ -264,20 +313,34 @@ def test_no_function_is_over_the_line_limit():
 
 
 def modules_imported_by(code: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
-                         capture_output=True, text=True, check=True, cwd=PACKAGE.parent)
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=PACKAGE.parent,
+    )
     return set(out.stdout.split())
 
 
 def test_reading_commands_and_the_dashboard_modules_do_not_import_torch(tiny_run):
     runs_dir, run_id = tiny_run
-    for args in (["--help"], ["runs"], ["show", run_id], ["rollouts", run_id, "--step", "2"], ["train", "--help"],
-                 ["compare", run_id], ["sweep", "--help"]):
+    for args in (
+        ["--help"],
+        ["runs"],
+        ["show", run_id],
+        ["rollouts", run_id, "--step", "2"],
+        ["train", "--help"],
+        ["compare", run_id],
+        ["sweep", "--help"],
+    ):
         if "--help" not in args:
             args = args + ["--runs-dir", str(runs_dir)]
-        code = ("from typer.testing import CliRunner; from qae_app.cli.main import app\n"
-                f"result = CliRunner().invoke(app, {args!r})\n"
-                "assert result.exit_code == 0, result.output")
+        code = (
+            "from typer.testing import CliRunner; from qae_app.cli.main import app\n"
+            f"result = CliRunner().invoke(app, {args!r})\n"
+            "assert result.exit_code == 0, result.output"
+        )
         loaded = modules_imported_by(code)
         assert not {"torch", "transformers", "accelerate"} & loaded, args
     dashboard = PACKAGE.parent / "dashboard"
@@ -298,8 +361,11 @@ def test_a_training_step_writes_nothing_and_its_rows_are_the_store_columns(tmp_p
     from qae_app.store.reader import read_steps
     from qae_app.train.trainer import Trainer
 
-    trainer = Trainer(build_config(run_name="pure", steps=2, prompts_per_step=2, group_size=4, eval_every=0,
-                                   k="auto"), tmp_path, cpu=True)
+    trainer = Trainer(
+        build_config(run_name="pure", steps=2, prompts_per_step=2, group_size=4, eval_every=0, k="auto"),
+        tmp_path,
+        cpu=True,
+    )
     try:
         before = (tmp_path / "pure" / "qae.duckdb").read_bytes()
         out = trainer.train_step(1)
@@ -308,8 +374,7 @@ def test_a_training_step_writes_nothing_and_its_rows_are_the_store_columns(tmp_p
         trainer.close()
     assert out.chosen_k in (0.3, 0.4, 0.5) and out.warnings[0]["kind"] == "auto_k"
     # what only the loop knows (evaluation, write, checkpoint and store times) is added by fit
-    assert set(out.metrics) == set(STEP_METRICS) - {"heldout_accuracy", "eval_s", "write_s", "checkpoint_s",
-                                                          "store_s"}
+    assert set(out.metrics) == set(STEP_METRICS) - {"heldout_accuracy", "eval_s", "write_s", "checkpoint_s", "store_s"}
     assert all(set(row) == set(row_columns("groups")) for row in out.groups)
     assert all(set(row) == set(row_columns("rollouts")) for row in out.rollouts)
     assert all(set(row) == set(row_columns("warnings")) for row in out.warnings)
@@ -326,33 +391,64 @@ def test_the_writer_refuses_rows_that_are_not_the_table_columns(tmp_path):
 def test_a_wheel_install_serves_the_dashboard(tmp_path):
     """`pip install .` (a wheel, not an editable install) must give a working `qae dashboard`."""
     root = PACKAGE.parent
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path / "wheel"), str(root)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "wheel"),
+            str(root),
+        ],
+        check=True,
+        capture_output=True,
+    )
     wheel = next((tmp_path / "wheel").glob("qae_app-*.whl"))
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
     assert (target / "qae_app" / "dashboard" / "app.py").exists()
     assert (target / "qae_app" / "dashboard" / "views" / "rollouts.py").exists()
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    code = ("from qae_app.cli.dashboard_command import dashboard_app; import qae_app; "
-            "print(qae_app.__file__, dashboard_app())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
-                         env=env)
+    code = (
+        "from qae_app.cli.dashboard_command import dashboard_app; import qae_app; "
+        "print(qae_app.__file__, dashboard_app())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path, env=env
+    )
     package_file, app_path = out.stdout.split()
     assert package_file.startswith(str(target)) and app_path.startswith(str(target))
     # the installed app renders (AppTest in a process that sees only the wheel's qae_app)
-    code = ("from streamlit.testing.v1 import AppTest; from qae_app.cli.dashboard_command import dashboard_app\n"
-            "app = AppTest.from_file(str(dashboard_app()), default_timeout=60).run()\n"
-            "assert not app.exception, app.exception; print('rendered', len(app.main))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                         env=dict(env, QAE_RUNS_DIR=str(tmp_path / "runs")))
+    code = (
+        "from streamlit.testing.v1 import AppTest; from qae_app.cli.dashboard_command import dashboard_app\n"
+        "app = AppTest.from_file(str(dashboard_app()), default_timeout=60).run()\n"
+        "assert not app.exception, app.exception; print('rendered', len(app.main))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=dict(env, QAE_RUNS_DIR=str(tmp_path / "runs")),
+    )
     assert out.returncode == 0 and "rendered" in out.stdout, out.stdout + out.stderr
     # and `qae dashboard` serves it
     port = 8611
-    server = subprocess.Popen([sys.executable, "-m", "qae_app.cli", "dashboard", "--port", str(port), "--runs-dir",
-                               str(tmp_path / "runs")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "qae_app.cli", "dashboard", "--port", str(port), "--runs-dir", str(tmp_path / "runs")],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         health = None

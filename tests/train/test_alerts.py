@@ -16,23 +16,32 @@ from qae_app.train.trainer_state import TrainerState
 CFG = build_config(entropy_high=1.5)
 
 
-def run(steps: list[dict], alerts: str = "on", signal: list[list[dict]] | None = None, primary=None,
-        state: TrainerState | None = None, start: int = 1) -> list[tuple[int, str]]:
+def run(
+    steps: list[dict],
+    alerts: str = "on",
+    signal: list[list[dict]] | None = None,
+    primary=None,
+    state: TrainerState | None = None,
+    start: int = 1,
+) -> list[tuple[int, str]]:
     """(step, kind) of every warning `watch` gives over `steps` (each a `steps` row's metrics)."""
     state = state or TrainerState()
     settings = parse_alerts(alerts)
     fired = []
     for i, metrics in enumerate(steps):
         rows = signal[i] if signal is not None else []
-        facts = StepFacts(start + i, {"entropy": 1.0, "frac_zero_adv": 0.8, **metrics}, rows,
-                          primary_component(primary, rows))
+        facts = StepFacts(
+            start + i, {"entropy": 1.0, "frac_zero_adv": 0.8, **metrics}, rows, primary_component(primary, rows)
+        )
         fired += [(start + i, row["kind"]) for row in watch(state, facts, settings, CFG)]
     return fired
 
 
 def shares(primary: float | None, fmt: float | None) -> list[dict]:
-    return [{"name": "antonym", "weight": 1.0, "adv_share": primary, "frac_differs": 0.0},
-            {"name": "one_word", "weight": 0.2, "adv_share": fmt, "frac_differs": 0.5}]
+    return [
+        {"name": "antonym", "weight": 1.0, "adv_share": primary, "frac_differs": 0.0},
+        {"name": "one_word", "weight": 0.2, "adv_share": fmt, "frac_differs": 0.5},
+    ]
 
 
 def test_the_registry_is_the_list_of_names():
@@ -45,14 +54,17 @@ def test_reward_signal_fires_once_when_a_format_reward_carries_everything_for_a_
     assert run([{}] * 5, signal=hacked) == [(3, "reward_signal")]
     # a step without any signal neither grows nor ends the streak
     assert run([{}] * 4, signal=[shares(0.0, 1.0), shares(None, None), shares(0.0, 1.0), shares(0.0, 1.0)]) == [
-        (4, "reward_signal")]
+        (4, "reward_signal")
+    ]
     # the primary carrying some, or nobody carrying nearly all, or the primary named is the one that carries it
     assert run([{}] * 5, signal=[shares(0.1, 0.9)] * 5) == []
     assert run([{}] * 5, signal=[shares(0.0, 0.5)] * 5, alerts="signal_share=0.6") == []
     assert run([{}] * 5, signal=hacked, primary="one_word") == []
     # again after the streak ended
-    assert run([{}] * 7, signal=[*hacked[:3], shares(0.5, 0.5), *hacked[:3]]) == [(3, "reward_signal"),
-                                                                                   (7, "reward_signal")]
+    assert run([{}] * 7, signal=[*hacked[:3], shares(0.5, 0.5), *hacked[:3]]) == [
+        (3, "reward_signal"),
+        (7, "reward_signal"),
+    ]
 
 
 def test_the_message_names_the_component_and_the_primary_reward():
@@ -61,8 +73,9 @@ def test_the_message_names_the_component_and_the_primary_reward():
         rows = shares(0.0, 1.0)
         facts = StepFacts(step, {"entropy": 1.0, "frac_zero_adv": 0.8}, rows, primary_component(None, rows))
         fired = watch(state, facts, AlertSettings(), CFG)
-    assert fired[0]["message"].startswith("one_word (weight 0.2) carried 100% of the advantage, and antonym, the "
-                                          "primary reward, none of it")
+    assert fired[0]["message"].startswith(
+        "one_word (weight 0.2) carried 100% of the advantage, and antonym, the primary reward, none of it"
+    )
 
 
 def test_a_primary_reward_that_names_no_component_is_refused_with_the_components():
@@ -100,6 +113,7 @@ def test_truncation_jump_is_against_the_window_before():
 def test_mismatch_fires_on_capped_tokens_or_a_k3_far_above_the_run_median():
     assert run([{"mismatch_capped": 30, "mismatch_capped_frac": 0.03, "mismatch_k3_kl": 1e-3}]) == [(1, "mismatch")]
     assert run([{"mismatch_capped": 1, "mismatch_capped_frac": 0.001, "mismatch_k3_kl": 1e-3}]) == []
+
     def k3(*values):
         return [{"mismatch_k3_kl": v, "mismatch_capped": 0, "mismatch_capped_frac": 0.0} for v in values]
 
@@ -109,8 +123,12 @@ def test_mismatch_fires_on_capped_tokens_or_a_k3_far_above_the_run_median():
 
 def test_the_mismatch_message_says_how_many_tokens_the_sampler_disagrees_on():
     state = TrainerState()
-    fired = watch(state, StepFacts(1, {"mismatch_capped": 42.0, "mismatch_capped_frac": 0.05,
-                                       "mismatch_k3_kl": 2e-3}, [], None), AlertSettings(), CFG)
+    fired = watch(
+        state,
+        StepFacts(1, {"mismatch_capped": 42.0, "mismatch_capped_frac": 0.05, "mismatch_k3_kl": 2e-3}, [], None),
+        AlertSettings(),
+        CFG,
+    )
     assert fired[0]["message"].startswith("the sampler is not the trainer: 42 tokens capped (5.0% of the tokens")
 
 
@@ -140,15 +158,18 @@ def test_the_alerts_record_survives_a_checkpoint_and_a_planted_one_is_refused(tm
     assert "alerts" in TrainerState.problem(tmp_path / "trainer_state.json")
 
 
-@pytest.mark.parametrize("given, said", [
-    ("windw=3", "alerts: unknown name 'windw'"),
-    ("window=1", "alerts: window=1 is not a whole number from 2 to 10000"),
-    ("window=2.5", "alerts: window=2.5 is not a whole number"),
-    ("signal_share=nan", "alerts: signal_share=nan is not a number from 0.5 to 1"),
-    ("entropy_slope=fast", "alerts: entropy_slope=fast is not a number"),
-    ("mismatch=3", "alerts: mismatch=3: this alert is on or off"),
-    ("window", "alerts: 'window' is not NAME=VALUE"),
-])
+@pytest.mark.parametrize(
+    "given, said",
+    [
+        ("windw=3", "alerts: unknown name 'windw'"),
+        ("window=1", "alerts: window=1 is not a whole number from 2 to 10000"),
+        ("window=2.5", "alerts: window=2.5 is not a whole number"),
+        ("signal_share=nan", "alerts: signal_share=nan is not a number from 0.5 to 1"),
+        ("entropy_slope=fast", "alerts: entropy_slope=fast is not a number"),
+        ("mismatch=3", "alerts: mismatch=3: this alert is on or off"),
+        ("window", "alerts: 'window' is not NAME=VALUE"),
+    ],
+)
 def test_bad_alerts_options_are_one_clear_error(given, said):
     with pytest.raises(QAEUserError, match=said.replace("(", r"\(").replace(")", r"\)")):
         build_config(alerts=given)

@@ -29,8 +29,14 @@ BETA1, BETA2, EPS = 0.9, 0.999, 1e-8  # AdamW's defaults, which optimizer_and_sc
 
 def test_attribution_names_are_step_columns():
     assert set(ATTRIBUTION_METRICS) <= set(STEP_METRICS)
-    assert {"dH_from_hard", "dH_from_easy", "dH_hard_from_hard", "dH_easy_from_hard", "dH_hard_from_easy",
-            "dH_easy_from_easy"} <= set(ATTRIBUTION_METRICS)
+    assert {
+        "dH_from_hard",
+        "dH_from_easy",
+        "dH_hard_from_hard",
+        "dH_easy_from_hard",
+        "dH_hard_from_easy",
+        "dH_easy_from_easy",
+    } <= set(ATTRIBUTION_METRICS)
 
 
 def _entropies(model, batch, temperature: float) -> torch.Tensor:
@@ -54,7 +60,7 @@ def _by_hand(model, optimizer, batch, advantages, temperature):
     loss = -(advantages[:, None] * logp * mask).sum() / mask.sum()
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
-    norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
+    norm = torch.sqrt(sum((g**2).sum() for g in grads))
     grads = [g * min(1.0, MAX_GRAD_NORM / (norm.item() + 1e-6)) for g in grads]
     with torch.no_grad():
         for p, original, g in zip(params, model.parameters(), grads, strict=True):
@@ -63,7 +69,7 @@ def _by_hand(model, optimizer, batch, advantages, temperature):
             m = BETA1 * state["exp_avg"] + (1 - BETA1) * g
             v = BETA2 * state["exp_avg_sq"] + (1 - BETA2) * g * g
             p.mul_(1 - LR * WEIGHT_DECAY)
-            p.sub_(LR * (m / (1 - BETA1 ** step)) / ((v / (1 - BETA2 ** step)).sqrt() + EPS))
+            p.sub_(LR * (m / (1 - BETA1**step)) / ((v / (1 - BETA2**step)).sqrt() + EPS))
     return trial
 
 
@@ -71,15 +77,28 @@ def test_each_attribution_is_the_update_made_by_hand_from_its_regime_alone(tmp_p
     """float64 built-in model, one mini-batch, AdamW with moments from an earlier step and weight decay (so `none`,
     the drift, is not 0): every column equals the entropy change after the hand-made update from that regime's loss,
     and the weights, optimizer state, gradients and RNG are exactly as before."""
-    cfg = build_config(run_name="attr", steps=1, prompts_per_step=2, group_size=4, eval_every=0, k="0.4",
-                       num_mini_batches=1, lr=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM)
+    cfg = build_config(
+        run_name="attr",
+        steps=1,
+        prompts_per_step=2,
+        group_size=4,
+        eval_every=0,
+        k="0.4",
+        num_mini_batches=1,
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+        max_grad_norm=MAX_GRAD_NORM,
+    )
     trainer = Trainer(cfg, tmp_path, cpu=True)
     try:
         model = trainer.model.double()
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)  # (float64 moments)
         codec = trainer.codec
-        samples = [Sample(b, codec.encode(prompt), codec.encode(r)[1:] + [codec.eos_id], r, False)
-                   for b, (prompt, responses) in enumerate(TEXTS) for r in responses]
+        samples = [
+            Sample(b, codec.encode(prompt), codec.encode(r)[1:] + [codec.eos_id], r, False)
+            for b, (prompt, responses) in enumerate(TEXTS)
+            for r in responses
+        ]
         batch = update.pack(samples, codec.pad_id, "cpu", torch.float64)
         for p in model.parameters():  # an earlier step: moments that move the weights on a zero gradient too
             p.grad = torch.randn_like(p) * 1e-2
@@ -89,8 +108,9 @@ def test_each_attribution_is_the_update_made_by_hand_from_its_regime_alone(tmp_p
         moments = {k: v.clone() for k, v in optimizer.state[next(iter(model.parameters()))].items()}
         rng = torch.random.get_rng_state()
 
-        got = entropy_attribution(model, optimizer, batch, ADVANTAGES, CORRECT, 0.4, 4, trainer.update_options(),
-                                  seed=11)
+        got = entropy_attribution(
+            model, optimizer, batch, ADVANTAGES, CORRECT, 0.4, 4, trainer.update_options(), seed=11
+        )
 
         before = _entropies(model, batch, cfg.temperature).double()
         mask = batch["response_mask"]
@@ -119,14 +139,26 @@ def test_a_regime_with_no_response_gets_null():
 
     policy, codec = load_policy("builtin:tiny", "float32")
     optimizer, _ = optimizer_and_schedule(list(policy.parameters()), 1e-3, 0.0, 0)
-    samples = [Sample(0, codec.encode("2*9="), codec.encode(r)[1:] + [codec.eos_id], r, False)
-               for r in ("18", "18", "18", "81")]
+    samples = [
+        Sample(0, codec.encode("2*9="), codec.encode(r)[1:] + [codec.eos_id], r, False)
+        for r in ("18", "18", "18", "81")
+    ]
     batch = update.pack(samples, codec.pad_id, "cpu")
-    options = update.UpdateOptions(num_mini_batches=1, ppo_epochs=1, micro_batch_size=64, clip_low=0.2,
-                                   clip_high=0.28, loss_agg="token", kl_beta=0.0, max_grad_norm=1.0,
-                                   max_new_tokens=8, temperature=1.0)
-    got = entropy_attribution(policy, optimizer, batch, torch.tensor([0.0, 0.0, 0.0, -1.5]), CORRECT[1:], 0.4, 4,
-                              options, seed=3)
+    options = update.UpdateOptions(
+        num_mini_batches=1,
+        ppo_epochs=1,
+        micro_batch_size=64,
+        clip_low=0.2,
+        clip_high=0.28,
+        loss_agg="token",
+        kl_beta=0.0,
+        max_grad_norm=1.0,
+        max_new_tokens=8,
+        temperature=1.0,
+    )
+    got = entropy_attribution(
+        policy, optimizer, batch, torch.tensor([0.0, 0.0, 0.0, -1.5]), CORRECT[1:], 0.4, 4, options, seed=3
+    )
     assert all(math.isnan(got[name]) for name in ("dH_from_hard", "dH_hard_from_hard", "dH_easy_from_hard"))
     assert got["dH_from_easy"] != 0.0 and got["dH_easy_from_easy"] == got["dH_from_easy"]  # (all of them easy)
     assert math.isnan(got["dH_hard_from_easy"])  # (no hard response to measure)
@@ -152,8 +184,10 @@ def test_the_default_run_is_unchanged_by_the_attribution(tmp_path):
     both = (got["frac_hard"] > 0) & (got["frac_easy"] > 0)
     assert both.any()
     assert got.loc[both, ["dH_from_hard", "dH_from_easy", "dH_hard_from_hard", "dH_easy_from_easy"]].notna().all().all()
-    rows = [query(db_path(tmp_path, name), "SELECT * EXCLUDE (run_id) FROM rollouts ORDER BY step, group_idx, "
-                  "sample_idx") for name in ("plain", "attributed")]
+    rows = [
+        query(db_path(tmp_path, name), "SELECT * EXCLUDE (run_id) FROM rollouts ORDER BY step, group_idx, sample_idx")
+        for name in ("plain", "attributed")
+    ]
     pd.testing.assert_frame_equal(rows[0], rows[1], check_exact=True)
     for p, q in zip(plain.model.parameters(), attributed.model.parameters(), strict=True):
         assert torch.equal(p, q)

@@ -49,7 +49,7 @@ BAD_VALUES = [
     (["train", "--config", "{d}/temperature_tiny.toml"], "temperature: 1e-300 is less than 0.01"),
     (["train", "--config", "{d}/timeout_nan.toml"], "verify-timeout-s: nan is not a finite number"),
     (["train", "--config", "{d}/timeout_inf.toml"], "verify-timeout-s: inf is not a finite number"),
-    (["train", "--config", "{d}/mini_batches_huge.toml"], f"num-mini-batches: {10 ** 18} is more than the 128"),
+    (["train", "--config", "{d}/mini_batches_huge.toml"], f"num-mini-batches: {10**18} is more than the 128"),
     (["train", "--config", "{d}/micro_float.toml"], "'micro_batch_size' = 1e+30 is a float, expected int"),
     (["train", "--config", "{d}/utf16.toml"], "utf16.toml is UTF-16 (or UTF-32) text; TOML must be UTF-8"),
     (["train", "--config", "{d}/binary.toml"], "binary.toml is not UTF-8 text (byte 0x80 at offset 128)"),
@@ -67,19 +67,27 @@ BAD_VALUES = [
     (["train", "--entropy-low", "1e308"], "entropy-low: 1e+308 is more than 20.0"),
     (["train", "--entropy-low", "-1"], "entropy-low: -1.0 is less than 0.0"),
     (["train", "--entropy-low", "2", "--entropy-high", "2"], "entropy-low / entropy-high: 2.0 / 2.0"),
-    (["train", "--config", "{d}/both_spellings.toml"], "config: 'group_size' is set twice in {d}/both_spellings.toml "
-                                                       "(group-size = 4, group_size = 8)"),
+    (
+        ["train", "--config", "{d}/both_spellings.toml"],
+        "config: 'group_size' is set twice in {d}/both_spellings.toml (group-size = 4, group_size = 8)",
+    ),
     (["train", "--config", "{d}/bom.toml"], "steps: 0 is less than 1"),
     (["train", "--config", "/dev/zero"], "config: /dev/zero is not a regular file"),
     (["train", "--config", "{d}/" + "c" * 300 + ".toml"], "a name over 255 bytes, longer than the file system"),
     # each message names the option the user gave, with an example of its own kind
-    (["train", "--config", "{d}/zero_steps.toml"], "steps: 0 is less than 1, the least it may be. Use a positive "
-                                                   "integer (set in {d}/zero_steps.toml)."),
-    (["train", "--config", "{d}/twice.toml"], "config: 'steps' is set twice in {d}/twice.toml ([run] steps = 2, "
-                                              "[optim] steps = 0)"),
+    (
+        ["train", "--config", "{d}/zero_steps.toml"],
+        "steps: 0 is less than 1, the least it may be. Use a positive integer (set in {d}/zero_steps.toml).",
+    ),
+    (
+        ["train", "--config", "{d}/twice.toml"],
+        "config: 'steps' is set twice in {d}/twice.toml ([run] steps = 2, [optim] steps = 0)",
+    ),
     # issue 48 L5: weights whose sum is infinite (the weighted reward was stored as inf, advantages and loss NULL)
-    (["train", "--reward", "exact_int", "--reward", "math", "--reward-weights", "1e308,1e308"],
-     "reward-weights: '1e308,1e308' sum to more than a number holds"),
+    (
+        ["train", "--reward", "exact_int", "--reward", "math", "--reward-weights", "1e308,1e308"],
+        "reward-weights: '1e308,1e308' sum to more than a number holds",
+    ),
 ]
 
 

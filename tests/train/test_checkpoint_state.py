@@ -80,8 +80,9 @@ class Payload:
 MARKER = None
 
 
-@pytest.mark.parametrize("name", [POLICY_FILE, OPTIMIZER_TENSORS_FILE, OPTIMIZER_FILE, SCHEDULER_FILE,
-                                  RNG_FILE.format(process=0)])
+@pytest.mark.parametrize(
+    "name", [POLICY_FILE, OPTIMIZER_TENSORS_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE.format(process=0)]
+)
 def test_a_pickle_planted_in_place_of_a_state_file_is_refused_by_name_and_never_runs(tmp_path, name):
     global MARKER
     MARKER = tmp_path / "ran"
@@ -111,10 +112,16 @@ def test_a_sharded_checkpoint_resumed_unsharded_is_refused_with_the_way_out(tmp_
 # a damaged state file is found before anything is loaded, so a resume passes over its checkpoint
 
 
-DAMAGES = {"cut": lambda data: data[: len(data) // 2], "deep": lambda data: b"[" * 100_000 + b"]" * 100_000,
-           "list": lambda data: b"[1, 2, 3]", "pickle": lambda data: pickle.dumps(Payload()),
-           "wrong types": lambda data: b'{"python": "x", "numpy": [1], "torch": {"a": 1}, "param_groups": 3, '
-                                       b'"scalars": [], "tuple_keys": {}, "last_epoch": "x", "step": "two"}'}
+DAMAGES = {
+    "cut": lambda data: data[: len(data) // 2],
+    "deep": lambda data: b"[" * 100_000 + b"]" * 100_000,
+    "list": lambda data: b"[1, 2, 3]",
+    "pickle": lambda data: pickle.dumps(Payload()),
+    "wrong types": lambda data: (
+        b'{"python": "x", "numpy": [1], "torch": {"a": 1}, "param_groups": 3, '
+        b'"scalars": [], "tuple_keys": {}, "last_epoch": "x", "step": "two"}'
+    ),
+}
 STATE_FILES = [POLICY_FILE, OPTIMIZER_TENSORS_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE.format(process=0)]
 
 
@@ -150,9 +157,14 @@ def test_every_process_state_file_is_checked_and_a_missing_one_named(tmp_path):
     assert training_state_problem(tmp_path) == "rng-0.json is missing"
 
 
-@pytest.mark.parametrize("name, content", [("trainer_state.json", b"\x80\x04K\x01."),
-                                           ("optimizer.json", b'{"param_groups": 3}'),
-                                           ("rng-0.json", b"[" * 100_000 + b"]" * 100_000)])
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("trainer_state.json", b"\x80\x04K\x01."),
+        ("optimizer.json", b'{"param_groups": 3}'),
+        ("rng-0.json", b"[" * 100_000 + b"]" * 100_000),
+    ],
+)
 def test_a_resume_passes_over_a_checkpoint_whose_state_is_damaged(tiny_run, tmp_path, name, content):
     """A file of the newest checkpoint damaged and its manifest rewritten to match (checksums pass): the resume
     names it and resumes from the older checkpoint, as it does past one whose checksums fail; the run ends whole."""
@@ -169,8 +181,9 @@ def test_a_resume_passes_over_a_checkpoint_whose_state_is_damaged(tiny_run, tmp_
     newest = tmp_path / run / "checkpoints" / "step-6"
     (newest / name).write_bytes(content)
     rewrite_manifest(newest)
-    result = CliRunner().invoke(app, ["train", "--resume", run, "--steps", "7", "--runs-dir", str(tmp_path)],
-                                env={"COLUMNS": "300"})
+    result = CliRunner().invoke(
+        app, ["train", "--resume", run, "--steps", "7", "--runs-dir", str(tmp_path)], env={"COLUMNS": "300"}
+    )
     output = " ".join(result.output.split())
     assert result.exit_code == 0, result.output
     assert f"skipping checkpoint step-6: {name} " in output and "from checkpoint step-3" in output, output

@@ -33,8 +33,15 @@ from tests.same_steps import assert_same_metrics
 runner = CliRunner()
 QAE = str(Path(sys.executable).parent / "qae")
 P, G = 4, 8
-DYNAMIC = dict(prompts_per_step=P, group_size=G, eval_every=0, dynamic_sampling=True, max_gen_batches=10,
-               reward_values="-1,1", seed=1)
+DYNAMIC = dict(
+    prompts_per_step=P,
+    group_size=G,
+    eval_every=0,
+    dynamic_sampling=True,
+    max_gen_batches=10,
+    reward_values="-1,1",
+    seed=1,
+)
 
 
 def steps_of(path: Path) -> pd.DataFrame:
@@ -92,8 +99,11 @@ def test_dynamic_run_rows_recompute_their_advantages_regimes_and_metrics(dynamic
         rewards = torch.tensor(rollouts["reward"].to_numpy(), dtype=torch.float32).view(-1, G)
         correct = torch.tensor(rollouts["correct"].to_numpy()).view(-1, G)
         expected = compute_advantages("qae", rewards, EstimatorConfig(k=0.4), correct)
-        assert torch.allclose(torch.tensor(rollouts["advantage"].to_numpy(), dtype=torch.float32).view(-1, G),
-                              expected.advantages, atol=1e-6)
+        assert torch.allclose(
+            torch.tensor(rollouts["advantage"].to_numpy(), dtype=torch.float32).view(-1, G),
+            expected.advantages,
+            atol=1e-6,
+        )
         assert groups["regime"].tolist() == [REGIMES[r] for r in expected.regime.tolist()]
         assert "mixed" not in set(groups["regime"])  # -1/1 groups are hard / easy / all_correct / all_wrong
         metrics = step_metrics(groups.to_dict("records"), rollouts.to_dict("records"))
@@ -115,11 +125,14 @@ def test_qae_rollouts_shows_the_filtered_groups(dynamic_run):
     assert len(filtered_row.findall(shown.output)) == n_filtered
     header = " ".join(shown.output.split())
     n_total = P * G * int(steps_of(path).loc[step, "gen_batches"])
-    n_gated = query(path, "SELECT count(*) AS n FROM rollouts WHERE step = ? AND gated AND NOT filtered",
-                    [step])["n"].item()
+    n_gated = query(path, "SELECT count(*) AS n FROM rollouts WHERE step = ? AND gated AND NOT filtered", [step])[
+        "n"
+    ].item()
     # gated counts are of the trained responses, as frac_zero_adv
-    assert (f"{n_filtered // G} groups ({n_filtered} responses) filtered out of the update by dynamic sampling, "
-            f"{n_gated} of the {n_total - n_filtered} trained gated (advantage 0)") in header
+    assert (
+        f"{n_filtered // G} groups ({n_filtered} responses) filtered out of the update by dynamic sampling, "
+        f"{n_gated} of the {n_total - n_filtered} trained gated (advantage 0)"
+    ) in header
     assert n_gated / (n_total - n_filtered) == pytest.approx(steps_of(path).loc[step, "frac_zero_adv"])
     kept = runner.invoke(app, [*args, "--kept"], env={"COLUMNS": "250"})
     assert kept.exit_code == 0 and not filtered_row.findall(kept.output) and "kept" in kept.output
@@ -137,15 +150,16 @@ def test_filtered_groups_are_absent_from_the_loss(tmp_path):
     """One real step with dynamic sampling (float64): the gradient of its single update equals the token-mean policy
     gradient of a batch built by hand from the trained groups only; counting the filtered responses in the
     normalizer, as a step without dynamic sampling would, gives another gradient."""
-    cfg = build_config(run_name="grad", steps=1, checkpoint_every=0, num_mini_batches=1, max_grad_norm=1e9,
-                       **DYNAMIC)
+    cfg = build_config(run_name="grad", steps=1, checkpoint_every=0, num_mini_batches=1, max_grad_norm=1e9, **DYNAMIC)
     trainer = Trainer(cfg, tmp_path, cpu=True)
     trainer.model.double()
     generated, grads = [], []
     generate, optimizer_step = trainer.engine.generate, trainer.optimizer.step
     trainer.engine.generate = lambda *a, **kw: generated.append(generate(*a, **kw)) or generated[-1]
-    trainer.optimizer.step = lambda *a, **kw: (grads.append([p.grad.clone() for p in trainer.model.parameters()]),
-                                               optimizer_step(*a, **kw))[1]
+    trainer.optimizer.step = lambda *a, **kw: (
+        grads.append([p.grad.clone() for p in trainer.model.parameters()]),
+        optimizer_step(*a, **kw),
+    )[1]
     try:
         out = trainer.train_step(1)
     finally:
@@ -176,20 +190,31 @@ def test_filtered_groups_are_absent_from_the_loss(tmp_path):
         loss.backward()
         return [p.grad.clone() for p in policy.parameters()]
 
-    chosen = [s for g in trained for s in samples[g * G:(g + 1) * G]]
+    chosen = [s for g in trained for s in samples[g * G : (g + 1) * G]]
     by_hand = gradient(chosen, advantages, chosen)
     for got, want in zip(grads[0], by_hand, strict=True):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-7)
     diluted = gradient(chosen, advantages, samples)  # normalized over every sampled response
-    assert any(not torch.allclose(got, want, atol=1e-10, rtol=1e-7)
-               for got, want in zip(grads[0], diluted, strict=True))
+    assert any(
+        not torch.allclose(got, want, atol=1e-10, rtol=1e-7) for got, want in zip(grads[0], diluted, strict=True)
+    )
 
 
 def test_the_cap_trains_on_what_it_found_and_says_so(tmp_path):
     """One generation batch of 2 groups of 2: steps with fewer than 2 groups with signal train on those, with a warning
     row; a step with none makes no update at all (the other steps make their 2 mini-batches)."""
-    cfg = build_config(run_name="cap", steps=6, prompts_per_step=2, group_size=2, num_mini_batches=2,
-                       eval_every=0, checkpoint_every=0, dynamic_sampling=True, max_gen_batches=1, seed=0)
+    cfg = build_config(
+        run_name="cap",
+        steps=6,
+        prompts_per_step=2,
+        group_size=2,
+        num_mini_batches=2,
+        eval_every=0,
+        checkpoint_every=0,
+        dynamic_sampling=True,
+        max_gen_batches=1,
+        seed=0,
+    )
     Trainer(cfg, tmp_path, cpu=True).fit()
     path = db_path(tmp_path, "cap")
     steps = read_steps(path).set_index("step")
@@ -212,10 +237,13 @@ def test_resume_position_check_follows_dynamic_sampling():
     dynamic = build_config(prompts_per_step=4, dynamic_sampling=True, max_gen_batches=3)
     assert all(data_position_problem(p, 2, dynamic) is None for p in (8, 12, 24))
     for position in (4, 10, 28):
-        assert data_position_problem(position, 2, dynamic) == ("2 steps of 1 to 3 generation batches of 4 prompts "
-                                                               "end at a multiple of 4 from 8 to 24")
-    assert data_position_problem(400, 2, build_config(prompts_per_step=4, dynamic_sampling=True,
-                                                      max_gen_batches=0)) is None
+        assert data_position_problem(position, 2, dynamic) == (
+            "2 steps of 1 to 3 generation batches of 4 prompts end at a multiple of 4 from 8 to 24"
+        )
+    assert (
+        data_position_problem(400, 2, build_config(prompts_per_step=4, dynamic_sampling=True, max_gen_batches=0))
+        is None
+    )
 
 
 BAD_DAPO_INPUT = [
@@ -226,8 +254,10 @@ BAD_DAPO_INPUT = [
     (["--reward-values", "0,2"], "reward-values: unknown value '0,2'. Choose one of: 0,1, -1,1"),
     (["--filter-metric", "acc"], "filter-metric: unknown value 'acc'. Choose one of: reward, correct"),
     (["--max-gen-batches", "-1"], "max-gen-batches: -1 is less than 0, the least it may be"),
-    (["--shaping", "late", "--overlong-buffer", "4"],
-     "shaping: unknown value 'late'. Choose one of: before-baseline, after-baseline"),
+    (
+        ["--shaping", "late", "--overlong-buffer", "4"],
+        "shaping: unknown value 'late'. Choose one of: before-baseline, after-baseline",
+    ),
     (["--shaping", "after-baseline"], "shaping: after-baseline acts only with --overlong-buffer, which is off"),
     (["--on-gen-cap", "halt", "--dynamic-sampling"], "on-gen-cap: unknown value 'halt'. Choose one of: train, stop"),
     (["--on-gen-cap", "stop"], "on-gen-cap: stop acts only with --dynamic-sampling, which is off"),
@@ -255,9 +285,26 @@ def test_an_option_given_at_its_default_is_never_refused_for_its_switch(tmp_path
     for name in [*NEEDS_SWITCH, *VLLM_ONLY]:
         default = FIELDS[name].default
         assert getattr(build_config(**{name: default}), name) == default
-    result = runner.invoke(app, ["train", "--shaping", "before-baseline", "--vllm-gpu-memory", "0.35", "--steps", "1",
-                                 "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0",
-                                 "--runs-dir", str(tmp_path)])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--shaping",
+            "before-baseline",
+            "--vllm-gpu-memory",
+            "0.35",
+            "--steps",
+            "1",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "0",
+            "--runs-dir",
+            str(tmp_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
 
 
@@ -271,7 +318,8 @@ def test_switches_from_the_command_line_and_toml(tmp_path):
     toml.write_text('dynamic_sampling = "yes"\n')
     result = runner.invoke(app, ["train", "--config", str(toml), "--runs-dir", str(tmp_path)])
     assert result.exit_code == 2 and "'dynamic_sampling' = 'yes' is a str, expected bool" in " ".join(
-        result.output.split())
+        result.output.split()
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -285,22 +333,31 @@ def test_kill_9_then_resume_replays_dynamic_sampling_exactly(tmp_path):
     flags += ["--dynamic-sampling"]
 
     def train(name, *extra, env=None):
-        return subprocess.run([QAE, "train", "--run-name", name, "--runs-dir", str(tmp_path), *flags, *extra],
-                              capture_output=True, text=True, timeout=900, env=dict(os.environ, **(env or {})))
+        return subprocess.run(
+            [QAE, "train", "--run-name", name, "--runs-dir", str(tmp_path), *flags, *extra],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=dict(os.environ, **(env or {})),
+        )
 
     assert train("ref").returncode == 0
     killed = train("cut", env={"QAE_FAULT": "after_step_rows@4"})  # checkpoint at 2, rows of 3 stored, 4 lost
     assert killed.returncode == -9
-    resumed = subprocess.run([QAE, "train", "--resume", "cut", "--runs-dir", str(tmp_path)], capture_output=True,
-                             text=True, timeout=900)
+    resumed = subprocess.run(
+        [QAE, "train", "--resume", "cut", "--runs-dir", str(tmp_path)], capture_output=True, text=True, timeout=900
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     ref, cut = db_path(tmp_path, "ref"), db_path(tmp_path, "cut")
     want, got = read_steps(ref).set_index("step"), read_steps(cut).set_index("step")
     assert got.index.tolist() == [1, 2, 3, 4, 5] and want["gen_batches"].sum() > 5
     assert_same_metrics(want, got)
     for table, order in (("groups", "step, group_idx"), ("rollouts", "step, group_idx, sample_idx")):
-        sql = f"SELECT * EXCLUDE (run_id, entropy, logprob) FROM {table} ORDER BY {order}" if table == "rollouts" \
+        sql = (
+            f"SELECT * EXCLUDE (run_id, entropy, logprob) FROM {table} ORDER BY {order}"
+            if table == "rollouts"
             else f"SELECT * EXCLUDE (run_id) FROM {table} ORDER BY {order}"
+        )
         pd.testing.assert_frame_equal(query(ref, sql), query(cut, sql), obj=table)
 
 
@@ -323,8 +380,10 @@ def test_a_process_without_groups_to_train_takes_part_and_adds_nothing(tmp_path)
     assert (read_steps(paths[1])["n_updates"] > 0).all()
     steps1, steps2 = (read_steps(p).set_index("step") for p in paths)
     assert_same_metrics(steps1, steps2)
-    rows = [query(p, "SELECT step, group_idx, sample_idx, response, reward, advantage, filtered FROM rollouts "
-                     "ORDER BY ALL") for p in paths]
+    rows = [
+        query(p, "SELECT step, group_idx, sample_idx, response, reward, advantage, filtered FROM rollouts ORDER BY ALL")
+        for p in paths
+    ]
     pd.testing.assert_frame_equal(rows[0], rows[1])
 
 
@@ -347,9 +406,20 @@ def test_dynamic_sampling_drops_all_wrong_groups_by_default_even_when_shaping_sp
 def test_a_step_with_no_update_does_not_advance_the_learning_rate_schedule(tmp_path):
     """At the dynamic-sampling cap a step may find no group with signal: it updates nothing, so the warmup must not
     move either (it counted such steps, reaching full LR after fewer updates than --warmup-steps)."""
-    cfg = build_config(run_name="cap", steps=6, prompts_per_step=2, group_size=2, num_mini_batches=2, eval_every=0,
-                       checkpoint_every=0, dynamic_sampling=True, max_gen_batches=1, seed=0, warmup_steps=4,
-                       lr=1e-3)
+    cfg = build_config(
+        run_name="cap",
+        steps=6,
+        prompts_per_step=2,
+        group_size=2,
+        num_mini_batches=2,
+        eval_every=0,
+        checkpoint_every=0,
+        dynamic_sampling=True,
+        max_gen_batches=1,
+        seed=0,
+        warmup_steps=4,
+        lr=1e-3,
+    )
     Trainer(cfg, tmp_path, cpu=True).fit()
     steps = read_steps(db_path(tmp_path, "cap")).set_index("step")
     assert (steps["n_updates"] == 0).any() and (steps["n_updates"] > 0).any()  # (seed 0 has both)
@@ -364,8 +434,18 @@ def test_shaping_after_the_baseline_in_a_run_decides_on_the_verdicts(tmp_path):
     --shaping after-baseline every stored advantage is QAE's on the verdicts plus the stored penalty (reward minus
     the verdict's value), no group is mixed, and some response was penalized."""
     G = 8
-    cfg = build_config(run_name="after", steps=1, prompts_per_step=8, group_size=G, eval_every=0, checkpoint_every=0,
-                       reward_values="-1,1", overlong_buffer=6, shaping="after-baseline", seed=2)
+    cfg = build_config(
+        run_name="after",
+        steps=1,
+        prompts_per_step=8,
+        group_size=G,
+        eval_every=0,
+        checkpoint_every=0,
+        reward_values="-1,1",
+        overlong_buffer=6,
+        shaping="after-baseline",
+        seed=2,
+    )
     Trainer(cfg, tmp_path, cpu=True).fit()
     path = db_path(tmp_path, "after")
     groups = query(path, "SELECT * FROM groups ORDER BY group_idx")
@@ -386,9 +466,27 @@ def test_on_gen_cap_stop_ends_the_run_at_the_first_short_step_with_the_reason(tm
     """The cap test's run (seed 2: some steps find fewer than 2 groups with signal in their one batch), with
     --on-gen-cap train (today's: every step trains, the short ones with a warning) and with stop: the run ends failed
     before the first short step trains, the reason printed and stored as the run's error, the steps before it kept."""
-    common = ["--steps", "6", "--prompts-per-step", "2", "--group-size", "2", "--num-mini-batches", "2",
-              "--eval-every", "0", "--checkpoint-every", "0", "--dynamic-sampling", "--max-gen-batches", "1",
-              "--seed", "2", "--runs-dir", str(tmp_path)]
+    common = [
+        "--steps",
+        "6",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--num-mini-batches",
+        "2",
+        "--eval-every",
+        "0",
+        "--checkpoint-every",
+        "0",
+        "--dynamic-sampling",
+        "--max-gen-batches",
+        "1",
+        "--seed",
+        "2",
+        "--runs-dir",
+        str(tmp_path),
+    ]
     runner = CliRunner()
     trained = runner.invoke(app, ["train", "--run-name", "train", "--on-gen-cap", "train", *common])
     assert trained.exit_code == 0, trained.output

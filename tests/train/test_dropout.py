@@ -14,8 +14,18 @@ def _tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.1,
-                        embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=1, eos_token_id=2)
+    config = GPT2Config(
+        vocab_size=64,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -70,8 +80,17 @@ def test_every_ratio_is_one_while_the_policy_stands_still_on_a_checkpoint_with_d
         return real_policy_loss(logp, old_logp, advantages, mask, *args, **kwargs)
 
     monkeypatch.setattr(update, "policy_loss", recording_policy_loss)
-    cfg = build_config(model=str(folder), steps=1, prompts_per_step=4, group_size=8, num_mini_batches=4, lr=1e-12,
-                       eval_every=0, run_name="dropout", seed=3)
+    cfg = build_config(
+        model=str(folder),
+        steps=1,
+        prompts_per_step=4,
+        group_size=8,
+        num_mini_batches=4,
+        lr=1e-12,
+        eval_every=0,
+        run_name="dropout",
+        seed=3,
+    )
     Trainer(cfg, tmp_path / "runs", cpu=True).fit()
     assert len(ratios) >= 2, "fewer than 2 mini-batches had a non-zero advantage: pick another seed"
     every = torch.cat(ratios)

@@ -24,9 +24,17 @@ def tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(config).double()
 
 
@@ -34,17 +42,31 @@ def varied_batch(n: int = 10, seed: int = 0):
     """n sequences whose lengths vary wildly (prompts of 1-12 tokens, responses of 1-24), right-padded by `pack`,
     and their advantages, half of them 0 (gated)."""
     rng = random.Random(seed)
-    samples = [SimpleNamespace(prompt_ids=[rng.randrange(1, 32) for _ in range(rng.choice([1, 2, 5, 12]))],
-                               response_ids=[rng.randrange(1, 32) for _ in range(rng.choice([1, 3, 9, 24]))])
-               for _ in range(n)]
+    samples = [
+        SimpleNamespace(
+            prompt_ids=[rng.randrange(1, 32) for _ in range(rng.choice([1, 2, 5, 12]))],
+            response_ids=[rng.randrange(1, 32) for _ in range(rng.choice([1, 3, 9, 24]))],
+        )
+        for _ in range(n)
+    ]
     advantages = torch.tensor([rng.choice([-1.0, 0.7]) if i % 2 else 0.0 for i in range(n)], dtype=torch.float64)
     return update.pack(samples, pad_id=0, device="cpu", float_dtype=torch.float64), advantages
 
 
 def options(**changes):
-    base = update.UpdateOptions(num_mini_batches=2, ppo_epochs=2, micro_batch_size=2, clip_low=0.2, clip_high=0.28,
-                                loss_agg="token", kl_beta=0.0, max_grad_norm=1e9, max_new_tokens=24,
-                                temperature=0.9, logits_keyword="logits_to_keep")
+    base = update.UpdateOptions(
+        num_mini_batches=2,
+        ppo_epochs=2,
+        micro_batch_size=2,
+        clip_low=0.2,
+        clip_high=0.28,
+        loss_agg="token",
+        kl_beta=0.0,
+        max_grad_norm=1e9,
+        max_new_tokens=24,
+        temperature=0.9,
+        logits_keyword="logits_to_keep",
+    )
     return dataclasses.replace(base, **changes)
 
 
@@ -59,8 +81,9 @@ def updated_parameters(opts, checkpointing: bool = False, full_pass: bool = True
             # (a pre-hook: the recomputation stops once it has what the backward needs, before the MLP returns)
             layer.mlp.register_forward_pre_hook(lambda *_: layer_runs.append(1))
     batch, advantages = varied_batch()
-    result = update.policy_update(model, torch.optim.AdamW(model.parameters(), lr=0.05), batch, advantages, opts,
-                                  seed=4, full_pass=full_pass)
+    result = update.policy_update(
+        model, torch.optim.AdamW(model.parameters(), lr=0.05), batch, advantages, opts, seed=4, full_pass=full_pass
+    )
     return [p.detach().clone() for p in model.parameters()], result
 
 
@@ -102,21 +125,26 @@ def test_token_budget_micro_batches_give_the_fixed_micro_batch_update():
     longest = int(batch["attention_mask"].sum(-1).max())
     for budget in (longest, 2 * longest, 50, 10_000):
         assert_same_update(updated_parameters(options(max_tokens_per_micro_batch=budget)), plain)
-    assert_same_update(updated_parameters(options(max_tokens_per_micro_batch=50, logprob_chunk_tokens=3),
-                                          checkpointing=True), plain)
+    assert_same_update(
+        updated_parameters(options(max_tokens_per_micro_batch=50, logprob_chunk_tokens=3), checkpointing=True), plain
+    )
 
 
 def test_micro_batch_plan_sorts_by_length_and_packs_to_the_budget():
     """Lengths 3, 9, 4, 9, 1 (prompt + response tokens), budget 18: longest first, sequences x longest <= 18."""
-    samples = [SimpleNamespace(prompt_ids=[1] * p, response_ids=[2] * r)
-               for p, r in ((1, 2), (4, 5), (2, 2), (8, 1), (1, 0))]
+    samples = [
+        SimpleNamespace(prompt_ids=[1] * p, response_ids=[2] * r) for p, r in ((1, 2), (4, 5), (2, 2), (8, 1), (1, 0))
+    ]
     batch = update.pack(samples, pad_id=0, device="cpu")
     rows = torch.tensor([4, 0, 1, 2, 3])  # (the plan's positions are into these rows)
     plan = update.micro_batch_plan(batch, rows, options(max_tokens_per_micro_batch=18))
     assert [(rows[positions].tolist(), width) for positions, width in plan] == [([1, 3], 9), ([2, 0, 4], 4)]
     fixed = update.micro_batch_plan(batch, rows, options(micro_batch_size=2))
-    assert [(rows[positions].tolist(), width) for positions, width in fixed] == [([4, 0], None), ([1, 2], None),
-                                                                                 ([3], None)]
+    assert [(rows[positions].tolist(), width) for positions, width in fixed] == [
+        ([4, 0], None),
+        ([1, 2], None),
+        ([3], None),
+    ]
     # a sequence longer than the budget is a micro-batch of its own
     plan = update.micro_batch_plan(batch, rows, options(max_tokens_per_micro_batch=5))
     assert [rows[positions].tolist() for positions, _ in plan] == [[1], [3], [2], [0], [4]]
@@ -179,8 +207,9 @@ def test_checkpointing_and_token_budget_with_the_gated_skip_keep_the_built_in_mo
     """Float64 built-in model, the gated skip on: the same weights after 2 RL steps (to float64 rounding) and the same
     rows, with gradient checkpointing and token-budget micro-batches."""
     plain = _rows_after_two_steps(tmp_path, "plain", float64=True)
-    both = _rows_after_two_steps(tmp_path, "both", float64=True, gradient_checkpointing=True,
-                                 max_tokens_per_micro_batch=60)
+    both = _rows_after_two_steps(
+        tmp_path, "both", float64=True, gradient_checkpointing=True, max_tokens_per_micro_batch=60
+    )
     _assert_same_rows(both, plain, atol=1e-10)
 
 
@@ -197,11 +226,14 @@ def test_a_model_the_chunked_head_refuses_uses_the_full_logits_and_says_so_once(
         trainer.close()
 
 
-@pytest.mark.parametrize("value, message", [
-    (0, "max-tokens-per-micro-batch: 0 is less than 1, the least it may be"),
-    (-3, "max-tokens-per-micro-batch: -3 is less than 1"),
-    (8, "max-tokens-per-micro-batch: 8 tokens cannot hold one sequence of a prompt and max-new-tokens 8"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (0, "max-tokens-per-micro-batch: 0 is less than 1, the least it may be"),
+        (-3, "max-tokens-per-micro-batch: -3 is less than 1"),
+        (8, "max-tokens-per-micro-batch: 8 tokens cannot hold one sequence of a prompt and max-new-tokens 8"),
+    ],
+)
 def test_bad_token_budgets_are_refused_naming_the_option(value, message):
     with pytest.raises(QAEUserError, match=message):
         build_config(max_tokens_per_micro_batch=value)
@@ -209,8 +241,11 @@ def test_bad_token_budgets_are_refused_naming_the_option(value, message):
 
 def test_a_token_budget_below_the_longest_prompt_plus_the_response_is_refused_before_the_run(tmp_path):
     """builtin:arith prompts are up to ~15 tokens: with --max-new-tokens 8 a budget of 12 fits none of them."""
-    with pytest.raises(QAEUserError, match=r"max-tokens-per-micro-batch: 12 tokens cannot hold the data's prompt .* "
-                                           r"Use at least \d+"):
+    with pytest.raises(
+        QAEUserError,
+        match=r"max-tokens-per-micro-batch: 12 tokens cannot hold the data's prompt .* "
+        r"Use at least \d+",
+    ):
         Trainer(build_config(run_name="tight", max_tokens_per_micro_batch=12), tmp_path, cpu=True)
     assert not (tmp_path / "tight").exists()
 
@@ -253,8 +288,7 @@ def test_mixed_precision_no_is_todays_run_and_bf16_trains_float32_weights_on_cpu
 
 
 def test_bf16_mixed_precision_on_bf16_weights_is_refused():
-    with pytest.raises(QAEUserError, match="mixed-precision: bf16 keeps float32 master weights, but --dtype "
-                                           "bfloat16"):
+    with pytest.raises(QAEUserError, match="mixed-precision: bf16 keeps float32 master weights, but --dtype bfloat16"):
         build_config(mixed_precision="bf16", dtype="bfloat16")
 
 
@@ -264,8 +298,9 @@ def test_a_launch_in_mixed_precision_is_not_silently_overridden(monkeypatch):
     from qae_app.config import check_launch_mixed_precision
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
-    with pytest.raises(QAEUserError, match="accelerate launch asked for 'bf16' but qae train's --mixed-precision "
-                                           "is 'no'"):
+    with pytest.raises(
+        QAEUserError, match="accelerate launch asked for 'bf16' but qae train's --mixed-precision is 'no'"
+    ):
         check_launch_mixed_precision("no")
     check_launch_mixed_precision("bf16")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # the launcher's default: qae's option decides

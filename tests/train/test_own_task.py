@@ -26,16 +26,23 @@ RUN = dict(steps=1, prompts_per_step=2, group_size=4, eval_every=0, checkpoint_e
 def own_task(tmp_path):
     """(data file, reward spec): rows `{"id", "left", "right", "target"}`, no answer column at all."""
     data = tmp_path / "sums.jsonl"
-    data.write_text("".join(json.dumps({"id": f"r{a}", "left": a, "right": a + 1, "target": str((2 * a + 1) % 10)})
-                            + "\n" for a in range(8)))
+    data.write_text(
+        "".join(
+            json.dumps({"id": f"r{a}", "left": a, "right": a + 1, "target": str((2 * a + 1) % 10)}) + "\n"
+            for a in range(8)
+        )
+    )
     reward = tmp_path / "digit.py"
     reward.write_text(REWARD)
     return data, f"{reward}:ends_with_digit"
 
 
 def _check_rows(path) -> None:
-    rows = query(path, "SELECT g.prompt, r.response, r.reward, c.value FROM rollouts r JOIN groups g "
-                 "USING (step, group_idx) JOIN reward_components c USING (step, group_idx, sample_idx)")
+    rows = query(
+        path,
+        "SELECT g.prompt, r.response, r.reward, c.value FROM rollouts r JOIN groups g "
+        "USING (step, group_idx) JOIN reward_components c USING (step, group_idx, sample_idx)",
+    )
     assert len(rows) == 8
     for prompt, response, reward, value in rows.itertuples(index=False):
         left, right = (int(x) for x in prompt.removesuffix("=").split("+"))
@@ -48,8 +55,9 @@ def test_train_and_preview_take_a_file_without_answers_with_their_template_and_r
     options = dict(data=str(data), reward=[reward], prompt_template="{left}+{right}=", **RUN)
     assert Trainer(build_config(run_name="own", **options), tmp_path, cpu=True).fit().status == "finished"
     _check_rows(db_path(tmp_path, "own"))
-    run_id, path = run_preview(build_config(run_name="own-preview", **options), tmp_path, PreviewOptions(prompts=2),
-                               device="cpu")
+    run_id, path = run_preview(
+        build_config(run_name="own-preview", **options), tmp_path, PreviewOptions(prompts=2), device="cpu"
+    )
     _check_rows(path)
 
 

@@ -24,36 +24,57 @@ runner = CliRunner()
 
 BAD_VALUES = [
     # an unknown loss, listing the known ones
-    (["train", "--policy-loss", "vanilla"], "policy-loss: unknown value 'vanilla'. Choose one of: clip, clip_cov, "
-                                            "kl_cov, gspo, cispo."),
+    (
+        ["train", "--policy-loss", "vanilla"],
+        "policy-loss: unknown value 'vanilla'. Choose one of: clip, clip_cov, kl_cov, gspo, cispo.",
+    ),
     # a loss option without its loss
-    (["train", "--clip-cov-ratio", "0.01"], "clip-cov-ratio: 0.01 is an option of --policy-loss clip_cov, and this "
-                                            "run's loss is clip, so it would change nothing"),
-    (["train", "--policy-loss", "gspo", "--kl-cov-coef", "2"], "kl-cov-coef: 2.0 is an option of --policy-loss "
-                                                               "kl_cov, and this run's loss is gspo"),
-    (["train", "--policy-loss", "kl_cov", "--clip-high", "0.3"], "clip-high: 0.3 is an option of --policy-loss clip "
-                                                                 "and clip_cov, and this run's loss is kl_cov"),
+    (
+        ["train", "--clip-cov-ratio", "0.01"],
+        "clip-cov-ratio: 0.01 is an option of --policy-loss clip_cov, and this "
+        "run's loss is clip, so it would change nothing",
+    ),
+    (
+        ["train", "--policy-loss", "gspo", "--kl-cov-coef", "2"],
+        "kl-cov-coef: 2.0 is an option of --policy-loss kl_cov, and this run's loss is gspo",
+    ),
+    (
+        ["train", "--policy-loss", "kl_cov", "--clip-high", "0.3"],
+        "clip-high: 0.3 is an option of --policy-loss clip and clip_cov, and this run's loss is kl_cov",
+    ),
     (["train", "--gspo-clip-low", "0.001"], "gspo-clip-low: 0.001 is an option of --policy-loss gspo"),
     (["train", "--cispo-weight-cap", "3"], "cispo-weight-cap: 3.0 is an option of --policy-loss cispo"),
-    (["train", "--entropy-coef-delta", "0.01"], "entropy-coef-delta: 0.01 acts only with --entropy-target, which is "
-                                                "unset"),
+    (
+        ["train", "--entropy-coef-delta", "0.01"],
+        "entropy-coef-delta: 0.01 acts only with --entropy-target, which is unset",
+    ),
     # a ratio outside (0, 1]
-    (["train", "--policy-loss", "clip_cov", "--clip-cov-ratio", "0"], "clip-cov-ratio: 0.0 must be more than 0.0. "
-                                                                      "Use a share of tokens in (0, 1]"),
+    (
+        ["train", "--policy-loss", "clip_cov", "--clip-cov-ratio", "0"],
+        "clip-cov-ratio: 0.0 must be more than 0.0. Use a share of tokens in (0, 1]",
+    ),
     (["train", "--policy-loss", "clip_cov", "--clip-cov-ratio", "1.5"], "clip-cov-ratio: 1.5 is more than 1.0"),
     (["train", "--policy-loss", "kl_cov", "--kl-cov-ratio", "-0.1"], "kl-cov-ratio: -0.1 must be more than 0.0"),
     (["train", "--policy-loss", "kl_cov", "--kl-cov-ratio", "nan"], "kl-cov-ratio: nan is not a finite number"),
-    (["train", "--top-entropy-quantile", "0"], "top-entropy-quantile: 0.0 must be more than 0.0. Use a share of "
-                                               "tokens in (0, 1], e.g. 0.2"),
+    (
+        ["train", "--top-entropy-quantile", "0"],
+        "top-entropy-quantile: 0.0 must be more than 0.0. Use a share of tokens in (0, 1], e.g. 0.2",
+    ),
     (["train", "--top-entropy-quantile", "2"], "top-entropy-quantile: 2.0 is more than 1.0"),
     # GSPO with an aggregation it does not define
-    (["train", "--policy-loss", "gspo", "--loss-agg", "token"], "loss-agg: token is not defined for --policy-loss "
-                                                                "gspo, which defines only seq_mean_token_mean"),
+    (
+        ["train", "--policy-loss", "gspo", "--loss-agg", "token"],
+        "loss-agg: token is not defined for --policy-loss gspo, which defines only seq_mean_token_mean",
+    ),
     # the rules that tie a loss's options together
-    (["train", "--policy-loss", "clip_cov", "--clip-cov-lb", "5", "--clip-cov-ub", "1"],
-     "clip-cov-lb / clip-cov-ub: 5.0 / 1.0. Clip-Cov picks tokens whose covariance lies between them"),
-    (["train", "--entropy-target", "1", "--entropy-coef", "0.5", "--entropy-coef-max", "0.1"],
-     "entropy-coef: 0.5 must start inside [entropy-coef-min, entropy-coef-max] = [0.0, 0.1]"),
+    (
+        ["train", "--policy-loss", "clip_cov", "--clip-cov-lb", "5", "--clip-cov-ub", "1"],
+        "clip-cov-lb / clip-cov-ub: 5.0 / 1.0. Clip-Cov picks tokens whose covariance lies between them",
+    ),
+    (
+        ["train", "--entropy-target", "1", "--entropy-coef", "0.5", "--entropy-coef-max", "0.1"],
+        "entropy-coef: 0.5 must start inside [entropy-coef-min, entropy-coef-max] = [0.0, 0.1]",
+    ),
     (["train", "--entropy-coef", "-0.1"], "entropy-coef: -0.1 is less than 0.0"),
     (["train", "--entropy-target", "0"], "entropy-target: 0.0 must be more than 0.0"),
     # from a TOML file: the same messages, naming the file
@@ -73,13 +94,13 @@ def test_a_bad_policy_loss_input_is_one_message_exit_2_and_nothing_written(tmp_p
 
 def test_a_loss_s_options_come_from_toml_and_are_stored_for_its_own_loss_only(tmp_path):
     toml = tmp_path / "run.toml"
-    toml.write_text('[policy]\npolicy-loss = "kl_cov"\nkl_cov_ratio = 0.01\ntop_entropy_quantile = 0.2\n'
-                    "entropy_target = 0.9\n")
+    toml.write_text(
+        '[policy]\npolicy-loss = "kl_cov"\nkl_cov_ratio = 0.01\ntop_entropy_quantile = 0.2\nentropy_target = 0.9\n'
+    )
     cfg = build_config(toml)
     stored = cfg.to_dict()
     assert (stored["policy_loss"], stored["kl_cov_ratio"], stored["kl_cov_coef"]) == ("kl_cov", 0.01, 1.0)
-    assert (stored["top_entropy_quantile"], stored["entropy_target"], stored["entropy_coef_delta"]) == (0.2, 0.9,
-                                                                                                       0.005)
+    assert (stored["top_entropy_quantile"], stored["entropy_target"], stored["entropy_coef_delta"]) == (0.2, 0.9, 0.005)
     assert stored["loss_agg"] == "token"
     others = [o.name for name, r in POLICY_LOSSES.items() if name != "kl_cov" for o in r.options]
     assert all(stored[name] is None for name in others)  # (clip_low and clip_high too: kl_cov clips nothing)
@@ -116,8 +137,10 @@ def test_a_run_stored_before_the_option_resumes_as_the_clip_run_it_was(tmp_path)
     full, old = (read_steps(db_path(tmp_path, name)).set_index("step") for name in ("full", "old"))
     assert old.index.tolist() == [1, 2, 3, 4]
     assert_same_metrics(full, old)
-    weights = [load_file(tmp_path / name / "checkpoints" / "step-4" / "model" / "model.safetensors")
-               for name in ("full", "old")]
+    weights = [
+        load_file(tmp_path / name / "checkpoints" / "step-4" / "model" / "model.safetensors")
+        for name in ("full", "old")
+    ]
     for name in weights[0]:
         assert torch.equal(weights[0][name], weights[1][name]), name
     shown = runner.invoke(app, ["show", "old", "--runs-dir", str(tmp_path)], env={"COLUMNS": "200"})
@@ -125,10 +148,14 @@ def test_a_run_stored_before_the_option_resumes_as_the_clip_run_it_was(tmp_path)
 
 
 def test_show_names_the_run_s_loss_and_its_options(tmp_path):
-    Trainer(build_config(run_name="gspo", **dict(TINY_RUN_OPTIONS, eval_every=0, steps=1, policy_loss="gspo")),
-            tmp_path, cpu=True).fit()
-    shown = " ".join(runner.invoke(app, ["show", "gspo", "--runs-dir", str(tmp_path)],
-                                   env={"COLUMNS": "200"}).output.split())
+    Trainer(
+        build_config(run_name="gspo", **dict(TINY_RUN_OPTIONS, eval_every=0, steps=1, policy_loss="gspo")),
+        tmp_path,
+        cpu=True,
+    ).fit()
+    shown = " ".join(
+        runner.invoke(app, ["show", "gspo", "--runs-dir", str(tmp_path)], env={"COLUMNS": "200"}).output.split()
+    )
     assert "· loss gspo ·" in shown and "gspo_clip_low = 0.0003" in shown
     assert 'loss_agg = "seq_mean_token_mean"' in shown
 
@@ -146,8 +173,16 @@ def test_compare_groups_a_run_from_before_the_option_with_today_s_clip_runs():
 def test_the_adapted_entropy_coefficient_resumes_where_the_run_left_it(tmp_path):
     """--entropy-target moves the coefficient after each optimizer step (2 a step here, +0.005 each: the entropy stays
     below 9); the checkpoint's trainer_state.json keeps it, as JSON, so a resumed run goes on from there."""
-    opts = dict(prompts_per_step=2, group_size=4, num_mini_batches=2, eval_every=0, checkpoint_every=1, seed=1,
-                entropy_coef=0.01, entropy_target=9.0)
+    opts = dict(
+        prompts_per_step=2,
+        group_size=4,
+        num_mini_batches=2,
+        eval_every=0,
+        checkpoint_every=1,
+        seed=1,
+        entropy_coef=0.01,
+        entropy_target=9.0,
+    )
     Trainer(build_config(run_name="full", steps=3, **opts), tmp_path, cpu=True).fit()
     Trainer(build_config(run_name="cut", steps=2, **opts), tmp_path, cpu=True).fit()
     state = json.loads((tmp_path / "cut" / "checkpoints" / "step-2" / "trainer_state.json").read_text())

@@ -15,15 +15,28 @@ from qae_app.store.reader import read_steps
 from qae_app.store.run_folder import db_path
 
 runner = CliRunner()
-TINY = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0", "--checkpoint-every",
-        "0", "--seed", "2"]
+TINY = [
+    "--steps",
+    "2",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--eval-every",
+    "0",
+    "--checkpoint-every",
+    "0",
+    "--seed",
+    "2",
+]
 # options that make each loss's selection pick tokens in a run this small
 PICKING = {"clip_cov": ["--clip-cov-ratio", "0.1", "--clip-cov-lb", "0"], "kl_cov": ["--kl-cov-ratio", "0.1"]}
 
 
 def train(runs_dir, name: str, *options: str):
-    result = runner.invoke(app, ["train", "--run-name", name, "--runs-dir", str(runs_dir), *TINY, *options],
-                           env={"COLUMNS": "200"})
+    result = runner.invoke(
+        app, ["train", "--run-name", name, "--runs-dir", str(runs_dir), *TINY, *options], env={"COLUMNS": "200"}
+    )
     assert result.exit_code == 0, result.output
     steps = read_steps(db_path(runs_dir, name)).set_index("step")
     assert steps.index.tolist() == [1, 2]
@@ -35,15 +48,28 @@ def train(runs_dir, name: str, *options: str):
 @pytest.mark.parametrize("estimator", list(ESTIMATORS))
 @pytest.mark.parametrize("loss", list(POLICY_LOSSES))
 def test_every_loss_trains_under_every_estimator(tmp_path, loss, estimator):
-    steps, config, _ = train(tmp_path, f"{loss}-{estimator}", "--policy-loss", loss, "--estimator", estimator,
-                             *PICKING.get(loss, []))
+    steps, config, _ = train(
+        tmp_path, f"{loss}-{estimator}", "--policy-loss", loss, "--estimator", estimator, *PICKING.get(loss, [])
+    )
     assert (config["policy_loss"], config["estimator"]) == (loss, estimator)
     if loss in PICKING:
         assert (steps["cov_selected_frac"] > 0).all()
 
 
-COMPOSED = ["--ppo-epochs", "2", "--num-mini-batches", "2", "--max-tokens-per-micro-batch", "40",
-            "--top-entropy-quantile", "0.5", "--entropy-coef", "0.01", "--entropy-target", "9"]
+COMPOSED = [
+    "--ppo-epochs",
+    "2",
+    "--num-mini-batches",
+    "2",
+    "--max-tokens-per-micro-batch",
+    "40",
+    "--top-entropy-quantile",
+    "0.5",
+    "--entropy-coef",
+    "0.01",
+    "--entropy-target",
+    "9",
+]
 # the chunked head in chunks of 3 tokens (its entropy's gradient, for the bonus) and a bfloat16 sampler (so the
 # correction is tis): minutes on a CPU, so in the slow set only
 SLOW_PARTS = ["--logprob-chunk-tokens", "3", "--rollout-dtype", "bfloat16"]
@@ -61,8 +87,7 @@ def test_kl_cov_trains_with_epochs_token_budgets_and_the_entropy_controls(tmp_pa
 @pytest.mark.parametrize("loss", list(POLICY_LOSSES))
 def test_every_loss_trains_with_every_other_part_of_the_update(tmp_path, loss):
     """The above, with the chunked head and the bfloat16 sampler's correction (tis), for every loss."""
-    steps, config, output = train(tmp_path, loss, "--policy-loss", loss, *COMPOSED, *SLOW_PARTS,
-                                  *PICKING.get(loss, []))
+    steps, config, output = train(tmp_path, loss, "--policy-loss", loss, *COMPOSED, *SLOW_PARTS, *PICKING.get(loss, []))
     assert config["rollout_correction"] == "tis" and config["logprob_chunk_tokens"] == 3
     assert "log-probs from the full logits" not in output  # (the chunked head ran)
     assert steps["n_updates"].tolist() == [4, 4] and steps["entropy_coef"].tolist() == pytest.approx([0.03, 0.05])
@@ -72,6 +97,17 @@ def test_every_loss_trains_with_every_other_part_of_the_update(tmp_path, loss):
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", list(POLICY_LOSSES))
 def test_every_loss_trains_lora_adapters_with_a_kl_reference(tmp_path, loss):
-    steps, config, _ = train(tmp_path, loss, "--policy-loss", loss, "--lora-rank", "4", "--kl-beta", "0.05",
-                             "--lr", "1e-3", *PICKING.get(loss, []))
+    steps, config, _ = train(
+        tmp_path,
+        loss,
+        "--policy-loss",
+        loss,
+        "--lora-rank",
+        "4",
+        "--kl-beta",
+        "0.05",
+        "--lr",
+        "1e-3",
+        *PICKING.get(loss, []),
+    )
     assert config["lora_rank"] == 4 and (steps["kl"] >= 0).all()

@@ -20,11 +20,13 @@ SETTINGS = {
     "kl_cov": LossSettings("kl_cov", (("kl_cov_ratio", 0.25), ("kl_cov_coef", 0.5))),
     "gspo": LossSettings("gspo", (("gspo_clip_low", 0.05), ("gspo_clip_high", 0.08))),
     "cispo": LossSettings("cispo", (("cispo_weight_cap", 1.1),)),
-    "gspo+top_entropy": LossSettings("gspo", (("gspo_clip_low", 0.05), ("gspo_clip_high", 0.08)),
-                                     top_entropy_quantile=0.4),
+    "gspo+top_entropy": LossSettings(
+        "gspo", (("gspo_clip_low", 0.05), ("gspo_clip_high", 0.08)), top_entropy_quantile=0.4
+    ),
     "clip+entropy_bonus": LossSettings("clip", top_entropy_quantile=0.5, entropy_coef=0.05),
-    "cispo+adaptive_entropy": LossSettings("cispo", (("cispo_weight_cap", 1.1),), entropy_coef=0.02,
-                                           entropy_target=5.0, entropy_coef_delta=0.01),
+    "cispo+adaptive_entropy": LossSettings(
+        "cispo", (("cispo_weight_cap", 1.1),), entropy_coef=0.02, entropy_target=5.0, entropy_coef_delta=0.01
+    ),
 }
 AGGREGATION = {"gspo": "seq_mean_token_mean"}
 
@@ -39,8 +41,7 @@ def run(name: str, seed: int = 1, control: EntropyCoefficient | None = None, **c
     model = TwoLayerLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     options = options_for(name, num_mini_batches=2, ppo_epochs=2, **changes)
-    result = update.policy_update(model, optimizer, _batch(), ADVANTAGES, options, seed=seed,
-                                  entropy_control=control)
+    result = update.policy_update(model, optimizer, _batch(), ADVANTAGES, options, seed=seed, entropy_control=control)
     return [p.detach().clone() for p in model.parameters()], result.stats, model.rows_run
 
 
@@ -79,8 +80,16 @@ def test_the_gated_skip_gives_the_dense_update_or_is_off_for_the_loss(name, monk
 def test_the_skip_is_off_exactly_for_kl_cov_and_the_entropy_bonus():
     assert {name for name, record in POLICY_LOSSES.items() if not record.gated_skip_exact} == {"kl_cov"}
     exact = {name: settings.gated_skip_exact for name, settings in SETTINGS.items()}
-    assert exact == {"clip": True, "clip_cov": True, "kl_cov": False, "gspo": True, "cispo": True,
-                     "gspo+top_entropy": True, "clip+entropy_bonus": False, "cispo+adaptive_entropy": False}
+    assert exact == {
+        "clip": True,
+        "clip_cov": True,
+        "kl_cov": False,
+        "gspo": True,
+        "cispo": True,
+        "gspo+top_entropy": True,
+        "clip+entropy_bonus": False,
+        "cispo+adaptive_entropy": False,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -148,8 +157,9 @@ def test_the_update_is_the_one_written_from_the_formulas(name):
     mask, targets = batch["response_mask"], batch["input_ids"][:, 1:]
     control = EntropyCoefficient(settings.entropy_coef)
     options = _options(ppo_epochs=2, loss=settings, loss_agg=AGGREGATION.get(settings.name, "token"))
-    update.policy_update(model, torch.optim.SGD(model.parameters(), lr=lr), batch, ADVANTAGES, options, seed=0,
-                         entropy_control=control)
+    update.policy_update(
+        model, torch.optim.SGD(model.parameters(), lr=lr), batch, ADVANTAGES, options, seed=0, entropy_control=control
+    )
 
     def logprobs_and_entropy(net):  # (N, T-1) each
         logp_all = torch.log_softmax(net(input_ids=batch["input_ids"]).logits[:, :-1], -1)
@@ -159,8 +169,11 @@ def test_the_update_is_the_one_written_from_the_formulas(name):
         sampling_logp = logprobs_and_entropy(reference)[0]
     coef, measured = settings.entropy_coef, None
     for _ in range(2):
-        applied = coef if settings.entropy_target is None or (measured is not None and
-                                                              measured <= settings.entropy_target) else 0.0
+        applied = (
+            coef
+            if settings.entropy_target is None or (measured is not None and measured <= settings.entropy_target)
+            else 0.0
+        )
         logp, entropy = logprobs_and_entropy(reference)
         loss, measured_now = hand_written_loss(settings, logp, entropy, sampling_logp, mask, applied)
         grads = torch.autograd.grad(loss, list(reference.parameters()))
@@ -168,9 +181,11 @@ def test_the_update_is_the_one_written_from_the_formulas(name):
             for p, g in zip(reference.parameters(), grads, strict=True):
                 p -= lr * g
         if settings.entropy_target is not None:  # TRL's adaptive rule
-            coef = (min(coef + settings.entropy_coef_delta, settings.entropy_coef_max)
-                    if measured_now <= settings.entropy_target
-                    else max(coef - settings.entropy_coef_delta, settings.entropy_coef_min))
+            coef = (
+                min(coef + settings.entropy_coef_delta, settings.entropy_coef_max)
+                if measured_now <= settings.entropy_target
+                else max(coef - settings.entropy_coef_delta, settings.entropy_coef_min)
+            )
             measured = measured_now
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
@@ -180,8 +195,9 @@ def test_the_update_is_the_one_written_from_the_formulas(name):
 
 
 def test_the_adaptive_entropy_coefficient_moves_as_trl_s_and_applies_only_at_or_below_the_target():
-    settings = LossSettings(entropy_coef=0.01, entropy_target=1.0, entropy_coef_delta=0.004, entropy_coef_min=0.002,
-                            entropy_coef_max=0.02)
+    settings = LossSettings(
+        entropy_coef=0.01, entropy_target=1.0, entropy_coef_delta=0.004, entropy_coef_min=0.002, entropy_coef_max=0.02
+    )
     control = EntropyCoefficient(0.01)
     applied = []
     for measured in (0.5, 0.9, *[1.5] * 5, *[0.2] * 6):

@@ -15,8 +15,21 @@ from qae_app.train.precision import fraction_moved_by_a_step
 from tests.launching import ONE_MACHINE
 
 runner = CliRunner()
-SMALL = ["--steps", "3", "--prompts-per-step", "4", "--group-size", "8", "--eval-every", "0", "--checkpoint-every",
-         "0", "--cpu", "--seed", "4"]
+SMALL = [
+    "--steps",
+    "3",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "8",
+    "--eval-every",
+    "0",
+    "--checkpoint-every",
+    "0",
+    "--cpu",
+    "--seed",
+    "4",
+]
 
 
 def test_a_step_of_1e_6_moves_almost_no_bfloat16_weight_and_every_float32_one():
@@ -33,8 +46,9 @@ def test_a_step_of_1e_6_moves_almost_no_bfloat16_weight_and_every_float32_one():
 
 def test_bfloat16_weights_at_an_unrepresentable_lr_are_refused_before_any_work(tmp_path):
     runs = tmp_path / "runs"
-    result = runner.invoke(app, ["train", "--dtype", "bfloat16", "--lr", "1e-6", "--weight-decay", "0.1", *SMALL,
-                                 "--runs-dir", str(runs)])
+    result = runner.invoke(
+        app, ["train", "--dtype", "bfloat16", "--lr", "1e-6", "--weight-decay", "0.1", *SMALL, "--runs-dir", str(runs)]
+    )
     output = " ".join(result.output.split())
     assert result.exit_code == 2, result.output
     assert "lr: with --dtype bfloat16 the optimizer updates bfloat16 weights in place" in output
@@ -50,8 +64,18 @@ def test_mixed_precision_moves_every_weight_at_the_papers_learning_rate(tmp_path
     # accelerate keeps one mixed-precision setting per process: let this test's differ, and give the next test the
     # default back
     AcceleratorState._reset_state()
-    cfg = build_config(run_name="mp", mixed_precision="bf16", lr=1e-6, weight_decay=0.1, steps=3, prompts_per_step=4,
-                       group_size=8, eval_every=0, checkpoint_every=0, seed=4)
+    cfg = build_config(
+        run_name="mp",
+        mixed_precision="bf16",
+        lr=1e-6,
+        weight_decay=0.1,
+        steps=3,
+        prompts_per_step=4,
+        group_size=8,
+        eval_every=0,
+        checkpoint_every=0,
+        seed=4,
+    )
     trainer = Trainer(cfg, tmp_path, cpu=True)
     try:
         before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -112,12 +136,49 @@ def test_mixed_precision_under_fsdp2_x2_moves_every_weight(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
-    result = subprocess.run([accelerate, "launch", "--config_file", str(root / "configs/accelerate/fsdp2.yaml"),
-                             "--num_processes", "2", *ONE_MACHINE, "--mixed_precision", "no",
-                             "--dynamo_backend", "no", "-m", "qae_app.cli", "train", "--run-name", "mp", "--runs-dir",
-                             str(tmp_path), "--mixed-precision", "bf16", "--lr", "1e-6", "--weight-decay", "0.1",
-                             "--steps", "3", "--prompts-per-step", "4", "--group-size", "8", "--eval-every", "0",
-                             "--checkpoint-every", "3", "--seed", "4"], capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [
+            accelerate,
+            "launch",
+            "--config_file",
+            str(root / "configs/accelerate/fsdp2.yaml"),
+            "--num_processes",
+            "2",
+            *ONE_MACHINE,
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "-m",
+            "qae_app.cli",
+            "train",
+            "--run-name",
+            "mp",
+            "--runs-dir",
+            str(tmp_path),
+            "--mixed-precision",
+            "bf16",
+            "--lr",
+            "1e-6",
+            "--weight-decay",
+            "0.1",
+            "--steps",
+            "3",
+            "--prompts-per-step",
+            "4",
+            "--group-size",
+            "8",
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "3",
+            "--seed",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     start = load_file(BUILTIN_CHECKPOINTS["builtin:tiny"] / "model.safetensors")
     end = load_file(tmp_path / "mp" / "checkpoints" / "step-3" / "model" / "model.safetensors")

@@ -22,17 +22,33 @@ QAE = str(Path(sys.executable).parent / "qae")
 
 # the eight cells of the paper's main table (arXiv 2509.22611 v2, Table 2): (file stem, model, policy loss), each
 # with and without QAE (`-qae`)
-PAPER_CELLS = [("paper-qwen3-8b-dapo", "Qwen/Qwen3-8B-Base", "clip"),
-               ("paper-qwen3-8b-clip-cov", "Qwen/Qwen3-8B-Base", "clip_cov"),
-               ("paper-qwen3-8b-kl-cov", "Qwen/Qwen3-8B-Base", "kl_cov"),
-               ("paper-qwen3-30b-a3b-gspo", "Qwen/Qwen3-30B-A3B-Base", "gspo")]
+PAPER_CELLS = [
+    ("paper-qwen3-8b-dapo", "Qwen/Qwen3-8B-Base", "clip"),
+    ("paper-qwen3-8b-clip-cov", "Qwen/Qwen3-8B-Base", "clip_cov"),
+    ("paper-qwen3-8b-kl-cov", "Qwen/Qwen3-8B-Base", "kl_cov"),
+    ("paper-qwen3-30b-a3b-gspo", "Qwen/Qwen3-30B-A3B-Base", "gspo"),
+]
 # what a recipe's model, data and sizes become to train on the built-in model on a CPU: its method (the policy loss and
 # its options, the estimator, the aggregation, the clip, dynamic sampling, the reward values and overlong shaping, the
 # learning rate) stays as the recipe has it
-ON_THE_BUILT_IN_MODEL = dict(model="builtin:tiny", data="arith", engine="hf", dtype="float32", mixed_precision="no",
-                             steps=2, prompts_per_step=4, group_size=8, max_new_tokens=8, num_mini_batches=2,
-                             micro_batch_size=16, max_tokens_per_micro_batch=None, gradient_checkpointing=False,
-                             eval_every=0, checkpoint_every=0, log_entropy_delta=False)
+ON_THE_BUILT_IN_MODEL = dict(
+    model="builtin:tiny",
+    data="arith",
+    engine="hf",
+    dtype="float32",
+    mixed_precision="no",
+    steps=2,
+    prompts_per_step=4,
+    group_size=8,
+    max_new_tokens=8,
+    num_mini_batches=2,
+    micro_batch_size=16,
+    max_tokens_per_micro_batch=None,
+    gradient_checkpointing=False,
+    eval_every=0,
+    checkpoint_every=0,
+    log_entropy_delta=False,
+)
 
 
 def on_the_built_in_model(recipe) -> dict:
@@ -59,12 +75,28 @@ def test_each_cell_of_the_papers_table_is_app_b1_with_its_loss_and_its_pair_diff
     assert {name for name, value in qae.to_dict().items() if getattr(base, name) != value} == {"estimator"}
     reference = build_config(RECIPES_DIR / "paper-qwen3-8b-dapo-qae.toml")
     differs = {name for name, value in qae.to_dict().items() if getattr(reference, name) != value}
-    loss_options = {"policy_loss", "clip_low", "clip_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
-                    "kl_cov_ratio", "kl_cov_coef", "gspo_clip_low", "gspo_clip_high"}
+    loss_options = {
+        "policy_loss",
+        "clip_low",
+        "clip_high",
+        "clip_cov_ratio",
+        "clip_cov_lb",
+        "clip_cov_ub",
+        "kl_cov_ratio",
+        "kl_cov_coef",
+        "gspo_clip_low",
+        "gspo_clip_high",
+    }
     moe = {"model", "loss_agg", "vllm_gpu_memory"} if loss == "gspo" else set()
     assert differs <= loss_options | moe and ("policy_loss" in differs) == (loss != "clip")
-    assert (qae.lr, qae.dynamic_sampling, qae.overlong_buffer, qae.group_size, qae.prompts_per_step,
-            qae.max_new_tokens) == (1e-6, True, 4096, 16, 512, 20480)
+    assert (
+        qae.lr,
+        qae.dynamic_sampling,
+        qae.overlong_buffer,
+        qae.group_size,
+        qae.prompts_per_step,
+        qae.max_new_tokens,
+    ) == (1e-6, True, 4096, 16, 512, 20480)
     assert qae.loss_agg == ("seq_mean_token_mean" if loss == "gspo" else "token")
 
 
@@ -77,8 +109,21 @@ def test_every_recipe_trains_2_steps_on_the_built_in_model_with_its_method(path,
 
     recipe = build_config(path)
     cfg = build_config(path, run_name="swapped", **on_the_built_in_model(recipe))
-    same = ("policy_loss", "estimator", "k", "loss_agg", "clip_low", "clip_high", "dynamic_sampling", "reward_values",
-            "lr", "clip_cov_ratio", "kl_cov_ratio", "gspo_clip_low", "gspo_clip_high")
+    same = (
+        "policy_loss",
+        "estimator",
+        "k",
+        "loss_agg",
+        "clip_low",
+        "clip_high",
+        "dynamic_sampling",
+        "reward_values",
+        "lr",
+        "clip_cov_ratio",
+        "kl_cov_ratio",
+        "gspo_clip_low",
+        "gspo_clip_high",
+    )
     assert {name: getattr(cfg, name) for name in same} == {name: getattr(recipe, name) for name in same}
     result = Trainer(cfg, tmp_path, cpu=True).fit()
     assert result.status == "finished"
@@ -90,10 +135,16 @@ def test_every_recipe_trains_2_steps_on_the_built_in_model_with_its_method(path,
 
 def test_an_unknown_policy_loss_in_a_recipe_gets_the_registrys_message(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text((RECIPES_DIR / "paper-qwen3-8b-kl-cov-qae.toml").read_text().replace(
-        'policy_loss = "kl_cov"', 'policy_loss = "ppo_foo"'))
-    with pytest.raises(QAEUserError, match=r"^policy-loss: unknown value 'ppo_foo'\. Choose one of: clip, clip_cov, "
-                                           r"kl_cov, gspo, cispo \(set in .*run\.toml\)\.$"):
+    path.write_text(
+        (RECIPES_DIR / "paper-qwen3-8b-kl-cov-qae.toml")
+        .read_text()
+        .replace('policy_loss = "kl_cov"', 'policy_loss = "ppo_foo"')
+    )
+    with pytest.raises(
+        QAEUserError,
+        match=r"^policy-loss: unknown value 'ppo_foo'\. Choose one of: clip, clip_cov, "
+        r"kl_cov, gspo, cispo \(set in .*run\.toml\)\.$",
+    ):
         build_config(path)
 
 
@@ -120,10 +171,21 @@ def test_the_paper_recipe_is_app_b1():
 
 
 def test_the_cpu_recipe_uses_the_paper_recipes_features():
-    cpu, paper = (build_config(RECIPES_DIR / name) for name in ("cpu-tiny-dapo-qae.toml",
-                                                                "paper-qwen3-8b-dapo-qae.toml"))
-    same = ("dynamic_sampling", "filter_metric", "reward_values", "overlong_penalty", "estimator", "k", "clip_low",
-            "clip_high", "loss_agg", "kl_beta")
+    cpu, paper = (
+        build_config(RECIPES_DIR / name) for name in ("cpu-tiny-dapo-qae.toml", "paper-qwen3-8b-dapo-qae.toml")
+    )
+    same = (
+        "dynamic_sampling",
+        "filter_metric",
+        "reward_values",
+        "overlong_penalty",
+        "estimator",
+        "k",
+        "clip_low",
+        "clip_high",
+        "loss_agg",
+        "kl_beta",
+    )
     assert {name: getattr(cpu, name) for name in same} == {name: getattr(paper, name) for name in same}
     assert cpu.model == "builtin:tiny" and cpu.data == "arith" and 0 < cpu.overlong_buffer < cpu.max_new_tokens
 
@@ -132,8 +194,12 @@ def test_the_cpu_recipe_uses_the_paper_recipes_features():
 def test_the_cpu_recipe_runs_as_it_is_and_stores_the_new_columns(tmp_path):
     recipe = RECIPES_DIR / "cpu-tiny-dapo-qae.toml"
     cfg = build_config(recipe)
-    result = subprocess.run([QAE, "train", "--config", str(recipe), "--run-name", "cpu", "--runs-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=1800)
+    result = subprocess.run(
+        [QAE, "train", "--config", str(recipe), "--run-name", "cpu", "--runs-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     path = db_path(tmp_path, "cpu")
     assert read_run(path)["status"] == "finished"
@@ -145,14 +211,16 @@ def test_the_cpu_recipe_runs_as_it_is_and_stores_the_new_columns(tmp_path):
     rollouts = query(path, "SELECT reward, correct, n_tokens, filtered FROM rollouts")
     assert rollouts["correct"].notna().all()
     # every stored reward is the -1/1 value of its verdict plus the overlong penalty of its length
-    expected = [(1.0 if ok else -1.0) + overlong_penalty(n, cfg.max_new_tokens, cfg.overlong_buffer,
-                                                          cfg.overlong_penalty)
-                for ok, n in zip(rollouts["correct"], rollouts["n_tokens"], strict=True)]
+    expected = [
+        (1.0 if ok else -1.0) + overlong_penalty(n, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+        for ok, n in zip(rollouts["correct"], rollouts["n_tokens"], strict=True)
+    ]
     assert rollouts["reward"].tolist() == pytest.approx(expected, abs=1e-12)
     trained = query(path, "SELECT step, count(*) FILTER (WHERE NOT filtered) AS n FROM groups GROUP BY step")
     capped = set(query(path, "SELECT step FROM warnings WHERE kind = 'dynamic_sampling_cap'")["step"])
-    assert all(n == cfg.prompts_per_step
-               for step, n in zip(trained["step"], trained["n"], strict=True) if step not in capped)
+    assert all(
+        n == cfg.prompts_per_step for step, n in zip(trained["step"], trained["n"], strict=True) if step not in capped
+    )
 
 
 def test_the_smollm2_recipe_names_the_packaged_model_and_a_fixed_heldout_set():
@@ -177,15 +245,34 @@ def test_the_smollm2_recipe_runs_as_it_is_and_stores_what_the_model_saw(tmp_path
     from qae_app.rewards.answers import final_number_answer
 
     recipe = RECIPES_DIR / "cpu-smollm2-qae.toml"
-    result = subprocess.run([QAE, "train", "--config", str(recipe), "--steps", "1", "--eval-every", "1",
-                             "--eval-limit", "8", "--run-name", "smol", "--runs-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=3600)
+    result = subprocess.run(
+        [
+            QAE,
+            "train",
+            "--config",
+            str(recipe),
+            "--steps",
+            "1",
+            "--eval-every",
+            "1",
+            "--eval-limit",
+            "8",
+            "--run-name",
+            "smol",
+            "--runs-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     path = db_path(tmp_path, "smol")
     assert read_run(path)["status"] == "finished"
     assert read_steps(path)["heldout_accuracy"].notna().all()
-    rollouts = query(path, "SELECT r.response, r.correct, g.answer FROM rollouts r "
-                           "JOIN groups g USING (step, group_idx)")
+    rollouts = query(
+        path, "SELECT r.response, r.correct, g.answer FROM rollouts r JOIN groups g USING (step, group_idx)"
+    )
     assert len(rollouts) == 32
     for response, correct, answer in zip(rollouts["response"], rollouts["correct"], rollouts["answer"], strict=True):
         extracted = final_number_answer(response)

@@ -19,17 +19,24 @@ def _update_with_sampler_logp(correction: str, sampler_logp: torch.Tensor):
     model = TwoLayerLM()
     batch = {**_batch(), "sampler_logp": sampler_logp}
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-    result = update.policy_update(model, optimizer, batch, ADVANTAGES,
-                                  _options(num_mini_batches=2, ppo_epochs=2, rollout_correction=correction),
-                                  seed=1, full_pass=True)
+    result = update.policy_update(
+        model,
+        optimizer,
+        batch,
+        ADVANTAGES,
+        _options(num_mini_batches=2, ppo_epochs=2, rollout_correction=correction),
+        seed=1,
+        full_pass=True,
+    )
     return [p.detach().clone() for p in model.parameters()], result.stats
 
 
 def _trainer_logp() -> torch.Tensor:
     """(N, T-1) the old log-probs the update's full pass computes: the same function, rows and weights."""
     options = _options(num_mini_batches=2, ppo_epochs=2)
-    return update.logprobs_in_chunks(TwoLayerLM(), _batch(), torch.arange(len(ADVANTAGES)), options,
-                                     with_entropy=True)[0]
+    return update.logprobs_in_chunks(TwoLayerLM(), _batch(), torch.arange(len(ADVANTAGES)), options, with_entropy=True)[
+        0
+    ]
 
 
 def test_tis_with_the_trainers_own_numbers_is_the_uncorrected_update_bit_for_bit():
@@ -39,7 +46,10 @@ def test_tis_with_the_trainers_own_numbers_is_the_uncorrected_update_bit_for_bit
     assert all(torch.equal(a, b) for a, b in zip(none_params, tis_params, strict=True))
     assert none_stats == tis_stats
     assert (tis_stats["mismatch_logp_abs"], tis_stats["mismatch_k3_kl"], tis_stats["mismatch_ratio_max"]) == (
-        0.0, 0.0, 1.0)
+        0.0,
+        0.0,
+        1.0,
+    )
 
 
 def test_tis_reweights_the_update_when_the_sampler_differs():
@@ -65,9 +75,15 @@ def test_under_a_kl_term_the_mismatch_covers_every_response_even_when_all_are_ga
     gated = torch.zeros_like(ADVANTAGES)
     for kl_beta, ref_model, expected in ((0.0, None, None), (0.01, TwoLayerLM(), 0.1)):
         model = TwoLayerLM()
-        result = update.policy_update(model, torch.optim.AdamW(model.parameters(), lr=0.05),
-                                      {**_batch(), "sampler_logp": sampler}, gated,
-                                      _options(kl_beta=kl_beta), seed=1, ref_model=ref_model)
+        result = update.policy_update(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=0.05),
+            {**_batch(), "sampler_logp": sampler},
+            gated,
+            _options(kl_beta=kl_beta),
+            seed=1,
+            ref_model=ref_model,
+        )
         measured = result.stats["mismatch_logp_abs"]
         if expected is None:
             assert math.isnan(measured)
@@ -77,8 +93,14 @@ def test_under_a_kl_term_the_mismatch_covers_every_response_even_when_all_are_ga
 
 def test_tis_without_the_samplers_log_probs_is_refused():
     with pytest.raises(QAEUserError, match="rollout-correction: tis"):
-        update.policy_update(TwoLayerLM(), torch.optim.SGD(TwoLayerLM().parameters(), lr=0.1), _batch(), ADVANTAGES,
-                             _options(rollout_correction="tis"), seed=0)
+        update.policy_update(
+            TwoLayerLM(),
+            torch.optim.SGD(TwoLayerLM().parameters(), lr=0.1),
+            _batch(),
+            ADVANTAGES,
+            _options(rollout_correction="tis"),
+            seed=0,
+        )
 
 
 def test_the_defaults_resolve_once_by_whether_the_sampler_is_the_trainer():
@@ -101,8 +123,16 @@ def test_a_cap_without_the_correction_or_below_1_is_refused():
 
 
 def test_a_bfloat16_hf_sampler_beside_a_float32_trainer_stores_a_mismatch(tmp_path):
-    cfg = build_config(run_name="bf16", steps=1, eval_every=0, checkpoint_every=0, group_size=4, prompts_per_step=4,
-                       seed=1, rollout_dtype="bfloat16")
+    cfg = build_config(
+        run_name="bf16",
+        steps=1,
+        eval_every=0,
+        checkpoint_every=0,
+        group_size=4,
+        prompts_per_step=4,
+        seed=1,
+        rollout_dtype="bfloat16",
+    )
     assert cfg.rollout_correction == "tis"
     with Trainer(cfg, tmp_path, cpu=True) as trainer:
         sampler = trainer.engine.model

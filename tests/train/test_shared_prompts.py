@@ -35,13 +35,26 @@ def test_prompt_groups_the_common_opening_and_the_tokens_spared_by_hand(monkeypa
 
 
 def options(share: bool, chunk: int) -> UpdateOptions:
-    return UpdateOptions(num_mini_batches=1, ppo_epochs=1, micro_batch_size=64, clip_low=0.2, clip_high=0.2,
-                         loss_agg="token", kl_beta=0.0, max_grad_norm=1.0, max_new_tokens=12, temperature=0.7,
-                         logits_keyword="logits_to_keep", logprob_chunk_tokens=chunk, share_prompts=share)
+    return UpdateOptions(
+        num_mini_batches=1,
+        ppo_epochs=1,
+        micro_batch_size=64,
+        clip_low=0.2,
+        clip_high=0.2,
+        loss_agg="token",
+        kl_beta=0.0,
+        max_grad_norm=1.0,
+        max_new_tokens=12,
+        temperature=0.7,
+        logits_keyword="logits_to_keep",
+        logprob_chunk_tokens=chunk,
+        share_prompts=share,
+    )
 
 
-@pytest.mark.parametrize("chunk, opening", [(0, 99), (7, 99), (0, 3)],
-                         ids=["full-logits", "chunked-head", "common-opening"])
+@pytest.mark.parametrize(
+    "chunk, opening", [(0, 99), (7, 99), (0, 3)], ids=["full-logits", "chunked-head", "common-opening"]
+)
 def test_the_shared_forward_is_the_full_forward_to_float32_rounding(chunk, opening, monkeypatch):
     monkeypatch.setattr(shared_prompts, "MIN_SPARED_WORK", 0)  # the built-in model: sharing 9 rows spares too little
     monkeypatch.setattr(shared_prompts, "COMMON_OPENING_MIN", opening)  # 3: "<bos>13" opens every prompt below
@@ -91,8 +104,10 @@ def test_the_trainers_steps_with_shared_prompts_are_its_steps_without(tmp_path, 
     monkeypatch.setattr(shared_prompts, "MIN_SPARED_WORK", 0)
     shared_forwards = []
     share_forward = shared_prompts.shared_prompt_logprobs
-    monkeypatch.setattr("qae_app.train.update.shared_prompt_logprobs",
-                        lambda *a, **kw: (out := share_forward(*a, **kw), shared_forwards.append(out is not None))[0])
+    monkeypatch.setattr(
+        "qae_app.train.update.shared_prompt_logprobs",
+        lambda *a, **kw: (out := share_forward(*a, **kw), shared_forwards.append(out is not None))[0],
+    )
     steps = []
     for share in (True, False):
         cfg = build_config(run_name=f"share-{share}", steps=3, eval_every=0, checkpoint_every=0, seed=4)

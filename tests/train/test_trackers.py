@@ -23,13 +23,27 @@ from qae_app.store.schema import STEP_METRICS
 from qae_app.train.trackers import TENSORBOARD_DIR, metric_name
 
 runner = CliRunner()
-TINY = ["--steps", "3", "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "2", "--checkpoint-every",
-        "0", "--cpu"]
+TINY = [
+    "--steps",
+    "3",
+    "--prompts-per-step",
+    "2",
+    "--group-size",
+    "4",
+    "--eval-every",
+    "2",
+    "--checkpoint-every",
+    "0",
+    "--cpu",
+]
 
 
 def test_an_unknown_tracker_is_refused_before_the_run_starts(tmp_path):
-    result = runner.invoke(app, ["train", "--run-name", "r", "--report-to", "tensorboard,neptune", *TINY,
-                                 "--runs-dir", str(tmp_path / "runs")], env={"COLUMNS": "200"})
+    result = runner.invoke(
+        app,
+        ["train", "--run-name", "r", "--report-to", "tensorboard,neptune", *TINY, "--runs-dir", str(tmp_path / "runs")],
+        env={"COLUMNS": "200"},
+    )
     said = " ".join(result.output.split())
     assert result.exit_code == 2 and "report-to: 'neptune' is not a tracker qae sends metrics to" in said, said
     assert "tensorboard, mlflow, wandb, trackio" in said
@@ -38,8 +52,9 @@ def test_an_unknown_tracker_is_refused_before_the_run_starts(tmp_path):
 
 def test_a_tracker_not_installed_is_one_clear_error(monkeypatch):
     installed = importlib.util.find_spec  # (the dev extra installs every tracker: trackio is made to look absent)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "trackio"
-                        else installed(name, *args))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *args: None if name == "trackio" else installed(name, *args)
+    )
     with pytest.raises(QAEUserError, match=r"report-to: trackio is not installed\. Install it"):
         report_to_trackers("trackio")
     assert report_to_trackers(None) == [] and report_to_trackers("none") == []
@@ -59,14 +74,18 @@ def stored(db) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]]
     for step, kind in warnings.itertuples(index=False):  # each warning: an event, `warnings/<kind>` = 1 at its step
         rows.setdefault(metric_name("warnings", kind), {})[int(step)] = 1.0
     for metric in STEP_METRICS:
-        values = {int(s): float(v) for s, v in zip(steps["step"], steps[metric], strict=True)
-                  if v is not None and math.isfinite(v)}
+        values = {
+            int(s): float(v)
+            for s, v in zip(steps["step"], steps[metric], strict=True)
+            if v is not None and math.isfinite(v)
+        }
         if values:
             rows[metric] = values
     eval_rows = {}
     for row in evals.to_dict("records"):
         eval_rows.setdefault(metric_name("eval", row["benchmark"], row["subset"], row["metric"]), {})[
-            int(row["step"])] = float(row["value"])
+            int(row["step"])
+        ] = float(row["value"])
     return rows, eval_rows
 
 
@@ -80,8 +99,9 @@ def test_tensorboard_and_mlflow_get_every_stored_step_metric_and_evaluation(tmp_
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store behind this switch
     runs = tmp_path / "runs"
-    result = runner.invoke(app, ["train", "--run-name", "tracked", "--report-to", "tensorboard,mlflow", *TINY,
-                                 "--runs-dir", str(runs)])
+    result = runner.invoke(
+        app, ["train", "--run-name", "tracked", "--report-to", "tensorboard,mlflow", *TINY, "--runs-dir", str(runs)]
+    )
     assert result.exit_code == 0, result.output
     rows, eval_rows = stored(runs / "tracked" / "qae.duckdb")
     assert {"entropy", "accuracy", "frac_zero_adv", "step_s", "store_s"} <= set(rows)
@@ -113,8 +133,11 @@ def test_an_mlflow_store_it_cannot_open_is_one_clear_error_before_the_run_starts
         monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     else:
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    result = runner.invoke(app, ["train", "--run-name", "r", "--report-to", "mlflow", *TINY,
-                                 "--runs-dir", str(tmp_path / "runs")], env={"COLUMNS": "200"})
+    result = runner.invoke(
+        app,
+        ["train", "--run-name", "r", "--report-to", "mlflow", *TINY, "--runs-dir", str(tmp_path / "runs")],
+        env={"COLUMNS": "200"},
+    )
     said = " ".join(result.output.split())
     assert result.exit_code == 2 and "report-to: mlflow cannot keep runs at" in said, said
     assert "MLFLOW_TRACKING_URI" in said and "Traceback" not in said and said.count("error:") == 1
@@ -133,11 +156,11 @@ def wandb_records(path) -> list:
     assert raw[:4] == b":W&B", raw[:7]
     while pos + 7 <= len(raw):
         left = 32768 - pos % 32768
-        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7]) if left >= 7 else (0, 0, 0)
         if kind == 0:  # the rest of a block too short for a header, or zero padding
             pos += left
             continue
-        data, pos = raw[pos + 7:pos + 7 + length], pos + 7 + length
+        data, pos = raw[pos + 7 : pos + 7 + length], pos + 7 + length
         part = data if kind in (1, 2) else part + data
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -153,8 +176,9 @@ def test_wandb_offline_gets_every_stored_step_metric_and_evaluation(tmp_path, mo
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     runs = tmp_path / "runs"
-    result = runner.invoke(app, ["train", "--run-name", "tracked", "--report-to", "wandb", *TINY,
-                                 "--runs-dir", str(runs)])
+    result = runner.invoke(
+        app, ["train", "--run-name", "tracked", "--report-to", "wandb", *TINY, "--runs-dir", str(runs)]
+    )
     assert result.exit_code == 0, result.output
     rows, eval_rows = stored(runs / "tracked" / "qae.duckdb")
     [log] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
@@ -171,8 +195,12 @@ def test_wandb_offline_gets_every_stored_step_metric_and_evaluation(tmp_path, mo
     assert set(logged) == set(rows) | set(eval_rows)  # nothing else was sent
     for metric, values in {**rows, **eval_rows}.items():
         assert logged[metric] == pytest.approx(values, rel=1e-12), metric
-    config = {item.key: json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "config"
-              for item in r.config.update}
+    config = {
+        item.key: json.loads(item.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "config"
+        for item in r.config.update
+    }
     assert config["steps"] == 3 and config["report_to"] == "wandb"
 
 
@@ -189,9 +217,25 @@ def test_trackio_gets_every_stored_step_metric_and_evaluation(tmp_path):
         pytest.skip("trackio is not installed (pip install trackio)")
     runs = tmp_path / "runs"
     # in a process of its own: trackio reads TRACKIO_DIR once, when it is imported
-    result = subprocess.run([sys.executable, "-m", "qae_app.cli", "train", "--run-name", "tracked", "--report-to",
-                             "trackio", *TINY, "--runs-dir", str(runs)], capture_output=True, text=True,
-                            env=dict(os.environ, TRACKIO_DIR=str(tmp_path / "trackio")), timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qae_app.cli",
+            "train",
+            "--run-name",
+            "tracked",
+            "--report-to",
+            "trackio",
+            *TINY,
+            "--runs-dir",
+            str(runs),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TRACKIO_DIR=str(tmp_path / "trackio")),
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows, eval_rows = stored(runs / "tracked" / "qae.duckdb")
     with sqlite3.connect(tmp_path / "trackio" / "qae.db") as con:
@@ -218,12 +262,31 @@ def test_warnings_are_tracker_events_and_signal_shares_metrics(tmp_path):
     from qae_app.train.trackers import Trackers
 
     trackers = Trackers(["tensorboard"], "r", tmp_path, {"steps": 4})
-    trackers.log_step(4, {"steps": [{"entropy": 0.5}],
-                          "component_signal": [{"name": "one_word", "weight": 0.2, "value_mean": 0.4,
-                                                "frac_differs": 0.3, "frac_signal": 0.3, "adv_share": 1.0},
-                                               {"name": "antonym", "weight": 1.0, "value_mean": 0.0,
-                                                "frac_differs": 0.0, "frac_signal": 0.0, "adv_share": 0.0}],
-                          "warnings": [{"kind": "reward_signal", "message": "one_word carried 100%"}]})
+    trackers.log_step(
+        4,
+        {
+            "steps": [{"entropy": 0.5}],
+            "component_signal": [
+                {
+                    "name": "one_word",
+                    "weight": 0.2,
+                    "value_mean": 0.4,
+                    "frac_differs": 0.3,
+                    "frac_signal": 0.3,
+                    "adv_share": 1.0,
+                },
+                {
+                    "name": "antonym",
+                    "weight": 1.0,
+                    "value_mean": 0.0,
+                    "frac_differs": 0.0,
+                    "frac_signal": 0.0,
+                    "adv_share": 0.0,
+                },
+            ],
+            "warnings": [{"kind": "reward_signal", "message": "one_word carried 100%"}],
+        },
+    )
     trackers.finish()
     events = EventAccumulator(str(tmp_path / TENSORBOARD_DIR), size_guidance={"tensors": 0}).Reload()
     scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
@@ -241,8 +304,25 @@ def test_wandb_without_an_api_key_is_refused_in_one_line_before_the_run_is_made(
     env = {key: value for key, value in os.environ.items() if not key.startswith("WANDB_") and key != "NETRC"}
     env.update(HOME=str(tmp_path / "home"), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), COLUMNS="300")
     runs = tmp_path / "runs"
-    result = subprocess.run([sys.executable, "-m", "qae_app.cli", "train", "--run-name", "r", "--report-to", "wandb",
-                             *TINY, "--runs-dir", str(runs)], capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qae_app.cli",
+            "train",
+            "--run-name",
+            "r",
+            "--report-to",
+            "wandb",
+            *TINY,
+            "--runs-dir",
+            str(runs),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     said = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 2 and said.count("error:") == 1 and "Traceback" not in said, said
     assert "report-to: wandb has no API key here" in said and "WANDB_MODE=offline" in said, said

@@ -52,8 +52,9 @@ def test_stored_advantages_are_what_the_estimator_gives_for_the_stored_rewards(t
     G = TINY_RUN_OPTIONS["group_size"]
     rewards = torch.tensor(rollouts["reward"].to_numpy(), dtype=torch.float32).view(-1, G)
     expected = compute_advantages("qae", rewards, EstimatorConfig(k=0.4))
-    assert torch.allclose(torch.tensor(rollouts["advantage"].to_numpy(), dtype=torch.float32).view(-1, G),
-                          expected.advantages, atol=1e-6)
+    assert torch.allclose(
+        torch.tensor(rollouts["advantage"].to_numpy(), dtype=torch.float32).view(-1, G), expected.advantages, atol=1e-6
+    )
     assert groups["regime"].tolist() == [REGIMES[r] for r in expected.regime.tolist()]
     assert groups["baseline"].tolist() == expected.baseline.tolist()
     assert (groups["n_correct"].to_numpy() == (rewards == 1).sum(1).numpy()).all()
@@ -107,9 +108,26 @@ def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path):
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
 def test_mean_baseline_estimators_run_the_same_loop(tmp_path, estimator):
-    result = runner.invoke(app, ["train", "--estimator", estimator, "--steps", "2", "--prompts-per-step", "2",
-                                 "--group-size", "4", "--eval-every", "0", "--run-name", estimator,
-                                 "--runs-dir", str(tmp_path)])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--estimator",
+            estimator,
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "0",
+            "--run-name",
+            estimator,
+            "--runs-dir",
+            str(tmp_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     path = db_path(tmp_path, estimator)
     assert read_run(path)["estimator"] == estimator
@@ -135,8 +153,16 @@ def test_a_qae_banner_names_k_and_the_quantile_and_the_pace_is_the_median():
 
     from qae_app.cli.progress import StepPace, banner
 
-    cfg = SimpleNamespace(estimator="qae", k="0.4", quantile="paper", data="arith", model="builtin:tiny", steps=10,
-                          prompts_per_step=2, group_size=4)
+    cfg = SimpleNamespace(
+        estimator="qae",
+        k="0.4",
+        quantile="paper",
+        data="arith",
+        model="builtin:tiny",
+        steps=10,
+        prompts_per_step=2,
+        group_size=4,
+    )
     assert "qae (K=0.4, quantile paper) on arith" in banner(cfg, "r")
     clock = iter([0.0, 30.0, 60.0, 150.0]).__next__  # steps 1-3 at 2 steps/min, then one step in 90 s
     pace = StepPace(10, clock)
@@ -149,9 +175,10 @@ def test_a_qae_banner_names_k_and_the_quantile_and_the_pace_is_the_median():
 
 def test_config_file_and_command_line_precedence(tmp_path):
     toml = tmp_path / "run.toml"
-    toml.write_text('steps = 2\ngroup_size = 4\nprompts_per_step = 2\neval_every = 0\n[estimator]\nk = 0.3\n')
-    result = runner.invoke(app, ["train", "--config", str(toml), "--steps", "1", "--run-name", "cfg",
-                                 "--runs-dir", str(tmp_path)])
+    toml.write_text("steps = 2\ngroup_size = 4\nprompts_per_step = 2\neval_every = 0\n[estimator]\nk = 0.3\n")
+    result = runner.invoke(
+        app, ["train", "--config", str(toml), "--steps", "1", "--run-name", "cfg", "--runs-dir", str(tmp_path)]
+    )
     assert result.exit_code == 0, result.output
     config = json.loads(read_run(db_path(tmp_path, "cfg"))["config"])
     assert config["steps"] == 1 and config["group_size"] == 4 and config["k"] == "0.3"
@@ -247,8 +274,16 @@ def test_skipping_gated_sequences_in_the_trainer_gives_the_same_update(tmp_path)
 
 def test_k_auto_and_entropy_warnings_are_recorded(tmp_path):
     # entropy_low above any entropy the tiny model has: one warning at the crossing, not one per step
-    cfg = build_config(run_name="auto", k="auto", steps=4, prompts_per_step=4, group_size=8, eval_every=0,
-                       entropy_low=2.9, entropy_high=3.0)
+    cfg = build_config(
+        run_name="auto",
+        k="auto",
+        steps=4,
+        prompts_per_step=4,
+        group_size=8,
+        eval_every=0,
+        entropy_low=2.9,
+        entropy_high=3.0,
+    )
     Trainer(cfg, tmp_path, cpu=True).fit()
     path = db_path(tmp_path, "auto")
     warnings = query(path, "SELECT * FROM warnings ORDER BY step")
@@ -274,7 +309,6 @@ def test_warmstart_is_deterministic(tmp_path):
         assert result.exit_code == 0, result.output
     a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("a", "b"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
 
 
 def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
@@ -310,9 +344,11 @@ def test_warmstart_writes_the_package_only_when_asked(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert (package / "model.safetensors").is_file()
 
+
 def test_kl_to_a_frozen_reference_grows_once_the_policy_moves(tmp_path):
-    cfg = build_config(run_name="kl", kl_beta=0.1, steps=3, prompts_per_step=4, group_size=8, eval_every=0,
-                       num_mini_batches=1)
+    cfg = build_config(
+        run_name="kl", kl_beta=0.1, steps=3, prompts_per_step=4, group_size=8, eval_every=0, num_mini_batches=1
+    )
     trainer = Trainer(cfg, tmp_path, cpu=True)
     assert trainer.ref_model is not None and not any(p.requires_grad for p in trainer.ref_model.parameters())
     trainer.fit()
@@ -324,8 +360,9 @@ def test_micro_batches_accumulate_to_the_same_update(tmp_path):
     """Gradient accumulation over micro-batches of 2 sequences equals one forward/backward per mini-batch."""
     params = {}
     for size in (64, 2):
-        cfg = build_config(run_name=f"micro-{size}", steps=1, eval_every=0, checkpoint_every=0, seed=3,
-                           micro_batch_size=size)
+        cfg = build_config(
+            run_name=f"micro-{size}", steps=1, eval_every=0, checkpoint_every=0, seed=3, micro_batch_size=size
+        )
         trainer = Trainer(cfg, tmp_path, cpu=True)
         metrics = trainer.train_step(1).metrics
         params[size] = ([p.detach().clone() for p in trainer.model.parameters()], metrics)
@@ -353,20 +390,41 @@ def test_resuming_a_run_that_did_all_its_steps_says_so_and_gives_its_stored_held
 
 
 def test_store_responses_keeps_one_text_a_group_and_every_row(tmp_path):
-    result = runner.invoke(app, ["train", "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
-                                 "--eval-every", "0", "--store-responses", "1", "--run-name", "one",
-                                 "--runs-dir", str(tmp_path)])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "0",
+            "--store-responses",
+            "1",
+            "--run-name",
+            "one",
+            "--runs-dir",
+            str(tmp_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     path = db_path(tmp_path, "one")
-    per_group = query(path, "SELECT step, group_idx, count(*) AS n, count(response) AS texts, sum(gated::INT) AS "
-                            "gated FROM rollouts GROUP BY ALL ORDER BY ALL")
+    per_group = query(
+        path,
+        "SELECT step, group_idx, count(*) AS n, count(response) AS texts, sum(gated::INT) AS "
+        "gated FROM rollouts GROUP BY ALL ORDER BY ALL",
+    )
     assert per_group["n"].tolist() == [4] * 4 and per_group["texts"].tolist() == [1] * 4
     steps = read_steps(path).set_index("step")
     for step, rows in per_group.groupby("step"):  # the gated fraction counts every response, texts kept or not
         assert steps.loc[step, "frac_zero_adv"] == pytest.approx(rows["gated"].sum() / 8)
     refused = runner.invoke(app, ["train", "--store-responses", "0", "--runs-dir", str(tmp_path)])
     assert refused.exit_code == 2 and "store-responses: '0' is not all, none or a whole number" in " ".join(
-        refused.output.split())
+        refused.output.split()
+    )
 
 
 def test_a_missing_builtin_checkpoint_names_the_warm_start_that_builds_it(tmp_path, monkeypatch):
@@ -387,8 +445,16 @@ def test_the_weight_sync_is_timed_on_its_own(tmp_path):
     slower by a sleep so that counting it twice (in update_s too, as before sync_s) would exceed step_s."""
     import time
 
-    cfg = build_config(run_name="sync", steps=2, prompts_per_step=2, group_size=4, eval_every=0, checkpoint_every=0,
-                       rollout_dtype="bfloat16", seed=1)
+    cfg = build_config(
+        run_name="sync",
+        steps=2,
+        prompts_per_step=2,
+        group_size=4,
+        eval_every=0,
+        checkpoint_every=0,
+        rollout_dtype="bfloat16",
+        seed=1,
+    )
     trainer = Trainer(cfg, tmp_path, cpu=True)
     sync = trainer.engine.sync_weights
     calls = []

@@ -26,8 +26,9 @@ def _two_steps(tmp_path, monkeypatch, skip: bool, **opts):
     trainer.skip_gated = skip
     backward_passes = []
     accumulate = update.accumulate_gradients
-    monkeypatch.setattr(update, "accumulate_gradients",
-                        lambda *a, **kw: (backward_passes.append(1), accumulate(*a, **kw))[1])
+    monkeypatch.setattr(
+        update, "accumulate_gradients", lambda *a, **kw: (backward_passes.append(1), accumulate(*a, **kw))[1]
+    )
     try:
         metrics = [trainer.train_step(step).metrics for step in (1, 2)]
     finally:
@@ -71,19 +72,38 @@ def test_more_mini_batches_than_responses_is_refused():
 
 def test_zero_advantage_fraction_over_informative_groups():
     """frac_zero_adv counts the no-signal groups too; the paper's ~80% is over informative groups only."""
-    def rollouts(regime, advantages):
-        return [{"regime": regime, "advantage": a, "reward": float(a > 0), "correct": a > 0, "verified": True,
-                 "n_tokens": 2, "entropy": 0.5, "logprob": -1.0, "truncated": False, "filtered": False}
-                for a in advantages]
 
-    rows = (rollouts("all_correct", [0.0] * 4) + rollouts("hard", [1.5, 0.0, 0.0, 0.0])
-            + rollouts("easy", [0.0, 0.0, -1.5, 0.0]))
+    def rollouts(regime, advantages):
+        return [
+            {
+                "regime": regime,
+                "advantage": a,
+                "reward": float(a > 0),
+                "correct": a > 0,
+                "verified": True,
+                "n_tokens": 2,
+                "entropy": 0.5,
+                "logprob": -1.0,
+                "truncated": False,
+                "filtered": False,
+            }
+            for a in advantages
+        ]
+
+    rows = (
+        rollouts("all_correct", [0.0] * 4)
+        + rollouts("hard", [1.5, 0.0, 0.0, 0.0])
+        + rollouts("easy", [0.0, 0.0, -1.5, 0.0])
+    )
     groups = [{"regime": r, "filtered": False} for r in ("all_correct", "hard", "easy")]
     metrics = step_metrics(groups, rows)
     assert metrics["frac_zero_adv"] == 10 / 12
     assert metrics["frac_zero_adv_informative"] == 6 / 8
-    assert math.isnan(step_metrics([{"regime": "all_wrong", "filtered": False}], rollouts("all_wrong", [0.0] * 4))[
-        "frac_zero_adv_informative"])
+    assert math.isnan(
+        step_metrics([{"regime": "all_wrong", "filtered": False}], rollouts("all_wrong", [0.0] * 4))[
+            "frac_zero_adv_informative"
+        ]
+    )
 
 
 def test_entropy_change_per_regime_against_a_hand_computation(tmp_path):
@@ -91,14 +111,18 @@ def test_entropy_change_per_regime_against_a_hand_computation(tmp_path):
     the model's logits before and after a change of the weights."""
     from qae_app.engines.base import Sample
 
-    cfg = build_config(run_name="dh", steps=1, prompts_per_step=2, group_size=4, eval_every=0, k="0.4",
-                       log_entropy_delta=True)
+    cfg = build_config(
+        run_name="dh", steps=1, prompts_per_step=2, group_size=4, eval_every=0, k="0.4", log_entropy_delta=True
+    )
     trainer = Trainer(cfg, tmp_path, cpu=True)
     try:
         codec = trainer.codec
         texts = [("3+4=", ["7", "8", "1", "12"]), ("2*9=", ["18", "18", "18", "81"])]
-        samples = [Sample(b, codec.encode(prompt), codec.encode(r)[1:] + [codec.eos_id], r, False)
-                   for b, (prompt, responses) in enumerate(texts) for r in responses]
+        samples = [
+            Sample(b, codec.encode(prompt), codec.encode(r)[1:] + [codec.eos_id], r, False)
+            for b, (prompt, responses) in enumerate(texts)
+            for r in responses
+        ]
         batch = update.pack(samples, codec.pad_id, "cpu")
         rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
         n = len(samples)
@@ -177,8 +201,14 @@ class TwoLayerLM(torch.nn.Module):
 
 
 # (prompt ids, response ids) of six responses of different lengths; token 0 is also the padding
-SEQUENCES = [([1, 2], [3, 4, 0]), ([1, 3], [5]), ([2], [4, 4, 2, 0]), ([1, 2], [5, 0]), ([3, 3, 1], [2, 0]),
-             ([2, 5], [1, 1, 0])]
+SEQUENCES = [
+    ([1, 2], [3, 4, 0]),
+    ([1, 3], [5]),
+    ([2], [4, 4, 2, 0]),
+    ([1, 2], [5, 0]),
+    ([3, 3, 1], [2, 0]),
+    ([2, 5], [1, 1, 0]),
+]
 ADVANTAGES = torch.tensor([1.2, 0.0, -0.8, 0.0, 0.5, 0.0], dtype=torch.float64)  # half gated, as QAE leaves them
 
 
@@ -188,9 +218,19 @@ def _batch():
 
 
 def _options(**changes):
-    options = update.UpdateOptions(num_mini_batches=1, ppo_epochs=1, micro_batch_size=2, clip_low=0.2, clip_high=0.28,
-                                   loss_agg="token", kl_beta=0.0, max_grad_norm=1e9, max_new_tokens=4, temperature=1.0,
-                                   logits_keyword="logits_to_keep")
+    options = update.UpdateOptions(
+        num_mini_batches=1,
+        ppo_epochs=1,
+        micro_batch_size=2,
+        clip_low=0.2,
+        clip_high=0.28,
+        loss_agg="token",
+        kl_beta=0.0,
+        max_grad_norm=1e9,
+        max_new_tokens=4,
+        temperature=1.0,
+        logits_keyword="logits_to_keep",
+    )
     return dataclasses.replace(options, **changes)
 
 
@@ -204,12 +244,22 @@ def test_the_update_on_tensors_is_a_hand_written_clipped_policy_gradient_step():
     batch = _batch()
     mask = batch["response_mask"]
     targets = batch["input_ids"][:, 1:]
-    result = update.policy_update(model, torch.optim.SGD(model.parameters(), lr=lr), batch, ADVANTAGES,
-                                  _options(ppo_epochs=2), accelerator=None, seed=0)
+    result = update.policy_update(
+        model,
+        torch.optim.SGD(model.parameters(), lr=lr),
+        batch,
+        ADVANTAGES,
+        _options(ppo_epochs=2),
+        accelerator=None,
+        seed=0,
+    )
 
     def logprobs(net):  # (N, T-1)
-        return torch.log_softmax(net(input_ids=batch["input_ids"]).logits[:, :-1], -1).gather(
-            -1, targets[..., None]).squeeze(-1)
+        return (
+            torch.log_softmax(net(input_ids=batch["input_ids"]).logits[:, :-1], -1)
+            .gather(-1, targets[..., None])
+            .squeeze(-1)
+        )
 
     with torch.no_grad():
         sampling_logp = logprobs(reference)
@@ -244,8 +294,9 @@ def test_the_gated_skip_on_tensors_gives_the_dense_update_and_forwards_fewer_row
     for skip in (True, False):
         model = TwoLayerLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-        result = update.policy_update(model, optimizer, _batch(), ADVANTAGES,
-                                      dataclasses.replace(options, skip_gated=skip), seed=1)
+        result = update.policy_update(
+            model, optimizer, _batch(), ADVANTAGES, dataclasses.replace(options, skip_gated=skip), seed=1
+        )
         runs[skip] = ([p.detach().clone() for p in model.parameters()], result.stats, model.rows_run)
     (skip_params, skip_stats, skip_rows), (dense_params, dense_stats, dense_rows) = runs[True], runs[False]
     assert skip_rows < dense_rows

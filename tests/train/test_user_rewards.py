@@ -20,7 +20,7 @@ from qae_app.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # (training runs and processes: about a minute each on the shared 2-core machine)
 
-REWARDS = '''
+REWARDS = """
 import time
 from pathlib import Path
 
@@ -33,13 +33,18 @@ def slow(completions, step, **kwargs):
     if step == 1 and len(completions[0]) % 2:  # odd-length responses of step 1 run past --verify-timeout-s
         time.sleep(30)
     return [1.0]
-'''
+"""
 RUN = dict(steps=2, prompts_per_step=2, group_size=4, eval_every=0, checkpoint_every=2, seed=1, verify_timeout_s=0.5)
 
 
 def qae(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qae_app.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**__import__("os").environ, "COLUMNS": "200"})
+    return subprocess.run(
+        [sys.executable, "-m", "qae_app.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "COLUMNS": "200"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +54,9 @@ def reward_run(tmp_path_factory) -> tuple[Path, Path, Path]:
     marker = folder / "imported"
     path = folder / "my_rewards.py"
     path.write_text(textwrap.dedent(REWARDS).replace("MARKER", repr(str(marker))))
-    cfg = build_config(run_name="mine", reward=["exact_int", f"{path}:short", f"{path}:slow"],
-                       reward_weights="1,0.5,0.25", **RUN)
+    cfg = build_config(
+        run_name="mine", reward=["exact_int", f"{path}:short", f"{path}:slow"], reward_weights="1,0.5,0.25", **RUN
+    )
     assert Trainer(cfg, folder / "runs", cpu=True).fit().status == "finished"
     return folder / "runs", path, marker
 
@@ -59,8 +65,7 @@ def test_each_component_is_stored_and_the_reward_is_their_weighted_sum(reward_ru
     runs_dir, path, _ = reward_run
     db = db_path(runs_dir, "mine")
     rollouts = query(db, "SELECT * FROM rollouts ORDER BY step, group_idx, sample_idx")
-    wide = query(db, "PIVOT reward_components ON name USING first(value) ORDER BY step, group_idx, "
-                                "sample_idx")
+    wide = query(db, "PIVOT reward_components ON name USING first(value) ORDER BY step, group_idx, sample_idx")
     assert len(wide) == len(rollouts) == 2 * 2 * 4
     assert set(wide.columns) >= {"exact_int", "short", "slow"}
     short = rollouts["response"].str.strip().str.len().le(2).astype(float)
@@ -81,8 +86,9 @@ def test_each_component_is_stored_and_the_reward_is_their_weighted_sum(reward_ru
 def test_a_response_past_the_deadline_is_none_and_counted_in_the_steps_warning(reward_run):
     runs_dir, _, _ = reward_run
     db = db_path(runs_dir, "mine")
-    late = query(db, "SELECT step, count(*) AS n FROM reward_components WHERE name = 'slow' AND value IS "
-                                "NULL GROUP BY step")
+    late = query(
+        db, "SELECT step, count(*) AS n FROM reward_components WHERE name = 'slow' AND value IS NULL GROUP BY step"
+    )
     odd = query(db, "SELECT count(*) AS n FROM rollouts WHERE step = 1 AND length(response) % 2 = 1")
     assert late["step"].tolist() == [1] and late["n"].tolist() == odd["n"].tolist() and 0 < odd["n"].iloc[0] < 8
     warnings = read_warnings(db)
@@ -122,21 +128,27 @@ def test_reading_the_run_never_imports_its_reward_code_and_shows_each_component(
     tables = response_tables(app("rollouts", run="mine", step=1))
     assert {"exact_int", "short", "slow"} <= set(tables[0].columns)
     # qae eval of the run, not given the rewards: scored with the task's own, and it says so
-    evaluated = qae("eval", "--model", "mine", "--limit", "2", "--samples", "1", "--runs-dir", str(runs_dir),
-                    cwd=tmp_path)
+    evaluated = qae(
+        "eval", "--model", "mine", "--limit", "2", "--samples", "1", "--runs-dir", str(runs_dir), cwd=tmp_path
+    )
     assert evaluated.returncode == 0, evaluated.stderr
     said = "".join(evaluated.stdout.split())  # (the console wraps a long path anywhere)
-    assert "".join(f"run mine trained with --reward exact_int --reward {path}:short --reward {path}:slow; this "
-                   "evaluation scores with the bench's own reward (exact_int)".split()) in said, evaluated.stdout
+    assert (
+        "".join(
+            f"run mine trained with --reward exact_int --reward {path}:short --reward {path}:slow; this "
+            "evaluation scores with the bench's own reward (exact_int)".split()
+        )
+        in said
+    ), evaluated.stdout
     assert not marker.exists()  # none of the above imported the reward file (qae eval included)
 
 
-FAILING = '''
+FAILING = """
 def score(completions, step, **kwargs):
     if step == 3:
         raise RuntimeError("scorer bug at step 3")
     return [1.0 if c.strip().isdigit() else 0.0 for c in completions]
-'''
+"""
 
 
 def test_a_reward_that_raises_stops_the_run_failed_and_it_resumes_after_the_fix(tmp_path):
@@ -144,16 +156,33 @@ def test_a_reward_that_raises_stops_the_run_failed_and_it_resumes_after_the_fix(
     accepted explicitly), the run has steps 1-4 once each."""
     (tmp_path / "bad.py").write_text(textwrap.dedent(FAILING))
     runs = str(tmp_path / "runs")
-    train = ["train", "--run-name", "r", "--runs-dir", runs, "--steps", "4", "--checkpoint-every", "2",
-             "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0"]
+    train = [
+        "train",
+        "--run-name",
+        "r",
+        "--runs-dir",
+        runs,
+        "--steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "0",
+    ]
     rewards = ["--reward", "bad.py:score", "--reward", "exact_int", "--reward-weights", "1,0.5"]
     failed = qae(*train, *rewards, cwd=tmp_path)
     out = failed.stdout + failed.stderr
     assert failed.returncode == 2, out
     assert "reward: bad.py:score failed at step 3 on response 1 of 8" in out
     # the command it offers names every reward and their weights (the run folder names no code to run)
-    assert " ".join(f"Once the function is fixed, continue it with: qae train --resume r {' '.join(rewards)} "
-                    f"--runs-dir {runs}".split()) in " ".join(out.split())
+    assert " ".join(
+        f"Once the function is fixed, continue it with: qae train --resume r {' '.join(rewards)} "
+        f"--runs-dir {runs}".split()
+    ) in " ".join(out.split())
     assert out.count("Traceback (most recent call last)") == 1 and "RuntimeError: scorer bug at step 3" in out
     assert f'File "{tmp_path / "bad.py"}", line 4, in score' in out
     db = db_path(tmp_path / "runs", "r")
@@ -167,8 +196,7 @@ def test_a_reward_that_raises_stops_the_run_failed_and_it_resumes_after_the_fix(
     unnamed = qae(*resume, cwd=tmp_path)
     assert unnamed.returncode == 2 and "name the rewards again" in unnamed.stdout + unnamed.stderr
     changed = qae(*resume, *rewards, cwd=tmp_path)
-    assert changed.returncode == 2 and "bad.py changed since this run scored with it" in changed.stdout + \
-        changed.stderr
+    assert changed.returncode == 2 and "bad.py changed since this run scored with it" in changed.stdout + changed.stderr
     resumed = qae(*resume, *rewards, "--accept-changed-reward", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert read_run(db)["status"] == "finished"
@@ -177,7 +205,7 @@ def test_a_reward_that_raises_stops_the_run_failed_and_it_resumes_after_the_fix(
     assert record["earlier"][0]["until_step"] == 2 and record["earlier"][0]["sha256"] != record["sha256"]
 
 
-MODES = '''
+MODES = """
 import math
 import time
 from pathlib import Path
@@ -198,7 +226,7 @@ def score(completions, step, **kwargs):
             while True:
                 time.sleep(1)
     return [1.0 if c.strip().isdigit() else 0.0 for c in completions]
-'''
+"""
 
 
 def test_every_failure_of_a_user_reward_is_one_message_keeps_the_steps_and_resumes(tmp_path):
@@ -208,11 +236,30 @@ def test_every_failure_of_a_user_reward_is_one_message_keeps_the_steps_and_resum
     (tmp_path / "modes.py").write_text(MODES)
     runs = str(tmp_path / "runs")
     db = db_path(tmp_path / "runs", "m")
-    start = ["train", "--run-name", "m", "--steps", "6", "--checkpoint-every", "1", "--prompts-per-step", "2",
-             "--group-size", "4", "--eval-every", "0", "--verify-timeout-s", "1"]
+    start = [
+        "train",
+        "--run-name",
+        "m",
+        "--steps",
+        "6",
+        "--checkpoint-every",
+        "1",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--eval-every",
+        "0",
+        "--verify-timeout-s",
+        "1",
+    ]
     resume = ["train", "--resume", "m"]
-    said = {"length": "it returned 2 scores for 1 completion", "nan": "it returned nan as a score",
-            "word": "it returned 'yes' (a str) as a score", "hang": "scored none of the 8 responses of step 5"}
+    said = {
+        "length": "it returned 2 scores for 1 completion",
+        "nan": "it returned nan as a score",
+        "word": "it returned 'yes' (a str) as a score",
+        "hang": "scored none of the 8 responses of step 5",
+    }
     for at, (how, message) in enumerate(said.items(), start=2):
         (tmp_path / "mode.txt").write_text(f"{how} {at}")
         done = qae(*(start if at == 2 else resume), "--reward", "modes.py:score", "--runs-dir", runs, cwd=tmp_path)
@@ -236,7 +283,7 @@ def test_every_failure_of_a_user_reward_is_one_message_keeps_the_steps_and_resum
 
 
 # issue 48 L4: a reward file whose import, or whose function, ends its worker process or never returns
-ENDS = '''
+ENDS = """
 import os
 import signal
 import time
@@ -257,18 +304,27 @@ def score(completions, **kwargs):
     if HOW == "call-killed":
         os.kill(os.getpid(), signal.SIGKILL)
     return [1.0]
-'''
+"""
 
 
-@pytest.mark.parametrize("how, message", [
-    ("import-exits", "the worker process importing it ended before it was ready, 3 times in a row (exit codes 0, "
-                     "0, 0): does the module end the process when it is imported"),
-    ("import-killed", "ended before it was ready, 3 times in a row (exit codes -9, -9, -9)"),
-    ("import-sleeps", "importing it did not finish within 20 s (the worker that imports it never said it was "
-                      "ready): does the module sleep"),
-    ("call-exits", "failed at step 1 on response 1 of 8 ('"),
-    ("call-killed", "the worker process running it ended (exit code -9). Does the function end the process"),
-])
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        (
+            "import-exits",
+            "the worker process importing it ended before it was ready, 3 times in a row (exit codes 0, "
+            "0, 0): does the module end the process when it is imported",
+        ),
+        ("import-killed", "ended before it was ready, 3 times in a row (exit codes -9, -9, -9)"),
+        (
+            "import-sleeps",
+            "importing it did not finish within 20 s (the worker that imports it never said it was "
+            "ready): does the module sleep",
+        ),
+        ("call-exits", "failed at step 1 on response 1 of 8 ('"),
+        ("call-killed", "the worker process running it ended (exit code -9). Does the function end the process"),
+    ],
+)
 def test_a_reward_file_that_ends_its_worker_or_never_imports_is_said_as_such(tmp_path, monkeypatch, how, message):
     """L4: a file calling os._exit on import was reported as math-verify's workers dying ("check that `python -c
     'import math_verify'` works"), in a traceback; one sleeping on import as a RuntimeError traceback after 120 s;
@@ -282,10 +338,28 @@ def test_a_reward_file_that_ends_its_worker_or_never_imports_is_said_as_such(tmp
     monkeypatch.setattr(registry, "START_TIMEOUT_S", 20.0, raising=False)  # (the sleeping import: not its limit)
     (tmp_path / "ends.py").write_text(ENDS)
     (tmp_path / "how.txt").write_text(how)
-    result = CliRunner().invoke(app, ["train", "--run-name", "r", "--steps", "2", "--prompts-per-step", "2",
-                                      "--group-size", "4", "--eval-every", "0", "--cpu", "--reward",
-                                      f"{tmp_path / 'ends.py'}:score", "--runs-dir", str(tmp_path / "runs")],
-                                env={"COLUMNS": "300"})
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--run-name",
+            "r",
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--eval-every",
+            "0",
+            "--cpu",
+            "--reward",
+            f"{tmp_path / 'ends.py'}:score",
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        ],
+        env={"COLUMNS": "300"},
+    )
     said = " ".join(result.output.split())
     assert result.exit_code == 2 and said.count("error:") == 1, said
     assert result.exception is None or isinstance(result.exception, SystemExit), said  # no traceback

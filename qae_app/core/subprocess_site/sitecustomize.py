@@ -17,7 +17,8 @@ for _name in os.environ.get("QAE_HIDDEN_EXTENSIONS", "").split(","):
 
 _here = os.path.dirname(os.path.abspath(__file__))
 _shadowed = importlib.machinery.PathFinder.find_spec(
-    "sitecustomize", [path for path in sys.path if os.path.abspath(path or ".") != _here])
+    "sitecustomize", [path for path in sys.path if os.path.abspath(path or ".") != _here]
+)
 if _shadowed is not None and _shadowed.loader is not None:
     _module = importlib.util.module_from_spec(_shadowed)
     sys.modules["sitecustomize"] = _module
