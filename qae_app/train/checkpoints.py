@@ -99,26 +99,16 @@ class RunCheckpoints:
 
         chosen = [None, 0, None]  # the checkpoint, the newest step whose rows the run kept, a refusal
         if self.is_main:
-            old = [(ckpt, problem) for ckpt in list_checkpoints(self.run_dir) if (problem := format_problem(ckpt))]
+            checkpoints = list_checkpoints(self.run_dir)
+            old = [(ckpt, problem) for ckpt in checkpoints if (problem := format_problem(ckpt))]
             if old:
                 chosen[2] = (
                     f"resume: checkpoint {old[0][0].name} of run '{self.run_id}' was written by an older "
                     f"qae: {old[0][1]}. {migrate_hint(self.run_dir)}"
                 )
-            for ckpt in reversed(list_checkpoints(self.run_dir)) if not old else ():
-                # its files as saved (checksums), then each as what it should hold (a manifest rewritten to match a
-                # damaged or planted file passes the first): every process's, before any process loads one
-                problem = (
-                    checkpoint_problem(ckpt)
-                    or TrainerState.problem(ckpt / TRAINER_STATE)
-                    or training_state_problem(ckpt)
-                )
-                if problem is None:
-                    chosen[0] = str(ckpt)
-                    break
-                self._say(f"[yellow]warning:[/] skipping checkpoint {ckpt.name}: {problem}")
             else:
-                if not old and list_checkpoints(self.run_dir):
+                chosen[0] = self._newest_that_checks_out(checkpoints)
+                if chosen[0] is None and checkpoints:
                     chosen[2] = (
                         f"resume: no checkpoint of run '{self.run_id}' checks out (see the warnings "
                         "above). Start a new run."
@@ -129,6 +119,19 @@ class RunCheckpoints:
         if chosen[2] is not None:
             self._refuse(chosen[2])
         return (Path(chosen[0]) if chosen[0] is not None else None), chosen[1]
+
+    def _newest_that_checks_out(self, checkpoints: list[Path]) -> str | None:
+        """The newest of `checkpoints` whose files are as saved (checksums) and each as what it should hold (a
+        manifest rewritten to match a damaged or planted file passes the first), every process's, before any
+        process loads one; each one skipped is said."""
+        for ckpt in reversed(checkpoints):
+            problem = (
+                checkpoint_problem(ckpt) or TrainerState.problem(ckpt / TRAINER_STATE) or training_state_problem(ckpt)
+            )
+            if problem is None:
+                return str(ckpt)
+            self._say(f"[yellow]warning:[/] skipping checkpoint {ckpt.name}: {problem}")
+        return None
 
     def _check_start_over(self, logged: int) -> None:
         """A run with no checkpoint starts over from step 0, same run, same seed (the same steps again): refused
