@@ -226,7 +226,7 @@ def check_range(name: str, value: float, flag: str | None = None) -> None:
         problem = f"is less than {low:,}, the least it may be" if low_allowed else f"must be more than {low:,}"
     else:
         return
-    raise QAEUserError(f"{flag or option_flag(name)}: {value} {problem}. {advice}.")
+    raise QAEUserError(f"{flag or option_flag(name)}: {clipped(value)} {problem}. {advice}.")
 
 
 @dataclass(frozen=True)

@@ -114,8 +114,12 @@ ECHO_CHARS = 80  # a value a message repeats is cut to this many characters
 
 def clipped(value: Any, limit: int = ECHO_CHARS) -> str:
     """`value` as text for a message, cut after `limit` characters with its length said: a 10 MB string in a config
-    file is named by its start, not echoed whole."""
-    text = str(value)
+    file is named by its start, not echoed whole. An integer too long for Python to print (over 4,300 digits) is
+    named by its size."""
+    try:
+        text = str(value)
+    except ValueError:  # int's str limit (sys.set_int_max_str_digits): the number itself is the harm
+        return f"an integer of {value.bit_length():,} bits"
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
 
 

@@ -9,7 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from qae_app.core.formatting import ago, as_float, duration, missing, number, pace_line, run_pace
+from qae_app.config import check_range
+from qae_app.core.errors import QAEUserError
+from qae_app.core.formatting import ago, as_float, clipped, duration, missing, number, pace_line, run_pace
 
 
 def test_missing_is_every_kind_of_never_recorded_and_nothing_else():
@@ -85,3 +87,15 @@ def test_setup_labels():
         setup_label({"sharding": "ddp", "processes": 4, "machines": 2, "mixed_precision": "bf16"})
         == "ddp x 4 processes on 2 machines, bf16 mixed precision"
     )
+
+
+def test_a_huge_value_is_named_by_its_start_or_its_size_never_echoed_whole():
+    """A run folder's 4,000-digit seed was echoed whole in `qae runs`' unreadable note, pushing the table off the
+    screen; past 4,300 digits Python refuses to print the integer at all (ValueError, a traceback)."""
+    assert clipped("short") == "short"
+    assert clipped("x" * 200) == "x" * 80 + "… (200 characters)"
+    assert clipped(10**4000) == "1" + "0" * 79 + "… (4,001 characters)"
+    assert clipped(10**5000) == f"an integer of {(10**5000).bit_length():,} bits"
+    with pytest.raises(QAEUserError) as err:
+        check_range("seed", 10**5000)
+    assert str(err.value).startswith("seed: an integer of 16,610 bits is more than 2,147,483,647")

@@ -48,7 +48,7 @@ def run_case(case: Path) -> None:
                     "exit": result.exit_code,
                     "exception": None if exception is None else "".join(traceback.format_exception(exception))[-3000:],
                     "ran_payload": ran,
-                    "output": result.output[-4000:],
+                    "output": result.output[-20000:],
                 }
             ),
             flush=True,
