@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from qae_app.store.reader import read_steps
+from qae_app.store.reader import query, read_steps
 from qae_app.store.run_folder import DB_FILE, PENDING_DIR
 from qae_app.store.schema import PENDING_SUFFIX, STEP_METRICS, TIMING_METRICS, pending_write_from_json
 from qae_app.train.update import MISMATCH_METRICS
@@ -38,6 +38,22 @@ def assert_same_metrics(want: pd.DataFrame, got: pd.DataFrame) -> None:
     for name in COMPARED:
         rtol, atol = (1e-4, 1e-5) if name in SAMPLING_STATS else (1e-5, 1e-6)
         pd.testing.assert_series_equal(want[name], got[name], check_names=False, rtol=rtol, atol=atol, obj=name)
+
+
+# a rollout's statistics of its sampled tokens (the same float32 rounding as SAMPLING_STATS, per response)
+ROLLOUT_SAMPLING_STATS = ("entropy", "logprob", "mismatch")
+
+
+def assert_same_rollouts(want_db: Path, got_db: Path) -> None:
+    """The groups and rollouts tables of two databases hold the same rows: every column exactly but the rollouts'
+    sampling statistics, which get SAMPLING_STATS' tolerance (a NULL must stay a NULL)."""
+    for table, order in (("groups", "step, group_idx"), ("rollouts", "step, group_idx, sample_idx")):
+        sql = f"SELECT * EXCLUDE (run_id) FROM {table} ORDER BY {order}"
+        want, got = query(want_db, sql), query(got_db, sql)
+        inexact = [name for name in ROLLOUT_SAMPLING_STATS if table == "rollouts" and name in want.columns]
+        pd.testing.assert_frame_equal(want.drop(columns=inexact), got.drop(columns=inexact), obj=table)
+        for name in inexact:
+            pd.testing.assert_series_equal(want[name], got[name], rtol=1e-4, atol=1e-5, obj=f"{table}.{name}")
 
 
 def saved_steps(run_dir: Path) -> list[int]:

@@ -28,7 +28,7 @@ from qae_app.store.run_folder import db_path
 from qae_app.train.trainer import Trainer
 from qae_app.train.trainer_state import data_position_problem
 from qae_app.train.update import pack
-from tests.same_steps import assert_same_metrics
+from tests.same_steps import assert_same_metrics, assert_same_rollouts
 
 runner = CliRunner()
 QAE = str(Path(sys.executable).parent / "qae")
@@ -352,13 +352,7 @@ def test_kill_9_then_resume_replays_dynamic_sampling_exactly(tmp_path):
     want, got = read_steps(ref).set_index("step"), read_steps(cut).set_index("step")
     assert got.index.tolist() == [1, 2, 3, 4, 5] and want["gen_batches"].sum() > 5
     assert_same_metrics(want, got)
-    for table, order in (("groups", "step, group_idx"), ("rollouts", "step, group_idx, sample_idx")):
-        sql = (
-            f"SELECT * EXCLUDE (run_id, entropy, logprob) FROM {table} ORDER BY {order}"
-            if table == "rollouts"
-            else f"SELECT * EXCLUDE (run_id) FROM {table} ORDER BY {order}"
-        )
-        pd.testing.assert_frame_equal(query(ref, sql), query(cut, sql), obj=table)
+    assert_same_rollouts(ref, cut)
 
 
 @pytest.mark.slow
