@@ -1,8 +1,8 @@
 """Run every command of tests/plants.py's COMMANDS on each case folder named on the command line, in this one process
 (torch and the model load once, not once per command), and print one JSON line per command:
-{"case", "command", "exit", "exception", "ran_payload", "output"}. A line {"case", "command", "start": true} comes
-before each, so a command that hangs (the watchdog ends this process after HANG_S, printing every thread's stack)
-is known by its start line without an end.
+{"case", "command", "exit", "exception", "ran_payload", "output", "seconds"}. A line {"case", "command", "start":
+true} comes before each, so a command that hangs (the watchdog ends this process after HANG_S, printing every
+thread's stack) is known by its start line without an end.
 
     python tests/scripts/plant_commands.py CASE_DIR...
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -32,6 +33,7 @@ def run_case(case: Path) -> None:
         print(json.dumps({"case": str(case), "command": name, "start": True}), flush=True)
         argv = [arg.format(case=case) for arg in args] + ["--runs-dir", str(case / "runs")]
         faulthandler.dump_traceback_later(HANG_S, exit=True)
+        started = time.perf_counter()
         try:
             result = runner.invoke(app, argv, env={"COLUMNS": "300"})
         finally:
@@ -49,6 +51,7 @@ def run_case(case: Path) -> None:
                     "exception": None if exception is None else "".join(traceback.format_exception(exception))[-3000:],
                     "ran_payload": ran,
                     "output": result.output[-20000:],
+                    "seconds": round(time.perf_counter() - started, 3),
                 }
             ),
             flush=True,

@@ -1,0 +1,25 @@
+"""The plant matrix (tests/plant_matrix.py) on the files of a run's checkpoint: every variant of each (manifest,
+trainer state, policy and optimizer tensors, scheduler, RNG, the saved model's files, and the folders as links) x
+every command that reads run folders, in real subprocesses. The run's own files are test_planted_run_folders.py's;
+apart, the matrix spreads over two of xdist's workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.plant_matrix import matrix_problems, planted_targets, plants_of
+from tests.plants import make_base_run
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """The one small real run every case copies (two steps of the built-in model, a checkpoint, labels, pending/)."""
+    return make_base_run(tmp_path_factory.mktemp("base"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", [t for t in planted_targets() if t.startswith("checkpoints")])
+def test_every_plant_of_a_checkpoint_file_under_every_command(base, tmp_path, target):
+    assert matrix_problems(base, tmp_path, plants_of(target)) == []
