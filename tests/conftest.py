@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.timeout_report"]  # a test that runs past the timeout is named with where it was
+
 # under pytest-xdist each worker gets its share of the cores for torch, and so do the trainers the tests start (they
 # inherit it): several workers each running torch on every core would oversubscribe them
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
