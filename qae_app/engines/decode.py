@@ -18,11 +18,13 @@ This loop
   faster at SmolLM2's vocabulary on an Intel Xeon; the same numbers from the same generator state, checked once per
   process by `_uniform_gives_exponential`);
 - runs the prompts' common opening (a chat template's system message) through the model once for the whole batch.
-Which kernels run is the CPU's business: packing or F.linear, SDPA or float32 grouped matmuls for each new token's
-attention, the draw a few rows at a time or whole are each timed once per process on the model's shapes and the
-faster kept (`decode_kernels`), since what was fastest on an Intel Xeon with AVX512_BF16 made the loop slower than
-generate on an AMD EPYC with AVX512_BF16 (issue 50). bench/bench_generate.py's roofline part prints the choice and how
-close the loop comes to what the CPU allows in its dtype.
+Which kernels run is the CPU's business (`decode_kernels`), since what was fastest on an Intel Xeon with AVX512_BF16
+made the loop slower than generate on an AMD EPYC with AVX512_BF16 (issue 50): packing or F.linear, and the draw a
+few rows at a time or whole, are timed once per process on the model's shapes and the faster kept (either gives the
+same numbers to the bit); SDPA or float32 grouped matmuls for each new token's attention, which differ in the last
+bits, follow the CPU's features, so the same seed samples the same responses in every process.
+bench/bench_generate.py's roofline part prints the choice and how close the loop comes to what the CPU allows in its
+dtype.
 
 What it samples is what `generate` samples: softmax(logits / T) drawn the way `torch.multinomial` draws one
 sample (argmax of p / q, q ~ Exp(1) over the whole (rows, vocab) batch, every row's noise drawn each step as
@@ -266,7 +268,7 @@ def sample(
     """Per row of `encoded` (token ids; consecutive equal rows are a group sharing its prompt): the generated tokens
     (up to and including the first stop id, or max_new_tokens of them), their log-probs and the entropy at each
     position, sampled from softmax(logits / T) with torch's global generator. `kernels`: the CPU-specific choices
-    (decode_kernels; by default the fastest here, measured once per process)."""
+    (decode_kernels; by default those it chose for this CPU, once per process)."""
     device = next(model.parameters()).device
     batch = len(encoded)
     kernels = kernels or decode_kernels.for_model(model, draw)

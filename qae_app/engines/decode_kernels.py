@@ -1,27 +1,31 @@
 """Which kernels the decode loop (`qae_app.engines.decode`) runs on this machine, measured once per process.
 
-Three of the loop's choices give the same numbers either way and differ only in speed, and which is faster depends on
-the CPU (its vector width, whether oneDNN has bf16 kernels for it, its cache sizes), not on anything the loop can know
-in advance. On an Intel Xeon with AVX512_BF16, packing cut the bf16 matmuls' time by ~25% and SDPA read the
-cache 3x faster than oneDNN's bf16 batched matmul; on an AMD EPYC with AVX512_BF16 the loop with those choices was 1.5x
-slower than `model.generate` (issue 50); on an AMD EPYC with AVX2 only, oneDNN cannot pack bf16 weights at all and the
-grouped matmuls in float32 attend a bf16 cache 2x faster than SDPA (at 100-300 cache columns, 2026-12-05).
-So each choice is made here, once per process and shape, by timing both options on the model's own shapes (the
-Intel figures: 2026-12-04, bench/bench_generate.py; this module's measurements: `python bench/bench_generate.py
---only-roofline` prints what it chose):
+Three of the loop's choices differ in speed, and which is faster depends on the CPU (its vector width, whether oneDNN
+has bf16 kernels for it, its cache sizes), not on anything the loop can know in advance. On an Intel Xeon with
+AVX512_BF16, packing cut the bf16 matmuls' time by ~25% and SDPA read the cache 3x faster than oneDNN's bf16 batched
+matmul; on an AMD EPYC with AVX512_BF16 the loop with those choices was 1.5x slower than `model.generate` (issue 50);
+on an AMD EPYC with AVX2 only, oneDNN cannot pack bf16 weights at all and the grouped matmuls in float32 attend a bf16
+cache 2x faster than SDPA (at 100-300 cache columns, 2026-12-05). (The Intel figures: 2026-12-04,
+bench/bench_generate.py; `python bench/bench_generate.py --only-roofline` prints what this module chose.)
 
 - `pack`: bf16 weights packed once per call into oneDNN's blocked layout, where this torch and CPU pack them and the
-  packed product is F.linear's to the bit (`packing_matches`), or F.linear;
-- `sdpa_per_token`: attention of each new token by scaled_dot_product_attention over the cache's column slices, or
-  by two float32 batched matmuls with each key head serving its group of query heads (both compute the scores and
-  the softmax in float32; they differ in the order of float32 sums, not to the bit);
+  packed product is F.linear's to the bit (`packing_matches`), or F.linear. Measured (below).
 - `draw_rows`: the sampling draw DRAW_ROWS batch rows at a time (its vocabulary-wide temporaries stay in cache) or
   the whole batch at once (to the bit the same tokens, log-probs and entropies: each row's numbers are its own).
+  Measured.
+- `sdpa_per_token`: attention of each new token by scaled_dot_product_attention over the cache's column slices, or
+  by two float32 batched matmuls with each key head serving its group of query heads. Both compute the scores and
+  the softmax in float32 but sum in another order, so they differ in the last float32 bits, and after a few hundred
+  tokens in which token is drawn. So this one is never timed: a choice that followed the clock would let the same
+  seed sample other responses from one launch to the next, or in each process of one launch. It follows the CPU:
+  SDPA in bf16 where oneDNN has bf16 kernels (AVX512_BF16 or AMX, the Intel case), the grouped matmuls otherwise
+  (in float32 always, and in bf16 on AVX2, the AMD case). Every process of a machine chooses alike, and so does a
+  resume on the same kind of machine.
 
-Each measurement alternates the two options a few times and keeps each one's fastest run (the one the load
-disturbed least); the option the loop starts from is kept unless the other is faster by SWITCH_MARGIN, so two
-processes on one machine choose alike unless the difference is real. The measurements take well under a second on
-SmolLM2 and are cached for the process. `tests/engines/test_decode.py` forces each option and checks the samples.
+The two measured choices alternate their options a few times and keep each one's fastest run (the one the load
+disturbed least); the option the loop starts from is kept unless the other is faster by SWITCH_MARGIN. Either way
+the numbers are the same to the bit; the measurements take well under a second on SmolLM2 and are cached for the
+process. `tests/engines/test_decode.py` forces each option and checks the samples.
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ DRAW_ROWS = 4  # batch rows sampled at a time when drawing in chunks: 4 x SmolLM
 SWITCH_MARGIN = 0.9  # the other option must take at most this share of the default's time to be chosen
 ROUNDS = 5  # timed runs of each option, alternating
 PROBE_ROWS = 32  # the batch the measurements use: the trainer's 4 prompts x 8 of the CPU recipe
-PROBE_COLUMNS = 128  # the cache columns the attention measurement reads
 
 
 @dataclass(frozen=True)
@@ -123,22 +126,30 @@ _SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2,
 
 
 @functools.cache
+def onednn_has_bf16_kernels() -> bool:
+    """Whether oneDNN computes bf16 natively on this CPU (AVX512_BF16 or AMX): there SDPA attends a bf16 cache
+    fastest."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@functools.cache
 def choose(
     device_type: str,
     dtype: torch.dtype,
     hidden: int,
     intermediate: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
     vocab: int,
     draw: Callable,
 ) -> Kernels:
-    """The faster option of each choice for a model of these shapes, in `dtype` on `device_type` (see the module's
-    docstring), `draw` being the loop's sampling draw (decode.draw); off a CPU, the defaults."""
-    sdpa_first = dtype == torch.bfloat16  # the option kept unless the other is clearly faster
+    """The loop's kernels for a model of these shapes, in `dtype` on `device_type` (see the module's docstring): the
+    faster option of `pack` and `draw_rows` (`draw` being the loop's sampling draw, decode.draw), the attention by the
+    CPU; off a CPU, the defaults."""
     if device_type != "cpu":
-        return Kernels(pack=False, sdpa_per_token=sdpa_first, draw_rows=None)
+        return Kernels(pack=False, sdpa_per_token=dtype == torch.bfloat16, draw_rows=None)
+    sdpa = dtype == torch.bfloat16 and onednn_has_bf16_kernels()  # by the CPU, never by the clock (docstring)
     generator = torch.Generator().manual_seed(0)
     # the draw's noise comes from torch's global generator: measuring must not move it (a run's samples follow its seed)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -150,16 +161,6 @@ def choose(
             pack = not fastest(
                 lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), lambda: F.linear(x, weight)
             )
-        q = torch.randn(PROBE_ROWS, heads, 1, head_dim, generator=generator).to(dtype)
-        cache = torch.randn(PROBE_ROWS, kv_heads, 2 * PROBE_COLUMNS, head_dim, generator=generator).to(dtype)
-        k, v = cache[:, :, :PROBE_COLUMNS], cache[:, :, PROBE_COLUMNS:]  # column slices, as the loop reads them
-        bias = torch.zeros(PROBE_ROWS, PROBE_COLUMNS, dtype=dtype)
-        scaling = head_dim**-0.5
-        options = (
-            lambda: sdpa_attention(q, k, v, bias[:, None, None, :], False, scaling),
-            lambda: grouped_attention(q, k, v, bias, kv_heads, scaling),
-        )
-        sdpa = sdpa_first != fastest(*(options if sdpa_first else options[::-1]))
         logits = torch.randn(PROBE_ROWS, vocab, generator=generator).to(dtype)
         rows = torch.arange(PROBE_ROWS)
         chunked = not fastest(
@@ -174,16 +175,12 @@ def for_model(model: torch.nn.Module, draw: Callable) -> Kernels:
     """The kernels for a Llama-family `model` as it is (its device, dtype and shapes), chosen once per process;
     `draw`: the loop's sampling draw (decode.draw), timed in row chunks and whole."""
     config = model.config
-    attention = model.model.layers[0].self_attn
     weight = model.lm_head.weight
     return choose(
         weight.device.type,
         weight.dtype,
         config.hidden_size,
         config.intermediate_size,
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        attention.head_dim,
         weight.shape[0],
         draw,
     )
