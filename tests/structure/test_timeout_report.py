@@ -18,7 +18,8 @@ def test_a_test_past_the_timeout_under_xdist_is_reported_with_its_stack(tmp_path
     )
     process = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-n", "2"]
-        + ["--max-worker-restart=0", "-o", "timeout=3", "-o", "timeout_method=thread", str(tmp_path)],
+        + ["--max-worker-restart=0", "-o", "timeout=3", "-o", "timeout_method=thread", str(tmp_path / "test_slow.py")]
+        + ["--basetemp", str(tmp_path / "basetemp")],  # not a numbered folder beside this run's own
         capture_output=True,
         text=True,
         timeout=300,
