@@ -1,4 +1,4 @@
-"""Which kernels the decode loop (`qae_app.engines.decode`) runs on this machine, measured once per process.
+"""Which kernels the decode loop (`qae_app.engines.decode`) runs on this machine, chosen once per process.
 
 Three of the loop's choices differ in speed, and which is faster depends on the CPU (its vector width, whether oneDNN
 has bf16 kernels for it, its cache sizes), not on anything the loop can know in advance. On an Intel Xeon with
@@ -15,8 +15,8 @@ bench/bench_generate.py; `python bench/bench_generate.py --only-roofline` prints
   Measured.
 - `sdpa_per_token`: attention of each new token by scaled_dot_product_attention over the cache's column slices, or
   by two float32 batched matmuls with each key head serving its group of query heads. Both compute the scores and
-  the softmax in float32 but sum in another order, so they differ in the last float32 bits, and after a few hundred
-  tokens in which token is drawn. So this one is never timed: a choice that followed the clock would let the same
+  the softmax in float32 but sum in another order, so they differ in the last float32 bits, which can change
+  which token is drawn. So this one is never timed: a choice that followed the clock would let the same
   seed sample other responses from one launch to the next, or in each process of one launch. It follows the CPU:
   SDPA in bf16 where oneDNN has bf16 kernels (AVX512_BF16 or AMX, the Intel case), the grouped matmuls otherwise
   (in float32 always, and in bf16 on AVX2, the AMD case). Every process of a machine chooses alike, and so does a
