@@ -81,7 +81,7 @@ def _heldout_accuracy(run_dir: Path) -> str:
     try:
         rows = query(
             run_dir / DB_FILE,
-            "SELECT step, avg(value) AS value FROM evals WHERE metric = 'avg_k' "
+            "SELECT step, avg(value) AS value FROM evals WHERE metric = 'avg@k' "
             "AND subset = 'all' GROUP BY step ORDER BY step",
         )
     except Exception as err:  # noqa: BLE001 - the figure stands without it; say why it is missing
