@@ -84,7 +84,7 @@ def status_text(status: str) -> Text:
 # fitting columns to the width
 
 
-@dataclass
+@dataclass(eq=False)  # a column is compared by identity: fit() asks which were chosen, not which hold equal cells
 class Column:
     header: str
     cells: list  # str, Text or RunCell, one per row
@@ -113,10 +113,10 @@ def fit(columns: list[Column], width: int, title: str | None = None) -> Fitted:
     first) until one does not fit (the flexible column keeping at least its min_width, or its natural width if
     smaller)."""
     flexible = next((c for c in columns if c.flexible), None)
-    widths = {id(c): c.width() for c in columns}  # measured once: a column of a long run has thousands of cells
+    widths = {c: c.width() for c in columns}  # measured once: a column of a long run has thousands of cells
 
     def total(chosen: list[Column]) -> int:
-        fixed = sum(widths[id(c)] for c in chosen if c is not flexible)
+        fixed = sum(widths[c] for c in chosen if c is not flexible)
         return fixed + GAP * (len(chosen) - 1)
 
     def room_for_flexible(chosen: list[Column]) -> int:
@@ -124,10 +124,9 @@ def fit(columns: list[Column], width: int, title: str | None = None) -> Fitted:
 
     chosen = [c for c in columns if c.priority == 0]
     for candidate in sorted((c for c in columns if c.priority > 0), key=lambda c: c.priority):
-        # by identity: Column's dataclass equality compares every cell
-        trial = [c for c in columns if any(c is x for x in chosen) or c is candidate]
+        trial = [c for c in columns if c in chosen or c is candidate]
         if flexible is not None:
-            need = min(widths[id(flexible)], flexible.min_width)
+            need = min(widths[flexible], flexible.min_width)
             fits = room_for_flexible([c for c in trial if c is not flexible]) >= need
         else:
             fits = total(trial) <= width
@@ -156,7 +155,7 @@ def fit(columns: list[Column], width: int, title: str | None = None) -> Fitted:
             )
         else:
             table.add_column(
-                column.header, justify=column.justify, no_wrap=True, min_width=widths[id(column)], style=column.style
+                column.header, justify=column.justify, no_wrap=True, min_width=widths[column], style=column.style
             )
     for row in zip(*(c.cells for c in chosen), strict=True) if chosen and chosen[0].cells else []:
         table.add_row(*[cell if isinstance(cell, (Text, RunCell)) else Text(str(cell)) for cell in row])
