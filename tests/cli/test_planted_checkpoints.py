@@ -5,18 +5,9 @@ apart, the matrix spreads over two of xdist's workers."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.plant_matrix import matrix_problems, planted_targets, plants_of
-from tests.plants import make_base_run
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """The one small real run every case copies (two steps of the built-in model, a checkpoint, labels, pending/)."""
-    return make_base_run(tmp_path_factory.mktemp("base"))
 
 
 @pytest.mark.slow

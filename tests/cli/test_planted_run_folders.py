@@ -17,15 +17,9 @@ from typer.testing import CliRunner
 
 from qae_app.cli.main import app
 from tests.plant_matrix import matrix_problems, planted_targets, plants_of, problems
-from tests.plants import COMMANDS, MARKER, OTHER, QUICK, RUN, Plant, make_base_run, make_case, snapshot
+from tests.plants import COMMANDS, MARKER, OTHER, QUICK, RUN, Plant, make_case, snapshot
 
 READERS = ("runs", "show", "show-other", "rollouts", "compare", "tag")
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """The one small real run every case copies (two steps of the built-in model, a checkpoint, labels, pending/)."""
-    return make_base_run(tmp_path_factory.mktemp("base"))
 
 
 def run_in_process(runs: Path, names=READERS) -> list[dict]:
