@@ -38,7 +38,7 @@ ALERTS: dict[str, str] = {
     "mismatch": "the sampler is not the trainer: at least `mismatch_capped` of the tokens the policy loss weighs have "
     "pi_old / pi_sampler above --rollout-correction-cap (the tokens tis caps: mismatch_capped_frac), or "
     "mismatch_k3_kl is at least `mismatch_k3` x its median over the run's earlier steps (from the "
-    "`window`-th step on)",
+    "`window`-th step on) and above 1e-8 (below it, float32 rounding)",
     "reward_saturation": "at least `saturation` of the step's groups are all correct (no signal left), `streak` "
     "steps in a row",
     "no_signal": "no group of the step has signal (every trained advantage is 0), `streak` steps in a row",

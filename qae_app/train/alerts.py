@@ -22,6 +22,10 @@ from qae_app.train.entropy_band import entropy_warning
 from qae_app.train.trainer_state import TrainerState
 
 HISTORY = ("entropy", "response_len", "truncated_frac", "mismatch_k3_kl")  # step metrics the checks look back on
+# a mismatch_k3_kl below this is float32 rounding, however many times its median: a float32 sampler beside a float32
+# trainer differs by ~1e-6 nats a token, so k3 ~ d^2 / 2 ~ 1e-12 (the built-in default run: 1.8e-12 was "10x the
+# median" and fired); a bfloat16 sampler's is ~1e-4 and above
+ROUNDING_K3 = 1e-8
 KEPT_STEPS = 1000  # at most this many of each: the run's median of mismatch_k3_kl is over its last 1000 steps
 
 
@@ -234,7 +238,7 @@ def _mismatch(facts: StepFacts, record: dict, settings: AlertSettings, cfg, stat
     if k3 is None or len(earlier) < settings["window"]:
         return None
     median = statistics.median(earlier)
-    if median <= 0 or k3 < settings["mismatch_k3"] * median:
+    if median <= 0 or k3 < settings["mismatch_k3"] * median or k3 < ROUNDING_K3:
         return None
     return (
         f"the sampler is not the trainer: mismatch_k3_kl {k3:.3g} is {k3 / median:.0f}x the run's median "
