@@ -17,6 +17,16 @@ from qae_app.store.writer import RunWriter
 from tests.dashboard.helpers import HOLDER, _write_crafted, make_app
 from tests.synthetic import write_run
 
+try:
+    from playwright.sync_api import expect
+except ImportError:  # the browser tests skip themselves
+    pass
+else:
+    # Playwright's default wait is 5 s per assertion. The page can show its heading before a big dataframe below it
+    # has drawn, and on CI's busy 2 cores that took longer than 5 s (issue 50 item 6's CI run): every assertion
+    # waits up to a minute, as wait_idle does. A passing wait returns as soon as the text is there.
+    expect.set_options(timeout=60_000)
+
 
 @pytest.fixture(scope="module")
 def runs_dir(tiny_run, tmp_path_factory) -> Path:
