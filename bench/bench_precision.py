@@ -3,14 +3,14 @@
     python bench/bench_precision.py [--steps 6] [--warmup 1] [--rollout-dtype bfloat16] [--threads 1]
     python bench/bench_precision.py --accuracy-seeds 3     # the recipe's 40 steps per seed and arm: hours on a CPU
 
-Two trainers of the recipe (recipes/cpu-smollm2-qae.toml) in this process, one with `--mixed-precision bf16` (the
-forward and backward under bf16 autocast, float32 weights and AdamW moments) and one in float32, both sampling from a
-bfloat16 copy (`--rollout-dtype bfloat16`, the sampler a CPU with bf16 matmuls runs), take RL steps in turn (the
-order alternating, bench/harness.py), each step timed by the trainer itself (`update_s`: the forwards, backwards and
-optimizer steps, and the weight sync into the sampling copy). Per step pair: the bf16 update's time over the float32
-one's. Per arm: the sampler/trainer gap the run stores (`mismatch_logp_abs`, `mismatch_k3_kl`, `mismatch_ratio_max`,
-docs/metrics.md): with both sides in bf16 the gap should narrow. The two arms sample alike at step 1 (same weights, same
-seed) and drift apart as their updates differ.
+Two trainers of the recipe (recipes/cpu-smollm2-qae.toml), each in a process of its own, one with `--mixed-precision
+bf16` (the forward and backward under bf16 autocast, float32 weights and AdamW moments) and one in float32, both
+sampling from a bfloat16 copy (`--rollout-dtype bfloat16`, the sampler a CPU with bf16 matmuls runs), take RL steps in
+turn (the order alternating, bench/harness.py), each step timed by the trainer itself (`update_s`: the forwards,
+backwards and optimizer steps, and the weight sync into the sampling copy). Per step pair: the bf16 update's time over
+the float32 one's. Per arm: the sampler/trainer gap the run stores (`mismatch_logp_abs`, `mismatch_k3_kl`,
+`mismatch_ratio_max`, docs/metrics.md): with both sides in bf16 the gap should narrow. The two arms sample alike at step
+1 (same weights, same seed) and drift apart as their updates differ.
 
 Whether bf16 pays depends on the CPU: where oneDNN has bf16 kernels (AVX512_BF16, AMX: the `cpu` column of the
 results log names the flags) a bf16 matmul runs at several times the float32 rate; without them (AVX2 only) torch
@@ -23,6 +23,8 @@ be worth it, a CPU with bf16 kernels.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import subprocess
 import sys
@@ -42,42 +44,100 @@ def bf16_kernels() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def paired_steps(steps: int, warmup: int, rollout_dtype: str) -> dict[str, list[dict]]:
-    """Each arm's metrics per step, the arms stepping in turn (trainer.train_step writes nothing)."""
+GATE_TAG = "BENCH_PRECISION_GATE"  # an arm waits here, between steps, for the parent's go (a line on its stdin)
+STEP_TAG = "BENCH_PRECISION_STEP "  # then one JSON line of the step's metrics
+
+
+def arm_child(label: str, steps: int, rollout_dtype: str, threads: int) -> None:
+    """One arm's trainer in this process, one step per go from the parent; trainer.train_step writes nothing.
+
+    Each arm has a process of its own: accelerate keeps one mixed-precision setting per process (AcceleratorState is
+    a singleton), so a second Trainer with another --mixed-precision in the same process is refused."""
     from qae_app.config import build_config
     from qae_app.train.trainer import Trainer
 
-    runs = Path(tempfile.mkdtemp(prefix="bench-precision-"))
-    trainers = [
-        Trainer(
+    torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory(prefix="bench-precision-") as runs:
+        trainer = Trainer(
             build_config(
                 RECIPE,
                 run_name=label.replace(" ", "-"),
                 steps=steps,
                 eval_every=0,
                 checkpoint_every=0,
-                mixed_precision=mixed,
+                mixed_precision=ARMS[label],
                 rollout_dtype=rollout_dtype,
             ),
-            runs,
+            Path(runs),
             cpu=True,
         )
-        for label, mixed in ARMS.items()
-    ]
-    metrics: dict[str, list[dict]] = {label: [] for label in ARMS}
-    for step in range(1, steps + 1):
-        for which in pair_order(step):
-            out = trainers[which].train_step(step)
-            metrics[list(ARMS)[which]].append(out.metrics)
-        print(
-            f"step {step}: "
-            + "; ".join(
-                f"{label} update {m[-1]['update_s']:.1f} s, mismatch |dlogp| {m[-1]['mismatch_logp_abs']:.4f}"
-                for label, m in metrics.items()
-            ),
-            flush=True,
+        for step in range(1, steps + 1):
+            print(GATE_TAG, flush=True)
+            sys.stdin.readline()
+            metrics = trainer.train_step(step).metrics
+            print(STEP_TAG + json.dumps({name: metrics[name] for name in ("update_s", *GAP)}), flush=True)
+        print(GATE_TAG, flush=True)
+
+
+class Arm:
+    """An arm's child process (arm_child), stepping when the parent says go."""
+
+    def __init__(self, label: str, steps: int, rollout_dtype: str, threads: int):
+        command = [sys.executable, __file__, "--arm", label, "--steps", str(steps)]
+        command += ["--rollout-dtype", rollout_dtype, "--threads", str(threads)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+        self.label = label
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env
         )
-    return {label: m[warmup:] for label, m in metrics.items()}
+        self.steps: list[dict] = []
+
+    def wait_at_gate(self) -> None:
+        """Read the arm's output up to its next gate (its setup, or the step it was let go for)."""
+        for line in self.proc.stdout:
+            if line.startswith(GATE_TAG):
+                return
+            if line.startswith(STEP_TAG):
+                self.steps.append(json.loads(line[len(STEP_TAG) :]))
+        self.proc.wait()
+        self.stderr.seek(0)
+        sys.stderr.write(self.stderr.read()[-6000:])
+        raise SystemExit(f"the {self.label} arm failed (exit {self.proc.returncode})")
+
+    def step(self) -> dict:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        self.wait_at_gate()
+        return self.steps[-1]
+
+
+def paired_steps(steps: int, warmup: int, rollout_dtype: str, threads: int) -> dict[str, list[dict]]:
+    """Each arm's metrics per step, the arms (one process each) stepping in turn; the setups run together."""
+    arms = [Arm(label, steps, rollout_dtype, threads) for label in ARMS]
+    try:
+        for arm in arms:
+            arm.wait_at_gate()
+        for step in range(1, steps + 1):
+            done = {arms[which].label: arms[which].step() for which in pair_order(step)}
+            print(
+                f"step {step}: "
+                + "; ".join(
+                    f"{label} update {done[label]['update_s']:.1f} s, mismatch |dlogp| "
+                    f"{done[label]['mismatch_logp_abs']:.4f}"
+                    for label in ARMS
+                ),
+                flush=True,
+            )
+        for arm in arms:
+            arm.proc.stdin.close()
+            arm.proc.wait()
+    finally:
+        for arm in arms:
+            if arm.proc.poll() is None:
+                arm.proc.kill()
+                arm.proc.wait()
+    return {arm.label: arm.steps[warmup:] for arm in arms}
 
 
 def accuracy_gain(seed: int, mixed: str, rollout_dtype: str, runs: Path) -> float:
@@ -118,10 +178,14 @@ def main() -> None:
     parser.add_argument("--rollout-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--accuracy-seeds", type=int, default=0, help="also run the whole recipe per seed and arm")
+    parser.add_argument("--arm", choices=list(ARMS), help=argparse.SUPPRESS)  # a child process's side
     args = parser.parse_args()
+    if args.arm:
+        arm_child(args.arm, args.steps, args.rollout_dtype, args.threads)
+        return
     torch.set_num_threads(args.threads)
     kernels = "oneDNN bf16 kernels" if bf16_kernels() else "no oneDNN bf16 kernels (bf16 emulated)"
-    metrics = paired_steps(args.steps, args.warmup, args.rollout_dtype)
+    metrics = paired_steps(args.steps, args.warmup, args.rollout_dtype, args.threads)
     ratios = pair_ratios([m["update_s"] for m in metrics["bf16 mixed"]], [m["update_s"] for m in metrics["float32"]])
     print(f"update time bf16 mixed / float32 per step pair: {describe(ratios)} ({kernels})")
     report(
