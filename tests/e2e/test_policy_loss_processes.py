@@ -22,25 +22,29 @@ MODES = ["clip_cov+entropy", "kl_cov", "gspo", "cispo"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
-def test_two_processes_under_ddp_and_fsdp2_give_the_one_process_update(tmp_path, mode):
-    runs = {
-        "one": launch_ddp(1, str(SCRIPT), str(tmp_path), "one", mode),
-        "ddp": launch_ddp(2, str(SCRIPT), str(tmp_path), "ddp", mode),
-        "fsdp2": launch_with_config("fsdp2", 2, str(SCRIPT), str(tmp_path), "fsdp2", mode),
+def test_two_processes_under_ddp_and_fsdp2_give_the_one_process_update(tmp_path):
+    """One launch per process setup runs every mode in turn (the processes' imports are most of a launch's time)."""
+    modes = ",".join(MODES)
+    launches = {
+        "one": launch_ddp(1, str(SCRIPT), str(tmp_path), "one", modes),
+        "ddp": launch_ddp(2, str(SCRIPT), str(tmp_path), "ddp", modes),
+        "fsdp2": launch_with_config("fsdp2", 2, str(SCRIPT), str(tmp_path), "fsdp2", modes),
     }
-    for name, result in runs.items():
+    for name, result in launches.items():
         assert result.returncode == 0, f"{name}: " + result.stdout[-3000:] + result.stderr[-3000:]
-    one = torch.load(tmp_path / "one.params.pt")
-    steps = read_steps(db_path(tmp_path, "one")).set_index("step")
-    if mode.startswith(("clip_cov", "kl_cov")):
-        assert (steps["cov_selected_frac"] > 0).all()  # (the selection picked tokens: the test compares it)
-    if "entropy" in mode:
-        # 0.01, then + 0.005 after each of the 4 updates of a step (the entropy stays below the target 5)
-        assert steps["entropy_coef"].tolist() == pytest.approx([0.03, 0.05, 0.07])
-    for name in ("ddp", "fsdp2"):
-        two = torch.load(tmp_path / f"{name}.params.pt")
-        assert one.keys() == two.keys(), name
-        for param in one:
-            torch.testing.assert_close(one[param], two[param], atol=1e-6, rtol=0, msg=f"{name}: {param}")
-        assert_same_metrics(steps, read_steps(db_path(tmp_path, name)).set_index("step"))
+    for mode in MODES:
+        named = mode.replace("+", ".")  # same_samples.py's run names: RUN_NAME-MODE, '.' for '+'
+        one = torch.load(tmp_path / f"one-{named}.params.pt")
+        steps = read_steps(db_path(tmp_path, f"one-{named}")).set_index("step")
+        if mode.startswith(("clip_cov", "kl_cov")):
+            assert (steps["cov_selected_frac"] > 0).all(), mode  # (the selection picked tokens: the test compares it)
+        if "entropy" in mode:
+            # 0.01, then + 0.005 after each of the 4 updates of a step (the entropy stays below the target 5)
+            assert steps["entropy_coef"].tolist() == pytest.approx([0.03, 0.05, 0.07])
+        for name in ("ddp", "fsdp2"):
+            run = f"{name}-{named}"
+            two = torch.load(tmp_path / f"{run}.params.pt")
+            assert one.keys() == two.keys(), run
+            for param in one:
+                torch.testing.assert_close(one[param], two[param], atol=1e-6, rtol=0, msg=f"{run}: {param}")
+            assert_same_metrics(steps, read_steps(db_path(tmp_path, run)).set_index("step"))

@@ -29,6 +29,9 @@ Under FSDP2 (launched with configs/accelerate/fsdp2.yaml) the saved parameters a
 
     accelerate launch --num_processes N tests/scripts/same_samples.py RUNS_DIR RUN_NAME [dynamic][+lockstep][+lora]...
         (+shared: the training forward shares each group's prompt wherever two rows do: train/shared_prompts.py)
+    accelerate launch ... tests/scripts/same_samples.py RUNS_DIR RUN_NAME MODE,MODE,...
+        (one run per mode, named RUN_NAME-MODE with '.' for '+', one after the other in the same processes: a
+        launch's processes spend ~10 s each importing torch and transformers, a run of the built-in model ~1.5 s)
 """
 
 import dataclasses
@@ -161,4 +164,9 @@ def main(runs_dir: str, run_name: str, mode: str = "") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    runs_dir, run_name, *mode = sys.argv[1:4]
+    if mode and "," in mode[0]:  # several runs one after the other in this launch (its processes start once)
+        for one_mode in mode[0].split(","):
+            main(runs_dir, f"{run_name}-{one_mode.replace('+', '.')}", one_mode)  # (a run name has no '+')
+    else:
+        main(runs_dir, run_name, *mode)
