@@ -551,6 +551,13 @@ def one_run_per_seed(runs: list[RunRecord]) -> tuple[list[RunRecord], dict[str, 
     return [run for run in runs if kept[run.seed] is run], excluded
 
 
+def label_value(config: dict, name: str) -> object:
+    """A key's value as a group's label shows it: a key `group_key` dropped as its absent value says that value (a
+    clip run says policy_loss=clip), and an absent or unset one '-' (kl_cov has no clip_low), never Python's None."""
+    value = config.get(name, SAME_AS_ABSENT.get(name))
+    return "-" if value is None else value
+
+
 def group_runs(runs: list[RunRecord], by: list[str] | None = None) -> list[RunGroup]:
     """Runs grouped by `group_key` (or by the values of the keys in `by`: config keys and `tags`), in the order each
     group's first run appears; each group summarised on every RUN_METRICS metric and every reward component any of
@@ -575,7 +582,7 @@ def group_runs(runs: list[RunRecord], by: list[str] | None = None) -> list[RunGr
         config = dict(key)
         label = (
             ", ".join(
-                f"{name}={config.get(name, '-')}" for name in varying if name in config or name not in QAE_ONLY_KEYS
+                f"{name}={label_value(config, name)}" for name in varying if name in config or name not in QAE_ONLY_KEYS
             )
             or "all"
         )

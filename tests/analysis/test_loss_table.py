@@ -78,3 +78,14 @@ def test_groups_that_are_not_the_grid_have_no_table():
     assert loss_table(group_runs(clip)) is None  # one loss: the usual tables are its row
     third = [*grid, *(_run(loss, "rloo", 0, 0.6, [1.0] * 4, 0.3) for loss in ("clip", "kl_cov"))]
     assert loss_table(group_runs(third)) is None  # two base estimators
+
+
+def test_a_groups_label_names_the_default_loss_and_a_loss_without_an_option_says_dash():
+    """A clip run stores policy_loss 'clip' (counted as the key's absence, so runs from before --policy-loss group
+    with it); its label still says clip. A kl_cov run has no clip_low: its label says '-', as for any absent key,
+    not Python's None."""
+    groups = group_runs(_grid())
+    labels = {g.label for g in groups}
+    assert "estimator=grpo, clip_high=0.28, clip_low=0.2, kl_cov_coef=-, kl_cov_ratio=-, policy_loss=clip" in labels
+    assert "estimator=grpo, clip_high=-, clip_low=-, kl_cov_coef=1.0, kl_cov_ratio=0.002, policy_loss=kl_cov" in labels
+    assert not any("None" in label for label in labels)
