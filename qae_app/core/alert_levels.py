@@ -83,7 +83,7 @@ ALERT_LEVELS: dict[str, Level] = {
     ),
     # 0.2, not 0.1: a step's entropy is a mean over one batch, and on healthy runs it jitters by 10-20% a step. At 0.1
     # the built-in default run (300 steps, entropy 0.43 -> 0.26) fired 32 times, and 24 tiny-model runs of 100 steps
-    # (4 policy losses x grpo/qae x 3 seeds, entropy drifting ~0.1 nat in all) 8-12 times each, alternately "falling"
+    # (4 policy losses x grpo/qae x 3 seeds, entropy drifting ~0.1 nat in all) 4-12 times each, alternately "falling"
     # and "rising"; at 0.2 once in all 2,700 steps. A steady fall to 40% within 5 steps (or a rise to 2.5x) still fires
     "entropy_slope": Level(
         0.2, "entropy_slope: the slope's size / the mean entropy over the window, per step", False, 1e-6, 10.0
