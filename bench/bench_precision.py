@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from harness import ROOT, describe, pair_order, pair_ratios, report, spread
+from harness import ROOT, GatedChild, describe, pair_order, pair_ratios, report, spread
 
 RECIPE = ROOT / "recipes" / "cpu-smollm2-qae.toml"
 GAP = ("mismatch_logp_abs", "mismatch_k3_kl", "mismatch_ratio_max")
@@ -79,35 +79,23 @@ def arm_child(label: str, steps: int, rollout_dtype: str, threads: int) -> None:
         print(GATE_TAG, flush=True)
 
 
-class Arm:
+class Arm(GatedChild):
     """An arm's child process (arm_child), stepping when the parent says go."""
 
     def __init__(self, label: str, steps: int, rollout_dtype: str, threads: int):
         command = [sys.executable, __file__, "--arm", label, "--steps", str(steps)]
         command += ["--rollout-dtype", rollout_dtype, "--threads", str(threads)]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+        super().__init__(f"the {label} arm", command, env, GATE_TAG)
         self.label = label
-        self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env
-        )
-        self.steps: list[dict] = []
 
-    def wait_at_gate(self) -> None:
-        """Read the arm's output up to its next gate (its setup, or the step it was let go for)."""
-        for line in self.proc.stdout:
-            if line.startswith(GATE_TAG):
-                return
-            if line.startswith(STEP_TAG):
-                self.steps.append(json.loads(line[len(STEP_TAG) :]))
-        self.proc.wait()
-        self.stderr.seek(0)
-        sys.stderr.write(self.stderr.read()[-6000:])
-        raise SystemExit(f"the {self.label} arm failed (exit {self.proc.returncode})")
+    @property
+    def steps(self) -> list[dict]:
+        """The metrics of every step it has taken."""
+        return [json.loads(line[len(STEP_TAG) :]) for line in self.output if line.startswith(STEP_TAG)]
 
     def step(self) -> dict:
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
+        self.go()
         self.wait_at_gate()
         return self.steps[-1]
 
@@ -134,9 +122,7 @@ def paired_steps(steps: int, warmup: int, rollout_dtype: str, threads: int) -> d
             arm.proc.wait()
     finally:
         for arm in arms:
-            if arm.proc.poll() is None:
-                arm.proc.kill()
-                arm.proc.wait()
+            arm.kill()
     return {arm.label: arm.steps[warmup:] for arm in arms}
 
 

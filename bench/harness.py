@@ -37,10 +37,12 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_LOG = ROOT / "bench" / "results.jsonl"
@@ -54,6 +56,44 @@ GENERATED = ("bench/results.jsonl", "docs/performance.md")  # writing a result d
 def pair_order(index: int) -> tuple[int, int]:
     """Which side runs first in pair `index`: (0, 1) for even pairs, (1, 0) for odd ones."""
     return (0, 1) if index % 2 == 0 else (1, 0)
+
+
+class GatedChild:
+    """One side of a benchmark in a child process that prints `gate` (a line) between its steps and waits there for
+    the parent's go (a line on its stdin): the parent lets the sides step in turn, so load that drifts within seconds
+    falls on all alike, and their setups run together, untimed."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], gate: str):
+        self.name = name  # in the failure message: "the float32 arm", "qae run"
+        self.gate = gate
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env
+        )
+        self.output: list[str] = []  # every line it printed but the gates
+
+    def wait_at_gate(self) -> None:
+        """Read its output up to its next gate (its setup, or the step it was let go for); fail if it ends first."""
+        for line in self.proc.stdout:
+            if line.startswith(self.gate):
+                return
+            self.output.append(line)
+        self.fail()
+
+    def go(self) -> None:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def fail(self) -> NoReturn:
+        self.kill()
+        self.stderr.seek(0)
+        sys.stderr.write("".join(self.output)[-3000:] + self.stderr.read()[-6000:])
+        raise SystemExit(f"{self.name} failed (exit {self.proc.returncode})")
 
 
 def alternate(

@@ -61,14 +61,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import describe, pair_ratios, report, spread
+from harness import GatedChild, describe, pair_ratios, report, spread
 
 from qae_app.data.tasks import BUILTIN_PREFIX, BUILTIN_TASKS
 
@@ -405,7 +404,7 @@ def step_times(result: dict) -> list[float]:
     return [end - begin for begin, end in zip(result["resumes"], result["step_ends"], strict=False)]
 
 
-class Child:
+class Child(GatedChild):
     """One training run in a child process, stepping when the parent says go."""
 
     def __init__(self, system: str, steps: int, seed: int, lr: float, threads: int, shape: RunShape):
@@ -432,24 +431,8 @@ class Child:
             "--model",
             shape.model,
         ]
+        super().__init__(f"{system} run", command, env, GATE_TAG)
         self.system = system
-        self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env
-        )
-        self.output: list[str] = []
-
-    def wait_at_gate(self) -> None:
-        """Read the child's output up to its next gate (its setup, or the step it was let go for)."""
-        for line in self.proc.stdout:
-            if line.startswith(GATE_TAG):
-                return
-            self.output.append(line)
-        self.fail()
-
-    def go(self) -> None:
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
 
     def result(self) -> dict:
         self.go()  # past the gate after its last step: the run ends and prints its result
@@ -458,13 +441,6 @@ class Child:
         if self.proc.returncode != 0 or not lines:
             self.fail()
         return json.loads(lines[-1][len(RESULT_TAG) :])
-
-    def fail(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self.stderr.seek(0)
-        sys.stderr.write("".join(self.output)[-3000:] + self.stderr.read()[-6000:])
-        raise SystemExit(f"{self.system} run failed (exit {self.proc.returncode})")
 
 
 def run_in_lockstep(
@@ -485,9 +461,7 @@ def run_in_lockstep(
         return {child.system: child.result() for child in children}
     finally:
         for child in children:
-            if child.proc.poll() is None:
-                child.proc.kill()
-                child.proc.wait()
+            child.kill()
 
 
 def fmt_ms(seconds: float) -> str:
