@@ -114,13 +114,38 @@ def screenshot(page, tmp_path: Path, name: str) -> None:
         shutil.copy(tmp_path / name, out / name)
 
 
-def wait_idle(page, timeout_s: float = 60) -> None:
-    """Wait until Streamlit has finished running the script (its 'running' indicator is gone)."""
+def wait_idle(page, timeout_s: float = 60, settled_s: float = 1.0) -> None:
+    """Wait until Streamlit has finished running the script: its 'running' indicator absent for `settled_s` in a row
+    (on a busy machine the indicator can appear late, so one look after a fixed pause can see a run not yet begun)."""
     page.wait_for_selector("[data-testid=stSidebar]", timeout=timeout_s * 1000)
     deadline = time.monotonic() + timeout_s
-    time.sleep(0.5)
-    while page.query_selector("[data-testid=stStatusWidget]") and time.monotonic() < deadline:
-        time.sleep(0.2)
+    idle_since = None
+    while time.monotonic() < deadline:
+        if page.query_selector("[data-testid=stStatusWidget]"):
+            idle_since = None
+        elif idle_since is None:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since >= settled_s:
+            return
+        time.sleep(0.1)
+
+
+def pick_option(page, opener, option_name, timeout_s: float = 60) -> None:
+    """Open a dropdown and click one of its options. A rerun that redraws the widget closes an open dropdown (CI saw
+    the option never appear after one click on a busy machine), so the opening is retried until the option shows."""
+    option = page.get_by_role("option", name=option_name)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        opener.click()
+        try:
+            option.first.wait_for(state="visible", timeout=5_000)
+            break
+        except sync_api.TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+            page.keyboard.press("Escape")
+            wait_idle(page)
+    option.first.click()
 
 
 def test_browse_a_finished_run(tiny_run, dashboard, page, tmp_path):
@@ -132,8 +157,7 @@ def test_browse_a_finished_run(tiny_run, dashboard, page, tmp_path):
     picker = page.get_by_test_id("stSidebar").get_by_test_id("stMultiSelect")
     picker.get_by_role("button", name=re.compile("Clear all", re.I)).click()
     expect(page.get_by_text("Pick one or more runs in the sidebar")).to_be_visible(timeout=60_000)
-    picker.click()
-    page.get_by_role("option", name=run_id).click()
+    pick_option(page, picker, run_id)
     page.keyboard.press("Escape")
     page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 9", timeout=60_000)
     expect(page.get_by_text(f"{run_id} · finished · step 6 / 6")).to_be_visible(timeout=30_000)
@@ -507,8 +531,7 @@ def test_the_compare_page_of_a_sweep(dashboard, page, tmp_path):
     assert bands == [2, 2, 2]  # one band per group on each chart
     expect(page.get_by_test_id("stDataFrame")).to_have_count(1)  # no baseline yet: no differences
 
-    page.get_by_test_id("stSelectbox").filter(has_text="Baseline").click()
-    page.get_by_role("option", name="estimator=grpo").click()
+    pick_option(page, page.get_by_test_id("stSelectbox").filter(has_text="Baseline"), "estimator=grpo")
     expect(page.get_by_test_id("stDataFrame").nth(1)).to_contain_text("+0.133 [-0.010, 0.277] p=0.0572", timeout=60_000)
     assert "baseline=estimator%3Dgrpo" in page.url and f"sweep={SWEEP_NAME}" in page.url
     screenshot(page, tmp_path, "dashboard-compare.png")
@@ -786,8 +809,8 @@ def test_an_opened_response_shows_every_token_coloured_with_its_numbers_on_hover
     page.goto(f"{url}/rollouts?run=crafted&step=3&color=logprob")
     wait_idle(page)
     expect(page.get_by_test_id("stMetricValue").nth(0)).to_have_text("8 / 8", timeout=60_000)
-    page.get_by_test_id("stSelectbox").filter(has_text="Open a response in full").first.click()
-    page.get_by_role("option", name=re.compile(r"^sample 3 · ")).click()
+    opener = page.get_by_test_id("stSelectbox").filter(has_text="Open a response in full").first
+    pick_option(page, opener, re.compile(r"^sample 3 · "))
     tokens = page.locator(".qae-tokens .qae-token")
     expected = crafted_tokens(EVIL_RESPONSE)
     expect(tokens).to_have_count(len(expected), timeout=60_000)
