@@ -216,6 +216,16 @@ def main() -> None:
                 note=f"seeds 0-{args.accuracy_seeds - 1}: {', '.join(f'{g:+.3f}' for g in values)}; "
                 f"--rollout-dtype {args.rollout_dtype}; runs in {runs}",
             )
+        differences = [b - f for b, f in zip(gains["bf16 mixed"], gains["float32"], strict=True)]
+        print(f"bf16 mixed minus float32, paired by seed: {', '.join(f'{d:+.3f}' for d in differences)}")
+        report(
+            "bench_precision: held-out accuracy gain, bf16 mixed minus float32 paired by seed, SmolLM2 recipe",
+            round(statistics.mean(differences), 4),
+            None,
+            unit="accuracy",
+            note=f"seeds 0-{args.accuracy_seeds - 1}: {', '.join(f'{d:+.3f}' for d in differences)}; each seed's "
+            f"two runs sample alike until their updates differ; --rollout-dtype {args.rollout_dtype}",
+        )
     print(f"bf16 mixed / float32 update time: {spread(ratios).median:.2f}x")
 
 
