@@ -151,7 +151,7 @@ def accuracy_gain(seed: int, mixed: str, rollout_dtype: str, runs: Path) -> floa
     subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
     curve = query(
         runs / name / DB_FILE,
-        "SELECT step, avg(value) AS value FROM evals WHERE metric = 'avg_k' AND "
+        "SELECT step, avg(value) AS value FROM evals WHERE metric = 'avg@k' AND "
         "subset = 'all' GROUP BY step ORDER BY step",
     )["value"].tolist()
     return curve[-1] - curve[0]
