@@ -10,6 +10,7 @@ here."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,21 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 # the benchmarks some tests run (bench/bench_memory.py, bench_head_memory.py) report their figures: not into the
 # repository's results log (bench/harness.py), whose lines are measurements someone chose to record
 os.environ["QAE_BENCH_RESULTS"] = os.devnull
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Put back torch's thread count after a test that changed it (a warm start, a shipped checkpoint's test set 2):
+    left set, it holds for every later test of that xdist worker, and 2 threads in each of 2 workers on 2 cores wait on
+    each other (the SmolLM2 eval took 155 CPU-s late in a whole run, 35 alone; suspected, not proven, to be this)."""
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS")
+    before = torch.get_num_threads() if torch else int(threads) if threads and threads.isdigit() else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and before is not None and torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
 
 MAX_WORKERS = 4  # each worker holds torch and a model or two; the real-model tests alone take ~6 GB
 
