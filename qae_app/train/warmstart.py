@@ -99,7 +99,20 @@ def warmstart(out_dir: Path, cfg: WarmstartConfig | None = None, on_step=None) -
     `on_step(step, loss, model, tokenizer)` is called after each optimizer step."""
     cfg = (cfg or WarmstartConfig()).resolved()
     out_dir = check_out_dir(out_dir)
-    torch.set_num_threads(cfg.threads)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)  # for the result's sake, and only while it trains: the caller's count after
+    try:
+        model, tokenizer = _train(cfg, on_step)
+    finally:
+        torch.set_num_threads(threads)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save(out_dir)
+    return out_dir
+
+
+def _train(cfg: WarmstartConfig, on_step):
+    """The warm start's supervised steps: (model, tokenizer) after them."""
     model, tokenizer = build_tiny_model(cfg.seed)
     task = BUILTIN_TASKS[cfg.task].build()
     rng = random.Random(cfg.seed)
@@ -115,7 +128,4 @@ def warmstart(out_dir: Path, cfg: WarmstartConfig | None = None, on_step=None) -
         schedule.step()
         if on_step is not None:
             on_step(step, loss.item(), model, tokenizer)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save(out_dir)
-    return out_dir
+    return model, tokenizer
